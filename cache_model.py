@@ -1,0 +1,69 @@
+"""Step 1: fetch a pinned Stable Diffusion revision into a hub-layout cache folder.
+
+    python cache_model.py --model_dir=$ORIG_MODEL_DIR --model_name=$ORIG_MODEL_NAME --revision=$ORIG_MODEL_HASH
+    python cache_model.py --model_dir=$ORIG_MODEL_DIR --tiny
+
+Prints the snapshot path, the folder every other script takes as --model_dir. Only the
+files a diffusers pipeline loads are fetched (the SD 1.4 repo also holds multi-GB .ckpt
+files), safetensors weights only. With the files already cached it works offline.
+--tiny writes a randomly initialised tiny SD 1.x model instead (no network at all).
+"""
+
+import os
+
+import flags
+import utils
+
+# What DiffusionPipeline.from_pretrained reads: configs, tokenizer files, safetensors
+# weights of the full-precision, non-EMA-only variant.
+ALLOW_PATTERNS = ["model_index.json", "*/*.json", "*/*.txt", "*/*.safetensors"]
+IGNORE_PATTERNS = ["*.ckpt", "*.bin", "*.msgpack", "*.onnx", "*.h5", "*.fp16.*", "*non_ema*", "*.ema.*"]
+
+
+def write_tiny_model(cache_dir):
+    """Save the tiny pipeline in the hub layout (refs/main + snapshots/<revision>)."""
+    snapshot = utils.hub_snapshot_path(cache_dir, utils.TINY_MODEL_NAME, utils.TINY_REVISION)
+    pipeline = utils.build_tiny_pipeline()
+    utils.atomic_write_dir(snapshot, lambda tmp: pipeline.save_pretrained(tmp, safe_serialization=True))
+    refs = os.path.join(os.path.dirname(os.path.dirname(snapshot)), "refs")
+    os.makedirs(refs, exist_ok=True)
+    # snapshot_download refuses a ref with a trailing newline.
+    with open(os.path.join(refs, "main"), "w") as f:
+        f.write(utils.TINY_REVISION)
+    return snapshot
+
+
+def download_model(cache_dir, model_name, revision):
+    """snapshot_download of the pipeline files; offline it resolves from the cache."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(
+            model_name,
+            revision=revision,
+            cache_dir=cache_dir,
+            allow_patterns=ALLOW_PATTERNS,
+            ignore_patterns=IGNORE_PATTERNS,
+        )
+    except LocalEntryNotFoundError as err:
+        raise utils.UserError(
+            f"{model_name}@{revision} is not in {cache_dir} and the hub cannot be reached "
+            f"({type(err).__name__}); run once with network access or use --tiny"
+        ) from None
+
+
+def main(argv=None):
+    parser = flags.make_parser(__doc__.splitlines()[0], ["cache_dir", "model_name", "revision", "tiny"])
+    args = parser.parse_args(argv)
+    if args.tiny:
+        path = write_tiny_model(args.cache_dir)
+    else:
+        path = download_model(args.cache_dir, args.model_name, args.revision)
+    utils.check_model_dir(path)
+    print(path)
+    return path
+
+
+if __name__ == "__main__":
+    utils.run_main(main)

@@ -1,0 +1,304 @@
+"""Every command-line flag of the suite, defined once.
+
+Names follow diffusers' train_dreambooth.py; the names of Ray's DreamBooth example
+(--model_dir, --instance_images_dir, --lr, --num_epochs, ...) are aliases, so the
+commands of both run unchanged. Each script picks the flags it uses with
+`make_parser`, and checks flag combinations with the `check_*` functions.
+"""
+
+import argparse
+import os
+import sys
+
+
+def abs_path(value):
+    """Paths are made absolute on the driver: Ray workers run in another folder."""
+    return os.path.abspath(os.path.expanduser(value))
+
+
+def positive_int(value):
+    number = int(value)
+    if number <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return number
+
+
+def non_negative_int(value):
+    number = int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return number
+
+
+def positive_float(value):
+    number = float(value)
+    if not number > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return number
+
+
+def non_negative_float(value):
+    number = float(value)
+    if not number >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return number
+
+
+def resolution(value):
+    number = positive_int(value)
+    if number % 8:
+        raise argparse.ArgumentTypeError(f"must be a multiple of 8, got {value}")
+    return number
+
+
+def prompt_list(value):
+    """'a, b' -> ['a', 'b']: Ray's example passes several prompts comma-separated."""
+    prompts = [p.strip() for p in value.split(",") if p.strip()]
+    if not prompts:
+        raise argparse.ArgumentTypeError("needs at least one non-empty prompt")
+    return prompts
+
+
+# name -> (option strings, add_argument keyword arguments)
+FLAGS = {
+    # --- models and folders
+    "model_dir": (
+        ("--pretrained_model_name_or_path", "--model_dir"),
+        dict(type=abs_path, required=True, metavar="DIR",
+             help="Diffusers Stable Diffusion folder (e.g. the snapshot path cache_model.py prints)."),
+    ),
+    "cache_dir": (
+        ("--model_dir", "--cache_dir"),
+        dict(dest="cache_dir", type=abs_path, required=True, metavar="DIR",
+             help="Hub cache folder to download the model into."),
+    ),
+    "model_name": (
+        ("--model_name",),
+        dict(default="CompVis/stable-diffusion-v1-4", help="Hub repository of the base model."),
+    ),
+    "revision": (
+        ("--revision",),
+        dict(default="b95be7d6f134c3a9e62ee616f310733567f069ce",
+             help="Pinned commit of the base model repository."),
+    ),
+    "tiny": (
+        ("--tiny",),
+        dict(action="store_true",
+             help="Write a randomly initialised tiny SD 1.x model instead of downloading "
+                  "(offline, CPU-friendly; for tests and trying the pipeline)."),
+    ),
+    "output_dir": (
+        ("--output_dir",),
+        dict(type=abs_path, required=True, metavar="DIR", help="Where results are written."),
+    ),
+    "instance_data_dir": (
+        ("--instance_data_dir", "--instance_images_dir"),
+        dict(type=abs_path, required=True, metavar="DIR",
+             help="Folder with the 3-10 photos of your subject."),
+    ),
+    "class_data_dir": (
+        ("--class_data_dir", "--class_images_dir"),
+        dict(type=abs_path, default=None, metavar="DIR",
+             help="Folder of class (regularisation) images from generate.py; "
+                  "giving it turns on prior preservation."),
+    ),
+    "instance_prompt": (
+        ("--instance_prompt",),
+        dict(required=True, help="Prompt with the unique identifier, e.g. 'photo of unqtkn dog'."),
+    ),
+    "class_prompt": (
+        ("--class_prompt",),
+        dict(default=None, help="Prompt of the class images, e.g. 'photo of a dog'."),
+    ),
+    "with_prior_preservation": (
+        ("--with_prior_preservation",),
+        dict(action="store_true",
+             help="Add the prior-preservation loss (implied by --class_data_dir)."),
+    ),
+    "prior_loss_weight": (
+        ("--prior_loss_weight",),
+        dict(type=non_negative_float, default=1.0, help="Weight of the prior-preservation loss."),
+    ),
+    # --- data
+    "resolution": (
+        ("--resolution",),
+        dict(type=resolution, default=None,
+             help="Training/generation image size in pixels (multiple of 8). "
+                  "Default: the model's native size (512 for SD 1.x)."),
+    ),
+    "center_crop": (
+        ("--center_crop",),
+        dict(action="store_true", help="Center-crop training images (default: random crop)."),
+    ),
+    "random_flip": (
+        ("--random_flip",),
+        dict(action="store_true", help="Flip training images horizontally at random."),
+    ),
+    # --- optimisation
+    "train_text_encoder": (
+        ("--train_text_encoder",),
+        dict(action=argparse.BooleanOptionalAction, default=True,
+             help="Fine-tune the text encoder together with the UNet."),
+    ),
+    "train_batch_size": (
+        ("--train_batch_size",),
+        dict(type=positive_int, default=1,
+             help="Instance images per worker per step (as many class images are added)."),
+    ),
+    "learning_rate": (
+        ("--learning_rate", "--lr"),
+        dict(type=positive_float, default=5e-6, help="AdamW learning rate."),
+    ),
+    "lr_warmup_steps": (
+        ("--lr_warmup_steps",),
+        dict(type=non_negative_int, default=0, help="Linear warm-up steps, then constant."),
+    ),
+    "adam_beta1": (("--adam_beta1",), dict(type=float, default=0.9, help="AdamW beta1.")),
+    "adam_beta2": (("--adam_beta2",), dict(type=float, default=0.999, help="AdamW beta2.")),
+    "adam_weight_decay": (
+        ("--adam_weight_decay",),
+        dict(type=non_negative_float, default=1e-2, help="AdamW weight decay."),
+    ),
+    "adam_epsilon": (("--adam_epsilon",), dict(type=positive_float, default=1e-8, help="AdamW epsilon.")),
+    "max_grad_norm": (
+        ("--max_grad_norm",),
+        dict(type=positive_float, default=1.0, help="Gradient clipping norm."),
+    ),
+    "max_train_steps": (
+        ("--max_train_steps",),
+        dict(type=positive_int, default=800,
+             help="Stop after this many optimizer steps (or --num_train_epochs, first reached)."),
+    ),
+    "num_train_epochs": (
+        ("--num_train_epochs", "--num_epochs"),
+        dict(type=positive_int, default=4, help="Stop after this many passes over the data."),
+    ),
+    "mixed_precision": (
+        ("--mixed_precision",),
+        dict(choices=["no", "fp16", "bf16"], default=None,
+             help="Autocast precision over fp32 master weights. Default: bf16 on GPU, no on CPU."),
+    ),
+    "seed": (("--seed",), dict(type=int, default=0, help="Random seed.")),
+    # --- Ray
+    "num_workers": (
+        ("--num_workers",),
+        dict(type=positive_int, default=2, help="Ray Train workers (one GPU each when there are GPUs)."),
+    ),
+    "use_gpu": (
+        ("--use_gpu",),
+        dict(action=argparse.BooleanOptionalAction, default=None,
+             help="Train on GPUs. Default: yes if the Ray cluster has GPUs."),
+    ),
+    "storage_path": (
+        ("--storage_path",),
+        dict(type=abs_path, default=None, metavar="DIR",
+             help="Ray Train storage (checkpoints, run state); shared storage on a cluster. "
+                  "Default: ray_results/ beside --output_dir."),
+    ),
+    # --- logging and checkpoints
+    "logging_steps": (
+        ("--logging_steps",),
+        dict(type=positive_int, default=10, help="Report loss, lr and images/s every N steps."),
+    ),
+    "checkpointing_steps": (
+        ("--checkpointing_steps",),
+        dict(type=positive_int, default=500, help="Save a resumable Ray checkpoint every N steps."),
+    ),
+    "checkpoints_total_limit": (
+        ("--checkpoints_total_limit",),
+        dict(type=positive_int, default=None, help="Keep only the newest K checkpoints."),
+    ),
+    "resume_from_checkpoint": (
+        ("--resume_from_checkpoint",),
+        dict(default=None, metavar="latest|PATH",
+             help="Continue a run from its newest checkpoint ('latest') or a checkpoint folder."),
+    ),
+    "max_failures": (
+        ("--max_failures",),
+        dict(type=non_negative_int, default=3,
+             help="Restart the worker group up to N times from the last checkpoint when a worker dies."),
+    ),
+    "overwrite": (
+        ("--overwrite",),
+        dict(action="store_true", help="Allow writing into a non-empty folder that is not ours."),
+    ),
+    # --- generation
+    "prompts": (
+        ("--prompts",),
+        dict(type=prompt_list, nargs="+", required=True, action="extend",
+             help="One or more prompts; a value may hold several, comma-separated."),
+    ),
+    "num_samples_per_prompt": (
+        ("--num_samples_per_prompt", "--num_class_images"),
+        dict(type=positive_int, default=1,
+             help="Images per prompt; existing ones are kept, only the missing are made."),
+    ),
+    "batch_size": (
+        ("--batch_size",),
+        dict(type=positive_int, default=4, help="Images per forward pass on one actor."),
+    ),
+    "num_inference_steps": (
+        ("--num_inference_steps",),
+        dict(type=positive_int, default=50, help="Denoising steps per image."),
+    ),
+    "guidance_scale": (
+        ("--guidance_scale",),
+        dict(type=non_negative_float, default=7.5, help="Classifier-free guidance scale."),
+    ),
+    "negative_prompt": (("--negative_prompt",), dict(default=None, help="What to steer away from.")),
+    "num_actors": (
+        ("--num_actors",),
+        dict(type=positive_int, default=None,
+             help="Size of the Ray Data actor pool. Default: one per GPU in the cluster, "
+                  "or one CPU actor without GPUs."),
+    ),
+    "use_ray_data": (
+        ("--use_ray_data",),
+        dict(action="store_true",
+             help="Accepted for compatibility with Ray's example: generation always runs on Ray Data."),
+    ),
+}
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse prints the whole usage before an error; we print one line."""
+
+    def error(self, message):
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        sys.exit(2)
+
+
+def make_parser(description, names, positional=None):
+    """A parser with the named flags from FLAGS, in the given order."""
+    parser = OneLineErrorParser(description=description,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    if positional:
+        positional(parser)
+    for name in names:
+        options, kwargs = FLAGS[name]
+        kwargs = dict(kwargs)
+        kwargs.setdefault("dest", name)
+        parser.add_argument(*options, **kwargs)
+    return parser
+
+
+def check_train_args(parser, args):
+    """Flag combinations of train.py, checked before anything starts."""
+    if args.class_data_dir:
+        args.with_prior_preservation = True
+    if args.with_prior_preservation:
+        if not args.class_data_dir:
+            parser.error("--with_prior_preservation needs --class_data_dir")
+        if not args.class_prompt:
+            parser.error("--class_data_dir/--with_prior_preservation needs --class_prompt")
+    elif args.class_prompt:
+        print("warning: --class_prompt is ignored without --class_data_dir", file=sys.stderr)
+    if args.lr_warmup_steps >= args.max_train_steps and args.lr_warmup_steps:
+        parser.error("--lr_warmup_steps must be smaller than --max_train_steps")
+    if args.resume_from_checkpoint not in (None, "latest"):
+        args.resume_from_checkpoint = abs_path(args.resume_from_checkpoint)
+    if args.output_dir == args.model_dir:
+        parser.error("--output_dir must differ from --pretrained_model_name_or_path")
+    if args.storage_path is None:
+        args.storage_path = os.path.join(os.path.dirname(args.output_dir), "ray_results")
+    return args

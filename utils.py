@@ -1,0 +1,252 @@
+"""Shared helpers: errors, file naming, seeding, Ray start-up and the built-in tiny model.
+
+Everything that names a file, derives a seed or starts Ray lives here, once.
+"""
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+
+REPO_DIR = os.path.dirname(os.path.abspath(__file__))
+TINY_TOKENIZER_DIR = os.path.join(REPO_DIR, "assets", "tiny_tokenizer")
+
+# The tiny model is stored in the hub cache layout under its own name, so it never
+# shadows a real model and every script finds it exactly as it finds SD 1.4.
+TINY_MODEL_NAME = "dreambooth-ray/tiny-stable-diffusion"
+TINY_REVISION = hashlib.sha1(b"dreambooth-ray tiny sd v1").hexdigest()
+
+IMAGE_SUFFIX = ".png"
+GRID_DIR = "grid"
+# Written into every model directory train.py produces, so a rerun can tell
+# its own previous output from a folder the user cares about.
+OUTPUT_MARKER = "dreambooth_training.json"
+
+
+class UserError(Exception):
+    """A problem with the user's input: reported as one line, no traceback."""
+
+
+def run_main(main_fn):
+    """Run a script's main(); turn UserError and Ctrl-C into one line and an exit code."""
+    try:
+        return main_fn()
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+
+
+# ---------------------------------------------------------------- naming and seeds
+
+
+def slugify(text, max_len=60):
+    """'Photo of a dog!' -> 'photo-of-a-dog' (file-system safe, stable)."""
+    slug = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+    return slug[:max_len].rstrip("-") or "prompt"
+
+
+def image_file_name(prompt, index):
+    """Stable file name of the index-th image of a prompt: '<slug>-<index:05d>.png'."""
+    return f"{slugify(prompt)}-{index:05d}{IMAGE_SUFFIX}"
+
+
+def image_seed(base_seed, prompt, index):
+    """Deterministic 31-bit seed for one image, from the run seed, its prompt and index.
+
+    Independent of batch size, actor count and which images already exist, so a rerun
+    that tops up a folder draws exactly the images an uninterrupted run would.
+    """
+    key = f"{base_seed}:{prompt}:{index}".encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:4], "little") & 0x7FFFFFFF
+
+
+def hub_snapshot_path(cache_dir, model_name, revision):
+    """Where snapshot_download puts a revision inside a hub cache folder."""
+    folder = "models--" + model_name.replace("/", "--")
+    return os.path.join(cache_dir, folder, "snapshots", revision)
+
+
+# ---------------------------------------------------------------- files
+
+
+def atomic_write_dir(final_dir, write_fn):
+    """Call write_fn(tmp_dir) then move tmp_dir to final_dir, replacing it whole.
+
+    The destination either keeps its previous content or gets the complete new one:
+    a crash or a failed write leaves only a hidden temporary folder behind.
+    """
+    parent = os.path.dirname(os.path.abspath(final_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp_dir = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(final_dir) + "-", dir=parent)
+    try:
+        write_fn(tmp_dir)
+        if os.path.exists(final_dir):
+            old = tmp_dir + ".old"
+            os.rename(final_dir, old)
+            os.rename(tmp_dir, final_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp_dir, final_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+
+
+def save_image_atomic(image, path):
+    """Save a PIL image so that `path` never holds a truncated file."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    image.save(tmp, format="PNG")
+    os.replace(tmp, path)
+
+
+def write_json(path, data):
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+
+
+# ---------------------------------------------------------------- Ray
+
+
+def init_ray():
+    """Start local Ray, or join the cluster in RAY_ADDRESS, shipping this code to workers.
+
+    The project's modules travel as the runtime environment's working_dir, the same
+    mechanism a multi-node cluster needs; all paths passed to workers are absolute.
+    """
+    import ray
+
+    # Train's controller polls workers every 2 s by default, which adds ~1.5 s to
+    # every ray.train.report; 0.2 s keeps reporting cheap.
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if ray.is_initialized():
+        return ray
+    runtime_env = {
+        "working_dir": REPO_DIR,
+        "excludes": [".venv", ".git", "tests", "images", "benchmarks", "**/__pycache__", "*.png", "*.jpg"],
+        "env_vars": {
+            "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"],
+            "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0"),
+            "TOKENIZERS_PARALLELISM": "false",
+        },
+    }
+    ray.init(runtime_env=runtime_env, log_to_driver=True, configure_logging=False)
+    return ray
+
+
+def cluster_gpus():
+    import ray
+
+    return int(ray.cluster_resources().get("GPU", 0))
+
+
+def cluster_cpus():
+    import ray
+
+    return float(ray.cluster_resources().get("CPU", 0))
+
+
+# ---------------------------------------------------------------- models
+
+
+def quiet_hf_logging():
+    """Silence per-component loading bars and the missing-accelerate notice in workers."""
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.set_verbosity_error()
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def torch_device():
+    import torch
+
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def check_model_dir(model_dir):
+    """Fail early, naming what is missing, if model_dir is not a diffusers SD folder."""
+    if not os.path.isdir(model_dir):
+        raise UserError(f"model folder not found: {model_dir}")
+    index_path = os.path.join(model_dir, "model_index.json")
+    if not os.path.isfile(index_path):
+        raise UserError(f"{model_dir} has no model_index.json: not a diffusers pipeline folder")
+    for part in ("unet", "vae", "text_encoder", "tokenizer", "scheduler"):
+        if not os.path.isdir(os.path.join(model_dir, part)):
+            raise UserError(f"model folder {model_dir} is missing its '{part}' component")
+
+
+def build_tiny_pipeline(seed=0):
+    """A randomly initialised SD 1.x pipeline: the real classes at a tiny width.
+
+    64x64 images (latent 32x32, VAE downsamples 2x), CLIP text encoder with hidden size 32.
+    """
+    import torch
+    from diffusers import AutoencoderKL, PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+    torch.manual_seed(seed)
+    tokenizer = CLIPTokenizer.from_pretrained(TINY_TOKENIZER_DIR, model_max_length=77)
+    text_encoder = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=tokenizer.model_max_length,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    )
+    unet = UNet2DConditionModel(
+        sample_size=32,
+        in_channels=4,
+        out_channels=4,
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=32,
+        attention_head_dim=8,
+        norm_num_groups=32,
+    )
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        block_out_channels=(32, 64),
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        latent_channels=4,
+        norm_num_groups=32,
+        sample_size=64,
+    )
+    # Same scheduler family and betas as SD 1.4's scheduler/scheduler_config.json.
+    scheduler = PNDMScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        num_train_timesteps=1000,
+        skip_prk_steps=True,
+        set_alpha_to_one=False,
+        steps_offset=1,
+    )
+    return StableDiffusionPipeline(
+        unet=unet,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        scheduler=scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
