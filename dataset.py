@@ -1,0 +1,180 @@
+"""The training data pipeline on Ray Data.
+
+    instance folder ─ read_images ─ upright, resize ─┐ (few: kept on the driver)
+    class folder ──── read_images ─ upright, resize ─ pair with an instance ─ materialize
+                                                              │ every epoch:
+                                              random_shuffle ─ crop, flip, scale to [-1, 1]
+
+Each training row holds one instance image and, with prior preservation, one class
+image. There are max(#instance, #class) rows: instances repeat to cover every class
+image and, when instances outnumber class images, class images repeat instead.
+Without a class folder the rows are the instance images alone. The image math is in
+plain functions, tested without Ray.
+"""
+
+import os
+import sys
+
+import numpy as np
+
+import utils
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+
+# EXIF orientation tag -> (number of 90-degree counter-clockwise turns, mirror first)
+_ORIENTATIONS = {1: (0, False), 2: (0, True), 3: (2, False), 4: (2, True),
+                 5: (1, True), 6: (3, False), 7: (3, True), 8: (1, False)}
+
+
+# ---------------------------------------------------------------- files
+
+
+def list_images(folder, role):
+    """Sorted image files directly inside folder; other files are skipped with a warning."""
+    if not os.path.isdir(folder):
+        raise utils.UserError(f"{role} folder not found: {folder}")
+    names = sorted(n for n in os.listdir(folder) if os.path.isfile(os.path.join(folder, n)))
+    images = [n for n in names if n.lower().endswith(IMAGE_EXTENSIONS)]
+    skipped = [n for n in names if n not in images]
+    if skipped:
+        print(f"warning: skipping {len(skipped)} non-image file(s) in {folder}: {', '.join(skipped[:10])}",
+              file=sys.stderr)
+    if not images:
+        raise utils.UserError(f"{role} folder {folder} holds no images ({', '.join(IMAGE_EXTENSIONS)})")
+    return [os.path.join(folder, n) for n in images]
+
+
+def exif_orientation(path):
+    """The EXIF orientation tag of an image file (1 = upright, also when absent)."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        return int(image.getexif().get(0x0112, 1) or 1)
+
+
+# ---------------------------------------------------------------- image math
+
+
+def apply_orientation(image, orientation):
+    """Turn an (H, W, C) array as its EXIF orientation says, so it displays upright."""
+    turns, mirror = _ORIENTATIONS.get(orientation, (0, False))
+    if mirror:
+        image = image[:, ::-1]
+    return np.ascontiguousarray(np.rot90(image, turns))
+
+
+def resize_shorter_side(image, size):
+    """(H, W, 3) uint8 -> uint8 with min(H, W) == size, aspect kept (bicubic)."""
+    from PIL import Image
+
+    height, width = image.shape[:2]
+    scale = size / min(height, width)
+    new_size = (max(size, round(width * scale)), max(size, round(height * scale)))
+    if new_size == (width, height):
+        return image
+    return np.asarray(Image.fromarray(image).resize(new_size, Image.BICUBIC))
+
+
+def crop_square(image, size, center, rng):
+    """(H, W, C) with min(H, W) >= size -> (size, size, C): centered or at a random offset."""
+    height, width = image.shape[:2]
+    if center:
+        top, left = (height - size) // 2, (width - size) // 2
+    else:
+        top, left = rng.integers(0, height - size + 1), rng.integers(0, width - size + 1)
+    return image[top:top + size, left:left + size]
+
+
+def to_model_input(image):
+    """(H, W, 3) uint8 in [0, 255] -> (3, H, W) float32 in [-1, 1]."""
+    return (image.astype(np.float32).transpose(2, 0, 1) / 127.5) - 1.0
+
+
+def augment(image, size, center_crop, random_flip, rng):
+    """Per-epoch view of a stored image: crop, maybe flip, scale. Returns (3, size, size) float32."""
+    view = crop_square(image, size, center_crop, rng)
+    if random_flip and rng.random() < 0.5:
+        view = view[:, ::-1]
+    return to_model_input(view)
+
+
+def paired_instance_indices(class_index, num_instance, num_class):
+    """Training rows that class image `class_index` appears in, as the instance index of each.
+
+    Row k pairs instance k % num_instance with class k % num_class, for k < max(both):
+    every image of the larger set appears exactly once, the smaller set repeats.
+    """
+    num_rows = max(num_instance, num_class)
+    return [k % num_instance for k in range(class_index, num_rows, num_class)]
+
+
+# ---------------------------------------------------------------- Ray Data stages
+
+
+def decode_upright(row, resolution):
+    """read_images row -> {"path", "image"}: EXIF-upright, shorter side = resolution."""
+    image = apply_orientation(row["image"], exif_orientation(row["path"]))
+    return {"path": row["path"], "image": resize_shorter_side(image, resolution)}
+
+
+def pair_with_instances(row, class_paths, num_instance):
+    """Class row -> one row per training pair it belongs to: {"instance_index", "class_image"}."""
+    j = class_paths.index(row["path"])
+    return [{"instance_index": i, "class_image": row["image"]}
+            for i in paired_instance_indices(j, num_instance, len(class_paths))]
+
+
+def augment_batch(batch, instance_images, resolution, center_crop, random_flip):
+    """Batch of stored rows -> model inputs, with fresh random crops/flips on every call.
+
+    In: {"instance_index": (B,), "class_image": B x (H, W, 3)} or {"image": B x (H, W, 3)}.
+    Out: {"instance_pixels": (B, 3, R, R)} (+ {"class_pixels": (B, 3, R, R)}), float32 in [-1, 1].
+    """
+    rng = np.random.default_rng()
+    args = (resolution, center_crop, random_flip, rng)
+    if "image" in batch:
+        instances = batch["image"]
+    else:
+        instances = [instance_images[int(i)] for i in batch["instance_index"]]
+    out = {"instance_pixels": np.stack([augment(x, *args) for x in instances])}
+    if "class_image" in batch:
+        out["class_pixels"] = np.stack([augment(x, *args) for x in batch["class_image"]])
+    return out
+
+
+def read_folder(paths, resolution):
+    import ray
+
+    ds = ray.data.read_images(paths, mode="RGB", include_paths=True)
+    return ds.map(decode_upright, fn_kwargs={"resolution": resolution})
+
+
+def build_train_dataset(instance_paths, class_paths, resolution, center_crop, random_flip):
+    """The training Dataset: stored (decoded, paired) rows, reshuffled and augmented each epoch.
+
+    class_paths=None trains on instance rows alone (no prior preservation).
+    """
+    instance_ds = read_folder(instance_paths, resolution)
+    if class_paths:
+        # The few instance images travel to every augment task; class rows stay distributed.
+        by_path = {row["path"]: row["image"] for row in instance_ds.take_all()}
+        instance_images = [by_path[p] for p in instance_paths]
+        stored = read_folder(class_paths, resolution).flat_map(
+            pair_with_instances, fn_kwargs={"class_paths": class_paths, "num_instance": len(instance_paths)})
+    else:
+        instance_images = None
+        stored = instance_ds
+    stored = stored.materialize()
+    return stored.random_shuffle().map_batches(
+        augment_batch,
+        fn_kwargs={"instance_images": instance_images, "resolution": resolution,
+                   "center_crop": center_crop, "random_flip": random_flip},
+        batch_size=16,
+    )
+
+
+def tokenize_prompt(tokenizer, prompt):
+    """Prompt -> (L,) int64 token ids, padded to the tokenizer's model_max_length."""
+    ids = tokenizer(prompt, padding="max_length", truncation=True,
+                    max_length=tokenizer.model_max_length, return_tensors="np").input_ids
+    return ids[0].astype(np.int64)
