@@ -87,6 +87,19 @@ FLAGS = {
              help="Write a randomly initialised tiny SD 1.x model instead of downloading "
                   "(offline, CPU-friendly; for tests and trying the pipeline)."),
     ),
+    "dataset_repo": (
+        ("--repo_id",),
+        dict(dest="dataset_repo", default="diffusers/dog-example", help="Hub dataset with the example photos."),
+    ),
+    "dataset_revision": (
+        ("--revision",),
+        dict(dest="dataset_revision", default=None, help="Dataset revision (default: latest)."),
+    ),
+    "hub_cache_dir": (
+        ("--cache_dir",),
+        dict(dest="hub_cache_dir", type=abs_path, default=None, metavar="DIR",
+             help="Hub cache folder (default: the Hugging Face cache)."),
+    ),
     "output_dir": (
         ("--output_dir",),
         dict(type=abs_path, required=True, metavar="DIR", help="Where results are written."),
