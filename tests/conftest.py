@@ -1,0 +1,35 @@
+"""Shared fixtures: offline hub, the tiny model built once, one local Ray for the session."""
+
+import os
+import sys
+
+# Read at import time by huggingface_hub: set before anything imports it.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_DIR)
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """Snapshot folder of the tiny SD model, written by cache_model.py --tiny."""
+    import cache_model
+
+    return cache_model.main(["--model_dir", str(tmp_path_factory.mktemp("model-orig")), "--tiny"])
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray instance for every test that needs it (workers get the code via runtime_env)."""
+    import utils
+
+    ray = utils.init_ray()
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def toy_images():
+    return os.path.join(REPO_DIR, "images", "toy")

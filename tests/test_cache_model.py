@@ -1,0 +1,58 @@
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import cache_model
+import utils
+
+from conftest import REPO_DIR
+
+SD14 = "CompVis/stable-diffusion-v1-4"
+SD14_REV = "b95be7d6f134c3a9e62ee616f310733567f069ce"
+
+
+def test_tiny_is_written_in_hub_layout_and_loads(tiny_model):
+    from diffusers import DiffusionPipeline
+
+    assert tiny_model.endswith(os.path.join("snapshots", utils.TINY_REVISION))
+    refs = os.path.join(tiny_model, "..", "..", "refs", "main")
+    assert open(refs).read() == utils.TINY_REVISION  # no trailing newline
+    assert {f for f in os.listdir(os.path.join(tiny_model, "unet"))} == {"config.json",
+                                                                        "diffusion_pytorch_model.safetensors"}
+    pipe = DiffusionPipeline.from_pretrained(tiny_model)
+    assert type(pipe).__name__ == "StableDiffusionPipeline"
+
+
+def test_pinned_model_resolves_offline_from_an_existing_cache(tiny_model, tmp_path):
+    """The default SD 1.4 revision, found in a hub-layout cache with the hub unreachable."""
+    cache = tmp_path / "model-orig"
+    snapshot = utils.hub_snapshot_path(str(cache), SD14, SD14_REV)
+    shutil.copytree(tiny_model, snapshot)
+    os.makedirs(cache / "models--CompVis--stable-diffusion-v1-4" / "refs")
+    (cache / "models--CompVis--stable-diffusion-v1-4" / "refs" / "main").write_text(SD14_REV)
+    proc = subprocess.run([sys.executable, "cache_model.py", "--model_dir", str(cache)], cwd=REPO_DIR,
+                          capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == snapshot
+
+
+def test_missing_offline_model_is_a_clear_error(tmp_path):
+    with pytest.raises(utils.UserError, match="not in .* hub cannot be reached"):
+        cache_model.main(["--model_dir", str(tmp_path)])
+
+
+def test_only_pipeline_files_are_fetched():
+    from fnmatch import fnmatch
+
+    def fetched(name):
+        return (any(fnmatch(name, p) for p in cache_model.ALLOW_PATTERNS)
+                and not any(fnmatch(name, p) for p in cache_model.IGNORE_PATTERNS))
+
+    assert fetched("unet/diffusion_pytorch_model.safetensors") and fetched("model_index.json")
+    assert fetched("tokenizer/vocab.json") and fetched("tokenizer/merges.txt")
+    for name in ("sd-v1-4.ckpt", "sd-v1-4-full-ema.ckpt", "unet/diffusion_pytorch_model.bin",
+                 "unet/diffusion_pytorch_model.fp16.safetensors", "unet/diffusion_flax_model.msgpack"):
+        assert not fetched(name), name

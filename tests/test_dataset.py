@@ -1,0 +1,113 @@
+import os
+
+import numpy as np
+import pytest
+from PIL import Image, ImageOps
+
+import dataset
+import utils
+
+
+def asymmetric_image(height=6, width=9):
+    return np.arange(height * width * 3, dtype=np.uint8).reshape(height, width, 3)
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_apply_orientation_matches_pillow_exif_transpose(orientation, tmp_path):
+    array = asymmetric_image()
+    image = Image.fromarray(array)
+    exif = image.getexif()
+    exif[0x0112] = orientation
+    path = tmp_path / "x.png"
+    image.save(path, exif=exif)
+    assert dataset.exif_orientation(str(path)) == orientation
+    with Image.open(path) as opened:
+        expected = np.asarray(ImageOps.exif_transpose(opened).convert("RGB"))
+    np.testing.assert_array_equal(dataset.apply_orientation(array, orientation), expected)
+
+
+def test_resize_shorter_side_keeps_aspect_and_upscales_small():
+    out = dataset.resize_shorter_side(np.zeros((20, 40, 3), np.uint8), 64)
+    assert out.shape == (64, 128, 3) and out.dtype == np.uint8
+    out = dataset.resize_shorter_side(np.zeros((300, 200, 3), np.uint8), 64)
+    assert out.shape == (96, 64, 3)
+
+
+def test_crop_square_center_and_random_stay_inside():
+    image = asymmetric_image(10, 30)
+    center = dataset.crop_square(image, 10, True, None)
+    np.testing.assert_array_equal(center, image[:, 10:20])
+    rng = np.random.default_rng(0)
+    lefts = set()
+    for _ in range(50):
+        crop = dataset.crop_square(image, 10, False, rng)
+        assert crop.shape == (10, 10, 3)
+        lefts.add(int(crop[0, 0, 0]) // 3)
+    assert len(lefts) > 5
+
+
+def test_to_model_input_scales_to_minus_one_one_channels_first():
+    image = np.array([[[0, 255, 127]]], np.uint8)
+    out = dataset.to_model_input(image)
+    assert out.shape == (3, 1, 1) and out.dtype == np.float32
+    np.testing.assert_allclose(out[:, 0, 0], [-1.0, 1.0, 127 / 127.5 - 1], atol=1e-6)
+
+
+def test_augment_flip_mirrors_and_center_crop_is_deterministic():
+    image = asymmetric_image(8, 8)
+    plain = dataset.augment(image, 8, True, False, np.random.default_rng(0))
+    views = {dataset.augment(image, 8, True, True, np.random.default_rng(s)).tobytes() for s in range(20)}
+    assert views == {plain.tobytes(), plain[:, :, ::-1].tobytes()}
+
+
+@pytest.mark.parametrize("num_instance, num_class", [(5, 200), (5, 6), (6, 4), (3, 3), (1, 7)])
+def test_pairing_covers_every_image_and_drops_none(num_instance, num_class):
+    rows = [(i, j) for j in range(num_class) for i in dataset.paired_instance_indices(j, num_instance, num_class)]
+    assert len(rows) == max(num_instance, num_class)
+    assert {i for i, _ in rows} == set(range(num_instance))
+    assert {j for _, j in rows} == set(range(num_class))
+    counts = np.bincount([i for i, _ in rows])
+    assert counts.max() - counts.min() <= 1  # instances repeat evenly
+
+
+def test_list_images_skips_non_images_and_refuses_empty(tmp_path, capsys):
+    Image.new("RGB", (8, 8)).save(tmp_path / "b.png")
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.jpg")
+    (tmp_path / ".DS_Store").write_bytes(b"\0")
+    (tmp_path / "notes.txt").write_text("hi")
+    (tmp_path / "sub").mkdir()
+    assert dataset.list_images(str(tmp_path), "instance") == [str(tmp_path / "a.jpg"), str(tmp_path / "b.png")]
+    assert ".DS_Store" in capsys.readouterr().err
+    empty = tmp_path / "sub"
+    with pytest.raises(utils.UserError, match="holds no images"):
+        dataset.list_images(str(empty), "class")
+    with pytest.raises(utils.UserError, match="not found"):
+        dataset.list_images(str(tmp_path / "missing"), "instance")
+
+
+def test_tokenize_prompt_pads_to_model_max_length(tiny_model):
+    from transformers import CLIPTokenizer
+
+    tokenizer = CLIPTokenizer.from_pretrained(tiny_model, subfolder="tokenizer")
+    ids = dataset.tokenize_prompt(tokenizer, "photo of unqtkn dog")
+    assert ids.shape == (tokenizer.model_max_length,) and ids.dtype == np.int64
+    assert ids[0] == tokenizer.bos_token_id and ids[5] == tokenizer.eos_token_id
+
+
+def test_train_dataset_on_ray_pairs_every_class_image(ray_session, toy_images, tmp_path):
+    class_dir = tmp_path / "class"
+    class_dir.mkdir()
+    for k in range(7):  # non-square, distinct solid colours so rows can be told apart
+        Image.new("RGB", (48, 32), (30 * k, 0, 0)).save(class_dir / f"c{k}.png")
+    instance_paths = dataset.list_images(toy_images, "instance")
+    class_paths = dataset.list_images(str(class_dir), "class")
+    ds = dataset.build_train_dataset(instance_paths, class_paths, 16, center_crop=True, random_flip=False)
+    rows = ds.take_all()
+    assert len(rows) == 7
+    assert all(r["instance_pixels"].shape == (3, 16, 16) and r["class_pixels"].shape == (3, 16, 16) for r in rows)
+    reds = sorted(round((r["class_pixels"][0, 0, 0] + 1) * 127.5) for r in rows)
+    assert reds == [30 * k for k in range(7)]
+    assert len({r["instance_pixels"].tobytes() for r in rows}) == 5
+    assert all(-1 <= r["instance_pixels"].min() and r["instance_pixels"].max() <= 1 for r in rows)
+    alone = dataset.build_train_dataset(instance_paths, None, 16, center_crop=False, random_flip=True).take_all()
+    assert len(alone) == 5 and set(alone[0]) == {"instance_pixels"}

@@ -1,0 +1,37 @@
+"""End to end: the whole Steps 0-5 script on the tiny model, as a user runs it."""
+
+import os
+import subprocess
+import sys
+
+import torch
+
+from conftest import REPO_DIR
+
+
+def test_dreambooth_run_tiny_end_to_end(tmp_path):
+    env = dict(os.environ, DATA_PREFIX=str(tmp_path), NUM_CLASS_IMAGES="6", MAX_TRAIN_STEPS="4",
+               NUM_INFERENCE_STEPS="3", PYTHON=sys.executable)
+    proc = subprocess.run(["bash", "dreambooth_run.sh", "--tiny"], cwd=REPO_DIR, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    reg = sorted(os.listdir(tmp_path / "images-reg"))
+    assert reg == sorted([f"photo-of-a-toy-{i:05d}.png" for i in range(6)] + ["grid"])
+    new = sorted(f for f in os.listdir(tmp_path / "images-new") if f.endswith(".png"))
+    assert len(new) == 5 and os.path.isfile(tmp_path / "images-new" / "grid" / "grid.png")
+    assert sorted(os.listdir(tmp_path / "images-own")) == [f"toy-{k}.jpg" for k in range(5)]
+
+    from diffusers import DiffusionPipeline
+
+    tuned = DiffusionPipeline.from_pretrained(str(tmp_path / "model-tuned"))
+    base_dir = proc.stdout.split("base model: ")[1].splitlines()[0]
+    base = DiffusionPipeline.from_pretrained(base_dir)
+    for part in ("unet", "text_encoder"):
+        a, b = getattr(tuned, part).state_dict(), getattr(base, part).state_dict()
+        assert any(not torch.equal(a[k], b[k]) for k in a), part
+
+
+def test_unknown_argument_is_refused():
+    proc = subprocess.run(["bash", "dreambooth_run.sh", "--tinny"], cwd=REPO_DIR, capture_output=True, text=True)
+    assert proc.returncode == 2 and "unknown argument '--tinny'" in proc.stderr

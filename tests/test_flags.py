@@ -1,0 +1,89 @@
+import subprocess
+import sys
+
+import pytest
+
+import flags
+import train
+
+from conftest import REPO_DIR
+
+BASE = ["--model_dir", "/m", "--output_dir", "/o", "--instance_images_dir", "/i", "--instance_prompt", "p"]
+
+
+def parse_train(argv):
+    parser = flags.make_parser("t", ["model_dir", "output_dir", "instance_data_dir", "instance_prompt",
+                                     "class_data_dir", "class_prompt", "with_prior_preservation",
+                                     "learning_rate", "num_train_epochs", "num_workers", "resolution",
+                                     "max_train_steps", "lr_warmup_steps", "resume_from_checkpoint",
+                                     "storage_path"])
+    return flags.check_train_args(parser, parser.parse_args(argv))
+
+
+def test_ray_example_names_are_aliases_of_diffusers_names():
+    seeds = parse_train(BASE + ["--class_images_dir", "/c", "--class_prompt", "q", "--lr", "1e-4",
+                                "--num_epochs", "7", "--num_workers", "3"])
+    diffusers_style = parse_train(["--pretrained_model_name_or_path", "/m", "--output_dir", "/o",
+                                   "--instance_data_dir", "/i", "--instance_prompt", "p",
+                                   "--class_data_dir", "/c", "--class_prompt", "q", "--learning_rate", "1e-4",
+                                   "--num_train_epochs", "7", "--num_workers", "3"])
+    assert vars(seeds) == vars(diffusers_style)
+    assert seeds.model_dir == "/m" and seeds.learning_rate == 1e-4 and seeds.num_train_epochs == 7
+
+
+def test_class_dir_turns_on_prior_preservation_and_storage_defaults_beside_output():
+    args = parse_train(BASE + ["--class_images_dir", "/c", "--class_prompt", "q"])
+    assert args.with_prior_preservation
+    assert args.storage_path == "/ray_results"
+    assert not parse_train(BASE).with_prior_preservation
+
+
+def test_relative_paths_become_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = parse_train(["--model_dir", "m", "--output_dir", "o", "--instance_images_dir", "i",
+                        "--instance_prompt", "p"])
+    assert args.model_dir == str(tmp_path / "m") and args.instance_data_dir == str(tmp_path / "i")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--lr", "-1"], "must be > 0"),
+    (["--max_train_steps", "0"], "positive integer"),
+    (["--resolution", "100"], "multiple of 8"),
+    (["--with_prior_preservation"], "needs --class_data_dir"),
+    (["--class_images_dir", "/c"], "needs --class_prompt"),
+    (["--lr_warmup_steps", "900"], "smaller than --max_train_steps"),
+])
+def test_bad_flags_exit_2_with_one_line(extra, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_train(BASE + extra)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("script", ["train.py", "generate.py", "cache_model.py", "download_example_dataset.py"])
+def test_help_explains_every_script(script):
+    out = subprocess.run([sys.executable, script, "--help"], cwd=REPO_DIR, capture_output=True, text=True,
+                         check=True).stdout
+    assert "usage:" in out and len(out.splitlines()) > 5
+
+
+def test_missing_model_is_one_line_error_not_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, "train.py", "--model_dir", str(tmp_path / "nope"), "--output_dir",
+                           str(tmp_path / "o"), "--instance_images_dir", str(tmp_path), "--instance_prompt", "p"],
+                          cwd=REPO_DIR, capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == f"error: model folder not found: {tmp_path / 'nope'}"
+
+
+def test_worker_resources_leave_a_cpu_for_ray_data_and_refuse_impossible():
+    class Args:
+        use_gpu = None
+        num_workers = 2
+
+    assert train.worker_resources(Args, cpus=2, gpus=0) == (False, 0.5)
+    assert train.worker_resources(Args, cpus=16, gpus=2) == (True, 1.0)
+    with pytest.raises(Exception, match="needs 2 GPUs"):
+        train.worker_resources(Args, cpus=16, gpus=1)
+    with pytest.raises(Exception, match="CPUs"):
+        train.worker_resources(Args, cpus=1, gpus=0)

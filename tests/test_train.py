@@ -1,0 +1,65 @@
+import os
+
+import pytest
+import torch
+
+import train
+import utils
+
+
+def weights_differ(a, b):
+    return any(not torch.equal(v, b.state_dict()[k]) for k, v in a.state_dict().items())
+
+
+@pytest.fixture(scope="module")
+def class_images(ray_session, tiny_model, tmp_path_factory):
+    import generate
+
+    out = tmp_path_factory.mktemp("images-reg")
+    generate.main(["--model_dir", tiny_model, "--output_dir", str(out), "--prompts", "photo of a toy",
+                   "--num_samples_per_prompt", "6", "--num_inference_steps", "2"])
+    return str(out)
+
+
+def test_train_two_workers_saves_a_changed_loadable_pipeline(ray_session, tiny_model, toy_images, class_images,
+                                                             tmp_path):
+    from diffusers import DiffusionPipeline
+
+    out = tmp_path / "model-tuned"
+    result = train.main(["--model_dir", tiny_model, "--output_dir", str(out), "--instance_images_dir", toy_images,
+                         "--instance_prompt", "photo of unqtkn toy", "--class_images_dir", class_images,
+                         "--class_prompt", "photo of a toy", "--train_batch_size", "2", "--lr", "1e-4",
+                         "--num_epochs", "4", "--max_train_steps", "5", "--num_workers", "2",
+                         "--logging_steps", "2", "--checkpointing_steps", "3"])
+    assert result.metrics["step"] == 5 and result.metrics["loss"] > 0
+    assert result.metrics["images_per_s"] > 0
+    tuned = DiffusionPipeline.from_pretrained(str(out))
+    base = DiffusionPipeline.from_pretrained(tiny_model)
+    assert weights_differ(tuned.unet, base.unet)
+    assert weights_differ(tuned.text_encoder, base.text_encoder)
+    assert not weights_differ(tuned.vae, base.vae)
+    assert os.path.isfile(out / utils.OUTPUT_MARKER)
+    assert all(f.endswith((".json", ".safetensors", ".txt")) for _, _, fs in os.walk(out) for f in fs)
+    # Checkpoints at step 3 and at the end, in the absolute storage path beside the output.
+    checkpoints = [d for d in os.listdir(result.path) if d.startswith("checkpoint_") and os.path.isdir(os.path.join(result.path, d))]
+    assert len(checkpoints) == 2
+    assert result.path.startswith(str(tmp_path / "ray_results"))
+
+
+def test_output_dir_that_is_not_ours_is_refused(tmp_path):
+    (tmp_path / "thesis.tex").write_text("precious")
+    with pytest.raises(utils.UserError, match="--overwrite"):
+        train.check_output_dir(str(tmp_path), overwrite=False)
+    train.check_output_dir(str(tmp_path), overwrite=True)
+
+
+def test_plan_steps_never_exceeds_max_steps_or_starves_a_worker():
+    class Args:
+        num_workers, train_batch_size, max_train_steps, num_train_epochs = 2, 2, 800, 4
+
+    assert train.plan_steps(200, Args) == (50, 200)
+    assert train.plan_steps(5, Args) == (1, 4)
+    Args.max_train_steps = 3
+    assert train.plan_steps(200, Args) == (50, 3)
+    with pytest.raises(utils.UserError, match="cannot feed"):
+        train.plan_steps(1, Args)

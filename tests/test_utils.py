@@ -1,0 +1,68 @@
+import os
+
+import pytest
+
+import utils
+
+
+def test_slugify_is_file_safe_and_stable():
+    assert utils.slugify("Photo of a DOG, in a bucket!") == "photo-of-a-dog-in-a-bucket"
+    assert utils.slugify("???") == "prompt"
+    assert len(utils.slugify("x" * 500)) <= 60
+
+
+def test_image_file_name_sorts_by_index():
+    names = [utils.image_file_name("photo of a dog", i) for i in (0, 2, 10)]
+    assert names == sorted(names)
+    assert names[0] == "photo-of-a-dog-00000.png"
+
+
+def test_image_seed_depends_on_seed_prompt_and_index_only():
+    a = utils.image_seed(0, "photo of a dog", 3)
+    assert a == utils.image_seed(0, "photo of a dog", 3)
+    others = {utils.image_seed(1, "photo of a dog", 3), utils.image_seed(0, "photo of a cat", 3),
+              utils.image_seed(0, "photo of a dog", 4)}
+    assert a not in others
+    assert 0 <= a < 2**31
+
+
+def test_hub_snapshot_path_layout():
+    path = utils.hub_snapshot_path("/c", "CompVis/stable-diffusion-v1-4", "abc")
+    assert path == "/c/models--CompVis--stable-diffusion-v1-4/snapshots/abc"
+
+
+def test_atomic_write_dir_replaces_whole_or_keeps_previous(tmp_path):
+    target = tmp_path / "out"
+
+    def write(version):
+        def fn(tmp):
+            with open(os.path.join(tmp, "v.txt"), "w") as f:
+                f.write(version)
+        return fn
+
+    utils.atomic_write_dir(str(target), write("1"))
+    assert (target / "v.txt").read_text() == "1"
+
+    def broken(tmp):
+        write("2")(tmp)
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        utils.atomic_write_dir(str(target), broken)
+    assert (target / "v.txt").read_text() == "1"
+    assert sorted(os.listdir(tmp_path)) == ["out"]
+    utils.atomic_write_dir(str(target), write("3"))
+    assert (target / "v.txt").read_text() == "3"
+
+
+def test_check_model_dir_names_missing_component(tiny_model, tmp_path):
+    utils.check_model_dir(tiny_model)
+    broken = tmp_path / "model"
+    broken.mkdir()
+    (broken / "model_index.json").write_text("{}")
+    for part in ("unet", "vae", "text_encoder", "tokenizer"):
+        (broken / part).mkdir()
+    with pytest.raises(utils.UserError, match="scheduler"):
+        utils.check_model_dir(str(broken))
+    with pytest.raises(utils.UserError, match="not found"):
+        utils.check_model_dir(str(tmp_path / "nope"))
