@@ -44,6 +44,62 @@ def list_images(folder, role):
     return [os.path.join(folder, n) for n in images]
 
 
+def normalize_image(image):
+    """Any PIL image -> 8-bit RGB: transparency onto white, 16-bit scaled down, CMYK/palette/gray converted."""
+    from PIL import Image
+
+    if image.mode in ("I;16", "I;16B", "I;16L", "I"):
+        high = 65535 if image.mode.startswith("I;16") else max(1, image.getextrema()[1])
+        array = np.asarray(image, dtype=np.float64) * (255.0 / high)
+        image = Image.fromarray(np.clip(array, 0, 255).astype(np.uint8), "L")
+    if image.mode == "P" and "transparency" in image.info:
+        image = image.convert("RGBA")
+    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        image = Image.alpha_composite(background, rgba)
+    return image.convert("RGB")
+
+
+def needs_conversion(image):
+    """True when read_images' plain RGB conversion would lose or garble the image."""
+    return image.mode not in ("RGB", "L") or "transparency" in image.info
+
+
+def inspect_images(paths, resolution, convert_dir):
+    """Check every image on the driver before any worker starts; returns the paths to read.
+
+    Corrupt or truncated files are named in a UserError. Images read_images cannot convert
+    faithfully (16-bit, transparent, CMYK, palette) are written, upright and as 8-bit RGB
+    PNG, into convert_dir and read from there. Images smaller than the resolution are
+    listed in a warning (they are upscaled).
+    """
+    from PIL import Image, ImageOps
+
+    readable, small = [], []
+    for path in paths:
+        try:
+            with Image.open(path) as image:
+                image.load()
+                if min(image.size) < resolution:
+                    small.append(os.path.basename(path))
+                if not needs_conversion(image):
+                    readable.append(path)
+                    continue
+                upright = normalize_image(ImageOps.exif_transpose(image))
+        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
+            raise utils.UserError(f"cannot read image {path}: {err}") from None
+        os.makedirs(convert_dir, exist_ok=True)
+        digest = utils.slugify(os.path.abspath(path), max_len=200)
+        converted = os.path.join(convert_dir, digest + utils.IMAGE_SUFFIX)
+        utils.save_image_atomic(upright, converted)
+        readable.append(converted)
+    if small:
+        print(f"warning: {len(small)} image(s) smaller than {resolution}px are upscaled: {', '.join(small[:10])}",
+              file=sys.stderr)
+    return readable
+
+
 def exif_orientation(path):
     """The EXIF orientation tag of an image file (1 = upright, also when absent)."""
     from PIL import Image

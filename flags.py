@@ -306,8 +306,6 @@ def check_train_args(parser, args):
             parser.error("--class_data_dir/--with_prior_preservation needs --class_prompt")
     elif args.class_prompt:
         print("warning: --class_prompt is ignored without --class_data_dir", file=sys.stderr)
-    if args.lr_warmup_steps >= args.max_train_steps and args.lr_warmup_steps:
-        parser.error("--lr_warmup_steps must be smaller than --max_train_steps")
     if args.resume_from_checkpoint not in (None, "latest"):
         args.resume_from_checkpoint = abs_path(args.resume_from_checkpoint)
     if args.output_dir == args.model_dir:

@@ -152,6 +152,7 @@ def main(argv=None):
     prompts = list(dict.fromkeys(p for group in args.prompts for p in group))
     utils.check_model_dir(args.model_dir)
     os.makedirs(args.output_dir, exist_ok=True)
+    utils.remove_temp_files(args.output_dir)
     rows, all_files = plan_images(prompts, args.num_samples_per_prompt, args.seed, args.output_dir)
     print(f"{len(all_files) - len(rows)} of {len(all_files)} images already in {args.output_dir}; "
           f"generating {len(rows)}", file=sys.stderr)
@@ -161,9 +162,14 @@ def main(argv=None):
         ray = utils.init_ray()
         ray.data.DataContext.get_current().enable_progress_bars = False
         num_actors = args.num_actors or default_num_actors()
-        with tqdm(total=len(rows), desc=f"generating on {num_actors} actor(s)", unit="img") as bar:
-            for _ in run_actor_pool(rows, args, num_actors):
-                bar.update(1)
+        try:
+            with tqdm(total=len(rows), desc=f"generating on {num_actors} actor(s)", unit="img") as bar:
+                for _ in run_actor_pool(rows, args, num_actors):
+                    bar.update(1)
+        except KeyboardInterrupt:
+            print("stopped; the images written so far are complete: rerun the same command to make "
+                  "the rest", file=sys.stderr)
+            raise
     grid = write_grid(args.output_dir, all_files)
     print(f"{len(all_files)} images in {args.output_dir}; contact sheet {grid}", file=sys.stderr)
     return all_files

@@ -23,6 +23,7 @@ import flags
 import utils
 
 CHECKPOINT_STATE = "train_state.json"
+CHECKPOINT_FILES = ("unet.safetensors", "text_encoder.safetensors", "optimizer.pt")
 
 
 # ---------------------------------------------------------------- the math
@@ -177,7 +178,10 @@ def save_checkpoint(state, folder, epoch):
     torch.save({"optimizer": state["optimizer"].state_dict(), "lr_scheduler": state["lr_scheduler"].state_dict(),
                 "scaler": state["scaler"].state_dict(), "torch_rng": torch.get_rng_state()},
                os.path.join(folder, "optimizer.pt"))
-    utils.write_json(os.path.join(folder, CHECKPOINT_STATE), {"step": state["step"], "epoch": epoch})
+    # Written last, with the size of every other file: a checkpoint copied or written
+    # only in part is recognised as incomplete and never resumed from.
+    sizes = {name: os.path.getsize(os.path.join(folder, name)) for name in CHECKPOINT_FILES}
+    utils.write_json(os.path.join(folder, CHECKPOINT_STATE), {"step": state["step"], "epoch": epoch, "sizes": sizes})
 
 
 def load_checkpoint(state, folder):
@@ -312,6 +316,16 @@ def check_output_dir(output_dir, overwrite):
                               "pass --overwrite to replace it")
 
 
+def is_complete_checkpoint(folder):
+    """True when folder holds every checkpoint file at the size recorded when it was saved."""
+    try:
+        with open(os.path.join(folder, CHECKPOINT_STATE)) as f:
+            sizes = json.load(f)["sizes"]
+        return all(os.path.getsize(os.path.join(folder, name)) == size for name, size in sizes.items())
+    except (OSError, ValueError, KeyError):
+        return False
+
+
 def find_latest_checkpoint(storage_path, run_prefix):
     """Newest checkpoint folder of any run named '<run_prefix>-*' under storage_path, or None."""
     if not os.path.isdir(storage_path):
@@ -323,7 +337,7 @@ def find_latest_checkpoint(storage_path, run_prefix):
             continue
         for name in os.listdir(run_dir):
             folder = os.path.join(run_dir, name)
-            if name.startswith("checkpoint_") and os.path.isfile(os.path.join(folder, CHECKPOINT_STATE)):
+            if name.startswith("checkpoint_") and is_complete_checkpoint(folder):
                 found.append(folder)
     return max(found, key=lambda f: os.path.getmtime(os.path.join(f, CHECKPOINT_STATE)), default=None)
 
@@ -338,10 +352,12 @@ def worker_resources(args, cpus, gpus):
     if use_gpu and args.num_workers > gpus:
         raise utils.UserError(f"--num_workers {args.num_workers} needs {args.num_workers} GPUs; "
                               f"the Ray cluster has {gpus}")
+    if not use_gpu and args.num_workers > cpus:
+        raise utils.UserError(f"--num_workers {args.num_workers} is more than the Ray cluster's {cpus:g} CPUs")
     spare = cpus - 1
-    if spare <= 0 or spare / args.num_workers < 0.1:
-        raise utils.UserError(f"--num_workers {args.num_workers} does not fit in the cluster's {cpus:g} CPUs "
-                              "(one CPU stays free for the data pipeline)")
+    if spare <= 0:
+        raise utils.UserError(f"the Ray cluster has {cpus:g} CPU(s): training needs one for its workers "
+                              "and one for the data pipeline")
     return use_gpu, min(1.0, spare / args.num_workers)
 
 
@@ -398,29 +414,46 @@ def main(argv=None):
     instance_paths = dataset.list_images(args.instance_data_dir, "instance")
     class_paths = dataset.list_images(args.class_data_dir, "class") if args.with_prior_preservation else None
     run_prefix = os.path.basename(args.output_dir)
-    resume_path = None
-    if args.resume_from_checkpoint == "latest":
-        resume_path = find_latest_checkpoint(args.storage_path, run_prefix)
-        if resume_path is None:
-            print(f"no checkpoint of '{run_prefix}' in {args.storage_path}: starting fresh", file=sys.stderr)
-    elif args.resume_from_checkpoint:
-        resume_path = args.resume_from_checkpoint
-        if not os.path.isfile(os.path.join(resume_path, CHECKPOINT_STATE)):
-            raise utils.UserError(f"{resume_path} is not a checkpoint of train.py (no {CHECKPOINT_STATE})")
+    resume_path = resolve_resume(args.resume_from_checkpoint, args.storage_path, run_prefix)
 
     ray = utils.init_ray()
     args.use_gpu, cpus_per_worker = worker_resources(args, utils.cluster_cpus(), utils.cluster_gpus())
     config = build_config(args)
     config["resume_path"] = resume_path
+    convert_dir = os.path.join(args.storage_path, "converted-images")
+    instance_paths = dataset.inspect_images(instance_paths, config["resolution"], convert_dir)
+    if class_paths:
+        class_paths = dataset.inspect_images(class_paths, config["resolution"], convert_dir)
     num_rows = max(len(instance_paths), len(class_paths or []))
     config["steps_per_epoch"], config["total_steps"] = plan_steps(num_rows, args)
     ray.data.DataContext.get_current().enable_progress_bars = False
     train_ds = dataset.build_train_dataset(instance_paths, class_paths, config["resolution"],
                                            args.center_crop, args.random_flip)
-    result = run_trainer(config, train_ds, cpus_per_worker, run_prefix)
+    try:
+        result = run_trainer(config, train_ds, cpus_per_worker, run_prefix)
+    except KeyboardInterrupt:
+        latest = find_latest_checkpoint(args.storage_path, run_prefix)
+        where = f" (newest checkpoint: {latest})" if latest else " (no checkpoint was written yet)"
+        print(f"stopped; rerun the same command with --resume_from_checkpoint latest to continue{where}",
+              file=sys.stderr)
+        raise
     print(f"trained {config['total_steps']} steps; final loss {result.metrics.get('loss', float('nan')):.4f}; "
           f"model saved to {args.output_dir}; checkpoints in {result.path}", file=sys.stderr)
     return result
+
+
+def resolve_resume(resume_flag, storage_path, run_prefix):
+    """--resume_from_checkpoint latest|PATH -> a checkpoint folder, or None to start fresh."""
+    if resume_flag == "latest":
+        path = find_latest_checkpoint(storage_path, run_prefix)
+        if path is None:
+            print(f"no checkpoint of '{run_prefix}' in {storage_path}: starting fresh", file=sys.stderr)
+        else:
+            print(f"resuming from {path}", file=sys.stderr)
+        return path
+    if resume_flag and not is_complete_checkpoint(resume_flag):
+        raise utils.UserError(f"{resume_flag} is not a complete checkpoint of train.py")
+    return resume_flag
 
 
 def run_trainer(config, train_ds, cpus_per_worker, run_prefix):

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
 
@@ -30,8 +31,13 @@ class UserError(Exception):
     """A problem with the user's input: reported as one line, no traceback."""
 
 
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def run_main(main_fn):
-    """Run a script's main(); turn UserError and Ctrl-C into one line and an exit code."""
+    """Run a script's main(); turn UserError, Ctrl-C and SIGTERM into one line and an exit code."""
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
         return main_fn()
     except UserError as err:
@@ -98,11 +104,21 @@ def atomic_write_dir(final_dir, write_fn):
         raise
 
 
+TEMP_MARK = ".tmp-"
+
+
 def save_image_atomic(image, path):
     """Save a PIL image so that `path` never holds a truncated file."""
-    tmp = f"{path}.tmp-{os.getpid()}"
+    tmp = f"{path}{TEMP_MARK}{os.getpid()}"
     image.save(tmp, format="PNG")
     os.replace(tmp, path)
+
+
+def remove_temp_files(folder):
+    """Delete what save_image_atomic left behind when its process was killed mid-write."""
+    for name in os.listdir(folder):
+        if TEMP_MARK in name:
+            os.remove(os.path.join(folder, name))
 
 
 def write_json(path, data):

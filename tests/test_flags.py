@@ -15,7 +15,7 @@ def parse_train(argv):
     parser = flags.make_parser("t", ["model_dir", "output_dir", "instance_data_dir", "instance_prompt",
                                      "class_data_dir", "class_prompt", "with_prior_preservation",
                                      "learning_rate", "num_train_epochs", "num_workers", "resolution",
-                                     "max_train_steps", "lr_warmup_steps", "resume_from_checkpoint",
+                                     "max_train_steps", "prior_loss_weight", "resume_from_checkpoint",
                                      "storage_path"])
     return flags.check_train_args(parser, parser.parse_args(argv))
 
@@ -51,7 +51,8 @@ def test_relative_paths_become_absolute(tmp_path, monkeypatch):
     (["--resolution", "100"], "multiple of 8"),
     (["--with_prior_preservation"], "needs --class_data_dir"),
     (["--class_images_dir", "/c"], "needs --class_prompt"),
-    (["--lr_warmup_steps", "900"], "smaller than --max_train_steps"),
+    (["--num_workers", "0"], "positive integer"),
+    (["--prior_loss_weight", "-0.5"], "must be >= 0"),
 ])
 def test_bad_flags_exit_2_with_one_line(extra, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -85,5 +86,12 @@ def test_worker_resources_leave_a_cpu_for_ray_data_and_refuse_impossible():
     assert train.worker_resources(Args, cpus=16, gpus=2) == (True, 1.0)
     with pytest.raises(Exception, match="needs 2 GPUs"):
         train.worker_resources(Args, cpus=16, gpus=1)
-    with pytest.raises(Exception, match="CPUs"):
+    with pytest.raises(Exception, match="needs 2 GPUs"):
+        Args.use_gpu = True
+        train.worker_resources(Args, cpus=16, gpus=0)
+    Args.use_gpu, Args.num_workers = None, 1
+    with pytest.raises(Exception, match="one for the data pipeline"):
         train.worker_resources(Args, cpus=1, gpus=0)
+    Args.num_workers = 3
+    with pytest.raises(Exception, match="more than the Ray cluster's 2 CPUs"):
+        train.worker_resources(Args, cpus=2, gpus=0)

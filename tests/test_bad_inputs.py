@@ -1,0 +1,128 @@
+"""The bad-input catalogue: every odd photo is converted or named, never a traceback."""
+
+import io
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import dataset
+import utils
+
+from conftest import REPO_DIR
+
+
+def read_rgb(path):
+    with Image.open(path) as image:
+        return np.asarray(image.convert("RGB"))
+
+
+def inspect_one(tmp_path, image, name, resolution=16, **save):
+    path = tmp_path / name
+    image.save(path, **save)
+    [out] = dataset.inspect_images([str(path)], resolution, str(tmp_path / "converted"))
+    return out, str(path)
+
+
+def test_plain_rgb_and_gray_are_read_in_place(tmp_path):
+    for mode, name in (("RGB", "a.jpg"), ("L", "b.png")):
+        out, path = inspect_one(tmp_path, Image.new(mode, (32, 24)), name)
+        assert out == path
+
+
+def test_transparent_pixels_become_white(tmp_path):
+    image = Image.new("RGBA", (32, 32), (255, 0, 0, 0))
+    image.putpixel((0, 0), (0, 0, 255, 255))
+    out, path = inspect_one(tmp_path, image, "t.png")
+    assert out != path and out.startswith(str(tmp_path / "converted"))
+    rgb = read_rgb(out)
+    assert tuple(rgb[5, 5]) == (255, 255, 255) and tuple(rgb[0, 0]) == (0, 0, 255)
+
+
+def test_sixteen_bit_png_keeps_its_tones(tmp_path):
+    array = np.full((32, 32), 32768, np.uint16)
+    out, _ = inspect_one(tmp_path, Image.fromarray(array), "deep.png")
+    assert abs(int(read_rgb(out)[0, 0, 0]) - 128) <= 1
+
+
+def test_cmyk_and_palette_become_rgb(tmp_path):
+    out, _ = inspect_one(tmp_path, Image.new("CMYK", (32, 32), (0, 255, 255, 0)), "c.jpg")
+    assert read_rgb(out)[0, 0, 0] > 200 and read_rgb(out)[0, 0, 1] < 60  # red
+    palette = Image.new("P", (32, 32), 3)
+    palette.putpalette([0, 0, 0] * 3 + [0, 200, 0] + [0, 0, 0] * 252)
+    out, _ = inspect_one(tmp_path, palette, "p.png")
+    assert tuple(read_rgb(out)[0, 0]) == (0, 200, 0)
+
+
+def test_exif_rotated_photo_that_needs_conversion_is_stored_upright(tmp_path):
+    image = Image.new("RGBA", (40, 20), (0, 0, 0, 255))
+    exif = image.getexif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise to display
+    out, _ = inspect_one(tmp_path, image, "r.png", exif=exif)
+    assert read_rgb(out).shape == (40, 20, 3)
+    assert dataset.exif_orientation(out) == 1
+
+
+def test_corrupt_and_truncated_images_are_named(tmp_path):
+    (tmp_path / "broken.jpg").write_bytes(b"not a jpeg at all")
+    with pytest.raises(utils.UserError, match="broken.jpg"):
+        dataset.inspect_images([str(tmp_path / "broken.jpg")], 16, str(tmp_path))
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(buffer, "JPEG")
+    (tmp_path / "cut.jpg").write_bytes(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+    with pytest.raises(utils.UserError, match="cut.jpg"):
+        dataset.inspect_images([str(tmp_path / "cut.jpg")], 16, str(tmp_path))
+
+
+def test_small_images_are_warned_and_large_ones_accepted(tmp_path, capsys):
+    small, _ = inspect_one(tmp_path, Image.new("RGB", (8, 12)), "tiny.png", resolution=64)
+    assert "tiny.png" in capsys.readouterr().err
+    big, path = inspect_one(tmp_path, Image.new("RGB", (6000, 4000)), "huge.jpg", resolution=64)
+    assert big == path
+    assert dataset.resize_shorter_side(read_rgb(big), 64).shape == (64, 96, 3)
+
+
+def run_train(args, timeout=120):
+    return subprocess.run([sys.executable, "train.py", *args], cwd=REPO_DIR, capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+
+
+def assert_one_line_error(proc, *words):
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    for word in words:
+        assert word in last, proc.stderr[-2000:]
+
+
+def test_train_cli_names_the_bad_input(tiny_model, toy_images, tmp_path):
+    base = ["--model_dir", tiny_model, "--instance_prompt", "photo of unqtkn toy", "--num_workers", "1"]
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    for name in os.listdir(toy_images):
+        (photos / name).write_bytes((open(os.path.join(toy_images, name), "rb")).read())
+    (photos / "IMG_0001.jpg").write_bytes(b"\xff\xd8\xff garbage")
+    proc = run_train(base + ["--output_dir", str(tmp_path / "o1"), "--instance_images_dir", str(photos)])
+    assert_one_line_error(proc, "IMG_0001.jpg")
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = run_train(base + ["--output_dir", str(tmp_path / "o2"), "--instance_images_dir", str(empty)])
+    assert_one_line_error(proc, "holds no images")
+
+    proc = run_train(base + ["--output_dir", str(tmp_path / "o3"), "--instance_images_dir", toy_images,
+                             "--num_workers", "64"])
+    assert_one_line_error(proc, "--num_workers 64")
+
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    proc = run_train(base + ["--output_dir", str(tmp_path / "mine"), "--instance_images_dir", toy_images])
+    assert_one_line_error(proc, "--overwrite")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+    proc = run_train(base + ["--output_dir", str(tmp_path / "o4"), "--instance_images_dir", toy_images,
+                             "--resume_from_checkpoint", str(tmp_path)])
+    assert_one_line_error(proc, "not a complete checkpoint")

@@ -1,0 +1,155 @@
+"""Runs that are cut short: resume, a SIGKILLed worker, Ctrl-C, interrupted generation."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import train
+
+from conftest import REPO_DIR
+
+ENV = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+
+
+def checkpoint_steps(run_dir):
+    steps = []
+    for name in sorted(os.listdir(run_dir)):
+        state = os.path.join(run_dir, name, train.CHECKPOINT_STATE)
+        if os.path.isfile(state):
+            steps.append(json.load(open(state))["step"])
+    return sorted(steps)
+
+
+def train_args(tiny_model, toy_images, out, steps, *extra):
+    return ["--model_dir", tiny_model, "--output_dir", str(out), "--instance_images_dir", toy_images,
+            "--instance_prompt", "photo of unqtkn toy", "--train_batch_size", "1", "--num_workers", "2",
+            "--num_epochs", "100", "--max_train_steps", str(steps), *extra]
+
+
+def test_resume_latest_continues_step_count_and_lr_schedule(ray_session, tiny_model, toy_images, tmp_path):
+    out = tmp_path / "model-tuned"
+    common = ["--lr_warmup_steps", "4", "--checkpointing_steps", "2", "--logging_steps", "1"]
+    first = train.main(train_args(tiny_model, toy_images, out, 2, *common))
+    assert first.metrics["step"] == 2
+    resumed = train.main(train_args(tiny_model, toy_images, out, 4, *common, "--resume_from_checkpoint", "latest"))
+    assert resumed.metrics["step"] == 4
+    # The schedule went on: 4 steps of warm-up in all, not 2 + 2 restarted ones.
+    assert resumed.metrics["lr"] == pytest.approx(5e-6 * train.lr_factor(4, 4))
+    assert first.metrics["lr"] == pytest.approx(5e-6 * train.lr_factor(2, 4))
+    # Only steps 3 and 4 ran in the second run: its one checkpoint is the final one.
+    assert checkpoint_steps(resumed.path) == [4]
+
+
+def test_resume_latest_without_checkpoint_starts_fresh(ray_session, tiny_model, toy_images, tmp_path, capsys):
+    result = train.main(train_args(tiny_model, toy_images, tmp_path / "m", 2, "--resume_from_checkpoint", "latest"))
+    assert result.metrics["step"] == 2
+    assert "starting fresh" in capsys.readouterr().err
+
+
+def worker_pids(since):
+    """PIDs of Ray Train worker processes started after `since` (epoch seconds)."""
+    boot = time.time() - float(open("/proc/uptime").read().split()[0])
+    ticks = os.sysconf("SC_CLK_TCK")
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+            started = boot + int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[19]) / ticks
+        except OSError:
+            continue
+        if cmd.startswith(b"ray::RayTrainWorker") and started >= since - 1:
+            pids.append(int(pid))
+    return pids
+
+
+def wait_for(predicate, timeout, proc):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.5)
+    proc.kill()
+    pytest.fail("timed out waiting")
+
+
+def start_train(args):
+    return subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO_DIR, env=ENV, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def run_dirs(storage):
+    return [os.path.join(storage, d) for d in os.listdir(storage)] if os.path.isdir(storage) else []
+
+
+def test_sigkilled_worker_is_replaced_and_training_completes(tiny_model, toy_images, tmp_path):
+    out, storage = tmp_path / "model-tuned", tmp_path / "ray_results"
+    started = time.time()
+    proc = start_train(train_args(tiny_model, toy_images, out, 60, "--checkpointing_steps", "5",
+                                  "--logging_steps", "5", "--max_failures", "2"))
+    wait_for(lambda: any(checkpoint_steps(d) for d in run_dirs(storage)), 180, proc)
+    victims = worker_pids(started)
+    assert victims, "no Ray Train worker process found"
+    os.kill(victims[-1], signal.SIGKILL)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    [run_dir] = run_dirs(storage)
+    assert checkpoint_steps(run_dir)[-1] == 60
+    assert "trained 60 steps" in stderr
+    assert os.path.isfile(out / "model_index.json") and not [n for n in os.listdir(tmp_path) if n.startswith(".tmp")]
+
+
+def test_ctrl_c_says_how_to_resume_and_the_rerun_finishes(tiny_model, toy_images, tmp_path):
+    out, storage = tmp_path / "model-tuned", tmp_path / "ray_results"
+    args = train_args(tiny_model, toy_images, out, 40, "--checkpointing_steps", "4", "--logging_steps", "4")
+    proc = start_train(args)
+    wait_for(lambda: any(checkpoint_steps(d) for d in run_dirs(storage)), 180, proc)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130
+    assert "--resume_from_checkpoint latest" in stderr
+    assert not os.path.exists(out / "model_index.json")
+    done_before = max(s for d in run_dirs(storage) for s in checkpoint_steps(d))
+
+    rerun = subprocess.run([sys.executable, "train.py", *args, "--resume_from_checkpoint", "latest"],
+                           cwd=REPO_DIR, env=ENV, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "resuming from" in rerun.stderr
+    new_run = max(run_dirs(storage), key=os.path.getmtime)
+    steps = checkpoint_steps(new_run)
+    assert steps[0] > done_before and steps[-1] == 40
+    assert os.path.isfile(out / "model_index.json")
+
+
+def test_killed_generation_rerun_gives_exactly_the_uninterrupted_images(tiny_model, tmp_path):
+    def command(folder):
+        return [sys.executable, "generate.py", "--model_dir", tiny_model, "--output_dir", str(folder),
+                "--prompts", "photo of a toy", "--num_samples_per_prompt", "10", "--batch_size", "1",
+                "--num_inference_steps", "20", "--seed", "3"]
+
+    cut = tmp_path / "cut"
+    proc = subprocess.Popen(command(cut), cwd=REPO_DIR, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    wait_for(lambda: os.path.isdir(cut) and len([f for f in os.listdir(cut) if f.endswith(".png")]) >= 2, 180, proc)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    made = [f for f in os.listdir(cut) if f.endswith(".png")]
+    assert 2 <= len(made) < 10
+    (cut / (made[0] + ".tmp-99999")).write_bytes(b"half an image")  # as a kill mid-write leaves it
+
+    for folder in (cut, tmp_path / "whole"):
+        subprocess.run(command(folder), cwd=REPO_DIR, env=ENV, check=True, capture_output=True, timeout=300)
+    names = sorted(f for f in os.listdir(cut) if f != "grid")
+    assert names == sorted(f for f in os.listdir(tmp_path / "whole") if f != "grid")
+    assert len(names) == 10
+    for name in names:
+        a = np.asarray(Image.open(cut / name).convert("RGB"), dtype=int)
+        b = np.asarray(Image.open(tmp_path / "whole" / name).convert("RGB"), dtype=int)
+        np.testing.assert_allclose(a, b, atol=1)
