@@ -235,6 +235,11 @@ FLAGS = {
         ("--overwrite",),
         dict(action="store_true", help="Allow writing into a non-empty folder that is not ours."),
     ),
+    "allow_unsafe_weights": (
+        ("--allow_unsafe_weights",),
+        dict(action="store_true",
+             help="Also load pickled .bin weights (they can run code when loaded); default: safetensors only."),
+    ),
     # --- generation
     "prompts": (
         ("--prompts",),

@@ -65,14 +65,15 @@ def write_grid(output_dir, files):
     return path
 
 
-def load_pipeline(model_dir, device):
-    """The SD pipeline in fp16 on GPU, fp32 on CPU; safetensors weights only, no remote code."""
+def load_pipeline(model_dir, device, allow_unsafe_weights=False):
+    """The SD pipeline in fp16 on GPU, fp32 on CPU; safetensors weights only unless allowed, no remote code."""
     import torch
     from diffusers import StableDiffusionPipeline
 
     utils.quiet_hf_logging()
     dtype = torch.float16 if device.type == "cuda" else torch.float32
-    pipe = StableDiffusionPipeline.from_pretrained(model_dir, dtype=dtype, use_safetensors=True)
+    pipe = StableDiffusionPipeline.from_pretrained(model_dir, dtype=dtype,
+                                                   use_safetensors=utils.safetensors_only(allow_unsafe_weights))
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
 
@@ -103,7 +104,7 @@ class ImageGenerator:
     """
 
     def __init__(self, model_dir, output_dir, settings):
-        self.pipe = load_pipeline(model_dir, utils.torch_device())
+        self.pipe = load_pipeline(model_dir, utils.torch_device(), settings["allow_unsafe_weights"])
         self.output_dir = output_dir
         self.settings = settings
 
@@ -124,6 +125,7 @@ def run_actor_pool(rows, args, num_actors):
         "guidance_scale": args.guidance_scale,
         "negative_prompt": args.negative_prompt,
         "resolution": args.resolution,
+        "allow_unsafe_weights": args.allow_unsafe_weights,
     }
     ds = ray.data.from_items(rows).map_batches(
         ImageGenerator,
@@ -146,11 +148,11 @@ def main(argv=None):
         __doc__.splitlines()[0],
         ["model_dir", "output_dir", "prompts", "num_samples_per_prompt", "batch_size",
          "num_inference_steps", "guidance_scale", "negative_prompt", "seed", "resolution",
-         "num_actors", "use_ray_data"],
+         "num_actors", "use_ray_data", "allow_unsafe_weights"],
     )
     args = parser.parse_args(argv)
     prompts = list(dict.fromkeys(p for group in args.prompts for p in group))
-    utils.check_model_dir(args.model_dir)
+    utils.check_model_dir(args.model_dir, args.allow_unsafe_weights)
     os.makedirs(args.output_dir, exist_ok=True)
     utils.remove_temp_files(args.output_dir)
     rows, all_files = plan_images(prompts, args.num_samples_per_prompt, args.seed, args.output_dir)

@@ -123,15 +123,16 @@ def amp_dtype(mixed_precision):
     return {"no": None, "fp16": torch.float16, "bf16": torch.bfloat16}[mixed_precision]
 
 
-def load_models(model_dir, device, train_text_encoder):
-    """UNet and text encoder in fp32 (trainable), frozen VAE; safetensors only."""
+def load_models(model_dir, device, train_text_encoder, allow_unsafe_weights=False):
+    """UNet and text encoder in fp32 (trainable), frozen VAE; safetensors only unless allowed."""
     from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
     from transformers import CLIPTextModel
 
     utils.quiet_hf_logging()
-    unet = UNet2DConditionModel.from_pretrained(model_dir, subfolder="unet", use_safetensors=True)
-    text_encoder = CLIPTextModel.from_pretrained(model_dir, subfolder="text_encoder", use_safetensors=True)
-    vae = AutoencoderKL.from_pretrained(model_dir, subfolder="vae", use_safetensors=True)
+    safe = utils.safetensors_only(allow_unsafe_weights)
+    unet = UNet2DConditionModel.from_pretrained(model_dir, subfolder="unet", use_safetensors=safe)
+    text_encoder = CLIPTextModel.from_pretrained(model_dir, subfolder="text_encoder", use_safetensors=safe)
+    vae = AutoencoderKL.from_pretrained(model_dir, subfolder="vae", use_safetensors=safe)
     scheduler = DDPMScheduler.from_pretrained(model_dir, subfolder="scheduler")
     vae.requires_grad_(False).eval()
     text_encoder.requires_grad_(train_text_encoder)
@@ -176,7 +177,8 @@ def save_checkpoint(state, folder, epoch):
     save_file(unwrap(models["unet"]).state_dict(), os.path.join(folder, "unet.safetensors"))
     save_file(unwrap(models["text_encoder"]).state_dict(), os.path.join(folder, "text_encoder.safetensors"))
     torch.save({"optimizer": state["optimizer"].state_dict(), "lr_scheduler": state["lr_scheduler"].state_dict(),
-                "scaler": state["scaler"].state_dict(), "torch_rng": torch.get_rng_state()},
+                "scaler": state["scaler"].state_dict(), "torch_rng": torch.get_rng_state(),
+                "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
                os.path.join(folder, "optimizer.pt"))
     # Written last, with the size of every other file: a checkpoint copied or written
     # only in part is recognised as incomplete and never resumed from.
@@ -198,6 +200,8 @@ def load_checkpoint(state, folder):
     state["lr_scheduler"].load_state_dict(extra["lr_scheduler"])
     state["scaler"].load_state_dict(extra["scaler"])
     torch.set_rng_state(extra["torch_rng"].cpu())
+    if extra.get("cuda_rng") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(extra["cuda_rng"].cpu())
     with open(os.path.join(folder, CHECKPOINT_STATE)) as f:
         info = json.load(f)
     state["step"] = info["step"]
@@ -210,7 +214,8 @@ def save_pipeline(models, model_dir, output_dir, config):
 
     utils.quiet_hf_logging()
     pipe = StableDiffusionPipeline.from_pretrained(
-        model_dir, unet=unwrap(models["unet"]), text_encoder=unwrap(models["text_encoder"]), use_safetensors=True)
+        model_dir, unet=unwrap(models["unet"]), text_encoder=unwrap(models["text_encoder"]),
+        use_safetensors=utils.safetensors_only(config["allow_unsafe_weights"]))
 
     def write(tmp):
         pipe.save_pretrained(tmp, safe_serialization=True)
@@ -241,7 +246,7 @@ def train_fn(config):
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
     torch.manual_seed(config["seed"] + rank)
-    models = load_models(config["model_dir"], device, config["train_text_encoder"])
+    models = load_models(config["model_dir"], device, config["train_text_encoder"], config["allow_unsafe_weights"])
     models["unet"] = ray.train.torch.prepare_model(models["unet"])
     if config["train_text_encoder"]:
         models["text_encoder"] = ray.train.torch.prepare_model(models["text_encoder"])
@@ -405,11 +410,11 @@ def main(argv=None):
         "adam_beta2", "adam_weight_decay", "adam_epsilon", "max_grad_norm", "max_train_steps",
         "num_train_epochs", "mixed_precision", "seed", "num_workers", "use_gpu", "storage_path",
         "logging_steps", "checkpointing_steps", "checkpoints_total_limit", "resume_from_checkpoint",
-        "max_failures", "overwrite"])
+        "max_failures", "overwrite", "allow_unsafe_weights"])
     args = flags.check_train_args(parser, parser.parse_args(argv))
     import dataset
 
-    utils.check_model_dir(args.model_dir)
+    utils.check_model_dir(args.model_dir, args.allow_unsafe_weights)
     check_output_dir(args.output_dir, args.overwrite)
     instance_paths = dataset.list_images(args.instance_data_dir, "instance")
     class_paths = dataset.list_images(args.class_data_dir, "class") if args.with_prior_preservation else None
@@ -478,9 +483,16 @@ def run_trainer(config, train_ds, cpus_per_worker, run_prefix):
         datasets={"train": train_ds},
     )
     try:
-        return trainer.fit()
+        result = trainer.fit()
     except (ray.train.ControllerError, ray.train.WorkerGroupError) as err:
         raise utils.UserError(f"training failed: {str(err).splitlines()[0]}") from None
+    except SystemExit:
+        # fit() installs its own Ctrl-C handler: it aborts the run, then exits.
+        raise KeyboardInterrupt from None
+    if (result.metrics or {}).get("step", 0) < config["total_steps"] and not os.path.isfile(
+            os.path.join(config["output_dir"], utils.OUTPUT_MARKER)):
+        raise KeyboardInterrupt  # an aborted run returns a partial result
+    return result
 
 
 if __name__ == "__main__":

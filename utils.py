@@ -188,8 +188,17 @@ def torch_device():
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def check_model_dir(model_dir):
-    """Fail early, naming what is missing, if model_dir is not a diffusers SD folder."""
+def safetensors_only(allow_unsafe_weights):
+    """use_safetensors= for from_pretrained: True refuses pickled weights, None accepts either."""
+    return None if allow_unsafe_weights else True
+
+
+def check_model_dir(model_dir, allow_unsafe_weights=False):
+    """Fail early, naming what is missing, if model_dir is not a diffusers SD folder.
+
+    Without allow_unsafe_weights, each network must come as safetensors: pickled .bin
+    weights can execute code when loaded.
+    """
     if not os.path.isdir(model_dir):
         raise UserError(f"model folder not found: {model_dir}")
     index_path = os.path.join(model_dir, "model_index.json")
@@ -198,6 +207,14 @@ def check_model_dir(model_dir):
     for part in ("unet", "vae", "text_encoder", "tokenizer", "scheduler"):
         if not os.path.isdir(os.path.join(model_dir, part)):
             raise UserError(f"model folder {model_dir} is missing its '{part}' component")
+    for part in ("unet", "vae", "text_encoder"):
+        names = os.listdir(os.path.join(model_dir, part))
+        if not any(n.endswith(".safetensors") for n in names):
+            if not any(n.endswith(".bin") for n in names):
+                raise UserError(f"model folder {model_dir} has no weights in '{part}'")
+            if not allow_unsafe_weights:
+                raise UserError(f"'{part}' in {model_dir} has only pickled .bin weights; convert them to "
+                                "safetensors or pass --allow_unsafe_weights if you trust their source")
 
 
 def build_tiny_pipeline(seed=0):

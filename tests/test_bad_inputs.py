@@ -126,3 +126,25 @@ def test_train_cli_names_the_bad_input(tiny_model, toy_images, tmp_path):
     proc = run_train(base + ["--output_dir", str(tmp_path / "o4"), "--instance_images_dir", toy_images,
                              "--resume_from_checkpoint", str(tmp_path)])
     assert_one_line_error(proc, "not a complete checkpoint")
+
+
+def test_pickled_weights_need_an_explicit_opt_in(tiny_model, tmp_path):
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    weights = model / "unet" / "diffusion_pytorch_model.safetensors"
+    torch.save(load_file(weights), model / "unet" / "diffusion_pytorch_model.bin")
+    weights.unlink()
+    with pytest.raises(utils.UserError, match="'unet' .* only pickled .bin weights"):
+        utils.check_model_dir(str(model))
+    utils.check_model_dir(str(model), allow_unsafe_weights=True)
+    import train
+
+    models = train.load_models(str(model), torch.device("cpu"), True, allow_unsafe_weights=True)
+    assert models["unet"].config.sample_size == 32
+    with pytest.raises(Exception):
+        train.load_models(str(model), torch.device("cpu"), True)
