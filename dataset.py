@@ -198,6 +198,55 @@ def augment_batch(batch, instance_images, resolution, center_crop, random_flip):
     return out
 
 
+class LatentEncoder:
+    """Ray Data actor for --cache_latents: the VAE, loaded once, encodes every stored image.
+
+    In: stored rows (see augment_batch). Out: {"instance_latents": (B, V, 8, h, w)
+    [, "class_latents": (B, V, 8, h, w)]}: VAE posterior mean and log-variance of the
+    center crop, V = 2 views (plain, flipped) with random_flip, else 1.
+    """
+
+    def __init__(self, model_dir, instance_images, resolution, random_flip, allow_unsafe_weights):
+        import torch
+        from diffusers import AutoencoderKL
+
+        utils.quiet_hf_logging()
+        self.device = utils.torch_device()
+        self.vae = AutoencoderKL.from_pretrained(model_dir, subfolder="vae",
+                                                 use_safetensors=utils.safetensors_only(allow_unsafe_weights))
+        self.vae.to(self.device).eval().requires_grad_(False)
+        self.resolution, self.random_flip, self.torch = resolution, random_flip, torch
+        self.instance_latents = self.encode(instance_images) if instance_images else None
+
+    def encode(self, images):
+        """B x (H, W, 3) uint8 -> (B, V, 8, h, w) float32 posterior parameters."""
+        views = [np.stack([to_model_input(crop_square(x, self.resolution, True, None)) for x in images])]
+        if self.random_flip:
+            views.append(views[0][..., ::-1].copy())
+        out = []
+        with self.torch.no_grad():
+            for view in views:
+                pixels = self.torch.from_numpy(view).to(self.device)
+                out.append(self.vae.encode(pixels).latent_dist.parameters.float().cpu().numpy())
+        return np.stack(out, axis=1)
+
+    def __call__(self, batch):
+        if "image" in batch:
+            return {"instance_latents": self.encode(batch["image"])}
+        return {"instance_latents": self.instance_latents[batch["instance_index"].astype(int)],
+                "class_latents": self.encode(batch["class_image"])}
+
+
+def pick_latent_view(batch):
+    """(B, V, 8, h, w) cached views -> (B, 8, h, w): one view per row at random (the flip)."""
+    rng = np.random.default_rng()
+    out = {}
+    for key, views in batch.items():
+        choice = rng.integers(0, views.shape[1], size=views.shape[0])
+        out[key] = views[np.arange(views.shape[0]), choice]
+    return out
+
+
 def read_folder(paths, resolution):
     import ray
 
@@ -205,10 +254,12 @@ def read_folder(paths, resolution):
     return ds.map(decode_upright, fn_kwargs={"resolution": resolution})
 
 
-def build_train_dataset(instance_paths, class_paths, resolution, center_crop, random_flip):
+def build_train_dataset(instance_paths, class_paths, resolution, center_crop, random_flip, latent_cache=None):
     """The training Dataset: stored (decoded, paired) rows, reshuffled and augmented each epoch.
 
-    class_paths=None trains on instance rows alone (no prior preservation).
+    class_paths=None trains on instance rows alone (no prior preservation). latent_cache,
+    a dict {"model_dir", "num_gpus", "allow_unsafe_weights"}, swaps pixels for VAE
+    latents encoded once here (center crop; both flip views with random_flip).
     """
     instance_ds = read_folder(instance_paths, resolution)
     if class_paths:
@@ -220,6 +271,18 @@ def build_train_dataset(instance_paths, class_paths, resolution, center_crop, ra
     else:
         instance_images = None
         stored = instance_ds
+    if latent_cache:
+        import ray
+
+        stored = stored.map_batches(
+            LatentEncoder,
+            fn_constructor_args=(latent_cache["model_dir"], instance_images, resolution, random_flip,
+                                 latent_cache["allow_unsafe_weights"]),
+            compute=ray.data.ActorPoolStrategy(size=max(1, latent_cache["num_gpus"])),
+            num_gpus=1 if latent_cache["num_gpus"] else 0,
+            batch_size=16,
+        ).materialize()
+        return stored.random_shuffle().map_batches(pick_latent_view, batch_size=16)
     stored = stored.materialize()
     return stored.random_shuffle().map_batches(
         augment_batch,

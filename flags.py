@@ -186,6 +186,29 @@ FLAGS = {
         ("--num_train_epochs", "--num_epochs"),
         dict(type=positive_int, default=4, help="Stop after this many passes over the data."),
     ),
+    "gradient_accumulation_steps": (
+        ("--gradient_accumulation_steps",),
+        dict(type=positive_int, default=1, help="Batches per optimizer step (larger effective batch)."),
+    ),
+    "gradient_checkpointing": (
+        ("--gradient_checkpointing",),
+        dict(action="store_true", help="Recompute activations in backward: much less memory, ~30%% slower."),
+    ),
+    "cache_latents": (
+        ("--cache_latents",),
+        dict(action="store_true",
+             help="Encode every training image with the VAE once, before training, instead of every step "
+                  "(implies --center_crop; with --random_flip both views are cached)."),
+    ),
+    "precompute_text_embeddings": (
+        ("--precompute_text_embeddings",),
+        dict(action=argparse.BooleanOptionalAction, default=True,
+             help="With a frozen text encoder, compute the prompt embeddings once, not every step."),
+    ),
+    "torch_compile": (
+        ("--torch_compile",),
+        dict(action="store_true", help="torch.compile the UNet (slow first steps, faster after)."),
+    ),
     "mixed_precision": (
         ("--mixed_precision",),
         dict(choices=["no", "fp16", "bf16"], default=None,

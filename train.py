@@ -69,49 +69,103 @@ def lr_factor(step, warmup_steps):
     return min(1.0, (step + 1) / (warmup_steps + 1)) if warmup_steps else 1.0
 
 
-def batch_loss(models, batch, prompt_ids, prior_loss_weight):
-    """Forward pass for one batch. batch: {"instance_pixels": (B, 3, R, R)[, "class_pixels"]}.
+def batch_latents(vae, batch):
+    """Scaled latents (B, 4, h, w) of a batch, instance rows first, then class rows.
 
-    prompt_ids: {"instance": (L,), "class": (L,)} token ids. Returns dreambooth_loss's tuple.
+    From pixels ("instance_pixels"/"class_pixels": (B, 3, R, R)) through the VAE, or from
+    cached VAE posteriors ("instance_latents"/"class_latents": (B, 8, h, w), mean and
+    log-variance) with a fresh sample each step, as encoding every step would draw.
+    """
+    import torch
+    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+    kind = "latents" if "instance_latents" in batch else "pixels"
+    parts = [batch[f"instance_{kind}"]] + ([batch[f"class_{kind}"]] if f"class_{kind}" in batch else [])
+    stacked = torch.cat(parts)
+    if kind == "pixels":
+        return encode_latents(vae, stacked)
+    return DiagonalGaussianDistribution(stacked.float()).sample() * vae.config.scaling_factor
+
+
+def prompt_conditioning(text_encoder, prompts, num_instance, num_class):
+    """(num_instance + num_class, L, D) text-encoder states for a batch.
+
+    prompts: {"instance": (1, L) ids, "class": (1, L) ids} run through the text encoder, or
+    {"instance": (1, L, D), "class": (1, L, D)} states computed once (frozen text encoder).
     """
     import torch
 
-    unet, text_encoder, vae, scheduler = models["unet"], models["text_encoder"], models["vae"], models["scheduler"]
-    pixels = batch["instance_pixels"]
-    num_instance = pixels.shape[0]
-    ids = prompt_ids["instance"].expand(num_instance, -1)
-    if "class_pixels" in batch:
-        pixels = torch.cat([pixels, batch["class_pixels"]])
-        ids = torch.cat([ids, prompt_ids["class"].expand(batch["class_pixels"].shape[0], -1)])
-    latents = encode_latents(vae, pixels)
+    def states(key, count):
+        value = prompts[key]
+        if value.dim() == 2:
+            return text_encoder(value.expand(count, -1))[0]
+        return value.expand(count, -1, -1)
+
+    if not num_class:
+        return states("instance", num_instance)
+    if prompts["instance"].dim() == 2:  # one text-encoder call for both prompts
+        ids = torch.cat([prompts["instance"].expand(num_instance, -1), prompts["class"].expand(num_class, -1)])
+        return text_encoder(ids)[0]
+    return torch.cat([states("instance", num_instance), states("class", num_class)])
+
+
+def batch_loss(models, batch, prompts, prior_loss_weight):
+    """Forward pass for one batch (see batch_latents and prompt_conditioning for the inputs).
+
+    Returns dreambooth_loss's tuple (total, instance_loss, prior_loss or None).
+    """
+    import torch
+
+    unet, scheduler = models["unet"], models["scheduler"]
+    latents = batch_latents(models["vae"], batch)
+    num_instance = next(v for k, v in batch.items() if k.startswith("instance_")).shape[0]
+    hidden = prompt_conditioning(models["text_encoder"], prompts, num_instance, latents.shape[0] - num_instance)
     noise = torch.randn_like(latents)
     timesteps = torch.randint(0, scheduler.config.num_train_timesteps, (latents.shape[0],), device=latents.device)
     noisy = scheduler.add_noise(latents, noise, timesteps)
-    hidden = text_encoder(ids)[0]
     pred = unet(noisy, timesteps, hidden).sample
     return dreambooth_loss(pred, diffusion_target(scheduler, latents, noise, timesteps),
                            num_instance, prior_loss_weight)
 
 
-def train_step(state, batch, prompt_ids, config):
-    """One optimizer step: autocast forward, backward, clip, AdamW, LR schedule.
+def train_step(state, micro_batches, prompts, config):
+    """One optimizer step over gradient-accumulation micro-batches: autocast forward,
+    backward, clip, AdamW, LR schedule. DDP all-reduces only on the last micro-batch.
 
-    Returns (loss, instance_loss, prior_loss) as floats (the .item() is a device sync point).
+    Returns (loss, instance_loss, prior_loss) averaged over micro-batches, as floats
+    (the .item() is a device sync point).
     """
+    import contextlib
+
     import torch
 
     device_type = state["device"].type
-    with torch.autocast(device_type, dtype=state["amp_dtype"], enabled=state["amp_dtype"] is not None):
-        loss, instance_loss, prior_loss = batch_loss(state["models"], batch, prompt_ids, config["prior_loss_weight"])
+    count = len(micro_batches)
+    totals = []
+    for k, batch in enumerate(micro_batches):
+        last = k == count - 1
+        sync = contextlib.ExitStack()
+        if not last:
+            for model in state["ddp_models"]:
+                sync.enter_context(model.no_sync())
+        with sync:
+            with torch.autocast(device_type, dtype=state["amp_dtype"], enabled=state["amp_dtype"] is not None):
+                losses = batch_loss(state["models"], batch, prompts, config["prior_loss_weight"])
+            state["scaler"].scale(losses[0] / count).backward()
+        totals.append(losses)
     scaler = state["scaler"]
-    scaler.scale(loss).backward()
     scaler.unscale_(state["optimizer"])
     torch.nn.utils.clip_grad_norm_(state["params"], config["max_grad_norm"])
     scaler.step(state["optimizer"])
     scaler.update()
     state["optimizer"].zero_grad(set_to_none=True)
     state["lr_scheduler"].step()
-    return loss.item(), instance_loss.item(), None if prior_loss is None else prior_loss.item()
+
+    def mean(i):
+        values = [t[i].item() for t in totals if t[i] is not None]
+        return sum(values) / len(values) if values else None
+
+    return mean(0), mean(1), mean(2)
 
 
 # ---------------------------------------------------------------- models and state
@@ -159,13 +213,16 @@ def make_train_state(models, config, device):
     dtype = amp_dtype(config["mixed_precision"])
     # Loss scaling only matters for fp16's narrow exponent range.
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    ddp_models = [m for m in (models["unet"], models["text_encoder"]) if hasattr(m, "no_sync")]
     return {"models": models, "params": params, "optimizer": optimizer, "lr_scheduler": lr_scheduler,
-            "scaler": scaler, "amp_dtype": dtype, "device": device, "step": 0}
+            "scaler": scaler, "amp_dtype": dtype, "device": device, "step": 0, "ddp_models": ddp_models}
 
 
 def unwrap(model):
-    """prepare_model wraps in DDP only when there is more than one worker."""
-    return getattr(model, "module", model)
+    """The plain module under torch.compile's and DDP's wrappers (DDP only wraps with >1 worker)."""
+    while hasattr(model, "_orig_mod") or hasattr(model, "module"):
+        model = getattr(model, "_orig_mod", None) or model.module
+    return model
 
 
 def save_checkpoint(state, folder, epoch):
@@ -246,10 +303,7 @@ def train_fn(config):
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
     torch.manual_seed(config["seed"] + rank)
-    models = load_models(config["model_dir"], device, config["train_text_encoder"], config["allow_unsafe_weights"])
-    models["unet"] = ray.train.torch.prepare_model(models["unet"])
-    if config["train_text_encoder"]:
-        models["text_encoder"] = ray.train.torch.prepare_model(models["text_encoder"])
+    models = setup_models(config, device, ray.train.torch.prepare_model)
     state = make_train_state(models, config, device)
     epoch = 0
     checkpoint = ray.train.get_checkpoint()
@@ -259,9 +313,9 @@ def train_fn(config):
             epoch = load_checkpoint(state, folder)
     elif resume_dir:
         epoch = load_checkpoint(state, resume_dir)
-    prompt_ids = {k: torch.tensor(v, device=device).unsqueeze(0) for k, v in config["prompt_ids"].items()}
+    prompts = prompt_inputs(models["text_encoder"], config, device)
     shard = ray.train.get_dataset_shard("train")
-    total, per_epoch = config["total_steps"], config["steps_per_epoch"]
+    total, per_epoch, accum = config["total_steps"], config["steps_per_epoch"], config["gradient_accumulation_steps"]
     bar = tqdm_ray.tqdm(total=total, desc="training") if rank == 0 else None
     if bar and state["step"]:
         bar.update(state["step"])
@@ -270,15 +324,13 @@ def train_fn(config):
         # Resuming mid-epoch finishes that epoch's remaining steps, so a resumed run
         # takes exactly as many optimizer steps as an uninterrupted one.
         epoch = state["step"] // per_epoch
-        steps_left_in_epoch = per_epoch - state["step"] % per_epoch
+        steps_left = min(per_epoch - state["step"] % per_epoch, total - state["step"])
         batches = shard.iter_torch_batches(batch_size=config["train_batch_size"], device=device)
-        for k, batch in enumerate(batches):
-            if k >= steps_left_in_epoch or state["step"] >= total:
-                break
-            loss, _, _ = train_step(state, batch, prompt_ids, config)
+        for micro_batches in accumulate(batches, accum, steps_left):
+            loss, _, _ = train_step(state, micro_batches, prompts, config)
             state["step"] += 1
             window_loss.append(loss)
-            window_images += sum(v.shape[0] for v in batch.values())
+            window_images += sum(v.shape[0] for b in micro_batches for v in b.values())
             if bar:
                 bar.update(1)
             if should_report(state["step"], config):
@@ -295,6 +347,50 @@ def train_fn(config):
         bar.close()
     if rank == 0:
         save_pipeline(state["models"], config["model_dir"], config["output_dir"], config)
+
+
+def accumulate(batches, accum, max_steps):
+    """Group an epoch's batches into lists of `accum` micro-batches, at most max_steps groups."""
+    group = []
+    for batch in batches:
+        group.append(batch)
+        if len(group) == accum:
+            yield group
+            group = []
+            max_steps -= 1
+            if max_steps == 0:
+                return
+
+
+def setup_models(config, device, prepare_model):
+    """Load the models and apply the memory/speed options; prepare_model wraps for DDP."""
+    import torch
+
+    models = load_models(config["model_dir"], device, config["train_text_encoder"], config["allow_unsafe_weights"])
+    if config["gradient_checkpointing"]:
+        models["unet"].enable_gradient_checkpointing()
+        if config["train_text_encoder"]:
+            models["text_encoder"].gradient_checkpointing_enable()
+    if device.type == "cuda":
+        # NHWC convolutions run on tensor cores without layout transposes.
+        models["unet"].to(memory_format=torch.channels_last)
+    models["unet"] = prepare_model(models["unet"])
+    if config["train_text_encoder"]:
+        models["text_encoder"] = prepare_model(models["text_encoder"])
+    if config["torch_compile"]:
+        models["unet"] = torch.compile(models["unet"])
+    return models
+
+
+def prompt_inputs(text_encoder, config, device):
+    """Token ids (1, L) per prompt, or, with a frozen text encoder, its states (1, L, D) computed once."""
+    import torch
+
+    ids = {k: torch.tensor(v, device=device).unsqueeze(0) for k, v in config["prompt_ids"].items()}
+    if config["train_text_encoder"] or not config["precompute_text_embeddings"]:
+        return ids
+    with torch.no_grad():
+        return {k: text_encoder(v)[0] for k, v in ids.items()}
 
 
 def report(state, metrics, epoch, rank, config):
@@ -367,12 +463,16 @@ def worker_resources(args, cpus, gpus):
 
 
 def plan_steps(num_rows, args):
-    """(steps_per_epoch, total_steps): rows split evenly over workers, then into batches."""
+    """(steps_per_epoch, total_steps): rows split evenly over workers, into batches, into
+    optimizer steps of gradient_accumulation_steps batches (a remainder is dropped)."""
     rows_per_worker = num_rows // args.num_workers
     if rows_per_worker == 0:
         raise utils.UserError(f"{num_rows} training rows cannot feed {args.num_workers} workers; "
                               "add images or lower --num_workers")
-    per_epoch = math.ceil(rows_per_worker / args.train_batch_size)
+    per_epoch = math.ceil(rows_per_worker / args.train_batch_size) // args.gradient_accumulation_steps
+    if per_epoch == 0:
+        raise utils.UserError(f"an epoch has fewer batches per worker than --gradient_accumulation_steps "
+                              f"{args.gradient_accumulation_steps}; lower it or --train_batch_size")
     return per_epoch, min(args.max_train_steps, per_epoch * args.num_train_epochs)
 
 
@@ -410,7 +510,8 @@ def main(argv=None):
         "adam_beta2", "adam_weight_decay", "adam_epsilon", "max_grad_norm", "max_train_steps",
         "num_train_epochs", "mixed_precision", "seed", "num_workers", "use_gpu", "storage_path",
         "logging_steps", "checkpointing_steps", "checkpoints_total_limit", "resume_from_checkpoint",
-        "max_failures", "overwrite", "allow_unsafe_weights"])
+        "max_failures", "overwrite", "allow_unsafe_weights", "gradient_accumulation_steps",
+        "gradient_checkpointing", "cache_latents", "precompute_text_embeddings", "torch_compile"])
     args = flags.check_train_args(parser, parser.parse_args(argv))
     import dataset
 
@@ -432,8 +533,12 @@ def main(argv=None):
     num_rows = max(len(instance_paths), len(class_paths or []))
     config["steps_per_epoch"], config["total_steps"] = plan_steps(num_rows, args)
     ray.data.DataContext.get_current().enable_progress_bars = False
+    latent_cache = None
+    if args.cache_latents:
+        latent_cache = {"model_dir": args.model_dir, "num_gpus": utils.cluster_gpus(),
+                        "allow_unsafe_weights": args.allow_unsafe_weights}
     train_ds = dataset.build_train_dataset(instance_paths, class_paths, config["resolution"],
-                                           args.center_crop, args.random_flip)
+                                           args.center_crop, args.random_flip, latent_cache)
     try:
         result = run_trainer(config, train_ds, cpus_per_worker, run_prefix)
     except KeyboardInterrupt:

@@ -111,3 +111,16 @@ def test_train_dataset_on_ray_pairs_every_class_image(ray_session, toy_images, t
     assert all(-1 <= r["instance_pixels"].min() and r["instance_pixels"].max() <= 1 for r in rows)
     alone = dataset.build_train_dataset(instance_paths, None, 16, center_crop=False, random_flip=True).take_all()
     assert len(alone) == 5 and set(alone[0]) == {"instance_pixels"}
+
+
+def test_latent_cache_stores_posteriors_of_both_flip_views(ray_session, tiny_model, toy_images):
+    paths = dataset.list_images(toy_images, "instance")
+    cache = {"model_dir": tiny_model, "num_gpus": 0, "allow_unsafe_weights": False}
+    ds = dataset.build_train_dataset(paths, paths[:3], 16, center_crop=True, random_flip=True, latent_cache=cache)
+    rows = ds.take_all()
+    assert len(rows) == 5
+    assert all(r["instance_latents"].shape == (8, 8, 8) and r["class_latents"].shape == (8, 8, 8) for r in rows)
+    encoder = dataset.LatentEncoder(tiny_model, None, 16, True, False)
+    images = [np.asarray(Image.open(p).convert("RGB")) for p in paths[:1]]
+    views = encoder.encode([dataset.resize_shorter_side(x, 16) for x in images])
+    assert views.shape == (1, 2, 8, 8, 8) and not np.allclose(views[0, 0], views[0, 1])

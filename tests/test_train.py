@@ -56,6 +56,7 @@ def test_output_dir_that_is_not_ours_is_refused(tmp_path):
 def test_plan_steps_never_exceeds_max_steps_or_starves_a_worker():
     class Args:
         num_workers, train_batch_size, max_train_steps, num_train_epochs = 2, 2, 800, 4
+        gradient_accumulation_steps = 1
 
     assert train.plan_steps(200, Args) == (50, 200)
     assert train.plan_steps(5, Args) == (1, 4)
@@ -63,3 +64,29 @@ def test_plan_steps_never_exceeds_max_steps_or_starves_a_worker():
     assert train.plan_steps(200, Args) == (50, 3)
     with pytest.raises(utils.UserError, match="cannot feed"):
         train.plan_steps(1, Args)
+
+
+def test_cached_latents_with_frozen_text_encoder(ray_session, tiny_model, toy_images, class_images, tmp_path):
+    from diffusers import DiffusionPipeline
+
+    out = tmp_path / "model-cached"
+    result = train.main(["--model_dir", tiny_model, "--output_dir", str(out), "--instance_images_dir", toy_images,
+                         "--instance_prompt", "photo of unqtkn toy", "--class_images_dir", class_images,
+                         "--class_prompt", "photo of a toy", "--num_workers", "2", "--max_train_steps", "3",
+                         "--lr", "1e-4", "--cache_latents", "--random_flip", "--no-train_text_encoder",
+                         "--gradient_accumulation_steps", "2", "--gradient_checkpointing"])
+    assert result.metrics["step"] == 3
+    tuned, base = DiffusionPipeline.from_pretrained(str(out)), DiffusionPipeline.from_pretrained(tiny_model)
+    assert weights_differ(tuned.unet, base.unet)
+    assert not weights_differ(tuned.text_encoder, base.text_encoder)
+
+
+def test_plan_steps_with_gradient_accumulation():
+    class Args:
+        num_workers, train_batch_size, max_train_steps, num_train_epochs = 2, 1, 800, 4
+        gradient_accumulation_steps = 3
+
+    assert train.plan_steps(200, Args) == (33, 132)
+    Args.gradient_accumulation_steps = 4
+    with pytest.raises(utils.UserError, match="gradient_accumulation_steps"):
+        train.plan_steps(6, Args)

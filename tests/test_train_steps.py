@@ -86,10 +86,10 @@ def test_train_step_learns_a_fixed_batch_and_changes_only_trainable_weights(mode
     state = train.make_train_state(models, CONFIG, torch.device("cpu"))
     batch = batch_for(models)
     torch.manual_seed(0)
-    first = train.train_step(state, batch, prompt_ids, CONFIG)[0]
+    first = train.train_step(state, [batch], prompt_ids, CONFIG)[0]
     for _ in range(15):
         torch.manual_seed(0)  # same noise and timesteps: the loss must fall
-        last = train.train_step(state, batch, prompt_ids, CONFIG)[0]
+        last = train.train_step(state, [batch], prompt_ids, CONFIG)[0]
     assert last < first * 0.9
     assert all(torch.equal(v, models["vae"].state_dict()[k]) for k, v in vae_before.items())
     assert any(not torch.equal(v, models["unet"].state_dict()[k]) for k, v in unet_before.items())
@@ -100,14 +100,14 @@ def test_frozen_text_encoder_stays_put(tiny_model, prompt_ids):
     before = copy.deepcopy(models["text_encoder"].state_dict())
     config = dict(CONFIG, train_text_encoder=False)
     state = train.make_train_state(models, config, torch.device("cpu"))
-    train.train_step(state, batch_for(models, with_class=False), prompt_ids, config)
+    train.train_step(state, [batch_for(models, with_class=False)], prompt_ids, config)
     assert all(torch.equal(v, models["text_encoder"].state_dict()[k]) for k, v in before.items())
 
 
 def test_bf16_autocast_keeps_fp32_master_weights(models, prompt_ids):
     config = dict(CONFIG, mixed_precision="bf16")
     state = train.make_train_state(models, config, torch.device("cpu"))
-    loss = train.train_step(state, batch_for(models, size=1), prompt_ids, config)[0]
+    loss = train.train_step(state, [batch_for(models, size=1)], prompt_ids, config)[0]
     assert loss == loss  # not NaN
     assert all(p.dtype == torch.float32 for p in state["params"])
 
@@ -115,7 +115,7 @@ def test_bf16_autocast_keeps_fp32_master_weights(models, prompt_ids):
 def test_checkpoint_round_trip_restores_weights_optimizer_and_position(models, tiny_model, prompt_ids, tmp_path):
     state = train.make_train_state(models, CONFIG, torch.device("cpu"))
     for _ in range(2):
-        train.train_step(state, batch_for(models), prompt_ids, CONFIG)
+        train.train_step(state, [batch_for(models)], prompt_ids, CONFIG)
     state["step"] = 2
     train.save_checkpoint(state, str(tmp_path), epoch=1)
     rng_after_save = torch.rand(3)
@@ -130,3 +130,43 @@ def test_checkpoint_round_trip_restores_weights_optimizer_and_position(models, t
     opt_a, opt_b = state["optimizer"].state_dict()["state"], fresh["optimizer"].state_dict()["state"]
     assert opt_a.keys() == opt_b.keys() and all(torch.equal(opt_a[k]["exp_avg"], opt_b[k]["exp_avg"]) for k in opt_a)
     assert torch.equal(torch.rand(3), rng_after_save)
+
+
+def test_cached_posteriors_draw_the_same_latents_as_encoding(models):
+    vae = models["vae"]
+    batch = batch_for(models)
+    with torch.no_grad():
+        cached = {f"{k}_latents": vae.encode(batch[f"{k}_pixels"]).latent_dist.parameters
+                  for k in ("instance", "class")}
+    torch.manual_seed(1)
+    from_pixels = train.batch_latents(vae, batch)
+    torch.manual_seed(1)
+    from_cache = train.batch_latents(vae, cached)
+    assert from_pixels.shape == (4, 4, 32, 32)
+    torch.testing.assert_close(from_cache, from_pixels, rtol=1e-4, atol=1e-5)
+
+
+def test_precomputed_prompt_states_equal_running_the_text_encoder(models, prompt_ids):
+    te = models["text_encoder"]
+    with torch.no_grad():
+        live = train.prompt_conditioning(te, prompt_ids, 2, 3)
+        states = {k: te(v)[0] for k, v in prompt_ids.items()}
+        cached = train.prompt_conditioning(te, states, 2, 3)
+        alone = train.prompt_conditioning(te, states, 2, 0)
+    assert live.shape == (5, 77, 32)
+    torch.testing.assert_close(cached, live)
+    torch.testing.assert_close(alone, live[:2])
+    assert not torch.allclose(live[0], live[4])  # instance and class prompts differ
+
+
+def test_gradient_accumulation_takes_one_optimizer_step_per_group(models, prompt_ids):
+    assert list(train.accumulate(iter(range(7)), 3, 10)) == [[0, 1, 2], [3, 4, 5]]
+    assert list(train.accumulate(iter(range(7)), 2, 1)) == [[0, 1]]
+    state = train.make_train_state(models, CONFIG, torch.device("cpu"))
+    before = copy.deepcopy(models["unet"].state_dict())
+    loss, instance, prior = train.train_step(state, [batch_for(models, 1), batch_for(models, 1, seed=1)],
+                                             prompt_ids, CONFIG)
+    assert state["lr_scheduler"].last_epoch == 1
+    assert state["optimizer"].state_dict()["state"][0]["step"].item() == 1
+    assert loss == pytest.approx(instance + prior, rel=1e-5)
+    assert any(not torch.equal(v, models["unet"].state_dict()[k]) for k, v in before.items())
