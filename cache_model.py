@@ -23,7 +23,7 @@ IGNORE_PATTERNS = ["*.ckpt", "*.bin", "*.msgpack", "*.onnx", "*.h5", "*.fp16.*",
 def write_tiny_model(cache_dir):
     """Save the tiny pipeline in the hub layout (refs/main + snapshots/<revision>)."""
     snapshot = utils.hub_snapshot_path(cache_dir, utils.TINY_MODEL_NAME, utils.TINY_REVISION)
-    pipeline = utils.build_tiny_pipeline()
+    pipeline = utils.build_pipeline("tiny")
     utils.atomic_write_dir(snapshot, lambda tmp: pipeline.save_pretrained(tmp, safe_serialization=True))
     refs = os.path.join(os.path.dirname(os.path.dirname(snapshot)), "refs")
     os.makedirs(refs, exist_ok=True)

@@ -302,6 +302,10 @@ def train_fn(config):
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
+    if device.type == "cpu":
+        # Ray sets OMP_NUM_THREADS to the worker's CPU reservation (a fraction -> 1 thread);
+        # CPU workers on a node share its cores instead.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.get_local_world_size()))
     torch.manual_seed(config["seed"] + rank)
     models = setup_models(config, device, ray.train.torch.prepare_model)
     state = make_train_state(models, config, device)

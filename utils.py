@@ -18,7 +18,7 @@ TINY_TOKENIZER_DIR = os.path.join(REPO_DIR, "assets", "tiny_tokenizer")
 # The tiny model is stored in the hub cache layout under its own name, so it never
 # shadows a real model and every script finds it exactly as it finds SD 1.4.
 TINY_MODEL_NAME = "dreambooth-ray/tiny-stable-diffusion"
-TINY_REVISION = hashlib.sha1(b"dreambooth-ray tiny sd v1").hexdigest()
+TINY_REVISION = hashlib.sha1(b"dreambooth-ray tiny sd v2").hexdigest()
 
 IMAGE_SUFFIX = ".png"
 GRID_DIR = "grid"
@@ -217,51 +217,64 @@ def check_model_dir(model_dir, allow_unsafe_weights=False):
                                 "safetensors or pass --allow_unsafe_weights if you trust their source")
 
 
-def build_tiny_pipeline(seed=0):
-    """A randomly initialised SD 1.x pipeline: the real classes at a tiny width.
+# Architectures built from config with random weights: the real SD 1.x classes at three widths.
+# tiny: 64 px, for tests. small: SD's layout at a fifth of its width, 256 px, enough compute
+# that a CPU benchmark sees both overhead and work. sd15: the full SD 1.x shapes, 512 px.
+MODEL_SIZES = {
+    "tiny": dict(unet_channels=(32, 64), unet_layers=1, unet_down=("DownBlock2D", "CrossAttnDownBlock2D"),
+                 vae_channels=(32, 64), vae_layers=1, text_hidden=32, text_layers=2, text_heads=4,
+                 latent_size=32),
+    "small": dict(unet_channels=(64, 128, 256, 256), unet_layers=2,
+                  unet_down=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+                  vae_channels=(32, 64, 128, 128), vae_layers=2, text_hidden=128, text_layers=4, text_heads=4,
+                  latent_size=32),
+    "sd15": dict(unet_channels=(320, 640, 1280, 1280), unet_layers=2,
+                 unet_down=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+                 vae_channels=(128, 256, 512, 512), vae_layers=2, text_hidden=768, text_layers=12, text_heads=12,
+                 latent_size=64, vocab_size=49408),
+}
 
-    64x64 images (latent 32x32, VAE downsamples 2x), CLIP text encoder with hidden size 32.
-    """
+
+def build_pipeline(size="tiny", seed=0):
+    """A randomly initialised SD 1.x pipeline of one of MODEL_SIZES (real diffusers/transformers classes)."""
     import torch
     from diffusers import AutoencoderKL, PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
+    spec = MODEL_SIZES[size]
     torch.manual_seed(seed)
     tokenizer = CLIPTokenizer.from_pretrained(TINY_TOKENIZER_DIR, model_max_length=77)
-    text_encoder = CLIPTextModel(
-        CLIPTextConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            max_position_embeddings=tokenizer.model_max_length,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-    )
+    text_encoder = CLIPTextModel(CLIPTextConfig(
+        vocab_size=spec.get("vocab_size", len(tokenizer)),
+        hidden_size=spec["text_hidden"],
+        intermediate_size=4 * spec["text_hidden"],
+        num_hidden_layers=spec["text_layers"],
+        num_attention_heads=spec["text_heads"],
+        max_position_embeddings=tokenizer.model_max_length,
+        hidden_act="quick_gelu",
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    ))
+    down = spec["unet_down"]
+    up = tuple(reversed([name.replace("Down", "Up") for name in down]))
     unet = UNet2DConditionModel(
-        sample_size=32,
-        in_channels=4,
-        out_channels=4,
-        block_out_channels=(32, 64),
-        layers_per_block=1,
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-        cross_attention_dim=32,
+        sample_size=spec["latent_size"],
+        block_out_channels=spec["unet_channels"],
+        layers_per_block=spec["unet_layers"],
+        down_block_types=down,
+        up_block_types=up,
+        cross_attention_dim=spec["text_hidden"],
         attention_head_dim=8,
-        norm_num_groups=32,
     )
+    num_vae_blocks = len(spec["vae_channels"])
     vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        block_out_channels=(32, 64),
-        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        block_out_channels=spec["vae_channels"],
+        layers_per_block=spec["vae_layers"],
+        down_block_types=("DownEncoderBlock2D",) * num_vae_blocks,
+        up_block_types=("UpDecoderBlock2D",) * num_vae_blocks,
         latent_channels=4,
-        norm_num_groups=32,
-        sample_size=64,
+        sample_size=spec["latent_size"] * 2 ** (num_vae_blocks - 1),
     )
     # Same scheduler family and betas as SD 1.4's scheduler/scheduler_config.json.
     scheduler = PNDMScheduler(

@@ -1,0 +1,250 @@
+"""Training and generation throughput of the product's own step functions, side by side.
+
+    python benchmarks/bench.py --model small            # CPU: plain loop vs Ray Train, caching on/off
+    python benchmarks/bench.py --model sd15 --no_ray    # GPU machine without Ray: the same step functions
+
+Rows: steady-state training images/s (start-up excluded) of `train.train_step` in a plain
+PyTorch loop and inside Ray Train (1 worker, `train.main`), with VAE + live text encoder vs
+cached latents + precomputed prompt embeddings; start-up costs; generation images/s at several
+batch sizes (`generate.generate_batch`, on the Ray Data actor pool unless --no_ray); peak
+memory (process RSS on CPU, torch.cuda.max_memory_allocated on GPU). Prints a Markdown table.
+"""
+
+import argparse
+import contextlib
+import copy
+import os
+import resource
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+import utils  # noqa: E402
+
+RESOLUTION = {"tiny": 64, "small": 256, "sd15": 512}
+ROWS = []
+
+
+def row(name, value, unit, note=""):
+    ROWS.append((name, value, unit, note))
+    print(f"{name}: {value:.3f} {unit} {note}", file=sys.stderr, flush=True)
+
+
+def peak_memory_gb(device):
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def make_model(size, folder):
+    start = time.perf_counter()
+    pipe = utils.build_pipeline(size)
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return time.perf_counter() - start
+
+
+def step_config(args, train_text_encoder):
+    return {"learning_rate": 5e-6, "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_weight_decay": 1e-2,
+            "adam_epsilon": 1e-8, "lr_warmup_steps": 0, "max_grad_norm": 1.0, "prior_loss_weight": 1.0,
+            "mixed_precision": args.mixed_precision, "train_text_encoder": train_text_encoder,
+            "gradient_checkpointing": args.gradient_checkpointing, "torch_compile": args.torch_compile,
+            "precompute_text_embeddings": True, "model_dir": args.model_dir, "allow_unsafe_weights": False}
+
+
+def synthetic_batch(models, args, device, cached):
+    """2+2 rows (instance + class) of random pixels, or their cached VAE posteriors."""
+    import torch
+
+    res = RESOLUTION[args.model]
+    pixels = {k: torch.rand(args.batch_size, 3, res, res, device=device) * 2 - 1 for k in ("instance", "class")}
+    if not cached:
+        return {f"{k}_pixels": v for k, v in pixels.items()}
+    with torch.no_grad():
+        return {f"{k}_latents": models["vae"].encode(v).latent_dist.parameters for k, v in pixels.items()}
+
+
+def plain_loop(args, device, variant):
+    """Steady-state images/s of train.train_step with no Ray: variant in full|frozen|cached."""
+    import torch
+
+    import train
+
+    train_te = variant == "full"
+    config = step_config(args, train_te)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    models = train.setup_models(config, device, lambda m: m)
+    load_s = time.perf_counter() - t0
+    state = train.make_train_state(models, config, device)
+    tokenizer_ids = {"instance": list(range(49406 % 500, 49406 % 500 + 77)), "class": list(range(77))}
+    config["prompt_ids"] = tokenizer_ids
+    config["precompute_text_embeddings"] = variant == "cached"
+    prompts = train.prompt_inputs(models["text_encoder"], config, device)
+    batch = synthetic_batch(models, args, device, cached=variant == "cached")
+    images_per_step = 2 * args.batch_size
+    t0 = time.perf_counter()
+    train.train_step(state, [batch], prompts, config)
+    first_s = time.perf_counter() - t0
+    for _ in range(args.warmup - 1):
+        train.train_step(state, [batch], prompts, config)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        train.train_step(state, [batch], prompts, config)  # .item() inside syncs each step
+    elapsed = time.perf_counter() - t0
+    return {"images_per_s": images_per_step * args.steps / elapsed, "load_s": load_s, "first_step_s": first_s,
+            "peak_gb": peak_memory_gb(device)}
+
+
+def sync(device):
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def write_images(folder, count, res, seed):
+    from PIL import Image
+
+    os.makedirs(folder, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    for k in range(count):
+        Image.fromarray(rng.integers(0, 255, (res, res, 3), dtype=np.uint8)).save(os.path.join(folder, f"{k}.png"))
+
+
+def ray_train(args, work, variant):
+    """Steady-state images/s of the same step inside Ray Train, 1 worker, via train.main.
+
+    The last logging window (args.steps steps after args.warmup) holds no start-up work.
+    """
+    import train
+
+    flags = ["--model_dir", args.model_dir, "--output_dir", os.path.join(work, f"tuned-{variant}"),
+             "--instance_images_dir", os.path.join(work, "instance"), "--instance_prompt", "photo of unqtkn toy",
+             "--class_images_dir", os.path.join(work, "class"), "--class_prompt", "photo of a toy",
+             "--num_workers", "1", "--train_batch_size", str(args.batch_size), "--num_epochs", "1000",
+             "--max_train_steps", str(args.warmup + args.steps), "--logging_steps", str(args.steps),
+             "--checkpointing_steps", "100000", "--mixed_precision", args.mixed_precision, "--overwrite"]
+    if args.warmup % args.steps:
+        raise SystemExit("--warmup must be a multiple of --steps for the Ray windows to line up")
+    if variant != "full":
+        flags.append("--no-train_text_encoder")
+    if variant == "cached":
+        flags.append("--cache_latents")
+    t0 = time.perf_counter()
+    result = train.main(flags)
+    return {"images_per_s": result.metrics["images_per_s"], "wall_s": time.perf_counter() - t0}
+
+
+def generation(args, device, use_ray):
+    """Steady images/s of generate.generate_batch at each batch size (first batch excluded)."""
+    import generate
+
+    settings = {"num_inference_steps": args.inference_steps, "guidance_scale": 7.5, "negative_prompt": None,
+                "resolution": None, "allow_unsafe_weights": False}
+    results = {}
+    if not use_ray:
+        t0 = time.perf_counter()
+        pipe = generate.load_pipeline(args.model_dir, device)
+        row("generation: pipeline load", time.perf_counter() - t0, "s")
+    for batch in args.gen_batches:
+        prompts, seeds = ["photo of a toy"] * batch, list(range(batch))
+        if use_ray:
+            with tempfile.TemporaryDirectory() as out:
+                rows = [{"prompt": "photo of a toy", "seed": k, "file": f"{k}.png"} for k in range(3 * batch)]
+                ns = argparse.Namespace(model_dir=args.model_dir, output_dir=out, batch_size=batch, **{
+                    k: settings[k] for k in ("num_inference_steps", "guidance_scale", "negative_prompt",
+                                             "resolution", "allow_unsafe_weights")})
+                stamps = [time.perf_counter() for _ in generate.run_actor_pool(rows, ns, 1)]
+            results[batch] = (len(stamps) - batch) / (stamps[-1] - stamps[batch - 1])
+        else:
+            generate.generate_batch(pipe, prompts, seeds, settings)
+            sync(device)
+            t0 = time.perf_counter()
+            for _ in range(2):
+                generate.generate_batch(pipe, prompts, seeds, settings)
+            sync(device)
+            results[batch] = 2 * batch / (time.perf_counter() - t0)
+    return results
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(RESOLUTION), default="small")
+    parser.add_argument("--steps", type=int, default=10, help="Timed steps per variant.")
+    parser.add_argument("--warmup", type=int, default=10, help="Untimed steps first (a multiple of --steps).")
+    parser.add_argument("--batch_size", type=int, default=2, help="Instance rows per step (+ as many class rows).")
+    parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None)
+    parser.add_argument("--gradient_checkpointing", action="store_true")
+    parser.add_argument("--torch_compile", action="store_true")
+    parser.add_argument("--no_ray", action="store_true", help="Plain-loop figures only (no Ray installed).")
+    parser.add_argument("--variants", default="full,frozen,cached")
+    parser.add_argument("--gen_batches", default="1,4,8")
+    parser.add_argument("--inference_steps", type=int, default=None, help="Default: 50 on GPU, 10 on CPU.")
+    parser.add_argument("--skip_generation", action="store_true")
+    args = parser.parse_args(argv)
+    args.gen_batches = [int(b) for b in args.gen_batches.split(",")]
+    device = utils.torch_device()
+    args.mixed_precision = args.mixed_precision or ("bf16" if device.type == "cuda" else "no")
+    args.inference_steps = args.inference_steps or (50 if device.type == "cuda" else 10)
+    variants = args.variants.split(",")
+    utils.quiet_hf_logging()
+
+    with tempfile.TemporaryDirectory() as work:
+        args.model_dir = os.path.join(work, "model")
+        row("start-up: build + save random model", make_model(args.model, args.model_dir), "s")
+        plain = {}
+        for variant in variants:
+            plain[variant] = plain_loop(args, device, variant)
+            row(f"plain loop, {variant}", plain[variant]["images_per_s"], "images/s")
+            row(f"plain loop, {variant}: peak memory", plain[variant]["peak_gb"], "GiB",
+                "(RSS, whole process)" if device.type == "cpu" else "(max_memory_allocated)")
+        row("start-up: model load (plain)", plain[variants[0]]["load_s"], "s")
+        row("start-up: first step (plain)", plain[variants[0]]["first_step_s"], "s")
+        if "frozen" in plain and "cached" in plain:
+            row("speed-up of caching latents + embeddings (plain, frozen TE)",
+                plain["cached"]["images_per_s"] / plain["frozen"]["images_per_s"], "x")
+        if not args.no_ray:
+            t0 = time.perf_counter()
+            utils.init_ray()
+            row("start-up: Ray start", time.perf_counter() - t0, "s")
+            res = RESOLUTION[args.model]
+            write_images(os.path.join(work, "instance"), 4, res, 0)
+            write_images(os.path.join(work, "class"), 40, res, 1)
+            import dataset
+
+            t0 = time.perf_counter()
+            paths = dataset.list_images(os.path.join(work, "class"), "class")
+            dataset.build_train_dataset(paths[:4], paths, res, True, False).materialize()
+            row("start-up: dataset build (40 class rows)", time.perf_counter() - t0, "s")
+            for variant in variants:
+                ray_result = ray_train(args, work, variant)
+                row(f"Ray Train 1 worker, {variant}", ray_result["images_per_s"], "images/s",
+                    f"(whole train.py run {ray_result['wall_s']:.1f} s)")
+                overhead = 100 * (1 - ray_result["images_per_s"] / plain[variant]["images_per_s"])
+                row(f"Ray overhead, {variant}", overhead, "%")
+        if not args.skip_generation:
+            for batch, rate in generation(args, device, use_ray=not args.no_ray).items():
+                where = "plain" if args.no_ray else "actor pool"
+                row(f"generation batch {batch} ({args.inference_steps} steps, {where})", rate, "images/s")
+
+    import torch
+
+    print(f"\nmodel={args.model} resolution={RESOLUTION[args.model]} batch={args.batch_size}+{args.batch_size} "
+          f"device={device.type}{' ' + torch.cuda.get_device_name() if device.type == 'cuda' else ''} "
+          f"mixed_precision={args.mixed_precision} gradient_checkpointing={args.gradient_checkpointing} "
+          f"torch={torch.__version__}\n")
+    print("| measure | value | unit | note |\n| --- | ---: | --- | --- |")
+    for name, value, unit, note in ROWS:
+        print(f"| {name} | {value:.3g} | {unit} | {note} |")
+
+
+if __name__ == "__main__":
+    main()
