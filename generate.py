@@ -104,7 +104,13 @@ class ImageGenerator:
     """
 
     def __init__(self, model_dir, output_dir, settings):
-        self.pipe = load_pipeline(model_dir, utils.torch_device(), settings["allow_unsafe_weights"])
+        import torch
+
+        device = utils.torch_device()
+        if device.type == "cpu":
+            # Ray sets OMP_NUM_THREADS to the actor's one reserved CPU; CPU actors share the cores.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // settings["num_actors"]))
+        self.pipe = load_pipeline(model_dir, device, settings["allow_unsafe_weights"])
         self.output_dir = output_dir
         self.settings = settings
 
@@ -126,6 +132,7 @@ def run_actor_pool(rows, args, num_actors):
         "negative_prompt": args.negative_prompt,
         "resolution": args.resolution,
         "allow_unsafe_weights": args.allow_unsafe_weights,
+        "num_actors": num_actors,
     }
     ds = ray.data.from_items(rows).map_batches(
         ImageGenerator,

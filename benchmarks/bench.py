@@ -150,7 +150,9 @@ def generation(args, device, use_ray):
     settings = {"num_inference_steps": args.inference_steps, "guidance_scale": 7.5, "negative_prompt": None,
                 "resolution": None, "allow_unsafe_weights": False}
     results = {}
-    if not use_ray:
+    if use_ray:
+        utils.init_ray()
+    else:
         t0 = time.perf_counter()
         pipe = generate.load_pipeline(args.model_dir, device)
         row("generation: pipeline load", time.perf_counter() - t0, "s")
@@ -185,7 +187,7 @@ def main(argv=None):
     parser.add_argument("--gradient_checkpointing", action="store_true")
     parser.add_argument("--torch_compile", action="store_true")
     parser.add_argument("--no_ray", action="store_true", help="Plain-loop figures only (no Ray installed).")
-    parser.add_argument("--variants", default="full,frozen,cached")
+    parser.add_argument("--variants", default="full,frozen,cached", help="Training variants; '' for none.")
     parser.add_argument("--gen_batches", default="1,4,8")
     parser.add_argument("--inference_steps", type=int, default=None, help="Default: 50 on GPU, 10 on CPU.")
     parser.add_argument("--skip_generation", action="store_true")
@@ -194,7 +196,7 @@ def main(argv=None):
     device = utils.torch_device()
     args.mixed_precision = args.mixed_precision or ("bf16" if device.type == "cuda" else "no")
     args.inference_steps = args.inference_steps or (50 if device.type == "cuda" else 10)
-    variants = args.variants.split(",")
+    variants = [v for v in args.variants.split(",") if v]
     utils.quiet_hf_logging()
 
     with tempfile.TemporaryDirectory() as work:
@@ -206,12 +208,13 @@ def main(argv=None):
             row(f"plain loop, {variant}", plain[variant]["images_per_s"], "images/s")
             row(f"plain loop, {variant}: peak memory", plain[variant]["peak_gb"], "GiB",
                 "(RSS, whole process)" if device.type == "cpu" else "(max_memory_allocated)")
-        row("start-up: model load (plain)", plain[variants[0]]["load_s"], "s")
-        row("start-up: first step (plain)", plain[variants[0]]["first_step_s"], "s")
+        if plain:
+            row("start-up: model load (plain)", plain[variants[0]]["load_s"], "s")
+            row("start-up: first step (plain)", plain[variants[0]]["first_step_s"], "s")
         if "frozen" in plain and "cached" in plain:
             row("speed-up of caching latents + embeddings (plain, frozen TE)",
                 plain["cached"]["images_per_s"] / plain["frozen"]["images_per_s"], "x")
-        if not args.no_ray:
+        if not args.no_ray and variants:
             t0 = time.perf_counter()
             utils.init_ray()
             row("start-up: Ray start", time.perf_counter() - t0, "s")
