@@ -480,6 +480,11 @@ def plan_steps(num_rows, args):
     return per_epoch, min(args.max_train_steps, per_epoch * args.num_train_epochs)
 
 
+def lacks_identifier(instance_prompt, class_prompt):
+    """True when the instance prompt adds no word to the class prompt (no 'unqtkn' to learn)."""
+    return bool(class_prompt) and set(instance_prompt.lower().split()) <= set(class_prompt.lower().split())
+
+
 def build_config(args):
     """Everything a worker needs, computed once on the driver (prompts tokenised here)."""
     from transformers import CLIPTokenizer
@@ -487,8 +492,7 @@ def build_config(args):
     import dataset
 
     tokenizer = CLIPTokenizer.from_pretrained(args.model_dir, subfolder="tokenizer")
-    token = args.instance_prompt.split()
-    if args.class_prompt and set(token) <= set(args.class_prompt.split()):
+    if lacks_identifier(args.instance_prompt, args.class_prompt):
         print("warning: --instance_prompt has no word that --class_prompt lacks: "
               "the subject has no unique identifier", file=sys.stderr)
     config = vars(args).copy()

@@ -148,3 +148,11 @@ def test_pickled_weights_need_an_explicit_opt_in(tiny_model, tmp_path):
     assert models["unet"].config.sample_size == 32
     with pytest.raises(Exception):
         train.load_models(str(model), torch.device("cpu"), True)
+
+
+def test_instance_prompt_without_identifier_is_detected():
+    import train
+
+    assert train.lacks_identifier("a photo of a dog", "photo of a dog")
+    assert not train.lacks_identifier("photo of unqtkn dog", "photo of a dog")
+    assert not train.lacks_identifier("photo of a dog", None)
