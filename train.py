@@ -13,7 +13,6 @@ wires them to Ray Train, `main` to the command line. fp32 master weights with au
 import json
 import math
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -286,10 +285,14 @@ def save_pipeline(models, model_dir, output_dir, config):
 # ---------------------------------------------------------------- Ray Train worker
 
 
+def is_checkpoint_step(step, config):
+    """Checkpoints every checkpointing_steps and at the last step."""
+    return step % config["checkpointing_steps"] == 0 or step == config["total_steps"]
+
+
 def should_report(step, config):
     """Every rank reports on the same steps: Ray Train requires matching report calls."""
-    return (step % config["logging_steps"] == 0 or step % config["checkpointing_steps"] == 0
-            or step == config["total_steps"])
+    return step % config["logging_steps"] == 0 or is_checkpoint_step(step, config)
 
 
 def train_fn(config):
@@ -309,14 +312,13 @@ def train_fn(config):
     torch.manual_seed(config["seed"] + rank)
     models = setup_models(config, device, ray.train.torch.prepare_model)
     state = make_train_state(models, config, device)
-    epoch = 0
+    # Ray's own checkpoint (a restarted worker group) wins over the one the run started from.
     checkpoint = ray.train.get_checkpoint()
-    resume_dir = config.get("resume_path")
     if checkpoint is not None:
         with checkpoint.as_directory() as folder:
-            epoch = load_checkpoint(state, folder)
-    elif resume_dir:
-        epoch = load_checkpoint(state, resume_dir)
+            load_checkpoint(state, folder)
+    elif config.get("resume_path"):
+        load_checkpoint(state, config["resume_path"])
     prompts = prompt_inputs(models["text_encoder"], config, device)
     shard = ray.train.get_dataset_shard("train")
     total, per_epoch, accum = config["total_steps"], config["steps_per_epoch"], config["gradient_accumulation_steps"]
@@ -342,7 +344,7 @@ def train_fn(config):
                 metrics = {"step": state["step"], "epoch": epoch, "loss": sum(window_loss) / len(window_loss),
                            "lr": state["lr_scheduler"].get_last_lr()[0],
                            "images_per_s": window_images * world / max(elapsed, 1e-9)}
-                report(state, metrics, epoch, rank, config)
+                report(state, metrics, rank, config)
                 if rank == 0:
                     print(" ".join(f"{name}={v:.4g}" if isinstance(v, float) else f"{name}={v}"
                                    for name, v in metrics.items()), flush=True)
@@ -397,11 +399,11 @@ def prompt_inputs(text_encoder, config, device):
         return {k: text_encoder(v)[0] for k, v in ids.items()}
 
 
-def report(state, metrics, epoch, rank, config):
+def report(state, metrics, rank, config):
     """ray.train.report from every rank; rank 0 attaches a checkpoint on checkpointing steps."""
     import ray.train
 
-    if rank != 0 or (state["step"] % config["checkpointing_steps"] and state["step"] != config["total_steps"]):
+    if rank != 0 or not is_checkpoint_step(state["step"], config):
         ray.train.report(metrics)
         return
     with tempfile.TemporaryDirectory() as folder:
