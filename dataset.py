@@ -12,6 +12,7 @@ Without a class folder the rows are the instance images alone. The image math is
 plain functions, tested without Ray.
 """
 
+import hashlib
 import os
 import sys
 
@@ -90,8 +91,10 @@ def inspect_images(paths, resolution, convert_dir):
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
             raise utils.UserError(f"cannot read image {path}: {err}") from None
         os.makedirs(convert_dir, exist_ok=True)
-        digest = utils.slugify(os.path.abspath(path), max_len=200)
-        converted = os.path.join(convert_dir, digest + utils.IMAGE_SUFFIX)
+        # A hash of the full path keeps copies of same-named files from different folders apart.
+        digest = hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:16]
+        stem = utils.slugify(os.path.splitext(os.path.basename(path))[0], max_len=80)
+        converted = os.path.join(convert_dir, f"{stem}-{digest}{utils.IMAGE_SUFFIX}")
         utils.save_image_atomic(upright, converted)
         readable.append(converted)
     if small:
@@ -173,11 +176,13 @@ def decode_upright(row, resolution):
     return {"path": row["path"], "image": resize_shorter_side(image, resolution)}
 
 
-def pair_with_instances(row, class_paths, num_instance):
-    """Class row -> one row per training pair it belongs to: {"instance_index", "class_image"}."""
-    j = class_paths.index(row["path"])
+def pair_with_instances(row, class_index, num_instance):
+    """Class row -> one row per training pair it belongs to: {"instance_index", "class_image"}.
+
+    class_index maps each class image path to its position in the class list.
+    """
     return [{"instance_index": i, "class_image": row["image"]}
-            for i in paired_instance_indices(j, num_instance, len(class_paths))]
+            for i in paired_instance_indices(class_index[row["path"]], num_instance, len(class_index))]
 
 
 def augment_batch(batch, instance_images, resolution, center_crop, random_flip):
@@ -267,7 +272,8 @@ def build_train_dataset(instance_paths, class_paths, resolution, center_crop, ra
         by_path = {row["path"]: row["image"] for row in instance_ds.take_all()}
         instance_images = [by_path[p] for p in instance_paths]
         stored = read_folder(class_paths, resolution).flat_map(
-            pair_with_instances, fn_kwargs={"class_paths": class_paths, "num_instance": len(instance_paths)})
+            pair_with_instances, fn_kwargs={"class_index": {p: j for j, p in enumerate(class_paths)},
+                                           "num_instance": len(instance_paths)})
     else:
         instance_images = None
         stored = instance_ds

@@ -48,6 +48,17 @@ def test_sixteen_bit_png_keeps_its_tones(tmp_path):
     assert abs(int(read_rgb(out)[0, 0, 0]) - 128) <= 1
 
 
+def test_same_named_files_in_different_folders_convert_apart(tmp_path):
+    paths = []
+    for folder, color in (("a", (255, 0, 0, 255)), ("b", (0, 255, 0, 255))):
+        (tmp_path / folder).mkdir()
+        paths.append(str(tmp_path / folder / "x.png"))
+        Image.new("RGBA", (16, 16), color).save(paths[-1])
+    outs = dataset.inspect_images(paths, 16, str(tmp_path / "converted"))
+    assert len(set(outs)) == 2
+    assert tuple(read_rgb(outs[0])[0, 0]) == (255, 0, 0) and tuple(read_rgb(outs[1])[0, 0]) == (0, 255, 0)
+
+
 def test_cmyk_and_palette_become_rgb(tmp_path):
     out, _ = inspect_one(tmp_path, Image.new("CMYK", (32, 32), (0, 255, 255, 0)), "c.jpg")
     assert read_rgb(out)[0, 0, 0] > 200 and read_rgb(out)[0, 0, 1] < 60  # red

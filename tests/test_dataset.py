@@ -70,6 +70,16 @@ def test_pairing_covers_every_image_and_drops_none(num_instance, num_class):
     assert counts.max() - counts.min() <= 1  # instances repeat evenly
 
 
+def test_pair_with_instances_uses_the_row_position_in_the_class_list():
+    class_index = {f"c{j}.png": j for j in range(6)}
+    image = np.zeros((2, 2, 3), np.uint8)
+    rows = [r for j in range(6) for r in dataset.pair_with_instances({"path": f"c{j}.png", "image": image},
+                                                                        class_index, 4)]
+    got = sorted(r["instance_index"] for r in rows)
+    want = sorted(i for j in range(6) for i in dataset.paired_instance_indices(j, 4, 6))
+    assert got == want and len(rows) == 6
+
+
 def test_list_images_skips_non_images_and_refuses_empty(tmp_path, capsys):
     Image.new("RGB", (8, 8)).save(tmp_path / "b.png")
     Image.new("RGB", (8, 8)).save(tmp_path / "a.jpg")
