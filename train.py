@@ -23,6 +23,7 @@ import utils
 
 CHECKPOINT_STATE = "train_state.json"
 CHECKPOINT_FILES = ("unet.safetensors", "text_encoder.safetensors", "optimizer.pt")
+METRICS_FILE = "metrics.jsonl"  # in the run's folder under --storage_path
 
 
 # ---------------------------------------------------------------- the math
@@ -344,6 +345,8 @@ def train_fn(config):
                 metrics = {"step": state["step"], "epoch": epoch, "loss": sum(window_loss) / len(window_loss),
                            "lr": state["lr_scheduler"].get_last_lr()[0],
                            "images_per_s": window_images * world / max(elapsed, 1e-9)}
+                if rank == 0:
+                    append_metrics(config, metrics)
                 report(state, metrics, rank, config)
                 if rank == 0:
                     print(" ".join(f"{name}={v:.4g}" if isinstance(v, float) else f"{name}={v}"
@@ -397,6 +400,18 @@ def prompt_inputs(text_encoder, config, device):
         return ids
     with torch.no_grad():
         return {k: text_encoder(v)[0] for k, v in ids.items()}
+
+
+def metrics_path(config):
+    return os.path.join(config["storage_path"], config["run_name"], METRICS_FILE)
+
+
+def append_metrics(config, metrics):
+    """One JSON line per logging window (with the wall-clock time it ended) for loss curves."""
+    path = metrics_path(config)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps({**metrics, "time": time.time()}) + "\n")
 
 
 def report(state, metrics, rank, config):
@@ -558,7 +573,7 @@ def main(argv=None):
               file=sys.stderr)
         raise
     print(f"trained {config['total_steps']} steps; final loss {result.metrics.get('loss', float('nan')):.4f}; "
-          f"model saved to {args.output_dir}; checkpoints in {result.path}", file=sys.stderr)
+          f"model saved to {args.output_dir}; checkpoints and {METRICS_FILE} in {result.path}", file=sys.stderr)
     return result
 
 
@@ -584,6 +599,7 @@ def run_trainer(config, train_ds, cpus_per_worker, run_prefix):
     if config["use_gpu"]:
         resources["GPU"] = 1
     run_name = f"{run_prefix}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    config = {**config, "run_name": run_name}
     trainer = TorchTrainer(
         train_fn,
         train_loop_config=config,

@@ -1,3 +1,4 @@
+import json
 import os
 
 import pytest
@@ -44,6 +45,12 @@ def test_train_two_workers_saves_a_changed_loadable_pipeline(ray_session, tiny_m
     checkpoints = [d for d in os.listdir(result.path) if d.startswith("checkpoint_") and os.path.isdir(os.path.join(result.path, d))]
     assert len(checkpoints) == 2
     assert result.path.startswith(str(tmp_path / "ray_results"))
+    # Rank 0 logs every window (steps 2 and 4) and the last step, with times in order.
+    with open(os.path.join(result.path, train.METRICS_FILE)) as f:
+        lines = [json.loads(line) for line in f]
+    assert [m["step"] for m in lines] == [2, 3, 4, 5]
+    assert all(m["loss"] > 0 for m in lines) and lines[-1]["loss"] == result.metrics["loss"]
+    assert all(a["time"] <= b["time"] for a, b in zip(lines, lines[1:]))
 
 
 def test_output_dir_that_is_not_ours_is_refused(tmp_path):
