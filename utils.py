@@ -141,11 +141,13 @@ def init_ray():
     # every ray.train.report; 0.2 s keeps reporting cheap.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # Our excludes below name Ray's defaults (.git, .venv, ...); without this Ray warns about each.
+    os.environ.setdefault("RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES", "")
     if ray.is_initialized():
         return ray
     runtime_env = {
         "working_dir": REPO_DIR,
-        "excludes": [".venv", ".git", "tests", "images", "benchmarks", "**/__pycache__", "*.png", "*.jpg"],
+        "excludes": [".venv", "venv", ".git", "tests", "images", "benchmarks", "**/__pycache__", "*.png", "*.jpg"],
         "env_vars": {
             "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"],
             "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0"),

@@ -8,6 +8,9 @@ PyTorch loop and inside Ray Train (1 worker, `train.main`), with VAE + live text
 cached latents + precomputed prompt embeddings; start-up costs; generation images/s at several
 batch sizes (`generate.generate_batch`, on the Ray Data actor pool unless --no_ray); peak
 memory (process RSS on CPU, torch.cuda.max_memory_allocated on GPU). Prints a Markdown table.
+
+Each variant runs plain, then in Ray, then plain again; the overhead is taken against the mean
+of the two plain runs, whose spread shows how steady the machine was.
 """
 
 import argparse
@@ -92,7 +95,7 @@ def plain_loop(args, device, variant):
     t0 = time.perf_counter()
     train.train_step(state, [batch], prompts, config)
     first_s = time.perf_counter() - t0
-    for _ in range(args.warmup - 1):
+    for _ in range(args.plain_warmup - 1):
         train.train_step(state, [batch], prompts, config)
     sync(device)
     t0 = time.perf_counter()
@@ -122,25 +125,32 @@ def write_images(folder, count, res, seed):
 def ray_train(args, work, variant):
     """Steady-state images/s of the same step inside Ray Train, 1 worker, via train.main.
 
-    The last logging window (args.steps steps after args.warmup) holds no start-up work.
+    Timed from the end of the window that closes at args.warmup to the end of the last one
+    (args.steps steps later), from the times in metrics.jsonl: the reports in between count.
     """
+    import json
+
     import train
 
     flags = ["--model_dir", args.model_dir, "--output_dir", os.path.join(work, f"tuned-{variant}"),
              "--instance_images_dir", os.path.join(work, "instance"), "--instance_prompt", "photo of unqtkn toy",
              "--class_images_dir", os.path.join(work, "class"), "--class_prompt", "photo of a toy",
              "--num_workers", "1", "--train_batch_size", str(args.batch_size), "--num_epochs", "1000",
-             "--max_train_steps", str(args.warmup + args.steps), "--logging_steps", str(args.steps),
+             "--max_train_steps", str(args.warmup + args.steps), "--logging_steps", str(args.logging_steps),
              "--checkpointing_steps", "100000", "--mixed_precision", args.mixed_precision, "--overwrite"]
-    if args.warmup % args.steps:
-        raise SystemExit("--warmup must be a multiple of --steps for the Ray windows to line up")
     if variant != "full":
         flags.append("--no-train_text_encoder")
+    if variant == "frozen":
+        flags.append("--no-precompute_text_embeddings")  # live text encoder, as in the plain loop
     if variant == "cached":
         flags.append("--cache_latents")
     t0 = time.perf_counter()
     result = train.main(flags)
-    return {"images_per_s": result.metrics["images_per_s"], "wall_s": time.perf_counter() - t0}
+    wall_s = time.perf_counter() - t0
+    with open(os.path.join(result.path, train.METRICS_FILE)) as f:
+        times = {m["step"]: m["time"] for m in map(json.loads, f)}
+    end = args.warmup + args.steps
+    return {"images_per_s": 2 * args.batch_size * args.steps / (times[end] - times[args.warmup]), "wall_s": wall_s}
 
 
 def generation(args, device, use_ray):
@@ -180,8 +190,11 @@ def generation(args, device, use_ray):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(RESOLUTION), default="small")
-    parser.add_argument("--steps", type=int, default=10, help="Timed steps per variant.")
-    parser.add_argument("--warmup", type=int, default=10, help="Untimed steps first (a multiple of --steps).")
+    parser.add_argument("--steps", type=int, default=20, help="Timed steps per variant.")
+    parser.add_argument("--warmup", type=int, default=10, help="Untimed steps first inside Ray Train.")
+    parser.add_argument("--plain_warmup", type=int, default=3, help="Untimed steps first in the plain loop.")
+    parser.add_argument("--logging_steps", type=int, default=10,
+                        help="train.py's reporting interval inside Ray (its default); divides --warmup and --steps.")
     parser.add_argument("--batch_size", type=int, default=2, help="Instance rows per step (+ as many class rows).")
     parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None)
     parser.add_argument("--gradient_checkpointing", action="store_true")
@@ -192,6 +205,8 @@ def main(argv=None):
     parser.add_argument("--inference_steps", type=int, default=None, help="Default: 50 on GPU, 10 on CPU.")
     parser.add_argument("--skip_generation", action="store_true")
     args = parser.parse_args(argv)
+    if args.warmup % args.logging_steps or args.steps % args.logging_steps or not args.warmup:
+        parser.error("--warmup and --steps must be positive multiples of --logging_steps")
     args.gen_batches = [int(b) for b in args.gen_batches.split(",")]
     device = utils.torch_device()
     args.mixed_precision = args.mixed_precision or ("bf16" if device.type == "cuda" else "no")
@@ -202,19 +217,8 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as work:
         args.model_dir = os.path.join(work, "model")
         row("start-up: build + save random model", make_model(args.model, args.model_dir), "s")
-        plain = {}
-        for variant in variants:
-            plain[variant] = plain_loop(args, device, variant)
-            row(f"plain loop, {variant}", plain[variant]["images_per_s"], "images/s")
-            row(f"plain loop, {variant}: peak memory", plain[variant]["peak_gb"], "GiB",
-                "(RSS, whole process)" if device.type == "cpu" else "(max_memory_allocated)")
-        if plain:
-            row("start-up: model load (plain)", plain[variants[0]]["load_s"], "s")
-            row("start-up: first step (plain)", plain[variants[0]]["first_step_s"], "s")
-        if "frozen" in plain and "cached" in plain:
-            row("speed-up of caching latents + embeddings (plain, frozen TE)",
-                plain["cached"]["images_per_s"] / plain["frozen"]["images_per_s"], "x")
-        if not args.no_ray and variants:
+        use_ray = not args.no_ray and variants
+        if use_ray:
             t0 = time.perf_counter()
             utils.init_ray()
             row("start-up: Ray start", time.perf_counter() - t0, "s")
@@ -227,12 +231,31 @@ def main(argv=None):
             paths = dataset.list_images(os.path.join(work, "class"), "class")
             dataset.build_train_dataset(paths[:4], paths, res, True, False).materialize()
             row("start-up: dataset build (40 class rows)", time.perf_counter() - t0, "s")
-            for variant in variants:
+        plain = {}
+        for variant in variants:
+            # plain, Ray, plain again: the plain figure is the mean of the runs either side,
+            # so drift in the machine's speed does not pass for Ray overhead.
+            runs = [plain_loop(args, device, variant)]
+            if use_ray:
                 ray_result = ray_train(args, work, variant)
+                runs.append(plain_loop(args, device, variant))
+            rates = [r["images_per_s"] for r in runs]
+            plain[variant] = {**runs[0], "images_per_s": sum(rates) / len(rates)}
+            row(f"plain loop, {variant}", plain[variant]["images_per_s"], "images/s",
+                f"(before / after Ray: {rates[0]:.3g} / {rates[1]:.3g})" if use_ray else "")
+            row(f"plain loop, {variant}: peak memory", max(r["peak_gb"] for r in runs), "GiB",
+                "(RSS, whole process)" if device.type == "cpu" else "(max_memory_allocated)")
+            if use_ray:
                 row(f"Ray Train 1 worker, {variant}", ray_result["images_per_s"], "images/s",
                     f"(whole train.py run {ray_result['wall_s']:.1f} s)")
-                overhead = 100 * (1 - ray_result["images_per_s"] / plain[variant]["images_per_s"])
-                row(f"Ray overhead, {variant}", overhead, "%")
+                row(f"Ray overhead, {variant}", 100 * (1 - ray_result["images_per_s"] / plain[variant]["images_per_s"]),
+                    "%")
+        if plain:
+            row("start-up: model load (plain)", plain[variants[0]]["load_s"], "s")
+            row("start-up: first step (plain)", plain[variants[0]]["first_step_s"], "s")
+        if "frozen" in plain and "cached" in plain:
+            row("speed-up of caching latents + embeddings (plain, frozen TE)",
+                plain["cached"]["images_per_s"] / plain["frozen"]["images_per_s"], "x")
         if not args.skip_generation:
             for batch, rate in generation(args, device, use_ray=not args.no_ray).items():
                 where = "plain" if args.no_ray else "actor pool"
