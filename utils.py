@@ -129,6 +129,17 @@ def write_json(path, data):
 # ---------------------------------------------------------------- Ray
 
 
+def quiet_ray_worker():
+    """Every Ray worker process of our jobs runs this first (runtime_env worker_process_setup_hook).
+
+    Without ray[default] there is no state API, and Ray Train's placement-group cleaner
+    warns that it cannot query it every second of a run; the warning is harmless.
+    """
+    import logging
+
+    logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").setLevel(logging.ERROR)
+
+
 def init_ray():
     """Start local Ray, or join the cluster in RAY_ADDRESS, shipping this code to workers.
 
@@ -148,6 +159,7 @@ def init_ray():
     runtime_env = {
         "working_dir": REPO_DIR,
         "excludes": [".venv", "venv", ".git", "tests", "images", "benchmarks", "**/__pycache__", "*.png", "*.jpg"],
+        "worker_process_setup_hook": "utils.quiet_ray_worker",
         "env_vars": {
             "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"],
             "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0"),

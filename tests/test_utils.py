@@ -1,3 +1,4 @@
+import logging
 import os
 
 import pytest
@@ -66,3 +67,13 @@ def test_check_model_dir_names_missing_component(tiny_model, tmp_path):
         utils.check_model_dir(str(broken))
     with pytest.raises(utils.UserError, match="not found"):
         utils.check_model_dir(str(tmp_path / "nope"))
+
+
+def test_ray_workers_run_the_setup_hook(ray_session):
+    @ray_session.remote
+    def cleaner_log_level():
+        import logging
+
+        return logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").level
+
+    assert ray_session.get(cleaner_log_level.remote()) == logging.ERROR
