@@ -263,13 +263,16 @@ def main(argv=None):
 
     import torch
 
-    print(f"\nmodel={args.model} resolution={RESOLUTION[args.model]} batch={args.batch_size}+{args.batch_size} "
-          f"device={device.type}{' ' + torch.cuda.get_device_name() if device.type == 'cuda' else ''} "
-          f"mixed_precision={args.mixed_precision} gradient_checkpointing={args.gradient_checkpointing} "
-          f"torch={torch.__version__}\n")
-    print("| measure | value | unit | note |\n| --- | ---: | --- | --- |")
-    for name, value, unit, note in ROWS:
-        print(f"| {name} | {value:.3g} | {unit} | {note} |")
+    lines = [f"\nmodel={args.model} resolution={RESOLUTION[args.model]} batch={args.batch_size}+{args.batch_size} "
+             f"device={device.type}{' ' + torch.cuda.get_device_name() if device.type == 'cuda' else ''} "
+             f"mixed_precision={args.mixed_precision} gradient_checkpointing={args.gradient_checkpointing} "
+             f"torch={torch.__version__}\n",
+             "| measure | value | unit | note |", "| --- | ---: | --- | --- |"]
+    lines += [f"| {name} | {value:.3g} | {unit} | {note} |" for name, value, unit, note in ROWS]
+    # One write, not print: Ray Data patches print() to redraw its finished progress bars around each call.
+    sys.stderr.flush()
+    sys.stdout.write("\n".join(lines) + "\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
