@@ -10,6 +10,7 @@ files), safetensors weights only. With the files already cached it works offline
 """
 
 import os
+import re
 
 import flags
 import utils
@@ -23,7 +24,9 @@ IGNORE_PATTERNS = ["*.ckpt", "*.bin", "*.msgpack", "*.onnx", "*.h5", "*.fp16.*",
 def write_tiny_model(cache_dir):
     """Save the tiny pipeline in the hub layout (refs/main + snapshots/<revision>)."""
     snapshot = utils.hub_snapshot_path(cache_dir, utils.TINY_MODEL_NAME, utils.TINY_REVISION)
-    pipeline = utils.build_pipeline("tiny")
+    import models
+
+    pipeline = models.build_pipeline("tiny")
     utils.atomic_write_dir(snapshot, lambda tmp: pipeline.save_pretrained(tmp, safe_serialization=True))
     refs = os.path.join(os.path.dirname(os.path.dirname(snapshot)), "refs")
     os.makedirs(refs, exist_ok=True)
@@ -33,11 +36,31 @@ def write_tiny_model(cache_dir):
     return snapshot
 
 
-def download_model(cache_dir, model_name, revision):
-    """snapshot_download of the pipeline files; offline it resolves from the cache."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+def cached_snapshot(cache_dir, model_name, revision):
+    """The cached snapshot folder of a pinned commit, or None.
 
+    A 40-hex revision names a commit, whose files never change: once its folder holds a
+    complete pipeline, there is nothing to ask the hub (offline or not, on any major
+    version of huggingface_hub, whose offline behaviour differs).
+    """
+    if not re.fullmatch(r"[0-9a-f]{40}", revision or ""):
+        return None
+    path = utils.hub_snapshot_path(cache_dir, model_name, revision)
+    try:
+        utils.check_model_dir(path)
+    except utils.UserError:
+        return None
+    return path
+
+
+def download_model(cache_dir, model_name, revision):
+    """snapshot_download of the pipeline files; a pinned commit already cached needs no hub."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
+
+    path = cached_snapshot(cache_dir, model_name, revision)
+    if path:
+        return path
     try:
         return snapshot_download(
             model_name,
@@ -46,11 +69,14 @@ def download_model(cache_dir, model_name, revision):
             allow_patterns=ALLOW_PATTERNS,
             ignore_patterns=IGNORE_PATTERNS,
         )
-    except LocalEntryNotFoundError as err:
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled) as err:
         raise utils.UserError(
             f"{model_name}@{revision} is not in {cache_dir} and the hub cannot be reached "
             f"({type(err).__name__}); run once with network access or use --tiny"
         ) from None
+    except (HfHubHTTPError, OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise utils.UserError(f"cannot fetch {model_name}@{revision}: {type(err).__name__}: {first}") from None
 
 
 def main(argv=None):

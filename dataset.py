@@ -1,15 +1,16 @@
 """The training data pipeline on Ray Data.
 
-    instance folder ─ read_images ─ upright, resize ─┐ (few: kept on the driver)
-    class folder ──── read_images ─ upright, resize ─ pair with an instance ─ materialize
-                                                              │ every epoch:
-                                              random_shuffle ─ crop, flip, scale to [-1, 1]
+    instance + class folders ─ read_images ─ upright, resize [─ VAE posteriors, actor pool]
+        └─ object store (each image once)
+    plan_rows: index rows of the whole run ─ from_items ─ crop + flip by each row's seed
+        ─ streaming split over the Ray Train workers (uint8 pixels, scaled on the device)
 
-Each training row holds one instance image and, with prior preservation, one class
-image. There are max(#instance, #class) rows: instances repeat to cover every class
-image and, when instances outnumber class images, class images repeat instead.
-Without a class folder the rows are the instance images alone. The image math is in
-plain functions, tested without Ray.
+An epoch has max(#instance, #class) rows, each one instance image and, with prior
+preservation, one class image: instances repeat to cover every class image and, when
+instances outnumber class images, class images repeat instead. Every random choice (the
+order of each epoch, each row's crop and flip) is drawn from --seed, so a run, a resumed
+run and a restarted worker group all see the same stream. The image math is in plain
+functions, tested without Ray.
 """
 
 import hashlib
@@ -144,27 +145,76 @@ def crop_square(image, size, center, rng):
     return image[top:top + size, left:left + size]
 
 
-def to_model_input(image):
-    """(H, W, 3) uint8 in [0, 255] -> (3, H, W) float32 in [-1, 1]."""
-    return (image.astype(np.float32).transpose(2, 0, 1) / 127.5) - 1.0
-
-
-def augment(image, size, center_crop, random_flip, rng):
-    """Per-epoch view of a stored image: crop, maybe flip, scale. Returns (3, size, size) float32."""
-    view = crop_square(image, size, center_crop, rng)
+def view(image, size, center_crop, random_flip, rng):
+    """One training view of a stored image: crop, maybe flip. (H, W, 3) -> (size, size, 3) uint8."""
+    out = crop_square(image, size, center_crop, rng)
     if random_flip and rng.random() < 0.5:
-        view = view[:, ::-1]
-    return to_model_input(view)
+        out = out[:, ::-1]
+    return np.ascontiguousarray(out)
 
 
-def paired_instance_indices(class_index, num_instance, num_class):
-    """Training rows that class image `class_index` appears in, as the instance index of each.
+def plan_rows(num_instance, num_class, num_epochs, seed):
+    """The training rows of a whole run, epoch after epoch, as indices into the image lists.
 
-    Row k pairs instance k % num_instance with class k % num_class, for k < max(both):
-    every image of the larger set appears exactly once, the smaller set repeats.
+    An epoch has max(num_instance, num_class) rows (num_instance without class images):
+    row k pairs instance k % num_instance with class k % num_class, so every image of the
+    larger set appears once and the smaller set repeats evenly. Each epoch's order, and each
+    row's augmentation seed, come from a generator seeded by (seed, epoch): the same run
+    gets the same rows, whichever worker reads them and whenever it resumes.
+    Returns [{"epoch", "instance", "seed"[, "class"]}].
     """
     num_rows = max(num_instance, num_class)
-    return [k % num_instance for k in range(class_index, num_rows, num_class)]
+    rows = []
+    for epoch in range(num_epochs):
+        rng = np.random.default_rng([seed, epoch])
+        for k, row_seed in zip(rng.permutation(num_rows), rng.integers(0, 2**31, num_rows)):
+            row = {"epoch": epoch, "instance": int(k % num_instance), "seed": int(row_seed)}
+            if num_class:
+                row["class"] = int(k % num_class)
+            rows.append(row)
+    return rows
+
+
+def _resolve(value):
+    """An object-store reference (large inputs are put there once) or the value itself."""
+    import ray
+
+    return ray.get(value) if isinstance(value, ray.ObjectRef) else value
+
+
+def make_views(batch, instance_images, class_images, resolution, center_crop, random_flip):
+    """Index rows -> pixels: each row's instance (and class) image, cropped and flipped with
+    the row's own seed.
+
+    In: {"instance": (B,), "seed": (B,)[, "class": (B,)]}; the image lists hold (H, W, 3)
+    uint8 arrays with min(H, W) >= resolution. Out: {"instance_pixels": (B, R, R, 3)
+    [, "class_pixels": (B, R, R, 3)]} uint8 (scaled to [-1, 1] on the training device).
+    """
+    images = {"instance": _resolve(instance_images), "class": _resolve(class_images)}
+    keys = [k for k in ("instance", "class") if k in batch]
+    out = {k: [] for k in keys}
+    for r, row_seed in enumerate(batch["seed"]):
+        rng = np.random.default_rng(int(row_seed))
+        for key in keys:
+            out[key].append(view(images[key][int(batch[key][r])], resolution, center_crop, random_flip, rng))
+    return {f"{key}_pixels": np.stack(out[key]) for key in keys}
+
+
+def pick_latents(batch, instance_latents, class_latents):
+    """Index rows -> cached VAE posteriors: one flip view per row, chosen by the row's seed.
+
+    In: as make_views; the latent arrays are (N, V, 8, h, w). Out: {"instance_latents":
+    (B, 8, h, w)[, "class_latents": (B, 8, h, w)]} float32.
+    """
+    latents = {"instance": _resolve(instance_latents), "class": _resolve(class_latents)}
+    keys = [k for k in ("instance", "class") if k in batch]
+    out = {k: [] for k in keys}
+    for r, row_seed in enumerate(batch["seed"]):
+        rng = np.random.default_rng(int(row_seed))
+        for key in keys:
+            views = latents[key][int(batch[key][r])]
+            out[key].append(views[rng.integers(0, views.shape[0])])
+    return {f"{key}_latents": np.stack(out[key]) for key in keys}
 
 
 # ---------------------------------------------------------------- Ray Data stages
@@ -176,80 +226,41 @@ def decode_upright(row, resolution):
     return {"path": row["path"], "image": resize_shorter_side(image, resolution)}
 
 
-def pair_with_instances(row, class_index, num_instance):
-    """Class row -> one row per training pair it belongs to: {"instance_index", "class_image"}.
-
-    class_index maps each class image path to its position in the class list.
-    """
-    return [{"instance_index": i, "class_image": row["image"]}
-            for i in paired_instance_indices(class_index[row["path"]], num_instance, len(class_index))]
-
-
-def augment_batch(batch, instance_images, resolution, center_crop, random_flip):
-    """Batch of stored rows -> model inputs, with fresh random crops/flips on every call.
-
-    In: {"instance_index": (B,), "class_image": B x (H, W, 3)} or {"image": B x (H, W, 3)}.
-    Out: {"instance_pixels": (B, 3, R, R)} (+ {"class_pixels": (B, 3, R, R)}), float32 in [-1, 1].
-    """
-    rng = np.random.default_rng()
-    args = (resolution, center_crop, random_flip, rng)
-    if "image" in batch:
-        instances = batch["image"]
-    else:
-        instances = [instance_images[int(i)] for i in batch["instance_index"]]
-    out = {"instance_pixels": np.stack([augment(x, *args) for x in instances])}
-    if "class_image" in batch:
-        out["class_pixels"] = np.stack([augment(x, *args) for x in batch["class_image"]])
-    return out
-
-
 class LatentEncoder:
     """Ray Data actor for --cache_latents: the VAE, loaded once, encodes every stored image.
 
-    In: stored rows (see augment_batch). Out: {"instance_latents": (B, V, 8, h, w)
-    [, "class_latents": (B, V, 8, h, w)]}: VAE posterior mean and log-variance of the
-    center crop, V = 2 views (plain, flipped) with random_flip, else 1.
+    In: {"path": (B,), "image": B x (H, W, 3) uint8}. Out: {"path": (B,), "latents":
+    (B, V, 8, h, w)}: VAE posterior mean and log-variance of the center crop, V = 2 views
+    (plain, flipped) with random_flip, else 1.
     """
 
-    def __init__(self, model_dir, instance_images, resolution, random_flip, allow_unsafe_weights):
-        import torch
+    def __init__(self, model_dir, resolution, random_flip, allow_unsafe_weights):
         from diffusers import AutoencoderKL
 
-        utils.quiet_hf_logging()
+        import models
+
         self.device = utils.torch_device()
-        self.vae = AutoencoderKL.from_pretrained(model_dir, subfolder="vae",
-                                                 use_safetensors=utils.safetensors_only(allow_unsafe_weights))
+        self.vae = models.from_pretrained(AutoencoderKL, model_dir, allow_unsafe_weights, subfolder="vae")
         self.vae.to(self.device).eval().requires_grad_(False)
-        self.resolution, self.random_flip, self.torch = resolution, random_flip, torch
-        self.instance_latents = self.encode(instance_images) if instance_images else None
+        self.resolution, self.random_flip = resolution, random_flip
 
     def encode(self, images):
         """B x (H, W, 3) uint8 -> (B, V, 8, h, w) float32 posterior parameters."""
-        views = [np.stack([to_model_input(crop_square(x, self.resolution, True, None)) for x in images])]
-        if self.random_flip:
-            views.append(views[0][..., ::-1].copy())
+        import torch
+
+        import steps
+
+        crops = np.stack([crop_square(x, self.resolution, True, None) for x in images])
+        views = [crops] + ([crops[:, :, ::-1]] if self.random_flip else [])
         out = []
-        with self.torch.no_grad():
-            for view in views:
-                pixels = self.torch.from_numpy(view).to(self.device)
-                out.append(self.vae.encode(pixels).latent_dist.parameters.float().cpu().numpy())
+        with torch.no_grad():
+            for pixels in views:
+                x = steps.to_model_input(torch.from_numpy(np.ascontiguousarray(pixels)).to(self.device))
+                out.append(self.vae.encode(x).latent_dist.parameters.float().cpu().numpy())
         return np.stack(out, axis=1)
 
     def __call__(self, batch):
-        if "image" in batch:
-            return {"instance_latents": self.encode(batch["image"])}
-        return {"instance_latents": self.instance_latents[batch["instance_index"].astype(int)],
-                "class_latents": self.encode(batch["class_image"])}
-
-
-def pick_latent_view(batch):
-    """(B, V, 8, h, w) cached views -> (B, 8, h, w): one view per row at random (the flip)."""
-    rng = np.random.default_rng()
-    out = {}
-    for key, views in batch.items():
-        choice = rng.integers(0, views.shape[1], size=views.shape[0])
-        out[key] = views[np.arange(views.shape[0]), choice]
-    return out
+        return {"path": batch["path"], "latents": self.encode(batch["image"])}
 
 
 def read_folder(paths, resolution):
@@ -259,43 +270,56 @@ def read_folder(paths, resolution):
     return ds.map(decode_upright, fn_kwargs={"resolution": resolution})
 
 
-def build_train_dataset(instance_paths, class_paths, resolution, center_crop, random_flip, latent_cache=None):
-    """The training Dataset: stored (decoded, paired) rows, reshuffled and augmented each epoch.
+def decode_images(instance_paths, class_paths, resolution, latent_cache=None):
+    """Decode (and with latent_cache, VAE-encode) both folders on Ray Data, in one pass.
 
-    class_paths=None trains on instance rows alone (no prior preservation). latent_cache,
-    a dict {"model_dir", "num_gpus", "allow_unsafe_weights"}, swaps pixels for VAE
-    latents encoded once here (center crop; both flip views with random_flip).
+    Returns (instance, class) lists in path order: (H, W, 3) uint8 images, or (V, 8, h, w)
+    posteriors with latent_cache ({"model_dir", "num_gpus", "allow_unsafe_weights",
+    "random_flip"}).
     """
-    instance_ds = read_folder(instance_paths, resolution)
-    if class_paths:
-        # The few instance images travel to every augment task; class rows stay distributed.
-        by_path = {row["path"]: row["image"] for row in instance_ds.take_all()}
-        instance_images = [by_path[p] for p in instance_paths]
-        stored = read_folder(class_paths, resolution).flat_map(
-            pair_with_instances, fn_kwargs={"class_index": {p: j for j, p in enumerate(class_paths)},
-                                           "num_instance": len(instance_paths)})
-    else:
-        instance_images = None
-        stored = instance_ds
+    paths = list(dict.fromkeys(instance_paths + (class_paths or [])))
+    ds = read_folder(paths, resolution)
+    key = "image"
     if latent_cache:
         import ray
 
-        stored = stored.map_batches(
+        key = "latents"
+        ds = ds.map_batches(
             LatentEncoder,
-            fn_constructor_args=(latent_cache["model_dir"], instance_images, resolution, random_flip,
+            fn_constructor_args=(latent_cache["model_dir"], resolution, latent_cache["random_flip"],
                                  latent_cache["allow_unsafe_weights"]),
             compute=ray.data.ActorPoolStrategy(size=max(1, latent_cache["num_gpus"])),
             num_gpus=1 if latent_cache["num_gpus"] else 0,
             batch_size=16,
-        ).materialize()
-        return stored.random_shuffle().map_batches(pick_latent_view, batch_size=16)
-    stored = stored.materialize()
-    return stored.random_shuffle().map_batches(
-        augment_batch,
-        fn_kwargs={"instance_images": instance_images, "resolution": resolution,
-                   "center_crop": center_crop, "random_flip": random_flip},
-        batch_size=16,
-    )
+        )
+    by_path = {row["path"]: row[key] for row in ds.take_all()}
+    return [by_path[p] for p in instance_paths], [by_path[p] for p in class_paths or []]
+
+
+def build_train_dataset(instance_paths, class_paths, resolution, center_crop, random_flip, latent_cache=None,
+                        num_epochs=1, seed=0):
+    """The training Dataset of a whole run: num_epochs epochs of plan_rows, turned into pixels
+    (or cached latents) by Ray Data tasks.
+
+    The decoded images go to the object store once; the rows that travel through the
+    pipeline are indices, and every random choice comes from the row's seed, so the stream
+    is the same on every run of the same command. class_paths=None trains on instance rows
+    alone (no prior preservation). latent_cache: see decode_images (implies a center crop).
+    """
+    import ray
+
+    if latent_cache:
+        latent_cache = {**latent_cache, "random_flip": random_flip}
+    instances, classes = decode_images(instance_paths, class_paths, resolution, latent_cache)
+    rows = plan_rows(len(instances), len(classes), num_epochs, seed)
+    index = ray.data.from_items(rows, override_num_blocks=max(1, min(64, len(rows) // 16)))
+    if latent_cache:
+        return index.map_batches(pick_latents, batch_size=16, fn_kwargs={
+            "instance_latents": ray.put(np.stack(instances)),
+            "class_latents": ray.put(np.stack(classes)) if classes else None})
+    return index.map_batches(make_views, batch_size=16, fn_kwargs={
+        "instance_images": ray.put(instances), "class_images": ray.put(classes) if classes else None,
+        "resolution": resolution, "center_crop": center_crop, "random_flip": random_flip})
 
 
 def tokenize_prompt(tokenizer, prompt):

@@ -179,12 +179,14 @@ FLAGS = {
     ),
     "max_train_steps": (
         ("--max_train_steps",),
-        dict(type=positive_int, default=800,
-             help="Stop after this many optimizer steps (or --num_train_epochs, first reached)."),
+        dict(type=positive_int, default=None,
+             help="Optimizer steps to train. Default: --num_train_epochs' worth if given, else 800. "
+                  "Given with --num_train_epochs, the run stops at whichever comes first, and says so."),
     ),
     "num_train_epochs": (
         ("--num_train_epochs", "--num_epochs"),
-        dict(type=positive_int, default=4, help="Stop after this many passes over the data."),
+        dict(type=positive_int, default=None,
+             help="Passes over the data; caps the run only when given (see --max_train_steps)."),
     ),
     "gradient_accumulation_steps": (
         ("--gradient_accumulation_steps",),
@@ -207,12 +209,31 @@ FLAGS = {
     ),
     "torch_compile": (
         ("--torch_compile",),
-        dict(action="store_true", help="torch.compile the UNet (slow first steps, faster after)."),
+        dict(nargs="?", const="inductor", default=None, metavar="BACKEND",
+             help="torch.compile the UNet (slow first steps, faster after); optionally name the "
+                  "backend (default inductor; aot_eager compiles in seconds, for checks)."),
+    ),
+    "channels_last": (
+        ("--channels_last",),
+        dict(action=argparse.BooleanOptionalAction, default=None,
+             help="UNet and VAE in channels-last memory layout (NHWC convolutions). Default: on with GPUs."),
+    ),
+    "fused_adamw": (
+        ("--fused_adamw",),
+        dict(action=argparse.BooleanOptionalAction, default=True,
+             help="AdamW's fused kernel (one kernel for all parameters; GPU and CPU)."),
+    ),
+    "gpus_per_worker": (
+        ("--gpus_per_worker",),
+        dict(type=int, choices=[1, 2], default=1,
+             help="GPUs per Ray Train worker. 2: UNet on the first, text encoder and VAE on the second "
+                  "(full fine-tuning with fp32 AdamW state on 24 GB cards), as in Ray's AIR example."),
     ),
     "mixed_precision": (
         ("--mixed_precision",),
         dict(choices=["no", "fp16", "bf16"], default=None,
-             help="Autocast precision over fp32 master weights. Default: bf16 on GPU, no on CPU."),
+             help="Autocast precision over fp32 master weights (fp16 adds loss scaling). Default: bf16 on "
+                  "GPUs that support it natively, fp16 on older GPUs, no on CPU."),
     ),
     "seed": (("--seed",), dict(type=int, default=0, help="Random seed.")),
     # --- Ray
@@ -293,6 +314,13 @@ FLAGS = {
              help="Size of the Ray Data actor pool. Default: one per GPU in the cluster, "
                   "or one CPU actor without GPUs."),
     ),
+    "safety_checker": (
+        ("--safety_checker",),
+        dict(choices=["auto", "on", "off"], default="auto",
+             help="Run the model's safety checker (if it has one). auto: off for a base model (class "
+                  "images, as diffusers does: a flagged image would be a black training image), on for a "
+                  "model train.py wrote. Flagged images are not saved, and a line says so."),
+    ),
     "use_ray_data": (
         ("--use_ray_data",),
         dict(action="store_true",
@@ -301,8 +329,24 @@ FLAGS = {
 }
 
 
+def normalize_option(token):
+    """'--num-workers=4' -> '--num_workers=4', '--no-train-text-encoder' -> '--no-train_text_encoder':
+    every flag also answers to its hyphenated spelling (Ray's docs write --num-workers)."""
+    if not token.startswith("--") or token == "--":
+        return token
+    name, sep, value = token.partition("=")
+    negated = name.startswith("--no-")
+    body = name[5:] if negated else name[2:]
+    return ("--no-" if negated else "--") + body.replace("-", "_") + sep + value
+
+
 class OneLineErrorParser(argparse.ArgumentParser):
-    """argparse prints the whole usage before an error; we print one line."""
+    """argparse prints the whole usage before an error; we print one line. Options may be
+    spelled with hyphens or underscores."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        return super().parse_known_args([normalize_option(a) for a in args], namespace)
 
     def error(self, message):
         sys.stderr.write(f"{self.prog}: error: {message}\n")

@@ -11,6 +11,10 @@ Image i of a prompt is '<prompt-slug>-<i:05d>.png', drawn from a seed derived fr
 --seed, the prompt and i: a rerun keeps what exists and makes only what is missing,
 and gives the same pixels an uninterrupted run would. A contact sheet of all the
 requested images is written to <output_dir>/grid/grid.png.
+
+Class images come from the base model without its safety checker (a flagged image
+would be saved black and trained on as a dog); images from a tuned model are checked,
+and a flagged one is not saved: '<name>.png.flagged' marks it as done, and a line says so.
 """
 
 import math
@@ -19,6 +23,8 @@ import sys
 
 import flags
 import utils
+
+FLAGGED_SUFFIX = ".flagged"  # beside the name of an image the safety checker withheld
 
 
 def plan_images(prompts, num_per_prompt, seed, output_dir):
@@ -34,7 +40,8 @@ def plan_images(prompts, num_per_prompt, seed, output_dir):
         for index in range(num_per_prompt):
             name = utils.image_file_name(prompt, index)
             all_files.append(name)
-            if not os.path.exists(os.path.join(output_dir, name)):
+            path = os.path.join(output_dir, name)
+            if not os.path.exists(path) and not os.path.exists(path + FLAGGED_SUFFIX):
                 rows.append({"prompt": prompt, "seed": utils.image_seed(seed, prompt, index), "file": name})
     return rows, all_files
 
@@ -57,6 +64,8 @@ def write_grid(output_dir, files):
 
     images = []
     for name in files:
+        if not os.path.exists(os.path.join(output_dir, name)):
+            continue  # withheld by the safety checker
         with Image.open(os.path.join(output_dir, name)) as image:
             images.append(image.copy())
     os.makedirs(os.path.join(output_dir, utils.GRID_DIR), exist_ok=True)
@@ -65,15 +74,26 @@ def write_grid(output_dir, files):
     return path
 
 
-def load_pipeline(model_dir, device, allow_unsafe_weights=False):
-    """The SD pipeline in fp16 on GPU, fp32 on CPU; safetensors weights only unless allowed, no remote code."""
+def use_safety_checker(setting, model_dir):
+    """--safety_checker auto|on|off -> bool. auto: on only for a model train.py wrote."""
+    if setting == "auto":
+        return os.path.isfile(os.path.join(model_dir, utils.OUTPUT_MARKER))
+    return setting == "on"
+
+
+def load_pipeline(model_dir, device, allow_unsafe_weights=False, safety_checker=False):
+    """The SD pipeline in fp16 on GPU, fp32 on CPU; safetensors weights only unless allowed, no remote code.
+
+    Without safety_checker the model's checker is not even loaded.
+    """
     import torch
     from diffusers import StableDiffusionPipeline
 
-    utils.quiet_hf_logging()
+    import models
+
     dtype = torch.float16 if device.type == "cuda" else torch.float32
-    pipe = StableDiffusionPipeline.from_pretrained(model_dir, dtype=dtype,
-                                                   use_safetensors=utils.safetensors_only(allow_unsafe_weights))
+    kwargs = {} if safety_checker else {"safety_checker": None, "requires_safety_checker": False}
+    pipe = models.from_pretrained(StableDiffusionPipeline, model_dir, allow_unsafe_weights, dtype=dtype, **kwargs)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
 
@@ -86,7 +106,7 @@ def generate_batch(pipe, prompts, seeds, settings):
     generators = [torch.Generator("cpu").manual_seed(int(s)) for s in seeds]
     negative = settings.get("negative_prompt")
     resolution = settings.get("resolution")
-    return pipe(
+    out = pipe(
         prompt=list(prompts),
         negative_prompt=[negative] * len(prompts) if negative else None,
         num_inference_steps=settings["num_inference_steps"],
@@ -94,13 +114,15 @@ def generate_batch(pipe, prompts, seeds, settings):
         height=resolution,
         width=resolution,
         generator=generators,
-    ).images
+    )
+    return out.images, list(out.nsfw_content_detected or [False] * len(out.images))
 
 
 class ImageGenerator:
     """Ray Data actor: loads the pipeline once, turns each batch of rows into PNG files.
 
-    Batch in: {"prompt": (B,) str, "seed": (B,) int, "file": (B,) str}. Batch out: {"file": (B,)}.
+    Batch in: {"prompt": (B,) str, "seed": (B,) int, "file": (B,) str}.
+    Batch out: {"file": (B,), "flagged": (B,) bool (withheld by the safety checker)}.
     """
 
     def __init__(self, model_dir, output_dir, settings):
@@ -110,39 +132,39 @@ class ImageGenerator:
         if device.type == "cpu":
             # Ray sets OMP_NUM_THREADS to the actor's one reserved CPU; CPU actors share the cores.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // settings["num_actors"]))
-        self.pipe = load_pipeline(model_dir, device, settings["allow_unsafe_weights"])
+        self.pipe = load_pipeline(model_dir, device, settings["allow_unsafe_weights"], settings["safety_checker"])
         self.output_dir = output_dir
         self.settings = settings
 
     def __call__(self, batch):
-        images = generate_batch(self.pipe, batch["prompt"], batch["seed"], self.settings)
-        for image, name in zip(images, batch["file"]):
-            utils.save_image_atomic(image, os.path.join(self.output_dir, str(name)))
-        return {"file": batch["file"]}
+        images, flagged = generate_batch(self.pipe, batch["prompt"], batch["seed"], self.settings)
+        for image, name, bad in zip(images, batch["file"], flagged):
+            path = os.path.join(self.output_dir, str(name))
+            if bad:
+                open(path + FLAGGED_SUFFIX, "w").close()
+            else:
+                utils.save_image_atomic(image, path)
+        return {"file": batch["file"], "flagged": flagged}
 
 
-def run_actor_pool(rows, args, num_actors):
-    """Fan rows out to the actor pool; yields file names as images land."""
+def run_actor_pool(rows, model_dir, output_dir, settings, batch_size, num_actors):
+    """Fan rows out to the actor pool; yields (file name, flagged) as images land.
+
+    settings: num_inference_steps, guidance_scale, negative_prompt, resolution,
+    allow_unsafe_weights, safety_checker (bool).
+    """
     import ray
 
     num_gpus = 1 if utils.cluster_gpus() else 0
-    settings = {
-        "num_inference_steps": args.num_inference_steps,
-        "guidance_scale": args.guidance_scale,
-        "negative_prompt": args.negative_prompt,
-        "resolution": args.resolution,
-        "allow_unsafe_weights": args.allow_unsafe_weights,
-        "num_actors": num_actors,
-    }
     ds = ray.data.from_items(rows).map_batches(
         ImageGenerator,
-        fn_constructor_args=(args.model_dir, args.output_dir, settings),
-        batch_size=args.batch_size,
+        fn_constructor_args=(model_dir, output_dir, {**settings, "num_actors": num_actors}),
+        batch_size=batch_size,
         compute=ray.data.ActorPoolStrategy(size=num_actors),
         num_gpus=num_gpus,
     )
     for batch in ds.iter_batches(batch_size=None):
-        yield from batch["file"]
+        yield from zip(batch["file"], batch["flagged"])
 
 
 def default_num_actors():
@@ -155,7 +177,7 @@ def main(argv=None):
         __doc__.splitlines()[0],
         ["model_dir", "output_dir", "prompts", "num_samples_per_prompt", "batch_size",
          "num_inference_steps", "guidance_scale", "negative_prompt", "seed", "resolution",
-         "num_actors", "use_ray_data", "allow_unsafe_weights"],
+         "num_actors", "safety_checker", "use_ray_data", "allow_unsafe_weights"],
     )
     args = parser.parse_args(argv)
     prompts = list(dict.fromkeys(p for group in args.prompts for p in group))
@@ -171,14 +193,25 @@ def main(argv=None):
         ray = utils.init_ray()
         ray.data.DataContext.get_current().enable_progress_bars = False
         num_actors = args.num_actors or default_num_actors()
+        settings = {"num_inference_steps": args.num_inference_steps, "guidance_scale": args.guidance_scale,
+                    "negative_prompt": args.negative_prompt, "resolution": args.resolution,
+                    "allow_unsafe_weights": args.allow_unsafe_weights,
+                    "safety_checker": use_safety_checker(args.safety_checker, args.model_dir)}
+        flagged = []
         try:
             with tqdm(total=len(rows), desc=f"generating on {num_actors} actor(s)", unit="img") as bar:
-                for _ in run_actor_pool(rows, args, num_actors):
+                for name, bad in run_actor_pool(rows, args.model_dir, args.output_dir, settings, args.batch_size,
+                                                num_actors):
+                    if bad:
+                        flagged.append(str(name))
                     bar.update(1)
         except KeyboardInterrupt:
             print("stopped; the images written so far are complete: rerun the same command to make "
                   "the rest", file=sys.stderr)
             raise
+        if flagged:
+            print(f"{len(flagged)} image(s) flagged by the safety checker were not saved (marked "
+                  f"'{FLAGGED_SUFFIX}'; --safety_checker off keeps them): {', '.join(flagged[:5])}", file=sys.stderr)
     grid = write_grid(args.output_dir, all_files)
     print(f"{len(all_files)} images in {args.output_dir}; contact sheet {grid}", file=sys.stderr)
     return all_files

@@ -1,7 +1,4 @@
-"""Shared helpers: errors, file naming, seeding, Ray start-up and the built-in tiny model.
-
-Everything that names a file, derives a seed or starts Ray lives here, once.
-"""
+"""Shared helpers: errors, file naming, seeding, Ray start-up, model-folder checks."""
 
 import hashlib
 import json
@@ -13,7 +10,6 @@ import sys
 import tempfile
 
 REPO_DIR = os.path.dirname(os.path.abspath(__file__))
-TINY_TOKENIZER_DIR = os.path.join(REPO_DIR, "assets", "tiny_tokenizer")
 
 # The tiny model is stored in the hub cache layout under its own name, so it never
 # shadows a real model and every script finds it exactly as it finds SD 1.4.
@@ -202,11 +198,6 @@ def torch_device():
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def safetensors_only(allow_unsafe_weights):
-    """use_safetensors= for from_pretrained: True refuses pickled weights, None accepts either."""
-    return None if allow_unsafe_weights else True
-
-
 def check_model_dir(model_dir, allow_unsafe_weights=False):
     """Fail early, naming what is missing, if model_dir is not a diffusers SD folder.
 
@@ -229,84 +220,3 @@ def check_model_dir(model_dir, allow_unsafe_weights=False):
             if not allow_unsafe_weights:
                 raise UserError(f"'{part}' in {model_dir} has only pickled .bin weights; convert them to "
                                 "safetensors or pass --allow_unsafe_weights if you trust their source")
-
-
-# Architectures built from config with random weights: the real SD 1.x classes at three widths.
-# tiny: 64 px, for tests. small: SD's layout at a fifth of its width, 256 px, enough compute
-# that a CPU benchmark sees both overhead and work. sd15: the full SD 1.x shapes, 512 px.
-MODEL_SIZES = {
-    "tiny": dict(unet_channels=(32, 64), unet_layers=1, unet_down=("DownBlock2D", "CrossAttnDownBlock2D"),
-                 vae_channels=(32, 64), vae_layers=1, text_hidden=32, text_layers=2, text_heads=4,
-                 latent_size=32),
-    "small": dict(unet_channels=(64, 128, 256, 256), unet_layers=2,
-                  unet_down=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
-                  vae_channels=(32, 64, 128, 128), vae_layers=2, text_hidden=128, text_layers=4, text_heads=4,
-                  latent_size=32),
-    "sd15": dict(unet_channels=(320, 640, 1280, 1280), unet_layers=2,
-                 unet_down=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
-                 vae_channels=(128, 256, 512, 512), vae_layers=2, text_hidden=768, text_layers=12, text_heads=12,
-                 latent_size=64, vocab_size=49408),
-}
-
-
-def build_pipeline(size="tiny", seed=0):
-    """A randomly initialised SD 1.x pipeline of one of MODEL_SIZES (real diffusers/transformers classes)."""
-    import torch
-    from diffusers import AutoencoderKL, PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
-
-    spec = MODEL_SIZES[size]
-    torch.manual_seed(seed)
-    tokenizer = CLIPTokenizer.from_pretrained(TINY_TOKENIZER_DIR, model_max_length=77)
-    text_encoder = CLIPTextModel(CLIPTextConfig(
-        vocab_size=spec.get("vocab_size", len(tokenizer)),
-        hidden_size=spec["text_hidden"],
-        intermediate_size=4 * spec["text_hidden"],
-        num_hidden_layers=spec["text_layers"],
-        num_attention_heads=spec["text_heads"],
-        max_position_embeddings=tokenizer.model_max_length,
-        hidden_act="quick_gelu",
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    ))
-    down = spec["unet_down"]
-    up = tuple(reversed([name.replace("Down", "Up") for name in down]))
-    unet = UNet2DConditionModel(
-        sample_size=spec["latent_size"],
-        block_out_channels=spec["unet_channels"],
-        layers_per_block=spec["unet_layers"],
-        down_block_types=down,
-        up_block_types=up,
-        cross_attention_dim=spec["text_hidden"],
-        attention_head_dim=8,
-    )
-    num_vae_blocks = len(spec["vae_channels"])
-    vae = AutoencoderKL(
-        block_out_channels=spec["vae_channels"],
-        layers_per_block=spec["vae_layers"],
-        down_block_types=("DownEncoderBlock2D",) * num_vae_blocks,
-        up_block_types=("UpDecoderBlock2D",) * num_vae_blocks,
-        latent_channels=4,
-        sample_size=spec["latent_size"] * 2 ** (num_vae_blocks - 1),
-    )
-    # Same scheduler family and betas as SD 1.4's scheduler/scheduler_config.json.
-    scheduler = PNDMScheduler(
-        beta_start=0.00085,
-        beta_end=0.012,
-        beta_schedule="scaled_linear",
-        num_train_timesteps=1000,
-        skip_prk_steps=True,
-        set_alpha_to_one=False,
-        steps_offset=1,
-    )
-    return StableDiffusionPipeline(
-        unet=unet,
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        scheduler=scheduler,
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
-    )

@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
+import models  # noqa: E402
 import utils  # noqa: E402
 
 RESOLUTION = {"tiny": 64, "small": 256, "sd15": 512}
@@ -47,60 +48,78 @@ def peak_memory_gb(device):
 
 def make_model(size, folder):
     start = time.perf_counter()
-    pipe = utils.build_pipeline(size)
+    pipe = models.build_pipeline(size)
     pipe.save_pretrained(folder, safe_serialization=True)
     return time.perf_counter() - start
 
 
-def step_config(args, train_text_encoder):
-    return {"learning_rate": 5e-6, "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_weight_decay": 1e-2,
-            "adam_epsilon": 1e-8, "lr_warmup_steps": 0, "max_grad_norm": 1.0, "prior_loss_weight": 1.0,
-            "mixed_precision": args.mixed_precision, "train_text_encoder": train_text_encoder,
-            "gradient_checkpointing": args.gradient_checkpointing, "torch_compile": args.torch_compile,
-            "precompute_text_embeddings": True, "model_dir": args.model_dir, "allow_unsafe_weights": False}
+def step_config(args, train_text_encoder, device):
+    """train.py's settings for the plain loop: its own flag defaults, with this run's choices."""
+    import flags
+    import train
+
+    parser = flags.make_parser("bench", train.TRAIN_FLAGS)
+    config = vars(parser.parse_args(["--model_dir", args.model_dir, "--output_dir", "/unused",
+                                     "--instance_data_dir", "/unused", "--instance_prompt", "unused"]))
+    config.update(mixed_precision=args.mixed_precision, train_text_encoder=train_text_encoder,
+                  gradient_checkpointing=args.gradient_checkpointing, torch_compile=args.torch_compile,
+                  channels_last=device.type == "cuda" if config["channels_last"] is None else config["channels_last"])
+    return config
 
 
-def synthetic_batch(models, args, device, cached):
-    """2+2 rows (instance + class) of random pixels, or their cached VAE posteriors."""
+def synthetic_batch(nets, args, cached):
+    """2+2 rows (instance + class) of random uint8 pixels on the CPU, as the data stream
+    delivers them, or their cached VAE posteriors."""
     import torch
 
+    import steps
+
     res = RESOLUTION[args.model]
-    pixels = {k: torch.rand(args.batch_size, 3, res, res, device=device) * 2 - 1 for k in ("instance", "class")}
+    pixels = {k: torch.randint(0, 256, (args.batch_size, res, res, 3), dtype=torch.uint8)
+              for k in ("instance", "class")}
     if not cached:
         return {f"{k}_pixels": v for k, v in pixels.items()}
     with torch.no_grad():
-        return {f"{k}_latents": models["vae"].encode(v).latent_dist.parameters for k, v in pixels.items()}
+        return {f"{k}_latents": nets.vae.encode(steps.to_model_input(v.to(nets.aux_device))).latent_dist.parameters.cpu()
+                for k, v in pixels.items()}
 
 
 def plain_loop(args, device, variant):
     """Steady-state images/s of train.train_step with no Ray: variant in full|frozen|cached."""
     import torch
 
+    import steps
     import train
 
     train_te = variant == "full"
-    config = step_config(args, train_te)
+    config = step_config(args, train_te, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    models = train.setup_models(config, device, lambda m: m)
+    nets = models.setup_models(config, device, device, distributed=False)
     load_s = time.perf_counter() - t0
-    state = train.make_train_state(models, config, device)
+    state = steps.make_train_state(nets, config)
     tokenizer_ids = {"instance": list(range(49406 % 500, 49406 % 500 + 77)), "class": list(range(77))}
     config["prompt_ids"] = tokenizer_ids
     config["precompute_text_embeddings"] = variant == "cached"
-    prompts = train.prompt_inputs(models["text_encoder"], config, device)
-    batch = synthetic_batch(models, args, device, cached=variant == "cached")
+    prompts = train.prompt_inputs(nets.text_encoder, config, device)
+    batch = synthetic_batch(nets, args, cached=variant == "cached")
     images_per_step = 2 * args.batch_size
+
+    def step():
+        return steps.train_step(state, [batch], prompts, config["prior_loss_weight"], config["max_grad_norm"])
+
     t0 = time.perf_counter()
-    train.train_step(state, [batch], prompts, config)
+    step()
+    sync(device)
     first_s = time.perf_counter() - t0
     for _ in range(args.plain_warmup - 1):
-        train.train_step(state, [batch], prompts, config)
+        step()
     sync(device)
     t0 = time.perf_counter()
     for _ in range(args.steps):
-        train.train_step(state, [batch], prompts, config)  # .item() inside syncs each step
+        loss = step()[0]
+    loss.item()  # one sync at the end, as train.py reads losses only on logging steps
     elapsed = time.perf_counter() - t0
     return {"images_per_s": images_per_step * args.steps / elapsed, "load_s": load_s, "first_step_s": first_s,
             "peak_gb": peak_memory_gb(device)}
@@ -158,7 +177,7 @@ def generation(args, device, use_ray):
     import generate
 
     settings = {"num_inference_steps": args.inference_steps, "guidance_scale": 7.5, "negative_prompt": None,
-                "resolution": None, "allow_unsafe_weights": False}
+                "resolution": None, "allow_unsafe_weights": False, "safety_checker": False}
     results = {}
     if use_ray:
         utils.init_ray()
@@ -171,10 +190,8 @@ def generation(args, device, use_ray):
         if use_ray:
             with tempfile.TemporaryDirectory() as out:
                 rows = [{"prompt": "photo of a toy", "seed": k, "file": f"{k}.png"} for k in range(3 * batch)]
-                ns = argparse.Namespace(model_dir=args.model_dir, output_dir=out, batch_size=batch, **{
-                    k: settings[k] for k in ("num_inference_steps", "guidance_scale", "negative_prompt",
-                                             "resolution", "allow_unsafe_weights")})
-                stamps = [time.perf_counter() for _ in generate.run_actor_pool(rows, ns, 1)]
+                stamps = [time.perf_counter()
+                          for _ in generate.run_actor_pool(rows, args.model_dir, out, settings, batch, 1)]
             results[batch] = (len(stamps) - batch) / (stamps[-1] - stamps[batch - 1])
         else:
             generate.generate_batch(pipe, prompts, seeds, settings)
@@ -198,7 +215,7 @@ def main(argv=None):
     parser.add_argument("--batch_size", type=int, default=2, help="Instance rows per step (+ as many class rows).")
     parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None)
     parser.add_argument("--gradient_checkpointing", action="store_true")
-    parser.add_argument("--torch_compile", action="store_true")
+    parser.add_argument("--torch_compile", nargs="?", const="inductor", default=None, metavar="BACKEND")
     parser.add_argument("--no_ray", action="store_true", help="Plain-loop figures only (no Ray installed).")
     parser.add_argument("--variants", default="full,frozen,cached", help="Training variants; '' for none.")
     parser.add_argument("--gen_batches", default="1,4,8")

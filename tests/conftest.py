@@ -33,3 +33,23 @@ def ray_session():
 @pytest.fixture(scope="session")
 def toy_images():
     return os.path.join(REPO_DIR, "images", "toy")
+
+
+@pytest.fixture()
+def prompt_ids(tiny_model):
+    """(1, L) token ids of an instance and a class prompt, as train_fn builds them."""
+    import torch
+    from transformers import CLIPTokenizer
+
+    import dataset
+
+    tokenizer = CLIPTokenizer.from_pretrained(tiny_model, subfolder="tokenizer")
+    return {k: torch.from_numpy(dataset.tokenize_prompt(tokenizer, p)).unsqueeze(0)
+            for k, p in (("instance", "photo of unqtkn toy"), ("class", "photo of a toy"))}
+
+
+def pytest_collection_modifyitems(items):
+    """Every test that uses the Ray fixture starts Ray: it is slow without saying so itself."""
+    for item in items:
+        if "ray_session" in item.fixturenames:
+            item.add_marker(pytest.mark.slow)

@@ -153,12 +153,12 @@ def test_pickled_weights_need_an_explicit_opt_in(tiny_model, tmp_path):
     with pytest.raises(utils.UserError, match="'unet' .* only pickled .bin weights"):
         utils.check_model_dir(str(model))
     utils.check_model_dir(str(model), allow_unsafe_weights=True)
-    import train
+    import models
 
-    models = train.load_models(str(model), torch.device("cpu"), True, allow_unsafe_weights=True)
-    assert models["unet"].config.sample_size == 32
+    nets = models.load_models(str(model), torch.device("cpu"), torch.device("cpu"), True, allow_unsafe_weights=True)
+    assert nets.unet.config.sample_size == 32
     with pytest.raises(Exception):
-        train.load_models(str(model), torch.device("cpu"), True)
+        models.load_models(str(model), torch.device("cpu"), torch.device("cpu"), True)
 
 
 def test_instance_prompt_without_identifier_is_detected():

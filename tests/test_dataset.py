@@ -46,38 +46,48 @@ def test_crop_square_center_and_random_stay_inside():
     assert len(lefts) > 5
 
 
-def test_to_model_input_scales_to_minus_one_one_channels_first():
-    image = np.array([[[0, 255, 127]]], np.uint8)
-    out = dataset.to_model_input(image)
-    assert out.shape == (3, 1, 1) and out.dtype == np.float32
-    np.testing.assert_allclose(out[:, 0, 0], [-1.0, 1.0, 127 / 127.5 - 1], atol=1e-6)
-
-
-def test_augment_flip_mirrors_and_center_crop_is_deterministic():
+def test_view_flip_mirrors_and_center_crop_is_deterministic():
     image = asymmetric_image(8, 8)
-    plain = dataset.augment(image, 8, True, False, np.random.default_rng(0))
-    views = {dataset.augment(image, 8, True, True, np.random.default_rng(s)).tobytes() for s in range(20)}
-    assert views == {plain.tobytes(), plain[:, :, ::-1].tobytes()}
+    plain = dataset.view(image, 8, True, False, np.random.default_rng(0))
+    assert plain.dtype == np.uint8 and plain.shape == (8, 8, 3)
+    views = {dataset.view(image, 8, True, True, np.random.default_rng(s)).tobytes() for s in range(20)}
+    assert views == {plain.tobytes(), plain[:, ::-1].tobytes()}
 
 
-@pytest.mark.parametrize("num_instance, num_class", [(5, 200), (5, 6), (6, 4), (3, 3), (1, 7)])
-def test_pairing_covers_every_image_and_drops_none(num_instance, num_class):
-    rows = [(i, j) for j in range(num_class) for i in dataset.paired_instance_indices(j, num_instance, num_class)]
-    assert len(rows) == max(num_instance, num_class)
-    assert {i for i, _ in rows} == set(range(num_instance))
-    assert {j for _, j in rows} == set(range(num_class))
-    counts = np.bincount([i for i, _ in rows])
-    assert counts.max() - counts.min() <= 1  # instances repeat evenly
+@pytest.mark.parametrize("num_instance, num_class", [(5, 200), (5, 6), (6, 4), (3, 3), (1, 7), (5, 0)])
+def test_plan_rows_pairs_every_image_each_epoch_and_drops_none(num_instance, num_class):
+    rows = dataset.plan_rows(num_instance, num_class, 3, seed=0)
+    per_epoch = max(num_instance, num_class)
+    assert len(rows) == 3 * per_epoch and [r["epoch"] for r in rows] == sorted(r["epoch"] for r in rows)
+    for epoch in range(3):
+        epoch_rows = [r for r in rows if r["epoch"] == epoch]
+        assert {r["instance"] for r in epoch_rows} == set(range(num_instance))
+        counts = np.bincount([r["instance"] for r in epoch_rows])
+        assert counts.max() - counts.min() <= 1  # instances repeat evenly
+        if num_class:
+            assert sorted(r["class"] for r in epoch_rows) == sorted(k % num_class for k in range(per_epoch))
+        else:
+            assert all("class" not in r for r in epoch_rows)
 
 
-def test_pair_with_instances_uses_the_row_position_in_the_class_list():
-    class_index = {f"c{j}.png": j for j in range(6)}
-    image = np.zeros((2, 2, 3), np.uint8)
-    rows = [r for j in range(6) for r in dataset.pair_with_instances({"path": f"c{j}.png", "image": image},
-                                                                        class_index, 4)]
-    got = sorted(r["instance_index"] for r in rows)
-    want = sorted(i for j in range(6) for i in dataset.paired_instance_indices(j, 4, 6))
-    assert got == want and len(rows) == 6
+def test_plan_rows_come_from_the_seed_and_differ_between_epochs():
+    a, b = dataset.plan_rows(4, 50, 2, seed=1), dataset.plan_rows(4, 50, 2, seed=1)
+    assert a == b
+    assert a != dataset.plan_rows(4, 50, 2, seed=2)
+    first, second = a[:50], a[50:]
+    assert [r["class"] for r in first] != [r["class"] for r in second]  # reshuffled each epoch
+    assert len({r["seed"] for r in a}) == len(a)
+
+
+def test_make_views_follow_the_row_seed_not_the_batch():
+    images = [asymmetric_image(12, 16) + k for k in range(3)]
+    batch = {"instance": np.array([0, 2, 1]), "class": np.array([1, 1, 0]), "seed": np.array([5, 6, 7])}
+    out = dataset.make_views(batch, images, images, 8, False, True)
+    assert out["instance_pixels"].shape == (3, 8, 8, 3) and out["instance_pixels"].dtype == np.uint8
+    one = dataset.make_views({k: v[1:2] for k, v in batch.items()}, images, images, 8, False, True)
+    np.testing.assert_array_equal(one["class_pixels"][0], out["class_pixels"][1])
+    alone = dataset.make_views({"instance": batch["instance"], "seed": batch["seed"]}, images, None, 8, True, False)
+    assert set(alone) == {"instance_pixels"}
 
 
 def test_list_images_skips_non_images_and_refuses_empty(tmp_path, capsys):
@@ -111,14 +121,17 @@ def test_train_dataset_on_ray_pairs_every_class_image(ray_session, toy_images, t
         Image.new("RGB", (48, 32), (30 * k, 0, 0)).save(class_dir / f"c{k}.png")
     instance_paths = dataset.list_images(toy_images, "instance")
     class_paths = dataset.list_images(str(class_dir), "class")
-    ds = dataset.build_train_dataset(instance_paths, class_paths, 16, center_crop=True, random_flip=False)
+    ds = dataset.build_train_dataset(instance_paths, class_paths, 16, center_crop=True, random_flip=False,
+                                     num_epochs=2, seed=3)
     rows = ds.take_all()
-    assert len(rows) == 7
-    assert all(r["instance_pixels"].shape == (3, 16, 16) and r["class_pixels"].shape == (3, 16, 16) for r in rows)
-    reds = sorted(round((r["class_pixels"][0, 0, 0] + 1) * 127.5) for r in rows)
-    assert reds == [30 * k for k in range(7)]
-    assert len({r["instance_pixels"].tobytes() for r in rows}) == 5
-    assert all(-1 <= r["instance_pixels"].min() and r["instance_pixels"].max() <= 1 for r in rows)
+    assert len(rows) == 14
+    assert all(r["instance_pixels"].shape == (16, 16, 3) and r["class_pixels"].shape == (16, 16, 3) for r in rows)
+    for epoch in (rows[:7], rows[7:]):
+        assert sorted(int(r["class_pixels"][0, 0, 0]) for r in epoch) == [30 * k for k in range(7)]
+        assert len({r["instance_pixels"].tobytes() for r in epoch}) == 5
+    again = dataset.build_train_dataset(instance_paths, class_paths, 16, center_crop=True, random_flip=False,
+                                        num_epochs=2, seed=3).take_all()
+    assert [r["class_pixels"].tobytes() for r in again] == [r["class_pixels"].tobytes() for r in rows]
     alone = dataset.build_train_dataset(instance_paths, None, 16, center_crop=False, random_flip=True).take_all()
     assert len(alone) == 5 and set(alone[0]) == {"instance_pixels"}
 
@@ -130,7 +143,7 @@ def test_latent_cache_stores_posteriors_of_both_flip_views(ray_session, tiny_mod
     rows = ds.take_all()
     assert len(rows) == 5
     assert all(r["instance_latents"].shape == (8, 8, 8) and r["class_latents"].shape == (8, 8, 8) for r in rows)
-    encoder = dataset.LatentEncoder(tiny_model, None, 16, True, False)
+    encoder = dataset.LatentEncoder(tiny_model, 16, True, False)
     images = [np.asarray(Image.open(p).convert("RGB")) for p in paths[:1]]
     views = encoder.encode([dataset.resize_shorter_side(x, 16) for x in images])
     assert views.shape == (1, 2, 8, 8, 8) and not np.allclose(views[0, 0], views[0, 1])

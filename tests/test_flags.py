@@ -77,21 +77,13 @@ def test_missing_model_is_one_line_error_not_traceback(tmp_path):
     assert proc.stderr.strip() == f"error: model folder not found: {tmp_path / 'nope'}"
 
 
-def test_worker_resources_leave_a_cpu_for_ray_data_and_refuse_impossible():
-    class Args:
-        use_gpu = None
-        num_workers = 2
-
-    assert train.worker_resources(Args, cpus=2, gpus=0) == (False, 0.5)
-    assert train.worker_resources(Args, cpus=16, gpus=2) == (True, 1.0)
-    with pytest.raises(Exception, match="needs 2 GPUs"):
-        train.worker_resources(Args, cpus=16, gpus=1)
-    with pytest.raises(Exception, match="needs 2 GPUs"):
-        Args.use_gpu = True
-        train.worker_resources(Args, cpus=16, gpus=0)
-    Args.use_gpu, Args.num_workers = None, 1
-    with pytest.raises(Exception, match="one for the data pipeline"):
-        train.worker_resources(Args, cpus=1, gpus=0)
-    Args.num_workers = 3
-    with pytest.raises(Exception, match="more than the Ray cluster's 2 CPUs"):
-        train.worker_resources(Args, cpus=2, gpus=0)
+def test_every_flag_answers_to_its_hyphenated_spelling():
+    underscored = parse_train(BASE + ["--class_images_dir", "/c", "--class_prompt", "q", "--num_workers", "4",
+                                      "--max_train_steps=9"])
+    hyphenated = parse_train(["--model-dir", "/m", "--output-dir=/o", "--instance-images-dir", "/i",
+                              "--instance-prompt", "p", "--class-images-dir", "/c", "--class-prompt", "q",
+                              "--num-workers=4", "--max-train-steps", "9"])
+    assert vars(hyphenated) == vars(underscored)
+    assert flags.normalize_option("--no-train-text-encoder") == "--no-train_text_encoder"
+    assert flags.normalize_option("--negative_prompt=a-b --c") == "--negative_prompt=a-b --c"
+    assert flags.normalize_option("-h") == "-h" and flags.normalize_option("photo-of") == "photo-of"

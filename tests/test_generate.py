@@ -52,3 +52,54 @@ def test_generate_on_actor_pool_is_deterministic_and_tops_up(ray_session, tiny_m
     for f in files:
         np.testing.assert_allclose(pixels(out / f).astype(int), first[f].astype(int), atol=1)
     assert not [f for f in os.listdir(out) if ".tmp" in f]
+
+
+@pytest.fixture(scope="module")
+def checked_model(tmp_path_factory):
+    """A tiny model with a safety checker that flags every image, as a base model and as a tuned one."""
+    import torch
+
+    import models
+
+    pipe = models.build_pipeline("tiny", safety_checker=True)
+    with torch.no_grad():
+        pipe.safety_checker.concept_embeds_weights.fill_(-1.0)
+    base = tmp_path_factory.mktemp("checked-base")
+    pipe.save_pretrained(base, safe_serialization=True)
+    tuned = tmp_path_factory.mktemp("checked-tuned")
+    pipe.save_pretrained(tuned, safe_serialization=True)
+    utils.write_json(os.path.join(tuned, utils.OUTPUT_MARKER), {"base_model": str(base)})
+    return str(base), str(tuned)
+
+
+def test_class_images_skip_the_safety_checker_and_flagged_subject_images_are_not_saved(
+        ray_session, checked_model, tmp_path, capsys):
+    base, tuned = checked_model
+    common = ["--prompts", "photo of a dog", "--num_samples_per_prompt", "2", "--num_inference_steps", "2"]
+    generate.main(["--model_dir", base, "--output_dir", str(tmp_path / "reg")] + common)
+    for name in (utils.image_file_name("photo of a dog", i) for i in range(2)):
+        assert pixels(tmp_path / "reg" / name).max() > 0  # not the checker's black frame
+
+    new = tmp_path / "new"
+    generate.main(["--model_dir", tuned, "--output_dir", str(new)] + common)
+    err = capsys.readouterr().err
+    assert "2 image(s) flagged by the safety checker were not saved" in err
+    assert sorted(os.listdir(new)) == sorted([utils.image_file_name("photo of a dog", i) + generate.FLAGGED_SUFFIX
+                                              for i in range(2)] + [utils.GRID_DIR])
+    generate.main(["--model_dir", tuned, "--output_dir", str(new)] + common)  # done: nothing made again
+    assert "generating 0" in capsys.readouterr().err
+    generate.main(["--model_dir", tuned, "--output_dir", str(tmp_path / "kept"), "--safety_checker", "off"] + common)
+    assert len([f for f in os.listdir(tmp_path / "kept") if f.endswith(".png")]) == 2
+
+
+@pytest.mark.slow
+def test_run_model_is_generate_under_the_air_example_name():
+    import subprocess
+    import sys
+
+    def options(script):
+        out = subprocess.run([sys.executable, script, "--help"], cwd=os.path.dirname(generate.__file__),
+                             capture_output=True, text=True, check=True).stdout
+        return sorted(w for w in out.split() if w.startswith("--"))
+
+    assert options("run_model.py") == options("generate.py") and "--num_samples_per_prompt" in options("generate.py")

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+import checkpoint
+import steps
 import train
 
 from conftest import REPO_DIR
@@ -21,7 +23,7 @@ ENV = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
 def checkpoint_steps(run_dir):
     steps = []
     for name in sorted(os.listdir(run_dir)):
-        state = os.path.join(run_dir, name, train.CHECKPOINT_STATE)
+        state = os.path.join(run_dir, name, checkpoint.STATE_FILE)
         if os.path.isfile(state):
             steps.append(json.load(open(state))["step"])
     return sorted(steps)
@@ -41,8 +43,8 @@ def test_resume_latest_continues_step_count_and_lr_schedule(ray_session, tiny_mo
     resumed = train.main(train_args(tiny_model, toy_images, out, 4, *common, "--resume_from_checkpoint", "latest"))
     assert resumed.metrics["step"] == 4
     # The schedule went on: 4 steps of warm-up in all, not 2 + 2 restarted ones.
-    assert resumed.metrics["lr"] == pytest.approx(5e-6 * train.lr_factor(4, 4))
-    assert first.metrics["lr"] == pytest.approx(5e-6 * train.lr_factor(2, 4))
+    assert resumed.metrics["lr"] == pytest.approx(5e-6 * steps.lr_factor(4, 4))
+    assert first.metrics["lr"] == pytest.approx(5e-6 * steps.lr_factor(2, 4))
     # Only steps 3 and 4 ran in the second run: its one checkpoint is the final one.
     assert checkpoint_steps(resumed.path) == [4]
 

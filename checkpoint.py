@@ -1,0 +1,155 @@
+"""The training checkpoint format, in one place: save, load, complete-or-not, find, resolve.
+
+A checkpoint folder holds:
+    unet.safetensors          UNet weights
+    text_encoder.safetensors  text-encoder weights (only when it is trained)
+    optimizer.pt              optimizer, LR schedule, grad scaler, every rank's RNG streams
+    train_state.json          step, epoch, world size and the size of each file above,
+                              written last: a folder copied or written only in part is
+                              recognised as incomplete and never resumed from.
+"""
+
+import json
+import os
+import sys
+
+import models as models_lib
+import utils
+
+STATE_FILE = "train_state.json"
+UNET_FILE = "unet.safetensors"
+TEXT_ENCODER_FILE = "text_encoder.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+
+
+# ---------------------------------------------------------------- RNG streams
+
+
+def rng_state():
+    """This process's torch RNG streams: the CPU generator and every visible GPU's."""
+    import torch
+
+    return {"cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def set_rng_state(state):
+    import torch
+
+    torch.set_rng_state(state["cpu"].cpu())
+    if state["cuda"] and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+
+
+def gather_rng_states():
+    """Every rank's rng_state(), in rank order (a collective: all ranks call it together)."""
+    import torch.distributed as dist
+
+    local = rng_state()
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [local]
+    states = [None] * dist.get_world_size()
+    dist.all_gather_object(states, local)
+    return states
+
+
+# ---------------------------------------------------------------- save and load
+
+
+def _state_dict(model):
+    # channels-last weights are not contiguous, and safetensors refuses them.
+    return {k: v.contiguous() for k, v in models_lib.unwrap(model).state_dict().items()}
+
+
+def save(state, folder, epoch, rng_states, train_text_encoder):
+    """Write state (a steps.TrainState) into folder; rng_states from gather_rng_states()."""
+    import torch
+    from safetensors.torch import save_file
+
+    files = [UNET_FILE, OPTIMIZER_FILE]
+    save_file(_state_dict(state.models.unet), os.path.join(folder, UNET_FILE))
+    if train_text_encoder:
+        save_file(_state_dict(state.models.text_encoder), os.path.join(folder, TEXT_ENCODER_FILE))
+        files.append(TEXT_ENCODER_FILE)
+    torch.save({"optimizer": state.optimizer.state_dict(), "lr_scheduler": state.lr_scheduler.state_dict(),
+                "scaler": state.scaler.state_dict(), "rng": rng_states, "skipped_steps": state.skipped_steps},
+               os.path.join(folder, OPTIMIZER_FILE))
+    sizes = {name: os.path.getsize(os.path.join(folder, name)) for name in files}
+    utils.write_json(os.path.join(folder, STATE_FILE),
+                     {"step": state.step, "epoch": epoch, "world_size": len(rng_states), "sizes": sizes})
+
+
+def load(state, folder, rank):
+    """Restore what save wrote into state; rank continues its own RNG stream. Returns the epoch."""
+    import torch
+    from safetensors.torch import load_file
+
+    models_lib.unwrap(state.models.unet).load_state_dict(load_file(os.path.join(folder, UNET_FILE)))
+    te_path = os.path.join(folder, TEXT_ENCODER_FILE)
+    if os.path.isfile(te_path):
+        models_lib.unwrap(state.models.text_encoder).load_state_dict(load_file(te_path))
+    # weights_only: a checkpoint cannot execute code when it is loaded. The optimizer
+    # moves its state onto each parameter's device itself.
+    extra = torch.load(os.path.join(folder, OPTIMIZER_FILE), map_location="cpu", weights_only=True)
+    state.optimizer.load_state_dict(extra["optimizer"])
+    state.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+    state.scaler.load_state_dict(extra["scaler"])
+    state.skipped_steps = extra.get("skipped_steps", 0)
+    streams = extra["rng"]
+    if rank < len(streams):
+        set_rng_state(streams[rank])
+    else:
+        # More workers than the run that saved: a new rank gets a fresh stream of its own.
+        torch.manual_seed(hash((len(streams), rank, extra["lr_scheduler"]["last_epoch"])) & 0x7FFFFFFF)
+    with open(os.path.join(folder, STATE_FILE)) as f:
+        info = json.load(f)
+    state.step = info["step"]
+    return info["epoch"]
+
+
+# ---------------------------------------------------------------- finding checkpoints
+
+
+def is_complete(folder):
+    """True when folder holds every checkpoint file at the size recorded when it was saved."""
+    try:
+        with open(os.path.join(folder, STATE_FILE)) as f:
+            sizes = json.load(f)["sizes"]
+        return all(os.path.getsize(os.path.join(folder, name)) == size for name, size in sizes.items())
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def find_latest(storage_path, run_prefix):
+    """Newest complete checkpoint folder of any run named '<run_prefix>-*' under storage_path, or None."""
+    if not os.path.isdir(storage_path):
+        return None
+    found = []
+    for run in os.listdir(storage_path):
+        run_dir = os.path.join(storage_path, run)
+        if not run.startswith(run_prefix + "-") or not os.path.isdir(run_dir):
+            continue
+        for name in os.listdir(run_dir):
+            folder = os.path.join(run_dir, name)
+            if name.startswith("checkpoint_") and is_complete(folder):
+                found.append(folder)
+    return max(found, key=lambda f: os.path.getmtime(os.path.join(f, STATE_FILE)), default=None)
+
+
+def saved_step(folder):
+    with open(os.path.join(folder, STATE_FILE)) as f:
+        return json.load(f)["step"]
+
+
+def resolve_resume(resume_flag, storage_path, run_prefix):
+    """--resume_from_checkpoint latest|PATH -> a checkpoint folder, or None to start fresh."""
+    if resume_flag == "latest":
+        path = find_latest(storage_path, run_prefix)
+        if path is None:
+            print(f"no checkpoint of '{run_prefix}' in {storage_path}: starting fresh", file=sys.stderr)
+        else:
+            print(f"resuming from {path}", file=sys.stderr)
+        return path
+    if resume_flag and not is_complete(resume_flag):
+        raise utils.UserError(f"{resume_flag} is not a complete checkpoint of train.py")
+    return resume_flag

@@ -1,0 +1,217 @@
+"""The Stable Diffusion networks: random SD 1.x models built from config, loading with the
+safetensors rule, and the training set-up (devices, train mode, layout, DDP, compile).
+
+One code path for every device: each option a GPU run turns on (channels-last, gradient
+checkpointing, DDP, torch.compile, a second device for the text encoder and VAE) is a
+setting that a CPU run can turn on too.
+"""
+
+import dataclasses
+import os
+
+import utils
+
+TINY_TOKENIZER_DIR = os.path.join(utils.REPO_DIR, "assets", "tiny_tokenizer")
+
+# Architectures built from config with random weights: the real SD 1.x classes at three widths.
+# tiny: 64 px, for tests. small: SD's layout at a fifth of its width, 256 px, enough compute
+# that a CPU benchmark sees both overhead and work. sd15: the full SD 1.x shapes, 512 px.
+MODEL_SIZES = {
+    "tiny": dict(unet_channels=(32, 64), unet_layers=1, unet_down=("DownBlock2D", "CrossAttnDownBlock2D"),
+                 vae_channels=(32, 64), vae_layers=1, text_hidden=32, text_layers=2, text_heads=4,
+                 latent_size=32),
+    "small": dict(unet_channels=(64, 128, 256, 256), unet_layers=2,
+                  unet_down=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+                  vae_channels=(32, 64, 128, 128), vae_layers=2, text_hidden=128, text_layers=4, text_heads=4,
+                  latent_size=32),
+    "sd15": dict(unet_channels=(320, 640, 1280, 1280), unet_layers=2,
+                 unet_down=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+                 vae_channels=(128, 256, 512, 512), vae_layers=2, text_hidden=768, text_layers=12, text_heads=12,
+                 latent_size=64, vocab_size=49408),
+}
+
+
+def safetensors_only(allow_unsafe_weights):
+    """use_safetensors= for from_pretrained: True refuses pickled weights, None accepts either."""
+    return None if allow_unsafe_weights else True
+
+
+def from_pretrained(cls, model_dir, allow_unsafe_weights=False, **kwargs):
+    """cls.from_pretrained(model_dir) with the suite's weight rule: safetensors only unless allowed."""
+    utils.quiet_hf_logging()
+    return cls.from_pretrained(model_dir, use_safetensors=safetensors_only(allow_unsafe_weights), **kwargs)
+
+
+def tiny_safety_checker(projection_dim=32):
+    """A randomly initialised SD safety checker (real diffusers class) and its image processor.
+
+    With its concept weights at 1 no image is flagged (a cosine never exceeds 1);
+    a test lowers them to flag every image.
+    """
+    from diffusers.pipelines.stable_diffusion.safety_checker import StableDiffusionSafetyChecker
+    from transformers import CLIPConfig, CLIPImageProcessor
+
+    config = CLIPConfig(
+        text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                           image_size=32, patch_size=8),
+        projection_dim=projection_dim)
+    checker = StableDiffusionSafetyChecker(config).eval()
+    processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    return checker, processor
+
+
+def build_pipeline(size="tiny", seed=0, safety_checker=False):
+    """A randomly initialised SD 1.x pipeline of one of MODEL_SIZES (real diffusers/transformers classes)."""
+    import torch
+    from diffusers import AutoencoderKL, PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+    spec = MODEL_SIZES[size]
+    torch.manual_seed(seed)
+    tokenizer = CLIPTokenizer.from_pretrained(TINY_TOKENIZER_DIR, model_max_length=77)
+    text_encoder = CLIPTextModel(CLIPTextConfig(
+        vocab_size=spec.get("vocab_size", len(tokenizer)),
+        hidden_size=spec["text_hidden"],
+        intermediate_size=4 * spec["text_hidden"],
+        num_hidden_layers=spec["text_layers"],
+        num_attention_heads=spec["text_heads"],
+        max_position_embeddings=tokenizer.model_max_length,
+        hidden_act="quick_gelu",
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    ))
+    down = spec["unet_down"]
+    up = tuple(reversed([name.replace("Down", "Up") for name in down]))
+    unet = UNet2DConditionModel(
+        sample_size=spec["latent_size"],
+        block_out_channels=spec["unet_channels"],
+        layers_per_block=spec["unet_layers"],
+        down_block_types=down,
+        up_block_types=up,
+        cross_attention_dim=spec["text_hidden"],
+        attention_head_dim=8,
+    )
+    num_vae_blocks = len(spec["vae_channels"])
+    vae = AutoencoderKL(
+        block_out_channels=spec["vae_channels"],
+        layers_per_block=spec["vae_layers"],
+        down_block_types=("DownEncoderBlock2D",) * num_vae_blocks,
+        up_block_types=("UpDecoderBlock2D",) * num_vae_blocks,
+        latent_channels=4,
+        sample_size=spec["latent_size"] * 2 ** (num_vae_blocks - 1),
+    )
+    # Same scheduler family and betas as SD 1.4's scheduler/scheduler_config.json.
+    scheduler = PNDMScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        num_train_timesteps=1000,
+        skip_prk_steps=True,
+        set_alpha_to_one=False,
+        steps_offset=1,
+    )
+    checker, processor = tiny_safety_checker() if safety_checker else (None, None)
+    return StableDiffusionPipeline(
+        unet=unet,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        scheduler=scheduler,
+        safety_checker=checker,
+        feature_extractor=processor,
+        requires_safety_checker=safety_checker,
+    )
+
+
+# ---------------------------------------------------------------- training set-up
+
+
+@dataclasses.dataclass
+class Models:
+    """The networks of one training worker. The UNet lives on unet_device; the text
+    encoder and VAE on aux_device (the same device, or a worker's second GPU)."""
+
+    unet: object
+    text_encoder: object
+    vae: object
+    scheduler: object
+    unet_device: object
+    aux_device: object
+
+    def ddp_wrapped(self):
+        """The trained networks that DDP wraps (they have no_sync), for gradient accumulation."""
+        return [m for m in (self.unet, self.text_encoder) if hasattr(m, "no_sync")]
+
+
+def unwrap(model):
+    """The plain module under torch.compile's and DDP's wrappers."""
+    while hasattr(model, "_orig_mod") or hasattr(model, "module"):
+        model = getattr(model, "_orig_mod", None) or model.module
+    return model
+
+
+def load_models(model_dir, unet_device, aux_device, train_text_encoder, allow_unsafe_weights=False):
+    """fp32 UNet and text encoder, frozen VAE, each on its device, in the mode training needs.
+
+    from_pretrained returns eval mode; trained networks must be in train mode, or
+    transformers' gradient checkpointing (which acts only when training) never runs.
+    """
+    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+    from transformers import CLIPTextModel
+
+    unet = from_pretrained(UNet2DConditionModel, model_dir, allow_unsafe_weights, subfolder="unet")
+    text_encoder = from_pretrained(CLIPTextModel, model_dir, allow_unsafe_weights, subfolder="text_encoder")
+    vae = from_pretrained(AutoencoderKL, model_dir, allow_unsafe_weights, subfolder="vae")
+    scheduler = DDPMScheduler.from_pretrained(model_dir, subfolder="scheduler")
+    unet.train()
+    vae.requires_grad_(False).eval()
+    text_encoder.requires_grad_(train_text_encoder).train(train_text_encoder)
+    return Models(unet.to(unet_device), text_encoder.to(aux_device), vae.to(aux_device), scheduler,
+                  unet_device, aux_device)
+
+
+def ddp(model, device):
+    """DistributedDataParallel over the initialised process group, on model's one device.
+
+    gradient_as_bucket_view: gradients live in the all-reduce buckets instead of beside
+    them (one fp32 copy of the gradients less, ~3.4 GB for SD's UNet). broadcast_buffers
+    off: the networks have no buffers that training changes.
+    """
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    # torch 2.14 renamed the per-forward buffer broadcast; older releases (the GPU images) lack the new name.
+    no_sync = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+               else "broadcast_buffers")
+    return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
+                                   gradient_as_bucket_view=True, **{no_sync: False})
+
+
+def setup_models(opts, unet_device, aux_device, distributed):
+    """Load the models and apply the memory/speed options of opts (a dict of train settings).
+
+    distributed: wrap the trained networks in DDP (a process group of several workers exists).
+    """
+    import torch
+
+    models = load_models(opts["model_dir"], unet_device, aux_device, opts["train_text_encoder"],
+                         opts["allow_unsafe_weights"])
+    if opts["gradient_checkpointing"]:
+        models.unet.enable_gradient_checkpointing()
+        if opts["train_text_encoder"]:
+            te = models.text_encoder  # transformers 5.20 renamed the method
+            (getattr(te, "activation_checkpointing_enable", None) or te.gradient_checkpointing_enable)()
+    if opts["channels_last"]:
+        # NHWC convolutions run on tensor cores without layout transposes.
+        models.unet.to(memory_format=torch.channels_last)
+        models.vae.to(memory_format=torch.channels_last)
+    if distributed:
+        models.unet = ddp(models.unet, unet_device)
+        if opts["train_text_encoder"]:
+            models.text_encoder = ddp(models.text_encoder, aux_device)
+    if opts["torch_compile"]:
+        models.unet = torch.compile(models.unet, backend=opts["torch_compile"])
+    return models

@@ -1,0 +1,221 @@
+"""The training math: target, loss, latents, conditioning and one optimizer step.
+
+Plain functions on plain tensors, run and tested without Ray; `train.train_fn` and
+`benchmarks/bench.py` call the same `train_step`. Nothing here reads a tensor's value
+back to the host (`.item()` is a CPU-GPU sync point): losses come back as detached
+device tensors, read only on logging steps. The one exception is fp16's skipped-step
+check, which needs the loss scale.
+"""
+
+import contextlib
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclasses.dataclass
+class TrainState:
+    """Everything one worker's training loop changes, and the step it has reached."""
+
+    models: "object"  # models.Models
+    params: list
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    amp_dtype: "torch.dtype | None"
+    step: int = 0
+    skipped_steps: int = 0  # fp16 steps whose gradients overflowed (weights and LR unchanged)
+
+
+def diffusion_target(scheduler, latents, noise, timesteps):
+    """What the UNet learns to predict, by the scheduler's prediction_type. All (B, 4, h, w)."""
+    kind = scheduler.config.prediction_type
+    if kind == "epsilon":
+        return noise
+    if kind == "v_prediction":
+        return scheduler.get_velocity(latents, noise, timesteps)
+    raise ValueError(f"unsupported prediction_type {kind!r}")
+
+
+def dreambooth_loss(pred, target, num_instance, prior_loss_weight):
+    """MSE on the instance rows plus prior_loss_weight x MSE on the class rows.
+
+    pred, target: (B, C, h, w), instance rows first, then class rows (B = num_instance
+    without prior preservation). Returns (total, instance_loss, prior_loss or None).
+    """
+    pred, target = pred.float(), target.float()
+    instance_loss = F.mse_loss(pred[:num_instance], target[:num_instance])
+    if pred.shape[0] == num_instance:
+        return instance_loss, instance_loss, None
+    prior_loss = F.mse_loss(pred[num_instance:], target[num_instance:])
+    return instance_loss + prior_loss_weight * prior_loss, instance_loss, prior_loss
+
+
+def to_model_input(pixels):
+    """(B, H, W, 3) uint8 in [0, 255] -> (B, 3, H, W) float32 in [-1, 1], on pixels' device.
+
+    Pixels travel as uint8 (a quarter of float32's bytes) and are scaled on the device;
+    the permuted tensor is channels-last in memory, the layout NHWC convolutions want.
+    """
+    return pixels.permute(0, 3, 1, 2).float() / 127.5 - 1.0
+
+
+def encode_latents(vae, pixels):
+    """(B, 3, H, W) in [-1, 1] -> (B, 4, H/f, W/f) scaled latents, f from the VAE config."""
+    with torch.no_grad():
+        latents = vae.encode(pixels.to(vae.dtype)).latent_dist.sample()
+    return latents * vae.config.scaling_factor
+
+
+def lr_factor(step, warmup_steps):
+    """Linear warm-up over warmup_steps, then constant."""
+    return min(1.0, (step + 1) / (warmup_steps + 1)) if warmup_steps else 1.0
+
+
+def batch_latents(models, batch):
+    """Scaled latents (B, 4, h, w) of a batch on the UNet's device, instance rows first.
+
+    From pixels ("instance_pixels"/"class_pixels": (B, R, R, 3) uint8) through the VAE on
+    its device, or from cached VAE posteriors ("instance_latents"/"class_latents":
+    (B, 8, h, w), mean and log-variance) with a fresh sample each step, as encoding
+    every step would draw.
+    """
+    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+    kind = "latents" if "instance_latents" in batch else "pixels"
+    parts = [batch[f"instance_{kind}"]] + ([batch[f"class_{kind}"]] if f"class_{kind}" in batch else [])
+    if kind == "pixels":
+        pixels = torch.cat([p.to(models.aux_device, non_blocking=True) for p in parts])
+        return encode_latents(models.vae, to_model_input(pixels)).to(models.unet_device)
+    stacked = torch.cat([p.to(models.unet_device, non_blocking=True) for p in parts]).float()
+    return DiagonalGaussianDistribution(stacked).sample() * models.vae.config.scaling_factor
+
+
+def prompt_conditioning(text_encoder, prompts, num_instance, num_class):
+    """(num_instance + num_class, L, D) text-encoder states for a batch.
+
+    prompts: {"instance": (1, L) ids, "class": (1, L) ids} run through the text encoder,
+    each prompt once (the rows of a prompt are identical), or {"instance": (1, L, D),
+    "class": (1, L, D)} states computed once (frozen text encoder).
+    """
+    keys = ["instance"] + (["class"] if num_class else [])
+    first = prompts["instance"]
+    if first.dim() == 2:
+        states = text_encoder(torch.cat([prompts[k] for k in keys]))[0]
+    else:
+        states = torch.cat([prompts[k] for k in keys])
+    counts = [num_instance, num_class][:len(keys)]
+    return torch.cat([states[i:i + 1].expand(n, -1, -1) for i, n in enumerate(counts)])
+
+
+def batch_loss(models, batch, prompts, prior_loss_weight):
+    """Forward pass for one batch (see batch_latents and prompt_conditioning for the inputs).
+
+    Returns dreambooth_loss's tuple (total, instance_loss, prior_loss or None).
+    """
+    latents = batch_latents(models, batch)
+    num_instance = next(v for k, v in batch.items() if k.startswith("instance_")).shape[0]
+    hidden = prompt_conditioning(models.text_encoder, prompts, num_instance, latents.shape[0] - num_instance)
+    hidden = hidden.to(models.unet_device)
+    scheduler = models.scheduler
+    noise = torch.randn_like(latents)
+    timesteps = torch.randint(0, scheduler.config.num_train_timesteps, (latents.shape[0],), device=latents.device)
+    noisy = scheduler.add_noise(latents, noise, timesteps)
+    pred = models.unet(noisy, timesteps, hidden).sample
+    return dreambooth_loss(pred, diffusion_target(scheduler, latents, noise, timesteps),
+                           num_instance, prior_loss_weight)
+
+
+def train_step(state, micro_batches, prompts, prior_loss_weight, max_grad_norm):
+    """One optimizer step over gradient-accumulation micro-batches: autocast forward,
+    backward, clip, AdamW, LR schedule. DDP all-reduces only on the last micro-batch.
+
+    With fp16 a step whose gradients overflow is skipped by the GradScaler: the weights
+    stay, the loss scale halves, and the LR schedule does not advance either.
+    Returns (loss, instance_loss, prior_loss or None), each a detached 0-d device tensor
+    averaged over the micro-batches.
+    """
+    models = state.models
+    count = len(micro_batches)
+    totals = []
+    for k, batch in enumerate(micro_batches):
+        sync = contextlib.ExitStack()
+        if k < count - 1:
+            for model in models.ddp_wrapped():
+                sync.enter_context(model.no_sync())
+        with sync:
+            with torch.autocast(models.unet_device.type, dtype=state.amp_dtype, enabled=state.amp_dtype is not None):
+                losses = batch_loss(models, batch, prompts, prior_loss_weight)
+            state.scaler.scale(losses[0] / count).backward()
+        totals.append([t.detach() if t is not None else None for t in losses])
+    scaler = state.scaler
+    scaler.unscale_(state.optimizer)
+    torch.nn.utils.clip_grad_norm_(state.params, max_grad_norm)
+    scaler.step(state.optimizer)
+    skipped = False
+    if scaler.is_enabled():
+        scale = scaler.get_scale()  # a sync point, paid only with fp16
+        scaler.update()
+        skipped = scaler.get_scale() < scale
+    state.optimizer.zero_grad(set_to_none=True)
+    if skipped:
+        state.skipped_steps += 1
+    else:
+        state.lr_scheduler.step()
+
+    def mean(i):
+        values = [t[i] for t in totals if t[i] is not None]
+        return torch.stack(values).mean() if values else None
+
+    return mean(0), mean(1), mean(2)
+
+
+def accumulate(batches, accum, max_steps):
+    """Group batches into lists of `accum` micro-batches, at most max_steps groups."""
+    group = []
+    if max_steps <= 0:
+        return
+    for batch in batches:
+        group.append(batch)
+        if len(group) == accum:
+            yield group
+            group = []
+            max_steps -= 1
+            if max_steps == 0:
+                return
+
+
+def amp_dtype(mixed_precision, device):
+    """Autocast dtype of a --mixed_precision value on device (None: full fp32).
+
+    The default picks bf16 where the GPU computes it natively (Ampere and later), fp16
+    with loss scaling on older GPUs, and fp32 on CPU.
+    """
+    if mixed_precision is None:
+        if device.type != "cuda":
+            return None
+        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
+    return {"no": None, "fp16": torch.float16, "bf16": torch.bfloat16}[mixed_precision]
+
+
+def make_train_state(models, opts):
+    """Optimizer, LR schedule and grad scaler over the trainable parameters of models.
+
+    opts: the train settings (learning_rate, adam_*, lr_warmup_steps, fused_adamw,
+    mixed_precision, train_text_encoder). fp32 master weights: 5e-6 AdamW updates
+    vanish in bf16 weights.
+    """
+    params = list(models.unet.parameters())
+    if opts["train_text_encoder"]:
+        params += list(models.text_encoder.parameters())
+    optimizer = torch.optim.AdamW(
+        params, lr=opts["learning_rate"], betas=(opts["adam_beta1"], opts["adam_beta2"]),
+        weight_decay=opts["adam_weight_decay"], eps=opts["adam_epsilon"], fused=opts["fused_adamw"],
+    )
+    warmup = opts["lr_warmup_steps"]
+    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warmup))
+    dtype = amp_dtype(opts["mixed_precision"], models.unet_device)
+    # Loss scaling only matters for fp16's narrow exponent range.
+    scaler = torch.amp.GradScaler(models.unet_device.type, enabled=dtype == torch.float16)
+    return TrainState(models, params, optimizer, lr_scheduler, scaler, dtype)

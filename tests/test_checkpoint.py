@@ -1,0 +1,108 @@
+"""checkpoint.py: the format round-trips the whole training state, on any layout and any rank."""
+
+import json
+import os
+
+import pytest
+import torch
+
+import checkpoint
+import models as models_lib
+import steps
+
+CPU = torch.device("cpu")
+CONFIG = {"learning_rate": 1e-3, "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_weight_decay": 0.0,
+          "adam_epsilon": 1e-8, "lr_warmup_steps": 0, "mixed_precision": "no", "train_text_encoder": True,
+          "fused_adamw": True}
+OPTS = {"train_text_encoder": True, "allow_unsafe_weights": False, "gradient_checkpointing": False,
+        "torch_compile": None}
+
+
+def trained_state(tiny_model, prompt_ids, channels_last=False, steps_taken=2, config=CONFIG):
+    nets = models_lib.setup_models({**OPTS, "model_dir": tiny_model, "channels_last": channels_last}, CPU, CPU,
+                                   distributed=False)
+    state = steps.make_train_state(nets, config)
+    batch = {"instance_pixels": torch.randint(0, 256, (1, 64, 64, 3), dtype=torch.uint8),
+             "class_pixels": torch.randint(0, 256, (1, 64, 64, 3), dtype=torch.uint8)}
+    for _ in range(steps_taken):
+        steps.train_step(state, [batch], prompt_ids, 1.0, 1.0)
+    state.step = steps_taken
+    return state
+
+
+def test_channels_last_weights_are_saved(tiny_model, prompt_ids, tmp_path):
+    """The GPU default layout: safetensors refuses non-contiguous tensors unless made contiguous."""
+    state = trained_state(tiny_model, prompt_ids, channels_last=True, steps_taken=1)
+    checkpoint.save(state, str(tmp_path), 0, [checkpoint.rng_state()], train_text_encoder=True)
+    assert checkpoint.is_complete(str(tmp_path))
+    fresh = trained_state(tiny_model, prompt_ids, channels_last=True, steps_taken=0)
+    checkpoint.load(fresh, str(tmp_path), rank=0)
+    for k, v in models_lib.unwrap(state.models.unet).state_dict().items():
+        assert torch.equal(v, fresh.models.unet.state_dict()[k])
+
+
+def test_round_trip_restores_weights_optimizer_schedule_and_position(tiny_model, prompt_ids, tmp_path):
+    state = trained_state(tiny_model, prompt_ids)
+    checkpoint.save(state, str(tmp_path), 1, [checkpoint.rng_state()], train_text_encoder=True)
+    rng_after_save = torch.rand(3)
+    fresh = trained_state(tiny_model, prompt_ids, steps_taken=0)
+    assert checkpoint.load(fresh, str(tmp_path), rank=0) == 1
+    assert fresh.step == 2 and checkpoint.saved_step(str(tmp_path)) == 2
+    assert fresh.lr_scheduler.last_epoch == state.lr_scheduler.last_epoch
+    for name in ("unet", "text_encoder"):
+        for k, v in getattr(state.models, name).state_dict().items():
+            assert torch.equal(v, getattr(fresh.models, name).state_dict()[k]), (name, k)
+    opt_a, opt_b = state.optimizer.state_dict()["state"], fresh.optimizer.state_dict()["state"]
+    assert opt_a.keys() == opt_b.keys() and all(torch.equal(opt_a[k]["exp_avg"], opt_b[k]["exp_avg"]) for k in opt_a)
+    assert torch.equal(torch.rand(3), rng_after_save)
+
+
+def test_each_rank_continues_its_own_rng_stream(tiny_model, prompt_ids, tmp_path):
+    state = trained_state(tiny_model, prompt_ids, steps_taken=1)
+    streams = []
+    for rank in range(3):
+        torch.manual_seed(100 + rank)
+        streams.append(checkpoint.rng_state())
+    checkpoint.save(state, str(tmp_path), 0, streams, train_text_encoder=True)
+    draws = []
+    for rank in range(3):
+        torch.manual_seed(7)  # whatever the worker seeded before loading
+        checkpoint.load(state, str(tmp_path), rank)
+        draws.append(torch.rand(4))
+    for rank in range(3):
+        torch.manual_seed(100 + rank)
+        assert torch.equal(draws[rank], torch.rand(4))
+    assert not torch.equal(draws[0], draws[1])
+    checkpoint.load(state, str(tmp_path), rank=5)  # a rank the saving run did not have: a stream of its own
+    assert not any(torch.equal(torch.rand(4), d) for d in draws)
+
+
+def test_frozen_text_encoder_is_not_written_and_the_manifest_checks_sizes(tiny_model, prompt_ids, tmp_path):
+    state = trained_state(tiny_model, prompt_ids, steps_taken=1)
+    checkpoint.save(state, str(tmp_path), 0, [checkpoint.rng_state()], train_text_encoder=False)
+    assert sorted(os.listdir(tmp_path)) == [checkpoint.OPTIMIZER_FILE, checkpoint.STATE_FILE, checkpoint.UNET_FILE]
+    assert checkpoint.is_complete(str(tmp_path))
+    with open(tmp_path / checkpoint.UNET_FILE, "ab") as f:
+        f.write(b"x")  # a copy that differs from what was saved
+    assert not checkpoint.is_complete(str(tmp_path))
+
+
+def test_find_latest_picks_the_newest_complete_checkpoint_of_the_run(tmp_path):
+    def fake(run, name, step, complete=True):
+        folder = tmp_path / run / name
+        folder.mkdir(parents=True)
+        (folder / "unet.safetensors").write_bytes(b"w" * step)
+        sizes = {"unet.safetensors": step if complete else step + 1}
+        (folder / checkpoint.STATE_FILE).write_text(json.dumps({"step": step, "sizes": sizes}))
+        os.utime(folder / checkpoint.STATE_FILE, (step, step))
+        return str(folder)
+
+    fake("model-tuned-1", "checkpoint_a", 2)
+    newest = fake("model-tuned-2", "checkpoint_b", 4)
+    fake("model-tuned-2", "checkpoint_c", 6, complete=False)
+    fake("other-1", "checkpoint_d", 8)
+    assert checkpoint.find_latest(str(tmp_path), "model-tuned") == newest
+    assert checkpoint.resolve_resume("latest", str(tmp_path), "model-tuned") == newest
+    assert checkpoint.find_latest(str(tmp_path), "absent") is None
+    with pytest.raises(Exception, match="not a complete checkpoint"):
+        checkpoint.resolve_resume(str(tmp_path / "model-tuned-2" / "checkpoint_c"), str(tmp_path), "model-tuned")

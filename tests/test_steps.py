@@ -1,0 +1,180 @@
+"""The training math and step functions (steps.py) on the tiny model, without Ray."""
+
+import copy
+
+import pytest
+import torch
+
+import models as models_lib
+import steps
+
+CPU = torch.device("cpu")
+CONFIG = {"learning_rate": 1e-3, "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_weight_decay": 0.0,
+          "adam_epsilon": 1e-8, "lr_warmup_steps": 0, "mixed_precision": "no", "train_text_encoder": True,
+          "fused_adamw": True}
+
+
+@pytest.fixture()
+def models(tiny_model):
+    return models_lib.load_models(tiny_model, CPU, CPU, train_text_encoder=True)
+
+
+def batch_for(models, size=2, with_class=True, seed=0):
+    """uint8 (B, R, R, 3) pixels, as the data stream delivers them."""
+    g = torch.Generator().manual_seed(seed)
+    res = models.unet.config.sample_size * 2
+    batch = {"instance_pixels": torch.randint(0, 256, (size, res, res, 3), generator=g, dtype=torch.uint8)}
+    if with_class:
+        batch["class_pixels"] = torch.randint(0, 256, (size, res, res, 3), generator=g, dtype=torch.uint8)
+    return batch
+
+
+def step(state, batches, prompt_ids):
+    return steps.train_step(state, batches, prompt_ids, prior_loss_weight=1.0, max_grad_norm=1.0)
+
+
+def test_diffusion_target_follows_prediction_type(models):
+    scheduler = models.scheduler
+    latents, noise = torch.randn(2, 4, 8, 8), torch.randn(2, 4, 8, 8)
+    t = torch.tensor([10, 900])
+    assert torch.equal(steps.diffusion_target(scheduler, latents, noise, t), noise)
+    from diffusers import DDPMScheduler
+
+    v_sched = DDPMScheduler.from_config(scheduler.config, prediction_type="v_prediction")
+    alpha_bar = v_sched.alphas_cumprod[t].view(-1, 1, 1, 1)
+    expected = alpha_bar.sqrt() * noise - (1 - alpha_bar).sqrt() * latents
+    torch.testing.assert_close(steps.diffusion_target(v_sched, latents, noise, t), expected)
+    with pytest.raises(ValueError):
+        steps.diffusion_target(DDPMScheduler.from_config(scheduler.config, prediction_type="sample"),
+                               latents, noise, t)
+
+
+def test_dreambooth_loss_weights_the_prior_half():
+    pred = torch.zeros(4, 1, 2, 2)
+    target = torch.cat([torch.ones(2, 1, 2, 2), torch.full((2, 1, 2, 2), 2.0)])
+    total, instance, prior = steps.dreambooth_loss(pred, target, 2, prior_loss_weight=0.5)
+    assert instance.item() == 1.0 and prior.item() == 4.0 and total.item() == 3.0
+    total, instance, prior = steps.dreambooth_loss(pred[:2], target[:2], 2, prior_loss_weight=0.5)
+    assert prior is None and total.item() == instance.item() == 1.0
+
+
+def test_to_model_input_scales_uint8_to_minus_one_one_channels_first_and_channels_last():
+    pixels = torch.tensor([[[[0, 255, 127]]]], dtype=torch.uint8).expand(2, 4, 5, 3).contiguous()
+    out = steps.to_model_input(pixels)
+    assert out.shape == (2, 3, 4, 5) and out.dtype == torch.float32
+    assert out[0, 0].eq(-1).all() and out[0, 1].eq(1).all() and abs(out[0, 2, 0, 0] + 1 / 255) < 1e-6
+    assert out.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_encode_latents_uses_the_vae_scaling_factor(models):
+    vae = models.vae
+    pixels = torch.rand(1, 3, 64, 64) * 2 - 1
+    torch.manual_seed(0)
+    a = steps.encode_latents(vae, pixels)
+    vae.register_to_config(scaling_factor=2 * vae.config.scaling_factor)
+    torch.manual_seed(0)
+    b = steps.encode_latents(vae, pixels)
+    assert a.shape == (1, 4, 32, 32)
+    torch.testing.assert_close(b, 2 * a)
+
+
+def test_lr_warmup_then_constant():
+    assert [steps.lr_factor(s, 3) for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    assert steps.lr_factor(0, 0) == 1.0
+
+
+def test_train_step_learns_a_fixed_batch_and_changes_only_trainable_weights(models, prompt_ids):
+    vae_before = copy.deepcopy(models.vae.state_dict())
+    unet_before = copy.deepcopy(models.unet.state_dict())
+    state = steps.make_train_state(models, CONFIG)
+    batch = batch_for(models)
+    torch.manual_seed(0)
+    first = step(state, [batch], prompt_ids)[0]
+    assert isinstance(first, torch.Tensor) and not first.requires_grad  # no .item() sync inside the step
+    for _ in range(15):
+        torch.manual_seed(0)  # same noise and timesteps: the loss must fall
+        last = step(state, [batch], prompt_ids)[0]
+    assert last.item() < first.item() * 0.9
+    assert all(torch.equal(v, models.vae.state_dict()[k]) for k, v in vae_before.items())
+    assert any(not torch.equal(v, models.unet.state_dict()[k]) for k, v in unet_before.items())
+
+
+def test_frozen_text_encoder_stays_put(tiny_model, prompt_ids):
+    models = models_lib.load_models(tiny_model, CPU, CPU, train_text_encoder=False)
+    before = copy.deepcopy(models.text_encoder.state_dict())
+    config = dict(CONFIG, train_text_encoder=False)
+    state = steps.make_train_state(models, config)
+    step(state, [batch_for(models, with_class=False)], prompt_ids)
+    assert all(torch.equal(v, models.text_encoder.state_dict()[k]) for k, v in before.items())
+
+
+def test_bf16_autocast_keeps_fp32_master_weights(models, prompt_ids):
+    state = steps.make_train_state(models, dict(CONFIG, mixed_precision="bf16"))
+    assert state.amp_dtype == torch.bfloat16 and not state.scaler.is_enabled()
+    loss = step(state, [batch_for(models, size=1)], prompt_ids)[0]
+    assert torch.isfinite(loss)
+    assert all(p.dtype == torch.float32 for p in state.params)
+
+
+def test_fp16_scales_the_loss_and_a_skipped_step_leaves_weights_and_lr_schedule(models, prompt_ids):
+    state = steps.make_train_state(models, dict(CONFIG, mixed_precision="fp16", lr_warmup_steps=10))
+    assert state.amp_dtype == torch.float16 and state.scaler.is_enabled()
+    loss = step(state, [batch_for(models, size=1)], prompt_ids)[0]
+    assert torch.isfinite(loss) and state.lr_scheduler.last_epoch == 1 and state.skipped_steps == 0
+    weights = copy.deepcopy(models.unet.state_dict())
+    scale, lr = state.scaler.get_scale(), state.lr_scheduler.get_last_lr()[0]
+    # A loss scale far past fp32's range: every gradient overflows, so the scaler skips.
+    state.scaler.update(new_scale=torch.tensor(2.0 ** 127 * 1.9))
+    step(state, [batch_for(models, size=1, seed=1)], prompt_ids)
+    assert state.skipped_steps == 1
+    assert all(torch.equal(v, models.unet.state_dict()[k]) for k, v in weights.items())
+    assert state.lr_scheduler.last_epoch == 1 and state.lr_scheduler.get_last_lr()[0] == lr
+    assert state.scaler.get_scale() < 2.0 ** 127 and scale > 1
+
+
+def test_default_precision_is_fp32_on_cpu():
+    assert steps.amp_dtype(None, CPU) is None
+    assert steps.amp_dtype("bf16", CPU) == torch.bfloat16 and steps.amp_dtype("no", CPU) is None
+
+
+def test_cached_posteriors_draw_the_same_latents_as_encoding(models):
+    batch = batch_for(models)
+    with torch.no_grad():
+        cached = {f"{k}_latents": models.vae.encode(steps.to_model_input(batch[f"{k}_pixels"])).latent_dist.parameters
+                  for k in ("instance", "class")}
+    torch.manual_seed(1)
+    from_pixels = steps.batch_latents(models, batch)
+    torch.manual_seed(1)
+    from_cache = steps.batch_latents(models, cached)
+    assert from_pixels.shape == (4, 4, 32, 32)
+    torch.testing.assert_close(from_cache, from_pixels, rtol=1e-4, atol=1e-5)
+
+
+def test_each_prompt_goes_through_the_text_encoder_once(models, prompt_ids):
+    te = models.text_encoder
+    rows = []
+    hook = te.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[0]))
+    with torch.no_grad():
+        live = steps.prompt_conditioning(te, prompt_ids, 2, 3)
+        hook.remove()
+        states = {k: te(v)[0] for k, v in prompt_ids.items()}
+        cached = steps.prompt_conditioning(te, states, 2, 3)
+        alone = steps.prompt_conditioning(te, states, 2, 0)
+    assert rows == [2]  # two prompts, not 2 + 3 copies
+    assert live.shape == (5, 77, 32)
+    torch.testing.assert_close(cached, live)
+    torch.testing.assert_close(alone, live[:2])
+    assert not torch.allclose(live[0], live[4])  # instance and class prompts differ
+
+
+def test_gradient_accumulation_takes_one_optimizer_step_per_group(models, prompt_ids):
+    assert list(steps.accumulate(iter(range(7)), 3, 10)) == [[0, 1, 2], [3, 4, 5]]
+    assert list(steps.accumulate(iter(range(7)), 2, 1)) == [[0, 1]]
+    assert list(steps.accumulate(iter(range(7)), 2, 0)) == []
+    state = steps.make_train_state(models, CONFIG)
+    before = copy.deepcopy(models.unet.state_dict())
+    loss, instance, prior = step(state, [batch_for(models, 1), batch_for(models, 1, seed=1)], prompt_ids)
+    assert state.lr_scheduler.last_epoch == 1
+    assert state.optimizer.state_dict()["state"][0]["step"].item() == 1
+    assert loss.item() == pytest.approx(instance.item() + prior.item(), rel=1e-5)
+    assert any(not torch.equal(v, models.unet.state_dict()[k]) for k, v in before.items())
