@@ -296,8 +296,23 @@ def decode_images(instance_paths, class_paths, resolution, latent_cache=None):
     return [by_path[p] for p in instance_paths], [by_path[p] for p in class_paths or []]
 
 
+def index_dataset(rows, block_rows):
+    """Rows -> a Dataset of blocks of exactly block_rows rows (the last may be shorter).
+
+    Train's streaming split hands each block to the worker with the fewest rows so far, so
+    blocks of one batch go round-robin: worker r's k-th batch is block k x workers + r,
+    whatever the stream's length (only its last blocks are rebalanced). A run resumed with
+    more steps, or restarted, sees the same batches in the same places.
+    """
+    import pandas as pd
+    import ray
+
+    frame = pd.DataFrame(rows)
+    return ray.data.from_pandas([frame.iloc[k:k + block_rows] for k in range(0, len(frame), block_rows)])
+
+
 def build_train_dataset(instance_paths, class_paths, resolution, center_crop, random_flip, latent_cache=None,
-                        num_epochs=1, seed=0):
+                        num_epochs=1, seed=0, batch_size=16):
     """The training Dataset of a whole run: num_epochs epochs of plan_rows, turned into pixels
     (or cached latents) by Ray Data tasks.
 
@@ -305,19 +320,19 @@ def build_train_dataset(instance_paths, class_paths, resolution, center_crop, ra
     pipeline are indices, and every random choice comes from the row's seed, so the stream
     is the same on every run of the same command. class_paths=None trains on instance rows
     alone (no prior preservation). latent_cache: see decode_images (implies a center crop).
+    batch_size: rows of one worker's batch, the stream's block (see index_dataset).
     """
     import ray
 
     if latent_cache:
         latent_cache = {**latent_cache, "random_flip": random_flip}
     instances, classes = decode_images(instance_paths, class_paths, resolution, latent_cache)
-    rows = plan_rows(len(instances), len(classes), num_epochs, seed)
-    index = ray.data.from_items(rows, override_num_blocks=max(1, min(64, len(rows) // 16)))
+    index = index_dataset(plan_rows(len(instances), len(classes), num_epochs, seed), batch_size)
     if latent_cache:
-        return index.map_batches(pick_latents, batch_size=16, fn_kwargs={
+        return index.map_batches(pick_latents, batch_size=batch_size, fn_kwargs={
             "instance_latents": ray.put(np.stack(instances)),
             "class_latents": ray.put(np.stack(classes)) if classes else None})
-    return index.map_batches(make_views, batch_size=16, fn_kwargs={
+    return index.map_batches(make_views, batch_size=batch_size, fn_kwargs={
         "instance_images": ray.put(instances), "class_images": ray.put(classes) if classes else None,
         "resolution": resolution, "center_crop": center_crop, "random_flip": random_flip})
 

@@ -65,18 +65,15 @@ def main(argv=None):
         class_paths = dataset.inspect_images(class_paths, config["resolution"], convert_dir)
     num_rows = max(len(instance_paths), len(class_paths or []))
     config["steps_per_epoch"], config["total_steps"] = plan_steps(num_rows, args)
-    data_context = ray.data.DataContext.get_current()
-    data_context.enable_progress_bars = False
-    # Ordered execution makes the streaming split deterministic: each worker gets the same
-    # rows on every run of the same command, which resuming mid-run relies on.
-    data_context.execution_options.preserve_order = True
+    ray.data.DataContext.get_current().enable_progress_bars = False
     latent_cache = None
     if args.cache_latents:
         latent_cache = {"model_dir": args.model_dir, "num_gpus": utils.cluster_gpus(),
                         "allow_unsafe_weights": args.allow_unsafe_weights}
     train_ds = dataset.build_train_dataset(
         instance_paths, class_paths, config["resolution"], args.center_crop, args.random_flip, latent_cache,
-        num_epochs=stream_epochs(num_rows, config["total_steps"], args), seed=args.seed)
+        num_epochs=stream_epochs(num_rows, config["total_steps"], args), seed=args.seed,
+        batch_size=args.train_batch_size)
     try:
         result = run_trainer(config, train_ds, cpus_per_worker, run_prefix)
     except KeyboardInterrupt:
@@ -146,10 +143,10 @@ def plan_steps(num_rows, args):
 
 def stream_epochs(num_rows, total_steps, args):
     """Epochs of rows the training stream must hold for every worker to take total_steps
-    (one spare: workers get equal shares, a remainder can fall short)."""
+    (two spare: the split rebalances the stream's last blocks between workers)."""
     rows_per_worker = num_rows // args.num_workers
     rows_needed = total_steps * args.train_batch_size * args.gradient_accumulation_steps
-    return math.ceil(rows_needed / rows_per_worker) + 1
+    return math.ceil(rows_needed / rows_per_worker) + 2
 
 
 def lacks_identifier(instance_prompt, class_prompt):
@@ -184,6 +181,7 @@ def build_config(args, use_gpu):
 
 
 def run_trainer(config, train_ds, cpus_per_worker, run_prefix):
+    import ray.data
     import ray.train
     from ray.train.torch import TorchTrainer
 
@@ -204,6 +202,10 @@ def run_trainer(config, train_ds, cpus_per_worker, run_prefix):
             failure_config=ray.train.FailureConfig(max_failures=config["max_failures"]),
         ),
         datasets={"train": train_ds},
+        # Ordered execution makes the streaming split deterministic: each worker gets the same
+        # rows on every run of the same command, which resuming mid-run relies on. (Set here:
+        # the split is configured in Train's controller, which does not see our DataContext.)
+        dataset_config=ray.train.DataConfig(execution_options=ray.data.ExecutionOptions(preserve_order=True)),
     )
     try:
         result = trainer.fit()

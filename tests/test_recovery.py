@@ -8,6 +8,7 @@ import sys
 import time
 
 import numpy as np
+import torch
 import pytest
 from PIL import Image
 
@@ -155,3 +156,45 @@ def test_killed_generation_rerun_gives_exactly_the_uninterrupted_images(tiny_mod
         a = np.asarray(Image.open(cut / name).convert("RGB"), dtype=int)
         b = np.asarray(Image.open(tmp_path / "whole" / name).convert("RGB"), dtype=int)
         np.testing.assert_allclose(a, b, atol=1)
+
+
+def final_weights(folder):
+    from safetensors.torch import load_file
+
+    return {part: load_file(os.path.join(folder, part, name))
+            for part, name in (("unet", "diffusion_pytorch_model.safetensors"), ("text_encoder", "model.safetensors"))}
+
+
+def logged_losses(result):
+    with open(os.path.join(result.path, train.METRICS_FILE)) as f:
+        return [(m["step"], m["loss"]) for m in map(json.loads, f)]
+
+
+def test_same_seed_same_losses(ray_session, tiny_model, toy_images, tmp_path):
+    runs = [train.main(train_args(tiny_model, toy_images, tmp_path / f"m{k}", 6, "--num_workers", "1",
+                                  "--random_flip", "--logging_steps", "2", "--seed", "3", "--lr", "1e-4"))
+            for k in range(2)]
+    assert logged_losses(runs[0]) == logged_losses(runs[1])
+    assert [s for s, _ in logged_losses(runs[0])] == [2, 4, 6]
+
+
+def test_resume_with_every_gpu_option_ends_with_the_uninterrupted_weights(ray_session, tiny_model, toy_images,
+                                                                          tmp_path):
+    """channels-last, fused AdamW, fp16 + GradScaler, torch.compile, gradient checkpointing of
+    UNet and text encoder, the two-device split and DDP over 2 workers: a run cut at step 2 and
+    resumed ends exactly where the uninterrupted run does."""
+    options = ["--channels_last", "--fused_adamw", "--mixed_precision", "fp16", "--torch_compile", "aot_eager",
+               "--gradient_checkpointing", "--gpus_per_worker", "2", "--random_flip", "--checkpointing_steps", "2",
+               "--logging_steps", "1", "--lr", "1e-3", "--seed", "5"]
+    whole = train.main(train_args(tiny_model, toy_images, tmp_path / "whole", 4, *options))
+    train.main(train_args(tiny_model, toy_images, tmp_path / "cut", 2, *options))
+    resumed = train.main(train_args(tiny_model, toy_images, tmp_path / "cut", 4, *options,
+                                    "--resume_from_checkpoint", "latest"))
+    assert resumed.metrics["step"] == whole.metrics["step"] == 4
+    assert logged_losses(resumed) == logged_losses(whole)[2:]
+    a, b = final_weights(tmp_path / "whole"), final_weights(tmp_path / "cut")
+    base = final_weights(tiny_model)
+    for part in a:
+        assert any(not torch.equal(v, base[part][k]) for k, v in a[part].items())  # it trained
+        for k, v in a[part].items():
+            assert torch.equal(v, b[part][k]), (part, k)
