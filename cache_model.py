@@ -6,9 +6,11 @@
 Prints the snapshot path, the folder every other script takes as --model_dir. Only the
 files a diffusers pipeline loads are fetched (the SD 1.4 repo also holds multi-GB .ckpt
 files), safetensors weights only. With the files already cached it works offline.
---tiny writes a randomly initialised tiny SD 1.x model instead (no network at all).
+--tiny writes a randomly initialised tiny SD 1.x model instead (no network at all), and
+--random_model sd15 the full-size SD 1.x architecture with random weights (GPU checks).
 """
 
+import hashlib
 import os
 import re
 
@@ -21,18 +23,28 @@ ALLOW_PATTERNS = ["model_index.json", "*/*.json", "*/*.txt", "*/*.safetensors"]
 IGNORE_PATTERNS = ["*.ckpt", "*.bin", "*.msgpack", "*.onnx", "*.h5", "*.fp16.*", "*non_ema*", "*.ema.*"]
 
 
-def write_tiny_model(cache_dir):
-    """Save the tiny pipeline in the hub layout (refs/main + snapshots/<revision>)."""
-    snapshot = utils.hub_snapshot_path(cache_dir, utils.TINY_MODEL_NAME, utils.TINY_REVISION)
+def random_model_id(size):
+    """(hub name, revision) of a built random model: the tiny one keeps its historical name."""
+    if size == "tiny":
+        return utils.TINY_MODEL_NAME, utils.TINY_REVISION
+    name = f"dreambooth-ray/random-stable-diffusion-{size}"
+    return name, hashlib.sha1(name.encode()).hexdigest()
+
+
+def write_random_model(cache_dir, size="tiny"):
+    """Build a random SD 1.x model of models.MODEL_SIZES and save it in the hub layout
+    (refs/main + snapshots/<revision>), where every script finds it as it finds SD 1.4."""
     import models
 
-    pipeline = models.build_pipeline("tiny")
+    name, revision = random_model_id(size)
+    snapshot = utils.hub_snapshot_path(cache_dir, name, revision)
+    pipeline = models.build_pipeline(size)
     utils.atomic_write_dir(snapshot, lambda tmp: pipeline.save_pretrained(tmp, safe_serialization=True))
     refs = os.path.join(os.path.dirname(os.path.dirname(snapshot)), "refs")
     os.makedirs(refs, exist_ok=True)
     # snapshot_download refuses a ref with a trailing newline.
     with open(os.path.join(refs, "main"), "w") as f:
-        f.write(utils.TINY_REVISION)
+        f.write(revision)
     return snapshot
 
 
@@ -80,10 +92,11 @@ def download_model(cache_dir, model_name, revision):
 
 
 def main(argv=None):
-    parser = flags.make_parser(__doc__.splitlines()[0], ["cache_dir", "model_name", "revision", "tiny"])
+    parser = flags.make_parser(__doc__.splitlines()[0], ["cache_dir", "model_name", "revision", "tiny",
+                                                         "random_model"])
     args = parser.parse_args(argv)
-    if args.tiny:
-        path = write_tiny_model(args.cache_dir)
+    if args.tiny or args.random_model:
+        path = write_random_model(args.cache_dir, args.random_model or "tiny")
     else:
         path = download_model(args.cache_dir, args.model_name, args.revision)
     utils.check_model_dir(path)

@@ -87,6 +87,12 @@ FLAGS = {
              help="Write a randomly initialised tiny SD 1.x model instead of downloading "
                   "(offline, CPU-friendly; for tests and trying the pipeline)."),
     ),
+    "random_model": (
+        ("--random_model",),
+        dict(choices=["tiny", "small", "sd15"], default=None,
+             help="Write a randomly initialised SD 1.x model of this size instead (sd15: the full SD 1.x "
+                  "architecture, for GPU checks without a download); --tiny is --random_model tiny."),
+    ),
     "dataset_repo": (
         ("--repo_id",),
         dict(dest="dataset_repo", default="diffusers/dog-example", help="Hub dataset with the example photos."),

@@ -1,0 +1,148 @@
+#!/usr/bin/env bash
+# GPU acceptance: the product's own scripts, with Ray, on the full-size SD 1.x architecture with
+# random weights (no download), end to end, with a killed worker and a resumed run on the way.
+#
+#   benchmarks/gpu_check.sh                      GPU machine: --model sd15 (needs torch, Ray, diffusers)
+#   benchmarks/gpu_check.sh --model tiny         CPU dry run of the same sequence (the test suite runs it)
+#   benchmarks/gpu_check.sh --part pipeline      only Steps 1-7 below; --part bench: only the benchmark
+#
+# On the lent GPU machine (torch + transformers, no Ray or diffusers, no network), carry the kit:
+#   bash ../shared/tools/make-gpu-kit.sh          # here, once: builds .gpukit/
+#   . .gpukit/install.sh && bash benchmarks/gpu_check.sh     # there (run with carry [".gpukit"])
+#
+# Steps: 1 build the random model (cache_model.py) -> 2 subject photos -> 3 eight class images on the
+# Ray Data actor pool (generate.py) -> 4 train 30 steps, checkpoint every 10 (UNet + text encoder,
+# prior loss, default precision: bf16 on GPU), SIGKILL the train worker after the first checkpoint
+# (Ray restarts it from there), Ctrl-C the driver after the second -> 5 resume from 'latest' to the
+# end and save -> 6 four images from the tuned model -> 7 benchmarks/bench.py (Ray Train vs plain
+# loop, online VAE and cached latents, generation at batch 8) and the plain loop's peak memory with
+# gradient checkpointing. Prints one Markdown table; exits non-zero if any step misbehaves.
+set -euo pipefail
+
+MODEL=sd15
+PART=all
+WORK=${TMPDIR:-/tmp}/dreambooth-gpu-check
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --model) MODEL=$2; shift 2 ;;
+    --part) PART=$2; shift 2 ;;
+    --work) WORK=$2; shift 2 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    *) echo "gpu_check.sh: unknown option $1" >&2; exit 2 ;;
+  esac
+done
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+if [ "$MODEL" = tiny ]; then
+  INFERENCE_STEPS=4; BENCH=(--steps 10 --warmup 10 --plain_warmup 2 --inference_steps 4)
+else
+  INFERENCE_STEPS=50; BENCH=()
+fi
+TABLE=()
+
+# Run a command, add its wall time to the table.
+timed() {
+  local name=$1 t0 t1
+  shift
+  t0=$(date +%s.%N)
+  "$@"
+  t1=$(date +%s.%N)
+  TABLE+=("| wall time: $name | $(awk "BEGIN { printf \"%.1f\", $t1 - $t0 }") | s | |")
+}
+
+fail() { echo "gpu_check: FAILED: $*" >&2; exit 1; }
+
+# Newest complete checkpoint's step of the run writing to $WORK/tuned (0 if none).
+checkpoint_step() {
+  "$PY" -c "import checkpoint, sys; p = checkpoint.find_latest(sys.argv[1], 'tuned'); \
+print(checkpoint.saved_step(p) if p else 0)" "$WORK/ray_results"
+}
+
+wait_for_checkpoint() {  # STEP PID: until a checkpoint of at least STEP exists, while PID lives
+  while [ "$(checkpoint_step)" -lt "$1" ]; do
+    kill -0 "$2" 2>/dev/null || fail "train.py ended before writing checkpoint $1 (see $WORK/train-1.log)"
+    sleep 1
+  done
+}
+
+pipeline() {
+  rm -rf "$WORK"
+  mkdir -p "$WORK/own"
+  timed "1 build random $MODEL model" \
+    "$PY" cache_model.py --model_dir "$WORK/model-orig" --random_model "$MODEL" > "$WORK/model-path"
+  MODEL_PATH=$(tail -n 1 "$WORK/model-path")
+  cp images/toy/*.jpg "$WORK/own/"
+  timed "3 generate 8 class images" "$PY" generate.py --model_dir "$MODEL_PATH" --output_dir "$WORK/reg" \
+    --prompts "photo of a toy" --num_samples_per_prompt 8 --batch_size 8 --num_inference_steps "$INFERENCE_STEPS"
+  [ "$(ls "$WORK/reg"/*.png | wc -l)" -eq 8 ] || fail "expected 8 class images"
+
+  TRAIN=("$PY" train.py --model_dir "$MODEL_PATH" --output_dir "$WORK/tuned" --storage_path "$WORK/ray_results"
+         --instance_data_dir "$WORK/own" --instance_prompt "photo of unqtkn toy"
+         --class_data_dir "$WORK/reg" --class_prompt "photo of a toy" --num_workers 1
+         --max_train_steps 30 --checkpointing_steps 10 --logging_steps 5 --checkpoints_total_limit 1)
+  local t0 t1 pid rc
+  t0=$(date +%s.%N)
+  "${TRAIN[@]}" > "$WORK/train-1.log" 2>&1 &
+  pid=$!
+  wait_for_checkpoint 10 "$pid"
+  pkill -9 -f '^ray::RayTrainWorker' || fail "no Ray Train worker process to kill"
+  echo "gpu_check: killed the train worker after checkpoint $(checkpoint_step)" >&2
+  wait_for_checkpoint 20 "$pid"
+  kill -INT "$pid"
+  rc=0
+  wait "$pid" || rc=$?
+  t1=$(date +%s.%N)
+  TABLE+=("| wall time: 4 train to step 20, worker killed at 10, Ctrl-C at 20 | $(awk "BEGIN { printf \"%.1f\", $t1 - $t0 }") | s | exit $rc |")
+  [ "$rc" -eq 130 ] || { tail -n 30 "$WORK/train-1.log" >&2; fail "Ctrl-C'd train.py exited $rc, not 130"; }
+  grep -q "resume_from_checkpoint latest" "$WORK/train-1.log" || fail "no resume hint after Ctrl-C"
+  grep -q "step=15" "$WORK/train-1.log" || fail "training did not go on past the killed worker"
+
+  timed "5 resume from latest to step 30 + save" "${TRAIN[@]}" --resume_from_checkpoint latest \
+    > "$WORK/train-2.log" 2>&1 || { tail -n 30 "$WORK/train-2.log" >&2; fail "resumed train.py failed"; }
+  grep -q "resuming from" "$WORK/train-2.log" || fail "the rerun did not resume"
+  grep -q "trained 30 steps" "$WORK/train-2.log" || fail "the resumed run did not finish 30 steps"
+  [ -f "$WORK/tuned/dreambooth_training.json" ] || fail "no tuned model"
+
+  timed "6 generate 4 images from the tuned model" "$PY" generate.py --model_dir "$WORK/tuned" \
+    --output_dir "$WORK/new" --prompts "photo of unqtkn toy in a bucket" --num_samples_per_prompt 4 \
+    --batch_size 4 --num_inference_steps "$INFERENCE_STEPS"
+  [ "$(ls "$WORK/new"/*.png "$WORK/new"/*.flagged 2>/dev/null | wc -l)" -eq 4 ] || fail "expected 4 new images"
+  grep -h "worker devices" "$WORK"/train-*.log | head -n 1 | sed 's/^.*worker devices/gpu_check: worker devices/' >&2
+}
+
+bench() {
+  # Ray Train vs the plain loop, online VAE and cached latents; generation at batch 8.
+  timed "7 bench.py (Ray, full + cached, generation batch 8)" "$PY" benchmarks/bench.py --model "$MODEL" \
+    --variants full,cached --gen_batches 8 "${BENCH[@]}" > "$WORK/bench.md"
+  # Peak memory of the same step with gradient checkpointing (plain loop, no Ray needed).
+  timed "7 bench.py (plain, gradient checkpointing)" "$PY" benchmarks/bench.py --model "$MODEL" --no_ray \
+    --variants full --gradient_checkpointing --skip_generation "${BENCH[@]}" > "$WORK/bench-gc.md"
+  grep -q "Ray Train 1 worker, cached" "$WORK/bench.md" || fail "bench.py printed no Ray row"
+}
+
+mkdir -p "$WORK"
+case "$PART" in
+  all) pipeline; bench ;;
+  pipeline) pipeline ;;
+  bench) bench ;;
+  *) fail "--part must be all, pipeline or bench" ;;
+esac
+
+{
+  echo
+  echo "## gpu_check.sh --model $MODEL ($("$PY" -c 'import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU")'), $(date -u +%Y-%m-%d))"
+  echo
+  echo "| measure | value | unit | note |"
+  echo "| --- | ---: | --- | --- |"
+  printf '%s\n' "${TABLE[@]}"
+  if [ -f "$WORK/bench.md" ]; then
+    grep '^model=' "$WORK/bench.md" | sed 's/^/| bench.py: /; s/ *$/ | | | |/'
+    grep '^| ' "$WORK/bench.md" | grep -v '^| measure\|^| ---'
+  fi
+  if [ -f "$WORK/bench-gc.md" ]; then
+    grep '^| plain loop, full: peak memory' "$WORK/bench-gc.md" \
+      | sed 's/^| plain loop, full: peak memory/| plain loop, full, gradient checkpointing: peak memory/'
+  fi
+} | tee "$WORK/table.md"
+echo "gpu_check: OK ($WORK/table.md)" >&2
