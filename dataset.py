@@ -182,6 +182,18 @@ def _resolve(value):
     return ray.get(value) if isinstance(value, ray.ObjectRef) else value
 
 
+def _per_row(batch, sources, pick):
+    """{key: (B, ...)}: for each row, pick(its image of sources[key], the row's generator),
+    for the keys ("instance", "class") the batch has; one generator per row, seeded by it."""
+    keys = [k for k in ("instance", "class") if k in batch]
+    out = {k: [] for k in keys}
+    for r, row_seed in enumerate(batch["seed"]):
+        rng = np.random.default_rng(int(row_seed))
+        for key in keys:
+            out[key].append(pick(sources[key][int(batch[key][r])], rng))
+    return {k: np.stack(v) for k, v in out.items()}
+
+
 def make_views(batch, instance_images, class_images, resolution, center_crop, random_flip):
     """Index rows -> pixels: each row's instance (and class) image, cropped and flipped with
     the row's own seed.
@@ -190,14 +202,9 @@ def make_views(batch, instance_images, class_images, resolution, center_crop, ra
     uint8 arrays with min(H, W) >= resolution. Out: {"instance_pixels": (B, R, R, 3)
     [, "class_pixels": (B, R, R, 3)]} uint8 (scaled to [-1, 1] on the training device).
     """
-    images = {"instance": _resolve(instance_images), "class": _resolve(class_images)}
-    keys = [k for k in ("instance", "class") if k in batch]
-    out = {k: [] for k in keys}
-    for r, row_seed in enumerate(batch["seed"]):
-        rng = np.random.default_rng(int(row_seed))
-        for key in keys:
-            out[key].append(view(images[key][int(batch[key][r])], resolution, center_crop, random_flip, rng))
-    return {f"{key}_pixels": np.stack(out[key]) for key in keys}
+    sources = {"instance": _resolve(instance_images), "class": _resolve(class_images)}
+    views = _per_row(batch, sources, lambda image, rng: view(image, resolution, center_crop, random_flip, rng))
+    return {f"{k}_pixels": v for k, v in views.items()}
 
 
 def pick_latents(batch, instance_latents, class_latents):
@@ -206,15 +213,9 @@ def pick_latents(batch, instance_latents, class_latents):
     In: as make_views; the latent arrays are (N, V, 8, h, w). Out: {"instance_latents":
     (B, 8, h, w)[, "class_latents": (B, 8, h, w)]} float32.
     """
-    latents = {"instance": _resolve(instance_latents), "class": _resolve(class_latents)}
-    keys = [k for k in ("instance", "class") if k in batch]
-    out = {k: [] for k in keys}
-    for r, row_seed in enumerate(batch["seed"]):
-        rng = np.random.default_rng(int(row_seed))
-        for key in keys:
-            views = latents[key][int(batch[key][r])]
-            out[key].append(views[rng.integers(0, views.shape[0])])
-    return {f"{key}_latents": np.stack(out[key]) for key in keys}
+    sources = {"instance": _resolve(instance_latents), "class": _resolve(class_latents)}
+    picked = _per_row(batch, sources, lambda views, rng: views[rng.integers(0, views.shape[0])])
+    return {f"{k}_latents": v for k, v in picked.items()}
 
 
 # ---------------------------------------------------------------- Ray Data stages

@@ -11,7 +11,7 @@
 #   . .gpukit/install.sh && bash benchmarks/gpu_check.sh     # there (run with carry [".gpukit"])
 #
 # Steps: 1 build the random model (cache_model.py) -> 2 subject photos -> 3 eight class images on the
-# Ray Data actor pool (generate.py) -> 4 train 30 steps, checkpoint every 10 (UNet + text encoder,
+# Ray Data actor pool (generate.py) -> 4 train 30 steps (200 on tiny), checkpoint every 10 (UNet + text encoder,
 # prior loss, default precision: bf16 on GPU), SIGKILL the train worker after the first checkpoint
 # (Ray restarts it from there), Ctrl-C the driver after the second -> 5 resume from 'latest' to the
 # end and save -> 6 four images from the tuned model -> 7 benchmarks/bench.py (Ray Train vs plain
@@ -35,9 +35,10 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 if [ "$MODEL" = tiny ]; then
-  INFERENCE_STEPS=4; BENCH=(--steps 10 --warmup 10 --plain_warmup 2 --inference_steps 4)
+  # Tiny steps take a few ms: with only 10 after checkpoint 20 the run could end before Ctrl-C lands.
+  INFERENCE_STEPS=2; TRAIN_STEPS=200; BENCH=(--steps 5 --warmup 5 --logging_steps 5 --plain_warmup 1 --inference_steps 2)
 else
-  INFERENCE_STEPS=50; BENCH=()
+  INFERENCE_STEPS=50; TRAIN_STEPS=30; BENCH=()
 fi
 TABLE=()
 
@@ -80,7 +81,7 @@ pipeline() {
   TRAIN=("$PY" train.py --model_dir "$MODEL_PATH" --output_dir "$WORK/tuned" --storage_path "$WORK/ray_results"
          --instance_data_dir "$WORK/own" --instance_prompt "photo of unqtkn toy"
          --class_data_dir "$WORK/reg" --class_prompt "photo of a toy" --num_workers 1
-         --max_train_steps 30 --checkpointing_steps 10 --logging_steps 5 --checkpoints_total_limit 1)
+         --max_train_steps "$TRAIN_STEPS" --checkpointing_steps 10 --logging_steps 5 --checkpoints_total_limit 1)
   local t0 t1 pid rc
   t0=$(date +%s.%N)
   "${TRAIN[@]}" > "$WORK/train-1.log" 2>&1 &
@@ -98,10 +99,10 @@ pipeline() {
   grep -q "resume_from_checkpoint latest" "$WORK/train-1.log" || fail "no resume hint after Ctrl-C"
   grep -q "step=15" "$WORK/train-1.log" || fail "training did not go on past the killed worker"
 
-  timed "5 resume from latest to step 30 + save" "${TRAIN[@]}" --resume_from_checkpoint latest \
+  timed "5 resume from latest to step $TRAIN_STEPS + save" "${TRAIN[@]}" --resume_from_checkpoint latest \
     > "$WORK/train-2.log" 2>&1 || { tail -n 30 "$WORK/train-2.log" >&2; fail "resumed train.py failed"; }
   grep -q "resuming from" "$WORK/train-2.log" || fail "the rerun did not resume"
-  grep -q "trained 30 steps" "$WORK/train-2.log" || fail "the resumed run did not finish 30 steps"
+  grep -q "trained $TRAIN_STEPS steps" "$WORK/train-2.log" || fail "the resumed run did not finish $TRAIN_STEPS steps"
   [ -f "$WORK/tuned/dreambooth_training.json" ] || fail "no tuned model"
 
   timed "6 generate 4 images from the tuned model" "$PY" generate.py --model_dir "$WORK/tuned" \
@@ -112,9 +113,9 @@ pipeline() {
 }
 
 bench() {
-  # Ray Train vs the plain loop, online VAE and cached latents; generation at batch 8.
-  timed "7 bench.py (Ray, full + cached, generation batch 8)" "$PY" benchmarks/bench.py --model "$MODEL" \
-    --variants full,cached --gen_batches 8 "${BENCH[@]}" > "$WORK/bench.md"
+  # Ray Train vs the plain loop: VAE + text encoder each step, frozen text encoder, cached latents; generation at batch 8.
+  timed "7 bench.py (Ray, full + frozen + cached, generation batch 8)" "$PY" benchmarks/bench.py --model "$MODEL" \
+    --variants full,frozen,cached --gen_batches 8 "${BENCH[@]}" > "$WORK/bench.md"
   # Peak memory of the same step with gradient checkpointing (plain loop, no Ray needed).
   timed "7 bench.py (plain, gradient checkpointing)" "$PY" benchmarks/bench.py --model "$MODEL" --no_ray \
     --variants full --gradient_checkpointing --skip_generation "${BENCH[@]}" > "$WORK/bench-gc.md"

@@ -49,7 +49,10 @@ def prompt_ids(tiny_model):
 
 
 def pytest_collection_modifyitems(items):
-    """Every test that uses the Ray fixture starts Ray: it is slow without saying so itself."""
+    """Tests that start Ray (through the Ray fixture) or a subprocess are slow without saying so."""
+    import inspect
+
     for item in items:
-        if "ray_session" in item.fixturenames:
+        source = inspect.getsource(item.function)
+        if "ray_session" in item.fixturenames or any(w in source for w in ("subprocess", "run_train(", "Popen")):
             item.add_marker(pytest.mark.slow)

@@ -1,29 +1,51 @@
-"""The benchmark runs the product's functions end to end and prints its side-by-side table."""
+"""benchmarks/gpu_check.sh on the tiny model (the GPU acceptance sequence, dry run on CPU), and the
+side-by-side table of benchmarks/bench.py that it prints."""
 
-import importlib.util
 import os
+import subprocess
+import sys
 
-from conftest import REPO_DIR
+import pytest
 
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench", os.path.join(REPO_DIR, "benchmarks", "bench.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_bench_prints_plain_ray_and_generation_rows(ray_session, capsys):
-    load_bench().main(["--model", "tiny", "--variants", "frozen,cached", "--steps", "2", "--warmup", "2",
-                       "--logging_steps", "1", "--plain_warmup", "1", "--gen_batches", "1",
-                       "--inference_steps", "2"])
-    rows = [[c.strip() for c in line.strip("|").split("|")] for line in capsys.readouterr().out.splitlines()
+@pytest.fixture(scope="module")
+def gpu_check(tmp_path_factory):
+    work = tmp_path_factory.mktemp("gpu-check")
+    proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--model", "tiny", "--work", str(work)], cwd=REPO,
+                          capture_output=True, text=True, env=dict(os.environ, PYTHON=sys.executable), timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return work, proc.stderr
+
+
+def table_rows(text):
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines()
             if line.startswith("| ") and not line.startswith(("| measure", "| ---"))]
-    table = {cells[0]: float(cells[1]) for cells in rows}
-    for variant in ("frozen", "cached"):
+    return {cells[0]: cells[1:] for cells in rows}
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_kills_a_worker_resumes_and_generates(gpu_check):
+    work, log = gpu_check
+    assert "killed the train worker after checkpoint 10" in log
+    table = table_rows((work / "table.md").read_text())
+    assert table["wall time: 4 train to step 20, worker killed at 10, Ctrl-C at 20"][2] == "exit 130"
+    for row in ("wall time: 1 build random tiny model", "wall time: 5 resume from latest to step 200 + save",
+                "wall time: 6 generate 4 images from the tuned model",
+                "plain loop, full, gradient checkpointing: peak memory"):
+        assert float(table[row][0]) > 0, row
+    assert len([f for f in os.listdir(work / "new") if f.endswith(".png")]) == 4
+
+
+@pytest.mark.slow
+def test_bench_prints_plain_ray_and_generation_rows(gpu_check):
+    work, _ = gpu_check
+    table = {name: float(cells[0]) for name, cells in table_rows((work / "bench.md").read_text()).items()}
+    for variant in ("full", "frozen", "cached"):
         assert table[f"plain loop, {variant}"] > 0 and table[f"Ray Train 1 worker, {variant}"] > 0
         overhead = 100 * (1 - table[f"Ray Train 1 worker, {variant}"] / table[f"plain loop, {variant}"])
         assert abs(table[f"Ray overhead, {variant}"] - overhead) < 2  # from figures rounded to three digits
     assert table["speed-up of caching latents + embeddings (plain, frozen TE)"] > 0
-    assert table["generation batch 1 (2 steps, actor pool)"] > 0
+    assert table["generation batch 8 (2 steps, actor pool)"] > 0
     assert table["start-up: Ray start"] >= 0

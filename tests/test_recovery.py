@@ -92,6 +92,7 @@ def run_dirs(storage):
     return [os.path.join(storage, d) for d in os.listdir(storage)] if os.path.isdir(storage) else []
 
 
+@pytest.mark.slow
 def test_sigkilled_worker_is_replaced_and_training_completes(tiny_model, toy_images, tmp_path):
     out, storage = tmp_path / "model-tuned", tmp_path / "ray_results"
     started = time.time()
