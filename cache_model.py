@@ -21,12 +21,22 @@ import utils
 # weights of the full-precision, non-EMA-only variant.
 ALLOW_PATTERNS = ["model_index.json", "*/*.json", "*/*.txt", "*/*.safetensors"]
 IGNORE_PATTERNS = ["*.ckpt", "*.bin", "*.msgpack", "*.onnx", "*.h5", "*.fp16.*", "*non_ema*", "*.ema.*"]
+# The tiny model is stored in the hub cache layout under its own name, so it never
+# shadows a real model and every script finds it exactly as it finds SD 1.4.
+TINY_MODEL_NAME = "dreambooth-ray/tiny-stable-diffusion"
+TINY_REVISION = hashlib.sha1(b"dreambooth-ray tiny sd v2").hexdigest()
+
+
+def hub_snapshot_path(cache_dir, model_name, revision):
+    """Where snapshot_download puts a revision inside a hub cache folder."""
+    folder = "models--" + model_name.replace("/", "--")
+    return os.path.join(cache_dir, folder, "snapshots", revision)
 
 
 def random_model_id(size):
     """(hub name, revision) of a built random model: the tiny one keeps its historical name."""
     if size == "tiny":
-        return utils.TINY_MODEL_NAME, utils.TINY_REVISION
+        return TINY_MODEL_NAME, TINY_REVISION
     name = f"dreambooth-ray/random-stable-diffusion-{size}"
     return name, hashlib.sha1(name.encode()).hexdigest()
 
@@ -37,7 +47,7 @@ def write_random_model(cache_dir, size="tiny"):
     import models
 
     name, revision = random_model_id(size)
-    snapshot = utils.hub_snapshot_path(cache_dir, name, revision)
+    snapshot = hub_snapshot_path(cache_dir, name, revision)
     pipeline = models.build_pipeline(size)
     utils.atomic_write_dir(snapshot, lambda tmp: pipeline.save_pretrained(tmp, safe_serialization=True))
     refs = os.path.join(os.path.dirname(os.path.dirname(snapshot)), "refs")
@@ -57,7 +67,7 @@ def cached_snapshot(cache_dir, model_name, revision):
     """
     if not re.fullmatch(r"[0-9a-f]{40}", revision or ""):
         return None
-    path = utils.hub_snapshot_path(cache_dir, model_name, revision)
+    path = hub_snapshot_path(cache_dir, model_name, revision)
     try:
         utils.check_model_dir(path)
     except utils.UserError:
@@ -67,28 +77,10 @@ def cached_snapshot(cache_dir, model_name, revision):
 
 def download_model(cache_dir, model_name, revision):
     """snapshot_download of the pipeline files; a pinned commit already cached needs no hub."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
-
-    path = cached_snapshot(cache_dir, model_name, revision)
-    if path:
-        return path
-    try:
-        return snapshot_download(
-            model_name,
-            revision=revision,
-            cache_dir=cache_dir,
-            allow_patterns=ALLOW_PATTERNS,
-            ignore_patterns=IGNORE_PATTERNS,
-        )
-    except (LocalEntryNotFoundError, OfflineModeIsEnabled) as err:
-        raise utils.UserError(
-            f"{model_name}@{revision} is not in {cache_dir} and the hub cannot be reached "
-            f"({type(err).__name__}); run once with network access or use --tiny"
-        ) from None
-    except (HfHubHTTPError, OSError, ValueError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        raise utils.UserError(f"cannot fetch {model_name}@{revision}: {type(err).__name__}: {first}") from None
+    return cached_snapshot(cache_dir, model_name, revision) or utils.hub_download(
+        f"{model_name}@{revision}", "run once with network access or use --tiny",
+        repo_id=model_name, revision=revision, cache_dir=cache_dir,
+        allow_patterns=ALLOW_PATTERNS, ignore_patterns=IGNORE_PATTERNS)
 
 
 def main(argv=None):

@@ -21,7 +21,6 @@ import numpy as np
 
 import utils
 
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 
 # EXIF orientation tag -> (number of 90-degree counter-clockwise turns, mirror first)
 _ORIENTATIONS = {1: (0, False), 2: (0, True), 3: (2, False), 4: (2, True),
@@ -36,13 +35,13 @@ def list_images(folder, role):
     if not os.path.isdir(folder):
         raise utils.UserError(f"{role} folder not found: {folder}")
     names = sorted(n for n in os.listdir(folder) if os.path.isfile(os.path.join(folder, n)))
-    images = [n for n in names if n.lower().endswith(IMAGE_EXTENSIONS)]
+    images = [n for n in names if n.lower().endswith(utils.IMAGE_EXTENSIONS)]
     skipped = [n for n in names if n not in images]
     if skipped:
         print(f"warning: skipping {len(skipped)} non-image file(s) in {folder}: {', '.join(skipped[:10])}",
               file=sys.stderr)
     if not images:
-        raise utils.UserError(f"{role} folder {folder} holds no images ({', '.join(IMAGE_EXTENSIONS)})")
+        raise utils.UserError(f"{role} folder {folder} holds no images ({', '.join(utils.IMAGE_EXTENSIONS)})")
     return [os.path.join(folder, n) for n in images]
 
 
@@ -221,12 +220,6 @@ def pick_latents(batch, instance_latents, class_latents):
 # ---------------------------------------------------------------- Ray Data stages
 
 
-def decode_upright(row, resolution):
-    """read_images row -> {"path", "image"}: EXIF-upright, shorter side = resolution."""
-    image = apply_orientation(row["image"], exif_orientation(row["path"]))
-    return {"path": row["path"], "image": resize_shorter_side(image, resolution)}
-
-
 class LatentEncoder:
     """Ray Data actor for --cache_latents: the VAE, loaded once, encodes every stored image.
 
@@ -264,28 +257,31 @@ class LatentEncoder:
         return {"path": batch["path"], "latents": self.encode(batch["image"])}
 
 
-def read_folder(paths, resolution):
-    import ray
+def load_image(path, resolution):
+    """(H, W, 3) uint8 pixels of an image file, EXIF-upright, shorter side = resolution."""
+    from PIL import Image
 
-    ds = ray.data.read_images(paths, mode="RGB", include_paths=True)
-    return ds.map(decode_upright, fn_kwargs={"resolution": resolution})
+    with Image.open(path) as image:
+        pixels = np.asarray(image.convert("RGB"))
+    return resize_shorter_side(apply_orientation(pixels, exif_orientation(path)), resolution)
 
 
 def decode_images(instance_paths, class_paths, resolution, latent_cache=None):
-    """Decode (and with latent_cache, VAE-encode) both folders on Ray Data, in one pass.
+    """Decode both folders once, on the driver; with latent_cache, VAE-encode them on a
+    Ray Data actor pool (one actor per GPU).
 
+    The driver has just read every file in inspect_images: decoding here costs it a second
+    or two for hundreds of images, where a Ray Data pass costs seconds of start-up.
     Returns (instance, class) lists in path order: (H, W, 3) uint8 images, or (V, 8, h, w)
     posteriors with latent_cache ({"model_dir", "num_gpus", "allow_unsafe_weights",
     "random_flip"}).
     """
     paths = list(dict.fromkeys(instance_paths + (class_paths or [])))
-    ds = read_folder(paths, resolution)
-    key = "image"
+    by_path = {p: load_image(p, resolution) for p in paths}
     if latent_cache:
         import ray
 
-        key = "latents"
-        ds = ds.map_batches(
+        ds = ray.data.from_items([{"path": p, "image": by_path[p]} for p in paths]).map_batches(
             LatentEncoder,
             fn_constructor_args=(latent_cache["model_dir"], resolution, latent_cache["random_flip"],
                                  latent_cache["allow_unsafe_weights"]),
@@ -293,7 +289,7 @@ def decode_images(instance_paths, class_paths, resolution, latent_cache=None):
             num_gpus=1 if latent_cache["num_gpus"] else 0,
             batch_size=16,
         )
-    by_path = {row["path"]: row[key] for row in ds.take_all()}
+        by_path = {row["path"]: row["latents"] for row in ds.take_all()}
     return [by_path[p] for p in instance_paths], [by_path[p] for p in class_paths or []]
 
 

@@ -13,18 +13,12 @@ import shutil
 import flags
 import utils
 
-IMAGE_PATTERNS = ["*.jpg", "*.jpeg", "*.png", "*.JPG", "*.JPEG", "*.PNG"]
-
 
 def fetch_dataset(repo_id, revision, cache_dir):
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
-    try:
-        return snapshot_download(repo_id, repo_type="dataset", revision=revision, cache_dir=cache_dir,
-                                 allow_patterns=IMAGE_PATTERNS)
-    except LocalEntryNotFoundError:
-        raise utils.UserError(f"dataset {repo_id} is not cached and the hub cannot be reached") from None
+    """The dataset's snapshot folder (its image files only)."""
+    patterns = [f"*{ext}" for ext in utils.IMAGE_EXTENSIONS] + [f"*{ext.upper()}" for ext in utils.IMAGE_EXTENSIONS]
+    return utils.hub_download(f"dataset {repo_id}", "run once with network access", repo_id=repo_id,
+                              repo_type="dataset", revision=revision, cache_dir=cache_dir, allow_patterns=patterns)
 
 
 def copy_images(snapshot, output_dir):
@@ -33,7 +27,7 @@ def copy_images(snapshot, output_dir):
     copied = []
     for root, _, files in os.walk(snapshot):
         for name in sorted(files):
-            if name.lower().endswith((".jpg", ".jpeg", ".png")):
+            if name.lower().endswith(utils.IMAGE_EXTENSIONS):
                 target = os.path.join(output_dir, name)
                 shutil.copyfile(os.path.join(root, name), target)
                 copied.append(target)

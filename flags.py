@@ -16,32 +16,20 @@ def abs_path(value):
     return os.path.abspath(os.path.expanduser(value))
 
 
-def positive_int(value):
-    number = int(value)
-    if number <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return number
+def _bounded(kind, strict):
+    """An argparse type: kind(value) > 0 when strict, else >= 0 (NaN fails both)."""
+    def parse(value):
+        number = kind(value)
+        if not (number > 0 if strict else number >= 0):
+            wanted = ("a positive integer" if kind is int else "> 0") if strict else ">= 0"
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {value}")
+        return number
+    parse.__name__ = kind.__name__  # argparse's "invalid int value: 'x'"
+    return parse
 
 
-def non_negative_int(value):
-    number = int(value)
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return number
-
-
-def positive_float(value):
-    number = float(value)
-    if not number > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return number
-
-
-def non_negative_float(value):
-    number = float(value)
-    if not number >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return number
+positive_int, non_negative_int = _bounded(int, strict=True), _bounded(int, strict=False)
+positive_float, non_negative_float = _bounded(float, strict=True), _bounded(float, strict=False)
 
 
 def resolution(value):
@@ -59,7 +47,12 @@ def prompt_list(value):
     return prompts
 
 
-# name -> (option strings, add_argument keyword arguments)
+# name -> (option strings, add_argument keyword arguments). The name is the attribute the
+# code reads; the options are what users type. Two options mean different things in two
+# scripts because the commands of Ray's example use them so: --model_dir is the hub cache
+# folder for cache_model.py (name cache_dir) and the model folder elsewhere (model_dir);
+# --revision is the model's commit for cache_model.py (revision) and the dataset's for
+# download_example_dataset.py (dataset_revision), whose --cache_dir is hub_cache_dir.
 FLAGS = {
     # --- models and folders
     "model_dir": (
@@ -179,10 +172,7 @@ FLAGS = {
         dict(type=non_negative_float, default=1e-2, help="AdamW weight decay."),
     ),
     "adam_epsilon": (("--adam_epsilon",), dict(type=positive_float, default=1e-8, help="AdamW epsilon.")),
-    "max_grad_norm": (
-        ("--max_grad_norm",),
-        dict(type=positive_float, default=1.0, help="Gradient clipping norm."),
-    ),
+    "max_grad_norm": (("--max_grad_norm",), dict(type=positive_float, default=1.0, help="Gradient clipping norm.")),
     "max_train_steps": (
         ("--max_train_steps",),
         dict(type=positive_int, default=None,
@@ -371,23 +361,3 @@ def make_parser(description, names, positional=None):
         kwargs.setdefault("dest", name)
         parser.add_argument(*options, **kwargs)
     return parser
-
-
-def check_train_args(parser, args):
-    """Flag combinations of train.py, checked before anything starts."""
-    if args.class_data_dir:
-        args.with_prior_preservation = True
-    if args.with_prior_preservation:
-        if not args.class_data_dir:
-            parser.error("--with_prior_preservation needs --class_data_dir")
-        if not args.class_prompt:
-            parser.error("--class_data_dir/--with_prior_preservation needs --class_prompt")
-    elif args.class_prompt:
-        print("warning: --class_prompt is ignored without --class_data_dir", file=sys.stderr)
-    if args.resume_from_checkpoint not in (None, "latest"):
-        args.resume_from_checkpoint = abs_path(args.resume_from_checkpoint)
-    if args.output_dir == args.model_dir:
-        parser.error("--output_dir must differ from --pretrained_model_name_or_path")
-    if args.storage_path is None:
-        args.storage_path = os.path.join(os.path.dirname(args.output_dir), "ray_results")
-    return args

@@ -17,6 +17,7 @@ would be saved black and trained on as a dog); images from a tuned model are che
 and a flagged one is not saved: '<name>.png.flagged' marks it as done, and a line says so.
 """
 
+import hashlib
 import math
 import os
 import sys
@@ -25,6 +26,22 @@ import flags
 import utils
 
 FLAGGED_SUFFIX = ".flagged"  # beside the name of an image the safety checker withheld
+GRID_DIR = "grid"  # the contact sheet's folder inside --output_dir
+
+
+def image_file_name(prompt, index):
+    """Stable file name of the index-th image of a prompt: '<slug>-<index:05d>.png'."""
+    return f"{utils.slugify(prompt)}-{index:05d}{utils.IMAGE_SUFFIX}"
+
+
+def image_seed(base_seed, prompt, index):
+    """Deterministic 31-bit seed for one image, from the run seed, its prompt and index.
+
+    Independent of batch size, actor count and which images already exist, so a rerun
+    that tops up a folder draws exactly the images an uninterrupted run would.
+    """
+    key = f"{base_seed}:{prompt}:{index}".encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:4], "little") & 0x7FFFFFFF
 
 
 def plan_images(prompts, num_per_prompt, seed, output_dir):
@@ -38,11 +55,11 @@ def plan_images(prompts, num_per_prompt, seed, output_dir):
         if slugs.setdefault(slug, prompt) != prompt:
             raise utils.UserError(f"prompts {slugs[slug]!r} and {prompt!r} would share file names; make them differ")
         for index in range(num_per_prompt):
-            name = utils.image_file_name(prompt, index)
+            name = image_file_name(prompt, index)
             all_files.append(name)
             path = os.path.join(output_dir, name)
             if not os.path.exists(path) and not os.path.exists(path + FLAGGED_SUFFIX):
-                rows.append({"prompt": prompt, "seed": utils.image_seed(seed, prompt, index), "file": name})
+                rows.append({"prompt": prompt, "seed": image_seed(seed, prompt, index), "file": name})
     return rows, all_files
 
 
@@ -68,8 +85,8 @@ def write_grid(output_dir, files):
             continue  # withheld by the safety checker
         with Image.open(os.path.join(output_dir, name)) as image:
             images.append(image.copy())
-    os.makedirs(os.path.join(output_dir, utils.GRID_DIR), exist_ok=True)
-    path = os.path.join(output_dir, utils.GRID_DIR, "grid.png")
+    os.makedirs(os.path.join(output_dir, GRID_DIR), exist_ok=True)
+    path = os.path.join(output_dir, GRID_DIR, "grid.png")
     utils.save_image_atomic(make_grid(images), path)
     return path
 
@@ -126,12 +143,9 @@ class ImageGenerator:
     """
 
     def __init__(self, model_dir, output_dir, settings):
-        import torch
-
         device = utils.torch_device()
         if device.type == "cpu":
-            # Ray sets OMP_NUM_THREADS to the actor's one reserved CPU; CPU actors share the cores.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // settings["num_actors"]))
+            utils.share_cpu_threads(settings["num_actors"])
         self.pipe = load_pipeline(model_dir, device, settings["allow_unsafe_weights"], settings["safety_checker"])
         self.output_dir = output_dir
         self.settings = settings
@@ -155,7 +169,7 @@ def run_actor_pool(rows, model_dir, output_dir, settings, batch_size, num_actors
     """
     import ray
 
-    num_gpus = 1 if utils.cluster_gpus() else 0
+    num_gpus = 1 if utils.cluster_resources()[1] else 0
     ds = ray.data.from_items(rows).map_batches(
         ImageGenerator,
         fn_constructor_args=(model_dir, output_dir, {**settings, "num_actors": num_actors}),
@@ -169,7 +183,7 @@ def run_actor_pool(rows, model_dir, output_dir, settings, batch_size, num_actors
 
 def default_num_actors():
     """One actor per GPU of the cluster; one CPU actor where there are none."""
-    return max(1, utils.cluster_gpus())
+    return max(1, utils.cluster_resources()[1])
 
 
 def main(argv=None):

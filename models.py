@@ -190,28 +190,29 @@ def ddp(model, device):
                                    gradient_as_bucket_view=True, **{no_sync: False})
 
 
-def setup_models(opts, unet_device, aux_device, distributed):
-    """Load the models and apply the memory/speed options of opts (a dict of train settings).
+def setup_models(plan, unet_device, aux_device, distributed):
+    """Load the models of a plan.Plan and apply its memory/speed options (gradient
+    checkpointing, channels-last, torch.compile).
 
     distributed: wrap the trained networks in DDP (a process group of several workers exists).
     """
     import torch
 
-    models = load_models(opts["model_dir"], unet_device, aux_device, opts["train_text_encoder"],
-                         opts["allow_unsafe_weights"])
-    if opts["gradient_checkpointing"]:
+    models = load_models(plan.model_dir, unet_device, aux_device, plan.train_text_encoder,
+                         plan.allow_unsafe_weights)
+    if plan.gradient_checkpointing:
         models.unet.enable_gradient_checkpointing()
-        if opts["train_text_encoder"]:
+        if plan.train_text_encoder:
             te = models.text_encoder  # transformers 5.20 renamed the method
             (getattr(te, "activation_checkpointing_enable", None) or te.gradient_checkpointing_enable)()
-    if opts["channels_last"]:
+    if plan.channels_last:
         # NHWC convolutions run on tensor cores without layout transposes.
         models.unet.to(memory_format=torch.channels_last)
         models.vae.to(memory_format=torch.channels_last)
     if distributed:
         models.unet = ddp(models.unet, unet_device)
-        if opts["train_text_encoder"]:
+        if plan.train_text_encoder:
             models.text_encoder = ddp(models.text_encoder, aux_device)
-    if opts["torch_compile"]:
-        models.unet = torch.compile(models.unet, backend=opts["torch_compile"])
+    if plan.torch_compile:
+        models.unet = torch.compile(models.unet, backend=plan.torch_compile)
     return models

@@ -199,23 +199,22 @@ def amp_dtype(mixed_precision, device):
     return {"no": None, "fp16": torch.float16, "bf16": torch.bfloat16}[mixed_precision]
 
 
-def make_train_state(models, opts):
-    """Optimizer, LR schedule and grad scaler over the trainable parameters of models.
-
-    opts: the train settings (learning_rate, adam_*, lr_warmup_steps, fused_adamw,
+def make_train_state(models, plan):
+    """Optimizer, LR schedule and grad scaler over the trainable parameters of models,
+    as a plan.Plan sets them (learning_rate, adam_*, lr_warmup_steps, fused_adamw,
     mixed_precision, train_text_encoder). fp32 master weights: 5e-6 AdamW updates
     vanish in bf16 weights.
     """
     params = list(models.unet.parameters())
-    if opts["train_text_encoder"]:
+    if plan.train_text_encoder:
         params += list(models.text_encoder.parameters())
     optimizer = torch.optim.AdamW(
-        params, lr=opts["learning_rate"], betas=(opts["adam_beta1"], opts["adam_beta2"]),
-        weight_decay=opts["adam_weight_decay"], eps=opts["adam_epsilon"], fused=opts["fused_adamw"],
+        params, lr=plan.learning_rate, betas=(plan.adam_beta1, plan.adam_beta2),
+        weight_decay=plan.adam_weight_decay, eps=plan.adam_epsilon, fused=plan.fused_adamw,
     )
-    warmup = opts["lr_warmup_steps"]
+    warmup = plan.lr_warmup_steps
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warmup))
-    dtype = amp_dtype(opts["mixed_precision"], models.unet_device)
+    dtype = amp_dtype(plan.mixed_precision, models.unet_device)
     # Loss scaling only matters for fp16's narrow exponent range.
     scaler = torch.amp.GradScaler(models.unet_device.type, enabled=dtype == torch.float16)
     return TrainState(models, params, optimizer, lr_scheduler, scaler, dtype)

@@ -1,6 +1,6 @@
-"""Shared helpers: errors, file naming, seeding, Ray start-up, model-folder checks."""
+"""Helpers that two or more scripts share: one-line errors, file names and atomic writes,
+Ray start-up, quiet library logging, model-folder checks."""
 
-import hashlib
 import json
 import os
 import re
@@ -11,13 +11,8 @@ import tempfile
 
 REPO_DIR = os.path.dirname(os.path.abspath(__file__))
 
-# The tiny model is stored in the hub cache layout under its own name, so it never
-# shadows a real model and every script finds it exactly as it finds SD 1.4.
-TINY_MODEL_NAME = "dreambooth-ray/tiny-stable-diffusion"
-TINY_REVISION = hashlib.sha1(b"dreambooth-ray tiny sd v2").hexdigest()
-
-IMAGE_SUFFIX = ".png"
-GRID_DIR = "grid"
+IMAGE_SUFFIX = ".png"  # what the suite writes
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")  # what it reads
 # Written into every model directory train.py produces, so a rerun can tell
 # its own previous output from a folder the user cares about.
 OUTPUT_MARKER = "dreambooth_training.json"
@@ -51,27 +46,6 @@ def slugify(text, max_len=60):
     """'Photo of a dog!' -> 'photo-of-a-dog' (file-system safe, stable)."""
     slug = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
     return slug[:max_len].rstrip("-") or "prompt"
-
-
-def image_file_name(prompt, index):
-    """Stable file name of the index-th image of a prompt: '<slug>-<index:05d>.png'."""
-    return f"{slugify(prompt)}-{index:05d}{IMAGE_SUFFIX}"
-
-
-def image_seed(base_seed, prompt, index):
-    """Deterministic 31-bit seed for one image, from the run seed, its prompt and index.
-
-    Independent of batch size, actor count and which images already exist, so a rerun
-    that tops up a folder draws exactly the images an uninterrupted run would.
-    """
-    key = f"{base_seed}:{prompt}:{index}".encode()
-    return int.from_bytes(hashlib.sha256(key).digest()[:4], "little") & 0x7FFFFFFF
-
-
-def hub_snapshot_path(cache_dir, model_name, revision):
-    """Where snapshot_download puts a revision inside a hub cache folder."""
-    folder = "models--" + model_name.replace("/", "--")
-    return os.path.join(cache_dir, folder, "snapshots", revision)
 
 
 # ---------------------------------------------------------------- files
@@ -166,19 +140,46 @@ def init_ray():
     return ray
 
 
-def cluster_gpus():
+def share_cpu_threads(processes_per_node):
+    """Give this process its share of the node's cores for torch's CPU kernels.
+
+    Ray sets OMP_NUM_THREADS to a task's CPU reservation (a fraction becomes 1 thread);
+    CPU workers and actors on one node share its cores instead.
+    """
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes_per_node))
+
+
+def cluster_resources():
+    """(CPUs, GPUs) of the Ray cluster this process is connected to."""
     import ray
 
-    return int(ray.cluster_resources().get("GPU", 0))
+    resources = ray.cluster_resources()
+    return float(resources.get("CPU", 0)), int(resources.get("GPU", 0))
 
 
-def cluster_cpus():
-    import ray
-
-    return float(ray.cluster_resources().get("CPU", 0))
+# ---------------------------------------------------------------- hub and models
 
 
-# ---------------------------------------------------------------- models
+def hub_download(what, offline_hint, **snapshot_args):
+    """huggingface_hub.snapshot_download(**snapshot_args), every failure one UserError line.
+
+    An uncached file with the hub out of reach raises LocalEntryNotFoundError on hub 0.x
+    and OfflineModeIsEnabled on 1.x with HF_HUB_OFFLINE set; both say what to do instead.
+    """
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
+
+    try:
+        return snapshot_download(**snapshot_args)
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled) as err:
+        raise UserError(f"{what} is not in the cache and the hub cannot be reached ({type(err).__name__}); "
+                        f"{offline_hint}") from None
+    except (HfHubHTTPError, OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise UserError(f"cannot fetch {what}: {type(err).__name__}: {first}") from None
+
 
 
 def quiet_hf_logging():

@@ -14,8 +14,6 @@ of the two plain runs, whose spread shows how steady the machine was.
 """
 
 import argparse
-import contextlib
-import copy
 import os
 import resource
 import sys
@@ -53,18 +51,15 @@ def make_model(size, folder):
     return time.perf_counter() - start
 
 
-def step_config(args, train_text_encoder, device):
+def step_plan(args, train_text_encoder, device, precompute_text_embeddings):
     """train.py's settings for the plain loop: its own flag defaults, with this run's choices."""
-    import flags
-    import train
+    import plan as planning
 
-    parser = flags.make_parser("bench", train.TRAIN_FLAGS)
-    config = vars(parser.parse_args(["--model_dir", args.model_dir, "--output_dir", "/unused",
-                                     "--instance_data_dir", "/unused", "--instance_prompt", "unused"]))
-    config.update(mixed_precision=args.mixed_precision, train_text_encoder=train_text_encoder,
-                  gradient_checkpointing=args.gradient_checkpointing, torch_compile=args.torch_compile,
-                  channels_last=device.type == "cuda" if config["channels_last"] is None else config["channels_last"])
-    return config
+    return planning.offline_plan(
+        model_dir=args.model_dir, mixed_precision=args.mixed_precision, train_text_encoder=train_text_encoder,
+        gradient_checkpointing=args.gradient_checkpointing, torch_compile=args.torch_compile,
+        channels_last=device.type == "cuda", precompute_text_embeddings=precompute_text_embeddings,
+        prompt_ids={"instance": list(range(49406 % 500, 49406 % 500 + 77)), "class": list(range(77))})
 
 
 def synthetic_batch(nets, args, cached):
@@ -92,22 +87,19 @@ def plain_loop(args, device, variant):
     import train
 
     train_te = variant == "full"
-    config = step_config(args, train_te, device)
+    plan = step_plan(args, train_te, device, precompute_text_embeddings=variant == "cached")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    nets = models.setup_models(config, device, device, distributed=False)
+    nets = models.setup_models(plan, device, device, distributed=False)
     load_s = time.perf_counter() - t0
-    state = steps.make_train_state(nets, config)
-    tokenizer_ids = {"instance": list(range(49406 % 500, 49406 % 500 + 77)), "class": list(range(77))}
-    config["prompt_ids"] = tokenizer_ids
-    config["precompute_text_embeddings"] = variant == "cached"
-    prompts = train.prompt_inputs(nets.text_encoder, config, device)
+    state = steps.make_train_state(nets, plan)
+    prompts = train.prompt_inputs(nets.text_encoder, plan, device)
     batch = synthetic_batch(nets, args, cached=variant == "cached")
     images_per_step = 2 * args.batch_size
 
     def step():
-        return steps.train_step(state, [batch], prompts, config["prior_loss_weight"], config["max_grad_norm"])
+        return steps.train_step(state, [batch], prompts, plan.prior_loss_weight, plan.max_grad_norm)
 
     t0 = time.perf_counter()
     step()

@@ -36,6 +36,19 @@ def toy_images():
 
 
 @pytest.fixture()
+def make_plan(tiny_model):
+    """make_plan(**fields): a plan.Plan of the tiny model on CPU without files or Ray, with a
+    learning rate that visibly moves its weights in a step or two."""
+    import plan
+
+    def make(**fields):
+        base = dict(model_dir=tiny_model, learning_rate=1e-3, adam_weight_decay=0.0, mixed_precision="no")
+        return plan.offline_plan(**{**base, **fields})
+
+    return make
+
+
+@pytest.fixture()
 def prompt_ids(tiny_model):
     """(1, L) token ids of an instance and a class prompt, as train_fn builds them."""
     import torch

@@ -10,9 +10,9 @@ import pytest
 from PIL import Image
 
 import dataset
+import plan
 import utils
-
-from conftest import REPO_DIR
+from utils import REPO_DIR
 
 
 def read_rgb(path):
@@ -162,8 +162,6 @@ def test_pickled_weights_need_an_explicit_opt_in(tiny_model, tmp_path):
 
 
 def test_instance_prompt_without_identifier_is_detected():
-    import train
-
-    assert train.lacks_identifier("a photo of a dog", "photo of a dog")
-    assert not train.lacks_identifier("photo of unqtkn dog", "photo of a dog")
-    assert not train.lacks_identifier("photo of a dog", None)
+    assert plan.lacks_identifier("a photo of a dog", "photo of a dog")
+    assert not plan.lacks_identifier("photo of unqtkn dog", "photo of a dog")
+    assert not plan.lacks_identifier("photo of a dog", None)

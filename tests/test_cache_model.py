@@ -7,8 +7,7 @@ import pytest
 
 import cache_model
 import utils
-
-from conftest import REPO_DIR
+from utils import REPO_DIR
 
 SD14 = "CompVis/stable-diffusion-v1-4"
 SD14_REV = "b95be7d6f134c3a9e62ee616f310733567f069ce"
@@ -17,9 +16,9 @@ SD14_REV = "b95be7d6f134c3a9e62ee616f310733567f069ce"
 def test_tiny_is_written_in_hub_layout_and_loads(tiny_model):
     from diffusers import DiffusionPipeline
 
-    assert tiny_model.endswith(os.path.join("snapshots", utils.TINY_REVISION))
+    assert tiny_model.endswith(os.path.join("snapshots", cache_model.TINY_REVISION))
     refs = os.path.join(tiny_model, "..", "..", "refs", "main")
-    assert open(refs).read() == utils.TINY_REVISION  # no trailing newline
+    assert open(refs).read() == cache_model.TINY_REVISION  # no trailing newline
     assert {f for f in os.listdir(os.path.join(tiny_model, "unet"))} == {"config.json",
                                                                         "diffusion_pytorch_model.safetensors"}
     pipe = DiffusionPipeline.from_pretrained(tiny_model)
@@ -29,7 +28,7 @@ def test_tiny_is_written_in_hub_layout_and_loads(tiny_model):
 def test_pinned_model_resolves_offline_from_an_existing_cache(tiny_model, tmp_path):
     """The default SD 1.4 revision, found in a hub-layout cache with the hub unreachable."""
     cache = tmp_path / "model-orig"
-    snapshot = utils.hub_snapshot_path(str(cache), SD14, SD14_REV)
+    snapshot = cache_model.hub_snapshot_path(str(cache), SD14, SD14_REV)
     shutil.copytree(tiny_model, snapshot)
     os.makedirs(cache / "models--CompVis--stable-diffusion-v1-4" / "refs")
     (cache / "models--CompVis--stable-diffusion-v1-4" / "refs" / "main").write_text(SD14_REV)
@@ -56,3 +55,8 @@ def test_only_pipeline_files_are_fetched():
     for name in ("sd-v1-4.ckpt", "sd-v1-4-full-ema.ckpt", "unet/diffusion_pytorch_model.bin",
                  "unet/diffusion_pytorch_model.fp16.safetensors", "unet/diffusion_flax_model.msgpack"):
         assert not fetched(name), name
+
+
+def test_hub_snapshot_path_layout():
+    path = cache_model.hub_snapshot_path("/c", "CompVis/stable-diffusion-v1-4", "abc")
+    assert path == "/c/models--CompVis--stable-diffusion-v1-4/snapshots/abc"

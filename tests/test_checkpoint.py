@@ -11,17 +11,12 @@ import models as models_lib
 import steps
 
 CPU = torch.device("cpu")
-CONFIG = {"learning_rate": 1e-3, "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_weight_decay": 0.0,
-          "adam_epsilon": 1e-8, "lr_warmup_steps": 0, "mixed_precision": "no", "train_text_encoder": True,
-          "fused_adamw": True}
-OPTS = {"train_text_encoder": True, "allow_unsafe_weights": False, "gradient_checkpointing": False,
-        "torch_compile": None}
 
 
-def trained_state(tiny_model, prompt_ids, channels_last=False, steps_taken=2, config=CONFIG):
-    nets = models_lib.setup_models({**OPTS, "model_dir": tiny_model, "channels_last": channels_last}, CPU, CPU,
-                                   distributed=False)
-    state = steps.make_train_state(nets, config)
+def trained_state(make_plan, prompt_ids, channels_last=False, steps_taken=2):
+    plan = make_plan(channels_last=channels_last)
+    nets = models_lib.setup_models(plan, CPU, CPU, distributed=False)
+    state = steps.make_train_state(nets, plan)
     batch = {"instance_pixels": torch.randint(0, 256, (1, 64, 64, 3), dtype=torch.uint8),
              "class_pixels": torch.randint(0, 256, (1, 64, 64, 3), dtype=torch.uint8)}
     for _ in range(steps_taken):
@@ -30,22 +25,22 @@ def trained_state(tiny_model, prompt_ids, channels_last=False, steps_taken=2, co
     return state
 
 
-def test_channels_last_weights_are_saved(tiny_model, prompt_ids, tmp_path):
+def test_channels_last_weights_are_saved(make_plan, prompt_ids, tmp_path):
     """The GPU default layout: safetensors refuses non-contiguous tensors unless made contiguous."""
-    state = trained_state(tiny_model, prompt_ids, channels_last=True, steps_taken=1)
+    state = trained_state(make_plan, prompt_ids, channels_last=True, steps_taken=1)
     checkpoint.save(state, str(tmp_path), 0, [checkpoint.rng_state()], train_text_encoder=True)
     assert checkpoint.is_complete(str(tmp_path))
-    fresh = trained_state(tiny_model, prompt_ids, channels_last=True, steps_taken=0)
+    fresh = trained_state(make_plan, prompt_ids, channels_last=True, steps_taken=0)
     checkpoint.load(fresh, str(tmp_path), rank=0)
     for k, v in models_lib.unwrap(state.models.unet).state_dict().items():
         assert torch.equal(v, fresh.models.unet.state_dict()[k])
 
 
-def test_round_trip_restores_weights_optimizer_schedule_and_position(tiny_model, prompt_ids, tmp_path):
-    state = trained_state(tiny_model, prompt_ids)
+def test_round_trip_restores_weights_optimizer_schedule_and_position(make_plan, prompt_ids, tmp_path):
+    state = trained_state(make_plan, prompt_ids)
     checkpoint.save(state, str(tmp_path), 1, [checkpoint.rng_state()], train_text_encoder=True)
     rng_after_save = torch.rand(3)
-    fresh = trained_state(tiny_model, prompt_ids, steps_taken=0)
+    fresh = trained_state(make_plan, prompt_ids, steps_taken=0)
     assert checkpoint.load(fresh, str(tmp_path), rank=0) == 1
     assert fresh.step == 2 and checkpoint.saved_step(str(tmp_path)) == 2
     assert fresh.lr_scheduler.last_epoch == state.lr_scheduler.last_epoch
@@ -57,8 +52,8 @@ def test_round_trip_restores_weights_optimizer_schedule_and_position(tiny_model,
     assert torch.equal(torch.rand(3), rng_after_save)
 
 
-def test_each_rank_continues_its_own_rng_stream(tiny_model, prompt_ids, tmp_path):
-    state = trained_state(tiny_model, prompt_ids, steps_taken=1)
+def test_each_rank_continues_its_own_rng_stream(make_plan, prompt_ids, tmp_path):
+    state = trained_state(make_plan, prompt_ids, steps_taken=1)
     streams = []
     for rank in range(3):
         torch.manual_seed(100 + rank)
@@ -77,8 +72,8 @@ def test_each_rank_continues_its_own_rng_stream(tiny_model, prompt_ids, tmp_path
     assert not any(torch.equal(torch.rand(4), d) for d in draws)
 
 
-def test_frozen_text_encoder_is_not_written_and_the_manifest_checks_sizes(tiny_model, prompt_ids, tmp_path):
-    state = trained_state(tiny_model, prompt_ids, steps_taken=1)
+def test_frozen_text_encoder_is_not_written_and_the_manifest_checks_sizes(make_plan, prompt_ids, tmp_path):
+    state = trained_state(make_plan, prompt_ids, steps_taken=1)
     checkpoint.save(state, str(tmp_path), 0, [checkpoint.rng_state()], train_text_encoder=False)
     assert sorted(os.listdir(tmp_path)) == [checkpoint.OPTIMIZER_FILE, checkpoint.STATE_FILE, checkpoint.UNET_FILE]
     assert checkpoint.is_complete(str(tmp_path))

@@ -1,4 +1,4 @@
-import os
+"""dataset.py: images to a deterministic training stream: files, views, rows, the Ray Data graph."""
 
 import numpy as np
 import pytest

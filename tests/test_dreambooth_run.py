@@ -5,8 +5,7 @@ import subprocess
 import sys
 
 import torch
-
-from conftest import REPO_DIR
+from utils import REPO_DIR
 
 
 def test_dreambooth_run_tiny_end_to_end(tmp_path):

@@ -14,11 +14,11 @@ def pixels(path):
 
 
 def test_plan_images_tops_up_and_refuses_colliding_prompts(tmp_path):
-    (tmp_path / utils.image_file_name("a dog", 1)).write_bytes(b"x")
+    (tmp_path / generate.image_file_name("a dog", 1)).write_bytes(b"x")
     rows, files = generate.plan_images(["a dog", "a cat"], 2, 0, str(tmp_path))
     assert files == ["a-dog-00000.png", "a-dog-00001.png", "a-cat-00000.png", "a-cat-00001.png"]
     assert [r["file"] for r in rows] == ["a-dog-00000.png", "a-cat-00000.png", "a-cat-00001.png"]
-    assert rows[0]["seed"] == utils.image_seed(0, "a dog", 0)
+    assert rows[0]["seed"] == generate.image_seed(0, "a dog", 0)
     with pytest.raises(utils.UserError, match="share file names"):
         generate.plan_images(["a dog", "A dog!"], 1, 0, str(tmp_path))
 
@@ -34,8 +34,8 @@ def test_generate_on_actor_pool_is_deterministic_and_tops_up(ray_session, tiny_m
     files = generate.main(common + ["--prompts", "photo of a dog,photo of a cat", "--num_samples_per_prompt", "3",
                                     "--batch_size", "2", "--use_ray_data"])
     assert len(files) == 6
-    assert sorted(os.listdir(out)) == sorted(files + [utils.GRID_DIR])
-    assert os.path.isfile(out / utils.GRID_DIR / "grid.png")
+    assert sorted(os.listdir(out)) == sorted(files + [generate.GRID_DIR])
+    assert os.path.isfile(out / generate.GRID_DIR / "grid.png")
     first = {f: pixels(out / f) for f in files}
     assert first[files[0]].shape == (64, 64, 3)
     assert not np.array_equal(first[files[0]], first[files[1]])  # each image its own seed
@@ -77,15 +77,15 @@ def test_class_images_skip_the_safety_checker_and_flagged_subject_images_are_not
     base, tuned = checked_model
     common = ["--prompts", "photo of a dog", "--num_samples_per_prompt", "2", "--num_inference_steps", "2"]
     generate.main(["--model_dir", base, "--output_dir", str(tmp_path / "reg")] + common)
-    for name in (utils.image_file_name("photo of a dog", i) for i in range(2)):
+    for name in (generate.image_file_name("photo of a dog", i) for i in range(2)):
         assert pixels(tmp_path / "reg" / name).max() > 0  # not the checker's black frame
 
     new = tmp_path / "new"
     generate.main(["--model_dir", tuned, "--output_dir", str(new)] + common)
     err = capsys.readouterr().err
     assert "2 image(s) flagged by the safety checker were not saved" in err
-    assert sorted(os.listdir(new)) == sorted([utils.image_file_name("photo of a dog", i) + generate.FLAGGED_SUFFIX
-                                              for i in range(2)] + [utils.GRID_DIR])
+    assert sorted(os.listdir(new)) == sorted([generate.image_file_name("photo of a dog", i) + generate.FLAGGED_SUFFIX
+                                              for i in range(2)] + [generate.GRID_DIR])
     generate.main(["--model_dir", tuned, "--output_dir", str(new)] + common)  # done: nothing made again
     assert "generating 0" in capsys.readouterr().err
     generate.main(["--model_dir", tuned, "--output_dir", str(tmp_path / "kept"), "--safety_checker", "off"] + common)
@@ -103,3 +103,18 @@ def test_run_model_is_generate_under_the_air_example_name():
         return sorted(w for w in out.split() if w.startswith("--"))
 
     assert options("run_model.py") == options("generate.py") and "--num_samples_per_prompt" in options("generate.py")
+
+
+def test_image_file_name_sorts_by_index():
+    names = [generate.image_file_name("photo of a dog", i) for i in (0, 2, 10)]
+    assert names == sorted(names)
+    assert names[0] == "photo-of-a-dog-00000.png"
+
+
+def test_image_seed_depends_on_seed_prompt_and_index_only():
+    a = generate.image_seed(0, "photo of a dog", 3)
+    assert a == generate.image_seed(0, "photo of a dog", 3)
+    others = {generate.image_seed(1, "photo of a dog", 3), generate.image_seed(0, "photo of a cat", 3),
+              generate.image_seed(0, "photo of a dog", 4)}
+    assert a not in others
+    assert 0 <= a < 2**31

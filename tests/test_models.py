@@ -1,6 +1,5 @@
 """models.py: the random SD factory and the training set-up, each option on CPU."""
 
-import os
 
 import pytest
 import torch
@@ -11,12 +10,6 @@ import steps
 CPU = torch.device("cpu")
 
 
-def opts(tiny_model, **changes):
-    base = {"model_dir": tiny_model, "train_text_encoder": True, "allow_unsafe_weights": False,
-            "gradient_checkpointing": False, "channels_last": False, "torch_compile": None}
-    return {**base, **changes}
-
-
 def test_trained_networks_are_in_train_mode_and_the_vae_is_frozen(tiny_model):
     nets = models_lib.load_models(tiny_model, CPU, CPU, train_text_encoder=True)
     assert nets.unet.training and nets.text_encoder.training
@@ -25,9 +18,9 @@ def test_trained_networks_are_in_train_mode_and_the_vae_is_frozen(tiny_model):
     assert not frozen.text_encoder.training and not any(p.requires_grad for p in frozen.text_encoder.parameters())
 
 
-def test_gradient_checkpointing_recomputes_text_encoder_activations(tiny_model, prompt_ids):
+def test_gradient_checkpointing_recomputes_text_encoder_activations(make_plan, prompt_ids):
     """transformers checkpoints only in train mode: each layer must run again in backward."""
-    nets = models_lib.setup_models(opts(tiny_model, gradient_checkpointing=True), CPU, CPU, distributed=False)
+    nets = models_lib.setup_models(make_plan(gradient_checkpointing=True), CPU, CPU, distributed=False)
     calls = []
     inner = nets.text_encoder.get_submodule("encoder.layers.0.self_attn")  # early in the checkpointed forward
     inner.register_forward_hook(lambda *a: calls.append(1))
@@ -40,8 +33,8 @@ def test_gradient_checkpointing_recomputes_text_encoder_activations(tiny_model, 
     assert len(calls) == 1
 
 
-def test_channels_last_applies_to_unet_and_vae(tiny_model):
-    nets = models_lib.setup_models(opts(tiny_model, channels_last=True), CPU, CPU, distributed=False)
+def test_channels_last_applies_to_unet_and_vae(make_plan):
+    nets = models_lib.setup_models(make_plan(channels_last=True), CPU, CPU, distributed=False)
     conv = nets.unet.conv_in.weight
     assert conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous()
     assert nets.vae.encoder.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
@@ -56,22 +49,20 @@ def process_group(tmp_path):
     dist.destroy_process_group()
 
 
-def test_ddp_skips_the_gradient_copy_and_buffer_broadcast(tiny_model, process_group):
-    nets = models_lib.setup_models(opts(tiny_model), CPU, CPU, distributed=True)
+def test_ddp_skips_the_gradient_copy_and_buffer_broadcast(make_plan, process_group):
+    nets = models_lib.setup_models(make_plan(), CPU, CPU, distributed=True)
     assert [type(m).__name__ for m in nets.ddp_wrapped()] == ["DistributedDataParallel"] * 2
     assert nets.unet.gradient_as_bucket_view
     assert not getattr(nets.unet, "forward_sync_buffers", getattr(nets.unet, "broadcast_buffers", True))
     assert models_lib.unwrap(nets.unet) is nets.unet.module
 
 
-def test_compiled_unet_unwraps_and_trains(tiny_model, prompt_ids):
-    config = {**opts(tiny_model, torch_compile="aot_eager"), "learning_rate": 1e-4, "adam_beta1": 0.9,
-              "adam_beta2": 0.999, "adam_weight_decay": 0.0, "adam_epsilon": 1e-8, "lr_warmup_steps": 0,
-              "mixed_precision": "no", "fused_adamw": True}
-    nets = models_lib.setup_models(config, CPU, CPU, distributed=False)
+def test_compiled_unet_unwraps_and_trains(make_plan, prompt_ids):
+    plan = make_plan(torch_compile="aot_eager", learning_rate=1e-4)
+    nets = models_lib.setup_models(plan, CPU, CPU, distributed=False)
     assert type(nets.unet).__name__ == "OptimizedModule"
     assert type(models_lib.unwrap(nets.unet)).__name__ == "UNet2DConditionModel"
-    state = steps.make_train_state(nets, config)
+    state = steps.make_train_state(nets, plan)
     res = 64
     batch = {"instance_pixels": torch.zeros(1, res, res, 3, dtype=torch.uint8)}
     loss = steps.train_step(state, [batch], prompt_ids, 1.0, 1.0)[0]

@@ -15,8 +15,7 @@ from PIL import Image
 import checkpoint
 import steps
 import train
-
-from conftest import REPO_DIR
+from utils import REPO_DIR
 
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
 

@@ -9,9 +9,6 @@ import models as models_lib
 import steps
 
 CPU = torch.device("cpu")
-CONFIG = {"learning_rate": 1e-3, "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_weight_decay": 0.0,
-          "adam_epsilon": 1e-8, "lr_warmup_steps": 0, "mixed_precision": "no", "train_text_encoder": True,
-          "fused_adamw": True}
 
 
 @pytest.fixture()
@@ -83,10 +80,10 @@ def test_lr_warmup_then_constant():
     assert steps.lr_factor(0, 0) == 1.0
 
 
-def test_train_step_learns_a_fixed_batch_and_changes_only_trainable_weights(models, prompt_ids):
+def test_train_step_learns_a_fixed_batch_and_changes_only_trainable_weights(models, prompt_ids, make_plan):
     vae_before = copy.deepcopy(models.vae.state_dict())
     unet_before = copy.deepcopy(models.unet.state_dict())
-    state = steps.make_train_state(models, CONFIG)
+    state = steps.make_train_state(models, make_plan())
     batch = batch_for(models)
     torch.manual_seed(0)
     first = step(state, [batch], prompt_ids)[0]
@@ -99,25 +96,24 @@ def test_train_step_learns_a_fixed_batch_and_changes_only_trainable_weights(mode
     assert any(not torch.equal(v, models.unet.state_dict()[k]) for k, v in unet_before.items())
 
 
-def test_frozen_text_encoder_stays_put(tiny_model, prompt_ids):
+def test_frozen_text_encoder_stays_put(tiny_model, prompt_ids, make_plan):
     models = models_lib.load_models(tiny_model, CPU, CPU, train_text_encoder=False)
     before = copy.deepcopy(models.text_encoder.state_dict())
-    config = dict(CONFIG, train_text_encoder=False)
-    state = steps.make_train_state(models, config)
+    state = steps.make_train_state(models, make_plan(train_text_encoder=False))
     step(state, [batch_for(models, with_class=False)], prompt_ids)
     assert all(torch.equal(v, models.text_encoder.state_dict()[k]) for k, v in before.items())
 
 
-def test_bf16_autocast_keeps_fp32_master_weights(models, prompt_ids):
-    state = steps.make_train_state(models, dict(CONFIG, mixed_precision="bf16"))
+def test_bf16_autocast_keeps_fp32_master_weights(models, prompt_ids, make_plan):
+    state = steps.make_train_state(models, make_plan(mixed_precision="bf16"))
     assert state.amp_dtype == torch.bfloat16 and not state.scaler.is_enabled()
     loss = step(state, [batch_for(models, size=1)], prompt_ids)[0]
     assert torch.isfinite(loss)
     assert all(p.dtype == torch.float32 for p in state.params)
 
 
-def test_fp16_scales_the_loss_and_a_skipped_step_leaves_weights_and_lr_schedule(models, prompt_ids):
-    state = steps.make_train_state(models, dict(CONFIG, mixed_precision="fp16", lr_warmup_steps=10))
+def test_fp16_scales_the_loss_and_a_skipped_step_leaves_weights_and_lr_schedule(models, prompt_ids, make_plan):
+    state = steps.make_train_state(models, make_plan(mixed_precision="fp16", lr_warmup_steps=10))
     assert state.amp_dtype == torch.float16 and state.scaler.is_enabled()
     loss = step(state, [batch_for(models, size=1)], prompt_ids)[0]
     assert torch.isfinite(loss) and state.lr_scheduler.last_epoch == 1 and state.skipped_steps == 0
@@ -167,11 +163,11 @@ def test_each_prompt_goes_through_the_text_encoder_once(models, prompt_ids):
     assert not torch.allclose(live[0], live[4])  # instance and class prompts differ
 
 
-def test_gradient_accumulation_takes_one_optimizer_step_per_group(models, prompt_ids):
+def test_gradient_accumulation_takes_one_optimizer_step_per_group(models, prompt_ids, make_plan):
     assert list(steps.accumulate(iter(range(7)), 3, 10)) == [[0, 1, 2], [3, 4, 5]]
     assert list(steps.accumulate(iter(range(7)), 2, 1)) == [[0, 1]]
     assert list(steps.accumulate(iter(range(7)), 2, 0)) == []
-    state = steps.make_train_state(models, CONFIG)
+    state = steps.make_train_state(models, make_plan())
     before = copy.deepcopy(models.unet.state_dict())
     loss, instance, prior = step(state, [batch_for(models, 1), batch_for(models, 1, seed=1)], prompt_ids)
     assert state.lr_scheduler.last_epoch == 1

@@ -1,3 +1,5 @@
+"""train.py end to end: TorchTrainer runs of train_fn on the tiny model (Ray)."""
+
 import json
 import os
 
@@ -53,26 +55,6 @@ def test_train_two_workers_saves_a_changed_loadable_pipeline(ray_session, tiny_m
     assert all(a["time"] <= b["time"] for a, b in zip(lines, lines[1:]))
 
 
-def test_output_dir_that_is_not_ours_is_refused(tmp_path):
-    (tmp_path / "thesis.tex").write_text("precious")
-    with pytest.raises(utils.UserError, match="--overwrite"):
-        train.check_output_dir(str(tmp_path), overwrite=False)
-    train.check_output_dir(str(tmp_path), overwrite=True)
-
-
-def test_plan_steps_never_exceeds_max_steps_or_starves_a_worker():
-    class Args:
-        num_workers, train_batch_size, max_train_steps, num_train_epochs = 2, 2, 800, 4
-        gradient_accumulation_steps = 1
-
-    assert train.plan_steps(200, Args) == (50, 200)
-    assert train.plan_steps(5, Args) == (1, 4)
-    Args.max_train_steps = 3
-    assert train.plan_steps(200, Args) == (50, 3)
-    with pytest.raises(utils.UserError, match="cannot feed"):
-        train.plan_steps(1, Args)
-
-
 def test_cached_latents_with_frozen_text_encoder(ray_session, tiny_model, toy_images, class_images, tmp_path):
     from diffusers import DiffusionPipeline
 
@@ -86,70 +68,3 @@ def test_cached_latents_with_frozen_text_encoder(ray_session, tiny_model, toy_im
     tuned, base = DiffusionPipeline.from_pretrained(str(out)), DiffusionPipeline.from_pretrained(tiny_model)
     assert weights_differ(tuned.unet, base.unet)
     assert not weights_differ(tuned.text_encoder, base.text_encoder)
-
-
-def test_plan_steps_with_gradient_accumulation():
-    class Args:
-        num_workers, train_batch_size, max_train_steps, num_train_epochs = 2, 1, 800, 4
-        gradient_accumulation_steps = 3
-
-    assert train.plan_steps(200, Args) == (33, 132)
-    Args.gradient_accumulation_steps = 4
-    with pytest.raises(utils.UserError, match="gradient_accumulation_steps"):
-        train.plan_steps(6, Args)
-
-
-def test_explicit_max_train_steps_wins_and_epochs_cap_only_when_given(capsys):
-    class Args:
-        num_workers, train_batch_size, gradient_accumulation_steps = 2, 1, 1
-        max_train_steps, num_train_epochs = 60, None
-
-    # 5 instance + 8 class images: 8 rows, 4 steps an epoch per worker.
-    assert train.plan_steps(8, Args) == (4, 60)
-    assert "stopping" not in capsys.readouterr().err
-    Args.max_train_steps = None
-    assert train.plan_steps(8, Args) == (4, train.DEFAULT_MAX_TRAIN_STEPS)
-    Args.num_train_epochs = 3
-    assert train.plan_steps(8, Args) == (4, 12)
-    Args.max_train_steps = 60
-    assert train.plan_steps(8, Args) == (4, 12)
-    assert "stopping after 12 steps, before --max_train_steps 60" in capsys.readouterr().err
-    # The seeds' command: --num_epochs=4 --max_train_steps=200, 200 class images, 2 workers, batch 2.
-    Args.train_batch_size, Args.num_train_epochs, Args.max_train_steps = 2, 4, 200
-    assert train.plan_steps(200, Args) == (50, 200)
-
-
-def test_the_stream_holds_enough_rows_for_every_step():
-    class Args:
-        num_workers, train_batch_size, gradient_accumulation_steps = 2, 2, 3
-
-    epochs = train.stream_epochs(13, 40, Args)
-    rows_per_worker = epochs * 13 // 2
-    assert rows_per_worker >= 40 * 2 * 3
-
-
-def test_worker_resources_leave_a_cpu_for_ray_data_and_refuse_impossible():
-    class Args:
-        use_gpu = None
-        num_workers = 2
-        gpus_per_worker = 1
-
-    assert train.worker_resources(Args, cpus=2, gpus=0) == (False, 0.5)
-    assert train.worker_resources(Args, cpus=16, gpus=2) == (True, 1.0)
-    with pytest.raises(Exception, match="needs 2 GPUs"):
-        train.worker_resources(Args, cpus=16, gpus=1)
-    Args.gpus_per_worker = 2
-    with pytest.raises(Exception, match="--gpus_per_worker 2 needs 4 GPUs; the Ray cluster has 2"):
-        train.worker_resources(Args, cpus=16, gpus=2)
-    Args.num_workers = 1
-    assert train.worker_resources(Args, cpus=16, gpus=2) == (True, 1.0)
-    Args.gpus_per_worker, Args.num_workers = 1, 2
-    with pytest.raises(Exception, match="needs 2 GPUs"):
-        Args.use_gpu = True
-        train.worker_resources(Args, cpus=16, gpus=0)
-    Args.use_gpu, Args.num_workers = None, 1
-    with pytest.raises(Exception, match="one for the data pipeline"):
-        train.worker_resources(Args, cpus=1, gpus=0)
-    Args.num_workers = 3
-    with pytest.raises(Exception, match="more than the Ray cluster's 2 CPUs"):
-        train.worker_resources(Args, cpus=2, gpus=0)

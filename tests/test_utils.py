@@ -12,24 +12,8 @@ def test_slugify_is_file_safe_and_stable():
     assert len(utils.slugify("x" * 500)) <= 60
 
 
-def test_image_file_name_sorts_by_index():
-    names = [utils.image_file_name("photo of a dog", i) for i in (0, 2, 10)]
-    assert names == sorted(names)
-    assert names[0] == "photo-of-a-dog-00000.png"
 
 
-def test_image_seed_depends_on_seed_prompt_and_index_only():
-    a = utils.image_seed(0, "photo of a dog", 3)
-    assert a == utils.image_seed(0, "photo of a dog", 3)
-    others = {utils.image_seed(1, "photo of a dog", 3), utils.image_seed(0, "photo of a cat", 3),
-              utils.image_seed(0, "photo of a dog", 4)}
-    assert a not in others
-    assert 0 <= a < 2**31
-
-
-def test_hub_snapshot_path_layout():
-    path = utils.hub_snapshot_path("/c", "CompVis/stable-diffusion-v1-4", "abc")
-    assert path == "/c/models--CompVis--stable-diffusion-v1-4/snapshots/abc"
 
 
 def test_atomic_write_dir_replaces_whole_or_keeps_previous(tmp_path):

@@ -1,0 +1,281 @@
+"""The plan of a training run: every setting of train.py, decided once on the driver.
+
+`parse_args` reads the command line and checks flag combinations; `plan_run` checks the
+inputs against the files and the Ray cluster and returns one frozen `Plan`. The driver
+prints it, builds the data stream from it and hands it to every worker (train.train_fn);
+nothing is added to it afterwards.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import sys
+from datetime import datetime
+
+import checkpoint
+import flags
+import utils
+
+DEFAULT_MAX_TRAIN_STEPS = 800
+
+TRAIN_FLAGS = [
+    "model_dir", "output_dir", "instance_data_dir", "instance_prompt", "class_data_dir", "class_prompt",
+    "with_prior_preservation", "prior_loss_weight", "resolution", "center_crop", "random_flip",
+    "train_text_encoder", "train_batch_size", "learning_rate", "lr_warmup_steps", "adam_beta1",
+    "adam_beta2", "adam_weight_decay", "adam_epsilon", "max_grad_norm", "max_train_steps",
+    "num_train_epochs", "mixed_precision", "seed", "num_workers", "gpus_per_worker", "use_gpu",
+    "storage_path", "logging_steps", "checkpointing_steps", "checkpoints_total_limit",
+    "resume_from_checkpoint", "max_failures", "overwrite", "allow_unsafe_weights",
+    "gradient_accumulation_steps", "gradient_checkpointing", "cache_latents", "precompute_text_embeddings",
+    "channels_last", "fused_adamw", "torch_compile"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A training run, decided. Fields named as train.py's flags hold their values;
+    the others are what the driver worked out from the files and the cluster."""
+
+    # what is trained, from what
+    model_dir: str
+    output_dir: str
+    allow_unsafe_weights: bool
+    instance_prompt: str
+    class_prompt: str | None
+    prompt_ids: dict  # "instance" (and "class" with prior preservation) -> CLIP token ids
+    with_prior_preservation: bool
+    prior_loss_weight: float
+    train_text_encoder: bool
+    # data
+    instance_images: tuple  # absolute paths (converted to PNG where the format needed it)
+    class_images: tuple
+    resolution: int
+    center_crop: bool
+    random_flip: bool
+    cache_latents: bool
+    precompute_text_embeddings: bool
+    train_batch_size: int
+    gradient_accumulation_steps: int
+    # optimiser
+    learning_rate: float
+    lr_warmup_steps: int
+    adam_beta1: float
+    adam_beta2: float
+    adam_weight_decay: float
+    adam_epsilon: float
+    max_grad_norm: float
+    fused_adamw: bool
+    mixed_precision: str | None  # None: bf16/fp16 on GPUs that have it, fp32 on CPU
+    # memory and speed
+    gradient_checkpointing: bool
+    channels_last: bool
+    torch_compile: str | None
+    # steps
+    seed: int
+    steps_per_epoch: int
+    total_steps: int
+    stream_epochs: int  # epochs of rows in the training stream
+    # Ray
+    num_workers: int
+    gpus_per_worker: int
+    use_gpu: bool
+    cpus_per_worker: float
+    storage_path: str
+    run_name: str
+    max_failures: int
+    # logging and checkpoints
+    logging_steps: int
+    checkpointing_steps: int
+    checkpoints_total_limit: int | None
+    resume_path: str | None
+
+    def is_checkpoint_step(self, step):
+        """Checkpoints every checkpointing_steps and at the last step."""
+        return step % self.checkpointing_steps == 0 or step == self.total_steps
+
+    def is_report_step(self, step):
+        """Every rank reports on the same steps: Ray Train requires matching report calls."""
+        return step % self.logging_steps == 0 or self.is_checkpoint_step(step)
+
+    def describe(self):
+        """The plan in three lines, printed once at the start of a run."""
+        trained = "UNet + text encoder" if self.train_text_encoder else "UNet"
+        prior = f" + {self.train_batch_size} class" if self.with_prior_preservation else ""
+        device = f"{self.gpus_per_worker} GPU" if self.use_gpu else f"{self.cpus_per_worker:g} CPU"
+        resume = f"; resuming from {self.resume_path}" if self.resume_path else ""
+        return (f"plan: {self.total_steps} steps ({self.steps_per_epoch} per epoch) training {trained} on "
+                f"{len(self.instance_images)} instance and {len(self.class_images)} class images at "
+                f"{self.resolution} px\n"
+                f"      {self.num_workers} worker(s) x ({device}), batch {self.train_batch_size} instance{prior} "
+                f"x {self.gradient_accumulation_steps} accumulated, lr {self.learning_rate:g}, seed {self.seed}\n"
+                f"      run {self.run_name}: checkpoints every {self.checkpointing_steps} steps in "
+                f"{self.storage_path}{resume}")
+
+
+def parse_args(argv=None, description=None):
+    """train.py's command line, with its flag combinations checked before anything starts."""
+    parser = flags.make_parser(description, TRAIN_FLAGS)
+    args = parser.parse_args(argv)
+    if args.class_data_dir:
+        args.with_prior_preservation = True
+    if args.with_prior_preservation:
+        if not args.class_data_dir:
+            parser.error("--with_prior_preservation needs --class_data_dir")
+        if not args.class_prompt:
+            parser.error("--class_data_dir/--with_prior_preservation needs --class_prompt")
+    elif args.class_prompt:
+        print("warning: --class_prompt is ignored without --class_data_dir", file=sys.stderr)
+    if args.resume_from_checkpoint not in (None, "latest"):
+        args.resume_from_checkpoint = flags.abs_path(args.resume_from_checkpoint)
+    if args.output_dir == args.model_dir:
+        parser.error("--output_dir must differ from --pretrained_model_name_or_path")
+    if args.storage_path is None:
+        args.storage_path = os.path.join(os.path.dirname(args.output_dir), "ray_results")
+    return args
+
+
+def plan_run(args, cluster_resources):
+    """The Plan of a run, or UserError naming the first problem.
+
+    cluster_resources() -> (CPUs, GPUs) of the Ray cluster; it is called after the checks
+    that need only the files, so that a typo costs no Ray start.
+    """
+    import dataset
+
+    utils.check_model_dir(args.model_dir, args.allow_unsafe_weights)
+    check_output_dir(args.output_dir, args.overwrite)
+    instance_images = dataset.list_images(args.instance_data_dir, "instance")
+    class_images = dataset.list_images(args.class_data_dir, "class") if args.with_prior_preservation else []
+    run_prefix = os.path.basename(args.output_dir)
+    resume_path = checkpoint.resolve_resume(args.resume_from_checkpoint, args.storage_path, run_prefix)
+    if lacks_identifier(args.instance_prompt, args.class_prompt):
+        print("warning: --instance_prompt has no word that --class_prompt lacks: "
+              "the subject has no unique identifier", file=sys.stderr)
+
+    use_gpu, cpus_per_worker = worker_resources(args, *cluster_resources())
+    resolution = args.resolution or native_resolution(args.model_dir)
+    convert_dir = os.path.join(args.storage_path, "converted-images")
+    instance_images = dataset.inspect_images(instance_images, resolution, convert_dir)
+    class_images = dataset.inspect_images(class_images, resolution, convert_dir) if class_images else []
+    num_rows = max(len(instance_images), len(class_images))
+    steps_per_epoch, total_steps = plan_steps(num_rows, args)
+    from_flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(Plan) if hasattr(args, f.name)}
+    return Plan(**{
+        **from_flags,
+        "prompt_ids": prompt_ids(args),
+        "instance_images": tuple(instance_images),
+        "class_images": tuple(class_images),
+        "resolution": resolution,
+        "channels_last": use_gpu if args.channels_last is None else args.channels_last,
+        "steps_per_epoch": steps_per_epoch,
+        "total_steps": total_steps,
+        "stream_epochs": stream_epochs(num_rows, total_steps, args),
+        "use_gpu": use_gpu,
+        "cpus_per_worker": cpus_per_worker,
+        "run_name": f"{run_prefix}-{datetime.now().strftime('%Y%m%d-%H%M%S')}",
+        "resume_path": resume_path,
+    })
+
+
+def offline_plan(**fields):
+    """A Plan from train.py's flag defaults without files or Ray, for the benchmark and the
+    unit tests: fields override any setting; the decided ones default to a 1-worker CPU run."""
+    args = parse_args(["--model_dir", "/unused", "--output_dir", "/unused-out",
+                       "--instance_data_dir", "/unused", "--instance_prompt", "unused"])
+    from_flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(Plan) if hasattr(args, f.name)}
+    decided = dict(prompt_ids={}, instance_images=(), class_images=(), resolution=64, channels_last=False,
+                   steps_per_epoch=1, total_steps=DEFAULT_MAX_TRAIN_STEPS, stream_epochs=1, use_gpu=False,
+                   cpus_per_worker=1.0, run_name="offline", resume_path=None)
+    return Plan(**{**from_flags, **decided, **fields})
+
+
+def check_output_dir(output_dir, overwrite):
+    """Refuse to replace a non-empty folder that is not a previous output of ours."""
+    if not os.path.isdir(output_dir) or not os.listdir(output_dir) or overwrite:
+        return
+    if not os.path.isfile(os.path.join(output_dir, utils.OUTPUT_MARKER)):
+        raise utils.UserError(f"--output_dir {output_dir} is not empty and was not written by train.py; "
+                              "pass --overwrite to replace it")
+
+
+def lacks_identifier(instance_prompt, class_prompt):
+    """True when the instance prompt adds no word to the class prompt (no 'unqtkn' to learn)."""
+    return bool(class_prompt) and set(instance_prompt.lower().split()) <= set(class_prompt.lower().split())
+
+
+def worker_resources(args, cpus, gpus):
+    """(use_gpu, CPUs per worker), or UserError if the cluster cannot hold the workers.
+
+    At least one CPU stays free for Ray Data: with every CPU held by train workers the
+    streaming dataset never starts and fit() waits forever.
+    """
+    use_gpu = gpus > 0 if args.use_gpu is None else args.use_gpu
+    needed = args.num_workers * args.gpus_per_worker
+    if use_gpu and needed > gpus:
+        raise utils.UserError(f"--num_workers {args.num_workers} x --gpus_per_worker {args.gpus_per_worker} "
+                              f"needs {needed} GPUs; the Ray cluster has {gpus}")
+    if not use_gpu and args.num_workers > cpus:
+        raise utils.UserError(f"--num_workers {args.num_workers} is more than the Ray cluster's {cpus:g} CPUs")
+    spare = cpus - 1
+    if spare <= 0:
+        raise utils.UserError(f"the Ray cluster has {cpus:g} CPU(s): training needs one for its workers "
+                              "and one for the data pipeline")
+    return use_gpu, min(1.0, spare / args.num_workers)
+
+
+def native_resolution(model_dir):
+    """The pixel size the model was trained at: UNet sample size x the VAE's downscaling.
+
+    Read from the configs' JSON: importing diffusers costs the driver seconds.
+    """
+    def config(part):
+        with open(os.path.join(model_dir, part, "config.json")) as f:
+            return json.load(f)
+
+    return config("unet")["sample_size"] * 2 ** (len(config("vae")["block_out_channels"]) - 1)
+
+
+def prompt_ids(args):
+    """CLIP token ids of the prompts, tokenised once here rather than on every worker."""
+    from transformers import CLIPTokenizer
+
+    import dataset
+
+    tokenizer = CLIPTokenizer.from_pretrained(args.model_dir, subfolder="tokenizer")
+    ids = {"instance": dataset.tokenize_prompt(tokenizer, args.instance_prompt).tolist()}
+    if args.with_prior_preservation:
+        ids["class"] = dataset.tokenize_prompt(tokenizer, args.class_prompt).tolist()
+    return ids
+
+
+def plan_steps(num_rows, args):
+    """(steps_per_epoch, total_steps): rows split evenly over workers, into batches, into
+    optimizer steps of gradient_accumulation_steps batches.
+
+    An explicit --max_train_steps wins (diffusers' rule); --num_train_epochs caps the run
+    only when given, and then a line says that the run stops early and why.
+    """
+    rows_per_worker = num_rows // args.num_workers
+    if rows_per_worker == 0:
+        raise utils.UserError(f"{num_rows} training rows cannot feed {args.num_workers} workers; "
+                              "add images or lower --num_workers")
+    per_epoch = math.ceil(rows_per_worker / args.train_batch_size) // args.gradient_accumulation_steps
+    if per_epoch == 0:
+        raise utils.UserError(f"an epoch has fewer batches per worker than --gradient_accumulation_steps "
+                              f"{args.gradient_accumulation_steps}; lower it or --train_batch_size")
+    if args.num_train_epochs is None:
+        return per_epoch, args.max_train_steps or DEFAULT_MAX_TRAIN_STEPS
+    by_epochs = per_epoch * args.num_train_epochs
+    if args.max_train_steps is None or by_epochs >= args.max_train_steps:
+        return per_epoch, args.max_train_steps or by_epochs
+    print(f"note: stopping after {by_epochs} steps, before --max_train_steps {args.max_train_steps}: "
+          f"--num_train_epochs {args.num_train_epochs} x {per_epoch} steps per epoch", file=sys.stderr)
+    return per_epoch, by_epochs
+
+
+def stream_epochs(num_rows, total_steps, args):
+    """Epochs of rows the training stream must hold for every worker to take total_steps
+    (two spare: the split rebalances the stream's last blocks between workers)."""
+    rows_per_worker = num_rows // args.num_workers
+    rows_needed = total_steps * args.train_batch_size * args.gradient_accumulation_steps
+    return math.ceil(rows_needed / rows_per_worker) + 2

@@ -1,0 +1,138 @@
+"""plan.py: the command line and the files become one frozen Plan, without Ray."""
+
+import dataclasses
+
+import pytest
+
+import plan
+import utils
+
+
+
+def test_output_dir_that_is_not_ours_is_refused(tmp_path):
+    (tmp_path / "thesis.tex").write_text("precious")
+    with pytest.raises(utils.UserError, match="--overwrite"):
+        plan.check_output_dir(str(tmp_path), overwrite=False)
+    plan.check_output_dir(str(tmp_path), overwrite=True)
+
+
+def test_plan_steps_never_exceeds_max_steps_or_starves_a_worker():
+    class Args:
+        num_workers, train_batch_size, max_train_steps, num_train_epochs = 2, 2, 800, 4
+        gradient_accumulation_steps = 1
+
+    assert plan.plan_steps(200, Args) == (50, 200)
+    assert plan.plan_steps(5, Args) == (1, 4)
+    Args.max_train_steps = 3
+    assert plan.plan_steps(200, Args) == (50, 3)
+    with pytest.raises(utils.UserError, match="cannot feed"):
+        plan.plan_steps(1, Args)
+
+
+def test_plan_steps_with_gradient_accumulation():
+    class Args:
+        num_workers, train_batch_size, max_train_steps, num_train_epochs = 2, 1, 800, 4
+        gradient_accumulation_steps = 3
+
+    assert plan.plan_steps(200, Args) == (33, 132)
+    Args.gradient_accumulation_steps = 4
+    with pytest.raises(utils.UserError, match="gradient_accumulation_steps"):
+        plan.plan_steps(6, Args)
+
+
+def test_explicit_max_train_steps_wins_and_epochs_cap_only_when_given(capsys):
+    class Args:
+        num_workers, train_batch_size, gradient_accumulation_steps = 2, 1, 1
+        max_train_steps, num_train_epochs = 60, None
+
+    # 5 instance + 8 class images: 8 rows, 4 steps an epoch per worker.
+    assert plan.plan_steps(8, Args) == (4, 60)
+    assert "stopping" not in capsys.readouterr().err
+    Args.max_train_steps = None
+    assert plan.plan_steps(8, Args) == (4, plan.DEFAULT_MAX_TRAIN_STEPS)
+    Args.num_train_epochs = 3
+    assert plan.plan_steps(8, Args) == (4, 12)
+    Args.max_train_steps = 60
+    assert plan.plan_steps(8, Args) == (4, 12)
+    assert "stopping after 12 steps, before --max_train_steps 60" in capsys.readouterr().err
+    # The seeds' command: --num_epochs=4 --max_train_steps=200, 200 class images, 2 workers, batch 2.
+    Args.train_batch_size, Args.num_train_epochs, Args.max_train_steps = 2, 4, 200
+    assert plan.plan_steps(200, Args) == (50, 200)
+
+
+def test_the_stream_holds_enough_rows_for_every_step():
+    class Args:
+        num_workers, train_batch_size, gradient_accumulation_steps = 2, 2, 3
+
+    epochs = plan.stream_epochs(13, 40, Args)
+    rows_per_worker = epochs * 13 // 2
+    assert rows_per_worker >= 40 * 2 * 3
+
+
+def test_worker_resources_leave_a_cpu_for_ray_data_and_refuse_impossible():
+    class Args:
+        use_gpu = None
+        num_workers = 2
+        gpus_per_worker = 1
+
+    assert plan.worker_resources(Args, cpus=2, gpus=0) == (False, 0.5)
+    assert plan.worker_resources(Args, cpus=16, gpus=2) == (True, 1.0)
+    with pytest.raises(Exception, match="needs 2 GPUs"):
+        plan.worker_resources(Args, cpus=16, gpus=1)
+    Args.gpus_per_worker = 2
+    with pytest.raises(Exception, match="--gpus_per_worker 2 needs 4 GPUs; the Ray cluster has 2"):
+        plan.worker_resources(Args, cpus=16, gpus=2)
+    Args.num_workers = 1
+    assert plan.worker_resources(Args, cpus=16, gpus=2) == (True, 1.0)
+    Args.gpus_per_worker, Args.num_workers = 1, 2
+    with pytest.raises(Exception, match="needs 2 GPUs"):
+        Args.use_gpu = True
+        plan.worker_resources(Args, cpus=16, gpus=0)
+    Args.use_gpu, Args.num_workers = None, 1
+    with pytest.raises(Exception, match="one for the data pipeline"):
+        plan.worker_resources(Args, cpus=1, gpus=0)
+    Args.num_workers = 3
+    with pytest.raises(Exception, match="more than the Ray cluster's 2 CPUs"):
+        plan.worker_resources(Args, cpus=2, gpus=0)
+
+
+def test_plan_run_decides_every_setting_once_before_ray(tiny_model, toy_images, tmp_path, capsys):
+    asked = []
+
+    def cluster():
+        asked.append(1)
+        return 4.0, 0
+
+    args = plan.parse_args(["--model_dir", tiny_model, "--output_dir", str(tmp_path / "out"),
+                            "--instance_data_dir", toy_images, "--instance_prompt", "photo of unqtkn toy",
+                            "--num_workers", "2", "--max_train_steps", "7", "--lr", "2e-5"])
+    run = plan.plan_run(args, cluster)
+    assert asked == [1]
+    assert run.total_steps == 7 and run.steps_per_epoch == 2  # 5 rows // 2 workers, batch 1
+    assert run.resolution == 64  # the tiny model's native size, read from its configs
+    assert run.use_gpu is False and run.cpus_per_worker == 1.0 and run.channels_last is False
+    assert len(run.instance_images) == 5 and run.class_images == () and not run.with_prior_preservation
+    assert set(run.prompt_ids) == {"instance"} and len(run.prompt_ids["instance"]) == 77
+    assert run.learning_rate == 2e-5 and run.run_name.startswith("out-") and run.resume_path is None
+    assert run.storage_path == str(tmp_path / "ray_results")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.total_steps = 8
+    text = run.describe()
+    assert "7 steps" in text and "5 instance and 0 class images at 64 px" in text and run.run_name in text
+
+
+def test_plan_run_refuses_bad_files_before_starting_ray(tiny_model, tmp_path):
+    def cluster():
+        raise AssertionError("Ray must not start for a bad input")
+
+    args = plan.parse_args(["--model_dir", tiny_model, "--output_dir", str(tmp_path / "out"),
+                            "--instance_data_dir", str(tmp_path / "missing"), "--instance_prompt", "p"])
+    with pytest.raises(utils.UserError, match="instance folder not found"):
+        plan.plan_run(args, cluster)
+
+
+def test_offline_plan_has_the_flag_defaults_and_the_given_fields():
+    run = plan.offline_plan(learning_rate=1e-3)
+    assert run.learning_rate == 1e-3 and run.adam_beta2 == 0.999 and run.train_text_encoder
+    assert run.is_checkpoint_step(run.total_steps) and not run.is_checkpoint_step(1)
+    assert run.is_report_step(run.logging_steps) and not run.is_report_step(run.logging_steps + 1)
