@@ -92,31 +92,23 @@ def run_dirs(storage):
 
 
 @pytest.mark.slow
-def test_sigkilled_worker_is_replaced_and_training_completes(tiny_model, toy_images, tmp_path):
+def test_killed_worker_is_replaced_then_ctrl_c_says_how_to_resume_and_the_rerun_finishes(tiny_model, toy_images,
+                                                                                        tmp_path):
     out, storage = tmp_path / "model-tuned", tmp_path / "ray_results"
+    args = train_args(tiny_model, toy_images, out, 120, "--checkpointing_steps", "5", "--logging_steps", "5",
+                      "--max_failures", "2")
     started = time.time()
-    proc = start_train(train_args(tiny_model, toy_images, out, 60, "--checkpointing_steps", "5",
-                                  "--logging_steps", "5", "--max_failures", "2"))
+    proc = start_train(args)
     wait_for(lambda: any(checkpoint_steps(d) for d in run_dirs(storage)), 180, proc)
     victims = worker_pids(started)
     assert victims, "no Ray Train worker process found"
     os.kill(victims[-1], signal.SIGKILL)
-    stdout, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 0, stderr[-3000:]
-    [run_dir] = run_dirs(storage)
-    assert checkpoint_steps(run_dir)[-1] == 60
-    assert "trained 60 steps" in stderr
-    assert os.path.isfile(out / "model_index.json") and not [n for n in os.listdir(tmp_path) if n.startswith(".tmp")]
-
-
-def test_ctrl_c_says_how_to_resume_and_the_rerun_finishes(tiny_model, toy_images, tmp_path):
-    out, storage = tmp_path / "model-tuned", tmp_path / "ray_results"
-    args = train_args(tiny_model, toy_images, out, 40, "--checkpointing_steps", "4", "--logging_steps", "4")
-    proc = start_train(args)
-    wait_for(lambda: any(checkpoint_steps(d) for d in run_dirs(storage)), 180, proc)
+    # Ray restarts the worker group from the newest checkpoint and training goes on past it.
+    wait_for(lambda: max([0] + [s for d in run_dirs(storage) for s in checkpoint_steps(d)]) >= 15, 240, proc)
+    assert len(run_dirs(storage)) == 1
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 130
+    assert proc.returncode == 130, stderr[-3000:]
     assert "--resume_from_checkpoint latest" in stderr
     assert not os.path.exists(out / "model_index.json")
     done_before = max(s for d in run_dirs(storage) for s in checkpoint_steps(d))
@@ -124,10 +116,11 @@ def test_ctrl_c_says_how_to_resume_and_the_rerun_finishes(tiny_model, toy_images
     rerun = subprocess.run([sys.executable, "train.py", *args, "--resume_from_checkpoint", "latest"],
                            cwd=REPO_DIR, env=ENV, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert "resuming from" in rerun.stderr
+    assert "resuming from" in rerun.stderr and "trained 120 steps" in rerun.stderr
     new_run = max(run_dirs(storage), key=os.path.getmtime)
     steps = checkpoint_steps(new_run)
-    assert steps[0] > done_before and steps[-1] == 40
+    assert steps[0] > done_before and steps[-1] == 120
+    assert os.path.isfile(out / "model_index.json") and not [n for n in os.listdir(tmp_path) if n.startswith(".tmp")]
     assert os.path.isfile(out / "model_index.json")
 
 
