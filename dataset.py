@@ -1,8 +1,8 @@
 """The training data pipeline on Ray Data.
 
-    instance + class folders ─ read_images ─ upright, resize [─ VAE posteriors, actor pool]
+    instance + class folders ─ decoded on the driver: upright, resize [─ VAE posteriors, actor pool]
         └─ object store (each image once)
-    plan_rows: index rows of the whole run ─ from_items ─ crop + flip by each row's seed
+    plan_rows: index rows of the whole run ─ from_pandas ─ crop + flip by each row's seed
         ─ streaming split over the Ray Train workers (uint8 pixels, scaled on the device)
 
 An epoch has max(#instance, #class) rows, each one instance image and, with prior
@@ -63,15 +63,15 @@ def normalize_image(image):
 
 
 def needs_conversion(image):
-    """True when read_images' plain RGB conversion would lose or garble the image."""
+    """True when a plain RGB conversion (load_image) would lose or garble the image."""
     return image.mode not in ("RGB", "L") or "transparency" in image.info
 
 
 def inspect_images(paths, resolution, convert_dir):
     """Check every image on the driver before any worker starts; returns the paths to read.
 
-    Corrupt or truncated files are named in a UserError. Images read_images cannot convert
-    faithfully (16-bit, transparent, CMYK, palette) are written, upright and as 8-bit RGB
+    Corrupt or truncated files are named in a UserError. Images a plain RGB conversion cannot
+    render faithfully (16-bit, transparent, CMYK, palette) are written, upright and as 8-bit RGB
     PNG, into convert_dir and read from there. Images smaller than the resolution are
     listed in a warning (they are upscaled).
     """
