@@ -163,7 +163,37 @@ FLAGS = {
     ),
     "lr_warmup_steps": (
         ("--lr_warmup_steps",),
-        dict(type=non_negative_int, default=0, help="Linear warm-up steps, then constant."),
+        dict(type=non_negative_int, default=0, help="Optimizer steps of linear warm-up at the start of the schedule."),
+    ),
+    "lr_scheduler": (
+        ("--lr_scheduler",),
+        dict(choices=["constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial"],
+             default="constant_with_warmup",
+             help="Learning-rate schedule over the run's optimizer steps (diffusers.optimization); "
+                  "'constant' ignores --lr_warmup_steps, as in diffusers."),
+    ),
+    "lr_num_cycles": (
+        ("--lr_num_cycles",),
+        dict(type=positive_int, default=1, help="Cosine cycles of cosine_with_restarts (hard restarts)."),
+    ),
+    "lr_power": (("--lr_power",), dict(type=positive_float, default=1.0, help="Power of the polynomial schedule.")),
+    "scale_lr": (
+        ("--scale_lr",),
+        dict(action="store_true",
+             help="Multiply --learning_rate by the instance images of one optimizer step over all workers "
+                  "(train_batch_size x gradient_accumulation_steps x num_workers)."),
+    ),
+    "offset_noise": (
+        ("--offset_noise",),
+        dict(type=non_negative_float, nargs="?", const=0.1, default=0.0, metavar="SCALE",
+             help="Add SCALE x a per-channel constant to the training noise (0.1 without a value, as "
+                  "diffusers' flag): the model learns to make darker darks and brighter brights."),
+    ),
+    "snr_gamma": (
+        ("--snr_gamma",),
+        dict(type=positive_float, default=None,
+             help="Min-SNR loss weighting with this gamma (5.0 in the paper): low-noise timesteps weigh "
+                  "less, which speeds up convergence. Default: off (plain MSE)."),
     ),
     "adam_beta1": (("--adam_beta1",), dict(type=float, default=0.9, help="AdamW beta1.")),
     "adam_beta2": (("--adam_beta2",), dict(type=float, default=0.999, help="AdamW beta2.")),

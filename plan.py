@@ -22,7 +22,8 @@ DEFAULT_MAX_TRAIN_STEPS = 800
 TRAIN_FLAGS = [
     "model_dir", "output_dir", "instance_data_dir", "instance_prompt", "class_data_dir", "class_prompt",
     "with_prior_preservation", "prior_loss_weight", "resolution", "center_crop", "random_flip",
-    "train_text_encoder", "train_batch_size", "learning_rate", "lr_warmup_steps", "adam_beta1",
+    "train_text_encoder", "train_batch_size", "learning_rate", "scale_lr", "lr_scheduler", "lr_warmup_steps",
+    "lr_num_cycles", "lr_power", "offset_noise", "snr_gamma", "adam_beta1",
     "adam_beta2", "adam_weight_decay", "adam_epsilon", "max_grad_norm", "max_train_steps",
     "num_train_epochs", "mixed_precision", "seed", "num_workers", "gpus_per_worker", "use_gpu",
     "storage_path", "logging_steps", "checkpointing_steps", "checkpoints_total_limit",
@@ -56,9 +57,14 @@ class Plan:
     precompute_text_embeddings: bool
     train_batch_size: int
     gradient_accumulation_steps: int
-    # optimiser
-    learning_rate: float
+    # optimiser and loss
+    learning_rate: float  # already multiplied out with --scale_lr
+    lr_scheduler: str
     lr_warmup_steps: int
+    lr_num_cycles: int
+    lr_power: float
+    offset_noise: float
+    snr_gamma: float | None
     adam_beta1: float
     adam_beta2: float
     adam_weight_decay: float
@@ -107,7 +113,8 @@ class Plan:
                 f"{len(self.instance_images)} instance and {len(self.class_images)} class images at "
                 f"{self.resolution} px\n"
                 f"      {self.num_workers} worker(s) x ({device}), batch {self.train_batch_size} instance{prior} "
-                f"x {self.gradient_accumulation_steps} accumulated, lr {self.learning_rate:g}, seed {self.seed}\n"
+                f"x {self.gradient_accumulation_steps} accumulated, lr {self.learning_rate:g} "
+                f"({self.lr_scheduler}), seed {self.seed}\n"
                 f"      run {self.run_name}: checkpoints every {self.checkpointing_steps} steps in "
                 f"{self.storage_path}{resume}")
 
@@ -163,6 +170,7 @@ def plan_run(args, cluster_resources):
     return Plan(**{
         **from_flags,
         "prompt_ids": prompt_ids(args),
+        "learning_rate": scaled_learning_rate(args),
         "instance_images": tuple(instance_images),
         "class_images": tuple(class_images),
         "resolution": resolution,
@@ -187,6 +195,14 @@ def offline_plan(**fields):
                    steps_per_epoch=1, total_steps=DEFAULT_MAX_TRAIN_STEPS, stream_epochs=1, use_gpu=False,
                    cpus_per_worker=1.0, run_name="offline", resume_path=None)
     return Plan(**{**from_flags, **decided, **fields})
+
+
+def scaled_learning_rate(args):
+    """--learning_rate, or with --scale_lr, times the instance images of one optimizer step
+    over all workers (diffusers' rule: the rate was tuned for one image a step)."""
+    if not args.scale_lr:
+        return args.learning_rate
+    return args.learning_rate * args.train_batch_size * args.gradient_accumulation_steps * args.num_workers
 
 
 def check_output_dir(output_dir, overwrite):

@@ -26,6 +26,8 @@ class TrainState:
     amp_dtype: "torch.dtype | None"
     step: int = 0
     skipped_steps: int = 0  # fp16 steps whose gradients overflowed (weights and LR unchanged)
+    offset_noise: float = 0.0  # --offset_noise
+    snr_gamma: "float | None" = None  # --snr_gamma (None: plain MSE)
 
 
 def diffusion_target(scheduler, latents, noise, timesteps):
@@ -38,18 +40,48 @@ def diffusion_target(scheduler, latents, noise, timesteps):
     raise ValueError(f"unsupported prediction_type {kind!r}")
 
 
-def dreambooth_loss(pred, target, num_instance, prior_loss_weight):
+def dreambooth_loss(pred, target, num_instance, prior_loss_weight, weights=None):
     """MSE on the instance rows plus prior_loss_weight x MSE on the class rows.
 
     pred, target: (B, C, h, w), instance rows first, then class rows (B = num_instance
-    without prior preservation). Returns (total, instance_loss, prior_loss or None).
+    without prior preservation). weights: (B,) per-row loss weights (min-SNR), or None.
+    Returns (total, instance_loss, prior_loss or None).
     """
     pred, target = pred.float(), target.float()
-    instance_loss = F.mse_loss(pred[:num_instance], target[:num_instance])
+    if weights is None:
+        def mse(rows):
+            return F.mse_loss(pred[rows], target[rows])
+    else:
+        per_row = F.mse_loss(pred, target, reduction="none").mean(dim=(1, 2, 3)) * weights
+
+        def mse(rows):
+            return per_row[rows].mean()
+    instance_loss = mse(slice(None, num_instance))
     if pred.shape[0] == num_instance:
         return instance_loss, instance_loss, None
-    prior_loss = F.mse_loss(pred[num_instance:], target[num_instance:])
+    prior_loss = mse(slice(num_instance, None))
     return instance_loss + prior_loss_weight * prior_loss, instance_loss, prior_loss
+
+
+def min_snr_weights(scheduler, timesteps, gamma):
+    """(B,) min-SNR-gamma loss weights of Hang et al. 2023: min(SNR, gamma) / SNR for
+    epsilon prediction, min(SNR, gamma) / (SNR + 1) for v-prediction. Steps whose SNR is
+    under gamma keep weight 1; nearly noise-free ones, easy to predict, weigh less."""
+    from diffusers.training_utils import compute_snr
+
+    snr = compute_snr(scheduler, timesteps)
+    clipped = snr.clamp(max=gamma)
+    return clipped / (snr + 1) if scheduler.config.prediction_type == "v_prediction" else clipped / snr
+
+
+def training_noise(latents, offset_noise):
+    """Gaussian noise like latents (B, C, h, w), plus offset_noise x one normal draw per
+    row and channel (offset noise: shifts of a channel's mean become learnable)."""
+    noise = torch.randn_like(latents)
+    if offset_noise:
+        noise = noise + offset_noise * torch.randn(*latents.shape[:2], 1, 1, device=latents.device,
+                                                   dtype=latents.dtype)
+    return noise
 
 
 def to_model_input(pixels):
@@ -66,11 +98,6 @@ def encode_latents(vae, pixels):
     with torch.no_grad():
         latents = vae.encode(pixels.to(vae.dtype)).latent_dist.sample()
     return latents * vae.config.scaling_factor
-
-
-def lr_factor(step, warmup_steps):
-    """Linear warm-up over warmup_steps, then constant."""
-    return min(1.0, (step + 1) / (warmup_steps + 1)) if warmup_steps else 1.0
 
 
 def batch_latents(models, batch):
@@ -109,8 +136,9 @@ def prompt_conditioning(text_encoder, prompts, num_instance, num_class):
     return torch.cat([states[i:i + 1].expand(n, -1, -1) for i, n in enumerate(counts)])
 
 
-def batch_loss(models, batch, prompts, prior_loss_weight):
-    """Forward pass for one batch (see batch_latents and prompt_conditioning for the inputs).
+def batch_loss(models, batch, prompts, prior_loss_weight, offset_noise=0.0, snr_gamma=None):
+    """Forward pass for one batch (see batch_latents and prompt_conditioning for the inputs),
+    with training_noise's offset and min_snr_weights' weighting when given.
 
     Returns dreambooth_loss's tuple (total, instance_loss, prior_loss or None).
     """
@@ -119,12 +147,13 @@ def batch_loss(models, batch, prompts, prior_loss_weight):
     hidden = prompt_conditioning(models.text_encoder, prompts, num_instance, latents.shape[0] - num_instance)
     hidden = hidden.to(models.unet_device)
     scheduler = models.scheduler
-    noise = torch.randn_like(latents)
+    noise = training_noise(latents, offset_noise)
     timesteps = torch.randint(0, scheduler.config.num_train_timesteps, (latents.shape[0],), device=latents.device)
     noisy = scheduler.add_noise(latents, noise, timesteps)
     pred = models.unet(noisy, timesteps, hidden).sample
+    weights = min_snr_weights(scheduler, timesteps, snr_gamma) if snr_gamma else None
     return dreambooth_loss(pred, diffusion_target(scheduler, latents, noise, timesteps),
-                           num_instance, prior_loss_weight)
+                           num_instance, prior_loss_weight, weights)
 
 
 def train_step(state, micro_batches, prompts, prior_loss_weight, max_grad_norm):
@@ -146,7 +175,7 @@ def train_step(state, micro_batches, prompts, prior_loss_weight, max_grad_norm):
                 sync.enter_context(model.no_sync())
         with sync:
             with torch.autocast(models.unet_device.type, dtype=state.amp_dtype, enabled=state.amp_dtype is not None):
-                losses = batch_loss(models, batch, prompts, prior_loss_weight)
+                losses = batch_loss(models, batch, prompts, prior_loss_weight, state.offset_noise, state.snr_gamma)
             state.scaler.scale(losses[0] / count).backward()
         totals.append([t.detach() if t is not None else None for t in losses])
     scaler = state.scaler
@@ -201,10 +230,12 @@ def amp_dtype(mixed_precision, device):
 
 def make_train_state(models, plan):
     """Optimizer, LR schedule and grad scaler over the trainable parameters of models,
-    as a plan.Plan sets them (learning_rate, adam_*, lr_warmup_steps, fused_adamw,
-    mixed_precision, train_text_encoder). fp32 master weights: 5e-6 AdamW updates
-    vanish in bf16 weights.
+    as a plan.Plan sets them (learning_rate, adam_*, lr_scheduler and its options over
+    total_steps, fused_adamw, mixed_precision, train_text_encoder, the loss options).
+    fp32 master weights: 5e-6 AdamW updates vanish in bf16 weights.
     """
+    from diffusers.optimization import get_scheduler
+
     params = list(models.unet.parameters())
     if plan.train_text_encoder:
         params += list(models.text_encoder.parameters())
@@ -212,9 +243,11 @@ def make_train_state(models, plan):
         params, lr=plan.learning_rate, betas=(plan.adam_beta1, plan.adam_beta2),
         weight_decay=plan.adam_weight_decay, eps=plan.adam_epsilon, fused=plan.fused_adamw,
     )
-    warmup = plan.lr_warmup_steps
-    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warmup))
+    lr_scheduler = get_scheduler(plan.lr_scheduler, optimizer, num_warmup_steps=plan.lr_warmup_steps,
+                                 num_training_steps=plan.total_steps, num_cycles=plan.lr_num_cycles,
+                                 power=plan.lr_power)
     dtype = amp_dtype(plan.mixed_precision, models.unet_device)
     # Loss scaling only matters for fp16's narrow exponent range.
     scaler = torch.amp.GradScaler(models.unet_device.type, enabled=dtype == torch.float16)
-    return TrainState(models, params, optimizer, lr_scheduler, scaler, dtype)
+    return TrainState(models, params, optimizer, lr_scheduler, scaler, dtype,
+                      offset_noise=plan.offset_noise, snr_gamma=plan.snr_gamma)

@@ -136,3 +136,10 @@ def test_offline_plan_has_the_flag_defaults_and_the_given_fields():
     assert run.learning_rate == 1e-3 and run.adam_beta2 == 0.999 and run.train_text_encoder
     assert run.is_checkpoint_step(run.total_steps) and not run.is_checkpoint_step(1)
     assert run.is_report_step(run.logging_steps) and not run.is_report_step(run.logging_steps + 1)
+
+
+def test_scale_lr_multiplies_by_the_images_of_one_optimizer_step():
+    argv = ["--model_dir", "/m", "--output_dir", "/o", "--instance_data_dir", "/i", "--instance_prompt", "p",
+            "--lr", "1e-6", "--train_batch_size", "2", "--gradient_accumulation_steps", "3", "--num_workers", "4"]
+    assert plan.scaled_learning_rate(plan.parse_args(argv)) == 1e-6
+    assert plan.scaled_learning_rate(plan.parse_args(argv + ["--scale_lr"])) == pytest.approx(24e-6)

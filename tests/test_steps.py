@@ -75,9 +75,59 @@ def test_encode_latents_uses_the_vae_scaling_factor(models):
     torch.testing.assert_close(b, 2 * a)
 
 
-def test_lr_warmup_then_constant():
-    assert [steps.lr_factor(s, 3) for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
-    assert steps.lr_factor(0, 0) == 1.0
+def test_dreambooth_loss_weights_each_row():
+    pred = torch.zeros(4, 1, 2, 2)
+    target = torch.cat([torch.ones(2, 1, 2, 2), torch.full((2, 1, 2, 2), 2.0)])
+    plain = steps.dreambooth_loss(pred, target, 2, 0.5)
+    ones = steps.dreambooth_loss(pred, target, 2, 0.5, weights=torch.ones(4))
+    assert all(torch.isclose(a, b) for a, b in zip(plain, ones))
+    total, instance, prior = steps.dreambooth_loss(pred, target, 2, 0.5, weights=torch.tensor([1.0, 0.0, 0.5, 0.5]))
+    assert instance.item() == 0.5 and prior.item() == 2.0 and total.item() == 1.5
+
+
+def test_min_snr_weights_cap_low_noise_steps(models):
+    from diffusers import DDPMScheduler
+
+    scheduler = models.scheduler
+    timesteps = torch.tensor([0, 10, 500, 999])
+    weights = steps.min_snr_weights(scheduler, timesteps, gamma=5.0)
+    snr = scheduler.alphas_cumprod[timesteps] / (1 - scheduler.alphas_cumprod[timesteps])
+    assert snr[0] > 5 and weights[0] == pytest.approx(5 / snr[0].item())  # nearly clean: weighs less
+    assert snr[3] < 5 and weights[3] == pytest.approx(1.0)  # noisy: full weight
+    assert (weights[:-1] <= weights[1:]).all()
+    v_sched = DDPMScheduler.from_config(scheduler.config, prediction_type="v_prediction")
+    v_weights = steps.min_snr_weights(v_sched, timesteps, gamma=5.0)
+    assert v_weights[3] == pytest.approx((snr[3] / (snr[3] + 1)).item())
+
+
+def test_offset_noise_adds_one_constant_per_row_and_channel():
+    latents = torch.zeros(2, 4, 8, 8)
+    torch.manual_seed(0)
+    plain = steps.training_noise(latents, 0.0)
+    torch.manual_seed(0)
+    offset = steps.training_noise(latents, 0.1)
+    shift = offset - plain
+    assert shift.abs().sum() > 0
+    assert torch.allclose(shift, shift[:, :, :1, :1].expand_as(shift), atol=1e-6)
+    assert not torch.allclose(shift[0, 0], shift[0, 1])
+
+
+@pytest.mark.parametrize("name, expected", [
+    # factor of the learning rate after each of 6 steps; warm-up 2, 6 steps in all
+    ("constant_with_warmup", [0.5, 1, 1, 1, 1, 1]),
+    ("constant", [1, 1, 1, 1, 1, 1]),
+    ("linear", [0.5, 1, 0.75, 0.5, 0.25, 0]),
+    ("cosine", [0.5, 1, 0.8536, 0.5, 0.1464, 0]),
+])
+def test_lr_schedules_follow_diffusers_over_the_plans_steps(models, make_plan, name, expected):
+    state = steps.make_train_state(models, make_plan(lr_scheduler=name, lr_warmup_steps=2, total_steps=6,
+                                                     learning_rate=1.0))
+    factors = []
+    for _ in range(6):
+        state.optimizer.step()
+        state.lr_scheduler.step()
+        factors.append(state.lr_scheduler.get_last_lr()[0])
+    assert factors == pytest.approx(expected, abs=1e-4)
 
 
 def test_train_step_learns_a_fixed_batch_and_changes_only_trainable_weights(models, prompt_ids, make_plan):

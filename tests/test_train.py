@@ -55,7 +55,9 @@ def test_train_two_workers_saves_a_changed_loadable_pipeline(ray_session, tiny_m
     assert all(a["time"] <= b["time"] for a, b in zip(lines, lines[1:]))
 
 
-def test_cached_latents_with_frozen_text_encoder(ray_session, tiny_model, toy_images, class_images, tmp_path):
+def test_cached_latents_frozen_text_encoder_and_loss_options(ray_session, tiny_model, toy_images, class_images,
+                                                             tmp_path):
+    """Also the schedule and loss options: they travel in the Plan to the workers."""
     from diffusers import DiffusionPipeline
 
     out = tmp_path / "model-cached"
@@ -63,8 +65,11 @@ def test_cached_latents_with_frozen_text_encoder(ray_session, tiny_model, toy_im
                          "--instance_prompt", "photo of unqtkn toy", "--class_images_dir", class_images,
                          "--class_prompt", "photo of a toy", "--num_workers", "2", "--max_train_steps", "3",
                          "--lr", "1e-4", "--cache_latents", "--random_flip", "--no-train_text_encoder",
-                         "--gradient_accumulation_steps", "2", "--gradient_checkpointing"])
+                         "--gradient_accumulation_steps", "2", "--gradient_checkpointing",
+                         "--lr_scheduler", "cosine", "--offset_noise", "--snr_gamma", "5", "--scale_lr"])
     assert result.metrics["step"] == 3
+    assert result.metrics["lr"] == pytest.approx(0.0, abs=1e-12)  # cosine ends at zero
+    assert result.metrics["loss"] > 0
     tuned, base = DiffusionPipeline.from_pretrained(str(out)), DiffusionPipeline.from_pretrained(tiny_model)
     assert weights_differ(tuned.unet, base.unet)
     assert not weights_differ(tuned.text_encoder, base.text_encoder)
