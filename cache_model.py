@@ -11,6 +11,7 @@ files), safetensors weights only. With the files already cached it works offline
 """
 
 import hashlib
+import json
 import os
 import re
 
@@ -23,7 +24,8 @@ ALLOW_PATTERNS = ["model_index.json", "*/*.json", "*/*.txt", "*/*.safetensors"]
 IGNORE_PATTERNS = ["*.ckpt", "*.bin", "*.msgpack", "*.onnx", "*.h5", "*.fp16.*", "*non_ema*", "*.ema.*"]
 # The tiny model is stored in the hub cache layout under its own name, so it never
 # shadows a real model and every script finds it exactly as it finds SD 1.4.
-TINY_MODEL_NAME = "dreambooth-ray/tiny-stable-diffusion"
+RANDOM_MODEL_OWNER = "dreambooth-ray"  # every random model's hub name starts with it
+TINY_MODEL_NAME = f"{RANDOM_MODEL_OWNER}/tiny-stable-diffusion"
 TINY_REVISION = hashlib.sha1(b"dreambooth-ray tiny sd v2").hexdigest()
 
 
@@ -37,8 +39,17 @@ def random_model_id(size):
     """(hub name, revision) of a built random model: the tiny one keeps its historical name."""
     if size == "tiny":
         return TINY_MODEL_NAME, TINY_REVISION
-    name = f"dreambooth-ray/random-stable-diffusion-{size}"
+    name = f"{RANDOM_MODEL_OWNER}/random-stable-diffusion-{size}"
     return name, hashlib.sha1(name.encode()).hexdigest()
+
+
+def has_random_weights(model_dir):
+    """True for a model written by write_random_model, or tuned by train.py from one."""
+    marker = os.path.join(model_dir, utils.OUTPUT_MARKER)
+    if os.path.isfile(marker):
+        with open(marker) as f:
+            model_dir = json.load(f).get("base_model", "")
+    return f"models--{RANDOM_MODEL_OWNER}--" in os.path.abspath(model_dir)
 
 
 def write_random_model(cache_dir, size="tiny"):

@@ -22,6 +22,7 @@ import math
 import os
 import sys
 
+import cache_model
 import flags
 import utils
 
@@ -199,6 +200,9 @@ def main(argv=None):
     os.makedirs(args.output_dir, exist_ok=True)
     utils.remove_temp_files(args.output_dir)
     rows, all_files = plan_images(prompts, args.num_samples_per_prompt, args.seed, args.output_dir)
+    if rows and cache_model.has_random_weights(args.model_dir):
+        print("note: this model has random weights (cache_model.py --tiny / --random_model): its images are "
+              "noise, as expected; the pipeline around them is real", file=sys.stderr)
     print(f"{len(all_files) - len(rows)} of {len(all_files)} images already in {args.output_dir}; "
           f"generating {len(rows)}", file=sys.stderr)
     if rows:

@@ -44,6 +44,9 @@ def main(argv=None):
         raise
     print(f"trained {plan.total_steps} steps; final loss {result.metrics.get('loss', float('nan')):.4f}; "
           f"model saved to {plan.output_dir}; checkpoints and {METRICS_FILE} in {result.path}", file=sys.stderr)
+    plot = plot_metrics(os.path.join(result.path, METRICS_FILE))
+    if plot:
+        print(f"loss and learning rate plotted in {plot}", file=sys.stderr)
     return result
 
 
@@ -105,6 +108,38 @@ def run_trainer(plan, train_ds):
             os.path.join(plan.output_dir, utils.OUTPUT_MARKER)):
         raise KeyboardInterrupt  # an aborted run returns a partial result
     return result
+
+
+def plot_metrics(metrics_file):
+    """loss.png beside metrics_file: the run's logged loss and learning rate against the
+    step. None when there is nothing to plot."""
+    if not os.path.isfile(metrics_file):
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on a cluster node
+    import matplotlib.pyplot as plt
+
+    with open(metrics_file) as f:
+        rows = sorted((json.loads(line) for line in f if line.strip()), key=lambda r: r["step"])
+    if not rows:
+        return None
+    steps = [r["step"] for r in rows]
+    fig, loss_axis = plt.subplots(figsize=(8, 4.5), dpi=100)
+    loss_axis.plot(steps, [r["loss"] for r in rows], color="tab:blue", marker=".", label="loss")
+    loss_axis.set_xlabel("optimizer step")
+    loss_axis.set_ylabel("loss (mean over the logging window)", color="tab:blue")
+    lr_axis = loss_axis.twinx()
+    lr_axis.plot(steps, [r["lr"] for r in rows], color="tab:orange", label="learning rate")
+    lr_axis.set_ylabel("learning rate", color="tab:orange")
+    lr_axis.set_ylim(bottom=0)
+    loss_axis.set_title(os.path.basename(os.path.dirname(metrics_file)))
+    loss_axis.grid(alpha=0.3)
+    fig.tight_layout()
+    path = os.path.join(os.path.dirname(metrics_file), "loss.png")
+    fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
 # ---------------------------------------------------------------- Ray Train worker

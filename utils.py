@@ -29,6 +29,9 @@ def _raise_keyboard_interrupt(signum, frame):
 def run_main(main_fn):
     """Run a script's main(); turn UserError, Ctrl-C and SIGTERM into one line and an exit code."""
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    # Read when transformers is first imported (our scripts import it late): its warnings
+    # about backends we do not use (torchvision) are noise on a user's console.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
         return main_fn()
     except UserError as err:
@@ -134,6 +137,9 @@ def init_ray():
             "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"],
             "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0"),
             "TOKENIZERS_PARALLELISM": "false",
+            # transformers warns, in every process that imports diffusers, that torchvision is
+            # missing for image processors we never use; errors still show.
+            "TRANSFORMERS_VERBOSITY": os.environ.get("TRANSFORMERS_VERBOSITY", "error"),
         },
     }
     ray.init(runtime_env=runtime_env, log_to_driver=True, configure_logging=False)

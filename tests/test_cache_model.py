@@ -60,3 +60,14 @@ def test_only_pipeline_files_are_fetched():
 def test_hub_snapshot_path_layout():
     path = cache_model.hub_snapshot_path("/c", "CompVis/stable-diffusion-v1-4", "abc")
     assert path == "/c/models--CompVis--stable-diffusion-v1-4/snapshots/abc"
+
+
+def test_random_models_and_models_tuned_from_them_are_known(tiny_model, tmp_path):
+    assert cache_model.has_random_weights(tiny_model)
+    assert not cache_model.has_random_weights(str(tmp_path))
+    tuned = tmp_path / "tuned"
+    tuned.mkdir()
+    utils.write_json(str(tuned / utils.OUTPUT_MARKER), {"base_model": tiny_model})
+    assert cache_model.has_random_weights(str(tuned))
+    utils.write_json(str(tuned / utils.OUTPUT_MARKER), {"base_model": "/data/models--CompVis--sd/snapshots/x"})
+    assert not cache_model.has_random_weights(str(tuned))

@@ -53,6 +53,7 @@ def test_train_two_workers_saves_a_changed_loadable_pipeline(ray_session, tiny_m
     assert [m["step"] for m in lines] == [2, 3, 4, 5]
     assert all(m["loss"] > 0 for m in lines) and lines[-1]["loss"] == result.metrics["loss"]
     assert all(a["time"] <= b["time"] for a, b in zip(lines, lines[1:]))
+    assert os.path.isfile(os.path.join(result.path, "loss.png"))
 
 
 def test_cached_latents_frozen_text_encoder_and_loss_options(ray_session, tiny_model, toy_images, class_images,
@@ -73,3 +74,20 @@ def test_cached_latents_frozen_text_encoder_and_loss_options(ray_session, tiny_m
     tuned, base = DiffusionPipeline.from_pretrained(str(out)), DiffusionPipeline.from_pretrained(tiny_model)
     assert weights_differ(tuned.unet, base.unet)
     assert not weights_differ(tuned.text_encoder, base.text_encoder)
+
+
+def test_plot_metrics_draws_loss_and_lr_against_step(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    metrics = tmp_path / train.METRICS_FILE
+    assert train.plot_metrics(str(metrics)) is None
+    metrics.write_text("".join(json.dumps({"step": s, "loss": 1 / s, "lr": 1e-5 * min(1, s / 20)}) + "\n"
+                               for s in (30, 10, 20, 40)))
+    path = train.plot_metrics(str(metrics))
+    assert path == str(tmp_path / "loss.png")
+    pixels = np.asarray(Image.open(path).convert("RGB")).astype(int)
+    assert pixels.shape == (450, 800, 3)
+    blue = (pixels[..., 2] > 150) & (pixels[..., 0] < 100)  # the loss curve
+    orange = (pixels[..., 0] > 200) & (pixels[..., 1] > 100) & (pixels[..., 1] < 180) & (pixels[..., 2] < 80)
+    assert blue.sum() > 200 and orange.sum() > 200
