@@ -279,6 +279,12 @@ FLAGS = {
                   "Default: ray_results/ beside --output_dir."),
     ),
     # --- logging and checkpoints
+    "report_to": (
+        ("--report_to",),
+        dict(choices=["none", "tensorboard"], default="none",
+             help="Also write loss, learning rate and images/s as TensorBoard events into the run folder's "
+                  "tensorboard/ (view: pip install tensorboard; tensorboard --logdir <run folder>)."),
+    ),
     "logging_steps": (
         ("--logging_steps",),
         dict(type=positive_int, default=10, help="Report loss, lr and images/s every N steps."),

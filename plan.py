@@ -26,7 +26,7 @@ TRAIN_FLAGS = [
     "lr_num_cycles", "lr_power", "offset_noise", "snr_gamma", "adam_beta1",
     "adam_beta2", "adam_weight_decay", "adam_epsilon", "max_grad_norm", "max_train_steps",
     "num_train_epochs", "mixed_precision", "seed", "num_workers", "gpus_per_worker", "use_gpu",
-    "storage_path", "logging_steps", "checkpointing_steps", "checkpoints_total_limit",
+    "storage_path", "logging_steps", "report_to", "checkpointing_steps", "checkpoints_total_limit",
     "resume_from_checkpoint", "max_failures", "overwrite", "allow_unsafe_weights",
     "gradient_accumulation_steps", "gradient_checkpointing", "cache_latents", "precompute_text_embeddings",
     "channels_last", "fused_adamw", "torch_compile"]
@@ -91,6 +91,7 @@ class Plan:
     max_failures: int
     # logging and checkpoints
     logging_steps: int
+    report_to: str  # "none" | "tensorboard"
     checkpointing_steps: int
     checkpoints_total_limit: int | None
     resume_path: str | None

@@ -177,6 +177,7 @@ def train_fn(config):
     # The stream is the same on every run: a resumed worker skips what it had trained on.
     batches = itertools.islice(batches, state.step * accum, None)
     bar = tqdm_ray.tqdm(total=total, desc="training") if rank == 0 else None
+    log = RunLog(plan) if rank == 0 else None
     if bar and state.step:
         bar.update(state.step)
     window_loss, window_images, window_start = [], 0, time.perf_counter()
@@ -196,8 +197,8 @@ def train_fn(config):
                        "images_per_s": window_images * world / max(elapsed, 1e-9)}
             if state.skipped_steps:
                 metrics["skipped_steps"] = state.skipped_steps
-            if rank == 0:
-                append_metrics(plan, metrics)
+            if log:
+                log.write(metrics)
             report(state, metrics, rank, plan)
             if rank == 0:
                 print(" ".join(f"{name}={v:.4g}" if isinstance(v, float) else f"{name}={v}"
@@ -205,6 +206,7 @@ def train_fn(config):
             window_loss, window_images, window_start = [], 0, time.perf_counter()
     if bar:
         bar.close()
+        log.close()
     if state.step < total:
         raise RuntimeError(f"the data stream ended at step {state.step} of {total}")
     if rank == 0:
@@ -259,16 +261,31 @@ def prompt_inputs(text_encoder, plan, device):
         return {k: text_encoder(v)[0] for k, v in ids.items()}
 
 
-def metrics_path(plan):
-    return os.path.join(plan.storage_path, plan.run_name, METRICS_FILE)
+class RunLog:
+    """Rank 0's record of a run in its folder: one JSON line per logging window in
+    metrics.jsonl (with the wall-clock time it ended), and with --report_to tensorboard
+    the same scalars as TensorBoard events in tensorboard/."""
 
+    def __init__(self, plan):
+        self.folder = os.path.join(plan.storage_path, plan.run_name)
+        os.makedirs(self.folder, exist_ok=True)
+        self.writer = None
+        if plan.report_to == "tensorboard":
+            from tensorboardX import SummaryWriter
 
-def append_metrics(plan, metrics):
-    """One JSON line per logging window (with the wall-clock time it ended) for loss curves."""
-    path = metrics_path(plan)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps({**metrics, "time": time.time()}) + "\n")
+            self.writer = SummaryWriter(os.path.join(self.folder, "tensorboard"))
+
+    def write(self, metrics):
+        with open(os.path.join(self.folder, METRICS_FILE), "a") as f:
+            f.write(json.dumps({**metrics, "time": time.time()}) + "\n")
+        if self.writer:
+            for name in ("loss", "lr", "images_per_s"):
+                self.writer.add_scalar(f"train/{name}", metrics[name], metrics["step"])
+            self.writer.flush()
+
+    def close(self):
+        if self.writer:
+            self.writer.close()
 
 
 def report(state, metrics, rank, plan):

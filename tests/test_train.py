@@ -10,6 +10,25 @@ import train
 import utils
 
 
+def tensorboard_scalars(folder):
+    """{tag: [(step, value)]} from the TensorBoard event files in folder (TFRecord framing)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    scalars = {}
+    for name in sorted(os.listdir(folder)):
+        data = open(os.path.join(folder, name), "rb").read()
+        offset = 0
+        while offset < len(data):
+            (length,) = struct.unpack("<Q", data[offset:offset + 8])
+            event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
+            offset += 12 + length + 4
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars
+
+
 def weights_differ(a, b):
     return any(not torch.equal(v, b.state_dict()[k]) for k, v in a.state_dict().items())
 
@@ -33,7 +52,7 @@ def test_train_two_workers_saves_a_changed_loadable_pipeline(ray_session, tiny_m
                          "--instance_prompt", "photo of unqtkn toy", "--class_images_dir", class_images,
                          "--class_prompt", "photo of a toy", "--train_batch_size", "2", "--lr", "1e-4",
                          "--num_epochs", "4", "--max_train_steps", "5", "--num_workers", "2",
-                         "--logging_steps", "2", "--checkpointing_steps", "3"])
+                         "--logging_steps", "2", "--checkpointing_steps", "3", "--report_to", "tensorboard"])
     assert result.metrics["step"] == 5 and result.metrics["loss"] > 0
     assert result.metrics["images_per_s"] > 0
     tuned = DiffusionPipeline.from_pretrained(str(out))
@@ -54,6 +73,11 @@ def test_train_two_workers_saves_a_changed_loadable_pipeline(ray_session, tiny_m
     assert all(m["loss"] > 0 for m in lines) and lines[-1]["loss"] == result.metrics["loss"]
     assert all(a["time"] <= b["time"] for a, b in zip(lines, lines[1:]))
     assert os.path.isfile(os.path.join(result.path, "loss.png"))
+    # The same windows as TensorBoard scalars.
+    scalars = tensorboard_scalars(os.path.join(result.path, "tensorboard"))
+    assert [step for step, _ in scalars["train/loss"]] == [2, 3, 4, 5]
+    assert scalars["train/loss"][-1][1] == pytest.approx(lines[-1]["loss"], rel=1e-6)
+    assert len(scalars["train/lr"]) == len(scalars["train/images_per_s"]) == 4
 
 
 def test_cached_latents_frozen_text_encoder_and_loss_options(ray_session, tiny_model, toy_images, class_images,
