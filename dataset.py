@@ -30,13 +30,14 @@ _ORIENTATIONS = {1: (0, False), 2: (0, True), 3: (2, False), 4: (2, True),
 # ---------------------------------------------------------------- files
 
 
-def list_images(folder, role):
-    """Sorted image files directly inside folder; other files are skipped with a warning."""
+def list_images(folder, role, also_expected=None):
+    """Sorted image files directly inside folder; other files are skipped with a warning,
+    except those ending in also_expected (captions beside the images)."""
     if not os.path.isdir(folder):
         raise utils.UserError(f"{role} folder not found: {folder}")
     names = sorted(n for n in os.listdir(folder) if os.path.isfile(os.path.join(folder, n)))
     images = [n for n in names if n.lower().endswith(utils.IMAGE_EXTENSIONS)]
-    skipped = [n for n in names if n not in images]
+    skipped = [n for n in names if n not in images and not (also_expected and n.endswith(also_expected))]
     if skipped:
         print(f"warning: skipping {len(skipped)} non-image file(s) in {folder}: {', '.join(skipped[:10])}",
               file=sys.stderr)
@@ -199,22 +200,23 @@ def make_views(batch, instance_images, class_images, resolution, center_crop, ra
 
     In: {"instance": (B,), "seed": (B,)[, "class": (B,)]}; the image lists hold (H, W, 3)
     uint8 arrays with min(H, W) >= resolution. Out: {"instance_pixels": (B, R, R, 3)
-    [, "class_pixels": (B, R, R, 3)]} uint8 (scaled to [-1, 1] on the training device).
+    [, "class_pixels": (B, R, R, 3)]} uint8 (scaled to [-1, 1] on the training device), and
+    "instance_image": (B,) the instance image's index (its caption picks the row's prompt).
     """
     sources = {"instance": _resolve(instance_images), "class": _resolve(class_images)}
     views = _per_row(batch, sources, lambda image, rng: view(image, resolution, center_crop, random_flip, rng))
-    return {f"{k}_pixels": v for k, v in views.items()}
+    return {**{f"{k}_pixels": v for k, v in views.items()}, "instance_image": np.asarray(batch["instance"])}
 
 
 def pick_latents(batch, instance_latents, class_latents):
     """Index rows -> cached VAE posteriors: one flip view per row, chosen by the row's seed.
 
     In: as make_views; the latent arrays are (N, V, 8, h, w). Out: {"instance_latents":
-    (B, 8, h, w)[, "class_latents": (B, 8, h, w)]} float32.
+    (B, 8, h, w)[, "class_latents": (B, 8, h, w)]} float32, and "instance_image" (B,).
     """
     sources = {"instance": _resolve(instance_latents), "class": _resolve(class_latents)}
     picked = _per_row(batch, sources, lambda views, rng: views[rng.integers(0, views.shape[0])])
-    return {f"{k}_latents": v for k, v in picked.items()}
+    return {**{f"{k}_latents": v for k, v in picked.items()}, "instance_image": np.asarray(batch["instance"])}
 
 
 # ---------------------------------------------------------------- Ray Data stages

@@ -118,6 +118,12 @@ FLAGS = {
         ("--instance_prompt",),
         dict(required=True, help="Prompt with the unique identifier, e.g. 'photo of unqtkn dog'."),
     ),
+    "caption_extension": (
+        ("--caption_extension",),
+        dict(default=".txt", metavar="EXT",
+             help="A file beside an instance image with its stem and this extension (dog1.jpg -> dog1.txt) holds "
+                  "that image's prompt instead of --instance_prompt. '' turns captions off."),
+    ),
     "class_prompt": (
         ("--class_prompt",),
         dict(default=None, help="Prompt of the class images, e.g. 'photo of a dog'."),

@@ -20,7 +20,8 @@ import utils
 DEFAULT_MAX_TRAIN_STEPS = 800
 
 TRAIN_FLAGS = [
-    "model_dir", "output_dir", "instance_data_dir", "instance_prompt", "class_data_dir", "class_prompt",
+    "model_dir", "output_dir", "instance_data_dir", "instance_prompt", "caption_extension", "class_data_dir",
+    "class_prompt",
     "with_prior_preservation", "prior_loss_weight", "resolution", "center_crop", "random_flip",
     "train_text_encoder", "train_batch_size", "learning_rate", "scale_lr", "lr_scheduler", "lr_warmup_steps",
     "lr_num_cycles", "lr_power", "offset_noise", "snr_gamma", "adam_beta1",
@@ -43,7 +44,9 @@ class Plan:
     allow_unsafe_weights: bool
     instance_prompt: str
     class_prompt: str | None
-    prompt_ids: dict  # "instance" (and "class" with prior preservation) -> CLIP token ids
+    instance_prompts: tuple  # the distinct prompts of the instance images (captions or instance_prompt)
+    image_prompt: tuple  # per instance image: its prompt's index in instance_prompts
+    prompt_ids: dict  # "instance": token ids per instance_prompts entry; "class" (with prior preservation)
     with_prior_preservation: bool
     prior_loss_weight: float
     train_text_encoder: bool
@@ -110,8 +113,9 @@ class Plan:
         prior = f" + {self.train_batch_size} class" if self.with_prior_preservation else ""
         device = f"{self.gpus_per_worker} GPU" if self.use_gpu else f"{self.cpus_per_worker:g} CPU"
         resume = f"; resuming from {self.resume_path}" if self.resume_path else ""
+        captions = f" ({len(self.instance_prompts)} prompts from captions)" if len(self.instance_prompts) > 1 else ""
         return (f"plan: {self.total_steps} steps ({self.steps_per_epoch} per epoch) training {trained} on "
-                f"{len(self.instance_images)} instance and {len(self.class_images)} class images at "
+                f"{len(self.instance_images)} instance{captions} and {len(self.class_images)} class images at "
                 f"{self.resolution} px\n"
                 f"      {self.num_workers} worker(s) x ({device}), batch {self.train_batch_size} instance{prior} "
                 f"x {self.gradient_accumulation_steps} accumulated, lr {self.learning_rate:g} "
@@ -152,13 +156,17 @@ def plan_run(args, cluster_resources):
 
     utils.check_model_dir(args.model_dir, args.allow_unsafe_weights)
     check_output_dir(args.output_dir, args.overwrite)
-    instance_images = dataset.list_images(args.instance_data_dir, "instance")
+    instance_images = dataset.list_images(args.instance_data_dir, "instance", also_expected=args.caption_extension)
+    captions = read_captions(instance_images, args.instance_prompt, args.caption_extension)
+    instance_prompts = list(dict.fromkeys(captions))
     class_images = dataset.list_images(args.class_data_dir, "class") if args.with_prior_preservation else []
     run_prefix = os.path.basename(args.output_dir)
     resume_path = checkpoint.resolve_resume(args.resume_from_checkpoint, args.storage_path, run_prefix)
-    if lacks_identifier(args.instance_prompt, args.class_prompt):
-        print("warning: --instance_prompt has no word that --class_prompt lacks: "
-              "the subject has no unique identifier", file=sys.stderr)
+    generic = [p for p in instance_prompts if lacks_identifier(p, args.class_prompt)]
+    if generic:
+        which = "--instance_prompt" if generic == [args.instance_prompt] else f"{len(generic)} prompt(s)/caption(s)"
+        print(f"warning: {which} {'has' if len(generic) == 1 else 'have'} no word that --class_prompt lacks "
+              f"(e.g. {generic[0]!r}): the subject has no unique identifier", file=sys.stderr)
 
     use_gpu, cpus_per_worker = worker_resources(args, *cluster_resources())
     resolution = args.resolution or native_resolution(args.model_dir)
@@ -170,7 +178,10 @@ def plan_run(args, cluster_resources):
     from_flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(Plan) if hasattr(args, f.name)}
     return Plan(**{
         **from_flags,
-        "prompt_ids": prompt_ids(args),
+        "instance_prompts": tuple(instance_prompts),
+        "image_prompt": tuple(instance_prompts.index(c) for c in captions),
+        "prompt_ids": prompt_ids(args.model_dir, instance_prompts,
+                                 args.class_prompt if args.with_prior_preservation else None),
         "learning_rate": scaled_learning_rate(args),
         "instance_images": tuple(instance_images),
         "class_images": tuple(class_images),
@@ -192,7 +203,8 @@ def offline_plan(**fields):
     args = parse_args(["--model_dir", "/unused", "--output_dir", "/unused-out",
                        "--instance_data_dir", "/unused", "--instance_prompt", "unused"])
     from_flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(Plan) if hasattr(args, f.name)}
-    decided = dict(prompt_ids={}, instance_images=(), class_images=(), resolution=64, channels_last=False,
+    decided = dict(instance_prompts=(args.instance_prompt,), image_prompt=(), prompt_ids={},
+                   instance_images=(), class_images=(), resolution=64, channels_last=False,
                    steps_per_epoch=1, total_steps=DEFAULT_MAX_TRAIN_STEPS, stream_epochs=1, use_gpu=False,
                    cpus_per_worker=1.0, run_name="offline", resume_path=None)
     return Plan(**{**from_flags, **decided, **fields})
@@ -252,16 +264,33 @@ def native_resolution(model_dir):
     return config("unet")["sample_size"] * 2 ** (len(config("vae")["block_out_channels"]) - 1)
 
 
-def prompt_ids(args):
+def read_captions(image_paths, instance_prompt, caption_extension):
+    """Each instance image's prompt: the text of the file beside it with the same stem and
+    caption_extension (whitespace folded), or instance_prompt where there is none."""
+    prompts = []
+    for path in image_paths:
+        caption = os.path.splitext(path)[0] + caption_extension if caption_extension else ""
+        if not os.path.isfile(caption):
+            prompts.append(instance_prompt)
+            continue
+        with open(caption, encoding="utf-8") as f:
+            text = " ".join(f.read().split())
+        if not text:
+            raise utils.UserError(f"caption file {caption} is empty; write the image's prompt in it or delete it")
+        prompts.append(text)
+    return prompts
+
+
+def prompt_ids(model_dir, instance_prompts, class_prompt):
     """CLIP token ids of the prompts, tokenised once here rather than on every worker."""
     from transformers import CLIPTokenizer
 
     import dataset
 
-    tokenizer = CLIPTokenizer.from_pretrained(args.model_dir, subfolder="tokenizer")
-    ids = {"instance": dataset.tokenize_prompt(tokenizer, args.instance_prompt).tolist()}
-    if args.with_prior_preservation:
-        ids["class"] = dataset.tokenize_prompt(tokenizer, args.class_prompt).tolist()
+    tokenizer = CLIPTokenizer.from_pretrained(model_dir, subfolder="tokenizer")
+    ids = {"instance": [dataset.tokenize_prompt(tokenizer, p).tolist() for p in instance_prompts]}
+    if class_prompt:
+        ids["class"] = dataset.tokenize_prompt(tokenizer, class_prompt).tolist()
     return ids
 
 

@@ -119,21 +119,29 @@ def batch_latents(models, batch):
     return DiagonalGaussianDistribution(stacked).sample() * models.vae.config.scaling_factor
 
 
-def prompt_conditioning(text_encoder, prompts, num_instance, num_class):
+def prompt_conditioning(text_encoder, prompts, instance_prompt, num_class):
     """(num_instance + num_class, L, D) text-encoder states for a batch.
 
-    prompts: {"instance": (1, L) ids, "class": (1, L) ids} run through the text encoder,
-    each prompt once (the rows of a prompt are identical), or {"instance": (1, L, D),
-    "class": (1, L, D)} states computed once (frozen text encoder).
+    prompts: {"instance": (P, L) ids of the P distinct instance prompts (1, or one per
+    caption), "class": (1, L) ids}, run through the text encoder together once a step
+    (not once per row), or the same keys holding states (P, L, D) and (1, L, D) computed
+    once (frozen text encoder). instance_prompt: (num_instance,) index into the P prompts
+    per instance row; a gather on the device, so no step waits on the host.
     """
-    keys = ["instance"] + (["class"] if num_class else [])
-    first = prompts["instance"]
-    if first.dim() == 2:
-        states = text_encoder(torch.cat([prompts[k] for k in keys]))[0]
-    else:
-        states = torch.cat([prompts[k] for k in keys])
-    counts = [num_instance, num_class][:len(keys)]
-    return torch.cat([states[i:i + 1].expand(n, -1, -1) for i, n in enumerate(counts)])
+    instance = prompts["instance"]
+    cls = prompts["class"] if num_class else instance[:0]
+    if instance.dim() == 2:  # token ids
+        states = text_encoder(torch.cat([instance, cls]))[0]
+        instance, cls = states[:len(instance)], states[len(instance):]
+    return torch.cat([instance[instance_prompt.to(instance.device)], cls.expand(num_class, -1, -1)])
+
+
+def instance_prompts(prompts, batch, num_instance):
+    """(num_instance,) index of each instance row's prompt: the caption of the row's image
+    (batch["instance_image"] through prompts["image_prompt"]), or prompt 0 for all."""
+    if "instance_image" in batch and "image_prompt" in prompts:
+        return prompts["image_prompt"][batch["instance_image"].to(prompts["image_prompt"].device)]
+    return torch.zeros(num_instance, dtype=torch.long, device=prompts["instance"].device)
 
 
 def batch_loss(models, batch, prompts, prior_loss_weight, offset_noise=0.0, snr_gamma=None):
@@ -144,7 +152,8 @@ def batch_loss(models, batch, prompts, prior_loss_weight, offset_noise=0.0, snr_
     """
     latents = batch_latents(models, batch)
     num_instance = next(v for k, v in batch.items() if k.startswith("instance_")).shape[0]
-    hidden = prompt_conditioning(models.text_encoder, prompts, num_instance, latents.shape[0] - num_instance)
+    hidden = prompt_conditioning(models.text_encoder, prompts, instance_prompts(prompts, batch, num_instance),
+                                 latents.shape[0] - num_instance)
     hidden = hidden.to(models.unet_device)
     scheduler = models.scheduler
     noise = training_noise(latents, offset_noise)

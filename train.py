@@ -25,6 +25,7 @@ import plan as planning
 import utils
 
 METRICS_FILE = "metrics.jsonl"  # in the run's folder under --storage_path
+IMAGE_COLUMNS = ("_pixels", "_latents")  # the batch columns that hold one image per row
 
 
 # ---------------------------------------------------------------- driver
@@ -186,7 +187,7 @@ def train_fn(config):
                                       plan.max_grad_norm)
         state.step += 1
         window_loss.append(loss)
-        window_images += sum(v.shape[0] for b in micro_batches for v in b.values())
+        window_images += sum(v.shape[0] for b in micro_batches for k, v in b.items() if k.endswith(IMAGE_COLUMNS))
         if bar:
             bar.update(1)
         if plan.is_report_step(state.step):
@@ -251,14 +252,20 @@ def prefetched(iterable):
 
 
 def prompt_inputs(text_encoder, plan, device):
-    """Token ids (1, L) per prompt, or, with a frozen text encoder, its states (1, L, D) computed once."""
+    """The prompts as steps.prompt_conditioning takes them: token ids, "instance" (P, L) for
+    the P distinct instance prompts and "class" (1, L), or with a frozen text encoder their
+    states (P, L, D) and (1, L, D) computed once; "image_prompt" (N,) maps each instance
+    image to its prompt (its caption's, or --instance_prompt's)."""
     import torch
 
-    ids = {k: torch.tensor(v, device=device).unsqueeze(0) for k, v in plan.prompt_ids.items()}
-    if plan.train_text_encoder or not plan.precompute_text_embeddings:
-        return ids
-    with torch.no_grad():
-        return {k: text_encoder(v)[0] for k, v in ids.items()}
+    ids = {"instance": torch.tensor(plan.prompt_ids["instance"], device=device)}
+    if "class" in plan.prompt_ids:
+        ids["class"] = torch.tensor(plan.prompt_ids["class"], device=device).unsqueeze(0)
+    image_prompt = torch.tensor(plan.image_prompt or [0], dtype=torch.long, device=device)
+    if not plan.train_text_encoder and plan.precompute_text_embeddings:
+        with torch.no_grad():
+            ids = {k: text_encoder(v)[0] for k, v in ids.items()}
+    return {**ids, "image_prompt": image_prompt}
 
 
 class RunLog:

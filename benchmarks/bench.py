@@ -59,7 +59,7 @@ def step_plan(args, train_text_encoder, device, precompute_text_embeddings):
         model_dir=args.model_dir, mixed_precision=args.mixed_precision, train_text_encoder=train_text_encoder,
         gradient_checkpointing=args.gradient_checkpointing, torch_compile=args.torch_compile,
         channels_last=device.type == "cuda", precompute_text_embeddings=precompute_text_embeddings,
-        prompt_ids={"instance": list(range(49406 % 500, 49406 % 500 + 77)), "class": list(range(77))})
+        prompt_ids={"instance": [list(range(49406 % 500, 49406 % 500 + 77))], "class": list(range(77))})
 
 
 def synthetic_batch(nets, args, cached):

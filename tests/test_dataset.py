@@ -86,8 +86,9 @@ def test_make_views_follow_the_row_seed_not_the_batch():
     assert out["instance_pixels"].shape == (3, 8, 8, 3) and out["instance_pixels"].dtype == np.uint8
     one = dataset.make_views({k: v[1:2] for k, v in batch.items()}, images, images, 8, False, True)
     np.testing.assert_array_equal(one["class_pixels"][0], out["class_pixels"][1])
+    np.testing.assert_array_equal(out["instance_image"], batch["instance"])  # picks each row's caption
     alone = dataset.make_views({"instance": batch["instance"], "seed": batch["seed"]}, images, None, 8, True, False)
-    assert set(alone) == {"instance_pixels"}
+    assert set(alone) == {"instance_pixels", "instance_image"}
 
 
 def test_list_images_skips_non_images_and_refuses_empty(tmp_path, capsys):
@@ -97,7 +98,11 @@ def test_list_images_skips_non_images_and_refuses_empty(tmp_path, capsys):
     (tmp_path / "notes.txt").write_text("hi")
     (tmp_path / "sub").mkdir()
     assert dataset.list_images(str(tmp_path), "instance") == [str(tmp_path / "a.jpg"), str(tmp_path / "b.png")]
-    assert ".DS_Store" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert ".DS_Store" in err and "notes.txt" in err
+    dataset.list_images(str(tmp_path), "instance", also_expected=".txt")
+    err = capsys.readouterr().err
+    assert ".DS_Store" in err and "notes.txt" not in err  # captions beside the images are expected
     empty = tmp_path / "sub"
     with pytest.raises(utils.UserError, match="holds no images"):
         dataset.list_images(str(empty), "class")
@@ -133,7 +138,8 @@ def test_train_dataset_on_ray_pairs_every_class_image(ray_session, toy_images, t
                                         num_epochs=2, seed=3).take_all()
     assert [r["class_pixels"].tobytes() for r in again] == [r["class_pixels"].tobytes() for r in rows]
     alone = dataset.build_train_dataset(instance_paths, None, 16, center_crop=False, random_flip=True).take_all()
-    assert len(alone) == 5 and set(alone[0]) == {"instance_pixels"}
+    assert len(alone) == 5 and set(alone[0]) == {"instance_pixels", "instance_image"}
+    assert sorted(r["instance_image"] for r in alone) == list(range(5))
 
 
 def test_latent_cache_stores_posteriors_of_both_flip_views(ray_session, tiny_model, toy_images):

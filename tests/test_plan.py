@@ -112,7 +112,8 @@ def test_plan_run_decides_every_setting_once_before_ray(tiny_model, toy_images, 
     assert run.resolution == 64  # the tiny model's native size, read from its configs
     assert run.use_gpu is False and run.cpus_per_worker == 1.0 and run.channels_last is False
     assert len(run.instance_images) == 5 and run.class_images == () and not run.with_prior_preservation
-    assert set(run.prompt_ids) == {"instance"} and len(run.prompt_ids["instance"]) == 77
+    assert set(run.prompt_ids) == {"instance"} and len(run.prompt_ids["instance"]) == 1
+    assert len(run.prompt_ids["instance"][0]) == 77 and run.instance_prompts == ("photo of unqtkn toy",)
     assert run.learning_rate == 2e-5 and run.run_name.startswith("out-") and run.resume_path is None
     assert run.storage_path == str(tmp_path / "ray_results")
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -143,3 +144,31 @@ def test_scale_lr_multiplies_by_the_images_of_one_optimizer_step():
             "--lr", "1e-6", "--train_batch_size", "2", "--gradient_accumulation_steps", "3", "--num_workers", "4"]
     assert plan.scaled_learning_rate(plan.parse_args(argv)) == 1e-6
     assert plan.scaled_learning_rate(plan.parse_args(argv + ["--scale_lr"])) == pytest.approx(24e-6)
+
+
+def test_captions_beside_instance_images_replace_the_instance_prompt(tiny_model, toy_images, tmp_path, capsys):
+    import shutil
+
+    own = tmp_path / "own"
+    shutil.copytree(toy_images, own)
+    (own / "toy-1.txt").write_text("photo of unqtkn toy\n on a beach ")
+    (own / "toy-3.txt").write_text("a photo of a toy")
+    argv = ["--model_dir", tiny_model, "--output_dir", str(tmp_path / "out"), "--instance_data_dir", str(own),
+            "--instance_prompt", "photo of unqtkn toy", "--num_workers", "1"]
+    run = plan.plan_run(plan.parse_args(argv), lambda: (2.0, 0))
+    assert run.instance_prompts == ("photo of unqtkn toy", "photo of unqtkn toy on a beach", "a photo of a toy")
+    assert run.image_prompt == (0, 1, 0, 2, 0)
+    assert len(run.prompt_ids["instance"]) == 3 and run.prompt_ids["instance"][1] != run.prompt_ids["instance"][0]
+    err = capsys.readouterr().err
+    assert "skipping" not in err and "3 prompts from captions" in run.describe()
+    no_captions = plan.plan_run(plan.parse_args(argv + ["--caption_extension", ""]), lambda: (2.0, 0))
+    assert no_captions.image_prompt == (0,) * 5
+    capsys.readouterr()
+    # The identifier check applies to each caption.
+    plan.plan_run(plan.parse_args(argv + ["--class_data_dir", toy_images, "--class_prompt", "photo of a toy"]),
+                  lambda: (2.0, 0))
+    err = capsys.readouterr().err
+    assert "1 prompt(s)/caption(s) has no word that --class_prompt lacks (e.g. 'a photo of a toy')" in err
+    (own / "toy-0.txt").write_text("  \n")
+    with pytest.raises(utils.UserError, match="toy-0.txt is empty"):
+        plan.plan_run(plan.parse_args(argv), lambda: (2.0, 0))

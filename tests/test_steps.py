@@ -200,17 +200,33 @@ def test_each_prompt_goes_through_the_text_encoder_once(models, prompt_ids):
     te = models.text_encoder
     rows = []
     hook = te.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[0]))
+    first = torch.zeros(2, dtype=torch.long)
     with torch.no_grad():
-        live = steps.prompt_conditioning(te, prompt_ids, 2, 3)
+        live = steps.prompt_conditioning(te, prompt_ids, first, 3)
         hook.remove()
         states = {k: te(v)[0] for k, v in prompt_ids.items()}
-        cached = steps.prompt_conditioning(te, states, 2, 3)
-        alone = steps.prompt_conditioning(te, states, 2, 0)
+        cached = steps.prompt_conditioning(te, states, first, 3)
+        alone = steps.prompt_conditioning(te, states, first, 0)
     assert rows == [2]  # two prompts, not 2 + 3 copies
     assert live.shape == (5, 77, 32)
     torch.testing.assert_close(cached, live)
     torch.testing.assert_close(alone, live[:2])
     assert not torch.allclose(live[0], live[4])  # instance and class prompts differ
+
+
+def test_captions_give_each_instance_row_its_own_prompt(models, prompt_ids):
+    te = models.text_encoder
+    captions = torch.cat([prompt_ids["instance"], prompt_ids["class"].flip(1)])  # two instance prompts
+    prompts = {"instance": captions, "class": prompt_ids["class"],
+               "image_prompt": torch.tensor([1, 0, 1])}  # three images: the 2nd has --instance_prompt
+    batch = {"instance_image": torch.tensor([2, 1, 0, 1])}
+    index = steps.instance_prompts(prompts, batch, 4)
+    assert index.tolist() == [1, 0, 1, 0]
+    with torch.no_grad():
+        hidden = steps.prompt_conditioning(te, prompts, index, 1)
+        expected = te(torch.cat([captions[[1, 0, 1, 0]], prompt_ids["class"]]))[0]
+    torch.testing.assert_close(hidden, expected, rtol=1e-5, atol=1e-5)
+    assert steps.instance_prompts({"instance": captions}, {}, 3).tolist() == [0, 0, 0]
 
 
 def test_gradient_accumulation_takes_one_optimizer_step_per_group(models, prompt_ids, make_plan):

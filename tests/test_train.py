@@ -82,11 +82,16 @@ def test_train_two_workers_saves_a_changed_loadable_pipeline(ray_session, tiny_m
 
 def test_cached_latents_frozen_text_encoder_and_loss_options(ray_session, tiny_model, toy_images, class_images,
                                                              tmp_path):
-    """Also the schedule and loss options: they travel in the Plan to the workers."""
+    """Also captions, the schedule and the loss options: they travel in the Plan to the workers."""
+    import shutil
+
     from diffusers import DiffusionPipeline
 
+    own = tmp_path / "own"
+    shutil.copytree(toy_images, own)
+    (own / "toy-2.txt").write_text("photo of unqtkn toy on the moon")
     out = tmp_path / "model-cached"
-    result = train.main(["--model_dir", tiny_model, "--output_dir", str(out), "--instance_images_dir", toy_images,
+    result = train.main(["--model_dir", tiny_model, "--output_dir", str(out), "--instance_images_dir", str(own),
                          "--instance_prompt", "photo of unqtkn toy", "--class_images_dir", class_images,
                          "--class_prompt", "photo of a toy", "--num_workers", "2", "--max_train_steps", "3",
                          "--lr", "1e-4", "--cache_latents", "--random_flip", "--no-train_text_encoder",
