@@ -55,315 +55,195 @@ def prompt_list(value):
 # download_example_dataset.py (dataset_revision), whose --cache_dir is hub_cache_dir.
 FLAGS = {
     # --- models and folders
-    "model_dir": (
-        ("--pretrained_model_name_or_path", "--model_dir"),
+    "model_dir": (("--pretrained_model_name_or_path", "--model_dir"),
         dict(type=abs_path, required=True, metavar="DIR",
-             help="Diffusers Stable Diffusion folder (e.g. the snapshot path cache_model.py prints)."),
-    ),
-    "cache_dir": (
-        ("--model_dir", "--cache_dir"),
+             help="Diffusers Stable Diffusion folder (e.g. the snapshot path cache_model.py prints).")),
+    "cache_dir": (("--model_dir", "--cache_dir"),
         dict(dest="cache_dir", type=abs_path, required=True, metavar="DIR",
-             help="Hub cache folder to download the model into."),
-    ),
-    "model_name": (
-        ("--model_name",),
-        dict(default="CompVis/stable-diffusion-v1-4", help="Hub repository of the base model."),
-    ),
-    "revision": (
-        ("--revision",),
+             help="Hub cache folder to download the model into.")),
+    "model_name": (("--model_name",),
+        dict(default="CompVis/stable-diffusion-v1-4", help="Hub repository of the base model.")),
+    "revision": (("--revision",),
         dict(default="b95be7d6f134c3a9e62ee616f310733567f069ce",
-             help="Pinned commit of the base model repository."),
-    ),
-    "tiny": (
-        ("--tiny",),
+             help="Pinned commit of the base model repository.")),
+    "tiny": (("--tiny",),
         dict(action="store_true",
              help="Write a randomly initialised tiny SD 1.x model instead of downloading "
-                  "(offline, CPU-friendly; for tests and trying the pipeline)."),
-    ),
-    "random_model": (
-        ("--random_model",),
+                  "(offline, CPU-friendly; for tests and trying the pipeline).")),
+    "random_model": (("--random_model",),
         dict(choices=["tiny", "small", "sd15"], default=None,
              help="Write a randomly initialised SD 1.x model of this size instead (sd15: the full SD 1.x "
-                  "architecture, for GPU checks without a download); --tiny is --random_model tiny."),
-    ),
-    "dataset_repo": (
-        ("--repo_id",),
-        dict(dest="dataset_repo", default="diffusers/dog-example", help="Hub dataset with the example photos."),
-    ),
-    "dataset_revision": (
-        ("--revision",),
-        dict(dest="dataset_revision", default=None, help="Dataset revision (default: latest)."),
-    ),
-    "hub_cache_dir": (
-        ("--cache_dir",),
+                  "architecture, for GPU checks without a download); --tiny is --random_model tiny.")),
+    "dataset_repo": (("--repo_id",),
+        dict(dest="dataset_repo", default="diffusers/dog-example", help="Hub dataset with the example photos.")),
+    "dataset_revision": (("--revision",),
+        dict(dest="dataset_revision", default=None, help="Dataset revision (default: latest).")),
+    "hub_cache_dir": (("--cache_dir",),
         dict(dest="hub_cache_dir", type=abs_path, default=None, metavar="DIR",
-             help="Hub cache folder (default: the Hugging Face cache)."),
-    ),
-    "output_dir": (
-        ("--output_dir",),
-        dict(type=abs_path, required=True, metavar="DIR", help="Where results are written."),
-    ),
-    "instance_data_dir": (
-        ("--instance_data_dir", "--instance_images_dir"),
+             help="Hub cache folder (default: the Hugging Face cache).")),
+    "output_dir": (("--output_dir",),
+        dict(type=abs_path, required=True, metavar="DIR", help="Where results are written.")),
+    "instance_data_dir": (("--instance_data_dir", "--instance_images_dir"),
         dict(type=abs_path, required=True, metavar="DIR",
-             help="Folder with the 3-10 photos of your subject."),
-    ),
-    "class_data_dir": (
-        ("--class_data_dir", "--class_images_dir"),
+             help="Folder with the 3-10 photos of your subject.")),
+    "class_data_dir": (("--class_data_dir", "--class_images_dir"),
         dict(type=abs_path, default=None, metavar="DIR",
              help="Folder of class (regularisation) images from generate.py; "
-                  "giving it turns on prior preservation."),
-    ),
-    "instance_prompt": (
-        ("--instance_prompt",),
-        dict(required=True, help="Prompt with the unique identifier, e.g. 'photo of unqtkn dog'."),
-    ),
-    "caption_extension": (
-        ("--caption_extension",),
+                  "giving it turns on prior preservation.")),
+    "instance_prompt": (("--instance_prompt",),
+        dict(required=True, help="Prompt with the unique identifier, e.g. 'photo of unqtkn dog'.")),
+    "caption_extension": (("--caption_extension",),
         dict(default=".txt", metavar="EXT",
              help="A file beside an instance image with its stem and this extension (dog1.jpg -> dog1.txt) holds "
-                  "that image's prompt instead of --instance_prompt. '' turns captions off."),
-    ),
-    "class_prompt": (
-        ("--class_prompt",),
-        dict(default=None, help="Prompt of the class images, e.g. 'photo of a dog'."),
-    ),
-    "with_prior_preservation": (
-        ("--with_prior_preservation",),
+                  "that image's prompt instead of --instance_prompt. '' turns captions off.")),
+    "class_prompt": (("--class_prompt",),
+        dict(default=None, help="Prompt of the class images, e.g. 'photo of a dog'.")),
+    "with_prior_preservation": (("--with_prior_preservation",),
         dict(action="store_true",
-             help="Add the prior-preservation loss (implied by --class_data_dir)."),
-    ),
-    "prior_loss_weight": (
-        ("--prior_loss_weight",),
-        dict(type=non_negative_float, default=1.0, help="Weight of the prior-preservation loss."),
-    ),
+             help="Add the prior-preservation loss (implied by --class_data_dir).")),
+    "prior_loss_weight": (("--prior_loss_weight",),
+        dict(type=non_negative_float, default=1.0, help="Weight of the prior-preservation loss.")),
     # --- data
-    "resolution": (
-        ("--resolution",),
+    "resolution": (("--resolution",),
         dict(type=resolution, default=None,
              help="Training/generation image size in pixels (multiple of 8). "
-                  "Default: the model's native size (512 for SD 1.x)."),
-    ),
-    "center_crop": (
-        ("--center_crop",),
-        dict(action="store_true", help="Center-crop training images (default: random crop)."),
-    ),
-    "random_flip": (
-        ("--random_flip",),
-        dict(action="store_true", help="Flip training images horizontally at random."),
-    ),
+                  "Default: the model's native size (512 for SD 1.x).")),
+    "center_crop": (("--center_crop",),
+        dict(action="store_true", help="Center-crop training images (default: random crop).")),
+    "random_flip": (("--random_flip",),
+        dict(action="store_true", help="Flip training images horizontally at random.")),
     # --- optimisation
-    "train_text_encoder": (
-        ("--train_text_encoder",),
+    "train_text_encoder": (("--train_text_encoder",),
         dict(action=argparse.BooleanOptionalAction, default=True,
-             help="Fine-tune the text encoder together with the UNet."),
-    ),
-    "train_batch_size": (
-        ("--train_batch_size",),
+             help="Fine-tune the text encoder together with the UNet.")),
+    "train_batch_size": (("--train_batch_size",),
         dict(type=positive_int, default=1,
-             help="Instance images per worker per step (as many class images are added)."),
-    ),
-    "learning_rate": (
-        ("--learning_rate", "--lr"),
-        dict(type=positive_float, default=5e-6, help="AdamW learning rate."),
-    ),
-    "lr_warmup_steps": (
-        ("--lr_warmup_steps",),
-        dict(type=non_negative_int, default=0, help="Optimizer steps of linear warm-up at the start of the schedule."),
-    ),
-    "lr_scheduler": (
-        ("--lr_scheduler",),
+             help="Instance images per worker per step (as many class images are added).")),
+    "learning_rate": (("--learning_rate", "--lr"),
+        dict(type=positive_float, default=5e-6, help="AdamW learning rate.")),
+    "lr_warmup_steps": (("--lr_warmup_steps",),
+        dict(type=non_negative_int, default=0, help="Optimizer steps of linear warm-up at the start of the schedule.")),
+    "lr_scheduler": (("--lr_scheduler",),
         dict(choices=["constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial"],
              default="constant_with_warmup",
              help="Learning-rate schedule over the run's optimizer steps (diffusers.optimization); "
-                  "'constant' ignores --lr_warmup_steps, as in diffusers."),
-    ),
-    "lr_num_cycles": (
-        ("--lr_num_cycles",),
-        dict(type=positive_int, default=1, help="Cosine cycles of cosine_with_restarts (hard restarts)."),
-    ),
+                  "'constant' ignores --lr_warmup_steps, as in diffusers.")),
+    "lr_num_cycles": (("--lr_num_cycles",),
+        dict(type=positive_int, default=1, help="Cosine cycles of cosine_with_restarts (hard restarts).")),
     "lr_power": (("--lr_power",), dict(type=positive_float, default=1.0, help="Power of the polynomial schedule.")),
-    "scale_lr": (
-        ("--scale_lr",),
+    "scale_lr": (("--scale_lr",),
         dict(action="store_true",
              help="Multiply --learning_rate by the instance images of one optimizer step over all workers "
-                  "(train_batch_size x gradient_accumulation_steps x num_workers)."),
-    ),
-    "offset_noise": (
-        ("--offset_noise",),
+                  "(train_batch_size x gradient_accumulation_steps x num_workers).")),
+    "offset_noise": (("--offset_noise",),
         dict(type=non_negative_float, nargs="?", const=0.1, default=0.0, metavar="SCALE",
              help="Add SCALE x a per-channel constant to the training noise (0.1 without a value, as "
-                  "diffusers' flag): the model learns to make darker darks and brighter brights."),
-    ),
-    "snr_gamma": (
-        ("--snr_gamma",),
+                  "diffusers' flag): the model learns to make darker darks and brighter brights.")),
+    "snr_gamma": (("--snr_gamma",),
         dict(type=positive_float, default=None,
              help="Min-SNR loss weighting with this gamma (5.0 in the paper): low-noise timesteps weigh "
-                  "less, which speeds up convergence. Default: off (plain MSE)."),
-    ),
+                  "less, which speeds up convergence. Default: off (plain MSE).")),
     "adam_beta1": (("--adam_beta1",), dict(type=float, default=0.9, help="AdamW beta1.")),
     "adam_beta2": (("--adam_beta2",), dict(type=float, default=0.999, help="AdamW beta2.")),
-    "adam_weight_decay": (
-        ("--adam_weight_decay",),
-        dict(type=non_negative_float, default=1e-2, help="AdamW weight decay."),
-    ),
+    "adam_weight_decay": (("--adam_weight_decay",),
+        dict(type=non_negative_float, default=1e-2, help="AdamW weight decay.")),
     "adam_epsilon": (("--adam_epsilon",), dict(type=positive_float, default=1e-8, help="AdamW epsilon.")),
     "max_grad_norm": (("--max_grad_norm",), dict(type=positive_float, default=1.0, help="Gradient clipping norm.")),
-    "max_train_steps": (
-        ("--max_train_steps",),
+    "max_train_steps": (("--max_train_steps",),
         dict(type=positive_int, default=None,
              help="Optimizer steps to train. Default: --num_train_epochs' worth if given, else 800. "
-                  "Given with --num_train_epochs, the run stops at whichever comes first, and says so."),
-    ),
-    "num_train_epochs": (
-        ("--num_train_epochs", "--num_epochs"),
+                  "Given with --num_train_epochs, the run stops at whichever comes first, and says so.")),
+    "num_train_epochs": (("--num_train_epochs", "--num_epochs"),
         dict(type=positive_int, default=None,
-             help="Passes over the data; caps the run only when given (see --max_train_steps)."),
-    ),
-    "gradient_accumulation_steps": (
-        ("--gradient_accumulation_steps",),
-        dict(type=positive_int, default=1, help="Batches per optimizer step (larger effective batch)."),
-    ),
-    "gradient_checkpointing": (
-        ("--gradient_checkpointing",),
-        dict(action="store_true", help="Recompute activations in backward: much less memory, ~30%% slower."),
-    ),
-    "cache_latents": (
-        ("--cache_latents",),
+             help="Passes over the data; caps the run only when given (see --max_train_steps).")),
+    "gradient_accumulation_steps": (("--gradient_accumulation_steps",),
+        dict(type=positive_int, default=1, help="Batches per optimizer step (larger effective batch).")),
+    "gradient_checkpointing": (("--gradient_checkpointing",),
+        dict(action="store_true", help="Recompute activations in backward: much less memory, ~30%% slower.")),
+    "cache_latents": (("--cache_latents",),
         dict(action="store_true",
              help="Encode every training image with the VAE once, before training, instead of every step "
-                  "(implies --center_crop; with --random_flip both views are cached)."),
-    ),
-    "precompute_text_embeddings": (
-        ("--precompute_text_embeddings",),
+                  "(implies --center_crop; with --random_flip both views are cached).")),
+    "precompute_text_embeddings": (("--precompute_text_embeddings",),
         dict(action=argparse.BooleanOptionalAction, default=True,
-             help="With a frozen text encoder, compute the prompt embeddings once, not every step."),
-    ),
-    "torch_compile": (
-        ("--torch_compile",),
+             help="With a frozen text encoder, compute the prompt embeddings once, not every step.")),
+    "torch_compile": (("--torch_compile",),
         dict(nargs="?", const="inductor", default=None, metavar="BACKEND",
              help="torch.compile the UNet (slow first steps, faster after); optionally name the "
-                  "backend (default inductor; aot_eager compiles in seconds, for checks)."),
-    ),
-    "channels_last": (
-        ("--channels_last",),
+                  "backend (default inductor; aot_eager compiles in seconds, for checks).")),
+    "channels_last": (("--channels_last",),
         dict(action=argparse.BooleanOptionalAction, default=None,
-             help="UNet and VAE in channels-last memory layout (NHWC convolutions). Default: on with GPUs."),
-    ),
-    "fused_adamw": (
-        ("--fused_adamw",),
+             help="UNet and VAE in channels-last memory layout (NHWC convolutions). Default: on with GPUs.")),
+    "fused_adamw": (("--fused_adamw",),
         dict(action=argparse.BooleanOptionalAction, default=True,
-             help="AdamW's fused kernel (one kernel for all parameters; GPU and CPU)."),
-    ),
-    "gpus_per_worker": (
-        ("--gpus_per_worker",),
+             help="AdamW's fused kernel (one kernel for all parameters; GPU and CPU).")),
+    "gpus_per_worker": (("--gpus_per_worker",),
         dict(type=int, choices=[1, 2], default=1,
              help="GPUs per Ray Train worker. 2: UNet on the first, text encoder and VAE on the second "
-                  "(full fine-tuning with fp32 AdamW state on 24 GB cards), as in Ray's AIR example."),
-    ),
-    "mixed_precision": (
-        ("--mixed_precision",),
+                  "(full fine-tuning with fp32 AdamW state on 24 GB cards), as in Ray's AIR example.")),
+    "mixed_precision": (("--mixed_precision",),
         dict(choices=["no", "fp16", "bf16"], default=None,
              help="Autocast precision over fp32 master weights (fp16 adds loss scaling). Default: bf16 on "
-                  "GPUs that support it natively, fp16 on older GPUs, no on CPU."),
-    ),
+                  "GPUs that support it natively, fp16 on older GPUs, no on CPU.")),
     "seed": (("--seed",), dict(type=int, default=0, help="Random seed.")),
     # --- Ray
-    "num_workers": (
-        ("--num_workers",),
-        dict(type=positive_int, default=2, help="Ray Train workers (one GPU each when there are GPUs)."),
-    ),
-    "use_gpu": (
-        ("--use_gpu",),
+    "num_workers": (("--num_workers",),
+        dict(type=positive_int, default=2, help="Ray Train workers (one GPU each when there are GPUs).")),
+    "use_gpu": (("--use_gpu",),
         dict(action=argparse.BooleanOptionalAction, default=None,
-             help="Train on GPUs. Default: yes if the Ray cluster has GPUs."),
-    ),
-    "storage_path": (
-        ("--storage_path",),
+             help="Train on GPUs. Default: yes if the Ray cluster has GPUs.")),
+    "storage_path": (("--storage_path",),
         dict(type=abs_path, default=None, metavar="DIR",
              help="Ray Train storage (checkpoints, run state); shared storage on a cluster. "
-                  "Default: ray_results/ beside --output_dir."),
-    ),
+                  "Default: ray_results/ beside --output_dir.")),
     # --- logging and checkpoints
-    "report_to": (
-        ("--report_to",),
+    "report_to": (("--report_to",),
         dict(choices=["none", "tensorboard"], default="none",
              help="Also write loss, learning rate and images/s as TensorBoard events into the run folder's "
-                  "tensorboard/ (view: pip install tensorboard; tensorboard --logdir <run folder>)."),
-    ),
-    "logging_steps": (
-        ("--logging_steps",),
-        dict(type=positive_int, default=10, help="Report loss, lr and images/s every N steps."),
-    ),
-    "checkpointing_steps": (
-        ("--checkpointing_steps",),
-        dict(type=positive_int, default=500, help="Save a resumable Ray checkpoint every N steps."),
-    ),
-    "checkpoints_total_limit": (
-        ("--checkpoints_total_limit",),
-        dict(type=positive_int, default=None, help="Keep only the newest K checkpoints."),
-    ),
-    "resume_from_checkpoint": (
-        ("--resume_from_checkpoint",),
+                  "tensorboard/ (view: pip install tensorboard; tensorboard --logdir <run folder>).")),
+    "logging_steps": (("--logging_steps",),
+        dict(type=positive_int, default=10, help="Report loss, lr and images/s every N steps.")),
+    "checkpointing_steps": (("--checkpointing_steps",),
+        dict(type=positive_int, default=500, help="Save a resumable Ray checkpoint every N steps.")),
+    "checkpoints_total_limit": (("--checkpoints_total_limit",),
+        dict(type=positive_int, default=None, help="Keep only the newest K checkpoints.")),
+    "resume_from_checkpoint": (("--resume_from_checkpoint",),
         dict(default=None, metavar="latest|PATH",
-             help="Continue a run from its newest checkpoint ('latest') or a checkpoint folder."),
-    ),
-    "max_failures": (
-        ("--max_failures",),
+             help="Continue a run from its newest checkpoint ('latest') or a checkpoint folder.")),
+    "max_failures": (("--max_failures",),
         dict(type=non_negative_int, default=3,
-             help="Restart the worker group up to N times from the last checkpoint when a worker dies."),
-    ),
-    "overwrite": (
-        ("--overwrite",),
-        dict(action="store_true", help="Allow writing into a non-empty folder that is not ours."),
-    ),
-    "allow_unsafe_weights": (
-        ("--allow_unsafe_weights",),
+             help="Restart the worker group up to N times from the last checkpoint when a worker dies.")),
+    "overwrite": (("--overwrite",),
+        dict(action="store_true", help="Allow writing into a non-empty folder that is not ours.")),
+    "allow_unsafe_weights": (("--allow_unsafe_weights",),
         dict(action="store_true",
-             help="Also load pickled .bin weights (they can run code when loaded); default: safetensors only."),
-    ),
+             help="Also load pickled .bin weights (they can run code when loaded); default: safetensors only.")),
     # --- generation
-    "prompts": (
-        ("--prompts",),
+    "prompts": (("--prompts",),
         dict(type=prompt_list, nargs="+", required=True, action="extend",
-             help="One or more prompts; a value may hold several, comma-separated."),
-    ),
-    "num_samples_per_prompt": (
-        ("--num_samples_per_prompt", "--num_class_images"),
+             help="One or more prompts; a value may hold several, comma-separated.")),
+    "num_samples_per_prompt": (("--num_samples_per_prompt", "--num_class_images"),
         dict(type=positive_int, default=1,
-             help="Images per prompt; existing ones are kept, only the missing are made."),
-    ),
-    "batch_size": (
-        ("--batch_size",),
-        dict(type=positive_int, default=4, help="Images per forward pass on one actor."),
-    ),
-    "num_inference_steps": (
-        ("--num_inference_steps",),
-        dict(type=positive_int, default=50, help="Denoising steps per image."),
-    ),
-    "guidance_scale": (
-        ("--guidance_scale",),
-        dict(type=non_negative_float, default=7.5, help="Classifier-free guidance scale."),
-    ),
+             help="Images per prompt; existing ones are kept, only the missing are made.")),
+    "batch_size": (("--batch_size",),
+        dict(type=positive_int, default=4, help="Images per forward pass on one actor.")),
+    "num_inference_steps": (("--num_inference_steps",),
+        dict(type=positive_int, default=50, help="Denoising steps per image.")),
+    "guidance_scale": (("--guidance_scale",),
+        dict(type=non_negative_float, default=7.5, help="Classifier-free guidance scale.")),
     "negative_prompt": (("--negative_prompt",), dict(default=None, help="What to steer away from.")),
-    "num_actors": (
-        ("--num_actors",),
+    "num_actors": (("--num_actors",),
         dict(type=positive_int, default=None,
              help="Size of the Ray Data actor pool. Default: one per GPU in the cluster, "
-                  "or one CPU actor without GPUs."),
-    ),
-    "safety_checker": (
-        ("--safety_checker",),
+                  "or one CPU actor without GPUs.")),
+    "safety_checker": (("--safety_checker",),
         dict(choices=["auto", "on", "off"], default="auto",
              help="Run the model's safety checker (if it has one). auto: off for a base model (class "
                   "images, as diffusers does: a flagged image would be a black training image), on for a "
-                  "model train.py wrote. Flagged images are not saved, and a line says so."),
-    ),
-    "use_ray_data": (
-        ("--use_ray_data",),
+                  "model train.py wrote. Flagged images are not saved, and a line says so.")),
+    "use_ray_data": (("--use_ray_data",),
         dict(action="store_true",
-             help="Accepted for compatibility with Ray's example: generation always runs on Ray Data."),
-    ),
+             help="Accepted for compatibility with Ray's example: generation always runs on Ray Data.")),
 }
 
 
