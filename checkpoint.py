@@ -1,10 +1,10 @@
 """The training checkpoint format, in one place: save, load, complete-or-not, find, resolve.
 
 A checkpoint folder holds:
-    unet.safetensors          UNet weights
-    text_encoder.safetensors  text-encoder weights (only when it is trained)
+    unet.safetensors          UNet weights (with LoRA: its adapters only)
+    text_encoder.safetensors  text-encoder weights (only when it is trained; adapters with LoRA)
     optimizer.pt              optimizer, LR schedule, grad scaler, every rank's RNG streams
-    train_state.json          step, epoch, world size and the size of each file above,
+    train_state.json          step, epoch, world size, LoRA settings and each file's size,
                               written last: a folder copied or written only in part is
                               recognised as incomplete and never resumed from.
 """
@@ -56,27 +56,24 @@ def gather_rng_states():
 # ---------------------------------------------------------------- save and load
 
 
-def _state_dict(model):
-    # channels-last weights are not contiguous, and safetensors refuses them.
-    return {k: v.contiguous() for k, v in models_lib.unwrap(model).state_dict().items()}
-
-
-def save(state, folder, epoch, rng_states, train_text_encoder):
-    """Write state (a steps.TrainState) into folder; rng_states from gather_rng_states()."""
+def save(state, folder, epoch, rng_states, train_text_encoder, lora=None):
+    """Write state (a steps.TrainState) into folder; rng_states from gather_rng_states().
+    lora: the run's adapter settings (plan.lora_settings), None for full fine-tuning."""
     import torch
     from safetensors.torch import save_file
 
     files = [UNET_FILE, OPTIMIZER_FILE]
-    save_file(_state_dict(state.models.unet), os.path.join(folder, UNET_FILE))
+    save_file(models_lib.trained_state_dict(state.models.unet), os.path.join(folder, UNET_FILE))
     if train_text_encoder:
-        save_file(_state_dict(state.models.text_encoder), os.path.join(folder, TEXT_ENCODER_FILE))
+        save_file(models_lib.trained_state_dict(state.models.text_encoder), os.path.join(folder, TEXT_ENCODER_FILE))
         files.append(TEXT_ENCODER_FILE)
     torch.save({"optimizer": state.optimizer.state_dict(), "lr_scheduler": state.lr_scheduler.state_dict(),
                 "scaler": state.scaler.state_dict(), "rng": rng_states, "skipped_steps": state.skipped_steps},
                os.path.join(folder, OPTIMIZER_FILE))
     sizes = {name: os.path.getsize(os.path.join(folder, name)) for name in files}
     utils.write_json(os.path.join(folder, STATE_FILE),
-                     {"step": state.step, "epoch": epoch, "world_size": len(rng_states), "sizes": sizes})
+                     {"step": state.step, "epoch": epoch, "world_size": len(rng_states), "lora": lora,
+                      "sizes": sizes})
 
 
 def load(state, folder, rank):
@@ -84,10 +81,10 @@ def load(state, folder, rank):
     import torch
     from safetensors.torch import load_file
 
-    models_lib.unwrap(state.models.unet).load_state_dict(load_file(os.path.join(folder, UNET_FILE)))
+    models_lib.load_trained_state_dict(state.models.unet, load_file(os.path.join(folder, UNET_FILE)))
     te_path = os.path.join(folder, TEXT_ENCODER_FILE)
     if os.path.isfile(te_path):
-        models_lib.unwrap(state.models.text_encoder).load_state_dict(load_file(te_path))
+        models_lib.load_trained_state_dict(state.models.text_encoder, load_file(te_path))
     # weights_only: a checkpoint cannot execute code when it is loaded. The optimizer
     # moves its state onto each parameter's device itself.
     extra = torch.load(os.path.join(folder, OPTIMIZER_FILE), map_location="cpu", weights_only=True)
@@ -139,6 +136,21 @@ def find_latest(storage_path, run_prefix):
 def saved_step(folder):
     with open(os.path.join(folder, STATE_FILE)) as f:
         return json.load(f)["step"]
+
+
+def check_compatible(folder, lora):
+    """UserError unless the checkpoint in folder trained the same kind of weights as a run
+    with these LoRA settings (None: full fine-tuning)."""
+    with open(os.path.join(folder, STATE_FILE)) as f:
+        saved = json.load(f).get("lora")
+
+    def kind(settings):
+        return (f"LoRA (--rank {settings['rank']}, --lora_alpha {settings['lora_alpha']:g})" if settings
+                else "full fine-tuning")
+
+    if saved != lora:
+        raise utils.UserError(f"checkpoint {folder} holds {kind(saved)} weights and this run asks for "
+                              f"{kind(lora)}: resume with the flags it was trained with, or start fresh")
 
 
 def resolve_resume(resume_flag, storage_path, run_prefix):

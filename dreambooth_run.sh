@@ -4,6 +4,7 @@
 #   ./dreambooth_run.sh                     SD 1.4, the example dog photos, $NUM_WORKERS GPU workers
 #   ./dreambooth_run.sh --tiny              built-in tiny model + images/toy, offline on CPU (~2 min)
 #   ./dreambooth_run.sh --skip_image_setup  keep the photos already in $IMAGES_OWN_DIR
+#   ./dreambooth_run.sh --use_lora          LoRA adapters instead of every weight (combines with the above)
 #
 # Every variable below can be set in the environment first. On a cluster, set DATA_PREFIX
 # to shared storage (NFS): workers read the model and images and write checkpoints there.
@@ -13,10 +14,12 @@ set -euo pipefail
 
 tiny=false
 skip_image_setup=false
+use_lora=false
 for arg in "$@"; do
   case "$arg" in
     --tiny) tiny=true ;;
     --skip_image_setup) skip_image_setup=true ;;
+    --use_lora) use_lora=true ;;
     -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "dreambooth_run.sh: error: unknown argument '$arg' (see --help)" >&2; exit 2 ;;
   esac
@@ -85,6 +88,14 @@ $PYTHON generate.py \
   --use_ray_data
 
 # Step 4: fine-tune UNet + text encoder with the prior-preservation loss
+# (with --use_lora: LoRA adapters on both, at LoRA's usual learning rate)
+if $use_lora; then
+  TRAIN_OPTIONS=(--use_lora --lr="${LEARNING_RATE:-1e-4}")
+  GENERATE_OPTIONS=(--model_dir="$ORIG_MODEL_PATH" --lora_weights_dir="$TUNED_MODEL_DIR")
+else
+  TRAIN_OPTIONS=(--lr="${LEARNING_RATE:-5e-6}")
+  GENERATE_OPTIONS=(--model_dir="$TUNED_MODEL_DIR")
+fi
 $PYTHON train.py \
   --model_dir="$ORIG_MODEL_PATH" \
   --output_dir="$TUNED_MODEL_DIR" \
@@ -93,15 +104,15 @@ $PYTHON train.py \
   --class_images_dir="$IMAGES_REG_DIR" \
   --class_prompt="photo of a $CLASS_NAME" \
   --train_batch_size=2 \
-  --lr=5e-6 \
   --num_epochs=4 \
   --max_train_steps="$MAX_TRAIN_STEPS" \
-  --num_workers="$NUM_WORKERS"
+  --num_workers="$NUM_WORKERS" \
+  "${TRAIN_OPTIONS[@]}"
 
 # Step 5: images of the subject from the tuned model (fresh each run)
 rm -rf "${IMAGES_NEW_DIR:?}"/*.png "$IMAGES_NEW_DIR/grid"
 $PYTHON generate.py \
-  --model_dir="$TUNED_MODEL_DIR" \
+  "${GENERATE_OPTIONS[@]}" \
   --output_dir="$IMAGES_NEW_DIR" \
   --prompts="photo of a $UNIQUE_TOKEN $CLASS_NAME in a bucket" \
   --num_samples_per_prompt=5 \

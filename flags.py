@@ -116,11 +116,24 @@ FLAGS = {
     "train_text_encoder": (("--train_text_encoder",),
         dict(action=argparse.BooleanOptionalAction, default=True,
              help="Fine-tune the text encoder together with the UNet.")),
+    "use_lora": (("--use_lora",),
+        dict(action="store_true",
+             help="Train LoRA adapters (peft) on the UNet's attention projections, and on the text encoder's "
+                  "with --train_text_encoder, instead of every weight: output_dir then holds only "
+                  "pytorch_lora_weights.safetensors, for the base model's load_lora_weights.")),
+    "rank": (("--rank", "--lora_rank"),
+        dict(type=positive_int, default=4, help="LoRA rank (width of the adapters).")),
+    "lora_alpha": (("--lora_alpha",),
+        dict(type=positive_float, default=None,
+             help="LoRA alpha: the adapters' output is scaled by alpha / rank. Default: the rank.")),
+    "lora_dropout": (("--lora_dropout",),
+        dict(type=non_negative_float, default=0.0, help="Dropout on the LoRA adapters' input.")),
     "train_batch_size": (("--train_batch_size",),
         dict(type=positive_int, default=1,
              help="Instance images per worker per step (as many class images are added).")),
     "learning_rate": (("--learning_rate", "--lr"),
-        dict(type=positive_float, default=5e-6, help="AdamW learning rate.")),
+        dict(type=positive_float, default=None,
+             help="AdamW learning rate. Default: 5e-6, or 1e-4 with --use_lora.")),
     "lr_warmup_steps": (("--lr_warmup_steps",),
         dict(type=non_negative_int, default=0, help="Optimizer steps of linear warm-up at the start of the schedule.")),
     "lr_scheduler": (("--lr_scheduler",),
@@ -143,6 +156,9 @@ FLAGS = {
         dict(type=positive_float, default=None,
              help="Min-SNR loss weighting with this gamma (5.0 in the paper): low-noise timesteps weigh "
                   "less, which speeds up convergence. Default: off (plain MSE).")),
+    "use_8bit_adam": (("--use_8bit_adam",),
+        dict(action="store_true",
+             help="bitsandbytes' 8-bit AdamW: optimizer state in a quarter of the memory (replaces --fused_adamw).")),
     "adam_beta1": (("--adam_beta1",), dict(type=float, default=0.9, help="AdamW beta1.")),
     "adam_beta2": (("--adam_beta2",), dict(type=float, default=0.999, help="AdamW beta2.")),
     "adam_weight_decay": (("--adam_weight_decay",),
@@ -241,6 +257,13 @@ FLAGS = {
              help="Run the model's safety checker (if it has one). auto: off for a base model (class "
                   "images, as diffusers does: a flagged image would be a black training image), on for a "
                   "model train.py wrote. Flagged images are not saved, and a line says so.")),
+    "lora_dir": (("--lora_dir", "--lora_weights_dir"),
+        dict(type=abs_path, default=None, metavar="DIR",
+             help="Folder of LoRA adapters (pytorch_lora_weights.safetensors, as train.py --use_lora writes) "
+                  "to apply to --model_dir. Passing that folder as --model_dir does the same, with the base "
+                  "model it was trained on.")),
+    "lora_scale": (("--lora_scale",),
+        dict(type=float, default=1.0, help="Strength of the LoRA adapters (0: the base model).")),
     "use_ray_data": (("--use_ray_data",),
         dict(action="store_true",
              help="Accepted for compatibility with Ray's example: generation always runs on Ray Data.")),

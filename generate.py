@@ -7,6 +7,9 @@ Before training it makes the class (regularisation) images; after, images of you
     python generate.py --model_dir=$TUNED_MODEL_DIR --output_dir=$IMAGES_NEW_DIR \\
         --prompts="photo of unqtkn dog in a bucket" --num_samples_per_prompt=5
 
+After `train.py --use_lora`, $TUNED_MODEL_DIR holds adapters only: pass it as --model_dir
+(the base model is read from its record) or as --lora_dir beside the base --model_dir.
+
 Image i of a prompt is '<prompt-slug>-<i:05d>.png', drawn from a seed derived from
 --seed, the prompt and i: a rerun keeps what exists and makes only what is missing,
 and gives the same pixels an uninterrupted run would. A contact sheet of all the
@@ -92,17 +95,34 @@ def write_grid(output_dir, files):
     return path
 
 
-def use_safety_checker(setting, model_dir):
-    """--safety_checker auto|on|off -> bool. auto: on only for a model train.py wrote."""
+def use_safety_checker(setting, model_dir, lora_dir=None):
+    """--safety_checker auto|on|off -> bool. auto: on only for a model or adapters train.py wrote."""
     if setting == "auto":
-        return os.path.isfile(os.path.join(model_dir, utils.OUTPUT_MARKER))
+        return any(d and os.path.isfile(os.path.join(d, utils.OUTPUT_MARKER)) for d in (model_dir, lora_dir))
     return setting == "on"
 
 
-def load_pipeline(model_dir, device, allow_unsafe_weights=False, safety_checker=False):
+def resolve_lora(model_dir, lora_dir):
+    """(base model folder, LoRA folder or None) of --model_dir/--lora_dir. A LoRA output of
+    train.py given as --model_dir stands for its base model with its adapters."""
+    if lora_dir is None and os.path.isfile(os.path.join(model_dir, utils.LORA_WEIGHTS_FILE)):
+        record = os.path.join(model_dir, utils.OUTPUT_MARKER)
+        if not os.path.isfile(record):
+            raise utils.UserError(f"{model_dir} holds LoRA adapters: pass the base model as --model_dir and "
+                                  f"this folder as --lora_dir")
+        model_dir, lora_dir = utils.read_json(record)["base_model"], model_dir
+        print(f"LoRA adapters of {lora_dir} on their base model {model_dir}", file=sys.stderr)
+    if lora_dir and not os.path.isfile(os.path.join(lora_dir, utils.LORA_WEIGHTS_FILE)):
+        raise utils.UserError(f"--lora_dir {lora_dir} has no {utils.LORA_WEIGHTS_FILE}")
+    return model_dir, lora_dir
+
+
+def load_pipeline(model_dir, device, allow_unsafe_weights=False, safety_checker=False, lora_dir=None,
+                  lora_scale=1.0):
     """The SD pipeline in fp16 on GPU, fp32 on CPU; safetensors weights only unless allowed, no remote code.
 
-    Without safety_checker the model's checker is not even loaded.
+    Without safety_checker the model's checker is not even loaded. LoRA adapters from
+    lora_dir are fused into the weights at lora_scale: generation runs at the base model's speed.
     """
     import torch
     from diffusers import StableDiffusionPipeline
@@ -113,6 +133,10 @@ def load_pipeline(model_dir, device, allow_unsafe_weights=False, safety_checker=
     kwargs = {} if safety_checker else {"safety_checker": None, "requires_safety_checker": False}
     pipe = models.from_pretrained(StableDiffusionPipeline, model_dir, allow_unsafe_weights, dtype=dtype, **kwargs)
     pipe.set_progress_bar_config(disable=True)
+    if lora_dir:
+        pipe.load_lora_weights(lora_dir, weight_name=utils.LORA_WEIGHTS_FILE)
+        pipe.fuse_lora(lora_scale=lora_scale)
+        pipe.unload_lora_weights()  # the fused weights stay; the adapter layers go
     return pipe.to(device)
 
 
@@ -147,7 +171,8 @@ class ImageGenerator:
         device = utils.torch_device()
         if device.type == "cpu":
             utils.share_cpu_threads(settings["num_actors"])
-        self.pipe = load_pipeline(model_dir, device, settings["allow_unsafe_weights"], settings["safety_checker"])
+        self.pipe = load_pipeline(model_dir, device, settings["allow_unsafe_weights"], settings["safety_checker"],
+                                  settings.get("lora_dir"), settings.get("lora_scale", 1.0))
         self.output_dir = output_dir
         self.settings = settings
 
@@ -166,7 +191,7 @@ def run_actor_pool(rows, model_dir, output_dir, settings, batch_size, num_actors
     """Fan rows out to the actor pool; yields (file name, flagged) as images land.
 
     settings: num_inference_steps, guidance_scale, negative_prompt, resolution,
-    allow_unsafe_weights, safety_checker (bool).
+    allow_unsafe_weights, safety_checker (bool), lora_dir and lora_scale (optional).
     """
     import ray
 
@@ -192,15 +217,16 @@ def main(argv=None):
         __doc__.splitlines()[0],
         ["model_dir", "output_dir", "prompts", "num_samples_per_prompt", "batch_size",
          "num_inference_steps", "guidance_scale", "negative_prompt", "seed", "resolution",
-         "num_actors", "safety_checker", "use_ray_data", "allow_unsafe_weights"],
+         "lora_dir", "lora_scale", "num_actors", "safety_checker", "use_ray_data", "allow_unsafe_weights"],
     )
     args = parser.parse_args(argv)
     prompts = list(dict.fromkeys(p for group in args.prompts for p in group))
-    utils.check_model_dir(args.model_dir, args.allow_unsafe_weights)
+    model_dir, lora_dir = resolve_lora(args.model_dir, args.lora_dir)
+    utils.check_model_dir(model_dir, args.allow_unsafe_weights)
     os.makedirs(args.output_dir, exist_ok=True)
     utils.remove_temp_files(args.output_dir)
     rows, all_files = plan_images(prompts, args.num_samples_per_prompt, args.seed, args.output_dir)
-    if rows and cache_model.has_random_weights(args.model_dir):
+    if rows and cache_model.has_random_weights(model_dir):
         print("note: this model has random weights (cache_model.py --tiny / --random_model): its images are "
               "noise, as expected; the pipeline around them is real", file=sys.stderr)
     print(f"{len(all_files) - len(rows)} of {len(all_files)} images already in {args.output_dir}; "
@@ -213,12 +239,13 @@ def main(argv=None):
         num_actors = args.num_actors or default_num_actors()
         settings = {"num_inference_steps": args.num_inference_steps, "guidance_scale": args.guidance_scale,
                     "negative_prompt": args.negative_prompt, "resolution": args.resolution,
-                    "allow_unsafe_weights": args.allow_unsafe_weights,
-                    "safety_checker": use_safety_checker(args.safety_checker, args.model_dir)}
+                    "allow_unsafe_weights": args.allow_unsafe_weights, "lora_dir": lora_dir,
+                    "lora_scale": args.lora_scale,
+                    "safety_checker": use_safety_checker(args.safety_checker, model_dir, lora_dir)}
         flagged = []
         try:
             with tqdm(total=len(rows), desc=f"generating on {num_actors} actor(s)", unit="img") as bar:
-                for name, bad in run_actor_pool(rows, args.model_dir, args.output_dir, settings, args.batch_size,
+                for name, bad in run_actor_pool(rows, model_dir, args.output_dir, settings, args.batch_size,
                                                 num_actors):
                     if bad:
                         flagged.append(str(name))

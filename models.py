@@ -190,6 +190,64 @@ def ddp(model, device):
                                    gradient_as_bucket_view=True, **{no_sync: False})
 
 
+# The layers LoRA adapts (diffusers' DreamBooth LoRA script's choice): attention projections.
+UNET_LORA_TARGETS = ("to_k", "to_q", "to_v", "to_out.0")
+TEXT_ENCODER_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
+
+
+def lora_config(plan, targets):
+    from peft import LoraConfig
+
+    return LoraConfig(r=plan.rank, lora_alpha=plan.lora_alpha, lora_dropout=plan.lora_dropout,
+                      init_lora_weights="gaussian", target_modules=list(targets))
+
+
+def add_lora(models, plan):
+    """Freeze every weight and add trainable fp32 LoRA adapters (peft) to the UNet and, with
+    train_text_encoder, the text encoder. The frozen weights go to the run's autocast dtype
+    (bf16/fp16 on GPUs): that is where LoRA's memory saving comes from."""
+    import torch
+    from diffusers.training_utils import cast_training_params
+
+    import steps
+
+    frozen_dtype = steps.amp_dtype(plan.mixed_precision, models.unet_device) or torch.float32
+    for model in (models.unet, models.text_encoder, models.vae):
+        model.requires_grad_(False).to(dtype=frozen_dtype)
+    models.unet.add_adapter(lora_config(plan, UNET_LORA_TARGETS))
+    trained = [models.unet]
+    if plan.train_text_encoder:
+        models.text_encoder.add_adapter(lora_config(plan, TEXT_ENCODER_LORA_TARGETS))
+        trained.append(models.text_encoder)
+    cast_training_params(trained, dtype=torch.float32)
+
+
+def has_lora(model):
+    return hasattr(unwrap(model), "peft_config")
+
+
+def trained_state_dict(model):
+    """The weights a checkpoint keeps: all of them, or with LoRA the adapters only.
+    Contiguous, because channels-last weights are not, and safetensors refuses them."""
+    model = unwrap(model)
+    if has_lora(model):
+        return {k: v.detach().contiguous() for k, v in model.named_parameters() if v.requires_grad}
+    return {k: v.contiguous() for k, v in model.state_dict().items()}
+
+
+def load_trained_state_dict(model, weights):
+    """Load what trained_state_dict wrote; with LoRA every adapter weight must be in it."""
+    model = unwrap(model)
+    if not has_lora(model):
+        model.load_state_dict(weights)
+        return
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    trained = {k for k, v in model.named_parameters() if v.requires_grad}
+    if unexpected or trained & set(missing):
+        raise ValueError(f"checkpoint does not match the model's LoRA adapters "
+                         f"(unexpected: {unexpected[:3]}, missing: {sorted(trained & set(missing))[:3]})")
+
+
 def setup_models(plan, unet_device, aux_device, distributed):
     """Load the models of a plan.Plan and apply its memory/speed options (gradient
     checkpointing, channels-last, torch.compile).
@@ -200,6 +258,8 @@ def setup_models(plan, unet_device, aux_device, distributed):
 
     models = load_models(plan.model_dir, unet_device, aux_device, plan.train_text_encoder,
                          plan.allow_unsafe_weights)
+    if plan.use_lora:
+        add_lora(models, plan)
     if plan.gradient_checkpointing:
         models.unet.enable_gradient_checkpointing()
         if plan.train_text_encoder:

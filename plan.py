@@ -7,6 +7,7 @@ nothing is added to it afterwards.
 """
 
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -23,8 +24,8 @@ TRAIN_FLAGS = [
     "model_dir", "output_dir", "instance_data_dir", "instance_prompt", "caption_extension", "class_data_dir",
     "class_prompt",
     "with_prior_preservation", "prior_loss_weight", "resolution", "center_crop", "random_flip",
-    "train_text_encoder", "train_batch_size", "learning_rate", "scale_lr", "lr_scheduler", "lr_warmup_steps",
-    "lr_num_cycles", "lr_power", "offset_noise", "snr_gamma", "adam_beta1",
+    "train_text_encoder", "use_lora", "rank", "lora_alpha", "lora_dropout", "train_batch_size", "learning_rate", "scale_lr", "lr_scheduler", "lr_warmup_steps",
+    "lr_num_cycles", "lr_power", "offset_noise", "snr_gamma", "use_8bit_adam", "adam_beta1",
     "adam_beta2", "adam_weight_decay", "adam_epsilon", "max_grad_norm", "max_train_steps",
     "num_train_epochs", "mixed_precision", "seed", "num_workers", "gpus_per_worker", "use_gpu",
     "storage_path", "logging_steps", "report_to", "checkpointing_steps", "checkpoints_total_limit",
@@ -50,6 +51,10 @@ class Plan:
     with_prior_preservation: bool
     prior_loss_weight: float
     train_text_encoder: bool
+    use_lora: bool  # LoRA adapters (rank, lora_alpha, lora_dropout) instead of every weight
+    rank: int
+    lora_alpha: float  # already defaulted to the rank
+    lora_dropout: float
     # data
     instance_images: tuple  # absolute paths (converted to PNG where the format needed it)
     class_images: tuple
@@ -74,6 +79,7 @@ class Plan:
     adam_epsilon: float
     max_grad_norm: float
     fused_adamw: bool
+    use_8bit_adam: bool
     mixed_precision: str | None  # None: bf16/fp16 on GPUs that have it, fp32 on CPU
     # memory and speed
     gradient_checkpointing: bool
@@ -110,6 +116,8 @@ class Plan:
     def describe(self):
         """The plan in three lines, printed once at the start of a run."""
         trained = "UNet + text encoder" if self.train_text_encoder else "UNet"
+        if self.use_lora:
+            trained = f"LoRA adapters (rank {self.rank}, alpha {self.lora_alpha:g}) on the {trained}"
         prior = f" + {self.train_batch_size} class" if self.with_prior_preservation else ""
         device = f"{self.gpus_per_worker} GPU" if self.use_gpu else f"{self.cpus_per_worker:g} CPU"
         resume = f"; resuming from {self.resume_path}" if self.resume_path else ""
@@ -137,6 +145,14 @@ def parse_args(argv=None, description=None):
             parser.error("--class_data_dir/--with_prior_preservation needs --class_prompt")
     elif args.class_prompt:
         print("warning: --class_prompt is ignored without --class_data_dir", file=sys.stderr)
+    if args.learning_rate is None:
+        args.learning_rate = 1e-4 if args.use_lora else 5e-6
+    if args.lora_alpha is None:
+        args.lora_alpha = float(args.rank)
+    if args.use_8bit_adam and importlib.util.find_spec("bitsandbytes") is None:
+        parser.error("--use_8bit_adam needs bitsandbytes, which is not installed here: pip install bitsandbytes")
+    if args.lora_dropout >= 1:
+        parser.error(f"argument --lora_dropout: must be < 1, got {args.lora_dropout:g}")
     if args.resume_from_checkpoint not in (None, "latest"):
         args.resume_from_checkpoint = flags.abs_path(args.resume_from_checkpoint)
     if args.output_dir == args.model_dir:
@@ -162,6 +178,8 @@ def plan_run(args, cluster_resources):
     class_images = dataset.list_images(args.class_data_dir, "class") if args.with_prior_preservation else []
     run_prefix = os.path.basename(args.output_dir)
     resume_path = checkpoint.resolve_resume(args.resume_from_checkpoint, args.storage_path, run_prefix)
+    if resume_path:
+        checkpoint.check_compatible(resume_path, lora_settings(args))
     generic = [p for p in instance_prompts if lacks_identifier(p, args.class_prompt)]
     if generic:
         which = "--instance_prompt" if generic == [args.instance_prompt] else f"{len(generic)} prompt(s)/caption(s)"
@@ -208,6 +226,11 @@ def offline_plan(**fields):
                    steps_per_epoch=1, total_steps=DEFAULT_MAX_TRAIN_STEPS, stream_epochs=1, use_gpu=False,
                    cpus_per_worker=1.0, run_name="offline", resume_path=None)
     return Plan(**{**from_flags, **decided, **fields})
+
+
+def lora_settings(args):
+    """What a checkpoint's weights must match: None for full fine-tuning, else the adapters' shape."""
+    return {"rank": args.rank, "lora_alpha": args.lora_alpha} if args.use_lora else None
 
 
 def scaled_learning_rate(args):

@@ -240,18 +240,21 @@ def amp_dtype(mixed_precision, device):
 def make_train_state(models, plan):
     """Optimizer, LR schedule and grad scaler over the trainable parameters of models,
     as a plan.Plan sets them (learning_rate, adam_*, lr_scheduler and its options over
-    total_steps, fused_adamw, mixed_precision, train_text_encoder, the loss options).
+    total_steps, fused_adamw or use_8bit_adam, mixed_precision, train_text_encoder, the loss options).
     fp32 master weights: 5e-6 AdamW updates vanish in bf16 weights.
     """
     from diffusers.optimization import get_scheduler
 
-    params = list(models.unet.parameters())
-    if plan.train_text_encoder:
-        params += list(models.text_encoder.parameters())
-    optimizer = torch.optim.AdamW(
-        params, lr=plan.learning_rate, betas=(plan.adam_beta1, plan.adam_beta2),
-        weight_decay=plan.adam_weight_decay, eps=plan.adam_epsilon, fused=plan.fused_adamw,
-    )
+    trained = [models.unet] + ([models.text_encoder] if plan.train_text_encoder else [])
+    params = [p for model in trained for p in model.parameters() if p.requires_grad]  # LoRA: adapters only
+    settings = dict(lr=plan.learning_rate, betas=(plan.adam_beta1, plan.adam_beta2),
+                    weight_decay=plan.adam_weight_decay, eps=plan.adam_epsilon)
+    if plan.use_8bit_adam:
+        import bitsandbytes
+
+        optimizer = bitsandbytes.optim.AdamW8bit(params, **settings)
+    else:
+        optimizer = torch.optim.AdamW(params, fused=plan.fused_adamw, **settings)
     lr_scheduler = get_scheduler(plan.lr_scheduler, optimizer, num_warmup_steps=plan.lr_warmup_steps,
                                  num_training_steps=plan.total_steps, num_cycles=plan.lr_num_cycles,
                                  power=plan.lr_power)

@@ -308,27 +308,50 @@ def report(state, metrics, rank, plan):
         ray.train.report(metrics)
         return
     with tempfile.TemporaryDirectory() as folder:
-        checkpoint.save(state, folder, metrics["epoch"], rng_states, plan.train_text_encoder)
+        checkpoint.save(state, folder, metrics["epoch"], rng_states, plan.train_text_encoder,
+                        planning.lora_settings(plan))
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
 
 
 def save_pipeline(models, plan):
-    """Write the fine-tuned pipeline (safetensors) to output_dir, whole or not at all."""
+    """Write the result to output_dir, whole or not at all: the fine-tuned pipeline, or with
+    LoRA the adapters as pytorch_lora_weights.safetensors (diffusers' LoRA format, with their
+    rank and alpha) for StableDiffusionPipeline.load_lora_weights on the base model."""
     from diffusers import StableDiffusionPipeline
 
     import models as models_lib
 
-    pipe = models_lib.from_pretrained(
-        StableDiffusionPipeline, plan.model_dir, plan.allow_unsafe_weights,
-        unet=models_lib.unwrap(models.unet), text_encoder=models_lib.unwrap(models.text_encoder))
+    unet, text_encoder = models_lib.unwrap(models.unet), models_lib.unwrap(models.text_encoder)
+    marker = {"base_model": plan.model_dir, "steps": plan.total_steps, "instance_prompt": plan.instance_prompt,
+              "class_prompt": plan.class_prompt, "lora": planning.lora_settings(plan)}
 
     def write(tmp):
-        pipe.save_pretrained(tmp, safe_serialization=True)
-        utils.write_json(os.path.join(tmp, utils.OUTPUT_MARKER), {
-            "base_model": plan.model_dir, "steps": plan.total_steps,
-            "instance_prompt": plan.instance_prompt, "class_prompt": plan.class_prompt})
+        if plan.use_lora:
+            save_lora(tmp, unet, text_encoder if plan.train_text_encoder else None)
+        else:
+            pipe = models_lib.from_pretrained(StableDiffusionPipeline, plan.model_dir, plan.allow_unsafe_weights,
+                                              unet=unet, text_encoder=text_encoder)
+            pipe.save_pretrained(tmp, safe_serialization=True)
+        utils.write_json(os.path.join(tmp, utils.OUTPUT_MARKER), marker)
 
     utils.atomic_write_dir(plan.output_dir, write)
+
+
+def save_lora(folder, unet, text_encoder=None):
+    """utils.LORA_WEIGHTS_FILE in folder, written by diffusers' save_lora_weights."""
+    from diffusers import StableDiffusionPipeline
+    from diffusers.utils import convert_state_dict_to_diffusers
+    from peft.utils import get_peft_model_state_dict
+
+    def layers(model):
+        return convert_state_dict_to_diffusers(get_peft_model_state_dict(model, save_embedding_layers=False)) if model is not None else None
+
+    def metadata(model):
+        return model.peft_config["default"].to_dict() if model is not None else None
+
+    StableDiffusionPipeline.save_lora_weights(
+        folder, weight_name=utils.LORA_WEIGHTS_FILE, unet_lora_layers=layers(unet), text_encoder_lora_layers=layers(text_encoder),
+        unet_lora_adapter_metadata=metadata(unet), text_encoder_lora_adapter_metadata=metadata(text_encoder))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".
 # Written into every model directory train.py produces, so a rerun can tell
 # its own previous output from a folder the user cares about.
 OUTPUT_MARKER = "dreambooth_training.json"
+LORA_WEIGHTS_FILE = "pytorch_lora_weights.safetensors"  # train.py --use_lora's output, diffusers' name
 
 
 class UserError(Exception):
@@ -97,6 +98,11 @@ def remove_temp_files(folder):
 def write_json(path, data):
     with open(path, "w") as f:
         json.dump(data, f, indent=2, sort_keys=True)
+
+
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)
 
 
 # ---------------------------------------------------------------- Ray

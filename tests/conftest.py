@@ -69,3 +69,24 @@ def pytest_collection_modifyitems(items):
         source = inspect.getsource(item.function)
         if "ray_session" in item.fixturenames or any(w in source for w in ("subprocess", "run_train(", "Popen")):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture()
+def lora_output(make_plan, tmp_path):
+    """(folder, models.Models): LoRA adapters (rank 4, alpha 8, UNet and text encoder) with
+    random non-zero weights, written by train.save_pipeline as a --use_lora run writes them."""
+    import torch
+
+    import models
+    import train
+
+    plan = make_plan(use_lora=True, rank=4, lora_alpha=8.0, output_dir=str(tmp_path / "lora-out"))
+    nets = models.setup_models(plan, torch.device("cpu"), torch.device("cpu"), distributed=False)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for model in (nets.unet, nets.text_encoder):
+            for name, weight in model.named_parameters():
+                if ".lora_B." in name:
+                    weight.normal_(0, 0.2)
+    train.save_pipeline(nets, plan)
+    return plan.output_dir, nets

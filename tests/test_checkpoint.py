@@ -101,3 +101,60 @@ def test_find_latest_picks_the_newest_complete_checkpoint_of_the_run(tmp_path):
     assert checkpoint.find_latest(str(tmp_path), "absent") is None
     with pytest.raises(Exception, match="not a complete checkpoint"):
         checkpoint.resolve_resume(str(tmp_path / "model-tuned-2" / "checkpoint_c"), str(tmp_path), "model-tuned")
+
+
+def test_lora_checkpoint_holds_only_the_adapters_and_refuses_the_other_kind(make_plan, prompt_ids, tmp_path):
+    import plan as planning
+    import utils
+
+    def lora_state(steps_taken):
+        plan = make_plan(use_lora=True, rank=4, lora_alpha=4.0)
+        nets = models_lib.setup_models(plan, CPU, CPU, distributed=False)
+        state = steps.make_train_state(nets, plan)
+        batch = {"instance_pixels": torch.randint(0, 256, (1, 64, 64, 3), dtype=torch.uint8)}
+        for _ in range(steps_taken):
+            steps.train_step(state, [batch], prompt_ids, 1.0, 1.0)
+        state.step = steps_taken
+        return plan, state
+
+    plan, state = lora_state(2)
+    checkpoint.save(state, str(tmp_path), 0, [checkpoint.rng_state()], True, planning.lora_settings(plan))
+    from safetensors.torch import load_file
+
+    saved = load_file(tmp_path / checkpoint.UNET_FILE)
+    assert saved and all(".lora_A." in k or ".lora_B." in k for k in saved)
+    _, fresh = lora_state(0)
+    checkpoint.load(fresh, str(tmp_path), rank=0)
+    for name in ("unet", "text_encoder"):
+        for k, v in getattr(state.models, name).state_dict().items():
+            assert torch.equal(v, getattr(fresh.models, name).state_dict()[k]), (name, k)
+    checkpoint.check_compatible(str(tmp_path), {"rank": 4, "lora_alpha": 4.0})
+    for other in (None, {"rank": 8, "lora_alpha": 8.0}):
+        with pytest.raises(utils.UserError, match="holds LoRA .--rank 4, --lora_alpha 4. weights"):
+            checkpoint.check_compatible(str(tmp_path), other)
+
+
+def test_8bit_adam_trains_and_its_quantised_state_round_trips(make_plan, prompt_ids, tmp_path):
+    """bitsandbytes' AdamW8bit runs on CPU too, so the --use_8bit_adam path is tested here."""
+    plan = make_plan(use_8bit_adam=True, train_text_encoder=False, learning_rate=1e-4)
+    batch = {"instance_pixels": torch.randint(0, 256, (1, 64, 64, 3), dtype=torch.uint8)}
+
+    def state_after(steps_taken):
+        torch.manual_seed(0)
+        state = steps.make_train_state(models_lib.setup_models(plan, CPU, CPU, distributed=False), plan)
+        for _ in range(steps_taken):
+            steps.train_step(state, [batch], prompt_ids, 1.0, 1.0)
+        return state
+
+    state = state_after(2)
+    assert type(state.optimizer).__name__ == "AdamW8bit"
+    big = max(state.params, key=lambda p: p.numel())  # bitsandbytes quantises tensors of 4096+ values
+    assert state.optimizer.state[big]["state1"].dtype == torch.uint8
+    checkpoint.save(state, str(tmp_path), 0, [checkpoint.rng_state()], train_text_encoder=False)
+    fresh = state_after(0)
+    checkpoint.load(fresh, str(tmp_path), rank=0)
+    for resumed in (state, fresh):  # one more step each, from the same noise
+        torch.manual_seed(1)
+        steps.train_step(resumed, [batch], prompt_ids, 1.0, 1.0)
+    for k, v in state.models.unet.state_dict().items():
+        assert torch.equal(v, fresh.models.unet.state_dict()[k]), k

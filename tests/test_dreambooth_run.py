@@ -4,15 +4,17 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
-from utils import REPO_DIR
+from utils import LORA_WEIGHTS_FILE, OUTPUT_MARKER, REPO_DIR
 
 
-def test_dreambooth_run_tiny_end_to_end(tmp_path):
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_dreambooth_run_tiny_end_to_end(tmp_path, mode):
     env = dict(os.environ, DATA_PREFIX=str(tmp_path), NUM_CLASS_IMAGES="6", MAX_TRAIN_STEPS="4",
                NUM_INFERENCE_STEPS="3", PYTHON=sys.executable)
-    proc = subprocess.run(["bash", "dreambooth_run.sh", "--tiny"], cwd=REPO_DIR, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(["bash", "dreambooth_run.sh", "--tiny"] + (["--use_lora"] if mode == "lora" else []),
+                          cwd=REPO_DIR, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     output = proc.stdout + proc.stderr
     # Progress and results, not library noise; one note per generation run that its images are noise.
@@ -26,6 +28,15 @@ def test_dreambooth_run_tiny_end_to_end(tmp_path):
     assert len(new) == 5 and os.path.isfile(tmp_path / "images-new" / "grid" / "grid.png")
     assert sorted(os.listdir(tmp_path / "images-own")) == [f"toy-{k}.jpg" for k in range(5)]
 
+    if mode == "lora":  # adapters only; Step 5 generated with them on the base model
+        assert sorted(os.listdir(tmp_path / "model-tuned")) == sorted([LORA_WEIGHTS_FILE, OUTPUT_MARKER])
+        assert "LoRA adapters (rank 4, alpha 4)" in output
+        from safetensors.torch import load_file
+
+        lora = load_file(tmp_path / "model-tuned" / LORA_WEIGHTS_FILE)
+        ups = [v for k, v in lora.items() if ".up." in k or "lora_B" in k]  # zero until trained
+        assert {k.split(".")[0] for k in lora} == {"unet", "text_encoder"} and all(v.abs().sum() > 0 for v in ups)
+        return
     from diffusers import DiffusionPipeline
 
     tuned = DiffusionPipeline.from_pretrained(str(tmp_path / "model-tuned"))

@@ -118,3 +118,24 @@ def test_image_seed_depends_on_seed_prompt_and_index_only():
               generate.image_seed(0, "photo of a dog", 4)}
     assert a not in others
     assert 0 <= a < 2**31
+
+
+def test_lora_dir_applies_the_adapters_at_their_scale(lora_output, tiny_model):
+    import torch
+
+    folder, _ = lora_output
+    assert generate.resolve_lora(folder, None) == (tiny_model, folder)  # a LoRA output as --model_dir
+    assert generate.resolve_lora(tiny_model, folder) == (tiny_model, folder)
+    with pytest.raises(utils.UserError, match="has no pytorch_lora_weights.safetensors"):
+        generate.resolve_lora(tiny_model, tiny_model)
+    assert generate.use_safety_checker("auto", tiny_model, folder)
+
+    def images(**lora):
+        pipe = generate.load_pipeline(tiny_model, torch.device("cpu"), **lora)
+        out, _ = generate.generate_batch(pipe, ["photo of unqtkn toy"], [3], {"num_inference_steps": 2,
+                                                                             "guidance_scale": 7.5})
+        return np.asarray(out[0], dtype=int)
+
+    base = images()
+    assert np.abs(images(lora_dir=folder, lora_scale=0.0) - base).max() <= 1
+    assert np.abs(images(lora_dir=folder) - base).max() > 10

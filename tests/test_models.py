@@ -92,3 +92,34 @@ def test_tiny_safety_checker_flags_nothing_until_its_weights_say_so():
         pipe.safety_checker.concept_embeds_weights.fill_(-1.0)
     _, flagged = pipe.safety_checker(inputs.pixel_values, images.copy())
     assert flagged == [True, True]
+
+
+def test_lora_trains_only_fp32_adapters_over_frozen_weights_in_the_autocast_dtype(make_plan, prompt_ids):
+    """bf16 on CPU takes the branch a GPU run takes: frozen weights in bf16, adapters fp32."""
+    plan = make_plan(use_lora=True, rank=4, lora_alpha=8.0, mixed_precision="bf16")
+    nets = models_lib.setup_models(plan, CPU, CPU, distributed=False)
+    state = steps.make_train_state(nets, plan)
+    named = {f"{part}.{k}": v for part in ("unet", "text_encoder") for k, v in
+             getattr(nets, part).named_parameters()}
+    trained = {k for k, v in named.items() if v.requires_grad}
+    assert trained and all(".lora_A." in k or ".lora_B." in k for k in trained)
+    assert any(k.startswith("text_encoder.") for k in trained)
+    assert sum(p.numel() for p in state.params) == sum(named[k].numel() for k in trained)
+    assert all(named[k].dtype == torch.float32 for k in trained)
+    assert nets.unet.conv_in.weight.dtype == nets.vae.encoder.conv_in.weight.dtype == torch.bfloat16
+    before = {k: v.detach().clone() for k, v in named.items()}
+    batch = {"instance_pixels": torch.randint(0, 256, (1, 64, 64, 3), dtype=torch.uint8)}
+    for _ in range(2):  # lora_B starts at zero: lora_A moves from the second step on
+        loss = steps.train_step(state, [batch], prompt_ids, 1.0, 1.0)[0]
+    assert torch.isfinite(loss)
+    changed = {k for k, v in named.items() if not torch.equal(v, before[k])}
+    assert changed == trained
+
+
+def test_lora_rank_and_alpha_shape_the_adapters(make_plan):
+    nets = models_lib.setup_models(make_plan(use_lora=True, rank=2, lora_alpha=6.0, train_text_encoder=False),
+                                   CPU, CPU, distributed=False)
+    to_q = nets.unet.get_submodule("down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q")
+    assert to_q.lora_A["default"].weight.shape[0] == 2 and to_q.scaling["default"] == 3.0
+    assert not models_lib.has_lora(nets.text_encoder)
+    assert not any(p.requires_grad for p in nets.text_encoder.parameters())

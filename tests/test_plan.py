@@ -172,3 +172,38 @@ def test_captions_beside_instance_images_replace_the_instance_prompt(tiny_model,
     (own / "toy-0.txt").write_text("  \n")
     with pytest.raises(utils.UserError, match="toy-0.txt is empty"):
         plan.plan_run(plan.parse_args(argv), lambda: (2.0, 0))
+
+
+def test_lora_defaults_learning_rate_and_alpha_and_a_resume_must_match_its_kind(tiny_model, toy_images, tmp_path,
+                                                                                 capsys):
+    argv = ["--model_dir", "/m", "--output_dir", "/o", "--instance_data_dir", "/i", "--instance_prompt", "p"]
+    full, lora = plan.parse_args(argv), plan.parse_args(argv + ["--use_lora", "--rank", "8"])
+    assert (full.learning_rate, lora.learning_rate) == (5e-6, 1e-4) and lora.lora_alpha == 8.0
+    assert plan.parse_args(argv + ["--use_lora", "--lr", "3e-4"]).learning_rate == 3e-4
+    assert plan.lora_settings(full) is None and plan.lora_settings(lora) == {"rank": 8, "lora_alpha": 8.0}
+    with pytest.raises(SystemExit):
+        plan.parse_args(argv + ["--use_lora", "--lora_dropout", "1"])
+    assert "--lora_dropout: must be < 1" in capsys.readouterr().err
+
+    done = tmp_path / "ray_results" / "out-1" / "checkpoint_0"  # a full fine-tuning checkpoint
+    done.mkdir(parents=True)
+    (done / "unet.safetensors").write_bytes(b"w")
+    utils.write_json(str(done / "train_state.json"), {"step": 2, "lora": None, "sizes": {"unet.safetensors": 1}})
+    args = plan.parse_args(["--model_dir", tiny_model, "--output_dir", str(tmp_path / "out"), "--instance_data_dir",
+                            toy_images, "--instance_prompt", "photo of unqtkn toy", "--use_lora",
+                            "--resume_from_checkpoint", "latest"])
+    with pytest.raises(utils.UserError, match="holds full fine-tuning weights and this run asks for LoRA"):
+        plan.plan_run(args, lambda: (4.0, 0))
+
+
+def test_8bit_adam_without_bitsandbytes_is_a_one_line_error(monkeypatch, capsys):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes"
+                        else find_spec(name, *a))
+    with pytest.raises(SystemExit):
+        plan.parse_args(["--model_dir", "/m", "--output_dir", "/o", "--instance_data_dir", "/i",
+                         "--instance_prompt", "p", "--use_8bit_adam"])
+    err = capsys.readouterr().err
+    assert "--use_8bit_adam needs bitsandbytes" in err and err.count("\n") == 1

@@ -14,7 +14,7 @@ from PIL import Image
 
 import checkpoint
 import train
-from utils import REPO_DIR
+from utils import LORA_WEIGHTS_FILE, OUTPUT_MARKER, REPO_DIR
 
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
 
@@ -91,11 +91,13 @@ def run_dirs(storage):
 
 
 @pytest.mark.slow
-def test_killed_worker_is_replaced_then_ctrl_c_says_how_to_resume_and_the_rerun_finishes(tiny_model, toy_images,
-                                                                                        tmp_path):
+def test_killed_lora_worker_is_replaced_then_ctrl_c_says_how_to_resume_and_the_rerun_finishes(
+        tiny_model, toy_images, tmp_path):
+    """A LoRA run: its checkpoints hold only the adapters and their optimizer, and both the
+    worker-group restart and the resume load them (full fine-tuning resumes in the tests below)."""
     out, storage = tmp_path / "model-tuned", tmp_path / "ray_results"
     args = train_args(tiny_model, toy_images, out, 120, "--checkpointing_steps", "5", "--logging_steps", "5",
-                      "--max_failures", "2")
+                      "--max_failures", "2", "--use_lora")
     started = time.time()
     proc = start_train(args)
     wait_for(lambda: any(checkpoint_steps(d) for d in run_dirs(storage)), 180, proc)
@@ -109,7 +111,7 @@ def test_killed_worker_is_replaced_then_ctrl_c_says_how_to_resume_and_the_rerun_
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr[-3000:]
     assert "--resume_from_checkpoint latest" in stderr
-    assert not os.path.exists(out / "model_index.json")
+    assert not os.path.exists(out / LORA_WEIGHTS_FILE)
     done_before = max(s for d in run_dirs(storage) for s in checkpoint_steps(d))
 
     rerun = subprocess.run([sys.executable, "train.py", *args, "--resume_from_checkpoint", "latest"],
@@ -119,8 +121,8 @@ def test_killed_worker_is_replaced_then_ctrl_c_says_how_to_resume_and_the_rerun_
     new_run = max(run_dirs(storage), key=os.path.getmtime)
     steps = checkpoint_steps(new_run)
     assert steps[0] > done_before and steps[-1] == 120
-    assert os.path.isfile(out / "model_index.json") and not [n for n in os.listdir(tmp_path) if n.startswith(".tmp")]
-    assert os.path.isfile(out / "model_index.json")
+    assert sorted(os.listdir(out)) == sorted([LORA_WEIGHTS_FILE, OUTPUT_MARKER])
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp")]
 
 
 def test_killed_generation_rerun_gives_exactly_the_uninterrupted_images(tiny_model, tmp_path):

@@ -120,3 +120,25 @@ def test_plot_metrics_draws_loss_and_lr_against_step(tmp_path):
     blue = (pixels[..., 2] > 150) & (pixels[..., 0] < 100)  # the loss curve
     orange = (pixels[..., 0] > 200) & (pixels[..., 1] > 100) & (pixels[..., 1] < 180) & (pixels[..., 2] < 80)
     assert blue.sum() > 200 and orange.sum() > 200
+
+
+def test_lora_output_is_what_diffusers_load_lora_weights_reads(lora_output, tiny_model):
+    """rank 4 with alpha 8: the loaded adapters must carry their scale (2), not assume 1."""
+    from diffusers import StableDiffusionPipeline
+
+    folder, nets = lora_output
+    assert sorted(os.listdir(folder)) == sorted([utils.LORA_WEIGHTS_FILE, utils.OUTPUT_MARKER])
+    loaded = StableDiffusionPipeline.from_pretrained(tiny_model, safety_checker=None)
+    loaded.load_lora_weights(folder)
+    base = StableDiffusionPipeline.from_pretrained(tiny_model, safety_checker=None)
+    torch.manual_seed(1)
+    ids, latents, t = torch.randint(0, 100, (1, 77)), torch.randn(1, 4, 32, 32), torch.tensor([500])
+
+    def predict(unet, text_encoder):
+        with torch.no_grad():
+            return unet(latents, t, text_encoder(ids)[0]).sample
+
+    ours = predict(nets.unet.eval(), nets.text_encoder.eval())
+    assert torch.allclose(predict(loaded.unet, loaded.text_encoder), ours, atol=1e-5)
+    assert not torch.allclose(predict(base.unet, base.text_encoder), ours, atol=1e-3)
+    assert json.load(open(os.path.join(folder, utils.OUTPUT_MARKER)))["lora"] == {"rank": 4, "lora_alpha": 8.0}
