@@ -156,6 +156,18 @@ FLAGS = {
         dict(type=positive_float, default=None,
              help="Min-SNR loss weighting with this gamma (5.0 in the paper): low-noise timesteps weigh "
                   "less, which speeds up convergence. Default: off (plain MSE).")),
+    "allow_tf32": (("--allow_tf32",),
+        dict(action="store_true",
+             help="TF32 matmuls and convolutions on Ampere and later GPUs (faster fp32, ~10 mantissa bits).")),
+    "set_grads_to_none": (("--set_grads_to_none",),
+        dict(action="store_true", help="Accepted for diffusers' commands: gradients are always freed, not zeroed.")),
+    "enable_xformers_memory_efficient_attention": (("--enable_xformers_memory_efficient_attention",),
+        dict(action="store_true",
+             help="Accepted for diffusers' commands: PyTorch's memory-efficient attention (SDPA) is always on.")),
+    "num_class_images": (("--num_class_images",),
+        dict(type=positive_int, default=None,
+             help="As diffusers: before training, generate class images with the base model until "
+                  "--class_data_dir holds this many (generate.py's pool, seeded by --seed).")),
     "use_8bit_adam": (("--use_8bit_adam",),
         dict(action="store_true",
              help="bitsandbytes' 8-bit AdamW: optimizer state in a quarter of the memory (replaces --fused_adamw).")),
@@ -180,7 +192,7 @@ FLAGS = {
         dict(action="store_true",
              help="Encode every training image with the VAE once, before training, instead of every step "
                   "(implies --center_crop; with --random_flip both views are cached).")),
-    "precompute_text_embeddings": (("--precompute_text_embeddings",),
+    "precompute_text_embeddings": (("--precompute_text_embeddings", "--pre_compute_text_embeddings"),
         dict(action=argparse.BooleanOptionalAction, default=True,
              help="With a frozen text encoder, compute the prompt embeddings once, not every step.")),
     "torch_compile": (("--torch_compile",),
@@ -217,6 +229,17 @@ FLAGS = {
         dict(choices=["none", "tensorboard"], default="none",
              help="Also write loss, learning rate and images/s as TensorBoard events into the run folder's "
                   "tensorboard/ (view: pip install tensorboard; tensorboard --logdir <run folder>).")),
+    "validation_prompt": (("--validation_prompt",),
+        dict(type=prompt_list, action="append", default=None, metavar="PROMPTS",
+             help="Sample these prompts during training with the current weights (repeat the flag, or "
+                  "separate prompts with commas): images and a timeline sheet in the run folder's validation/.")),
+    "num_validation_images": (("--num_validation_images",),
+        dict(type=positive_int, default=4, help="Images per validation prompt, each from its own fixed seed.")),
+    "validation_steps": (("--validation_steps",),
+        dict(type=positive_int, default=None, help="Sample every N steps (and at the end). Default: "
+                                                   "--checkpointing_steps.")),
+    "validation_inference_steps": (("--validation_inference_steps",),
+        dict(type=positive_int, default=25, help="Denoising steps per validation image.")),
     "logging_steps": (("--logging_steps",),
         dict(type=positive_int, default=10, help="Report loss, lr and images/s every N steps.")),
     "checkpointing_steps": (("--checkpointing_steps",),
@@ -270,6 +293,36 @@ FLAGS = {
 }
 
 
+_UPLOAD = "upload the result yourself when training ends: hf upload <repo id> $OUTPUT_DIR"
+_IF_ONLY = "a DeepFloyd IF option; this suite trains Stable Diffusion 1.x, whose CLIP text encoder needs none"
+# The flags of diffusers' train_dreambooth.py that train.py does not take, and what to do
+# instead: a command that has one stops with that line, not with "unrecognized arguments".
+REFUSED = {
+    "--push_to_hub": _UPLOAD, "--hub_model_id": _UPLOAD, "--hub_token": _UPLOAD,
+    "--revision": "cache the model at that revision with cache_model.py --revision and pass the snapshot "
+                  "folder it prints as --pretrained_model_name_or_path",
+    "--variant": "weights load as the model folder holds them (fp32 safetensors from cache_model.py); "
+                 "--mixed_precision sets the compute precision",
+    "--tokenizer_name": "the tokenizer is read from the model folder's tokenizer/",
+    "--sample_batch_size": "class images are generated with the run's settings; to choose the batch, make them "
+                           "first with generate.py --batch_size",
+    "--prior_generation_precision": "class images are generated in fp16 on GPUs and fp32 on CPUs; "
+                                    "generate.py makes them",
+    "--local_rank": "Ray Train starts and ranks the workers: set --num_workers",
+    "--logging_dir": "TensorBoard events go to the run folder's tensorboard/ under --storage_path",
+    "--dataloader_num_workers": "Ray Data decodes and batches the images on the cluster's CPUs",
+    "--validation_scheduler": "validation samples use the model's own scheduler, as generate.py does",
+    "--validation_images": _IF_ONLY, "--class_labels_conditioning": _IF_ONLY,
+    "--text_encoder_use_attention_mask": _IF_ONLY, "--tokenizer_max_length": _IF_ONLY,
+    "--skip_save_text_encoder": _IF_ONLY,
+}
+
+
+class _Refused(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} is not supported: {REFUSED[option_string]}")
+
+
 def normalize_option(token):
     """'--num-workers=4' -> '--num_workers=4', '--no-train-text-encoder' -> '--no-train_text_encoder':
     every flag also answers to its hyphenated spelling (Ray's docs write --num-workers)."""
@@ -294,8 +347,9 @@ class OneLineErrorParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def make_parser(description, names, positional=None):
-    """A parser with the named flags from FLAGS, in the given order."""
+def make_parser(description, names, positional=None, refused=()):
+    """A parser with the named flags from FLAGS, in the given order; the options in refused
+    (keys of REFUSED) stop the parse with their line."""
     parser = OneLineErrorParser(description=description,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     if positional:
@@ -305,4 +359,6 @@ def make_parser(description, names, positional=None):
         kwargs = dict(kwargs)
         kwargs.setdefault("dest", name)
         parser.add_argument(*options, **kwargs)
+    for option in refused:
+        parser.add_argument(option, nargs="?", action=_Refused, help=argparse.SUPPRESS)
     return parser

@@ -67,11 +67,12 @@ def plan_images(prompts, num_per_prompt, seed, output_dir):
     return rows, all_files
 
 
-def make_grid(images, thumb_size=128):
-    """Contact sheet: images (PIL, any size) as thumb_size squares in a near-square grid."""
+def make_grid(images, thumb_size=128, columns=None):
+    """Contact sheet: images (PIL, any size) as thumb_size squares, columns to a row
+    (default: a near-square grid)."""
     from PIL import Image
 
-    cols = max(1, math.ceil(math.sqrt(len(images))))
+    cols = columns or max(1, math.ceil(math.sqrt(len(images))))
     rows = max(1, math.ceil(len(images) / cols))
     sheet = Image.new("RGB", (cols * thumb_size, rows * thumb_size), "white")
     for k, image in enumerate(images):
@@ -226,40 +227,46 @@ def main(argv=None):
     os.makedirs(args.output_dir, exist_ok=True)
     utils.remove_temp_files(args.output_dir)
     rows, all_files = plan_images(prompts, args.num_samples_per_prompt, args.seed, args.output_dir)
-    if rows and cache_model.has_random_weights(model_dir):
-        print("note: this model has random weights (cache_model.py --tiny / --random_model): its images are "
-              "noise, as expected; the pipeline around them is real", file=sys.stderr)
     print(f"{len(all_files) - len(rows)} of {len(all_files)} images already in {args.output_dir}; "
           f"generating {len(rows)}", file=sys.stderr)
-    if rows:
-        from tqdm import tqdm
-
-        ray = utils.init_ray()
-        ray.data.DataContext.get_current().enable_progress_bars = False
-        num_actors = args.num_actors or default_num_actors()
-        settings = {"num_inference_steps": args.num_inference_steps, "guidance_scale": args.guidance_scale,
-                    "negative_prompt": args.negative_prompt, "resolution": args.resolution,
-                    "allow_unsafe_weights": args.allow_unsafe_weights, "lora_dir": lora_dir,
-                    "lora_scale": args.lora_scale,
-                    "safety_checker": use_safety_checker(args.safety_checker, model_dir, lora_dir)}
-        flagged = []
-        try:
-            with tqdm(total=len(rows), desc=f"generating on {num_actors} actor(s)", unit="img") as bar:
-                for name, bad in run_actor_pool(rows, model_dir, args.output_dir, settings, args.batch_size,
-                                                num_actors):
-                    if bad:
-                        flagged.append(str(name))
-                    bar.update(1)
-        except KeyboardInterrupt:
-            print("stopped; the images written so far are complete: rerun the same command to make "
-                  "the rest", file=sys.stderr)
-            raise
-        if flagged:
-            print(f"{len(flagged)} image(s) flagged by the safety checker were not saved (marked "
-                  f"'{FLAGGED_SUFFIX}'; --safety_checker off keeps them): {', '.join(flagged[:5])}", file=sys.stderr)
+    settings = {"num_inference_steps": args.num_inference_steps, "guidance_scale": args.guidance_scale,
+                "negative_prompt": args.negative_prompt, "resolution": args.resolution,
+                "allow_unsafe_weights": args.allow_unsafe_weights, "lora_dir": lora_dir,
+                "lora_scale": args.lora_scale,
+                "safety_checker": use_safety_checker(args.safety_checker, model_dir, lora_dir)}
+    make_images(rows, model_dir, args.output_dir, settings, args.batch_size, args.num_actors)
     grid = write_grid(args.output_dir, all_files)
     print(f"{len(all_files)} images in {args.output_dir}; contact sheet {grid}", file=sys.stderr)
     return all_files
+
+
+def make_images(rows, model_dir, output_dir, settings, batch_size=4, num_actors=None):
+    """Draw the images of rows (plan_images') on the actor pool, with a progress bar and one
+    line for the images the safety checker withheld. settings: see run_actor_pool."""
+    if not rows:
+        return
+    from tqdm import tqdm
+
+    if cache_model.has_random_weights(model_dir):
+        print("note: this model has random weights (cache_model.py --tiny / --random_model): its images are "
+              "noise, as expected; the pipeline around them is real", file=sys.stderr)
+    ray = utils.init_ray()
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    num_actors = num_actors or default_num_actors()
+    flagged = []
+    try:
+        with tqdm(total=len(rows), desc=f"generating on {num_actors} actor(s)", unit="img") as bar:
+            for name, bad in run_actor_pool(rows, model_dir, output_dir, settings, batch_size, num_actors):
+                if bad:
+                    flagged.append(str(name))
+                bar.update(1)
+    except KeyboardInterrupt:
+        print("stopped; the images written so far are complete: rerun the same command to make "
+              "the rest", file=sys.stderr)
+        raise
+    if flagged:
+        print(f"{len(flagged)} image(s) flagged by the safety checker were not saved (marked "
+              f"'{FLAGGED_SUFFIX}'; --safety_checker off keeps them): {', '.join(flagged[:5])}", file=sys.stderr)
 
 
 if __name__ == "__main__":

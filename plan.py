@@ -28,10 +28,12 @@ TRAIN_FLAGS = [
     "lr_num_cycles", "lr_power", "offset_noise", "snr_gamma", "use_8bit_adam", "adam_beta1",
     "adam_beta2", "adam_weight_decay", "adam_epsilon", "max_grad_norm", "max_train_steps",
     "num_train_epochs", "mixed_precision", "seed", "num_workers", "gpus_per_worker", "use_gpu",
-    "storage_path", "logging_steps", "report_to", "checkpointing_steps", "checkpoints_total_limit",
+    "storage_path", "logging_steps", "report_to", "validation_prompt", "num_validation_images",
+    "validation_steps", "validation_inference_steps", "checkpointing_steps", "checkpoints_total_limit",
     "resume_from_checkpoint", "max_failures", "overwrite", "allow_unsafe_weights",
     "gradient_accumulation_steps", "gradient_checkpointing", "cache_latents", "precompute_text_embeddings",
-    "channels_last", "fused_adamw", "torch_compile"]
+    "channels_last", "fused_adamw", "torch_compile", "allow_tf32", "num_class_images", "set_grads_to_none",
+    "enable_xformers_memory_efficient_attention"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +82,7 @@ class Plan:
     max_grad_norm: float
     fused_adamw: bool
     use_8bit_adam: bool
+    allow_tf32: bool
     mixed_precision: str | None  # None: bf16/fp16 on GPUs that have it, fp32 on CPU
     # memory and speed
     gradient_checkpointing: bool
@@ -104,10 +107,19 @@ class Plan:
     checkpointing_steps: int
     checkpoints_total_limit: int | None
     resume_path: str | None
+    # validation samples (none without prompts)
+    validation_prompts: tuple
+    num_validation_images: int
+    validation_steps: int  # already defaulted to checkpointing_steps
+    validation_inference_steps: int
 
     def is_checkpoint_step(self, step):
         """Checkpoints every checkpointing_steps and at the last step."""
         return step % self.checkpointing_steps == 0 or step == self.total_steps
+
+    def is_validation_step(self, step):
+        """Every rank samples its share on the same steps: every validation_steps and at the end."""
+        return bool(self.validation_prompts) and (step % self.validation_steps == 0 or step == self.total_steps)
 
     def is_report_step(self, step):
         """Every rank reports on the same steps: Ray Train requires matching report calls."""
@@ -121,6 +133,9 @@ class Plan:
         prior = f" + {self.train_batch_size} class" if self.with_prior_preservation else ""
         device = f"{self.gpus_per_worker} GPU" if self.use_gpu else f"{self.cpus_per_worker:g} CPU"
         resume = f"; resuming from {self.resume_path}" if self.resume_path else ""
+        if self.validation_prompts:
+            resume += (f"; {len(self.validation_prompts)} validation prompt(s) x {self.num_validation_images} "
+                       f"every {self.validation_steps} steps")
         captions = f" ({len(self.instance_prompts)} prompts from captions)" if len(self.instance_prompts) > 1 else ""
         return (f"plan: {self.total_steps} steps ({self.steps_per_epoch} per epoch) training {trained} on "
                 f"{len(self.instance_images)} instance{captions} and {len(self.class_images)} class images at "
@@ -134,7 +149,7 @@ class Plan:
 
 def parse_args(argv=None, description=None):
     """train.py's command line, with its flag combinations checked before anything starts."""
-    parser = flags.make_parser(description, TRAIN_FLAGS)
+    parser = flags.make_parser(description, TRAIN_FLAGS, refused=flags.REFUSED)
     args = parser.parse_args(argv)
     if args.class_data_dir:
         args.with_prior_preservation = True
@@ -143,8 +158,13 @@ def parse_args(argv=None, description=None):
             parser.error("--with_prior_preservation needs --class_data_dir")
         if not args.class_prompt:
             parser.error("--class_data_dir/--with_prior_preservation needs --class_prompt")
+    elif args.num_class_images:
+        parser.error("--num_class_images needs --class_data_dir and --class_prompt")
     elif args.class_prompt:
         print("warning: --class_prompt is ignored without --class_data_dir", file=sys.stderr)
+    args.validation_prompts = tuple(dict.fromkeys(p for group in args.validation_prompt or () for p in group))
+    if args.validation_steps is None:
+        args.validation_steps = args.checkpointing_steps
     if args.learning_rate is None:
         args.learning_rate = 1e-4 if args.use_lora else 5e-6
     if args.lora_alpha is None:

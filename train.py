@@ -33,6 +33,8 @@ IMAGE_COLUMNS = ("_pixels", "_latents")  # the batch columns that hold one image
 
 def main(argv=None):
     args = planning.parse_args(argv, __doc__.splitlines()[0])
+    if args.num_class_images:
+        top_up_class_images(args)
     plan = planning.plan_run(args, cluster_resources=start_ray)
     print(plan.describe(), file=sys.stderr)
     try:
@@ -56,6 +58,24 @@ def start_ray():
     ray = utils.init_ray()
     ray.data.DataContext.get_current().enable_progress_bars = False
     return utils.cluster_resources()
+
+
+def top_up_class_images(args):
+    """diffusers' --num_class_images: draw class images with the base model (generate.py's
+    actor pool, --seed) until --class_data_dir holds that many, counting the ones already there."""
+    import generate
+
+    utils.check_model_dir(args.model_dir, args.allow_unsafe_weights)
+    os.makedirs(args.class_data_dir, exist_ok=True)
+    utils.remove_temp_files(args.class_data_dir)
+    have = sum(n.lower().endswith(utils.IMAGE_EXTENSIONS) for n in os.listdir(args.class_data_dir))
+    rows, _ = generate.plan_images([args.class_prompt], args.num_class_images, args.seed, args.class_data_dir)
+    rows = rows[:max(0, args.num_class_images - have)]
+    print(f"{have} class images in {args.class_data_dir}; generating {len(rows)} of {args.class_prompt!r} "
+          f"for --num_class_images {args.num_class_images}", file=sys.stderr)
+    generate.make_images(rows, args.model_dir, args.class_data_dir, {
+        "num_inference_steps": 50, "guidance_scale": 7.5, "resolution": args.resolution,
+        "allow_unsafe_weights": args.allow_unsafe_weights, "safety_checker": False})
 
 
 def train_dataset(plan):
@@ -154,11 +174,14 @@ def train_fn(config):
 
     import models as models_lib
     import steps
+    import validation
 
     plan = config["plan"]
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     unet_device, aux_device = worker_devices(plan.gpus_per_worker, ctx.get_local_world_size())
+    if plan.allow_tf32:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     batches = prefetched(ray.train.get_dataset_shard("train").iter_torch_batches(batch_size=plan.train_batch_size))
     torch.manual_seed(plan.seed + rank)  # every rank its own noise stream (CPU and GPUs)
     models = models_lib.setup_models(plan, unet_device, aux_device, distributed=world > 1)
@@ -174,6 +197,7 @@ def train_fn(config):
         print(f"worker devices: UNet on {unet_device}, text encoder and VAE on {aux_device}; "
               f"autocast {state.amp_dtype or 'off (fp32)'}", flush=True)
     prompts = prompt_inputs(models.text_encoder, plan, aux_device)
+    sampler = validation.Sampler(models, plan, state.amp_dtype) if plan.validation_prompts else None
     total, accum = plan.total_steps, plan.gradient_accumulation_steps
     # The stream is the same on every run: a resumed worker skips what it had trained on.
     batches = itertools.islice(batches, state.step * accum, None)
@@ -205,6 +229,14 @@ def train_fn(config):
                 print(" ".join(f"{name}={v:.4g}" if isinstance(v, float) else f"{name}={v}"
                                for name, v in metrics.items()), flush=True)
             window_loss, window_images, window_start = [], 0, time.perf_counter()
+        if plan.is_validation_step(state.step):
+            sampling_start = time.perf_counter()
+            drawn = validation.run_round(sampler, state.step, rank, world, os.path.join(plan.storage_path,
+                                                                                         plan.run_name))
+            if log:
+                log.write_images(state.step, *drawn)
+                print(f"validation images of step {state.step}: {drawn[0]}", flush=True)
+            window_start += time.perf_counter() - sampling_start  # sampling time is not training time
     if bar:
         bar.close()
         log.close()
@@ -271,7 +303,7 @@ def prompt_inputs(text_encoder, plan, device):
 class RunLog:
     """Rank 0's record of a run in its folder: one JSON line per logging window in
     metrics.jsonl (with the wall-clock time it ended), and with --report_to tensorboard
-    the same scalars as TensorBoard events in tensorboard/."""
+    the same scalars and the validation images as TensorBoard events in tensorboard/."""
 
     def __init__(self, plan):
         self.folder = os.path.join(plan.storage_path, plan.run_name)
@@ -288,6 +320,15 @@ class RunLog:
         if self.writer:
             for name in ("loss", "lr", "images_per_s"):
                 self.writer.add_scalar(f"train/{name}", metrics[name], metrics["step"])
+            self.writer.flush()
+
+    def write_images(self, step, timeline, images):
+        """A validation round's images (name -> PIL image) as TensorBoard images."""
+        if self.writer:
+            import numpy as np
+
+            for name, image in images.items():
+                self.writer.add_image(f"validation/{name}", np.asarray(image), step, dataformats="HWC")
             self.writer.flush()
 
     def close(self):

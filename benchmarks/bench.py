@@ -51,12 +51,12 @@ def make_model(size, folder):
     return time.perf_counter() - start
 
 
-def step_plan(args, train_text_encoder, device, precompute_text_embeddings):
+def step_plan(args, train_text_encoder, device, precompute_text_embeddings, use_lora=False):
     """train.py's settings for the plain loop: its own flag defaults, with this run's choices."""
     import plan as planning
 
     return planning.offline_plan(
-        model_dir=args.model_dir, mixed_precision=args.mixed_precision, train_text_encoder=train_text_encoder,
+        model_dir=args.model_dir, use_lora=use_lora, learning_rate=1e-4 if use_lora else 5e-6, mixed_precision=args.mixed_precision, train_text_encoder=train_text_encoder,
         gradient_checkpointing=args.gradient_checkpointing, torch_compile=args.torch_compile,
         channels_last=device.type == "cuda", precompute_text_embeddings=precompute_text_embeddings,
         prompt_ids={"instance": [list(range(49406 % 500, 49406 % 500 + 77))], "class": list(range(77))})
@@ -80,14 +80,16 @@ def synthetic_batch(nets, args, cached):
 
 
 def plain_loop(args, device, variant):
-    """Steady-state images/s of train.train_step with no Ray: variant in full|frozen|cached."""
+    """Steady-state images/s of train.train_step with no Ray: variant in full|frozen|cached|lora
+    (lora: rank-4 adapters on UNet and text encoder)."""
     import torch
 
     import steps
     import train
 
-    train_te = variant == "full"
-    plan = step_plan(args, train_te, device, precompute_text_embeddings=variant == "cached")
+    train_te = variant in ("full", "lora")
+    plan = step_plan(args, train_te, device, precompute_text_embeddings=variant == "cached",
+                     use_lora=variant == "lora")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -149,7 +151,9 @@ def ray_train(args, work, variant):
              "--num_workers", "1", "--train_batch_size", str(args.batch_size), "--num_epochs", "1000",
              "--max_train_steps", str(args.warmup + args.steps), "--logging_steps", str(args.logging_steps),
              "--checkpointing_steps", "100000", "--mixed_precision", args.mixed_precision, "--overwrite"]
-    if variant != "full":
+    if variant == "lora":
+        flags.append("--use_lora")
+    elif variant != "full":
         flags.append("--no-train_text_encoder")
     if variant == "frozen":
         flags.append("--no-precompute_text_embeddings")  # live text encoder, as in the plain loop
@@ -209,7 +213,9 @@ def main(argv=None):
     parser.add_argument("--gradient_checkpointing", action="store_true")
     parser.add_argument("--torch_compile", nargs="?", const="inductor", default=None, metavar="BACKEND")
     parser.add_argument("--no_ray", action="store_true", help="Plain-loop figures only (no Ray installed).")
-    parser.add_argument("--variants", default="full,frozen,cached", help="Training variants; '' for none.")
+    parser.add_argument("--variants", default="full,frozen,cached",
+                        help="Training variants (full, frozen, cached, lora); '' for none. Peak CPU memory is the "
+                             "process's: compare variants in separate runs.")
     parser.add_argument("--gen_batches", default="1,4,8")
     parser.add_argument("--inference_steps", type=int, default=None, help="Default: 50 on GPU, 10 on CPU.")
     parser.add_argument("--skip_generation", action="store_true")

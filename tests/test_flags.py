@@ -84,18 +84,77 @@ def test_every_flag_answers_to_its_hyphenated_spelling():
     assert flags.normalize_option("-h") == "-h" and flags.normalize_option("photo-of") == "photo-of"
 
 
+# Every option of diffusers' examples/dreambooth/train_dreambooth.py (at 58eb52c).
+DIFFUSERS_FLAGS = """
+--adam_beta1 --adam_beta2 --adam_epsilon --adam_weight_decay --allow_tf32 --center_crop --checkpointing_steps
+--checkpoints_total_limit --class_data_dir --class_labels_conditioning --class_prompt --dataloader_num_workers
+--enable_xformers_memory_efficient_attention --gradient_accumulation_steps --gradient_checkpointing --hub_model_id
+--hub_token --instance_data_dir --instance_prompt --learning_rate --local_rank --logging_dir --lr_num_cycles
+--lr_power --lr_scheduler --lr_warmup_steps --max_grad_norm --max_train_steps --mixed_precision --num_class_images
+--num_train_epochs --num_validation_images --offset_noise --output_dir --pre_compute_text_embeddings
+--pretrained_model_name_or_path --prior_generation_precision --prior_loss_weight --push_to_hub --report_to
+--resolution --resume_from_checkpoint --revision --sample_batch_size --scale_lr --seed --set_grads_to_none
+--skip_save_text_encoder --snr_gamma --text_encoder_use_attention_mask --tokenizer_max_length --tokenizer_name
+--train_batch_size --train_text_encoder --use_8bit_adam --validation_images --validation_prompt
+--validation_scheduler --validation_steps --variant --with_prior_preservation
+""".split()
+
+# The Stable Diffusion commands of diffusers' examples/dreambooth/README.md, paths changed;
+# --push_to_hub, which every one of them ends with, is checked apart.
+DIFFUSERS_COMMANDS = [
+    "--instance_prompt=a photo of sks dog|--resolution=512|--train_batch_size=1|--gradient_accumulation_steps=1|"
+    "--learning_rate=5e-6|--lr_scheduler=constant|--lr_warmup_steps=0|--max_train_steps=400",
+    "--class_data_dir=/c|--with_prior_preservation|--prior_loss_weight=1.0|--instance_prompt=a photo of sks dog|"
+    "--class_prompt=a photo of dog|--resolution=512|--train_batch_size=1|--gradient_accumulation_steps=1|"
+    "--learning_rate=5e-6|--lr_scheduler=constant|--lr_warmup_steps=0|--num_class_images=200|--max_train_steps=800",
+    "--class_data_dir=/c|--with_prior_preservation|--prior_loss_weight=1.0|--instance_prompt=a photo of sks dog|"
+    "--class_prompt=a photo of dog|--resolution=512|--train_batch_size=1|--gradient_accumulation_steps=2|"
+    "--gradient_checkpointing|--use_8bit_adam|--learning_rate=5e-6|--lr_scheduler=constant|--lr_warmup_steps=0|"
+    "--num_class_images=200|--max_train_steps=800",
+    "--class_data_dir=/c|--with_prior_preservation|--prior_loss_weight=1.0|--instance_prompt=a photo of sks dog|"
+    "--class_prompt=a photo of dog|--resolution=512|--train_batch_size=1|--gradient_accumulation_steps=1|"
+    "--gradient_checkpointing|--use_8bit_adam|--enable_xformers_memory_efficient_attention|--set_grads_to_none|"
+    "--learning_rate=2e-6|--lr_scheduler=constant|--lr_warmup_steps=0|--num_class_images=200|--max_train_steps=800",
+    "--train_text_encoder|--class_data_dir=/c|--with_prior_preservation|--prior_loss_weight=1.0|"
+    "--instance_prompt=a photo of sks dog|--class_prompt=a photo of dog|--resolution=512|--train_batch_size=1|"
+    "--use_8bit_adam|--gradient_checkpointing|--learning_rate=2e-6|--lr_scheduler=constant|--lr_warmup_steps=0|"
+    "--num_class_images=200|--max_train_steps=800",
+]
+
+
+@pytest.mark.parametrize("command", DIFFUSERS_COMMANDS)
+def test_diffusers_documented_commands_parse_and_push_to_hub_says_what_to_do(command, capsys):
+    argv = ["--pretrained_model_name_or_path=/m", "--instance_data_dir=/i", "--output_dir=/o", *command.split("|")]
+    args = parse_train(argv)
+    assert args.model_dir == "/m" and args.max_train_steps in (400, 800) and args.learning_rate in (5e-6, 2e-6)
+    with pytest.raises(SystemExit):
+        parse_train(argv + ["--push_to_hub"])
+    err = capsys.readouterr().err
+    assert "--push_to_hub is not supported: upload the result yourself" in err and err.count("\n") == 1
+
+
+def test_every_diffusers_flag_is_taken_or_refused_with_what_to_do_instead(capsys):
+    parser = flags.make_parser("t", plan.TRAIN_FLAGS, refused=flags.REFUSED)
+    options = parser._option_string_actions
+    assert len(DIFFUSERS_FLAGS) == 61 and all(f in options for f in DIFFUSERS_FLAGS)
+    refused = [f for f in DIFFUSERS_FLAGS if f in flags.REFUSED]
+    assert set(flags.REFUSED) <= set(DIFFUSERS_FLAGS) and len(refused) == 17
+    for flag in refused:
+        with pytest.raises(SystemExit):
+            parse_train(BASE + [flag, "x"])
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{flag} is not supported: " in err and len(err) > 60
+
+
 def test_readme_compatibility_claims_hold():
-    """The README's lists of train_dreambooth.py flags that train.py accepts and refuses (defect 7:
+    """The README's lists of train_dreambooth.py flags that train.py takes and refuses (defect 7:
     it once said every train_dreambooth.py command ran unchanged, and two of them were refused)."""
     import re
 
     with open(os.path.join(REPO_DIR, "README.md")) as f:
         text = f.read()
-    paragraph = text[text.index("The diffusers names of the flags"):text.index("naming the unknown flag")]
-    shared, rest = paragraph.split("), and every", 1)
-    accepted = re.findall(r"`(--[a-z0-9_]+)`", shared)
-    refused = re.findall(r"`(--[a-z0-9_]+)`", rest.split("run unchanged yet:", 1)[1])
-    options = flags.make_parser("t", plan.TRAIN_FLAGS)._option_string_actions
-    assert len(accepted) >= 8 and all(o in options for o in accepted), accepted
-    assert len(refused) >= 3 and not any(o in options for o in refused), refused
-    assert "--num_class_images" in flags.FLAGS["num_samples_per_prompt"][0] and "--num_class_images" not in options
+    paragraph = text[text.index("**Commands written for diffusers'"):text.index("Every flag also answers")]
+    taken, refused = paragraph.split("tests/test_flags.py runs")[0].split("or refused with one line", 1)
+    taken, refused = re.findall(r"`(--[a-z0-9_]+)`", taken), re.findall(r"`(--[a-z0-9_]+)`", refused)
+    assert len(taken) >= 15 and all(o in DIFFUSERS_FLAGS and o not in flags.REFUSED for o in taken), taken
+    assert len(refused) >= 5 and all(o in flags.REFUSED for o in refused), refused

@@ -164,10 +164,15 @@ def logged_losses(result):
         return [(m["step"], m["loss"]) for m in map(json.loads, f)]
 
 
-def test_same_seed_same_losses(ray_session, tiny_model, toy_images, tmp_path):
+def test_same_seed_same_losses_and_validation_samples_change_nothing(ray_session, tiny_model, toy_images,
+                                                                       tmp_path):
+    sampling = ["--validation_prompt", "photo of unqtkn toy", "--validation_steps", "3", "--num_validation_images",
+                "1", "--validation_inference_steps", "2"]
     runs = [train.main(train_args(tiny_model, toy_images, tmp_path / f"m{k}", 6, "--num_workers", "1",
-                                  "--random_flip", "--logging_steps", "2", "--seed", "3", "--lr", "1e-4"))
+                                  "--random_flip", "--logging_steps", "2", "--seed", "3", "--lr", "1e-4",
+                                  *(sampling if k else [])))
             for k in range(2)]
+    assert sorted(os.listdir(os.path.join(runs[1].path, "validation"))) == ["step-3", "step-6", "timeline.png"]
     assert logged_losses(runs[0]) == logged_losses(runs[1])
     assert [s for s, _ in logged_losses(runs[0])] == [2, 4, 6]
 

@@ -10,23 +10,39 @@ import train
 import utils
 
 
-def tensorboard_scalars(folder):
-    """{tag: [(step, value)]} from the TensorBoard event files in folder (TFRecord framing)."""
+def events(folder):
+    """The TensorBoard events in the event files in folder (TFRecord framing)."""
     import struct
 
     from tensorboardX.proto import event_pb2
 
-    scalars = {}
     for name in sorted(os.listdir(folder)):
         data = open(os.path.join(folder, name), "rb").read()
         offset = 0
         while offset < len(data):
             (length,) = struct.unpack("<Q", data[offset:offset + 8])
-            event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
+            yield event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
             offset += 12 + length + 4
-            for value in event.summary.value:
+
+
+def tensorboard_scalars(folder):
+    """{tag: [(step, value)]} of the scalars logged in folder."""
+    scalars = {}
+    for event in events(folder):
+        for value in event.summary.value:
+            if not value.HasField("image"):
                 scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
     return scalars
+
+
+def images_logged(folder):
+    """{tag: [steps]} of the images logged in folder."""
+    tags = {}
+    for event in events(folder):
+        for value in event.summary.value:
+            if value.HasField("image"):
+                tags.setdefault(value.tag, []).append(event.step)
+    return tags
 
 
 def weights_differ(a, b):
@@ -52,7 +68,9 @@ def test_train_two_workers_saves_a_changed_loadable_pipeline(ray_session, tiny_m
                          "--instance_prompt", "photo of unqtkn toy", "--class_images_dir", class_images,
                          "--class_prompt", "photo of a toy", "--train_batch_size", "2", "--lr", "1e-4",
                          "--num_epochs", "4", "--max_train_steps", "5", "--num_workers", "2",
-                         "--logging_steps", "2", "--checkpointing_steps", "3", "--report_to", "tensorboard"])
+                         "--logging_steps", "2", "--checkpointing_steps", "3", "--report_to", "tensorboard",
+                         "--validation_prompt", "photo of unqtkn toy", "--num_validation_images", "3",
+                         "--validation_inference_steps", "2"])
     assert result.metrics["step"] == 5 and result.metrics["loss"] > 0
     assert result.metrics["images_per_s"] > 0
     tuned = DiffusionPipeline.from_pretrained(str(out))
@@ -78,6 +96,12 @@ def test_train_two_workers_saves_a_changed_loadable_pipeline(ray_session, tiny_m
     assert [step for step, _ in scalars["train/loss"]] == [2, 3, 4, 5]
     assert scalars["train/loss"][-1][1] == pytest.approx(lines[-1]["loss"], rel=1e-6)
     assert len(scalars["train/lr"]) == len(scalars["train/images_per_s"]) == 4
+    # Validation at the checkpoint steps (3 and the end): 3 images each, drawn by both ranks.
+    samples = os.path.join(result.path, "validation")
+    names = [f"photo-of-unqtkn-toy-{i:05d}.png" for i in range(3)]
+    assert sorted(os.listdir(samples)) == ["step-3", "step-5", "timeline.png"]
+    assert all(sorted(os.listdir(os.path.join(samples, s))) == names for s in ("step-3", "step-5"))
+    assert images_logged(os.path.join(result.path, "tensorboard")) == {f"validation/{n}": [3, 5] for n in names}
 
 
 def test_cached_latents_frozen_text_encoder_and_loss_options(ray_session, tiny_model, toy_images, class_images,
@@ -142,3 +166,24 @@ def test_lora_output_is_what_diffusers_load_lora_weights_reads(lora_output, tiny
     assert torch.allclose(predict(loaded.unet, loaded.text_encoder), ours, atol=1e-5)
     assert not torch.allclose(predict(base.unet, base.text_encoder), ours, atol=1e-3)
     assert json.load(open(os.path.join(folder, utils.OUTPUT_MARKER)))["lora"] == {"rank": 4, "lora_alpha": 8.0}
+
+
+def test_num_class_images_tops_up_the_class_folder_counting_what_is_there(ray_session, tiny_model, toy_images,
+                                                                          tmp_path):
+    from PIL import Image
+
+    import plan as planning
+
+    folder = tmp_path / "images-reg"
+    folder.mkdir()
+    Image.new("RGB", (64, 64), "gray").save(folder / "my-own-class-photo.png")
+    args = planning.parse_args(["--model_dir", tiny_model, "--output_dir", str(tmp_path / "out"),
+                                "--instance_data_dir", toy_images, "--instance_prompt", "photo of unqtkn toy",
+                                "--class_data_dir", str(folder), "--class_prompt", "photo of a toy",
+                                "--num_class_images", "3"])
+    train.top_up_class_images(args)
+    made = ["photo-of-a-toy-00000.png", "photo-of-a-toy-00001.png"]
+    assert sorted(os.listdir(folder)) == sorted(["my-own-class-photo.png"] + made)
+    before = {n: os.path.getmtime(folder / n) for n in made}
+    train.top_up_class_images(args)  # already full: nothing is drawn again
+    assert {n: os.path.getmtime(folder / n) for n in made} == before and len(os.listdir(folder)) == 3

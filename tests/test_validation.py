@@ -1,0 +1,47 @@
+"""validation.py: samples during training, without disturbing training."""
+
+import os
+
+import numpy as np
+import torch
+from PIL import Image
+
+import generate
+import models as models_lib
+import validation
+
+CPU = torch.device("cpu")
+
+
+def test_a_round_draws_what_generate_draws_and_leaves_training_as_it_was(make_plan, tiny_model, tmp_path):
+    plan = make_plan(validation_prompts=("photo of unqtkn toy", "a toy"), num_validation_images=2,
+                     validation_inference_steps=3)
+    nets = models_lib.setup_models(plan, CPU, CPU, distributed=False)
+    sampler = validation.Sampler(nets, plan, amp_dtype=None)
+    torch.manual_seed(11)
+    rng = torch.get_rng_state()
+    for step in (5, 10):
+        timeline, images = validation.run_round(sampler, step, rank=0, world=1, run_dir=str(tmp_path))
+    assert torch.equal(torch.get_rng_state(), rng)  # the training noise stream is untouched
+    assert nets.unet.training and nets.text_encoder.training
+    names = ["photo-of-unqtkn-toy-00000.png", "photo-of-unqtkn-toy-00001.png", "a-toy-00000.png", "a-toy-00001.png"]
+    assert list(images) == names
+    for step in (5, 10):
+        assert sorted(os.listdir(tmp_path / "validation" / f"step-{step}")) == sorted(names)
+    with Image.open(timeline) as sheet:
+        assert timeline == str(tmp_path / "validation" / validation.TIMELINE) and sheet.size == (4 * 128, 2 * 128)
+    # Image 1 of "a toy" is the one generate.py draws from the same weights, seed and steps.
+    pipe = generate.load_pipeline(tiny_model, CPU)
+    drawn, _ = generate.generate_batch(pipe, ["a toy"], [generate.image_seed(plan.seed, "a toy", 1)],
+                                       {"num_inference_steps": 3, "guidance_scale": 7.5})
+    assert np.abs(np.asarray(drawn[0], dtype=int) - np.asarray(images["a-toy-00001.png"], dtype=int)).max() <= 1
+
+
+def test_lora_bf16_weights_sample_under_autocast(make_plan, tmp_path):
+    """The GPU configuration (bf16 frozen weights, fp32 adapters, autocast) sampled on CPU."""
+    plan = make_plan(use_lora=True, mixed_precision="bf16", validation_prompts=("a toy",), num_validation_images=1,
+                     validation_inference_steps=2)
+    nets = models_lib.setup_models(plan, CPU, CPU, distributed=False)
+    _, images = validation.run_round(validation.Sampler(nets, plan, torch.bfloat16), 1, 0, 1, str(tmp_path))
+    pixels = np.asarray(images["a-toy-00000.png"])
+    assert pixels.shape == (64, 64, 3) and pixels.std() > 0

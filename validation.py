@@ -1,0 +1,125 @@
+"""Validation samples during training: images from the current weights at fixed seeds.
+
+Every validation step each rank draws its share of the images (image k on rank
+k % world size), rank 0 gathers them into `<run folder>/validation/step-<N>/` and
+rewrites one timeline sheet (a row per validation step, a column per prompt and seed).
+Sampling leaves the training RNG streams and train/eval modes as it found them, so a run
+with validation trains exactly as one without.
+"""
+
+import os
+
+import checkpoint
+import generate
+import models as models_lib
+import utils
+
+FOLDER = "validation"  # in the run's folder under --storage_path
+TIMELINE = "timeline.png"
+
+
+def images_of(plan):
+    """[(prompt, image index, seed)] of one validation round, in column order."""
+    return [(prompt, i, generate.image_seed(plan.seed, prompt, i))
+            for prompt in plan.validation_prompts for i in range(plan.num_validation_images)]
+
+
+class Sampler:
+    """Draws validation images with a worker's training networks (models.Models), the model
+    folder's own tokenizer and scheduler, and the run's autocast dtype. The text encoder
+    runs on its device and the VAE on its own: the two-device split samples as it trains."""
+
+    def __init__(self, models, plan, amp_dtype):
+        import diffusers
+        from transformers import CLIPTokenizer
+
+        self.models, self.plan, self.amp_dtype = models, plan, amp_dtype
+        self.tokenizer = CLIPTokenizer.from_pretrained(plan.model_dir, subfolder="tokenizer")
+        # The model's own sampler (PNDM for SD 1.x), as generate.py draws with it.
+        config = utils.read_json(os.path.join(plan.model_dir, "scheduler", "scheduler_config.json"))
+        self.scheduler = getattr(diffusers, config["_class_name"]).from_config(config)
+
+    def encode(self, prompts):
+        import dataset
+        import torch
+
+        ids = torch.stack([torch.from_numpy(dataset.tokenize_prompt(self.tokenizer, p)) for p in prompts])
+        text_encoder = models_lib.unwrap(self.models.text_encoder)
+        return text_encoder(ids.to(self.models.aux_device))[0].to(self.models.unet_device)
+
+    def __call__(self, items):
+        """PIL images of [(prompt, index, seed)], one by one (memory stays at one image's)."""
+        import torch
+        from diffusers import StableDiffusionPipeline
+
+        models = self.models
+        unet, vae = models_lib.unwrap(models.unet), models.vae
+        pipe = StableDiffusionPipeline(vae=vae, text_encoder=models_lib.unwrap(models.text_encoder),
+                                       tokenizer=self.tokenizer, unet=unet, scheduler=self.scheduler,
+                                       safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+        pipe.set_progress_bar_config(disable=True)
+        images = []
+        with torch.no_grad(), torch.autocast(models.unet_device.type, dtype=self.amp_dtype,
+                                             enabled=self.amp_dtype is not None):
+            negative = self.encode([""])
+            for prompt, _, seed in items:
+                latents = pipe(prompt_embeds=self.encode([prompt]), negative_prompt_embeds=negative,
+                               height=self.plan.resolution, width=self.plan.resolution,
+                               num_inference_steps=self.plan.validation_inference_steps,
+                               generator=torch.Generator("cpu").manual_seed(seed), output_type="latent").images
+                latents = latents.to(models.aux_device, vae.dtype) / vae.config.scaling_factor
+                decoded = vae.decode(latents).sample
+                images += pipe.image_processor.postprocess(decoded.float(), output_type="pil")
+        return images
+
+
+def run_round(sampler, step, rank, world, run_dir):
+    """One validation round at step, called by every rank. Returns (timeline path, {file
+    name: image}) on rank 0, None elsewhere. Training's RNG streams and modes are restored."""
+    import torch.distributed as dist
+
+    items = images_of(sampler.plan)
+    mine = list(range(rank, len(items), world))
+    nets = [sampler.models.unet, sampler.models.text_encoder]
+    modes = [net.training for net in nets]
+    rng = checkpoint.rng_state()
+    for net in nets:
+        net.eval()  # no dropout in the samples
+    try:
+        drawn = list(zip(mine, sampler([items[k] for k in mine])))
+    finally:
+        for net, mode in zip(nets, modes):
+            net.train(mode)
+        checkpoint.set_rng_state(rng)
+    if world > 1:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, drawn)
+        drawn = [pair for part in gathered for pair in part]
+    if rank != 0:
+        return None
+    folder = os.path.join(run_dir, FOLDER, f"step-{step}")
+    os.makedirs(folder, exist_ok=True)
+    names = [generate.image_file_name(prompt, index) for prompt, index, _ in items]
+    images = {names[k]: image for k, image in sorted(drawn, key=lambda pair: pair[0])}
+    for name, image in images.items():
+        utils.save_image_atomic(image, os.path.join(folder, name))
+    return write_timeline(os.path.join(run_dir, FOLDER), names), images
+
+
+def write_timeline(folder, names):
+    """timeline.png in folder: a row per step-<N> folder (in step order), a column per name."""
+    from PIL import Image
+
+    steps = sorted((int(d.split("-", 1)[1]) for d in os.listdir(folder) if d.startswith("step-")))
+    images = []
+    for step in steps:
+        for name in names:
+            path = os.path.join(folder, f"step-{step}", name)
+            if os.path.isfile(path):
+                with Image.open(path) as image:
+                    images.append(image.copy())
+            else:
+                images.append(Image.new("RGB", (8, 8), "white"))
+    path = os.path.join(folder, TIMELINE)
+    utils.save_image_atomic(generate.make_grid(images, thumb_size=128, columns=len(names)), path)
+    return path
