@@ -94,9 +94,12 @@ def test_tiny_safety_checker_flags_nothing_until_its_weights_say_so():
     assert flagged == [True, True]
 
 
-def test_lora_trains_only_fp32_adapters_over_frozen_weights_in_the_autocast_dtype(make_plan, prompt_ids):
-    """bf16 on CPU takes the branch a GPU run takes: frozen weights in bf16, adapters fp32."""
-    plan = make_plan(use_lora=True, rank=4, lora_alpha=8.0, mixed_precision="bf16")
+@pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_lora_trains_only_fp32_adapters_over_frozen_weights_in_the_autocast_dtype(make_plan, prompt_ids, precision,
+                                                                                  dtype):
+    """bf16/fp16 on CPU take the branch a GPU run takes: frozen weights in the autocast dtype,
+    fp32 adapters (fp16: with the GradScaler)."""
+    plan = make_plan(use_lora=True, rank=4, lora_alpha=8.0, mixed_precision=precision)
     nets = models_lib.setup_models(plan, CPU, CPU, distributed=False)
     state = steps.make_train_state(nets, plan)
     named = {f"{part}.{k}": v for part in ("unet", "text_encoder") for k, v in
@@ -106,7 +109,8 @@ def test_lora_trains_only_fp32_adapters_over_frozen_weights_in_the_autocast_dtyp
     assert any(k.startswith("text_encoder.") for k in trained)
     assert sum(p.numel() for p in state.params) == sum(named[k].numel() for k in trained)
     assert all(named[k].dtype == torch.float32 for k in trained)
-    assert nets.unet.conv_in.weight.dtype == nets.vae.encoder.conv_in.weight.dtype == torch.bfloat16
+    assert nets.unet.conv_in.weight.dtype == nets.vae.encoder.conv_in.weight.dtype == dtype
+    assert state.scaler.is_enabled() == (dtype == torch.float16)
     before = {k: v.detach().clone() for k, v in named.items()}
     batch = {"instance_pixels": torch.randint(0, 256, (1, 64, 64, 3), dtype=torch.uint8)}
     for _ in range(2):  # lora_B starts at zero: lora_A moves from the second step on

@@ -34,24 +34,21 @@ def train_args(tiny_model, toy_images, out, steps, *extra):
             "--num_epochs", "100", "--max_train_steps", str(steps), *extra]
 
 
-def test_resume_latest_continues_step_count_and_lr_schedule(ray_session, tiny_model, toy_images, tmp_path):
+def test_resume_latest_starts_fresh_then_continues_step_count_and_lr_schedule(ray_session, tiny_model, toy_images,
+                                                                              tmp_path, capsys):
     out = tmp_path / "model-tuned"
-    common = ["--lr_warmup_steps", "4", "--checkpointing_steps", "2", "--logging_steps", "1"]
+    common = ["--lr_warmup_steps", "4", "--checkpointing_steps", "2", "--logging_steps", "1",
+              "--resume_from_checkpoint", "latest"]
     first = train.main(train_args(tiny_model, toy_images, out, 2, *common))
     assert first.metrics["step"] == 2
-    resumed = train.main(train_args(tiny_model, toy_images, out, 4, *common, "--resume_from_checkpoint", "latest"))
+    assert "starting fresh" in capsys.readouterr().err  # no checkpoint yet
+    resumed = train.main(train_args(tiny_model, toy_images, out, 4, *common))
     assert resumed.metrics["step"] == 4
     # The schedule went on: 4 steps of warm-up in all, not 2 + 2 restarted ones.
     assert resumed.metrics["lr"] == pytest.approx(5e-6)
     assert first.metrics["lr"] == pytest.approx(5e-6 * 2 / 4)
     # Only steps 3 and 4 ran in the second run: its one checkpoint is the final one.
     assert checkpoint_steps(resumed.path) == [4]
-
-
-def test_resume_latest_without_checkpoint_starts_fresh(ray_session, tiny_model, toy_images, tmp_path, capsys):
-    result = train.main(train_args(tiny_model, toy_images, tmp_path / "m", 2, "--resume_from_checkpoint", "latest"))
-    assert result.metrics["step"] == 2
-    assert "starting fresh" in capsys.readouterr().err
 
 
 def worker_pids(since):
