@@ -16,6 +16,7 @@ from datetime import datetime
 
 import checkpoint
 import flags
+import prompts
 import utils
 
 DEFAULT_MAX_TRAIN_STEPS = 800
@@ -193,18 +194,14 @@ def plan_run(args, cluster_resources):
     utils.check_model_dir(args.model_dir, args.allow_unsafe_weights)
     check_output_dir(args.output_dir, args.overwrite)
     instance_images = dataset.list_images(args.instance_data_dir, "instance", also_expected=args.caption_extension)
-    captions = read_captions(instance_images, args.instance_prompt, args.caption_extension)
+    captions = prompts.read_captions(instance_images, args.instance_prompt, args.caption_extension)
     instance_prompts = list(dict.fromkeys(captions))
     class_images = dataset.list_images(args.class_data_dir, "class") if args.with_prior_preservation else []
     run_prefix = os.path.basename(args.output_dir)
     resume_path = checkpoint.resolve_resume(args.resume_from_checkpoint, args.storage_path, run_prefix)
     if resume_path:
         checkpoint.check_compatible(resume_path, lora_settings(args))
-    generic = [p for p in instance_prompts if lacks_identifier(p, args.class_prompt)]
-    if generic:
-        which = "--instance_prompt" if generic == [args.instance_prompt] else f"{len(generic)} prompt(s)/caption(s)"
-        print(f"warning: {which} {'has' if len(generic) == 1 else 'have'} no word that --class_prompt lacks "
-              f"(e.g. {generic[0]!r}): the subject has no unique identifier", file=sys.stderr)
+    prompts.warn_without_identifier(instance_prompts, args.instance_prompt, args.class_prompt)
 
     use_gpu, cpus_per_worker = worker_resources(args, *cluster_resources())
     resolution = args.resolution or native_resolution(args.model_dir)
@@ -218,7 +215,7 @@ def plan_run(args, cluster_resources):
         **from_flags,
         "instance_prompts": tuple(instance_prompts),
         "image_prompt": tuple(instance_prompts.index(c) for c in captions),
-        "prompt_ids": prompt_ids(args.model_dir, instance_prompts,
+        "prompt_ids": prompts.prompt_ids(args.model_dir, instance_prompts,
                                  args.class_prompt if args.with_prior_preservation else None),
         "learning_rate": scaled_learning_rate(args),
         "instance_images": tuple(instance_images),
@@ -270,11 +267,6 @@ def check_output_dir(output_dir, overwrite):
                               "pass --overwrite to replace it")
 
 
-def lacks_identifier(instance_prompt, class_prompt):
-    """True when the instance prompt adds no word to the class prompt (no 'unqtkn' to learn)."""
-    return bool(class_prompt) and set(instance_prompt.lower().split()) <= set(class_prompt.lower().split())
-
-
 def worker_resources(args, cpus, gpus):
     """(use_gpu, CPUs per worker), or UserError if the cluster cannot hold the workers.
 
@@ -305,36 +297,6 @@ def native_resolution(model_dir):
             return json.load(f)
 
     return config("unet")["sample_size"] * 2 ** (len(config("vae")["block_out_channels"]) - 1)
-
-
-def read_captions(image_paths, instance_prompt, caption_extension):
-    """Each instance image's prompt: the text of the file beside it with the same stem and
-    caption_extension (whitespace folded), or instance_prompt where there is none."""
-    prompts = []
-    for path in image_paths:
-        caption = os.path.splitext(path)[0] + caption_extension if caption_extension else ""
-        if not os.path.isfile(caption):
-            prompts.append(instance_prompt)
-            continue
-        with open(caption, encoding="utf-8") as f:
-            text = " ".join(f.read().split())
-        if not text:
-            raise utils.UserError(f"caption file {caption} is empty; write the image's prompt in it or delete it")
-        prompts.append(text)
-    return prompts
-
-
-def prompt_ids(model_dir, instance_prompts, class_prompt):
-    """CLIP token ids of the prompts, tokenised once here rather than on every worker."""
-    from transformers import CLIPTokenizer
-
-    import dataset
-
-    tokenizer = CLIPTokenizer.from_pretrained(model_dir, subfolder="tokenizer")
-    ids = {"instance": [dataset.tokenize_prompt(tokenizer, p).tolist() for p in instance_prompts]}
-    if class_prompt:
-        ids["class"] = dataset.tokenize_prompt(tokenizer, class_prompt).tolist()
-    return ids
 
 
 def plan_steps(num_rows, args):

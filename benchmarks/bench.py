@@ -143,6 +143,7 @@ def ray_train(args, work, variant):
     """
     import json
 
+    import runlog
     import train
 
     flags = ["--model_dir", args.model_dir, "--output_dir", os.path.join(work, f"tuned-{variant}"),
@@ -162,7 +163,7 @@ def ray_train(args, work, variant):
     t0 = time.perf_counter()
     result = train.main(flags)
     wall_s = time.perf_counter() - t0
-    with open(os.path.join(result.path, train.METRICS_FILE)) as f:
+    with open(os.path.join(result.path, runlog.METRICS_FILE)) as f:
         times = {m["step"]: m["time"] for m in map(json.loads, f)}
     end = args.warmup + args.steps
     return {"images_per_s": 2 * args.batch_size * args.steps / (times[end] - times[args.warmup]), "wall_s": wall_s}

@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 import dataset
-import plan
+import prompts
 import utils
 from utils import REPO_DIR
 
@@ -162,6 +162,6 @@ def test_pickled_weights_need_an_explicit_opt_in(tiny_model, tmp_path):
 
 
 def test_instance_prompt_without_identifier_is_detected():
-    assert plan.lacks_identifier("a photo of a dog", "photo of a dog")
-    assert not plan.lacks_identifier("photo of unqtkn dog", "photo of a dog")
-    assert not plan.lacks_identifier("photo of a dog", None)
+    assert prompts.lacks_identifier("a photo of a dog", "photo of a dog")
+    assert not prompts.lacks_identifier("photo of unqtkn dog", "photo of a dog")
+    assert not prompts.lacks_identifier("photo of a dog", None)

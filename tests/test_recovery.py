@@ -13,6 +13,7 @@ import pytest
 from PIL import Image
 
 import checkpoint
+import runlog
 import train
 from utils import LORA_WEIGHTS_FILE, OUTPUT_MARKER, REPO_DIR
 
@@ -157,7 +158,7 @@ def final_weights(folder):
 
 
 def logged_losses(result):
-    with open(os.path.join(result.path, train.METRICS_FILE)) as f:
+    with open(os.path.join(result.path, runlog.METRICS_FILE)) as f:
         return [(m["step"], m["loss"]) for m in map(json.loads, f)]
 
 

@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 
+import runlog
 import train
 import utils
 
@@ -85,7 +86,7 @@ def test_train_two_workers_saves_a_changed_loadable_pipeline(ray_session, tiny_m
     assert len(checkpoints) == 2
     assert result.path.startswith(str(tmp_path / "ray_results"))
     # Rank 0 logs every window (steps 2 and 4) and the last step, with times in order.
-    with open(os.path.join(result.path, train.METRICS_FILE)) as f:
+    with open(os.path.join(result.path, runlog.METRICS_FILE)) as f:
         lines = [json.loads(line) for line in f]
     assert [m["step"] for m in lines] == [2, 3, 4, 5]
     assert all(m["loss"] > 0 for m in lines) and lines[-1]["loss"] == result.metrics["loss"]
@@ -133,11 +134,11 @@ def test_plot_metrics_draws_loss_and_lr_against_step(tmp_path):
     import numpy as np
     from PIL import Image
 
-    metrics = tmp_path / train.METRICS_FILE
-    assert train.plot_metrics(str(metrics)) is None
+    metrics = tmp_path / runlog.METRICS_FILE
+    assert runlog.plot_metrics(str(metrics)) is None
     metrics.write_text("".join(json.dumps({"step": s, "loss": 1 / s, "lr": 1e-5 * min(1, s / 20)}) + "\n"
                                for s in (30, 10, 20, 40)))
-    path = train.plot_metrics(str(metrics))
+    path = runlog.plot_metrics(str(metrics))
     assert path == str(tmp_path / "loss.png")
     pixels = np.asarray(Image.open(path).convert("RGB")).astype(int)
     assert pixels.shape == (450, 800, 3)

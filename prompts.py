@@ -1,0 +1,51 @@
+"""The prompts of a training run: captions beside the instance images, the check that each
+names the subject with a word the class prompt lacks, and their CLIP token ids."""
+
+import os
+import sys
+
+import utils
+
+
+def lacks_identifier(instance_prompt, class_prompt):
+    """True when the instance prompt adds no word to the class prompt (no 'unqtkn' to learn)."""
+    return bool(class_prompt) and set(instance_prompt.lower().split()) <= set(class_prompt.lower().split())
+
+
+def warn_without_identifier(instance_prompts, instance_prompt, class_prompt):
+    """One warning line when instance prompts (captions or --instance_prompt) add no word to the class prompt."""
+    generic = [p for p in instance_prompts if lacks_identifier(p, class_prompt)]
+    if generic:
+        which = "--instance_prompt" if generic == [instance_prompt] else f"{len(generic)} prompt(s)/caption(s)"
+        print(f"warning: {which} {'has' if len(generic) == 1 else 'have'} no word that --class_prompt lacks "
+              f"(e.g. {generic[0]!r}): the subject has no unique identifier", file=sys.stderr)
+
+
+def read_captions(image_paths, instance_prompt, caption_extension):
+    """Each instance image's prompt: the text of the file beside it with the same stem and
+    caption_extension (whitespace folded), or instance_prompt where there is none."""
+    prompts = []
+    for path in image_paths:
+        caption = os.path.splitext(path)[0] + caption_extension if caption_extension else ""
+        if not os.path.isfile(caption):
+            prompts.append(instance_prompt)
+            continue
+        with open(caption, encoding="utf-8") as f:
+            text = " ".join(f.read().split())
+        if not text:
+            raise utils.UserError(f"caption file {caption} is empty; write the image's prompt in it or delete it")
+        prompts.append(text)
+    return prompts
+
+
+def prompt_ids(model_dir, instance_prompts, class_prompt):
+    """CLIP token ids of the prompts, tokenised once here rather than on every worker."""
+    from transformers import CLIPTokenizer
+
+    import dataset
+
+    tokenizer = CLIPTokenizer.from_pretrained(model_dir, subfolder="tokenizer")
+    ids = {"instance": [dataset.tokenize_prompt(tokenizer, p).tolist() for p in instance_prompts]}
+    if class_prompt:
+        ids["class"] = dataset.tokenize_prompt(tokenizer, class_prompt).tolist()
+    return ids
