@@ -31,7 +31,7 @@ def test_gpu_check_dry_run_kills_a_worker_resumes_and_generates(gpu_check):
     assert "killed the train worker after checkpoint 10" in log
     table = table_rows((work / "table.md").read_text())
     assert table["wall time: 4 train to step 20, worker killed at 10, Ctrl-C at 20"][2] == "exit 130"
-    for row in ("wall time: 1 build random tiny model", "wall time: 5 resume from latest to step 200 + save",
+    for row in ("wall time: 1 build random tiny model", "wall time: 5 resume from latest to step 80 + save",
                 "wall time: 6 generate 4 images from the tuned model",
                 "plain loop, full, gradient checkpointing: peak memory"):
         assert float(table[row][0]) > 0, row
@@ -42,10 +42,9 @@ def test_gpu_check_dry_run_kills_a_worker_resumes_and_generates(gpu_check):
 def test_bench_prints_plain_ray_and_generation_rows(gpu_check):
     work, _ = gpu_check
     table = {name: float(cells[0]) for name, cells in table_rows((work / "bench.md").read_text()).items()}
-    for variant in ("full", "frozen", "cached"):
+    for variant in ("full", "cached"):  # the dry run leaves out frozen
         assert table[f"plain loop, {variant}"] > 0 and table[f"Ray Train 1 worker, {variant}"] > 0
         overhead = 100 * (1 - table[f"Ray Train 1 worker, {variant}"] / table[f"plain loop, {variant}"])
         assert abs(table[f"Ray overhead, {variant}"] - overhead) < 2  # from figures rounded to three digits
-    assert table["speed-up of caching latents + embeddings (plain, frozen TE)"] > 0
     assert table["generation batch 8 (2 steps, actor pool)"] > 0
     assert table["start-up: Ray start"] >= 0
