@@ -11,7 +11,6 @@ files), safetensors weights only. With the files already cached it works offline
 """
 
 import hashlib
-import json
 import os
 import re
 
@@ -47,8 +46,7 @@ def has_random_weights(model_dir):
     """True for a model written by write_random_model, or tuned by train.py from one."""
     marker = os.path.join(model_dir, utils.OUTPUT_MARKER)
     if os.path.isfile(marker):
-        with open(marker) as f:
-            model_dir = json.load(f).get("base_model", "")
+        model_dir = utils.read_json(marker).get("base_model", "")
     return f"models--{RANDOM_MODEL_OWNER}--" in os.path.abspath(model_dir)
 
 

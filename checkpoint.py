@@ -141,8 +141,7 @@ def saved_step(folder):
 def check_compatible(folder, lora):
     """UserError unless the checkpoint in folder trained the same kind of weights as a run
     with these LoRA settings (None: full fine-tuning)."""
-    with open(os.path.join(folder, STATE_FILE)) as f:
-        saved = json.load(f).get("lora")
+    saved = utils.read_json(os.path.join(folder, STATE_FILE)).get("lora")
 
     def kind(settings):
         return (f"LoRA (--rank {settings['rank']}, --lora_alpha {settings['lora_alpha']:g})" if settings
