@@ -4,7 +4,8 @@
 #
 #   benchmarks/gpu_check.sh                      GPU machine: --model sd15 (needs torch, Ray, diffusers)
 #   benchmarks/gpu_check.sh --model tiny         CPU dry run of the same sequence (the test suite runs it)
-#   benchmarks/gpu_check.sh --part pipeline      only Steps 1-7 below; --part bench: only the benchmark
+#   benchmarks/gpu_check.sh --part pipeline      only Steps 1-6 below; --part bench: only Step 7
+#   benchmarks/gpu_check.sh --part lora          Steps L1-L3 below (not part of 'all')
 #
 # On the lent GPU machine (torch + transformers, no Ray or diffusers, no network), carry the kit:
 #   bash ../shared/tools/make-gpu-kit.sh          # here, once: builds .gpukit/
@@ -17,6 +18,10 @@
 # end and save -> 6 four images from the tuned model -> 7 benchmarks/bench.py (Ray Train vs plain
 # loop, online VAE and cached latents, generation at batch 8) and the plain loop's peak memory with
 # gradient checkpointing. Prints one Markdown table; exits non-zero if any step misbehaves.
+# LoRA part: L1 train LoRA adapters (UNet + text encoder) 20 steps with a checkpoint, validation
+# images and TensorBoard events every 10 -> L2 four images from the base model + adapters
+# (generate.py --lora_weights_dir, as Ray's example writes it) -> L3 bench.py plain loop, full vs
+# LoRA: images/s and peak memory (LoRA also with gradient checkpointing). Builds the model and class images first if --work has none.
 set -euo pipefail
 
 MODEL=sd15
@@ -37,10 +42,10 @@ export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 if [ "$MODEL" = tiny ]; then
   # Tiny steps take ~0.3 s: with only 10 after checkpoint 20 the run could end before Ctrl-C lands.
   # The dry run's bench skips the frozen variant (one Ray Train run less).
-  INFERENCE_STEPS=2; TRAIN_STEPS=80; VARIANTS=full,cached
+  INFERENCE_STEPS=2; TRAIN_STEPS=80; VARIANTS=full,cached; LORA_STEPS=20
   BENCH=(--steps 5 --warmup 5 --logging_steps 5 --plain_warmup 1 --inference_steps 2)
 else
-  INFERENCE_STEPS=50; TRAIN_STEPS=30; VARIANTS=full,frozen,cached; BENCH=()
+  INFERENCE_STEPS=50; TRAIN_STEPS=30; VARIANTS=full,frozen,cached; LORA_STEPS=20; BENCH=()
 fi
 TABLE=()
 
@@ -69,7 +74,8 @@ wait_for_checkpoint() {  # STEP PID: until a checkpoint of at least STEP exists,
   done
 }
 
-pipeline() {
+# Steps 1-3: the random model, the subject photos, eight class images.
+prepare() {
   rm -rf "$WORK"
   mkdir -p "$WORK/own"
   timed "1 build random $MODEL model" \
@@ -79,6 +85,10 @@ pipeline() {
   timed "3 generate 8 class images" "$PY" generate.py --model_dir "$MODEL_PATH" --output_dir "$WORK/reg" \
     --prompts "photo of a toy" --num_samples_per_prompt 8 --batch_size 8 --num_inference_steps "$INFERENCE_STEPS"
   [ "$(ls "$WORK/reg"/*.png | wc -l)" -eq 8 ] || fail "expected 8 class images"
+}
+
+pipeline() {
+  prepare
 
   TRAIN=("$PY" train.py --model_dir "$MODEL_PATH" --output_dir "$WORK/tuned" --storage_path "$WORK/ray_results"
          --instance_data_dir "$WORK/own" --instance_prompt "photo of unqtkn toy"
@@ -124,12 +134,43 @@ bench() {
   grep -q "Ray Train 1 worker, cached" "$WORK/bench.md" || fail "bench.py printed no Ray row"
 }
 
+lora() {
+  if [ -f "$WORK/model-path" ] && [ "$(ls "$WORK/reg"/*.png 2>/dev/null | wc -l)" -eq 8 ]; then
+    MODEL_PATH=$(tail -n 1 "$WORK/model-path")
+  else
+    prepare
+  fi
+  rm -rf "$WORK/lora" "$WORK/lora_results" "$WORK/lora-new"
+  timed "L1 train LoRA $LORA_STEPS steps (checkpoint + 2 validation images every 10)" \
+    "$PY" train.py --model_dir "$MODEL_PATH" --output_dir "$WORK/lora" --storage_path "$WORK/lora_results" \
+    --instance_data_dir "$WORK/own" --instance_prompt "photo of unqtkn toy" --class_data_dir "$WORK/reg" \
+    --class_prompt "photo of a toy" --num_workers 1 --use_lora --max_train_steps "$LORA_STEPS" \
+    --checkpointing_steps 10 --logging_steps 5 --validation_prompt "photo of unqtkn toy on a beach" \
+    --num_validation_images 2 --validation_inference_steps "$INFERENCE_STEPS" --report_to tensorboard \
+    > "$WORK/lora-train.log" 2>&1 || { tail -n 30 "$WORK/lora-train.log" >&2; fail "LoRA train.py failed"; }
+  [ -f "$WORK/lora/pytorch_lora_weights.safetensors" ] || fail "no pytorch_lora_weights.safetensors"
+  [ "$(ls "$WORK"/lora_results/*/validation/step-"$LORA_STEPS"/*.png | wc -l)" -eq 2 ] \
+    || fail "expected 2 validation images at step $LORA_STEPS"
+  ls "$WORK"/lora_results/*/tensorboard/events.* > /dev/null || fail "no TensorBoard events"
+  ls "$WORK"/lora_results/*/loss.png > /dev/null || fail "no loss.png"
+  timed "L2 generate 4 images, base model + LoRA" "$PY" generate.py --model_dir "$MODEL_PATH" \
+    --lora_weights_dir "$WORK/lora" --output_dir "$WORK/lora-new" --prompts "photo of unqtkn toy in a bucket" \
+    --num_samples_per_prompt 4 --batch_size 4 --num_inference_steps "$INFERENCE_STEPS"
+  [ "$(ls "$WORK/lora-new"/*.png "$WORK/lora-new"/*.flagged 2>/dev/null | wc -l)" -eq 4 ] || fail "expected 4 LoRA images"
+  timed "L3 bench.py (plain, full + lora)" "$PY" benchmarks/bench.py --model "$MODEL" --no_ray \
+    --variants full,lora --skip_generation "${BENCH[@]}" > "$WORK/bench-lora.md"
+  grep -q "plain loop, lora: peak memory" "$WORK/bench-lora.md" || fail "bench.py printed no LoRA row"
+  timed "L3 bench.py (plain, lora, gradient checkpointing)" "$PY" benchmarks/bench.py --model "$MODEL" --no_ray \
+    --variants lora --gradient_checkpointing --skip_generation "${BENCH[@]}" > "$WORK/bench-lora-gc.md"
+}
+
 mkdir -p "$WORK"
 case "$PART" in
   all) pipeline; bench ;;
   pipeline) pipeline ;;
   bench) bench ;;
-  *) fail "--part must be all, pipeline or bench" ;;
+  lora) lora ;;
+  *) fail "--part must be all, pipeline, bench or lora" ;;
 esac
 
 {
@@ -139,11 +180,16 @@ esac
   echo "| measure | value | unit | note |"
   echo "| --- | ---: | --- | --- |"
   printf '%s\n' "${TABLE[@]}"
-  if [ -f "$WORK/bench.md" ]; then
+  if [ -f "$WORK/bench.md" ] && [ "$PART" != lora ]; then
     grep '^model=' "$WORK/bench.md" | sed 's/^/| bench.py: /; s/ *$/ | | | |/'
     grep '^| ' "$WORK/bench.md" | grep -v '^| measure\|^| ---'
   fi
-  if [ -f "$WORK/bench-gc.md" ]; then
+  if [ -f "$WORK/bench-lora.md" ] && [ "$PART" = lora ]; then
+    grep '^model=' "$WORK/bench-lora.md" | sed 's/^/| bench.py: /; s/ *$/ | | | |/'
+    grep '^| plain loop' "$WORK/bench-lora.md"
+    grep '^| plain loop, lora' "$WORK/bench-lora-gc.md" | sed 's/^| plain loop, lora/| plain loop, lora, gradient checkpointing/'
+  fi
+  if [ -f "$WORK/bench-gc.md" ] && [ "$PART" != lora ]; then
     grep '^| plain loop, full: peak memory' "$WORK/bench-gc.md" \
       | sed 's/^| plain loop, full: peak memory/| plain loop, full, gradient checkpointing: peak memory/'
   fi
