@@ -290,6 +290,15 @@ FLAGS = {
     "use_ray_data": (("--use_ray_data",),
         dict(action="store_true",
              help="Accepted for compatibility with Ray's example: generation always runs on Ray Data.")),
+    # --- export
+    "output_file": (("--output_file", "--checkpoint_path"),
+        dict(type=abs_path, required=True, metavar="FILE",
+             help="The .safetensors file to write (--checkpoint_path: the name in diffusers' conversion "
+                  "script).")),
+    "save_precision": (("--save_precision",),
+        dict(choices=("fp16", "bf16", "fp32"), default="fp16",
+             help="Precision of the weights in the file: fp16 halves it (what A1111 and ComfyUI load "
+                  "anyway), fp32 keeps the trained weights exactly.")),
 }
 
 
@@ -347,9 +356,10 @@ class OneLineErrorParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def make_parser(description, names, positional=None, refused=()):
+def make_parser(description, names, positional=None, refused=(), helps=None):
     """A parser with the named flags from FLAGS, in the given order; the options in refused
-    (keys of REFUSED) stop the parse with their line."""
+    (keys of REFUSED) stop the parse with their line; helps: {name: help} where a script means
+    a shared flag in its own way."""
     parser = OneLineErrorParser(description=description,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     if positional:
@@ -358,6 +368,8 @@ def make_parser(description, names, positional=None, refused=()):
         options, kwargs = FLAGS[name]
         kwargs = dict(kwargs)
         kwargs.setdefault("dest", name)
+        if helps and name in helps:
+            kwargs["help"] = helps[name]
         parser.add_argument(*options, **kwargs)
     for option in refused:
         parser.add_argument(option, nargs="?", action=_Refused, help=argparse.SUPPRESS)

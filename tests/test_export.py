@@ -1,0 +1,130 @@
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import export
+import utils
+
+
+@pytest.fixture(scope="module")
+def tuned_model(tiny_model, tmp_path_factory):
+    """A full model folder whose every weight differs from the base model's (as after training)."""
+    from diffusers import StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline.from_pretrained(tiny_model, safety_checker=None)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for model in (pipe.unet, pipe.vae, pipe.text_encoder):
+            for weight in model.parameters():
+                weight.add_(torch.randn_like(weight) * 0.01)
+    folder = str(tmp_path_factory.mktemp("tuned"))
+    pipe.save_pretrained(folder)
+    return folder
+
+
+def weights(pipe, part):
+    return getattr(pipe, part).state_dict()
+
+
+def test_full_model_round_trips_through_diffusers_single_file_loader(tuned_model, tiny_model, tmp_path):
+    """Loaded as A1111 users' files are (from_single_file with the base model's configs),
+    the export gives back the tuned weights exactly, not the base model's."""
+    from diffusers import StableDiffusionPipeline
+
+    path = export.main(["--model_dir", tuned_model, "--output_file", str(tmp_path / "tuned.safetensors"),
+                        "--save_precision", "fp32"])
+    with safe_open(path, "pt") as f:
+        keys = set(f.keys())
+        assert f.get_tensor("first_stage_model.encoder.mid.attn_1.q.weight").ndim == 4  # 1x1 conv, as the original
+    assert all(k.startswith(("model.diffusion_model.", "first_stage_model.", "cond_stage_model.transformer.text_model."))
+               for k in keys)
+    loaded = StableDiffusionPipeline.from_single_file(path, config=tiny_model, local_files_only=True,
+                                                      safety_checker=None)
+    tuned = StableDiffusionPipeline.from_pretrained(tuned_model, safety_checker=None)
+    base = StableDiffusionPipeline.from_pretrained(tiny_model, safety_checker=None)
+    for part in ("unet", "vae", "text_encoder"):
+        ours, back, orig = weights(tuned, part), weights(loaded, part), weights(base, part)
+        assert set(back) == set(ours)
+        assert all(torch.equal(back[k], ours[k]) for k in ours), part
+        assert not torch.equal(back[next(iter(orig))], orig[next(iter(orig))])
+    assert len(keys) == sum(len(weights(tuned, p)) for p in ("unet", "vae", "text_encoder"))
+
+    half = export.main(["--model_dir", tuned_model, "--output_file", str(tmp_path / "tuned-fp16.safetensors")])
+    assert os.path.getsize(half) < 0.55 * os.path.getsize(path)
+    with safe_open(half, "pt") as f:
+        assert f.get_tensor("model.diffusion_model.out.2.weight").dtype == torch.float16
+
+
+def test_unet_and_vae_names_are_those_of_the_original_sd_1_checkpoints():
+    """SD 1.x's own block layout (4 levels, 2 layers each, no attention at the UNet's deepest level)
+    at a small width: the renamed keys include the well-known names of the v1-5 checkpoint."""
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+
+    unet = UNet2DConditionModel(block_out_channels=(32, 32, 64, 64), layers_per_block=2, cross_attention_dim=32,
+                                attention_head_dim=8, norm_num_groups=8,
+                                down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+                                up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3)
+    vae = AutoencoderKL(block_out_channels=(8, 16, 32, 32), layers_per_block=2, norm_num_groups=8,
+                        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4)
+    unet_keys = export.rename(unet.state_dict(), export.unet_prefixes(unet.config), "UNet")
+    vae_keys = export.rename(vae.state_dict(), export.vae_prefixes(vae.config), "VAE")
+    assert len(unet_keys) == len(unet.state_dict()) and len(vae_keys) == len(vae.state_dict())
+    for key in ("time_embed.2.weight", "input_blocks.1.1.transformer_blocks.0.attn1.to_q.weight",
+                "input_blocks.3.0.op.weight", "input_blocks.7.0.skip_connection.weight", "input_blocks.11.0.emb_layers.1.weight",
+                "middle_block.1.proj_in.weight", "middle_block.2.out_layers.3.weight", "output_blocks.2.1.conv.weight",
+                "output_blocks.5.2.conv.weight", "output_blocks.8.2.conv.weight", "output_blocks.11.1.proj_out.weight",
+                "output_blocks.0.0.in_layers.2.weight", "out.2.weight"):
+        assert key in unet_keys, key
+    for key in ("encoder.down.0.downsample.conv.weight", "encoder.down.2.block.0.nin_shortcut.weight",
+                "encoder.mid.attn_1.proj_out.weight", "encoder.norm_out.weight", "decoder.up.3.upsample.conv.weight",
+                "decoder.up.0.block.0.nin_shortcut.weight", "decoder.mid.block_2.conv2.weight", "quant_conv.weight"):
+        assert key in vae_keys, key
+    assert "decoder.up.0.upsample.conv.weight" not in vae_keys  # the original's bottom level keeps its size
+
+
+def test_a_weight_with_no_original_name_is_an_error():
+    with pytest.raises(utils.UserError, match="no original-layout name for the UNet weight add_embedding"):
+        export.rename({"add_embedding.linear_1.weight": torch.zeros(1)}, export.unet_prefixes(
+            {"layers_per_block": 1, "up_block_types": ("UpBlock2D",)}), "UNet")
+
+
+def test_lora_exports_to_kohya_that_diffusers_loads_with_its_alpha(lora_output, tiny_model, tmp_path):
+    """rank 4, alpha 8: the kohya file must carry alpha 8 on every module, or loaders scale by 1."""
+    from diffusers import StableDiffusionPipeline
+
+    folder, _ = lora_output
+    path = export.main(["--model_dir", folder, "--output_file", str(tmp_path / "subject-lora.safetensors"),
+                        "--save_precision", "fp32"])
+    with safe_open(path, "pt") as f:
+        keys = list(f.keys())
+        assert {float(f.get_tensor(k)) for k in keys if k.endswith(".alpha")} == {8.0}
+        assert f.metadata()["ss_network_dim"] == "4"
+    assert all(k.startswith(("lora_unet_", "lora_te_text_model_encoder_layers_")) for k in keys)
+    assert "lora_unet_mid_block_attentions_0_transformer_blocks_0_attn2_to_out_0.lora_up.weight" in keys
+
+    def fused(source):
+        pipe = StableDiffusionPipeline.from_pretrained(tiny_model, safety_checker=None)
+        pipe.load_lora_weights(source)
+        pipe.fuse_lora()
+        pipe.unload_lora_weights()  # the fused weights stay, under their own names
+        return pipe
+
+    ours, kohya = fused(folder), fused(path)
+    base = StableDiffusionPipeline.from_pretrained(tiny_model, safety_checker=None)
+    for part in ("unet", "text_encoder"):
+        a, b, orig = (getattr(p, part).state_dict() for p in (ours, kohya, base))
+        assert set(a) == set(b) == set(orig)
+        assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a), part
+        assert any(not torch.equal(a[k], orig[k]) for k in orig)
+
+
+def test_export_refuses_to_overwrite_or_to_write_another_format(tuned_model, tmp_path):
+    existing = tmp_path / "model.safetensors"
+    existing.write_bytes(b"mine")
+    with pytest.raises(utils.UserError, match="exists: pass --overwrite"):
+        export.main(["--model_dir", tuned_model, "--output_file", str(existing)])
+    assert existing.read_bytes() == b"mine"
+    with pytest.raises(utils.UserError, match="must end in .safetensors"):
+        export.main(["--model_dir", tuned_model, "--output_file", str(tmp_path / "model.ckpt")])
