@@ -25,7 +25,8 @@ IGNORE_PATTERNS = ["*.ckpt", "*.bin", "*.msgpack", "*.onnx", "*.h5", "*.fp16.*",
 # shadows a real model and every script finds it exactly as it finds SD 1.4.
 RANDOM_MODEL_OWNER = "dreambooth-ray"  # every random model's hub name starts with it
 TINY_MODEL_NAME = f"{RANDOM_MODEL_OWNER}/tiny-stable-diffusion"
-TINY_REVISION = hashlib.sha1(b"dreambooth-ray tiny sd v2").hexdigest()
+# Bump when models.build_pipeline draws other weights for the same MODEL_SIZES entry.
+RANDOM_MODEL_VERSION = 3
 
 
 def hub_snapshot_path(cache_dir, model_name, revision):
@@ -35,11 +36,13 @@ def hub_snapshot_path(cache_dir, model_name, revision):
 
 
 def random_model_id(size):
-    """(hub name, revision) of a built random model: the tiny one keeps its historical name."""
-    if size == "tiny":
-        return TINY_MODEL_NAME, TINY_REVISION
-    name = f"{RANDOM_MODEL_OWNER}/random-stable-diffusion-{size}"
-    return name, hashlib.sha1(name.encode()).hexdigest()
+    """(hub name, revision) of a built random model: the tiny one keeps its historical name; the
+    revision names the architecture and the build, so a changed model never reuses an old folder."""
+    import models
+
+    name = TINY_MODEL_NAME if size == "tiny" else f"{RANDOM_MODEL_OWNER}/random-stable-diffusion-{size}"
+    build = f"{name} v{RANDOM_MODEL_VERSION} {sorted(models.MODEL_SIZES[size].items())}"
+    return name, hashlib.sha1(build.encode()).hexdigest()
 
 
 def has_random_weights(model_dir):
@@ -57,6 +60,10 @@ def write_random_model(cache_dir, size="tiny"):
 
     name, revision = random_model_id(size)
     snapshot = hub_snapshot_path(cache_dir, name, revision)
+    # Built from a fixed seed and renamed into place whole: one already there is this model, as a
+    # cached download is (a change to MODEL_SIZES comes with a new revision).
+    if os.path.isfile(os.path.join(snapshot, "model_index.json")):
+        return snapshot
     pipeline = models.build_pipeline(size)
     utils.atomic_write_dir(snapshot, lambda tmp: pipeline.save_pretrained(tmp, safe_serialization=True))
     refs = os.path.join(os.path.dirname(os.path.dirname(snapshot)), "refs")

@@ -16,9 +16,10 @@ SD14_REV = "b95be7d6f134c3a9e62ee616f310733567f069ce"
 def test_tiny_is_written_in_hub_layout_and_loads(tiny_model):
     from diffusers import DiffusionPipeline
 
-    assert tiny_model.endswith(os.path.join("snapshots", cache_model.TINY_REVISION))
+    name, revision = cache_model.random_model_id("tiny")
+    assert tiny_model.endswith(os.path.join("models--" + name.replace("/", "--"), "snapshots", revision))
     refs = os.path.join(tiny_model, "..", "..", "refs", "main")
-    assert open(refs).read() == cache_model.TINY_REVISION  # no trailing newline
+    assert open(refs).read() == revision  # no trailing newline
     assert {f for f in os.listdir(os.path.join(tiny_model, "unet"))} == {"config.json",
                                                                         "diffusion_pytorch_model.safetensors"}
     pipe = DiffusionPipeline.from_pretrained(tiny_model)
@@ -71,3 +72,13 @@ def test_random_models_and_models_tuned_from_them_are_known(tiny_model, tmp_path
     assert cache_model.has_random_weights(str(tuned))
     utils.write_json(str(tuned / utils.OUTPUT_MARKER), {"base_model": "/data/models--CompVis--sd/snapshots/x"})
     assert not cache_model.has_random_weights(str(tuned))
+
+
+def test_a_built_random_model_is_reused_and_another_size_gets_its_own_revision(tiny_model):
+    """Like a cached download, a second --tiny finds the model already built (same folder, same files)."""
+    cache_dir = tiny_model.split(os.sep + "models--")[0]
+    weights = os.path.join(tiny_model, "unet", "diffusion_pytorch_model.safetensors")
+    before = os.stat(weights).st_mtime_ns
+    assert cache_model.main(["--model_dir", cache_dir, "--tiny"]) == tiny_model
+    assert os.stat(weights).st_mtime_ns == before
+    assert len({cache_model.random_model_id(size)[1] for size in ("tiny", "small", "sd15")}) == 3

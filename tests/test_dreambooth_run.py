@@ -1,6 +1,7 @@
 """End to end: the whole Steps 0-5 script on the tiny model, as a user runs it."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -9,8 +10,15 @@ import torch
 from utils import LORA_WEIGHTS_FILE, OUTPUT_MARKER, REPO_DIR
 
 
+@pytest.fixture(scope="module")
+def data_prefix(tmp_path_factory):
+    """Both runs use one DATA_PREFIX, as a user's second run does: the second finds the class images made."""
+    return tmp_path_factory.mktemp("dreambooth-run")
+
+
 @pytest.mark.parametrize("mode", ["full", "lora"])
-def test_dreambooth_run_tiny_end_to_end(tmp_path, mode):
+def test_dreambooth_run_tiny_end_to_end(data_prefix, mode):
+    tmp_path = data_prefix
     env = dict(os.environ, DATA_PREFIX=str(tmp_path), NUM_CLASS_IMAGES="6", MAX_TRAIN_STEPS="4",
                NUM_INFERENCE_STEPS="3", PYTHON=sys.executable)
     proc = subprocess.run(["bash", "dreambooth_run.sh", "--tiny"] + (["--use_lora"] if mode == "lora" else []),
@@ -19,7 +27,7 @@ def test_dreambooth_run_tiny_end_to_end(tmp_path, mode):
     output = proc.stdout + proc.stderr
     # Progress and results, not library noise; one note per generation run that its images are noise.
     assert "requires torchvision" not in output
-    assert output.count("this model has random weights") == 2
+    assert output.count("this model has random weights") == len(re.findall(r"; generating [1-9]", output)) >= 1
     assert "loss and learning rate plotted in" in output
 
     reg = sorted(os.listdir(tmp_path / "images-reg"))

@@ -13,6 +13,7 @@ import pytest
 from PIL import Image
 
 import checkpoint
+import generate
 import runlog
 import train
 from utils import LORA_WEIGHTS_FILE, OUTPUT_MARKER, REPO_DIR
@@ -33,23 +34,6 @@ def train_args(tiny_model, toy_images, out, steps, *extra):
     return ["--model_dir", tiny_model, "--output_dir", str(out), "--instance_images_dir", toy_images,
             "--instance_prompt", "photo of unqtkn toy", "--train_batch_size", "1", "--num_workers", "2",
             "--num_epochs", "100", "--max_train_steps", str(steps), *extra]
-
-
-def test_resume_latest_starts_fresh_then_continues_step_count_and_lr_schedule(ray_session, tiny_model, toy_images,
-                                                                              tmp_path, capsys):
-    out = tmp_path / "model-tuned"
-    common = ["--lr_warmup_steps", "4", "--checkpointing_steps", "2", "--logging_steps", "1",
-              "--resume_from_checkpoint", "latest"]
-    first = train.main(train_args(tiny_model, toy_images, out, 2, *common))
-    assert first.metrics["step"] == 2
-    assert "starting fresh" in capsys.readouterr().err  # no checkpoint yet
-    resumed = train.main(train_args(tiny_model, toy_images, out, 4, *common))
-    assert resumed.metrics["step"] == 4
-    # The schedule went on: 4 steps of warm-up in all, not 2 + 2 restarted ones.
-    assert resumed.metrics["lr"] == pytest.approx(5e-6)
-    assert first.metrics["lr"] == pytest.approx(5e-6 * 2 / 4)
-    # Only steps 3 and 4 ran in the second run: its one checkpoint is the final one.
-    assert checkpoint_steps(resumed.path) == [4]
 
 
 def worker_pids(since):
@@ -123,14 +107,14 @@ def test_killed_lora_worker_is_replaced_then_ctrl_c_says_how_to_resume_and_the_r
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp")]
 
 
-def test_killed_generation_rerun_gives_exactly_the_uninterrupted_images(tiny_model, tmp_path):
-    def command(folder):
-        return [sys.executable, "generate.py", "--model_dir", tiny_model, "--output_dir", str(folder),
-                "--prompts", "photo of a toy", "--num_samples_per_prompt", "10", "--batch_size", "1",
-                "--num_inference_steps", "20", "--seed", "3"]
+def test_killed_generation_rerun_gives_exactly_the_uninterrupted_images(ray_session, tiny_model, tmp_path):
+    def flags(folder):
+        return ["--model_dir", tiny_model, "--output_dir", str(folder), "--prompts", "photo of a toy",
+                "--num_samples_per_prompt", "10", "--batch_size", "1", "--num_inference_steps", "20", "--seed", "3"]
 
     cut = tmp_path / "cut"
-    proc = subprocess.Popen(command(cut), cwd=REPO_DIR, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "generate.py", *flags(cut)], cwd=REPO_DIR, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     wait_for(lambda: os.path.isdir(cut) and len([f for f in os.listdir(cut) if f.endswith(".png")]) >= 2, 180, proc)
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=60)
@@ -139,8 +123,8 @@ def test_killed_generation_rerun_gives_exactly_the_uninterrupted_images(tiny_mod
     assert 2 <= len(made) < 10
     (cut / (made[0] + ".tmp-99999")).write_bytes(b"half an image")  # as a kill mid-write leaves it
 
-    for folder in (cut, tmp_path / "whole"):
-        subprocess.run(command(folder), cwd=REPO_DIR, env=ENV, check=True, capture_output=True, timeout=300)
+    for folder in (cut, tmp_path / "whole"):  # the rerun and the uninterrupted run, on this session's Ray
+        generate.main(flags(folder))
     names = sorted(f for f in os.listdir(cut) if f != "grid")
     assert names == sorted(f for f in os.listdir(tmp_path / "whole") if f != "grid")
     assert len(names) == 10
@@ -162,33 +146,34 @@ def logged_losses(result):
         return [(m["step"], m["loss"]) for m in map(json.loads, f)]
 
 
-def test_same_seed_same_losses_and_validation_samples_change_nothing(ray_session, tiny_model, toy_images,
-                                                                       tmp_path):
-    sampling = ["--validation_prompt", "photo of unqtkn toy", "--validation_steps", "3", "--num_validation_images",
-                "1", "--validation_inference_steps", "2"]
-    runs = [train.main(train_args(tiny_model, toy_images, tmp_path / f"m{k}", 6, "--num_workers", "1",
-                                  "--random_flip", "--logging_steps", "2", "--seed", "3", "--lr", "1e-4",
-                                  *(sampling if k else [])))
-            for k in range(2)]
-    assert sorted(os.listdir(os.path.join(runs[1].path, "validation"))) == ["step-3", "step-6", "timeline.png"]
-    assert logged_losses(runs[0]) == logged_losses(runs[1])
-    assert [s for s, _ in logged_losses(runs[0])] == [2, 4, 6]
-
-
-def test_resume_with_every_gpu_option_ends_with_the_uninterrupted_weights(ray_session, tiny_model, toy_images,
-                                                                          tmp_path):
+def test_seeded_run_cut_and_resumed_with_every_gpu_option_ends_with_the_uninterrupted_weights(
+        ray_session, tiny_model, toy_images, tmp_path, capsys):
     """channels-last, fused AdamW, fp16 + GradScaler, torch.compile, gradient checkpointing of
-    UNet and text encoder, the two-device split and DDP over 2 workers: a run cut at step 2 and
-    resumed ends exactly where the uninterrupted run does."""
+    UNet and text encoder, the two-device split and DDP over 2 workers, random flips.
+
+    The same seed gives the same losses (validation sampling in between changes nothing);
+    '--resume_from_checkpoint latest' starts fresh when there is nothing to resume, then goes on
+    from step 2 with the step count and the LR warm-up where they were; the resumed run ends with
+    exactly the weights of the uninterrupted one."""
     options = ["--channels_last", "--fused_adamw", "--mixed_precision", "fp16", "--torch_compile", "aot_eager",
                "--gradient_checkpointing", "--gpus_per_worker", "2", "--random_flip", "--checkpointing_steps", "2",
-               "--logging_steps", "1", "--lr", "1e-3", "--seed", "5"]
+               "--logging_steps", "1", "--lr", "1e-3", "--lr_warmup_steps", "4", "--seed", "5"]
+    sampling = ["--validation_prompt", "photo of unqtkn toy", "--validation_steps", "1", "--num_validation_images",
+                "2", "--validation_inference_steps", "2"]
     whole = train.main(train_args(tiny_model, toy_images, tmp_path / "whole", 4, *options))
-    train.main(train_args(tiny_model, toy_images, tmp_path / "cut", 2, *options))
-    resumed = train.main(train_args(tiny_model, toy_images, tmp_path / "cut", 4, *options,
-                                    "--resume_from_checkpoint", "latest"))
+    capsys.readouterr()
+    latest = ["--resume_from_checkpoint", "latest"]
+    cut = train.main(train_args(tiny_model, toy_images, tmp_path / "cut", 2, *options, *sampling, *latest))
+    assert "starting fresh" in capsys.readouterr().err  # no checkpoint yet
+    assert logged_losses(cut) == logged_losses(whole)[:2]
+    assert sorted(os.listdir(os.path.join(cut.path, "validation"))) == ["step-1", "step-2", "timeline.png"]
+    resumed = train.main(train_args(tiny_model, toy_images, tmp_path / "cut", 4, *options, *latest))
     assert resumed.metrics["step"] == whole.metrics["step"] == 4
     assert logged_losses(resumed) == logged_losses(whole)[2:]
+    # The schedule went on: 4 steps of warm-up in all, not 2 + 2 restarted ones.
+    assert cut.metrics["lr"] == pytest.approx(1e-3 * 2 / 4)
+    assert resumed.metrics["lr"] == pytest.approx(1e-3)
+    assert checkpoint_steps(resumed.path) == [4]  # only steps 3 and 4 ran in the resumed run
     a, b = final_weights(tmp_path / "whole"), final_weights(tmp_path / "cut")
     base = final_weights(tiny_model)
     for part in a:

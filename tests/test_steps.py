@@ -138,10 +138,10 @@ def test_train_step_learns_a_fixed_batch_and_changes_only_trainable_weights(mode
     torch.manual_seed(0)
     first = step(state, [batch], prompt_ids)[0]
     assert isinstance(first, torch.Tensor) and not first.requires_grad  # no .item() sync inside the step
-    for _ in range(15):
+    for _ in range(6):
         torch.manual_seed(0)  # same noise and timesteps: the loss must fall
         last = step(state, [batch], prompt_ids)[0]
-    assert last.item() < first.item() * 0.9
+    assert last.item() < first.item() * 0.9, (first.item(), last.item())
     assert all(torch.equal(v, models.vae.state_dict()[k]) for k, v in vae_before.items())
     assert any(not torch.equal(v, models.unet.state_dict()[k]) for k, v in unet_before.items())
 
