@@ -1,0 +1,128 @@
+"""The DreamBooth paper's scores (Ruiz et al., 2023, section 4.1) and the models that embed for them.
+
+- DINO: mean cosine similarity of DINO ViT embeddings (the CLS token) of generated images and the
+  real subject photos, over every pair. Subject fidelity that tells subjects of a class apart.
+- CLIP-I: the same with CLIP image embeddings.
+- CLIP-T: mean CLIP similarity of each generated image with its own prompt, the unique token
+  removed from the prompt. Prompt fidelity.
+- PRES: DINO similarity of images of the *class* prompt to the subject photos: high means the
+  class has drifted towards the subject (language drift), low is good.
+- DIV: mean pairwise DINO distance (1 - similarity) among images of one prompt: diversity.
+
+Plain functions on (N, D) embeddings; the Embedder turns PIL images and prompts into them.
+"""
+
+import itertools
+import os
+import re
+
+import utils
+
+# The paper's values for SD 1.x DreamBooth (table 1), printed beside ours in report.md.
+PAPER_SD = {"dino": 0.668, "clip_i": 0.803, "clip_t": 0.305}
+
+
+def _unit(x):
+    return x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+
+
+def mean_similarity(a, b):
+    """Mean cosine similarity over every pair (a_i, b_j); a (N, D), b (M, D). DINO, CLIP-I, PRES."""
+    return (_unit(a.float()) @ _unit(b.float()).T).mean().item()
+
+
+def paired_similarity(a, b):
+    """Mean cosine similarity of a_i with b_i; a, b (N, D). CLIP-T: image i with its own prompt."""
+    return (_unit(a.float()) * _unit(b.float())).sum(-1).mean().item()
+
+
+def diversity(groups):
+    """DIV: mean pairwise cosine distance within each group of (N_k, D) embeddings (one group per
+    prompt), averaged over the pairs of all groups; groups of one image have no pairs."""
+    distances = [1 - (_unit(g[i].float()) * _unit(g[j].float())).sum().item()
+                 for g in groups for i, j in itertools.combinations(range(len(g)), 2)]
+    if not distances:
+        raise utils.UserError("DIV needs at least two images of one prompt")
+    return sum(distances) / len(distances)
+
+
+def without_token(prompt, token):
+    """The prompt as CLIP-T reads it: the unique identifier removed ("a unqtkn dog" -> "a dog")."""
+    return re.sub(r"\s+", " ", re.sub(rf"(?<!\w){re.escape(token)}(?!\w)", "", prompt)).strip()
+
+
+class Embedder:
+    """DINO and CLIP embeddings from two local transformers folders (a ViT-style model whose
+    last_hidden_state[:, 0] is the CLS token, and a CLIPModel), with their own processors."""
+
+    def __init__(self, dino_dir, clip_dir, device="cpu", allow_unsafe_weights=False):
+        import torch
+        from transformers import AutoImageProcessor, AutoModel, AutoProcessor, CLIPModel
+
+        utils.quiet_hf_logging()
+        safe = None if allow_unsafe_weights else True
+        self.device = torch.device(device)
+        self.dino = AutoModel.from_pretrained(dino_dir, use_safetensors=safe).to(self.device).eval()
+        self.dino_processor = AutoImageProcessor.from_pretrained(dino_dir)
+        self.clip = CLIPModel.from_pretrained(clip_dir, use_safetensors=safe).to(self.device).eval()
+        self.clip_processor = AutoProcessor.from_pretrained(clip_dir)
+
+    def dino_images(self, images):
+        """(N, D) CLS embeddings of PIL images."""
+        import torch
+
+        pixels = self.dino_processor(images=images, return_tensors="pt")["pixel_values"].to(self.device)
+        with torch.no_grad():
+            return self.dino(pixel_values=pixels).last_hidden_state[:, 0].cpu()
+
+    def clip_images(self, images):
+        """(N, P) CLIP image features of PIL images."""
+        import torch
+
+        pixels = self.clip_processor(images=images, return_tensors="pt")["pixel_values"].to(self.device)
+        with torch.no_grad():
+            return _features(self.clip.get_image_features(pixel_values=pixels)).cpu()
+
+    def clip_texts(self, prompts):
+        """(N, P) CLIP text features of prompts."""
+        import torch
+
+        tokens = self.clip_processor(text=list(prompts), return_tensors="pt", padding=True, truncation=True)
+        with torch.no_grad():
+            return _features(self.clip.get_text_features(input_ids=tokens["input_ids"].to(self.device),
+                                                         attention_mask=tokens["attention_mask"].to(self.device))).cpu()
+
+
+def _features(output):
+    """get_*_features returns a tensor in transformers 4 and a model output in some 5.x versions."""
+    return output if hasattr(output, "norm") else output.pooler_output
+
+
+# ---------------------------------------------------------------- tiny random models (tests, --tiny)
+
+def build_tiny_eval_models(folder, seed=0, image_size=64):
+    """Random, tiny DINO-style ViT and CLIP models with their processors, saved (safetensors) under
+    folder/dino and folder/clip: the real classes, so every scoring path runs offline."""
+    import torch
+    from transformers import (CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizer, ViTConfig,
+                              ViTImageProcessor, ViTModel)
+
+    import models
+
+    torch.manual_seed(seed)
+    dino = ViTModel(ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                              image_size=image_size, patch_size=16), add_pooling_layer=False)
+    size = {"height": image_size, "width": image_size}
+    dino_dir, clip_dir = os.path.join(folder, "dino"), os.path.join(folder, "clip")
+    dino.save_pretrained(dino_dir)
+    ViTImageProcessor(size=size).save_pretrained(dino_dir)
+    tokenizer = CLIPTokenizer.from_pretrained(models.TINY_TOKENIZER_DIR, model_max_length=77)
+    text = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, max_position_embeddings=77, bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  image_size=image_size, patch_size=16)
+    CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)).save_pretrained(clip_dir)
+    processor = CLIPImageProcessor(size={"shortest_edge": image_size}, crop_size=size)
+    CLIPProcessor(image_processor=processor, tokenizer=tokenizer).save_pretrained(clip_dir)
+    return dino_dir, clip_dir
