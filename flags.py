@@ -290,6 +290,25 @@ FLAGS = {
     "use_ray_data": (("--use_ray_data",),
         dict(action="store_true",
              help="Accepted for compatibility with Ray's example: generation always runs on Ray Data.")),
+    # --- evaluation
+    "base_model_dir": (("--base_model_dir",),
+        dict(type=abs_path, default=None, metavar="DIR",
+             help="Base model to score beside the tuned one (default: the one train.py recorded; "
+                  "for a LoRA, the model it applies to).")),
+    "unique_token": (("--unique_token",),
+        dict(default="unqtkn", help="The identifier the subject was trained with (removed from prompts for CLIP-T).")),
+    "class_name": (("--class_name",),
+        dict(required=True, help="The subject's class as in the class prompt: dog, backpack, person.")),
+    "subject_type": (("--subject_type",),
+        dict(choices=("object", "live"), default="object",
+             help="Prompt set: 25 prompts for objects, or 25 for pets and people (accessories, poses).")),
+    "eval_prompts": (("--eval_prompts",),
+        dict(type=abs_path, default=None, metavar="FILE",
+             help="Your own prompt set: one prompt per line with '{subject}' where '<token> <class>' goes.")),
+    "eval_models_dir": (("--eval_models_dir",),
+        dict(type=abs_path, required=True, metavar="DIR",
+             help="Folder with dino/ (a ViT, e.g. facebook/dino-vits16) and clip/ (a CLIPModel) in "
+                  "transformers' format.")),
     # --- export
     "output_file": (("--output_file", "--checkpoint_path"),
         dict(type=abs_path, required=True, metavar="FILE",

@@ -12,7 +12,7 @@
 #   . .gpukit/install.sh && bash benchmarks/gpu_check.sh     # there (run with carry [".gpukit"])
 #
 # Steps: 1 build the random model (cache_model.py) -> 2 subject photos -> 3 eight class images on the
-# Ray Data actor pool (generate.py) -> 4 train 30 steps (80 on tiny), checkpoint every 10 (UNet + text encoder,
+# Ray Data actor pool (generate.py) -> 4 train 30 steps (60 on tiny), checkpoint every 10 (UNet + text encoder,
 # prior loss, default precision: bf16 on GPU), SIGKILL the train worker after the first checkpoint
 # (Ray restarts it from there), Ctrl-C the driver after the second -> 5 resume from 'latest' to the
 # end and save -> 6 four images from the tuned model -> 7 benchmarks/bench.py (Ray Train vs plain
@@ -40,9 +40,9 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 if [ "$MODEL" = tiny ]; then
-  # Tiny steps take ~0.3 s: with only 10 after checkpoint 20 the run could end before Ctrl-C lands.
+  # Tiny steps take ~0.3 s: with only 10 after checkpoint 20 the run could end before Ctrl-C lands (60: 40 left).
   # The dry run benches the full variant only (each variant is a Ray Train run and two plain ones).
-  INFERENCE_STEPS=2; TRAIN_STEPS=80; VARIANTS=full; LORA_STEPS=20
+  INFERENCE_STEPS=2; TRAIN_STEPS=60; VARIANTS=full; LORA_STEPS=20
   BENCH=(--steps 5 --warmup 5 --logging_steps 5 --plain_warmup 1 --inference_steps 2)
 else
   INFERENCE_STEPS=50; TRAIN_STEPS=30; VARIANTS=full,frozen,cached; LORA_STEPS=20; BENCH=()

@@ -31,7 +31,7 @@ def test_gpu_check_dry_run_kills_a_worker_resumes_and_generates(gpu_check):
     assert "killed the train worker after checkpoint 10" in log
     table = table_rows((work / "table.md").read_text())
     assert table["wall time: 4 train to step 20, worker killed at 10, Ctrl-C at 20"][2] == "exit 130"
-    for row in ("wall time: 1 build random tiny model", "wall time: 5 resume from latest to step 80 + save",
+    for row in ("wall time: 1 build random tiny model", "wall time: 5 resume from latest to step 60 + save",
                 "wall time: 6 generate 4 images from the tuned model",
                 "plain loop, full, gradient checkpointing: peak memory"):
         assert float(table[row][0]) > 0, row

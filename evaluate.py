@@ -1,0 +1,219 @@
+"""Step 6: does it look like the subject? Score a tuned model the way the DreamBooth paper does.
+
+    python evaluate.py --model_dir=$TUNED_MODEL_DIR --instance_data_dir=$IMAGES_OWN_DIR \
+        --unique_token=$UNIQUE_TOKEN --class_name=$CLASS_NAME --subject_type=live \
+        --eval_models_dir=$EVAL_MODELS_DIR --output_dir=$EVAL_DIR
+
+Generates --num_samples_per_prompt images for each prompt of a prompt set (25 per subject type,
+assets/eval_prompts/, or --eval_prompts FILE) and of the class prompt, from the tuned model and
+from the base model it was trained on, on the Ray Data actor pool; embeds them and the subject
+photos with DINO and CLIP on an actor pool too; writes scores.json, report.md (a table per prompt
+and overall, tuned beside base, and the paper's values for SD) and a grid per prompt. Images
+already there are kept: a rerun only scores again. Scores: see scores.py.
+"""
+
+import os
+import sys
+
+import flags
+import generate
+import scores
+import utils
+
+EVAL_PROMPTS_DIR = os.path.join(utils.REPO_DIR, "assets", "eval_prompts")
+SCORE_NAMES = ("dino", "clip_i", "clip_t", "div")
+
+
+def prompt_templates(subject_type, path=None):
+    """The prompt set: lines of a file with '{subject}' for "<token> <class>" ('#' lines are comments)."""
+    path = path or os.path.join(EVAL_PROMPTS_DIR, f"{subject_type}.txt")
+    with open(path) as f:
+        lines = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+    missing = [line for line in lines if "{subject}" not in line]
+    if missing or not lines:
+        raise utils.UserError(f"{path}: every prompt needs '{{subject}}' (e.g. 'a {{subject}} on a beach'); "
+                              f"not: {missing[0] if missing else '(no prompts)'}")
+    return lines
+
+
+def models_to_score(model_dir, lora_dir, base_dir):
+    """[(label, model folder, LoRA folder)]: the tuned model and, where known, its base model."""
+    model_dir, lora_dir = generate.resolve_lora(model_dir, lora_dir)
+    if base_dir is None:
+        marker = os.path.join(model_dir, utils.OUTPUT_MARKER)
+        base_dir = model_dir if lora_dir else (utils.read_json(marker)["base_model"] if os.path.isfile(marker) else None)
+    entries = [("tuned", model_dir, lora_dir)]
+    if base_dir:
+        entries.append(("base", base_dir, None))
+    return entries
+
+
+class Embedder:
+    """Ray Data actor: DINO and CLIP embeddings of image files, CLIP embeddings of their texts.
+
+    Batch in: {"path": (B,) str, "text": (B,) str}.
+    Batch out: {"path", "dino": (B, D), "clip": (B, P), "text_clip": (B, P)}.
+    """
+
+    def __init__(self, dino_dir, clip_dir, num_actors, allow_unsafe_weights):
+        device = utils.torch_device()
+        if device.type == "cpu":
+            utils.share_cpu_threads(num_actors)
+        self.embedder = scores.Embedder(dino_dir, clip_dir, device, allow_unsafe_weights)
+
+    def __call__(self, batch):
+        from PIL import Image, ImageOps
+
+        import dataset
+
+        images = []
+        for path in batch["path"]:
+            with Image.open(path) as image:  # the subject photos as training read them: upright, RGB
+                images.append(dataset.normalize_image(ImageOps.exif_transpose(image)))
+        return {"path": batch["path"], "dino": self.embedder.dino_images(images).numpy(),
+                "clip": self.embedder.clip_images(images).numpy(),
+                "text_clip": self.embedder.clip_texts([str(t) for t in batch["text"]]).numpy()}
+
+
+def embed(rows, eval_models_dir, num_actors, allow_unsafe_weights=False, batch_size=16):
+    """{path: {"dino", "clip", "text_clip"} as torch tensors} for rows [{"path", "text"}], on an actor pool."""
+    import torch
+
+    ray = utils.init_ray()
+    dirs = (os.path.join(eval_models_dir, "dino"), os.path.join(eval_models_dir, "clip"))
+    num_gpus = 1 if utils.cluster_resources()[1] else 0
+    ds = ray.data.from_items(rows).map_batches(
+        Embedder, fn_constructor_args=(*dirs, num_actors, allow_unsafe_weights), batch_size=batch_size,
+        compute=ray.data.ActorPoolStrategy(size=num_actors), num_gpus=num_gpus)
+    out = {}
+    for batch in ds.iter_batches(batch_size=None):
+        for i, path in enumerate(batch["path"]):
+            out[str(path)] = {k: torch.tensor(batch[k][i]) for k in ("dino", "clip", "text_clip")}
+    return out
+
+
+def score_set(emb, files, real):
+    """DINO, CLIP-I, CLIP-T, DIV of one model's images. files: {prompt: [paths]} (images the safety
+    checker withheld are absent); real: the subject photos' paths. Each image's CLIP-T text is the
+    one its row carried (its prompt without the token). DIV is None with one image per prompt."""
+    import torch
+
+    def stack(paths, key):
+        return torch.stack([emb[p][key] for p in paths])
+
+    every = [p for paths in files.values() for p in paths]
+    if not every:
+        raise utils.UserError("no images to score: the safety checker withheld all of them")
+    groups = [stack(paths, "dino") for paths in files.values() if len(paths) > 1]
+    return {"dino": scores.mean_similarity(stack(every, "dino"), stack(real, "dino")),
+            "clip_i": scores.mean_similarity(stack(every, "clip"), stack(real, "clip")),
+            "clip_t": scores.paired_similarity(stack(every, "clip"), stack(every, "text_clip")),
+            "div": scores.diversity(groups) if groups else None}
+
+
+def _cell(value):
+    return "" if value is None else f"{value:.3f}"
+
+
+def write_report(path, result):
+    """report.md: overall scores of each model beside the paper's for SD, then one row per prompt."""
+    labels = list(result["models"])
+    lines = ["# DreamBooth evaluation", "",
+             f"Subject: `{result['subject']}`, {result['num_prompts']} prompts x {result['num_samples_per_prompt']} "
+             f"images, subject photos: {result['num_photos']}. Higher is better except PRES (language drift).", "",
+             "| model | DINO | CLIP-I | CLIP-T | DIV | PRES |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for label in labels:
+        s = result["models"][label]["overall"]
+        lines.append(f"| {label} | " + " | ".join(_cell(s[k]) for k in (*SCORE_NAMES, "pres")) + " |")
+    paper = scores.PAPER_SD
+    lines += [f"| paper, SD DreamBooth | {paper['dino']:.3f} | {paper['clip_i']:.3f} | {paper['clip_t']:.3f} | | |",
+              "", "## Per prompt", "", "| prompt | " + " | ".join(f"{label} DINO | {label} CLIP-T" for label in labels)
+              + " |", "| --- |" + " ---: | ---: |" * len(labels)]
+    for prompt in result["prompts"]:
+        cells = []
+        for label in labels:
+            s = result["models"][label]["per_prompt"].get(prompt)
+            cells += [_cell(s["dino"]), _cell(s["clip_t"])] if s else ["", ""]
+        lines.append(f"| {prompt} | " + " | ".join(cells) + " |")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main(argv=None):
+    parser = flags.make_parser(__doc__.splitlines()[0], [
+        "model_dir", "lora_dir", "base_model_dir", "instance_data_dir", "unique_token", "class_name",
+        "subject_type", "eval_prompts", "eval_models_dir", "output_dir", "num_samples_per_prompt", "batch_size",
+        "num_inference_steps", "guidance_scale", "seed", "resolution", "num_actors", "allow_unsafe_weights"],
+        helps={"num_samples_per_prompt": "Images per prompt and model (the paper: 4).",
+               "output_dir": "Where the images, scores.json, report.md and the grids go."})
+    parser.set_defaults(num_samples_per_prompt=4)
+    args = parser.parse_args(argv)
+    import torch
+
+    import dataset
+
+    templates = prompt_templates(args.subject_type, args.eval_prompts)
+    subject = f"{args.unique_token} {args.class_name}"
+    prompts = {t.format(subject=subject): scores.without_token(t.format(subject=subject), args.unique_token)
+               for t in templates}
+    class_prompt = f"a {args.class_name}"
+    real = dataset.list_images(args.instance_data_dir, "subject photos", also_expected=".txt")
+    entries = models_to_score(args.model_dir, args.lora_dir, args.base_model_dir)
+    num_actors = args.num_actors or generate.default_num_actors()
+
+    files, rows = {}, []
+    for label, model_dir, lora_dir in entries:
+        utils.check_model_dir(model_dir, args.allow_unsafe_weights)
+        folder = os.path.join(args.output_dir, "images", label)
+        os.makedirs(folder, exist_ok=True)
+        utils.remove_temp_files(folder)
+        todo, names = generate.plan_images([*prompts, class_prompt], args.num_samples_per_prompt, args.seed, folder)
+        print(f"{label}: {len(names) - len(todo)} of {len(names)} images already in {folder}; generating "
+              f"{len(todo)}", file=sys.stderr)
+        settings = {"num_inference_steps": args.num_inference_steps, "guidance_scale": args.guidance_scale,
+                    "negative_prompt": None, "resolution": args.resolution,
+                    "allow_unsafe_weights": args.allow_unsafe_weights, "lora_dir": lora_dir, "lora_scale": 1.0,
+                    "safety_checker": generate.use_safety_checker("auto", model_dir, lora_dir)}
+        generate.make_images(todo, model_dir, folder, settings, args.batch_size, num_actors)
+        files[label] = {p: [os.path.join(folder, generate.image_file_name(p, i)) for i in range(args.num_samples_per_prompt)
+                            if os.path.exists(os.path.join(folder, generate.image_file_name(p, i)))]
+                        for p in [*prompts, class_prompt]}
+        rows += [{"path": path, "text": prompts.get(p, class_prompt)} for p, paths in files[label].items() for path in paths]
+    rows += [{"path": path, "text": class_prompt} for path in real]
+    print(f"scoring {len(rows)} images on {num_actors} actor(s)", file=sys.stderr)
+    emb = embed(rows, args.eval_models_dir, num_actors, args.allow_unsafe_weights)
+
+    result = {"subject": subject, "num_prompts": len(prompts), "num_samples_per_prompt": args.num_samples_per_prompt,
+              "num_photos": len(real), "prompts": list(prompts), "class_prompt": class_prompt, "models": {}}
+    for label, _, _ in entries:
+        subject_files = {p: files[label][p] for p in prompts}
+        per_prompt = {p: score_set(emb, {p: paths}, real) for p, paths in subject_files.items() if paths}
+        overall = score_set(emb, subject_files, real)
+        class_images = files[label][class_prompt]
+        overall["pres"] = scores.mean_similarity(torch.stack([emb[p]["dino"] for p in class_images]),
+                                                 torch.stack([emb[p]["dino"] for p in real])) if class_images else None
+        result["models"][label] = {"overall": overall, "per_prompt": per_prompt}
+        write_prompt_grids(args.output_dir, label, files[label])
+    utils.write_json(os.path.join(args.output_dir, "scores.json"), result)
+    write_report(os.path.join(args.output_dir, "report.md"), result)
+    tuned = result["models"]["tuned"]["overall"]
+    print("tuned: " + ", ".join(f"{k.upper()} {_cell(tuned[k])}" for k in (*SCORE_NAMES, "pres"))
+          + f"; report {os.path.join(args.output_dir, 'report.md')}", file=sys.stderr)
+    return result
+
+
+def write_prompt_grids(output_dir, label, files):
+    """grids/<label>/<prompt slug>.png: the images of each prompt in one row."""
+    from PIL import Image
+
+    folder = os.path.join(output_dir, "grids", label)
+    os.makedirs(folder, exist_ok=True)
+    for prompt, paths in files.items():
+        if paths:
+            images = [Image.open(p).convert("RGB") for p in paths]
+            utils.save_image_atomic(generate.make_grid(images, columns=len(images)),
+                                    os.path.join(folder, utils.slugify(prompt) + ".png"))
+
+
+if __name__ == "__main__":
+    utils.run_main(main)
