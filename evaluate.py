@@ -41,7 +41,10 @@ def models_to_score(model_dir, lora_dir, base_dir):
     model_dir, lora_dir = generate.resolve_lora(model_dir, lora_dir)
     if base_dir is None:
         marker = os.path.join(model_dir, utils.OUTPUT_MARKER)
-        base_dir = model_dir if lora_dir else (utils.read_json(marker)["base_model"] if os.path.isfile(marker) else None)
+        if lora_dir:
+            base_dir = model_dir
+        elif os.path.isfile(marker):
+            base_dir = utils.read_json(marker)["base_model"]
     entries = [("tuned", model_dir, lora_dir)]
     if base_dir:
         entries.append(("base", base_dir, None))
@@ -144,7 +147,8 @@ def main(argv=None):
         "model_dir", "lora_dir", "base_model_dir", "instance_data_dir", "unique_token", "class_name",
         "subject_type", "eval_prompts", "eval_models_dir", "output_dir", "num_samples_per_prompt", "batch_size",
         "num_inference_steps", "guidance_scale", "seed", "resolution", "num_actors", "allow_unsafe_weights"],
-        helps={"num_samples_per_prompt": "Images per prompt and model (the paper: 4).",
+        helps={"model_dir": "The tuned model: train.py's output folder (full, or --use_lora adapters on their base).",
+               "num_samples_per_prompt": "Images per prompt and model (the paper: 4).",
                "output_dir": "Where the images, scores.json, report.md and the grids go."})
     parser.set_defaults(num_samples_per_prompt=4)
     args = parser.parse_args(argv)
@@ -175,10 +179,10 @@ def main(argv=None):
                     "allow_unsafe_weights": args.allow_unsafe_weights, "lora_dir": lora_dir, "lora_scale": 1.0,
                     "safety_checker": generate.use_safety_checker("auto", model_dir, lora_dir)}
         generate.make_images(todo, model_dir, folder, settings, args.batch_size, num_actors)
-        files[label] = {p: [os.path.join(folder, generate.image_file_name(p, i)) for i in range(args.num_samples_per_prompt)
-                            if os.path.exists(os.path.join(folder, generate.image_file_name(p, i)))]
-                        for p in [*prompts, class_prompt]}
-        rows += [{"path": path, "text": prompts.get(p, class_prompt)} for p, paths in files[label].items() for path in paths]
+        wanted = {p: [os.path.join(folder, generate.image_file_name(p, i)) for i in range(args.num_samples_per_prompt)]
+                  for p in [*prompts, class_prompt]}
+        files[label] = {p: [f for f in fs if os.path.exists(f)] for p, fs in wanted.items()}  # minus withheld ones
+        rows += [{"path": f, "text": prompts.get(p, class_prompt)} for p, fs in files[label].items() for f in fs]
     rows += [{"path": path, "text": class_prompt} for path in real]
     print(f"scoring {len(rows)} images on {num_actors} actor(s)", file=sys.stderr)
     emb = embed(rows, args.eval_models_dir, num_actors, args.allow_unsafe_weights)

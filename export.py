@@ -48,7 +48,8 @@ def unet_prefixes(config):
             block = 1 + level * per_level + j
             prefixes += [(f"down_blocks.{level}.resnets.{j}.", f"input_blocks.{block}.0.", UNET_RESNET),
                          (f"down_blocks.{level}.attentions.{j}.", f"input_blocks.{block}.1.", {})]
-        prefixes.append((f"down_blocks.{level}.downsamplers.0.conv.", f"input_blocks.{(level + 1) * per_level}.0.op.", {}))
+        downsampler = f"input_blocks.{(level + 1) * per_level}.0.op."
+        prefixes.append((f"down_blocks.{level}.downsamplers.0.conv.", downsampler, {}))
         for j in range(per_level):
             block = level * per_level + j
             prefixes += [(f"up_blocks.{level}.resnets.{j}.", f"output_blocks.{block}.0.", UNET_RESNET),

@@ -296,7 +296,8 @@ FLAGS = {
              help="Base model to score beside the tuned one (default: the one train.py recorded; "
                   "for a LoRA, the model it applies to).")),
     "unique_token": (("--unique_token",),
-        dict(default="unqtkn", help="The identifier the subject was trained with (removed from prompts for CLIP-T).")),
+        dict(default="unqtkn",
+             help="The identifier the subject was trained with (removed from the prompts for CLIP-T).")),
     "class_name": (("--class_name",),
         dict(required=True, help="The subject's class as in the class prompt: dog, backpack, person.")),
     "subject_type": (("--subject_type",),
