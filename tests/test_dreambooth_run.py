@@ -19,8 +19,9 @@ def data_prefix(tmp_path_factory):
 @pytest.mark.parametrize("mode", ["full", "lora"])
 def test_dreambooth_run_tiny_end_to_end(data_prefix, mode):
     tmp_path = data_prefix
+    # The LoRA run keeps the script's 2 workers (DDP of the adapters); full DDP runs in test_train.
     env = dict(os.environ, DATA_PREFIX=str(tmp_path), NUM_CLASS_IMAGES="6", MAX_TRAIN_STEPS="4",
-               NUM_INFERENCE_STEPS="3", PYTHON=sys.executable)
+               NUM_INFERENCE_STEPS="3", PYTHON=sys.executable, NUM_WORKERS="1" if mode == "full" else "2")
     proc = subprocess.run(["bash", "dreambooth_run.sh", "--tiny"] + (["--use_lora"] if mode == "lora" else []),
                           cwd=REPO_DIR, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
