@@ -63,6 +63,13 @@ def normalize_image(image):
     return image.convert("RGB")
 
 
+def upright_rgb(image):
+    """An open PIL image as training reads it: turned by its EXIF tag, then 8-bit RGB (normalize_image)."""
+    from PIL import ImageOps
+
+    return normalize_image(ImageOps.exif_transpose(image))
+
+
 def needs_conversion(image):
     """True when a plain RGB conversion (load_image) would lose or garble the image."""
     return image.mode not in ("RGB", "L") or "transparency" in image.info
@@ -76,7 +83,7 @@ def inspect_images(paths, resolution, convert_dir):
     PNG, into convert_dir and read from there. Images smaller than the resolution are
     listed in a warning (they are upscaled).
     """
-    from PIL import Image, ImageOps
+    from PIL import Image
 
     readable, small = [], []
     for path in paths:
@@ -88,7 +95,7 @@ def inspect_images(paths, resolution, convert_dir):
                 if not needs_conversion(image):
                     readable.append(path)
                     continue
-                upright = normalize_image(ImageOps.exif_transpose(image))
+                upright = upright_rgb(image)
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
             raise utils.UserError(f"cannot read image {path}: {err}") from None
         os.makedirs(convert_dir, exist_ok=True)

@@ -51,8 +51,8 @@ def models_to_score(model_dir, lora_dir, base_dir):
     return entries
 
 
-class Embedder:
-    """Ray Data actor: DINO and CLIP embeddings of image files, CLIP embeddings of their texts.
+class EmbeddingActor:
+    """Ray Data actor (scores.Embedder on each): DINO and CLIP embeddings of image files, CLIP embeddings of their texts.
 
     Batch in: {"path": (B,) str, "text": (B,) str}.
     Batch out: {"path", "dino": (B, D), "clip": (B, P), "text_clip": (B, P)}.
@@ -65,14 +65,14 @@ class Embedder:
         self.embedder = scores.Embedder(dino_dir, clip_dir, device, allow_unsafe_weights)
 
     def __call__(self, batch):
-        from PIL import Image, ImageOps
+        from PIL import Image
 
         import dataset
 
         images = []
         for path in batch["path"]:
-            with Image.open(path) as image:  # the subject photos as training read them: upright, RGB
-                images.append(dataset.normalize_image(ImageOps.exif_transpose(image)))
+            with Image.open(path) as image:  # the subject photos as training read them
+                images.append(dataset.upright_rgb(image))
         return {"path": batch["path"], "dino": self.embedder.dino_images(images).numpy(),
                 "clip": self.embedder.clip_images(images).numpy(),
                 "text_clip": self.embedder.clip_texts([str(t) for t in batch["text"]]).numpy()}
@@ -84,10 +84,9 @@ def embed(rows, eval_models_dir, num_actors, allow_unsafe_weights=False, batch_s
 
     ray = utils.init_ray()
     dirs = (os.path.join(eval_models_dir, "dino"), os.path.join(eval_models_dir, "clip"))
-    num_gpus = 1 if utils.cluster_resources()[1] else 0
     ds = ray.data.from_items(rows).map_batches(
-        Embedder, fn_constructor_args=(*dirs, num_actors, allow_unsafe_weights), batch_size=batch_size,
-        compute=ray.data.ActorPoolStrategy(size=num_actors), num_gpus=num_gpus)
+        EmbeddingActor, fn_constructor_args=(*dirs, num_actors, allow_unsafe_weights), batch_size=batch_size,
+        compute=ray.data.ActorPoolStrategy(size=num_actors), num_gpus=generate.actor_num_gpus())
     out = {}
     for batch in ds.iter_batches(batch_size=None):
         for i, path in enumerate(batch["path"]):

@@ -142,9 +142,9 @@ def lora_alphas(lora_dir):
         meta = json.loads((f.metadata() or {}).get("lora_adapter_metadata", "{}"))
     alphas = {model: meta[f"{model}.lora_alpha"] for model in ("unet", "text_encoder") if f"{model}.lora_alpha" in meta}
     record = os.path.join(lora_dir, utils.OUTPUT_MARKER)
-    if not alphas and os.path.isfile(record) and utils.read_json(record).get("lora"):
-        alpha = utils.read_json(record)["lora"]["lora_alpha"]
-        alphas = {"unet": alpha, "text_encoder": alpha}
+    lora = utils.read_json(record).get("lora") if not alphas and os.path.isfile(record) else None
+    if lora:
+        alphas = {"unet": lora["lora_alpha"], "text_encoder": lora["lora_alpha"]}
     return alphas
 
 

@@ -196,16 +196,20 @@ def run_actor_pool(rows, model_dir, output_dir, settings, batch_size, num_actors
     """
     import ray
 
-    num_gpus = 1 if utils.cluster_resources()[1] else 0
     ds = ray.data.from_items(rows).map_batches(
         ImageGenerator,
         fn_constructor_args=(model_dir, output_dir, {**settings, "num_actors": num_actors}),
         batch_size=batch_size,
         compute=ray.data.ActorPoolStrategy(size=num_actors),
-        num_gpus=num_gpus,
+        num_gpus=actor_num_gpus(),
     )
     for batch in ds.iter_batches(batch_size=None):
         yield from zip(batch["file"], batch["flagged"])
+
+
+def actor_num_gpus():
+    """GPUs each actor of a pool reserves: a whole one where the cluster has GPUs."""
+    return 1 if utils.cluster_resources()[1] else 0
 
 
 def default_num_actors():

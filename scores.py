@@ -59,12 +59,12 @@ class Embedder:
         import torch
         from transformers import AutoImageProcessor, AutoModel, AutoProcessor, CLIPModel
 
-        utils.quiet_hf_logging()
-        safe = None if allow_unsafe_weights else True
+        import models
+
         self.device = torch.device(device)
-        self.dino = AutoModel.from_pretrained(dino_dir, use_safetensors=safe).to(self.device).eval()
+        self.dino = models.from_pretrained(AutoModel, dino_dir, allow_unsafe_weights).to(self.device).eval()
         self.dino_processor = AutoImageProcessor.from_pretrained(dino_dir)
-        self.clip = CLIPModel.from_pretrained(clip_dir, use_safetensors=safe).to(self.device).eval()
+        self.clip = models.from_pretrained(CLIPModel, clip_dir, allow_unsafe_weights).to(self.device).eval()
         self.clip_processor = AutoProcessor.from_pretrained(clip_dir)
 
     def dino_images(self, images):
