@@ -8,11 +8,17 @@ files a diffusers pipeline loads are fetched (the SD 1.4 repo also holds multi-G
 files), safetensors weights only. With the files already cached it works offline.
 --tiny writes a randomly initialised tiny SD 1.x model instead (no network at all), and
 --random_model sd15 the full-size SD 1.x architecture with random weights (GPU checks).
+
+    python cache_model.py --model_dir=$EVAL_CACHE_DIR --eval_models [--tiny]
+
+caches evaluate.py's scoring models (DINO ViT-S/16 and CLIP, or tiny random ones) and prints
+the folder to pass as --eval_models_dir: its dino/ and clip/ point into the cache.
 """
 
 import hashlib
 import os
 import re
+import sys
 
 import flags
 import utils
@@ -99,10 +105,90 @@ def download_model(cache_dir, model_name, revision):
         allow_patterns=ALLOW_PATTERNS, ignore_patterns=IGNORE_PATTERNS)
 
 
+# ---------------------------------------------------------------- evaluate.py's scoring models
+
+# What transformers' from_pretrained reads for a ViT or a CLIPModel and its processor.
+EVAL_ALLOW_PATTERNS = ["*.json", "*.txt", "*.safetensors"]
+PICKLED_WEIGHTS = "pytorch_model.bin"
+SAFE_WEIGHTS = "model.safetensors"
+
+
+def has_weights(folder):
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    return os.path.isfile(os.path.join(folder, "config.json")) and any(
+        n.endswith(".safetensors") or n == PICKLED_WEIGHTS for n in names)
+
+
+def download_eval_model(cache_dir, model_name, revision, allow_unsafe_weights):
+    """Snapshot folder of a transformers model, with safetensors weights. A repository that has
+    only pickled weights is converted once, and only with allow_unsafe_weights."""
+    snapshot = hub_snapshot_path(cache_dir, model_name, revision)
+    if not (re.fullmatch(r"[0-9a-f]{40}", revision) and has_weights(snapshot)):
+        snapshot = utils.hub_download(f"{model_name}@{revision}", "run once with network access or use --tiny",
+                                      repo_id=model_name, revision=revision, cache_dir=cache_dir,
+                                      allow_patterns=EVAL_ALLOW_PATTERNS)
+    if any(n.endswith(".safetensors") for n in os.listdir(snapshot)):
+        return snapshot
+    if not allow_unsafe_weights:
+        raise utils.UserError(f"{model_name}@{revision} has only pickled weights ({PICKLED_WEIGHTS}), which can "
+                              "run code when loaded; pass --allow_unsafe_weights to fetch them once and convert "
+                              "them to safetensors")
+    if not os.path.isfile(os.path.join(snapshot, PICKLED_WEIGHTS)):
+        snapshot = utils.hub_download(f"{model_name}@{revision}", "run once with network access",
+                                      repo_id=model_name, revision=revision, cache_dir=cache_dir,
+                                      allow_patterns=EVAL_ALLOW_PATTERNS + [PICKLED_WEIGHTS])
+    convert_to_safetensors(os.path.join(snapshot, PICKLED_WEIGHTS), os.path.join(snapshot, SAFE_WEIGHTS))
+    return snapshot
+
+
+def convert_to_safetensors(pickled, target):
+    """Write a pickled state dict as safetensors (tensors that share storage each get their own copy)."""
+    import torch
+    from safetensors.torch import save_file
+
+    weights = torch.load(pickled, map_location="cpu", weights_only=True)
+    tmp = target + utils.TEMP_MARK
+    save_file({k: v.contiguous().clone() for k, v in weights.items()}, tmp, metadata={"format": "pt"})
+    os.replace(tmp, target)
+    print(f"converted {pickled} to {target}", file=sys.stderr)
+
+
+def cache_eval_models(cache_dir, args):
+    """cache_dir/eval-models(-tiny): dino/ and clip/ as evaluate.py reads them, and eval_models.json
+    naming each model and the commit it came from. The downloaded ones link into the hub cache."""
+    import scores
+
+    if args.tiny:
+        folder = os.path.join(cache_dir, "eval-models-tiny")
+        if not all(has_weights(os.path.join(folder, part)) for part in ("dino", "clip")):
+            utils.atomic_write_dir(folder, scores.build_tiny_eval_models)
+        return folder
+    folder = os.path.join(cache_dir, "eval-models")
+    os.makedirs(folder, exist_ok=True)
+    record = {}
+    for part, name, revision in (("dino", args.dino_model, args.dino_revision),
+                                 ("clip", args.clip_model, args.clip_revision)):
+        snapshot = download_eval_model(cache_dir, name, revision, args.allow_unsafe_weights)
+        link = os.path.join(folder, part)
+        tmp = link + utils.TEMP_MARK
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        os.symlink(os.path.relpath(snapshot, folder), tmp)
+        os.replace(tmp, link)
+        record[part] = {"model": name, "revision": os.path.basename(snapshot)}
+    utils.write_json(os.path.join(folder, "eval_models.json"), record)
+    return folder
+
+
 def main(argv=None):
-    parser = flags.make_parser(__doc__.splitlines()[0], ["cache_dir", "model_name", "revision", "tiny",
-                                                         "random_model"])
+    parser = flags.make_parser(__doc__.splitlines()[0], [
+        "cache_dir", "model_name", "revision", "tiny", "random_model", "eval_models", "dino_model", "dino_revision",
+        "clip_model", "clip_revision", "allow_unsafe_weights"])
     args = parser.parse_args(argv)
+    if args.eval_models:
+        path = cache_eval_models(args.cache_dir, args)
+        print(path)
+        return path
     if args.tiny or args.random_model:
         path = write_random_model(args.cache_dir, args.random_model or "tiny")
     else:

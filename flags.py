@@ -70,6 +70,18 @@ FLAGS = {
         dict(action="store_true",
              help="Write a randomly initialised tiny SD 1.x model instead of downloading "
                   "(offline, CPU-friendly; for tests and trying the pipeline).")),
+    "eval_models": (("--eval_models",),
+        dict(action="store_true",
+             help="Cache the scoring models of evaluate.py instead (DINO --dino_model and CLIP --clip_model; "
+                  "with --tiny: tiny random ones). Prints the folder to pass as --eval_models_dir.")),
+    "dino_model": (("--dino_model",),
+        dict(default="facebook/dino-vits16", help="Hub repository of the DINO ViT (the paper's ViT-S/16).")),
+    "dino_revision": (("--dino_revision",),
+        dict(default="main", help="Its commit or branch; a 40-hex commit already cached needs no network.")),
+    "clip_model": (("--clip_model",),
+        dict(default="openai/clip-vit-base-patch32", help="Hub repository of the CLIP model.")),
+    "clip_revision": (("--clip_revision",),
+        dict(default="main", help="Its commit or branch; a 40-hex commit already cached needs no network.")),
     "random_model": (("--random_model",),
         dict(choices=["tiny", "small", "sd15"], default=None,
              help="Write a randomly initialised SD 1.x model of this size instead (sd15: the full SD 1.x "

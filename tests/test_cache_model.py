@@ -82,3 +82,45 @@ def test_a_built_random_model_is_reused_and_another_size_gets_its_own_revision(t
     assert cache_model.main(["--model_dir", cache_dir, "--tiny"]) == tiny_model
     assert os.stat(weights).st_mtime_ns == before
     assert len({cache_model.random_model_id(size)[1] for size in ("tiny", "small", "sd15")}) == 3
+
+
+def test_tiny_eval_models_are_built_once_and_load_as_evaluate_reads_them(tmp_path):
+    import scores
+
+    folder = cache_model.main(["--model_dir", str(tmp_path), "--eval_models", "--tiny"])
+    weights = os.path.join(folder, "dino", "model.safetensors")
+    before = os.stat(weights).st_mtime_ns
+    assert cache_model.main(["--model_dir", str(tmp_path), "--eval_models", "--tiny"]) == folder
+    assert os.stat(weights).st_mtime_ns == before
+    embedder = scores.Embedder(os.path.join(folder, "dino"), os.path.join(folder, "clip"))
+    assert embedder.clip_texts(["a toy"]).shape[0] == 1
+
+
+def test_eval_models_resolve_offline_and_pickled_weights_convert_only_when_allowed(tmp_path):
+    """A pinned DINO repo with only pytorch_model.bin and a CLIP repo with safetensors, in a hub cache."""
+    import torch
+    from transformers import AutoModel
+
+    import scores
+
+    built = scores.build_tiny_eval_models(str(tmp_path / "built"))
+    cache, revision = tmp_path / "cache", "0123456789abcdef0123456789abcdef01234567"
+    for name, source in (("org/dino", built[0]), ("org/clip", built[1])):
+        shutil.copytree(source, cache_model.hub_snapshot_path(str(cache), name, revision))
+    dino_snapshot = cache_model.hub_snapshot_path(str(cache), "org/dino", revision)
+    original = AutoModel.from_pretrained(built[0])
+    os.remove(os.path.join(dino_snapshot, "model.safetensors"))  # as old repos hold it: pickled only
+    torch.save(original.state_dict(), os.path.join(dino_snapshot, "pytorch_model.bin"))
+    argv = ["--model_dir", str(cache), "--eval_models", "--dino_model", "org/dino", "--dino_revision", revision,
+            "--clip_model", "org/clip", "--clip_revision", revision]
+    with pytest.raises(utils.UserError, match="org/dino@.* only pickled weights.*--allow_unsafe_weights"):
+        cache_model.main(argv)
+
+    folder = cache_model.main(argv + ["--allow_unsafe_weights"])
+    assert os.path.isfile(os.path.join(folder, "dino", "model.safetensors"))
+    assert utils.read_json(os.path.join(folder, "eval_models.json"))["dino"] == {"model": "org/dino",
+                                                                                  "revision": revision}
+    converted = AutoModel.from_pretrained(os.path.join(folder, "dino"), use_safetensors=True)
+    assert all(torch.equal(a, b) for a, b in zip(converted.state_dict().values(), original.state_dict().values()))
+    # converted once: the rerun needs no flag
+    assert cache_model.main(argv) == folder
