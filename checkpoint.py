@@ -76,15 +76,21 @@ def save(state, folder, epoch, rng_states, train_text_encoder, lora=None):
                       "sizes": sizes})
 
 
+def load_weights(models, folder):
+    """The checkpoint's trained weights into models (a models.Models): UNet, and the text encoder if trained."""
+    from safetensors.torch import load_file
+
+    models_lib.load_trained_state_dict(models.unet, load_file(os.path.join(folder, UNET_FILE)))
+    te_path = os.path.join(folder, TEXT_ENCODER_FILE)
+    if os.path.isfile(te_path):
+        models_lib.load_trained_state_dict(models.text_encoder, load_file(te_path))
+
+
 def load(state, folder, rank):
     """Restore what save wrote into state; rank continues its own RNG stream. Returns the epoch."""
     import torch
-    from safetensors.torch import load_file
 
-    models_lib.load_trained_state_dict(state.models.unet, load_file(os.path.join(folder, UNET_FILE)))
-    te_path = os.path.join(folder, TEXT_ENCODER_FILE)
-    if os.path.isfile(te_path):
-        models_lib.load_trained_state_dict(state.models.text_encoder, load_file(te_path))
+    load_weights(state.models, folder)
     # weights_only: a checkpoint cannot execute code when it is loaded. The optimizer
     # moves its state onto each parameter's device itself.
     extra = torch.load(os.path.join(folder, OPTIMIZER_FILE), map_location="cpu", weights_only=True)
@@ -131,6 +137,20 @@ def find_latest(storage_path, run_prefix):
             if name.startswith("checkpoint_") and is_complete(folder):
                 found.append(folder)
     return max(found, key=lambda f: os.path.getmtime(os.path.join(f, STATE_FILE)), default=None)
+
+
+def by_step(storage_path, run_prefix):
+    """{step: folder} of the complete checkpoints of runs named '<run_prefix>-*' (the newest of a step)."""
+    found = {}
+    if os.path.isdir(storage_path):
+        for run in sorted(os.listdir(storage_path)):  # run names end in their start time
+            run_dir = os.path.join(storage_path, run)
+            if run.startswith(run_prefix + "-") and os.path.isdir(run_dir):
+                for name in os.listdir(run_dir):
+                    folder = os.path.join(run_dir, name)
+                    if name.startswith("checkpoint_") and is_complete(folder):
+                        found[saved_step(folder)] = folder
+    return found
 
 
 def saved_step(folder):

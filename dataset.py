@@ -30,6 +30,9 @@ _ORIENTATIONS = {1: (0, False), 2: (0, True), 3: (2, False), 4: (2, True),
 # ---------------------------------------------------------------- files
 
 
+SUBJECT_FILE = "subject.json"  # sweep.py --subjects_dir: a subject's class and token, beside its photos
+
+
 def list_images(folder, role, also_expected=None):
     """Sorted image files directly inside folder; other files are skipped with a warning,
     except those ending in also_expected (captions beside the images)."""
@@ -37,7 +40,8 @@ def list_images(folder, role, also_expected=None):
         raise utils.UserError(f"{role} folder not found: {folder}")
     names = sorted(n for n in os.listdir(folder) if os.path.isfile(os.path.join(folder, n)))
     images = [n for n in names if n.lower().endswith(utils.IMAGE_EXTENSIONS)]
-    skipped = [n for n in names if n not in images and not (also_expected and n.endswith(also_expected))]
+    skipped = [n for n in names if n not in images and n != SUBJECT_FILE
+               and not (also_expected and n.endswith(also_expected))]
     if skipped:
         print(f"warning: skipping {len(skipped)} non-image file(s) in {folder}: {', '.join(skipped[:10])}",
               file=sys.stderr)

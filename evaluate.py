@@ -12,6 +12,7 @@ and overall, tuned beside base, and the paper's values for SD) and a grid per pr
 already there are kept: a rerun only scores again. Scores: see scores.py.
 """
 
+import dataclasses
 import os
 import sys
 
@@ -141,6 +142,97 @@ def write_report(path, result):
         f.write("\n".join(lines) + "\n")
 
 
+@dataclasses.dataclass(frozen=True)
+class Subject:
+    """What a model is scored against: the subject's photos, its token and class, a prompt set."""
+
+    name: str
+    photos_dir: str
+    unique_token: str
+    class_name: str
+    subject_type: str = "object"
+    eval_prompts: str | None = None  # a file of one's own; default: the subject type's set
+
+    def prompts(self):
+        """{prompt: the text CLIP-T compares with (the prompt without the token)}."""
+        subject = f"{self.unique_token} {self.class_name}"
+        return {t.format(subject=subject): scores.without_token(t.format(subject=subject), self.unique_token)
+                for t in prompt_templates(self.subject_type, self.eval_prompts)}
+
+    @property
+    def class_prompt(self):
+        return f"a {self.class_name}"
+
+    def photos(self):
+        import dataset
+
+        return dataset.list_images(self.photos_dir, f"photos of {self.name}", also_expected=".txt")
+
+
+# The settings of run(): the flags of main() that say how images are made and scored.
+RUN_SETTINGS = ("eval_models_dir", "num_samples_per_prompt", "seed", "batch_size", "num_inference_steps",
+                "guidance_scale", "resolution", "num_actors", "allow_unsafe_weights")
+
+
+def generate_for(label, model_dir, lora_dir, prompt_list, folder, settings):
+    """Draw settings["num_samples_per_prompt"] images of each prompt into folder (keeping those
+    already there); {prompt: [paths]} without the ones the safety checker withheld."""
+    utils.check_model_dir(model_dir, settings["allow_unsafe_weights"])
+    os.makedirs(folder, exist_ok=True)
+    utils.remove_temp_files(folder)
+    count = settings["num_samples_per_prompt"]
+    todo, names = generate.plan_images(prompt_list, count, settings["seed"], folder)
+    print(f"{label}: {len(names) - len(todo)} of {len(names)} images already in {folder}; generating "
+          f"{len(todo)}", file=sys.stderr)
+    generate.make_images(todo, model_dir, folder, {
+        "num_inference_steps": settings["num_inference_steps"], "guidance_scale": settings["guidance_scale"],
+        "negative_prompt": None, "resolution": settings["resolution"],
+        "allow_unsafe_weights": settings["allow_unsafe_weights"], "lora_dir": lora_dir, "lora_scale": 1.0,
+        "safety_checker": generate.use_safety_checker("auto", model_dir, lora_dir)},
+        settings["batch_size"], settings["num_actors"])
+    wanted = {p: [os.path.join(folder, generate.image_file_name(p, i)) for i in range(count)] for p in prompt_list}
+    return {p: [f for f in fs if os.path.exists(f)] for p, fs in wanted.items()}
+
+
+def run(entries, subject, settings, output_dir):
+    """Generate, embed and score the models of entries [(label, model folder, LoRA folder)]
+    against subject; writes scores.json, report.md and the grids into output_dir, returns scores.json's dict."""
+    import torch
+
+    prompts, class_prompt = subject.prompts(), subject.class_prompt
+    real = subject.photos()
+    settings = {**settings, "num_actors": settings["num_actors"] or generate.default_num_actors()}
+    files, rows = {}, []
+    for label, model_dir, lora_dir in entries:
+        files[label] = generate_for(label, model_dir, lora_dir, [*prompts, class_prompt],
+                                    os.path.join(output_dir, "images", label), settings)
+        rows += [{"path": f, "text": prompts.get(p, class_prompt)} for p, fs in files[label].items() for f in fs]
+    rows += [{"path": path, "text": class_prompt} for path in real]
+    print(f"scoring {len(rows)} images on {settings['num_actors']} actor(s)", file=sys.stderr)
+    emb = embed(rows, settings["eval_models_dir"], settings["num_actors"], settings["allow_unsafe_weights"])
+
+    result = {"subject": f"{subject.unique_token} {subject.class_name}", "num_prompts": len(prompts),
+              "num_samples_per_prompt": settings["num_samples_per_prompt"], "num_photos": len(real),
+              "prompts": list(prompts), "class_prompt": class_prompt, "models": {}}
+    for label, _, _ in entries:
+        subject_files = {p: files[label][p] for p in prompts}
+        per_prompt = {p: score_set(emb, {p: paths}, real) for p, paths in subject_files.items() if paths}
+        overall = score_set(emb, subject_files, real)
+        class_images = files[label][class_prompt]
+        overall["pres"] = scores.mean_similarity(torch.stack([emb[p]["dino"] for p in class_images]),
+                                                 torch.stack([emb[p]["dino"] for p in real])) if class_images else None
+        result["models"][label] = {"overall": overall, "per_prompt": per_prompt}
+        write_prompt_grids(output_dir, label, files[label])
+    utils.write_json(os.path.join(output_dir, "scores.json"), result)
+    write_report(os.path.join(output_dir, "report.md"), result)
+    return result
+
+
+def summary(overall):
+    """'DINO 0.512, CLIP-I …': one model's overall scores on one line."""
+    return ", ".join(f"{k.upper().replace('_', '-')} {_cell(overall[k])}" for k in (*SCORE_NAMES, "pres"))
+
+
 def main(argv=None):
     parser = flags.make_parser(__doc__.splitlines()[0], [
         "model_dir", "lora_dir", "base_model_dir", "instance_data_dir", "unique_token", "class_name",
@@ -151,57 +243,13 @@ def main(argv=None):
                "output_dir": "Where the images, scores.json, report.md and the grids go."})
     parser.set_defaults(num_samples_per_prompt=4)
     args = parser.parse_args(argv)
-    import torch
-
-    import dataset
-
-    templates = prompt_templates(args.subject_type, args.eval_prompts)
-    subject = f"{args.unique_token} {args.class_name}"
-    prompts = {t.format(subject=subject): scores.without_token(t.format(subject=subject), args.unique_token)
-               for t in templates}
-    class_prompt = f"a {args.class_name}"
-    real = dataset.list_images(args.instance_data_dir, "subject photos", also_expected=".txt")
-    entries = models_to_score(args.model_dir, args.lora_dir, args.base_model_dir)
-    num_actors = args.num_actors or generate.default_num_actors()
-
-    files, rows = {}, []
-    for label, model_dir, lora_dir in entries:
-        utils.check_model_dir(model_dir, args.allow_unsafe_weights)
-        folder = os.path.join(args.output_dir, "images", label)
-        os.makedirs(folder, exist_ok=True)
-        utils.remove_temp_files(folder)
-        todo, names = generate.plan_images([*prompts, class_prompt], args.num_samples_per_prompt, args.seed, folder)
-        print(f"{label}: {len(names) - len(todo)} of {len(names)} images already in {folder}; generating "
-              f"{len(todo)}", file=sys.stderr)
-        settings = {"num_inference_steps": args.num_inference_steps, "guidance_scale": args.guidance_scale,
-                    "negative_prompt": None, "resolution": args.resolution,
-                    "allow_unsafe_weights": args.allow_unsafe_weights, "lora_dir": lora_dir, "lora_scale": 1.0,
-                    "safety_checker": generate.use_safety_checker("auto", model_dir, lora_dir)}
-        generate.make_images(todo, model_dir, folder, settings, args.batch_size, num_actors)
-        wanted = {p: [os.path.join(folder, generate.image_file_name(p, i)) for i in range(args.num_samples_per_prompt)]
-                  for p in [*prompts, class_prompt]}
-        files[label] = {p: [f for f in fs if os.path.exists(f)] for p, fs in wanted.items()}  # minus withheld ones
-        rows += [{"path": f, "text": prompts.get(p, class_prompt)} for p, fs in files[label].items() for f in fs]
-    rows += [{"path": path, "text": class_prompt} for path in real]
-    print(f"scoring {len(rows)} images on {num_actors} actor(s)", file=sys.stderr)
-    emb = embed(rows, args.eval_models_dir, num_actors, args.allow_unsafe_weights)
-
-    result = {"subject": subject, "num_prompts": len(prompts), "num_samples_per_prompt": args.num_samples_per_prompt,
-              "num_photos": len(real), "prompts": list(prompts), "class_prompt": class_prompt, "models": {}}
-    for label, _, _ in entries:
-        subject_files = {p: files[label][p] for p in prompts}
-        per_prompt = {p: score_set(emb, {p: paths}, real) for p, paths in subject_files.items() if paths}
-        overall = score_set(emb, subject_files, real)
-        class_images = files[label][class_prompt]
-        overall["pres"] = scores.mean_similarity(torch.stack([emb[p]["dino"] for p in class_images]),
-                                                 torch.stack([emb[p]["dino"] for p in real])) if class_images else None
-        result["models"][label] = {"overall": overall, "per_prompt": per_prompt}
-        write_prompt_grids(args.output_dir, label, files[label])
-    utils.write_json(os.path.join(args.output_dir, "scores.json"), result)
-    write_report(os.path.join(args.output_dir, "report.md"), result)
-    tuned = result["models"]["tuned"]["overall"]
-    print("tuned: " + ", ".join(f"{k.upper()} {_cell(tuned[k])}" for k in (*SCORE_NAMES, "pres"))
-          + f"; report {os.path.join(args.output_dir, 'report.md')}", file=sys.stderr)
+    subject = Subject(os.path.basename(args.instance_data_dir), args.instance_data_dir, args.unique_token,
+                      args.class_name, args.subject_type, args.eval_prompts)
+    subject.prompts()  # a bad prompt file fails before any model loads
+    result = run(models_to_score(args.model_dir, args.lora_dir, args.base_model_dir), subject,
+                 {k: getattr(args, k) for k in RUN_SETTINGS}, args.output_dir)
+    print(f"tuned: {summary(result['models']['tuned']['overall'])}; report "
+          f"{os.path.join(args.output_dir, 'report.md')}", file=sys.stderr)
     return result
 
 

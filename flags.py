@@ -39,6 +39,28 @@ def resolution(value):
     return number
 
 
+def _list_of(kind, name):
+    def parse(value):
+        items = [kind(v.strip()) for v in value.split(",") if v.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError("needs at least one value")
+        return list(dict.fromkeys(items))
+    parse.__name__ = name
+    return parse
+
+
+def _switch(value):
+    words = {"on": True, "true": True, "yes": True, "1": True, "off": False, "false": False, "no": False, "0": False}
+    if value.lower() not in words:
+        raise argparse.ArgumentTypeError(f"'{value}' is not on or off")
+    return words[value.lower()]
+
+
+float_list = _list_of(positive_float, "comma-separated list of numbers")
+int_list = _list_of(positive_int, "comma-separated list of positive integers")
+bool_list = _list_of(_switch, "comma-separated list of on/off")
+
+
 def prompt_list(value):
     """'a, b' -> ['a', 'b']: Ray's example passes several prompts comma-separated."""
     prompts = [p.strip() for p in value.split(",") if p.strip()]
@@ -322,6 +344,44 @@ FLAGS = {
         dict(type=abs_path, required=True, metavar="DIR",
              help="Folder with dino/ (a ViT, e.g. facebook/dino-vits16) and clip/ (a CLIPModel) in "
                   "transformers' format.")),
+    # --- sweep
+    "subjects_dir": (("--subjects_dir",),
+        dict(type=abs_path, default=None, metavar="DIR",
+             help="Many subjects in one job: one sub-folder per subject with its photos and a subject.json "
+                  "({\"class_name\": \"dog\", \"unique_token\": \"unqtkn\", \"subject_type\": \"live\"}; "
+                  "token and type default to the flags). Instead of --instance_data_dir and --class_name.")),
+    "sweep_learning_rate": (("--sweep_learning_rate",),
+        dict(type=float_list, default=None, metavar="LR,LR,...",
+             help="Learning rates to try (grid), or with --search random the range to draw from "
+                  "log-uniformly. Default: train.py's --learning_rate.")),
+    "sweep_max_train_steps": (("--sweep_max_train_steps",),
+        dict(type=int_list, default=None, metavar="N,N,...",
+             help="Step counts to score: each trial trains to the largest and scores its checkpoints at the "
+                  "others too (no extra training). Default: 400.")),
+    "sweep_rank": (("--sweep_rank",),
+        dict(type=int_list, default=None, metavar="R,R,...", help="LoRA ranks to try (with --use_lora).")),
+    "sweep_train_text_encoder": (("--sweep_train_text_encoder",),
+        dict(type=bool_list, default=None, metavar="on,off",
+             help="Try training the text encoder, freezing it, or both ('on,off').")),
+    "eval_images_per_prompt": (("--eval_images_per_prompt",),
+        dict(type=positive_int, default=4, help="Images per evaluation prompt and model (the paper: 4).")),
+    "search": (("--search",),
+        dict(choices=("grid", "random"), default="grid",
+             help="grid: every combination of the values; random: --num_trials draws.")),
+    "num_trials": (("--num_trials",),
+        dict(type=positive_int, default=4, help="Trials per subject with --search random.")),
+    "clip_t_margin": (("--clip_t_margin",),
+        dict(type=non_negative_float, default=0.02,
+             help="The best trial has the highest DINO among those whose CLIP-T is at most this far below "
+                  "the base model's (a model that only repeats its photos scores high DINO, low CLIP-T).")),
+    "sweep_dir": (("--sweep_dir",),
+        dict(type=abs_path, default=None, metavar="DIR",
+             help="The sweep's working folder: trials, class images, scores, Tune's state (a rerun resumes "
+                  "it). Default: --output_dir with '-sweep' appended.")),
+    "max_concurrent_trials": (("--max_concurrent_trials",),
+        dict(type=positive_int, default=None,
+             help="Trials at once. Default: as many as the cluster's GPUs hold (--num_workers x "
+                  "--gpus_per_worker each); one on a cluster without GPUs.")),
     # --- export
     "output_file": (("--output_file", "--checkpoint_path"),
         dict(type=abs_path, required=True, metavar="FILE",
@@ -388,10 +448,10 @@ class OneLineErrorParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def make_parser(description, names, positional=None, refused=(), helps=None):
+def make_parser(description, names, positional=None, refused=(), helps=None, optional=()):
     """A parser with the named flags from FLAGS, in the given order; the options in refused
     (keys of REFUSED) stop the parse with their line; helps: {name: help} where a script means
-    a shared flag in its own way."""
+    a shared flag in its own way; optional: required flags that this script can do without."""
     parser = OneLineErrorParser(description=description,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     if positional:
@@ -402,6 +462,8 @@ def make_parser(description, names, positional=None, refused=(), helps=None):
         kwargs.setdefault("dest", name)
         if helps and name in helps:
             kwargs["help"] = helps[name]
+        if name in optional:
+            kwargs.update(required=False, default=None)
         parser.add_argument(*options, **kwargs)
     for option in refused:
         parser.add_argument(option, nargs="?", action=_Refused, help=argparse.SUPPRESS)

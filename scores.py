@@ -109,6 +109,7 @@ def build_tiny_eval_models(folder, seed=0, image_size=64):
 
     import models
 
+    utils.quiet_hf_logging()
     torch.manual_seed(seed)
     dino = ViTModel(ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
                               image_size=image_size, patch_size=16), add_pooling_layer=False)

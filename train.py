@@ -309,6 +309,19 @@ def save_pipeline(models, plan):
     utils.atomic_write_dir(plan.output_dir, write)
 
 
+def save_checkpoint_as_model(checkpoint_dir, plan):
+    """The weights of a checkpoint written as train.py's output (plan.output_dir), as if the run had
+    ended at that step: intermediate checkpoints become models to sample from (sweep.py)."""
+    import torch
+
+    import models as models_lib
+
+    cpu = torch.device("cpu")
+    nets = models_lib.setup_models(plan, cpu, cpu, distributed=False)
+    checkpoint.load_weights(nets, checkpoint_dir)
+    save_pipeline(nets, plan)
+
+
 def save_lora(folder, unet, text_encoder=None):
     """utils.LORA_WEIGHTS_FILE in folder, written by diffusers' save_lora_weights."""
     from diffusers import StableDiffusionPipeline

@@ -1,4 +1,4 @@
-"""End to end: the whole Steps 0-5 script on the tiny model, as a user runs it."""
+"""End to end: the whole Steps 0-6 script on the tiny model, as a user runs it."""
 
 import os
 import re
@@ -20,9 +20,13 @@ def data_prefix(tmp_path_factory):
 def test_dreambooth_run_tiny_end_to_end(data_prefix, mode):
     tmp_path = data_prefix
     # The LoRA run keeps the script's 2 workers (DDP of the adapters); full DDP runs in test_train.
+    prompts = tmp_path / "eval-prompts.txt"  # Step 6 (full run only) on 2 of its prompts, not 25
+    prompts.write_text("a {subject} on a beach\na {subject} in the snow\n")
     env = dict(os.environ, DATA_PREFIX=str(tmp_path), NUM_CLASS_IMAGES="6", MAX_TRAIN_STEPS="4",
-               NUM_INFERENCE_STEPS="3", PYTHON=sys.executable, NUM_WORKERS="1" if mode == "full" else "2")
-    proc = subprocess.run(["bash", "dreambooth_run.sh", "--tiny"] + (["--use_lora"] if mode == "lora" else []),
+               NUM_INFERENCE_STEPS="3", PYTHON=sys.executable, NUM_WORKERS="1" if mode == "full" else "2",
+               EVAL_PROMPTS=str(prompts))
+    proc = subprocess.run(["bash", "dreambooth_run.sh", "--tiny"] + (["--use_lora", "--skip_eval"] if mode == "lora"
+                                                                      else []),
                           cwd=REPO_DIR, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     output = proc.stdout + proc.stderr
@@ -37,7 +41,8 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode):
     assert len(new) == 5 and os.path.isfile(tmp_path / "images-new" / "grid" / "grid.png")
     assert sorted(os.listdir(tmp_path / "images-own")) == [f"toy-{k}.jpg" for k in range(5)]
 
-    if mode == "lora":  # adapters only; Step 5 generated with them on the base model
+    if mode == "lora":  # adapters only; Step 5 generated with them on the base model; no Step 6
+        assert not os.path.exists(tmp_path / "eval")
         assert sorted(os.listdir(tmp_path / "model-tuned")) == sorted([LORA_WEIGHTS_FILE, OUTPUT_MARKER])
         assert "LoRA adapters (rank 4, alpha 4)" in output
         from safetensors.torch import load_file
@@ -46,6 +51,10 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode):
         ups = [v for k, v in lora.items() if ".up." in k or "lora_B" in k]  # zero until trained
         assert {k.split(".")[0] for k in lora} == {"unet", "text_encoder"} and all(v.abs().sum() > 0 for v in ups)
         return
+    # Step 6: the tuned model scored beside the base model it was trained from
+    report = (tmp_path / "eval" / "report.md").read_text()
+    assert "| tuned |" in report and "| base |" in report and "| a unqtkn toy in the snow |" in report
+    assert "done: scores of the tuned model beside the base model in" in output
     from diffusers import DiffusionPipeline
 
     tuned = DiffusionPipeline.from_pretrained(str(tmp_path / "model-tuned"))

@@ -1,0 +1,305 @@
+"""Find the best fine-tune: a Ray Tune sweep of train.py scored by evaluate.py, for one subject or many.
+
+    python sweep.py --model_dir=$ORIG_MODEL_PATH --output_dir=$TUNED_MODEL_DIR \\
+        --instance_data_dir=$IMAGES_OWN_DIR --unique_token=unqtkn --class_name=dog --subject_type=live \\
+        --eval_models_dir=$EVAL_MODELS_DIR --num_class_images=100 \\
+        --sweep_learning_rate=2e-6,5e-6 --sweep_max_train_steps=200,400,800 [train.py's flags]
+
+    python sweep.py ... --subjects_dir=$SUBJECTS_DIR    (one sub-folder + subject.json per subject)
+
+Each trial (a Tune trial running a Ray Train run of its own) trains to the largest step count,
+turns its checkpoints at the other step counts into models, and scores each with evaluate.py
+(generation and embedding on Ray Data actor pools). The base model is scored once per subject.
+The best (step count, trial) of each subject has the highest DINO among those whose CLIP-T is at
+most --clip_t_margin below the base model's; it is copied to --output_dir (with --subjects_dir:
+--output_dir/<subject>). Beside it, in --sweep_dir: trials.md and trials.csv (every trial, failed
+ones with their error), sweep.png (DINO against CLIP-T) and report.md (each subject's best beside
+its base model). Class images are drawn once per class and shared. A failed trial does not end the
+sweep; rerunning the same command after a crash continues it (Tune's restore; trials resume from
+their own newest checkpoint, failed ones start again).
+"""
+
+import math
+import os
+import shutil
+import sys
+
+import checkpoint
+import dataset
+import evaluate
+import flags
+import plan as planning
+import sweep_report
+import utils
+
+SWEEP_FLAGS = [
+    "model_dir", "output_dir", "instance_data_dir", "subjects_dir", "unique_token", "class_name", "subject_type",
+    "eval_prompts", "eval_models_dir", "num_class_images", "sweep_learning_rate", "sweep_max_train_steps",
+    "sweep_rank", "sweep_train_text_encoder", "search", "num_trials", "clip_t_margin", "sweep_dir",
+    "max_concurrent_trials", "eval_images_per_prompt", "num_inference_steps", "guidance_scale", "batch_size"]
+# What the sweep sets in each trial's train.py command itself.
+SET_BY_SWEEP = ("--learning_rate", "--lr", "--max_train_steps", "--rank", "--lora_rank", "--train_text_encoder",
+                "--no-train_text_encoder", "--checkpointing_steps", "--checkpoints_total_limit",
+                "--resume_from_checkpoint", "--storage_path", "--instance_prompt", "--class_prompt",
+                "--class_data_dir", "--class_images_dir", "--num_class_images")
+METRICS = ("dino", "clip_i", "clip_t", "div", "pres")
+
+
+def parse_args(argv=None):
+    """(sweep flags, the trials' train.py flags checked as train.py checks them)."""
+    parser = flags.make_parser(
+        __doc__.splitlines()[0], SWEEP_FLAGS, optional=("instance_data_dir", "class_name"),
+        helps={"output_dir": "Where the best model goes (with --subjects_dir: one sub-folder per subject).",
+               "num_class_images": "Class images per class for the prior-preservation loss, drawn once "
+                                   "with the base model and shared by the subjects of that class."})
+    parser.set_defaults(num_class_images=100)
+    args, train_flags = parser.parse_known_args(argv)
+    if (args.subjects_dir is None) == (args.instance_data_dir is None):
+        parser.error("give --instance_data_dir (one subject) or --subjects_dir (many)")
+    if args.instance_data_dir and not args.class_name:
+        parser.error("--instance_data_dir needs --class_name")
+    taken = [f for f in train_flags if flags.normalize_option(f).split("=")[0] in SET_BY_SWEEP]
+    if taken:
+        parser.error(f"{taken[0]} is set by the sweep (use the --sweep_* flags)")
+    placeholders = ["--model_dir", args.model_dir, "--output_dir", args.output_dir, "--instance_data_dir",
+                    args.model_dir, "--instance_prompt", "x"]
+    train_args = planning.parse_args(placeholders + train_flags, "train.py's flags for every trial")
+    args.sweep_dir = args.sweep_dir or args.output_dir.rstrip(os.sep) + "-sweep"
+    args.sweep_max_train_steps = sorted(args.sweep_max_train_steps or [400])
+    if args.sweep_rank and not train_args.use_lora:
+        parser.error("--sweep_rank needs --use_lora")
+    if args.search == "random" and args.sweep_learning_rate and len(args.sweep_learning_rate) not in (1, 2):
+        parser.error("with --search random, --sweep_learning_rate is a range: LOW,HIGH")
+    return args, train_flags, train_args
+
+
+def read_subjects(args):
+    """{name: evaluate.Subject}: the one of the flags, or one per sub-folder of --subjects_dir."""
+    if args.instance_data_dir:
+        name = os.path.basename(args.instance_data_dir.rstrip(os.sep))
+        return {name: evaluate.Subject(name, args.instance_data_dir, args.unique_token, args.class_name,
+                                       args.subject_type, args.eval_prompts)}
+    if not os.path.isdir(args.subjects_dir):
+        raise utils.UserError(f"--subjects_dir not found: {args.subjects_dir}")
+    subjects = {}
+    for name in sorted(os.listdir(args.subjects_dir)):
+        folder = os.path.join(args.subjects_dir, name)
+        if not os.path.isdir(folder) or name.startswith("."):
+            continue
+        path = os.path.join(folder, dataset.SUBJECT_FILE)
+        if not os.path.isfile(path):
+            raise utils.UserError(f"{folder} has no {dataset.SUBJECT_FILE} (e.g. {{\"class_name\": \"dog\"}})")
+        try:
+            info = utils.read_json(path)
+            subjects[name] = evaluate.Subject(name, folder, info.get("unique_token", args.unique_token),
+                                              info["class_name"], info.get("subject_type", args.subject_type),
+                                              args.eval_prompts)
+        except (ValueError, KeyError, AttributeError) as err:
+            raise utils.UserError(f"{path}: needs a JSON object with \"class_name\" ({type(err).__name__}: {err})")
+        if subjects[name].subject_type not in ("object", "live"):
+            raise utils.UserError(f"{path}: subject_type must be object or live")
+    if not subjects:
+        raise utils.UserError(f"{args.subjects_dir} has no subject folders")
+    return subjects
+
+
+def param_space(args, subjects, train_args):
+    """Tune's search space: the subjects always a grid; the rest a grid or random draws."""
+    from ray import tune
+
+    lrs = args.sweep_learning_rate or [train_args.learning_rate]
+    values = {"learning_rate": lrs, "rank": args.sweep_rank or [train_args.rank],
+              "train_text_encoder": args.sweep_train_text_encoder or [train_args.train_text_encoder]}
+    if args.search == "grid":
+        space = {k: tune.grid_search(v) if len(v) > 1 else v[0] for k, v in values.items()}
+    else:
+        space = {k: tune.choice(v) for k, v in values.items()}
+        if len(lrs) == 2:
+            space["learning_rate"] = tune.loguniform(*lrs)
+    return {**space, "subject": tune.grid_search(list(subjects)) if len(subjects) > 1 else next(iter(subjects))}
+
+
+def trial_label(config):
+    """'dog-lr5e-06-te1(-rank4)': a trial's settings, for folders and tables."""
+    label = f"{config['subject']}-lr{config['learning_rate']:.3g}-te{int(config['train_text_encoder'])}"
+    return label + (f"-rank{config['rank']}" if config.get("use_lora") else "")
+
+
+def trial_fn(config, job):
+    """One trial, in a Tune actor: train.py to the largest step count, then score each step count.
+    Reports one result per step count."""
+    import ray.tune
+
+    import train
+
+    config = {**config, "use_lora": job["use_lora"]}
+    subject = job["subjects"][config["subject"]]
+    folder = os.path.join(job["sweep_dir"], "trials", f"{trial_label(config)}-{ray.tune.get_context().get_trial_id()}")
+    steps = job["steps"]
+    class_dir = job["class_dirs"][subject.class_name]
+    argv = [*job["train_flags"], "--model_dir", job["model_dir"], "--output_dir", os.path.join(folder, "model"),
+            "--instance_data_dir", subject.photos_dir, "--instance_prompt", f"photo of {subject.unique_token} "
+            f"{subject.class_name}", "--class_data_dir", class_dir, "--class_prompt", f"photo of a {subject.class_name}",
+            "--learning_rate", repr(config["learning_rate"]), "--max_train_steps", str(steps[-1]),
+            "--rank", str(config["rank"]), "--train_text_encoder" if config["train_text_encoder"] else
+            "--no-train_text_encoder", "--checkpointing_steps", str(math.gcd(*steps)),
+            "--storage_path", os.path.join(folder, "ray_results"), "--resume_from_checkpoint", "latest", "--overwrite"]
+    train_args = planning.parse_args(argv)
+    train.main(argv)  # after a restart: resumes from the trial's newest checkpoint
+    found = checkpoint.by_step(train_args.storage_path, "model")
+    entries = []
+    for step in steps:
+        model = train_args.output_dir
+        if step != steps[-1]:
+            model = os.path.join(folder, f"model-step-{step}")
+            if not os.path.isfile(os.path.join(model, utils.OUTPUT_MARKER)):
+                fields = {k: getattr(train_args, k) for k in ("model_dir", "use_lora", "rank", "lora_alpha",
+                          "train_text_encoder", "allow_unsafe_weights", "instance_prompt", "class_prompt")}
+                train.save_checkpoint_as_model(found[step], planning.offline_plan(
+                    **fields, output_dir=model, total_steps=step, mixed_precision="no"))
+        entries.append((f"step-{step}", *((job["model_dir"], model) if job["use_lora"] else (model, None))))
+    result = evaluate.run(entries, subject, job["eval_settings"], os.path.join(folder, "eval"))
+    for step, (label, model_dir, lora_dir) in zip(steps, entries):
+        ray.tune.report({"step": step, "model": lora_dir or model_dir, **result["models"][label]["overall"]})
+
+
+def max_concurrent(args, train_args):
+    """Trials at once: as many as the cluster's GPUs hold; one on CPUs (each already uses every core)."""
+    if args.max_concurrent_trials:
+        return args.max_concurrent_trials
+    gpus = utils.cluster_resources()[1]
+    return max(1, gpus // (train_args.num_workers * train_args.gpus_per_worker)) if gpus else 1
+
+
+def prepare_class_images(args, subjects, train_args):
+    """{class name: folder}: each class's images, drawn once (train.py's --num_class_images top-up)."""
+    import types
+
+    import train
+
+    dirs = {}
+    for class_name in sorted({s.class_name for s in subjects.values()}):
+        dirs[class_name] = os.path.join(args.sweep_dir, "class-images", utils.slugify(class_name))
+        train.top_up_class_images(types.SimpleNamespace(
+            model_dir=args.model_dir, class_data_dir=dirs[class_name], class_prompt=f"photo of a {class_name}",
+            num_class_images=args.num_class_images, seed=train_args.seed, resolution=train_args.resolution,
+            allow_unsafe_weights=train_args.allow_unsafe_weights))
+    return dirs
+
+
+def run_tune(job, space, concurrency, num_samples):
+    """tuner.fit() of the trials; a sweep folder with Tune's state is resumed, not started again."""
+    from ray import tune
+
+    trainable = tune.with_resources(tune.with_parameters(trial_fn, job=job), {"CPU": 0, "memory": 1})
+    path = os.path.join(job["sweep_dir"], "tune")
+    if tune.Tuner.can_restore(path):
+        print(f"resuming the sweep in {path}: finished trials are kept, the others run", file=sys.stderr)
+        tuner = tune.Tuner.restore(path, trainable, resume_unfinished=True, restart_errored=True)
+    else:
+        tuner = tune.Tuner(trainable, param_space=space,
+                           tune_config=tune.TuneConfig(num_samples=num_samples, max_concurrent_trials=concurrency),
+                           run_config=tune.RunConfig(name="tune", storage_path=job["sweep_dir"], verbose=1,
+                                                     failure_config=tune.FailureConfig(max_failures=0)))
+    return tuner.fit()
+
+
+def collect(results):
+    """Rows of the trials table: one per (trial, step count) scored, one per failed trial."""
+    rows = []
+    for result in results:
+        config = {**result.config}
+        settings = {k: config[k] for k in ("subject", "learning_rate", "rank", "train_text_encoder")}
+        frame = result.metrics_dataframe
+        scored = frame.to_dict("records") if frame is not None and "dino" in frame else []
+        for record in scored:
+            rows.append({**settings, "step": int(record["step"]), "model": record["model"],
+                         **{k: record.get(k) for k in METRICS}, "status": "ok"})
+        if result.error is not None:
+            reason = str(result.error).strip().splitlines()
+            rows.append({**settings, "step": None, "model": None, **dict.fromkeys(METRICS),
+                         "status": "failed: " + (reason[-1] if reason else type(result.error).__name__)})
+    return rows
+
+
+def choose(rows, base, margin):
+    """{subject: best row}: highest DINO with CLIP-T >= the base's minus margin (else highest DINO, flagged)."""
+    best = {}
+    for subject in base:
+        scored = [r for r in rows if r["subject"] == subject and r["status"] == "ok"]
+        if not scored:
+            continue
+        floor = base[subject]["clip_t"] - margin
+        kept = [r for r in scored if r["clip_t"] >= floor]
+        best[subject] = {**max(kept or scored, key=lambda r: r["dino"]), "within_margin": bool(kept)}
+    return best
+
+
+def target_dir(args, name):
+    """Where a subject's best model goes: --output_dir, or with --subjects_dir its sub-folder."""
+    return args.output_dir if args.instance_data_dir else os.path.join(args.output_dir, name)
+
+
+def score_base(args, subject, eval_settings):
+    """The base model's scores on a subject (once: a rerun with the same prompts reads them back)."""
+    folder = os.path.join(args.sweep_dir, "base", subject.name)
+    saved = os.path.join(folder, "scores.json")
+    if os.path.isfile(saved):
+        result = utils.read_json(saved)
+        if result["prompts"] == list(subject.prompts()) and \
+                result["num_samples_per_prompt"] == eval_settings["num_samples_per_prompt"]:
+            return result["models"]["base"]["overall"]
+    result = evaluate.run([("base", args.model_dir, None)], subject, eval_settings, folder)
+    overall = result["models"]["base"]["overall"]
+    print(f"base model on {subject.name}: {evaluate.summary(overall)}", file=sys.stderr)
+    return overall
+
+
+def main(argv=None):
+    args, train_flags, train_args = parse_args(argv)
+    subjects = read_subjects(args)
+    for subject in subjects.values():  # a missing photo folder or a bad prompt file fails now
+        subject.photos()
+        subject.prompts()
+    utils.check_model_dir(args.model_dir, train_args.allow_unsafe_weights)
+    for name in subjects:
+        planning.check_output_dir(target_dir(args, name), train_args.overwrite)
+    utils.init_ray()
+    eval_settings = {"eval_models_dir": args.eval_models_dir, "num_samples_per_prompt": args.eval_images_per_prompt,
+                     "seed": train_args.seed, "batch_size": args.batch_size, "guidance_scale": args.guidance_scale,
+                     "num_inference_steps": args.num_inference_steps, "resolution": train_args.resolution,
+                     "num_actors": None, "allow_unsafe_weights": train_args.allow_unsafe_weights}
+    class_dirs = prepare_class_images(args, subjects, train_args)
+    base = {name: score_base(args, subject, eval_settings) for name, subject in subjects.items()}
+    job = {"subjects": subjects, "sweep_dir": args.sweep_dir, "steps": args.sweep_max_train_steps,
+           "class_dirs": class_dirs, "train_flags": train_flags, "model_dir": args.model_dir,
+           "use_lora": train_args.use_lora, "eval_settings": eval_settings}
+    concurrency = max_concurrent(args, train_args)
+    num_samples = args.num_trials if args.search == "random" else 1
+    print(f"sweep: {len(subjects)} subject(s), steps {args.sweep_max_train_steps}, {args.search} search, "
+          f"{concurrency} trial(s) at once; working folder {args.sweep_dir}", file=sys.stderr)
+    rows = collect(run_tune(job, param_space(args, subjects, train_args), concurrency, num_samples))
+    best = choose(rows, base, args.clip_t_margin)
+    for name, row in best.items():
+        target = target_dir(args, name)
+        utils.atomic_write_dir(target, lambda tmp, source=row["model"]: shutil.copytree(source, tmp, dirs_exist_ok=True))
+        row["copied_to"] = target
+    written = sweep_report.write_all(args.sweep_dir, rows, base, best, args.clip_t_margin)
+    failed = sum(r["status"] != "ok" for r in rows)
+    for name in subjects:
+        if name not in best:
+            print(f"{name}: every trial failed; see {written['table']}", file=sys.stderr)
+            continue
+        row = best[name]
+        note = "" if row["within_margin"] else f" (no trial kept CLIP-T within {args.clip_t_margin} of the base)"
+        print(f"{name}: best lr {row['learning_rate']:.3g}, {row['step']} steps, DINO {row['dino']:.3f}, "
+              f"CLIP-T {row['clip_t']:.3f}{note} -> {row['copied_to']}", file=sys.stderr)
+    print(f"{len(rows) - failed} scored, {failed} failed trial(s); {written['table']}, {written['plot']}, "
+          f"{written['report']}", file=sys.stderr)
+    if not best:
+        raise utils.UserError("every trial failed: see the table for each error")
+    return {"rows": rows, "best": best, "base": base}
+
+
+if __name__ == "__main__":
+    utils.run_main(main)

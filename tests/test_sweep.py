@@ -1,0 +1,148 @@
+import csv
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import dataset
+import sweep
+import sweep_report
+import utils
+from utils import REPO_DIR
+
+
+def base_argv(model, tmp_path):
+    return ["--model_dir", model, "--output_dir", str(tmp_path / "best"), "--eval_models_dir", str(tmp_path / "e")]
+
+
+def test_one_subject_or_many_and_flags_the_sweep_sets_are_refused(tiny_model, toy_images, tmp_path, capsys):
+    argv = base_argv(tiny_model, tmp_path)
+    for extra, message in (([], "give --instance_data_dir .* or --subjects_dir"),
+                           (["--instance_data_dir", toy_images], "needs --class_name"),
+                           (["--subjects_dir", str(tmp_path), "--instance_data_dir", toy_images], "give --instance"),
+                           (["--subjects_dir", str(tmp_path), "--lr=1e-4"], "--lr=1e-4 is set by the sweep"),
+                           (["--subjects_dir", str(tmp_path), "--sweep_rank", "4,8"], "--sweep_rank needs --use_lora"),
+                           (["--subjects_dir", str(tmp_path), "--num_workrs", "2"], "unrecognized.*--num_workrs"),
+                           (["--subjects_dir", str(tmp_path), "--search", "random", "--sweep_learning_rate",
+                             "1e-6,1e-5,1e-4"], "is a range: LOW,HIGH")):
+        with pytest.raises(SystemExit):
+            sweep.parse_args(argv + extra)
+        assert capsys.readouterr().err.count("\n") == 1
+    args, train_flags, train_args = sweep.parse_args(argv + ["--subjects_dir", str(tmp_path), "--use_lora",
+                                                             "--sweep_rank", "8,4,8", "--num_workers", "2"])
+    assert args.sweep_rank == [8, 4] and train_flags == ["--use_lora", "--num_workers", "2"]
+    assert train_args.num_workers == 2 and args.sweep_dir == str(tmp_path / "best") + "-sweep"
+    assert args.sweep_max_train_steps == [400]
+
+
+def write_subject(folder, images, info):
+    os.makedirs(folder)
+    for image in images:
+        shutil.copy(image, folder)
+    if info is not None:
+        utils.write_json(os.path.join(folder, dataset.SUBJECT_FILE), info)
+
+
+def test_subjects_come_from_their_folders_with_the_flags_as_defaults(tiny_model, toy_images, tmp_path):
+    photos = [os.path.join(toy_images, n) for n in sorted(os.listdir(toy_images))]
+    write_subject(tmp_path / "s" / "rex", photos[:2], {"class_name": "dog", "subject_type": "live"})
+    write_subject(tmp_path / "s" / "mug", photos[2:], {"class_name": "cup", "unique_token": "zwx"})
+    args, _, _ = sweep.parse_args(base_argv(tiny_model, tmp_path) + ["--subjects_dir", str(tmp_path / "s"),
+                                                                      "--unique_token", "sks"])
+    subjects = sweep.read_subjects(args)
+    assert list(subjects) == ["mug", "rex"]
+    assert (subjects["rex"].unique_token, subjects["rex"].class_name, subjects["rex"].subject_type) == ("sks", "dog", "live")
+    assert (subjects["mug"].unique_token, subjects["mug"].subject_type) == ("zwx", "object")
+    assert len(subjects["mug"].photos()) == 3 and "a zwx cup made of glass" in subjects["mug"].prompts()
+
+    write_subject(tmp_path / "s" / "cat", photos[:1], None)
+    with pytest.raises(utils.UserError, match="cat has no subject.json"):
+        sweep.read_subjects(args)
+    utils.write_json(tmp_path / "s" / "cat" / dataset.SUBJECT_FILE, {"unique_token": "x"})
+    with pytest.raises(utils.UserError, match="cat/subject.json: needs a JSON object with \"class_name\""):
+        sweep.read_subjects(args)
+
+
+def row(subject, dino, clip_t, status="ok", model=None):
+    return {"subject": subject, "learning_rate": 1e-4, "rank": 4, "train_text_encoder": True, "step": 4,
+            "model": model or f"{subject}-{dino}-{clip_t}", "dino": dino, "clip_i": 0.5, "clip_t": clip_t,
+            "div": 0.1, "pres": 0.3, "status": status}
+
+
+def test_best_is_the_highest_dino_within_the_clip_t_margin_of_the_base():
+    base = {"a": {"clip_t": 0.30}, "b": {"clip_t": 0.30}, "c": {"clip_t": 0.3}}
+    rows = [row("a", 0.9, 0.25), row("a", 0.7, 0.29), row("a", 0.6, 0.31),
+            row("b", 0.8, 0.10), row("b", 0.5, 0.20),
+            {**row("c", None, None, status="failed: out of memory"), "model": None}]
+    best = sweep.choose(rows, base, margin=0.02)
+    assert best["a"]["dino"] == 0.7 and best["a"]["within_margin"]  # 0.9 forgets the prompt
+    assert best["b"]["dino"] == 0.8 and not best["b"]["within_margin"]  # none kept CLIP-T: flagged
+    assert "c" not in best
+    assert sweep.choose(rows, base, margin=0.06)["a"]["dino"] == 0.9
+
+
+def test_table_plot_and_report_mark_the_chosen_trials_and_list_failed_ones(tmp_path):
+    scores = {"dino": 0.5, "clip_i": 0.6, "clip_t": 0.3, "div": 0.2, "pres": 0.4}
+    base = {"a": scores, "c": scores}
+    rows = [row("a", 0.6, 0.29), row("a", 0.7, 0.30), {**row("c", None, None, "failed: boom"), "model": None}]
+    best = sweep.choose(rows, base, 0.02)
+    written = sweep_report.write_all(str(tmp_path), rows, base, best, 0.02)
+    with open(tmp_path / "trials.csv") as f:
+        table = list(csv.DictReader(f))
+    assert [(r["subject"], r["dino"], r["chosen"], r["status"]) for r in table] == [
+        ("a", "0.7", "True", "ok"), ("a", "0.6", "False", "ok"), ("c", "", "False", "failed: boom")]
+    assert "| **yes** |" in open(written["table"]).read()
+    report = open(written["report"]).read()
+    assert "| a | chosen | lr 0.0001, 4 steps, text encoder on | 0.700 |" in report
+    assert "| c | (every trial failed) |" in report
+    from PIL import Image
+
+    assert Image.open(written["plot"]).size == (700, 500)
+
+
+def test_sweep_of_two_subjects_trains_scores_and_copies_each_best(tiny_model, toy_images, tmp_path):
+    """Two subjects of one class (their class images drawn once), two step counts scored per trial:
+    the sweep runs offline on CPU with the tiny models, then a rerun restores it from Tune's state."""
+    import cache_model
+
+    eval_models = cache_model.main(["--model_dir", str(tmp_path / "cache"), "--eval_models", "--tiny"])
+    photos = [os.path.join(toy_images, n) for n in sorted(os.listdir(toy_images))]
+    write_subject(tmp_path / "s" / "red", photos[:3], {"class_name": "toy"})
+    write_subject(tmp_path / "s" / "blue", photos[3:], {"class_name": "toy", "unique_token": "zwx"})
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a {subject} on a beach\na {subject} in the snow\n")
+    command = [sys.executable, "sweep.py", "--model_dir", tiny_model, "--output_dir", str(tmp_path / "best"),
+               "--subjects_dir", str(tmp_path / "s"), "--eval_models_dir", eval_models, "--eval_prompts",
+               str(prompts), "--eval_images_per_prompt", "2", "--num_inference_steps", "2", "--num_class_images", "3",
+               "--sweep_max_train_steps", "2,4", "--sweep_learning_rate", "1e-3", "--num_workers", "1"]
+    proc = subprocess.run(command, cwd=REPO_DIR, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    sweep_dir = tmp_path / "best-sweep"
+    assert os.listdir(sweep_dir / "class-images") == ["toy"]  # shared by both subjects
+    assert len([n for n in os.listdir(sweep_dir / "class-images" / "toy") if n.endswith(".png")]) == 3
+    with open(sweep_dir / "trials.csv") as f:
+        table = list(csv.DictReader(f))
+    assert sorted((r["subject"], r["step"], r["status"]) for r in table) == [
+        ("blue", "2", "ok"), ("blue", "4", "ok"), ("red", "2", "ok"), ("red", "4", "ok")]
+    for subject in ("red", "blue"):
+        chosen = [r for r in table if r["subject"] == subject and r["chosen"] == "True"]
+        assert len(chosen) == 1
+        marker = utils.read_json(tmp_path / "best" / subject / utils.OUTPUT_MARKER)
+        assert marker["steps"] == int(chosen[0]["step"]) and marker["base_model"] == tiny_model
+        utils.check_model_dir(str(tmp_path / "best" / subject))
+    assert "zwx toy" in marker["instance_prompt"] if subject == "blue" else True
+    report = (sweep_dir / "report.md").read_text()
+    assert "| red | base |" in report and "| blue | chosen |" in report
+    assert (sweep_dir / "sweep.png").is_file()
+
+    # The same command again: Tune's state is restored, every trial is finished, nothing trains again.
+    weights = [os.path.join(root, n) for root, _, names in os.walk(sweep_dir / "trials") for n in names
+               if n.endswith(".safetensors")]
+    before = {w: os.stat(w).st_mtime_ns for w in weights}
+    proc = subprocess.run(command, cwd=REPO_DIR, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming the sweep" in proc.stderr and "base model on" not in proc.stderr
+    assert {w: os.stat(w).st_mtime_ns for w in weights} == before
