@@ -201,6 +201,7 @@ def run(entries, subject, settings, output_dir):
 
     prompts, class_prompt = subject.prompts(), subject.class_prompt
     real = subject.photos()
+    utils.init_ray()
     settings = {**settings, "num_actors": settings["num_actors"] or generate.default_num_actors()}
     files, rows = {}, []
     for label, model_dir, lora_dir in entries:

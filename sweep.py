@@ -53,6 +53,10 @@ def parse_args(argv=None):
                "num_class_images": "Class images per class for the prior-preservation loss, drawn once "
                                    "with the base model and shared by the subjects of that class."})
     parser.set_defaults(num_class_images=100)
+    parser.epilog = ("Every other flag is train.py's (see python train.py --help) and goes to every trial, e.g. "
+                     "--use_lora, --num_workers, --mixed_precision. The sweep itself sets the learning rate, steps, "
+                     "rank and text-encoder switch (the --sweep_* flags), the checkpoints, storage, prompts "
+                     "('photo of <token> <class>', 'photo of a <class>') and class images.")
     args, train_flags = parser.parse_known_args(argv)
     if (args.subjects_dir is None) == (args.instance_data_dir is None):
         parser.error("give --instance_data_dir (one subject) or --subjects_dir (many)")
@@ -258,8 +262,8 @@ def score_base(args, subject, eval_settings):
 def main(argv=None):
     args, train_flags, train_args = parse_args(argv)
     subjects = read_subjects(args)
-    for subject in subjects.values():  # a missing photo folder or a bad prompt file fails now
-        subject.photos()
+    for subject in subjects.values():  # a missing or corrupt photo or a bad prompt file fails now, not in a trial
+        dataset.inspect_images(subject.photos(), 0, os.path.join(args.sweep_dir, "converted-images"))
         subject.prompts()
     utils.check_model_dir(args.model_dir, train_args.allow_unsafe_weights)
     for name in subjects:

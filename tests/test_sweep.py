@@ -1,6 +1,7 @@
 import csv
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -102,10 +103,15 @@ def test_table_plot_and_report_mark_the_chosen_trials_and_list_failed_ones(tmp_p
     assert Image.open(written["plot"]).size == (700, 500)
 
 
-def test_sweep_of_two_subjects_trains_scores_and_copies_each_best(tiny_model, toy_images, tmp_path):
-    """Two subjects of one class (their class images drawn once), two step counts scored per trial:
-    the sweep runs offline on CPU with the tiny models, then a rerun restores it from Tune's state."""
+def test_sweep_of_two_subjects_survives_a_failed_trial_and_a_rerun_retries_it(tiny_model, toy_images, tmp_path):
+    """Two subjects of one class (class images drawn once), two step counts scored per trial, offline
+    on CPU with the tiny models. The first trial's train worker is killed (no restarts): the sweep goes
+    on, lists it as failed and keeps the other subject's best; the same command again restores Tune's
+    state, retries only the failed trial and keeps the finished one as it was."""
+    import time
+
     import cache_model
+    from test_recovery import worker_pids
 
     eval_models = cache_model.main(["--model_dir", str(tmp_path / "cache"), "--eval_models", "--tiny"])
     photos = [os.path.join(toy_images, n) for n in sorted(os.listdir(toy_images))]
@@ -116,33 +122,50 @@ def test_sweep_of_two_subjects_trains_scores_and_copies_each_best(tiny_model, to
     command = [sys.executable, "sweep.py", "--model_dir", tiny_model, "--output_dir", str(tmp_path / "best"),
                "--subjects_dir", str(tmp_path / "s"), "--eval_models_dir", eval_models, "--eval_prompts",
                str(prompts), "--eval_images_per_prompt", "2", "--num_inference_steps", "2", "--num_class_images", "3",
-               "--sweep_max_train_steps", "2,4", "--sweep_learning_rate", "1e-3", "--num_workers", "1"]
-    proc = subprocess.run(command, cwd=REPO_DIR, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
+               "--sweep_max_train_steps", "2,4", "--sweep_learning_rate", "1e-3", "--num_workers", "1",
+               "--max_failures", "0"]
     sweep_dir = tmp_path / "best-sweep"
-    assert os.listdir(sweep_dir / "class-images") == ["toy"]  # shared by both subjects
-    assert len([n for n in os.listdir(sweep_dir / "class-images" / "toy") if n.endswith(".png")]) == 3
-    with open(sweep_dir / "trials.csv") as f:
-        table = list(csv.DictReader(f))
+
+    def run(kill_first_worker):
+        started = time.time()
+        with open(tmp_path / "log.txt", "w") as log:
+            proc = subprocess.Popen(command, cwd=REPO_DIR, stdout=log, stderr=subprocess.STDOUT, text=True)
+            while kill_first_worker and proc.poll() is None:
+                pids = worker_pids(started)
+                if pids:
+                    os.kill(pids[0], signal.SIGKILL)
+                    break
+                time.sleep(0.2)
+            proc.wait(timeout=900)
+        output = (tmp_path / "log.txt").read_text()
+        assert proc.returncode == 0, output[-3000:]
+        with open(sweep_dir / "trials.csv") as f:
+            return output, list(csv.DictReader(f))
+
+    output, table = run(kill_first_worker=True)
+    failed = [r for r in table if r["status"] != "ok"]
+    assert len(failed) == 1 and failed[0]["status"].startswith("failed: ") and "1 failed trial(s)" in output
+    done = next(s for s in ("red", "blue") if s != failed[0]["subject"])
+    assert sorted((r["subject"], r["step"]) for r in table if r["status"] == "ok") == [(done, "2"), (done, "4")]
+    assert os.listdir(tmp_path / "best") == [done]
+    weights = [os.path.join(root, n) for root, _, names in os.walk(sweep_dir / "trials") for n in names
+               if n.endswith(".safetensors") and f"{os.sep}{done}-" in root]
+    before = {w: os.stat(w).st_mtime_ns for w in weights}
+
+    output, table = run(kill_first_worker=False)
+    assert "resuming the sweep" in output and "base model on" not in output  # base scores read back
+    assert {w: os.stat(w).st_mtime_ns for w in weights} == before  # the finished trial is kept as it was
     assert sorted((r["subject"], r["step"], r["status"]) for r in table) == [
         ("blue", "2", "ok"), ("blue", "4", "ok"), ("red", "2", "ok"), ("red", "4", "ok")]
-    for subject in ("red", "blue"):
+    assert os.listdir(sweep_dir / "class-images") == ["toy"]  # shared by both subjects
+    assert len([n for n in os.listdir(sweep_dir / "class-images" / "toy") if n.endswith(".png")]) == 3
+    for subject, token in (("red", "unqtkn"), ("blue", "zwx")):
         chosen = [r for r in table if r["subject"] == subject and r["chosen"] == "True"]
         assert len(chosen) == 1
         marker = utils.read_json(tmp_path / "best" / subject / utils.OUTPUT_MARKER)
         assert marker["steps"] == int(chosen[0]["step"]) and marker["base_model"] == tiny_model
+        assert marker["instance_prompt"] == f"photo of {token} toy"
         utils.check_model_dir(str(tmp_path / "best" / subject))
-    assert "zwx toy" in marker["instance_prompt"] if subject == "blue" else True
     report = (sweep_dir / "report.md").read_text()
     assert "| red | base |" in report and "| blue | chosen |" in report
     assert (sweep_dir / "sweep.png").is_file()
-
-    # The same command again: Tune's state is restored, every trial is finished, nothing trains again.
-    weights = [os.path.join(root, n) for root, _, names in os.walk(sweep_dir / "trials") for n in names
-               if n.endswith(".safetensors")]
-    before = {w: os.stat(w).st_mtime_ns for w in weights}
-    proc = subprocess.run(command, cwd=REPO_DIR, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "resuming the sweep" in proc.stderr and "base model on" not in proc.stderr
-    assert {w: os.stat(w).st_mtime_ns for w in weights} == before
