@@ -194,39 +194,51 @@ def generate_for(label, model_dir, lora_dir, prompt_list, folder, settings):
     return {p: [f for f in fs if os.path.exists(f)] for p, fs in wanted.items()}
 
 
-def run(entries, subject, settings, output_dir):
-    """Generate, embed and score the models of entries [(label, model folder, LoRA folder)]
-    against subject; writes scores.json, report.md and the grids into output_dir, returns scores.json's dict."""
+def run(entries, subjects, settings, output_dir, report_dirs=None):
+    """Generate, embed and score the models of entries [(label, model folder, LoRA folder)] against
+    each of subjects, with one actor pool per model for the images of every subject and one for all
+    embeddings. Images go to output_dir/images/<label> (subjects with the same prompts share them);
+    each subject's scores.json, report.md and grids to report_dirs[name] (default output_dir).
+    Returns {subject name: scores.json's dict}."""
     import torch
 
-    prompts, class_prompt = subject.prompts(), subject.class_prompt
-    real = subject.photos()
     utils.init_ray()
+    prompts = {s.name: s.prompts() for s in subjects}
+    texts = {p: t for s in subjects for p, t in prompts[s.name].items()}
+    texts.update({s.class_prompt: s.class_prompt for s in subjects})
+    real = {s.name: s.photos() for s in subjects}
     settings = {**settings, "num_actors": settings["num_actors"] or generate.default_num_actors()}
     files, rows = {}, []
     for label, model_dir, lora_dir in entries:
-        files[label] = generate_for(label, model_dir, lora_dir, [*prompts, class_prompt],
-                                    os.path.join(output_dir, "images", label), settings)
-        rows += [{"path": f, "text": prompts.get(p, class_prompt)} for p, fs in files[label].items() for f in fs]
-    rows += [{"path": path, "text": class_prompt} for path in real]
+        files[label] = generate_for(label, model_dir, lora_dir, list(texts), os.path.join(output_dir, "images", label),
+                                    settings)
+        rows += [{"path": f, "text": texts[p]} for p, fs in files[label].items() for f in fs]
+    rows += [{"path": path, "text": s.class_prompt} for s in subjects for path in real[s.name]]
+    rows = list({r["path"]: r for r in rows}.values())  # a photo shared by two subjects is embedded once
     print(f"scoring {len(rows)} images on {settings['num_actors']} actor(s)", file=sys.stderr)
     emb = embed(rows, settings["eval_models_dir"], settings["num_actors"], settings["allow_unsafe_weights"])
 
-    result = {"subject": f"{subject.unique_token} {subject.class_name}", "num_prompts": len(prompts),
-              "num_samples_per_prompt": settings["num_samples_per_prompt"], "num_photos": len(real),
-              "prompts": list(prompts), "class_prompt": class_prompt, "models": {}}
-    for label, _, _ in entries:
-        subject_files = {p: files[label][p] for p in prompts}
-        per_prompt = {p: score_set(emb, {p: paths}, real) for p, paths in subject_files.items() if paths}
-        overall = score_set(emb, subject_files, real)
-        class_images = files[label][class_prompt]
-        overall["pres"] = scores.mean_similarity(torch.stack([emb[p]["dino"] for p in class_images]),
-                                                 torch.stack([emb[p]["dino"] for p in real])) if class_images else None
-        result["models"][label] = {"overall": overall, "per_prompt": per_prompt}
-        write_prompt_grids(output_dir, label, files[label])
-    utils.write_json(os.path.join(output_dir, "scores.json"), result)
-    write_report(os.path.join(output_dir, "report.md"), result)
-    return result
+    results = {}
+    for subject in subjects:
+        photos, folder = real[subject.name], (report_dirs or {}).get(subject.name, output_dir)
+        result = {"subject": f"{subject.unique_token} {subject.class_name}", "num_prompts": len(prompts[subject.name]),
+                  "num_samples_per_prompt": settings["num_samples_per_prompt"], "num_photos": len(photos),
+                  "prompts": list(prompts[subject.name]), "class_prompt": subject.class_prompt, "models": {}}
+        for label, _, _ in entries:
+            subject_files = {p: files[label][p] for p in prompts[subject.name]}
+            per_prompt = {p: score_set(emb, {p: paths}, photos) for p, paths in subject_files.items() if paths}
+            overall = score_set(emb, subject_files, photos)
+            class_images = files[label][subject.class_prompt]
+            overall["pres"] = scores.mean_similarity(
+                torch.stack([emb[p]["dino"] for p in class_images]),
+                torch.stack([emb[p]["dino"] for p in photos])) if class_images else None
+            result["models"][label] = {"overall": overall, "per_prompt": per_prompt}
+            write_prompt_grids(folder, label, {p: files[label][p] for p in [*subject_files, subject.class_prompt]})
+        os.makedirs(folder, exist_ok=True)
+        utils.write_json(os.path.join(folder, "scores.json"), result)
+        write_report(os.path.join(folder, "report.md"), result)
+        results[subject.name] = result
+    return results
 
 
 def summary(overall):
@@ -247,8 +259,8 @@ def main(argv=None):
     subject = Subject(os.path.basename(args.instance_data_dir), args.instance_data_dir, args.unique_token,
                       args.class_name, args.subject_type, args.eval_prompts)
     subject.prompts()  # a bad prompt file fails before any model loads
-    result = run(models_to_score(args.model_dir, args.lora_dir, args.base_model_dir), subject,
-                 {k: getattr(args, k) for k in RUN_SETTINGS}, args.output_dir)
+    result = run(models_to_score(args.model_dir, args.lora_dir, args.base_model_dir), [subject],
+                 {k: getattr(args, k) for k in RUN_SETTINGS}, args.output_dir)[subject.name]
     print(f"tuned: {summary(result['models']['tuned']['overall'])}; report "
           f"{os.path.join(args.output_dir, 'report.md')}", file=sys.stderr)
     return result

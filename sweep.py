@@ -120,12 +120,14 @@ def param_space(args, subjects, train_args):
         space = {k: tune.choice(v) for k, v in values.items()}
         if len(lrs) == 2:
             space["learning_rate"] = tune.loguniform(*lrs)
-    return {**space, "subject": tune.grid_search(list(subjects)) if len(subjects) > 1 else next(iter(subjects))}
+    return {**space, "use_lora": train_args.use_lora,
+            "subject": tune.grid_search(list(subjects)) if len(subjects) > 1 else next(iter(subjects))}
 
 
 def trial_label(config):
-    """'dog-lr5e-06-te1(-rank4)': a trial's settings, for folders and tables."""
-    label = f"{config['subject']}-lr{config['learning_rate']:.3g}-te{int(config['train_text_encoder'])}"
+    """'dog-lr5e-06-te1(-rank4)': a trial's settings, its folder's name. (Random draws that repeat a
+    trial's settings share its folder: the same settings and seed train the same model.)"""
+    label = f"{config['subject']}-lr{config['learning_rate']:.6g}-te{int(config['train_text_encoder'])}"
     return label + (f"-rank{config['rank']}" if config.get("use_lora") else "")
 
 
@@ -136,9 +138,10 @@ def trial_fn(config, job):
 
     import train
 
-    config = {**config, "use_lora": job["use_lora"]}
     subject = job["subjects"][config["subject"]]
-    folder = os.path.join(job["sweep_dir"], "trials", f"{trial_label(config)}-{ray.tune.get_context().get_trial_id()}")
+    # Named by its settings, not Tune's trial id (a retried trial gets a new id): a trial run again
+    # after a failure or a crash finds its own checkpoints and resumes from them.
+    folder = os.path.join(job["sweep_dir"], "trials", trial_label(config))
     steps = job["steps"]
     class_dir = job["class_dirs"][subject.class_name]
     argv = [*job["train_flags"], "--model_dir", job["model_dir"], "--output_dir", os.path.join(folder, "model"),
@@ -162,7 +165,7 @@ def trial_fn(config, job):
                 train.save_checkpoint_as_model(found[step], planning.offline_plan(
                     **fields, output_dir=model, total_steps=step, mixed_precision="no"))
         entries.append((f"step-{step}", *((job["model_dir"], model) if job["use_lora"] else (model, None))))
-    result = evaluate.run(entries, subject, job["eval_settings"], os.path.join(folder, "eval"))
+    result = evaluate.run(entries, [subject], job["eval_settings"], os.path.join(folder, "eval"))[subject.name]
     for step, (label, model_dir, lora_dir) in zip(steps, entries):
         ray.tune.report({"step": step, "model": lora_dir or model_dir, **result["models"][label]["overall"]})
 
@@ -214,6 +217,7 @@ def collect(results):
     for result in results:
         config = {**result.config}
         settings = {k: config[k] for k in ("subject", "learning_rate", "rank", "train_text_encoder")}
+        settings["rank"] = settings["rank"] if config.get("use_lora") else None  # full fine-tuning has none
         frame = result.metrics_dataframe
         scored = frame.to_dict("records") if frame is not None and "dino" in frame else []
         for record in scored:
@@ -244,19 +248,26 @@ def target_dir(args, name):
     return args.output_dir if args.instance_data_dir else os.path.join(args.output_dir, name)
 
 
-def score_base(args, subject, eval_settings):
-    """The base model's scores on a subject (once: a rerun with the same prompts reads them back)."""
-    folder = os.path.join(args.sweep_dir, "base", subject.name)
-    saved = os.path.join(folder, "scores.json")
-    if os.path.isfile(saved):
-        result = utils.read_json(saved)
-        if result["prompts"] == list(subject.prompts()) and \
+def score_base(args, subjects, eval_settings):
+    """{name: the base model's overall scores on each subject}: all subjects in one evaluation (one
+    actor pool for the images, one for the embeddings); a rerun with the same prompts reads them back."""
+    folder = os.path.join(args.sweep_dir, "base")
+    base, todo = {}, []
+    for subject in subjects.values():
+        saved = os.path.join(folder, subject.name, "scores.json")
+        result = utils.read_json(saved) if os.path.isfile(saved) else None
+        if result and result["prompts"] == list(subject.prompts()) and \
                 result["num_samples_per_prompt"] == eval_settings["num_samples_per_prompt"]:
-            return result["models"]["base"]["overall"]
-    result = evaluate.run([("base", args.model_dir, None)], subject, eval_settings, folder)
-    overall = result["models"]["base"]["overall"]
-    print(f"base model on {subject.name}: {evaluate.summary(overall)}", file=sys.stderr)
-    return overall
+            base[subject.name] = result["models"]["base"]["overall"]
+        else:
+            todo.append(subject)
+    if todo:
+        results = evaluate.run([("base", args.model_dir, None)], todo, eval_settings, folder,
+                               {s.name: os.path.join(folder, s.name) for s in todo})
+        for name, result in results.items():
+            base[name] = result["models"]["base"]["overall"]
+            print(f"base model on {name}: {evaluate.summary(base[name])}", file=sys.stderr)
+    return {name: base[name] for name in subjects}
 
 
 def main(argv=None):
@@ -274,10 +285,12 @@ def main(argv=None):
                      "num_inference_steps": args.num_inference_steps, "resolution": train_args.resolution,
                      "num_actors": None, "allow_unsafe_weights": train_args.allow_unsafe_weights}
     class_dirs = prepare_class_images(args, subjects, train_args)
-    base = {name: score_base(args, subject, eval_settings) for name, subject in subjects.items()}
+    base = score_base(args, subjects, eval_settings)
+    # A trial draws and embeds its images on the GPUs it trained on (one actor on a CPU cluster).
+    trial_actors = train_args.num_workers * train_args.gpus_per_worker if utils.cluster_resources()[1] else 1
     job = {"subjects": subjects, "sweep_dir": args.sweep_dir, "steps": args.sweep_max_train_steps,
            "class_dirs": class_dirs, "train_flags": train_flags, "model_dir": args.model_dir,
-           "use_lora": train_args.use_lora, "eval_settings": eval_settings}
+           "use_lora": train_args.use_lora, "eval_settings": {**eval_settings, "num_actors": trial_actors}}
     concurrency = max_concurrent(args, train_args)
     num_samples = args.num_trials if args.search == "random" else 1
     print(f"sweep: {len(subjects)} subject(s), steps {args.sweep_max_train_steps}, {args.search} search, "

@@ -158,3 +158,27 @@ def test_8bit_adam_trains_and_its_quantised_state_round_trips(make_plan, prompt_
         steps.train_step(resumed, [batch], prompt_ids, 1.0, 1.0)
     for k, v in state.models.unet.state_dict().items():
         assert torch.equal(v, fresh.models.unet.state_dict()[k]), k
+
+
+def test_a_checkpoint_becomes_the_model_the_run_would_have_saved_at_that_step(make_plan, prompt_ids, tiny_model,
+                                                                            tmp_path):
+    """sweep.py scores intermediate checkpoints: train.save_checkpoint_as_model writes their weights as
+    train.py's output (channels-last on, as on a GPU), recording the step."""
+    from diffusers import StableDiffusionPipeline
+
+    import train
+    import utils
+
+    state = trained_state(make_plan, prompt_ids, channels_last=True)
+    os.makedirs(tmp_path / "ckpt")
+    checkpoint.save(state, str(tmp_path / "ckpt"), 0, [checkpoint.rng_state()], train_text_encoder=True)
+    plan = make_plan(output_dir=str(tmp_path / "step-2"), total_steps=2, channels_last=True)
+    train.save_checkpoint_as_model(str(tmp_path / "ckpt"), plan)
+
+    saved = StableDiffusionPipeline.from_pretrained(str(tmp_path / "step-2"), safety_checker=None)
+    base = StableDiffusionPipeline.from_pretrained(tiny_model, safety_checker=None)
+    for part in ("unet", "text_encoder"):
+        trained = models_lib.unwrap(getattr(state.models, part)).state_dict()
+        assert all(torch.equal(v, trained[k]) for k, v in getattr(saved, part).state_dict().items()), part
+        assert any(not torch.equal(v, trained[k]) for k, v in getattr(base, part).state_dict().items()), part
+    assert utils.read_json(str(tmp_path / "step-2" / utils.OUTPUT_MARKER))["steps"] == 2

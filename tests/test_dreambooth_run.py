@@ -1,5 +1,6 @@
 """End to end: the whole Steps 0-6 script on the tiny model, as a user runs it."""
 
+import json
 import os
 import re
 import subprocess
@@ -42,7 +43,7 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode):
     assert sorted(os.listdir(tmp_path / "images-own")) == [f"toy-{k}.jpg" for k in range(5)]
 
     if mode == "lora":  # adapters only; Step 5 generated with them on the base model; no Step 6
-        assert not os.path.exists(tmp_path / "eval")
+        assert "evaluate.py" not in output and "scores of the tuned model" not in output
         assert sorted(os.listdir(tmp_path / "model-tuned")) == sorted([LORA_WEIGHTS_FILE, OUTPUT_MARKER])
         assert "LoRA adapters (rank 4, alpha 4)" in output
         from safetensors.torch import load_file
@@ -51,8 +52,20 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode):
         ups = [v for k, v in lora.items() if ".up." in k or "lora_B" in k]  # zero until trained
         assert {k.split(".")[0] for k in lora} == {"unet", "text_encoder"} and all(v.abs().sum() > 0 for v in ups)
         return
-    # Step 6: the tuned model scored beside the base model it was trained from
-    report = (tmp_path / "eval" / "report.md").read_text()
+    # Step 6 (evaluate.py): the tuned model scored beside the base model it was trained from, over
+    # 2 prompts + the class prompt, 1 image each, generated and embedded on actor pools
+    evaluation = tmp_path / "eval"
+    scores = json.loads((evaluation / "scores.json").read_text())
+    for label in ("tuned", "base"):
+        assert len([f for f in os.listdir(evaluation / "images" / label) if f.endswith(".png")]) == 3
+        assert len(os.listdir(evaluation / "grids" / label)) == 3
+        overall = scores["models"][label]["overall"]
+        assert all(-1 <= overall[k] <= 1 for k in ("dino", "clip_i", "clip_t", "pres")) and overall["div"] is None
+        per_prompt = scores["models"][label]["per_prompt"]
+        assert set(per_prompt) == {"a unqtkn toy on a beach", "a unqtkn toy in the snow"}
+        assert per_prompt["a unqtkn toy on a beach"]["dino"] != per_prompt["a unqtkn toy in the snow"]["dino"]
+    assert scores["models"]["tuned"]["overall"] != scores["models"]["base"]["overall"]
+    report = (evaluation / "report.md").read_text()
     assert "| tuned |" in report and "| base |" in report and "| a unqtkn toy in the snow |" in report
     assert "done: scores of the tuned model beside the base model in" in output
     from diffusers import DiffusionPipeline

@@ -103,15 +103,10 @@ def test_table_plot_and_report_mark_the_chosen_trials_and_list_failed_ones(tmp_p
     assert Image.open(written["plot"]).size == (700, 500)
 
 
-def test_sweep_of_two_subjects_survives_a_failed_trial_and_a_rerun_retries_it(tiny_model, toy_images, tmp_path):
-    """Two subjects of one class (class images drawn once), two step counts scored per trial, offline
-    on CPU with the tiny models. The first trial's train worker is killed (no restarts): the sweep goes
-    on, lists it as failed and keeps the other subject's best; the same command again restores Tune's
-    state, retries only the failed trial and keeps the finished one as it was."""
-    import time
-
+@pytest.fixture()
+def two_subjects(tiny_model, toy_images, tmp_path):
+    """(sweep.py's command for two subjects of one class, LoRA, the tiny models; the sweep folder)."""
     import cache_model
-    from test_recovery import worker_pids
 
     eval_models = cache_model.main(["--model_dir", str(tmp_path / "cache"), "--eval_models", "--tiny"])
     photos = [os.path.join(toy_images, n) for n in sorted(os.listdir(toy_images))]
@@ -119,53 +114,91 @@ def test_sweep_of_two_subjects_survives_a_failed_trial_and_a_rerun_retries_it(ti
     write_subject(tmp_path / "s" / "blue", photos[3:], {"class_name": "toy", "unique_token": "zwx"})
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a {subject} on a beach\na {subject} in the snow\n")
+    # The class's images are already there (drawing them is train.py's --num_class_images, tested in
+    # test_train): the sweep tops the folder up to --num_class_images, here nothing to draw.
+    class_dir = tmp_path / "best-sweep" / "class-images" / "toy"
+    os.makedirs(class_dir)
+    for image in photos[:3]:
+        shutil.copy(image, class_dir)
     command = [sys.executable, "sweep.py", "--model_dir", tiny_model, "--output_dir", str(tmp_path / "best"),
                "--subjects_dir", str(tmp_path / "s"), "--eval_models_dir", eval_models, "--eval_prompts",
                str(prompts), "--eval_images_per_prompt", "2", "--num_inference_steps", "2", "--num_class_images", "3",
-               "--sweep_max_train_steps", "2,4", "--sweep_learning_rate", "1e-3", "--num_workers", "1",
-               "--max_failures", "0"]
-    sweep_dir = tmp_path / "best-sweep"
+               "--sweep_learning_rate", "1e-3", "--num_workers", "1", "--use_lora"]
+    return command, tmp_path / "best-sweep"
 
-    def run(kill_first_worker):
-        started = time.time()
-        with open(tmp_path / "log.txt", "w") as log:
-            proc = subprocess.Popen(command, cwd=REPO_DIR, stdout=log, stderr=subprocess.STDOUT, text=True)
-            while kill_first_worker and proc.poll() is None:
-                pids = worker_pids(started)
-                if pids:
-                    os.kill(pids[0], signal.SIGKILL)
-                    break
-                time.sleep(0.2)
-            proc.wait(timeout=900)
-        output = (tmp_path / "log.txt").read_text()
-        assert proc.returncode == 0, output[-3000:]
-        with open(sweep_dir / "trials.csv") as f:
-            return output, list(csv.DictReader(f))
 
-    output, table = run(kill_first_worker=True)
+def run_sweep(command, log_path, kill_after_first_checkpoint=False):
+    """(output, rows of trials.csv) of a sweep.py run that must succeed; optionally SIGKILLs the
+    first trial's train worker once that trial has written a checkpoint."""
+    import glob
+    import time
+
+    from test_recovery import worker_pids
+
+    sweep_dir = command[command.index("--output_dir") + 1] + "-sweep"
+    started = time.time()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, cwd=REPO_DIR, stdout=log, stderr=subprocess.STDOUT, text=True)
+        while kill_after_first_checkpoint and proc.poll() is None:
+            if glob.glob(os.path.join(sweep_dir, "trials", "*", "ray_results", "*", "checkpoint_*", "train_state.json")):
+                os.kill(worker_pids(started)[0], signal.SIGKILL)
+                break
+            time.sleep(0.1)
+        proc.wait(timeout=900)
+    output = open(log_path).read()
+    assert proc.returncode == 0, output[-3000:]
+    with open(os.path.join(sweep_dir, "trials.csv")) as f:
+        return output, list(csv.DictReader(f))
+
+
+@pytest.mark.slow
+def test_lora_sweep_of_two_subjects_scores_each_step_count_and_keeps_each_best(two_subjects, tiny_model, tmp_path):
+    """The many-subjects job, offline on CPU: two subjects of one class (class images drawn once),
+    LoRA, two step counts scored per trial (the smaller one from an intermediate checkpoint)."""
+    command, sweep_dir = two_subjects
+    output, table = run_sweep(command + ["--sweep_max_train_steps", "2,4"], tmp_path / "log.txt")
+    assert sorted((r["subject"], r["step"], r["status"], r["rank"]) for r in table) == [
+        ("blue", "2", "ok", "4"), ("blue", "4", "ok", "4"), ("red", "2", "ok", "4"), ("red", "4", "ok", "4")]
+    assert output.count("base model on") == 2 and output.count("base: 0 of") == 1  # both subjects in one pass
+    assert os.listdir(sweep_dir / "class-images") == ["toy"]  # one class folder for both subjects
+    assert output.count("3 class images in") == 1 and "generating 0 of 'photo of a toy'" in output
+    for subject, token in (("red", "unqtkn"), ("blue", "zwx")):
+        chosen = [r for r in table if r["subject"] == subject and r["chosen"] == "True"]
+        assert len(chosen) == 1
+        best = tmp_path / "best" / subject
+        marker = utils.read_json(best / utils.OUTPUT_MARKER)
+        assert marker["steps"] == int(chosen[0]["step"]) and marker["base_model"] == tiny_model
+        assert marker["instance_prompt"] == f"photo of {token} toy" and marker["lora"]["rank"] == 4
+        assert os.path.isfile(best / utils.LORA_WEIGHTS_FILE)
+        assert os.path.isfile(sweep_dir / "base" / subject / "report.md")
+    report = (sweep_dir / "report.md").read_text()
+    assert "| red | base |" in report and "| blue | chosen |" in report
+    assert (sweep_dir / "sweep.png").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_a_failed_trial_is_listed_and_the_rerun_resumes_it_from_its_checkpoint(two_subjects, tmp_path):
+    """(About 5 minutes: outside the default run; pytest -m long.) The first trial's train worker is
+    killed after its first checkpoint (no restarts): the sweep goes on, lists the trial as failed and
+    keeps the other subject's best. The same command again restores Tune's state: the failed trial
+    resumes from its checkpoint, the finished one is kept as it was."""
+    command, sweep_dir = two_subjects
+    command += ["--sweep_max_train_steps", "4,12", "--max_failures", "0"]
+    output, table = run_sweep(command, tmp_path / "log-1.txt", kill_after_first_checkpoint=True)
     failed = [r for r in table if r["status"] != "ok"]
     assert len(failed) == 1 and failed[0]["status"].startswith("failed: ") and "1 failed trial(s)" in output
     done = next(s for s in ("red", "blue") if s != failed[0]["subject"])
-    assert sorted((r["subject"], r["step"]) for r in table if r["status"] == "ok") == [(done, "2"), (done, "4")]
+    assert sorted((r["subject"], r["step"]) for r in table if r["status"] == "ok") == [(done, "12"), (done, "4")]
     assert os.listdir(tmp_path / "best") == [done]
     weights = [os.path.join(root, n) for root, _, names in os.walk(sweep_dir / "trials") for n in names
                if n.endswith(".safetensors") and f"{os.sep}{done}-" in root]
     before = {w: os.stat(w).st_mtime_ns for w in weights}
 
-    output, table = run(kill_first_worker=False)
+    output, table = run_sweep(command, tmp_path / "log-2.txt")
     assert "resuming the sweep" in output and "base model on" not in output  # base scores read back
+    assert "resuming from" in output  # the failed trial continues from its checkpoint
     assert {w: os.stat(w).st_mtime_ns for w in weights} == before  # the finished trial is kept as it was
     assert sorted((r["subject"], r["step"], r["status"]) for r in table) == [
-        ("blue", "2", "ok"), ("blue", "4", "ok"), ("red", "2", "ok"), ("red", "4", "ok")]
-    assert os.listdir(sweep_dir / "class-images") == ["toy"]  # shared by both subjects
-    assert len([n for n in os.listdir(sweep_dir / "class-images" / "toy") if n.endswith(".png")]) == 3
-    for subject, token in (("red", "unqtkn"), ("blue", "zwx")):
-        chosen = [r for r in table if r["subject"] == subject and r["chosen"] == "True"]
-        assert len(chosen) == 1
-        marker = utils.read_json(tmp_path / "best" / subject / utils.OUTPUT_MARKER)
-        assert marker["steps"] == int(chosen[0]["step"]) and marker["base_model"] == tiny_model
-        assert marker["instance_prompt"] == f"photo of {token} toy"
-        utils.check_model_dir(str(tmp_path / "best" / subject))
-    report = (sweep_dir / "report.md").read_text()
-    assert "| red | base |" in report and "| blue | chosen |" in report
-    assert (sweep_dir / "sweep.png").is_file()
+        ("blue", "12", "ok"), ("blue", "4", "ok"), ("red", "12", "ok"), ("red", "4", "ok")]
+    assert sorted(os.listdir(tmp_path / "best")) == ["blue", "red"]
