@@ -66,6 +66,29 @@ def test_subjects_come_from_their_folders_with_the_flags_as_defaults(tiny_model,
         sweep.read_subjects(args)
 
 
+def test_search_space_is_a_grid_of_every_value_or_random_draws_with_a_log_uniform_learning_rate(
+        tiny_model, tmp_path):
+    from ray import tune
+
+    argv = base_argv(tiny_model, tmp_path) + ["--subjects_dir", str(tmp_path), "--use_lora", "--sweep_rank", "4,8",
+                                              "--sweep_learning_rate", "1e-5,1e-4"]
+    subjects = {"rex": None, "mug": None}
+    args, _, train_args = sweep.parse_args(argv + ["--sweep_train_text_encoder", "off"])
+    space = sweep.param_space(args, subjects, train_args)
+    assert space["learning_rate"] == tune.grid_search([1e-5, 1e-4]) and space["rank"] == tune.grid_search([4, 8])
+    assert space["train_text_encoder"] is False and space["use_lora"] is True
+    assert space["subject"] == tune.grid_search(["rex", "mug"])
+    args, _, train_args = sweep.parse_args(argv + ["--search", "random"])
+    space = sweep.param_space(args, subjects, train_args)
+    assert isinstance(space["learning_rate"], tune.search.sample.Float)
+    assert (space["learning_rate"].lower, space["learning_rate"].upper) == (1e-5, 1e-4)
+    assert "LogUniform" in type(space["learning_rate"].get_sampler()).__name__
+    assert space["rank"].categories == [4, 8] and space["train_text_encoder"].categories == [True]
+    assert space["subject"] == tune.grid_search(["rex", "mug"])  # every subject gets its own draws
+    assert sweep.trial_label({"subject": "rex", "learning_rate": 1.23456789e-5, "train_text_encoder": True,
+                              "use_lora": True, "rank": 8}) == "rex-lr1.23457e-05-te1-rank8"
+
+
 def row(subject, dino, clip_t, status="ok", model=None):
     return {"subject": subject, "learning_rate": 1e-4, "rank": 4, "train_text_encoder": True, "step": 4,
             "model": model or f"{subject}-{dino}-{clip_t}", "dino": dino, "clip_i": 0.5, "clip_t": clip_t,
@@ -152,13 +175,19 @@ def run_sweep(command, log_path, kill_after_first_checkpoint=False):
 
 
 @pytest.mark.slow
-def test_lora_sweep_of_two_subjects_scores_each_step_count_and_keeps_each_best(two_subjects, tiny_model, tmp_path):
-    """The many-subjects job, offline on CPU: two subjects of one class (class images drawn once),
-    LoRA, two step counts scored per trial (the smaller one from an intermediate checkpoint)."""
+def test_random_lora_sweep_of_two_subjects_scores_each_step_count_and_keeps_each_best(two_subjects, tiny_model,
+                                                                                      tmp_path):
+    """A 2-trial sweep that is also a many-subjects job, offline on CPU: two subjects of one class
+    (one class folder), LoRA, a learning rate drawn log-uniformly for each subject's trial, two step
+    counts scored per trial (the smaller one from an intermediate checkpoint)."""
     command, sweep_dir = two_subjects
-    output, table = run_sweep(command + ["--sweep_max_train_steps", "2,4"], tmp_path / "log.txt")
+    command = [c for c in command if c not in ("--sweep_learning_rate", "1e-3")]
+    output, table = run_sweep(command + ["--sweep_max_train_steps", "2,4", "--search", "random", "--num_trials", "1",
+                                         "--sweep_learning_rate", "1e-4,1e-3"], tmp_path / "log.txt")
     assert sorted((r["subject"], r["step"], r["status"], r["rank"]) for r in table) == [
         ("blue", "2", "ok", "4"), ("blue", "4", "ok", "4"), ("red", "2", "ok", "4"), ("red", "4", "ok", "4")]
+    assert all(1e-4 <= float(r["learning_rate"]) <= 1e-3 for r in table)
+    assert len(os.listdir(sweep_dir / "trials")) == 2
     assert output.count("base model on") == 2 and output.count("base: 0 of") == 1  # both subjects in one pass
     assert os.listdir(sweep_dir / "class-images") == ["toy"]  # one class folder for both subjects
     assert output.count("3 class images in") == 1 and "generating 0 of 'photo of a toy'" in output
