@@ -123,34 +123,30 @@ def is_complete(folder):
         return False
 
 
-def find_latest(storage_path, run_prefix):
-    """Newest complete checkpoint folder of any run named '<run_prefix>-*' under storage_path, or None."""
+def complete_checkpoints(storage_path, run_prefix):
+    """The complete checkpoint folders of every run named '<run_prefix>-*' under storage_path,
+    runs in name order (their names end in their start time)."""
     if not os.path.isdir(storage_path):
-        return None
-    found = []
-    for run in os.listdir(storage_path):
+        return
+    for run in sorted(os.listdir(storage_path)):
         run_dir = os.path.join(storage_path, run)
         if not run.startswith(run_prefix + "-") or not os.path.isdir(run_dir):
             continue
         for name in os.listdir(run_dir):
             folder = os.path.join(run_dir, name)
             if name.startswith("checkpoint_") and is_complete(folder):
-                found.append(folder)
-    return max(found, key=lambda f: os.path.getmtime(os.path.join(f, STATE_FILE)), default=None)
+                yield folder
+
+
+def find_latest(storage_path, run_prefix):
+    """Newest complete checkpoint folder of any run named '<run_prefix>-*' under storage_path, or None."""
+    return max(complete_checkpoints(storage_path, run_prefix),
+               key=lambda f: os.path.getmtime(os.path.join(f, STATE_FILE)), default=None)
 
 
 def by_step(storage_path, run_prefix):
-    """{step: folder} of the complete checkpoints of runs named '<run_prefix>-*' (the newest of a step)."""
-    found = {}
-    if os.path.isdir(storage_path):
-        for run in sorted(os.listdir(storage_path)):  # run names end in their start time
-            run_dir = os.path.join(storage_path, run)
-            if run.startswith(run_prefix + "-") and os.path.isdir(run_dir):
-                for name in os.listdir(run_dir):
-                    folder = os.path.join(run_dir, name)
-                    if name.startswith("checkpoint_") and is_complete(folder):
-                        found[saved_step(folder)] = folder
-    return found
+    """{step: folder} of the complete checkpoints of runs named '<run_prefix>-*' (the newest run's, for a step in several)."""
+    return {saved_step(folder): folder for folder in complete_checkpoints(storage_path, run_prefix)}
 
 
 def saved_step(folder):
