@@ -1,0 +1,146 @@
+"""train.py against diffusers' examples/dreambooth/train_dreambooth.py, side by side on this machine.
+
+Both tools train the same random SD 1.x model (cache_model.py --random_model small) on the toy
+photos and 5 class images at 256 px, 1 instance + 1 class image per step, text encoder trained,
+fp32, learning rate 5e-6, seed 0; ours with --num_workers 1.
+
+The step is timed inside each run, so start-up never leaks into it: the time from the end of
+step 10 to the end of the last step, divided by the steps between. Ours reads it from the run's
+metrics.jsonl (a wall-clock time per logging window, written by the worker); the reference's
+from its progress bar, each update time-stamped as it arrives on the pipe. Fixed cost is the
+rest of the run's wall time. The tools alternate A B, B A, ... so that the machine's drift falls
+on both; the ratio of each round's pair is reported, then the mean and median.
+
+    python benchmarks/vs_diffusers.py --reference /path/to/train_dreambooth.py [--rounds 4] [--steps 70]
+
+The reference needs accelerate and torchvision (not in requirements.txt): --reference_python is
+a Python that has them besides diffusers and transformers.
+"""
+
+import argparse
+import glob
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIRST_TIMED_STEP = 10
+PROMPT, CLASS_PROMPT = "photo of unqtkn toy", "photo of a toy"
+REFERENCE_BAR = re.compile(r"Steps:.*?\|\s*(\d+)/(\d+) \[")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reference", required=True, help="path to diffusers' train_dreambooth.py")
+    parser.add_argument("--reference_python", default=sys.executable,
+                        help="Python that runs the reference (with accelerate and torchvision)")
+    parser.add_argument("--rounds", type=int, default=4, help="pairs of runs (default 4)")
+    parser.add_argument("--steps", type=int, default=70,
+                        help=f"steps per run; the step is timed from step {FIRST_TIMED_STEP} to the last (default 70)")
+    parser.add_argument("--work_dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "dreambooth-vs-diffusers"))
+    args = parser.parse_args(argv)
+    if args.steps <= FIRST_TIMED_STEP or args.steps % 10:
+        parser.error(f"--steps must be a multiple of 10 above {FIRST_TIMED_STEP}")
+    return args
+
+
+def prepare(work):
+    """The random small model, the photos and 5 class images drawn by it; returns the model folder."""
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(os.path.join(work, "own"))
+    out = subprocess.run([sys.executable, "cache_model.py", "--model_dir", os.path.join(work, "cache"),
+                          "--random_model", "small"], cwd=ROOT, check=True, capture_output=True, text=True)
+    model = out.stdout.strip().splitlines()[-1]
+    for photo in glob.glob(os.path.join(ROOT, "images", "toy", "*.jpg")):
+        shutil.copy(photo, os.path.join(work, "own"))
+    subprocess.run([sys.executable, "generate.py", "--model_dir", model, "--output_dir", os.path.join(work, "class"),
+                    "--prompts", CLASS_PROMPT, "--num_samples_per_prompt", "5", "--num_inference_steps", "2",
+                    "--resolution", "256"], cwd=ROOT, check=True, capture_output=True)
+    shutil.rmtree(os.path.join(work, "class", "grid"), ignore_errors=True)
+    return model
+
+
+def run_ours(model, work, steps, log):
+    storage = os.path.join(work, "ray_results")
+    shutil.rmtree(storage, ignore_errors=True)
+    command = [sys.executable, "train.py", "--model_dir", model, "--output_dir", os.path.join(work, "out-ours"),
+               "--overwrite", "--storage_path", storage, "--instance_data_dir", os.path.join(work, "own"),
+               "--instance_prompt", PROMPT, "--class_data_dir", os.path.join(work, "class"),
+               "--class_prompt", CLASS_PROMPT, "--resolution", "256", "--train_batch_size", "1",
+               "--num_workers", "1", "--learning_rate", "5e-6", "--max_train_steps", str(steps),
+               "--checkpointing_steps", "100000", "--logging_steps", "10", "--seed", "0"]
+    start = time.time()
+    with open(log, "w") as out:
+        subprocess.run(command, cwd=ROOT, check=True, stdout=out, stderr=subprocess.STDOUT)
+    wall = time.time() - start
+    (metrics,) = glob.glob(os.path.join(storage, "*", "metrics.jsonl"))
+    ends = {row["step"]: row["time"] for row in map(json.loads, open(metrics))}
+    return wall, ends[FIRST_TIMED_STEP], ends[steps]
+
+
+def run_reference(model, work, steps, log, python, script):
+    command = [python, script, "--pretrained_model_name_or_path", model, "--output_dir", os.path.join(work, "out-ref"),
+               "--instance_data_dir", os.path.join(work, "own"), "--instance_prompt", PROMPT,
+               "--with_prior_preservation", "--class_data_dir", os.path.join(work, "class"),
+               "--class_prompt", CLASS_PROMPT, "--num_class_images", "5", "--resolution", "256",
+               "--train_batch_size", "1", "--train_text_encoder", "--learning_rate", "5e-6",
+               "--lr_scheduler", "constant", "--lr_warmup_steps", "0", "--max_train_steps", str(steps),
+               "--checkpointing_steps", "100000", "--seed", "0"]
+    ends, text = {}, b""
+    start = time.time()
+    with open(log, "wb") as out:
+        process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.PIPE)
+        while chunk := process.stderr.read1(65536):
+            now = time.time()
+            out.write(chunk)
+            text += chunk
+            *updates, text = re.split(rb"[\r\n]", text)
+            for line in updates:
+                match = REFERENCE_BAR.search(line.decode(errors="replace"))
+                if match:
+                    ends.setdefault(int(match.group(1)), now)
+        if process.wait():
+            sys.exit(f"vs_diffusers: the reference failed (exit {process.returncode}); log in {log}")
+    wall = time.time() - start
+    return wall, ends[FIRST_TIMED_STEP], ends[steps]
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.environ.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    model = prepare(args.work_dir)
+    tools = {
+        "reference": lambda log: run_reference(model, args.work_dir, args.steps, log, args.reference_python,
+                                               os.path.abspath(args.reference)),
+        "ours": lambda log: run_ours(model, args.work_dir, args.steps, log),
+    }
+    timed = args.steps - FIRST_TIMED_STEP
+    print(f"step timed from step {FIRST_TIMED_STEP} to {args.steps}; logs in {args.work_dir}")
+    print("| round | tool | wall s | s/step | fixed s |")
+    print("| --- | --- | ---: | ---: | ---: |")
+    rows = []
+    for round_ in range(1, args.rounds + 1):
+        order = ["reference", "ours"] if round_ % 2 else ["ours", "reference"]
+        row = {}
+        for tool in order:
+            wall, first, last = tools[tool](os.path.join(args.work_dir, f"log-{tool}-{round_}"))
+            step = (last - first) / timed
+            row[tool] = (step, wall - args.steps * step)
+            print(f"| {round_} | {tool} | {wall:.1f} | {step:.3f} | {wall - args.steps * step:.1f} |", flush=True)
+        rows.append(row)
+    ratios = [row["ours"][0] / row["reference"][0] for row in rows]
+    mean = {tool: statistics.mean(row[tool][0] for row in rows) for tool in tools}
+    fixed = {tool: statistics.mean(row[tool][1] for row in rows) for tool in tools}
+    print(f"ratio ours / reference per round: {', '.join(f'{r:.3f}' for r in ratios)}")
+    print(f"per step: ours {mean['ours']:.3f} s, reference {mean['reference']:.3f} s; ratio of means "
+          f"{mean['ours'] / mean['reference']:.3f}, median of round ratios {statistics.median(ratios):.3f}; "
+          f"fixed: ours {fixed['ours']:.1f} s, reference {fixed['reference']:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
