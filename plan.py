@@ -105,6 +105,7 @@ class Plan:
     # logging and checkpoints
     logging_steps: int
     report_to: str  # "none" | "tensorboard"
+    progress_bar: bool  # rank 0 draws a bar: only when the driver's stderr is a terminal
     checkpointing_steps: int
     checkpoints_total_limit: int | None
     resume_path: str | None
@@ -229,6 +230,9 @@ def plan_run(args, cluster_resources):
         "cpus_per_worker": cpus_per_worker,
         "run_name": f"{run_prefix}-{datetime.now().strftime('%Y%m%d-%H%M%S')}",
         "resume_path": resume_path,
+        # Redrawn by the driver at every update, a bar fills a log file with copies of itself;
+        # there, the line printed every --logging_steps is the progress.
+        "progress_bar": sys.stderr.isatty(),
     })
 
 
@@ -241,7 +245,7 @@ def offline_plan(**fields):
     decided = dict(instance_prompts=(args.instance_prompt,), image_prompt=(), prompt_ids={},
                    instance_images=(), class_images=(), resolution=64, channels_last=False,
                    steps_per_epoch=1, total_steps=DEFAULT_MAX_TRAIN_STEPS, stream_epochs=1, use_gpu=False,
-                   cpus_per_worker=1.0, run_name="offline", resume_path=None)
+                   cpus_per_worker=1.0, run_name="offline", resume_path=None, progress_bar=False)
     return Plan(**{**from_flags, **decided, **fields})
 
 

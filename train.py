@@ -168,7 +168,7 @@ def train_fn(config):
     total, accum = plan.total_steps, plan.gradient_accumulation_steps
     # The stream is the same on every run: a resumed worker skips what it had trained on.
     batches = itertools.islice(batches, state.step * accum, None)
-    bar = tqdm_ray.tqdm(total=total, desc="training") if rank == 0 else None
+    bar = tqdm_ray.tqdm(total=total, desc="training") if rank == 0 and plan.progress_bar else None
     log = runlog.RunLog(plan) if rank == 0 else None
     if bar and state.step:
         bar.update(state.step)
@@ -206,6 +206,7 @@ def train_fn(config):
             window_start += time.perf_counter() - sampling_start  # sampling time is not training time
     if bar:
         bar.close()
+    if log:
         log.close()
     if state.step < total:
         raise RuntimeError(f"the data stream ended at step {state.step} of {total}")

@@ -61,9 +61,12 @@ def class_images(ray_session, tiny_model, tmp_path_factory):
 
 
 def test_train_two_workers_saves_a_changed_loadable_pipeline(ray_session, tiny_model, toy_images, class_images,
-                                                             tmp_path):
+                                                             tmp_path, monkeypatch, capfd):
+    import sys
+
     from diffusers import DiffusionPipeline
 
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a terminal: rank 0 draws the progress bar
     out = tmp_path / "model-tuned"
     result = train.main(["--model_dir", tiny_model, "--output_dir", str(out), "--instance_images_dir", toy_images,
                          "--instance_prompt", "photo of unqtkn toy", "--class_images_dir", class_images,
@@ -74,6 +77,7 @@ def test_train_two_workers_saves_a_changed_loadable_pipeline(ray_session, tiny_m
                          "--validation_inference_steps", "2"])
     assert result.metrics["step"] == 5 and result.metrics["loss"] > 0
     assert result.metrics["images_per_s"] > 0
+    assert "training:" in capfd.readouterr().err
     tuned = DiffusionPipeline.from_pretrained(str(out))
     base = DiffusionPipeline.from_pretrained(tiny_model)
     assert weights_differ(tuned.unet, base.unet)
@@ -106,7 +110,7 @@ def test_train_two_workers_saves_a_changed_loadable_pipeline(ray_session, tiny_m
 
 
 def test_cached_latents_frozen_text_encoder_and_loss_options(ray_session, tiny_model, toy_images, class_images,
-                                                             tmp_path):
+                                                             tmp_path, capfd):
     """Also captions, the schedule and the loss options: they travel in the Plan to the workers."""
     import shutil
 
@@ -123,6 +127,8 @@ def test_cached_latents_frozen_text_encoder_and_loss_options(ray_session, tiny_m
                          "--gradient_accumulation_steps", "2", "--gradient_checkpointing",
                          "--lr_scheduler", "cosine", "--offset_noise", "--snr_gamma", "5", "--scale_lr"])
     assert result.metrics["step"] == 3
+    # Not a terminal (a log file): no progress bar redrawn into it, the step lines are the progress.
+    assert "training:" not in "".join(capfd.readouterr())
     assert result.metrics["lr"] == pytest.approx(0.0, abs=1e-12)  # cosine ends at zero
     assert result.metrics["loss"] > 0
     tuned, base = DiffusionPipeline.from_pretrained(str(out)), DiffusionPipeline.from_pretrained(tiny_model)
