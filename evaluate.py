@@ -174,9 +174,10 @@ RUN_SETTINGS = ("eval_models_dir", "num_samples_per_prompt", "seed", "batch_size
                 "guidance_scale", "resolution", "num_actors", "allow_unsafe_weights")
 
 
-def generate_for(label, model_dir, lora_dir, prompt_list, folder, settings):
-    """Draw settings["num_samples_per_prompt"] images of each prompt into folder (keeping those
-    already there); {prompt: [paths]} without the ones the safety checker withheld."""
+def image_job(label, model_dir, lora_dir, prompt_list, folder, settings):
+    """What one model still has to draw: settings["num_samples_per_prompt"] images of each
+    prompt in folder, keeping those already there. Returns (rows, model spec) for
+    generate.make_images_of and {prompt: [paths]} of every image wanted."""
     utils.check_model_dir(model_dir, settings["allow_unsafe_weights"])
     os.makedirs(folder, exist_ok=True)
     utils.remove_temp_files(folder)
@@ -184,19 +185,15 @@ def generate_for(label, model_dir, lora_dir, prompt_list, folder, settings):
     todo, names = generate.plan_images(prompt_list, count, settings["seed"], folder)
     print(f"{label}: {len(names) - len(todo)} of {len(names)} images already in {folder}; generating "
           f"{len(todo)}", file=sys.stderr)
-    generate.make_images(todo, model_dir, folder, {
-        "num_inference_steps": settings["num_inference_steps"], "guidance_scale": settings["guidance_scale"],
-        "negative_prompt": None, "resolution": settings["resolution"],
-        "allow_unsafe_weights": settings["allow_unsafe_weights"], "lora_dir": lora_dir, "lora_scale": 1.0,
-        "safety_checker": generate.use_safety_checker("auto", model_dir, lora_dir)},
-        settings["batch_size"], settings["num_actors"])
+    model = generate.model_spec(model_dir, folder, {
+        "lora_dir": lora_dir, "safety_checker": generate.use_safety_checker("auto", model_dir, lora_dir)})
     wanted = {p: [os.path.join(folder, generate.image_file_name(p, i)) for i in range(count)] for p in prompt_list}
-    return {p: [f for f in fs if os.path.exists(f)] for p, fs in wanted.items()}
+    return (todo, model), wanted
 
 
 def run(entries, subjects, settings, output_dir, report_dirs=None):
     """Generate, embed and score the models of entries [(label, model folder, LoRA folder)] against
-    each of subjects, with one actor pool per model for the images of every subject and one for all
+    each of subjects, with one actor pool for the images of every model and subject and one for all
     embeddings. Images go to output_dir/images/<label> (subjects with the same prompts share them);
     each subject's scores.json, report.md and grids to report_dirs[name] (default output_dir).
     Returns {subject name: scores.json's dict}."""
@@ -208,11 +205,19 @@ def run(entries, subjects, settings, output_dir, report_dirs=None):
     texts.update({s.class_prompt: s.class_prompt for s in subjects})
     real = {s.name: s.photos() for s in subjects}
     settings = {**settings, "num_actors": settings["num_actors"] or generate.default_num_actors()}
-    files, rows = {}, []
+    jobs, wanted = [], {}
     for label, model_dir, lora_dir in entries:
-        files[label] = generate_for(label, model_dir, lora_dir, list(texts), os.path.join(output_dir, "images", label),
-                                    settings)
-        rows += [{"path": f, "text": texts[p]} for p, fs in files[label].items() for f in fs]
+        job, wanted[label] = image_job(label, model_dir, lora_dir, list(texts),
+                                       os.path.join(output_dir, "images", label), settings)
+        jobs.append(job)
+    generate.make_images_of(jobs, {
+        "num_inference_steps": settings["num_inference_steps"], "guidance_scale": settings["guidance_scale"],
+        "negative_prompt": None, "resolution": settings["resolution"],
+        "allow_unsafe_weights": settings["allow_unsafe_weights"]}, settings["batch_size"], settings["num_actors"])
+    # {label: {prompt: [paths]}} without the images the safety checker withheld
+    files = {label: {p: [f for f in fs if os.path.exists(f)] for p, fs in by_prompt.items()}
+             for label, by_prompt in wanted.items()}
+    rows = [{"path": f, "text": texts[p]} for by_prompt in files.values() for p, fs in by_prompt.items() for f in fs]
     rows += [{"path": path, "text": s.class_prompt} for s in subjects for path in real[s.name]]
     rows = list({r["path"]: r for r in rows}.values())  # a photo shared by two subjects is embedded once
     print(f"scoring {len(rows)} images on {settings['num_actors']} actor(s)", file=sys.stderr)

@@ -162,49 +162,75 @@ def generate_batch(pipe, prompts, seeds, settings):
 
 
 class ImageGenerator:
-    """Ray Data actor: loads the pipeline once, turns each batch of rows into PNG files.
+    """Ray Data actor: turns each batch of rows into PNG files, for one model or several.
 
-    Batch in: {"prompt": (B,) str, "seed": (B,) int, "file": (B,) str}.
-    Batch out: {"file": (B,), "flagged": (B,) bool (withheld by the safety checker)}.
+    models: [{"model_dir", "output_dir", "lora_dir", "lora_scale", "safety_checker"}].
+    Batch in: {"model": (B,) index into models, "prompt": (B,) str, "seed": (B,) int, "file": (B,) str}.
+    Batch out: {"model", "file", "flagged": (B,) bool (withheld by the safety checker)}.
+    The actor holds one pipeline at a time and loads another when the rows' model changes;
+    rows arrive grouped by model, so that happens about once per model.
     """
 
-    def __init__(self, model_dir, output_dir, settings):
-        device = utils.torch_device()
-        if device.type == "cpu":
+    def __init__(self, models, settings):
+        self.device = utils.torch_device()
+        if self.device.type == "cpu":
             utils.share_cpu_threads(settings["num_actors"])
-        self.pipe = load_pipeline(model_dir, device, settings["allow_unsafe_weights"], settings["safety_checker"],
-                                  settings.get("lora_dir"), settings.get("lora_scale", 1.0))
-        self.output_dir = output_dir
-        self.settings = settings
+        self.models, self.settings = models, settings
+        self.loaded, self.pipe = None, None
+        self.pipeline(0)
+
+    def pipeline(self, index):
+        if index != self.loaded:
+            model = self.models[index]
+            self.pipe = None  # the previous model's memory goes before the next one loads
+            self.pipe = load_pipeline(model["model_dir"], self.device, self.settings["allow_unsafe_weights"],
+                                      model["safety_checker"], model.get("lora_dir"), model.get("lora_scale", 1.0))
+            self.loaded = index
+        return self.pipe
 
     def __call__(self, batch):
-        images, flagged = generate_batch(self.pipe, batch["prompt"], batch["seed"], self.settings)
-        for image, name, bad in zip(images, batch["file"], flagged):
-            path = os.path.join(self.output_dir, str(name))
-            if bad:
-                open(path + FLAGGED_SUFFIX, "w").close()
-            else:
-                utils.save_image_atomic(image, path)
-        return {"file": batch["file"], "flagged": flagged}
+        import numpy as np
+
+        flagged = np.zeros(len(batch["file"]), dtype=bool)
+        for index in dict.fromkeys(batch["model"].tolist()):
+            rows = np.flatnonzero(batch["model"] == index)
+            images, bad = generate_batch(self.pipeline(index), batch["prompt"][rows], batch["seed"][rows],
+                                         self.settings)
+            for row, image, is_bad in zip(rows, images, bad):
+                path = os.path.join(self.models[index]["output_dir"], str(batch["file"][row]))
+                if is_bad:
+                    open(path + FLAGGED_SUFFIX, "w").close()
+                else:
+                    utils.save_image_atomic(image, path)
+                flagged[row] = is_bad
+        return {"model": batch["model"], "file": batch["file"], "flagged": flagged}
 
 
-def run_actor_pool(rows, model_dir, output_dir, settings, batch_size, num_actors):
-    """Fan rows out to the actor pool; yields (file name, flagged) as images land.
+def model_spec(model_dir, output_dir, settings):
+    """The model entry ImageGenerator takes: a model folder, where its images go, and from
+    settings its LoRA adapters (lora_dir, lora_scale) and safety_checker."""
+    return {"model_dir": model_dir, "output_dir": output_dir, "lora_dir": settings.get("lora_dir"),
+            "lora_scale": settings.get("lora_scale", 1.0), "safety_checker": settings["safety_checker"]}
 
-    settings: num_inference_steps, guidance_scale, negative_prompt, resolution,
-    allow_unsafe_weights, safety_checker (bool), lora_dir and lora_scale (optional).
+
+def run_actor_pool(jobs, settings, batch_size, num_actors):
+    """Fan the rows of every job [(rows, model_spec)] out to one actor pool; yields (job index,
+    file name, flagged) as images land.
+
+    settings: num_inference_steps, guidance_scale, negative_prompt, resolution, allow_unsafe_weights.
     """
     import ray
 
+    rows = [{**row, "model": index} for index, (job_rows, _) in enumerate(jobs) for row in job_rows]
     ds = ray.data.from_items(rows).map_batches(
         ImageGenerator,
-        fn_constructor_args=(model_dir, output_dir, {**settings, "num_actors": num_actors}),
+        fn_constructor_args=([model for _, model in jobs], {**settings, "num_actors": num_actors}),
         batch_size=batch_size,
         compute=ray.data.ActorPoolStrategy(size=num_actors),
         num_gpus=actor_num_gpus(),
     )
     for batch in ds.iter_batches(batch_size=None):
-        yield from zip(batch["file"], batch["flagged"])
+        yield from zip(batch["model"], batch["file"], batch["flagged"])
 
 
 def actor_num_gpus():
@@ -245,24 +271,33 @@ def main(argv=None):
 
 
 def make_images(rows, model_dir, output_dir, settings, batch_size=4, num_actors=None):
-    """Draw the images of rows (plan_images') on the actor pool, with a progress bar and one
-    line for the images the safety checker withheld. settings: see run_actor_pool."""
-    if not rows:
+    """Draw the images of rows (plan_images') with one model into output_dir. settings: see
+    run_actor_pool, plus safety_checker (bool) and optionally lora_dir and lora_scale."""
+    make_images_of([(rows, model_spec(model_dir, output_dir, settings))], settings, batch_size, num_actors)
+
+
+def make_images_of(jobs, settings, batch_size=4, num_actors=None):
+    """Draw the rows of every job [(rows, model_spec)] on one actor pool, with a progress bar
+    and one line for the images the safety checker withheld."""
+    jobs = [(rows, model) for rows, model in jobs if rows]
+    if not jobs:
         return
     from tqdm import tqdm
 
-    if cache_model.has_random_weights(model_dir):
+    if any(cache_model.has_random_weights(model["model_dir"]) for _, model in jobs):
         print("note: this model has random weights (cache_model.py --tiny / --random_model): its images are "
               "noise, as expected; the pipeline around them is real", file=sys.stderr)
     ray = utils.init_ray()
     ray.data.DataContext.get_current().enable_progress_bars = False
     num_actors = num_actors or default_num_actors()
     flagged = []
+    models = f" for {len(jobs)} models" if len(jobs) > 1 else ""
     try:
-        with tqdm(total=len(rows), desc=f"generating on {num_actors} actor(s)", unit="img") as bar:
-            for name, bad in run_actor_pool(rows, model_dir, output_dir, settings, batch_size, num_actors):
+        with tqdm(total=sum(len(rows) for rows, _ in jobs), desc=f"generating{models} on {num_actors} actor(s)",
+                  unit="img") as bar:
+            for index, name, bad in run_actor_pool(jobs, settings, batch_size, num_actors):
                 if bad:
-                    flagged.append(str(name))
+                    flagged.append(os.path.join(jobs[index][1]["output_dir"], str(name)) if models else str(name))
                 bar.update(1)
     except KeyboardInterrupt:
         print("stopped; the images written so far are complete: rerun the same command to make "

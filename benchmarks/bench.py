@@ -208,7 +208,8 @@ def generation(args, device, use_ray):
             with tempfile.TemporaryDirectory() as out:
                 rows = [{"prompt": "photo of a toy", "seed": k, "file": f"{k}.png"} for k in range(3 * batch)]
                 stamps = [time.perf_counter()
-                          for _ in generate.run_actor_pool(rows, args.model_dir, out, settings, batch, 1)]
+                          for _ in generate.run_actor_pool([(rows, generate.model_spec(args.model_dir, out, settings))],
+                                                           settings, batch, 1)]
             results[batch] = (len(stamps) - batch) / (stamps[-1] - stamps[batch - 1])
         else:
             generate.generate_batch(pipe, prompts, seeds, settings)

@@ -139,3 +139,38 @@ def test_lora_dir_applies_the_adapters_at_their_scale(lora_output, tiny_model):
     base = images()
     assert np.abs(images(lora_dir=folder, lora_scale=0.0) - base).max() <= 1
     assert np.abs(images(lora_dir=folder) - base).max() > 10
+
+
+def test_one_pool_draws_several_models_each_with_its_weights_adapters_and_checker(
+        ray_session, tiny_model, lora_output, checked_model, tmp_path, capsys):
+    """evaluate.run and the sweep draw every model's images on one pool: batches that mix models
+    must give each row its own model's image, as that model alone would draw it."""
+    import torch
+
+    lora_dir, _ = lora_output
+    settings = {"num_inference_steps": 2, "guidance_scale": 7.5, "negative_prompt": None, "resolution": None,
+                "allow_unsafe_weights": False}
+    prompts = ["photo of a dog", "photo of a cat"]
+    models = {"base": (tiny_model, {"safety_checker": False}),
+              "lora": (tiny_model, {"safety_checker": False, "lora_dir": lora_dir}),
+              "checked": (checked_model[1], {"safety_checker": True})}
+    jobs = []
+    for name, (model_dir, options) in models.items():
+        rows, _ = generate.plan_images(prompts, 2 if name != "checked" else 1, 5, str(tmp_path / name))
+        os.makedirs(tmp_path / name)
+        jobs.append((rows, generate.model_spec(model_dir, str(tmp_path / name), options)))
+    generate.make_images_of(jobs, settings, batch_size=3, num_actors=1)  # batches 2 and 3 mix models
+
+    for name in ("base", "lora"):
+        pipe = generate.load_pipeline(tiny_model, torch.device("cpu"), lora_dir=models[name][1].get("lora_dir"))
+        for row in jobs[0][0]:
+            alone, _ = generate.generate_batch(pipe, [row["prompt"]], [row["seed"]], settings)
+            np.testing.assert_allclose(pixels(tmp_path / name / row["file"]).astype(int),
+                                       np.asarray(alone[0], dtype=int), atol=1)
+    dog = generate.image_file_name("photo of a dog", 0)
+    assert np.abs(pixels(tmp_path / "lora" / dog).astype(int) - pixels(tmp_path / "base" / dog).astype(int)).max() > 10
+    assert sorted(os.listdir(tmp_path / "checked")) == sorted(
+        generate.image_file_name(p, 0) + generate.FLAGGED_SUFFIX for p in prompts)
+    err = capsys.readouterr().err
+    assert "generating for 3 models on 1 actor(s)" in err
+    assert "2 image(s) flagged by the safety checker were not saved" in err and str(tmp_path / "checked") in err
