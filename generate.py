@@ -291,13 +291,13 @@ def make_images_of(jobs, settings, batch_size=4, num_actors=None):
     ray.data.DataContext.get_current().enable_progress_bars = False
     num_actors = num_actors or default_num_actors()
     flagged = []
-    models = f" for {len(jobs)} models" if len(jobs) > 1 else ""
+    several = len(jobs) > 1  # then a withheld image is named with its model's folder
+    what = f"generating for {len(jobs)} models" if several else "generating"
     try:
-        with tqdm(total=sum(len(rows) for rows, _ in jobs), desc=f"generating{models} on {num_actors} actor(s)",
-                  unit="img") as bar:
+        with tqdm(total=sum(len(rows) for rows, _ in jobs), desc=f"{what} on {num_actors} actor(s)", unit="img") as bar:
             for index, name, bad in run_actor_pool(jobs, settings, batch_size, num_actors):
                 if bad:
-                    flagged.append(os.path.join(jobs[index][1]["output_dir"], str(name)) if models else str(name))
+                    flagged.append(os.path.join(jobs[index][1]["output_dir"], str(name)) if several else str(name))
                 bar.update(1)
     except KeyboardInterrupt:
         print("stopped; the images written so far are complete: rerun the same command to make "

@@ -164,7 +164,7 @@ def trial_fn(config, job):
                           "train_text_encoder", "allow_unsafe_weights", "instance_prompt", "class_prompt")}
                 train.save_checkpoint_as_model(found[step], planning.offline_plan(
                     **fields, output_dir=model, total_steps=step, mixed_precision="no"))
-        entries.append((f"step-{step}", *((job["model_dir"], model) if job["use_lora"] else (model, None))))
+        entries.append((f"step-{step}", *((job["model_dir"], model) if config["use_lora"] else (model, None))))
     result = evaluate.run(entries, [subject], job["eval_settings"], os.path.join(folder, "eval"))[subject.name]
     for step, (label, model_dir, lora_dir) in zip(steps, entries):
         ray.tune.report({"step": step, "model": lora_dir or model_dir, **result["models"][label]["overall"]})
@@ -290,7 +290,7 @@ def main(argv=None):
     trial_actors = train_args.num_workers * train_args.gpus_per_worker if utils.cluster_resources()[1] else 1
     job = {"subjects": subjects, "sweep_dir": args.sweep_dir, "steps": args.sweep_max_train_steps,
            "class_dirs": class_dirs, "train_flags": train_flags, "model_dir": args.model_dir,
-           "use_lora": train_args.use_lora, "eval_settings": {**eval_settings, "num_actors": trial_actors}}
+           "eval_settings": {**eval_settings, "num_actors": trial_actors}}
     concurrency = max_concurrent(args, train_args)
     num_samples = args.num_trials if args.search == "random" else 1
     print(f"sweep: {len(subjects)} subject(s), steps {args.sweep_max_train_steps}, {args.search} search, "
