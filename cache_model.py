@@ -21,6 +21,7 @@ import re
 import sys
 
 import flags
+import outputs
 import utils
 
 # What DiffusionPipeline.from_pretrained reads: configs, tokenizer files, safetensors
@@ -53,9 +54,9 @@ def random_model_id(size):
 
 def has_random_weights(model_dir):
     """True for a model written by write_random_model, or tuned by train.py from one."""
-    marker = os.path.join(model_dir, utils.OUTPUT_MARKER)
-    if os.path.isfile(marker):
-        model_dir = utils.read_json(marker).get("base_model", "")
+    output = outputs.read_output(model_dir)
+    if output is not None:
+        model_dir = output.base_model
     return f"models--{RANDOM_MODEL_OWNER}--" in os.path.abspath(model_dir)
 
 

@@ -19,6 +19,7 @@ import sys
 
 import numpy as np
 
+import outputs
 import utils
 
 
@@ -31,6 +32,9 @@ _ORIENTATIONS = {1: (0, False), 2: (0, True), 3: (2, False), 4: (2, True),
 
 
 SUBJECT_FILE = "subject.json"  # sweep.py --subjects_dir: a subject's class and token, beside its photos
+# Files the suite writes beside images (not images, not worth a warning): the record of what drew
+# generated images, generate.py's settings, sweep.py's subject file.
+OWN_FILES = (SUBJECT_FILE, outputs.IMAGES_RECORD, outputs.IMAGES_CONFIG)
 
 
 def list_images(folder, role, also_expected=None):
@@ -40,7 +44,7 @@ def list_images(folder, role, also_expected=None):
         raise utils.UserError(f"{role} folder not found: {folder}")
     names = sorted(n for n in os.listdir(folder) if os.path.isfile(os.path.join(folder, n)))
     images = [n for n in names if n.lower().endswith(utils.IMAGE_EXTENSIONS)]
-    skipped = [n for n in names if n not in images and n != SUBJECT_FILE
+    skipped = [n for n in names if n not in images and n not in OWN_FILES
                and not (also_expected and n.endswith(also_expected))]
     if skipped:
         print(f"warning: skipping {len(skipped)} non-image file(s) in {folder}: {', '.join(skipped[:10])}",

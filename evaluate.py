@@ -18,6 +18,7 @@ import sys
 
 import flags
 import generate
+import outputs
 import scores
 import utils
 
@@ -38,18 +39,37 @@ def prompt_templates(subject_type, path=None):
 
 
 def models_to_score(model_dir, lora_dir, base_dir):
-    """[(label, model folder, LoRA folder)]: the tuned model and, where known, its base model."""
-    model_dir, lora_dir = generate.resolve_lora(model_dir, lora_dir)
+    """[(label, outputs.ModelRef)]: the tuned model and, where known, its base model."""
+    tuned = outputs.resolve_model(model_dir, lora_dir)
     if base_dir is None:
-        marker = os.path.join(model_dir, utils.OUTPUT_MARKER)
-        if lora_dir:
-            base_dir = model_dir
-        elif os.path.isfile(marker):
-            base_dir = utils.read_json(marker)["base_model"]
-    entries = [("tuned", model_dir, lora_dir)]
-    if base_dir:
-        entries.append(("base", base_dir, None))
-    return entries
+        output = outputs.read_output(model_dir)
+        base_dir = tuned.model_dir if tuned.lora_dir else (output.base_model if output else None)
+    return [("tuned", tuned)] + ([("base", outputs.ModelRef(base_dir))] if base_dir else [])
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+    """How images are drawn and scored: the flags of main() that run() reads."""
+
+    eval_models_dir: str
+    num_samples_per_prompt: int = 4
+    seed: int = 0
+    batch_size: int = 4
+    num_inference_steps: int = 50
+    guidance_scale: float = 7.5
+    resolution: int | None = None
+    num_actors: int | None = None
+    allow_unsafe_weights: bool = False
+
+    @classmethod
+    def from_args(cls, args, **overrides):
+        return cls(**{**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)},
+                      **overrides})
+
+    def images(self):
+        """The generate.ImageSettings of these images (no negative prompt: the paper's protocol)."""
+        return generate.ImageSettings(self.num_inference_steps, self.guidance_scale, None, self.resolution,
+                                      self.seed, self.allow_unsafe_weights)
 
 
 class EmbeddingActor:
@@ -169,30 +189,19 @@ class Subject:
         return dataset.list_images(self.photos_dir, f"photos of {self.name}", also_expected=".txt")
 
 
-# The settings of run(): the flags of main() that say how images are made and scored.
-RUN_SETTINGS = ("eval_models_dir", "num_samples_per_prompt", "seed", "batch_size", "num_inference_steps",
-                "guidance_scale", "resolution", "num_actors", "allow_unsafe_weights")
-
-
-def image_job(label, model_dir, lora_dir, prompt_list, folder, settings):
-    """What one model still has to draw: settings["num_samples_per_prompt"] images of each
-    prompt in folder, keeping those already there. Returns (rows, model spec) for
-    generate.make_images_of and {prompt: [paths]} of every image wanted."""
-    utils.check_model_dir(model_dir, settings["allow_unsafe_weights"])
-    os.makedirs(folder, exist_ok=True)
-    utils.remove_temp_files(folder)
-    count = settings["num_samples_per_prompt"]
-    todo, names = generate.plan_images(prompt_list, count, settings["seed"], folder)
-    print(f"{label}: {len(names) - len(todo)} of {len(names)} images already in {folder}; generating "
-          f"{len(todo)}", file=sys.stderr)
-    model = generate.model_spec(model_dir, folder, {
-        "lora_dir": lora_dir, "safety_checker": generate.use_safety_checker("auto", model_dir, lora_dir)})
-    wanted = {p: [os.path.join(folder, generate.image_file_name(p, i)) for i in range(count)] for p in prompt_list}
-    return (todo, model), wanted
+def image_job(label, model, prompt_list, folder, settings):
+    """What one model (outputs.ModelRef) still has to draw: settings.num_samples_per_prompt images of
+    each prompt in folder, keeping those that this model drew with these settings (the folder's
+    record); images of another model (a retrained one) are drawn again. Returns the DrawJob and
+    {prompt: [paths]} of every image wanted."""
+    utils.check_model_dir(model.model_dir, settings.allow_unsafe_weights)
+    job = generate.top_up(folder, model, prompt_list, settings.num_samples_per_prompt, settings.images(),
+                          generate.use_safety_checker("auto", model), on_mismatch="redraw", label=label)
+    return job, generate.wanted_files(folder, prompt_list, settings.num_samples_per_prompt)
 
 
 def run(entries, subjects, settings, output_dir, report_dirs=None):
-    """Generate, embed and score the models of entries [(label, model folder, LoRA folder)] against
+    """Generate, embed and score the models of entries [(label, outputs.ModelRef)] against
     each of subjects, with one actor pool for the images of every model and subject and one for all
     embeddings. Images go to output_dir/images/<label> (subjects with the same prompts share them);
     each subject's scores.json, report.md and grids to report_dirs[name] (default output_dir).
@@ -204,32 +213,28 @@ def run(entries, subjects, settings, output_dir, report_dirs=None):
     texts = {p: t for s in subjects for p, t in prompts[s.name].items()}
     texts.update({s.class_prompt: s.class_prompt for s in subjects})
     real = {s.name: s.photos() for s in subjects}
-    settings = {**settings, "num_actors": settings["num_actors"] or generate.default_num_actors()}
+    settings = dataclasses.replace(settings, num_actors=settings.num_actors or generate.default_num_actors())
     jobs, wanted = [], {}
-    for label, model_dir, lora_dir in entries:
-        job, wanted[label] = image_job(label, model_dir, lora_dir, list(texts),
-                                       os.path.join(output_dir, "images", label), settings)
+    for label, model in entries:
+        job, wanted[label] = image_job(label, model, list(texts), os.path.join(output_dir, "images", label), settings)
         jobs.append(job)
-    generate.make_images_of(jobs, {
-        "num_inference_steps": settings["num_inference_steps"], "guidance_scale": settings["guidance_scale"],
-        "negative_prompt": None, "resolution": settings["resolution"],
-        "allow_unsafe_weights": settings["allow_unsafe_weights"]}, settings["batch_size"], settings["num_actors"])
+    generate.make_images_of(jobs, settings.images(), settings.batch_size, settings.num_actors)
     # {label: {prompt: [paths]}} without the images the safety checker withheld
     files = {label: {p: [f for f in fs if os.path.exists(f)] for p, fs in by_prompt.items()}
              for label, by_prompt in wanted.items()}
     rows = [{"path": f, "text": texts[p]} for by_prompt in files.values() for p, fs in by_prompt.items() for f in fs]
     rows += [{"path": path, "text": s.class_prompt} for s in subjects for path in real[s.name]]
     rows = list({r["path"]: r for r in rows}.values())  # a photo shared by two subjects is embedded once
-    print(f"scoring {len(rows)} images on {settings['num_actors']} actor(s)", file=sys.stderr)
-    emb = embed(rows, settings["eval_models_dir"], settings["num_actors"], settings["allow_unsafe_weights"])
+    print(f"scoring {len(rows)} images on {settings.num_actors} actor(s)", file=sys.stderr)
+    emb = embed(rows, settings.eval_models_dir, settings.num_actors, settings.allow_unsafe_weights)
 
     results = {}
     for subject in subjects:
         photos, folder = real[subject.name], (report_dirs or {}).get(subject.name, output_dir)
         result = {"subject": f"{subject.unique_token} {subject.class_name}", "num_prompts": len(prompts[subject.name]),
-                  "num_samples_per_prompt": settings["num_samples_per_prompt"], "num_photos": len(photos),
+                  "num_samples_per_prompt": settings.num_samples_per_prompt, "num_photos": len(photos),
                   "prompts": list(prompts[subject.name]), "class_prompt": subject.class_prompt, "models": {}}
-        for label, _, _ in entries:
+        for label, _ in entries:
             subject_files = {p: files[label][p] for p in prompts[subject.name]}
             per_prompt = {p: score_set(emb, {p: paths}, photos) for p, paths in subject_files.items() if paths}
             overall = score_set(emb, subject_files, photos)
@@ -265,7 +270,7 @@ def main(argv=None):
                       args.class_name, args.subject_type, args.eval_prompts)
     subject.prompts()  # a bad prompt file fails before any model loads
     result = run(models_to_score(args.model_dir, args.lora_dir, args.base_model_dir), [subject],
-                 {k: getattr(args, k) for k in RUN_SETTINGS}, args.output_dir)[subject.name]
+                 EvalSettings.from_args(args), args.output_dir)[subject.name]
     print(f"tuned: {summary(result['models']['tuned']['overall'])}; report "
           f"{os.path.join(args.output_dir, 'report.md')}", file=sys.stderr)
     return result

@@ -61,12 +61,12 @@ int_list = _list_of(positive_int, "comma-separated list of positive integers")
 bool_list = _list_of(_switch, "comma-separated list of on/off")
 
 
-def prompt_list(value):
-    """'a, b' -> ['a', 'b']: Ray's example passes several prompts comma-separated."""
-    prompts = [p.strip() for p in value.split(",") if p.strip()]
-    if not prompts:
-        raise argparse.ArgumentTypeError("needs at least one non-empty prompt")
-    return prompts
+def one_prompt(value):
+    """A prompt as given, commas and all: Stable Diffusion prompts are full of them
+    ("photo of unqtkn dog, oil painting, detailed"). Several prompts: repeat the flag."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("needs a non-empty prompt")
+    return value.strip()
 
 
 # name -> (option strings, add_argument keyword arguments). The name is the attribute the
@@ -264,9 +264,9 @@ FLAGS = {
              help="Also write loss, learning rate and images/s as TensorBoard events into the run folder's "
                   "tensorboard/ (view: pip install tensorboard; tensorboard --logdir <run folder>).")),
     "validation_prompt": (("--validation_prompt",),
-        dict(type=prompt_list, action="append", default=None, metavar="PROMPTS",
-             help="Sample these prompts during training with the current weights (repeat the flag, or "
-                  "separate prompts with commas): images and a timeline sheet in the run folder's validation/.")),
+        dict(type=one_prompt, action="append", default=None, metavar="PROMPT",
+             help="Sample this prompt during training with the current weights (one prompt, commas and all; "
+                  "repeat the flag for several): images and a timeline sheet in the run folder's validation/.")),
     "num_validation_images": (("--num_validation_images",),
         dict(type=positive_int, default=4, help="Images per validation prompt, each from its own fixed seed.")),
     "validation_steps": (("--validation_steps",),
@@ -293,8 +293,16 @@ FLAGS = {
              help="Also load pickled .bin weights (they can run code when loaded); default: safetensors only.")),
     # --- generation
     "prompts": (("--prompts",),
-        dict(type=prompt_list, nargs="+", required=True, action="extend",
-             help="One or more prompts; a value may hold several, comma-separated.")),
+        dict(type=one_prompt, nargs="+", default=None, action="extend", metavar="PROMPT",
+             help="The prompts to draw: each value is one prompt, commas and all (--prompts 'a dog, oil "
+                  "painting' 'a cat'); repeat the flag or use --prompts_file for more.")),
+    "prompts_file": (("--prompts_file",),
+        dict(type=abs_path, default=None, metavar="FILE",
+             help="More prompts: one per line ('#' lines are comments).")),
+    "force": (("--force",),
+        dict(action="store_true",
+             help="Delete the images already in --output_dir (drawn by another model or with other settings, "
+                  "as its record says) and draw these; without it such a folder is an error, never a mix.")),
     "num_samples_per_prompt": (("--num_samples_per_prompt", "--num_class_images"),
         dict(type=positive_int, default=1,
              help="Images per prompt; existing ones are kept, only the missing are made.")),
@@ -435,27 +443,125 @@ def normalize_option(token):
     return ("--no-" if negated else "--") + body.replace("-", "_") + sep + value
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Each flag's default shown once: added as '(default: X)' unless its help already says
+    what the default is (a default worked out at run time, e.g. 'Default: the model's size')."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text.lower() or action.default in (None, False, argparse.SUPPRESS) or action.nargs == 0:
+            return text
+        return text + " (default: %(default)s)"
+
+
+CONFIG_HELP = ("TOML file of flag values, keys named as the flags (model_dir = \"...\", max_train_steps = 400, "
+               "validation_prompt = [\"...\"]); the command line wins. Every run writes one beside its outputs "
+               "that repeats it.")
+NOT_WRITTEN = ("config", "help", "resume_from_checkpoint")  # a repeated run starts afresh
+
+
 class OneLineErrorParser(argparse.ArgumentParser):
     """argparse prints the whole usage before an error; we print one line. Options may be
-    spelled with hyphens or underscores."""
+    spelled with hyphens or underscores. With --config FILE, the file's values come first and
+    the command line's after them, so the command line wins."""
 
     def parse_known_args(self, args=None, namespace=None):
-        args = sys.argv[1:] if args is None else list(args)
-        return super().parse_known_args([normalize_option(a) for a in args], namespace)
+        args = [normalize_option(a) for a in (sys.argv[1:] if args is None else list(args))]
+        if any(a.dest == "config" for a in self._actions):
+            args = self._config_tokens(args) + args
+        return super().parse_known_args(args, namespace)
 
     def error(self, message):
         sys.stderr.write(f"{self.prog}: error: {message}\n")
         sys.exit(2)
 
+    def _action_for(self, key):
+        for action in self._actions:
+            if action.dest == key or f"--{key}" in action.option_strings:
+                return action
+        return None
 
-def make_parser(description, names, positional=None, refused=(), helps=None, optional=()):
+    def _config_tokens(self, args):
+        """The --config file's values as command-line tokens (before the command line's own)."""
+        path = None
+        for i, token in enumerate(args):
+            if token == "--config" and i + 1 < len(args):
+                path = args[i + 1]
+            elif token.startswith("--config="):
+                path = token.split("=", 1)[1]
+        if path is None:
+            return []
+        import tomllib
+
+        try:
+            with open(os.path.expanduser(path), "rb") as f:
+                values = tomllib.load(f)
+        except OSError as err:
+            self.error(f"--config {path}: {err.strerror}")
+        except tomllib.TOMLDecodeError as err:
+            self.error(f"--config {path}: not valid TOML ({err})")
+        given = {t.split("=")[0] for t in args if t.startswith("--")}
+        tokens = []
+        for key, value in values.items():
+            action = self._action_for(key)
+            if action is None or action.dest in NOT_WRITTEN:
+                self.error(f"--config {path}: unknown key '{key}' (keys are this script's flags, see --help)")
+            option = next(o for o in action.option_strings if o.startswith("--"))
+            if isinstance(action, (argparse._AppendAction, argparse._ExtendAction)):
+                if given & set(action.option_strings):
+                    continue  # the command line's list replaces the file's
+                items = value if isinstance(value, list) else [value]
+                if isinstance(action, argparse._ExtendAction):
+                    tokens += [option, *map(str, items)]
+                else:
+                    for item in items:
+                        tokens += [option, str(item)]
+            elif isinstance(action, argparse.BooleanOptionalAction):
+                tokens.append(option if value else "--no-" + option[2:])
+            elif action.nargs == 0:  # store_true
+                tokens += [option] if value else []
+            elif isinstance(value, list):
+                tokens.append(f"{option}={','.join(map(str, value))}")
+            else:
+                tokens.append(f"{option}={value}")
+        return tokens
+
+
+def config_text(parser, args):
+    """The parsed flags of a run as the text of a --config file that repeats it (keys: the flags'
+    names). Unset flags (None) are left out; the values are the resolved ones (absolute paths)."""
+    import tomli_w
+
+    values = {}
+    for action in parser._actions:
+        if action.dest in NOT_WRITTEN or action.help == argparse.SUPPRESS or not hasattr(args, action.dest):
+            continue
+        value = getattr(args, action.dest)
+        if value is not None:
+            values[action.dest] = list(value) if isinstance(value, (list, tuple)) else value
+    return f"# {parser.prog} --config this-file repeats the run\n" + tomli_w.dumps(values)
+
+
+def write_config(path, text):
+    """Write a config_text where a crash never leaves half of it."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+    return path
+
+
+def make_parser(description, names, positional=None, refused=(), helps=None, optional=(), config=False):
     """A parser with the named flags from FLAGS, in the given order; the options in refused
     (keys of REFUSED) stop the parse with their line; helps: {name: help} where a script means
-    a shared flag in its own way; optional: required flags that this script can do without."""
-    parser = OneLineErrorParser(description=description,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    a shared flag in its own way; optional: required flags that this script can do without;
+    config: also take --config FILE (TOML, keys named as the flags)."""
+    parser = OneLineErrorParser(description=description, formatter_class=HelpFormatter)
     if positional:
         positional(parser)
+    if config:
+        parser.add_argument("--config", metavar="FILE", default=None, help=CONFIG_HELP)
     for name in names:
         options, kwargs = FLAGS[name]
         kwargs = dict(kwargs)

@@ -20,6 +20,7 @@ would be saved black and trained on as a dog); images from a tuned model are che
 and a flagged one is not saved: '<name>.png.flagged' marks it as done, and a line says so.
 """
 
+import dataclasses
 import hashlib
 import math
 import os
@@ -27,6 +28,7 @@ import sys
 
 import cache_model
 import flags
+import outputs
 import utils
 
 FLAGGED_SUFFIX = ".flagged"  # beside the name of an image the safety checker withheld
@@ -96,26 +98,9 @@ def write_grid(output_dir, files):
     return path
 
 
-def use_safety_checker(setting, model_dir, lora_dir=None):
+def use_safety_checker(setting, model):
     """--safety_checker auto|on|off -> bool. auto: on only for a model or adapters train.py wrote."""
-    if setting == "auto":
-        return any(d and os.path.isfile(os.path.join(d, utils.OUTPUT_MARKER)) for d in (model_dir, lora_dir))
-    return setting == "on"
-
-
-def resolve_lora(model_dir, lora_dir):
-    """(base model folder, LoRA folder or None) of --model_dir/--lora_dir. A LoRA output of
-    train.py given as --model_dir stands for its base model with its adapters."""
-    if lora_dir is None and os.path.isfile(os.path.join(model_dir, utils.LORA_WEIGHTS_FILE)):
-        record = os.path.join(model_dir, utils.OUTPUT_MARKER)
-        if not os.path.isfile(record):
-            raise utils.UserError(f"{model_dir} holds LoRA adapters: pass the base model as --model_dir and "
-                                  f"this folder as --lora_dir")
-        model_dir, lora_dir = utils.read_json(record)["base_model"], model_dir
-        print(f"LoRA adapters of {lora_dir} on their base model {model_dir}", file=sys.stderr)
-    if lora_dir and not os.path.isfile(os.path.join(lora_dir, utils.LORA_WEIGHTS_FILE)):
-        raise utils.UserError(f"--lora_dir {lora_dir} has no {utils.LORA_WEIGHTS_FILE}")
-    return model_dir, lora_dir
+    return model.trained if setting == "auto" else setting == "on"
 
 
 def load_pipeline(model_dir, device, allow_unsafe_weights=False, safety_checker=False, lora_dir=None,
@@ -141,21 +126,42 @@ def load_pipeline(model_dir, device, allow_unsafe_weights=False, safety_checker=
     return pipe.to(device)
 
 
+@dataclasses.dataclass(frozen=True)
+class ImageSettings:
+    """How images are drawn, whatever the model: every setting that changes their pixels."""
+
+    num_inference_steps: int = 50
+    guidance_scale: float = 7.5
+    negative_prompt: str | None = None
+    resolution: int | None = None  # None: the model's native size
+    seed: int = 0
+    allow_unsafe_weights: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class DrawJob:
+    """One model's images to draw into one folder. rows: ({"prompt", "seed", "file"}, ...)."""
+
+    model: outputs.ModelRef
+    output_dir: str
+    safety_checker: bool
+    rows: tuple = ()
+
+
 def generate_batch(pipe, prompts, seeds, settings):
-    """Run the pipeline once for a batch. One CPU generator per image: the noise of an
-    image depends on its seed alone, not on the batch it lands in or the device."""
+    """Run the pipeline once for a batch (settings: ImageSettings). One CPU generator per image:
+    the noise of an image depends on its seed alone, not on the batch it lands in or the device."""
     import torch
 
     generators = [torch.Generator("cpu").manual_seed(int(s)) for s in seeds]
-    negative = settings.get("negative_prompt")
-    resolution = settings.get("resolution")
+    negative = settings.negative_prompt
     out = pipe(
         prompt=list(prompts),
         negative_prompt=[negative] * len(prompts) if negative else None,
-        num_inference_steps=settings["num_inference_steps"],
-        guidance_scale=settings["guidance_scale"],
-        height=resolution,
-        width=resolution,
+        num_inference_steps=settings.num_inference_steps,
+        guidance_scale=settings.guidance_scale,
+        height=settings.resolution,
+        width=settings.resolution,
         generator=generators,
     )
     return out.images, list(out.nsfw_content_detected or [False] * len(out.images))
@@ -164,27 +170,27 @@ def generate_batch(pipe, prompts, seeds, settings):
 class ImageGenerator:
     """Ray Data actor: turns each batch of rows into PNG files, for one model or several.
 
-    models: [{"model_dir", "output_dir", "lora_dir", "lora_scale", "safety_checker"}].
-    Batch in: {"model": (B,) index into models, "prompt": (B,) str, "seed": (B,) int, "file": (B,) str}.
-    Batch out: {"model", "file", "flagged": (B,) bool (withheld by the safety checker)}.
-    The actor holds one pipeline at a time and loads another when the rows' model changes;
-    rows arrive grouped by model, so that happens about once per model.
+    jobs: [DrawJob] (their rows travel as the batches). settings: ImageSettings.
+    Batch in: {"job": (B,) index into jobs, "prompt": (B,) str, "seed": (B,) int, "file": (B,) str}.
+    Batch out: {"job", "file", "flagged": (B,) bool (withheld by the safety checker)}.
+    The actor holds one pipeline at a time and loads another when the rows' job changes;
+    rows arrive grouped by job, so that happens about once per model.
     """
 
-    def __init__(self, models, settings):
+    def __init__(self, jobs, settings, num_actors):
         self.device = utils.torch_device()
         if self.device.type == "cpu":
-            utils.share_cpu_threads(settings["num_actors"])
-        self.models, self.settings = models, settings
+            utils.share_cpu_threads(num_actors)
+        self.jobs, self.settings = jobs, settings
         self.loaded, self.pipe = None, None
         self.pipeline(0)
 
     def pipeline(self, index):
         if index != self.loaded:
-            model = self.models[index]
+            job = self.jobs[index]
             self.pipe = None  # the previous model's memory goes before the next one loads
-            self.pipe = load_pipeline(model["model_dir"], self.device, self.settings["allow_unsafe_weights"],
-                                      model["safety_checker"], model.get("lora_dir"), model.get("lora_scale", 1.0))
+            self.pipe = load_pipeline(job.model.model_dir, self.device, self.settings.allow_unsafe_weights,
+                                      job.safety_checker, job.model.lora_dir, job.model.lora_scale)
             self.loaded = index
         return self.pipe
 
@@ -192,45 +198,35 @@ class ImageGenerator:
         import numpy as np
 
         flagged = np.zeros(len(batch["file"]), dtype=bool)
-        for index in dict.fromkeys(batch["model"].tolist()):
-            rows = np.flatnonzero(batch["model"] == index)
+        for index in dict.fromkeys(batch["job"].tolist()):
+            rows = np.flatnonzero(batch["job"] == index)
             images, bad = generate_batch(self.pipeline(index), batch["prompt"][rows], batch["seed"][rows],
                                          self.settings)
             for row, image, is_bad in zip(rows, images, bad):
-                path = os.path.join(self.models[index]["output_dir"], str(batch["file"][row]))
+                path = os.path.join(self.jobs[index].output_dir, str(batch["file"][row]))
                 if is_bad:
                     open(path + FLAGGED_SUFFIX, "w").close()
                 else:
                     utils.save_image_atomic(image, path)
                 flagged[row] = is_bad
-        return {"model": batch["model"], "file": batch["file"], "flagged": flagged}
-
-
-def model_spec(model_dir, output_dir, settings):
-    """The model entry ImageGenerator takes: a model folder, where its images go, and from
-    settings its LoRA adapters (lora_dir, lora_scale) and safety_checker."""
-    return {"model_dir": model_dir, "output_dir": output_dir, "lora_dir": settings.get("lora_dir"),
-            "lora_scale": settings.get("lora_scale", 1.0), "safety_checker": settings["safety_checker"]}
+        return {"job": batch["job"], "file": batch["file"], "flagged": flagged}
 
 
 def run_actor_pool(jobs, settings, batch_size, num_actors):
-    """Fan the rows of every job [(rows, model_spec)] out to one actor pool; yields (job index,
-    file name, flagged) as images land.
-
-    settings: num_inference_steps, guidance_scale, negative_prompt, resolution, allow_unsafe_weights.
-    """
+    """Fan the rows of every DrawJob out to one actor pool; yields (job index, file name, flagged)
+    as images land."""
     import ray
 
-    rows = [{**row, "model": index} for index, (job_rows, _) in enumerate(jobs) for row in job_rows]
+    rows = [{**row, "job": index} for index, job in enumerate(jobs) for row in job.rows]
     ds = ray.data.from_items(rows).map_batches(
         ImageGenerator,
-        fn_constructor_args=([model for _, model in jobs], {**settings, "num_actors": num_actors}),
+        fn_constructor_args=([dataclasses.replace(job, rows=()) for job in jobs], settings, num_actors),
         batch_size=batch_size,
         compute=ray.data.ActorPoolStrategy(size=num_actors),
         num_gpus=actor_num_gpus(),
     )
     for batch in ds.iter_batches(batch_size=None):
-        yield from zip(batch["model"], batch["file"], batch["flagged"])
+        yield from zip(batch["job"], batch["file"], batch["flagged"])
 
 
 def actor_num_gpus():
@@ -243,48 +239,96 @@ def default_num_actors():
     return max(1, utils.cluster_resources()[1])
 
 
+def wanted_files(folder, prompts, count):
+    """{prompt: [paths of its images 0..count-1 in folder]}."""
+    return {p: [os.path.join(folder, image_file_name(p, i)) for i in range(count)] for p in prompts}
+
+
+def top_up(folder, model, prompts, count, settings, safety_checker, on_mismatch="error", remedy="--force",
+           label=None):
+    """The DrawJob that fills folder up to count images of each prompt, keeping the images already
+    there only when the folder's record says the same model drew them with the same settings.
+
+    The one place a folder of generated images is filled (generate.py, class images for train.py
+    and the sweep, evaluate.py's images). On a mismatch: on_mismatch "error" raises a UserError
+    naming what differs and remedy (the flag that discards them); "redraw" deletes them, says so,
+    and draws them again. The record is written before drawing: a run cut short leaves images
+    that its record describes."""
+    os.makedirs(folder, exist_ok=True)
+    utils.remove_temp_files(folder)
+    resolution = settings.resolution or utils.native_resolution(model.model_dir)
+    wanted = outputs.ImageRecord(model.fingerprint(), model.describe(), tuple(prompts), resolution, settings.seed,
+                                 settings.num_inference_steps, settings.guidance_scale, settings.negative_prompt)
+    have = outputs.read_image_record(folder)
+    drawn = outputs.drawn_images(folder)
+    differs = have.differences(wanted) if have else (["record"] if drawn else [])
+    if differs:
+        what = (f"were drawn by {have.describe()}" if have else
+                f"have no record ({outputs.IMAGES_RECORD}) of the model and settings that drew them")
+        if on_mismatch == "error":
+            raise utils.UserError(f"{folder}: its {len(drawn)} images {what}; this run draws with "
+                                  f"{wanted.describe()} ({', '.join(differs)} differ). Use another folder, or "
+                                  f"pass {remedy} to delete those images and draw these")
+        print(f"{label or folder}: the {len(drawn)} images in {folder} {what} ({', '.join(differs)} differ "
+              f"from this run); drawing them again", file=sys.stderr)
+        outputs.remove_drawn_images(folder)
+    elif on_mismatch == "force" and drawn:
+        print(f"{folder}: deleting its {len(drawn)} images (--force)", file=sys.stderr)
+        outputs.remove_drawn_images(folder)
+    outputs.write_image_record(folder, wanted)
+    rows, names = plan_images(prompts, count, settings.seed, folder)
+    print(f"{label or folder}: {len(names) - len(rows)} of {len(names)} images already there; generating "
+          f"{len(rows)}", file=sys.stderr)
+    return DrawJob(model, folder, safety_checker, tuple(rows))
+
+
+def prompts_of(args):
+    """The prompts of --prompts (each value one prompt, commas and all) and --prompts_file, once each."""
+    import prompts as prompt_files
+
+    given = list(args.prompts or [])
+    if args.prompts_file:
+        given += prompt_files.read_prompt_file(args.prompts_file)
+    if not given:
+        raise utils.UserError("give the prompts: --prompts 'photo of a dog' (repeat the flag for several) "
+                              "or --prompts_file FILE (one per line)")
+    return list(dict.fromkeys(given))
+
+
 def main(argv=None):
     parser = flags.make_parser(
         __doc__.splitlines()[0],
-        ["model_dir", "output_dir", "prompts", "num_samples_per_prompt", "batch_size",
+        ["model_dir", "output_dir", "prompts", "prompts_file", "num_samples_per_prompt", "batch_size",
          "num_inference_steps", "guidance_scale", "negative_prompt", "seed", "resolution",
-         "lora_dir", "lora_scale", "num_actors", "safety_checker", "use_ray_data", "allow_unsafe_weights"],
+         "lora_dir", "lora_scale", "num_actors", "safety_checker", "force", "use_ray_data", "allow_unsafe_weights"],
+        config=True,
     )
     args = parser.parse_args(argv)
-    prompts = list(dict.fromkeys(p for group in args.prompts for p in group))
-    model_dir, lora_dir = resolve_lora(args.model_dir, args.lora_dir)
-    utils.check_model_dir(model_dir, args.allow_unsafe_weights)
-    os.makedirs(args.output_dir, exist_ok=True)
-    utils.remove_temp_files(args.output_dir)
-    rows, all_files = plan_images(prompts, args.num_samples_per_prompt, args.seed, args.output_dir)
-    print(f"{len(all_files) - len(rows)} of {len(all_files)} images already in {args.output_dir}; "
-          f"generating {len(rows)}", file=sys.stderr)
-    settings = {"num_inference_steps": args.num_inference_steps, "guidance_scale": args.guidance_scale,
-                "negative_prompt": args.negative_prompt, "resolution": args.resolution,
-                "allow_unsafe_weights": args.allow_unsafe_weights, "lora_dir": lora_dir,
-                "lora_scale": args.lora_scale,
-                "safety_checker": use_safety_checker(args.safety_checker, model_dir, lora_dir)}
-    make_images(rows, model_dir, args.output_dir, settings, args.batch_size, args.num_actors)
+    prompts = prompts_of(args)
+    model = outputs.resolve_model(args.model_dir, args.lora_dir, args.lora_scale)
+    utils.check_model_dir(model.model_dir, args.allow_unsafe_weights)
+    settings = ImageSettings(args.num_inference_steps, args.guidance_scale, args.negative_prompt, args.resolution,
+                             args.seed, args.allow_unsafe_weights)
+    job = top_up(args.output_dir, model, prompts, args.num_samples_per_prompt, settings,
+                 use_safety_checker(args.safety_checker, model), on_mismatch="force" if args.force else "error")
+    flags.write_config(os.path.join(args.output_dir, outputs.IMAGES_CONFIG), flags.config_text(parser, args))
+    make_images_of([job], settings, args.batch_size, args.num_actors)
+    all_files = [os.path.basename(p) for paths in wanted_files(args.output_dir, prompts,
+                                                                args.num_samples_per_prompt).values() for p in paths]
     grid = write_grid(args.output_dir, all_files)
     print(f"{len(all_files)} images in {args.output_dir}; contact sheet {grid}", file=sys.stderr)
     return all_files
 
 
-def make_images(rows, model_dir, output_dir, settings, batch_size=4, num_actors=None):
-    """Draw the images of rows (plan_images') with one model into output_dir. settings: see
-    run_actor_pool, plus safety_checker (bool) and optionally lora_dir and lora_scale."""
-    make_images_of([(rows, model_spec(model_dir, output_dir, settings))], settings, batch_size, num_actors)
-
-
 def make_images_of(jobs, settings, batch_size=4, num_actors=None):
-    """Draw the rows of every job [(rows, model_spec)] on one actor pool, with a progress bar
-    and one line for the images the safety checker withheld."""
-    jobs = [(rows, model) for rows, model in jobs if rows]
+    """Draw the rows of every DrawJob on one actor pool (settings: ImageSettings), with a progress
+    bar and one line for the images the safety checker withheld."""
+    jobs = [job for job in jobs if job.rows]
     if not jobs:
         return
     from tqdm import tqdm
 
-    if any(cache_model.has_random_weights(model["model_dir"]) for _, model in jobs):
+    if any(cache_model.has_random_weights(job.model.model_dir) for job in jobs):
         print("note: this model has random weights (cache_model.py --tiny / --random_model): its images are "
               "noise, as expected; the pipeline around them is real", file=sys.stderr)
     ray = utils.init_ray()
@@ -294,10 +338,11 @@ def make_images_of(jobs, settings, batch_size=4, num_actors=None):
     several = len(jobs) > 1  # then a withheld image is named with its model's folder
     what = f"generating for {len(jobs)} models" if several else "generating"
     try:
-        with tqdm(total=sum(len(rows) for rows, _ in jobs), desc=f"{what} on {num_actors} actor(s)", unit="img") as bar:
+        with tqdm(total=sum(len(job.rows) for job in jobs), desc=f"{what} on {num_actors} actor(s)",
+                  unit="img") as bar:
             for index, name, bad in run_actor_pool(jobs, settings, batch_size, num_actors):
                 if bad:
-                    flagged.append(os.path.join(jobs[index][1]["output_dir"], str(name)) if several else str(name))
+                    flagged.append(os.path.join(jobs[index].output_dir, str(name)) if several else str(name))
                 bar.update(1)
     except KeyboardInterrupt:
         print("stopped; the images written so far are complete: rerun the same command to make "

@@ -16,6 +16,7 @@ from datetime import datetime
 
 import checkpoint
 import flags
+import outputs
 import prompts
 import utils
 
@@ -114,6 +115,7 @@ class Plan:
     num_validation_images: int
     validation_steps: int  # already defaulted to checkpointing_steps
     validation_inference_steps: int
+    settings_toml: str  # the resolved flags as a --config file that repeats the run
 
     def is_checkpoint_step(self, step):
         """Checkpoints every checkpointing_steps and at the last step."""
@@ -151,7 +153,7 @@ class Plan:
 
 def parse_args(argv=None, description=None):
     """train.py's command line, with its flag combinations checked before anything starts."""
-    parser = flags.make_parser(description, TRAIN_FLAGS, refused=flags.REFUSED)
+    parser = flags.make_parser(description, TRAIN_FLAGS, refused=flags.REFUSED, config=True)
     args = parser.parse_args(argv)
     if args.class_data_dir:
         args.with_prior_preservation = True
@@ -164,7 +166,7 @@ def parse_args(argv=None, description=None):
         parser.error("--num_class_images needs --class_data_dir and --class_prompt")
     elif args.class_prompt:
         print("warning: --class_prompt is ignored without --class_data_dir", file=sys.stderr)
-    args.validation_prompts = tuple(dict.fromkeys(p for group in args.validation_prompt or () for p in group))
+    args.validation_prompts = tuple(dict.fromkeys(args.validation_prompt or ()))
     if args.validation_steps is None:
         args.validation_steps = args.checkpointing_steps
     if args.learning_rate is None:
@@ -181,6 +183,7 @@ def parse_args(argv=None, description=None):
         parser.error("--output_dir must differ from --pretrained_model_name_or_path")
     if args.storage_path is None:
         args.storage_path = os.path.join(os.path.dirname(args.output_dir), "ray_results")
+    args.settings_toml = flags.config_text(parser, args)
     return args
 
 
@@ -198,6 +201,9 @@ def plan_run(args, cluster_resources):
     captions = prompts.read_captions(instance_images, args.instance_prompt, args.caption_extension)
     instance_prompts = list(dict.fromkeys(captions))
     class_images = dataset.list_images(args.class_data_dir, "class") if args.with_prior_preservation else []
+    resolution = args.resolution or utils.native_resolution(args.model_dir)
+    if class_images:
+        check_class_images(args.class_data_dir, args.model_dir, args.class_prompt, resolution)
     run_prefix = os.path.basename(args.output_dir)
     resume_path = checkpoint.resolve_resume(args.resume_from_checkpoint, args.storage_path, run_prefix)
     if resume_path:
@@ -205,7 +211,6 @@ def plan_run(args, cluster_resources):
     prompts.warn_without_identifier(instance_prompts, args.instance_prompt, args.class_prompt)
 
     use_gpu, cpus_per_worker = worker_resources(args, *cluster_resources())
-    resolution = args.resolution or native_resolution(args.model_dir)
     convert_dir = os.path.join(args.storage_path, "converted-images")
     instance_images = dataset.inspect_images(instance_images, resolution, convert_dir)
     class_images = dataset.inspect_images(class_images, resolution, convert_dir) if class_images else []
@@ -245,7 +250,8 @@ def offline_plan(**fields):
     decided = dict(instance_prompts=(args.instance_prompt,), image_prompt=(), prompt_ids={},
                    instance_images=(), class_images=(), resolution=64, channels_last=False,
                    steps_per_epoch=1, total_steps=DEFAULT_MAX_TRAIN_STEPS, stream_epochs=1, use_gpu=False,
-                   cpus_per_worker=1.0, run_name="offline", resume_path=None, progress_bar=False)
+                   cpus_per_worker=1.0, run_name="offline", resume_path=None, progress_bar=False,
+                   settings_toml="")
     return Plan(**{**from_flags, **decided, **fields})
 
 
@@ -271,6 +277,26 @@ def check_output_dir(output_dir, overwrite):
                               "pass --overwrite to replace it")
 
 
+def check_class_images(class_dir, model_dir, class_prompt, resolution):
+    """Refuse class images that another base model, class prompt or resolution drew (their folder's
+    record says so; a folder without one holds the user's own class images and is taken as it is)."""
+    record = outputs.read_image_record(class_dir)
+    if record is None:
+        return
+    differs = []
+    if record.model != outputs.ModelRef(model_dir).fingerprint():
+        differs.append(f"base model {record.model_dir}")
+    if tuple(record.prompts) != (class_prompt,):
+        differs.append("prompt " + ", ".join(repr(p) for p in record.prompts))
+    if record.resolution != resolution:
+        differs.append(f"{record.resolution} px")
+    if differs:
+        raise utils.UserError(f"--class_data_dir {class_dir} holds class images drawn with {'; '.join(differs)}, "
+                              f"not with this run's {model_dir}, {class_prompt!r}, {resolution} px: use another "
+                              "--class_data_dir (--num_class_images N draws into it), or redraw this one with "
+                              "generate.py --force")
+
+
 def worker_resources(args, cpus, gpus):
     """(use_gpu, CPUs per worker), or UserError if the cluster cannot hold the workers.
 
@@ -289,18 +315,6 @@ def worker_resources(args, cpus, gpus):
         raise utils.UserError(f"the Ray cluster has {cpus:g} CPU(s): training needs one for its workers "
                               "and one for the data pipeline")
     return use_gpu, min(1.0, spare / args.num_workers)
-
-
-def native_resolution(model_dir):
-    """The pixel size the model was trained at: UNet sample size x the VAE's downscaling.
-
-    Read from the configs' JSON: importing diffusers costs the driver seconds.
-    """
-    def config(part):
-        with open(os.path.join(model_dir, part, "config.json")) as f:
-            return json.load(f)
-
-    return config("unet")["sample_size"] * 2 ** (len(config("vae")["block_out_channels"]) - 1)
 
 
 def plan_steps(num_rows, args):

@@ -49,3 +49,15 @@ def prompt_ids(model_dir, instance_prompts, class_prompt):
     if class_prompt:
         ids["class"] = dataset.tokenize_prompt(tokenizer, class_prompt).tolist()
     return ids
+
+
+def read_prompt_file(path):
+    """The prompts of a file, one per line (commas and all); blank lines and '#' lines are skipped."""
+    try:
+        with open(path) as f:
+            found = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+    except OSError as err:
+        raise utils.UserError(f"cannot read the prompts file {path}: {err.strerror}") from None
+    if not found:
+        raise utils.UserError(f"the prompts file {path} holds no prompts (one per line)")
+    return found

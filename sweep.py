@@ -19,6 +19,7 @@ sweep; rerunning the same command after a crash continues it (Tune's restore; tr
 their own newest checkpoint, failed ones start again).
 """
 
+import dataclasses
 import math
 import os
 import shutil
@@ -28,6 +29,7 @@ import checkpoint
 import dataset
 import evaluate
 import flags
+import outputs
 import plan as planning
 import sweep_report
 import utils
@@ -164,10 +166,11 @@ def trial_fn(config, job):
                           "train_text_encoder", "allow_unsafe_weights", "instance_prompt", "class_prompt")}
                 train.save_checkpoint_as_model(found[step], planning.offline_plan(
                     **fields, output_dir=model, total_steps=step, mixed_precision="no"))
-        entries.append((f"step-{step}", *((job["model_dir"], model) if config["use_lora"] else (model, None))))
+        entries.append((f"step-{step}", outputs.resolve_model(model)))
     result = evaluate.run(entries, [subject], job["eval_settings"], os.path.join(folder, "eval"))[subject.name]
-    for step, (label, model_dir, lora_dir) in zip(steps, entries):
-        ray.tune.report({"step": step, "model": lora_dir or model_dir, **result["models"][label]["overall"]})
+    for step, (label, model) in zip(steps, entries):
+        ray.tune.report({"step": step, "model": model.lora_dir or model.model_dir,
+                         **result["models"][label]["overall"]})
 
 
 def max_concurrent(args, train_args):
@@ -180,17 +183,13 @@ def max_concurrent(args, train_args):
 
 def prepare_class_images(args, subjects, train_args):
     """{class name: folder}: each class's images, drawn once (train.py's --num_class_images top-up)."""
-    import types
-
     import train
 
     dirs = {}
     for class_name in sorted({s.class_name for s in subjects.values()}):
         dirs[class_name] = os.path.join(args.sweep_dir, "class-images", utils.slugify(class_name))
-        train.top_up_class_images(types.SimpleNamespace(
-            model_dir=args.model_dir, class_data_dir=dirs[class_name], class_prompt=f"photo of a {class_name}",
-            num_class_images=args.num_class_images, seed=train_args.seed, resolution=train_args.resolution,
-            allow_unsafe_weights=train_args.allow_unsafe_weights))
+        train.top_up_class_images(args.model_dir, dirs[class_name], f"photo of a {class_name}", args.num_class_images,
+                                  train_args.seed, train_args.resolution, train_args.allow_unsafe_weights)
     return dirs
 
 
@@ -257,12 +256,12 @@ def score_base(args, subjects, eval_settings):
         saved = os.path.join(folder, subject.name, "scores.json")
         result = utils.read_json(saved) if os.path.isfile(saved) else None
         if result and result["prompts"] == list(subject.prompts()) and \
-                result["num_samples_per_prompt"] == eval_settings["num_samples_per_prompt"]:
+                result["num_samples_per_prompt"] == eval_settings.num_samples_per_prompt:
             base[subject.name] = result["models"]["base"]["overall"]
         else:
             todo.append(subject)
     if todo:
-        results = evaluate.run([("base", args.model_dir, None)], todo, eval_settings, folder,
+        results = evaluate.run([("base", outputs.ModelRef(args.model_dir))], todo, eval_settings, folder,
                                {s.name: os.path.join(folder, s.name) for s in todo})
         for name, result in results.items():
             base[name] = result["models"]["base"]["overall"]
@@ -280,17 +279,16 @@ def main(argv=None):
     for name in subjects:
         planning.check_output_dir(target_dir(args, name), train_args.overwrite)
     utils.init_ray()
-    eval_settings = {"eval_models_dir": args.eval_models_dir, "num_samples_per_prompt": args.eval_images_per_prompt,
-                     "seed": train_args.seed, "batch_size": args.batch_size, "guidance_scale": args.guidance_scale,
-                     "num_inference_steps": args.num_inference_steps, "resolution": train_args.resolution,
-                     "num_actors": None, "allow_unsafe_weights": train_args.allow_unsafe_weights}
+    eval_settings = evaluate.EvalSettings(
+        args.eval_models_dir, args.eval_images_per_prompt, train_args.seed, args.batch_size, args.num_inference_steps,
+        args.guidance_scale, train_args.resolution, None, train_args.allow_unsafe_weights)
     class_dirs = prepare_class_images(args, subjects, train_args)
     base = score_base(args, subjects, eval_settings)
     # A trial draws and embeds its images on the GPUs it trained on (one actor on a CPU cluster).
     trial_actors = train_args.num_workers * train_args.gpus_per_worker if utils.cluster_resources()[1] else 1
     job = {"subjects": subjects, "sweep_dir": args.sweep_dir, "steps": args.sweep_max_train_steps,
            "class_dirs": class_dirs, "train_flags": train_flags, "model_dir": args.model_dir,
-           "eval_settings": {**eval_settings, "num_actors": trial_actors}}
+           "eval_settings": dataclasses.replace(eval_settings, num_actors=trial_actors)}
     concurrency = max_concurrent(args, train_args)
     num_samples = args.num_trials if args.search == "random" else 1
     print(f"sweep: {len(subjects)} subject(s), steps {args.sweep_max_train_steps}, {args.search} search, "

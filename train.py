@@ -20,11 +20,14 @@ import tempfile
 import time
 
 import checkpoint
+import flags
+import outputs
 import plan as planning
 import runlog
 import utils
 
 IMAGE_COLUMNS = ("_pixels", "_latents")  # the batch columns that hold one image per row
+CONFIG_FILE = "train_config.toml"  # in the run folder and the output: train.py --config FILE repeats the run
 
 
 # ---------------------------------------------------------------- driver
@@ -33,9 +36,12 @@ IMAGE_COLUMNS = ("_pixels", "_latents")  # the batch columns that hold one image
 def main(argv=None):
     args = planning.parse_args(argv, __doc__.splitlines()[0])
     if args.num_class_images:
-        top_up_class_images(args)
+        top_up_class_images(args.model_dir, args.class_data_dir, args.class_prompt, args.num_class_images, args.seed,
+                            args.resolution, args.allow_unsafe_weights)
     plan = planning.plan_run(args, cluster_resources=start_ray)
     print(plan.describe(), file=sys.stderr)
+    config = flags.write_config(os.path.join(plan.storage_path, plan.run_name, CONFIG_FILE), plan.settings_toml)
+    print(f"settings: {config} (train.py --config {os.path.basename(config)} repeats this run)", file=sys.stderr)
     try:
         result = run_trainer(plan, train_dataset(plan))
     except KeyboardInterrupt:
@@ -59,22 +65,24 @@ def start_ray():
     return utils.cluster_resources()
 
 
-def top_up_class_images(args):
+def top_up_class_images(model_dir, class_dir, class_prompt, count, seed=0, resolution=None,
+                        allow_unsafe_weights=False):
     """diffusers' --num_class_images: draw class images with the base model (generate.py's
-    actor pool, --seed) until --class_data_dir holds that many, counting the ones already there."""
+    actor pool, seeded by seed) until class_dir holds count, counting class images of the user's
+    own already there (diffusers does). Images drawn by another model, prompt or resolution are
+    an error (generate.top_up), never trained on beside these."""
     import generate
 
-    utils.check_model_dir(args.model_dir, args.allow_unsafe_weights)
-    os.makedirs(args.class_data_dir, exist_ok=True)
-    utils.remove_temp_files(args.class_data_dir)
-    have = sum(n.lower().endswith(utils.IMAGE_EXTENSIONS) for n in os.listdir(args.class_data_dir))
-    rows, _ = generate.plan_images([args.class_prompt], args.num_class_images, args.seed, args.class_data_dir)
-    rows = rows[:max(0, args.num_class_images - have)]
-    print(f"{have} class images in {args.class_data_dir}; generating {len(rows)} of {args.class_prompt!r} "
-          f"for --num_class_images {args.num_class_images}", file=sys.stderr)
-    generate.make_images(rows, args.model_dir, args.class_data_dir, {
-        "num_inference_steps": 50, "guidance_scale": 7.5, "resolution": args.resolution,
-        "allow_unsafe_weights": args.allow_unsafe_weights, "safety_checker": False})
+    utils.check_model_dir(model_dir, allow_unsafe_weights)
+    os.makedirs(class_dir, exist_ok=True)
+    drawn = set(outputs.drawn_images(class_dir))
+    own = [n for n in os.listdir(class_dir) if n.lower().endswith(utils.IMAGE_EXTENSIONS) and n not in drawn]
+    settings = generate.ImageSettings(resolution=resolution, seed=seed, allow_unsafe_weights=allow_unsafe_weights)
+    remedy = "delete its images and run again (or: generate.py --force)"
+    job = generate.top_up(class_dir, outputs.ModelRef(model_dir), [class_prompt], max(0, count - len(own)), settings,
+                          safety_checker=False, remedy=remedy, label=f"class images of {class_prompt!r}"
+                          + (f" ({len(own)} of your own count)" if own else ""))
+    generate.make_images_of([job], settings)
 
 
 def train_dataset(plan):
@@ -296,7 +304,8 @@ def save_pipeline(models, plan):
 
     unet, text_encoder = models_lib.unwrap(models.unet), models_lib.unwrap(models.text_encoder)
     marker = {"base_model": plan.model_dir, "steps": plan.total_steps, "instance_prompt": plan.instance_prompt,
-              "class_prompt": plan.class_prompt, "lora": planning.lora_settings(plan)}
+              "class_prompt": plan.class_prompt, "lora": planning.lora_settings(plan),
+              "model_id": outputs.new_model_id()}
 
     def write(tmp):
         if plan.use_lora:
@@ -306,6 +315,8 @@ def save_pipeline(models, plan):
                                               unet=unet, text_encoder=text_encoder)
             pipe.save_pretrained(tmp, safe_serialization=True)
         utils.write_json(os.path.join(tmp, utils.OUTPUT_MARKER), marker)
+        if plan.settings_toml:
+            flags.write_config(os.path.join(tmp, CONFIG_FILE), plan.settings_toml)
 
     utils.atomic_write_dir(plan.output_dir, write)
 

@@ -211,6 +211,17 @@ def torch_device():
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
+def native_resolution(model_dir):
+    """The pixel size the model was trained at: UNet sample size x the VAE's downscaling.
+
+    Read from the configs' JSON: importing diffusers costs the driver seconds.
+    """
+    def config(part):
+        return read_json(os.path.join(model_dir, part, "config.json"))
+
+    return config("unet")["sample_size"] * 2 ** (len(config("vae")["block_out_channels"]) - 1)
+
+
 def check_model_dir(model_dir, allow_unsafe_weights=False):
     """Fail early, naming what is missing, if model_dir is not a diffusers SD folder.
 

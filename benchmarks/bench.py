@@ -193,8 +193,9 @@ def generation(args, device, use_ray):
     """Steady images/s of generate.generate_batch at each batch size (first batch excluded)."""
     import generate
 
-    settings = {"num_inference_steps": args.inference_steps, "guidance_scale": 7.5, "negative_prompt": None,
-                "resolution": None, "allow_unsafe_weights": False, "safety_checker": False}
+    import outputs
+
+    settings = generate.ImageSettings(num_inference_steps=args.inference_steps)
     results = {}
     if use_ray:
         utils.init_ray()
@@ -208,8 +209,9 @@ def generation(args, device, use_ray):
             with tempfile.TemporaryDirectory() as out:
                 rows = [{"prompt": "photo of a toy", "seed": k, "file": f"{k}.png"} for k in range(3 * batch)]
                 stamps = [time.perf_counter()
-                          for _ in generate.run_actor_pool([(rows, generate.model_spec(args.model_dir, out, settings))],
-                                                           settings, batch, 1)]
+                          for _ in generate.run_actor_pool(
+                              [generate.DrawJob(outputs.ModelRef(args.model_dir), out, False, tuple(rows))],
+                              settings, batch, 1)]
             results[batch] = (len(stamps) - batch) / (stamps[-1] - stamps[batch - 1])
         else:
             generate.generate_batch(pipe, prompts, seeds, settings)

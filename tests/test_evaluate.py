@@ -3,6 +3,7 @@
 import pytest
 
 import evaluate
+import outputs
 import utils
 
 
@@ -24,11 +25,12 @@ def test_the_base_model_is_the_recorded_one_or_the_one_a_lora_applies_to(tiny_mo
     full = tmp_path / "full"
     full.mkdir()
     utils.write_json(full / utils.OUTPUT_MARKER, {"base_model": tiny_model})
-    assert evaluate.models_to_score(str(full), None, None) == [("tuned", str(full), None), ("base", tiny_model, None)]
+    ref = outputs.ModelRef
+    assert evaluate.models_to_score(str(full), None, None) == [("tuned", ref(str(full))), ("base", ref(tiny_model))]
     lora_dir, _ = lora_output
-    assert evaluate.models_to_score(lora_dir, None, None) == [("tuned", tiny_model, lora_dir),
-                                                                ("base", tiny_model, None)]
-    assert evaluate.models_to_score(tiny_model, None, str(full))[1] == ("base", str(full), None)
+    assert evaluate.models_to_score(lora_dir, None, None) == [("tuned", ref(tiny_model, lora_dir)),
+                                                                ("base", ref(tiny_model))]
+    assert evaluate.models_to_score(tiny_model, None, str(full))[1] == ("base", ref(str(full)))
 
 
 def test_report_puts_each_model_beside_the_papers_values(tmp_path):

@@ -158,3 +158,60 @@ def test_readme_compatibility_claims_hold():
     taken, refused = re.findall(r"`(--[a-z0-9_]+)`", taken), re.findall(r"`(--[a-z0-9_]+)`", refused)
     assert len(taken) >= 15 and all(o in DIFFUSERS_FLAGS and o not in flags.REFUSED for o in taken), taken
     assert len(refused) >= 5 and all(o in flags.REFUSED for o in refused), refused
+
+
+def test_a_prompt_with_commas_is_one_prompt_wherever_it_is_given(tmp_path):
+    import generate
+
+    painted = "photo of unqtkn dog, oil painting, detailed"
+    args = parse_train(BASE + ["--validation_prompt", painted, "--validation_prompt", "a dog, asleep"])
+    assert args.validation_prompts == (painted, "a dog, asleep")
+    parser = flags.make_parser("g", ["prompts", "prompts_file"])
+    listed = tmp_path / "prompts.txt"
+    listed.write_text("# mine\na cat, in the snow\n\n" + painted + "\n")
+    args = parser.parse_args(["--prompts", painted, "a dog", "--prompts", "a fox, red", "--prompts_file", str(listed)])
+    assert generate.prompts_of(args) == [painted, "a dog", "a fox, red", "a cat, in the snow"]
+
+
+@pytest.mark.parametrize("script", ["train.py", "generate.py", "evaluate.py", "sweep.py", "export.py",
+                                    "cache_model.py"])
+def test_help_states_each_default_once(script):
+    import importlib
+    import re
+
+    module = importlib.import_module(script[:-3])
+    out = subprocess.run([sys.executable, script, "--help"], cwd=REPO_DIR, capture_output=True, text=True,
+                         env=dict(os.environ, COLUMNS="10000")).stdout
+    assert module.__name__ and "usage:" in out
+    for line in out.splitlines():
+        if line.lstrip().startswith("-"):
+            assert len(re.findall(r"default", line, re.I)) <= 1, line
+    assert "(default: None)" not in out and "(default: False)" not in out
+
+
+def test_a_written_config_repeats_the_run_and_the_command_line_wins(tmp_path):
+    args = parse_train(BASE + ["--class_images_dir", "/c", "--class_prompt", "q, r", "--max_train_steps", "7",
+                               "--validation_prompt", "a, b", "--no-train_text_encoder", "--offset_noise",
+                               "--use_lora", "--resume_from_checkpoint", "latest"])
+    config = tmp_path / "train_config.toml"
+    config.write_text(args.settings_toml)
+    again = parse_train(["--config", str(config)])
+    def settings(namespace):
+        return {k: v for k, v in vars(namespace).items() if k not in ("config", "resume_from_checkpoint")}
+
+    assert settings(again) == settings(args) and again.settings_toml == args.settings_toml
+    assert again.resume_from_checkpoint is None  # a repeat starts afresh
+    changed = parse_train(["--config", str(config), "--max_train_steps", "9", "--validation_prompt", "c"])
+    assert changed.max_train_steps == 9 and changed.validation_prompts == ("c",) and changed.use_lora
+
+
+def test_a_bad_config_is_one_line(tmp_path, capsys):
+    config = tmp_path / "c.toml"
+    config.write_text("max_train_steps = 5\nnot_a_flag = 1\n")
+    with pytest.raises(SystemExit):
+        parse_train(BASE + ["--config", str(config)])
+    assert "unknown key 'not_a_flag'" in capsys.readouterr().err
+    config.write_text("max_train_steps = [")
+    with pytest.raises(SystemExit):
+        parse_train(BASE + ["--config", str(config)])
+    assert "not valid TOML" in capsys.readouterr().err

@@ -5,6 +5,7 @@ import pytest
 from PIL import Image
 
 import generate
+import outputs
 import utils
 
 
@@ -31,10 +32,10 @@ def test_make_grid_is_near_square():
 def test_generate_on_actor_pool_is_deterministic_and_tops_up(ray_session, tiny_model, tmp_path):
     out = tmp_path / "images"
     common = ["--model_dir", tiny_model, "--output_dir", str(out), "--num_inference_steps", "3", "--seed", "7"]
-    files = generate.main(common + ["--prompts", "photo of a dog,photo of a cat", "--num_samples_per_prompt", "3",
+    files = generate.main(common + ["--prompts", "photo of a dog", "photo of a cat", "--num_samples_per_prompt", "3",
                                     "--batch_size", "2", "--use_ray_data"])
     assert len(files) == 6
-    assert sorted(os.listdir(out)) == sorted(files + [generate.GRID_DIR])
+    assert sorted(os.listdir(out)) == sorted(files + [generate.GRID_DIR, outputs.IMAGES_RECORD, outputs.IMAGES_CONFIG])
     assert os.path.isfile(out / generate.GRID_DIR / "grid.png")
     first = {f: pixels(out / f) for f in files}
     assert first[files[0]].shape == (64, 64, 3)
@@ -85,7 +86,8 @@ def test_class_images_skip_the_safety_checker_and_flagged_subject_images_are_not
     err = capsys.readouterr().err
     assert "2 image(s) flagged by the safety checker were not saved" in err
     assert sorted(os.listdir(new)) == sorted([generate.image_file_name("photo of a dog", i) + generate.FLAGGED_SUFFIX
-                                              for i in range(2)] + [generate.GRID_DIR])
+                                              for i in range(2)] + [generate.GRID_DIR, outputs.IMAGES_RECORD,
+                                                                    outputs.IMAGES_CONFIG])
     generate.main(["--model_dir", tuned, "--output_dir", str(new)] + common)  # done: nothing made again
     assert "generating 0" in capsys.readouterr().err
     generate.main(["--model_dir", tuned, "--output_dir", str(tmp_path / "kept"), "--safety_checker", "off"] + common)
@@ -124,16 +126,17 @@ def test_lora_dir_applies_the_adapters_at_their_scale(lora_output, tiny_model):
     import torch
 
     folder, _ = lora_output
-    assert generate.resolve_lora(folder, None) == (tiny_model, folder)  # a LoRA output as --model_dir
-    assert generate.resolve_lora(tiny_model, folder) == (tiny_model, folder)
+    assert outputs.resolve_model(folder, None) == outputs.ModelRef(tiny_model, folder)  # a LoRA output as --model_dir
+    assert outputs.resolve_model(tiny_model, folder) == outputs.ModelRef(tiny_model, folder)
     with pytest.raises(utils.UserError, match="has no pytorch_lora_weights.safetensors"):
-        generate.resolve_lora(tiny_model, tiny_model)
-    assert generate.use_safety_checker("auto", tiny_model, folder)
+        outputs.resolve_model(tiny_model, tiny_model)
+    assert generate.use_safety_checker("auto", outputs.ModelRef(tiny_model, folder))
+    assert not generate.use_safety_checker("auto", outputs.ModelRef(tiny_model))
 
     def images(**lora):
         pipe = generate.load_pipeline(tiny_model, torch.device("cpu"), **lora)
-        out, _ = generate.generate_batch(pipe, ["photo of unqtkn toy"], [3], {"num_inference_steps": 2,
-                                                                             "guidance_scale": 7.5})
+        out, _ = generate.generate_batch(pipe, ["photo of unqtkn toy"], [3],
+                                         generate.ImageSettings(num_inference_steps=2))
         return np.asarray(out[0], dtype=int)
 
     base = images()
@@ -148,29 +151,24 @@ def test_one_pool_draws_several_models_each_with_its_weights_adapters_and_checke
     import torch
 
     lora_dir, _ = lora_output
-    settings = {"num_inference_steps": 2, "guidance_scale": 7.5, "negative_prompt": None, "resolution": None,
-                "allow_unsafe_weights": False}
+    settings = generate.ImageSettings(num_inference_steps=2, seed=5)
     prompts = ["photo of a dog", "photo of a cat"]
-    models = {"base": (tiny_model, {"safety_checker": False}),
-              "lora": (tiny_model, {"safety_checker": False, "lora_dir": lora_dir}),
-              "checked": (checked_model[1], {"safety_checker": True})}
-    jobs = []
-    for name, (model_dir, options) in models.items():
-        rows, _ = generate.plan_images(prompts, 2 if name != "checked" else 1, 5, str(tmp_path / name))
-        os.makedirs(tmp_path / name)
-        jobs.append((rows, generate.model_spec(model_dir, str(tmp_path / name), options)))
+    models = {"base": (outputs.ModelRef(tiny_model), False), "lora": (outputs.ModelRef(tiny_model, lora_dir), False),
+              "checked": (outputs.ModelRef(checked_model[1]), True)}
+    jobs = [generate.top_up(str(tmp_path / name), model, prompts, 2 if name != "checked" else 1, settings, checker)
+            for name, (model, checker) in models.items()]
     generate.make_images_of(jobs, settings, batch_size=3, num_actors=1)  # batches 2 and 3 mix models
 
     for name in ("base", "lora"):
-        pipe = generate.load_pipeline(tiny_model, torch.device("cpu"), lora_dir=models[name][1].get("lora_dir"))
-        for row in jobs[0][0]:
+        pipe = generate.load_pipeline(tiny_model, torch.device("cpu"), lora_dir=models[name][0].lora_dir)
+        for row in jobs[0].rows:
             alone, _ = generate.generate_batch(pipe, [row["prompt"]], [row["seed"]], settings)
             np.testing.assert_allclose(pixels(tmp_path / name / row["file"]).astype(int),
                                        np.asarray(alone[0], dtype=int), atol=1)
     dog = generate.image_file_name("photo of a dog", 0)
     assert np.abs(pixels(tmp_path / "lora" / dog).astype(int) - pixels(tmp_path / "base" / dog).astype(int)).max() > 10
     assert sorted(os.listdir(tmp_path / "checked")) == sorted(
-        generate.image_file_name(p, 0) + generate.FLAGGED_SUFFIX for p in prompts)
+        generate.image_file_name(p, 0) + generate.FLAGGED_SUFFIX for p in prompts) + [outputs.IMAGES_RECORD]
     err = capsys.readouterr().err
     assert "generating for 3 models on 1 actor(s)" in err
     assert "2 image(s) flagged by the safety checker were not saved" in err and str(tmp_path / "checked") in err

@@ -33,7 +33,7 @@ def test_a_round_draws_what_generate_draws_and_leaves_training_as_it_was(make_pl
     # Image 1 of "a toy" is the one generate.py draws from the same weights, seed and steps.
     pipe = generate.load_pipeline(tiny_model, CPU)
     drawn, _ = generate.generate_batch(pipe, ["a toy"], [generate.image_seed(plan.seed, "a toy", 1)],
-                                       {"num_inference_steps": 3, "guidance_scale": 7.5})
+                                       generate.ImageSettings(num_inference_steps=3))
     assert np.abs(np.asarray(drawn[0], dtype=int) - np.asarray(images["a-toy-00001.png"], dtype=int)).max() <= 1
 
 

@@ -1,0 +1,176 @@
+"""What a folder the suite wrote holds, and what made it.
+
+One reader for train.py's outputs (a full pipeline, or LoRA adapters on a base model) and one
+fingerprint per model, so that anything reused later (class images, evaluation images) is reused
+only when it was drawn by the same model with the same settings:
+
+    ref = outputs.resolve_model(model_dir, lora_dir)   # a LoRA output stands for base + adapters
+    ref.fingerprint()                                  # 'trained:<id>', 'org/name@<commit>', 'files:<hash>'
+    outputs.read_output(folder)                        # TrainedOutput or None
+
+Generated image folders carry an `ImageRecord` (dreambooth_images.json) naming the model and the
+settings that drew them; `check_image_record` decides whether a folder's images can be kept.
+"""
+
+import dataclasses
+import hashlib
+import os
+import re
+import sys
+import uuid
+
+import utils
+
+IMAGES_RECORD = "dreambooth_images.json"  # beside generated images: what drew them
+IMAGES_CONFIG = "generate_config.toml"  # beside them too: generate.py --config FILE repeats the run
+_SNAPSHOT = re.compile(r"models--(?P<owner>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<revision>[0-9a-f]{40})/?$")
+_SAMPLE_BYTES = 1 << 20  # read from each end of a weights file for a folder's content fingerprint
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainedOutput:
+    """train.py's output folder, read from its record (utils.OUTPUT_MARKER)."""
+
+    folder: str
+    base_model: str  # the model folder it was trained from
+    is_lora: bool  # adapters only (utils.LORA_WEIGHTS_FILE), drawn on base_model
+    model_id: str | None  # made when it was saved; None for outputs older than the id
+    record: dict
+
+
+def read_output(folder):
+    """The TrainedOutput of folder, or None when train.py did not write it."""
+    path = os.path.join(folder, utils.OUTPUT_MARKER)
+    if not os.path.isfile(path):
+        return None
+    record = utils.read_json(path)
+    return TrainedOutput(folder=folder, base_model=record.get("base_model", ""),
+                         is_lora=os.path.isfile(os.path.join(folder, utils.LORA_WEIGHTS_FILE)),
+                         model_id=record.get("model_id"), record=record)
+
+
+def new_model_id():
+    """The id a saved model carries in its record: a retrained model never shares it."""
+    return uuid.uuid4().hex
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelRef:
+    """What draws images: a pipeline folder, and LoRA adapters fused onto it at lora_scale."""
+
+    model_dir: str
+    lora_dir: str | None = None
+    lora_scale: float = 1.0
+
+    @property
+    def trained(self):
+        """True when train.py made the weights (the model, or the adapters on it)."""
+        return read_output(self.lora_dir or self.model_dir) is not None
+
+    def fingerprint(self):
+        base = model_fingerprint(self.model_dir)
+        if not self.lora_dir:
+            return base
+        return f"{base}+lora:{model_fingerprint(self.lora_dir)}@{self.lora_scale:g}"
+
+    def describe(self):
+        return f"{self.model_dir} + LoRA {self.lora_dir}" if self.lora_dir else self.model_dir
+
+
+def resolve_model(model_dir, lora_dir=None, lora_scale=1.0):
+    """The ModelRef of --model_dir/--lora_dir. A LoRA output of train.py given as --model_dir
+    stands for its base model with its adapters."""
+    if lora_dir is None and os.path.isfile(os.path.join(model_dir, utils.LORA_WEIGHTS_FILE)):
+        output = read_output(model_dir)
+        if output is None:
+            raise utils.UserError(f"{model_dir} holds LoRA adapters: pass the base model as --model_dir and "
+                                  f"this folder as --lora_dir")
+        model_dir, lora_dir = output.base_model, model_dir
+        print(f"LoRA adapters of {lora_dir} on their base model {model_dir}", file=sys.stderr)
+    if lora_dir and not os.path.isfile(os.path.join(lora_dir, utils.LORA_WEIGHTS_FILE)):
+        raise utils.UserError(f"--lora_dir {lora_dir} has no {utils.LORA_WEIGHTS_FILE}")
+    return ModelRef(model_dir, lora_dir, lora_scale)
+
+
+def model_fingerprint(folder):
+    """A short string that changes whenever the weights in folder do.
+
+    train.py's outputs carry an id made when they were saved; a hub snapshot is named by its
+    commit; any other folder is fingerprinted from its files (names, sizes, and the first and
+    last MiB of every weights file: enough to tell two trainings apart, in milliseconds)."""
+    output = read_output(folder)
+    if output is not None and output.model_id:
+        return f"trained:{output.model_id}"
+    match = _SNAPSHOT.search(os.path.abspath(folder))
+    if match and output is None:
+        return f"{match['owner']}/{match['name']}@{match['revision']}"
+    digest = hashlib.sha256()
+    for root, dirs, names in sorted(os.walk(folder)):
+        dirs.sort()
+        for name in sorted(names):
+            path = os.path.join(root, name)
+            size = os.path.getsize(path)
+            digest.update(f"{os.path.relpath(path, folder)}:{size}\n".encode())
+            if name.endswith((".safetensors", ".bin", ".json")):
+                with open(path, "rb") as f:
+                    digest.update(f.read(_SAMPLE_BYTES))
+                    if size > 2 * _SAMPLE_BYTES:
+                        f.seek(-_SAMPLE_BYTES, os.SEEK_END)
+                        digest.update(f.read())
+    return f"files:{digest.hexdigest()[:16]}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageRecord:
+    """What drew the images of a folder: the model, the prompts and every setting that changes pixels."""
+
+    model: str  # ModelRef.fingerprint()
+    model_dir: str  # for messages only: the same weights may sit in another folder
+    prompts: tuple
+    resolution: int
+    seed: int
+    num_inference_steps: int
+    guidance_scale: float
+    negative_prompt: str | None
+
+    def differences(self, other):
+        """Names of the settings in which other differs ('model', 'prompts', ...)."""
+        return [f.name for f in dataclasses.fields(self)
+                if f.name != "model_dir" and getattr(self, f.name) != getattr(other, f.name)]
+
+    def describe(self):
+        prompts = "; ".join(repr(p) for p in self.prompts[:3]) + (" ..." if len(self.prompts) > 3 else "")
+        return (f"{self.model_dir} ({self.model}), prompts {prompts}, {self.resolution} px, seed {self.seed}, "
+                f"{self.num_inference_steps} steps, guidance {self.guidance_scale:g}")
+
+
+def read_image_record(folder):
+    path = os.path.join(folder, IMAGES_RECORD)
+    if not os.path.isfile(path):
+        return None
+    data = utils.read_json(path)
+    try:
+        return ImageRecord(**{**data, "prompts": tuple(data["prompts"])})
+    except (TypeError, KeyError):
+        return ImageRecord("unreadable record", path, (), 0, 0, 0, 0.0, None)
+
+
+def write_image_record(folder, record):
+    utils.write_json(os.path.join(folder, IMAGES_RECORD), {**dataclasses.asdict(record),
+                                                            "prompts": list(record.prompts)})
+
+
+def drawn_images(folder):
+    """The files generate.py's naming wrote in folder: images and the safety checker's markers."""
+    if not os.path.isdir(folder):
+        return []
+    return sorted(n for n in os.listdir(folder)
+                  if re.fullmatch(r".+-\d{5}" + re.escape(utils.IMAGE_SUFFIX) + r"(\.flagged)?", n))
+
+
+def remove_drawn_images(folder):
+    """Delete the images (and their record) generate.py drew into folder; other files stay."""
+    for name in drawn_images(folder) + [IMAGES_RECORD]:
+        path = os.path.join(folder, name)
+        if os.path.exists(path):
+            os.remove(path)

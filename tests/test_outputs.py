@@ -1,0 +1,96 @@
+"""outputs.py: what made a model or an image folder, and generate.top_up's use of it (no Ray: top_up
+only plans; drawing is generate's pool)."""
+
+import os
+import shutil
+
+import pytest
+
+import generate
+import outputs
+import utils
+
+SETTINGS = generate.ImageSettings(num_inference_steps=3, seed=1)
+
+
+def test_a_retrained_output_has_a_new_fingerprint_and_a_copied_base_the_same(tiny_model, tmp_path):
+    tuned = tmp_path / "tuned"
+    tuned.mkdir()
+    utils.write_json(tuned / utils.OUTPUT_MARKER, {"base_model": tiny_model, "model_id": outputs.new_model_id()})
+    first = outputs.model_fingerprint(str(tuned))
+    utils.write_json(tuned / utils.OUTPUT_MARKER, {"base_model": tiny_model, "model_id": outputs.new_model_id()})
+    assert first.startswith("trained:") and outputs.model_fingerprint(str(tuned)) != first
+    # a hub snapshot is named by its commit, wherever its cache folder is
+    assert outputs.model_fingerprint(tiny_model).startswith("dreambooth-ray/tiny-stable-diffusion@")
+    # any other folder by its files: a copy has the same fingerprint, a changed weight another
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_model, copy)
+    same = outputs.model_fingerprint(str(copy))
+    assert same.startswith("files:") and same == outputs.model_fingerprint(shutil.copytree(copy, tmp_path / "c2"))
+    weights = copy / "unet" / "diffusion_pytorch_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    assert outputs.model_fingerprint(str(copy)) != same
+
+
+def test_top_up_keeps_images_of_the_same_model_and_settings_only(tiny_model, tmp_path, capsys):
+    folder = str(tmp_path / "class")
+    model = outputs.ModelRef(tiny_model)
+    job = generate.top_up(folder, model, ["photo of a dog"], 3, SETTINGS, False)
+    assert [r["file"] for r in job.rows] == [generate.image_file_name("photo of a dog", i) for i in range(3)]
+    record = outputs.read_image_record(folder)
+    assert record.model == model.fingerprint() and record.resolution == 64 and record.prompts == ("photo of a dog",)
+    for row in job.rows[:2]:  # two drawn, then the run was cut short
+        open(os.path.join(folder, row["file"]), "wb").close()
+    assert len(generate.top_up(folder, model, ["photo of a dog"], 3, SETTINGS, False).rows) == 1
+
+    # another class prompt, resolution or seed into the same folder: an error naming what differs
+    for prompts, settings, differs in ((["photo of a cat"], SETTINGS, "prompts"),
+                                       (["photo of a dog"], generate.ImageSettings(3, resolution=128, seed=1),
+                                        "resolution"),
+                                       (["photo of a dog"], generate.ImageSettings(3, seed=2), "seed")):
+        with pytest.raises(utils.UserError, match=f"its 2 images were drawn by .*\\({differs} differ\\).*--force"):
+            generate.top_up(folder, model, prompts, 3, settings, False)
+    # --force deletes them and draws these; evaluate's "redraw" does it with a line
+    job = generate.top_up(folder, model, ["photo of a cat"], 2, SETTINGS, False, on_mismatch="force")
+    assert len(job.rows) == 2 and outputs.drawn_images(folder) == []
+    open(os.path.join(folder, job.rows[0]["file"]), "wb").close()
+    other = outputs.ModelRef(tiny_model, lora_dir=None, lora_scale=0.5)  # same weights, same fingerprint
+    assert len(generate.top_up(folder, other, ["photo of a cat"], 2, SETTINGS, False).rows) == 1
+    capsys.readouterr()
+    retrained = tmp_path / "tuned"
+    retrained.mkdir()
+    utils.write_json(retrained / utils.OUTPUT_MARKER, {"base_model": tiny_model, "model_id": "x"})
+    shutil.copytree(tiny_model, retrained, dirs_exist_ok=True)
+    job = generate.top_up(folder, outputs.ModelRef(str(retrained)), ["photo of a cat"], 2, SETTINGS, False,
+                          on_mismatch="redraw", label="tuned")
+    assert len(job.rows) == 2 and "(model differ from this run); drawing them again" in capsys.readouterr().err
+
+
+def test_images_without_a_record_are_not_mixed_with_new_ones(tiny_model, tmp_path):
+    folder = tmp_path / "old"
+    folder.mkdir()
+    (folder / generate.image_file_name("photo of a dog", 0)).write_bytes(b"")
+    (folder / "mine.jpg").write_bytes(b"")  # not ours: left alone
+    with pytest.raises(utils.UserError, match="have no record"):
+        generate.top_up(str(folder), outputs.ModelRef(tiny_model), ["photo of a dog"], 1, SETTINGS, False)
+    generate.top_up(str(folder), outputs.ModelRef(tiny_model), ["photo of a dog"], 1, SETTINGS, False, "force")
+    assert sorted(os.listdir(folder)) == sorted(["mine.jpg", outputs.IMAGES_RECORD])
+
+
+def test_class_images_of_another_model_prompt_or_size_are_refused_for_training(tiny_model, tmp_path):
+    import plan
+
+    folder = str(tmp_path / "class")
+    generate.top_up(folder, outputs.ModelRef(tiny_model), ["photo of a dog"], 1, SETTINGS, False)
+    plan.check_class_images(folder, tiny_model, "photo of a dog", 64)  # the same: fine
+    with pytest.raises(utils.UserError, match="drawn with prompt 'photo of a dog'.*not with this run's"):
+        plan.check_class_images(folder, tiny_model, "photo of a cat", 64)
+    with pytest.raises(utils.UserError, match="drawn with 64 px"):
+        plan.check_class_images(folder, tiny_model, "photo of a dog", 128)
+    copy = shutil.copytree(tiny_model, tmp_path / "other-model")
+    (copy / "unet" / "config.json").write_text((copy / "unet" / "config.json").read_text() + " ")
+    with pytest.raises(utils.UserError, match="drawn with base model"):
+        plan.check_class_images(folder, str(copy), "photo of a dog", 64)
+    plan.check_class_images(str(tmp_path), tiny_model, "anything", 512)  # no record: the user's own images
