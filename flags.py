@@ -16,6 +16,14 @@ def abs_path(value):
     return os.path.abspath(os.path.expanduser(value))
 
 
+def model_path(value):
+    """A model folder, or a short or hub name (sd15, CompVis/stable-diffusion-v1-4) found in the hub
+    cache or fetched once (cache_model.resolve_model_name)."""
+    import cache_model
+
+    return cache_model.resolve_model_name(value)
+
+
 def _bounded(kind, strict):
     """An argparse type: kind(value) > 0 when strict, else >= 0 (NaN fails both)."""
     def parse(value):
@@ -78,16 +86,19 @@ def one_prompt(value):
 FLAGS = {
     # --- models and folders
     "model_dir": (("--pretrained_model_name_or_path", "--model_dir"),
-        dict(type=abs_path, required=True, metavar="DIR",
-             help="Diffusers Stable Diffusion folder (e.g. the snapshot path cache_model.py prints).")),
+        dict(type=model_path, required=True, metavar="DIR|NAME",
+             help="The base model: a diffusers folder (the path cache_model.py prints), a hub name "
+                  "(CompVis/stable-diffusion-v1-4) or a short name (sd14, sd15, sd21-base, sd21), found in the "
+                  "hub cache (offline works) or fetched once, pinned, safetensors only.")),
     "cache_dir": (("--model_dir", "--cache_dir"),
         dict(dest="cache_dir", type=abs_path, required=True, metavar="DIR",
              help="Hub cache folder to download the model into.")),
     "model_name": (("--model_name",),
-        dict(default="CompVis/stable-diffusion-v1-4", help="Hub repository of the base model.")),
+        dict(default="sd14", help="The base model: a short name (sd14, sd15, sd21-base, sd21) or a hub repository.")),
     "revision": (("--revision",),
-        dict(default="b95be7d6f134c3a9e62ee616f310733567f069ce",
-             help="Pinned commit of the base model repository.")),
+        dict(default=None,
+             help="Commit of the model repository. Default: the pinned commit of a short-named model "
+                  "(see README, 'Models'), else main.")),
     "tiny": (("--tiny",),
         dict(action="store_true",
              help="Write a randomly initialised tiny SD 1.x model instead of downloading "
@@ -250,7 +261,9 @@ FLAGS = {
     "seed": (("--seed",), dict(type=int, default=0, help="Random seed.")),
     # --- Ray
     "num_workers": (("--num_workers",),
-        dict(type=positive_int, default=2, help="Ray Train workers (one GPU each when there are GPUs).")),
+        dict(type=positive_int, default=None,
+             help="Ray Train workers, one GPU each (two with --gpus_per_worker 2). Default: as many as the Ray "
+                  "cluster's GPUs hold; 1 without GPUs.")),
     "use_gpu": (("--use_gpu",),
         dict(action=argparse.BooleanOptionalAction, default=None,
              help="Train on GPUs. Default: yes if the Ray cluster has GPUs.")),
@@ -281,8 +294,10 @@ FLAGS = {
     "checkpoints_total_limit": (("--checkpoints_total_limit",),
         dict(type=positive_int, default=None, help="Keep only the newest K checkpoints.")),
     "resume_from_checkpoint": (("--resume_from_checkpoint",),
-        dict(default=None, metavar="latest|PATH",
-             help="Continue a run from its newest checkpoint ('latest') or a checkpoint folder.")),
+        dict(default=None, metavar="latest|auto|PATH",
+             help="Continue a run from its newest checkpoint ('latest') or a checkpoint folder. 'auto': only "
+                  "a run of this --output_dir that did not finish (a crash), else start afresh; "
+                  "dreambooth_run.sh passes it, so a rerun continues where a crash stopped it.")),
     "max_failures": (("--max_failures",),
         dict(type=non_negative_int, default=3,
              help="Restart the worker group up to N times from the last checkpoint when a worker dies.")),
@@ -334,7 +349,7 @@ FLAGS = {
              help="Accepted for compatibility with Ray's example: generation always runs on Ray Data.")),
     # --- evaluation
     "base_model_dir": (("--base_model_dir",),
-        dict(type=abs_path, default=None, metavar="DIR",
+        dict(type=model_path, default=None, metavar="DIR",
              help="Base model to score beside the tuned one (default: the one train.py recorded; "
                   "for a LoRA, the model it applies to).")),
     "unique_token": (("--unique_token",),

@@ -244,14 +244,15 @@ def wanted_files(folder, prompts, count):
     return {p: [os.path.join(folder, image_file_name(p, i)) for i in range(count)] for p in prompts}
 
 
-def top_up(folder, model, prompts, count, settings, safety_checker, on_mismatch="error", remedy="--force",
+def top_up(folder, model, prompts, count, settings, safety_checker, on_mismatch="error",
+           remedy="pass --force to delete those images and draw these",
            label=None):
     """The DrawJob that fills folder up to count images of each prompt, keeping the images already
     there only when the folder's record says the same model drew them with the same settings.
 
     The one place a folder of generated images is filled (generate.py, class images for train.py
     and the sweep, evaluate.py's images). On a mismatch: on_mismatch "error" raises a UserError
-    naming what differs and remedy (the flag that discards them); "redraw" deletes them, says so,
+    naming what differs and remedy (how to discard them); "redraw" deletes them, says so,
     and draws them again. The record is written before drawing: a run cut short leaves images
     that its record describes."""
     os.makedirs(folder, exist_ok=True)
@@ -267,8 +268,7 @@ def top_up(folder, model, prompts, count, settings, safety_checker, on_mismatch=
                 f"have no record ({outputs.IMAGES_RECORD}) of the model and settings that drew them")
         if on_mismatch == "error":
             raise utils.UserError(f"{folder}: its {len(drawn)} images {what}; this run draws with "
-                                  f"{wanted.describe()} ({', '.join(differs)} differ). Use another folder, or "
-                                  f"pass {remedy} to delete those images and draw these")
+                                  f"{wanted.describe()} ({', '.join(differs)} differ). Use another folder, or {remedy}")
         print(f"{label or folder}: the {len(drawn)} images in {folder} {what} ({', '.join(differs)} differ "
               f"from this run); drawing them again", file=sys.stderr)
         outputs.remove_drawn_images(folder)

@@ -205,12 +205,13 @@ def plan_run(args, cluster_resources):
     if class_images:
         check_class_images(args.class_data_dir, args.model_dir, args.class_prompt, resolution)
     run_prefix = os.path.basename(args.output_dir)
-    resume_path = checkpoint.resolve_resume(args.resume_from_checkpoint, args.storage_path, run_prefix)
+    resume_path = checkpoint.resolve_resume(args.resume_from_checkpoint, args.storage_path, run_prefix,
+                                            args.output_dir)
     if resume_path:
         checkpoint.check_compatible(resume_path, lora_settings(args))
     prompts.warn_without_identifier(instance_prompts, args.instance_prompt, args.class_prompt)
 
-    use_gpu, cpus_per_worker = worker_resources(args, *cluster_resources())
+    use_gpu, args.num_workers, cpus_per_worker = worker_resources(args, *cluster_resources())
     convert_dir = os.path.join(args.storage_path, "converted-images")
     instance_images = dataset.inspect_images(instance_images, resolution, convert_dir)
     class_images = dataset.inspect_images(class_images, resolution, convert_dir) if class_images else []
@@ -250,7 +251,7 @@ def offline_plan(**fields):
     decided = dict(instance_prompts=(args.instance_prompt,), image_prompt=(), prompt_ids={},
                    instance_images=(), class_images=(), resolution=64, channels_last=False,
                    steps_per_epoch=1, total_steps=DEFAULT_MAX_TRAIN_STEPS, stream_epochs=1, use_gpu=False,
-                   cpus_per_worker=1.0, run_name="offline", resume_path=None, progress_bar=False,
+                   cpus_per_worker=1.0, num_workers=1, run_name="offline", resume_path=None, progress_bar=False,
                    settings_toml="")
     return Plan(**{**from_flags, **decided, **fields})
 
@@ -297,24 +298,45 @@ def check_class_images(class_dir, model_dir, class_prompt, resolution):
                               "generate.py --force")
 
 
+def default_num_workers(gpus, gpus_per_worker):
+    """Workers when --num_workers is not given: one per GPU of the cluster (per two with
+    --gpus_per_worker 2), or one without GPUs."""
+    return max(1, gpus // gpus_per_worker) if gpus else 1
+
+
+def no_gpu_warning(model_dir):
+    """The line a CPU run of a real Stable Diffusion model prints before it starts, or None
+    (random models are meant for CPUs)."""
+    import cache_model
+
+    if cache_model.has_random_weights(model_dir):
+        return None
+    return ("warning: the Ray cluster has no GPU, so this fine-tune of Stable Diffusion runs on CPUs: hours per "
+            "100 steps. If this machine has one (nvidia-smi lists it), Ray did not see it: `ray stop`, then "
+            "`ray start --head --num-gpus=N` (or check that torch.cuda.is_available() in this Python)")
+
+
 def worker_resources(args, cpus, gpus):
-    """(use_gpu, CPUs per worker), or UserError if the cluster cannot hold the workers.
+    """(use_gpu, num_workers, CPUs per worker), or UserError if the cluster cannot hold the workers.
 
     At least one CPU stays free for Ray Data: with every CPU held by train workers the
     streaming dataset never starts and fit() waits forever.
     """
     use_gpu = gpus > 0 if args.use_gpu is None else args.use_gpu
-    needed = args.num_workers * args.gpus_per_worker
+    num_workers = args.num_workers or default_num_workers(gpus if use_gpu else 0, args.gpus_per_worker)
+    needed = num_workers * args.gpus_per_worker
     if use_gpu and needed > gpus:
-        raise utils.UserError(f"--num_workers {args.num_workers} x --gpus_per_worker {args.gpus_per_worker} "
+        raise utils.UserError(f"--num_workers {num_workers} x --gpus_per_worker {args.gpus_per_worker} "
                               f"needs {needed} GPUs; the Ray cluster has {gpus}")
-    if not use_gpu and args.num_workers > cpus:
-        raise utils.UserError(f"--num_workers {args.num_workers} is more than the Ray cluster's {cpus:g} CPUs")
+    if not use_gpu and num_workers > cpus:
+        raise utils.UserError(f"--num_workers {num_workers} is more than the Ray cluster's {cpus:g} CPUs")
     spare = cpus - 1
     if spare <= 0:
         raise utils.UserError(f"the Ray cluster has {cpus:g} CPU(s): training needs one for its workers "
                               "and one for the data pipeline")
-    return use_gpu, min(1.0, spare / args.num_workers)
+    if not use_gpu and no_gpu_warning(args.model_dir):
+        print(no_gpu_warning(args.model_dir), file=sys.stderr)
+    return use_gpu, num_workers, min(1.0, spare / num_workers)
 
 
 def plan_steps(num_rows, args):

@@ -67,6 +67,8 @@ def parse_args(argv=None):
     taken = [f for f in train_flags if flags.normalize_option(f).split("=")[0] in SET_BY_SWEEP]
     if taken:
         parser.error(f"{taken[0]} is set by the sweep (use the --sweep_* flags)")
+    # One worker per trial unless given: train.py's own default (every GPU) would leave none for the others.
+    train_flags = ["--num_workers", "1", *train_flags]
     placeholders = ["--model_dir", args.model_dir, "--output_dir", args.output_dir, "--instance_data_dir",
                     args.model_dir, "--instance_prompt", "x"]
     train_args = planning.parse_args(placeholders + train_flags, "train.py's flags for every trial")

@@ -78,7 +78,7 @@ def top_up_class_images(model_dir, class_dir, class_prompt, count, seed=0, resol
     drawn = set(outputs.drawn_images(class_dir))
     own = [n for n in os.listdir(class_dir) if n.lower().endswith(utils.IMAGE_EXTENSIONS) and n not in drawn]
     settings = generate.ImageSettings(resolution=resolution, seed=seed, allow_unsafe_weights=allow_unsafe_weights)
-    remedy = "delete its images and run again (or: generate.py --force)"
+    remedy = "delete its images to draw these (generate.py --force does)"
     job = generate.top_up(class_dir, outputs.ModelRef(model_dir), [class_prompt], max(0, count - len(own)), settings,
                           safety_checker=False, remedy=remedy, label=f"class images of {class_prompt!r}"
                           + (f" ({len(own)} of your own count)" if own else ""))
@@ -305,7 +305,7 @@ def save_pipeline(models, plan):
     unet, text_encoder = models_lib.unwrap(models.unet), models_lib.unwrap(models.text_encoder)
     marker = {"base_model": plan.model_dir, "steps": plan.total_steps, "instance_prompt": plan.instance_prompt,
               "class_prompt": plan.class_prompt, "lora": planning.lora_settings(plan),
-              "model_id": outputs.new_model_id()}
+              "model_id": outputs.new_model_id(), "run_name": plan.run_name}
 
     def write(tmp):
         if plan.use_lora:

@@ -74,16 +74,17 @@ def test_worker_resources_leave_a_cpu_for_ray_data_and_refuse_impossible():
         use_gpu = None
         num_workers = 2
         gpus_per_worker = 1
+        model_dir = "/models--dreambooth-ray--tiny-stable-diffusion/snapshots/x"  # random weights: no GPU warning
 
-    assert plan.worker_resources(Args, cpus=2, gpus=0) == (False, 0.5)
-    assert plan.worker_resources(Args, cpus=16, gpus=2) == (True, 1.0)
+    assert plan.worker_resources(Args, cpus=2, gpus=0) == (False, 2, 0.5)
+    assert plan.worker_resources(Args, cpus=16, gpus=2) == (True, 2, 1.0)
     with pytest.raises(Exception, match="needs 2 GPUs"):
         plan.worker_resources(Args, cpus=16, gpus=1)
     Args.gpus_per_worker = 2
     with pytest.raises(Exception, match="--gpus_per_worker 2 needs 4 GPUs; the Ray cluster has 2"):
         plan.worker_resources(Args, cpus=16, gpus=2)
     Args.num_workers = 1
-    assert plan.worker_resources(Args, cpus=16, gpus=2) == (True, 1.0)
+    assert plan.worker_resources(Args, cpus=16, gpus=2) == (True, 1, 1.0)
     Args.gpus_per_worker, Args.num_workers = 1, 2
     with pytest.raises(Exception, match="needs 2 GPUs"):
         Args.use_gpu = True
@@ -207,3 +208,19 @@ def test_8bit_adam_without_bitsandbytes_is_a_one_line_error(monkeypatch, capsys)
                          "--instance_prompt", "p", "--use_8bit_adam"])
     err = capsys.readouterr().err
     assert "--use_8bit_adam needs bitsandbytes" in err and err.count("\n") == 1
+
+
+def test_without_num_workers_a_run_takes_every_gpu_or_one_cpu_worker(capsys):
+    class Args:
+        use_gpu = None
+        num_workers = None
+        gpus_per_worker = 1
+        model_dir = "/data/models--CompVis--stable-diffusion-v1-4/snapshots/b95be7d6"  # a real model
+
+    assert plan.worker_resources(Args, cpus=16, gpus=1) == (True, 1, 1.0)  # one GPU: no NUM_WORKERS needed
+    assert plan.worker_resources(Args, cpus=16, gpus=8) == (True, 8, 1.0)
+    Args.gpus_per_worker = 2
+    assert plan.worker_resources(Args, cpus=16, gpus=5) == (True, 2, 1.0)
+    assert capsys.readouterr().err == ""
+    assert plan.worker_resources(Args, cpus=4, gpus=0) == (False, 1, 1.0)
+    assert "the Ray cluster has no GPU" in capsys.readouterr().err  # a real model on CPUs: said before it starts

@@ -33,7 +33,7 @@ def test_one_subject_or_many_and_flags_the_sweep_sets_are_refused(tiny_model, to
         assert capsys.readouterr().err.count("\n") == 1
     args, train_flags, train_args = sweep.parse_args(argv + ["--subjects_dir", str(tmp_path), "--use_lora",
                                                              "--sweep_rank", "8,4,8", "--num_workers", "2"])
-    assert args.sweep_rank == [8, 4] and train_flags == ["--use_lora", "--num_workers", "2"]
+    assert args.sweep_rank == [8, 4] and train_flags == ["--num_workers", "1", "--use_lora", "--num_workers", "2"]
     assert train_args.num_workers == 2 and args.sweep_dir == str(tmp_path / "best") + "-sweep"
     assert args.sweep_max_train_steps == [400]
 

@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 
+import outputs
 import runlog
 import train
 import utils
@@ -135,6 +136,39 @@ def test_cached_latents_frozen_text_encoder_and_loss_options(ray_session, tiny_m
     assert weights_differ(tuned.unet, base.unet)
     assert not weights_differ(tuned.text_encoder, base.text_encoder)
 
+    # The config the run wrote beside its model repeats it: the same losses, step by step.
+    config = out / train.CONFIG_FILE
+    again = train.main(["--config", str(config), "--output_dir", str(tmp_path / "model-again")])
+    assert again.metrics["step"] == 3 and open(config).read() != ""
+
+    def losses(result):
+        with open(os.path.join(result.path, runlog.METRICS_FILE)) as f:
+            return [json.loads(line)["loss"] for line in f]
+
+    assert losses(again) == losses(result)
+
+
+def test_a_hub_name_in_the_hub_cache_trains_offline(ray_session, tiny_model, toy_images, tmp_path, monkeypatch):
+    """diffusers' command lines name the model on the hub: found in the local hub cache, no download."""
+    import shutil
+
+    import cache_model
+
+    cache = tmp_path / "hub"
+    name, revision = "CompVis/stable-diffusion-v1-4", cache_model.known_model("sd14").revision
+    snapshot = cache_model.hub_snapshot_path(str(cache), name, revision)
+    shutil.copytree(tiny_model, snapshot)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    out = tmp_path / "model-tuned"
+    result = train.main(["--pretrained_model_name_or_path", name, "--output_dir", str(out),
+                         "--instance_data_dir", toy_images, "--instance_prompt", "photo of unqtkn toy, on a table",
+                         "--max_train_steps", "2", "--validation_prompt", "photo of unqtkn toy, oil painting",
+                         "--num_validation_images", "1", "--validation_inference_steps", "2"])
+    assert result.metrics["step"] == 2
+    assert outputs.read_output(str(out)).base_model == snapshot
+    assert sorted(os.listdir(os.path.join(result.path, "validation", "step-2"))) == [
+        "photo-of-unqtkn-toy-oil-painting-00000.png"]  # one prompt, commas and all
+    assert cache_model.resolve_model_name("sd14") == snapshot
 
 def test_plot_metrics_draws_loss_and_lr_against_step(tmp_path):
     import numpy as np
@@ -184,13 +218,13 @@ def test_num_class_images_tops_up_the_class_folder_counting_what_is_there(ray_se
     folder = tmp_path / "images-reg"
     folder.mkdir()
     Image.new("RGB", (64, 64), "gray").save(folder / "my-own-class-photo.png")
-    args = planning.parse_args(["--model_dir", tiny_model, "--output_dir", str(tmp_path / "out"),
-                                "--instance_data_dir", toy_images, "--instance_prompt", "photo of unqtkn toy",
-                                "--class_data_dir", str(folder), "--class_prompt", "photo of a toy",
-                                "--num_class_images", "3"])
-    train.top_up_class_images(args)
+    args = (tiny_model, str(folder), "photo of a toy", 3)
+    train.top_up_class_images(*args)
     made = ["photo-of-a-toy-00000.png", "photo-of-a-toy-00001.png"]
-    assert sorted(os.listdir(folder)) == sorted(["my-own-class-photo.png"] + made)
+    assert sorted(os.listdir(folder)) == sorted(["my-own-class-photo.png", outputs.IMAGES_RECORD] + made)
     before = {n: os.path.getmtime(folder / n) for n in made}
-    train.top_up_class_images(args)  # already full: nothing is drawn again
-    assert {n: os.path.getmtime(folder / n) for n in made} == before and len(os.listdir(folder)) == 3
+    train.top_up_class_images(*args)  # already full: nothing is drawn again
+    assert {n: os.path.getmtime(folder / n) for n in made} == before and len(os.listdir(folder)) == 4
+    # another class into the same folder is an error, not a mix
+    with pytest.raises(utils.UserError, match="prompts differ"):
+        train.top_up_class_images(tiny_model, str(folder), "photo of a cat", 3)
