@@ -1,94 +1,178 @@
 #!/usr/bin/env bash
-# DreamBooth on Ray, Steps 0-6, as one script for a laptop or a Ray cluster's head node.
+# DreamBooth on Ray, Steps 0-6, as one script for a GPU machine or a Ray cluster's head node.
 #
-#   ./dreambooth_run.sh                     SD 1.4, the example dog photos, $NUM_WORKERS GPU workers
-#   ./dreambooth_run.sh --tiny              built-in tiny model + images/toy, offline on CPU (~3 min)
-#   ./dreambooth_run.sh --skip_image_setup  keep the photos already in $IMAGES_OWN_DIR
-#   ./dreambooth_run.sh --use_lora          LoRA adapters instead of every weight (combines with the above)
-#   ./dreambooth_run.sh --skip_eval         stop after Step 5 (no scores of the tuned model)
+#   ./dreambooth_run.sh                       SD 1.4, the example dog photos, one worker per GPU
+#   INSTANCE_DIR=~/rex CLASS_NAME=dog ./dreambooth_run.sh     your own photos
+#   ./dreambooth_run.sh --tiny                built-in tiny model + images/toy, offline on CPU (~3 min)
+#   ./dreambooth_run.sh --use_lora            LoRA adapters instead of every weight (combines with the above)
+#   ./dreambooth_run.sh --skip_image_setup    train on the photos already in $IMAGES_OWN_DIR
+#   ./dreambooth_run.sh --skip_eval           stop after Step 5 (no scores of the tuned model)
+#   ./dreambooth_run.sh -- --use_8bit_adam    everything after -- goes to train.py (as does $TRAIN_ARGS)
 #
-# Every variable below can be set in the environment first. On a cluster, set DATA_PREFIX
-# to shared storage (NFS): workers read the model and images and write checkpoints there.
-# With RAY_ADDRESS set (or `ray start` run on this node) the scripts join that cluster and
-# ship this folder's code to the workers through Ray's runtime environment.
+# Settings are environment variables; `--help` lists each with its default. A preflight checks the
+# photos, CLASS_NAME, the GPUs, the free disk and (on a cluster) that DATA_PREFIX is shared before
+# Step 1. Every run logs to $LOG_DIR; rerun the same command after a crash and Step 4 continues
+# from its newest checkpoint. With RAY_ADDRESS set (or `ray start` run on this node) the scripts
+# join that cluster and ship this folder's code to the workers.
 set -euo pipefail
+
+# name|default (as shown)|meaning. The defaults are applied below, in Step 0.
+VARIABLES=(
+  "DATA_PREFIX|/tmp (--tiny: /tmp/dreambooth-tiny)|where everything is written; shared storage (NFS) on a cluster"
+  "INSTANCE_DIR|the example photos|your 4-6 photos of the subject"
+  "CLASS_NAME|dog (--tiny: toy)|what the subject is: dog, backpack, person (needed with INSTANCE_DIR)"
+  "UNIQUE_TOKEN|unqtkn|the rare word that names your subject in prompts"
+  "SUBJECT_TYPE|live for the dog, object otherwise|Step 6's prompt set: object or live (pets, people)"
+  "ORIG_MODEL_NAME|sd14|base model: sd14, sd15, sd21-base, sd21, or a hub name"
+  "ORIG_MODEL_HASH|the name's pinned commit|commit of the base model to cache"
+  "ORIG_MODEL_DIR|\$DATA_PREFIX/model-orig|hub cache folder of the base model"
+  "TUNED_MODEL_DIR|\$DATA_PREFIX/model-tuned|the fine-tuned model (Step 4)"
+  "IMAGES_REG_DIR|\$DATA_PREFIX/images-reg|class images (Step 3); one class and base model per folder"
+  "IMAGES_OWN_DIR|\$DATA_PREFIX/images-own|your photos with --skip_image_setup"
+  "IMAGES_EXAMPLE_DIR|\$DATA_PREFIX/images-example|the example photos (never mixed with yours)"
+  "IMAGES_NEW_DIR|\$DATA_PREFIX/images-new|images of the subject from the tuned model (Step 5)"
+  "NUM_WORKERS|one per GPU (1 without GPUs)|Ray Train workers"
+  "GPUS_PER_WORKER|1|2: UNet on one GPU, text encoder + VAE on a second (24 GB cards)"
+  "NUM_CLASS_IMAGES|200 (--tiny: 20)|class images for the prior-preservation loss"
+  "MAX_TRAIN_STEPS|200 (--tiny: 20)|optimizer steps of Step 4, exactly"
+  "LEARNING_RATE|5e-6 (1e-4 with --use_lora)|AdamW learning rate"
+  "CHECKPOINTING_STEPS|100|a resumable checkpoint every N steps (the newest is kept)"
+  "TRAIN_ARGS||more train.py flags, e.g. '--gradient_checkpointing --use_8bit_adam'"
+  "NUM_INFERENCE_STEPS|50 (--tiny: 10)|denoising steps of every generated image"
+  "NUM_NEW_IMAGES|5|Step 5's images"
+  "NUM_EVAL_IMAGES|4 (--tiny: 1)|Step 6's images per prompt and model"
+  "EVAL_PROMPTS||your own Step 6 prompt file ('{subject}' in each line)"
+  "EVAL_MODELS_CACHE|\$DATA_PREFIX/model-eval|DINO and CLIP for Step 6"
+  "EVAL_DIR|\$DATA_PREFIX/eval|Step 6's scores, report and images"
+  "LOG_DIR|\$DATA_PREFIX/logs|one log file per run"
+  "PYTHON|python|the Python that runs the steps"
+)
+
+usage() {
+  sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
+  echo
+  echo "Variables (set them in the environment first):"
+  for entry in "${VARIABLES[@]}"; do
+    IFS='|' read -r name default meaning <<<"$entry"
+    printf '  %-20s %s (default: %s)\n' "$name" "$meaning" "${default:-none}"
+  done
+}
 
 tiny=false
 skip_image_setup=false
 use_lora=false
 skip_eval=false
-for arg in "$@"; do
-  case "$arg" in
+EXTRA_TRAIN_ARGS=()
+while [ $# -gt 0 ]; do
+  case "$1" in
     --tiny) tiny=true ;;
     --skip_image_setup) skip_image_setup=true ;;
     --use_lora) use_lora=true ;;
     --skip_eval) skip_eval=true ;;
-    -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    *) echo "dreambooth_run.sh: error: unknown argument '$arg' (see --help)" >&2; exit 2 ;;
+    -h|--help) usage; exit 0 ;;
+    --) shift; EXTRA_TRAIN_ARGS=("$@"); break ;;
+    *) echo "dreambooth_run.sh: error: unknown argument '$1' (see --help; train.py flags go after --)" >&2; exit 2 ;;
   esac
+  shift
 done
 
 cd "$(dirname "$0")"
 PYTHON="${PYTHON:-python}"
+step() { echo "=== [$(date '+%Y-%m-%d %H:%M:%S')] Step $1"; }
 
-# Step 0: where everything lands
+# Step 0: settings (each variable keeps a value set in the environment)
 if $tiny; then
   export HF_HUB_OFFLINE=1
-  export DATA_PREFIX="${DATA_PREFIX:-/tmp/dreambooth-tiny}"
-  export NUM_WORKERS="${NUM_WORKERS:-2}"
+  DATA_PREFIX="${DATA_PREFIX:-/tmp/dreambooth-tiny}"
   NUM_CLASS_IMAGES="${NUM_CLASS_IMAGES:-20}"
   MAX_TRAIN_STEPS="${MAX_TRAIN_STEPS:-20}"
   NUM_INFERENCE_STEPS="${NUM_INFERENCE_STEPS:-10}"
   NUM_EVAL_IMAGES="${NUM_EVAL_IMAGES:-1}"
+  EXAMPLE_PHOTOS=images/toy EXAMPLE_CLASS=toy EXAMPLE_TYPE=object
 else
-  export DATA_PREFIX="${DATA_PREFIX:-/tmp}"
-  export NUM_WORKERS="${NUM_WORKERS:-2}"
+  DATA_PREFIX="${DATA_PREFIX:-/tmp}"
   NUM_CLASS_IMAGES="${NUM_CLASS_IMAGES:-200}"
   MAX_TRAIN_STEPS="${MAX_TRAIN_STEPS:-200}"
   NUM_INFERENCE_STEPS="${NUM_INFERENCE_STEPS:-50}"
   NUM_EVAL_IMAGES="${NUM_EVAL_IMAGES:-4}"
+  EXAMPLE_PHOTOS=images/dog EXAMPLE_CLASS=dog EXAMPLE_TYPE=live
 fi
-export ORIG_MODEL_NAME="${ORIG_MODEL_NAME:-CompVis/stable-diffusion-v1-4}"
-export ORIG_MODEL_HASH="${ORIG_MODEL_HASH:-b95be7d6f134c3a9e62ee616f310733567f069ce}"
-export ORIG_MODEL_DIR="${ORIG_MODEL_DIR:-$DATA_PREFIX/model-orig}"
-export ORIG_MODEL_PATH="$ORIG_MODEL_DIR/models--${ORIG_MODEL_NAME/\//--}/snapshots/$ORIG_MODEL_HASH"
-export TUNED_MODEL_DIR="${TUNED_MODEL_DIR:-$DATA_PREFIX/model-tuned}"
-export IMAGES_REG_DIR="${IMAGES_REG_DIR:-$DATA_PREFIX/images-reg}"
-export IMAGES_OWN_DIR="${IMAGES_OWN_DIR:-$DATA_PREFIX/images-own}"
-export IMAGES_NEW_DIR="${IMAGES_NEW_DIR:-$DATA_PREFIX/images-new}"
-export EVAL_MODELS_CACHE="${EVAL_MODELS_CACHE:-$DATA_PREFIX/model-eval}"  # DINO and CLIP for Step 6
-export EVAL_DIR="${EVAL_DIR:-$DATA_PREFIX/eval}"
-export EVAL_PROMPTS="${EVAL_PROMPTS:-}"  # your own prompt file; default: the 25 prompts of $SUBJECT_TYPE
-# Unique token to identify our subject (e.g., a random dog vs. our unqtkn dog)
-export UNIQUE_TOKEN="${UNIQUE_TOKEN:-unqtkn}"
-mkdir -p "$ORIG_MODEL_DIR" "$TUNED_MODEL_DIR" "$IMAGES_REG_DIR" "$IMAGES_OWN_DIR" "$IMAGES_NEW_DIR"
+export DATA_PREFIX
+ORIG_MODEL_NAME="${ORIG_MODEL_NAME:-sd14}"
+ORIG_MODEL_HASH="${ORIG_MODEL_HASH:-}"
+ORIG_MODEL_DIR="${ORIG_MODEL_DIR:-$DATA_PREFIX/model-orig}"
+TUNED_MODEL_DIR="${TUNED_MODEL_DIR:-$DATA_PREFIX/model-tuned}"
+IMAGES_REG_DIR="${IMAGES_REG_DIR:-$DATA_PREFIX/images-reg}"
+IMAGES_OWN_DIR="${IMAGES_OWN_DIR:-$DATA_PREFIX/images-own}"
+IMAGES_EXAMPLE_DIR="${IMAGES_EXAMPLE_DIR:-$DATA_PREFIX/images-example}"
+IMAGES_NEW_DIR="${IMAGES_NEW_DIR:-$DATA_PREFIX/images-new}"
+EVAL_MODELS_CACHE="${EVAL_MODELS_CACHE:-$DATA_PREFIX/model-eval}"
+EVAL_DIR="${EVAL_DIR:-$DATA_PREFIX/eval}"
+EVAL_PROMPTS="${EVAL_PROMPTS:-}"
+LOG_DIR="${LOG_DIR:-$DATA_PREFIX/logs}"
+UNIQUE_TOKEN="${UNIQUE_TOKEN:-unqtkn}"
+NUM_WORKERS="${NUM_WORKERS:-}"
+GPUS_PER_WORKER="${GPUS_PER_WORKER:-1}"
+CHECKPOINTING_STEPS="${CHECKPOINTING_STEPS:-100}"
+NUM_NEW_IMAGES="${NUM_NEW_IMAGES:-5}"
+TRAIN_ARGS="${TRAIN_ARGS:-}"
+# The photos: INSTANCE_DIR if set, $IMAGES_OWN_DIR with --skip_image_setup, else the example's own
+# folder (never the one your photos go in: two subjects are never trained as one).
+if [ -n "${INSTANCE_DIR:-}" ]; then
+  PHOTOS_DIR="$INSTANCE_DIR" PHOTOS_VAR=INSTANCE_DIR example=false
+  CLASS_NAME="${CLASS_NAME:-}"
+elif $skip_image_setup; then
+  PHOTOS_DIR="$IMAGES_OWN_DIR" PHOTOS_VAR=IMAGES_OWN_DIR example=false
+  CLASS_NAME="${CLASS_NAME:-}"
+else
+  PHOTOS_DIR="$IMAGES_EXAMPLE_DIR" PHOTOS_VAR=IMAGES_EXAMPLE_DIR example=true
+  CLASS_NAME="${CLASS_NAME:-$EXAMPLE_CLASS}"
+  SUBJECT_TYPE="${SUBJECT_TYPE:-$EXAMPLE_TYPE}"
+fi
+SUBJECT_TYPE="${SUBJECT_TYPE:-object}"
+if $use_lora; then LEARNING_RATE="${LEARNING_RATE:-1e-4}"; else LEARNING_RATE="${LEARNING_RATE:-5e-6}"; fi
 
-# Step 1: cache the base model (the tiny one is written, not downloaded)
+mkdir -p "$LOG_DIR"
+LOG_FILE="$LOG_DIR/dreambooth_run-$(date '+%Y%m%d-%H%M%S').log"
+exec > >(tee -a "$LOG_FILE") 2>&1
+echo "dreambooth_run.sh $* -- log: $LOG_FILE"
+
+if $example; then  # the example photos, in their own folder
+  mkdir -p "$PHOTOS_DIR"
+  if $tiny; then cp -f "$EXAMPLE_PHOTOS"/*.jpg "$PHOTOS_DIR/"; else $PYTHON download_example_dataset.py "$PHOTOS_DIR"; fi
+fi
+
+step "0: preflight (photos, CLASS_NAME, GPUs, disk, shared storage)"
+PREFLIGHT=(--photos_dir="$PHOTOS_DIR" --photos_var="$PHOTOS_VAR" --class_name="$CLASS_NAME"
+  --data_prefix="$DATA_PREFIX" --model_name="$ORIG_MODEL_NAME" --num_workers="$NUM_WORKERS"
+  --gpus_per_worker="$GPUS_PER_WORKER")
+$tiny && PREFLIGHT+=(--tiny)
+$use_lora && PREFLIGHT+=(--use_lora)
+NUM_WORKERS="$($PYTHON preflight.py "${PREFLIGHT[@]}" | tail -n 1)"
+NUM_WORKERS="${NUM_WORKERS#NUM_WORKERS=}"
+
+# The resolved settings, once
+for entry in "${VARIABLES[@]}"; do
+  name="${entry%%|*}"
+  case "$name" in INSTANCE_DIR) value="$PHOTOS_DIR" ;; *) value="${!name:-}" ;; esac
+  printf '  %-20s %s\n' "$name" "$value"
+done
+echo "  train.py extra flags: $TRAIN_ARGS ${EXTRA_TRAIN_ARGS[*]:-}"
+mkdir -p "$ORIG_MODEL_DIR" "$TUNED_MODEL_DIR" "$IMAGES_REG_DIR" "$IMAGES_NEW_DIR"
+
+step "1: cache the base model ($ORIG_MODEL_NAME)"
 if $tiny; then
   ORIG_MODEL_PATH="$($PYTHON cache_model.py --model_dir="$ORIG_MODEL_DIR" --tiny | tail -n 1)"
 else
   ORIG_MODEL_PATH="$($PYTHON cache_model.py --model_dir="$ORIG_MODEL_DIR" --model_name="$ORIG_MODEL_NAME" \
-    --revision="$ORIG_MODEL_HASH" | tail -n 1)"
+    ${ORIG_MODEL_HASH:+--revision="$ORIG_MODEL_HASH"} | tail -n 1)"
 fi
 export ORIG_MODEL_PATH
 echo "base model: $ORIG_MODEL_PATH"
 
-# Step 2: photos of the subject
-if $skip_image_setup; then
-  echo "Skipping image setup: using the photos in $IMAGES_OWN_DIR"
-  export CLASS_NAME="${CLASS_NAME:?set CLASS_NAME to the class of your subject, e.g. dog}"
-elif $tiny; then
-  export CLASS_NAME="${CLASS_NAME:-toy}"
-  export SUBJECT_TYPE="${SUBJECT_TYPE:-object}"
-  cp -f images/toy/*.jpg "$IMAGES_OWN_DIR/"
-else
-  export CLASS_NAME="${CLASS_NAME:-dog}"
-  export SUBJECT_TYPE="${SUBJECT_TYPE:-live}"
-  $PYTHON download_example_dataset.py ./images/dog
-  cp -f ./images/dog/* "$IMAGES_OWN_DIR/"
-fi
+step "2: photos of the subject: $PHOTOS_DIR"
 
-# Step 3: class (regularisation) images from the base model; reruns only top up
+step "3: class images of 'photo of a $CLASS_NAME' in $IMAGES_REG_DIR (a rerun only tops up)"
 $PYTHON generate.py \
   --model_dir="$ORIG_MODEL_PATH" \
   --output_dir="$IMAGES_REG_DIR" \
@@ -97,56 +181,61 @@ $PYTHON generate.py \
   --num_inference_steps="$NUM_INFERENCE_STEPS" \
   --use_ray_data
 
-# Step 4: fine-tune UNet + text encoder with the prior-preservation loss
-# (with --use_lora: LoRA adapters on both, at LoRA's usual learning rate)
+step "4: fine-tune on $NUM_WORKERS worker(s), $MAX_TRAIN_STEPS steps (a rerun after a crash continues)"
+# (with --use_lora: LoRA adapters on the UNet and the text encoder, at LoRA's usual learning rate)
 if $use_lora; then
-  TRAIN_OPTIONS=(--use_lora --lr="${LEARNING_RATE:-1e-4}")
+  TRAIN_OPTIONS=(--use_lora)
   GENERATE_OPTIONS=(--model_dir="$ORIG_MODEL_PATH" --lora_weights_dir="$TUNED_MODEL_DIR")
 else
-  TRAIN_OPTIONS=(--lr="${LEARNING_RATE:-5e-6}")
+  TRAIN_OPTIONS=()
   GENERATE_OPTIONS=(--model_dir="$TUNED_MODEL_DIR")
 fi
+# shellcheck disable=SC2086  # TRAIN_ARGS is a list of flags
 $PYTHON train.py \
   --model_dir="$ORIG_MODEL_PATH" \
   --output_dir="$TUNED_MODEL_DIR" \
-  --instance_images_dir="$IMAGES_OWN_DIR" \
+  --instance_images_dir="$PHOTOS_DIR" \
   --instance_prompt="photo of $UNIQUE_TOKEN $CLASS_NAME" \
   --class_images_dir="$IMAGES_REG_DIR" \
   --class_prompt="photo of a $CLASS_NAME" \
   --train_batch_size=2 \
-  --num_epochs=4 \
+  --lr="$LEARNING_RATE" \
   --max_train_steps="$MAX_TRAIN_STEPS" \
   --num_workers="$NUM_WORKERS" \
-  "${TRAIN_OPTIONS[@]}"
+  --gpus_per_worker="$GPUS_PER_WORKER" \
+  --checkpointing_steps="$CHECKPOINTING_STEPS" \
+  --checkpoints_total_limit=1 \
+  --resume_from_checkpoint=auto \
+  "${TRAIN_OPTIONS[@]}" $TRAIN_ARGS "${EXTRA_TRAIN_ARGS[@]}"
 
-# Step 5: images of the subject from the tuned model (fresh each run)
-rm -rf "${IMAGES_NEW_DIR:?}"/*.png "$IMAGES_NEW_DIR/grid"
+step "5: $NUM_NEW_IMAGES images of the subject in $IMAGES_NEW_DIR"
 $PYTHON generate.py \
   "${GENERATE_OPTIONS[@]}" \
   --output_dir="$IMAGES_NEW_DIR" \
   --prompts="photo of a $UNIQUE_TOKEN $CLASS_NAME in a bucket" \
-  --num_samples_per_prompt=5 \
-  --num_inference_steps="$NUM_INFERENCE_STEPS"
+  --num_samples_per_prompt="$NUM_NEW_IMAGES" \
+  --num_inference_steps="$NUM_INFERENCE_STEPS" \
+  --force  # images of an earlier model (a retrained one) are drawn again, never kept beside these
 
 echo "tuned model in $TUNED_MODEL_DIR, new images in $IMAGES_NEW_DIR (contact sheet: $IMAGES_NEW_DIR/grid/grid.png)"
 if $skip_eval; then
+  step "6: skipped (--skip_eval); log: $LOG_FILE"
   exit 0
 fi
 
-# Step 6: does it look like the subject? The DreamBooth paper's scores (DINO, CLIP-I, CLIP-T, DIV,
-# PRES) of the tuned model beside the base model, over a 25-prompt set (evaluate.py)
+step "6: scores of the tuned model beside the base model (DINO, CLIP-I, CLIP-T, DIV, PRES)"
 if $tiny; then EVAL_FLAGS=(--tiny); else EVAL_FLAGS=(); fi
 EVAL_MODELS_DIR="$($PYTHON cache_model.py --model_dir="$EVAL_MODELS_CACHE" --eval_models "${EVAL_FLAGS[@]}" | tail -n 1)"
 $PYTHON evaluate.py \
   --model_dir="$TUNED_MODEL_DIR" \
-  --instance_data_dir="$IMAGES_OWN_DIR" \
+  --instance_data_dir="$PHOTOS_DIR" \
   --unique_token="$UNIQUE_TOKEN" \
   --class_name="$CLASS_NAME" \
-  --subject_type="${SUBJECT_TYPE:-object}" \
+  --subject_type="$SUBJECT_TYPE" \
   ${EVAL_PROMPTS:+--eval_prompts="$EVAL_PROMPTS"} \
   --eval_models_dir="$EVAL_MODELS_DIR" \
   --output_dir="$EVAL_DIR" \
   --num_samples_per_prompt="$NUM_EVAL_IMAGES" \
   --num_inference_steps="$NUM_INFERENCE_STEPS"
 
-echo "done: scores of the tuned model beside the base model in $EVAL_DIR/report.md"
+echo "done: scores of the tuned model beside the base model in $EVAL_DIR/report.md; log: $LOG_FILE"

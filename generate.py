@@ -252,8 +252,8 @@ def top_up(folder, model, prompts, count, settings, safety_checker, on_mismatch=
 
     The one place a folder of generated images is filled (generate.py, class images for train.py
     and the sweep, evaluate.py's images). On a mismatch: on_mismatch "error" raises a UserError
-    naming what differs and remedy (how to discard them); "redraw" deletes them, says so,
-    and draws them again. The record is written before drawing: a run cut short leaves images
+    naming what differs and remedy (how to discard them); "redraw" and "force" (generate.py
+    --force) delete them, say so, and draw them again. The record is written before drawing: a run cut short leaves images
     that its record describes."""
     os.makedirs(folder, exist_ok=True)
     utils.remove_temp_files(folder)
@@ -270,10 +270,8 @@ def top_up(folder, model, prompts, count, settings, safety_checker, on_mismatch=
             raise utils.UserError(f"{folder}: its {len(drawn)} images {what}; this run draws with "
                                   f"{wanted.describe()} ({', '.join(differs)} differ). Use another folder, or {remedy}")
         print(f"{label or folder}: the {len(drawn)} images in {folder} {what} ({', '.join(differs)} differ "
-              f"from this run); drawing them again", file=sys.stderr)
-        outputs.remove_drawn_images(folder)
-    elif on_mismatch == "force" and drawn:
-        print(f"{folder}: deleting its {len(drawn)} images (--force)", file=sys.stderr)
+              f"from this run); {'deleting them (--force)' if on_mismatch == 'force' else 'drawing them again'}",
+              file=sys.stderr)
         outputs.remove_drawn_images(folder)
     outputs.write_image_record(folder, wanted)
     rows, names = plan_images(prompts, count, settings.seed, folder)

@@ -14,6 +14,7 @@ import os
 import sys
 from datetime import datetime
 
+import cache_model
 import checkpoint
 import flags
 import outputs
@@ -304,16 +305,9 @@ def default_num_workers(gpus, gpus_per_worker):
     return max(1, gpus // gpus_per_worker) if gpus else 1
 
 
-def no_gpu_warning(model_dir):
-    """The line a CPU run of a real Stable Diffusion model prints before it starts, or None
-    (random models are meant for CPUs)."""
-    import cache_model
-
-    if cache_model.has_random_weights(model_dir):
-        return None
-    return ("warning: the Ray cluster has no GPU, so this fine-tune of Stable Diffusion runs on CPUs: hours per "
-            "100 steps. If this machine has one (nvidia-smi lists it), Ray did not see it: `ray stop`, then "
-            "`ray start --head --num-gpus=N` (or check that torch.cuda.is_available() in this Python)")
+NO_GPU_WARNING = ("warning: the Ray cluster has no GPU, so this fine-tune of Stable Diffusion runs on CPUs: hours "
+                  "per 100 steps. If this machine has one (nvidia-smi lists it), Ray did not see it: `ray stop`, "
+                  "then `ray start --head --num-gpus=N` (or check torch.cuda.is_available() in this Python)")
 
 
 def worker_resources(args, cpus, gpus):
@@ -334,8 +328,8 @@ def worker_resources(args, cpus, gpus):
     if spare <= 0:
         raise utils.UserError(f"the Ray cluster has {cpus:g} CPU(s): training needs one for its workers "
                               "and one for the data pipeline")
-    if not use_gpu and no_gpu_warning(args.model_dir):
-        print(no_gpu_warning(args.model_dir), file=sys.stderr)
+    if not use_gpu and not cache_model.has_random_weights(args.model_dir):  # random models are for CPUs
+        print(NO_GPU_WARNING, file=sys.stderr)
     return use_gpu, num_workers, min(1.0, spare / num_workers)
 
 

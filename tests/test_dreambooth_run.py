@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from outputs import IMAGES_CONFIG, IMAGES_RECORD
 from utils import LORA_WEIGHTS_FILE, OUTPUT_MARKER, REPO_DIR
 
 
@@ -19,36 +20,60 @@ def data_prefix(tmp_path_factory):
 
 @pytest.mark.parametrize("mode", ["full", "lora"])
 def test_dreambooth_run_tiny_end_to_end(data_prefix, mode):
+    """The full run as a one-GPU user runs it (no NUM_WORKERS: one worker here, on the CPU); then the
+    LoRA run retrains into the same folders, as a user's second run does: 2 workers (DDP of the
+    adapters), more steps than 4 epochs of its data, and Step 6 must score the new model."""
     tmp_path = data_prefix
-    # The LoRA run keeps the script's 2 workers (DDP of the adapters); full DDP runs in test_train.
-    prompts = tmp_path / "eval-prompts.txt"  # Step 6 (full run only) on 2 of its prompts, not 25
+    prompts = tmp_path / "eval-prompts.txt"  # Step 6 on 2 of its prompts, not 25
     prompts.write_text("a {subject} on a beach\na {subject} in the snow\n")
-    env = dict(os.environ, DATA_PREFIX=str(tmp_path), NUM_CLASS_IMAGES="6", MAX_TRAIN_STEPS="4",
-               NUM_INFERENCE_STEPS="3", PYTHON=sys.executable, NUM_WORKERS="1" if mode == "full" else "2",
-               EVAL_PROMPTS=str(prompts))
-    proc = subprocess.run(["bash", "dreambooth_run.sh", "--tiny"] + (["--use_lora", "--skip_eval"] if mode == "lora"
-                                                                      else []),
+    env = dict(os.environ, DATA_PREFIX=str(tmp_path), NUM_CLASS_IMAGES="6", NUM_INFERENCE_STEPS="3",
+               PYTHON=sys.executable, EVAL_PROMPTS=str(prompts))
+    env.pop("NUM_WORKERS", None)
+    if mode == "lora":
+        # 6 rows over 2 workers at batch 2: 2 steps an epoch; the script once capped a run at 4 epochs (8)
+        env.update(NUM_WORKERS="2", MAX_TRAIN_STEPS="10", TRAIN_ARGS="--logging_steps 5")
+    else:
+        env.update(MAX_TRAIN_STEPS="4")
+    proc = subprocess.run(["bash", "dreambooth_run.sh", "--tiny"] + (["--use_lora"] if mode == "lora" else []),
                           cwd=REPO_DIR, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-3000:]
     output = proc.stdout + proc.stderr
+    # a banner with a timestamp per step, the resolved settings once, and a log file of it all
+    assert len(re.findall(r"=== \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] Step [0-6]", output)) == 7
+    assert re.search(r"NUM_WORKERS +" + ("2" if mode == "lora" else "1") + "\n", output)
+    log = re.search(r"-- log: (\S+)", output)[1]
+    assert open(log).read().startswith("dreambooth_run.sh")
     # Progress and results, not library noise; one note per actor pool that drew images that they
     # are noise (Step 6 draws the tuned and the base model's images on one pool).
     assert "requires torchvision" not in output
-    step6 = len(re.findall(r"(?:tuned|base): \d+ of \d+ images already in [^\n]*; generating [1-9]", output))
+    step6 = len(re.findall(r"(?:tuned|base): \d+ of \d+ images already there; generating [1-9]", output))
     pools = len(re.findall(r"; generating [1-9]", output)) - step6 + (1 if step6 else 0)
     assert output.count("this model has random weights") == pools >= 1
     assert "loss and learning rate plotted in" in output
 
     reg = sorted(os.listdir(tmp_path / "images-reg"))
-    assert reg == sorted([f"photo-of-a-toy-{i:05d}.png" for i in range(6)] + ["grid"])
+    assert reg == sorted([f"photo-of-a-toy-{i:05d}.png" for i in range(6)] + ["grid", IMAGES_RECORD, IMAGES_CONFIG])
     new = sorted(f for f in os.listdir(tmp_path / "images-new") if f.endswith(".png"))
     assert len(new) == 5 and os.path.isfile(tmp_path / "images-new" / "grid" / "grid.png")
-    assert sorted(os.listdir(tmp_path / "images-own")) == [f"toy-{k}.jpg" for k in range(5)]
+    # the example photos in their own folder: nothing lands where your photos go
+    assert sorted(os.listdir(tmp_path / "images-example")) == [f"toy-{k}.jpg" for k in range(5)]
+    assert not os.path.exists(tmp_path / "images-own")
 
-    if mode == "lora":  # adapters only; Step 5 generated with them on the base model; no Step 6
-        assert "evaluate.py" not in output and "scores of the tuned model" not in output
-        assert sorted(os.listdir(tmp_path / "model-tuned")) == sorted([LORA_WEIGHTS_FILE, OUTPUT_MARKER])
+    evaluation = tmp_path / "eval"
+    scores = json.loads((evaluation / "scores.json").read_text())
+    if mode == "lora":  # adapters only; Step 5 drew with them on the base model; Step 6 scored them
+        assert re.search(r"trained 10 steps", output)  # MAX_TRAIN_STEPS, not 4 epochs' worth
+        assert sorted(os.listdir(tmp_path / "model-tuned")) == sorted([LORA_WEIGHTS_FILE, OUTPUT_MARKER,
+                                                                       "train_config.toml"])
         assert "LoRA adapters (rank 4, alpha 4)" in output
+        # a retrained model's images are drawn again (Steps 5 and 6), the base model's kept
+        assert re.search(r"tuned: the 3 images in \S+ were drawn by .* \(model differ from this run\); drawing them "
+                         r"again", output)
+        assert "base: 3 of 3 images already there; generating 0" in output
+        assert "the 5 images in" in output and "deleting them (--force)" in output
+        first = json.loads((tmp_path / "scores-of-the-full-run.json").read_text())
+        assert scores["models"]["base"] == first["models"]["base"]
+        assert scores["models"]["tuned"]["overall"] != first["models"]["tuned"]["overall"]
         from safetensors.torch import load_file
 
         lora = load_file(tmp_path / "model-tuned" / LORA_WEIGHTS_FILE)
@@ -57,8 +82,7 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode):
         return
     # Step 6 (evaluate.py): the tuned model scored beside the base model it was trained from, over
     # 2 prompts + the class prompt, 1 image each, generated and embedded on actor pools
-    evaluation = tmp_path / "eval"
-    scores = json.loads((evaluation / "scores.json").read_text())
+    (tmp_path / "scores-of-the-full-run.json").write_text(json.dumps(scores))
     for label in ("tuned", "base"):
         assert len([f for f in os.listdir(evaluation / "images" / label) if f.endswith(".png")]) == 3
         assert len(os.listdir(evaluation / "grids" / label)) == 3
@@ -84,3 +108,26 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode):
 def test_unknown_argument_is_refused():
     proc = subprocess.run(["bash", "dreambooth_run.sh", "--tinny"], cwd=REPO_DIR, capture_output=True, text=True)
     assert proc.returncode == 2 and "unknown argument '--tinny'" in proc.stderr
+    listing = subprocess.run(["bash", "dreambooth_run.sh", "--help"], cwd=REPO_DIR, capture_output=True, text=True)
+    for variable in ("DATA_PREFIX", "INSTANCE_DIR", "CLASS_NAME", "NUM_WORKERS", "MAX_TRAIN_STEPS", "TRAIN_ARGS"):
+        assert re.search(rf"^  {variable} .*\(default: ", listing.stdout, re.M), variable
+
+
+@pytest.mark.parametrize("env, culprit", [
+    ({"INSTANCE_DIR": "{tmp}/empty", "CLASS_NAME": "dog"}, "INSTANCE_DIR="),
+    ({"INSTANCE_DIR": "{tmp}/photos"}, "CLASS_NAME is not set"),
+    ({"NUM_WORKERS": "3"}, "NUM_WORKERS=3"),
+    ({"INSTANCE_DIR": "{tmp}/photos", "CLASS_NAME": "dog", "NUM_WORKERS": "x"}, "NUM_WORKERS=x"),
+])
+def test_a_run_that_cannot_work_stops_before_step_1_with_one_line(tmp_path, env, culprit):
+    import shutil
+
+    (tmp_path / "empty").mkdir()
+    shutil.copytree(os.path.join(REPO_DIR, "images", "toy"), tmp_path / "photos")
+    env = dict(os.environ, DATA_PREFIX=str(tmp_path / "data"), PYTHON=sys.executable,
+               **{k: v.format(tmp=tmp_path) for k, v in env.items()})
+    proc = subprocess.run(["bash", "dreambooth_run.sh", "--tiny"], cwd=REPO_DIR, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0 and "Step 1" not in proc.stdout
+    last = proc.stdout.strip().splitlines()[-1]
+    assert culprit in last and last.startswith("error: ") and "Traceback" not in proc.stdout

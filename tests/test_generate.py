@@ -168,7 +168,7 @@ def test_one_pool_draws_several_models_each_with_its_weights_adapters_and_checke
     dog = generate.image_file_name("photo of a dog", 0)
     assert np.abs(pixels(tmp_path / "lora" / dog).astype(int) - pixels(tmp_path / "base" / dog).astype(int)).max() > 10
     assert sorted(os.listdir(tmp_path / "checked")) == sorted(
-        generate.image_file_name(p, 0) + generate.FLAGGED_SUFFIX for p in prompts) + [outputs.IMAGES_RECORD]
+        [generate.image_file_name(p, 0) + generate.FLAGGED_SUFFIX for p in prompts] + [outputs.IMAGES_RECORD])
     err = capsys.readouterr().err
     assert "generating for 3 models on 1 actor(s)" in err
     assert "2 image(s) flagged by the safety checker were not saved" in err and str(tmp_path / "checked") in err

@@ -55,6 +55,9 @@ def test_top_up_keeps_images_of_the_same_model_and_settings_only(tiny_model, tmp
     # --force deletes them and draws these; evaluate's "redraw" does it with a line
     job = generate.top_up(folder, model, ["photo of a cat"], 2, SETTINGS, False, on_mismatch="force")
     assert len(job.rows) == 2 and outputs.drawn_images(folder) == []
+    open(os.path.join(folder, job.rows[1]["file"]), "wb").close()  # the same model and settings: kept
+    assert len(generate.top_up(folder, model, ["photo of a cat"], 2, SETTINGS, False, on_mismatch="force").rows) == 1
+    os.remove(os.path.join(folder, job.rows[1]["file"]))
     open(os.path.join(folder, job.rows[0]["file"]), "wb").close()
     other = outputs.ModelRef(tiny_model, lora_dir=None, lora_scale=0.5)  # same weights, same fingerprint
     assert len(generate.top_up(folder, other, ["photo of a cat"], 2, SETTINGS, False).rows) == 1

@@ -85,7 +85,8 @@ def test_train_two_workers_saves_a_changed_loadable_pipeline(ray_session, tiny_m
     assert weights_differ(tuned.text_encoder, base.text_encoder)
     assert not weights_differ(tuned.vae, base.vae)
     assert os.path.isfile(out / utils.OUTPUT_MARKER)
-    assert all(f.endswith((".json", ".safetensors", ".txt")) for _, _, fs in os.walk(out) for f in fs)
+    assert all(f.endswith((".json", ".safetensors", ".txt", ".toml")) for _, _, fs in os.walk(out) for f in fs)
+    assert os.path.isfile(out / train.CONFIG_FILE)
     # Checkpoints at step 3 and at the end, in the absolute storage path beside the output.
     checkpoints = [d for d in os.listdir(result.path) if d.startswith("checkpoint_") and os.path.isdir(os.path.join(result.path, d))]
     assert len(checkpoints) == 2

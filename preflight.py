@@ -1,0 +1,168 @@
+"""Before Step 1 of dreambooth_run.sh: everything that would fail hours later, checked in seconds.
+
+    python preflight.py --photos_dir "$PHOTOS" --photos_var INSTANCE_DIR --class_name "$CLASS_NAME" \\
+        --data_prefix "$DATA_PREFIX" --model_name "$ORIG_MODEL_NAME" --num_workers "$NUM_WORKERS"
+
+Checks the photos (present, readable), the class name, the Ray cluster's GPUs against the workers
+asked for, the free disk under DATA_PREFIX (base model + one checkpoint + the tuned model), and on a
+cluster of several nodes that DATA_PREFIX and the photos are the same storage on every node (a Ray
+task on each node writes there; the head reads it back). Each failure is one line naming the
+variable to change. Prints the resolved worker count last, as `NUM_WORKERS=<n>`.
+"""
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import uuid
+
+import cache_model
+import flags
+import plan as planning
+import utils
+
+GB = 1e9
+TINY_GB = 0.01  # the built-in tiny model, its checkpoint and its output
+LORA_GB = 0.2  # a LoRA checkpoint or output (adapters and their optimizer state), rounded up
+TRAINED_SHARE = 0.92  # UNet + text encoder of an SD checkpoint's weights (the VAE is frozen)
+
+
+def parse_args(argv=None):
+    parser = flags.OneLineErrorParser(description=__doc__.splitlines()[0], formatter_class=flags.HelpFormatter)
+    parser.add_argument("--photos_dir", required=True, help="The subject's photos.")
+    parser.add_argument("--photos_var", default="INSTANCE_DIR", help="The variable that set --photos_dir.")
+    parser.add_argument("--class_name", default="", help="CLASS_NAME.")
+    parser.add_argument("--data_prefix", required=True, help="DATA_PREFIX: where everything is written.")
+    parser.add_argument("--model_name", default=cache_model.DEFAULT_MODEL, help="ORIG_MODEL_NAME.")
+    parser.add_argument("--model_path", default=None, help="The model's folder, if already cached.")
+    parser.add_argument("--num_workers", default="", help="NUM_WORKERS ('' or 0: one per GPU).")
+    parser.add_argument("--gpus_per_worker", type=int, choices=(1, 2), default=1, help="GPUS_PER_WORKER.")
+    parser.add_argument("--use_lora", action="store_true", help="LoRA: small checkpoints and output.")
+    parser.add_argument("--tiny", action="store_true", help="The built-in tiny model (no GPU expected).")
+    args = parser.parse_args(argv)
+    if args.num_workers and not args.num_workers.isdigit():
+        parser.error(f"NUM_WORKERS={args.num_workers}: must be a whole number (or unset: one per GPU)")
+    args.num_workers = int(args.num_workers or 0)
+    return args
+
+
+def check_photos(folder, variable):
+    """The photos are there and each one opens (a corrupt one is named)."""
+    import dataset
+
+    if not os.path.isdir(folder):
+        raise utils.UserError(f"{variable}={folder}: no such folder; put 4-6 photos of your subject there")
+    try:
+        photos = dataset.list_images(folder, f"{variable}")
+        with tempfile.TemporaryDirectory() as scratch:
+            dataset.inspect_images(photos, 0, scratch)
+    except utils.UserError as err:
+        raise utils.UserError(f"{variable}={folder}: {err}") from None
+    if len(photos) < 3:
+        print(f"warning: {variable}={folder} has {len(photos)} photo(s); DreamBooth wants 3-10", file=sys.stderr)
+    return photos
+
+
+def disk_needed_gb(args):
+    """(GB needed under DATA_PREFIX, what for): the base model unless cached, one checkpoint
+    (fp32 weights + AdamW's two moments of what is trained), the tuned model."""
+    if args.tiny:
+        return TINY_GB, "the tiny model"
+    cached = args.model_path and os.path.isfile(os.path.join(args.model_path, "model_index.json"))
+    known = cache_model.known_model(args.model_name)
+    weights = known.weights_gb if known else 5.0
+    if cached:
+        weights = sum(os.path.getsize(os.path.join(root, n)) for root, _, names in os.walk(args.model_path)
+                      for n in names if n.endswith(".safetensors")) / GB
+    download = 0.0 if cached else weights
+    checkpoint = LORA_GB if args.use_lora else 3 * TRAINED_SHARE * weights
+    tuned = LORA_GB if args.use_lora else weights
+    parts = f"model {download:.1f} + a checkpoint {checkpoint:.1f} + the tuned model {tuned:.1f} GB"
+    return download + checkpoint + tuned, parts
+
+
+def check_disk(args):
+    os.makedirs(args.data_prefix, exist_ok=True)
+    needed, parts = disk_needed_gb(args)
+    free = shutil.disk_usage(args.data_prefix).free / GB
+    if free < needed:
+        raise utils.UserError(f"DATA_PREFIX={args.data_prefix} has {free:.1f} GB free; this run needs about "
+                              f"{needed:.1f} GB ({parts}): set DATA_PREFIX to a larger disk")
+
+
+def check_workers(args, cpus, gpus):
+    """The resolved worker count, or one line naming NUM_WORKERS / GPUS_PER_WORKER."""
+    workers = args.num_workers or planning.default_num_workers(gpus, args.gpus_per_worker)
+    if gpus:
+        if workers * args.gpus_per_worker > gpus:
+            raise utils.UserError(
+                f"NUM_WORKERS={workers} x GPUS_PER_WORKER={args.gpus_per_worker} needs "
+                f"{workers * args.gpus_per_worker} GPUs; the Ray cluster has {gpus}: set NUM_WORKERS="
+                f"{max(1, gpus // args.gpus_per_worker)} (or leave it unset: one worker per GPU)")
+        return workers
+    if workers > cpus or cpus < 2:
+        raise utils.UserError(f"NUM_WORKERS={workers}: the Ray cluster has no GPU and {cpus:g} CPUs (training needs "
+                              f"one per worker at most, and one for the data pipeline): set NUM_WORKERS=1")
+    if not args.tiny:
+        print(planning.NO_GPU_WARNING, file=sys.stderr)
+    return workers
+
+
+def check_shared(folders, num_photos):
+    """On a cluster of several nodes: a Ray task on each node writes a file under each of folders
+    ({variable: folder}) and counts the photos; the head must see every file and every node the
+    same photos. One node: nothing to check."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    if len(nodes) < 2:
+        return
+    probe = f".preflight-{uuid.uuid4().hex[:8]}"
+
+    @ray.remote(num_cpus=0)
+    def visit(node_id, targets, photos_dir):
+        for folder in targets:
+            os.makedirs(os.path.join(folder, probe), exist_ok=True)
+            with open(os.path.join(folder, probe, node_id), "w") as f:
+                f.write(node_id)
+        return len(os.listdir(photos_dir)) if os.path.isdir(photos_dir) else 0
+
+    photos_var, photos_dir = next((k, v) for k, v in folders.items() if k != "DATA_PREFIX")
+    targets = [folders["DATA_PREFIX"]]
+    seen = ray.get([visit.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
+                    .remote(n["NodeID"], targets, photos_dir) for n in nodes])
+    try:
+        for node, count in zip(nodes, seen):
+            address = node.get("NodeManagerAddress", node["NodeID"][:8])
+            if not os.path.isfile(os.path.join(folders["DATA_PREFIX"], probe, node["NodeID"])):
+                raise utils.UserError(
+                    f"DATA_PREFIX={folders['DATA_PREFIX']} is not shared storage: what node {address} writes there "
+                    "never reaches this node; set DATA_PREFIX to a folder every node mounts (NFS, a shared disk)")
+            if count < num_photos:
+                raise utils.UserError(f"{photos_var}={photos_dir}: node {address} sees {count} of its files; put the "
+                                      "photos on storage every node mounts (e.g. under DATA_PREFIX)")
+    finally:
+        shutil.rmtree(os.path.join(folders["DATA_PREFIX"], probe), ignore_errors=True)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if not args.class_name.strip():
+        raise utils.UserError("CLASS_NAME is not set: set it to what your subject is (CLASS_NAME=dog, backpack, "
+                              "person); it makes the class prompt 'photo of a <CLASS_NAME>'")
+    photos = check_photos(args.photos_dir, args.photos_var)
+    check_disk(args)
+    ray = utils.init_ray()
+    cpus, gpus = utils.cluster_resources()
+    workers = check_workers(args, cpus, gpus)
+    check_shared({"DATA_PREFIX": args.data_prefix, args.photos_var: args.photos_dir}, len(photos))
+    print(f"preflight: {len(photos)} photos, {gpus} GPU(s) and {cpus:g} CPUs in the Ray cluster "
+          f"({len(ray.nodes())} node(s)), {workers} worker(s)", file=sys.stderr)
+    print(f"NUM_WORKERS={workers}")
+    return workers
+
+
+if __name__ == "__main__":
+    utils.run_main(main)
