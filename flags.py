@@ -166,7 +166,7 @@ FLAGS = {
              help="Train LoRA adapters (peft) on the UNet's attention projections, and on the text encoder's "
                   "with --train_text_encoder, instead of every weight: output_dir then holds only "
                   "pytorch_lora_weights.safetensors, for the base model's load_lora_weights.")),
-    "rank": (("--rank", "--lora_rank"),
+    "lora_rank": (("--rank", "--lora_rank"),
         dict(type=positive_int, default=4, help="LoRA rank (width of the adapters).")),
     "lora_alpha": (("--lora_alpha",),
         dict(type=positive_float, default=None,
@@ -517,8 +517,11 @@ class OneLineErrorParser(argparse.ArgumentParser):
             self.error(f"--config {path}: not valid TOML ({err})")
         given = {t.split("=")[0] for t in args if t.startswith("--")}
         tokens = []
+        fallback = getattr(self, "config_fallback", None)  # sweep.py: train.py's flags go to every trial
         for key, value in values.items():
             action = self._action_for(key)
+            if action is None and fallback is not None:
+                action = fallback._action_for(key)
             if action is None or action.dest in NOT_WRITTEN:
                 self.error(f"--config {path}: unknown key '{key}' (keys are this script's flags, see --help)")
             option = next(o for o in action.option_strings if o.startswith("--"))
@@ -542,11 +545,8 @@ class OneLineErrorParser(argparse.ArgumentParser):
         return tokens
 
 
-def config_text(parser, args):
-    """The parsed flags of a run as the text of a --config file that repeats it (keys: the flags'
-    names). Unset flags (None) are left out; the values are the resolved ones (absolute paths)."""
-    import tomli_w
-
+def config_values(parser, args):
+    """{flag name: value} of the parsed flags of a run (None left out)."""
     values = {}
     for action in parser._actions:
         if action.dest in NOT_WRITTEN or action.help == argparse.SUPPRESS or not hasattr(args, action.dest):
@@ -554,6 +554,15 @@ def config_text(parser, args):
         value = getattr(args, action.dest)
         if value is not None:
             values[action.dest] = list(value) if isinstance(value, (list, tuple)) else value
+    return values
+
+
+def config_text(parser, args, values=None):
+    """The parsed flags of a run (or values) as the text of a --config file that repeats it (keys: the
+    flags' names). Unset flags are left out; the values are the resolved ones (absolute paths)."""
+    import tomli_w
+
+    values = config_values(parser, args) if values is None else values
     return f"# {parser.prog} --config this-file repeats the run\n" + tomli_w.dumps(values)
 
 

@@ -198,7 +198,7 @@ TEXT_ENCODER_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
 def lora_config(plan, targets):
     from peft import LoraConfig
 
-    return LoraConfig(r=plan.rank, lora_alpha=plan.lora_alpha, lora_dropout=plan.lora_dropout,
+    return LoraConfig(r=plan.lora_rank, lora_alpha=plan.lora_alpha, lora_dropout=plan.lora_dropout,
                       init_lora_weights="gaussian", target_modules=list(targets))
 
 

@@ -27,7 +27,7 @@ TRAIN_FLAGS = [
     "model_dir", "output_dir", "instance_data_dir", "instance_prompt", "caption_extension", "class_data_dir",
     "class_prompt",
     "with_prior_preservation", "prior_loss_weight", "resolution", "center_crop", "random_flip",
-    "train_text_encoder", "use_lora", "rank", "lora_alpha", "lora_dropout", "train_batch_size", "learning_rate", "scale_lr", "lr_scheduler", "lr_warmup_steps",
+    "train_text_encoder", "use_lora", "lora_rank", "lora_alpha", "lora_dropout", "train_batch_size", "learning_rate", "scale_lr", "lr_scheduler", "lr_warmup_steps",
     "lr_num_cycles", "lr_power", "offset_noise", "snr_gamma", "use_8bit_adam", "adam_beta1",
     "adam_beta2", "adam_weight_decay", "adam_epsilon", "max_grad_norm", "max_train_steps",
     "num_train_epochs", "mixed_precision", "seed", "num_workers", "gpus_per_worker", "use_gpu",
@@ -56,8 +56,8 @@ class Plan:
     with_prior_preservation: bool
     prior_loss_weight: float
     train_text_encoder: bool
-    use_lora: bool  # LoRA adapters (rank, lora_alpha, lora_dropout) instead of every weight
-    rank: int
+    use_lora: bool  # LoRA adapters (lora_rank, lora_alpha, lora_dropout) instead of every weight
+    lora_rank: int
     lora_alpha: float  # already defaulted to the rank
     lora_dropout: float
     # data
@@ -134,7 +134,7 @@ class Plan:
         """The plan in three lines, printed once at the start of a run."""
         trained = "UNet + text encoder" if self.train_text_encoder else "UNet"
         if self.use_lora:
-            trained = f"LoRA adapters (rank {self.rank}, alpha {self.lora_alpha:g}) on the {trained}"
+            trained = f"LoRA adapters (rank {self.lora_rank}, alpha {self.lora_alpha:g}) on the {trained}"
         prior = f" + {self.train_batch_size} class" if self.with_prior_preservation else ""
         device = f"{self.gpus_per_worker} GPU" if self.use_gpu else f"{self.cpus_per_worker:g} CPU"
         resume = f"; resuming from {self.resume_path}" if self.resume_path else ""
@@ -152,9 +152,13 @@ class Plan:
                 f"{self.storage_path}{resume}")
 
 
+def train_parser(description=None):
+    return flags.make_parser(description, TRAIN_FLAGS, refused=flags.REFUSED, config=True)
+
+
 def parse_args(argv=None, description=None):
     """train.py's command line, with its flag combinations checked before anything starts."""
-    parser = flags.make_parser(description, TRAIN_FLAGS, refused=flags.REFUSED, config=True)
+    parser = train_parser(description)
     args = parser.parse_args(argv)
     if args.class_data_dir:
         args.with_prior_preservation = True
@@ -173,12 +177,12 @@ def parse_args(argv=None, description=None):
     if args.learning_rate is None:
         args.learning_rate = 1e-4 if args.use_lora else 5e-6
     if args.lora_alpha is None:
-        args.lora_alpha = float(args.rank)
+        args.lora_alpha = float(args.lora_rank)
     if args.use_8bit_adam and importlib.util.find_spec("bitsandbytes") is None:
         parser.error("--use_8bit_adam needs bitsandbytes, which is not installed here: pip install bitsandbytes")
     if args.lora_dropout >= 1:
         parser.error(f"argument --lora_dropout: must be < 1, got {args.lora_dropout:g}")
-    if args.resume_from_checkpoint not in (None, "latest"):
+    if args.resume_from_checkpoint not in (None, "latest", "auto"):
         args.resume_from_checkpoint = flags.abs_path(args.resume_from_checkpoint)
     if args.output_dir == args.model_dir:
         parser.error("--output_dir must differ from --pretrained_model_name_or_path")
@@ -259,7 +263,7 @@ def offline_plan(**fields):
 
 def lora_settings(args):
     """What a checkpoint's weights must match: None for full fine-tuning, else the adapters' shape."""
-    return {"rank": args.rank, "lora_alpha": args.lora_alpha} if args.use_lora else None
+    return {"rank": args.lora_rank, "lora_alpha": args.lora_alpha} if args.use_lora else None
 
 
 def scaled_learning_rate(args):

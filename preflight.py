@@ -30,10 +30,10 @@ TRAINED_SHARE = 0.92  # UNet + text encoder of an SD checkpoint's weights (the V
 
 def parse_args(argv=None):
     parser = flags.OneLineErrorParser(description=__doc__.splitlines()[0], formatter_class=flags.HelpFormatter)
-    parser.add_argument("--photos_dir", required=True, help="The subject's photos.")
+    parser.add_argument("--photos_dir", required=True, type=flags.abs_path, help="The subject's photos.")
     parser.add_argument("--photos_var", default="INSTANCE_DIR", help="The variable that set --photos_dir.")
     parser.add_argument("--class_name", default="", help="CLASS_NAME.")
-    parser.add_argument("--data_prefix", required=True, help="DATA_PREFIX: where everything is written.")
+    parser.add_argument("--data_prefix", required=True, type=flags.abs_path, help="DATA_PREFIX: where everything is written.")
     parser.add_argument("--model_name", default=cache_model.DEFAULT_MODEL, help="ORIG_MODEL_NAME.")
     parser.add_argument("--model_path", default=None, help="The model's folder, if already cached.")
     parser.add_argument("--num_workers", default="", help="NUM_WORKERS ('' or 0: one per GPU).")
@@ -135,7 +135,7 @@ def check_shared(folders, num_photos):
                     .remote(n["NodeID"], targets, photos_dir) for n in nodes])
     try:
         for node, count in zip(nodes, seen):
-            address = node.get("NodeManagerAddress", node["NodeID"][:8])
+            address = f"{node.get('NodeManagerAddress', '?')} (node {node['NodeID'][:8]})"
             if not os.path.isfile(os.path.join(folders["DATA_PREFIX"], probe, node["NodeID"])):
                 raise utils.UserError(
                     f"DATA_PREFIX={folders['DATA_PREFIX']} is not shared storage: what node {address} writes there "

@@ -224,6 +224,13 @@ def accumulate(batches, accum, max_steps):
                 return
 
 
+def mixed_precision_name(dtype):
+    """The --mixed_precision value of an autocast dtype (None: 'no')."""
+    import torch
+
+    return {None: "no", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+
+
 def amp_dtype(mixed_precision, device):
     """Autocast dtype of a --mixed_precision value on device (None: full fp32).
 

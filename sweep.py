@@ -50,7 +50,7 @@ METRICS = ("dino", "clip_i", "clip_t", "div", "pres")
 def parse_args(argv=None):
     """(sweep flags, the trials' train.py flags checked as train.py checks them)."""
     parser = flags.make_parser(
-        __doc__.splitlines()[0], SWEEP_FLAGS, optional=("instance_data_dir", "class_name"),
+        __doc__.splitlines()[0], SWEEP_FLAGS, optional=("instance_data_dir", "class_name"), config=True,
         helps={"output_dir": "Where the best model goes (with --subjects_dir: one sub-folder per subject).",
                "num_class_images": "Class images per class for the prior-preservation loss, drawn once "
                                    "with the base model and shared by the subjects of that class."})
@@ -59,6 +59,7 @@ def parse_args(argv=None):
                      "--use_lora, --num_workers, --mixed_precision. The sweep itself sets the learning rate, steps, "
                      "rank and text-encoder switch (the --sweep_* flags), the checkpoints, storage, prompts "
                      "('photo of <token> <class>', 'photo of a <class>') and class images.")
+    parser.config_fallback = planning.train_parser()  # a config file may hold train.py's flags too
     args, train_flags = parser.parse_known_args(argv)
     if (args.subjects_dir is None) == (args.instance_data_dir is None):
         parser.error("give --instance_data_dir (one subject) or --subjects_dir (many)")
@@ -78,6 +79,12 @@ def parse_args(argv=None):
         parser.error("--sweep_rank needs --use_lora")
     if args.search == "random" and args.sweep_learning_rate and len(args.sweep_learning_rate) not in (1, 2):
         parser.error("with --search random, --sweep_learning_rate is a range: LOW,HIGH")
+    # The config file repeats the sweep: its own flags, and the train.py flags given for every trial.
+    given = {parser.config_fallback._action_for(flags.normalize_option(t).split("=")[0].removeprefix("--no-")
+                                                .removeprefix("--")) for t in train_flags if t.startswith("--")}
+    trial_settings = {k: v for k, v in flags.config_values(parser.config_fallback, train_args).items()
+                      if k in {a.dest for a in given if a is not None}}
+    args.settings_toml = flags.config_text(parser, args, {**trial_settings, **flags.config_values(parser, args)})
     return args, train_flags, train_args
 
 
@@ -116,7 +123,7 @@ def param_space(args, subjects, train_args):
     from ray import tune
 
     lrs = args.sweep_learning_rate or [train_args.learning_rate]
-    values = {"learning_rate": lrs, "rank": args.sweep_rank or [train_args.rank],
+    values = {"learning_rate": lrs, "rank": args.sweep_rank or [train_args.lora_rank],
               "train_text_encoder": args.sweep_train_text_encoder or [train_args.train_text_encoder]}
     if args.search == "grid":
         space = {k: tune.grid_search(v) if len(v) > 1 else v[0] for k, v in values.items()}
@@ -164,7 +171,7 @@ def trial_fn(config, job):
         if step != steps[-1]:
             model = os.path.join(folder, f"model-step-{step}")
             if not os.path.isfile(os.path.join(model, utils.OUTPUT_MARKER)):
-                fields = {k: getattr(train_args, k) for k in ("model_dir", "use_lora", "rank", "lora_alpha",
+                fields = {k: getattr(train_args, k) for k in ("model_dir", "use_lora", "lora_rank", "lora_alpha",
                           "train_text_encoder", "allow_unsafe_weights", "instance_prompt", "class_prompt")}
                 train.save_checkpoint_as_model(found[step], planning.offline_plan(
                     **fields, output_dir=model, total_steps=step, mixed_precision="no"))
@@ -280,6 +287,8 @@ def main(argv=None):
     utils.check_model_dir(args.model_dir, train_args.allow_unsafe_weights)
     for name in subjects:
         planning.check_output_dir(target_dir(args, name), train_args.overwrite)
+    config = flags.write_config(os.path.join(args.sweep_dir, "sweep_config.toml"), args.settings_toml)
+    print(f"settings: {config} (sweep.py --config {config} repeats this sweep)", file=sys.stderr)
     utils.init_ray()
     eval_settings = evaluate.EvalSettings(
         args.eval_models_dir, args.eval_images_per_prompt, train_args.seed, args.batch_size, args.num_inference_steps,

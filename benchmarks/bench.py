@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 import models  # noqa: E402
+import steps  # noqa: E402
 import utils  # noqa: E402
 
 RESOLUTION = {"tiny": 64, "small": 256, "sd15": 512}
@@ -249,7 +250,7 @@ def main(argv=None):
         parser.error("--warmup and --steps must be positive multiples of --logging_steps")
     args.gen_batches = [int(b) for b in args.gen_batches.split(",")]
     device = utils.torch_device()
-    args.mixed_precision = args.mixed_precision or ("bf16" if device.type == "cuda" else "no")
+    args.mixed_precision = steps.mixed_precision_name(steps.amp_dtype(args.mixed_precision, device))  # train.py's rule
     args.inference_steps = args.inference_steps or (50 if device.type == "cuda" else 10)
     variants = [v for v in args.variants.split(",") if v]
     utils.quiet_hf_logging()

@@ -80,7 +80,7 @@ def lora_output(make_plan, tmp_path):
     import models
     import train
 
-    plan = make_plan(use_lora=True, rank=4, lora_alpha=8.0, output_dir=str(tmp_path / "lora-out"))
+    plan = make_plan(use_lora=True, lora_rank=4, lora_alpha=8.0, output_dir=str(tmp_path / "lora-out"))
     nets = models.setup_models(plan, torch.device("cpu"), torch.device("cpu"), distributed=False)
     torch.manual_seed(0)
     with torch.no_grad():

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import checkpoint
+import utils
 import models as models_lib
 import steps
 
@@ -101,6 +102,15 @@ def test_find_latest_picks_the_newest_complete_checkpoint_of_the_run(tmp_path):
     assert checkpoint.find_latest(str(tmp_path), "absent") is None
     with pytest.raises(Exception, match="not a complete checkpoint"):
         checkpoint.resolve_resume(str(tmp_path / "model-tuned-2" / "checkpoint_c"), str(tmp_path), "model-tuned")
+    # auto (dreambooth_run.sh's): the newest run crashed before it saved a model: resume it; once the
+    # output's record names that run, it finished: a rerun starts afresh
+    output = tmp_path / "model-tuned"
+    assert checkpoint.resolve_resume("auto", str(tmp_path), "model-tuned", str(output)) == newest
+    output.mkdir()
+    utils.write_json(output / utils.OUTPUT_MARKER, {"base_model": "/m", "run_name": "model-tuned-1"})
+    assert checkpoint.resolve_resume("auto", str(tmp_path), "model-tuned", str(output)) == newest
+    utils.write_json(output / utils.OUTPUT_MARKER, {"base_model": "/m", "run_name": "model-tuned-2"})
+    assert checkpoint.resolve_resume("auto", str(tmp_path), "model-tuned", str(output)) is None
 
 
 def test_lora_checkpoint_holds_only_the_adapters_and_refuses_the_other_kind(make_plan, prompt_ids, tmp_path):
@@ -108,7 +118,7 @@ def test_lora_checkpoint_holds_only_the_adapters_and_refuses_the_other_kind(make
     import utils
 
     def lora_state(steps_taken):
-        plan = make_plan(use_lora=True, rank=4, lora_alpha=4.0)
+        plan = make_plan(use_lora=True, lora_rank=4, lora_alpha=4.0)
         nets = models_lib.setup_models(plan, CPU, CPU, distributed=False)
         state = steps.make_train_state(nets, plan)
         batch = {"instance_pixels": torch.randint(0, 256, (1, 64, 64, 3), dtype=torch.uint8)}

@@ -99,7 +99,7 @@ def test_lora_trains_only_fp32_adapters_over_frozen_weights_in_the_autocast_dtyp
                                                                                   dtype):
     """bf16/fp16 on CPU take the branch a GPU run takes: frozen weights in the autocast dtype,
     fp32 adapters (fp16: with the GradScaler)."""
-    plan = make_plan(use_lora=True, rank=4, lora_alpha=8.0, mixed_precision=precision)
+    plan = make_plan(use_lora=True, lora_rank=4, lora_alpha=8.0, mixed_precision=precision)
     nets = models_lib.setup_models(plan, CPU, CPU, distributed=False)
     state = steps.make_train_state(nets, plan)
     named = {f"{part}.{k}": v for part in ("unet", "text_encoder") for k, v in
@@ -121,7 +121,7 @@ def test_lora_trains_only_fp32_adapters_over_frozen_weights_in_the_autocast_dtyp
 
 
 def test_lora_rank_and_alpha_shape_the_adapters(make_plan):
-    nets = models_lib.setup_models(make_plan(use_lora=True, rank=2, lora_alpha=6.0, train_text_encoder=False),
+    nets = models_lib.setup_models(make_plan(use_lora=True, lora_rank=2, lora_alpha=6.0, train_text_encoder=False),
                                    CPU, CPU, distributed=False)
     to_q = nets.unet.get_submodule("down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q")
     assert to_q.lora_A["default"].weight.shape[0] == 2 and to_q.scaling["default"] == 3.0

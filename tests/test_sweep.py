@@ -231,3 +231,16 @@ def test_a_failed_trial_is_listed_and_the_rerun_resumes_it_from_its_checkpoint(t
     assert sorted((r["subject"], r["step"], r["status"]) for r in table) == [
         ("blue", "12", "ok"), ("blue", "4", "ok"), ("red", "12", "ok"), ("red", "4", "ok")]
     assert sorted(os.listdir(tmp_path / "best")) == ["blue", "red"]
+
+
+def test_a_sweep_config_holds_its_flags_and_the_trials_train_flags(tiny_model, toy_images, tmp_path):
+    argv = base_argv(tiny_model, tmp_path) + ["--instance_data_dir", toy_images, "--class_name", "toy",
+                                              "--sweep_learning_rate", "1e-6,1e-5", "--use_lora",
+                                              "--validation_prompt", "a toy, oil painting", "--num_workers", "2"]
+    args, train_flags, train_args = sweep.parse_args(argv)
+    config = tmp_path / "sweep_config.toml"
+    config.write_text(args.settings_toml)
+    again, again_flags, again_train = sweep.parse_args(["--config", str(config)])
+    assert again.sweep_learning_rate == [1e-6, 1e-5] and again.class_name == "toy"
+    assert again_train.use_lora and again_train.validation_prompts == ("a toy, oil painting",)
+    assert again_train.num_workers == 2 and again.settings_toml == args.settings_toml

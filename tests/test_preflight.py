@@ -1,0 +1,114 @@
+"""preflight.py: what dreambooth_run.sh checks before Step 1 (the script's own failures are in
+test_dreambooth_run; here the worker arithmetic, the disk estimate and a real 2-node cluster whose
+second node has its own DATA_PREFIX)."""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+import preflight
+import utils
+from utils import REPO_DIR
+
+
+def args(**given):
+    return preflight.parse_args(["--photos_dir", "/p", "--data_prefix", "/d", *[
+        f"--{k}={v}" if v is not True else f"--{k}" for k, v in given.items()]])
+
+
+def test_workers_default_to_one_per_gpu_and_too_many_name_the_variable(capsys):
+    assert preflight.check_workers(args(), cpus=16, gpus=1) == 1
+    assert preflight.check_workers(args(), cpus=16, gpus=8) == 8
+    assert preflight.check_workers(args(gpus_per_worker=2), cpus=16, gpus=8) == 4
+    with pytest.raises(utils.UserError, match=r"NUM_WORKERS=2 x GPUS_PER_WORKER=1 needs 2 GPUs; the Ray cluster "
+                                              r"has 1: set NUM_WORKERS=1"):
+        preflight.check_workers(args(num_workers=2), cpus=16, gpus=1)
+    assert capsys.readouterr().err == ""
+    assert preflight.check_workers(args(), cpus=2, gpus=0) == 1
+    assert "no GPU" in capsys.readouterr().err  # SD on CPUs: said before Step 1, not hours into it
+    assert preflight.check_workers(args(tiny=True), cpus=2, gpus=0) == 1 and capsys.readouterr().err == ""
+    with pytest.raises(utils.UserError, match="NUM_WORKERS=3: .* 2 CPUs"):
+        preflight.check_workers(args(num_workers=3, tiny=True), cpus=2, gpus=0)
+
+
+def test_disk_estimate_is_model_checkpoint_and_output(tiny_model):
+    full, parts = preflight.disk_needed_gb(args(model_name="sd15"))
+    assert full == pytest.approx(4.3 + 3 * 0.92 * 4.3 + 4.3) and "a checkpoint 11.9" in parts
+    lora, _ = preflight.disk_needed_gb(args(model_name="sd15", use_lora=True))
+    assert lora == pytest.approx(4.3 + 2 * preflight.LORA_GB)
+    cached, parts = preflight.disk_needed_gb(args(model_name="sd15", model_path=tiny_model))
+    assert cached < 0.1 and parts.startswith("model 0.0")  # cached already: nothing to download
+
+
+def test_photos_and_class_name_are_checked_first(tmp_path, toy_images):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(utils.UserError, match=r"INSTANCE_DIR=\S+empty: .*holds no images"):
+        preflight.check_photos(str(tmp_path / "empty"), "INSTANCE_DIR")
+    broken = shutil.copytree(toy_images, tmp_path / "photos")
+    (broken / "IMG_1.jpg").write_bytes(b"\xff\xd8\xff not a photo")
+    with pytest.raises(utils.UserError, match="IMG_1.jpg"):
+        preflight.check_photos(str(broken), "INSTANCE_DIR")
+    with pytest.raises(utils.UserError, match="CLASS_NAME is not set"):
+        preflight.main(["--photos_dir", toy_images, "--data_prefix", str(tmp_path), "--class_name", " "])
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0, reason="needs unshare (root)")
+def test_a_data_prefix_that_one_node_of_two_does_not_share_fails_before_step_1(tmp_path, toy_images):
+    """A real 2-node Ray cluster on this machine: the second node runs in its own mount namespace,
+    where an empty filesystem is mounted over DATA_PREFIX, as a node without the NFS mount sees it."""
+    prefix = tmp_path / "data"
+    prefix.mkdir()
+    ray = os.path.join(os.path.dirname(sys.executable), "ray")
+    import tempfile
+
+    port = free_port()
+    temp = tempfile.mkdtemp(prefix="rp", dir="/tmp")  # Ray's socket paths must stay short
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    head = subprocess.Popen([ray, "start", "--head", "--block", f"--port={port}", "--num-cpus=2", "--num-gpus=0",
+                             f"--temp-dir={temp}", "--include-dashboard=false"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    node = None
+    try:
+        time.sleep(8)
+        node = subprocess.Popen(
+            ["unshare", "-m", "--propagation", "private", "sh", "-c",
+             f"mount -t tmpfs tmpfs {prefix} && exec {ray} start --block --address=127.0.0.1:{port} --num-cpus=1"],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.time() + 60
+        while True:  # until the second node has joined
+            check = subprocess.run([sys.executable, "-c", "import ray; ray.init(address='auto'); "
+                                    "print(sum(n['Alive'] for n in ray.nodes()))"], capture_output=True, text=True,
+                                   env=dict(env, RAY_ADDRESS=f"127.0.0.1:{port}"), timeout=60)
+            if check.stdout.strip().endswith("2") or time.time() > deadline:
+                break
+            time.sleep(2)
+        assert check.stdout.strip().endswith("2"), check.stderr[-2000:]
+        proc = subprocess.run([sys.executable, "preflight.py", "--photos_dir", toy_images, "--class_name", "toy",
+                               "--data_prefix", str(prefix), "--tiny"], cwd=REPO_DIR, capture_output=True,
+                              text=True, timeout=120, env=dict(env, RAY_ADDRESS=f"127.0.0.1:{port}"))
+        assert proc.returncode == 1, proc.stderr[-2000:]
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last.startswith("error: DATA_PREFIX=") and "is not shared storage" in last and "Traceback" not in \
+            proc.stderr
+        assert os.listdir(prefix) == []  # the probe cleaned up after itself on this node
+    finally:
+        for process in (node, head):
+            if process is not None:
+                os.killpg(process.pid, 15)
+                try:
+                    process.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    os.killpg(process.pid, 9)
+                    process.wait(timeout=15)
+        shutil.rmtree(temp, ignore_errors=True)
