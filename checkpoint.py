@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-import models as models_lib
+import models
 import outputs
 import utils
 
@@ -64,9 +64,9 @@ def save(state, folder, epoch, rng_states, train_text_encoder, lora=None):
     from safetensors.torch import save_file
 
     files = [UNET_FILE, OPTIMIZER_FILE]
-    save_file(models_lib.trained_state_dict(state.models.unet), os.path.join(folder, UNET_FILE))
+    save_file(models.trained_state_dict(state.models.unet), os.path.join(folder, UNET_FILE))
     if train_text_encoder:
-        save_file(models_lib.trained_state_dict(state.models.text_encoder), os.path.join(folder, TEXT_ENCODER_FILE))
+        save_file(models.trained_state_dict(state.models.text_encoder), os.path.join(folder, TEXT_ENCODER_FILE))
         files.append(TEXT_ENCODER_FILE)
     torch.save({"optimizer": state.optimizer.state_dict(), "lr_scheduler": state.lr_scheduler.state_dict(),
                 "scaler": state.scaler.state_dict(), "rng": rng_states, "skipped_steps": state.skipped_steps},
@@ -77,14 +77,14 @@ def save(state, folder, epoch, rng_states, train_text_encoder, lora=None):
                       "sizes": sizes})
 
 
-def load_weights(models, folder):
-    """The checkpoint's trained weights into models (a models.Models): UNet, and the text encoder if trained."""
+def load_weights(nets, folder):
+    """The checkpoint's trained weights into nets (a models.Models): UNet, and the text encoder if trained."""
     from safetensors.torch import load_file
 
-    models_lib.load_trained_state_dict(models.unet, load_file(os.path.join(folder, UNET_FILE)))
+    models.load_trained_state_dict(nets.unet, load_file(os.path.join(folder, UNET_FILE)))
     te_path = os.path.join(folder, TEXT_ENCODER_FILE)
     if os.path.isfile(te_path):
-        models_lib.load_trained_state_dict(models.text_encoder, load_file(te_path))
+        models.load_trained_state_dict(nets.text_encoder, load_file(te_path))
 
 
 def load(state, folder, rank):

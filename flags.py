@@ -442,6 +442,17 @@ REFUSED = {
 }
 
 
+def option_strings(names):
+    """Every spelling of the named flags (their options, and --no-X of on/off switches)."""
+    spellings = []
+    for name in names:
+        options, kwargs = FLAGS[name]
+        spellings += options
+        if kwargs.get("action") is argparse.BooleanOptionalAction:
+            spellings += ["--no-" + o[2:] for o in options]
+    return tuple(spellings)
+
+
 class _Refused(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         parser.error(f"{option_string} is not supported: {REFUSED[option_string]}")

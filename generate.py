@@ -282,11 +282,11 @@ def top_up(folder, model, prompts, count, settings, safety_checker, on_mismatch=
 
 def prompts_of(args):
     """The prompts of --prompts (each value one prompt, commas and all) and --prompts_file, once each."""
-    import prompts as prompt_files
+    import prompts
 
     given = list(args.prompts or [])
     if args.prompts_file:
-        given += prompt_files.read_prompt_file(args.prompts_file)
+        given += prompts.read_prompt_file(args.prompts_file)
     if not given:
         raise utils.UserError("give the prompts: --prompts 'photo of a dog' (repeat the flag for several) "
                               "or --prompts_file FILE (one per line)")

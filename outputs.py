@@ -8,6 +8,7 @@ only when it was drawn by the same model with the same settings:
     ref.fingerprint()                                  # 'trained:<id>', 'org/name@<commit>', 'files:<hash>'
     outputs.read_output(folder)                        # TrainedOutput or None
 
+train.py's outputs are written here too (`save_pipeline`, `save_lora`, `save_checkpoint_as_model`).
 Generated image folders carry an `ImageRecord` (dreambooth_images.json) naming the model and the
 settings that drew them; `check_image_record` decides whether a folder's images can be kept.
 """
@@ -23,6 +24,7 @@ import utils
 
 IMAGES_RECORD = "dreambooth_images.json"  # beside generated images: what drew them
 IMAGES_CONFIG = "generate_config.toml"  # beside them too: generate.py --config FILE repeats the run
+TRAIN_CONFIG = "train_config.toml"  # in a run folder and its model: train.py --config FILE repeats the run
 _SNAPSHOT = re.compile(r"models--(?P<owner>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<revision>[0-9a-f]{40})/?$")
 _SAMPLE_BYTES = 1 << 20  # read from each end of a weights file for a folder's content fingerprint
 
@@ -174,3 +176,66 @@ def remove_drawn_images(folder):
         path = os.path.join(folder, name)
         if os.path.exists(path):
             os.remove(path)
+
+
+# ---------------------------------------------------------------- writing train.py's outputs
+
+
+def save_pipeline(nets, plan):
+    """Write the result to output_dir, whole or not at all: the fine-tuned pipeline, or with
+    LoRA the adapters as pytorch_lora_weights.safetensors (diffusers' LoRA format, with their
+    rank and alpha) for StableDiffusionPipeline.load_lora_weights on the base model."""
+    from diffusers import StableDiffusionPipeline
+
+    import flags
+    import models
+    import planning
+
+    unet, text_encoder = models.unwrap(nets.unet), models.unwrap(nets.text_encoder)
+    marker = {"base_model": plan.model_dir, "steps": plan.total_steps, "instance_prompt": plan.instance_prompt,
+              "class_prompt": plan.class_prompt, "lora": planning.lora_settings(plan),
+              "model_id": new_model_id(), "run_name": plan.run_name}
+
+    def write(tmp):
+        if plan.use_lora:
+            save_lora(tmp, unet, text_encoder if plan.train_text_encoder else None)
+        else:
+            pipe = models.from_pretrained(StableDiffusionPipeline, plan.model_dir, plan.allow_unsafe_weights,
+                                              unet=unet, text_encoder=text_encoder)
+            pipe.save_pretrained(tmp, safe_serialization=True)
+        utils.write_json(os.path.join(tmp, utils.OUTPUT_MARKER), marker)
+        if plan.settings_toml:
+            flags.write_config(os.path.join(tmp, TRAIN_CONFIG), plan.settings_toml)
+
+    utils.atomic_write_dir(plan.output_dir, write)
+
+
+def save_checkpoint_as_model(checkpoint_dir, plan):
+    """The weights of a checkpoint written as train.py's output (plan.output_dir), as if the run had
+    ended at that step: intermediate checkpoints become models to sample from (sweep.py)."""
+    import torch
+
+    import checkpoint
+    import models
+
+    cpu = torch.device("cpu")
+    nets = models.setup_models(plan, cpu, cpu, distributed=False)
+    checkpoint.load_weights(nets, checkpoint_dir)
+    save_pipeline(nets, plan)
+
+
+def save_lora(folder, unet, text_encoder=None):
+    """utils.LORA_WEIGHTS_FILE in folder, written by diffusers' save_lora_weights."""
+    from diffusers import StableDiffusionPipeline
+    from diffusers.utils import convert_state_dict_to_diffusers
+    from peft.utils import get_peft_model_state_dict
+
+    def layers(model):
+        return convert_state_dict_to_diffusers(get_peft_model_state_dict(model, save_embedding_layers=False)) if model is not None else None
+
+    def metadata(model):
+        return model.peft_config["default"].to_dict() if model is not None else None
+
+    StableDiffusionPipeline.save_lora_weights(
+        folder, weight_name=utils.LORA_WEIGHTS_FILE, unet_lora_layers=layers(unet), text_encoder_lora_layers=layers(text_encoder),
+        unet_lora_adapter_metadata=metadata(unet), text_encoder_lora_adapter_metadata=metadata(text_encoder))

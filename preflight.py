@@ -19,7 +19,7 @@ import uuid
 
 import cache_model
 import flags
-import plan as planning
+import planning
 import utils
 
 GB = 1e9

@@ -30,7 +30,7 @@ import dataset
 import evaluate
 import flags
 import outputs
-import plan as planning
+import planning
 import sweep_report
 import utils
 
@@ -39,11 +39,24 @@ SWEEP_FLAGS = [
     "eval_prompts", "eval_models_dir", "num_class_images", "sweep_learning_rate", "sweep_max_train_steps",
     "sweep_rank", "sweep_train_text_encoder", "search", "num_trials", "clip_t_margin", "sweep_dir",
     "max_concurrent_trials", "eval_images_per_prompt", "num_inference_steps", "guidance_scale", "batch_size"]
-# What the sweep sets in each trial's train.py command itself.
-SET_BY_SWEEP = ("--learning_rate", "--lr", "--max_train_steps", "--rank", "--lora_rank", "--train_text_encoder",
-                "--no-train_text_encoder", "--checkpointing_steps", "--checkpoints_total_limit",
-                "--resume_from_checkpoint", "--storage_path", "--instance_prompt", "--class_prompt",
-                "--class_data_dir", "--class_images_dir", "--num_class_images")
+# The train.py flags the sweep sets in each trial itself (every spelling of them is refused).
+SET_BY_SWEEP = flags.option_strings(["learning_rate", "max_train_steps", "lora_rank", "train_text_encoder",
+                                     "checkpointing_steps", "checkpoints_total_limit", "resume_from_checkpoint",
+                                     "storage_path", "instance_prompt", "class_prompt", "class_data_dir",
+                                     "num_class_images"])
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepJob:
+    """What every trial reads (Tune hands it to trial_fn with each trial's config)."""
+
+    subjects: dict  # {name: evaluate.Subject}
+    sweep_dir: str
+    steps: tuple  # the step counts scored, ascending; the last is trained to
+    class_dirs: dict  # {class name: folder of its class images}
+    train_flags: tuple  # train.py's flags for every trial
+    model_dir: str
+    eval_settings: object  # evaluate.EvalSettings
 METRICS = ("dino", "clip_i", "clip_t", "div", "pres")
 
 
@@ -144,18 +157,18 @@ def trial_label(config):
 
 def trial_fn(config, job):
     """One trial, in a Tune actor: train.py to the largest step count, then score each step count.
-    Reports one result per step count."""
+    Reports one result per step count. job: SweepJob."""
     import ray.tune
 
     import train
 
-    subject = job["subjects"][config["subject"]]
+    subject = job.subjects[config["subject"]]
     # Named by its settings, not Tune's trial id (a retried trial gets a new id): a trial run again
     # after a failure or a crash finds its own checkpoints and resumes from them.
-    folder = os.path.join(job["sweep_dir"], "trials", trial_label(config))
-    steps = job["steps"]
-    class_dir = job["class_dirs"][subject.class_name]
-    argv = [*job["train_flags"], "--model_dir", job["model_dir"], "--output_dir", os.path.join(folder, "model"),
+    folder = os.path.join(job.sweep_dir, "trials", trial_label(config))
+    steps = job.steps
+    class_dir = job.class_dirs[subject.class_name]
+    argv = [*job.train_flags, "--model_dir", job.model_dir, "--output_dir", os.path.join(folder, "model"),
             "--instance_data_dir", subject.photos_dir, "--instance_prompt", f"photo of {subject.unique_token} "
             f"{subject.class_name}", "--class_data_dir", class_dir, "--class_prompt", f"photo of a {subject.class_name}",
             "--learning_rate", repr(config["learning_rate"]), "--max_train_steps", str(steps[-1]),
@@ -163,7 +176,7 @@ def trial_fn(config, job):
             "--no-train_text_encoder", "--checkpointing_steps", str(math.gcd(*steps)),
             "--storage_path", os.path.join(folder, "ray_results"), "--resume_from_checkpoint", "latest", "--overwrite"]
     train_args = planning.parse_args(argv)
-    train.main(argv)  # after a restart: resumes from the trial's newest checkpoint
+    train.run(train_args)  # after a restart: resumes from the trial's newest checkpoint
     found = checkpoint.by_step(train_args.storage_path, "model")
     entries = []
     for step in steps:
@@ -173,10 +186,10 @@ def trial_fn(config, job):
             if not os.path.isfile(os.path.join(model, utils.OUTPUT_MARKER)):
                 fields = {k: getattr(train_args, k) for k in ("model_dir", "use_lora", "lora_rank", "lora_alpha",
                           "train_text_encoder", "allow_unsafe_weights", "instance_prompt", "class_prompt")}
-                train.save_checkpoint_as_model(found[step], planning.offline_plan(
+                outputs.save_checkpoint_as_model(found[step], planning.offline_plan(
                     **fields, output_dir=model, total_steps=step, mixed_precision="no"))
         entries.append((f"step-{step}", outputs.resolve_model(model)))
-    result = evaluate.run(entries, [subject], job["eval_settings"], os.path.join(folder, "eval"))[subject.name]
+    result = evaluate.run(entries, [subject], job.eval_settings, os.path.join(folder, "eval"))[subject.name]
     for step, (label, model) in zip(steps, entries):
         ray.tune.report({"step": step, "model": model.lora_dir or model.model_dir,
                          **result["models"][label]["overall"]})
@@ -207,14 +220,14 @@ def run_tune(job, space, concurrency, num_samples):
     from ray import tune
 
     trainable = tune.with_resources(tune.with_parameters(trial_fn, job=job), {"CPU": 0, "memory": 1})
-    path = os.path.join(job["sweep_dir"], "tune")
+    path = os.path.join(job.sweep_dir, "tune")
     if tune.Tuner.can_restore(path):
         print(f"resuming the sweep in {path}: finished trials are kept, the others run", file=sys.stderr)
         tuner = tune.Tuner.restore(path, trainable, resume_unfinished=True, restart_errored=True)
     else:
         tuner = tune.Tuner(trainable, param_space=space,
                            tune_config=tune.TuneConfig(num_samples=num_samples, max_concurrent_trials=concurrency),
-                           run_config=tune.RunConfig(name="tune", storage_path=job["sweep_dir"], verbose=1,
+                           run_config=tune.RunConfig(name="tune", storage_path=job.sweep_dir, verbose=1,
                                                      failure_config=tune.FailureConfig(max_failures=0)))
     return tuner.fit()
 
@@ -297,9 +310,8 @@ def main(argv=None):
     base = score_base(args, subjects, eval_settings)
     # A trial draws and embeds its images on the GPUs it trained on (one actor on a CPU cluster).
     trial_actors = train_args.num_workers * train_args.gpus_per_worker if utils.cluster_resources()[1] else 1
-    job = {"subjects": subjects, "sweep_dir": args.sweep_dir, "steps": args.sweep_max_train_steps,
-           "class_dirs": class_dirs, "train_flags": train_flags, "model_dir": args.model_dir,
-           "eval_settings": dataclasses.replace(eval_settings, num_actors=trial_actors)}
+    job = SweepJob(subjects, args.sweep_dir, tuple(args.sweep_max_train_steps), class_dirs, tuple(train_flags),
+                   args.model_dir, dataclasses.replace(eval_settings, num_actors=trial_actors))
     concurrency = max_concurrent(args, train_args)
     num_samples = args.num_trials if args.search == "random" else 1
     print(f"sweep: {len(subjects)} subject(s), steps {args.sweep_max_train_steps}, {args.search} search, "

@@ -22,25 +22,29 @@ import time
 import checkpoint
 import flags
 import outputs
-import plan as planning
+import planning
 import runlog
 import utils
 
 IMAGE_COLUMNS = ("_pixels", "_latents")  # the batch columns that hold one image per row
-CONFIG_FILE = "train_config.toml"  # in the run folder and the output: train.py --config FILE repeats the run
 
 
 # ---------------------------------------------------------------- driver
 
 
 def main(argv=None):
-    args = planning.parse_args(argv, __doc__.splitlines()[0])
+    return run(planning.parse_args(argv, __doc__.splitlines()[0]))
+
+
+def run(args):
+    """A training run of parsed flags (plan.parse_args): class images topped up, the plan made and
+    printed, train_fn on a TorchTrainer. sweep.py's trials call it directly."""
     if args.num_class_images:
         top_up_class_images(args.model_dir, args.class_data_dir, args.class_prompt, args.num_class_images, args.seed,
                             args.resolution, args.allow_unsafe_weights)
     plan = planning.plan_run(args, cluster_resources=start_ray)
     print(plan.describe(), file=sys.stderr)
-    config = flags.write_config(os.path.join(plan.storage_path, plan.run_name, CONFIG_FILE), plan.settings_toml)
+    config = flags.write_config(os.path.join(plan.storage_path, plan.run_name, outputs.TRAIN_CONFIG), plan.settings_toml)
     print(f"settings: {config} (train.py --config {os.path.basename(config)} repeats this run)", file=sys.stderr)
     try:
         result = run_trainer(plan, train_dataset(plan))
@@ -147,7 +151,7 @@ def train_fn(config):
     import torch
     from ray.experimental import tqdm_ray
 
-    import models as models_lib
+    import models
     import steps
     import validation
 
@@ -159,8 +163,8 @@ def train_fn(config):
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     batches = prefetched(ray.train.get_dataset_shard("train").iter_torch_batches(batch_size=plan.train_batch_size))
     torch.manual_seed(plan.seed + rank)  # every rank its own noise stream (CPU and GPUs)
-    models = models_lib.setup_models(plan, unet_device, aux_device, distributed=world > 1)
-    state = steps.make_train_state(models, plan)
+    nets = models.setup_models(plan, unet_device, aux_device, distributed=world > 1)
+    state = steps.make_train_state(nets, plan)
     # Ray's own checkpoint (a restarted worker group) wins over the one the run started from.
     restored = ray.train.get_checkpoint()
     if restored is not None:
@@ -171,8 +175,8 @@ def train_fn(config):
     if rank == 0:
         print(f"worker devices: UNet on {unet_device}, text encoder and VAE on {aux_device}; "
               f"autocast {state.amp_dtype or 'off (fp32)'}", flush=True)
-    prompts = prompt_inputs(models.text_encoder, plan, aux_device)
-    sampler = validation.Sampler(models, plan, state.amp_dtype) if plan.validation_prompts else None
+    prompts = prompt_inputs(nets.text_encoder, plan, aux_device)
+    sampler = validation.Sampler(nets, plan, state.amp_dtype) if plan.validation_prompts else None
     total, accum = plan.total_steps, plan.gradient_accumulation_steps
     # The stream is the same on every run: a resumed worker skips what it had trained on.
     batches = itertools.islice(batches, state.step * accum, None)
@@ -219,7 +223,7 @@ def train_fn(config):
     if state.step < total:
         raise RuntimeError(f"the data stream ended at step {state.step} of {total}")
     if rank == 0:
-        save_pipeline(models, plan)
+        outputs.save_pipeline(nets, plan)
 
 
 def worker_devices(gpus_per_worker, local_world_size):
@@ -292,63 +296,6 @@ def report(state, metrics, rank, plan):
         checkpoint.save(state, folder, metrics["epoch"], rng_states, plan.train_text_encoder,
                         planning.lora_settings(plan))
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
-
-
-def save_pipeline(models, plan):
-    """Write the result to output_dir, whole or not at all: the fine-tuned pipeline, or with
-    LoRA the adapters as pytorch_lora_weights.safetensors (diffusers' LoRA format, with their
-    rank and alpha) for StableDiffusionPipeline.load_lora_weights on the base model."""
-    from diffusers import StableDiffusionPipeline
-
-    import models as models_lib
-
-    unet, text_encoder = models_lib.unwrap(models.unet), models_lib.unwrap(models.text_encoder)
-    marker = {"base_model": plan.model_dir, "steps": plan.total_steps, "instance_prompt": plan.instance_prompt,
-              "class_prompt": plan.class_prompt, "lora": planning.lora_settings(plan),
-              "model_id": outputs.new_model_id(), "run_name": plan.run_name}
-
-    def write(tmp):
-        if plan.use_lora:
-            save_lora(tmp, unet, text_encoder if plan.train_text_encoder else None)
-        else:
-            pipe = models_lib.from_pretrained(StableDiffusionPipeline, plan.model_dir, plan.allow_unsafe_weights,
-                                              unet=unet, text_encoder=text_encoder)
-            pipe.save_pretrained(tmp, safe_serialization=True)
-        utils.write_json(os.path.join(tmp, utils.OUTPUT_MARKER), marker)
-        if plan.settings_toml:
-            flags.write_config(os.path.join(tmp, CONFIG_FILE), plan.settings_toml)
-
-    utils.atomic_write_dir(plan.output_dir, write)
-
-
-def save_checkpoint_as_model(checkpoint_dir, plan):
-    """The weights of a checkpoint written as train.py's output (plan.output_dir), as if the run had
-    ended at that step: intermediate checkpoints become models to sample from (sweep.py)."""
-    import torch
-
-    import models as models_lib
-
-    cpu = torch.device("cpu")
-    nets = models_lib.setup_models(plan, cpu, cpu, distributed=False)
-    checkpoint.load_weights(nets, checkpoint_dir)
-    save_pipeline(nets, plan)
-
-
-def save_lora(folder, unet, text_encoder=None):
-    """utils.LORA_WEIGHTS_FILE in folder, written by diffusers' save_lora_weights."""
-    from diffusers import StableDiffusionPipeline
-    from diffusers.utils import convert_state_dict_to_diffusers
-    from peft.utils import get_peft_model_state_dict
-
-    def layers(model):
-        return convert_state_dict_to_diffusers(get_peft_model_state_dict(model, save_embedding_layers=False)) if model is not None else None
-
-    def metadata(model):
-        return model.peft_config["default"].to_dict() if model is not None else None
-
-    StableDiffusionPipeline.save_lora_weights(
-        folder, weight_name=utils.LORA_WEIGHTS_FILE, unet_lora_layers=layers(unet), text_encoder_lora_layers=layers(text_encoder),
-        unet_lora_adapter_metadata=metadata(unet), text_encoder_lora_adapter_metadata=metadata(text_encoder))
 
 
 if __name__ == "__main__":

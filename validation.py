@@ -11,7 +11,7 @@ import os
 
 import checkpoint
 import generate
-import models as models_lib
+import models
 import utils
 
 FOLDER = "validation"  # in the run's folder under --storage_path
@@ -29,11 +29,11 @@ class Sampler:
     folder's own tokenizer and scheduler, and the run's autocast dtype. The text encoder
     runs on its device and the VAE on its own: the two-device split samples as it trains."""
 
-    def __init__(self, models, plan, amp_dtype):
+    def __init__(self, nets, plan, amp_dtype):
         import diffusers
         from transformers import CLIPTokenizer
 
-        self.models, self.plan, self.amp_dtype = models, plan, amp_dtype
+        self.nets, self.plan, self.amp_dtype = nets, plan, amp_dtype
         self.tokenizer = CLIPTokenizer.from_pretrained(plan.model_dir, subfolder="tokenizer")
         # The model's own sampler (PNDM for SD 1.x), as generate.py draws with it.
         config = utils.read_json(os.path.join(plan.model_dir, "scheduler", "scheduler_config.json"))
@@ -44,22 +44,22 @@ class Sampler:
         import torch
 
         ids = torch.stack([torch.from_numpy(dataset.tokenize_prompt(self.tokenizer, p)) for p in prompts])
-        text_encoder = models_lib.unwrap(self.models.text_encoder)
-        return text_encoder(ids.to(self.models.aux_device))[0].to(self.models.unet_device)
+        text_encoder = models.unwrap(self.nets.text_encoder)
+        return text_encoder(ids.to(self.nets.aux_device))[0].to(self.nets.unet_device)
 
     def __call__(self, items):
         """PIL images of [(prompt, index, seed)], one by one (memory stays at one image's)."""
         import torch
         from diffusers import StableDiffusionPipeline
 
-        models = self.models
-        unet, vae = models_lib.unwrap(models.unet), models.vae
-        pipe = StableDiffusionPipeline(vae=vae, text_encoder=models_lib.unwrap(models.text_encoder),
+        nets = self.nets
+        unet, vae = models.unwrap(nets.unet), nets.vae
+        pipe = StableDiffusionPipeline(vae=vae, text_encoder=models.unwrap(nets.text_encoder),
                                        tokenizer=self.tokenizer, unet=unet, scheduler=self.scheduler,
                                        safety_checker=None, feature_extractor=None, requires_safety_checker=False)
         pipe.set_progress_bar_config(disable=True)
         images = []
-        with torch.no_grad(), torch.autocast(models.unet_device.type, dtype=self.amp_dtype,
+        with torch.no_grad(), torch.autocast(nets.unet_device.type, dtype=self.amp_dtype,
                                              enabled=self.amp_dtype is not None):
             negative = self.encode([""])
             for prompt, _, seed in items:
@@ -67,7 +67,7 @@ class Sampler:
                                height=self.plan.resolution, width=self.plan.resolution,
                                num_inference_steps=self.plan.validation_inference_steps,
                                generator=torch.Generator("cpu").manual_seed(seed), output_type="latent").images
-                latents = latents.to(models.aux_device, vae.dtype) / vae.config.scaling_factor
+                latents = latents.to(nets.aux_device, vae.dtype) / vae.config.scaling_factor
                 decoded = vae.decode(latents).sample
                 images += pipe.image_processor.postprocess(decoded.float(), output_type="pil")
         return images
@@ -80,7 +80,7 @@ def run_round(sampler, step, rank, world, run_dir):
 
     items = images_of(sampler.plan)
     mine = list(range(rank, len(items), world))
-    nets = [sampler.models.unet, sampler.models.text_encoder]
+    nets = [sampler.nets.unet, sampler.nets.text_encoder]
     modes = [net.training for net in nets]
     rng = checkpoint.rng_state()
     for net in nets:

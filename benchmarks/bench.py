@@ -75,7 +75,7 @@ def make_model(size, folder):
 
 def step_plan(args, train_text_encoder, device, precompute_text_embeddings, use_lora=False):
     """train.py's settings for the plain loop: its own flag defaults, with this run's choices."""
-    import plan as planning
+    import planning
 
     return planning.offline_plan(
         model_dir=args.model_dir, use_lora=use_lora, learning_rate=1e-4 if use_lora else 5e-6, mixed_precision=args.mixed_precision, train_text_encoder=train_text_encoder,

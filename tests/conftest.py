@@ -37,13 +37,13 @@ def toy_images():
 
 @pytest.fixture()
 def make_plan(tiny_model):
-    """make_plan(**fields): a plan.Plan of the tiny model on CPU without files or Ray, with a
+    """make_plan(**fields): a planning.Plan of the tiny model on CPU without files or Ray, with a
     learning rate that visibly moves its weights in a step or two."""
-    import plan
+    import planning
 
     def make(**fields):
         base = dict(model_dir=tiny_model, learning_rate=1e-3, adam_weight_decay=0.0, mixed_precision="no")
-        return plan.offline_plan(**{**base, **fields})
+        return planning.offline_plan(**{**base, **fields})
 
     return make
 
@@ -74,11 +74,11 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture()
 def lora_output(make_plan, tmp_path):
     """(folder, models.Models): LoRA adapters (rank 4, alpha 8, UNet and text encoder) with
-    random non-zero weights, written by train.save_pipeline as a --use_lora run writes them."""
+    random non-zero weights, written by outputs.save_pipeline as a --use_lora run writes them."""
     import torch
 
     import models
-    import train
+    import outputs
 
     plan = make_plan(use_lora=True, lora_rank=4, lora_alpha=8.0, output_dir=str(tmp_path / "lora-out"))
     nets = models.setup_models(plan, torch.device("cpu"), torch.device("cpu"), distributed=False)
@@ -88,5 +88,5 @@ def lora_output(make_plan, tmp_path):
             for name, weight in model.named_parameters():
                 if ".lora_B." in name:
                     weight.normal_(0, 0.2)
-    train.save_pipeline(nets, plan)
+    outputs.save_pipeline(nets, plan)
     return plan.output_dir, nets

@@ -114,7 +114,7 @@ def test_find_latest_picks_the_newest_complete_checkpoint_of_the_run(tmp_path):
 
 
 def test_lora_checkpoint_holds_only_the_adapters_and_refuses_the_other_kind(make_plan, prompt_ids, tmp_path):
-    import plan as planning
+    import planning
     import utils
 
     def lora_state(steps_taken):
@@ -172,18 +172,18 @@ def test_8bit_adam_trains_and_its_quantised_state_round_trips(make_plan, prompt_
 
 def test_a_checkpoint_becomes_the_model_the_run_would_have_saved_at_that_step(make_plan, prompt_ids, tiny_model,
                                                                             tmp_path):
-    """sweep.py scores intermediate checkpoints: train.save_checkpoint_as_model writes their weights as
+    """sweep.py scores intermediate checkpoints: outputs.save_checkpoint_as_model writes their weights as
     train.py's output (channels-last on, as on a GPU), recording the step."""
     from diffusers import StableDiffusionPipeline
 
-    import train
+    import outputs
     import utils
 
     state = trained_state(make_plan, prompt_ids, channels_last=True)
     os.makedirs(tmp_path / "ckpt")
     checkpoint.save(state, str(tmp_path / "ckpt"), 0, [checkpoint.rng_state()], train_text_encoder=True)
     plan = make_plan(output_dir=str(tmp_path / "step-2"), total_steps=2, channels_last=True)
-    train.save_checkpoint_as_model(str(tmp_path / "ckpt"), plan)
+    outputs.save_checkpoint_as_model(str(tmp_path / "ckpt"), plan)
 
     saved = StableDiffusionPipeline.from_pretrained(str(tmp_path / "step-2"), safety_checker=None)
     base = StableDiffusionPipeline.from_pretrained(tiny_model, safety_checker=None)

@@ -5,14 +5,14 @@ import sys
 import pytest
 
 import flags
-import plan
+import planning
 from utils import REPO_DIR
 
 BASE = ["--model_dir", "/m", "--output_dir", "/o", "--instance_images_dir", "/i", "--instance_prompt", "p"]
 
 
 def parse_train(argv):
-    return plan.parse_args(argv)
+    return planning.parse_args(argv)
 
 
 def test_ray_example_names_are_aliases_of_diffusers_names():
@@ -134,7 +134,7 @@ def test_diffusers_documented_commands_parse_and_push_to_hub_says_what_to_do(com
 
 
 def test_every_diffusers_flag_is_taken_or_refused_with_what_to_do_instead(capsys):
-    parser = flags.make_parser("t", plan.TRAIN_FLAGS, refused=flags.REFUSED)
+    parser = flags.make_parser("t", planning.TRAIN_FLAGS, refused=flags.REFUSED)
     options = parser._option_string_actions
     assert len(DIFFUSERS_FLAGS) == 61 and all(f in options for f in DIFFUSERS_FLAGS)
     refused = [f for f in DIFFUSERS_FLAGS if f in flags.REFUSED]

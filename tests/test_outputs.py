@@ -83,17 +83,17 @@ def test_images_without_a_record_are_not_mixed_with_new_ones(tiny_model, tmp_pat
 
 
 def test_class_images_of_another_model_prompt_or_size_are_refused_for_training(tiny_model, tmp_path):
-    import plan
+    import planning
 
     folder = str(tmp_path / "class")
     generate.top_up(folder, outputs.ModelRef(tiny_model), ["photo of a dog"], 1, SETTINGS, False)
-    plan.check_class_images(folder, tiny_model, "photo of a dog", 64)  # the same: fine
+    planning.check_class_images(folder, tiny_model, "photo of a dog", 64)  # the same: fine
     with pytest.raises(utils.UserError, match="drawn with prompt 'photo of a dog'.*not with this run's"):
-        plan.check_class_images(folder, tiny_model, "photo of a cat", 64)
+        planning.check_class_images(folder, tiny_model, "photo of a cat", 64)
     with pytest.raises(utils.UserError, match="drawn with 64 px"):
-        plan.check_class_images(folder, tiny_model, "photo of a dog", 128)
+        planning.check_class_images(folder, tiny_model, "photo of a dog", 128)
     copy = shutil.copytree(tiny_model, tmp_path / "other-model")
     (copy / "unet" / "config.json").write_text((copy / "unet" / "config.json").read_text() + " ")
     with pytest.raises(utils.UserError, match="drawn with base model"):
-        plan.check_class_images(folder, str(copy), "photo of a dog", 64)
-    plan.check_class_images(str(tmp_path), tiny_model, "anything", 512)  # no record: the user's own images
+        planning.check_class_images(folder, str(copy), "photo of a dog", 64)
+    planning.check_class_images(str(tmp_path), tiny_model, "anything", 512)  # no record: the user's own images

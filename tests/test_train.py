@@ -86,7 +86,7 @@ def test_train_two_workers_saves_a_changed_loadable_pipeline(ray_session, tiny_m
     assert not weights_differ(tuned.vae, base.vae)
     assert os.path.isfile(out / utils.OUTPUT_MARKER)
     assert all(f.endswith((".json", ".safetensors", ".txt", ".toml")) for _, _, fs in os.walk(out) for f in fs)
-    assert os.path.isfile(out / train.CONFIG_FILE)
+    assert os.path.isfile(out / outputs.TRAIN_CONFIG)
     # Checkpoints at step 3 and at the end, in the absolute storage path beside the output.
     checkpoints = [d for d in os.listdir(result.path) if d.startswith("checkpoint_") and os.path.isdir(os.path.join(result.path, d))]
     assert len(checkpoints) == 2
@@ -138,7 +138,7 @@ def test_cached_latents_frozen_text_encoder_and_loss_options(ray_session, tiny_m
     assert not weights_differ(tuned.text_encoder, base.text_encoder)
 
     # The config the run wrote beside its model repeats it: the same losses, step by step.
-    config = out / train.CONFIG_FILE
+    config = out / outputs.TRAIN_CONFIG
     again = train.main(["--config", str(config), "--output_dir", str(tmp_path / "model-again")])
     assert again.metrics["step"] == 3 and open(config).read() != ""
 
@@ -214,7 +214,7 @@ def test_num_class_images_tops_up_the_class_folder_counting_what_is_there(ray_se
                                                                           tmp_path):
     from PIL import Image
 
-    import plan as planning
+    import planning
 
     folder = tmp_path / "images-reg"
     folder.mkdir()

@@ -1,10 +1,10 @@
-"""plan.py: the command line and the files become one frozen Plan, without Ray."""
+"""planning.py: the command line and the files become one frozen Plan, without Ray."""
 
 import dataclasses
 
 import pytest
 
-import plan
+import planning
 import utils
 
 
@@ -12,8 +12,8 @@ import utils
 def test_output_dir_that_is_not_ours_is_refused(tmp_path):
     (tmp_path / "thesis.tex").write_text("precious")
     with pytest.raises(utils.UserError, match="--overwrite"):
-        plan.check_output_dir(str(tmp_path), overwrite=False)
-    plan.check_output_dir(str(tmp_path), overwrite=True)
+        planning.check_output_dir(str(tmp_path), overwrite=False)
+    planning.check_output_dir(str(tmp_path), overwrite=True)
 
 
 def test_plan_steps_never_exceeds_max_steps_or_starves_a_worker():
@@ -21,12 +21,12 @@ def test_plan_steps_never_exceeds_max_steps_or_starves_a_worker():
         num_workers, train_batch_size, max_train_steps, num_train_epochs = 2, 2, 800, 4
         gradient_accumulation_steps = 1
 
-    assert plan.plan_steps(200, Args) == (50, 200)
-    assert plan.plan_steps(5, Args) == (1, 4)
+    assert planning.plan_steps(200, Args) == (50, 200)
+    assert planning.plan_steps(5, Args) == (1, 4)
     Args.max_train_steps = 3
-    assert plan.plan_steps(200, Args) == (50, 3)
+    assert planning.plan_steps(200, Args) == (50, 3)
     with pytest.raises(utils.UserError, match="cannot feed"):
-        plan.plan_steps(1, Args)
+        planning.plan_steps(1, Args)
 
 
 def test_plan_steps_with_gradient_accumulation():
@@ -34,10 +34,10 @@ def test_plan_steps_with_gradient_accumulation():
         num_workers, train_batch_size, max_train_steps, num_train_epochs = 2, 1, 800, 4
         gradient_accumulation_steps = 3
 
-    assert plan.plan_steps(200, Args) == (33, 132)
+    assert planning.plan_steps(200, Args) == (33, 132)
     Args.gradient_accumulation_steps = 4
     with pytest.raises(utils.UserError, match="gradient_accumulation_steps"):
-        plan.plan_steps(6, Args)
+        planning.plan_steps(6, Args)
 
 
 def test_explicit_max_train_steps_wins_and_epochs_cap_only_when_given(capsys):
@@ -46,25 +46,25 @@ def test_explicit_max_train_steps_wins_and_epochs_cap_only_when_given(capsys):
         max_train_steps, num_train_epochs = 60, None
 
     # 5 instance + 8 class images: 8 rows, 4 steps an epoch per worker.
-    assert plan.plan_steps(8, Args) == (4, 60)
+    assert planning.plan_steps(8, Args) == (4, 60)
     assert "stopping" not in capsys.readouterr().err
     Args.max_train_steps = None
-    assert plan.plan_steps(8, Args) == (4, plan.DEFAULT_MAX_TRAIN_STEPS)
+    assert planning.plan_steps(8, Args) == (4, planning.DEFAULT_MAX_TRAIN_STEPS)
     Args.num_train_epochs = 3
-    assert plan.plan_steps(8, Args) == (4, 12)
+    assert planning.plan_steps(8, Args) == (4, 12)
     Args.max_train_steps = 60
-    assert plan.plan_steps(8, Args) == (4, 12)
+    assert planning.plan_steps(8, Args) == (4, 12)
     assert "stopping after 12 steps, before --max_train_steps 60" in capsys.readouterr().err
     # The seeds' command: --num_epochs=4 --max_train_steps=200, 200 class images, 2 workers, batch 2.
     Args.train_batch_size, Args.num_train_epochs, Args.max_train_steps = 2, 4, 200
-    assert plan.plan_steps(200, Args) == (50, 200)
+    assert planning.plan_steps(200, Args) == (50, 200)
 
 
 def test_the_stream_holds_enough_rows_for_every_step():
     class Args:
         num_workers, train_batch_size, gradient_accumulation_steps = 2, 2, 3
 
-    epochs = plan.stream_epochs(13, 40, Args)
+    epochs = planning.stream_epochs(13, 40, Args)
     rows_per_worker = epochs * 13 // 2
     assert rows_per_worker >= 40 * 2 * 3
 
@@ -76,25 +76,25 @@ def test_worker_resources_leave_a_cpu_for_ray_data_and_refuse_impossible():
         gpus_per_worker = 1
         model_dir = "/models--dreambooth-ray--tiny-stable-diffusion/snapshots/x"  # random weights: no GPU warning
 
-    assert plan.worker_resources(Args, cpus=2, gpus=0) == (False, 2, 0.5)
-    assert plan.worker_resources(Args, cpus=16, gpus=2) == (True, 2, 1.0)
+    assert planning.worker_resources(Args, cpus=2, gpus=0) == (False, 2, 0.5)
+    assert planning.worker_resources(Args, cpus=16, gpus=2) == (True, 2, 1.0)
     with pytest.raises(Exception, match="needs 2 GPUs"):
-        plan.worker_resources(Args, cpus=16, gpus=1)
+        planning.worker_resources(Args, cpus=16, gpus=1)
     Args.gpus_per_worker = 2
     with pytest.raises(Exception, match="--gpus_per_worker 2 needs 4 GPUs; the Ray cluster has 2"):
-        plan.worker_resources(Args, cpus=16, gpus=2)
+        planning.worker_resources(Args, cpus=16, gpus=2)
     Args.num_workers = 1
-    assert plan.worker_resources(Args, cpus=16, gpus=2) == (True, 1, 1.0)
+    assert planning.worker_resources(Args, cpus=16, gpus=2) == (True, 1, 1.0)
     Args.gpus_per_worker, Args.num_workers = 1, 2
     with pytest.raises(Exception, match="needs 2 GPUs"):
         Args.use_gpu = True
-        plan.worker_resources(Args, cpus=16, gpus=0)
+        planning.worker_resources(Args, cpus=16, gpus=0)
     Args.use_gpu, Args.num_workers = None, 1
     with pytest.raises(Exception, match="one for the data pipeline"):
-        plan.worker_resources(Args, cpus=1, gpus=0)
+        planning.worker_resources(Args, cpus=1, gpus=0)
     Args.num_workers = 3
     with pytest.raises(Exception, match="more than the Ray cluster's 2 CPUs"):
-        plan.worker_resources(Args, cpus=2, gpus=0)
+        planning.worker_resources(Args, cpus=2, gpus=0)
 
 
 def test_plan_run_decides_every_setting_once_before_ray(tiny_model, toy_images, tmp_path, capsys):
@@ -104,10 +104,10 @@ def test_plan_run_decides_every_setting_once_before_ray(tiny_model, toy_images, 
         asked.append(1)
         return 4.0, 0
 
-    args = plan.parse_args(["--model_dir", tiny_model, "--output_dir", str(tmp_path / "out"),
+    args = planning.parse_args(["--model_dir", tiny_model, "--output_dir", str(tmp_path / "out"),
                             "--instance_data_dir", toy_images, "--instance_prompt", "photo of unqtkn toy",
                             "--num_workers", "2", "--max_train_steps", "7", "--lr", "2e-5"])
-    run = plan.plan_run(args, cluster)
+    run = planning.plan_run(args, cluster)
     assert asked == [1]
     assert run.total_steps == 7 and run.steps_per_epoch == 2  # 5 rows // 2 workers, batch 1
     assert run.resolution == 64  # the tiny model's native size, read from its configs
@@ -127,14 +127,14 @@ def test_plan_run_refuses_bad_files_before_starting_ray(tiny_model, tmp_path):
     def cluster():
         raise AssertionError("Ray must not start for a bad input")
 
-    args = plan.parse_args(["--model_dir", tiny_model, "--output_dir", str(tmp_path / "out"),
+    args = planning.parse_args(["--model_dir", tiny_model, "--output_dir", str(tmp_path / "out"),
                             "--instance_data_dir", str(tmp_path / "missing"), "--instance_prompt", "p"])
     with pytest.raises(utils.UserError, match="instance folder not found"):
-        plan.plan_run(args, cluster)
+        planning.plan_run(args, cluster)
 
 
 def test_offline_plan_has_the_flag_defaults_and_the_given_fields():
-    run = plan.offline_plan(learning_rate=1e-3)
+    run = planning.offline_plan(learning_rate=1e-3)
     assert run.learning_rate == 1e-3 and run.adam_beta2 == 0.999 and run.train_text_encoder
     assert run.is_checkpoint_step(run.total_steps) and not run.is_checkpoint_step(1)
     assert run.is_report_step(run.logging_steps) and not run.is_report_step(run.logging_steps + 1)
@@ -143,8 +143,8 @@ def test_offline_plan_has_the_flag_defaults_and_the_given_fields():
 def test_scale_lr_multiplies_by_the_images_of_one_optimizer_step():
     argv = ["--model_dir", "/m", "--output_dir", "/o", "--instance_data_dir", "/i", "--instance_prompt", "p",
             "--lr", "1e-6", "--train_batch_size", "2", "--gradient_accumulation_steps", "3", "--num_workers", "4"]
-    assert plan.scaled_learning_rate(plan.parse_args(argv)) == 1e-6
-    assert plan.scaled_learning_rate(plan.parse_args(argv + ["--scale_lr"])) == pytest.approx(24e-6)
+    assert planning.scaled_learning_rate(planning.parse_args(argv)) == 1e-6
+    assert planning.scaled_learning_rate(planning.parse_args(argv + ["--scale_lr"])) == pytest.approx(24e-6)
 
 
 def test_captions_beside_instance_images_replace_the_instance_prompt(tiny_model, toy_images, tmp_path, capsys):
@@ -156,45 +156,45 @@ def test_captions_beside_instance_images_replace_the_instance_prompt(tiny_model,
     (own / "toy-3.txt").write_text("a photo of a toy")
     argv = ["--model_dir", tiny_model, "--output_dir", str(tmp_path / "out"), "--instance_data_dir", str(own),
             "--instance_prompt", "photo of unqtkn toy", "--num_workers", "1"]
-    run = plan.plan_run(plan.parse_args(argv), lambda: (2.0, 0))
+    run = planning.plan_run(planning.parse_args(argv), lambda: (2.0, 0))
     assert run.instance_prompts == ("photo of unqtkn toy", "photo of unqtkn toy on a beach", "a photo of a toy")
     assert run.image_prompt == (0, 1, 0, 2, 0)
     assert len(run.prompt_ids["instance"]) == 3 and run.prompt_ids["instance"][1] != run.prompt_ids["instance"][0]
     err = capsys.readouterr().err
     assert "skipping" not in err and "3 prompts from captions" in run.describe()
-    no_captions = plan.plan_run(plan.parse_args(argv + ["--caption_extension", ""]), lambda: (2.0, 0))
+    no_captions = planning.plan_run(planning.parse_args(argv + ["--caption_extension", ""]), lambda: (2.0, 0))
     assert no_captions.image_prompt == (0,) * 5
     capsys.readouterr()
     # The identifier check applies to each caption.
-    plan.plan_run(plan.parse_args(argv + ["--class_data_dir", toy_images, "--class_prompt", "photo of a toy"]),
+    planning.plan_run(planning.parse_args(argv + ["--class_data_dir", toy_images, "--class_prompt", "photo of a toy"]),
                   lambda: (2.0, 0))
     err = capsys.readouterr().err
     assert "1 prompt(s)/caption(s) has no word that --class_prompt lacks (e.g. 'a photo of a toy')" in err
     (own / "toy-0.txt").write_text("  \n")
     with pytest.raises(utils.UserError, match="toy-0.txt is empty"):
-        plan.plan_run(plan.parse_args(argv), lambda: (2.0, 0))
+        planning.plan_run(planning.parse_args(argv), lambda: (2.0, 0))
 
 
 def test_lora_defaults_learning_rate_and_alpha_and_a_resume_must_match_its_kind(tiny_model, toy_images, tmp_path,
                                                                                  capsys):
     argv = ["--model_dir", "/m", "--output_dir", "/o", "--instance_data_dir", "/i", "--instance_prompt", "p"]
-    full, lora = plan.parse_args(argv), plan.parse_args(argv + ["--use_lora", "--rank", "8"])
+    full, lora = planning.parse_args(argv), planning.parse_args(argv + ["--use_lora", "--rank", "8"])
     assert (full.learning_rate, lora.learning_rate) == (5e-6, 1e-4) and lora.lora_alpha == 8.0
-    assert plan.parse_args(argv + ["--use_lora", "--lr", "3e-4"]).learning_rate == 3e-4
-    assert plan.lora_settings(full) is None and plan.lora_settings(lora) == {"rank": 8, "lora_alpha": 8.0}
+    assert planning.parse_args(argv + ["--use_lora", "--lr", "3e-4"]).learning_rate == 3e-4
+    assert planning.lora_settings(full) is None and planning.lora_settings(lora) == {"rank": 8, "lora_alpha": 8.0}
     with pytest.raises(SystemExit):
-        plan.parse_args(argv + ["--use_lora", "--lora_dropout", "1"])
+        planning.parse_args(argv + ["--use_lora", "--lora_dropout", "1"])
     assert "--lora_dropout: must be < 1" in capsys.readouterr().err
 
     done = tmp_path / "ray_results" / "out-1" / "checkpoint_0"  # a full fine-tuning checkpoint
     done.mkdir(parents=True)
     (done / "unet.safetensors").write_bytes(b"w")
     utils.write_json(str(done / "train_state.json"), {"step": 2, "lora": None, "sizes": {"unet.safetensors": 1}})
-    args = plan.parse_args(["--model_dir", tiny_model, "--output_dir", str(tmp_path / "out"), "--instance_data_dir",
+    args = planning.parse_args(["--model_dir", tiny_model, "--output_dir", str(tmp_path / "out"), "--instance_data_dir",
                             toy_images, "--instance_prompt", "photo of unqtkn toy", "--use_lora",
                             "--resume_from_checkpoint", "latest"])
     with pytest.raises(utils.UserError, match="holds full fine-tuning weights and this run asks for LoRA"):
-        plan.plan_run(args, lambda: (4.0, 0))
+        planning.plan_run(args, lambda: (4.0, 0))
 
 
 def test_8bit_adam_without_bitsandbytes_is_a_one_line_error(monkeypatch, capsys):
@@ -204,7 +204,7 @@ def test_8bit_adam_without_bitsandbytes_is_a_one_line_error(monkeypatch, capsys)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes"
                         else find_spec(name, *a))
     with pytest.raises(SystemExit):
-        plan.parse_args(["--model_dir", "/m", "--output_dir", "/o", "--instance_data_dir", "/i",
+        planning.parse_args(["--model_dir", "/m", "--output_dir", "/o", "--instance_data_dir", "/i",
                          "--instance_prompt", "p", "--use_8bit_adam"])
     err = capsys.readouterr().err
     assert "--use_8bit_adam needs bitsandbytes" in err and err.count("\n") == 1
@@ -217,10 +217,10 @@ def test_without_num_workers_a_run_takes_every_gpu_or_one_cpu_worker(capsys):
         gpus_per_worker = 1
         model_dir = "/data/models--CompVis--stable-diffusion-v1-4/snapshots/b95be7d6"  # a real model
 
-    assert plan.worker_resources(Args, cpus=16, gpus=1) == (True, 1, 1.0)  # one GPU: no NUM_WORKERS needed
-    assert plan.worker_resources(Args, cpus=16, gpus=8) == (True, 8, 1.0)
+    assert planning.worker_resources(Args, cpus=16, gpus=1) == (True, 1, 1.0)  # one GPU: no NUM_WORKERS needed
+    assert planning.worker_resources(Args, cpus=16, gpus=8) == (True, 8, 1.0)
     Args.gpus_per_worker = 2
-    assert plan.worker_resources(Args, cpus=16, gpus=5) == (True, 2, 1.0)
+    assert planning.worker_resources(Args, cpus=16, gpus=5) == (True, 2, 1.0)
     assert capsys.readouterr().err == ""
-    assert plan.worker_resources(Args, cpus=4, gpus=0) == (False, 1, 1.0)
+    assert planning.worker_resources(Args, cpus=4, gpus=0) == (False, 1, 1.0)
     assert "the Ray cluster has no GPU" in capsys.readouterr().err  # a real model on CPUs: said before it starts
