@@ -17,6 +17,7 @@ import re
 import sys
 
 import flags
+import outputs
 import utils
 
 # ------------------------------------------------------------------ full model
@@ -141,8 +142,8 @@ def lora_alphas(lora_dir):
     with safe_open(os.path.join(lora_dir, utils.LORA_WEIGHTS_FILE), "pt") as f:
         meta = json.loads((f.metadata() or {}).get("lora_adapter_metadata", "{}"))
     alphas = {model: meta[f"{model}.lora_alpha"] for model in ("unet", "text_encoder") if f"{model}.lora_alpha" in meta}
-    record = os.path.join(lora_dir, utils.OUTPUT_MARKER)
-    lora = utils.read_json(record).get("lora") if not alphas and os.path.isfile(record) else None
+    output = outputs.read_output(lora_dir)
+    lora = output.record.get("lora") if not alphas and output else None
     if lora:
         alphas = {"unet": lora["lora_alpha"], "text_encoder": lora["lora_alpha"]}
     return alphas
@@ -205,7 +206,7 @@ def main(argv=None):
     if not args.output_file.endswith(".safetensors"):
         raise utils.UserError("--output_file must end in .safetensors (the other tools pick files by it)")
     os.makedirs(os.path.dirname(args.output_file), exist_ok=True)
-    if os.path.isfile(os.path.join(args.model_dir, utils.LORA_WEIGHTS_FILE)):
+    if outputs.holds_lora(args.model_dir):
         checkpoint = lora_checkpoint(args.model_dir)
         ranks = sorted({int(v.shape[0]) for k, v in checkpoint.items() if k.endswith(".lora_down.weight")})
         alphas = sorted({float(v) for k, v in checkpoint.items() if k.endswith(".alpha")})

@@ -40,6 +40,11 @@ class TrainedOutput:
     record: dict
 
 
+def holds_lora(folder):
+    """True when folder holds LoRA adapters (train.py --use_lora's output) rather than a pipeline."""
+    return os.path.isfile(os.path.join(folder, utils.LORA_WEIGHTS_FILE))
+
+
 def read_output(folder):
     """The TrainedOutput of folder, or None when train.py did not write it."""
     path = os.path.join(folder, utils.OUTPUT_MARKER)
@@ -47,7 +52,7 @@ def read_output(folder):
         return None
     record = utils.read_json(path)
     return TrainedOutput(folder=folder, base_model=record.get("base_model", ""),
-                         is_lora=os.path.isfile(os.path.join(folder, utils.LORA_WEIGHTS_FILE)),
+                         is_lora=holds_lora(folder),
                          model_id=record.get("model_id"), record=record)
 
 
@@ -82,14 +87,14 @@ class ModelRef:
 def resolve_model(model_dir, lora_dir=None, lora_scale=1.0):
     """The ModelRef of --model_dir/--lora_dir. A LoRA output of train.py given as --model_dir
     stands for its base model with its adapters."""
-    if lora_dir is None and os.path.isfile(os.path.join(model_dir, utils.LORA_WEIGHTS_FILE)):
+    if lora_dir is None and holds_lora(model_dir):
         output = read_output(model_dir)
         if output is None:
             raise utils.UserError(f"{model_dir} holds LoRA adapters: pass the base model as --model_dir and "
                                   f"this folder as --lora_dir")
         model_dir, lora_dir = output.base_model, model_dir
         print(f"LoRA adapters of {lora_dir} on their base model {model_dir}", file=sys.stderr)
-    if lora_dir and not os.path.isfile(os.path.join(lora_dir, utils.LORA_WEIGHTS_FILE)):
+    if lora_dir and not holds_lora(lora_dir):
         raise utils.UserError(f"--lora_dir {lora_dir} has no {utils.LORA_WEIGHTS_FILE}")
     return ModelRef(model_dir, lora_dir, lora_scale)
 

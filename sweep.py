@@ -183,7 +183,7 @@ def trial_fn(config, job):
         model = train_args.output_dir
         if step != steps[-1]:
             model = os.path.join(folder, f"model-step-{step}")
-            if not os.path.isfile(os.path.join(model, utils.OUTPUT_MARKER)):
+            if outputs.read_output(model) is None:
                 fields = {k: getattr(train_args, k) for k in ("model_dir", "use_lora", "lora_rank", "lora_alpha",
                           "train_text_encoder", "allow_unsafe_weights", "instance_prompt", "class_prompt")}
                 outputs.save_checkpoint_as_model(found[step], planning.offline_plan(
