@@ -58,6 +58,7 @@ usage() {
   done
 }
 
+COMMAND_LINE="$0 $*"
 tiny=false
 skip_image_setup=false
 use_lora=false
@@ -135,7 +136,7 @@ if $use_lora; then LEARNING_RATE="${LEARNING_RATE:-1e-4}"; else LEARNING_RATE="$
 mkdir -p "$LOG_DIR"
 LOG_FILE="$LOG_DIR/dreambooth_run-$(date '+%Y%m%d-%H%M%S').log"
 exec > >(tee -a "$LOG_FILE") 2>&1
-echo "dreambooth_run.sh $* -- log: $LOG_FILE"
+echo "$COMMAND_LINE -- log: $LOG_FILE"
 
 if $example; then  # the example photos, in their own folder
   mkdir -p "$PHOTOS_DIR"

@@ -12,8 +12,12 @@ After `train.py --use_lora`, $TUNED_MODEL_DIR holds adapters only: pass it as --
 
 Image i of a prompt is '<prompt-slug>-<i:05d>.png', drawn from a seed derived from
 --seed, the prompt and i: a rerun keeps what exists and makes only what is missing,
-and gives the same pixels an uninterrupted run would. A contact sheet of all the
-requested images is written to <output_dir>/grid/grid.png.
+and gives the same pixels an uninterrupted run would. The folder's record
+(dreambooth_images.json) names the model and the settings that drew it: a run with another
+model, prompt, resolution, seed, step count or guidance stops with one line instead of
+mixing its images in (--force replaces them). Several prompts: repeat the value
+(--prompts 'a dog, oil painting' 'a cat') or --prompts_file; commas stay inside a prompt.
+A contact sheet of all the requested images is written to <output_dir>/grid/grid.png.
 
 Class images come from the base model without its safety checker (a flagged image
 would be saved black and trained on as a dog); images from a tuned model are checked,
@@ -105,7 +109,8 @@ def use_safety_checker(setting, model):
 
 def load_pipeline(model_dir, device, allow_unsafe_weights=False, safety_checker=False, lora_dir=None,
                   lora_scale=1.0):
-    """The SD pipeline in fp16 on GPU, fp32 on CPU; safetensors weights only unless allowed, no remote code.
+    """The SD pipeline in the device's low precision (train.py's rule: bf16 where the GPU has it, else fp16;
+    fp32 on CPU); safetensors weights only unless allowed, no remote code.
 
     Without safety_checker the model's checker is not even loaded. LoRA adapters from
     lora_dir are fused into the weights at lora_scale: generation runs at the base model's speed.
@@ -115,7 +120,9 @@ def load_pipeline(model_dir, device, allow_unsafe_weights=False, safety_checker=
 
     import models
 
-    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    import steps
+
+    dtype = steps.amp_dtype(None, device) or torch.float32
     kwargs = {} if safety_checker else {"safety_checker": None, "requires_safety_checker": False}
     pipe = models.from_pretrained(StableDiffusionPipeline, model_dir, allow_unsafe_weights, dtype=dtype, **kwargs)
     pipe.set_progress_bar_config(disable=True)
@@ -275,8 +282,9 @@ def top_up(folder, model, prompts, count, settings, safety_checker, on_mismatch=
         outputs.remove_drawn_images(folder)
     outputs.write_image_record(folder, wanted)
     rows, names = plan_images(prompts, count, settings.seed, folder)
-    print(f"{label or folder}: {len(names) - len(rows)} of {len(names)} images already there; generating "
-          f"{len(rows)}", file=sys.stderr)
+    if names:
+        print(f"{label or folder}: {len(names) - len(rows)} of {len(names)} images already there; generating "
+              f"{len(rows)}", file=sys.stderr)
     return DrawJob(model, folder, safety_checker, tuple(rows))
 
 

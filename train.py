@@ -83,9 +83,11 @@ def top_up_class_images(model_dir, class_dir, class_prompt, count, seed=0, resol
     own = [n for n in os.listdir(class_dir) if n.lower().endswith(utils.IMAGE_EXTENSIONS) and n not in drawn]
     settings = generate.ImageSettings(resolution=resolution, seed=seed, allow_unsafe_weights=allow_unsafe_weights)
     remedy = "delete its images to draw these (generate.py --force does)"
+    if own:
+        print(f"{class_dir}: {len(own)} class images of your own count toward --num_class_images {count}",
+              file=sys.stderr)
     job = generate.top_up(class_dir, outputs.ModelRef(model_dir), [class_prompt], max(0, count - len(own)), settings,
-                          safety_checker=False, remedy=remedy, label=f"class images of {class_prompt!r}"
-                          + (f" ({len(own)} of your own count)" if own else ""))
+                          safety_checker=False, remedy=remedy, label=f"class images of {class_prompt!r}")
     generate.make_images_of([job], settings)
 
 

@@ -34,13 +34,15 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode):
         env.update(NUM_WORKERS="2", MAX_TRAIN_STEPS="10", TRAIN_ARGS="--logging_steps 5")
     else:
         env.update(MAX_TRAIN_STEPS="4")
-    proc = subprocess.run(["bash", "dreambooth_run.sh", "--tiny"] + (["--use_lora"] if mode == "lora" else []),
+    extra = ["--use_lora"] if mode == "lora" else ["--", "--seed", "1"]  # train.py's flags after --
+    proc = subprocess.run(["bash", "dreambooth_run.sh", "--tiny", *extra],
                           cwd=REPO_DIR, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:]
     output = proc.stdout + proc.stderr
     # a banner with a timestamp per step, the resolved settings once, and a log file of it all
     assert len(re.findall(r"=== \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] Step [0-6]", output)) == 7
     assert re.search(r"NUM_WORKERS +" + ("2" if mode == "lora" else "1") + "\n", output)
+    assert (", seed 1\n" in output) == (mode == "full")
     log = re.search(r"-- log: (\S+)", output)[1]
     assert open(log).read().startswith("dreambooth_run.sh")
     # Progress and results, not library noise; one note per actor pool that drew images that they

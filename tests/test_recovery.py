@@ -91,8 +91,8 @@ def test_killed_generation_rerun_gives_exactly_the_uninterrupted_images(ray_sess
 
     for folder in (cut, tmp_path / "whole"):  # the rerun and the uninterrupted run, on this session's Ray
         generate.main(flags(folder))
-    names = sorted(f for f in os.listdir(cut) if f != "grid")
-    assert names == sorted(f for f in os.listdir(tmp_path / "whole") if f != "grid")
+    names = sorted(f for f in os.listdir(cut) if f.endswith(".png"))
+    assert names == sorted(f for f in os.listdir(tmp_path / "whole") if f.endswith(".png"))
     assert len(names) == 10
     for name in names:
         a = np.asarray(Image.open(cut / name).convert("RGB"), dtype=int)
