@@ -27,7 +27,7 @@ VARIABLES=(
   "ORIG_MODEL_HASH|the name's pinned commit|commit of the base model to cache"
   "ORIG_MODEL_DIR|\$DATA_PREFIX/model-orig|hub cache folder of the base model"
   "TUNED_MODEL_DIR|\$DATA_PREFIX/model-tuned|the fine-tuned model (Step 4)"
-  "IMAGES_REG_DIR|\$DATA_PREFIX/images-reg|class images (Step 3); one class and base model per folder"
+  "IMAGES_REG_DIR|\$DATA_PREFIX/images-reg/<class>|class images (Step 3); one class and base model per folder"
   "IMAGES_OWN_DIR|\$DATA_PREFIX/images-own|your photos with --skip_image_setup"
   "IMAGES_EXAMPLE_DIR|\$DATA_PREFIX/images-example|the example photos (never mixed with yours)"
   "IMAGES_NEW_DIR|\$DATA_PREFIX/images-new|images of the subject from the tuned model (Step 5)"
@@ -103,7 +103,6 @@ ORIG_MODEL_NAME="${ORIG_MODEL_NAME:-sd14}"
 ORIG_MODEL_HASH="${ORIG_MODEL_HASH:-}"
 ORIG_MODEL_DIR="${ORIG_MODEL_DIR:-$DATA_PREFIX/model-orig}"
 TUNED_MODEL_DIR="${TUNED_MODEL_DIR:-$DATA_PREFIX/model-tuned}"
-IMAGES_REG_DIR="${IMAGES_REG_DIR:-$DATA_PREFIX/images-reg}"
 IMAGES_OWN_DIR="${IMAGES_OWN_DIR:-$DATA_PREFIX/images-own}"
 IMAGES_EXAMPLE_DIR="${IMAGES_EXAMPLE_DIR:-$DATA_PREFIX/images-example}"
 IMAGES_NEW_DIR="${IMAGES_NEW_DIR:-$DATA_PREFIX/images-new}"
@@ -131,6 +130,10 @@ else
   SUBJECT_TYPE="${SUBJECT_TYPE:-$EXAMPLE_TYPE}"
 fi
 SUBJECT_TYPE="${SUBJECT_TYPE:-object}"
+# One class folder per class: another CLASS_NAME never finds this one's images (another base model
+# in the same folder stops Step 3 with one line: set IMAGES_REG_DIR)
+CLASS_SLUG="$(printf '%s' "$CLASS_NAME" | tr '[:upper:]' '[:lower:]' | sed -E 's/[^a-z0-9]+/-/g; s/^-+|-+$//g')"
+IMAGES_REG_DIR="${IMAGES_REG_DIR:-$DATA_PREFIX/images-reg/${CLASS_SLUG:-class}}"
 if $use_lora; then LEARNING_RATE="${LEARNING_RATE:-1e-4}"; else LEARNING_RATE="${LEARNING_RATE:-5e-6}"; fi
 
 mkdir -p "$LOG_DIR"
@@ -161,7 +164,7 @@ done
 echo "  train.py extra flags: $TRAIN_ARGS ${EXTRA_TRAIN_ARGS[*]:-}"
 mkdir -p "$ORIG_MODEL_DIR" "$TUNED_MODEL_DIR" "$IMAGES_REG_DIR" "$IMAGES_NEW_DIR"
 
-step "1: cache the base model ($ORIG_MODEL_NAME)"
+step "1: cache the base model ($($tiny && echo "the built-in tiny one" || echo "$ORIG_MODEL_NAME"))"
 if $tiny; then
   ORIG_MODEL_PATH="$($PYTHON cache_model.py --model_dir="$ORIG_MODEL_DIR" --tiny | tail -n 1)"
 else

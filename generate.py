@@ -271,11 +271,12 @@ def top_up(folder, model, prompts, count, settings, safety_checker, on_mismatch=
     drawn = outputs.drawn_images(folder)
     differs = have.differences(wanted) if have else (["record"] if drawn else [])
     if differs:
-        what = (f"were drawn by {have.describe()}" if have else
+        what = (f"were drawn with {have.describe(differs)}" if have else
                 f"have no record ({outputs.IMAGES_RECORD}) of the model and settings that drew them")
         if on_mismatch == "error":
-            raise utils.UserError(f"{folder}: its {len(drawn)} images {what}; this run draws with "
-                                  f"{wanted.describe()} ({', '.join(differs)} differ). Use another folder, or {remedy}")
+            asked = f"this run's {wanted.describe(differs)}" if have else f"this run's {wanted.describe()}"
+            raise utils.UserError(f"{folder}: its {len(drawn)} images {what}, not {asked} ({', '.join(differs)} "
+                                  f"differ). Use another folder, or {remedy}")
         print(f"{label or folder}: the {len(drawn)} images in {folder} {what} ({', '.join(differs)} differ "
               f"from this run); {'deleting them (--force)' if on_mismatch == 'force' else 'drawing them again'}",
               file=sys.stderr)

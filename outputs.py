@@ -145,10 +145,15 @@ class ImageRecord:
         return [f.name for f in dataclasses.fields(self)
                 if f.name != "model_dir" and getattr(self, f.name) != getattr(other, f.name)]
 
-    def describe(self):
+    def describe(self, fields=None):
+        """The settings (or only the named fields) in words."""
         prompts = "; ".join(repr(p) for p in self.prompts[:3]) + (" ..." if len(self.prompts) > 3 else "")
-        return (f"{self.model_dir} ({self.model}), prompts {prompts}, {self.resolution} px, seed {self.seed}, "
-                f"{self.num_inference_steps} steps, guidance {self.guidance_scale:g}")
+        words = {"model": f"model {self.model_dir} ({self.model})", "prompts": f"prompts {prompts}",
+                 "resolution": f"{self.resolution} px", "seed": f"seed {self.seed}",
+                 "num_inference_steps": f"{self.num_inference_steps} steps",
+                 "guidance_scale": f"guidance {self.guidance_scale:g}",
+                 "negative_prompt": f"negative prompt {self.negative_prompt!r}"}
+        return ", ".join(text for name, text in words.items() if fields is None or name in fields)
 
 
 def read_image_record(folder):

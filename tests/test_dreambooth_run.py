@@ -53,7 +53,7 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode):
     assert output.count("this model has random weights") == pools >= 1
     assert "loss and learning rate plotted in" in output
 
-    reg = sorted(os.listdir(tmp_path / "images-reg"))
+    reg = sorted(os.listdir(tmp_path / "images-reg" / "toy"))  # a folder per class
     assert reg == sorted([f"photo-of-a-toy-{i:05d}.png" for i in range(6)] + ["grid", IMAGES_RECORD, IMAGES_CONFIG])
     new = sorted(f for f in os.listdir(tmp_path / "images-new") if f.endswith(".png"))
     assert len(new) == 5 and os.path.isfile(tmp_path / "images-new" / "grid" / "grid.png")
@@ -69,7 +69,7 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode):
                                                                        "train_config.toml"])
         assert "LoRA adapters (rank 4, alpha 4)" in output
         # a retrained model's images are drawn again (Steps 5 and 6), the base model's kept
-        assert re.search(r"tuned: the 3 images in \S+ were drawn by .* \(model differ from this run\); drawing them "
+        assert re.search(r"tuned: the 3 images in \S+ were drawn with model .* \(model differ from this run\); drawing them "
                          r"again", output)
         assert "base: 3 of 3 images already there; generating 0" in output
         assert "the 5 images in" in output and "deleting them (--force)" in output

@@ -50,7 +50,7 @@ def test_top_up_keeps_images_of_the_same_model_and_settings_only(tiny_model, tmp
                                        (["photo of a dog"], generate.ImageSettings(3, resolution=128, seed=1),
                                         "resolution"),
                                        (["photo of a dog"], generate.ImageSettings(3, seed=2), "seed")):
-        with pytest.raises(utils.UserError, match=f"its 2 images were drawn by .*\\({differs} differ\\).*--force"):
+        with pytest.raises(utils.UserError, match=f"its 2 images were drawn with .*\\({differs} differ\\).*--force"):
             generate.top_up(folder, model, prompts, 3, settings, False)
     # --force deletes them and draws these; evaluate's "redraw" does it with a line
     job = generate.top_up(folder, model, ["photo of a cat"], 2, SETTINGS, False, on_mismatch="force")
