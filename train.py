@@ -45,7 +45,7 @@ def run(args):
     plan = planning.plan_run(args, cluster_resources=start_ray)
     print(plan.describe(), file=sys.stderr)
     config = flags.write_config(os.path.join(plan.storage_path, plan.run_name, outputs.TRAIN_CONFIG), plan.settings_toml)
-    print(f"settings: {config} (train.py --config {os.path.basename(config)} repeats this run)", file=sys.stderr)
+    print(f"settings: {config} (python train.py --config {config} repeats this run)", file=sys.stderr)
     try:
         result = run_trainer(plan, train_dataset(plan))
     except KeyboardInterrupt:
