@@ -15,7 +15,9 @@ already there are kept: a rerun only scores again. Scores: see scores.py.
 import dataclasses
 import os
 import sys
+import tempfile
 
+import dataset
 import flags
 import generate
 import outputs
@@ -104,7 +106,7 @@ def embed(rows, eval_models_dir, num_actors, allow_unsafe_weights=False, batch_s
     import torch
 
     ray = utils.init_ray()
-    dirs = (os.path.join(eval_models_dir, "dino"), os.path.join(eval_models_dir, "clip"))
+    dirs = tuple(os.path.join(eval_models_dir, part) for part in scores.EVAL_MODEL_PARTS)
     ds = ray.data.from_items(rows).map_batches(
         EmbeddingActor, fn_constructor_args=(*dirs, num_actors, allow_unsafe_weights), batch_size=batch_size,
         compute=ray.data.ActorPoolStrategy(size=num_actors), num_gpus=generate.actor_num_gpus())
@@ -268,8 +270,18 @@ def main(argv=None):
     args = parser.parse_args(argv)
     subject = Subject(os.path.basename(args.instance_data_dir), args.instance_data_dir, args.unique_token,
                       args.class_name, args.subject_type, args.eval_prompts)
-    subject.prompts()  # a bad prompt file fails before any model loads
-    result = run(models_to_score(args.model_dir, args.lora_dir, args.base_model_dir), [subject],
+    # Everything the end of the run needs, checked before its first image: the prompt file, the scoring
+    # models, the photos (each one opened), the models and where the results go.
+    subject.prompts()
+    utils.check_output_path(args.output_dir, "--output_dir", [("--model_dir", args.model_dir),
+                                                              ("--instance_data_dir", args.instance_data_dir)])
+    scores.check_eval_models_dir(args.eval_models_dir)
+    with tempfile.TemporaryDirectory() as scratch:  # each photo opened (odd ones converted there, then dropped)
+        dataset.inspect_images(subject.photos(), 0, scratch)
+    entries = models_to_score(args.model_dir, args.lora_dir, args.base_model_dir)
+    for _, model in entries:
+        utils.check_model_dir(model.model_dir, args.allow_unsafe_weights)
+    result = run(entries, [subject],
                  EvalSettings.from_args(args), args.output_dir)[subject.name]
     print(f"tuned: {summary(result['models']['tuned']['overall'])}; report "
           f"{os.path.join(args.output_dir, 'report.md')}", file=sys.stderr)

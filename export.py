@@ -201,6 +201,7 @@ def main(argv=None):
     parser = flags.make_parser(__doc__.splitlines()[0], ["model_dir", "output_file", "save_precision", "overwrite",
                                                          "allow_unsafe_weights"], helps=HELPS)
     args = parser.parse_args(argv)
+    utils.check_output_path(args.output_file, "--output_file", [("--model_dir", args.model_dir)], is_file=True)
     if os.path.exists(args.output_file) and not args.overwrite:
         raise utils.UserError(f"{args.output_file} exists: pass --overwrite to replace it")
     if not args.output_file.endswith(".safetensors"):

@@ -314,6 +314,8 @@ def main(argv=None):
     prompts = prompts_of(args)
     model = outputs.resolve_model(args.model_dir, args.lora_dir, args.lora_scale)
     utils.check_model_dir(model.model_dir, args.allow_unsafe_weights)
+    utils.check_output_path(args.output_dir, "--output_dir", [("--model_dir", model.model_dir),
+                                                              ("--lora_dir", model.lora_dir)])
     settings = ImageSettings(args.num_inference_steps, args.guidance_scale, args.negative_prompt, args.resolution,
                              args.seed, args.allow_unsafe_weights)
     job = top_up(args.output_dir, model, prompts, args.num_samples_per_prompt, settings,

@@ -201,6 +201,9 @@ def plan_run(args, cluster_resources):
     import dataset
 
     utils.check_model_dir(args.model_dir, args.allow_unsafe_weights)
+    utils.check_output_path(args.output_dir, "--output_dir", [
+        ("--pretrained_model_name_or_path", args.model_dir), ("--instance_data_dir", args.instance_data_dir),
+        ("--class_data_dir", args.class_data_dir)])
     check_output_dir(args.output_dir, args.overwrite)
     instance_images = dataset.list_images(args.instance_data_dir, "instance", also_expected=args.caption_extension)
     captions = prompts.read_captions(instance_images, args.instance_prompt, args.caption_extension)

@@ -127,3 +127,21 @@ def build_tiny_eval_models(folder, seed=0, image_size=64):
     processor = CLIPImageProcessor(size={"shortest_edge": image_size}, crop_size=size)
     CLIPProcessor(image_processor=processor, tokenizer=tokenizer).save_pretrained(clip_dir)
     return dino_dir, clip_dir
+
+
+EVAL_MODEL_PARTS = ("dino", "clip")  # the folders of --eval_models_dir
+
+
+def check_eval_models_dir(folder):
+    """UserError, before any image is drawn, unless folder holds dino/ and clip/ with a config and
+    whole weights (what cache_model.py --eval_models prints)."""
+    import cache_model
+
+    for part in EVAL_MODEL_PARTS:
+        path = os.path.join(folder, part)
+        if not cache_model.has_weights(path):
+            raise utils.UserError(f"--eval_models_dir {folder} has no {part}/ model (config.json and weights): "
+                                  "pass the folder `cache_model.py --model_dir DIR --eval_models` prints")
+        for name in os.listdir(path):
+            if name.endswith(".safetensors"):
+                utils.check_safetensors(os.path.join(path, name))

@@ -31,6 +31,7 @@ import evaluate
 import flags
 import outputs
 import planning
+import scores
 import sweep_report
 import utils
 
@@ -298,6 +299,11 @@ def main(argv=None):
         dataset.inspect_images(subject.photos(), 0, os.path.join(args.sweep_dir, "converted-images"))
         subject.prompts()
     utils.check_model_dir(args.model_dir, train_args.allow_unsafe_weights)
+    scores.check_eval_models_dir(args.eval_models_dir)
+    inputs = [("--model_dir", args.model_dir), ("--instance_data_dir", args.instance_data_dir),
+              ("--subjects_dir", args.subjects_dir)]
+    for flag, path in (("--output_dir", args.output_dir), ("--sweep_dir", args.sweep_dir)):
+        utils.check_output_path(path, flag, inputs)
     for name in subjects:
         planning.check_output_dir(target_dir(args, name), train_args.overwrite)
     config = flags.write_config(os.path.join(args.sweep_dir, "sweep_config.toml"), args.settings_toml)

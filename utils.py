@@ -211,6 +211,44 @@ def torch_device():
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
+def check_safetensors(path):
+    """UserError naming path unless it is a whole safetensors file: its header parses and the file is
+    as long as the header says (an interrupted download or copy is cut short). Reads the header only."""
+    import struct
+
+    size = os.path.getsize(path)
+    what = f"{path} is not a whole safetensors file"
+    try:
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if 8 + length > size:
+                raise ValueError
+            header = json.loads(f.read(length))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (struct.error, ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError):
+        raise UserError(f"{what} (its header does not parse): fetch or copy the model again "
+                        "(cache_model.py)") from None
+    if size != 8 + length + end:
+        raise UserError(f"{what}: {size} bytes where its header says {8 + length + end} (an interrupted download "
+                        "or copy?): fetch or copy the model again (cache_model.py)")
+
+
+def check_output_path(path, flag, inputs=(), is_file=False):
+    """UserError unless path can take a script's output: a folder output that is an existing file (or a
+    file output that is a folder) is refused, and so is an output inside one of inputs [(flag, folder)]
+    (the photos, the base model): writing there would mix the result into what the run reads."""
+    if is_file and os.path.isdir(path):
+        raise UserError(f"{flag} {path} is a folder; name the file to write")
+    if not is_file and os.path.exists(path) and not os.path.isdir(path):
+        raise UserError(f"{flag} {path} is a file, not a folder; pick a folder for the output")
+    for input_flag, folder in inputs:
+        if not folder:
+            continue
+        folder = os.path.abspath(folder)
+        if os.path.abspath(path) == folder or os.path.abspath(path).startswith(folder.rstrip(os.sep) + os.sep):
+            raise UserError(f"{flag} {path} is inside {input_flag} {folder}; write the output somewhere else")
+
+
 def native_resolution(model_dir):
     """The pixel size the model was trained at: UNet sample size x the VAE's downscaling.
 
@@ -238,6 +276,9 @@ def check_model_dir(model_dir, allow_unsafe_weights=False):
             raise UserError(f"model folder {model_dir} is missing its '{part}' component")
     for part in ("unet", "vae", "text_encoder"):
         names = os.listdir(os.path.join(model_dir, part))
+        for name in names:
+            if name.endswith(".safetensors"):
+                check_safetensors(os.path.join(model_dir, part, name))
         if not any(n.endswith(".safetensors") for n in names):
             if not any(n.endswith(".bin") for n in names):
                 raise UserError(f"model folder {model_dir} has no weights in '{part}'")

@@ -165,3 +165,68 @@ def test_instance_prompt_without_identifier_is_detected():
     assert prompts.lacks_identifier("a photo of a dog", "photo of a dog")
     assert not prompts.lacks_identifier("photo of unqtkn dog", "photo of a dog")
     assert not prompts.lacks_identifier("photo of a dog", None)
+
+
+@pytest.fixture(scope="module")
+def cut_model(tiny_model, tmp_path_factory):
+    """A copy of the tiny model whose UNet weights file was cut short, as an interrupted copy leaves it."""
+    import shutil
+
+    model = tmp_path_factory.mktemp("cut") / "model"
+    shutil.copytree(tiny_model, model)
+    weights = model / "unet" / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    return str(model)
+
+
+def run_script(script, args):
+    """(process, seconds) of a script run on the command line, as a user runs it."""
+    import time
+
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, script, *args], cwd=REPO_DIR, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    return proc, time.perf_counter() - start
+
+
+def test_scripts_check_what_they_were_given_before_ray_starts(tiny_model, cut_model, toy_images, tmp_path):
+    """Each case: exit != 0, one line naming the culprit, no traceback, in seconds (before Ray, before
+    any image is drawn), and nothing of the user's moved."""
+    import cache_model
+
+    eval_models = str(tmp_path / "no-eval-models")
+    real_eval_models = cache_model.main(["--model_dir", str(tmp_path / "cache"), "--eval_models", "--tiny"])
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("keep me")
+    train = ["--instance_data_dir", toy_images, "--instance_prompt", "photo of unqtkn toy", "--num_workers", "1"]
+    evaluate = ["--instance_data_dir", toy_images, "--class_name", "toy", "--eval_models_dir", eval_models]
+    cases = [
+        ("train.py", ["--model_dir", cut_model, "--output_dir", str(tmp_path / "o1"), *train],
+         "diffusion_pytorch_model.safetensors is not a whole safetensors file"),
+        ("train.py", ["--model_dir", tiny_model, "--output_dir", str(a_file), *train], "is a file, not a folder"),
+        ("train.py", ["--model_dir", tiny_model, "--output_dir", os.path.join(toy_images, "out"), *train],
+         "is inside --instance_data_dir"),
+        ("generate.py", ["--model_dir", cut_model, "--output_dir", str(tmp_path / "g"), "--prompts", "a toy"],
+         "is not a whole safetensors file"),
+        ("generate.py", ["--model_dir", tiny_model, "--output_dir", str(a_file), "--prompts", "a toy"],
+         "is a file, not a folder"),
+        ("generate.py", ["--model_dir", tiny_model, "--output_dir", str(tmp_path / "g2")], "give the prompts"),
+        ("evaluate.py", ["--model_dir", tiny_model, "--output_dir", str(tmp_path / "e"), *evaluate],
+         "--eval_models_dir"),
+        ("evaluate.py", ["--model_dir", tiny_model, "--output_dir", str(tmp_path / "e2"), "--class_name", "toy",
+                         "--eval_models_dir", real_eval_models, "--instance_data_dir", str(tmp_path / "no-photos")],
+         "not found"),
+        ("export.py", ["--model_dir", cut_model, "--output_file", str(tmp_path / "x.safetensors")],
+         "is not a whole safetensors file"),
+        ("export.py", ["--model_dir", tiny_model, "--output_file", str(tmp_path)], "is a folder"),
+        ("sweep.py", ["--model_dir", tiny_model, "--output_dir", str(tmp_path / "s"), *evaluate], "--eval_models_dir"),
+        ("sweep.py", ["--model_dir", cut_model, "--output_dir", str(tmp_path / "s2"), *evaluate],
+         "is not a whole safetensors file"),
+    ]
+    for script, args, culprit in cases:
+        proc, seconds = run_script(script, args)
+        assert_one_line_error(proc, culprit)
+        assert seconds < 10, (script, culprit, seconds)
+        assert "Started a local Ray instance" not in proc.stderr, (script, culprit)
+    assert a_file.read_text() == "keep me"
+    assert not os.path.exists(os.path.join(toy_images, "out"))

@@ -61,3 +61,38 @@ def test_ray_workers_run_the_setup_hook(ray_session):
         return logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").level
 
     assert ray_session.get(cleaner_log_level.remote()) == logging.ERROR
+
+
+def test_a_safetensors_file_is_checked_from_its_header_alone(tmp_path):
+    import pytest
+    import torch
+    from safetensors.torch import save_file
+
+    import utils
+
+    path = tmp_path / "w.safetensors"
+    save_file({"a": torch.zeros(64), "b": torch.ones(3, 3)}, str(path))
+    utils.check_safetensors(str(path))  # whole
+    data = path.read_bytes()
+    for broken, why in ((data[:-4], "bytes where its header says"), (data + b"x", "bytes where its header says"),
+                        (b"\x05\x00", "does not parse"), (b"\xff" * 8 + data[8:], "does not parse")):
+        path.write_bytes(broken)
+        with pytest.raises(utils.UserError, match=why):
+            utils.check_safetensors(str(path))
+
+
+def test_an_output_is_never_a_file_or_inside_what_the_run_reads(tmp_path):
+    import pytest
+
+    import utils
+
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(utils.UserError, match="is a file, not a folder"):
+        utils.check_output_path(str(tmp_path / "f"), "--output_dir")
+    with pytest.raises(utils.UserError, match="is inside --instance_data_dir"):
+        utils.check_output_path(str(tmp_path / "photos" / "out"), "--output_dir", [("--instance_data_dir",
+                                                                                     str(tmp_path / "photos"))])
+    utils.check_output_path(str(tmp_path / "photos-out"), "--output_dir", [("--instance_data_dir",
+                                                                             str(tmp_path / "photos"))])
+    with pytest.raises(utils.UserError, match="is a folder"):
+        utils.check_output_path(str(tmp_path), "--output_file", is_file=True)
