@@ -134,7 +134,8 @@ def run_trainer(plan, train_ds):
     try:
         result = trainer.fit()
     except (ray.train.ControllerError, ray.train.WorkerGroupError) as err:
-        raise utils.UserError(f"training failed: {str(err).splitlines()[0]}") from None
+        raise utils.UserError(f"training failed: {failure_cause(err)} (the workers' tracebacks are above and in "
+                              f"{os.path.join(plan.storage_path, plan.run_name)})") from None
     except SystemExit:
         # fit() installs its own Ctrl-C handler: it aborts the run, then exits.
         raise KeyboardInterrupt from None
@@ -142,6 +143,18 @@ def run_trainer(plan, train_ds):
             os.path.join(plan.output_dir, utils.OUTPUT_MARKER)):
         raise KeyboardInterrupt  # an aborted run returns a partial result
     return result
+
+
+def failure_cause(err):
+    """The cause of a failed fit() in one line: the first failed worker's rank and the last line of
+    its error (the exception itself, not Ray's "Training failed due to worker errors")."""
+    failures = getattr(err, "worker_failures", None) or {}
+    if failures:
+        rank, failure = min(failures.items(), key=lambda item: item[0])
+        lines = [line.strip() for line in str(failure).splitlines() if line.strip()]
+        return f"worker {rank}: {lines[-1] if lines else type(failure).__name__}"
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[-1] if lines else type(err).__name__
 
 
 # ---------------------------------------------------------------- Ray Train worker

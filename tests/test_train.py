@@ -229,3 +229,13 @@ def test_num_class_images_tops_up_the_class_folder_counting_what_is_there(ray_se
     # another class into the same folder is an error, not a mix
     with pytest.raises(utils.UserError, match="prompts differ"):
         train.top_up_class_images(tiny_model, str(folder), "photo of a cat", 3)
+
+
+def test_a_failed_run_names_its_cause_in_one_line():
+    from ray.train import ControllerError, WorkerGroupError
+
+    error = WorkerGroupError("rank 1 failed", {1: RuntimeError("Traceback (most recent call last):\n  File x\n"
+                                                             "RuntimeError: CUDA out of memory"),
+                                               0: ValueError("a bad pixel")})
+    assert train.failure_cause(error) == "worker 0: a bad pixel"
+    assert train.failure_cause(ControllerError(OSError("disk full"))).endswith("disk full")
