@@ -260,8 +260,8 @@ def top_up(folder, model, prompts, count, settings, safety_checker, on_mismatch=
     The one place a folder of generated images is filled (generate.py, class images for train.py
     and the sweep, evaluate.py's images). On a mismatch: on_mismatch "error" raises a UserError
     naming what differs and remedy (how to discard them); "redraw" and "force" (generate.py
-    --force) delete them, say so, and draw them again. The record is written before drawing: a run cut short leaves images
-    that its record describes."""
+    --force) delete them, say so, and draw them again. The record is written before drawing: a
+    run cut short leaves images that its record describes."""
     os.makedirs(folder, exist_ok=True)
     utils.remove_temp_files(folder)
     resolution = settings.resolution or utils.native_resolution(model.model_dir)
