@@ -8,7 +8,6 @@ nothing is added to it afterwards.
 
 import dataclasses
 import importlib.util
-import json
 import math
 import os
 import sys

@@ -10,7 +10,6 @@ task on each node writes there; the head reads it back). Each failure is one lin
 variable to change. Prints the resolved worker count last, as `NUM_WORKERS=<n>`.
 """
 
-import argparse
 import os
 import shutil
 import sys

@@ -214,8 +214,6 @@ def test_num_class_images_tops_up_the_class_folder_counting_what_is_there(ray_se
                                                                           tmp_path):
     from PIL import Image
 
-    import planning
-
     folder = tmp_path / "images-reg"
     folder.mkdir()
     Image.new("RGB", (64, 64), "gray").save(folder / "my-own-class-photo.png")
