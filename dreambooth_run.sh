@@ -77,6 +77,12 @@ while [ $# -gt 0 ]; do
   shift
 done
 
+# Paths given relative to where the script was started stay so after the cd below
+for name in DATA_PREFIX INSTANCE_DIR IMAGES_OWN_DIR IMAGES_REG_DIR TUNED_MODEL_DIR IMAGES_NEW_DIR EVAL_DIR \
+            EVAL_PROMPTS LOG_DIR ORIG_MODEL_DIR EVAL_MODELS_CACHE; do
+  value="${!name:-}"
+  case "$value" in ""|/*) ;; "~"*) printf -v "$name" '%s' "$HOME${value#\~}" ;; *) printf -v "$name" '%s' "$PWD/$value" ;; esac
+done
 cd "$(dirname "$0")"
 PYTHON="${PYTHON:-python}"
 step() { echo "=== [$(date '+%Y-%m-%d %H:%M:%S')] Step $1"; }
