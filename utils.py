@@ -274,6 +274,14 @@ def check_model_dir(model_dir, allow_unsafe_weights=False):
     for part in ("unet", "vae", "text_encoder", "tokenizer", "scheduler"):
         if not os.path.isdir(os.path.join(model_dir, part)):
             raise UserError(f"model folder {model_dir} is missing its '{part}' component")
+    for config in [os.path.join(model_dir, "model_index.json")] + [
+            os.path.join(model_dir, part, name) for part in ("unet", "vae", "text_encoder", "scheduler")
+            for name in os.listdir(os.path.join(model_dir, part)) if name.endswith(".json")]:
+        try:
+            read_json(config)
+        except (ValueError, UnicodeDecodeError):
+            raise UserError(f"{config} is not valid JSON (a cut-short copy?): fetch or copy the model again "
+                            "(cache_model.py)") from None
     for part in ("unet", "vae", "text_encoder"):
         names = os.listdir(os.path.join(model_dir, part))
         for name in names:

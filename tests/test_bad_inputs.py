@@ -179,6 +179,16 @@ def cut_model(tiny_model, tmp_path_factory):
     return str(model)
 
 
+def test_a_model_config_cut_short_is_named(tiny_model, tmp_path):
+    import shutil
+
+    model = shutil.copytree(tiny_model, tmp_path / "model")
+    config = model / "text_encoder" / "config.json"
+    config.write_text(config.read_text()[:40])
+    with pytest.raises(utils.UserError, match="text_encoder/config.json is not valid JSON"):
+        utils.check_model_dir(str(model))
+
+
 def run_script(script, args):
     """(process, seconds) of a script run on the command line, as a user runs it."""
     import time
