@@ -90,8 +90,7 @@ def resolve_model_name(value, cache_dir=None):
     path = os.path.abspath(os.path.expanduser(value))
     if os.path.exists(path) or value.startswith(("/", ".", "~")) or not looks_like_hub_name(value):
         return path
-    known = known_model(value)
-    name, revision = (known.hub_name, known.revision) if known else (value, "main")
+    name, revision = pinned_revision(value, None)
     cache_dir = cache_dir or hub_cache_dir()
     found = cached_snapshot(cache_dir, name, revision) or cached_main(cache_dir, name, revision)
     if found:
@@ -103,7 +102,7 @@ def resolve_model_name(value, cache_dir=None):
 
 def cached_main(cache_dir, model_name, revision):
     """The cached snapshot a branch name (main) points at, if complete: an unpinned name works offline."""
-    ref = os.path.join(cache_dir, "models--" + model_name.replace("/", "--"), "refs", revision)
+    ref = os.path.join(repo_cache_path(cache_dir, model_name), "refs", revision)
     if not os.path.isfile(ref):
         return None
     with open(ref) as f:
@@ -111,21 +110,22 @@ def cached_main(cache_dir, model_name, revision):
 
 
 def pinned_revision(model_name, revision):
-    """(hub name, revision) to cache: a known model's pin unless --revision says otherwise; an
-    unknown one's --revision, or main with a line saying it is not pinned."""
+    """(hub name, revision) of a model name: a known model's pin unless revision says otherwise; an
+    unknown one's revision, or main."""
     known = known_model(model_name)
     if known:
         return known.hub_name, revision or known.revision
-    if revision is None:
-        print(f"note: {model_name} is not one of {', '.join(m.short_name for m in KNOWN_MODELS)}: caching its main "
-              "branch (pass --revision <commit> to pin it)", file=sys.stderr)
     return model_name, revision or "main"
+
+
+def repo_cache_path(cache_dir, model_name):
+    """A repository's folder inside a hub cache folder (its refs/ and snapshots/)."""
+    return os.path.join(cache_dir, "models--" + model_name.replace("/", "--"))
 
 
 def hub_snapshot_path(cache_dir, model_name, revision):
     """Where snapshot_download puts a revision inside a hub cache folder."""
-    folder = "models--" + model_name.replace("/", "--")
-    return os.path.join(cache_dir, folder, "snapshots", revision)
+    return os.path.join(repo_cache_path(cache_dir, model_name), "snapshots", revision)
 
 
 def random_model_id(size):
@@ -159,7 +159,7 @@ def write_random_model(cache_dir, size="tiny"):
         return snapshot
     pipeline = models.build_pipeline(size)
     utils.atomic_write_dir(snapshot, lambda tmp: pipeline.save_pretrained(tmp, safe_serialization=True))
-    refs = os.path.join(os.path.dirname(os.path.dirname(snapshot)), "refs")
+    refs = os.path.join(repo_cache_path(cache_dir, name), "refs")
     os.makedirs(refs, exist_ok=True)
     # snapshot_download refuses a ref with a trailing newline.
     with open(os.path.join(refs, "main"), "w") as f:
@@ -279,6 +279,9 @@ def main(argv=None):
     if args.tiny or args.random_model:
         path = write_random_model(args.cache_dir, args.random_model or "tiny")
     else:
+        if known_model(args.model_name) is None and args.revision is None:
+            print(f"note: {args.model_name} is not one of {', '.join(m.short_name for m in KNOWN_MODELS)}: caching "
+                  "its main branch (pass --revision <commit> to pin it)", file=sys.stderr)
         path = download_model(args.cache_dir, *pinned_revision(args.model_name, args.revision))
     utils.check_model_dir(path)
     print(path)

@@ -154,7 +154,8 @@ fi
 
 step "0: preflight (photos, CLASS_NAME, GPUs, disk, shared storage)"
 PREFLIGHT=(--photos_dir="$PHOTOS_DIR" --photos_var="$PHOTOS_VAR" --class_name="$CLASS_NAME"
-  --data_prefix="$DATA_PREFIX" --model_name="$ORIG_MODEL_NAME" --num_workers="$NUM_WORKERS"
+  --data_prefix="$DATA_PREFIX" --model_name="$ORIG_MODEL_NAME" --model_cache="$ORIG_MODEL_DIR"
+  ${ORIG_MODEL_HASH:+--revision="$ORIG_MODEL_HASH"} --num_workers="$NUM_WORKERS"
   --gpus_per_worker="$GPUS_PER_WORKER")
 $tiny && PREFLIGHT+=(--tiny)
 $use_lora && PREFLIGHT+=(--use_lora)

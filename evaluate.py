@@ -196,7 +196,6 @@ def image_job(label, model, prompt_list, folder, settings):
     each prompt in folder, keeping those that this model drew with these settings (the folder's
     record); images of another model (a retrained one) are drawn again. Returns the DrawJob and
     {prompt: [paths]} of every image wanted."""
-    utils.check_model_dir(model.model_dir, settings.allow_unsafe_weights)
     job = generate.top_up(folder, model, prompt_list, settings.num_samples_per_prompt, settings.images(),
                           generate.use_safety_checker("auto", model), on_mismatch="redraw", label=label)
     return job, generate.wanted_files(folder, prompt_list, settings.num_samples_per_prompt)
@@ -210,6 +209,8 @@ def run(entries, subjects, settings, output_dir, report_dirs=None):
     Returns {subject name: scores.json's dict}."""
     import torch
 
+    for _, model in entries:  # before Ray starts
+        utils.check_model_dir(model.model_dir, settings.allow_unsafe_weights)
     utils.init_ray()
     prompts = {s.name: s.prompts() for s in subjects}
     texts = {p: t for s in subjects for p, t in prompts[s.name].items()}
@@ -278,10 +279,7 @@ def main(argv=None):
     scores.check_eval_models_dir(args.eval_models_dir)
     with tempfile.TemporaryDirectory() as scratch:  # each photo opened (odd ones converted there, then dropped)
         dataset.inspect_images(subject.photos(), 0, scratch)
-    entries = models_to_score(args.model_dir, args.lora_dir, args.base_model_dir)
-    for _, model in entries:
-        utils.check_model_dir(model.model_dir, args.allow_unsafe_weights)
-    result = run(entries, [subject],
+    result = run(models_to_score(args.model_dir, args.lora_dir, args.base_model_dir), [subject],
                  EvalSettings.from_args(args), args.output_dir)[subject.name]
     print(f"tuned: {summary(result['models']['tuned']['overall'])}; report "
           f"{os.path.join(args.output_dir, 'report.md')}", file=sys.stderr)

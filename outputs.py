@@ -10,7 +10,7 @@ only when it was drawn by the same model with the same settings:
 
 train.py's outputs are written here too (`save_pipeline`, `save_lora`, `save_checkpoint_as_model`).
 Generated image folders carry an `ImageRecord` (dreambooth_images.json) naming the model and the
-settings that drew them; `check_image_record` decides whether a folder's images can be kept.
+settings that drew them; generate.top_up decides from it whether a folder's images can be kept.
 """
 
 import dataclasses
@@ -35,7 +35,6 @@ class TrainedOutput:
 
     folder: str
     base_model: str  # the model folder it was trained from
-    is_lora: bool  # adapters only (utils.LORA_WEIGHTS_FILE), drawn on base_model
     model_id: str | None  # made when it was saved; None for outputs older than the id
     record: dict
 
@@ -51,9 +50,8 @@ def read_output(folder):
     if not os.path.isfile(path):
         return None
     record = utils.read_json(path)
-    return TrainedOutput(folder=folder, base_model=record.get("base_model", ""),
-                         is_lora=holds_lora(folder),
-                         model_id=record.get("model_id"), record=record)
+    return TrainedOutput(folder=folder, base_model=record.get("base_model", ""), model_id=record.get("model_id"),
+                         record=record)
 
 
 def new_model_id():

@@ -10,6 +10,7 @@ task on each node writes there; the head reads it back). Each failure is one lin
 variable to change. Prints the resolved worker count last, as `NUM_WORKERS=<n>`.
 """
 
+import argparse
 import os
 import shutil
 import sys
@@ -35,6 +36,10 @@ def parse_args(argv=None):
     parser.add_argument("--data_prefix", required=True, type=flags.abs_path, help="DATA_PREFIX: where everything is written.")
     parser.add_argument("--model_name", default=cache_model.DEFAULT_MODEL, help="ORIG_MODEL_NAME.")
     parser.add_argument("--model_path", default=None, help="The model's folder, if already cached.")
+    parser.add_argument("--model_cache", default=None, type=flags.abs_path,
+                        help="ORIG_MODEL_DIR: the hub cache folder Step 1 fills (a model already there is not "
+                             "counted again).")
+    parser.add_argument("--revision", default=None, help="ORIG_MODEL_HASH.")
     parser.add_argument("--num_workers", default="", help="NUM_WORKERS ('' or 0: one per GPU).")
     parser.add_argument("--gpus_per_worker", type=int, choices=(1, 2), default=1, help="GPUS_PER_WORKER.")
     parser.add_argument("--use_lora", action="store_true", help="LoRA: small checkpoints and output.")
@@ -68,8 +73,11 @@ def disk_needed_gb(args):
     (fp32 weights + AdamW's two moments of what is trained), the tuned model."""
     if args.tiny:
         return TINY_GB, "the tiny model"
-    cached = args.model_path and os.path.isfile(os.path.join(args.model_path, "model_index.json"))
     known = cache_model.known_model(args.model_name)
+    if args.model_path is None and args.model_cache:
+        args.model_path = cache_model.cached_snapshot(args.model_cache,
+                                                      *cache_model.pinned_revision(args.model_name, args.revision))
+    cached = args.model_path and os.path.isfile(os.path.join(args.model_path, "model_index.json"))
     weights = known.weights_gb if known else 5.0
     if cached:
         weights = sum(os.path.getsize(os.path.join(root, n)) for root, _, names in os.walk(args.model_path)
@@ -91,59 +99,47 @@ def check_disk(args):
 
 
 def check_workers(args, cpus, gpus):
-    """The resolved worker count, or one line naming NUM_WORKERS / GPUS_PER_WORKER."""
-    workers = args.num_workers or planning.default_num_workers(gpus, args.gpus_per_worker)
-    if gpus:
-        if workers * args.gpus_per_worker > gpus:
-            raise utils.UserError(
-                f"NUM_WORKERS={workers} x GPUS_PER_WORKER={args.gpus_per_worker} needs "
-                f"{workers * args.gpus_per_worker} GPUs; the Ray cluster has {gpus}: set NUM_WORKERS="
-                f"{max(1, gpus // args.gpus_per_worker)} (or leave it unset: one worker per GPU)")
-        return workers
-    if workers > cpus or cpus < 2:
-        raise utils.UserError(f"NUM_WORKERS={workers}: the Ray cluster has no GPU and {cpus:g} CPUs (training needs "
-                              f"one per worker at most, and one for the data pipeline): set NUM_WORKERS=1")
-    if not args.tiny:
-        print(planning.NO_GPU_WARNING, file=sys.stderr)
-    return workers
+    """The resolved worker count (train.py's rule, planning.worker_resources), or one line naming
+    NUM_WORKERS / GPUS_PER_WORKER."""
+    settings = argparse.Namespace(use_gpu=None, num_workers=args.num_workers or None,
+                                  gpus_per_worker=args.gpus_per_worker)
+    return planning.worker_resources(settings, cpus, gpus, spell=lambda name, value: f"{name.upper()}={value}",
+                                     warn_no_gpu=not args.tiny)[1]
 
 
-def check_shared(folders, num_photos):
-    """On a cluster of several nodes: a Ray task on each node writes a file under each of folders
-    ({variable: folder}) and counts the photos; the head must see every file and every node the
-    same photos. One node: nothing to check."""
+def check_shared(data_prefix, photos_var, photos_dir, num_photos):
+    """On a cluster of several nodes: a Ray task on each node writes a file under data_prefix and
+    counts the photos; the head must see every node's file, and every node the photos. One node:
+    nothing to check."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     if len(nodes) < 2:
         return
-    probe = f".preflight-{uuid.uuid4().hex[:8]}"
+    probe = os.path.join(data_prefix, f".preflight-{uuid.uuid4().hex[:8]}")
 
     @ray.remote(num_cpus=0)
-    def visit(node_id, targets, photos_dir):
-        for folder in targets:
-            os.makedirs(os.path.join(folder, probe), exist_ok=True)
-            with open(os.path.join(folder, probe, node_id), "w") as f:
-                f.write(node_id)
+    def visit(node_id):
+        os.makedirs(probe, exist_ok=True)
+        with open(os.path.join(probe, node_id), "w") as f:
+            f.write(node_id)
         return len(os.listdir(photos_dir)) if os.path.isdir(photos_dir) else 0
 
-    photos_var, photos_dir = next((k, v) for k, v in folders.items() if k != "DATA_PREFIX")
-    targets = [folders["DATA_PREFIX"]]
     seen = ray.get([visit.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
-                    .remote(n["NodeID"], targets, photos_dir) for n in nodes])
+                    .remote(n["NodeID"]) for n in nodes])
     try:
         for node, count in zip(nodes, seen):
             address = f"{node.get('NodeManagerAddress', '?')} (node {node['NodeID'][:8]})"
-            if not os.path.isfile(os.path.join(folders["DATA_PREFIX"], probe, node["NodeID"])):
+            if not os.path.isfile(os.path.join(probe, node["NodeID"])):
                 raise utils.UserError(
-                    f"DATA_PREFIX={folders['DATA_PREFIX']} is not shared storage: what node {address} writes there "
+                    f"DATA_PREFIX={data_prefix} is not shared storage: what node {address} writes there "
                     "never reaches this node; set DATA_PREFIX to a folder every node mounts (NFS, a shared disk)")
             if count < num_photos:
                 raise utils.UserError(f"{photos_var}={photos_dir}: node {address} sees {count} of its files; put the "
                                       "photos on storage every node mounts (e.g. under DATA_PREFIX)")
     finally:
-        shutil.rmtree(os.path.join(folders["DATA_PREFIX"], probe), ignore_errors=True)
+        shutil.rmtree(probe, ignore_errors=True)
 
 
 def main(argv=None):
@@ -156,7 +152,7 @@ def main(argv=None):
     ray = utils.init_ray()
     cpus, gpus = utils.cluster_resources()
     workers = check_workers(args, cpus, gpus)
-    check_shared({"DATA_PREFIX": args.data_prefix, args.photos_var: args.photos_dir}, len(photos))
+    check_shared(args.data_prefix, args.photos_var, args.photos_dir, len(photos))
     print(f"preflight: {len(photos)} photos, {gpus} GPU(s) and {cpus:g} CPUs in the Ray cluster "
           f"({len(ray.nodes())} node(s)), {workers} worker(s)", file=sys.stderr)
     print(f"NUM_WORKERS={workers}")

@@ -36,13 +36,20 @@ def test_workers_default_to_one_per_gpu_and_too_many_name_the_variable(capsys):
         preflight.check_workers(args(num_workers=3, tiny=True), cpus=2, gpus=0)
 
 
-def test_disk_estimate_is_model_checkpoint_and_output(tiny_model):
+def test_disk_estimate_is_model_checkpoint_and_output(tiny_model, tmp_path):
     full, parts = preflight.disk_needed_gb(args(model_name="sd15"))
     assert full == pytest.approx(4.3 + 3 * 0.92 * 4.3 + 4.3) and "a checkpoint 11.9" in parts
     lora, _ = preflight.disk_needed_gb(args(model_name="sd15", use_lora=True))
     assert lora == pytest.approx(4.3 + 2 * preflight.LORA_GB)
     cached, parts = preflight.disk_needed_gb(args(model_name="sd15", model_path=tiny_model))
     assert cached < 0.1 and parts.startswith("model 0.0")  # cached already: nothing to download
+    # the script knows only ORIG_MODEL_DIR before Step 1: a pinned model already cached there is found
+    import cache_model
+
+    known = cache_model.known_model("sd15")
+    shutil.copytree(tiny_model, cache_model.hub_snapshot_path(str(tmp_path / "cache"), known.hub_name, known.revision))
+    _, parts = preflight.disk_needed_gb(args(model_name="sd15", model_cache=str(tmp_path / "cache")))
+    assert parts.startswith("model 0.0")
 
 
 def test_photos_and_class_name_are_checked_first(tmp_path, toy_images):
