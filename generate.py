@@ -189,21 +189,36 @@ class ImageGenerator:
         if self.device.type == "cpu":
             utils.share_cpu_threads(num_actors)
         self.jobs, self.settings = jobs, settings
-        self.loaded, self.pipe = None, None
-        self.pipeline(0)
+        self.loaded, self.pipe, self.broken = None, None, None
+        try:
+            self.pipeline(0)
+        except utils.UserError as err:
+            # Raised from the first batch instead: an actor that dies in its constructor has Ray print
+            # the traceback on the user's terminal, and retry it.
+            self.broken = err
 
     def pipeline(self, index):
         if index != self.loaded:
             job = self.jobs[index]
             self.pipe = None  # the previous model's memory goes before the next one loads
-            self.pipe = load_pipeline(job.model.model_dir, self.device, self.settings.allow_unsafe_weights,
-                                      job.safety_checker, job.model.lora_dir, job.model.lora_scale)
+            try:
+                self.pipe = load_pipeline(job.model.model_dir, self.device, self.settings.allow_unsafe_weights,
+                                          job.safety_checker, job.model.lora_dir, job.model.lora_scale)
+            except (OSError, MemoryError):
+                raise
+            except Exception as err:
+                utils.write_error_log(job.output_dir, "loading the model", err)
+                raise utils.UserError(f"loading the model {job.model.describe()}: {utils.one_line(err)}; its files do not fit "
+                                      f"together: fetch or copy it again (traceback in "
+                                      f"{os.path.join(job.output_dir, utils.ERRORS_LOG)})") from err
             self.loaded = index
         return self.pipe
 
     def __call__(self, batch):
         import numpy as np
 
+        if self.broken:
+            raise self.broken
         flagged = np.zeros(len(batch["file"]), dtype=bool)
         for index in dict.fromkeys(batch["job"].tolist()):
             rows = np.flatnonzero(batch["job"] == index)

@@ -248,16 +248,21 @@ def load_trained_state_dict(model, weights):
                          f"(unexpected: {unexpected[:3]}, missing: {sorted(trained & set(missing))[:3]})")
 
 
-def setup_models(plan, unet_device, aux_device, distributed):
+def setup_models(plan, unet_device, aux_device, distributed, load_guard=None):
     """Load the models of a plan.Plan and apply its memory/speed options (gradient
     checkpointing, channels-last, torch.compile).
 
     distributed: wrap the trained networks in DDP (a process group of several workers exists).
+    load_guard: a context manager around the loading alone (train.py's turns the files' errors
+    into ones that stop the run; DDP's collectives are outside it).
     """
+    import contextlib
+
     import torch
 
-    models = load_models(plan.model_dir, unet_device, aux_device, plan.train_text_encoder,
-                         plan.allow_unsafe_weights)
+    with load_guard or contextlib.nullcontext():
+        models = load_models(plan.model_dir, unet_device, aux_device, plan.train_text_encoder,
+                             plan.allow_unsafe_weights)
     if plan.use_lora:
         add_lora(models, plan)
     if plan.gradient_checkpointing:

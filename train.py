@@ -111,6 +111,9 @@ def run_trainer(plan, train_ds):
     import ray.train
     from ray.train.torch import TorchTrainer
 
+    import failures
+
+    run_dir = os.path.join(plan.storage_path, plan.run_name)
     resources = {"CPU": plan.cpus_per_worker}
     if plan.use_gpu:
         resources["GPU"] = plan.gpus_per_worker
@@ -124,6 +127,8 @@ def run_trainer(plan, train_ds):
             storage_path=plan.storage_path,
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=plan.checkpoints_total_limit),
             failure_config=ray.train.FailureConfig(max_failures=plan.max_failures),
+            callbacks=[failures.FailureWatch(run_dir, plan.max_failures)],
+            logging_config=ray.train.LoggingConfig(log_level=failures.RAY_TRAIN_LOG_LEVEL),
         ),
         datasets={"train": train_ds},
         # Ordered execution makes the streaming split deterministic: each worker gets the same
@@ -134,8 +139,8 @@ def run_trainer(plan, train_ds):
     try:
         result = trainer.fit()
     except (ray.train.ControllerError, ray.train.WorkerGroupError) as err:
-        raise utils.UserError(f"training failed: {failure_cause(err)} (the workers' tracebacks are above and in "
-                              f"{os.path.join(plan.storage_path, plan.run_name)})") from None
+        raise utils.UserError(f"training failed: {failure_cause(err)} (tracebacks in "
+                              f"{os.path.join(run_dir, failures.ERRORS_LOG)})") from None
     except SystemExit:
         # fit() installs its own Ctrl-C handler: it aborts the run, then exits.
         raise KeyboardInterrupt from None
@@ -148,9 +153,14 @@ def run_trainer(plan, train_ds):
 def failure_cause(err):
     """The cause of a failed fit() in one line: the first failed worker's rank and the last line of
     its error (the exception itself, not Ray's "Training failed due to worker errors")."""
-    failures = getattr(err, "worker_failures", None) or {}
-    if failures:
-        rank, failure = min(failures.items(), key=lambda item: item[0])
+    import failures
+
+    stopped = getattr(err, "controller_failure", None)
+    if isinstance(stopped, failures.RunStopped):
+        return str(stopped)
+    worker_failures = getattr(err, "worker_failures", None) or {}
+    if worker_failures:
+        rank, failure = min(worker_failures.items(), key=lambda item: item[0])
         lines = [line.strip() for line in str(failure).splitlines() if line.strip()]
         return f"worker {rank}: {lines[-1] if lines else type(failure).__name__}"
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
@@ -161,16 +171,32 @@ def failure_cause(err):
 
 
 def train_fn(config):
-    """Per-worker loop. Reads only config["plan"] (a plan.Plan); data comes from the "train" dataset shard."""
+    """Per-worker entry point. Reads only config["plan"] (a planning.Plan); data comes from the "train"
+    dataset shard. A failure's traceback goes to the run folder's errors.log (failures.py)."""
+    import ray.train
+
+    import failures
+
+    plan = config["plan"]
+    try:
+        train_worker(plan)
+    except Exception as err:
+        failures.write_worker_error(os.path.join(plan.storage_path, plan.run_name),
+                                    ray.train.get_context().get_world_rank(), err)
+        raise
+
+
+def train_worker(plan):
+    """One worker's whole run: models, checkpoint, the step loop, reports, the saved model."""
     import ray.train
     import torch
     from ray.experimental import tqdm_ray
 
+    import failures
     import models
     import steps
     import validation
 
-    plan = config["plan"]
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     unet_device, aux_device = worker_devices(plan.gpus_per_worker, ctx.get_local_world_size())
@@ -178,15 +204,21 @@ def train_fn(config):
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     batches = prefetched(ray.train.get_dataset_shard("train").iter_torch_batches(batch_size=plan.train_batch_size))
     torch.manual_seed(plan.seed + rank)  # every rank its own noise stream (CPU and GPUs)
-    nets = models.setup_models(plan, unet_device, aux_device, distributed=world > 1)
+    nets = models.setup_models(plan, unet_device, aux_device, distributed=world > 1,
+                               load_guard=failures.cannot_be_retried(
+                                   f"loading the model {plan.model_dir}",
+                                   "its files do not fit together: fetch or copy it again (cache_model.py)"))
     state = steps.make_train_state(nets, plan)
     # Ray's own checkpoint (a restarted worker group) wins over the one the run started from.
     restored = ray.train.get_checkpoint()
     if restored is not None:
-        with restored.as_directory() as folder:
+        with restored.as_directory() as folder, failures.cannot_be_retried(
+                "loading the run's newest checkpoint", "rerun with --resume_from_checkpoint and an earlier one"):
             checkpoint.load(state, folder, rank)
     elif plan.resume_path:
-        checkpoint.load(state, plan.resume_path, rank)
+        with failures.cannot_be_retried(f"loading the checkpoint {plan.resume_path}",
+                                        "pass another to --resume_from_checkpoint"):
+            checkpoint.load(state, plan.resume_path, rank)
     if rank == 0:
         print(f"worker devices: UNet on {unet_device}, text encoder and VAE on {aux_device}; "
               f"autocast {state.amp_dtype or 'off (fp32)'}", flush=True)
@@ -200,9 +232,16 @@ def train_fn(config):
     if bar and state.step:
         bar.update(state.step)
     window_loss, window_images, window_start = [], 0, time.perf_counter()
+    first_step = state.step
     for micro_batches in steps.accumulate(batches, accum, total - state.step):
-        loss, _, _ = steps.train_step(state, micro_batches, prompts, plan.prior_loss_weight,
-                                      plan.max_grad_norm)
+        try:
+            loss, _, _ = steps.train_step(state, micro_batches, prompts, plan.prior_loss_weight,
+                                          plan.max_grad_norm)
+        except Exception as err:
+            fatal = failures.out_of_memory(err, state.step, first_step)
+            if fatal:
+                raise fatal from err
+            raise
         state.step += 1
         window_loss.append(loss)
         window_images += sum(v.shape[0] for b in micro_batches for k, v in b.items() if k.endswith(IMAGE_COLUMNS))

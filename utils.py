@@ -23,6 +23,73 @@ class UserError(Exception):
     """A problem with the user's input: reported as one line, no traceback."""
 
 
+def user_error_in(err):
+    """The UserError that err carries from a Ray worker or actor, as a plain UserError; else None.
+    Ray wraps it (RayTaskError, Ray Data's UserCodeException) and the wrappers reach this process
+    without it: only their text names it, on a line "utils.UserError: <message>"."""
+    if type(err) is UserError:
+        return err
+    found = re.findall(r"^(?:\w+\.)*UserError: (.+)$", str(err), flags=re.MULTILINE)
+    return UserError(found[-1].strip()) if found else None
+
+
+def ray_failure(err):
+    """For an error raised in a Ray worker or actor (a RayError): a UserError naming its cause in
+    one line, its traceback written to a log file the line names. Else None."""
+    ray = sys.modules.get("ray")
+    if ray is None or not isinstance(err, ray.exceptions.RayError):
+        return None
+    import time
+    import traceback
+
+    log = os.path.join(tempfile.gettempdir(), f"dreambooth-error-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log")
+    with open(log, "w") as f:
+        f.write("".join(traceback.format_exception(err)))
+    # The text of a worker's error holds its chain of tracebacks; the last exception line not
+    # Ray's own is the cause.
+    causes = [line for line in re.findall(r"^((?:\w+\.)*\w*(?:Error|Exception)\w*: .+)$", str(err), re.MULTILINE)
+              if not line.startswith("ray.")]
+    cause = causes[-1].strip() if causes else one_line(err)
+    if len(cause) > 240:
+        cause = cause.split(". ")[0][:240]
+    return UserError(f"a Ray worker failed: {cause} (traceback in {log})")
+
+
+def one_line(err, limit=240):
+    """'ValueError: cannot load ...' from an exception: its last non-empty line, cut to its first
+    sentence when longer than limit (libraries append advice that does not apply here)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    if not lines:
+        return type(err).__name__
+    line = lines[-1]
+    if len(line) > limit:
+        line = line.split(". ")[0][:limit]
+    name = type(err).__name__
+    return line if line.startswith(f"{name}: ") else f"{name}: {line}"
+
+
+ERRORS_LOG = "errors.log"  # where a worker's or actor's traceback goes, in its output folder
+
+
+def log_error_event(folder, text):
+    """Append a timestamped entry to folder/errors.log (best effort: something is failing already)."""
+    import datetime
+
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, ERRORS_LOG), "a") as f:
+            f.write(f"=== {datetime.datetime.now().isoformat(timespec='seconds')} {text.rstrip()}\n")
+    except OSError:
+        pass
+
+
+def write_error_log(folder, who, err):
+    """Append err's traceback to folder/errors.log under who ("worker 0", "loading the model")."""
+    import traceback
+
+    log_error_event(folder, f"{who}: {one_line(err)}\n{''.join(traceback.format_exception(err))}")
+
+
 def _raise_keyboard_interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -37,6 +104,14 @@ def run_main(main_fn):
         return main_fn()
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)
+    except Exception as err:
+        cause = user_error_in(err)  # raised in a Ray worker or actor, which logged its traceback
+        if cause is None:
+            cause = ray_failure(err)
+        if cause is None:
+            raise
+        print(f"error: {cause}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -108,6 +183,17 @@ def read_json(path):
 # ---------------------------------------------------------------- Ray
 
 
+def quiet_ray_logs():
+    """Ray Data logs an error from user code twice before raising it (an ERROR line per stage):
+    the raised error is what the user gets, as one line (user_error_in) or a traceback."""
+    import logging
+
+    for name in ("ray.data.exceptions", "ray.data._internal.execution.streaming_executor_state"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    # ... and warns that the progress bars we turned off (ours are tqdm's) are off.
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
+
+
 def quiet_ray_worker():
     """Every Ray worker process of our jobs runs this first (runtime_env worker_process_setup_hook).
 
@@ -116,7 +202,14 @@ def quiet_ray_worker():
     """
     import logging
 
+    import ray
+
+    quiet_ray_logs()
     logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").setLevel(logging.ERROR)
+    # Ray Train's worker context logs every report at INFO through a logger named by its file's
+    # path (so its own log-level setting misses it): one line per report and rank, all noise.
+    context_py = os.path.join(os.path.dirname(ray.__file__), "train", "v2", "_internal", "execution", "context.py")
+    logging.getLogger(context_py).setLevel(logging.WARNING)
 
 
 def init_ray():
@@ -133,8 +226,11 @@ def init_ray():
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     # Our excludes below name Ray's defaults (.git, .venv, ...); without this Ray warns about each.
     os.environ.setdefault("RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES", "")
+    # Ray Data's INFO lines (each dataset's start, plan and finish) are for debugging Ray Data.
+    os.environ.setdefault("RAY_DATA_LOG_LEVEL", "WARNING")
     if ray.is_initialized():
         return ray
+    quiet_ray_logs()
     runtime_env = {
         "working_dir": REPO_DIR,
         "excludes": [".venv", "venv", ".git", "tests", "images", "benchmarks", "**/__pycache__", "*.png", "*.jpg"],
@@ -143,6 +239,10 @@ def init_ray():
             "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"],
             "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0"),
             "TOKENIZERS_PARALLELISM": "false",
+            "RAY_DATA_LOG_LEVEL": os.environ["RAY_DATA_LOG_LEVEL"],
+            # Ray Train routes a worker's print() through its logger and also to the original
+            # stream: every line twice on the driver's terminal. Plain print is what we want.
+            "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
             # transformers warns, in every process that imports diffusers, that torchvision is
             # missing for image processors we never use; errors still show.
             "TRANSFORMERS_VERBOSITY": os.environ.get("TRANSFORMERS_VERBOSITY", "error"),

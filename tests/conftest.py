@@ -67,7 +67,7 @@ def pytest_collection_modifyitems(items):
 
     for item in items:
         source = inspect.getsource(item.function)
-        if "ray_session" in item.fixturenames or any(w in source for w in ("subprocess", "run_train(", "Popen")):
+        if "ray_session" in item.fixturenames or any(w in source for w in ("subprocess", "run_train(", "run_script(", "Popen")):
             item.add_marker(pytest.mark.slow)
 
 

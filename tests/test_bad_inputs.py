@@ -240,3 +240,66 @@ def test_scripts_check_what_they_were_given_before_ray_starts(tiny_model, cut_mo
         assert "Started a local Ray instance" not in proc.stderr, (script, culprit)
     assert a_file.read_text() == "keep me"
     assert not os.path.exists(os.path.join(toy_images, "out"))
+
+
+@pytest.fixture(scope="module")
+def mixed_model(tiny_model, tmp_path_factory):
+    """A copy of the tiny model whose UNet config does not fit its weights (a mixed-up copy): it passes
+    every check that reads no weights, so only the Ray workers that load it find out."""
+    import json
+    import shutil
+
+    model = shutil.copytree(tiny_model, tmp_path_factory.mktemp("mixed") / "model")
+    config_path = model / "unet" / "config.json"
+    config = json.loads(config_path.read_text())
+    config["cross_attention_dim"] *= 2
+    config_path.write_text(json.dumps(config))
+    utils.check_model_dir(str(model))
+    return model
+
+
+def test_an_error_no_restart_can_fix_stops_the_run_at_once(mixed_model, toy_images, tmp_path):
+    """The run ends after the one attempt that met the bad model, not after --max_failures restarts,
+    with one line and the traceback in the run's errors.log."""
+    model = mixed_model
+    storage = tmp_path / "runs"
+    proc, _ = run_script("train.py", ["--model_dir", str(model), "--output_dir", str(tmp_path / "out"),
+                                      "--instance_data_dir", toy_images, "--instance_prompt", "photo of unqtkn toy",
+                                      "--num_workers", "1", "--max_failures", "3", "--storage_path", str(storage)])
+    assert_one_line_error(proc, f"worker 0: loading the model {model}: ValueError: ")
+    assert "fetch or copy it again" in proc.stderr.splitlines()[-1]
+    assert "restarting the workers" not in proc.stdout + proc.stderr
+    [run] = os.listdir(storage)
+    log = (storage / run / "errors.log").read_text()
+    entries = [line for line in log.splitlines() if line.startswith("=== ")]
+    assert len(entries) == 2  # the one attempt's traceback, then the stop
+    assert "Traceback (most recent call last)" in log and entries[1].endswith("a restart cannot fix this: "
+                                                                              "stopping the run")
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_an_actor_that_cannot_load_its_model_fails_in_one_line(mixed_model, tmp_path):
+    """generate.py's actor pool: the actor's error reaches the terminal as one line naming the model;
+    its traceback goes to the output folder's errors.log."""
+    out = tmp_path / "images"
+    proc, _ = run_script("generate.py", ["--model_dir", str(mixed_model), "--output_dir", str(out), "--prompts", "a toy",
+                                         "--num_samples_per_prompt", "2"])
+    assert_one_line_error(proc, f"loading the model {mixed_model}: ValueError: ", f"traceback in {out / 'errors.log'}")
+    assert "Traceback (most recent call last)" in (out / "errors.log").read_text()
+    assert not [name for name in os.listdir(out) if name.endswith(".png")]
+
+
+def test_any_other_error_in_a_ray_task_is_one_line_and_a_log(ray_session):
+    @ray_session.remote
+    def lookup():
+        return {"a": 1}["b"]
+
+    with pytest.raises(ray_session.exceptions.RayTaskError) as caught:
+        ray_session.get(lookup.remote())
+    assert utils.user_error_in(caught.value) is None
+    message = str(utils.ray_failure(caught.value))
+    assert message.startswith("a Ray worker failed: KeyError: 'b' (traceback in ")
+    log = message.rsplit("traceback in ", 1)[1].rstrip(")")
+    assert "in lookup" in open(log).read()
+    os.remove(log)
+    assert utils.ray_failure(ValueError("not from Ray")) is None

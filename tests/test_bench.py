@@ -32,6 +32,9 @@ def test_gpu_check_dry_run_kills_a_worker_resumes_and_generates(gpu_check):
     # The killed worker was replaced (training went past it), and Ctrl-C printed how to resume.
     first_run = (work / "train-1.log").read_text()
     assert "step=15" in first_run and "rerun the same command with --resume_from_checkpoint latest" in first_run
+    # The death was announced in one line (no traceback) and logged in the run's errors.log.
+    assert "worker 0 failed: " in first_run and "restarting the workers from the newest checkpoint (1 of " \
+        "--max_failures 3" in first_run and "Traceback" not in first_run
     table = table_rows((work / "table.md").read_text())
     assert table["wall time: 4 train to step 20, worker killed at 10, Ctrl-C at 20"][2] == "exit 130"
     for row in ("wall time: 1 build random tiny model", "wall time: 5 resume from latest to step 60 + save",

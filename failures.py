@@ -1,0 +1,81 @@
+"""What a training run does when a worker fails.
+
+A worker that dies (a lost node, a killed process, a flaky collective) is restarted from the
+newest checkpoint, up to --max_failures times: that is what Ray Train's retries are for. An
+error that a restart would meet again (a model whose weights do not fit its config, a checkpoint
+that does not load, a first step that does not fit in memory) is raised in the worker as a
+utils.UserError and stops the run at once. Either way the terminal gets one line per failure;
+the worker's traceback goes to the run folder's errors.log.
+"""
+
+import contextlib
+import os
+
+import ray.train
+
+import utils
+
+ERRORS_LOG = utils.ERRORS_LOG
+# Ray Train's own console logging (worker-group start, each failure's traceback twice, its retry
+# decision): what matters reaches the terminal through FailureWatch and train.py instead.
+RAY_TRAIN_LOG_LEVEL = "CRITICAL"
+
+
+class RunStopped(Exception):
+    """Raised in Ray Train's controller to end a run that a restart cannot fix; its message is the cause."""
+
+
+@contextlib.contextmanager
+def cannot_be_retried(what, remedy):
+    """Errors raised inside come from the files being read (what names them), so a restart meets
+    them again: they become a utils.UserError saying what to do (remedy), which stops the run. An
+    OSError (a file system that hiccuped) or one of Ray's errors stays as it is and is retried."""
+    try:
+        yield
+    except (OSError, ray.exceptions.RayError, utils.UserError):
+        raise
+    except Exception as err:
+        raise utils.UserError(f"{what}: {utils.one_line(err)}; {remedy}") from err
+
+
+def out_of_memory(err, step, first_step):
+    """A utils.UserError for a torch.OutOfMemoryError at this attempt's first step (later ones may
+    be fragmentation, which a restart can cure: those are retried), else None."""
+    import torch
+
+    if not isinstance(err, torch.OutOfMemoryError) or step != first_step:
+        return None
+    return utils.UserError(f"out of GPU memory at step {step + 1} ({utils.one_line(err)[:200]}); lower --train_batch_size "
+                           f"or --resolution, or add --gradient_checkpointing, --use_8bit_adam, --use_lora or "
+                           f"--gpus_per_worker 2 (README: which card fits which mode)")
+
+
+def write_worker_error(run_dir, rank, err):
+    """Append this worker's traceback to the run's errors.log."""
+    utils.write_error_log(run_dir, f"worker {rank}", err)
+
+
+class FailureWatch(ray.train.UserCallback):
+    """Runs in Ray Train's controller. After a worker failure: a UserError from any worker stops
+    the run (RunStopped, which Ray Train does not retry); anything else is announced in one line
+    and left to Ray Train's restarts."""
+
+    def __init__(self, run_dir, max_failures):
+        self.run_dir = run_dir
+        self.max_failures = max_failures
+        self.failures = 0
+
+    def after_exception(self, run_context, worker_exceptions):
+        rank, err = min(worker_exceptions.items(), key=lambda item: item[0])
+        fatal = [(r, e) for r, e in sorted(worker_exceptions.items()) if isinstance(e, utils.UserError)]
+        if fatal:
+            rank, err = fatal[0]
+            utils.log_error_event(self.run_dir, f"worker {rank}: {err} -- a restart cannot fix this: stopping the run")
+            raise RunStopped(f"worker {rank}: {err}")
+        self.failures += 1
+        cause = utils.one_line(err)
+        utils.log_error_event(self.run_dir, f"worker {rank} failed ({len(worker_exceptions)} of the group): {cause}")
+        if self.max_failures < 0 or self.failures <= self.max_failures:
+            limit = "unlimited" if self.max_failures < 0 else f"{self.failures} of --max_failures {self.max_failures}"
+            print(f"worker {rank} failed: {cause[:300]}; restarting the workers from the newest checkpoint "
+                  f"({limit}; details in {os.path.join(self.run_dir, ERRORS_LOG)})", flush=True)

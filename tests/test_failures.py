@@ -1,0 +1,55 @@
+"""failures.py: which worker errors stop a run, which are left to Ray Train's restarts, and what the user sees."""
+
+import pytest
+import torch
+
+import failures
+import train
+import utils
+
+
+def test_errors_of_the_files_read_stop_the_run_and_flaky_ones_are_retried():
+    with pytest.raises(utils.UserError, match=r"^loading x: ValueError: shapes differ; fetch it again$"):
+        with failures.cannot_be_retried("loading x", "fetch it again"):
+            raise ValueError("shapes differ")
+    for flaky in (OSError("stale file handle"), TimeoutError("slow disk")):
+        with pytest.raises(type(flaky)):
+            with failures.cannot_be_retried("loading x", "fetch it again"):
+                raise flaky
+
+
+def test_a_long_library_message_is_cut_to_its_first_sentence():
+    err = ValueError("Cannot load x because a.weight expected shape [64, 64], but got [64, 32]. If you want to "
+                     "instead overwrite randomly initialized weights, please pass " + "y" * 300)
+    assert utils.one_line(err) == "ValueError: Cannot load x because a.weight expected shape [64, 64], but got [64, 32]"
+    assert utils.one_line(RuntimeError("Traceback:\n  File a\nRuntimeError: boom\n")) == "RuntimeError: boom"
+
+
+def test_out_of_memory_at_the_first_step_stops_the_run_later_ones_are_retried():
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    fatal = failures.out_of_memory(oom, step=0, first_step=0)
+    assert isinstance(fatal, utils.UserError) and "out of GPU memory at step 1" in str(fatal)
+    assert "--gradient_checkpointing" in str(fatal)
+    assert failures.out_of_memory(oom, step=40, first_step=30) is None  # after a resume: the 11th step
+    assert failures.out_of_memory(oom, step=30, first_step=30) is not None  # a resumed run's first step
+    assert failures.out_of_memory(RuntimeError("boom"), step=0, first_step=0) is None
+
+
+def test_the_watch_stops_on_a_user_error_and_announces_a_dead_worker(tmp_path, capsys):
+    watch = failures.FailureWatch(str(tmp_path / "run"), max_failures=1)
+    watch.after_exception(None, {1: RuntimeError("actor died"), 0: ConnectionError("peer reset")})
+    out = capsys.readouterr().out
+    assert out.startswith("worker 0 failed: ConnectionError: peer reset; restarting the workers from the newest "
+                          "checkpoint (1 of --max_failures 1;")
+    watch.after_exception(None, {0: RuntimeError("actor died")})  # the limit is spent: Ray Train raises, we say nothing
+    assert capsys.readouterr().out == ""
+    with pytest.raises(failures.RunStopped, match="^worker 1: bad weights$"):
+        watch.after_exception(None, {0: RuntimeError("collective aborted"), 1: utils.UserError("bad weights")})
+    log = (tmp_path / "run" / failures.ERRORS_LOG).read_text().splitlines()
+    assert len(log) == 3 and "peer reset" in log[0] and "a restart cannot fix this" in log[2]
+
+
+def test_a_stopped_run_is_reported_by_its_cause():
+    from ray.train import ControllerError
+
+    assert train.failure_cause(ControllerError(failures.RunStopped("worker 1: bad weights"))) == "worker 1: bad weights"
