@@ -205,6 +205,10 @@ def quiet_ray_worker():
     import ray
 
     quiet_ray_logs()
+    # Ray's state API (Ray Train's placement-group cleaner polls it) looks for "the" local
+    # cluster when it has no address, and fails with a traceback when this machine runs two
+    # (a user's two scripts at once, the test suite's own beside a script's).
+    os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
     logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").setLevel(logging.ERROR)
     # Ray Train's worker context logs every report at INFO through a logger named by its file's
     # path (so its own log-level setting misses it): one line per report and rank, all noise.
