@@ -289,4 +289,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    utils.skip_unused_imports()  # building or fetching a model uses neither
     utils.run_main(main)

@@ -147,6 +147,33 @@ LOG_FILE="$LOG_DIR/dreambooth_run-$(date '+%Y%m%d-%H%M%S').log"
 exec > >(tee -a "$LOG_FILE") 2>&1
 echo "$COMMAND_LINE -- log: $LOG_FILE"
 
+# One Ray cluster for every step (each script would otherwise start and stop its own, seconds each):
+# the cluster RAY_ADDRESS names, or one `ray start` began on this node, is joined and left running;
+# else a local one starts here and stops when this script ends, however it ends.
+RAY_HEAD_PID=
+stop_ray() {
+  if [ -n "$RAY_HEAD_PID" ]; then kill -TERM "$RAY_HEAD_PID" 2>/dev/null || true; wait "$RAY_HEAD_PID" 2>/dev/null || true; fi
+}
+if [ -n "${RAY_ADDRESS:-}" ]; then
+  echo "Ray: joining the cluster at RAY_ADDRESS=$RAY_ADDRESS"
+else
+  RAY_HEAD_LOG="$LOG_DIR/ray-head-$(date '+%Y%m%d-%H%M%S').log"
+  # (no drain at the end: nothing runs by then, and Ray would wait 30 s for idle workers)
+  RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 $PYTHON -m ray.scripts.scripts start --head --block \
+    --disable-usage-stats --include-dashboard=false > "$RAY_HEAD_LOG" 2>&1 &
+  RAY_HEAD_PID=$!
+  trap stop_ray EXIT
+  while kill -0 "$RAY_HEAD_PID" 2>/dev/null && ! grep -q "block forever" "$RAY_HEAD_LOG"; do sleep 0.2; done
+  if kill -0 "$RAY_HEAD_PID" 2>/dev/null; then
+    RAY_ADDRESS="$(grep -o "ray start --address='[^']*'" "$RAY_HEAD_LOG" | head -n 1 | cut -d"'" -f2)"
+    export RAY_ADDRESS
+    echo "Ray: started a local cluster for this run at $RAY_ADDRESS (stopped at exit; its log: $RAY_HEAD_LOG)"
+  else  # e.g. `ray start` already ran on this node: every step joins that one
+    RAY_HEAD_PID=
+    echo "Ray: no cluster started here ($(grep -m 1 -i "error\|already" "$RAY_HEAD_LOG" || tail -n 1 "$RAY_HEAD_LOG"))"
+  fi
+fi
+
 if $example; then  # the example photos, in their own folder
   mkdir -p "$PHOTOS_DIR"
   if $tiny; then cp -f "$EXAMPLE_PHOTOS"/*.jpg "$PHOTOS_DIR/"; else $PYTHON download_example_dataset.py "$PHOTOS_DIR"; fi

@@ -185,6 +185,7 @@ class ImageGenerator:
     """
 
     def __init__(self, jobs, settings, num_actors):
+        utils.skip_unused_imports(lora=any(job.model.lora_dir for job in jobs))
         self.device = utils.torch_device()
         if self.device.type == "cpu":
             utils.share_cpu_threads(num_actors)

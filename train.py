@@ -188,6 +188,7 @@ def train_fn(config):
 
 def train_worker(plan):
     """One worker's whole run: models, checkpoint, the step loop, reports, the saved model."""
+    utils.skip_unused_imports(lora=plan.use_lora, eight_bit=plan.use_8bit_adam)
     import ray.train
     import torch
     from ray.experimental import tqdm_ray

@@ -256,6 +256,18 @@ def init_ray():
     return ray
 
 
+def skip_unused_imports(lora=False, eight_bit=False):
+    """In a process of its own (a Ray actor or worker, a script's main), hide peft and bitsandbytes
+    from diffusers and transformers when this process will not use them: both import every
+    optional package they find installed (bitsandbytes pulls in torch's inductor), 1.4 s of each
+    process that imports diffusers. A None entry in sys.modules is Python's own mark for "not
+    importable". Call before the first import of diffusers; never in a process that may need them
+    later (the test suite's own)."""
+    for name, needed in (("peft", lora), ("bitsandbytes", eight_bit)):
+        if not needed and name not in sys.modules:
+            sys.modules[name] = None
+
+
 def share_cpu_threads(processes_per_node):
     """Give this process its share of the node's cores for torch's CPU kernels.
 

@@ -21,8 +21,53 @@ def tiny_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def ray_session():
-    """One local Ray instance for every test that needs it (workers get the code via runtime_env)."""
+def shared_ray_cluster(tmp_path_factory):
+    """One local Ray cluster for the session, as dreambooth_run.sh keeps one for its steps: every
+    script a slow test runs, and this process (ray_session), joins it through RAY_ADDRESS instead
+    of starting and stopping its own. A test that needs a cluster of its own sets RAY_ADDRESS."""
+    import socket
+    import subprocess
+    import time
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log_path = tmp_path_factory.mktemp("ray-head") / "ray-head.log"
+    env = dict(os.environ, RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0")
+    with open(log_path, "w") as log:
+        head = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+                                 f"--port={port}", "--disable-usage-stats", "--include-dashboard=false"],
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
+    deadline = time.time() + 120
+    while "block forever" not in log_path.read_text():
+        assert head.poll() is None and time.time() < deadline, log_path.read_text()[-2000:]
+        time.sleep(0.2)
+    address = next(line.split("--address='")[1].split("'")[0] for line in log_path.read_text().splitlines()
+                   if "ray start --address='" in line)
+    os.environ["RAY_ADDRESS"] = address
+    yield address
+    os.environ.pop("RAY_ADDRESS", None)
+    head.terminate()
+    head.wait(timeout=60)
+
+
+def ray_sessions():
+    """The Ray sessions this machine has started (one folder each in Ray's temp dir): a script that
+    started a local cluster of its own adds one."""
+    import glob
+
+    return set(glob.glob("/tmp/ray/session_2*"))
+
+
+@pytest.fixture(autouse=True)
+def _slow_tests_share_one_cluster(request):
+    if request.node.get_closest_marker("slow"):
+        request.getfixturevalue("shared_ray_cluster")
+
+
+@pytest.fixture(scope="session")
+def ray_session(shared_ray_cluster):
+    """This process joined to the session's Ray cluster (workers get the code via runtime_env)."""
     import utils
 
     ray = utils.init_ray()

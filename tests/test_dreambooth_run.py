@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from conftest import ray_sessions
 from outputs import IMAGES_CONFIG, IMAGES_RECORD
 from utils import LORA_WEIGHTS_FILE, OUTPUT_MARKER, REPO_DIR
 
@@ -34,9 +35,12 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode):
         env.update(NUM_WORKERS="2", MAX_TRAIN_STEPS="10", TRAIN_ARGS="--logging_steps 5")
     else:
         env.update(MAX_TRAIN_STEPS="4")
+        env.pop("RAY_ADDRESS")  # no cluster to join: the script starts one for its steps
     extra = ["--use_lora"] if mode == "lora" else ["--", "--seed", "1"]  # train.py's flags after --
+    sessions = ray_sessions()
     proc = subprocess.run(["bash", "dreambooth_run.sh", "--tiny", *extra],
                           cwd=REPO_DIR, env=env, capture_output=True, text=True, timeout=600)
+    new_sessions = ray_sessions() - sessions
     assert proc.returncode == 0, proc.stdout[-3000:]
     output = proc.stdout + proc.stderr
     # a banner with a timestamp per step, the resolved settings once, and a log file of it all
@@ -52,6 +56,16 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode):
     pools = len(re.findall(r"; generating [1-9]", output)) - step6 + (1 if step6 else 0)
     assert output.count("this model has random weights") == pools >= 1
     assert "loss and learning rate plotted in" in output
+    # One Ray cluster for all the steps: started here and stopped at the end, or the one given joined.
+    if mode == "full":
+        address = re.search(r"Ray: started a local cluster for this run at (\S+):(\d+) ", output)
+        import socket
+
+        with pytest.raises(OSError):  # gone with the script
+            socket.create_connection((address[1], int(address[2])), timeout=5).close()
+    else:
+        assert f"Ray: joining the cluster at RAY_ADDRESS={os.environ['RAY_ADDRESS']}" in output
+    assert len(new_sessions) == (1 if mode == "full" else 0)  # no step started a cluster of its own
 
     reg = sorted(os.listdir(tmp_path / "images-reg" / "toy"))  # a folder per class
     assert reg == sorted([f"photo-of-a-toy-{i:05d}.png" for i in range(6)] + ["grid", IMAGES_RECORD, IMAGES_CONFIG])
