@@ -152,7 +152,14 @@ echo "$COMMAND_LINE -- log: $LOG_FILE"
 # else a local one starts here and stops when this script ends, however it ends.
 RAY_HEAD_PID=
 stop_ray() {
-  if [ -n "$RAY_HEAD_PID" ]; then kill -TERM "$RAY_HEAD_PID" 2>/dev/null || true; wait "$RAY_HEAD_PID" 2>/dev/null || true; fi
+  if [ -n "$RAY_HEAD_PID" ]; then
+    kill -TERM "$RAY_HEAD_PID" 2>/dev/null || true
+    wait "$RAY_HEAD_PID" 2>/dev/null || true
+    # `ray start` leaves its address in Ray's temp folder for later scripts to join: left there, the
+    # next script run by hand would wait on this stopped cluster instead of starting its own
+    local current="${RAY_TMPDIR:-${TMPDIR:-/tmp}}/ray/ray_current_cluster"
+    if [ "$(cat "$current" 2>/dev/null)" = "$RAY_ADDRESS" ]; then rm -f "$current"; fi
+  fi
 }
 if [ -n "${RAY_ADDRESS:-}" ]; then
   echo "Ray: joining the cluster at RAY_ADDRESS=$RAY_ADDRESS"

@@ -12,9 +12,21 @@ rest of the run's wall time. The tools alternate A B, B A, ... so that the machi
 on both; the ratio of each round's pair is reported, then the mean and median.
 
     python benchmarks/vs_diffusers.py --reference /path/to/train_dreambooth.py [--rounds 4] [--steps 70]
+    # the GPU comparison (same flags to both tools):
+    python benchmarks/vs_diffusers.py --reference ... --model sd15 --resolution 512 \
+        --mixed_precision bf16 --train_batch_size 2 --reference_dataloader_workers 4 --ray_cluster
+    # the CPU dry run the test suite takes (ours only; prints the reference's command line):
+    python benchmarks/vs_diffusers.py --dry_run --model tiny --resolution 64 --steps 20 --rounds 1
 
 The reference needs accelerate and torchvision (not in requirements.txt): --reference_python is
-a Python that has them besides diffusers and transformers.
+a Python that has them besides diffusers and transformers. Differences that remain between the
+tools are the reference's own: it reads loss.item() every step (a sync), uses foreach AdamW where
+ours is fused on a GPU, and keeps its VAE in the mixed-precision dtype; --reference_dataloader_workers
+gives its data loading worker processes so that is not its handicap.
+
+--ray_cluster starts one local Ray cluster before the rounds and every run of ours joins it, as
+dreambooth_run.sh's steps and a cluster's users do; without it each run of ours starts its own
+(the cold case): both fixed costs are worth reporting.
 """
 
 import argparse
@@ -36,42 +48,57 @@ REFERENCE_BAR = re.compile(r"Steps:.*?\|\s*(\d+)/(\d+) \[")
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--reference", required=True, help="path to diffusers' train_dreambooth.py")
+    parser.add_argument("--reference", help="path to diffusers' train_dreambooth.py")
     parser.add_argument("--reference_python", default=sys.executable,
                         help="Python that runs the reference (with accelerate and torchvision)")
     parser.add_argument("--rounds", type=int, default=4, help="pairs of runs (default 4)")
     parser.add_argument("--steps", type=int, default=70,
                         help=f"steps per run; the step is timed from step {FIRST_TIMED_STEP} to the last (default 70)")
     parser.add_argument("--work_dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "dreambooth-vs-diffusers"))
+    parser.add_argument("--model", choices=["tiny", "small", "sd15"], default="small",
+                        help="random weights of that size (cache_model.py; default small)")
+    parser.add_argument("--resolution", type=int, default=256)
+    parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default="no")
+    parser.add_argument("--train_batch_size", type=int, default=1, help="instance images per step (+ as many class)")
+    parser.add_argument("--reference_dataloader_workers", type=int, default=0,
+                        help="the reference's --dataloader_num_workers (give it 4 on a GPU machine)")
+    parser.add_argument("--ray_cluster", action="store_true",
+                        help="one local Ray cluster for all runs of ours (see above)")
+    parser.add_argument("--dry_run", action="store_true",
+                        help="run ours only; print the reference's command instead of running it")
     args = parser.parse_args(argv)
     if args.steps <= FIRST_TIMED_STEP or args.steps % 10:
         parser.error(f"--steps must be a multiple of 10 above {FIRST_TIMED_STEP}")
+    if not args.dry_run and not args.reference:
+        parser.error("--reference is required (or --dry_run)")
     return args
 
 
-def prepare(work):
-    """The random small model, the photos and 5 class images drawn by it; returns the model folder."""
+def prepare(work, size, resolution):
+    """The random model, the photos and 5 class images drawn by it; returns the model folder."""
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(os.path.join(work, "own"))
-    out = subprocess.run([sys.executable, "cache_model.py", "--model_dir", os.path.join(work, "cache"),
-                          "--random_model", "small"], cwd=ROOT, check=True, capture_output=True, text=True)
+    which = ["--tiny"] if size == "tiny" else ["--random_model", size]
+    out = subprocess.run([sys.executable, "cache_model.py", "--model_dir", os.path.join(work, "cache"), *which],
+                         cwd=ROOT, check=True, capture_output=True, text=True)
     model = out.stdout.strip().splitlines()[-1]
     for photo in glob.glob(os.path.join(ROOT, "images", "toy", "*.jpg")):
         shutil.copy(photo, os.path.join(work, "own"))
     subprocess.run([sys.executable, "generate.py", "--model_dir", model, "--output_dir", os.path.join(work, "class"),
                     "--prompts", CLASS_PROMPT, "--num_samples_per_prompt", "5", "--num_inference_steps", "2",
-                    "--resolution", "256"], cwd=ROOT, check=True, capture_output=True)
+                    "--resolution", str(resolution)], cwd=ROOT, check=True, capture_output=True)
     shutil.rmtree(os.path.join(work, "class", "grid"), ignore_errors=True)
     return model
 
 
-def run_ours(model, work, steps, log):
+def run_ours(model, work, steps, log, args):
     storage = os.path.join(work, "ray_results")
     shutil.rmtree(storage, ignore_errors=True)
     command = [sys.executable, "train.py", "--model_dir", model, "--output_dir", os.path.join(work, "out-ours"),
                "--overwrite", "--storage_path", storage, "--instance_data_dir", os.path.join(work, "own"),
                "--instance_prompt", PROMPT, "--class_data_dir", os.path.join(work, "class"),
-               "--class_prompt", CLASS_PROMPT, "--resolution", "256", "--train_batch_size", "1",
+               "--class_prompt", CLASS_PROMPT, "--resolution", str(args.resolution),
+               "--train_batch_size", str(args.train_batch_size), "--mixed_precision", args.mixed_precision,
                "--num_workers", "1", "--learning_rate", "5e-6", "--max_train_steps", str(steps),
                "--checkpointing_steps", "100000", "--logging_steps", "10", "--seed", "0"]
     start = time.time()
@@ -83,14 +110,21 @@ def run_ours(model, work, steps, log):
     return wall, ends[FIRST_TIMED_STEP], ends[steps]
 
 
-def run_reference(model, work, steps, log, python, script):
-    command = [python, script, "--pretrained_model_name_or_path", model, "--output_dir", os.path.join(work, "out-ref"),
-               "--instance_data_dir", os.path.join(work, "own"), "--instance_prompt", PROMPT,
-               "--with_prior_preservation", "--class_data_dir", os.path.join(work, "class"),
-               "--class_prompt", CLASS_PROMPT, "--num_class_images", "5", "--resolution", "256",
-               "--train_batch_size", "1", "--train_text_encoder", "--learning_rate", "5e-6",
-               "--lr_scheduler", "constant", "--lr_warmup_steps", "0", "--max_train_steps", str(steps),
-               "--checkpointing_steps", "100000", "--seed", "0"]
+def reference_command(model, work, steps, args):
+    """diffusers' train_dreambooth.py with the settings of ours (its documented flags)."""
+    return [args.reference_python, os.path.abspath(args.reference or "train_dreambooth.py"),
+            "--pretrained_model_name_or_path", model, "--output_dir", os.path.join(work, "out-ref"),
+            "--instance_data_dir", os.path.join(work, "own"), "--instance_prompt", PROMPT,
+            "--with_prior_preservation", "--class_data_dir", os.path.join(work, "class"),
+            "--class_prompt", CLASS_PROMPT, "--num_class_images", "5", "--resolution", str(args.resolution),
+            "--train_batch_size", str(args.train_batch_size), "--mixed_precision", args.mixed_precision,
+            "--dataloader_num_workers", str(args.reference_dataloader_workers), "--train_text_encoder",
+            "--learning_rate", "5e-6", "--lr_scheduler", "constant", "--lr_warmup_steps", "0",
+            "--max_train_steps", str(steps), "--checkpointing_steps", "100000", "--seed", "0"]
+
+
+def run_reference(model, work, steps, log, args):
+    command = reference_command(model, work, steps, args)
     ends, text = {}, b""
     start = time.time()
     with open(log, "wb") as out:
@@ -110,22 +144,58 @@ def run_reference(model, work, steps, log, python, script):
     return wall, ends[FIRST_TIMED_STEP], ends[steps]
 
 
+def start_ray_cluster(work):
+    """A local Ray head for the runs of ours (RAY_ADDRESS set for them); returns its process."""
+    log_path = os.path.join(work, "ray-head.log")
+    env = dict(os.environ, RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0")
+    with open(log_path, "w") as log:
+        head = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+                                 "--disable-usage-stats", "--include-dashboard=false"], stdout=log,
+                                stderr=subprocess.STDOUT, env=env)
+    while "block forever" not in open(log_path).read():
+        if head.poll() is not None:
+            sys.exit(f"vs_diffusers: ray start failed; see {log_path}")
+        time.sleep(0.2)
+    os.environ["RAY_ADDRESS"] = re.search(r"ray start --address='([^']+)'", open(log_path).read())[1]
+    return head
+
+
 def main(argv=None):
     args = parse_args(argv)
     os.environ.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    model = prepare(args.work_dir)
+    model = prepare(args.work_dir, args.model, args.resolution)
     tools = {
-        "reference": lambda log: run_reference(model, args.work_dir, args.steps, log, args.reference_python,
-                                               os.path.abspath(args.reference)),
-        "ours": lambda log: run_ours(model, args.work_dir, args.steps, log),
+        "reference": lambda log: run_reference(model, args.work_dir, args.steps, log, args),
+        "ours": lambda log: run_ours(model, args.work_dir, args.steps, log, args),
     }
+    if args.dry_run:
+        del tools["reference"]
+        print("reference command (not run): " + " ".join(reference_command(model, args.work_dir, args.steps, args)))
+    head = start_ray_cluster(args.work_dir) if args.ray_cluster else None
+    try:
+        compare(args, tools)
+    finally:
+        if head:
+            head.terminate()
+            head.wait(timeout=60)
+            # ray start left its address for later ray.init() calls to join: they would wait on it
+            current = os.path.join(os.environ.get("RAY_TMPDIR", os.environ.get("TMPDIR", "/tmp")), "ray",
+                                   "ray_current_cluster")
+            if os.path.isfile(current) and open(current).read().strip() == os.environ.get("RAY_ADDRESS"):
+                os.remove(current)
+            os.environ.pop("RAY_ADDRESS", None)
+
+
+def compare(args, tools):
     timed = args.steps - FIRST_TIMED_STEP
-    print(f"step timed from step {FIRST_TIMED_STEP} to {args.steps}; logs in {args.work_dir}")
+    print(f"model={args.model} resolution={args.resolution} batch={args.train_batch_size}+{args.train_batch_size} "
+          f"mixed_precision={args.mixed_precision} ours on {'one running' if args.ray_cluster else 'its own'} "
+          f"Ray cluster; step timed from step {FIRST_TIMED_STEP} to {args.steps}; logs in {args.work_dir}")
     print("| round | tool | wall s | s/step | fixed s |")
     print("| --- | --- | ---: | ---: | ---: |")
     rows = []
     for round_ in range(1, args.rounds + 1):
-        order = ["reference", "ours"] if round_ % 2 else ["ours", "reference"]
+        order = [tool for tool in (["reference", "ours"] if round_ % 2 else ["ours", "reference"]) if tool in tools]
         row = {}
         for tool in order:
             wall, first, last = tools[tool](os.path.join(args.work_dir, f"log-{tool}-{round_}"))
@@ -133,6 +203,10 @@ def main(argv=None):
             row[tool] = (step, wall - args.steps * step)
             print(f"| {round_} | {tool} | {wall:.1f} | {step:.3f} | {wall - args.steps * step:.1f} |", flush=True)
         rows.append(row)
+    if "reference" not in tools:
+        print(f"ours: {statistics.mean(row['ours'][0] for row in rows):.3f} s/step, "
+              f"fixed {statistics.mean(row['ours'][1] for row in rows):.1f} s (dry run: no reference)")
+        return
     ratios = [row["ours"][0] / row["reference"][0] for row in rows]
     mean = {tool: statistics.mean(row[tool][0] for row in rows) for tool in tools}
     fixed = {tool: statistics.mean(row[tool][1] for row in rows) for tool in tools}

@@ -49,6 +49,20 @@ def shared_ray_cluster(tmp_path_factory):
     os.environ.pop("RAY_ADDRESS", None)
     head.terminate()
     head.wait(timeout=60)
+    forget_ray_cluster(address)
+
+
+def forget_ray_cluster(address):
+    """`ray start` leaves its address in Ray's temp folder for later ray.init() calls to join; after
+    the cluster stops, they would wait on it instead of starting their own."""
+    current = os.path.join(os.environ.get("RAY_TMPDIR", os.environ.get("TMPDIR", "/tmp")), "ray", "ray_current_cluster")
+    try:
+        with open(current) as f:
+            stale = f.read().strip() == address
+    except OSError:
+        return
+    if stale:
+        os.remove(current)
 
 
 def ray_sessions():

@@ -190,14 +190,15 @@ def test_a_model_config_cut_short_is_named(tiny_model, tmp_path):
         utils.check_model_dir(str(model))
 
 
-def run_script(script, args, own_ray=False):
-    """(process, seconds) of a script run on the command line, as a user runs it; own_ray: without
-    the session's RAY_ADDRESS, so a script that starts Ray says so ("Started a local Ray instance")."""
+def run_script(script, args, no_ray=False):
+    """(process, seconds) of a script run on the command line, as a user runs it; no_ray: with
+    RAY_ADDRESS at a closed port, so a script that touches Ray fails or waits instead of joining
+    the session's cluster unseen."""
     import time
 
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    if own_ray:
-        env.pop("RAY_ADDRESS", None)
+    if no_ray:
+        env["RAY_ADDRESS"] = "127.0.0.1:9"
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, script, *args], cwd=REPO_DIR, capture_output=True, text=True, timeout=120,
                           env=env)
@@ -240,7 +241,7 @@ def test_scripts_check_what_they_were_given_before_ray_starts(tiny_model, cut_mo
     ]
     for script, args, culprit in cases:
         sessions = ray_sessions()
-        proc, seconds = run_script(script, args, own_ray=True)
+        proc, seconds = run_script(script, args, no_ray=True)
         assert_one_line_error(proc, culprit)
         assert seconds < 10, (script, culprit, seconds)
         assert ray_sessions() == sessions, (script, culprit)  # Ray was not started

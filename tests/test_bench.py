@@ -54,3 +54,50 @@ def test_bench_prints_plain_ray_and_generation_rows(gpu_check):
         assert abs(table[f"Ray overhead, {variant}"] - overhead) < 2  # from figures rounded to three digits
     assert table["generation batch 8 (2 steps, actor pool)"] > 0
     assert table["start-up: Ray start"] >= 0
+
+
+def test_gpu_probe_dry_run_profiles_every_arm_on_cpu():
+    """benchmarks/gpu_probe.py's CPU dry run: the same arms, timing and profile summary the GPU run prints."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import gpu_probe
+
+    arms = ["base", "batch4", "no_channels_last", "channels_last", "cudnn_benchmark", "cached"]
+    results = dict((arm.name, r) for arm, r in gpu_probe.main(
+        ["--model", "tiny", "--steps", "2", "--warmup", "1", "--profile_steps", "1", "--arms", ",".join(arms)]))
+    assert list(results) == arms
+    for name, r in results.items():
+        assert r["images_per_s"] > 0 and r["kernels"] > 0 and r["busy"] is None, name  # no GPU-busy figure on CPU
+        assert abs(sum(r["kinds"].values()) - 1) < 1e-6 and r["kinds"]["conv/GEMM"] > 0, name
+    assert not results["base"]["channels_last"] and results["channels_last"]["channels_last"]  # train.py's CPU rule
+    assert results["cached"]["kernels"] < results["base"]["kernels"]  # no VAE encoder, no text-encoder backward
+    assert gpu_probe.kind_of("sm90_xmma_gemm_bf16") == "conv/GEMM" and gpu_probe.kind_of("flash_fwd_kernel") == \
+        "attention" and gpu_probe.kind_of("multi_tensor_apply_kernel") == "optimizer"
+
+
+@pytest.mark.slow
+def test_vs_diffusers_dry_run_runs_ours_with_the_gpu_settings_on_one_cluster(tmp_path, capsys):
+    """benchmarks/vs_diffusers.py's GPU flags on the tiny model: ours runs on a cluster started once
+    for its runs, and the reference's command line carries the same settings."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import vs_diffusers
+
+    saved = os.environ.pop("RAY_ADDRESS", None)  # its own cluster, as --ray_cluster starts
+    try:
+        vs_diffusers.main(["--dry_run", "--model", "tiny", "--resolution", "64", "--steps", "20", "--rounds", "1",
+                           "--mixed_precision", "bf16", "--train_batch_size", "2", "--reference_dataloader_workers",
+                           "4", "--ray_cluster", "--work_dir", str(tmp_path / "work")])
+    finally:
+        os.environ.pop("RAY_ADDRESS", None)
+        if saved:
+            os.environ["RAY_ADDRESS"] = saved
+    out = capsys.readouterr().out
+    command = out.split("reference command (not run): ")[1].splitlines()[0]
+    for flag in ("--mixed_precision bf16", "--train_batch_size 2", "--dataloader_num_workers 4", "--resolution 64",
+                 "--with_prior_preservation", "--train_text_encoder"):
+        assert flag in command, flag
+    assert "batch=2+2 mixed_precision=bf16 ours on one running Ray cluster" in out
+    [row] = [line for line in out.splitlines() if line.startswith("| 1 | ours |")]
+    wall, per_step, fixed = (float(cell) for cell in row.strip("|").split("|")[2:5])
+    assert per_step > 0 and 0 < fixed < wall
+    log = (tmp_path / "work" / "log-ours-1").read_text()
+    assert "autocast torch.bfloat16" in log and "batch 2 instance + 2 class" in log

@@ -63,6 +63,8 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode):
 
         with pytest.raises(OSError):  # gone with the script
             socket.create_connection((address[1], int(address[2])), timeout=5).close()
+        current = "/tmp/ray/ray_current_cluster"  # and later scripts are not sent to it
+        assert not os.path.isfile(current) or open(current).read().strip() != f"{address[1]}:{address[2]}"
     else:
         assert f"Ray: joining the cluster at RAY_ADDRESS={os.environ['RAY_ADDRESS']}" in output
     assert len(new_sessions) == (1 if mode == "full" else 0)  # no step started a cluster of its own

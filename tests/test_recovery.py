@@ -19,7 +19,9 @@ import runlog
 import train
 from utils import REPO_DIR
 
-ENV = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+def env():
+    """The scripts' environment: this one's at the time (RAY_ADDRESS: the session's cluster), offline."""
+    return dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
 
 
 def checkpoint_steps(run_dir):
@@ -65,7 +67,7 @@ def wait_for(predicate, timeout, proc):
 
 
 def start_train(args):
-    return subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO_DIR, env=ENV, text=True,
+    return subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO_DIR, env=env(), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
@@ -79,7 +81,7 @@ def test_killed_generation_rerun_gives_exactly_the_uninterrupted_images(ray_sess
                 "--num_samples_per_prompt", "10", "--batch_size", "1", "--num_inference_steps", "20", "--seed", "3"]
 
     cut = tmp_path / "cut"
-    proc = subprocess.Popen([sys.executable, "generate.py", *flags(cut)], cwd=REPO_DIR, env=ENV,
+    proc = subprocess.Popen([sys.executable, "generate.py", *flags(cut)], cwd=REPO_DIR, env=env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     wait_for(lambda: os.path.isdir(cut) and len([f for f in os.listdir(cut) if f.endswith(".png")]) >= 2, 180, proc)
     proc.send_signal(signal.SIGTERM)
