@@ -56,6 +56,7 @@ def test_bench_prints_plain_ray_and_generation_rows(gpu_check):
     assert table["start-up: Ray start"] >= 0
 
 
+@pytest.mark.slow  # 15 s: six arms of the tiny model
 def test_gpu_probe_dry_run_profiles_every_arm_on_cpu():
     """benchmarks/gpu_probe.py's CPU dry run: the same arms, timing and profile summary the GPU run prints."""
     sys.path.insert(0, os.path.join(REPO, "benchmarks"))
