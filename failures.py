@@ -35,6 +35,8 @@ def cannot_be_retried(what, remedy):
     except (OSError, ray.exceptions.RayError, utils.UserError):
         raise
     except Exception as err:
+        if type(err).__name__ == "OutOfMemoryError":  # torch's: the device, not the files
+            remedy = "the GPU is too small for the model or in use by another process (nvidia-smi)"
         raise utils.UserError(f"{what}: {utils.one_line(err)}; {remedy}") from err
 
 

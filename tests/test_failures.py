@@ -12,6 +12,9 @@ def test_errors_of_the_files_read_stop_the_run_and_flaky_ones_are_retried():
     with pytest.raises(utils.UserError, match=r"^loading x: ValueError: shapes differ; fetch it again$"):
         with failures.cannot_be_retried("loading x", "fetch it again"):
             raise ValueError("shapes differ")
+    with pytest.raises(utils.UserError, match="loading x: OutOfMemoryError: CUDA out of memory; the GPU is too small"):
+        with failures.cannot_be_retried("loading x", "fetch it again"):
+            raise torch.OutOfMemoryError("CUDA out of memory")
     for flaky in (OSError("stale file handle"), TimeoutError("slow disk")):
         with pytest.raises(type(flaky)):
             with failures.cannot_be_retried("loading x", "fetch it again"):
