@@ -151,6 +151,9 @@ echo "$COMMAND_LINE -- log: $LOG_FILE"
 # the cluster RAY_ADDRESS names, or one `ray start` began on this node, is joined and left running;
 # else a local one starts here and stops when this script ends, however it ends.
 RAY_HEAD_PID=
+# The steps' Ray setting (utils.init_ray): a cluster started here with Ray's token default would
+# refuse them when a token file from earlier use of Ray exists (~/.ray/auth_token)
+export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
 stop_ray() {
   if [ -n "$RAY_HEAD_PID" ]; then
     kill -TERM "$RAY_HEAD_PID" 2>/dev/null || true

@@ -147,6 +147,7 @@ def run_reference(model, work, steps, log, args):
 def start_ray_cluster(work):
     """A local Ray head for the runs of ours (RAY_ADDRESS set for them); returns its process."""
     log_path = os.path.join(work, "ray-head.log")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # as the scripts have it (utils.init_ray)
     env = dict(os.environ, RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0")
     with open(log_path, "w") as log:
         head = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",

@@ -36,6 +36,7 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode):
     else:
         env.update(MAX_TRAIN_STEPS="4")
         env.pop("RAY_ADDRESS")  # no cluster to join: the script starts one for its steps
+        env.pop("RAY_AUTH_MODE", None)  # as in a user's shell: the script's cluster and steps must agree
     extra = ["--use_lora"] if mode == "lora" else ["--", "--seed", "1"]  # train.py's flags after --
     sessions = ray_sessions()
     proc = subprocess.run(["bash", "dreambooth_run.sh", "--tiny", *extra],
