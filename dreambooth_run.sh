@@ -13,7 +13,8 @@
 # photos, CLASS_NAME, the GPUs, the free disk and (on a cluster) that DATA_PREFIX is shared before
 # Step 1. Every run logs to $LOG_DIR; rerun the same command after a crash and Step 4 continues
 # from its newest checkpoint. With RAY_ADDRESS set (or `ray start` run on this node) the scripts
-# join that cluster and ship this folder's code to the workers.
+# join that cluster and ship this folder's code to the workers; else the script starts one local
+# cluster for all its steps and stops it at the end.
 set -euo pipefail
 
 # name|default (as shown)|meaning. The defaults are applied below, in Step 0.
