@@ -15,7 +15,6 @@ import ray.train
 
 import utils
 
-ERRORS_LOG = utils.ERRORS_LOG
 # Ray Train's own console logging (worker-group start, each failure's traceback twice, its retry
 # decision): what matters reaches the terminal through FailureWatch and train.py instead.
 RAY_TRAIN_LOG_LEVEL = "CRITICAL"
@@ -35,9 +34,7 @@ def cannot_be_retried(what, remedy):
     except (OSError, ray.exceptions.RayError, utils.UserError):
         raise
     except Exception as err:
-        if type(err).__name__ == "OutOfMemoryError":  # torch's: the device, not the files
-            remedy = "the GPU is too small for the model or in use by another process (nvidia-smi)"
-        raise utils.UserError(f"{what}: {utils.one_line(err)}; {remedy}") from err
+        raise utils.load_failure(what, err, remedy) from err
 
 
 def out_of_memory(err, step, first_step):
@@ -50,11 +47,6 @@ def out_of_memory(err, step, first_step):
     return utils.UserError(f"out of GPU memory at step {step + 1} ({utils.one_line(err)[:200]}); lower --train_batch_size "
                            f"or --resolution, or add --gradient_checkpointing, --use_8bit_adam, --use_lora or "
                            f"--gpus_per_worker 2 (README: which card fits which mode)")
-
-
-def write_worker_error(run_dir, rank, err):
-    """Append this worker's traceback to the run's errors.log."""
-    utils.write_error_log(run_dir, f"worker {rank}", err)
 
 
 class FailureWatch(ray.train.UserCallback):
@@ -80,4 +72,4 @@ class FailureWatch(ray.train.UserCallback):
         if self.max_failures < 0 or self.failures <= self.max_failures:
             limit = "unlimited" if self.max_failures < 0 else f"{self.failures} of --max_failures {self.max_failures}"
             print(f"worker {rank} failed: {cause[:300]}; restarting the workers from the newest checkpoint "
-                  f"({limit}; details in {os.path.join(self.run_dir, ERRORS_LOG)})", flush=True)
+                  f"({limit}; details in {os.path.join(self.run_dir, utils.ERRORS_LOG)})", flush=True)

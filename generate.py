@@ -209,14 +209,11 @@ class ImageGenerator:
                 raise
             except Exception as err:
                 utils.write_error_log(job.output_dir, "loading the model", err)
-                if type(err).__name__ == "OutOfMemoryError":  # torch's: the device, not the files
-                    remedy = "the GPU is too small for the model or in use by another process (nvidia-smi)"
-                elif job.model.lora_dir:
-                    remedy = "were the adapters trained on this base model? Else fetch or copy the files again"
-                else:
-                    remedy = "its files do not fit together: fetch or copy it again"
-                raise utils.UserError(f"loading the model {job.model.describe()}: {utils.one_line(err)}; {remedy} "
-                                      f"(traceback in {os.path.join(job.output_dir, utils.ERRORS_LOG)})") from err
+                remedy = ("were the adapters trained on this base model? Else fetch or copy the files again"
+                          if job.model.lora_dir else "its files do not fit together: fetch or copy it again")
+                failure = utils.load_failure(f"loading the model {job.model.describe()}", err, remedy)
+                raise utils.UserError(f"{failure} (traceback in {os.path.join(job.output_dir, utils.ERRORS_LOG)})") \
+                    from err
             self.loaded = index
         return self.pipe
 

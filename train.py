@@ -140,7 +140,7 @@ def run_trainer(plan, train_ds):
         result = trainer.fit()
     except (ray.train.ControllerError, ray.train.WorkerGroupError) as err:
         raise utils.UserError(f"training failed: {failure_cause(err)} (tracebacks in "
-                              f"{os.path.join(run_dir, failures.ERRORS_LOG)})") from None
+                              f"{os.path.join(run_dir, utils.ERRORS_LOG)})") from None
     except SystemExit:
         # fit() installs its own Ctrl-C handler: it aborts the run, then exits.
         raise KeyboardInterrupt from None
@@ -175,14 +175,12 @@ def train_fn(config):
     dataset shard. A failure's traceback goes to the run folder's errors.log (failures.py)."""
     import ray.train
 
-    import failures
-
     plan = config["plan"]
     try:
         train_worker(plan)
     except Exception as err:
-        failures.write_worker_error(os.path.join(plan.storage_path, plan.run_name),
-                                    ray.train.get_context().get_world_rank(), err)
+        utils.write_error_log(os.path.join(plan.storage_path, plan.run_name),
+                              f"worker {ray.train.get_context().get_world_rank()}", err)
         raise
 
 

@@ -49,23 +49,32 @@ def ray_failure(err):
     # Ray's own is the cause.
     causes = [line for line in re.findall(r"^((?:\w+\.)*\w*(?:Error|Exception)\w*: .+)$", str(err), re.MULTILINE)
               if not line.startswith("ray.")]
-    cause = causes[-1].strip() if causes else one_line(err)
-    if len(cause) > 240:
-        cause = cause.split(". ")[0][:240]
+    cause = shorten(causes[-1].strip()) if causes else one_line(err)
     return UserError(f"a Ray worker failed: {cause} (traceback in {log})")
 
 
+def shorten(line, limit=240):
+    """line, cut to its first sentence when longer than limit (libraries append advice that does
+    not apply here)."""
+    return line.split(". ")[0][:limit] if len(line) > limit else line
+
+
 def one_line(err, limit=240):
-    """'ValueError: cannot load ...' from an exception: its last non-empty line, cut to its first
-    sentence when longer than limit (libraries append advice that does not apply here)."""
+    """'ValueError: cannot load ...' from an exception: its last non-empty line, shortened."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     if not lines:
         return type(err).__name__
-    line = lines[-1]
-    if len(line) > limit:
-        line = line.split(". ")[0][:limit]
+    line = shorten(lines[-1], limit)
     name = type(err).__name__
     return line if line.startswith(f"{name}: ") else f"{name}: {line}"
+
+
+def load_failure(what, err, remedy):
+    """The UserError for a model or checkpoint that did not load (what: "loading the model x"):
+    its cause in one line and remedy, unless the device ran out of memory, which has its own."""
+    if type(err).__name__ == "OutOfMemoryError":  # torch's: the device, not the files
+        remedy = "the GPU is too small for the model or in use by another process (nvidia-smi)"
+    return UserError(f"{what}: {one_line(err)}; {remedy}")
 
 
 ERRORS_LOG = "errors.log"  # where a worker's or actor's traceback goes, in its output folder

@@ -48,7 +48,7 @@ def test_the_watch_stops_on_a_user_error_and_announces_a_dead_worker(tmp_path, c
     assert capsys.readouterr().out == ""
     with pytest.raises(failures.RunStopped, match="^worker 1: bad weights$"):
         watch.after_exception(None, {0: RuntimeError("collective aborted"), 1: utils.UserError("bad weights")})
-    log = (tmp_path / "run" / failures.ERRORS_LOG).read_text().splitlines()
+    log = (tmp_path / "run" / utils.ERRORS_LOG).read_text().splitlines()
     assert len(log) == 3 and "peer reset" in log[0] and "a restart cannot fix this" in log[2]
 
 
