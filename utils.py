@@ -265,6 +265,43 @@ def init_ray():
     return ray
 
 
+def start_ray_head(log_path, port=None):
+    """A local Ray cluster as dreambooth_run.sh starts one (`ray start --head --block` in the
+    background, no 30 s drain when stopped, the steps' auth mode), for the test suite and the
+    benchmarks: (process, address for RAY_ADDRESS) once it is up; stop it with stop_ray_head."""
+    import subprocess
+    import time
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # init_ray's: the scripts must be let in
+    command = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--disable-usage-stats",
+               "--include-dashboard=false"] + ([f"--port={port}"] if port else [])
+    with open(log_path, "w") as log:
+        head = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0"))
+    deadline = time.time() + 120
+    while "block forever" not in (text := open(log_path).read()):
+        if head.poll() is not None or time.time() > deadline:
+            head.kill()
+            raise RuntimeError(f"ray start failed ({log_path}): {text[-2000:]}")
+        time.sleep(0.2)
+    return head, re.search(r"ray start --address='([^']+)'", text)[1]
+
+
+def stop_ray_head(head, address):
+    """Stop a start_ray_head cluster. `ray start` left its address in Ray's temp folder for later
+    ray.init() calls to join: left there, they would wait on the stopped cluster."""
+    head.terminate()
+    head.wait(timeout=60)
+    current = os.path.join(os.environ.get("RAY_TMPDIR", os.environ.get("TMPDIR", "/tmp")), "ray", "ray_current_cluster")
+    try:
+        with open(current) as f:
+            stale = f.read().strip() == address
+    except OSError:
+        return
+    if stale:
+        os.remove(current)
+
+
 def skip_unused_imports(lora=False, eight_bit=False):
     """In a process of its own (a Ray actor or worker, a script's main), hide peft and bitsandbytes
     from diffusers and transformers when this process will not use them: both import every

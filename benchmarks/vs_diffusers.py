@@ -41,6 +41,9 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import utils  # noqa: E402
 FIRST_TIMED_STEP = 10
 PROMPT, CLASS_PROMPT = "photo of unqtkn toy", "photo of a toy"
 REFERENCE_BAR = re.compile(r"Steps:.*?\|\s*(\d+)/(\d+) \[")
@@ -145,20 +148,13 @@ def run_reference(model, work, steps, log, args):
 
 
 def start_ray_cluster(work):
-    """A local Ray head for the runs of ours (RAY_ADDRESS set for them); returns its process."""
-    log_path = os.path.join(work, "ray-head.log")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # as the scripts have it (utils.init_ray)
-    env = dict(os.environ, RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0")
-    with open(log_path, "w") as log:
-        head = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
-                                 "--disable-usage-stats", "--include-dashboard=false"], stdout=log,
-                                stderr=subprocess.STDOUT, env=env)
-    while "block forever" not in open(log_path).read():
-        if head.poll() is not None:
-            sys.exit(f"vs_diffusers: ray start failed; see {log_path}")
-        time.sleep(0.2)
-    os.environ["RAY_ADDRESS"] = re.search(r"ray start --address='([^']+)'", open(log_path).read())[1]
-    return head
+    """A local Ray head for the runs of ours (RAY_ADDRESS set for them); returns (process, address)."""
+    try:
+        head, address = utils.start_ray_head(os.path.join(work, "ray-head.log"))
+    except RuntimeError as err:
+        sys.exit(f"vs_diffusers: {err}")
+    os.environ["RAY_ADDRESS"] = address
+    return head, address
 
 
 def main(argv=None):
@@ -172,18 +168,12 @@ def main(argv=None):
     if args.dry_run:
         del tools["reference"]
         print("reference command (not run): " + " ".join(reference_command(model, args.work_dir, args.steps, args)))
-    head = start_ray_cluster(args.work_dir) if args.ray_cluster else None
+    cluster = start_ray_cluster(args.work_dir) if args.ray_cluster else None
     try:
         compare(args, tools)
     finally:
-        if head:
-            head.terminate()
-            head.wait(timeout=60)
-            # ray start left its address for later ray.init() calls to join: they would wait on it
-            current = os.path.join(os.environ.get("RAY_TMPDIR", os.environ.get("TMPDIR", "/tmp")), "ray",
-                                   "ray_current_cluster")
-            if os.path.isfile(current) and open(current).read().strip() == os.environ.get("RAY_ADDRESS"):
-                os.remove(current)
+        if cluster:
+            utils.stop_ray_head(*cluster)
             os.environ.pop("RAY_ADDRESS", None)
 
 

@@ -26,43 +26,17 @@ def shared_ray_cluster(tmp_path_factory):
     script a slow test runs, and this process (ray_session), joins it through RAY_ADDRESS instead
     of starting and stopping its own. A test that needs a cluster of its own sets RAY_ADDRESS."""
     import socket
-    import subprocess
-    import time
+
+    import utils
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    log_path = tmp_path_factory.mktemp("ray-head") / "ray-head.log"
-    env = dict(os.environ, RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0")
-    with open(log_path, "w") as log:
-        head = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
-                                 f"--port={port}", "--disable-usage-stats", "--include-dashboard=false"],
-                                stdout=log, stderr=subprocess.STDOUT, env=env)
-    deadline = time.time() + 120
-    while "block forever" not in log_path.read_text():
-        assert head.poll() is None and time.time() < deadline, log_path.read_text()[-2000:]
-        time.sleep(0.2)
-    address = next(line.split("--address='")[1].split("'")[0] for line in log_path.read_text().splitlines()
-                   if "ray start --address='" in line)
+    head, address = utils.start_ray_head(tmp_path_factory.mktemp("ray-head") / "ray-head.log", port)
     os.environ["RAY_ADDRESS"] = address
     yield address
     os.environ.pop("RAY_ADDRESS", None)
-    head.terminate()
-    head.wait(timeout=60)
-    forget_ray_cluster(address)
-
-
-def forget_ray_cluster(address):
-    """`ray start` leaves its address in Ray's temp folder for later ray.init() calls to join; after
-    the cluster stops, they would wait on it instead of starting their own."""
-    current = os.path.join(os.environ.get("RAY_TMPDIR", os.environ.get("TMPDIR", "/tmp")), "ray", "ray_current_cluster")
-    try:
-        with open(current) as f:
-            stale = f.read().strip() == address
-    except OSError:
-        return
-    if stale:
-        os.remove(current)
+    utils.stop_ray_head(head, address)
 
 
 def ray_sessions():
