@@ -272,6 +272,11 @@ def main(argv=None):
         "cache_dir", "model_name", "revision", "tiny", "random_model", "eval_models", "dino_model", "dino_revision",
         "clip_model", "clip_revision", "allow_unsafe_weights"])
     args = parser.parse_args(argv)
+    try:
+        os.makedirs(args.cache_dir, exist_ok=True)
+    except OSError as err:
+        raise utils.UserError(f"cannot create the model cache folder {args.cache_dir}: {err.strerror or err}; "
+                              "give a folder this user can write (--model_dir)") from None
     if args.eval_models:
         path = cache_eval_models(args.cache_dir, args)
         print(path)

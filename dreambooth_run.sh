@@ -155,7 +155,9 @@ RAY_HEAD_PID=
 # The steps' Ray setting (utils.init_ray): a cluster started here with Ray's token default would
 # refuse them when a token file from earlier use of Ray exists (~/.ray/auth_token)
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
-stop_ray() {
+EVAL_FETCH_PID=
+stop_ray() {  # at exit, however the script ends: the background fetch too (Step 1)
+  if [ -n "$EVAL_FETCH_PID" ]; then kill -TERM "$EVAL_FETCH_PID" 2>/dev/null || true; fi
   if [ -n "$RAY_HEAD_PID" ]; then
     kill -TERM "$RAY_HEAD_PID" 2>/dev/null || true
     wait "$RAY_HEAD_PID" 2>/dev/null || true
@@ -165,6 +167,7 @@ stop_ray() {
     if [ "$(cat "$current" 2>/dev/null)" = "$RAY_ADDRESS" ]; then rm -f "$current"; fi
   fi
 }
+trap stop_ray EXIT
 if [ -n "${RAY_ADDRESS:-}" ]; then
   echo "Ray: joining the cluster at RAY_ADDRESS=$RAY_ADDRESS"
 else
@@ -173,7 +176,6 @@ else
   RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 $PYTHON -m ray.scripts.scripts start --head --block \
     --disable-usage-stats --include-dashboard=false > "$RAY_HEAD_LOG" 2>&1 &
   RAY_HEAD_PID=$!
-  trap stop_ray EXIT
   while kill -0 "$RAY_HEAD_PID" 2>/dev/null && ! grep -q "block forever" "$RAY_HEAD_LOG"; do sleep 0.2; done
   if kill -0 "$RAY_HEAD_PID" 2>/dev/null; then
     RAY_ADDRESS="$(grep -o "ray start --address='[^']*'" "$RAY_HEAD_LOG" | head -n 1 | cut -d"'" -f2)"
@@ -218,6 +220,17 @@ else
 fi
 export ORIG_MODEL_PATH
 echo "base model: $ORIG_MODEL_PATH"
+
+# Step 6's scoring models (DINO, CLIP) are fetched meanwhile, in the background: their download
+# (or, with --tiny, their building) overlaps Steps 3-5 instead of adding to Step 6
+if ! $skip_eval; then
+  if $tiny; then EVAL_FLAGS=(--tiny); else EVAL_FLAGS=(); fi
+  EVAL_FETCH_LOG="$LOG_DIR/eval-models-$(date '+%Y%m%d-%H%M%S').log"
+  $PYTHON cache_model.py --model_dir="$EVAL_MODELS_CACHE" --eval_models "${EVAL_FLAGS[@]}" \
+    > "$EVAL_FETCH_LOG.path" 2> "$EVAL_FETCH_LOG" < /dev/null &
+  EVAL_FETCH_PID=$!
+  echo "Step 6's scoring models: fetching in the background (log: $EVAL_FETCH_LOG)"
+fi
 
 step "2: photos of the subject: $PHOTOS_DIR"
 
@@ -273,8 +286,15 @@ if $skip_eval; then
 fi
 
 step "6: scores of the tuned model beside the base model (DINO, CLIP-I, CLIP-T, DIV, PRES)"
-if $tiny; then EVAL_FLAGS=(--tiny); else EVAL_FLAGS=(); fi
-EVAL_MODELS_DIR="$($PYTHON cache_model.py --model_dir="$EVAL_MODELS_CACHE" --eval_models "${EVAL_FLAGS[@]}" | tail -n 1)"
+if ! wait "$EVAL_FETCH_PID"; then
+  EVAL_FETCH_PID=
+  tail -n 20 "$EVAL_FETCH_LOG"
+  echo "dreambooth_run.sh: error: fetching Step 6's scoring models failed (log: $EVAL_FETCH_LOG); the tuned" \
+    "model and its images are in $TUNED_MODEL_DIR and $IMAGES_NEW_DIR" >&2
+  exit 1
+fi
+EVAL_FETCH_PID=
+EVAL_MODELS_DIR="$(tail -n 1 "$EVAL_FETCH_LOG.path")"
 $PYTHON evaluate.py \
   --model_dir="$TUNED_MODEL_DIR" \
   --instance_data_dir="$PHOTOS_DIR" \

@@ -91,6 +91,11 @@ def prepare(work, size, resolution):
                     "--prompts", CLASS_PROMPT, "--num_samples_per_prompt", "5", "--num_inference_steps", "2",
                     "--resolution", str(resolution)], cwd=ROOT, check=True, capture_output=True)
     shutil.rmtree(os.path.join(work, "class", "grid"), ignore_errors=True)
+    # the same images for the reference, without generate.py's record of what drew them: the
+    # reference opens every file in its class folder as an image
+    os.makedirs(os.path.join(work, "class-ref"))
+    for image in glob.glob(os.path.join(work, "class", "*.png")):
+        shutil.copy(image, os.path.join(work, "class-ref"))
     return model
 
 
@@ -118,7 +123,7 @@ def reference_command(model, work, steps, args):
     return [args.reference_python, os.path.abspath(args.reference or "train_dreambooth.py"),
             "--pretrained_model_name_or_path", model, "--output_dir", os.path.join(work, "out-ref"),
             "--instance_data_dir", os.path.join(work, "own"), "--instance_prompt", PROMPT,
-            "--with_prior_preservation", "--class_data_dir", os.path.join(work, "class"),
+            "--with_prior_preservation", "--class_data_dir", os.path.join(work, "class-ref"),
             "--class_prompt", CLASS_PROMPT, "--num_class_images", "5", "--resolution", str(args.resolution),
             "--train_batch_size", str(args.train_batch_size), "--mixed_precision", args.mixed_precision,
             "--dataloader_num_workers", str(args.reference_dataloader_workers), "--train_text_encoder",

@@ -238,6 +238,8 @@ def test_scripts_check_what_they_were_given_before_ray_starts(tiny_model, cut_mo
         ("sweep.py", ["--model_dir", tiny_model, "--output_dir", str(tmp_path / "s"), *evaluate], "--eval_models_dir"),
         ("sweep.py", ["--model_dir", cut_model, "--output_dir", str(tmp_path / "s2"), *evaluate],
          "is not a whole safetensors file"),
+        ("cache_model.py", ["--model_dir", str(a_file / "cache"), "--eval_models", "--tiny"],
+         f"cannot create the model cache folder {a_file / 'cache'}"),
     ]
     for script, args, culprit in cases:
         sessions = ray_sessions()
