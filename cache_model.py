@@ -7,7 +7,8 @@ Prints the snapshot path, the folder every other script takes as --model_dir. On
 files a diffusers pipeline loads are fetched (the SD 1.4 repo also holds multi-GB .ckpt
 files), safetensors weights only. With the files already cached it works offline.
 --tiny writes a randomly initialised tiny SD 1.x model instead (no network at all), and
---random_model sd15 the full-size SD 1.x architecture with random weights (GPU checks).
+--random_model sd15 the full-size SD 1.x architecture with random weights (GPU checks);
+--arch sd2-v makes either an SD 2.x v-prediction model (SD 2.1's layout).
 
     python cache_model.py --model_dir=$EVAL_CACHE_DIR --eval_models [--tiny]
 
@@ -128,13 +129,18 @@ def hub_snapshot_path(cache_dir, model_name, revision):
     return os.path.join(repo_cache_path(cache_dir, model_name), "snapshots", revision)
 
 
-def random_model_id(size):
-    """(hub name, revision) of a built random model: the tiny one keeps its historical name; the
-    revision names the architecture and the build, so a changed model never reuses an old folder."""
+def random_model_id(size, arch="sd1"):
+    """(hub name, revision) of a built random model: the tiny SD 1.x one keeps its historical name,
+    another architecture's name says it (tiny-stable-diffusion-2-v); the revision names the
+    architecture and the build, so a changed model never reuses an old folder."""
     import models
 
-    name = TINY_MODEL_NAME if size == "tiny" else f"{RANDOM_MODEL_OWNER}/random-stable-diffusion-{size}"
+    family = "" if arch == "sd1" else "-" + arch.replace("sd", "", 1)
+    name = (TINY_MODEL_NAME + family if size == "tiny"
+            else f"{RANDOM_MODEL_OWNER}/random-stable-diffusion{family}-{size}")
     build = f"{name} v{RANDOM_MODEL_VERSION} {sorted(models.MODEL_SIZES[size].items())}"
+    if arch != "sd1":
+        build += f" {arch} {sorted(models.ARCHITECTURES[arch].items())}"
     return name, hashlib.sha1(build.encode()).hexdigest()
 
 
@@ -146,18 +152,18 @@ def has_random_weights(model_dir):
     return f"models--{RANDOM_MODEL_OWNER}--" in os.path.abspath(model_dir)
 
 
-def write_random_model(cache_dir, size="tiny"):
-    """Build a random SD 1.x model of models.MODEL_SIZES and save it in the hub layout
-    (refs/main + snapshots/<revision>), where every script finds it as it finds SD 1.4."""
+def write_random_model(cache_dir, size="tiny", arch="sd1"):
+    """Build a random model of models.MODEL_SIZES and models.ARCHITECTURES and save it in the hub
+    layout (refs/main + snapshots/<revision>), where every script finds it as it finds SD 1.4."""
     import models
 
-    name, revision = random_model_id(size)
+    name, revision = random_model_id(size, arch)
     snapshot = hub_snapshot_path(cache_dir, name, revision)
     # Built from a fixed seed and renamed into place whole: one already there is this model, as a
     # cached download is (a change to MODEL_SIZES comes with a new revision).
     if os.path.isfile(os.path.join(snapshot, "model_index.json")):
         return snapshot
-    pipeline = models.build_pipeline(size)
+    pipeline = models.build_pipeline(size, arch=arch)
     utils.atomic_write_dir(snapshot, lambda tmp: pipeline.save_pretrained(tmp, safe_serialization=True))
     refs = os.path.join(repo_cache_path(cache_dir, name), "refs")
     os.makedirs(refs, exist_ok=True)
@@ -269,7 +275,7 @@ def cache_eval_models(cache_dir, args):
 
 def main(argv=None):
     parser = flags.make_parser(__doc__.splitlines()[0], [
-        "cache_dir", "model_name", "revision", "tiny", "random_model", "eval_models", "dino_model", "dino_revision",
+        "cache_dir", "model_name", "revision", "tiny", "random_model", "arch", "eval_models", "dino_model", "dino_revision",
         "clip_model", "clip_revision", "allow_unsafe_weights"])
     args = parser.parse_args(argv)
     try:
@@ -277,12 +283,15 @@ def main(argv=None):
     except OSError as err:
         raise utils.UserError(f"cannot create the model cache folder {args.cache_dir}: {err.strerror or err}; "
                               "give a folder this user can write (--model_dir)") from None
+    if args.arch and (args.eval_models or not (args.tiny or args.random_model)):
+        raise utils.UserError("--arch is the architecture of a model built here (--tiny, --random_model); a "
+                              "downloaded model's family is read from its files")
     if args.eval_models:
         path = cache_eval_models(args.cache_dir, args)
         print(path)
         return path
     if args.tiny or args.random_model:
-        path = write_random_model(args.cache_dir, args.random_model or "tiny")
+        path = write_random_model(args.cache_dir, args.random_model or "tiny", args.arch or "sd1")
     else:
         if known_model(args.model_name) is None and args.revision is None:
             print(f"note: {args.model_name} is not one of {', '.join(m.short_name for m in KNOWN_MODELS)}: caching "

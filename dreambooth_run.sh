@@ -3,7 +3,8 @@
 #
 #   ./dreambooth_run.sh                       SD 1.4, the example dog photos, one worker per GPU
 #   INSTANCE_DIR=~/rex CLASS_NAME=dog ./dreambooth_run.sh     your own photos
-#   ./dreambooth_run.sh --tiny                built-in tiny model + images/toy, offline on CPU (~3 min)
+#   ./dreambooth_run.sh --tiny                built-in tiny model + images/toy, offline on CPU (~2 min)
+#   ./dreambooth_run.sh --tiny --arch sd2-v   the same with a tiny SD 2.x v-prediction model (96 px)
 #   ./dreambooth_run.sh --use_lora            LoRA adapters instead of every weight (combines with the above)
 #   ./dreambooth_run.sh --skip_image_setup    train on the photos already in $IMAGES_OWN_DIR
 #   ./dreambooth_run.sh --skip_eval           stop after Step 5 (no scores of the tuned model)
@@ -61,6 +62,7 @@ usage() {
 
 COMMAND_LINE="$0 $*"
 tiny=false
+arch=
 skip_image_setup=false
 use_lora=false
 skip_eval=false
@@ -68,6 +70,8 @@ EXTRA_TRAIN_ARGS=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --tiny) tiny=true ;;
+    --arch) [ $# -ge 2 ] || { echo "dreambooth_run.sh: error: --arch needs a value: sd1 or sd2-v" >&2; exit 2; }
+      arch="$2"; shift ;;
     --skip_image_setup) skip_image_setup=true ;;
     --use_lora) use_lora=true ;;
     --skip_eval) skip_eval=true ;;
@@ -77,6 +81,12 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
+
+if [ -n "$arch" ] && ! $tiny; then
+  echo "dreambooth_run.sh: error: --arch picks the tiny model's family (with --tiny); a real model's family" \
+    "is read from its files (ORIG_MODEL_NAME)" >&2
+  exit 2
+fi
 
 # Paths given relative to where the script was started stay so after the cd below
 for name in DATA_PREFIX INSTANCE_DIR IMAGES_OWN_DIR IMAGES_REG_DIR TUNED_MODEL_DIR IMAGES_NEW_DIR EVAL_DIR \
@@ -213,7 +223,8 @@ mkdir -p "$ORIG_MODEL_DIR" "$TUNED_MODEL_DIR" "$IMAGES_REG_DIR" "$IMAGES_NEW_DIR
 
 step "1: cache the base model ($($tiny && echo "the built-in tiny one" || echo "$ORIG_MODEL_NAME"))"
 if $tiny; then
-  ORIG_MODEL_PATH="$($PYTHON cache_model.py --model_dir="$ORIG_MODEL_DIR" --tiny | tail -n 1)"
+  ORIG_MODEL_PATH="$($PYTHON cache_model.py --model_dir="$ORIG_MODEL_DIR" --tiny ${arch:+--arch="$arch"} \
+    | tail -n 1)"
 else
   ORIG_MODEL_PATH="$($PYTHON cache_model.py --model_dir="$ORIG_MODEL_DIR" --model_name="$ORIG_MODEL_NAME" \
     ${ORIG_MODEL_HASH:+--revision="$ORIG_MODEL_HASH"} | tail -n 1)"

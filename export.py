@@ -3,7 +3,7 @@
     python export.py --model_dir $TUNED_MODEL_DIR --output_file my-dog.safetensors
     python export.py --model_dir $TUNED_LORA_DIR --output_file my-dog-lora.safetensors
 
-A full model (train.py's output, or any diffusers SD 1.x folder) becomes one checkpoint in the
+A full model (train.py's output, or any diffusers SD 1.x or 2.x folder) becomes one checkpoint in the
 original Stable Diffusion layout (model.diffusion_model.*, first_stage_model.*,
 cond_stage_model.transformer.*): put it in A1111's models/Stable-diffusion or ComfyUI's
 models/checkpoints. A LoRA output (train.py --use_lora) becomes a kohya-layout LoRA
@@ -16,6 +16,7 @@ import os
 import re
 import sys
 
+import families
 import flags
 import outputs
 import utils
@@ -90,7 +91,7 @@ def rename(state_dict, prefixes, what):
         match = next((p for p in prefixes if key.startswith(p[0])), None)
         if match is None:
             raise utils.UserError(f"export: no original-layout name for the {what} weight {key}: "
-                                  "only SD 1.x architectures are supported")
+                                  "only SD 1.x and 2.x architectures are supported")
         old, new, inside = match
         rest = "." + key[len(old):]
         for a, b in inside.items():
@@ -103,7 +104,7 @@ def rename(state_dict, prefixes, what):
 
 
 def full_checkpoint(model_dir, allow_unsafe_weights=False):
-    """{original SD key: tensor} of a diffusers SD 1.x folder, weights as stored (fp32 after training)."""
+    """{original SD key: tensor} of a diffusers SD 1.x or 2.x folder, weights as stored (fp32 after training)."""
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextModel
 
@@ -117,12 +118,54 @@ def full_checkpoint(model_dir, allow_unsafe_weights=False):
         checkpoint["model.diffusion_model." + key] = tensor
     for key, tensor in rename(vae.state_dict(), vae_prefixes(vae.config), "VAE").items():
         checkpoint["first_stage_model." + key] = tensor
+    text_weights = {}
     for key, tensor in text_encoder.state_dict().items():
         # transformers >= 5.6 flattened CLIPTextModel; the original layout keeps its text_model level.
-        if not key.startswith("text_model."):
-            key = "text_model." + key
-        checkpoint["cond_stage_model.transformer." + key] = tensor
+        text_weights[key if key.startswith("text_model.") else "text_model." + key] = tensor
+    if families.family_of(model_dir).single_file_text_encoder == "open_clip":
+        checkpoint.update(open_clip_text_encoder(text_weights))
+    else:
+        checkpoint.update({"cond_stage_model.transformer." + key: t for key, t in text_weights.items()})
     return checkpoint
+
+
+# SD 2.x's text encoder in OpenCLIP's names: diffusers name inside a layer -> OpenCLIP name.
+OPEN_CLIP_LAYER = {"layer_norm1": "ln_1", "layer_norm2": "ln_2", "self_attn.out_proj": "attn.out_proj",
+                   "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj"}
+OPEN_CLIP_OUTER = {"text_model.embeddings.token_embedding.weight": "token_embedding.weight",
+                   "text_model.embeddings.position_embedding.weight": "positional_embedding",
+                   "text_model.final_layer_norm.weight": "ln_final.weight",
+                   "text_model.final_layer_norm.bias": "ln_final.bias"}
+
+
+def open_clip_text_encoder(weights):
+    """{cond_stage_model.model.* key: tensor} of an SD 2.x text encoder ({text_model.* key: tensor}):
+    OpenCLIP's resblocks, with each layer's q, k and v projections stacked into in_proj (q first).
+    The released SD 2.x files hold one layer more (OpenCLIP's last, which SD 2.x never uses:
+    it reads the layer before); the other tools load without it, as diffusers drops it."""
+    import torch
+
+    out, qkv = {}, {}
+    layer = re.compile(r"^text_model\.encoder\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+    for key, tensor in weights.items():
+        if key in OPEN_CLIP_OUTER:
+            out[OPEN_CLIP_OUTER[key]] = tensor
+            continue
+        match = layer.match(key)
+        if match is None:
+            if key.endswith("position_ids"):
+                continue  # a buffer, not a weight
+            raise utils.UserError(f"export: no OpenCLIP name for the text encoder weight {key}")
+        index, module, kind = match.groups()
+        if module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+            qkv.setdefault((index, kind), {})[module[len("self_attn."):-len("_proj")]] = tensor
+        elif module in OPEN_CLIP_LAYER:
+            out[f"transformer.resblocks.{index}.{OPEN_CLIP_LAYER[module]}.{kind}"] = tensor
+        else:
+            raise utils.UserError(f"export: no OpenCLIP name for the text encoder weight {key}")
+    for (index, kind), parts in qkv.items():
+        out[f"transformer.resblocks.{index}.attn.in_proj_{kind}"] = torch.cat([parts["q"], parts["k"], parts["v"]])
+    return {"cond_stage_model.model." + key: tensor for key, tensor in out.items()}
 
 
 # ------------------------------------------------------------------ LoRA
@@ -180,7 +223,7 @@ def lora_checkpoint(lora_dir):
 # ------------------------------------------------------------------ command line
 
 SAVE_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
-HELPS = {"model_dir": "train.py's output folder: a full model (or any diffusers SD 1.x folder) becomes an original-"
+HELPS = {"model_dir": "train.py's output folder: a full model (or any diffusers SD 1.x or 2.x folder) becomes an original-"
                       "layout checkpoint, a --use_lora output a kohya-layout LoRA.",
          "overwrite": "Replace --output_file if it exists."}
 

@@ -1,4 +1,4 @@
-"""The Stable Diffusion networks: random SD 1.x models built from config, loading with the
+"""The Stable Diffusion networks: random SD 1.x and 2.x models built from config, loading with the
 safetensors rule, and the training set-up (devices, train mode, layout, DDP, compile).
 
 One code path for every device: each option a GPU run turns on (channels-last, gradient
@@ -61,13 +61,24 @@ def tiny_safety_checker(projection_dim=32):
     return checker, processor
 
 
-def build_pipeline(size="tiny", seed=0, safety_checker=False):
-    """A randomly initialised SD 1.x pipeline of one of MODEL_SIZES (real diffusers/transformers classes)."""
+# What a random model of each architecture changes in its MODEL_SIZES entry and around it, as the
+# released models of its family do. sd1: SD 1.4/1.5. sd2-v: SD 2.1 (768 px, v-prediction): OpenCLIP's
+# gelu text encoder, linear projections in the UNet's transformers, a head count per level, DDIM.
+ARCHITECTURES = {
+    "sd1": dict(text_act="quick_gelu", linear_projection=False, prediction_type="epsilon", resolution_scale=1),
+    "sd2-v": dict(text_act="gelu", linear_projection=True, prediction_type="v_prediction", resolution_scale=1.5),
+}
+
+
+def build_pipeline(size="tiny", seed=0, safety_checker=False, arch="sd1"):
+    """A randomly initialised pipeline of one of MODEL_SIZES and ARCHITECTURES (real diffusers/transformers classes)."""
     import torch
-    from diffusers import AutoencoderKL, PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from diffusers import (AutoencoderKL, DDIMScheduler, PNDMScheduler, StableDiffusionPipeline,
+                           UNet2DConditionModel)
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
-    spec = MODEL_SIZES[size]
+    spec, kind = MODEL_SIZES[size], ARCHITECTURES[arch]
+    latent_size = int(spec["latent_size"] * kind["resolution_scale"])
     torch.manual_seed(seed)
     tokenizer = CLIPTokenizer.from_pretrained(TINY_TOKENIZER_DIR, model_max_length=77)
     text_encoder = CLIPTextModel(CLIPTextConfig(
@@ -77,21 +88,24 @@ def build_pipeline(size="tiny", seed=0, safety_checker=False):
         num_hidden_layers=spec["text_layers"],
         num_attention_heads=spec["text_heads"],
         max_position_embeddings=tokenizer.model_max_length,
-        hidden_act="quick_gelu",
+        hidden_act=kind["text_act"],
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     ))
     down = spec["unet_down"]
     up = tuple(reversed([name.replace("Down", "Up") for name in down]))
+    # SD 1.x: 8 heads everywhere; SD 2.x: heads of 64 channels, so more heads at each wider level.
+    heads = 8 if arch == "sd1" else tuple(max(2, c // 64) for c in spec["unet_channels"])
     unet = UNet2DConditionModel(
-        sample_size=spec["latent_size"],
+        sample_size=latent_size,
         block_out_channels=spec["unet_channels"],
         layers_per_block=spec["unet_layers"],
         down_block_types=down,
         up_block_types=up,
         cross_attention_dim=spec["text_hidden"],
-        attention_head_dim=8,
+        attention_head_dim=heads,
+        use_linear_projection=kind["linear_projection"],
     )
     num_vae_blocks = len(spec["vae_channels"])
     vae = AutoencoderKL(
@@ -100,18 +114,14 @@ def build_pipeline(size="tiny", seed=0, safety_checker=False):
         down_block_types=("DownEncoderBlock2D",) * num_vae_blocks,
         up_block_types=("UpDecoderBlock2D",) * num_vae_blocks,
         latent_channels=4,
-        sample_size=spec["latent_size"] * 2 ** (num_vae_blocks - 1),
+        sample_size=latent_size * 2 ** (num_vae_blocks - 1),
     )
-    # Same scheduler family and betas as SD 1.4's scheduler/scheduler_config.json.
-    scheduler = PNDMScheduler(
-        beta_start=0.00085,
-        beta_end=0.012,
-        beta_schedule="scaled_linear",
-        num_train_timesteps=1000,
-        skip_prk_steps=True,
-        set_alpha_to_one=False,
-        steps_offset=1,
-    )
+    betas = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000,
+                 set_alpha_to_one=False, steps_offset=1)
+    if arch == "sd1":  # the scheduler of SD 1.4's scheduler/scheduler_config.json
+        scheduler = PNDMScheduler(skip_prk_steps=True, **betas)
+    else:  # SD 2.1's
+        scheduler = DDIMScheduler(clip_sample=False, prediction_type=kind["prediction_type"], **betas)
     checker, processor = tiny_safety_checker() if safety_checker else (None, None)
     return StableDiffusionPipeline(
         unet=unet,

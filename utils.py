@@ -454,6 +454,9 @@ def check_model_dir(model_dir, allow_unsafe_weights=False):
         except (ValueError, UnicodeDecodeError):
             raise UserError(f"{config} is not valid JSON (a cut-short copy?): fetch or copy the model again "
                             "(cache_model.py)") from None
+    import families
+
+    families.check_trained(model_dir)
     for part in ("unet", "vae", "text_encoder"):
         names = os.listdir(os.path.join(model_dir, part))
         for name in names:

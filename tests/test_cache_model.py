@@ -84,6 +84,16 @@ def test_a_built_random_model_is_reused_and_another_size_gets_its_own_revision(t
     assert len({cache_model.random_model_id(size)[1] for size in ("tiny", "small", "sd15")}) == 3
 
 
+def test_the_sd2_v_tiny_model_has_its_own_name_and_arch_only_goes_with_a_built_model(tiny_model, tiny_sd2v_model,
+                                                                                    tmp_path):
+    assert "models--dreambooth-ray--tiny-stable-diffusion-2-v" in tiny_sd2v_model
+    assert cache_model.random_model_id("tiny", "sd2-v") != cache_model.random_model_id("tiny")
+    assert cache_model.has_random_weights(tiny_sd2v_model)
+    for args in (["--model_name", "sd21", "--arch", "sd2-v"], ["--eval_models", "--tiny", "--arch", "sd2-v"]):
+        with pytest.raises(utils.UserError, match="--arch is the architecture of a model built here"):
+            cache_model.main(["--model_dir", str(tmp_path), *args])
+
+
 def test_tiny_eval_models_are_built_once_and_load_as_evaluate_reads_them(tmp_path):
     import scores
 

@@ -8,20 +8,23 @@ import export
 import utils
 
 
-@pytest.fixture(scope="module")
-def tuned_model(tiny_model, tmp_path_factory):
+def tuned_copy(base_model, folder):
     """A full model folder whose every weight differs from the base model's (as after training)."""
     from diffusers import StableDiffusionPipeline
 
-    pipe = StableDiffusionPipeline.from_pretrained(tiny_model, safety_checker=None)
+    pipe = StableDiffusionPipeline.from_pretrained(base_model, safety_checker=None)
     torch.manual_seed(0)
     with torch.no_grad():
         for model in (pipe.unet, pipe.vae, pipe.text_encoder):
             for weight in model.parameters():
                 weight.add_(torch.randn_like(weight) * 0.01)
-    folder = str(tmp_path_factory.mktemp("tuned"))
     pipe.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="module")
+def tuned_model(tiny_model, tmp_path_factory):
+    return tuned_copy(tiny_model, str(tmp_path_factory.mktemp("tuned")))
 
 
 def weights(pipe, part):
@@ -55,6 +58,33 @@ def test_full_model_round_trips_through_diffusers_single_file_loader(tuned_model
     assert os.path.getsize(half) < 0.55 * os.path.getsize(path)
     with safe_open(half, "pt") as f:
         assert f.get_tensor("model.diffusion_model.out.2.weight").dtype == torch.float16
+
+
+def test_sd2_model_round_trips_with_open_clip_text_encoder_names(tiny_sd2v_model, tmp_path):
+    """SD 2.x: the text encoder in OpenCLIP's layout (cond_stage_model.model.*, q/k/v stacked as
+    in_proj), read back by diffusers' loader of SD 2.x files as the tuned weights; the model's
+    v-prediction comes with its configs."""
+    from diffusers import StableDiffusionPipeline
+
+    tuned_dir = tuned_copy(tiny_sd2v_model, str(tmp_path / "tuned"))
+    path = export.main(["--model_dir", tuned_dir, "--output_file", str(tmp_path / "sd2.safetensors"),
+                        "--save_precision", "fp32"])
+    tuned = StableDiffusionPipeline.from_pretrained(tuned_dir, safety_checker=None)
+    hidden = tuned.text_encoder.config.hidden_size
+    with safe_open(path, "pt") as f:
+        keys = set(f.keys())
+        in_proj = f.get_tensor("cond_stage_model.model.transformer.resblocks.0.attn.in_proj_weight")
+        assert torch.equal(in_proj[hidden:2 * hidden], weights(tuned, "text_encoder")[
+            next(k for k in weights(tuned, "text_encoder") if k.endswith("layers.0.self_attn.k_proj.weight"))])
+    assert "cond_stage_model.model.positional_embedding" in keys
+    assert not [k for k in keys if k.startswith("cond_stage_model.transformer.")]
+    loaded = StableDiffusionPipeline.from_single_file(path, config=tiny_sd2v_model, local_files_only=True,
+                                                      safety_checker=None)
+    assert loaded.scheduler.config.prediction_type == "v_prediction"
+    for part in ("unet", "vae", "text_encoder"):
+        ours, back = weights(tuned, part), weights(loaded, part)
+        assert set(back) == set(ours)
+        assert all(torch.equal(back[k], ours[k]) for k in ours), part
 
 
 def test_unet_and_vae_names_are_those_of_the_original_sd_1_checkpoints():
