@@ -91,7 +91,7 @@ def rename(state_dict, prefixes, what):
         match = next((p for p in prefixes if key.startswith(p[0])), None)
         if match is None:
             raise utils.UserError(f"export: no original-layout name for the {what} weight {key}: "
-                                  "only SD 1.x and 2.x architectures are supported")
+                                  "only SD 1.x, 2.x and SDXL architectures are supported")
         old, new, inside = match
         rest = "." + key[len(old):]
         for a, b in inside.items():
@@ -104,28 +104,42 @@ def rename(state_dict, prefixes, what):
 
 
 def full_checkpoint(model_dir, allow_unsafe_weights=False):
-    """{original SD key: tensor} of a diffusers SD 1.x or 2.x folder, weights as stored (fp32 after training)."""
+    """{original key: tensor} of a diffusers SD 1.x, 2.x or SDXL folder, weights as stored (fp32
+    after training): the UNet under model.diffusion_model., the VAE under first_stage_model., the
+    text encoder in its family's layout (families.Family.single_file_text_encoder)."""
     from diffusers import AutoencoderKL, UNet2DConditionModel
-    from transformers import CLIPTextModel
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
     import models
 
+    family = families.family_of(model_dir)
     unet = models.from_pretrained(UNet2DConditionModel, model_dir, allow_unsafe_weights, subfolder="unet")
     vae = models.from_pretrained(AutoencoderKL, model_dir, allow_unsafe_weights, subfolder="vae")
-    text_encoder = models.from_pretrained(CLIPTextModel, model_dir, allow_unsafe_weights, subfolder="text_encoder")
+    unet_names = unet_prefixes(unet.config)
+    if family.name == "sdxl":  # the pooled text and size/crop embedding
+        unet_names += [("add_embedding.linear_1.", "label_emb.0.0.", {}), ("add_embedding.linear_2.", "label_emb.0.2.", {})]
     checkpoint = {}
-    for key, tensor in rename(unet.state_dict(), unet_prefixes(unet.config), "UNet").items():
+    for key, tensor in rename(unet.state_dict(), unet_names, "UNet").items():
         checkpoint["model.diffusion_model." + key] = tensor
     for key, tensor in rename(vae.state_dict(), vae_prefixes(vae.config), "VAE").items():
         checkpoint["first_stage_model." + key] = tensor
-    text_weights = {}
-    for key, tensor in text_encoder.state_dict().items():
-        # transformers >= 5.6 flattened CLIPTextModel; the original layout keeps its text_model level.
-        text_weights[key if key.startswith("text_model.") else "text_model." + key] = tensor
-    if families.family_of(model_dir).single_file_text_encoder == "open_clip":
-        checkpoint.update(open_clip_text_encoder(text_weights))
-    else:
-        checkpoint.update({"cond_stage_model.transformer." + key: t for key, t in text_weights.items()})
+
+    def text_weights(subfolder, cls):
+        model = models.from_pretrained(cls, model_dir, allow_unsafe_weights, subfolder=subfolder)
+        # transformers >= 5.6 flattened CLIPTextModel; the original layouts keep its text_model level.
+        return {key if key.startswith(("text_model.", "text_projection.")) else "text_model." + key: tensor
+                for key, tensor in model.state_dict().items()}
+
+    if family.single_file_text_encoder == "clip":
+        checkpoint.update({"cond_stage_model.transformer." + k: t
+                           for k, t in text_weights("text_encoder", CLIPTextModel).items()})
+    elif family.single_file_text_encoder == "open_clip":
+        checkpoint.update(open_clip_text_encoder(text_weights("text_encoder", CLIPTextModel), "cond_stage_model.model."))
+    else:  # SDXL: CLIP ViT-L as transformers names it, then OpenCLIP bigG with its projection
+        checkpoint.update({"conditioner.embedders.0.transformer." + k: t
+                           for k, t in text_weights("text_encoder", CLIPTextModel).items()})
+        checkpoint.update(open_clip_text_encoder(text_weights("text_encoder_2", CLIPTextModelWithProjection),
+                                                 "conditioner.embedders.1.model."))
     return checkpoint
 
 
@@ -138,9 +152,10 @@ OPEN_CLIP_OUTER = {"text_model.embeddings.token_embedding.weight": "token_embedd
                    "text_model.final_layer_norm.bias": "ln_final.bias"}
 
 
-def open_clip_text_encoder(weights):
-    """{cond_stage_model.model.* key: tensor} of an SD 2.x text encoder ({text_model.* key: tensor}):
-    OpenCLIP's resblocks, with each layer's q, k and v projections stacked into in_proj (q first).
+def open_clip_text_encoder(weights, prefix):
+    """{prefix + OpenCLIP key: tensor} of a text encoder ({text_model.* key: tensor}): OpenCLIP's
+    resblocks, each layer's q, k and v projections stacked into in_proj (q first), and a
+    projection (SDXL's second encoder) as OpenCLIP's text_projection matrix, transposed.
     The released SD 2.x files hold one layer more (OpenCLIP's last, which SD 2.x never uses:
     it reads the layer before); the other tools load without it, as diffusers drops it."""
     import torch
@@ -150,6 +165,9 @@ def open_clip_text_encoder(weights):
     for key, tensor in weights.items():
         if key in OPEN_CLIP_OUTER:
             out[OPEN_CLIP_OUTER[key]] = tensor
+            continue
+        if key == "text_projection.weight":
+            out["text_projection"] = tensor.T.contiguous()
             continue
         match = layer.match(key)
         if match is None:
@@ -165,7 +183,7 @@ def open_clip_text_encoder(weights):
             raise utils.UserError(f"export: no OpenCLIP name for the text encoder weight {key}")
     for (index, kind), parts in qkv.items():
         out[f"transformer.resblocks.{index}.attn.in_proj_{kind}"] = torch.cat([parts["q"], parts["k"], parts["v"]])
-    return {"cond_stage_model.model." + key: tensor for key, tensor in out.items()}
+    return {prefix + key: tensor for key, tensor in out.items()}
 
 
 # ------------------------------------------------------------------ LoRA
@@ -260,6 +278,7 @@ def main(argv=None):
         kind, where = "LoRA (kohya layout)", "A1111 / ComfyUI: models/Lora"
     else:
         utils.check_model_dir(args.model_dir, args.allow_unsafe_weights)
+        families.require(args.model_dir, "export")
         checkpoint = full_checkpoint(args.model_dir, args.allow_unsafe_weights)
         metadata = {"format": "pt"}
         kind, where = "Stable Diffusion checkpoint (original layout)", \

@@ -24,15 +24,23 @@ class Family:
     # The original single-file layout of the text encoder: "clip" (cond_stage_model.transformer.*,
     # OpenAI CLIP as transformers names it) or "open_clip" (cond_stage_model.model.*, OpenCLIP's names).
     single_file_text_encoder: str
-    trained: bool  # train.py, generate.py and the rest support it today
+    supports: frozenset  # what the suite does with it today: "draw" (generate, evaluate), "train", "export"
     released_resolutions: tuple  # of the released models, for the README (a model's config decides)
 
+    def parts(self):
+        """The model folder's subfolders its pipeline loads (besides the scheduler)."""
+        tokenizers = tuple(name.replace("text_encoder", "tokenizer") for name in self.text_encoders)
+        return ("unet", "vae", *self.text_encoders, *tokenizers)
 
+
+EVERYTHING = frozenset({"draw", "train", "export"})
 FAMILIES = {f.name: f for f in (
-    Family("sd1", "SD 1.x", "StableDiffusionPipeline", ("text_encoder",), "clip", True, (512,)),
-    Family("sd2", "SD 2.x", "StableDiffusionPipeline", ("text_encoder",), "open_clip", True, (512, 768)),
-    Family("sdxl", "SDXL", "StableDiffusionXLPipeline", ("text_encoder", "text_encoder_2"), "sdxl", False, (1024,)),
+    Family("sd1", "SD 1.x", "StableDiffusionPipeline", ("text_encoder",), "clip", EVERYTHING, (512,)),
+    Family("sd2", "SD 2.x", "StableDiffusionPipeline", ("text_encoder",), "open_clip", EVERYTHING, (512, 768)),
+    Family("sdxl", "SDXL", "StableDiffusionXLPipeline", ("text_encoder", "text_encoder_2"), "sdxl",
+           frozenset({"draw", "export"}), (1024,)),
 )}
+ACTIONS = {"draw": "drawing images with", "train": "training", "export": "exporting"}
 
 
 def _read_json(path):
@@ -45,8 +53,13 @@ def family_of(model_dir):
     index_path = os.path.join(model_dir, "model_index.json")
     try:
         pipeline = _read_json(index_path).get("_class_name")
-    except (OSError, ValueError) as err:
-        raise utils.UserError(f"cannot read {index_path}: {getattr(err, 'strerror', None) or err}") from None
+    except (ValueError, UnicodeDecodeError):
+        raise utils.UserError(f"{index_path} is not valid JSON (a cut-short copy?): fetch or copy the model again "
+                              "(cache_model.py)") from None
+    except OSError as err:
+        raise utils.UserError(f"cannot read {index_path}: {err.strerror or err}") from None
+    if pipeline is None:
+        raise utils.UserError(f"{index_path} names no pipeline class (_class_name): not a diffusers pipeline folder")
     if pipeline == "StableDiffusionXLPipeline":
         return FAMILIES["sdxl"]
     if pipeline == "StableDiffusionPipeline":
@@ -55,17 +68,18 @@ def family_of(model_dir):
         except (OSError, ValueError):
             activation = None  # the model check names the missing part
         return FAMILIES["sd2" if activation == "gelu" else "sd1"]
-    supported = ", ".join(f"{f.label} ({f.pipeline})" for f in FAMILIES.values() if f.trained)
-    raise utils.UserError(f"{model_dir} is a {pipeline} model; this suite trains {supported}")
+    supported = ", ".join(f"{f.label} ({f.pipeline})" for f in FAMILIES.values())
+    raise utils.UserError(f"{model_dir} is a {pipeline} model; this suite runs {supported}")
 
 
-def check_trained(model_dir):
-    """The model's Family, or a UserError when the suite does not train and draw that family yet."""
+def require(model_dir, action):
+    """The model's Family, or a UserError when the suite does not do action ("draw", "train",
+    "export") with that family yet."""
     family = family_of(model_dir)
-    if not family.trained:
-        supported = ", ".join(f.label for f in FAMILIES.values() if f.trained)
-        raise utils.UserError(f"{model_dir} is an {family.label} model ({family.pipeline}): not supported yet "
-                              f"(this version runs {supported}); pass an SD 1.x or 2.x model")
+    if action not in family.supports:
+        able = ", ".join(f.label for f in FAMILIES.values() if action in f.supports)
+        raise utils.UserError(f"{ACTIONS[action]} an {family.label} model ({model_dir}) is not supported yet: "
+                              f"this version does it for {able}")
     return family
 
 

@@ -115,16 +115,20 @@ def load_pipeline(model_dir, device, allow_unsafe_weights=False, safety_checker=
     Without safety_checker the model's checker is not even loaded. LoRA adapters from
     lora_dir are fused into the weights at lora_scale: generation runs at the base model's speed.
     """
+    import diffusers
     import torch
-    from diffusers import StableDiffusionPipeline
 
+    import families
     import models
-
     import steps
 
     dtype = steps.amp_dtype(None, device) or torch.float32
-    kwargs = {} if safety_checker else {"safety_checker": None, "requires_safety_checker": False}
-    pipe = models.from_pretrained(StableDiffusionPipeline, model_dir, allow_unsafe_weights, dtype=dtype, **kwargs)
+    family = families.family_of(model_dir)
+    # (SDXL has no safety checker to leave out)
+    kwargs = {} if safety_checker or family.name == "sdxl" else {"safety_checker": None,
+                                                                 "requires_safety_checker": False}
+    pipe = models.from_pretrained(getattr(diffusers, family.pipeline), model_dir, allow_unsafe_weights, dtype=dtype,
+                                  **kwargs)
     pipe.set_progress_bar_config(disable=True)
     if lora_dir:
         pipe.load_lora_weights(lora_dir, weight_name=utils.LORA_WEIGHTS_FILE)
@@ -171,7 +175,8 @@ def generate_batch(pipe, prompts, seeds, settings):
         width=settings.resolution,
         generator=generators,
     )
-    return out.images, list(out.nsfw_content_detected or [False] * len(out.images))
+    # (a pipeline without a safety checker, SDXL's, has no such field)
+    return out.images, list(getattr(out, "nsfw_content_detected", None) or [False] * len(out.images))
 
 
 class ImageGenerator:

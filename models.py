@@ -1,4 +1,4 @@
-"""The Stable Diffusion networks: random SD 1.x and 2.x models built from config, loading with the
+"""The Stable Diffusion networks: random SD 1.x, 2.x and SDXL models built from config, loading with the
 safetensors rule, and the training set-up (devices, train mode, layout, DDP, compile).
 
 One code path for every device: each option a GPU run turns on (channels-last, gradient
@@ -64,48 +64,72 @@ def tiny_safety_checker(projection_dim=32):
 # What a random model of each architecture changes in its MODEL_SIZES entry and around it, as the
 # released models of its family do. sd1: SD 1.4/1.5. sd2-v: SD 2.1 (768 px, v-prediction): OpenCLIP's
 # gelu text encoder, linear projections in the UNet's transformers, a head count per level, DDIM.
+# sdxl: SDXL base 1.0 (1024 px): two text encoders (CLIP ViT-L's kind, then OpenCLIP's with a
+# projection, whose pooled output and the image's size and crop condition the UNet: "text_time"),
+# their penultimate states concatenated as the cross-attention input, Euler, the VAE's 0.13025.
 ARCHITECTURES = {
     "sd1": dict(text_act="quick_gelu", linear_projection=False, prediction_type="epsilon", resolution_scale=1),
     "sd2-v": dict(text_act="gelu", linear_projection=True, prediction_type="v_prediction", resolution_scale=1.5),
+    "sdxl": dict(text_act="gelu", linear_projection=True, prediction_type="epsilon", resolution_scale=2,
+                 time_embed_dim=8, vae_scaling_factor=0.13025),
 }
 
 
-def build_pipeline(size="tiny", seed=0, safety_checker=False, arch="sd1"):
-    """A randomly initialised pipeline of one of MODEL_SIZES and ARCHITECTURES (real diffusers/transformers classes)."""
-    import torch
-    from diffusers import (AutoencoderKL, DDIMScheduler, PNDMScheduler, StableDiffusionPipeline,
-                           UNet2DConditionModel)
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+def _text_encoder(cls, spec, tokenizer, act, **extra):
+    from transformers import CLIPTextConfig
 
-    spec, kind = MODEL_SIZES[size], ARCHITECTURES[arch]
-    latent_size = int(spec["latent_size"] * kind["resolution_scale"])
-    torch.manual_seed(seed)
-    tokenizer = CLIPTokenizer.from_pretrained(TINY_TOKENIZER_DIR, model_max_length=77)
-    text_encoder = CLIPTextModel(CLIPTextConfig(
+    return cls(CLIPTextConfig(
         vocab_size=spec.get("vocab_size", len(tokenizer)),
         hidden_size=spec["text_hidden"],
         intermediate_size=4 * spec["text_hidden"],
         num_hidden_layers=spec["text_layers"],
         num_attention_heads=spec["text_heads"],
         max_position_embeddings=tokenizer.model_max_length,
-        hidden_act=kind["text_act"],
+        hidden_act=act,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
+        **extra,
     ))
+
+
+def build_pipeline(size="tiny", seed=0, safety_checker=False, arch="sd1"):
+    """A randomly initialised pipeline of one of MODEL_SIZES and ARCHITECTURES (real diffusers/transformers classes)."""
+    import torch
+    from diffusers import (AutoencoderKL, DDIMScheduler, EulerDiscreteScheduler, PNDMScheduler,
+                           StableDiffusionPipeline, StableDiffusionXLPipeline, UNet2DConditionModel)
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+
+    spec, kind = MODEL_SIZES[size], ARCHITECTURES[arch]
+    latent_size = int(spec["latent_size"] * kind["resolution_scale"])
+    torch.manual_seed(seed)
+    tokenizer = CLIPTokenizer.from_pretrained(TINY_TOKENIZER_DIR, model_max_length=77)
+    text_encoder = _text_encoder(CLIPTextModel, spec, tokenizer, "quick_gelu" if arch == "sdxl" else kind["text_act"])
     down = spec["unet_down"]
     up = tuple(reversed([name.replace("Down", "Up") for name in down]))
-    # SD 1.x: 8 heads everywhere; SD 2.x: heads of 64 channels, so more heads at each wider level.
+    # SD 1.x: 8 heads everywhere; SD 2.x and SDXL: heads of 64 channels, so more heads at each wider level.
     heads = 8 if arch == "sd1" else tuple(max(2, c // 64) for c in spec["unet_channels"])
+    unet_extra, text_width = {}, spec["text_hidden"]
+    if arch == "sdxl":
+        # The second encoder is the wider one, as in SDXL (768 and 1280): the single-file loaders tell
+        # the two apart by their width.
+        wide = dict(spec, text_hidden=2 * spec["text_hidden"])
+        text_encoder_2 = _text_encoder(CLIPTextModelWithProjection, wide, tokenizer, kind["text_act"],
+                                       projection_dim=wide["text_hidden"])
+        text_width = spec["text_hidden"] + wide["text_hidden"]  # both encoders' states side by side
+        # The pooled text embedding and six size/crop numbers, each in a time_embed_dim sinusoid.
+        unet_extra = dict(addition_embed_type="text_time", addition_time_embed_dim=kind["time_embed_dim"],
+                          projection_class_embeddings_input_dim=wide["text_hidden"] + 6 * kind["time_embed_dim"])
     unet = UNet2DConditionModel(
         sample_size=latent_size,
         block_out_channels=spec["unet_channels"],
         layers_per_block=spec["unet_layers"],
         down_block_types=down,
         up_block_types=up,
-        cross_attention_dim=spec["text_hidden"],
+        cross_attention_dim=text_width,
         attention_head_dim=heads,
         use_linear_projection=kind["linear_projection"],
+        **unet_extra,
     )
     num_vae_blocks = len(spec["vae_channels"])
     vae = AutoencoderKL(
@@ -115,13 +139,19 @@ def build_pipeline(size="tiny", seed=0, safety_checker=False, arch="sd1"):
         up_block_types=("UpDecoderBlock2D",) * num_vae_blocks,
         latent_channels=4,
         sample_size=latent_size * 2 ** (num_vae_blocks - 1),
+        **({"scaling_factor": kind["vae_scaling_factor"], "force_upcast": True} if arch == "sdxl" else {}),
     )
     betas = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000,
-                 set_alpha_to_one=False, steps_offset=1)
+                 steps_offset=1)
+    if arch == "sdxl":  # SDXL base 1.0's scheduler
+        scheduler = EulerDiscreteScheduler(timestep_spacing="leading", **betas)
+        return StableDiffusionXLPipeline(vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2,
+                                         tokenizer=tokenizer, tokenizer_2=tokenizer, unet=unet, scheduler=scheduler)
     if arch == "sd1":  # the scheduler of SD 1.4's scheduler/scheduler_config.json
-        scheduler = PNDMScheduler(skip_prk_steps=True, **betas)
+        scheduler = PNDMScheduler(skip_prk_steps=True, set_alpha_to_one=False, **betas)
     else:  # SD 2.1's
-        scheduler = DDIMScheduler(clip_sample=False, prediction_type=kind["prediction_type"], **betas)
+        scheduler = DDIMScheduler(clip_sample=False, set_alpha_to_one=False, prediction_type=kind["prediction_type"],
+                                  **betas)
     checker, processor = tiny_safety_checker() if safety_checker else (None, None)
     return StableDiffusionPipeline(
         unet=unet,

@@ -15,6 +15,7 @@ from datetime import datetime
 
 import cache_model
 import checkpoint
+import families
 import flags
 import outputs
 import prompts
@@ -200,6 +201,7 @@ def plan_run(args, cluster_resources):
     import dataset
 
     utils.check_model_dir(args.model_dir, args.allow_unsafe_weights)
+    families.require(args.model_dir, "train")
     utils.check_output_path(args.output_dir, "--output_dir", [
         ("--pretrained_model_name_or_path", args.model_dir), ("--instance_data_dir", args.instance_data_dir),
         ("--class_data_dir", args.class_data_dir)])

@@ -28,6 +28,7 @@ import sys
 import checkpoint
 import dataset
 import evaluate
+import families
 import flags
 import outputs
 import planning
@@ -299,6 +300,7 @@ def main(argv=None):
         dataset.inspect_images(subject.photos(), 0, os.path.join(args.sweep_dir, "converted-images"))
         subject.prompts()
     utils.check_model_dir(args.model_dir, train_args.allow_unsafe_weights)
+    families.require(args.model_dir, "train")
     scores.check_eval_models_dir(args.eval_models_dir)
     inputs = [("--model_dir", args.model_dir), ("--instance_data_dir", args.instance_data_dir),
               ("--subjects_dir", args.subjects_dir)]

@@ -443,21 +443,22 @@ def check_model_dir(model_dir, allow_unsafe_weights=False):
     index_path = os.path.join(model_dir, "model_index.json")
     if not os.path.isfile(index_path):
         raise UserError(f"{model_dir} has no model_index.json: not a diffusers pipeline folder")
-    for part in ("unet", "vae", "text_encoder", "tokenizer", "scheduler"):
+    import families
+
+    family = families.family_of(model_dir)  # which parts it must have
+    networks = ("unet", "vae", *family.text_encoders)
+    for part in (*family.parts(), "scheduler"):
         if not os.path.isdir(os.path.join(model_dir, part)):
             raise UserError(f"model folder {model_dir} is missing its '{part}' component")
     for config in [os.path.join(model_dir, "model_index.json")] + [
-            os.path.join(model_dir, part, name) for part in ("unet", "vae", "text_encoder", "scheduler")
+            os.path.join(model_dir, part, name) for part in (*networks, "scheduler")
             for name in os.listdir(os.path.join(model_dir, part)) if name.endswith(".json")]:
         try:
             read_json(config)
         except (ValueError, UnicodeDecodeError):
             raise UserError(f"{config} is not valid JSON (a cut-short copy?): fetch or copy the model again "
                             "(cache_model.py)") from None
-    import families
-
-    families.check_trained(model_dir)
-    for part in ("unet", "vae", "text_encoder"):
+    for part in networks:
         names = os.listdir(os.path.join(model_dir, part))
         for name in names:
             if name.endswith(".safetensors"):

@@ -104,7 +104,6 @@ def synthetic_batch(nets, args, cached):
 def plain_loop(args, device, variant):
     """Steady-state images/s of train.train_step with no Ray: variant in full|frozen|cached|lora
     (lora: rank-4 adapters on UNet and text encoder)."""
-    import torch
 
     import steps
     import train

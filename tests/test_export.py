@@ -10,13 +10,13 @@ import utils
 
 def tuned_copy(base_model, folder):
     """A full model folder whose every weight differs from the base model's (as after training)."""
-    from diffusers import StableDiffusionPipeline
+    from diffusers import DiffusionPipeline
 
-    pipe = StableDiffusionPipeline.from_pretrained(base_model, safety_checker=None)
+    pipe = DiffusionPipeline.from_pretrained(base_model, safety_checker=None)
     torch.manual_seed(0)
     with torch.no_grad():
-        for model in (pipe.unet, pipe.vae, pipe.text_encoder):
-            for weight in model.parameters():
+        for model in (pipe.unet, pipe.vae, pipe.text_encoder, getattr(pipe, "text_encoder_2", None)):
+            for weight in model.parameters() if model is not None else ():
                 weight.add_(torch.randn_like(weight) * 0.01)
     pipe.save_pretrained(folder)
     return folder
@@ -84,6 +84,30 @@ def test_sd2_model_round_trips_with_open_clip_text_encoder_names(tiny_sd2v_model
     for part in ("unet", "vae", "text_encoder"):
         ours, back = weights(tuned, part), weights(loaded, part)
         assert set(back) == set(ours)
+        assert all(torch.equal(back[k], ours[k]) for k in ours), part
+
+
+def test_sdxl_model_round_trips_in_the_original_sdxl_layout(tiny_sdxl_model, tmp_path):
+    """SDXL: the first text encoder under conditioner.embedders.0.transformer, the second in
+    OpenCLIP's layout under conditioner.embedders.1.model with its projection, the size/crop
+    embedding as label_emb; StableDiffusionXLPipeline.from_single_file gives back the tuned weights."""
+    from diffusers import StableDiffusionXLPipeline
+
+    tuned_dir = tuned_copy(tiny_sdxl_model, str(tmp_path / "tuned"))
+    path = export.main(["--model_dir", tuned_dir, "--output_file", str(tmp_path / "xl.safetensors"),
+                        "--save_precision", "fp32"])
+    tuned = StableDiffusionXLPipeline.from_pretrained(tuned_dir)
+    with safe_open(path, "pt") as f:
+        keys = set(f.keys())
+        projection = f.get_tensor("conditioner.embedders.1.model.text_projection")
+    assert torch.equal(projection, tuned.text_encoder_2.text_projection.weight.T)
+    assert "model.diffusion_model.label_emb.0.0.weight" in keys
+    assert "conditioner.embedders.0.transformer.text_model.embeddings.position_embedding.weight" in keys
+    assert not [k for k in keys if k.startswith("cond_stage_model.")]
+    loaded = StableDiffusionXLPipeline.from_single_file(path, config=tiny_sdxl_model, local_files_only=True)
+    for part in ("unet", "vae", "text_encoder", "text_encoder_2"):
+        ours, back = weights(tuned, part), weights(loaded, part)
+        assert set(back) == set(ours), part
         assert all(torch.equal(back[k], ours[k]) for k in ours), part
 
 

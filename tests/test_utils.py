@@ -44,7 +44,7 @@ def test_check_model_dir_names_missing_component(tiny_model, tmp_path):
     utils.check_model_dir(tiny_model)
     broken = tmp_path / "model"
     broken.mkdir()
-    (broken / "model_index.json").write_text("{}")
+    (broken / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline"}')
     for part in ("unet", "vae", "text_encoder", "tokenizer"):
         (broken / part).mkdir()
     with pytest.raises(utils.UserError, match="scheduler"):
