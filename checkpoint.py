@@ -3,6 +3,7 @@
 A checkpoint folder holds:
     unet.safetensors          UNet weights (with LoRA: its adapters only)
     text_encoder.safetensors  text-encoder weights (only when it is trained; adapters with LoRA)
+    text_encoder_2.safetensors  SDXL's second text encoder, likewise
     optimizer.pt              optimizer, LR schedule, grad scaler, every rank's RNG streams
     train_state.json          step, epoch, world size, LoRA settings and each file's size,
                               written last: a folder copied or written only in part is
@@ -20,6 +21,7 @@ import utils
 STATE_FILE = "train_state.json"
 UNET_FILE = "unet.safetensors"
 TEXT_ENCODER_FILE = "text_encoder.safetensors"
+TEXT_ENCODER_2_FILE = "text_encoder_2.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 
 
@@ -66,8 +68,9 @@ def save(state, folder, epoch, rng_states, train_text_encoder, lora=None):
     files = [UNET_FILE, OPTIMIZER_FILE]
     save_file(models.trained_state_dict(state.models.unet), os.path.join(folder, UNET_FILE))
     if train_text_encoder:
-        save_file(models.trained_state_dict(state.models.text_encoder), os.path.join(folder, TEXT_ENCODER_FILE))
-        files.append(TEXT_ENCODER_FILE)
+        for name, text_encoder in zip((TEXT_ENCODER_FILE, TEXT_ENCODER_2_FILE), state.models.text_encoders()):
+            save_file(models.trained_state_dict(text_encoder), os.path.join(folder, name))
+            files.append(name)
     torch.save({"optimizer": state.optimizer.state_dict(), "lr_scheduler": state.lr_scheduler.state_dict(),
                 "scaler": state.scaler.state_dict(), "rng": rng_states, "skipped_steps": state.skipped_steps},
                os.path.join(folder, OPTIMIZER_FILE))
@@ -78,13 +81,13 @@ def save(state, folder, epoch, rng_states, train_text_encoder, lora=None):
 
 
 def load_weights(nets, folder):
-    """The checkpoint's trained weights into nets (a models.Models): UNet, and the text encoder if trained."""
+    """The checkpoint's trained weights into nets (a models.Models): UNet, and the text encoders if trained."""
     from safetensors.torch import load_file
 
     models.load_trained_state_dict(nets.unet, load_file(os.path.join(folder, UNET_FILE)))
-    te_path = os.path.join(folder, TEXT_ENCODER_FILE)
-    if os.path.isfile(te_path):
-        models.load_trained_state_dict(nets.text_encoder, load_file(te_path))
+    for name, text_encoder in zip((TEXT_ENCODER_FILE, TEXT_ENCODER_2_FILE), nets.text_encoders()):
+        if os.path.isfile(os.path.join(folder, name)):
+            models.load_trained_state_dict(text_encoder, load_file(os.path.join(folder, name)))
 
 
 def load(state, folder, rank):

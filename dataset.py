@@ -150,22 +150,40 @@ def resize_shorter_side(image, size):
     return np.asarray(Image.fromarray(image).resize(new_size, Image.BICUBIC))
 
 
+def crop_offsets(height, width, size, center, rng):
+    """(top, left) of a size x size crop of a height x width image: centered or at random."""
+    if center:
+        return (height - size) // 2, (width - size) // 2
+    return int(rng.integers(0, height - size + 1)), int(rng.integers(0, width - size + 1))
+
+
 def crop_square(image, size, center, rng):
     """(H, W, C) with min(H, W) >= size -> (size, size, C): centered or at a random offset."""
-    height, width = image.shape[:2]
-    if center:
-        top, left = (height - size) // 2, (width - size) // 2
-    else:
-        top, left = rng.integers(0, height - size + 1), rng.integers(0, width - size + 1)
+    top, left = crop_offsets(*image.shape[:2], size, center, rng)
     return image[top:top + size, left:left + size]
+
+
+def view_and_crop(image, size, center_crop, random_flip, rng):
+    """One training view of a stored image: crop, maybe flip. (H, W, 3) -> ((size, size, 3)
+    uint8, (top, left)): where the view's top-left corner lies in the stored image as the view
+    shows it (a flipped view's left is counted from the mirrored side), SDXL's crop numbers."""
+    height, width = image.shape[:2]
+    top, left = crop_offsets(height, width, size, center_crop, rng)
+    out = image[top:top + size, left:left + size]
+    if random_flip and rng.random() < 0.5:
+        out, left = out[:, ::-1], width - left - size
+    return np.ascontiguousarray(out), (top, left)
 
 
 def view(image, size, center_crop, random_flip, rng):
     """One training view of a stored image: crop, maybe flip. (H, W, 3) -> (size, size, 3) uint8."""
-    out = crop_square(image, size, center_crop, rng)
-    if random_flip and rng.random() < 0.5:
-        out = out[:, ::-1]
-    return np.ascontiguousarray(out)
+    return view_and_crop(image, size, center_crop, random_flip, rng)[0]
+
+
+def time_ids(original_size, crop, size):
+    """SDXL's six size/crop numbers of a view: the photo's original height and width (before any
+    resize), the crop's top and left in the resized image, the trained height and width."""
+    return np.array([*original_size, *crop, size, size], dtype=np.float32)
 
 
 def plan_rows(num_instance, num_class, num_epochs, seed):
@@ -198,18 +216,20 @@ def _resolve(value):
 
 
 def _per_row(batch, sources, pick):
-    """{key: (B, ...)}: for each row, pick(its image of sources[key], the row's generator),
-    for the keys ("instance", "class") the batch has; one generator per row, seeded by it."""
+    """{key: [pick(...) of each row]}: for each row, pick(its index, its image of sources[key],
+    the row's generator), for the keys ("instance", "class") the batch has; one generator per
+    row, seeded by it."""
     keys = [k for k in ("instance", "class") if k in batch]
     out = {k: [] for k in keys}
     for r, row_seed in enumerate(batch["seed"]):
         rng = np.random.default_rng(int(row_seed))
         for key in keys:
-            out[key].append(pick(sources[key][int(batch[key][r])], rng))
-    return {k: np.stack(v) for k, v in out.items()}
+            index = int(batch[key][r])
+            out[key].append(pick(index, sources[key][index], rng))
+    return out
 
 
-def make_views(batch, instance_images, class_images, resolution, center_crop, random_flip):
+def make_views(batch, instance_images, class_images, resolution, center_crop, random_flip, sizes=None):
     """Index rows -> pixels: each row's instance (and class) image, cropped and flipped with
     the row's own seed.
 
@@ -217,21 +237,49 @@ def make_views(batch, instance_images, class_images, resolution, center_crop, ra
     uint8 arrays with min(H, W) >= resolution. Out: {"instance_pixels": (B, R, R, 3)
     [, "class_pixels": (B, R, R, 3)]} uint8 (scaled to [-1, 1] on the training device), and
     "instance_image": (B,) the instance image's index (its caption picks the row's prompt).
+    With sizes ({"instance": (N, 2), "class": (M, 2)} original heights and widths, SDXL), also
+    "instance_time_ids" [, "class_time_ids"]: (B, 6) float32 (time_ids of each view).
     """
     sources = {"instance": _resolve(instance_images), "class": _resolve(class_images)}
-    views = _per_row(batch, sources, lambda image, rng: view(image, resolution, center_crop, random_flip, rng))
-    return {**{f"{k}_pixels": v for k, v in views.items()}, "instance_image": np.asarray(batch["instance"])}
+    views = _per_row(batch, sources, lambda index, image, rng: (index, *view_and_crop(
+        image, resolution, center_crop, random_flip, rng)))
+    out = {f"{k}_pixels": np.stack([pixels for _, pixels, _ in v]) for k, v in views.items()}
+    if sizes is not None:
+        sizes = _resolve(sizes)
+        out.update({f"{k}_time_ids": np.stack([time_ids(sizes[k][index], crop, resolution)
+                                               for index, _, crop in v]) for k, v in views.items()})
+    return {**out, "instance_image": np.asarray(batch["instance"])}
 
 
-def pick_latents(batch, instance_latents, class_latents):
+def pick_latents(batch, instance_latents, class_latents, crops=None):
     """Index rows -> cached VAE posteriors: one flip view per row, chosen by the row's seed.
 
     In: as make_views; the latent arrays are (N, V, 8, h, w). Out: {"instance_latents":
-    (B, 8, h, w)[, "class_latents": (B, 8, h, w)]} float32, and "instance_image" (B,).
+    (B, 8, h, w)[, "class_latents": (B, 8, h, w)]} float32, and "instance_image" (B,). With
+    crops ({"instance": (N, V, 6), "class": ...} the time_ids of each stored view, SDXL), also
+    "instance_time_ids" [, "class_time_ids"]: (B, 6).
     """
     sources = {"instance": _resolve(instance_latents), "class": _resolve(class_latents)}
-    picked = _per_row(batch, sources, lambda views, rng: views[rng.integers(0, views.shape[0])])
-    return {**{f"{k}_latents": v for k, v in picked.items()}, "instance_image": np.asarray(batch["instance"])}
+
+    def pick(index, views, rng):
+        k = rng.integers(0, views.shape[0])
+        return index, k, views[k]
+
+    picked = _per_row(batch, sources, pick)
+    out = {f"{key}_latents": np.stack([latents for _, _, latents in v]) for key, v in picked.items()}
+    if crops is not None:
+        crops = _resolve(crops)
+        out.update({f"{key}_time_ids": np.stack([crops[key][index][k] for index, k, _ in v])
+                    for key, v in picked.items()})
+    return {**out, "instance_image": np.asarray(batch["instance"])}
+
+
+def latent_view_time_ids(original_size, stored_shape, resolution, views):
+    """(V, 6) time_ids of the cached latents' views (LatentEncoder): the center crop, then flipped."""
+    height, width = stored_shape
+    top, left = crop_offsets(height, width, resolution, True, None)
+    return np.stack([time_ids(original_size, (top, left if v == 0 else width - left - resolution), resolution)
+                     for v in range(views)])
 
 
 # ---------------------------------------------------------------- Ray Data stages
@@ -275,15 +323,16 @@ class LatentEncoder:
 
 
 def load_image(path, resolution):
-    """(H, W, 3) uint8 pixels of an image file, EXIF-upright, shorter side = resolution."""
+    """((H, W, 3) uint8 pixels of an image file, EXIF-upright, shorter side = resolution,
+    (height, width) of the upright image before the resize)."""
     from PIL import Image
 
     with Image.open(path) as image:
-        pixels = np.asarray(image.convert("RGB"))
-    return resize_shorter_side(apply_orientation(pixels, exif_orientation(path)), resolution)
+        pixels = apply_orientation(np.asarray(image.convert("RGB")), exif_orientation(path))
+    return resize_shorter_side(pixels, resolution), pixels.shape[:2]
 
 
-def decode_images(instance_paths, class_paths, resolution, latent_cache=None):
+def decode_images(instance_paths, class_paths, resolution, latent_cache=None, sizes=None):
     """Decode both folders once, on the driver; with latent_cache, VAE-encode them on a
     Ray Data actor pool (one actor per GPU).
 
@@ -291,10 +340,15 @@ def decode_images(instance_paths, class_paths, resolution, latent_cache=None):
     or two for hundreds of images, where a Ray Data pass costs seconds of start-up.
     Returns (instance, class) lists in path order: (H, W, 3) uint8 images, or (V, 8, h, w)
     posteriors with latent_cache ({"model_dir", "num_gpus", "allow_unsafe_weights",
-    "random_flip"}).
+    "random_flip"}). sizes: a dict this fills with {path: ((original height, width),
+    (stored height, width))}.
     """
     paths = list(dict.fromkeys(instance_paths + (class_paths or [])))
-    by_path = {p: load_image(p, resolution) for p in paths}
+    by_path = {}
+    for path in paths:
+        by_path[path], original = load_image(path, resolution)
+        if sizes is not None:
+            sizes[path] = (original, by_path[path].shape[:2])
     if latent_cache:
         import ray
 
@@ -327,7 +381,7 @@ def index_dataset(rows, block_rows):
 
 
 def build_train_dataset(instance_paths, class_paths, resolution, center_crop, random_flip, latent_cache=None,
-                        num_epochs=1, seed=0, batch_size=16):
+                        num_epochs=1, seed=0, batch_size=16, with_time_ids=False):
     """The training Dataset of a whole run: num_epochs epochs of plan_rows, turned into pixels
     (or cached latents) by Ray Data tasks.
 
@@ -336,20 +390,29 @@ def build_train_dataset(instance_paths, class_paths, resolution, center_crop, ra
     is the same on every run of the same command. class_paths=None trains on instance rows
     alone (no prior preservation). latent_cache: see decode_images (implies a center crop).
     batch_size: rows of one worker's batch, the stream's block (see index_dataset).
+    with_time_ids: each row also carries SDXL's size/crop numbers of its views (time_ids).
     """
     import ray
 
     if latent_cache:
         latent_cache = {**latent_cache, "random_flip": random_flip}
-    instances, classes = decode_images(instance_paths, class_paths, resolution, latent_cache)
+    sizes = {}
+    instances, classes = decode_images(instance_paths, class_paths, resolution, latent_cache, sizes)
     index = index_dataset(plan_rows(len(instances), len(classes), num_epochs, seed), batch_size)
+    paths = {"instance": instance_paths, "class": class_paths or []}
     if latent_cache:
+        crops = None
+        if with_time_ids:
+            views = 2 if random_flip else 1
+            crops = ray.put({k: [latent_view_time_ids(*sizes[p], resolution, views) for p in ps]
+                             for k, ps in paths.items()})
         return index.map_batches(pick_latents, batch_size=batch_size, fn_kwargs={
             "instance_latents": ray.put(np.stack(instances)),
-            "class_latents": ray.put(np.stack(classes)) if classes else None})
+            "class_latents": ray.put(np.stack(classes)) if classes else None, "crops": crops})
+    originals = ray.put({k: [sizes[p][0] for p in ps] for k, ps in paths.items()}) if with_time_ids else None
     return index.map_batches(make_views, batch_size=batch_size, fn_kwargs={
         "instance_images": ray.put(instances), "class_images": ray.put(classes) if classes else None,
-        "resolution": resolution, "center_crop": center_crop, "random_flip": random_flip})
+        "resolution": resolution, "center_crop": center_crop, "random_flip": random_flip, "sizes": originals})
 
 
 def tokenize_prompt(tokenizer, prompt):

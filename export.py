@@ -189,7 +189,7 @@ def open_clip_text_encoder(weights, prefix):
 # ------------------------------------------------------------------ LoRA
 
 # Keys of pytorch_lora_weights.safetensors as diffusers writes them (older and PEFT spellings).
-LORA_KEY = re.compile(r"^(unet|text_encoder)\.(.+)\.(lora\.down|lora\.up|lora_linear_layer\.down|"
+LORA_KEY = re.compile(r"^(unet|text_encoder|text_encoder_2)\.(.+)\.(lora\.down|lora\.up|lora_linear_layer\.down|"
                       r"lora_linear_layer\.up|lora_A|lora_B)\.weight$")
 
 
@@ -202,28 +202,33 @@ def lora_alphas(lora_dir):
 
     with safe_open(os.path.join(lora_dir, utils.LORA_WEIGHTS_FILE), "pt") as f:
         meta = json.loads((f.metadata() or {}).get("lora_adapter_metadata", "{}"))
-    alphas = {model: meta[f"{model}.lora_alpha"] for model in ("unet", "text_encoder") if f"{model}.lora_alpha" in meta}
+    parts = ("unet", "text_encoder", "text_encoder_2")
+    alphas = {model: meta[f"{model}.lora_alpha"] for model in parts if f"{model}.lora_alpha" in meta}
     output = outputs.read_output(lora_dir)
     lora = output.record.get("lora") if not alphas and output else None
     if lora:
-        alphas = {"unet": lora["lora_alpha"], "text_encoder": lora["lora_alpha"]}
+        alphas = {model: lora["lora_alpha"] for model in parts}
     return alphas
 
 
 def kohya_lora(state_dict, alphas):
     """{kohya key: tensor}: lora_unet_<module>.lora_down/lora_up.weight and .alpha, text encoder
-    modules as lora_te_text_model_<module> (SD 1.x's kohya names, which A1111 and ComfyUI map)."""
+    modules as lora_te_text_model_<module> (SD 1.x's kohya names, which A1111 and ComfyUI map),
+    or SDXL's two as lora_te1_… and lora_te2_…."""
     import torch
 
+    sdxl = any(key.startswith("text_encoder_2.") for key in state_dict)
+    prefixes = {"unet": "lora_unet_", "text_encoder": "lora_te1_" if sdxl else "lora_te_",
+                "text_encoder_2": "lora_te2_"}
     out = {}
     for key, tensor in state_dict.items():
         match = LORA_KEY.match(key)
         if match is None:
             raise utils.UserError(f"export: {key} is not a LoRA weight of the UNet or text encoder")
         model, module, kind = match.groups()
-        if model == "text_encoder" and not module.startswith("text_model."):
+        if model != "unet" and not module.startswith("text_model."):
             module = "text_model." + module
-        name = ("lora_unet_" if model == "unet" else "lora_te_") + module.replace(".", "_")
+        name = prefixes[model] + module.replace(".", "_")
         direction = "down" if kind.endswith(("down", "lora_A")) else "up"
         out[f"{name}.lora_{direction}.weight"] = tensor
         if direction == "down":
@@ -241,7 +246,7 @@ def lora_checkpoint(lora_dir):
 # ------------------------------------------------------------------ command line
 
 SAVE_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
-HELPS = {"model_dir": "train.py's output folder: a full model (or any diffusers SD 1.x or 2.x folder) becomes an original-"
+HELPS = {"model_dir": "train.py's output folder: a full model (or any diffusers SD 1.x, 2.x or SDXL folder) becomes an original-"
                       "layout checkpoint, a --use_lora output a kohya-layout LoRA.",
          "overwrite": "Replace --output_file if it exists."}
 

@@ -38,7 +38,7 @@ FAMILIES = {f.name: f for f in (
     Family("sd1", "SD 1.x", "StableDiffusionPipeline", ("text_encoder",), "clip", EVERYTHING, (512,)),
     Family("sd2", "SD 2.x", "StableDiffusionPipeline", ("text_encoder",), "open_clip", EVERYTHING, (512, 768)),
     Family("sdxl", "SDXL", "StableDiffusionXLPipeline", ("text_encoder", "text_encoder_2"), "sdxl",
-           frozenset({"draw", "export"}), (1024,)),
+           EVERYTHING, (1024,)),
 )}
 ACTIONS = {"draw": "drawing images with", "train": "training", "export": "exporting"}
 

@@ -179,10 +179,15 @@ class Models:
     scheduler: object
     unet_device: object
     aux_device: object
+    text_encoder_2: object = None  # SDXL's second text encoder (with a projection), on aux_device
+
+    def text_encoders(self):
+        """The text encoders in the order the prompt's states are concatenated (SDXL: two)."""
+        return [m for m in (self.text_encoder, self.text_encoder_2) if m is not None]
 
     def ddp_wrapped(self):
         """The trained networks that DDP wraps (they have no_sync), for gradient accumulation."""
-        return [m for m in (self.unet, self.text_encoder) if hasattr(m, "no_sync")]
+        return [m for m in (self.unet, *self.text_encoders()) if hasattr(m, "no_sync")]
 
 
 def unwrap(model):
@@ -199,17 +204,23 @@ def load_models(model_dir, unet_device, aux_device, train_text_encoder, allow_un
     transformers' gradient checkpointing (which acts only when training) never runs.
     """
     from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
-    from transformers import CLIPTextModel
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+    import families
 
     unet = from_pretrained(UNet2DConditionModel, model_dir, allow_unsafe_weights, subfolder="unet")
-    text_encoder = from_pretrained(CLIPTextModel, model_dir, allow_unsafe_weights, subfolder="text_encoder")
+    encoders = [from_pretrained(CLIPTextModel, model_dir, allow_unsafe_weights, subfolder="text_encoder")]
+    if "text_encoder_2" in families.family_of(model_dir).text_encoders:
+        encoders.append(from_pretrained(CLIPTextModelWithProjection, model_dir, allow_unsafe_weights,
+                                        subfolder="text_encoder_2"))
     vae = from_pretrained(AutoencoderKL, model_dir, allow_unsafe_weights, subfolder="vae")
     scheduler = DDPMScheduler.from_pretrained(model_dir, subfolder="scheduler")
     unet.train()
     vae.requires_grad_(False).eval()
-    text_encoder.requires_grad_(train_text_encoder).train(train_text_encoder)
-    return Models(unet.to(unet_device), text_encoder.to(aux_device), vae.to(aux_device), scheduler,
-                  unet_device, aux_device)
+    for text_encoder in encoders:
+        text_encoder.requires_grad_(train_text_encoder).train(train_text_encoder).to(aux_device)
+    return Models(unet.to(unet_device), encoders[0], vae.to(aux_device), scheduler, unet_device, aux_device,
+                  *encoders[1:])
 
 
 def ddp(model, device):
@@ -244,7 +255,7 @@ def lora_config(plan, targets):
 
 def add_lora(models, plan):
     """Freeze every weight and add trainable fp32 LoRA adapters (peft) to the UNet and, with
-    train_text_encoder, the text encoder. The frozen weights go to the run's autocast dtype
+    train_text_encoder, the text encoders. The frozen weights go to the run's autocast dtype
     (bf16/fp16 on GPUs): that is where LoRA's memory saving comes from."""
     import torch
     from diffusers.training_utils import cast_training_params
@@ -252,13 +263,14 @@ def add_lora(models, plan):
     import steps
 
     frozen_dtype = steps.amp_dtype(plan.mixed_precision, models.unet_device) or torch.float32
-    for model in (models.unet, models.text_encoder, models.vae):
+    for model in (models.unet, *models.text_encoders(), models.vae):
         model.requires_grad_(False).to(dtype=frozen_dtype)
     models.unet.add_adapter(lora_config(plan, UNET_LORA_TARGETS))
     trained = [models.unet]
     if plan.train_text_encoder:
-        models.text_encoder.add_adapter(lora_config(plan, TEXT_ENCODER_LORA_TARGETS))
-        trained.append(models.text_encoder)
+        for text_encoder in models.text_encoders():
+            text_encoder.add_adapter(lora_config(plan, TEXT_ENCODER_LORA_TARGETS))
+            trained.append(text_encoder)
     cast_training_params(trained, dtype=torch.float32)
 
 
@@ -308,8 +320,8 @@ def setup_models(plan, unet_device, aux_device, distributed, load_guard=None):
     if plan.gradient_checkpointing:
         models.unet.enable_gradient_checkpointing()
         if plan.train_text_encoder:
-            te = models.text_encoder  # transformers 5.20 renamed the method
-            (getattr(te, "activation_checkpointing_enable", None) or te.gradient_checkpointing_enable)()
+            for te in models.text_encoders():  # transformers 5.20 renamed the method
+                (getattr(te, "activation_checkpointing_enable", None) or te.gradient_checkpointing_enable)()
     if plan.channels_last:
         # NHWC convolutions run on tensor cores without layout transposes.
         models.unet.to(memory_format=torch.channels_last)
@@ -318,6 +330,8 @@ def setup_models(plan, unet_device, aux_device, distributed, load_guard=None):
         models.unet = ddp(models.unet, unet_device)
         if plan.train_text_encoder:
             models.text_encoder = ddp(models.text_encoder, aux_device)
+            if models.text_encoder_2 is not None:
+                models.text_encoder_2 = ddp(models.text_encoder_2, aux_device)
     if plan.torch_compile:
         models.unet = torch.compile(models.unet, backend=plan.torch_compile)
     return models

@@ -193,23 +193,27 @@ def save_pipeline(nets, plan):
     """Write the result to output_dir, whole or not at all: the fine-tuned pipeline, or with
     LoRA the adapters as pytorch_lora_weights.safetensors (diffusers' LoRA format, with their
     rank and alpha) for StableDiffusionPipeline.load_lora_weights on the base model."""
-    from diffusers import StableDiffusionPipeline
+    import diffusers
 
+    import families
     import flags
     import models
     import planning
 
-    unet, text_encoder = models.unwrap(nets.unet), models.unwrap(nets.text_encoder)
+    unet = models.unwrap(nets.unet)
+    text_encoders = {name: models.unwrap(model) for name, model in zip(("text_encoder", "text_encoder_2"),
+                                                                        nets.text_encoders())}
     marker = {"base_model": plan.model_dir, "steps": plan.total_steps, "instance_prompt": plan.instance_prompt,
               "class_prompt": plan.class_prompt, "lora": planning.lora_settings(plan),
               "model_id": new_model_id(), "run_name": plan.run_name}
 
     def write(tmp):
         if plan.use_lora:
-            save_lora(tmp, unet, text_encoder if plan.train_text_encoder else None)
+            save_lora(tmp, unet, text_encoders if plan.train_text_encoder else {})
         else:
-            pipe = models.from_pretrained(StableDiffusionPipeline, plan.model_dir, plan.allow_unsafe_weights,
-                                              unet=unet, text_encoder=text_encoder)
+            pipeline = getattr(diffusers, families.family_of(plan.model_dir).pipeline)
+            pipe = models.from_pretrained(pipeline, plan.model_dir, plan.allow_unsafe_weights, unet=unet,
+                                          **text_encoders)
             pipe.save_pretrained(tmp, safe_serialization=True)
         utils.write_json(os.path.join(tmp, utils.OUTPUT_MARKER), marker)
         if plan.settings_toml:
@@ -232,18 +236,20 @@ def save_checkpoint_as_model(checkpoint_dir, plan):
     save_pipeline(nets, plan)
 
 
-def save_lora(folder, unet, text_encoder=None):
-    """utils.LORA_WEIGHTS_FILE in folder, written by diffusers' save_lora_weights."""
-    from diffusers import StableDiffusionPipeline
+def save_lora(folder, unet, text_encoders=None):
+    """utils.LORA_WEIGHTS_FILE in folder, written by diffusers' save_lora_weights (SDXL's with two
+    text encoders). text_encoders: {"text_encoder"[, "text_encoder_2"]: model} with adapters, or {}."""
+    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
     from diffusers.utils import convert_state_dict_to_diffusers
     from peft.utils import get_peft_model_state_dict
 
     def layers(model):
-        return convert_state_dict_to_diffusers(get_peft_model_state_dict(model, save_embedding_layers=False)) if model is not None else None
+        return convert_state_dict_to_diffusers(get_peft_model_state_dict(model, save_embedding_layers=False))
 
-    def metadata(model):
-        return model.peft_config["default"].to_dict() if model is not None else None
-
-    StableDiffusionPipeline.save_lora_weights(
-        folder, weight_name=utils.LORA_WEIGHTS_FILE, unet_lora_layers=layers(unet), text_encoder_lora_layers=layers(text_encoder),
-        unet_lora_adapter_metadata=metadata(unet), text_encoder_lora_adapter_metadata=metadata(text_encoder))
+    text_encoders = text_encoders or {}
+    parts = {"unet": unet, **text_encoders}
+    pipeline = StableDiffusionXLPipeline if "text_encoder_2" in text_encoders else StableDiffusionPipeline
+    pipeline.save_lora_weights(
+        folder, weight_name=utils.LORA_WEIGHTS_FILE,
+        **{f"{name}_lora_layers": layers(model) for name, model in parts.items()},
+        **{f"{name}_lora_adapter_metadata": model.peft_config["default"].to_dict() for name, model in parts.items()})

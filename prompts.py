@@ -39,15 +39,23 @@ def read_captions(image_paths, instance_prompt, caption_extension):
 
 
 def prompt_ids(model_dir, instance_prompts, class_prompt):
-    """CLIP token ids of the prompts, tokenised once here rather than on every worker."""
+    """CLIP token ids of the prompts, tokenised once here rather than on every worker: per prompt
+    (L,) ids, or with two text encoders (SDXL) (2, L), each tokenizer's."""
     from transformers import CLIPTokenizer
 
     import dataset
+    import families
 
-    tokenizer = CLIPTokenizer.from_pretrained(model_dir, subfolder="tokenizer")
-    ids = {"instance": [dataset.tokenize_prompt(tokenizer, p).tolist() for p in instance_prompts]}
+    tokenizers = [CLIPTokenizer.from_pretrained(model_dir, subfolder=name.replace("text_encoder", "tokenizer"))
+                  for name in families.family_of(model_dir).text_encoders]
+
+    def tokenize(prompt):
+        ids = [dataset.tokenize_prompt(tokenizer, prompt).tolist() for tokenizer in tokenizers]
+        return ids[0] if len(ids) == 1 else ids
+
+    ids = {"instance": [tokenize(p) for p in instance_prompts]}
     if class_prompt:
-        ids["class"] = dataset.tokenize_prompt(tokenizer, class_prompt).tolist()
+        ids["class"] = tokenize(class_prompt)
     return ids
 
 

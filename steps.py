@@ -119,21 +119,59 @@ def batch_latents(models, batch):
     return DiagonalGaussianDistribution(stacked).sample() * models.vae.config.scaling_factor
 
 
-def prompt_conditioning(text_encoder, prompts, instance_prompt, num_class):
-    """(num_instance + num_class, L, D) text-encoder states for a batch.
+def encode_text(text_encoders, ids):
+    """(states (N, L, D), pooled (N, P) or None) of token ids.
 
-    prompts: {"instance": (P, L) ids of the P distinct instance prompts (1, or one per
-    caption), "class": (1, L) ids}, run through the text encoder together once a step
-    (not once per row), or the same keys holding states (P, L, D) and (1, L, D) computed
-    once (frozen text encoder). instance_prompt: (num_instance,) index into the P prompts
+    ids (N, L) go through the one text encoder (SD 1.x, 2.x: its last layer's states). ids
+    (N, E, L) hold each prompt's ids for E encoders (SDXL's two tokenizers): each encoder's
+    penultimate states, side by side, and the last encoder's projected pooled output, which
+    SDXL's UNet takes with the size/crop numbers."""
+    if ids.dim() == 2:
+        return text_encoders[0](ids)[0], None
+    states = []
+    for k, text_encoder in enumerate(text_encoders):
+        out = text_encoder(ids[:, k], output_hidden_states=True)
+        states.append(out.hidden_states[-2])
+    return torch.cat(states, dim=-1), out.text_embeds
+
+
+def prompt_conditioning(text_encoders, prompts, instance_prompt, num_class):
+    """(states (num_instance + num_class, L, D), pooled (same rows, P) or None) for a batch.
+
+    prompts: {"instance": ids of the P distinct instance prompts (1, or one per caption),
+    "class": ids of the class prompt (see encode_text for the shapes)}, run through the text
+    encoders together once a step (not once per row); or, with frozen text encoders, the same
+    keys holding states (P, L, D) and (1, L, D) computed once, and "instance_pooled",
+    "class_pooled" beside them (SDXL). instance_prompt: (num_instance,) index into the P prompts
     per instance row; a gather on the device, so no step waits on the host.
     """
     instance = prompts["instance"]
     cls = prompts["class"] if num_class else instance[:0]
-    if instance.dim() == 2:  # token ids
-        states = text_encoder(torch.cat([instance, cls]))[0]
+    if instance.is_floating_point():  # states computed once
+        pooled = prompts.get("instance_pooled")
+        pooled_cls = (prompts["class_pooled"] if num_class else pooled[:0]) if pooled is not None else None
+    else:
+        states, pooled_all = encode_text(text_encoders, torch.cat([instance, cls]))
         instance, cls = states[:len(instance)], states[len(instance):]
-    return torch.cat([instance[instance_prompt.to(instance.device)], cls.expand(num_class, -1, -1)])
+        pooled, pooled_cls = ((pooled_all[:len(prompts["instance"])], pooled_all[len(prompts["instance"]):])
+                              if pooled_all is not None else (None, None))
+    index = instance_prompt.to(instance.device)
+    states = torch.cat([instance[index], cls.expand(num_class, -1, -1)])
+    if pooled is None:
+        return states, None
+    return states, torch.cat([pooled[index], pooled_cls.expand(num_class, -1)])
+
+
+def size_conditioning(batch, num_rows, resolution, device, dtype):
+    """(B, 6) SDXL size/crop numbers of the batch's rows, instance rows first: each image's
+    original height and width, the crop's top and left, the trained height and width
+    (dataset.py's "instance_time_ids"/"class_time_ids"); a whole uncropped square where the
+    stream has none."""
+    parts = [batch[k] for k in ("instance_time_ids", "class_time_ids") if k in batch]
+    if not parts:
+        row = torch.tensor([resolution, resolution, 0, 0, resolution, resolution], dtype=dtype, device=device)
+        return row.expand(num_rows, -1)
+    return torch.cat([p.to(device, non_blocking=True) for p in parts]).to(dtype)
 
 
 def instance_prompts(prompts, batch, num_instance):
@@ -152,14 +190,21 @@ def batch_loss(models, batch, prompts, prior_loss_weight, offset_noise=0.0, snr_
     """
     latents = batch_latents(models, batch)
     num_instance = next(v for k, v in batch.items() if k.startswith("instance_")).shape[0]
-    hidden = prompt_conditioning(models.text_encoder, prompts, instance_prompts(prompts, batch, num_instance),
-                                 latents.shape[0] - num_instance)
+    hidden, pooled = prompt_conditioning(models.text_encoders(), prompts,
+                                         instance_prompts(prompts, batch, num_instance),
+                                         latents.shape[0] - num_instance)
     hidden = hidden.to(models.unet_device)
+    extra = {}
+    if pooled is not None:  # SDXL: the pooled text and each image's size and crop
+        resolution = latents.shape[-1] * 2 ** (len(models.vae.config.block_out_channels) - 1)
+        extra["added_cond_kwargs"] = {
+            "text_embeds": pooled.to(models.unet_device),
+            "time_ids": size_conditioning(batch, latents.shape[0], resolution, models.unet_device, hidden.dtype)}
     scheduler = models.scheduler
     noise = training_noise(latents, offset_noise)
     timesteps = torch.randint(0, scheduler.config.num_train_timesteps, (latents.shape[0],), device=latents.device)
     noisy = scheduler.add_noise(latents, noise, timesteps)
-    pred = models.unet(noisy, timesteps, hidden).sample
+    pred = models.unet(noisy, timesteps, hidden, **extra).sample
     weights = min_snr_weights(scheduler, timesteps, snr_gamma) if snr_gamma else None
     return dreambooth_loss(pred, diffusion_target(scheduler, latents, noise, timesteps),
                            num_instance, prior_loss_weight, weights)
@@ -252,7 +297,7 @@ def make_train_state(models, plan):
     """
     from diffusers.optimization import get_scheduler
 
-    trained = [models.unet] + ([models.text_encoder] if plan.train_text_encoder else [])
+    trained = [models.unet] + (models.text_encoders() if plan.train_text_encoder else [])
     params = [p for model in trained for p in model.parameters() if p.requires_grad]  # LoRA: adapters only
     settings = dict(lr=plan.learning_rate, betas=(plan.adam_beta1, plan.adam_beta2),
                     weight_decay=plan.adam_weight_decay, eps=plan.adam_epsilon)

@@ -20,6 +20,7 @@ import tempfile
 import time
 
 import checkpoint
+import families
 import flags
 import outputs
 import planning
@@ -102,7 +103,7 @@ def train_dataset(plan):
     return dataset.build_train_dataset(
         list(plan.instance_images), list(plan.class_images) or None, plan.resolution, plan.center_crop,
         plan.random_flip, latent_cache, num_epochs=plan.stream_epochs, seed=plan.seed,
-        batch_size=plan.train_batch_size)
+        batch_size=plan.train_batch_size, with_time_ids=families.family_of(plan.model_dir).name == "sdxl")
 
 
 def run_trainer(plan, train_ds):
@@ -221,7 +222,7 @@ def train_worker(plan):
     if rank == 0:
         print(f"worker devices: UNet on {unet_device}, text encoder and VAE on {aux_device}; "
               f"autocast {state.amp_dtype or 'off (fp32)'}", flush=True)
-    prompts = prompt_inputs(nets.text_encoder, plan, aux_device)
+    prompts = prompt_inputs(nets.text_encoders(), plan, aux_device)
     sampler = validation.Sampler(nets, plan, state.amp_dtype) if plan.validation_prompts else None
     total, accum = plan.total_steps, plan.gradient_accumulation_steps
     # The stream is the same on every run: a resumed worker skips what it had trained on.
@@ -316,20 +317,28 @@ def prefetched(iterable):
     return chained()
 
 
-def prompt_inputs(text_encoder, plan, device):
+def prompt_inputs(text_encoders, plan, device):
     """The prompts as steps.prompt_conditioning takes them: token ids, "instance" (P, L) for
-    the P distinct instance prompts and "class" (1, L), or with a frozen text encoder their
-    states (P, L, D) and (1, L, D) computed once; "image_prompt" (N,) maps each instance
-    image to its prompt (its caption's, or --instance_prompt's)."""
+    the P distinct instance prompts and "class" (1, L) ((P, 2, L) and (1, 2, L) for SDXL's two
+    tokenizers), or with frozen text encoders their states (P, L, D) and (1, L, D) computed once
+    (and SDXL's pooled embeddings beside them); "image_prompt" (N,) maps each instance image to
+    its prompt (its caption's, or --instance_prompt's)."""
     import torch
+
+    import steps
 
     ids = {"instance": torch.tensor(plan.prompt_ids["instance"], device=device)}
     if "class" in plan.prompt_ids:
         ids["class"] = torch.tensor(plan.prompt_ids["class"], device=device).unsqueeze(0)
     image_prompt = torch.tensor(plan.image_prompt or [0], dtype=torch.long, device=device)
     if not plan.train_text_encoder and plan.precompute_text_embeddings:
+        encoded = {}
         with torch.no_grad():
-            ids = {k: text_encoder(v)[0] for k, v in ids.items()}
+            for key, value in ids.items():
+                encoded[key], pooled = steps.encode_text(text_encoders, value)
+                if pooled is not None:
+                    encoded[f"{key}_pooled"] = pooled
+        ids = encoded
     return {**ids, "image_prompt": image_prompt}
 
 

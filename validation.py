@@ -26,45 +26,70 @@ def images_of(plan):
 
 class Sampler:
     """Draws validation images with a worker's training networks (models.Models), the model
-    folder's own tokenizer and scheduler, and the run's autocast dtype. The text encoder
-    runs on its device and the VAE on its own: the two-device split samples as it trains."""
+    folder's own tokenizers and scheduler, and the run's autocast dtype. The text encoders
+    run on their device and the VAE on its own: the two-device split samples as it trains."""
 
     def __init__(self, nets, plan, amp_dtype):
         import diffusers
         from transformers import CLIPTokenizer
 
+        import families
+
         self.nets, self.plan, self.amp_dtype = nets, plan, amp_dtype
-        self.tokenizer = CLIPTokenizer.from_pretrained(plan.model_dir, subfolder="tokenizer")
+        self.family = families.family_of(plan.model_dir)
+        self.tokenizers = [CLIPTokenizer.from_pretrained(plan.model_dir, subfolder=name.replace("text_encoder",
+                                                                                              "tokenizer"))
+                           for name in self.family.text_encoders]
         # The model's own sampler (PNDM for SD 1.x), as generate.py draws with it.
         config = utils.read_json(os.path.join(plan.model_dir, "scheduler", "scheduler_config.json"))
         self.scheduler = getattr(diffusers, config["_class_name"]).from_config(config)
 
     def encode(self, prompts):
+        """(states, pooled or None) of the prompts, on the UNet's device (steps.encode_text)."""
         import dataset
+        import steps
         import torch
 
-        ids = torch.stack([torch.from_numpy(dataset.tokenize_prompt(self.tokenizer, p)) for p in prompts])
-        text_encoder = models.unwrap(self.nets.text_encoder)
-        return text_encoder(ids.to(self.nets.aux_device))[0].to(self.nets.unet_device)
+        ids = torch.stack([torch.stack([torch.from_numpy(dataset.tokenize_prompt(t, p)) for t in self.tokenizers])
+                           for p in prompts])
+        ids = ids[:, 0] if len(self.tokenizers) == 1 else ids
+        states, pooled = steps.encode_text([models.unwrap(te) for te in self.nets.text_encoders()],
+                                           ids.to(self.nets.aux_device))
+        return states.to(self.nets.unet_device), pooled.to(self.nets.unet_device) if pooled is not None else None
+
+    def pipeline(self):
+        import diffusers
+
+        nets = self.nets
+        parts = dict(vae=nets.vae, unet=models.unwrap(nets.unet), scheduler=self.scheduler)
+        for k, (te, tokenizer) in enumerate(zip(nets.text_encoders(), self.tokenizers)):
+            suffix = f"_{k + 1}" if k else ""
+            parts[f"text_encoder{suffix}"], parts[f"tokenizer{suffix}"] = models.unwrap(te), tokenizer
+        if self.family.name != "sdxl":
+            parts.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+        pipe = getattr(diffusers, self.family.pipeline)(**parts)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
 
     def __call__(self, items):
         """PIL images of [(prompt, index, seed)], one by one (memory stays at one image's)."""
         import torch
-        from diffusers import StableDiffusionPipeline
 
         nets = self.nets
-        unet, vae = models.unwrap(nets.unet), nets.vae
-        pipe = StableDiffusionPipeline(vae=vae, text_encoder=models.unwrap(nets.text_encoder),
-                                       tokenizer=self.tokenizer, unet=unet, scheduler=self.scheduler,
-                                       safety_checker=None, feature_extractor=None, requires_safety_checker=False)
-        pipe.set_progress_bar_config(disable=True)
+        vae = nets.vae
+        pipe = self.pipeline()
         images = []
         with torch.no_grad(), torch.autocast(nets.unet_device.type, dtype=self.amp_dtype,
                                              enabled=self.amp_dtype is not None):
-            negative = self.encode([""])
+            negative, negative_pooled = self.encode([""])
             for prompt, _, seed in items:
-                latents = pipe(prompt_embeds=self.encode([prompt]), negative_prompt_embeds=negative,
-                               height=self.plan.resolution, width=self.plan.resolution,
+                states, pooled = self.encode([prompt])
+                text = dict(prompt_embeds=states, negative_prompt_embeds=negative)
+                if pooled is not None:
+                    # SDXL's empty negative prompt is zeros (its force_zeros_for_empty_prompt), as generate.py draws
+                    text.update(negative_prompt_embeds=torch.zeros_like(states), pooled_prompt_embeds=pooled,
+                                negative_pooled_prompt_embeds=torch.zeros_like(pooled))
+                latents = pipe(**text, height=self.plan.resolution, width=self.plan.resolution,
                                num_inference_steps=self.plan.validation_inference_steps,
                                generator=torch.Generator("cpu").manual_seed(seed), output_type="latent").images
                 latents = latents.to(nets.aux_device, vae.dtype) / vae.config.scaling_factor
@@ -80,7 +105,7 @@ def run_round(sampler, step, rank, world, run_dir):
 
     items = images_of(sampler.plan)
     mine = list(range(rank, len(items), world))
-    nets = [sampler.nets.unet, sampler.nets.text_encoder]
+    nets = [sampler.nets.unet, *sampler.nets.text_encoders()]
     modes = [net.training for net in nets]
     rng = checkpoint.rng_state()
     for net in nets:
