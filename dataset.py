@@ -293,13 +293,11 @@ class LatentEncoder:
     (plain, flipped) with random_flip, else 1.
     """
 
-    def __init__(self, model_dir, resolution, random_flip, allow_unsafe_weights):
-        from diffusers import AutoencoderKL
-
+    def __init__(self, model_dir, resolution, random_flip, allow_unsafe_weights, vae_dir=None):
         import models
 
         self.device = utils.torch_device()
-        self.vae = models.from_pretrained(AutoencoderKL, model_dir, allow_unsafe_weights, subfolder="vae")
+        self.vae = models.load_vae(model_dir, vae_dir, allow_unsafe_weights)
         self.vae.to(self.device).eval().requires_grad_(False)
         self.resolution, self.random_flip = resolution, random_flip
 
@@ -355,7 +353,7 @@ def decode_images(instance_paths, class_paths, resolution, latent_cache=None, si
         ds = ray.data.from_items([{"path": p, "image": by_path[p]} for p in paths]).map_batches(
             LatentEncoder,
             fn_constructor_args=(latent_cache["model_dir"], resolution, latent_cache["random_flip"],
-                                 latent_cache["allow_unsafe_weights"]),
+                                 latent_cache["allow_unsafe_weights"], latent_cache.get("vae_dir")),
             compute=ray.data.ActorPoolStrategy(size=max(1, latent_cache["num_gpus"])),
             num_gpus=1 if latent_cache["num_gpus"] else 0,
             batch_size=16,

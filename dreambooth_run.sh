@@ -4,7 +4,7 @@
 #   ./dreambooth_run.sh                       SD 1.4, the example dog photos, one worker per GPU
 #   INSTANCE_DIR=~/rex CLASS_NAME=dog ./dreambooth_run.sh     your own photos
 #   ./dreambooth_run.sh --tiny                built-in tiny model + images/toy, offline on CPU (~2 min)
-#   ./dreambooth_run.sh --tiny --arch sd2-v   the same with a tiny SD 2.x v-prediction model (96 px)
+#   ./dreambooth_run.sh --tiny --arch sdxl    the same with a tiny SDXL model (128 px; sd2-v: SD 2.x, 96 px)
 #   ./dreambooth_run.sh --use_lora            LoRA adapters instead of every weight (combines with the above)
 #   ./dreambooth_run.sh --skip_image_setup    train on the photos already in $IMAGES_OWN_DIR
 #   ./dreambooth_run.sh --skip_eval           stop after Step 5 (no scores of the tuned model)
@@ -70,7 +70,7 @@ EXTRA_TRAIN_ARGS=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --tiny) tiny=true ;;
-    --arch) [ $# -ge 2 ] || { echo "dreambooth_run.sh: error: --arch needs a value: sd1 or sd2-v" >&2; exit 2; }
+    --arch) [ $# -ge 2 ] || { echo "dreambooth_run.sh: error: --arch needs a value: sd1, sd2-v or sdxl" >&2; exit 2; }
       arch="$2"; shift ;;
     --skip_image_setup) skip_image_setup=true ;;
     --use_lora) use_lora=true ;;

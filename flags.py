@@ -279,7 +279,7 @@ FLAGS = {
                   "Default: ray_results/ beside --output_dir.")),
     # --- logging and checkpoints
     "report_to": (("--report_to",),
-        dict(choices=["none", "tensorboard"], default="none",
+        dict(choices=["none", "tensorboard", "wandb"], default="none",
              help="Also write loss, learning rate and images/s as TensorBoard events into the run folder's "
                   "tensorboard/ (view: pip install tensorboard; tensorboard --logdir <run folder>).")),
     "validation_prompt": (("--validation_prompt",),
@@ -288,6 +288,16 @@ FLAGS = {
                   "repeat the flag for several): images and a timeline sheet in the run folder's validation/.")),
     "num_validation_images": (("--num_validation_images",),
         dict(type=positive_int, default=4, help="Images per validation prompt, each from its own fixed seed.")),
+    "validation_epochs": (("--validation_epochs",),
+        dict(type=positive_int, default=None,
+             help="Sample every N epochs instead (diffusers' SDXL LoRA script's spelling): N x the steps of "
+                  "one epoch.")),
+    "vae_dir": (("--pretrained_vae_model_name_or_path", "--vae_dir"),
+        dict(default=None, metavar="VAE",
+             help="Train (and cache latents, and sample) with this VAE instead of the model's: a folder with "
+                  "config.json and the weights, or a hub name in the hub cache (e.g. SDXL's fp16-fix VAE, whose "
+                  "fp16 activations do not overflow). A full model's output keeps it; LoRA adapters do not carry "
+                  "a VAE.")),
     "validation_steps": (("--validation_steps",),
         dict(type=positive_int, default=None, help="Sample every N steps (and at the end). Default: "
                                                    "--checkpointing_steps.")),
@@ -446,6 +456,27 @@ REFUSED = {
     "--text_encoder_use_attention_mask": _IF_ONLY, "--tokenizer_max_length": _IF_ONLY,
     "--skip_save_text_encoder": _IF_ONLY,
 }
+# diffusers' train_dreambooth_lora_sdxl.py adds these (its other flags are train_dreambooth.py's):
+_ONE_LR = "one learning rate and weight decay for every trained weight (--learning_rate, --adam_weight_decay)"
+_FOLDER = ("photos come from a folder (--instance_data_dir), captions from .txt files beside them "
+           "(--caption_extension)")
+_ADAMW = "the optimizer is AdamW (or --use_8bit_adam); Prodigy is not offered"
+REFUSED_SDXL = {
+    "--adam_weight_decay_text_encoder": _ONE_LR, "--text_encoder_lr": _ONE_LR,
+    "--cache_dir": "models are fetched into the hub cache by cache_model.py (HF_HUB_CACHE sets where)",
+    "--dataset_name": _FOLDER, "--dataset_config_name": _FOLDER, "--caption_column": _FOLDER,
+    "--image_column": _FOLDER,
+    "--do_edm_style_training": "EDM-style training (Playground v2.5) is not offered; SD 1.x, 2.x and SDXL train "
+                               "with their schedulers' own objective",
+    "--image_interpolation_mode": "photos are resized with bicubic interpolation",
+    "--optimizer": _ADAMW, "--prodigy_beta3": _ADAMW, "--prodigy_decouple": _ADAMW,
+    "--prodigy_safeguard_warmup": _ADAMW, "--prodigy_use_bias_correction": _ADAMW,
+    "--output_kohya_format": "export.py writes the kohya-format file after training: python export.py "
+                             "--model_dir OUTPUT_DIR --output_file my-lora.safetensors",
+    "--repeats": "--num_train_epochs or --max_train_steps set how often each photo is seen",
+    "--use_dora": "DoRA is not offered; --use_lora trains LoRA adapters",
+}
+REFUSED.update(REFUSED_SDXL)
 
 
 def option_strings(names):

@@ -197,13 +197,13 @@ def unwrap(model):
     return model
 
 
-def load_models(model_dir, unet_device, aux_device, train_text_encoder, allow_unsafe_weights=False):
+def load_models(model_dir, unet_device, aux_device, train_text_encoder, allow_unsafe_weights=False, vae_dir=None):
     """fp32 UNet and text encoder, frozen VAE, each on its device, in the mode training needs.
 
     from_pretrained returns eval mode; trained networks must be in train mode, or
     transformers' gradient checkpointing (which acts only when training) never runs.
     """
-    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+    from diffusers import DDPMScheduler, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
     import families
@@ -213,7 +213,7 @@ def load_models(model_dir, unet_device, aux_device, train_text_encoder, allow_un
     if "text_encoder_2" in families.family_of(model_dir).text_encoders:
         encoders.append(from_pretrained(CLIPTextModelWithProjection, model_dir, allow_unsafe_weights,
                                         subfolder="text_encoder_2"))
-    vae = from_pretrained(AutoencoderKL, model_dir, allow_unsafe_weights, subfolder="vae")
+    vae = load_vae(model_dir, vae_dir, allow_unsafe_weights)
     scheduler = DDPMScheduler.from_pretrained(model_dir, subfolder="scheduler")
     unet.train()
     vae.requires_grad_(False).eval()
@@ -221,6 +221,15 @@ def load_models(model_dir, unet_device, aux_device, train_text_encoder, allow_un
         text_encoder.requires_grad_(train_text_encoder).train(train_text_encoder).to(aux_device)
     return Models(unet.to(unet_device), encoders[0], vae.to(aux_device), scheduler, unet_device, aux_device,
                   *encoders[1:])
+
+
+def load_vae(model_dir, vae_dir=None, allow_unsafe_weights=False):
+    """The model's VAE, or the one in vae_dir (--pretrained_vae_model_name_or_path) in its place."""
+    from diffusers import AutoencoderKL
+
+    if vae_dir:
+        return from_pretrained(AutoencoderKL, vae_dir, allow_unsafe_weights)
+    return from_pretrained(AutoencoderKL, model_dir, allow_unsafe_weights, subfolder="vae")
 
 
 def ddp(model, device):
@@ -314,7 +323,7 @@ def setup_models(plan, unet_device, aux_device, distributed, load_guard=None):
 
     with load_guard or contextlib.nullcontext():
         models = load_models(plan.model_dir, unet_device, aux_device, plan.train_text_encoder,
-                             plan.allow_unsafe_weights)
+                             plan.allow_unsafe_weights, plan.vae_dir)
     if plan.use_lora:
         add_lora(models, plan)
     if plan.gradient_checkpointing:

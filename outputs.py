@@ -203,7 +203,8 @@ def save_pipeline(nets, plan):
     unet = models.unwrap(nets.unet)
     text_encoders = {name: models.unwrap(model) for name, model in zip(("text_encoder", "text_encoder_2"),
                                                                         nets.text_encoders())}
-    marker = {"base_model": plan.model_dir, "steps": plan.total_steps, "instance_prompt": plan.instance_prompt,
+    marker = {"base_model": plan.model_dir, "vae": plan.vae_dir, "steps": plan.total_steps,
+              "instance_prompt": plan.instance_prompt,
               "class_prompt": plan.class_prompt, "lora": planning.lora_settings(plan),
               "model_id": new_model_id(), "run_name": plan.run_name}
 
@@ -212,8 +213,10 @@ def save_pipeline(nets, plan):
             save_lora(tmp, unet, text_encoders if plan.train_text_encoder else {})
         else:
             pipeline = getattr(diffusers, families.family_of(plan.model_dir).pipeline)
+            # a VAE trained with (--pretrained_vae_model_name_or_path) stays with the model
+            vae = {"vae": nets.vae} if plan.vae_dir else {}
             pipe = models.from_pretrained(pipeline, plan.model_dir, plan.allow_unsafe_weights, unet=unet,
-                                          **text_encoders)
+                                          **text_encoders, **vae)
             pipe.save_pretrained(tmp, safe_serialization=True)
         utils.write_json(os.path.join(tmp, utils.OUTPUT_MARKER), marker)
         if plan.settings_toml:

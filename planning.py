@@ -32,7 +32,7 @@ TRAIN_FLAGS = [
     "adam_beta2", "adam_weight_decay", "adam_epsilon", "max_grad_norm", "max_train_steps",
     "num_train_epochs", "mixed_precision", "seed", "num_workers", "gpus_per_worker", "use_gpu",
     "storage_path", "logging_steps", "report_to", "validation_prompt", "num_validation_images",
-    "validation_steps", "validation_inference_steps", "checkpointing_steps", "checkpoints_total_limit",
+    "validation_steps", "validation_epochs", "validation_inference_steps", "vae_dir", "checkpointing_steps", "checkpoints_total_limit",
     "resume_from_checkpoint", "max_failures", "overwrite", "allow_unsafe_weights",
     "gradient_accumulation_steps", "gradient_checkpointing", "cache_latents", "precompute_text_embeddings",
     "channels_last", "fused_adamw", "torch_compile", "allow_tf32", "num_class_images", "set_grads_to_none",
@@ -46,6 +46,7 @@ class Plan:
 
     # what is trained, from what
     model_dir: str
+    vae_dir: str | None  # --pretrained_vae_model_name_or_path, resolved: a VAE in place of the model's
     output_dir: str
     allow_unsafe_weights: bool
     instance_prompt: str
@@ -172,7 +173,16 @@ def parse_args(argv=None, description=None):
     elif args.class_prompt:
         print("warning: --class_prompt is ignored without --class_data_dir", file=sys.stderr)
     args.validation_prompts = tuple(dict.fromkeys(args.validation_prompt or ()))
-    if args.validation_steps is None:
+    if args.report_to == "wandb":
+        parser.error("--report_to wandb is not supported: --report_to tensorboard writes loss, learning rate and "
+                     "images/s as TensorBoard events in the run folder (metrics.jsonl and loss.png are always there)")
+    given = {flags.normalize_option(token).split("=", 1)[0] for token in (sys.argv[1:] if argv is None else argv)}
+    if not args.use_lora and given & {"--rank", "--lora_rank", "--lora_alpha", "--lora_dropout"}:
+        parser.error("--rank/--lora_alpha/--lora_dropout shape LoRA adapters: add --use_lora (diffusers' "
+                     "train_dreambooth_lora*.py scripts always train LoRA; without it every weight is trained)")
+    if args.validation_epochs and args.validation_steps:
+        parser.error("give --validation_steps or --validation_epochs, not both")
+    if args.validation_steps is None and not args.validation_epochs:
         args.validation_steps = args.checkpointing_steps
     if args.learning_rate is None:
         args.learning_rate = 1e-4 if args.use_lora else 5e-6
@@ -202,6 +212,10 @@ def plan_run(args, cluster_resources):
 
     utils.check_model_dir(args.model_dir, args.allow_unsafe_weights)
     families.require(args.model_dir, "train")
+    if args.vae_dir:
+        import cache_model
+
+        args.vae_dir = cache_model.resolve_vae(args.vae_dir, args.allow_unsafe_weights)
     utils.check_output_path(args.output_dir, "--output_dir", [
         ("--pretrained_model_name_or_path", args.model_dir), ("--instance_data_dir", args.instance_data_dir),
         ("--class_data_dir", args.class_data_dir)])
@@ -240,6 +254,8 @@ def plan_run(args, cluster_resources):
         "channels_last": use_gpu if args.channels_last is None else args.channels_last,
         "steps_per_epoch": steps_per_epoch,
         "total_steps": total_steps,
+        "validation_steps": (args.validation_epochs * steps_per_epoch if args.validation_epochs
+                             else args.validation_steps),
         "stream_epochs": stream_epochs(num_rows, total_steps, args),
         "use_gpu": use_gpu,
         "cpus_per_worker": cpus_per_worker,

@@ -99,7 +99,7 @@ def train_dataset(plan):
     latent_cache = None
     if plan.cache_latents:
         latent_cache = {"model_dir": plan.model_dir, "num_gpus": utils.cluster_resources()[1],
-                        "allow_unsafe_weights": plan.allow_unsafe_weights}
+                        "allow_unsafe_weights": plan.allow_unsafe_weights, "vae_dir": plan.vae_dir}
     return dataset.build_train_dataset(
         list(plan.instance_images), list(plan.class_images) or None, plan.resolution, plan.center_crop,
         plan.random_flip, latent_cache, num_epochs=plan.stream_epochs, seed=plan.seed,

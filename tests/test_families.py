@@ -170,6 +170,15 @@ def test_sdxl_trains_resumes_with_lora_and_exports(ray_session, tiny_sdxl_model,
               "--instance_prompt", "photo of unqtkn toy", "--class_images_dir", str(class_dir),
               "--class_prompt", "photo of a toy", "--num_workers", "1", "--lr", "1e-4",
               "--storage_path", str(tmp_path / "runs"), "--checkpointing_steps", "2"]
+    # A VAE of its own (as SDXL's fp16-fix one is): trained with, and kept in the saved model.
+    from diffusers import AutoencoderKL
+
+    vae = AutoencoderKL.from_pretrained(tiny_sdxl_model, subfolder="vae")
+    with torch.no_grad():
+        for weight in vae.parameters():
+            weight.add_(0.01)
+    vae.save_pretrained(tmp_path / "own-vae")
+    common += ["--pretrained_vae_model_name_or_path", str(tmp_path / "own-vae")]
     out = tmp_path / "tuned"
     assert train.main([*common, "--output_dir", str(out), "--max_train_steps", "2"]).metrics["step"] == 2
     resumed = train.main([*common, "--output_dir", str(out), "--max_train_steps", "3", "--resume_from_checkpoint",
@@ -178,6 +187,7 @@ def test_sdxl_trains_resumes_with_lora_and_exports(ray_session, tiny_sdxl_model,
     assert resumed.metrics["step"] == 3
     assert os.listdir(os.path.join(resumed.path, "validation", "step-3")) == ["photo-of-unqtkn-toy-00000.png"]
     tuned, base = (StableDiffusionXLPipeline.from_pretrained(m) for m in (str(out), tiny_sdxl_model))
+    assert all(torch.equal(v, vae.state_dict()[k]) for k, v in tuned.vae.state_dict().items())
     for part in ("unet", "text_encoder", "text_encoder_2"):
         changed = getattr(tuned, part).state_dict()
         assert any(not torch.equal(v, getattr(base, part).state_dict()[k]) for k, v in changed.items()), part

@@ -133,17 +133,66 @@ def test_diffusers_documented_commands_parse_and_push_to_hub_says_what_to_do(com
     assert "--push_to_hub is not supported: upload the result yourself" in err and err.count("\n") == 1
 
 
+# Every option of diffusers' examples/dreambooth/train_dreambooth_lora_sdxl.py (at 58eb52c).
+DIFFUSERS_SDXL_FLAGS = """
+--adam_beta1 --adam_beta2 --adam_epsilon --adam_weight_decay --adam_weight_decay_text_encoder --allow_tf32
+--cache_dir --caption_column --center_crop --checkpointing_steps --checkpoints_total_limit --class_data_dir
+--class_prompt --dataloader_num_workers --dataset_config_name --dataset_name --do_edm_style_training
+--enable_xformers_memory_efficient_attention --gradient_accumulation_steps --gradient_checkpointing --hub_model_id
+--hub_token --image_column --image_interpolation_mode --instance_data_dir --instance_prompt --learning_rate
+--local_rank --logging_dir --lora_dropout --lr_num_cycles --lr_power --lr_scheduler --lr_warmup_steps
+--max_grad_norm --max_train_steps --mixed_precision --num_class_images --num_train_epochs --num_validation_images
+--optimizer --output_dir --output_kohya_format --pretrained_model_name_or_path --pretrained_vae_model_name_or_path
+--prior_generation_precision --prior_loss_weight --prodigy_beta3 --prodigy_decouple --prodigy_safeguard_warmup
+--prodigy_use_bias_correction --push_to_hub --random_flip --rank --repeats --report_to --resolution
+--resume_from_checkpoint --revision --sample_batch_size --scale_lr --seed --snr_gamma --text_encoder_lr
+--train_batch_size --train_text_encoder --use_8bit_adam --use_dora --validation_epochs --validation_prompt --variant
+--with_prior_preservation
+""".split()
+
+
 def test_every_diffusers_flag_is_taken_or_refused_with_what_to_do_instead(capsys):
     parser = flags.make_parser("t", planning.TRAIN_FLAGS, refused=flags.REFUSED)
     options = parser._option_string_actions
     assert len(DIFFUSERS_FLAGS) == 61 and all(f in options for f in DIFFUSERS_FLAGS)
-    refused = [f for f in DIFFUSERS_FLAGS if f in flags.REFUSED]
-    assert set(flags.REFUSED) <= set(DIFFUSERS_FLAGS) and len(refused) == 17
+    assert len(DIFFUSERS_SDXL_FLAGS) == 72 and all(f in options for f in DIFFUSERS_SDXL_FLAGS)
+    refused = [f for f in dict.fromkeys(DIFFUSERS_FLAGS + DIFFUSERS_SDXL_FLAGS) if f in flags.REFUSED]
+    assert set(flags.REFUSED) <= set(DIFFUSERS_FLAGS + DIFFUSERS_SDXL_FLAGS) and len(refused) == 17 + 17
     for flag in refused:
         with pytest.raises(SystemExit):
             parse_train(BASE + [flag, "x"])
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and f"{flag} is not supported: " in err and len(err) > 60
+
+
+# The SDXL LoRA command of diffusers' examples/dreambooth/README_sdxl.md, paths changed, with the
+# --use_lora this suite asks for (the LoRA scripts always train LoRA); --report_to="wandb" and
+# --push_to_hub are checked apart.
+DIFFUSERS_SDXL_COMMAND = (
+    "--use_lora|--pretrained_vae_model_name_or_path=/vae|--mixed_precision=fp16|--instance_prompt=a photo of sks dog|"
+    "--resolution=1024|--train_batch_size=1|--gradient_accumulation_steps=4|--learning_rate=1e-4|"
+    "--lr_scheduler=constant|--lr_warmup_steps=0|--max_train_steps=500|"
+    "--validation_prompt=A photo of sks dog in a bucket|--validation_epochs=25|--seed=0")
+
+
+def test_the_sdxl_lora_readme_command_parses_and_what_differs_says_what_to_do(capsys):
+    argv = ["--pretrained_model_name_or_path=/m", "--instance_data_dir=/i", "--output_dir=/o",
+            *DIFFUSERS_SDXL_COMMAND.split("|")]
+    args = parse_train(argv)
+    assert (args.use_lora, args.vae_dir, args.validation_epochs, args.resolution) == (True, "/vae", 25, 1024)
+    assert args.validation_steps is None  # decided from the epoch's steps when the run is planned
+    for extra, says in ((["--report_to=wandb"], "--report_to tensorboard writes"),
+                        (["--push_to_hub"], "upload the result yourself"),
+                        (["--optimizer=prodigy"], "the optimizer is AdamW"),
+                        (["--validation_steps=5"], "not both")):
+        with pytest.raises(SystemExit):
+            parse_train(argv + extra)
+        err = capsys.readouterr().err
+        assert says in err, extra
+    # Its rank without --use_lora would train every weight instead: refused, saying why.
+    with pytest.raises(SystemExit):
+        parse_train([a for a in argv if a != "--use_lora"] + ["--rank=8"])
+    assert "add --use_lora" in capsys.readouterr().err
 
 
 def test_readme_compatibility_claims_hold():

@@ -1,6 +1,7 @@
 """planning.py: the command line and the files become one frozen Plan, without Ray."""
 
 import dataclasses
+import os
 
 import pytest
 
@@ -224,3 +225,24 @@ def test_without_num_workers_a_run_takes_every_gpu_or_one_cpu_worker(capsys):
     assert capsys.readouterr().err == ""
     assert planning.worker_resources(Args, cpus=4, gpus=0) == (False, 1, 1.0)
     assert "the Ray cluster has no GPU" in capsys.readouterr().err  # a real model on CPUs: said before it starts
+
+
+def test_an_sdxl_plan_takes_both_tokenizers_its_own_vae_and_validation_epochs(tiny_sdxl_model, toy_images,
+                                                                             tmp_path):
+    """diffusers' SDXL LoRA flags: --pretrained_vae_model_name_or_path (a VAE folder) and
+    --validation_epochs (so many epochs' steps); a folder that is no VAE is named before Ray."""
+    import shutil
+
+    vae = shutil.copytree(os.path.join(tiny_sdxl_model, "vae"), tmp_path / "fp16-fix-vae")
+    argv = ["--model_dir", tiny_sdxl_model, "--output_dir", str(tmp_path / "out"), "--instance_data_dir", toy_images,
+            "--instance_prompt", "photo of unqtkn toy", "--num_workers", "1", "--max_train_steps", "12",
+            "--validation_prompt", "photo of unqtkn toy", "--validation_epochs", "2"]
+    run = planning.plan_run(planning.parse_args(argv + ["--pretrained_vae_model_name_or_path", str(vae)]),
+                            lambda: (2.0, 0))
+    assert run.vae_dir == str(vae) and run.resolution == 128
+    assert run.steps_per_epoch == 5 and run.validation_steps == 10
+    assert [run.is_validation_step(s) for s in (5, 10, 12)] == [False, True, True]
+    assert len(run.prompt_ids["instance"][0]) == 2  # each prompt's ids for both tokenizers
+    with pytest.raises(utils.UserError, match="no config.json there"):
+        planning.plan_run(planning.parse_args(argv + ["--pretrained_vae_model_name_or_path", toy_images]),
+                          lambda: (2.0, 0))
