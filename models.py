@@ -283,6 +283,15 @@ def add_lora(models, plan):
     cast_training_params(trained, dtype=torch.float32)
 
 
+def freeze_unread_layers(text_encoder):
+    """SDXL reads its first text encoder's penultimate states: the last layer and the final norm
+    never touch the loss. Left trainable, they would get no gradient (AdamW skips them) and DDP
+    would stop the run waiting for theirs; frozen, they stay as they were either way."""
+    inner = getattr(text_encoder, "text_model", text_encoder)  # transformers >= 5.6 flattened it
+    for module in (inner.encoder.layers[-1], inner.final_layer_norm):
+        module.requires_grad_(False)
+
+
 def has_lora(model):
     return hasattr(unwrap(model), "peft_config")
 
@@ -326,6 +335,8 @@ def setup_models(plan, unet_device, aux_device, distributed, load_guard=None):
                              plan.allow_unsafe_weights, plan.vae_dir)
     if plan.use_lora:
         add_lora(models, plan)
+    if models.text_encoder_2 is not None:
+        freeze_unread_layers(models.text_encoder)
     if plan.gradient_checkpointing:
         models.unet.enable_gradient_checkpointing()
         if plan.train_text_encoder:

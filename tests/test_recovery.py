@@ -105,8 +105,10 @@ def test_killed_generation_rerun_gives_exactly_the_uninterrupted_images(ray_sess
 def final_weights(folder):
     from safetensors.torch import load_file
 
-    return {part: load_file(os.path.join(folder, part, name))
-            for part, name in (("unet", "diffusion_pytorch_model.safetensors"), ("text_encoder", "model.safetensors"))}
+    parts = (("unet", "diffusion_pytorch_model.safetensors"), ("text_encoder", "model.safetensors"),
+             ("text_encoder_2", "model.safetensors"))  # (SDXL's second encoder)
+    return {part: load_file(os.path.join(folder, part, name)) for part, name in parts
+            if os.path.isfile(os.path.join(folder, part, name))}
 
 
 def logged_losses(result):
@@ -114,8 +116,9 @@ def logged_losses(result):
         return [(m["step"], m["loss"]) for m in map(json.loads, f)]
 
 
+@pytest.mark.parametrize("family", ["sd1", "sdxl"])
 def test_seeded_run_cut_and_resumed_with_every_gpu_option_ends_with_the_uninterrupted_weights(
-        ray_session, tiny_model, toy_images, tmp_path, capsys):
+        ray_session, family, request, toy_images, tmp_path, capsys):
     """channels-last, fused AdamW, fp16 + GradScaler, torch.compile, gradient checkpointing of
     UNet and text encoder, the two-device split and DDP over 2 workers, random flips.
 
@@ -123,6 +126,7 @@ def test_seeded_run_cut_and_resumed_with_every_gpu_option_ends_with_the_uninterr
     '--resume_from_checkpoint latest' starts fresh when there is nothing to resume, then goes on
     from step 2 with the step count and the LR warm-up where they were; the resumed run ends with
     exactly the weights of the uninterrupted one."""
+    tiny_model = request.getfixturevalue("tiny_sdxl_model" if family == "sdxl" else "tiny_model")
     options = ["--channels_last", "--fused_adamw", "--mixed_precision", "fp16", "--torch_compile", "aot_eager",
                "--gradient_checkpointing", "--gpus_per_worker", "2", "--random_flip", "--checkpointing_steps", "2",
                "--logging_steps", "1", "--lr", "1e-3", "--lr_warmup_steps", "4", "--seed", "5"]
@@ -146,5 +150,32 @@ def test_seeded_run_cut_and_resumed_with_every_gpu_option_ends_with_the_uninterr
     base = final_weights(tiny_model)
     for part in a:
         assert any(not torch.equal(v, base[part][k]) for k, v in a[part].items())  # it trained
+        for k, v in a[part].items():
+            assert torch.equal(v, b[part][k]), (part, k)
+
+
+def test_sdxl_run_whose_worker_is_killed_ends_with_the_uninterrupted_weights(ray_session, tiny_sdxl_model,
+                                                                            toy_images, tmp_path):
+    """A train worker SIGKILLed mid-run: Ray Train restarts the worker group from the newest
+    checkpoint (both SDXL text encoders in it), and the seeded run ends on exactly the weights of
+    one that was never interrupted."""
+    options = ["--checkpointing_steps", "2", "--logging_steps", "1", "--lr", "1e-3", "--seed", "3",
+               "--max_failures", "2"]
+    whole = train.main(train_args(tiny_sdxl_model, toy_images, tmp_path / "whole", 8, *options))
+    storage = tmp_path / "killed-runs"
+    since = time.time()
+    proc = start_train(train_args(tiny_sdxl_model, toy_images, tmp_path / "killed", 8, *options,
+                                  "--storage_path", str(storage)))
+    wait_for(lambda: any(checkpoint_steps(d) for d in run_dirs(storage)), 240, proc)
+    victims = worker_pids(since)
+    assert victims
+    os.kill(victims[0], signal.SIGKILL)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "restarting the workers from the newest checkpoint" in out + err, (out + err)[-3000:]
+    assert whole.metrics["step"] == 8
+    a, b = final_weights(tmp_path / "whole"), final_weights(tmp_path / "killed")
+    assert set(a) == {"unet", "text_encoder", "text_encoder_2"}
+    for part in a:
         for k, v in a[part].items():
             assert torch.equal(v, b[part][k]), (part, k)
