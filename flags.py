@@ -88,13 +88,13 @@ FLAGS = {
     "model_dir": (("--pretrained_model_name_or_path", "--model_dir"),
         dict(type=model_path, required=True, metavar="DIR|NAME",
              help="The base model: a diffusers folder (the path cache_model.py prints), a hub name "
-                  "(CompVis/stable-diffusion-v1-4) or a short name (sd14, sd15, sd21-base, sd21), found in the "
+                  "(CompVis/stable-diffusion-v1-4) or a short name (sd14, sd15, sd21-base, sd21, sdxl), found in the "
                   "hub cache (offline works) or fetched once, pinned, safetensors only.")),
     "cache_dir": (("--model_dir", "--cache_dir"),
         dict(dest="cache_dir", type=abs_path, required=True, metavar="DIR",
              help="Hub cache folder to download the model into.")),
     "model_name": (("--model_name",),
-        dict(default="sd14", help="The base model: a short name (sd14, sd15, sd21-base, sd21) or a hub repository.")),
+        dict(default="sd14", help="The base model: a short name (sd14, sd15, sd21-base, sd21, sdxl) or a hub repository.")),
     "revision": (("--revision",),
         dict(default=None,
              help="Commit of the model repository. Default: the pinned commit of a short-named model "
