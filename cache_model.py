@@ -321,6 +321,10 @@ def main(argv=None):
     except OSError as err:
         raise utils.UserError(f"cannot create the model cache folder {args.cache_dir}: {err.strerror or err}; "
                               "give a folder this user can write (--model_dir)") from None
+    if args.random_model == "sdxl":  # a size of its own family
+        if args.arch not in (None, "sdxl"):
+            raise utils.UserError(f"--random_model sdxl is SDXL's architecture, not --arch {args.arch}")
+        args.arch = "sdxl"
     if args.arch and (args.eval_models or not (args.tiny or args.random_model)):
         raise utils.UserError("--arch is the architecture of a model built here (--tiny, --random_model); a "
                               "downloaded model's family is read from its files")

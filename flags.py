@@ -116,9 +116,10 @@ FLAGS = {
     "clip_revision": (("--clip_revision",),
         dict(default="main", help="Its commit or branch; a 40-hex commit already cached needs no network.")),
     "random_model": (("--random_model",),
-        dict(choices=["tiny", "small", "sd15"], default=None,
-             help="Write a randomly initialised SD 1.x model of this size instead (sd15: the full SD 1.x "
-                  "architecture, for GPU checks without a download); --tiny is --random_model tiny.")),
+        dict(choices=["tiny", "small", "sd15", "sdxl"], default=None,
+             help="Write a randomly initialised model of this size instead (sd15: the full SD 1.x "
+                  "architecture, sdxl: the full SDXL one, for GPU checks without a download); --tiny is "
+                  "--random_model tiny.")),
     "arch": (("--arch",),
         dict(choices=["sd1", "sd2-v", "sdxl"], default=None,
              help="The architecture of --tiny / --random_model: sd1 (SD 1.4/1.5), sd2-v (SD 2.1: OpenCLIP text "

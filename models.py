@@ -13,9 +13,10 @@ import utils
 
 TINY_TOKENIZER_DIR = os.path.join(utils.REPO_DIR, "assets", "tiny_tokenizer")
 
-# Architectures built from config with random weights: the real SD 1.x classes at three widths.
-# tiny: 64 px, for tests. small: SD's layout at a fifth of its width, 256 px, enough compute
-# that a CPU benchmark sees both overhead and work. sd15: the full SD 1.x shapes, 512 px.
+# Architectures built from config with random weights: the real classes at several widths (the
+# SD 1.x layout, or another family's with ARCHITECTURES below). tiny: 64 px, for tests. small: SD's
+# layout at a fifth of its width, 256 px, enough compute that a CPU benchmark sees both overhead and
+# work. sd15: the full SD 1.x shapes, 512 px. sdxl: the full SDXL shapes.
 MODEL_SIZES = {
     "tiny": dict(unet_channels=(32, 64), unet_layers=1, unet_down=("DownBlock2D", "CrossAttnDownBlock2D"),
                  vae_channels=(32, 64), vae_layers=1, text_hidden=32, text_layers=2, text_heads=4,
@@ -28,6 +29,13 @@ MODEL_SIZES = {
                  unet_down=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
                  vae_channels=(128, 256, 512, 512), vae_layers=2, text_hidden=768, text_layers=12, text_heads=12,
                  latent_size=64, vocab_size=49408),
+    # SDXL base 1.0's shapes (its architecture only: --random_model sdxl), 1024 px: three levels,
+    # 1, 2 and 10 transformer layers in them, CLIP ViT-L and OpenCLIP bigG text encoders.
+    "sdxl": dict(unet_channels=(320, 640, 1280), unet_layers=2,
+                 unet_down=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"), transformer_layers=(1, 2, 10),
+                 vae_channels=(128, 256, 512, 512), vae_layers=2, text_hidden=768, text_layers=12, text_heads=12,
+                 text2_hidden=1280, text2_layers=32, text2_heads=20, time_embed_dim=256, latent_size=64,
+                 vocab_size=49408),
 }
 
 
@@ -96,14 +104,36 @@ def _text_encoder(cls, spec, tokenizer, act, **extra):
 def build_pipeline(size="tiny", seed=0, safety_checker=False, arch="sd1"):
     """A randomly initialised pipeline of one of MODEL_SIZES and ARCHITECTURES (real diffusers/transformers classes)."""
     import torch
-    from diffusers import (AutoencoderKL, DDIMScheduler, EulerDiscreteScheduler, PNDMScheduler,
-                           StableDiffusionPipeline, StableDiffusionXLPipeline, UNet2DConditionModel)
-    from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+    from diffusers import (DDIMScheduler, EulerDiscreteScheduler, PNDMScheduler, StableDiffusionPipeline,
+                           StableDiffusionXLPipeline)
+    from transformers import CLIPTokenizer
+
+    torch.manual_seed(seed)
+    tokenizer = CLIPTokenizer.from_pretrained(TINY_TOKENIZER_DIR, model_max_length=77)
+    nets = build_networks(size, arch, tokenizer)
+    betas = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000,
+                 steps_offset=1)
+    if arch == "sdxl":  # SDXL base 1.0's scheduler
+        scheduler = EulerDiscreteScheduler(timestep_spacing="leading", **betas)
+        return StableDiffusionXLPipeline(tokenizer=tokenizer, tokenizer_2=tokenizer, scheduler=scheduler, **nets)
+    if arch == "sd1":  # the scheduler of SD 1.4's scheduler/scheduler_config.json
+        scheduler = PNDMScheduler(skip_prk_steps=True, set_alpha_to_one=False, **betas)
+    else:  # SD 2.1's
+        scheduler = DDIMScheduler(clip_sample=False, set_alpha_to_one=False,
+                                  prediction_type=ARCHITECTURES[arch]["prediction_type"], **betas)
+    checker, processor = tiny_safety_checker() if safety_checker else (None, None)
+    return StableDiffusionPipeline(tokenizer=tokenizer, scheduler=scheduler, safety_checker=checker,
+                                   feature_extractor=processor, requires_safety_checker=safety_checker, **nets)
+
+
+def build_networks(size, arch, tokenizer):
+    """{"unet", "vae", "text_encoder"[, "text_encoder_2"]}: the random networks of build_pipeline
+    (in torch's current default device: "meta" counts a full-size model's parameters without memory)."""
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
     spec, kind = MODEL_SIZES[size], ARCHITECTURES[arch]
     latent_size = int(spec["latent_size"] * kind["resolution_scale"])
-    torch.manual_seed(seed)
-    tokenizer = CLIPTokenizer.from_pretrained(TINY_TOKENIZER_DIR, model_max_length=77)
     text_encoder = _text_encoder(CLIPTextModel, spec, tokenizer, "quick_gelu" if arch == "sdxl" else kind["text_act"])
     down = spec["unet_down"]
     up = tuple(reversed([name.replace("Down", "Up") for name in down]))
@@ -113,13 +143,17 @@ def build_pipeline(size="tiny", seed=0, safety_checker=False, arch="sd1"):
     if arch == "sdxl":
         # The second encoder is the wider one, as in SDXL (768 and 1280): the single-file loaders tell
         # the two apart by their width.
-        wide = dict(spec, text_hidden=2 * spec["text_hidden"])
+        wide = dict(spec, text_hidden=spec.get("text2_hidden", 2 * spec["text_hidden"]),
+                    text_layers=spec.get("text2_layers", spec["text_layers"]),
+                    text_heads=spec.get("text2_heads", spec["text_heads"]))
         text_encoder_2 = _text_encoder(CLIPTextModelWithProjection, wide, tokenizer, kind["text_act"],
                                        projection_dim=wide["text_hidden"])
         text_width = spec["text_hidden"] + wide["text_hidden"]  # both encoders' states side by side
         # The pooled text embedding and six size/crop numbers, each in a time_embed_dim sinusoid.
-        unet_extra = dict(addition_embed_type="text_time", addition_time_embed_dim=kind["time_embed_dim"],
-                          projection_class_embeddings_input_dim=wide["text_hidden"] + 6 * kind["time_embed_dim"])
+        time_dim = spec.get("time_embed_dim", kind["time_embed_dim"])
+        unet_extra = dict(addition_embed_type="text_time", addition_time_embed_dim=time_dim,
+                          projection_class_embeddings_input_dim=wide["text_hidden"] + 6 * time_dim,
+                          transformer_layers_per_block=spec.get("transformer_layers", 1))
     unet = UNet2DConditionModel(
         sample_size=latent_size,
         block_out_channels=spec["unet_channels"],
@@ -141,28 +175,10 @@ def build_pipeline(size="tiny", seed=0, safety_checker=False, arch="sd1"):
         sample_size=latent_size * 2 ** (num_vae_blocks - 1),
         **({"scaling_factor": kind["vae_scaling_factor"], "force_upcast": True} if arch == "sdxl" else {}),
     )
-    betas = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000,
-                 steps_offset=1)
-    if arch == "sdxl":  # SDXL base 1.0's scheduler
-        scheduler = EulerDiscreteScheduler(timestep_spacing="leading", **betas)
-        return StableDiffusionXLPipeline(vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2,
-                                         tokenizer=tokenizer, tokenizer_2=tokenizer, unet=unet, scheduler=scheduler)
-    if arch == "sd1":  # the scheduler of SD 1.4's scheduler/scheduler_config.json
-        scheduler = PNDMScheduler(skip_prk_steps=True, set_alpha_to_one=False, **betas)
-    else:  # SD 2.1's
-        scheduler = DDIMScheduler(clip_sample=False, set_alpha_to_one=False, prediction_type=kind["prediction_type"],
-                                  **betas)
-    checker, processor = tiny_safety_checker() if safety_checker else (None, None)
-    return StableDiffusionPipeline(
-        unet=unet,
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        scheduler=scheduler,
-        safety_checker=checker,
-        feature_extractor=processor,
-        requires_safety_checker=safety_checker,
-    )
+    nets = dict(unet=unet, vae=vae, text_encoder=text_encoder)
+    if arch == "sdxl":
+        nets["text_encoder_2"] = text_encoder_2
+    return nets
 
 
 # ---------------------------------------------------------------- training set-up

@@ -80,6 +80,23 @@ def test_sd15_architecture_has_sd_1x_parameter_counts(size, unet_m, te_m, vae_m)
     assert (millions(pipe.unet), millions(pipe.text_encoder), millions(pipe.vae)) == (unet_m, te_m, vae_m)
 
 
+def test_the_random_sdxl_has_sdxl_base_parameter_counts_and_conditioning():
+    """--random_model sdxl (the GPU benchmark's model): SDXL base 1.0's exact parameter counts
+    (UNet 2,567,463,684; CLIP ViT-L 123,060,480; OpenCLIP bigG 694,659,840; VAE 83,653,863) and its
+    cross-attention width and pooled + size/crop embedding input; counted on the meta device."""
+    from transformers import CLIPTokenizer
+
+    tokenizer = CLIPTokenizer.from_pretrained(models_lib.TINY_TOKENIZER_DIR, model_max_length=77)
+    with torch.device("meta"):
+        nets = models_lib.build_networks("sdxl", "sdxl", tokenizer)
+    counts = {name: sum(p.numel() for p in net.parameters()) for name, net in nets.items()}
+    assert counts == {"unet": 2_567_463_684, "text_encoder": 123_060_480, "text_encoder_2": 694_659_840,
+                      "vae": 83_653_863}
+    config = nets["unet"].config
+    assert (config.cross_attention_dim, config.projection_class_embeddings_input_dim, config.sample_size) == (
+        2048, 2816, 128)
+
+
 def test_tiny_safety_checker_flags_nothing_until_its_weights_say_so():
     import numpy as np
 
