@@ -174,7 +174,8 @@ def trial_fn(config, job):
             "--instance_data_dir", subject.photos_dir, "--instance_prompt", f"photo of {subject.unique_token} "
             f"{subject.class_name}", "--class_data_dir", class_dir, "--class_prompt", f"photo of a {subject.class_name}",
             "--learning_rate", repr(config["learning_rate"]), "--max_train_steps", str(steps[-1]),
-            "--rank", str(config["rank"]), "--train_text_encoder" if config["train_text_encoder"] else
+            *(["--rank", str(config["rank"])] if config["use_lora"] else []),
+            "--train_text_encoder" if config["train_text_encoder"] else
             "--no-train_text_encoder", "--checkpointing_steps", str(math.gcd(*steps)),
             "--storage_path", os.path.join(folder, "ray_results"), "--resume_from_checkpoint", "latest", "--overwrite"]
     train_args = planning.parse_args(argv)
