@@ -81,7 +81,7 @@ class Sampler:
         images = []
         with torch.no_grad(), torch.autocast(nets.unet_device.type, dtype=self.amp_dtype,
                                              enabled=self.amp_dtype is not None):
-            negative, negative_pooled = self.encode([""])
+            negative = self.encode([""])[0]
             for prompt, _, seed in items:
                 states, pooled = self.encode([prompt])
                 text = dict(prompt_embeds=states, negative_prompt_embeds=negative)
