@@ -116,7 +116,7 @@ def plain_loop(args, device, variant):
     nets = models.setup_models(plan, device, device, distributed=False)
     load_s = time.perf_counter() - t0
     state = steps.make_train_state(nets, plan)
-    prompts = train.prompt_inputs(nets.text_encoder, plan, device)
+    prompts = train.prompt_inputs(nets.text_encoders(), plan, device)
     batch = synthetic_batch(nets, args, cached=variant == "cached")
     images_per_step = 2 * args.batch_size
 
