@@ -9,7 +9,6 @@ this suite trains it yet. A later family is one more entry here.
 """
 
 import dataclasses
-import json
 import os
 
 import utils
@@ -22,7 +21,8 @@ class Family:
     pipeline: str  # the diffusers pipeline class in model_index.json
     text_encoders: tuple  # the text encoder subfolders, in the order the pipeline concatenates them
     # The original single-file layout of the text encoder: "clip" (cond_stage_model.transformer.*,
-    # OpenAI CLIP as transformers names it) or "open_clip" (cond_stage_model.model.*, OpenCLIP's names).
+    # OpenAI CLIP as transformers names it), "open_clip" (cond_stage_model.model.*, OpenCLIP's names)
+    # or "sdxl" (conditioner.embedders.0.transformer.* and conditioner.embedders.1.model.*).
     single_file_text_encoder: str
     supports: frozenset  # what the suite does with it today: "draw" (generate, evaluate), "train", "export"
     released_resolutions: tuple  # of the released models, for the README (a model's config decides)
@@ -43,16 +43,11 @@ FAMILIES = {f.name: f for f in (
 ACTIONS = {"draw": "drawing images with", "train": "training", "export": "exporting"}
 
 
-def _read_json(path):
-    with open(path) as f:
-        return json.load(f)
-
-
 def family_of(model_dir):
     """The Family of a diffusers model folder; a UserError for a pipeline of no family here."""
     index_path = os.path.join(model_dir, "model_index.json")
     try:
-        pipeline = _read_json(index_path).get("_class_name")
+        pipeline = utils.read_json(index_path).get("_class_name")
     except (ValueError, UnicodeDecodeError):
         raise utils.UserError(f"{index_path} is not valid JSON (a cut-short copy?): fetch or copy the model again "
                               "(cache_model.py)") from None
@@ -64,7 +59,7 @@ def family_of(model_dir):
         return FAMILIES["sdxl"]
     if pipeline == "StableDiffusionPipeline":
         try:
-            activation = _read_json(os.path.join(model_dir, "text_encoder", "config.json")).get("hidden_act")
+            activation = utils.read_json(os.path.join(model_dir, "text_encoder", "config.json")).get("hidden_act")
         except (OSError, ValueError):
             activation = None  # the model check names the missing part
         return FAMILIES["sd2" if activation == "gelu" else "sd1"]
@@ -87,6 +82,6 @@ def prediction_type(model_dir):
     """What the model's UNet predicts, from its scheduler's config: "epsilon" or "v_prediction"."""
     path = os.path.join(model_dir, "scheduler", "scheduler_config.json")
     try:
-        return _read_json(path).get("prediction_type", "epsilon")
+        return utils.read_json(path).get("prediction_type", "epsilon")
     except (OSError, ValueError):
         return "epsilon"
