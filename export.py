@@ -116,7 +116,7 @@ def full_checkpoint(model_dir, allow_unsafe_weights=False):
     unet = models.from_pretrained(UNet2DConditionModel, model_dir, allow_unsafe_weights, subfolder="unet")
     vae = models.from_pretrained(AutoencoderKL, model_dir, allow_unsafe_weights, subfolder="vae")
     unet_names = unet_prefixes(unet.config)
-    if family.name == "sdxl":  # the pooled text and size/crop embedding
+    if family.time_ids:  # the pooled text and size/crop embedding
         unet_names += [("add_embedding.linear_1.", "label_emb.0.0.", {}), ("add_embedding.linear_2.", "label_emb.0.2.", {})]
     checkpoint = {}
     for key, tensor in rename(unet.state_dict(), unet_names, "UNet").items():

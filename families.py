@@ -24,20 +24,26 @@ class Family:
     # OpenAI CLIP as transformers names it), "open_clip" (cond_stage_model.model.*, OpenCLIP's names)
     # or "sdxl" (conditioner.embedders.0.transformer.* and conditioner.embedders.1.model.*).
     single_file_text_encoder: str
+    safety_checker: bool  # the pipeline has one (SD 1.x and 2.x; SDXL's has none)
+    time_ids: bool  # the UNet also takes the pooled text and each image's size and crop (SDXL's "text_time")
     supports: frozenset  # what the suite does with it today: "draw" (generate, evaluate), "train", "export"
     released_resolutions: tuple  # of the released models, for the README (a model's config decides)
 
+    def tokenizers(self):
+        """The tokenizer subfolders, one per text encoder, in the same order."""
+        return tuple(name.replace("text_encoder", "tokenizer") for name in self.text_encoders)
+
     def parts(self):
         """The model folder's subfolders its pipeline loads (besides the scheduler)."""
-        tokenizers = tuple(name.replace("text_encoder", "tokenizer") for name in self.text_encoders)
-        return ("unet", "vae", *self.text_encoders, *tokenizers)
+        return ("unet", "vae", *self.text_encoders, *self.tokenizers())
 
 
 EVERYTHING = frozenset({"draw", "train", "export"})
 FAMILIES = {f.name: f for f in (
-    Family("sd1", "SD 1.x", "StableDiffusionPipeline", ("text_encoder",), "clip", EVERYTHING, (512,)),
-    Family("sd2", "SD 2.x", "StableDiffusionPipeline", ("text_encoder",), "open_clip", EVERYTHING, (512, 768)),
-    Family("sdxl", "SDXL", "StableDiffusionXLPipeline", ("text_encoder", "text_encoder_2"), "sdxl",
+    Family("sd1", "SD 1.x", "StableDiffusionPipeline", ("text_encoder",), "clip", True, False, EVERYTHING, (512,)),
+    Family("sd2", "SD 2.x", "StableDiffusionPipeline", ("text_encoder",), "open_clip", True, False, EVERYTHING,
+           (512, 768)),
+    Family("sdxl", "SDXL", "StableDiffusionXLPipeline", ("text_encoder", "text_encoder_2"), "sdxl", False, True,
            EVERYTHING, (1024,)),
 )}
 ACTIONS = {"draw": "drawing images with", "train": "training", "export": "exporting"}

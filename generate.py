@@ -124,9 +124,9 @@ def load_pipeline(model_dir, device, allow_unsafe_weights=False, safety_checker=
 
     dtype = steps.amp_dtype(None, device) or torch.float32
     family = families.family_of(model_dir)
-    # (SDXL has no safety checker to leave out)
-    kwargs = {} if safety_checker or family.name == "sdxl" else {"safety_checker": None,
-                                                                 "requires_safety_checker": False}
+    # (a family without a safety checker, SDXL, has none to leave out)
+    kwargs = {} if safety_checker or not family.safety_checker else {"safety_checker": None,
+                                                                      "requires_safety_checker": False}
     pipe = models.from_pretrained(getattr(diffusers, family.pipeline), model_dir, allow_unsafe_weights, dtype=dtype,
                                   **kwargs)
     pipe.set_progress_bar_config(disable=True)

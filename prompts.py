@@ -46,8 +46,8 @@ def prompt_ids(model_dir, instance_prompts, class_prompt):
     import dataset
     import families
 
-    tokenizers = [CLIPTokenizer.from_pretrained(model_dir, subfolder=name.replace("text_encoder", "tokenizer"))
-                  for name in families.family_of(model_dir).text_encoders]
+    tokenizers = [CLIPTokenizer.from_pretrained(model_dir, subfolder=folder)
+                  for folder in families.family_of(model_dir).tokenizers()]
 
     def tokenize(prompt):
         ids = [dataset.tokenize_prompt(tokenizer, prompt).tolist() for tokenizer in tokenizers]

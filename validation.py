@@ -37,9 +37,8 @@ class Sampler:
 
         self.nets, self.plan, self.amp_dtype = nets, plan, amp_dtype
         self.family = families.family_of(plan.model_dir)
-        self.tokenizers = [CLIPTokenizer.from_pretrained(plan.model_dir, subfolder=name.replace("text_encoder",
-                                                                                              "tokenizer"))
-                           for name in self.family.text_encoders]
+        self.tokenizers = [CLIPTokenizer.from_pretrained(plan.model_dir, subfolder=folder)
+                           for folder in self.family.tokenizers()]
         # The model's own sampler (PNDM for SD 1.x), as generate.py draws with it.
         config = utils.read_json(os.path.join(plan.model_dir, "scheduler", "scheduler_config.json"))
         self.scheduler = getattr(diffusers, config["_class_name"]).from_config(config)
@@ -65,7 +64,7 @@ class Sampler:
         for k, (te, tokenizer) in enumerate(zip(nets.text_encoders(), self.tokenizers)):
             suffix = f"_{k + 1}" if k else ""
             parts[f"text_encoder{suffix}"], parts[f"tokenizer{suffix}"] = models.unwrap(te), tokenizer
-        if self.family.name != "sdxl":
+        if self.family.safety_checker:
             parts.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
         pipe = getattr(diffusers, self.family.pipeline)(**parts)
         pipe.set_progress_bar_config(disable=True)
