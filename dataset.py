@@ -163,6 +163,11 @@ def crop_square(image, size, center, rng):
     return image[top:top + size, left:left + size]
 
 
+def mirrored_left(width, left, size):
+    """The left edge of a crop once the image is flipped: counted from the other side."""
+    return width - left - size
+
+
 def view_and_crop(image, size, center_crop, random_flip, rng):
     """One training view of a stored image: crop, maybe flip. (H, W, 3) -> ((size, size, 3)
     uint8, (top, left)): where the view's top-left corner lies in the stored image as the view
@@ -171,7 +176,7 @@ def view_and_crop(image, size, center_crop, random_flip, rng):
     top, left = crop_offsets(height, width, size, center_crop, rng)
     out = image[top:top + size, left:left + size]
     if random_flip and rng.random() < 0.5:
-        out, left = out[:, ::-1], width - left - size
+        out, left = out[:, ::-1], mirrored_left(width, left, size)
     return np.ascontiguousarray(out), (top, left)
 
 
@@ -278,8 +283,8 @@ def latent_view_time_ids(original_size, stored_shape, resolution, views):
     """(V, 6) time_ids of the cached latents' views (LatentEncoder): the center crop, then flipped."""
     height, width = stored_shape
     top, left = crop_offsets(height, width, resolution, True, None)
-    return np.stack([time_ids(original_size, (top, left if v == 0 else width - left - resolution), resolution)
-                     for v in range(views)])
+    return np.stack([time_ids(original_size, (top, left if v == 0 else mirrored_left(width, left, resolution)),
+                              resolution) for v in range(views)])
 
 
 # ---------------------------------------------------------------- Ray Data stages

@@ -32,7 +32,8 @@ MODEL_SIZES = {
     # SDXL base 1.0's shapes (its architecture only: --random_model sdxl), 1024 px: three levels,
     # 1, 2 and 10 transformer layers in them, CLIP ViT-L and OpenCLIP bigG text encoders.
     "sdxl": dict(unet_channels=(320, 640, 1280), unet_layers=2,
-                 unet_down=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"), transformer_layers=(1, 2, 10),
+                 unet_down=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+                 transformer_layers=(1, 2, 10),
                  vae_channels=(128, 256, 512, 512), vae_layers=2, text_hidden=768, text_layers=12, text_heads=12,
                  text2_hidden=1280, text2_layers=32, text2_heads=20, time_embed_dim=256, latent_size=64,
                  vocab_size=49408),
@@ -78,8 +79,8 @@ def tiny_safety_checker(projection_dim=32):
 ARCHITECTURES = {
     "sd1": dict(text_act="quick_gelu", linear_projection=False, prediction_type="epsilon", resolution_scale=1),
     "sd2-v": dict(text_act="gelu", linear_projection=True, prediction_type="v_prediction", resolution_scale=1.5),
-    "sdxl": dict(text_act="gelu", linear_projection=True, prediction_type="epsilon", resolution_scale=2,
-                 time_embed_dim=8, vae_scaling_factor=0.13025),
+    "sdxl": dict(text_act="quick_gelu", text2_act="gelu", linear_projection=True, prediction_type="epsilon",
+                 resolution_scale=2, time_embed_dim=8, vae_scaling_factor=0.13025),
 }
 
 
@@ -134,7 +135,7 @@ def build_networks(size, arch, tokenizer):
 
     spec, kind = MODEL_SIZES[size], ARCHITECTURES[arch]
     latent_size = int(spec["latent_size"] * kind["resolution_scale"])
-    text_encoder = _text_encoder(CLIPTextModel, spec, tokenizer, "quick_gelu" if arch == "sdxl" else kind["text_act"])
+    text_encoder = _text_encoder(CLIPTextModel, spec, tokenizer, kind["text_act"])
     down = spec["unet_down"]
     up = tuple(reversed([name.replace("Down", "Up") for name in down]))
     # SD 1.x: 8 heads everywhere; SD 2.x and SDXL: heads of 64 channels, so more heads at each wider level.
@@ -146,7 +147,7 @@ def build_networks(size, arch, tokenizer):
         wide = dict(spec, text_hidden=spec.get("text2_hidden", 2 * spec["text_hidden"]),
                     text_layers=spec.get("text2_layers", spec["text_layers"]),
                     text_heads=spec.get("text2_heads", spec["text_heads"]))
-        text_encoder_2 = _text_encoder(CLIPTextModelWithProjection, wide, tokenizer, kind["text_act"],
+        text_encoder_2 = _text_encoder(CLIPTextModelWithProjection, wide, tokenizer, kind["text2_act"],
                                        projection_dim=wide["text_hidden"])
         text_width = spec["text_hidden"] + wide["text_hidden"]  # both encoders' states side by side
         # The pooled text embedding and six size/crop numbers, each in a time_embed_dim sinusoid.
