@@ -55,25 +55,50 @@ def test_the_sd2_v_model_trains_towards_v(tiny_sd2v_model):
     assert torch.allclose(target, alpha * noise - sigma * latents, atol=1e-6)
 
 
+def drawn_size(folder, name):
+    from PIL import Image
+
+    with Image.open(folder / name) as image:
+        return image.size
+
+
+def class_images_and_train_args(model, toy_images, tmp_path):
+    """Two class images drawn by generate.py with model, and the train.py flags the family tests share."""
+    import generate
+
+    class_dir = tmp_path / "class"
+    generate.main(["--model_dir", model, "--output_dir", str(class_dir), "--prompts", "photo of a toy",
+                   "--num_samples_per_prompt", "2", "--num_inference_steps", "2"])
+    return class_dir, ["--model_dir", model, "--instance_images_dir", toy_images,
+                       "--instance_prompt", "photo of unqtkn toy", "--class_images_dir", str(class_dir),
+                       "--class_prompt", "photo of a toy", "--num_workers", "1", "--lr", "1e-4",
+                       "--storage_path", str(tmp_path / "runs"), "--checkpointing_steps", "2"]
+
+
+def lora_trained_and_drawn(model, common, tmp_path):
+    """A --use_lora run of 2 steps, then one image drawn by generate.py with its adapters on model:
+    (the adapters' folder, the image's size)."""
+    import generate
+    import train
+
+    lora = tmp_path / "lora"
+    train.main([*common, "--output_dir", str(lora), "--max_train_steps", "2", "--use_lora"])
+    drawn = tmp_path / "drawn"
+    generate.main(["--model_dir", model, "--lora_weights_dir", str(lora), "--output_dir", str(drawn),
+                   "--prompts", "photo of unqtkn toy", "--num_samples_per_prompt", "1", "--num_inference_steps", "2"])
+    return lora, drawn_size(drawn, "photo-of-unqtkn-toy-00000.png")
+
+
 def test_sd2_v_trains_resumes_and_draws_at_its_own_resolution(ray_session, tiny_sd2v_model, toy_images, tmp_path):
     """generate.py draws its class images at 96 px (the model's size, not SD 1.x's); train.py trains
     on them (full, then resumed past its end; LoRA); the outputs load as SD 2.x v-prediction pipelines
     and draw again."""
     from diffusers import StableDiffusionPipeline
-    from PIL import Image
 
-    import generate
     import train
 
-    class_dir = tmp_path / "class"
-    generate.main(["--model_dir", tiny_sd2v_model, "--output_dir", str(class_dir), "--prompts", "photo of a toy",
-                   "--num_samples_per_prompt", "2", "--num_inference_steps", "2"])
-    with Image.open(class_dir / "photo-of-a-toy-00000.png") as image:
-        assert image.size == (96, 96)
-    common = ["--model_dir", tiny_sd2v_model, "--instance_images_dir", toy_images,
-              "--instance_prompt", "photo of unqtkn toy", "--class_images_dir", str(class_dir),
-              "--class_prompt", "photo of a toy", "--num_workers", "1", "--lr", "1e-4",
-              "--storage_path", str(tmp_path / "runs"), "--checkpointing_steps", "2"]
+    class_dir, common = class_images_and_train_args(tiny_sd2v_model, toy_images, tmp_path)
+    assert drawn_size(class_dir, "photo-of-a-toy-00000.png") == (96, 96)
     out = tmp_path / "tuned"
     first = train.main([*common, "--output_dir", str(out), "--max_train_steps", "2"])
     assert first.metrics["step"] == 2 and first.metrics["loss"] > 0
@@ -86,13 +111,8 @@ def test_sd2_v_trains_resumes_and_draws_at_its_own_resolution(ray_session, tiny_
     assert tuned.text_encoder.config.hidden_act == "gelu" and tuned.unet.config.use_linear_projection
     assert any(not torch.equal(v, base.unet.state_dict()[k]) for k, v in tuned.unet.state_dict().items())
 
-    lora = tmp_path / "lora"
-    train.main([*common, "--output_dir", str(lora), "--max_train_steps", "2", "--use_lora"])
-    drawn = tmp_path / "drawn"
-    generate.main(["--model_dir", tiny_sd2v_model, "--lora_weights_dir", str(lora), "--output_dir", str(drawn),
-                   "--prompts", "photo of unqtkn toy", "--num_samples_per_prompt", "1", "--num_inference_steps", "2"])
-    with Image.open(drawn / "photo-of-unqtkn-toy-00000.png") as image:
-        assert image.size == (96, 96)
+    lora, size = lora_trained_and_drawn(tiny_sd2v_model, common, tmp_path)
+    assert size == (96, 96)
     assert os.path.isfile(lora / utils.LORA_WEIGHTS_FILE)
 
 
@@ -156,20 +176,12 @@ def test_sdxl_trains_resumes_with_lora_and_exports(ray_session, tiny_sdxl_model,
     encoders resumed past its end, LoRA on all three drawn by generate.py and exported to kohya's
     SDXL names, which diffusers loads to the same weights as our own file."""
     from diffusers import StableDiffusionXLPipeline
-    from PIL import Image
     from safetensors import safe_open
 
     import export
-    import generate
     import train
 
-    class_dir = tmp_path / "class"
-    generate.main(["--model_dir", tiny_sdxl_model, "--output_dir", str(class_dir), "--prompts", "photo of a toy",
-                   "--num_samples_per_prompt", "2", "--num_inference_steps", "2"])
-    common = ["--model_dir", tiny_sdxl_model, "--instance_images_dir", toy_images,
-              "--instance_prompt", "photo of unqtkn toy", "--class_images_dir", str(class_dir),
-              "--class_prompt", "photo of a toy", "--num_workers", "1", "--lr", "1e-4",
-              "--storage_path", str(tmp_path / "runs"), "--checkpointing_steps", "2"]
+    _, common = class_images_and_train_args(tiny_sdxl_model, toy_images, tmp_path)
     # A VAE of its own (as SDXL's fp16-fix one is): trained with, and kept in the saved model.
     from diffusers import AutoencoderKL
 
@@ -192,13 +204,8 @@ def test_sdxl_trains_resumes_with_lora_and_exports(ray_session, tiny_sdxl_model,
         changed = getattr(tuned, part).state_dict()
         assert any(not torch.equal(v, getattr(base, part).state_dict()[k]) for k, v in changed.items()), part
 
-    lora = tmp_path / "lora"
-    train.main([*common, "--output_dir", str(lora), "--max_train_steps", "2", "--use_lora"])
-    drawn = tmp_path / "drawn"
-    generate.main(["--model_dir", tiny_sdxl_model, "--lora_weights_dir", str(lora), "--output_dir", str(drawn),
-                   "--prompts", "photo of unqtkn toy", "--num_samples_per_prompt", "1", "--num_inference_steps", "2"])
-    with Image.open(drawn / "photo-of-unqtkn-toy-00000.png") as image:
-        assert image.size == (128, 128)
+    lora, size = lora_trained_and_drawn(tiny_sdxl_model, common, tmp_path)
+    assert size == (128, 128)
     kohya = export.main(["--model_dir", str(lora), "--output_file", str(tmp_path / "lora.safetensors"),
                          "--save_precision", "fp32"])
     with safe_open(kohya, "pt") as f:
