@@ -4,6 +4,8 @@ A checkpoint folder holds:
     unet.safetensors          UNet weights (with LoRA: its adapters only)
     text_encoder.safetensors  text-encoder weights (only when it is trained; adapters with LoRA)
     text_encoder_2.safetensors  SDXL's second text encoder, likewise
+    ema.safetensors           the moving average of the trained weights (with --use_ema), in the
+                              order of steps.trained_parameters
     optimizer.pt              optimizer, LR schedule, grad scaler, every rank's RNG streams
     train_state.json          step, epoch, world size, LoRA settings and each file's size,
                               written last: a folder copied or written only in part is
@@ -23,6 +25,7 @@ UNET_FILE = "unet.safetensors"
 TEXT_ENCODER_FILE = "text_encoder.safetensors"
 TEXT_ENCODER_2_FILE = "text_encoder_2.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
+EMA_FILE = "ema.safetensors"
 
 
 # ---------------------------------------------------------------- RNG streams
@@ -71,6 +74,9 @@ def save(state, folder, epoch, rng_states, train_text_encoder, lora=None):
         for name, text_encoder in zip((TEXT_ENCODER_FILE, TEXT_ENCODER_2_FILE), state.models.text_encoders()):
             save_file(models.trained_state_dict(text_encoder), os.path.join(folder, name))
             files.append(name)
+    if state.ema is not None:
+        save_file(state.ema.state_dict(), os.path.join(folder, EMA_FILE))
+        files.append(EMA_FILE)
     torch.save({"optimizer": state.optimizer.state_dict(), "lr_scheduler": state.lr_scheduler.state_dict(),
                 "scaler": state.scaler.state_dict(), "rng": rng_states, "skipped_steps": state.skipped_steps},
                os.path.join(folder, OPTIMIZER_FILE))
@@ -90,11 +96,28 @@ def load_weights(nets, folder):
             models.load_trained_state_dict(text_encoder, load_file(os.path.join(folder, name)))
 
 
+def load_ema(ema, folder):
+    """The checkpoint's moving average into ema (a steps.EMA); False when it has none (a run
+    started without --use_ema): the average then starts from the restored weights."""
+    from safetensors.torch import load_file
+
+    path = os.path.join(folder, EMA_FILE)
+    if not os.path.isfile(path):
+        return False
+    ema.load_state_dict(load_file(path))
+    return True
+
+
 def load(state, folder, rank):
     """Restore what save wrote into state; rank continues its own RNG stream. Returns the epoch."""
     import torch
 
     load_weights(state.models, folder)
+    if state.ema is not None and not load_ema(state.ema, folder):
+        state.ema.shadow = [p.detach().clone() for p in state.params]
+        if rank == 0:
+            print(f"{folder} holds no moving average (its run had no --use_ema): the average starts from "
+                  "its weights", file=sys.stderr)
     # weights_only: a checkpoint cannot execute code when it is loaded. The optimizer
     # moves its state onto each parameter's device itself.
     extra = torch.load(os.path.join(folder, OPTIMIZER_FILE), map_location="cpu", weights_only=True)

@@ -69,6 +69,13 @@ int_list = _list_of(positive_int, "comma-separated list of positive integers")
 bool_list = _list_of(_switch, "comma-separated list of on/off")
 
 
+def ema_decay(value):
+    number = float(value)
+    if not 0 <= number < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 0 and < 1, got {value}")
+    return number
+
+
 def one_prompt(value):
     """A prompt as given, commas and all: Stable Diffusion prompts are full of them
     ("photo of unqtkn dog, oil painting, detailed"). Several prompts: repeat the flag."""
@@ -204,6 +211,19 @@ FLAGS = {
         dict(type=non_negative_float, nargs="?", const=0.1, default=0.0, metavar="SCALE",
              help="Add SCALE x a per-channel constant to the training noise (0.1 without a value, as "
                   "diffusers' flag): the model learns to make darker darks and brighter brights.")),
+    "use_ema": (("--use_ema",),
+        dict(action="store_true",
+             help="Keep an exponential moving average of the trained weights (LoRA: of the adapters) on every "
+                  "worker and in every checkpoint; validation samples and the saved model are the averaged "
+                  "weights. Costs one more fp32 copy of the trained weights per worker (SD 1.x full: 3.9 GB).")),
+    "ema_decay": (("--ema_decay",),
+        dict(type=ema_decay, default=0.9999,
+             help="Most weight the average keeps per step. It ramps up as (1 + n) / (10 + n) after n averaged "
+                  "steps (diffusers' EMAModel warm-up), so a short DreamBooth run averages its recent steps "
+                  "instead of keeping its start; 0: the average is the weights themselves.")),
+    "ema_update_after_step": (("--ema_update_after_step",),
+        dict(type=non_negative_int, default=0,
+             help="Steps during which the average just follows the weights before it starts averaging.")),
     "snr_gamma": (("--snr_gamma",),
         dict(type=positive_float, default=None,
              help="Min-SNR loss weighting with this gamma (5.0 in the paper): low-noise timesteps weigh "

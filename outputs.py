@@ -206,6 +206,7 @@ def save_pipeline(nets, plan):
     marker = {"base_model": plan.model_dir, "vae": plan.vae_dir, "steps": plan.total_steps,
               "instance_prompt": plan.instance_prompt,
               "class_prompt": plan.class_prompt, "lora": planning.lora_settings(plan),
+              "ema_decay": plan.ema_decay if plan.use_ema else None,
               "model_id": new_model_id(), "run_name": plan.run_name}
 
     def write(tmp):
@@ -233,9 +234,17 @@ def save_checkpoint_as_model(checkpoint_dir, plan):
     import checkpoint
     import models
 
+    import steps
+
     cpu = torch.device("cpu")
     nets = models.setup_models(plan, cpu, cpu, distributed=False)
     checkpoint.load_weights(nets, checkpoint_dir)
+    if plan.use_ema:  # the model of a run with --use_ema is its moving average, at any step
+        params = steps.trained_parameters(nets, plan.train_text_encoder)
+        ema = steps.EMA(params, plan.ema_decay)
+        if checkpoint.load_ema(ema, checkpoint_dir):
+            with torch.no_grad():
+                torch._foreach_copy_(params, ema.shadow)
     save_pipeline(nets, plan)
 
 

@@ -28,7 +28,7 @@ TRAIN_FLAGS = [
     "class_prompt",
     "with_prior_preservation", "prior_loss_weight", "resolution", "center_crop", "random_flip",
     "train_text_encoder", "use_lora", "lora_rank", "lora_alpha", "lora_dropout", "train_batch_size", "learning_rate", "scale_lr", "lr_scheduler", "lr_warmup_steps",
-    "lr_num_cycles", "lr_power", "offset_noise", "snr_gamma", "use_8bit_adam", "adam_beta1",
+    "lr_num_cycles", "lr_power", "offset_noise", "snr_gamma", "use_ema", "ema_decay", "ema_update_after_step", "use_8bit_adam", "adam_beta1",
     "adam_beta2", "adam_weight_decay", "adam_epsilon", "max_grad_norm", "max_train_steps",
     "num_train_epochs", "mixed_precision", "seed", "num_workers", "gpus_per_worker", "use_gpu",
     "storage_path", "logging_steps", "report_to", "validation_prompt", "num_validation_images",
@@ -79,6 +79,9 @@ class Plan:
     lr_power: float
     offset_noise: float
     snr_gamma: float | None
+    use_ema: bool  # an exponential moving average of the trained weights is what validation and the output get
+    ema_decay: float
+    ema_update_after_step: int
     adam_beta1: float
     adam_beta2: float
     adam_weight_decay: float
@@ -142,6 +145,8 @@ class Plan:
         if self.validation_prompts:
             resume += (f"; {len(self.validation_prompts)} validation prompt(s) x {self.num_validation_images} "
                        f"every {self.validation_steps} steps")
+        if self.use_ema:
+            trained += f", averaged (EMA, decay up to {self.ema_decay:g}: samples and the output hold the average)"
         captions = f" ({len(self.instance_prompts)} prompts from captions)" if len(self.instance_prompts) > 1 else ""
         return (f"plan: {self.total_steps} steps ({self.steps_per_epoch} per epoch) training {trained} on "
                 f"{len(self.instance_images)} instance{captions} and {len(self.class_images)} class images at "
@@ -180,6 +185,8 @@ def parse_args(argv=None, description=None):
     if not args.use_lora and given & {"--rank", "--lora_rank", "--lora_alpha", "--lora_dropout"}:
         parser.error("--rank/--lora_alpha/--lora_dropout shape LoRA adapters: add --use_lora (diffusers' "
                      "train_dreambooth_lora*.py scripts always train LoRA; without it every weight is trained)")
+    if not args.use_ema and given & {"--ema_decay", "--ema_update_after_step"}:
+        parser.error("--ema_decay/--ema_update_after_step shape the moving average of the weights: add --use_ema")
     if args.validation_epochs and args.validation_steps:
         parser.error("give --validation_steps or --validation_epochs, not both")
     if args.validation_steps is None and not args.validation_epochs:

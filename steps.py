@@ -28,6 +28,67 @@ class TrainState:
     skipped_steps: int = 0  # fp16 steps whose gradients overflowed (weights and LR unchanged)
     offset_noise: float = 0.0  # --offset_noise
     snr_gamma: "float | None" = None  # --snr_gamma (None: plain MSE)
+    ema: "EMA | None" = None  # --use_ema
+
+
+class EMA:
+    """An exponential moving average of the trained parameters (--use_ema): one copy of each,
+    in its dtype on its device, updated after every optimizer step.
+
+    After update_after_step steps in which it just follows the weights, the n-th averaged step
+    keeps min(decay, (1 + n) / (10 + n)) of the average (diffusers' EMAModel warm-up): a run of
+    a few hundred steps averages its recent steps, not its start. decay 0 makes the average the
+    weights themselves, exactly (lerp with weight 1 returns its end point)."""
+
+    def __init__(self, params, decay, update_after_step=0):
+        self.decay, self.update_after_step = decay, update_after_step
+        self.shadow = [p.detach().clone() for p in params]
+
+    def decay_at(self, step):
+        """The share of the average kept at optimizer step `step` (1-based): 0 while following."""
+        averaged = step - self.update_after_step
+        if averaged <= 0:
+            return 0.0
+        return min(self.decay, (1 + averaged) / (10 + averaged))
+
+    @torch.no_grad()
+    def update(self, params, step):
+        """Fold the weights after optimizer step `step` into the average."""
+        torch._foreach_lerp_(self.shadow, [p.detach() for p in params], 1.0 - self.decay_at(step))
+
+    @contextlib.contextmanager
+    @torch.no_grad()
+    def applied(self, params):
+        """The averaged weights in params for the duration (sampling, saving), the trained ones back
+        after: swapped one tensor at a time, so no second copy of every weight is needed."""
+        def swap():
+            for p, s in zip(params, self.shadow):
+                kept = p.detach().clone()
+                p.detach().copy_(s)
+                s.copy_(kept)
+        swap()
+        try:
+            yield
+        finally:
+            swap()
+
+    def state_dict(self):
+        """{"0": tensor, ...}: the average of each trained parameter, in their order (safetensors)."""
+        return {str(i): s.detach().contiguous().cpu() for i, s in enumerate(self.shadow)}
+
+    @torch.no_grad()
+    def load_state_dict(self, tensors):
+        if len(tensors) != len(self.shadow):
+            raise ValueError(f"the moving average holds {len(tensors)} tensors; this run trains {len(self.shadow)}")
+        for i, s in enumerate(self.shadow):
+            s.copy_(tensors[str(i)])
+
+
+def trained_parameters(models, train_text_encoder):
+    """The parameters a run trains, in one fixed order (the optimizer's and the EMA's): the UNet's, then
+    the text encoders' when trained; with LoRA only the adapters (the others are frozen)."""
+    trained = [models.unet] + (models.text_encoders() if train_text_encoder else [])
+    return [p for model in trained for p in model.parameters() if p.requires_grad]
 
 
 def diffusion_target(scheduler, latents, noise, timesteps):
@@ -246,6 +307,8 @@ def train_step(state, micro_batches, prompts, prior_loss_weight, max_grad_norm):
         state.skipped_steps += 1
     else:
         state.lr_scheduler.step()
+    if state.ema is not None:
+        state.ema.update(state.params, state.step + 1)
 
     def mean(i):
         values = [t[i] for t in totals if t[i] is not None]
@@ -292,13 +355,13 @@ def amp_dtype(mixed_precision, device):
 def make_train_state(models, plan):
     """Optimizer, LR schedule and grad scaler over the trainable parameters of models,
     as a plan.Plan sets them (learning_rate, adam_*, lr_scheduler and its options over
-    total_steps, fused_adamw or use_8bit_adam, mixed_precision, train_text_encoder, the loss options).
+    total_steps, fused_adamw or use_8bit_adam, mixed_precision, train_text_encoder, the loss options,
+    use_ema).
     fp32 master weights: 5e-6 AdamW updates vanish in bf16 weights.
     """
     from diffusers.optimization import get_scheduler
 
-    trained = [models.unet] + (models.text_encoders() if plan.train_text_encoder else [])
-    params = [p for model in trained for p in model.parameters() if p.requires_grad]  # LoRA: adapters only
+    params = trained_parameters(models, plan.train_text_encoder)
     settings = dict(lr=plan.learning_rate, betas=(plan.adam_beta1, plan.adam_beta2),
                     weight_decay=plan.adam_weight_decay, eps=plan.adam_epsilon)
     if plan.use_8bit_adam:
@@ -313,5 +376,6 @@ def make_train_state(models, plan):
     dtype = amp_dtype(plan.mixed_precision, models.unet_device)
     # Loss scaling only matters for fp16's narrow exponent range.
     scaler = torch.amp.GradScaler(models.unet_device.type, enabled=dtype == torch.float16)
+    ema = EMA(params, plan.ema_decay, plan.ema_update_after_step) if plan.use_ema else None
     return TrainState(models, params, optimizer, lr_scheduler, scaler, dtype,
-                      offset_noise=plan.offset_noise, snr_gamma=plan.snr_gamma)
+                      offset_noise=plan.offset_noise, snr_gamma=plan.snr_gamma, ema=ema)

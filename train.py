@@ -264,8 +264,9 @@ def train_worker(plan):
             window_loss, window_images, window_start = [], 0, time.perf_counter()
         if plan.is_validation_step(state.step):
             sampling_start = time.perf_counter()
-            drawn = validation.run_round(sampler, state.step, rank, world, os.path.join(plan.storage_path,
-                                                                                         plan.run_name))
+            with averaged_weights(state):
+                drawn = validation.run_round(sampler, state.step, rank, world,
+                                             os.path.join(plan.storage_path, plan.run_name))
             if log:
                 log.write_images(state.step, *drawn)
                 print(f"validation images of step {state.step}: {drawn[0]}", flush=True)
@@ -277,7 +278,16 @@ def train_worker(plan):
     if state.step < total:
         raise RuntimeError(f"the data stream ended at step {state.step} of {total}")
     if rank == 0:
-        outputs.save_pipeline(nets, plan)
+        with averaged_weights(state):
+            outputs.save_pipeline(nets, plan)
+
+
+def averaged_weights(state):
+    """With --use_ema, the moving average in the trained weights for the duration (validation samples,
+    the saved model); else nothing changes."""
+    import contextlib
+
+    return state.ema.applied(state.params) if state.ema is not None else contextlib.nullcontext()
 
 
 def worker_devices(gpus_per_worker, local_world_size):

@@ -14,8 +14,8 @@ import steps
 CPU = torch.device("cpu")
 
 
-def trained_state(make_plan, prompt_ids, channels_last=False, steps_taken=2):
-    plan = make_plan(channels_last=channels_last)
+def trained_state(make_plan, prompt_ids, channels_last=False, steps_taken=2, **settings):
+    plan = make_plan(channels_last=channels_last, **settings)
     nets = models_lib.setup_models(plan, CPU, CPU, distributed=False)
     state = steps.make_train_state(nets, plan)
     batch = {"instance_pixels": torch.randint(0, 256, (1, 64, 64, 3), dtype=torch.uint8),
@@ -192,3 +192,36 @@ def test_a_checkpoint_becomes_the_model_the_run_would_have_saved_at_that_step(ma
         assert all(torch.equal(v, trained[k]) for k, v in getattr(saved, part).state_dict().items()), part
         assert any(not torch.equal(v, trained[k]) for k, v in getattr(base, part).state_dict().items()), part
     assert utils.read_json(str(tmp_path / "step-2" / utils.OUTPUT_MARKER))["steps"] == 2
+
+
+def test_the_moving_average_round_trips_and_is_the_model_a_checkpoint_becomes(make_plan, prompt_ids, tmp_path):
+    """--use_ema: the average is in the checkpoint, restored on resume (a checkpoint without one
+    starts it from its weights), and it is what a checkpoint turned into a model holds."""
+    from diffusers import StableDiffusionPipeline
+
+    import outputs
+
+    settings = dict(use_ema=True, ema_decay=0.5, channels_last=True)
+    state = trained_state(make_plan, prompt_ids, **settings)
+    assert any(not torch.equal(s, p) for s, p in zip(state.ema.shadow, state.params))
+    os.makedirs(tmp_path / "ema"), os.makedirs(tmp_path / "plain")
+    checkpoint.save(state, str(tmp_path / "ema"), 0, [checkpoint.rng_state()], train_text_encoder=True)
+    assert checkpoint.is_complete(str(tmp_path / "ema"))
+    fresh = trained_state(make_plan, prompt_ids, steps_taken=0, **settings)
+    checkpoint.load(fresh, str(tmp_path / "ema"), rank=0)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.ema.shadow, state.ema.shadow))
+    assert all(torch.equal(a, b) for a, b in zip(fresh.params, state.params))
+
+    plain = trained_state(make_plan, prompt_ids)
+    checkpoint.save(plain, str(tmp_path / "plain"), 0, [checkpoint.rng_state()], train_text_encoder=True)
+    fresh = trained_state(make_plan, prompt_ids, steps_taken=0, **settings)
+    checkpoint.load(fresh, str(tmp_path / "plain"), rank=0)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.ema.shadow, plain.params))
+
+    plan = make_plan(output_dir=str(tmp_path / "model"), total_steps=2, **settings)
+    outputs.save_checkpoint_as_model(str(tmp_path / "ema"), plan)
+    saved = StableDiffusionPipeline.from_pretrained(str(tmp_path / "model"), safety_checker=None)
+    with state.ema.applied(state.params):
+        averaged = models_lib.unwrap(state.models.unet).state_dict()
+        assert all(torch.equal(v, averaged[k]) for k, v in saved.unet.state_dict().items())
+    assert utils.read_json(str(tmp_path / "model" / utils.OUTPUT_MARKER))["ema_decay"] == 0.5

@@ -264,3 +264,15 @@ def test_a_bad_config_is_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse_train(BASE + ["--config", str(config)])
     assert "not valid TOML" in capsys.readouterr().err
+
+
+def test_ema_flags_need_use_ema_and_a_decay_under_1(capsys):
+    args = parse_train(BASE + ["--use_ema", "--ema_decay", "0.999", "--ema_update_after_step", "20"])
+    assert (args.use_ema, args.ema_decay, args.ema_update_after_step) == (True, 0.999, 20)
+    assert parse_train(BASE).use_ema is False
+    for extra, says in ((["--ema_decay", "0.99"], "add --use_ema"),
+                        (["--use_ema", "--ema_decay", "1"], "must be >= 0 and < 1"),
+                        (["--use_ema", "--ema_decay", "-0.1"], "must be >= 0 and < 1")):
+        with pytest.raises(SystemExit):
+            parse_train(BASE + extra)
+        assert says in capsys.readouterr().err, extra

@@ -120,7 +120,8 @@ def logged_losses(result):
 def test_seeded_run_cut_and_resumed_with_every_gpu_option_ends_with_the_uninterrupted_weights(
         ray_session, family, request, toy_images, tmp_path, capsys):
     """channels-last, fused AdamW, fp16 + GradScaler, torch.compile, gradient checkpointing of
-    UNet and text encoder, the two-device split and DDP over 2 workers, random flips.
+    UNet and text encoder, the two-device split and DDP over 2 workers, random flips; and the
+    moving average of the weights (--use_ema), which the saved model holds.
 
     The same seed gives the same losses (validation sampling in between changes nothing);
     '--resume_from_checkpoint latest' starts fresh when there is nothing to resume, then goes on
@@ -129,7 +130,8 @@ def test_seeded_run_cut_and_resumed_with_every_gpu_option_ends_with_the_uninterr
     tiny_model = request.getfixturevalue("tiny_sdxl_model" if family == "sdxl" else "tiny_model")
     options = ["--channels_last", "--fused_adamw", "--mixed_precision", "fp16", "--torch_compile", "aot_eager",
                "--gradient_checkpointing", "--gpus_per_worker", "2", "--random_flip", "--checkpointing_steps", "2",
-               "--logging_steps", "1", "--lr", "1e-3", "--lr_warmup_steps", "4", "--seed", "5"]
+               "--logging_steps", "1", "--lr", "1e-3", "--lr_warmup_steps", "4", "--seed", "5",
+               "--use_ema", "--ema_decay", "0.5", "--ema_update_after_step", "1"]
     sampling = ["--validation_prompt", "photo of unqtkn toy", "--validation_steps", "1", "--num_validation_images",
                 "2", "--validation_inference_steps", "2"]
     whole = train.main(train_args(tiny_model, toy_images, tmp_path / "whole", 4, *options))
@@ -157,10 +159,10 @@ def test_seeded_run_cut_and_resumed_with_every_gpu_option_ends_with_the_uninterr
 def test_sdxl_run_whose_worker_is_killed_ends_with_the_uninterrupted_weights(ray_session, tiny_sdxl_model,
                                                                             toy_images, tmp_path):
     """A train worker SIGKILLed mid-run: Ray Train restarts the worker group from the newest
-    checkpoint (both SDXL text encoders in it), and the seeded run ends on exactly the weights of
-    one that was never interrupted."""
+    checkpoint (both SDXL text encoders and the moving average of the weights in it), and the seeded
+    run ends on exactly the (averaged) weights of one that was never interrupted."""
     options = ["--checkpointing_steps", "2", "--logging_steps", "1", "--lr", "1e-3", "--seed", "3",
-               "--max_failures", "2"]
+               "--max_failures", "2", "--use_ema", "--ema_decay", "0.5"]
     whole = train.main(train_args(tiny_sdxl_model, toy_images, tmp_path / "whole", 8, *options))
     storage = tmp_path / "killed-runs"
     since = time.time()

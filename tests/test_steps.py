@@ -241,3 +241,63 @@ def test_gradient_accumulation_takes_one_optimizer_step_per_group(models, prompt
     assert state.optimizer.state_dict()["state"][0]["step"].item() == 1
     assert loss.item() == pytest.approx(instance.item() + prior.item(), rel=1e-5)
     assert any(not torch.equal(v, models.unet.state_dict()[k]) for k, v in before.items())
+
+
+def test_ema_follows_then_averages_with_the_warm_up_decay():
+    w = torch.nn.Parameter(torch.zeros(3))
+    ema = steps.EMA([w], decay=0.9, update_after_step=2)
+    assert [ema.decay_at(s) for s in (1, 2, 3, 4, 100)] == [0.0, 0.0, 2 / 11, 3 / 12, 0.9]
+    # steps 1-2 follow the weights; then decays 2/11, 3/12, 4/13 (worked by hand)
+    expected = [1.0, 2.0, 31 / 11, 163 / 44, 658 / 143]
+    for step_number, value in enumerate([1.0, 2.0, 3.0, 4.0, 5.0], start=1):
+        w.data.fill_(value)
+        ema.update([w], step_number)
+        assert ema.shadow[0].tolist() == pytest.approx([expected[step_number - 1]] * 3)
+
+
+def test_ema_with_decay_0_is_the_weights_exactly_and_applied_swaps_back_exactly():
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(4, 5, generator=g)), torch.nn.Parameter(torch.randn(7, generator=g))]
+    ema = steps.EMA(params, decay=0.0)
+    for _ in range(3):
+        with torch.no_grad():
+            for p in params:
+                p.mul_(1.37).add_(0.11)  # values whose lerp would round if it were computed as a + w(b - a)
+        ema.update(params, 5)
+        assert all(torch.equal(s, p) for s, p in zip(ema.shadow, params))
+    trained = [p.detach().clone() for p in params]
+    ema = steps.EMA(params, decay=0.5)
+    with torch.no_grad():
+        for p in params:
+            p.add_(1.0)
+    ema.update(params, 50)
+    average = [s.clone() for s in ema.shadow]
+    with ema.applied(params):
+        assert all(torch.equal(p, a) for p, a in zip(params, average))
+    assert all(torch.equal(p, t + 1.0) for p, t in zip(params, trained))
+    assert all(torch.equal(s, a) for s, a in zip(ema.shadow, average))
+    copy_ = steps.EMA(params, decay=0.5)
+    copy_.load_state_dict(ema.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(copy_.shadow, ema.shadow))
+    with pytest.raises(ValueError, match="holds 1 tensors"):
+        copy_.load_state_dict({"0": average[0]})
+
+
+def test_a_run_with_ema_decay_0_ends_on_the_weights_of_a_run_without(tiny_model, prompt_ids, make_plan):
+    """train_step with --use_ema --ema_decay 0: the averaged weights are exactly those of the same
+    seeded run without EMA; with a decay, the average lags the weights."""
+    runs = {}
+    for name, plan in {"plain": make_plan(), "ema0": make_plan(use_ema=True, ema_decay=0.0),
+                       "ema": make_plan(use_ema=True, ema_decay=0.9)}.items():
+        nets = models_lib.load_models(tiny_model, CPU, CPU, train_text_encoder=True)
+        state = steps.make_train_state(nets, plan)
+        torch.manual_seed(3)
+        for k in range(3):
+            step(state, [batch_for(nets, size=1, seed=k)], prompt_ids)
+            state.step += 1
+        runs[name] = state
+    plain, ema0, ema = runs["plain"], runs["ema0"], runs["ema"]
+    with ema0.ema.applied(ema0.params):
+        assert all(torch.equal(a, b) for a, b in zip(ema0.params, plain.params))
+    assert all(torch.equal(a, b) for a, b in zip(ema.params, plain.params))  # the average never trains
+    assert any(not torch.equal(a, b) for a, b in zip(ema.ema.shadow, ema.params))
