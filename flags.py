@@ -69,6 +69,13 @@ int_list = _list_of(positive_int, "comma-separated list of positive integers")
 bool_list = _list_of(_switch, "comma-separated list of on/off")
 
 
+def fraction(value):
+    number = float(value)
+    if not 0 <= number <= 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {value}")
+    return number
+
+
 def ema_decay(value):
     number = float(value)
     if not 0 <= number < 1:
@@ -211,6 +218,12 @@ FLAGS = {
         dict(type=non_negative_float, nargs="?", const=0.1, default=0.0, metavar="SCALE",
              help="Add SCALE x a per-channel constant to the training noise (0.1 without a value, as "
                   "diffusers' flag): the model learns to make darker darks and brighter brights.")),
+    "caption_dropout_rate": (("--caption_dropout_rate",),
+        dict(type=fraction, default=0.0, metavar="RATE",
+             help="Train this share of the instance rows on the empty prompt instead of their caption or "
+                  "--instance_prompt (drawn from the run's seeded random stream); class rows keep the class "
+                  "prompt. The model then also learns the subject without its words, which helps "
+                  "classifier-free guidance with captioned photos. Default: 0 (off).")),
     "use_ema": (("--use_ema",),
         dict(action="store_true",
              help="Keep an exponential moving average of the trained weights (LoRA: of the adapters) on every "

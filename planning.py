@@ -28,7 +28,7 @@ TRAIN_FLAGS = [
     "class_prompt",
     "with_prior_preservation", "prior_loss_weight", "resolution", "center_crop", "random_flip",
     "train_text_encoder", "use_lora", "lora_rank", "lora_alpha", "lora_dropout", "train_batch_size", "learning_rate", "scale_lr", "lr_scheduler", "lr_warmup_steps",
-    "lr_num_cycles", "lr_power", "offset_noise", "snr_gamma", "use_ema", "ema_decay", "ema_update_after_step", "use_8bit_adam", "adam_beta1",
+    "lr_num_cycles", "lr_power", "offset_noise", "snr_gamma", "caption_dropout_rate", "use_ema", "ema_decay", "ema_update_after_step", "use_8bit_adam", "adam_beta1",
     "adam_beta2", "adam_weight_decay", "adam_epsilon", "max_grad_norm", "max_train_steps",
     "num_train_epochs", "mixed_precision", "seed", "num_workers", "gpus_per_worker", "use_gpu",
     "storage_path", "logging_steps", "report_to", "validation_prompt", "num_validation_images",
@@ -79,6 +79,7 @@ class Plan:
     lr_power: float
     offset_noise: float
     snr_gamma: float | None
+    caption_dropout_rate: float  # share of instance rows trained on the empty prompt (its ids: the last "instance" row)
     use_ema: bool  # an exponential moving average of the trained weights is what validation and the output get
     ema_decay: float
     ema_update_after_step: int
@@ -252,8 +253,8 @@ def plan_run(args, cluster_resources):
         **from_flags,
         "instance_prompts": tuple(instance_prompts),
         "image_prompt": tuple(instance_prompts.index(c) for c in captions),
-        "prompt_ids": prompts.prompt_ids(args.model_dir, instance_prompts,
-                                 args.class_prompt if args.with_prior_preservation else None),
+        "prompt_ids": prompts.prompt_ids(args.model_dir, instance_prompts + ([""] if args.caption_dropout_rate else []),
+                                         args.class_prompt if args.with_prior_preservation else None),
         "learning_rate": scaled_learning_rate(args),
         "instance_images": tuple(instance_images),
         "class_images": tuple(class_images),

@@ -237,10 +237,18 @@ def size_conditioning(batch, num_rows, resolution, device, dtype):
 
 def instance_prompts(prompts, batch, num_instance):
     """(num_instance,) index of each instance row's prompt: the caption of the row's image
-    (batch["instance_image"] through prompts["image_prompt"]), or prompt 0 for all."""
+    (batch["instance_image"] through prompts["image_prompt"]), or prompt 0 for all. With
+    prompts["caption_dropout"] = (rate, empty), each row takes prompt `empty` (the empty prompt)
+    with probability rate, drawn from torch's seeded stream (a checkpoint keeps its state)."""
     if "instance_image" in batch and "image_prompt" in prompts:
-        return prompts["image_prompt"][batch["instance_image"].to(prompts["image_prompt"].device)]
-    return torch.zeros(num_instance, dtype=torch.long, device=prompts["instance"].device)
+        index = prompts["image_prompt"][batch["instance_image"].to(prompts["image_prompt"].device)]
+    else:
+        index = torch.zeros(num_instance, dtype=torch.long, device=prompts["instance"].device)
+    if "caption_dropout" in prompts:
+        rate, empty = prompts["caption_dropout"]
+        dropped = torch.rand(num_instance, device=index.device) < rate
+        index = torch.where(dropped, torch.full_like(index, empty), index)
+    return index
 
 
 def batch_loss(models, batch, prompts, prior_loss_weight, offset_noise=0.0, snr_gamma=None):

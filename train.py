@@ -332,7 +332,8 @@ def prompt_inputs(text_encoders, plan, device):
     the P distinct instance prompts and "class" (1, L) ((P, 2, L) and (1, 2, L) for SDXL's two
     tokenizers), or with frozen text encoders their states (P, L, D) and (1, L, D) computed once
     (and SDXL's pooled embeddings beside them); "image_prompt" (N,) maps each instance image to
-    its prompt (its caption's, or --instance_prompt's)."""
+    its prompt (its caption's, or --instance_prompt's); with --caption_dropout_rate, "caption_dropout"
+    is (rate, index of the empty prompt, the last of "instance")."""
     import torch
 
     import steps
@@ -349,7 +350,9 @@ def prompt_inputs(text_encoders, plan, device):
                 if pooled is not None:
                     encoded[f"{key}_pooled"] = pooled
         ids = encoded
-    return {**ids, "image_prompt": image_prompt}
+    dropout = {"caption_dropout": (plan.caption_dropout_rate, len(plan.instance_prompts))} \
+        if plan.caption_dropout_rate else {}
+    return {**ids, "image_prompt": image_prompt, **dropout}
 
 
 def report(state, metrics, rank, plan):

@@ -165,6 +165,12 @@ def test_captions_beside_instance_images_replace_the_instance_prompt(tiny_model,
     assert "skipping" not in err and "3 prompts from captions" in run.describe()
     no_captions = planning.plan_run(planning.parse_args(argv + ["--caption_extension", ""]), lambda: (2.0, 0))
     assert no_captions.image_prompt == (0,) * 5
+    # --caption_dropout_rate: the empty prompt's ids after the captions' (train.prompt_inputs points at them)
+    dropout = planning.plan_run(planning.parse_args(argv + ["--caption_dropout_rate", "0.1"]), lambda: (2.0, 0))
+    assert dropout.prompt_ids["instance"][:3] == run.prompt_ids["instance"] and len(dropout.prompt_ids["instance"]) == 4
+    empty = dropout.prompt_ids["instance"][3]
+    assert empty[0] != empty[1] and len(set(empty[2:])) == 1  # start, end, then padding: nothing in between
+    assert dropout.instance_prompts == run.instance_prompts and dropout.caption_dropout_rate == 0.1
     capsys.readouterr()
     # The identifier check applies to each caption.
     planning.plan_run(planning.parse_args(argv + ["--class_data_dir", toy_images, "--class_prompt", "photo of a toy"]),

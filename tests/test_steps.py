@@ -301,3 +301,21 @@ def test_a_run_with_ema_decay_0_ends_on_the_weights_of_a_run_without(tiny_model,
         assert all(torch.equal(a, b) for a, b in zip(ema0.params, plain.params))
     assert all(torch.equal(a, b) for a, b in zip(ema.params, plain.params))  # the average never trains
     assert any(not torch.equal(a, b) for a, b in zip(ema.ema.shadow, ema.params))
+
+
+def test_caption_dropout_trains_a_seeded_share_of_instance_rows_on_the_empty_prompt():
+    prompts = {"instance": torch.zeros(3, 8, dtype=torch.long), "image_prompt": torch.tensor([0, 1]),
+               "caption_dropout": (0.3, 2)}  # prompts 0 and 1 (captions), 2 the empty one
+    batch = {"instance_image": torch.tensor([0, 1] * 2000)}
+    torch.manual_seed(7)
+    index = steps.instance_prompts(prompts, batch, 4000)
+    dropped = index == 2
+    assert 0.27 < dropped.float().mean().item() < 0.33
+    kept = ~dropped
+    assert torch.equal(index[kept], batch["instance_image"][kept])  # the others keep their caption
+    torch.manual_seed(7)
+    assert torch.equal(steps.instance_prompts(prompts, batch, 4000), index)  # the same seed, the same rows
+    for rate, share in ((0.0, 0.0), (1.0, 1.0)):
+        torch.manual_seed(7)
+        out = steps.instance_prompts({**prompts, "caption_dropout": (rate, 2)}, batch, 4000)
+        assert (out == 2).float().mean().item() == share
