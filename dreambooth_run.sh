@@ -6,6 +6,8 @@
 #   ./dreambooth_run.sh --tiny                built-in tiny model + images/toy, offline on CPU (~2 min)
 #   ./dreambooth_run.sh --tiny --arch sdxl    the same with a tiny SDXL model (128 px; sd2-v: SD 2.x, 96 px)
 #   ./dreambooth_run.sh --use_lora            LoRA adapters instead of every weight (combines with the above)
+#   ./dreambooth_run.sh --prior_prediction    no class images (Step 3 skipped): the base model's own
+#                                             predictions keep the class prior (LoRA or full)
 #   ./dreambooth_run.sh --skip_image_setup    train on the photos already in $IMAGES_OWN_DIR
 #   ./dreambooth_run.sh --skip_eval           stop after Step 5 (no scores of the tuned model)
 #   ./dreambooth_run.sh -- --use_8bit_adam    everything after -- goes to train.py (as does $TRAIN_ARGS)
@@ -51,7 +53,7 @@ VARIABLES=(
 )
 
 usage() {
-  sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
+  awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0" | sed 's/^# \{0,1\}//'
   echo
   echo "Variables (set them in the environment first):"
   for entry in "${VARIABLES[@]}"; do
@@ -65,6 +67,7 @@ tiny=false
 arch=
 skip_image_setup=false
 use_lora=false
+prior_prediction=false
 skip_eval=false
 EXTRA_TRAIN_ARGS=()
 while [ $# -gt 0 ]; do
@@ -74,6 +77,7 @@ while [ $# -gt 0 ]; do
       arch="$2"; shift ;;
     --skip_image_setup) skip_image_setup=true ;;
     --use_lora) use_lora=true ;;
+    --prior_prediction) prior_prediction=true ;;
     --skip_eval) skip_eval=true ;;
     -h|--help) usage; exit 0 ;;
     --) shift; EXTRA_TRAIN_ARGS=("$@"); break ;;
@@ -219,7 +223,7 @@ for entry in "${VARIABLES[@]}"; do
   printf '  %-20s %s\n' "$name" "$value"
 done
 echo "  train.py extra flags: $TRAIN_ARGS ${EXTRA_TRAIN_ARGS[*]:-}"
-mkdir -p "$ORIG_MODEL_DIR" "$TUNED_MODEL_DIR" "$IMAGES_REG_DIR" "$IMAGES_NEW_DIR"
+mkdir -p "$ORIG_MODEL_DIR" "$TUNED_MODEL_DIR" "$IMAGES_NEW_DIR"
 
 step "1: cache the base model ($($tiny && echo "the built-in tiny one" || echo "$ORIG_MODEL_NAME"))"
 if $tiny; then
@@ -245,14 +249,21 @@ fi
 
 step "2: photos of the subject: $PHOTOS_DIR"
 
-step "3: class images of 'photo of a $CLASS_NAME' in $IMAGES_REG_DIR (a rerun only tops up)"
-$PYTHON generate.py \
-  --model_dir="$ORIG_MODEL_PATH" \
-  --output_dir="$IMAGES_REG_DIR" \
-  --prompts="photo of a $CLASS_NAME" \
-  --num_samples_per_prompt="$NUM_CLASS_IMAGES" \
-  --num_inference_steps="$NUM_INFERENCE_STEPS" \
-  --use_ray_data
+if $prior_prediction; then
+  step "3: skipped (--prior_prediction: the base model's own predictions for 'photo of a $CLASS_NAME' keep the prior)"
+  CLASS_OPTIONS=(--prior_preservation=prior_prediction)
+else
+  step "3: class images of 'photo of a $CLASS_NAME' in $IMAGES_REG_DIR (a rerun only tops up)"
+  mkdir -p "$IMAGES_REG_DIR"
+  $PYTHON generate.py \
+    --model_dir="$ORIG_MODEL_PATH" \
+    --output_dir="$IMAGES_REG_DIR" \
+    --prompts="photo of a $CLASS_NAME" \
+    --num_samples_per_prompt="$NUM_CLASS_IMAGES" \
+    --num_inference_steps="$NUM_INFERENCE_STEPS" \
+    --use_ray_data
+  CLASS_OPTIONS=(--class_images_dir="$IMAGES_REG_DIR")
+fi
 
 step "4: fine-tune on $NUM_WORKERS worker(s), $MAX_TRAIN_STEPS steps (a rerun after a crash continues)"
 # (with --use_lora: LoRA adapters on the UNet and the text encoder, at LoRA's usual learning rate)
@@ -269,7 +280,7 @@ $PYTHON train.py \
   --output_dir="$TUNED_MODEL_DIR" \
   --instance_images_dir="$PHOTOS_DIR" \
   --instance_prompt="photo of $UNIQUE_TOKEN $CLASS_NAME" \
-  --class_images_dir="$IMAGES_REG_DIR" \
+  "${CLASS_OPTIONS[@]}" \
   --class_prompt="photo of a $CLASS_NAME" \
   --train_batch_size=2 \
   --lr="$LEARNING_RATE" \

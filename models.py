@@ -197,10 +197,27 @@ class Models:
     unet_device: object
     aux_device: object
     text_encoder_2: object = None  # SDXL's second text encoder (with a projection), on aux_device
+    frozen_unet: object = None  # --prior_preservation prior_prediction, full fine-tuning: the base UNet, frozen
 
     def text_encoders(self):
         """The text encoders in the order the prompt's states are concatenated (SDXL: two)."""
         return [m for m in (self.text_encoder, self.text_encoder_2) if m is not None]
+
+    def base_unet(self):
+        """A context manager giving the base model's UNet for no-grad predictions: the frozen copy, or
+        with LoRA the trained UNet with its adapters switched off until the block ends."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def adapters_off():
+            unet = unwrap(self.unet)
+            unet.disable_adapters()
+            try:
+                yield unet
+            finally:
+                unet.enable_adapters()
+
+        return contextlib.nullcontext(self.frozen_unet) if self.frozen_unet is not None else adapters_off()
 
     def ddp_wrapped(self):
         """The trained networks that DDP wraps (they have no_sync), for gradient accumulation."""
@@ -300,6 +317,19 @@ def add_lora(models, plan):
     cast_training_params(trained, dtype=torch.float32)
 
 
+def load_frozen_unet(plan, device):
+    """The base model's UNet, frozen, in the run's autocast dtype (fp32 without one): the target of
+    --prior_preservation prior_prediction when every weight is trained."""
+    import torch
+    from diffusers import UNet2DConditionModel
+
+    import steps
+
+    dtype = steps.amp_dtype(plan.mixed_precision, device) or torch.float32
+    unet = from_pretrained(UNet2DConditionModel, plan.model_dir, plan.allow_unsafe_weights, subfolder="unet")
+    return unet.requires_grad_(False).eval().to(device, dtype=dtype)
+
+
 def freeze_unread_layers(text_encoder):
     """SDXL reads its first text encoder's penultimate states: the last layer and the final norm
     never touch the loss. Left trainable, they would get no gradient (AdamW skips them) and DDP
@@ -350,6 +380,8 @@ def setup_models(plan, unet_device, aux_device, distributed, load_guard=None):
     with load_guard or contextlib.nullcontext():
         models = load_models(plan.model_dir, unet_device, aux_device, plan.train_text_encoder,
                              plan.allow_unsafe_weights, plan.vae_dir)
+        if plan.prior_prediction and not plan.use_lora:
+            models.frozen_unet = load_frozen_unet(plan, unet_device)
     if plan.use_lora:
         add_lora(models, plan)
     if models.text_encoder_2 is not None:
@@ -361,8 +393,9 @@ def setup_models(plan, unet_device, aux_device, distributed, load_guard=None):
                 (getattr(te, "activation_checkpointing_enable", None) or te.gradient_checkpointing_enable)()
     if plan.channels_last:
         # NHWC convolutions run on tensor cores without layout transposes.
-        models.unet.to(memory_format=torch.channels_last)
-        models.vae.to(memory_format=torch.channels_last)
+        for model in (models.unet, models.vae, models.frozen_unet):
+            if model is not None:
+                model.to(memory_format=torch.channels_last)
     if distributed:
         models.unet = ddp(models.unet, unet_device)
         if plan.train_text_encoder:

@@ -26,7 +26,7 @@ DEFAULT_MAX_TRAIN_STEPS = 800
 TRAIN_FLAGS = [
     "model_dir", "output_dir", "instance_data_dir", "instance_prompt", "caption_extension", "class_data_dir",
     "class_prompt",
-    "with_prior_preservation", "prior_loss_weight", "resolution", "center_crop", "random_flip",
+    "with_prior_preservation", "prior_preservation", "prior_loss_weight", "resolution", "center_crop", "random_flip",
     "train_text_encoder", "use_lora", "lora_rank", "lora_alpha", "lora_dropout", "train_batch_size", "learning_rate", "scale_lr", "lr_scheduler", "lr_warmup_steps",
     "lr_num_cycles", "lr_power", "offset_noise", "snr_gamma", "caption_dropout_rate", "use_ema", "ema_decay", "ema_update_after_step", "use_8bit_adam", "adam_beta1",
     "adam_beta2", "adam_weight_decay", "adam_epsilon", "max_grad_norm", "max_train_steps",
@@ -54,7 +54,8 @@ class Plan:
     instance_prompts: tuple  # the distinct prompts of the instance images (captions or instance_prompt)
     image_prompt: tuple  # per instance image: its prompt's index in instance_prompts
     prompt_ids: dict  # "instance": token ids per instance_prompts entry; "class" (with prior preservation)
-    with_prior_preservation: bool
+    with_prior_preservation: bool  # class images (--class_data_dir)
+    prior_prediction: bool  # --prior_preservation prior_prediction: the base model's prediction, no class images
     prior_loss_weight: float
     train_text_encoder: bool
     use_lora: bool  # LoRA adapters (lora_rank, lora_alpha, lora_dropout) instead of every weight
@@ -141,6 +142,8 @@ class Plan:
         if self.use_lora:
             trained = f"LoRA adapters (rank {self.lora_rank}, alpha {self.lora_alpha:g}) on the {trained}"
         prior = f" + {self.train_batch_size} class" if self.with_prior_preservation else ""
+        if self.prior_prediction:
+            prior = f" + the same {self.train_batch_size} under the class prompt, towards the base model's prediction"
         device = f"{self.gpus_per_worker} GPU" if self.use_gpu else f"{self.cpus_per_worker:g} CPU"
         resume = f"; resuming from {self.resume_path}" if self.resume_path else ""
         if self.validation_prompts:
@@ -167,7 +170,14 @@ def parse_args(argv=None, description=None):
     """train.py's command line, with its flag combinations checked before anything starts."""
     parser = train_parser(description)
     args = parser.parse_args(argv)
-    if args.class_data_dir:
+    args.prior_prediction = args.prior_preservation == "prior_prediction"
+    if args.prior_prediction:
+        if args.class_data_dir or args.num_class_images or args.with_prior_preservation:
+            parser.error("--prior_preservation prior_prediction trains without class images: leave out "
+                         "--class_data_dir, --num_class_images and --with_prior_preservation")
+        if not args.class_prompt:
+            parser.error("--prior_preservation prior_prediction needs --class_prompt (e.g. 'photo of a dog')")
+    elif args.class_data_dir:
         args.with_prior_preservation = True
     if args.with_prior_preservation:
         if not args.class_data_dir:
@@ -176,7 +186,7 @@ def parse_args(argv=None, description=None):
             parser.error("--class_data_dir/--with_prior_preservation needs --class_prompt")
     elif args.num_class_images:
         parser.error("--num_class_images needs --class_data_dir and --class_prompt")
-    elif args.class_prompt:
+    elif args.class_prompt and not args.prior_prediction:
         print("warning: --class_prompt is ignored without --class_data_dir", file=sys.stderr)
     args.validation_prompts = tuple(dict.fromkeys(args.validation_prompt or ()))
     if args.report_to == "wandb":
@@ -254,7 +264,8 @@ def plan_run(args, cluster_resources):
         "instance_prompts": tuple(instance_prompts),
         "image_prompt": tuple(instance_prompts.index(c) for c in captions),
         "prompt_ids": prompts.prompt_ids(args.model_dir, instance_prompts + ([""] if args.caption_dropout_rate else []),
-                                         args.class_prompt if args.with_prior_preservation else None),
+                                         args.class_prompt if args.with_prior_preservation or args.prior_prediction
+                                         else None),
         "learning_rate": scaled_learning_rate(args),
         "instance_images": tuple(instance_images),
         "class_images": tuple(class_images),

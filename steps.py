@@ -255,28 +255,48 @@ def batch_loss(models, batch, prompts, prior_loss_weight, offset_noise=0.0, snr_
     """Forward pass for one batch (see batch_latents and prompt_conditioning for the inputs),
     with training_noise's offset and min_snr_weights' weighting when given.
 
+    With prompts["class_base"] (--prior_preservation prior_prediction: the class prompt's states
+    from the base text encoders, and "class_base_pooled" for SDXL), the batch's photos are used
+    twice: as instance rows, and under the class prompt as class rows whose target is the base
+    model's own prediction for the same noisy latents (models.base_unet).
+
     Returns dreambooth_loss's tuple (total, instance_loss, prior_loss or None).
     """
     latents = batch_latents(models, batch)
     num_instance = next(v for k, v in batch.items() if k.startswith("instance_")).shape[0]
+    predicted_prior = "class_base" in prompts
+    if predicted_prior:
+        latents = torch.cat([latents, latents])
+    num_class = latents.shape[0] - num_instance
     hidden, pooled = prompt_conditioning(models.text_encoders(), prompts,
-                                         instance_prompts(prompts, batch, num_instance),
-                                         latents.shape[0] - num_instance)
+                                         instance_prompts(prompts, batch, num_instance), num_class)
     hidden = hidden.to(models.unet_device)
     extra = {}
     if pooled is not None:  # SDXL: the pooled text and each image's size and crop
         resolution = latents.shape[-1] * 2 ** (len(models.vae.config.block_out_channels) - 1)
-        extra["added_cond_kwargs"] = {
-            "text_embeds": pooled.to(models.unet_device),
-            "time_ids": size_conditioning(batch, latents.shape[0], resolution, models.unet_device, hidden.dtype)}
+        rows = num_instance if predicted_prior else latents.shape[0]
+        time_ids = size_conditioning(batch, rows, resolution, models.unet_device, hidden.dtype)
+        if predicted_prior:
+            time_ids = torch.cat([time_ids, time_ids])
+        extra["added_cond_kwargs"] = {"text_embeds": pooled.to(models.unet_device), "time_ids": time_ids}
     scheduler = models.scheduler
     noise = training_noise(latents, offset_noise)
     timesteps = torch.randint(0, scheduler.config.num_train_timesteps, (latents.shape[0],), device=latents.device)
     noisy = scheduler.add_noise(latents, noise, timesteps)
     pred = models.unet(noisy, timesteps, hidden, **extra).sample
+    target = diffusion_target(scheduler, latents, noise, timesteps)
+    if predicted_prior:
+        base_extra = {}
+        if pooled is not None:
+            base_extra["added_cond_kwargs"] = {
+                "text_embeds": prompts["class_base_pooled"].to(models.unet_device).expand(num_class, -1),
+                "time_ids": extra["added_cond_kwargs"]["time_ids"][num_instance:]}
+        base = prompts["class_base"].to(models.unet_device).expand(num_class, -1, -1)
+        with torch.no_grad(), models.base_unet() as unet:
+            prior_target = unet(noisy[num_instance:], timesteps[num_instance:], base, **base_extra).sample
+        target = torch.cat([target[:num_instance], prior_target.to(target.dtype)])
     weights = min_snr_weights(scheduler, timesteps, snr_gamma) if snr_gamma else None
-    return dreambooth_loss(pred, diffusion_target(scheduler, latents, noise, timesteps),
-                           num_instance, prior_loss_weight, weights)
+    return dreambooth_loss(pred, target, num_instance, prior_loss_weight, weights)
 
 
 def train_step(state, micro_batches, prompts, prior_loss_weight, max_grad_norm):

@@ -209,6 +209,8 @@ def train_worker(plan):
                                    f"loading the model {plan.model_dir}",
                                    "its files do not fit together: fetch or copy it again (cache_model.py)"))
     state = steps.make_train_state(nets, plan)
+    # (before any checkpoint's weights: the class prompt as the base model reads it)
+    base_class = base_class_prompt(nets, plan, aux_device) if plan.prior_prediction else {}
     # Ray's own checkpoint (a restarted worker group) wins over the one the run started from.
     restored = ray.train.get_checkpoint()
     if restored is not None:
@@ -222,7 +224,7 @@ def train_worker(plan):
     if rank == 0:
         print(f"worker devices: UNet on {unet_device}, text encoder and VAE on {aux_device}; "
               f"autocast {state.amp_dtype or 'off (fp32)'}", flush=True)
-    prompts = prompt_inputs(nets.text_encoders(), plan, aux_device)
+    prompts = {**prompt_inputs(nets.text_encoders(), plan, aux_device), **base_class}
     sampler = validation.Sampler(nets, plan, state.amp_dtype) if plan.validation_prompts else None
     total, accum = plan.total_steps, plan.gradient_accumulation_steps
     # The stream is the same on every run: a resumed worker skips what it had trained on.
@@ -353,6 +355,21 @@ def prompt_inputs(text_encoders, plan, device):
     dropout = {"caption_dropout": (plan.caption_dropout_rate, len(plan.instance_prompts))} \
         if plan.caption_dropout_rate else {}
     return {**ids, "image_prompt": image_prompt, **dropout}
+
+
+def base_class_prompt(nets, plan, device):
+    """{"class_base": (1, L, D) states of the class prompt from the base text encoders (and
+    "class_base_pooled" (1, P), SDXL)}: the conditioning of the base model's predictions under
+    --prior_preservation prior_prediction. Call before trained weights are loaded."""
+    import torch
+
+    import models
+    import steps
+
+    ids = torch.tensor(plan.prompt_ids["class"], device=device).unsqueeze(0)
+    with torch.no_grad():
+        states, pooled = steps.encode_text([models.unwrap(te) for te in nets.text_encoders()], ids)
+    return {"class_base": states, **({"class_base_pooled": pooled} if pooled is not None else {})}
 
 
 def report(state, metrics, rank, plan):

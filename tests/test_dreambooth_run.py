@@ -153,8 +153,10 @@ def test_a_run_that_cannot_work_stops_before_step_1_with_one_line(tmp_path, env,
 
 
 def test_dreambooth_run_tiny_sdxl_lora_end_to_end(tmp_path):
-    """`--tiny --arch sdxl --use_lora`: Steps 0-6 with the tiny SDXL model, its resolution (128 px)
-    followed everywhere without a setting, the adapters drawn by Step 5 and scored by Step 6."""
+    """`--tiny --arch sdxl --use_lora --prior_prediction`: Steps 0-6 with the tiny SDXL model, its
+    resolution (128 px) followed everywhere without a setting, no class images (Step 3 skipped: the
+    adapters switched off give the class rows' targets), the adapters drawn by Step 5 and scored by
+    Step 6."""
     from PIL import Image
 
     prompts = tmp_path / "eval-prompts.txt"
@@ -162,11 +164,13 @@ def test_dreambooth_run_tiny_sdxl_lora_end_to_end(tmp_path):
     env = dict(os.environ, DATA_PREFIX=str(tmp_path), NUM_CLASS_IMAGES="2", NUM_INFERENCE_STEPS="2",
                MAX_TRAIN_STEPS="2", NUM_NEW_IMAGES="1", PYTHON=sys.executable, EVAL_PROMPTS=str(prompts))
     env.pop("NUM_WORKERS", None)
-    proc = subprocess.run(["bash", "dreambooth_run.sh", "--tiny", "--arch", "sdxl", "--use_lora"],
+    proc = subprocess.run(["bash", "dreambooth_run.sh", "--tiny", "--arch", "sdxl", "--use_lora", "--prior_prediction"],
                           cwd=REPO_DIR, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "models--dreambooth-ray--tiny-stable-diffusion-xl" in re.search(r"base model: (\S+)", proc.stdout)[1]
     assert "at 128 px" in proc.stdout + proc.stderr  # the plan's resolution, from the model
+    assert "Step 3: skipped (--prior_prediction" in proc.stdout and not (tmp_path / "images-reg").exists()
+    assert "towards the base model's prediction" in proc.stdout + proc.stderr
     assert os.path.isfile(tmp_path / "model-tuned" / LORA_WEIGHTS_FILE)
     [image] = [f for f in os.listdir(tmp_path / "images-new") if f.endswith(".png")]
     with Image.open(tmp_path / "images-new" / image) as drawn:

@@ -224,3 +224,35 @@ def test_sdxl_trains_resumes_with_lora_and_exports(ray_session, tiny_sdxl_model,
         a, b, orig = (getattr(p, part).state_dict() for p in (ours, theirs, base))
         assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a), part
         assert any(not torch.equal(a[k], orig[k]) for k in orig), part
+
+
+def test_sdxl_prior_prediction_gives_the_base_model_the_pooled_class_prompt_and_each_rows_time_ids(
+        tiny_sdxl_model, make_plan):
+    """--prior_preservation prior_prediction on SDXL: the class rows (the photos again) carry the
+    photos' size/crop ids and the class prompt's pooled embedding to the base UNet as well, so an
+    untrained model's prior loss is 0 (to rounding) and a changed one's is not."""
+    import models
+    import prompts as prompts_lib
+    import steps
+    import train
+
+    plan = make_plan(model_dir=tiny_sdxl_model, resolution=128, prior_prediction=True,
+                     prompt_ids=prompts_lib.prompt_ids(tiny_sdxl_model, ["photo of unqtkn toy"], "photo of a toy"))
+    nets = models.setup_models(plan, torch.device("cpu"), torch.device("cpu"), distributed=False)
+    prompts = {**train.prompt_inputs(nets.text_encoders(), plan, torch.device("cpu")),
+               **train.base_class_prompt(nets, plan, torch.device("cpu"))}
+    assert prompts["class_base_pooled"].shape[0] == 1
+    batch = {"instance_pixels": torch.randint(0, 255, (2, 128, 128, 3), dtype=torch.uint8),
+             "instance_time_ids": torch.tensor([[400.0, 600, 0, 32, 128, 128], [128, 128, 0, 0, 128, 128]])}
+
+    def losses():
+        torch.manual_seed(0)
+        with torch.no_grad():
+            return steps.batch_loss(nets, batch, prompts, 1.0)
+
+    _, instance, prior = losses()
+    assert prior.item() < 1e-9 * instance.item()
+    with torch.no_grad():
+        for weight in nets.unet.parameters():
+            weight.mul_(1.01)
+    assert losses()[2].item() > 1e-6

@@ -276,3 +276,18 @@ def test_ema_flags_need_use_ema_and_a_decay_under_1(capsys):
         with pytest.raises(SystemExit):
             parse_train(BASE + extra)
         assert says in capsys.readouterr().err, extra
+
+
+def test_prior_prediction_takes_a_class_prompt_and_no_class_images(capsys):
+    args = parse_train(BASE + ["--prior_preservation", "prior_prediction", "--class_prompt", "photo of a dog"])
+    assert args.prior_prediction and not args.with_prior_preservation
+    assert "ignored" not in capsys.readouterr().err  # the class prompt is used
+    assert not parse_train(BASE + ["--class_data_dir", "/c", "--class_prompt", "q"]).prior_prediction
+    for extra, says in ((["--prior_preservation", "prior_prediction"], "needs --class_prompt"),
+                        (["--prior_preservation", "prior_prediction", "--class_prompt", "q", "--class_data_dir", "/c"],
+                         "trains without class images"),
+                        (["--prior_preservation", "prior_prediction", "--class_prompt", "q",
+                          "--num_class_images", "10"], "trains without class images")):
+        with pytest.raises(SystemExit):
+            parse_train(BASE + extra)
+        assert says in capsys.readouterr().err, extra

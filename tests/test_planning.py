@@ -171,6 +171,10 @@ def test_captions_beside_instance_images_replace_the_instance_prompt(tiny_model,
     empty = dropout.prompt_ids["instance"][3]
     assert empty[0] != empty[1] and len(set(empty[2:])) == 1  # start, end, then padding: nothing in between
     assert dropout.instance_prompts == run.instance_prompts and dropout.caption_dropout_rate == 0.1
+    predicted = planning.plan_run(planning.parse_args(argv + ["--prior_preservation", "prior_prediction",
+                                                              "--class_prompt", "photo of a toy"]), lambda: (2.0, 0))
+    assert predicted.prior_prediction and predicted.class_images == () and len(predicted.prompt_ids["class"]) == 77
+    assert "towards the base model's prediction" in predicted.describe()
     capsys.readouterr()
     # The identifier check applies to each caption.
     planning.plan_run(planning.parse_args(argv + ["--class_data_dir", toy_images, "--class_prompt", "photo of a toy"]),

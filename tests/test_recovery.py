@@ -121,8 +121,9 @@ def test_seeded_run_cut_and_resumed_with_every_gpu_option_ends_with_the_uninterr
         ray_session, family, request, toy_images, tmp_path, capsys):
     """channels-last, fused AdamW, fp16 + GradScaler, torch.compile, gradient checkpointing of
     UNet and text encoder, the two-device split and DDP over 2 workers, random flips; and the
-    moving average of the weights (--use_ema), which the saved model holds, and caption dropout, whose
-    draws a resumed run continues.
+    moving average of the weights (--use_ema), which the saved model holds, caption dropout, whose
+    draws a resumed run continues, and prior preservation by the base model's prediction (a frozen
+    fp16 UNet).
 
     The same seed gives the same losses (validation sampling in between changes nothing);
     '--resume_from_checkpoint latest' starts fresh when there is nothing to resume, then goes on
@@ -132,7 +133,8 @@ def test_seeded_run_cut_and_resumed_with_every_gpu_option_ends_with_the_uninterr
     options = ["--channels_last", "--fused_adamw", "--mixed_precision", "fp16", "--torch_compile", "aot_eager",
                "--gradient_checkpointing", "--gpus_per_worker", "2", "--random_flip", "--checkpointing_steps", "2",
                "--logging_steps", "1", "--lr", "1e-3", "--lr_warmup_steps", "4", "--seed", "5",
-               "--use_ema", "--ema_decay", "0.5", "--ema_update_after_step", "1", "--caption_dropout_rate", "0.5"]
+               "--use_ema", "--ema_decay", "0.5", "--ema_update_after_step", "1", "--caption_dropout_rate", "0.5",
+               "--prior_preservation", "prior_prediction", "--class_prompt", "photo of a toy"]
     sampling = ["--validation_prompt", "photo of unqtkn toy", "--validation_steps", "1", "--num_validation_images",
                 "2", "--validation_inference_steps", "2"]
     whole = train.main(train_args(tiny_model, toy_images, tmp_path / "whole", 4, *options))

@@ -319,3 +319,40 @@ def test_caption_dropout_trains_a_seeded_share_of_instance_rows_on_the_empty_pro
         torch.manual_seed(7)
         out = steps.instance_prompts({**prompts, "caption_dropout": (rate, 2)}, batch, 4000)
         assert (out == 2).float().mean().item() == share
+
+
+@pytest.mark.parametrize("use_lora", [False, True])
+def test_prior_prediction_targets_the_base_models_own_prediction(tiny_model, prompt_ids, make_plan, use_lora):
+    """--prior_preservation prior_prediction: the photos again under the class prompt, towards the base
+    model's prediction. At the start the trained model is the base, so the prior loss is 0 (to rounding:
+    the trained UNet runs 4 rows, the base 2);
+    after training it is not, and the target is still exactly what a freshly loaded base UNet predicts
+    (full: the frozen copy; LoRA: the adapters switched off)."""
+    import train
+
+    plan = make_plan(prior_prediction=True, use_lora=use_lora, prompt_ids={"class": prompt_ids["class"][0].tolist()})
+    nets = models_lib.setup_models(plan, CPU, CPU, distributed=False)
+    assert (nets.frozen_unet is None) == use_lora
+    state = steps.make_train_state(nets, plan)
+    prompts = {**prompt_ids, **train.base_class_prompt(nets, plan, CPU)}
+    batch = batch_for(nets, size=2, with_class=False)
+    torch.manual_seed(0)
+    total, instance, prior = steps.batch_loss(nets, batch, prompts, 1.0)
+    assert prior.item() < 1e-9 * instance.item() and instance.item() > 0.1
+    for k in range(3):
+        step(state, [batch_for(nets, size=1, with_class=False, seed=k)], prompts)
+    torch.manual_seed(0)
+    assert steps.batch_loss(nets, batch, prompts, 1.0)[2].item() > 0
+
+    from diffusers import UNet2DConditionModel
+
+    base = UNet2DConditionModel.from_pretrained(tiny_model, subfolder="unet")
+    g = torch.Generator().manual_seed(1)
+    noisy = torch.randn(2, 4, 32, 32, generator=g)
+    t = torch.tensor([10, 900])
+    cond = prompts["class_base"].expand(2, -1, -1)
+    with torch.no_grad():
+        expected = base(noisy, t, cond).sample
+        with nets.base_unet() as unet:
+            assert torch.equal(unet(noisy, t, cond).sample, expected)
+        assert not torch.equal(nets.unet(noisy, t, cond).sample, expected)  # the trained one moved on
