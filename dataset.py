@@ -37,12 +37,20 @@ SUBJECT_FILE = "subject.json"  # sweep.py --subjects_dir: a subject's class and 
 OWN_FILES = (SUBJECT_FILE, outputs.IMAGES_RECORD, outputs.IMAGES_CONFIG)
 
 
+MASK_SUFFIX = ".mask.png"  # --masked_loss: "photo.mask.png" beside "photo.jpg" weights its loss
+
+
+def is_mask(name):
+    return name.lower().endswith(MASK_SUFFIX)
+
+
 def list_images(folder, role, also_expected=None):
     """Sorted image files directly inside folder; other files are skipped with a warning,
-    except those ending in also_expected (captions beside the images)."""
+    except those ending in also_expected (captions beside the images). Masks (MASK_SUFFIX) are
+    never images."""
     if not os.path.isdir(folder):
         raise utils.UserError(f"{role} folder not found: {folder}")
-    names = sorted(n for n in os.listdir(folder) if os.path.isfile(os.path.join(folder, n)))
+    names = sorted(n for n in os.listdir(folder) if os.path.isfile(os.path.join(folder, n)) and not is_mask(n))
     images = [n for n in names if n.lower().endswith(utils.IMAGE_EXTENSIONS)]
     skipped = [n for n in names if n not in images and n not in OWN_FILES
                and not (also_expected and n.endswith(also_expected))]
@@ -125,6 +133,69 @@ def exif_orientation(path):
 
     with Image.open(path) as image:
         return int(image.getexif().get(0x0112, 1) or 1)
+
+
+# ---------------------------------------------------------------- masks (--masked_loss)
+
+
+def has_alpha(image):
+    return image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (image.mode == "P" and "transparency" in image.info)
+
+
+def mask_source(photo):
+    """Where a photo's loss mask comes from: "photo.mask.png" beside it, else the photo itself when it
+    has an alpha channel, else None (the photo counts everywhere)."""
+    from PIL import Image
+
+    beside = os.path.splitext(photo)[0] + MASK_SUFFIX
+    if os.path.isfile(beside):
+        return beside
+    with Image.open(photo) as image:
+        return photo if has_alpha(image) else None
+
+
+def read_mask(source, photo):
+    """(H, W) uint8 mask of a photo as it shows upright (white: the loss counts, black: it does not):
+    the alpha channel of the photo itself, or a mask file of the photo's size (either way up)."""
+    from PIL import Image
+
+    orientation = exif_orientation(photo)
+    with Image.open(photo) as image:
+        raw_size = image.size[::-1]  # (height, width) as stored
+    try:
+        with Image.open(source) as image:
+            alpha = image.convert("RGBA").getchannel("A") if has_alpha(image) else None
+            # the photo's own transparency, or a mask file's: its alpha where it has one, else its gray
+            use_alpha = source == photo or (alpha is not None and alpha.getextrema() != (255, 255))
+            mask = np.asarray(alpha if use_alpha else image.convert("L"))
+    except (OSError, SyntaxError, ValueError) as err:
+        raise utils.UserError(f"cannot read mask {source}: {err}") from None
+    upright = apply_orientation(np.zeros(raw_size, dtype=np.uint8), orientation).shape
+    if mask.shape == raw_size and raw_size != upright:
+        mask = apply_orientation(mask, orientation)  # drawn on the photo as stored: turned the same way
+    if mask.shape != upright:
+        raise utils.UserError(f"mask {source} is {mask.shape[1]}x{mask.shape[0]} px but its photo {photo} is "
+                              f"{upright[1]}x{upright[0]}: draw the mask at the photo's size")
+    return mask
+
+
+def find_masks(photos):
+    """Per photo, in order, (mask source, photo) or None, for --masked_loss (read_mask's arguments:
+    the photo stays the original file, whose orientation the mask follows, even where training
+    reads a converted copy); every mask read once to check it (UserError naming a mask that cannot
+    be read or does not fit its photo)."""
+    found = []
+    for photo in photos:
+        source = mask_source(photo)
+        if source:
+            read_mask(source, photo)
+        found.append((source, photo) if source else None)
+    return found
+
+
+def masks_beside(photos):
+    """The MASK_SUFFIX files beside photos (to say they are not used without --masked_loss)."""
+    return [m for m in (os.path.splitext(p)[0] + MASK_SUFFIX for p in photos) if os.path.isfile(m)]
 
 
 # ---------------------------------------------------------------- image math
@@ -243,12 +314,17 @@ def make_views(batch, instance_images, class_images, resolution, center_crop, ra
     [, "class_pixels": (B, R, R, 3)]} uint8 (scaled to [-1, 1] on the training device), and
     "instance_image": (B,) the instance image's index (its caption picks the row's prompt).
     With sizes ({"instance": (N, 2), "class": (M, 2)} original heights and widths, SDXL), also
-    "instance_time_ids" [, "class_time_ids"]: (B, 6) float32 (time_ids of each view).
+    "instance_time_ids" [, "class_time_ids"]: (B, 6) float32 (time_ids of each view). Instance
+    images of 4 channels (--masked_loss: RGB + mask) give "instance_mask": (B, R, R) uint8, the
+    mask cropped and flipped with its pixels.
     """
     sources = {"instance": _resolve(instance_images), "class": _resolve(class_images)}
     views = _per_row(batch, sources, lambda index, image, rng: (index, *view_and_crop(
         image, resolution, center_crop, random_flip, rng)))
     out = {f"{k}_pixels": np.stack([pixels for _, pixels, _ in v]) for k, v in views.items()}
+    if out["instance_pixels"].shape[-1] == 4:  # --masked_loss: the mask rode along as a 4th channel
+        out["instance_mask"] = np.ascontiguousarray(out["instance_pixels"][..., 3])
+        out["instance_pixels"] = np.ascontiguousarray(out["instance_pixels"][..., :3])
     if sizes is not None:
         sizes = _resolve(sizes)
         out.update({f"{k}_time_ids": np.stack([time_ids(sizes[k][index], crop, resolution)
@@ -256,13 +332,14 @@ def make_views(batch, instance_images, class_images, resolution, center_crop, ra
     return {**out, "instance_image": np.asarray(batch["instance"])}
 
 
-def pick_latents(batch, instance_latents, class_latents, crops=None):
+def pick_latents(batch, instance_latents, class_latents, crops=None, instance_masks=None):
     """Index rows -> cached VAE posteriors: one flip view per row, chosen by the row's seed.
 
     In: as make_views; the latent arrays are (N, V, 8, h, w). Out: {"instance_latents":
     (B, 8, h, w)[, "class_latents": (B, 8, h, w)]} float32, and "instance_image" (B,). With
     crops ({"instance": (N, V, 6), "class": ...} the time_ids of each stored view, SDXL), also
-    "instance_time_ids" [, "class_time_ids"]: (B, 6).
+    "instance_time_ids" [, "class_time_ids"]: (B, 6). With instance_masks ((N, V, R, R) uint8, the
+    masks of the stored views), also "instance_mask": (B, R, R), the picked view's.
     """
     sources = {"instance": _resolve(instance_latents), "class": _resolve(class_latents)}
 
@@ -276,7 +353,16 @@ def pick_latents(batch, instance_latents, class_latents, crops=None):
         crops = _resolve(crops)
         out.update({f"{key}_time_ids": np.stack([crops[key][index][k] for index, k, _ in v])
                     for key, v in picked.items()})
+    if instance_masks is not None:
+        masks = _resolve(instance_masks)
+        out["instance_mask"] = np.stack([masks[index][k] for index, k, _ in picked["instance"]])
     return {**out, "instance_image": np.asarray(batch["instance"])}
+
+
+def stored_mask_views(mask, resolution, views):
+    """(V, R, R) uint8: a stored mask's center crop, then flipped (the cached latents' views)."""
+    crop = crop_square(mask, resolution, True, None)
+    return np.stack([crop, crop[:, ::-1]][:views])
 
 
 def latent_view_time_ids(original_size, stored_shape, resolution, views):
@@ -335,7 +421,20 @@ def load_image(path, resolution):
     return resize_shorter_side(pixels, resolution), pixels.shape[:2]
 
 
-def decode_images(instance_paths, class_paths, resolution, latent_cache=None, sizes=None):
+def resized_mask(found, shape):
+    """A photo's mask (found: find_masks' entry) resized to its stored pixels' (height, width); all
+    255 without one."""
+    from PIL import Image
+
+    if found is None:
+        return np.full(shape, 255, dtype=np.uint8)
+    mask = read_mask(*found)
+    if mask.shape != tuple(shape):
+        mask = np.asarray(Image.fromarray(mask).resize((shape[1], shape[0]), Image.BICUBIC))  # as the pixels
+    return mask
+
+
+def decode_images(instance_paths, class_paths, resolution, latent_cache=None, sizes=None, masks=None):
     """Decode both folders once, on the driver; with latent_cache, VAE-encode them on a
     Ray Data actor pool (one actor per GPU).
 
@@ -344,7 +443,8 @@ def decode_images(instance_paths, class_paths, resolution, latent_cache=None, si
     Returns (instance, class) lists in path order: (H, W, 3) uint8 images, or (V, 8, h, w)
     posteriors with latent_cache ({"model_dir", "num_gpus", "allow_unsafe_weights",
     "random_flip"}). sizes: a dict this fills with {path: ((original height, width),
-    (stored height, width))}.
+    (stored height, width))}. masks (--masked_loss): {instance path: its find_masks entry}, a dict
+    this replaces each entry of with the (H, W) uint8 mask at the stored size.
     """
     paths = list(dict.fromkeys(instance_paths + (class_paths or [])))
     by_path = {}
@@ -352,6 +452,9 @@ def decode_images(instance_paths, class_paths, resolution, latent_cache=None, si
         by_path[path], original = load_image(path, resolution)
         if sizes is not None:
             sizes[path] = (original, by_path[path].shape[:2])
+    if masks is not None:
+        for path in instance_paths:
+            masks[path] = resized_mask(masks[path], by_path[path].shape[:2])
     if latent_cache:
         import ray
 
@@ -384,7 +487,7 @@ def index_dataset(rows, block_rows):
 
 
 def build_train_dataset(instance_paths, class_paths, resolution, center_crop, random_flip, latent_cache=None,
-                        num_epochs=1, seed=0, batch_size=16, with_time_ids=False):
+                        num_epochs=1, seed=0, batch_size=16, with_time_ids=False, mask_sources=None):
     """The training Dataset of a whole run: num_epochs epochs of plan_rows, turned into pixels
     (or cached latents) by Ray Data tasks.
 
@@ -394,13 +497,16 @@ def build_train_dataset(instance_paths, class_paths, resolution, center_crop, ra
     alone (no prior preservation). latent_cache: see decode_images (implies a center crop).
     batch_size: rows of one worker's batch, the stream's block (see index_dataset).
     with_time_ids: each row also carries SDXL's size/crop numbers of its views (time_ids).
+    mask_sources (--masked_loss): per instance path, its find_masks entry; each instance row then
+    carries its view's mask ("instance_mask").
     """
     import ray
 
     if latent_cache:
         latent_cache = {**latent_cache, "random_flip": random_flip}
     sizes = {}
-    instances, classes = decode_images(instance_paths, class_paths, resolution, latent_cache, sizes)
+    masks = dict(zip(instance_paths, mask_sources)) if mask_sources is not None else None
+    instances, classes = decode_images(instance_paths, class_paths, resolution, latent_cache, sizes, masks)
     index = index_dataset(plan_rows(len(instances), len(classes), num_epochs, seed), batch_size)
     paths = {"instance": instance_paths, "class": class_paths or []}
     if latent_cache:
@@ -409,9 +515,16 @@ def build_train_dataset(instance_paths, class_paths, resolution, center_crop, ra
             views = 2 if random_flip else 1
             crops = ray.put({k: [latent_view_time_ids(*sizes[p], resolution, views) for p in ps]
                              for k, ps in paths.items()})
+        mask_views = None
+        if masks is not None:
+            mask_views = ray.put(np.stack([stored_mask_views(masks[p], resolution, 2 if random_flip else 1)
+                                           for p in instance_paths]))
         return index.map_batches(pick_latents, batch_size=batch_size, fn_kwargs={
             "instance_latents": ray.put(np.stack(instances)),
-            "class_latents": ray.put(np.stack(classes)) if classes else None, "crops": crops})
+            "class_latents": ray.put(np.stack(classes)) if classes else None, "crops": crops,
+            "instance_masks": mask_views})
+    if masks is not None:  # the mask rides as a 4th channel: cropped and flipped with its pixels
+        instances = [np.concatenate([image, masks[p][..., None]], axis=-1) for image, p in zip(instances, instance_paths)]
     originals = ray.put({k: [sizes[p][0] for p in ps] for k, ps in paths.items()}) if with_time_ids else None
     return index.map_batches(make_views, batch_size=batch_size, fn_kwargs={
         "instance_images": ray.put(instances), "class_images": ray.put(classes) if classes else None,

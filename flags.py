@@ -231,6 +231,12 @@ FLAGS = {
                   "--instance_prompt (drawn from the run's seeded random stream); class rows keep the class "
                   "prompt. The model then also learns the subject without its words, which helps "
                   "classifier-free guidance with captioned photos. Default: 0 (off).")),
+    "masked_loss": (("--masked_loss",),
+        dict(action="store_true",
+             help="Weight each photo's loss by a mask: 'NAME.mask.png' beside 'NAME.jpg' (white counts, black "
+                  "does not, gray in between; the photo's size), or else the photo's own transparency. The "
+                  "background then teaches nothing: the subject is learnt, not the room it was photographed "
+                  "in. Photos without a mask count everywhere; class images always do.")),
     "use_ema": (("--use_ema",),
         dict(action="store_true",
              help="Keep an exponential moving average of the trained weights (LoRA: of the adapters) on every "

@@ -28,7 +28,7 @@ TRAIN_FLAGS = [
     "class_prompt",
     "with_prior_preservation", "prior_preservation", "prior_loss_weight", "resolution", "center_crop", "random_flip",
     "train_text_encoder", "use_lora", "lora_rank", "lora_alpha", "lora_dropout", "train_batch_size", "learning_rate", "scale_lr", "lr_scheduler", "lr_warmup_steps",
-    "lr_num_cycles", "lr_power", "offset_noise", "snr_gamma", "caption_dropout_rate", "use_ema", "ema_decay", "ema_update_after_step", "use_8bit_adam", "adam_beta1",
+    "lr_num_cycles", "lr_power", "offset_noise", "snr_gamma", "caption_dropout_rate", "masked_loss", "use_ema", "ema_decay", "ema_update_after_step", "use_8bit_adam", "adam_beta1",
     "adam_beta2", "adam_weight_decay", "adam_epsilon", "max_grad_norm", "max_train_steps",
     "num_train_epochs", "mixed_precision", "seed", "num_workers", "gpus_per_worker", "use_gpu",
     "storage_path", "logging_steps", "report_to", "validation_prompt", "num_validation_images",
@@ -64,6 +64,8 @@ class Plan:
     lora_dropout: float
     # data
     instance_images: tuple  # absolute paths (converted to PNG where the format needed it)
+    masked_loss: bool
+    instance_masks: tuple  # --masked_loss: per instance image, (mask source, original photo) or None (find_masks)
     class_images: tuple
     resolution: int
     center_crop: bool
@@ -253,6 +255,7 @@ def plan_run(args, cluster_resources):
     prompts.warn_without_identifier(instance_prompts, args.instance_prompt, args.class_prompt)
 
     use_gpu, args.num_workers, cpus_per_worker = worker_resources(args, *cluster_resources())
+    masks = masks_of(instance_images, args.masked_loss)
     convert_dir = os.path.join(args.storage_path, "converted-images")
     instance_images = dataset.inspect_images(instance_images, resolution, convert_dir)
     class_images = dataset.inspect_images(class_images, resolution, convert_dir) if class_images else []
@@ -268,6 +271,7 @@ def plan_run(args, cluster_resources):
                                          else None),
         "learning_rate": scaled_learning_rate(args),
         "instance_images": tuple(instance_images),
+        "instance_masks": tuple(masks),
         "class_images": tuple(class_images),
         "resolution": resolution,
         "channels_last": use_gpu if args.channels_last is None else args.channels_last,
@@ -293,11 +297,33 @@ def offline_plan(**fields):
                        "--instance_data_dir", "/unused", "--instance_prompt", "unused"])
     from_flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(Plan) if hasattr(args, f.name)}
     decided = dict(instance_prompts=(args.instance_prompt,), image_prompt=(), prompt_ids={},
-                   instance_images=(), class_images=(), resolution=64, channels_last=False,
+                   instance_images=(), instance_masks=(), class_images=(), resolution=64, channels_last=False,
                    steps_per_epoch=1, total_steps=DEFAULT_MAX_TRAIN_STEPS, stream_epochs=1, use_gpu=False,
                    cpus_per_worker=1.0, num_workers=1, run_name="offline", resume_path=None, progress_bar=False,
                    settings_toml="")
     return Plan(**{**from_flags, **decided, **fields})
+
+
+def masks_of(photos, masked_loss):
+    """Each photo's mask source for --masked_loss (checked: each mask read, its size its photo's),
+    with a line saying how many photos have one; without the flag, a warning when masks lie
+    unused beside the photos. Returns a list as long as photos (Nones without the flag)."""
+    import dataset
+
+    if not masked_loss:
+        unused = dataset.masks_beside(photos)
+        if unused:
+            print(f"warning: {len(unused)} mask file(s) beside the photos are not used without --masked_loss "
+                  f"(e.g. {os.path.basename(unused[0])})", file=sys.stderr)
+        return [None] * len(photos)
+    sources = dataset.find_masks(photos)
+    found = sum(s is not None for s in sources)
+    if not found:
+        print(f"warning: --masked_loss: none of the {len(photos)} photos has a mask (NAME{dataset.MASK_SUFFIX} "
+              "beside NAME.jpg, or transparency): every photo counts everywhere", file=sys.stderr)
+    else:
+        print(f"--masked_loss: {found} of {len(photos)} photos have a mask", file=sys.stderr)
+    return sources
 
 
 def lora_settings(args):

@@ -101,19 +101,28 @@ def diffusion_target(scheduler, latents, noise, timesteps):
     raise ValueError(f"unsupported prediction_type {kind!r}")
 
 
-def dreambooth_loss(pred, target, num_instance, prior_loss_weight, weights=None):
+def dreambooth_loss(pred, target, num_instance, prior_loss_weight, weights=None, masks=None):
     """MSE on the instance rows plus prior_loss_weight x MSE on the class rows.
 
     pred, target: (B, C, h, w), instance rows first, then class rows (B = num_instance
     without prior preservation). weights: (B,) per-row loss weights (min-SNR), or None.
+    masks: (num_instance, 1, h, w) weights in [0, 1] of each instance row's latent pixels
+    (--masked_loss), or None: an instance row's error is then its mask-weighted mean.
     Returns (total, instance_loss, prior_loss or None).
     """
     pred, target = pred.float(), target.float()
-    if weights is None:
+    if weights is None and masks is None:
         def mse(rows):
             return F.mse_loss(pred[rows], target[rows])
     else:
-        per_row = F.mse_loss(pred, target, reduction="none").mean(dim=(1, 2, 3)) * weights
+        squared = F.mse_loss(pred, target, reduction="none")
+        per_row = squared.mean(dim=(1, 2, 3))
+        if masks is not None:
+            masked = squared[:num_instance] * masks
+            covered = masks.expand_as(masked).sum(dim=(1, 2, 3)).clamp(min=1e-6)
+            per_row = torch.cat([masked.sum(dim=(1, 2, 3)) / covered, per_row[num_instance:]])
+        if weights is not None:
+            per_row = per_row * weights
 
         def mse(rows):
             return per_row[rows].mean()
@@ -122,6 +131,13 @@ def dreambooth_loss(pred, target, num_instance, prior_loss_weight, weights=None)
         return instance_loss, instance_loss, None
     prior_loss = mse(slice(num_instance, None))
     return instance_loss + prior_loss_weight * prior_loss, instance_loss, prior_loss
+
+
+def latent_masks(masks, size, device):
+    """(B, R, R) uint8 masks of the photos' views -> (B, 1, h, w) float weights in [0, 1] on
+    device: each latent pixel's share of mask over the image pixels it covers."""
+    weights = masks.to(device, non_blocking=True).float().unsqueeze(1) / 255.0
+    return F.interpolate(weights, size=tuple(size), mode="area")
 
 
 def min_snr_weights(scheduler, timesteps, gamma):
@@ -260,6 +276,9 @@ def batch_loss(models, batch, prompts, prior_loss_weight, offset_noise=0.0, snr_
     twice: as instance rows, and under the class prompt as class rows whose target is the base
     model's own prediction for the same noisy latents (models.base_unet).
 
+    With batch["instance_mask"] ((B, R, R) uint8, --masked_loss) each instance row's loss is
+    weighted by its photo's mask (latent_masks).
+
     Returns dreambooth_loss's tuple (total, instance_loss, prior_loss or None).
     """
     latents = batch_latents(models, batch)
@@ -296,7 +315,8 @@ def batch_loss(models, batch, prompts, prior_loss_weight, offset_noise=0.0, snr_
             prior_target = unet(noisy[num_instance:], timesteps[num_instance:], base, **base_extra).sample
         target = torch.cat([target[:num_instance], prior_target.to(target.dtype)])
     weights = min_snr_weights(scheduler, timesteps, snr_gamma) if snr_gamma else None
-    return dreambooth_loss(pred, target, num_instance, prior_loss_weight, weights)
+    masks = latent_masks(batch["instance_mask"], latents.shape[-2:], pred.device) if "instance_mask" in batch else None
+    return dreambooth_loss(pred, target, num_instance, prior_loss_weight, weights, masks)
 
 
 def train_step(state, micro_batches, prompts, prior_loss_weight, max_grad_norm):

@@ -140,6 +140,11 @@ def test_train_dataset_on_ray_pairs_every_class_image(ray_session, toy_images, t
     alone = dataset.build_train_dataset(instance_paths, None, 16, center_crop=False, random_flip=True).take_all()
     assert len(alone) == 5 and set(alone[0]) == {"instance_pixels", "instance_image"}
     assert sorted(r["instance_image"] for r in alone) == list(range(5))
+    # --masked_loss: each row's mask travels with its pixels (the photos' red channel is their mask)
+    photos = red_is_mask_photos(tmp_path / "masked")
+    masked = dataset.build_train_dataset(photos, None, 16, center_crop=False, random_flip=True, num_epochs=3,
+                                         mask_sources=dataset.find_masks(photos)).take_all()
+    assert len(masked) == 9 and all(np.array_equal(r["instance_mask"], r["instance_pixels"][..., 0]) for r in masked)
 
 
 def test_latent_cache_stores_posteriors_of_both_flip_views(ray_session, tiny_model, toy_images):
@@ -153,3 +158,67 @@ def test_latent_cache_stores_posteriors_of_both_flip_views(ray_session, tiny_mod
     images = [np.asarray(Image.open(p).convert("RGB")) for p in paths[:1]]
     views = encoder.encode([dataset.resize_shorter_side(x, 16) for x in images])
     assert views.shape == (1, 2, 8, 8, 8) and not np.allclose(views[0, 0], views[0, 1])
+
+
+def red_is_mask_photos(folder, count=3):
+    """Photos whose red channel is their mask's value (a tall one, a wide one, one with transparency
+    instead of a mask file), so a view's pixels say which mask pixels it must carry."""
+    folder.mkdir(exist_ok=True)
+    rng = np.random.default_rng(0)
+    photos = []
+    for k, (height, width) in enumerate([(40, 24), (24, 36), (30, 30)][:count]):
+        mask = (rng.random((height, width)) > 0.5).astype(np.uint8) * 255
+        pixels = np.stack([mask, np.full_like(mask, 9 * k), np.full_like(mask, 7)], axis=-1)
+        path = folder / f"p{k}.png"
+        if k == 2:  # the mask as the photo's own alpha channel
+            Image.fromarray(np.concatenate([pixels, mask[..., None]], axis=-1), "RGBA").save(path)
+        else:
+            Image.fromarray(pixels).save(path)
+            Image.fromarray(mask).save(folder / f"p{k}{dataset.MASK_SUFFIX}")
+        photos.append(str(path))
+    return photos
+
+
+def test_masks_come_from_a_file_beside_the_photo_or_its_transparency_and_are_never_photos(tmp_path):
+    photos = red_is_mask_photos(tmp_path / "own")
+    assert dataset.list_images(str(tmp_path / "own"), "instance") == photos  # the .mask.png files are not photos
+    found = dataset.find_masks(photos)
+    sources = [photos[0][:-4] + dataset.MASK_SUFFIX, photos[1][:-4] + dataset.MASK_SUFFIX, photos[2]]
+    assert found == list(zip(sources, photos))
+    for photo, source in zip(photos, sources):
+        with Image.open(photo) as image:
+            red = np.asarray(image.convert("RGB"))[..., 0]
+        np.testing.assert_array_equal(dataset.read_mask(source, photo), red)
+    assert dataset.masks_beside(photos) == sources[:2]
+    # A photo stored sideways (EXIF 6) and its mask drawn on it as stored: both turned upright.
+    mask = np.zeros((10, 20), np.uint8)
+    mask[:, :5] = 255
+    sideways = Image.fromarray(np.zeros((10, 20, 3), np.uint8))
+    exif = sideways.getexif()
+    exif[0x0112] = 6
+    sideways.save(tmp_path / "s.jpg", exif=exif)
+    Image.fromarray(mask).save(tmp_path / f"s{dataset.MASK_SUFFIX}")
+    upright = dataset.read_mask(str(tmp_path / f"s{dataset.MASK_SUFFIX}"), str(tmp_path / "s.jpg"))
+    np.testing.assert_array_equal(upright, dataset.apply_orientation(mask, 6))
+    Image.fromarray(np.zeros((7, 7), np.uint8)).save(tmp_path / f"s{dataset.MASK_SUFFIX}")
+    with pytest.raises(utils.UserError, match="is 7x7 px but its photo .* is 10x20: draw the mask"):
+        dataset.find_masks([str(tmp_path / "s.jpg")])
+
+
+def test_each_view_carries_its_own_crop_and_flip_of_the_mask(tmp_path):
+    photos = red_is_mask_photos(tmp_path / "own")
+    masks = dict(zip(photos, dataset.find_masks(photos)))
+    instances, _ = dataset.decode_images(photos, None, 16, masks=masks)
+    images = [np.concatenate([x, masks[p][..., None]], axis=-1) for x, p in zip(instances, photos)]
+    rows = dataset.plan_rows(3, 0, 4, seed=1)
+    batch = {k: np.array([r[k] for r in rows]) for k in ("instance", "seed")}
+    out = dataset.make_views(batch, images, None, 16, center_crop=False, random_flip=True)
+    assert out["instance_pixels"].shape == (12, 16, 16, 3) and out["instance_mask"].shape == (12, 16, 16)
+    np.testing.assert_array_equal(out["instance_mask"], out["instance_pixels"][..., 0])
+    assert len({m.tobytes() for m in out["instance_mask"]}) > 3  # crops and flips vary
+    # Cached latents' views: the center crop and its mirror, the one picked with the latents.
+    views = np.stack([dataset.stored_mask_views(masks[p], 16, 2) for p in photos])
+    latents = np.stack([np.stack([np.full((8, 2, 2), 0.0), np.full((8, 2, 2), 1.0)]) for _ in photos])
+    picked = dataset.pick_latents(batch, latents, None, instance_masks=views)
+    for row, index, lat, mask in zip(range(12), batch["instance"], picked["instance_latents"], picked["instance_mask"]):
+        np.testing.assert_array_equal(mask, views[index][int(lat[0, 0, 0])])

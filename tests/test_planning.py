@@ -4,6 +4,7 @@ import dataclasses
 import os
 
 import pytest
+from PIL import Image
 
 import planning
 import utils
@@ -175,6 +176,14 @@ def test_captions_beside_instance_images_replace_the_instance_prompt(tiny_model,
                                                               "--class_prompt", "photo of a toy"]), lambda: (2.0, 0))
     assert predicted.prior_prediction and predicted.class_images == () and len(predicted.prompt_ids["class"]) == 77
     assert "towards the base model's prediction" in predicted.describe()
+    # --masked_loss: a mask beside one photo; without the flag it is named as unused
+    Image.new("L", Image.open(own / "toy-1.jpg").size, 255).save(own / "toy-1.mask.png")
+    capsys.readouterr()
+    unmasked = planning.plan_run(planning.parse_args(argv), lambda: (2.0, 0))
+    assert "1 mask file(s) beside the photos are not used without --masked_loss" in capsys.readouterr().err
+    assert len(unmasked.instance_images) == 5 and unmasked.instance_masks == (None,) * 5
+    masked = planning.plan_run(planning.parse_args(argv + ["--masked_loss"]), lambda: (2.0, 0))
+    assert masked.instance_masks == (None, (str(own / "toy-1.mask.png"), str(own / "toy-1.jpg")), None, None, None)
     capsys.readouterr()
     # The identifier check applies to each caption.
     planning.plan_run(planning.parse_args(argv + ["--class_data_dir", toy_images, "--class_prompt", "photo of a toy"]),

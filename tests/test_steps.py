@@ -356,3 +356,28 @@ def test_prior_prediction_targets_the_base_models_own_prediction(tiny_model, pro
         with nets.base_unet() as unet:
             assert torch.equal(unet(noisy, t, cond).sample, expected)
         assert not torch.equal(nets.unet(noisy, t, cond).sample, expected)  # the trained one moved on
+
+
+def test_masked_loss_counts_only_the_masked_latent_pixels():
+    g = torch.Generator().manual_seed(0)
+    target = torch.randn(3, 4, 2, 2, generator=g)
+    pred = target.clone()
+    pred[0, :, 1, :] += 2.0  # row 0 wrong only in its bottom half
+    pred[1, :, 0, :] += 1.0  # row 1 wrong only in its top half
+    pred[2] += 3.0  # a class row, wrong everywhere
+    top = torch.tensor([[1.0, 1.0], [0.0, 0.0]]).expand(2, 1, 2, 2)  # both photos: only the top counts
+    total, instance, prior = steps.dreambooth_loss(pred, target, 2, 0.5, masks=top)
+    assert instance.item() == pytest.approx((0.0 + 1.0) / 2)  # row 0's error is masked out
+    assert prior.item() == pytest.approx(9.0)  # class rows are never masked
+    ones = steps.dreambooth_loss(pred, target, 2, 0.5, masks=torch.ones(2, 1, 2, 2))
+    plain = steps.dreambooth_loss(pred, target, 2, 0.5)
+    assert all(a.item() == pytest.approx(b.item()) for a, b in zip(ones, plain))
+    # with min-SNR weights too; an all-black mask counts nothing instead of dividing by zero
+    _, instance, _ = steps.dreambooth_loss(pred, target, 2, 0.5, weights=torch.tensor([1.0, 0.5, 1.0]),
+                                           masks=torch.stack([top[0], torch.zeros(1, 2, 2)]))
+    assert instance.item() == pytest.approx(0.0)
+    # image-pixel masks become latent weights by area: each latent pixel the share it covers
+    mask = torch.zeros(1, 4, 4, dtype=torch.uint8)
+    mask[0, :2, :] = 255
+    mask[0, 2:, :2] = torch.tensor([[255, 0], [0, 255]], dtype=torch.uint8)
+    assert steps.latent_masks(mask, (2, 2), CPU)[0, 0].tolist() == [[1.0, 1.0], [0.5, 0.0]]

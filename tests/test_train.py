@@ -113,8 +113,9 @@ def test_train_two_workers_saves_a_changed_loadable_pipeline(ray_session, tiny_m
 
 def test_cached_latents_frozen_text_encoder_and_loss_options(ray_session, tiny_model, toy_images, class_images,
                                                              tmp_path, capfd):
-    """Also captions (half of them dropped for the empty prompt, embedded once with the others), the
-    schedule and the loss options: they travel in the Plan to the workers."""
+    """Also captions (half of them dropped for the empty prompt, embedded once with the others), a
+    photo's mask with the cached latents, the schedule and the loss options: they travel in the Plan
+    to the workers."""
     import shutil
 
     from diffusers import DiffusionPipeline
@@ -122,6 +123,12 @@ def test_cached_latents_frozen_text_encoder_and_loss_options(ray_session, tiny_m
     own = tmp_path / "own"
     shutil.copytree(toy_images, own)
     (own / "toy-2.txt").write_text("photo of unqtkn toy on the moon")
+    from PIL import Image
+
+    with Image.open(own / "toy-3.jpg") as photo:  # the left half of one photo is all that counts
+        mask = Image.new("L", photo.size, 0)
+    mask.paste(255, (0, 0, mask.size[0] // 2, mask.size[1]))
+    mask.save(own / "toy-3.mask.png")
     out = tmp_path / "model-cached"
     result = train.main(["--model_dir", tiny_model, "--output_dir", str(out), "--instance_images_dir", str(own),
                          "--instance_prompt", "photo of unqtkn toy", "--class_images_dir", class_images,
@@ -129,10 +136,11 @@ def test_cached_latents_frozen_text_encoder_and_loss_options(ray_session, tiny_m
                          "--lr", "1e-4", "--cache_latents", "--random_flip", "--no-train_text_encoder",
                          "--gradient_accumulation_steps", "2", "--gradient_checkpointing",
                          "--lr_scheduler", "cosine", "--offset_noise", "--snr_gamma", "5", "--scale_lr",
-                         "--caption_dropout_rate", "0.5"])
+                         "--caption_dropout_rate", "0.5", "--masked_loss"])
     assert result.metrics["step"] == 3
     # Not a terminal (a log file): no progress bar redrawn into it, the step lines are the progress.
-    assert "training:" not in "".join(capfd.readouterr())
+    printed = "".join(capfd.readouterr())
+    assert "training:" not in printed and "--masked_loss: 1 of 5 photos have a mask" in printed
     assert result.metrics["lr"] == pytest.approx(0.0, abs=1e-12)  # cosine ends at zero
     assert result.metrics["loss"] > 0
     tuned, base = DiffusionPipeline.from_pretrained(str(out)), DiffusionPipeline.from_pretrained(tiny_model)
