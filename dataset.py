@@ -209,43 +209,68 @@ def apply_orientation(image, orientation):
     return np.ascontiguousarray(np.rot90(image, turns))
 
 
-def resize_shorter_side(image, size):
-    """(H, W, 3) uint8 -> uint8 with min(H, W) == size, aspect kept (bicubic)."""
+def hw(size):
+    """(height, width) of a training size: an int (a square) or a (height, width) bucket."""
+    return (size, size) if isinstance(size, (int, np.integer)) else (int(size[0]), int(size[1]))
+
+
+def resize_to_cover(image, size):
+    """(H, W, C) uint8 -> uint8 just large enough to cover size (aspect kept, bicubic): a square
+    size makes the shorter side that size. Each channel is resized alone (a mask in the 4th
+    channel never bleeds into the pixels)."""
     from PIL import Image
 
-    height, width = image.shape[:2]
-    scale = size / min(height, width)
-    new_size = (max(size, round(width * scale)), max(size, round(height * scale)))
-    if new_size == (width, height):
+    new_h, new_w = covering_shape(image.shape[:2], size)
+    new_size = (new_w, new_h)
+    if new_size == image.shape[1::-1]:
         return image
+    if image.ndim == 3 and image.shape[2] == 4:
+        return np.concatenate([resize_to_cover(image[..., :3], size),
+                               resize_to_cover(np.ascontiguousarray(image[..., 3]), size)[..., None]], axis=-1)
     return np.asarray(Image.fromarray(image).resize(new_size, Image.BICUBIC))
 
 
+def covering_shape(shape, size):
+    """(height, width) of an image of shape once resize_to_cover has fitted it to size."""
+    (target_h, target_w), (height, width) = hw(size), shape
+    scale = max(target_h / height, target_w / width)
+    return max(target_h, round(height * scale)), max(target_w, round(width * scale))
+
+
+def resize_shorter_side(image, size):
+    """(H, W, 3) uint8 -> uint8 with min(H, W) == size, aspect kept (bicubic)."""
+    return resize_to_cover(image, size)
+
+
 def crop_offsets(height, width, size, center, rng):
-    """(top, left) of a size x size crop of a height x width image: centered or at random."""
+    """(top, left) of a size crop (an int: square; or (height, width)) of a height x width image:
+    centered or at random."""
+    crop_h, crop_w = hw(size)
     if center:
-        return (height - size) // 2, (width - size) // 2
-    return int(rng.integers(0, height - size + 1)), int(rng.integers(0, width - size + 1))
+        return (height - crop_h) // 2, (width - crop_w) // 2
+    return int(rng.integers(0, height - crop_h + 1)), int(rng.integers(0, width - crop_w + 1))
 
 
 def crop_square(image, size, center, rng):
-    """(H, W, C) with min(H, W) >= size -> (size, size, C): centered or at a random offset."""
+    """(H, W, C) covering size -> the size crop (C kept): centered or at a random offset."""
     top, left = crop_offsets(*image.shape[:2], size, center, rng)
-    return image[top:top + size, left:left + size]
+    crop_h, crop_w = hw(size)
+    return image[top:top + crop_h, left:left + crop_w]
 
 
 def mirrored_left(width, left, size):
     """The left edge of a crop once the image is flipped: counted from the other side."""
-    return width - left - size
+    return width - left - hw(size)[1]
 
 
 def view_and_crop(image, size, center_crop, random_flip, rng):
-    """One training view of a stored image: crop, maybe flip. (H, W, 3) -> ((size, size, 3)
-    uint8, (top, left)): where the view's top-left corner lies in the stored image as the view
+    """One training view of a stored image: crop, maybe flip. (H, W, C) -> ((h, w, C) uint8 of
+    size, (top, left)): where the view's top-left corner lies in the stored image as the view
     shows it (a flipped view's left is counted from the mirrored side), SDXL's crop numbers."""
     height, width = image.shape[:2]
     top, left = crop_offsets(height, width, size, center_crop, rng)
-    out = image[top:top + size, left:left + size]
+    crop_h, crop_w = hw(size)
+    out = image[top:top + crop_h, left:left + crop_w]
     if random_flip and rng.random() < 0.5:
         out, left = out[:, ::-1], mirrored_left(width, left, size)
     return np.ascontiguousarray(out), (top, left)
@@ -256,10 +281,87 @@ def view(image, size, center_crop, random_flip, rng):
     return view_and_crop(image, size, center_crop, random_flip, rng)[0]
 
 
+# ---------------------------------------------------------------- aspect-ratio buckets
+
+
+def bucket_sizes(resolution, min_reso, max_reso, step):
+    """--enable_bucket's (height, width) sizes: multiples of step within [min_reso, max_reso], each
+    at most resolution x resolution pixels and as close to it as the step allows, in both
+    orientations; the square resolution x resolution among them. Sorted, widest first."""
+    area = resolution * resolution
+    sizes = {(resolution, resolution)}
+    for width in range(min_reso, max_reso + 1, step):
+        height = min(max_reso, area // width // step * step)
+        if height >= min_reso:
+            sizes.update({(height, width), (width, height)})
+    return sorted(sizes, key=lambda s: (s[0] / s[1], s[0]))
+
+
+def bucket_for(height, width, buckets):
+    """Index of the bucket whose aspect ratio is nearest the image's (on a log scale: 2:1 is as far
+    from 1:1 as 1:2); a tie goes to the larger bucket."""
+    aspect = np.log(height / width)
+    return min(range(len(buckets)), key=lambda b: (abs(np.log(buckets[b][0] / buckets[b][1]) - aspect),
+                                                   -buckets[b][0] * buckets[b][1]))
+
+
+def upright_size(path):
+    """(height, width) of an image file as it shows upright."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        width, height = image.size
+    return (width, height) if _ORIENTATIONS.get(exif_orientation(path), (0, False))[0] % 2 else (height, width)
+
+
+def plan_bucket_rows(instance_buckets, num_class, num_epochs, seed, batch_size):
+    """plan_rows for --enable_bucket: every block of batch_size consecutive rows holds one bucket.
+
+    An epoch pairs instances and class images as plan_rows does, then groups its rows by their
+    instance's bucket (instance_buckets: the bucket index of each instance image); a group that does
+    not fill its last block is topped up with rows of its own drawn again. Blocks are shuffled by
+    (seed, epoch). Each row also carries "bucket". Returns the rows, block after block."""
+    rows = []
+    for epoch_rows in _epochs(plan_rows(len(instance_buckets), num_class, num_epochs, seed)):
+        epoch = epoch_rows[0]["epoch"]
+        rng = np.random.default_rng([seed, epoch, 1])
+        groups = {}
+        for row in epoch_rows:
+            groups.setdefault(instance_buckets[row["instance"]], []).append({**row, "bucket": 0})
+        blocks = []
+        for bucket, group in sorted(groups.items()):
+            short = -len(group) % batch_size
+            group = group + [dict(group[k], seed=int(rng.integers(0, 2**31))) for k in rng.integers(0, len(group), short)]
+            for row in group:
+                row["bucket"] = int(bucket)
+            blocks += [group[k:k + batch_size] for k in range(0, len(group), batch_size)]
+        for k in rng.permutation(len(blocks)):
+            rows += blocks[k]
+    return rows
+
+
+def _epochs(rows):
+    """plan_rows' rows cut into their epochs."""
+    epochs = {}
+    for row in rows:
+        epochs.setdefault(row["epoch"], []).append(row)
+    return [epochs[e] for e in sorted(epochs)]
+
+
+def bucket_epoch_rows(instance_buckets, num_class, batch_size):
+    """Rows of one epoch of plan_bucket_rows (each bucket's rows rounded up to whole blocks)."""
+    num_rows = max(len(instance_buckets), num_class)
+    counts = {}
+    for k in range(num_rows):
+        bucket = instance_buckets[k % len(instance_buckets)]
+        counts[bucket] = counts.get(bucket, 0) + 1
+    return sum(-(-n // batch_size) * batch_size for n in counts.values())
+
+
 def time_ids(original_size, crop, size):
     """SDXL's six size/crop numbers of a view: the photo's original height and width (before any
     resize), the crop's top and left in the resized image, the trained height and width."""
-    return np.array([*original_size, *crop, size, size], dtype=np.float32)
+    return np.array([*original_size, *crop, *hw(size)], dtype=np.float32)
 
 
 def plan_rows(num_instance, num_class, num_epochs, seed):
@@ -291,21 +393,28 @@ def _resolve(value):
     return ray.get(value) if isinstance(value, ray.ObjectRef) else value
 
 
-def _per_row(batch, sources, pick):
-    """{key: [pick(...) of each row]}: for each row, pick(its index, its image of sources[key],
-    the row's generator), for the keys ("instance", "class") the batch has; one generator per
-    row, seeded by it."""
+def _per_row(batch, pick):
+    """{key: [pick(key, index, r, rng) of each row]}: for each row r, its image index of key and
+    its generator, for the keys ("instance", "class") the batch has; one generator per row,
+    seeded by it."""
     keys = [k for k in ("instance", "class") if k in batch]
     out = {k: [] for k in keys}
     for r, row_seed in enumerate(batch["seed"]):
         rng = np.random.default_rng(int(row_seed))
         for key in keys:
-            index = int(batch[key][r])
-            out[key].append(pick(index, sources[key][index], rng))
+            out[key].append(pick(key, int(batch[key][r]), r, rng))
     return out
 
 
-def make_views(batch, instance_images, class_images, resolution, center_crop, random_flip, sizes=None):
+def _row_buckets(batch, buckets):
+    """Each row's bucket index (None per row without --enable_bucket)."""
+    if buckets is None or "bucket" not in batch:
+        return [None] * len(batch["seed"])
+    return [int(b) for b in batch["bucket"]]
+
+
+def make_views(batch, instance_images, class_images, resolution, center_crop, random_flip, sizes=None,
+               buckets=None):
     """Index rows -> pixels: each row's instance (and class) image, cropped and flipped with
     the row's own seed.
 
@@ -316,61 +425,78 @@ def make_views(batch, instance_images, class_images, resolution, center_crop, ra
     With sizes ({"instance": (N, 2), "class": (M, 2)} original heights and widths, SDXL), also
     "instance_time_ids" [, "class_time_ids"]: (B, 6) float32 (time_ids of each view). Instance
     images of 4 channels (--masked_loss: RGB + mask) give "instance_mask": (B, R, R) uint8, the
-    mask cropped and flipped with its pixels.
+    mask cropped and flipped with its pixels. With buckets ((height, width) per bucket index) and
+    a "bucket" column (one bucket per batch: plan_bucket_rows), views are of the bucket's size:
+    instance images are stored covering their bucket; class images are resized to cover it here.
     """
     sources = {"instance": _resolve(instance_images), "class": _resolve(class_images)}
-    views = _per_row(batch, sources, lambda index, image, rng: (index, *view_and_crop(
-        image, resolution, center_crop, random_flip, rng)))
-    out = {f"{k}_pixels": np.stack([pixels for _, pixels, _ in v]) for k, v in views.items()}
+    row_buckets = _row_buckets(batch, buckets)
+
+    def pick(key, index, r, rng):
+        image, size = sources[key][index], resolution
+        if row_buckets[r] is not None:
+            size = tuple(buckets[row_buckets[r]])
+            if key == "class":
+                image = resize_to_cover(image, size)
+        return (index, *view_and_crop(image, size, center_crop, random_flip, rng), size)
+
+    views = _per_row(batch, pick)
+    out = {f"{k}_pixels": np.stack([pixels for _, pixels, _, _ in v]) for k, v in views.items()}
     if out["instance_pixels"].shape[-1] == 4:  # --masked_loss: the mask rode along as a 4th channel
         out["instance_mask"] = np.ascontiguousarray(out["instance_pixels"][..., 3])
         out["instance_pixels"] = np.ascontiguousarray(out["instance_pixels"][..., :3])
     if sizes is not None:
         sizes = _resolve(sizes)
-        out.update({f"{k}_time_ids": np.stack([time_ids(sizes[k][index], crop, resolution)
-                                               for index, _, crop in v]) for k, v in views.items()})
+        out.update({f"{k}_time_ids": np.stack([time_ids(sizes[k][index], crop, size)
+                                               for index, _, crop, size in v]) for k, v in views.items()})
     return {**out, "instance_image": np.asarray(batch["instance"])}
 
 
-def pick_latents(batch, instance_latents, class_latents, crops=None, instance_masks=None):
+def pick_latents(batch, instance_latents, class_latents, crops=None, instance_masks=None, bucketed=False):
     """Index rows -> cached VAE posteriors: one flip view per row, chosen by the row's seed.
 
-    In: as make_views; the latent arrays are (N, V, 8, h, w). Out: {"instance_latents":
-    (B, 8, h, w)[, "class_latents": (B, 8, h, w)]} float32, and "instance_image" (B,). With
-    crops ({"instance": (N, V, 6), "class": ...} the time_ids of each stored view, SDXL), also
-    "instance_time_ids" [, "class_time_ids"]: (B, 6). With instance_masks ((N, V, R, R) uint8, the
-    masks of the stored views), also "instance_mask": (B, R, R), the picked view's.
+    In: as make_views; the latent arrays are (N, V, 8, h, w) (or lists of (V, 8, h, w)). Out:
+    {"instance_latents": (B, 8, h, w)[, "class_latents": (B, 8, h, w)]} float32, and
+    "instance_image" (B,). With crops ({"instance": (N, V, 6), "class": ...} the time_ids of each
+    stored view, SDXL), also "instance_time_ids" [, "class_time_ids"]: (B, 6). With
+    instance_masks ((N, V, R, R) uint8, the masks of the stored views), also "instance_mask":
+    (B, R, R), the picked view's. bucketed (--enable_bucket): class_latents and crops["class"] are
+    {bucket index: per class image}, each class image encoded at every bucket the photos use.
     """
     sources = {"instance": _resolve(instance_latents), "class": _resolve(class_latents)}
+    crops = _resolve(crops) if crops is not None else None
+    row_buckets = [int(b) for b in batch["bucket"]] if bucketed else None
 
-    def pick(index, views, rng):
+    def stored(table, key, index, r):
+        return table[key][row_buckets[r]][index] if bucketed and key == "class" else table[key][index]
+
+    def pick(key, index, r, rng):
+        views = stored(sources, key, index, r)
         k = rng.integers(0, views.shape[0])
-        return index, k, views[k]
+        return index, k, views[k], (stored(crops, key, index, r)[k] if crops is not None else None)
 
-    picked = _per_row(batch, sources, pick)
-    out = {f"{key}_latents": np.stack([latents for _, _, latents in v]) for key, v in picked.items()}
+    picked = _per_row(batch, pick)
+    out = {f"{key}_latents": np.stack([latents for _, _, latents, _ in v]) for key, v in picked.items()}
     if crops is not None:
-        crops = _resolve(crops)
-        out.update({f"{key}_time_ids": np.stack([crops[key][index][k] for index, k, _ in v])
-                    for key, v in picked.items()})
+        out.update({f"{key}_time_ids": np.stack([ids for _, _, _, ids in v]) for key, v in picked.items()})
     if instance_masks is not None:
         masks = _resolve(instance_masks)
-        out["instance_mask"] = np.stack([masks[index][k] for index, k, _ in picked["instance"]])
+        out["instance_mask"] = np.stack([masks[index][k] for index, k, _, _ in picked["instance"]])
     return {**out, "instance_image": np.asarray(batch["instance"])}
 
 
-def stored_mask_views(mask, resolution, views):
-    """(V, R, R) uint8: a stored mask's center crop, then flipped (the cached latents' views)."""
-    crop = crop_square(mask, resolution, True, None)
+def stored_mask_views(mask, size, views):
+    """(V, h, w) uint8: a stored mask's center crop of size, then flipped (the cached latents' views)."""
+    crop = crop_square(mask, size, True, None)
     return np.stack([crop, crop[:, ::-1]][:views])
 
 
-def latent_view_time_ids(original_size, stored_shape, resolution, views):
+def latent_view_time_ids(original_size, stored_shape, size, views):
     """(V, 6) time_ids of the cached latents' views (LatentEncoder): the center crop, then flipped."""
     height, width = stored_shape
-    top, left = crop_offsets(height, width, resolution, True, None)
-    return np.stack([time_ids(original_size, (top, left if v == 0 else mirrored_left(width, left, resolution)),
-                              resolution) for v in range(views)])
+    top, left = crop_offsets(height, width, size, True, None)
+    return np.stack([time_ids(original_size, (top, left if v == 0 else mirrored_left(width, left, size)), size)
+                     for v in range(views)])
 
 
 # ---------------------------------------------------------------- Ray Data stages
@@ -379,26 +505,26 @@ def latent_view_time_ids(original_size, stored_shape, resolution, views):
 class LatentEncoder:
     """Ray Data actor for --cache_latents: the VAE, loaded once, encodes every stored image.
 
-    In: {"path": (B,), "image": B x (H, W, 3) uint8}. Out: {"path": (B,), "latents":
-    (B, V, 8, h, w)}: VAE posterior mean and log-variance of the center crop, V = 2 views
-    (plain, flipped) with random_flip, else 1.
+    In: {"key": (B,), "image": B x (H, W, 3) uint8, "size": (B, 2) crop height and width}. Out:
+    {"key": (B,), "latents": (B, V, 8, h, w)}: VAE posterior mean and log-variance of the center
+    crop, V = 2 views (plain, flipped) with random_flip, else 1. A batch's crops share one size.
     """
 
-    def __init__(self, model_dir, resolution, random_flip, allow_unsafe_weights, vae_dir=None):
+    def __init__(self, model_dir, random_flip, allow_unsafe_weights, vae_dir=None):
         import models
 
         self.device = utils.torch_device()
         self.vae = models.load_vae(model_dir, vae_dir, allow_unsafe_weights)
         self.vae.to(self.device).eval().requires_grad_(False)
-        self.resolution, self.random_flip = resolution, random_flip
+        self.random_flip = random_flip
 
-    def encode(self, images):
-        """B x (H, W, 3) uint8 -> (B, V, 8, h, w) float32 posterior parameters."""
+    def encode(self, images, size):
+        """B x (H, W, 3) uint8 covering size -> (B, V, 8, h, w) float32 posterior parameters."""
         import torch
 
         import steps
 
-        crops = np.stack([crop_square(x, self.resolution, True, None) for x in images])
+        crops = np.stack([crop_square(x, size, True, None) for x in images])
         views = [crops] + ([crops[:, :, ::-1]] if self.random_flip else [])
         out = []
         with torch.no_grad():
@@ -408,17 +534,18 @@ class LatentEncoder:
         return np.stack(out, axis=1)
 
     def __call__(self, batch):
-        return {"path": batch["path"], "latents": self.encode(batch["image"])}
+        return {"key": batch["key"], "latents": self.encode(batch["image"], tuple(batch["size"][0]))}
 
 
-def load_image(path, resolution):
-    """((H, W, 3) uint8 pixels of an image file, EXIF-upright, shorter side = resolution,
-    (height, width) of the upright image before the resize)."""
+def load_image(path, size):
+    """((H, W, 3) uint8 pixels of an image file, EXIF-upright, resized to just cover size (an int:
+    the shorter side is that size; or a bucket's (height, width)), (height, width) of the upright
+    image before the resize)."""
     from PIL import Image
 
     with Image.open(path) as image:
         pixels = apply_orientation(np.asarray(image.convert("RGB")), exif_orientation(path))
-    return resize_shorter_side(pixels, resolution), pixels.shape[:2]
+    return resize_to_cover(pixels, size), pixels.shape[:2]
 
 
 def resized_mask(found, shape):
@@ -434,7 +561,8 @@ def resized_mask(found, shape):
     return mask
 
 
-def decode_images(instance_paths, class_paths, resolution, latent_cache=None, sizes=None, masks=None):
+def decode_images(instance_paths, class_paths, resolution, latent_cache=None, sizes=None, masks=None,
+                  buckets=None):
     """Decode both folders once, on the driver; with latent_cache, VAE-encode them on a
     Ray Data actor pool (one actor per GPU).
 
@@ -442,32 +570,51 @@ def decode_images(instance_paths, class_paths, resolution, latent_cache=None, si
     or two for hundreds of images, where a Ray Data pass costs seconds of start-up.
     Returns (instance, class) lists in path order: (H, W, 3) uint8 images, or (V, 8, h, w)
     posteriors with latent_cache ({"model_dir", "num_gpus", "allow_unsafe_weights",
-    "random_flip"}). sizes: a dict this fills with {path: ((original height, width),
-    (stored height, width))}. masks (--masked_loss): {instance path: its find_masks entry}, a dict
-    this replaces each entry of with the (H, W) uint8 mask at the stored size.
+    "random_flip"}). sizes: a dict this fills with {(role, path): ((original height, width),
+    (stored height, width))}, role "instance" or "class". masks (--masked_loss): {instance path:
+    its find_masks entry}, a dict this replaces each entry of with the (H, W) uint8 mask at the
+    stored size. buckets (--enable_bucket): (bucket sizes, bucket index per instance path):
+    instance images are stored covering their bucket, and with latent_cache every class image is
+    encoded at each bucket the instances use: the class result is then {bucket: [posteriors]}.
     """
-    paths = list(dict.fromkeys(instance_paths + (class_paths or [])))
-    by_path = {}
-    for path in paths:
-        by_path[path], original = load_image(path, resolution)
-        if sizes is not None:
-            sizes[path] = (original, by_path[path].shape[:2])
+    stored = {}
+    instance_sizes = [resolution if buckets is None else tuple(buckets[0][b]) for b in
+                      (buckets[1] if buckets is not None else [None] * len(instance_paths))]
+    for role, paths, targets in (("instance", instance_paths, instance_sizes),
+                                 ("class", class_paths or [], [resolution] * len(class_paths or []))):
+        for path, size in zip(paths, targets):
+            stored[role, path], original = load_image(path, size)
+            if sizes is not None:
+                sizes[role, path] = (original, stored[role, path].shape[:2])
     if masks is not None:
         for path in instance_paths:
-            masks[path] = resized_mask(masks[path], by_path[path].shape[:2])
-    if latent_cache:
-        import ray
+            masks[path] = resized_mask(masks[path], stored["instance", path].shape[:2])
+    instances = [stored["instance", p] for p in instance_paths]
+    classes = [stored["class", p] for p in class_paths or []]
+    if not latent_cache:
+        return instances, classes
+    import ray
 
-        ds = ray.data.from_items([{"path": p, "image": by_path[p]} for p in paths]).map_batches(
-            LatentEncoder,
-            fn_constructor_args=(latent_cache["model_dir"], resolution, latent_cache["random_flip"],
-                                 latent_cache["allow_unsafe_weights"], latent_cache.get("vae_dir")),
-            compute=ray.data.ActorPoolStrategy(size=max(1, latent_cache["num_gpus"])),
-            num_gpus=1 if latent_cache["num_gpus"] else 0,
-            batch_size=16,
-        )
-        by_path = {row["path"]: row["latents"] for row in ds.take_all()}
-    return [by_path[p] for p in instance_paths], [by_path[p] for p in class_paths or []]
+    # (key, image covering its crop, crop size): each photo at its own size; each class image at
+    # the square, or with buckets at every bucket the photos use
+    class_buckets = sorted(set(buckets[1])) if buckets is not None else [None]
+    items = [(f"i{k}", image, size) for k, (image, size) in enumerate(zip(instances, instance_sizes))]
+    for bucket in class_buckets:
+        size = resolution if bucket is None else tuple(buckets[0][bucket])
+        items += [(f"c{bucket}-{k}", resize_to_cover(image, size), size) for k, image in enumerate(classes)]
+    ds = ray.data.from_items([{"key": key, "image": image, "size": np.array(hw(size))}
+                              for key, image, size in items]).map_batches(
+        LatentEncoder,
+        fn_constructor_args=(latent_cache["model_dir"], latent_cache["random_flip"],
+                             latent_cache["allow_unsafe_weights"], latent_cache.get("vae_dir")),
+        compute=ray.data.ActorPoolStrategy(size=max(1, latent_cache["num_gpus"])),
+        num_gpus=1 if latent_cache["num_gpus"] else 0,
+        batch_size=16 if buckets is None else 1,  # (photos of several sizes: one at a time)
+    )
+    encoded = {row["key"]: row["latents"] for row in ds.take_all()}
+    instances = [encoded[f"i{k}"] for k in range(len(instances))]
+    by_bucket = {bucket: [encoded[f"c{bucket}-{k}"] for k in range(len(classes))] for bucket in class_buckets}
+    return instances, by_bucket[None] if buckets is None else by_bucket
 
 
 def index_dataset(rows, block_rows):
@@ -487,7 +634,7 @@ def index_dataset(rows, block_rows):
 
 
 def build_train_dataset(instance_paths, class_paths, resolution, center_crop, random_flip, latent_cache=None,
-                        num_epochs=1, seed=0, batch_size=16, with_time_ids=False, mask_sources=None):
+                        num_epochs=1, seed=0, batch_size=16, with_time_ids=False, mask_sources=None, buckets=None):
     """The training Dataset of a whole run: num_epochs epochs of plan_rows, turned into pixels
     (or cached latents) by Ray Data tasks.
 
@@ -498,7 +645,9 @@ def build_train_dataset(instance_paths, class_paths, resolution, center_crop, ra
     batch_size: rows of one worker's batch, the stream's block (see index_dataset).
     with_time_ids: each row also carries SDXL's size/crop numbers of its views (time_ids).
     mask_sources (--masked_loss): per instance path, its find_masks entry; each instance row then
-    carries its view's mask ("instance_mask").
+    carries its view's mask ("instance_mask"). buckets (--enable_bucket): the (height, width) of
+    each bucket: each photo goes to the bucket of its aspect ratio (bucket_for), every batch holds
+    one bucket (plan_bucket_rows), class rows are fitted to their batch's bucket.
     """
     import ray
 
@@ -506,29 +655,48 @@ def build_train_dataset(instance_paths, class_paths, resolution, center_crop, ra
         latent_cache = {**latent_cache, "random_flip": random_flip}
     sizes = {}
     masks = dict(zip(instance_paths, mask_sources)) if mask_sources is not None else None
-    instances, classes = decode_images(instance_paths, class_paths, resolution, latent_cache, sizes, masks)
-    index = index_dataset(plan_rows(len(instances), len(classes), num_epochs, seed), batch_size)
+    assigned = None
+    if buckets is not None:
+        buckets = [tuple(b) for b in buckets]
+        assigned = [bucket_for(*upright_size(p), buckets) for p in instance_paths]
+    instances, classes = decode_images(instance_paths, class_paths, resolution, latent_cache, sizes, masks,
+                                       (buckets, assigned) if buckets is not None else None)
+    num_class = len(class_paths or [])
+    if buckets is None:
+        rows = plan_rows(len(instances), num_class, num_epochs, seed)
+    else:
+        rows = plan_bucket_rows(assigned, num_class, num_epochs, seed, batch_size)
+    index = index_dataset(rows, batch_size)
     paths = {"instance": instance_paths, "class": class_paths or []}
+    instance_sizes = [resolution if assigned is None else buckets[b] for b in (assigned or [None] * len(instances))]
+    views = 2 if random_flip else 1
     if latent_cache:
         crops = None
         if with_time_ids:
-            views = 2 if random_flip else 1
-            crops = ray.put({k: [latent_view_time_ids(*sizes[p], resolution, views) for p in ps]
-                             for k, ps in paths.items()})
+            crops = {"instance": [latent_view_time_ids(*sizes["instance", p], size, views)
+                                  for p, size in zip(instance_paths, instance_sizes)]}
+            if buckets is None:
+                crops["class"] = [latent_view_time_ids(*sizes["class", p], resolution, views) for p in paths["class"]]
+            else:
+                crops["class"] = {b: [latent_view_time_ids(sizes["class", p][0],
+                                                           covering_shape(sizes["class", p][1], buckets[b]),
+                                                           buckets[b], views) for p in paths["class"]]
+                                  for b in set(assigned)}
+            crops = ray.put(crops)
         mask_views = None
         if masks is not None:
-            mask_views = ray.put(np.stack([stored_mask_views(masks[p], resolution, 2 if random_flip else 1)
-                                           for p in instance_paths]))
+            mask_views = ray.put([stored_mask_views(masks[p], size, views) for p, size in zip(instance_paths,
+                                                                                              instance_sizes)])
         return index.map_batches(pick_latents, batch_size=batch_size, fn_kwargs={
-            "instance_latents": ray.put(np.stack(instances)),
-            "class_latents": ray.put(np.stack(classes)) if classes else None, "crops": crops,
-            "instance_masks": mask_views})
+            "instance_latents": ray.put(instances), "class_latents": ray.put(classes) if num_class else None,
+            "crops": crops, "instance_masks": mask_views, "bucketed": buckets is not None})
     if masks is not None:  # the mask rides as a 4th channel: cropped and flipped with its pixels
         instances = [np.concatenate([image, masks[p][..., None]], axis=-1) for image, p in zip(instances, instance_paths)]
-    originals = ray.put({k: [sizes[p][0] for p in ps] for k, ps in paths.items()}) if with_time_ids else None
+    originals = ray.put({k: [sizes[k, p][0] for p in ps] for k, ps in paths.items()}) if with_time_ids else None
     return index.map_batches(make_views, batch_size=batch_size, fn_kwargs={
         "instance_images": ray.put(instances), "class_images": ray.put(classes) if classes else None,
-        "resolution": resolution, "center_crop": center_crop, "random_flip": random_flip, "sizes": originals})
+        "resolution": resolution, "center_crop": center_crop, "random_flip": random_flip, "sizes": originals,
+        "buckets": buckets})
 
 
 def tokenize_prompt(tokenizer, prompt):

@@ -183,6 +183,20 @@ FLAGS = {
                   "Default: the model's native size (512 for SD 1.x).")),
     "center_crop": (("--center_crop",),
         dict(action="store_true", help="Center-crop training images (default: random crop).")),
+    "enable_bucket": (("--enable_bucket",),
+        dict(action="store_true",
+             help="Aspect-ratio buckets (kohya's flag): each photo is resized to the bucket of its aspect ratio, "
+                  "about --resolution squared pixels, instead of cropped to a square, so a tall or wide photo "
+                  "keeps all of its subject; every batch is one bucket; class images are fitted to their "
+                  "batch's bucket.")),
+    "min_bucket_reso": (("--min_bucket_reso",),
+        dict(type=positive_int, default=None, help="Shortest side of a bucket. Default: half the resolution.")),
+    "max_bucket_reso": (("--max_bucket_reso",),
+        dict(type=positive_int, default=None, help="Longest side of a bucket. Default: twice the resolution.")),
+    "bucket_reso_steps": (("--bucket_reso_steps",),
+        dict(type=positive_int, default=None,
+             help="Buckets' sides are multiples of this (of the model's own size step too). Default: 64, "
+                  "less for models under 512 px.")),
     "random_flip": (("--random_flip",),
         dict(action="store_true", help="Flip training images horizontally at random.")),
     # --- optimisation

@@ -26,7 +26,8 @@ DEFAULT_MAX_TRAIN_STEPS = 800
 TRAIN_FLAGS = [
     "model_dir", "output_dir", "instance_data_dir", "instance_prompt", "caption_extension", "class_data_dir",
     "class_prompt",
-    "with_prior_preservation", "prior_preservation", "prior_loss_weight", "resolution", "center_crop", "random_flip",
+    "with_prior_preservation", "prior_preservation", "prior_loss_weight", "resolution", "center_crop", "random_flip", "enable_bucket", "min_bucket_reso", "max_bucket_reso",
+    "bucket_reso_steps",
     "train_text_encoder", "use_lora", "lora_rank", "lora_alpha", "lora_dropout", "train_batch_size", "learning_rate", "scale_lr", "lr_scheduler", "lr_warmup_steps",
     "lr_num_cycles", "lr_power", "offset_noise", "snr_gamma", "caption_dropout_rate", "masked_loss", "use_ema", "ema_decay", "ema_update_after_step", "use_8bit_adam", "adam_beta1",
     "adam_beta2", "adam_weight_decay", "adam_epsilon", "max_grad_norm", "max_train_steps",
@@ -70,6 +71,8 @@ class Plan:
     resolution: int
     center_crop: bool
     random_flip: bool
+    enable_bucket: bool
+    buckets: tuple  # --enable_bucket: every bucket's (height, width); () without
     cache_latents: bool
     precompute_text_embeddings: bool
     train_batch_size: int
@@ -156,7 +159,7 @@ class Plan:
         captions = f" ({len(self.instance_prompts)} prompts from captions)" if len(self.instance_prompts) > 1 else ""
         return (f"plan: {self.total_steps} steps ({self.steps_per_epoch} per epoch) training {trained} on "
                 f"{len(self.instance_images)} instance{captions} and {len(self.class_images)} class images at "
-                f"{self.resolution} px\n"
+                f"{self.resolution} px{' (aspect-ratio buckets)' if self.enable_bucket else ''}\n"
                 f"      {self.num_workers} worker(s) x ({device}), batch {self.train_batch_size} instance{prior} "
                 f"x {self.gradient_accumulation_steps} accumulated, lr {self.learning_rate:g} "
                 f"({self.lr_scheduler}), seed {self.seed}\n"
@@ -260,6 +263,15 @@ def plan_run(args, cluster_resources):
     instance_images = dataset.inspect_images(instance_images, resolution, convert_dir)
     class_images = dataset.inspect_images(class_images, resolution, convert_dir) if class_images else []
     num_rows = max(len(instance_images), len(class_images))
+    buckets = ()
+    if args.enable_bucket:
+        buckets = bucket_plan(args, resolution)
+        assigned = [dataset.bucket_for(*dataset.upright_size(p), buckets) for p in instance_images]
+        num_rows = dataset.bucket_epoch_rows(assigned, len(class_images), args.train_batch_size)
+        used = sorted(set(assigned))
+        print(f"buckets: {len(instance_images)} photos in " + ", ".join(
+            f"{buckets[b][1]}x{buckets[b][0]} ({assigned.count(b)})" for b in used) + " (width x height)",
+            file=sys.stderr)
     steps_per_epoch, total_steps = plan_steps(num_rows, args)
     from_flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(Plan) if hasattr(args, f.name)}
     return Plan(**{
@@ -274,6 +286,7 @@ def plan_run(args, cluster_resources):
         "instance_masks": tuple(masks),
         "class_images": tuple(class_images),
         "resolution": resolution,
+        "buckets": buckets,
         "channels_last": use_gpu if args.channels_last is None else args.channels_last,
         "steps_per_epoch": steps_per_epoch,
         "total_steps": total_steps,
@@ -297,11 +310,35 @@ def offline_plan(**fields):
                        "--instance_data_dir", "/unused", "--instance_prompt", "unused"])
     from_flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(Plan) if hasattr(args, f.name)}
     decided = dict(instance_prompts=(args.instance_prompt,), image_prompt=(), prompt_ids={},
-                   instance_images=(), instance_masks=(), class_images=(), resolution=64, channels_last=False,
+                   instance_images=(), instance_masks=(), class_images=(), resolution=64, buckets=(),
+                   channels_last=False,
                    steps_per_epoch=1, total_steps=DEFAULT_MAX_TRAIN_STEPS, stream_epochs=1, use_gpu=False,
                    cpus_per_worker=1.0, num_workers=1, run_name="offline", resume_path=None, progress_bar=False,
                    settings_toml="")
     return Plan(**{**from_flags, **decided, **fields})
+
+
+def bucket_plan(args, resolution):
+    """The buckets of --enable_bucket: dataset.bucket_sizes with the flags' bounds (defaults: half
+    and twice the resolution, steps of 64, fewer pixels for small models), every side a multiple of
+    the model's size step; UserError when the flags leave no bucket but the square."""
+    import dataset
+
+    multiple = utils.size_multiple(args.model_dir)
+    step = args.bucket_reso_steps or max(multiple, min(64, resolution // 8))
+    if step % multiple:
+        raise utils.UserError(f"--bucket_reso_steps {step} must be a multiple of {multiple} for this model "
+                              "(its VAE and UNet halve the image that often)")
+    low = args.min_bucket_reso or max(step, resolution // 2 // step * step)
+    high = args.max_bucket_reso or resolution * 2
+    if not low <= resolution <= high:
+        raise utils.UserError(f"--min_bucket_reso {low} and --max_bucket_reso {high} must enclose the "
+                              f"resolution {resolution}")
+    buckets = tuple(dataset.bucket_sizes(resolution, low, high, step))
+    if len(buckets) == 1:
+        raise utils.UserError(f"--enable_bucket: no bucket but the square fits sides {low}-{high} in steps of "
+                              f"{step} at {resolution} px; widen them")
+    return buckets
 
 
 def masks_of(photos, masked_loss):

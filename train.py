@@ -104,7 +104,8 @@ def train_dataset(plan):
         list(plan.instance_images), list(plan.class_images) or None, plan.resolution, plan.center_crop,
         plan.random_flip, latent_cache, num_epochs=plan.stream_epochs, seed=plan.seed,
         batch_size=plan.train_batch_size, with_time_ids=families.family_of(plan.model_dir).time_ids,
-        mask_sources=list(plan.instance_masks) if plan.masked_loss else None)
+        mask_sources=list(plan.instance_masks) if plan.masked_loss else None,
+        buckets=list(plan.buckets) if plan.enable_bucket else None)
 
 
 def run_trainer(plan, train_ds):

@@ -432,6 +432,15 @@ def native_resolution(model_dir):
     return config("unet")["sample_size"] * 2 ** (len(config("vae")["block_out_channels"]) - 1)
 
 
+def size_multiple(model_dir):
+    """The step every trained height and width must be a multiple of: the VAE's downscaling times the
+    UNet's (each down block but the last halves the latents)."""
+    def config(part):
+        return read_json(os.path.join(model_dir, part, "config.json"))
+
+    return 2 ** (len(config("vae")["block_out_channels"]) - 1) * 2 ** (len(config("unet")["down_block_types"]) - 1)
+
+
 def check_model_dir(model_dir, allow_unsafe_weights=False):
     """Fail early, naming what is missing, if model_dir is not a diffusers SD folder.
 

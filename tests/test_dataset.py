@@ -145,18 +145,37 @@ def test_train_dataset_on_ray_pairs_every_class_image(ray_session, toy_images, t
     masked = dataset.build_train_dataset(photos, None, 16, center_crop=False, random_flip=True, num_epochs=3,
                                          mask_sources=dataset.find_masks(photos)).take_all()
     assert len(masked) == 9 and all(np.array_equal(r["instance_mask"], r["instance_pixels"][..., 0]) for r in masked)
+    # --enable_bucket: photos of three shapes; each batch (a block) is one bucket, class rows fitted to it
+    shaped = photos + [tall_photo_marked_at_the_top(tmp_path / "tall.png")]
+    buckets = dataset.bucket_sizes(16, 8, 32, 4)
+    bucketed = dataset.build_train_dataset(shaped, class_paths, 16, center_crop=False, random_flip=True,
+                                           num_epochs=2, batch_size=2, buckets=buckets)
+    batches = list(bucketed.iter_batches(batch_size=2))
+    shapes = {b["instance_pixels"].shape[1:3] for b in batches}
+    assert len(shapes) >= 3 and all(b["class_pixels"].shape == b["instance_pixels"].shape for b in batches)
+    assert sum(len(b["instance_image"]) for b in batches) == 2 * dataset.bucket_epoch_rows(
+        [dataset.bucket_for(*dataset.upright_size(p), buckets) for p in shaped], len(class_paths), 2)
 
 
-def test_latent_cache_stores_posteriors_of_both_flip_views(ray_session, tiny_model, toy_images):
+def test_latent_cache_stores_posteriors_of_both_flip_views(ray_session, tiny_model, toy_images, tmp_path):
     paths = dataset.list_images(toy_images, "instance")
     cache = {"model_dir": tiny_model, "num_gpus": 0, "allow_unsafe_weights": False}
     ds = dataset.build_train_dataset(paths, paths[:3], 16, center_crop=True, random_flip=True, latent_cache=cache)
     rows = ds.take_all()
     assert len(rows) == 5
     assert all(r["instance_latents"].shape == (8, 8, 8) and r["class_latents"].shape == (8, 8, 8) for r in rows)
-    encoder = dataset.LatentEncoder(tiny_model, 16, True, False)
+    # --enable_bucket: each photo's latents at its bucket, the class images' at every bucket the photos use
+    tall = tall_photo_marked_at_the_top(tmp_path / "tall.png")
+    buckets = dataset.bucket_sizes(16, 8, 32, 4)
+    bucketed = dataset.build_train_dataset(paths + [tall], paths[:3], 16, center_crop=True, random_flip=True,
+                                           latent_cache=cache, batch_size=2, buckets=buckets)
+    batches = list(bucketed.iter_batches(batch_size=2))
+    tall_bucket = buckets[dataset.bucket_for(240, 96, buckets)]
+    assert {b["instance_latents"].shape[2:] for b in batches} == {(8, 8), (tall_bucket[0] // 2, tall_bucket[1] // 2)}
+    assert all(b["class_latents"].shape == b["instance_latents"].shape for b in batches)
+    encoder = dataset.LatentEncoder(tiny_model, True, False)
     images = [np.asarray(Image.open(p).convert("RGB")) for p in paths[:1]]
-    views = encoder.encode([dataset.resize_shorter_side(x, 16) for x in images])
+    views = encoder.encode([dataset.resize_shorter_side(x, 16) for x in images], 16)
     assert views.shape == (1, 2, 8, 8, 8) and not np.allclose(views[0, 0], views[0, 1])
 
 
@@ -222,3 +241,61 @@ def test_each_view_carries_its_own_crop_and_flip_of_the_mask(tmp_path):
     picked = dataset.pick_latents(batch, latents, None, instance_masks=views)
     for row, index, lat, mask in zip(range(12), batch["instance"], picked["instance_latents"], picked["instance_mask"]):
         np.testing.assert_array_equal(mask, views[index][int(lat[0, 0, 0])])
+
+
+def test_buckets_hold_about_the_resolutions_pixels_in_steps_of_every_shape():
+    buckets = dataset.bucket_sizes(512, 256, 1024, 64)
+    assert (512, 512) in buckets and (576, 448) in buckets and (448, 576) in buckets
+    assert all(h % 64 == 0 and w % 64 == 0 and 256 <= min(h, w) and max(h, w) <= 1024 for h, w in buckets)
+    assert all(h * w <= 512 * 512 and h * w > 512 * 512 * 0.75 for h, w in buckets)
+    assert set(buckets) == {(w, h) for h, w in buckets}  # both orientations
+    tall, wide, square = (dataset.bucket_for(h, w, buckets) for h, w in ((1000, 500), (300, 400), (700, 701)))
+    assert buckets[square] == (512, 512)
+    assert buckets[tall][0] / buckets[tall][1] == pytest.approx(2, rel=0.25)
+    assert buckets[wide] == (448, 576)
+
+
+def test_bucket_rows_put_one_bucket_in_each_block_and_every_photo_in_each_epoch():
+    assigned = [0, 2, 2, 1, 2]  # the buckets of five photos
+    rows = dataset.plan_bucket_rows(assigned, 7, num_epochs=2, seed=4, batch_size=2)
+    per_epoch = dataset.bucket_epoch_rows(assigned, 7, 2)
+    assert len(rows) == 2 * per_epoch and per_epoch % 2 == 0
+    blocks = [rows[k:k + 2] for k in range(0, len(rows), 2)]
+    assert all(len({r["bucket"] for r in b}) == 1 and all(r["bucket"] == assigned[r["instance"]] for r in b)
+               for b in blocks)
+    for epoch in (0, 1):
+        mine = [r for r in rows if r["epoch"] == epoch]
+        assert {r["instance"] for r in mine} == set(range(5)) and {r["class"] for r in mine} == set(range(7))
+    assert rows == dataset.plan_bucket_rows(assigned, 7, num_epochs=2, seed=4, batch_size=2)  # seeded
+    assert [r["bucket"] for r in rows] != [r["bucket"] for r in dataset.plan_bucket_rows(assigned, 7, 2, 5, 2)]
+
+
+def tall_photo_marked_at_the_top(path, height=240, width=96):
+    """A portrait photo: gray, with a red band across its top tenth."""
+    pixels = np.full((height, width, 3), 128, np.uint8)
+    pixels[:height // 10] = (255, 0, 0)
+    Image.fromarray(pixels).save(path)
+    return str(path)
+
+
+def test_a_portrait_photos_top_is_never_cropped_away_in_its_bucket(tmp_path):
+    """Square crops of a tall photo lose its top in some views; its bucket keeps all of it, class
+    images are fitted to the same bucket, and SDXL's time ids hold the true sizes and crops."""
+    photo = tall_photo_marked_at_the_top(tmp_path / "tall.png")
+    buckets = dataset.bucket_sizes(64, 32, 128, 8)
+    bucket = dataset.bucket_for(*dataset.upright_size(photo), buckets)
+    height, width = buckets[bucket]
+    assert height > width
+    class_image = np.full((64, 64, 3), 7, np.uint8)
+    instances, _ = dataset.decode_images([photo], None, 64, buckets=(buckets, [bucket]))
+    rows = dataset.plan_bucket_rows([bucket], 1, num_epochs=8, seed=0, batch_size=1)
+    batch = {k: np.array([r[k] for r in rows]) for k in ("instance", "class", "seed", "bucket")}
+    out = dataset.make_views(batch, instances, [class_image], 64, center_crop=False, random_flip=True,
+                             sizes={"instance": [(240, 96)], "class": [(64, 64)]}, buckets=buckets)
+    assert out["instance_pixels"].shape == (8, height, width, 3) and out["class_pixels"].shape == (8, height, width, 3)
+    assert all((view[0] == (255, 0, 0)).all(axis=-1).all() for view in out["instance_pixels"])  # the mark, every time
+    assert (out["instance_time_ids"][:, [0, 1, 4, 5]] == [240, 96, height, width]).all()
+    assert (out["class_time_ids"][:, [0, 1, 4, 5]] == [64, 64, height, width]).all()
+    square = dataset.make_views({k: batch[k] for k in ("instance", "seed")},
+                                dataset.decode_images([photo], None, 64)[0], None, 64, False, True)
+    assert not all((view[0] == (255, 0, 0)).all() for view in square["instance_pixels"])  # squares lose it

@@ -265,3 +265,18 @@ def test_an_sdxl_plan_takes_both_tokenizers_its_own_vae_and_validation_epochs(ti
     with pytest.raises(utils.UserError, match="no config.json there"):
         planning.plan_run(planning.parse_args(argv + ["--pretrained_vae_model_name_or_path", toy_images]),
                           lambda: (2.0, 0))
+
+
+def test_buckets_are_planned_from_the_resolution_and_the_models_size_step(tiny_model, toy_images, tmp_path, capsys):
+    argv = ["--model_dir", tiny_model, "--output_dir", str(tmp_path / "out"), "--instance_data_dir", toy_images,
+            "--instance_prompt", "photo of unqtkn toy", "--num_workers", "1", "--train_batch_size", "2"]
+    run = planning.plan_run(planning.parse_args(argv + ["--enable_bucket"]), lambda: (2.0, 0))
+    assert (64, 64) in run.buckets and all(h % 8 == 0 and w % 8 == 0 and 32 <= min(h, w) for h, w in run.buckets)
+    assert "buckets: 5 photos in 64x64 (5)" in capsys.readouterr().err
+    assert run.steps_per_epoch == 3  # 5 photos in one bucket: 6 rows, whole batches of 2
+    assert "(aspect-ratio buckets)" in run.describe()
+    for extra, says in ((["--bucket_reso_steps", "6"], "must be a multiple of 4 for this model"),
+                        (["--min_bucket_reso", "80"], "must enclose the resolution 64"),
+                        (["--min_bucket_reso", "64", "--max_bucket_reso", "64"], "no bucket but the square")):
+        with pytest.raises(utils.UserError, match=says):
+            planning.plan_run(planning.parse_args(argv + ["--enable_bucket", *extra]), lambda: (2.0, 0))

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -67,9 +68,21 @@ def test_train_two_workers_saves_a_changed_loadable_pipeline(ray_session, tiny_m
 
     from diffusers import DiffusionPipeline
 
+    import shutil
+
+    import numpy as np
+    from PIL import Image
+
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a terminal: rank 0 draws the progress bar
+    # --enable_bucket: the square toy photos, a portrait and a landscape one; each batch one bucket
+    photos = tmp_path / "photos"
+    shutil.copytree(toy_images, photos)
+    rng = np.random.default_rng(0)
+    for name, size in (("tall.png", (120, 48)), ("wide.png", (40, 90))):
+        Image.fromarray(rng.integers(0, 255, (*size, 3), dtype=np.uint8)).save(photos / name)
     out = tmp_path / "model-tuned"
-    result = train.main(["--model_dir", tiny_model, "--output_dir", str(out), "--instance_images_dir", toy_images,
+    result = train.main(["--model_dir", tiny_model, "--output_dir", str(out), "--instance_images_dir", str(photos),
+                         "--enable_bucket",
                          "--instance_prompt", "photo of unqtkn toy", "--class_images_dir", class_images,
                          "--class_prompt", "photo of a toy", "--train_batch_size", "2", "--lr", "1e-4",
                          "--num_epochs", "4", "--max_train_steps", "5", "--num_workers", "2",
@@ -78,7 +91,9 @@ def test_train_two_workers_saves_a_changed_loadable_pipeline(ray_session, tiny_m
                          "--validation_inference_steps", "2"])
     assert result.metrics["step"] == 5 and result.metrics["loss"] > 0
     assert result.metrics["images_per_s"] > 0
-    assert "training:" in capfd.readouterr().err
+    err = capfd.readouterr().err
+    assert "training:" in err
+    assert re.search(r"buckets: 7 photos in \d+x\d+ \(1\), 64x64 \(5\), \d+x\d+ \(1\)", err), err[-3000:]
     tuned = DiffusionPipeline.from_pretrained(str(out))
     base = DiffusionPipeline.from_pretrained(tiny_model)
     assert weights_differ(tuned.unet, base.unet)
