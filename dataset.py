@@ -62,6 +62,14 @@ def list_images(folder, role, also_expected=None):
     return [os.path.join(folder, n) for n in images]
 
 
+def holdout_split(photos, count):
+    """(trained, held out): --holdout keeps the last count photos in name order out of training, for
+    evaluate.py to score the model against photos it never saw."""
+    if count and count >= len(photos):
+        raise utils.UserError(f"--holdout {count} leaves none of the {len(photos)} photos to train on")
+    return photos[:len(photos) - count], photos[len(photos) - count:]
+
+
 def normalize_image(image):
     """Any PIL image -> 8-bit RGB: transparency onto white, 16-bit scaled down, CMYK/palette/gray converted."""
     from PIL import Image

@@ -42,6 +42,7 @@ VARIABLES=(
   "LEARNING_RATE|5e-6 (1e-4 with --use_lora)|AdamW learning rate"
   "CHECKPOINTING_STEPS|100|a resumable checkpoint every N steps (the newest is kept)"
   "TRAIN_ARGS||more train.py flags, e.g. '--gradient_checkpointing --use_8bit_adam'"
+  "HOLDOUT|0|photos kept out of training (the last in name order); Step 6 also scores against them"
   "NUM_INFERENCE_STEPS|50 (--tiny: 10)|denoising steps of every generated image"
   "NUM_NEW_IMAGES|5|Step 5's images"
   "NUM_EVAL_IMAGES|4 (--tiny: 1)|Step 6's images per prompt and model"
@@ -137,6 +138,7 @@ GPUS_PER_WORKER="${GPUS_PER_WORKER:-1}"
 CHECKPOINTING_STEPS="${CHECKPOINTING_STEPS:-100}"
 NUM_NEW_IMAGES="${NUM_NEW_IMAGES:-5}"
 TRAIN_ARGS="${TRAIN_ARGS:-}"
+HOLDOUT="${HOLDOUT:-0}"
 # The photos: INSTANCE_DIR if set, $IMAGES_OWN_DIR with --skip_image_setup, else the example's own
 # folder (never the one your photos go in: two subjects are never trained as one).
 if [ -n "${INSTANCE_DIR:-}" ]; then
@@ -290,6 +292,7 @@ $PYTHON train.py \
   --checkpointing_steps="$CHECKPOINTING_STEPS" \
   --checkpoints_total_limit=1 \
   --resume_from_checkpoint=auto \
+  --holdout="$HOLDOUT" \
   "${TRAIN_OPTIONS[@]}" $TRAIN_ARGS "${EXTRA_TRAIN_ARGS[@]}"
 
 step "5: $NUM_NEW_IMAGES images of the subject in $IMAGES_NEW_DIR"
@@ -327,6 +330,7 @@ $PYTHON evaluate.py \
   --eval_models_dir="$EVAL_MODELS_DIR" \
   --output_dir="$EVAL_DIR" \
   --num_samples_per_prompt="$NUM_EVAL_IMAGES" \
+  --holdout="$HOLDOUT" \
   --num_inference_steps="$NUM_INFERENCE_STEPS"
 
 echo "done: scores of the tuned model beside the base model in $EVAL_DIR/report.md; log: $LOG_FILE"

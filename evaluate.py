@@ -26,6 +26,7 @@ import utils
 
 EVAL_PROMPTS_DIR = os.path.join(utils.REPO_DIR, "assets", "eval_prompts")
 SCORE_NAMES = ("dino", "clip_i", "clip_t", "div")
+HOLDOUT_NAMES = ("dino_holdout", "clip_i_holdout")  # --holdout: against the photos kept out of training
 
 
 def prompt_templates(subject_type, path=None):
@@ -117,10 +118,11 @@ def embed(rows, eval_models_dir, num_actors, allow_unsafe_weights=False, batch_s
     return out
 
 
-def score_set(emb, files, real):
+def score_set(emb, files, real, held_out=()):
     """DINO, CLIP-I, CLIP-T, DIV of one model's images. files: {prompt: [paths]} (images the safety
-    checker withheld are absent); real: the subject photos' paths. Each image's CLIP-T text is the
-    one its row carried (its prompt without the token). DIV is None with one image per prompt."""
+    checker withheld are absent); real: the subject photos' paths (those trained on). Each image's
+    CLIP-T text is the one its row carried (its prompt without the token). DIV is None with one image
+    per prompt. With held_out photos (--holdout), also DINO and CLIP-I against them."""
     import torch
 
     def stack(paths, key):
@@ -133,7 +135,10 @@ def score_set(emb, files, real):
     return {"dino": scores.mean_similarity(stack(every, "dino"), stack(real, "dino")),
             "clip_i": scores.mean_similarity(stack(every, "clip"), stack(real, "clip")),
             "clip_t": scores.paired_similarity(stack(every, "clip"), stack(every, "text_clip")),
-            "div": scores.diversity(groups) if groups else None}
+            "div": scores.diversity(groups) if groups else None,
+            **({"dino_holdout": scores.mean_similarity(stack(every, "dino"), stack(held_out, "dino")),
+                "clip_i_holdout": scores.mean_similarity(stack(every, "clip"), stack(held_out, "clip"))}
+               if held_out else {})}
 
 
 def _cell(value):
@@ -143,15 +148,21 @@ def _cell(value):
 def write_report(path, result):
     """report.md: overall scores of each model beside the paper's for SD, then one row per prompt."""
     labels = list(result["models"])
+    held = result.get("held_out") or []
+    kept_out = f" (+ {len(held)} held out of training: {', '.join(held)})" if held else ""
     lines = ["# DreamBooth evaluation", "",
              f"Subject: `{result['subject']}`, {result['num_prompts']} prompts x {result['num_samples_per_prompt']} "
-             f"images, subject photos: {result['num_photos']}. Higher is better except PRES (language drift).", "",
-             "| model | DINO | CLIP-I | CLIP-T | DIV | PRES |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+             f"images, subject photos: {result['num_photos']}{kept_out}. Higher is better except PRES (language "
+             "drift).", "",
+             "| model | DINO | CLIP-I | CLIP-T | DIV | PRES |" + (" DINO held out | CLIP-I held out |" if held else ""),
+             "| --- | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if held else "")]
     for label in labels:
         s = result["models"][label]["overall"]
-        lines.append(f"| {label} | " + " | ".join(_cell(s[k]) for k in (*SCORE_NAMES, "pres")) + " |")
+        names = (*SCORE_NAMES, "pres", *(HOLDOUT_NAMES if held else ()))
+        lines.append(f"| {label} | " + " | ".join(_cell(s.get(k)) for k in names) + " |")
     paper = scores.PAPER_SD
-    lines += [f"| paper, SD DreamBooth | {paper['dino']:.3f} | {paper['clip_i']:.3f} | {paper['clip_t']:.3f} | | |",
+    lines += [f"| paper, SD DreamBooth | {paper['dino']:.3f} | {paper['clip_i']:.3f} | {paper['clip_t']:.3f} | | |"
+              + (" | |" if held else ""),
               "", "## Per prompt", "", "| prompt | " + " | ".join(f"{label} DINO | {label} CLIP-T" for label in labels)
               + " |", "| --- |" + " ---: | ---: |" * len(labels)]
     for prompt in result["prompts"]:
@@ -174,6 +185,7 @@ class Subject:
     class_name: str
     subject_type: str = "object"
     eval_prompts: str | None = None  # a file of one's own; default: the subject type's set
+    holdout: int = 0  # --holdout: the last photos in name order were kept out of training
 
     def prompts(self):
         """{prompt: the text CLIP-T compares with (the prompt without the token)}."""
@@ -186,9 +198,12 @@ class Subject:
         return f"a {self.class_name}"
 
     def photos(self):
-        import dataset
-
+        """Every photo of the subject (those held out too)."""
         return dataset.list_images(self.photos_dir, f"photos of {self.name}", also_expected=".txt")
+
+    def split(self):
+        """(photos trained on, photos held out): dataset.holdout_split, as train.py --holdout made it."""
+        return dataset.holdout_split(self.photos(), self.holdout)
 
 
 def image_job(label, model, prompt_list, folder, settings):
@@ -215,7 +230,9 @@ def run(entries, subjects, settings, output_dir, report_dirs=None):
     prompts = {s.name: s.prompts() for s in subjects}
     texts = {p: t for s in subjects for p, t in prompts[s.name].items()}
     texts.update({s.class_prompt: s.class_prompt for s in subjects})
-    real = {s.name: s.photos() for s in subjects}
+    real, held = {}, {}
+    for s in subjects:
+        real[s.name], held[s.name] = s.split()
     settings = dataclasses.replace(settings, num_actors=settings.num_actors or generate.default_num_actors())
     jobs, wanted = [], {}
     for label, model in entries:
@@ -226,7 +243,7 @@ def run(entries, subjects, settings, output_dir, report_dirs=None):
     files = {label: {p: [f for f in fs if os.path.exists(f)] for p, fs in by_prompt.items()}
              for label, by_prompt in wanted.items()}
     rows = [{"path": f, "text": texts[p]} for by_prompt in files.values() for p, fs in by_prompt.items() for f in fs]
-    rows += [{"path": path, "text": s.class_prompt} for s in subjects for path in real[s.name]]
+    rows += [{"path": path, "text": s.class_prompt} for s in subjects for path in real[s.name] + held[s.name]]
     rows = list({r["path"]: r for r in rows}.values())  # a photo shared by two subjects is embedded once
     print(f"scoring {len(rows)} images on {settings.num_actors} actor(s)", file=sys.stderr)
     emb = embed(rows, settings.eval_models_dir, settings.num_actors, settings.allow_unsafe_weights)
@@ -236,11 +253,12 @@ def run(entries, subjects, settings, output_dir, report_dirs=None):
         photos, folder = real[subject.name], (report_dirs or {}).get(subject.name, output_dir)
         result = {"subject": f"{subject.unique_token} {subject.class_name}", "num_prompts": len(prompts[subject.name]),
                   "num_samples_per_prompt": settings.num_samples_per_prompt, "num_photos": len(photos),
+                  "held_out": [os.path.basename(p) for p in held[subject.name]],
                   "prompts": list(prompts[subject.name]), "class_prompt": subject.class_prompt, "models": {}}
         for label, _ in entries:
             subject_files = {p: files[label][p] for p in prompts[subject.name]}
             per_prompt = {p: score_set(emb, {p: paths}, photos) for p, paths in subject_files.items() if paths}
-            overall = score_set(emb, subject_files, photos)
+            overall = score_set(emb, subject_files, photos, held[subject.name])
             class_images = files[label][subject.class_prompt]
             overall["pres"] = scores.mean_similarity(
                 torch.stack([emb[p]["dino"] for p in class_images]),
@@ -256,21 +274,27 @@ def run(entries, subjects, settings, output_dir, report_dirs=None):
 
 def summary(overall):
     """'DINO 0.512, CLIP-I …': one model's overall scores on one line."""
-    return ", ".join(f"{k.upper().replace('_', '-')} {_cell(overall[k])}" for k in (*SCORE_NAMES, "pres"))
+    names = (*SCORE_NAMES, "pres", *(k for k in HOLDOUT_NAMES if k in overall))
+    return ", ".join(f"{k.upper().replace('_HOLDOUT', ' held out').replace('_', '-')} {_cell(overall[k])}"
+                     for k in names)
 
 
 def main(argv=None):
     parser = flags.make_parser(__doc__.splitlines()[0], [
         "model_dir", "lora_dir", "base_model_dir", "instance_data_dir", "unique_token", "class_name",
         "subject_type", "eval_prompts", "eval_models_dir", "output_dir", "num_samples_per_prompt", "batch_size",
-        "num_inference_steps", "guidance_scale", "seed", "resolution", "num_actors", "allow_unsafe_weights"],
+        "num_inference_steps", "guidance_scale", "seed", "resolution", "num_actors", "allow_unsafe_weights",
+        "holdout"],
         helps={"model_dir": "The tuned model: train.py's output folder (full, or --use_lora adapters on their base).",
                "num_samples_per_prompt": "Images per prompt and model (the paper: 4).",
+               "holdout": "The last N photos (in name order) were kept out of training (train.py --holdout N): "
+                          "score DINO and CLIP-I against them too, and against the others only.",
                "output_dir": "Where the images, scores.json, report.md and the grids go."})
     parser.set_defaults(num_samples_per_prompt=4)
     args = parser.parse_args(argv)
     subject = Subject(os.path.basename(args.instance_data_dir), args.instance_data_dir, args.unique_token,
-                      args.class_name, args.subject_type, args.eval_prompts)
+                      args.class_name, args.subject_type, args.eval_prompts, args.holdout)
+    check_holdout(args.lora_dir or args.model_dir, subject)
     # Everything the end of the run needs, checked before its first image: the prompt file, the scoring
     # models, the photos (each one opened), the models and where the results go.
     subject.prompts()
@@ -284,6 +308,20 @@ def main(argv=None):
     print(f"tuned: {summary(result['models']['tuned']['overall'])}; report "
           f"{os.path.join(args.output_dir, 'report.md')}", file=sys.stderr)
     return result
+
+
+def check_holdout(model_dir, subject):
+    """UserError unless the tuned model was trained without exactly the photos subject.split() holds
+    out (train.py records them): held-out scores of photos it saw would flatter it."""
+    output = outputs.read_output(model_dir)
+    if output is None:
+        return  # not train.py's output: nothing recorded to check against
+    trained_without = output.record.get("held_out") or []
+    held = [os.path.basename(p) for p in subject.split()[1]]
+    if trained_without != held:
+        said = f"held out {', '.join(trained_without)}" if trained_without else "trained on every photo"
+        raise utils.UserError(f"the model in {model_dir} was {said}; --holdout {subject.holdout} holds out "
+                              f"{', '.join(held) or 'none'}: give train.py and evaluate.py the same --holdout")
 
 
 def write_prompt_grids(output_dir, label, files):

@@ -245,6 +245,11 @@ FLAGS = {
                   "--instance_prompt (drawn from the run's seeded random stream); class rows keep the class "
                   "prompt. The model then also learns the subject without its words, which helps "
                   "classifier-free guidance with captioned photos. Default: 0 (off).")),
+    "holdout": (("--holdout",),
+        dict(type=non_negative_int, default=0, metavar="N",
+             help="Keep the last N photos (in name order) out of training; evaluate.py --holdout N and sweep.py "
+                  "--holdout N then also score DINO and CLIP-I against them, photos the model never saw (a model "
+                  "that copies its training photos scores high on those, not on these). Default: 0.")),
     "masked_loss": (("--masked_loss",),
         dict(action="store_true",
              help="Weight each photo's loss by a mask: 'NAME.mask.png' beside 'NAME.jpg' (white counts, black "

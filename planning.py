@@ -24,7 +24,7 @@ import utils
 DEFAULT_MAX_TRAIN_STEPS = 800
 
 TRAIN_FLAGS = [
-    "model_dir", "output_dir", "instance_data_dir", "instance_prompt", "caption_extension", "class_data_dir",
+    "model_dir", "output_dir", "instance_data_dir", "instance_prompt", "caption_extension", "holdout", "class_data_dir",
     "class_prompt",
     "with_prior_preservation", "prior_preservation", "prior_loss_weight", "resolution", "center_crop", "random_flip", "enable_bucket", "min_bucket_reso", "max_bucket_reso",
     "bucket_reso_steps",
@@ -65,6 +65,7 @@ class Plan:
     lora_dropout: float
     # data
     instance_images: tuple  # absolute paths (converted to PNG where the format needed it)
+    held_out: tuple  # --holdout: the photos kept out of training (paths), recorded with the output
     masked_loss: bool
     instance_masks: tuple  # --masked_loss: per instance image, (mask source, original photo) or None (find_masks)
     class_images: tuple
@@ -244,6 +245,10 @@ def plan_run(args, cluster_resources):
         ("--class_data_dir", args.class_data_dir)])
     check_output_dir(args.output_dir, args.overwrite)
     instance_images = dataset.list_images(args.instance_data_dir, "instance", also_expected=args.caption_extension)
+    instance_images, held_out = dataset.holdout_split(instance_images, args.holdout)
+    if held_out:
+        print(f"--holdout {args.holdout}: training without {', '.join(os.path.basename(p) for p in held_out)} "
+              "(evaluate.py --holdout scores against them)", file=sys.stderr)
     captions = prompts.read_captions(instance_images, args.instance_prompt, args.caption_extension)
     instance_prompts = list(dict.fromkeys(captions))
     class_images = dataset.list_images(args.class_data_dir, "class") if args.with_prior_preservation else []
@@ -284,6 +289,7 @@ def plan_run(args, cluster_resources):
         "learning_rate": scaled_learning_rate(args),
         "instance_images": tuple(instance_images),
         "instance_masks": tuple(masks),
+        "held_out": tuple(held_out),
         "class_images": tuple(class_images),
         "resolution": resolution,
         "buckets": buckets,
@@ -310,7 +316,7 @@ def offline_plan(**fields):
                        "--instance_data_dir", "/unused", "--instance_prompt", "unused"])
     from_flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(Plan) if hasattr(args, f.name)}
     decided = dict(instance_prompts=(args.instance_prompt,), image_prompt=(), prompt_ids={},
-                   instance_images=(), instance_masks=(), class_images=(), resolution=64, buckets=(),
+                   instance_images=(), instance_masks=(), held_out=(), class_images=(), resolution=64, buckets=(),
                    channels_last=False,
                    steps_per_epoch=1, total_steps=DEFAULT_MAX_TRAIN_STEPS, stream_epochs=1, use_gpu=False,
                    cpus_per_worker=1.0, num_workers=1, run_name="offline", resume_path=None, progress_bar=False,

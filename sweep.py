@@ -11,7 +11,8 @@ Each trial (a Tune trial running a Ray Train run of its own) trains to the large
 turns its checkpoints at the other step counts into models, and scores each with evaluate.py
 (generation and embedding on Ray Data actor pools). The base model is scored once per subject.
 The best (step count, trial) of each subject has the highest DINO among those whose CLIP-T is at
-most --clip_t_margin below the base model's; it is copied to --output_dir (with --subjects_dir:
+most --clip_t_margin below the base model's (with train.py's --holdout N, the DINO against the N
+photos every trial was trained without); it is copied to --output_dir (with --subjects_dir:
 --output_dir/<subject>). Beside it, in --sweep_dir: trials.md and trials.csv (every trial, failed
 ones with their error), sweep.png (DINO against CLIP-T) and report.md (each subject's best beside
 its base model). Class images are drawn once per class and shared. A failed trial does not end the
@@ -59,7 +60,7 @@ class SweepJob:
     train_flags: tuple  # train.py's flags for every trial
     model_dir: str
     eval_settings: object  # evaluate.EvalSettings
-METRICS = ("dino", "clip_i", "clip_t", "div", "pres")
+METRICS = ("dino", "clip_i", "clip_t", "div", "pres", *evaluate.HOLDOUT_NAMES)
 
 
 def parse_args(argv=None):
@@ -188,9 +189,11 @@ def trial_fn(config, job):
             model = os.path.join(folder, f"model-step-{step}")
             if outputs.read_output(model) is None:
                 fields = {k: getattr(train_args, k) for k in ("model_dir", "use_lora", "lora_rank", "lora_alpha",
-                          "train_text_encoder", "allow_unsafe_weights", "instance_prompt", "class_prompt")}
+                          "train_text_encoder", "allow_unsafe_weights", "instance_prompt", "class_prompt",
+                          "use_ema", "ema_decay")}
                 outputs.save_checkpoint_as_model(found[step], planning.offline_plan(
-                    **fields, output_dir=model, total_steps=step, mixed_precision="no"))
+                    **fields, output_dir=model, total_steps=step, mixed_precision="no",
+                    held_out=tuple(subject.split()[1])))
         entries.append((f"step-{step}", outputs.resolve_model(model)))
     result = evaluate.run(entries, [subject], job.eval_settings, os.path.join(folder, "eval"))[subject.name]
     for step, (label, model) in zip(steps, entries):
@@ -255,7 +258,8 @@ def collect(results):
 
 
 def choose(rows, base, margin):
-    """{subject: best row}: highest DINO with CLIP-T >= the base's minus margin (else highest DINO, flagged)."""
+    """{subject: best row}: highest DINO with CLIP-T >= the base's minus margin (else highest DINO, flagged).
+    With --holdout, DINO against the held-out photos: a model that copies its training photos does not win."""
     best = {}
     for subject in base:
         scored = [r for r in rows if r["subject"] == subject and r["status"] == "ok"]
@@ -263,7 +267,8 @@ def choose(rows, base, margin):
             continue
         floor = base[subject]["clip_t"] - margin
         kept = [r for r in scored if r["clip_t"] >= floor]
-        best[subject] = {**max(kept or scored, key=lambda r: r["dino"]), "within_margin": bool(kept)}
+        key = "dino_holdout" if all(r.get("dino_holdout") is not None for r in scored) else "dino"
+        best[subject] = {**max(kept or scored, key=lambda r: r[key]), "within_margin": bool(kept), "ranked_by": key}
     return best
 
 
@@ -296,7 +301,8 @@ def score_base(args, subjects, eval_settings):
 
 def main(argv=None):
     args, train_flags, train_args = parse_args(argv)
-    subjects = read_subjects(args)
+    # --holdout (train.py's flag, for every trial): the same photos kept out of training and scored apart
+    subjects = {name: dataclasses.replace(s, holdout=train_args.holdout) for name, s in read_subjects(args).items()}
     for subject in subjects.values():  # a missing or corrupt photo or a bad prompt file fails now, not in a trial
         dataset.inspect_images(subject.photos(), 0, os.path.join(args.sweep_dir, "converted-images"))
         subject.prompts()

@@ -1,5 +1,7 @@
 """evaluate.py's prompt sets, base-model choice and report (its end-to-end run is Step 6 of test_dreambooth_run)."""
 
+import os
+
 import pytest
 
 import evaluate
@@ -31,6 +33,42 @@ def test_the_base_model_is_the_recorded_one_or_the_one_a_lora_applies_to(tiny_mo
     assert evaluate.models_to_score(lora_dir, None, None) == [("tuned", ref(tiny_model, lora_dir)),
                                                                 ("base", ref(tiny_model))]
     assert evaluate.models_to_score(tiny_model, None, str(full))[1] == ("base", ref(str(full)))
+
+
+def test_held_out_photos_are_scored_apart_and_must_be_the_ones_training_left_out(tmp_path):
+    import torch
+
+    def unit(*values):
+        v = torch.tensor(values, dtype=torch.float32)
+        return v / v.norm()
+
+    emb = {"gen": {"dino": unit(1, 0), "clip": unit(1, 0), "text_clip": unit(1, 0)},
+           "seen": {"dino": unit(1, 0), "clip": unit(1, 0)}, "unseen": {"dino": unit(0, 1), "clip": unit(1, 1)}}
+    s = evaluate.score_set(emb, {"p": ["gen"]}, ["seen"], ["unseen"])
+    assert s["dino"] == pytest.approx(1.0) and s["dino_holdout"] == pytest.approx(0.0)
+    assert s["clip_i_holdout"] == pytest.approx(2 ** -0.5) and "dino_holdout" not in evaluate.score_set(
+        emb, {"p": ["gen"]}, ["seen"])
+    assert "DINO held out 0.000, CLIP-I held out 0.707" in evaluate.summary({**s, "pres": None})
+    result = {"subject": "unqtkn dog", "num_prompts": 1, "num_samples_per_prompt": 1, "num_photos": 4,
+              "held_out": ["e.jpg"], "prompts": ["p"], "models": {"tuned": {"overall": {**s, "pres": 0.4},
+                                                                            "per_prompt": {}}}}
+    evaluate.write_report(str(tmp_path / "report.md"), result)
+    report = (tmp_path / "report.md").read_text()
+    assert "(+ 1 held out of training: e.jpg)" in report and "| tuned | 1.000 | 1.000 | 1.000 |  | 0.400 | 0.000 | 0.707 |" in report
+    # The model's record must name the same photos as the split
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    for name in "abcde":
+        (photos / f"{name}.jpg").write_bytes(b"")
+    subject = evaluate.Subject("photos", str(photos), "unqtkn", "dog", holdout=1)
+    assert [os.path.basename(p) for p in subject.split()[1]] == ["e.jpg"]
+    model = tmp_path / "model"
+    model.mkdir()
+    utils.write_json(str(model / utils.OUTPUT_MARKER), {"held_out": ["e.jpg"]})
+    evaluate.check_holdout(str(model), subject)
+    utils.write_json(str(model / utils.OUTPUT_MARKER), {"held_out": []})
+    with pytest.raises(utils.UserError, match="was trained on every photo; --holdout 1 holds out e.jpg"):
+        evaluate.check_holdout(str(model), subject)
 
 
 def test_report_puts_each_model_beside_the_papers_values(tmp_path):

@@ -267,6 +267,17 @@ def test_an_sdxl_plan_takes_both_tokenizers_its_own_vae_and_validation_epochs(ti
                           lambda: (2.0, 0))
 
 
+def test_holdout_keeps_the_last_photos_out_of_training(tiny_model, toy_images, tmp_path, capsys):
+    argv = ["--model_dir", tiny_model, "--output_dir", str(tmp_path / "out"), "--instance_data_dir", toy_images,
+            "--instance_prompt", "photo of unqtkn toy", "--num_workers", "1"]
+    run = planning.plan_run(planning.parse_args(argv + ["--holdout", "2"]), lambda: (2.0, 0))
+    assert [os.path.basename(p) for p in run.instance_images] == ["toy-0.jpg", "toy-1.jpg", "toy-2.jpg"]
+    assert [os.path.basename(p) for p in run.held_out] == ["toy-3.jpg", "toy-4.jpg"]
+    assert "--holdout 2: training without toy-3.jpg, toy-4.jpg" in capsys.readouterr().err
+    with pytest.raises(utils.UserError, match="--holdout 5 leaves none of the 5 photos to train on"):
+        planning.plan_run(planning.parse_args(argv + ["--holdout", "5"]), lambda: (2.0, 0))
+
+
 def test_buckets_are_planned_from_the_resolution_and_the_models_size_step(tiny_model, toy_images, tmp_path, capsys):
     argv = ["--model_dir", tiny_model, "--output_dir", str(tmp_path / "out"), "--instance_data_dir", toy_images,
             "--instance_prompt", "photo of unqtkn toy", "--num_workers", "1", "--train_batch_size", "2"]

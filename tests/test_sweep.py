@@ -105,6 +105,10 @@ def test_best_is_the_highest_dino_within_the_clip_t_margin_of_the_base():
     assert best["b"]["dino"] == 0.8 and not best["b"]["within_margin"]  # none kept CLIP-T: flagged
     assert "c" not in best
     assert sweep.choose(rows, base, margin=0.06)["a"]["dino"] == 0.9
+    # --holdout: ranked by DINO against the photos the trials never saw
+    held = [{**r, "dino_holdout": h} for r, h in zip(rows[:3], (0.5, 0.6, 0.4))]
+    best = sweep.choose(held, {"a": base["a"]}, margin=0.06)["a"]
+    assert best["dino"] == 0.7 and best["ranked_by"] == "dino_holdout"
 
 
 def test_table_plot_and_report_mark_the_chosen_trials_and_list_failed_ones(tmp_path):
@@ -183,7 +187,7 @@ def test_random_lora_sweep_of_two_subjects_scores_each_step_count_and_keeps_each
     command, sweep_dir = two_subjects
     command = [c for c in command if c not in ("--sweep_learning_rate", "1e-3")]
     output, table = run_sweep(command + ["--sweep_max_train_steps", "2,4", "--search", "random", "--num_trials", "1",
-                                         "--sweep_learning_rate", "1e-4,1e-3"], tmp_path / "log.txt")
+                                         "--sweep_learning_rate", "1e-4,1e-3", "--holdout", "1"], tmp_path / "log.txt")
     assert sorted((r["subject"], r["step"], r["status"], r["rank"]) for r in table) == [
         ("blue", "2", "ok", "4"), ("blue", "4", "ok", "4"), ("red", "2", "ok", "4"), ("red", "4", "ok", "4")]
     assert all(1e-4 <= float(r["learning_rate"]) <= 1e-3 for r in table)
@@ -199,6 +203,9 @@ def test_random_lora_sweep_of_two_subjects_scores_each_step_count_and_keeps_each
         marker = utils.read_json(best / utils.OUTPUT_MARKER)
         assert marker["steps"] == int(chosen[0]["step"]) and marker["base_model"] == tiny_model
         assert marker["instance_prompt"] == f"photo of {token} toy" and marker["lora"]["rank"] == 4
+        # --holdout 1: each subject's last photo kept out of every trial, and scored against apart
+        assert marker["held_out"] == [sorted(n for n in os.listdir(tmp_path / "s" / subject) if n.endswith(".jpg"))[-1]]
+        assert all(0 < float(r["dino_holdout"]) <= 1 for r in table if r["subject"] == subject)
         assert os.path.isfile(best / utils.LORA_WEIGHTS_FILE)
         assert os.path.isfile(sweep_dir / "base" / subject / "report.md")
     report = (sweep_dir / "report.md").read_text()
