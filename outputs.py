@@ -203,7 +203,7 @@ def save_pipeline(nets, plan):
     unet = models.unwrap(nets.unet)
     text_encoders = {name: models.unwrap(model) for name, model in zip(("text_encoder", "text_encoder_2"),
                                                                         nets.text_encoders())}
-    marker = {"base_model": plan.model_dir, "vae": plan.vae_dir, "steps": plan.total_steps,
+    marker = {"base_model": plan.model_dir, "vae": plan.vae_dir, "steps": plan.end_step,
               "instance_prompt": plan.instance_prompt,
               "class_prompt": plan.class_prompt, "lora": planning.lora_settings(plan),
               "ema_decay": plan.ema_decay if plan.use_ema else None,

@@ -107,6 +107,7 @@ class Plan:
     seed: int
     steps_per_epoch: int
     total_steps: int
+    stop_step: int | None  # sweep.py's early stopping: end this run at that step, the schedule still over total_steps
     stream_epochs: int  # epochs of rows in the training stream
     # Ray
     num_workers: int
@@ -130,13 +131,18 @@ class Plan:
     validation_inference_steps: int
     settings_toml: str  # the resolved flags as a --config file that repeats the run
 
+    @property
+    def end_step(self):
+        """The step this run ends at: total_steps, or stop_step (a later run resumes to total_steps)."""
+        return self.stop_step or self.total_steps
+
     def is_checkpoint_step(self, step):
         """Checkpoints every checkpointing_steps and at the last step."""
-        return step % self.checkpointing_steps == 0 or step == self.total_steps
+        return step % self.checkpointing_steps == 0 or step == self.end_step
 
     def is_validation_step(self, step):
         """Every rank samples its share on the same steps: every validation_steps and at the end."""
-        return bool(self.validation_prompts) and (step % self.validation_steps == 0 or step == self.total_steps)
+        return bool(self.validation_prompts) and (step % self.validation_steps == 0 or step == self.end_step)
 
     def is_report_step(self, step):
         """Every rank reports on the same steps: Ray Train requires matching report calls."""
@@ -296,6 +302,8 @@ def plan_run(args, cluster_resources):
         "channels_last": use_gpu if args.channels_last is None else args.channels_last,
         "steps_per_epoch": steps_per_epoch,
         "total_steps": total_steps,
+        # (not a flag: sweep.py sets it on the parsed flags of a trial that may be stopped early)
+        "stop_step": min(getattr(args, "stop_step", None) or total_steps, total_steps),
         "validation_steps": (args.validation_epochs * steps_per_epoch if args.validation_epochs
                              else args.validation_steps),
         "stream_epochs": stream_epochs(num_rows, total_steps, args),
@@ -318,7 +326,7 @@ def offline_plan(**fields):
     decided = dict(instance_prompts=(args.instance_prompt,), image_prompt=(), prompt_ids={},
                    instance_images=(), instance_masks=(), held_out=(), class_images=(), resolution=64, buckets=(),
                    channels_last=False,
-                   steps_per_epoch=1, total_steps=DEFAULT_MAX_TRAIN_STEPS, stream_epochs=1, use_gpu=False,
+                   steps_per_epoch=1, total_steps=DEFAULT_MAX_TRAIN_STEPS, stop_step=None, stream_epochs=1, use_gpu=False,
                    cpus_per_worker=1.0, num_workers=1, run_name="offline", resume_path=None, progress_bar=False,
                    settings_toml="")
     return Plan(**{**from_flags, **decided, **fields})

@@ -40,7 +40,7 @@ import utils
 SWEEP_FLAGS = [
     "model_dir", "output_dir", "instance_data_dir", "subjects_dir", "unique_token", "class_name", "subject_type",
     "eval_prompts", "eval_models_dir", "num_class_images", "sweep_learning_rate", "sweep_max_train_steps",
-    "sweep_rank", "sweep_train_text_encoder", "search", "num_trials", "clip_t_margin", "sweep_dir",
+    "sweep_rank", "sweep_train_text_encoder", "search", "num_trials", "early_stopping", "clip_t_margin", "sweep_dir",
     "max_concurrent_trials", "eval_images_per_prompt", "num_inference_steps", "guidance_scale", "batch_size"]
 # The train.py flags the sweep sets in each trial itself (every spelling of them is refused).
 SET_BY_SWEEP = flags.option_strings(["learning_rate", "max_train_steps", "lora_rank", "train_text_encoder",
@@ -60,6 +60,8 @@ class SweepJob:
     train_flags: tuple  # train.py's flags for every trial
     model_dir: str
     eval_settings: object  # evaluate.EvalSettings
+    early_stopping: bool = False  # train and score one step count at a time; ASHA may stop the trial between
+    rank_against: dict = dataclasses.field(default_factory=dict)  # {subject: (base CLIP-T - margin, base DINO)}
 METRICS = ("dino", "clip_i", "clip_t", "div", "pres", *evaluate.HOLDOUT_NAMES)
 
 
@@ -159,8 +161,14 @@ def trial_label(config):
 
 
 def trial_fn(config, job):
-    """One trial, in a Tune actor: train.py to the largest step count, then score each step count.
-    Reports one result per step count. job: SweepJob."""
+    """One trial, in a Tune actor: train.py, then evaluate.py; one result reported per step count.
+    job: SweepJob.
+
+    Without early stopping the trial trains once, to the largest step count, and then scores each
+    step count (the smaller ones from their checkpoints). With it, the trial trains to each step
+    count in turn (each run resumes the one before; the LR schedule always spans the largest) and
+    scores it before going on: ASHA can stop the trial at any step count, and the weights at each
+    step count are those of one uninterrupted run either way."""
     import ray.tune
 
     import train
@@ -180,25 +188,48 @@ def trial_fn(config, job):
             "--no-train_text_encoder", "--checkpointing_steps", str(math.gcd(*steps)),
             "--storage_path", os.path.join(folder, "ray_results"), "--resume_from_checkpoint", "latest", "--overwrite"]
     train_args = planning.parse_args(argv)
-    train.run(train_args)  # after a restart: resumes from the trial's newest checkpoint
-    found = checkpoint.by_step(train_args.storage_path, "model")
-    entries = []
-    for step in steps:
+
+    def model_at(step):
+        """The trial's model at a step count: train.py's output at the last, else made from its checkpoint."""
         model = train_args.output_dir
         if step != steps[-1]:
             model = os.path.join(folder, f"model-step-{step}")
             if outputs.read_output(model) is None:
+                found = checkpoint.by_step(train_args.storage_path, "model")
                 fields = {k: getattr(train_args, k) for k in ("model_dir", "use_lora", "lora_rank", "lora_alpha",
                           "train_text_encoder", "allow_unsafe_weights", "instance_prompt", "class_prompt",
                           "use_ema", "ema_decay")}
                 outputs.save_checkpoint_as_model(found[step], planning.offline_plan(
                     **fields, output_dir=model, total_steps=step, mixed_precision="no",
                     held_out=tuple(subject.split()[1])))
-        entries.append((f"step-{step}", outputs.resolve_model(model)))
-    result = evaluate.run(entries, [subject], job.eval_settings, os.path.join(folder, "eval"))[subject.name]
-    for step, (label, model) in zip(steps, entries):
-        ray.tune.report({"step": step, "model": model.lora_dir or model.model_dir,
-                         **result["models"][label]["overall"]})
+        return outputs.resolve_model(model)
+
+    def score(step_counts):
+        entries = [(f"step-{step}", model_at(step)) for step in step_counts]
+        result = evaluate.run(entries, [subject], job.eval_settings, os.path.join(folder, "eval"))[subject.name]
+        for step, (label, model) in zip(step_counts, entries):
+            overall = result["models"][label]["overall"]
+            ray.tune.report({"step": step, "model": model.lora_dir or model.model_dir, **overall,
+                             "score": rank_score(overall, *job.rank_against.get(subject.name, (None, 0.0)))})
+
+    if not job.early_stopping:
+        train.run(train_args)  # after a restart: resumes from the trial's newest checkpoint
+        score(steps)
+        return
+    for step in steps:
+        stage = planning.parse_args(argv)
+        stage.stop_step = step  # ends at this step count; the next run resumes from its checkpoint
+        train.run(stage)
+        score([step])  # ASHA decides here whether the trial goes on
+
+
+def rank_score(overall, clip_t_floor, base_dino):
+    """What ASHA compares trials by: the DINO gain over the subject's base model (DINO against held-out
+    photos with --holdout), less 1 when CLIP-T fell below clip_t_floor (the base model's minus the
+    margin: a model that forgot the prompt ranks under every one that kept it)."""
+    dino = overall.get("dino_holdout", overall["dino"])
+    gain = dino - base_dino
+    return gain - 1.0 if clip_t_floor is not None and overall["clip_t"] < clip_t_floor else gain
 
 
 def max_concurrent(args, train_args):
@@ -222,7 +253,9 @@ def prepare_class_images(args, subjects, train_args):
 
 
 def run_tune(job, space, concurrency, num_samples):
-    """tuner.fit() of the trials; a sweep folder with Tune's state is resumed, not started again."""
+    """tuner.fit() of the trials; a sweep folder with Tune's state is resumed, not started again.
+    With job.early_stopping, Tune's ASHA scheduler stops the trials whose score (rank_score) is in the
+    bottom half at a step count (its rungs: the step counts from the smallest, doubling)."""
     from ray import tune
 
     trainable = tune.with_resources(tune.with_parameters(trial_fn, job=job), {"CPU": 0, "memory": 1})
@@ -232,14 +265,40 @@ def run_tune(job, space, concurrency, num_samples):
         tuner = tune.Tuner.restore(path, trainable, resume_unfinished=True, restart_errored=True)
     else:
         tuner = tune.Tuner(trainable, param_space=space,
-                           tune_config=tune.TuneConfig(num_samples=num_samples, max_concurrent_trials=concurrency),
+                           tune_config=tune.TuneConfig(num_samples=num_samples, max_concurrent_trials=concurrency,
+                                                       scheduler=scheduler(job)),
                            run_config=tune.RunConfig(name="tune", storage_path=job.sweep_dir, verbose=1,
                                                      failure_config=tune.FailureConfig(max_failures=0)))
     return tuner.fit()
 
 
-def collect(results):
-    """Rows of the trials table: one per (trial, step count) scored, one per failed trial."""
+def scheduler(job):
+    """ASHA over the step counts within each subject (early stopping), or None: every trial runs to
+    the end."""
+    if not job.early_stopping:
+        return None
+    from sweep_scheduler import SubjectASHA
+
+    return SubjectASHA(time_attr="step", metric="score", mode="max", max_t=job.steps[-1],
+                       grace_period=job.steps[0], reduction_factor=2)
+
+
+def wants_early_stopping(args, num_trials):
+    """--early_stopping as decided: auto is on for random search and for grids of more than 4 trials
+    per subject; it needs 2 or more step counts (UserError when asked for with one)."""
+    if len(args.sweep_max_train_steps) < 2:
+        if args.early_stopping == "on":
+            raise utils.UserError("--early_stopping on needs 2 or more --sweep_max_train_steps (where to stop)")
+        return False
+    if args.early_stopping != "auto":
+        return args.early_stopping == "on"
+    return args.search == "random" or num_trials > 4
+
+
+def collect(results, last_step=None):
+    """Rows of the trials table: one per (trial, step count) scored, one per failed trial. A trial
+    whose last score is before last_step (the largest step count) without an error was stopped early:
+    its last row says so."""
     rows = []
     for result in results:
         config = {**result.config}
@@ -250,6 +309,8 @@ def collect(results):
         for record in scored:
             rows.append({**settings, "step": int(record["step"]), "model": record["model"],
                          **{k: record.get(k) for k in METRICS}, "status": "ok"})
+        if scored and result.error is None and last_step and rows[-1]["step"] < last_step:
+            rows[-1]["note"] = f"stopped early at step {rows[-1]['step']} (behind the others there)"
         if result.error is not None:
             reason = str(result.error).strip().splitlines()
             rows.append({**settings, "step": None, "model": None, **dict.fromkeys(METRICS),
@@ -301,6 +362,9 @@ def score_base(args, subjects, eval_settings):
 
 def main(argv=None):
     args, train_flags, train_args = parse_args(argv)
+    per_subject = args.num_trials if args.search == "random" else (
+        len(args.sweep_learning_rate or [0]) * len(args.sweep_rank or [0]) * len(args.sweep_train_text_encoder or [0]))
+    early_stopping = wants_early_stopping(args, per_subject)
     # --holdout (train.py's flag, for every trial): the same photos kept out of training and scored apart
     subjects = {name: dataclasses.replace(s, holdout=train_args.holdout) for name, s in read_subjects(args).items()}
     for subject in subjects.values():  # a missing or corrupt photo or a bad prompt file fails now, not in a trial
@@ -325,13 +389,21 @@ def main(argv=None):
     base = score_base(args, subjects, eval_settings)
     # A trial draws and embeds its images on the GPUs it trained on (one actor on a CPU cluster).
     trial_actors = train_args.num_workers * train_args.gpus_per_worker if utils.cluster_resources()[1] else 1
+    rank_against = {name: (s["clip_t"] - args.clip_t_margin, s.get("dino_holdout", s["dino"]))
+                    for name, s in base.items()}
     job = SweepJob(subjects, args.sweep_dir, tuple(args.sweep_max_train_steps), class_dirs, tuple(train_flags),
-                   args.model_dir, dataclasses.replace(eval_settings, num_actors=trial_actors))
+                   args.model_dir, dataclasses.replace(eval_settings, num_actors=trial_actors), early_stopping,
+                   rank_against)
     concurrency = max_concurrent(args, train_args)
     num_samples = args.num_trials if args.search == "random" else 1
+    stopping = "; trials behind at a step count stop there (ASHA)" if early_stopping else ""
     print(f"sweep: {len(subjects)} subject(s), steps {args.sweep_max_train_steps}, {args.search} search, "
-          f"{concurrency} trial(s) at once; working folder {args.sweep_dir}", file=sys.stderr)
-    rows = collect(run_tune(job, param_space(args, subjects, train_args), concurrency, num_samples))
+          f"{concurrency} trial(s) at once{stopping}; working folder {args.sweep_dir}", file=sys.stderr)
+    rows = collect(run_tune(job, param_space(args, subjects, train_args), concurrency, num_samples),
+                   args.sweep_max_train_steps[-1])
+    for row in rows:
+        if row.get("note"):
+            print(f"{row['subject']}: trial lr {row['learning_rate']:.3g} {row['note']}", file=sys.stderr)
     best = choose(rows, base, args.clip_t_margin)
     for name, row in best.items():
         target = target_dir(args, name)

@@ -7,7 +7,7 @@ import evaluate
 import scores
 
 COLUMNS = ("subject", "learning_rate", "train_text_encoder", "rank", "step", "dino", "clip_i", "clip_t", "div",
-           "pres", "dino_holdout", "clip_i_holdout", "status", "chosen", "model")
+           "pres", "dino_holdout", "clip_i_holdout", "status", "note", "chosen", "model")
 
 
 def _format(value):

@@ -55,7 +55,7 @@ def run(args):
         print(f"stopped; rerun the same command with --resume_from_checkpoint latest to continue{where}",
               file=sys.stderr)
         raise
-    print(f"trained {plan.total_steps} steps; final loss {result.metrics.get('loss', float('nan')):.4f}; "
+    print(f"trained {plan.end_step} steps; final loss {result.metrics.get('loss', float('nan')):.4f}; "
           f"model saved to {plan.output_dir}; checkpoints and {runlog.METRICS_FILE} in {result.path}", file=sys.stderr)
     plot = runlog.plot_metrics(os.path.join(result.path, runlog.METRICS_FILE))
     if plot:
@@ -147,7 +147,7 @@ def run_trainer(plan, train_ds):
     except SystemExit:
         # fit() installs its own Ctrl-C handler: it aborts the run, then exits.
         raise KeyboardInterrupt from None
-    if (result.metrics or {}).get("step", 0) < plan.total_steps and not os.path.isfile(
+    if (result.metrics or {}).get("step", 0) < plan.end_step and not os.path.isfile(
             os.path.join(plan.output_dir, utils.OUTPUT_MARKER)):
         raise KeyboardInterrupt  # an aborted run returns a partial result
     return result
@@ -228,7 +228,7 @@ def train_worker(plan):
               f"autocast {state.amp_dtype or 'off (fp32)'}", flush=True)
     prompts = {**prompt_inputs(nets.text_encoders(), plan, aux_device), **base_class}
     sampler = validation.Sampler(nets, plan, state.amp_dtype) if plan.validation_prompts else None
-    total, accum = plan.total_steps, plan.gradient_accumulation_steps
+    total, accum = plan.end_step, plan.gradient_accumulation_steps
     # The stream is the same on every run: a resumed worker skips what it had trained on.
     batches = itertools.islice(batches, state.step * accum, None)
     bar = tqdm_ray.tqdm(total=total, desc="training") if rank == 0 and plan.progress_bar else None

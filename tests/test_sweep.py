@@ -214,6 +214,30 @@ def test_random_lora_sweep_of_two_subjects_scores_each_step_count_and_keeps_each
 
 
 @pytest.mark.slow
+def test_early_stopping_stops_the_trial_that_is_behind_at_the_first_step_count(two_subjects, tmp_path):
+    """--early_stopping on, one subject, two learning rates one after the other: each trial trains to
+    step 2, is scored, and goes on only if its score is not under the first trial's there (ASHA, halving
+    at step 2). The seeded tiny models make the second trial the one behind; the table and the output
+    say where it stopped; the other trial's step-2 model is the same as without early stopping."""
+    command, sweep_dir = two_subjects
+    subjects = command[command.index("--subjects_dir") + 1]
+    command = [c for c in command if c not in ("--sweep_learning_rate", "1e-3", "--subjects_dir", subjects)]
+    command += ["--instance_data_dir", os.path.join(subjects, "red"), "--class_name", "toy",
+                "--sweep_learning_rate", "1e-3,1e-5", "--sweep_max_train_steps", "2,4", "--early_stopping", "on",
+                "--max_concurrent_trials", "1"]
+    output, table = run_sweep(command, tmp_path / "log.txt")
+    assert "trials behind at a step count stop there (ASHA)" in output
+    steps = {}
+    for r in table:
+        steps.setdefault(float(r["learning_rate"]), []).append((int(r["step"]), float(r["dino"]), r["note"]))
+    first, second = sorted(steps.values(), key=len, reverse=True)
+    assert [s for s, _, _ in first] == [2, 4] and [s for s, _, _ in second] == [2]
+    assert second[0][2] == "stopped early at step 2 (behind the others there)" and "stopped early at step 2" in output
+    table_md = (sweep_dir / "trials.md").read_text()
+    assert "stopped early at step 2" in table_md
+
+
+@pytest.mark.slow
 @pytest.mark.long
 def test_a_failed_trial_is_listed_and_the_rerun_resumes_it_from_its_checkpoint(two_subjects, tmp_path):
     """(About 5 minutes: outside the default run; pytest -m long.) The first trial's train worker is
@@ -252,3 +276,48 @@ def test_a_sweep_config_holds_its_flags_and_the_trials_train_flags(tiny_model, t
     assert again.sweep_learning_rate == [1e-6, 1e-5] and again.class_name == "toy"
     assert again_train.use_lora and again_train.validation_prompts == ("a toy, oil painting",)
     assert again_train.num_workers == 2 and again.settings_toml == args.settings_toml
+
+
+def test_early_stopping_is_on_for_random_search_and_big_grids_and_stops_within_a_subject():
+    from types import SimpleNamespace
+
+    from ray.tune.schedulers import TrialScheduler
+
+    import sweep_scheduler
+
+    def args(**kw):
+        return SimpleNamespace(**{"early_stopping": "auto", "search": "grid", "sweep_max_train_steps": [2, 4], **kw})
+
+    assert not sweep.wants_early_stopping(args(), 4) and sweep.wants_early_stopping(args(), 5)
+    assert sweep.wants_early_stopping(args(search="random"), 2) and sweep.wants_early_stopping(args(early_stopping="on"), 2)
+    assert not sweep.wants_early_stopping(args(search="random", sweep_max_train_steps=[4]), 8)
+    with pytest.raises(utils.UserError, match="needs 2 or more --sweep_max_train_steps"):
+        sweep.wants_early_stopping(args(early_stopping="on", sweep_max_train_steps=[4]), 8)
+    # The score: DINO gain over the base (held-out DINO when there is one), less 1 below the CLIP-T floor
+    assert sweep.rank_score({"dino": 0.7, "clip_t": 0.3}, 0.28, 0.5) == pytest.approx(0.2)
+    assert sweep.rank_score({"dino": 0.7, "clip_t": 0.2}, 0.28, 0.5) == pytest.approx(-0.8)
+    assert sweep.rank_score({"dino": 0.9, "dino_holdout": 0.6, "clip_t": 0.3}, 0.28, 0.5) == pytest.approx(0.1)
+    # ASHA within each subject: a trial behind its own subject's at step 2 stops; another subject's goes on
+    scheduler = sweep_scheduler.SubjectASHA(time_attr="step", metric="score", mode="max", max_t=4, grace_period=2,
+                                            reduction_factor=2)
+    trials = {name: SimpleNamespace(trial_id=name, config={"subject": subject})
+              for name, subject in (("a1", "a"), ("a2", "a"), ("b1", "b"))}
+    for trial in trials.values():
+        scheduler.on_trial_add(None, trial)
+    assert scheduler.on_trial_result(None, trials["a1"], {"step": 2, "score": 0.5}) == TrialScheduler.CONTINUE
+    assert scheduler.on_trial_result(None, trials["b1"], {"step": 2, "score": 0.1}) == TrialScheduler.CONTINUE
+    assert scheduler.on_trial_result(None, trials["a2"], {"step": 2, "score": 0.2}) == TrialScheduler.STOP
+
+
+def test_a_trial_stopped_early_says_where_in_the_table():
+    from types import SimpleNamespace
+
+    import pandas as pd
+
+    def result(lr, steps, error=None):
+        frame = pd.DataFrame([{"step": s, "model": f"m{lr}-{s}", **{k: 0.5 for k in sweep.METRICS}} for s in steps])
+        return SimpleNamespace(config={"subject": "a", "learning_rate": lr, "rank": 4, "train_text_encoder": True,
+                                       "use_lora": False}, metrics_dataframe=frame, error=error)
+
+    rows = sweep.collect([result(1e-4, [2, 4]), result(1e-5, [2])], last_step=4)
+    assert [r.get("note") for r in rows] == [None, None, "stopped early at step 2 (behind the others there)"]
