@@ -288,8 +288,9 @@ def test_a_run_with_ema_decay_0_ends_on_the_weights_of_a_run_without(tiny_model,
     seeded run without EMA; with a decay, the average lags the weights."""
     runs = {}
     for name, plan in {"plain": make_plan(), "ema0": make_plan(use_ema=True, ema_decay=0.0),
-                       "ema": make_plan(use_ema=True, ema_decay=0.9)}.items():
-        nets = models_lib.load_models(tiny_model, CPU, CPU, train_text_encoder=True)
+                       "ema": make_plan(use_ema=True, ema_decay=0.9), "lora": make_plan(use_lora=True),
+                       "lora_ema0": make_plan(use_lora=True, use_ema=True, ema_decay=0.0)}.items():
+        nets = models_lib.setup_models(plan, CPU, CPU, distributed=False)
         state = steps.make_train_state(nets, plan)
         torch.manual_seed(3)
         for k in range(3):
@@ -301,6 +302,13 @@ def test_a_run_with_ema_decay_0_ends_on_the_weights_of_a_run_without(tiny_model,
         assert all(torch.equal(a, b) for a, b in zip(ema0.params, plain.params))
     assert all(torch.equal(a, b) for a, b in zip(ema.params, plain.params))  # the average never trains
     assert any(not torch.equal(a, b) for a, b in zip(ema.ema.shadow, ema.params))
+    # LoRA: the average is of the adapters alone, and decay 0 again gives the plain run's adapters
+    lora, lora_ema0 = runs["lora"], runs["lora_ema0"]
+    trained = [n for m in (lora_ema0.models.unet, lora_ema0.models.text_encoder) for n, p in m.named_parameters()
+               if p.requires_grad]
+    assert len(lora_ema0.ema.shadow) == len(trained) and all("lora_" in n for n in trained)
+    with lora_ema0.ema.applied(lora_ema0.params):
+        assert all(torch.equal(a, b) for a, b in zip(lora_ema0.params, lora.params))
 
 
 def test_caption_dropout_trains_a_seeded_share_of_instance_rows_on_the_empty_prompt():
