@@ -11,6 +11,10 @@ instances outnumber class images, class images repeat instead. Every random choi
 order of each epoch, each row's crop and flip) is drawn from --seed, so a run, a resumed
 run and a restarted worker group all see the same stream. The image math is in plain
 functions, tested without Ray.
+
+Options: --enable_bucket stores each photo covering the aspect-ratio bucket nearest its own and
+orders the rows so that every batch holds one bucket (plan_bucket_rows); --masked_loss carries
+each photo's mask as a fourth channel through its crop and flip.
 """
 
 import hashlib
