@@ -254,7 +254,7 @@ def plan_run(args, cluster_resources):
     instance_images, held_out = dataset.holdout_split(instance_images, args.holdout)
     if held_out:
         print(f"--holdout {args.holdout}: training without {', '.join(os.path.basename(p) for p in held_out)} "
-              "(evaluate.py --holdout scores against them)", file=sys.stderr)
+              f"(evaluate.py --holdout {args.holdout} also scores against the held-out photos)", file=sys.stderr)
     captions = prompts.read_captions(instance_images, args.instance_prompt, args.caption_extension)
     instance_prompts = list(dict.fromkeys(captions))
     class_images = dataset.list_images(args.class_data_dir, "class") if args.with_prior_preservation else []

@@ -273,7 +273,7 @@ def test_holdout_keeps_the_last_photos_out_of_training(tiny_model, toy_images, t
     run = planning.plan_run(planning.parse_args(argv + ["--holdout", "2"]), lambda: (2.0, 0))
     assert [os.path.basename(p) for p in run.instance_images] == ["toy-0.jpg", "toy-1.jpg", "toy-2.jpg"]
     assert [os.path.basename(p) for p in run.held_out] == ["toy-3.jpg", "toy-4.jpg"]
-    assert "--holdout 2: training without toy-3.jpg, toy-4.jpg" in capsys.readouterr().err
+    assert "--holdout 2: training without toy-3.jpg, toy-4.jpg (evaluate.py --holdout 2" in capsys.readouterr().err
     with pytest.raises(utils.UserError, match="--holdout 5 leaves none of the 5 photos to train on"):
         planning.plan_run(planning.parse_args(argv + ["--holdout", "5"]), lambda: (2.0, 0))
 
