@@ -62,9 +62,10 @@ def gather_rng_states():
 # ---------------------------------------------------------------- save and load
 
 
-def save(state, folder, epoch, rng_states, train_text_encoder, lora=None):
+def save(state, folder, epoch, rng_states, train_text_encoder, lora=None, held_out=()):
     """Write state (a steps.TrainState) into folder; rng_states from gather_rng_states().
-    lora: the run's adapter settings (plan.lora_settings), None for full fine-tuning."""
+    lora: the run's adapter settings (plan.lora_settings), None for full fine-tuning. held_out: the
+    names of the photos the run never trained on (--holdout)."""
     import torch
     from safetensors.torch import save_file
 
@@ -83,7 +84,7 @@ def save(state, folder, epoch, rng_states, train_text_encoder, lora=None):
     sizes = {name: os.path.getsize(os.path.join(folder, name)) for name in files}
     utils.write_json(os.path.join(folder, STATE_FILE),
                      {"step": state.step, "epoch": epoch, "world_size": len(rng_states), "lora": lora,
-                      "sizes": sizes})
+                      "held_out": list(held_out), "sizes": sizes})
 
 
 def load_weights(nets, folder):
@@ -181,10 +182,17 @@ def saved_step(folder):
         return json.load(f)["step"]
 
 
-def check_compatible(folder, lora):
+def check_compatible(folder, lora, held_out=()):
     """UserError unless the checkpoint in folder trained the same kind of weights as a run
-    with these LoRA settings (None: full fine-tuning)."""
-    saved = utils.read_json(os.path.join(folder, STATE_FILE)).get("lora")
+    with these LoRA settings (None: full fine-tuning), and without the same photos (--holdout:
+    names): resumed on a photo it was to be scored against, a model's held-out scores would lie."""
+    state = utils.read_json(os.path.join(folder, STATE_FILE))
+    saved = state.get("lora")
+    before = state.get("held_out", [])
+    if before != list(held_out):
+        said = f"without {', '.join(before)}" if before else "on every photo"
+        raise utils.UserError(f"checkpoint {folder} was trained {said} and this run holds out "
+                              f"{', '.join(held_out) or 'none'}: resume with the same --holdout, or start fresh")
 
     def kind(settings):
         return (f"LoRA (--rank {settings['rank']}, --lora_alpha {settings['lora_alpha']:g})" if settings

@@ -265,7 +265,7 @@ def plan_run(args, cluster_resources):
     resume_path = checkpoint.resolve_resume(args.resume_from_checkpoint, args.storage_path, run_prefix,
                                             args.output_dir)
     if resume_path:
-        checkpoint.check_compatible(resume_path, lora_settings(args))
+        checkpoint.check_compatible(resume_path, lora_settings(args), [os.path.basename(p) for p in held_out])
     prompts.warn_without_identifier(instance_prompts, args.instance_prompt, args.class_prompt)
 
     use_gpu, args.num_workers, cpus_per_worker = worker_resources(args, *cluster_resources())

@@ -142,6 +142,13 @@ def test_lora_checkpoint_holds_only_the_adapters_and_refuses_the_other_kind(make
     for other in (None, {"rank": 8, "lora_alpha": 8.0}):
         with pytest.raises(utils.UserError, match="holds LoRA .--rank 4, --lora_alpha 4. weights"):
             checkpoint.check_compatible(str(tmp_path), other)
+    # --holdout: a run never resumes on a photo it holds out (or the other way round)
+    with pytest.raises(utils.UserError, match="was trained on every photo and this run holds out e.jpg"):
+        checkpoint.check_compatible(str(tmp_path), {"rank": 4, "lora_alpha": 4.0}, ["e.jpg"])
+    checkpoint.save(state, str(tmp_path), 0, [checkpoint.rng_state()], True, planning.lora_settings(plan), ["e.jpg"])
+    checkpoint.check_compatible(str(tmp_path), {"rank": 4, "lora_alpha": 4.0}, ["e.jpg"])
+    with pytest.raises(utils.UserError, match="was trained without e.jpg and this run holds out none"):
+        checkpoint.check_compatible(str(tmp_path), {"rank": 4, "lora_alpha": 4.0})
 
 
 def test_8bit_adam_trains_and_its_quantised_state_round_trips(make_plan, prompt_ids, tmp_path):
