@@ -182,7 +182,7 @@ def read_mask(source, photo):
             mask = np.asarray(alpha if use_alpha else image.convert("L"))
     except (OSError, SyntaxError, ValueError) as err:
         raise utils.UserError(f"cannot read mask {source}: {err}") from None
-    upright = apply_orientation(np.zeros(raw_size, dtype=np.uint8), orientation).shape
+    upright = upright_size(photo)
     if mask.shape == raw_size and raw_size != upright:
         mask = apply_orientation(mask, orientation)  # drawn on the photo as stored: turned the same way
     if mask.shape != upright:
@@ -227,18 +227,14 @@ def hw(size):
 
 
 def resize_to_cover(image, size):
-    """(H, W, C) uint8 -> uint8 just large enough to cover size (aspect kept, bicubic): a square
-    size makes the shorter side that size. Each channel is resized alone (a mask in the 4th
-    channel never bleeds into the pixels)."""
+    """(H, W[, C]) uint8 -> uint8 just large enough to cover size (aspect kept, bicubic): a square
+    size makes the shorter side that size."""
     from PIL import Image
 
     new_h, new_w = covering_shape(image.shape[:2], size)
     new_size = (new_w, new_h)
     if new_size == image.shape[1::-1]:
         return image
-    if image.ndim == 3 and image.shape[2] == 4:
-        return np.concatenate([resize_to_cover(image[..., :3], size),
-                               resize_to_cover(np.ascontiguousarray(image[..., 3]), size)[..., None]], axis=-1)
     return np.asarray(Image.fromarray(image).resize(new_size, Image.BICUBIC))
 
 
@@ -339,13 +335,13 @@ def plan_bucket_rows(instance_buckets, num_class, num_epochs, seed, batch_size):
         rng = np.random.default_rng([seed, epoch, 1])
         groups = {}
         for row in epoch_rows:
-            groups.setdefault(instance_buckets[row["instance"]], []).append({**row, "bucket": 0})
+            bucket = int(instance_buckets[row["instance"]])
+            groups.setdefault(bucket, []).append({**row, "bucket": bucket})
         blocks = []
-        for bucket, group in sorted(groups.items()):
+        for _, group in sorted(groups.items()):
             short = -len(group) % batch_size
-            group = group + [dict(group[k], seed=int(rng.integers(0, 2**31))) for k in rng.integers(0, len(group), short)]
-            for row in group:
-                row["bucket"] = int(bucket)
+            group = group + [dict(group[k], seed=int(rng.integers(0, 2**31)))
+                             for k in rng.integers(0, len(group), short)]
             blocks += [group[k:k + batch_size] for k in range(0, len(group), batch_size)]
         for k in rng.permutation(len(blocks)):
             rows += blocks[k]
@@ -361,13 +357,9 @@ def _epochs(rows):
 
 
 def bucket_epoch_rows(instance_buckets, num_class, batch_size):
-    """Rows of one epoch of plan_bucket_rows (each bucket's rows rounded up to whole blocks)."""
-    num_rows = max(len(instance_buckets), num_class)
-    counts = {}
-    for k in range(num_rows):
-        bucket = instance_buckets[k % len(instance_buckets)]
-        counts[bucket] = counts.get(bucket, 0) + 1
-    return sum(-(-n // batch_size) * batch_size for n in counts.values())
+    """Rows of one epoch of plan_bucket_rows (each bucket's rows rounded up to whole blocks; the
+    count does not depend on the seed)."""
+    return len(plan_bucket_rows(instance_buckets, num_class, 1, 0, batch_size))
 
 
 def time_ids(original_size, crop, size):
@@ -418,9 +410,10 @@ def _per_row(batch, pick):
     return out
 
 
-def _row_buckets(batch, buckets):
-    """Each row's bucket index (None per row without --enable_bucket)."""
-    if buckets is None or "bucket" not in batch:
+def _row_buckets(batch):
+    """Each row's bucket index: the "bucket" column of plan_bucket_rows' rows (None per row without
+    --enable_bucket)."""
+    if "bucket" not in batch:
         return [None] * len(batch["seed"])
     return [int(b) for b in batch["bucket"]]
 
@@ -442,7 +435,7 @@ def make_views(batch, instance_images, class_images, resolution, center_crop, ra
     instance images are stored covering their bucket; class images are resized to cover it here.
     """
     sources = {"instance": _resolve(instance_images), "class": _resolve(class_images)}
-    row_buckets = _row_buckets(batch, buckets)
+    row_buckets = _row_buckets(batch)
 
     def pick(key, index, r, rng):
         image, size = sources[key][index], resolution
@@ -464,7 +457,7 @@ def make_views(batch, instance_images, class_images, resolution, center_crop, ra
     return {**out, "instance_image": np.asarray(batch["instance"])}
 
 
-def pick_latents(batch, instance_latents, class_latents, crops=None, instance_masks=None, bucketed=False):
+def pick_latents(batch, instance_latents, class_latents, crops=None, instance_masks=None):
     """Index rows -> cached VAE posteriors: one flip view per row, chosen by the row's seed.
 
     In: as make_views; the latent arrays are (N, V, 8, h, w) (or lists of (V, 8, h, w)). Out:
@@ -472,15 +465,16 @@ def pick_latents(batch, instance_latents, class_latents, crops=None, instance_ma
     "instance_image" (B,). With crops ({"instance": (N, V, 6), "class": ...} the time_ids of each
     stored view, SDXL), also "instance_time_ids" [, "class_time_ids"]: (B, 6). With
     instance_masks ((N, V, R, R) uint8, the masks of the stored views), also "instance_mask":
-    (B, R, R), the picked view's. bucketed (--enable_bucket): class_latents and crops["class"] are
-    {bucket index: per class image}, each class image encoded at every bucket the photos use.
+    (B, R, R), the picked view's. Rows with a "bucket" column (--enable_bucket): class_latents and
+    crops["class"] are {bucket index: per class image}, each class image encoded at every bucket the
+    photos use.
     """
     sources = {"instance": _resolve(instance_latents), "class": _resolve(class_latents)}
     crops = _resolve(crops) if crops is not None else None
-    row_buckets = [int(b) for b in batch["bucket"]] if bucketed else None
+    row_buckets = _row_buckets(batch)
 
     def stored(table, key, index, r):
-        return table[key][row_buckets[r]][index] if bucketed and key == "class" else table[key][index]
+        return table[key][row_buckets[r]][index] if row_buckets[r] is not None and key == "class" else table[key][index]
 
     def pick(key, index, r, rng):
         views = stored(sources, key, index, r)
@@ -701,9 +695,10 @@ def build_train_dataset(instance_paths, class_paths, resolution, center_crop, ra
                                                                                               instance_sizes)])
         return index.map_batches(pick_latents, batch_size=batch_size, fn_kwargs={
             "instance_latents": ray.put(instances), "class_latents": ray.put(classes) if num_class else None,
-            "crops": crops, "instance_masks": mask_views, "bucketed": buckets is not None})
+            "crops": crops, "instance_masks": mask_views})
     if masks is not None:  # the mask rides as a 4th channel: cropped and flipped with its pixels
-        instances = [np.concatenate([image, masks[p][..., None]], axis=-1) for image, p in zip(instances, instance_paths)]
+        instances = [np.concatenate([image, masks[p][..., None]], axis=-1)
+                     for image, p in zip(instances, instance_paths)]
     originals = ray.put({k: [sizes[k, p][0] for p in ps] for k, ps in paths.items()}) if with_time_ids else None
     return index.map_batches(make_views, batch_size=batch_size, fn_kwargs={
         "instance_images": ray.put(instances), "class_images": ray.put(classes) if classes else None,
