@@ -65,7 +65,7 @@ def family_of(model_dir):
         return FAMILIES["sdxl"]
     if pipeline == "StableDiffusionPipeline":
         try:
-            activation = utils.read_json(os.path.join(model_dir, "text_encoder", "config.json")).get("hidden_act")
+            activation = utils.part_config(model_dir, "text_encoder").get("hidden_act")
         except (OSError, ValueError):
             activation = None  # the model check names the missing part
         return FAMILIES["sd2" if activation == "gelu" else "sd1"]

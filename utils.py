@@ -421,24 +421,22 @@ def check_output_path(path, flag, inputs=(), is_file=False):
             raise UserError(f"{flag} {path} is inside {input_flag} {folder}; write the output somewhere else")
 
 
+def part_config(model_dir, part):
+    """A model part's config.json (unet, vae, ...), read as JSON: importing diffusers costs the driver seconds."""
+    return read_json(os.path.join(model_dir, part, "config.json"))
+
+
 def native_resolution(model_dir):
-    """The pixel size the model was trained at: UNet sample size x the VAE's downscaling.
-
-    Read from the configs' JSON: importing diffusers costs the driver seconds.
-    """
-    def config(part):
-        return read_json(os.path.join(model_dir, part, "config.json"))
-
-    return config("unet")["sample_size"] * 2 ** (len(config("vae")["block_out_channels"]) - 1)
+    """The pixel size the model was trained at: UNet sample size x the VAE's downscaling."""
+    vae_scale = 2 ** (len(part_config(model_dir, "vae")["block_out_channels"]) - 1)
+    return part_config(model_dir, "unet")["sample_size"] * vae_scale
 
 
 def size_multiple(model_dir):
     """The step every trained height and width must be a multiple of: the VAE's downscaling times the
     UNet's (each down block but the last halves the latents)."""
-    def config(part):
-        return read_json(os.path.join(model_dir, part, "config.json"))
-
-    return 2 ** (len(config("vae")["block_out_channels"]) - 1) * 2 ** (len(config("unet")["down_block_types"]) - 1)
+    return (2 ** (len(part_config(model_dir, "vae")["block_out_channels"]) - 1)
+            * 2 ** (len(part_config(model_dir, "unet")["down_block_types"]) - 1))
 
 
 def check_model_dir(model_dir, allow_unsafe_weights=False):
