@@ -97,15 +97,18 @@ def load_weights(nets, folder):
             models.load_trained_state_dict(text_encoder, load_file(os.path.join(folder, name)))
 
 
-def load_ema(ema, folder):
-    """The checkpoint's moving average into ema (a steps.EMA); False when it has none (a run
-    started without --use_ema): the average then starts from the restored weights."""
+def load_ema(targets, folder):
+    """The checkpoint's moving average copied into targets (an EMA's shadow, or the trained parameters
+    themselves, in steps.trained_parameters' order); False when it has none (a run started without
+    --use_ema)."""
     from safetensors.torch import load_file
+
+    import steps
 
     path = os.path.join(folder, EMA_FILE)
     if not os.path.isfile(path):
         return False
-    ema.load_state_dict(load_file(path))
+    steps.load_average(targets, load_file(path))
     return True
 
 
@@ -114,8 +117,8 @@ def load(state, folder, rank):
     import torch
 
     load_weights(state.models, folder)
-    if state.ema is not None and not load_ema(state.ema, folder):
-        state.ema.shadow = [p.detach().clone() for p in state.params]
+    if state.ema is not None and not load_ema(state.ema.shadow, folder):
+        state.ema.restart(state.params)  # from the restored weights
         if rank == 0:
             print(f"{folder} holds no moving average (its run had no --use_ema): the average starts from "
                   "its weights", file=sys.stderr)

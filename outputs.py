@@ -241,11 +241,7 @@ def save_checkpoint_as_model(checkpoint_dir, plan):
     nets = models.setup_models(plan, cpu, cpu, distributed=False)
     checkpoint.load_weights(nets, checkpoint_dir)
     if plan.use_ema:  # the model of a run with --use_ema is its moving average, at any step
-        params = steps.trained_parameters(nets, plan.train_text_encoder)
-        ema = steps.EMA(params, plan.ema_decay)
-        if checkpoint.load_ema(ema, checkpoint_dir):
-            with torch.no_grad():
-                torch._foreach_copy_(params, ema.shadow)
+        checkpoint.load_ema(steps.trained_parameters(nets, plan.train_text_encoder), checkpoint_dir)
     save_pipeline(nets, plan)
 
 

@@ -42,6 +42,10 @@ class EMA:
 
     def __init__(self, params, decay, update_after_step=0):
         self.decay, self.update_after_step = decay, update_after_step
+        self.restart(params)
+
+    def restart(self, params):
+        """The average from these weights on (a copy of each)."""
         self.shadow = [p.detach().clone() for p in params]
 
     def decay_at(self, step):
@@ -76,12 +80,18 @@ class EMA:
         """{"0": tensor, ...}: the average of each trained parameter, in their order (safetensors)."""
         return {str(i): s.detach().contiguous().cpu() for i, s in enumerate(self.shadow)}
 
-    @torch.no_grad()
     def load_state_dict(self, tensors):
-        if len(tensors) != len(self.shadow):
-            raise ValueError(f"the moving average holds {len(tensors)} tensors; this run trains {len(self.shadow)}")
-        for i, s in enumerate(self.shadow):
-            s.copy_(tensors[str(i)])
+        load_average(self.shadow, tensors)
+
+
+@torch.no_grad()
+def load_average(targets, tensors):
+    """Copy a saved moving average (EMA.state_dict's tensors) into targets, tensor by tensor: the
+    average of a resumed run, or the weights of a model made from a checkpoint."""
+    if len(tensors) != len(targets):
+        raise ValueError(f"the moving average holds {len(tensors)} tensors; this run trains {len(targets)}")
+    for i, target in enumerate(targets):
+        target.copy_(tensors[str(i)])
 
 
 def trained_parameters(models, train_text_encoder):
