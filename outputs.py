@@ -207,7 +207,7 @@ def save_pipeline(nets, plan):
               "instance_prompt": plan.instance_prompt,
               "class_prompt": plan.class_prompt, "lora": planning.lora_settings(plan),
               "ema_decay": plan.ema_decay if plan.use_ema else None,
-              "held_out": [os.path.basename(p) for p in plan.held_out],
+              "held_out": list(plan.held_out),
               "model_id": new_model_id(), "run_name": plan.run_name}
 
     def write(tmp):

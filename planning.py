@@ -65,7 +65,7 @@ class Plan:
     lora_dropout: float
     # data
     instance_images: tuple  # absolute paths (converted to PNG where the format needed it)
-    held_out: tuple  # --holdout: the photos kept out of training (paths), recorded with the output
+    held_out: tuple  # --holdout: the names of the photos kept out of training, recorded with the output
     masked_loss: bool
     instance_masks: tuple  # --masked_loss: per instance image, (mask source, original photo) or None (find_masks)
     class_images: tuple
@@ -252,8 +252,9 @@ def plan_run(args, cluster_resources):
     check_output_dir(args.output_dir, args.overwrite)
     instance_images = dataset.list_images(args.instance_data_dir, "instance", also_expected=args.caption_extension)
     instance_images, held_out = dataset.holdout_split(instance_images, args.holdout)
+    held_out = tuple(os.path.basename(p) for p in held_out)
     if held_out:
-        print(f"--holdout {args.holdout}: training without {', '.join(os.path.basename(p) for p in held_out)} "
+        print(f"--holdout {args.holdout}: training without {', '.join(held_out)} "
               f"(evaluate.py --holdout {args.holdout} also scores against the held-out photos)", file=sys.stderr)
     captions = prompts.read_captions(instance_images, args.instance_prompt, args.caption_extension)
     instance_prompts = list(dict.fromkeys(captions))
@@ -265,7 +266,7 @@ def plan_run(args, cluster_resources):
     resume_path = checkpoint.resolve_resume(args.resume_from_checkpoint, args.storage_path, run_prefix,
                                             args.output_dir)
     if resume_path:
-        checkpoint.check_compatible(resume_path, lora_settings(args), [os.path.basename(p) for p in held_out])
+        checkpoint.check_compatible(resume_path, lora_settings(args), held_out)
     prompts.warn_without_identifier(instance_prompts, args.instance_prompt, args.class_prompt)
 
     use_gpu, args.num_workers, cpus_per_worker = worker_resources(args, *cluster_resources())
@@ -295,7 +296,7 @@ def plan_run(args, cluster_resources):
         "learning_rate": scaled_learning_rate(args),
         "instance_images": tuple(instance_images),
         "instance_masks": tuple(masks),
-        "held_out": tuple(held_out),
+        "held_out": held_out,
         "class_images": tuple(class_images),
         "resolution": resolution,
         "buckets": buckets,

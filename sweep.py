@@ -201,7 +201,7 @@ def trial_fn(config, job):
                           "use_ema", "ema_decay")}
                 outputs.save_checkpoint_as_model(found[step], planning.offline_plan(
                     **fields, output_dir=model, total_steps=step, mixed_precision="no",
-                    held_out=tuple(subject.split()[1])))
+                    held_out=tuple(os.path.basename(p) for p in subject.split()[1])))
         return outputs.resolve_model(model)
 
     def score(step_counts):

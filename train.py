@@ -388,7 +388,7 @@ def report(state, metrics, rank, plan):
         return
     with tempfile.TemporaryDirectory() as folder:
         checkpoint.save(state, folder, metrics["epoch"], rng_states, plan.train_text_encoder,
-                        planning.lora_settings(plan), [os.path.basename(p) for p in plan.held_out])
+                        planning.lora_settings(plan), plan.held_out)
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
 
 
