@@ -136,13 +136,24 @@ def read_subjects(args):
     return subjects
 
 
+def search_values(args, train_args):
+    """{setting: the values the sweep tries}: the --sweep_* lists, or train.py's one value."""
+    return {"learning_rate": args.sweep_learning_rate or [train_args.learning_rate],
+            "rank": args.sweep_rank or [train_args.lora_rank],
+            "train_text_encoder": args.sweep_train_text_encoder or [train_args.train_text_encoder]}
+
+
+def trials_per_subject(args, train_args):
+    """--num_trials draws, or the grid's combinations."""
+    return args.num_trials if args.search == "random" else math.prod(map(len, search_values(args, train_args).values()))
+
+
 def param_space(args, subjects, train_args):
     """Tune's search space: the subjects always a grid; the rest a grid or random draws."""
     from ray import tune
 
-    lrs = args.sweep_learning_rate or [train_args.learning_rate]
-    values = {"learning_rate": lrs, "rank": args.sweep_rank or [train_args.lora_rank],
-              "train_text_encoder": args.sweep_train_text_encoder or [train_args.train_text_encoder]}
+    values = search_values(args, train_args)
+    lrs = values["learning_rate"]
     if args.search == "grid":
         space = {k: tune.grid_search(v) if len(v) > 1 else v[0] for k, v in values.items()}
     else:
@@ -223,12 +234,17 @@ def trial_fn(config, job):
         score([step])  # ASHA decides here whether the trial goes on
 
 
+def ranking_dino(scores):
+    """The DINO a sweep ranks by: against the held-out photos where they were scored (--holdout)."""
+    held_out = scores.get("dino_holdout")
+    return scores["dino"] if held_out is None else held_out
+
+
 def rank_score(overall, clip_t_floor, base_dino):
     """What ASHA compares trials by: the DINO gain over the subject's base model (DINO against held-out
     photos with --holdout), less 1 when CLIP-T fell below clip_t_floor (the base model's minus the
     margin: a model that forgot the prompt ranks under every one that kept it)."""
-    dino = overall.get("dino_holdout", overall["dino"])
-    gain = dino - base_dino
+    gain = ranking_dino(overall) - base_dino
     return gain - 1.0 if clip_t_floor is not None and overall["clip_t"] < clip_t_floor else gain
 
 
@@ -362,9 +378,7 @@ def score_base(args, subjects, eval_settings):
 
 def main(argv=None):
     args, train_flags, train_args = parse_args(argv)
-    per_subject = args.num_trials if args.search == "random" else (
-        len(args.sweep_learning_rate or [0]) * len(args.sweep_rank or [0]) * len(args.sweep_train_text_encoder or [0]))
-    early_stopping = wants_early_stopping(args, per_subject)
+    early_stopping = wants_early_stopping(args, trials_per_subject(args, train_args))
     # --holdout (train.py's flag, for every trial): the same photos kept out of training and scored apart
     subjects = {name: dataclasses.replace(s, holdout=train_args.holdout) for name, s in read_subjects(args).items()}
     for subject in subjects.values():  # a missing or corrupt photo or a bad prompt file fails now, not in a trial
@@ -389,8 +403,7 @@ def main(argv=None):
     base = score_base(args, subjects, eval_settings)
     # A trial draws and embeds its images on the GPUs it trained on (one actor on a CPU cluster).
     trial_actors = train_args.num_workers * train_args.gpus_per_worker if utils.cluster_resources()[1] else 1
-    rank_against = {name: (s["clip_t"] - args.clip_t_margin, s.get("dino_holdout", s["dino"]))
-                    for name, s in base.items()}
+    rank_against = {name: (s["clip_t"] - args.clip_t_margin, ranking_dino(s)) for name, s in base.items()}
     job = SweepJob(subjects, args.sweep_dir, tuple(args.sweep_max_train_steps), class_dirs, tuple(train_flags),
                    args.model_dir, dataclasses.replace(eval_settings, num_actors=trial_actors), early_stopping,
                    rank_against)
