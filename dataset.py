@@ -567,6 +567,12 @@ def resized_mask(found, shape):
     return mask
 
 
+def sizes_of(resolution, buckets, assigned):
+    """The training size of each image: its bucket's (height, width) (assigned: bucket indices into
+    buckets), or resolution where the bucket is None (no --enable_bucket)."""
+    return [resolution if b is None else tuple(buckets[b]) for b in assigned]
+
+
 def decode_images(instance_paths, class_paths, resolution, latent_cache=None, sizes=None, masks=None,
                   buckets=None):
     """Decode both folders once, on the driver; with latent_cache, VAE-encode them on a
@@ -584,8 +590,7 @@ def decode_images(instance_paths, class_paths, resolution, latent_cache=None, si
     encoded at each bucket the instances use: the class result is then {bucket: [posteriors]}.
     """
     stored = {}
-    instance_sizes = [resolution if buckets is None else tuple(buckets[0][b]) for b in
-                      (buckets[1] if buckets is not None else [None] * len(instance_paths))]
+    instance_sizes = sizes_of(resolution, *(buckets or (None, [None] * len(instance_paths))))
     for role, paths, targets in (("instance", instance_paths, instance_sizes),
                                  ("class", class_paths or [], [resolution] * len(class_paths or []))):
         for path, size in zip(paths, targets):
@@ -605,8 +610,7 @@ def decode_images(instance_paths, class_paths, resolution, latent_cache=None, si
     # the square, or with buckets at every bucket the photos use
     class_buckets = sorted(set(buckets[1])) if buckets is not None else [None]
     items = [(f"i{k}", image, size) for k, (image, size) in enumerate(zip(instances, instance_sizes))]
-    for bucket in class_buckets:
-        size = resolution if bucket is None else tuple(buckets[0][bucket])
+    for bucket, size in zip(class_buckets, sizes_of(resolution, buckets and buckets[0], class_buckets)):
         items += [(f"c{bucket}-{k}", resize_to_cover(image, size), size) for k, image in enumerate(classes)]
     ds = ray.data.from_items([{"key": key, "image": image, "size": np.array(hw(size))}
                               for key, image, size in items]).map_batches(
@@ -674,7 +678,7 @@ def build_train_dataset(instance_paths, class_paths, resolution, center_crop, ra
         rows = plan_bucket_rows(assigned, num_class, num_epochs, seed, batch_size)
     index = index_dataset(rows, batch_size)
     paths = {"instance": instance_paths, "class": class_paths or []}
-    instance_sizes = [resolution if assigned is None else buckets[b] for b in (assigned or [None] * len(instances))]
+    instance_sizes = sizes_of(resolution, buckets, assigned or [None] * len(instances))
     views = 2 if random_flip else 1
     if latent_cache:
         crops = None
