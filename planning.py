@@ -54,7 +54,6 @@ class Plan:
     class_prompt: str | None
     instance_prompts: tuple  # the distinct prompts of the instance images (captions or instance_prompt)
     image_prompt: tuple  # per instance image: its prompt's index in instance_prompts
-    prompt_ids: dict  # "instance": token ids per instance_prompts entry; "class" (with prior preservation)
     with_prior_preservation: bool  # class images (--class_data_dir)
     prior_prediction: bool  # --prior_preservation prior_prediction: the base model's prediction, no class images
     prior_loss_weight: float
@@ -290,9 +289,6 @@ def plan_run(args, cluster_resources):
         **from_flags,
         "instance_prompts": tuple(instance_prompts),
         "image_prompt": tuple(instance_prompts.index(c) for c in captions),
-        "prompt_ids": prompts.prompt_ids(args.model_dir, instance_prompts + ([""] if args.caption_dropout_rate else []),
-                                         args.class_prompt if args.with_prior_preservation or args.prior_prediction
-                                         else None),
         "learning_rate": scaled_learning_rate(args),
         "instance_images": tuple(instance_images),
         "instance_masks": tuple(masks),
@@ -324,7 +320,7 @@ def offline_plan(**fields):
     args = parse_args(["--model_dir", "/unused", "--output_dir", "/unused-out",
                        "--instance_data_dir", "/unused", "--instance_prompt", "unused"])
     from_flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(Plan) if hasattr(args, f.name)}
-    decided = dict(instance_prompts=(args.instance_prompt,), image_prompt=(), prompt_ids={},
+    decided = dict(instance_prompts=(args.instance_prompt,), image_prompt=(),
                    instance_images=(), instance_masks=(), held_out=(), class_images=(), resolution=64, buckets=(),
                    channels_last=False,
                    steps_per_epoch=1, total_steps=DEFAULT_MAX_TRAIN_STEPS, stop_step=None, stream_epochs=1, use_gpu=False,

@@ -39,8 +39,8 @@ def read_captions(image_paths, instance_prompt, caption_extension):
 
 
 def prompt_ids(model_dir, instance_prompts, class_prompt):
-    """CLIP token ids of the prompts, tokenised once here rather than on every worker: per prompt
-    (L,) ids, or with two text encoders (SDXL) (2, L), each tokenizer's."""
+    """CLIP token ids of the prompts: per prompt (L,) ids, or with two text encoders (SDXL) (2, L),
+    each tokenizer's; {"instance": [ids per prompt], "class": ids (with a class_prompt)}."""
     from transformers import CLIPTokenizer
 
     import dataset
@@ -57,6 +57,14 @@ def prompt_ids(model_dir, instance_prompts, class_prompt):
     if class_prompt:
         ids["class"] = tokenize(class_prompt)
     return ids
+
+
+def run_prompt_ids(plan):
+    """prompt_ids of a planning.Plan's prompts, tokenised on the workers (the driver does not import
+    transformers for it, a second of every run's start): "instance" for each of its instance_prompts,
+    then the empty prompt with --caption_dropout_rate; "class" with prior preservation."""
+    return prompt_ids(plan.model_dir, list(plan.instance_prompts) + ([""] if plan.caption_dropout_rate else []),
+                      plan.class_prompt if plan.with_prior_preservation or plan.prior_prediction else None)
 
 
 def read_prompt_file(path):

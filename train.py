@@ -196,6 +196,7 @@ def train_worker(plan):
 
     import failures
     import models
+    import prompts as prompt_lib
     import steps
     import validation
 
@@ -210,9 +211,12 @@ def train_worker(plan):
                                load_guard=failures.cannot_be_retried(
                                    f"loading the model {plan.model_dir}",
                                    "its files do not fit together: fetch or copy it again (cache_model.py)"))
+    with failures.cannot_be_retried(f"loading the tokenizers of {plan.model_dir}",
+                                    "its files do not fit together: fetch or copy it again (cache_model.py)"):
+        ids = prompt_lib.run_prompt_ids(plan)
     state = steps.make_train_state(nets, plan)
     # (before any checkpoint's weights: the class prompt as the base model reads it)
-    base_class = base_class_prompt(nets, plan, aux_device) if plan.prior_prediction else {}
+    base_class = base_class_prompt(nets, ids, aux_device) if plan.prior_prediction else {}
     # Ray's own checkpoint (a restarted worker group) wins over the one the run started from.
     restored = ray.train.get_checkpoint()
     if restored is not None:
@@ -226,7 +230,7 @@ def train_worker(plan):
     if rank == 0:
         print(f"worker devices: UNet on {unet_device}, text encoder and VAE on {aux_device}; "
               f"autocast {state.amp_dtype or 'off (fp32)'}", flush=True)
-    prompts = {**prompt_inputs(nets.text_encoders(), plan, aux_device), **base_class}
+    prompts = {**prompt_inputs(nets.text_encoders(), plan, ids, aux_device), **base_class}
     sampler = validation.Sampler(nets, plan, state.amp_dtype) if plan.validation_prompts else None
     total, accum = plan.end_step, plan.gradient_accumulation_steps
     # The stream is the same on every run: a resumed worker skips what it had trained on.
@@ -331,10 +335,10 @@ def prefetched(iterable):
     return chained()
 
 
-def prompt_inputs(text_encoders, plan, device):
-    """The prompts as steps.prompt_conditioning takes them: token ids, "instance" (P, L) for
-    the P distinct instance prompts and "class" (1, L) ((P, 2, L) and (1, 2, L) for SDXL's two
-    tokenizers), or with frozen text encoders their states (P, L, D) and (1, L, D) computed once
+def prompt_inputs(text_encoders, plan, ids, device):
+    """The prompts as steps.prompt_conditioning takes them, from ids (prompts.run_prompt_ids): token
+    ids, "instance" (P, L) for the P distinct instance prompts and "class" (1, L) ((P, 2, L) and
+    (1, 2, L) for SDXL's two tokenizers), or with frozen text encoders their states (P, L, D) and (1, L, D) computed once
     (and SDXL's pooled embeddings beside them); "image_prompt" (N,) maps each instance image to
     its prompt (its caption's, or --instance_prompt's); with --caption_dropout_rate, "caption_dropout"
     is (rate, index of the empty prompt, the last of "instance")."""
@@ -342,35 +346,36 @@ def prompt_inputs(text_encoders, plan, device):
 
     import steps
 
-    ids = {"instance": torch.tensor(plan.prompt_ids["instance"], device=device)}
-    if "class" in plan.prompt_ids:
-        ids["class"] = torch.tensor(plan.prompt_ids["class"], device=device).unsqueeze(0)
+    tokens = {"instance": torch.tensor(ids["instance"], device=device)}
+    if "class" in ids:
+        tokens["class"] = torch.tensor(ids["class"], device=device).unsqueeze(0)
     image_prompt = torch.tensor(plan.image_prompt or [0], dtype=torch.long, device=device)
     if not plan.train_text_encoder and plan.precompute_text_embeddings:
         encoded = {}
         with torch.no_grad():
-            for key, value in ids.items():
+            for key, value in tokens.items():
                 encoded[key], pooled = steps.encode_text(text_encoders, value)
                 if pooled is not None:
                     encoded[f"{key}_pooled"] = pooled
-        ids = encoded
+        tokens = encoded
     dropout = {"caption_dropout": (plan.caption_dropout_rate, len(plan.instance_prompts))} \
         if plan.caption_dropout_rate else {}
-    return {**ids, "image_prompt": image_prompt, **dropout}
+    return {**tokens, "image_prompt": image_prompt, **dropout}
 
 
-def base_class_prompt(nets, plan, device):
-    """{"class_base": (1, L, D) states of the class prompt from the base text encoders (and
-    "class_base_pooled" (1, P), SDXL)}: the conditioning of the base model's predictions under
-    --prior_preservation prior_prediction. Call before trained weights are loaded."""
+def base_class_prompt(nets, ids, device):
+    """{"class_base": (1, L, D) states of the class prompt (ids["class"], prompts.run_prompt_ids) from
+    the base text encoders (and "class_base_pooled" (1, P), SDXL)}: the conditioning of the base
+    model's predictions under --prior_preservation prior_prediction. Call before trained weights are
+    loaded."""
     import torch
 
     import models
     import steps
 
-    ids = torch.tensor(plan.prompt_ids["class"], device=device).unsqueeze(0)
+    tokens = torch.tensor(ids["class"], device=device).unsqueeze(0)
     with torch.no_grad():
-        states, pooled = steps.encode_text([models.unwrap(te) for te in nets.text_encoders()], ids)
+        states, pooled = steps.encode_text([models.unwrap(te) for te in nets.text_encoders()], tokens)
     return {"class_base": states, **({"class_base_pooled": pooled} if pooled is not None else {})}
 
 

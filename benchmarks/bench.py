@@ -80,8 +80,11 @@ def step_plan(args, train_text_encoder, device, precompute_text_embeddings, use_
     return planning.offline_plan(
         model_dir=args.model_dir, use_lora=use_lora, learning_rate=1e-4 if use_lora else 5e-6, mixed_precision=args.mixed_precision, train_text_encoder=train_text_encoder,
         gradient_checkpointing=args.gradient_checkpointing, torch_compile=args.torch_compile,
-        channels_last=device.type == "cuda", precompute_text_embeddings=precompute_text_embeddings,
-        prompt_ids={"instance": [list(range(49406 % 500, 49406 % 500 + 77))], "class": list(range(77))})
+        channels_last=device.type == "cuda", precompute_text_embeddings=precompute_text_embeddings)
+
+
+# token ids of an instance and a class prompt, fixed (the step's cost does not depend on them)
+PROMPT_IDS = {"instance": [list(range(49406 % 500, 49406 % 500 + 77))], "class": list(range(77))}
 
 
 def synthetic_batch(nets, args, cached):
@@ -116,7 +119,7 @@ def plain_loop(args, device, variant):
     nets = models.setup_models(plan, device, device, distributed=False)
     load_s = time.perf_counter() - t0
     state = steps.make_train_state(nets, plan)
-    prompts = train.prompt_inputs(nets.text_encoders(), plan, device)
+    prompts = train.prompt_inputs(nets.text_encoders(), plan, PROMPT_IDS, device)
     batch = synthetic_batch(nets, args, cached=variant == "cached")
     images_per_step = 2 * args.batch_size
 

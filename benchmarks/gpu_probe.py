@@ -106,7 +106,7 @@ def run_arm(arm, args, device):
     bench.reset_peak_memory(device)
     nets = models.setup_models(plan, device, device, distributed=False)
     state = steps.make_train_state(nets, plan)
-    prompts = train.prompt_inputs(nets.text_encoders(), plan, device)
+    prompts = train.prompt_inputs(nets.text_encoders(), plan, bench.PROMPT_IDS, device)
     batch = bench.synthetic_batch(nets, args, cached=arm.cached)
 
     def step():

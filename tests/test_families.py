@@ -152,10 +152,10 @@ def test_the_sdxl_unet_is_conditioned_on_each_rows_size_and_crop(tiny_sdxl_model
     import steps
     import train
 
-    plan = make_plan(model_dir=tiny_sdxl_model, resolution=128,
-                     prompt_ids=prompts_lib.prompt_ids(tiny_sdxl_model, ["photo of unqtkn toy"], "photo of a toy"))
+    plan = make_plan(model_dir=tiny_sdxl_model, resolution=128)
+    ids = prompts_lib.prompt_ids(tiny_sdxl_model, ["photo of unqtkn toy"], "photo of a toy")
     nets = models.setup_models(plan, torch.device("cpu"), torch.device("cpu"), distributed=False)
-    prompts = train.prompt_inputs(nets.text_encoders(), plan, torch.device("cpu"))
+    prompts = train.prompt_inputs(nets.text_encoders(), plan, ids, torch.device("cpu"))
     assert prompts["instance"].shape == (1, 2, 77)  # both tokenizers' ids
     pixels = torch.randint(0, 255, (1, 128, 128, 3), dtype=torch.uint8)
     square = torch.tensor([[128.0, 128, 0, 0, 128, 128]])
@@ -236,11 +236,11 @@ def test_sdxl_prior_prediction_gives_the_base_model_the_pooled_class_prompt_and_
     import steps
     import train
 
-    plan = make_plan(model_dir=tiny_sdxl_model, resolution=128, prior_prediction=True,
-                     prompt_ids=prompts_lib.prompt_ids(tiny_sdxl_model, ["photo of unqtkn toy"], "photo of a toy"))
+    plan = make_plan(model_dir=tiny_sdxl_model, resolution=128, prior_prediction=True)
+    ids = prompts_lib.prompt_ids(tiny_sdxl_model, ["photo of unqtkn toy"], "photo of a toy")
     nets = models.setup_models(plan, torch.device("cpu"), torch.device("cpu"), distributed=False)
-    prompts = {**train.prompt_inputs(nets.text_encoders(), plan, torch.device("cpu")),
-               **train.base_class_prompt(nets, plan, torch.device("cpu"))}
+    prompts = {**train.prompt_inputs(nets.text_encoders(), plan, ids, torch.device("cpu")),
+               **train.base_class_prompt(nets, ids, torch.device("cpu"))}
     assert prompts["class_base_pooled"].shape[0] == 1
     batch = {"instance_pixels": torch.randint(0, 255, (2, 128, 128, 3), dtype=torch.uint8),
              "instance_time_ids": torch.tensor([[400.0, 600, 0, 32, 128, 128], [128, 128, 0, 0, 128, 128]])}

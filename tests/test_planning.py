@@ -7,6 +7,7 @@ import pytest
 from PIL import Image
 
 import planning
+import prompts
 import utils
 
 
@@ -115,8 +116,9 @@ def test_plan_run_decides_every_setting_once_before_ray(tiny_model, toy_images, 
     assert run.resolution == 64  # the tiny model's native size, read from its configs
     assert run.use_gpu is False and run.cpus_per_worker == 1.0 and run.channels_last is False
     assert len(run.instance_images) == 5 and run.class_images == () and not run.with_prior_preservation
-    assert set(run.prompt_ids) == {"instance"} and len(run.prompt_ids["instance"]) == 1
-    assert len(run.prompt_ids["instance"][0]) == 77 and run.instance_prompts == ("photo of unqtkn toy",)
+    ids = prompts.run_prompt_ids(run)
+    assert set(ids) == {"instance"} and len(ids["instance"]) == 1
+    assert len(ids["instance"][0]) == 77 and run.instance_prompts == ("photo of unqtkn toy",)
     assert run.learning_rate == 2e-5 and run.run_name.startswith("out-") and run.resume_path is None
     assert run.storage_path == str(tmp_path / "ray_results")
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -161,20 +163,23 @@ def test_captions_beside_instance_images_replace_the_instance_prompt(tiny_model,
     run = planning.plan_run(planning.parse_args(argv), lambda: (2.0, 0))
     assert run.instance_prompts == ("photo of unqtkn toy", "photo of unqtkn toy on a beach", "a photo of a toy")
     assert run.image_prompt == (0, 1, 0, 2, 0)
-    assert len(run.prompt_ids["instance"]) == 3 and run.prompt_ids["instance"][1] != run.prompt_ids["instance"][0]
+    ids = prompts.run_prompt_ids(run)["instance"]
+    assert len(ids) == 3 and ids[1] != ids[0]
     err = capsys.readouterr().err
     assert "skipping" not in err and "3 prompts from captions" in run.describe()
     no_captions = planning.plan_run(planning.parse_args(argv + ["--caption_extension", ""]), lambda: (2.0, 0))
     assert no_captions.image_prompt == (0,) * 5
     # --caption_dropout_rate: the empty prompt's ids after the captions' (train.prompt_inputs points at them)
     dropout = planning.plan_run(planning.parse_args(argv + ["--caption_dropout_rate", "0.1"]), lambda: (2.0, 0))
-    assert dropout.prompt_ids["instance"][:3] == run.prompt_ids["instance"] and len(dropout.prompt_ids["instance"]) == 4
-    empty = dropout.prompt_ids["instance"][3]
+    dropout_ids = prompts.run_prompt_ids(dropout)["instance"]
+    assert dropout_ids[:3] == ids and len(dropout_ids) == 4
+    empty = dropout_ids[3]
     assert empty[0] != empty[1] and len(set(empty[2:])) == 1  # start, end, then padding: nothing in between
     assert dropout.instance_prompts == run.instance_prompts and dropout.caption_dropout_rate == 0.1
     predicted = planning.plan_run(planning.parse_args(argv + ["--prior_preservation", "prior_prediction",
                                                               "--class_prompt", "photo of a toy"]), lambda: (2.0, 0))
-    assert predicted.prior_prediction and predicted.class_images == () and len(predicted.prompt_ids["class"]) == 77
+    assert predicted.prior_prediction and predicted.class_images == ()
+    assert len(prompts.run_prompt_ids(predicted)["class"]) == 77
     assert "towards the base model's prediction" in predicted.describe()
     # --masked_loss: a mask beside one photo; without the flag it is named as unused
     Image.new("L", Image.open(own / "toy-1.jpg").size, 255).save(own / "toy-1.mask.png")
@@ -261,7 +266,7 @@ def test_an_sdxl_plan_takes_both_tokenizers_its_own_vae_and_validation_epochs(ti
     assert run.vae_dir == str(vae) and run.resolution == 128
     assert run.steps_per_epoch == 5 and run.validation_steps == 10
     assert [run.is_validation_step(s) for s in (5, 10, 12)] == [False, True, True]
-    assert len(run.prompt_ids["instance"][0]) == 2  # each prompt's ids for both tokenizers
+    assert len(prompts.run_prompt_ids(run)["instance"][0]) == 2  # each prompt's ids for both tokenizers
     with pytest.raises(utils.UserError, match="no config.json there"):
         planning.plan_run(planning.parse_args(argv + ["--pretrained_vae_model_name_or_path", toy_images]),
                           lambda: (2.0, 0))

@@ -338,11 +338,11 @@ def test_prior_prediction_targets_the_base_models_own_prediction(tiny_model, pro
     (full: the frozen copy; LoRA: the adapters switched off)."""
     import train
 
-    plan = make_plan(prior_prediction=True, use_lora=use_lora, prompt_ids={"class": prompt_ids["class"][0].tolist()})
+    plan = make_plan(prior_prediction=True, use_lora=use_lora)
     nets = models_lib.setup_models(plan, CPU, CPU, distributed=False)
     assert (nets.frozen_unet is None) == use_lora
     state = steps.make_train_state(nets, plan)
-    prompts = {**prompt_ids, **train.base_class_prompt(nets, plan, CPU)}
+    prompts = {**prompt_ids, **train.base_class_prompt(nets, {"class": prompt_ids["class"][0].tolist()}, CPU)}
     batch = batch_for(nets, size=2, with_class=False)
     torch.manual_seed(0)
     total, instance, prior = steps.batch_loss(nets, batch, prompts, 1.0)

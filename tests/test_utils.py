@@ -96,3 +96,39 @@ def test_an_output_is_never_a_file_or_inside_what_the_run_reads(tmp_path):
                                                                              str(tmp_path / "photos"))])
     with pytest.raises(utils.UserError, match="is a folder"):
         utils.check_output_path(str(tmp_path), "--output_file", is_file=True)
+
+
+def test_a_script_exits_at_once_after_flushing_and_waits_for_its_writing_threads(tmp_path):
+    """run_main's exit skips the interpreter's teardown: what the script printed, logged and
+    registered at exit still comes out, and a non-daemon thread still writing is waited for."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(f"""
+        import atexit, logging, sys, threading, time
+        sys.path.insert(0, {utils.REPO_DIR!r})
+        import utils
+
+        def main():
+            logging.basicConfig(stream=sys.stderr, format="%(message)s")
+            print("printed without a newline flush", end="")
+            logging.getLogger("x").warning("logged")
+            atexit.register(lambda: print(" at exit"))
+            if sys.argv[1] == "thread":
+                def write():
+                    time.sleep(0.3)
+                    open(sys.argv[2], "w").write("written")
+                threading.Thread(target=write).start()
+
+        utils.run_main(main)
+    """))
+    marker = tmp_path / "marker"
+    buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # as a script's output to a pipe is
+    for mode in ("plain", "thread"):
+        done = subprocess.run([sys.executable, str(script), mode, str(marker)], capture_output=True, text=True,
+                              stdin=subprocess.DEVNULL, env=buffered)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout == "printed without a newline flush at exit\n" and done.stderr == "logged\n"
+    assert marker.read_text() == "written"
