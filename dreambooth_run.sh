@@ -101,6 +101,17 @@ for name in DATA_PREFIX INSTANCE_DIR IMAGES_OWN_DIR IMAGES_REG_DIR TUNED_MODEL_D
 done
 cd "$(dirname "$0")"
 PYTHON="${PYTHON:-python}"
+# The steps' packages (requirements.txt) in that Python: one line saying so, not each step's traceback
+if ! command -v "$PYTHON" > /dev/null; then
+  echo "dreambooth_run.sh: error: no '$PYTHON' to run the steps with: set PYTHON=/path/to/python" >&2
+  exit 1
+fi
+if ! missing="$("$PYTHON" -c 'import importlib.util as u; print(" ".join(m for m in ("ray", "torch", "diffusers", "transformers", "PIL") if u.find_spec(m) is None))')" || [ -n "$missing" ]; then
+  echo "dreambooth_run.sh: error: $(command -v "$PYTHON") lacks ${missing:-the packages of requirements.txt}:" \
+    "run with the Python you installed requirements.txt in (PATH=\"\$PWD/.venv/bin:\$PATH\" ./dreambooth_run.sh," \
+    "or PYTHON=.venv/bin/python)" >&2
+  exit 1
+fi
 step() { echo "=== [$(date '+%Y-%m-%d %H:%M:%S')] Step $1"; }
 
 # Step 0: settings (each variable keeps a value set in the environment)

@@ -9,7 +9,9 @@ step 10 to the end of the last step, divided by the steps between. Ours reads it
 metrics.jsonl (a wall-clock time per logging window, written by the worker); the reference's
 from its progress bar, each update time-stamped as it arrives on the pipe. Fixed cost is the
 rest of the run's wall time. The tools alternate A B, B A, ... so that the machine's drift falls
-on both; the ratio of each round's pair is reported, then the mean and median.
+on both; the ratio of each round's pair is reported, then the mean and median. Before the
+rounds each tool runs once, not counted (its first run reads its packages from disk; ours on a new
+cluster also starts the cluster's helper actors, once).
 
     python benchmarks/vs_diffusers.py --reference /path/to/train_dreambooth.py [--rounds 4] [--steps 70]
     # the GPU comparison (same flags to both tools):
@@ -167,8 +169,8 @@ def main(argv=None):
     os.environ.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     model = prepare(args.work_dir, args.model, args.resolution)
     tools = {
-        "reference": lambda log: run_reference(model, args.work_dir, args.steps, log, args),
-        "ours": lambda log: run_ours(model, args.work_dir, args.steps, log, args),
+        "reference": lambda log, steps=args.steps: run_reference(model, args.work_dir, steps, log, args),
+        "ours": lambda log, steps=args.steps: run_ours(model, args.work_dir, steps, log, args),
     }
     if args.dry_run:
         del tools["reference"]
@@ -187,6 +189,13 @@ def compare(args, tools):
     print(f"model={args.model} resolution={args.resolution} batch={args.train_batch_size}+{args.train_batch_size} "
           f"mixed_precision={args.mixed_precision} ours on {'one running' if args.ray_cluster else 'its own'} "
           f"Ray cluster; step timed from step {FIRST_TIMED_STEP} to {args.steps}; logs in {args.work_dir}")
+    # Not counted: the first run of each tool reads its packages from disk, and the first training
+    # job on a new cluster starts Ray Data's and Ray Train's cluster-wide helper actors (once per
+    # cluster: dreambooth_run.sh's earlier steps have started them by Step 4).
+    warm = {tool: run(os.path.join(args.work_dir, f"log-{tool}-warm-up"), FIRST_TIMED_STEP)[0]
+            for tool, run in tools.items()}
+    print("warm-up runs, not counted (" + ", ".join(f"{tool} {wall:.1f} s" for tool, wall in warm.items())
+          + f" for {FIRST_TIMED_STEP} steps)")
     print("| round | tool | wall s | s/step | fixed s |")
     print("| --- | --- | ---: | ---: | ---: |")
     rows = []

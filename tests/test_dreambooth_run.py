@@ -127,6 +127,14 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode):
 def test_unknown_argument_is_refused():
     proc = subprocess.run(["bash", "dreambooth_run.sh", "--tinny"], cwd=REPO_DIR, capture_output=True, text=True)
     assert proc.returncode == 2 and "unknown argument '--tinny'" in proc.stderr
+    if sys.prefix == sys.base_prefix:
+        return  # (no virtual environment: no Python at hand without the requirements)
+    # a Python without the requirements (the one the venv was made from): one line naming what it lacks
+    bare = os.path.join(sys.base_prefix, "bin", "python3")
+    proc = subprocess.run(["bash", "dreambooth_run.sh", "--tiny"], cwd=REPO_DIR, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHON=bare))
+    assert proc.returncode == 1 and proc.stdout == "" and len(proc.stderr.splitlines()) == 1
+    assert f"{bare} lacks ray" in proc.stderr and "requirements.txt" in proc.stderr
     listing = subprocess.run(["bash", "dreambooth_run.sh", "--help"], cwd=REPO_DIR, capture_output=True, text=True)
     for variable in ("DATA_PREFIX", "INSTANCE_DIR", "CLASS_NAME", "NUM_WORKERS", "MAX_TRAIN_STEPS", "TRAIN_ARGS"):
         assert re.search(rf"^  {variable} .*\(default: ", listing.stdout, re.M), variable
