@@ -103,9 +103,7 @@ class EmbeddingActor:
 
 
 def embed(rows, eval_models_dir, num_actors, allow_unsafe_weights=False, batch_size=16):
-    """{path: {"dino", "clip", "text_clip"} as torch tensors} for rows [{"path", "text"}], on an actor pool."""
-    import torch
-
+    """{path: {"dino", "clip", "text_clip"} as (D,) arrays} for rows [{"path", "text"}], on an actor pool."""
     ray = utils.init_ray()
     dirs = tuple(os.path.join(eval_models_dir, part) for part in scores.EVAL_MODEL_PARTS)
     ds = ray.data.from_items(rows).map_batches(
@@ -114,7 +112,7 @@ def embed(rows, eval_models_dir, num_actors, allow_unsafe_weights=False, batch_s
     out = {}
     for batch in ds.iter_batches(batch_size=None):
         for i, path in enumerate(batch["path"]):
-            out[str(path)] = {k: torch.tensor(batch[k][i]) for k in ("dino", "clip", "text_clip")}
+            out[str(path)] = {k: batch[k][i] for k in ("dino", "clip", "text_clip")}
     return out
 
 
@@ -123,10 +121,10 @@ def score_set(emb, files, real, held_out=()):
     checker withheld are absent); real: the subject photos' paths (those trained on). Each image's
     CLIP-T text is the one its row carried (its prompt without the token). DIV is None with one image
     per prompt. With held_out photos (--holdout), also DINO and CLIP-I against them."""
-    import torch
+    import numpy as np
 
     def stack(paths, key):
-        return torch.stack([emb[p][key] for p in paths])
+        return np.stack([emb[p][key] for p in paths])
 
     every = [p for paths in files.values() for p in paths]
     if not every:
@@ -222,7 +220,7 @@ def run(entries, subjects, settings, output_dir, report_dirs=None):
     embeddings. Images go to output_dir/images/<label> (subjects with the same prompts share them);
     each subject's scores.json, report.md and grids to report_dirs[name] (default output_dir).
     Returns {subject name: scores.json's dict}."""
-    import torch
+    import numpy as np
 
     for _, model in entries:  # before Ray starts
         utils.check_model_dir(model.model_dir, settings.allow_unsafe_weights)
@@ -261,8 +259,8 @@ def run(entries, subjects, settings, output_dir, report_dirs=None):
             overall = score_set(emb, subject_files, photos, held[subject.name])
             class_images = files[label][subject.class_prompt]
             overall["pres"] = scores.mean_similarity(
-                torch.stack([emb[p]["dino"] for p in class_images]),
-                torch.stack([emb[p]["dino"] for p in photos])) if class_images else None
+                np.stack([emb[p]["dino"] for p in class_images]),
+                np.stack([emb[p]["dino"] for p in photos])) if class_images else None
             result["models"][label] = {"overall": overall, "per_prompt": per_prompt}
             write_prompt_grids(folder, label, {p: files[label][p] for p in [*subject_files, subject.class_prompt]})
         os.makedirs(folder, exist_ok=True)

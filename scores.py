@@ -9,12 +9,15 @@
   class has drifted towards the subject (language drift), low is good.
 - DIV: mean pairwise DINO distance (1 - similarity) among images of one prompt: diversity.
 
-Plain functions on (N, D) embeddings; the Embedder turns PIL images and prompts into them.
+Plain NumPy functions on (N, D) embeddings (arrays or CPU tensors; evaluate.py's driver never
+imports torch: 1.6 s of every run); the Embedder turns PIL images and prompts into them.
 """
 
 import itertools
 import os
 import re
+
+import numpy as np
 
 import utils
 
@@ -23,24 +26,26 @@ PAPER_SD = {"dino": 0.668, "clip_i": 0.803, "clip_t": 0.305}
 
 
 def _unit(x):
-    return x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    """x's rows scaled to unit length, in float64."""
+    x = np.asarray(x, dtype=np.float64)
+    return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
 
 
 def mean_similarity(a, b):
     """Mean cosine similarity over every pair (a_i, b_j); a (N, D), b (M, D). DINO, CLIP-I, PRES."""
-    return (_unit(a.float()) @ _unit(b.float()).T).mean().item()
+    return float((_unit(a) @ _unit(b).T).mean())
 
 
 def paired_similarity(a, b):
     """Mean cosine similarity of a_i with b_i; a, b (N, D). CLIP-T: image i with its own prompt."""
-    return (_unit(a.float()) * _unit(b.float())).sum(-1).mean().item()
+    return float((_unit(a) * _unit(b)).sum(-1).mean())
 
 
 def diversity(groups):
     """DIV: mean pairwise cosine distance within each group of (N_k, D) embeddings (one group per
     prompt), averaged over the pairs of all groups; groups of one image have no pairs."""
-    distances = [1 - (_unit(g[i].float()) * _unit(g[j].float())).sum().item()
-                 for g in groups for i, j in itertools.combinations(range(len(g)), 2)]
+    units = [_unit(g) for g in groups]
+    distances = [1 - float((u[i] * u[j]).sum()) for u in units for i, j in itertools.combinations(range(len(u)), 2)]
     if not distances:
         raise utils.UserError("DIV needs at least two images of one prompt")
     return sum(distances) / len(distances)
