@@ -11,7 +11,7 @@ from its progress bar, each update time-stamped as it arrives on the pipe. Fixed
 rest of the run's wall time. The tools alternate A B, B A, ... so that the machine's drift falls
 on both; the ratio of each round's pair is reported, then the mean and median. Before the
 rounds each tool runs once, not counted (its first run reads its packages from disk; ours on a new
-cluster also starts the cluster's helper actors, once).
+cluster also starts the cluster's helper actors, once); a dry run goes without.
 
     python benchmarks/vs_diffusers.py --reference /path/to/train_dreambooth.py [--rounds 4] [--steps 70]
     # the GPU comparison (same flags to both tools):
@@ -191,11 +191,13 @@ def compare(args, tools):
           f"Ray cluster; step timed from step {FIRST_TIMED_STEP} to {args.steps}; logs in {args.work_dir}")
     # Not counted: the first run of each tool reads its packages from disk, and the first training
     # job on a new cluster starts Ray Data's and Ray Train's cluster-wide helper actors (once per
-    # cluster: dreambooth_run.sh's earlier steps have started them by Step 4).
-    warm = {tool: run(os.path.join(args.work_dir, f"log-{tool}-warm-up"), FIRST_TIMED_STEP)[0]
-            for tool, run in tools.items()}
-    print("warm-up runs, not counted (" + ", ".join(f"{tool} {wall:.1f} s" for tool, wall in warm.items())
-          + f" for {FIRST_TIMED_STEP} steps)")
+    # cluster: dreambooth_run.sh's earlier steps have started them by Step 4). A dry run compares
+    # nothing: it goes without.
+    if not args.dry_run:
+        warm = {tool: run(os.path.join(args.work_dir, f"log-{tool}-warm-up"), FIRST_TIMED_STEP)[0]
+                for tool, run in tools.items()}
+        print("warm-up runs, not counted (" + ", ".join(f"{tool} {wall:.1f} s" for tool, wall in warm.items())
+              + f" for {FIRST_TIMED_STEP} steps)")
     print("| round | tool | wall s | s/step | fixed s |")
     print("| --- | --- | ---: | ---: | ---: |")
     rows = []

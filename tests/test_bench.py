@@ -97,7 +97,7 @@ def test_vs_diffusers_dry_run_runs_ours_with_the_gpu_settings_on_one_cluster(tmp
                  "--with_prior_preservation", "--train_text_encoder"):
         assert flag in command, flag
     assert "batch=2+2 mixed_precision=bf16 ours on one running Ray cluster" in out
-    assert "warm-up runs, not counted (ours " in out and (tmp_path / "work" / "log-ours-warm-up").is_file()
+    assert "warm-up" not in out  # (a comparison's: a dry run compares nothing)
     [row] = [line for line in out.splitlines() if line.startswith("| 1 | ours |")]
     wall, per_step, fixed = (float(cell) for cell in row.strip("|").split("|")[2:5])
     assert per_step > 0 and 0 < fixed < wall
