@@ -80,9 +80,6 @@ class EMA:
         """{"0": tensor, ...}: the average of each trained parameter, in their order (safetensors)."""
         return {str(i): s.detach().contiguous().cpu() for i, s in enumerate(self.shadow)}
 
-    def load_state_dict(self, tensors):
-        load_average(self.shadow, tensors)
-
 
 @torch.no_grad()
 def load_average(targets, tensors):
