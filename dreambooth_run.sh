@@ -15,9 +15,10 @@
 # Settings are environment variables; `--help` lists each with its default. A preflight checks the
 # photos, CLASS_NAME, the GPUs, the free disk and (on a cluster) that DATA_PREFIX is shared before
 # Step 1. Every run logs to $LOG_DIR; rerun the same command after a crash and Step 4 continues
-# from its newest checkpoint. With RAY_ADDRESS set (or `ray start` run on this node) the scripts
-# join that cluster and ship this folder's code to the workers; else the script starts one local
-# cluster for all its steps and stops it at the end.
+# from its newest checkpoint. With RAY_ADDRESS set the steps join that cluster and ship this
+# folder's code to its workers; else the script starts a cluster of its own for all its steps and
+# stops it at the end (other machines may join it meanwhile: it prints how). Either way with Ray's
+# token authentication (RAY_AUTH_MODE=disabled turns it off: README, "Security").
 set -euo pipefail
 
 # name|default (as shown)|meaning. The defaults are applied below, in Step 0.
@@ -149,6 +150,16 @@ GPUS_PER_WORKER="${GPUS_PER_WORKER:-1}"
 CHECKPOINTING_STEPS="${CHECKPOINTING_STEPS:-100}"
 NUM_NEW_IMAGES="${NUM_NEW_IMAGES:-5}"
 TRAIN_ARGS="${TRAIN_ARGS:-}"
+# TRAIN_ARGS split into words as a shell would, quotes respected ('--validation_prompt "a, b"'), but
+# never glob-expanded: a * reaches train.py as a *, not as the names of files here
+TRAIN_ARGS_LIST=()
+if [ -n "$TRAIN_ARGS" ]; then
+  if ! "$PYTHON" -c 'import shlex, sys; shlex.split(sys.argv[1])' "$TRAIN_ARGS" 2> /dev/null; then
+    echo "dreambooth_run.sh: error: TRAIN_ARGS has an unclosed quote: $TRAIN_ARGS" >&2
+    exit 2
+  fi
+  mapfile -d '' -t TRAIN_ARGS_LIST < <("$PYTHON" -c 'import shlex, sys; sys.stdout.write("".join(w + "\0" for w in shlex.split(sys.argv[1])))' "$TRAIN_ARGS")
+fi
 HOLDOUT="${HOLDOUT:-0}"
 # The photos: INSTANCE_DIR if set, $IMAGES_OWN_DIR with --skip_image_setup, else the example's own
 # folder (never the one your photos go in: two subjects are never trained as one).
@@ -176,47 +187,52 @@ exec > >(tee -a "$LOG_FILE") 2>&1
 echo "$COMMAND_LINE -- log: $LOG_FILE"
 
 # One Ray cluster for every step (each script would otherwise start and stop its own, seconds each):
-# the cluster RAY_ADDRESS names, or one `ray start` began on this node, is joined and left running;
-# else a local one starts here and stops when this script ends, however it ends.
-RAY_HEAD_PID=
-# The steps' Ray setting (utils.init_ray): a cluster started here with Ray's token default would
-# refuse them when a token file from earlier use of Ray exists (~/.ray/auth_token)
-export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
+# the cluster RAY_ADDRESS names is joined and left running; else one starts here and stops when this
+# script ends, however it ends. Never the cluster Ray's temp folder names (a `ray start` of someone
+# else's): a step joins only the address handed to it.
+RAY_HEAD_PID= RAY_HEAD_TEMP=
+# Ray's token authentication for the head started here and every step (utils.ensure_ray_token: the
+# token of RAY_AUTH_TOKEN or its file is reused, else one is made that only you can read)
+export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
+RAY_AUTH="$("$PYTHON" -c 'import utils; utils.ensure_ray_token(); print(utils.ray_auth_note())')"
 EVAL_FETCH_PID=
 stop_ray() {  # at exit, however the script ends: the background fetch too (Step 1)
   if [ -n "$EVAL_FETCH_PID" ]; then kill -TERM "$EVAL_FETCH_PID" 2>/dev/null || true; fi
   if [ -n "$RAY_HEAD_PID" ]; then
     kill -TERM "$RAY_HEAD_PID" 2>/dev/null || true
     wait "$RAY_HEAD_PID" 2>/dev/null || true
-    # `ray start` leaves its address in Ray's temp folder for later scripts to join: left there, the
-    # next script run by hand would wait on this stopped cluster instead of starting its own
-    local current="${RAY_TMPDIR:-${TMPDIR:-/tmp}}/ray/ray_current_cluster"
-    if [ "$(cat "$current" 2>/dev/null)" = "$RAY_ADDRESS" ]; then rm -f "$current"; fi
   fi
+  if [ -n "$RAY_HEAD_TEMP" ]; then rm -rf "$RAY_HEAD_TEMP"; fi
 }
 trap stop_ray EXIT
 if [ -n "${RAY_ADDRESS:-}" ]; then
-  echo "Ray: joining the cluster at RAY_ADDRESS=$RAY_ADDRESS"
+  echo "Ray: joining the cluster at RAY_ADDRESS=$RAY_ADDRESS; $RAY_AUTH"
 else
   RAY_HEAD_LOG="$LOG_DIR/ray-head-$(date '+%Y%m%d-%H%M%S').log"
+  # Its own temp folder (short: Ray's socket paths must fit 108 characters), so that its address is
+  # not written where every later `ray.init()` on this node would find and join it.
+  RAY_HEAD_TEMP="$(mktemp -d /tmp/dreambooth-ray-XXXXXX)"
   # (no drain at the end: nothing runs by then, and Ray would wait 30 s for idle workers)
-  RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 $PYTHON -m ray.scripts.scripts start --head --block \
-    --disable-usage-stats --include-dashboard=false > "$RAY_HEAD_LOG" 2>&1 &
+  RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 "$PYTHON" -m ray.scripts.scripts start --head --block \
+    --disable-usage-stats --include-dashboard=false --temp-dir="$RAY_HEAD_TEMP" > "$RAY_HEAD_LOG" 2>&1 &
   RAY_HEAD_PID=$!
   while kill -0 "$RAY_HEAD_PID" 2>/dev/null && ! grep -q "block forever" "$RAY_HEAD_LOG"; do sleep 0.2; done
-  if kill -0 "$RAY_HEAD_PID" 2>/dev/null; then
-    RAY_ADDRESS="$(grep -o "ray start --address='[^']*'" "$RAY_HEAD_LOG" | head -n 1 | cut -d"'" -f2)"
-    export RAY_ADDRESS
-    echo "Ray: started a local cluster for this run at $RAY_ADDRESS (stopped at exit; its log: $RAY_HEAD_LOG)"
-  else  # e.g. `ray start` already ran on this node: every step joins that one
+  if ! kill -0 "$RAY_HEAD_PID" 2>/dev/null; then
     RAY_HEAD_PID=
-    echo "Ray: no cluster started here ($(grep -m 1 -i "error\|already" "$RAY_HEAD_LOG" || tail -n 1 "$RAY_HEAD_LOG"))"
+    echo "dreambooth_run.sh: error: Ray did not start ($(grep -m 1 -i "error" "$RAY_HEAD_LOG" || tail -n 1 "$RAY_HEAD_LOG"));" \
+      "its log: $RAY_HEAD_LOG" >&2
+    exit 1
   fi
+  RAY_ADDRESS="$(grep -o "ray start --address='[^']*'" "$RAY_HEAD_LOG" | head -n 1 | cut -d"'" -f2)"
+  export RAY_ADDRESS
+  echo "Ray: started a cluster for this run at $RAY_ADDRESS (stopped at exit; its log: $RAY_HEAD_LOG); $RAY_AUTH"
+  echo "  more machines may join it while it runs: RAY_AUTH_MODE=token ray start --address=$RAY_ADDRESS" \
+    "(with the same token in their ~/.ray/auth_token or RAY_AUTH_TOKEN)"
 fi
 
 if $example; then  # the example photos, in their own folder
   mkdir -p "$PHOTOS_DIR"
-  if $tiny; then cp -f "$EXAMPLE_PHOTOS"/*.jpg "$PHOTOS_DIR/"; else $PYTHON download_example_dataset.py "$PHOTOS_DIR"; fi
+  if $tiny; then cp -f "$EXAMPLE_PHOTOS"/*.jpg "$PHOTOS_DIR/"; else "$PYTHON" download_example_dataset.py "$PHOTOS_DIR"; fi
 fi
 
 step "0: preflight (photos, CLASS_NAME, GPUs, disk, shared storage)"
@@ -226,7 +242,7 @@ PREFLIGHT=(--photos_dir="$PHOTOS_DIR" --photos_var="$PHOTOS_VAR" --class_name="$
   --gpus_per_worker="$GPUS_PER_WORKER")
 $tiny && PREFLIGHT+=(--tiny)
 $use_lora && PREFLIGHT+=(--use_lora)
-NUM_WORKERS="$($PYTHON preflight.py "${PREFLIGHT[@]}" | tail -n 1)"
+NUM_WORKERS="$("$PYTHON" preflight.py "${PREFLIGHT[@]}" -- "${TRAIN_ARGS_LIST[@]}" "${EXTRA_TRAIN_ARGS[@]}" | tail -n 1)"
 NUM_WORKERS="${NUM_WORKERS#NUM_WORKERS=}"
 
 # The resolved settings, once
@@ -240,10 +256,10 @@ mkdir -p "$ORIG_MODEL_DIR" "$TUNED_MODEL_DIR" "$IMAGES_NEW_DIR"
 
 step "1: cache the base model ($($tiny && echo "the built-in tiny one" || echo "$ORIG_MODEL_NAME"))"
 if $tiny; then
-  ORIG_MODEL_PATH="$($PYTHON cache_model.py --model_dir="$ORIG_MODEL_DIR" --tiny ${arch:+--arch="$arch"} \
+  ORIG_MODEL_PATH="$("$PYTHON" cache_model.py --model_dir="$ORIG_MODEL_DIR" --tiny ${arch:+--arch="$arch"} \
     | tail -n 1)"
 else
-  ORIG_MODEL_PATH="$($PYTHON cache_model.py --model_dir="$ORIG_MODEL_DIR" --model_name="$ORIG_MODEL_NAME" \
+  ORIG_MODEL_PATH="$("$PYTHON" cache_model.py --model_dir="$ORIG_MODEL_DIR" --model_name="$ORIG_MODEL_NAME" \
     ${ORIG_MODEL_HASH:+--revision="$ORIG_MODEL_HASH"} | tail -n 1)"
 fi
 export ORIG_MODEL_PATH
@@ -254,7 +270,7 @@ echo "base model: $ORIG_MODEL_PATH"
 if ! $skip_eval; then
   if $tiny; then EVAL_FLAGS=(--tiny); else EVAL_FLAGS=(); fi
   EVAL_FETCH_LOG="$LOG_DIR/eval-models-$(date '+%Y%m%d-%H%M%S').log"
-  $PYTHON cache_model.py --model_dir="$EVAL_MODELS_CACHE" --eval_models "${EVAL_FLAGS[@]}" \
+  "$PYTHON" cache_model.py --model_dir="$EVAL_MODELS_CACHE" --eval_models "${EVAL_FLAGS[@]}" \
     > "$EVAL_FETCH_LOG.path" 2> "$EVAL_FETCH_LOG" < /dev/null &
   EVAL_FETCH_PID=$!
   echo "Step 6's scoring models: fetching in the background (log: $EVAL_FETCH_LOG)"
@@ -268,7 +284,7 @@ if $prior_prediction; then
 else
   step "3: class images of 'photo of a $CLASS_NAME' in $IMAGES_REG_DIR (a rerun only tops up)"
   mkdir -p "$IMAGES_REG_DIR"
-  $PYTHON generate.py \
+  "$PYTHON" generate.py \
     --model_dir="$ORIG_MODEL_PATH" \
     --output_dir="$IMAGES_REG_DIR" \
     --prompts="photo of a $CLASS_NAME" \
@@ -287,8 +303,7 @@ else
   TRAIN_OPTIONS=()
   GENERATE_OPTIONS=(--model_dir="$TUNED_MODEL_DIR")
 fi
-# shellcheck disable=SC2086  # TRAIN_ARGS is a list of flags
-$PYTHON train.py \
+"$PYTHON" train.py \
   --model_dir="$ORIG_MODEL_PATH" \
   --output_dir="$TUNED_MODEL_DIR" \
   --instance_images_dir="$PHOTOS_DIR" \
@@ -304,10 +319,10 @@ $PYTHON train.py \
   --checkpoints_total_limit=1 \
   --resume_from_checkpoint=auto \
   --holdout="$HOLDOUT" \
-  "${TRAIN_OPTIONS[@]}" $TRAIN_ARGS "${EXTRA_TRAIN_ARGS[@]}"
+  "${TRAIN_OPTIONS[@]}" "${TRAIN_ARGS_LIST[@]}" "${EXTRA_TRAIN_ARGS[@]}"
 
 step "5: $NUM_NEW_IMAGES images of the subject in $IMAGES_NEW_DIR"
-$PYTHON generate.py \
+"$PYTHON" generate.py \
   "${GENERATE_OPTIONS[@]}" \
   --output_dir="$IMAGES_NEW_DIR" \
   --prompts="photo of a $UNIQUE_TOKEN $CLASS_NAME in a bucket" \
@@ -331,7 +346,7 @@ if ! wait "$EVAL_FETCH_PID"; then
 fi
 EVAL_FETCH_PID=
 EVAL_MODELS_DIR="$(tail -n 1 "$EVAL_FETCH_LOG.path")"
-$PYTHON evaluate.py \
+"$PYTHON" evaluate.py \
   --model_dir="$TUNED_MODEL_DIR" \
   --instance_data_dir="$PHOTOS_DIR" \
   --unique_token="$UNIQUE_TOKEN" \

@@ -7,7 +7,9 @@ Checks the photos (present, readable), the class name, the Ray cluster's GPUs ag
 asked for, the free disk under DATA_PREFIX (base model + one checkpoint + the tuned model), and on a
 cluster of several nodes that DATA_PREFIX and the photos are the same storage on every node (a Ray
 task on each node writes there; the head reads it back). Each failure is one line naming the
-variable to change. Prints the resolved worker count last, as `NUM_WORKERS=<n>`.
+variable to change. Prints the resolved worker count last, as `NUM_WORKERS=<n>`. The words after
+`--` are the flags the script passes on to train.py (TRAIN_ARGS and its own after `--`): a flag
+train.py does not know, or a value it refuses, stops the run here instead of at Step 4.
 """
 
 import argparse
@@ -49,6 +51,15 @@ def parse_args(argv=None):
         parser.error(f"NUM_WORKERS={args.num_workers}: must be a whole number (or unset: one per GPU)")
     args.num_workers = int(args.num_workers or 0)
     return args
+
+
+def check_train_flags(words):
+    """The user's train.py flags (TRAIN_ARGS, the script's words after --) parse as train.py parses
+    them; the flags the script itself passes are not needed here. Exits 2 with argparse's line."""
+    required = [name for name in planning.TRAIN_FLAGS if flags.FLAGS[name][1].get("required")]
+    parser = flags.make_parser(None, planning.TRAIN_FLAGS, refused=flags.REFUSED, config=True, optional=required)
+    parser.prog = "train.py flags (TRAIN_ARGS, or after --)"
+    parser.parse_args(words)
 
 
 def check_photos(folder, variable):
@@ -143,7 +154,10 @@ def check_shared(data_prefix, photos_var, photos_dir, num_photos):
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    train_words = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = parse_args(argv[:len(argv) - len(train_words) - (1 if "--" in argv else 0)])
+    check_train_flags(train_words)
     if not args.class_name.strip():
         raise utils.UserError("CLASS_NAME is not set: set it to what your subject is (CLASS_NAME=dog, backpack, "
                               "person); it makes the class prompt 'photo of a <CLASS_NAME>'")

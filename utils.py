@@ -42,8 +42,10 @@ def ray_failure(err):
     import time
     import traceback
 
-    log = os.path.join(tempfile.gettempdir(), f"dreambooth-error-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log")
-    with open(log, "w") as f:
+    # mkstemp: a new file of a name no one can guess, only its owner can read, never through a link
+    # planted in the shared temp folder
+    fd, log = tempfile.mkstemp(prefix=f"dreambooth-error-{time.strftime('%Y%m%d-%H%M%S')}-", suffix=".log")
+    with os.fdopen(fd, "w") as f:
         f.write("".join(traceback.format_exception(err)))
     # The text of a worker's error holds its chain of tracebacks; the last exception line not
     # Ray's own is the cause.
@@ -160,6 +162,14 @@ def leave_ray():
 # ---------------------------------------------------------------- naming and seeds
 
 
+def size_text(num_bytes):
+    """12345678 -> '12.3 MB' (decimal units, as df -H and disk makers count)."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(num_bytes) < 1000 or unit == "TB":
+            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.3g} {unit}"
+        num_bytes /= 1000
+
+
 def slugify(text, max_len=60):
     """'Photo of a dog!' -> 'photo-of-a-dog' (file-system safe, stable)."""
     slug = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
@@ -255,24 +265,78 @@ def quiet_ray_worker():
     logging.getLogger(context_py).setLevel(logging.WARNING)
 
 
-def init_ray():
-    """Start local Ray, or join the cluster in RAY_ADDRESS, shipping this code to workers.
+def ray_token_path():
+    """The file Ray reads its authentication token from (RAY_AUTH_TOKEN_PATH, else Ray's documented
+    ~/.ray/auth_token), or None when the token is in RAY_AUTH_TOKEN itself."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return None
+    return os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.join(os.path.expanduser("~"), ".ray", "auth_token")
 
-    The project's modules travel as the runtime environment's working_dir, the same
-    mechanism a multi-node cluster needs; all paths passed to workers are absolute.
+
+def ensure_ray_token():
+    """Turn on Ray's token authentication for this process and the ones it starts, unless the user
+    turned it off (RAY_AUTH_MODE=disabled), and make sure a token exists: the one already in
+    RAY_AUTH_TOKEN or its file (reused, as `ray get-auth-token --generate` does), else a new random
+    one in a file only its owner can read (Ray writes its own readable by every local user).
+
+    Why a token even on one machine: Ray 2.60 cannot be bound to loopback (it replaces 127.0.0.1
+    with the node's address and its servers listen on every interface, measured), so the token is
+    what keeps another host, or another user of this one, from running code as you.
+    Returns the token file, or None (token in RAY_AUTH_TOKEN, or authentication off)."""
+    import secrets
+
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    if "ray" in sys.modules:  # Ray read its settings when imported: have it read the mode again (as its own
+        from ray._raylet import Config  # ray.init does when it turns token mode on by default)
+
+        Config.initialize("")
+    if os.environ["RAY_AUTH_MODE"].lower() != "token":
+        return None
+    path = ray_token_path()
+    if path is None:
+        return None
+    if os.path.isfile(path):
+        if os.stat(path).st_mode & 0o077:  # a token other local users can read protects nothing from them
+            os.chmod(path, 0o600)
+        return path
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    try:  # O_EXCL: never through a link planted at that name, never over a token another process just made
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return path
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))  # 256 bits, the form of Ray's own
+    return path
+
+
+def ray_auth_note():
+    """How this process authenticates to Ray, in a few words for the line that names the cluster."""
+    if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+        return ("token authentication OFF (RAY_AUTH_MODE=" + os.environ.get("RAY_AUTH_MODE", "") +
+                "): anyone who can reach this machine's Ray ports can run code as you")
+    path = ray_token_path()
+    return "token authentication, token in " + (path if path else "RAY_AUTH_TOKEN")
+
+
+def init_ray():
+    """Start a local Ray cluster of this script's own, or join the cluster RAY_ADDRESS names (and
+    only then: never the one Ray's temp folder names, which any `ray start` on this node writes),
+    with token authentication (ensure_ray_token); one line says which. The project's modules travel
+    as the runtime environment's working_dir, the same mechanism a multi-node cluster needs; all
+    paths passed to workers are absolute.
     """
     import ray
 
     # Train's controller polls workers every 2 s by default, which adds ~1.5 s to
     # every ray.train.report; 0.2 s keeps reporting cheap.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     # Our excludes below name Ray's defaults (.git, .venv, ...); without this Ray warns about each.
     os.environ.setdefault("RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES", "")
     # Ray Data's INFO lines (each dataset's start, plan and finish) are for debugging Ray Data.
     os.environ.setdefault("RAY_DATA_LOG_LEVEL", "WARNING")
     if ray.is_initialized():
         return ray
+    ensure_ray_token()
     quiet_ray_logs()
     runtime_env = {
         "working_dir": REPO_DIR,
@@ -295,45 +359,57 @@ def init_ray():
             "TRANSFORMERS_VERBOSITY": os.environ.get("TRANSFORMERS_VERBOSITY", "error"),
         },
     }
-    ray.init(runtime_env=runtime_env, log_to_driver=True, configure_logging=False)
+    address = os.environ.get("RAY_ADDRESS", "").strip()
+    try:
+        # "local": a new cluster even when Ray's temp folder names another (a script of the user's
+        # running beside this one, or a cluster someone else pointed that world-writable file at)
+        ray.init(address=address or "local", runtime_env=runtime_env, log_to_driver=True, configure_logging=False,
+                 include_dashboard=False)
+    except ConnectionError as err:
+        raise UserError(f"could not join the Ray cluster at RAY_ADDRESS={address}: {one_line(err)} (a cluster "
+                        f"with token authentication needs its token: RAY_AUTH_TOKEN, or the file "
+                        f"~/.ray/auth_token copied from its head)") from err
+    where = ray.get_runtime_context().gcs_address
+    if address:
+        print(f"Ray: joined the cluster at {where} (RAY_ADDRESS); {ray_auth_note()}", file=sys.stderr)
+    else:
+        print(f"Ray: started a local cluster for this script at {where} (set RAY_ADDRESS to use a running one); "
+              f"{ray_auth_note()}", file=sys.stderr)
     return ray
 
 
-def start_ray_head(log_path, port=None):
+def start_ray_head(log_path, port=None, extra=()):
     """A local Ray cluster as dreambooth_run.sh starts one (`ray start --head --block` in the
-    background, no 30 s drain when stopped, the steps' auth mode), for the test suite and the
+    background, token authentication, its temp folder a private one so that its address is not
+    published as this node's default, no 30 s drain when stopped), for the test suite and the
     benchmarks: (process, address for RAY_ADDRESS) once it is up; stop it with stop_ray_head."""
     import subprocess
     import time
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # init_ray's: the scripts must be let in
+    ensure_ray_token()
+    # Ray's socket paths must stay short (under 108 characters): a folder of its own under /tmp
+    temp_dir = tempfile.mkdtemp(prefix="dreambooth-ray-", dir="/tmp")
     command = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--disable-usage-stats",
-               "--include-dashboard=false"] + ([f"--port={port}"] if port else [])
+               "--include-dashboard=false", f"--temp-dir={temp_dir}"] + ([f"--port={port}"] if port else []) + list(extra)
     with open(log_path, "w") as log:
         head = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                 env=dict(os.environ, RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0"))
+    head.temp_dir = temp_dir
     deadline = time.time() + 120
     while "block forever" not in (text := open(log_path).read()):
         if head.poll() is not None or time.time() > deadline:
             head.kill()
+            shutil.rmtree(temp_dir, ignore_errors=True)
             raise RuntimeError(f"ray start failed ({log_path}): {text[-2000:]}")
         time.sleep(0.2)
     return head, re.search(r"ray start --address='([^']+)'", text)[1]
 
 
 def stop_ray_head(head, address):
-    """Stop a start_ray_head cluster. `ray start` left its address in Ray's temp folder for later
-    ray.init() calls to join: left there, they would wait on the stopped cluster."""
+    """Stop a start_ray_head cluster and remove its temp folder."""
     head.terminate()
     head.wait(timeout=60)
-    current = os.path.join(os.environ.get("RAY_TMPDIR", os.environ.get("TMPDIR", "/tmp")), "ray", "ray_current_cluster")
-    try:
-        with open(current) as f:
-            stale = f.read().strip() == address
-    except OSError:
-        return
-    if stale:
-        os.remove(current)
+    shutil.rmtree(head.temp_dir, ignore_errors=True)
 
 
 def skip_unused_imports(lora=False, eight_bit=False):

@@ -5,7 +5,11 @@ import sys
 
 # Read at import time by huggingface_hub: set before anything imports it.
 os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# Ray's token authentication on, as for a user, with a token of the session's own: the suite never
+# reads or writes the user's ~/.ray/auth_token (utils.ensure_ray_token creates this one).
+os.environ["RAY_AUTH_MODE"] = "token"
+os.environ.pop("RAY_AUTH_TOKEN", None)
+os.environ["RAY_AUTH_TOKEN_PATH"] = os.path.join(__import__("tempfile").mkdtemp(prefix="dreambooth-tests-"), "auth_token")
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_DIR)
 
@@ -53,6 +57,50 @@ def shared_ray_cluster(tmp_path_factory):
     yield address
     os.environ.pop("RAY_ADDRESS", None)
     utils.stop_ray_head(head, address)
+
+
+@pytest.fixture(scope="session")
+def two_node_cluster(tmp_path_factory):
+    """A Ray cluster of two nodes on this machine, as a user's head and worker node, both with token
+    authentication: (address, unshared). With root and unshare, the second node runs in a mount
+    namespace of its own where an empty file system is mounted over the folder unshared (as a node
+    without the NFS mount sees it); else unshared is None."""
+    import shutil
+    import socket
+    import subprocess
+    import tempfile
+    import time
+
+    import utils
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    folder = tmp_path_factory.mktemp("two-nodes")
+    head, address = utils.start_ray_head(folder / "head.log", port, extra=["--num-cpus=2", "--num-gpus=0"])
+    unshared = folder / "unshared"
+    unshared.mkdir()
+    temp = tempfile.mkdtemp(prefix="rn", dir="/tmp")  # the second node's own (short: socket paths)
+    ray = os.path.join(os.path.dirname(sys.executable), "ray")
+    join = f"exec {ray} start --block --address={address} --num-cpus=1 --num-gpus=0 --temp-dir={temp}"
+    if shutil.which("unshare") and os.geteuid() == 0:
+        command = ["unshare", "-m", "--propagation", "private", "sh", "-c", f"mount -t tmpfs tmpfs {unshared} && {join}"]
+    else:
+        command, unshared = ["sh", "-c", join], None
+    node = subprocess.Popen(command, stdout=open(folder / "node.log", "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)  # with the session's token (RAY_AUTH_TOKEN_PATH)
+    deadline = time.time() + 90
+    while "block forever" not in open(folder / "node.log").read():
+        assert node.poll() is None and time.time() < deadline, open(folder / "node.log").read()[-2000:]
+        time.sleep(0.5)
+    yield address, unshared
+    os.killpg(node.pid, 15)
+    try:
+        node.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(node.pid, 9)
+    utils.stop_ray_head(head, address)
+    shutil.rmtree(temp, ignore_errors=True)
 
 
 def ray_sessions():

@@ -1,5 +1,6 @@
 """End to end: the whole Steps 0-6 script on the tiny model, as a user runs it."""
 
+import glob
 import json
 import os
 import re
@@ -20,9 +21,10 @@ def data_prefix(tmp_path_factory):
 
 
 @pytest.mark.parametrize("mode", ["full", "lora"])
-def test_dreambooth_run_tiny_end_to_end(data_prefix, mode):
-    """The full run as a one-GPU user runs it (no NUM_WORKERS: one worker here, on the CPU); then the
-    LoRA run retrains into the same folders, as a user's second run does: 2 workers (DDP of the
+def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request):
+    """The full run as a one-GPU user runs it (no NUM_WORKERS: one worker here, on the CPU), on a machine
+    where Ray's temp folder names a stranger's cluster; then the LoRA run retrains into the same folders,
+    as a user's second run does, on a 2-node cluster with token authentication: 2 workers (DDP of the
     adapters), more steps than 4 epochs of its data, and Step 6 must score the new model."""
     tmp_path = data_prefix
     prompts = tmp_path / "eval-prompts.txt"  # Step 6 on 2 of its prompts, not 25
@@ -30,15 +32,23 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode):
     env = dict(os.environ, DATA_PREFIX=str(tmp_path), NUM_CLASS_IMAGES="6", NUM_INFERENCE_STEPS="3",
                PYTHON=sys.executable, EVAL_PROMPTS=str(prompts))
     env.pop("NUM_WORKERS", None)
+    import tempfile
+
+    stranger = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # Ray's temp folder (short: its socket paths)
+    os.makedirs(os.path.join(stranger, "ray"))
+    with open(os.path.join(stranger, "ray", "ray_current_cluster"), "w") as f:
+        f.write("192.0.2.1:6379")  # a cluster no step may join (a plain ray.init() would wait on it)
+    env["RAY_TMPDIR"] = stranger
     if mode == "lora":
         # 6 rows over 2 workers at batch 2: 2 steps an epoch; the script once capped a run at 4 epochs (8)
         env.update(NUM_WORKERS="2", MAX_TRAIN_STEPS="10", TRAIN_ARGS="--logging_steps 5")
+        env["RAY_ADDRESS"] = request.getfixturevalue("two_node_cluster")[0]
     else:
         env.update(MAX_TRAIN_STEPS="4")
         env.pop("RAY_ADDRESS")  # no cluster to join: the script starts one for its steps
-        env.pop("RAY_AUTH_MODE", None)  # as in a user's shell: the script's cluster and steps must agree
+        env.pop("RAY_AUTH_MODE", None)  # as in a user's shell: token authentication by default
     extra = ["--use_lora"] if mode == "lora" else ["--", "--seed", "1"]  # train.py's flags after --
-    sessions = ray_sessions()
+    sessions, heads_before = ray_sessions(), set(glob.glob("/tmp/dreambooth-ray-*"))
     proc = subprocess.run(["bash", "dreambooth_run.sh", "--tiny", *extra],
                           cwd=REPO_DIR, env=env, capture_output=True, text=True, timeout=600)
     new_sessions = ray_sessions() - sessions
@@ -58,17 +68,23 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode):
     assert output.count("this model has random weights") == pools >= 1
     assert "loss and learning rate plotted in" in output
     # One Ray cluster for all the steps: started here and stopped at the end, or the one given joined.
+    assert open(os.path.join(stranger, "ray", "ray_current_cluster")).read() == "192.0.2.1:6379"  # untouched
     if mode == "full":
-        address = re.search(r"Ray: started a local cluster for this run at (\S+):(\d+) ", output)
+        address = re.search(r"Ray: started a cluster for this run at (\S+):(\d+) \(.*; token authentication, "
+                            r"token in ", output)
         import socket
 
         with pytest.raises(OSError):  # gone with the script
             socket.create_connection((address[1], int(address[2])), timeout=5).close()
-        current = "/tmp/ray/ray_current_cluster"  # and later scripts are not sent to it
-        assert not os.path.isfile(current) or open(current).read().strip() != f"{address[1]}:{address[2]}"
+        assert f"RAY_AUTH_MODE=token ray start --address={address[1]}:{address[2]}" in output  # how to add a node
+        assert open(os.environ["RAY_AUTH_TOKEN_PATH"]).read() not in output  # the token itself is never shown
     else:
-        assert f"Ray: joining the cluster at RAY_ADDRESS={os.environ['RAY_ADDRESS']}" in output
-    assert len(new_sessions) == (1 if mode == "full" else 0)  # no step started a cluster of its own
+        assert f"Ray: joining the cluster at RAY_ADDRESS={env['RAY_ADDRESS']}; token authentication" in output
+        assert "(2 node(s)), 2 worker(s)" in output
+    # no step started a cluster of its own (one would be in Ray's temp folder, RAY_TMPDIR here); the
+    # script's own head kept its session in a folder of its own, removed at the end
+    assert new_sessions == set() and os.listdir(os.path.join(stranger, "ray")) == ["ray_current_cluster"]
+    assert set(glob.glob("/tmp/dreambooth-ray-*")) == heads_before
 
     reg = sorted(os.listdir(tmp_path / "images-reg" / "toy"))  # a folder per class
     assert reg == sorted([f"photo-of-a-toy-{i:05d}.png" for i in range(6)] + ["grid", IMAGES_RECORD, IMAGES_CONFIG])

@@ -4,10 +4,8 @@ second node has its own DATA_PREFIX)."""
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -64,58 +62,19 @@ def test_photos_and_class_name_are_checked_first(tmp_path, toy_images):
         preflight.main(["--photos_dir", toy_images, "--data_prefix", str(tmp_path), "--class_name", " "])
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0, reason="needs unshare (root)")
-def test_a_data_prefix_that_one_node_of_two_does_not_share_fails_before_step_1(tmp_path, toy_images):
-    """A real 2-node Ray cluster on this machine: the second node runs in its own mount namespace,
-    where an empty filesystem is mounted over DATA_PREFIX, as a node without the NFS mount sees it."""
-    prefix = tmp_path / "data"
-    prefix.mkdir()
-    ray = os.path.join(os.path.dirname(sys.executable), "ray")
-    import tempfile
-
-    port = free_port()
-    temp = tempfile.mkdtemp(prefix="rp", dir="/tmp")  # Ray's socket paths must stay short
-    env = dict(os.environ, RAY_AUTH_MODE="disabled")
-    head = subprocess.Popen([ray, "start", "--head", "--block", f"--port={port}", "--num-cpus=2", "--num-gpus=0",
-                             f"--temp-dir={temp}", "--include-dashboard=false"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    node = None
-    try:
-        time.sleep(8)
-        node = subprocess.Popen(
-            ["unshare", "-m", "--propagation", "private", "sh", "-c",
-             f"mount -t tmpfs tmpfs {prefix} && exec {ray} start --block --address=127.0.0.1:{port} --num-cpus=1"],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.time() + 60
-        while True:  # until the second node has joined
-            check = subprocess.run([sys.executable, "-c", "import ray; ray.init(address='auto'); "
-                                    "print(sum(n['Alive'] for n in ray.nodes()))"], capture_output=True, text=True,
-                                   env=dict(env, RAY_ADDRESS=f"127.0.0.1:{port}"), timeout=60)
-            if check.stdout.strip().endswith("2") or time.time() > deadline:
-                break
-            time.sleep(2)
-        assert check.stdout.strip().endswith("2"), check.stderr[-2000:]
-        proc = subprocess.run([sys.executable, "preflight.py", "--photos_dir", toy_images, "--class_name", "toy",
-                               "--data_prefix", str(prefix), "--tiny"], cwd=REPO_DIR, capture_output=True,
-                              text=True, timeout=120, env=dict(env, RAY_ADDRESS=f"127.0.0.1:{port}"))
-        assert proc.returncode == 1, proc.stderr[-2000:]
-        last = proc.stderr.strip().splitlines()[-1]
-        assert last.startswith("error: DATA_PREFIX=") and "is not shared storage" in last and "Traceback" not in \
-            proc.stderr
-        assert os.listdir(prefix) == []  # the probe cleaned up after itself on this node
-    finally:
-        for process in (node, head):
-            if process is not None:
-                os.killpg(process.pid, 15)
-                try:
-                    process.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    os.killpg(process.pid, 9)
-                    process.wait(timeout=15)
-        shutil.rmtree(temp, ignore_errors=True)
+def test_a_data_prefix_that_one_node_of_two_does_not_share_fails_before_step_1(two_node_cluster, toy_images):
+    """A real 2-node Ray cluster on this machine with token authentication: its second node runs in its
+    own mount namespace, where an empty filesystem is mounted over DATA_PREFIX, as a node without the
+    NFS mount sees it."""
+    address, prefix = two_node_cluster
+    if prefix is None:
+        pytest.skip("needs unshare (root) for a node with a mount of its own")
+    proc = subprocess.run([sys.executable, "preflight.py", "--photos_dir", toy_images, "--class_name", "toy",
+                           "--data_prefix", str(prefix), "--tiny"], cwd=REPO_DIR, capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, RAY_ADDRESS=address))
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert f"Ray: joined the cluster at {address} (RAY_ADDRESS); token authentication" in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: DATA_PREFIX=") and "is not shared storage" in last and "Traceback" not in \
+        proc.stderr
+    assert os.listdir(prefix) == []  # the probe cleaned up after itself on this node
