@@ -87,6 +87,13 @@ def save(state, folder, epoch, rng_states, train_text_encoder, lora=None, held_o
                       "held_out": list(held_out), "sizes": sizes})
 
 
+def expected_bytes(params, with_ema):
+    """About the size of a checkpoint of the trained params: the weights, AdamW's two moments of each
+    (an upper bound: 8-bit Adam's are smaller) and the moving average's copy."""
+    weights = sum(p.numel() * p.element_size() for p in params)
+    return weights * (3 + (1 if with_ema else 0))
+
+
 def load_weights(nets, folder):
     """The checkpoint's trained weights into nets (a models.Models): UNet, and the text encoders if trained."""
     from safetensors.torch import load_file
@@ -152,6 +159,17 @@ def is_complete(folder):
         return all(os.path.getsize(os.path.join(folder, name)) == size for name, size in sizes.items())
     except (OSError, ValueError, KeyError):
         return False
+
+
+def remove_incomplete(run_dir):
+    """Delete the checkpoint folders of run_dir that a failed write left incomplete (never resumed
+    from, they only hold space): call only while no checkpoint of the run is being written."""
+    import shutil
+
+    for name in os.listdir(run_dir) if os.path.isdir(run_dir) else ():
+        folder = os.path.join(run_dir, name)
+        if name.startswith("checkpoint_") and os.path.isdir(folder) and not is_complete(folder):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def complete_checkpoints(storage_path, run_prefix):

@@ -9,7 +9,9 @@ the worker's traceback goes to the run folder's errors.log.
 """
 
 import contextlib
+import errno
 import os
+import shutil
 
 import ray.train
 
@@ -35,6 +37,46 @@ def cannot_be_retried(what, remedy):
         raise
     except Exception as err:
         raise utils.load_failure(what, err, remedy) from err
+
+
+def disk_full(err):
+    """True for a write that found no space (or no quota) left, however a library wrapped it: an
+    OSError ENOSPC/EDQUOT, safetensors' "No space left on device (os error 28)", pyarrow's IOError."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(text in str(err) for text in ("No space left on device", "Disk quota exceeded")):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def free_bytes(folder):
+    """Free bytes on the file system that holds folder (or would, once made)."""
+    while not os.path.exists(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)
+    return shutil.disk_usage(folder).free
+
+
+@contextlib.contextmanager
+def stops_when_disk_full(what, folder, needed_bytes, cleanup=None):
+    """A full disk inside becomes a utils.UserError (a restart meets the same full disk: it stops the
+    run at once) naming the folder, its free space and about what was to be written there; cleanup()
+    first removes what the failed write left (the space it holds is the user's)."""
+    try:
+        yield
+    except Exception as err:
+        if not disk_full(err):
+            raise
+        if cleanup is not None:
+            cleanup()
+        raise utils.UserError(
+            f"no space left on the device of {folder} while writing {what}: {utils.size_text(free_bytes(folder))} "
+            f"free there, about {utils.size_text(needed_bytes)} needed; make room there (or choose another folder) "
+            f"and rerun with --resume_from_checkpoint auto: the run continues from its newest complete "
+            f"checkpoint") from err
 
 
 def out_of_memory(err, step, first_step):

@@ -227,6 +227,15 @@ def save_pipeline(nets, plan):
     utils.atomic_write_dir(plan.output_dir, write)
 
 
+def expected_bytes(nets, lora):
+    """About the size of save_pipeline's output: the adapters (LoRA), else every network's weights."""
+    import models
+
+    modules = [nets.unet, *nets.text_encoders()] + ([] if lora or nets.vae is None else [nets.vae])
+    return sum(p.numel() * p.element_size() for m in modules for p in models.unwrap(m).parameters()
+               if not lora or p.requires_grad)
+
+
 def save_checkpoint_as_model(checkpoint_dir, plan):
     """The weights of a checkpoint written as train.py's output (plan.output_dir), as if the run had
     ended at that step: intermediate checkpoints become models to sample from (sweep.py)."""

@@ -55,8 +55,10 @@ def run(args):
         print(f"stopped; rerun the same command with --resume_from_checkpoint latest to continue{where}",
               file=sys.stderr)
         raise
-    print(f"trained {plan.end_step} steps; final loss {result.metrics.get('loss', float('nan')):.4f}; "
-          f"model saved to {plan.output_dir}; checkpoints and {runlog.METRICS_FILE} in {result.path}", file=sys.stderr)
+    metrics = result.metrics or {}  # none when a resumed run had no step left to train
+    loss = f"final loss {metrics['loss']:.4f}" if "loss" in metrics else "no step left to train after the checkpoint"
+    print(f"trained {plan.end_step} steps; {loss}; model saved to {plan.output_dir}; checkpoints and "
+          f"{runlog.METRICS_FILE} in {result.path}", file=sys.stderr)
     plot = runlog.plot_metrics(os.path.join(result.path, runlog.METRICS_FILE))
     if plot:
         print(f"loss and learning rate plotted in {plot}", file=sys.stderr)
@@ -286,7 +288,8 @@ def train_worker(plan):
     if state.step < total:
         raise RuntimeError(f"the data stream ended at step {state.step} of {total}")
     if rank == 0:
-        with averaged_weights(state):
+        with averaged_weights(state), failures.stops_when_disk_full("the trained model", plan.output_dir,
+                                                                     outputs.expected_bytes(nets, plan.use_lora)):
             outputs.save_pipeline(nets, plan)
 
 
@@ -391,10 +394,17 @@ def report(state, metrics, rank, plan):
     if rank != 0:
         ray.train.report(metrics)
         return
+    import failures
+
+    needed = checkpoint.expected_bytes(state.params, state.ema is not None)
     with tempfile.TemporaryDirectory() as folder:
-        checkpoint.save(state, folder, metrics["epoch"], rng_states, plan.train_text_encoder,
-                        planning.lora_settings(plan), plan.held_out)
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
+        with failures.stops_when_disk_full(f"the checkpoint of step {state.step}", folder, needed):
+            checkpoint.save(state, folder, metrics["epoch"], rng_states, plan.train_text_encoder,
+                            planning.lora_settings(plan), plan.held_out)
+        run_dir = os.path.join(plan.storage_path, plan.run_name)
+        with failures.stops_when_disk_full(f"the checkpoint of step {state.step}", run_dir, needed,
+                                           cleanup=lambda: checkpoint.remove_incomplete(run_dir)):
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
 
 
 if __name__ == "__main__":

@@ -56,3 +56,34 @@ def test_a_stopped_run_is_reported_by_its_cause():
     from ray.train import ControllerError
 
     assert train.failure_cause(ControllerError(failures.RunStopped("worker 1: bad weights"))) == "worker 1: bad weights"
+
+
+def test_a_full_disk_is_recognised_however_a_library_wraps_it(tmp_path):
+    import errno
+
+    from safetensors.torch import save_file
+
+    assert failures.disk_full(OSError(errno.ENOSPC, "No space left on device"))
+    assert failures.disk_full(OSError(errno.EDQUOT, "Disk quota exceeded"))
+    assert not failures.disk_full(OSError(errno.EACCES, "Permission denied"))
+    assert not failures.disk_full(ValueError("size mismatch"))
+    try:  # safetensors' own error, as a full disk raises it (/dev/full is a device that is always full)
+        save_file({"w": __import__("torch").zeros(4096)}, "/dev/full")
+    except Exception as err:  # noqa: BLE001 (whatever class safetensors raises)
+        assert failures.disk_full(err), repr(err)
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as err:
+            raise RuntimeError("checkpoint upload failed") from err
+    except RuntimeError as wrapped:
+        assert failures.disk_full(wrapped)
+    removed = []
+    with pytest.raises(utils.UserError, match=rf"no space left on the device of {tmp_path} while writing a file: "
+                                               rf".* free there, about 12.3 MB needed"):
+        with failures.stops_when_disk_full("a file", str(tmp_path), 12_345_678, cleanup=lambda: removed.append(1)):
+            raise OSError(errno.ENOSPC, "No space left on device")
+    assert removed == [1]
+    with pytest.raises(ValueError):  # anything else passes through untouched
+        with failures.stops_when_disk_full("a file", str(tmp_path), 1):
+            raise ValueError("other")

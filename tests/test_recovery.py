@@ -3,6 +3,8 @@ train worker: test_bench runs gpu_check.sh, whose dry run kills one; test_sweep 
 
 import json
 import os
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -184,3 +186,53 @@ def test_sdxl_run_whose_worker_is_killed_ends_with_the_uninterrupted_weights(ray
     for part in a:
         for k, v in a[part].items():
             assert torch.equal(v, b[part][k]), (part, k)
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0, reason="needs unshare (root)")
+def test_a_full_disk_stops_at_once_keeps_the_newest_checkpoint_and_its_resume_finishes(tiny_model, toy_images,
+                                                                                     tmp_path):
+    """Checkpoints and the model on small file systems of their own (tmpfs in a mount namespace, with a
+    local Ray of train.py's own inside it, so its workers write there too): the second checkpoint does
+    not fit, then the model does not; each run stops at once in one line, leaves no half checkpoint, and
+    after the room is made the rerun finishes from the newest complete checkpoint (the last: no step left)."""
+    storage, out = tmp_path / "storage", tmp_path / "out"
+    storage.mkdir(), out.mkdir()
+    args = ["--model_dir", tiny_model, "--output_dir", str(out / "model"), "--storage_path", str(storage),
+            "--instance_images_dir", toy_images, "--instance_prompt", "photo of unqtkn toy", "--num_workers", "1",
+            "--train_batch_size", "1", "--max_train_steps", "4", "--checkpointing_steps", "2",
+            "--checkpoints_total_limit", "1", "--resume_from_checkpoint", "auto", "--seed", "1"]
+    train_cmd = " ".join(shlex.quote(a) for a in [sys.executable, "train.py", *args])
+    script = (f"mount -t tmpfs -o size=18m tmpfs {storage} && mount -t tmpfs -o size=1m tmpfs {out} || exit 99\n"
+              f"{train_cmd} 2> {tmp_path}/run1.err; echo rc=$? > {tmp_path}/run1.rc\n"
+              f"find {storage} > {tmp_path}/after1.txt\n"
+              f"mount -o remount,size=200m {storage}\n"
+              f"{train_cmd} 2> {tmp_path}/run2.err; echo rc=$? > {tmp_path}/run2.rc\n"
+              f"mount -o remount,size=200m {out}\n"
+              f"{train_cmd} 2> {tmp_path}/run3.err; echo rc=$? > {tmp_path}/run3.rc\n"
+              f"find {out} > {tmp_path}/out.txt\n")
+    environment = {k: v for k, v in env().items() if k != "RAY_ADDRESS"}  # its own Ray, inside the namespace
+    proc = subprocess.run(["unshare", "-m", "--propagation", "private", "bash", "-c", script], cwd=REPO_DIR,
+                          env=environment, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+    def result(n):
+        return open(tmp_path / f"run{n}.rc").read().strip(), open(tmp_path / f"run{n}.err").read()
+
+    rc, err = result(1)  # the checkpoint of step 4 did not fit beside step 2's
+    last = err.strip().splitlines()[-1]
+    assert rc == "rc=1" and "Traceback" not in err, err[-3000:]
+    assert f"no space left on the device of {storage}" in last and "checkpoint of step 4" in last
+    assert "MB free there, about" in last and "restarting" not in err  # no restart: it would meet the same disk
+    left = [line for line in open(tmp_path / "after1.txt").read().split() if "/checkpoint_" in line
+            and line.endswith(checkpoint.STATE_FILE)]
+    assert len(left) == 1  # step 2's, whole; the half-written step 4 was removed
+    folders = {os.path.dirname(p) for p in open(tmp_path / "after1.txt").read().split()
+               if os.path.basename(os.path.dirname(p)).startswith("checkpoint_")}
+    assert folders == {os.path.dirname(left[0])}
+    rc, err = result(2)  # resumed at step 2; step 4's checkpoint fits now, the model does not
+    assert rc == "rc=1" and "resuming from" in err and f"no space left on the device of {out / 'model'}" in \
+        err.strip().splitlines()[-1] and "restarting" not in err, err[-3000:]
+    rc, err = result(3)  # resumed at step 4: nothing to train, the model saved
+    assert rc == "rc=0", err[-3000:]
+    assert "trained 4 steps; no step left to train after the checkpoint; model saved to" in err
+    assert str(out / "model" / "unet") in open(tmp_path / "out.txt").read()
