@@ -311,11 +311,11 @@ def main(argv=None):
 def check_holdout(model_dir, subject):
     """UserError unless the tuned model was trained without exactly the photos subject.split() holds
     out (train.py records them): held-out scores of photos it saw would flatter it."""
+    held = [os.path.basename(p) for p in subject.split()[1]]  # (too few photos for --holdout: said here)
     output = outputs.read_output(model_dir)
     if output is None:
         return  # not train.py's output: nothing recorded to check against
     trained_without = output.record.get("held_out") or []
-    held = [os.path.basename(p) for p in subject.split()[1]]
     if trained_without != held:
         said = f"held out {', '.join(trained_without)}" if trained_without else "trained on every photo"
         raise utils.UserError(f"the model in {model_dir} was {said}; --holdout {subject.holdout} holds out "

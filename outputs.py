@@ -94,7 +94,39 @@ def resolve_model(model_dir, lora_dir=None, lora_scale=1.0):
         print(f"LoRA adapters of {lora_dir} on their base model {model_dir}", file=sys.stderr)
     if lora_dir and not holds_lora(lora_dir):
         raise utils.UserError(f"--lora_dir {lora_dir} has no {utils.LORA_WEIGHTS_FILE}")
+    if lora_dir:
+        check_lora_fits(model_dir, lora_dir)
     return ModelRef(model_dir, lora_dir, lora_scale)
+
+
+def lora_width(lora_dir):
+    """The width of the text states the adapters' cross-attention reads (768 SD 1.x, 1024 SD 2.x, 2048
+    SDXL), from the file's header alone; None when it holds no cross-attention adapter."""
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(lora_dir, utils.LORA_WEIGHTS_FILE), "pt") as weights:
+        for key in weights.keys():
+            if "attn2.to_k" in key and any(down in key for down in ("lora_A", "lora_down", "lora.down")):
+                return weights.get_slice(key).get_shape()[-1]
+    return None
+
+
+def check_lora_fits(model_dir, lora_dir):
+    """UserError, before any actor loads them, when the adapters of lora_dir were trained on a model of
+    another shape than model_dir (SDXL adapters on an SD 1.x model): one line naming both families."""
+    import families
+
+    width = utils.part_config(model_dir, "unet").get("cross_attention_dim")
+    adapters = lora_width(lora_dir)
+    if adapters is None or not isinstance(width, int) or adapters == width:
+        return
+    output = read_output(lora_dir)
+    base = output.base_model if output is not None else ""
+    made_for = (f"an {families.family_of(base).label} model ({base})" if base and os.path.isdir(base)
+                else f"a model whose text states are {adapters} wide")
+    raise utils.UserError(f"the LoRA adapters in {lora_dir} were trained on {made_for} and {model_dir} is an "
+                          f"{families.family_of(model_dir).label} model ({width} wide): pass the base model they "
+                          f"were trained on as --model_dir")
 
 
 def model_fingerprint(folder):

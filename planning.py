@@ -231,11 +231,12 @@ def parse_args(argv=None, description=None):
     return args
 
 
-def plan_run(args, cluster_resources):
+def plan_run(args, cluster_resources, draw_class_images=None):
     """The Plan of a run, or UserError naming the first problem.
 
     cluster_resources() -> (CPUs, GPUs) of the Ray cluster; it is called after the checks
-    that need only the files, so that a typo costs no Ray start.
+    that need only the files, so that a typo or a bad photo costs no Ray start. draw_class_images():
+    tops up the class folder (--num_class_images, on Ray), after the photos are checked.
     """
     import dataset
 
@@ -257,8 +258,13 @@ def plan_run(args, cluster_resources):
               f"(evaluate.py --holdout {args.holdout} also scores against the held-out photos)", file=sys.stderr)
     captions = prompts.read_captions(instance_images, args.instance_prompt, args.caption_extension)
     instance_prompts = list(dict.fromkeys(captions))
-    class_images = dataset.list_images(args.class_data_dir, "class") if args.with_prior_preservation else []
     resolution = args.resolution or utils.native_resolution(args.model_dir)
+    masks = masks_of(instance_images, args.masked_loss)
+    convert_dir = os.path.join(args.storage_path, "converted-images")
+    instance_images = dataset.inspect_images(instance_images, resolution, convert_dir)
+    if draw_class_images is not None:
+        draw_class_images()
+    class_images = dataset.list_images(args.class_data_dir, "class") if args.with_prior_preservation else []
     if class_images:
         check_class_images(args.class_data_dir, args.model_dir, args.class_prompt, resolution)
     run_prefix = os.path.basename(args.output_dir)
@@ -268,10 +274,6 @@ def plan_run(args, cluster_resources):
         checkpoint.check_compatible(resume_path, lora_settings(args), held_out)
     prompts.warn_without_identifier(instance_prompts, args.instance_prompt, args.class_prompt)
 
-    use_gpu, args.num_workers, cpus_per_worker = worker_resources(args, *cluster_resources())
-    masks = masks_of(instance_images, args.masked_loss)
-    convert_dir = os.path.join(args.storage_path, "converted-images")
-    instance_images = dataset.inspect_images(instance_images, resolution, convert_dir)
     class_images = dataset.inspect_images(class_images, resolution, convert_dir) if class_images else []
     num_rows = max(len(instance_images), len(class_images))
     buckets = ()
@@ -283,6 +285,7 @@ def plan_run(args, cluster_resources):
         print(f"buckets: {len(instance_images)} photos in " + ", ".join(
             f"{buckets[b][1]}x{buckets[b][0]} ({assigned.count(b)})" for b in used) + " (width x height)",
             file=sys.stderr)
+    use_gpu, args.num_workers, cpus_per_worker = worker_resources(args, *cluster_resources())
     steps_per_epoch, total_steps = plan_steps(num_rows, args)
     from_flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(Plan) if hasattr(args, f.name)}
     return Plan(**{

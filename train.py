@@ -40,10 +40,12 @@ def main(argv=None):
 def run(args):
     """A training run of parsed flags (plan.parse_args): class images topped up, the plan made and
     printed, train_fn on a TorchTrainer. sweep.py's trials call it directly."""
+    draw = None
     if args.num_class_images:
-        top_up_class_images(args.model_dir, args.class_data_dir, args.class_prompt, args.num_class_images, args.seed,
-                            args.resolution, args.allow_unsafe_weights)
-    plan = planning.plan_run(args, cluster_resources=start_ray)
+        def draw():
+            top_up_class_images(args.model_dir, args.class_data_dir, args.class_prompt, args.num_class_images,
+                                args.seed, args.resolution, args.allow_unsafe_weights)
+    plan = planning.plan_run(args, cluster_resources=start_ray, draw_class_images=draw)
     print(plan.describe(), file=sys.stderr)
     config = flags.write_config(os.path.join(plan.storage_path, plan.run_name, outputs.TRAIN_CONFIG), plan.settings_toml)
     print(f"settings: {config} (python train.py --config {config} repeats this run)", file=sys.stderr)

@@ -1,7 +1,9 @@
 """The bad-input catalogue: every odd photo is converted or named, never a traceback."""
 
 import io
+import glob
 import os
+import shutil
 import subprocess
 import sys
 
@@ -249,6 +251,77 @@ def test_scripts_check_what_they_were_given_before_ray_starts(tiny_model, cut_mo
         assert ray_sessions() == sessions, (script, culprit)  # Ray was not started
     assert a_file.read_text() == "keep me"
     assert not os.path.exists(os.path.join(toy_images, "out"))
+
+
+@pytest.fixture(scope="module")
+def sdxl_adapters(tiny_sdxl_model, tmp_path_factory):
+    """LoRA adapters of the tiny SDXL model, written as train.py --use_lora writes them (untrained)."""
+    import torch
+
+    import models
+    import outputs
+    import planning
+
+    plan = planning.offline_plan(model_dir=tiny_sdxl_model, use_lora=True, lora_rank=4, lora_alpha=4.0,
+                                 mixed_precision="no", output_dir=str(tmp_path_factory.mktemp("sdxl-lora") / "out"))
+    outputs.save_pipeline(models.setup_models(plan, torch.device("cpu"), torch.device("cpu"), distributed=False), plan)
+    return plan.output_dir
+
+
+def test_the_flags_added_since_are_checked_before_ray_starts(tiny_model, sdxl_adapters, toy_images, tmp_path):
+    """The catalogue grown with what came since (photos cut short, buckets, holdout, config syntax, EMA,
+    caption dropout, LoRA rank and family, steps, masks, checkpoints, hub names offline, export and sweep
+    lists): one line each, before Ray, in seconds, the user's files untouched."""
+    photos = tmp_path / "photos"
+    shutil.copytree(toy_images, photos)
+    (photos / "toy-9.jpg").write_bytes(open(os.path.join(toy_images, "toy-0.jpg"), "rb").read()[:3000])
+    masked = tmp_path / "masked"
+    shutil.copytree(toy_images, masked)
+    (masked / "toy-0.mask.png").write_text("not an image")
+    config = tmp_path / "run.toml"
+    config.write_text("max_train_steps = 4\nseed = = 1\n")
+    (tmp_path / "not-a-checkpoint").mkdir()
+    eval_models = str(tmp_path)  # never reached: each case fails before
+    base = ["--model_dir", tiny_model, "--output_dir", str(tmp_path / "out"), "--instance_prompt", "photo of unqtkn toy",
+            "--num_workers", "1"]
+    train = [*base, "--instance_data_dir", toy_images]
+    cases = [
+        ("train.py", [*base, "--instance_data_dir", str(photos)], "cannot read image", "toy-9.jpg"),
+        ("train.py", [*base, "--instance_data_dir", str(photos), "--num_class_images", "2", "--class_data_dir",
+                      str(tmp_path / "class"), "--class_prompt", "a toy"], "toy-9.jpg"),  # before class images
+        ("train.py", [*train, "--holdout", "5"], "--holdout 5 leaves none of the 5 photos"),
+        ("train.py", [*train, "--enable_bucket", "--min_bucket_reso", "512", "--max_bucket_reso", "256"],
+         "--min_bucket_reso"),
+        ("train.py", [*train, "--config", str(config)], str(config), "line 2"),
+        ("train.py", [*train, "--use_ema", "--ema_decay", "1.5"], "--ema_decay", "1.5"),
+        ("train.py", [*train, "--caption_dropout_rate", "2"], "--caption_dropout_rate"),
+        ("train.py", [*train, "--use_lora", "--rank", "0"], "--rank", "got 0"),
+        ("train.py", [*train, "--max_train_steps", "-5"], "--max_train_steps", "-5"),
+        ("train.py", [*base, "--instance_data_dir", str(masked), "--masked_loss"], "cannot read mask", "toy-0.mask.png"),
+        ("train.py", [*train, "--resume_from_checkpoint", str(tmp_path / "not-a-checkpoint")],
+         "is not a complete checkpoint"),
+        ("train.py", [*train[2:], "--model_dir", "someorg/no-such-model"], "someorg/no-such-model", "cannot be reached"),
+        ("generate.py", ["--model_dir", tiny_model, "--lora_dir", sdxl_adapters, "--output_dir", str(tmp_path / "g"),
+                         "--prompts", "a toy"], "were trained on an SDXL model", "is an SD 1.x model"),
+        ("evaluate.py", ["--model_dir", tiny_model, "--output_dir", str(tmp_path / "e"), "--instance_data_dir",
+                         toy_images, "--class_name", "toy", "--eval_models_dir", eval_models, "--holdout", "5"],
+         "--holdout 5 leaves none of the 5 photos"),
+        ("export.py", ["--model_dir", tiny_model, "--output_file", os.path.join(tiny_model, "unet", "x.safetensors")],
+         "is inside --model_dir"),
+        ("sweep.py", ["--model_dir", tiny_model, "--output_dir", str(tmp_path / "s"), "--instance_data_dir", toy_images,
+                      "--class_name", "toy", "--eval_models_dir", eval_models, "--sweep_learning_rate", ""],
+         "--sweep_learning_rate", "at least one value"),
+    ]
+    before = {p: open(p, "rb").read() for p in glob.glob(str(tmp_path / "**" / "*"), recursive=True)
+              if os.path.isfile(p)}
+    for script, args, *culprit in cases:
+        sessions = ray_sessions()
+        proc, seconds = run_script(script, args, no_ray=True)
+        assert_one_line_error(proc, *culprit)
+        assert seconds < 15, (script, culprit, seconds)
+        assert ray_sessions() == sessions, (script, culprit)  # Ray was not started
+    assert {p: open(p, "rb").read() for p in before} == before
+    assert not os.path.exists(tmp_path / "out") and not os.path.exists(os.path.join(tiny_model, "unet", "x.safetensors"))
 
 
 @pytest.fixture(scope="module")
