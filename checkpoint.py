@@ -7,17 +7,20 @@ A checkpoint folder holds:
     ema.safetensors           the moving average of the trained weights (with --use_ema), in the
                               order of steps.trained_parameters
     optimizer.pt              optimizer, LR schedule, grad scaler, every rank's RNG streams
-    train_state.json          step, epoch, world size, LoRA settings and each file's size,
-                              written last: a folder copied or written only in part is
-                              recognised as incomplete and never resumed from.
+    train_state.json          step, epoch, world size, the run's identity (run_identity.py: what
+                              decides its weights) and each file's size, written last: a folder
+                              copied or written only in part is recognised as incomplete and
+                              never resumed from.
 """
 
 import json
 import os
+import re
 import sys
 
 import models
 import outputs
+import run_identity
 import utils
 
 STATE_FILE = "train_state.json"
@@ -62,10 +65,9 @@ def gather_rng_states():
 # ---------------------------------------------------------------- save and load
 
 
-def save(state, folder, epoch, rng_states, train_text_encoder, lora=None, held_out=()):
-    """Write state (a steps.TrainState) into folder; rng_states from gather_rng_states().
-    lora: the run's adapter settings (plan.lora_settings), None for full fine-tuning. held_out: the
-    names of the photos the run never trained on (--holdout)."""
+def save(state, folder, epoch, rng_states, train_text_encoder, identity=None):
+    """Write state (a steps.TrainState) into folder; rng_states from gather_rng_states(); identity:
+    the run's (plan.identity), which decides what may resume from it."""
     import torch
     from safetensors.torch import save_file
 
@@ -83,8 +85,8 @@ def save(state, folder, epoch, rng_states, train_text_encoder, lora=None, held_o
                os.path.join(folder, OPTIMIZER_FILE))
     sizes = {name: os.path.getsize(os.path.join(folder, name)) for name in files}
     utils.write_json(os.path.join(folder, STATE_FILE),
-                     {"step": state.step, "epoch": epoch, "world_size": len(rng_states), "lora": lora,
-                      "held_out": list(held_out), "sizes": sizes})
+                     {"step": state.step, "epoch": epoch, "world_size": len(rng_states), "identity": identity,
+                      "sizes": sizes})
 
 
 def expected_bytes(params, with_ema):
@@ -172,14 +174,20 @@ def remove_incomplete(run_dir):
             shutil.rmtree(folder, ignore_errors=True)
 
 
+def is_run_of(run, run_prefix):
+    """True when run is the name of a run of run_prefix: '<run_prefix>-<YYYYMMDD-HHMMSS>' exactly (the
+    runs of 'model-tuned' are not those of 'model-tuned-bella')."""
+    return re.fullmatch(re.escape(run_prefix) + r"-\d{8}-\d{6}", run) is not None
+
+
 def complete_checkpoints(storage_path, run_prefix):
-    """The complete checkpoint folders of every run named '<run_prefix>-*' under storage_path,
+    """The complete checkpoint folders of every run named '<run_prefix>-<time>' under storage_path,
     runs in name order (their names end in their start time)."""
     if not os.path.isdir(storage_path):
         return
     for run in sorted(os.listdir(storage_path)):
         run_dir = os.path.join(storage_path, run)
-        if not run.startswith(run_prefix + "-") or not os.path.isdir(run_dir):
+        if not is_run_of(run, run_prefix) or not os.path.isdir(run_dir):
             continue
         for name in os.listdir(run_dir):
             folder = os.path.join(run_dir, name)
@@ -203,34 +211,36 @@ def saved_step(folder):
         return json.load(f)["step"]
 
 
-def check_compatible(folder, lora, held_out=()):
-    """UserError unless the checkpoint in folder trained the same kind of weights as a run
-    with these LoRA settings (None: full fine-tuning), and without the same photos (--holdout:
-    names): resumed on a photo it was to be scored against, a model's held-out scores would lie."""
-    state = utils.read_json(os.path.join(folder, STATE_FILE))
-    saved = state.get("lora")
-    before = state.get("held_out", [])
-    if before != list(held_out):
-        said = f"without {', '.join(before)}" if before else "on every photo"
-        raise utils.UserError(f"checkpoint {folder} was trained {said} and this run holds out "
-                              f"{', '.join(held_out) or 'none'}: resume with the same --holdout, or start fresh")
-
-    def kind(settings):
-        return (f"LoRA (--rank {settings['rank']}, --lora_alpha {settings['lora_alpha']:g})" if settings
-                else "full fine-tuning")
-
-    if saved != lora:
-        raise utils.UserError(f"checkpoint {folder} holds {kind(saved)} weights and this run asks for "
-                              f"{kind(lora)}: resume with the flags it was trained with, or start fresh")
+def saved_identity(folder):
+    """The identity of the run that wrote the checkpoint in folder (None: written before runs recorded it)."""
+    return utils.read_json(os.path.join(folder, STATE_FILE)).get("identity")
 
 
-def resolve_resume(resume_flag, storage_path, run_prefix, output_dir=None):
+def newest_of_identity(storage_path, run_prefix, identity):
+    """The newest complete checkpoint of the runs of run_prefix whose identity is identity (None: any),
+    or None; when a newer checkpoint is of another run, a line says what differs."""
+    newest_first = sorted(complete_checkpoints(storage_path, run_prefix),
+                          key=lambda f: os.path.getmtime(os.path.join(f, STATE_FILE)), reverse=True)
+    if identity is None:
+        return newest_first[0] if newest_first else None
+    for rank, folder in enumerate(newest_first):
+        differs = run_identity.differences(saved_identity(folder), identity)
+        if not differs:
+            return folder
+        if rank == 0:
+            print(f"not resuming {folder}: it is of another run ({'; '.join(differs)})", file=sys.stderr)
+    return None
+
+
+def resolve_resume(resume_flag, storage_path, run_prefix, output_dir=None, identity=None):
     """--resume_from_checkpoint latest|auto|PATH -> a checkpoint folder, or None to start fresh.
 
-    auto: the newest checkpoint only if its run did not finish, i.e. it is not the run whose model
-    output_dir holds (train.py's record names the run that wrote it)."""
+    latest|auto: the newest checkpoint of a run of the same identity (run_identity.py; None: any);
+    auto: only if its run did not finish, i.e. it is not the run whose model output_dir holds
+    (train.py's record names the run that wrote it). PATH of another identity: a UserError naming
+    what differs."""
     if resume_flag in ("latest", "auto"):
-        path = find_latest(storage_path, run_prefix)
+        path = newest_of_identity(storage_path, run_prefix, identity)
         if path is not None and resume_flag == "auto":
             output = outputs.read_output(output_dir) if output_dir else None
             run = os.path.basename(os.path.dirname(path))
@@ -238,10 +248,15 @@ def resolve_resume(resume_flag, storage_path, run_prefix, output_dir=None):
                 print(f"the newest run ({run}) finished: starting afresh", file=sys.stderr)
                 return None
         if path is None:
-            print(f"no checkpoint of '{run_prefix}' in {storage_path}: starting fresh", file=sys.stderr)
+            print(f"no checkpoint of this run ('{run_prefix}', these settings and files) in {storage_path}: "
+                  f"starting afresh", file=sys.stderr)
         else:
             print(f"resuming from {path}", file=sys.stderr)
         return path
     if resume_flag and not is_complete(resume_flag):
         raise utils.UserError(f"{resume_flag} is not a complete checkpoint of train.py")
+    if resume_flag and identity is not None:
+        run_identity.check_same(f"checkpoint {resume_flag}", saved_identity(resume_flag), identity,
+                                "resume it with the flags and files it was trained with, or start afresh "
+                                "(leave out --resume_from_checkpoint)")
     return resume_flag

@@ -240,7 +240,7 @@ def save_pipeline(nets, plan):
               "class_prompt": plan.class_prompt, "lora": planning.lora_settings(plan),
               "ema_decay": plan.ema_decay if plan.use_ema else None,
               "held_out": list(plan.held_out),
-              "model_id": new_model_id(), "run_name": plan.run_name}
+              "model_id": new_model_id(), "run_name": plan.run_name, "identity": plan.identity}
 
     def write(tmp):
         if plan.use_lora:

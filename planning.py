@@ -19,6 +19,7 @@ import families
 import flags
 import outputs
 import prompts
+import run_identity
 import utils
 
 DEFAULT_MAX_TRAIN_STEPS = 800
@@ -123,6 +124,7 @@ class Plan:
     checkpointing_steps: int
     checkpoints_total_limit: int | None
     resume_path: str | None
+    identity: dict | None  # run_identity.of_run: what decides the weights, recorded with checkpoints and the model
     # validation samples (none without prompts)
     validation_prompts: tuple
     num_validation_images: int
@@ -259,22 +261,17 @@ def plan_run(args, cluster_resources, draw_class_images=None):
     captions = prompts.read_captions(instance_images, args.instance_prompt, args.caption_extension)
     instance_prompts = list(dict.fromkeys(captions))
     resolution = args.resolution or utils.native_resolution(args.model_dir)
+    photos = instance_images  # as given: their content is part of the run's identity
     masks = masks_of(instance_images, args.masked_loss)
     convert_dir = os.path.join(args.storage_path, "converted-images")
     instance_images = dataset.inspect_images(instance_images, resolution, convert_dir)
     if draw_class_images is not None:
         draw_class_images()
-    class_images = dataset.list_images(args.class_data_dir, "class") if args.with_prior_preservation else []
-    if class_images:
+    class_files = dataset.list_images(args.class_data_dir, "class") if args.with_prior_preservation else []
+    if class_files:
         check_class_images(args.class_data_dir, args.model_dir, args.class_prompt, resolution)
-    run_prefix = os.path.basename(args.output_dir)
-    resume_path = checkpoint.resolve_resume(args.resume_from_checkpoint, args.storage_path, run_prefix,
-                                            args.output_dir)
-    if resume_path:
-        checkpoint.check_compatible(resume_path, lora_settings(args), held_out)
     prompts.warn_without_identifier(instance_prompts, args.instance_prompt, args.class_prompt)
-
-    class_images = dataset.inspect_images(class_images, resolution, convert_dir) if class_images else []
+    class_images = dataset.inspect_images(class_files, resolution, convert_dir) if class_files else []
     num_rows = max(len(instance_images), len(class_images))
     buckets = ()
     if args.enable_bucket:
@@ -285,6 +282,11 @@ def plan_run(args, cluster_resources, draw_class_images=None):
         print(f"buckets: {len(instance_images)} photos in " + ", ".join(
             f"{buckets[b][1]}x{buckets[b][0]} ({assigned.count(b)})" for b in used) + " (width x height)",
             file=sys.stderr)
+    identity = run_identity.of_run(args, photos, masks, held_out, captions, class_files, resolution, buckets)
+    if args.resume_from_checkpoint == "auto":
+        keep_finished(args.output_dir, identity)
+    resume_path = checkpoint.resolve_resume(args.resume_from_checkpoint, args.storage_path,
+                                            os.path.basename(args.output_dir), args.output_dir, identity)
     use_gpu, args.num_workers, cpus_per_worker = worker_resources(args, *cluster_resources())
     steps_per_epoch, total_steps = plan_steps(num_rows, args)
     from_flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(Plan) if hasattr(args, f.name)}
@@ -309,7 +311,8 @@ def plan_run(args, cluster_resources, draw_class_images=None):
         "stream_epochs": stream_epochs(num_rows, total_steps, args),
         "use_gpu": use_gpu,
         "cpus_per_worker": cpus_per_worker,
-        "run_name": f"{run_prefix}-{datetime.now().strftime('%Y%m%d-%H%M%S')}",
+        "run_name": f"{os.path.basename(args.output_dir)}-{datetime.now().strftime('%Y%m%d-%H%M%S')}",
+        "identity": identity,
         "resume_path": resume_path,
         # Redrawn by the driver at every update, a bar fills a log file with copies of itself;
         # there, the line printed every --logging_steps is the progress.
@@ -328,7 +331,7 @@ def offline_plan(**fields):
                    channels_last=False,
                    steps_per_epoch=1, total_steps=DEFAULT_MAX_TRAIN_STEPS, stop_step=None, stream_epochs=1, use_gpu=False,
                    cpus_per_worker=1.0, num_workers=1, run_name="offline", resume_path=None, progress_bar=False,
-                   settings_toml="")
+                   settings_toml="", identity=None)
     return Plan(**{**from_flags, **decided, **fields})
 
 
@@ -388,6 +391,25 @@ def scaled_learning_rate(args):
     if not args.scale_lr:
         return args.learning_rate
     return args.learning_rate * args.train_batch_size * args.gradient_accumulation_steps * args.num_workers
+
+
+class AlreadyTrained(Exception):
+    """--resume_from_checkpoint auto found the run finished: output_dir holds its model (the message says so)."""
+
+
+def keep_finished(output_dir, identity):
+    """AlreadyTrained when output_dir holds the model of a finished run of this identity (nothing is
+    redone); a model of another run is replaced, with a line naming what differs."""
+    output = outputs.read_output(output_dir)
+    if output is None:
+        return
+    differs = run_identity.differences(output.record.get("identity"), identity)
+    if not differs:
+        raise AlreadyTrained(f"{output_dir} holds the finished model of this run (same settings and files): "
+                             f"keeping it (leave out --resume_from_checkpoint auto, or RETRAIN=1 with "
+                             f"dreambooth_run.sh, to train it again)")
+    print(f"{output_dir} holds the model of another run ({'; '.join(differs)}): training this one replaces it",
+          file=sys.stderr)
 
 
 def check_output_dir(output_dir, overwrite):

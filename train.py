@@ -45,7 +45,11 @@ def run(args):
         def draw():
             top_up_class_images(args.model_dir, args.class_data_dir, args.class_prompt, args.num_class_images,
                                 args.seed, args.resolution, args.allow_unsafe_weights)
-    plan = planning.plan_run(args, cluster_resources=start_ray, draw_class_images=draw)
+    try:
+        plan = planning.plan_run(args, cluster_resources=start_ray, draw_class_images=draw)
+    except planning.AlreadyTrained as done:
+        print(done, file=sys.stderr)
+        return None
     print(plan.describe(), file=sys.stderr)
     config = flags.write_config(os.path.join(plan.storage_path, plan.run_name, outputs.TRAIN_CONFIG), plan.settings_toml)
     print(f"settings: {config} (python train.py --config {config} repeats this run)", file=sys.stderr)
@@ -401,8 +405,7 @@ def report(state, metrics, rank, plan):
     needed = checkpoint.expected_bytes(state.params, state.ema is not None)
     with tempfile.TemporaryDirectory() as folder:
         with failures.stops_when_disk_full(f"the checkpoint of step {state.step}", folder, needed):
-            checkpoint.save(state, folder, metrics["epoch"], rng_states, plan.train_text_encoder,
-                            planning.lora_settings(plan), plan.held_out)
+            checkpoint.save(state, folder, metrics["epoch"], rng_states, plan.train_text_encoder, plan.identity)
         run_dir = os.path.join(plan.storage_path, plan.run_name)
         with failures.stops_when_disk_full(f"the checkpoint of step {state.step}", run_dir, needed,
                                            cleanup=lambda: checkpoint.remove_incomplete(run_dir)):

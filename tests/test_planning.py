@@ -2,6 +2,7 @@
 
 import dataclasses
 import os
+import re
 
 import pytest
 from PIL import Image
@@ -211,15 +212,24 @@ def test_lora_defaults_learning_rate_and_alpha_and_a_resume_must_match_its_kind(
         planning.parse_args(argv + ["--use_lora", "--lora_dropout", "1"])
     assert "--lora_dropout: must be < 1" in capsys.readouterr().err
 
-    done = tmp_path / "ray_results" / "out-1" / "checkpoint_0"  # a full fine-tuning checkpoint
+    run_argv = ["--model_dir", tiny_model, "--output_dir", str(tmp_path / "out"), "--instance_data_dir", toy_images,
+                "--instance_prompt", "photo of unqtkn toy"]
+    full_identity = planning.plan_run(planning.parse_args(run_argv), lambda: (4.0, 0)).identity
+    done = tmp_path / "ray_results" / "out-20260101-000000" / "checkpoint_0"  # a full fine-tuning checkpoint
     done.mkdir(parents=True)
     (done / "unet.safetensors").write_bytes(b"w")
-    utils.write_json(str(done / "train_state.json"), {"step": 2, "lora": None, "sizes": {"unet.safetensors": 1}})
-    args = planning.parse_args(["--model_dir", tiny_model, "--output_dir", str(tmp_path / "out"), "--instance_data_dir",
-                            toy_images, "--instance_prompt", "photo of unqtkn toy", "--use_lora",
-                            "--resume_from_checkpoint", "latest"])
-    with pytest.raises(utils.UserError, match="holds full fine-tuning weights and this run asks for LoRA"):
+    utils.write_json(str(done / "train_state.json"), {"step": 2, "identity": full_identity,
+                                                      "sizes": {"unet.safetensors": 1}})
+    args = planning.parse_args(run_argv + ["--use_lora", "--resume_from_checkpoint", "latest"])
+    capsys.readouterr()
+    assert planning.plan_run(args, lambda: (4.0, 0)).resume_path is None  # a LoRA run starts afresh, and says why
+    assert re.search(r"not resuming \S+checkpoint_0: it is of another run \(.*--learning_rate 5e-06 -> 0.0001; "
+                     r".*--use_lora False -> True", capsys.readouterr().err)
+    args = planning.parse_args(run_argv + ["--use_lora", "--resume_from_checkpoint", str(done)])
+    with pytest.raises(utils.UserError, match=r"checkpoint \S+ is of another run: .*--use_lora False -> True"):
         planning.plan_run(args, lambda: (4.0, 0))
+    args = planning.parse_args(run_argv + ["--resume_from_checkpoint", "latest"])
+    assert planning.plan_run(args, lambda: (4.0, 0)).resume_path == str(done)  # the same run resumes
 
 
 def test_8bit_adam_without_bitsandbytes_is_a_one_line_error(monkeypatch, capsys):
