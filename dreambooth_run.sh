@@ -23,24 +23,25 @@ set -euo pipefail
 
 # name|default (as shown)|meaning. The defaults are applied below, in Step 0.
 VARIABLES=(
-  "DATA_PREFIX|/tmp (--tiny: /tmp/dreambooth-tiny)|where everything is written; shared storage (NFS) on a cluster"
+  "DATA_PREFIX|./data (--tiny: ./data/tiny)|where everything is written (kept across reboots); shared storage (NFS) on a cluster"
   "INSTANCE_DIR|the example photos|your 4-6 photos of the subject"
+  "SUBJECT|the photos folder's name (example-dog with the example)|names this subject's outputs: \$DATA_PREFIX/subjects/<SUBJECT>/"
   "CLASS_NAME|dog (--tiny: toy)|what the subject is: dog, backpack, person (needed with INSTANCE_DIR)"
   "UNIQUE_TOKEN|unqtkn|the rare word that names your subject in prompts"
-  "SUBJECT_TYPE|live for the dog, object otherwise|Step 6's prompt set: object or live (pets, people)"
+  "SUBJECT_TYPE|live for a live CLASS_NAME (dog, cat, person...), else object|Step 6's prompt set: object or live"
   "ORIG_MODEL_NAME|sd14|base model: sd14, sd15, sd21-base, sd21, sdxl, or a hub name (its family is read from its files)"
   "ORIG_MODEL_HASH|the name's pinned commit|commit of the base model to cache"
   "ORIG_MODEL_DIR|\$DATA_PREFIX/model-orig|hub cache folder of the base model"
-  "TUNED_MODEL_DIR|\$DATA_PREFIX/model-tuned|the fine-tuned model (Step 4)"
-  "IMAGES_REG_DIR|\$DATA_PREFIX/images-reg/<class>|class images (Step 3); one class and base model per folder"
+  "TUNED_MODEL_DIR|\$DATA_PREFIX/subjects/<SUBJECT>/model-tuned|the fine-tuned model (Step 4)"
+  "IMAGES_REG_DIR|\$DATA_PREFIX/images-reg/<class>[-<resolution>px]|class images (Step 3); one class, base model and size per folder"
   "IMAGES_OWN_DIR|\$DATA_PREFIX/images-own|your photos with --skip_image_setup"
   "IMAGES_EXAMPLE_DIR|\$DATA_PREFIX/images-example|the example photos (never mixed with yours)"
-  "IMAGES_NEW_DIR|\$DATA_PREFIX/images-new|images of the subject from the tuned model (Step 5)"
+  "IMAGES_NEW_DIR|\$DATA_PREFIX/subjects/<SUBJECT>/images-new|images of the subject from the tuned model (Step 5)"
   "NUM_WORKERS|one per GPU (1 without GPUs)|Ray Train workers"
   "GPUS_PER_WORKER|1|2: UNet on one GPU, text encoder + VAE on a second (24 GB cards)"
   "NUM_CLASS_IMAGES|200 (--tiny: 20)|class images for the prior-preservation loss"
   "MAX_TRAIN_STEPS|200 (--tiny: 20)|optimizer steps of Step 4, exactly"
-  "LEARNING_RATE|5e-6 (1e-4 with --use_lora)|AdamW learning rate"
+  "LEARNING_RATE|train.py's: 5e-6, 1e-4 with --use_lora|AdamW learning rate (passed only when set)"
   "CHECKPOINTING_STEPS|100|a resumable checkpoint every N steps (the newest is kept)"
   "TRAIN_ARGS||more train.py flags, e.g. '--gradient_checkpointing --use_8bit_adam'"
   "HOLDOUT|0|photos kept out of training (the last in name order); Step 6 also scores against them"
@@ -49,8 +50,9 @@ VARIABLES=(
   "NUM_EVAL_IMAGES|4 (--tiny: 1)|Step 6's images per prompt and model"
   "EVAL_PROMPTS||your own Step 6 prompt file ('{subject}' in each line)"
   "EVAL_MODELS_CACHE|\$DATA_PREFIX/model-eval|DINO and CLIP for Step 6"
-  "EVAL_DIR|\$DATA_PREFIX/eval|Step 6's scores, report and images"
+  "EVAL_DIR|\$DATA_PREFIX/subjects/<SUBJECT>/eval|Step 6's scores, report and images"
   "LOG_DIR|\$DATA_PREFIX/logs|one log file per run"
+  "RETRAIN||1: train Step 4 again even when the model of these settings and photos is there"
   "PYTHON|python|the Python that runs the steps"
 )
 
@@ -118,30 +120,27 @@ step() { echo "=== [$(date '+%Y-%m-%d %H:%M:%S')] Step $1"; }
 # Step 0: settings (each variable keeps a value set in the environment)
 if $tiny; then
   export HF_HUB_OFFLINE=1
-  DATA_PREFIX="${DATA_PREFIX:-/tmp/dreambooth-tiny}"
+  DATA_PREFIX="${DATA_PREFIX:-$PWD/data/tiny}"
   NUM_CLASS_IMAGES="${NUM_CLASS_IMAGES:-20}"
   MAX_TRAIN_STEPS="${MAX_TRAIN_STEPS:-20}"
   NUM_INFERENCE_STEPS="${NUM_INFERENCE_STEPS:-10}"
   NUM_EVAL_IMAGES="${NUM_EVAL_IMAGES:-1}"
-  EXAMPLE_PHOTOS=images/toy EXAMPLE_CLASS=toy EXAMPLE_TYPE=object
+  EXAMPLE_PHOTOS=images/toy EXAMPLE_CLASS=toy
 else
-  DATA_PREFIX="${DATA_PREFIX:-/tmp}"
+  DATA_PREFIX="${DATA_PREFIX:-$PWD/data}"
   NUM_CLASS_IMAGES="${NUM_CLASS_IMAGES:-200}"
   MAX_TRAIN_STEPS="${MAX_TRAIN_STEPS:-200}"
   NUM_INFERENCE_STEPS="${NUM_INFERENCE_STEPS:-50}"
   NUM_EVAL_IMAGES="${NUM_EVAL_IMAGES:-4}"
-  EXAMPLE_PHOTOS=images/dog EXAMPLE_CLASS=dog EXAMPLE_TYPE=live
+  EXAMPLE_PHOTOS=images/dog EXAMPLE_CLASS=dog
 fi
 export DATA_PREFIX
 ORIG_MODEL_NAME="${ORIG_MODEL_NAME:-sd14}"
 ORIG_MODEL_HASH="${ORIG_MODEL_HASH:-}"
 ORIG_MODEL_DIR="${ORIG_MODEL_DIR:-$DATA_PREFIX/model-orig}"
-TUNED_MODEL_DIR="${TUNED_MODEL_DIR:-$DATA_PREFIX/model-tuned}"
 IMAGES_OWN_DIR="${IMAGES_OWN_DIR:-$DATA_PREFIX/images-own}"
 IMAGES_EXAMPLE_DIR="${IMAGES_EXAMPLE_DIR:-$DATA_PREFIX/images-example}"
-IMAGES_NEW_DIR="${IMAGES_NEW_DIR:-$DATA_PREFIX/images-new}"
 EVAL_MODELS_CACHE="${EVAL_MODELS_CACHE:-$DATA_PREFIX/model-eval}"
-EVAL_DIR="${EVAL_DIR:-$DATA_PREFIX/eval}"
 EVAL_PROMPTS="${EVAL_PROMPTS:-}"
 LOG_DIR="${LOG_DIR:-$DATA_PREFIX/logs}"
 UNIQUE_TOKEN="${UNIQUE_TOKEN:-unqtkn}"
@@ -172,14 +171,38 @@ elif $skip_image_setup; then
 else
   PHOTOS_DIR="$IMAGES_EXAMPLE_DIR" PHOTOS_VAR=IMAGES_EXAMPLE_DIR example=true
   CLASS_NAME="${CLASS_NAME:-$EXAMPLE_CLASS}"
-  SUBJECT_TYPE="${SUBJECT_TYPE:-$EXAMPLE_TYPE}"
 fi
-SUBJECT_TYPE="${SUBJECT_TYPE:-object}"
+slug() { printf '%s' "$1" | tr '[:upper:]' '[:lower:]' | sed -E 's/[^a-z0-9]+/-/g; s/^-+|-+$//g'; }
+# Each subject's outputs in a folder of its own: a second subject never replaces the first's
+if [ -z "${SUBJECT:-}" ]; then
+  if $example; then SUBJECT="example-$EXAMPLE_CLASS"; else SUBJECT="$(slug "$(basename "$PHOTOS_DIR")")"; fi
+fi
+SUBJECT="$(slug "$SUBJECT")"
+SUBJECT="${SUBJECT:-subject}"
+TUNED_MODEL_DIR="${TUNED_MODEL_DIR:-$DATA_PREFIX/subjects/$SUBJECT/model-tuned}"
+IMAGES_NEW_DIR="${IMAGES_NEW_DIR:-$DATA_PREFIX/subjects/$SUBJECT/images-new}"
+EVAL_DIR="${EVAL_DIR:-$DATA_PREFIX/subjects/$SUBJECT/eval}"
+# Step 6's prompt set: live for the classes the DreamBooth paper scores as live (pets, people), else object
+if [ -z "${SUBJECT_TYPE:-}" ]; then
+  case "$(slug "$CLASS_NAME")" in
+    dog|dogs|puppy|cat|cats|kitten|person|people|man|woman|boy|girl|child|baby|kid|horse|pony|bird|parrot|rabbit|bunny|hamster|guinea-pig|ferret|fox|teddy-dog|pet)
+      SUBJECT_TYPE=live ;;
+    *) SUBJECT_TYPE=object ;;
+  esac
+  SUBJECT_TYPE_SAID="$SUBJECT_TYPE (from CLASS_NAME=$CLASS_NAME; set SUBJECT_TYPE to change it)"
+else
+  SUBJECT_TYPE_SAID="$SUBJECT_TYPE"
+fi
 # One class folder per class: another CLASS_NAME never finds this one's images (another base model
 # in the same folder stops Step 3 with one line: set IMAGES_REG_DIR)
-CLASS_SLUG="$(printf '%s' "$CLASS_NAME" | tr '[:upper:]' '[:lower:]' | sed -E 's/[^a-z0-9]+/-/g; s/^-+|-+$//g')"
-IMAGES_REG_DIR="${IMAGES_REG_DIR:-$DATA_PREFIX/images-reg/${CLASS_SLUG:-class}}"
-if $use_lora; then LEARNING_RATE="${LEARNING_RATE:-1e-4}"; else LEARNING_RATE="${LEARNING_RATE:-5e-6}"; fi
+CLASS_SLUG="$(slug "$CLASS_NAME")"
+REG_DIR_DEFAULT=false
+if [ -z "${IMAGES_REG_DIR:-}" ]; then
+  IMAGES_REG_DIR="$DATA_PREFIX/images-reg/${CLASS_SLUG:-class}" REG_DIR_DEFAULT=true
+fi
+# train.py decides its own defaults (the learning rate from --use_lora, however --use_lora reached it)
+LEARNING_RATE="${LEARNING_RATE:-}"
+RETRAIN="${RETRAIN:-}"
 
 mkdir -p "$LOG_DIR"
 LOG_FILE="$LOG_DIR/dreambooth_run-$(date '+%Y%m%d-%H%M%S').log"
@@ -242,13 +265,21 @@ PREFLIGHT=(--photos_dir="$PHOTOS_DIR" --photos_var="$PHOTOS_VAR" --class_name="$
   --gpus_per_worker="$GPUS_PER_WORKER")
 $tiny && PREFLIGHT+=(--tiny)
 $use_lora && PREFLIGHT+=(--use_lora)
-NUM_WORKERS="$("$PYTHON" preflight.py "${PREFLIGHT[@]}" -- "${TRAIN_ARGS_LIST[@]}" "${EXTRA_TRAIN_ARGS[@]}" | tail -n 1)"
-NUM_WORKERS="${NUM_WORKERS#NUM_WORKERS=}"
+PREFLIGHT_OUT="$("$PYTHON" preflight.py "${PREFLIGHT[@]}" -- "${TRAIN_ARGS_LIST[@]}" "${EXTRA_TRAIN_ARGS[@]}")"
+resolved() { printf '%s\n' "$PREFLIGHT_OUT" | sed -n "s/^$1=//p" | tail -n 1; }
+NUM_WORKERS="$(resolved NUM_WORKERS)"
+# train.py's flags given after -- or in TRAIN_ARGS win over the script's: the steps use their values
+TRAIN_STEPS="$(resolved MAX_TRAIN_STEPS)"; TRAIN_STEPS="${TRAIN_STEPS:-$MAX_TRAIN_STEPS}"
+TRAIN_RESOLUTION="$(resolved RESOLUTION)"
+# class images are drawn at the training resolution: another resolution, another default folder
+if $REG_DIR_DEFAULT && [ -n "$TRAIN_RESOLUTION" ]; then IMAGES_REG_DIR="$IMAGES_REG_DIR-${TRAIN_RESOLUTION}px"; fi
 
 # The resolved settings, once
 for entry in "${VARIABLES[@]}"; do
   name="${entry%%|*}"
-  case "$name" in INSTANCE_DIR) value="$PHOTOS_DIR" ;; *) value="${!name:-}" ;; esac
+  case "$name" in INSTANCE_DIR) value="$PHOTOS_DIR" ;; SUBJECT_TYPE) value="$SUBJECT_TYPE_SAID" ;;
+    MAX_TRAIN_STEPS) value="$TRAIN_STEPS" ;; LEARNING_RATE) value="${LEARNING_RATE:-train.py default}" ;;
+    *) value="${!name:-}" ;; esac
   printf '  %-20s %s\n' "$name" "$value"
 done
 echo "  train.py extra flags: $TRAIN_ARGS ${EXTRA_TRAIN_ARGS[*]:-}"
@@ -290,11 +321,13 @@ else
     --prompts="photo of a $CLASS_NAME" \
     --num_samples_per_prompt="$NUM_CLASS_IMAGES" \
     --num_inference_steps="$NUM_INFERENCE_STEPS" \
+    ${TRAIN_RESOLUTION:+--resolution="$TRAIN_RESOLUTION"} \
+    --class_images \
     --use_ray_data
-  CLASS_OPTIONS=(--class_images_dir="$IMAGES_REG_DIR")
+  CLASS_OPTIONS=(--class_images_dir="$IMAGES_REG_DIR" --num_class_images="$NUM_CLASS_IMAGES")
 fi
 
-step "4: fine-tune on $NUM_WORKERS worker(s), $MAX_TRAIN_STEPS steps (a rerun after a crash continues)"
+step "4: fine-tune on $NUM_WORKERS worker(s), $TRAIN_STEPS steps (a rerun continues a stopped run and keeps a finished one)"
 # (with --use_lora: LoRA adapters on the UNet and the text encoder, at LoRA's usual learning rate)
 if $use_lora; then
   TRAIN_OPTIONS=(--use_lora)
@@ -311,13 +344,13 @@ fi
   "${CLASS_OPTIONS[@]}" \
   --class_prompt="photo of a $CLASS_NAME" \
   --train_batch_size=2 \
-  --lr="$LEARNING_RATE" \
+  ${LEARNING_RATE:+--lr="$LEARNING_RATE"} \
   --max_train_steps="$MAX_TRAIN_STEPS" \
   --num_workers="$NUM_WORKERS" \
   --gpus_per_worker="$GPUS_PER_WORKER" \
   --checkpointing_steps="$CHECKPOINTING_STEPS" \
   --checkpoints_total_limit=1 \
-  --resume_from_checkpoint=auto \
+  $([ -n "$RETRAIN" ] || echo --resume_from_checkpoint=auto) \
   --holdout="$HOLDOUT" \
   "${TRAIN_OPTIONS[@]}" "${TRAIN_ARGS_LIST[@]}" "${EXTRA_TRAIN_ARGS[@]}"
 
@@ -330,9 +363,18 @@ step "5: $NUM_NEW_IMAGES images of the subject in $IMAGES_NEW_DIR"
   --num_inference_steps="$NUM_INFERENCE_STEPS" \
   --force  # images of an earlier model (a retrained one) are drawn again, never kept beside these
 
-echo "tuned model in $TUNED_MODEL_DIR, new images in $IMAGES_NEW_DIR (contact sheet: $IMAGES_NEW_DIR/grid/grid.png)"
+outputs() {  # the last lines: every output of this subject, and how to take the model elsewhere
+  echo "outputs of subject '$SUBJECT':"
+  echo "  model:  $TUNED_MODEL_DIR"
+  echo "  images: $IMAGES_NEW_DIR (contact sheet: $IMAGES_NEW_DIR/grid/grid.png)"
+  if ! $skip_eval; then echo "  scores: $EVAL_DIR/report.md"; fi
+  echo "  log:    $LOG_FILE"
+  echo "  for AUTOMATIC1111/ComfyUI: $PYTHON export.py --model_dir $(printf '%q' "$TUNED_MODEL_DIR")" \
+    "--output_file $(printf '%q' "$DATA_PREFIX/subjects/$SUBJECT/$SUBJECT.safetensors")"
+}
 if $skip_eval; then
-  step "6: skipped (--skip_eval); log: $LOG_FILE"
+  step "6: skipped (--skip_eval)"
+  outputs
   exit 0
 fi
 
@@ -359,4 +401,5 @@ EVAL_MODELS_DIR="$(tail -n 1 "$EVAL_FETCH_LOG.path")"
   --holdout="$HOLDOUT" \
   --num_inference_steps="$NUM_INFERENCE_STEPS"
 
-echo "done: scores of the tuned model beside the base model in $EVAL_DIR/report.md; log: $LOG_FILE"
+echo "done: scores of the tuned model beside the base model in $EVAL_DIR/report.md"
+outputs

@@ -400,6 +400,11 @@ FLAGS = {
         dict(action="store_true",
              help="Delete the images already in --output_dir (drawn by another model or with other settings, "
                   "as its record says) and draw these; without it such a folder is an error, never a mix.")),
+    "class_images": (("--class_images",),
+        dict(action="store_true",
+             help="The images are class images for training (dreambooth_run.sh's Step 3): images already in "
+                  "--output_dir from the same model, prompt and size are kept even when drawn with other steps, "
+                  "guidance or seed (what training reads is the same).")),
     "num_samples_per_prompt": (("--num_samples_per_prompt", "--num_class_images"),
         dict(type=positive_int, default=1,
              help="Images per prompt; existing ones are kept, only the missing are made.")),
@@ -605,6 +610,9 @@ class OneLineErrorParser(argparse.ArgumentParser):
         args = [normalize_option(a) for a in (sys.argv[1:] if args is None else list(args))]
         if any(a.dest == "config" for a in self._actions):
             args = self._config_tokens(args) + args
+        # the flags the user gave (command line or --config), as config_text tells them from derived ones
+        self.given = {self._option_string_actions[t.split("=")[0]].dest for t in args
+                      if t.split("=")[0] in self._option_string_actions}
         return super().parse_known_args(args, namespace)
 
     def error(self, message):
@@ -680,10 +688,24 @@ def config_values(parser, args):
 
 def config_text(parser, args, values=None):
     """The parsed flags of a run (or values) as the text of a --config file that repeats it (keys: the
-    flags' names). Unset flags are left out; the values are the resolved ones (absolute paths)."""
+    flags' names). Unset flags are left out; the values are the resolved ones (absolute paths). Values
+    the parse worked out from other flags (the learning rate from --use_lora, lora_alpha from the rank)
+    are written as comments: read back, they are worked out again, so that a config with flags added
+    (or edited) gives what the same flags typed would."""
     import tomli_w
 
-    values = config_values(parser, args) if values is None else values
+    if values is None:
+        values = config_values(parser, args)
+        given = getattr(parser, "given", None)
+        if given is not None:
+            defaults = {a.dest: a.default for a in parser._actions}
+            derived = {k: v for k, v in values.items() if k not in given and v != defaults.get(k)}
+            values = {k: v for k, v in values.items() if k not in derived}
+            text = f"# {parser.prog} --config this-file repeats the run\n" + tomli_w.dumps(values)
+            if derived:
+                text += ("\n# Worked out from the flags above when they are read (uncomment one to fix it):\n" +
+                         "".join(f"# {line}\n" for line in tomli_w.dumps(derived).splitlines() if line))
+            return text
     return f"# {parser.prog} --config this-file repeats the run\n" + tomli_w.dumps(values)
 
 

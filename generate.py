@@ -276,15 +276,17 @@ def wanted_files(folder, prompts, count):
 
 def top_up(folder, model, prompts, count, settings, safety_checker, on_mismatch="error",
            remedy="pass --force to delete those images and draw these",
-           label=None):
+           label=None, class_images=False):
     """The DrawJob that fills folder up to count images of each prompt, keeping the images already
     there only when the folder's record says the same model drew them with the same settings.
 
     The one place a folder of generated images is filled (generate.py, class images for train.py
     and the sweep, evaluate.py's images). On a mismatch: on_mismatch "error" raises a UserError
     naming what differs and remedy (how to discard them); "redraw" and "force" (generate.py
-    --force) delete them, say so, and draw them again. The record is written before drawing: a
-    run cut short leaves images that its record describes."""
+    --force) delete them, say so, and draw them again. class_images: only what class images teach
+    (ImageRecord.CLASS_IMAGE_FIELDS) must match; images differing in anything else are kept, with a
+    line. The record is written before drawing: a run cut short leaves images that its record
+    describes."""
     os.makedirs(folder, exist_ok=True)
     utils.remove_temp_files(folder)
     resolution = settings.resolution or utils.native_resolution(model.model_dir)
@@ -293,6 +295,13 @@ def top_up(folder, model, prompts, count, settings, safety_checker, on_mismatch=
     have = outputs.read_image_record(folder)
     drawn = outputs.drawn_images(folder)
     differs = have.differences(wanted) if have else (["record"] if drawn else [])
+    if class_images and have and differs and on_mismatch != "force" and not set(differs) & set(
+            outputs.ImageRecord.CLASS_IMAGE_FIELDS):
+        print(f"{label or folder}: keeping the {len(drawn)} class images in {folder}, drawn with "
+              f"{have.describe(differs)} (not this run's {wanted.describe(differs)}: the same model, prompt and size, "
+              f"which is what training reads)", file=sys.stderr)
+        wanted = have  # the record goes on describing the images kept
+        differs = []
     if differs:
         what = (f"were drawn with {have.describe(differs)}" if have else
                 f"have no record ({outputs.IMAGES_RECORD}) of the model and settings that drew them")
@@ -330,7 +339,8 @@ def main(argv=None):
         __doc__.splitlines()[0],
         ["model_dir", "output_dir", "prompts", "prompts_file", "num_samples_per_prompt", "batch_size",
          "num_inference_steps", "guidance_scale", "negative_prompt", "seed", "resolution",
-         "lora_dir", "lora_scale", "num_actors", "safety_checker", "force", "use_ray_data", "allow_unsafe_weights"],
+         "lora_dir", "lora_scale", "num_actors", "safety_checker", "force", "class_images", "use_ray_data",
+         "allow_unsafe_weights"],
         config=True,
     )
     args = parser.parse_args(argv)
@@ -341,8 +351,12 @@ def main(argv=None):
                                                               ("--lora_dir", model.lora_dir)])
     settings = ImageSettings(args.num_inference_steps, args.guidance_scale, args.negative_prompt, args.resolution,
                              args.seed, args.allow_unsafe_weights)
+    remedy = "pass --force to delete those images and draw these"
+    if args.class_images:
+        remedy += " (dreambooth_run.sh: set IMAGES_REG_DIR to another folder, or delete this one)"
     job = top_up(args.output_dir, model, prompts, args.num_samples_per_prompt, settings,
-                 use_safety_checker(args.safety_checker, model), on_mismatch="force" if args.force else "error")
+                 use_safety_checker(args.safety_checker, model), on_mismatch="force" if args.force else "error",
+                 remedy=remedy, class_images=args.class_images)
     flags.write_config(os.path.join(args.output_dir, outputs.IMAGES_CONFIG), flags.config_text(parser, args))
     make_images_of([job], settings, args.batch_size, args.num_actors)
     all_files = [os.path.basename(p) for paths in wanted_files(args.output_dir, prompts,

@@ -170,6 +170,10 @@ class ImageRecord:
     guidance_scale: float
     negative_prompt: str | None
 
+    # What class images are for training (what they show, at which size): a folder of them is kept
+    # when only the other settings differ (steps, guidance, seed, negative prompt).
+    CLASS_IMAGE_FIELDS = ("model", "prompts", "resolution")
+
     def differences(self, other):
         """Names of the settings in which other differs ('model', 'prompts', ...)."""
         return [f.name for f in dataclasses.fields(self)

@@ -268,6 +268,10 @@ def plan_run(args, cluster_resources, draw_class_images=None):
     if draw_class_images is not None:
         draw_class_images()
     class_files = dataset.list_images(args.class_data_dir, "class") if args.with_prior_preservation else []
+    if args.num_class_images and len(class_files) > args.num_class_images:  # as diffusers: at most that many
+        print(f"--num_class_images {args.num_class_images}: training on the first {args.num_class_images} of the "
+              f"{len(class_files)} class images in {args.class_data_dir}", file=sys.stderr)
+        class_files = sorted(class_files)[:args.num_class_images]
     if class_files:
         check_class_images(args.class_data_dir, args.model_dir, args.class_prompt, resolution)
     prompts.warn_without_identifier(instance_prompts, args.instance_prompt, args.class_prompt)

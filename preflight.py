@@ -7,7 +7,8 @@ Checks the photos (present, readable), the class name, the Ray cluster's GPUs ag
 asked for, the free disk under DATA_PREFIX (base model + one checkpoint + the tuned model), and on a
 cluster of several nodes that DATA_PREFIX and the photos are the same storage on every node (a Ray
 task on each node writes there; the head reads it back). Each failure is one line naming the
-variable to change. Prints the resolved worker count last, as `NUM_WORKERS=<n>`. The words after
+variable to change. Prints the resolved worker count last, as `NUM_WORKERS=<n>`, after the values of
+train.py's --max_train_steps and --resolution when given there (`MAX_TRAIN_STEPS=<n>`, `RESOLUTION=<n>`). The words after
 `--` are the flags the script passes on to train.py (TRAIN_ARGS and its own after `--`): a flag
 train.py does not know, or a value it refuses, stops the run here instead of at Step 4.
 """
@@ -59,7 +60,7 @@ def check_train_flags(words):
     required = [name for name in planning.TRAIN_FLAGS if flags.FLAGS[name][1].get("required")]
     parser = flags.make_parser(None, planning.TRAIN_FLAGS, refused=flags.REFUSED, config=True, optional=required)
     parser.prog = "train.py flags (TRAIN_ARGS, or after --)"
-    parser.parse_args(words)
+    return parser.parse_args(words)
 
 
 def check_photos(folder, variable):
@@ -157,7 +158,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     train_words = argv[argv.index("--") + 1:] if "--" in argv else []
     args = parse_args(argv[:len(argv) - len(train_words) - (1 if "--" in argv else 0)])
-    check_train_flags(train_words)
+    train_flags = check_train_flags(train_words)
     if not args.class_name.strip():
         raise utils.UserError("CLASS_NAME is not set: set it to what your subject is (CLASS_NAME=dog, backpack, "
                               "person); it makes the class prompt 'photo of a <CLASS_NAME>'")
@@ -169,6 +170,10 @@ def main(argv=None):
     check_shared(args.data_prefix, args.photos_var, args.photos_dir, len(photos))
     print(f"preflight: {len(photos)} photos, {gpus} GPU(s) and {cpus:g} CPUs in the Ray cluster "
           f"({len(ray.nodes())} node(s)), {workers} worker(s)", file=sys.stderr)
+    # the values of train.py's flags that the script's other steps follow (given there, they win)
+    for name, value in (("MAX_TRAIN_STEPS", train_flags.max_train_steps), ("RESOLUTION", train_flags.resolution)):
+        if value is not None:
+            print(f"{name}={value}")
     print(f"NUM_WORKERS={workers}")
     return workers
 

@@ -79,6 +79,9 @@ def differences(saved, current):
             said.append(FILE_PARTS[key])
         elif key in ("held_out", "captions", "buckets", "family", "resolution"):
             said.append(f"{key.replace('_', '-')} {short(before)} -> {short(now)}")
+        elif key in ("max_train_steps", "num_train_epochs"):  # why a longer run does not continue a shorter one
+            said.append(f"--{key} {short(before)} -> {short(now)} (the learning-rate schedule and the data stream "
+                        f"are planned over the whole run)")
         else:
             said.append(f"--{key} {short(before)} -> {short(now)}")
     return said

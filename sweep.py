@@ -288,6 +288,29 @@ def run_tune(job, space, concurrency, num_samples):
     return tuner.fit()
 
 
+def set_aside_another_sweep(sweep_dir, settings_toml):
+    """Tune restores a sweep with the search space it stored: a rerun whose settings (search space, steps,
+    subjects, train.py's flags) differ from the stored sweep's starts afresh instead, saying what changed;
+    the earlier sweep's Tune state is kept beside it (tune-before-<time>). Trials of the same settings
+    still find their own checkpoints (train.py resumes only a run of the same identity)."""
+    import datetime
+    import tomllib
+
+    stored, state = os.path.join(sweep_dir, "sweep_config.toml"), os.path.join(sweep_dir, "tune")
+    if not (os.path.isfile(stored) and os.path.isdir(state)):
+        return
+    with open(stored, "rb") as f:
+        before = tomllib.load(f)
+    now = tomllib.loads(settings_toml)
+    changed = [f"{k} {before.get(k)} -> {now.get(k)}" for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k)]
+    if not changed:
+        return
+    aside = f"{state}-before-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    os.rename(state, aside)
+    print(f"the sweep in {sweep_dir} had other settings ({'; '.join(changed)}): starting it afresh (its Tune state "
+          f"kept in {aside})", file=sys.stderr)
+
+
 def scheduler(job):
     """ASHA over the step counts within each subject (early stopping), or None: every trial runs to
     the end."""
@@ -393,6 +416,7 @@ def main(argv=None):
         utils.check_output_path(path, flag, inputs)
     for name in subjects:
         planning.check_output_dir(target_dir(args, name), train_args.overwrite)
+    set_aside_another_sweep(args.sweep_dir, args.settings_toml)
     config = flags.write_config(os.path.join(args.sweep_dir, "sweep_config.toml"), args.settings_toml)
     print(f"settings: {config} (sweep.py --config {config} repeats this sweep)", file=sys.stderr)
     utils.init_ray()

@@ -96,6 +96,7 @@ def top_up_class_images(model_dir, class_dir, class_prompt, count, seed=0, resol
         print(f"{class_dir}: {len(own)} class images of your own count toward --num_class_images {count}",
               file=sys.stderr)
     job = generate.top_up(class_dir, outputs.ModelRef(model_dir), [class_prompt], max(0, count - len(own)), settings,
+                          class_images=True,
                           safety_checker=False, remedy=remedy, label=f"class images of {class_prompt!r}")
     generate.make_images_of([job], settings)
 

@@ -27,6 +27,7 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request):
     as a user's second run does, on a 2-node cluster with token authentication: 2 workers (DDP of the
     adapters), more steps than 4 epochs of its data, and Step 6 must score the new model."""
     tmp_path = data_prefix
+    subject_dir = tmp_path / "subjects" / "example-toy"  # the example's outputs, in a folder of their own
     prompts = tmp_path / "eval-prompts.txt"  # Step 6 on 2 of its prompts, not 25
     prompts.write_text("a {subject} on a beach\na {subject} in the snow\n")
     env = dict(os.environ, DATA_PREFIX=str(tmp_path), NUM_CLASS_IMAGES="6", NUM_INFERENCE_STEPS="3",
@@ -41,13 +42,15 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request):
     env["RAY_TMPDIR"] = stranger
     if mode == "lora":
         # 6 rows over 2 workers at batch 2: 2 steps an epoch; the script once capped a run at 4 epochs (8)
-        env.update(NUM_WORKERS="2", MAX_TRAIN_STEPS="10", TRAIN_ARGS="--logging_steps 5")
+        # NUM_CLASS_IMAGES lowered: train.py trains on 4 of the 6 class images the first run drew
+        env.update(NUM_WORKERS="2", MAX_TRAIN_STEPS="10", TRAIN_ARGS="--logging_steps 5", NUM_CLASS_IMAGES="4")
         env["RAY_ADDRESS"] = request.getfixturevalue("two_node_cluster")[0]
     else:
-        env.update(MAX_TRAIN_STEPS="4")
+        env.update(MAX_TRAIN_STEPS="99")  # the step count after -- wins, in the banners too
         env.pop("RAY_ADDRESS")  # no cluster to join: the script starts one for its steps
         env.pop("RAY_AUTH_MODE", None)  # as in a user's shell: token authentication by default
-    extra = ["--use_lora"] if mode == "lora" else ["--", "--seed", "1"]  # train.py's flags after --
+    # train.py's flags after --: LoRA that way trains at LoRA's learning rate (train.py's default)
+    extra = ["--", "--use_lora"] if mode == "lora" else ["--", "--seed", "1", "--max_train_steps", "4"]
     sessions, heads_before = ray_sessions(), set(glob.glob("/tmp/dreambooth-ray-*"))
     proc = subprocess.run(["bash", "dreambooth_run.sh", "--tiny", *extra],
                           cwd=REPO_DIR, env=env, capture_output=True, text=True, timeout=600)
@@ -58,6 +61,8 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request):
     assert len(re.findall(r"=== \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] Step [0-6]", output)) == 7
     assert re.search(r"NUM_WORKERS +" + ("2" if mode == "lora" else "1") + "\n", output)
     assert (", seed 1\n" in output) == (mode == "full")
+    assert re.search(r"MAX_TRAIN_STEPS +" + ("10" if mode == "lora" else "4") + "\n", output)
+    assert f"Step 4: fine-tune on {2 if mode == 'lora' else 1} worker(s), {10 if mode == 'lora' else 4} steps" in output
     log = re.search(r"-- log: (\S+)", output)[1]
     assert open(log).read().startswith("dreambooth_run.sh")
     # Progress and results, not library noise; one note per actor pool that drew images that they
@@ -67,6 +72,11 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request):
     pools = len(re.findall(r"; generating [1-9]", output)) - step6 + (1 if step6 else 0)
     assert output.count("this model has random weights") == pools >= 1
     assert "loss and learning rate plotted in" in output
+    # the last lines: every output of the subject, each in its folder, and the export command
+    assert f"outputs of subject 'example-toy':\n  model:  {subject_dir / 'model-tuned'}\n  images: " \
+        f"{subject_dir / 'images-new'}" in output
+    assert f"--output_file {subject_dir / 'example-toy.safetensors'}" in output.splitlines()[-1]
+    assert "SUBJECT_TYPE         object (from CLASS_NAME=toy" in output
     # One Ray cluster for all the steps: started here and stopped at the end, or the one given joined.
     assert open(os.path.join(stranger, "ray", "ray_current_cluster")).read() == "192.0.2.1:6379"  # untouched
     if mode == "full":
@@ -88,19 +98,20 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request):
 
     reg = sorted(os.listdir(tmp_path / "images-reg" / "toy"))  # a folder per class
     assert reg == sorted([f"photo-of-a-toy-{i:05d}.png" for i in range(6)] + ["grid", IMAGES_RECORD, IMAGES_CONFIG])
-    new = sorted(f for f in os.listdir(tmp_path / "images-new") if f.endswith(".png"))
-    assert len(new) == 5 and os.path.isfile(tmp_path / "images-new" / "grid" / "grid.png")
+    new = sorted(f for f in os.listdir(subject_dir / "images-new") if f.endswith(".png"))
+    assert len(new) == 5 and os.path.isfile(subject_dir / "images-new" / "grid" / "grid.png")
     # the example photos in their own folder: nothing lands where your photos go
     assert sorted(os.listdir(tmp_path / "images-example")) == [f"toy-{k}.jpg" for k in range(5)]
     assert not os.path.exists(tmp_path / "images-own")
 
-    evaluation = tmp_path / "eval"
+    evaluation = subject_dir / "eval"
     scores = json.loads((evaluation / "scores.json").read_text())
     if mode == "lora":  # adapters only; Step 5 drew with them on the base model; Step 6 scored them
         assert re.search(r"trained 10 steps", output)  # MAX_TRAIN_STEPS, not 4 epochs' worth
-        assert sorted(os.listdir(tmp_path / "model-tuned")) == sorted([LORA_WEIGHTS_FILE, OUTPUT_MARKER,
+        assert sorted(os.listdir(subject_dir / "model-tuned")) == sorted([LORA_WEIGHTS_FILE, OUTPUT_MARKER,
                                                                        "train_config.toml"])
-        assert "LoRA adapters (rank 4, alpha 4)" in output
+        assert "LoRA adapters (rank 4, alpha 4)" in output and "lr=0.0001 " in output
+        assert "training on the first 4 of the 6 class images" in output and " and 4 class images at" in output
         # a retrained model's images are drawn again (Steps 5 and 6), the base model's kept
         assert re.search(r"tuned: the 3 images in \S+ were drawn with model .* \(model differ from this run\); drawing them "
                          r"again", output)
@@ -111,7 +122,7 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request):
         assert scores["models"]["tuned"]["overall"] != first["models"]["tuned"]["overall"]
         from safetensors.torch import load_file
 
-        lora = load_file(tmp_path / "model-tuned" / LORA_WEIGHTS_FILE)
+        lora = load_file(subject_dir / "model-tuned" / LORA_WEIGHTS_FILE)
         ups = [v for k, v in lora.items() if ".up." in k or "lora_B" in k]  # zero until trained
         assert {k.split(".")[0] for k in lora} == {"unet", "text_encoder"} and all(v.abs().sum() > 0 for v in ups)
         return
@@ -132,7 +143,7 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request):
     assert "done: scores of the tuned model beside the base model in" in output
     from diffusers import DiffusionPipeline
 
-    tuned = DiffusionPipeline.from_pretrained(str(tmp_path / "model-tuned"))
+    tuned = DiffusionPipeline.from_pretrained(str(subject_dir / "model-tuned"))
     base_dir = proc.stdout.split("base model: ")[1].splitlines()[0]
     base = DiffusionPipeline.from_pretrained(base_dir)
     for part in ("unet", "text_encoder"):
@@ -183,6 +194,7 @@ def test_dreambooth_run_tiny_sdxl_lora_end_to_end(tmp_path):
     Step 6."""
     from PIL import Image
 
+    subject_dir = tmp_path / "subjects" / "example-toy"
     prompts = tmp_path / "eval-prompts.txt"
     prompts.write_text("a {subject} on a beach\n")
     env = dict(os.environ, DATA_PREFIX=str(tmp_path), NUM_CLASS_IMAGES="2", NUM_INFERENCE_STEPS="2",
@@ -195,9 +207,9 @@ def test_dreambooth_run_tiny_sdxl_lora_end_to_end(tmp_path):
     assert "at 128 px" in proc.stdout + proc.stderr  # the plan's resolution, from the model
     assert "Step 3: skipped (--prior_prediction" in proc.stdout and not (tmp_path / "images-reg").exists()
     assert "towards the base model's prediction" in proc.stdout + proc.stderr
-    assert os.path.isfile(tmp_path / "model-tuned" / LORA_WEIGHTS_FILE)
-    [image] = [f for f in os.listdir(tmp_path / "images-new") if f.endswith(".png")]
-    with Image.open(tmp_path / "images-new" / image) as drawn:
+    assert os.path.isfile(subject_dir / "model-tuned" / LORA_WEIGHTS_FILE)
+    [image] = [f for f in os.listdir(subject_dir / "images-new") if f.endswith(".png")]
+    with Image.open(subject_dir / "images-new" / image) as drawn:
         assert drawn.size == (128, 128)
-    scores = json.loads((tmp_path / "eval" / "scores.json").read_text())
-    assert set(scores["models"]) == {"tuned", "base"} and (tmp_path / "eval" / "report.md").is_file()
+    scores = json.loads((subject_dir / "eval" / "scores.json").read_text())
+    assert set(scores["models"]) == {"tuned", "base"} and (subject_dir / "eval" / "report.md").is_file()

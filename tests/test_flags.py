@@ -254,6 +254,23 @@ def test_a_written_config_repeats_the_run_and_the_command_line_wins(tmp_path):
     assert changed.max_train_steps == 9 and changed.validation_prompts == ("c",) and changed.use_lora
 
 
+def test_a_written_config_works_out_derived_values_again(tmp_path):
+    """Values worked out from other flags are comments in the file: a config with flags added gives what
+    the same flags typed would (a full run's config + --use_lora --rank 16: LoRA's learning rate, alpha 16)."""
+    full = parse_train(BASE + ["--checkpointing_steps", "50"])
+    config = tmp_path / "train_config.toml"
+    config.write_text(full.settings_toml)
+    assert "\n# learning_rate = 5e-06\n" in full.settings_toml and "\ncheckpointing_steps = 50\n" in full.settings_toml
+    typed = parse_train(BASE + ["--checkpointing_steps", "50", "--use_lora", "--rank", "16"])
+    read = parse_train(["--config", str(config), "--use_lora", "--rank", "16"])
+    assert (read.learning_rate, read.lora_alpha, read.validation_steps) == (1e-4, 16.0, 50)
+    assert {k: v for k, v in vars(read).items() if k != "config"} == {k: v for k, v in vars(typed).items()
+                                                                       if k != "config"}
+    edited = tmp_path / "edited.toml"  # a value given in the file is the user's: kept
+    edited.write_text(full.settings_toml.replace("# learning_rate = 5e-06", "learning_rate = 3e-06"))
+    assert parse_train(["--config", str(edited), "--use_lora"]).learning_rate == 3e-6
+
+
 def test_a_bad_config_is_one_line(tmp_path, capsys):
     config = tmp_path / "c.toml"
     config.write_text("max_train_steps = 5\nnot_a_flag = 1\n")

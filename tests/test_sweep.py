@@ -324,3 +324,19 @@ def test_a_trial_stopped_early_says_where_in_the_table():
 
     rows = sweep.collect([result(1e-4, [2, 4]), result(1e-5, [2])], last_step=4)
     assert [r.get("note") for r in rows] == [None, None, "stopped early at step 2 (behind the others there)"]
+
+
+def test_a_rerun_with_another_search_space_starts_afresh(tmp_path, capsys):
+    """Tune would restore the stored search space: a rerun with other values sets the old sweep's state
+    aside (saying what changed); the same settings keep it for Tune to restore."""
+    (tmp_path / "tune").mkdir()
+    (tmp_path / "tune" / "state.json").write_text("{}")
+    (tmp_path / "sweep_config.toml").write_text('sweep_learning_rate = [1e-06, 2e-06]\nsearch = "grid"\n')
+    sweep.set_aside_another_sweep(str(tmp_path), 'search = "grid"\nsweep_learning_rate = [1e-06, 2e-06]\n')
+    assert os.listdir(tmp_path / "tune") == ["state.json"] and capsys.readouterr().err == ""
+    sweep.set_aside_another_sweep(str(tmp_path), 'sweep_learning_rate = [5e-06]\nsearch = "grid"\n')
+    assert not (tmp_path / "tune").exists()
+    [aside] = [p for p in os.listdir(tmp_path) if p.startswith("tune-before-")]
+    assert os.listdir(tmp_path / aside) == ["state.json"]
+    assert "had other settings (sweep_learning_rate [1e-06, 2e-06] -> [5e-06]): starting it afresh" in \
+        capsys.readouterr().err
