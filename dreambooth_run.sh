@@ -235,9 +235,13 @@ else
   # Its own temp folder (short: Ray's socket paths must fit 108 characters), so that its address is
   # not written where every later `ray.init()` on this node would find and join it.
   RAY_HEAD_TEMP="$(mktemp -d /tmp/dreambooth-ray-XXXXXX)"
+  # A free port, not Ray's 6379: a cluster already running here (another run, a `ray start` of
+  # yours) is left alone and never joined
+  RAY_HEAD_PORT="$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')"
   # (no drain at the end: nothing runs by then, and Ray would wait 30 s for idle workers)
   RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 "$PYTHON" -m ray.scripts.scripts start --head --block \
-    --disable-usage-stats --include-dashboard=false --temp-dir="$RAY_HEAD_TEMP" > "$RAY_HEAD_LOG" 2>&1 &
+    --port="$RAY_HEAD_PORT" --disable-usage-stats --include-dashboard=false --temp-dir="$RAY_HEAD_TEMP" \
+    > "$RAY_HEAD_LOG" 2>&1 &
   RAY_HEAD_PID=$!
   while kill -0 "$RAY_HEAD_PID" 2>/dev/null && ! grep -q "block forever" "$RAY_HEAD_LOG"; do sleep 0.2; done
   if ! kill -0 "$RAY_HEAD_PID" 2>/dev/null; then

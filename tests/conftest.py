@@ -9,7 +9,9 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 # reads or writes the user's ~/.ray/auth_token (utils.ensure_ray_token creates this one).
 os.environ["RAY_AUTH_MODE"] = "token"
 os.environ.pop("RAY_AUTH_TOKEN", None)
-os.environ["RAY_AUTH_TOKEN_PATH"] = os.path.join(__import__("tempfile").mkdtemp(prefix="dreambooth-tests-"), "auth_token")
+_TOKEN_DIR = __import__("tempfile").mkdtemp(prefix="dreambooth-tests-")
+os.environ["RAY_AUTH_TOKEN_PATH"] = os.path.join(_TOKEN_DIR, "auth_token")
+__import__("atexit").register(__import__("shutil").rmtree, _TOKEN_DIR, True)
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_DIR)
 
