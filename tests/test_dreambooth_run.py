@@ -198,7 +198,8 @@ def test_dreambooth_run_tiny_sdxl_lora_end_to_end(tmp_path):
     prompts = tmp_path / "eval-prompts.txt"
     prompts.write_text("a {subject} on a beach\n")
     env = dict(os.environ, DATA_PREFIX=str(tmp_path), NUM_CLASS_IMAGES="2", NUM_INFERENCE_STEPS="2",
-               MAX_TRAIN_STEPS="2", NUM_NEW_IMAGES="1", PYTHON=sys.executable, EVAL_PROMPTS=str(prompts))
+               MAX_TRAIN_STEPS="2", NUM_NEW_IMAGES="1", PYTHON=sys.executable, EVAL_PROMPTS=str(prompts),
+               CLASS_NAME="dog")  # a live class: Step 6 scores it with the live prompt set
     env.pop("NUM_WORKERS", None)
     proc = subprocess.run(["bash", "dreambooth_run.sh", "--tiny", "--arch", "sdxl", "--use_lora", "--prior_prediction"],
                           cwd=REPO_DIR, env=env, capture_output=True, text=True, timeout=600)
@@ -207,6 +208,7 @@ def test_dreambooth_run_tiny_sdxl_lora_end_to_end(tmp_path):
     assert "at 128 px" in proc.stdout + proc.stderr  # the plan's resolution, from the model
     assert "Step 3: skipped (--prior_prediction" in proc.stdout and not (tmp_path / "images-reg").exists()
     assert "towards the base model's prediction" in proc.stdout + proc.stderr
+    assert "SUBJECT_TYPE         live (from CLASS_NAME=dog" in proc.stdout
     assert os.path.isfile(subject_dir / "model-tuned" / LORA_WEIGHTS_FILE)
     [image] = [f for f in os.listdir(subject_dir / "images-new") if f.endswith(".png")]
     with Image.open(subject_dir / "images-new" / image) as drawn:

@@ -172,3 +172,25 @@ def test_one_pool_draws_several_models_each_with_its_weights_adapters_and_checke
     err = capsys.readouterr().err
     assert "generating for 3 models on 1 actor(s)" in err
     assert "2 image(s) flagged by the safety checker were not saved" in err and str(tmp_path / "checked") in err
+
+
+def test_class_images_are_kept_when_only_what_training_does_not_read_differs(tiny_model, tmp_path, capsys):
+    """Class images (generate.py --class_images, train.py's top-up) drawn with other steps, guidance or
+    seed are kept with a line; another size, prompt or model is still refused, naming IMAGES_REG_DIR."""
+    folder = str(tmp_path / "class")
+    model = outputs.ModelRef(tiny_model)
+    drawn = generate.ImageSettings(num_inference_steps=3, seed=1)
+    generate.top_up(folder, model, ["photo of a dog"], 2, drawn, False)
+    for name in ("photo-of-a-dog-00000.png", "photo-of-a-dog-00001.png"):
+        Image.new("RGB", (64, 64)).save(os.path.join(folder, name))
+    again = generate.ImageSettings(num_inference_steps=50, seed=0, guidance_scale=5.0)
+    job = generate.top_up(folder, model, ["photo of a dog"], 3, again, False, class_images=True)
+    err = capsys.readouterr().err
+    assert "keeping the 2 class images" in err and "3 steps" in err and "50 steps" in err
+    assert len(job.rows) == 1 and len(outputs.drawn_images(folder)) == 2  # only the missing one is drawn
+    with pytest.raises(utils.UserError, match="images were drawn with"):  # not class images: refused as before
+        generate.top_up(folder, model, ["photo of a dog"], 3, again, False)
+    with pytest.raises(utils.UserError, match="32 px.*IMAGES_REG_DIR"):
+        generate.top_up(folder, model, ["photo of a dog"], 3, generate.ImageSettings(resolution=32), False,
+                        remedy="set IMAGES_REG_DIR to another folder", class_images=True)
+    assert len(outputs.drawn_images(folder)) == 2  # nothing deleted

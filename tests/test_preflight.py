@@ -78,3 +78,16 @@ def test_a_data_prefix_that_one_node_of_two_does_not_share_fails_before_step_1(t
     assert last.startswith("error: DATA_PREFIX=") and "is not shared storage" in last and "Traceback" not in \
         proc.stderr
     assert os.listdir(prefix) == []  # the probe cleaned up after itself on this node
+
+
+def test_train_flags_for_the_script_are_checked_first_and_their_sizes_passed_on(ray_session, toy_images, tmp_path,
+                                                                               capsys):
+    """The words dreambooth_run.sh passes on to train.py (TRAIN_ARGS, after --) parse as train.py's flags
+    at Step 0; the step count and resolution given there reach the script (its banners and Step 3)."""
+    given = ["--photos_dir", toy_images, "--class_name", "toy", "--data_prefix", str(tmp_path), "--tiny"]
+    assert preflight.main(given + ["--", "--resolution", "32", "--max_train_steps", "3", "--seed", "1"]) == 1
+    assert capsys.readouterr().out.splitlines() == ["MAX_TRAIN_STEPS=3", "RESOLUTION=32", "NUM_WORKERS=1"]
+    assert preflight.main(given) == 1 and capsys.readouterr().out.splitlines() == ["NUM_WORKERS=1"]
+    with pytest.raises(SystemExit):
+        preflight.main(given + ["--", "--seed", "1", "*.md"])
+    assert "unrecognized arguments: *.md" in capsys.readouterr().err
