@@ -217,19 +217,25 @@ def saved_identity(folder):
 
 
 def newest_of_identity(storage_path, run_prefix, identity):
-    """The newest complete checkpoint of the runs of run_prefix whose identity is identity (None: any),
-    or None; when a newer checkpoint is of another run, a line says what differs."""
+    """(folder, continued): the newest complete checkpoint of the runs of run_prefix whose identity is
+    identity (None: any), or that this run continues (run_identity.continuation: only its step count
+    raised); (None, False) when none is. When a newer checkpoint is of another run, a line says what differs."""
     newest_first = sorted(complete_checkpoints(storage_path, run_prefix),
                           key=lambda f: os.path.getmtime(os.path.join(f, STATE_FILE)), reverse=True)
     if identity is None:
-        return newest_first[0] if newest_first else None
+        return (newest_first[0] if newest_first else None), False
     for rank, folder in enumerate(newest_first):
-        differs = run_identity.differences(saved_identity(folder), identity)
+        saved = saved_identity(folder)
+        differs = run_identity.differences(saved, identity)
         if not differs:
-            return folder
+            return folder, False
+        longer = run_identity.continuation(saved, identity)
+        if longer:
+            print(longer, file=sys.stderr)
+            return folder, True
         if rank == 0:
             print(f"not resuming {folder}: it is of another run ({'; '.join(differs)})", file=sys.stderr)
-    return None
+    return None, False
 
 
 def resolve_resume(resume_flag, storage_path, run_prefix, output_dir=None, identity=None):
@@ -240,8 +246,8 @@ def resolve_resume(resume_flag, storage_path, run_prefix, output_dir=None, ident
     (train.py's record names the run that wrote it). PATH of another identity: a UserError naming
     what differs."""
     if resume_flag in ("latest", "auto"):
-        path = newest_of_identity(storage_path, run_prefix, identity)
-        if path is not None and resume_flag == "auto":
+        path, continued = newest_of_identity(storage_path, run_prefix, identity)
+        if path is not None and resume_flag == "auto" and not continued:
             output = outputs.read_output(output_dir) if output_dir else None
             run = os.path.basename(os.path.dirname(path))
             if output is not None and output.record.get("run_name") == run:
@@ -249,14 +255,18 @@ def resolve_resume(resume_flag, storage_path, run_prefix, output_dir=None, ident
                 return None
         if path is None:
             print(f"no checkpoint of this run ('{run_prefix}', these settings and files) in {storage_path}: "
-                  f"starting afresh", file=sys.stderr)
+                  f"starting fresh", file=sys.stderr)
         else:
             print(f"resuming from {path}", file=sys.stderr)
         return path
     if resume_flag and not is_complete(resume_flag):
         raise utils.UserError(f"{resume_flag} is not a complete checkpoint of train.py")
     if resume_flag and identity is not None:
-        run_identity.check_same(f"checkpoint {resume_flag}", saved_identity(resume_flag), identity,
-                                "resume it with the flags and files it was trained with, or start afresh "
-                                "(leave out --resume_from_checkpoint)")
+        longer = run_identity.continuation(saved_identity(resume_flag), identity)
+        if longer:
+            print(longer, file=sys.stderr)
+        else:
+            run_identity.check_same(f"checkpoint {resume_flag}", saved_identity(resume_flag), identity,
+                                    "resume it with the flags and files it was trained with, or start afresh "
+                                    "(leave out --resume_from_checkpoint)")
     return resume_flag

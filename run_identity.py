@@ -80,11 +80,33 @@ def differences(saved, current):
         elif key in ("held_out", "captions", "buckets", "family", "resolution"):
             said.append(f"{key.replace('_', '-')} {short(before)} -> {short(now)}")
         elif key in ("max_train_steps", "num_train_epochs"):  # why a longer run does not continue a shorter one
-            said.append(f"--{key} {short(before)} -> {short(now)} (the learning-rate schedule and the data stream "
-                        f"are planned over the whole run)")
+            said.append(f"--{key} {short(before)} -> {short(now)} (only a longer run with a constant learning rate "
+                        f"continues a shorter one: --lr_scheduler {current.get('lr_scheduler')} is planned over the "
+                        f"whole run)")
         else:
             said.append(f"--{key} {short(before)} -> {short(now)}")
     return said
+
+
+# Schedules whose learning rate at a step does not depend on the run's length: a run stopped or ended at
+# N steps, continued to more, trains exactly as the longer run would have (the data stream is drawn
+# the same way whatever its length).
+LENGTH_FREE_SCHEDULES = ("constant", "constant_with_warmup")
+
+
+def continuation(saved, current):
+    """A line when a checkpoint of saved may be continued by a run of current that differs only by a
+    higher --max_train_steps under a schedule that does not depend on the length; else None."""
+    if saved is None or current is None:
+        return None
+    others = {k for k in set(saved) | set(current) if saved.get(k) != current.get(k)}
+    if others != {"max_train_steps"} or current.get("lr_scheduler") not in LENGTH_FREE_SCHEDULES:
+        return None
+    before, now = saved.get("max_train_steps"), current.get("max_train_steps")
+    if before is None or now is None or now <= before:
+        return None
+    return (f"--max_train_steps {before} -> {now}: continuing that run (--lr_scheduler {current['lr_scheduler']} "
+            f"does not depend on the run's length: the result is the {now}-step run's)")
 
 
 def short(value, limit=60):

@@ -285,11 +285,12 @@ def ensure_ray_token():
     Returns the token file, or None (token in RAY_AUTH_TOKEN, or authentication off)."""
     import secrets
 
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
-    if "ray" in sys.modules:  # Ray read its settings when imported: have it read the mode again (as its own
-        from ray._raylet import Config  # ray.init does when it turns token mode on by default)
+    if "RAY_AUTH_MODE" not in os.environ:
+        os.environ["RAY_AUTH_MODE"] = "token"
+        if "ray" in sys.modules:  # Ray read its settings when imported: have it read the mode again (as its
+            from ray._raylet import Config  # own ray.init does when it turns token mode on by default)
 
-        Config.initialize("")
+            Config.initialize("")
     if os.environ["RAY_AUTH_MODE"].lower() != "token":
         return None
     path = ray_token_path()

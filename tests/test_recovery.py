@@ -147,6 +147,8 @@ def test_seeded_run_cut_and_resumed_with_every_gpu_option_ends_with_the_uninterr
     assert logged_losses(cut) == logged_losses(whole)[:2]
     assert sorted(os.listdir(os.path.join(cut.path, "validation"))) == ["step-1", "step-2", "timeline.png"]
     resumed = train.main(train_args(tiny_model, toy_images, tmp_path / "cut", 4, *options, *latest))
+    # the same run but longer, under a schedule that does not depend on the length: it continues, and says so
+    assert "--max_train_steps 2 -> 4: continuing that run" in capsys.readouterr().err
     assert resumed.metrics["step"] == whole.metrics["step"] == 4
     assert logged_losses(resumed) == logged_losses(whole)[2:]
     # The schedule went on: 4 steps of warm-up in all, not 2 + 2 restarted ones.

@@ -108,3 +108,29 @@ def test_a_finished_model_of_the_same_run_is_kept_and_another_replaced(tiny_mode
     assert "holds the model of another run (--seed 0 -> 5): training this one replaces it" in capsys.readouterr().err
     # without auto (a plain train.py run) nothing is kept: it trains
     planning.plan_run(planning.parse_args(argv(tiny_model, toy_images, out)), lambda: (4.0, 0))
+
+
+def test_more_steps_continue_a_run_only_under_a_constant_learning_rate(tiny_model, toy_images, tmp_path, capsys):
+    """A stopped (or finished) 4-step run, rerun with --max_train_steps 8: continued when the schedule
+    does not depend on the length (the result is the 8-step run's), else started afresh saying why."""
+    out, storage = tmp_path / "model-tuned", tmp_path / "ray_results"
+    short = fake_checkpoint(storage, "model-tuned-20260101-000000",
+                            identity(tiny_model, toy_images, out, "--max_train_steps", "4"), step=4)
+    longer = planning.parse_args(argv(tiny_model, toy_images, out, "--max_train_steps", "8",
+                                      "--resume_from_checkpoint", "auto"))
+    capsys.readouterr()
+    assert planning.plan_run(longer, lambda: (4.0, 0)).resume_path == short
+    assert "--max_train_steps 4 -> 8: continuing that run (--lr_scheduler constant_with_warmup" in \
+        capsys.readouterr().err
+    cosine = planning.parse_args(argv(tiny_model, toy_images, out, "--max_train_steps", "8", "--resume_from_checkpoint",
+                                      "auto"))
+    cosine_short = tmp_path / "cosine"
+    fake_checkpoint(cosine_short, "model-tuned-20260101-000000",
+                    identity(tiny_model, toy_images, out, "--max_train_steps", "4", "--lr_scheduler", "cosine"))
+    cosine.storage_path, cosine.lr_scheduler = str(cosine_short), "cosine"
+    assert planning.plan_run(cosine, lambda: (4.0, 0)).resume_path is None
+    assert "--max_train_steps 4 -> 8 (only a longer run with a constant learning rate continues a shorter one: " \
+           "--lr_scheduler cosine is planned over the whole run)" in capsys.readouterr().err
+    fewer = planning.parse_args(argv(tiny_model, toy_images, out, "--max_train_steps", "2",
+                                     "--resume_from_checkpoint", "auto"))
+    assert planning.plan_run(fewer, lambda: (4.0, 0)).resume_path is None  # fewer steps: never a continuation
