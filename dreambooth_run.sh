@@ -263,6 +263,14 @@ if $example; then  # the example photos, in their own folder
 fi
 
 step "0: preflight (photos, CLASS_NAME, GPUs, disk, shared storage)"
+# Step 6's prompt file, read now: a typo found after the training would cost the run its scores
+if [ -n "$EVAL_PROMPTS" ] && ! $skip_eval; then
+  "$PYTHON" -c 'import sys, evaluate, utils
+try:
+    evaluate.prompt_templates("object", sys.argv[1])
+except utils.UserError as err:
+    sys.exit(f"dreambooth_run.sh: error: {err}")' "$EVAL_PROMPTS"
+fi
 PREFLIGHT=(--photos_dir="$PHOTOS_DIR" --photos_var="$PHOTOS_VAR" --class_name="$CLASS_NAME"
   --data_prefix="$DATA_PREFIX" --model_name="$ORIG_MODEL_NAME" --model_cache="$ORIG_MODEL_DIR"
   ${ORIG_MODEL_HASH:+--revision="$ORIG_MODEL_HASH"} --num_workers="$NUM_WORKERS"

@@ -32,8 +32,11 @@ HOLDOUT_NAMES = ("dino_holdout", "clip_i_holdout")  # --holdout: against the pho
 def prompt_templates(subject_type, path=None):
     """The prompt set: lines of a file with '{subject}' for "<token> <class>" ('#' lines are comments)."""
     path = path or os.path.join(EVAL_PROMPTS_DIR, f"{subject_type}.txt")
-    with open(path) as f:
-        lines = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+    try:
+        with open(path) as f:
+            lines = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+    except OSError as err:
+        raise utils.UserError(f"--eval_prompts {path}: {err.strerror} (EVAL_PROMPTS with dreambooth_run.sh)") from None
     missing = [line for line in lines if "{subject}" not in line]
     if missing or not lines:
         raise utils.UserError(f"{path}: every prompt needs '{{subject}}' (e.g. 'a {{subject}} on a beach'); "

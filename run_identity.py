@@ -77,12 +77,15 @@ def differences(saved, current):
             continue
         if key in FILE_PARTS:
             said.append(FILE_PARTS[key])
-        elif key in ("held_out", "captions", "buckets", "family", "resolution"):
+        elif key == "captions":  # one per photo: only a change of the prompts themselves is news
+            if set(before or ()) != set(now or ()):
+                said.append(f"captions {short(sorted(set(before or ())))} -> {short(sorted(set(now or ())))}")
+        elif key in ("held_out", "buckets", "family", "resolution"):
             said.append(f"{key.replace('_', '-')} {short(before)} -> {short(now)}")
-        elif key in ("max_train_steps", "num_train_epochs"):  # why a longer run does not continue a shorter one
-            said.append(f"--{key} {short(before)} -> {short(now)} (only a longer run with a constant learning rate "
-                        f"continues a shorter one: --lr_scheduler {current.get('lr_scheduler')} is planned over the "
-                        f"whole run)")
+        elif key in ("max_train_steps", "num_train_epochs"):  # why this run does not continue that one
+            why = (f"--lr_scheduler {current.get('lr_scheduler')} is planned over the whole run"
+                   if current.get("lr_scheduler") not in LENGTH_FREE_SCHEDULES else "a run is continued only to more steps")
+            said.append(f"--{key} {short(before)} -> {short(now)} ({why})")
         else:
             said.append(f"--{key} {short(before)} -> {short(now)}")
     return said

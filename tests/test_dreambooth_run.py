@@ -172,6 +172,7 @@ def test_unknown_argument_is_refused():
     ({"INSTANCE_DIR": "{tmp}/photos"}, "CLASS_NAME is not set"),
     ({"NUM_WORKERS": "3"}, "NUM_WORKERS=3"),
     ({"INSTANCE_DIR": "{tmp}/photos", "CLASS_NAME": "dog", "NUM_WORKERS": "x"}, "NUM_WORKERS=x"),
+    ({"EVAL_PROMPTS": "{tmp}/missing.txt"}, "missing.txt: No such file"),  # Step 6's file, at Step 0
 ])
 def test_a_run_that_cannot_work_stops_before_step_1_with_one_line(tmp_path, env, culprit):
     import shutil
