@@ -297,10 +297,10 @@ FLAGS = {
     "max_train_steps": (("--max_train_steps",),
         dict(type=positive_int, default=None,
              help="Optimizer steps to train. Default: --num_train_epochs' worth if given, else 800. "
-                  "Given with --num_train_epochs, the run stops at whichever comes first, and says so.")),
+                  "Given with --num_train_epochs, this wins (as in diffusers), and a line says so.")),
     "num_train_epochs": (("--num_train_epochs", "--num_epochs"),
         dict(type=positive_int, default=None,
-             help="Passes over the data; caps the run only when given (see --max_train_steps).")),
+             help="Passes over the data, when --max_train_steps is not given (see --max_train_steps).")),
     "gradient_accumulation_steps": (("--gradient_accumulation_steps",),
         dict(type=positive_int, default=1, help="Batches per optimizer step (larger effective batch).")),
     "gradient_checkpointing": (("--gradient_checkpointing",),

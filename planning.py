@@ -494,8 +494,8 @@ def plan_steps(num_rows, args):
     """(steps_per_epoch, total_steps): rows split evenly over workers, into batches, into
     optimizer steps of gradient_accumulation_steps batches.
 
-    An explicit --max_train_steps wins (diffusers' rule); --num_train_epochs caps the run
-    only when given, and then a line says that the run stops early and why.
+    An explicit --max_train_steps wins (diffusers' rule: the epochs follow from the steps), and a
+    line says so when --num_train_epochs was given too; --num_train_epochs alone sets the steps.
     """
     rows_per_worker = num_rows // args.num_workers
     if rows_per_worker == 0:
@@ -508,11 +508,13 @@ def plan_steps(num_rows, args):
     if args.num_train_epochs is None:
         return per_epoch, args.max_train_steps or DEFAULT_MAX_TRAIN_STEPS
     by_epochs = per_epoch * args.num_train_epochs
-    if args.max_train_steps is None or by_epochs >= args.max_train_steps:
-        return per_epoch, args.max_train_steps or by_epochs
-    print(f"note: stopping after {by_epochs} steps, before --max_train_steps {args.max_train_steps}: "
-          f"--num_train_epochs {args.num_train_epochs} x {per_epoch} steps per epoch", file=sys.stderr)
-    return per_epoch, by_epochs
+    if args.max_train_steps is None:
+        return per_epoch, by_epochs
+    if by_epochs != args.max_train_steps:
+        print(f"note: --max_train_steps {args.max_train_steps} wins over --num_train_epochs {args.num_train_epochs} "
+              f"({by_epochs} steps): {math.ceil(args.max_train_steps / per_epoch)} epoch(s) of {per_epoch} steps",
+              file=sys.stderr)
+    return per_epoch, args.max_train_steps
 
 
 def stream_epochs(num_rows, total_steps, args):

@@ -44,7 +44,7 @@ def test_plan_steps_with_gradient_accumulation():
         planning.plan_steps(6, Args)
 
 
-def test_explicit_max_train_steps_wins_and_epochs_cap_only_when_given(capsys):
+def test_explicit_max_train_steps_wins_and_epochs_count_only_without_it(capsys):
     class Args:
         num_workers, train_batch_size, gradient_accumulation_steps = 2, 1, 1
         max_train_steps, num_train_epochs = 60, None
@@ -56,9 +56,11 @@ def test_explicit_max_train_steps_wins_and_epochs_cap_only_when_given(capsys):
     assert planning.plan_steps(8, Args) == (4, planning.DEFAULT_MAX_TRAIN_STEPS)
     Args.num_train_epochs = 3
     assert planning.plan_steps(8, Args) == (4, 12)
-    Args.max_train_steps = 60
-    assert planning.plan_steps(8, Args) == (4, 12)
-    assert "stopping after 12 steps, before --max_train_steps 60" in capsys.readouterr().err
+    assert "wins" not in capsys.readouterr().err
+    Args.max_train_steps = 60  # both: the steps win, as in diffusers, and a line says so
+    assert planning.plan_steps(8, Args) == (4, 60)
+    assert "--max_train_steps 60 wins over --num_train_epochs 3 (12 steps): 15 epoch(s) of 4 steps" in \
+        capsys.readouterr().err
     # The seeds' command: --num_epochs=4 --max_train_steps=200, 200 class images, 2 workers, batch 2.
     Args.train_batch_size, Args.num_train_epochs, Args.max_train_steps = 2, 4, 200
     assert planning.plan_steps(200, Args) == (50, 200)
