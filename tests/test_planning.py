@@ -21,8 +21,8 @@ def test_output_dir_that_is_not_ours_is_refused(tmp_path):
 
 
 def test_plan_steps_never_exceeds_max_steps_or_starves_a_worker():
-    class Args:
-        num_workers, train_batch_size, max_train_steps, num_train_epochs = 2, 2, 800, 4
+    class Args:  # steps from the epochs (no --max_train_steps), then an explicit step count
+        num_workers, train_batch_size, max_train_steps, num_train_epochs = 2, 2, None, 4
         gradient_accumulation_steps = 1
 
     assert planning.plan_steps(200, Args) == (50, 200)
@@ -35,7 +35,7 @@ def test_plan_steps_never_exceeds_max_steps_or_starves_a_worker():
 
 def test_plan_steps_with_gradient_accumulation():
     class Args:
-        num_workers, train_batch_size, max_train_steps, num_train_epochs = 2, 1, 800, 4
+        num_workers, train_batch_size, max_train_steps, num_train_epochs = 2, 1, None, 4
         gradient_accumulation_steps = 3
 
     assert planning.plan_steps(200, Args) == (33, 132)
