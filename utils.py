@@ -366,9 +366,9 @@ def init_ray():
         # running beside this one, or a cluster someone else pointed that world-writable file at)
         ray.init(address=address or "local", runtime_env=runtime_env, log_to_driver=True, configure_logging=False,
                  include_dashboard=False)
-    except ConnectionError as err:
-        raise UserError(f"could not join the Ray cluster at RAY_ADDRESS={address}: {one_line(err)} (a cluster "
-                        f"with token authentication needs its token: RAY_AUTH_TOKEN, or the file "
+    except (ConnectionError, ray.exceptions.AuthenticationError) as err:
+        raise UserError(f"could not join the Ray cluster at RAY_ADDRESS={address}: {shorten(one_line(err))} (a "
+                        f"cluster with token authentication needs its token: RAY_AUTH_TOKEN, or the file "
                         f"~/.ray/auth_token copied from its head)") from err
     where = ray.get_runtime_context().gcs_address
     if address:

@@ -252,3 +252,15 @@ def test_train_args_reach_train_py_as_typed_never_as_file_names(tmp_path, toy_im
     proc = subprocess.run(["bash", "dreambooth_run.sh", "--tiny"], cwd=REPO_DIR, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 2 and "TRAIN_ARGS has an unclosed quote" in proc.stderr
+
+
+def test_a_script_without_the_clusters_token_is_refused_in_one_line(shared_ray_cluster, toy_images, tmp_path):
+    """Another token than the cluster's (a worker machine whose token file was not copied): one line
+    naming the cluster and where the token goes, no traceback."""
+    proc = subprocess.run([sys.executable, "preflight.py", "--photos_dir", toy_images, "--class_name", "toy",
+                           "--data_prefix", str(tmp_path), "--tiny"], cwd=REPO_DIR, capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, RAY_ADDRESS=shared_ray_cluster, RAY_AUTH_TOKEN="0" * 64))
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert last.startswith(f"error: could not join the Ray cluster at RAY_ADDRESS={shared_ray_cluster}: ")
+    assert "needs its token: RAY_AUTH_TOKEN, or the file ~/.ray/auth_token" in last
