@@ -83,6 +83,16 @@ def ema_decay(value):
     return number
 
 
+def report_target(value):
+    """--report_to's value; wandb (diffusers' default in its commands) is named with what to use instead,
+    not listed as a choice."""
+    if value == "wandb":
+        raise argparse.ArgumentTypeError("wandb is not supported: --report_to tensorboard writes loss, learning "
+                                         "rate and images/s as TensorBoard events in the run folder (metrics.jsonl "
+                                         "and loss.png are always there)")
+    return value
+
+
 def one_prompt(value):
     """A prompt as given, commas and all: Stable Diffusion prompts are full of them
     ("photo of unqtkn dog, oil painting, detailed"). Several prompts: repeat the flag."""
@@ -345,7 +355,7 @@ FLAGS = {
                   "Default: ray_results/ beside --output_dir.")),
     # --- logging and checkpoints
     "report_to": (("--report_to",),
-        dict(choices=["none", "tensorboard", "wandb"], default="none",
+        dict(choices=["none", "tensorboard"], default="none", type=report_target,
              help="Also write loss, learning rate and images/s as TensorBoard events into the run folder's "
                   "tensorboard/ (view: pip install tensorboard; tensorboard --logdir <run folder>).")),
     "validation_prompt": (("--validation_prompt",),

@@ -202,9 +202,6 @@ def parse_args(argv=None, description=None):
     elif args.class_prompt and not args.prior_prediction:
         print("warning: --class_prompt is ignored without --class_data_dir", file=sys.stderr)
     args.validation_prompts = tuple(dict.fromkeys(args.validation_prompt or ()))
-    if args.report_to == "wandb":
-        parser.error("--report_to wandb is not supported: --report_to tensorboard writes loss, learning rate and "
-                     "images/s as TensorBoard events in the run folder (metrics.jsonl and loss.png are always there)")
     given = {flags.normalize_option(token).split("=", 1)[0] for token in (sys.argv[1:] if argv is None else argv)}
     if not args.use_lora and given & {"--rank", "--lora_rank", "--lora_alpha", "--lora_dropout"}:
         parser.error("--rank/--lora_alpha/--lora_dropout shape LoRA adapters: add --use_lora (diffusers' "
