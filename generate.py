@@ -275,18 +275,16 @@ def wanted_files(folder, prompts, count):
 
 
 def top_up(folder, model, prompts, count, settings, safety_checker, on_mismatch="error",
-           remedy="pass --force to delete those images and draw these",
-           label=None, class_images=False):
+           remedy="pass --force to delete those images and draw these", label=None, class_images=False):
     """The DrawJob that fills folder up to count images of each prompt, keeping the images already
     there only when the folder's record says the same model drew them with the same settings.
 
     The one place a folder of generated images is filled (generate.py, class images for train.py
     and the sweep, evaluate.py's images). On a mismatch: on_mismatch "error" raises a UserError
     naming what differs and remedy (how to discard them); "redraw" and "force" (generate.py
-    --force) delete them, say so, and draw them again. class_images: only what class images teach
-    (ImageRecord.CLASS_IMAGE_FIELDS) must match; images differing in anything else are kept, with a
-    line. The record is written before drawing: a run cut short leaves images that its record
-    describes."""
+    --force) delete them, say so, and draw them again. class_images: only ImageRecord.CLASS_IMAGE_FIELDS
+    must match (others differing: kept, with a line). The record is written before drawing: a run
+    cut short leaves images that its record describes."""
     os.makedirs(folder, exist_ok=True)
     utils.remove_temp_files(folder)
     resolution = settings.resolution or utils.native_resolution(model.model_dir)
@@ -351,9 +349,8 @@ def main(argv=None):
                                                               ("--lora_dir", model.lora_dir)])
     settings = ImageSettings(args.num_inference_steps, args.guidance_scale, args.negative_prompt, args.resolution,
                              args.seed, args.allow_unsafe_weights)
-    remedy = "pass --force to delete those images and draw these"
-    if args.class_images:
-        remedy += " (dreambooth_run.sh: set IMAGES_REG_DIR to another folder, or delete this one)"
+    remedy = "pass --force to delete those images and draw these" + (
+        " (dreambooth_run.sh: set IMAGES_REG_DIR to another folder, or delete this one)" if args.class_images else "")
     job = top_up(args.output_dir, model, prompts, args.num_samples_per_prompt, settings,
                  use_safety_checker(args.safety_checker, model), on_mismatch="force" if args.force else "error",
                  remedy=remedy, class_images=args.class_images)
