@@ -83,8 +83,12 @@ def differences(saved, current):
         elif key in ("held_out", "buckets", "family", "resolution"):
             said.append(f"{key.replace('_', '-')} {short(before)} -> {short(now)}")
         elif key in ("max_train_steps", "num_train_epochs"):  # why this run does not continue that one
-            why = (f"--lr_scheduler {current.get('lr_scheduler')} is planned over the whole run"
-                   if current.get("lr_scheduler") not in LENGTH_FREE_SCHEDULES else "a run is continued only to more steps")
+            if current.get("lr_scheduler") not in LENGTH_FREE_SCHEDULES:
+                why = f"--lr_scheduler {current.get('lr_scheduler')} is planned over the whole run"
+            elif isinstance(before, int) and isinstance(now, int) and now > before:
+                why = "a longer run: continued from that run's newest checkpoint"
+            else:
+                why = "a run is continued only to more steps"
             said.append(f"--{key} {short(before)} -> {short(now)} ({why})")
         else:
             said.append(f"--{key} {short(before)} -> {short(now)}")
