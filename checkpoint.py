@@ -195,10 +195,15 @@ def complete_checkpoints(storage_path, run_prefix):
                 yield folder
 
 
+def newest_first(storage_path, run_prefix):
+    """The complete checkpoint folders of the runs of run_prefix, the newest (last saved) first."""
+    return sorted(complete_checkpoints(storage_path, run_prefix),
+                  key=lambda f: os.path.getmtime(os.path.join(f, STATE_FILE)), reverse=True)
+
+
 def find_latest(storage_path, run_prefix):
-    """Newest complete checkpoint folder of any run named '<run_prefix>-*' under storage_path, or None."""
-    return max(complete_checkpoints(storage_path, run_prefix),
-               key=lambda f: os.path.getmtime(os.path.join(f, STATE_FILE)), default=None)
+    """Newest complete checkpoint folder of any run named '<run_prefix>-<time>' under storage_path, or None."""
+    return next(iter(newest_first(storage_path, run_prefix)), None)
 
 
 def by_step(storage_path, run_prefix):
@@ -220,11 +225,9 @@ def newest_of_identity(storage_path, run_prefix, identity):
     """(folder, continued): the newest complete checkpoint of the runs of run_prefix whose identity is
     identity (None: any), or that this run continues (run_identity.continuation: only its step count
     raised); (None, False) when none is. When a newer checkpoint is of another run, a line says what differs."""
-    newest_first = sorted(complete_checkpoints(storage_path, run_prefix),
-                          key=lambda f: os.path.getmtime(os.path.join(f, STATE_FILE)), reverse=True)
     if identity is None:
-        return (newest_first[0] if newest_first else None), False
-    for rank, folder in enumerate(newest_first):
+        return find_latest(storage_path, run_prefix), False
+    for rank, folder in enumerate(newest_first(storage_path, run_prefix)):
         saved = saved_identity(folder)
         differs = run_identity.differences(saved, identity)
         if not differs:
@@ -262,11 +265,12 @@ def resolve_resume(resume_flag, storage_path, run_prefix, output_dir=None, ident
     if resume_flag and not is_complete(resume_flag):
         raise utils.UserError(f"{resume_flag} is not a complete checkpoint of train.py")
     if resume_flag and identity is not None:
-        longer = run_identity.continuation(saved_identity(resume_flag), identity)
+        saved = saved_identity(resume_flag)
+        longer = run_identity.continuation(saved, identity)
         if longer:
             print(longer, file=sys.stderr)
         else:
-            run_identity.check_same(f"checkpoint {resume_flag}", saved_identity(resume_flag), identity,
+            run_identity.check_same(f"checkpoint {resume_flag}", saved, identity,
                                     "resume it with the flags and files it was trained with, or start afresh "
                                     "(leave out --resume_from_checkpoint)")
     return resume_flag

@@ -704,6 +704,7 @@ def config_text(parser, args, values=None):
     (or edited) gives what the same flags typed would."""
     import tomli_w
 
+    derived = {}
     if values is None:
         values = config_values(parser, args)
         given = getattr(parser, "given", None)
@@ -711,12 +712,11 @@ def config_text(parser, args, values=None):
             defaults = {a.dest: a.default for a in parser._actions}
             derived = {k: v for k, v in values.items() if k not in given and v != defaults.get(k)}
             values = {k: v for k, v in values.items() if k not in derived}
-            text = f"# {parser.prog} --config this-file repeats the run\n" + tomli_w.dumps(values)
-            if derived:
-                text += ("\n# Worked out from the flags above when they are read (uncomment one to fix it):\n" +
-                         "".join(f"# {line}\n" for line in tomli_w.dumps(derived).splitlines() if line))
-            return text
-    return f"# {parser.prog} --config this-file repeats the run\n" + tomli_w.dumps(values)
+    text = f"# {parser.prog} --config this-file repeats the run\n" + tomli_w.dumps(values)
+    if derived:
+        text += ("\n# Worked out from the flags above when they are read (uncomment one to fix it):\n" +
+                 "".join(f"# {line}\n" for line in tomli_w.dumps(derived).splitlines() if line))
+    return text
 
 
 def write_config(path, text):

@@ -156,9 +156,9 @@ def check_shared(data_prefix, photos_var, photos_dir, num_photos):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    train_words = argv[argv.index("--") + 1:] if "--" in argv else []
-    args = parse_args(argv[:len(argv) - len(train_words) - (1 if "--" in argv else 0)])
-    train_flags = check_train_flags(train_words)
+    cut = argv.index("--") if "--" in argv else len(argv)  # preflight's flags, then train.py's
+    args = parse_args(argv[:cut])
+    train_flags = check_train_flags(argv[cut + 1:])
     if not args.class_name.strip():
         raise utils.UserError("CLASS_NAME is not set: set it to what your subject is (CLASS_NAME=dog, backpack, "
                               "person); it makes the class prompt 'photo of a <CLASS_NAME>'")

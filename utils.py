@@ -406,7 +406,7 @@ def start_ray_head(log_path, port=None, extra=()):
     return head, re.search(r"ray start --address='([^']+)'", text)[1]
 
 
-def stop_ray_head(head, address):
+def stop_ray_head(head):
     """Stop a start_ray_head cluster and remove its temp folder."""
     head.terminate()
     head.wait(timeout=60)

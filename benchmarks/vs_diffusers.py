@@ -180,7 +180,7 @@ def main(argv=None):
         compare(args, tools)
     finally:
         if cluster:
-            utils.stop_ray_head(*cluster)
+            utils.stop_ray_head(cluster[0])
             os.environ.pop("RAY_ADDRESS", None)
 
 

@@ -58,7 +58,7 @@ def shared_ray_cluster(tmp_path_factory):
     os.environ["RAY_ADDRESS"] = address
     yield address
     os.environ.pop("RAY_ADDRESS", None)
-    utils.stop_ray_head(head, address)
+    utils.stop_ray_head(head)
 
 
 @pytest.fixture(scope="session")
@@ -101,7 +101,7 @@ def two_node_cluster(tmp_path_factory):
         node.wait(timeout=30)
     except subprocess.TimeoutExpired:
         os.killpg(node.pid, 9)
-    utils.stop_ray_head(head, address)
+    utils.stop_ray_head(head)
     shutil.rmtree(temp, ignore_errors=True)
 
 
