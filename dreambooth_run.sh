@@ -39,10 +39,11 @@ VARIABLES=(
   "IMAGES_NEW_DIR|\$DATA_PREFIX/subjects/<SUBJECT>/images-new|images of the subject from the tuned model (Step 5)"
   "NUM_WORKERS|one per GPU (1 without GPUs)|Ray Train workers"
   "GPUS_PER_WORKER|1|2: UNet on one GPU, text encoder + VAE on a second (24 GB cards)"
+  "GPU_MEMORY|each GPU's free memory|GiB: check that training fits cards of this size instead (plan for another card)"
   "NUM_CLASS_IMAGES|200 (--tiny: 20)|class images for the prior-preservation loss"
   "MAX_TRAIN_STEPS|200 (--tiny: 20)|optimizer steps of Step 4, exactly"
   "LEARNING_RATE|train.py's: 5e-6, 1e-4 with --use_lora|AdamW learning rate (passed only when set)"
-  "CHECKPOINTING_STEPS|100|a resumable checkpoint every N steps (the newest is kept)"
+  "CHECKPOINTING_STEPS|100|a resumable checkpoint every N steps (the newest is kept until the model is saved)"
   "TRAIN_ARGS||more train.py flags, e.g. '--gradient_checkpointing --use_8bit_adam'"
   "HOLDOUT|0|photos kept out of training (the last in name order); Step 6 also scores against them"
   "NUM_INFERENCE_STEPS|50 (--tiny: 10)|denoising steps of every generated image"
@@ -137,7 +138,9 @@ fi
 export DATA_PREFIX
 ORIG_MODEL_NAME="${ORIG_MODEL_NAME:-sd14}"
 ORIG_MODEL_HASH="${ORIG_MODEL_HASH:-}"
+# the one model cache, as the scripts run by hand find it (cache_model.model_cache_dir)
 ORIG_MODEL_DIR="${ORIG_MODEL_DIR:-$DATA_PREFIX/model-orig}"
+export ORIG_MODEL_DIR
 IMAGES_OWN_DIR="${IMAGES_OWN_DIR:-$DATA_PREFIX/images-own}"
 IMAGES_EXAMPLE_DIR="${IMAGES_EXAMPLE_DIR:-$DATA_PREFIX/images-example}"
 EVAL_MODELS_CACHE="${EVAL_MODELS_CACHE:-$DATA_PREFIX/model-eval}"
@@ -262,7 +265,7 @@ if $example; then  # the example photos, in their own folder
   if $tiny; then cp -f "$EXAMPLE_PHOTOS"/*.jpg "$PHOTOS_DIR/"; else "$PYTHON" download_example_dataset.py "$PHOTOS_DIR"; fi
 fi
 
-step "0: preflight (photos, CLASS_NAME, GPUs, disk, shared storage)"
+step "0: preflight (photos, CLASS_NAME, GPUs and their memory, disk, shared storage)"
 # Step 6's prompt file, read now: a typo found after the training would cost the run its scores
 if [ -n "$EVAL_PROMPTS" ] && ! $skip_eval; then
   "$PYTHON" -c 'import sys, evaluate, utils
@@ -276,8 +279,13 @@ PREFLIGHT=(--photos_dir="$PHOTOS_DIR" --photos_var="$PHOTOS_VAR" --class_name="$
   ${ORIG_MODEL_HASH:+--revision="$ORIG_MODEL_HASH"} --num_workers="$NUM_WORKERS"
   --gpus_per_worker="$GPUS_PER_WORKER")
 $tiny && PREFLIGHT+=(--tiny)
-$use_lora && PREFLIGHT+=(--use_lora)
-PREFLIGHT_OUT="$("$PYTHON" preflight.py "${PREFLIGHT[@]}" -- "${TRAIN_ARGS_LIST[@]}" "${EXTRA_TRAIN_ARGS[@]}")"
+[ -n "${GPU_MEMORY:-}" ] && PREFLIGHT+=(--gpu_memory="$GPU_MEMORY")
+# the train.py flags that decide its memory: the script's own (as Step 4 passes them), then yours
+SCRIPT_TRAIN_ARGS=(--train_batch_size=2)
+$use_lora && SCRIPT_TRAIN_ARGS+=(--use_lora)
+$prior_prediction && SCRIPT_TRAIN_ARGS+=(--prior_preservation=prior_prediction)
+PREFLIGHT_OUT="$("$PYTHON" preflight.py "${PREFLIGHT[@]}" -- "${SCRIPT_TRAIN_ARGS[@]}" "${TRAIN_ARGS_LIST[@]}" \
+  "${EXTRA_TRAIN_ARGS[@]}")"
 resolved() { printf '%s\n' "$PREFLIGHT_OUT" | sed -n "s/^$1=//p" | tail -n 1; }
 NUM_WORKERS="$(resolved NUM_WORKERS)"
 # train.py's flags given after -- or in TRAIN_ARGS win over the script's: the steps use their values
@@ -361,7 +369,6 @@ fi
   --num_workers="$NUM_WORKERS" \
   --gpus_per_worker="$GPUS_PER_WORKER" \
   --checkpointing_steps="$CHECKPOINTING_STEPS" \
-  --checkpoints_total_limit=1 \
   $([ -n "$RETRAIN" ] || echo --resume_from_checkpoint=auto) \
   --holdout="$HOLDOUT" \
   "${TRAIN_OPTIONS[@]}" "${TRAIN_ARGS_LIST[@]}" "${EXTRA_TRAIN_ARGS[@]}"

@@ -384,7 +384,13 @@ FLAGS = {
     "checkpointing_steps": (("--checkpointing_steps",),
         dict(type=positive_int, default=500, help="Save a resumable Ray checkpoint every N steps.")),
     "checkpoints_total_limit": (("--checkpoints_total_limit",),
-        dict(type=positive_int, default=None, help="Keep only the newest K checkpoints.")),
+        dict(type=positive_int, default=1,
+             help="Keep only the newest K checkpoints while the run trains (default 1, all a resume needs; "
+                  "a full SD 1.x checkpoint is about 12 GB, a LoRA one a few MB).")),
+    "keep_checkpoints": (("--keep_checkpoints",),
+        dict(action="store_true",
+             help="Keep the run's checkpoints once its model is saved (default: removed then, their disk freed; "
+                  "keep them to continue the run with more --max_train_steps later).")),
     "resume_from_checkpoint": (("--resume_from_checkpoint",),
         dict(default=None, metavar="latest|auto|PATH",
              help="Continue a run from its newest checkpoint ('latest') or a checkpoint folder. 'auto': only "

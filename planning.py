@@ -34,7 +34,7 @@ TRAIN_FLAGS = [
     "adam_beta2", "adam_weight_decay", "adam_epsilon", "max_grad_norm", "max_train_steps",
     "num_train_epochs", "mixed_precision", "seed", "num_workers", "gpus_per_worker", "use_gpu",
     "storage_path", "logging_steps", "report_to", "validation_prompt", "num_validation_images",
-    "validation_steps", "validation_epochs", "validation_inference_steps", "vae_dir", "checkpointing_steps", "checkpoints_total_limit",
+    "validation_steps", "validation_epochs", "validation_inference_steps", "vae_dir", "checkpointing_steps", "checkpoints_total_limit", "keep_checkpoints",
     "resume_from_checkpoint", "max_failures", "overwrite", "allow_unsafe_weights",
     "gradient_accumulation_steps", "gradient_checkpointing", "cache_latents", "precompute_text_embeddings",
     "channels_last", "fused_adamw", "torch_compile", "allow_tf32", "num_class_images", "set_grads_to_none",
@@ -123,6 +123,7 @@ class Plan:
     progress_bar: bool  # rank 0 draws a bar: only when the driver's stderr is a terminal
     checkpointing_steps: int
     checkpoints_total_limit: int | None
+    keep_checkpoints: bool  # False: the run's checkpoints are removed once its model is saved
     resume_path: str | None
     identity: dict | None  # run_identity.of_run: what decides the weights, recorded with checkpoints and the model
     # validation samples (none without prompts)

@@ -1,12 +1,15 @@
 """Before Step 1 of dreambooth_run.sh: everything that would fail hours later, checked in seconds.
 
     python preflight.py --photos_dir "$PHOTOS" --photos_var INSTANCE_DIR --class_name "$CLASS_NAME" \\
-        --data_prefix "$DATA_PREFIX" --model_name "$ORIG_MODEL_NAME" --num_workers "$NUM_WORKERS"
+        --data_prefix "$DATA_PREFIX" --model_name "$ORIG_MODEL_NAME" --num_workers "$NUM_WORKERS" \\
+        [--gpu_memory GIB] -- [train.py flags]
 
 Checks the photos (present, readable), the class name, the Ray cluster's GPUs against the workers
-asked for, the free disk under DATA_PREFIX (base model + one checkpoint + the tuned model), and on a
-cluster of several nodes that DATA_PREFIX and the photos are the same storage on every node (a Ray
-task on each node writes there; the head reads it back). Each failure is one line naming the
+asked for, that torch sees every GPU Ray counts (a driver too old for torch's CUDA build leaves it
+none) and that the training fits in each card's free memory (memory.py's figures; the line names
+the flags that make it fit), the free disk under DATA_PREFIX (base model + the checkpoints kept + the
+tuned model), and on a cluster of several nodes that DATA_PREFIX and the photos are the same storage
+on every node (a Ray task on each node writes there; the head reads it back). Each failure is one line naming the
 variable to change. Prints the resolved worker count last, as `NUM_WORKERS=<n>`, after the values of
 train.py's --max_train_steps and --resolution when given there (`MAX_TRAIN_STEPS=<n>`, `RESOLUTION=<n>`). The words after
 `--` are the flags the script passes on to train.py (TRAIN_ARGS and its own after `--`): a flag
@@ -21,7 +24,9 @@ import tempfile
 import uuid
 
 import cache_model
+import families
 import flags
+import memory
 import planning
 import utils
 
@@ -47,6 +52,9 @@ def parse_args(argv=None):
     parser.add_argument("--gpus_per_worker", type=int, choices=(1, 2), default=1, help="GPUS_PER_WORKER.")
     parser.add_argument("--use_lora", action="store_true", help="LoRA: small checkpoints and output.")
     parser.add_argument("--tiny", action="store_true", help="The built-in tiny model (no GPU expected).")
+    parser.add_argument("--gpu_memory", type=float, default=None, metavar="GIB",
+                        help="GPU_MEMORY: check the training against cards with this many GiB free instead of "
+                             "asking the GPUs (plan for a card this machine lacks, or while its GPUs are busy).")
     args = parser.parse_args(argv)
     if args.num_workers and not args.num_workers.isdigit():
         parser.error(f"NUM_WORKERS={args.num_workers}: must be a whole number (or unset: one per GPU)")
@@ -80,7 +88,7 @@ def check_photos(folder, variable):
     return photos
 
 
-def disk_needed_gb(args):
+def disk_needed_gb(args, limit=1):
     """(GB needed under DATA_PREFIX, what for): the base model unless cached, one checkpoint
     (fp32 weights + AdamW's two moments of what is trained), the tuned model."""
     if args.tiny:
@@ -97,13 +105,17 @@ def disk_needed_gb(args):
     download = 0.0 if cached else weights
     checkpoint = LORA_GB if args.use_lora else 3 * TRAINED_SHARE * weights
     tuned = LORA_GB if args.use_lora else weights
-    parts = f"model {download:.1f} + a checkpoint {checkpoint:.1f} + the tuned model {tuned:.1f} GB"
-    return download + checkpoint + tuned, parts
+    # Ray writes a checkpoint before it removes the oldest one kept; at the end the model is written
+    # beside the checkpoints kept, which are removed after it (unless --keep_checkpoints)
+    kept = limit * checkpoint + max(checkpoint, tuned)
+    parts = (f"model {download:.1f} + {limit} checkpoint(s) kept of {checkpoint:.1f} + the next one or the tuned "
+             f"model {max(checkpoint, tuned):.1f} GB")
+    return download + kept, parts
 
 
-def check_disk(args):
+def check_disk(args, limit=1):
     os.makedirs(args.data_prefix, exist_ok=True)
-    needed, parts = disk_needed_gb(args)
+    needed, parts = disk_needed_gb(args, limit)
     free = shutil.disk_usage(args.data_prefix).free / GB
     if free < needed:
         raise utils.UserError(f"DATA_PREFIX={args.data_prefix} has {free:.1f} GB free; this run needs about "
@@ -117,6 +129,126 @@ def check_workers(args, cpus, gpus):
                                   gpus_per_worker=args.gpus_per_worker)
     return planning.worker_resources(settings, cpus, gpus, spell=lambda name, value: f"{name.upper()}={value}",
                                      warn_no_gpu=not args.tiny)[1]
+
+
+def model_family(args):
+    """(family name, parameter counts or None) of the base model, before Step 1 fetched it: a cached
+    folder's own, else a known short name's family (the released counts); (None, None) if unknown."""
+    if args.model_path is None and args.model_cache and not args.tiny:
+        args.model_path = cache_model.cached_snapshot(args.model_cache,
+                                                      *cache_model.pinned_revision(args.model_name, args.revision))
+    if args.model_path and os.path.isfile(os.path.join(args.model_path, "model_index.json")):
+        return families.family_of(args.model_path).name, memory.safetensors_params(args.model_path)
+    known = cache_model.known_model(args.model_name)
+    return (known.family, None) if known else (None, None)
+
+
+def memory_setup(train_flags, args, family):
+    """memory.Setup of the train.py flags the run gets (the script's own and the user's)."""
+    known = cache_model.known_model(args.model_name)
+    resolution = train_flags.resolution or (known.resolution if known else memory.DEFAULT_RESOLUTION[family])
+    return memory.Setup(
+        lora=train_flags.use_lora or args.use_lora, rank=train_flags.lora_rank,
+        train_text_encoder=train_flags.train_text_encoder, gradient_checkpointing=train_flags.gradient_checkpointing,
+        use_8bit_adam=train_flags.use_8bit_adam, use_ema=train_flags.use_ema, batch=train_flags.train_batch_size,
+        prior_prediction=train_flags.prior_preservation == "prior_prediction",
+        class_images=train_flags.prior_preservation != "prior_prediction", resolution=resolution,
+        half=train_flags.mixed_precision != "no", gpus_per_worker=args.gpus_per_worker)
+
+
+def probe_gpus():
+    """What torch sees on each node that Ray counts GPUs on: [{"node", "gpus" (Ray's count), "torch",
+    "cuda", "warning", "cards": [(name, free GiB, total GiB)]}]. A node whose GPUs are all taken (a run
+    in progress) is left out after 60 s."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    def look():
+        import warnings
+
+        import torch
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            available = torch.cuda.is_available()
+        cards = []
+        for index in range(torch.cuda.device_count() if available else 0):
+            free, total = torch.cuda.mem_get_info(index)
+            cards.append((torch.cuda.get_device_name(index), free / memory.GIB, total / memory.GIB))
+        return {"torch": torch.__version__, "cuda": torch.version.cuda, "cards": cards,
+                "warning": " ".join(str(w.message).split(".")[0] for w in caught if "CUDA" in str(w.message))}
+
+    nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("GPU")]
+    pending = {ray.remote(look).options(
+        num_gpus=n["Resources"]["GPU"], num_cpus=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(): n for n in nodes}
+    ready, late = ray.wait(list(pending), num_returns=len(pending), timeout=60)
+    for ref in late:
+        ray.cancel(ref, force=True)
+        print(f"note: the GPUs of node {pending[ref]['NodeManagerAddress']} are busy; their memory is not "
+              "checked", file=sys.stderr)
+    return [dict(ray.get(ref), node=pending[ref]["NodeManagerAddress"], gpus=int(pending[ref]["Resources"]["GPU"]))
+            for ref in ready]
+
+
+def check_drivers(reports):
+    """Every GPU Ray counts is one torch can use: else one line (an NVIDIA driver older than torch's
+    CUDA build leaves torch no GPU, and every step would quietly run on the CPU)."""
+    for report in reports:
+        if len(report["cards"]) >= report["gpus"]:
+            continue
+        counted = f"node {report['node']}: Ray counts {report['gpus']} GPU(s) but torch {report['torch']} sees " \
+                  f"{len(report['cards'])}"
+        if report["cuda"] is None:
+            raise utils.UserError(f"{counted}: it is a CPU-only build; install torch's CUDA build "
+                                  "(https://pytorch.org/get-started/locally/)")
+        cause = report["warning"] or "torch.cuda.is_available() is False"
+        raise utils.UserError(f"{counted} ({cause}): install an NVIDIA driver for CUDA {report['cuda']} or newer "
+                              "(nvidia-smi shows the CUDA version the driver takes), or a torch build for your "
+                              "driver (https://pytorch.org/get-started/locally/)")
+
+
+def check_memory(args, train_flags, cards):
+    """The run fits each card's free memory [(what, free GiB)]; else one line with its need and the
+    flags that make it fit. Returns the need (memory.Need) or None when the model is not known yet."""
+    family, params = model_family(args)
+    if family is None:
+        print(f"note: GPU memory not checked: {args.model_name} is not a known model name and not cached yet",
+              file=sys.stderr)
+        return None
+    setup = memory_setup(train_flags, args, family)
+    result = memory.need(family, setup, params)
+    what, free = min(cards, key=lambda card: card[1])
+    if memory.fits(result, free):
+        return result
+    mode = "LoRA" if setup.lora else "full fine-tune"
+    line = (f"the {mode} of {memory.LABELS[family]} at {setup.resolution} px, {setup.batch} + "
+            f"{setup.batch if setup.class_images else 0} images a step, needs about {result.total:.1f} GiB of GPU "
+            f"memory per worker (+ {memory.RESERVE_GIB:g} GiB for CUDA; {result.static:.1f} weights and optimizer, "
+            f"{result.activations:.1f} activations) but {what} has {free:.1f} GiB free")
+    fix = memory.fixes(family, setup, free, params)
+    if fix:
+        words, _, fixed = fix
+        line += f": add {' '.join(words)} (about {fixed.total:.1f} GiB; README, Requirements)"
+    else:
+        line += ": use a larger card, --gpus_per_worker 2, or a lower --resolution (README, Requirements)"
+    raise utils.UserError(line)
+
+
+def check_gpus(args, train_flags, gpus):
+    """Drivers, then memory: on the assumed card size (--gpu_memory), else each GPU torch reports."""
+    if args.tiny and args.gpu_memory is None:
+        return
+    if args.gpu_memory is not None:
+        check_memory(args, train_flags, [(f"a card of GPU_MEMORY={args.gpu_memory:g} GiB", args.gpu_memory)])
+        return
+    if not gpus:
+        return
+    reports = probe_gpus()
+    check_drivers(reports)
+    cards = [(f"{name} on {r['node']}", free) for r in reports for name, free, _ in r["cards"]]
+    if cards:
+        check_memory(args, train_flags, cards)
 
 
 def check_shared(data_prefix, photos_var, photos_dir, num_photos):
@@ -159,14 +291,19 @@ def main(argv=None):
     cut = argv.index("--") if "--" in argv else len(argv)  # preflight's flags, then train.py's
     args = parse_args(argv[:cut])
     train_flags = check_train_flags(argv[cut + 1:])
+    args.use_lora = args.use_lora or train_flags.use_lora
     if not args.class_name.strip():
         raise utils.UserError("CLASS_NAME is not set: set it to what your subject is (CLASS_NAME=dog, backpack, "
                               "person); it makes the class prompt 'photo of a <CLASS_NAME>'")
     photos = check_photos(args.photos_dir, args.photos_var)
-    check_disk(args)
+    if args.gpu_memory is not None:  # an assumed card: known before Ray starts
+        check_gpus(args, train_flags, 0)
+    check_disk(args, train_flags.checkpoints_total_limit)
     ray = utils.init_ray()
     cpus, gpus = utils.cluster_resources()
     workers = check_workers(args, cpus, gpus)
+    if args.gpu_memory is None:
+        check_gpus(args, train_flags, gpus)
     check_shared(args.data_prefix, args.photos_var, args.photos_dir, len(photos))
     print(f"preflight: {len(photos)} photos, {gpus} GPU(s) and {cpus:g} CPUs in the Ray cluster "
           f"({len(ray.nodes())} node(s)), {workers} worker(s)", file=sys.stderr)

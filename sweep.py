@@ -21,6 +21,7 @@ their own newest checkpoint, failed ones start again).
 """
 
 import dataclasses
+import glob
 import math
 import os
 import shutil
@@ -62,6 +63,7 @@ class SweepJob:
     eval_settings: object  # evaluate.EvalSettings
     early_stopping: bool = False  # train and score one step count at a time; ASHA may stop the trial between
     rank_against: dict = dataclasses.field(default_factory=dict)  # {subject: (base CLIP-T - margin, base DINO)}
+    keep_checkpoints: bool = False  # train.py's --keep_checkpoints given: the trials' checkpoints stay
 METRICS = ("dino", "clip_i", "clip_t", "div", "pres", *evaluate.HOLDOUT_NAMES)
 
 
@@ -197,6 +199,8 @@ def trial_fn(config, job):
             *(["--rank", str(config["rank"])] if config["use_lora"] else []),
             "--train_text_encoder" if config["train_text_encoder"] else
             "--no-train_text_encoder", "--checkpointing_steps", str(math.gcd(*steps)),
+            # every step count's checkpoint is kept until it is scored, then all are removed
+            "--checkpoints_total_limit", str(steps[-1] // math.gcd(*steps)), "--keep_checkpoints",
             "--storage_path", os.path.join(folder, "ray_results"), "--resume_from_checkpoint", "latest", "--overwrite"]
     train_args = planning.parse_args(argv)
 
@@ -226,12 +230,38 @@ def trial_fn(config, job):
     if not job.early_stopping:
         train.run(train_args)  # after a restart: resumes from the trial's newest checkpoint
         score(steps)
-        return
-    for step in steps:
-        stage = planning.parse_args(argv)
-        stage.stop_step = step  # ends at this step count; the next run resumes from its checkpoint
-        train.run(stage)
-        score([step])  # ASHA decides here whether the trial goes on
+    else:
+        for step in steps:
+            stage = planning.parse_args(argv)
+            stage.stop_step = step  # ends at this step count; the next run resumes from its checkpoint
+            train.run(stage)
+            score([step])  # ASHA decides here whether the trial goes on
+    if not job.keep_checkpoints:  # every step count is a model now: the checkpoints' disk is freed
+        remove_checkpoints(train_args.storage_path)
+
+
+def remove_checkpoints(storage_path):
+    for run in os.listdir(storage_path) if os.path.isdir(storage_path) else ():
+        checkpoint.remove_all(os.path.join(storage_path, run))
+
+
+def check_disk(args, train_args, num_trials, concurrency):
+    """The sweep's disk, estimated before any trial: the checkpoints of the trials running at once, and
+    a model per trial and step count; a UserError when --sweep_dir's disk has not that much free."""
+    import failures
+
+    steps = args.sweep_max_train_steps
+    per_checkpoint, per_model = checkpoint.disk_bytes(args.model_dir, train_args.use_lora,
+                                                      train_args.train_text_encoder)
+    needed = concurrency * (steps[-1] // math.gcd(*steps) + 1) * per_checkpoint + num_trials * len(steps) * per_model
+    free = failures.free_bytes(args.sweep_dir)
+    what = (f"{num_trials} trial(s) x {len(steps)} step count(s) x a model of {utils.size_text(per_model)}, and "
+            f"the checkpoints of {concurrency} trial(s) at once, {utils.size_text(per_checkpoint)} each")
+    if free < needed:
+        raise utils.UserError(f"the sweep needs about {utils.size_text(needed)} under --sweep_dir {args.sweep_dir} "
+                              f"({what}) but {utils.size_text(free)} is free there: fewer trials or step counts, "
+                              "--use_lora, or a --sweep_dir on a larger disk")
+    return f"about {utils.size_text(needed)} of disk ({what})"
 
 
 def ranking_dino(scores):
@@ -430,14 +460,18 @@ def main(argv=None):
     rank_against = {name: (s["clip_t"] - args.clip_t_margin, ranking_dino(s)) for name, s in base.items()}
     job = SweepJob(subjects, args.sweep_dir, tuple(args.sweep_max_train_steps), class_dirs, tuple(train_flags),
                    args.model_dir, dataclasses.replace(eval_settings, num_actors=trial_actors), early_stopping,
-                   rank_against)
+                   rank_against, train_args.keep_checkpoints)
     concurrency = max_concurrent(args, train_args)
     num_samples = args.num_trials if args.search == "random" else 1
+    disk = check_disk(args, train_args, len(subjects) * trials_per_subject(args, train_args), concurrency)
     stopping = "; trials behind at a step count stop there (ASHA)" if early_stopping else ""
     print(f"sweep: {len(subjects)} subject(s), steps {args.sweep_max_train_steps}, {args.search} search, "
-          f"{concurrency} trial(s) at once{stopping}; working folder {args.sweep_dir}", file=sys.stderr)
+          f"{concurrency} trial(s) at once{stopping}; {disk}; working folder {args.sweep_dir}", file=sys.stderr)
     rows = collect(run_tune(job, param_space(args, subjects, train_args), concurrency, num_samples),
                    args.sweep_max_train_steps[-1])
+    if not job.keep_checkpoints:  # (those of trials stopped early, too)
+        for trial in glob.glob(os.path.join(args.sweep_dir, "trials", "*", "ray_results")):
+            remove_checkpoints(trial)
     for row in rows:
         if row.get("note"):
             print(f"{row['subject']}: trial lr {row['learning_rate']:.3g} {row['note']}", file=sys.stderr)

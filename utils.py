@@ -459,7 +459,8 @@ def hub_download(what, offline_hint, **snapshot_args):
     try:
         return snapshot_download(**snapshot_args)
     except (LocalEntryNotFoundError, OfflineModeIsEnabled) as err:
-        raise UserError(f"{what} is not in the cache and the hub cannot be reached ({type(err).__name__}); "
+        raise UserError(f"{what} is not in the cache {snapshot_args.get('cache_dir') or 'of the hub'} and the hub "
+                        f"cannot be reached ({type(err).__name__}); "
                         f"{offline_hint}") from None
     except (HfHubHTTPError, OSError, ValueError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""

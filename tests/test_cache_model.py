@@ -39,6 +39,42 @@ def test_pinned_model_resolves_offline_from_an_existing_cache(tiny_model, tmp_pa
     assert proc.stdout.strip().splitlines()[-1] == snapshot
 
 
+def test_one_model_cache_for_the_script_and_the_scripts_by_hand(tiny_model, tmp_path, monkeypatch):
+    """A short name typed by hand resolves where dreambooth_run.sh's Step 1 caches ($DATA_PREFIX/model-orig,
+    or ORIG_MODEL_DIR), and a model already in the user's own hub cache is read from there; a missing
+    one is fetched into the model cache (here: offline, so the line names that folder)."""
+    monkeypatch.setenv("DATA_PREFIX", str(tmp_path / "data"))
+    monkeypatch.delenv("ORIG_MODEL_DIR", raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "own-hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert cache_model.model_cache_dir() == str(tmp_path / "data" / "model-orig")
+    with pytest.raises(utils.UserError, match=f"is not in the cache {tmp_path / 'data' / 'model-orig'} and the hub"):
+        cache_model.resolve_model_name("sd14")
+    step1 = cache_model.hub_snapshot_path(str(tmp_path / "data" / "model-orig"), SD14, SD14_REV)
+    shutil.copytree(tiny_model, step1)  # as Step 1 left it
+    assert cache_model.resolve_model_name("sd14") == step1
+    sd15 = cache_model.known_model("sd15")
+    own = cache_model.hub_snapshot_path(str(tmp_path / "own-hub"), sd15.hub_name, sd15.revision)
+    shutil.copytree(tiny_model, own)  # fetched earlier by other tools: not fetched again
+    assert cache_model.resolve_model_name("sd15") == own
+    monkeypatch.setenv("ORIG_MODEL_DIR", str(tmp_path / "elsewhere"))
+    assert cache_model.model_cache_dir() == str(tmp_path / "elsewhere")
+
+
+def test_the_sdxl_fp16_fix_vae_resolves_at_its_pinned_commit_only(tiny_sdxl_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("ORIG_MODEL_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "own-hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    name = "madebyollin/sdxl-vae-fp16-fix"
+    other = cache_model.hub_snapshot_path(str(tmp_path / "cache"), name, "0" * 40)
+    shutil.copytree(os.path.join(tiny_sdxl_model, "vae"), other)  # another commit of it: not taken
+    with pytest.raises(utils.UserError, match=f"{name}@{cache_model.KNOWN_VAES[name]} is not in the cache"):
+        cache_model.resolve_vae(name)
+    pinned = cache_model.hub_snapshot_path(str(tmp_path / "cache"), name, cache_model.KNOWN_VAES[name])
+    shutil.copytree(os.path.join(tiny_sdxl_model, "vae"), pinned)
+    assert cache_model.resolve_vae(name) == pinned
+
+
 def test_missing_offline_model_is_a_clear_error(tmp_path):
     with pytest.raises(utils.UserError, match="not in .* hub cannot be reached"):
         cache_model.main(["--model_dir", str(tmp_path)])

@@ -100,7 +100,7 @@ def test_sd2_v_trains_resumes_and_draws_at_its_own_resolution(ray_session, tiny_
     class_dir, common = class_images_and_train_args(tiny_sd2v_model, toy_images, tmp_path)
     assert drawn_size(class_dir, "photo-of-a-toy-00000.png") == (96, 96)
     out = tmp_path / "tuned"
-    first = train.main([*common, "--output_dir", str(out), "--max_train_steps", "2"])
+    first = train.main([*common, "--output_dir", str(out), "--max_train_steps", "2", "--keep_checkpoints"])
     assert first.metrics["step"] == 2 and first.metrics["loss"] > 0
     resumed = train.main([*common, "--output_dir", str(out), "--max_train_steps", "3",
                           "--resume_from_checkpoint", "latest"])
@@ -192,7 +192,8 @@ def test_sdxl_trains_resumes_with_lora_and_exports(ray_session, tiny_sdxl_model,
     vae.save_pretrained(tmp_path / "own-vae")
     common += ["--pretrained_vae_model_name_or_path", str(tmp_path / "own-vae")]
     out = tmp_path / "tuned"
-    assert train.main([*common, "--output_dir", str(out), "--max_train_steps", "2"]).metrics["step"] == 2
+    assert train.main([*common, "--output_dir", str(out), "--max_train_steps", "2",
+                       "--keep_checkpoints"]).metrics["step"] == 2
     resumed = train.main([*common, "--output_dir", str(out), "--max_train_steps", "3", "--resume_from_checkpoint",
                           "latest", "--validation_prompt", "photo of unqtkn toy", "--num_validation_images", "1",
                           "--validation_inference_steps", "2"])

@@ -36,7 +36,10 @@ def test_workers_default_to_one_per_gpu_and_too_many_name_the_variable(capsys):
 
 def test_disk_estimate_is_model_checkpoint_and_output(tiny_model, tmp_path):
     full, parts = preflight.disk_needed_gb(args(model_name="sd15"))
-    assert full == pytest.approx(4.3 + 3 * 0.92 * 4.3 + 4.3) and "a checkpoint 11.9" in parts
+    # the checkpoint kept (--checkpoints_total_limit 1) and the next one Ray writes before removing it
+    assert full == pytest.approx(4.3 + 2 * 3 * 0.92 * 4.3) and "1 checkpoint(s) kept of 11.9" in parts
+    three, _ = preflight.disk_needed_gb(args(model_name="sd15"), limit=3)
+    assert three == pytest.approx(4.3 + 4 * 3 * 0.92 * 4.3)
     lora, _ = preflight.disk_needed_gb(args(model_name="sd15", use_lora=True))
     assert lora == pytest.approx(4.3 + 2 * preflight.LORA_GB)
     cached, parts = preflight.disk_needed_gb(args(model_name="sd15", model_path=tiny_model))

@@ -140,8 +140,9 @@ def test_seeded_run_cut_and_resumed_with_every_gpu_option_ends_with_the_uninterr
     sampling = ["--validation_prompt", "photo of unqtkn toy", "--validation_steps", "1", "--num_validation_images",
                 "2", "--validation_inference_steps", "2"]
     whole = train.main(train_args(tiny_model, toy_images, tmp_path / "whole", 4, *options))
-    capsys.readouterr()
-    latest = ["--resume_from_checkpoint", "latest"]
+    # its model saved, the run's checkpoints are removed (the default): the disk they held is free again
+    assert checkpoint_steps(whole.path) == [] and "removed the run's 1 checkpoint(s) (" in capsys.readouterr().err
+    latest = ["--resume_from_checkpoint", "latest", "--keep_checkpoints"]  # kept: the run is continued below
     cut = train.main(train_args(tiny_model, toy_images, tmp_path / "cut", 2, *options, *sampling, *latest))
     assert "starting fresh" in capsys.readouterr().err  # no checkpoint yet
     assert logged_losses(cut) == logged_losses(whole)[:2]

@@ -87,7 +87,7 @@ def test_train_two_workers_saves_a_changed_loadable_pipeline(ray_session, tiny_m
                          "--class_prompt", "photo of a toy", "--train_batch_size", "2", "--lr", "1e-4",
                          "--num_epochs", "4", "--max_train_steps", "5", "--num_workers", "2",
                          "--logging_steps", "2", "--checkpointing_steps", "3", "--report_to", "tensorboard",
-                         "--validation_prompt", "photo of unqtkn toy", "--num_validation_images", "3",
+                         "--checkpoints_total_limit", "2", "--keep_checkpoints", "--validation_prompt", "photo of unqtkn toy", "--num_validation_images", "3",
                          "--validation_inference_steps", "2"])
     assert result.metrics["step"] == 5 and result.metrics["loss"] > 0
     assert result.metrics["images_per_s"] > 0

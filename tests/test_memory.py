@@ -1,0 +1,119 @@
+"""memory.py and the preflight's GPU checks: the need of each mode from parameter counts and the
+measured activations, the flags that make a run fit a card, and torch's view of the GPUs Ray counts."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+import memory
+import models
+import preflight
+import utils
+from utils import REPO_DIR
+
+
+@pytest.mark.parametrize("size, arch, family", [("sd15", "sd1", "sd1"), ("sdxl", "sdxl", "sdxl")])
+def test_released_parameter_counts_are_the_architectures_built_on_the_meta_device(size, arch, family):
+    import torch
+    from transformers import CLIPTokenizer
+
+    tokenizer = CLIPTokenizer.from_pretrained(models.TINY_TOKENIZER_DIR, model_max_length=77)
+    with torch.device("meta"):
+        nets = models.build_networks(size, arch, tokenizer)
+    counts = {name: sum(p.numel() for p in net.parameters()) for name, net in nets.items()}
+    assert counts.keys() == memory.RELEASED[family].keys()
+    for name, count in counts.items():
+        assert memory.RELEASED[family][name] == pytest.approx(count, rel=1e-4), name
+
+
+def test_the_computed_need_meets_the_measured_peaks_and_orders_the_modes():
+    for (family, setup), measured in memory.MEASURED.items():
+        computed = memory.need(family, setup).total
+        assert measured <= computed <= measured * 1.05  # never under what was measured, at most 5 % over
+    full = memory.need("sd1", memory.Setup()).total
+    ladder = [memory.Setup(gradient_checkpointing=True), memory.Setup(gradient_checkpointing=True, use_8bit_adam=True),
+              memory.Setup(gradient_checkpointing=True, use_8bit_adam=True, train_text_encoder=False),
+              memory.Setup(lora=True, gradient_checkpointing=True)]
+    needs = [memory.need("sd1", s).total for s in ladder]
+    assert full > needs[0] > needs[1] > needs[2] > needs[3]
+    # twice the pixels, twice the activations; fp32 activations twice bf16's; EMA one more fp32 copy
+    one = memory.need("sd1", memory.Setup(resolution=512))
+    assert memory.need("sd1", memory.Setup(resolution=724)).activations == pytest.approx(2 * one.activations, rel=0.01)
+    assert memory.need("sd1", memory.Setup(half=False)).activations == pytest.approx(2 * one.activations)
+    ema = memory.need("sd1", memory.Setup(use_ema=True)).static - one.static
+    assert ema == pytest.approx(4 * (859.52e6 + 123.06e6) / memory.GIB)
+    split = memory.need("sd1", memory.Setup(gpus_per_worker=2))
+    assert split.second_card > 0 and split.total < one.total
+
+
+def test_the_readme_table_is_the_one_in_code():
+    readme = open(os.path.join(REPO_DIR, "README.md")).read()
+    assert memory.table() in readme
+    out = subprocess.run([sys.executable, "memory.py"], cwd=REPO_DIR, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == memory.table()
+
+
+def preflight_args(model, *words, gpu_memory):
+    argv = ["--photos_dir", "/p", "--data_prefix", "/d", "--model_name", model, "--gpu_memory", str(gpu_memory)]
+    return preflight.parse_args(argv), preflight.check_train_flags(["--train_batch_size", "2", *words])
+
+
+def test_a_run_that_does_not_fit_the_stated_card_names_the_flags_that_make_it_fit():
+    """The figures of the table against a stated card size (GPU_MEMORY): no GPU needed to plan for one."""
+    with pytest.raises(utils.UserError) as err:
+        preflight.check_gpus(*preflight_args("sd15", gpu_memory=16), 0)
+    line = str(err.value)
+    assert "full fine-tune of SD 1.x at 512 px, 2 + 2 images a step, needs about 18.6 GiB" in line
+    assert "a card of GPU_MEMORY=16 GiB" in line
+    assert line.endswith("add --gradient_checkpointing --use_8bit_adam (about 9.7 GiB; README, Requirements)")
+    preflight.check_gpus(*preflight_args("sd15", "--gradient_checkpointing", "--use_8bit_adam", gpu_memory=16), 0)
+    preflight.check_gpus(*preflight_args("sd15", gpu_memory=24), 0)  # the default run on a 24 GB card
+    # SDXL LoRA at 1024 px, one + one image: a 24 GB card wants gradient checkpointing
+    with pytest.raises(utils.UserError, match=r"the LoRA of SDXL at 1024 px, 1 \+ 1 images.* add "
+                                              r"--gradient_checkpointing \(about"):
+        preflight.check_gpus(*preflight_args("sdxl", "--use_lora", "--train_batch_size", "1", gpu_memory=24), 0)
+    # nothing fits: said so, with what is left to try
+    with pytest.raises(utils.UserError, match=r"use a larger card, --gpus_per_worker 2, or a lower --resolution"):
+        preflight.check_gpus(*preflight_args("sdxl", gpu_memory=4), 0)
+
+
+def test_a_cached_model_is_measured_by_its_own_weights(tiny_model, capsys):
+    """A cached folder's parameter counts come from its safetensors headers (the tiny model fits anywhere);
+    a hub name the suite does not know, and not cached, is said to be unchecked."""
+    counts = memory.safetensors_params(tiny_model)
+    assert set(counts) == {"unet", "vae", "text_encoder"} and 0 < counts["unet"] < 10e6
+    args, words = preflight_args("sd15", gpu_memory=2)
+    args.model_path = tiny_model
+    preflight.check_gpus(args, words, 0)
+    preflight.check_gpus(*preflight_args("someone/their-model", gpu_memory=2), 0)
+    assert "GPU memory not checked: someone/their-model is not a known model name" in capsys.readouterr().err
+
+
+def test_the_preflight_stops_before_ray_when_the_stated_card_is_too_small(toy_images, tmp_path):
+    proc = subprocess.run([sys.executable, "preflight.py", "--photos_dir", toy_images, "--class_name", "toy",
+                           "--data_prefix", str(tmp_path), "--model_name", "sd21", "--gpu_memory", "24", "--",
+                           "--train_batch_size", "2"], cwd=REPO_DIR, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Ray:" not in proc.stderr
+    assert re.fullmatch(r"error: the full fine-tune of SD 2.x at 768 px, .* add --gradient_checkpointing "
+                        r"--use_8bit_adam \(about [\d.]+ GiB; README, Requirements\)\n", proc.stderr), proc.stderr
+
+
+@pytest.mark.slow
+def test_gpus_ray_counts_but_torch_cannot_use_stop_the_preflight(tmp_path, toy_images):
+    """A node whose Ray counts a GPU that torch cannot open (here: a CPU machine told it has one, as a
+    machine whose driver is older than torch's CUDA build looks): one line before Step 1."""
+    head, address = utils.start_ray_head(tmp_path / "head.log", extra=["--num-cpus=1", "--num-gpus=1"])
+    try:
+        proc = subprocess.run([sys.executable, "preflight.py", "--photos_dir", toy_images, "--class_name", "toy",
+                               "--data_prefix", str(tmp_path), "--model_name", "sd15", "--", "--use_lora"],
+                              cwd=REPO_DIR, capture_output=True, text=True, timeout=180,
+                              env=dict(os.environ, RAY_ADDRESS=address))
+    finally:
+        utils.stop_ray_head(head)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert re.fullmatch(r"error: node \S+: Ray counts 1 GPU\(s\) but torch \S+ sees 0 \(.*\): install an NVIDIA "
+                        r"driver for CUDA [\d.]+ or newer .*", last), last
