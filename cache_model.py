@@ -338,6 +338,8 @@ def main(argv=None):
         "cache_dir", "model_name", "revision", "tiny", "random_model", "arch", "eval_models", "dino_model", "dino_revision",
         "clip_model", "clip_revision", "allow_unsafe_weights"])
     args = parser.parse_args(argv)
+    args.cache_dir = args.cache_dir or model_cache_dir()
+    args.tiny = args.tiny or args.model_name == "tiny"
     try:
         os.makedirs(args.cache_dir, exist_ok=True)
     except OSError as err:

@@ -3,7 +3,7 @@
 #
 #   ./dreambooth_run.sh                       SD 1.4, the example dog photos, one worker per GPU
 #   INSTANCE_DIR=~/rex CLASS_NAME=dog ./dreambooth_run.sh     your own photos
-#   ./dreambooth_run.sh --tiny                built-in tiny model + images/toy, offline on CPU (~2 min)
+#   ./dreambooth_run.sh --tiny                built-in tiny model + images/toy, offline on CPU (~3 min)
 #   ./dreambooth_run.sh --tiny --arch sdxl    the same with a tiny SDXL model (128 px; sd2-v: SD 2.x, 96 px)
 #   ./dreambooth_run.sh --use_lora            LoRA adapters instead of every weight (combines with the above)
 #   ./dreambooth_run.sh --prior_prediction    no class images (Step 3 skipped): the base model's own
@@ -209,7 +209,10 @@ RETRAIN="${RETRAIN:-}"
 
 mkdir -p "$LOG_DIR"
 LOG_FILE="$LOG_DIR/dreambooth_run-$(date '+%Y%m%d-%H%M%S').log"
-exec > >(tee -a "$LOG_FILE") 2>&1
+# On a terminal the steps draw progress bars (they see a pipe, so they are told); the log file gets
+# each bar's last state as one plain line (no carriage returns, no terminal escapes)
+if [ -t 1 ]; then export DREAMBOOTH_TERMINAL=1; fi
+exec > >(tee >(sed -u -e 's/\x1b\[[0-9;?]*[A-Za-z]//g' -e 's/.*\r\(.\)/\1/' -e 's/\r$//' >> "$LOG_FILE")) 2>&1
 echo "$COMMAND_LINE -- log: $LOG_FILE"
 
 # One Ray cluster for every step (each script would otherwise start and stop its own, seconds each):

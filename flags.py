@@ -115,10 +115,12 @@ FLAGS = {
                   "(CompVis/stable-diffusion-v1-4) or a short name (sd14, sd15, sd21-base, sd21, sdxl), found in the "
                   "hub cache (offline works) or fetched once, pinned, safetensors only.")),
     "cache_dir": (("--model_dir", "--cache_dir"),
-        dict(dest="cache_dir", type=abs_path, required=True, metavar="DIR",
-             help="Hub cache folder to download the model into.")),
+        dict(dest="cache_dir", type=abs_path, default=None, metavar="DIR",
+             help="Hub cache folder to download the model into. Default: the one model cache every script "
+                  "reads, ORIG_MODEL_DIR, else $DATA_PREFIX/model-orig, else data/model-orig here.")),
     "model_name": (("--model_name",),
-        dict(default="sd14", help="The base model: a short name (sd14, sd15, sd21-base, sd21, sdxl) or a hub repository.")),
+        dict(default="sd14", help="The base model: a short name (sd14, sd15, sd21-base, sd21, sdxl; tiny: the built-in "
+                                  "tiny random model, as --tiny) or a hub repository.")),
     "revision": (("--revision",),
         dict(default=None,
              help="Commit of the model repository. Default: the pinned commit of a short-named model "
@@ -161,7 +163,7 @@ FLAGS = {
         dict(type=abs_path, required=True, metavar="DIR", help="Where results are written.")),
     "instance_data_dir": (("--instance_data_dir", "--instance_images_dir"),
         dict(type=abs_path, required=True, metavar="DIR",
-             help="Folder with the 3-10 photos of your subject.")),
+             help="Folder with the 4-6 photos of your subject.")),
     "class_data_dir": (("--class_data_dir", "--class_images_dir"),
         dict(type=abs_path, default=None, metavar="DIR",
              help="Folder of class (regularisation) images from generate.py; "

@@ -318,7 +318,7 @@ def plan_run(args, cluster_resources, draw_class_images=None):
         "resume_path": resume_path,
         # Redrawn by the driver at every update, a bar fills a log file with copies of itself;
         # there, the line printed every --logging_steps is the progress.
-        "progress_bar": sys.stderr.isatty(),
+        "progress_bar": utils.on_terminal(),
     })
 
 

@@ -84,7 +84,7 @@ def check_photos(folder, variable):
     except utils.UserError as err:
         raise utils.UserError(f"{variable}={folder}: {err}") from None
     if len(photos) < 3:
-        print(f"warning: {variable}={folder} has {len(photos)} photo(s); DreamBooth wants 3-10", file=sys.stderr)
+        print(f"warning: {variable}={folder} has {len(photos)} photo(s); DreamBooth wants 4-6 (3 at the least)", file=sys.stderr)
     return photos
 
 

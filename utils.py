@@ -162,6 +162,13 @@ def leave_ray():
 # ---------------------------------------------------------------- naming and seeds
 
 
+def on_terminal():
+    """True when what a script prints reaches a person at a terminal: its stderr is one, or it is a
+    step of dreambooth_run.sh started on one (which pipes every step through tee into its log, and says
+    so with DREAMBOOTH_TERMINAL=1)."""
+    return sys.stderr.isatty() or os.environ.get("DREAMBOOTH_TERMINAL") == "1"
+
+
 def size_text(num_bytes):
     """12345678 -> '12.3 MB' (decimal units, as df -H and disk makers count)."""
     for unit in ("B", "kB", "MB", "GB", "TB"):

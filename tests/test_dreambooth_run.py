@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -52,11 +53,14 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request):
     # train.py's flags after --: LoRA that way trains at LoRA's learning rate (train.py's default)
     extra = ["--", "--use_lora"] if mode == "lora" else ["--", "--seed", "1", "--max_train_steps", "4"]
     sessions, heads_before = ray_sessions(), set(glob.glob("/tmp/dreambooth-ray-*"))
-    proc = subprocess.run(["bash", "dreambooth_run.sh", "--tiny", *extra],
-                          cwd=REPO_DIR, env=env, capture_output=True, text=True, timeout=600)
+    if mode == "full":  # as a person runs it: on a terminal, which gets progress bars
+        returncode, output = run_in_terminal(["bash", "dreambooth_run.sh", "--tiny", *extra], env, 600)
+    else:
+        proc = subprocess.run(["bash", "dreambooth_run.sh", "--tiny", *extra],
+                              cwd=REPO_DIR, env=env, capture_output=True, text=True, timeout=600)
+        returncode, output = proc.returncode, proc.stdout + proc.stderr
     new_sessions = ray_sessions() - sessions
-    assert proc.returncode == 0, proc.stdout[-3000:]
-    output = proc.stdout + proc.stderr
+    assert returncode == 0, output[-3000:]
     # a banner with a timestamp per step, the resolved settings once, and a log file of it all
     assert len(re.findall(r"=== \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] Step [0-6]", output)) == 7
     assert re.search(r"NUM_WORKERS +" + ("2" if mode == "lora" else "1") + "\n", output)
@@ -65,6 +69,15 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request):
     assert f"Step 4: fine-tune on {2 if mode == 'lora' else 1} worker(s), {10 if mode == 'lora' else 4} steps" in output
     log = re.search(r"-- log: (\S+)", output)[1]
     assert open(log).read().startswith("dreambooth_run.sh")
+    if mode == "full":
+        # the terminal saw bars redrawn in place (training's, and the actor pools'); the log file has
+        # each bar's last state as a plain line
+        assert re.search(r"training: 100%.*4(\.00)?/4", output) and re.search(r"\rgenerating on 1 actor\(s\).*6/6", output)
+        wait_for_log = time.time() + 10
+        while "done: scores" not in open(log).read() and time.time() < wait_for_log:
+            time.sleep(0.2)
+        logged = open(log).read()
+        assert "\r" not in logged and "\x1b" not in logged and re.search(r"training: 100%.*4(\.00)?/4", logged)
     # Progress and results, not library noise; one note per actor pool that drew images that they
     # are noise (Step 6 draws the tuned and the base model's images on one pool).
     assert "requires torchvision" not in output
@@ -144,11 +157,40 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request):
     from diffusers import DiffusionPipeline
 
     tuned = DiffusionPipeline.from_pretrained(str(subject_dir / "model-tuned"))
-    base_dir = proc.stdout.split("base model: ")[1].splitlines()[0]
+    base_dir = output.split("base model: ")[1].splitlines()[0]
     base = DiffusionPipeline.from_pretrained(base_dir)
     for part in ("unet", "text_encoder"):
         a, b = getattr(tuned, part).state_dict(), getattr(base, part).state_dict()
         assert any(not torch.equal(a[k], b[k]) for k in a), part
+
+
+def run_in_terminal(argv, env, timeout):
+    """argv on a pseudo-terminal (its stdin, stdout and stderr), as a person runs it: (return code,
+    what the terminal showed, its line ends as \\n)."""
+    import pty
+    import select
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(argv, cwd=REPO_DIR, env=env, stdin=slave, stdout=slave, stderr=slave)
+    os.close(slave)
+    chunks, deadline, ended = [], time.time() + timeout, None
+    while time.time() < deadline:
+        if ended is None and proc.poll() is not None:
+            ended = time.time()
+        if ended is not None and time.time() > ended + 5:
+            break  # a leftover process holding the terminal open
+        if select.select([master], [], [], 0.5)[0]:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # every writer is gone
+                break
+            if not data:
+                break
+            chunks.append(data)
+    if proc.poll() is None:
+        proc.kill()
+    os.close(master)
+    return proc.wait(), b"".join(chunks).decode(errors="replace").replace("\r\n", "\n")
 
 
 def test_unknown_argument_is_refused():

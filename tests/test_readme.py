@@ -1,0 +1,76 @@
+"""The README's commands run as typed: every shell block parses, every setting it gives the script is
+one the script knows, and the "Each step by hand" block runs end to end on the tiny model."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from utils import OUTPUT_MARKER, REPO_DIR
+
+README = open(os.path.join(REPO_DIR, "README.md")).read()
+BLOCKS = re.findall(r"```bash\n(.*?)```", README, re.S)
+
+
+def script_variables():
+    text = open(os.path.join(REPO_DIR, "dreambooth_run.sh")).read()
+    return set(re.findall(r'^  "([A-Z_]+)\|', text, re.M))
+
+
+def test_every_shell_block_parses_and_sets_only_what_the_script_reads():
+    assert len(BLOCKS) >= 6
+    known = script_variables() | {"PATH", "RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "HF_HUB_OFFLINE"}
+    for block in BLOCKS:
+        proc = subprocess.run(["bash", "-n"], input=block, capture_output=True, text=True)
+        assert proc.returncode == 0, (block, proc.stderr)
+        for line in block.splitlines():
+            if "./dreambooth_run.sh" in line:
+                given = re.findall(r"(?:^|\s)([A-Z_]+)=", line.split("./dreambooth_run.sh")[0])
+                assert set(given) <= known, (line, set(given) - known)
+    # no placeholder left to fill in, no variable used before any line sets it
+    assert "<this repository>" not in README
+
+
+def by_hand_block():
+    return next(b for b in BLOCKS if "# Step 1: cache the pinned model" in b)
+
+
+@pytest.mark.slow
+def test_each_step_by_hand_runs_as_written_on_the_tiny_model(tmp_path):
+    """Only what needs a GPU or the network is changed: the tiny model for sd14 (and for the scoring
+    models), the toy photos copied for Step 2's download, fewer images and steps."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a {subject} on a beach\n")
+    changes = {
+        "DATA_PREFIX=$PWD/data": f"DATA_PREFIX={tmp_path / 'data'}",
+        "--model_name=sd14": "--model_name=tiny",
+        "python download_example_dataset.py $INSTANCE_DIR": "mkdir -p $INSTANCE_DIR && cp images/toy/*.jpg $INSTANCE_DIR",
+        "--num_samples_per_prompt=200": "--num_samples_per_prompt=4",
+        "--max_train_steps=200": "--max_train_steps=2",
+        "--num_samples_per_prompt=5": "--num_samples_per_prompt=1",
+        "--eval_models |": "--eval_models --tiny |",
+        "--subject_type=live": f"--subject_type=live --eval_prompts={prompts} --num_samples_per_prompt=1",
+    }
+    block = by_hand_block()
+    for written, run in changes.items():
+        assert block.count(written) == 1, written  # the README still says it: the test runs what it shows
+        block = block.replace(written, run)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    env.pop("DATA_PREFIX", None)
+    env.pop("ORIG_MODEL_DIR", None)
+    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=REPO_DIR, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = tmp_path / "data"
+    subject = data / "subjects" / "example-dog"
+    assert len([f for f in os.listdir(data / "images-reg" / "dog") if f.endswith(".png")]) == 4
+    assert os.path.isfile(subject / "model-tuned" / OUTPUT_MARKER)
+    assert len([f for f in os.listdir(subject / "images-new") if f.endswith(".png")]) == 1
+    scores = json.loads((subject / "eval" / "scores.json").read_text())
+    assert set(scores["models"]) == {"tuned", "base"}
+    # Step 1 cached the model in the one model cache, $DATA_PREFIX/model-orig
+    assert os.path.isdir(data / "model-orig") and str(data / "model-orig") in proc.stderr + str(
+        json.loads((subject / "model-tuned" / "dreambooth_training.json").read_text()))
