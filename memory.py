@@ -116,14 +116,17 @@ def need(family, setup, params=None):
 def fixes(family, setup, free_gib, params=None):
     """The first change that makes setup fit a card with free_gib free, trying the ones that keep the
     result first (gradient checkpointing, 8-bit Adam), then those that change what is trained
-    (the text encoder frozen, LoRA), then smaller steps: (flags to add, the Setup, its Need), or None."""
+    (the text encoder frozen, LoRA), then smaller steps and images: (flags to add, the Setup, its
+    Need), or None."""
     ladder = [dict(gradient_checkpointing=True), dict(use_8bit_adam=True), dict(train_text_encoder=False)]
     candidates, changes = [], {}
     for change in ladder:
         changes = {**changes, **change}
         candidates.append(dict(changes))
+    smaller = max(256, setup.resolution * 3 // 4 // 64 * 64)
     candidates += [dict(lora=True), dict(lora=True, gradient_checkpointing=True),
-                   dict(lora=True, gradient_checkpointing=True, batch=1)]
+                   dict(lora=True, gradient_checkpointing=True, batch=1),
+                   dict(lora=True, gradient_checkpointing=True, batch=1, resolution=smaller)]
     for change in candidates:
         if all(getattr(setup, k) == v for k, v in change.items()):
             continue
@@ -135,6 +138,8 @@ def fixes(family, setup, free_gib, params=None):
             words = [w for w in candidate.flags() if w not in setup.flags()]
             if candidate.batch != setup.batch:
                 words.append(f"--train_batch_size {candidate.batch}")
+            if candidate.resolution != setup.resolution:
+                words.append(f"--resolution {candidate.resolution}")
             return words, candidate, result
     return None
 

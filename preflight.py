@@ -237,8 +237,8 @@ def check_memory(args, train_flags, cards):
 
 def check_gpus(args, train_flags, gpus):
     """Drivers, then memory: on the assumed card size (--gpu_memory), else each GPU torch reports."""
-    if args.tiny and args.gpu_memory is None:
-        return
+    if args.tiny:
+        return  # (the tiny model fits any card)
     if args.gpu_memory is not None:
         check_memory(args, train_flags, [(f"a card of GPU_MEMORY={args.gpu_memory:g} GiB", args.gpu_memory)])
         return

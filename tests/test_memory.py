@@ -75,6 +75,11 @@ def test_a_run_that_does_not_fit_the_stated_card_names_the_flags_that_make_it_fi
     with pytest.raises(utils.UserError, match=r"the LoRA of SDXL at 1024 px, 1 \+ 1 images.* add "
                                               r"--gradient_checkpointing \(about"):
         preflight.check_gpus(*preflight_args("sdxl", "--use_lora", "--train_batch_size", "1", gpu_memory=24), 0)
+    # a lower resolution is the last thing tried (it changes the result most)
+    words, _, fixed = memory.fixes("sdxl", memory.Setup(resolution=1024), 10)
+    assert words == ["--use_lora", "--gradient_checkpointing", "--train_batch_size 1", "--resolution 768"]
+    assert memory.fits(fixed, 10) and not memory.fits(memory.need("sdxl", memory.Setup(
+        lora=True, gradient_checkpointing=True, batch=1, resolution=1024)), 10)
     # nothing fits: said so, with what is left to try
     with pytest.raises(utils.UserError, match=r"use a larger card, --gpus_per_worker 2, or a lower --resolution"):
         preflight.check_gpus(*preflight_args("sdxl", gpu_memory=4), 0)

@@ -38,6 +38,27 @@ def by_hand_block():
     return next(b for b in BLOCKS if "# Step 1: cache the pinned model" in b)
 
 
+# The blocks no test here runs, each with the reason; every other block is run below. A new block
+# must be run or listed.
+NOT_RUN = {
+    "python3 -m venv .venv": "the install: .ci/run runs this very line; the script's line after it is "
+                             "test_dreambooth_run's `./dreambooth_run.sh --tiny`",
+    "ORIG_MODEL_NAME=sdxl": "the SDXL model and its VAE are downloads; test_dreambooth_run runs the SDXL LoRA "
+                            "script on the tiny SDXL model",
+    "ray start --head": "needs other machines; the two_node_cluster tests run the script on a 2-node cluster",
+    "python sweep.py": "test_sweep runs sweeps of every kind on the tiny model",
+    "-m pytest": "the test command itself",
+}
+YOUR_OWN = "INSTANCE_DIR=~/photos/rex CLASS_NAME=dog ./dreambooth_run.sh"
+
+
+def test_every_block_is_run_or_says_why_not():
+    for block in BLOCKS:
+        run = block == by_hand_block() or YOUR_OWN in block
+        skipped = [marker for marker in NOT_RUN if marker in block]
+        assert run != bool(skipped), block
+
+
 @pytest.mark.slow
 def test_each_step_by_hand_runs_as_written_on_the_tiny_model(tmp_path):
     """Only what needs a GPU or the network is changed: the tiny model for sd14 (and for the scoring
@@ -74,3 +95,29 @@ def test_each_step_by_hand_runs_as_written_on_the_tiny_model(tmp_path):
     # Step 1 cached the model in the one model cache, $DATA_PREFIX/model-orig
     assert os.path.isdir(data / "model-orig") and str(data / "model-orig") in proc.stderr + str(
         json.loads((subject / "model-tuned" / "dreambooth_training.json").read_text()))
+
+
+@pytest.mark.slow
+def test_your_own_subject_blocks_run_as_written_with_the_tiny_model(tmp_path, toy_images):
+    """`INSTANCE_DIR=~/photos/rex CLASS_NAME=dog ./dreambooth_run.sh [-- flags]` as typed, in a home
+    whose ~/photos/rex holds the photos; the only change: --tiny (no GPU, no download here). Fewer class
+    and evaluation images come from the environment, as a user's own settings would."""
+    import shutil
+
+    home = tmp_path / "home"
+    shutil.copytree(toy_images, home / "photos" / "rex")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a {subject} on a beach\n")
+    env = dict(os.environ, HOME=str(home), DATA_PREFIX=str(tmp_path / "data"), NUM_CLASS_IMAGES="4",
+               MAX_TRAIN_STEPS="2", NUM_INFERENCE_STEPS="2", EVAL_PROMPTS=str(prompts), PYTHON=sys.executable)
+    blocks = [b for b in BLOCKS if YOUR_OWN in b]
+    assert len(blocks) == 2 and "-- --gradient_checkpointing --use_8bit_adam" in blocks[1]
+    for block in blocks:
+        proc = subprocess.run(["bash", "-euo", "pipefail", "-c", block.replace("./dreambooth_run.sh",
+                                                                                "./dreambooth_run.sh --tiny")],
+                              cwd=REPO_DIR, env=env, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    subject = tmp_path / "data" / "subjects" / "rex"  # named after the photos' folder
+    assert os.path.isfile(subject / "model-tuned" / OUTPUT_MARKER) and os.path.isfile(subject / "eval" / "report.md")
+    record = json.loads((subject / "model-tuned" / OUTPUT_MARKER).read_text())
+    assert record["identity"]["use_8bit_adam"] is True  # the second block's flags reached train.py
