@@ -65,7 +65,7 @@ def run(args):
     loss = f"final loss {metrics['loss']:.4f}" if "loss" in metrics else "no step left to train after the checkpoint"
     print(f"trained {plan.end_step} steps; {loss}; model saved to {plan.output_dir}; checkpoints and "
           f"{runlog.METRICS_FILE} in {result.path}", file=sys.stderr)
-    if not plan.keep_checkpoints and plan.stop_step is None:
+    if not plan.keep_checkpoints and plan.end_step == plan.total_steps:  # (not a sweep stage that goes on)
         removed, freed = checkpoint.remove_all(result.path)
         if removed:
             print(f"removed the run's {removed} checkpoint(s) ({utils.size_text(freed)}) now that its model is saved "
