@@ -7,6 +7,7 @@ import re
 import pytest
 from PIL import Image
 
+import outputs
 import planning
 import prompts
 import utils
@@ -209,7 +210,7 @@ def test_lora_defaults_learning_rate_and_alpha_and_a_resume_must_match_its_kind(
     full, lora = planning.parse_args(argv), planning.parse_args(argv + ["--use_lora", "--rank", "8"])
     assert (full.learning_rate, lora.learning_rate) == (5e-6, 1e-4) and lora.lora_alpha == 8.0
     assert planning.parse_args(argv + ["--use_lora", "--lr", "3e-4"]).learning_rate == 3e-4
-    assert planning.lora_settings(full) is None and planning.lora_settings(lora) == {"rank": 8, "lora_alpha": 8.0}
+    assert outputs.lora_settings(full) is None and outputs.lora_settings(lora) == {"rank": 8, "lora_alpha": 8.0}
     with pytest.raises(SystemExit):
         planning.parse_args(argv + ["--use_lora", "--lora_dropout", "1"])
     assert "--lora_dropout: must be < 1" in capsys.readouterr().err
@@ -308,3 +309,13 @@ def test_buckets_are_planned_from_the_resolution_and_the_models_size_step(tiny_m
                         (["--min_bucket_reso", "64", "--max_bucket_reso", "64"], "no bucket but the square")):
         with pytest.raises(utils.UserError, match=says):
             planning.plan_run(planning.parse_args(argv + ["--enable_bucket", *extra]), lambda: (2.0, 0))
+
+
+def test_a_run_keeps_one_checkpoint_by_default_and_removes_it_once_its_model_is_saved():
+    """diffusers keeps every checkpoint unless told; a full SD 1.x one is 12 GB, so here the newest is
+    kept while the run trains (all a resume needs) and none once the model is saved (--keep_checkpoints)."""
+    argv = ["--model_dir", "/m", "--output_dir", "/o", "--instance_data_dir", "/p", "--instance_prompt", "x"]
+    default = planning.parse_args(argv)
+    assert (default.checkpoints_total_limit, default.keep_checkpoints) == (1, False)
+    kept = planning.parse_args(argv + ["--checkpoints_total_limit", "3", "--keep_checkpoints"])
+    assert (kept.checkpoints_total_limit, kept.keep_checkpoints) == (3, True)

@@ -66,6 +66,26 @@ def test_subjects_come_from_their_folders_with_the_flags_as_defaults(tiny_model,
         sweep.read_subjects(args)
 
 
+def test_the_sweep_estimates_its_disk_and_refuses_what_does_not_fit(tiny_model, toy_images, tmp_path):
+    """Before any trial: the checkpoints of the trials at once (every step count's kept until scored, and
+    the next one written) and a model per trial and step count, from the model's own weight files."""
+    import checkpoint
+
+    args, _, train_args = sweep.parse_args(base_argv(tiny_model, tmp_path) + [
+        "--instance_data_dir", toy_images, "--class_name", "toy", "--sweep_max_train_steps", "2,4"])
+    per_checkpoint, per_model = checkpoint.disk_bytes(tiny_model, False, True)
+    unet = sum(os.path.getsize(os.path.join(tiny_model, "unet", n)) for n in os.listdir(os.path.join(tiny_model, "unet"))
+               if n.endswith(".safetensors"))
+    assert per_checkpoint > 3 * unet and per_model > unet  # fp32 weights and AdamW's two moments; every network
+    said = sweep.check_disk(args, train_args, num_trials=4, concurrency=1)
+    assert said == (f"about {utils.size_text(1 * 3 * per_checkpoint + 4 * 2 * per_model)} of disk (4 trial(s) x 2 "
+                    f"step count(s) x a model of {utils.size_text(per_model)}, and the checkpoints of 1 trial(s) at "
+                    f"once, {utils.size_text(per_checkpoint)} each)")
+    with pytest.raises(utils.UserError, match=r"the sweep needs about .* under --sweep_dir .* is free there: fewer "
+                                              r"trials or step counts, --use_lora, or a --sweep_dir on a larger disk"):
+        sweep.check_disk(args, train_args, num_trials=10 ** 7, concurrency=1)
+
+
 def test_search_space_is_a_grid_of_every_value_or_random_draws_with_a_log_uniform_learning_rate(
         tiny_model, tmp_path):
     from ray import tune
