@@ -22,8 +22,10 @@ import os
 import re
 import sys
 
+import families
 import flags
 import outputs
+import scores
 import utils
 
 # What DiffusionPipeline.from_pretrained reads: configs, tokenizer files, safetensors
@@ -119,6 +121,19 @@ def resolve_model_name(value, cache_dir=None):
     return download_model(cache_dir, name, revision)
 
 
+MODEL_FLAGS = ("model_dir", "base_model_dir")  # the flags that take a model folder or name (flags.model_path)
+
+
+def resolve_models(args):
+    """args with each model flag's short or hub name made the model's folder (resolve_model_name: found
+    in the caches, else fetched once), after the parse and before anything reads them."""
+    for name in MODEL_FLAGS:
+        value = getattr(args, name, None)
+        if value:
+            setattr(args, name, resolve_model_name(value))
+    return args
+
+
 def cached_main(cache_dir, model_name, revision):
     """The cached snapshot a branch name (main) points at, if complete: an unpinned name works offline."""
     ref = os.path.join(repo_cache_path(cache_dir, model_name), "refs", revision)
@@ -202,7 +217,7 @@ def cached_snapshot(cache_dir, model_name, revision):
         return None
     path = hub_snapshot_path(cache_dir, model_name, revision)
     try:
-        utils.check_model_dir(path)
+        families.check_model_dir(path)
     except utils.UserError:
         return None
     return path
@@ -262,21 +277,15 @@ def resolve_vae(value, allow_unsafe_weights=False, cache_dir=None):
 
 # What transformers' from_pretrained reads for a ViT or a CLIPModel and its processor.
 EVAL_ALLOW_PATTERNS = ["*.json", "*.txt", "*.safetensors"]
-PICKLED_WEIGHTS = "pytorch_model.bin"
+PICKLED_WEIGHTS = scores.PICKLED_WEIGHTS
 SAFE_WEIGHTS = "model.safetensors"
-
-
-def has_weights(folder):
-    names = os.listdir(folder) if os.path.isdir(folder) else []
-    return os.path.isfile(os.path.join(folder, "config.json")) and any(
-        n.endswith(".safetensors") or n == PICKLED_WEIGHTS for n in names)
 
 
 def download_eval_model(cache_dir, model_name, revision, allow_unsafe_weights):
     """Snapshot folder of a transformers model, with safetensors weights. A repository that has
     only pickled weights is converted once, and only with allow_unsafe_weights."""
     snapshot = hub_snapshot_path(cache_dir, model_name, revision)
-    if not (re.fullmatch(r"[0-9a-f]{40}", revision) and has_weights(snapshot)):
+    if not (re.fullmatch(r"[0-9a-f]{40}", revision) and scores.has_weights(snapshot)):
         snapshot = utils.hub_download(f"{model_name}@{revision}", "run once with network access or use --tiny",
                                       repo_id=model_name, revision=revision, cache_dir=cache_dir,
                                       allow_patterns=EVAL_ALLOW_PATTERNS)
@@ -309,11 +318,9 @@ def convert_to_safetensors(pickled, target):
 def cache_eval_models(cache_dir, args):
     """cache_dir/eval-models(-tiny): dino/ and clip/ as evaluate.py reads them, and eval_models.json
     naming each model and the commit it came from. The downloaded ones link into the hub cache."""
-    import scores
-
     if args.tiny:
         folder = os.path.join(cache_dir, "eval-models-tiny")
-        if not all(has_weights(os.path.join(folder, part)) for part in ("dino", "clip")):
+        if not all(scores.has_weights(os.path.join(folder, part)) for part in ("dino", "clip")):
             utils.atomic_write_dir(folder, scores.build_tiny_eval_models)
         return folder
     folder = os.path.join(cache_dir, "eval-models")
@@ -363,7 +370,7 @@ def main(argv=None):
             print(f"note: {args.model_name} is not one of {', '.join(m.short_name for m in KNOWN_MODELS)}: caching "
                   "its main branch (pass --revision <commit> to pin it)", file=sys.stderr)
         path = download_model(args.cache_dir, *pinned_revision(args.model_name, args.revision))
-    utils.check_model_dir(path)
+    families.check_model_dir(path)
     print(path)
     return path
 

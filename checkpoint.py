@@ -307,3 +307,18 @@ def resolve_resume(resume_flag, storage_path, run_prefix, output_dir=None, ident
                                     "resume it with the flags and files it was trained with, or start afresh "
                                     "(leave out --resume_from_checkpoint)")
     return resume_flag
+
+
+def save_as_model(checkpoint_dir, plan):
+    """The weights of a checkpoint written as train.py's output (plan.output_dir), as if the run had
+    ended at that step: intermediate checkpoints become models to sample from (sweep.py)."""
+    import torch
+
+    import steps
+
+    cpu = torch.device("cpu")
+    nets = models.setup_models(plan, cpu, cpu, distributed=False)
+    load_weights(nets, checkpoint_dir)
+    if plan.use_ema:  # the model of a run with --use_ema is its moving average, at any step
+        load_ema(steps.trained_parameters(nets, plan.train_text_encoder), checkpoint_dir)
+    outputs.save_pipeline(nets, plan)

@@ -17,7 +17,9 @@ import os
 import sys
 import tempfile
 
+import cache_model
 import dataset
+import families
 import flags
 import generate
 import outputs
@@ -226,7 +228,7 @@ def run(entries, subjects, settings, output_dir, report_dirs=None):
     import numpy as np
 
     for _, model in entries:  # before Ray starts
-        utils.check_model_dir(model.model_dir, settings.allow_unsafe_weights)
+        families.check_model_dir(model.model_dir, settings.allow_unsafe_weights)
     utils.init_ray()
     prompts = {s.name: s.prompts() for s in subjects}
     texts = {p: t for s in subjects for p, t in prompts[s.name].items()}
@@ -292,7 +294,7 @@ def main(argv=None):
                           "score DINO and CLIP-I against them too, and against the others only.",
                "output_dir": "Where the images, scores.json, report.md and the grids go."})
     parser.set_defaults(num_samples_per_prompt=4)
-    args = parser.parse_args(argv)
+    args = cache_model.resolve_models(parser.parse_args(argv))
     subject = Subject(os.path.basename(args.instance_data_dir), args.instance_data_dir, args.unique_token,
                       args.class_name, args.subject_type, args.eval_prompts, args.holdout)
     check_holdout(args.lora_dir or args.model_dir, subject)

@@ -16,6 +16,7 @@ import os
 import re
 import sys
 
+import cache_model
 import families
 import flags
 import outputs
@@ -266,7 +267,7 @@ def write_checkpoint(checkpoint, path, save_precision, metadata):
 def main(argv=None):
     parser = flags.make_parser(__doc__.splitlines()[0], ["model_dir", "output_file", "save_precision", "overwrite",
                                                          "allow_unsafe_weights"], helps=HELPS)
-    args = parser.parse_args(argv)
+    args = cache_model.resolve_models(parser.parse_args(argv))
     utils.check_output_path(args.output_file, "--output_file", [("--model_dir", args.model_dir)], is_file=True)
     if os.path.exists(args.output_file) and not args.overwrite:
         raise utils.UserError(f"{args.output_file} exists: pass --overwrite to replace it")
@@ -282,7 +283,7 @@ def main(argv=None):
                     "ss_network_alpha": str(alphas[0])}
         kind, where = "LoRA (kohya layout)", "A1111 / ComfyUI: models/Lora"
     else:
-        utils.check_model_dir(args.model_dir, args.allow_unsafe_weights)
+        families.check_model_dir(args.model_dir, args.allow_unsafe_weights)
         families.require(args.model_dir, "export")
         checkpoint = full_checkpoint(args.model_dir, args.allow_unsafe_weights)
         metadata = {"format": "pt"}

@@ -65,7 +65,7 @@ def family_of(model_dir):
         return FAMILIES["sdxl"]
     if pipeline == "StableDiffusionPipeline":
         try:
-            activation = utils.part_config(model_dir, "text_encoder").get("hidden_act")
+            activation = part_config(model_dir, "text_encoder").get("hidden_act")
         except (OSError, ValueError):
             activation = None  # the model check names the missing part
         return FAMILIES["sd2" if activation == "gelu" else "sd1"]
@@ -91,3 +91,60 @@ def prediction_type(model_dir):
         return utils.read_json(path).get("prediction_type", "epsilon")
     except (OSError, ValueError):
         return "epsilon"
+
+
+# ---------------------------------------------------------------- the model folder
+
+def part_config(model_dir, part):
+    """A model part's config.json (unet, vae, ...), read as JSON: importing diffusers costs the driver seconds."""
+    return utils.read_json(os.path.join(model_dir, part, "config.json"))
+
+
+def native_resolution(model_dir):
+    """The pixel size the model was trained at: UNet sample size x the VAE's downscaling."""
+    vae_scale = 2 ** (len(part_config(model_dir, "vae")["block_out_channels"]) - 1)
+    return part_config(model_dir, "unet")["sample_size"] * vae_scale
+
+
+def size_multiple(model_dir):
+    """The step every trained height and width must be a multiple of: the VAE's downscaling times the
+    UNet's (each down block but the last halves the latents)."""
+    return (2 ** (len(part_config(model_dir, "vae")["block_out_channels"]) - 1)
+            * 2 ** (len(part_config(model_dir, "unet")["down_block_types"]) - 1))
+
+
+def check_model_dir(model_dir, allow_unsafe_weights=False):
+    """Fail early, naming what is missing, if model_dir is not a diffusers SD folder.
+
+    Without allow_unsafe_weights, each network must come as safetensors: pickled .bin
+    weights can execute code when loaded.
+    """
+    if not os.path.isdir(model_dir):
+        raise utils.UserError(f"model folder not found: {model_dir}")
+    index_path = os.path.join(model_dir, "model_index.json")
+    if not os.path.isfile(index_path):
+        raise utils.UserError(f"{model_dir} has no model_index.json: not a diffusers pipeline folder")
+    family = family_of(model_dir)  # which parts it must have
+    networks = ("unet", "vae", *family.text_encoders)
+    for part in (*family.parts(), "scheduler"):
+        if not os.path.isdir(os.path.join(model_dir, part)):
+            raise utils.UserError(f"model folder {model_dir} is missing its '{part}' component")
+    for config in [os.path.join(model_dir, "model_index.json")] + [
+            os.path.join(model_dir, part, name) for part in (*networks, "scheduler")
+            for name in os.listdir(os.path.join(model_dir, part)) if name.endswith(".json")]:
+        try:
+            utils.read_json(config)
+        except (ValueError, UnicodeDecodeError):
+            raise utils.UserError(f"{config} is not valid JSON (a cut-short copy?): fetch or copy the model again "
+                            "(cache_model.py)") from None
+    for part in networks:
+        names = os.listdir(os.path.join(model_dir, part))
+        for name in names:
+            if name.endswith(".safetensors"):
+                utils.check_safetensors(os.path.join(model_dir, part, name))
+        if not any(n.endswith(".safetensors") for n in names):
+            if not any(n.endswith(".bin") for n in names):
+                raise utils.UserError(f"model folder {model_dir} has no weights in '{part}'")
+            if not allow_unsafe_weights:
+                raise utils.UserError(f"'{part}' in {model_dir} has only pickled .bin weights; convert them to "
+                                "safetensors or pass --allow_unsafe_weights if you trust their source")

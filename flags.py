@@ -17,11 +17,9 @@ def abs_path(value):
 
 
 def model_path(value):
-    """A model folder, or a short or hub name (sd15, CompVis/stable-diffusion-v1-4) found in the hub
-    cache or fetched once (cache_model.resolve_model_name)."""
-    import cache_model
-
-    return cache_model.resolve_model_name(value)
+    """A model folder, or a short or hub name (sd15, CompVis/stable-diffusion-v1-4), as given: parsing
+    never fetches; cache_model.resolve_models turns the names into folders after the parse."""
+    return value
 
 
 def _bounded(kind, strict):

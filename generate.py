@@ -31,6 +31,7 @@ import os
 import sys
 
 import cache_model
+import families
 import flags
 import outputs
 import utils
@@ -118,7 +119,6 @@ def load_pipeline(model_dir, device, allow_unsafe_weights=False, safety_checker=
     import diffusers
     import torch
 
-    import families
     import models
     import steps
 
@@ -287,7 +287,7 @@ def top_up(folder, model, prompts, count, settings, safety_checker, on_mismatch=
     cut short leaves images that its record describes."""
     os.makedirs(folder, exist_ok=True)
     utils.remove_temp_files(folder)
-    resolution = settings.resolution or utils.native_resolution(model.model_dir)
+    resolution = settings.resolution or families.native_resolution(model.model_dir)
     wanted = outputs.ImageRecord(model.fingerprint(), model.describe(), tuple(prompts), resolution, settings.seed,
                                  settings.num_inference_steps, settings.guidance_scale, settings.negative_prompt)
     have = outputs.read_image_record(folder)
@@ -341,10 +341,10 @@ def main(argv=None):
          "allow_unsafe_weights"],
         config=True,
     )
-    args = parser.parse_args(argv)
+    args = cache_model.resolve_models(parser.parse_args(argv))
     prompts = prompts_of(args)
     model = outputs.resolve_model(args.model_dir, args.lora_dir, args.lora_scale)
-    utils.check_model_dir(model.model_dir, args.allow_unsafe_weights)
+    families.check_model_dir(model.model_dir, args.allow_unsafe_weights)
     utils.check_output_path(args.output_dir, "--output_dir", [("--model_dir", model.model_dir),
                                                               ("--lora_dir", model.lora_dir)])
     settings = ImageSettings(args.num_inference_steps, args.guidance_scale, args.negative_prompt, args.resolution,

@@ -20,6 +20,9 @@ import re
 import sys
 import uuid
 
+import families
+import flags
+import models
 import utils
 
 IMAGES_RECORD = "dreambooth_images.json"  # beside generated images: what drew them
@@ -114,9 +117,8 @@ def lora_width(lora_dir):
 def check_lora_fits(model_dir, lora_dir):
     """UserError, before any actor loads them, when the adapters of lora_dir were trained on a model of
     another shape than model_dir (SDXL adapters on an SD 1.x model): one line naming both families."""
-    import families
 
-    width = utils.part_config(model_dir, "unet").get("cross_attention_dim")
+    width = families.part_config(model_dir, "unet").get("cross_attention_dim")
     adapters = lora_width(lora_dir)
     if adapters is None or not isinstance(width, int) or adapters == width:
         return
@@ -225,23 +227,24 @@ def remove_drawn_images(folder):
 # ---------------------------------------------------------------- writing train.py's outputs
 
 
+def lora_settings(args):
+    """The adapters' shape a model record holds: None for full fine-tuning."""
+    return {"rank": args.lora_rank, "lora_alpha": args.lora_alpha} if args.use_lora else None
+
+
 def save_pipeline(nets, plan):
     """Write the result to output_dir, whole or not at all: the fine-tuned pipeline, or with
     LoRA the adapters as pytorch_lora_weights.safetensors (diffusers' LoRA format, with their
     rank and alpha) for StableDiffusionPipeline.load_lora_weights on the base model."""
     import diffusers
 
-    import families
-    import flags
-    import models
-    import planning
 
     unet = models.unwrap(nets.unet)
     text_encoders = {name: models.unwrap(model) for name, model in zip(("text_encoder", "text_encoder_2"),
                                                                         nets.text_encoders())}
     marker = {"base_model": plan.model_dir, "vae": plan.vae_dir, "steps": plan.end_step,
               "instance_prompt": plan.instance_prompt,
-              "class_prompt": plan.class_prompt, "lora": planning.lora_settings(plan),
+              "class_prompt": plan.class_prompt, "lora": lora_settings(plan),
               "ema_decay": plan.ema_decay if plan.use_ema else None,
               "held_out": list(plan.held_out),
               "model_id": new_model_id(), "run_name": plan.run_name, "identity": plan.identity}
@@ -265,29 +268,10 @@ def save_pipeline(nets, plan):
 
 def expected_bytes(nets, lora):
     """About the size of save_pipeline's output: the adapters (LoRA), else every network's weights."""
-    import models
 
     modules = [nets.unet, *nets.text_encoders()] + ([] if lora or nets.vae is None else [nets.vae])
     return sum(p.numel() * p.element_size() for m in modules for p in models.unwrap(m).parameters()
                if not lora or p.requires_grad)
-
-
-def save_checkpoint_as_model(checkpoint_dir, plan):
-    """The weights of a checkpoint written as train.py's output (plan.output_dir), as if the run had
-    ended at that step: intermediate checkpoints become models to sample from (sweep.py)."""
-    import torch
-
-    import checkpoint
-    import models
-
-    import steps
-
-    cpu = torch.device("cpu")
-    nets = models.setup_models(plan, cpu, cpu, distributed=False)
-    checkpoint.load_weights(nets, checkpoint_dir)
-    if plan.use_ema:  # the model of a run with --use_ema is its moving average, at any step
-        checkpoint.load_ema(steps.trained_parameters(nets, plan.train_text_encoder), checkpoint_dir)
-    save_pipeline(nets, plan)
 
 
 def save_lora(folder, unet, text_encoders=None):

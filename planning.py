@@ -183,7 +183,7 @@ def train_parser(description=None):
 def parse_args(argv=None, description=None):
     """train.py's command line, with its flag combinations checked before anything starts."""
     parser = train_parser(description)
-    args = parser.parse_args(argv)
+    args = cache_model.resolve_models(parser.parse_args(argv))
     args.prior_prediction = args.prior_preservation == "prior_prediction"
     if args.prior_prediction:
         if args.class_data_dir or args.num_class_images or args.with_prior_preservation:
@@ -240,7 +240,7 @@ def plan_run(args, cluster_resources, draw_class_images=None):
     """
     import dataset
 
-    utils.check_model_dir(args.model_dir, args.allow_unsafe_weights)
+    families.check_model_dir(args.model_dir, args.allow_unsafe_weights)
     families.require(args.model_dir, "train")
     if args.vae_dir:
         import cache_model
@@ -258,7 +258,7 @@ def plan_run(args, cluster_resources, draw_class_images=None):
               f"(evaluate.py --holdout {args.holdout} also scores against the held-out photos)", file=sys.stderr)
     captions = prompts.read_captions(instance_images, args.instance_prompt, args.caption_extension)
     instance_prompts = list(dict.fromkeys(captions))
-    resolution = args.resolution or utils.native_resolution(args.model_dir)
+    resolution = args.resolution or families.native_resolution(args.model_dir)
     photos = instance_images  # as given: their content is part of the run's identity
     masks = masks_of(instance_images, args.masked_loss)
     convert_dir = os.path.join(args.storage_path, "converted-images")
@@ -343,7 +343,7 @@ def bucket_plan(args, resolution):
     the model's size step; UserError when the flags leave no bucket but the square."""
     import dataset
 
-    multiple = utils.size_multiple(args.model_dir)
+    multiple = families.size_multiple(args.model_dir)
     step = args.bucket_reso_steps or max(multiple, min(64, resolution // 8))
     if step % multiple:
         raise utils.UserError(f"--bucket_reso_steps {step} must be a multiple of {multiple} for this model "
@@ -380,11 +380,6 @@ def masks_of(photos, masked_loss):
     else:
         print(f"--masked_loss: {found} of {len(photos)} photos have a mask", file=sys.stderr)
     return sources
-
-
-def lora_settings(args):
-    """What a checkpoint's weights must match: None for full fine-tuning, else the adapters' shape."""
-    return {"rank": args.lora_rank, "lora_alpha": args.lora_alpha} if args.use_lora else None
 
 
 def scaled_learning_rate(args):

@@ -137,14 +137,22 @@ def build_tiny_eval_models(folder, seed=0, image_size=64):
 EVAL_MODEL_PARTS = ("dino", "clip")  # the folders of --eval_models_dir
 
 
+PICKLED_WEIGHTS = "pytorch_model.bin"
+
+
+def has_weights(folder):
+    """folder holds a transformers model: its config and its weights (safetensors, or pickled)."""
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    return os.path.isfile(os.path.join(folder, "config.json")) and any(
+        n.endswith(".safetensors") or n == PICKLED_WEIGHTS for n in names)
+
+
 def check_eval_models_dir(folder):
     """UserError, before any image is drawn, unless folder holds dino/ and clip/ with a config and
     whole weights (what cache_model.py --eval_models prints)."""
-    import cache_model
-
     for part in EVAL_MODEL_PARTS:
         path = os.path.join(folder, part)
-        if not cache_model.has_weights(path):
+        if not has_weights(path):
             raise utils.UserError(f"--eval_models_dir {folder} has no {part}/ model (config.json and weights): "
                                   "pass the folder `cache_model.py --model_dir DIR --eval_models` prints")
         for name in os.listdir(path):

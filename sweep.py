@@ -27,6 +27,7 @@ import os
 import shutil
 import sys
 
+import cache_model
 import checkpoint
 import dataset
 import evaluate
@@ -81,6 +82,7 @@ def parse_args(argv=None):
                      "('photo of <token> <class>', 'photo of a <class>') and class images.")
     parser.config_fallback = planning.train_parser()  # a config file may hold train.py's flags too
     args, train_flags = parser.parse_known_args(argv)
+    cache_model.resolve_models(args)
     if (args.subjects_dir is None) == (args.instance_data_dir is None):
         parser.error("give --instance_data_dir (one subject) or --subjects_dir (many)")
     if args.instance_data_dir and not args.class_name:
@@ -214,7 +216,7 @@ def trial_fn(config, job):
                 fields = {k: getattr(train_args, k) for k in ("model_dir", "use_lora", "lora_rank", "lora_alpha",
                           "train_text_encoder", "allow_unsafe_weights", "instance_prompt", "class_prompt",
                           "use_ema", "ema_decay")}
-                outputs.save_checkpoint_as_model(found[step], planning.offline_plan(
+                checkpoint.save_as_model(found[step], planning.offline_plan(
                     **fields, output_dir=model, total_steps=step, mixed_precision="no",
                     held_out=tuple(os.path.basename(p) for p in subject.split()[1])))
         return outputs.resolve_model(model)
@@ -437,7 +439,7 @@ def main(argv=None):
     for subject in subjects.values():  # a missing or corrupt photo or a bad prompt file fails now, not in a trial
         dataset.inspect_images(subject.photos(), 0, os.path.join(args.sweep_dir, "converted-images"))
         subject.prompts()
-    utils.check_model_dir(args.model_dir, train_args.allow_unsafe_weights)
+    families.check_model_dir(args.model_dir, train_args.allow_unsafe_weights)
     families.require(args.model_dir, "train")
     scores.check_eval_models_dir(args.eval_models_dir)
     inputs = [("--model_dir", args.model_dir), ("--instance_data_dir", args.instance_data_dir),

@@ -91,7 +91,7 @@ def top_up_class_images(model_dir, class_dir, class_prompt, count, seed=0, resol
     an error (generate.top_up), never trained on beside these."""
     import generate
 
-    utils.check_model_dir(model_dir, allow_unsafe_weights)
+    families.check_model_dir(model_dir, allow_unsafe_weights)
     os.makedirs(class_dir, exist_ok=True)
     drawn = set(outputs.drawn_images(class_dir))
     own = [n for n in os.listdir(class_dir) if n.lower().endswith(utils.IMAGE_EXTENSIONS) and n not in drawn]

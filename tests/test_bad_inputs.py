@@ -12,9 +12,10 @@ import pytest
 from PIL import Image
 
 import dataset
+import families
 import prompts
-from conftest import ray_sessions
 import utils
+from conftest import ray_sessions
 from utils import REPO_DIR
 
 
@@ -154,8 +155,8 @@ def test_pickled_weights_need_an_explicit_opt_in(tiny_model, tmp_path):
     torch.save(load_file(weights), model / "unet" / "diffusion_pytorch_model.bin")
     weights.unlink()
     with pytest.raises(utils.UserError, match="'unet' .* only pickled .bin weights"):
-        utils.check_model_dir(str(model))
-    utils.check_model_dir(str(model), allow_unsafe_weights=True)
+        families.check_model_dir(str(model))
+    families.check_model_dir(str(model), allow_unsafe_weights=True)
     import models
 
     nets = models.load_models(str(model), torch.device("cpu"), torch.device("cpu"), True, allow_unsafe_weights=True)
@@ -189,7 +190,7 @@ def test_a_model_config_cut_short_is_named(tiny_model, tmp_path):
     config = model / "text_encoder" / "config.json"
     config.write_text(config.read_text()[:40])
     with pytest.raises(utils.UserError, match="text_encoder/config.json is not valid JSON"):
-        utils.check_model_dir(str(model))
+        families.check_model_dir(str(model))
 
 
 def run_script(script, args, no_ray=False):
@@ -336,7 +337,7 @@ def mixed_model(tiny_model, tmp_path_factory):
     config = json.loads(config_path.read_text())
     config["cross_attention_dim"] *= 2
     config_path.write_text(json.dumps(config))
-    utils.check_model_dir(str(model))
+    families.check_model_dir(str(model))
     return model
 
 

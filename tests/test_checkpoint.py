@@ -178,7 +178,7 @@ def test_a_checkpoint_becomes_the_model_the_run_would_have_saved_at_that_step(ma
     os.makedirs(tmp_path / "ckpt")
     checkpoint.save(state, str(tmp_path / "ckpt"), 0, [checkpoint.rng_state()], train_text_encoder=True)
     plan = make_plan(output_dir=str(tmp_path / "step-2"), total_steps=2, channels_last=True)
-    outputs.save_checkpoint_as_model(str(tmp_path / "ckpt"), plan)
+    checkpoint.save_as_model(str(tmp_path / "ckpt"), plan)
 
     saved = StableDiffusionPipeline.from_pretrained(str(tmp_path / "step-2"), safety_checker=None)
     base = StableDiffusionPipeline.from_pretrained(tiny_model, safety_checker=None)
@@ -214,7 +214,7 @@ def test_the_moving_average_round_trips_and_is_the_model_a_checkpoint_becomes(ma
     assert all(torch.equal(a, b) for a, b in zip(fresh.ema.shadow, plain.params))
 
     plan = make_plan(output_dir=str(tmp_path / "model"), total_steps=2, **settings)
-    outputs.save_checkpoint_as_model(str(tmp_path / "ema"), plan)
+    checkpoint.save_as_model(str(tmp_path / "ema"), plan)
     saved = StableDiffusionPipeline.from_pretrained(str(tmp_path / "model"), safety_checker=None)
     with state.ema.applied(state.params):
         averaged = models_lib.unwrap(state.models.unet).state_dict()

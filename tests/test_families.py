@@ -18,9 +18,9 @@ def test_the_family_is_read_from_the_model_folder(tiny_model, tiny_sd2v_model, t
     assert [families.family_of(m).name for m in (tiny_model, tiny_sd2v_model, tiny_sdxl_model)] == ["sd1", "sd2", "sdxl"]
     assert families.prediction_type(tiny_model) == "epsilon"
     assert families.prediction_type(tiny_sd2v_model) == "v_prediction"
-    assert [utils.native_resolution(m) for m in (tiny_model, tiny_sd2v_model, tiny_sdxl_model)] == [64, 96, 128]
+    assert [families.native_resolution(m) for m in (tiny_model, tiny_sd2v_model, tiny_sdxl_model)] == [64, 96, 128]
     for model in (tiny_model, tiny_sd2v_model, tiny_sdxl_model):
-        utils.check_model_dir(model)
+        families.check_model_dir(model)
 
     assert all(families.require(tiny_sdxl_model, action).name == "sdxl" for action in ("draw", "train", "export"))
     # What the suite does not do with a family (a later one, while it is built) is refused in one line.
@@ -34,10 +34,10 @@ def test_the_family_is_read_from_the_model_folder(tiny_model, tiny_sd2v_model, t
     index = json.loads((xl / "model_index.json").read_text())
     (xl / "model_index.json").write_text(json.dumps({**index, "_class_name": "StableDiffusionXLPipeline"}))
     with pytest.raises(utils.UserError, match="missing its 'text_encoder_2' component"):
-        utils.check_model_dir(str(xl))
+        families.check_model_dir(str(xl))
     (xl / "model_index.json").write_text(json.dumps({**index, "_class_name": "FluxPipeline"}))
     with pytest.raises(utils.UserError, match="is a FluxPipeline model; this suite runs SD 1.x"):
-        utils.check_model_dir(str(xl))
+        families.check_model_dir(str(xl))
 
 
 def test_the_sd2_v_model_trains_towards_v(tiny_sd2v_model):

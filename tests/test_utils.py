@@ -3,6 +3,7 @@ import os
 
 import pytest
 
+import families
 import utils
 
 
@@ -41,16 +42,16 @@ def test_atomic_write_dir_replaces_whole_or_keeps_previous(tmp_path):
 
 
 def test_check_model_dir_names_missing_component(tiny_model, tmp_path):
-    utils.check_model_dir(tiny_model)
+    families.check_model_dir(tiny_model)
     broken = tmp_path / "model"
     broken.mkdir()
     (broken / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline"}')
     for part in ("unet", "vae", "text_encoder", "tokenizer"):
         (broken / part).mkdir()
     with pytest.raises(utils.UserError, match="scheduler"):
-        utils.check_model_dir(str(broken))
+        families.check_model_dir(str(broken))
     with pytest.raises(utils.UserError, match="not found"):
-        utils.check_model_dir(str(tmp_path / "nope"))
+        families.check_model_dir(str(tmp_path / "nope"))
 
 
 def test_ray_workers_run_the_setup_hook(ray_session):
