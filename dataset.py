@@ -23,6 +23,7 @@ import sys
 
 import numpy as np
 
+import models
 import outputs
 import utils
 
@@ -517,7 +518,6 @@ class LatentEncoder:
     """
 
     def __init__(self, model_dir, random_flip, allow_unsafe_weights, vae_dir=None):
-        import models
 
         self.device = utils.torch_device()
         self.vae = models.load_vae(model_dir, vae_dir, allow_unsafe_weights)
@@ -528,7 +528,7 @@ class LatentEncoder:
         """B x (H, W, 3) uint8 covering size -> (B, V, 8, h, w) float32 posterior parameters."""
         import torch
 
-        import steps
+        import steps  # here, not at the top: it imports torch (2 s a --help or a one-line error never waits for)
 
         crops = np.stack([crop_square(x, size, True, None) for x in images])
         views = [crops] + ([crops[:, :, ::-1]] if self.random_flip else [])

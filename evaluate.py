@@ -96,8 +96,6 @@ class EmbeddingActor:
     def __call__(self, batch):
         from PIL import Image
 
-        import dataset
-
         images = []
         for path in batch["path"]:
             with Image.open(path) as image:  # the subject photos as training read them

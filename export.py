@@ -19,6 +19,7 @@ import sys
 import cache_model
 import families
 import flags
+import models
 import outputs
 import utils
 
@@ -110,8 +111,6 @@ def full_checkpoint(model_dir, allow_unsafe_weights=False):
     text encoder in its family's layout (families.Family.single_file_text_encoder)."""
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTextModelWithProjection
-
-    import models
 
     family = families.family_of(model_dir)
     unet = models.from_pretrained(UNet2DConditionModel, model_dir, allow_unsafe_weights, subfolder="unet")

@@ -33,7 +33,9 @@ import sys
 import cache_model
 import families
 import flags
+import models
 import outputs
+import prompts
 import utils
 
 FLAGGED_SUFFIX = ".flagged"  # beside the name of an image the safety checker withheld
@@ -119,8 +121,7 @@ def load_pipeline(model_dir, device, allow_unsafe_weights=False, safety_checker=
     import diffusers
     import torch
 
-    import models
-    import steps
+    import steps  # here, not at the top: it imports torch (2 s a --help or a one-line error never waits for)
 
     dtype = steps.amp_dtype(None, device) or torch.float32
     family = families.family_of(model_dir)
@@ -321,7 +322,6 @@ def top_up(folder, model, prompts, count, settings, safety_checker, on_mismatch=
 
 def prompts_of(args):
     """The prompts of --prompts (each value one prompt, commas and all) and --prompts_file, once each."""
-    import prompts
 
     given = list(args.prompts or [])
     if args.prompts_file:

@@ -9,6 +9,7 @@ setting that a CPU run can turn on too.
 import dataclasses
 import os
 
+import families
 import utils
 
 TINY_TOKENIZER_DIR = os.path.join(utils.REPO_DIR, "assets", "tiny_tokenizer")
@@ -231,7 +232,8 @@ def unwrap(model):
     return model
 
 
-def load_models(model_dir, unet_device, aux_device, train_text_encoder, allow_unsafe_weights=False, vae_dir=None):
+def load_models(model_dir, unet_device, aux_device, train_text_encoder, allow_unsafe_weights=False, vae_dir=None,
+                family=None):
     """fp32 UNet and text encoder, frozen VAE, each on its device, in the mode training needs.
 
     from_pretrained returns eval mode; trained networks must be in train mode, or
@@ -240,11 +242,10 @@ def load_models(model_dir, unet_device, aux_device, train_text_encoder, allow_un
     from diffusers import DDPMScheduler, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
-    import families
-
+    family = family or families.family_of(model_dir)
     unet = from_pretrained(UNet2DConditionModel, model_dir, allow_unsafe_weights, subfolder="unet")
     encoders = [from_pretrained(CLIPTextModel, model_dir, allow_unsafe_weights, subfolder="text_encoder")]
-    if "text_encoder_2" in families.family_of(model_dir).text_encoders:
+    if "text_encoder_2" in family.text_encoders:
         encoders.append(from_pretrained(CLIPTextModelWithProjection, model_dir, allow_unsafe_weights,
                                         subfolder="text_encoder_2"))
     vae = load_vae(model_dir, vae_dir, allow_unsafe_weights)
@@ -303,7 +304,7 @@ def add_lora(models, plan):
     import torch
     from diffusers.training_utils import cast_training_params
 
-    import steps
+    import steps  # here, not at the top: it imports torch (2 s a --help or a one-line error never waits for)
 
     frozen_dtype = steps.amp_dtype(plan.mixed_precision, models.unet_device) or torch.float32
     for model in (models.unet, *models.text_encoders(), models.vae):
@@ -323,7 +324,7 @@ def load_frozen_unet(plan, device):
     import torch
     from diffusers import UNet2DConditionModel
 
-    import steps
+    import steps  # here, not at the top: it imports torch (2 s a --help or a one-line error never waits for)
 
     dtype = steps.amp_dtype(plan.mixed_precision, device) or torch.float32
     unet = from_pretrained(UNet2DConditionModel, plan.model_dir, plan.allow_unsafe_weights, subfolder="unet")
@@ -379,7 +380,7 @@ def setup_models(plan, unet_device, aux_device, distributed, load_guard=None):
 
     with load_guard or contextlib.nullcontext():
         models = load_models(plan.model_dir, unet_device, aux_device, plan.train_text_encoder,
-                             plan.allow_unsafe_weights, plan.vae_dir)
+                             plan.allow_unsafe_weights, plan.vae_dir, plan.family)
         if plan.prior_prediction and not plan.use_lora:
             models.frozen_unet = load_frozen_unet(plan, unet_device)
     if plan.use_lora:

@@ -238,7 +238,6 @@ def save_pipeline(nets, plan):
     rank and alpha) for StableDiffusionPipeline.load_lora_weights on the base model."""
     import diffusers
 
-
     unet = models.unwrap(nets.unet)
     text_encoders = {name: models.unwrap(model) for name, model in zip(("text_encoder", "text_encoder_2"),
                                                                         nets.text_encoders())}
@@ -253,7 +252,7 @@ def save_pipeline(nets, plan):
         if plan.use_lora:
             save_lora(tmp, unet, text_encoders if plan.train_text_encoder else {})
         else:
-            pipeline = getattr(diffusers, families.family_of(plan.model_dir).pipeline)
+            pipeline = getattr(diffusers, plan.family.pipeline)
             # a VAE trained with (--pretrained_vae_model_name_or_path) stays with the model
             vae = {"vae": nets.vae} if plan.vae_dir else {}
             pipe = models.from_pretrained(pipeline, plan.model_dir, plan.allow_unsafe_weights, unet=unet,

@@ -15,6 +15,7 @@ from datetime import datetime
 
 import cache_model
 import checkpoint
+import dataset
 import families
 import flags
 import outputs
@@ -57,6 +58,7 @@ class Plan:
     image_prompt: tuple  # per instance image: its prompt's index in instance_prompts
     with_prior_preservation: bool  # class images (--class_data_dir)
     prior_prediction: bool  # --prior_preservation prior_prediction: the base model's prediction, no class images
+    family: families.Family  # the base model's, read once from its folder (families.require)
     prior_loss_weight: float
     train_text_encoder: bool
     use_lora: bool  # LoRA adapters (lora_rank, lora_alpha, lora_dropout) instead of every weight
@@ -238,12 +240,10 @@ def plan_run(args, cluster_resources, draw_class_images=None):
     that need only the files, so that a typo or a bad photo costs no Ray start. draw_class_images():
     tops up the class folder (--num_class_images, on Ray), after the photos are checked.
     """
-    import dataset
 
     families.check_model_dir(args.model_dir, args.allow_unsafe_weights)
-    families.require(args.model_dir, "train")
+    family = families.require(args.model_dir, "train")
     if args.vae_dir:
-        import cache_model
 
         args.vae_dir = cache_model.resolve_vae(args.vae_dir, args.allow_unsafe_weights)
     utils.check_output_path(args.output_dir, "--output_dir", [
@@ -284,7 +284,7 @@ def plan_run(args, cluster_resources, draw_class_images=None):
         print(f"buckets: {len(instance_images)} photos in " + ", ".join(
             f"{buckets[b][1]}x{buckets[b][0]} ({assigned.count(b)})" for b in used) + " (width x height)",
             file=sys.stderr)
-    identity = run_identity.of_run(args, photos, masks, held_out, captions, class_files, resolution, buckets)
+    identity = run_identity.of_run(args, family, photos, masks, held_out, captions, class_files, resolution, buckets)
     if args.resume_from_checkpoint == "auto":
         keep_finished(args.output_dir, identity)
     resume_path = checkpoint.resolve_resume(args.resume_from_checkpoint, args.storage_path,
@@ -294,6 +294,7 @@ def plan_run(args, cluster_resources, draw_class_images=None):
     from_flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(Plan) if hasattr(args, f.name)}
     return Plan(**{
         **from_flags,
+        "family": family,
         "instance_prompts": tuple(instance_prompts),
         "image_prompt": tuple(instance_prompts.index(c) for c in captions),
         "learning_rate": scaled_learning_rate(args),
@@ -334,6 +335,10 @@ def offline_plan(**fields):
                    steps_per_epoch=1, total_steps=DEFAULT_MAX_TRAIN_STEPS, stop_step=None, stream_epochs=1, use_gpu=False,
                    cpus_per_worker=1.0, num_workers=1, run_name="offline", resume_path=None, progress_bar=False,
                    settings_toml="", identity=None)
+    if "family" not in fields:  # the model's own when it is there, else SD 1.x's
+        model_dir = fields.get("model_dir", args.model_dir)
+        has_model = os.path.isfile(os.path.join(model_dir, "model_index.json"))
+        fields = dict(fields, family=families.family_of(model_dir) if has_model else families.FAMILIES["sd1"])
     return Plan(**{**from_flags, **decided, **fields})
 
 
@@ -341,7 +346,6 @@ def bucket_plan(args, resolution):
     """The buckets of --enable_bucket: dataset.bucket_sizes with the flags' bounds (defaults: half
     and twice the resolution, steps of 64, fewer pixels for small models), every side a multiple of
     the model's size step; UserError when the flags leave no bucket but the square."""
-    import dataset
 
     multiple = families.size_multiple(args.model_dir)
     step = args.bucket_reso_steps or max(multiple, min(64, resolution // 8))
@@ -364,7 +368,6 @@ def masks_of(photos, masked_loss):
     """Each photo's mask source for --masked_loss (checked: each mask read, its size its photo's),
     with a line saying how many photos have one; without the flag, a warning when masks lie
     unused beside the photos. Returns a list as long as photos (Nones without the flag)."""
-    import dataset
 
     if not masked_loss:
         unused = dataset.masks_beside(photos)

@@ -24,6 +24,7 @@ import tempfile
 import uuid
 
 import cache_model
+import dataset
 import families
 import flags
 import memory
@@ -73,7 +74,6 @@ def check_train_flags(words):
 
 def check_photos(folder, variable):
     """The photos are there and each one opens (a corrupt one is named)."""
-    import dataset
 
     if not os.path.isdir(folder):
         raise utils.UserError(f"{variable}={folder}: no such folder; put 4-6 photos of your subject there")

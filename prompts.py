@@ -4,6 +4,8 @@ names the subject with a word the class prompt lacks, and their CLIP token ids."
 import os
 import sys
 
+import dataset
+import families
 import utils
 
 
@@ -38,16 +40,13 @@ def read_captions(image_paths, instance_prompt, caption_extension):
     return prompts
 
 
-def prompt_ids(model_dir, instance_prompts, class_prompt):
+def prompt_ids(model_dir, instance_prompts, class_prompt, family=None):
     """CLIP token ids of the prompts: per prompt (L,) ids, or with two text encoders (SDXL) (2, L),
     each tokenizer's; {"instance": [ids per prompt], "class": ids (with a class_prompt)}."""
     from transformers import CLIPTokenizer
 
-    import dataset
-    import families
-
     tokenizers = [CLIPTokenizer.from_pretrained(model_dir, subfolder=folder)
-                  for folder in families.family_of(model_dir).tokenizers()]
+                  for folder in (family or families.family_of(model_dir)).tokenizers()]
 
     def tokenize(prompt):
         ids = [dataset.tokenize_prompt(tokenizer, prompt).tolist() for tokenizer in tokenizers]
@@ -64,7 +63,7 @@ def run_prompt_ids(plan):
     transformers for it, a second of every run's start): "instance" for each of its instance_prompts,
     then the empty prompt with --caption_dropout_rate; "class" with prior preservation."""
     return prompt_ids(plan.model_dir, list(plan.instance_prompts) + ([""] if plan.caption_dropout_rate else []),
-                      plan.class_prompt if plan.with_prior_preservation or plan.prior_prediction else None)
+                      plan.class_prompt if plan.with_prior_preservation or plan.prior_prediction else None, plan.family)
 
 
 def read_prompt_file(path):

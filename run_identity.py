@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 
+import outputs
 import utils
 
 # train.py's flags (as parsed) that change the trained weights; the files and the resolved sizes are
@@ -43,17 +44,15 @@ def files_digest(paths):
     return digest.hexdigest()[:20]
 
 
-def of_run(args, photos, masks, held_out, captions, class_images, resolution, buckets):
+def of_run(args, family, photos, masks, held_out, captions, class_images, resolution, buckets):
     """The identity of a run of parsed flags args, as JSON-able values: photos are the photos trained on
     (paths as given), masks their mask sources (planning.masks_of), captions each photo's prompt."""
-    import families
-    import outputs
 
     mask_files = sorted({source[0] for source in masks if source and os.path.isfile(str(source[0]))})
     identity = {
         "base_model": outputs.model_fingerprint(args.model_dir),
         "vae": outputs.model_fingerprint(args.vae_dir) if args.vae_dir else None,
-        "family": families.family_of(args.model_dir).name,
+        "family": family.name,
         "photos": files_digest(list(photos) + mask_files),
         "held_out": list(held_out),
         "captions": list(captions),

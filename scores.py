@@ -19,6 +19,7 @@ import re
 
 import numpy as np
 
+import models
 import utils
 
 # The paper's values for SD 1.x DreamBooth (table 1), printed beside ours in report.md.
@@ -63,8 +64,6 @@ class Embedder:
     def __init__(self, dino_dir, clip_dir, device="cpu", allow_unsafe_weights=False):
         import torch
         from transformers import AutoImageProcessor, AutoModel, AutoProcessor, CLIPModel
-
-        import models
 
         self.device = torch.device(device)
         self.dino = models.from_pretrained(AutoModel, dino_dir, allow_unsafe_weights).to(self.device).eval()
@@ -111,8 +110,6 @@ def build_tiny_eval_models(folder, seed=0, image_size=64):
     import torch
     from transformers import (CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizer, ViTConfig,
                               ViTImageProcessor, ViTModel)
-
-    import models
 
     utils.quiet_hf_logging()
     torch.manual_seed(seed)

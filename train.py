@@ -20,12 +20,16 @@ import tempfile
 import time
 
 import checkpoint
+import dataset
 import families
 import flags
+import generate
+import models
 import outputs
 import planning
 import runlog
 import utils
+import validation
 
 IMAGE_COLUMNS = ("_pixels", "_latents")  # the batch columns that hold one image per row
 
@@ -89,7 +93,6 @@ def top_up_class_images(model_dir, class_dir, class_prompt, count, seed=0, resol
     actor pool, seeded by seed) until class_dir holds count, counting class images of the user's
     own already there (diffusers does). Images drawn by another model, prompt or resolution are
     an error (generate.top_up), never trained on beside these."""
-    import generate
 
     families.check_model_dir(model_dir, allow_unsafe_weights)
     os.makedirs(class_dir, exist_ok=True)
@@ -108,7 +111,6 @@ def top_up_class_images(model_dir, class_dir, class_prompt, count, seed=0, resol
 
 def train_dataset(plan):
     """The run's whole training stream (dataset.py), every worker's rows for every step."""
-    import dataset
 
     latent_cache = None
     if plan.cache_latents:
@@ -117,7 +119,7 @@ def train_dataset(plan):
     return dataset.build_train_dataset(
         list(plan.instance_images), list(plan.class_images) or None, plan.resolution, plan.center_crop,
         plan.random_flip, latent_cache, num_epochs=plan.stream_epochs, seed=plan.seed,
-        batch_size=plan.train_batch_size, with_time_ids=families.family_of(plan.model_dir).time_ids,
+        batch_size=plan.train_batch_size, with_time_ids=plan.family.time_ids,
         mask_sources=list(plan.instance_masks) if plan.masked_loss else None,
         buckets=list(plan.buckets) if plan.enable_bucket else None)
 
@@ -128,7 +130,7 @@ def run_trainer(plan, train_ds):
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    import failures
+    import failures  # here, not at the top: it imports ray.train (1.2 s)
 
     run_dir = os.path.join(plan.storage_path, plan.run_name)
     resources = {"CPU": plan.cpus_per_worker}
@@ -170,7 +172,7 @@ def run_trainer(plan, train_ds):
 def failure_cause(err):
     """The cause of a failed fit() in one line: the first failed worker's rank and the last line of
     its error (the exception itself, not Ray's "Training failed due to worker errors")."""
-    import failures
+    import failures  # here, not at the top: it imports ray.train (1.2 s)
 
     stopped = getattr(err, "controller_failure", None)
     if isinstance(stopped, failures.RunStopped):
@@ -208,11 +210,9 @@ def train_worker(plan):
     import torch
     from ray.experimental import tqdm_ray
 
-    import failures
-    import models
+    import failures  # here, not at the top: it imports ray.train (1.2 s)
     import prompts as prompt_lib
-    import steps
-    import validation
+    import steps  # here, not at the top: it imports torch (2 s a --help or a one-line error never waits for)
 
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
@@ -359,7 +359,7 @@ def prompt_inputs(text_encoders, plan, ids, device):
     is (rate, index of the empty prompt, the last of "instance")."""
     import torch
 
-    import steps
+    import steps  # here, not at the top: it imports torch (2 s a --help or a one-line error never waits for)
 
     tokens = {"instance": torch.tensor(ids["instance"], device=device)}
     if "class" in ids:
@@ -385,8 +385,7 @@ def base_class_prompt(nets, ids, device):
     loaded."""
     import torch
 
-    import models
-    import steps
+    import steps  # here, not at the top: it imports torch (2 s a --help or a one-line error never waits for)
 
     tokens = torch.tensor(ids["class"], device=device).unsqueeze(0)
     with torch.no_grad():
@@ -406,7 +405,7 @@ def report(state, metrics, rank, plan):
     if rank != 0:
         ray.train.report(metrics)
         return
-    import failures
+    import failures  # here, not at the top: it imports ray.train (1.2 s)
 
     needed = checkpoint.expected_bytes(state.params, state.ema is not None)
     with tempfile.TemporaryDirectory() as folder:

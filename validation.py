@@ -10,6 +10,7 @@ with validation trains exactly as one without.
 import os
 
 import checkpoint
+import dataset
 import generate
 import models
 import utils
@@ -33,10 +34,8 @@ class Sampler:
         import diffusers
         from transformers import CLIPTokenizer
 
-        import families
-
         self.nets, self.plan, self.amp_dtype = nets, plan, amp_dtype
-        self.family = families.family_of(plan.model_dir)
+        self.family = plan.family
         self.tokenizers = [CLIPTokenizer.from_pretrained(plan.model_dir, subfolder=folder)
                            for folder in self.family.tokenizers()]
         # The model's own sampler (PNDM for SD 1.x), as generate.py draws with it.
@@ -45,8 +44,7 @@ class Sampler:
 
     def encode(self, prompts):
         """(states, pooled or None) of the prompts, on the UNet's device (steps.encode_text)."""
-        import dataset
-        import steps
+        import steps  # here, not at the top: it imports torch (2 s a --help or a one-line error never waits for)
         import torch
 
         ids = torch.stack([torch.stack([torch.from_numpy(dataset.tokenize_prompt(t, p)) for t in self.tokenizers])
