@@ -9,386 +9,20 @@ An epoch has max(#instance, #class) rows, each one instance image and, with prio
 preservation, one class image: instances repeat to cover every class image and, when
 instances outnumber class images, class images repeat instead. Every random choice (the
 order of each epoch, each row's crop and flip) is drawn from --seed, so a run, a resumed
-run and a restarted worker group all see the same stream. The image math is in plain
-functions, tested without Ray.
+run and a restarted worker group all see the same stream. The image math and the rows are in
+imaging.py, the photos on disk in imagefiles.py; this module assembles the Ray Data stages.
 
 Options: --enable_bucket stores each photo covering the aspect-ratio bucket nearest its own and
-orders the rows so that every batch holds one bucket (plan_bucket_rows); --masked_loss carries
-each photo's mask as a fourth channel through its crop and flip.
+orders the rows so that every batch holds one bucket (imaging.plan_bucket_rows); --masked_loss
+carries each photo's mask as a fourth channel through its crop and flip.
 """
-
-import hashlib
-import os
-import sys
 
 import numpy as np
 
+import imagefiles
+import imaging
 import models
-import outputs
 import utils
-
-
-# EXIF orientation tag -> (number of 90-degree counter-clockwise turns, mirror first)
-_ORIENTATIONS = {1: (0, False), 2: (0, True), 3: (2, False), 4: (2, True),
-                 5: (1, True), 6: (3, False), 7: (3, True), 8: (1, False)}
-
-
-# ---------------------------------------------------------------- files
-
-
-SUBJECT_FILE = "subject.json"  # sweep.py --subjects_dir: a subject's class and token, beside its photos
-# Files the suite writes beside images (not images, not worth a warning): the record of what drew
-# generated images, generate.py's settings, sweep.py's subject file.
-OWN_FILES = (SUBJECT_FILE, outputs.IMAGES_RECORD, outputs.IMAGES_CONFIG)
-
-
-MASK_SUFFIX = ".mask.png"  # --masked_loss: "photo.mask.png" beside "photo.jpg" weights its loss
-
-
-def is_mask(name):
-    return name.lower().endswith(MASK_SUFFIX)
-
-
-def list_images(folder, role, also_expected=None):
-    """Sorted image files directly inside folder; other files are skipped with a warning,
-    except those ending in also_expected (captions beside the images). Masks (MASK_SUFFIX) are
-    never images."""
-    if not os.path.isdir(folder):
-        raise utils.UserError(f"{role} folder not found: {folder}")
-    names = sorted(n for n in os.listdir(folder) if os.path.isfile(os.path.join(folder, n)) and not is_mask(n))
-    images = [n for n in names if n.lower().endswith(utils.IMAGE_EXTENSIONS)]
-    skipped = [n for n in names if n not in images and n not in OWN_FILES
-               and not (also_expected and n.endswith(also_expected))]
-    if skipped:
-        print(f"warning: skipping {len(skipped)} non-image file(s) in {folder}: {', '.join(skipped[:10])}",
-              file=sys.stderr)
-    if not images:
-        raise utils.UserError(f"{role} folder {folder} holds no images ({', '.join(utils.IMAGE_EXTENSIONS)})")
-    return [os.path.join(folder, n) for n in images]
-
-
-def holdout_split(photos, count):
-    """(trained, held out): --holdout keeps the last count photos in name order out of training, for
-    evaluate.py to score the model against photos it never saw."""
-    if count and count >= len(photos):
-        raise utils.UserError(f"--holdout {count} leaves none of the {len(photos)} photos to train on")
-    return photos[:len(photos) - count], photos[len(photos) - count:]
-
-
-def normalize_image(image):
-    """Any PIL image -> 8-bit RGB: transparency onto white, 16-bit scaled down, CMYK/palette/gray converted."""
-    from PIL import Image
-
-    if image.mode in ("I;16", "I;16B", "I;16L", "I"):
-        high = 65535 if image.mode.startswith("I;16") else max(1, image.getextrema()[1])
-        array = np.asarray(image, dtype=np.float64) * (255.0 / high)
-        image = Image.fromarray(np.clip(array, 0, 255).astype(np.uint8), "L")
-    if image.mode == "P" and "transparency" in image.info:
-        image = image.convert("RGBA")
-    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
-        rgba = image.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        image = Image.alpha_composite(background, rgba)
-    return image.convert("RGB")
-
-
-def upright_rgb(image):
-    """An open PIL image as training reads it: turned by its EXIF tag, then 8-bit RGB (normalize_image)."""
-    from PIL import ImageOps
-
-    return normalize_image(ImageOps.exif_transpose(image))
-
-
-def needs_conversion(image):
-    """True when a plain RGB conversion (load_image) would lose or garble the image."""
-    return image.mode not in ("RGB", "L") or "transparency" in image.info
-
-
-def inspect_images(paths, resolution, convert_dir):
-    """Check every image on the driver before any worker starts; returns the paths to read.
-
-    Corrupt or truncated files are named in a UserError. Images a plain RGB conversion cannot
-    render faithfully (16-bit, transparent, CMYK, palette) are written, upright and as 8-bit RGB
-    PNG, into convert_dir and read from there. Images smaller than the resolution are
-    listed in a warning (they are upscaled).
-    """
-    from PIL import Image
-
-    readable, small = [], []
-    for path in paths:
-        try:
-            with Image.open(path) as image:
-                image.load()
-                if min(image.size) < resolution:
-                    small.append(os.path.basename(path))
-                if not needs_conversion(image):
-                    readable.append(path)
-                    continue
-                upright = upright_rgb(image)
-        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
-            raise utils.UserError(f"cannot read image {path}: {err}") from None
-        os.makedirs(convert_dir, exist_ok=True)
-        # A hash of the full path keeps copies of same-named files from different folders apart.
-        digest = hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:16]
-        stem = utils.slugify(os.path.splitext(os.path.basename(path))[0], max_len=80)
-        converted = os.path.join(convert_dir, f"{stem}-{digest}{utils.IMAGE_SUFFIX}")
-        utils.save_image_atomic(upright, converted)
-        readable.append(converted)
-    if small:
-        print(f"warning: {len(small)} image(s) smaller than {resolution}px are upscaled: {', '.join(small[:10])}",
-              file=sys.stderr)
-    return readable
-
-
-def exif_orientation(path):
-    """The EXIF orientation tag of an image file (1 = upright, also when absent)."""
-    from PIL import Image
-
-    with Image.open(path) as image:
-        return int(image.getexif().get(0x0112, 1) or 1)
-
-
-# ---------------------------------------------------------------- masks (--masked_loss)
-
-
-def has_alpha(image):
-    return image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (image.mode == "P" and "transparency" in image.info)
-
-
-def mask_source(photo):
-    """Where a photo's loss mask comes from: "photo.mask.png" beside it, else the photo itself when it
-    has an alpha channel, else None (the photo counts everywhere)."""
-    from PIL import Image
-
-    beside = os.path.splitext(photo)[0] + MASK_SUFFIX
-    if os.path.isfile(beside):
-        return beside
-    with Image.open(photo) as image:
-        return photo if has_alpha(image) else None
-
-
-def read_mask(source, photo):
-    """(H, W) uint8 mask of a photo as it shows upright (white: the loss counts, black: it does not):
-    the alpha channel of the photo itself, or a mask file of the photo's size (either way up)."""
-    from PIL import Image
-
-    orientation = exif_orientation(photo)
-    with Image.open(photo) as image:
-        raw_size = image.size[::-1]  # (height, width) as stored
-    try:
-        with Image.open(source) as image:
-            alpha = image.convert("RGBA").getchannel("A") if has_alpha(image) else None
-            # the photo's own transparency, or a mask file's: its alpha where it has one, else its gray
-            use_alpha = source == photo or (alpha is not None and alpha.getextrema() != (255, 255))
-            mask = np.asarray(alpha if use_alpha else image.convert("L"))
-    except (OSError, SyntaxError, ValueError) as err:
-        raise utils.UserError(f"cannot read mask {source}: {err}") from None
-    upright = upright_size(photo)
-    if mask.shape == raw_size and raw_size != upright:
-        mask = apply_orientation(mask, orientation)  # drawn on the photo as stored: turned the same way
-    if mask.shape != upright:
-        raise utils.UserError(f"mask {source} is {mask.shape[1]}x{mask.shape[0]} px but its photo {photo} is "
-                              f"{upright[1]}x{upright[0]}: draw the mask at the photo's size")
-    return mask
-
-
-def find_masks(photos):
-    """Per photo, in order, (mask source, photo) or None, for --masked_loss (read_mask's arguments:
-    the photo stays the original file, whose orientation the mask follows, even where training
-    reads a converted copy); every mask read once to check it (UserError naming a mask that cannot
-    be read or does not fit its photo)."""
-    found = []
-    for photo in photos:
-        source = mask_source(photo)
-        if source:
-            read_mask(source, photo)
-        found.append((source, photo) if source else None)
-    return found
-
-
-def masks_beside(photos):
-    """The MASK_SUFFIX files beside photos (to say they are not used without --masked_loss)."""
-    return [m for m in (os.path.splitext(p)[0] + MASK_SUFFIX for p in photos) if os.path.isfile(m)]
-
-
-# ---------------------------------------------------------------- image math
-
-
-def apply_orientation(image, orientation):
-    """Turn an (H, W, C) array as its EXIF orientation says, so it displays upright."""
-    turns, mirror = _ORIENTATIONS.get(orientation, (0, False))
-    if mirror:
-        image = image[:, ::-1]
-    return np.ascontiguousarray(np.rot90(image, turns))
-
-
-def hw(size):
-    """(height, width) of a training size: an int (a square) or a (height, width) bucket."""
-    return (size, size) if isinstance(size, (int, np.integer)) else (int(size[0]), int(size[1]))
-
-
-def resize_to_cover(image, size):
-    """(H, W[, C]) uint8 -> uint8 just large enough to cover size (aspect kept, bicubic): a square
-    size makes the shorter side that size."""
-    from PIL import Image
-
-    new_h, new_w = covering_shape(image.shape[:2], size)
-    new_size = (new_w, new_h)
-    if new_size == image.shape[1::-1]:
-        return image
-    return np.asarray(Image.fromarray(image).resize(new_size, Image.BICUBIC))
-
-
-def covering_shape(shape, size):
-    """(height, width) of an image of shape once resize_to_cover has fitted it to size."""
-    (target_h, target_w), (height, width) = hw(size), shape
-    scale = max(target_h / height, target_w / width)
-    return max(target_h, round(height * scale)), max(target_w, round(width * scale))
-
-
-def resize_shorter_side(image, size):
-    """(H, W, 3) uint8 -> uint8 with min(H, W) == size, aspect kept (bicubic)."""
-    return resize_to_cover(image, size)
-
-
-def crop_offsets(height, width, size, center, rng):
-    """(top, left) of a size crop (an int: square; or (height, width)) of a height x width image:
-    centered or at random."""
-    crop_h, crop_w = hw(size)
-    if center:
-        return (height - crop_h) // 2, (width - crop_w) // 2
-    return int(rng.integers(0, height - crop_h + 1)), int(rng.integers(0, width - crop_w + 1))
-
-
-def crop_square(image, size, center, rng):
-    """(H, W, C) covering size -> the size crop (C kept): centered or at a random offset."""
-    top, left = crop_offsets(*image.shape[:2], size, center, rng)
-    crop_h, crop_w = hw(size)
-    return image[top:top + crop_h, left:left + crop_w]
-
-
-def mirrored_left(width, left, size):
-    """The left edge of a crop once the image is flipped: counted from the other side."""
-    return width - left - hw(size)[1]
-
-
-def view_and_crop(image, size, center_crop, random_flip, rng):
-    """One training view of a stored image: crop, maybe flip. (H, W, C) -> ((h, w, C) uint8 of
-    size, (top, left)): where the view's top-left corner lies in the stored image as the view
-    shows it (a flipped view's left is counted from the mirrored side), SDXL's crop numbers."""
-    height, width = image.shape[:2]
-    top, left = crop_offsets(height, width, size, center_crop, rng)
-    crop_h, crop_w = hw(size)
-    out = image[top:top + crop_h, left:left + crop_w]
-    if random_flip and rng.random() < 0.5:
-        out, left = out[:, ::-1], mirrored_left(width, left, size)
-    return np.ascontiguousarray(out), (top, left)
-
-
-def view(image, size, center_crop, random_flip, rng):
-    """One training view of a stored image: crop, maybe flip. (H, W, 3) -> (size, size, 3) uint8."""
-    return view_and_crop(image, size, center_crop, random_flip, rng)[0]
-
-
-# ---------------------------------------------------------------- aspect-ratio buckets
-
-
-def bucket_sizes(resolution, min_reso, max_reso, step):
-    """--enable_bucket's (height, width) sizes: multiples of step within [min_reso, max_reso], each
-    at most resolution x resolution pixels and as close to it as the step allows, in both
-    orientations; the square resolution x resolution among them. Sorted, widest first."""
-    area = resolution * resolution
-    sizes = {(resolution, resolution)}
-    for width in range(min_reso, max_reso + 1, step):
-        height = min(max_reso, area // width // step * step)
-        if height >= min_reso:
-            sizes.update({(height, width), (width, height)})
-    return sorted(sizes, key=lambda s: (s[0] / s[1], s[0]))
-
-
-def bucket_for(height, width, buckets):
-    """Index of the bucket whose aspect ratio is nearest the image's (on a log scale: 2:1 is as far
-    from 1:1 as 1:2); a tie goes to the larger bucket."""
-    aspect = np.log(height / width)
-    return min(range(len(buckets)), key=lambda b: (abs(np.log(buckets[b][0] / buckets[b][1]) - aspect),
-                                                   -buckets[b][0] * buckets[b][1]))
-
-
-def upright_size(path):
-    """(height, width) of an image file as it shows upright."""
-    from PIL import Image
-
-    with Image.open(path) as image:
-        width, height = image.size
-    return (width, height) if _ORIENTATIONS.get(exif_orientation(path), (0, False))[0] % 2 else (height, width)
-
-
-def plan_bucket_rows(instance_buckets, num_class, num_epochs, seed, batch_size):
-    """plan_rows for --enable_bucket: every block of batch_size consecutive rows holds one bucket.
-
-    An epoch pairs instances and class images as plan_rows does, then groups its rows by their
-    instance's bucket (instance_buckets: the bucket index of each instance image); a group that does
-    not fill its last block is topped up with rows of its own drawn again. Blocks are shuffled by
-    (seed, epoch). Each row also carries "bucket". Returns the rows, block after block."""
-    rows = []
-    for epoch_rows in _epochs(plan_rows(len(instance_buckets), num_class, num_epochs, seed)):
-        epoch = epoch_rows[0]["epoch"]
-        rng = np.random.default_rng([seed, epoch, 1])
-        groups = {}
-        for row in epoch_rows:
-            bucket = int(instance_buckets[row["instance"]])
-            groups.setdefault(bucket, []).append({**row, "bucket": bucket})
-        blocks = []
-        for _, group in sorted(groups.items()):
-            short = -len(group) % batch_size
-            group = group + [dict(group[k], seed=int(rng.integers(0, 2**31)))
-                             for k in rng.integers(0, len(group), short)]
-            blocks += [group[k:k + batch_size] for k in range(0, len(group), batch_size)]
-        for k in rng.permutation(len(blocks)):
-            rows += blocks[k]
-    return rows
-
-
-def _epochs(rows):
-    """plan_rows' rows cut into their epochs."""
-    epochs = {}
-    for row in rows:
-        epochs.setdefault(row["epoch"], []).append(row)
-    return [epochs[e] for e in sorted(epochs)]
-
-
-def bucket_epoch_rows(instance_buckets, num_class, batch_size):
-    """Rows of one epoch of plan_bucket_rows (each bucket's rows rounded up to whole blocks; the
-    count does not depend on the seed)."""
-    return len(plan_bucket_rows(instance_buckets, num_class, 1, 0, batch_size))
-
-
-def time_ids(original_size, crop, size):
-    """SDXL's six size/crop numbers of a view: the photo's original height and width (before any
-    resize), the crop's top and left in the resized image, the trained height and width."""
-    return np.array([*original_size, *crop, *hw(size)], dtype=np.float32)
-
-
-def plan_rows(num_instance, num_class, num_epochs, seed):
-    """The training rows of a whole run, epoch after epoch, as indices into the image lists.
-
-    An epoch has max(num_instance, num_class) rows (num_instance without class images):
-    row k pairs instance k % num_instance with class k % num_class, so every image of the
-    larger set appears once and the smaller set repeats evenly. Each epoch's order, and each
-    row's augmentation seed, come from a generator seeded by (seed, epoch): the same run
-    gets the same rows, whichever worker reads them and whenever it resumes.
-    Returns [{"epoch", "instance", "seed"[, "class"]}].
-    """
-    num_rows = max(num_instance, num_class)
-    rows = []
-    for epoch in range(num_epochs):
-        rng = np.random.default_rng([seed, epoch])
-        for k, row_seed in zip(rng.permutation(num_rows), rng.integers(0, 2**31, num_rows)):
-            row = {"epoch": epoch, "instance": int(k % num_instance), "seed": int(row_seed)}
-            if num_class:
-                row["class"] = int(k % num_class)
-            rows.append(row)
-    return rows
 
 
 def _resolve(value):
@@ -443,8 +77,8 @@ def make_views(batch, instance_images, class_images, resolution, center_crop, ra
         if row_buckets[r] is not None:
             size = tuple(buckets[row_buckets[r]])
             if key == "class":
-                image = resize_to_cover(image, size)
-        return (index, *view_and_crop(image, size, center_crop, random_flip, rng), size)
+                image = imaging.resize_to_cover(image, size)
+        return (index, *imaging.view_and_crop(image, size, center_crop, random_flip, rng), size)
 
     views = _per_row(batch, pick)
     out = {f"{k}_pixels": np.stack([pixels for _, pixels, _, _ in v]) for k, v in views.items()}
@@ -453,7 +87,7 @@ def make_views(batch, instance_images, class_images, resolution, center_crop, ra
         out["instance_pixels"] = np.ascontiguousarray(out["instance_pixels"][..., :3])
     if sizes is not None:
         sizes = _resolve(sizes)
-        out.update({f"{k}_time_ids": np.stack([time_ids(sizes[k][index], crop, size)
+        out.update({f"{k}_time_ids": np.stack([imaging.time_ids(sizes[k][index], crop, size)
                                                for index, _, crop, size in v]) for k, v in views.items()})
     return {**out, "instance_image": np.asarray(batch["instance"])}
 
@@ -494,15 +128,15 @@ def pick_latents(batch, instance_latents, class_latents, crops=None, instance_ma
 
 def stored_mask_views(mask, size, views):
     """(V, h, w) uint8: a stored mask's center crop of size, then flipped (the cached latents' views)."""
-    crop = crop_square(mask, size, True, None)
+    crop = imaging.crop_square(mask, size, True, None)
     return np.stack([crop, crop[:, ::-1]][:views])
 
 
 def latent_view_time_ids(original_size, stored_shape, size, views):
     """(V, 6) time_ids of the cached latents' views (LatentEncoder): the center crop, then flipped."""
     height, width = stored_shape
-    top, left = crop_offsets(height, width, size, True, None)
-    return np.stack([time_ids(original_size, (top, left if v == 0 else mirrored_left(width, left, size)), size)
+    top, left = imaging.crop_offsets(height, width, size, True, None)
+    return np.stack([imaging.time_ids(original_size, (top, left if v == 0 else imaging.mirrored_left(width, left, size)), size)
                      for v in range(views)])
 
 
@@ -530,7 +164,7 @@ class LatentEncoder:
 
         import steps  # here, not at the top: it imports torch (2 s a --help or a one-line error never waits for)
 
-        crops = np.stack([crop_square(x, size, True, None) for x in images])
+        crops = np.stack([imaging.crop_square(x, size, True, None) for x in images])
         views = [crops] + ([crops[:, :, ::-1]] if self.random_flip else [])
         out = []
         with torch.no_grad():
@@ -550,8 +184,8 @@ def load_image(path, size):
     from PIL import Image
 
     with Image.open(path) as image:
-        pixels = apply_orientation(np.asarray(image.convert("RGB")), exif_orientation(path))
-    return resize_to_cover(pixels, size), pixels.shape[:2]
+        pixels = imagefiles.apply_orientation(np.asarray(image.convert("RGB")), imagefiles.exif_orientation(path))
+    return imaging.resize_to_cover(pixels, size), pixels.shape[:2]
 
 
 def resized_mask(found, shape):
@@ -561,7 +195,7 @@ def resized_mask(found, shape):
 
     if found is None:
         return np.full(shape, 255, dtype=np.uint8)
-    mask = read_mask(*found)
+    mask = imagefiles.read_mask(*found)
     if mask.shape != tuple(shape):
         mask = np.asarray(Image.fromarray(mask).resize((shape[1], shape[0]), Image.BICUBIC))  # as the pixels
     return mask
@@ -611,8 +245,8 @@ def decode_images(instance_paths, class_paths, resolution, latent_cache=None, si
     class_buckets = sorted(set(buckets[1])) if buckets is not None else [None]
     items = [(f"i{k}", image, size) for k, (image, size) in enumerate(zip(instances, instance_sizes))]
     for bucket, size in zip(class_buckets, sizes_of(resolution, buckets and buckets[0], class_buckets)):
-        items += [(f"c{bucket}-{k}", resize_to_cover(image, size), size) for k, image in enumerate(classes)]
-    ds = ray.data.from_items([{"key": key, "image": image, "size": np.array(hw(size))}
+        items += [(f"c{bucket}-{k}", imaging.resize_to_cover(image, size), size) for k, image in enumerate(classes)]
+    ds = ray.data.from_items([{"key": key, "image": image, "size": np.array(imaging.hw(size))}
                               for key, image, size in items]).map_batches(
         LatentEncoder,
         fn_constructor_args=(latent_cache["model_dir"], latent_cache["random_flip"],
@@ -668,14 +302,14 @@ def build_train_dataset(instance_paths, class_paths, resolution, center_crop, ra
     assigned = None
     if buckets is not None:
         buckets = [tuple(b) for b in buckets]
-        assigned = [bucket_for(*upright_size(p), buckets) for p in instance_paths]
+        assigned = [imaging.bucket_for(*imagefiles.upright_size(p), buckets) for p in instance_paths]
     instances, classes = decode_images(instance_paths, class_paths, resolution, latent_cache, sizes, masks,
                                        (buckets, assigned) if buckets is not None else None)
     num_class = len(class_paths or [])
     if buckets is None:
-        rows = plan_rows(len(instances), num_class, num_epochs, seed)
+        rows = imaging.plan_rows(len(instances), num_class, num_epochs, seed)
     else:
-        rows = plan_bucket_rows(assigned, num_class, num_epochs, seed, batch_size)
+        rows = imaging.plan_bucket_rows(assigned, num_class, num_epochs, seed, batch_size)
     index = index_dataset(rows, batch_size)
     paths = {"instance": instance_paths, "class": class_paths or []}
     instance_sizes = sizes_of(resolution, buckets, assigned or [None] * len(instances))
@@ -689,7 +323,7 @@ def build_train_dataset(instance_paths, class_paths, resolution, center_crop, ra
                 crops["class"] = [latent_view_time_ids(*sizes["class", p], resolution, views) for p in paths["class"]]
             else:
                 crops["class"] = {b: [latent_view_time_ids(sizes["class", p][0],
-                                                           covering_shape(sizes["class", p][1], buckets[b]),
+                                                           imaging.covering_shape(sizes["class", p][1], buckets[b]),
                                                            buckets[b], views) for p in paths["class"]]
                                   for b in set(assigned)}
             crops = ray.put(crops)

@@ -18,10 +18,10 @@ import sys
 import tempfile
 
 import cache_model
-import dataset
 import families
 import flags
 import generate
+import imagefiles
 import outputs
 import scores
 import utils
@@ -99,7 +99,7 @@ class EmbeddingActor:
         images = []
         for path in batch["path"]:
             with Image.open(path) as image:  # the subject photos as training read them
-                images.append(dataset.upright_rgb(image))
+                images.append(imagefiles.upright_rgb(image))
         return {"path": batch["path"], "dino": self.embedder.dino_images(images).numpy(),
                 "clip": self.embedder.clip_images(images).numpy(),
                 "text_clip": self.embedder.clip_texts([str(t) for t in batch["text"]]).numpy()}
@@ -200,11 +200,11 @@ class Subject:
 
     def photos(self):
         """Every photo of the subject (those held out too)."""
-        return dataset.list_images(self.photos_dir, f"photos of {self.name}", also_expected=".txt")
+        return imagefiles.list_images(self.photos_dir, f"photos of {self.name}", also_expected=".txt")
 
     def split(self):
-        """(photos trained on, photos held out): dataset.holdout_split, as train.py --holdout made it."""
-        return dataset.holdout_split(self.photos(), self.holdout)
+        """(photos trained on, photos held out): imagefiles.holdout_split, as train.py --holdout made it."""
+        return imagefiles.holdout_split(self.photos(), self.holdout)
 
 
 def image_job(label, model, prompt_list, folder, settings):
@@ -303,7 +303,7 @@ def main(argv=None):
                                                               ("--instance_data_dir", args.instance_data_dir)])
     scores.check_eval_models_dir(args.eval_models_dir)
     with tempfile.TemporaryDirectory() as scratch:  # each photo opened (odd ones converted there, then dropped)
-        dataset.inspect_images(subject.photos(), 0, scratch)
+        imagefiles.inspect_images(subject.photos(), 0, scratch)
     result = run(models_to_score(args.model_dir, args.lora_dir, args.base_model_dir), [subject],
                  EvalSettings.from_args(args), args.output_dir)[subject.name]
     print(f"tuned: {summary(result['models']['tuned']['overall'])}; report "

@@ -15,9 +15,10 @@ from datetime import datetime
 
 import cache_model
 import checkpoint
-import dataset
 import families
 import flags
+import imagefiles
+import imaging
 import outputs
 import prompts
 import run_identity
@@ -250,8 +251,8 @@ def plan_run(args, cluster_resources, draw_class_images=None):
         ("--pretrained_model_name_or_path", args.model_dir), ("--instance_data_dir", args.instance_data_dir),
         ("--class_data_dir", args.class_data_dir)])
     check_output_dir(args.output_dir, args.overwrite)
-    instance_images = dataset.list_images(args.instance_data_dir, "instance", also_expected=args.caption_extension)
-    instance_images, held_out = dataset.holdout_split(instance_images, args.holdout)
+    instance_images = imagefiles.list_images(args.instance_data_dir, "instance", also_expected=args.caption_extension)
+    instance_images, held_out = imagefiles.holdout_split(instance_images, args.holdout)
     held_out = tuple(os.path.basename(p) for p in held_out)
     if held_out:
         print(f"--holdout {args.holdout}: training without {', '.join(held_out)} "
@@ -262,10 +263,10 @@ def plan_run(args, cluster_resources, draw_class_images=None):
     photos = instance_images  # as given: their content is part of the run's identity
     masks = masks_of(instance_images, args.masked_loss)
     convert_dir = os.path.join(args.storage_path, "converted-images")
-    instance_images = dataset.inspect_images(instance_images, resolution, convert_dir)
+    instance_images = imagefiles.inspect_images(instance_images, resolution, convert_dir)
     if draw_class_images is not None:
         draw_class_images()
-    class_files = dataset.list_images(args.class_data_dir, "class") if args.with_prior_preservation else []
+    class_files = imagefiles.list_images(args.class_data_dir, "class") if args.with_prior_preservation else []
     if args.num_class_images and len(class_files) > args.num_class_images:  # as diffusers: at most that many
         print(f"--num_class_images {args.num_class_images}: training on the first {args.num_class_images} of the "
               f"{len(class_files)} class images in {args.class_data_dir}", file=sys.stderr)
@@ -273,13 +274,13 @@ def plan_run(args, cluster_resources, draw_class_images=None):
     if class_files:
         check_class_images(args.class_data_dir, args.model_dir, args.class_prompt, resolution)
     prompts.warn_without_identifier(instance_prompts, args.instance_prompt, args.class_prompt)
-    class_images = dataset.inspect_images(class_files, resolution, convert_dir) if class_files else []
+    class_images = imagefiles.inspect_images(class_files, resolution, convert_dir) if class_files else []
     num_rows = max(len(instance_images), len(class_images))
     buckets = ()
     if args.enable_bucket:
         buckets = bucket_plan(args, resolution)
-        assigned = [dataset.bucket_for(*dataset.upright_size(p), buckets) for p in instance_images]
-        num_rows = dataset.bucket_epoch_rows(assigned, len(class_images), args.train_batch_size)
+        assigned = [imaging.bucket_for(*imagefiles.upright_size(p), buckets) for p in instance_images]
+        num_rows = imaging.bucket_epoch_rows(assigned, len(class_images), args.train_batch_size)
         used = sorted(set(assigned))
         print(f"buckets: {len(instance_images)} photos in " + ", ".join(
             f"{buckets[b][1]}x{buckets[b][0]} ({assigned.count(b)})" for b in used) + " (width x height)",
@@ -343,7 +344,7 @@ def offline_plan(**fields):
 
 
 def bucket_plan(args, resolution):
-    """The buckets of --enable_bucket: dataset.bucket_sizes with the flags' bounds (defaults: half
+    """The buckets of --enable_bucket: imaging.bucket_sizes with the flags' bounds (defaults: half
     and twice the resolution, steps of 64, fewer pixels for small models), every side a multiple of
     the model's size step; UserError when the flags leave no bucket but the square."""
 
@@ -357,7 +358,7 @@ def bucket_plan(args, resolution):
     if not low <= resolution <= high:
         raise utils.UserError(f"--min_bucket_reso {low} and --max_bucket_reso {high} must enclose the "
                               f"resolution {resolution}")
-    buckets = tuple(dataset.bucket_sizes(resolution, low, high, step))
+    buckets = tuple(imaging.bucket_sizes(resolution, low, high, step))
     if len(buckets) == 1:
         raise utils.UserError(f"--enable_bucket: no bucket but the square fits sides {low}-{high} in steps of "
                               f"{step} at {resolution} px; widen them")
@@ -370,15 +371,15 @@ def masks_of(photos, masked_loss):
     unused beside the photos. Returns a list as long as photos (Nones without the flag)."""
 
     if not masked_loss:
-        unused = dataset.masks_beside(photos)
+        unused = imagefiles.masks_beside(photos)
         if unused:
             print(f"warning: {len(unused)} mask file(s) beside the photos are not used without --masked_loss "
                   f"(e.g. {os.path.basename(unused[0])})", file=sys.stderr)
         return [None] * len(photos)
-    sources = dataset.find_masks(photos)
+    sources = imagefiles.find_masks(photos)
     found = sum(s is not None for s in sources)
     if not found:
-        print(f"warning: --masked_loss: none of the {len(photos)} photos has a mask (NAME{dataset.MASK_SUFFIX} "
+        print(f"warning: --masked_loss: none of the {len(photos)} photos has a mask (NAME{imagefiles.MASK_SUFFIX} "
               "beside NAME.jpg, or transparency): every photo counts everywhere", file=sys.stderr)
     else:
         print(f"--masked_loss: {found} of {len(photos)} photos have a mask", file=sys.stderr)

@@ -24,9 +24,9 @@ import tempfile
 import uuid
 
 import cache_model
-import dataset
 import families
 import flags
+import imagefiles
 import memory
 import planning
 import utils
@@ -78,9 +78,9 @@ def check_photos(folder, variable):
     if not os.path.isdir(folder):
         raise utils.UserError(f"{variable}={folder}: no such folder; put 4-6 photos of your subject there")
     try:
-        photos = dataset.list_images(folder, f"{variable}")
+        photos = imagefiles.list_images(folder, f"{variable}")
         with tempfile.TemporaryDirectory() as scratch:
-            dataset.inspect_images(photos, 0, scratch)
+            imagefiles.inspect_images(photos, 0, scratch)
     except utils.UserError as err:
         raise utils.UserError(f"{variable}={folder}: {err}") from None
     if len(photos) < 3:

@@ -29,10 +29,10 @@ import sys
 
 import cache_model
 import checkpoint
-import dataset
 import evaluate
 import families
 import flags
+import imagefiles
 import outputs
 import planning
 import scores
@@ -124,9 +124,9 @@ def read_subjects(args):
         folder = os.path.join(args.subjects_dir, name)
         if not os.path.isdir(folder) or name.startswith("."):
             continue
-        path = os.path.join(folder, dataset.SUBJECT_FILE)
+        path = os.path.join(folder, imagefiles.SUBJECT_FILE)
         if not os.path.isfile(path):
-            raise utils.UserError(f"{folder} has no {dataset.SUBJECT_FILE} (e.g. {{\"class_name\": \"dog\"}})")
+            raise utils.UserError(f"{folder} has no {imagefiles.SUBJECT_FILE} (e.g. {{\"class_name\": \"dog\"}})")
         try:
             info = utils.read_json(path)
             subjects[name] = evaluate.Subject(name, folder, info.get("unique_token", args.unique_token),
@@ -435,7 +435,7 @@ def main(argv=None):
     # --holdout (train.py's flag, for every trial): the same photos kept out of training and scored apart
     subjects = {name: dataclasses.replace(s, holdout=train_args.holdout) for name, s in read_subjects(args).items()}
     for subject in subjects.values():  # a missing or corrupt photo or a bad prompt file fails now, not in a trial
-        dataset.inspect_images(subject.photos(), 0, os.path.join(args.sweep_dir, "converted-images"))
+        imagefiles.inspect_images(subject.photos(), 0, os.path.join(args.sweep_dir, "converted-images"))
         subject.prompts()
     families.check_model_dir(args.model_dir, train_args.allow_unsafe_weights)
     families.require(args.model_dir, "train")

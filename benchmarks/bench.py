@@ -269,9 +269,10 @@ def main(argv=None):
             write_images(os.path.join(work, "instance"), 4, res, 0)
             write_images(os.path.join(work, "class"), 40, res, 1)
             import dataset
+            import imagefiles
 
             t0 = time.perf_counter()
-            paths = dataset.list_images(os.path.join(work, "class"), "class")
+            paths = imagefiles.list_images(os.path.join(work, "class"), "class")
             dataset.build_train_dataset(paths[:4], paths, res, True, False).materialize()
             row("start-up: dataset build (40 class rows)", time.perf_counter() - t0, "s")
         plain = {}

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import dataset
 import families
+import imagefiles
+import imaging
 import prompts
 import utils
 from conftest import ray_sessions
@@ -27,7 +28,7 @@ def read_rgb(path):
 def inspect_one(tmp_path, image, name, resolution=16, **save):
     path = tmp_path / name
     image.save(path, **save)
-    [out] = dataset.inspect_images([str(path)], resolution, str(tmp_path / "converted"))
+    [out] = imagefiles.inspect_images([str(path)], resolution, str(tmp_path / "converted"))
     return out, str(path)
 
 
@@ -58,7 +59,7 @@ def test_same_named_files_in_different_folders_convert_apart(tmp_path):
         (tmp_path / folder).mkdir()
         paths.append(str(tmp_path / folder / "x.png"))
         Image.new("RGBA", (16, 16), color).save(paths[-1])
-    outs = dataset.inspect_images(paths, 16, str(tmp_path / "converted"))
+    outs = imagefiles.inspect_images(paths, 16, str(tmp_path / "converted"))
     assert len(set(outs)) == 2
     assert tuple(read_rgb(outs[0])[0, 0]) == (255, 0, 0) and tuple(read_rgb(outs[1])[0, 0]) == (0, 255, 0)
 
@@ -78,18 +79,18 @@ def test_exif_rotated_photo_that_needs_conversion_is_stored_upright(tmp_path):
     exif[0x0112] = 6  # rotate 90 degrees clockwise to display
     out, _ = inspect_one(tmp_path, image, "r.png", exif=exif)
     assert read_rgb(out).shape == (40, 20, 3)
-    assert dataset.exif_orientation(out) == 1
+    assert imagefiles.exif_orientation(out) == 1
 
 
 def test_corrupt_and_truncated_images_are_named(tmp_path):
     (tmp_path / "broken.jpg").write_bytes(b"not a jpeg at all")
     with pytest.raises(utils.UserError, match="broken.jpg"):
-        dataset.inspect_images([str(tmp_path / "broken.jpg")], 16, str(tmp_path))
+        imagefiles.inspect_images([str(tmp_path / "broken.jpg")], 16, str(tmp_path))
     buffer = io.BytesIO()
     Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(buffer, "JPEG")
     (tmp_path / "cut.jpg").write_bytes(buffer.getvalue()[: len(buffer.getvalue()) // 2])
     with pytest.raises(utils.UserError, match="cut.jpg"):
-        dataset.inspect_images([str(tmp_path / "cut.jpg")], 16, str(tmp_path))
+        imagefiles.inspect_images([str(tmp_path / "cut.jpg")], 16, str(tmp_path))
 
 
 def test_small_images_are_warned_and_large_ones_accepted(tmp_path, capsys):
@@ -97,7 +98,7 @@ def test_small_images_are_warned_and_large_ones_accepted(tmp_path, capsys):
     assert "tiny.png" in capsys.readouterr().err
     big, path = inspect_one(tmp_path, Image.new("RGB", (6000, 4000)), "huge.jpg", resolution=64)
     assert big == path
-    assert dataset.resize_shorter_side(read_rgb(big), 64).shape == (64, 96, 3)
+    assert imaging.resize_shorter_side(read_rgb(big), 64).shape == (64, 96, 3)
 
 
 def run_train(args, timeout=120):

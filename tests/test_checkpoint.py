@@ -167,11 +167,10 @@ def test_8bit_adam_trains_and_its_quantised_state_round_trips(make_plan, prompt_
 
 def test_a_checkpoint_becomes_the_model_the_run_would_have_saved_at_that_step(make_plan, prompt_ids, tiny_model,
                                                                             tmp_path):
-    """sweep.py scores intermediate checkpoints: outputs.save_checkpoint_as_model writes their weights as
+    """sweep.py scores intermediate checkpoints: checkpoint.save_as_model writes their weights as
     train.py's output (channels-last on, as on a GPU), recording the step."""
     from diffusers import StableDiffusionPipeline
 
-    import outputs
     import utils
 
     state = trained_state(make_plan, prompt_ids, channels_last=True)
@@ -194,7 +193,6 @@ def test_the_moving_average_round_trips_and_is_the_model_a_checkpoint_becomes(ma
     starts it from its weights), and it is what a checkpoint turned into a model holds."""
     from diffusers import StableDiffusionPipeline
 
-    import outputs
 
     settings = dict(use_ema=True, ema_decay=0.5, channels_last=True)
     state = trained_state(make_plan, prompt_ids, **settings)

@@ -5,6 +5,8 @@ import pytest
 from PIL import Image, ImageOps
 
 import dataset
+import imagefiles
+import imaging
 import utils
 
 
@@ -20,27 +22,27 @@ def test_apply_orientation_matches_pillow_exif_transpose(orientation, tmp_path):
     exif[0x0112] = orientation
     path = tmp_path / "x.png"
     image.save(path, exif=exif)
-    assert dataset.exif_orientation(str(path)) == orientation
+    assert imagefiles.exif_orientation(str(path)) == orientation
     with Image.open(path) as opened:
         expected = np.asarray(ImageOps.exif_transpose(opened).convert("RGB"))
-    np.testing.assert_array_equal(dataset.apply_orientation(array, orientation), expected)
+    np.testing.assert_array_equal(imagefiles.apply_orientation(array, orientation), expected)
 
 
 def test_resize_shorter_side_keeps_aspect_and_upscales_small():
-    out = dataset.resize_shorter_side(np.zeros((20, 40, 3), np.uint8), 64)
+    out = imaging.resize_shorter_side(np.zeros((20, 40, 3), np.uint8), 64)
     assert out.shape == (64, 128, 3) and out.dtype == np.uint8
-    out = dataset.resize_shorter_side(np.zeros((300, 200, 3), np.uint8), 64)
+    out = imaging.resize_shorter_side(np.zeros((300, 200, 3), np.uint8), 64)
     assert out.shape == (96, 64, 3)
 
 
 def test_crop_square_center_and_random_stay_inside():
     image = asymmetric_image(10, 30)
-    center = dataset.crop_square(image, 10, True, None)
+    center = imaging.crop_square(image, 10, True, None)
     np.testing.assert_array_equal(center, image[:, 10:20])
     rng = np.random.default_rng(0)
     lefts = set()
     for _ in range(50):
-        crop = dataset.crop_square(image, 10, False, rng)
+        crop = imaging.crop_square(image, 10, False, rng)
         assert crop.shape == (10, 10, 3)
         lefts.add(int(crop[0, 0, 0]) // 3)
     assert len(lefts) > 5
@@ -48,15 +50,15 @@ def test_crop_square_center_and_random_stay_inside():
 
 def test_view_flip_mirrors_and_center_crop_is_deterministic():
     image = asymmetric_image(8, 8)
-    plain = dataset.view(image, 8, True, False, np.random.default_rng(0))
+    plain = imaging.view(image, 8, True, False, np.random.default_rng(0))
     assert plain.dtype == np.uint8 and plain.shape == (8, 8, 3)
-    views = {dataset.view(image, 8, True, True, np.random.default_rng(s)).tobytes() for s in range(20)}
+    views = {imaging.view(image, 8, True, True, np.random.default_rng(s)).tobytes() for s in range(20)}
     assert views == {plain.tobytes(), plain[:, ::-1].tobytes()}
 
 
 @pytest.mark.parametrize("num_instance, num_class", [(5, 200), (5, 6), (6, 4), (3, 3), (1, 7), (5, 0)])
 def test_plan_rows_pairs_every_image_each_epoch_and_drops_none(num_instance, num_class):
-    rows = dataset.plan_rows(num_instance, num_class, 3, seed=0)
+    rows = imaging.plan_rows(num_instance, num_class, 3, seed=0)
     per_epoch = max(num_instance, num_class)
     assert len(rows) == 3 * per_epoch and [r["epoch"] for r in rows] == sorted(r["epoch"] for r in rows)
     for epoch in range(3):
@@ -71,9 +73,9 @@ def test_plan_rows_pairs_every_image_each_epoch_and_drops_none(num_instance, num
 
 
 def test_plan_rows_come_from_the_seed_and_differ_between_epochs():
-    a, b = dataset.plan_rows(4, 50, 2, seed=1), dataset.plan_rows(4, 50, 2, seed=1)
+    a, b = imaging.plan_rows(4, 50, 2, seed=1), imaging.plan_rows(4, 50, 2, seed=1)
     assert a == b
-    assert a != dataset.plan_rows(4, 50, 2, seed=2)
+    assert a != imaging.plan_rows(4, 50, 2, seed=2)
     first, second = a[:50], a[50:]
     assert [r["class"] for r in first] != [r["class"] for r in second]  # reshuffled each epoch
     assert len({r["seed"] for r in a}) == len(a)
@@ -97,17 +99,17 @@ def test_list_images_skips_non_images_and_refuses_empty(tmp_path, capsys):
     (tmp_path / ".DS_Store").write_bytes(b"\0")
     (tmp_path / "notes.txt").write_text("hi")
     (tmp_path / "sub").mkdir()
-    assert dataset.list_images(str(tmp_path), "instance") == [str(tmp_path / "a.jpg"), str(tmp_path / "b.png")]
+    assert imagefiles.list_images(str(tmp_path), "instance") == [str(tmp_path / "a.jpg"), str(tmp_path / "b.png")]
     err = capsys.readouterr().err
     assert ".DS_Store" in err and "notes.txt" in err
-    dataset.list_images(str(tmp_path), "instance", also_expected=".txt")
+    imagefiles.list_images(str(tmp_path), "instance", also_expected=".txt")
     err = capsys.readouterr().err
     assert ".DS_Store" in err and "notes.txt" not in err  # captions beside the images are expected
     empty = tmp_path / "sub"
     with pytest.raises(utils.UserError, match="holds no images"):
-        dataset.list_images(str(empty), "class")
+        imagefiles.list_images(str(empty), "class")
     with pytest.raises(utils.UserError, match="not found"):
-        dataset.list_images(str(tmp_path / "missing"), "instance")
+        imagefiles.list_images(str(tmp_path / "missing"), "instance")
 
 
 def test_tokenize_prompt_pads_to_model_max_length(tiny_model):
@@ -124,8 +126,8 @@ def test_train_dataset_on_ray_pairs_every_class_image(ray_session, toy_images, t
     class_dir.mkdir()
     for k in range(7):  # non-square, distinct solid colours so rows can be told apart
         Image.new("RGB", (48, 32), (30 * k, 0, 0)).save(class_dir / f"c{k}.png")
-    instance_paths = dataset.list_images(toy_images, "instance")
-    class_paths = dataset.list_images(str(class_dir), "class")
+    instance_paths = imagefiles.list_images(toy_images, "instance")
+    class_paths = imagefiles.list_images(str(class_dir), "class")
     ds = dataset.build_train_dataset(instance_paths, class_paths, 16, center_crop=True, random_flip=False,
                                      num_epochs=2, seed=3)
     rows = ds.take_all()
@@ -143,22 +145,22 @@ def test_train_dataset_on_ray_pairs_every_class_image(ray_session, toy_images, t
     # --masked_loss: each row's mask travels with its pixels (the photos' red channel is their mask)
     photos = red_is_mask_photos(tmp_path / "masked")
     masked = dataset.build_train_dataset(photos, None, 16, center_crop=False, random_flip=True, num_epochs=3,
-                                         mask_sources=dataset.find_masks(photos)).take_all()
+                                         mask_sources=imagefiles.find_masks(photos)).take_all()
     assert len(masked) == 9 and all(np.array_equal(r["instance_mask"], r["instance_pixels"][..., 0]) for r in masked)
     # --enable_bucket: photos of three shapes; each batch (a block) is one bucket, class rows fitted to it
     shaped = photos + [tall_photo_marked_at_the_top(tmp_path / "tall.png")]
-    buckets = dataset.bucket_sizes(16, 8, 32, 4)
+    buckets = imaging.bucket_sizes(16, 8, 32, 4)
     bucketed = dataset.build_train_dataset(shaped, class_paths, 16, center_crop=False, random_flip=True,
                                            num_epochs=2, batch_size=2, buckets=buckets)
     batches = list(bucketed.iter_batches(batch_size=2))
     shapes = {b["instance_pixels"].shape[1:3] for b in batches}
     assert len(shapes) >= 3 and all(b["class_pixels"].shape == b["instance_pixels"].shape for b in batches)
-    assert sum(len(b["instance_image"]) for b in batches) == 2 * dataset.bucket_epoch_rows(
-        [dataset.bucket_for(*dataset.upright_size(p), buckets) for p in shaped], len(class_paths), 2)
+    assert sum(len(b["instance_image"]) for b in batches) == 2 * imaging.bucket_epoch_rows(
+        [imaging.bucket_for(*imagefiles.upright_size(p), buckets) for p in shaped], len(class_paths), 2)
 
 
 def test_latent_cache_stores_posteriors_of_both_flip_views(ray_session, tiny_model, toy_images, tmp_path):
-    paths = dataset.list_images(toy_images, "instance")
+    paths = imagefiles.list_images(toy_images, "instance")
     cache = {"model_dir": tiny_model, "num_gpus": 0, "allow_unsafe_weights": False}
     ds = dataset.build_train_dataset(paths, paths[:3], 16, center_crop=True, random_flip=True, latent_cache=cache)
     rows = ds.take_all()
@@ -166,16 +168,16 @@ def test_latent_cache_stores_posteriors_of_both_flip_views(ray_session, tiny_mod
     assert all(r["instance_latents"].shape == (8, 8, 8) and r["class_latents"].shape == (8, 8, 8) for r in rows)
     # --enable_bucket: each photo's latents at its bucket, the class images' at every bucket the photos use
     tall = tall_photo_marked_at_the_top(tmp_path / "tall.png")
-    buckets = dataset.bucket_sizes(16, 8, 32, 4)
+    buckets = imaging.bucket_sizes(16, 8, 32, 4)
     bucketed = dataset.build_train_dataset(paths + [tall], paths[:3], 16, center_crop=True, random_flip=True,
                                            latent_cache=cache, batch_size=2, buckets=buckets)
     batches = list(bucketed.iter_batches(batch_size=2))
-    tall_bucket = buckets[dataset.bucket_for(240, 96, buckets)]
+    tall_bucket = buckets[imaging.bucket_for(240, 96, buckets)]
     assert {b["instance_latents"].shape[2:] for b in batches} == {(8, 8), (tall_bucket[0] // 2, tall_bucket[1] // 2)}
     assert all(b["class_latents"].shape == b["instance_latents"].shape for b in batches)
     encoder = dataset.LatentEncoder(tiny_model, True, False)
     images = [np.asarray(Image.open(p).convert("RGB")) for p in paths[:1]]
-    views = encoder.encode([dataset.resize_shorter_side(x, 16) for x in images], 16)
+    views = encoder.encode([imaging.resize_shorter_side(x, 16) for x in images], 16)
     assert views.shape == (1, 2, 8, 8, 8) and not np.allclose(views[0, 0], views[0, 1])
 
 
@@ -193,22 +195,22 @@ def red_is_mask_photos(folder, count=3):
             Image.fromarray(np.concatenate([pixels, mask[..., None]], axis=-1), "RGBA").save(path)
         else:
             Image.fromarray(pixels).save(path)
-            Image.fromarray(mask).save(folder / f"p{k}{dataset.MASK_SUFFIX}")
+            Image.fromarray(mask).save(folder / f"p{k}{imagefiles.MASK_SUFFIX}")
         photos.append(str(path))
     return photos
 
 
 def test_masks_come_from_a_file_beside_the_photo_or_its_transparency_and_are_never_photos(tmp_path):
     photos = red_is_mask_photos(tmp_path / "own")
-    assert dataset.list_images(str(tmp_path / "own"), "instance") == photos  # the .mask.png files are not photos
-    found = dataset.find_masks(photos)
-    sources = [photos[0][:-4] + dataset.MASK_SUFFIX, photos[1][:-4] + dataset.MASK_SUFFIX, photos[2]]
+    assert imagefiles.list_images(str(tmp_path / "own"), "instance") == photos  # the .mask.png files are not photos
+    found = imagefiles.find_masks(photos)
+    sources = [photos[0][:-4] + imagefiles.MASK_SUFFIX, photos[1][:-4] + imagefiles.MASK_SUFFIX, photos[2]]
     assert found == list(zip(sources, photos))
     for photo, source in zip(photos, sources):
         with Image.open(photo) as image:
             red = np.asarray(image.convert("RGB"))[..., 0]
-        np.testing.assert_array_equal(dataset.read_mask(source, photo), red)
-    assert dataset.masks_beside(photos) == sources[:2]
+        np.testing.assert_array_equal(imagefiles.read_mask(source, photo), red)
+    assert imagefiles.masks_beside(photos) == sources[:2]
     # A photo stored sideways (EXIF 6) and its mask drawn on it as stored: both turned upright.
     mask = np.zeros((10, 20), np.uint8)
     mask[:, :5] = 255
@@ -216,20 +218,20 @@ def test_masks_come_from_a_file_beside_the_photo_or_its_transparency_and_are_nev
     exif = sideways.getexif()
     exif[0x0112] = 6
     sideways.save(tmp_path / "s.jpg", exif=exif)
-    Image.fromarray(mask).save(tmp_path / f"s{dataset.MASK_SUFFIX}")
-    upright = dataset.read_mask(str(tmp_path / f"s{dataset.MASK_SUFFIX}"), str(tmp_path / "s.jpg"))
-    np.testing.assert_array_equal(upright, dataset.apply_orientation(mask, 6))
-    Image.fromarray(np.zeros((7, 7), np.uint8)).save(tmp_path / f"s{dataset.MASK_SUFFIX}")
+    Image.fromarray(mask).save(tmp_path / f"s{imagefiles.MASK_SUFFIX}")
+    upright = imagefiles.read_mask(str(tmp_path / f"s{imagefiles.MASK_SUFFIX}"), str(tmp_path / "s.jpg"))
+    np.testing.assert_array_equal(upright, imagefiles.apply_orientation(mask, 6))
+    Image.fromarray(np.zeros((7, 7), np.uint8)).save(tmp_path / f"s{imagefiles.MASK_SUFFIX}")
     with pytest.raises(utils.UserError, match="is 7x7 px but its photo .* is 10x20: draw the mask"):
-        dataset.find_masks([str(tmp_path / "s.jpg")])
+        imagefiles.find_masks([str(tmp_path / "s.jpg")])
 
 
 def test_each_view_carries_its_own_crop_and_flip_of_the_mask(tmp_path):
     photos = red_is_mask_photos(tmp_path / "own")
-    masks = dict(zip(photos, dataset.find_masks(photos)))
+    masks = dict(zip(photos, imagefiles.find_masks(photos)))
     instances, _ = dataset.decode_images(photos, None, 16, masks=masks)
     images = [np.concatenate([x, masks[p][..., None]], axis=-1) for x, p in zip(instances, photos)]
-    rows = dataset.plan_rows(3, 0, 4, seed=1)
+    rows = imaging.plan_rows(3, 0, 4, seed=1)
     batch = {k: np.array([r[k] for r in rows]) for k in ("instance", "seed")}
     out = dataset.make_views(batch, images, None, 16, center_crop=False, random_flip=True)
     assert out["instance_pixels"].shape == (12, 16, 16, 3) and out["instance_mask"].shape == (12, 16, 16)
@@ -244,12 +246,12 @@ def test_each_view_carries_its_own_crop_and_flip_of_the_mask(tmp_path):
 
 
 def test_buckets_hold_about_the_resolutions_pixels_in_steps_of_every_shape():
-    buckets = dataset.bucket_sizes(512, 256, 1024, 64)
+    buckets = imaging.bucket_sizes(512, 256, 1024, 64)
     assert (512, 512) in buckets and (576, 448) in buckets and (448, 576) in buckets
     assert all(h % 64 == 0 and w % 64 == 0 and 256 <= min(h, w) and max(h, w) <= 1024 for h, w in buckets)
     assert all(h * w <= 512 * 512 and h * w > 512 * 512 * 0.75 for h, w in buckets)
     assert set(buckets) == {(w, h) for h, w in buckets}  # both orientations
-    tall, wide, square = (dataset.bucket_for(h, w, buckets) for h, w in ((1000, 500), (300, 400), (700, 701)))
+    tall, wide, square = (imaging.bucket_for(h, w, buckets) for h, w in ((1000, 500), (300, 400), (700, 701)))
     assert buckets[square] == (512, 512)
     assert buckets[tall][0] / buckets[tall][1] == pytest.approx(2, rel=0.25)
     assert buckets[wide] == (448, 576)
@@ -257,8 +259,8 @@ def test_buckets_hold_about_the_resolutions_pixels_in_steps_of_every_shape():
 
 def test_bucket_rows_put_one_bucket_in_each_block_and_every_photo_in_each_epoch():
     assigned = [0, 2, 2, 1, 2]  # the buckets of five photos
-    rows = dataset.plan_bucket_rows(assigned, 7, num_epochs=2, seed=4, batch_size=2)
-    per_epoch = dataset.bucket_epoch_rows(assigned, 7, 2)
+    rows = imaging.plan_bucket_rows(assigned, 7, num_epochs=2, seed=4, batch_size=2)
+    per_epoch = imaging.bucket_epoch_rows(assigned, 7, 2)
     assert len(rows) == 2 * per_epoch and per_epoch % 2 == 0
     blocks = [rows[k:k + 2] for k in range(0, len(rows), 2)]
     assert all(len({r["bucket"] for r in b}) == 1 and all(r["bucket"] == assigned[r["instance"]] for r in b)
@@ -266,8 +268,8 @@ def test_bucket_rows_put_one_bucket_in_each_block_and_every_photo_in_each_epoch(
     for epoch in (0, 1):
         mine = [r for r in rows if r["epoch"] == epoch]
         assert {r["instance"] for r in mine} == set(range(5)) and {r["class"] for r in mine} == set(range(7))
-    assert rows == dataset.plan_bucket_rows(assigned, 7, num_epochs=2, seed=4, batch_size=2)  # seeded
-    assert [r["bucket"] for r in rows] != [r["bucket"] for r in dataset.plan_bucket_rows(assigned, 7, 2, 5, 2)]
+    assert rows == imaging.plan_bucket_rows(assigned, 7, num_epochs=2, seed=4, batch_size=2)  # seeded
+    assert [r["bucket"] for r in rows] != [r["bucket"] for r in imaging.plan_bucket_rows(assigned, 7, 2, 5, 2)]
 
 
 def tall_photo_marked_at_the_top(path, height=240, width=96):
@@ -282,13 +284,13 @@ def test_a_portrait_photos_top_is_never_cropped_away_in_its_bucket(tmp_path):
     """Square crops of a tall photo lose its top in some views; its bucket keeps all of it, class
     images are fitted to the same bucket, and SDXL's time ids hold the true sizes and crops."""
     photo = tall_photo_marked_at_the_top(tmp_path / "tall.png")
-    buckets = dataset.bucket_sizes(64, 32, 128, 8)
-    bucket = dataset.bucket_for(*dataset.upright_size(photo), buckets)
+    buckets = imaging.bucket_sizes(64, 32, 128, 8)
+    bucket = imaging.bucket_for(*imagefiles.upright_size(photo), buckets)
     height, width = buckets[bucket]
     assert height > width
     class_image = np.full((64, 64, 3), 7, np.uint8)
     instances, _ = dataset.decode_images([photo], None, 64, buckets=(buckets, [bucket]))
-    rows = dataset.plan_bucket_rows([bucket], 1, num_epochs=8, seed=0, batch_size=1)
+    rows = imaging.plan_bucket_rows([bucket], 1, num_epochs=8, seed=0, batch_size=1)
     batch = {k: np.array([r[k] for r in rows]) for k in ("instance", "class", "seed", "bucket")}
     out = dataset.make_views(batch, instances, [class_image], 64, center_crop=False, random_flip=True,
                              sizes={"instance": [(240, 96)], "class": [(64, 64)]}, buckets=buckets)

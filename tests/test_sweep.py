@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-import dataset
+import imagefiles
 import sweep
 import sweep_report
 import utils
@@ -43,7 +43,7 @@ def write_subject(folder, images, info):
     for image in images:
         shutil.copy(image, folder)
     if info is not None:
-        utils.write_json(os.path.join(folder, dataset.SUBJECT_FILE), info)
+        utils.write_json(os.path.join(folder, imagefiles.SUBJECT_FILE), info)
 
 
 def test_subjects_come_from_their_folders_with_the_flags_as_defaults(tiny_model, toy_images, tmp_path):
@@ -61,7 +61,7 @@ def test_subjects_come_from_their_folders_with_the_flags_as_defaults(tiny_model,
     write_subject(tmp_path / "s" / "cat", photos[:1], None)
     with pytest.raises(utils.UserError, match="cat has no subject.json"):
         sweep.read_subjects(args)
-    utils.write_json(tmp_path / "s" / "cat" / dataset.SUBJECT_FILE, {"unique_token": "x"})
+    utils.write_json(tmp_path / "s" / "cat" / imagefiles.SUBJECT_FILE, {"unique_token": "x"})
     with pytest.raises(utils.UserError, match="cat/subject.json: needs a JSON object with \"class_name\""):
         sweep.read_subjects(args)
 
