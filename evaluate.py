@@ -24,6 +24,7 @@ import generate
 import imagefiles
 import outputs
 import scores
+import raycluster
 import utils
 
 EVAL_PROMPTS_DIR = os.path.join(utils.REPO_DIR, "assets", "eval_prompts")
@@ -90,7 +91,7 @@ class EmbeddingActor:
     def __init__(self, dino_dir, clip_dir, num_actors, allow_unsafe_weights):
         device = utils.torch_device()
         if device.type == "cpu":
-            utils.share_cpu_threads(num_actors)
+            raycluster.share_cpu_threads(num_actors)
         self.embedder = scores.Embedder(dino_dir, clip_dir, device, allow_unsafe_weights)
 
     def __call__(self, batch):
@@ -107,7 +108,7 @@ class EmbeddingActor:
 
 def embed(rows, eval_models_dir, num_actors, allow_unsafe_weights=False, batch_size=16):
     """{path: {"dino", "clip", "text_clip"} as (D,) arrays} for rows [{"path", "text"}], on an actor pool."""
-    ray = utils.init_ray()
+    ray = raycluster.init_ray()
     dirs = tuple(os.path.join(eval_models_dir, part) for part in scores.EVAL_MODEL_PARTS)
     ds = ray.data.from_items(rows).map_batches(
         EmbeddingActor, fn_constructor_args=(*dirs, num_actors, allow_unsafe_weights), batch_size=batch_size,
@@ -227,7 +228,7 @@ def run(entries, subjects, settings, output_dir, report_dirs=None):
 
     for _, model in entries:  # before Ray starts
         families.check_model_dir(model.model_dir, settings.allow_unsafe_weights)
-    utils.init_ray()
+    raycluster.init_ray()
     prompts = {s.name: s.prompts() for s in subjects}
     texts = {p: t for s in subjects for p, t in prompts[s.name].items()}
     texts.update({s.class_prompt: s.class_prompt for s in subjects})

@@ -36,6 +36,7 @@ import flags
 import models
 import outputs
 import prompts
+import raycluster
 import utils
 
 FLAGGED_SUFFIX = ".flagged"  # beside the name of an image the safety checker withheld
@@ -194,7 +195,7 @@ class ImageGenerator:
         utils.skip_unused_imports(lora=any(job.model.lora_dir for job in jobs))
         self.device = utils.torch_device()
         if self.device.type == "cpu":
-            utils.share_cpu_threads(num_actors)
+            raycluster.share_cpu_threads(num_actors)
         self.jobs, self.settings = jobs, settings
         self.loaded, self.pipe, self.broken = None, None, None
         try:
@@ -262,12 +263,12 @@ def run_actor_pool(jobs, settings, batch_size, num_actors):
 
 def actor_num_gpus():
     """GPUs each actor of a pool reserves: a whole one where the cluster has GPUs."""
-    return 1 if utils.cluster_resources()[1] else 0
+    return 1 if raycluster.cluster_resources()[1] else 0
 
 
 def default_num_actors():
     """One actor per GPU of the cluster; one CPU actor where there are none."""
-    return max(1, utils.cluster_resources()[1])
+    return max(1, raycluster.cluster_resources()[1])
 
 
 def wanted_files(folder, prompts, count):
@@ -374,7 +375,7 @@ def make_images_of(jobs, settings, batch_size=4, num_actors=None):
     if any(cache_model.has_random_weights(job.model.model_dir) for job in jobs):
         print("note: this model has random weights (cache_model.py --tiny / --random_model): its images are "
               "noise, as expected; the pipeline around them is real", file=sys.stderr)
-    ray = utils.init_ray()
+    ray = raycluster.init_ray()
     ray.data.DataContext.get_current().enable_progress_bars = False
     num_actors = num_actors or default_num_actors()
     flagged = []

@@ -29,6 +29,7 @@ import flags
 import imagefiles
 import memory
 import planning
+import raycluster
 import utils
 
 GB = 1e9
@@ -299,8 +300,8 @@ def main(argv=None):
     if args.gpu_memory is not None:  # an assumed card: known before Ray starts
         check_gpus(args, train_flags, 0)
     check_disk(args, train_flags.checkpoints_total_limit)
-    ray = utils.init_ray()
-    cpus, gpus = utils.cluster_resources()
+    ray = raycluster.init_ray()
+    cpus, gpus = raycluster.cluster_resources()
     workers = check_workers(args, cpus, gpus)
     if args.gpu_memory is None:
         check_gpus(args, train_flags, gpus)

@@ -38,6 +38,7 @@ import planning
 import scores
 import sweep_report
 import train
+import raycluster
 import utils
 
 SWEEP_FLAGS = [
@@ -283,7 +284,7 @@ def max_concurrent(args, train_args):
     """Trials at once: as many as the cluster's GPUs hold; one on CPUs (each already uses every core)."""
     if args.max_concurrent_trials:
         return args.max_concurrent_trials
-    gpus = utils.cluster_resources()[1]
+    gpus = raycluster.cluster_resources()[1]
     return max(1, gpus // (train_args.num_workers * train_args.gpus_per_worker)) if gpus else 1
 
 
@@ -449,14 +450,14 @@ def main(argv=None):
     set_aside_another_sweep(args.sweep_dir, args.settings_toml)
     config = flags.write_config(os.path.join(args.sweep_dir, "sweep_config.toml"), args.settings_toml)
     print(f"settings: {config} (sweep.py --config {config} repeats this sweep)", file=sys.stderr)
-    utils.init_ray()
+    raycluster.init_ray()
     eval_settings = evaluate.EvalSettings(
         args.eval_models_dir, args.eval_images_per_prompt, train_args.seed, args.batch_size, args.num_inference_steps,
         args.guidance_scale, train_args.resolution, None, train_args.allow_unsafe_weights)
     class_dirs = prepare_class_images(args, subjects, train_args)
     base = score_base(args, subjects, eval_settings)
     # A trial draws and embeds its images on the GPUs it trained on (one actor on a CPU cluster).
-    trial_actors = train_args.num_workers * train_args.gpus_per_worker if utils.cluster_resources()[1] else 1
+    trial_actors = train_args.num_workers * train_args.gpus_per_worker if raycluster.cluster_resources()[1] else 1
     rank_against = {name: (s["clip_t"] - args.clip_t_margin, ranking_dino(s)) for name, s in base.items()}
     job = SweepJob(subjects, args.sweep_dir, tuple(args.sweep_max_train_steps), class_dirs, tuple(train_flags),
                    args.model_dir, dataclasses.replace(eval_settings, num_actors=trial_actors), early_stopping,

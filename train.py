@@ -28,6 +28,7 @@ import models
 import outputs
 import planning
 import runlog
+import raycluster
 import utils
 import validation
 
@@ -82,9 +83,9 @@ def run(args):
 
 def start_ray():
     """(CPUs, GPUs) of the Ray cluster, started or joined here."""
-    ray = utils.init_ray()
+    ray = raycluster.init_ray()
     ray.data.DataContext.get_current().enable_progress_bars = False
-    return utils.cluster_resources()
+    return raycluster.cluster_resources()
 
 
 def top_up_class_images(model_dir, class_dir, class_prompt, count, seed=0, resolution=None,
@@ -114,7 +115,7 @@ def train_dataset(plan):
 
     latent_cache = None
     if plan.cache_latents:
-        latent_cache = {"model_dir": plan.model_dir, "num_gpus": utils.cluster_resources()[1],
+        latent_cache = {"model_dir": plan.model_dir, "num_gpus": raycluster.cluster_resources()[1],
                         "allow_unsafe_weights": plan.allow_unsafe_weights, "vae_dir": plan.vae_dir}
     return dataset.build_train_dataset(
         list(plan.instance_images), list(plan.class_images) or None, plan.resolution, plan.center_crop,
@@ -327,7 +328,7 @@ def worker_devices(gpus_per_worker, local_world_size):
     if devices[0].type == "cuda":
         torch.cuda.set_device(devices[0])
         return devices[0], devices[min(gpus_per_worker, len(devices)) - 1]
-    utils.share_cpu_threads(local_world_size)
+    raycluster.share_cpu_threads(local_world_size)
     cpu = torch.device("cpu")
     return cpu, cpu
 

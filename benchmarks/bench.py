@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 import models  # noqa: E402
+import raycluster  # noqa: E402
 import steps  # noqa: E402
 import utils  # noqa: E402
 
@@ -201,7 +202,7 @@ def generation(args, device, use_ray):
     settings = generate.ImageSettings(num_inference_steps=args.inference_steps)
     results = {}
     if use_ray:
-        utils.init_ray()
+        raycluster.init_ray()
     else:
         t0 = time.perf_counter()
         pipe = generate.load_pipeline(args.model_dir, device)
@@ -263,7 +264,7 @@ def main(argv=None):
         use_ray = not args.no_ray and variants
         if use_ray:
             t0 = time.perf_counter()
-            utils.init_ray()
+            raycluster.init_ray()
             row("start-up: Ray start", time.perf_counter() - t0, "s")
             res = RESOLUTION[args.model]
             write_images(os.path.join(work, "instance"), 4, res, 0)

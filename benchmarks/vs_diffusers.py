@@ -45,7 +45,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import utils  # noqa: E402
+import raycluster  # noqa: E402
 FIRST_TIMED_STEP = 10
 PROMPT, CLASS_PROMPT = "photo of unqtkn toy", "photo of a toy"
 REFERENCE_BAR = re.compile(r"Steps:.*?\|\s*(\d+)/(\d+) \[")
@@ -157,7 +157,7 @@ def run_reference(model, work, steps, log, args):
 def start_ray_cluster(work):
     """A local Ray head for the runs of ours (RAY_ADDRESS set for them); returns (process, address)."""
     try:
-        head, address = utils.start_ray_head(os.path.join(work, "ray-head.log"))
+        head, address = raycluster.start_ray_head(os.path.join(work, "ray-head.log"))
     except RuntimeError as err:
         sys.exit(f"vs_diffusers: {err}")
     os.environ["RAY_ADDRESS"] = address
@@ -180,7 +180,7 @@ def main(argv=None):
         compare(args, tools)
     finally:
         if cluster:
-            utils.stop_ray_head(cluster[0])
+            raycluster.stop_ray_head(cluster[0])
             os.environ.pop("RAY_ADDRESS", None)
 
 

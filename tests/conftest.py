@@ -6,7 +6,7 @@ import sys
 # Read at import time by huggingface_hub: set before anything imports it.
 os.environ["HF_HUB_OFFLINE"] = "1"
 # Ray's token authentication on, as for a user, with a token of the session's own: the suite never
-# reads or writes the user's ~/.ray/auth_token (utils.ensure_ray_token creates this one).
+# reads or writes the user's ~/.ray/auth_token (raycluster.ensure_ray_token creates this one).
 os.environ["RAY_AUTH_MODE"] = "token"
 os.environ.pop("RAY_AUTH_TOKEN", None)
 _TOKEN_DIR = __import__("tempfile").mkdtemp(prefix="dreambooth-tests-")
@@ -49,16 +49,16 @@ def shared_ray_cluster(tmp_path_factory):
     of starting and stopping its own. A test that needs a cluster of its own sets RAY_ADDRESS."""
     import socket
 
-    import utils
+    import raycluster
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    head, address = utils.start_ray_head(tmp_path_factory.mktemp("ray-head") / "ray-head.log", port)
+    head, address = raycluster.start_ray_head(tmp_path_factory.mktemp("ray-head") / "ray-head.log", port)
     os.environ["RAY_ADDRESS"] = address
     yield address
     os.environ.pop("RAY_ADDRESS", None)
-    utils.stop_ray_head(head)
+    raycluster.stop_ray_head(head)
 
 
 @pytest.fixture(scope="session")
@@ -73,13 +73,13 @@ def two_node_cluster(tmp_path_factory):
     import tempfile
     import time
 
-    import utils
+    import raycluster
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     folder = tmp_path_factory.mktemp("two-nodes")
-    head, address = utils.start_ray_head(folder / "head.log", port, extra=["--num-cpus=2", "--num-gpus=0"])
+    head, address = raycluster.start_ray_head(folder / "head.log", port, extra=["--num-cpus=2", "--num-gpus=0"])
     unshared = folder / "unshared"
     unshared.mkdir()
     temp = tempfile.mkdtemp(prefix="rn", dir="/tmp")  # the second node's own (short: socket paths)
@@ -101,7 +101,7 @@ def two_node_cluster(tmp_path_factory):
         node.wait(timeout=30)
     except subprocess.TimeoutExpired:
         os.killpg(node.pid, 9)
-    utils.stop_ray_head(head)
+    raycluster.stop_ray_head(head)
     shutil.rmtree(temp, ignore_errors=True)
 
 
@@ -122,9 +122,9 @@ def _slow_tests_share_one_cluster(request):
 @pytest.fixture(scope="session")
 def ray_session(shared_ray_cluster):
     """This process joined to the session's Ray cluster (workers get the code via runtime_env)."""
-    import utils
+    import raycluster
 
-    ray = utils.init_ray()
+    ray = raycluster.init_ray()
     yield ray
     ray.shutdown()
 

@@ -11,6 +11,7 @@ import pytest
 import memory
 import models
 import preflight
+import raycluster
 import utils
 from utils import REPO_DIR
 
@@ -111,14 +112,14 @@ def test_the_preflight_stops_before_ray_when_the_stated_card_is_too_small(toy_im
 def test_gpus_ray_counts_but_torch_cannot_use_stop_the_preflight(tmp_path, toy_images):
     """A node whose Ray counts a GPU that torch cannot open (here: a CPU machine told it has one, as a
     machine whose driver is older than torch's CUDA build looks): one line before Step 1."""
-    head, address = utils.start_ray_head(tmp_path / "head.log", extra=["--num-cpus=2", "--num-gpus=1"])
+    head, address = raycluster.start_ray_head(tmp_path / "head.log", extra=["--num-cpus=2", "--num-gpus=1"])
     try:
         proc = subprocess.run([sys.executable, "preflight.py", "--photos_dir", toy_images, "--class_name", "toy",
                                "--data_prefix", str(tmp_path), "--model_name", "sd15", "--", "--use_lora"],
                               cwd=REPO_DIR, capture_output=True, text=True, timeout=180,
                               env=dict(os.environ, RAY_ADDRESS=address))
     finally:
-        utils.stop_ray_head(head)
+        raycluster.stop_ray_head(head)
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert re.fullmatch(r"error: node \S+: Ray counts 1 GPU\(s\) but torch \S+ sees 0 \(.*\): install an NVIDIA "

@@ -14,6 +14,7 @@ import urllib.request
 
 import pytest
 
+import raycluster
 import utils
 from utils import REPO_DIR
 
@@ -93,10 +94,10 @@ def assert_closed_without_token(root_pids):
 
 
 def test_a_scripts_own_cluster_opens_no_port_without_the_token(tmp_path):
-    """A script run with no RAY_ADDRESS starts a cluster of its own (utils.init_ray): tried as an
+    """A script run with no RAY_ADDRESS starts a cluster of its own (raycluster.init_ray): tried as an
     attacker on the network would, no port of it lets a caller without the token in."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    code = ("import sys, utils; ray = utils.init_ray(); ray.get([ray.remote(lambda: 1).remote() for _ in range(2)]);"
+    code = ("import sys, utils; ray = raycluster.init_ray(); ray.get([ray.remote(lambda: 1).remote() for _ in range(2)]);"
             "print('READY', flush=True); sys.stdin.read()")
     script = subprocess.Popen([sys.executable, "-c", code], cwd=REPO_DIR, env=env, stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -114,7 +115,7 @@ def test_a_scripts_own_cluster_opens_no_port_without_the_token(tmp_path):
 
 
 def test_the_shared_head_opens_no_port_without_the_token(ray_session, shared_ray_cluster):
-    """The head dreambooth_run.sh starts for its steps (utils.start_ray_head is the same command),
+    """The head dreambooth_run.sh starts for its steps (raycluster.start_ray_head is the same command),
     with this process joined to it as a driver: no port without the token."""
     import psutil
 
@@ -159,22 +160,22 @@ def test_a_script_never_joins_the_cluster_named_in_rays_temp_folder(shared_ray_c
 def test_the_token_made_is_private_and_reused(tmp_path, monkeypatch):
     monkeypatch.delenv("RAY_AUTH_MODE")
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "ray" / "auth_token"))
-    path = utils.ensure_ray_token()
+    path = raycluster.ensure_ray_token()
     assert os.environ["RAY_AUTH_MODE"] == "token"  # on, for this process and those it starts
     token = open(path).read()
     assert len(token) == 64 and os.stat(path).st_mode & 0o777 == 0o600
-    assert utils.ensure_ray_token() == path and open(path).read() == token  # reused, not replaced
+    assert raycluster.ensure_ray_token() == path and open(path).read() == token  # reused, not replaced
     os.chmod(path, 0o644)  # as `ray get-auth-token --generate` writes it: readable by every local user
-    utils.ensure_ray_token()
+    raycluster.ensure_ray_token()
     assert os.stat(path).st_mode & 0o777 == 0o600 and open(path).read() == token
-    assert token not in utils.ray_auth_note() and path in utils.ray_auth_note()
+    assert token not in raycluster.ray_auth_note() and path in raycluster.ray_auth_note()
     monkeypatch.setenv("RAY_AUTH_TOKEN", "given")  # the token in the environment: no file made
-    assert utils.ensure_ray_token() is None and utils.ray_auth_note().endswith("RAY_AUTH_TOKEN")
+    assert raycluster.ensure_ray_token() is None and raycluster.ray_auth_note().endswith("RAY_AUTH_TOKEN")
     monkeypatch.delenv("RAY_AUTH_TOKEN")
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # turned off knowingly: honoured, and said plainly
     os.remove(path)
-    assert utils.ensure_ray_token() is None and not os.path.exists(path)
-    assert "token authentication OFF" in utils.ray_auth_note()
+    assert raycluster.ensure_ray_token() is None and not os.path.exists(path)
+    assert "token authentication OFF" in raycluster.ray_auth_note()
 
 
 def test_the_traceback_file_is_new_and_private(tmp_path, monkeypatch):
