@@ -161,13 +161,11 @@ def prompt_ids(tiny_model):
 
 
 def pytest_collection_modifyitems(items):
-    """Tests that start Ray (through the Ray fixture) or a subprocess are slow without saying so."""
-    import inspect
-
+    """A test that starts Ray or a subprocess says so with @pytest.mark.slow; one that takes the Ray
+    fixture without it is an error at collection, not a slow unit run."""
     for item in items:
-        source = inspect.getsource(item.function)
-        if "ray_session" in item.fixturenames or any(w in source for w in ("subprocess", "run_train(", "run_script(", "Popen")):
-            item.add_marker(pytest.mark.slow)
+        if "ray_session" in item.fixturenames and item.get_closest_marker("slow") is None:
+            raise pytest.UsageError(f"{item.nodeid} uses the Ray cluster: mark it @pytest.mark.slow")
 
 
 @pytest.fixture()

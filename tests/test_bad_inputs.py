@@ -114,6 +114,7 @@ def assert_one_line_error(proc, *words):
         assert word in last, proc.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_train_cli_names_the_bad_input(tiny_model, toy_images, tmp_path):
     base = ["--model_dir", tiny_model, "--instance_prompt", "photo of unqtkn toy", "--num_workers", "1"]
     photos = tmp_path / "photos"
@@ -209,6 +210,7 @@ def run_script(script, args, no_ray=False):
     return proc, time.perf_counter() - start
 
 
+@pytest.mark.slow
 def test_scripts_check_what_they_were_given_before_ray_starts(tiny_model, cut_model, toy_images, tmp_path):
     """Each case: exit != 0, one line naming the culprit, no traceback, in seconds (before Ray, before
     any image is drawn), and nothing of the user's moved."""
@@ -270,6 +272,7 @@ def sdxl_adapters(tiny_sdxl_model, tmp_path_factory):
     return plan.output_dir
 
 
+@pytest.mark.slow
 def test_the_flags_added_since_are_checked_before_ray_starts(tiny_model, sdxl_adapters, toy_images, tmp_path):
     """The catalogue grown with what came since (photos cut short, buckets, holdout, config syntax, EMA,
     caption dropout, LoRA rank and family, steps, masks, checkpoints, hub names offline, export and sweep
@@ -342,6 +345,7 @@ def mixed_model(tiny_model, tmp_path_factory):
     return model
 
 
+@pytest.mark.slow
 def test_an_error_no_restart_can_fix_stops_the_run_at_once(mixed_model, toy_images, tmp_path):
     """The run ends after the one attempt that met the bad model, not after --max_failures restarts,
     with one line and the traceback in the run's errors.log."""
@@ -362,6 +366,7 @@ def test_an_error_no_restart_can_fix_stops_the_run_at_once(mixed_model, toy_imag
     assert not os.path.exists(tmp_path / "out")
 
 
+@pytest.mark.slow
 def test_an_actor_that_cannot_load_its_model_fails_in_one_line(mixed_model, tmp_path):
     """generate.py's actor pool: the actor's error reaches the terminal as one line naming the model;
     its traceback goes to the output folder's errors.log."""
@@ -373,6 +378,7 @@ def test_an_actor_that_cannot_load_its_model_fails_in_one_line(mixed_model, tmp_
     assert not [name for name in os.listdir(out) if name.endswith(".png")]
 
 
+@pytest.mark.slow
 def test_any_other_error_in_a_ray_task_is_one_line_and_a_log(ray_session):
     @ray_session.remote
     def lookup():

@@ -26,6 +26,7 @@ def test_tiny_is_written_in_hub_layout_and_loads(tiny_model):
     assert type(pipe).__name__ == "StableDiffusionPipeline"
 
 
+@pytest.mark.slow
 def test_pinned_model_resolves_offline_from_an_existing_cache(tiny_model, tmp_path):
     """The default SD 1.4 revision, found in a hub-layout cache with the hub unreachable."""
     cache = tmp_path / "model-orig"

@@ -121,6 +121,7 @@ def test_tokenize_prompt_pads_to_model_max_length(tiny_model):
     assert ids[0] == tokenizer.bos_token_id and ids[5] == tokenizer.eos_token_id
 
 
+@pytest.mark.slow
 def test_train_dataset_on_ray_pairs_every_class_image(ray_session, toy_images, tmp_path):
     class_dir = tmp_path / "class"
     class_dir.mkdir()
@@ -159,6 +160,7 @@ def test_train_dataset_on_ray_pairs_every_class_image(ray_session, toy_images, t
         [imaging.bucket_for(*imagefiles.upright_size(p), buckets) for p in shaped], len(class_paths), 2)
 
 
+@pytest.mark.slow
 def test_latent_cache_stores_posteriors_of_both_flip_views(ray_session, tiny_model, toy_images, tmp_path):
     paths = imagefiles.list_images(toy_images, "instance")
     cache = {"model_dir": tiny_model, "num_gpus": 0, "allow_unsafe_weights": False}

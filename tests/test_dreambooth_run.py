@@ -21,6 +21,7 @@ def data_prefix(tmp_path_factory):
     return tmp_path_factory.mktemp("dreambooth-run")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["full", "lora"])
 def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request):
     """The full run as a one-GPU user runs it (no NUM_WORKERS: one worker here, on the CPU), on a machine
@@ -193,6 +194,7 @@ def run_in_terminal(argv, env, timeout):
     return proc.wait(), b"".join(chunks).decode(errors="replace").replace("\r\n", "\n")
 
 
+@pytest.mark.slow
 def test_unknown_argument_is_refused():
     proc = subprocess.run(["bash", "dreambooth_run.sh", "--tinny"], cwd=REPO_DIR, capture_output=True, text=True)
     assert proc.returncode == 2 and "unknown argument '--tinny'" in proc.stderr
@@ -216,6 +218,7 @@ def test_unknown_argument_is_refused():
     ({"INSTANCE_DIR": "{tmp}/photos", "CLASS_NAME": "dog", "NUM_WORKERS": "x"}, "NUM_WORKERS=x"),
     ({"EVAL_PROMPTS": "{tmp}/missing.txt"}, "missing.txt: No such file"),  # Step 6's file, at Step 0
 ])
+@pytest.mark.slow
 def test_a_run_that_cannot_work_stops_before_step_1_with_one_line(tmp_path, env, culprit):
     import shutil
 
@@ -230,6 +233,7 @@ def test_a_run_that_cannot_work_stops_before_step_1_with_one_line(tmp_path, env,
     assert culprit in last and "error: " in last and "Traceback" not in proc.stdout
 
 
+@pytest.mark.slow
 def test_dreambooth_run_tiny_sdxl_lora_end_to_end(tmp_path):
     """`--tiny --arch sdxl --use_lora --prior_prediction`: Steps 0-6 with the tiny SDXL model, its
     resolution (128 px) followed everywhere without a setting, no class images (Step 3 skipped: the

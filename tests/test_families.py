@@ -89,6 +89,7 @@ def lora_trained_and_drawn(model, common, tmp_path):
     return lora, drawn_size(drawn, "photo-of-unqtkn-toy-00000.png")
 
 
+@pytest.mark.slow
 def test_sd2_v_trains_resumes_and_draws_at_its_own_resolution(ray_session, tiny_sd2v_model, toy_images, tmp_path):
     """generate.py draws its class images at 96 px (the model's size, not SD 1.x's); train.py trains
     on them (full, then resumed past its end; LoRA); the outputs load as SD 2.x v-prediction pipelines
@@ -171,6 +172,7 @@ def test_the_sdxl_unet_is_conditioned_on_each_rows_size_and_crop(tiny_sdxl_model
     assert loss(instance_time_ids=cropped, class_time_ids=square) != loss()
 
 
+@pytest.mark.slow
 def test_sdxl_trains_resumes_with_lora_and_exports(ray_session, tiny_sdxl_model, toy_images, tmp_path):
     """The SDXL pipeline end to end on Ray: class images, a full fine-tune of the UNet and both text
     encoders resumed past its end, LoRA on all three drawn by generate.py and exported to kohya's

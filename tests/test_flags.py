@@ -57,6 +57,7 @@ def test_bad_flags_exit_2_with_one_line(extra, message, capsys):
     assert message in err and err.count("\n") == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["train.py", "generate.py", "cache_model.py", "download_example_dataset.py"])
 def test_help_explains_every_script(script):
     out = subprocess.run([sys.executable, script, "--help"], cwd=REPO_DIR, capture_output=True, text=True,
@@ -64,6 +65,7 @@ def test_help_explains_every_script(script):
     assert "usage:" in out and len(out.splitlines()) > 5
 
 
+@pytest.mark.slow
 def test_missing_model_is_one_line_error_not_traceback(tmp_path):
     proc = subprocess.run([sys.executable, "train.py", "--model_dir", str(tmp_path / "nope"), "--output_dir",
                            str(tmp_path / "o"), "--instance_images_dir", str(tmp_path), "--instance_prompt", "p"],
@@ -225,6 +227,7 @@ def test_a_prompt_with_commas_is_one_prompt_wherever_it_is_given(tmp_path):
 
 @pytest.mark.parametrize("script", ["train.py", "generate.py", "evaluate.py", "sweep.py", "export.py",
                                     "cache_model.py"])
+@pytest.mark.slow
 def test_help_states_each_default_once(script):
     import importlib
     import re

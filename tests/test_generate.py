@@ -29,6 +29,7 @@ def test_make_grid_is_near_square():
     assert sheet.size == (48, 32)
 
 
+@pytest.mark.slow
 def test_generate_on_actor_pool_is_deterministic_and_tops_up(ray_session, tiny_model, tmp_path):
     out = tmp_path / "images"
     common = ["--model_dir", tiny_model, "--output_dir", str(out), "--num_inference_steps", "3", "--seed", "7"]
@@ -73,6 +74,7 @@ def checked_model(tmp_path_factory):
     return str(base), str(tuned)
 
 
+@pytest.mark.slow
 def test_class_images_skip_the_safety_checker_and_flagged_subject_images_are_not_saved(
         ray_session, checked_model, tmp_path, capsys):
     base, tuned = checked_model
@@ -144,6 +146,7 @@ def test_lora_dir_applies_the_adapters_at_their_scale(lora_output, tiny_model):
     assert np.abs(images(lora_dir=folder) - base).max() > 10
 
 
+@pytest.mark.slow
 def test_one_pool_draws_several_models_each_with_its_weights_adapters_and_checker(
         ray_session, tiny_model, lora_output, checked_model, tmp_path, capsys):
     """evaluate.run and the sweep draw every model's images on one pool: batches that mix models

@@ -50,6 +50,7 @@ def test_the_computed_need_meets_the_measured_peaks_and_orders_the_modes():
     assert split.second_card > 0 and split.total < one.total
 
 
+@pytest.mark.slow
 def test_the_readme_table_is_the_one_in_code():
     readme = open(os.path.join(REPO_DIR, "README.md")).read()
     assert memory.table() in readme
@@ -98,6 +99,7 @@ def test_a_cached_model_is_measured_by_its_own_weights(tiny_model, capsys):
     assert "GPU memory not checked: someone/their-model is not a known model name" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_preflight_stops_before_ray_when_the_stated_card_is_too_small(toy_images, tmp_path):
     proc = subprocess.run([sys.executable, "preflight.py", "--photos_dir", toy_images, "--class_name", "toy",
                            "--data_prefix", str(tmp_path), "--model_name", "sd21", "--gpu_memory", "24", "--",

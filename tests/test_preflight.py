@@ -65,6 +65,7 @@ def test_photos_and_class_name_are_checked_first(tmp_path, toy_images):
         preflight.main(["--photos_dir", toy_images, "--data_prefix", str(tmp_path), "--class_name", " "])
 
 
+@pytest.mark.slow
 def test_a_data_prefix_that_one_node_of_two_does_not_share_fails_before_step_1(two_node_cluster, toy_images):
     """A real 2-node Ray cluster on this machine with token authentication: its second node runs in its
     own mount namespace, where an empty filesystem is mounted over DATA_PREFIX, as a node without the
@@ -83,6 +84,7 @@ def test_a_data_prefix_that_one_node_of_two_does_not_share_fails_before_step_1(t
     assert os.listdir(prefix) == []  # the probe cleaned up after itself on this node
 
 
+@pytest.mark.slow
 def test_train_flags_for_the_script_are_checked_first_and_their_sizes_passed_on(ray_session, toy_images, tmp_path,
                                                                                capsys):
     """The words dreambooth_run.sh passes on to train.py (TRAIN_ARGS, after --) parse as train.py's flags

@@ -20,6 +20,7 @@ def script_variables():
     return set(re.findall(r'^  "([A-Z_]+)\|', text, re.M))
 
 
+@pytest.mark.slow
 def test_every_shell_block_parses_and_sets_only_what_the_script_reads():
     assert len(BLOCKS) >= 6
     known = script_variables() | {"PATH", "RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "HF_HUB_OFFLINE"}

@@ -77,6 +77,7 @@ def run_dirs(storage):
     return [os.path.join(storage, d) for d in os.listdir(storage)] if os.path.isdir(storage) else []
 
 
+@pytest.mark.slow
 def test_killed_generation_rerun_gives_exactly_the_uninterrupted_images(ray_session, tiny_model, tmp_path):
     def flags(folder):
         return ["--model_dir", tiny_model, "--output_dir", str(folder), "--prompts", "photo of a toy",
@@ -118,6 +119,7 @@ def logged_losses(result):
         return [(m["step"], m["loss"]) for m in map(json.loads, f)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["sd1", "sdxl"])
 def test_seeded_run_cut_and_resumed_with_every_gpu_option_ends_with_the_uninterrupted_weights(
         ray_session, family, request, toy_images, tmp_path, capsys):
@@ -164,6 +166,7 @@ def test_seeded_run_cut_and_resumed_with_every_gpu_option_ends_with_the_uninterr
             assert torch.equal(v, b[part][k]), (part, k)
 
 
+@pytest.mark.slow
 def test_sdxl_run_whose_worker_is_killed_ends_with_the_uninterrupted_weights(ray_session, tiny_sdxl_model,
                                                                             toy_images, tmp_path):
     """A train worker SIGKILLed mid-run: Ray Train restarts the worker group from the newest
@@ -191,6 +194,7 @@ def test_sdxl_run_whose_worker_is_killed_ends_with_the_uninterrupted_weights(ray
             assert torch.equal(v, b[part][k]), (part, k)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0, reason="needs unshare (root)")
 def test_a_full_disk_stops_at_once_keeps_the_newest_checkpoint_and_its_resume_finishes(tiny_model, toy_images,
                                                                                      tmp_path):

@@ -93,6 +93,7 @@ def assert_closed_without_token(root_pids):
     return ports
 
 
+@pytest.mark.slow
 def test_a_scripts_own_cluster_opens_no_port_without_the_token(tmp_path):
     """A script run with no RAY_ADDRESS starts a cluster of its own (raycluster.init_ray): tried as an
     attacker on the network would, no port of it lets a caller without the token in."""
@@ -114,6 +115,7 @@ def test_a_scripts_own_cluster_opens_no_port_without_the_token(tmp_path):
     assert open(os.environ["RAY_AUTH_TOKEN_PATH"]).read() not in said  # the token itself is never shown
 
 
+@pytest.mark.slow
 def test_the_shared_head_opens_no_port_without_the_token(ray_session, shared_ray_cluster):
     """The head dreambooth_run.sh starts for its steps (raycluster.start_ray_head is the same command),
     with this process joined to it as a driver: no port without the token."""
@@ -129,6 +131,7 @@ def test_the_shared_head_opens_no_port_without_the_token(ray_session, shared_ray
         assert open(current).read().strip() != shared_ray_cluster
 
 
+@pytest.mark.slow
 def test_a_script_never_joins_the_cluster_named_in_rays_temp_folder(shared_ray_cluster, toy_images, tmp_path):
     """Ray's temp folder (world-writable /tmp/ray) names a running cluster, here the session's: a
     script given no RAY_ADDRESS starts its own instead of joining it, and says so."""
@@ -208,6 +211,7 @@ def calls(path):
             yield ast.unparse(node.func), {k.arg: ast.unparse(k.value) for k in node.keywords if k.arg}, node
 
 
+@pytest.mark.slow
 def test_no_remote_code_no_shell_no_pickle_without_weights_only():
     """What keeps a downloaded model or a user's string from running code, in every source file:
     no trust_remote_code, no shell=True or os.system, torch.load only with weights_only=True."""
@@ -234,6 +238,7 @@ def test_no_remote_code_no_shell_no_pickle_without_weights_only():
                      ("AutoModel.from_pretrained", {"trust_remote_code": "True"})]
 
 
+@pytest.mark.slow
 def test_train_args_reach_train_py_as_typed_never_as_file_names(tmp_path, toy_images):
     """TRAIN_ARGS is split as a shell splits words (a quoted prompt with commas is one word) and never
     glob-expanded: '*.md' is refused as the flag it is, before Step 1, not sent as this folder's files."""
@@ -255,6 +260,7 @@ def test_train_args_reach_train_py_as_typed_never_as_file_names(tmp_path, toy_im
     assert proc.returncode == 2 and "TRAIN_ARGS has an unclosed quote" in proc.stderr
 
 
+@pytest.mark.slow
 def test_a_script_without_the_clusters_token_is_refused_in_one_line(shared_ray_cluster, toy_images, tmp_path):
     """Another token than the cluster's (a worker machine whose token file was not copied): one line
     naming the cluster and where the token goes, no traceback."""

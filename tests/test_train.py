@@ -62,6 +62,7 @@ def class_images(ray_session, tiny_model, tmp_path_factory):
     return str(out)
 
 
+@pytest.mark.slow
 def test_train_two_workers_saves_a_changed_loadable_pipeline(ray_session, tiny_model, toy_images, class_images,
                                                              tmp_path, monkeypatch, capfd):
     import sys
@@ -126,6 +127,7 @@ def test_train_two_workers_saves_a_changed_loadable_pipeline(ray_session, tiny_m
     assert images_logged(os.path.join(result.path, "tensorboard")) == {f"validation/{n}": [3, 5] for n in names}
 
 
+@pytest.mark.slow
 def test_cached_latents_frozen_text_encoder_and_loss_options(ray_session, tiny_model, toy_images, class_images,
                                                              tmp_path, capfd):
     """Also captions (half of them dropped for the empty prompt, embedded once with the others), a
@@ -174,6 +176,7 @@ def test_cached_latents_frozen_text_encoder_and_loss_options(ray_session, tiny_m
     assert losses(again) == losses(result)
 
 
+@pytest.mark.slow
 def test_a_hub_name_in_the_hub_cache_trains_offline(ray_session, tiny_model, toy_images, tmp_path, monkeypatch):
     """diffusers' command lines name the model on the hub: found in the local hub cache, no download."""
     import shutil
@@ -235,6 +238,7 @@ def test_lora_output_is_what_diffusers_load_lora_weights_reads(lora_output, tiny
     assert json.load(open(os.path.join(folder, utils.OUTPUT_MARKER)))["lora"] == {"rank": 4, "lora_alpha": 8.0}
 
 
+@pytest.mark.slow
 def test_num_class_images_tops_up_the_class_folder_counting_what_is_there(ray_session, tiny_model, toy_images,
                                                                           tmp_path):
     from PIL import Image

@@ -54,6 +54,7 @@ def test_check_model_dir_names_missing_component(tiny_model, tmp_path):
         families.check_model_dir(str(tmp_path / "nope"))
 
 
+@pytest.mark.slow
 def test_ray_workers_run_the_setup_hook(ray_session):
     @ray_session.remote
     def cleaner_log_level():
@@ -99,6 +100,7 @@ def test_an_output_is_never_a_file_or_inside_what_the_run_reads(tmp_path):
         utils.check_output_path(str(tmp_path), "--output_file", is_file=True)
 
 
+@pytest.mark.slow
 def test_a_script_exits_at_once_after_flushing_and_waits_for_its_writing_threads(tmp_path):
     """run_main's exit skips the interpreter's teardown: what the script printed, logged and
     registered at exit still comes out, and a non-daemon thread still writing is waited for."""
