@@ -207,6 +207,10 @@ class Subject:
         """(photos trained on, photos held out): imagefiles.holdout_split, as train.py --holdout made it."""
         return imagefiles.holdout_split(self.photos(), self.holdout)
 
+    def held_out_names(self):
+        """The held-out photos' file names, as train.py records them."""
+        return imagefiles.held_out_names(self.photos(), self.holdout)
+
 
 def image_job(label, model, prompt_list, folder, settings):
     """What one model (outputs.ModelRef) still has to draw: settings.num_samples_per_prompt images of
@@ -255,7 +259,7 @@ def run(entries, subjects, settings, output_dir, report_dirs=None):
         photos, folder = real[subject.name], (report_dirs or {}).get(subject.name, output_dir)
         result = {"subject": f"{subject.unique_token} {subject.class_name}", "num_prompts": len(prompts[subject.name]),
                   "num_samples_per_prompt": settings.num_samples_per_prompt, "num_photos": len(photos),
-                  "held_out": [os.path.basename(p) for p in held[subject.name]],
+                  "held_out": list(subject.held_out_names()),
                   "prompts": list(prompts[subject.name]), "class_prompt": subject.class_prompt, "models": {}}
         for label, _ in entries:
             subject_files = {p: files[label][p] for p in prompts[subject.name]}
@@ -315,7 +319,7 @@ def main(argv=None):
 def check_holdout(model_dir, subject):
     """UserError unless the tuned model was trained without exactly the photos subject.split() holds
     out (train.py records them): held-out scores of photos it saw would flatter it."""
-    held = [os.path.basename(p) for p in subject.split()[1]]  # (too few photos for --holdout: said here)
+    held = list(subject.held_out_names())  # (too few photos for --holdout: said here)
     output = outputs.read_output(model_dir)
     if output is None:
         return  # not train.py's output: nothing recorded to check against

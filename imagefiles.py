@@ -59,6 +59,11 @@ def holdout_split(photos, count):
     return photos[:len(photos) - count], photos[len(photos) - count:]
 
 
+def held_out_names(photos, count):
+    """The file names of the photos --holdout count keeps out, as a run's record and identity hold them."""
+    return tuple(os.path.basename(p) for p in holdout_split(photos, count)[1])
+
+
 def normalize_image(image):
     """Any PIL image -> 8-bit RGB: transparency onto white, 16-bit scaled down, CMYK/palette/gray converted."""
     from PIL import Image

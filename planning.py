@@ -252,8 +252,8 @@ def plan_run(args, cluster_resources, draw_class_images=None):
         ("--class_data_dir", args.class_data_dir)])
     check_output_dir(args.output_dir, args.overwrite)
     instance_images = imagefiles.list_images(args.instance_data_dir, "instance", also_expected=args.caption_extension)
-    instance_images, held_out = imagefiles.holdout_split(instance_images, args.holdout)
-    held_out = tuple(os.path.basename(p) for p in held_out)
+    held_out = imagefiles.held_out_names(instance_images, args.holdout)
+    instance_images = imagefiles.holdout_split(instance_images, args.holdout)[0]
     if held_out:
         print(f"--holdout {args.holdout}: training without {', '.join(held_out)} "
               f"(evaluate.py --holdout {args.holdout} also scores against the held-out photos)", file=sys.stderr)

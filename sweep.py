@@ -218,7 +218,7 @@ def trial_fn(config, job):
                           "use_ema", "ema_decay")}
                 checkpoint.save_as_model(found[step], planning.offline_plan(
                     **fields, output_dir=model, total_steps=step, mixed_precision="no",
-                    held_out=tuple(os.path.basename(p) for p in subject.split()[1])))
+                    held_out=subject.held_out_names()))
         return outputs.resolve_model(model)
 
     def score(step_counts):
@@ -266,10 +266,15 @@ def check_disk(args, train_args, num_trials, concurrency):
     return f"about {utils.size_text(needed)} of disk ({what})"
 
 
+def ranking_key(rows):
+    """Which DINO a sweep ranks rows of scores by: against the held-out photos when every row has it
+    (--holdout), else against all of them."""
+    return "dino_holdout" if all(r.get("dino_holdout") is not None for r in rows) else "dino"
+
+
 def ranking_dino(scores):
-    """The DINO a sweep ranks by: against the held-out photos where they were scored (--holdout)."""
-    held_out = scores.get("dino_holdout")
-    return scores["dino"] if held_out is None else held_out
+    """The DINO one set of scores ranks by (ranking_key)."""
+    return scores[ranking_key([scores])]
 
 
 def rank_score(overall, clip_t_floor, base_dino):
@@ -398,7 +403,7 @@ def choose(rows, base, margin):
             continue
         floor = base[subject]["clip_t"] - margin
         kept = [r for r in scored if r["clip_t"] >= floor]
-        key = "dino_holdout" if all(r.get("dino_holdout") is not None for r in scored) else "dino"
+        key = ranking_key(scored)
         best[subject] = {**max(kept or scored, key=lambda r: r[key]), "within_margin": bool(kept), "ranked_by": key}
     return best
 
