@@ -205,9 +205,9 @@ def lora_alphas(lora_dir):
     parts = ("unet", "text_encoder", "text_encoder_2")
     alphas = {model: meta[f"{model}.lora_alpha"] for model in parts if f"{model}.lora_alpha" in meta}
     output = outputs.read_output(lora_dir)
-    lora = output.record.get("lora") if not alphas and output else None
+    lora = output.lora if not alphas and output else None
     if lora:
-        alphas = {model: lora["lora_alpha"] for model in parts}
+        alphas = {model: lora.alpha for model in parts}
     return alphas
 
 

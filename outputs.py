@@ -33,6 +33,28 @@ _SAMPLE_BYTES = 1 << 20  # read from each end of a weights file for a folder's c
 
 
 @dataclasses.dataclass(frozen=True)
+class LoraSettings:
+    """The shape of a run's LoRA adapters (train.py --use_lora, --rank, --lora_alpha), as a model record
+    holds it under "lora" ({"rank", "lora_alpha"}); a full fine-tune has none."""
+
+    rank: int
+    alpha: float
+
+    @classmethod
+    def of(cls, args):
+        """Those of parsed flags or a Plan, or None without --use_lora."""
+        return cls(args.lora_rank, args.lora_alpha) if args.use_lora else None
+
+    @classmethod
+    def from_record(cls, record):
+        lora = record.get("lora")
+        return cls(lora["rank"], lora["lora_alpha"]) if lora else None
+
+    def to_record(self):
+        return {"rank": self.rank, "lora_alpha": self.alpha}
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainedOutput:
     """train.py's output folder, read from its record (utils.OUTPUT_MARKER)."""
 
@@ -40,6 +62,11 @@ class TrainedOutput:
     base_model: str  # the model folder it was trained from
     model_id: str | None  # made when it was saved; None for outputs older than the id
     record: dict
+
+    @property
+    def lora(self):
+        """Its LoraSettings, or None for a full model."""
+        return LoraSettings.from_record(self.record)
 
 
 def holds_lora(folder):
@@ -227,11 +254,6 @@ def remove_drawn_images(folder):
 # ---------------------------------------------------------------- writing train.py's outputs
 
 
-def lora_settings(args):
-    """The adapters' shape a model record holds: None for full fine-tuning."""
-    return {"rank": args.lora_rank, "lora_alpha": args.lora_alpha} if args.use_lora else None
-
-
 def save_pipeline(nets, plan):
     """Write the result to output_dir, whole or not at all: the fine-tuned pipeline, or with
     LoRA the adapters as pytorch_lora_weights.safetensors (diffusers' LoRA format, with their
@@ -243,7 +265,7 @@ def save_pipeline(nets, plan):
                                                                         nets.text_encoders())}
     marker = {"base_model": plan.model_dir, "vae": plan.vae_dir, "steps": plan.end_step,
               "instance_prompt": plan.instance_prompt,
-              "class_prompt": plan.class_prompt, "lora": lora_settings(plan),
+              "class_prompt": plan.class_prompt, "lora": lora.to_record() if (lora := LoraSettings.of(plan)) else None,
               "ema_decay": plan.ema_decay if plan.use_ema else None,
               "held_out": list(plan.held_out),
               "model_id": new_model_id(), "run_name": plan.run_name, "identity": plan.identity}
