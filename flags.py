@@ -524,6 +524,24 @@ FLAGS = {
         dict(choices=("fp16", "bf16", "fp32"), default="fp16",
              help="Precision of the weights in the file: fp16 halves it (what A1111 and ComfyUI load "
                   "anyway), fp32 keeps the trained weights exactly.")),
+    # --- preflight.py (dreambooth_run.sh's Step 0): the script's variables, by name
+    "photos_dir": (("--photos_dir",),
+        dict(type=abs_path, required=True, help="The subject's photos (INSTANCE_DIR or the script's own folder).")),
+    "photos_var": (("--photos_var",),
+        dict(default="INSTANCE_DIR", help="The variable that set --photos_dir, as the error lines name it.")),
+    "preflight_class_name": (("--class_name",), dict(dest="class_name", default=None, help="CLASS_NAME.")),
+    "data_prefix": (("--data_prefix",),
+        dict(type=abs_path, required=True, help="DATA_PREFIX: where everything is written.")),
+    "model_path": (("--model_path",), dict(default=None, help="The base model's folder, if already cached.")),
+    "model_cache": (("--model_cache",),
+        dict(type=abs_path, default=None,
+             help="ORIG_MODEL_DIR: the model cache Step 1 fills (a model already there is not counted again).")),
+    "preflight_num_workers": (("--num_workers",),
+        dict(dest="num_workers", default="", help="NUM_WORKERS ('' or 0: one per GPU).")),
+    "gpu_memory": (("--gpu_memory",),
+        dict(type=float, default=None, metavar="GIB",
+             help="GPU_MEMORY: check the training against cards with this many GiB free instead of asking the "
+                  "GPUs (plan for a card this machine lacks, or while its GPUs are busy).")),
 }
 
 

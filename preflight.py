@@ -39,24 +39,13 @@ TRAINED_SHARE = 0.92  # UNet + text encoder of an SD checkpoint's weights (the V
 
 
 def parse_args(argv=None):
-    parser = flags.OneLineErrorParser(description=__doc__.splitlines()[0], formatter_class=flags.HelpFormatter)
-    parser.add_argument("--photos_dir", required=True, type=flags.abs_path, help="The subject's photos.")
-    parser.add_argument("--photos_var", default="INSTANCE_DIR", help="The variable that set --photos_dir.")
-    parser.add_argument("--class_name", default="", help="CLASS_NAME.")
-    parser.add_argument("--data_prefix", required=True, type=flags.abs_path, help="DATA_PREFIX: where everything is written.")
-    parser.add_argument("--model_name", default=cache_model.DEFAULT_MODEL, help="ORIG_MODEL_NAME.")
-    parser.add_argument("--model_path", default=None, help="The model's folder, if already cached.")
-    parser.add_argument("--model_cache", default=None, type=flags.abs_path,
-                        help="ORIG_MODEL_DIR: the hub cache folder Step 1 fills (a model already there is not "
-                             "counted again).")
-    parser.add_argument("--revision", default=None, help="ORIG_MODEL_HASH.")
-    parser.add_argument("--num_workers", default="", help="NUM_WORKERS ('' or 0: one per GPU).")
-    parser.add_argument("--gpus_per_worker", type=int, choices=(1, 2), default=1, help="GPUS_PER_WORKER.")
-    parser.add_argument("--use_lora", action="store_true", help="LoRA: small checkpoints and output.")
-    parser.add_argument("--tiny", action="store_true", help="The built-in tiny model (no GPU expected).")
-    parser.add_argument("--gpu_memory", type=float, default=None, metavar="GIB",
-                        help="GPU_MEMORY: check the training against cards with this many GiB free instead of "
-                             "asking the GPUs (plan for a card this machine lacks, or while its GPUs are busy).")
+    parser = flags.make_parser(
+        __doc__.splitlines()[0],
+        ["photos_dir", "photos_var", "preflight_class_name", "data_prefix", "model_name", "model_path", "model_cache",
+         "revision", "preflight_num_workers", "gpus_per_worker", "use_lora", "tiny", "gpu_memory"],
+        helps={"model_name": "ORIG_MODEL_NAME.", "revision": "ORIG_MODEL_HASH.", "gpus_per_worker": "GPUS_PER_WORKER.",
+               "use_lora": "LoRA: small checkpoints and output (also taken from the train.py flags after --).",
+               "tiny": "The built-in tiny model (no GPU expected)."})
     args = parser.parse_args(argv)
     if args.num_workers and not args.num_workers.isdigit():
         parser.error(f"NUM_WORKERS={args.num_workers}: must be a whole number (or unset: one per GPU)")
@@ -293,7 +282,7 @@ def main(argv=None):
     args = parse_args(argv[:cut])
     train_flags = check_train_flags(argv[cut + 1:])
     args.use_lora = args.use_lora or train_flags.use_lora
-    if not args.class_name.strip():
+    if not (args.class_name or "").strip():
         raise utils.UserError("CLASS_NAME is not set: set it to what your subject is (CLASS_NAME=dog, backpack, "
                               "person); it makes the class prompt 'photo of a <CLASS_NAME>'")
     photos = check_photos(args.photos_dir, args.photos_var)
