@@ -152,7 +152,6 @@ class LatentEncoder:
     """
 
     def __init__(self, model_dir, random_flip, allow_unsafe_weights, vae_dir=None):
-
         self.device = utils.torch_device()
         self.vae = models.load_vae(model_dir, vae_dir, allow_unsafe_weights)
         self.vae.to(self.device).eval().requires_grad_(False)

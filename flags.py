@@ -642,6 +642,9 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
     def parse_known_args(self, args=None, namespace=None):
         args = [normalize_option(a) for a in (sys.argv[1:] if args is None else list(args))]
+        # the flags typed (a config file's values are not: the file may hold every flag of a run)
+        self.typed = {self._option_string_actions[t.split("=")[0]].dest for t in args
+                      if t.split("=")[0] in self._option_string_actions}
         if any(a.dest == "config" for a in self._actions):
             args = self._config_tokens(args) + args
         # the flags the user gave (command line or --config), as config_text tells them from derived ones

@@ -6,6 +6,7 @@ prints it, builds the data stream from it and hands it to every worker (train.tr
 nothing is added to it afterwards.
 """
 
+import argparse
 import dataclasses
 import importlib.util
 import math
@@ -183,37 +184,58 @@ def train_parser(description=None):
     return flags.make_parser(description, TRAIN_FLAGS, refused=flags.REFUSED, config=True)
 
 
+class FlagError(ValueError):
+    """A combination of train.py's flags that it refuses (parse_args says it as argparse's line)."""
+
+
 def parse_args(argv=None, description=None):
     """train.py's command line, with its flag combinations checked before anything starts."""
+    parser, given = parse_given(argv, description)
+    try:
+        return derive(given, parser)
+    except FlagError as err:
+        parser.error(str(err))
+
+
+def parse_given(argv=None, description=None):
+    """(parser, the flags as given): model names made folders, nothing worked out yet; parser.given
+    names the flags the user set."""
     parser = train_parser(description)
-    args = cache_model.resolve_models(parser.parse_args(argv))
+    return parser, cache_model.resolve_models(parser.parse_args(argv))
+
+
+def derive(given, parser):
+    """A new namespace: given (the flags set by the user, or by the sweep for a trial: parser.given
+    names them, parser.typed those typed rather than read from a config file) and every value worked
+    out from them, in this one order; FlagError for a combination train.py refuses. given itself is
+    left as it is."""
+    args = argparse.Namespace(**vars(given))
     args.prior_prediction = args.prior_preservation == "prior_prediction"
     if args.prior_prediction:
         if args.class_data_dir or args.num_class_images or args.with_prior_preservation:
-            parser.error("--prior_preservation prior_prediction trains without class images: leave out "
+            raise FlagError("--prior_preservation prior_prediction trains without class images: leave out "
                          "--class_data_dir, --num_class_images and --with_prior_preservation")
         if not args.class_prompt:
-            parser.error("--prior_preservation prior_prediction needs --class_prompt (e.g. 'photo of a dog')")
+            raise FlagError("--prior_preservation prior_prediction needs --class_prompt (e.g. 'photo of a dog')")
     elif args.class_data_dir:
         args.with_prior_preservation = True
     if args.with_prior_preservation:
         if not args.class_data_dir:
-            parser.error("--with_prior_preservation needs --class_data_dir")
+            raise FlagError("--with_prior_preservation needs --class_data_dir")
         if not args.class_prompt:
-            parser.error("--class_data_dir/--with_prior_preservation needs --class_prompt")
+            raise FlagError("--class_data_dir/--with_prior_preservation needs --class_prompt")
     elif args.num_class_images:
-        parser.error("--num_class_images needs --class_data_dir and --class_prompt")
+        raise FlagError("--num_class_images needs --class_data_dir and --class_prompt")
     elif args.class_prompt and not args.prior_prediction:
         print("warning: --class_prompt is ignored without --class_data_dir", file=sys.stderr)
     args.validation_prompts = tuple(dict.fromkeys(args.validation_prompt or ()))
-    given = {flags.normalize_option(token).split("=", 1)[0] for token in (sys.argv[1:] if argv is None else argv)}
-    if not args.use_lora and given & {"--rank", "--lora_rank", "--lora_alpha", "--lora_dropout"}:
-        parser.error("--rank/--lora_alpha/--lora_dropout shape LoRA adapters: add --use_lora (diffusers' "
+    if not args.use_lora and parser.typed & {"lora_rank", "lora_alpha", "lora_dropout"}:
+        raise FlagError("--rank/--lora_alpha/--lora_dropout shape LoRA adapters: add --use_lora (diffusers' "
                      "train_dreambooth_lora*.py scripts always train LoRA; without it every weight is trained)")
-    if not args.use_ema and given & {"--ema_decay", "--ema_update_after_step"}:
-        parser.error("--ema_decay/--ema_update_after_step shape the moving average of the weights: add --use_ema")
+    if not args.use_ema and parser.typed & {"ema_decay", "ema_update_after_step"}:
+        raise FlagError("--ema_decay/--ema_update_after_step shape the moving average of the weights: add --use_ema")
     if args.validation_epochs and args.validation_steps:
-        parser.error("give --validation_steps or --validation_epochs, not both")
+        raise FlagError("give --validation_steps or --validation_epochs, not both")
     if args.validation_steps is None and not args.validation_epochs:
         args.validation_steps = args.checkpointing_steps
     if args.learning_rate is None:
@@ -221,32 +243,32 @@ def parse_args(argv=None, description=None):
     if args.lora_alpha is None:
         args.lora_alpha = float(args.lora_rank)
     if args.use_8bit_adam and importlib.util.find_spec("bitsandbytes") is None:
-        parser.error("--use_8bit_adam needs bitsandbytes, which is not installed here: pip install bitsandbytes")
+        raise FlagError("--use_8bit_adam needs bitsandbytes, which is not installed here: pip install bitsandbytes")
     if args.lora_dropout >= 1:
-        parser.error(f"argument --lora_dropout: must be < 1, got {args.lora_dropout:g}")
+        raise FlagError(f"argument --lora_dropout: must be < 1, got {args.lora_dropout:g}")
     if args.resume_from_checkpoint not in (None, "latest", "auto"):
         args.resume_from_checkpoint = flags.abs_path(args.resume_from_checkpoint)
     if args.output_dir == args.model_dir:
-        parser.error("--output_dir must differ from --pretrained_model_name_or_path")
+        raise FlagError("--output_dir must differ from --pretrained_model_name_or_path")
     if args.storage_path is None:
         args.storage_path = os.path.join(os.path.dirname(args.output_dir), "ray_results")
     args.settings_toml = flags.config_text(parser, args)
     return args
 
 
-def plan_run(args, cluster_resources, draw_class_images=None):
-    """The Plan of a run, or UserError naming the first problem.
+def plan_run(args, cluster_resources, draw_class_images=None, stop_step=None):
+    """The Plan of a run of derived flags args (left as they are), or UserError naming the first problem.
 
     cluster_resources() -> (CPUs, GPUs) of the Ray cluster; it is called after the checks
     that need only the files, so that a typo or a bad photo costs no Ray start. draw_class_images():
-    tops up the class folder (--num_class_images, on Ray), after the photos are checked.
+    tops up the class folder (--num_class_images, on Ray), after the photos are checked. stop_step:
+    end this run there, the schedule still planned over the whole run (sweep.py's early stopping).
     """
-
     families.check_model_dir(args.model_dir, args.allow_unsafe_weights)
     family = families.require(args.model_dir, "train")
-    if args.vae_dir:
-
-        args.vae_dir = cache_model.resolve_vae(args.vae_dir, args.allow_unsafe_weights)
+    if args.vae_dir:  # (a copy: the caller's flags stay as given)
+        args = argparse.Namespace(**{**vars(args), "vae_dir": cache_model.resolve_vae(args.vae_dir,
+                                                                                     args.allow_unsafe_weights)})
     utils.check_output_path(args.output_dir, "--output_dir", [
         ("--pretrained_model_name_or_path", args.model_dir), ("--instance_data_dir", args.instance_data_dir),
         ("--class_data_dir", args.class_data_dir)])
@@ -290,7 +312,8 @@ def plan_run(args, cluster_resources, draw_class_images=None):
         keep_finished(args.output_dir, identity)
     resume_path = checkpoint.resolve_resume(args.resume_from_checkpoint, args.storage_path,
                                             os.path.basename(args.output_dir), args.output_dir, identity)
-    use_gpu, args.num_workers, cpus_per_worker = worker_resources(args, *cluster_resources())
+    use_gpu, num_workers, cpus_per_worker = worker_resources(args, *cluster_resources())
+    args = argparse.Namespace(**{**vars(args), "num_workers": num_workers})  # (the LR scaling counts them)
     steps_per_epoch, total_steps = plan_steps(num_rows, args)
     from_flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(Plan) if hasattr(args, f.name)}
     return Plan(**{
@@ -308,8 +331,7 @@ def plan_run(args, cluster_resources, draw_class_images=None):
         "channels_last": use_gpu if args.channels_last is None else args.channels_last,
         "steps_per_epoch": steps_per_epoch,
         "total_steps": total_steps,
-        # (not a flag: sweep.py sets it on the parsed flags of a trial that may be stopped early)
-        "stop_step": min(getattr(args, "stop_step", None) or total_steps, total_steps),
+        "stop_step": min(stop_step or total_steps, total_steps),
         "validation_steps": (args.validation_epochs * steps_per_epoch if args.validation_epochs
                              else args.validation_steps),
         "stream_epochs": stream_epochs(num_rows, total_steps, args),

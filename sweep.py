@@ -20,6 +20,7 @@ sweep; rerunning the same command after a crash continues it (Tune's restore; tr
 their own newest checkpoint, failed ones start again).
 """
 
+import argparse
 import dataclasses
 import glob
 import math
@@ -61,7 +62,9 @@ class SweepJob:
     sweep_dir: str
     steps: tuple  # the step counts scored, ascending; the last is trained to
     class_dirs: dict  # {class name: folder of its class images}
-    train_flags: tuple  # train.py's flags for every trial
+    train_given: object  # argparse.Namespace: train.py's flags for every trial as given (planning.parse_given)
+    given: frozenset  # the names of those the user set (a trial adds its own, then derives the rest)
+    typed: frozenset  # ... of those typed rather than read from a config file
     model_dir: str
     eval_settings: object  # evaluate.EvalSettings
     early_stopping: bool = False  # train and score one step count at a time; ASHA may stop the trial between
@@ -94,9 +97,7 @@ def parse_args(argv=None):
         parser.error(f"{taken[0]} is set by the sweep (use the --sweep_* flags)")
     # One worker per trial unless given: train.py's own default (every GPU) would leave none for the others.
     train_flags = ["--num_workers", "1", *train_flags]
-    placeholders = ["--model_dir", args.model_dir, "--output_dir", args.output_dir, "--instance_data_dir",
-                    args.model_dir, "--instance_prompt", "x"]
-    train_args = planning.parse_args(placeholders + train_flags, "train.py's flags for every trial")
+    train_args = planning.parse_args(trial_base_argv(args, train_flags), "train.py's flags for every trial")
     args.sweep_dir = args.sweep_dir or args.output_dir.rstrip(os.sep) + "-sweep"
     args.sweep_max_train_steps = sorted(args.sweep_max_train_steps or [400])
     if args.sweep_rank and not train_args.use_lora:
@@ -110,6 +111,12 @@ def parse_args(argv=None):
                       if k in {a.dest for a in given if a is not None}}
     args.settings_toml = flags.config_text(parser, args, {**trial_settings, **flags.config_values(parser, args)})
     return args, train_flags, train_args
+
+
+def trial_base_argv(args, train_flags):
+    """train.py's flags for every trial, with the ones each trial sets for itself held by the sweep's own."""
+    return ["--model_dir", args.model_dir, "--output_dir", args.output_dir, "--instance_data_dir", args.model_dir,
+            "--instance_prompt", "x", *train_flags]
 
 
 def read_subjects(args):
@@ -193,18 +200,7 @@ def trial_fn(config, job):
     # after a failure or a crash finds its own checkpoints and resumes from them.
     folder = os.path.join(job.sweep_dir, "trials", trial_label(config))
     steps = job.steps
-    class_dir = job.class_dirs[subject.class_name]
-    argv = [*job.train_flags, "--model_dir", job.model_dir, "--output_dir", os.path.join(folder, "model"),
-            "--instance_data_dir", subject.photos_dir, "--instance_prompt", f"photo of {subject.unique_token} "
-            f"{subject.class_name}", "--class_data_dir", class_dir, "--class_prompt", f"photo of a {subject.class_name}",
-            "--learning_rate", repr(config["learning_rate"]), "--max_train_steps", str(steps[-1]),
-            *(["--rank", str(config["rank"])] if config["use_lora"] else []),
-            "--train_text_encoder" if config["train_text_encoder"] else
-            "--no-train_text_encoder", "--checkpointing_steps", str(math.gcd(*steps)),
-            # every step count's checkpoint is kept until it is scored, then all are removed
-            "--checkpoints_total_limit", str(steps[-1] // math.gcd(*steps)), "--keep_checkpoints",
-            "--storage_path", os.path.join(folder, "ray_results"), "--resume_from_checkpoint", "latest", "--overwrite"]
-    train_args = planning.parse_args(argv)
+    train_args = trial_args(job, config, subject, folder)
 
     def model_at(step):
         """The trial's model at a step count: train.py's output at the last, else made from its checkpoint."""
@@ -234,12 +230,29 @@ def trial_fn(config, job):
         score(steps)
     else:
         for step in steps:
-            stage = planning.parse_args(argv)
-            stage.stop_step = step  # ends at this step count; the next run resumes from its checkpoint
-            train.run(stage)
+            train.run(train_args, stop_step=step)  # ends at this step count; the next run resumes from it
             score([step])  # ASHA decides here whether the trial goes on
     if not job.keep_checkpoints:  # every step count is a model now: the checkpoints' disk is freed
         remove_checkpoints(train_args.storage_path)
+
+
+def trial_args(job, config, subject, folder):
+    """A trial's train.py flags: the sweep's base as given, with the trial's own set on it, then
+    everything worked out from them (planning.derive), as a train.py command line of them would be."""
+    steps = job.steps
+    own = dict(
+        model_dir=job.model_dir, output_dir=os.path.join(folder, "model"), instance_data_dir=subject.photos_dir,
+        instance_prompt=f"photo of {subject.unique_token} {subject.class_name}",
+        class_data_dir=job.class_dirs[subject.class_name], class_prompt=f"photo of a {subject.class_name}",
+        learning_rate=config["learning_rate"], max_train_steps=steps[-1],
+        train_text_encoder=config["train_text_encoder"], checkpointing_steps=math.gcd(*steps),
+        # every step count's checkpoint is kept until it is scored, then all are removed
+        checkpoints_total_limit=steps[-1] // math.gcd(*steps), keep_checkpoints=True,
+        storage_path=os.path.join(folder, "ray_results"), resume_from_checkpoint="latest", overwrite=True,
+        **({"lora_rank": config["rank"]} if config["use_lora"] else {}))
+    parser = planning.train_parser()
+    parser.given, parser.typed = set(job.given) | set(own), set(job.typed) | set(own)
+    return planning.derive(argparse.Namespace(**{**vars(job.train_given), **own}), parser)
 
 
 def remove_checkpoints(storage_path):
@@ -464,9 +477,11 @@ def main(argv=None):
     # A trial draws and embeds its images on the GPUs it trained on (one actor on a CPU cluster).
     trial_actors = train_args.num_workers * train_args.gpus_per_worker if raycluster.cluster_resources()[1] else 1
     rank_against = {name: (s["clip_t"] - args.clip_t_margin, ranking_dino(s)) for name, s in base.items()}
-    job = SweepJob(subjects, args.sweep_dir, tuple(args.sweep_max_train_steps), class_dirs, tuple(train_flags),
-                   args.model_dir, dataclasses.replace(eval_settings, num_actors=trial_actors), early_stopping,
-                   rank_against, train_args.keep_checkpoints)
+    parser, given = planning.parse_given(trial_base_argv(args, train_flags))  # parsed once, for every trial
+    job = SweepJob(subjects, args.sweep_dir, tuple(args.sweep_max_train_steps), class_dirs, given,
+                   frozenset(parser.given), frozenset(parser.typed), args.model_dir,
+                   dataclasses.replace(eval_settings, num_actors=trial_actors), early_stopping, rank_against,
+                   train_args.keep_checkpoints)
     concurrency = max_concurrent(args, train_args)
     num_samples = args.num_trials if args.search == "random" else 1
     disk = check_disk(args, train_args, len(subjects) * trials_per_subject(args, train_args), concurrency)

@@ -42,7 +42,7 @@ def main(argv=None):
     return run(planning.parse_args(argv, __doc__.splitlines()[0]))
 
 
-def run(args):
+def run(args, stop_step=None):
     """A training run of parsed flags (plan.parse_args): class images topped up, the plan made and
     printed, train_fn on a TorchTrainer. sweep.py's trials call it directly."""
     draw = None
@@ -51,7 +51,7 @@ def run(args):
             top_up_class_images(args.model_dir, args.class_data_dir, args.class_prompt, args.num_class_images,
                                 args.seed, args.resolution, args.allow_unsafe_weights)
     try:
-        plan = planning.plan_run(args, cluster_resources=start_ray, draw_class_images=draw)
+        plan = planning.plan_run(args, cluster_resources=start_ray, draw_class_images=draw, stop_step=stop_step)
     except planning.AlreadyTrained as done:
         print(done, file=sys.stderr)
         return None

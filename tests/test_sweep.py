@@ -86,6 +86,32 @@ def test_the_sweep_estimates_its_disk_and_refuses_what_does_not_fit(tiny_model, 
         sweep.check_disk(args, train_args, num_trials=10 ** 7, concurrency=1)
 
 
+def test_a_trial_is_the_base_flags_with_its_own_set_and_the_rest_worked_out_again(tiny_model, toy_images, tmp_path):
+    """No argv per trial: the sweep's base as parsed once, the trial's settings set on it, then derived
+    (LoRA's alpha from the trial's rank, not the base's); the base is never changed."""
+    import argparse
+
+    import evaluate
+    import planning
+
+    args, train_flags, _ = sweep.parse_args(base_argv(tiny_model, tmp_path) + [
+        "--instance_data_dir", toy_images, "--class_name", "toy", "--use_lora", "--sweep_rank", "4,16",
+        "--sweep_max_train_steps", "2,6"])
+    parser, given = planning.parse_given(sweep.trial_base_argv(args, train_flags))
+    before = argparse.Namespace(**vars(given))
+    job = sweep.SweepJob({}, str(tmp_path / "sweep"), (2, 6), {"toy": "/classes"}, given, frozenset(parser.given),
+                         frozenset(parser.typed), tiny_model, None)
+    subject = evaluate.Subject("rex", toy_images, "sks", "toy", "object")
+    config = {"subject": "rex", "learning_rate": 3e-4, "rank": 16, "use_lora": True, "train_text_encoder": False}
+    trial = sweep.trial_args(job, config, subject, str(tmp_path / "trial"))
+    assert (trial.lora_rank, trial.lora_alpha, trial.learning_rate, trial.train_text_encoder) == (16, 16.0, 3e-4, False)
+    assert (trial.max_train_steps, trial.checkpointing_steps, trial.checkpoints_total_limit) == (6, 2, 3)
+    assert trial.storage_path == str(tmp_path / "trial" / "ray_results") and trial.num_workers == 1
+    assert trial.instance_prompt == "photo of sks toy" and trial.class_data_dir == "/classes"
+    assert "lora_rank = 16" in trial.settings_toml and "# lora_alpha = 16.0" in trial.settings_toml
+    assert vars(given) == vars(before)
+
+
 def test_search_space_is_a_grid_of_every_value_or_random_draws_with_a_log_uniform_learning_rate(
         tiny_model, tmp_path):
     from ray import tune
