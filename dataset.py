@@ -17,6 +17,8 @@ orders the rows so that every batch holds one bucket (imaging.plan_bucket_rows);
 carries each photo's mask as a fourth channel through its crop and flip.
 """
 
+import dataclasses
+
 import numpy as np
 
 import imagefiles
@@ -206,17 +208,28 @@ def sizes_of(resolution, buckets, assigned):
     return [resolution if b is None else tuple(buckets[b]) for b in assigned]
 
 
+@dataclasses.dataclass(frozen=True)
+class LatentCache:
+    """--cache_latents: the images VAE-encoded once, by this model's VAE (or vae_dir), on an actor pool
+    of one actor per GPU (one on the CPU without)."""
+
+    model_dir: str
+    num_gpus: int
+    allow_unsafe_weights: bool = False
+    vae_dir: str | None = None
+
+
 def decode_images(instance_paths, class_paths, resolution, latent_cache=None, sizes=None, masks=None,
-                  buckets=None):
+                  buckets=None, random_flip=False):
     """Decode both folders once, on the driver; with latent_cache, VAE-encode them on a
     Ray Data actor pool (one actor per GPU).
 
     The driver has just read every file in inspect_images: decoding here costs it a second
     or two for hundreds of images, where a Ray Data pass costs seconds of start-up.
     Returns (instance, class) lists in path order: (H, W, 3) uint8 images, or (V, 8, h, w)
-    posteriors with latent_cache ({"model_dir", "num_gpus", "allow_unsafe_weights",
-    "random_flip"}). sizes: a dict this fills with {(role, path): ((original height, width),
-    (stored height, width))}, role "instance" or "class". masks (--masked_loss): {instance path:
+    posteriors with latent_cache (a LatentCache; random_flip: both flip views encoded). sizes: a
+    dict this fills with {(role, path): ((original height, width), (stored height, width))}, role
+    "instance" or "class". masks (--masked_loss): {instance path:
     its find_masks entry}, a dict this replaces each entry of with the (H, W) uint8 mask at the
     stored size. buckets (--enable_bucket): (bucket sizes, bucket index per instance path):
     instance images are stored covering their bucket, and with latent_cache every class image is
@@ -248,10 +261,10 @@ def decode_images(instance_paths, class_paths, resolution, latent_cache=None, si
     ds = ray.data.from_items([{"key": key, "image": image, "size": np.array(imaging.hw(size))}
                               for key, image, size in items]).map_batches(
         LatentEncoder,
-        fn_constructor_args=(latent_cache["model_dir"], latent_cache["random_flip"],
-                             latent_cache["allow_unsafe_weights"], latent_cache.get("vae_dir")),
-        compute=ray.data.ActorPoolStrategy(size=max(1, latent_cache["num_gpus"])),
-        num_gpus=1 if latent_cache["num_gpus"] else 0,
+        fn_constructor_args=(latent_cache.model_dir, random_flip, latent_cache.allow_unsafe_weights,
+                             latent_cache.vae_dir),
+        compute=ray.data.ActorPoolStrategy(size=max(1, latent_cache.num_gpus)),
+        num_gpus=1 if latent_cache.num_gpus else 0,
         batch_size=16 if buckets is None else 1,  # (photos of several sizes: one at a time)
     )
     encoded = {row["key"]: row["latents"] for row in ds.take_all()}
@@ -294,8 +307,6 @@ def build_train_dataset(instance_paths, class_paths, resolution, center_crop, ra
     """
     import ray
 
-    if latent_cache:
-        latent_cache = {**latent_cache, "random_flip": random_flip}
     sizes = {}
     masks = dict(zip(instance_paths, mask_sources)) if mask_sources is not None else None
     assigned = None
@@ -303,7 +314,7 @@ def build_train_dataset(instance_paths, class_paths, resolution, center_crop, ra
         buckets = [tuple(b) for b in buckets]
         assigned = [imaging.bucket_for(*imagefiles.upright_size(p), buckets) for p in instance_paths]
     instances, classes = decode_images(instance_paths, class_paths, resolution, latent_cache, sizes, masks,
-                                       (buckets, assigned) if buckets is not None else None)
+                                       (buckets, assigned) if buckets is not None else None, random_flip)
     num_class = len(class_paths or [])
     if buckets is None:
         rows = imaging.plan_rows(len(instances), num_class, num_epochs, seed)

@@ -115,8 +115,8 @@ def train_dataset(plan):
 
     latent_cache = None
     if plan.cache_latents:
-        latent_cache = {"model_dir": plan.model_dir, "num_gpus": raycluster.cluster_resources()[1],
-                        "allow_unsafe_weights": plan.allow_unsafe_weights, "vae_dir": plan.vae_dir}
+        latent_cache = dataset.LatentCache(plan.model_dir, raycluster.cluster_resources()[1],
+                                           plan.allow_unsafe_weights, plan.vae_dir)
     return dataset.build_train_dataset(
         list(plan.instance_images), list(plan.class_images) or None, plan.resolution, plan.center_crop,
         plan.random_flip, latent_cache, num_epochs=plan.stream_epochs, seed=plan.seed,

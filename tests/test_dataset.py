@@ -163,7 +163,7 @@ def test_train_dataset_on_ray_pairs_every_class_image(ray_session, toy_images, t
 @pytest.mark.slow
 def test_latent_cache_stores_posteriors_of_both_flip_views(ray_session, tiny_model, toy_images, tmp_path):
     paths = imagefiles.list_images(toy_images, "instance")
-    cache = {"model_dir": tiny_model, "num_gpus": 0, "allow_unsafe_weights": False}
+    cache = dataset.LatentCache(tiny_model, num_gpus=0)
     ds = dataset.build_train_dataset(paths, paths[:3], 16, center_crop=True, random_flip=True, latent_cache=cache)
     rows = ds.take_all()
     assert len(rows) == 5
