@@ -167,7 +167,6 @@ def random_model_id(size, arch="sd1"):
     """(hub name, revision) of a built random model: the tiny SD 1.x one keeps its historical name,
     another architecture's name says it (tiny-stable-diffusion-2-v); the revision names the
     architecture and the build, so a changed model never reuses an old folder."""
-
     family = "" if arch == "sd1" else "-" + arch.replace("sd", "", 1)
     name = (TINY_MODEL_NAME + family if size == "tiny"
             else f"{RANDOM_MODEL_OWNER}/random-stable-diffusion{family}-{size}")
@@ -188,7 +187,6 @@ def has_random_weights(model_dir):
 def write_random_model(cache_dir, size="tiny", arch="sd1"):
     """Build a random model of models.MODEL_SIZES and models.ARCHITECTURES and save it in the hub
     layout (refs/main + snapshots/<revision>), where every script finds it as it finds SD 1.4."""
-
     name, revision = random_model_id(size, arch)
     snapshot = hub_snapshot_path(cache_dir, name, revision)
     # Built from a fixed seed and renamed into place whole: one already there is this model, as a

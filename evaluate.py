@@ -23,8 +23,8 @@ import flags
 import generate
 import imagefiles
 import outputs
-import scores
 import raycluster
+import scores
 import utils
 
 EVAL_PROMPTS_DIR = os.path.join(utils.REPO_DIR, "assets", "eval_prompts")

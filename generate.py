@@ -323,7 +323,6 @@ def top_up(folder, model, prompts, count, settings, safety_checker, on_mismatch=
 
 def prompts_of(args):
     """The prompts of --prompts (each value one prompt, commas and all) and --prompts_file, once each."""
-
     given = list(args.prompts or [])
     if args.prompts_file:
         given += prompts.read_prompt_file(args.prompts_file)

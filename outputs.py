@@ -144,7 +144,6 @@ def lora_width(lora_dir):
 def check_lora_fits(model_dir, lora_dir):
     """UserError, before any actor loads them, when the adapters of lora_dir were trained on a model of
     another shape than model_dir (SDXL adapters on an SD 1.x model): one line naming both families."""
-
     width = families.part_config(model_dir, "unet").get("cross_attention_dim")
     adapters = lora_width(lora_dir)
     if adapters is None or not isinstance(width, int) or adapters == width:
@@ -289,7 +288,6 @@ def save_pipeline(nets, plan):
 
 def expected_bytes(nets, lora):
     """About the size of save_pipeline's output: the adapters (LoRA), else every network's weights."""
-
     modules = [nets.unet, *nets.text_encoders()] + ([] if lora or nets.vae is None else [nets.vae])
     return sum(p.numel() * p.element_size() for m in modules for p in models.unwrap(m).parameters()
                if not lora or p.requires_grad)

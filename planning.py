@@ -369,7 +369,6 @@ def bucket_plan(args, resolution):
     """The buckets of --enable_bucket: imaging.bucket_sizes with the flags' bounds (defaults: half
     and twice the resolution, steps of 64, fewer pixels for small models), every side a multiple of
     the model's size step; UserError when the flags leave no bucket but the square."""
-
     multiple = families.size_multiple(args.model_dir)
     step = args.bucket_reso_steps or max(multiple, min(64, resolution // 8))
     if step % multiple:
@@ -391,7 +390,6 @@ def masks_of(photos, masked_loss):
     """Each photo's mask source for --masked_loss (checked: each mask read, its size its photo's),
     with a line saying how many photos have one; without the flag, a warning when masks lie
     unused beside the photos. Returns a list as long as photos (Nones without the flag)."""
-
     if not masked_loss:
         unused = imagefiles.masks_beside(photos)
         if unused:

@@ -64,7 +64,6 @@ def check_train_flags(words):
 
 def check_photos(folder, variable):
     """The photos are there and each one opens (a corrupt one is named)."""
-
     if not os.path.isdir(folder):
         raise utils.UserError(f"{variable}={folder}: no such folder; put 4-6 photos of your subject there")
     try:
@@ -74,7 +73,8 @@ def check_photos(folder, variable):
     except utils.UserError as err:
         raise utils.UserError(f"{variable}={folder}: {err}") from None
     if len(photos) < 3:
-        print(f"warning: {variable}={folder} has {len(photos)} photo(s); DreamBooth wants 4-6 (3 at the least)", file=sys.stderr)
+        print(f"warning: {variable}={folder} has {len(photos)} photo(s); DreamBooth wants 4-6 (3 at the least)",
+              file=sys.stderr)
     return photos
 
 
@@ -136,7 +136,9 @@ def model_family(args):
 def memory_setup(train_flags, args, family):
     """memory.Setup of the train.py flags the run gets (the script's own and the user's)."""
     known = cache_model.known_model(args.model_name)
-    resolution = train_flags.resolution or (known.resolution if known else memory.DEFAULT_RESOLUTION[family])
+    cached = args.model_path and os.path.isfile(os.path.join(args.model_path, "model_index.json"))
+    resolution = train_flags.resolution or (families.native_resolution(args.model_path) if cached else
+                                            known.resolution if known else memory.DEFAULT_RESOLUTION[family])
     return memory.Setup(
         lora=train_flags.use_lora or args.use_lora, rank=train_flags.lora_rank,
         train_text_encoder=train_flags.train_text_encoder, gradient_checkpointing=train_flags.gradient_checkpointing,

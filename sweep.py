@@ -36,10 +36,10 @@ import flags
 import imagefiles
 import outputs
 import planning
+import raycluster
 import scores
 import sweep_report
 import train
-import raycluster
 import utils
 
 SWEEP_FLAGS = [
@@ -308,7 +308,6 @@ def max_concurrent(args, train_args):
 
 def prepare_class_images(args, subjects, train_args):
     """{class name: folder}: each class's images, drawn once (train.py's --num_class_images top-up)."""
-
     dirs = {}
     for class_name in sorted({s.class_name for s in subjects.values()}):
         dirs[class_name] = os.path.join(args.sweep_dir, "class-images", utils.slugify(class_name))

@@ -27,8 +27,8 @@ import generate
 import models
 import outputs
 import planning
-import runlog
 import raycluster
+import runlog
 import utils
 import validation
 
@@ -94,7 +94,6 @@ def top_up_class_images(model_dir, class_dir, class_prompt, count, seed=0, resol
     actor pool, seeded by seed) until class_dir holds count, counting class images of the user's
     own already there (diffusers does). Images drawn by another model, prompt or resolution are
     an error (generate.top_up), never trained on beside these."""
-
     families.check_model_dir(model_dir, allow_unsafe_weights)
     os.makedirs(class_dir, exist_ok=True)
     drawn = set(outputs.drawn_images(class_dir))
@@ -112,7 +111,6 @@ def top_up_class_images(model_dir, class_dir, class_prompt, count, seed=0, resol
 
 def train_dataset(plan):
     """The run's whole training stream (dataset.py), every worker's rows for every step."""
-
     latent_cache = None
     if plan.cache_latents:
         latent_cache = dataset.LatentCache(plan.model_dir, raycluster.cluster_resources()[1],
