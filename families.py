@@ -136,7 +136,7 @@ def check_model_dir(model_dir, allow_unsafe_weights=False):
             utils.read_json(config)
         except (ValueError, UnicodeDecodeError):
             raise utils.UserError(f"{config} is not valid JSON (a cut-short copy?): fetch or copy the model again "
-                            "(cache_model.py)") from None
+                                  "(cache_model.py)") from None
     for part in networks:
         names = os.listdir(os.path.join(model_dir, part))
         for name in names:
@@ -147,4 +147,4 @@ def check_model_dir(model_dir, allow_unsafe_weights=False):
                 raise utils.UserError(f"model folder {model_dir} has no weights in '{part}'")
             if not allow_unsafe_weights:
                 raise utils.UserError(f"'{part}' in {model_dir} has only pickled .bin weights; convert them to "
-                                "safetensors or pass --allow_unsafe_weights if you trust their source")
+                                      "safetensors or pass --allow_unsafe_weights if you trust their source")

@@ -22,10 +22,11 @@ The figure is computed, not guessed from a tiny model:
 
 import dataclasses
 import glob
-import json
 import os
-import struct
 import sys
+
+import families
+import utils
 
 GIB = 2 ** 30
 RESERVE_GIB = 1.0
@@ -40,8 +41,8 @@ RELEASED = {
     "sd2": {"unet": 865.91e6, "text_encoder": 340.39e6, "vae": 83.65e6},
     "sdxl": {"unet": 2567.46e6, "text_encoder": 123.06e6, "text_encoder_2": 694.66e6, "vae": 83.65e6},
 }
-LABELS = {"sd1": "SD 1.x", "sd2": "SD 2.x", "sdxl": "SDXL"}
-DEFAULT_RESOLUTION = {"sd1": 512, "sd2": 768, "sdxl": 1024}
+# the table's resolution of each family: its released models' largest
+DEFAULT_RESOLUTION = {name: max(families.FAMILIES[name].released_resolutions) for name in RELEASED}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,8 +154,7 @@ def safetensors_params(model_dir):
     counts = {}
     for path in glob.glob(os.path.join(model_dir, "*", "*.safetensors")):
         part = os.path.basename(os.path.dirname(path))
-        with open(path, "rb") as f:
-            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        header = utils.safetensors_header(path)[1]
         total = 0
         for name, entry in header.items():
             if name != "__metadata__":
@@ -184,13 +184,13 @@ TABLE_ROWS = (
 def table():
     """The README's memory table: GiB per worker for each mode and family at its resolution, two
     instance + two class images a step (dreambooth_run.sh's batch) unless the row says otherwise."""
-    families = list(RELEASED)
+    names = list(RELEASED)
     head = "| mode (train.py flags) | " + " | ".join(
-        f"{LABELS[f]}, {DEFAULT_RESOLUTION[f]} px" for f in families) + " |"
-    lines = [head, "| --- |" + " ---: |" * len(families)]
+        f"{families.FAMILIES[f].label}, {DEFAULT_RESOLUTION[f]} px" for f in names) + " |"
+    lines = [head, "| --- |" + " ---: |" * len(names)]
     for label, setup in TABLE_ROWS:
         cells = []
-        for family in families:
+        for family in names:
             row = dataclasses.replace(setup, resolution=DEFAULT_RESOLUTION[family])
             cell = f"{need(family, row).total:.1f}"
             if (family, row) in MEASURED:

@@ -24,6 +24,7 @@ import tempfile
 import uuid
 
 import cache_model
+import checkpoint
 import families
 import flags
 import imagefiles
@@ -34,7 +35,6 @@ import utils
 
 GB = 1e9
 TINY_GB = 0.01  # the built-in tiny model, its checkpoint and its output
-LORA_GB = 0.2  # a LoRA checkpoint or output (adapters and their optimizer state), rounded up
 TRAINED_SHARE = 0.92  # UNet + text encoder of an SD checkpoint's weights (the VAE is frozen)
 
 
@@ -83,23 +83,21 @@ def disk_needed_gb(args, limit=1):
     (fp32 weights + AdamW's two moments of what is trained), the tuned model."""
     if args.tiny:
         return TINY_GB, "the tiny model"
-    known = cache_model.known_model(args.model_name)
-    if args.model_path is None and args.model_cache:
-        args.model_path = cache_model.cached_snapshot(args.model_cache,
-                                                      *cache_model.pinned_revision(args.model_name, args.revision))
-    cached = args.model_path and os.path.isfile(os.path.join(args.model_path, "model_index.json"))
-    weights = known.weights_gb if known else 5.0
-    if cached:
-        weights = sum(os.path.getsize(os.path.join(root, n)) for root, _, names in os.walk(args.model_path)
-                      for n in names if n.endswith(".safetensors")) / GB
-    download = 0.0 if cached else weights
-    checkpoint = LORA_GB if args.use_lora else 3 * TRAINED_SHARE * weights
-    tuned = LORA_GB if args.use_lora else weights
+    folder = cached_model(args)
+    if folder:  # its own weight files tell (the text encoder counted as trained: the larger case)
+        download = 0.0
+        per_checkpoint, tuned = (size / GB for size in checkpoint.disk_bytes(folder, args.use_lora, True))
+    else:
+        known = cache_model.known_model(args.model_name)
+        download = known.weights_gb if known else 5.0
+        lora = checkpoint.LORA_BYTES / GB
+        per_checkpoint = lora if args.use_lora else 3 * TRAINED_SHARE * download
+        tuned = lora if args.use_lora else download
     # Ray writes a checkpoint before it removes the oldest one kept; at the end the model is written
     # beside the checkpoints kept, which are removed after it (unless --keep_checkpoints)
-    kept = limit * checkpoint + max(checkpoint, tuned)
-    parts = (f"model {download:.1f} + {limit} checkpoint(s) kept of {checkpoint:.1f} + the next one or the tuned "
-             f"model {max(checkpoint, tuned):.1f} GB")
+    kept = limit * per_checkpoint + max(per_checkpoint, tuned)
+    parts = (f"model {download:.1f} + {limit} checkpoint(s) kept of {per_checkpoint:.1f} + the next one or the "
+             f"tuned model {max(per_checkpoint, tuned):.1f} GB")
     return download + kept, parts
 
 
@@ -121,23 +119,30 @@ def check_workers(args, cpus, gpus):
                                      warn_no_gpu=not args.tiny)[1]
 
 
-def model_family(args):
-    """(family name, parameter counts or None) of the base model, before Step 1 fetched it: a cached
-    folder's own, else a known short name's family (the released counts); (None, None) if unknown."""
+def cached_model(args):
+    """The base model's folder when it is here before Step 1 (--model_path, or its pinned revision in
+    the model cache: looked up once, then kept in args.model_path), else None."""
     if args.model_path is None and args.model_cache and not args.tiny:
         args.model_path = cache_model.cached_snapshot(args.model_cache,
                                                       *cache_model.pinned_revision(args.model_name, args.revision))
-    if args.model_path and os.path.isfile(os.path.join(args.model_path, "model_index.json")):
-        return families.family_of(args.model_path).name, memory.safetensors_params(args.model_path)
+    folder = args.model_path
+    return folder if folder and os.path.isfile(os.path.join(folder, "model_index.json")) else None
+
+
+def model_family(args):
+    """(family name, parameter counts or None) of the base model, before Step 1 fetched it: a cached
+    folder's own, else a known short name's family (the released counts); (None, None) if unknown."""
+    folder = cached_model(args)
+    if folder:
+        return families.family_of(folder).name, memory.safetensors_params(folder)
     known = cache_model.known_model(args.model_name)
     return (known.family, None) if known else (None, None)
 
 
 def memory_setup(train_flags, args, family):
     """memory.Setup of the train.py flags the run gets (the script's own and the user's)."""
-    known = cache_model.known_model(args.model_name)
-    cached = args.model_path and os.path.isfile(os.path.join(args.model_path, "model_index.json"))
-    resolution = train_flags.resolution or (families.native_resolution(args.model_path) if cached else
+    known, folder = cache_model.known_model(args.model_name), cached_model(args)
+    resolution = train_flags.resolution or (families.native_resolution(folder) if folder else
                                             known.resolution if known else memory.DEFAULT_RESOLUTION[family])
     return memory.Setup(
         lora=train_flags.use_lora or args.use_lora, rank=train_flags.lora_rank,
@@ -214,7 +219,7 @@ def check_memory(args, train_flags, cards):
     if memory.fits(result, free):
         return result
     mode = "LoRA" if setup.lora else "full fine-tune"
-    line = (f"the {mode} of {memory.LABELS[family]} at {setup.resolution} px, {setup.batch} + "
+    line = (f"the {mode} of {families.FAMILIES[family].label} at {setup.resolution} px, {setup.batch} + "
             f"{setup.batch if setup.class_images else 0} images a step, needs about {result.total:.1f} GiB of GPU "
             f"memory per worker (+ {memory.RESERVE_GIB:g} GiB for CUDA; {result.static:.1f} weights and optimizer, "
             f"{result.activations:.1f} activations) but {what} has {free:.1f} GiB free")

@@ -246,13 +246,18 @@ def trial_args(job, config, subject, folder):
         class_data_dir=job.class_dirs[subject.class_name], class_prompt=f"photo of a {subject.class_name}",
         learning_rate=config["learning_rate"], max_train_steps=steps[-1],
         train_text_encoder=config["train_text_encoder"], checkpointing_steps=math.gcd(*steps),
-        # every step count's checkpoint is kept until it is scored, then all are removed
-        checkpoints_total_limit=steps[-1] // math.gcd(*steps), keep_checkpoints=True,
+        checkpoints_total_limit=checkpoints_kept(steps), keep_checkpoints=True,
         storage_path=os.path.join(folder, "ray_results"), resume_from_checkpoint="latest", overwrite=True,
         **({"lora_rank": config["rank"]} if config["use_lora"] else {}))
     parser = planning.train_parser()
     parser.given, parser.typed = set(job.given) | set(own), set(job.typed) | set(own)
     return planning.derive(argparse.Namespace(**{**vars(job.train_given), **own}), parser)
+
+
+def checkpoints_kept(steps):
+    """The checkpoints a trial keeps (one every gcd of the step counts, up to the last): every step
+    count's is kept until it is scored, then all are removed."""
+    return steps[-1] // math.gcd(*steps)
 
 
 def remove_checkpoints(storage_path):
@@ -268,7 +273,7 @@ def check_disk(args, train_args, num_trials, concurrency):
     steps = args.sweep_max_train_steps
     per_checkpoint, per_model = checkpoint.disk_bytes(args.model_dir, train_args.use_lora,
                                                       train_args.train_text_encoder)
-    needed = concurrency * (steps[-1] // math.gcd(*steps) + 1) * per_checkpoint + num_trials * len(steps) * per_model
+    needed = concurrency * (checkpoints_kept(steps) + 1) * per_checkpoint + num_trials * len(steps) * per_model
     free = failures.free_bytes(args.sweep_dir)
     what = (f"{num_trials} trial(s) x {len(steps)} step count(s) x a model of {utils.size_text(per_model)}, and "
             f"the checkpoints of {concurrency} trial(s) at once, {utils.size_text(per_checkpoint)} each")

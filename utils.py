@@ -290,6 +290,18 @@ def torch_device():
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
+def safetensors_header(path):
+    """(header length, header) of a safetensors file: {tensor name: {"dtype", "shape", "data_offsets"},
+    "__metadata__": ...}, read without its weights. struct.error or ValueError when it does not parse."""
+    import struct
+
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        if 8 + length > os.path.getsize(path):
+            raise ValueError(f"{path}: a header longer than the file")
+        return length, json.loads(f.read(length))
+
+
 def check_safetensors(path):
     """UserError naming path unless it is a whole safetensors file: its header parses and the file is
     as long as the header says (an interrupted download or copy is cut short). Reads the header only."""
@@ -298,11 +310,7 @@ def check_safetensors(path):
     size = os.path.getsize(path)
     what = f"{path} is not a whole safetensors file"
     try:
-        with open(path, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            if 8 + length > size:
-                raise ValueError
-            header = json.loads(f.read(length))
+        length, header = safetensors_header(path)
         end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
     except (struct.error, ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError):
         raise UserError(f"{what} (its header does not parse): fetch or copy the model again "

@@ -41,7 +41,7 @@ def test_disk_estimate_is_model_checkpoint_and_output(tiny_model, tmp_path):
     three, _ = preflight.disk_needed_gb(args(model_name="sd15"), limit=3)
     assert three == pytest.approx(4.3 + 4 * 3 * 0.92 * 4.3)
     lora, _ = preflight.disk_needed_gb(args(model_name="sd15", use_lora=True))
-    assert lora == pytest.approx(4.3 + 2 * preflight.LORA_GB)
+    assert lora == pytest.approx(4.3 + 2 * preflight.checkpoint.LORA_BYTES / preflight.GB)
     cached, parts = preflight.disk_needed_gb(args(model_name="sd15", model_path=tiny_model))
     assert cached < 0.1 and parts.startswith("model 0.0")  # cached already: nothing to download
     # the script knows only ORIG_MODEL_DIR before Step 1: a pinned model already cached there is found
