@@ -223,7 +223,7 @@ RAY_HEAD_PID= RAY_HEAD_TEMP=
 # Ray's token authentication for the head started here and every step (raycluster.ensure_ray_token: the
 # token of RAY_AUTH_TOKEN or its file is reused, else one is made that only you can read)
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
-RAY_AUTH="$("$PYTHON" -c 'import raycluster; raycluster.ensure_ray_token(); print(raycluster.ray_auth_note())')"
+RAY_AUTH="$("$PYTHON" -c 'from dreambooth import raycluster; raycluster.ensure_ray_token(); print(raycluster.ray_auth_note())')"
 EVAL_FETCH_PID=
 stop_ray() {  # at exit, however the script ends: the background fetch too (Step 1)
   if [ -n "$EVAL_FETCH_PID" ]; then kill -TERM "$EVAL_FETCH_PID" 2>/dev/null || true; fi

@@ -7,8 +7,7 @@ unchanged:
         --prompts="photo of unqtkn dog in a bucket" --num_samples_per_prompt=5
 """
 
-import generate
-import utils
+from dreambooth import generate, utils
 
 main = generate.main
 

@@ -25,10 +25,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-import models  # noqa: E402
-import raycluster  # noqa: E402
-import steps  # noqa: E402
-import utils  # noqa: E402
+from dreambooth import models  # noqa: E402
+from dreambooth import raycluster  # noqa: E402
+from dreambooth import steps  # noqa: E402
+from dreambooth import utils  # noqa: E402
 
 RESOLUTION = {"tiny": 64, "small": 256, "sd15": 512}
 ROWS = []
@@ -76,7 +76,7 @@ def make_model(size, folder):
 
 def step_plan(args, train_text_encoder, device, precompute_text_embeddings, use_lora=False):
     """train.py's settings for the plain loop: its own flag defaults, with this run's choices."""
-    import planning
+    from dreambooth import planning
 
     return planning.offline_plan(
         model_dir=args.model_dir, use_lora=use_lora, learning_rate=1e-4 if use_lora else 5e-6, mixed_precision=args.mixed_precision, train_text_encoder=train_text_encoder,
@@ -93,7 +93,7 @@ def synthetic_batch(nets, args, cached):
     delivers them, or their cached VAE posteriors."""
     import torch
 
-    import steps
+    from dreambooth import steps
 
     res = RESOLUTION[args.model]
     pixels = {k: torch.randint(0, 256, (args.batch_size, res, res, 3), dtype=torch.uint8)
@@ -109,8 +109,8 @@ def plain_loop(args, device, variant):
     """Steady-state images/s of train.train_step with no Ray: variant in full|frozen|cached|lora
     (lora: rank-4 adapters on UNet and text encoder)."""
 
-    import steps
-    import train
+    from dreambooth import steps
+    from dreambooth import train
 
     train_te = variant in ("full", "lora")
     plan = step_plan(args, train_te, device, precompute_text_embeddings=variant == "cached",
@@ -167,8 +167,8 @@ def ray_train(args, work, variant):
     """
     import json
 
-    import runlog
-    import train
+    from dreambooth import runlog
+    from dreambooth import train
 
     flags = ["--model_dir", args.model_dir, "--output_dir", os.path.join(work, f"tuned-{variant}"),
              "--instance_images_dir", os.path.join(work, "instance"), "--instance_prompt", "photo of unqtkn toy",
@@ -195,9 +195,9 @@ def ray_train(args, work, variant):
 
 def generation(args, device, use_ray):
     """Steady images/s of generate.generate_batch at each batch size (first batch excluded)."""
-    import generate
+    from dreambooth import generate
 
-    import outputs
+    from dreambooth import outputs
 
     settings = generate.ImageSettings(num_inference_steps=args.inference_steps)
     results = {}
@@ -269,8 +269,8 @@ def main(argv=None):
             res = RESOLUTION[args.model]
             write_images(os.path.join(work, "instance"), 4, res, 0)
             write_images(os.path.join(work, "class"), 40, res, 1)
-            import dataset
-            import imagefiles
+            from dreambooth import dataset
+            from dreambooth import imagefiles
 
             t0 = time.perf_counter()
             paths = imagefiles.list_images(os.path.join(work, "class"), "class")

@@ -92,9 +92,9 @@ def summarize(prof, wall_s, steps, on_gpu):
 def run_arm(arm, args, device):
     import torch
 
-    import models
-    import steps
-    import train
+    from dreambooth import models
+    from dreambooth import steps
+    from dreambooth import train
 
     torch.backends.cudnn.benchmark = arm.cudnn_benchmark
     channels_last = device.type == "cuda" if arm.channels_last is None else arm.channels_last
@@ -184,8 +184,8 @@ def main(argv=None):
         parser.error(f"unknown arm(s) {', '.join(unknown)}; choose from {', '.join(ARMS)}")
     import torch
 
-    import steps
-    import utils
+    from dreambooth import steps
+    from dreambooth import utils
 
     device = utils.torch_device()
     args.mixed_precision = steps.mixed_precision_name(steps.amp_dtype(args.mixed_precision, device))

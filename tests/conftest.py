@@ -21,7 +21,7 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """Snapshot folder of the tiny SD model, written by cache_model.py --tiny."""
-    import cache_model
+    from dreambooth import cache_model
 
     return cache_model.main(["--model_dir", str(tmp_path_factory.mktemp("model-orig")), "--tiny"])
 
@@ -29,7 +29,7 @@ def tiny_model(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_sd2v_model(tmp_path_factory):
     """Snapshot folder of the tiny SD 2.x v-prediction model (cache_model.py --tiny --arch sd2-v)."""
-    import cache_model
+    from dreambooth import cache_model
 
     return cache_model.main(["--model_dir", str(tmp_path_factory.mktemp("model-sd2v")), "--tiny", "--arch", "sd2-v"])
 
@@ -37,7 +37,7 @@ def tiny_sd2v_model(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_sdxl_model(tmp_path_factory):
     """Snapshot folder of the tiny SDXL model (cache_model.py --tiny --arch sdxl)."""
-    import cache_model
+    from dreambooth import cache_model
 
     return cache_model.main(["--model_dir", str(tmp_path_factory.mktemp("model-sdxl")), "--tiny", "--arch", "sdxl"])
 
@@ -49,7 +49,7 @@ def shared_ray_cluster(tmp_path_factory):
     of starting and stopping its own. A test that needs a cluster of its own sets RAY_ADDRESS."""
     import socket
 
-    import raycluster
+    from dreambooth import raycluster
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -73,7 +73,7 @@ def two_node_cluster(tmp_path_factory):
     import tempfile
     import time
 
-    import raycluster
+    from dreambooth import raycluster
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -122,7 +122,7 @@ def _slow_tests_share_one_cluster(request):
 @pytest.fixture(scope="session")
 def ray_session(shared_ray_cluster):
     """This process joined to the session's Ray cluster (workers get the code via runtime_env)."""
-    import raycluster
+    from dreambooth import raycluster
 
     ray = raycluster.init_ray()
     yield ray
@@ -138,7 +138,7 @@ def toy_images():
 def make_plan(tiny_model):
     """make_plan(**fields): a planning.Plan of the tiny model on CPU without files or Ray, with a
     learning rate that visibly moves its weights in a step or two."""
-    import planning
+    from dreambooth import planning
 
     def make(**fields):
         base = dict(model_dir=tiny_model, learning_rate=1e-3, adam_weight_decay=0.0, mixed_precision="no")
@@ -153,7 +153,7 @@ def prompt_ids(tiny_model):
     import torch
     from transformers import CLIPTokenizer
 
-    import dataset
+    from dreambooth import dataset
 
     tokenizer = CLIPTokenizer.from_pretrained(tiny_model, subfolder="tokenizer")
     return {k: torch.from_numpy(dataset.tokenize_prompt(tokenizer, p)).unsqueeze(0)
@@ -174,8 +174,8 @@ def lora_output(make_plan, tmp_path):
     random non-zero weights, written by outputs.save_pipeline as a --use_lora run writes them."""
     import torch
 
-    import models
-    import outputs
+    from dreambooth import models
+    from dreambooth import outputs
 
     plan = make_plan(use_lora=True, lora_rank=4, lora_alpha=8.0, output_dir=str(tmp_path / "lora-out"))
     nets = models.setup_models(plan, torch.device("cpu"), torch.device("cpu"), distributed=False)

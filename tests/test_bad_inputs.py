@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import families
-import imagefiles
-import imaging
-import prompts
-import utils
+from dreambooth import families
+from dreambooth import imagefiles
+from dreambooth import imaging
+from dreambooth import prompts
+from dreambooth import utils
 from conftest import ray_sessions
-from utils import REPO_DIR
+from dreambooth.utils import REPO_DIR
 
 
 def read_rgb(path):
@@ -159,7 +159,7 @@ def test_pickled_weights_need_an_explicit_opt_in(tiny_model, tmp_path):
     with pytest.raises(utils.UserError, match="'unet' .* only pickled .bin weights"):
         families.check_model_dir(str(model))
     families.check_model_dir(str(model), allow_unsafe_weights=True)
-    import models
+    from dreambooth import models
 
     nets = models.load_models(str(model), torch.device("cpu"), torch.device("cpu"), True, allow_unsafe_weights=True)
     assert nets.unet.config.sample_size == 32
@@ -214,7 +214,7 @@ def run_script(script, args, no_ray=False):
 def test_scripts_check_what_they_were_given_before_ray_starts(tiny_model, cut_model, toy_images, tmp_path):
     """Each case: exit != 0, one line naming the culprit, no traceback, in seconds (before Ray, before
     any image is drawn), and nothing of the user's moved."""
-    import cache_model
+    from dreambooth import cache_model
 
     eval_models = str(tmp_path / "no-eval-models")
     real_eval_models = cache_model.main(["--model_dir", str(tmp_path / "cache"), "--eval_models", "--tiny"])
@@ -262,9 +262,9 @@ def sdxl_adapters(tiny_sdxl_model, tmp_path_factory):
     """LoRA adapters of the tiny SDXL model, written as train.py --use_lora writes them (untrained)."""
     import torch
 
-    import models
-    import outputs
-    import planning
+    from dreambooth import models
+    from dreambooth import outputs
+    from dreambooth import planning
 
     plan = planning.offline_plan(model_dir=tiny_sdxl_model, use_lora=True, lora_rank=4, lora_alpha=4.0,
                                  mixed_precision="no", output_dir=str(tmp_path_factory.mktemp("sdxl-lora") / "out"))

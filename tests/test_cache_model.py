@@ -5,9 +5,9 @@ import sys
 
 import pytest
 
-import cache_model
-import utils
-from utils import REPO_DIR
+from dreambooth import cache_model
+from dreambooth import utils
+from dreambooth.utils import REPO_DIR
 
 SD14 = "CompVis/stable-diffusion-v1-4"
 SD14_REV = "b95be7d6f134c3a9e62ee616f310733567f069ce"
@@ -132,7 +132,7 @@ def test_the_sd2_v_tiny_model_has_its_own_name_and_arch_only_goes_with_a_built_m
 
 
 def test_tiny_eval_models_are_built_once_and_load_as_evaluate_reads_them(tmp_path):
-    import scores
+    from dreambooth import scores
 
     folder = cache_model.main(["--model_dir", str(tmp_path), "--eval_models", "--tiny"])
     weights = os.path.join(folder, "dino", "model.safetensors")
@@ -148,7 +148,7 @@ def test_eval_models_resolve_offline_and_pickled_weights_convert_only_when_allow
     import torch
     from transformers import AutoModel
 
-    import scores
+    from dreambooth import scores
 
     built = scores.build_tiny_eval_models(str(tmp_path / "built"))
     cache, revision = tmp_path / "cache", "0123456789abcdef0123456789abcdef01234567"

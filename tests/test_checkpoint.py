@@ -6,10 +6,10 @@ import os
 import pytest
 import torch
 
-import checkpoint
-import utils
-import models as models_lib
-import steps
+from dreambooth import checkpoint
+from dreambooth import utils
+from dreambooth import models as models_lib
+from dreambooth import steps
 
 CPU = torch.device("cpu")
 
@@ -171,7 +171,7 @@ def test_a_checkpoint_becomes_the_model_the_run_would_have_saved_at_that_step(ma
     train.py's output (channels-last on, as on a GPU), recording the step."""
     from diffusers import StableDiffusionPipeline
 
-    import utils
+    from dreambooth import utils
 
     state = trained_state(make_plan, prompt_ids, channels_last=True)
     os.makedirs(tmp_path / "ckpt")

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 from PIL import Image, ImageOps
 
-import dataset
-import imagefiles
-import imaging
-import utils
+from dreambooth import dataset
+from dreambooth import imagefiles
+from dreambooth import imaging
+from dreambooth import utils
 
 
 def asymmetric_image(height=6, width=9):

@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 from conftest import ray_sessions
-from outputs import IMAGES_CONFIG, IMAGES_RECORD
-from utils import LORA_WEIGHTS_FILE, OUTPUT_MARKER, REPO_DIR
+from dreambooth.outputs import IMAGES_CONFIG, IMAGES_RECORD
+from dreambooth.utils import LORA_WEIGHTS_FILE, OUTPUT_MARKER, REPO_DIR
 
 
 @pytest.fixture(scope="module")

@@ -4,9 +4,9 @@ import os
 
 import pytest
 
-import evaluate
-import outputs
-import utils
+from dreambooth import evaluate
+from dreambooth import outputs
+from dreambooth import utils
 
 
 def test_prompt_sets_have_25_prompts_each_with_the_subject():

@@ -4,8 +4,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import export
-import utils
+from dreambooth import export
+from dreambooth import utils
 
 
 def tuned_copy(base_model, folder):

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-import failures
-import train
-import utils
+from dreambooth import failures
+from dreambooth import train
+from dreambooth import utils
 
 
 def test_errors_of_the_files_read_stop_the_run_and_flaky_ones_are_retried():

@@ -9,8 +9,8 @@ import shutil
 import pytest
 import torch
 
-import families
-import utils
+from dreambooth import families
+from dreambooth import utils
 
 
 def test_the_family_is_read_from_the_model_folder(tiny_model, tiny_sd2v_model, tiny_sdxl_model, tmp_path,
@@ -44,7 +44,7 @@ def test_the_sd2_v_model_trains_towards_v(tiny_sd2v_model):
     """Its training scheduler predicts v: the target of a step is the velocity, not the noise."""
     from diffusers import DDPMScheduler
 
-    import steps
+    from dreambooth import steps
 
     scheduler = DDPMScheduler.from_pretrained(tiny_sd2v_model, subfolder="scheduler")
     latents, noise = torch.randn(2, 4, 8, 8), torch.randn(2, 4, 8, 8)
@@ -64,7 +64,7 @@ def drawn_size(folder, name):
 
 def class_images_and_train_args(model, toy_images, tmp_path):
     """Two class images drawn by generate.py with model, and the train.py flags the family tests share."""
-    import generate
+    from dreambooth import generate
 
     class_dir = tmp_path / "class"
     generate.main(["--model_dir", model, "--output_dir", str(class_dir), "--prompts", "photo of a toy",
@@ -78,8 +78,8 @@ def class_images_and_train_args(model, toy_images, tmp_path):
 def lora_trained_and_drawn(model, common, tmp_path):
     """A --use_lora run of 2 steps, then one image drawn by generate.py with its adapters on model:
     (the adapters' folder, the image's size)."""
-    import generate
-    import train
+    from dreambooth import generate
+    from dreambooth import train
 
     lora = tmp_path / "lora"
     train.main([*common, "--output_dir", str(lora), "--max_train_steps", "2", "--use_lora"])
@@ -96,7 +96,7 @@ def test_sd2_v_trains_resumes_and_draws_at_its_own_resolution(ray_session, tiny_
     and draw again."""
     from diffusers import StableDiffusionPipeline
 
-    import train
+    from dreambooth import train
 
     class_dir, common = class_images_and_train_args(tiny_sd2v_model, toy_images, tmp_path)
     assert drawn_size(class_dir, "photo-of-a-toy-00000.png") == (96, 96)
@@ -123,7 +123,7 @@ def test_sdxl_time_ids_are_each_photos_true_size_and_crop():
     size; the view's pixels are exactly that crop (mirrored when flipped)."""
     import numpy as np
 
-    import dataset
+    from dreambooth import dataset
 
     stored = np.random.default_rng(0).integers(0, 255, (16, 24, 3), dtype=np.uint8)
     batch = {"instance": np.zeros(8, dtype=np.int64), "seed": np.arange(8)}
@@ -148,10 +148,10 @@ def test_sdxl_time_ids_are_each_photos_true_size_and_crop():
 def test_the_sdxl_unet_is_conditioned_on_each_rows_size_and_crop(tiny_sdxl_model, make_plan):
     """batch_loss feeds the pooled text embedding and the batch's time ids to the UNet: other time
     ids give another loss for the same noise; a stream without them is the uncropped square."""
-    import models
-    import prompts as prompts_lib
-    import steps
-    import train
+    from dreambooth import models
+    from dreambooth import prompts as prompts_lib
+    from dreambooth import steps
+    from dreambooth import train
 
     plan = make_plan(model_dir=tiny_sdxl_model, resolution=128)
     ids = prompts_lib.prompt_ids(tiny_sdxl_model, ["photo of unqtkn toy"], "photo of a toy")
@@ -180,8 +180,8 @@ def test_sdxl_trains_resumes_with_lora_and_exports(ray_session, tiny_sdxl_model,
     from diffusers import StableDiffusionXLPipeline
     from safetensors import safe_open
 
-    import export
-    import train
+    from dreambooth import export
+    from dreambooth import train
 
     _, common = class_images_and_train_args(tiny_sdxl_model, toy_images, tmp_path)
     # A VAE of its own (as SDXL's fp16-fix one is): trained with, and kept in the saved model.
@@ -234,10 +234,10 @@ def test_sdxl_prior_prediction_gives_the_base_model_the_pooled_class_prompt_and_
     """--prior_preservation prior_prediction on SDXL: the class rows (the photos again) carry the
     photos' size/crop ids and the class prompt's pooled embedding to the base UNet as well, so an
     untrained model's prior loss is 0 (to rounding) and a changed one's is not."""
-    import models
-    import prompts as prompts_lib
-    import steps
-    import train
+    from dreambooth import models
+    from dreambooth import prompts as prompts_lib
+    from dreambooth import steps
+    from dreambooth import train
 
     plan = make_plan(model_dir=tiny_sdxl_model, resolution=128, prior_prediction=True)
     ids = prompts_lib.prompt_ids(tiny_sdxl_model, ["photo of unqtkn toy"], "photo of a toy")

@@ -4,9 +4,9 @@ import sys
 
 import pytest
 
-import flags
-import planning
-from utils import REPO_DIR
+from dreambooth import flags
+from dreambooth import planning
+from dreambooth.utils import REPO_DIR
 
 BASE = ["--model_dir", "/m", "--output_dir", "/o", "--instance_images_dir", "/i", "--instance_prompt", "p"]
 
@@ -213,7 +213,7 @@ def test_readme_compatibility_claims_hold():
 
 
 def test_a_prompt_with_commas_is_one_prompt_wherever_it_is_given(tmp_path):
-    import generate
+    from dreambooth import generate
 
     painted = "photo of unqtkn dog, oil painting, detailed"
     args = parse_train(BASE + ["--validation_prompt", painted, "--validation_prompt", "a dog, asleep"])

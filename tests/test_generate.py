@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import generate
-import outputs
-import utils
+from dreambooth import generate
+from dreambooth import outputs
+from dreambooth import utils
 
 
 def pixels(path):
@@ -61,7 +61,7 @@ def checked_model(tmp_path_factory):
     """A tiny model with a safety checker that flags every image, as a base model and as a tuned one."""
     import torch
 
-    import models
+    from dreambooth import models
 
     pipe = models.build_pipeline("tiny", safety_checker=True)
     with torch.no_grad():

@@ -8,12 +8,12 @@ import sys
 
 import pytest
 
-import memory
-import models
-import preflight
-import raycluster
-import utils
-from utils import REPO_DIR
+from dreambooth import memory
+from dreambooth import models
+from dreambooth import preflight
+from dreambooth import raycluster
+from dreambooth import utils
+from dreambooth.utils import REPO_DIR
 
 
 @pytest.mark.parametrize("size, arch, family", [("sd15", "sd1", "sd1"), ("sdxl", "sdxl", "sdxl")])
@@ -54,7 +54,7 @@ def test_the_computed_need_meets_the_measured_peaks_and_orders_the_modes():
 def test_the_readme_table_is_the_one_in_code():
     readme = open(os.path.join(REPO_DIR, "README.md")).read()
     assert memory.table() in readme
-    out = subprocess.run([sys.executable, "memory.py"], cwd=REPO_DIR, capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-m", "dreambooth.memory"], cwd=REPO_DIR, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == memory.table()
 
 

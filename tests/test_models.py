@@ -4,8 +4,8 @@
 import pytest
 import torch
 
-import models as models_lib
-import steps
+from dreambooth import models as models_lib
+from dreambooth import steps
 
 CPU = torch.device("cpu")
 

@@ -6,9 +6,9 @@ import shutil
 
 import pytest
 
-import generate
-import outputs
-import utils
+from dreambooth import generate
+from dreambooth import outputs
+from dreambooth import utils
 
 SETTINGS = generate.ImageSettings(num_inference_steps=3, seed=1)
 
@@ -83,7 +83,7 @@ def test_images_without_a_record_are_not_mixed_with_new_ones(tiny_model, tmp_pat
 
 
 def test_class_images_of_another_model_prompt_or_size_are_refused_for_training(tiny_model, tmp_path):
-    import planning
+    from dreambooth import planning
 
     folder = str(tmp_path / "class")
     generate.top_up(folder, outputs.ModelRef(tiny_model), ["photo of a dog"], 1, SETTINGS, False)

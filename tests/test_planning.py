@@ -7,10 +7,10 @@ import re
 import pytest
 from PIL import Image
 
-import outputs
-import planning
-import prompts
-import utils
+from dreambooth import outputs
+from dreambooth import planning
+from dreambooth import prompts
+from dreambooth import utils
 
 
 

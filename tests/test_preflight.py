@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-import preflight
-import utils
-from utils import REPO_DIR
+from dreambooth import preflight
+from dreambooth import utils
+from dreambooth.utils import REPO_DIR
 
 
 def args(**given):
@@ -45,7 +45,7 @@ def test_disk_estimate_is_model_checkpoint_and_output(tiny_model, tmp_path):
     cached, parts = preflight.disk_needed_gb(args(model_name="sd15", model_path=tiny_model))
     assert cached < 0.1 and parts.startswith("model 0.0")  # cached already: nothing to download
     # the script knows only ORIG_MODEL_DIR before Step 1: a pinned model already cached there is found
-    import cache_model
+    from dreambooth import cache_model
 
     known = cache_model.known_model("sd15")
     shutil.copytree(tiny_model, cache_model.hub_snapshot_path(str(tmp_path / "cache"), known.hub_name, known.revision))

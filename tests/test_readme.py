@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from utils import OUTPUT_MARKER, REPO_DIR
+from dreambooth.utils import OUTPUT_MARKER, REPO_DIR
 
 README = open(os.path.join(REPO_DIR, "README.md")).read()
 BLOCKS = re.findall(r"```bash\n(.*?)```", README, re.S)

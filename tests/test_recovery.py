@@ -15,11 +15,11 @@ import torch
 import pytest
 from PIL import Image
 
-import checkpoint
-import generate
-import runlog
-import train
-from utils import REPO_DIR
+from dreambooth import checkpoint
+from dreambooth import generate
+from dreambooth import runlog
+from dreambooth import train
+from dreambooth.utils import REPO_DIR
 
 def env():
     """The scripts' environment: this one's at the time (RAY_ADDRESS: the session's cluster), offline."""

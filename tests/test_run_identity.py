@@ -7,9 +7,9 @@ import shutil
 
 import pytest
 
-import checkpoint
-import planning
-import utils
+from dreambooth import checkpoint
+from dreambooth import planning
+from dreambooth import utils
 
 
 def argv(model, photos, out, *extra):
@@ -56,7 +56,7 @@ def test_what_decides_the_weights_is_in_the_identity_and_what_does_not_is_not(ti
         (identity(tiny_model, toy_images, out, "--use_ema"), "--use_ema False -> True"),
         (identity(tiny_model, toy_images, out, "--mixed_precision", "bf16"), "--mixed_precision"),
     ]
-    import run_identity
+    from dreambooth import run_identity
 
     for other, said in cases:
         differs = run_identity.differences(base, other)

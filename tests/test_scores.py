@@ -5,8 +5,8 @@ import pytest
 import torch
 from PIL import Image
 
-import scores
-import utils
+from dreambooth import scores
+from dreambooth import utils
 
 
 def cluster(center, n, spread, seed):

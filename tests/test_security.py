@@ -14,9 +14,9 @@ import urllib.request
 
 import pytest
 
-import raycluster
-import utils
-from utils import REPO_DIR
+from dreambooth import raycluster
+from dreambooth import utils
+from dreambooth.utils import REPO_DIR
 
 LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1", "localhost")
 # One real method of each kind of Ray gRPC server: a server checks the token before it runs a method

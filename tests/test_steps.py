@@ -5,8 +5,8 @@ import copy
 import pytest
 import torch
 
-import models as models_lib
-import steps
+from dreambooth import models as models_lib
+from dreambooth import steps
 
 CPU = torch.device("cpu")
 
@@ -336,7 +336,7 @@ def test_prior_prediction_targets_the_base_models_own_prediction(tiny_model, pro
     the trained UNet runs 4 rows, the base 2);
     after training it is not, and the target is still exactly what a freshly loaded base UNet predicts
     (full: the frozen copy; LoRA: the adapters switched off)."""
-    import train
+    from dreambooth import train
 
     plan = make_plan(prior_prediction=True, use_lora=use_lora)
     nets = models_lib.setup_models(plan, CPU, CPU, distributed=False)

@@ -7,11 +7,11 @@ import sys
 
 import pytest
 
-import imagefiles
-import sweep
-import sweep_report
-import utils
-from utils import REPO_DIR
+from dreambooth import imagefiles
+from dreambooth import sweep
+from dreambooth import sweep_report
+from dreambooth import utils
+from dreambooth.utils import REPO_DIR
 
 
 def base_argv(model, tmp_path):
@@ -69,7 +69,7 @@ def test_subjects_come_from_their_folders_with_the_flags_as_defaults(tiny_model,
 def test_the_sweep_estimates_its_disk_and_refuses_what_does_not_fit(tiny_model, toy_images, tmp_path):
     """Before any trial: the checkpoints of the trials at once (every step count's kept until scored, and
     the next one written) and a model per trial and step count, from the model's own weight files."""
-    import checkpoint
+    from dreambooth import checkpoint
 
     args, _, train_args = sweep.parse_args(base_argv(tiny_model, tmp_path) + [
         "--instance_data_dir", toy_images, "--class_name", "toy", "--sweep_max_train_steps", "2,4"])
@@ -91,8 +91,8 @@ def test_a_trial_is_the_base_flags_with_its_own_set_and_the_rest_worked_out_agai
     (LoRA's alpha from the trial's rank, not the base's); the base is never changed."""
     import argparse
 
-    import evaluate
-    import planning
+    from dreambooth import evaluate
+    from dreambooth import planning
 
     args, train_flags, _ = sweep.parse_args(base_argv(tiny_model, tmp_path) + [
         "--instance_data_dir", toy_images, "--class_name", "toy", "--use_lora", "--sweep_rank", "4,16",
@@ -179,7 +179,7 @@ def test_table_plot_and_report_mark_the_chosen_trials_and_list_failed_ones(tmp_p
 @pytest.fixture()
 def two_subjects(tiny_model, toy_images, tmp_path):
     """(sweep.py's command for two subjects of one class, LoRA, the tiny models; the sweep folder)."""
-    import cache_model
+    from dreambooth import cache_model
 
     eval_models = cache_model.main(["--model_dir", str(tmp_path / "cache"), "--eval_models", "--tiny"])
     photos = [os.path.join(toy_images, n) for n in sorted(os.listdir(toy_images))]
@@ -332,7 +332,7 @@ def test_early_stopping_is_on_for_random_search_and_big_grids_and_stops_within_a
 
     from ray.tune.schedulers import TrialScheduler
 
-    import sweep_scheduler
+    from dreambooth import sweep_scheduler
 
     def args(**kw):
         return SimpleNamespace(**{"early_stopping": "auto", "search": "grid", "sweep_max_train_steps": [2, 4], **kw})

@@ -7,10 +7,10 @@ import re
 import pytest
 import torch
 
-import outputs
-import runlog
-import train
-import utils
+from dreambooth import outputs
+from dreambooth import runlog
+from dreambooth import train
+from dreambooth import utils
 
 
 def events(folder):
@@ -54,7 +54,7 @@ def weights_differ(a, b):
 
 @pytest.fixture(scope="module")
 def class_images(ray_session, tiny_model, tmp_path_factory):
-    import generate
+    from dreambooth import generate
 
     out = tmp_path_factory.mktemp("images-reg")
     generate.main(["--model_dir", tiny_model, "--output_dir", str(out), "--prompts", "photo of a toy",
@@ -181,7 +181,7 @@ def test_a_hub_name_in_the_hub_cache_trains_offline(ray_session, tiny_model, toy
     """diffusers' command lines name the model on the hub: found in the local hub cache, no download."""
     import shutil
 
-    import cache_model
+    from dreambooth import cache_model
 
     cache = tmp_path / "hub"
     name, revision = "CompVis/stable-diffusion-v1-4", cache_model.known_model("sd14").revision

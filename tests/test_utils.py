@@ -3,8 +3,8 @@ import os
 
 import pytest
 
-import families
-import utils
+from dreambooth import families
+from dreambooth import utils
 
 
 def test_slugify_is_file_safe_and_stable():
@@ -70,7 +70,7 @@ def test_a_safetensors_file_is_checked_from_its_header_alone(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    import utils
+    from dreambooth import utils
 
     path = tmp_path / "w.safetensors"
     save_file({"a": torch.zeros(64), "b": torch.ones(3, 3)}, str(path))
@@ -86,7 +86,7 @@ def test_a_safetensors_file_is_checked_from_its_header_alone(tmp_path):
 def test_an_output_is_never_a_file_or_inside_what_the_run_reads(tmp_path):
     import pytest
 
-    import utils
+    from dreambooth import utils
 
     (tmp_path / "f").write_text("x")
     with pytest.raises(utils.UserError, match="is a file, not a folder"):
@@ -112,7 +112,7 @@ def test_a_script_exits_at_once_after_flushing_and_waits_for_its_writing_threads
     script.write_text(textwrap.dedent(f"""
         import atexit, logging, sys, threading, time
         sys.path.insert(0, {utils.REPO_DIR!r})
-        import utils
+        from dreambooth import utils
 
         def main():
             logging.basicConfig(stream=sys.stderr, format="%(message)s")

@@ -6,9 +6,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-import generate
-import models as models_lib
-import validation
+from dreambooth import generate
+from dreambooth import models as models_lib
+from dreambooth import validation
 
 CPU = torch.device("cpu")
 

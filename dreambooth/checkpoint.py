@@ -19,10 +19,10 @@ import os
 import re
 import sys
 
-import models
-import outputs
-import run_identity
-import utils
+from dreambooth import models
+from dreambooth import outputs
+from dreambooth import run_identity
+from dreambooth import utils
 
 STATE_FILE = "train_state.json"
 UNET_FILE = "unet.safetensors"
@@ -130,7 +130,7 @@ def load_ema(targets, folder):
     --use_ema)."""
     from safetensors.torch import load_file
 
-    import steps  # here, not at the top: it imports torch (2 s a --help or a one-line error never waits for)
+    from dreambooth import steps  # here, not at the top: it imports torch (2 s a --help or a one-line error never waits for)
 
     path = os.path.join(folder, EMA_FILE)
     if not os.path.isfile(path):
@@ -314,7 +314,7 @@ def save_as_model(checkpoint_dir, plan):
     ended at that step: intermediate checkpoints become models to sample from (sweep.py)."""
     import torch
 
-    import steps  # here, not at the top: it imports torch (2 s a --help or a one-line error never waits for)
+    from dreambooth import steps  # here, not at the top: it imports torch (2 s a --help or a one-line error never waits for)
 
     cpu = torch.device("cpu")
     nets = models.setup_models(plan, cpu, cpu, distributed=False)

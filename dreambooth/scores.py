@@ -19,8 +19,8 @@ import re
 
 import numpy as np
 
-import models
-import utils
+from dreambooth import models
+from dreambooth import utils
 
 # The paper's values for SD 1.x DreamBooth (table 1), printed beside ours in report.md.
 PAPER_SD = {"dino": 0.668, "clip_i": 0.803, "clip_t": 0.305}

@@ -9,11 +9,11 @@ with validation trains exactly as one without.
 
 import os
 
-import checkpoint
-import dataset
-import generate
-import models
-import utils
+from dreambooth import checkpoint
+from dreambooth import dataset
+from dreambooth import generate
+from dreambooth import models
+from dreambooth import utils
 
 FOLDER = "validation"  # in the run's folder under --storage_path
 TIMELINE = "timeline.png"
@@ -44,7 +44,7 @@ class Sampler:
 
     def encode(self, prompts):
         """(states, pooled or None) of the prompts, on the UNet's device (steps.encode_text)."""
-        import steps  # here, not at the top: it imports torch (2 s a --help or a one-line error never waits for)
+        from dreambooth import steps  # here, not at the top: it imports torch (2 s a --help or a one-line error never waits for)
         import torch
 
         ids = torch.stack([torch.stack([torch.from_numpy(dataset.tokenize_prompt(t, p)) for t in self.tokenizers])

@@ -20,10 +20,10 @@ import re
 import sys
 import uuid
 
-import families
-import flags
-import models
-import utils
+from dreambooth import families
+from dreambooth import flags
+from dreambooth import models
+from dreambooth import utils
 
 IMAGES_RECORD = "dreambooth_images.json"  # beside generated images: what drew them
 IMAGES_CONFIG = "generate_config.toml"  # beside them too: generate.py --config FILE repeats the run

@@ -1,7 +1,7 @@
 """How much GPU memory a training run needs per worker, before it starts: one table for the
-preflight, the README and `python memory.py`.
+preflight, the README and `python -m dreambooth.memory`.
 
-    python memory.py              the README's table (markdown)
+    python -m dreambooth.memory   the README's table (markdown)
 
 The figure is computed, not guessed from a tiny model:
 - **Parameters** of each network: the released models' counts (RELEASED; tests/test_memory.py
@@ -25,8 +25,8 @@ import glob
 import os
 import sys
 
-import families
-import utils
+from dreambooth import families
+from dreambooth import utils
 
 GIB = 2 ** 30
 RESERVE_GIB = 1.0

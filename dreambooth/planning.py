@@ -14,16 +14,16 @@ import os
 import sys
 from datetime import datetime
 
-import cache_model
-import checkpoint
-import families
-import flags
-import imagefiles
-import imaging
-import outputs
-import prompts
-import run_identity
-import utils
+from dreambooth import cache_model
+from dreambooth import checkpoint
+from dreambooth import families
+from dreambooth import flags
+from dreambooth import imagefiles
+from dreambooth import imaging
+from dreambooth import outputs
+from dreambooth import prompts
+from dreambooth import run_identity
+from dreambooth import utils
 
 DEFAULT_MAX_TRAIN_STEPS = 800
 

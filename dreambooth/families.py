@@ -11,7 +11,7 @@ this suite trains it yet. A later family is one more entry here.
 import dataclasses
 import os
 
-import utils
+from dreambooth import utils
 
 
 @dataclasses.dataclass(frozen=True)

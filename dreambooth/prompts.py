@@ -4,9 +4,9 @@ names the subject with a word the class prompt lacks, and their CLIP token ids."
 import os
 import sys
 
-import dataset
-import families
-import utils
+from dreambooth import dataset
+from dreambooth import families
+from dreambooth import utils
 
 
 def lacks_identifier(instance_prompt, class_prompt):

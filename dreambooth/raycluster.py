@@ -8,7 +8,7 @@ import shutil
 import sys
 import tempfile
 
-import utils
+from dreambooth import utils
 
 
 def quiet_ray_logs():
@@ -121,7 +121,7 @@ def init_ray():
     runtime_env = {
         "working_dir": utils.REPO_DIR,
         "excludes": [".venv", "venv", ".git", "tests", "images", "benchmarks", "**/__pycache__", "*.png", "*.jpg"],
-        "worker_process_setup_hook": "raycluster.quiet_ray_worker",
+        "worker_process_setup_hook": "dreambooth.raycluster.quiet_ray_worker",
         "env_vars": {
             "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"],
             "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0"),

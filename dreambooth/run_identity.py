@@ -11,8 +11,8 @@ import hashlib
 import json
 import os
 
-import outputs
-import utils
+from dreambooth import outputs
+from dreambooth import utils
 
 # train.py's flags (as parsed) that change the trained weights; the files and the resolved sizes are
 # added by of_run. The learning rate is the flag's (with --scale_lr also a flag), not the product with

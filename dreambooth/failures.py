@@ -15,7 +15,7 @@ import shutil
 
 import ray.train
 
-import utils
+from dreambooth import utils
 
 # Ray Train's own console logging (worker-group start, each failure's traceback twice, its retry
 # decision): what matters reaches the terminal through FailureWatch and train.py instead.

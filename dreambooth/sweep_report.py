@@ -3,8 +3,8 @@
 import csv
 import os
 
-import evaluate
-import scores
+from dreambooth import evaluate
+from dreambooth import scores
 
 COLUMNS = ("subject", "learning_rate", "train_text_encoder", "rank", "step", "dino", "clip_i", "clip_t", "div",
            "pres", "dino_holdout", "clip_i_holdout", "status", "note", "chosen", "model")

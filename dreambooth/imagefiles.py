@@ -8,8 +8,8 @@ import sys
 
 import numpy as np
 
-import outputs
-import utils
+from dreambooth import outputs
+from dreambooth import utils
 
 
 # EXIF orientation tag -> (number of 90-degree counter-clockwise turns, mirror first)

@@ -9,8 +9,8 @@ setting that a CPU run can turn on too.
 import dataclasses
 import os
 
-import families
-import utils
+from dreambooth import families
+from dreambooth import utils
 
 TINY_TOKENIZER_DIR = os.path.join(utils.REPO_DIR, "assets", "tiny_tokenizer")
 
@@ -304,7 +304,7 @@ def add_lora(models, plan):
     import torch
     from diffusers.training_utils import cast_training_params
 
-    import steps  # here, not at the top: it imports torch (2 s a --help or a one-line error never waits for)
+    from dreambooth import steps  # here, not at the top: it imports torch (2 s a --help or a one-line error never waits for)
 
     frozen_dtype = steps.amp_dtype(plan.mixed_precision, models.unet_device) or torch.float32
     for model in (models.unet, *models.text_encoders(), models.vae):
@@ -324,7 +324,7 @@ def load_frozen_unet(plan, device):
     import torch
     from diffusers import UNet2DConditionModel
 
-    import steps  # here, not at the top: it imports torch (2 s a --help or a one-line error never waits for)
+    from dreambooth import steps  # here, not at the top: it imports torch (2 s a --help or a one-line error never waits for)
 
     dtype = steps.amp_dtype(plan.mixed_precision, device) or torch.float32
     unet = from_pretrained(UNet2DConditionModel, plan.model_dir, plan.allow_unsafe_weights, subfolder="unet")

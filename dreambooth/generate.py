@@ -1,0 +1,396 @@
+"""Generate images with a Stable Diffusion model on a Ray Data actor pool.
+
+Before training it makes the class (regularisation) images; after, images of your subject:
+
+    python generate.py --model_dir=$ORIG_MODEL_PATH --output_dir=$IMAGES_REG_DIR \\
+        --prompts="photo of a dog" --num_samples_per_prompt=200
+    python generate.py --model_dir=$TUNED_MODEL_DIR --output_dir=$IMAGES_NEW_DIR \\
+        --prompts="photo of unqtkn dog in a bucket" --num_samples_per_prompt=5
+
+After `train.py --use_lora`, $TUNED_MODEL_DIR holds adapters only: pass it as --model_dir
+(the base model is read from its record) or as --lora_dir beside the base --model_dir.
+
+Image i of a prompt is '<prompt-slug>-<i:05d>.png', drawn from a seed derived from
+--seed, the prompt and i: a rerun keeps what exists and makes only what is missing,
+and gives the same pixels an uninterrupted run would. The folder's record
+(dreambooth_images.json) names the model and the settings that drew it: a run with another
+model, prompt, resolution, seed, step count or guidance stops with one line instead of
+mixing its images in (--force replaces them). Several prompts: repeat the value
+(--prompts 'a dog, oil painting' 'a cat') or --prompts_file; commas stay inside a prompt.
+A contact sheet of all the requested images is written to <output_dir>/grid/grid.png.
+
+Class images come from the base model without its safety checker (a flagged image
+would be saved black and trained on as a dog); images from a tuned model are checked,
+and a flagged one is not saved: '<name>.png.flagged' marks it as done, and a line says so.
+"""
+
+import dataclasses
+import hashlib
+import math
+import os
+import sys
+
+from dreambooth import cache_model
+from dreambooth import families
+from dreambooth import flags
+from dreambooth import models
+from dreambooth import outputs
+from dreambooth import prompts
+from dreambooth import raycluster
+from dreambooth import utils
+
+FLAGGED_SUFFIX = ".flagged"  # beside the name of an image the safety checker withheld
+GRID_DIR = "grid"  # the contact sheet's folder inside --output_dir
+
+
+def image_file_name(prompt, index):
+    """Stable file name of the index-th image of a prompt: '<slug>-<index:05d>.png'."""
+    return f"{utils.slugify(prompt)}-{index:05d}{utils.IMAGE_SUFFIX}"
+
+
+def image_seed(base_seed, prompt, index):
+    """Deterministic 31-bit seed for one image, from the run seed, its prompt and index.
+
+    Independent of batch size, actor count and which images already exist, so a rerun
+    that tops up a folder draws exactly the images an uninterrupted run would.
+    """
+    key = f"{base_seed}:{prompt}:{index}".encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:4], "little") & 0x7FFFFFFF
+
+
+def plan_images(prompts, num_per_prompt, seed, output_dir):
+    """Rows for the images still missing in output_dir, and the file names of all requested.
+
+    Returns (missing_rows, all_files); a row is {"prompt", "seed", "file"}.
+    """
+    rows, all_files, slugs = [], [], {}
+    for prompt in prompts:
+        slug = utils.slugify(prompt)
+        if slugs.setdefault(slug, prompt) != prompt:
+            raise utils.UserError(f"prompts {slugs[slug]!r} and {prompt!r} would share file names; make them differ")
+        for index in range(num_per_prompt):
+            name = image_file_name(prompt, index)
+            all_files.append(name)
+            path = os.path.join(output_dir, name)
+            if not os.path.exists(path) and not os.path.exists(path + FLAGGED_SUFFIX):
+                rows.append({"prompt": prompt, "seed": image_seed(seed, prompt, index), "file": name})
+    return rows, all_files
+
+
+def make_grid(images, thumb_size=128, columns=None):
+    """Contact sheet: images (PIL, any size) as thumb_size squares, columns to a row
+    (default: a near-square grid)."""
+    from PIL import Image
+
+    cols = columns or max(1, math.ceil(math.sqrt(len(images))))
+    rows = max(1, math.ceil(len(images) / cols))
+    sheet = Image.new("RGB", (cols * thumb_size, rows * thumb_size), "white")
+    for k, image in enumerate(images):
+        thumb = image.convert("RGB").resize((thumb_size, thumb_size))
+        sheet.paste(thumb, ((k % cols) * thumb_size, (k // cols) * thumb_size))
+    return sheet
+
+
+def write_grid(output_dir, files):
+    from PIL import Image
+
+    images = []
+    for name in files:
+        if not os.path.exists(os.path.join(output_dir, name)):
+            continue  # withheld by the safety checker
+        with Image.open(os.path.join(output_dir, name)) as image:
+            images.append(image.copy())
+    os.makedirs(os.path.join(output_dir, GRID_DIR), exist_ok=True)
+    path = os.path.join(output_dir, GRID_DIR, "grid.png")
+    utils.save_image_atomic(make_grid(images), path)
+    return path
+
+
+def use_safety_checker(setting, model):
+    """--safety_checker auto|on|off -> bool. auto: on only for a model or adapters train.py wrote."""
+    return model.trained if setting == "auto" else setting == "on"
+
+
+def load_pipeline(model_dir, device, allow_unsafe_weights=False, safety_checker=False, lora_dir=None,
+                  lora_scale=1.0):
+    """The SD pipeline in the device's low precision (train.py's rule: bf16 where the GPU has it, else fp16;
+    fp32 on CPU); safetensors weights only unless allowed, no remote code.
+
+    Without safety_checker the model's checker is not even loaded. LoRA adapters from
+    lora_dir are fused into the weights at lora_scale: generation runs at the base model's speed.
+    """
+    import diffusers
+    import torch
+
+    from dreambooth import steps  # here, not at the top: it imports torch (2 s a --help or a one-line error never waits for)
+
+    dtype = steps.amp_dtype(None, device) or torch.float32
+    family = families.family_of(model_dir)
+    # (a family without a safety checker, SDXL, has none to leave out)
+    kwargs = {} if safety_checker or not family.safety_checker else {"safety_checker": None,
+                                                                      "requires_safety_checker": False}
+    pipe = models.from_pretrained(getattr(diffusers, family.pipeline), model_dir, allow_unsafe_weights, dtype=dtype,
+                                  **kwargs)
+    pipe.set_progress_bar_config(disable=True)
+    if lora_dir:
+        pipe.load_lora_weights(lora_dir, weight_name=utils.LORA_WEIGHTS_FILE)
+        pipe.fuse_lora(lora_scale=lora_scale)
+        pipe.unload_lora_weights()  # the fused weights stay; the adapter layers go
+    return pipe.to(device)
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageSettings:
+    """How images are drawn, whatever the model: every setting that changes their pixels."""
+
+    num_inference_steps: int = 50
+    guidance_scale: float = 7.5
+    negative_prompt: str | None = None
+    resolution: int | None = None  # None: the model's native size
+    seed: int = 0
+    allow_unsafe_weights: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class DrawJob:
+    """One model's images to draw into one folder. rows: ({"prompt", "seed", "file"}, ...)."""
+
+    model: outputs.ModelRef
+    output_dir: str
+    safety_checker: bool
+    rows: tuple = ()
+
+
+def generate_batch(pipe, prompts, seeds, settings):
+    """Run the pipeline once for a batch (settings: ImageSettings). One CPU generator per image:
+    the noise of an image depends on its seed alone, not on the batch it lands in or the device."""
+    import torch
+
+    generators = [torch.Generator("cpu").manual_seed(int(s)) for s in seeds]
+    negative = settings.negative_prompt
+    out = pipe(
+        prompt=list(prompts),
+        negative_prompt=[negative] * len(prompts) if negative else None,
+        num_inference_steps=settings.num_inference_steps,
+        guidance_scale=settings.guidance_scale,
+        height=settings.resolution,
+        width=settings.resolution,
+        generator=generators,
+    )
+    # (a pipeline without a safety checker, SDXL's, has no such field)
+    return out.images, list(getattr(out, "nsfw_content_detected", None) or [False] * len(out.images))
+
+
+class ImageGenerator:
+    """Ray Data actor: turns each batch of rows into PNG files, for one model or several.
+
+    jobs: [DrawJob] (their rows travel as the batches). settings: ImageSettings.
+    Batch in: {"job": (B,) index into jobs, "prompt": (B,) str, "seed": (B,) int, "file": (B,) str}.
+    Batch out: {"job", "file", "flagged": (B,) bool (withheld by the safety checker)}.
+    The actor holds one pipeline at a time and loads another when the rows' job changes;
+    rows arrive grouped by job, so that happens about once per model.
+    """
+
+    def __init__(self, jobs, settings, num_actors):
+        utils.skip_unused_imports(lora=any(job.model.lora_dir for job in jobs))
+        self.device = utils.torch_device()
+        if self.device.type == "cpu":
+            raycluster.share_cpu_threads(num_actors)
+        self.jobs, self.settings = jobs, settings
+        self.loaded, self.pipe, self.broken = None, None, None
+        try:
+            self.pipeline(0)
+        except utils.UserError as err:
+            # Raised from the first batch instead: an actor that dies in its constructor has Ray print
+            # the traceback on the user's terminal, and retry it.
+            self.broken = err
+
+    def pipeline(self, index):
+        if index != self.loaded:
+            job = self.jobs[index]
+            self.pipe = None  # the previous model's memory goes before the next one loads
+            try:
+                self.pipe = load_pipeline(job.model.model_dir, self.device, self.settings.allow_unsafe_weights,
+                                          job.safety_checker, job.model.lora_dir, job.model.lora_scale)
+            except (OSError, MemoryError):
+                raise
+            except Exception as err:
+                utils.write_error_log(job.output_dir, "loading the model", err)
+                remedy = ("were the adapters trained on this base model? Else fetch or copy the files again"
+                          if job.model.lora_dir else "its files do not fit together: fetch or copy it again")
+                failure = utils.load_failure(f"loading the model {job.model.describe()}", err, remedy)
+                raise utils.UserError(f"{failure} (traceback in {os.path.join(job.output_dir, utils.ERRORS_LOG)})") \
+                    from err
+            self.loaded = index
+        return self.pipe
+
+    def __call__(self, batch):
+        import numpy as np
+
+        if self.broken:
+            raise self.broken
+        flagged = np.zeros(len(batch["file"]), dtype=bool)
+        for index in dict.fromkeys(batch["job"].tolist()):
+            rows = np.flatnonzero(batch["job"] == index)
+            images, bad = generate_batch(self.pipeline(index), batch["prompt"][rows], batch["seed"][rows],
+                                         self.settings)
+            for row, image, is_bad in zip(rows, images, bad):
+                path = os.path.join(self.jobs[index].output_dir, str(batch["file"][row]))
+                if is_bad:
+                    open(path + FLAGGED_SUFFIX, "w").close()
+                else:
+                    utils.save_image_atomic(image, path)
+                flagged[row] = is_bad
+        return {"job": batch["job"], "file": batch["file"], "flagged": flagged}
+
+
+def run_actor_pool(jobs, settings, batch_size, num_actors):
+    """Fan the rows of every DrawJob out to one actor pool; yields (job index, file name, flagged)
+    as images land."""
+    import ray
+
+    rows = [{**row, "job": index} for index, job in enumerate(jobs) for row in job.rows]
+    ds = ray.data.from_items(rows).map_batches(
+        ImageGenerator,
+        fn_constructor_args=([dataclasses.replace(job, rows=()) for job in jobs], settings, num_actors),
+        batch_size=batch_size,
+        compute=ray.data.ActorPoolStrategy(size=num_actors),
+        num_gpus=actor_num_gpus(),
+    )
+    for batch in ds.iter_batches(batch_size=None):
+        yield from zip(batch["job"], batch["file"], batch["flagged"])
+
+
+def actor_num_gpus():
+    """GPUs each actor of a pool reserves: a whole one where the cluster has GPUs."""
+    return 1 if raycluster.cluster_resources()[1] else 0
+
+
+def default_num_actors():
+    """One actor per GPU of the cluster; one CPU actor where there are none."""
+    return max(1, raycluster.cluster_resources()[1])
+
+
+def wanted_files(folder, prompts, count):
+    """{prompt: [paths of its images 0..count-1 in folder]}."""
+    return {p: [os.path.join(folder, image_file_name(p, i)) for i in range(count)] for p in prompts}
+
+
+def top_up(folder, model, prompts, count, settings, safety_checker, on_mismatch="error",
+           remedy="pass --force to delete those images and draw these", label=None, class_images=False):
+    """The DrawJob that fills folder up to count images of each prompt, keeping the images already
+    there only when the folder's record says the same model drew them with the same settings.
+
+    The one place a folder of generated images is filled (generate.py, class images for train.py
+    and the sweep, evaluate.py's images). On a mismatch: on_mismatch "error" raises a UserError
+    naming what differs and remedy (how to discard them); "redraw" and "force" (generate.py
+    --force) delete them, say so, and draw them again. class_images: only ImageRecord.CLASS_IMAGE_FIELDS
+    must match (others differing: kept, with a line). The record is written before drawing: a run
+    cut short leaves images that its record describes."""
+    os.makedirs(folder, exist_ok=True)
+    utils.remove_temp_files(folder)
+    resolution = settings.resolution or families.native_resolution(model.model_dir)
+    wanted = outputs.ImageRecord(model.fingerprint(), model.describe(), tuple(prompts), resolution, settings.seed,
+                                 settings.num_inference_steps, settings.guidance_scale, settings.negative_prompt)
+    have = outputs.read_image_record(folder)
+    drawn = outputs.drawn_images(folder)
+    differs = have.differences(wanted) if have else (["record"] if drawn else [])
+    if class_images and have and differs and on_mismatch != "force" and not set(differs) & set(
+            outputs.ImageRecord.CLASS_IMAGE_FIELDS):
+        print(f"{label or folder}: keeping the {len(drawn)} class images in {folder}, drawn with "
+              f"{have.describe(differs)} (not this run's {wanted.describe(differs)}: the same model, prompt and size, "
+              f"which is what training reads)", file=sys.stderr)
+        wanted = have  # the record goes on describing the images kept
+        differs = []
+    if differs:
+        what = (f"were drawn with {have.describe(differs)}" if have else
+                f"have no record ({outputs.IMAGES_RECORD}) of the model and settings that drew them")
+        if on_mismatch == "error":
+            asked = f"this run's {wanted.describe(differs)}" if have else f"this run's {wanted.describe()}"
+            raise utils.UserError(f"{folder}: its {len(drawn)} images {what}, not {asked} ({', '.join(differs)} "
+                                  f"differ). Use another folder, or {remedy}")
+        print(f"{label or folder}: the {len(drawn)} images in {folder} {what} ({', '.join(differs)} differ "
+              f"from this run); {'deleting them (--force)' if on_mismatch == 'force' else 'drawing them again'}",
+              file=sys.stderr)
+        outputs.remove_drawn_images(folder)
+    outputs.write_image_record(folder, wanted)
+    rows, names = plan_images(prompts, count, settings.seed, folder)
+    if names:
+        print(f"{label or folder}: {len(names) - len(rows)} of {len(names)} images already there; generating "
+              f"{len(rows)}", file=sys.stderr)
+    return DrawJob(model, folder, safety_checker, tuple(rows))
+
+
+def prompts_of(args):
+    """The prompts of --prompts (each value one prompt, commas and all) and --prompts_file, once each."""
+    given = list(args.prompts or [])
+    if args.prompts_file:
+        given += prompts.read_prompt_file(args.prompts_file)
+    if not given:
+        raise utils.UserError("give the prompts: --prompts 'photo of a dog' (repeat the flag for several) "
+                              "or --prompts_file FILE (one per line)")
+    return list(dict.fromkeys(given))
+
+
+def main(argv=None):
+    parser = flags.make_parser(
+        __doc__.splitlines()[0],
+        ["model_dir", "output_dir", "prompts", "prompts_file", "num_samples_per_prompt", "batch_size",
+         "num_inference_steps", "guidance_scale", "negative_prompt", "seed", "resolution",
+         "lora_dir", "lora_scale", "num_actors", "safety_checker", "force", "class_images", "use_ray_data",
+         "allow_unsafe_weights"],
+        config=True,
+    )
+    args = cache_model.resolve_models(parser.parse_args(argv))
+    prompts = prompts_of(args)
+    model = outputs.resolve_model(args.model_dir, args.lora_dir, args.lora_scale)
+    families.check_model_dir(model.model_dir, args.allow_unsafe_weights)
+    utils.check_output_path(args.output_dir, "--output_dir", [("--model_dir", model.model_dir),
+                                                              ("--lora_dir", model.lora_dir)])
+    settings = ImageSettings(args.num_inference_steps, args.guidance_scale, args.negative_prompt, args.resolution,
+                             args.seed, args.allow_unsafe_weights)
+    remedy = "pass --force to delete those images and draw these" + (
+        " (dreambooth_run.sh: set IMAGES_REG_DIR to another folder, or delete this one)" if args.class_images else "")
+    job = top_up(args.output_dir, model, prompts, args.num_samples_per_prompt, settings,
+                 use_safety_checker(args.safety_checker, model), on_mismatch="force" if args.force else "error",
+                 remedy=remedy, class_images=args.class_images)
+    flags.write_config(os.path.join(args.output_dir, outputs.IMAGES_CONFIG), flags.config_text(parser, args))
+    make_images_of([job], settings, args.batch_size, args.num_actors)
+    all_files = [os.path.basename(p) for paths in wanted_files(args.output_dir, prompts,
+                                                                args.num_samples_per_prompt).values() for p in paths]
+    grid = write_grid(args.output_dir, all_files)
+    print(f"{len(all_files)} images in {args.output_dir}; contact sheet {grid}", file=sys.stderr)
+    return all_files
+
+
+def make_images_of(jobs, settings, batch_size=4, num_actors=None):
+    """Draw the rows of every DrawJob on one actor pool (settings: ImageSettings), with a progress
+    bar and one line for the images the safety checker withheld."""
+    jobs = [job for job in jobs if job.rows]
+    if not jobs:
+        return
+    from tqdm import tqdm
+
+    if any(cache_model.has_random_weights(job.model.model_dir) for job in jobs):
+        print("note: this model has random weights (cache_model.py --tiny / --random_model): its images are "
+              "noise, as expected; the pipeline around them is real", file=sys.stderr)
+    ray = raycluster.init_ray()
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    num_actors = num_actors or default_num_actors()
+    flagged = []
+    several = len(jobs) > 1  # then a withheld image is named with its model's folder
+    what = f"generating for {len(jobs)} models" if several else "generating"
+    try:
+        with tqdm(total=sum(len(job.rows) for job in jobs), desc=f"{what} on {num_actors} actor(s)",
+                  unit="img") as bar:
+            for index, name, bad in run_actor_pool(jobs, settings, batch_size, num_actors):
+                if bad:
+                    flagged.append(os.path.join(jobs[index].output_dir, str(name)) if several else str(name))
+                bar.update(1)
+    except KeyboardInterrupt:
+        print("stopped; the images written so far are complete: rerun the same command to make "
+              "the rest", file=sys.stderr)
+        raise
+    if flagged:
+        print(f"{len(flagged)} image(s) flagged by the safety checker were not saved (marked "
+              f"'{FLAGGED_SUFFIX}'; --safety_checker off keeps them): {', '.join(flagged[:5])}", file=sys.stderr)

@@ -1,0 +1,522 @@
+"""Find the best fine-tune: a Ray Tune sweep of train.py scored by evaluate.py, for one subject or many.
+
+    python sweep.py --model_dir=$ORIG_MODEL_PATH --output_dir=$TUNED_MODEL_DIR \\
+        --instance_data_dir=$IMAGES_OWN_DIR --unique_token=unqtkn --class_name=dog --subject_type=live \\
+        --eval_models_dir=$EVAL_MODELS_DIR --num_class_images=100 \\
+        --sweep_learning_rate=2e-6,5e-6 --sweep_max_train_steps=200,400,800 [train.py's flags]
+
+    python sweep.py ... --subjects_dir=$SUBJECTS_DIR    (one sub-folder + subject.json per subject)
+
+Each trial (a Tune trial running a Ray Train run of its own) trains to the largest step count,
+turns its checkpoints at the other step counts into models, and scores each with evaluate.py
+(generation and embedding on Ray Data actor pools). The base model is scored once per subject.
+The best (step count, trial) of each subject has the highest DINO among those whose CLIP-T is at
+most --clip_t_margin below the base model's (with train.py's --holdout N, the DINO against the N
+photos every trial was trained without); it is copied to --output_dir (with --subjects_dir:
+--output_dir/<subject>). Beside it, in --sweep_dir: trials.md and trials.csv (every trial, failed
+ones with their error), sweep.png (DINO against CLIP-T) and report.md (each subject's best beside
+its base model). Class images are drawn once per class and shared. A failed trial does not end the
+sweep; rerunning the same command after a crash continues it (Tune's restore; trials resume from
+their own newest checkpoint, failed ones start again).
+"""
+
+import argparse
+import dataclasses
+import glob
+import math
+import os
+import shutil
+import sys
+
+from dreambooth import cache_model
+from dreambooth import checkpoint
+from dreambooth import evaluate
+from dreambooth import families
+from dreambooth import flags
+from dreambooth import imagefiles
+from dreambooth import outputs
+from dreambooth import planning
+from dreambooth import raycluster
+from dreambooth import scores
+from dreambooth import sweep_report
+from dreambooth import train
+from dreambooth import utils
+
+SWEEP_FLAGS = [
+    "model_dir", "output_dir", "instance_data_dir", "subjects_dir", "unique_token", "class_name", "subject_type",
+    "eval_prompts", "eval_models_dir", "num_class_images", "sweep_learning_rate", "sweep_max_train_steps",
+    "sweep_rank", "sweep_train_text_encoder", "search", "num_trials", "early_stopping", "clip_t_margin", "sweep_dir",
+    "max_concurrent_trials", "eval_images_per_prompt", "num_inference_steps", "guidance_scale", "batch_size"]
+# The train.py flags the sweep sets in each trial itself (every spelling of them is refused).
+SET_BY_SWEEP = flags.option_strings(["learning_rate", "max_train_steps", "lora_rank", "train_text_encoder",
+                                     "checkpointing_steps", "checkpoints_total_limit", "resume_from_checkpoint",
+                                     "storage_path", "instance_prompt", "class_prompt", "class_data_dir",
+                                     "num_class_images"])
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepJob:
+    """What every trial reads (Tune hands it to trial_fn with each trial's config)."""
+
+    subjects: dict  # {name: evaluate.Subject}
+    sweep_dir: str
+    steps: tuple  # the step counts scored, ascending; the last is trained to
+    class_dirs: dict  # {class name: folder of its class images}
+    train_given: object  # argparse.Namespace: train.py's flags for every trial as given (planning.parse_given)
+    given: frozenset  # the names of those the user set (a trial adds its own, then derives the rest)
+    typed: frozenset  # ... of those typed rather than read from a config file
+    model_dir: str
+    eval_settings: object  # evaluate.EvalSettings
+    early_stopping: bool = False  # train and score one step count at a time; ASHA may stop the trial between
+    rank_against: dict = dataclasses.field(default_factory=dict)  # {subject: (base CLIP-T - margin, base DINO)}
+    keep_checkpoints: bool = False  # train.py's --keep_checkpoints given: the trials' checkpoints stay
+METRICS = ("dino", "clip_i", "clip_t", "div", "pres", *evaluate.HOLDOUT_NAMES)
+
+
+def parse_args(argv=None):
+    """(sweep flags, the trials' train.py flags checked as train.py checks them)."""
+    parser = flags.make_parser(
+        __doc__.splitlines()[0], SWEEP_FLAGS, optional=("instance_data_dir", "class_name"), config=True,
+        helps={"output_dir": "Where the best model goes (with --subjects_dir: one sub-folder per subject).",
+               "num_class_images": "Class images per class for the prior-preservation loss, drawn once "
+                                   "with the base model and shared by the subjects of that class."})
+    parser.set_defaults(num_class_images=100)
+    parser.epilog = ("Every other flag is train.py's (see python train.py --help) and goes to every trial, e.g. "
+                     "--use_lora, --num_workers, --mixed_precision. The sweep itself sets the learning rate, steps, "
+                     "rank and text-encoder switch (the --sweep_* flags), the checkpoints, storage, prompts "
+                     "('photo of <token> <class>', 'photo of a <class>') and class images.")
+    parser.config_fallback = planning.train_parser()  # a config file may hold train.py's flags too
+    args, train_flags = parser.parse_known_args(argv)
+    cache_model.resolve_models(args)
+    if (args.subjects_dir is None) == (args.instance_data_dir is None):
+        parser.error("give --instance_data_dir (one subject) or --subjects_dir (many)")
+    if args.instance_data_dir and not args.class_name:
+        parser.error("--instance_data_dir needs --class_name")
+    taken = [f for f in train_flags if flags.normalize_option(f).split("=")[0] in SET_BY_SWEEP]
+    if taken:
+        parser.error(f"{taken[0]} is set by the sweep (use the --sweep_* flags)")
+    # One worker per trial unless given: train.py's own default (every GPU) would leave none for the others.
+    train_flags = ["--num_workers", "1", *train_flags]
+    train_args = planning.parse_args(trial_base_argv(args, train_flags), "train.py's flags for every trial")
+    args.sweep_dir = args.sweep_dir or args.output_dir.rstrip(os.sep) + "-sweep"
+    args.sweep_max_train_steps = sorted(args.sweep_max_train_steps or [400])
+    if args.sweep_rank and not train_args.use_lora:
+        parser.error("--sweep_rank needs --use_lora")
+    if args.search == "random" and args.sweep_learning_rate and len(args.sweep_learning_rate) not in (1, 2):
+        parser.error("with --search random, --sweep_learning_rate is a range: LOW,HIGH")
+    # The config file repeats the sweep: its own flags, and the train.py flags given for every trial.
+    given = {parser.config_fallback._action_for(flags.normalize_option(t).split("=")[0].removeprefix("--no-")
+                                                .removeprefix("--")) for t in train_flags if t.startswith("--")}
+    trial_settings = {k: v for k, v in flags.config_values(parser.config_fallback, train_args).items()
+                      if k in {a.dest for a in given if a is not None}}
+    args.settings_toml = flags.config_text(parser, args, {**trial_settings, **flags.config_values(parser, args)})
+    return args, train_flags, train_args
+
+
+def trial_base_argv(args, train_flags):
+    """train.py's flags for every trial, with the ones each trial sets for itself held by the sweep's own."""
+    return ["--model_dir", args.model_dir, "--output_dir", args.output_dir, "--instance_data_dir", args.model_dir,
+            "--instance_prompt", "x", *train_flags]
+
+
+def read_subjects(args):
+    """{name: evaluate.Subject}: the one of the flags, or one per sub-folder of --subjects_dir."""
+    if args.instance_data_dir:
+        name = os.path.basename(args.instance_data_dir.rstrip(os.sep))
+        return {name: evaluate.Subject(name, args.instance_data_dir, args.unique_token, args.class_name,
+                                       args.subject_type, args.eval_prompts)}
+    if not os.path.isdir(args.subjects_dir):
+        raise utils.UserError(f"--subjects_dir not found: {args.subjects_dir}")
+    subjects = {}
+    for name in sorted(os.listdir(args.subjects_dir)):
+        folder = os.path.join(args.subjects_dir, name)
+        if not os.path.isdir(folder) or name.startswith("."):
+            continue
+        path = os.path.join(folder, imagefiles.SUBJECT_FILE)
+        if not os.path.isfile(path):
+            raise utils.UserError(f"{folder} has no {imagefiles.SUBJECT_FILE} (e.g. {{\"class_name\": \"dog\"}})")
+        try:
+            info = utils.read_json(path)
+            subjects[name] = evaluate.Subject(name, folder, info.get("unique_token", args.unique_token),
+                                              info["class_name"], info.get("subject_type", args.subject_type),
+                                              args.eval_prompts)
+        except (ValueError, KeyError, AttributeError) as err:
+            raise utils.UserError(f"{path}: needs a JSON object with \"class_name\" ({type(err).__name__}: {err})")
+        if subjects[name].subject_type not in ("object", "live"):
+            raise utils.UserError(f"{path}: subject_type must be object or live")
+    if not subjects:
+        raise utils.UserError(f"{args.subjects_dir} has no subject folders")
+    return subjects
+
+
+def search_values(args, train_args):
+    """{setting: the values the sweep tries}: the --sweep_* lists, or train.py's one value."""
+    return {"learning_rate": args.sweep_learning_rate or [train_args.learning_rate],
+            "rank": args.sweep_rank or [train_args.lora_rank],
+            "train_text_encoder": args.sweep_train_text_encoder or [train_args.train_text_encoder]}
+
+
+def trials_per_subject(args, train_args):
+    """--num_trials draws, or the grid's combinations."""
+    return args.num_trials if args.search == "random" else math.prod(map(len, search_values(args, train_args).values()))
+
+
+def param_space(args, subjects, train_args):
+    """Tune's search space: the subjects always a grid; the rest a grid or random draws."""
+    from ray import tune
+
+    values = search_values(args, train_args)
+    lrs = values["learning_rate"]
+    if args.search == "grid":
+        space = {k: tune.grid_search(v) if len(v) > 1 else v[0] for k, v in values.items()}
+    else:
+        space = {k: tune.choice(v) for k, v in values.items()}
+        if len(lrs) == 2:
+            space["learning_rate"] = tune.loguniform(*lrs)
+    return {**space, "use_lora": train_args.use_lora,
+            "subject": tune.grid_search(list(subjects)) if len(subjects) > 1 else next(iter(subjects))}
+
+
+def trial_label(config):
+    """'dog-lr5e-06-te1(-rank4)': a trial's settings, its folder's name. (Random draws that repeat a
+    trial's settings share its folder: the same settings and seed train the same model.)"""
+    label = f"{config['subject']}-lr{config['learning_rate']:.6g}-te{int(config['train_text_encoder'])}"
+    return label + (f"-rank{config['rank']}" if config.get("use_lora") else "")
+
+
+def trial_fn(config, job):
+    """One trial, in a Tune actor: train.py, then evaluate.py; one result reported per step count.
+    job: SweepJob.
+
+    Without early stopping the trial trains once, to the largest step count, and then scores each
+    step count (the smaller ones from their checkpoints). With it, the trial trains to each step
+    count in turn (each run resumes the one before; the LR schedule always spans the largest) and
+    scores it before going on: ASHA can stop the trial at any step count, and the weights at each
+    step count are those of one uninterrupted run either way."""
+    import ray.tune
+
+    subject = job.subjects[config["subject"]]
+    # Named by its settings, not Tune's trial id (a retried trial gets a new id): a trial run again
+    # after a failure or a crash finds its own checkpoints and resumes from them.
+    folder = os.path.join(job.sweep_dir, "trials", trial_label(config))
+    steps = job.steps
+    train_args = trial_args(job, config, subject, folder)
+
+    def model_at(step):
+        """The trial's model at a step count: train.py's output at the last, else made from its checkpoint."""
+        model = train_args.output_dir
+        if step != steps[-1]:
+            model = os.path.join(folder, f"model-step-{step}")
+            if outputs.read_output(model) is None:
+                found = checkpoint.by_step(train_args.storage_path, "model")
+                fields = {k: getattr(train_args, k) for k in ("model_dir", "use_lora", "lora_rank", "lora_alpha",
+                          "train_text_encoder", "allow_unsafe_weights", "instance_prompt", "class_prompt",
+                          "use_ema", "ema_decay")}
+                checkpoint.save_as_model(found[step], planning.offline_plan(
+                    **fields, output_dir=model, total_steps=step, mixed_precision="no",
+                    held_out=subject.held_out_names()))
+        return outputs.resolve_model(model)
+
+    def score(step_counts):
+        entries = [(f"step-{step}", model_at(step)) for step in step_counts]
+        result = evaluate.run(entries, [subject], job.eval_settings, os.path.join(folder, "eval"))[subject.name]
+        for step, (label, model) in zip(step_counts, entries):
+            overall = result["models"][label]["overall"]
+            ray.tune.report({"step": step, "model": model.lora_dir or model.model_dir, **overall,
+                             "score": rank_score(overall, *job.rank_against.get(subject.name, (None, 0.0)))})
+
+    if not job.early_stopping:
+        train.run(train_args)  # after a restart: resumes from the trial's newest checkpoint
+        score(steps)
+    else:
+        for step in steps:
+            train.run(train_args, stop_step=step)  # ends at this step count; the next run resumes from it
+            score([step])  # ASHA decides here whether the trial goes on
+    if not job.keep_checkpoints:  # every step count is a model now: the checkpoints' disk is freed
+        remove_checkpoints(train_args.storage_path)
+
+
+def trial_args(job, config, subject, folder):
+    """A trial's train.py flags: the sweep's base as given, with the trial's own set on it, then
+    everything worked out from them (planning.derive), as a train.py command line of them would be."""
+    steps = job.steps
+    own = dict(
+        model_dir=job.model_dir, output_dir=os.path.join(folder, "model"), instance_data_dir=subject.photos_dir,
+        instance_prompt=f"photo of {subject.unique_token} {subject.class_name}",
+        class_data_dir=job.class_dirs[subject.class_name], class_prompt=f"photo of a {subject.class_name}",
+        learning_rate=config["learning_rate"], max_train_steps=steps[-1],
+        train_text_encoder=config["train_text_encoder"], checkpointing_steps=math.gcd(*steps),
+        checkpoints_total_limit=checkpoints_kept(steps), keep_checkpoints=True,
+        storage_path=os.path.join(folder, "ray_results"), resume_from_checkpoint="latest", overwrite=True,
+        **({"lora_rank": config["rank"]} if config["use_lora"] else {}))
+    parser = planning.train_parser()
+    parser.given, parser.typed = set(job.given) | set(own), set(job.typed) | set(own)
+    return planning.derive(argparse.Namespace(**{**vars(job.train_given), **own}), parser)
+
+
+def checkpoints_kept(steps):
+    """The checkpoints a trial keeps (one every gcd of the step counts, up to the last): every step
+    count's is kept until it is scored, then all are removed."""
+    return steps[-1] // math.gcd(*steps)
+
+
+def remove_checkpoints(storage_path):
+    for run in os.listdir(storage_path) if os.path.isdir(storage_path) else ():
+        checkpoint.remove_all(os.path.join(storage_path, run))
+
+
+def check_disk(args, train_args, num_trials, concurrency):
+    """The sweep's disk, estimated before any trial: the checkpoints of the trials running at once, and
+    a model per trial and step count; a UserError when --sweep_dir's disk has not that much free."""
+    from dreambooth import failures  # here, not at the top: it imports ray.train (1.2 s)
+
+    steps = args.sweep_max_train_steps
+    per_checkpoint, per_model = checkpoint.disk_bytes(args.model_dir, train_args.use_lora,
+                                                      train_args.train_text_encoder)
+    needed = concurrency * (checkpoints_kept(steps) + 1) * per_checkpoint + num_trials * len(steps) * per_model
+    free = failures.free_bytes(args.sweep_dir)
+    what = (f"{num_trials} trial(s) x {len(steps)} step count(s) x a model of {utils.size_text(per_model)}, and "
+            f"the checkpoints of {concurrency} trial(s) at once, {utils.size_text(per_checkpoint)} each")
+    if free < needed:
+        raise utils.UserError(f"the sweep needs about {utils.size_text(needed)} under --sweep_dir {args.sweep_dir} "
+                              f"({what}) but {utils.size_text(free)} is free there: fewer trials or step counts, "
+                              "--use_lora, or a --sweep_dir on a larger disk")
+    return f"about {utils.size_text(needed)} of disk ({what})"
+
+
+def ranking_key(rows):
+    """Which DINO a sweep ranks rows of scores by: against the held-out photos when every row has it
+    (--holdout), else against all of them."""
+    return "dino_holdout" if all(r.get("dino_holdout") is not None for r in rows) else "dino"
+
+
+def ranking_dino(scores):
+    """The DINO one set of scores ranks by (ranking_key)."""
+    return scores[ranking_key([scores])]
+
+
+def rank_score(overall, clip_t_floor, base_dino):
+    """What ASHA compares trials by: the DINO gain over the subject's base model (DINO against held-out
+    photos with --holdout), less 1 when CLIP-T fell below clip_t_floor (the base model's minus the
+    margin: a model that forgot the prompt ranks under every one that kept it)."""
+    gain = ranking_dino(overall) - base_dino
+    return gain - 1.0 if clip_t_floor is not None and overall["clip_t"] < clip_t_floor else gain
+
+
+def max_concurrent(args, train_args):
+    """Trials at once: as many as the cluster's GPUs hold; one on CPUs (each already uses every core)."""
+    if args.max_concurrent_trials:
+        return args.max_concurrent_trials
+    gpus = raycluster.cluster_resources()[1]
+    return max(1, gpus // (train_args.num_workers * train_args.gpus_per_worker)) if gpus else 1
+
+
+def prepare_class_images(args, subjects, train_args):
+    """{class name: folder}: each class's images, drawn once (train.py's --num_class_images top-up)."""
+    dirs = {}
+    for class_name in sorted({s.class_name for s in subjects.values()}):
+        dirs[class_name] = os.path.join(args.sweep_dir, "class-images", utils.slugify(class_name))
+        train.top_up_class_images(args.model_dir, dirs[class_name], f"photo of a {class_name}", args.num_class_images,
+                                  train_args.seed, train_args.resolution, train_args.allow_unsafe_weights)
+    return dirs
+
+
+def run_tune(job, space, concurrency, num_samples):
+    """tuner.fit() of the trials; a sweep folder with Tune's state is resumed, not started again.
+    With job.early_stopping, Tune's ASHA scheduler stops the trials whose score (rank_score) is in the
+    bottom half at a step count (its rungs: the step counts from the smallest, doubling)."""
+    from ray import tune
+
+    trainable = tune.with_resources(tune.with_parameters(trial_fn, job=job), {"CPU": 0, "memory": 1})
+    path = os.path.join(job.sweep_dir, "tune")
+    if tune.Tuner.can_restore(path):
+        print(f"resuming the sweep in {path}: finished trials are kept, the others run", file=sys.stderr)
+        tuner = tune.Tuner.restore(path, trainable, resume_unfinished=True, restart_errored=True)
+    else:
+        tuner = tune.Tuner(trainable, param_space=space,
+                           tune_config=tune.TuneConfig(num_samples=num_samples, max_concurrent_trials=concurrency,
+                                                       scheduler=scheduler(job)),
+                           run_config=tune.RunConfig(name="tune", storage_path=job.sweep_dir, verbose=1,
+                                                     failure_config=tune.FailureConfig(max_failures=0)))
+    return tuner.fit()
+
+
+def set_aside_another_sweep(sweep_dir, settings_toml):
+    """Tune restores a sweep with the search space it stored: a rerun whose settings (search space, steps,
+    subjects, train.py's flags) differ from the stored sweep's starts afresh instead, saying what changed;
+    the earlier sweep's Tune state is kept beside it (tune-before-<time>). Trials of the same settings
+    still find their own checkpoints (train.py resumes only a run of the same identity)."""
+    import datetime
+    import tomllib
+
+    stored, state = os.path.join(sweep_dir, "sweep_config.toml"), os.path.join(sweep_dir, "tune")
+    if not (os.path.isfile(stored) and os.path.isdir(state)):
+        return
+    with open(stored, "rb") as f:
+        before = tomllib.load(f)
+    now = tomllib.loads(settings_toml)
+    changed = [f"{k} {before.get(k)} -> {now.get(k)}" for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k)]
+    if not changed:
+        return
+    aside = f"{state}-before-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    os.rename(state, aside)
+    print(f"the sweep in {sweep_dir} had other settings ({'; '.join(changed)}): starting it afresh (its Tune state "
+          f"kept in {aside})", file=sys.stderr)
+
+
+def scheduler(job):
+    """ASHA over the step counts within each subject (early stopping), or None: every trial runs to
+    the end."""
+    if not job.early_stopping:
+        return None
+    from dreambooth.sweep_scheduler import SubjectASHA  # here, not at the top: it imports ray.tune (1.1 s)
+
+    return SubjectASHA(time_attr="step", metric="score", mode="max", max_t=job.steps[-1],
+                       grace_period=job.steps[0], reduction_factor=2)
+
+
+def wants_early_stopping(args, num_trials):
+    """--early_stopping as decided: auto is on for random search and for grids of more than 4 trials
+    per subject; it needs 2 or more step counts (UserError when asked for with one)."""
+    if len(args.sweep_max_train_steps) < 2:
+        if args.early_stopping == "on":
+            raise utils.UserError("--early_stopping on needs 2 or more --sweep_max_train_steps (where to stop)")
+        return False
+    if args.early_stopping != "auto":
+        return args.early_stopping == "on"
+    return args.search == "random" or num_trials > 4
+
+
+def collect(results, last_step=None):
+    """Rows of the trials table: one per (trial, step count) scored, one per failed trial. A trial
+    whose last score is before last_step (the largest step count) without an error was stopped early:
+    its last row says so."""
+    rows = []
+    for result in results:
+        config = {**result.config}
+        settings = {k: config[k] for k in ("subject", "learning_rate", "rank", "train_text_encoder")}
+        settings["rank"] = settings["rank"] if config.get("use_lora") else None  # full fine-tuning has none
+        frame = result.metrics_dataframe
+        scored = frame.to_dict("records") if frame is not None and "dino" in frame else []
+        for record in scored:
+            rows.append({**settings, "step": int(record["step"]), "model": record["model"],
+                         **{k: record.get(k) for k in METRICS}, "status": "ok"})
+        if scored and result.error is None and last_step and rows[-1]["step"] < last_step:
+            rows[-1]["note"] = f"stopped early at step {rows[-1]['step']} (behind the others there)"
+        if result.error is not None:
+            reason = str(result.error).strip().splitlines()
+            rows.append({**settings, "step": None, "model": None, **dict.fromkeys(METRICS),
+                         "status": "failed: " + (reason[-1] if reason else type(result.error).__name__)})
+    return rows
+
+
+def choose(rows, base, margin):
+    """{subject: best row}: highest DINO with CLIP-T >= the base's minus margin (else highest DINO, flagged).
+    With --holdout, DINO against the held-out photos: a model that copies its training photos does not win."""
+    best = {}
+    for subject in base:
+        scored = [r for r in rows if r["subject"] == subject and r["status"] == "ok"]
+        if not scored:
+            continue
+        floor = base[subject]["clip_t"] - margin
+        kept = [r for r in scored if r["clip_t"] >= floor]
+        key = ranking_key(scored)
+        best[subject] = {**max(kept or scored, key=lambda r: r[key]), "within_margin": bool(kept), "ranked_by": key}
+    return best
+
+
+def target_dir(args, name):
+    """Where a subject's best model goes: --output_dir, or with --subjects_dir its sub-folder."""
+    return args.output_dir if args.instance_data_dir else os.path.join(args.output_dir, name)
+
+
+def score_base(args, subjects, eval_settings):
+    """{name: the base model's overall scores on each subject}: all subjects in one evaluation (one
+    actor pool for the images, one for the embeddings); a rerun with the same prompts reads them back."""
+    folder = os.path.join(args.sweep_dir, "base")
+    base, todo = {}, []
+    for subject in subjects.values():
+        saved = os.path.join(folder, subject.name, "scores.json")
+        result = utils.read_json(saved) if os.path.isfile(saved) else None
+        if result and result["prompts"] == list(subject.prompts()) and \
+                result["num_samples_per_prompt"] == eval_settings.num_samples_per_prompt:
+            base[subject.name] = result["models"]["base"]["overall"]
+        else:
+            todo.append(subject)
+    if todo:
+        results = evaluate.run([("base", outputs.ModelRef(args.model_dir))], todo, eval_settings, folder,
+                               {s.name: os.path.join(folder, s.name) for s in todo})
+        for name, result in results.items():
+            base[name] = result["models"]["base"]["overall"]
+            print(f"base model on {name}: {evaluate.summary(base[name])}", file=sys.stderr)
+    return {name: base[name] for name in subjects}
+
+
+def main(argv=None):
+    args, train_flags, train_args = parse_args(argv)
+    early_stopping = wants_early_stopping(args, trials_per_subject(args, train_args))
+    # --holdout (train.py's flag, for every trial): the same photos kept out of training and scored apart
+    subjects = {name: dataclasses.replace(s, holdout=train_args.holdout) for name, s in read_subjects(args).items()}
+    for subject in subjects.values():  # a missing or corrupt photo or a bad prompt file fails now, not in a trial
+        imagefiles.inspect_images(subject.photos(), 0, os.path.join(args.sweep_dir, "converted-images"))
+        subject.prompts()
+    families.check_model_dir(args.model_dir, train_args.allow_unsafe_weights)
+    families.require(args.model_dir, "train")
+    scores.check_eval_models_dir(args.eval_models_dir)
+    inputs = [("--model_dir", args.model_dir), ("--instance_data_dir", args.instance_data_dir),
+              ("--subjects_dir", args.subjects_dir)]
+    for flag, path in (("--output_dir", args.output_dir), ("--sweep_dir", args.sweep_dir)):
+        utils.check_output_path(path, flag, inputs)
+    for name in subjects:
+        planning.check_output_dir(target_dir(args, name), train_args.overwrite)
+    set_aside_another_sweep(args.sweep_dir, args.settings_toml)
+    config = flags.write_config(os.path.join(args.sweep_dir, "sweep_config.toml"), args.settings_toml)
+    print(f"settings: {config} (sweep.py --config {config} repeats this sweep)", file=sys.stderr)
+    raycluster.init_ray()
+    eval_settings = evaluate.EvalSettings(
+        args.eval_models_dir, args.eval_images_per_prompt, train_args.seed, args.batch_size, args.num_inference_steps,
+        args.guidance_scale, train_args.resolution, None, train_args.allow_unsafe_weights)
+    class_dirs = prepare_class_images(args, subjects, train_args)
+    base = score_base(args, subjects, eval_settings)
+    # A trial draws and embeds its images on the GPUs it trained on (one actor on a CPU cluster).
+    trial_actors = train_args.num_workers * train_args.gpus_per_worker if raycluster.cluster_resources()[1] else 1
+    rank_against = {name: (s["clip_t"] - args.clip_t_margin, ranking_dino(s)) for name, s in base.items()}
+    parser, given = planning.parse_given(trial_base_argv(args, train_flags))  # parsed once, for every trial
+    job = SweepJob(subjects, args.sweep_dir, tuple(args.sweep_max_train_steps), class_dirs, given,
+                   frozenset(parser.given), frozenset(parser.typed), args.model_dir,
+                   dataclasses.replace(eval_settings, num_actors=trial_actors), early_stopping, rank_against,
+                   train_args.keep_checkpoints)
+    concurrency = max_concurrent(args, train_args)
+    num_samples = args.num_trials if args.search == "random" else 1
+    disk = check_disk(args, train_args, len(subjects) * trials_per_subject(args, train_args), concurrency)
+    stopping = "; trials behind at a step count stop there (ASHA)" if early_stopping else ""
+    print(f"sweep: {len(subjects)} subject(s), steps {args.sweep_max_train_steps}, {args.search} search, "
+          f"{concurrency} trial(s) at once{stopping}; {disk}; working folder {args.sweep_dir}", file=sys.stderr)
+    rows = collect(run_tune(job, param_space(args, subjects, train_args), concurrency, num_samples),
+                   args.sweep_max_train_steps[-1])
+    if not job.keep_checkpoints:  # (those of trials stopped early, too)
+        for trial in glob.glob(os.path.join(args.sweep_dir, "trials", "*", "ray_results")):
+            remove_checkpoints(trial)
+    for row in rows:
+        if row.get("note"):
+            print(f"{row['subject']}: trial lr {row['learning_rate']:.3g} {row['note']}", file=sys.stderr)
+    best = choose(rows, base, args.clip_t_margin)
+    for name, row in best.items():
+        target = target_dir(args, name)
+        utils.atomic_write_dir(target, lambda tmp, source=row["model"]: shutil.copytree(source, tmp, dirs_exist_ok=True))
+        row["copied_to"] = target
+    written = sweep_report.write_all(args.sweep_dir, rows, base, best, args.clip_t_margin)
+    failed = sum(r["status"] != "ok" for r in rows)
+    for name in subjects:
+        if name not in best:
+            print(f"{name}: every trial failed; see {written['table']}", file=sys.stderr)
+            continue
+        row = best[name]
+        note = "" if row["within_margin"] else f" (no trial kept CLIP-T within {args.clip_t_margin} of the base)"
+        print(f"{name}: best lr {row['learning_rate']:.3g}, {row['step']} steps, DINO {row['dino']:.3f}, "
+              f"CLIP-T {row['clip_t']:.3f}{note} -> {row['copied_to']}", file=sys.stderr)
+    print(f"{len(rows) - failed} scored, {failed} failed trial(s); {written['table']}, {written['plot']}, "
+          f"{written['report']}", file=sys.stderr)
+    if not best:
+        raise utils.UserError("every trial failed: see the table for each error")
+    return {"rows": rows, "best": best, "base": base}

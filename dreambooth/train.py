@@ -1,0 +1,416 @@
+"""Step 4: DreamBooth fine-tuning of UNet + text encoder on Ray Train workers.
+
+    python train.py --model_dir=$ORIG_MODEL_PATH --output_dir=$TUNED_MODEL_DIR \\
+        --instance_images_dir=$IMAGES_OWN_DIR --instance_prompt="photo of unqtkn dog" \\
+        --class_images_dir=$IMAGES_REG_DIR --class_prompt="photo of a dog" \\
+        --train_batch_size=2 --lr=5e-6 --max_train_steps=200 --num_workers=2
+
+`main` (the driver) checks the inputs, plans the steps, builds the Ray Data pipeline and
+runs `train_fn` on a TorchTrainer; `train_fn` (each worker) wires the step math of
+steps.py to Ray Train. Models and their options are in models.py, the checkpoint format
+in checkpoint.py. fp32 master weights with autocast (bf16 by default on GPUs that have
+it): 5e-6 AdamW updates vanish when the weights themselves are bf16.
+"""
+
+import concurrent.futures
+import itertools
+import os
+import sys
+import tempfile
+import time
+
+from dreambooth import checkpoint
+from dreambooth import dataset
+from dreambooth import families
+from dreambooth import flags
+from dreambooth import generate
+from dreambooth import models
+from dreambooth import outputs
+from dreambooth import planning
+from dreambooth import raycluster
+from dreambooth import runlog
+from dreambooth import utils
+from dreambooth import validation
+
+IMAGE_COLUMNS = ("_pixels", "_latents")  # the batch columns that hold one image per row
+
+
+# ---------------------------------------------------------------- driver
+
+
+def main(argv=None):
+    return run(planning.parse_args(argv, __doc__.splitlines()[0]))
+
+
+def run(args, stop_step=None):
+    """A training run of parsed flags (plan.parse_args): class images topped up, the plan made and
+    printed, train_fn on a TorchTrainer. sweep.py's trials call it directly."""
+    draw = None
+    if args.num_class_images:
+        def draw():
+            top_up_class_images(args.model_dir, args.class_data_dir, args.class_prompt, args.num_class_images,
+                                args.seed, args.resolution, args.allow_unsafe_weights)
+    try:
+        plan = planning.plan_run(args, cluster_resources=start_ray, draw_class_images=draw, stop_step=stop_step)
+    except planning.AlreadyTrained as done:
+        print(done, file=sys.stderr)
+        return None
+    print(plan.describe(), file=sys.stderr)
+    config = flags.write_config(os.path.join(plan.storage_path, plan.run_name, outputs.TRAIN_CONFIG), plan.settings_toml)
+    print(f"settings: {config} (python train.py --config {config} repeats this run)", file=sys.stderr)
+    try:
+        result = run_trainer(plan, train_dataset(plan))
+    except KeyboardInterrupt:
+        latest = checkpoint.find_latest(plan.storage_path, os.path.basename(plan.output_dir))
+        where = f" (newest checkpoint: {latest})" if latest else " (no checkpoint was written yet)"
+        print(f"stopped; rerun the same command with --resume_from_checkpoint latest to continue{where}",
+              file=sys.stderr)
+        raise
+    metrics = result.metrics or {}  # none when a resumed run had no step left to train
+    loss = f"final loss {metrics['loss']:.4f}" if "loss" in metrics else "no step left to train after the checkpoint"
+    print(f"trained {plan.end_step} steps; {loss}; model saved to {plan.output_dir}; checkpoints and "
+          f"{runlog.METRICS_FILE} in {result.path}", file=sys.stderr)
+    if not plan.keep_checkpoints and plan.end_step == plan.total_steps:  # (not a sweep stage that goes on)
+        removed, freed = checkpoint.remove_all(result.path)
+        if removed:
+            print(f"removed the run's {removed} checkpoint(s) ({utils.size_text(freed)}) now that its model is saved "
+                  "(--keep_checkpoints keeps them, to continue this run with more steps later)", file=sys.stderr)
+    plot = runlog.plot_metrics(os.path.join(result.path, runlog.METRICS_FILE))
+    if plot:
+        print(f"loss and learning rate plotted in {plot}", file=sys.stderr)
+    return result
+
+
+def start_ray():
+    """(CPUs, GPUs) of the Ray cluster, started or joined here."""
+    ray = raycluster.init_ray()
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    return raycluster.cluster_resources()
+
+
+def top_up_class_images(model_dir, class_dir, class_prompt, count, seed=0, resolution=None,
+                        allow_unsafe_weights=False):
+    """diffusers' --num_class_images: draw class images with the base model (generate.py's
+    actor pool, seeded by seed) until class_dir holds count, counting class images of the user's
+    own already there (diffusers does). Images drawn by another model, prompt or resolution are
+    an error (generate.top_up), never trained on beside these."""
+    families.check_model_dir(model_dir, allow_unsafe_weights)
+    os.makedirs(class_dir, exist_ok=True)
+    drawn = set(outputs.drawn_images(class_dir))
+    own = [n for n in os.listdir(class_dir) if n.lower().endswith(utils.IMAGE_EXTENSIONS) and n not in drawn]
+    settings = generate.ImageSettings(resolution=resolution, seed=seed, allow_unsafe_weights=allow_unsafe_weights)
+    remedy = "delete its images to draw these (generate.py --force does)"
+    if own:
+        print(f"{class_dir}: {len(own)} class images of your own count toward --num_class_images {count}",
+              file=sys.stderr)
+    job = generate.top_up(class_dir, outputs.ModelRef(model_dir), [class_prompt], max(0, count - len(own)), settings,
+                          class_images=True,
+                          safety_checker=False, remedy=remedy, label=f"class images of {class_prompt!r}")
+    generate.make_images_of([job], settings)
+
+
+def train_dataset(plan):
+    """The run's whole training stream (dataset.py), every worker's rows for every step."""
+    latent_cache = None
+    if plan.cache_latents:
+        latent_cache = dataset.LatentCache(plan.model_dir, raycluster.cluster_resources()[1],
+                                           plan.allow_unsafe_weights, plan.vae_dir)
+    return dataset.build_train_dataset(
+        list(plan.instance_images), list(plan.class_images) or None, plan.resolution, plan.center_crop,
+        plan.random_flip, latent_cache, num_epochs=plan.stream_epochs, seed=plan.seed,
+        batch_size=plan.train_batch_size, with_time_ids=plan.family.time_ids,
+        mask_sources=list(plan.instance_masks) if plan.masked_loss else None,
+        buckets=list(plan.buckets) if plan.enable_bucket else None)
+
+
+def run_trainer(plan, train_ds):
+    """TorchTrainer.fit of train_fn over the plan's workers; KeyboardInterrupt when stopped early."""
+    import ray.data
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    from dreambooth import failures  # here, not at the top: it imports ray.train (1.2 s)
+
+    run_dir = os.path.join(plan.storage_path, plan.run_name)
+    resources = {"CPU": plan.cpus_per_worker}
+    if plan.use_gpu:
+        resources["GPU"] = plan.gpus_per_worker
+    trainer = TorchTrainer(
+        train_fn,
+        train_loop_config={"plan": plan},
+        scaling_config=ray.train.ScalingConfig(num_workers=plan.num_workers, use_gpu=plan.use_gpu,
+                                               resources_per_worker=resources),
+        run_config=ray.train.RunConfig(
+            name=plan.run_name,
+            storage_path=plan.storage_path,
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=plan.checkpoints_total_limit),
+            failure_config=ray.train.FailureConfig(max_failures=plan.max_failures),
+            callbacks=[failures.FailureWatch(run_dir, plan.max_failures)],
+            logging_config=ray.train.LoggingConfig(log_level=failures.RAY_TRAIN_LOG_LEVEL),
+        ),
+        datasets={"train": train_ds},
+        # Ordered execution makes the streaming split deterministic: each worker gets the same
+        # rows on every run of the same command, which resuming mid-run relies on. (Set here:
+        # the split is configured in Train's controller, which does not see our DataContext.)
+        dataset_config=ray.train.DataConfig(execution_options=ray.data.ExecutionOptions(preserve_order=True)),
+    )
+    try:
+        result = trainer.fit()
+    except (ray.train.ControllerError, ray.train.WorkerGroupError) as err:
+        raise utils.UserError(f"training failed: {failure_cause(err)} (tracebacks in "
+                              f"{os.path.join(run_dir, utils.ERRORS_LOG)})") from None
+    except SystemExit:
+        # fit() installs its own Ctrl-C handler: it aborts the run, then exits.
+        raise KeyboardInterrupt from None
+    if (result.metrics or {}).get("step", 0) < plan.end_step and not os.path.isfile(
+            os.path.join(plan.output_dir, utils.OUTPUT_MARKER)):
+        raise KeyboardInterrupt  # an aborted run returns a partial result
+    return result
+
+
+def failure_cause(err):
+    """The cause of a failed fit() in one line: the first failed worker's rank and the last line of
+    its error (the exception itself, not Ray's "Training failed due to worker errors")."""
+    from dreambooth import failures  # here, not at the top: it imports ray.train (1.2 s)
+
+    stopped = getattr(err, "controller_failure", None)
+    if isinstance(stopped, failures.RunStopped):
+        return str(stopped)
+    worker_failures = getattr(err, "worker_failures", None) or {}
+    if worker_failures:
+        rank, failure = min(worker_failures.items(), key=lambda item: item[0])
+        lines = [line.strip() for line in str(failure).splitlines() if line.strip()]
+        return f"worker {rank}: {lines[-1] if lines else type(failure).__name__}"
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[-1] if lines else type(err).__name__
+
+
+# ---------------------------------------------------------------- Ray Train worker
+
+
+def train_fn(config):
+    """Per-worker entry point. Reads only config["plan"] (a planning.Plan); data comes from the "train"
+    dataset shard. A failure's traceback goes to the run folder's errors.log (failures.py)."""
+    import ray.train
+
+    plan = config["plan"]
+    try:
+        train_worker(plan)
+    except Exception as err:
+        utils.write_error_log(os.path.join(plan.storage_path, plan.run_name),
+                              f"worker {ray.train.get_context().get_world_rank()}", err)
+        raise
+
+
+def train_worker(plan):
+    """One worker's whole run: models, checkpoint, the step loop, reports, the saved model."""
+    utils.skip_unused_imports(lora=plan.use_lora, eight_bit=plan.use_8bit_adam)
+    import ray.train
+    import torch
+    from ray.experimental import tqdm_ray
+
+    from dreambooth import failures  # here, not at the top: it imports ray.train (1.2 s)
+    from dreambooth import prompts as prompt_lib
+    from dreambooth import steps  # here, not at the top: it imports torch (2 s a --help or a one-line error never waits for)
+
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    unet_device, aux_device = worker_devices(plan.gpus_per_worker, ctx.get_local_world_size())
+    if plan.allow_tf32:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    batches = prefetched(ray.train.get_dataset_shard("train").iter_torch_batches(batch_size=plan.train_batch_size))
+    torch.manual_seed(plan.seed + rank)  # every rank its own noise stream (CPU and GPUs)
+    nets = models.setup_models(plan, unet_device, aux_device, distributed=world > 1,
+                               load_guard=failures.cannot_be_retried(
+                                   f"loading the model {plan.model_dir}",
+                                   "its files do not fit together: fetch or copy it again (cache_model.py)"))
+    with failures.cannot_be_retried(f"loading the tokenizers of {plan.model_dir}",
+                                    "its files do not fit together: fetch or copy it again (cache_model.py)"):
+        ids = prompt_lib.run_prompt_ids(plan)
+    state = steps.make_train_state(nets, plan)
+    # (before any checkpoint's weights: the class prompt as the base model reads it)
+    base_class = base_class_prompt(nets, ids, aux_device) if plan.prior_prediction else {}
+    # Ray's own checkpoint (a restarted worker group) wins over the one the run started from.
+    restored = ray.train.get_checkpoint()
+    if restored is not None:
+        with restored.as_directory() as folder, failures.cannot_be_retried(
+                "loading the run's newest checkpoint", "rerun with --resume_from_checkpoint and an earlier one"):
+            checkpoint.load(state, folder, rank)
+    elif plan.resume_path:
+        with failures.cannot_be_retried(f"loading the checkpoint {plan.resume_path}",
+                                        "pass another to --resume_from_checkpoint"):
+            checkpoint.load(state, plan.resume_path, rank)
+    if rank == 0:
+        print(f"worker devices: UNet on {unet_device}, text encoder and VAE on {aux_device}; "
+              f"autocast {state.amp_dtype or 'off (fp32)'}", flush=True)
+    prompts = {**prompt_inputs(nets.text_encoders(), plan, ids, aux_device), **base_class}
+    sampler = validation.Sampler(nets, plan, state.amp_dtype) if plan.validation_prompts else None
+    total, accum = plan.end_step, plan.gradient_accumulation_steps
+    # The stream is the same on every run: a resumed worker skips what it had trained on.
+    batches = itertools.islice(batches, state.step * accum, None)
+    bar = tqdm_ray.tqdm(total=total, desc="training") if rank == 0 and plan.progress_bar else None
+    log = runlog.RunLog(plan) if rank == 0 else None
+    if bar and state.step:
+        bar.update(state.step)
+    window_loss, window_images, window_start = [], 0, time.perf_counter()
+    first_step = state.step
+    for micro_batches in steps.accumulate(batches, accum, total - state.step):
+        try:
+            loss, _, _ = steps.train_step(state, micro_batches, prompts, plan.prior_loss_weight,
+                                          plan.max_grad_norm)
+        except Exception as err:
+            fatal = failures.out_of_memory(err, state.step, first_step)
+            if fatal:
+                raise fatal from err
+            raise
+        state.step += 1
+        window_loss.append(loss)
+        window_images += sum(v.shape[0] for b in micro_batches for k, v in b.items() if k.endswith(IMAGE_COLUMNS))
+        if bar:
+            bar.update(1)
+        if plan.is_report_step(state.step):
+            elapsed = time.perf_counter() - window_start
+            metrics = {"step": state.step, "epoch": (state.step - 1) // plan.steps_per_epoch,
+                       "loss": torch.stack(window_loss).mean().item(),  # the window's one sync point
+                       "lr": state.lr_scheduler.get_last_lr()[0],
+                       "images_per_s": window_images * world / max(elapsed, 1e-9)}
+            if state.skipped_steps:
+                metrics["skipped_steps"] = state.skipped_steps
+            if log:
+                log.write(metrics)
+            report(state, metrics, rank, plan)
+            if rank == 0:
+                print(" ".join(f"{name}={v:.4g}" if isinstance(v, float) else f"{name}={v}"
+                               for name, v in metrics.items()), flush=True)
+            window_loss, window_images, window_start = [], 0, time.perf_counter()
+        if plan.is_validation_step(state.step):
+            sampling_start = time.perf_counter()
+            with averaged_weights(state):
+                drawn = validation.run_round(sampler, state.step, rank, world,
+                                             os.path.join(plan.storage_path, plan.run_name))
+            if log:
+                log.write_images(state.step, *drawn)
+                print(f"validation images of step {state.step}: {drawn[0]}", flush=True)
+            window_start += time.perf_counter() - sampling_start  # sampling time is not training time
+    if bar:
+        bar.close()
+    if log:
+        log.close()
+    if state.step < total:
+        raise RuntimeError(f"the data stream ended at step {state.step} of {total}")
+    if rank == 0:
+        with averaged_weights(state), failures.stops_when_disk_full("the trained model", plan.output_dir,
+                                                                     outputs.expected_bytes(nets, plan.use_lora)):
+            outputs.save_pipeline(nets, plan)
+
+
+def averaged_weights(state):
+    """With --use_ema, the moving average in the trained weights for the duration (validation samples,
+    the saved model); else nothing changes."""
+    import contextlib
+
+    return state.ema.applied(state.params) if state.ema is not None else contextlib.nullcontext()
+
+
+def worker_devices(gpus_per_worker, local_world_size):
+    """(UNet device, text-encoder + VAE device) of this worker.
+
+    With --gpus_per_worker 2 the text encoder and VAE go to the worker's second GPU, so
+    the UNet's fp32 weights, gradients and AdamW state have the first to themselves. On
+    CPU both are the CPU, and the same code path runs.
+    """
+    import ray.train.torch
+    import torch
+
+    devices = ray.train.torch.get_devices()
+    if devices[0].type == "cuda":
+        torch.cuda.set_device(devices[0])
+        return devices[0], devices[min(gpus_per_worker, len(devices)) - 1]
+    raycluster.share_cpu_threads(local_world_size)
+    cpu = torch.device("cpu")
+    return cpu, cpu
+
+
+def prefetched(iterable):
+    """An iterator over iterable whose first item is fetched in a thread from now on: the
+    data stream starts (Ray Data's split coordinator, the first blocks) while the models
+    load, instead of after."""
+    items = iter(iterable)
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    first = pool.submit(next, items, None)
+    pool.shutdown(wait=False)
+
+    def chained():
+        item = first.result()
+        if item is not None:
+            yield item
+            yield from items
+
+    return chained()
+
+
+def prompt_inputs(text_encoders, plan, ids, device):
+    """The prompts as steps.prompt_conditioning takes them, from ids (prompts.run_prompt_ids): token
+    ids, "instance" (P, L) for the P distinct instance prompts and "class" (1, L) ((P, 2, L) and
+    (1, 2, L) for SDXL's two tokenizers), or with frozen text encoders their states (P, L, D) and (1, L, D) computed once
+    (and SDXL's pooled embeddings beside them); "image_prompt" (N,) maps each instance image to
+    its prompt (its caption's, or --instance_prompt's); with --caption_dropout_rate, "caption_dropout"
+    is (rate, index of the empty prompt, the last of "instance")."""
+    import torch
+
+    from dreambooth import steps  # here, not at the top: it imports torch (2 s a --help or a one-line error never waits for)
+
+    tokens = {"instance": torch.tensor(ids["instance"], device=device)}
+    if "class" in ids:
+        tokens["class"] = torch.tensor(ids["class"], device=device).unsqueeze(0)
+    image_prompt = torch.tensor(plan.image_prompt or [0], dtype=torch.long, device=device)
+    if not plan.train_text_encoder and plan.precompute_text_embeddings:
+        encoded = {}
+        with torch.no_grad():
+            for key, value in tokens.items():
+                encoded[key], pooled = steps.encode_text(text_encoders, value)
+                if pooled is not None:
+                    encoded[f"{key}_pooled"] = pooled
+        tokens = encoded
+    dropout = {"caption_dropout": (plan.caption_dropout_rate, len(plan.instance_prompts))} \
+        if plan.caption_dropout_rate else {}
+    return {**tokens, "image_prompt": image_prompt, **dropout}
+
+
+def base_class_prompt(nets, ids, device):
+    """{"class_base": (1, L, D) states of the class prompt (ids["class"], prompts.run_prompt_ids) from
+    the base text encoders (and "class_base_pooled" (1, P), SDXL)}: the conditioning of the base
+    model's predictions under --prior_preservation prior_prediction. Call before trained weights are
+    loaded."""
+    import torch
+
+    from dreambooth import steps  # here, not at the top: it imports torch (2 s a --help or a one-line error never waits for)
+
+    tokens = torch.tensor(ids["class"], device=device).unsqueeze(0)
+    with torch.no_grad():
+        states, pooled = steps.encode_text([models.unwrap(te) for te in nets.text_encoders()], tokens)
+    return {"class_base": states, **({"class_base_pooled": pooled} if pooled is not None else {})}
+
+
+def report(state, metrics, rank, plan):
+    """ray.train.report from every rank; rank 0 attaches a checkpoint on checkpointing steps,
+    with every rank's RNG streams (gathered from all ranks, a collective)."""
+    import ray.train
+
+    if not plan.is_checkpoint_step(state.step):
+        ray.train.report(metrics)
+        return
+    rng_states = checkpoint.gather_rng_states()
+    if rank != 0:
+        ray.train.report(metrics)
+        return
+    from dreambooth import failures  # here, not at the top: it imports ray.train (1.2 s)
+
+    needed = checkpoint.expected_bytes(state.params, state.ema is not None)
+    with tempfile.TemporaryDirectory() as folder:
+        with failures.stops_when_disk_full(f"the checkpoint of step {state.step}", folder, needed):
+            checkpoint.save(state, folder, metrics["epoch"], rng_states, plan.train_text_encoder, plan.identity)
+        run_dir = os.path.join(plan.storage_path, plan.run_name)
+        with failures.stops_when_disk_full(f"the checkpoint of step {state.step}", run_dir, needed,
+                                           cleanup=lambda: checkpoint.remove_incomplete(run_dir)):
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
