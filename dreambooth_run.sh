@@ -271,7 +271,7 @@ fi
 step "0: preflight (photos, CLASS_NAME, GPUs and their memory, disk, shared storage)"
 # Step 6's prompt file, read now: a typo found after the training would cost the run its scores
 if [ -n "$EVAL_PROMPTS" ] && ! $skip_eval; then
-  "$PYTHON" -c 'import sys, evaluate, utils
+  "$PYTHON" -c 'import sys; from dreambooth import evaluate, utils
 try:
     evaluate.prompt_templates("object", sys.argv[1])
 except utils.UserError as err:

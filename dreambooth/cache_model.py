@@ -172,7 +172,7 @@ def random_model_id(size, arch="sd1"):
             else f"{RANDOM_MODEL_OWNER}/random-stable-diffusion{family}-{size}")
     build = f"{name} v{RANDOM_MODEL_VERSION} {sorted(models.MODEL_SIZES[size].items())}"
     if arch != "sd1":
-        build += f" {arch} {sorted(models.ARCHITECTURES[arch].items())}"
+        build += f" {arch} {sorted(families.ARCHS[arch].random_arch.items())}"
     return name, hashlib.sha1(build.encode()).hexdigest()
 
 
@@ -185,7 +185,7 @@ def has_random_weights(model_dir):
 
 
 def write_random_model(cache_dir, size="tiny", arch="sd1"):
-    """Build a random model of models.MODEL_SIZES and models.ARCHITECTURES and save it in the hub
+    """Build a random model of models.MODEL_SIZES and a family's random_arch and save it in the hub
     layout (refs/main + snapshots/<revision>), where every script finds it as it finds SD 1.4."""
     name, revision = random_model_id(size, arch)
     snapshot = hub_snapshot_path(cache_dir, name, revision)

@@ -108,15 +108,14 @@ def rename(state_dict, prefixes, what):
 def full_checkpoint(model_dir, allow_unsafe_weights=False):
     """{original key: tensor} of a diffusers SD 1.x, 2.x or SDXL folder, weights as stored (fp32
     after training): the UNet under model.diffusion_model., the VAE under first_stage_model., the
-    text encoder in its family's layout (families.Family.single_file_text_encoder)."""
+    text encoder in its family's layout (family.Family.single_file_text_encoders)."""
     from diffusers import AutoencoderKL, UNet2DConditionModel
-    from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
     family = families.family_of(model_dir)
     unet = models.from_pretrained(UNet2DConditionModel, model_dir, allow_unsafe_weights, subfolder="unet")
     vae = models.from_pretrained(AutoencoderKL, model_dir, allow_unsafe_weights, subfolder="vae")
     unet_names = unet_prefixes(unet.config)
-    if family.time_ids:  # the pooled text and size/crop embedding
+    if unet.config.addition_embed_type == "text_time":  # SDXL's pooled text and size/crop embedding
         unet_names += [("add_embedding.linear_1.", "label_emb.0.0.", {}), ("add_embedding.linear_2.", "label_emb.0.2.", {})]
     checkpoint = {}
     for key, tensor in rename(unet.state_dict(), unet_names, "UNet").items():
@@ -124,66 +123,15 @@ def full_checkpoint(model_dir, allow_unsafe_weights=False):
     for key, tensor in rename(vae.state_dict(), vae_prefixes(vae.config), "VAE").items():
         checkpoint["first_stage_model." + key] = tensor
 
-    def text_weights(subfolder, cls):
-        model = models.from_pretrained(cls, model_dir, allow_unsafe_weights, subfolder=subfolder)
+    def text_weights(model):
         # transformers >= 5.6 flattened CLIPTextModel; the original layouts keep its text_model level.
         return {key if key.startswith(("text_model.", "text_projection.")) else "text_model." + key: tensor
                 for key, tensor in model.state_dict().items()}
 
-    if family.single_file_text_encoder == "clip":
-        checkpoint.update({"cond_stage_model.transformer." + k: t
-                           for k, t in text_weights("text_encoder", CLIPTextModel).items()})
-    elif family.single_file_text_encoder == "open_clip":
-        checkpoint.update(open_clip_text_encoder(text_weights("text_encoder", CLIPTextModel), "cond_stage_model.model."))
-    else:  # SDXL: CLIP ViT-L as transformers names it, then OpenCLIP bigG with its projection
-        checkpoint.update({"conditioner.embedders.0.transformer." + k: t
-                           for k, t in text_weights("text_encoder", CLIPTextModel).items()})
-        checkpoint.update(open_clip_text_encoder(text_weights("text_encoder_2", CLIPTextModelWithProjection),
-                                                 "conditioner.embedders.1.model."))
+    checkpoint.update(family.single_file_text_encoders([text_weights(model) for model in family.load_text_encoders(
+        model_dir, lambda cls, subfolder: models.from_pretrained(cls, model_dir, allow_unsafe_weights,
+                                                                 subfolder=subfolder))]))
     return checkpoint
-
-
-# SD 2.x's text encoder in OpenCLIP's names: diffusers name inside a layer -> OpenCLIP name.
-OPEN_CLIP_LAYER = {"layer_norm1": "ln_1", "layer_norm2": "ln_2", "self_attn.out_proj": "attn.out_proj",
-                   "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj"}
-OPEN_CLIP_OUTER = {"text_model.embeddings.token_embedding.weight": "token_embedding.weight",
-                   "text_model.embeddings.position_embedding.weight": "positional_embedding",
-                   "text_model.final_layer_norm.weight": "ln_final.weight",
-                   "text_model.final_layer_norm.bias": "ln_final.bias"}
-
-
-def open_clip_text_encoder(weights, prefix):
-    """{prefix + OpenCLIP key: tensor} of a text encoder ({text_model.* key: tensor}): OpenCLIP's
-    resblocks, each layer's q, k and v projections stacked into in_proj (q first), and a
-    projection (SDXL's second encoder) as OpenCLIP's text_projection matrix, transposed.
-    The released SD 2.x files hold one layer more (OpenCLIP's last, which SD 2.x never uses:
-    it reads the layer before); the other tools load without it, as diffusers drops it."""
-    import torch
-
-    out, qkv = {}, {}
-    layer = re.compile(r"^text_model\.encoder\.layers\.(\d+)\.(.+)\.(weight|bias)$")
-    for key, tensor in weights.items():
-        if key in OPEN_CLIP_OUTER:
-            out[OPEN_CLIP_OUTER[key]] = tensor
-            continue
-        if key == "text_projection.weight":
-            out["text_projection"] = tensor.T.contiguous()
-            continue
-        match = layer.match(key)
-        if match is None:
-            if key.endswith("position_ids"):
-                continue  # a buffer, not a weight
-            raise utils.UserError(f"export: no OpenCLIP name for the text encoder weight {key}")
-        index, module, kind = match.groups()
-        if module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
-            qkv.setdefault((index, kind), {})[module[len("self_attn."):-len("_proj")]] = tensor
-        elif module in OPEN_CLIP_LAYER:
-            out[f"transformer.resblocks.{index}.{OPEN_CLIP_LAYER[module]}.{kind}"] = tensor
-        else:
-            raise utils.UserError(f"export: no OpenCLIP name for the text encoder weight {key}")
-    for (index, kind), parts in qkv.items():
-        out[f"transformer.resblocks.{index}.attn.in_proj_{kind}"] = torch.cat([parts["q"], parts["k"], parts["v"]])
-    return {prefix + key: tensor for key, tensor in out.items()}
 
 
 # ------------------------------------------------------------------ LoRA

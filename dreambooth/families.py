@@ -1,51 +1,22 @@
-"""The model families: what differs between SD 1.x, SD 2.x and SDXL, in one table.
+"""The model families in one table, and the model folder's own reads and check.
 
-A model's family is read from its folder (model_index.json's pipeline class, and for the
+A model's family is found from its folder (model_index.json's pipeline class, and for the
 StableDiffusionPipeline the text encoder's activation: OpenAI CLIP's quick_gelu in SD 1.x,
-OpenCLIP's gelu in SD 2.x), never from a flag. What a model decides for itself (its prediction
-type, its native resolution) is read from its own configs; the family holds what its configs do
-not say: which text encoders and pipeline it has, the original single-file layout, whether
-this suite trains it yet. A later family is one more entry here.
+OpenCLIP's gelu in SD 2.x), never from a flag, and carried in the Plan from there. What a family
+provides is family.Family; each is one module (family_sd1.py, family_sd2.py, family_sdxl.py). A
+later family is one more module and one more entry here.
 """
 
-import dataclasses
 import os
 
+from dreambooth import family_sd1
+from dreambooth import family_sd2
+from dreambooth import family_sdxl
 from dreambooth import utils
+from dreambooth.family import Family  # the interface every entry implements, named beside the table
 
-
-@dataclasses.dataclass(frozen=True)
-class Family:
-    name: str  # "sd1", "sd2", "sdxl"
-    label: str  # as the README and error lines say it
-    pipeline: str  # the diffusers pipeline class in model_index.json
-    text_encoders: tuple  # the text encoder subfolders, in the order the pipeline concatenates them
-    # The original single-file layout of the text encoder: "clip" (cond_stage_model.transformer.*,
-    # OpenAI CLIP as transformers names it), "open_clip" (cond_stage_model.model.*, OpenCLIP's names)
-    # or "sdxl" (conditioner.embedders.0.transformer.* and conditioner.embedders.1.model.*).
-    single_file_text_encoder: str
-    safety_checker: bool  # the pipeline has one (SD 1.x and 2.x; SDXL's has none)
-    time_ids: bool  # the UNet also takes the pooled text and each image's size and crop (SDXL's "text_time")
-    supports: frozenset  # what the suite does with it today: "draw" (generate, evaluate), "train", "export"
-    released_resolutions: tuple  # of the released models, for the README (a model's config decides)
-
-    def tokenizers(self):
-        """The tokenizer subfolders, one per text encoder, in the same order."""
-        return tuple(name.replace("text_encoder", "tokenizer") for name in self.text_encoders)
-
-    def parts(self):
-        """The model folder's subfolders its pipeline loads (besides the scheduler)."""
-        return ("unet", "vae", *self.text_encoders, *self.tokenizers())
-
-
-EVERYTHING = frozenset({"draw", "train", "export"})
-FAMILIES = {f.name: f for f in (
-    Family("sd1", "SD 1.x", "StableDiffusionPipeline", ("text_encoder",), "clip", True, False, EVERYTHING, (512,)),
-    Family("sd2", "SD 2.x", "StableDiffusionPipeline", ("text_encoder",), "open_clip", True, False, EVERYTHING,
-           (512, 768)),
-    Family("sdxl", "SDXL", "StableDiffusionXLPipeline", ("text_encoder", "text_encoder_2"), "sdxl", False, True,
-           EVERYTHING, (1024,)),
-)}
+FAMILIES = {f.name: f for f in (family_sd1.FAMILY, family_sd2.FAMILY, family_sdxl.FAMILY)}
+ARCHS = {f.arch: f for f in FAMILIES.values()}  # the --arch names of the random models built here
 ACTIONS = {"draw": "drawing images with", "train": "training", "export": "exporting"}
 
 
@@ -61,14 +32,13 @@ def family_of(model_dir):
         raise utils.UserError(f"cannot read {index_path}: {err.strerror or err}") from None
     if pipeline is None:
         raise utils.UserError(f"{index_path} names no pipeline class (_class_name): not a diffusers pipeline folder")
-    if pipeline == "StableDiffusionXLPipeline":
-        return FAMILIES["sdxl"]
-    if pipeline == "StableDiffusionPipeline":
-        try:
-            activation = part_config(model_dir, "text_encoder").get("hidden_act")
-        except (OSError, ValueError):
-            activation = None  # the model check names the missing part
-        return FAMILIES["sd2" if activation == "gelu" else "sd1"]
+    try:
+        text_encoder = part_config(model_dir, "text_encoder")
+    except (OSError, ValueError):
+        text_encoder = {}  # the model check names the missing part
+    for family in FAMILIES.values():
+        if family.matches(pipeline, text_encoder):
+            return family
     supported = ", ".join(f"{f.label} ({f.pipeline})" for f in FAMILIES.values())
     raise utils.UserError(f"{model_dir} is a {pipeline} model; this suite runs {supported}")
 

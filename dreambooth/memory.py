@@ -35,12 +35,8 @@ ACTIVATION_GIB = 0.95  # per image, SD 1.x's UNet at 512 px, autocast
 CHECKPOINTED_GIB = 0.11  # the same with gradient checkpointing
 REFERENCE_UNET, REFERENCE_PIXELS = 859.52e6, 512 * 512
 
-# Parameter counts of the released models' networks (diffusers' folders)
-RELEASED = {
-    "sd1": {"unet": 859.52e6, "text_encoder": 123.06e6, "vae": 83.65e6},
-    "sd2": {"unet": 865.91e6, "text_encoder": 340.39e6, "vae": 83.65e6},
-    "sdxl": {"unet": 2567.46e6, "text_encoder": 123.06e6, "text_encoder_2": 694.66e6, "vae": 83.65e6},
-}
+# Parameter counts of the released models' networks (diffusers' folders), as each family says them
+RELEASED = {name: family.released_params for name, family in families.FAMILIES.items()}
 # the table's resolution of each family: its released models' largest
 DEFAULT_RESOLUTION = {name: max(families.FAMILIES[name].released_resolutions) for name in RELEASED}
 

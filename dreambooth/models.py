@@ -15,7 +15,7 @@ from dreambooth import utils
 TINY_TOKENIZER_DIR = os.path.join(utils.REPO_DIR, "assets", "tiny_tokenizer")
 
 # Architectures built from config with random weights: the real classes at several widths (the
-# SD 1.x layout, or another family's with ARCHITECTURES below). tiny: 64 px, for tests. small: SD's
+# SD 1.x layout, or another family's with its random_arch). tiny: 64 px, for tests. small: SD's
 # layout at a fifth of its width, 256 px, enough compute that a CPU benchmark sees both overhead and
 # work. sd15: the full SD 1.x shapes, 512 px. sdxl: the full SDXL shapes.
 MODEL_SIZES = {
@@ -52,62 +52,10 @@ def from_pretrained(cls, model_dir, allow_unsafe_weights=False, **kwargs):
     return cls.from_pretrained(model_dir, use_safetensors=safetensors_only(allow_unsafe_weights), **kwargs)
 
 
-def tiny_safety_checker(projection_dim=32):
-    """A randomly initialised SD safety checker (real diffusers class) and its image processor.
-
-    With its concept weights at 1 no image is flagged (a cosine never exceeds 1);
-    a test lowers them to flag every image.
-    """
-    from diffusers.pipelines.stable_diffusion.safety_checker import StableDiffusionSafetyChecker
-    from transformers import CLIPConfig, CLIPImageProcessor
-
-    config = CLIPConfig(
-        text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                           image_size=32, patch_size=8),
-        projection_dim=projection_dim)
-    checker = StableDiffusionSafetyChecker(config).eval()
-    processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    return checker, processor
-
-
-# What a random model of each architecture changes in its MODEL_SIZES entry and around it, as the
-# released models of its family do. sd1: SD 1.4/1.5. sd2-v: SD 2.1 (768 px, v-prediction): OpenCLIP's
-# gelu text encoder, linear projections in the UNet's transformers, a head count per level, DDIM.
-# sdxl: SDXL base 1.0 (1024 px): two text encoders (CLIP ViT-L's kind, then OpenCLIP's with a
-# projection, whose pooled output and the image's size and crop condition the UNet: "text_time"),
-# their penultimate states concatenated as the cross-attention input, Euler, the VAE's 0.13025.
-ARCHITECTURES = {
-    "sd1": dict(text_act="quick_gelu", linear_projection=False, prediction_type="epsilon", resolution_scale=1),
-    "sd2-v": dict(text_act="gelu", linear_projection=True, prediction_type="v_prediction", resolution_scale=1.5),
-    "sdxl": dict(text_act="quick_gelu", text2_act="gelu", linear_projection=True, prediction_type="epsilon",
-                 resolution_scale=2, time_embed_dim=8, vae_scaling_factor=0.13025),
-}
-
-
-def _text_encoder(cls, spec, tokenizer, act, **extra):
-    from transformers import CLIPTextConfig
-
-    return cls(CLIPTextConfig(
-        vocab_size=spec.get("vocab_size", len(tokenizer)),
-        hidden_size=spec["text_hidden"],
-        intermediate_size=4 * spec["text_hidden"],
-        num_hidden_layers=spec["text_layers"],
-        num_attention_heads=spec["text_heads"],
-        max_position_embeddings=tokenizer.model_max_length,
-        hidden_act=act,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        **extra,
-    ))
-
-
 def build_pipeline(size="tiny", seed=0, safety_checker=False, arch="sd1"):
-    """A randomly initialised pipeline of one of MODEL_SIZES and ARCHITECTURES (real diffusers/transformers classes)."""
+    """A randomly initialised pipeline of one of MODEL_SIZES and a family's architecture (its --arch
+    name: families.ARCHS), the real diffusers/transformers classes."""
     import torch
-    from diffusers import (DDIMScheduler, EulerDiscreteScheduler, PNDMScheduler, StableDiffusionPipeline,
-                           StableDiffusionXLPipeline)
     from transformers import CLIPTokenizer
 
     torch.manual_seed(seed)
@@ -115,56 +63,28 @@ def build_pipeline(size="tiny", seed=0, safety_checker=False, arch="sd1"):
     nets = build_networks(size, arch, tokenizer)
     betas = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000,
                  steps_offset=1)
-    if arch == "sdxl":  # SDXL base 1.0's scheduler
-        scheduler = EulerDiscreteScheduler(timestep_spacing="leading", **betas)
-        return StableDiffusionXLPipeline(tokenizer=tokenizer, tokenizer_2=tokenizer, scheduler=scheduler, **nets)
-    if arch == "sd1":  # the scheduler of SD 1.4's scheduler/scheduler_config.json
-        scheduler = PNDMScheduler(skip_prk_steps=True, set_alpha_to_one=False, **betas)
-    else:  # SD 2.1's
-        scheduler = DDIMScheduler(clip_sample=False, set_alpha_to_one=False,
-                                  prediction_type=ARCHITECTURES[arch]["prediction_type"], **betas)
-    checker, processor = tiny_safety_checker() if safety_checker else (None, None)
-    return StableDiffusionPipeline(tokenizer=tokenizer, scheduler=scheduler, safety_checker=checker,
-                                   feature_extractor=processor, requires_safety_checker=safety_checker, **nets)
+    return families.ARCHS[arch].random_pipeline(nets, tokenizer, betas, safety_checker)
 
 
 def build_networks(size, arch, tokenizer):
     """{"unet", "vae", "text_encoder"[, "text_encoder_2"]}: the random networks of build_pipeline
     (in torch's current default device: "meta" counts a full-size model's parameters without memory)."""
     from diffusers import AutoencoderKL, UNet2DConditionModel
-    from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
-    spec, kind = MODEL_SIZES[size], ARCHITECTURES[arch]
-    latent_size = int(spec["latent_size"] * kind["resolution_scale"])
-    text_encoder = _text_encoder(CLIPTextModel, spec, tokenizer, kind["text_act"])
+    family = families.ARCHS[arch]
+    spec = MODEL_SIZES[size]
+    latent_size = int(spec["latent_size"] * family.random_arch["resolution_scale"])
+    nets, text_width, unet_extra = family.random_text_encoders(spec, tokenizer)
     down = spec["unet_down"]
-    up = tuple(reversed([name.replace("Down", "Up") for name in down]))
-    # SD 1.x: 8 heads everywhere; SD 2.x and SDXL: heads of 64 channels, so more heads at each wider level.
-    heads = 8 if arch == "sd1" else tuple(max(2, c // 64) for c in spec["unet_channels"])
-    unet_extra, text_width = {}, spec["text_hidden"]
-    if arch == "sdxl":
-        # The second encoder is the wider one, as in SDXL (768 and 1280): the single-file loaders tell
-        # the two apart by their width.
-        wide = dict(spec, text_hidden=spec.get("text2_hidden", 2 * spec["text_hidden"]),
-                    text_layers=spec.get("text2_layers", spec["text_layers"]),
-                    text_heads=spec.get("text2_heads", spec["text_heads"]))
-        text_encoder_2 = _text_encoder(CLIPTextModelWithProjection, wide, tokenizer, kind["text2_act"],
-                                       projection_dim=wide["text_hidden"])
-        text_width = spec["text_hidden"] + wide["text_hidden"]  # both encoders' states side by side
-        # The pooled text embedding and six size/crop numbers, each in a time_embed_dim sinusoid.
-        time_dim = spec.get("time_embed_dim", kind["time_embed_dim"])
-        unet_extra = dict(addition_embed_type="text_time", addition_time_embed_dim=time_dim,
-                          projection_class_embeddings_input_dim=wide["text_hidden"] + 6 * time_dim,
-                          transformer_layers_per_block=spec.get("transformer_layers", 1))
     unet = UNet2DConditionModel(
         sample_size=latent_size,
         block_out_channels=spec["unet_channels"],
         layers_per_block=spec["unet_layers"],
         down_block_types=down,
-        up_block_types=up,
+        up_block_types=tuple(reversed([name.replace("Down", "Up") for name in down])),
         cross_attention_dim=text_width,
-        attention_head_dim=heads,
-        use_linear_projection=kind["linear_projection"],
+        attention_head_dim=family.unet_heads(spec["unet_channels"]),
+        use_linear_projection=family.random_arch["linear_projection"],
         **unet_extra,
     )
     num_vae_blocks = len(spec["vae_channels"])
@@ -175,12 +95,9 @@ def build_networks(size, arch, tokenizer):
         up_block_types=("UpDecoderBlock2D",) * num_vae_blocks,
         latent_channels=4,
         sample_size=latent_size * 2 ** (num_vae_blocks - 1),
-        **({"scaling_factor": kind["vae_scaling_factor"], "force_upcast": True} if arch == "sdxl" else {}),
+        **family.random_vae_config(),
     )
-    nets = dict(unet=unet, vae=vae, text_encoder=text_encoder)
-    if arch == "sdxl":
-        nets["text_encoder_2"] = text_encoder_2
-    return nets
+    return dict(unet=unet, vae=vae, **nets)
 
 
 # ---------------------------------------------------------------- training set-up
@@ -197,6 +114,7 @@ class Models:
     scheduler: object
     unet_device: object
     aux_device: object
+    family: families.Family  # what the text encoders do with token ids, the UNet's extra inputs
     text_encoder_2: object = None  # SDXL's second text encoder (with a projection), on aux_device
     frozen_unet: object = None  # --prior_preservation prior_prediction, full fine-tuning: the base UNet, frozen
 
@@ -240,21 +158,18 @@ def load_models(model_dir, unet_device, aux_device, train_text_encoder, allow_un
     transformers' gradient checkpointing (which acts only when training) never runs.
     """
     from diffusers import DDPMScheduler, UNet2DConditionModel
-    from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
     family = family or families.family_of(model_dir)
     unet = from_pretrained(UNet2DConditionModel, model_dir, allow_unsafe_weights, subfolder="unet")
-    encoders = [from_pretrained(CLIPTextModel, model_dir, allow_unsafe_weights, subfolder="text_encoder")]
-    if "text_encoder_2" in family.text_encoders:
-        encoders.append(from_pretrained(CLIPTextModelWithProjection, model_dir, allow_unsafe_weights,
-                                        subfolder="text_encoder_2"))
+    encoders = family.load_text_encoders(
+        model_dir, lambda cls, subfolder: from_pretrained(cls, model_dir, allow_unsafe_weights, subfolder=subfolder))
     vae = load_vae(model_dir, vae_dir, allow_unsafe_weights)
     scheduler = DDPMScheduler.from_pretrained(model_dir, subfolder="scheduler")
     unet.train()
     vae.requires_grad_(False).eval()
     for text_encoder in encoders:
         text_encoder.requires_grad_(train_text_encoder).train(train_text_encoder).to(aux_device)
-    return Models(unet.to(unet_device), encoders[0], vae.to(aux_device), scheduler, unet_device, aux_device,
+    return Models(unet.to(unet_device), encoders[0], vae.to(aux_device), scheduler, unet_device, aux_device, family,
                   *encoders[1:])
 
 
@@ -331,15 +246,6 @@ def load_frozen_unet(plan, device):
     return unet.requires_grad_(False).eval().to(device, dtype=dtype)
 
 
-def freeze_unread_layers(text_encoder):
-    """SDXL reads its first text encoder's penultimate states: the last layer and the final norm
-    never touch the loss. Left trainable, they would get no gradient (AdamW skips them) and DDP
-    would stop the run waiting for theirs; frozen, they stay as they were either way."""
-    inner = getattr(text_encoder, "text_model", text_encoder)  # transformers >= 5.6 flattened it
-    for module in (inner.encoder.layers[-1], inner.final_layer_norm):
-        module.requires_grad_(False)
-
-
 def has_lora(model):
     return hasattr(unwrap(model), "peft_config")
 
@@ -385,8 +291,7 @@ def setup_models(plan, unet_device, aux_device, distributed, load_guard=None):
             models.frozen_unet = load_frozen_unet(plan, unet_device)
     if plan.use_lora:
         add_lora(models, plan)
-    if models.text_encoder_2 is not None:
-        freeze_unread_layers(models.text_encoder)
+    models.family.freeze_unread_layers(models.text_encoders())
     if plan.gradient_checkpointing:
         models.unet.enable_gradient_checkpointing()
         if plan.train_text_encoder:

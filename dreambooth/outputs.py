@@ -260,8 +260,7 @@ def save_pipeline(nets, plan):
     import diffusers
 
     unet = models.unwrap(nets.unet)
-    text_encoders = {name: models.unwrap(model) for name, model in zip(("text_encoder", "text_encoder_2"),
-                                                                        nets.text_encoders())}
+    text_encoders = {name: models.unwrap(model) for name, model in zip(plan.family.text_encoders, nets.text_encoders())}
     marker = {"base_model": plan.model_dir, "vae": plan.vae_dir, "steps": plan.end_step,
               "instance_prompt": plan.instance_prompt,
               "class_prompt": plan.class_prompt, "lora": lora.to_record() if (lora := LoraSettings.of(plan)) else None,
@@ -271,7 +270,7 @@ def save_pipeline(nets, plan):
 
     def write(tmp):
         if plan.use_lora:
-            save_lora(tmp, unet, text_encoders if plan.train_text_encoder else {})
+            save_lora(tmp, plan.family, unet, text_encoders if plan.train_text_encoder else {})
         else:
             pipeline = getattr(diffusers, plan.family.pipeline)
             # a VAE trained with (--pretrained_vae_model_name_or_path) stays with the model
@@ -293,10 +292,10 @@ def expected_bytes(nets, lora):
                if not lora or p.requires_grad)
 
 
-def save_lora(folder, unet, text_encoders=None):
-    """utils.LORA_WEIGHTS_FILE in folder, written by diffusers' save_lora_weights (SDXL's with two
-    text encoders). text_encoders: {"text_encoder"[, "text_encoder_2"]: model} with adapters, or {}."""
-    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+def save_lora(folder, family, unet, text_encoders=None):
+    """utils.LORA_WEIGHTS_FILE in folder, written by the family's pipeline's save_lora_weights.
+    text_encoders: {"text_encoder"[, "text_encoder_2"]: model} with adapters, or {}."""
+    import diffusers
     from diffusers.utils import convert_state_dict_to_diffusers
     from peft.utils import get_peft_model_state_dict
 
@@ -305,8 +304,7 @@ def save_lora(folder, unet, text_encoders=None):
 
     text_encoders = text_encoders or {}
     parts = {"unet": unet, **text_encoders}
-    pipeline = StableDiffusionXLPipeline if "text_encoder_2" in text_encoders else StableDiffusionPipeline
-    pipeline.save_lora_weights(
+    getattr(diffusers, family.pipeline).save_lora_weights(
         folder, weight_name=utils.LORA_WEIGHTS_FILE,
         **{f"{name}_lora_layers": layers(model) for name, model in parts.items()},
         **{f"{name}_lora_adapter_metadata": model.peft_config["default"].to_dict() for name, model in parts.items()})

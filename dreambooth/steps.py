@@ -203,28 +203,13 @@ def batch_latents(models, batch):
     return DiagonalGaussianDistribution(stacked).sample() * models.vae.config.scaling_factor
 
 
-def encode_text(text_encoders, ids):
-    """(states (N, L, D), pooled (N, P) or None) of token ids.
-
-    ids (N, L) go through the one text encoder (SD 1.x, 2.x: its last layer's states). ids
-    (N, E, L) hold each prompt's ids for E encoders (SDXL's two tokenizers): each encoder's
-    penultimate states, side by side, and the last encoder's projected pooled output, which
-    SDXL's UNet takes with the size/crop numbers."""
-    if ids.dim() == 2:
-        return text_encoders[0](ids)[0], None
-    states = []
-    for k, text_encoder in enumerate(text_encoders):
-        out = text_encoder(ids[:, k], output_hidden_states=True)
-        states.append(out.hidden_states[-2])
-    return torch.cat(states, dim=-1), out.text_embeds
-
-
-def prompt_conditioning(text_encoders, prompts, instance_prompt, num_class):
+def prompt_conditioning(models, prompts, instance_prompt, num_class):
     """(states (num_instance + num_class, L, D), pooled (same rows, P) or None) for a batch.
 
     prompts: {"instance": ids of the P distinct instance prompts (1, or one per caption),
-    "class": ids of the class prompt (see encode_text for the shapes)}, run through the text
-    encoders together once a step (not once per row); or, with frozen text encoders, the same
+    "class": ids of the class prompt (prompts.prompt_ids' shapes)}, run through models' text
+    encoders (their family's encode_text) together once a step (not once per row); or, with
+    frozen text encoders, the same
     keys holding states (P, L, D) and (1, L, D) computed once, and "instance_pooled",
     "class_pooled" beside them (SDXL). instance_prompt: (num_instance,) index into the P prompts
     per instance row; a gather on the device, so no step waits on the host.
@@ -235,7 +220,7 @@ def prompt_conditioning(text_encoders, prompts, instance_prompt, num_class):
         pooled = prompts.get("instance_pooled")
         pooled_cls = (prompts["class_pooled"] if num_class else pooled[:0]) if pooled is not None else None
     else:
-        states, pooled_all = encode_text(text_encoders, torch.cat([instance, cls]))
+        states, pooled_all = models.family.encode_text(models.text_encoders(), torch.cat([instance, cls]))
         instance, cls = states[:len(instance)], states[len(instance):]
         pooled, pooled_cls = ((pooled_all[:len(prompts["instance"])], pooled_all[len(prompts["instance"]):])
                               if pooled_all is not None else (None, None))
@@ -244,18 +229,6 @@ def prompt_conditioning(text_encoders, prompts, instance_prompt, num_class):
     if pooled is None:
         return states, None
     return states, torch.cat([pooled[index], pooled_cls.expand(num_class, -1)])
-
-
-def size_conditioning(batch, num_rows, resolution, device, dtype):
-    """(B, 6) SDXL size/crop numbers of the batch's rows, instance rows first: each image's
-    original height and width, the crop's top and left, the trained height and width
-    (dataset.py's "instance_time_ids"/"class_time_ids"); a whole uncropped square where the
-    stream has none."""
-    parts = [batch[k] for k in ("instance_time_ids", "class_time_ids") if k in batch]
-    if not parts:
-        row = torch.tensor([resolution, resolution, 0, 0, resolution, resolution], dtype=dtype, device=device)
-        return row.expand(num_rows, -1)
-    return torch.cat([p.to(device, non_blocking=True) for p in parts]).to(dtype)
 
 
 def instance_prompts(prompts, batch, num_instance):
@@ -294,17 +267,15 @@ def batch_loss(models, batch, prompts, prior_loss_weight, offset_noise=0.0, snr_
     if predicted_prior:
         latents = torch.cat([latents, latents])
     num_class = latents.shape[0] - num_instance
-    hidden, pooled = prompt_conditioning(models.text_encoders(), prompts,
-                                         instance_prompts(prompts, batch, num_instance), num_class)
+    hidden, pooled = prompt_conditioning(models, prompts, instance_prompts(prompts, batch, num_instance), num_class)
     hidden = hidden.to(models.unet_device)
-    extra = {}
-    if pooled is not None:  # SDXL: the pooled text and each image's size and crop
-        resolution = latents.shape[-1] * 2 ** (len(models.vae.config.block_out_channels) - 1)
-        rows = num_instance if predicted_prior else latents.shape[0]
-        time_ids = size_conditioning(batch, rows, resolution, models.unet_device, hidden.dtype)
-        if predicted_prior:
-            time_ids = torch.cat([time_ids, time_ids])
-        extra["added_cond_kwargs"] = {"text_embeds": pooled.to(models.unet_device), "time_ids": time_ids}
+    # The family's extra inputs (SDXL: the pooled text and each image's size and crop); the predicted
+    # prior's class rows are the instance photos again, with their sizes.
+    resolution = latents.shape[-1] * 2 ** (len(models.vae.config.block_out_channels) - 1)
+    sized = {**batch, "class_time_ids": batch["instance_time_ids"]} \
+        if predicted_prior and "instance_time_ids" in batch else batch
+    time_ids = models.family.size_conditioning(sized, latents.shape[0], resolution, models.unet_device, hidden.dtype)
+    extra = models.family.unet_inputs(pooled.to(models.unet_device) if pooled is not None else None, time_ids)
     scheduler = models.scheduler
     noise = training_noise(latents, offset_noise)
     timesteps = torch.randint(0, scheduler.config.num_train_timesteps, (latents.shape[0],), device=latents.device)
@@ -312,11 +283,10 @@ def batch_loss(models, batch, prompts, prior_loss_weight, offset_noise=0.0, snr_
     pred = models.unet(noisy, timesteps, hidden, **extra).sample
     target = diffusion_target(scheduler, latents, noise, timesteps)
     if predicted_prior:
-        base_extra = {}
-        if pooled is not None:
-            base_extra["added_cond_kwargs"] = {
-                "text_embeds": prompts["class_base_pooled"].to(models.unet_device).expand(num_class, -1),
-                "time_ids": extra["added_cond_kwargs"]["time_ids"][num_instance:]}
+        base_pooled = prompts.get("class_base_pooled")
+        base_extra = models.family.unet_inputs(
+            base_pooled.to(models.unet_device).expand(num_class, -1) if base_pooled is not None else None,
+            time_ids[num_instance:] if time_ids is not None else None)
         base = prompts["class_base"].to(models.unet_device).expand(num_class, -1, -1)
         with torch.no_grad(), models.base_unet() as unet:
             prior_target = unet(noisy[num_instance:], timesteps[num_instance:], base, **base_extra).sample

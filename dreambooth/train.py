@@ -358,8 +358,6 @@ def prompt_inputs(text_encoders, plan, ids, device):
     is (rate, index of the empty prompt, the last of "instance")."""
     import torch
 
-    from dreambooth import steps  # here, not at the top: it imports torch (2 s a --help or a one-line error never waits for)
-
     tokens = {"instance": torch.tensor(ids["instance"], device=device)}
     if "class" in ids:
         tokens["class"] = torch.tensor(ids["class"], device=device).unsqueeze(0)
@@ -368,7 +366,7 @@ def prompt_inputs(text_encoders, plan, ids, device):
         encoded = {}
         with torch.no_grad():
             for key, value in tokens.items():
-                encoded[key], pooled = steps.encode_text(text_encoders, value)
+                encoded[key], pooled = plan.family.encode_text(text_encoders, value)
                 if pooled is not None:
                     encoded[f"{key}_pooled"] = pooled
         tokens = encoded
@@ -384,11 +382,9 @@ def base_class_prompt(nets, ids, device):
     loaded."""
     import torch
 
-    from dreambooth import steps  # here, not at the top: it imports torch (2 s a --help or a one-line error never waits for)
-
     tokens = torch.tensor(ids["class"], device=device).unsqueeze(0)
     with torch.no_grad():
-        states, pooled = steps.encode_text([models.unwrap(te) for te in nets.text_encoders()], tokens)
+        states, pooled = nets.family.encode_text([models.unwrap(te) for te in nets.text_encoders()], tokens)
     return {"class_base": states, **({"class_base_pooled": pooled} if pooled is not None else {})}
 
 

@@ -43,14 +43,13 @@ class Sampler:
         self.scheduler = getattr(diffusers, config["_class_name"]).from_config(config)
 
     def encode(self, prompts):
-        """(states, pooled or None) of the prompts, on the UNet's device (steps.encode_text)."""
-        from dreambooth import steps  # here, not at the top: it imports torch (2 s a --help or a one-line error never waits for)
+        """(states, pooled or None) of the prompts, on the UNet's device (the family's encode_text)."""
         import torch
 
         ids = torch.stack([torch.stack([torch.from_numpy(dataset.tokenize_prompt(t, p)) for t in self.tokenizers])
                            for p in prompts])
         ids = ids[:, 0] if len(self.tokenizers) == 1 else ids
-        states, pooled = steps.encode_text([models.unwrap(te) for te in self.nets.text_encoders()],
+        states, pooled = self.family.encode_text([models.unwrap(te) for te in self.nets.text_encoders()],
                                            ids.to(self.nets.aux_device))
         return states.to(self.nets.unet_device), pooled.to(self.nets.unet_device) if pooled is not None else None
 

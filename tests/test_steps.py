@@ -202,11 +202,11 @@ def test_each_prompt_goes_through_the_text_encoder_once(models, prompt_ids):
     hook = te.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[0]))
     first = torch.zeros(2, dtype=torch.long)
     with torch.no_grad():
-        live, no_pooled = steps.prompt_conditioning([te], prompt_ids, first, 3)
+        live, no_pooled = steps.prompt_conditioning(models, prompt_ids, first, 3)
         hook.remove()
         states = {k: te(v)[0] for k, v in prompt_ids.items()}
-        cached = steps.prompt_conditioning([te], states, first, 3)[0]
-        alone = steps.prompt_conditioning([te], states, first, 0)[0]
+        cached = steps.prompt_conditioning(models, states, first, 3)[0]
+        alone = steps.prompt_conditioning(models, states, first, 0)[0]
     assert no_pooled is None  # one text encoder: SD 1.x's UNet takes no pooled embedding
     assert rows == [2]  # two prompts, not 2 + 3 copies
     assert live.shape == (5, 77, 32)
@@ -224,7 +224,7 @@ def test_captions_give_each_instance_row_its_own_prompt(models, prompt_ids):
     index = steps.instance_prompts(prompts, batch, 4)
     assert index.tolist() == [1, 0, 1, 0]
     with torch.no_grad():
-        hidden = steps.prompt_conditioning([te], prompts, index, 1)[0]
+        hidden = steps.prompt_conditioning(models, prompts, index, 1)[0]
         expected = te(torch.cat([captions[[1, 0, 1, 0]], prompt_ids["class"]]))[0]
     torch.testing.assert_close(hidden, expected, rtol=1e-5, atol=1e-5)
     assert steps.instance_prompts({"instance": captions}, {}, 3).tolist() == [0, 0, 0]

@@ -1,0 +1,104 @@
+"""What a model family provides: the one interface the suite asks whatever differs between families.
+
+A family is one module (family_sd1.py, family_sd2.py, family_sdxl.py) with one subclass of Family
+and its instance; families.py holds the table of them and finds a folder's family. Everything else
+asks the family object the Plan carries (plan.family, models.family), never `if family == ...`.
+What a model decides for itself (its prediction type, its native resolution) is read from its own
+configs, not asked here.
+
+Heavy imports (torch, transformers, diffusers) happen inside the methods that need them: the
+family is asked its name and label by a `--help` or a one-line error that never waits for them.
+"""
+
+
+class Family:
+    """The base every family subclasses: what it must say (the attributes) and do (the methods that
+    raise NotImplementedError); the others have the plain default."""
+
+    # --- identity
+    name = ""  # the table's key and the record's: "sd1", "sd2", "sdxl"
+    label = ""  # as the README and error lines say it: "SD 1.x"
+    pipeline = ""  # the diffusers pipeline class, as model_index.json names it
+    text_encoders = ("text_encoder",)  # subfolders, in the order their states are concatenated
+    safety_checker = False  # its pipeline has one (and generate.py's --safety_checker applies)
+    time_ids = False  # the denoiser also takes each image's size and crop (SDXL's "text_time"): the stream carries them
+    supports = frozenset({"draw", "train", "export"})  # what the suite does with it: generate/evaluate, train, export
+    released_resolutions = (512,)  # of the released models, for the README (a model's config decides)
+    released_params = {}  # parameter counts of the released networks ({subfolder: count}), for memory.py
+
+    # --- random models built here (cache_model.py --tiny/--random_model --arch <arch>)
+    arch = ""  # the --arch name of its random models
+    random_arch = {}  # what its random models change around models.MODEL_SIZES (also in their revision)
+
+    def matches(self, pipeline, text_encoder_config):
+        """Whether a folder is of this family: model_index.json's pipeline class, and the first text
+        encoder's config (a dict, {} when unreadable)."""
+        return pipeline == self.pipeline
+
+    def tokenizers(self):
+        """The tokenizer subfolders, one per text encoder, in the same order."""
+        return tuple(name.replace("text_encoder", "tokenizer") for name in self.text_encoders)
+
+    def parts(self):
+        """The model folder's subfolders its pipeline loads (besides the scheduler)."""
+        return ("unet", "vae", *self.text_encoders, *self.tokenizers())
+
+    # --- the text side (prompts.py, models.py, steps.py, validation.py)
+    def load_tokenizers(self, model_dir):
+        from transformers import CLIPTokenizer
+
+        return [CLIPTokenizer.from_pretrained(model_dir, subfolder=folder) for folder in self.tokenizers()]
+
+    def load_text_encoders(self, model_dir, load):
+        """The text encoders in order; load(cls, subfolder) is models.from_pretrained with the run's
+        weight rule."""
+        raise NotImplementedError
+
+    def encode_text(self, text_encoders, ids):
+        """(states (N, L, D), pooled (N, P) or None) of token ids: (N, L) with one tokenizer, (N, E, L)
+        with E (prompts.prompt_ids' shapes)."""
+        raise NotImplementedError
+
+    def freeze_unread_layers(self, text_encoders):
+        """Freeze what never reaches the loss (DDP would wait for its gradients); nothing by default."""
+
+    # --- the denoiser's extra inputs (steps.py)
+    def size_conditioning(self, batch, num_rows, resolution, device, dtype):
+        """(B, 6) size and crop numbers of the batch's rows for a family whose denoiser takes them, else None."""
+        return None
+
+    def unet_inputs(self, pooled, time_ids):
+        """The denoiser's keyword inputs beside the latents, timesteps and states."""
+        return {}
+
+    # --- random models (models.build_networks, build_pipeline)
+    def random_text_encoders(self, spec, tokenizer):
+        """({subfolder: random text encoder}, the UNet's cross-attention width, the UNet's extra config)
+        for a models.MODEL_SIZES spec."""
+        raise NotImplementedError
+
+    def unet_heads(self, channels):
+        """The UNet's attention_head_dim for its block widths."""
+        raise NotImplementedError
+
+    def random_vae_config(self):
+        """What its random VAE changes in AutoencoderKL's config."""
+        return {}
+
+    def random_pipeline(self, nets, tokenizer, betas, safety_checker):
+        """The family's pipeline of random networks, with its released models' scheduler."""
+        raise NotImplementedError
+
+    # --- export (export.py's original single-file layout)
+    def single_file_text_encoders(self, weights):
+        """{original key: tensor} of the text encoders, weights: one {text_model.* key: tensor} per encoder."""
+        raise NotImplementedError
+
+    def __repr__(self):
+        return f"<family {self.name}>"
+
+    def __eq__(self, other):  # a Plan pickled to a worker carries a copy
+        return isinstance(other, Family) and other.name == self.name
+
+    def __hash__(self):
+        return hash(self.name)
