@@ -337,11 +337,18 @@ def cache_eval_models(cache_dir, args):
     return folder
 
 
+ARCH_HELP = ("The architecture of --tiny / --random_model, one per model family: "
+             + ", ".join(f"{f.arch} ({f.label}, {f.random_note})" for f in families.ARCHS.values())
+             + ". Its hub name says it: dreambooth-ray/tiny-stable-diffusion-2-v, -xl.")
+
+
 def main(argv=None):
     parser = flags.make_parser(__doc__.splitlines()[0], [
         "cache_dir", "model_name", "revision", "tiny", "random_model", "arch", "eval_models", "dino_model", "dino_revision",
-        "clip_model", "clip_revision", "allow_unsafe_weights"])
+        "clip_model", "clip_revision", "allow_unsafe_weights"], helps={"arch": ARCH_HELP})
     args = parser.parse_args(argv)
+    if args.arch is not None and args.arch not in families.ARCHS:
+        parser.error(f"argument --arch: invalid choice: {args.arch!r} (choose from {', '.join(families.ARCHS)})")
     args.cache_dir = args.cache_dir or model_cache_dir()
     args.tiny = args.tiny or args.model_name == "tiny"
     try:

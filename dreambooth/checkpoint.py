@@ -2,8 +2,9 @@
 
 A checkpoint folder holds:
     unet.safetensors          UNet weights (with LoRA: its adapters only)
-    text_encoder.safetensors  text-encoder weights (only when it is trained; adapters with LoRA)
-    text_encoder_2.safetensors  SDXL's second text encoder, likewise
+    text_encoder.safetensors  text-encoder weights (only when it is trained; adapters with LoRA),
+                              and each other text encoder's likewise, named as its subfolder
+                              (SDXL: text_encoder_2.safetensors)
     ema.safetensors           the moving average of the trained weights (with --use_ema), in the
                               order of steps.trained_parameters
     optimizer.pt              optimizer, LR schedule, grad scaler, every rank's RNG streams
@@ -26,8 +27,6 @@ from dreambooth import utils
 
 STATE_FILE = "train_state.json"
 UNET_FILE = "unet.safetensors"
-TEXT_ENCODER_FILE = "text_encoder.safetensors"
-TEXT_ENCODER_2_FILE = "text_encoder_2.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 EMA_FILE = "ema.safetensors"
 
@@ -75,7 +74,7 @@ def save(state, folder, epoch, rng_states, train_text_encoder, identity=None):
     files = [UNET_FILE, OPTIMIZER_FILE]
     save_file(models.trained_state_dict(state.models.unet), os.path.join(folder, UNET_FILE))
     if train_text_encoder:
-        for name, text_encoder in zip((TEXT_ENCODER_FILE, TEXT_ENCODER_2_FILE), state.models.text_encoders()):
+        for name, text_encoder in zip(text_encoder_files(state.models.family), state.models.text_encoders()):
             save_file(models.trained_state_dict(text_encoder), os.path.join(folder, name))
             files.append(name)
     if state.ema is not None:
@@ -114,12 +113,17 @@ def disk_bytes(model_dir, lora, train_text_encoder):
     return 3 * trained, sum(sizes.values())
 
 
+def text_encoder_files(family):
+    """The checkpoint's file of each of the family's text encoders, in order: text_encoder.safetensors, ..."""
+    return [f"{name}.safetensors" for name in family.text_encoders]
+
+
 def load_weights(nets, folder):
     """The checkpoint's trained weights into nets (a models.Models): UNet, and the text encoders if trained."""
     from safetensors.torch import load_file
 
     models.load_trained_state_dict(nets.unet, load_file(os.path.join(folder, UNET_FILE)))
-    for name, text_encoder in zip((TEXT_ENCODER_FILE, TEXT_ENCODER_2_FILE), nets.text_encoders()):
+    for name, text_encoder in zip(text_encoder_files(nets.family), nets.text_encoders()):
         if os.path.isfile(os.path.join(folder, name)):
             models.load_trained_state_dict(text_encoder, load_file(os.path.join(folder, name)))
 

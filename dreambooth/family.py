@@ -28,6 +28,7 @@ class Family:
 
     # --- random models built here (cache_model.py --tiny/--random_model --arch <arch>)
     arch = ""  # the --arch name of its random models
+    random_note = ""  # what its random models are, for cache_model.py --help
     random_arch = {}  # what its random models change around models.MODEL_SIZES (also in their revision)
 
     def matches(self, pipeline, text_encoder_config):

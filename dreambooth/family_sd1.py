@@ -51,6 +51,7 @@ class SD1(family.Family):
     released_resolutions = (512,)
     released_params = {"unet": 859.52e6, "text_encoder": 123.06e6, "vae": 83.65e6}
     arch = "sd1"
+    random_note = "SD 1.4/1.5's layout"  # cache_model.py --help
     random_arch = dict(text_act="quick_gelu", linear_projection=False, prediction_type="epsilon", resolution_scale=1)
 
     def matches(self, pipeline, text_encoder_config):

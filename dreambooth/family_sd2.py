@@ -56,6 +56,7 @@ class SD2(family_sd1.SD1):
     released_resolutions = (512, 768)
     released_params = {"unet": 865.91e6, "text_encoder": 340.39e6, "vae": 83.65e6}
     arch = "sd2-v"
+    random_note = "SD 2.1's: OpenCLIP text encoder, v-prediction, 1.5x the resolution"  # cache_model.py --help
     random_arch = dict(text_act="gelu", linear_projection=True, prediction_type="v_prediction", resolution_scale=1.5)
 
     def matches(self, pipeline, text_encoder_config):

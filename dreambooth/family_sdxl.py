@@ -17,6 +17,7 @@ class SDXL(family_sd1.SD1):
     released_resolutions = (1024,)
     released_params = {"unet": 2567.46e6, "text_encoder": 123.06e6, "text_encoder_2": 694.66e6, "vae": 83.65e6}
     arch = "sdxl"
+    random_note = "SDXL base's: two text encoders, size and crop conditioning, 2x the resolution"  # cache_model.py --help
     random_arch = dict(text_act="quick_gelu", text2_act="gelu", linear_projection=True, prediction_type="epsilon",
                        resolution_scale=2, time_embed_dim=8, vae_scaling_factor=0.13025)
 

@@ -145,11 +145,9 @@ FLAGS = {
                   "architecture, sdxl: the full SDXL one, for GPU checks without a download); --tiny is "
                   "--random_model tiny.")),
     "arch": (("--arch",),
-        dict(choices=["sd1", "sd2-v", "sdxl"], default=None,
-             help="The architecture of --tiny / --random_model: sd1 (SD 1.4/1.5), sd2-v (SD 2.1: OpenCLIP text "
-                  "encoder, v-prediction, 1.5x the resolution) or sdxl (SDXL base: two text encoders, size and "
-                  "crop conditioning, 2x the resolution). Its hub name says it: "
-                  "dreambooth-ray/tiny-stable-diffusion-2-v, -xl.")),
+        dict(default=None, metavar="ARCH",
+             help="The architecture of --tiny / --random_model, one per model family (cache_model.py --help "
+                  "names them). Its hub name says it: dreambooth-ray/tiny-stable-diffusion-2-v, -xl.")),
     "dataset_repo": (("--repo_id",),
         dict(dest="dataset_repo", default="diffusers/dog-example", help="Hub dataset with the example photos.")),
     "dataset_revision": (("--revision",),

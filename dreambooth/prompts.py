@@ -43,10 +43,7 @@ def read_captions(image_paths, instance_prompt, caption_extension):
 def prompt_ids(model_dir, instance_prompts, class_prompt, family=None):
     """CLIP token ids of the prompts: per prompt (L,) ids, or with two text encoders (SDXL) (2, L),
     each tokenizer's; {"instance": [ids per prompt], "class": ids (with a class_prompt)}."""
-    from transformers import CLIPTokenizer
-
-    tokenizers = [CLIPTokenizer.from_pretrained(model_dir, subfolder=folder)
-                  for folder in (family or families.family_of(model_dir)).tokenizers()]
+    tokenizers = (family or families.family_of(model_dir)).load_tokenizers(model_dir)
 
     def tokenize(prompt):
         ids = [dataset.tokenize_prompt(tokenizer, prompt).tolist() for tokenizer in tokenizers]

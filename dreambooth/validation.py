@@ -32,12 +32,10 @@ class Sampler:
 
     def __init__(self, nets, plan, amp_dtype):
         import diffusers
-        from transformers import CLIPTokenizer
 
         self.nets, self.plan, self.amp_dtype = nets, plan, amp_dtype
         self.family = plan.family
-        self.tokenizers = [CLIPTokenizer.from_pretrained(plan.model_dir, subfolder=folder)
-                           for folder in self.family.tokenizers()]
+        self.tokenizers = self.family.load_tokenizers(plan.model_dir)
         # The model's own sampler (PNDM for SD 1.x), as generate.py draws with it.
         config = utils.read_json(os.path.join(plan.model_dir, "scheduler", "scheduler_config.json"))
         self.scheduler = getattr(diffusers, config["_class_name"]).from_config(config)
@@ -58,9 +56,9 @@ class Sampler:
 
         nets = self.nets
         parts = dict(vae=nets.vae, unet=models.unwrap(nets.unet), scheduler=self.scheduler)
-        for k, (te, tokenizer) in enumerate(zip(nets.text_encoders(), self.tokenizers)):
-            suffix = f"_{k + 1}" if k else ""
-            parts[f"text_encoder{suffix}"], parts[f"tokenizer{suffix}"] = models.unwrap(te), tokenizer
+        for encoder_name, tokenizer_name, text_encoder, tokenizer in zip(
+                self.family.text_encoders, self.family.tokenizers(), nets.text_encoders(), self.tokenizers):
+            parts[encoder_name], parts[tokenizer_name] = models.unwrap(text_encoder), tokenizer
         if self.family.safety_checker:
             parts.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
         pipe = getattr(diffusers, self.family.pipeline)(**parts)

@@ -261,3 +261,68 @@ def test_sdxl_prior_prediction_gives_the_base_model_the_pooled_class_prompt_and_
         for weight in nets.unet.parameters():
             weight.mul_(1.01)
     assert losses()[2].item() > 1e-6
+
+
+NEW_FAMILY = '''
+"""A family of this test only: SD 1.x conditioned on its text encoder's penultimate layer."""
+
+from dreambooth import family_sd1
+
+
+class Penultimate(family_sd1.SD1):
+    name, label = "sd1-penultimate", "SD 1.x (penultimate layer)"
+
+    def matches(self, pipeline, text_encoder_config):
+        return pipeline == self.pipeline and text_encoder_config.get("conditioning_layer") == "penultimate"
+
+    def encode_text(self, text_encoders, ids):
+        return text_encoders[0](ids, output_hidden_states=True).hidden_states[-2], None
+
+
+FAMILY = Penultimate()
+'''
+
+
+def test_a_new_family_is_one_module_and_one_entry_in_the_table(tiny_model, make_plan, tmp_path, monkeypatch):
+    """What docs/ARCHITECTURE.md promises: a family written as one module (here in tmp_path) and
+    entered in the table is found from its folder, carried in the plan, and what it changes (here the
+    text conditioning) reaches the training step and the validation samples, with no other file
+    touched."""
+    from dreambooth import export
+    from dreambooth import models
+    from dreambooth import prompts as prompts_lib
+    from dreambooth import steps
+    from dreambooth import train
+    from dreambooth import validation
+
+    (tmp_path / "family_penultimate.py").write_text(NEW_FAMILY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import family_penultimate
+
+    monkeypatch.setattr(families, "FAMILIES", {"sd1-penultimate": family_penultimate.FAMILY, **families.FAMILIES})
+    model = shutil.copytree(tiny_model, tmp_path / "model")
+    config = json.loads((model / "text_encoder" / "config.json").read_text())
+    (model / "text_encoder" / "config.json").write_text(json.dumps({**config, "conditioning_layer": "penultimate"}))
+    assert families.family_of(str(model)) is family_penultimate.FAMILY
+    assert families.family_of(tiny_model).name == "sd1"
+
+    def first_loss(model_dir):
+        plan = make_plan(model_dir=model_dir, num_validation_images=1, validation_prompts=("a toy",))
+        nets = models.setup_models(plan, torch.device("cpu"), torch.device("cpu"), distributed=False)
+        ids = prompts_lib.prompt_ids(model_dir, ["photo of unqtkn toy"], "photo of a toy", plan.family)
+        prompts = train.prompt_inputs(nets.text_encoders(), plan, ids, torch.device("cpu"))
+        state = steps.make_train_state(nets, plan)
+        pixels = torch.randint(0, 255, (1, 64, 64, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+        torch.manual_seed(0)
+        loss = float(steps.train_step(state, [{"instance_pixels": pixels, "class_pixels": pixels}], prompts, 1.0,
+                                      1.0)[0])
+        states, _ = validation.Sampler(nets, plan, amp_dtype=None).encode(["a toy"])
+        return plan, loss, states
+
+    plan, loss, states = first_loss(str(model))
+    base_plan, base_loss, base_states = first_loss(tiny_model)
+    assert plan.family.name == "sd1-penultimate" and base_plan.family.name == "sd1"
+    assert loss != base_loss  # the same weights and seed, conditioned on another layer
+    assert not torch.allclose(states, base_states)
+    # What it inherits runs as SD 1.x's does: its export is SD 1.x's single file.
+    assert set(export.full_checkpoint(str(model))) == set(export.full_checkpoint(tiny_model))
