@@ -110,7 +110,7 @@ def plain_loop(args, device, variant):
     (lora: rank-4 adapters on UNet and text encoder)."""
 
     from dreambooth import steps
-    from dreambooth import train
+    from dreambooth import conditioning
 
     train_te = variant in ("full", "lora")
     plan = step_plan(args, train_te, device, precompute_text_embeddings=variant == "cached",
@@ -120,7 +120,7 @@ def plain_loop(args, device, variant):
     nets = models.setup_models(plan, device, device, distributed=False)
     load_s = time.perf_counter() - t0
     state = steps.make_train_state(nets, plan)
-    prompts = train.prompt_inputs(nets.text_encoders(), plan, PROMPT_IDS, device)
+    prompts = conditioning.step_prompts(plan.family, nets.text_encoders(), plan, PROMPT_IDS, device)
     batch = synthetic_batch(nets, args, cached=variant == "cached")
     images_per_step = 2 * args.batch_size
 

@@ -94,7 +94,7 @@ def run_arm(arm, args, device):
 
     from dreambooth import models
     from dreambooth import steps
-    from dreambooth import train
+    from dreambooth import conditioning
 
     torch.backends.cudnn.benchmark = arm.cudnn_benchmark
     channels_last = device.type == "cuda" if arm.channels_last is None else arm.channels_last
@@ -106,7 +106,7 @@ def run_arm(arm, args, device):
     bench.reset_peak_memory(device)
     nets = models.setup_models(plan, device, device, distributed=False)
     state = steps.make_train_state(nets, plan)
-    prompts = train.prompt_inputs(nets.text_encoders(), plan, bench.PROMPT_IDS, device)
+    prompts = conditioning.step_prompts(plan.family, nets.text_encoders(), plan, bench.PROMPT_IDS, device)
     batch = bench.synthetic_batch(nets, args, cached=arm.cached)
 
     def step():

@@ -13,6 +13,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from dreambooth import conditioning
+
 
 @dataclasses.dataclass
 class TrainState:
@@ -203,56 +205,12 @@ def batch_latents(models, batch):
     return DiagonalGaussianDistribution(stacked).sample() * models.vae.config.scaling_factor
 
 
-def prompt_conditioning(models, prompts, instance_prompt, num_class):
-    """(states (num_instance + num_class, L, D), pooled (same rows, P) or None) for a batch.
-
-    prompts: {"instance": ids of the P distinct instance prompts (1, or one per caption),
-    "class": ids of the class prompt (prompts.prompt_ids' shapes)}, run through models' text
-    encoders (their family's encode_text) together once a step (not once per row); or, with
-    frozen text encoders, the same
-    keys holding states (P, L, D) and (1, L, D) computed once, and "instance_pooled",
-    "class_pooled" beside them (SDXL). instance_prompt: (num_instance,) index into the P prompts
-    per instance row; a gather on the device, so no step waits on the host.
-    """
-    instance = prompts["instance"]
-    cls = prompts["class"] if num_class else instance[:0]
-    if instance.is_floating_point():  # states computed once
-        pooled = prompts.get("instance_pooled")
-        pooled_cls = (prompts["class_pooled"] if num_class else pooled[:0]) if pooled is not None else None
-    else:
-        states, pooled_all = models.family.encode_text(models.text_encoders(), torch.cat([instance, cls]))
-        instance, cls = states[:len(instance)], states[len(instance):]
-        pooled, pooled_cls = ((pooled_all[:len(prompts["instance"])], pooled_all[len(prompts["instance"]):])
-                              if pooled_all is not None else (None, None))
-    index = instance_prompt.to(instance.device)
-    states = torch.cat([instance[index], cls.expand(num_class, -1, -1)])
-    if pooled is None:
-        return states, None
-    return states, torch.cat([pooled[index], pooled_cls.expand(num_class, -1)])
-
-
-def instance_prompts(prompts, batch, num_instance):
-    """(num_instance,) index of each instance row's prompt: the caption of the row's image
-    (batch["instance_image"] through prompts["image_prompt"]), or prompt 0 for all. With
-    prompts["caption_dropout"] = (rate, empty), each row takes prompt `empty` (the empty prompt)
-    with probability rate, drawn from torch's seeded stream (a checkpoint keeps its state)."""
-    if "instance_image" in batch and "image_prompt" in prompts:
-        index = prompts["image_prompt"][batch["instance_image"].to(prompts["image_prompt"].device)]
-    else:
-        index = torch.zeros(num_instance, dtype=torch.long, device=prompts["instance"].device)
-    if "caption_dropout" in prompts:
-        rate, empty = prompts["caption_dropout"]
-        dropped = torch.rand(num_instance, device=index.device) < rate
-        index = torch.where(dropped, torch.full_like(index, empty), index)
-    return index
-
-
 def batch_loss(models, batch, prompts, prior_loss_weight, offset_noise=0.0, snr_gamma=None):
-    """Forward pass for one batch (see batch_latents and prompt_conditioning for the inputs),
-    with training_noise's offset and min_snr_weights' weighting when given.
+    """Forward pass for one batch (see batch_latents), conditioned on prompts (a
+    conditioning.StepPrompts), with training_noise's offset and min_snr_weights' weighting when given.
 
-    With prompts["class_base"] (--prior_preservation prior_prediction: the class prompt's states
-    from the base text encoders, and "class_base_pooled" for SDXL), the batch's photos are used
+    With prompts.class_base (--prior_preservation prior_prediction: the class prompt's states
+    from the base text encoders, and its pooled embedding for SDXL), the batch's photos are used
     twice: as instance rows, and under the class prompt as class rows whose target is the base
     model's own prediction for the same noisy latents (models.base_unet).
 
@@ -263,11 +221,12 @@ def batch_loss(models, batch, prompts, prior_loss_weight, offset_noise=0.0, snr_
     """
     latents = batch_latents(models, batch)
     num_instance = next(v for k, v in batch.items() if k.startswith("instance_")).shape[0]
-    predicted_prior = "class_base" in prompts
+    predicted_prior = prompts.class_base is not None
     if predicted_prior:
         latents = torch.cat([latents, latents])
     num_class = latents.shape[0] - num_instance
-    hidden, pooled = prompt_conditioning(models, prompts, instance_prompts(prompts, batch, num_instance), num_class)
+    hidden, pooled = conditioning.batch_states(models, prompts, conditioning.row_prompts(prompts, batch, num_instance),
+                                               num_class)
     hidden = hidden.to(models.unet_device)
     # The family's extra inputs (SDXL: the pooled text and each image's size and crop); the predicted
     # prior's class rows are the instance photos again, with their sizes.
@@ -283,11 +242,11 @@ def batch_loss(models, batch, prompts, prior_loss_weight, offset_noise=0.0, snr_
     pred = models.unet(noisy, timesteps, hidden, **extra).sample
     target = diffusion_target(scheduler, latents, noise, timesteps)
     if predicted_prior:
-        base_pooled = prompts.get("class_base_pooled")
+        base_pooled = prompts.class_base_pooled
         base_extra = models.family.unet_inputs(
             base_pooled.to(models.unet_device).expand(num_class, -1) if base_pooled is not None else None,
             time_ids[num_instance:] if time_ids is not None else None)
-        base = prompts["class_base"].to(models.unet_device).expand(num_class, -1, -1)
+        base = prompts.class_base.to(models.unet_device).expand(num_class, -1, -1)
         with torch.no_grad(), models.base_unet() as unet:
             prior_target = unet(noisy[num_instance:], timesteps[num_instance:], base, **base_extra).sample
         target = torch.cat([target[:num_instance], prior_target.to(target.dtype)])

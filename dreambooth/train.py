@@ -27,6 +27,7 @@ from dreambooth import generate
 from dreambooth import models
 from dreambooth import outputs
 from dreambooth import planning
+from dreambooth import prompts
 from dreambooth import raycluster
 from dreambooth import runlog
 from dreambooth import utils
@@ -45,13 +46,13 @@ def main(argv=None):
 def run(args, stop_step=None):
     """A training run of parsed flags (plan.parse_args): class images topped up, the plan made and
     printed, train_fn on a TorchTrainer. sweep.py's trials call it directly."""
-    draw = None
-    if args.num_class_images:
-        def draw():
-            top_up_class_images(args.model_dir, args.class_data_dir, args.class_prompt, args.num_class_images,
-                                args.seed, args.resolution, args.allow_unsafe_weights)
+    def draw():
+        top_up_class_images(args.model_dir, args.class_data_dir, args.class_prompt, args.num_class_images,
+                            args.seed, args.resolution, args.allow_unsafe_weights)
+
     try:
-        plan = planning.plan_run(args, cluster_resources=start_ray, draw_class_images=draw, stop_step=stop_step)
+        plan = planning.plan_run(args, cluster_resources=start_ray,
+                                 draw_class_images=draw if args.num_class_images else None, stop_step=stop_step)
     except planning.AlreadyTrained as done:
         print(done, file=sys.stderr)
         return None
@@ -206,30 +207,48 @@ def train_worker(plan):
     """One worker's whole run: models, checkpoint, the step loop, reports, the saved model."""
     utils.skip_unused_imports(lora=plan.use_lora, eight_bit=plan.use_8bit_adam)
     import ray.train
-    import torch
-    from ray.experimental import tqdm_ray
 
     from dreambooth import failures  # here, not at the top: it imports ray.train (1.2 s)
-    from dreambooth import prompts as prompt_lib
-    from dreambooth import steps  # here, not at the top: it imports torch (2 s a --help or a one-line error never waits for)
 
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    unet_device, aux_device = worker_devices(plan.gpus_per_worker, ctx.get_local_world_size())
+    batches = prefetched(ray.train.get_dataset_shard("train").iter_torch_batches(batch_size=plan.train_batch_size))
+    nets, state, step_prompts = prepare_worker(plan, rank, world, ctx.get_local_world_size())
+    # The stream is the same on every run: a resumed worker skips what it had trained on.
+    batches = itertools.islice(batches, state.step * plan.gradient_accumulation_steps, None)
+    run_steps(plan, state, step_prompts, batches, rank, world)
+    if rank == 0:
+        with averaged_weights(state), failures.stops_when_disk_full("the trained model", plan.output_dir,
+                                                                     outputs.expected_bytes(nets, plan.use_lora)):
+            outputs.save_pipeline(nets, plan)
+
+
+def prepare_worker(plan, rank, world, local_world_size):
+    """(models.Models, steps.TrainState, conditioning.StepPrompts) of this worker: the networks on its
+    devices, the optimizer, the prompts, and the state of the checkpoint it continues, if any."""
+    import ray.train
+    import torch
+
+    # here, not at the top: they import ray.train (1.2 s) and torch (2 s a --help or a one-line error never waits for)
+    from dreambooth import conditioning
+    from dreambooth import failures
+    from dreambooth import steps
+
+    unet_device, aux_device = worker_devices(plan.gpus_per_worker, local_world_size)
     if plan.allow_tf32:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    batches = prefetched(ray.train.get_dataset_shard("train").iter_torch_batches(batch_size=plan.train_batch_size))
     torch.manual_seed(plan.seed + rank)  # every rank its own noise stream (CPU and GPUs)
+    model_error = "its files do not fit together: fetch or copy it again (cache_model.py)"
     nets = models.setup_models(plan, unet_device, aux_device, distributed=world > 1,
-                               load_guard=failures.cannot_be_retried(
-                                   f"loading the model {plan.model_dir}",
-                                   "its files do not fit together: fetch or copy it again (cache_model.py)"))
-    with failures.cannot_be_retried(f"loading the tokenizers of {plan.model_dir}",
-                                    "its files do not fit together: fetch or copy it again (cache_model.py)"):
-        ids = prompt_lib.run_prompt_ids(plan)
+                               load_guard=failures.cannot_be_retried(f"loading the model {plan.model_dir}", model_error))
+    with failures.cannot_be_retried(f"loading the tokenizers of {plan.model_dir}", model_error):
+        ids = prompts.run_prompt_ids(plan)
     state = steps.make_train_state(nets, plan)
     # (before any checkpoint's weights: the class prompt as the base model reads it)
-    base_class = base_class_prompt(nets, ids, aux_device) if plan.prior_prediction else {}
+    text_encoders = [models.unwrap(te) for te in nets.text_encoders()]
+    step_prompts = conditioning.step_prompts(plan.family, text_encoders, plan, ids, aux_device)
+    if plan.prior_prediction:
+        step_prompts = conditioning.with_base_class(step_prompts, plan.family, text_encoders, ids, aux_device)
     # Ray's own checkpoint (a restarted worker group) wins over the one the run started from.
     restored = ray.train.get_checkpoint()
     if restored is not None:
@@ -243,20 +262,30 @@ def train_worker(plan):
     if rank == 0:
         print(f"worker devices: UNet on {unet_device}, text encoder and VAE on {aux_device}; "
               f"autocast {state.amp_dtype or 'off (fp32)'}", flush=True)
-    prompts = {**prompt_inputs(nets.text_encoders(), plan, ids, aux_device), **base_class}
-    sampler = validation.Sampler(nets, plan, state.amp_dtype) if plan.validation_prompts else None
-    total, accum = plan.end_step, plan.gradient_accumulation_steps
-    # The stream is the same on every run: a resumed worker skips what it had trained on.
-    batches = itertools.islice(batches, state.step * accum, None)
+    return nets, state, step_prompts
+
+
+def run_steps(plan, state, step_prompts, batches, rank, world):
+    """The step loop to plan.end_step: a step per plan.gradient_accumulation_steps micro-batches,
+    a report (metrics, checkpoint) every --logging_steps/--checkpointing_steps, validation samples
+    every --validation_steps."""
+    from ray.experimental import tqdm_ray
+
+    # here, not at the top: they import ray.train (1.2 s) and torch (2 s a --help or a one-line error never waits for)
+    from dreambooth import failures
+    from dreambooth import steps
+
+    sampler = validation.Sampler(state.models, plan, state.amp_dtype) if plan.validation_prompts else None
+    total = plan.end_step
     bar = tqdm_ray.tqdm(total=total, desc="training") if rank == 0 and plan.progress_bar else None
     log = runlog.RunLog(plan) if rank == 0 else None
     if bar and state.step:
         bar.update(state.step)
-    window_loss, window_images, window_start = [], 0, time.perf_counter()
+    window = ReportWindow(world)
     first_step = state.step
-    for micro_batches in steps.accumulate(batches, accum, total - state.step):
+    for micro_batches in steps.accumulate(batches, plan.gradient_accumulation_steps, total - state.step):
         try:
-            loss, _, _ = steps.train_step(state, micro_batches, prompts, plan.prior_loss_weight,
+            loss, _, _ = steps.train_step(state, micro_batches, step_prompts, plan.prior_loss_weight,
                                           plan.max_grad_norm)
         except Exception as err:
             fatal = failures.out_of_memory(err, state.step, first_step)
@@ -264,44 +293,74 @@ def train_worker(plan):
                 raise fatal from err
             raise
         state.step += 1
-        window_loss.append(loss)
-        window_images += sum(v.shape[0] for b in micro_batches for k, v in b.items() if k.endswith(IMAGE_COLUMNS))
+        window.add(loss, micro_batches)
         if bar:
             bar.update(1)
         if plan.is_report_step(state.step):
-            elapsed = time.perf_counter() - window_start
-            metrics = {"step": state.step, "epoch": (state.step - 1) // plan.steps_per_epoch,
-                       "loss": torch.stack(window_loss).mean().item(),  # the window's one sync point
-                       "lr": state.lr_scheduler.get_last_lr()[0],
-                       "images_per_s": window_images * world / max(elapsed, 1e-9)}
-            if state.skipped_steps:
-                metrics["skipped_steps"] = state.skipped_steps
+            metrics = window.metrics(state, plan.steps_per_epoch)
             if log:
                 log.write(metrics)
             report(state, metrics, rank, plan)
             if rank == 0:
                 print(" ".join(f"{name}={v:.4g}" if isinstance(v, float) else f"{name}={v}"
                                for name, v in metrics.items()), flush=True)
-            window_loss, window_images, window_start = [], 0, time.perf_counter()
         if plan.is_validation_step(state.step):
-            sampling_start = time.perf_counter()
-            with averaged_weights(state):
+            with window.paused(), averaged_weights(state):
                 drawn = validation.run_round(sampler, state.step, rank, world,
                                              os.path.join(plan.storage_path, plan.run_name))
             if log:
                 log.write_images(state.step, *drawn)
                 print(f"validation images of step {state.step}: {drawn[0]}", flush=True)
-            window_start += time.perf_counter() - sampling_start  # sampling time is not training time
     if bar:
         bar.close()
     if log:
         log.close()
     if state.step < total:
         raise RuntimeError(f"the data stream ended at step {state.step} of {total}")
-    if rank == 0:
-        with averaged_weights(state), failures.stops_when_disk_full("the trained model", plan.output_dir,
-                                                                     outputs.expected_bytes(nets, plan.use_lora)):
-            outputs.save_pipeline(nets, plan)
+
+
+class ReportWindow:
+    """The steps since the last report: their losses (kept on the device until the report, the
+    window's one sync point), the images they trained on, and the training time (sampling paused)."""
+
+    def __init__(self, world):
+        self.world = world
+        self.reset()
+
+    def reset(self):
+        self.losses, self.images, self.start = [], 0, time.perf_counter()
+
+    def add(self, loss, micro_batches):
+        self.losses.append(loss)
+        self.images += sum(v.shape[0] for b in micro_batches for k, v in b.items() if k.endswith(IMAGE_COLUMNS))
+
+    def paused(self):
+        """A context manager whose time does not count as training time (validation samples)."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def pause():
+            began = time.perf_counter()
+            try:
+                yield
+            finally:
+                self.start += time.perf_counter() - began
+
+        return pause()
+
+    def metrics(self, state, steps_per_epoch):
+        """The report's metrics of the window, which starts again."""
+        import torch
+
+        elapsed = time.perf_counter() - self.start
+        metrics = {"step": state.step, "epoch": (state.step - 1) // steps_per_epoch,
+                   "loss": torch.stack(self.losses).mean().item(),
+                   "lr": state.lr_scheduler.get_last_lr()[0],
+                   "images_per_s": self.images * self.world / max(elapsed, 1e-9)}
+        if state.skipped_steps:
+            metrics["skipped_steps"] = state.skipped_steps
+        self.reset()
+        return metrics
 
 
 def averaged_weights(state):
@@ -347,45 +406,6 @@ def prefetched(iterable):
             yield from items
 
     return chained()
-
-
-def prompt_inputs(text_encoders, plan, ids, device):
-    """The prompts as steps.prompt_conditioning takes them, from ids (prompts.run_prompt_ids): token
-    ids, "instance" (P, L) for the P distinct instance prompts and "class" (1, L) ((P, 2, L) and
-    (1, 2, L) for SDXL's two tokenizers), or with frozen text encoders their states (P, L, D) and (1, L, D) computed once
-    (and SDXL's pooled embeddings beside them); "image_prompt" (N,) maps each instance image to
-    its prompt (its caption's, or --instance_prompt's); with --caption_dropout_rate, "caption_dropout"
-    is (rate, index of the empty prompt, the last of "instance")."""
-    import torch
-
-    tokens = {"instance": torch.tensor(ids["instance"], device=device)}
-    if "class" in ids:
-        tokens["class"] = torch.tensor(ids["class"], device=device).unsqueeze(0)
-    image_prompt = torch.tensor(plan.image_prompt or [0], dtype=torch.long, device=device)
-    if not plan.train_text_encoder and plan.precompute_text_embeddings:
-        encoded = {}
-        with torch.no_grad():
-            for key, value in tokens.items():
-                encoded[key], pooled = plan.family.encode_text(text_encoders, value)
-                if pooled is not None:
-                    encoded[f"{key}_pooled"] = pooled
-        tokens = encoded
-    dropout = {"caption_dropout": (plan.caption_dropout_rate, len(plan.instance_prompts))} \
-        if plan.caption_dropout_rate else {}
-    return {**tokens, "image_prompt": image_prompt, **dropout}
-
-
-def base_class_prompt(nets, ids, device):
-    """{"class_base": (1, L, D) states of the class prompt (ids["class"], prompts.run_prompt_ids) from
-    the base text encoders (and "class_base_pooled" (1, P), SDXL)}: the conditioning of the base
-    model's predictions under --prior_preservation prior_prediction. Call before trained weights are
-    loaded."""
-    import torch
-
-    tokens = torch.tensor(ids["class"], device=device).unsqueeze(0)
-    with torch.no_grad():
-        states, pooled = nets.family.encode_text([models.unwrap(te) for te in nets.text_encoders()], tokens)
-    return {"class_base": states, **({"class_base_pooled": pooled} if pooled is not None else {})}
 
 
 def report(state, metrics, rank, plan):

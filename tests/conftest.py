@@ -148,16 +148,18 @@ def make_plan(tiny_model):
 
 
 @pytest.fixture()
-def prompt_ids(tiny_model):
-    """(1, L) token ids of an instance and a class prompt, as train_fn builds them."""
+def step_prompts(tiny_model):
+    """The conditioning.StepPrompts of an instance and a class prompt's token ids (1, L), as train_fn builds them."""
     import torch
     from transformers import CLIPTokenizer
 
+    from dreambooth import conditioning
     from dreambooth import dataset
 
     tokenizer = CLIPTokenizer.from_pretrained(tiny_model, subfolder="tokenizer")
-    return {k: torch.from_numpy(dataset.tokenize_prompt(tokenizer, p)).unsqueeze(0)
-            for k, p in (("instance", "photo of unqtkn toy"), ("class", "photo of a toy"))}
+    ids = {k: torch.from_numpy(dataset.tokenize_prompt(tokenizer, p)).unsqueeze(0)
+           for k, p in (("instance", "photo of unqtkn toy"), ("class", "photo of a toy"))}
+    return conditioning.StepPrompts(ids["instance"], ids["class"])
 
 
 def pytest_collection_modifyitems(items):

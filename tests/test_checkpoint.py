@@ -14,34 +14,34 @@ from dreambooth import steps
 CPU = torch.device("cpu")
 
 
-def trained_state(make_plan, prompt_ids, channels_last=False, steps_taken=2, **settings):
+def trained_state(make_plan, step_prompts, channels_last=False, steps_taken=2, **settings):
     plan = make_plan(channels_last=channels_last, **settings)
     nets = models_lib.setup_models(plan, CPU, CPU, distributed=False)
     state = steps.make_train_state(nets, plan)
     batch = {"instance_pixels": torch.randint(0, 256, (1, 64, 64, 3), dtype=torch.uint8),
              "class_pixels": torch.randint(0, 256, (1, 64, 64, 3), dtype=torch.uint8)}
     for _ in range(steps_taken):
-        steps.train_step(state, [batch], prompt_ids, 1.0, 1.0)
+        steps.train_step(state, [batch], step_prompts, 1.0, 1.0)
     state.step = steps_taken
     return state
 
 
-def test_channels_last_weights_are_saved(make_plan, prompt_ids, tmp_path):
+def test_channels_last_weights_are_saved(make_plan, step_prompts, tmp_path):
     """The GPU default layout: safetensors refuses non-contiguous tensors unless made contiguous."""
-    state = trained_state(make_plan, prompt_ids, channels_last=True, steps_taken=1)
+    state = trained_state(make_plan, step_prompts, channels_last=True, steps_taken=1)
     checkpoint.save(state, str(tmp_path), 0, [checkpoint.rng_state()], train_text_encoder=True)
     assert checkpoint.is_complete(str(tmp_path))
-    fresh = trained_state(make_plan, prompt_ids, channels_last=True, steps_taken=0)
+    fresh = trained_state(make_plan, step_prompts, channels_last=True, steps_taken=0)
     checkpoint.load(fresh, str(tmp_path), rank=0)
     for k, v in models_lib.unwrap(state.models.unet).state_dict().items():
         assert torch.equal(v, fresh.models.unet.state_dict()[k])
 
 
-def test_round_trip_restores_weights_optimizer_schedule_and_position(make_plan, prompt_ids, tmp_path):
-    state = trained_state(make_plan, prompt_ids)
+def test_round_trip_restores_weights_optimizer_schedule_and_position(make_plan, step_prompts, tmp_path):
+    state = trained_state(make_plan, step_prompts)
     checkpoint.save(state, str(tmp_path), 1, [checkpoint.rng_state()], train_text_encoder=True)
     rng_after_save = torch.rand(3)
-    fresh = trained_state(make_plan, prompt_ids, steps_taken=0)
+    fresh = trained_state(make_plan, step_prompts, steps_taken=0)
     assert checkpoint.load(fresh, str(tmp_path), rank=0) == 1
     assert fresh.step == 2 and checkpoint.saved_step(str(tmp_path)) == 2
     assert fresh.lr_scheduler.last_epoch == state.lr_scheduler.last_epoch
@@ -53,8 +53,8 @@ def test_round_trip_restores_weights_optimizer_schedule_and_position(make_plan, 
     assert torch.equal(torch.rand(3), rng_after_save)
 
 
-def test_each_rank_continues_its_own_rng_stream(make_plan, prompt_ids, tmp_path):
-    state = trained_state(make_plan, prompt_ids, steps_taken=1)
+def test_each_rank_continues_its_own_rng_stream(make_plan, step_prompts, tmp_path):
+    state = trained_state(make_plan, step_prompts, steps_taken=1)
     streams = []
     for rank in range(3):
         torch.manual_seed(100 + rank)
@@ -73,8 +73,8 @@ def test_each_rank_continues_its_own_rng_stream(make_plan, prompt_ids, tmp_path)
     assert not any(torch.equal(torch.rand(4), d) for d in draws)
 
 
-def test_frozen_text_encoder_is_not_written_and_the_manifest_checks_sizes(make_plan, prompt_ids, tmp_path):
-    state = trained_state(make_plan, prompt_ids, steps_taken=1)
+def test_frozen_text_encoder_is_not_written_and_the_manifest_checks_sizes(make_plan, step_prompts, tmp_path):
+    state = trained_state(make_plan, step_prompts, steps_taken=1)
     checkpoint.save(state, str(tmp_path), 0, [checkpoint.rng_state()], train_text_encoder=False)
     assert sorted(os.listdir(tmp_path)) == [checkpoint.OPTIMIZER_FILE, checkpoint.STATE_FILE, checkpoint.UNET_FILE]
     assert checkpoint.is_complete(str(tmp_path))
@@ -114,14 +114,14 @@ def test_find_latest_picks_the_newest_complete_checkpoint_of_the_run(tmp_path):
     assert checkpoint.resolve_resume("auto", str(tmp_path), "model-tuned", str(output)) is None
 
 
-def test_lora_checkpoint_holds_only_the_adapters(make_plan, prompt_ids, tmp_path):
+def test_lora_checkpoint_holds_only_the_adapters(make_plan, step_prompts, tmp_path):
     def lora_state(steps_taken):
         plan = make_plan(use_lora=True, lora_rank=4, lora_alpha=4.0)
         nets = models_lib.setup_models(plan, CPU, CPU, distributed=False)
         state = steps.make_train_state(nets, plan)
         batch = {"instance_pixels": torch.randint(0, 256, (1, 64, 64, 3), dtype=torch.uint8)}
         for _ in range(steps_taken):
-            steps.train_step(state, [batch], prompt_ids, 1.0, 1.0)
+            steps.train_step(state, [batch], step_prompts, 1.0, 1.0)
         state.step = steps_taken
         return plan, state
 
@@ -139,7 +139,7 @@ def test_lora_checkpoint_holds_only_the_adapters(make_plan, prompt_ids, tmp_path
     assert checkpoint.saved_identity(str(tmp_path)) == {"lora_rank": 4}  # what the run recorded
 
 
-def test_8bit_adam_trains_and_its_quantised_state_round_trips(make_plan, prompt_ids, tmp_path):
+def test_8bit_adam_trains_and_its_quantised_state_round_trips(make_plan, step_prompts, tmp_path):
     """bitsandbytes' AdamW8bit runs on CPU too, so the --use_8bit_adam path is tested here."""
     plan = make_plan(use_8bit_adam=True, train_text_encoder=False, learning_rate=1e-4)
     batch = {"instance_pixels": torch.randint(0, 256, (1, 64, 64, 3), dtype=torch.uint8)}
@@ -148,7 +148,7 @@ def test_8bit_adam_trains_and_its_quantised_state_round_trips(make_plan, prompt_
         torch.manual_seed(0)
         state = steps.make_train_state(models_lib.setup_models(plan, CPU, CPU, distributed=False), plan)
         for _ in range(steps_taken):
-            steps.train_step(state, [batch], prompt_ids, 1.0, 1.0)
+            steps.train_step(state, [batch], step_prompts, 1.0, 1.0)
         return state
 
     state = state_after(2)
@@ -160,12 +160,12 @@ def test_8bit_adam_trains_and_its_quantised_state_round_trips(make_plan, prompt_
     checkpoint.load(fresh, str(tmp_path), rank=0)
     for resumed in (state, fresh):  # one more step each, from the same noise
         torch.manual_seed(1)
-        steps.train_step(resumed, [batch], prompt_ids, 1.0, 1.0)
+        steps.train_step(resumed, [batch], step_prompts, 1.0, 1.0)
     for k, v in state.models.unet.state_dict().items():
         assert torch.equal(v, fresh.models.unet.state_dict()[k]), k
 
 
-def test_a_checkpoint_becomes_the_model_the_run_would_have_saved_at_that_step(make_plan, prompt_ids, tiny_model,
+def test_a_checkpoint_becomes_the_model_the_run_would_have_saved_at_that_step(make_plan, step_prompts, tiny_model,
                                                                             tmp_path):
     """sweep.py scores intermediate checkpoints: checkpoint.save_as_model writes their weights as
     train.py's output (channels-last on, as on a GPU), recording the step."""
@@ -173,7 +173,7 @@ def test_a_checkpoint_becomes_the_model_the_run_would_have_saved_at_that_step(ma
 
     from dreambooth import utils
 
-    state = trained_state(make_plan, prompt_ids, channels_last=True)
+    state = trained_state(make_plan, step_prompts, channels_last=True)
     os.makedirs(tmp_path / "ckpt")
     checkpoint.save(state, str(tmp_path / "ckpt"), 0, [checkpoint.rng_state()], train_text_encoder=True)
     plan = make_plan(output_dir=str(tmp_path / "step-2"), total_steps=2, channels_last=True)
@@ -188,26 +188,26 @@ def test_a_checkpoint_becomes_the_model_the_run_would_have_saved_at_that_step(ma
     assert utils.read_json(str(tmp_path / "step-2" / utils.OUTPUT_MARKER))["steps"] == 2
 
 
-def test_the_moving_average_round_trips_and_is_the_model_a_checkpoint_becomes(make_plan, prompt_ids, tmp_path):
+def test_the_moving_average_round_trips_and_is_the_model_a_checkpoint_becomes(make_plan, step_prompts, tmp_path):
     """--use_ema: the average is in the checkpoint, restored on resume (a checkpoint without one
     starts it from its weights), and it is what a checkpoint turned into a model holds."""
     from diffusers import StableDiffusionPipeline
 
 
     settings = dict(use_ema=True, ema_decay=0.5, channels_last=True)
-    state = trained_state(make_plan, prompt_ids, **settings)
+    state = trained_state(make_plan, step_prompts, **settings)
     assert any(not torch.equal(s, p) for s, p in zip(state.ema.shadow, state.params))
     os.makedirs(tmp_path / "ema"), os.makedirs(tmp_path / "plain")
     checkpoint.save(state, str(tmp_path / "ema"), 0, [checkpoint.rng_state()], train_text_encoder=True)
     assert checkpoint.is_complete(str(tmp_path / "ema"))
-    fresh = trained_state(make_plan, prompt_ids, steps_taken=0, **settings)
+    fresh = trained_state(make_plan, step_prompts, steps_taken=0, **settings)
     checkpoint.load(fresh, str(tmp_path / "ema"), rank=0)
     assert all(torch.equal(a, b) for a, b in zip(fresh.ema.shadow, state.ema.shadow))
     assert all(torch.equal(a, b) for a, b in zip(fresh.params, state.params))
 
-    plain = trained_state(make_plan, prompt_ids)
+    plain = trained_state(make_plan, step_prompts)
     checkpoint.save(plain, str(tmp_path / "plain"), 0, [checkpoint.rng_state()], train_text_encoder=True)
-    fresh = trained_state(make_plan, prompt_ids, steps_taken=0, **settings)
+    fresh = trained_state(make_plan, step_prompts, steps_taken=0, **settings)
     checkpoint.load(fresh, str(tmp_path / "plain"), rank=0)
     assert all(torch.equal(a, b) for a, b in zip(fresh.ema.shadow, plain.params))
 

@@ -8,6 +8,7 @@ import shutil
 import pytest
 import torch
 
+from dreambooth import conditioning
 from dreambooth import families
 from dreambooth import family_sdxl
 from dreambooth import utils
@@ -153,13 +154,12 @@ def test_the_sdxl_unet_is_conditioned_on_each_rows_size_and_crop(tiny_sdxl_model
     from dreambooth import models
     from dreambooth import prompts as prompts_lib
     from dreambooth import steps
-    from dreambooth import train
 
     plan = make_plan(model_dir=tiny_sdxl_model, resolution=128)
     ids = prompts_lib.prompt_ids(tiny_sdxl_model, ["photo of unqtkn toy"], "photo of a toy")
     nets = models.setup_models(plan, torch.device("cpu"), torch.device("cpu"), distributed=False)
-    prompts = train.prompt_inputs(nets.text_encoders(), plan, ids, torch.device("cpu"))
-    assert prompts["instance"].shape == (1, 2, 77)  # both tokenizers' ids
+    prompts = conditioning.step_prompts(plan.family, nets.text_encoders(), plan, ids, torch.device("cpu"))
+    assert prompts.instance.shape == (1, 2, 77)  # both tokenizers' ids
     pixels = torch.randint(0, 255, (1, 128, 128, 3), dtype=torch.uint8)
     square = torch.tensor([[128.0, 128, 0, 0, 128, 128]])
 
@@ -239,14 +239,14 @@ def test_sdxl_prior_prediction_gives_the_base_model_the_pooled_class_prompt_and_
     from dreambooth import models
     from dreambooth import prompts as prompts_lib
     from dreambooth import steps
-    from dreambooth import train
 
     plan = make_plan(model_dir=tiny_sdxl_model, resolution=128, prior_prediction=True)
     ids = prompts_lib.prompt_ids(tiny_sdxl_model, ["photo of unqtkn toy"], "photo of a toy")
     nets = models.setup_models(plan, torch.device("cpu"), torch.device("cpu"), distributed=False)
-    prompts = {**train.prompt_inputs(nets.text_encoders(), plan, ids, torch.device("cpu")),
-               **train.base_class_prompt(nets, ids, torch.device("cpu"))}
-    assert prompts["class_base_pooled"].shape[0] == 1
+    prompts = conditioning.with_base_class(
+        conditioning.step_prompts(plan.family, nets.text_encoders(), plan, ids, torch.device("cpu")), plan.family,
+        nets.text_encoders(), ids, torch.device("cpu"))
+    assert prompts.class_base_pooled.shape[0] == 1
     batch = {"instance_pixels": torch.randint(0, 255, (2, 128, 128, 3), dtype=torch.uint8),
              "instance_time_ids": torch.tensor([[400.0, 600, 0, 32, 128, 128], [128, 128, 0, 0, 128, 128]])}
 
@@ -292,7 +292,6 @@ def test_a_new_family_is_one_module_and_one_entry_in_the_table(tiny_model, make_
     from dreambooth import models
     from dreambooth import prompts as prompts_lib
     from dreambooth import steps
-    from dreambooth import train
     from dreambooth import validation
 
     (tmp_path / "family_penultimate.py").write_text(NEW_FAMILY)
@@ -310,7 +309,7 @@ def test_a_new_family_is_one_module_and_one_entry_in_the_table(tiny_model, make_
         plan = make_plan(model_dir=model_dir, num_validation_images=1, validation_prompts=("a toy",))
         nets = models.setup_models(plan, torch.device("cpu"), torch.device("cpu"), distributed=False)
         ids = prompts_lib.prompt_ids(model_dir, ["photo of unqtkn toy"], "photo of a toy", plan.family)
-        prompts = train.prompt_inputs(nets.text_encoders(), plan, ids, torch.device("cpu"))
+        prompts = conditioning.step_prompts(plan.family, nets.text_encoders(), plan, ids, torch.device("cpu"))
         state = steps.make_train_state(nets, plan)
         pixels = torch.randint(0, 255, (1, 64, 64, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
         torch.manual_seed(0)

@@ -18,18 +18,18 @@ def test_trained_networks_are_in_train_mode_and_the_vae_is_frozen(tiny_model):
     assert not frozen.text_encoder.training and not any(p.requires_grad for p in frozen.text_encoder.parameters())
 
 
-def test_gradient_checkpointing_recomputes_text_encoder_activations(make_plan, prompt_ids):
+def test_gradient_checkpointing_recomputes_text_encoder_activations(make_plan, step_prompts):
     """transformers checkpoints only in train mode: each layer must run again in backward."""
     nets = models_lib.setup_models(make_plan(gradient_checkpointing=True), CPU, CPU, distributed=False)
     calls = []
     inner = nets.text_encoder.get_submodule("encoder.layers.0.self_attn")  # early in the checkpointed forward
     inner.register_forward_hook(lambda *a: calls.append(1))
-    nets.text_encoder(prompt_ids["instance"])[0].sum().backward()
+    nets.text_encoder(step_prompts.instance)[0].sum().backward()
     assert len(calls) == 2  # forward, then recomputed in backward
     assert nets.unet.is_gradient_checkpointing
     nets.text_encoder.eval()  # as from_pretrained returns it: transformers skips checkpointing
     calls.clear()
-    nets.text_encoder(prompt_ids["instance"])[0].sum().backward()
+    nets.text_encoder(step_prompts.instance)[0].sum().backward()
     assert len(calls) == 1
 
 
@@ -57,7 +57,7 @@ def test_ddp_skips_the_gradient_copy_and_buffer_broadcast(make_plan, process_gro
     assert models_lib.unwrap(nets.unet) is nets.unet.module
 
 
-def test_compiled_unet_unwraps_and_trains(make_plan, prompt_ids):
+def test_compiled_unet_unwraps_and_trains(make_plan, step_prompts):
     plan = make_plan(torch_compile="eager", learning_rate=1e-4)  # dynamo capture; aot_eager runs in test_recovery
     nets = models_lib.setup_models(plan, CPU, CPU, distributed=False)
     assert type(nets.unet).__name__ == "OptimizedModule"
@@ -65,7 +65,7 @@ def test_compiled_unet_unwraps_and_trains(make_plan, prompt_ids):
     state = steps.make_train_state(nets, plan)
     res = 64
     batch = {"instance_pixels": torch.zeros(1, res, res, 3, dtype=torch.uint8)}
-    loss = steps.train_step(state, [batch], prompt_ids, 1.0, 1.0)[0]
+    loss = steps.train_step(state, [batch], step_prompts, 1.0, 1.0)[0]
     assert torch.isfinite(loss)
 
 
@@ -112,7 +112,7 @@ def test_tiny_safety_checker_flags_nothing_until_its_weights_say_so():
 
 
 @pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
-def test_lora_trains_only_fp32_adapters_over_frozen_weights_in_the_autocast_dtype(make_plan, prompt_ids, precision,
+def test_lora_trains_only_fp32_adapters_over_frozen_weights_in_the_autocast_dtype(make_plan, step_prompts, precision,
                                                                                   dtype):
     """bf16/fp16 on CPU take the branch a GPU run takes: frozen weights in the autocast dtype,
     fp32 adapters (fp16: with the GradScaler)."""
@@ -131,7 +131,7 @@ def test_lora_trains_only_fp32_adapters_over_frozen_weights_in_the_autocast_dtyp
     before = {k: v.detach().clone() for k, v in named.items()}
     batch = {"instance_pixels": torch.randint(0, 256, (1, 64, 64, 3), dtype=torch.uint8)}
     for _ in range(2):  # lora_B starts at zero: lora_A moves from the second step on
-        loss = steps.train_step(state, [batch], prompt_ids, 1.0, 1.0)[0]
+        loss = steps.train_step(state, [batch], step_prompts, 1.0, 1.0)[0]
     assert torch.isfinite(loss)
     changed = {k for k, v in named.items() if not torch.equal(v, before[k])}
     assert changed == trained

@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 
+from dreambooth import conditioning
 from dreambooth import models as models_lib
 from dreambooth import steps
 
@@ -26,8 +27,8 @@ def batch_for(models, size=2, with_class=True, seed=0):
     return batch
 
 
-def step(state, batches, prompt_ids):
-    return steps.train_step(state, batches, prompt_ids, prior_loss_weight=1.0, max_grad_norm=1.0)
+def step(state, batches, step_prompts):
+    return steps.train_step(state, batches, step_prompts, prior_loss_weight=1.0, max_grad_norm=1.0)
 
 
 def test_diffusion_target_follows_prediction_type(models):
@@ -130,48 +131,48 @@ def test_lr_schedules_follow_diffusers_over_the_plans_steps(models, make_plan, n
     assert factors == pytest.approx(expected, abs=1e-4)
 
 
-def test_train_step_learns_a_fixed_batch_and_changes_only_trainable_weights(models, prompt_ids, make_plan):
+def test_train_step_learns_a_fixed_batch_and_changes_only_trainable_weights(models, step_prompts, make_plan):
     vae_before = copy.deepcopy(models.vae.state_dict())
     unet_before = copy.deepcopy(models.unet.state_dict())
     state = steps.make_train_state(models, make_plan())
     batch = batch_for(models)
     torch.manual_seed(0)
-    first = step(state, [batch], prompt_ids)[0]
+    first = step(state, [batch], step_prompts)[0]
     assert isinstance(first, torch.Tensor) and not first.requires_grad  # no .item() sync inside the step
     for _ in range(6):
         torch.manual_seed(0)  # same noise and timesteps: the loss must fall
-        last = step(state, [batch], prompt_ids)[0]
+        last = step(state, [batch], step_prompts)[0]
     assert last.item() < first.item() * 0.9, (first.item(), last.item())
     assert all(torch.equal(v, models.vae.state_dict()[k]) for k, v in vae_before.items())
     assert any(not torch.equal(v, models.unet.state_dict()[k]) for k, v in unet_before.items())
 
 
-def test_frozen_text_encoder_stays_put(tiny_model, prompt_ids, make_plan):
+def test_frozen_text_encoder_stays_put(tiny_model, step_prompts, make_plan):
     models = models_lib.load_models(tiny_model, CPU, CPU, train_text_encoder=False)
     before = copy.deepcopy(models.text_encoder.state_dict())
     state = steps.make_train_state(models, make_plan(train_text_encoder=False))
-    step(state, [batch_for(models, with_class=False)], prompt_ids)
+    step(state, [batch_for(models, with_class=False)], step_prompts)
     assert all(torch.equal(v, models.text_encoder.state_dict()[k]) for k, v in before.items())
 
 
-def test_bf16_autocast_keeps_fp32_master_weights(models, prompt_ids, make_plan):
+def test_bf16_autocast_keeps_fp32_master_weights(models, step_prompts, make_plan):
     state = steps.make_train_state(models, make_plan(mixed_precision="bf16"))
     assert state.amp_dtype == torch.bfloat16 and not state.scaler.is_enabled()
-    loss = step(state, [batch_for(models, size=1)], prompt_ids)[0]
+    loss = step(state, [batch_for(models, size=1)], step_prompts)[0]
     assert torch.isfinite(loss)
     assert all(p.dtype == torch.float32 for p in state.params)
 
 
-def test_fp16_scales_the_loss_and_a_skipped_step_leaves_weights_and_lr_schedule(models, prompt_ids, make_plan):
+def test_fp16_scales_the_loss_and_a_skipped_step_leaves_weights_and_lr_schedule(models, step_prompts, make_plan):
     state = steps.make_train_state(models, make_plan(mixed_precision="fp16", lr_warmup_steps=10))
     assert state.amp_dtype == torch.float16 and state.scaler.is_enabled()
-    loss = step(state, [batch_for(models, size=1)], prompt_ids)[0]
+    loss = step(state, [batch_for(models, size=1)], step_prompts)[0]
     assert torch.isfinite(loss) and state.lr_scheduler.last_epoch == 1 and state.skipped_steps == 0
     weights = copy.deepcopy(models.unet.state_dict())
     scale, lr = state.scaler.get_scale(), state.lr_scheduler.get_last_lr()[0]
     # A loss scale far past fp32's range: every gradient overflows, so the scaler skips.
     state.scaler.update(new_scale=torch.tensor(2.0 ** 127 * 1.9))
-    step(state, [batch_for(models, size=1, seed=1)], prompt_ids)
+    step(state, [batch_for(models, size=1, seed=1)], step_prompts)
     assert state.skipped_steps == 1
     assert all(torch.equal(v, models.unet.state_dict()[k]) for k, v in weights.items())
     assert state.lr_scheduler.last_epoch == 1 and state.lr_scheduler.get_last_lr()[0] == lr
@@ -196,47 +197,13 @@ def test_cached_posteriors_draw_the_same_latents_as_encoding(models):
     torch.testing.assert_close(from_cache, from_pixels, rtol=1e-4, atol=1e-5)
 
 
-def test_each_prompt_goes_through_the_text_encoder_once(models, prompt_ids):
-    te = models.text_encoder
-    rows = []
-    hook = te.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[0]))
-    first = torch.zeros(2, dtype=torch.long)
-    with torch.no_grad():
-        live, no_pooled = steps.prompt_conditioning(models, prompt_ids, first, 3)
-        hook.remove()
-        states = {k: te(v)[0] for k, v in prompt_ids.items()}
-        cached = steps.prompt_conditioning(models, states, first, 3)[0]
-        alone = steps.prompt_conditioning(models, states, first, 0)[0]
-    assert no_pooled is None  # one text encoder: SD 1.x's UNet takes no pooled embedding
-    assert rows == [2]  # two prompts, not 2 + 3 copies
-    assert live.shape == (5, 77, 32)
-    torch.testing.assert_close(cached, live)
-    torch.testing.assert_close(alone, live[:2])
-    assert not torch.allclose(live[0], live[4])  # instance and class prompts differ
-
-
-def test_captions_give_each_instance_row_its_own_prompt(models, prompt_ids):
-    te = models.text_encoder
-    captions = torch.cat([prompt_ids["instance"], prompt_ids["class"].flip(1)])  # two instance prompts
-    prompts = {"instance": captions, "class": prompt_ids["class"],
-               "image_prompt": torch.tensor([1, 0, 1])}  # three images: the 2nd has --instance_prompt
-    batch = {"instance_image": torch.tensor([2, 1, 0, 1])}
-    index = steps.instance_prompts(prompts, batch, 4)
-    assert index.tolist() == [1, 0, 1, 0]
-    with torch.no_grad():
-        hidden = steps.prompt_conditioning(models, prompts, index, 1)[0]
-        expected = te(torch.cat([captions[[1, 0, 1, 0]], prompt_ids["class"]]))[0]
-    torch.testing.assert_close(hidden, expected, rtol=1e-5, atol=1e-5)
-    assert steps.instance_prompts({"instance": captions}, {}, 3).tolist() == [0, 0, 0]
-
-
-def test_gradient_accumulation_takes_one_optimizer_step_per_group(models, prompt_ids, make_plan):
+def test_gradient_accumulation_takes_one_optimizer_step_per_group(models, step_prompts, make_plan):
     assert list(steps.accumulate(iter(range(7)), 3, 10)) == [[0, 1, 2], [3, 4, 5]]
     assert list(steps.accumulate(iter(range(7)), 2, 1)) == [[0, 1]]
     assert list(steps.accumulate(iter(range(7)), 2, 0)) == []
     state = steps.make_train_state(models, make_plan())
     before = copy.deepcopy(models.unet.state_dict())
-    loss, instance, prior = step(state, [batch_for(models, 1), batch_for(models, 1, seed=1)], prompt_ids)
+    loss, instance, prior = step(state, [batch_for(models, 1), batch_for(models, 1, seed=1)], step_prompts)
     assert state.lr_scheduler.last_epoch == 1
     assert state.optimizer.state_dict()["state"][0]["step"].item() == 1
     assert loss.item() == pytest.approx(instance.item() + prior.item(), rel=1e-5)
@@ -283,7 +250,7 @@ def test_ema_with_decay_0_is_the_weights_exactly_and_applied_swaps_back_exactly(
         steps.load_average(copy_.shadow, {"0": average[0]})
 
 
-def test_a_run_with_ema_decay_0_ends_on_the_weights_of_a_run_without(tiny_model, prompt_ids, make_plan):
+def test_a_run_with_ema_decay_0_ends_on_the_weights_of_a_run_without(tiny_model, step_prompts, make_plan):
     """train_step with --use_ema --ema_decay 0: the averaged weights are exactly those of the same
     seeded run without EMA; with a decay, the average lags the weights."""
     runs = {}
@@ -294,7 +261,7 @@ def test_a_run_with_ema_decay_0_ends_on_the_weights_of_a_run_without(tiny_model,
         state = steps.make_train_state(nets, plan)
         torch.manual_seed(3)
         for k in range(3):
-            step(state, [batch_for(nets, size=1, seed=k)], prompt_ids)
+            step(state, [batch_for(nets, size=1, seed=k)], step_prompts)
             state.step += 1
         runs[name] = state
     plain, ema0, ema = runs["plain"], runs["ema0"], runs["ema"]
@@ -311,38 +278,19 @@ def test_a_run_with_ema_decay_0_ends_on_the_weights_of_a_run_without(tiny_model,
         assert all(torch.equal(a, b) for a, b in zip(lora_ema0.params, lora.params))
 
 
-def test_caption_dropout_trains_a_seeded_share_of_instance_rows_on_the_empty_prompt():
-    prompts = {"instance": torch.zeros(3, 8, dtype=torch.long), "image_prompt": torch.tensor([0, 1]),
-               "caption_dropout": (0.3, 2)}  # prompts 0 and 1 (captions), 2 the empty one
-    batch = {"instance_image": torch.tensor([0, 1] * 2000)}
-    torch.manual_seed(7)
-    index = steps.instance_prompts(prompts, batch, 4000)
-    dropped = index == 2
-    assert 0.27 < dropped.float().mean().item() < 0.33
-    kept = ~dropped
-    assert torch.equal(index[kept], batch["instance_image"][kept])  # the others keep their caption
-    torch.manual_seed(7)
-    assert torch.equal(steps.instance_prompts(prompts, batch, 4000), index)  # the same seed, the same rows
-    for rate, share in ((0.0, 0.0), (1.0, 1.0)):
-        torch.manual_seed(7)
-        out = steps.instance_prompts({**prompts, "caption_dropout": (rate, 2)}, batch, 4000)
-        assert (out == 2).float().mean().item() == share
-
-
 @pytest.mark.parametrize("use_lora", [False, True])
-def test_prior_prediction_targets_the_base_models_own_prediction(tiny_model, prompt_ids, make_plan, use_lora):
+def test_prior_prediction_targets_the_base_models_own_prediction(tiny_model, step_prompts, make_plan, use_lora):
     """--prior_preservation prior_prediction: the photos again under the class prompt, towards the base
     model's prediction. At the start the trained model is the base, so the prior loss is 0 (to rounding:
     the trained UNet runs 4 rows, the base 2);
     after training it is not, and the target is still exactly what a freshly loaded base UNet predicts
     (full: the frozen copy; LoRA: the adapters switched off)."""
-    from dreambooth import train
-
     plan = make_plan(prior_prediction=True, use_lora=use_lora)
     nets = models_lib.setup_models(plan, CPU, CPU, distributed=False)
     assert (nets.frozen_unet is None) == use_lora
     state = steps.make_train_state(nets, plan)
-    prompts = {**prompt_ids, **train.base_class_prompt(nets, {"class": prompt_ids["class"][0].tolist()}, CPU)}
+    prompts = conditioning.with_base_class(step_prompts, nets.family, nets.text_encoders(),
+                                           {"class": step_prompts.class_prompt[0].tolist()}, CPU)
     batch = batch_for(nets, size=2, with_class=False)
     torch.manual_seed(0)
     total, instance, prior = steps.batch_loss(nets, batch, prompts, 1.0)
@@ -358,7 +306,7 @@ def test_prior_prediction_targets_the_base_models_own_prediction(tiny_model, pro
     g = torch.Generator().manual_seed(1)
     noisy = torch.randn(2, 4, 32, 32, generator=g)
     t = torch.tensor([10, 900])
-    cond = prompts["class_base"].expand(2, -1, -1)
+    cond = prompts.class_base.expand(2, -1, -1)
     with torch.no_grad():
         expected = base(noisy, t, cond).sample
         with nets.base_unet() as unet:
