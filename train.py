@@ -4,6 +4,7 @@ The script; its code is dreambooth/train.py. `python train.py --help` lists its 
 """
 
 from dreambooth import train, utils
+from dreambooth.worker import train_fn  # noqa: F401 (each worker's loop, where Ray's example has it)
 
 if __name__ == "__main__":
     utils.run_main(train.main)

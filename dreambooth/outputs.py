@@ -253,6 +253,15 @@ def remove_drawn_images(folder):
 # ---------------------------------------------------------------- writing train.py's outputs
 
 
+def check_output_dir(output_dir, overwrite):
+    """Refuse to replace a non-empty folder that is not a previous output of ours."""
+    if not os.path.isdir(output_dir) or not os.listdir(output_dir) or overwrite:
+        return
+    if not os.path.isfile(os.path.join(output_dir, utils.OUTPUT_MARKER)):
+        raise utils.UserError(f"--output_dir {output_dir} is not empty and was not written by train.py; "
+                              "pass --overwrite to replace it")
+
+
 def save_pipeline(nets, plan):
     """Write the result to output_dir, whole or not at all: the fine-tuned pipeline, or with
     LoRA the adapters as pytorch_lora_weights.safetensors (diffusers' LoRA format, with their

@@ -2,7 +2,7 @@
 
 `parse_args` reads the command line and checks flag combinations; `plan_run` checks the
 inputs against the files and the Ray cluster and returns one frozen `Plan`. The driver
-prints it, builds the data stream from it and hands it to every worker (train.train_fn);
+prints it, builds the data stream from it and hands it to every worker (worker.train_fn);
 nothing is added to it afterwards.
 """
 
@@ -18,30 +18,29 @@ from dreambooth import cache_model
 from dreambooth import checkpoint
 from dreambooth import families
 from dreambooth import flags
-from dreambooth import imagefiles
-from dreambooth import imaging
+from dreambooth import inputs
 from dreambooth import outputs
-from dreambooth import prompts
+from dreambooth import resources
 from dreambooth import run_identity
 from dreambooth import utils
 
 DEFAULT_MAX_TRAIN_STEPS = 800
 
 TRAIN_FLAGS = [
-    "model_dir", "output_dir", "instance_data_dir", "instance_prompt", "caption_extension", "holdout", "class_data_dir",
-    "class_prompt",
-    "with_prior_preservation", "prior_preservation", "prior_loss_weight", "resolution", "center_crop", "random_flip", "enable_bucket", "min_bucket_reso", "max_bucket_reso",
-    "bucket_reso_steps",
-    "train_text_encoder", "use_lora", "lora_rank", "lora_alpha", "lora_dropout", "train_batch_size", "learning_rate", "scale_lr", "lr_scheduler", "lr_warmup_steps",
-    "lr_num_cycles", "lr_power", "offset_noise", "snr_gamma", "caption_dropout_rate", "masked_loss", "use_ema", "ema_decay", "ema_update_after_step", "use_8bit_adam", "adam_beta1",
-    "adam_beta2", "adam_weight_decay", "adam_epsilon", "max_grad_norm", "max_train_steps",
-    "num_train_epochs", "mixed_precision", "seed", "num_workers", "gpus_per_worker", "use_gpu",
-    "storage_path", "logging_steps", "report_to", "validation_prompt", "num_validation_images",
-    "validation_steps", "validation_epochs", "validation_inference_steps", "vae_dir", "checkpointing_steps", "checkpoints_total_limit", "keep_checkpoints",
-    "resume_from_checkpoint", "max_failures", "overwrite", "allow_unsafe_weights",
-    "gradient_accumulation_steps", "gradient_checkpointing", "cache_latents", "precompute_text_embeddings",
-    "channels_last", "fused_adamw", "torch_compile", "allow_tf32", "num_class_images", "set_grads_to_none",
-    "enable_xformers_memory_efficient_attention"]
+    "model_dir", "output_dir", "instance_data_dir", "instance_prompt", "caption_extension", "holdout",
+    "class_data_dir", "class_prompt", "with_prior_preservation", "prior_preservation", "prior_loss_weight",
+    "resolution", "center_crop", "random_flip", "enable_bucket", "min_bucket_reso", "max_bucket_reso",
+    "bucket_reso_steps", "train_text_encoder", "use_lora", "lora_rank", "lora_alpha", "lora_dropout",
+    "train_batch_size", "learning_rate", "scale_lr", "lr_scheduler", "lr_warmup_steps", "lr_num_cycles", "lr_power",
+    "offset_noise", "snr_gamma", "caption_dropout_rate", "masked_loss", "use_ema", "ema_decay",
+    "ema_update_after_step", "use_8bit_adam", "adam_beta1", "adam_beta2", "adam_weight_decay", "adam_epsilon",
+    "max_grad_norm", "max_train_steps", "num_train_epochs", "mixed_precision", "seed", "num_workers",
+    "gpus_per_worker", "use_gpu", "storage_path", "logging_steps", "report_to", "validation_prompt",
+    "num_validation_images", "validation_steps", "validation_epochs", "validation_inference_steps", "vae_dir",
+    "checkpointing_steps", "checkpoints_total_limit", "keep_checkpoints", "resume_from_checkpoint", "max_failures",
+    "overwrite", "allow_unsafe_weights", "gradient_accumulation_steps", "gradient_checkpointing", "cache_latents",
+    "precompute_text_embeddings", "channels_last", "fused_adamw", "torch_compile", "allow_tf32", "num_class_images",
+    "set_grads_to_none", "enable_xformers_memory_efficient_attention"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,69 +271,37 @@ def plan_run(args, cluster_resources, draw_class_images=None, stop_step=None):
     utils.check_output_path(args.output_dir, "--output_dir", [
         ("--pretrained_model_name_or_path", args.model_dir), ("--instance_data_dir", args.instance_data_dir),
         ("--class_data_dir", args.class_data_dir)])
-    check_output_dir(args.output_dir, args.overwrite)
-    instance_images = imagefiles.list_images(args.instance_data_dir, "instance", also_expected=args.caption_extension)
-    held_out = imagefiles.held_out_names(instance_images, args.holdout)
-    instance_images = imagefiles.holdout_split(instance_images, args.holdout)[0]
-    if held_out:
-        print(f"--holdout {args.holdout}: training without {', '.join(held_out)} "
-              f"(evaluate.py --holdout {args.holdout} also scores against the held-out photos)", file=sys.stderr)
-    captions = prompts.read_captions(instance_images, args.instance_prompt, args.caption_extension)
-    instance_prompts = list(dict.fromkeys(captions))
-    resolution = args.resolution or families.native_resolution(args.model_dir)
-    photos = instance_images  # as given: their content is part of the run's identity
-    masks = masks_of(instance_images, args.masked_loss)
-    convert_dir = os.path.join(args.storage_path, "converted-images")
-    instance_images = imagefiles.inspect_images(instance_images, resolution, convert_dir)
-    if draw_class_images is not None:
-        draw_class_images()
-    class_files = imagefiles.list_images(args.class_data_dir, "class") if args.with_prior_preservation else []
-    if args.num_class_images and len(class_files) > args.num_class_images:  # as diffusers: at most that many
-        print(f"--num_class_images {args.num_class_images}: training on the first {args.num_class_images} of the "
-              f"{len(class_files)} class images in {args.class_data_dir}", file=sys.stderr)
-        class_files = sorted(class_files)[:args.num_class_images]
-    if class_files:
-        check_class_images(args.class_data_dir, args.model_dir, args.class_prompt, resolution)
-    prompts.warn_without_identifier(instance_prompts, args.instance_prompt, args.class_prompt)
-    class_images = imagefiles.inspect_images(class_files, resolution, convert_dir) if class_files else []
-    num_rows = max(len(instance_images), len(class_images))
-    buckets = ()
-    if args.enable_bucket:
-        buckets = bucket_plan(args, resolution)
-        assigned = [imaging.bucket_for(*imagefiles.upright_size(p), buckets) for p in instance_images]
-        num_rows = imaging.bucket_epoch_rows(assigned, len(class_images), args.train_batch_size)
-        used = sorted(set(assigned))
-        print(f"buckets: {len(instance_images)} photos in " + ", ".join(
-            f"{buckets[b][1]}x{buckets[b][0]} ({assigned.count(b)})" for b in used) + " (width x height)",
-            file=sys.stderr)
-    identity = run_identity.of_run(args, family, photos, masks, held_out, captions, class_files, resolution, buckets)
+    outputs.check_output_dir(args.output_dir, args.overwrite)
+    found = inputs.read_inputs(args, draw_class_images)
+    identity = run_identity.of_run(args, family, found.photos, found.masks, found.held_out, found.captions,
+                                   found.class_files, found.resolution, found.buckets)
     if args.resume_from_checkpoint == "auto":
         keep_finished(args.output_dir, identity)
     resume_path = checkpoint.resolve_resume(args.resume_from_checkpoint, args.storage_path,
                                             os.path.basename(args.output_dir), args.output_dir, identity)
-    use_gpu, num_workers, cpus_per_worker = worker_resources(args, *cluster_resources())
+    use_gpu, num_workers, cpus_per_worker = resources.worker_resources(args, *cluster_resources())
     args = argparse.Namespace(**{**vars(args), "num_workers": num_workers})  # (the LR scaling counts them)
-    steps_per_epoch, total_steps = plan_steps(num_rows, args)
+    steps_per_epoch, total_steps = plan_steps(found.num_rows, args)
     from_flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(Plan) if hasattr(args, f.name)}
     return Plan(**{
         **from_flags,
         "family": family,
-        "instance_prompts": tuple(instance_prompts),
-        "image_prompt": tuple(instance_prompts.index(c) for c in captions),
+        "instance_prompts": found.instance_prompts,
+        "image_prompt": tuple(found.instance_prompts.index(c) for c in found.captions),
         "learning_rate": scaled_learning_rate(args),
-        "instance_images": tuple(instance_images),
-        "instance_masks": tuple(masks),
-        "held_out": held_out,
-        "class_images": tuple(class_images),
-        "resolution": resolution,
-        "buckets": buckets,
+        "instance_images": found.instance_images,
+        "instance_masks": found.masks,
+        "held_out": found.held_out,
+        "class_images": found.class_images,
+        "resolution": found.resolution,
+        "buckets": found.buckets,
         "channels_last": use_gpu if args.channels_last is None else args.channels_last,
         "steps_per_epoch": steps_per_epoch,
         "total_steps": total_steps,
         "stop_step": min(stop_step or total_steps, total_steps),
         "validation_steps": (args.validation_epochs * steps_per_epoch if args.validation_epochs
                              else args.validation_steps),
-        "stream_epochs": stream_epochs(num_rows, total_steps, args),
+        "stream_epochs": stream_epochs(found.num_rows, total_steps, args),
         "use_gpu": use_gpu,
         "cpus_per_worker": cpus_per_worker,
         "run_name": f"{os.path.basename(args.output_dir)}-{datetime.now().strftime('%Y%m%d-%H%M%S')}",
@@ -365,47 +332,6 @@ def offline_plan(**fields):
     return Plan(**{**from_flags, **decided, **fields})
 
 
-def bucket_plan(args, resolution):
-    """The buckets of --enable_bucket: imaging.bucket_sizes with the flags' bounds (defaults: half
-    and twice the resolution, steps of 64, fewer pixels for small models), every side a multiple of
-    the model's size step; UserError when the flags leave no bucket but the square."""
-    multiple = families.size_multiple(args.model_dir)
-    step = args.bucket_reso_steps or max(multiple, min(64, resolution // 8))
-    if step % multiple:
-        raise utils.UserError(f"--bucket_reso_steps {step} must be a multiple of {multiple} for this model "
-                              "(its VAE and UNet halve the image that often)")
-    low = args.min_bucket_reso or max(step, resolution // 2 // step * step)
-    high = args.max_bucket_reso or resolution * 2
-    if not low <= resolution <= high:
-        raise utils.UserError(f"--min_bucket_reso {low} and --max_bucket_reso {high} must enclose the "
-                              f"resolution {resolution}")
-    buckets = tuple(imaging.bucket_sizes(resolution, low, high, step))
-    if len(buckets) == 1:
-        raise utils.UserError(f"--enable_bucket: no bucket but the square fits sides {low}-{high} in steps of "
-                              f"{step} at {resolution} px; widen them")
-    return buckets
-
-
-def masks_of(photos, masked_loss):
-    """Each photo's mask source for --masked_loss (checked: each mask read, its size its photo's),
-    with a line saying how many photos have one; without the flag, a warning when masks lie
-    unused beside the photos. Returns a list as long as photos (Nones without the flag)."""
-    if not masked_loss:
-        unused = imagefiles.masks_beside(photos)
-        if unused:
-            print(f"warning: {len(unused)} mask file(s) beside the photos are not used without --masked_loss "
-                  f"(e.g. {os.path.basename(unused[0])})", file=sys.stderr)
-        return [None] * len(photos)
-    sources = imagefiles.find_masks(photos)
-    found = sum(s is not None for s in sources)
-    if not found:
-        print(f"warning: --masked_loss: none of the {len(photos)} photos has a mask (NAME{imagefiles.MASK_SUFFIX} "
-              "beside NAME.jpg, or transparency): every photo counts everywhere", file=sys.stderr)
-    else:
-        print(f"--masked_loss: {found} of {len(photos)} photos have a mask", file=sys.stderr)
-    return sources
-
-
 def scaled_learning_rate(args):
     """--learning_rate, or with --scale_lr, times the instance images of one optimizer step
     over all workers (diffusers' rule: the rate was tuned for one image a step)."""
@@ -431,80 +357,6 @@ def keep_finished(output_dir, identity):
                              f"dreambooth_run.sh, to train it again)")
     print(f"{output_dir} holds the model of another run ({'; '.join(differs)}): training this one replaces it",
           file=sys.stderr)
-
-
-def check_output_dir(output_dir, overwrite):
-    """Refuse to replace a non-empty folder that is not a previous output of ours."""
-    if not os.path.isdir(output_dir) or not os.listdir(output_dir) or overwrite:
-        return
-    if not os.path.isfile(os.path.join(output_dir, utils.OUTPUT_MARKER)):
-        raise utils.UserError(f"--output_dir {output_dir} is not empty and was not written by train.py; "
-                              "pass --overwrite to replace it")
-
-
-def check_class_images(class_dir, model_dir, class_prompt, resolution):
-    """Refuse class images that another base model, class prompt or resolution drew (their folder's
-    record says so; a folder without one holds the user's own class images and is taken as it is)."""
-    record = outputs.read_image_record(class_dir)
-    if record is None:
-        return
-    differs = []
-    if record.model != outputs.ModelRef(model_dir).fingerprint():
-        differs.append(f"base model {record.model_dir}")
-    if tuple(record.prompts) != (class_prompt,):
-        differs.append("prompt " + ", ".join(repr(p) for p in record.prompts))
-    if record.resolution != resolution:
-        differs.append(f"{record.resolution} px")
-    if differs:
-        raise utils.UserError(f"--class_data_dir {class_dir} holds class images drawn with {'; '.join(differs)}, "
-                              f"not with this run's {model_dir}, {class_prompt!r}, {resolution} px: use another "
-                              "--class_data_dir (--num_class_images N draws into it), or redraw this one with "
-                              "generate.py --force")
-
-
-def default_num_workers(gpus, gpus_per_worker):
-    """Workers when --num_workers is not given: one per GPU of the cluster (per two with
-    --gpus_per_worker 2), or one without GPUs."""
-    return max(1, gpus // gpus_per_worker) if gpus else 1
-
-
-NO_GPU_WARNING = ("warning: the Ray cluster has no GPU, so this fine-tune of Stable Diffusion runs on CPUs: hours "
-                  "per 100 steps. If this machine has one (nvidia-smi lists it), Ray did not see it: `ray stop`, "
-                  "then `ray start --head --num-gpus=N` (or check torch.cuda.is_available() in this Python)")
-
-
-def flag_spelling(name, value):
-    """How train.py's messages name a setting: '--num_workers 2'."""
-    return f"--{name} {value}"
-
-
-def worker_resources(args, cpus, gpus, spell=flag_spelling, warn_no_gpu=None):
-    """(use_gpu, num_workers, CPUs per worker), or UserError if the cluster cannot hold the workers.
-
-    At least one CPU stays free for Ray Data: with every CPU held by train workers the
-    streaming dataset never starts and fit() waits forever. spell(name, value) names a setting
-    in the messages (dreambooth_run.sh's preflight names its variables); warn_no_gpu: print
-    NO_GPU_WARNING on a cluster without GPUs (default: unless the model has random weights).
-    """
-    use_gpu = gpus > 0 if args.use_gpu is None else args.use_gpu
-    num_workers = args.num_workers or default_num_workers(gpus if use_gpu else 0, args.gpus_per_worker)
-    needed = num_workers * args.gpus_per_worker
-    if use_gpu and needed > gpus:
-        fits = f": set {spell('num_workers', max(1, gpus // args.gpus_per_worker))} (or leave it unset: one " \
-               "worker per GPU)" if gpus else ""
-        raise utils.UserError(f"{spell('num_workers', num_workers)} x {spell('gpus_per_worker', args.gpus_per_worker)}"
-                              f" needs {needed} GPUs; the Ray cluster has {gpus}{fits}")
-    if not use_gpu and num_workers > cpus:
-        raise utils.UserError(f"{spell('num_workers', num_workers)}: more than the Ray cluster's {cpus:g} CPUs")
-    spare = cpus - 1
-    if spare <= 0:
-        raise utils.UserError(f"the Ray cluster has {cpus:g} CPU(s): training needs one for its workers "
-                              "and one for the data pipeline")
-    if warn_no_gpu is None:
-        warn_no_gpu = not cache_model.has_random_weights(args.model_dir)  # random models are for CPUs
-    if not use_gpu and warn_no_gpu:
-        print(NO_GPU_WARNING, file=sys.stderr)
-    return use_gpu, num_workers, min(1.0, spare / num_workers)
 
 
 def plan_steps(num_rows, args):

@@ -31,6 +31,7 @@ from dreambooth import imagefiles
 from dreambooth import memory
 from dreambooth import planning
 from dreambooth import raycluster
+from dreambooth import resources
 from dreambooth import utils
 
 GB = 1e9
@@ -111,11 +112,11 @@ def check_disk(args, limit=1):
 
 
 def check_workers(args, cpus, gpus):
-    """The resolved worker count (train.py's rule, planning.worker_resources), or one line naming
+    """The resolved worker count (train.py's rule, resources.worker_resources), or one line naming
     NUM_WORKERS / GPUS_PER_WORKER."""
     settings = argparse.Namespace(use_gpu=None, num_workers=args.num_workers or None,
                                   gpus_per_worker=args.gpus_per_worker)
-    return planning.worker_resources(settings, cpus, gpus, spell=lambda name, value: f"{name.upper()}={value}",
+    return resources.worker_resources(settings, cpus, gpus, spell=lambda name, value: f"{name.upper()}={value}",
                                      warn_no_gpu=not args.tiny)[1]
 
 

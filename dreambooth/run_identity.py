@@ -46,7 +46,7 @@ def files_digest(paths):
 
 def of_run(args, family, photos, masks, held_out, captions, class_images, resolution, buckets):
     """The identity of a run of parsed flags args, as JSON-able values: photos are the photos trained on
-    (paths as given), masks their mask sources (planning.masks_of), captions each photo's prompt."""
+    (paths as given), masks their mask sources (inputs.masks_of), captions each photo's prompt."""
     mask_files = sorted({source[0] for source in masks if source and os.path.isfile(str(source[0]))})
     identity = {
         "base_model": outputs.model_fingerprint(args.model_dir),

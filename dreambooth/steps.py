@@ -1,6 +1,6 @@
 """The training math: target, loss, latents, conditioning and one optimizer step.
 
-Plain functions on plain tensors, run and tested without Ray; `train.train_fn` and
+Plain functions on plain tensors, run and tested without Ray; `worker.train_fn` and
 `benchmarks/bench.py` call the same `train_step`. Nothing here reads a tensor's value
 back to the host (`.item()` is a CPU-GPU sync point): losses come back as detached
 device tensors, read only on logging steps. The one exception is fp16's skipped-step

@@ -468,7 +468,7 @@ def main(argv=None):
     for flag, path in (("--output_dir", args.output_dir), ("--sweep_dir", args.sweep_dir)):
         utils.check_output_path(path, flag, inputs)
     for name in subjects:
-        planning.check_output_dir(target_dir(args, name), train_args.overwrite)
+        outputs.check_output_dir(target_dir(args, name), train_args.overwrite)
     set_aside_another_sweep(args.sweep_dir, args.settings_toml)
     config = flags.write_config(os.path.join(args.sweep_dir, "sweep_config.toml"), args.settings_toml)
     print(f"settings: {config} (sweep.py --config {config} repeats this sweep)", file=sys.stderr)

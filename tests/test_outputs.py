@@ -82,18 +82,8 @@ def test_images_without_a_record_are_not_mixed_with_new_ones(tiny_model, tmp_pat
     assert sorted(os.listdir(folder)) == sorted(["mine.jpg", outputs.IMAGES_RECORD])
 
 
-def test_class_images_of_another_model_prompt_or_size_are_refused_for_training(tiny_model, tmp_path):
-    from dreambooth import planning
-
-    folder = str(tmp_path / "class")
-    generate.top_up(folder, outputs.ModelRef(tiny_model), ["photo of a dog"], 1, SETTINGS, False)
-    planning.check_class_images(folder, tiny_model, "photo of a dog", 64)  # the same: fine
-    with pytest.raises(utils.UserError, match="drawn with prompt 'photo of a dog'.*not with this run's"):
-        planning.check_class_images(folder, tiny_model, "photo of a cat", 64)
-    with pytest.raises(utils.UserError, match="drawn with 64 px"):
-        planning.check_class_images(folder, tiny_model, "photo of a dog", 128)
-    copy = shutil.copytree(tiny_model, tmp_path / "other-model")
-    (copy / "unet" / "config.json").write_text((copy / "unet" / "config.json").read_text() + " ")
-    with pytest.raises(utils.UserError, match="drawn with base model"):
-        planning.check_class_images(folder, str(copy), "photo of a dog", 64)
-    planning.check_class_images(str(tmp_path), tiny_model, "anything", 512)  # no record: the user's own images
+def test_output_dir_that_is_not_ours_is_refused(tmp_path):
+    (tmp_path / "thesis.tex").write_text("precious")
+    with pytest.raises(utils.UserError, match="--overwrite"):
+        outputs.check_output_dir(str(tmp_path), overwrite=False)
+    outputs.check_output_dir(str(tmp_path), overwrite=True)

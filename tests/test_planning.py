@@ -14,13 +14,6 @@ from dreambooth import utils
 
 
 
-def test_output_dir_that_is_not_ours_is_refused(tmp_path):
-    (tmp_path / "thesis.tex").write_text("precious")
-    with pytest.raises(utils.UserError, match="--overwrite"):
-        planning.check_output_dir(str(tmp_path), overwrite=False)
-    planning.check_output_dir(str(tmp_path), overwrite=True)
-
-
 def test_plan_steps_never_exceeds_max_steps_or_starves_a_worker():
     class Args:  # steps from the epochs (no --max_train_steps), then an explicit step count
         num_workers, train_batch_size, max_train_steps, num_train_epochs = 2, 2, None, 4
@@ -74,34 +67,6 @@ def test_the_stream_holds_enough_rows_for_every_step():
     epochs = planning.stream_epochs(13, 40, Args)
     rows_per_worker = epochs * 13 // 2
     assert rows_per_worker >= 40 * 2 * 3
-
-
-def test_worker_resources_leave_a_cpu_for_ray_data_and_refuse_impossible():
-    class Args:
-        use_gpu = None
-        num_workers = 2
-        gpus_per_worker = 1
-        model_dir = "/models--dreambooth-ray--tiny-stable-diffusion/snapshots/x"  # random weights: no GPU warning
-
-    assert planning.worker_resources(Args, cpus=2, gpus=0) == (False, 2, 0.5)
-    assert planning.worker_resources(Args, cpus=16, gpus=2) == (True, 2, 1.0)
-    with pytest.raises(Exception, match="needs 2 GPUs"):
-        planning.worker_resources(Args, cpus=16, gpus=1)
-    Args.gpus_per_worker = 2
-    with pytest.raises(Exception, match="--gpus_per_worker 2 needs 4 GPUs; the Ray cluster has 2"):
-        planning.worker_resources(Args, cpus=16, gpus=2)
-    Args.num_workers = 1
-    assert planning.worker_resources(Args, cpus=16, gpus=2) == (True, 1, 1.0)
-    Args.gpus_per_worker, Args.num_workers = 1, 2
-    with pytest.raises(Exception, match="needs 2 GPUs"):
-        Args.use_gpu = True
-        planning.worker_resources(Args, cpus=16, gpus=0)
-    Args.use_gpu, Args.num_workers = None, 1
-    with pytest.raises(Exception, match="one for the data pipeline"):
-        planning.worker_resources(Args, cpus=1, gpus=0)
-    Args.num_workers = 3
-    with pytest.raises(Exception, match="more than the Ray cluster's 2 CPUs"):
-        planning.worker_resources(Args, cpus=2, gpus=0)
 
 
 def test_plan_run_decides_every_setting_once_before_ray(tiny_model, toy_images, tmp_path, capsys):
@@ -246,22 +211,6 @@ def test_8bit_adam_without_bitsandbytes_is_a_one_line_error(monkeypatch, capsys)
                          "--instance_prompt", "p", "--use_8bit_adam"])
     err = capsys.readouterr().err
     assert "--use_8bit_adam needs bitsandbytes" in err and err.count("\n") == 1
-
-
-def test_without_num_workers_a_run_takes_every_gpu_or_one_cpu_worker(capsys):
-    class Args:
-        use_gpu = None
-        num_workers = None
-        gpus_per_worker = 1
-        model_dir = "/data/models--CompVis--stable-diffusion-v1-4/snapshots/b95be7d6"  # a real model
-
-    assert planning.worker_resources(Args, cpus=16, gpus=1) == (True, 1, 1.0)  # one GPU: no NUM_WORKERS needed
-    assert planning.worker_resources(Args, cpus=16, gpus=8) == (True, 8, 1.0)
-    Args.gpus_per_worker = 2
-    assert planning.worker_resources(Args, cpus=16, gpus=5) == (True, 2, 1.0)
-    assert capsys.readouterr().err == ""
-    assert planning.worker_resources(Args, cpus=4, gpus=0) == (False, 1, 1.0)
-    assert "the Ray cluster has no GPU" in capsys.readouterr().err  # a real model on CPUs: said before it starts
 
 
 def test_an_sdxl_plan_takes_both_tokenizers_its_own_vae_and_validation_epochs(tiny_sdxl_model, toy_images,

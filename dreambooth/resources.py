@@ -1,0 +1,54 @@
+"""The Ray Train workers of a run: how many (one per GPU unless --num_workers says), and the CPUs
+and GPUs each reserves, checked against the cluster's, with one CPU always left to Ray Data (with
+every CPU held by train workers the streaming dataset never starts and fit() waits forever).
+"""
+
+import sys
+
+from dreambooth import cache_model
+from dreambooth import utils
+
+
+def default_num_workers(gpus, gpus_per_worker):
+    """Workers when --num_workers is not given: one per GPU of the cluster (per two with
+    --gpus_per_worker 2), or one without GPUs."""
+    return max(1, gpus // gpus_per_worker) if gpus else 1
+
+
+NO_GPU_WARNING = ("warning: the Ray cluster has no GPU, so this fine-tune of Stable Diffusion runs on CPUs: hours "
+                  "per 100 steps. If this machine has one (nvidia-smi lists it), Ray did not see it: `ray stop`, "
+                  "then `ray start --head --num-gpus=N` (or check torch.cuda.is_available() in this Python)")
+
+
+def flag_spelling(name, value):
+    """How train.py's messages name a setting: '--num_workers 2'."""
+    return f"--{name} {value}"
+
+
+def worker_resources(args, cpus, gpus, spell=flag_spelling, warn_no_gpu=None):
+    """(use_gpu, num_workers, CPUs per worker), or UserError if the cluster cannot hold the workers.
+
+    At least one CPU stays free for Ray Data: with every CPU held by train workers the
+    streaming dataset never starts and fit() waits forever. spell(name, value) names a setting
+    in the messages (dreambooth_run.sh's preflight names its variables); warn_no_gpu: print
+    NO_GPU_WARNING on a cluster without GPUs (default: unless the model has random weights).
+    """
+    use_gpu = gpus > 0 if args.use_gpu is None else args.use_gpu
+    num_workers = args.num_workers or default_num_workers(gpus if use_gpu else 0, args.gpus_per_worker)
+    needed = num_workers * args.gpus_per_worker
+    if use_gpu and needed > gpus:
+        fits = f": set {spell('num_workers', max(1, gpus // args.gpus_per_worker))} (or leave it unset: one " \
+               "worker per GPU)" if gpus else ""
+        raise utils.UserError(f"{spell('num_workers', num_workers)} x {spell('gpus_per_worker', args.gpus_per_worker)}"
+                              f" needs {needed} GPUs; the Ray cluster has {gpus}{fits}")
+    if not use_gpu and num_workers > cpus:
+        raise utils.UserError(f"{spell('num_workers', num_workers)}: more than the Ray cluster's {cpus:g} CPUs")
+    spare = cpus - 1
+    if spare <= 0:
+        raise utils.UserError(f"the Ray cluster has {cpus:g} CPU(s): training needs one for its workers "
+                              "and one for the data pipeline")
+    if warn_no_gpu is None:
+        warn_no_gpu = not cache_model.has_random_weights(args.model_dir)  # random models are for CPUs
+    if not use_gpu and warn_no_gpu:
+        print(NO_GPU_WARNING, file=sys.stderr)
+    return use_gpu, num_workers, min(1.0, spare / num_workers)

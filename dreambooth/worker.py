@@ -1,0 +1,264 @@
+"""What each Ray Train worker runs (train_fn): the networks on its devices, the checkpoint it
+continues, the step loop with its reports, checkpoints and validation samples, and (rank 0) the
+saved model. train.py's driver hands it the Plan.
+"""
+
+import concurrent.futures
+import itertools
+import os
+import tempfile
+import time
+
+from dreambooth import checkpoint
+from dreambooth import models
+from dreambooth import outputs
+from dreambooth import prompts
+from dreambooth import raycluster
+from dreambooth import runlog
+from dreambooth import utils
+from dreambooth import validation
+
+IMAGE_COLUMNS = ("_pixels", "_latents")  # the batch columns that hold one image per row
+
+
+def train_fn(config):
+    """Per-worker entry point. Reads only config["plan"] (a planning.Plan); data comes from the "train"
+    dataset shard. A failure's traceback goes to the run folder's errors.log (failures.py)."""
+    import ray.train
+
+    plan = config["plan"]
+    try:
+        train_worker(plan)
+    except Exception as err:
+        utils.write_error_log(os.path.join(plan.storage_path, plan.run_name),
+                              f"worker {ray.train.get_context().get_world_rank()}", err)
+        raise
+
+
+def train_worker(plan):
+    """One worker's whole run: models, checkpoint, the step loop, reports, the saved model."""
+    utils.skip_unused_imports(lora=plan.use_lora, eight_bit=plan.use_8bit_adam)
+    import ray.train
+
+    from dreambooth import failures  # here, not at the top: it imports ray.train (1.2 s)
+
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    batches = prefetched(ray.train.get_dataset_shard("train").iter_torch_batches(batch_size=plan.train_batch_size))
+    nets, state, step_prompts = prepare_worker(plan, rank, world, ctx.get_local_world_size())
+    # The stream is the same on every run: a resumed worker skips what it had trained on.
+    batches = itertools.islice(batches, state.step * plan.gradient_accumulation_steps, None)
+    run_steps(plan, state, step_prompts, batches, rank, world)
+    if rank == 0:
+        with averaged_weights(state), failures.stops_when_disk_full("the trained model", plan.output_dir,
+                                                                     outputs.expected_bytes(nets, plan.use_lora)):
+            outputs.save_pipeline(nets, plan)
+
+
+def prepare_worker(plan, rank, world, local_world_size):
+    """(models.Models, steps.TrainState, conditioning.StepPrompts) of this worker: the networks on its
+    devices, the optimizer, the prompts, and the state of the checkpoint it continues, if any."""
+    import ray.train
+    import torch
+
+    # here, not at the top: they import ray.train (1.2 s) and torch (2 s a --help or a one-line error never waits for)
+    from dreambooth import conditioning
+    from dreambooth import failures
+    from dreambooth import steps
+
+    unet_device, aux_device = worker_devices(plan.gpus_per_worker, local_world_size)
+    if plan.allow_tf32:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    torch.manual_seed(plan.seed + rank)  # every rank its own noise stream (CPU and GPUs)
+    model_error = "its files do not fit together: fetch or copy it again (cache_model.py)"
+    nets = models.setup_models(plan, unet_device, aux_device, distributed=world > 1,
+                               load_guard=failures.cannot_be_retried(f"loading the model {plan.model_dir}", model_error))
+    with failures.cannot_be_retried(f"loading the tokenizers of {plan.model_dir}", model_error):
+        ids = prompts.run_prompt_ids(plan)
+    state = steps.make_train_state(nets, plan)
+    # (before any checkpoint's weights: the class prompt as the base model reads it)
+    text_encoders = [models.unwrap(te) for te in nets.text_encoders()]
+    step_prompts = conditioning.step_prompts(plan.family, text_encoders, plan, ids, aux_device)
+    if plan.prior_prediction:
+        step_prompts = conditioning.with_base_class(step_prompts, plan.family, text_encoders, ids, aux_device)
+    # Ray's own checkpoint (a restarted worker group) wins over the one the run started from.
+    restored = ray.train.get_checkpoint()
+    if restored is not None:
+        with restored.as_directory() as folder, failures.cannot_be_retried(
+                "loading the run's newest checkpoint", "rerun with --resume_from_checkpoint and an earlier one"):
+            checkpoint.load(state, folder, rank)
+    elif plan.resume_path:
+        with failures.cannot_be_retried(f"loading the checkpoint {plan.resume_path}",
+                                        "pass another to --resume_from_checkpoint"):
+            checkpoint.load(state, plan.resume_path, rank)
+    if rank == 0:
+        print(f"worker devices: UNet on {unet_device}, text encoder and VAE on {aux_device}; "
+              f"autocast {state.amp_dtype or 'off (fp32)'}", flush=True)
+    return nets, state, step_prompts
+
+
+def run_steps(plan, state, step_prompts, batches, rank, world):
+    """The step loop to plan.end_step: a step per plan.gradient_accumulation_steps micro-batches,
+    a report (metrics, checkpoint) every --logging_steps/--checkpointing_steps, validation samples
+    every --validation_steps."""
+    from ray.experimental import tqdm_ray
+
+    # here, not at the top: they import ray.train (1.2 s) and torch (2 s a --help or a one-line error never waits for)
+    from dreambooth import failures
+    from dreambooth import steps
+
+    sampler = validation.Sampler(state.models, plan, state.amp_dtype) if plan.validation_prompts else None
+    total = plan.end_step
+    bar = tqdm_ray.tqdm(total=total, desc="training") if rank == 0 and plan.progress_bar else None
+    log = runlog.RunLog(plan) if rank == 0 else None
+    if bar and state.step:
+        bar.update(state.step)
+    window = ReportWindow(world)
+    first_step = state.step
+    for micro_batches in steps.accumulate(batches, plan.gradient_accumulation_steps, total - state.step):
+        try:
+            loss, _, _ = steps.train_step(state, micro_batches, step_prompts, plan.prior_loss_weight,
+                                          plan.max_grad_norm)
+        except Exception as err:
+            fatal = failures.out_of_memory(err, state.step, first_step)
+            if fatal:
+                raise fatal from err
+            raise
+        state.step += 1
+        window.add(loss, micro_batches)
+        if bar:
+            bar.update(1)
+        if plan.is_report_step(state.step):
+            metrics = window.metrics(state, plan.steps_per_epoch)
+            if log:
+                log.write(metrics)
+            report(state, metrics, rank, plan)
+            if rank == 0:
+                print(" ".join(f"{name}={v:.4g}" if isinstance(v, float) else f"{name}={v}"
+                               for name, v in metrics.items()), flush=True)
+        if plan.is_validation_step(state.step):
+            with window.paused(), averaged_weights(state):
+                drawn = validation.run_round(sampler, state.step, rank, world,
+                                             os.path.join(plan.storage_path, plan.run_name))
+            if log:
+                log.write_images(state.step, *drawn)
+                print(f"validation images of step {state.step}: {drawn[0]}", flush=True)
+    if bar:
+        bar.close()
+    if log:
+        log.close()
+    if state.step < total:
+        raise RuntimeError(f"the data stream ended at step {state.step} of {total}")
+
+
+class ReportWindow:
+    """The steps since the last report: their losses (kept on the device until the report, the
+    window's one sync point), the images they trained on, and the training time (sampling paused)."""
+
+    def __init__(self, world):
+        self.world = world
+        self.reset()
+
+    def reset(self):
+        self.losses, self.images, self.start = [], 0, time.perf_counter()
+
+    def add(self, loss, micro_batches):
+        self.losses.append(loss)
+        self.images += sum(v.shape[0] for b in micro_batches for k, v in b.items() if k.endswith(IMAGE_COLUMNS))
+
+    def paused(self):
+        """A context manager whose time does not count as training time (validation samples)."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def pause():
+            began = time.perf_counter()
+            try:
+                yield
+            finally:
+                self.start += time.perf_counter() - began
+
+        return pause()
+
+    def metrics(self, state, steps_per_epoch):
+        """The report's metrics of the window, which starts again."""
+        import torch
+
+        elapsed = time.perf_counter() - self.start
+        metrics = {"step": state.step, "epoch": (state.step - 1) // steps_per_epoch,
+                   "loss": torch.stack(self.losses).mean().item(),
+                   "lr": state.lr_scheduler.get_last_lr()[0],
+                   "images_per_s": self.images * self.world / max(elapsed, 1e-9)}
+        if state.skipped_steps:
+            metrics["skipped_steps"] = state.skipped_steps
+        self.reset()
+        return metrics
+
+
+def averaged_weights(state):
+    """With --use_ema, the moving average in the trained weights for the duration (validation samples,
+    the saved model); else nothing changes."""
+    import contextlib
+
+    return state.ema.applied(state.params) if state.ema is not None else contextlib.nullcontext()
+
+
+def worker_devices(gpus_per_worker, local_world_size):
+    """(UNet device, text-encoder + VAE device) of this worker.
+
+    With --gpus_per_worker 2 the text encoder and VAE go to the worker's second GPU, so
+    the UNet's fp32 weights, gradients and AdamW state have the first to themselves. On
+    CPU both are the CPU, and the same code path runs.
+    """
+    import ray.train.torch
+    import torch
+
+    devices = ray.train.torch.get_devices()
+    if devices[0].type == "cuda":
+        torch.cuda.set_device(devices[0])
+        return devices[0], devices[min(gpus_per_worker, len(devices)) - 1]
+    raycluster.share_cpu_threads(local_world_size)
+    cpu = torch.device("cpu")
+    return cpu, cpu
+
+
+def prefetched(iterable):
+    """An iterator over iterable whose first item is fetched in a thread from now on: the
+    data stream starts (Ray Data's split coordinator, the first blocks) while the models
+    load, instead of after."""
+    items = iter(iterable)
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    first = pool.submit(next, items, None)
+    pool.shutdown(wait=False)
+
+    def chained():
+        item = first.result()
+        if item is not None:
+            yield item
+            yield from items
+
+    return chained()
+
+
+def report(state, metrics, rank, plan):
+    """ray.train.report from every rank; rank 0 attaches a checkpoint on checkpointing steps,
+    with every rank's RNG streams (gathered from all ranks, a collective)."""
+    import ray.train
+
+    if not plan.is_checkpoint_step(state.step):
+        ray.train.report(metrics)
+        return
+    rng_states = checkpoint.gather_rng_states()
+    if rank != 0:
+        ray.train.report(metrics)
+        return
+    from dreambooth import failures  # here, not at the top: it imports ray.train (1.2 s)
+
+    needed = checkpoint.expected_bytes(state.params, state.ema is not None)
+    with tempfile.TemporaryDirectory() as folder:
+        with failures.stops_when_disk_full(f"the checkpoint of step {state.step}", folder, needed):
+            checkpoint.save(state, folder, metrics["epoch"], rng_states, plan.train_text_encoder, plan.identity)
+        run_dir = os.path.join(plan.storage_path, plan.run_name)
+        with failures.stops_when_disk_full(f"the checkpoint of step {state.step}", run_dir, needed,
+                                           cleanup=lambda: checkpoint.remove_incomplete(run_dir)):
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
