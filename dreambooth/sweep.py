@@ -20,7 +20,6 @@ sweep; rerunning the same command after a crash continues it (Tune's restore; tr
 their own newest checkpoint, failed ones start again).
 """
 
-import argparse
 import dataclasses
 import glob
 import math
@@ -39,6 +38,8 @@ from dreambooth import planning
 from dreambooth import raycluster
 from dreambooth import scores
 from dreambooth import sweep_report
+from dreambooth import sweep_rows
+from dreambooth import sweep_trial
 from dreambooth import train
 from dreambooth import utils
 
@@ -54,23 +55,6 @@ SET_BY_SWEEP = flags.option_strings(["learning_rate", "max_train_steps", "lora_r
                                      "num_class_images"])
 
 
-@dataclasses.dataclass(frozen=True)
-class SweepJob:
-    """What every trial reads (Tune hands it to trial_fn with each trial's config)."""
-
-    subjects: dict  # {name: evaluate.Subject}
-    sweep_dir: str
-    steps: tuple  # the step counts scored, ascending; the last is trained to
-    class_dirs: dict  # {class name: folder of its class images}
-    train_given: object  # argparse.Namespace: train.py's flags for every trial as given (planning.parse_given)
-    given: frozenset  # the names of those the user set (a trial adds its own, then derives the rest)
-    typed: frozenset  # ... of those typed rather than read from a config file
-    model_dir: str
-    eval_settings: object  # evaluate.EvalSettings
-    early_stopping: bool = False  # train and score one step count at a time; ASHA may stop the trial between
-    rank_against: dict = dataclasses.field(default_factory=dict)  # {subject: (base CLIP-T - margin, base DINO)}
-    keep_checkpoints: bool = False  # train.py's --keep_checkpoints given: the trials' checkpoints stay
-METRICS = ("dino", "clip_i", "clip_t", "div", "pres", *evaluate.HOLDOUT_NAMES)
 
 
 def parse_args(argv=None):
@@ -177,94 +161,6 @@ def param_space(args, subjects, train_args):
             "subject": tune.grid_search(list(subjects)) if len(subjects) > 1 else next(iter(subjects))}
 
 
-def trial_label(config):
-    """'dog-lr5e-06-te1(-rank4)': a trial's settings, its folder's name. (Random draws that repeat a
-    trial's settings share its folder: the same settings and seed train the same model.)"""
-    label = f"{config['subject']}-lr{config['learning_rate']:.6g}-te{int(config['train_text_encoder'])}"
-    return label + (f"-rank{config['rank']}" if config.get("use_lora") else "")
-
-
-def trial_fn(config, job):
-    """One trial, in a Tune actor: train.py, then evaluate.py; one result reported per step count.
-    job: SweepJob.
-
-    Without early stopping the trial trains once, to the largest step count, and then scores each
-    step count (the smaller ones from their checkpoints). With it, the trial trains to each step
-    count in turn (each run resumes the one before; the LR schedule always spans the largest) and
-    scores it before going on: ASHA can stop the trial at any step count, and the weights at each
-    step count are those of one uninterrupted run either way."""
-    import ray.tune
-
-    subject = job.subjects[config["subject"]]
-    # Named by its settings, not Tune's trial id (a retried trial gets a new id): a trial run again
-    # after a failure or a crash finds its own checkpoints and resumes from them.
-    folder = os.path.join(job.sweep_dir, "trials", trial_label(config))
-    steps = job.steps
-    train_args = trial_args(job, config, subject, folder)
-
-    def model_at(step):
-        """The trial's model at a step count: train.py's output at the last, else made from its checkpoint."""
-        model = train_args.output_dir
-        if step != steps[-1]:
-            model = os.path.join(folder, f"model-step-{step}")
-            if outputs.read_output(model) is None:
-                found = checkpoint.by_step(train_args.storage_path, "model")
-                fields = {k: getattr(train_args, k) for k in ("model_dir", "use_lora", "lora_rank", "lora_alpha",
-                          "train_text_encoder", "allow_unsafe_weights", "instance_prompt", "class_prompt",
-                          "use_ema", "ema_decay")}
-                checkpoint.save_as_model(found[step], planning.offline_plan(
-                    **fields, output_dir=model, total_steps=step, mixed_precision="no",
-                    held_out=subject.held_out_names()))
-        return outputs.resolve_model(model)
-
-    def score(step_counts):
-        entries = [(f"step-{step}", model_at(step)) for step in step_counts]
-        result = evaluate.run(entries, [subject], job.eval_settings, os.path.join(folder, "eval"))[subject.name]
-        for step, (label, model) in zip(step_counts, entries):
-            overall = result["models"][label]["overall"]
-            ray.tune.report({"step": step, "model": model.lora_dir or model.model_dir, **overall,
-                             "score": rank_score(overall, *job.rank_against.get(subject.name, (None, 0.0)))})
-
-    if not job.early_stopping:
-        train.run(train_args)  # after a restart: resumes from the trial's newest checkpoint
-        score(steps)
-    else:
-        for step in steps:
-            train.run(train_args, stop_step=step)  # ends at this step count; the next run resumes from it
-            score([step])  # ASHA decides here whether the trial goes on
-    if not job.keep_checkpoints:  # every step count is a model now: the checkpoints' disk is freed
-        remove_checkpoints(train_args.storage_path)
-
-
-def trial_args(job, config, subject, folder):
-    """A trial's train.py flags: the sweep's base as given, with the trial's own set on it, then
-    everything worked out from them (planning.derive), as a train.py command line of them would be."""
-    steps = job.steps
-    own = dict(
-        model_dir=job.model_dir, output_dir=os.path.join(folder, "model"), instance_data_dir=subject.photos_dir,
-        instance_prompt=f"photo of {subject.unique_token} {subject.class_name}",
-        class_data_dir=job.class_dirs[subject.class_name], class_prompt=f"photo of a {subject.class_name}",
-        learning_rate=config["learning_rate"], max_train_steps=steps[-1],
-        train_text_encoder=config["train_text_encoder"], checkpointing_steps=math.gcd(*steps),
-        checkpoints_total_limit=checkpoints_kept(steps), keep_checkpoints=True,
-        storage_path=os.path.join(folder, "ray_results"), resume_from_checkpoint="latest", overwrite=True,
-        **({"lora_rank": config["rank"]} if config["use_lora"] else {}))
-    parser = planning.train_parser()
-    parser.given, parser.typed = set(job.given) | set(own), set(job.typed) | set(own)
-    return planning.derive(argparse.Namespace(**{**vars(job.train_given), **own}), parser)
-
-
-def checkpoints_kept(steps):
-    """The checkpoints a trial keeps (one every gcd of the step counts, up to the last): every step
-    count's is kept until it is scored, then all are removed."""
-    return steps[-1] // math.gcd(*steps)
-
-
-def remove_checkpoints(storage_path):
-    for run in os.listdir(storage_path) if os.path.isdir(storage_path) else ():
-        checkpoint.remove_all(os.path.join(storage_path, run))
-
-
 def check_disk(args, train_args, num_trials, concurrency):
     """The sweep's disk, estimated before any trial: the checkpoints of the trials running at once, and
     a model per trial and step count; a UserError when --sweep_dir's disk has not that much free."""
@@ -273,7 +169,7 @@ def check_disk(args, train_args, num_trials, concurrency):
     steps = args.sweep_max_train_steps
     per_checkpoint, per_model = checkpoint.disk_bytes(args.model_dir, train_args.use_lora,
                                                       train_args.train_text_encoder)
-    needed = concurrency * (checkpoints_kept(steps) + 1) * per_checkpoint + num_trials * len(steps) * per_model
+    needed = concurrency * (sweep_trial.checkpoints_kept(steps) + 1) * per_checkpoint + num_trials * len(steps) * per_model
     free = failures.free_bytes(args.sweep_dir)
     what = (f"{num_trials} trial(s) x {len(steps)} step count(s) x a model of {utils.size_text(per_model)}, and "
             f"the checkpoints of {concurrency} trial(s) at once, {utils.size_text(per_checkpoint)} each")
@@ -282,25 +178,6 @@ def check_disk(args, train_args, num_trials, concurrency):
                               f"({what}) but {utils.size_text(free)} is free there: fewer trials or step counts, "
                               "--use_lora, or a --sweep_dir on a larger disk")
     return f"about {utils.size_text(needed)} of disk ({what})"
-
-
-def ranking_key(rows):
-    """Which DINO a sweep ranks rows of scores by: against the held-out photos when every row has it
-    (--holdout), else against all of them."""
-    return "dino_holdout" if all(r.get("dino_holdout") is not None for r in rows) else "dino"
-
-
-def ranking_dino(scores):
-    """The DINO one set of scores ranks by (ranking_key)."""
-    return scores[ranking_key([scores])]
-
-
-def rank_score(overall, clip_t_floor, base_dino):
-    """What ASHA compares trials by: the DINO gain over the subject's base model (DINO against held-out
-    photos with --holdout), less 1 when CLIP-T fell below clip_t_floor (the base model's minus the
-    margin: a model that forgot the prompt ranks under every one that kept it)."""
-    gain = ranking_dino(overall) - base_dino
-    return gain - 1.0 if clip_t_floor is not None and overall["clip_t"] < clip_t_floor else gain
 
 
 def max_concurrent(args, train_args):
@@ -327,7 +204,7 @@ def run_tune(job, space, concurrency, num_samples):
     bottom half at a step count (its rungs: the step counts from the smallest, doubling)."""
     from ray import tune
 
-    trainable = tune.with_resources(tune.with_parameters(trial_fn, job=job), {"CPU": 0, "memory": 1})
+    trainable = tune.with_resources(tune.with_parameters(sweep_trial.trial_fn, job=job), {"CPU": 0, "memory": 1})
     path = os.path.join(job.sweep_dir, "tune")
     if tune.Tuner.can_restore(path):
         print(f"resuming the sweep in {path}: finished trials are kept, the others run", file=sys.stderr)
@@ -387,44 +264,6 @@ def wants_early_stopping(args, num_trials):
     return args.search == "random" or num_trials > 4
 
 
-def collect(results, last_step=None):
-    """Rows of the trials table: one per (trial, step count) scored, one per failed trial. A trial
-    whose last score is before last_step (the largest step count) without an error was stopped early:
-    its last row says so."""
-    rows = []
-    for result in results:
-        config = {**result.config}
-        settings = {k: config[k] for k in ("subject", "learning_rate", "rank", "train_text_encoder")}
-        settings["rank"] = settings["rank"] if config.get("use_lora") else None  # full fine-tuning has none
-        frame = result.metrics_dataframe
-        scored = frame.to_dict("records") if frame is not None and "dino" in frame else []
-        for record in scored:
-            rows.append({**settings, "step": int(record["step"]), "model": record["model"],
-                         **{k: record.get(k) for k in METRICS}, "status": "ok"})
-        if scored and result.error is None and last_step and rows[-1]["step"] < last_step:
-            rows[-1]["note"] = f"stopped early at step {rows[-1]['step']} (behind the others there)"
-        if result.error is not None:
-            reason = str(result.error).strip().splitlines()
-            rows.append({**settings, "step": None, "model": None, **dict.fromkeys(METRICS),
-                         "status": "failed: " + (reason[-1] if reason else type(result.error).__name__)})
-    return rows
-
-
-def choose(rows, base, margin):
-    """{subject: best row}: highest DINO with CLIP-T >= the base's minus margin (else highest DINO, flagged).
-    With --holdout, DINO against the held-out photos: a model that copies its training photos does not win."""
-    best = {}
-    for subject in base:
-        scored = [r for r in rows if r["subject"] == subject and r["status"] == "ok"]
-        if not scored:
-            continue
-        floor = base[subject]["clip_t"] - margin
-        kept = [r for r in scored if r["clip_t"] >= floor]
-        key = ranking_key(scored)
-        best[subject] = {**max(kept or scored, key=lambda r: r[key]), "within_margin": bool(kept), "ranked_by": key}
-    return best
-
-
 def target_dir(args, name):
     """Where a subject's best model goes: --output_dir, or with --subjects_dir its sub-folder."""
     return args.output_dir if args.instance_data_dir else os.path.join(args.output_dir, name)
@@ -457,6 +296,41 @@ def main(argv=None):
     early_stopping = wants_early_stopping(args, trials_per_subject(args, train_args))
     # --holdout (train.py's flag, for every trial): the same photos kept out of training and scored apart
     subjects = {name: dataclasses.replace(s, holdout=train_args.holdout) for name, s in read_subjects(args).items()}
+    check_inputs(args, train_args, subjects)
+    set_aside_another_sweep(args.sweep_dir, args.settings_toml)
+    config = flags.write_config(os.path.join(args.sweep_dir, "sweep_config.toml"), args.settings_toml)
+    print(f"settings: {config} (sweep.py --config {config} repeats this sweep)", file=sys.stderr)
+    raycluster.init_ray()
+    eval_settings = evaluate.EvalSettings(
+        args.eval_models_dir, args.eval_images_per_prompt, train_args.seed, args.batch_size, args.num_inference_steps,
+        args.guidance_scale, train_args.resolution, None, train_args.allow_unsafe_weights)
+    class_dirs = prepare_class_images(args, subjects, train_args)
+    base = score_base(args, subjects, eval_settings)
+    # A trial draws and embeds its images on the GPUs it trained on (one actor on a CPU cluster).
+    trial_actors = train_args.num_workers * train_args.gpus_per_worker if raycluster.cluster_resources()[1] else 1
+    rank_against = {name: (s["clip_t"] - args.clip_t_margin, sweep_rows.ranking_dino(s)) for name, s in base.items()}
+    parser, given = planning.parse_given(trial_base_argv(args, train_flags))  # parsed once, for every trial
+    job = sweep_trial.SweepJob(subjects, args.sweep_dir, tuple(args.sweep_max_train_steps), class_dirs, given,
+                               frozenset(parser.given), frozenset(parser.typed), args.model_dir,
+                               dataclasses.replace(eval_settings, num_actors=trial_actors), early_stopping,
+                               rank_against, train_args.keep_checkpoints)
+    concurrency = max_concurrent(args, train_args)
+    num_samples = args.num_trials if args.search == "random" else 1
+    disk = check_disk(args, train_args, len(subjects) * trials_per_subject(args, train_args), concurrency)
+    stopping = "; trials behind at a step count stop there (ASHA)" if early_stopping else ""
+    print(f"sweep: {len(subjects)} subject(s), steps {args.sweep_max_train_steps}, {args.search} search, "
+          f"{concurrency} trial(s) at once{stopping}; {disk}; working folder {args.sweep_dir}", file=sys.stderr)
+    rows = sweep_rows.collect(run_tune(job, param_space(args, subjects, train_args), concurrency, num_samples),
+                              args.sweep_max_train_steps[-1])
+    if not job.keep_checkpoints:  # (those of trials stopped early, too)
+        for trial in glob.glob(os.path.join(args.sweep_dir, "trials", "*", "ray_results")):
+            sweep_trial.remove_checkpoints(trial)
+    return finish(args, subjects, rows, base)
+
+
+def check_inputs(args, train_args, subjects):
+    """What would fail in a trial, checked before the first: each subject's photos and prompts, the
+    base and scoring models, the output folders."""
     for subject in subjects.values():  # a missing or corrupt photo or a bad prompt file fails now, not in a trial
         imagefiles.inspect_images(subject.photos(), 0, os.path.join(args.sweep_dir, "converted-images"))
         subject.prompts()
@@ -469,54 +343,32 @@ def main(argv=None):
         utils.check_output_path(path, flag, inputs)
     for name in subjects:
         outputs.check_output_dir(target_dir(args, name), train_args.overwrite)
-    set_aside_another_sweep(args.sweep_dir, args.settings_toml)
-    config = flags.write_config(os.path.join(args.sweep_dir, "sweep_config.toml"), args.settings_toml)
-    print(f"settings: {config} (sweep.py --config {config} repeats this sweep)", file=sys.stderr)
-    raycluster.init_ray()
-    eval_settings = evaluate.EvalSettings(
-        args.eval_models_dir, args.eval_images_per_prompt, train_args.seed, args.batch_size, args.num_inference_steps,
-        args.guidance_scale, train_args.resolution, None, train_args.allow_unsafe_weights)
-    class_dirs = prepare_class_images(args, subjects, train_args)
-    base = score_base(args, subjects, eval_settings)
-    # A trial draws and embeds its images on the GPUs it trained on (one actor on a CPU cluster).
-    trial_actors = train_args.num_workers * train_args.gpus_per_worker if raycluster.cluster_resources()[1] else 1
-    rank_against = {name: (s["clip_t"] - args.clip_t_margin, ranking_dino(s)) for name, s in base.items()}
-    parser, given = planning.parse_given(trial_base_argv(args, train_flags))  # parsed once, for every trial
-    job = SweepJob(subjects, args.sweep_dir, tuple(args.sweep_max_train_steps), class_dirs, given,
-                   frozenset(parser.given), frozenset(parser.typed), args.model_dir,
-                   dataclasses.replace(eval_settings, num_actors=trial_actors), early_stopping, rank_against,
-                   train_args.keep_checkpoints)
-    concurrency = max_concurrent(args, train_args)
-    num_samples = args.num_trials if args.search == "random" else 1
-    disk = check_disk(args, train_args, len(subjects) * trials_per_subject(args, train_args), concurrency)
-    stopping = "; trials behind at a step count stop there (ASHA)" if early_stopping else ""
-    print(f"sweep: {len(subjects)} subject(s), steps {args.sweep_max_train_steps}, {args.search} search, "
-          f"{concurrency} trial(s) at once{stopping}; {disk}; working folder {args.sweep_dir}", file=sys.stderr)
-    rows = collect(run_tune(job, param_space(args, subjects, train_args), concurrency, num_samples),
-                   args.sweep_max_train_steps[-1])
-    if not job.keep_checkpoints:  # (those of trials stopped early, too)
-        for trial in glob.glob(os.path.join(args.sweep_dir, "trials", "*", "ray_results")):
-            remove_checkpoints(trial)
+
+
+def finish(args, subjects, rows, base):
+    """Each subject's best model copied to its target, the table, plot and report written, and the
+    outcome in a few lines; {"rows", "best", "base", "copied_to"}. UserError when every trial failed."""
     for row in rows:
-        if row.get("note"):
-            print(f"{row['subject']}: trial lr {row['learning_rate']:.3g} {row['note']}", file=sys.stderr)
-    best = choose(rows, base, args.clip_t_margin)
-    for name, row in best.items():
-        target = target_dir(args, name)
-        utils.atomic_write_dir(target, lambda tmp, source=row["model"]: shutil.copytree(source, tmp, dirs_exist_ok=True))
-        row["copied_to"] = target
+        if row.note:
+            print(f"{row.subject}: trial lr {row.learning_rate:.3g} {row.note}", file=sys.stderr)
+    best = sweep_rows.choose(rows, base, args.clip_t_margin)
+    copied_to = {}
+    for name, choice in best.items():
+        copied_to[name] = target_dir(args, name)
+        utils.atomic_write_dir(copied_to[name],
+                               lambda tmp, source=choice.row.model: shutil.copytree(source, tmp, dirs_exist_ok=True))
     written = sweep_report.write_all(args.sweep_dir, rows, base, best, args.clip_t_margin)
-    failed = sum(r["status"] != "ok" for r in rows)
+    failed = sum(not r.scored for r in rows)
     for name in subjects:
         if name not in best:
             print(f"{name}: every trial failed; see {written['table']}", file=sys.stderr)
             continue
-        row = best[name]
-        note = "" if row["within_margin"] else f" (no trial kept CLIP-T within {args.clip_t_margin} of the base)"
-        print(f"{name}: best lr {row['learning_rate']:.3g}, {row['step']} steps, DINO {row['dino']:.3f}, "
-              f"CLIP-T {row['clip_t']:.3f}{note} -> {row['copied_to']}", file=sys.stderr)
+        row = best[name].row
+        note = "" if best[name].within_margin else f" (no trial kept CLIP-T within {args.clip_t_margin} of the base)"
+        print(f"{name}: best lr {row.learning_rate:.3g}, {row.step} steps, DINO {row.dino:.3f}, "
+              f"CLIP-T {row.clip_t:.3f}{note} -> {copied_to[name]}", file=sys.stderr)
     print(f"{len(rows) - failed} scored, {failed} failed trial(s); {written['table']}, {written['plot']}, "
           f"{written['report']}", file=sys.stderr)
     if not best:
         raise utils.UserError("every trial failed: see the table for each error")
-    return {"rows": rows, "best": best, "base": base}
+    return {"rows": rows, "best": best, "base": base, "copied_to": copied_to}

@@ -1,6 +1,7 @@
 """sweep.py's outputs: the table of every trial, the DINO/CLIP-T scatter plot and the report across subjects."""
 
 import csv
+import dataclasses
 import os
 
 from dreambooth import evaluate
@@ -21,9 +22,10 @@ def _format(value):
 
 
 def table_rows(rows, best):
-    """Rows sorted by subject, then DINO (failed trials last), with the chosen ones marked."""
-    chosen = {(b["subject"], b["model"]) for b in best.values()}
-    marked = [{**r, "chosen": (r["subject"], r["model"]) in chosen} for r in rows]
+    """The table's rows ({column: value}) of sweep_rows.TrialRows: sorted by subject, then DINO
+    (failed trials last), with the chosen ones marked."""
+    chosen = {(c.row.subject, c.row.model) for c in best.values()}
+    marked = [{**dataclasses.asdict(r), "chosen": (r.subject, r.model) in chosen} for r in rows]
     return sorted(marked, key=lambda r: (r["subject"], r["status"] != "ok", -(r["dino"] or 0)))
 
 
@@ -55,12 +57,12 @@ def write_plot(folder, rows, base, best, margin):
     fig, axis = plt.subplots(figsize=(7, 5), dpi=100)
     for i, subject in enumerate(base):
         color = f"C{i % 10}"
-        scored = [r for r in rows if r["subject"] == subject and r["status"] == "ok"]
-        axis.scatter([r["clip_t"] for r in scored], [r["dino"] for r in scored], color=color, label=subject)
+        scored = [r for r in rows if r.subject == subject and r.scored]
+        axis.scatter([r.clip_t for r in scored], [r.dino for r in scored], color=color, label=subject)
         axis.scatter([base[subject]["clip_t"]], [base[subject]["dino"]], color=color, marker="x", s=80)
         axis.axvline(base[subject]["clip_t"] - margin, color=color, linestyle=":", alpha=0.6)
         if subject in best:
-            axis.scatter([best[subject]["clip_t"]], [best[subject]["dino"]], s=250, facecolors="none",
+            axis.scatter([best[subject].row.clip_t], [best[subject].row.dino], s=250, facecolors="none",
                          edgecolors=color, linewidths=2)
     axis.set_xlabel("CLIP-T (prompt fidelity)")
     axis.set_ylabel("DINO (subject fidelity)")
@@ -83,13 +85,14 @@ def write_report(folder, base, best, margin):
     for subject, base_scores in base.items():
         cells = lambda s: " | ".join(_format(s.get(k)) for k in evaluate.SCORE_NAMES + ("pres",))  # noqa: E731
         lines.append(f"| {subject} | base | | {cells(base_scores)} |")
-        row = best.get(subject)
-        if row is None:
+        choice = best.get(subject)
+        if choice is None:
             lines.append(f"| {subject} | (every trial failed) | | | | | | |")
             continue
-        settings = (f"lr {row['learning_rate']:.3g}, {row['step']} steps, text encoder "
-                    f"{_format(row['train_text_encoder'])}" + ("" if row["within_margin"] else ", **outside the margin**"))
-        lines.append(f"| {subject} | chosen | {settings} | {cells(row)} |")
+        row = choice.row
+        settings = (f"lr {row.learning_rate:.3g}, {row.step} steps, text encoder {_format(row.train_text_encoder)}"
+                    + ("" if choice.within_margin else ", **outside the margin**"))
+        lines.append(f"| {subject} | chosen | {settings} | {cells(row.scores())} |")
     paper = scores.PAPER_SD
     lines.append(f"| | paper, SD DreamBooth | | {paper['dino']:.3f} | {paper['clip_i']:.3f} | {paper['clip_t']:.3f} | | |")
     path = os.path.join(folder, "report.md")
@@ -99,5 +102,7 @@ def write_report(folder, base, best, margin):
 
 
 def write_all(folder, rows, base, best, margin):
+    """trials.csv and .md, sweep.png and report.md of sweep_rows.TrialRows, the base model's scores of
+    each subject and each subject's sweep_rows.Choice."""
     return {"table": write_table(folder, rows, best), "plot": write_plot(folder, rows, base, best, margin),
             "report": write_report(folder, base, best, margin)}

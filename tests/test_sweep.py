@@ -1,4 +1,5 @@
 import csv
+import dataclasses
 import os
 import shutil
 import signal
@@ -10,6 +11,8 @@ import pytest
 from dreambooth import imagefiles
 from dreambooth import sweep
 from dreambooth import sweep_report
+from dreambooth import sweep_rows
+from dreambooth import sweep_trial
 from dreambooth import utils
 from dreambooth.utils import REPO_DIR
 
@@ -99,11 +102,11 @@ def test_a_trial_is_the_base_flags_with_its_own_set_and_the_rest_worked_out_agai
         "--sweep_max_train_steps", "2,6"])
     parser, given = planning.parse_given(sweep.trial_base_argv(args, train_flags))
     before = argparse.Namespace(**vars(given))
-    job = sweep.SweepJob({}, str(tmp_path / "sweep"), (2, 6), {"toy": "/classes"}, given, frozenset(parser.given),
+    job = sweep_trial.SweepJob({}, str(tmp_path / "sweep"), (2, 6), {"toy": "/classes"}, given, frozenset(parser.given),
                          frozenset(parser.typed), tiny_model, None)
     subject = evaluate.Subject("rex", toy_images, "sks", "toy", "object")
     config = {"subject": "rex", "learning_rate": 3e-4, "rank": 16, "use_lora": True, "train_text_encoder": False}
-    trial = sweep.trial_args(job, config, subject, str(tmp_path / "trial"))
+    trial = sweep_trial.trial_args(job, config, subject, str(tmp_path / "trial"))
     assert (trial.lora_rank, trial.lora_alpha, trial.learning_rate, trial.train_text_encoder) == (16, 16.0, 3e-4, False)
     assert (trial.max_train_steps, trial.checkpointing_steps, trial.checkpoints_total_limit) == (6, 2, 3)
     assert trial.storage_path == str(tmp_path / "trial" / "ray_results") and trial.num_workers == 1
@@ -131,37 +134,36 @@ def test_search_space_is_a_grid_of_every_value_or_random_draws_with_a_log_unifor
     assert "LogUniform" in type(space["learning_rate"].get_sampler()).__name__
     assert space["rank"].categories == [4, 8] and space["train_text_encoder"].categories == [True]
     assert space["subject"] == tune.grid_search(["rex", "mug"])  # every subject gets its own draws
-    assert sweep.trial_label({"subject": "rex", "learning_rate": 1.23456789e-5, "train_text_encoder": True,
+    assert sweep_trial.trial_label({"subject": "rex", "learning_rate": 1.23456789e-5, "train_text_encoder": True,
                               "use_lora": True, "rank": 8}) == "rex-lr1.23457e-05-te1-rank8"
 
 
 def row(subject, dino, clip_t, status="ok", model=None):
-    return {"subject": subject, "learning_rate": 1e-4, "rank": 4, "train_text_encoder": True, "step": 4,
-            "model": model or f"{subject}-{dino}-{clip_t}", "dino": dino, "clip_i": 0.5, "clip_t": clip_t,
-            "div": 0.1, "pres": 0.3, "status": status}
+    return sweep_rows.TrialRow(subject, 1e-4, True, rank=4, step=4, model=model or f"{subject}-{dino}-{clip_t}",
+                               dino=dino, clip_i=0.5, clip_t=clip_t, div=0.1, pres=0.3, status=status)
 
 
 def test_best_is_the_highest_dino_within_the_clip_t_margin_of_the_base():
     base = {"a": {"clip_t": 0.30}, "b": {"clip_t": 0.30}, "c": {"clip_t": 0.3}}
     rows = [row("a", 0.9, 0.25), row("a", 0.7, 0.29), row("a", 0.6, 0.31),
             row("b", 0.8, 0.10), row("b", 0.5, 0.20),
-            {**row("c", None, None, status="failed: out of memory"), "model": None}]
-    best = sweep.choose(rows, base, margin=0.02)
-    assert best["a"]["dino"] == 0.7 and best["a"]["within_margin"]  # 0.9 forgets the prompt
-    assert best["b"]["dino"] == 0.8 and not best["b"]["within_margin"]  # none kept CLIP-T: flagged
+            dataclasses.replace(row("c", None, None, status="failed: out of memory"), model=None)]
+    best = sweep_rows.choose(rows, base, margin=0.02)
+    assert best["a"].row.dino == 0.7 and best["a"].within_margin  # 0.9 forgets the prompt
+    assert best["b"].row.dino == 0.8 and not best["b"].within_margin  # none kept CLIP-T: flagged
     assert "c" not in best
-    assert sweep.choose(rows, base, margin=0.06)["a"]["dino"] == 0.9
+    assert sweep_rows.choose(rows, base, margin=0.06)["a"].row.dino == 0.9
     # --holdout: ranked by DINO against the photos the trials never saw
-    held = [{**r, "dino_holdout": h} for r, h in zip(rows[:3], (0.5, 0.6, 0.4))]
-    best = sweep.choose(held, {"a": base["a"]}, margin=0.06)["a"]
-    assert best["dino"] == 0.7 and best["ranked_by"] == "dino_holdout"
+    held = [dataclasses.replace(r, dino_holdout=h) for r, h in zip(rows[:3], (0.5, 0.6, 0.4))]
+    best = sweep_rows.choose(held, {"a": base["a"]}, margin=0.06)["a"]
+    assert best.row.dino == 0.7 and best.ranked_by == "dino_holdout"
 
 
 def test_table_plot_and_report_mark_the_chosen_trials_and_list_failed_ones(tmp_path):
     scores = {"dino": 0.5, "clip_i": 0.6, "clip_t": 0.3, "div": 0.2, "pres": 0.4}
     base = {"a": scores, "c": scores}
-    rows = [row("a", 0.6, 0.29), row("a", 0.7, 0.30), {**row("c", None, None, "failed: boom"), "model": None}]
-    best = sweep.choose(rows, base, 0.02)
+    rows = [row("a", 0.6, 0.29), row("a", 0.7, 0.30), dataclasses.replace(row("c", None, None, "failed: boom"), model=None)]
+    best = sweep_rows.choose(rows, base, 0.02)
     written = sweep_report.write_all(str(tmp_path), rows, base, best, 0.02)
     with open(tmp_path / "trials.csv") as f:
         table = list(csv.DictReader(f))
@@ -343,9 +345,9 @@ def test_early_stopping_is_on_for_random_search_and_big_grids_and_stops_within_a
     with pytest.raises(utils.UserError, match="needs 2 or more --sweep_max_train_steps"):
         sweep.wants_early_stopping(args(early_stopping="on", sweep_max_train_steps=[4]), 8)
     # The score: DINO gain over the base (held-out DINO when there is one), less 1 below the CLIP-T floor
-    assert sweep.rank_score({"dino": 0.7, "clip_t": 0.3}, 0.28, 0.5) == pytest.approx(0.2)
-    assert sweep.rank_score({"dino": 0.7, "clip_t": 0.2}, 0.28, 0.5) == pytest.approx(-0.8)
-    assert sweep.rank_score({"dino": 0.9, "dino_holdout": 0.6, "clip_t": 0.3}, 0.28, 0.5) == pytest.approx(0.1)
+    assert sweep_rows.rank_score({"dino": 0.7, "clip_t": 0.3}, 0.28, 0.5) == pytest.approx(0.2)
+    assert sweep_rows.rank_score({"dino": 0.7, "clip_t": 0.2}, 0.28, 0.5) == pytest.approx(-0.8)
+    assert sweep_rows.rank_score({"dino": 0.9, "dino_holdout": 0.6, "clip_t": 0.3}, 0.28, 0.5) == pytest.approx(0.1)
     # ASHA within each subject: a trial behind its own subject's at step 2 stops; another subject's goes on
     scheduler = sweep_scheduler.SubjectASHA(time_attr="step", metric="score", mode="max", max_t=4, grace_period=2,
                                             reduction_factor=2)
@@ -364,12 +366,12 @@ def test_a_trial_stopped_early_says_where_in_the_table():
     import pandas as pd
 
     def result(lr, steps, error=None):
-        frame = pd.DataFrame([{"step": s, "model": f"m{lr}-{s}", **{k: 0.5 for k in sweep.METRICS}} for s in steps])
+        frame = pd.DataFrame([{"step": s, "model": f"m{lr}-{s}", **{k: 0.5 for k in sweep_rows.METRICS}} for s in steps])
         return SimpleNamespace(config={"subject": "a", "learning_rate": lr, "rank": 4, "train_text_encoder": True,
                                        "use_lora": False}, metrics_dataframe=frame, error=error)
 
-    rows = sweep.collect([result(1e-4, [2, 4]), result(1e-5, [2])], last_step=4)
-    assert [r.get("note") for r in rows] == [None, None, "stopped early at step 2 (behind the others there)"]
+    rows = sweep_rows.collect([result(1e-4, [2, 4]), result(1e-5, [2])], last_step=4)
+    assert [r.note for r in rows] == [None, None, "stopped early at step 2 (behind the others there)"]
 
 
 def test_a_rerun_with_another_search_space_starts_afresh(tmp_path, capsys):
