@@ -290,7 +290,7 @@ def resolve_resume(resume_flag, storage_path, run_prefix, output_dir=None, ident
         if path is not None and resume_flag == "auto" and not continued:
             output = outputs.read_output(output_dir) if output_dir else None
             run = os.path.basename(os.path.dirname(path))
-            if output is not None and output.record.get("run_name") == run:
+            if output is not None and output.record.run_name == run:
                 print(f"the newest run ({run}) finished: starting afresh", file=sys.stderr)
                 return None
         if path is None:

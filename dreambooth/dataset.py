@@ -289,6 +289,21 @@ def index_dataset(rows, block_rows):
     return ray.data.from_blocks([pa.Table.from_pylist(rows[k:k + block_rows]) for k in range(0, len(rows), block_rows)])
 
 
+def latent_crops(paths, sizes, instance_sizes, resolution, buckets, assigned, views):
+    """{"instance": (N, V, 6) time_ids of each photo's cached views, "class": the same of each class
+    image ({bucket: ...}: fitted to each bucket the photos use)} (SDXL's size and crop numbers)."""
+    crops = {"instance": [latent_view_time_ids(*sizes["instance", p], size, views)
+                          for p, size in zip(paths["instance"], instance_sizes)]}
+    if buckets is None:
+        crops["class"] = [latent_view_time_ids(*sizes["class", p], resolution, views) for p in paths["class"]]
+    else:
+        crops["class"] = {b: [latent_view_time_ids(sizes["class", p][0],
+                                                   imaging.covering_shape(sizes["class", p][1], buckets[b]),
+                                                   buckets[b], views) for p in paths["class"]]
+                          for b in set(assigned)}
+    return crops
+
+
 def build_train_dataset(instance_paths, class_paths, resolution, center_crop, random_flip, latent_cache=None,
                         num_epochs=1, seed=0, batch_size=16, with_time_ids=False, mask_sources=None, buckets=None):
     """The training Dataset of a whole run: num_epochs epochs of plan_rows, turned into pixels
@@ -325,18 +340,8 @@ def build_train_dataset(instance_paths, class_paths, resolution, center_crop, ra
     instance_sizes = sizes_of(resolution, buckets, assigned or [None] * len(instances))
     views = 2 if random_flip else 1
     if latent_cache:
-        crops = None
-        if with_time_ids:
-            crops = {"instance": [latent_view_time_ids(*sizes["instance", p], size, views)
-                                  for p, size in zip(instance_paths, instance_sizes)]}
-            if buckets is None:
-                crops["class"] = [latent_view_time_ids(*sizes["class", p], resolution, views) for p in paths["class"]]
-            else:
-                crops["class"] = {b: [latent_view_time_ids(sizes["class", p][0],
-                                                           imaging.covering_shape(sizes["class", p][1], buckets[b]),
-                                                           buckets[b], views) for p in paths["class"]]
-                                  for b in set(assigned)}
-            crops = ray.put(crops)
+        crops = ray.put(latent_crops(paths, sizes, instance_sizes, resolution, buckets, assigned, views)) \
+            if with_time_ids else None
         mask_views = None
         if masks is not None:
             mask_views = ray.put([stored_mask_views(masks[p], size, views) for p, size in zip(instance_paths,

@@ -323,7 +323,7 @@ def check_holdout(model_dir, subject):
     output = outputs.read_output(model_dir)
     if output is None:
         return  # not train.py's output: nothing recorded to check against
-    trained_without = output.record.get("held_out") or []
+    trained_without = list(output.record.held_out)
     if trained_without != held:
         said = f"held out {', '.join(trained_without)}" if trained_without else "trained on every photo"
         raise utils.UserError(f"the model in {model_dir} was {said}; --holdout {subject.holdout} holds out "

@@ -55,18 +55,59 @@ class LoraSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class TrainRecord:
+    """What made a model train.py saved: its record (utils.OUTPUT_MARKER, JSON) beside the weights."""
+
+    base_model: str  # the model folder it was trained from
+    steps: int = None
+    instance_prompt: str = None
+    class_prompt: str = None
+    vae: str = None  # --pretrained_vae_model_name_or_path's folder, when one was trained with
+    lora: LoraSettings = None  # a LoRA output's adapters; None for a full model
+    ema_decay: float = None  # --use_ema: the weights are the moving average
+    held_out: tuple = ()  # the photos --holdout kept out of its training
+    model_id: str = None  # made when it was saved (new_model_id); None in records older than the id
+    run_name: str = None
+    identity: dict = None  # run_identity.of_run: what decided its weights
+
+    @classmethod
+    def of_plan(cls, plan):
+        """The record of a model saved now at the plan's end step, with a new model id."""
+        return cls(plan.model_dir, plan.end_step, plan.instance_prompt, plan.class_prompt, plan.vae_dir,
+                   LoraSettings.of(plan), plan.ema_decay if plan.use_ema else None, tuple(plan.held_out),
+                   new_model_id(), plan.run_name, plan.identity)
+
+    @classmethod
+    def from_json(cls, data):
+        fields = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in fields}
+        return cls(**{**values, "base_model": data.get("base_model", ""), "lora": LoraSettings.from_record(data),
+                      "held_out": tuple(data.get("held_out") or ())})
+
+    def to_json(self):
+        return {**dataclasses.asdict(self), "lora": self.lora.to_record() if self.lora else None,
+                "held_out": list(self.held_out)}
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainedOutput:
-    """train.py's output folder, read from its record (utils.OUTPUT_MARKER)."""
+    """train.py's output folder and its TrainRecord."""
 
     folder: str
-    base_model: str  # the model folder it was trained from
-    model_id: str | None  # made when it was saved; None for outputs older than the id
-    record: dict
+    record: TrainRecord
+
+    @property
+    def base_model(self):
+        return self.record.base_model
+
+    @property
+    def model_id(self):
+        return self.record.model_id
 
     @property
     def lora(self):
         """Its LoraSettings, or None for a full model."""
-        return LoraSettings.from_record(self.record)
+        return self.record.lora
 
 
 def holds_lora(folder):
@@ -79,9 +120,7 @@ def read_output(folder):
     path = os.path.join(folder, utils.OUTPUT_MARKER)
     if not os.path.isfile(path):
         return None
-    record = utils.read_json(path)
-    return TrainedOutput(folder=folder, base_model=record.get("base_model", ""), model_id=record.get("model_id"),
-                         record=record)
+    return TrainedOutput(folder, TrainRecord.from_json(utils.read_json(path)))
 
 
 def new_model_id():
@@ -270,12 +309,7 @@ def save_pipeline(nets, plan):
 
     unet = models.unwrap(nets.unet)
     text_encoders = {name: models.unwrap(model) for name, model in zip(plan.family.text_encoders, nets.text_encoders())}
-    marker = {"base_model": plan.model_dir, "vae": plan.vae_dir, "steps": plan.end_step,
-              "instance_prompt": plan.instance_prompt,
-              "class_prompt": plan.class_prompt, "lora": lora.to_record() if (lora := LoraSettings.of(plan)) else None,
-              "ema_decay": plan.ema_decay if plan.use_ema else None,
-              "held_out": list(plan.held_out),
-              "model_id": new_model_id(), "run_name": plan.run_name, "identity": plan.identity}
+    record = TrainRecord.of_plan(plan)
 
     def write(tmp):
         if plan.use_lora:
@@ -287,7 +321,7 @@ def save_pipeline(nets, plan):
             pipe = models.from_pretrained(pipeline, plan.model_dir, plan.allow_unsafe_weights, unet=unet,
                                           **text_encoders, **vae)
             pipe.save_pretrained(tmp, safe_serialization=True)
-        utils.write_json(os.path.join(tmp, utils.OUTPUT_MARKER), marker)
+        utils.write_json(os.path.join(tmp, utils.OUTPUT_MARKER), record.to_json())
         if plan.settings_toml:
             flags.write_config(os.path.join(tmp, TRAIN_CONFIG), plan.settings_toml)
 

@@ -350,7 +350,7 @@ def keep_finished(output_dir, identity):
     output = outputs.read_output(output_dir)
     if output is None:
         return
-    differs = run_identity.differences(output.record.get("identity"), identity)
+    differs = run_identity.differences(output.record.identity, identity)
     if not differs:
         raise AlreadyTrained(f"{output_dir} holds the finished model of this run (same settings and files): "
                              f"keeping it (leave out --resume_from_checkpoint auto, or RETRAIN=1 with "

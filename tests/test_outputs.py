@@ -87,3 +87,13 @@ def test_output_dir_that_is_not_ours_is_refused(tmp_path):
     with pytest.raises(utils.UserError, match="--overwrite"):
         outputs.check_output_dir(str(tmp_path), overwrite=False)
     outputs.check_output_dir(str(tmp_path), overwrite=True)
+
+
+def test_the_train_record_round_trips_and_reads_older_records(make_plan):
+    record = outputs.TrainRecord.of_plan(make_plan(use_lora=True, lora_rank=8, lora_alpha=4.0, held_out=("c.jpg",)))
+    data = record.to_json()
+    assert data["lora"] == {"rank": 8, "lora_alpha": 4.0} and data["held_out"] == ["c.jpg"]  # the file's keys
+    assert outputs.TrainRecord.from_json(data) == record
+    assert outputs.TrainRecord.of_plan(make_plan()).model_id != record.model_id  # every save its own id
+    old = outputs.TrainRecord.from_json({"base_model": "/m", "steps": 10, "retired_key": 1})
+    assert (old.base_model, old.steps, old.lora, old.model_id, old.held_out) == ("/m", 10, None, None, ())
