@@ -143,23 +143,57 @@ def score_set(emb, files, real, held_out=()):
                if held_out else {})}
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelScores:
+    """One model's scores on one subject: overall ({score name: value}, SCORE_NAMES, "pres" and with
+    --holdout HOLDOUT_NAMES) and per prompt ({prompt: {score name: value}})."""
+
+    overall: dict
+    per_prompt: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalResult:
+    """The scores of every model on one subject, as scores.json holds them."""
+
+    subject: str  # "<token> <class>"
+    num_prompts: int
+    num_samples_per_prompt: int
+    num_photos: int  # the photos scored against (without the held-out ones)
+    prompts: tuple
+    models: dict  # {label: ModelScores}
+    class_prompt: str = None
+    held_out: tuple = ()  # the names of the photos kept out of training (--holdout)
+
+    def overall(self, label):
+        return self.models[label].overall
+
+    def to_json(self):
+        return {**dataclasses.asdict(self), "prompts": list(self.prompts), "held_out": list(self.held_out)}
+
+    @classmethod
+    def from_json(cls, data):
+        return cls(**{**data, "prompts": tuple(data["prompts"]), "held_out": tuple(data.get("held_out") or ()),
+                      "models": {label: ModelScores(**m) for label, m in data["models"].items()}})
+
+
 def _cell(value):
     return "" if value is None else f"{value:.3f}"
 
 
 def write_report(path, result):
-    """report.md: overall scores of each model beside the paper's for SD, then one row per prompt."""
-    labels = list(result["models"])
-    held = result.get("held_out") or []
+    """report.md of an EvalResult: overall scores of each model beside the paper's for SD, then one row per prompt."""
+    labels = list(result.models)
+    held = result.held_out
     kept_out = f" (+ {len(held)} held out of training: {', '.join(held)})" if held else ""
     lines = ["# DreamBooth evaluation", "",
-             f"Subject: `{result['subject']}`, {result['num_prompts']} prompts x {result['num_samples_per_prompt']} "
-             f"images, subject photos: {result['num_photos']}{kept_out}. Higher is better except PRES (language "
+             f"Subject: `{result.subject}`, {result.num_prompts} prompts x {result.num_samples_per_prompt} "
+             f"images, subject photos: {result.num_photos}{kept_out}. Higher is better except PRES (language "
              "drift).", "",
              "| model | DINO | CLIP-I | CLIP-T | DIV | PRES |" + (" DINO held out | CLIP-I held out |" if held else ""),
              "| --- | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if held else "")]
     for label in labels:
-        s = result["models"][label]["overall"]
+        s = result.overall(label)
         names = (*SCORE_NAMES, "pres", *(HOLDOUT_NAMES if held else ()))
         lines.append(f"| {label} | " + " | ".join(_cell(s.get(k)) for k in names) + " |")
     paper = scores.PAPER_SD
@@ -167,10 +201,10 @@ def write_report(path, result):
               + (" | |" if held else ""),
               "", "## Per prompt", "", "| prompt | " + " | ".join(f"{label} DINO | {label} CLIP-T" for label in labels)
               + " |", "| --- |" + " ---: | ---: |" * len(labels)]
-    for prompt in result["prompts"]:
+    for prompt in result.prompts:
         cells = []
         for label in labels:
-            s = result["models"][label]["per_prompt"].get(prompt)
+            s = result.models[label].per_prompt.get(prompt)
             cells += [_cell(s["dino"]), _cell(s["clip_t"])] if s else ["", ""]
         lines.append(f"| {prompt} | " + " | ".join(cells) + " |")
     with open(path, "w") as f:
@@ -227,7 +261,7 @@ def run(entries, subjects, settings, output_dir, report_dirs=None):
     each of subjects, with one actor pool for the images of every model and subject and one for all
     embeddings. Images go to output_dir/images/<label> (subjects with the same prompts share them);
     each subject's scores.json, report.md and grids to report_dirs[name] (default output_dir).
-    Returns {subject name: scores.json's dict}."""
+    Returns {subject name: EvalResult}."""
     import numpy as np
 
     for _, model in entries:  # before Ray starts
@@ -257,10 +291,7 @@ def run(entries, subjects, settings, output_dir, report_dirs=None):
     results = {}
     for subject in subjects:
         photos, folder = real[subject.name], (report_dirs or {}).get(subject.name, output_dir)
-        result = {"subject": f"{subject.unique_token} {subject.class_name}", "num_prompts": len(prompts[subject.name]),
-                  "num_samples_per_prompt": settings.num_samples_per_prompt, "num_photos": len(photos),
-                  "held_out": list(subject.held_out_names()),
-                  "prompts": list(prompts[subject.name]), "class_prompt": subject.class_prompt, "models": {}}
+        models = {}
         for label, _ in entries:
             subject_files = {p: files[label][p] for p in prompts[subject.name]}
             per_prompt = {p: score_set(emb, {p: paths}, photos) for p, paths in subject_files.items() if paths}
@@ -269,10 +300,13 @@ def run(entries, subjects, settings, output_dir, report_dirs=None):
             overall["pres"] = scores.mean_similarity(
                 np.stack([emb[p]["dino"] for p in class_images]),
                 np.stack([emb[p]["dino"] for p in photos])) if class_images else None
-            result["models"][label] = {"overall": overall, "per_prompt": per_prompt}
+            models[label] = ModelScores(overall, per_prompt)
             write_prompt_grids(folder, label, {p: files[label][p] for p in [*subject_files, subject.class_prompt]})
+        result = EvalResult(f"{subject.unique_token} {subject.class_name}", len(prompts[subject.name]),
+                            settings.num_samples_per_prompt, len(photos), tuple(prompts[subject.name]), models,
+                            subject.class_prompt, tuple(subject.held_out_names()))
         os.makedirs(folder, exist_ok=True)
-        utils.write_json(os.path.join(folder, "scores.json"), result)
+        utils.write_json(os.path.join(folder, "scores.json"), result.to_json())
         write_report(os.path.join(folder, "report.md"), result)
         results[subject.name] = result
     return results
@@ -311,7 +345,7 @@ def main(argv=None):
         imagefiles.inspect_images(subject.photos(), 0, scratch)
     result = run(models_to_score(args.model_dir, args.lora_dir, args.base_model_dir), [subject],
                  EvalSettings.from_args(args), args.output_dir)[subject.name]
-    print(f"tuned: {summary(result['models']['tuned']['overall'])}; report "
+    print(f"tuned: {summary(result.overall('tuned'))}; report "
           f"{os.path.join(args.output_dir, 'report.md')}", file=sys.stderr)
     return result
 

@@ -276,17 +276,17 @@ def score_base(args, subjects, eval_settings):
     base, todo = {}, []
     for subject in subjects.values():
         saved = os.path.join(folder, subject.name, "scores.json")
-        result = utils.read_json(saved) if os.path.isfile(saved) else None
-        if result and result["prompts"] == list(subject.prompts()) and \
-                result["num_samples_per_prompt"] == eval_settings.num_samples_per_prompt:
-            base[subject.name] = result["models"]["base"]["overall"]
+        result = evaluate.EvalResult.from_json(utils.read_json(saved)) if os.path.isfile(saved) else None
+        if result and result.prompts == tuple(subject.prompts()) and \
+                result.num_samples_per_prompt == eval_settings.num_samples_per_prompt:
+            base[subject.name] = result.overall("base")
         else:
             todo.append(subject)
     if todo:
         results = evaluate.run([("base", outputs.ModelRef(args.model_dir))], todo, eval_settings, folder,
                                {s.name: os.path.join(folder, s.name) for s in todo})
         for name, result in results.items():
-            base[name] = result["models"]["base"]["overall"]
+            base[name] = result.overall("base")
             print(f"base model on {name}: {evaluate.summary(base[name])}", file=sys.stderr)
     return {name: base[name] for name in subjects}
 

@@ -77,7 +77,7 @@ def trial_fn(config, job):
         entries = [(f"step-{step}", model_at(step)) for step in step_counts]
         result = evaluate.run(entries, [subject], job.eval_settings, os.path.join(folder, "eval"))[subject.name]
         for step, (label, model) in zip(step_counts, entries):
-            overall = result["models"][label]["overall"]
+            overall = result.overall(label)
             ray.tune.report({"step": step, "model": model.lora_dir or model.model_dir, **overall,
                              "score": sweep_rows.rank_score(overall, *job.rank_against.get(subject.name, (None, 0.0)))})
 

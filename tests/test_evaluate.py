@@ -49,9 +49,8 @@ def test_held_out_photos_are_scored_apart_and_must_be_the_ones_training_left_out
     assert s["clip_i_holdout"] == pytest.approx(2 ** -0.5) and "dino_holdout" not in evaluate.score_set(
         emb, {"p": ["gen"]}, ["seen"])
     assert "DINO held out 0.000, CLIP-I held out 0.707" in evaluate.summary({**s, "pres": None})
-    result = {"subject": "unqtkn dog", "num_prompts": 1, "num_samples_per_prompt": 1, "num_photos": 4,
-              "held_out": ["e.jpg"], "prompts": ["p"], "models": {"tuned": {"overall": {**s, "pres": 0.4},
-                                                                            "per_prompt": {}}}}
+    result = evaluate.EvalResult("unqtkn dog", 1, 1, 4, ("p",), {"tuned": evaluate.ModelScores({**s, "pres": 0.4}, {})},
+                                 held_out=("e.jpg",))
     evaluate.write_report(str(tmp_path / "report.md"), result)
     report = (tmp_path / "report.md").read_text()
     assert "(+ 1 held out of training: e.jpg)" in report and "| tuned | 1.000 | 1.000 | 1.000 |  | 0.400 | 0.000 | 0.707 |" in report
@@ -73,9 +72,11 @@ def test_held_out_photos_are_scored_apart_and_must_be_the_ones_training_left_out
 
 def test_report_puts_each_model_beside_the_papers_values(tmp_path):
     s = {"dino": 0.5, "clip_i": 0.6, "clip_t": 0.25, "div": None, "pres": 0.4}
-    result = {"subject": "unqtkn dog", "num_prompts": 1, "num_samples_per_prompt": 1, "num_photos": 5,
-              "prompts": ["a unqtkn dog"], "models": {label: {"overall": s, "per_prompt": {"a unqtkn dog": s}}
-                                                       for label in ("tuned", "base")}}
+    result = evaluate.EvalResult.from_json({
+        "subject": "unqtkn dog", "num_prompts": 1, "num_samples_per_prompt": 1, "num_photos": 5,
+        "prompts": ["a unqtkn dog"], "models": {label: {"overall": s, "per_prompt": {"a unqtkn dog": s}}
+                                                for label in ("tuned", "base")}})
+    assert evaluate.EvalResult.from_json(result.to_json()) == result  # scores.json reads back as it was written
     evaluate.write_report(str(tmp_path / "report.md"), result)
     report = (tmp_path / "report.md").read_text()
     assert "| tuned | 0.500 | 0.600 | 0.250 |  | 0.400 |" in report and "| base |" in report
