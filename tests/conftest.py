@@ -189,3 +189,27 @@ def lora_output(make_plan, tmp_path):
                     weight.normal_(0, 0.2)
     outputs.save_pipeline(nets, plan)
     return plan.output_dir, nets
+
+
+def red_is_mask_photos(folder, count=3):
+    """Photos whose red channel is their mask's value (a tall one, a wide one, one with transparency
+    instead of a mask file), so a view's pixels say which mask pixels it must carry."""
+    import numpy as np
+    from PIL import Image
+
+    from dreambooth import imagefiles
+
+    folder.mkdir(exist_ok=True)
+    rng = np.random.default_rng(0)
+    photos = []
+    for k, (height, width) in enumerate([(40, 24), (24, 36), (30, 30)][:count]):
+        mask = (rng.random((height, width)) > 0.5).astype(np.uint8) * 255
+        pixels = np.stack([mask, np.full_like(mask, 9 * k), np.full_like(mask, 7)], axis=-1)
+        path = folder / f"p{k}.png"
+        if k == 2:  # the mask as the photo's own alpha channel
+            Image.fromarray(np.concatenate([pixels, mask[..., None]], axis=-1), "RGBA").save(path)
+        else:
+            Image.fromarray(pixels).save(path)
+            Image.fromarray(mask).save(folder / f"p{k}{imagefiles.MASK_SUFFIX}")
+        photos.append(str(path))
+    return photos
