@@ -1,5 +1,4 @@
 import csv
-import dataclasses
 import os
 import shutil
 import signal
@@ -10,7 +9,6 @@ import pytest
 
 from dreambooth import imagefiles
 from dreambooth import sweep
-from dreambooth import sweep_report
 from dreambooth import sweep_rows
 from dreambooth import sweep_trial
 from dreambooth import utils
@@ -136,46 +134,6 @@ def test_search_space_is_a_grid_of_every_value_or_random_draws_with_a_log_unifor
     assert space["subject"] == tune.grid_search(["rex", "mug"])  # every subject gets its own draws
     assert sweep_trial.trial_label({"subject": "rex", "learning_rate": 1.23456789e-5, "train_text_encoder": True,
                               "use_lora": True, "rank": 8}) == "rex-lr1.23457e-05-te1-rank8"
-
-
-def row(subject, dino, clip_t, status="ok", model=None):
-    return sweep_rows.TrialRow(subject, 1e-4, True, rank=4, step=4, model=model or f"{subject}-{dino}-{clip_t}",
-                               dino=dino, clip_i=0.5, clip_t=clip_t, div=0.1, pres=0.3, status=status)
-
-
-def test_best_is_the_highest_dino_within_the_clip_t_margin_of_the_base():
-    base = {"a": {"clip_t": 0.30}, "b": {"clip_t": 0.30}, "c": {"clip_t": 0.3}}
-    rows = [row("a", 0.9, 0.25), row("a", 0.7, 0.29), row("a", 0.6, 0.31),
-            row("b", 0.8, 0.10), row("b", 0.5, 0.20),
-            dataclasses.replace(row("c", None, None, status="failed: out of memory"), model=None)]
-    best = sweep_rows.choose(rows, base, margin=0.02)
-    assert best["a"].row.dino == 0.7 and best["a"].within_margin  # 0.9 forgets the prompt
-    assert best["b"].row.dino == 0.8 and not best["b"].within_margin  # none kept CLIP-T: flagged
-    assert "c" not in best
-    assert sweep_rows.choose(rows, base, margin=0.06)["a"].row.dino == 0.9
-    # --holdout: ranked by DINO against the photos the trials never saw
-    held = [dataclasses.replace(r, dino_holdout=h) for r, h in zip(rows[:3], (0.5, 0.6, 0.4))]
-    best = sweep_rows.choose(held, {"a": base["a"]}, margin=0.06)["a"]
-    assert best.row.dino == 0.7 and best.ranked_by == "dino_holdout"
-
-
-def test_table_plot_and_report_mark_the_chosen_trials_and_list_failed_ones(tmp_path):
-    scores = {"dino": 0.5, "clip_i": 0.6, "clip_t": 0.3, "div": 0.2, "pres": 0.4}
-    base = {"a": scores, "c": scores}
-    rows = [row("a", 0.6, 0.29), row("a", 0.7, 0.30), dataclasses.replace(row("c", None, None, "failed: boom"), model=None)]
-    best = sweep_rows.choose(rows, base, 0.02)
-    written = sweep_report.write_all(str(tmp_path), rows, base, best, 0.02)
-    with open(tmp_path / "trials.csv") as f:
-        table = list(csv.DictReader(f))
-    assert [(r["subject"], r["dino"], r["chosen"], r["status"]) for r in table] == [
-        ("a", "0.7", "True", "ok"), ("a", "0.6", "False", "ok"), ("c", "", "False", "failed: boom")]
-    assert "| **yes** |" in open(written["table"]).read()
-    report = open(written["report"]).read()
-    assert "| a | chosen | lr 0.0001, 4 steps, text encoder on | 0.700 |" in report
-    assert "| c | (every trial failed) |" in report
-    from PIL import Image
-
-    assert Image.open(written["plot"]).size == (700, 500)
 
 
 @pytest.fixture()
@@ -358,20 +316,6 @@ def test_early_stopping_is_on_for_random_search_and_big_grids_and_stops_within_a
     assert scheduler.on_trial_result(None, trials["a1"], {"step": 2, "score": 0.5}) == TrialScheduler.CONTINUE
     assert scheduler.on_trial_result(None, trials["b1"], {"step": 2, "score": 0.1}) == TrialScheduler.CONTINUE
     assert scheduler.on_trial_result(None, trials["a2"], {"step": 2, "score": 0.2}) == TrialScheduler.STOP
-
-
-def test_a_trial_stopped_early_says_where_in_the_table():
-    from types import SimpleNamespace
-
-    import pandas as pd
-
-    def result(lr, steps, error=None):
-        frame = pd.DataFrame([{"step": s, "model": f"m{lr}-{s}", **{k: 0.5 for k in sweep_rows.METRICS}} for s in steps])
-        return SimpleNamespace(config={"subject": "a", "learning_rate": lr, "rank": 4, "train_text_encoder": True,
-                                       "use_lora": False}, metrics_dataframe=frame, error=error)
-
-    rows = sweep_rows.collect([result(1e-4, [2, 4]), result(1e-5, [2])], last_step=4)
-    assert [r.note for r in rows] == [None, None, "stopped early at step 2 (behind the others there)"]
 
 
 def test_a_rerun_with_another_search_space_starts_afresh(tmp_path, capsys):
