@@ -102,7 +102,7 @@ def test_run_model_is_generate_under_the_air_example_name():
     import sys
 
     def options(script):
-        out = subprocess.run([sys.executable, script, "--help"], cwd=os.path.dirname(generate.__file__),
+        out = subprocess.run([sys.executable, script, "--help"], cwd=utils.REPO_DIR,
                              capture_output=True, text=True, check=True).stdout
         return sorted(w for w in out.split() if w.startswith("--"))
 
