@@ -11,6 +11,9 @@ family is asked its name and label by a `--help` or a one-line error that never 
 """
 
 
+from dreambooth import objectives
+
+
 class Family:
     """The base every family subclasses: what it must say (the attributes) and do (the methods that
     raise NotImplementedError); the others have the plain default."""
@@ -63,7 +66,22 @@ class Family:
     def freeze_unread_layers(self, text_encoders):
         """Freeze what never reaches the loss (DDP would wait for its gradients); nothing by default."""
 
-    # --- the denoiser's extra inputs (steps.py)
+    # --- the objective and the denoiser (steps.batch_loss)
+    def load_scheduler(self, model_dir):
+        """The scheduler training draws its noise from (the model's own schedule)."""
+        from diffusers import DDPMScheduler
+
+        return DDPMScheduler.from_pretrained(model_dir, subfolder="scheduler")
+
+    def draw(self, scheduler, latents, options):
+        """The objectives.Draw of a batch's latents: DDPM denoising by default."""
+        return objectives.denoising(scheduler, latents, options)
+
+    def denoise(self, model, noisy, timesteps, states, pooled, time_ids):
+        """The denoiser's prediction for noisy latents under text states (and the pooled text and size
+        numbers where the family has them)."""
+        return model(noisy, timesteps, states, **self.unet_inputs(pooled, time_ids)).sample
+
     def size_conditioning(self, batch, num_rows, resolution, device, dtype):
         """(B, 6) size and crop numbers of the batch's rows for a family whose denoiser takes them, else None."""
         return None

@@ -157,14 +157,14 @@ def load_models(model_dir, unet_device, aux_device, train_text_encoder, allow_un
     from_pretrained returns eval mode; trained networks must be in train mode, or
     transformers' gradient checkpointing (which acts only when training) never runs.
     """
-    from diffusers import DDPMScheduler, UNet2DConditionModel
+    from diffusers import UNet2DConditionModel
 
     family = family or families.family_of(model_dir)
     unet = from_pretrained(UNet2DConditionModel, model_dir, allow_unsafe_weights, subfolder="unet")
     encoders = family.load_text_encoders(
         model_dir, lambda cls, subfolder: from_pretrained(cls, model_dir, allow_unsafe_weights, subfolder=subfolder))
     vae = load_vae(model_dir, vae_dir, allow_unsafe_weights)
-    scheduler = DDPMScheduler.from_pretrained(model_dir, subfolder="scheduler")
+    scheduler = family.load_scheduler(model_dir)
     unet.train()
     vae.requires_grad_(False).eval()
     for text_encoder in encoders:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from dreambooth import conditioning
+from dreambooth import objectives
 
 
 @dataclasses.dataclass
@@ -28,8 +29,7 @@ class TrainState:
     amp_dtype: "torch.dtype | None"
     step: int = 0
     skipped_steps: int = 0  # fp16 steps whose gradients overflowed (weights and LR unchanged)
-    offset_noise: float = 0.0  # --offset_noise
-    snr_gamma: "float | None" = None  # --snr_gamma (None: plain MSE)
+    loss: objectives.LossOptions = objectives.LossOptions()  # --offset_noise, --snr_gamma, --weighting_scheme, ...
     ema: "EMA | None" = None  # --use_ema
 
 
@@ -100,16 +100,6 @@ def trained_parameters(models, train_text_encoder):
     return [p for model in trained for p in model.parameters() if p.requires_grad]
 
 
-def diffusion_target(scheduler, latents, noise, timesteps):
-    """What the UNet learns to predict, by the scheduler's prediction_type. All (B, 4, h, w)."""
-    kind = scheduler.config.prediction_type
-    if kind == "epsilon":
-        return noise
-    if kind == "v_prediction":
-        return scheduler.get_velocity(latents, noise, timesteps)
-    raise ValueError(f"unsupported prediction_type {kind!r}")
-
-
 def dreambooth_loss(pred, target, num_instance, prior_loss_weight, weights=None, masks=None):
     """MSE on the instance rows plus prior_loss_weight x MSE on the class rows.
 
@@ -149,27 +139,6 @@ def latent_masks(masks, size, device):
     return F.interpolate(weights, size=tuple(size), mode="area")
 
 
-def min_snr_weights(scheduler, timesteps, gamma):
-    """(B,) min-SNR-gamma loss weights of Hang et al. 2023: min(SNR, gamma) / SNR for
-    epsilon prediction, min(SNR, gamma) / (SNR + 1) for v-prediction. Steps whose SNR is
-    under gamma keep weight 1; nearly noise-free ones, easy to predict, weigh less."""
-    from diffusers.training_utils import compute_snr
-
-    snr = compute_snr(scheduler, timesteps)
-    clipped = snr.clamp(max=gamma)
-    return clipped / (snr + 1) if scheduler.config.prediction_type == "v_prediction" else clipped / snr
-
-
-def training_noise(latents, offset_noise):
-    """Gaussian noise like latents (B, C, h, w), plus offset_noise x one normal draw per
-    row and channel (offset noise: shifts of a channel's mean become learnable)."""
-    noise = torch.randn_like(latents)
-    if offset_noise:
-        noise = noise + offset_noise * torch.randn(*latents.shape[:2], 1, 1, device=latents.device,
-                                                   dtype=latents.dtype)
-    return noise
-
-
 def to_model_input(pixels):
     """(B, H, W, 3) uint8 in [0, 255] -> (B, 3, H, W) float32 in [-1, 1], on pixels' device.
 
@@ -205,9 +174,9 @@ def batch_latents(models, batch):
     return DiagonalGaussianDistribution(stacked).sample() * models.vae.config.scaling_factor
 
 
-def batch_loss(models, batch, prompts, prior_loss_weight, offset_noise=0.0, snr_gamma=None):
+def batch_loss(models, batch, prompts, prior_loss_weight, loss_options=objectives.LossOptions()):
     """Forward pass for one batch (see batch_latents), conditioned on prompts (a
-    conditioning.StepPrompts), with training_noise's offset and min_snr_weights' weighting when given.
+    conditioning.StepPrompts), towards the family's objective (objectives.py) with loss_options.
 
     With prompts.class_base (--prior_preservation prior_prediction: the class prompt's states
     from the base text encoders, and its pooled embedding for SDXL), the batch's photos are used
@@ -234,25 +203,20 @@ def batch_loss(models, batch, prompts, prior_loss_weight, offset_noise=0.0, snr_
     sized = {**batch, "class_time_ids": batch["instance_time_ids"]} \
         if predicted_prior and "instance_time_ids" in batch else batch
     time_ids = models.family.size_conditioning(sized, latents.shape[0], resolution, models.unet_device, hidden.dtype)
-    extra = models.family.unet_inputs(pooled.to(models.unet_device) if pooled is not None else None, time_ids)
-    scheduler = models.scheduler
-    noise = training_noise(latents, offset_noise)
-    timesteps = torch.randint(0, scheduler.config.num_train_timesteps, (latents.shape[0],), device=latents.device)
-    noisy = scheduler.add_noise(latents, noise, timesteps)
-    pred = models.unet(noisy, timesteps, hidden, **extra).sample
-    target = diffusion_target(scheduler, latents, noise, timesteps)
+    pooled = pooled.to(models.unet_device) if pooled is not None else None
+    draw = models.family.draw(models.scheduler, latents, loss_options)
+    pred = models.family.denoise(models.unet, draw.noisy, draw.timesteps, hidden, pooled, time_ids)
+    target = draw.target
     if predicted_prior:
         base_pooled = prompts.class_base_pooled
-        base_extra = models.family.unet_inputs(
-            base_pooled.to(models.unet_device).expand(num_class, -1) if base_pooled is not None else None,
-            time_ids[num_instance:] if time_ids is not None else None)
+        base_pooled = base_pooled.to(models.unet_device).expand(num_class, -1) if base_pooled is not None else None
         base = prompts.class_base.to(models.unet_device).expand(num_class, -1, -1)
         with torch.no_grad(), models.base_unet() as unet:
-            prior_target = unet(noisy[num_instance:], timesteps[num_instance:], base, **base_extra).sample
+            prior_target = models.family.denoise(unet, draw.noisy[num_instance:], draw.timesteps[num_instance:], base,
+                                                 base_pooled, time_ids[num_instance:] if time_ids is not None else None)
         target = torch.cat([target[:num_instance], prior_target.to(target.dtype)])
-    weights = min_snr_weights(scheduler, timesteps, snr_gamma) if snr_gamma else None
     masks = latent_masks(batch["instance_mask"], latents.shape[-2:], pred.device) if "instance_mask" in batch else None
-    return dreambooth_loss(pred, target, num_instance, prior_loss_weight, weights, masks)
+    return dreambooth_loss(pred, target, num_instance, prior_loss_weight, draw.weights, masks)
 
 
 def train_step(state, micro_batches, prompts, prior_loss_weight, max_grad_norm):
@@ -274,7 +238,7 @@ def train_step(state, micro_batches, prompts, prior_loss_weight, max_grad_norm):
                 sync.enter_context(model.no_sync())
         with sync:
             with torch.autocast(models.unet_device.type, dtype=state.amp_dtype, enabled=state.amp_dtype is not None):
-                losses = batch_loss(models, batch, prompts, prior_loss_weight, state.offset_noise, state.snr_gamma)
+                losses = batch_loss(models, batch, prompts, prior_loss_weight, state.loss)
             state.scaler.scale(losses[0] / count).backward()
         totals.append([t.detach() if t is not None else None for t in losses])
     scaler = state.scaler
@@ -336,6 +300,11 @@ def amp_dtype(mixed_precision, device):
     return {"no": None, "fp16": torch.float16, "bf16": torch.bfloat16}[mixed_precision]
 
 
+def loss_options(plan):
+    """The objectives.LossOptions of a plan.Plan."""
+    return objectives.LossOptions(plan.offset_noise, plan.snr_gamma)
+
+
 def make_train_state(models, plan):
     """Optimizer, LR schedule and grad scaler over the trainable parameters of models,
     as a plan.Plan sets them (learning_rate, adam_*, lr_scheduler and its options over
@@ -362,4 +331,4 @@ def make_train_state(models, plan):
     scaler = torch.amp.GradScaler(models.unet_device.type, enabled=dtype == torch.float16)
     ema = EMA(params, plan.ema_decay, plan.ema_update_after_step) if plan.use_ema else None
     return TrainState(models, params, optimizer, lr_scheduler, scaler, dtype,
-                      offset_noise=plan.offset_noise, snr_gamma=plan.snr_gamma, ema=ema)
+                      loss=loss_options(plan), ema=ema)

@@ -47,12 +47,12 @@ def test_the_sd2_v_model_trains_towards_v(tiny_sd2v_model):
     """Its training scheduler predicts v: the target of a step is the velocity, not the noise."""
     from diffusers import DDPMScheduler
 
-    from dreambooth import steps
+    from dreambooth import objectives
 
     scheduler = DDPMScheduler.from_pretrained(tiny_sd2v_model, subfolder="scheduler")
     latents, noise = torch.randn(2, 4, 8, 8), torch.randn(2, 4, 8, 8)
     timesteps = torch.tensor([10, 900])
-    target = steps.diffusion_target(scheduler, latents, noise, timesteps)
+    target = objectives.diffusion_target(scheduler, latents, noise, timesteps)
     alpha = scheduler.alphas_cumprod[timesteps].sqrt().view(-1, 1, 1, 1)
     sigma = (1 - scheduler.alphas_cumprod[timesteps]).sqrt().view(-1, 1, 1, 1)
     assert torch.allclose(target, alpha * noise - sigma * latents, atol=1e-6)

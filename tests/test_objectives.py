@@ -1,0 +1,97 @@
+"""objectives.py: what the denoiser learns, for denoising and flow-matching families."""
+
+import math
+
+import pytest
+import torch
+
+from dreambooth import models as models_lib
+from dreambooth import objectives
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture()
+def models(tiny_model):
+    return models_lib.load_models(tiny_model, CPU, CPU, train_text_encoder=True)
+
+
+def test_diffusion_target_follows_prediction_type(models):
+    scheduler = models.scheduler
+    latents, noise = torch.randn(2, 4, 8, 8), torch.randn(2, 4, 8, 8)
+    t = torch.tensor([10, 900])
+    assert torch.equal(objectives.diffusion_target(scheduler, latents, noise, t), noise)
+    from diffusers import DDPMScheduler
+
+    v_sched = DDPMScheduler.from_config(scheduler.config, prediction_type="v_prediction")
+    alpha_bar = v_sched.alphas_cumprod[t].view(-1, 1, 1, 1)
+    expected = alpha_bar.sqrt() * noise - (1 - alpha_bar).sqrt() * latents
+    torch.testing.assert_close(objectives.diffusion_target(v_sched, latents, noise, t), expected)
+    with pytest.raises(ValueError):
+        objectives.diffusion_target(DDPMScheduler.from_config(scheduler.config, prediction_type="sample"),
+                               latents, noise, t)
+
+
+def test_min_snr_weights_cap_low_noise_steps(models):
+    from diffusers import DDPMScheduler
+
+    scheduler = models.scheduler
+    timesteps = torch.tensor([0, 10, 500, 999])
+    weights = objectives.min_snr_weights(scheduler, timesteps, gamma=5.0)
+    snr = scheduler.alphas_cumprod[timesteps] / (1 - scheduler.alphas_cumprod[timesteps])
+    assert snr[0] > 5 and weights[0] == pytest.approx(5 / snr[0].item())  # nearly clean: weighs less
+    assert snr[3] < 5 and weights[3] == pytest.approx(1.0)  # noisy: full weight
+    assert (weights[:-1] <= weights[1:]).all()
+    v_sched = DDPMScheduler.from_config(scheduler.config, prediction_type="v_prediction")
+    v_weights = objectives.min_snr_weights(v_sched, timesteps, gamma=5.0)
+    assert v_weights[3] == pytest.approx((snr[3] / (snr[3] + 1)).item())
+
+
+def test_offset_noise_adds_one_constant_per_row_and_channel():
+    latents = torch.zeros(2, 4, 8, 8)
+    torch.manual_seed(0)
+    plain = objectives.training_noise(latents, 0.0)
+    torch.manual_seed(0)
+    offset = objectives.training_noise(latents, 0.1)
+    shift = offset - plain
+    assert shift.abs().sum() > 0
+    assert torch.allclose(shift, shift[:, :, :1, :1].expand_as(shift), atol=1e-6)
+    assert not torch.allclose(shift[0, 0], shift[0, 1])
+
+
+def flow_scheduler(shift=3.0):
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(shift=shift)
+
+
+@pytest.mark.parametrize("scheme", ["logit_normal", "mode", "cosmap", "sigma_sqrt", "none"])
+def test_flow_matching_noises_on_the_straight_path_towards_the_velocity(scheme):
+    scheduler = flow_scheduler()
+    latents = torch.randn(64, 4, 8, 8)
+    torch.manual_seed(0)
+    draw = objectives.flow_matching(scheduler, latents, objectives.LossOptions(weighting_scheme=scheme))
+    noise = draw.target + latents  # the target is noise - latents
+    sigmas = (draw.timesteps / scheduler.config.num_train_timesteps).view(-1, 1, 1, 1)  # the scheduler's sigmas
+    torch.testing.assert_close(draw.noisy, (1 - sigmas) * latents + sigmas * noise, rtol=1e-5, atol=1e-5)
+    assert ((sigmas > 0) & (sigmas <= 1)).all()
+    if scheme == "cosmap":
+        torch.testing.assert_close(draw.weights, 2 / (math.pi * (1 - 2 * sigmas.flatten() + 2 * sigmas.flatten() ** 2)))
+    elif scheme == "sigma_sqrt":
+        torch.testing.assert_close(draw.weights, sigmas.flatten() ** -2.0)
+    else:
+        assert draw.weights is None  # the draw itself is the weighting
+
+
+def test_logit_normal_draws_the_middle_of_the_schedule_and_the_seed_decides():
+    scheduler = flow_scheduler(shift=1.0)  # unshifted: sigma is the drawn u
+    latents = torch.zeros(4000, 1, 1, 1)
+    options = objectives.LossOptions(weighting_scheme="logit_normal", logit_std=0.5)
+    torch.manual_seed(1)
+    middle = objectives.flow_matching(scheduler, latents, options).timesteps / 1000
+    uniform = objectives.flow_matching(scheduler, latents, objectives.LossOptions()).timesteps / 1000
+    assert abs(middle.mean().item() - 0.5) < 0.02 and middle.std() < uniform.std() * 0.6
+    torch.manual_seed(1)
+    assert torch.equal(objectives.flow_matching(scheduler, latents, options).timesteps * 1, middle * 1000)
+    shifted = objectives.flow_matching(flow_scheduler(3.0), latents, objectives.LossOptions()).timesteps / 1000
+    assert shifted.mean() > uniform.mean() + 0.1  # the shift spends more steps at high noise
