@@ -1,7 +1,8 @@
 """The training checkpoint format, in one place: save, load, complete-or-not, find, resolve.
 
 A checkpoint folder holds:
-    unet.safetensors          UNet weights (with LoRA: its adapters only)
+    unet.safetensors          the denoiser's weights (with LoRA: its adapters only), named as its
+                              subfolder (SD 3.5, Flux: transformer.safetensors)
     text_encoder.safetensors  text-encoder weights (only when it is trained; adapters with LoRA),
                               and each other text encoder's likewise, named as its subfolder
                               (SDXL: text_encoder_2.safetensors)
@@ -26,7 +27,6 @@ from dreambooth import run_identity
 from dreambooth import utils
 
 STATE_FILE = "train_state.json"
-UNET_FILE = "unet.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 EMA_FILE = "ema.safetensors"
 
@@ -71,8 +71,9 @@ def save(state, folder, epoch, rng_states, train_text_encoder, identity=None):
     import torch
     from safetensors.torch import save_file
 
-    files = [UNET_FILE, OPTIMIZER_FILE]
-    save_file(models.trained_state_dict(state.models.unet), os.path.join(folder, UNET_FILE))
+    denoiser_file = f"{state.models.family.denoiser}.safetensors"
+    files = [denoiser_file, OPTIMIZER_FILE]
+    save_file(models.trained_state_dict(state.models.denoiser), os.path.join(folder, denoiser_file))
     if train_text_encoder:
         for name, text_encoder in zip(text_encoder_files(state.models.family), state.models.text_encoders()):
             save_file(models.trained_state_dict(text_encoder), os.path.join(folder, name))
@@ -109,7 +110,7 @@ def disk_bytes(model_dir, lora, train_text_encoder):
     for path in glob.glob(os.path.join(model_dir, "*", "*.safetensors")):
         part = os.path.basename(os.path.dirname(path))
         sizes[part] = sizes.get(part, 0) + os.path.getsize(path)
-    trained = sizes.get("unet", 0) + sum(v for k, v in sizes.items() if k.startswith("text_encoder") and train_text_encoder)
+    trained = sum(v for k, v in sizes.items() if k in ("unet", "transformer")) + sum(v for k, v in sizes.items() if k.startswith("text_encoder") and train_text_encoder)
     return 3 * trained, sum(sizes.values())
 
 
@@ -122,7 +123,7 @@ def load_weights(nets, folder):
     """The checkpoint's trained weights into nets (a models.Models): UNet, and the text encoders if trained."""
     from safetensors.torch import load_file
 
-    models.load_trained_state_dict(nets.unet, load_file(os.path.join(folder, UNET_FILE)))
+    models.load_trained_state_dict(nets.denoiser, load_file(os.path.join(folder, f"{nets.family.denoiser}.safetensors")))
     for name, text_encoder in zip(text_encoder_files(nets.family), nets.text_encoders()):
         if os.path.isfile(os.path.join(folder, name)):
             models.load_trained_state_dict(text_encoder, load_file(os.path.join(folder, name)))

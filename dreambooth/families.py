@@ -14,6 +14,7 @@ from dreambooth import family_sd2
 from dreambooth import family_sdxl
 from dreambooth import utils
 from dreambooth.family import Family  # noqa: F401 (the interface every entry implements, named beside the table)
+from dreambooth.family import part_config
 
 FAMILIES = {f.name: f for f in (family_sd1.FAMILY, family_sd2.FAMILY, family_sdxl.FAMILY)}
 ARCHS = {f.arch: f for f in FAMILIES.values()}  # the --arch names of the random models built here
@@ -65,22 +66,14 @@ def prediction_type(model_dir):
 
 # ---------------------------------------------------------------- the model folder
 
-def part_config(model_dir, part):
-    """A model part's config.json (unet, vae, ...), read as JSON: importing diffusers costs the driver seconds."""
-    return utils.read_json(os.path.join(model_dir, part, "config.json"))
-
-
 def native_resolution(model_dir):
-    """The pixel size the model was trained at: UNet sample size x the VAE's downscaling."""
-    vae_scale = 2 ** (len(part_config(model_dir, "vae")["block_out_channels"]) - 1)
-    return part_config(model_dir, "unet")["sample_size"] * vae_scale
+    """The pixel size the model was trained at (its family reads it from its configs)."""
+    return family_of(model_dir).native_resolution(model_dir)
 
 
 def size_multiple(model_dir):
-    """The step every trained height and width must be a multiple of: the VAE's downscaling times the
-    UNet's (each down block but the last halves the latents)."""
-    return (2 ** (len(part_config(model_dir, "vae")["block_out_channels"]) - 1)
-            * 2 ** (len(part_config(model_dir, "unet")["down_block_types"]) - 1))
+    """The step every trained height and width of the model must be a multiple of."""
+    return family_of(model_dir).size_multiple(model_dir)
 
 
 def check_model_dir(model_dir, allow_unsafe_weights=False):
@@ -95,7 +88,7 @@ def check_model_dir(model_dir, allow_unsafe_weights=False):
     if not os.path.isfile(index_path):
         raise utils.UserError(f"{model_dir} has no model_index.json: not a diffusers pipeline folder")
     family = family_of(model_dir)  # which parts it must have
-    networks = ("unet", "vae", *family.text_encoders)
+    networks = family.networks()
     for part in (*family.parts(), "scheduler"):
         if not os.path.isdir(os.path.join(model_dir, part)):
             raise utils.UserError(f"model folder {model_dir} is missing its '{part}' component")

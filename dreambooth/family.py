@@ -11,7 +11,20 @@ family is asked its name and label by a `--help` or a one-line error that never 
 """
 
 
+import os
+
 from dreambooth import objectives
+from dreambooth import utils
+
+
+def part_config(model_dir, part):
+    """A model part's config.json (unet, vae, ...), read as JSON: importing diffusers costs the driver seconds."""
+    return utils.read_json(os.path.join(model_dir, part, "config.json"))
+
+
+def vae_scale(model_dir):
+    """How many pixels a latent pixel of the model's VAE covers, per side."""
+    return 2 ** (len(part_config(model_dir, "vae")["block_out_channels"]) - 1)
 
 
 class Family:
@@ -22,6 +35,8 @@ class Family:
     name = ""  # the table's key and the record's: "sd1", "sd2", "sdxl"
     label = ""  # as the README and error lines say it: "SD 1.x"
     pipeline = ""  # the diffusers pipeline class, as model_index.json names it
+    denoiser = "unet"  # the denoiser's subfolder, and its name in the pipeline and in diffusers' LoRA files
+    denoiser_lora_targets = ("to_k", "to_q", "to_v", "to_out.0")  # its layers LoRA adapts (diffusers' choice)
     text_encoders = ("text_encoder",)  # subfolders, in the order their states are concatenated
     safety_checker = False  # its pipeline has one (and generate.py's --safety_checker applies)
     time_ids = False  # the denoiser also takes each image's size and crop (SDXL's "text_time"): the stream carries them
@@ -45,7 +60,27 @@ class Family:
 
     def parts(self):
         """The model folder's subfolders its pipeline loads (besides the scheduler)."""
-        return ("unet", "vae", *self.text_encoders, *self.tokenizers())
+        return (self.denoiser, "vae", *self.text_encoders, *self.tokenizers())
+
+    def networks(self):
+        """The subfolders that hold weights."""
+        return (self.denoiser, "vae", *self.text_encoders)
+
+    # --- the model folder's own numbers
+    def native_resolution(self, model_dir):
+        """The pixel size the model was trained at: the denoiser's sample size x the VAE's downscaling."""
+        return part_config(model_dir, self.denoiser)["sample_size"] * vae_scale(model_dir)
+
+    def size_multiple(self, model_dir):
+        """The step every trained height and width must be a multiple of."""
+        raise NotImplementedError
+
+    # --- the networks (models.py)
+    def load_denoiser(self, load):
+        """The denoiser; load(cls, subfolder) is models.from_pretrained with the run's weight rule."""
+        from diffusers import UNet2DConditionModel
+
+        return load(UNet2DConditionModel, self.denoiser)
 
     # --- the text side (prompts.py, models.py, steps.py, validation.py)
     def load_tokenizers(self, model_dir):

@@ -105,42 +105,42 @@ def build_networks(size, arch, tokenizer):
 
 @dataclasses.dataclass
 class Models:
-    """The networks of one training worker. The UNet lives on unet_device; the text
-    encoder and VAE on aux_device (the same device, or a worker's second GPU)."""
+    """The networks of one training worker. The denoiser (a UNet, or a flow family's transformer) lives on
+    denoiser_device; the text encoders and VAE on aux_device (the same device, or a worker's second GPU)."""
 
-    unet: object
+    denoiser: object
     text_encoder: object
     vae: object
     scheduler: object
-    unet_device: object
+    denoiser_device: object
     aux_device: object
-    family: families.Family  # what the text encoders do with token ids, the UNet's extra inputs
+    family: families.Family  # what the text encoders do with token ids, the denoiser's inputs and objective
     text_encoder_2: object = None  # SDXL's second text encoder (with a projection), on aux_device
-    frozen_unet: object = None  # --prior_preservation prior_prediction, full fine-tuning: the base UNet, frozen
+    frozen_denoiser: object = None  # --prior_preservation prior_prediction, full fine-tuning: the base denoiser
 
     def text_encoders(self):
         """The text encoders in the order the prompt's states are concatenated (SDXL: two)."""
         return [m for m in (self.text_encoder, self.text_encoder_2) if m is not None]
 
-    def base_unet(self):
+    def base_denoiser(self):
         """A context manager giving the base model's UNet for no-grad predictions: the frozen copy, or
         with LoRA the trained UNet with its adapters switched off until the block ends."""
         import contextlib
 
         @contextlib.contextmanager
         def adapters_off():
-            unet = unwrap(self.unet)
-            unet.disable_adapters()
+            denoiser = unwrap(self.denoiser)
+            denoiser.disable_adapters()
             try:
-                yield unet
+                yield denoiser
             finally:
-                unet.enable_adapters()
+                denoiser.enable_adapters()
 
-        return contextlib.nullcontext(self.frozen_unet) if self.frozen_unet is not None else adapters_off()
+        return contextlib.nullcontext(self.frozen_denoiser) if self.frozen_denoiser is not None else adapters_off()
 
     def ddp_wrapped(self):
         """The trained networks that DDP wraps (they have no_sync), for gradient accumulation."""
-        return [m for m in (self.unet, *self.text_encoders()) if hasattr(m, "no_sync")]
+        return [m for m in (self.denoiser, *self.text_encoders()) if hasattr(m, "no_sync")]
 
 
 def unwrap(model):
@@ -150,27 +150,28 @@ def unwrap(model):
     return model
 
 
-def load_models(model_dir, unet_device, aux_device, train_text_encoder, allow_unsafe_weights=False, vae_dir=None,
+def load_models(model_dir, denoiser_device, aux_device, train_text_encoder, allow_unsafe_weights=False, vae_dir=None,
                 family=None):
-    """fp32 UNet and text encoder, frozen VAE, each on its device, in the mode training needs.
+    """fp32 denoiser and text encoders, frozen VAE, each on its device, in the mode training needs.
 
     from_pretrained returns eval mode; trained networks must be in train mode, or
     transformers' gradient checkpointing (which acts only when training) never runs.
     """
-    from diffusers import UNet2DConditionModel
-
     family = family or families.family_of(model_dir)
-    unet = from_pretrained(UNet2DConditionModel, model_dir, allow_unsafe_weights, subfolder="unet")
-    encoders = family.load_text_encoders(
-        model_dir, lambda cls, subfolder: from_pretrained(cls, model_dir, allow_unsafe_weights, subfolder=subfolder))
+
+    def load(cls, subfolder):
+        return from_pretrained(cls, model_dir, allow_unsafe_weights, subfolder=subfolder)
+
+    denoiser = family.load_denoiser(load)
+    encoders = family.load_text_encoders(model_dir, load)
     vae = load_vae(model_dir, vae_dir, allow_unsafe_weights)
     scheduler = family.load_scheduler(model_dir)
-    unet.train()
+    denoiser.train()
     vae.requires_grad_(False).eval()
     for text_encoder in encoders:
         text_encoder.requires_grad_(train_text_encoder).train(train_text_encoder).to(aux_device)
-    return Models(unet.to(unet_device), encoders[0], vae.to(aux_device), scheduler, unet_device, aux_device, family,
-                  *encoders[1:])
+    return Models(denoiser.to(denoiser_device), encoders[0], vae.to(aux_device), scheduler, denoiser_device, aux_device,
+                  family, *encoders[1:])
 
 
 def load_vae(model_dir, vae_dir=None, allow_unsafe_weights=False):
@@ -200,8 +201,8 @@ def ddp(model, device):
                                    gradient_as_bucket_view=True, **{no_sync: False})
 
 
-# The layers LoRA adapts (diffusers' DreamBooth LoRA script's choice): attention projections.
-UNET_LORA_TARGETS = ("to_k", "to_q", "to_v", "to_out.0")
+# The text encoders' layers LoRA adapts (diffusers' DreamBooth LoRA script's choice): attention projections;
+# the denoiser's are its family's (family.denoiser_lora_targets).
 TEXT_ENCODER_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
 
 
@@ -221,11 +222,11 @@ def add_lora(models, plan):
 
     from dreambooth import steps  # here, not at the top: it imports torch (2 s a --help or a one-line error never waits for)
 
-    frozen_dtype = steps.amp_dtype(plan.mixed_precision, models.unet_device) or torch.float32
-    for model in (models.unet, *models.text_encoders(), models.vae):
+    frozen_dtype = steps.amp_dtype(plan.mixed_precision, models.denoiser_device) or torch.float32
+    for model in (models.denoiser, *models.text_encoders(), models.vae):
         model.requires_grad_(False).to(dtype=frozen_dtype)
-    models.unet.add_adapter(lora_config(plan, UNET_LORA_TARGETS))
-    trained = [models.unet]
+    models.denoiser.add_adapter(lora_config(plan, models.family.denoiser_lora_targets))
+    trained = [models.denoiser]
     if plan.train_text_encoder:
         for text_encoder in models.text_encoders():
             text_encoder.add_adapter(lora_config(plan, TEXT_ENCODER_LORA_TARGETS))
@@ -233,17 +234,17 @@ def add_lora(models, plan):
     cast_training_params(trained, dtype=torch.float32)
 
 
-def load_frozen_unet(plan, device):
-    """The base model's UNet, frozen, in the run's autocast dtype (fp32 without one): the target of
+def load_frozen_denoiser(plan, device):
+    """The base model's denoiser, frozen, in the run's autocast dtype (fp32 without one): the target of
     --prior_preservation prior_prediction when every weight is trained."""
     import torch
-    from diffusers import UNet2DConditionModel
 
     from dreambooth import steps  # here, not at the top: it imports torch (2 s a --help or a one-line error never waits for)
 
     dtype = steps.amp_dtype(plan.mixed_precision, device) or torch.float32
-    unet = from_pretrained(UNet2DConditionModel, plan.model_dir, plan.allow_unsafe_weights, subfolder="unet")
-    return unet.requires_grad_(False).eval().to(device, dtype=dtype)
+    denoiser = plan.family.load_denoiser(
+        lambda cls, subfolder: from_pretrained(cls, plan.model_dir, plan.allow_unsafe_weights, subfolder=subfolder))
+    return denoiser.requires_grad_(False).eval().to(device, dtype=dtype)
 
 
 def has_lora(model):
@@ -272,7 +273,7 @@ def load_trained_state_dict(model, weights):
                          f"(unexpected: {unexpected[:3]}, missing: {sorted(trained & set(missing))[:3]})")
 
 
-def setup_models(plan, unet_device, aux_device, distributed, load_guard=None):
+def setup_models(plan, denoiser_device, aux_device, distributed, load_guard=None):
     """Load the models of a plan.Plan and apply its memory/speed options (gradient
     checkpointing, channels-last, torch.compile).
 
@@ -285,29 +286,29 @@ def setup_models(plan, unet_device, aux_device, distributed, load_guard=None):
     import torch
 
     with load_guard or contextlib.nullcontext():
-        models = load_models(plan.model_dir, unet_device, aux_device, plan.train_text_encoder,
+        models = load_models(plan.model_dir, denoiser_device, aux_device, plan.train_text_encoder,
                              plan.allow_unsafe_weights, plan.vae_dir, plan.family)
         if plan.prior_prediction and not plan.use_lora:
-            models.frozen_unet = load_frozen_unet(plan, unet_device)
+            models.frozen_denoiser = load_frozen_denoiser(plan, denoiser_device)
     if plan.use_lora:
         add_lora(models, plan)
     models.family.freeze_unread_layers(models.text_encoders())
     if plan.gradient_checkpointing:
-        models.unet.enable_gradient_checkpointing()
+        models.denoiser.enable_gradient_checkpointing()
         if plan.train_text_encoder:
             for te in models.text_encoders():  # transformers 5.20 renamed the method
                 (getattr(te, "activation_checkpointing_enable", None) or te.gradient_checkpointing_enable)()
     if plan.channels_last:
         # NHWC convolutions run on tensor cores without layout transposes.
-        for model in (models.unet, models.vae, models.frozen_unet):
+        for model in (models.denoiser, models.vae, models.frozen_denoiser):
             if model is not None:
                 model.to(memory_format=torch.channels_last)
     if distributed:
-        models.unet = ddp(models.unet, unet_device)
+        models.denoiser = ddp(models.denoiser, denoiser_device)
         if plan.train_text_encoder:
             models.text_encoder = ddp(models.text_encoder, aux_device)
             if models.text_encoder_2 is not None:
                 models.text_encoder_2 = ddp(models.text_encoder_2, aux_device)
     if plan.torch_compile:
-        models.unet = torch.compile(models.unet, backend=plan.torch_compile)
+        models.denoiser = torch.compile(models.denoiser, backend=plan.torch_compile)
     return models

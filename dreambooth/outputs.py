@@ -307,19 +307,19 @@ def save_pipeline(nets, plan):
     rank and alpha) for StableDiffusionPipeline.load_lora_weights on the base model."""
     import diffusers
 
-    unet = models.unwrap(nets.unet)
+    denoiser = models.unwrap(nets.denoiser)
     text_encoders = {name: models.unwrap(model) for name, model in zip(plan.family.text_encoders, nets.text_encoders())}
     record = TrainRecord.of_plan(plan)
 
     def write(tmp):
         if plan.use_lora:
-            save_lora(tmp, plan.family, unet, text_encoders if plan.train_text_encoder else {})
+            save_lora(tmp, plan.family, denoiser, text_encoders if plan.train_text_encoder else {})
         else:
             pipeline = getattr(diffusers, plan.family.pipeline)
             # a VAE trained with (--pretrained_vae_model_name_or_path) stays with the model
             vae = {"vae": nets.vae} if plan.vae_dir else {}
-            pipe = models.from_pretrained(pipeline, plan.model_dir, plan.allow_unsafe_weights, unet=unet,
-                                          **text_encoders, **vae)
+            pipe = models.from_pretrained(pipeline, plan.model_dir, plan.allow_unsafe_weights,
+                                          **{plan.family.denoiser: denoiser}, **text_encoders, **vae)
             pipe.save_pretrained(tmp, safe_serialization=True)
         utils.write_json(os.path.join(tmp, utils.OUTPUT_MARKER), record.to_json())
         if plan.settings_toml:
@@ -330,12 +330,12 @@ def save_pipeline(nets, plan):
 
 def expected_bytes(nets, lora):
     """About the size of save_pipeline's output: the adapters (LoRA), else every network's weights."""
-    modules = [nets.unet, *nets.text_encoders()] + ([] if lora or nets.vae is None else [nets.vae])
+    modules = [nets.denoiser, *nets.text_encoders()] + ([] if lora or nets.vae is None else [nets.vae])
     return sum(p.numel() * p.element_size() for m in modules for p in models.unwrap(m).parameters()
                if not lora or p.requires_grad)
 
 
-def save_lora(folder, family, unet, text_encoders=None):
+def save_lora(folder, family, denoiser, text_encoders=None):
     """utils.LORA_WEIGHTS_FILE in folder, written by the family's pipeline's save_lora_weights.
     text_encoders: {"text_encoder"[, "text_encoder_2"]: model} with adapters, or {}."""
     import diffusers
@@ -346,7 +346,7 @@ def save_lora(folder, family, unet, text_encoders=None):
         return convert_state_dict_to_diffusers(get_peft_model_state_dict(model, save_embedding_layers=False))
 
     text_encoders = text_encoders or {}
-    parts = {"unet": unet, **text_encoders}
+    parts = {family.denoiser: denoiser, **text_encoders}
     getattr(diffusers, family.pipeline).save_lora_weights(
         folder, weight_name=utils.LORA_WEIGHTS_FILE,
         **{f"{name}_lora_layers": layers(model) for name, model in parts.items()},

@@ -96,7 +96,7 @@ def load_average(targets, tensors):
 def trained_parameters(models, train_text_encoder):
     """The parameters a run trains, in one fixed order (the optimizer's and the EMA's): the UNet's, then
     the text encoders' when trained; with LoRA only the adapters (the others are frozen)."""
-    trained = [models.unet] + (models.text_encoders() if train_text_encoder else [])
+    trained = [models.denoiser] + (models.text_encoders() if train_text_encoder else [])
     return [p for model in trained for p in model.parameters() if p.requires_grad]
 
 
@@ -169,8 +169,8 @@ def batch_latents(models, batch):
     parts = [batch[f"instance_{kind}"]] + ([batch[f"class_{kind}"]] if f"class_{kind}" in batch else [])
     if kind == "pixels":
         pixels = torch.cat([p.to(models.aux_device, non_blocking=True) for p in parts])
-        return encode_latents(models.vae, to_model_input(pixels)).to(models.unet_device)
-    stacked = torch.cat([p.to(models.unet_device, non_blocking=True) for p in parts]).float()
+        return encode_latents(models.vae, to_model_input(pixels)).to(models.denoiser_device)
+    stacked = torch.cat([p.to(models.denoiser_device, non_blocking=True) for p in parts]).float()
     return DiagonalGaussianDistribution(stacked).sample() * models.vae.config.scaling_factor
 
 
@@ -181,7 +181,7 @@ def batch_loss(models, batch, prompts, prior_loss_weight, loss_options=objective
     With prompts.class_base (--prior_preservation prior_prediction: the class prompt's states
     from the base text encoders, and its pooled embedding for SDXL), the batch's photos are used
     twice: as instance rows, and under the class prompt as class rows whose target is the base
-    model's own prediction for the same noisy latents (models.base_unet).
+    model's own prediction for the same noisy latents (models.base_denoiser).
 
     With batch["instance_mask"] ((B, R, R) uint8, --masked_loss) each instance row's loss is
     weighted by its photo's mask (latent_masks).
@@ -196,23 +196,23 @@ def batch_loss(models, batch, prompts, prior_loss_weight, loss_options=objective
     num_class = latents.shape[0] - num_instance
     hidden, pooled = conditioning.batch_states(models, prompts, conditioning.row_prompts(prompts, batch, num_instance),
                                                num_class)
-    hidden = hidden.to(models.unet_device)
+    hidden = hidden.to(models.denoiser_device)
     # The family's extra inputs (SDXL: the pooled text and each image's size and crop); the predicted
     # prior's class rows are the instance photos again, with their sizes.
     resolution = latents.shape[-1] * 2 ** (len(models.vae.config.block_out_channels) - 1)
     sized = {**batch, "class_time_ids": batch["instance_time_ids"]} \
         if predicted_prior and "instance_time_ids" in batch else batch
-    time_ids = models.family.size_conditioning(sized, latents.shape[0], resolution, models.unet_device, hidden.dtype)
-    pooled = pooled.to(models.unet_device) if pooled is not None else None
+    time_ids = models.family.size_conditioning(sized, latents.shape[0], resolution, models.denoiser_device, hidden.dtype)
+    pooled = pooled.to(models.denoiser_device) if pooled is not None else None
     draw = models.family.draw(models.scheduler, latents, loss_options)
-    pred = models.family.denoise(models.unet, draw.noisy, draw.timesteps, hidden, pooled, time_ids)
+    pred = models.family.denoise(models.denoiser, draw.noisy, draw.timesteps, hidden, pooled, time_ids)
     target = draw.target
     if predicted_prior:
         base_pooled = prompts.class_base_pooled
-        base_pooled = base_pooled.to(models.unet_device).expand(num_class, -1) if base_pooled is not None else None
-        base = prompts.class_base.to(models.unet_device).expand(num_class, -1, -1)
-        with torch.no_grad(), models.base_unet() as unet:
-            prior_target = models.family.denoise(unet, draw.noisy[num_instance:], draw.timesteps[num_instance:], base,
+        base_pooled = base_pooled.to(models.denoiser_device).expand(num_class, -1) if base_pooled is not None else None
+        base = prompts.class_base.to(models.denoiser_device).expand(num_class, -1, -1)
+        with torch.no_grad(), models.base_denoiser() as base_denoiser:
+            prior_target = models.family.denoise(base_denoiser, draw.noisy[num_instance:], draw.timesteps[num_instance:], base,
                                                  base_pooled, time_ids[num_instance:] if time_ids is not None else None)
         target = torch.cat([target[:num_instance], prior_target.to(target.dtype)])
     masks = latent_masks(batch["instance_mask"], latents.shape[-2:], pred.device) if "instance_mask" in batch else None
@@ -237,7 +237,7 @@ def train_step(state, micro_batches, prompts, prior_loss_weight, max_grad_norm):
             for model in models.ddp_wrapped():
                 sync.enter_context(model.no_sync())
         with sync:
-            with torch.autocast(models.unet_device.type, dtype=state.amp_dtype, enabled=state.amp_dtype is not None):
+            with torch.autocast(models.denoiser_device.type, dtype=state.amp_dtype, enabled=state.amp_dtype is not None):
                 losses = batch_loss(models, batch, prompts, prior_loss_weight, state.loss)
             state.scaler.scale(losses[0] / count).backward()
         totals.append([t.detach() if t is not None else None for t in losses])
@@ -326,9 +326,9 @@ def make_train_state(models, plan):
     lr_scheduler = get_scheduler(plan.lr_scheduler, optimizer, num_warmup_steps=plan.lr_warmup_steps,
                                  num_training_steps=plan.total_steps, num_cycles=plan.lr_num_cycles,
                                  power=plan.lr_power)
-    dtype = amp_dtype(plan.mixed_precision, models.unet_device)
+    dtype = amp_dtype(plan.mixed_precision, models.denoiser_device)
     # Loss scaling only matters for fp16's narrow exponent range.
-    scaler = torch.amp.GradScaler(models.unet_device.type, enabled=dtype == torch.float16)
+    scaler = torch.amp.GradScaler(models.denoiser_device.type, enabled=dtype == torch.float16)
     ema = EMA(params, plan.ema_decay, plan.ema_update_after_step) if plan.use_ema else None
     return TrainState(models, params, optimizer, lr_scheduler, scaler, dtype,
                       loss=loss_options(plan), ema=ema)

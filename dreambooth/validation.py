@@ -49,13 +49,13 @@ class Sampler:
         ids = ids[:, 0] if len(self.tokenizers) == 1 else ids
         states, pooled = self.family.encode_text([models.unwrap(te) for te in self.nets.text_encoders()],
                                            ids.to(self.nets.aux_device))
-        return states.to(self.nets.unet_device), pooled.to(self.nets.unet_device) if pooled is not None else None
+        return states.to(self.nets.denoiser_device), pooled.to(self.nets.denoiser_device) if pooled is not None else None
 
     def pipeline(self):
         import diffusers
 
         nets = self.nets
-        parts = dict(vae=nets.vae, unet=models.unwrap(nets.unet), scheduler=self.scheduler)
+        parts = {"vae": nets.vae, self.family.denoiser: models.unwrap(nets.denoiser), "scheduler": self.scheduler}
         for encoder_name, tokenizer_name, text_encoder, tokenizer in zip(
                 self.family.text_encoders, self.family.tokenizers(), nets.text_encoders(), self.tokenizers):
             parts[encoder_name], parts[tokenizer_name] = models.unwrap(text_encoder), tokenizer
@@ -73,7 +73,7 @@ class Sampler:
         vae = nets.vae
         pipe = self.pipeline()
         images = []
-        with torch.no_grad(), torch.autocast(nets.unet_device.type, dtype=self.amp_dtype,
+        with torch.no_grad(), torch.autocast(nets.denoiser_device.type, dtype=self.amp_dtype,
                                              enabled=self.amp_dtype is not None):
             negative = self.encode([""])[0]
             for prompt, _, seed in items:
@@ -99,7 +99,7 @@ def run_round(sampler, step, rank, world, run_dir):
 
     items = images_of(sampler.plan)
     mine = list(range(rank, len(items), world))
-    nets = [sampler.nets.unet, *sampler.nets.text_encoders()]
+    nets = [sampler.nets.denoiser, *sampler.nets.text_encoders()]
     modes = [net.training for net in nets]
     rng = checkpoint.rng_state()
     for net in nets:

@@ -66,12 +66,12 @@ def prepare_worker(plan, rank, world, local_world_size):
     from dreambooth import failures
     from dreambooth import steps
 
-    unet_device, aux_device = worker_devices(plan.gpus_per_worker, local_world_size)
+    denoiser_device, aux_device = worker_devices(plan.gpus_per_worker, local_world_size)
     if plan.allow_tf32:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(plan.seed + rank)  # every rank its own noise stream (CPU and GPUs)
     model_error = "its files do not fit together: fetch or copy it again (cache_model.py)"
-    nets = models.setup_models(plan, unet_device, aux_device, distributed=world > 1,
+    nets = models.setup_models(plan, denoiser_device, aux_device, distributed=world > 1,
                                load_guard=failures.cannot_be_retried(f"loading the model {plan.model_dir}", model_error))
     with failures.cannot_be_retried(f"loading the tokenizers of {plan.model_dir}", model_error):
         ids = prompts.run_prompt_ids(plan)
@@ -92,7 +92,7 @@ def prepare_worker(plan, rank, world, local_world_size):
                                         "pass another to --resume_from_checkpoint"):
             checkpoint.load(state, plan.resume_path, rank)
     if rank == 0:
-        print(f"worker devices: UNet on {unet_device}, text encoder and VAE on {aux_device}; "
+        print(f"worker devices: UNet on {denoiser_device}, text encoder and VAE on {aux_device}; "
               f"autocast {state.amp_dtype or 'off (fp32)'}", flush=True)
     return nets, state, step_prompts
 

@@ -183,7 +183,7 @@ def lora_output(make_plan, tmp_path):
     nets = models.setup_models(plan, torch.device("cpu"), torch.device("cpu"), distributed=False)
     torch.manual_seed(0)
     with torch.no_grad():
-        for model in (nets.unet, nets.text_encoder):
+        for model in (nets.denoiser, nets.text_encoder):
             for name, weight in model.named_parameters():
                 if ".lora_B." in name:
                     weight.normal_(0, 0.2)

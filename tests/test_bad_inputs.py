@@ -162,7 +162,7 @@ def test_pickled_weights_need_an_explicit_opt_in(tiny_model, tmp_path):
     from dreambooth import models
 
     nets = models.load_models(str(model), torch.device("cpu"), torch.device("cpu"), True, allow_unsafe_weights=True)
-    assert nets.unet.config.sample_size == 32
+    assert nets.denoiser.config.sample_size == 32
     with pytest.raises(Exception):
         models.load_models(str(model), torch.device("cpu"), torch.device("cpu"), True)
 

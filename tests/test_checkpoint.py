@@ -33,8 +33,8 @@ def test_channels_last_weights_are_saved(make_plan, step_prompts, tmp_path):
     assert checkpoint.is_complete(str(tmp_path))
     fresh = trained_state(make_plan, step_prompts, channels_last=True, steps_taken=0)
     checkpoint.load(fresh, str(tmp_path), rank=0)
-    for k, v in models_lib.unwrap(state.models.unet).state_dict().items():
-        assert torch.equal(v, fresh.models.unet.state_dict()[k])
+    for k, v in models_lib.unwrap(state.models.denoiser).state_dict().items():
+        assert torch.equal(v, fresh.models.denoiser.state_dict()[k])
 
 
 def test_round_trip_restores_weights_optimizer_schedule_and_position(make_plan, step_prompts, tmp_path):
@@ -45,7 +45,7 @@ def test_round_trip_restores_weights_optimizer_schedule_and_position(make_plan, 
     assert checkpoint.load(fresh, str(tmp_path), rank=0) == 1
     assert fresh.step == 2 and checkpoint.saved_step(str(tmp_path)) == 2
     assert fresh.lr_scheduler.last_epoch == state.lr_scheduler.last_epoch
-    for name in ("unet", "text_encoder"):
+    for name in ("denoiser", "text_encoder"):
         for k, v in getattr(state.models, name).state_dict().items():
             assert torch.equal(v, getattr(fresh.models, name).state_dict()[k]), (name, k)
     opt_a, opt_b = state.optimizer.state_dict()["state"], fresh.optimizer.state_dict()["state"]
@@ -76,9 +76,9 @@ def test_each_rank_continues_its_own_rng_stream(make_plan, step_prompts, tmp_pat
 def test_frozen_text_encoder_is_not_written_and_the_manifest_checks_sizes(make_plan, step_prompts, tmp_path):
     state = trained_state(make_plan, step_prompts, steps_taken=1)
     checkpoint.save(state, str(tmp_path), 0, [checkpoint.rng_state()], train_text_encoder=False)
-    assert sorted(os.listdir(tmp_path)) == [checkpoint.OPTIMIZER_FILE, checkpoint.STATE_FILE, checkpoint.UNET_FILE]
+    assert sorted(os.listdir(tmp_path)) == [checkpoint.OPTIMIZER_FILE, checkpoint.STATE_FILE, "unet.safetensors"]
     assert checkpoint.is_complete(str(tmp_path))
-    with open(tmp_path / checkpoint.UNET_FILE, "ab") as f:
+    with open(tmp_path / "unet.safetensors", "ab") as f:
         f.write(b"x")  # a copy that differs from what was saved
     assert not checkpoint.is_complete(str(tmp_path))
 
@@ -129,11 +129,11 @@ def test_lora_checkpoint_holds_only_the_adapters(make_plan, step_prompts, tmp_pa
     checkpoint.save(state, str(tmp_path), 0, [checkpoint.rng_state()], True, {"lora_rank": 4})
     from safetensors.torch import load_file
 
-    saved = load_file(tmp_path / checkpoint.UNET_FILE)
+    saved = load_file(tmp_path / "unet.safetensors")
     assert saved and all(".lora_A." in k or ".lora_B." in k for k in saved)
     _, fresh = lora_state(0)
     checkpoint.load(fresh, str(tmp_path), rank=0)
-    for name in ("unet", "text_encoder"):
+    for name in ("denoiser", "text_encoder"):
         for k, v in getattr(state.models, name).state_dict().items():
             assert torch.equal(v, getattr(fresh.models, name).state_dict()[k]), (name, k)
     assert checkpoint.saved_identity(str(tmp_path)) == {"lora_rank": 4}  # what the run recorded
@@ -161,8 +161,8 @@ def test_8bit_adam_trains_and_its_quantised_state_round_trips(make_plan, step_pr
     for resumed in (state, fresh):  # one more step each, from the same noise
         torch.manual_seed(1)
         steps.train_step(resumed, [batch], step_prompts, 1.0, 1.0)
-    for k, v in state.models.unet.state_dict().items():
-        assert torch.equal(v, fresh.models.unet.state_dict()[k]), k
+    for k, v in state.models.denoiser.state_dict().items():
+        assert torch.equal(v, fresh.models.denoiser.state_dict()[k]), k
 
 
 def test_a_checkpoint_becomes_the_model_the_run_would_have_saved_at_that_step(make_plan, step_prompts, tiny_model,
@@ -181,8 +181,8 @@ def test_a_checkpoint_becomes_the_model_the_run_would_have_saved_at_that_step(ma
 
     saved = StableDiffusionPipeline.from_pretrained(str(tmp_path / "step-2"), safety_checker=None)
     base = StableDiffusionPipeline.from_pretrained(tiny_model, safety_checker=None)
-    for part in ("unet", "text_encoder"):
-        trained = models_lib.unwrap(getattr(state.models, part)).state_dict()
+    for part, name in (("unet", "denoiser"), ("text_encoder", "text_encoder")):
+        trained = models_lib.unwrap(getattr(state.models, name)).state_dict()
         assert all(torch.equal(v, trained[k]) for k, v in getattr(saved, part).state_dict().items()), part
         assert any(not torch.equal(v, trained[k]) for k, v in getattr(base, part).state_dict().items()), part
     assert utils.read_json(str(tmp_path / "step-2" / utils.OUTPUT_MARKER))["steps"] == 2
@@ -215,6 +215,6 @@ def test_the_moving_average_round_trips_and_is_the_model_a_checkpoint_becomes(ma
     checkpoint.save_as_model(str(tmp_path / "ema"), plan)
     saved = StableDiffusionPipeline.from_pretrained(str(tmp_path / "model"), safety_checker=None)
     with state.ema.applied(state.params):
-        averaged = models_lib.unwrap(state.models.unet).state_dict()
+        averaged = models_lib.unwrap(state.models.denoiser).state_dict()
         assert all(torch.equal(v, averaged[k]) for k, v in saved.unet.state_dict().items())
     assert utils.read_json(str(tmp_path / "model" / utils.OUTPUT_MARKER))["ema_decay"] == 0.5

@@ -258,7 +258,7 @@ def test_sdxl_prior_prediction_gives_the_base_model_the_pooled_class_prompt_and_
     _, instance, prior = losses()
     assert prior.item() < 1e-9 * instance.item()
     with torch.no_grad():
-        for weight in nets.unet.parameters():
+        for weight in nets.denoiser.parameters():
             weight.mul_(1.01)
     assert losses()[2].item() > 1e-6
 

@@ -12,7 +12,7 @@ CPU = torch.device("cpu")
 
 def test_trained_networks_are_in_train_mode_and_the_vae_is_frozen(tiny_model):
     nets = models_lib.load_models(tiny_model, CPU, CPU, train_text_encoder=True)
-    assert nets.unet.training and nets.text_encoder.training
+    assert nets.denoiser.training and nets.text_encoder.training
     assert not nets.vae.training and not any(p.requires_grad for p in nets.vae.parameters())
     frozen = models_lib.load_models(tiny_model, CPU, CPU, train_text_encoder=False)
     assert not frozen.text_encoder.training and not any(p.requires_grad for p in frozen.text_encoder.parameters())
@@ -26,7 +26,7 @@ def test_gradient_checkpointing_recomputes_text_encoder_activations(make_plan, s
     inner.register_forward_hook(lambda *a: calls.append(1))
     nets.text_encoder(step_prompts.instance)[0].sum().backward()
     assert len(calls) == 2  # forward, then recomputed in backward
-    assert nets.unet.is_gradient_checkpointing
+    assert nets.denoiser.is_gradient_checkpointing
     nets.text_encoder.eval()  # as from_pretrained returns it: transformers skips checkpointing
     calls.clear()
     nets.text_encoder(step_prompts.instance)[0].sum().backward()
@@ -35,7 +35,7 @@ def test_gradient_checkpointing_recomputes_text_encoder_activations(make_plan, s
 
 def test_channels_last_applies_to_unet_and_vae(make_plan):
     nets = models_lib.setup_models(make_plan(channels_last=True), CPU, CPU, distributed=False)
-    conv = nets.unet.conv_in.weight
+    conv = nets.denoiser.conv_in.weight
     assert conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous()
     assert nets.vae.encoder.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
 
@@ -52,16 +52,16 @@ def process_group(tmp_path):
 def test_ddp_skips_the_gradient_copy_and_buffer_broadcast(make_plan, process_group):
     nets = models_lib.setup_models(make_plan(), CPU, CPU, distributed=True)
     assert [type(m).__name__ for m in nets.ddp_wrapped()] == ["DistributedDataParallel"] * 2
-    assert nets.unet.gradient_as_bucket_view
-    assert not getattr(nets.unet, "forward_sync_buffers", getattr(nets.unet, "broadcast_buffers", True))
-    assert models_lib.unwrap(nets.unet) is nets.unet.module
+    assert nets.denoiser.gradient_as_bucket_view
+    assert not getattr(nets.denoiser, "forward_sync_buffers", getattr(nets.denoiser, "broadcast_buffers", True))
+    assert models_lib.unwrap(nets.denoiser) is nets.denoiser.module
 
 
 def test_compiled_unet_unwraps_and_trains(make_plan, step_prompts):
     plan = make_plan(torch_compile="eager", learning_rate=1e-4)  # dynamo capture; aot_eager runs in test_recovery
     nets = models_lib.setup_models(plan, CPU, CPU, distributed=False)
-    assert type(nets.unet).__name__ == "OptimizedModule"
-    assert type(models_lib.unwrap(nets.unet)).__name__ == "UNet2DConditionModel"
+    assert type(nets.denoiser).__name__ == "OptimizedModule"
+    assert type(models_lib.unwrap(nets.denoiser)).__name__ == "UNet2DConditionModel"
     state = steps.make_train_state(nets, plan)
     res = 64
     batch = {"instance_pixels": torch.zeros(1, res, res, 3, dtype=torch.uint8)}
@@ -119,14 +119,14 @@ def test_lora_trains_only_fp32_adapters_over_frozen_weights_in_the_autocast_dtyp
     plan = make_plan(use_lora=True, lora_rank=4, lora_alpha=8.0, mixed_precision=precision)
     nets = models_lib.setup_models(plan, CPU, CPU, distributed=False)
     state = steps.make_train_state(nets, plan)
-    named = {f"{part}.{k}": v for part in ("unet", "text_encoder") for k, v in
+    named = {f"{part}.{k}": v for part in ("denoiser", "text_encoder") for k, v in
              getattr(nets, part).named_parameters()}
     trained = {k for k, v in named.items() if v.requires_grad}
     assert trained and all(".lora_A." in k or ".lora_B." in k for k in trained)
     assert any(k.startswith("text_encoder.") for k in trained)
     assert sum(p.numel() for p in state.params) == sum(named[k].numel() for k in trained)
     assert all(named[k].dtype == torch.float32 for k in trained)
-    assert nets.unet.conv_in.weight.dtype == nets.vae.encoder.conv_in.weight.dtype == dtype
+    assert nets.denoiser.conv_in.weight.dtype == nets.vae.encoder.conv_in.weight.dtype == dtype
     assert state.scaler.is_enabled() == (dtype == torch.float16)
     before = {k: v.detach().clone() for k, v in named.items()}
     batch = {"instance_pixels": torch.randint(0, 256, (1, 64, 64, 3), dtype=torch.uint8)}
@@ -140,7 +140,7 @@ def test_lora_trains_only_fp32_adapters_over_frozen_weights_in_the_autocast_dtyp
 def test_lora_rank_and_alpha_shape_the_adapters(make_plan):
     nets = models_lib.setup_models(make_plan(use_lora=True, lora_rank=2, lora_alpha=6.0, train_text_encoder=False),
                                    CPU, CPU, distributed=False)
-    to_q = nets.unet.get_submodule("down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q")
+    to_q = nets.denoiser.get_submodule("down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q")
     assert to_q.lora_A["default"].weight.shape[0] == 2 and to_q.scaling["default"] == 3.0
     assert not models_lib.has_lora(nets.text_encoder)
     assert not any(p.requires_grad for p in nets.text_encoder.parameters())

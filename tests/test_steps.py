@@ -20,7 +20,7 @@ def models(tiny_model):
 def batch_for(models, size=2, with_class=True, seed=0):
     """uint8 (B, R, R, 3) pixels, as the data stream delivers them."""
     g = torch.Generator().manual_seed(seed)
-    res = models.unet.config.sample_size * 2
+    res = models.denoiser.config.sample_size * 2
     batch = {"instance_pixels": torch.randint(0, 256, (size, res, res, 3), generator=g, dtype=torch.uint8)}
     if with_class:
         batch["class_pixels"] = torch.randint(0, 256, (size, res, res, 3), generator=g, dtype=torch.uint8)
@@ -90,7 +90,7 @@ def test_lr_schedules_follow_diffusers_over_the_plans_steps(models, make_plan, n
 
 def test_train_step_learns_a_fixed_batch_and_changes_only_trainable_weights(models, step_prompts, make_plan):
     vae_before = copy.deepcopy(models.vae.state_dict())
-    unet_before = copy.deepcopy(models.unet.state_dict())
+    unet_before = copy.deepcopy(models.denoiser.state_dict())
     state = steps.make_train_state(models, make_plan())
     batch = batch_for(models)
     torch.manual_seed(0)
@@ -101,7 +101,7 @@ def test_train_step_learns_a_fixed_batch_and_changes_only_trainable_weights(mode
         last = step(state, [batch], step_prompts)[0]
     assert last.item() < first.item() * 0.9, (first.item(), last.item())
     assert all(torch.equal(v, models.vae.state_dict()[k]) for k, v in vae_before.items())
-    assert any(not torch.equal(v, models.unet.state_dict()[k]) for k, v in unet_before.items())
+    assert any(not torch.equal(v, models.denoiser.state_dict()[k]) for k, v in unet_before.items())
 
 
 def test_frozen_text_encoder_stays_put(tiny_model, step_prompts, make_plan):
@@ -125,13 +125,13 @@ def test_fp16_scales_the_loss_and_a_skipped_step_leaves_weights_and_lr_schedule(
     assert state.amp_dtype == torch.float16 and state.scaler.is_enabled()
     loss = step(state, [batch_for(models, size=1)], step_prompts)[0]
     assert torch.isfinite(loss) and state.lr_scheduler.last_epoch == 1 and state.skipped_steps == 0
-    weights = copy.deepcopy(models.unet.state_dict())
+    weights = copy.deepcopy(models.denoiser.state_dict())
     scale, lr = state.scaler.get_scale(), state.lr_scheduler.get_last_lr()[0]
     # A loss scale far past fp32's range: every gradient overflows, so the scaler skips.
     state.scaler.update(new_scale=torch.tensor(2.0 ** 127 * 1.9))
     step(state, [batch_for(models, size=1, seed=1)], step_prompts)
     assert state.skipped_steps == 1
-    assert all(torch.equal(v, models.unet.state_dict()[k]) for k, v in weights.items())
+    assert all(torch.equal(v, models.denoiser.state_dict()[k]) for k, v in weights.items())
     assert state.lr_scheduler.last_epoch == 1 and state.lr_scheduler.get_last_lr()[0] == lr
     assert state.scaler.get_scale() < 2.0 ** 127 and scale > 1
 
@@ -159,12 +159,12 @@ def test_gradient_accumulation_takes_one_optimizer_step_per_group(models, step_p
     assert list(steps.accumulate(iter(range(7)), 2, 1)) == [[0, 1]]
     assert list(steps.accumulate(iter(range(7)), 2, 0)) == []
     state = steps.make_train_state(models, make_plan())
-    before = copy.deepcopy(models.unet.state_dict())
+    before = copy.deepcopy(models.denoiser.state_dict())
     loss, instance, prior = step(state, [batch_for(models, 1), batch_for(models, 1, seed=1)], step_prompts)
     assert state.lr_scheduler.last_epoch == 1
     assert state.optimizer.state_dict()["state"][0]["step"].item() == 1
     assert loss.item() == pytest.approx(instance.item() + prior.item(), rel=1e-5)
-    assert any(not torch.equal(v, models.unet.state_dict()[k]) for k, v in before.items())
+    assert any(not torch.equal(v, models.denoiser.state_dict()[k]) for k, v in before.items())
 
 
 def test_ema_follows_then_averages_with_the_warm_up_decay():
@@ -228,7 +228,7 @@ def test_a_run_with_ema_decay_0_ends_on_the_weights_of_a_run_without(tiny_model,
     assert any(not torch.equal(a, b) for a, b in zip(ema.ema.shadow, ema.params))
     # LoRA: the average is of the adapters alone, and decay 0 again gives the plain run's adapters
     lora, lora_ema0 = runs["lora"], runs["lora_ema0"]
-    trained = [n for m in (lora_ema0.models.unet, lora_ema0.models.text_encoder) for n, p in m.named_parameters()
+    trained = [n for m in (lora_ema0.models.denoiser, lora_ema0.models.text_encoder) for n, p in m.named_parameters()
                if p.requires_grad]
     assert len(lora_ema0.ema.shadow) == len(trained) and all("lora_" in n for n in trained)
     with lora_ema0.ema.applied(lora_ema0.params):
@@ -244,7 +244,7 @@ def test_prior_prediction_targets_the_base_models_own_prediction(tiny_model, ste
     (full: the frozen copy; LoRA: the adapters switched off)."""
     plan = make_plan(prior_prediction=True, use_lora=use_lora)
     nets = models_lib.setup_models(plan, CPU, CPU, distributed=False)
-    assert (nets.frozen_unet is None) == use_lora
+    assert (nets.frozen_denoiser is None) == use_lora
     state = steps.make_train_state(nets, plan)
     prompts = conditioning.with_base_class(step_prompts, nets.family, nets.text_encoders(),
                                            {"class": step_prompts.class_prompt[0].tolist()}, CPU)
@@ -266,9 +266,9 @@ def test_prior_prediction_targets_the_base_models_own_prediction(tiny_model, ste
     cond = prompts.class_base.expand(2, -1, -1)
     with torch.no_grad():
         expected = base(noisy, t, cond).sample
-        with nets.base_unet() as unet:
+        with nets.base_denoiser() as unet:
             assert torch.equal(unet(noisy, t, cond).sample, expected)
-        assert not torch.equal(nets.unet(noisy, t, cond).sample, expected)  # the trained one moved on
+        assert not torch.equal(nets.denoiser(noisy, t, cond).sample, expected)  # the trained one moved on
 
 
 def test_masked_loss_counts_only_the_masked_latent_pixels():

@@ -232,7 +232,7 @@ def test_lora_output_is_what_diffusers_load_lora_weights_reads(lora_output, tiny
         with torch.no_grad():
             return unet(latents, t, text_encoder(ids)[0]).sample
 
-    ours = predict(nets.unet.eval(), nets.text_encoder.eval())
+    ours = predict(nets.denoiser.eval(), nets.text_encoder.eval())
     assert torch.allclose(predict(loaded.unet, loaded.text_encoder), ours, atol=1e-5)
     assert not torch.allclose(predict(base.unet, base.text_encoder), ours, atol=1e-3)
     assert json.load(open(os.path.join(folder, utils.OUTPUT_MARKER)))["lora"] == {"rank": 4, "lora_alpha": 8.0}

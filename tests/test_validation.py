@@ -23,7 +23,7 @@ def test_a_round_draws_what_generate_draws_and_leaves_training_as_it_was(make_pl
     for step in (5, 10):
         timeline, images = validation.run_round(sampler, step, rank=0, world=1, run_dir=str(tmp_path))
     assert torch.equal(torch.get_rng_state(), rng)  # the training noise stream is untouched
-    assert nets.unet.training and nets.text_encoder.training
+    assert nets.denoiser.training and nets.text_encoder.training
     names = ["photo-of-unqtkn-toy-00000.png", "photo-of-unqtkn-toy-00001.png", "a-toy-00000.png", "a-toy-00001.png"]
     assert list(images) == names
     for step in (5, 10):
