@@ -75,7 +75,8 @@ def save(state, folder, epoch, rng_states, train_text_encoder, identity=None):
     files = [denoiser_file, OPTIMIZER_FILE]
     save_file(models.trained_state_dict(state.models.denoiser), os.path.join(folder, denoiser_file))
     if train_text_encoder:
-        for name, text_encoder in zip(text_encoder_files(state.models.family), state.models.text_encoders()):
+        for k, text_encoder in state.models.trainable():
+            name = text_encoder_files(state.models.family)[k]
             save_file(models.trained_state_dict(text_encoder), os.path.join(folder, name))
             files.append(name)
     if state.ema is not None:

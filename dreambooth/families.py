@@ -11,12 +11,13 @@ import os
 
 from dreambooth import family_sd1
 from dreambooth import family_sd2
+from dreambooth import family_sd3
 from dreambooth import family_sdxl
 from dreambooth import utils
 from dreambooth.family import Family  # noqa: F401 (the interface every entry implements, named beside the table)
 from dreambooth.family import part_config
 
-FAMILIES = {f.name: f for f in (family_sd1.FAMILY, family_sd2.FAMILY, family_sdxl.FAMILY)}
+FAMILIES = {f.name: f for f in (family_sd1.FAMILY, family_sd2.FAMILY, family_sdxl.FAMILY, family_sd3.FAMILY)}
 ARCHS = {f.arch: f for f in FAMILIES.values()}  # the --arch names of the random models built here
 ACTIONS = {"draw": "drawing images with", "train": "training", "export": "exporting"}
 

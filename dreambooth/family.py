@@ -38,6 +38,7 @@ class Family:
     denoiser = "unet"  # the denoiser's subfolder, and its name in the pipeline and in diffusers' LoRA files
     denoiser_lora_targets = ("to_k", "to_q", "to_v", "to_out.0")  # its layers LoRA adapts (diffusers' choice)
     text_encoders = ("text_encoder",)  # subfolders, in the order their states are concatenated
+    trainable_text_encoders = ("text_encoder", "text_encoder_2")  # those --train_text_encoder trains, if it has them
     safety_checker = False  # its pipeline has one (and generate.py's --safety_checker applies)
     time_ids = False  # the denoiser also takes each image's size and crop (SDXL's "text_time"): the stream carries them
     supports = frozenset({"draw", "train", "export"})  # what the suite does with it: generate/evaluate, train, export
@@ -131,8 +132,9 @@ class Family:
         for a models.MODEL_SIZES spec."""
         raise NotImplementedError
 
-    def unet_heads(self, channels):
-        """The UNet's attention_head_dim for its block widths."""
+    def random_denoiser(self, spec, latent_size, text_width, extra):
+        """A random denoiser of a models.MODEL_SIZES spec for latent_size latents, reading text states
+        text_width wide, with extra config from random_text_encoders."""
         raise NotImplementedError
 
     def random_vae_config(self):
@@ -142,6 +144,14 @@ class Family:
     def random_pipeline(self, nets, tokenizer, betas, safety_checker):
         """The family's pipeline of random networks, with its released models' scheduler."""
         raise NotImplementedError
+
+    # --- outputs
+    def lora_file_layers(self, peft_layers):
+        """A network's LoRA layers as the family's pipeline expects them in its LoRA file (save_lora_weights):
+        diffusers' older names (lora.down/lora.up) for the UNet families, as their reference scripts write."""
+        from diffusers.utils import convert_state_dict_to_diffusers
+
+        return convert_state_dict_to_diffusers(peft_layers)
 
     # --- export (export.py's original single-file layout)
     def single_file_text_encoders(self, weights):

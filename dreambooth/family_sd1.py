@@ -77,7 +77,24 @@ class SD1(family.Family):
         return {"text_encoder": encoder}, spec["text_hidden"], {}
 
     def unet_heads(self, channels):
-        return 8  # SD 1.x: 8 heads at every level
+        """The UNet's attention_head_dim for its block widths: SD 1.x has 8 heads at every level."""
+        return 8
+
+    def random_denoiser(self, spec, latent_size, text_width, extra):
+        from diffusers import UNet2DConditionModel
+
+        down = spec["unet_down"]
+        return UNet2DConditionModel(
+            sample_size=latent_size,
+            block_out_channels=spec["unet_channels"],
+            layers_per_block=spec["unet_layers"],
+            down_block_types=down,
+            up_block_types=tuple(reversed([name.replace("Down", "Up") for name in down])),
+            cross_attention_dim=text_width,
+            attention_head_dim=self.unet_heads(spec["unet_channels"]),
+            use_linear_projection=self.random_arch["linear_projection"],
+            **extra,
+        )
 
     def scheduler(self, betas):
         """The scheduler of SD 1.4's scheduler/scheduler_config.json."""

@@ -36,7 +36,7 @@ CHECKPOINTED_GIB = 0.11  # the same with gradient checkpointing
 REFERENCE_UNET, REFERENCE_PIXELS = 859.52e6, 512 * 512
 
 # Parameter counts of the released models' networks (diffusers' folders), as each family says them
-RELEASED = {name: family.released_params for name, family in families.FAMILIES.items()}
+RELEASED = {name: family.released_params for name, family in families.FAMILIES.items() if family.released_params}
 # the table's resolution of each family: its released models' largest
 DEFAULT_RESOLUTION = {name: max(families.FAMILIES[name].released_resolutions) for name in RELEASED}
 

@@ -67,37 +67,26 @@ def build_pipeline(size="tiny", seed=0, safety_checker=False, arch="sd1"):
 
 
 def build_networks(size, arch, tokenizer):
-    """{"unet", "vae", "text_encoder"[, "text_encoder_2"]}: the random networks of build_pipeline
-    (in torch's current default device: "meta" counts a full-size model's parameters without memory)."""
-    from diffusers import AutoencoderKL, UNet2DConditionModel
+    """{denoiser, "vae", text encoders}: the random networks of build_pipeline, named as the family's
+    subfolders (in torch's current default device: "meta" counts a full-size model's parameters
+    without memory)."""
+    from diffusers import AutoencoderKL
 
     family = families.ARCHS[arch]
     spec = MODEL_SIZES[size]
     latent_size = int(spec["latent_size"] * family.random_arch["resolution_scale"])
-    nets, text_width, unet_extra = family.random_text_encoders(spec, tokenizer)
-    down = spec["unet_down"]
-    unet = UNet2DConditionModel(
-        sample_size=latent_size,
-        block_out_channels=spec["unet_channels"],
-        layers_per_block=spec["unet_layers"],
-        down_block_types=down,
-        up_block_types=tuple(reversed([name.replace("Down", "Up") for name in down])),
-        cross_attention_dim=text_width,
-        attention_head_dim=family.unet_heads(spec["unet_channels"]),
-        use_linear_projection=family.random_arch["linear_projection"],
-        **unet_extra,
-    )
+    nets, text_width, denoiser_extra = family.random_text_encoders(spec, tokenizer)
+    denoiser = family.random_denoiser(spec, latent_size, text_width, denoiser_extra)  # (in this order: the seed's draws)
     num_vae_blocks = len(spec["vae_channels"])
     vae = AutoencoderKL(
         block_out_channels=spec["vae_channels"],
         layers_per_block=spec["vae_layers"],
         down_block_types=("DownEncoderBlock2D",) * num_vae_blocks,
         up_block_types=("UpDecoderBlock2D",) * num_vae_blocks,
-        latent_channels=4,
         sample_size=latent_size * 2 ** (num_vae_blocks - 1),
-        **family.random_vae_config(),
+        **{"latent_channels": 4, **family.random_vae_config()},
     )
-    return dict(unet=unet, vae=vae, **nets)
+    return {family.denoiser: denoiser, "vae": vae, **nets}
 
 
 # ---------------------------------------------------------------- training set-up
@@ -109,18 +98,29 @@ class Models:
     denoiser_device; the text encoders and VAE on aux_device (the same device, or a worker's second GPU)."""
 
     denoiser: object
-    text_encoder: object
     vae: object
     scheduler: object
     denoiser_device: object
     aux_device: object
     family: families.Family  # what the text encoders do with token ids, the denoiser's inputs and objective
-    text_encoder_2: object = None  # SDXL's second text encoder (with a projection), on aux_device
+    encoders: list  # the family's text encoders, in its order (family.text_encoders), on aux_device
     frozen_denoiser: object = None  # --prior_preservation prior_prediction, full fine-tuning: the base denoiser
 
+    @property
+    def text_encoder(self):
+        return self.encoders[0]
+
     def text_encoders(self):
-        """The text encoders in the order the prompt's states are concatenated (SDXL: two)."""
-        return [m for m in (self.text_encoder, self.text_encoder_2) if m is not None]
+        """The text encoders in the order the prompt's states are concatenated (SDXL: two, SD 3.5: three)."""
+        return list(self.encoders)
+
+    def trainable(self):
+        """[(index, text encoder)] of those --train_text_encoder trains (the family's choice: SD 3.5's T5 stays frozen)."""
+        return [(k, te) for k, (name, te) in enumerate(zip(self.family.text_encoders, self.encoders))
+                if name in self.family.trainable_text_encoders]
+
+    def trained_text_encoders(self):
+        return [te for _, te in self.trainable()]
 
     def base_denoiser(self):
         """A context manager giving the base model's UNet for no-grad predictions: the frozen copy, or
@@ -168,10 +168,11 @@ def load_models(model_dir, denoiser_device, aux_device, train_text_encoder, allo
     scheduler = family.load_scheduler(model_dir)
     denoiser.train()
     vae.requires_grad_(False).eval()
-    for text_encoder in encoders:
-        text_encoder.requires_grad_(train_text_encoder).train(train_text_encoder).to(aux_device)
-    return Models(denoiser.to(denoiser_device), encoders[0], vae.to(aux_device), scheduler, denoiser_device, aux_device,
-                  family, *encoders[1:])
+    for name, text_encoder in zip(family.text_encoders, encoders):
+        trained = train_text_encoder and name in family.trainable_text_encoders
+        text_encoder.requires_grad_(trained).train(trained).to(aux_device)
+    return Models(denoiser.to(denoiser_device), vae.to(aux_device), scheduler, denoiser_device, aux_device, family,
+                  encoders)
 
 
 def load_vae(model_dir, vae_dir=None, allow_unsafe_weights=False):
@@ -214,8 +215,8 @@ def lora_config(plan, targets):
 
 
 def add_lora(models, plan):
-    """Freeze every weight and add trainable fp32 LoRA adapters (peft) to the UNet and, with
-    train_text_encoder, the text encoders. The frozen weights go to the run's autocast dtype
+    """Freeze every weight and add trainable fp32 LoRA adapters (peft) to the denoiser and, with
+    train_text_encoder, the text encoders the family trains. The frozen weights go to the run's autocast dtype
     (bf16/fp16 on GPUs): that is where LoRA's memory saving comes from."""
     import torch
     from diffusers.training_utils import cast_training_params
@@ -228,7 +229,7 @@ def add_lora(models, plan):
     models.denoiser.add_adapter(lora_config(plan, models.family.denoiser_lora_targets))
     trained = [models.denoiser]
     if plan.train_text_encoder:
-        for text_encoder in models.text_encoders():
+        for text_encoder in models.trained_text_encoders():
             text_encoder.add_adapter(lora_config(plan, TEXT_ENCODER_LORA_TARGETS))
             trained.append(text_encoder)
     cast_training_params(trained, dtype=torch.float32)
@@ -296,7 +297,7 @@ def setup_models(plan, denoiser_device, aux_device, distributed, load_guard=None
     if plan.gradient_checkpointing:
         models.denoiser.enable_gradient_checkpointing()
         if plan.train_text_encoder:
-            for te in models.text_encoders():  # transformers 5.20 renamed the method
+            for te in models.trained_text_encoders():  # transformers 5.20 renamed the method
                 (getattr(te, "activation_checkpointing_enable", None) or te.gradient_checkpointing_enable)()
     if plan.channels_last:
         # NHWC convolutions run on tensor cores without layout transposes.
@@ -306,9 +307,8 @@ def setup_models(plan, denoiser_device, aux_device, distributed, load_guard=None
     if distributed:
         models.denoiser = ddp(models.denoiser, denoiser_device)
         if plan.train_text_encoder:
-            models.text_encoder = ddp(models.text_encoder, aux_device)
-            if models.text_encoder_2 is not None:
-                models.text_encoder_2 = ddp(models.text_encoder_2, aux_device)
+            for k, text_encoder in models.trainable():
+                models.encoders[k] = ddp(text_encoder, aux_device)
     if plan.torch_compile:
         models.denoiser = torch.compile(models.denoiser, backend=plan.torch_compile)
     return models

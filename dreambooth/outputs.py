@@ -313,7 +313,8 @@ def save_pipeline(nets, plan):
 
     def write(tmp):
         if plan.use_lora:
-            save_lora(tmp, plan.family, denoiser, text_encoders if plan.train_text_encoder else {})
+            trained = {name: text_encoders[name] for name in plan.family.trainable_text_encoders if name in text_encoders}
+            save_lora(tmp, plan.family, denoiser, trained if plan.train_text_encoder else {})
         else:
             pipeline = getattr(diffusers, plan.family.pipeline)
             # a VAE trained with (--pretrained_vae_model_name_or_path) stays with the model
@@ -339,11 +340,10 @@ def save_lora(folder, family, denoiser, text_encoders=None):
     """utils.LORA_WEIGHTS_FILE in folder, written by the family's pipeline's save_lora_weights.
     text_encoders: {"text_encoder"[, "text_encoder_2"]: model} with adapters, or {}."""
     import diffusers
-    from diffusers.utils import convert_state_dict_to_diffusers
     from peft.utils import get_peft_model_state_dict
 
     def layers(model):
-        return convert_state_dict_to_diffusers(get_peft_model_state_dict(model, save_embedding_layers=False))
+        return family.lora_file_layers(get_peft_model_state_dict(model, save_embedding_layers=False))
 
     text_encoders = text_encoders or {}
     parts = {family.denoiser: denoiser, **text_encoders}

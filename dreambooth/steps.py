@@ -96,7 +96,7 @@ def load_average(targets, tensors):
 def trained_parameters(models, train_text_encoder):
     """The parameters a run trains, in one fixed order (the optimizer's and the EMA's): the UNet's, then
     the text encoders' when trained; with LoRA only the adapters (the others are frozen)."""
-    trained = [models.denoiser] + (models.text_encoders() if train_text_encoder else [])
+    trained = [models.denoiser] + (models.trained_text_encoders() if train_text_encoder else [])
     return [p for model in trained for p in model.parameters() if p.requires_grad]
 
 
@@ -148,11 +148,17 @@ def to_model_input(pixels):
     return pixels.permute(0, 3, 1, 2).float() / 127.5 - 1.0
 
 
+def scaled(vae, latents):
+    """The VAE's latents as the denoiser takes them: shifted (SD 3.5, Flux) and scaled by its config."""
+    shift = getattr(vae.config, "shift_factor", None)
+    return (latents - shift if shift else latents) * vae.config.scaling_factor
+
+
 def encode_latents(vae, pixels):
-    """(B, 3, H, W) in [-1, 1] -> (B, 4, H/f, W/f) scaled latents, f from the VAE config."""
+    """(B, 3, H, W) in [-1, 1] -> (B, C, H/f, W/f) scaled latents, f from the VAE config."""
     with torch.no_grad():
         latents = vae.encode(pixels.to(vae.dtype)).latent_dist.sample()
-    return latents * vae.config.scaling_factor
+    return scaled(vae, latents)
 
 
 def batch_latents(models, batch):
@@ -171,7 +177,7 @@ def batch_latents(models, batch):
         pixels = torch.cat([p.to(models.aux_device, non_blocking=True) for p in parts])
         return encode_latents(models.vae, to_model_input(pixels)).to(models.denoiser_device)
     stacked = torch.cat([p.to(models.denoiser_device, non_blocking=True) for p in parts]).float()
-    return DiagonalGaussianDistribution(stacked).sample() * models.vae.config.scaling_factor
+    return scaled(models.vae, DiagonalGaussianDistribution(stacked).sample())
 
 
 def batch_loss(models, batch, prompts, prior_loss_weight, loss_options=objectives.LossOptions()):

@@ -87,6 +87,7 @@ class Sampler:
                                num_inference_steps=self.plan.validation_inference_steps,
                                generator=torch.Generator("cpu").manual_seed(seed), output_type="latent").images
                 latents = latents.to(nets.aux_device, vae.dtype) / vae.config.scaling_factor
+                latents = latents + (getattr(vae.config, "shift_factor", None) or 0.0)
                 decoded = vae.decode(latents).sample
                 images += pipe.image_processor.postprocess(decoded.float(), output_type="pil")
         return images

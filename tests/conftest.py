@@ -43,6 +43,14 @@ def tiny_sdxl_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_sd3_model(tmp_path_factory):
+    """Snapshot folder of the tiny SD 3.5 model (cache_model.py --tiny --arch sd3)."""
+    from dreambooth import cache_model
+
+    return cache_model.main(["--model_dir", str(tmp_path_factory.mktemp("model-sd3")), "--tiny", "--arch", "sd3"])
+
+
+@pytest.fixture(scope="session")
 def shared_ray_cluster(tmp_path_factory):
     """One local Ray cluster for the session, as dreambooth_run.sh keeps one for its steps: every
     script a slow test runs, and this process (ray_session), joins it through RAY_ADDRESS instead

@@ -1,0 +1,149 @@
+"""SD 3.5 (medium, large): a flow-matching transformer (SD3Transformer2DModel, MMDiT) over 16-channel
+latents, conditioned on three text encoders: CLIP-L and CLIP-G (with projections; their penultimate
+states side by side, their pooled outputs concatenated) and T5 (its states after CLIP's, which are
+zero-padded to T5's width). Trained on the straight path towards the velocity (objectives.flow_matching)
+on the scheduler's shifted sigmas; 1024 px; no safety checker.
+"""
+
+import string
+
+from dreambooth import family
+from dreambooth import family_sd1
+from dreambooth import objectives
+
+T5_MAX_LENGTH = 77  # T5's tokens in training (diffusers' SD3 scripts' --max_sequence_length default)
+
+
+def tiny_t5_tokenizer(max_length=T5_MAX_LENGTH):
+    """A T5 tokenizer made here (the tokenizers library's Unigram model, as T5's sentencepiece one is):
+    every character alone and after a word boundary, a few whole words, T5's <pad>, </s> and <unk>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import T5TokenizerFast
+
+    pieces = ["<pad>", "</s>", "<unk>", "\u2581"]
+    pieces += ["\u2581" + w for w in ("photo", "of", "a", "the", "dog", "toy", "in")]
+    pieces += [p for c in string.ascii_lowercase + string.digits + string.punctuation for p in (c, "\u2581" + c)]
+    vocab = [(piece, 0.0 if k < 3 else -1.0 - 0.01 * k) for k, piece in enumerate(pieces)]
+    tokenizer = Tokenizer(models.Unigram(vocab, unk_id=2))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tokenizer.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tokenizer.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    return T5TokenizerFast(tokenizer_object=tokenizer, eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
+                           extra_ids=0, model_max_length=max_length)
+
+
+class SD3(family.Family):
+    name, label = "sd3", "SD 3.5"
+    pipeline = "StableDiffusion3Pipeline"
+    denoiser = "transformer"
+    # diffusers' SD3 DreamBooth LoRA script's layers: the joint attention's projections of both streams
+    denoiser_lora_targets = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
+                             "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v")
+    text_encoders = ("text_encoder", "text_encoder_2", "text_encoder_3")
+    supports = frozenset({"train"})
+    released_resolutions = (1024,)
+    released_params = {}  # the memory table's SD 3.5 figures are not in yet
+    arch = "sd3"
+    random_note = "SD 3.5's layout: an MMDiT transformer, CLIP-L, CLIP-G and T5, flow matching, 16-channel latents"
+    random_arch = dict(resolution_scale=1, layers=2, head_dim=8, heads=4, t5_width=32, t5_layers=2, t5_heads=4,
+                       vae_scaling_factor=1.5305, vae_shift_factor=0.0609, shift=3.0)
+
+    def size_multiple(self, model_dir):
+        """The VAE's downscaling times the transformer's patch size."""
+        return family.vae_scale(model_dir) * family.part_config(model_dir, self.denoiser)["patch_size"]
+
+    # --- the networks
+    def load_denoiser(self, load):
+        from diffusers import SD3Transformer2DModel
+
+        return load(SD3Transformer2DModel, self.denoiser)
+
+    def load_tokenizers(self, model_dir):
+        from transformers import CLIPTokenizer, T5TokenizerFast
+
+        return [CLIPTokenizer.from_pretrained(model_dir, subfolder="tokenizer"),
+                CLIPTokenizer.from_pretrained(model_dir, subfolder="tokenizer_2"),
+                T5TokenizerFast.from_pretrained(model_dir, subfolder="tokenizer_3", model_max_length=T5_MAX_LENGTH)]
+
+    def load_text_encoders(self, model_dir, load):
+        from transformers import CLIPTextModelWithProjection, T5EncoderModel
+
+        return [load(CLIPTextModelWithProjection, "text_encoder"), load(CLIPTextModelWithProjection, "text_encoder_2"),
+                load(T5EncoderModel, "text_encoder_3")]
+
+    def encode_text(self, text_encoders, ids):
+        """As StableDiffusion3Pipeline.encode_prompt does: CLIP-L's and CLIP-G's penultimate states side
+        by side, zero-padded to T5's width, then T5's states after them; the two pooled outputs joined."""
+        import torch
+
+        clip_states, pooled = [], []
+        for k, text_encoder in enumerate(text_encoders[:2]):
+            out = text_encoder(ids[:, k], output_hidden_states=True)
+            clip_states.append(out.hidden_states[-2])
+            pooled.append(out.text_embeds)
+        t5 = text_encoders[2](ids[:, 2])[0]
+        clip = torch.cat(clip_states, dim=-1)
+        clip = torch.nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
+        return torch.cat([clip, t5.to(clip.dtype)], dim=-2), torch.cat(pooled, dim=-1)
+
+    # --- the objective and the denoiser
+    def load_scheduler(self, model_dir):
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        return FlowMatchEulerDiscreteScheduler.from_pretrained(model_dir, subfolder="scheduler")
+
+    def draw(self, scheduler, latents, options):
+        return objectives.flow_matching(scheduler, latents, options)
+
+    def denoise(self, model, noisy, timesteps, states, pooled, time_ids):
+        return model(hidden_states=noisy, timestep=timesteps, encoder_hidden_states=states,
+                     pooled_projections=pooled).sample
+
+    def lora_file_layers(self, peft_layers):
+        """peft's own names, as diffusers' SD3 DreamBooth LoRA script writes them."""
+        return peft_layers
+
+    # --- random models
+    def random_text_encoders(self, spec, tokenizer):
+        from transformers import CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+        arch = self.random_arch
+        wide = dict(spec, text_hidden=2 * spec["text_hidden"])  # CLIP-G is the wider one
+        clip_l = family_sd1.clip_text_encoder(CLIPTextModelWithProjection, spec, tokenizer, "quick_gelu",
+                                              projection_dim=spec["text_hidden"])
+        clip_g = family_sd1.clip_text_encoder(CLIPTextModelWithProjection, wide, tokenizer, "gelu",
+                                              projection_dim=wide["text_hidden"])
+        t5_tokenizer = tiny_t5_tokenizer()
+        t5 = T5EncoderModel(T5Config(vocab_size=len(t5_tokenizer), d_model=arch["t5_width"], d_kv=arch["t5_width"] // 4,
+                                     d_ff=2 * arch["t5_width"], num_layers=arch["t5_layers"],
+                                     num_heads=arch["t5_heads"], feed_forward_proj="gated-gelu",
+                                     pad_token_id=t5_tokenizer.pad_token_id,
+                                     eos_token_id=t5_tokenizer.eos_token_id))
+        pooled_width = spec["text_hidden"] + wide["text_hidden"]
+        return ({"text_encoder": clip_l, "text_encoder_2": clip_g, "text_encoder_3": t5}, arch["t5_width"],
+                {"pooled_projection_dim": pooled_width})
+
+    def random_denoiser(self, spec, latent_size, text_width, extra):
+        from diffusers import SD3Transformer2DModel
+
+        arch = self.random_arch
+        return SD3Transformer2DModel(sample_size=latent_size, patch_size=2, in_channels=16, out_channels=16,
+                                     num_layers=arch["layers"], attention_head_dim=arch["head_dim"],
+                                     num_attention_heads=arch["heads"], joint_attention_dim=text_width,
+                                     caption_projection_dim=arch["head_dim"] * arch["heads"],
+                                     pos_embed_max_size=latent_size, **extra)
+
+    def random_vae_config(self):
+        return {"latent_channels": 16, "scaling_factor": self.random_arch["vae_scaling_factor"],
+                "shift_factor": self.random_arch["vae_shift_factor"], "use_quant_conv": False,
+                "use_post_quant_conv": False}
+
+    def random_pipeline(self, nets, tokenizer, betas, safety_checker):
+        from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+
+        return StableDiffusion3Pipeline(tokenizer=tokenizer, tokenizer_2=tokenizer, tokenizer_3=tiny_t5_tokenizer(),
+                                        scheduler=FlowMatchEulerDiscreteScheduler(shift=self.random_arch["shift"]),
+                                        **nets)
+
+
+FAMILY = SD3()

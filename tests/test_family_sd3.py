@@ -1,0 +1,101 @@
+"""family_sd3.py: SD 3.5 on its tiny random model (real classes: SD3Transformer2DModel, CLIP-L, CLIP-G,
+T5 with a tokenizer made here), trained by flow matching, without Ray."""
+
+import pytest
+import torch
+
+from dreambooth import conditioning
+from dreambooth import families
+from dreambooth import family_sd3
+from dreambooth import models
+from dreambooth import outputs
+from dreambooth import prompts
+from dreambooth import steps
+
+CPU = torch.device("cpu")
+
+
+def test_the_family_is_read_from_its_folder_with_its_own_sizes(tiny_sd3_model):
+    assert families.family_of(tiny_sd3_model) is family_sd3.FAMILY
+    families.check_model_dir(tiny_sd3_model)  # transformer, vae, three text encoders and tokenizers
+    assert families.native_resolution(tiny_sd3_model) == 64  # the transformer's sample size x the VAE's scale
+    assert families.size_multiple(tiny_sd3_model) == 4  # x the patch size
+
+
+def test_the_t5_tokenizer_made_here_spells_any_prompt_and_ends_it():
+    tokenizer = family_sd3.tiny_t5_tokenizer()
+    ids = tokenizer("photo of unqtkn toy, on a beach!").input_ids
+    assert tokenizer.unk_token_id not in ids and ids[-1] == tokenizer.eos_token_id
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "photo of unqtkn toy, on a beach!"
+
+
+def test_our_conditioning_is_the_pipelines(tiny_sd3_model):
+    """The states and pooled text the transformer trains on are what StableDiffusion3Pipeline.encode_prompt
+    makes of the same prompt (T5 at the 77 tokens training uses)."""
+    from diffusers import StableDiffusion3Pipeline
+
+    family = families.family_of(tiny_sd3_model)
+    pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3_model)
+    prompt = "photo of unqtkn toy"
+    expected, _, pooled, _ = pipe.encode_prompt(prompt, prompt, prompt, do_classifier_free_guidance=False,
+                                                max_sequence_length=family_sd3.T5_MAX_LENGTH)
+    ids = torch.tensor(prompts.prompt_ids(tiny_sd3_model, [prompt], None, family)["instance"])
+    assert ids.shape == (1, 3, 77)
+    with torch.no_grad():
+        states, ours = family.encode_text([pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3], ids)
+    torch.testing.assert_close(states, expected)
+    torch.testing.assert_close(ours, pooled)
+
+
+@pytest.fixture()
+def sd3_run(tiny_sd3_model, make_plan):
+    def run(steps_taken=3, **fields):
+        plan = make_plan(model_dir=tiny_sd3_model, resolution=64, **fields)
+        torch.manual_seed(0)
+        nets = models.setup_models(plan, CPU, CPU, distributed=False)
+        ids = prompts.prompt_ids(tiny_sd3_model, ["photo of unqtkn toy"], "photo of a toy", plan.family)
+        step_prompts = conditioning.step_prompts(plan.family, nets.text_encoders(), plan, ids, CPU)
+        state = steps.make_train_state(nets, plan)
+        pixels = torch.randint(0, 255, (1, 64, 64, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+        batch = {"instance_pixels": pixels, "class_pixels": pixels.flip(1)}
+        losses = [float(steps.train_step(state, [batch], step_prompts, 1.0, 1.0)[0]) for _ in range(steps_taken)]
+        return plan, state, losses
+
+    return run
+
+
+def test_a_full_fine_tune_moves_the_transformer_and_clip_and_leaves_t5(sd3_run, tiny_sd3_model):
+    from transformers import T5EncoderModel
+
+    plan, state, losses = sd3_run(steps_taken=6)
+    assert losses[-1] < losses[0]  # a fixed batch is learnt (the velocity of one noise per step)
+    base_t5 = T5EncoderModel.from_pretrained(tiny_sd3_model, subfolder="text_encoder_3")
+    nets = state.models
+    assert all(torch.equal(a, b) for a, b in zip(nets.encoders[2].parameters(), base_t5.parameters()))
+    assert not any(p.requires_grad for p in nets.encoders[2].parameters())  # T5 stays frozen, as diffusers' script
+    assert all(any(p.requires_grad for p in te.parameters()) for te in nets.encoders[:2])
+
+
+def test_lora_and_full_outputs_load_in_the_sd3_pipeline(sd3_run, tiny_sd3_model, tmp_path):
+    from diffusers import StableDiffusion3Pipeline
+
+    base = StableDiffusion3Pipeline.from_pretrained(tiny_sd3_model)
+    for use_lora in (True, False):
+        plan, state, _ = sd3_run(steps_taken=2, use_lora=use_lora, output_dir=str(tmp_path / f"out-{use_lora}"))
+        outputs.save_pipeline(state.models, plan)
+        ours = models.unwrap(state.models.denoiser)
+        if use_lora:
+            pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3_model)
+            pipe.load_lora_weights(plan.output_dir)
+        else:
+            pipe = StableDiffusion3Pipeline.from_pretrained(plan.output_dir)
+        x = torch.randn(1, 16, 32, 32, generator=torch.Generator().manual_seed(2))
+        states, pooled = torch.randn(1, 154, 32), torch.randn(1, 96)  # T5's width; CLIP-L's + CLIP-G's pooled
+        t = torch.tensor([500.0])
+
+        def predict(model):
+            with torch.no_grad():
+                return model(hidden_states=x, timestep=t, encoder_hidden_states=states, pooled_projections=pooled).sample
+
+        assert not torch.allclose(predict(pipe.transformer), predict(base.transformer), atol=1e-4)
+        torch.testing.assert_close(predict(pipe.transformer), predict(ours.eval()), rtol=1e-4, atol=1e-4)
