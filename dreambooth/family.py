@@ -103,6 +103,9 @@ class Family:
         """Freeze what never reaches the loss (DDP would wait for its gradients); nothing by default."""
 
     # --- the objective and the denoiser (steps.batch_loss)
+    flow_matching = False  # trained by objectives.flow_matching (--weighting_scheme applies), else denoising (--snr_gamma)
+    default_weighting_scheme = "none"
+
     def load_scheduler(self, model_dir):
         """The scheduler training draws its noise from (the model's own schedule)."""
         from diffusers import DDPMScheduler

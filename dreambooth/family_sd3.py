@@ -87,6 +87,9 @@ class SD3(family.Family):
         return torch.cat([clip, t5.to(clip.dtype)], dim=-2), torch.cat(pooled, dim=-1)
 
     # --- the objective and the denoiser
+    flow_matching = True
+    default_weighting_scheme = "logit_normal"  # diffusers' SD 3 DreamBooth scripts' default
+
     def load_scheduler(self, model_dir):
         from diffusers import FlowMatchEulerDiscreteScheduler
 

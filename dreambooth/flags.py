@@ -281,6 +281,17 @@ FLAGS = {
         dict(type=positive_float, default=None,
              help="Min-SNR loss weighting with this gamma (5.0 in the paper): low-noise timesteps weigh "
                   "less, which speeds up convergence. Default: off (plain MSE).")),
+    "weighting_scheme": (("--weighting_scheme",),
+        dict(choices=["logit_normal", "mode", "cosmap", "sigma_sqrt", "none"], default=None,
+             help="Flow-matching families (SD 3.5): how training draws the noise level (logit_normal, mode, "
+                  "none: uniform) or weighs the loss (cosmap, sigma_sqrt), as diffusers' SD 3 scripts. "
+                  "Default: the family's (SD 3.5: logit_normal).")),
+    "logit_mean": (("--logit_mean",),
+        dict(type=float, default=0.0, help="--weighting_scheme logit_normal: the mean of the logit.")),
+    "logit_std": (("--logit_std",),
+        dict(type=positive_float, default=1.0, help="--weighting_scheme logit_normal: the spread of the logit.")),
+    "mode_scale": (("--mode_scale",),
+        dict(type=float, default=1.29, help="--weighting_scheme mode: its scale.")),
     "allow_tf32": (("--allow_tf32",),
         dict(action="store_true",
              help="TF32 matmuls and convolutions on Ampere and later GPUs (faster fp32, ~10 mantissa bits).")),

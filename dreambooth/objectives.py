@@ -12,6 +12,8 @@ torch is imported inside the functions: a family names its objective on the driv
 
 import dataclasses
 
+from dreambooth import utils
+
 WEIGHTING_SCHEMES = ("logit_normal", "mode", "cosmap", "sigma_sqrt", "none")  # diffusers' reference scripts' names
 
 
@@ -25,6 +27,17 @@ class LossOptions:
     logit_mean: float = 0.0  # --logit_mean
     logit_std: float = 1.0  # --logit_std
     mode_scale: float = 1.29  # --mode_scale
+
+
+def check_flags(args, family):
+    """UserError for a loss flag of the other objective: --snr_gamma weighs DDPM timesteps,
+    --weighting_scheme (and its --logit_*/--mode_scale) draws flow-matching ones."""
+    if family.flow_matching and args.snr_gamma:
+        raise utils.UserError(f"--snr_gamma weighs the timesteps of a denoising model; {family.label} is trained by "
+                              "flow matching: use --weighting_scheme (logit_normal, mode, cosmap) instead")
+    if not family.flow_matching and args.weighting_scheme:
+        raise utils.UserError(f"--weighting_scheme is for flow-matching models (SD 3.5); {family.label} is trained "
+                              "to denoise: use --snr_gamma to weigh its timesteps")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,7 +9,6 @@ nothing is added to it afterwards.
 import argparse
 import dataclasses
 import importlib.util
-import math
 import os
 import sys
 from datetime import datetime
@@ -19,12 +18,11 @@ from dreambooth import checkpoint
 from dreambooth import families
 from dreambooth import flags
 from dreambooth import inputs
+from dreambooth import objectives
 from dreambooth import outputs
 from dreambooth import resources
 from dreambooth import run_identity
 from dreambooth import utils
-
-DEFAULT_MAX_TRAIN_STEPS = 800
 
 TRAIN_FLAGS = [
     "model_dir", "output_dir", "instance_data_dir", "instance_prompt", "caption_extension", "holdout",
@@ -32,15 +30,16 @@ TRAIN_FLAGS = [
     "resolution", "center_crop", "random_flip", "enable_bucket", "min_bucket_reso", "max_bucket_reso",
     "bucket_reso_steps", "train_text_encoder", "use_lora", "lora_rank", "lora_alpha", "lora_dropout",
     "train_batch_size", "learning_rate", "scale_lr", "lr_scheduler", "lr_warmup_steps", "lr_num_cycles", "lr_power",
-    "offset_noise", "snr_gamma", "caption_dropout_rate", "masked_loss", "use_ema", "ema_decay",
-    "ema_update_after_step", "use_8bit_adam", "adam_beta1", "adam_beta2", "adam_weight_decay", "adam_epsilon",
-    "max_grad_norm", "max_train_steps", "num_train_epochs", "mixed_precision", "seed", "num_workers",
-    "gpus_per_worker", "use_gpu", "storage_path", "logging_steps", "report_to", "validation_prompt",
-    "num_validation_images", "validation_steps", "validation_epochs", "validation_inference_steps", "vae_dir",
-    "checkpointing_steps", "checkpoints_total_limit", "keep_checkpoints", "resume_from_checkpoint", "max_failures",
-    "overwrite", "allow_unsafe_weights", "gradient_accumulation_steps", "gradient_checkpointing", "cache_latents",
-    "precompute_text_embeddings", "channels_last", "fused_adamw", "torch_compile", "allow_tf32", "num_class_images",
-    "set_grads_to_none", "enable_xformers_memory_efficient_attention"]
+    "offset_noise", "snr_gamma", "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "caption_dropout_rate",
+    "masked_loss", "use_ema", "ema_decay", "ema_update_after_step", "use_8bit_adam", "adam_beta1", "adam_beta2",
+    "adam_weight_decay", "adam_epsilon", "max_grad_norm", "max_train_steps", "num_train_epochs", "mixed_precision",
+    "seed", "num_workers", "gpus_per_worker", "use_gpu", "storage_path", "logging_steps", "report_to",
+    "validation_prompt", "num_validation_images", "validation_steps", "validation_epochs",
+    "validation_inference_steps", "vae_dir", "checkpointing_steps", "checkpoints_total_limit", "keep_checkpoints",
+    "resume_from_checkpoint", "max_failures", "overwrite", "allow_unsafe_weights", "gradient_accumulation_steps",
+    "gradient_checkpointing", "cache_latents", "precompute_text_embeddings", "channels_last", "fused_adamw",
+    "torch_compile", "allow_tf32", "num_class_images", "set_grads_to_none",
+    "enable_xformers_memory_efficient_attention"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +88,10 @@ class Plan:
     lr_power: float
     offset_noise: float
     snr_gamma: float | None
+    weighting_scheme: str | None  # flow matching: the family's default when None
+    logit_mean: float
+    logit_std: float
+    mode_scale: float
     caption_dropout_rate: float  # share of instance rows trained on the empty prompt (its ids: the last "instance" row)
     use_ema: bool  # an exponential moving average of the trained weights is what validation and the output get
     ema_decay: float
@@ -265,6 +268,7 @@ def plan_run(args, cluster_resources, draw_class_images=None, stop_step=None):
     """
     families.check_model_dir(args.model_dir, args.allow_unsafe_weights)
     family = families.require(args.model_dir, "train")
+    objectives.check_flags(args, family)
     if args.vae_dir:  # (a copy: the caller's flags stay as given)
         args = argparse.Namespace(**{**vars(args), "vae_dir": cache_model.resolve_vae(args.vae_dir,
                                                                                      args.allow_unsafe_weights)})
@@ -281,7 +285,7 @@ def plan_run(args, cluster_resources, draw_class_images=None, stop_step=None):
                                             os.path.basename(args.output_dir), args.output_dir, identity)
     use_gpu, num_workers, cpus_per_worker = resources.worker_resources(args, *cluster_resources())
     args = argparse.Namespace(**{**vars(args), "num_workers": num_workers})  # (the LR scaling counts them)
-    steps_per_epoch, total_steps = plan_steps(found.num_rows, args)
+    steps_per_epoch, total_steps = resources.plan_steps(found.num_rows, args)
     from_flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(Plan) if hasattr(args, f.name)}
     return Plan(**{
         **from_flags,
@@ -301,7 +305,7 @@ def plan_run(args, cluster_resources, draw_class_images=None, stop_step=None):
         "stop_step": min(stop_step or total_steps, total_steps),
         "validation_steps": (args.validation_epochs * steps_per_epoch if args.validation_epochs
                              else args.validation_steps),
-        "stream_epochs": stream_epochs(found.num_rows, total_steps, args),
+        "stream_epochs": resources.stream_epochs(found.num_rows, total_steps, args),
         "use_gpu": use_gpu,
         "cpus_per_worker": cpus_per_worker,
         "run_name": f"{os.path.basename(args.output_dir)}-{datetime.now().strftime('%Y%m%d-%H%M%S')}",
@@ -322,7 +326,7 @@ def offline_plan(**fields):
     decided = dict(instance_prompts=(args.instance_prompt,), image_prompt=(),
                    instance_images=(), instance_masks=(), held_out=(), class_images=(), resolution=64, buckets=(),
                    channels_last=False,
-                   steps_per_epoch=1, total_steps=DEFAULT_MAX_TRAIN_STEPS, stop_step=None, stream_epochs=1, use_gpu=False,
+                   steps_per_epoch=1, total_steps=resources.DEFAULT_MAX_TRAIN_STEPS, stop_step=None, stream_epochs=1, use_gpu=False,
                    cpus_per_worker=1.0, num_workers=1, run_name="offline", resume_path=None, progress_bar=False,
                    settings_toml="", identity=None)
     if "family" not in fields:  # the model's own when it is there, else SD 1.x's
@@ -357,38 +361,3 @@ def keep_finished(output_dir, identity):
                              f"dreambooth_run.sh, to train it again)")
     print(f"{output_dir} holds the model of another run ({'; '.join(differs)}): training this one replaces it",
           file=sys.stderr)
-
-
-def plan_steps(num_rows, args):
-    """(steps_per_epoch, total_steps): rows split evenly over workers, into batches, into
-    optimizer steps of gradient_accumulation_steps batches.
-
-    An explicit --max_train_steps wins (diffusers' rule: the epochs follow from the steps), and a
-    line says so when --num_train_epochs was given too; --num_train_epochs alone sets the steps.
-    """
-    rows_per_worker = num_rows // args.num_workers
-    if rows_per_worker == 0:
-        raise utils.UserError(f"{num_rows} training rows cannot feed {args.num_workers} workers; "
-                              "add images or lower --num_workers")
-    per_epoch = math.ceil(rows_per_worker / args.train_batch_size) // args.gradient_accumulation_steps
-    if per_epoch == 0:
-        raise utils.UserError(f"an epoch has fewer batches per worker than --gradient_accumulation_steps "
-                              f"{args.gradient_accumulation_steps}; lower it or --train_batch_size")
-    if args.num_train_epochs is None:
-        return per_epoch, args.max_train_steps or DEFAULT_MAX_TRAIN_STEPS
-    by_epochs = per_epoch * args.num_train_epochs
-    if args.max_train_steps is None:
-        return per_epoch, by_epochs
-    if by_epochs != args.max_train_steps:
-        print(f"note: --max_train_steps {args.max_train_steps} wins over --num_train_epochs {args.num_train_epochs} "
-              f"({by_epochs} steps): {math.ceil(args.max_train_steps / per_epoch)} epoch(s) of {per_epoch} steps",
-              file=sys.stderr)
-    return per_epoch, args.max_train_steps
-
-
-def stream_epochs(num_rows, total_steps, args):
-    """Epochs of rows the training stream must hold for every worker to take total_steps
-    (two spare: the split rebalances the stream's last blocks between workers)."""
-    rows_per_worker = num_rows // args.num_workers
-    rows_needed = total_steps * args.train_batch_size * args.gradient_accumulation_steps
-    return math.ceil(rows_needed / rows_per_worker) + 2

@@ -1,13 +1,16 @@
 """The Ray Train workers of a run: how many (one per GPU unless --num_workers says), and the CPUs
 and GPUs each reserves, checked against the cluster's, with one CPU always left to Ray Data (with
-every CPU held by train workers the streaming dataset never starts and fit() waits forever).
+every CPU held by train workers the streaming dataset never starts and fit() waits forever); how
+the rows of an epoch split over them into optimizer steps.
 """
 
+import math
 import sys
 
 from dreambooth import cache_model
 from dreambooth import utils
 
+DEFAULT_MAX_TRAIN_STEPS = 800
 
 def default_num_workers(gpus, gpus_per_worker):
     """Workers when --num_workers is not given: one per GPU of the cluster (per two with
@@ -52,3 +55,38 @@ def worker_resources(args, cpus, gpus, spell=flag_spelling, warn_no_gpu=None):
     if not use_gpu and warn_no_gpu:
         print(NO_GPU_WARNING, file=sys.stderr)
     return use_gpu, num_workers, min(1.0, spare / num_workers)
+
+
+def plan_steps(num_rows, args):
+    """(steps_per_epoch, total_steps): rows split evenly over workers, into batches, into
+    optimizer steps of gradient_accumulation_steps batches.
+
+    An explicit --max_train_steps wins (diffusers' rule: the epochs follow from the steps), and a
+    line says so when --num_train_epochs was given too; --num_train_epochs alone sets the steps.
+    """
+    rows_per_worker = num_rows // args.num_workers
+    if rows_per_worker == 0:
+        raise utils.UserError(f"{num_rows} training rows cannot feed {args.num_workers} workers; "
+                              "add images or lower --num_workers")
+    per_epoch = math.ceil(rows_per_worker / args.train_batch_size) // args.gradient_accumulation_steps
+    if per_epoch == 0:
+        raise utils.UserError(f"an epoch has fewer batches per worker than --gradient_accumulation_steps "
+                              f"{args.gradient_accumulation_steps}; lower it or --train_batch_size")
+    if args.num_train_epochs is None:
+        return per_epoch, args.max_train_steps or DEFAULT_MAX_TRAIN_STEPS
+    by_epochs = per_epoch * args.num_train_epochs
+    if args.max_train_steps is None:
+        return per_epoch, by_epochs
+    if by_epochs != args.max_train_steps:
+        print(f"note: --max_train_steps {args.max_train_steps} wins over --num_train_epochs {args.num_train_epochs} "
+              f"({by_epochs} steps): {math.ceil(args.max_train_steps / per_epoch)} epoch(s) of {per_epoch} steps",
+              file=sys.stderr)
+    return per_epoch, args.max_train_steps
+
+
+def stream_epochs(num_rows, total_steps, args):
+    """Epochs of rows the training stream must hold for every worker to take total_steps
+    (two spare: the split rebalances the stream's last blocks between workers)."""
+    rows_per_worker = num_rows // args.num_workers
+    rows_needed = total_steps * args.train_batch_size * args.gradient_accumulation_steps
+    return math.ceil(rows_needed / rows_per_worker) + 2

@@ -26,6 +26,7 @@ WEIGHT_FLAGS = (
     "adam_beta1", "adam_beta2", "adam_weight_decay", "adam_epsilon", "max_grad_norm", "mixed_precision", "seed",
     "max_train_steps", "num_train_epochs", "cache_latents",
 )
+FLOW_FLAGS = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale")  # ... of a flow-matching family
 # The parts of an identity that are files, as the line that names a difference says them.
 FILE_PARTS = {"base_model": "the base model", "vae": "the VAE", "photos": "the photos (their content)",
               "class_images": "the class images (their content)"}
@@ -58,7 +59,7 @@ def of_run(args, family, photos, masks, held_out, captions, class_images, resolu
         "class_images": files_digest(list(class_images)),
         "resolution": resolution,
         "buckets": [list(b) for b in buckets],
-        **{name: getattr(args, name) for name in WEIGHT_FLAGS},
+        **{name: getattr(args, name) for name in WEIGHT_FLAGS + (FLOW_FLAGS if family.flow_matching else ())},
     }
     return json.loads(json.dumps(identity))  # tuples as lists: as it reads back from a file
 

@@ -308,7 +308,9 @@ def amp_dtype(mixed_precision, device):
 
 def loss_options(plan):
     """The objectives.LossOptions of a plan.Plan."""
-    return objectives.LossOptions(plan.offset_noise, plan.snr_gamma)
+    return objectives.LossOptions(plan.offset_noise, plan.snr_gamma,
+                                  plan.weighting_scheme or plan.family.default_weighting_scheme, plan.logit_mean,
+                                  plan.logit_std, plan.mode_scale)
 
 
 def make_train_state(models, plan):

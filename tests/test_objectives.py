@@ -95,3 +95,22 @@ def test_logit_normal_draws_the_middle_of_the_schedule_and_the_seed_decides():
     assert torch.equal(objectives.flow_matching(scheduler, latents, options).timesteps * 1, middle * 1000)
     shifted = objectives.flow_matching(flow_scheduler(3.0), latents, objectives.LossOptions()).timesteps / 1000
     assert shifted.mean() > uniform.mean() + 0.1  # the shift spends more steps at high noise
+
+
+def test_each_objective_takes_its_own_loss_flags(tiny_model, tiny_sd3_model, make_plan):
+    from types import SimpleNamespace
+
+    from dreambooth import families
+    from dreambooth import steps
+    from dreambooth import utils
+
+    sd1, sd3 = families.family_of(tiny_model), families.family_of(tiny_sd3_model)
+    objectives.check_flags(SimpleNamespace(snr_gamma=5.0, weighting_scheme=None), sd1)
+    objectives.check_flags(SimpleNamespace(snr_gamma=None, weighting_scheme="cosmap"), sd3)
+    with pytest.raises(utils.UserError, match="--snr_gamma weighs the timesteps of a denoising model; SD 3.5"):
+        objectives.check_flags(SimpleNamespace(snr_gamma=5.0, weighting_scheme=None), sd3)
+    with pytest.raises(utils.UserError, match="--weighting_scheme is for flow-matching models"):
+        objectives.check_flags(SimpleNamespace(snr_gamma=None, weighting_scheme="mode"), sd1)
+    # no --weighting_scheme: the family's default (diffusers' SD 3 scripts: logit_normal)
+    assert steps.loss_options(make_plan(model_dir=tiny_sd3_model)).weighting_scheme == "logit_normal"
+    assert steps.loss_options(make_plan(model_dir=tiny_sd3_model, weighting_scheme="cosmap")).weighting_scheme == "cosmap"

@@ -3,6 +3,7 @@
 import pytest
 
 from dreambooth import resources
+from dreambooth import utils
 
 
 def test_worker_resources_leave_a_cpu_for_ray_data_and_refuse_impossible():
@@ -47,3 +48,58 @@ def test_without_num_workers_a_run_takes_every_gpu_or_one_cpu_worker(capsys):
     assert capsys.readouterr().err == ""
     assert resources.worker_resources(Args, cpus=4, gpus=0) == (False, 1, 1.0)
     assert "the Ray cluster has no GPU" in capsys.readouterr().err  # a real model on CPUs: said before it starts
+
+
+def test_plan_steps_never_exceeds_max_steps_or_starves_a_worker():
+    class Args:  # steps from the epochs (no --max_train_steps), then an explicit step count
+        num_workers, train_batch_size, max_train_steps, num_train_epochs = 2, 2, None, 4
+        gradient_accumulation_steps = 1
+
+    assert resources.plan_steps(200, Args) == (50, 200)
+    assert resources.plan_steps(5, Args) == (1, 4)
+    Args.max_train_steps = 3
+    assert resources.plan_steps(200, Args) == (50, 3)
+    with pytest.raises(utils.UserError, match="cannot feed"):
+        resources.plan_steps(1, Args)
+
+
+def test_plan_steps_with_gradient_accumulation():
+    class Args:
+        num_workers, train_batch_size, max_train_steps, num_train_epochs = 2, 1, None, 4
+        gradient_accumulation_steps = 3
+
+    assert resources.plan_steps(200, Args) == (33, 132)
+    Args.gradient_accumulation_steps = 4
+    with pytest.raises(utils.UserError, match="gradient_accumulation_steps"):
+        resources.plan_steps(6, Args)
+
+
+def test_explicit_max_train_steps_wins_and_epochs_count_only_without_it(capsys):
+    class Args:
+        num_workers, train_batch_size, gradient_accumulation_steps = 2, 1, 1
+        max_train_steps, num_train_epochs = 60, None
+
+    # 5 instance + 8 class images: 8 rows, 4 steps an epoch per worker.
+    assert resources.plan_steps(8, Args) == (4, 60)
+    assert "stopping" not in capsys.readouterr().err
+    Args.max_train_steps = None
+    assert resources.plan_steps(8, Args) == (4, resources.DEFAULT_MAX_TRAIN_STEPS)
+    Args.num_train_epochs = 3
+    assert resources.plan_steps(8, Args) == (4, 12)
+    assert "wins" not in capsys.readouterr().err
+    Args.max_train_steps = 60  # both: the steps win, as in diffusers, and a line says so
+    assert resources.plan_steps(8, Args) == (4, 60)
+    assert "--max_train_steps 60 wins over --num_train_epochs 3 (12 steps): 15 epoch(s) of 4 steps" in \
+        capsys.readouterr().err
+    # The seeds' command: --num_epochs=4 --max_train_steps=200, 200 class images, 2 workers, batch 2.
+    Args.train_batch_size, Args.num_train_epochs, Args.max_train_steps = 2, 4, 200
+    assert resources.plan_steps(200, Args) == (50, 200)
+
+
+def test_the_stream_holds_enough_rows_for_every_step():
+    class Args:
+        num_workers, train_batch_size, gradient_accumulation_steps = 2, 2, 3
+
+    epochs = resources.stream_epochs(13, 40, Args)
+    rows_per_worker = epochs * 13 // 2
+    assert rows_per_worker >= 40 * 2 * 3
