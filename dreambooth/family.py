@@ -40,6 +40,7 @@ class Family:
     text_encoders = ("text_encoder",)  # subfolders, in the order their states are concatenated
     trainable_text_encoders = ("text_encoder", "text_encoder_2")  # those --train_text_encoder trains, if it has them
     safety_checker = False  # its pipeline has one (and generate.py's --safety_checker applies)
+    zero_negative_prompt = False  # the empty negative prompt drawn as zeros (SDXL's force_zeros_for_empty_prompt)
     time_ids = False  # the denoiser also takes each image's size and crop (SDXL's "text_time"): the stream carries them
     supports = frozenset({"draw", "train", "export"})  # what the suite does with it: generate/evaluate, train, export
     released_resolutions = (512,)  # of the released models, for the README (a model's config decides)
@@ -147,6 +148,11 @@ class Family:
     def random_pipeline(self, nets, tokenizer, betas, safety_checker):
         """The family's pipeline of random networks, with its released models' scheduler."""
         raise NotImplementedError
+
+    # --- drawing (generate.py, validation.py)
+    def pipeline_kwargs(self):
+        """What its pipeline is called with beside the prompt and the settings, to draw as it trains."""
+        return {}
 
     # --- outputs
     def lora_file_layers(self, peft_layers):

@@ -40,7 +40,7 @@ class SD3(family.Family):
     denoiser_lora_targets = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
                              "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v")
     text_encoders = ("text_encoder", "text_encoder_2", "text_encoder_3")
-    supports = frozenset({"train"})
+    supports = frozenset({"train", "draw"})
     released_resolutions = (1024,)
     released_params = {}  # the memory table's SD 3.5 figures are not in yet
     arch = "sd3"
@@ -101,6 +101,9 @@ class SD3(family.Family):
     def denoise(self, model, noisy, timesteps, states, pooled, time_ids):
         return model(hidden_states=noisy, timestep=timesteps, encoder_hidden_states=states,
                      pooled_projections=pooled).sample
+
+    def pipeline_kwargs(self):
+        return {"max_sequence_length": T5_MAX_LENGTH}  # T5 reads as many tokens as in training
 
     def lora_file_layers(self, peft_layers):
         """peft's own names, as diffusers' SD3 DreamBooth LoRA script writes them."""

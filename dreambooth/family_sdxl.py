@@ -13,6 +13,7 @@ class SDXL(family_sd1.SD1):
     pipeline = "StableDiffusionXLPipeline"
     text_encoders = ("text_encoder", "text_encoder_2")
     safety_checker = False
+    zero_negative_prompt = True
     time_ids = True
     released_resolutions = (1024,)
     released_params = {"unet": 2567.46e6, "text_encoder": 123.06e6, "text_encoder_2": 694.66e6, "vae": 83.65e6}

@@ -161,9 +161,10 @@ class DrawJob:
     rows: tuple = ()
 
 
-def generate_batch(pipe, prompts, seeds, settings):
-    """Run the pipeline once for a batch (settings: ImageSettings). One CPU generator per image:
-    the noise of an image depends on its seed alone, not on the batch it lands in or the device."""
+def generate_batch(pipe, prompts, seeds, settings, call_kwargs=None):
+    """Run the pipeline once for a batch (settings: ImageSettings; call_kwargs: the family's, as it
+    trains: family.pipeline_kwargs). One CPU generator per image: the noise of an image depends on
+    its seed alone, not on the batch it lands in or the device."""
     import torch
 
     generators = [torch.Generator("cpu").manual_seed(int(s)) for s in seeds]
@@ -176,6 +177,7 @@ def generate_batch(pipe, prompts, seeds, settings):
         height=settings.resolution,
         width=settings.resolution,
         generator=generators,
+        **(call_kwargs or {}),
     )
     # (a pipeline without a safety checker, SDXL's, has no such field)
     return out.images, list(getattr(out, "nsfw_content_detected", None) or [False] * len(out.images))
@@ -197,7 +199,7 @@ class ImageGenerator:
         if self.device.type == "cpu":
             raycluster.share_cpu_threads(num_actors)
         self.jobs, self.settings = jobs, settings
-        self.loaded, self.pipe, self.broken = None, None, None
+        self.loaded, self.pipe, self.broken, self.call_kwargs = None, None, None, {}
         try:
             self.pipeline(0)
         except utils.UserError as err:
@@ -222,6 +224,7 @@ class ImageGenerator:
                 raise utils.UserError(f"{failure} (traceback in {os.path.join(job.output_dir, utils.ERRORS_LOG)})") \
                     from err
             self.loaded = index
+            self.call_kwargs = families.family_of(job.model.model_dir).pipeline_kwargs()
         return self.pipe
 
     def __call__(self, batch):
@@ -232,8 +235,9 @@ class ImageGenerator:
         flagged = np.zeros(len(batch["file"]), dtype=bool)
         for index in dict.fromkeys(batch["job"].tolist()):
             rows = np.flatnonzero(batch["job"] == index)
-            images, bad = generate_batch(self.pipeline(index), batch["prompt"][rows], batch["seed"][rows],
-                                         self.settings)
+            pipe = self.pipeline(index)
+            images, bad = generate_batch(pipe, batch["prompt"][rows], batch["seed"][rows], self.settings,
+                                         self.call_kwargs)
             for row, image, is_bad in zip(rows, images, bad):
                 path = os.path.join(self.jobs[index].output_dir, str(batch["file"][row]))
                 if is_bad:

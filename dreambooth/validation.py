@@ -25,6 +25,9 @@ def images_of(plan):
             for prompt in plan.validation_prompts for i in range(plan.num_validation_images)]
 
 
+GUIDANCE_SCALE = generate.ImageSettings.guidance_scale  # generate.py's default, whatever the pipeline's own
+
+
 class Sampler:
     """Draws validation images with a worker's training networks (models.Models), the model
     folder's own tokenizers and scheduler, and the run's autocast dtype. The text encoders
@@ -75,15 +78,18 @@ class Sampler:
         images = []
         with torch.no_grad(), torch.autocast(nets.denoiser_device.type, dtype=self.amp_dtype,
                                              enabled=self.amp_dtype is not None):
-            negative = self.encode([""])[0]
+            negative, negative_pooled = self.encode([""])
             for prompt, _, seed in items:
                 states, pooled = self.encode([prompt])
                 text = dict(prompt_embeds=states, negative_prompt_embeds=negative)
-                if pooled is not None:
+                if self.family.zero_negative_prompt:
                     # SDXL's empty negative prompt is zeros (its force_zeros_for_empty_prompt), as generate.py draws
                     text.update(negative_prompt_embeds=torch.zeros_like(states), pooled_prompt_embeds=pooled,
                                 negative_pooled_prompt_embeds=torch.zeros_like(pooled))
-                latents = pipe(**text, height=self.plan.resolution, width=self.plan.resolution,
+                elif pooled is not None:
+                    text.update(pooled_prompt_embeds=pooled, negative_pooled_prompt_embeds=negative_pooled)
+                latents = pipe(**text, **self.family.pipeline_kwargs(), guidance_scale=GUIDANCE_SCALE,
+                               height=self.plan.resolution, width=self.plan.resolution,
                                num_inference_steps=self.plan.validation_inference_steps,
                                generator=torch.Generator("cpu").manual_seed(seed), output_type="latent").images
                 latents = latents.to(nets.aux_device, vae.dtype) / vae.config.scaling_factor

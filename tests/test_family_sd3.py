@@ -99,3 +99,22 @@ def test_lora_and_full_outputs_load_in_the_sd3_pipeline(sd3_run, tiny_sd3_model,
 
         assert not torch.allclose(predict(pipe.transformer), predict(base.transformer), atol=1e-4)
         torch.testing.assert_close(predict(pipe.transformer), predict(ours.eval()), rtol=1e-4, atol=1e-4)
+
+
+def test_validation_samples_are_what_generate_draws_from_the_same_weights(tiny_sd3_model, make_plan, tmp_path):
+    import numpy as np
+
+    from dreambooth import generate
+    from dreambooth import validation
+
+    plan = make_plan(model_dir=tiny_sd3_model, resolution=64, validation_prompts=("a toy",), num_validation_images=1,
+                     validation_inference_steps=3)
+    nets = models.setup_models(plan, CPU, CPU, distributed=False)
+    _, images = validation.run_round(validation.Sampler(nets, plan, amp_dtype=None), 1, 0, 1, str(tmp_path))
+    pipe = generate.load_pipeline(tiny_sd3_model, CPU)
+    drawn, flagged = generate.generate_batch(pipe, ["a toy"], [generate.image_seed(plan.seed, "a toy", 0)],
+                                             generate.ImageSettings(num_inference_steps=3),
+                                             plan.family.pipeline_kwargs())
+    assert flagged == [False] and drawn[0].size == (64, 64)
+    difference = np.abs(np.asarray(drawn[0], dtype=int) - np.asarray(images["a-toy-00000.png"], dtype=int))
+    assert difference.max() <= 1
