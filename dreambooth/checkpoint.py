@@ -21,6 +21,7 @@ import os
 import re
 import sys
 
+from dreambooth import families
 from dreambooth import models
 from dreambooth import outputs
 from dreambooth import run_identity
@@ -111,7 +112,8 @@ def disk_bytes(model_dir, lora, train_text_encoder):
     for path in glob.glob(os.path.join(model_dir, "*", "*.safetensors")):
         part = os.path.basename(os.path.dirname(path))
         sizes[part] = sizes.get(part, 0) + os.path.getsize(path)
-    trained = sum(v for k, v in sizes.items() if k in ("unet", "transformer")) + sum(v for k, v in sizes.items() if k.startswith("text_encoder") and train_text_encoder)
+    denoiser = families.family_of(model_dir).denoiser
+    trained = sum(v for k, v in sizes.items() if k == denoiser or (k.startswith("text_encoder") and train_text_encoder))
     return 3 * trained, sum(sizes.values())
 
 

@@ -35,7 +35,7 @@ def tiny_t5_tokenizer(max_length=T5_MAX_LENGTH):
 class SD3(family.Family):
     name, label = "sd3", "SD 3.5"
     pipeline = "StableDiffusion3Pipeline"
-    denoiser = "transformer"
+    denoiser, denoiser_label = "transformer", "transformer"
     # diffusers' SD3 DreamBooth LoRA script's layers: the joint attention's projections of both streams
     denoiser_lora_targets = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
                              "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v")

@@ -158,7 +158,7 @@ class Plan:
 
     def describe(self):
         """The plan in three lines, printed once at the start of a run."""
-        trained = "UNet + text encoder" if self.train_text_encoder else "UNet"
+        trained = self.family.denoiser_label + (" + text encoder" if self.train_text_encoder else "")
         if self.use_lora:
             trained = f"LoRA adapters (rank {self.lora_rank}, alpha {self.lora_alpha:g}) on the {trained}"
         prior = f" + {self.train_batch_size} class" if self.with_prior_preservation else ""

@@ -214,6 +214,10 @@ def check_memory(args, train_flags, cards):
         print(f"note: GPU memory not checked: {args.model_name} is not a known model name and not cached yet",
               file=sys.stderr)
         return None
+    if family not in memory.RELEASED:
+        print(f"note: GPU memory not checked: the memory table has no {families.FAMILIES[family].label} figures yet",
+              file=sys.stderr)
+        return None
     setup = memory_setup(train_flags, args, family)
     result = memory.need(family, setup, params)
     what, free = min(cards, key=lambda card: card[1])
