@@ -183,7 +183,7 @@ def lora_width(lora_dir):
 def check_lora_fits(model_dir, lora_dir):
     """UserError, before any actor loads them, when the adapters of lora_dir were trained on a model of
     another shape than model_dir (SDXL adapters on an SD 1.x model): one line naming both families."""
-    width = families.part_config(model_dir, "unet").get("cross_attention_dim")
+    width = families.part_config(model_dir, families.family_of(model_dir).denoiser).get("cross_attention_dim")
     adapters = lora_width(lora_dir)
     if adapters is None or not isinstance(width, int) or adapters == width:
         return

@@ -92,7 +92,7 @@ def prepare_worker(plan, rank, world, local_world_size):
                                         "pass another to --resume_from_checkpoint"):
             checkpoint.load(state, plan.resume_path, rank)
     if rank == 0:
-        print(f"worker devices: UNet on {denoiser_device}, text encoder and VAE on {aux_device}; "
+        print(f"worker devices: {plan.family.denoiser_label} on {denoiser_device}, text encoders and VAE on {aux_device}; "
               f"autocast {state.amp_dtype or 'off (fp32)'}", flush=True)
     return nets, state, step_prompts
 

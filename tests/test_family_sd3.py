@@ -118,3 +118,37 @@ def test_validation_samples_are_what_generate_draws_from_the_same_weights(tiny_s
     assert flagged == [False] and drawn[0].size == (64, 64)
     difference = np.abs(np.asarray(drawn[0], dtype=int) - np.asarray(images["a-toy-00000.png"], dtype=int))
     assert difference.max() <= 1
+
+
+@pytest.mark.slow
+def test_lora_on_two_workers_resumed_ends_on_the_uninterrupted_weights_and_draws(ray_session, tiny_sd3_model,
+                                                                                  toy_images, tmp_path, capfd):
+    """train.py on Ray with 2 workers: a LoRA run cut at step 2 (as the sweep stops a trial) and resumed
+    ends on exactly the adapters of the uninterrupted 4-step run; generate.py draws with them."""
+    from safetensors.torch import load_file
+
+    from dreambooth import generate
+    from dreambooth import planning
+    from dreambooth import train
+    from dreambooth import utils
+
+    def argv(name):
+        return ["--model_dir", tiny_sd3_model, "--instance_images_dir", toy_images, "--instance_prompt",
+                "photo of unqtkn toy", "--num_workers", "2", "--use_lora", "--max_train_steps", "4",
+                "--checkpointing_steps", "2", "--output_dir", str(tmp_path / name),
+                "--storage_path", str(tmp_path / f"runs-{name}")]
+
+    whole = train.main(argv("whole"))
+    assert whole.metrics["step"] == 4
+    train.run(planning.parse_args(argv("cut")), stop_step=2)
+    capfd.readouterr()
+    resumed = train.main([*argv("cut"), "--resume_from_checkpoint", "latest"])
+    assert resumed.metrics["step"] == 4 and "resuming from" in capfd.readouterr().err  # steps 3 and 4 only
+    a = load_file(str(tmp_path / "whole" / utils.LORA_WEIGHTS_FILE))
+    b = load_file(str(tmp_path / "cut" / utils.LORA_WEIGHTS_FILE))
+    assert a.keys() == b.keys() and any(k.startswith("transformer.") for k in a)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    drawn = tmp_path / "drawn"
+    generate.main(["--model_dir", str(tmp_path / "whole"), "--output_dir", str(drawn), "--prompts",
+                   "photo of unqtkn toy", "--num_samples_per_prompt", "1", "--num_inference_steps", "2"])
+    assert (drawn / "photo-of-unqtkn-toy-00000.png").is_file()
