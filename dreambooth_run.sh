@@ -4,7 +4,8 @@
 #   ./dreambooth_run.sh                       SD 1.4, the example dog photos, one worker per GPU
 #   INSTANCE_DIR=~/rex CLASS_NAME=dog ./dreambooth_run.sh     your own photos
 #   ./dreambooth_run.sh --tiny                built-in tiny model + images/toy, offline on CPU (~3 min)
-#   ./dreambooth_run.sh --tiny --arch sdxl    the same with a tiny SDXL model (128 px; sd2-v: SD 2.x, 96 px)
+#   ./dreambooth_run.sh --tiny --arch sdxl    the same with a tiny SDXL model (128 px; sd2-v: SD 2.x, 96 px;
+#                                             sd3: SD 3.5, 64 px)
 #   ./dreambooth_run.sh --use_lora            LoRA adapters instead of every weight (combines with the above)
 #   ./dreambooth_run.sh --prior_prediction    no class images (Step 3 skipped): the base model's own
 #                                             predictions keep the class prior (LoRA or full)
@@ -78,7 +79,7 @@ EXTRA_TRAIN_ARGS=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --tiny) tiny=true ;;
-    --arch) [ $# -ge 2 ] || { echo "dreambooth_run.sh: error: --arch needs a value: sd1, sd2-v or sdxl" >&2; exit 2; }
+    --arch) [ $# -ge 2 ] || { echo "dreambooth_run.sh: error: --arch needs a value: sd1, sd2-v, sdxl or sd3" >&2; exit 2; }
       arch="$2"; shift ;;
     --skip_image_setup) skip_image_setup=true ;;
     --use_lora) use_lora=true ;;
@@ -391,8 +392,12 @@ outputs() {  # the last lines: every output of this subject, and how to take the
   echo "  images: $IMAGES_NEW_DIR (contact sheet: $IMAGES_NEW_DIR/grid/grid.png)"
   if ! $skip_eval; then echo "  scores: $EVAL_DIR/report.md"; fi
   echo "  log:    $LOG_FILE"
-  echo "  for AUTOMATIC1111/ComfyUI: $PYTHON export.py --model_dir $(printf '%q' "$TUNED_MODEL_DIR")" \
-    "--output_file $(printf '%q' "$DATA_PREFIX/subjects/$SUBJECT/$SUBJECT.safetensors")"
+  # (only for a family export.py writes: the hint is a command that works)
+  if "$PYTHON" -c 'import sys; from dreambooth import families
+sys.exit("export" not in families.family_of(sys.argv[1]).supports)' "$ORIG_MODEL_PATH" 2> /dev/null; then
+    echo "  for AUTOMATIC1111/ComfyUI: $PYTHON export.py --model_dir $(printf '%q' "$TUNED_MODEL_DIR")" \
+      "--output_file $(printf '%q' "$DATA_PREFIX/subjects/$SUBJECT/$SUBJECT.safetensors")"
+  fi
 }
 if $skip_eval; then
   step "6: skipped (--skip_eval)"

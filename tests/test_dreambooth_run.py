@@ -70,6 +70,7 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request):
     assert f"Step 4: fine-tune on {2 if mode == 'lora' else 1} worker(s), {10 if mode == 'lora' else 4} steps" in output
     log = re.search(r"-- log: (\S+)", output)[1]
     assert open(log).read().startswith("dreambooth_run.sh")
+    assert "for AUTOMATIC1111/ComfyUI: " in output and "export.py --model_dir" in output  # SD 1.x exports
     if mode == "full":
         # the terminal saw bars redrawn in place (training's, and the actor pools'); the log file has
         # each bar's last state as a plain line
@@ -262,3 +263,30 @@ def test_dreambooth_run_tiny_sdxl_lora_end_to_end(tmp_path):
         assert drawn.size == (128, 128)
     scores = json.loads((subject_dir / "eval" / "scores.json").read_text())
     assert set(scores["models"]) == {"tuned", "base"} and (subject_dir / "eval" / "report.md").is_file()
+
+
+@pytest.mark.slow
+def test_dreambooth_run_tiny_sd3_end_to_end(tmp_path):
+    """`--tiny --arch sd3`: Steps 0-6 with the tiny SD 3.5 model (flow matching, three text encoders):
+    class images drawn by its pipeline, the transformer and both CLIP encoders fine-tuned, images of the
+    subject at its 64 px, scored; no export hint (export.py does not write SD 3.5 yet)."""
+    from PIL import Image
+
+    subject_dir = tmp_path / "subjects" / "example-toy"
+    env = dict(os.environ, DATA_PREFIX=str(tmp_path), NUM_CLASS_IMAGES="2", NUM_INFERENCE_STEPS="2",
+               MAX_TRAIN_STEPS="2", NUM_NEW_IMAGES="1", PYTHON=sys.executable)
+    env.pop("NUM_WORKERS", None)
+    proc = subprocess.run(["bash", "dreambooth_run.sh", "--tiny", "--arch", "sd3"], cwd=REPO_DIR, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "models--dreambooth-ray--tiny-stable-diffusion-3" in re.search(r"base model: (\S+)", proc.stdout)[1]
+    assert "training transformer + text encoder" in proc.stdout + proc.stderr
+    assert len([f for f in os.listdir(tmp_path / "images-reg" / "toy") if f.endswith(".png")]) == 2
+    tuned = json.loads((subject_dir / "model-tuned" / "model_index.json").read_text())
+    assert tuned["_class_name"] == "StableDiffusion3Pipeline"
+    [image] = [f for f in os.listdir(subject_dir / "images-new") if f.endswith(".png")]
+    with Image.open(subject_dir / "images-new" / image) as drawn:
+        assert drawn.size == (64, 64)
+    scores = json.loads((subject_dir / "eval" / "scores.json").read_text())
+    assert set(scores["models"]) == {"tuned", "base"} and scores["models"]["tuned"]["overall"]["dino"] is not None
+    assert "export.py" not in proc.stdout
