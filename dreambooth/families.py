@@ -3,8 +3,8 @@
 A model's family is found from its folder (model_index.json's pipeline class, and for the
 StableDiffusionPipeline the text encoder's activation: OpenAI CLIP's quick_gelu in SD 1.x,
 OpenCLIP's gelu in SD 2.x), never from a flag, and carried in the Plan from there. What a family
-provides is family.Family; each is one module (family_sd1.py, family_sd2.py, family_sdxl.py). A
-later family is one more module and one more entry here.
+provides is family.Family; each is one module (family_sd1.py, family_sd2.py, family_sdxl.py,
+family_sd3.py). A later family is one more module and one more entry here.
 """
 
 import os

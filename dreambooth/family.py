@@ -1,6 +1,6 @@
 """What a model family provides: the one interface the suite asks whatever differs between families.
 
-A family is one module (family_sd1.py, family_sd2.py, family_sdxl.py) with one subclass of Family
+A family is one module (family_sd1.py, family_sd2.py, family_sdxl.py, family_sd3.py) with one subclass of Family
 and its instance; families.py holds the table of them and finds a folder's family. Everything else
 asks the family object the Plan carries (plan.family, models.family), never `if family == ...`.
 What a model decides for itself (its prediction type, its native resolution) is read from its own
@@ -9,7 +9,6 @@ configs, not asked here.
 Heavy imports (torch, transformers, diffusers) happen inside the methods that need them: the
 family is asked its name and label by a `--help` or a one-line error that never waits for them.
 """
-
 
 import os
 
@@ -32,7 +31,7 @@ class Family:
     raise NotImplementedError); the others have the plain default."""
 
     # --- identity
-    name = ""  # the table's key and the record's: "sd1", "sd2", "sdxl"
+    name = ""  # the table's key and the record's: "sd1", "sd2", "sdxl", "sd3"
     label = ""  # as the README and error lines say it: "SD 1.x"
     pipeline = ""  # the diffusers pipeline class, as model_index.json names it
     denoiser = "unet"  # the denoiser's subfolder, and its name in the pipeline and in diffusers' LoRA files

@@ -123,8 +123,8 @@ class Models:
         return [te for _, te in self.trainable()]
 
     def base_denoiser(self):
-        """A context manager giving the base model's UNet for no-grad predictions: the frozen copy, or
-        with LoRA the trained UNet with its adapters switched off until the block ends."""
+        """A context manager giving the base model's denoiser for no-grad predictions: the frozen copy, or
+        with LoRA the trained denoiser with its adapters switched off until the block ends."""
         import contextlib
 
         @contextlib.contextmanager

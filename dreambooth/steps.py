@@ -94,8 +94,8 @@ def load_average(targets, tensors):
 
 
 def trained_parameters(models, train_text_encoder):
-    """The parameters a run trains, in one fixed order (the optimizer's and the EMA's): the UNet's, then
-    the text encoders' when trained; with LoRA only the adapters (the others are frozen)."""
+    """The parameters a run trains, in one fixed order (the optimizer's and the EMA's): the denoiser's,
+    then the text encoders' the family trains when trained; with LoRA only the adapters."""
     trained = [models.denoiser] + (models.trained_text_encoders() if train_text_encoder else [])
     return [p for model in trained for p in model.parameters() if p.requires_grad]
 
@@ -104,7 +104,7 @@ def dreambooth_loss(pred, target, num_instance, prior_loss_weight, weights=None,
     """MSE on the instance rows plus prior_loss_weight x MSE on the class rows.
 
     pred, target: (B, C, h, w), instance rows first, then class rows (B = num_instance
-    without prior preservation). weights: (B,) per-row loss weights (min-SNR), or None.
+    without prior preservation). weights: (B,) per-row loss weights (objectives.Draw's), or None.
     masks: (num_instance, 1, h, w) weights in [0, 1] of each instance row's latent pixels
     (--masked_loss), or None: an instance row's error is then its mask-weighted mean.
     Returns (total, instance_loss, prior_loss or None).
@@ -162,7 +162,7 @@ def encode_latents(vae, pixels):
 
 
 def batch_latents(models, batch):
-    """Scaled latents (B, 4, h, w) of a batch on the UNet's device, instance rows first.
+    """Scaled latents (B, C, h, w) of a batch on the denoiser's device, instance rows first.
 
     From pixels ("instance_pixels"/"class_pixels": (B, R, R, 3) uint8) through the VAE on
     its device, or from cached VAE posteriors ("instance_latents"/"class_latents":

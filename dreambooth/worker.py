@@ -204,10 +204,10 @@ def averaged_weights(state):
 
 
 def worker_devices(gpus_per_worker, local_world_size):
-    """(UNet device, text-encoder + VAE device) of this worker.
+    """(denoiser device, text-encoder + VAE device) of this worker.
 
     With --gpus_per_worker 2 the text encoder and VAE go to the worker's second GPU, so
-    the UNet's fp32 weights, gradients and AdamW state have the first to themselves. On
+    the denoiser's fp32 weights, gradients and AdamW state have the first to themselves. On
     CPU both are the CPU, and the same code path runs.
     """
     import ray.train.torch
