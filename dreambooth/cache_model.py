@@ -170,7 +170,7 @@ def random_model_id(size, arch="sd1"):
     family = "" if arch == "sd1" else "-" + arch.replace("sd", "", 1)
     name = (TINY_MODEL_NAME + family if size == "tiny"
             else f"{RANDOM_MODEL_OWNER}/random-stable-diffusion{family}-{size}")
-    build = f"{name} v{RANDOM_MODEL_VERSION} {sorted(models.MODEL_SIZES[size].items())}"
+    build = f"{name} v{RANDOM_MODEL_VERSION} {sorted(models.size_spec(size, families.ARCHS[arch]).items())}"
     if arch != "sd1":
         build += f" {arch} {sorted(families.ARCHS[arch].random_arch.items())}"
     return name, hashlib.sha1(build.encode()).hexdigest()
@@ -337,6 +337,12 @@ def cache_eval_models(cache_dir, args):
     return folder
 
 
+def random_model_help():
+    own = ", ".join(f"{size}: the full {f.label} one" for size, f in models.random_sizes().items() if f)
+    return (f"Write a randomly initialised model of this size instead ({', '.join(models.random_sizes())}; sd15: the "
+            f"full SD 1.x architecture, {own}, for GPU checks without a download); --tiny is --random_model tiny.")
+
+
 ARCH_HELP = ("The architecture of --tiny / --random_model, one per model family: "
              + ", ".join(f"{f.arch} ({f.label}, {f.random_note})" for f in families.ARCHS.values())
              + ". Its hub name says it: dreambooth-ray/tiny-stable-diffusion-2-v, -xl.")
@@ -345,7 +351,7 @@ ARCH_HELP = ("The architecture of --tiny / --random_model, one per model family:
 def main(argv=None):
     parser = flags.make_parser(__doc__.splitlines()[0], [
         "cache_dir", "model_name", "revision", "tiny", "random_model", "arch", "eval_models", "dino_model", "dino_revision",
-        "clip_model", "clip_revision", "allow_unsafe_weights"], helps={"arch": ARCH_HELP})
+        "clip_model", "clip_revision", "allow_unsafe_weights"], helps={"arch": ARCH_HELP, "random_model": random_model_help()})
     args = parser.parse_args(argv)
     if args.arch is not None and args.arch not in families.ARCHS:
         parser.error(f"argument --arch: invalid choice: {args.arch!r} (choose from {', '.join(families.ARCHS)})")
@@ -356,10 +362,15 @@ def main(argv=None):
     except OSError as err:
         raise utils.UserError(f"cannot create the model cache folder {args.cache_dir}: {err.strerror or err}; "
                               "give a folder this user can write (--model_dir)") from None
-    if args.random_model == "sdxl":  # a size of its own family
-        if args.arch not in (None, "sdxl"):
-            raise utils.UserError(f"--random_model sdxl is SDXL's architecture, not --arch {args.arch}")
-        args.arch = "sdxl"
+    sizes = models.random_sizes()
+    if args.random_model is not None and args.random_model not in sizes:
+        parser.error(f"argument --random_model: invalid choice: {args.random_model!r} (choose from {', '.join(sizes)})")
+    owner = sizes.get(args.random_model)
+    if owner is not None:  # a size of its own family
+        if args.arch not in (None, owner.arch):
+            raise utils.UserError(f"--random_model {args.random_model} is {owner.label}'s architecture, "
+                                  f"not --arch {args.arch}")
+        args.arch = owner.arch
     if args.arch and (args.eval_models or not (args.tiny or args.random_model)):
         raise utils.UserError("--arch is the architecture of a model built here (--tiny, --random_model); a "
                               "downloaded model's family is read from its files")

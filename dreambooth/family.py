@@ -50,6 +50,7 @@ class Family:
     arch = ""  # the --arch name of its random models
     random_note = ""  # what its random models are, for cache_model.py --help
     random_arch = {}  # what its random models change around models.MODEL_SIZES (also in their revision)
+    own_sizes = {}  # its full-size random models' shapes ({--random_model name: spec}) beside models.MODEL_SIZES
 
     def matches(self, pipeline, text_encoder_config):
         """Whether a folder is of this family: model_index.json's pipeline class, and the first text

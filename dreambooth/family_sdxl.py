@@ -22,6 +22,14 @@ class SDXL(family_sd1.SD1):
     random_arch = dict(text_act="quick_gelu", text2_act="gelu", linear_projection=True, prediction_type="epsilon",
                        resolution_scale=2, time_embed_dim=8, vae_scaling_factor=0.13025)
 
+    # SDXL base 1.0's shapes (--random_model sdxl), 1024 px: three levels, 1, 2 and 10 transformer layers in
+    # them, CLIP ViT-L and OpenCLIP bigG text encoders
+    own_sizes = {"sdxl": dict(unet_channels=(320, 640, 1280), unet_layers=2,
+                              unet_down=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+                              transformer_layers=(1, 2, 10), vae_channels=(128, 256, 512, 512), vae_layers=2,
+                              text_hidden=768, text_layers=12, text_heads=12, text2_hidden=1280, text2_layers=32,
+                              text2_heads=20, time_embed_dim=256, latent_size=64, vocab_size=49408)}
+
     def matches(self, pipeline, text_encoder_config):
         return pipeline == self.pipeline
 

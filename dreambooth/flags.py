@@ -140,10 +140,9 @@ FLAGS = {
     "clip_revision": (("--clip_revision",),
         dict(default="main", help="Its commit or branch; a 40-hex commit already cached needs no network.")),
     "random_model": (("--random_model",),
-        dict(choices=["tiny", "small", "sd15", "sdxl"], default=None,
-             help="Write a randomly initialised model of this size instead (sd15: the full SD 1.x "
-                  "architecture, sdxl: the full SDXL one, for GPU checks without a download); --tiny is "
-                  "--random_model tiny.")),
+        dict(default=None, metavar="SIZE",
+             help="Write a randomly initialised model of this size instead (cache_model.py --help names them); "
+                  "--tiny is --random_model tiny.")),
     "arch": (("--arch",),
         dict(default=None, metavar="ARCH",
              help="The architecture of --tiny / --random_model, one per model family (cache_model.py --help "

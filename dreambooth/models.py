@@ -17,7 +17,7 @@ TINY_TOKENIZER_DIR = os.path.join(utils.REPO_DIR, "assets", "tiny_tokenizer")
 # Architectures built from config with random weights: the real classes at several widths (the
 # SD 1.x layout, or another family's with its random_arch). tiny: 64 px, for tests. small: SD's
 # layout at a fifth of its width, 256 px, enough compute that a CPU benchmark sees both overhead and
-# work. sd15: the full SD 1.x shapes, 512 px. sdxl: the full SDXL shapes.
+# work. sd15: the full SD 1.x shapes, 512 px. A family's own full sizes are its own_sizes (SDXL's: sdxl).
 MODEL_SIZES = {
     "tiny": dict(unet_channels=(32, 64), unet_layers=1, unet_down=("DownBlock2D", "CrossAttnDownBlock2D"),
                  vae_channels=(32, 64), vae_layers=1, text_hidden=32, text_layers=2, text_heads=4,
@@ -30,14 +30,6 @@ MODEL_SIZES = {
                  unet_down=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
                  vae_channels=(128, 256, 512, 512), vae_layers=2, text_hidden=768, text_layers=12, text_heads=12,
                  latent_size=64, vocab_size=49408),
-    # SDXL base 1.0's shapes (its architecture only: --random_model sdxl), 1024 px: three levels,
-    # 1, 2 and 10 transformer layers in them, CLIP ViT-L and OpenCLIP bigG text encoders.
-    "sdxl": dict(unet_channels=(320, 640, 1280), unet_layers=2,
-                 unet_down=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-                 transformer_layers=(1, 2, 10),
-                 vae_channels=(128, 256, 512, 512), vae_layers=2, text_hidden=768, text_layers=12, text_heads=12,
-                 text2_hidden=1280, text2_layers=32, text2_heads=20, time_embed_dim=256, latent_size=64,
-                 vocab_size=49408),
 }
 
 
@@ -50,6 +42,16 @@ def from_pretrained(cls, model_dir, allow_unsafe_weights=False, **kwargs):
     """cls.from_pretrained(model_dir) with the suite's weight rule: safetensors only unless allowed."""
     utils.quiet_hf_logging()
     return cls.from_pretrained(model_dir, use_safetensors=safetensors_only(allow_unsafe_weights), **kwargs)
+
+
+def size_spec(size, family):
+    """The MODEL_SIZES entry of size, or one of the family's own full sizes (family.own_sizes)."""
+    return MODEL_SIZES[size] if size in MODEL_SIZES else family.own_sizes[size]
+
+
+def random_sizes():
+    """{size: the family that owns it, or None for every family's}: what --random_model takes."""
+    return {**dict.fromkeys(MODEL_SIZES), **{size: f for f in families.FAMILIES.values() for size in f.own_sizes}}
 
 
 def build_pipeline(size="tiny", seed=0, safety_checker=False, arch="sd1"):
@@ -73,7 +75,7 @@ def build_networks(size, arch, tokenizer):
     from diffusers import AutoencoderKL
 
     family = families.ARCHS[arch]
-    spec = MODEL_SIZES[size]
+    spec = size_spec(size, family)
     latent_size = int(spec["latent_size"] * family.random_arch["resolution_scale"])
     nets, text_width, denoiser_extra = family.random_text_encoders(spec, tokenizer)
     denoiser = family.random_denoiser(spec, latent_size, text_width, denoiser_extra)  # (in this order: the seed's draws)
