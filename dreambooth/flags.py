@@ -280,6 +280,10 @@ FLAGS = {
         dict(type=positive_float, default=None,
              help="Min-SNR loss weighting with this gamma (5.0 in the paper): low-noise timesteps weigh "
                   "less, which speeds up convergence. Default: off (plain MSE).")),
+    "base_precision": (("--base_precision",),
+        dict(choices=["int8", "nf4"], default=None,
+             help="With --use_lora: keep the frozen denoiser quantised to int8 or nf4 (bitsandbytes) under the fp32 "
+                  "adapters, for a card too small for it in bf16. Default: the autocast dtype (bf16 on GPUs).")),
     "weighting_scheme": (("--weighting_scheme",),
         dict(choices=["logit_normal", "mode", "cosmap", "sigma_sqrt", "none"], default=None,
              help="Flow-matching families (SD 3.5): how training draws the noise level (logit_normal, mode, "

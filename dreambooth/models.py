@@ -10,6 +10,7 @@ import dataclasses
 import os
 
 from dreambooth import families
+from dreambooth import quantize
 from dreambooth import utils
 
 TINY_TOKENIZER_DIR = os.path.join(utils.REPO_DIR, "assets", "tiny_tokenizer")
@@ -228,6 +229,8 @@ def add_lora(models, plan):
     frozen_dtype = steps.amp_dtype(plan.mixed_precision, models.denoiser_device) or torch.float32
     for model in (models.denoiser, *models.text_encoders(), models.vae):
         model.requires_grad_(False).to(dtype=frozen_dtype)
+    if plan.base_precision:  # int8/nf4 weights under the adapters
+        models.denoiser = quantize.quantized(models.denoiser, plan.base_precision, frozen_dtype, models.denoiser_device)
     models.denoiser.add_adapter(lora_config(plan, models.family.denoiser_lora_targets))
     trained = [models.denoiser]
     if plan.train_text_encoder:

@@ -30,15 +30,15 @@ TRAIN_FLAGS = [
     "resolution", "center_crop", "random_flip", "enable_bucket", "min_bucket_reso", "max_bucket_reso",
     "bucket_reso_steps", "train_text_encoder", "use_lora", "lora_rank", "lora_alpha", "lora_dropout",
     "train_batch_size", "learning_rate", "scale_lr", "lr_scheduler", "lr_warmup_steps", "lr_num_cycles", "lr_power",
-    "offset_noise", "snr_gamma", "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "caption_dropout_rate",
-    "masked_loss", "use_ema", "ema_decay", "ema_update_after_step", "use_8bit_adam", "adam_beta1", "adam_beta2",
-    "adam_weight_decay", "adam_epsilon", "max_grad_norm", "max_train_steps", "num_train_epochs", "mixed_precision",
-    "seed", "num_workers", "gpus_per_worker", "use_gpu", "storage_path", "logging_steps", "report_to",
-    "validation_prompt", "num_validation_images", "validation_steps", "validation_epochs",
-    "validation_inference_steps", "vae_dir", "checkpointing_steps", "checkpoints_total_limit", "keep_checkpoints",
-    "resume_from_checkpoint", "max_failures", "overwrite", "allow_unsafe_weights", "gradient_accumulation_steps",
-    "gradient_checkpointing", "cache_latents", "precompute_text_embeddings", "channels_last", "fused_adamw",
-    "torch_compile", "allow_tf32", "num_class_images", "set_grads_to_none",
+    "offset_noise", "snr_gamma", "base_precision", "weighting_scheme", "logit_mean", "logit_std", "mode_scale",
+    "caption_dropout_rate", "masked_loss", "use_ema", "ema_decay", "ema_update_after_step", "use_8bit_adam",
+    "adam_beta1", "adam_beta2", "adam_weight_decay", "adam_epsilon", "max_grad_norm", "max_train_steps",
+    "num_train_epochs", "mixed_precision", "seed", "num_workers", "gpus_per_worker", "use_gpu", "storage_path",
+    "logging_steps", "report_to", "validation_prompt", "num_validation_images", "validation_steps",
+    "validation_epochs", "validation_inference_steps", "vae_dir", "checkpointing_steps", "checkpoints_total_limit",
+    "keep_checkpoints", "resume_from_checkpoint", "max_failures", "overwrite", "allow_unsafe_weights",
+    "gradient_accumulation_steps", "gradient_checkpointing", "cache_latents", "precompute_text_embeddings",
+    "channels_last", "fused_adamw", "torch_compile", "allow_tf32", "num_class_images", "set_grads_to_none",
     "enable_xformers_memory_efficient_attention"]
 
 
@@ -88,6 +88,7 @@ class Plan:
     lr_power: float
     offset_noise: float
     snr_gamma: float | None
+    base_precision: str | None  # --use_lora: "int8"/"nf4" frozen denoiser (quantize.py); None: the autocast dtype
     weighting_scheme: str | None  # flow matching: the family's default when None
     logit_mean: float
     logit_std: float
@@ -234,6 +235,9 @@ def derive(given, parser):
     if not args.use_lora and parser.typed & {"lora_rank", "lora_alpha", "lora_dropout"}:
         raise FlagError("--rank/--lora_alpha/--lora_dropout shape LoRA adapters: add --use_lora (diffusers' "
                      "train_dreambooth_lora*.py scripts always train LoRA; without it every weight is trained)")
+    if args.base_precision and not args.use_lora:
+        raise FlagError(f"--base_precision {args.base_precision} quantises the frozen model under LoRA's adapters: "
+                        "add --use_lora (a full fine-tune trains every weight in fp32)")
     if not args.use_ema and parser.typed & {"ema_decay", "ema_update_after_step"}:
         raise FlagError("--ema_decay/--ema_update_after_step shape the moving average of the weights: add --use_ema")
     if args.validation_epochs and args.validation_steps:

@@ -60,6 +60,7 @@ def of_run(args, family, photos, masks, held_out, captions, class_images, resolu
         "resolution": resolution,
         "buckets": [list(b) for b in buckets],
         **{name: getattr(args, name) for name in WEIGHT_FLAGS + (FLOW_FLAGS if family.flow_matching else ())},
+        **({"base_precision": args.base_precision} if args.base_precision else {}),
     }
     return json.loads(json.dumps(identity))  # tuples as lists: as it reads back from a file
 

@@ -37,7 +37,7 @@ def train_fn(config):
 
 def train_worker(plan):
     """One worker's whole run: models, checkpoint, the step loop, reports, the saved model."""
-    utils.skip_unused_imports(lora=plan.use_lora, eight_bit=plan.use_8bit_adam)
+    utils.skip_unused_imports(lora=plan.use_lora, eight_bit=plan.use_8bit_adam or bool(plan.base_precision))
     import ray.train
 
     from dreambooth import failures  # here, not at the top: it imports ray.train (1.2 s)

@@ -1,6 +1,8 @@
 """family_sd3.py: SD 3.5 on its tiny random model (real classes: SD3Transformer2DModel, CLIP-L, CLIP-G,
 T5 with a tokenizer made here), trained by flow matching, without Ray."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from dreambooth import models
 from dreambooth import outputs
 from dreambooth import prompts
 from dreambooth import steps
+from dreambooth import validation
 
 CPU = torch.device("cpu")
 
@@ -105,7 +108,6 @@ def test_validation_samples_are_what_generate_draws_from_the_same_weights(tiny_s
     import numpy as np
 
     from dreambooth import generate
-    from dreambooth import validation
 
     plan = make_plan(model_dir=tiny_sd3_model, resolution=64, validation_prompts=("a toy",), num_validation_images=1,
                      validation_inference_steps=3)
@@ -152,3 +154,41 @@ def test_lora_on_two_workers_resumed_ends_on_the_uninterrupted_weights_and_draws
     generate.main(["--model_dir", str(tmp_path / "whole"), "--output_dir", str(drawn), "--prompts",
                    "photo of unqtkn toy", "--num_samples_per_prompt", "1", "--num_inference_steps", "2"])
     assert (drawn / "photo-of-unqtkn-toy-00000.png").is_file()
+
+
+@pytest.mark.parametrize("precision, mixed, channels_last", [("int8", "no", False), ("nf4", "bf16", True)])
+def test_lora_trains_over_a_quantised_frozen_base(sd3_run, tiny_sd3_model, tmp_path, precision, mixed, channels_last):
+    """--base_precision int8|nf4 (bitsandbytes on CPU, the GPU's code path; bf16 autocast and channels-last
+    as a GPU run sets them): the frozen transformer's linear weights are int8 / packed 4-bit, only the fp32
+    adapters train, they move, and the output is a LoRA file the pipeline loads."""
+    import bitsandbytes as bnb
+    from diffusers import StableDiffusion3Pipeline
+
+    plan, state, losses = sd3_run(steps_taken=3, use_lora=True, base_precision=precision, mixed_precision=mixed,
+                                  channels_last=channels_last, output_dir=str(tmp_path / "out"))
+    denoiser = models.unwrap(state.models.denoiser)
+    layer = denoiser.transformer_blocks[0].attn.to_q
+    assert isinstance(layer.base_layer, bnb.nn.Linear8bitLt if precision == "int8" else bnb.nn.Linear4bit)
+    assert layer.base_layer.weight.dtype == (torch.int8 if precision == "int8" else torch.uint8)
+    assert all(p.dtype == torch.float32 and "lora_" in n for n, p in denoiser.named_parameters() if p.requires_grad)
+    assert all(torch.isfinite(torch.tensor(losses)))
+    adapters = {n: p.detach() for n, p in denoiser.named_parameters() if p.requires_grad}
+    assert any(v.abs().sum() > 0 for n, v in adapters.items() if "lora_B" in n)  # they start at zero: they trained
+    sample_plan = dataclasses.replace(plan, validation_prompts=("a toy",), num_validation_images=1,
+                                      validation_inference_steps=2)
+    _, images = validation.run_round(validation.Sampler(state.models, sample_plan, state.amp_dtype), 3, 0, 1,
+                                     str(tmp_path / "run"))  # eval mode and no grad, as validation samples run
+    assert images["a-toy-00000.png"].size == (64, 64)
+    outputs.save_pipeline(state.models, plan)
+    pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3_model)
+    pipe.load_lora_weights(plan.output_dir)
+
+
+def test_base_precision_needs_lora(capsys):
+    from dreambooth import planning
+
+    with pytest.raises(SystemExit):
+        planning.parse_args(["--model_dir", "/m", "--output_dir", "/o", "--instance_data_dir", "/i",
+                             "--instance_prompt", "p", "--base_precision", "nf4"])
+    assert "--base_precision nf4 quantises the frozen model under LoRA's adapters: add --use_lora" in \
+        capsys.readouterr().err
