@@ -2,7 +2,7 @@
 
 A checkpoint folder holds:
     unet.safetensors          the denoiser's weights (with LoRA: its adapters only), named as its
-                              subfolder (SD 3.5, Flux: transformer.safetensors)
+                              subfolder (SD 3.5: transformer.safetensors)
     text_encoder.safetensors  text-encoder weights (only when it is trained; adapters with LoRA),
                               and each other text encoder's likewise, named as its subfolder
                               (SDXL: text_encoder_2.safetensors)

@@ -2,7 +2,7 @@
 
 Denoising (SD 1.x, 2.x, SDXL): a timestep drawn uniformly from the DDPM schedule, the scheduler's
 noisy latents, the noise or v as the target (the model's prediction_type), min-SNR weights with
---snr_gamma. Flow matching (SD 3.5, Flux.1): a point of the schedule drawn by --weighting_scheme
+--snr_gamma. Flow matching (SD 3.5; Flux.1 next): a point of the schedule drawn by --weighting_scheme
 (logit_normal, mode or uniform), the straight path between the latents and the noise at its sigma,
 the velocity (noise - latents) as the target, and the scheme's loss weights (cosmap, sigma_sqrt).
 
@@ -95,7 +95,7 @@ def denoising(scheduler, latents, options):
 
 
 def flow_matching(scheduler, latents, options):
-    """The Draw of a flow-matching model (SD 3.5, Flux.1) on its scheduler's (shifted) sigmas: a point
+    """The Draw of a flow-matching model (SD 3.5) on its scheduler's (shifted) sigmas: a point
     of the schedule drawn by options.weighting_scheme, noisy = (1 - sigma) x + sigma noise, the target
     noise - x, and the scheme's weights (none for logit_normal, mode and none: their draw is the weighting)."""
     from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
