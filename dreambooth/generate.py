@@ -112,7 +112,7 @@ def use_safety_checker(setting, model):
 
 
 def load_pipeline(model_dir, device, allow_unsafe_weights=False, safety_checker=False, lora_dir=None,
-                  lora_scale=1.0):
+                  lora_scale=1.0, family=None):
     """The SD pipeline in the device's low precision (train.py's rule: bf16 where the GPU has it, else fp16;
     fp32 on CPU); safetensors weights only unless allowed, no remote code.
 
@@ -125,7 +125,7 @@ def load_pipeline(model_dir, device, allow_unsafe_weights=False, safety_checker=
     from dreambooth import steps  # here, not at the top: it imports torch (2 s a --help or a one-line error never waits for)
 
     dtype = steps.amp_dtype(None, device) or torch.float32
-    family = families.family_of(model_dir)
+    family = family or families.family_of(model_dir)
     # (a family without a safety checker, SDXL, has none to leave out)
     kwargs = {} if safety_checker or not family.safety_checker else {"safety_checker": None,
                                                                       "requires_safety_checker": False}
@@ -212,8 +212,9 @@ class ImageGenerator:
             job = self.jobs[index]
             self.pipe = None  # the previous model's memory goes before the next one loads
             try:
+                family = families.family_of(job.model.model_dir)
                 self.pipe = load_pipeline(job.model.model_dir, self.device, self.settings.allow_unsafe_weights,
-                                          job.safety_checker, job.model.lora_dir, job.model.lora_scale)
+                                          job.safety_checker, job.model.lora_dir, job.model.lora_scale, family)
             except (OSError, MemoryError):
                 raise
             except Exception as err:
@@ -224,7 +225,7 @@ class ImageGenerator:
                 raise utils.UserError(f"{failure} (traceback in {os.path.join(job.output_dir, utils.ERRORS_LOG)})") \
                     from err
             self.loaded = index
-            self.call_kwargs = families.family_of(job.model.model_dir).pipeline_kwargs()
+            self.call_kwargs = family.pipeline_kwargs()
         return self.pipe
 
     def __call__(self, batch):

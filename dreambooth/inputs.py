@@ -7,7 +7,6 @@ import dataclasses
 import os
 import sys
 
-from dreambooth import families
 from dreambooth import imagefiles
 from dreambooth import imaging
 from dreambooth import outputs
@@ -32,9 +31,10 @@ class RunInputs:
     num_rows: int  # the rows of one epoch of the stream
 
 
-def read_inputs(args, draw_class_images=None):
-    """The RunInputs of derived flags, or UserError naming the first problem. draw_class_images():
-    tops up the class folder (--num_class_images, on Ray), after the photos are checked."""
+def read_inputs(args, family, draw_class_images=None):
+    """The RunInputs of derived flags for a model of family (families.Family), or UserError naming the
+    first problem. draw_class_images(): tops up the class folder (--num_class_images, on Ray), after
+    the photos are checked."""
     photos = imagefiles.list_images(args.instance_data_dir, "instance", also_expected=args.caption_extension)
     held_out = imagefiles.held_out_names(photos, args.holdout)
     photos = imagefiles.holdout_split(photos, args.holdout)[0]
@@ -43,7 +43,7 @@ def read_inputs(args, draw_class_images=None):
               f"(evaluate.py --holdout {args.holdout} also scores against the held-out photos)", file=sys.stderr)
     captions = prompts.read_captions(photos, args.instance_prompt, args.caption_extension)
     instance_prompts = list(dict.fromkeys(captions))
-    resolution = args.resolution or families.native_resolution(args.model_dir)
+    resolution = args.resolution or family.native_resolution(args.model_dir)
     masks = masks_of(photos, args.masked_loss)
     convert_dir = os.path.join(args.storage_path, "converted-images")
     instance_images = imagefiles.inspect_images(photos, resolution, convert_dir)
@@ -61,7 +61,7 @@ def read_inputs(args, draw_class_images=None):
     num_rows = max(len(instance_images), len(class_images))
     buckets = ()
     if args.enable_bucket:
-        buckets = bucket_plan(args, resolution)
+        buckets = bucket_plan(args, family, resolution)
         assigned = [imaging.bucket_for(*imagefiles.upright_size(p), buckets) for p in instance_images]
         num_rows = imaging.bucket_epoch_rows(assigned, len(class_images), args.train_batch_size)
         used = sorted(set(assigned))
@@ -72,11 +72,11 @@ def read_inputs(args, draw_class_images=None):
                      tuple(instance_prompts), tuple(class_files), tuple(class_images), resolution, buckets, num_rows)
 
 
-def bucket_plan(args, resolution):
+def bucket_plan(args, family, resolution):
     """The buckets of --enable_bucket: imaging.bucket_sizes with the flags' bounds (defaults: half
     and twice the resolution, steps of 64, fewer pixels for small models), every side a multiple of
     the model's size step; UserError when the flags leave no bucket but the square."""
-    multiple = families.size_multiple(args.model_dir)
+    multiple = family.size_multiple(args.model_dir)
     step = args.bucket_reso_steps or max(multiple, min(64, resolution // 8))
     if step % multiple:
         raise utils.UserError(f"--bucket_reso_steps {step} must be a multiple of {multiple} for this model "

@@ -183,7 +183,8 @@ def lora_width(lora_dir):
 def check_lora_fits(model_dir, lora_dir):
     """UserError, before any actor loads them, when the adapters of lora_dir were trained on a model of
     another shape than model_dir (SDXL adapters on an SD 1.x model): one line naming both families."""
-    width = families.part_config(model_dir, families.family_of(model_dir).denoiser).get("cross_attention_dim")
+    family = families.family_of(model_dir)
+    width = families.part_config(model_dir, family.denoiser).get("cross_attention_dim")
     adapters = lora_width(lora_dir)
     if adapters is None or not isinstance(width, int) or adapters == width:
         return
@@ -192,7 +193,7 @@ def check_lora_fits(model_dir, lora_dir):
     made_for = (f"an {families.family_of(base).label} model ({base})" if base and os.path.isdir(base)
                 else f"a model whose text states are {adapters} wide")
     raise utils.UserError(f"the LoRA adapters in {lora_dir} were trained on {made_for} and {model_dir} is an "
-                          f"{families.family_of(model_dir).label} model ({width} wide): pass the base model they "
+                          f"{family.label} model ({width} wide): pass the base model they "
                           f"were trained on as --model_dir")
 
 

@@ -280,7 +280,7 @@ def plan_run(args, cluster_resources, draw_class_images=None, stop_step=None):
         ("--pretrained_model_name_or_path", args.model_dir), ("--instance_data_dir", args.instance_data_dir),
         ("--class_data_dir", args.class_data_dir)])
     outputs.check_output_dir(args.output_dir, args.overwrite)
-    found = inputs.read_inputs(args, draw_class_images)
+    found = inputs.read_inputs(args, family, draw_class_images)
     identity = run_identity.of_run(args, family, found.photos, found.masks, found.held_out, found.captions,
                                    found.class_files, found.resolution, found.buckets)
     if args.resume_from_checkpoint == "auto":

@@ -4,6 +4,7 @@ saved model. train.py's driver hands it the Plan.
 """
 
 import concurrent.futures
+import contextlib
 import itertools
 import os
 import tempfile
@@ -166,19 +167,14 @@ class ReportWindow:
         self.losses.append(loss)
         self.images += sum(v.shape[0] for b in micro_batches for k, v in b.items() if k.endswith(IMAGE_COLUMNS))
 
+    @contextlib.contextmanager
     def paused(self):
-        """A context manager whose time does not count as training time (validation samples)."""
-        import contextlib
-
-        @contextlib.contextmanager
-        def pause():
-            began = time.perf_counter()
-            try:
-                yield
-            finally:
-                self.start += time.perf_counter() - began
-
-        return pause()
+        """A block whose time does not count as training time (validation samples)."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.start += time.perf_counter() - began
 
     def metrics(self, state, steps_per_epoch):
         """The report's metrics of the window, which starts again."""
@@ -198,8 +194,6 @@ class ReportWindow:
 def averaged_weights(state):
     """With --use_ema, the moving average in the trained weights for the duration (validation samples,
     the saved model); else nothing changes."""
-    import contextlib
-
     return state.ema.applied(state.params) if state.ema is not None else contextlib.nullcontext()
 
 
