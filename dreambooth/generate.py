@@ -236,9 +236,8 @@ class ImageGenerator:
         flagged = np.zeros(len(batch["file"]), dtype=bool)
         for index in dict.fromkeys(batch["job"].tolist()):
             rows = np.flatnonzero(batch["job"] == index)
-            pipe = self.pipeline(index)
-            images, bad = generate_batch(pipe, batch["prompt"][rows], batch["seed"][rows], self.settings,
-                                         self.call_kwargs)
+            images, bad = generate_batch(self.pipeline(index), batch["prompt"][rows], batch["seed"][rows],
+                                         self.settings, self.call_kwargs)  # (the pipeline first: it sets call_kwargs)
             for row, image, is_bad in zip(rows, images, bad):
                 path = os.path.join(self.jobs[index].output_dir, str(batch["file"][row]))
                 if is_bad:
