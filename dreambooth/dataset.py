@@ -364,3 +364,15 @@ def tokenize_prompt(tokenizer, prompt):
     ids = tokenizer(prompt, padding="max_length", truncation=True,
                     max_length=tokenizer.model_max_length, return_tensors="np").input_ids
     return ids[0].astype(np.int64)
+
+
+def tokenize_all(tokenizers, prompt):
+    """Prompt -> (L,) ids with one tokenizer, (E, L) with E: each tokenizer's ids, the shorter ones
+    padded on with their own pad token to the longest (Flux.1: CLIP's 77 beside T5's 512; the family's
+    encode_text reads each encoder's own length)."""
+    ids = [tokenize_prompt(tokenizer, prompt) for tokenizer in tokenizers]
+    if len(ids) == 1:
+        return ids[0]
+    length = max(len(row) for row in ids)
+    return np.stack([np.pad(row, (0, length - len(row)), constant_values=tokenizer.pad_token_id)
+                     for row, tokenizer in zip(ids, tokenizers)])

@@ -65,7 +65,7 @@ class EvalSettings:
     seed: int = 0
     batch_size: int = 4
     num_inference_steps: int = 50
-    guidance_scale: float = 7.5
+    guidance_scale: float | None = None  # None: the model family's
     resolution: int | None = None
     num_actors: int | None = None
     allow_unsafe_weights: bool = False

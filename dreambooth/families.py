@@ -4,11 +4,12 @@ A model's family is found from its folder (model_index.json's pipeline class, an
 StableDiffusionPipeline the text encoder's activation: OpenAI CLIP's quick_gelu in SD 1.x,
 OpenCLIP's gelu in SD 2.x), never from a flag, and carried in the Plan from there. What a family
 provides is family.Family; each is one module (family_sd1.py, family_sd2.py, family_sdxl.py,
-family_sd3.py). A later family is one more module and one more entry here.
+family_sd3.py, family_flux.py). A later family is one more module and one more entry here.
 """
 
 import os
 
+from dreambooth import family_flux
 from dreambooth import family_sd1
 from dreambooth import family_sd2
 from dreambooth import family_sd3
@@ -17,7 +18,8 @@ from dreambooth import utils
 from dreambooth.family import Family  # noqa: F401 (the interface every entry implements, named beside the table)
 from dreambooth.family import part_config
 
-FAMILIES = {f.name: f for f in (family_sd1.FAMILY, family_sd2.FAMILY, family_sdxl.FAMILY, family_sd3.FAMILY)}
+FAMILIES = {f.name: f for f in (family_sd1.FAMILY, family_sd2.FAMILY, family_sdxl.FAMILY, family_sd3.FAMILY,
+                                      family_flux.FAMILY)}
 ARCHS = {f.arch: f for f in FAMILIES.values()}  # the --arch names of the random models built here
 ACTIONS = {"draw": "drawing images with", "train": "training", "export": "exporting"}
 

@@ -40,6 +40,9 @@ class Family:
     text_encoders = ("text_encoder",)  # subfolders, in the order their states are concatenated
     trainable_text_encoders = ("text_encoder", "text_encoder_2")  # those --train_text_encoder trains, if it has them
     safety_checker = False  # its pipeline has one (and generate.py's --safety_checker applies)
+    negative_prompt = True  # its pipeline draws away from a negative prompt (generate.py's --negative_prompt)
+    guidance_scale = 7.5  # --guidance_scale's default: classifier-free guidance (Flux.1 dev: its guidance input)
+    guided_training = False  # --guidance_scale is an input of the denoiser in training too (Flux.1 dev)
     zero_negative_prompt = False  # the empty negative prompt drawn as zeros (SDXL's force_zeros_for_empty_prompt)
     time_ids = False  # the denoiser also takes each image's size and crop (SDXL's "text_time"): the stream carries them
     supports = frozenset({"draw", "train", "export"})  # what the suite does with it: generate/evaluate, train, export
@@ -118,9 +121,9 @@ class Family:
         """The objectives.Draw of a batch's latents: DDPM denoising by default."""
         return objectives.denoising(scheduler, latents, options)
 
-    def denoise(self, model, noisy, timesteps, states, pooled, time_ids):
+    def denoise(self, model, noisy, timesteps, states, pooled, time_ids, guidance=None):
         """The denoiser's prediction for noisy latents under text states (and the pooled text and size
-        numbers where the family has them)."""
+        numbers where the family has them; the guidance value where guided_training)."""
         return model(noisy, timesteps, states, **self.unet_inputs(pooled, time_ids)).sample
 
     def size_conditioning(self, batch, num_rows, resolution, device, dtype):
@@ -154,6 +157,14 @@ class Family:
     def pipeline_kwargs(self):
         """What its pipeline is called with beside the prompt and the settings, to draw as it trains."""
         return {}
+
+    def unpack_latents(self, pipe, latents, height, width):
+        """(B, C, h, w) latents of what pipe returns with output_type="latent" (Flux.1 packs them)."""
+        return latents
+
+    def guidance(self, value):
+        """The guidance a run draws (and, guided_training, trains) at: value (--guidance_scale) or the family's."""
+        return self.guidance_scale if value is None else value
 
     # --- outputs
     def lora_file_layers(self, peft_layers):

@@ -98,7 +98,7 @@ class SD3(family.Family):
     def draw(self, scheduler, latents, options):
         return objectives.flow_matching(scheduler, latents, options)
 
-    def denoise(self, model, noisy, timesteps, states, pooled, time_ids):
+    def denoise(self, model, noisy, timesteps, states, pooled, time_ids, guidance=None):
         return model(hidden_states=noisy, timestep=timesteps, encoder_hidden_states=states,
                      pooled_projections=pooled).sample
 

@@ -144,11 +144,22 @@ class ImageSettings:
     """How images are drawn, whatever the model: every setting that changes their pixels."""
 
     num_inference_steps: int = 50
-    guidance_scale: float = 7.5
+    guidance_scale: float | None = None  # None: the model family's (family.guidance_scale)
     negative_prompt: str | None = None
     resolution: int | None = None  # None: the model's native size
     seed: int = 0
     allow_unsafe_weights: bool = False
+
+
+def settings_for(settings, family, model_dir):
+    """settings as the model in model_dir (of family) draws them: the family's guidance and the model's native
+    size where none is given (a pipeline's own default size may not be the model's: FluxPipeline's is fixed);
+    a UserError for a negative prompt that its pipeline would ignore (Flux.1 dev is guidance-distilled)."""
+    if settings.negative_prompt and not family.negative_prompt:
+        raise utils.UserError(f"{family.label} draws without a negative prompt (its guidance is an input of the "
+                              "model, --guidance_scale): leave out --negative_prompt")
+    return dataclasses.replace(settings, guidance_scale=family.guidance(settings.guidance_scale),
+                               resolution=settings.resolution or family.native_resolution(model_dir))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,18 +173,19 @@ class DrawJob:
 
 
 def generate_batch(pipe, prompts, seeds, settings, call_kwargs=None):
-    """Run the pipeline once for a batch (settings: ImageSettings; call_kwargs: the family's, as it
-    trains: family.pipeline_kwargs). One CPU generator per image: the noise of an image depends on
+    """Run the pipeline once for a batch (settings: ImageSettings, as settings_for makes them: a guidance
+    of None is the pipeline's own default; call_kwargs: the family's, as it trains: family.pipeline_kwargs). One CPU generator per image: the noise of an image depends on
     its seed alone, not on the batch it lands in or the device."""
     import torch
 
     generators = [torch.Generator("cpu").manual_seed(int(s)) for s in seeds]
     negative = settings.negative_prompt
+    guidance = {} if settings.guidance_scale is None else {"guidance_scale": settings.guidance_scale}
     out = pipe(
         prompt=list(prompts),
         negative_prompt=[negative] * len(prompts) if negative else None,
         num_inference_steps=settings.num_inference_steps,
-        guidance_scale=settings.guidance_scale,
+        **guidance,
         height=settings.resolution,
         width=settings.resolution,
         generator=generators,
@@ -199,7 +211,7 @@ class ImageGenerator:
         if self.device.type == "cpu":
             raycluster.share_cpu_threads(num_actors)
         self.jobs, self.settings = jobs, settings
-        self.loaded, self.pipe, self.broken, self.call_kwargs = None, None, None, {}
+        self.loaded, self.pipe, self.broken, self.call_kwargs, self.job_settings = None, None, None, {}, settings
         try:
             self.pipeline(0)
         except utils.UserError as err:
@@ -226,6 +238,7 @@ class ImageGenerator:
                     from err
             self.loaded = index
             self.call_kwargs = family.pipeline_kwargs()
+            self.job_settings = settings_for(self.settings, family, job.model.model_dir)
         return self.pipe
 
     def __call__(self, batch):
@@ -237,7 +250,7 @@ class ImageGenerator:
         for index in dict.fromkeys(batch["job"].tolist()):
             rows = np.flatnonzero(batch["job"] == index)
             images, bad = generate_batch(self.pipeline(index), batch["prompt"][rows], batch["seed"][rows],
-                                         self.settings, self.call_kwargs)  # (the pipeline first: it sets call_kwargs)
+                                         self.job_settings, self.call_kwargs)  # (the pipeline first: it sets both)
             for row, image, is_bad in zip(rows, images, bad):
                 path = os.path.join(self.jobs[index].output_dir, str(batch["file"][row]))
                 if is_bad:
@@ -293,8 +306,8 @@ def top_up(folder, model, prompts, count, settings, safety_checker, on_mismatch=
     cut short leaves images that its record describes."""
     os.makedirs(folder, exist_ok=True)
     utils.remove_temp_files(folder)
-    resolution = settings.resolution or families.native_resolution(model.model_dir)
-    wanted = outputs.ImageRecord(model.fingerprint(), model.describe(), tuple(prompts), resolution, settings.seed,
+    settings = settings_for(settings, families.family_of(model.model_dir), model.model_dir)
+    wanted = outputs.ImageRecord(model.fingerprint(), model.describe(), tuple(prompts), settings.resolution, settings.seed,
                                  settings.num_inference_steps, settings.guidance_scale, settings.negative_prompt)
     have = outputs.read_image_record(folder)
     drawn = outputs.drawn_images(folder)

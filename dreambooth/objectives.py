@@ -27,6 +27,7 @@ class LossOptions:
     logit_mean: float = 0.0  # --logit_mean
     logit_std: float = 1.0  # --logit_std
     mode_scale: float = 1.29  # --mode_scale
+    guidance_scale: float = None  # --guidance_scale resolved: the denoiser's guidance input (family.guided_training)
 
 
 def check_flags(args, family):

@@ -41,13 +41,12 @@ def read_captions(image_paths, instance_prompt, caption_extension):
 
 
 def prompt_ids(model_dir, instance_prompts, class_prompt, family=None):
-    """CLIP token ids of the prompts: per prompt (L,) ids, or with two text encoders (SDXL) (2, L),
-    each tokenizer's; {"instance": [ids per prompt], "class": ids (with a class_prompt)}."""
+    """Token ids of the prompts: per prompt (L,) ids, or with E text encoders (SDXL, SD 3.5, Flux.1) (E, L),
+    each tokenizer's (dataset.tokenize_all); {"instance": [ids per prompt], "class": ids (with a class_prompt)}."""
     tokenizers = (family or families.family_of(model_dir)).load_tokenizers(model_dir)
 
     def tokenize(prompt):
-        ids = [dataset.tokenize_prompt(tokenizer, prompt).tolist() for tokenizer in tokenizers]
-        return ids[0] if len(ids) == 1 else ids
+        return dataset.tokenize_all(tokenizers, prompt).tolist()
 
     ids = {"instance": [tokenize(p) for p in instance_prompts]}
     if class_prompt:

@@ -61,6 +61,7 @@ def of_run(args, family, photos, masks, held_out, captions, class_images, resolu
         "buckets": [list(b) for b in buckets],
         **{name: getattr(args, name) for name in WEIGHT_FLAGS + (FLOW_FLAGS if family.flow_matching else ())},
         **({"base_precision": args.base_precision} if args.base_precision else {}),
+        **({"guidance_scale": family.guidance(args.guidance_scale)} if family.guided_training else {}),
     }
     return json.loads(json.dumps(identity))  # tuples as lists: as it reads back from a file
 

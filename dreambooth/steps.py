@@ -211,7 +211,8 @@ def batch_loss(models, batch, prompts, prior_loss_weight, loss_options=objective
     time_ids = models.family.size_conditioning(sized, latents.shape[0], resolution, models.denoiser_device, hidden.dtype)
     pooled = pooled.to(models.denoiser_device) if pooled is not None else None
     draw = models.family.draw(models.scheduler, latents, loss_options)
-    pred = models.family.denoise(models.denoiser, draw.noisy, draw.timesteps, hidden, pooled, time_ids)
+    guidance = loss_options.guidance_scale
+    pred = models.family.denoise(models.denoiser, draw.noisy, draw.timesteps, hidden, pooled, time_ids, guidance)
     target = draw.target
     if predicted_prior:
         base_pooled = prompts.class_base_pooled
@@ -219,7 +220,8 @@ def batch_loss(models, batch, prompts, prior_loss_weight, loss_options=objective
         base = prompts.class_base.to(models.denoiser_device).expand(num_class, -1, -1)
         with torch.no_grad(), models.base_denoiser() as base_denoiser:
             prior_target = models.family.denoise(base_denoiser, draw.noisy[num_instance:], draw.timesteps[num_instance:], base,
-                                                 base_pooled, time_ids[num_instance:] if time_ids is not None else None)
+                                                 base_pooled, time_ids[num_instance:] if time_ids is not None else None,
+                                                 guidance)
         target = torch.cat([target[:num_instance], prior_target.to(target.dtype)])
     masks = latent_masks(batch["instance_mask"], latents.shape[-2:], pred.device) if "instance_mask" in batch else None
     return dreambooth_loss(pred, target, num_instance, prior_loss_weight, draw.weights, masks)
@@ -310,7 +312,7 @@ def loss_options(plan):
     """The objectives.LossOptions of a plan.Plan."""
     return objectives.LossOptions(plan.offset_noise, plan.snr_gamma,
                                   plan.weighting_scheme or plan.family.default_weighting_scheme, plan.logit_mean,
-                                  plan.logit_std, plan.mode_scale)
+                                  plan.logit_std, plan.mode_scale, plan.family.guidance(plan.guidance_scale))
 
 
 def make_train_state(models, plan):

@@ -25,9 +25,6 @@ def images_of(plan):
             for prompt in plan.validation_prompts for i in range(plan.num_validation_images)]
 
 
-GUIDANCE_SCALE = generate.ImageSettings.guidance_scale  # generate.py's default, whatever the pipeline's own
-
-
 class Sampler:
     """Draws validation images with a worker's training networks (models.Models), the model
     folder's own tokenizers and scheduler, and the run's autocast dtype. The text encoders
@@ -47,9 +44,7 @@ class Sampler:
         """(states, pooled or None) of the prompts, on the UNet's device (the family's encode_text)."""
         import torch
 
-        ids = torch.stack([torch.stack([torch.from_numpy(dataset.tokenize_prompt(t, p)) for t in self.tokenizers])
-                           for p in prompts])
-        ids = ids[:, 0] if len(self.tokenizers) == 1 else ids
+        ids = torch.stack([torch.from_numpy(dataset.tokenize_all(self.tokenizers, p)) for p in prompts])
         states, pooled = self.family.encode_text([models.unwrap(te) for te in self.nets.text_encoders()],
                                            ids.to(self.nets.aux_device))
         return states.to(self.nets.denoiser_device), pooled.to(self.nets.denoiser_device) if pooled is not None else None
@@ -88,10 +83,13 @@ class Sampler:
                                 negative_pooled_prompt_embeds=torch.zeros_like(pooled))
                 elif pooled is not None:
                     text.update(pooled_prompt_embeds=pooled, negative_pooled_prompt_embeds=negative_pooled)
-                latents = pipe(**text, **self.family.pipeline_kwargs(), guidance_scale=GUIDANCE_SCALE,
+                # generate.py's guidance (the family's by default), whatever the pipeline's own
+                latents = pipe(**text, **self.family.pipeline_kwargs(),
+                               guidance_scale=self.family.guidance(self.plan.guidance_scale),
                                height=self.plan.resolution, width=self.plan.resolution,
                                num_inference_steps=self.plan.validation_inference_steps,
                                generator=torch.Generator("cpu").manual_seed(seed), output_type="latent").images
+                latents = self.family.unpack_latents(pipe, latents, self.plan.resolution, self.plan.resolution)
                 latents = latents.to(nets.aux_device, vae.dtype) / vae.config.scaling_factor
                 latents = latents + (getattr(vae.config, "shift_factor", None) or 0.0)
                 decoded = vae.decode(latents).sample

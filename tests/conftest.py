@@ -51,6 +51,14 @@ def tiny_sd3_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_flux_model(tmp_path_factory):
+    """Snapshot folder of the tiny Flux.1 dev model (cache_model.py --tiny --arch flux)."""
+    from dreambooth import cache_model
+
+    return cache_model.main(["--model_dir", str(tmp_path_factory.mktemp("model-flux")), "--tiny", "--arch", "flux"])
+
+
+@pytest.fixture(scope="session")
 def shared_ray_cluster(tmp_path_factory):
     """One local Ray cluster for the session, as dreambooth_run.sh keeps one for its steps: every
     script a slow test runs, and this process (ray_session), joins it through RAY_ADDRESS instead

@@ -38,8 +38,8 @@ def test_the_family_is_read_from_the_model_folder(tiny_model, tiny_sd2v_model, t
     (xl / "model_index.json").write_text(json.dumps({**index, "_class_name": "StableDiffusionXLPipeline"}))
     with pytest.raises(utils.UserError, match="missing its 'text_encoder_2' component"):
         families.check_model_dir(str(xl))
-    (xl / "model_index.json").write_text(json.dumps({**index, "_class_name": "FluxPipeline"}))
-    with pytest.raises(utils.UserError, match="is a FluxPipeline model; this suite runs SD 1.x"):
+    (xl / "model_index.json").write_text(json.dumps({**index, "_class_name": "FluxKontextPipeline"}))
+    with pytest.raises(utils.UserError, match="is a FluxKontextPipeline model; this suite runs SD 1.x"):
         families.check_model_dir(str(xl))
 
 

@@ -115,7 +115,8 @@ def test_validation_samples_are_what_generate_draws_from_the_same_weights(tiny_s
     _, images = validation.run_round(validation.Sampler(nets, plan, amp_dtype=None), 1, 0, 1, str(tmp_path))
     pipe = generate.load_pipeline(tiny_sd3_model, CPU)
     drawn, flagged = generate.generate_batch(pipe, ["a toy"], [generate.image_seed(plan.seed, "a toy", 0)],
-                                             generate.ImageSettings(num_inference_steps=3),
+                                             generate.settings_for(generate.ImageSettings(num_inference_steps=3),
+                                                                   plan.family, plan.model_dir),
                                              plan.family.pipeline_kwargs())
     assert flagged == [False] and drawn[0].size == (64, 64)
     difference = np.abs(np.asarray(drawn[0], dtype=int) - np.asarray(images["a-toy-00000.png"], dtype=int))

@@ -1,0 +1,203 @@
+"""family_flux.py: Flux.1 on its tiny random model (real classes: FluxTransformer2DModel with a guidance input,
+CLIP-L, T5 with a tokenizer made here, a 16-channel VAE), trained by flow matching on packed latents, without Ray
+(the Ray runs are at the end, marked slow)."""
+
+import dataclasses
+import os
+import shutil
+
+import pytest
+import torch
+
+from dreambooth import conditioning
+from dreambooth import families
+from dreambooth import family_flux
+from dreambooth import models
+from dreambooth import outputs
+from dreambooth import prompts
+from dreambooth import steps
+from dreambooth import validation
+
+CPU = torch.device("cpu")
+
+
+def test_the_family_is_read_from_its_folder_with_its_own_sizes(tiny_flux_model):
+    assert families.family_of(tiny_flux_model) is family_flux.FAMILY
+    families.check_model_dir(tiny_flux_model)  # transformer, vae, CLIP-L and T5 with their tokenizers
+    assert families.native_resolution(tiny_flux_model) == 64  # the VAE's sample size
+    assert families.size_multiple(tiny_flux_model) == 4  # the VAE's scale x the 2x2 packing
+
+
+def test_packing_is_the_pipelines_and_unpacking_undoes_it():
+    from diffusers import FluxPipeline
+
+    latents = torch.randn(2, 16, 6, 8)
+    tokens = family_flux.pack(latents)
+    assert tokens.shape == (2, 12, 64)
+    torch.testing.assert_close(family_flux.unpack(tokens, 6, 8), latents)
+    torch.testing.assert_close(FluxPipeline._unpack_latents(tokens, 6 * 8, 8 * 8, 8), latents)
+
+
+def test_our_conditioning_is_the_pipelines(tiny_flux_model):
+    """T5's states at 512 tokens and CLIP-L's pooled output, as FluxPipeline.encode_prompt makes them of the
+    same prompt: CLIP's 77 ids travel padded beside T5's 512 and are read back at CLIP's length."""
+    from diffusers import FluxPipeline
+
+    family = families.family_of(tiny_flux_model)
+    pipe = FluxPipeline.from_pretrained(tiny_flux_model)
+    prompt = "photo of unqtkn toy, on a beach"
+    ids = torch.tensor(prompts.prompt_ids(tiny_flux_model, [prompt], None, family)["instance"])
+    assert ids.shape == (1, 2, 512)
+    with torch.no_grad():  # (T5's attention takes another kernel with gradients: both without)
+        expected, pooled, _ = pipe.encode_prompt(prompt, prompt, max_sequence_length=family_flux.T5_MAX_LENGTH)
+        states, ours = family.encode_text([pipe.text_encoder, pipe.text_encoder_2], ids)
+    torch.testing.assert_close(states, expected)
+    torch.testing.assert_close(ours, pooled)
+
+
+@pytest.fixture()
+def flux_run(tiny_flux_model, make_plan):
+    def run(steps_taken=3, model_dir=tiny_flux_model, **fields):
+        plan = make_plan(model_dir=model_dir, resolution=64, **fields)
+        torch.manual_seed(0)
+        nets = models.setup_models(plan, CPU, CPU, distributed=False)
+        ids = prompts.prompt_ids(model_dir, ["photo of unqtkn toy"], "photo of a toy", plan.family)
+        step_prompts = conditioning.step_prompts(plan.family, nets.text_encoders(), plan, ids, CPU)
+        state = steps.make_train_state(nets, plan)
+        pixels = torch.randint(0, 255, (1, 64, 64, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+        batch = {"instance_pixels": pixels, "class_pixels": pixels.flip(1)}
+        losses = [float(steps.train_step(state, [batch], step_prompts, 1.0, 1.0)[0]) for _ in range(steps_taken)]
+        return plan, state, losses
+
+    return run
+
+
+def test_a_full_fine_tune_moves_the_transformer_and_clip_and_leaves_t5(flux_run, tiny_flux_model):
+    from transformers import T5EncoderModel
+
+    plan, state, losses = flux_run(steps_taken=6)
+    assert losses[-1] < losses[0]  # a fixed batch is learnt
+    base_t5 = T5EncoderModel.from_pretrained(tiny_flux_model, subfolder="text_encoder_2")
+    nets = state.models
+    assert all(torch.equal(a, b) for a, b in zip(nets.encoders[1].parameters(), base_t5.parameters()))
+    assert not any(p.requires_grad for p in nets.encoders[1].parameters())  # T5 stays frozen, as diffusers' script
+    assert any(p.requires_grad for p in nets.encoders[0].parameters())
+
+
+def test_the_guidance_value_is_an_input_of_dev_in_training(flux_run, tiny_flux_model):
+    """--guidance_scale reaches the transformer's guidance embedding: the same seeded step at another value
+    gives another loss (and it is in the run's identity, which decides resuming)."""
+    from dreambooth import run_identity
+
+    _, _, at_default = flux_run(steps_taken=1)
+    _, _, at_one = flux_run(steps_taken=1, guidance_scale=1.0)
+    assert at_default[0] != at_one[0]
+    _, _, again = flux_run(steps_taken=1, guidance_scale=family_flux.FAMILY.guidance_scale)
+    assert again == at_default  # None is the family's 3.5
+    from dreambooth import planning
+
+    def identity(*extra):
+        args = planning.parse_args(["--model_dir", tiny_flux_model, "--output_dir", "/o", "--instance_data_dir", "/i",
+                                    "--instance_prompt", "p", *extra])
+        return run_identity.of_run(args, family_flux.FAMILY, [], [], [], [], [], 64, ())
+
+    assert identity()["guidance_scale"] == 3.5 and identity() == identity("--guidance_scale", "3.5")
+    assert run_identity.differences(identity(), identity("--guidance_scale", "1")) == ["--guidance_scale 3.5 -> 1.0"]
+    assert "guidance_scale" not in run_identity.of_run(planning.parse_args([
+        "--model_dir", tiny_flux_model, "--output_dir", "/o", "--instance_data_dir", "/i", "--instance_prompt", "p"]),
+        families.FAMILIES["sd3"], [], [], [], [], [], 64, ())  # drawing only, for the other families
+
+
+@pytest.fixture(scope="module")
+def schnell_model(tiny_flux_model, tmp_path_factory):
+    """The tiny model with a transformer without the guidance input (Flux.1 schnell's layout)."""
+    from diffusers import FluxTransformer2DModel
+
+    folder = tmp_path_factory.mktemp("schnell") / "model"
+    shutil.copytree(tiny_flux_model, folder)
+    config = dict(FluxTransformer2DModel.load_config(os.path.join(tiny_flux_model, "transformer")),
+                  guidance_embeds=False)
+    torch.manual_seed(0)
+    FluxTransformer2DModel.from_config(config).save_pretrained(folder / "transformer")
+    return str(folder)
+
+
+def test_schnell_trains_without_a_guidance_input(flux_run, schnell_model):
+    _, state, losses = flux_run(steps_taken=2, model_dir=schnell_model, use_lora=True)
+    assert models.unwrap(state.models.denoiser).config.guidance_embeds is False
+    assert all(torch.isfinite(torch.tensor(losses)))
+    _, _, other = flux_run(steps_taken=2, model_dir=schnell_model, use_lora=True, guidance_scale=1.0)
+    assert other == losses  # no guidance input: the value changes nothing
+
+
+def test_lora_and_full_outputs_load_in_the_flux_pipeline(flux_run, tiny_flux_model, tmp_path):
+    from diffusers import FluxPipeline
+
+    base = FluxPipeline.from_pretrained(tiny_flux_model)
+    for use_lora in (True, False):
+        plan, state, _ = flux_run(steps_taken=2, use_lora=use_lora, output_dir=str(tmp_path / f"out-{use_lora}"))
+        outputs.save_pipeline(state.models, plan)
+        ours = models.unwrap(state.models.denoiser)
+        if use_lora:
+            pipe = FluxPipeline.from_pretrained(tiny_flux_model)
+            pipe.load_lora_weights(plan.output_dir)
+        else:
+            pipe = FluxPipeline.from_pretrained(plan.output_dir)
+        x = torch.randn(1, 16, 32, 32, generator=torch.Generator().manual_seed(2))
+        states, pooled = torch.randn(1, 512, 32), torch.randn(1, 32)  # T5's width; CLIP-L's pooled
+        t = torch.tensor([500.0])
+
+        def predict(model):
+            with torch.no_grad():
+                return plan.family.denoise(model, x, t, states, pooled, None, 3.5)
+
+        assert not torch.allclose(predict(pipe.transformer), predict(base.transformer), atol=1e-4)
+        torch.testing.assert_close(predict(pipe.transformer), predict(ours.eval()), rtol=1e-4, atol=1e-4)
+
+
+def test_validation_samples_are_what_generate_draws_from_the_same_weights(tiny_flux_model, make_plan, tmp_path):
+    import numpy as np
+
+    from dreambooth import generate
+
+    plan = make_plan(model_dir=tiny_flux_model, resolution=64, validation_prompts=("a toy",), num_validation_images=1,
+                     validation_inference_steps=3)
+    nets = models.setup_models(plan, CPU, CPU, distributed=False)
+    _, images = validation.run_round(validation.Sampler(nets, plan, amp_dtype=None), 1, 0, 1, str(tmp_path))
+    pipe = generate.load_pipeline(tiny_flux_model, CPU)
+    settings = generate.settings_for(generate.ImageSettings(num_inference_steps=3), plan.family,
+                                     plan.model_dir)
+    assert settings.guidance_scale == 3.5
+    drawn, flagged = generate.generate_batch(pipe, ["a toy"], [generate.image_seed(plan.seed, "a toy", 0)],
+                                             settings, plan.family.pipeline_kwargs())
+    assert flagged == [False] and drawn[0].size == (64, 64)
+    difference = np.abs(np.asarray(drawn[0], dtype=int) - np.asarray(images["a-toy-00000.png"], dtype=int))
+    assert difference.max() <= 1
+
+
+def test_a_negative_prompt_is_refused_in_one_line():
+    from dreambooth import generate
+    from dreambooth import utils
+
+    with pytest.raises(utils.UserError, match="Flux.1 draws without a negative prompt"):
+        generate.settings_for(generate.ImageSettings(negative_prompt="blurry"), family_flux.FAMILY, "/unread")
+    assert generate.settings_for(generate.ImageSettings(resolution=64), families.FAMILIES["sd1"],
+                                 "/unread").guidance_scale == 7.5
+
+
+def test_lora_trains_over_an_nf4_base_under_bf16(flux_run, tmp_path):
+    """--base_precision nf4 (bitsandbytes on CPU, the GPU's code path) with bf16 autocast and channels-last:
+    the frozen transformer's linear layers are packed 4-bit, the fp32 adapters train, the pipeline loads them."""
+    import bitsandbytes as bnb
+    from diffusers import FluxPipeline
+
+    plan, state, losses = flux_run(steps_taken=2, use_lora=True, base_precision="nf4", mixed_precision="bf16",
+                                   channels_last=True, output_dir=str(tmp_path / "out"))
+    denoiser = models.unwrap(state.models.denoiser)
+    assert isinstance(denoiser.transformer_blocks[0].attn.to_q.base_layer, bnb.nn.Linear4bit)
+    assert isinstance(denoiser.single_transformer_blocks[0].proj_out, bnb.nn.Linear4bit)  # frozen, not adapted
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert any(p.abs().sum() > 0 for n, p in denoiser.named_parameters() if "lora_B" in n)
+    outputs.save_pipeline(state.models, plan)
+    assert outputs.read_output(plan.output_dir).lora.rank == plan.lora_rank
+    FluxPipeline.from_pretrained(plan.model_dir).load_lora_weights(plan.output_dir)
