@@ -40,7 +40,7 @@ def step_prompts(family, text_encoders, plan, ids, device):
     instance = torch.tensor(ids["instance"], device=device)
     class_prompt = torch.tensor(ids["class"], device=device).unsqueeze(0) if "class" in ids else None
     pooled = {}
-    if not plan.train_text_encoder and plan.precompute_text_embeddings:
+    if plan.text_encoded_once:
         with torch.no_grad():
             instance, pooled["instance_pooled"] = family.encode_text(text_encoders, instance)
             if class_prompt is not None:

@@ -22,6 +22,7 @@ from dreambooth import families
 from dreambooth import flags
 from dreambooth import generate
 from dreambooth import imagefiles
+from dreambooth import imaging
 from dreambooth import outputs
 from dreambooth import raycluster
 from dreambooth import scores
@@ -373,5 +374,5 @@ def write_prompt_grids(output_dir, label, files):
     for prompt, paths in files.items():
         if paths:
             images = [Image.open(p).convert("RGB") for p in paths]
-            utils.save_image_atomic(generate.make_grid(images, columns=len(images)),
+            utils.save_image_atomic(imaging.make_grid(images, columns=len(images)),
                                     os.path.join(folder, utils.slugify(prompt) + ".png"))

@@ -26,6 +26,13 @@ def vae_scale(model_dir):
     return 2 ** (len(part_config(model_dir, "vae")["block_out_channels"]) - 1)
 
 
+def config_of(model):
+    """A network's config under DDP's and torch.compile's wrappers (which have none of their own)."""
+    while not hasattr(model, "config"):
+        model = getattr(model, "_orig_mod", None) or model.module
+    return model.config
+
+
 class Family:
     """The base every family subclasses: what it must say (the attributes) and do (the methods that
     raise NotImplementedError); the others have the plain default."""

@@ -87,7 +87,7 @@ class Flux(family.Family):
         """As FluxPipeline.encode_prompt does: T5's states (N, 512, D) and CLIP-L's pooled output (N, P).
         ids: (N, 2, 512), CLIP's 77 first (the rest is padding, dataset.tokenize_all)."""
         clip, t5 = text_encoders
-        pooled = clip(ids[:, 0, :clip.config.max_position_embeddings]).pooler_output
+        pooled = clip(ids[:, 0, :family.config_of(clip).max_position_embeddings]).pooler_output
         states = t5(ids[:, 1])[0]
         return states.to(pooled.dtype), pooled
 
@@ -109,8 +109,7 @@ class Flux(family.Family):
         import torch
 
         h, w = noisy.shape[-2:]
-        inner = getattr(model, "module", model)  # DDP's wrapper has no config
-        guided = getattr(inner, "_orig_mod", inner).config.guidance_embeds
+        guided = family.config_of(model).guidance_embeds
         guidance = torch.full((noisy.shape[0],), guidance, device=noisy.device) if guided else None
         out = model(hidden_states=pack(noisy), timestep=timesteps / 1000, guidance=guidance,
                     pooled_projections=pooled, encoder_hidden_states=states,

@@ -26,13 +26,13 @@ and a flagged one is not saved: '<name>.png.flagged' marks it as done, and a lin
 
 import dataclasses
 import hashlib
-import math
 import os
 import sys
 
 from dreambooth import cache_model
 from dreambooth import families
 from dreambooth import flags
+from dreambooth import imaging
 from dreambooth import models
 from dreambooth import outputs
 from dreambooth import prompts
@@ -77,20 +77,6 @@ def plan_images(prompts, num_per_prompt, seed, output_dir):
     return rows, all_files
 
 
-def make_grid(images, thumb_size=128, columns=None):
-    """Contact sheet: images (PIL, any size) as thumb_size squares, columns to a row
-    (default: a near-square grid)."""
-    from PIL import Image
-
-    cols = columns or max(1, math.ceil(math.sqrt(len(images))))
-    rows = max(1, math.ceil(len(images) / cols))
-    sheet = Image.new("RGB", (cols * thumb_size, rows * thumb_size), "white")
-    for k, image in enumerate(images):
-        thumb = image.convert("RGB").resize((thumb_size, thumb_size))
-        sheet.paste(thumb, ((k % cols) * thumb_size, (k // cols) * thumb_size))
-    return sheet
-
-
 def write_grid(output_dir, files):
     from PIL import Image
 
@@ -102,7 +88,7 @@ def write_grid(output_dir, files):
             images.append(image.copy())
     os.makedirs(os.path.join(output_dir, GRID_DIR), exist_ok=True)
     path = os.path.join(output_dir, GRID_DIR, "grid.png")
-    utils.save_image_atomic(make_grid(images), path)
+    utils.save_image_atomic(imaging.make_grid(images), path)
     return path
 
 
@@ -364,8 +350,9 @@ def main(argv=None):
     families.check_model_dir(model.model_dir, args.allow_unsafe_weights)
     utils.check_output_path(args.output_dir, "--output_dir", [("--model_dir", model.model_dir),
                                                               ("--lora_dir", model.lora_dir)])
-    settings = ImageSettings(args.num_inference_steps, args.guidance_scale, args.negative_prompt, args.resolution,
-                             args.seed, args.allow_unsafe_weights)
+    settings = settings_for(ImageSettings(args.num_inference_steps, args.guidance_scale, args.negative_prompt,
+                                          args.resolution, args.seed, args.allow_unsafe_weights),
+                            families.family_of(model.model_dir), model.model_dir)  # (a refusal before any folder)
     remedy = "pass --force to delete those images and draw these" + (
         " (dreambooth_run.sh: set IMAGES_REG_DIR to another folder, or delete this one)" if args.class_images else "")
     job = top_up(args.output_dir, model, prompts, args.num_samples_per_prompt, settings,

@@ -1,6 +1,8 @@
 """The image math of training, in plain functions tested without Ray: cover-resizes, crops and flips
 of each row's view, aspect-ratio buckets (--enable_bucket) and SDXL's size/crop conditioning, and
-the rows of a whole run, every choice drawn from --seed."""
+the rows of a whole run, every choice drawn from --seed; contact sheets of drawn images."""
+
+import math
 
 import numpy as np
 
@@ -166,3 +168,17 @@ def plan_rows(num_instance, num_class, num_epochs, seed):
                 row["class"] = int(k % num_class)
             rows.append(row)
     return rows
+
+
+def make_grid(images, thumb_size=128, columns=None):
+    """Contact sheet: images (PIL, any size) as thumb_size squares, columns to a row
+    (default: a near-square grid)."""
+    from PIL import Image
+
+    cols = columns or max(1, math.ceil(math.sqrt(len(images))))
+    rows = max(1, math.ceil(len(images) / cols))
+    sheet = Image.new("RGB", (cols * thumb_size, rows * thumb_size), "white")
+    for k, image in enumerate(images):
+        thumb = image.convert("RGB").resize((thumb_size, thumb_size))
+        sheet.paste(thumb, ((k % cols) * thumb_size, (k // cols) * thumb_size))
+    return sheet

@@ -108,6 +108,14 @@ class Models:
     family: families.Family  # what the text encoders do with token ids, the denoiser's inputs and objective
     encoders: list  # the family's text encoders, in its order (family.text_encoders), on aux_device
     frozen_denoiser: object = None  # --prior_preservation prior_prediction, full fine-tuning: the base denoiser
+    text_encoders_released: bool = False  # moved off aux_device: training reads only their precomputed states
+
+    def release_text_encoders(self, device="cpu"):
+        """Move the frozen text encoders to device (host memory) once every state training and its samples
+        read is computed (plan.text_encoded_once): T5-XXL's 9 GiB in bf16 leave the GPU. They stay whole
+        for a full model's save."""
+        self.encoders = [text_encoder.to(device) for text_encoder in self.encoders]
+        self.text_encoders_released = True
 
     @property
     def text_encoder(self):

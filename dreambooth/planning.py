@@ -142,6 +142,12 @@ class Plan:
     settings_toml: str  # the resolved flags as a --config file that repeats the run
 
     @property
+    def text_encoded_once(self):
+        """The text encoders are frozen and their states computed once, not every step: after that the
+        encoders leave the training device (models.Models.release_text_encoders)."""
+        return not self.train_text_encoder and self.precompute_text_embeddings
+
+    @property
     def end_step(self):
         """The step this run ends at: total_steps, or stop_step (a later run resumes to total_steps)."""
         return self.stop_step or self.total_steps

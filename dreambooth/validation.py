@@ -12,6 +12,7 @@ import os
 from dreambooth import checkpoint
 from dreambooth import dataset
 from dreambooth import generate
+from dreambooth import imaging
 from dreambooth import models
 from dreambooth import utils
 
@@ -39,10 +40,22 @@ class Sampler:
         # The model's own sampler (PNDM for SD 1.x), as generate.py draws with it.
         config = utils.read_json(os.path.join(plan.model_dir, "scheduler", "scheduler_config.json"))
         self.scheduler = getattr(diffusers, config["_class_name"]).from_config(config)
+        # Frozen text encoders are released from the device once training's states are computed
+        # (models.Models.release_text_encoders): the samples' prompts are encoded now, once.
+        self.encoded = {}
+        if plan.text_encoded_once:
+            import torch
+
+            with torch.no_grad(), torch.autocast(nets.denoiser_device.type, dtype=amp_dtype,
+                                                 enabled=amp_dtype is not None):
+                self.encoded = {prompt: self.encode([prompt]) for prompt in ("", *plan.validation_prompts)}
 
     def encode(self, prompts):
         """(states, pooled or None) of the prompts, on the UNet's device (the family's encode_text)."""
         import torch
+
+        if len(prompts) == 1 and prompts[0] in self.encoded:
+            return self.encoded[prompts[0]]
 
         ids = torch.stack([torch.from_numpy(dataset.tokenize_all(self.tokenizers, p)) for p in prompts])
         states, pooled = self.family.encode_text([models.unwrap(te) for te in self.nets.text_encoders()],
@@ -56,7 +69,9 @@ class Sampler:
         parts = {"vae": nets.vae, self.family.denoiser: models.unwrap(nets.denoiser), "scheduler": self.scheduler}
         for encoder_name, tokenizer_name, text_encoder, tokenizer in zip(
                 self.family.text_encoders, self.family.tokenizers(), nets.text_encoders(), self.tokenizers):
-            parts[encoder_name], parts[tokenizer_name] = models.unwrap(text_encoder), tokenizer
+            # (released encoders stay out: a pipeline given prompt states never calls them)
+            parts[encoder_name] = None if nets.text_encoders_released else models.unwrap(text_encoder)
+            parts[tokenizer_name] = tokenizer
         if self.family.safety_checker:
             parts.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
         pipe = getattr(diffusers, self.family.pipeline)(**parts)
@@ -145,5 +160,5 @@ def write_timeline(folder, names):
             else:
                 images.append(Image.new("RGB", (8, 8), "white"))
     path = os.path.join(folder, TIMELINE)
-    utils.save_image_atomic(generate.make_grid(images, thumb_size=128, columns=len(names)), path)
+    utils.save_image_atomic(imaging.make_grid(images, thumb_size=128, columns=len(names)), path)
     return path

@@ -109,6 +109,8 @@ def run_steps(plan, state, step_prompts, batches, rank, world):
     from dreambooth import steps
 
     sampler = validation.Sampler(state.models, plan, state.amp_dtype) if plan.validation_prompts else None
+    if plan.text_encoded_once:  # (after the samples' prompts are encoded: nothing reads the encoders now)
+        state.models.release_text_encoders()
     total = plan.end_step
     bar = tqdm_ray.tqdm(total=total, desc="training") if rank == 0 and plan.progress_bar else None
     log = runlog.RunLog(plan) if rank == 0 else None

@@ -290,3 +290,29 @@ def test_dreambooth_run_tiny_sd3_end_to_end(tmp_path):
     scores = json.loads((subject_dir / "eval" / "scores.json").read_text())
     assert set(scores["models"]) == {"tuned", "base"} and scores["models"]["tuned"]["overall"]["dino"] is not None
     assert "export.py" not in proc.stdout
+
+
+@pytest.mark.slow
+def test_dreambooth_run_tiny_flux_end_to_end(tmp_path):
+    """`--tiny --arch flux --use_lora`: Steps 0-6 with the tiny Flux.1 dev model (packed latents, CLIP-L + T5,
+    the guidance input): class images drawn by FluxPipeline, LoRA adapters on the transformer, images of
+    the subject at its 64 px, scored beside the base model; no export hint."""
+    from PIL import Image
+
+    subject_dir = tmp_path / "subjects" / "example-toy"
+    env = dict(os.environ, DATA_PREFIX=str(tmp_path), NUM_CLASS_IMAGES="2", NUM_INFERENCE_STEPS="2",
+               MAX_TRAIN_STEPS="2", NUM_NEW_IMAGES="1", PYTHON=sys.executable)
+    env.pop("NUM_WORKERS", None)
+    proc = subprocess.run(["bash", "dreambooth_run.sh", "--tiny", "--arch", "flux", "--use_lora"], cwd=REPO_DIR,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "models--dreambooth-ray--tiny-stable-diffusion-flux" in re.search(r"base model: (\S+)", proc.stdout)[1]
+    assert "LoRA adapters (rank 4, alpha 4) on the transformer" in proc.stdout + proc.stderr
+    assert len([f for f in os.listdir(tmp_path / "images-reg" / "toy") if f.endswith(".png")]) == 2
+    assert os.path.isfile(subject_dir / "model-tuned" / LORA_WEIGHTS_FILE)
+    [image] = [f for f in os.listdir(subject_dir / "images-new") if f.endswith(".png")]
+    with Image.open(subject_dir / "images-new" / image) as drawn:
+        assert drawn.size == (64, 64)
+    scores = json.loads((subject_dir / "eval" / "scores.json").read_text())
+    assert set(scores["models"]) == {"tuned", "base"} and scores["models"]["tuned"]["overall"]["dino"] is not None
+    assert "export.py" not in proc.stdout

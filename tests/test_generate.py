@@ -24,11 +24,6 @@ def test_plan_images_tops_up_and_refuses_colliding_prompts(tmp_path):
         generate.plan_images(["a dog", "A dog!"], 1, 0, str(tmp_path))
 
 
-def test_make_grid_is_near_square():
-    sheet = generate.make_grid([Image.new("RGB", (64, 64))] * 5, thumb_size=16)
-    assert sheet.size == (48, 32)
-
-
 @pytest.mark.slow
 def test_generate_on_actor_pool_is_deterministic_and_tops_up(ray_session, tiny_model, tmp_path):
     out = tmp_path / "images"

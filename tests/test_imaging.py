@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from dreambooth import imaging
 
@@ -90,3 +91,6 @@ def test_bucket_rows_put_one_bucket_in_each_block_and_every_photo_in_each_epoch(
     assert [r["bucket"] for r in rows] != [r["bucket"] for r in imaging.plan_bucket_rows(assigned, 7, 2, 5, 2)]
 
 
+def test_make_grid_is_near_square():
+    sheet = imaging.make_grid([Image.new("RGB", (64, 64))] * 5, thumb_size=16)
+    assert sheet.size == (48, 32)

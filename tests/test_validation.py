@@ -45,3 +45,29 @@ def test_lora_bf16_weights_sample_under_autocast(make_plan, tmp_path):
     _, images = validation.run_round(validation.Sampler(nets, plan, torch.bfloat16), 1, 0, 1, str(tmp_path))
     pixels = np.asarray(images["a-toy-00000.png"])
     assert pixels.shape == (64, 64, 3) and pixels.std() > 0
+
+
+def test_frozen_text_encoders_leave_the_device_and_samples_and_steps_go_on(make_plan, tmp_path):
+    """With frozen encoders (--no-train_text_encoder, states computed once) the worker releases them after the
+    samples' prompts are encoded: moved here to the meta device, where any read of them would fail, the
+    samples are the same images and a training step still runs."""
+    from dreambooth import conditioning
+    from dreambooth import prompts
+    from dreambooth import steps
+
+    plan = make_plan(train_text_encoder=False, validation_prompts=("a toy",), num_validation_images=1,
+                     validation_inference_steps=2)
+    assert plan.text_encoded_once
+    nets = models_lib.setup_models(plan, CPU, CPU, distributed=False)
+    ids = prompts.prompt_ids(plan.model_dir, ["photo of unqtkn toy"], "photo of a toy", plan.family)
+    encoded = conditioning.step_prompts(plan.family, nets.text_encoders(), plan, ids, CPU)
+    sampler = validation.Sampler(nets, plan, amp_dtype=None)
+    _, before = validation.run_round(sampler, 1, 0, 1, str(tmp_path / "a"))
+    nets.release_text_encoders("meta")
+    assert nets.text_encoders_released and all(p.is_meta for p in nets.text_encoder.parameters())
+    _, after = validation.run_round(sampler, 1, 0, 1, str(tmp_path / "b"))
+    assert np.array_equal(np.asarray(before["a-toy-00000.png"]), np.asarray(after["a-toy-00000.png"]))
+    state = steps.make_train_state(nets, plan)
+    pixels = torch.randint(0, 255, (1, 64, 64, 3), dtype=torch.uint8)
+    loss, _, _ = steps.train_step(state, [{"instance_pixels": pixels, "class_pixels": pixels}], encoded, 1.0, 1.0)
+    assert torch.isfinite(loss)
