@@ -55,6 +55,8 @@ class Family:
     supports = frozenset({"draw", "train", "export"})  # what the suite does with it: generate/evaluate, train, export
     released_resolutions = (512,)  # of the released models, for the README (a model's config decides)
     released_params = {}  # parameter counts of the released networks ({subfolder: count}), for memory.py
+    released_size = None  # flow-matching families: the own size (own_sizes) of the released model memory.py counts
+    text_tokens = 77  # the text states' length in training (activations.py)
 
     # --- random models built here (cache_model.py --tiny/--random_model --arch <arch>)
     arch = ""  # the --arch name of its random models

@@ -51,12 +51,20 @@ class Flux(family.Family):
     guidance_scale = 3.5  # dev's guidance value (FluxPipeline's and diffusers' Flux script's default)
     guided_training = True  # the guidance value is an input of the transformer in training (dev)
     released_resolutions = (1024,)
-    released_params = {}  # the memory table's Flux figures are not in yet
+    released_params = {"transformer": 11901.41e6, "text_encoder": 123.06e6, "text_encoder_2": 4762.31e6, "vae": 83.82e6}  # flux-dev's (memory.py)
+    released_size = "flux-dev"  # the own size whose activations memory.py counts for a released model
     arch = "flux"
     random_note = "Flux.1 dev's layout: a double/single-stream transformer, CLIP-L and T5, flow matching, " \
                   "16-channel latents packed 2x2, a guidance input"
     random_arch = dict(resolution_scale=1, layers=1, single_layers=1, head_dim=16, heads=2, rope=(4, 4, 8),
                        t5_width=32, t5_layers=2, t5_heads=4, vae_scaling_factor=0.3611, vae_shift_factor=0.1159)
+    # Flux.1 dev's shapes (--random_model flux-dev), 1024 px: 19 double- and 38 single-stream blocks of 24 heads
+    # of 128, CLIP ViT-L, T5 v1.1 XXL's encoder; its VAE is SD's at 16 channels
+    own_sizes = {"flux-dev": dict(layers=19, single_layers=38, head_dim=128, heads=24, rope=(16, 56, 56),
+                                  t5_width=4096, t5_layers=24, t5_heads=64, t5_kv=64, t5_ff=10240, t5_vocab=32128,
+                                  text_hidden=768, text_layers=12, text_heads=12, vocab_size=49408,
+                                  vae_channels=(128, 256, 512, 512), vae_layers=2, latent_size=128)}
+    text_tokens = T5_MAX_LENGTH  # the text states' length in training (activations.py)
 
     def native_resolution(self, model_dir):
         """The VAE's sample size: a Flux transformer has none of its own (released models: 1024)."""
@@ -132,20 +140,15 @@ class Flux(family.Family):
     def random_text_encoders(self, spec, tokenizer):
         from transformers import CLIPTextModel, T5Config, T5EncoderModel
 
-        arch = self.random_arch
+        arch = {**self.random_arch, **spec}
         clip = family_sd1.clip_text_encoder(CLIPTextModel, spec, tokenizer, "quick_gelu")
-        t5_tokenizer = family_sd3.tiny_t5_tokenizer(T5_MAX_LENGTH)
-        t5 = T5EncoderModel(T5Config(vocab_size=len(t5_tokenizer), d_model=arch["t5_width"], d_kv=arch["t5_width"] // 4,
-                                     d_ff=2 * arch["t5_width"], num_layers=arch["t5_layers"],
-                                     num_heads=arch["t5_heads"], feed_forward_proj="gated-gelu",
-                                     pad_token_id=t5_tokenizer.pad_token_id,
-                                     eos_token_id=t5_tokenizer.eos_token_id))
+        t5 = family_sd3.t5_encoder(arch, family_sd3.tiny_t5_tokenizer(T5_MAX_LENGTH))
         return {"text_encoder": clip, "text_encoder_2": t5}, arch["t5_width"], {"pooled_projection_dim": spec["text_hidden"]}
 
     def random_denoiser(self, spec, latent_size, text_width, extra):
         from diffusers import FluxTransformer2DModel
 
-        arch = self.random_arch
+        arch = {**self.random_arch, **spec}
         return FluxTransformer2DModel(patch_size=1, in_channels=4 * 16, num_layers=arch["layers"],
                                       num_single_layers=arch["single_layers"], attention_head_dim=arch["head_dim"],
                                       num_attention_heads=arch["heads"], joint_attention_dim=text_width,

@@ -17,14 +17,24 @@ The figure is computed, not guessed from a tiny model:
   (instance + class rows) without gradient checkpointing and 0.11 GiB with it. Other families and
   sizes are scaled by the UNet's parameter count and the pixel count (attention runs in PyTorch's
   memory-efficient kernels, linear in the pixels); fp32 activations take twice as much.
+  The flow-matching transformers (SD 3.5, Flux.1) are not scaled from the UNet: their activations are
+  counted on the meta device for their own shapes and resolution and calibrated on SD 1.x's measurement
+  (activations.py says how and what that assumes).
+- **Frozen text encoders** (--no-train_text_encoder) are on the GPU only while the prompts' states are
+  computed, before the first step (models.Models.release_text_encoders): they count at the start, not
+  beside the activations. SD 3.5's and Flux.1's T5 is never trained, so with --train_text_encoder it stays.
+- **A quantised frozen base** (--base_precision, LoRA): int8 weights take 1 byte a parameter, nf4 half a
+  byte plus one fp32 scale per 64 (bitsandbytes' blocks).
 - **The card** keeps RESERVE_GIB for the CUDA context, cuDNN's workspace and the allocator's cache.
 """
 
 import dataclasses
+import functools
 import glob
 import os
 import sys
 
+from dreambooth import activations
 from dreambooth import families
 from dreambooth import utils
 
@@ -34,6 +44,8 @@ LORA_SHARE = 0.001  # adapter parameters per network parameter at rank 4 (SD 1.x
 ACTIVATION_GIB = 0.95  # per image, SD 1.x's UNet at 512 px, autocast
 CHECKPOINTED_GIB = 0.11  # the same with gradient checkpointing
 REFERENCE_UNET, REFERENCE_PIXELS = 859.52e6, 512 * 512
+BASE_BYTES = {"int8": 1.0, "nf4": 0.5 + 4 / 64}  # --base_precision: bytes per frozen denoiser parameter
+CARDS_GIB = (16, 24, 48, 80)  # the flow table's cards
 
 # Parameter counts of the released models' networks (diffusers' folders), as each family says them
 RELEASED = {name: family.released_params for name, family in families.FAMILIES.items() if family.released_params}
@@ -57,6 +69,7 @@ class Setup:
     resolution: int = 512
     half: bool = True  # bf16/fp16 autocast (on every GPU but with --mixed_precision no)
     gpus_per_worker: int = 1
+    base_precision: str = None  # --base_precision int8|nf4 (LoRA): the frozen denoiser's weights
 
     def flags(self):
         """The train.py flags of this setup, as a user types them."""
@@ -64,6 +77,8 @@ class Setup:
         words += ["--gradient_checkpointing"] * self.gradient_checkpointing + ["--use_8bit_adam"] * self.use_8bit_adam
         if not self.train_text_encoder:
             words.append("--no-train_text_encoder")
+        if self.base_precision:
+            words += ["--base_precision", self.base_precision]
         return words
 
 
@@ -73,64 +88,82 @@ MEASURED = {("sd1", Setup()): 18.0, ("sd1", Setup(gradient_checkpointing=True)):
 
 @dataclasses.dataclass(frozen=True)
 class Need:
-    """GiB per worker: on the UNet's card, and on the second card with --gpus_per_worker 2."""
+    """GiB per worker: on the denoiser's card, and on the second card with --gpus_per_worker 2."""
 
     static: float  # weights, gradients, optimizer and EMA state
     activations: float
     second_card: float = 0.0
+    at_start: float = 0.0  # frozen text encoders, there only until the prompts' states are computed
 
     @property
     def total(self):
-        return self.static + self.activations
+        return self.static + max(self.activations, self.at_start)
 
 
-def need(family, setup, params=None):
-    """The Need of setup for a model of family ("sd1", "sd2", "sdxl"); params: its networks' parameter
-    counts ({"unet": n, "text_encoder": n, ...}; default: the released model's)."""
+def need(family, setup, params=None, source=None):
+    """The Need of setup for a model of family ("sd1", "sdxl", "flux", ...); params: its networks' parameter
+    counts ({"unet": n, "text_encoder": n, ...}; default: the released model's); source: for the flow-matching
+    families, the model folder or own size whose activations are counted (default: the released model's)."""
+    spec = families.FAMILIES[family]
     params = params or RELEASED[family]
+    denoiser = params[spec.denoiser]
     frozen_bytes = 2 if setup.half else 4
     trained_bytes = 4 + 4 + (2 if setup.use_8bit_adam else 8) + (4 if setup.use_ema else 0)
-    encoders = sum(n for name, n in params.items() if name.startswith("text_encoder"))
+    encoders = {name: n for name, n in params.items() if name.startswith("text_encoder")}
+    trained = sum(n for name, n in encoders.items() if name in spec.trainable_text_encoders) \
+        if setup.train_text_encoder else 0
+    frozen = sum(encoders.values()) - trained
     if setup.lora:
-        adapters = LORA_SHARE * setup.rank / 4 * (params["unet"] + (encoders if setup.train_text_encoder else 0))
-        unet_side = adapters * trained_bytes + params["unet"] * frozen_bytes
-        aux = encoders * frozen_bytes
+        adapters = LORA_SHARE * setup.rank / 4 * (denoiser + trained)
+        denoiser_side = adapters * trained_bytes + denoiser * BASE_BYTES.get(setup.base_precision, frozen_bytes)
+        aux = trained * frozen_bytes
     else:
-        unet_side = params["unet"] * trained_bytes
-        aux = encoders * (trained_bytes if setup.train_text_encoder else frozen_bytes)
+        denoiser_side = denoiser * trained_bytes
+        aux = trained * trained_bytes
         if setup.prior_prediction:
-            unet_side += params["unet"] * frozen_bytes  # the frozen base UNet
+            denoiser_side += denoiser * frozen_bytes  # the frozen base denoiser
     aux += params.get("vae", 0) * frozen_bytes
+    # frozen encoders: released after the first states unless a trained one needs them every step
+    kept, at_start = (frozen * frozen_bytes, 0.0) if setup.train_text_encoder else (0.0, frozen * frozen_bytes)
+    aux += kept
     images = setup.batch * (2 if setup.class_images else 1)
-    per_image = CHECKPOINTED_GIB if setup.gradient_checkpointing else ACTIVATION_GIB
-    scale = params["unet"] / REFERENCE_UNET * setup.resolution ** 2 / REFERENCE_PIXELS * (1 if setup.half else 2)
-    activations = per_image * images * scale * (1.5 if setup.prior_prediction else 1)
+    if spec.flow_matching:
+        per_image = activations.per_image_gib(family, source or spec.released_size, setup.resolution,
+                                              setup.gradient_checkpointing) * (1 if setup.half else 2)
+    else:
+        per_image = (CHECKPOINTED_GIB if setup.gradient_checkpointing else ACTIVATION_GIB) * (
+            denoiser / REFERENCE_UNET * setup.resolution ** 2 / REFERENCE_PIXELS * (1 if setup.half else 2))
+    activation = per_image * images * (1.5 if setup.prior_prediction else 1)
     if setup.gpus_per_worker == 2:
-        return Need(unet_side / GIB, activations, aux / GIB)
-    return Need((unet_side + aux) / GIB, activations)
+        return Need(denoiser_side / GIB, activation, (aux + at_start) / GIB)
+    return Need((denoiser_side + aux) / GIB, activation, at_start=at_start / GIB)
 
 
-def fixes(family, setup, free_gib, params=None):
+def fixes(family, setup, free_gib, params=None, source=None):
     """The first change that makes setup fit a card with free_gib free, trying the ones that keep the
     result first (gradient checkpointing, 8-bit Adam), then those that change what is trained
-    (the text encoder frozen, LoRA), then smaller steps and images: (flags to add, the Setup, its
-    Need), or None."""
+    (the text encoder frozen, LoRA; for a flow-matching transformer also LoRA over an int8 or nf4 base),
+    then smaller steps and images: (flags to add, the Setup, its Need), or None."""
     ladder = [dict(gradient_checkpointing=True), dict(use_8bit_adam=True), dict(train_text_encoder=False)]
     candidates, changes = [], {}
     for change in ladder:
         changes = {**changes, **change}
         candidates.append(dict(changes))
     smaller = max(256, setup.resolution * 3 // 4 // 64 * 64)
-    candidates += [dict(lora=True), dict(lora=True, gradient_checkpointing=True),
-                   dict(lora=True, gradient_checkpointing=True, batch=1),
-                   dict(lora=True, gradient_checkpointing=True, batch=1, resolution=smaller)]
+    lora = [dict(lora=True), dict(gradient_checkpointing=True)]
+    if families.FAMILIES[family].flow_matching:  # (T5 released, then the base quantised: 10-20 GiB each)
+        lora += [dict(train_text_encoder=False), dict(base_precision="int8"), dict(base_precision="nf4")]
+    changes = {}
+    for change in lora + [dict(batch=1), dict(resolution=smaller)]:
+        changes = {**changes, **change}
+        candidates.append(dict(changes))
     for change in candidates:
         if all(getattr(setup, k) == v for k, v in change.items()):
             continue
         if setup.lora and not change.get("lora"):
             continue  # (8-bit Adam and a frozen encoder save next to nothing on adapters)
         candidate = dataclasses.replace(setup, **change)
-        result = need(family, candidate, params)
+        result = need(family, candidate, params, source)
         if fits(result, free_gib):
             words = [w for w in candidate.flags() if w not in setup.flags()]
             if candidate.batch != setup.batch:
@@ -159,7 +192,7 @@ def safetensors_params(model_dir):
                     count *= size
                 total += count
         counts[part] = counts.get(part, 0) + total
-    return {k: v for k, v in counts.items() if k == "unet" or k == "vae" or k.startswith("text_encoder")}
+    return {k: v for k, v in counts.items() if k in ("unet", "transformer", "vae") or k.startswith("text_encoder")}
 
 
 # ---------------------------------------------------------------- the table (README, --help of preflight)
@@ -178,9 +211,10 @@ TABLE_ROWS = (
 
 
 def table():
-    """The README's memory table: GiB per worker for each mode and family at its resolution, two
-    instance + two class images a step (dreambooth_run.sh's batch) unless the row says otherwise."""
-    names = list(RELEASED)
+    """The README's memory table of the UNet families: GiB per worker for each mode and family at its
+    resolution, two instance + two class images a step (dreambooth_run.sh's batch) unless the row says
+    otherwise."""
+    names = [name for name in RELEASED if not families.FAMILIES[name].flow_matching]
     head = "| mode (train.py flags) | " + " | ".join(
         f"{families.FAMILIES[f].label}, {DEFAULT_RESOLUTION[f]} px" for f in names) + " |"
     lines = [head, "| --- |" + " ---: |" * len(names)]
@@ -196,5 +230,47 @@ def table():
     return "\n".join(lines)
 
 
+# The flow-matching transformers' rows: (model, family, own size, resolution, setup): LoRA (as people train
+# them) with gradient checkpointing, one photo + one class image a step, T5 released (--no-train_text_encoder),
+# over a bf16, int8 or nf4 base; and the full fine-tunes that fit one card at best.
+_LORA = Setup(lora=True, gradient_checkpointing=True, batch=1, train_text_encoder=False)
+_FULL = Setup(gradient_checkpointing=True, use_8bit_adam=True, batch=1, train_text_encoder=False)
+FLOW_ROWS = tuple(
+    [(model, family, size, px, dataclasses.replace(_LORA, base_precision=base))
+     for model, family, size, sizes in (("Flux.1 dev", "flux", "flux-dev", (512, 1024)),
+                                        ("SD 3.5 large", "sd3", "sd35-large", (1024,)),
+                                        ("SD 3.5 medium", "sd3", "sd35-medium", (1024,)))
+     for px in sizes for base in (None, "int8", "nf4")]
+    + [(model, family, size, 1024, _FULL) for model, family, size in (
+        ("SD 3.5 medium", "sd3", "sd35-medium"), ("SD 3.5 large", "sd3", "sd35-large"), ("Flux.1 dev", "flux", "flux-dev"))])
+
+
+@functools.lru_cache(maxsize=8)
+def size_params(family, size):
+    """{network: parameter count} of one of family's own full sizes, built on the meta device."""
+    import torch
+    from transformers import CLIPTokenizer
+
+    from dreambooth import models  # here, not at the top: it imports torch (2 s a --help never waits for)
+
+    tokenizer = CLIPTokenizer.from_pretrained(models.TINY_TOKENIZER_DIR, model_max_length=77)
+    with torch.device("meta"):
+        nets = models.build_networks(size, families.FAMILIES[family].arch, tokenizer)
+    return {name: sum(p.numel() for p in net.parameters()) for name, net in nets.items()}
+
+
+def flow_table():
+    """The README's table of the flow-matching transformers: GiB per worker of each row of FLOW_ROWS, and
+    whether it fits each card of CARDS_GIB (with RESERVE_GIB kept)."""
+    lines = ["| model, px | train.py flags | GiB | " + " | ".join(f"{card} GB" for card in CARDS_GIB) + " |",
+             "| --- | --- | ---: |" + " :---: |" * len(CARDS_GIB)]
+    for model, family, size, px, setup in FLOW_ROWS:
+        result = need(family, dataclasses.replace(setup, resolution=px), size_params(family, size), size)
+        marks = " | ".join("fits" if fits(result, card * 10 ** 9 / GIB) else "-" for card in CARDS_GIB)
+        batch = [f"--train_batch_size {setup.batch}"] if setup.batch != Setup.batch else []
+        lines.append(f"| {model}, {px} | `{' '.join(setup.flags() + batch)}` | {result.total:.1f} | {marks} |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    sys.stdout.write(table() + "\n")
+    sys.stdout.write(table() + "\n\n" + flow_table() + "\n")

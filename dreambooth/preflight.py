@@ -151,7 +151,8 @@ def memory_setup(train_flags, args, family):
         use_8bit_adam=train_flags.use_8bit_adam, use_ema=train_flags.use_ema, batch=train_flags.train_batch_size,
         prior_prediction=train_flags.prior_preservation == "prior_prediction",
         class_images=train_flags.prior_preservation != "prior_prediction", resolution=resolution,
-        half=train_flags.mixed_precision != "no", gpus_per_worker=args.gpus_per_worker)
+        half=train_flags.mixed_precision != "no", gpus_per_worker=args.gpus_per_worker,
+        base_precision=train_flags.base_precision)
 
 
 def probe_gpus():
@@ -215,11 +216,12 @@ def check_memory(args, train_flags, cards):
               file=sys.stderr)
         return None
     if family not in memory.RELEASED:
-        print(f"note: GPU memory not checked: the memory table has no {families.FAMILIES[family].label} figures yet",
+        print(f"note: GPU memory not checked: the memory table has no {families.FAMILIES[family].label} figures",
               file=sys.stderr)
         return None
     setup = memory_setup(train_flags, args, family)
-    result = memory.need(family, setup, params)
+    source = cached_model(args)  # (a flow transformer's activations are counted for its own config)
+    result = memory.need(family, setup, params, source)
     what, free = min(cards, key=lambda card: card[1])
     if memory.fits(result, free):
         return result
@@ -228,7 +230,7 @@ def check_memory(args, train_flags, cards):
             f"{setup.batch if setup.class_images else 0} images a step, needs about {result.total:.1f} GiB of GPU "
             f"memory per worker (+ {memory.RESERVE_GIB:g} GiB for CUDA; {result.static:.1f} weights and optimizer, "
             f"{result.activations:.1f} activations) but {what} has {free:.1f} GiB free")
-    fix = memory.fixes(family, setup, free, params)
+    fix = memory.fixes(family, setup, free, params, source)
     if fix:
         words, _, fixed = fix
         line += f": add {' '.join(words)} (about {fixed.total:.1f} GiB; README, Requirements)"

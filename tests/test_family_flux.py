@@ -121,6 +121,26 @@ def schnell_model(tiny_flux_model, tmp_path_factory):
     return str(folder)
 
 
+def test_the_base_models_own_prediction_keeps_the_prior(tiny_flux_model, make_plan):
+    """--prior_preservation prior_prediction with LoRA: the class rows' target is the transformer's prediction
+    with its adapters off (under the class prompt's base states and the same guidance); it trains, and the
+    first step's prior loss is zero (the adapters start as the identity)."""
+    plan = make_plan(model_dir=tiny_flux_model, resolution=64, use_lora=True, prior_prediction=True,
+                     class_prompt="photo of a toy")
+    torch.manual_seed(0)
+    nets = models.setup_models(plan, CPU, CPU, distributed=False)
+    ids = prompts.prompt_ids(tiny_flux_model, ["photo of unqtkn toy"], "photo of a toy", plan.family)
+    encoders = nets.text_encoders()
+    step_prompts = conditioning.with_base_class(conditioning.step_prompts(plan.family, encoders, plan, ids, CPU),
+                                                plan.family, encoders, ids, CPU)
+    state = steps.make_train_state(nets, plan)
+    batch = {"instance_pixels": torch.randint(0, 255, (1, 64, 64, 3), dtype=torch.uint8)}
+    _, _, prior = steps.train_step(state, [batch], step_prompts, 1.0, 1.0)
+    assert float(prior) == pytest.approx(0.0, abs=1e-6)
+    _, _, prior = steps.train_step(state, [batch], step_prompts, 1.0, 1.0)
+    assert float(prior) > 0  # the adapters moved: the tuned prediction leaves the base one
+
+
 def test_schnell_trains_without_a_guidance_input(flux_run, schnell_model):
     _, state, losses = flux_run(steps_taken=2, model_dir=schnell_model, use_lora=True)
     assert models.unwrap(state.models.denoiser).config.guidance_embeds is False

@@ -16,7 +16,8 @@ from dreambooth import utils
 from dreambooth.utils import REPO_DIR
 
 
-@pytest.mark.parametrize("size, arch, family", [("sd15", "sd1", "sd1"), ("sdxl", "sdxl", "sdxl")])
+@pytest.mark.parametrize("size, arch, family", [("sd15", "sd1", "sd1"), ("sdxl", "sdxl", "sdxl"),
+                                                ("flux-dev", "flux", "flux"), ("sd35-large", "sd3", "sd3")])
 def test_released_parameter_counts_are_the_architectures_built_on_the_meta_device(size, arch, family):
     import torch
     from transformers import CLIPTokenizer
@@ -28,6 +29,51 @@ def test_released_parameter_counts_are_the_architectures_built_on_the_meta_devic
     assert counts.keys() == memory.RELEASED[family].keys()
     for name, count in counts.items():
         assert memory.RELEASED[family][name] == pytest.approx(count, rel=1e-4), name
+
+
+def test_the_activation_count_of_sd1_is_the_calibration_and_fused_attention_is_counted_as_such():
+    """activations.py's count of SD 1.x's UNet at 512 px (per image, bf16, meta device) is COUNTED_SD1, the
+    figure its GPU measurement calibrates; counted with the eager attention matrix instead it would be more."""
+    import torch
+    from transformers import CLIPTokenizer
+
+    from dreambooth import activations
+
+    tokenizer = CLIPTokenizer.from_pretrained(models.TINY_TOKENIZER_DIR, model_max_length=77)
+    counts = []
+    for checkpointed in (False, True):
+        with torch.device("meta"):
+            unet = models.build_networks("sd15", "sd1", tokenizer)["unet"]
+        unet = unet.to(torch.bfloat16).train()
+        if checkpointed:
+            unet.enable_gradient_checkpointing()
+        meta = dict(device="meta", dtype=torch.bfloat16)
+        latents, states = torch.empty(4, 4, 64, 64, **meta), torch.empty(4, 77, 768, **meta)
+        counts.append(activations.saved_gib(unet, lambda: unet(latents, torch.zeros(4, device="meta"), states)) / 4)
+    assert counts == pytest.approx(activations.COUNTED_SD1, rel=2e-3)
+    assert activations.MEASURED_SD1 == (memory.ACTIVATION_GIB, memory.CHECKPOINTED_GIB)
+
+
+def test_the_flow_transformers_need_follows_their_base_precision_resolution_and_text_encoders():
+    """Flux.1 dev LoRA: nf4 < int8 < bf16 base; 1024 px needs more activations than 512; T5 (never trained) is
+    on the card every step with --train_text_encoder (CLIP-L's adapters), only at the start without; a full
+    fine-tune fits no single card, and the flags that fit a 24 GB one are LoRA over a quantised base."""
+    lora = memory.Setup(lora=True, gradient_checkpointing=True, batch=1, train_text_encoder=False, resolution=1024)
+    bf16, int8, nf4 = (memory.need("flux", memory.dataclasses.replace(lora, base_precision=b))
+                       for b in (None, "int8", "nf4"))
+    assert nf4.static < int8.static < bf16.static
+    assert bf16.static - int8.static == pytest.approx(11901.41e6 / memory.GIB, rel=1e-3)  # one byte a weight less
+    small = memory.need("flux", memory.dataclasses.replace(lora, resolution=512))
+    assert 0 < small.activations < bf16.activations
+    t5 = 4762.31e6 * 2 / memory.GIB
+    assert bf16.at_start == pytest.approx(t5 + 123.06e6 * 2 / memory.GIB)
+    with_clip = memory.need("flux", memory.dataclasses.replace(lora, train_text_encoder=True))
+    assert with_clip.at_start == 0 and with_clip.static > bf16.static + t5
+    full = memory.Setup(gradient_checkpointing=True, use_8bit_adam=True, batch=1, train_text_encoder=False,
+                        resolution=1024)
+    assert not memory.fits(memory.need("flux", full), 80)
+    words, fixed, result = memory.fixes("flux", full, 24)
+    assert words == ["--use_lora", "--base_precision", "int8"] and memory.fits(result, 24)
 
 
 def test_the_computed_need_meets_the_measured_peaks_and_orders_the_modes():
@@ -53,9 +99,9 @@ def test_the_computed_need_meets_the_measured_peaks_and_orders_the_modes():
 @pytest.mark.slow
 def test_the_readme_table_is_the_one_in_code():
     readme = open(os.path.join(REPO_DIR, "README.md")).read()
-    assert memory.table() in readme
+    assert memory.table() in readme and memory.flow_table() in readme
     out = subprocess.run([sys.executable, "-m", "dreambooth.memory"], cwd=REPO_DIR, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == memory.table()
+    assert out.stdout.strip() == memory.table() + "\n\n" + memory.flow_table()
 
 
 def preflight_args(model, *words, gpu_memory):
