@@ -119,6 +119,7 @@ class Family:
     # --- the objective and the denoiser (steps.batch_loss)
     flow_matching = False  # trained by objectives.flow_matching (--weighting_scheme applies), else denoising (--snr_gamma)
     default_weighting_scheme = "none"
+    precondition_outputs = False  # flow matching: the error measured on the implied clean latents (weights sigma^2)
 
     def load_scheduler(self, model_dir):
         """The scheduler training draws its noise from (the model's own schedule)."""

@@ -114,6 +114,7 @@ class SD3(family.Family):
     # --- the objective and the denoiser
     flow_matching = True
     default_weighting_scheme = "logit_normal"  # diffusers' SD 3 DreamBooth scripts' default
+    precondition_outputs = True  # ... and theirs: --precondition_outputs 1
 
     def load_scheduler(self, model_dir):
         from diffusers import FlowMatchEulerDiscreteScheduler

@@ -286,9 +286,14 @@ FLAGS = {
                   "adapters, for a card too small for it in bf16. Default: the autocast dtype (bf16 on GPUs).")),
     "weighting_scheme": (("--weighting_scheme",),
         dict(choices=["logit_normal", "mode", "cosmap", "sigma_sqrt", "none"], default=None,
-             help="Flow-matching families (SD 3.5): how training draws the noise level (logit_normal, mode, "
-                  "none: uniform) or weighs the loss (cosmap, sigma_sqrt), as diffusers' SD 3 scripts. "
-                  "Default: the family's (SD 3.5: logit_normal).")),
+             help="Flow-matching families (SD 3.5, Flux.1): how training draws the noise level (logit_normal, "
+                  "mode, none: uniform) or weighs the loss (cosmap, sigma_sqrt), as diffusers' SD 3 and Flux scripts. "
+                  "Default: the family's (SD 3.5: logit_normal; Flux.1: none).")),
+    "precondition_outputs": (("--precondition_outputs",),
+        dict(type=int, choices=[0, 1], default=None,
+             help="Flow-matching families: 1 measures the error on the clean latents the prediction implies "
+                  "(noisy - sigma x prediction), as diffusers' SD 3 scripts do by default: each row's velocity "
+                  "error weighs sigma^2; 0 the velocity itself. Default: the family's (SD 3.5: 1; Flux.1: 0).")),
     "logit_mean": (("--logit_mean",),
         dict(type=float, default=0.0, help="--weighting_scheme logit_normal: the mean of the logit.")),
     "logit_std": (("--logit_std",),
@@ -604,6 +609,15 @@ REFUSED_SDXL = {
     "--use_dora": "DoRA is not offered; --use_lora trains LoRA adapters",
 }
 REFUSED.update(REFUSED_SDXL)
+# ... and diffusers' train_dreambooth_lora_sd3.py / _flux.py these:
+_LAYERS = "LoRA adapts the layers diffusers' scripts adapt by default (each family's denoiser_lora_targets)"
+REFUSED.update({
+    "--max_sequence_length": "T5 reads the family's length in training and drawing alike (diffusers' defaults: "
+                             "SD 3.5 77 tokens, Flux.1 512)",
+    "--lora_layers": _LAYERS, "--lora_blocks": _LAYERS,
+    "--upcast_before_saving": "the adapters train and are saved in fp32",
+    "--enable_npu_flash_attention": "Ascend NPUs are not supported; CUDA GPUs use PyTorch's fused attention",
+})
 
 
 def option_strings(names):

@@ -2,7 +2,7 @@
 
 Denoising (SD 1.x, 2.x, SDXL): a timestep drawn uniformly from the DDPM schedule, the scheduler's
 noisy latents, the noise or v as the target (the model's prediction_type), min-SNR weights with
---snr_gamma. Flow matching (SD 3.5; Flux.1 next): a point of the schedule drawn by --weighting_scheme
+--snr_gamma. Flow matching (SD 3.5, Flux.1): a point of the schedule drawn by --weighting_scheme
 (logit_normal, mode or uniform), the straight path between the latents and the noise at its sigma,
 the velocity (noise - latents) as the target, and the scheme's loss weights (cosmap, sigma_sqrt).
 
@@ -27,6 +27,7 @@ class LossOptions:
     logit_mean: float = 0.0  # --logit_mean
     logit_std: float = 1.0  # --logit_std
     mode_scale: float = 1.29  # --mode_scale
+    precondition_outputs: bool = False  # --precondition_outputs resolved (flow matching): rows weigh sigma^2
     guidance_scale: float = None  # --guidance_scale resolved: the denoiser's guidance input (family.guided_training)
 
 
@@ -36,6 +37,9 @@ def check_flags(args, family):
     if family.flow_matching and args.snr_gamma:
         raise utils.UserError(f"--snr_gamma weighs the timesteps of a denoising model; {family.label} is trained by "
                               "flow matching: use --weighting_scheme (logit_normal, mode, cosmap) instead")
+    if not family.flow_matching and args.precondition_outputs is not None:
+        raise utils.UserError(f"--precondition_outputs is for flow-matching models (SD 3.5, Flux.1); {family.label} "
+                              "predicts its scheduler's target directly")
     if not family.flow_matching and args.weighting_scheme:
         raise utils.UserError(f"--weighting_scheme is for flow-matching models (SD 3.5); {family.label} is trained "
                               "to denoise: use --snr_gamma to weigh its timesteps")
@@ -96,9 +100,10 @@ def denoising(scheduler, latents, options):
 
 
 def flow_matching(scheduler, latents, options):
-    """The Draw of a flow-matching model (SD 3.5) on its scheduler's (shifted) sigmas: a point
+    """The Draw of a flow-matching model (SD 3.5, Flux.1) on its scheduler's sigmas: a point
     of the schedule drawn by options.weighting_scheme, noisy = (1 - sigma) x + sigma noise, the target
-    noise - x, and the scheme's weights (none for logit_normal, mode and none: their draw is the weighting)."""
+    noise - x, and the scheme's weights (none for logit_normal, mode and none: their draw is the weighting),
+    times sigma^2 with options.precondition_outputs."""
     from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
 
     noise = training_noise(latents, options.offset_noise)
@@ -109,6 +114,10 @@ def flow_matching(scheduler, latents, options):
     sigmas = scheduler.sigmas[index].to(latents.device, latents.dtype)
     timesteps = scheduler.timesteps[index].to(latents.device)
     expanded = sigmas.view(-1, *[1] * (latents.dim() - 1))
-    weights = compute_loss_weighting_for_sd3(options.weighting_scheme, sigmas)
-    return Draw((1.0 - expanded) * latents + expanded * noise, timesteps, noise - latents,
-                None if options.weighting_scheme not in ("cosmap", "sigma_sqrt") else weights.float())
+    weights = compute_loss_weighting_for_sd3(options.weighting_scheme, sigmas).float() \
+        if options.weighting_scheme in ("cosmap", "sigma_sqrt") else None
+    if options.precondition_outputs:
+        # The error of the implied clean latents, noisy - sigma x prediction against x, is sigma x the
+        # velocity error (diffusers' SD 3 scripts' --precondition_outputs 1): a weight of sigma^2 per row.
+        weights = (sigmas.float() ** 2) * (weights if weights is not None else 1.0)
+    return Draw((1.0 - expanded) * latents + expanded * noise, timesteps, noise - latents, weights)

@@ -312,7 +312,10 @@ def loss_options(plan):
     """The objectives.LossOptions of a plan.Plan."""
     return objectives.LossOptions(plan.offset_noise, plan.snr_gamma,
                                   plan.weighting_scheme or plan.family.default_weighting_scheme, plan.logit_mean,
-                                  plan.logit_std, plan.mode_scale, plan.family.guidance(plan.guidance_scale))
+                                  plan.logit_std, plan.mode_scale,
+                                  plan.family.precondition_outputs if plan.precondition_outputs is None
+                                  else bool(plan.precondition_outputs),
+                                  plan.family.guidance(plan.guidance_scale))
 
 
 def make_train_state(models, plan):

@@ -70,7 +70,7 @@ def sd3_run(tiny_sd3_model, make_plan):
 def test_a_full_fine_tune_moves_the_transformer_and_clip_and_leaves_t5(sd3_run, tiny_sd3_model):
     from transformers import T5EncoderModel
 
-    plan, state, losses = sd3_run(steps_taken=6)
+    plan, state, losses = sd3_run(steps_taken=6, precondition_outputs=0)  # (sigma^2 weights would hide the trend)
     assert losses[-1] < losses[0]  # a fixed batch is learnt (the velocity of one noise per step)
     base_t5 = T5EncoderModel.from_pretrained(tiny_sd3_model, subfolder="text_encoder_3")
     nets = state.models

@@ -153,13 +153,34 @@ DIFFUSERS_SDXL_FLAGS = """
 """.split()
 
 
+# Every option of diffusers' examples/dreambooth/train_dreambooth_lora_flux.py and _lora_sd3.py (at 58eb52c).
+DIFFUSERS_FLOW_FLAGS = """
+--adam_beta1 --adam_beta2 --adam_epsilon --adam_weight_decay --adam_weight_decay_text_encoder --allow_tf32
+--cache_dir --cache_latents --caption_column --center_crop --checkpointing_steps --checkpoints_total_limit
+--class_data_dir --class_prompt --dataloader_num_workers --dataset_config_name --dataset_name
+--enable_npu_flash_attention --gradient_accumulation_steps --gradient_checkpointing --guidance_scale
+--hub_model_id --hub_token --image_column --instance_data_dir --instance_prompt --learning_rate --local_rank
+--logging_dir --logit_mean --logit_std --lora_alpha --lora_blocks --lora_dropout --lora_layers --lr_num_cycles
+--lr_power --lr_scheduler --lr_warmup_steps --max_grad_norm --max_sequence_length --max_train_steps
+--mixed_precision --mode_scale --num_class_images --num_train_epochs --num_validation_images --optimizer
+--output_dir --precondition_outputs --pretrained_model_name_or_path --prior_generation_precision
+--prior_loss_weight --prodigy_beta3 --prodigy_decouple --prodigy_safeguard_warmup --prodigy_use_bias_correction
+--push_to_hub --random_flip --rank --repeats --report_to --resolution --resume_from_checkpoint --revision
+--sample_batch_size --scale_lr --seed --text_encoder_lr --train_batch_size --train_text_encoder
+--upcast_before_saving --use_8bit_adam --validation_epochs --validation_prompt --variant --weighting_scheme
+--with_prior_preservation
+""".split()
+
+
 def test_every_diffusers_flag_is_taken_or_refused_with_what_to_do_instead(capsys):
     parser = flags.make_parser("t", planning.TRAIN_FLAGS, refused=flags.REFUSED)
     options = parser._option_string_actions
     assert len(DIFFUSERS_FLAGS) == 61 and all(f in options for f in DIFFUSERS_FLAGS)
     assert len(DIFFUSERS_SDXL_FLAGS) == 72 and all(f in options for f in DIFFUSERS_SDXL_FLAGS)
-    refused = [f for f in dict.fromkeys(DIFFUSERS_FLAGS + DIFFUSERS_SDXL_FLAGS) if f in flags.REFUSED]
-    assert set(flags.REFUSED) <= set(DIFFUSERS_FLAGS + DIFFUSERS_SDXL_FLAGS) and len(refused) == 17 + 17
+    assert len(DIFFUSERS_FLOW_FLAGS) == 78 and all(f in options for f in DIFFUSERS_FLOW_FLAGS)
+    every = DIFFUSERS_FLAGS + DIFFUSERS_SDXL_FLAGS + DIFFUSERS_FLOW_FLAGS
+    refused = [f for f in dict.fromkeys(every) if f in flags.REFUSED]
+    assert set(flags.REFUSED) <= set(every) and len(refused) == 17 + 17 + 5
     for flag in refused:
         with pytest.raises(SystemExit):
             parse_train(BASE + [flag, "x"])

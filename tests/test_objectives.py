@@ -83,6 +83,27 @@ def test_flow_matching_noises_on_the_straight_path_towards_the_velocity(scheme):
         assert draw.weights is None  # the draw itself is the weighting
 
 
+@pytest.mark.parametrize("scheme", ["none", "cosmap"])
+def test_preconditioned_outputs_measure_the_error_of_the_implied_clean_latents(scheme):
+    """--precondition_outputs 1 (diffusers' SD 3 scripts): the loss is that of noisy - sigma x prediction against
+    the latents, which is sigma^2 x the velocity error per row (with the scheme's own weights on top)."""
+    from dreambooth import steps
+
+    scheduler = flow_scheduler()
+    latents, pred = torch.randn(8, 4, 8, 8), torch.randn(8, 4, 8, 8)
+    torch.manual_seed(0)
+    draw = objectives.flow_matching(scheduler, latents, objectives.LossOptions(weighting_scheme=scheme,
+                                                                              precondition_outputs=True))
+    torch.manual_seed(0)
+    plain = objectives.flow_matching(scheduler, latents, objectives.LossOptions(weighting_scheme=scheme))
+    sigmas = (draw.timesteps / scheduler.config.num_train_timesteps).view(-1, 1, 1, 1)
+    clean = ((draw.noisy - sigmas * pred - latents) ** 2).mean(dim=(1, 2, 3))
+    scheme_weights = plain.weights if plain.weights is not None else torch.ones(8)
+    expected = (clean * scheme_weights).mean()
+    loss, _, _ = steps.dreambooth_loss(pred, draw.target, 8, 1.0, draw.weights)
+    torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-6)
+
+
 def test_logit_normal_draws_the_middle_of_the_schedule_and_the_seed_decides():
     scheduler = flow_scheduler(shift=1.0)  # unshifted: sigma is the drawn u
     latents = torch.zeros(4000, 1, 1, 1)
@@ -105,12 +126,17 @@ def test_each_objective_takes_its_own_loss_flags(tiny_model, tiny_sd3_model, mak
     from dreambooth import utils
 
     sd1, sd3 = families.family_of(tiny_model), families.family_of(tiny_sd3_model)
-    objectives.check_flags(SimpleNamespace(snr_gamma=5.0, weighting_scheme=None), sd1)
-    objectives.check_flags(SimpleNamespace(snr_gamma=None, weighting_scheme="cosmap"), sd3)
+    objectives.check_flags(SimpleNamespace(snr_gamma=5.0, weighting_scheme=None, precondition_outputs=None), sd1)
+    objectives.check_flags(SimpleNamespace(snr_gamma=None, weighting_scheme="cosmap", precondition_outputs=1), sd3)
     with pytest.raises(utils.UserError, match="--snr_gamma weighs the timesteps of a denoising model; SD 3.5"):
-        objectives.check_flags(SimpleNamespace(snr_gamma=5.0, weighting_scheme=None), sd3)
+        objectives.check_flags(SimpleNamespace(snr_gamma=5.0, weighting_scheme=None, precondition_outputs=None), sd3)
     with pytest.raises(utils.UserError, match="--weighting_scheme is for flow-matching models"):
-        objectives.check_flags(SimpleNamespace(snr_gamma=None, weighting_scheme="mode"), sd1)
+        objectives.check_flags(SimpleNamespace(snr_gamma=None, weighting_scheme="mode", precondition_outputs=None), sd1)
+    with pytest.raises(utils.UserError, match="--precondition_outputs is for flow-matching models"):
+        objectives.check_flags(SimpleNamespace(snr_gamma=None, weighting_scheme=None, precondition_outputs=0), sd1)
+    # no --precondition_outputs: the family's (diffusers' SD 3 scripts: 1)
+    assert steps.loss_options(make_plan(model_dir=tiny_sd3_model)).precondition_outputs is True
+    assert steps.loss_options(make_plan(model_dir=tiny_sd3_model, precondition_outputs=0)).precondition_outputs is False
     # no --weighting_scheme: the family's default (diffusers' SD 3 scripts: logit_normal)
     assert steps.loss_options(make_plan(model_dir=tiny_sd3_model)).weighting_scheme == "logit_normal"
     assert steps.loss_options(make_plan(model_dir=tiny_sd3_model, weighting_scheme="cosmap")).weighting_scheme == "cosmap"
