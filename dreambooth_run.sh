@@ -392,9 +392,10 @@ outputs() {  # the last lines: every output of this subject, and how to take the
   echo "  images: $IMAGES_NEW_DIR (contact sheet: $IMAGES_NEW_DIR/grid/grid.png)"
   if ! $skip_eval; then echo "  scores: $EVAL_DIR/report.md"; fi
   echo "  log:    $LOG_FILE"
-  # (only for a family export.py writes: the hint is a command that works)
-  if "$PYTHON" -c 'import sys; from dreambooth import families
-sys.exit("export" not in families.family_of(sys.argv[1]).supports)' "$ORIG_MODEL_PATH" 2> /dev/null; then
+  # (only for what export.py writes of the family, a full model or LoRA adapters: the hint is a command that works)
+  if "$PYTHON" -c 'import sys; from dreambooth import families, outputs
+action = "export_lora" if outputs.holds_lora(sys.argv[2]) else "export"
+sys.exit(action not in families.family_of(sys.argv[1]).supports)' "$ORIG_MODEL_PATH" "$TUNED_MODEL_DIR" 2> /dev/null; then
     echo "  for AUTOMATIC1111/ComfyUI: $PYTHON export.py --model_dir $(printf '%q' "$TUNED_MODEL_DIR")" \
       "--output_file $(printf '%q' "$DATA_PREFIX/subjects/$SUBJECT/$SUBJECT.safetensors")"
   fi

@@ -150,7 +150,7 @@ def lora_alphas(lora_dir):
 
     with safe_open(os.path.join(lora_dir, utils.LORA_WEIGHTS_FILE), "pt") as f:
         meta = json.loads((f.metadata() or {}).get("lora_adapter_metadata", "{}"))
-    parts = ("unet", "text_encoder", "text_encoder_2")
+    parts = ("unet", "transformer", "text_encoder", "text_encoder_2")
     alphas = {model: meta[f"{model}.lora_alpha"] for model in parts if f"{model}.lora_alpha" in meta}
     output = outputs.read_output(lora_dir)
     lora = output.lora if not alphas and output else None
@@ -186,9 +186,19 @@ def kohya_lora(state_dict, alphas):
 
 
 def lora_checkpoint(lora_dir):
+    """The kohya-layout tensors of train.py's LoRA output: its base model's family's layout (Flux.1's own), else
+    the UNet families' (also when the base of UNet adapters is not here). A UserError when a transformer's base is
+    not here or its family's LoRA is not exported yet."""
     from safetensors.torch import load_file
 
-    return kohya_lora(load_file(os.path.join(lora_dir, utils.LORA_WEIGHTS_FILE)), lora_alphas(lora_dir))
+    output = outputs.read_output(lora_dir)
+    base = output.base_model if output else ""
+    family = families.require(base, "export_lora") if base and os.path.isdir(base) else None
+    state_dict, alphas = load_file(os.path.join(lora_dir, utils.LORA_WEIGHTS_FILE)), lora_alphas(lora_dir)
+    if family is None and any(key.startswith("transformer.") for key in state_dict):
+        raise utils.UserError(f"the base model of the LoRA adapters in {lora_dir} ({base or 'not recorded'}) is not "
+                              "here, and a transformer's layout is its family's: cache it (cache_model.py) first")
+    return (family.kohya_lora(state_dict, alphas, base) if family else None) or kohya_lora(state_dict, alphas)
 
 
 # ------------------------------------------------------------------ command line

@@ -21,7 +21,8 @@ from dreambooth.family import part_config
 FAMILIES = {f.name: f for f in (family_sd1.FAMILY, family_sd2.FAMILY, family_sdxl.FAMILY, family_sd3.FAMILY,
                                       family_flux.FAMILY)}
 ARCHS = {f.arch: f for f in FAMILIES.values()}  # the --arch names of the random models built here
-ACTIONS = {"draw": "drawing images with", "train": "training", "export": "exporting"}
+ACTIONS = {"draw": "drawing images with", "train": "training", "export": "exporting",
+           "export_lora": "exporting LoRA adapters of"}
 
 
 def family_of(model_dir):

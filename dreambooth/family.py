@@ -52,7 +52,8 @@ class Family:
     guided_training = False  # --guidance_scale is an input of the denoiser in training too (Flux.1 dev)
     zero_negative_prompt = False  # the empty negative prompt drawn as zeros (SDXL's force_zeros_for_empty_prompt)
     time_ids = False  # the denoiser also takes each image's size and crop (SDXL's "text_time"): the stream carries them
-    supports = frozenset({"draw", "train", "export"})  # what the suite does with it: generate/evaluate, train, export
+    supports = frozenset({"draw", "train", "export", "export_lora"})  # generate/evaluate, train, export (a full
+    # model as one original-layout file; its LoRA in kohya's layout)
     released_resolutions = (512,)  # of the released models, for the README (a model's config decides)
     released_params = {}  # parameter counts of the released networks ({subfolder: count}), for memory.py
     released_size = None  # flow-matching families: the own size (own_sizes) of the released model memory.py counts
@@ -183,6 +184,12 @@ class Family:
         from diffusers.utils import convert_state_dict_to_diffusers
 
         return convert_state_dict_to_diffusers(peft_layers)
+
+    # --- export (export.py)
+    def kohya_lora(self, state_dict, alphas, model_dir):
+        """{kohya key: tensor} of a LoRA file's tensors, when the family has a layout of its own (Flux.1);
+        None: export.py's UNet layout (lora_unet_<module>, lora_te_/lora_te1_/lora_te2_)."""
+        return None
 
     # --- export (export.py's original single-file layout)
     def single_file_text_encoders(self, weights):

@@ -36,6 +36,29 @@ def image_ids(h, w, device, dtype):
     return FluxPipeline._prepare_latent_image_ids(1, h // 2, w // 2, device, dtype)
 
 
+# diffusers' module -> (the original layout's module, the part of a fused layer it is), for kohya's names
+DOUBLE = {"attn.to_q": ("img_attn_qkv", "q"), "attn.to_k": ("img_attn_qkv", "k"), "attn.to_v": ("img_attn_qkv", "v"),
+          "attn.to_out.0": ("img_attn_proj", None), "attn.add_q_proj": ("txt_attn_qkv", "q"),
+          "attn.add_k_proj": ("txt_attn_qkv", "k"), "attn.add_v_proj": ("txt_attn_qkv", "v"),
+          "attn.to_add_out": ("txt_attn_proj", None), "ff.net.0.proj": ("img_mlp_0", None),
+          "ff.net.2": ("img_mlp_2", None), "ff_context.net.0.proj": ("txt_mlp_0", None),
+          "ff_context.net.2": ("txt_mlp_2", None)}
+SINGLE = {"attn.to_q": ("linear1", "q"), "attn.to_k": ("linear1", "k"), "attn.to_v": ("linear1", "v"),
+          "proj_mlp": ("linear1", "mlp"), "proj_out": ("linear2", None)}
+
+
+def kohya_module(module):
+    """(kohya's module name, the part of its fused layer or None) of a transformer module's diffusers name."""
+    blocks, index, inner = module.split(".", 2)
+    if blocks == "transformer_blocks":
+        original, part = DOUBLE[inner]
+        return f"lora_unet_double_blocks_{index}_{original}", part
+    if blocks == "single_transformer_blocks":
+        original, part = SINGLE[inner]
+        return f"lora_unet_single_blocks_{index}_{original}", part
+    raise KeyError(f"no original Flux layer for {module}")
+
+
 class Flux(family.Family):
     name, label = "flux", "Flux.1"
     pipeline = "FluxPipeline"
@@ -46,7 +69,7 @@ class Flux(family.Family):
                              "ff_context.net.0.proj", "ff_context.net.2")
     text_encoders = ("text_encoder", "text_encoder_2")  # CLIP-L (pooled), T5 (states)
     trainable_text_encoders = ("text_encoder",)  # CLIP-L, as diffusers' Flux script: T5 stays frozen
-    supports = frozenset({"train", "draw"})
+    supports = frozenset({"train", "draw", "export_lora"})  # (not yet: its original single-file layout)
     negative_prompt = False  # dev is guidance-distilled: one prompt, the guidance value instead
     guidance_scale = 3.5  # dev's guidance value (FluxPipeline's and diffusers' Flux script's default)
     guided_training = True  # the guidance value is an input of the transformer in training (dev)
@@ -135,6 +158,48 @@ class Flux(family.Family):
     def lora_file_layers(self, peft_layers):
         """peft's own names, as diffusers' Flux DreamBooth LoRA script writes them."""
         return peft_layers
+
+    # --- export (export.py): kohya's Flux LoRA layout, which ComfyUI, Forge and diffusers load
+    def kohya_lora(self, state_dict, alphas, model_dir):
+        """{kohya key: tensor} of a LoRA file's tensors (peft names, lora_A/lora_B) in the original Flux layout:
+        lora_unet_double_blocks_<i>_img_attn_qkv, ..._single_blocks_<i>_linear1, lora_te1_<CLIP-L module>.
+        Where the original fuses layers (q, k and v; a single block's linear1 also holds the MLP's input), the
+        adapters are joined block-diagonally: the down weights stacked, each up weight in its rows and its
+        columns, a part without adapters as zeros, alpha x the number of parts (the scale alpha / rank kept)."""
+        import torch
+
+        config = family.part_config(model_dir, self.denoiser)
+        width = config["num_attention_heads"] * config["attention_head_dim"]
+        widths = {"q": width, "k": width, "v": width, "mlp": 4 * width}  # (Flux's MLP ratio is 4)
+        groups = {}  # kohya module -> {part: (down, up)}, in the fused layer's row order
+        for key, tensor in state_dict.items():
+            network, module, kind = key.split(".", 1)[0], key.split(".", 1)[1].rsplit(".", 2)[0], key.split(".")[-2]
+            if network == "text_encoder":
+                name = "lora_te1_" + ("" if module.startswith("text_model.") else "text_model_") + module.replace(".", "_")
+                part = None
+            else:
+                name, part = kohya_module(module)
+            groups.setdefault(name, {}).setdefault(part, [None, None])[kind == "lora_B"] = tensor
+        out = {}
+        for name, parts in groups.items():
+            alpha = alphas.get("text_encoder" if name.startswith("lora_te1_") else self.denoiser)
+            if list(parts) == [None]:
+                down, up = parts[None]
+            else:
+                order = ("q", "k", "v", "mlp") if name.endswith("linear1") else ("q", "k", "v")  # the fused rows
+                first = next(iter(parts.values()))[0]
+                rank = first.shape[0]
+                down = torch.cat([parts[p][0] if p in parts else first.new_zeros(first.shape) for p in order])
+                up = down.new_zeros(sum(widths[p] for p in order), rank * len(order))
+                row = 0
+                for k, p in enumerate(order):
+                    if p in parts:
+                        up[row:row + widths[p], k * rank:(k + 1) * rank] = parts[p][1]
+                    row += widths[p]
+                alpha = (alpha or rank) * len(order)
+            out[f"{name}.lora_down.weight"], out[f"{name}.lora_up.weight"] = down, up
+            out[f"{name}.alpha"] = torch.tensor(float(alpha or down.shape[0]))
+        return out
 
     # --- random models
     def random_text_encoders(self, spec, tokenizer):

@@ -284,6 +284,16 @@ def quiet_hf_logging():
     transformers.utils.logging.disable_progress_bar()
 
 
+def available_memory():
+    """Bytes of memory this machine can still give a process (MemAvailable), or None where it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
 def torch_device():
     import torch
 

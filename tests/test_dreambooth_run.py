@@ -296,7 +296,7 @@ def test_dreambooth_run_tiny_sd3_end_to_end(tmp_path):
 def test_dreambooth_run_tiny_flux_end_to_end(tmp_path):
     """`--tiny --arch flux --use_lora`: Steps 0-6 with the tiny Flux.1 dev model (packed latents, CLIP-L + T5,
     the guidance input): class images drawn by FluxPipeline, LoRA adapters on the transformer, images of
-    the subject at its 64 px, scored beside the base model; no export hint."""
+    the subject at its 64 px, scored beside the base model; the export hint writes kohya's Flux LoRA."""
     from PIL import Image
 
     subject_dir = tmp_path / "subjects" / "example-toy"
@@ -315,4 +315,6 @@ def test_dreambooth_run_tiny_flux_end_to_end(tmp_path):
         assert drawn.size == (64, 64)
     scores = json.loads((subject_dir / "eval" / "scores.json").read_text())
     assert set(scores["models"]) == {"tuned", "base"} and scores["models"]["tuned"]["overall"]["dino"] is not None
-    assert "export.py" not in proc.stdout
+    hint = re.search(r"for AUTOMATIC1111/ComfyUI: (.*)", proc.stdout)[1].split()
+    subprocess.run([sys.executable, *hint[1:]], cwd=REPO_DIR, env=env, check=True, capture_output=True)
+    assert (subject_dir / "example-toy.safetensors").is_file()

@@ -264,3 +264,50 @@ def test_lora_on_ray_resumed_ends_on_the_uninterrupted_weights_and_draws(ray_ses
         generate.main(["--model_dir", str(tmp_path / "whole"), "--output_dir", str(tmp_path / "neg"), "--prompts",
                        "a toy", "--negative_prompt", "blurry"])
     assert not (tmp_path / "neg").exists()
+
+
+def test_lora_exports_in_kohyas_flux_layout_that_the_converters_read_back(tiny_flux_model, flux_run, tmp_path):
+    """export.py on a Flux LoRA: kohya's original-layout names (double_blocks' fused qkv, single_blocks' linear1
+    holding q, k, v and the MLP's input, lora_te1_ for CLIP-L). Read back by diffusers' own kohya -> diffusers
+    Flux converter (it knows Flux.1's full widths, so a block of them is made here), every adapter's update
+    (up @ down x alpha / rank) is the trained one; and the tiny model's run exports end to end."""
+    from diffusers.loaders.lora_conversion_utils import _convert_kohya_flux_lora_to_diffusers
+    from safetensors.torch import load_file
+
+    from dreambooth import export
+
+    width, rank, alpha = 3072, 2, 4.0
+    generator = torch.Generator().manual_seed(0)
+    shapes = {"transformer_blocks.0.attn.to_q": (width, width), "transformer_blocks.0.attn.add_v_proj": (width, width),
+              "transformer_blocks.0.ff.net.0.proj": (width, 4 * width), "transformer_blocks.0.attn.to_out.0": (width, width),
+              "single_transformer_blocks.0.attn.to_q": (width, width),
+              "single_transformer_blocks.0.attn.to_k": (width, width),
+              "single_transformer_blocks.0.attn.to_v": (width, width), "single_transformer_blocks.0.proj_out": (
+                  5 * width, width)}
+    ours = {}
+    for module, (fan_in, fan_out) in shapes.items():
+        ours[f"transformer.{module}.lora_A.weight"] = torch.randn(rank, fan_in, generator=generator)
+        ours[f"transformer.{module}.lora_B.weight"] = torch.randn(fan_out, rank, generator=generator)
+    config_dir = tmp_path / "base" / "transformer"
+    config_dir.mkdir(parents=True)
+    (config_dir / "config.json").write_text('{"num_attention_heads": 24, "attention_head_dim": 128}')
+    kohya = family_flux.FAMILY.kohya_lora(ours, {"transformer": alpha}, str(tmp_path / "base"))
+    assert {"lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight", "lora_unet_double_blocks_0_txt_attn_qkv.alpha",
+            "lora_unet_double_blocks_0_img_mlp_0.lora_up.weight", "lora_unet_single_blocks_0_linear1.lora_up.weight",
+            "lora_unet_single_blocks_0_linear2.alpha"} <= set(kohya)
+    assert kohya["lora_unet_single_blocks_0_linear1.lora_up.weight"].shape == (7 * width, 4 * rank)
+    back = _convert_kohya_flux_lora_to_diffusers(dict(kohya))
+
+    def update(state, module, scale):
+        return state[f"transformer.{module}.lora_B.weight"] @ state[f"transformer.{module}.lora_A.weight"] * scale
+
+    for module in shapes:
+        torch.testing.assert_close(update(back, module, 1.0), update(ours, module, alpha / rank), rtol=1e-4, atol=1e-4)
+    assert update(back, "single_transformer_blocks.0.proj_mlp", 1.0).abs().max() == 0  # a part left as zeros
+
+    plan, state, _ = flux_run(steps_taken=1, use_lora=True, output_dir=str(tmp_path / "tuned"))
+    outputs.save_pipeline(state.models, plan)
+    written = export.main(["--model_dir", plan.output_dir, "--output_file", str(tmp_path / "flux-lora.safetensors")])
+    names = load_file(written)
+    assert any(k.startswith("lora_unet_single_blocks_0_linear1") for k in names)
+    assert any(k.startswith("lora_te1_text_model_encoder_layers_0_self_attn_q_proj") for k in names)
