@@ -20,7 +20,6 @@ import dataclasses
 import hashlib
 import os
 import re
-import shutil
 import sys
 
 from dreambooth import families
@@ -185,25 +184,6 @@ def has_random_weights(model_dir):
     return f"models--{RANDOM_MODEL_OWNER}--" in os.path.abspath(model_dir)
 
 
-def check_room_for(size, arch, cache_dir):
-    """UserError, before building it, when a random model's fp32 weights (counted on the meta device) would not
-    fit this machine's available memory or cache_dir's free disk (Flux.1 dev's: 67 GB)."""
-    import torch
-    from transformers import CLIPTokenizer
-
-    with torch.device("meta"):
-        nets = models.build_networks(size, arch, CLIPTokenizer.from_pretrained(models.TINY_TOKENIZER_DIR,
-                                                                              model_max_length=77))
-    need = 4 * sum(p.numel() for net in nets.values() for p in net.parameters())
-    memory = utils.available_memory()
-    os.makedirs(cache_dir, exist_ok=True)
-    disk = shutil.disk_usage(cache_dir).free
-    for what, have in (("memory", memory), (f"free disk in {cache_dir}", disk)):
-        if have is not None and need > have:
-            raise utils.UserError(f"--random_model {size} builds {need / 1e9:.0f} GB of fp32 weights and this machine "
-                                  f"has {have / 1e9:.0f} GB of {what}: build it on a larger machine (or --tiny)")
-
-
 def write_random_model(cache_dir, size="tiny", arch="sd1"):
     """Build a random model of models.MODEL_SIZES and a family's random_arch and save it in the hub
     layout (refs/main + snapshots/<revision>), where every script finds it as it finds SD 1.4."""
@@ -213,7 +193,7 @@ def write_random_model(cache_dir, size="tiny", arch="sd1"):
     # cached download is (a change to MODEL_SIZES comes with a new revision).
     if os.path.isfile(os.path.join(snapshot, "model_index.json")):
         return snapshot
-    check_room_for(size, arch, cache_dir)
+    models.check_room_for(size, arch, cache_dir)
     pipeline = models.build_pipeline(size, arch=arch)
     utils.atomic_write_dir(snapshot, lambda tmp: pipeline.save_pretrained(tmp, safe_serialization=True))
     refs = os.path.join(repo_cache_path(cache_dir, name), "refs")

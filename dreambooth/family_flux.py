@@ -203,7 +203,7 @@ class Flux(family.Family):
 
     # --- random models
     def random_text_encoders(self, spec, tokenizer):
-        from transformers import CLIPTextModel, T5Config, T5EncoderModel
+        from transformers import CLIPTextModel
 
         arch = {**self.random_arch, **spec}
         clip = family_sd1.clip_text_encoder(CLIPTextModel, spec, tokenizer, "quick_gelu")

@@ -248,15 +248,9 @@ FLOW_ROWS = tuple(
 @functools.lru_cache(maxsize=8)
 def size_params(family, size):
     """{network: parameter count} of one of family's own full sizes, built on the meta device."""
-    import torch
-    from transformers import CLIPTokenizer
-
     from dreambooth import models  # here, not at the top: it imports torch (2 s a --help never waits for)
 
-    tokenizer = CLIPTokenizer.from_pretrained(models.TINY_TOKENIZER_DIR, model_max_length=77)
-    with torch.device("meta"):
-        nets = models.build_networks(size, families.FAMILIES[family].arch, tokenizer)
-    return {name: sum(p.numel() for p in net.parameters()) for name, net in nets.items()}
+    return models.parameter_counts(size, families.FAMILIES[family].arch)
 
 
 def flow_table():

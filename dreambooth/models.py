@@ -8,6 +8,7 @@ setting that a CPU run can turn on too.
 
 import dataclasses
 import os
+import shutil
 
 from dreambooth import families
 from dreambooth import quantize
@@ -67,6 +68,29 @@ def build_pipeline(size="tiny", seed=0, safety_checker=False, arch="sd1"):
     betas = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000,
                  steps_offset=1)
     return families.ARCHS[arch].random_pipeline(nets, tokenizer, betas, safety_checker)
+
+
+def parameter_counts(size, arch):
+    """{network: parameter count} of a random model of size and arch, built on the meta device (no memory)."""
+    import torch
+    from transformers import CLIPTokenizer
+
+    tokenizer = CLIPTokenizer.from_pretrained(TINY_TOKENIZER_DIR, model_max_length=77)
+    with torch.device("meta"):
+        nets = build_networks(size, arch, tokenizer)
+    return {name: sum(p.numel() for p in net.parameters()) for name, net in nets.items()}
+
+
+def check_room_for(size, arch, cache_dir):
+    """UserError, before building it, when a random model's fp32 weights (counted on the meta device) would not
+    fit this machine's available memory or cache_dir's free disk (Flux.1 dev's: 67 GB)."""
+    need = 4 * sum(parameter_counts(size, arch).values())
+    os.makedirs(cache_dir, exist_ok=True)
+    for what, have in (("memory", utils.available_memory()), (f"free disk in {cache_dir}",
+                                                              shutil.disk_usage(cache_dir).free)):
+        if have is not None and need > have:
+            raise utils.UserError(f"--random_model {size} builds {need / 1e9:.0f} GB of fp32 weights and this machine "
+                                  f"has {have / 1e9:.0f} GB of {what}: build it on a larger machine (or --tiny)")
 
 
 def build_networks(size, arch, tokenizer):

@@ -175,11 +175,11 @@ def test_eval_models_resolve_offline_and_pickled_weights_convert_only_when_allow
 
 def test_a_random_model_larger_than_the_machine_is_refused_before_it_is_built(monkeypatch, tmp_path):
     """Its fp32 weights are counted on the meta device first: Flux.1 dev's 16.8 B parameters are 67 GB."""
-    from dreambooth import cache_model
+    from dreambooth import models
     from dreambooth import utils
 
     monkeypatch.setattr(utils, "available_memory", lambda: 60e9)
     with pytest.raises(utils.UserError, match="--random_model flux-dev builds 67 GB of fp32 weights and this "
                                               "machine has 60 GB of memory"):
-        cache_model.check_room_for("flux-dev", "flux", str(tmp_path))
-    cache_model.check_room_for("sd15", "sd1", str(tmp_path))  # 4 GB: built
+        models.check_room_for("flux-dev", "flux", str(tmp_path))
+    models.check_room_for("sd15", "sd1", str(tmp_path))  # 4 GB: built
