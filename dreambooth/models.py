@@ -173,6 +173,15 @@ class Models:
 
         return contextlib.nullcontext(self.frozen_denoiser) if self.frozen_denoiser is not None else adapters_off()
 
+    def place(self):
+        """Each network on its device: the denoiser (and the frozen base one) on denoiser_device, the text
+        encoders and the VAE on aux_device."""
+        self.denoiser = self.denoiser.to(self.denoiser_device)
+        if self.frozen_denoiser is not None:
+            self.frozen_denoiser = self.frozen_denoiser.to(self.denoiser_device)
+        self.vae = self.vae.to(self.aux_device)
+        self.encoders = [text_encoder.to(self.aux_device) for text_encoder in self.encoders]
+
     def ddp_wrapped(self):
         """The trained networks that DDP wraps (they have no_sync), for gradient accumulation."""
         return [m for m in (self.denoiser, *self.text_encoders()) if hasattr(m, "no_sync")]
@@ -187,7 +196,9 @@ def unwrap(model):
 
 def load_models(model_dir, denoiser_device, aux_device, train_text_encoder, allow_unsafe_weights=False, vae_dir=None,
                 family=None):
-    """fp32 denoiser and text encoders, frozen VAE, each on its device, in the mode training needs.
+    """fp32 denoiser and text encoders, frozen VAE, in the mode training needs, still in host memory: their
+    devices are recorded, and place() moves them there (after LoRA's cast of the frozen weights: a 12 B
+    transformer never reaches the GPU in fp32).
 
     from_pretrained returns eval mode; trained networks must be in train mode, or
     transformers' gradient checkpointing (which acts only when training) never runs.
@@ -205,9 +216,8 @@ def load_models(model_dir, denoiser_device, aux_device, train_text_encoder, allo
     vae.requires_grad_(False).eval()
     for name, text_encoder in zip(family.text_encoders, encoders):
         trained = train_text_encoder and name in family.trainable_text_encoders
-        text_encoder.requires_grad_(trained).train(trained).to(aux_device)
-    return Models(denoiser.to(denoiser_device), vae.to(aux_device), scheduler, denoiser_device, aux_device, family,
-                  encoders)
+        text_encoder.requires_grad_(trained).train(trained)
+    return Models(denoiser, vae, scheduler, denoiser_device, aux_device, family, encoders)
 
 
 def load_vae(model_dir, vae_dir=None, allow_unsafe_weights=False):
@@ -261,7 +271,7 @@ def add_lora(models, plan):
     frozen_dtype = steps.amp_dtype(plan.mixed_precision, models.denoiser_device) or torch.float32
     for model in (models.denoiser, *models.text_encoders(), models.vae):
         model.requires_grad_(False).to(dtype=frozen_dtype)
-    if plan.base_precision:  # int8/nf4 weights under the adapters
+    if plan.base_precision:  # int8/nf4 weights under the adapters (quantised as they move to the device)
         models.denoiser = quantize.quantized(models.denoiser, plan.base_precision, frozen_dtype, models.denoiser_device)
     models.denoiser.add_adapter(lora_config(plan, models.family.denoiser_lora_targets))
     trained = [models.denoiser]
@@ -282,7 +292,7 @@ def load_frozen_denoiser(plan, device):
     dtype = steps.amp_dtype(plan.mixed_precision, device) or torch.float32
     denoiser = plan.family.load_denoiser(
         lambda cls, subfolder: from_pretrained(cls, plan.model_dir, plan.allow_unsafe_weights, subfolder=subfolder))
-    return denoiser.requires_grad_(False).eval().to(device, dtype=dtype)
+    return denoiser.requires_grad_(False).eval().to(dtype=dtype)  # (models.Models.place moves it)
 
 
 def has_lora(model):
@@ -329,7 +339,8 @@ def setup_models(plan, denoiser_device, aux_device, distributed, load_guard=None
         if plan.prior_prediction and not plan.use_lora:
             models.frozen_denoiser = load_frozen_denoiser(plan, denoiser_device)
     if plan.use_lora:
-        add_lora(models, plan)
+        add_lora(models, plan)  # (in host memory: the frozen weights go to the GPU in their autocast dtype)
+    models.place()
     models.family.freeze_unread_layers(models.text_encoders())
     if plan.gradient_checkpointing:
         models.denoiser.enable_gradient_checkpointing()

@@ -144,3 +144,24 @@ def test_lora_rank_and_alpha_shape_the_adapters(make_plan):
     assert to_q.lora_A["default"].weight.shape[0] == 2 and to_q.scaling["default"] == 3.0
     assert not models_lib.has_lora(nets.text_encoder)
     assert not any(p.requires_grad for p in nets.text_encoder.parameters())
+
+
+def test_lora_frozen_weights_reach_their_device_already_in_the_autocast_dtype(make_plan, monkeypatch):
+    """setup_models casts a LoRA run's frozen weights to the autocast dtype in host memory and only then moves the
+    networks: a 12 B transformer never lands on a GPU in fp32 (48 GB before its cast). The move is watched here
+    with the meta device standing in for the GPU."""
+    meta = torch.device("meta")
+    moved = []
+    to = torch.nn.Module.to
+
+    def watched(module, *args, **kwargs):
+        device = torch._C._nn._parse_to(*args, **kwargs)[0]
+        if device is not None and device.type == "meta":
+            moved.append({p.dtype for n, p in module.named_parameters() if "lora_" not in n})
+        return to(module, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "to", watched)
+    plan = make_plan(use_lora=True, mixed_precision="bf16")
+    nets = models_lib.setup_models(plan, meta, meta, distributed=False)
+    assert moved and all(dtypes == {torch.bfloat16} for dtypes in moved)
+    assert all(p.is_meta for p in nets.denoiser.parameters())
