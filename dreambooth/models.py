@@ -173,14 +173,16 @@ class Models:
 
         return contextlib.nullcontext(self.frozen_denoiser) if self.frozen_denoiser is not None else adapters_off()
 
-    def place(self):
-        """Each network on its device: the denoiser (and the frozen base one) on denoiser_device, the text
-        encoders and the VAE on aux_device."""
+    def place_text_side(self):
+        """The text encoders and the VAE on aux_device."""
+        self.vae = self.vae.to(self.aux_device)
+        self.encoders = [text_encoder.to(self.aux_device) for text_encoder in self.encoders]
+
+    def place_denoiser(self):
+        """The denoiser (and the frozen base one) on denoiser_device."""
         self.denoiser = self.denoiser.to(self.denoiser_device)
         if self.frozen_denoiser is not None:
             self.frozen_denoiser = self.frozen_denoiser.to(self.denoiser_device)
-        self.vae = self.vae.to(self.aux_device)
-        self.encoders = [text_encoder.to(self.aux_device) for text_encoder in self.encoders]
 
     def ddp_wrapped(self):
         """The trained networks that DDP wraps (they have no_sync), for gradient accumulation."""
@@ -321,13 +323,16 @@ def load_trained_state_dict(model, weights):
                          f"(unexpected: {unexpected[:3]}, missing: {sorted(trained & set(missing))[:3]})")
 
 
-def setup_models(plan, denoiser_device, aux_device, distributed, load_guard=None):
+def setup_models(plan, denoiser_device, aux_device, distributed, load_guard=None, before_denoiser=None):
     """Load the models of a plan.Plan and apply its memory/speed options (gradient
     checkpointing, channels-last, torch.compile).
 
     distributed: wrap the trained networks in DDP (a process group of several workers exists).
     load_guard: a context manager around the loading alone (train.py's turns the files' errors
     into ones that stop the run; DDP's collectives are outside it).
+    before_denoiser(models): called with the text encoders on their device and the denoiser still in host
+    memory (the worker computes the frozen encoders' states there and releases them: T5-XXL and a 12 B
+    transformer are never on one card together).
     """
     import contextlib
 
@@ -340,7 +345,10 @@ def setup_models(plan, denoiser_device, aux_device, distributed, load_guard=None
             models.frozen_denoiser = load_frozen_denoiser(plan, denoiser_device)
     if plan.use_lora:
         add_lora(models, plan)  # (in host memory: the frozen weights go to the GPU in their autocast dtype)
-    models.place()
+    models.place_text_side()
+    if before_denoiser is not None:
+        before_denoiser(models)
+    models.place_denoiser()
     models.family.freeze_unread_layers(models.text_encoders())
     if plan.gradient_checkpointing:
         models.denoiser.enable_gradient_checkpointing()

@@ -46,10 +46,10 @@ def train_worker(plan):
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     batches = prefetched(ray.train.get_dataset_shard("train").iter_torch_batches(batch_size=plan.train_batch_size))
-    nets, state, step_prompts = prepare_worker(plan, rank, world, ctx.get_local_world_size())
+    nets, state, step_prompts, sampler = prepare_worker(plan, rank, world, ctx.get_local_world_size())
     # The stream is the same on every run: a resumed worker skips what it had trained on.
     batches = itertools.islice(batches, state.step * plan.gradient_accumulation_steps, None)
-    run_steps(plan, state, step_prompts, batches, rank, world)
+    run_steps(plan, state, step_prompts, batches, rank, world, sampler)
     if rank == 0:
         with averaged_weights(state), failures.stops_when_disk_full("the trained model", plan.output_dir,
                                                                      outputs.expected_bytes(nets, plan.use_lora)):
@@ -57,8 +57,9 @@ def train_worker(plan):
 
 
 def prepare_worker(plan, rank, world, local_world_size):
-    """(models.Models, steps.TrainState, conditioning.StepPrompts) of this worker: the networks on its
-    devices, the optimizer, the prompts, and the state of the checkpoint it continues, if any."""
+    """(models.Models, steps.TrainState, conditioning.StepPrompts, validation.Sampler or None) of this worker:
+    the networks on its devices, the optimizer, the prompts, the validation sampler, and the state of the
+    checkpoint it continues, if any."""
     import ray.train
     import torch
 
@@ -72,16 +73,31 @@ def prepare_worker(plan, rank, world, local_world_size):
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(plan.seed + rank)  # every rank its own noise stream (CPU and GPUs)
     model_error = "its files do not fit together: fetch or copy it again (cache_model.py)"
-    nets = models.setup_models(plan, denoiser_device, aux_device, distributed=world > 1,
-                               load_guard=failures.cannot_be_retried(f"loading the model {plan.model_dir}", model_error))
     with failures.cannot_be_retried(f"loading the tokenizers of {plan.model_dir}", model_error):
         ids = prompts.run_prompt_ids(plan)
+    text = {}
+
+    def encode(nets):
+        """The prompts' states, from the text encoders as loaded (before any checkpoint's weights: the class
+        prompt as the base model reads it), and the sampler, which encodes its own prompts now when the
+        encoders are frozen: then they leave the device before the denoiser arrives."""
+        text_encoders = [models.unwrap(te) for te in nets.text_encoders()]
+        text["prompts"] = conditioning.step_prompts(plan.family, text_encoders, plan, ids, aux_device)
+        if plan.prior_prediction:
+            text["prompts"] = conditioning.with_base_class(text["prompts"], plan.family, text_encoders, ids,
+                                                           aux_device)
+        amp = steps.amp_dtype(plan.mixed_precision, denoiser_device)
+        text["sampler"] = validation.Sampler(nets, plan, amp) if plan.validation_prompts else None
+        if plan.text_encoded_once:
+            nets.release_text_encoders()
+
+    nets = models.setup_models(plan, denoiser_device, aux_device, distributed=world > 1,
+                               load_guard=failures.cannot_be_retried(f"loading the model {plan.model_dir}", model_error),
+                               before_denoiser=encode if plan.text_encoded_once else None)
+    if not text:
+        encode(nets)
     state = steps.make_train_state(nets, plan)
-    # (before any checkpoint's weights: the class prompt as the base model reads it)
-    text_encoders = [models.unwrap(te) for te in nets.text_encoders()]
-    step_prompts = conditioning.step_prompts(plan.family, text_encoders, plan, ids, aux_device)
-    if plan.prior_prediction:
-        step_prompts = conditioning.with_base_class(step_prompts, plan.family, text_encoders, ids, aux_device)
+    step_prompts = text["prompts"]
     # Ray's own checkpoint (a restarted worker group) wins over the one the run started from.
     restored = ray.train.get_checkpoint()
     if restored is not None:
@@ -95,22 +111,19 @@ def prepare_worker(plan, rank, world, local_world_size):
     if rank == 0:
         print(f"worker devices: {plan.family.denoiser_label} on {denoiser_device}, text encoders and VAE on {aux_device}; "
               f"autocast {state.amp_dtype or 'off (fp32)'}", flush=True)
-    return nets, state, step_prompts
+    return nets, state, step_prompts, text["sampler"]
 
 
-def run_steps(plan, state, step_prompts, batches, rank, world):
+def run_steps(plan, state, step_prompts, batches, rank, world, sampler=None):
     """The step loop to plan.end_step: a step per plan.gradient_accumulation_steps micro-batches,
     a report (metrics, checkpoint) every --logging_steps/--checkpointing_steps, validation samples
-    every --validation_steps."""
+    (sampler's, a validation.Sampler) every --validation_steps."""
     from ray.experimental import tqdm_ray
 
     # here, not at the top: they import ray.train (1.2 s) and torch (2 s a --help or a one-line error never waits for)
     from dreambooth import failures
     from dreambooth import steps
 
-    sampler = validation.Sampler(state.models, plan, state.amp_dtype) if plan.validation_prompts else None
-    if plan.text_encoded_once:  # (after the samples' prompts are encoded: nothing reads the encoders now)
-        state.models.release_text_encoders()
     total = plan.end_step
     bar = tqdm_ray.tqdm(total=total, desc="training") if rank == 0 and plan.progress_bar else None
     log = runlog.RunLog(plan) if rank == 0 else None

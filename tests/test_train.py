@@ -153,8 +153,12 @@ def test_cached_latents_frozen_text_encoder_and_loss_options(ray_session, tiny_m
                          "--lr", "1e-4", "--cache_latents", "--random_flip", "--no-train_text_encoder",
                          "--gradient_accumulation_steps", "2", "--gradient_checkpointing",
                          "--lr_scheduler", "cosine", "--offset_noise", "--snr_gamma", "5", "--scale_lr",
-                         "--caption_dropout_rate", "0.5", "--masked_loss"])
+                         "--caption_dropout_rate", "0.5", "--masked_loss",
+                         # (the frozen encoders leave the device before the UNet lands: the samples' prompts first)
+                         "--validation_prompt", "a toy", "--num_validation_images", "1",
+                         "--validation_inference_steps", "2", "--validation_steps", "3"])
     assert result.metrics["step"] == 3
+    assert os.path.isfile(os.path.join(result.path, "validation", "step-3", "a-toy-00000.png"))
     # Not a terminal (a log file): no progress bar redrawn into it, the step lines are the progress.
     printed = "".join(capfd.readouterr())
     assert "training:" not in printed and "--masked_loss: 1 of 5 photos have a mask" in printed
