@@ -21,8 +21,8 @@ The figure is computed, not guessed from a tiny model:
   counted on the meta device for their own shapes and resolution and calibrated on SD 1.x's measurement
   (activations.py says how and what that assumes).
 - **Frozen text encoders** (--no-train_text_encoder) are on the GPU only while the prompts' states are
-  computed, before the first step (models.Models.release_text_encoders): they count at the start, not
-  beside the activations. SD 3.5's and Flux.1's T5 is never trained, so with --train_text_encoder it stays.
+  computed, before the denoiser arrives (models.setup_models' before_denoiser): the start's peak is the text
+  side alone. SD 3.5's and Flux.1's T5 is never trained, so with --train_text_encoder it stays.
 - **A quantised frozen base** (--base_precision, LoRA): int8 weights take 1 byte a parameter, nf4 half a
   byte plus one fp32 scale per 64 (bitsandbytes' blocks).
 - **The card** keeps RESERVE_GIB for the CUDA context, cuDNN's workspace and the allocator's cache.
@@ -93,11 +93,12 @@ class Need:
     static: float  # weights, gradients, optimizer and EMA state
     activations: float
     second_card: float = 0.0
-    at_start: float = 0.0  # frozen text encoders, there only until the prompts' states are computed
+    at_start: float = 0.0  # the text side alone at the start: frozen encoders computing the prompts' states, released
+    # before the denoiser arrives
 
     @property
     def total(self):
-        return self.static + max(self.activations, self.at_start)
+        return max(self.static + self.activations, self.at_start)
 
 
 def need(family, setup, params=None, source=None):
@@ -122,9 +123,11 @@ def need(family, setup, params=None, source=None):
         aux = trained * trained_bytes
         if setup.prior_prediction:
             denoiser_side += denoiser * frozen_bytes  # the frozen base denoiser
-    aux += params.get("vae", 0) * frozen_bytes
-    # frozen encoders: released after the first states unless a trained one needs them every step
-    kept, at_start = (frozen * frozen_bytes, 0.0) if setup.train_text_encoder else (0.0, frozen * frozen_bytes)
+    vae = params.get("vae", 0) * frozen_bytes
+    aux += vae
+    # frozen encoders: released after the first states, before the denoiser arrives, unless a trained one needs
+    # them every step
+    kept, at_start = (frozen * frozen_bytes, 0.0) if setup.train_text_encoder else (0.0, frozen * frozen_bytes + vae)
     aux += kept
     images = setup.batch * (2 if setup.class_images else 1)
     if spec.flow_matching:
@@ -135,7 +138,7 @@ def need(family, setup, params=None, source=None):
             denoiser / REFERENCE_UNET * setup.resolution ** 2 / REFERENCE_PIXELS * (1 if setup.half else 2))
     activation = per_image * images * (1.5 if setup.prior_prediction else 1)
     if setup.gpus_per_worker == 2:
-        return Need(denoiser_side / GIB, activation, (aux + at_start) / GIB)
+        return Need(denoiser_side / GIB, activation, max(aux, at_start) / GIB)
     return Need((denoiser_side + aux) / GIB, activation, at_start=at_start / GIB)
 
 

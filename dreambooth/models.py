@@ -261,20 +261,28 @@ def lora_config(plan, targets):
                       init_lora_weights="gaussian", target_modules=list(targets))
 
 
-def add_lora(models, plan):
-    """Freeze every weight and add trainable fp32 LoRA adapters (peft) to the denoiser and, with
-    train_text_encoder, the text encoders the family trains. The frozen weights go to the run's autocast dtype
-    (bf16/fp16 on GPUs): that is where LoRA's memory saving comes from."""
+def freeze_for_lora(models, plan):
+    """LoRA's first half, in host memory: every weight frozen and cast to the run's autocast dtype (bf16/fp16 on
+    GPUs): that is where LoRA's memory saving comes from."""
     import torch
-    from diffusers.training_utils import cast_training_params
 
     from dreambooth import steps  # here, not at the top: it imports torch (2 s a --help or a one-line error never waits for)
 
     frozen_dtype = steps.amp_dtype(plan.mixed_precision, models.denoiser_device) or torch.float32
     for model in (models.denoiser, *models.text_encoders(), models.vae):
         model.requires_grad_(False).to(dtype=frozen_dtype)
-    if plan.base_precision:  # int8/nf4 weights under the adapters (quantised as they move to the device)
-        models.denoiser = quantize.quantized(models.denoiser, plan.base_precision, frozen_dtype, models.denoiser_device)
+
+
+def add_lora(models, plan):
+    """LoRA's second half: trainable fp32 LoRA adapters (peft) on the denoiser, over its int8/nf4 weights with
+    --base_precision (quantised as they move to its device), and with train_text_encoder on the text encoders
+    the family trains."""
+    import torch
+    from diffusers.training_utils import cast_training_params
+
+    if plan.base_precision:
+        models.denoiser = quantize.quantized(models.denoiser, plan.base_precision, models.denoiser.dtype,
+                                             models.denoiser_device)
     models.denoiser.add_adapter(lora_config(plan, models.family.denoiser_lora_targets))
     trained = [models.denoiser]
     if plan.train_text_encoder:
@@ -344,10 +352,12 @@ def setup_models(plan, denoiser_device, aux_device, distributed, load_guard=None
         if plan.prior_prediction and not plan.use_lora:
             models.frozen_denoiser = load_frozen_denoiser(plan, denoiser_device)
     if plan.use_lora:
-        add_lora(models, plan)  # (in host memory: the frozen weights go to the GPU in their autocast dtype)
+        freeze_for_lora(models, plan)  # (in host memory: the frozen weights go to the GPU in their autocast dtype)
     models.place_text_side()
     if before_denoiser is not None:
         before_denoiser(models)
+    if plan.use_lora:
+        add_lora(models, plan)
     models.place_denoiser()
     models.family.freeze_unread_layers(models.text_encoders())
     if plan.gradient_checkpointing:
