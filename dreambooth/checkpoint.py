@@ -15,6 +15,7 @@ A checkpoint folder holds:
                               never resumed from.
 """
 
+import dataclasses
 import glob
 import json
 import os
@@ -25,6 +26,7 @@ from dreambooth import families
 from dreambooth import models
 from dreambooth import outputs
 from dreambooth import run_identity
+from dreambooth import sharding
 from dreambooth import utils
 
 STATE_FILE = "train_state.json"
@@ -66,15 +68,17 @@ def gather_rng_states():
 # ---------------------------------------------------------------- save and load
 
 
-def save(state, folder, epoch, rng_states, train_text_encoder, identity=None):
+def save(state, folder, epoch, rng_states, train_text_encoder, identity=None, gathered=None):
     """Write state (a steps.TrainState) into folder; rng_states from gather_rng_states(); identity:
-    the run's (plan.identity), which decides what may resume from it."""
+    the run's (plan.identity), which decides what may resume from it; gathered: a sharded denoiser's
+    (weights, optimizer state) from sharding.gather, written in place of this rank's shards."""
     import torch
     from safetensors.torch import save_file
 
     denoiser_file = f"{state.models.family.denoiser}.safetensors"
     files = [denoiser_file, OPTIMIZER_FILE]
-    save_file(models.trained_state_dict(state.models.denoiser), os.path.join(folder, denoiser_file))
+    weights, optimizer = gathered or (models.trained_state_dict(state.models.denoiser), state.optimizer.state_dict())
+    save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(folder, denoiser_file))
     if train_text_encoder:
         for k, text_encoder in state.models.trainable():
             name = text_encoder_files(state.models.family)[k]
@@ -83,7 +87,7 @@ def save(state, folder, epoch, rng_states, train_text_encoder, identity=None):
     if state.ema is not None:
         save_file(state.ema.state_dict(), os.path.join(folder, EMA_FILE))
         files.append(EMA_FILE)
-    torch.save({"optimizer": state.optimizer.state_dict(), "lr_scheduler": state.lr_scheduler.state_dict(),
+    torch.save({"optimizer": optimizer, "sharded": gathered is not None, "lr_scheduler": state.lr_scheduler.state_dict(),
                 "scaler": state.scaler.state_dict(), "rng": rng_states, "skipped_steps": state.skipped_steps},
                os.path.join(folder, OPTIMIZER_FILE))
     sizes = {name: os.path.getsize(os.path.join(folder, name)) for name in files}
@@ -151,16 +155,26 @@ def load(state, folder, rank):
     """Restore what save wrote into state; rank continues its own RNG stream. Returns the epoch."""
     import torch
 
-    load_weights(state.models, folder)
+    from safetensors.torch import load_file
+
+    extra = torch.load(os.path.join(folder, OPTIMIZER_FILE), map_location="cpu", weights_only=True)
+    if sharding.is_sharded(state.models.denoiser):  # every rank reads the whole files and keeps its shards
+        if not extra.get("sharded"):
+            raise ValueError(f"{folder} is a checkpoint of a run without --fsdp: continue it without --fsdp")
+        weights = load_file(os.path.join(folder, f"{state.models.family.denoiser}.safetensors"))
+        sharding.restore(state.models.denoiser, state.optimizer, weights, extra["optimizer"])
+    else:
+        if extra.get("sharded"):
+            raise ValueError(f"{folder} is a checkpoint of a run with --fsdp: continue it with --fsdp")
+        load_weights(state.models, folder)
+        state.optimizer.load_state_dict(extra["optimizer"])
     if state.ema is not None and not load_ema(state.ema.shadow, folder):
         state.ema.restart(state.params)  # from the restored weights
         if rank == 0:
             print(f"{folder} holds no moving average (its run had no --use_ema): the average starts from "
                   "its weights", file=sys.stderr)
-    # weights_only: a checkpoint cannot execute code when it is loaded. The optimizer
-    # moves its state onto each parameter's device itself.
-    extra = torch.load(os.path.join(folder, OPTIMIZER_FILE), map_location="cpu", weights_only=True)
-    state.optimizer.load_state_dict(extra["optimizer"])
+    # (torch.load above with weights_only: a checkpoint cannot execute code when it is loaded; the
+    # optimizer moves its state onto each parameter's device itself)
     state.lr_scheduler.load_state_dict(extra["lr_scheduler"])
     state.scaler.load_state_dict(extra["scaler"])
     state.skipped_steps = extra.get("skipped_steps", 0)
@@ -325,7 +339,7 @@ def save_as_model(checkpoint_dir, plan):
     from dreambooth import steps  # here, not at the top: it imports torch (2 s a --help or a one-line error never waits for)
 
     cpu = torch.device("cpu")
-    nets = models.setup_models(plan, cpu, cpu, distributed=False)
+    nets = models.setup_models(dataclasses.replace(plan, fsdp=False), cpu, cpu, distributed=False)  # (whole files)
     load_weights(nets, checkpoint_dir)
     if plan.use_ema:  # the model of a run with --use_ema is its moving average, at any step
         load_ema(steps.trained_parameters(nets, plan.train_text_encoder), checkpoint_dir)

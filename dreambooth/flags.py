@@ -343,6 +343,13 @@ FLAGS = {
         dict(nargs="?", const="inductor", default=None, metavar="BACKEND",
              help="torch.compile the UNet (slow first steps, faster after); optionally name the "
                   "backend (default inductor; aot_eager compiles in seconds, for checks).")),
+    "fsdp": (("--fsdp",),
+        dict(action="store_true",
+             help="Shard the denoiser's weights, gradients and AdamW state across the workers (PyTorch's FSDP, "
+                  "fully_shard per block) instead of a copy on each: a full fine-tune of a model no single card "
+                  "holds (Flux.1's 12 B transformer, SD 3.5 large), over --num_workers GPUs. The denoiser only "
+                  "(--no-train_text_encoder), without --use_lora (adapters fit one card: DDP is faster), "
+                  "--use_ema, --use_8bit_adam, --torch_compile or fp16.")),
     "channels_last": (("--channels_last",),
         dict(action=argparse.BooleanOptionalAction, default=None,
              help="UNet and VAE in channels-last memory layout (NHWC convolutions). Default: on with GPUs.")),

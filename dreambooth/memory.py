@@ -70,6 +70,7 @@ class Setup:
     half: bool = True  # bf16/fp16 autocast (on every GPU but with --mixed_precision no)
     gpus_per_worker: int = 1
     base_precision: str = None  # --base_precision int8|nf4 (LoRA): the frozen denoiser's weights
+    shards: int = 1  # --fsdp over this many workers: the denoiser's weights, gradients and AdamW state split
 
     def flags(self):
         """The train.py flags of this setup, as a user types them."""
@@ -79,6 +80,8 @@ class Setup:
             words.append("--no-train_text_encoder")
         if self.base_precision:
             words += ["--base_precision", self.base_precision]
+        if self.shards > 1:
+            words += ["--fsdp", "--num_workers", str(self.shards)]
         return words
 
 
@@ -119,7 +122,7 @@ def need(family, setup, params=None, source=None):
         denoiser_side = adapters * trained_bytes + denoiser * BASE_BYTES.get(setup.base_precision, frozen_bytes)
         aux = trained * frozen_bytes
     else:
-        denoiser_side = denoiser * trained_bytes
+        denoiser_side = denoiser * trained_bytes / setup.shards
         aux = trained * trained_bytes
         if setup.prior_prediction:
             denoiser_side += denoiser * frozen_bytes  # the frozen base denoiser
@@ -245,7 +248,10 @@ FLOW_ROWS = tuple(
                                         ("SD 3.5 medium", "sd3", "sd35-medium", (1024,)))
      for px in sizes for base in (None, "int8", "nf4")]
     + [(model, family, size, 1024, _FULL) for model, family, size in (
-        ("SD 3.5 medium", "sd3", "sd35-medium"), ("SD 3.5 large", "sd3", "sd35-large"), ("Flux.1 dev", "flux", "flux-dev"))])
+        ("SD 3.5 medium", "sd3", "sd35-medium"), ("SD 3.5 large", "sd3", "sd35-large"), ("Flux.1 dev", "flux", "flux-dev"))]
+    + [(model, family, size, 1024, dataclasses.replace(_FULL, shards=shards, use_8bit_adam=False)) for model, family, size, shards in (
+        ("SD 3.5 large", "sd3", "sd35-large", 4), ("Flux.1 dev", "flux", "flux-dev", 4),
+        ("Flux.1 dev", "flux", "flux-dev", 8))])
 
 
 @functools.lru_cache(maxsize=8)

@@ -12,6 +12,7 @@ import shutil
 
 from dreambooth import families
 from dreambooth import quantize
+from dreambooth import sharding
 from dreambooth import utils
 
 TINY_TOKENIZER_DIR = os.path.join(utils.REPO_DIR, "assets", "tiny_tokenizer")
@@ -370,8 +371,11 @@ def setup_models(plan, denoiser_device, aux_device, distributed, load_guard=None
         for model in (models.denoiser, models.vae, models.frozen_denoiser):
             if model is not None:
                 model.to(memory_format=torch.channels_last)
-    if distributed:
+    if plan.fsdp:  # (its text encoders are frozen: nothing else to wrap)
+        models.denoiser = sharding.shard(models.denoiser)
+    elif distributed:
         models.denoiser = ddp(models.denoiser, denoiser_device)
+    if distributed:
         if plan.train_text_encoder:
             for k, text_encoder in models.trainable():
                 models.encoders[k] = ddp(text_encoder, aux_device)

@@ -38,7 +38,7 @@ TRAIN_FLAGS = [
     "validation_epochs", "validation_inference_steps", "vae_dir", "checkpointing_steps", "checkpoints_total_limit",
     "keep_checkpoints", "resume_from_checkpoint", "max_failures", "overwrite", "allow_unsafe_weights",
     "gradient_accumulation_steps", "gradient_checkpointing", "cache_latents", "precompute_text_embeddings",
-    "channels_last", "fused_adamw", "torch_compile", "allow_tf32", "num_class_images", "set_grads_to_none",
+    "channels_last", "fused_adamw", "torch_compile", "fsdp", "allow_tf32", "num_class_images", "set_grads_to_none",
     "enable_xformers_memory_efficient_attention"]
 
 
@@ -109,6 +109,7 @@ class Plan:
     allow_tf32: bool
     mixed_precision: str | None  # None: bf16/fp16 on GPUs that have it, fp32 on CPU
     # memory and speed
+    fsdp: bool  # the denoiser sharded across the workers (models.fsdp) instead of DDP's copies
     gradient_checkpointing: bool
     channels_last: bool
     torch_compile: str | None
@@ -178,6 +179,8 @@ class Plan:
         if self.validation_prompts:
             resume += (f"; {len(self.validation_prompts)} validation prompt(s) x {self.num_validation_images} "
                        f"every {self.validation_steps} steps")
+        if self.fsdp:
+            trained += f", sharded across the {self.num_workers} worker(s) (FSDP)"
         if self.use_ema:
             trained += f", averaged (EMA, decay up to {self.ema_decay:g}: samples and the output hold the average)"
         captions = f" ({len(self.instance_prompts)} prompts from captions)" if len(self.instance_prompts) > 1 else ""
@@ -246,6 +249,7 @@ def derive(given, parser):
     if args.base_precision and not args.use_lora:
         raise FlagError(f"--base_precision {args.base_precision} quantises the frozen model under LoRA's adapters: "
                         "add --use_lora (a full fine-tune trains every weight in fp32)")
+    check_fsdp(args)
     if not args.use_ema and parser.typed & {"ema_decay", "ema_update_after_step"}:
         raise FlagError("--ema_decay/--ema_update_after_step shape the moving average of the weights: add --use_ema")
     if args.validation_epochs and args.validation_steps:
@@ -268,6 +272,19 @@ def derive(given, parser):
         args.storage_path = os.path.join(os.path.dirname(args.output_dir), "ray_results")
     args.settings_toml = flags.config_text(parser, args)
     return args
+
+
+def check_fsdp(args):
+    """FlagError for what --fsdp does not shard or was not tested with, each named."""
+    if not args.fsdp:
+        return
+    clash = [flag for flag, on in (("--use_lora", args.use_lora), ("--train_text_encoder", args.train_text_encoder),
+                                   ("--use_ema", args.use_ema), ("--torch_compile", args.torch_compile),
+                                   ("--use_8bit_adam", args.use_8bit_adam),
+                                   ("--mixed_precision fp16", args.mixed_precision == "fp16")) if on]
+    if clash:
+        raise FlagError(f"--fsdp shards a full fine-tune of the denoiser alone, in bf16 or fp32: leave out "
+                        f"{', '.join(clash)}" + (" (add --no-train_text_encoder)" if args.train_text_encoder else ""))
 
 
 def plan_run(args, cluster_resources, draw_class_images=None, stop_step=None):

@@ -327,6 +327,9 @@ def make_train_state(models, plan):
     """
     from diffusers.optimization import get_scheduler
 
+    dtype = amp_dtype(plan.mixed_precision, models.denoiser_device)
+    if plan.fsdp and dtype == torch.float16:  # (the default on GPUs without bf16; loss scaling of shards untested)
+        raise ValueError("--fsdp trains in bf16 or fp32 and this GPU has no bf16: pass --mixed_precision no")
     params = trained_parameters(models, plan.train_text_encoder)
     settings = dict(lr=plan.learning_rate, betas=(plan.adam_beta1, plan.adam_beta2),
                     weight_decay=plan.adam_weight_decay, eps=plan.adam_epsilon)
@@ -339,7 +342,6 @@ def make_train_state(models, plan):
     lr_scheduler = get_scheduler(plan.lr_scheduler, optimizer, num_warmup_steps=plan.lr_warmup_steps,
                                  num_training_steps=plan.total_steps, num_cycles=plan.lr_num_cycles,
                                  power=plan.lr_power)
-    dtype = amp_dtype(plan.mixed_precision, models.denoiser_device)
     # Loss scaling only matters for fp16's narrow exponent range.
     scaler = torch.amp.GradScaler(models.denoiser_device.type, enabled=dtype == torch.float16)
     ema = EMA(params, plan.ema_decay, plan.ema_update_after_step) if plan.use_ema else None

@@ -118,7 +118,9 @@ def run_round(sampler, step, rank, world, run_dir):
     import torch.distributed as dist
 
     items = images_of(sampler.plan)
-    mine = list(range(rank, len(items), world))
+    # A sharded denoiser (--fsdp) runs only when every rank runs it: then each draws every image, rank 0 keeps them
+    sharded = sampler.plan.fsdp
+    mine = list(range(len(items))) if sharded else list(range(rank, len(items), world))
     nets = [sampler.nets.denoiser, *sampler.nets.text_encoders()]
     modes = [net.training for net in nets]
     rng = checkpoint.rng_state()
@@ -130,7 +132,7 @@ def run_round(sampler, step, rank, world, run_dir):
         for net, mode in zip(nets, modes):
             net.train(mode)
         checkpoint.set_rng_state(rng)
-    if world > 1:
+    if world > 1 and not sharded:
         gathered = [None] * world
         dist.all_gather_object(gathered, drawn)
         drawn = [pair for part in gathered for pair in part]

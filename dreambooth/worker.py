@@ -16,6 +16,7 @@ from dreambooth import outputs
 from dreambooth import prompts
 from dreambooth import raycluster
 from dreambooth import runlog
+from dreambooth import sharding
 from dreambooth import utils
 from dreambooth import validation
 
@@ -50,6 +51,10 @@ def train_worker(plan):
     # The stream is the same on every run: a resumed worker skips what it had trained on.
     batches = itertools.islice(batches, state.step * plan.gradient_accumulation_steps, None)
     run_steps(plan, state, step_prompts, batches, rank, world, sampler)
+    if plan.fsdp:  # the whole weights on rank 0, as an unsharded denoiser to save (every rank gathers)
+        weights = sharding.gather_weights(nets.denoiser)
+        if rank == 0:
+            nets.denoiser = sharding.plain(plan.family, plan.model_dir, weights)
     if rank == 0:
         with averaged_weights(state), failures.stops_when_disk_full("the trained model", plan.output_dir,
                                                                      outputs.expected_bytes(nets, plan.use_lora)):
@@ -258,6 +263,7 @@ def report(state, metrics, rank, plan):
         ray.train.report(metrics)
         return
     rng_states = checkpoint.gather_rng_states()
+    gathered = sharding.gather(state.models.denoiser, state.optimizer) if plan.fsdp else None  # (all ranks)
     if rank != 0:
         ray.train.report(metrics)
         return
@@ -266,7 +272,8 @@ def report(state, metrics, rank, plan):
     needed = checkpoint.expected_bytes(state.params, state.ema is not None)
     with tempfile.TemporaryDirectory() as folder:
         with failures.stops_when_disk_full(f"the checkpoint of step {state.step}", folder, needed):
-            checkpoint.save(state, folder, metrics["epoch"], rng_states, plan.train_text_encoder, plan.identity)
+            checkpoint.save(state, folder, metrics["epoch"], rng_states, plan.train_text_encoder, plan.identity,
+                            gathered)
         run_dir = os.path.join(plan.storage_path, plan.run_name)
         with failures.stops_when_disk_full(f"the checkpoint of step {state.step}", run_dir, needed,
                                            cleanup=lambda: checkpoint.remove_incomplete(run_dir)):

@@ -2,8 +2,10 @@
 CLIP-L, T5 with a tokenizer made here, a 16-channel VAE), trained by flow matching on packed latents, without Ray
 (the Ray runs are at the end, marked slow)."""
 
+import dataclasses
 import os
 import shutil
+import types
 
 import pytest
 import torch
@@ -311,3 +313,59 @@ def test_lora_exports_in_kohyas_flux_layout_that_the_converters_read_back(tiny_f
     names = load_file(written)
     assert any(k.startswith("lora_unet_single_blocks_0_linear1") for k in names)
     assert any(k.startswith("lora_te1_text_model_encoder_layers_0_self_attn_q_proj") for k in names)
+
+
+def test_fsdp_is_a_full_fine_tune_of_the_denoiser_alone(capsys):
+    """--fsdp refuses what it does not shard or was not tested with, in one line naming each; the memory table
+    splits the denoiser's weights, gradients and AdamW state over the workers."""
+    from dreambooth import memory
+    from dreambooth import planning
+
+    base = ["--model_dir", "/m", "--output_dir", "/o", "--instance_data_dir", "/i", "--instance_prompt", "p", "--fsdp"]
+    with pytest.raises(SystemExit):
+        planning.parse_args(base + ["--use_lora", "--use_ema"])
+    assert ("--fsdp shards a full fine-tune of the denoiser alone, in bf16 or fp32: leave out --use_lora, "
+            "--train_text_encoder, --use_ema (add --no-train_text_encoder)") in capsys.readouterr().err
+    assert planning.parse_args(base + ["--no-train_text_encoder"]).fsdp
+    with pytest.raises(ValueError, match="--fsdp trains in bf16 or fp32 and this GPU has no bf16"):
+        steps.make_train_state(types.SimpleNamespace(denoiser_device=CPU),
+                               dataclasses.replace(planning.offline_plan(), fsdp=True, mixed_precision="fp16"))
+    full = memory.Setup(gradient_checkpointing=True, train_text_encoder=False, batch=1, resolution=1024)
+    one, eight = memory.need("flux", full), memory.need("flux", memory.dataclasses.replace(full, shards=8))
+    assert one.static - eight.static == pytest.approx(11901.41e6 * 16 * 7 / 8 / memory.GIB, rel=1e-3)
+
+
+@pytest.mark.slow
+def test_a_full_fine_tune_sharded_across_two_workers_resumes_to_the_same_weights(ray_session, tiny_flux_model,
+                                                                                 toy_images, tmp_path, capfd):
+    """--fsdp on Ray with 2 workers (gloo on CPU, the code NCCL runs on GPUs): the transformer sharded per block,
+    checkpoints written whole by rank 0 and spread again on resume; a run cut at step 2 and resumed ends on
+    exactly the uninterrupted run's weights; validation samples drawn by both ranks together; the output is a
+    FluxPipeline whose transformer moved and whose text encoders did not."""
+    from diffusers import FluxPipeline
+    from safetensors.torch import load_file
+
+    from dreambooth import planning
+    from dreambooth import train
+
+    def argv(name):
+        return ["--model_dir", tiny_flux_model, "--instance_images_dir", toy_images, "--instance_prompt",
+                "photo of unqtkn toy", "--num_workers", "2", "--fsdp", "--no-train_text_encoder",
+                "--max_train_steps", "4", "--checkpointing_steps", "2", "--learning_rate", "1e-3",
+                "--output_dir", str(tmp_path / name), "--storage_path", str(tmp_path / f"runs-{name}"),
+                "--validation_prompt", "a toy", "--num_validation_images", "1", "--validation_inference_steps", "2",
+                "--validation_steps", "4"]
+
+    whole = train.main(argv("whole"))
+    assert whole.metrics["step"] == 4
+    assert list((tmp_path / "runs-whole").glob("*/validation/step-4/a-toy-00000.png"))
+    train.run(planning.parse_args(argv("cut")), stop_step=2)
+    capfd.readouterr()
+    resumed = train.main([*argv("cut"), "--resume_from_checkpoint", "latest"])
+    assert resumed.metrics["step"] == 4 and "resuming from" in capfd.readouterr().err
+    a = load_file(str(tmp_path / "whole" / "transformer" / "diffusion_pytorch_model.safetensors"))
+    b = load_file(str(tmp_path / "cut" / "transformer" / "diffusion_pytorch_model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    tuned, base = FluxPipeline.from_pretrained(str(tmp_path / "whole")), FluxPipeline.from_pretrained(tiny_flux_model)
+    assert any(not torch.equal(p, q) for p, q in zip(tuned.transformer.parameters(), base.transformer.parameters()))
+    assert all(torch.equal(p, q) for p, q in zip(tuned.text_encoder.parameters(), base.text_encoder.parameters()))
