@@ -21,13 +21,17 @@ def shard(model):
     """model sharded in place: each element of its top-level ModuleLists (the transformer's blocks, a UNet's
     down/up blocks) its own unit, then the rest as one; weights stay fp32 (autocast computes in bf16)."""
     import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    # one mesh of every worker, on the device type the model is on: the same call on CPUs (gloo) and GPUs
+    mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
     for child in model.children():
         if isinstance(child, torch.nn.ModuleList):
             for block in child:
-                fully_shard(block)
-    return fully_shard(model)
+                fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
 def _options():

@@ -114,8 +114,9 @@ def prepare_worker(plan, rank, world, local_world_size):
                                         "pass another to --resume_from_checkpoint"):
             checkpoint.load(state, plan.resume_path, rank)
     if rank == 0:
-        print(f"worker devices: {plan.family.denoiser_label} on {denoiser_device}, text encoders and VAE on {aux_device}; "
-              f"autocast {state.amp_dtype or 'off (fp32)'}", flush=True)
+        released = " (the frozen text encoders left it once the prompts were encoded)" if plan.text_encoded_once else ""
+        print(f"worker devices: {plan.family.denoiser_label} on {denoiser_device}, text encoders and VAE on {aux_device}"
+              f"{released}; autocast {state.amp_dtype or 'off (fp32)'}", flush=True)
     return nets, state, step_prompts, text["sampler"]
 
 
