@@ -149,7 +149,7 @@ def to_model_input(pixels):
 
 
 def scaled(vae, latents):
-    """The VAE's latents as the denoiser takes them: shifted (SD 3.5) and scaled by its config."""
+    """The VAE's latents as the denoiser takes them: shifted (SD 3.5, Flux.1) and scaled by its config."""
     shift = getattr(vae.config, "shift_factor", None)
     return (latents - shift if shift else latents) * vae.config.scaling_factor
 
