@@ -164,6 +164,34 @@ def make_plan(tiny_model):
 
 
 @pytest.fixture()
+def train_tiny(make_plan):
+    """train_tiny(model_dir, steps_taken=3, **fields) -> (plan, steps.TrainState, losses): a few seeded training
+    steps of a tiny model without Ray on one fixed batch (a photo and a class image), as a worker takes them."""
+    import torch
+
+    from dreambooth import conditioning
+    from dreambooth import models
+    from dreambooth import prompts
+    from dreambooth import steps
+
+    cpu = torch.device("cpu")
+
+    def run(model_dir, steps_taken=3, **fields):
+        plan = make_plan(model_dir=model_dir, resolution=64, **fields)
+        torch.manual_seed(0)
+        nets = models.setup_models(plan, cpu, cpu, distributed=False)
+        ids = prompts.prompt_ids(model_dir, ["photo of unqtkn toy"], "photo of a toy", plan.family)
+        step_prompts = conditioning.step_prompts(plan.family, nets.text_encoders(), plan, ids, cpu)
+        state = steps.make_train_state(nets, plan)
+        pixels = torch.randint(0, 255, (1, 64, 64, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+        batch = {"instance_pixels": pixels, "class_pixels": pixels.flip(1)}
+        losses = [float(steps.train_step(state, [batch], step_prompts, 1.0, 1.0)[0]) for _ in range(steps_taken)]
+        return plan, state, losses
+
+    return run
+
+
+@pytest.fixture()
 def step_prompts(tiny_model):
     """The conditioning.StepPrompts of an instance and a class prompt's token ids (1, L), as train_fn builds them."""
     import torch

@@ -57,18 +57,9 @@ def test_our_conditioning_is_the_pipelines(tiny_flux_model):
 
 
 @pytest.fixture()
-def flux_run(tiny_flux_model, make_plan):
+def flux_run(tiny_flux_model, train_tiny):
     def run(steps_taken=3, model_dir=tiny_flux_model, **fields):
-        plan = make_plan(model_dir=model_dir, resolution=64, **fields)
-        torch.manual_seed(0)
-        nets = models.setup_models(plan, CPU, CPU, distributed=False)
-        ids = prompts.prompt_ids(model_dir, ["photo of unqtkn toy"], "photo of a toy", plan.family)
-        step_prompts = conditioning.step_prompts(plan.family, nets.text_encoders(), plan, ids, CPU)
-        state = steps.make_train_state(nets, plan)
-        pixels = torch.randint(0, 255, (1, 64, 64, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
-        batch = {"instance_pixels": pixels, "class_pixels": pixels.flip(1)}
-        losses = [float(steps.train_step(state, [batch], step_prompts, 1.0, 1.0)[0]) for _ in range(steps_taken)]
-        return plan, state, losses
+        return train_tiny(model_dir, steps_taken, **fields)
 
     return run
 

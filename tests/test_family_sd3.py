@@ -2,17 +2,16 @@
 T5 with a tokenizer made here), trained by flow matching, without Ray."""
 
 import dataclasses
+import functools
 
 import pytest
 import torch
 
-from dreambooth import conditioning
 from dreambooth import families
 from dreambooth import family_sd3
 from dreambooth import models
 from dreambooth import outputs
 from dreambooth import prompts
-from dreambooth import steps
 from dreambooth import validation
 
 CPU = torch.device("cpu")
@@ -51,20 +50,8 @@ def test_our_conditioning_is_the_pipelines(tiny_sd3_model):
 
 
 @pytest.fixture()
-def sd3_run(tiny_sd3_model, make_plan):
-    def run(steps_taken=3, **fields):
-        plan = make_plan(model_dir=tiny_sd3_model, resolution=64, **fields)
-        torch.manual_seed(0)
-        nets = models.setup_models(plan, CPU, CPU, distributed=False)
-        ids = prompts.prompt_ids(tiny_sd3_model, ["photo of unqtkn toy"], "photo of a toy", plan.family)
-        step_prompts = conditioning.step_prompts(plan.family, nets.text_encoders(), plan, ids, CPU)
-        state = steps.make_train_state(nets, plan)
-        pixels = torch.randint(0, 255, (1, 64, 64, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
-        batch = {"instance_pixels": pixels, "class_pixels": pixels.flip(1)}
-        losses = [float(steps.train_step(state, [batch], step_prompts, 1.0, 1.0)[0]) for _ in range(steps_taken)]
-        return plan, state, losses
-
-    return run
+def sd3_run(tiny_sd3_model, train_tiny):
+    return functools.partial(train_tiny, tiny_sd3_model)
 
 
 def test_a_full_fine_tune_moves_the_transformer_and_clip_and_leaves_t5(sd3_run, tiny_sd3_model):
