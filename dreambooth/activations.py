@@ -76,15 +76,11 @@ def meta_denoiser(family, source):
     utils.quiet_hf_logging()  # (diffusers' note on casting a model with fp32 modules to bf16)
     with torch.device("meta"):
         if os.path.isdir(source):
-            denoiser = family.load_denoiser(lambda cls, subfolder: cls.from_config(
-                cls.load_config(os.path.join(source, subfolder))))
+            denoiser = family.denoiser_of_config(source)
             vae = family_lib.part_config(source, "vae")
             channels, scale = vae["latent_channels"], family_lib.vae_scale(source)
         else:
-            from transformers import CLIPTokenizer
-
-            tokenizer = CLIPTokenizer.from_pretrained(models.TINY_TOKENIZER_DIR, model_max_length=77)
-            denoiser = models.build_networks(source, family.arch, tokenizer)[family.denoiser]
+            denoiser = models.meta_networks(source, family.arch)[family.denoiser]
             channels = family.random_vae_config().get("latent_channels", 4)
             scale = 2 ** (len(models.size_spec(source, family)["vae_channels"]) - 1)
     return denoiser.to(torch.bfloat16).train(), channels, scale

@@ -99,6 +99,12 @@ class Family:
         return load(UNet2DConditionModel, self.denoiser)
 
     # --- the text side (prompts.py, models.py, steps.py, validation.py)
+    def denoiser_of_config(self, model_dir):
+        """The denoiser of model_dir's config, its weights not read: built in torch's default device (under
+        torch.device("meta"): the shapes alone)."""
+        return self.load_denoiser(lambda cls, subfolder: cls.from_config(cls.load_config(os.path.join(model_dir,
+                                                                                                      subfolder))))
+
     def load_tokenizers(self, model_dir):
         from transformers import CLIPTokenizer
 

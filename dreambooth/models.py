@@ -71,15 +71,19 @@ def build_pipeline(size="tiny", seed=0, safety_checker=False, arch="sd1"):
     return families.ARCHS[arch].random_pipeline(nets, tokenizer, betas, safety_checker)
 
 
-def parameter_counts(size, arch):
-    """{network: parameter count} of a random model of size and arch, built on the meta device (no memory)."""
+def meta_networks(size, arch):
+    """build_networks of size and arch on the meta device: their shapes without memory or weights."""
     import torch
     from transformers import CLIPTokenizer
 
     tokenizer = CLIPTokenizer.from_pretrained(TINY_TOKENIZER_DIR, model_max_length=77)
     with torch.device("meta"):
-        nets = build_networks(size, arch, tokenizer)
-    return {name: sum(p.numel() for p in net.parameters()) for name, net in nets.items()}
+        return build_networks(size, arch, tokenizer)
+
+
+def parameter_counts(size, arch):
+    """{network: parameter count} of a random model of size and arch (meta_networks)."""
+    return {name: sum(p.numel() for p in net.parameters()) for name, net in meta_networks(size, arch).items()}
 
 
 def check_room_for(size, arch, cache_dir):

@@ -72,12 +72,9 @@ def restore(denoiser, optimizer, weights, optimizer_state):
 def plain(family, model_dir, weights):
     """An unsharded denoiser of family holding weights (gather_weights' on rank 0), built from model_dir's
     config without reading its files' weights: what outputs.save_pipeline writes."""
-    import os
-
     import torch
 
     with torch.device("meta"):
-        denoiser = family.load_denoiser(lambda cls, subfolder: cls.from_config(
-            cls.load_config(os.path.join(model_dir, subfolder))))
+        denoiser = family.denoiser_of_config(model_dir)
     denoiser.load_state_dict(weights, assign=True)
     return denoiser

@@ -19,13 +19,7 @@ from dreambooth.utils import REPO_DIR
 @pytest.mark.parametrize("size, arch, family", [("sd15", "sd1", "sd1"), ("sdxl", "sdxl", "sdxl"),
                                                 ("flux-dev", "flux", "flux"), ("sd35-large", "sd3", "sd3")])
 def test_released_parameter_counts_are_the_architectures_built_on_the_meta_device(size, arch, family):
-    import torch
-    from transformers import CLIPTokenizer
-
-    tokenizer = CLIPTokenizer.from_pretrained(models.TINY_TOKENIZER_DIR, model_max_length=77)
-    with torch.device("meta"):
-        nets = models.build_networks(size, arch, tokenizer)
-    counts = {name: sum(p.numel() for p in net.parameters()) for name, net in nets.items()}
+    counts = models.parameter_counts(size, arch)
     assert counts.keys() == memory.RELEASED[family].keys()
     for name, count in counts.items():
         assert memory.RELEASED[family][name] == pytest.approx(count, rel=1e-4), name
@@ -35,16 +29,12 @@ def test_the_activation_count_of_sd1_is_the_calibration_and_fused_attention_is_c
     """activations.py's count of SD 1.x's UNet at 512 px (per image, bf16, meta device) is COUNTED_SD1, the
     figure its GPU measurement calibrates; counted with the eager attention matrix instead it would be more."""
     import torch
-    from transformers import CLIPTokenizer
 
     from dreambooth import activations
 
-    tokenizer = CLIPTokenizer.from_pretrained(models.TINY_TOKENIZER_DIR, model_max_length=77)
     counts = []
     for checkpointed in (False, True):
-        with torch.device("meta"):
-            unet = models.build_networks("sd15", "sd1", tokenizer)["unet"]
-        unet = unet.to(torch.bfloat16).train()
+        unet = models.meta_networks("sd15", "sd1")["unet"].to(torch.bfloat16).train()
         if checkpointed:
             unet.enable_gradient_checkpointing()
         meta = dict(device="meta", dtype=torch.bfloat16)
