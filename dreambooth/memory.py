@@ -150,19 +150,17 @@ def fixes(family, setup, free_gib, params=None, source=None):
     result first (gradient checkpointing, 8-bit Adam), then those that change what is trained
     (the text encoder frozen, LoRA; for a flow-matching transformer also LoRA over an int8 or nf4 base),
     then smaller steps and images: (flags to add, the Setup, its Need), or None."""
-    ladder = [dict(gradient_checkpointing=True), dict(use_8bit_adam=True), dict(train_text_encoder=False)]
-    candidates, changes = [], {}
-    for change in ladder:
-        changes = {**changes, **change}
-        candidates.append(dict(changes))
+    def cumulative(ladder):  # each step of a ladder with every step before it
+        changes = {}
+        return [changes := {**changes, **change} for change in ladder]
+
     smaller = max(256, setup.resolution * 3 // 4 // 64 * 64)
     lora = [dict(lora=True), dict(gradient_checkpointing=True)]
     if families.FAMILIES[family].flow_matching:  # (T5 released, then the base quantised: 10-20 GiB each)
         lora += [dict(train_text_encoder=False), dict(base_precision="int8"), dict(base_precision="nf4")]
-    changes = {}
-    for change in lora + [dict(batch=1), dict(resolution=smaller)]:
-        changes = {**changes, **change}
-        candidates.append(dict(changes))
+    candidates = cumulative([dict(gradient_checkpointing=True), dict(use_8bit_adam=True),
+                             dict(train_text_encoder=False)]) + cumulative(lora + [dict(batch=1),
+                                                                                   dict(resolution=smaller)])
     for change in candidates:
         if all(getattr(setup, k) == v for k, v in change.items()):
             continue
