@@ -159,9 +159,9 @@ class DrawJob:
 
 
 def generate_batch(pipe, prompts, seeds, settings, call_kwargs=None):
-    """Run the pipeline once for a batch (settings: ImageSettings, as settings_for makes them: a guidance
-    of None is the pipeline's own default; call_kwargs: the family's, as it trains: family.pipeline_kwargs). One CPU generator per image: the noise of an image depends on
-    its seed alone, not on the batch it lands in or the device."""
+    """Run the pipeline once for a batch (settings: settings_for's; a guidance of None: the pipeline's default;
+    call_kwargs: family.pipeline_kwargs, as it trains). One CPU generator per image: the noise of an image
+    depends on its seed alone, not on the batch it lands in or the device."""
     import torch
 
     generators = [torch.Generator("cpu").manual_seed(int(s)) for s in seeds]

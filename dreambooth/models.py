@@ -204,8 +204,8 @@ def unwrap(model):
 def load_models(model_dir, denoiser_device, aux_device, train_text_encoder, allow_unsafe_weights=False, vae_dir=None,
                 family=None):
     """fp32 denoiser and text encoders, frozen VAE, in the mode training needs, still in host memory: their
-    devices are recorded, and place() moves them there (after LoRA's cast of the frozen weights: a 12 B
-    transformer never reaches the GPU in fp32).
+    devices are recorded, and Models.place_text_side / place_denoiser move them there (after LoRA's cast of
+    the frozen weights: a 12 B transformer never reaches the GPU in fp32).
 
     from_pretrained returns eval mode; trained networks must be in train mode, or
     transformers' gradient checkpointing (which acts only when training) never runs.
@@ -307,7 +307,7 @@ def load_frozen_denoiser(plan, device):
     dtype = steps.amp_dtype(plan.mixed_precision, device) or torch.float32
     denoiser = plan.family.load_denoiser(
         lambda cls, subfolder: from_pretrained(cls, plan.model_dir, plan.allow_unsafe_weights, subfolder=subfolder))
-    return denoiser.requires_grad_(False).eval().to(dtype=dtype)  # (models.Models.place moves it)
+    return denoiser.requires_grad_(False).eval().to(dtype=dtype)  # (Models.place_denoiser moves it)
 
 
 def has_lora(model):

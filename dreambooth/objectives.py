@@ -41,8 +41,8 @@ def check_flags(args, family):
         raise utils.UserError(f"--precondition_outputs is for flow-matching models (SD 3.5, Flux.1); {family.label} "
                               "predicts its scheduler's target directly")
     if not family.flow_matching and args.weighting_scheme:
-        raise utils.UserError(f"--weighting_scheme is for flow-matching models (SD 3.5, Flux.1); {family.label} is trained "
-                              "to denoise: use --snr_gamma to weigh its timesteps")
+        raise utils.UserError(f"--weighting_scheme is for flow-matching models (SD 3.5, Flux.1); {family.label} is "
+                              "trained to denoise: use --snr_gamma to weigh its timesteps")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,7 +31,8 @@ TRAIN_FLAGS = [
     "bucket_reso_steps", "train_text_encoder", "use_lora", "lora_rank", "lora_alpha", "lora_dropout",
     "train_batch_size", "learning_rate", "scale_lr", "lr_scheduler", "lr_warmup_steps", "lr_num_cycles", "lr_power",
     "offset_noise", "snr_gamma", "base_precision", "weighting_scheme", "logit_mean", "logit_std", "mode_scale",
-    "precondition_outputs", "guidance_scale", "caption_dropout_rate", "masked_loss", "use_ema", "ema_decay", "ema_update_after_step", "use_8bit_adam",
+    "precondition_outputs", "guidance_scale", "caption_dropout_rate", "masked_loss", "use_ema", "ema_decay",
+    "ema_update_after_step", "use_8bit_adam",
     "adam_beta1", "adam_beta2", "adam_weight_decay", "adam_epsilon", "max_grad_norm", "max_train_steps",
     "num_train_epochs", "mixed_precision", "seed", "num_workers", "gpus_per_worker", "use_gpu", "storage_path",
     "logging_steps", "report_to", "validation_prompt", "num_validation_images", "validation_steps",
@@ -94,7 +95,7 @@ class Plan:
     logit_std: float
     mode_scale: float
     precondition_outputs: int | None  # flow matching: the family's default when None
-    guidance_scale: float | None  # validation samples' guidance (Flux.1 dev: its guidance input in training too); None: the family's
+    guidance_scale: float | None  # the samples' guidance (Flux.1 dev: its training input too); None: the family's
     caption_dropout_rate: float  # share of instance rows trained on the empty prompt (its ids: the last "instance" row)
     use_ema: bool  # an exponential moving average of the trained weights is what validation and the output get
     ema_decay: float
@@ -109,7 +110,7 @@ class Plan:
     allow_tf32: bool
     mixed_precision: str | None  # None: bf16/fp16 on GPUs that have it, fp32 on CPU
     # memory and speed
-    fsdp: bool  # the denoiser sharded across the workers (models.fsdp) instead of DDP's copies
+    fsdp: bool  # the denoiser sharded across the workers (sharding.shard) instead of DDP's copies
     gradient_checkpointing: bool
     channels_last: bool
     torch_compile: str | None

@@ -26,7 +26,8 @@ WEIGHT_FLAGS = (
     "adam_beta1", "adam_beta2", "adam_weight_decay", "adam_epsilon", "max_grad_norm", "mixed_precision", "seed",
     "max_train_steps", "num_train_epochs", "cache_latents",
 )
-FLOW_FLAGS = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "precondition_outputs")  # ... of a flow-matching family
+# ... of a flow-matching family
+FLOW_FLAGS = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "precondition_outputs")
 # The parts of an identity that are files, as the line that names a difference says them.
 FILE_PARTS = {"base_model": "the base model", "vae": "the VAE", "photos": "the photos (their content)",
               "class_images": "the class images (their content)"}

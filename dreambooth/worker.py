@@ -83,9 +83,9 @@ def prepare_worker(plan, rank, world, local_world_size):
     text = {}
 
     def encode(nets):
-        """The prompts' states, from the text encoders as loaded (before any checkpoint's weights: the class
-        prompt as the base model reads it), and the sampler, which encodes its own prompts now when the
-        encoders are frozen: then they leave the device before the denoiser arrives."""
+        """The prompts' states, from the text encoders as loaded, before the denoiser arrives (and before any
+        checkpoint's weights: the class prompt as the base model reads it), and the sampler, which encodes its
+        own prompts now when the encoders are frozen: then they leave the device."""
         text_encoders = [models.unwrap(te) for te in nets.text_encoders()]
         text["prompts"] = conditioning.step_prompts(plan.family, text_encoders, plan, ids, aux_device)
         if plan.prior_prediction:
@@ -98,9 +98,7 @@ def prepare_worker(plan, rank, world, local_world_size):
 
     nets = models.setup_models(plan, denoiser_device, aux_device, distributed=world > 1,
                                load_guard=failures.cannot_be_retried(f"loading the model {plan.model_dir}", model_error),
-                               before_denoiser=encode if plan.text_encoded_once else None)
-    if not text:
-        encode(nets)
+                               before_denoiser=encode)
     state = steps.make_train_state(nets, plan)
     step_prompts = text["prompts"]
     # Ray's own checkpoint (a restarted worker group) wins over the one the run started from.
