@@ -22,6 +22,7 @@ from dreambooth import flags
 from dreambooth import models
 from dreambooth import outputs
 from dreambooth import utils
+from dreambooth.family import kohya_text_module
 
 # ------------------------------------------------------------------ full model
 
@@ -174,9 +175,8 @@ def kohya_lora(state_dict, alphas):
         if match is None:
             raise utils.UserError(f"export: {key} is not a LoRA weight of the UNet or text encoder")
         model, module, kind = match.groups()
-        if model != "unet" and not module.startswith("text_model."):
-            module = "text_model." + module
-        name = prefixes[model] + module.replace(".", "_")
+        name = prefixes[model] + module.replace(".", "_") if model == "unet" else \
+            kohya_text_module(prefixes[model], module)
         direction = "down" if kind.endswith(("down", "lora_A")) else "up"
         out[f"{name}.lora_{direction}.weight"] = tensor
         if direction == "down":

@@ -26,6 +26,12 @@ def vae_scale(model_dir):
     return 2 ** (len(part_config(model_dir, "vae")["block_out_channels"]) - 1)
 
 
+def kohya_text_module(prefix, module):
+    """kohya's name of a text encoder's LoRA module (peft's name, with or without text_model.): prefix
+    (lora_te_, lora_te1_, ...) and text_model_<module path with underscores>."""
+    return prefix + (module if module.startswith("text_model.") else "text_model." + module).replace(".", "_")
+
+
 def config_of(model):
     """A network's config under DDP's and torch.compile's wrappers (which have none of their own)."""
     while not hasattr(model, "config"):

@@ -174,10 +174,10 @@ class Flux(family.Family):
         widths = {"q": width, "k": width, "v": width, "mlp": 4 * width}  # (Flux's MLP ratio is 4)
         groups = {}  # kohya module -> {part: (down, up)}, in the fused layer's row order
         for key, tensor in state_dict.items():
-            network, module, kind = key.split(".", 1)[0], key.split(".", 1)[1].rsplit(".", 2)[0], key.split(".")[-2]
+            network, rest = key.split(".", 1)
+            module, kind, _ = rest.rsplit(".", 2)  # (<module>.lora_A.weight)
             if network == "text_encoder":
-                name = "lora_te1_" + ("" if module.startswith("text_model.") else "text_model_") + module.replace(".", "_")
-                part = None
+                name, part = family.kohya_text_module("lora_te1_", module), None
             else:
                 name, part = kohya_module(module)
             groups.setdefault(name, {}).setdefault(part, [None, None])[kind == "lora_B"] = tensor
