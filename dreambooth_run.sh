@@ -54,6 +54,7 @@ VARIABLES=(
   "EVAL_MODELS_CACHE|\$DATA_PREFIX/model-eval|DINO and CLIP for Step 6"
   "EVAL_DIR|\$DATA_PREFIX/subjects/<SUBJECT>/eval|Step 6's scores, report and images"
   "LOG_DIR|\$DATA_PREFIX/logs|one log file per run"
+  "NOTIFY_URL||a Slack/Discord/any webhook told when training starts, ends or fails, and Step 6's scores (never logged)"
   "RETRAIN||1: train Step 4 again even when the model of these settings and photos is there"
   "PYTHON|python|the Python that runs the steps"
 )
@@ -303,10 +304,12 @@ for entry in "${VARIABLES[@]}"; do
   name="${entry%%|*}"
   case "$name" in INSTANCE_DIR) value="$PHOTOS_DIR" ;; SUBJECT_TYPE) value="$SUBJECT_TYPE_SAID" ;;
     MAX_TRAIN_STEPS) value="$TRAIN_STEPS" ;; LEARNING_RATE) value="${LEARNING_RATE:-train.py default}" ;;
+    NOTIFY_URL) value="${NOTIFY_URL:+(set; a webhook URL is not shown)}" ;;
     *) value="${!name:-}" ;; esac
   printf '  %-20s %s\n' "$name" "$value"
 done
-echo "  train.py extra flags: $TRAIN_ARGS ${EXTRA_TRAIN_ARGS[*]:-}"
+# (a webhook URL is a secret: not shown)
+echo "  train.py extra flags: $TRAIN_ARGS ${EXTRA_TRAIN_ARGS[*]:-}" | sed -E 's#(--notify_url[= ])[^ ]+#\1(not shown)#g'
 mkdir -p "$ORIG_MODEL_DIR" "$TUNED_MODEL_DIR" "$IMAGES_NEW_DIR"
 
 step "1: cache the base model ($($tiny && echo "the built-in tiny one" || echo "$ORIG_MODEL_NAME"))"
@@ -375,6 +378,7 @@ fi
   --checkpointing_steps="$CHECKPOINTING_STEPS" \
   $([ -n "$RETRAIN" ] || echo --resume_from_checkpoint=auto) \
   --holdout="$HOLDOUT" \
+  ${NOTIFY_URL:+--notify_url="$NOTIFY_URL"} \
   "${TRAIN_OPTIONS[@]}" "${TRAIN_ARGS_LIST[@]}" "${EXTRA_TRAIN_ARGS[@]}"
 
 step "5: $NUM_NEW_IMAGES images of the subject in $IMAGES_NEW_DIR"
@@ -427,6 +431,7 @@ EVAL_MODELS_DIR="$(tail -n 1 "$EVAL_FETCH_LOG.path")"
   --output_dir="$EVAL_DIR" \
   --num_samples_per_prompt="$NUM_EVAL_IMAGES" \
   --holdout="$HOLDOUT" \
+  ${NOTIFY_URL:+--notify_url="$NOTIFY_URL"} \
   --num_inference_steps="$NUM_INFERENCE_STEPS"
 
 echo "done: scores of the tuned model beside the base model in $EVAL_DIR/report.md"

@@ -23,9 +23,11 @@ from dreambooth import flags
 from dreambooth import generate
 from dreambooth import imagefiles
 from dreambooth import imaging
+from dreambooth import notify
 from dreambooth import outputs
 from dreambooth import raycluster
 from dreambooth import scores
+from dreambooth import trackers
 from dreambooth import utils
 
 EVAL_PROMPTS_DIR = os.path.join(utils.REPO_DIR, "assets", "eval_prompts")
@@ -325,7 +327,7 @@ def main(argv=None):
         "model_dir", "lora_dir", "base_model_dir", "instance_data_dir", "unique_token", "class_name",
         "subject_type", "eval_prompts", "eval_models_dir", "output_dir", "num_samples_per_prompt", "batch_size",
         "num_inference_steps", "guidance_scale", "seed", "resolution", "num_actors", "allow_unsafe_weights",
-        "holdout"],
+        "holdout", "notify_url"],
         helps={"model_dir": "The tuned model: train.py's output folder (full, or --use_lora adapters on their base).",
                "num_samples_per_prompt": "Images per prompt and model (the paper: 4).",
                "holdout": "The last N photos (in name order) were kept out of training (train.py --holdout N): "
@@ -333,6 +335,21 @@ def main(argv=None):
                "output_dir": "Where the images, scores.json, report.md and the grids go."})
     parser.set_defaults(num_samples_per_prompt=4)
     args = cache_model.resolve_models(parser.parse_args(argv))
+    try:
+        result = evaluate(args)
+    except (Exception, KeyboardInterrupt) as err:
+        notify.send(args.notify_url, "failed", f"DreamBooth scores of {args.model_dir} failed: {notify.cause_of(err)}",
+                    model_dir=args.model_dir, cause=notify.cause_of(err))
+        raise
+    tuned = result.overall("tuned")
+    notify.send(args.notify_url, "finished", f"DreamBooth scores of {args.lora_dir or args.model_dir}: {summary(tuned)}",
+                model_dir=args.lora_dir or args.model_dir, scores={k: v for k, v in tuned.items() if v is not None})
+    return result
+
+
+def evaluate(args):
+    """The EvalResult of evaluate.py's parsed flags; the tuned model's scores also go to the W&B/MLflow runs
+    its training was logged to."""
     subject = Subject(os.path.basename(args.instance_data_dir), args.instance_data_dir, args.unique_token,
                       args.class_name, args.subject_type, args.eval_prompts, args.holdout)
     check_holdout(args.lora_dir or args.model_dir, subject)
@@ -348,6 +365,10 @@ def main(argv=None):
                  EvalSettings.from_args(args), args.output_dir)[subject.name]
     print(f"tuned: {summary(result.overall('tuned'))}; report "
           f"{os.path.join(args.output_dir, 'report.md')}", file=sys.stderr)
+    output = outputs.read_output(args.lora_dir or args.model_dir)
+    if output is not None and output.record.trackers:
+        trackers.log_scores(output.record.trackers, output.record.steps or 0, result.overall("tuned"),
+                            "the tuned model")
     return result
 
 

@@ -81,13 +81,10 @@ def ema_decay(value):
     return number
 
 
-def report_target(value):
-    """--report_to's value; wandb (diffusers' default in its commands) is named with what to use instead,
-    not listed as a choice."""
-    if value == "wandb":
-        raise argparse.ArgumentTypeError("wandb is not supported: --report_to tensorboard writes loss, learning "
-                                         "rate and images/s as TensorBoard events in the run folder (metrics.jsonl "
-                                         "and loss.png are always there)")
+def webhook_url(value):
+    """--notify_url's value: an http(s) URL (it is never echoed: a webhook URL is a secret)."""
+    if not value.startswith(("https://", "http://")):
+        raise argparse.ArgumentTypeError("needs an http:// or https:// webhook URL")
     return value
 
 
@@ -379,9 +376,18 @@ FLAGS = {
                   "Default: ray_results/ beside --output_dir.")),
     # --- logging and checkpoints
     "report_to": (("--report_to",),
-        dict(choices=["none", "tensorboard"], default="none", type=report_target,
-             help="Also write loss, learning rate and images/s as TensorBoard events into the run folder's "
-                  "tensorboard/ (view: pip install tensorboard; tensorboard --logdir <run folder>).")),
+        dict(choices=["none", "tensorboard", "wandb", "mlflow", "all"], default="none",
+             help="Also send the run's settings, loss, learning rate, images/s and validation images to: "
+                  "tensorboard (events in the run folder's tensorboard/), wandb (a W&B run; offline in the run "
+                  "folder when there is no API key or no network: wandb sync later), mlflow (MLFLOW_TRACKING_URI, "
+                  "default a SQLite store mlflow.db under --storage_path), or all. evaluate.py adds the model's "
+                  "scores to the same W&B/MLflow run. metrics.jsonl and loss.png are always written.")),
+    "tracker_project_name": (("--tracker_project_name",),
+        dict(default="dreambooth", metavar="NAME", help="The W&B project or MLflow experiment of --report_to.")),
+    "notify_url": (("--notify_url",),
+        dict(type=webhook_url, default=None, metavar="URL",
+             help="POST a JSON message to this webhook when the run starts, finishes (with its result) or fails "
+                  "(with its cause): Slack and Discord webhooks take it as it is. Never written to a file or log.")),
     "validation_prompt": (("--validation_prompt",),
         dict(type=one_prompt, action="append", default=None, metavar="PROMPT",
              help="Sample this prompt during training with the current weights (one prompt, commas and all; "
@@ -588,7 +594,8 @@ REFUSED = {
     "--prior_generation_precision": "class images are generated in fp16 on GPUs and fp32 on CPUs; "
                                     "generate.py makes them",
     "--local_rank": "Ray Train starts and ranks the workers: set --num_workers",
-    "--logging_dir": "TensorBoard events go to the run folder's tensorboard/ under --storage_path",
+    "--logging_dir": "tracker files go to the run folder under --storage_path (TensorBoard's tensorboard/, "
+                     "W&B's wandb/); MLFLOW_TRACKING_URI sets MLflow's store",
     "--dataloader_num_workers": "Ray Data decodes and batches the images on the cluster's CPUs",
     "--validation_scheduler": "validation samples use the model's own scheduler, as generate.py does",
     "--validation_images": _IF_ONLY, "--class_labels_conditioning": _IF_ONLY,
@@ -668,7 +675,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 CONFIG_HELP = ("TOML file of flag values, keys named as the flags (model_dir = \"...\", max_train_steps = 400, "
                "validation_prompt = [\"...\"]); the command line wins. Every run writes one beside its outputs "
                "that repeats it.")
-NOT_WRITTEN = ("config", "help", "resume_from_checkpoint")  # a repeated run starts afresh
+NOT_WRITTEN = ("config", "help", "resume_from_checkpoint", "notify_url")  # a repeated run starts afresh;
+# a webhook URL is a secret (it is its own key)
 
 
 class OneLineErrorParser(argparse.ArgumentParser):

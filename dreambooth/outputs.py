@@ -23,6 +23,7 @@ import uuid
 from dreambooth import families
 from dreambooth import flags
 from dreambooth import models
+from dreambooth import trackers
 from dreambooth import utils
 
 IMAGES_RECORD = "dreambooth_images.json"  # beside generated images: what drew them
@@ -69,13 +70,15 @@ class TrainRecord:
     model_id: str = None  # made when it was saved (new_model_id); None in records older than the id
     run_name: str = None
     identity: dict = None  # run_identity.of_run: what decided its weights
+    trackers: dict = None  # the W&B/MLflow runs it was logged to (trackers.RECORD), for evaluate.py's scores
 
     @classmethod
     def of_plan(cls, plan):
         """The record of a model saved now at the plan's end step, with a new model id."""
         return cls(plan.model_dir, plan.end_step, plan.instance_prompt, plan.class_prompt, plan.vae_dir,
                    LoraSettings.of(plan), plan.ema_decay if plan.use_ema else None, tuple(plan.held_out),
-                   new_model_id(), plan.run_name, plan.identity)
+                   new_model_id(), plan.run_name, plan.identity,
+                   trackers.read_record(os.path.join(plan.storage_path, plan.run_name)) or None)
 
     @classmethod
     def from_json(cls, data):

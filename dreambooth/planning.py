@@ -35,7 +35,7 @@ TRAIN_FLAGS = [
     "ema_update_after_step", "use_8bit_adam",
     "adam_beta1", "adam_beta2", "adam_weight_decay", "adam_epsilon", "max_grad_norm", "max_train_steps",
     "num_train_epochs", "mixed_precision", "seed", "num_workers", "gpus_per_worker", "use_gpu", "storage_path",
-    "logging_steps", "report_to", "validation_prompt", "num_validation_images", "validation_steps",
+    "logging_steps", "report_to", "tracker_project_name", "notify_url", "validation_prompt", "num_validation_images", "validation_steps",
     "validation_epochs", "validation_inference_steps", "vae_dir", "checkpointing_steps", "checkpoints_total_limit",
     "keep_checkpoints", "resume_from_checkpoint", "max_failures", "overwrite", "allow_unsafe_weights",
     "gradient_accumulation_steps", "gradient_checkpointing", "cache_latents", "precompute_text_embeddings",
@@ -130,7 +130,9 @@ class Plan:
     max_failures: int
     # logging and checkpoints
     logging_steps: int
-    report_to: str  # "none" | "tensorboard"
+    report_to: str  # "none" | "tensorboard" | "wandb" | "mlflow" | "all" (trackers.py)
+    tracker_project_name: str
+    notify_url: str  # (never written: a secret)
     progress_bar: bool  # rank 0 draws a bar: only when the driver's stderr is a terminal
     checkpointing_steps: int
     checkpoints_total_limit: int | None

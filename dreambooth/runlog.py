@@ -1,5 +1,5 @@
 """The record of a training run in its folder under --storage_path: metrics.jsonl (rank 0,
-a line per logging window), TensorBoard events with --report_to tensorboard, and loss.png
+a line per logging window), the --report_to trackers' runs (trackers.py), and loss.png
 drawn from metrics.jsonl at the end."""
 
 import json
@@ -11,38 +11,35 @@ METRICS_FILE = "metrics.jsonl"
 
 class RunLog:
     """Rank 0's record of a run in its folder: one JSON line per logging window in
-    metrics.jsonl (with the wall-clock time it ended), and with --report_to tensorboard
-    the same scalars and the validation images as TensorBoard events in tensorboard/."""
+    metrics.jsonl (with the wall-clock time it ended), and the same scalars, the validation
+    images and the run's settings in the --report_to trackers (trackers.py)."""
 
-    def __init__(self, plan):
+    def __init__(self, plan, continues=False):
+        """continues: the run goes on from a checkpoint (its trackers' runs go on too)."""
+        from dreambooth import trackers
+
         self.folder = os.path.join(plan.storage_path, plan.run_name)
         os.makedirs(self.folder, exist_ok=True)
-        self.writer = None
-        if plan.report_to == "tensorboard":
-            from tensorboardX import SummaryWriter
-
-            self.writer = SummaryWriter(os.path.join(self.folder, "tensorboard"))
+        previous = None
+        if continues:  # this run folder's own record (a restarted worker group), else the resumed run's
+            previous = trackers.read_record(self.folder) or trackers.read_record(
+                os.path.dirname(plan.resume_path) if plan.resume_path else None)
+        self.trackers = list(trackers.open_trackers(plan, self.folder, previous).values())
 
     def write(self, metrics):
         with open(os.path.join(self.folder, METRICS_FILE), "a") as f:
             f.write(json.dumps({**metrics, "time": time.time()}) + "\n")
-        if self.writer:
-            for name in ("loss", "lr", "images_per_s"):
-                self.writer.add_scalar(f"train/{name}", metrics[name], metrics["step"])
-            self.writer.flush()
+        for tracker in self.trackers:
+            tracker.scalars(metrics["step"], {f"train/{name}": metrics[name] for name in ("loss", "lr", "images_per_s")})
 
     def write_images(self, step, timeline, images):
-        """A validation round's images (name -> PIL image) as TensorBoard images."""
-        if self.writer:
-            import numpy as np
-
-            for name, image in images.items():
-                self.writer.add_image(f"validation/{name}", np.asarray(image), step, dataformats="HWC")
-            self.writer.flush()
+        """A validation round's images (name -> PIL image)."""
+        for tracker in self.trackers:
+            tracker.images(step, {f"validation/{name}": image for name, image in images.items()})
 
     def close(self):
-        if self.writer:
-            self.writer.close()
+        for tracker in self.trackers:
+            tracker.close()
 
 
 def plot_metrics(metrics_file):

@@ -14,16 +14,19 @@ it): 5e-6 AdamW updates vanish when the weights themselves are bf16.
 
 import os
 import sys
+import time
 
 from dreambooth import checkpoint
 from dreambooth import dataset
 from dreambooth import families
 from dreambooth import flags
 from dreambooth import generate
+from dreambooth import notify
 from dreambooth import outputs
 from dreambooth import planning
 from dreambooth import raycluster
 from dreambooth import runlog
+from dreambooth import trackers
 from dreambooth import utils
 from dreambooth import worker
 
@@ -34,7 +37,31 @@ def main(argv=None):
 
 def run(args, stop_step=None):
     """A training run of parsed flags (plan.parse_args): class images topped up, the plan made and
-    printed, train_fn on a TorchTrainer. sweep.py's trials call it directly."""
+    printed, train_fn on a TorchTrainer; --notify_url told when it starts, finishes or fails. sweep.py's
+    trials call it directly."""
+    trackers.check_installed(args.report_to)
+    began = time.time()
+    try:
+        result, plan = train_planned(args, stop_step, lambda text, **fields: notify.send(
+            args.notify_url, "started", text, **fields))
+    except (Exception, KeyboardInterrupt) as err:
+        cause = notify.cause_of(err)
+        notify.send(args.notify_url, "failed", f"DreamBooth training of {args.output_dir} failed: {cause}",
+                    output_dir=args.output_dir, cause=cause)
+        raise
+    if plan is not None:
+        loss = (result.metrics or {}).get("loss")
+        notify.send(args.notify_url, "finished",
+                    f"DreamBooth run {plan.run_name} finished: {plan.end_step} steps in {time.time() - began:.0f} s"
+                    + (f", final loss {loss:.4f}" if loss is not None else "") + f"; model in {plan.output_dir}",
+                    run=plan.run_name, steps=plan.end_step, loss=loss, output_dir=plan.output_dir,
+                    seconds=round(time.time() - began, 1))
+    return result
+
+
+def train_planned(args, stop_step, started):
+    """(result, plan) of run's training, (None, None) when the model is already trained; started(text,
+    **fields) is called once the run is planned."""
     def draw():
         top_up_class_images(args.model_dir, args.class_data_dir, args.class_prompt, args.num_class_images,
                             args.seed, args.resolution, args.allow_unsafe_weights)
@@ -44,10 +71,13 @@ def run(args, stop_step=None):
                                  draw_class_images=draw if args.num_class_images else None, stop_step=stop_step)
     except planning.AlreadyTrained as done:
         print(done, file=sys.stderr)
-        return None
+        return None, None
     print(plan.describe(), file=sys.stderr)
     config = flags.write_config(os.path.join(plan.storage_path, plan.run_name, outputs.TRAIN_CONFIG), plan.settings_toml)
     print(f"settings: {config} (python train.py --config {config} repeats this run)", file=sys.stderr)
+    started(f"DreamBooth run {plan.run_name} started: {plan.end_step} steps on {plan.num_workers} worker(s)"
+            f"{', resumed from ' + plan.resume_path if plan.resume_path else ''}; model to {plan.output_dir}",
+            run=plan.run_name, steps=plan.end_step, workers=plan.num_workers, output_dir=plan.output_dir)
     try:
         result = run_trainer(plan, train_dataset(plan))
     except KeyboardInterrupt:
@@ -68,7 +98,7 @@ def run(args, stop_step=None):
     plot = runlog.plot_metrics(os.path.join(result.path, runlog.METRICS_FILE))
     if plot:
         print(f"loss and learning rate plotted in {plot}", file=sys.stderr)
-    return result
+    return result, plan
 
 
 def start_ray():

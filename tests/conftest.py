@@ -12,8 +12,12 @@ os.environ.pop("RAY_AUTH_TOKEN", None)
 _TOKEN_DIR = __import__("tempfile").mkdtemp(prefix="dreambooth-tests-")
 os.environ["RAY_AUTH_TOKEN_PATH"] = os.path.join(_TOKEN_DIR, "auth_token")
 __import__("atexit").register(__import__("shutil").rmtree, _TOKEN_DIR, True)
+# W&B never goes online from the suite (workers inherit this), whatever key the machine has.
+os.environ["WANDB_MODE"] = "offline"
+os.environ.pop("MLFLOW_TRACKING_URI", None)
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_DIR)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (the tests' helper modules)
 
 import pytest  # noqa: E402
 
@@ -257,3 +261,13 @@ def red_is_mask_photos(folder, count=3):
             Image.fromarray(mask).save(folder / f"p{k}{imagefiles.MASK_SUFFIX}")
         photos.append(str(path))
     return photos
+
+
+@pytest.fixture()
+def webhook():
+    """A local webhook server (trackerfiles.Webhook): .url, .received [(path, JSON body)]."""
+    from trackerfiles import Webhook
+
+    hook = Webhook()
+    yield hook
+    hook.close()

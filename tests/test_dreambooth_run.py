@@ -23,7 +23,7 @@ def data_prefix(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["full", "lora"])
-def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request):
+def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request, webhook):
     """The full run as a one-GPU user runs it (no NUM_WORKERS: one worker here, on the CPU), on a machine
     where Ray's temp folder names a stranger's cluster; then the LoRA run retrains into the same folders,
     as a user's second run does, on a 2-node cluster with token authentication: 2 workers (DDP of the
@@ -48,11 +48,12 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request):
         env.update(NUM_WORKERS="2", MAX_TRAIN_STEPS="10", TRAIN_ARGS="--logging_steps 5", NUM_CLASS_IMAGES="4")
         env["RAY_ADDRESS"] = request.getfixturevalue("two_node_cluster")[0]
     else:
-        env.update(MAX_TRAIN_STEPS="99")  # the step count after -- wins, in the banners too
+        env.update(MAX_TRAIN_STEPS="99", NOTIFY_URL=webhook.url)  # the step count after -- wins, in the banners too
         env.pop("RAY_ADDRESS")  # no cluster to join: the script starts one for its steps
         env.pop("RAY_AUTH_MODE", None)  # as in a user's shell: token authentication by default
     # train.py's flags after --: LoRA that way trains at LoRA's learning rate (train.py's default)
-    extra = ["--", "--use_lora"] if mode == "lora" else ["--", "--seed", "1", "--max_train_steps", "4"]
+    extra = ["--", "--use_lora"] if mode == "lora" else ["--", "--seed", "1", "--max_train_steps", "4",
+                                                         "--report_to", "mlflow"]
     sessions, heads_before = ray_sessions(), set(glob.glob("/tmp/dreambooth-ray-*"))
     if mode == "full":  # as a person runs it: on a terminal, which gets progress bars
         returncode, output = run_in_terminal(["bash", "dreambooth_run.sh", "--tiny", *extra], env, 600)
@@ -156,6 +157,16 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request):
     report = (evaluation / "report.md").read_text()
     assert "| tuned |" in report and "| base |" in report and "| a unqtkn toy in the snow |" in report
     assert "done: scores of the tuned model beside the base model in" in output
+    # NOTIFY_URL heard training start and end, then the scores; the MLflow run of the training has them too.
+    assert [body["event"] for _, body in webhook.received] == ["started", "finished", "finished"]
+    assert webhook.received[2][1]["scores"]["dino"] == pytest.approx(scores["models"]["tuned"]["overall"]["dino"])
+    assert webhook.url not in output and "a webhook URL is not shown" in output
+    import mlflow
+
+    run = json.loads((subject_dir / "model-tuned" / OUTPUT_MARKER).read_text())["trackers"]["mlflow"]
+    metrics = mlflow.MlflowClient(run["tracking_uri"]).get_run(run["run_id"]).data.metrics
+    assert metrics["eval/dino"] == pytest.approx(scores["models"]["tuned"]["overall"]["dino"]) and "train/loss" in metrics
+    assert "the tuned model's scores added to its mlflow run" in output
     from diffusers import DiffusionPipeline
 
     tuned = DiffusionPipeline.from_pretrained(str(subject_dir / "model-tuned"))

@@ -204,9 +204,9 @@ def test_the_sdxl_lora_readme_command_parses_and_what_differs_says_what_to_do(ca
     args = parse_train(argv)
     assert (args.use_lora, args.vae_dir, args.validation_epochs, args.resolution) == (True, "/vae", 25, 1024)
     assert args.validation_steps is None  # decided from the epoch's steps when the run is planned
-    assert "{none,tensorboard}" in planning.train_parser().format_help()  # what --help offers is what runs
-    for extra, says in ((["--report_to=wandb"], "--report_to tensorboard writes"),
-                        (["--push_to_hub"], "upload the result yourself"),
+    assert "{none,tensorboard,wandb,mlflow,all}" in planning.train_parser().format_help()
+    assert parse_train(argv + ["--report_to=wandb"]).report_to == "wandb"  # (as diffusers' command has it)
+    for extra, says in ((["--push_to_hub"], "upload the result yourself"),
                         (["--optimizer=prodigy"], "the optimizer is AdamW"),
                         (["--validation_steps=5"], "not both")):
         with pytest.raises(SystemExit):

@@ -64,7 +64,7 @@ def class_images(ray_session, tiny_model, tmp_path_factory):
 
 @pytest.mark.slow
 def test_train_two_workers_saves_a_changed_loadable_pipeline(ray_session, tiny_model, toy_images, class_images,
-                                                             tmp_path, monkeypatch, capfd):
+                                                             tmp_path, monkeypatch, capfd, webhook):
     import sys
 
     from diffusers import DiffusionPipeline
@@ -87,7 +87,8 @@ def test_train_two_workers_saves_a_changed_loadable_pipeline(ray_session, tiny_m
                          "--instance_prompt", "photo of unqtkn toy", "--class_images_dir", class_images,
                          "--class_prompt", "photo of a toy", "--train_batch_size", "2", "--lr", "1e-4",
                          "--num_epochs", "4", "--max_train_steps", "5", "--num_workers", "2",
-                         "--logging_steps", "2", "--checkpointing_steps", "3", "--report_to", "tensorboard",
+                         "--logging_steps", "2", "--checkpointing_steps", "3", "--report_to", "all",
+                         "--notify_url", webhook.url,
                          "--checkpoints_total_limit", "2", "--keep_checkpoints", "--validation_prompt", "photo of unqtkn toy", "--num_validation_images", "3",
                          "--validation_inference_steps", "2"])
     assert result.metrics["step"] == 5 and result.metrics["loss"] > 0
@@ -125,6 +126,27 @@ def test_train_two_workers_saves_a_changed_loadable_pipeline(ray_session, tiny_m
     assert sorted(os.listdir(samples)) == ["step-3", "step-5", "timeline.png"]
     assert all(sorted(os.listdir(os.path.join(samples, s))) == names for s in ("step-3", "step-5"))
     assert images_logged(os.path.join(result.path, "tensorboard")) == {f"validation/{n}": [3, 5] for n in names}
+    # The same windows and images in the W&B run (offline: no key) and the MLflow run (the default store under
+    # the storage path), which the model's record names for evaluate.py's scores.
+    from trackerfiles import wandb_records
+
+    record = outputs.read_output(str(out)).record.trackers
+    seen = wandb_records(result.path)
+    assert seen["ids"] == {record["wandb"]["id"]} and seen["config"]["max_train_steps"] == 5
+    assert [(h["_step"], h["train/loss"]) for h in seen["history"] if "train/loss" in h] == [
+        (m["step"], pytest.approx(m["loss"])) for m in lines]
+    assert sorted(h["_step"] for h in seen["history"] if f"validation/{names[0]}/_type" in h) == [3, 5]
+    import mlflow
+
+    client = mlflow.MlflowClient(record["mlflow"]["tracking_uri"])
+    assert record["mlflow"]["tracking_uri"] == f"sqlite:///{tmp_path}/ray_results/mlflow.db"
+    history = client.get_metric_history(record["mlflow"]["run_id"], "train/images_per_s")
+    assert [m.step for m in history] == [2, 3, 4, 5] and all(m.value > 0 for m in history)
+    assert client.get_run(record["mlflow"]["run_id"]).data.params["instance_prompt"] == "photo of unqtkn toy"
+    # The webhook heard the start and the end (with the final loss), and no URL reached the run's files.
+    assert [body["event"] for _, body in webhook.received] == ["started", "finished"]
+    assert webhook.received[1][1]["loss"] == pytest.approx(result.metrics["loss"])
+    assert webhook.url not in open(out / outputs.TRAIN_CONFIG).read()
 
 
 @pytest.mark.slow

@@ -1,0 +1,138 @@
+"""--report_to's W&B and MLflow runs read back from their own files, and --notify_url's messages as a
+local webhook server receives them."""
+
+import os
+
+import pytest
+from trackerfiles import Webhook, wandb_records
+
+from dreambooth import flags
+from dreambooth import notify
+from dreambooth import planning
+from dreambooth import trackers
+from dreambooth import utils
+
+
+def test_notify_posts_json_that_slack_and_discord_read_and_never_says_the_url(webhook, capsys):
+    assert notify.send(webhook.url, "finished", "run r finished", run="r", loss=0.25)
+    path, body = webhook.received[0]
+    assert path == "/hooks/secret-part"
+    assert body == {"text": "run r finished", "content": "run r finished", "event": "finished", "run": "r",
+                    "loss": 0.25}
+    assert notify.body("https://hooks.slack.com/services/T/B/x", "failed", "t", {"cause": "c"}) == {"text": "t"}
+    assert notify.body("https://discord.com/api/webhooks/1/x", "failed", "t", {"cause": "c"}) == {"content": "t"}
+    # A webhook that refuses, or nothing listening: one warning line naming the host only, the run goes on.
+    refusing = Webhook(status=403)
+    try:
+        assert not notify.send(refusing.url, "started", "x")
+    finally:
+        refusing.close()
+    assert not notify.send(webhook.url.replace(str(webhook.server.server_port), "9"), "started", "x")
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and all("127.0.0.1" in line and "secret-part" not in line for line in err), err
+    assert "403" in err[0]
+    assert notify.send(None, "started", "x") is False  # no URL: nothing sent, nothing said
+
+
+def test_notify_url_is_http_and_never_written_to_the_runs_settings():
+    argv = ["--model_dir", "/m", "--output_dir", "/o", "--instance_data_dir", "/i", "--instance_prompt", "x"]
+    args = planning.parse_args(argv + ["--notify_url", "https://hooks.slack.com/services/T/B/secret",
+                                       "--report_to", "all"])
+    assert args.notify_url.endswith("/secret") and "secret" not in args.settings_toml
+    assert trackers.chosen(args.report_to) == trackers.TRACKERS
+    with pytest.raises(SystemExit):
+        planning.parse_args(argv + ["--notify_url", "file:///etc/passwd"])
+
+
+def test_a_missing_tracker_package_is_one_line_with_the_pip_command(monkeypatch):
+    monkeypatch.setitem(trackers.PACKAGES, "wandb", ("wandb_not_installed_here", "wandb"))
+    with pytest.raises(utils.UserError, match=r"^--report_to wandb needs the wandb_not_installed_here package: "
+                                              r"pip install wandb$"):
+        trackers.check_installed("all")
+    trackers.check_installed("mlflow")  # (installed here: requirements-dev.txt)
+
+
+def test_wandb_goes_offline_without_a_key(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    assert trackers.wandb_mode() == ("offline", "no W&B API key")
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert trackers.wandb_mode() == ("disabled", "WANDB_MODE")
+    # A key, but the host cannot be reached (a closed port on this machine): offline too.
+    monkeypatch.delenv("WANDB_MODE")
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
+    assert trackers.wandb_mode() == ("offline", "127.0.0.1:9 cannot be reached")
+
+
+def mlflow_run(uri, run_id):
+    import mlflow
+
+    client = mlflow.MlflowClient(uri)
+    return client, client.get_run(run_id)
+
+
+@pytest.mark.slow  # (W&B starts its service process)
+def test_wandb_and_mlflow_runs_get_the_settings_metrics_images_and_later_the_scores(tmp_path, monkeypatch):
+    from PIL import Image
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "MLFLOW_TRACKING_URI"):
+        monkeypatch.delenv(name, raising=False)
+    settings = "model_dir = \"/m\"\nvalidation_prompt = [\"a, b\", \"c\"]\nlearning_rate = 5e-06\n"
+    plan = planning.offline_plan(report_to="all", storage_path=str(tmp_path / "results"), run_name="subject-1",
+                                 settings_toml=settings)
+    folder = os.path.join(plan.storage_path, plan.run_name)
+    os.makedirs(folder)
+    opened = trackers.open_trackers(plan, folder)
+    for step in (2, 4):
+        for tracker in opened.values():
+            tracker.scalars(step, {"train/loss": 0.1 * step, "train/lr": 5e-6})
+    for tracker in opened.values():
+        tracker.images(4, {"validation/dog-0": Image.new("RGB", (8, 8), "red")})
+        tracker.close()
+    record = trackers.read_record(folder)
+    assert set(record) == {"wandb", "mlflow"}
+    # A resumed run (another run folder, continuing this one's checkpoint) goes on in the same runs.
+    resumed = planning.offline_plan(report_to="all", storage_path=plan.storage_path, run_name="subject-2",
+                                    settings_toml=settings, resume_path=os.path.join(folder, "checkpoint_000001"))
+    os.makedirs(os.path.join(plan.storage_path, "subject-2"))
+    from dreambooth import runlog
+
+    log = runlog.RunLog(resumed, continues=True)
+    log.write({"step": 6, "loss": 0.6, "lr": 4e-6, "images_per_s": 3.0})
+    log.close()
+    again = trackers.read_record(os.path.join(plan.storage_path, "subject-2"))
+    assert (again["wandb"]["id"], again["mlflow"]) == (record["wandb"]["id"], record["mlflow"])
+    trackers.log_scores(record, 6, {"dino": 0.5, "clip_i": 0.75, "div": None}, "the tuned model")
+
+    seen = wandb_records(folder)
+    assert seen["ids"] == {record["wandb"]["id"]}
+    assert seen["config"]["validation_prompt"] == "a, b, c" and seen["config"]["learning_rate"] == 5e-6
+    losses = [(h["_step"], h["train/loss"]) for h in seen["history"] if "train/loss" in h]
+    assert losses == [(2, pytest.approx(0.2)), (4, pytest.approx(0.4))]
+    assert any(h.get("validation/dog-0/_type") == "image-file" and h["_step"] == 4 for h in seen["history"])
+    assert wandb_records(os.path.join(plan.storage_path, "subject-2"))["history"][0]["train/loss"] == 0.6
+    assert seen["summary"]["eval/dino"] == 0.5 and "eval/div" not in seen["summary"]
+
+    client, run = mlflow_run(trackers.mlflow_uri(plan.storage_path), record["mlflow"]["run_id"])
+    assert record["mlflow"]["tracking_uri"] == f"sqlite:///{plan.storage_path}/mlflow.db"
+    assert run.info.run_name == "subject-1" and run.data.params["validation_prompt"] == "a, b, c"
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "train/loss")] == [
+        (2, pytest.approx(0.2)), (4, pytest.approx(0.4)), (6, pytest.approx(0.6))]
+    assert run.data.metrics["eval/clip_i"] == 0.75 and run.info.status == "FINISHED"
+    assert client.list_artifacts(run.info.run_id, "images")
+    assert client.get_experiment(run.info.experiment_id).name == flags.FLAGS["tracker_project_name"][1]["default"]
+
+
+def test_a_run_that_fails_tells_the_webhook_its_cause(tiny_model, tmp_path, webhook):
+    from dreambooth import train
+
+    missing = tmp_path / "no-photos-here"
+    with pytest.raises(utils.UserError) as raised:
+        train.main(["--model_dir", tiny_model, "--output_dir", str(tmp_path / "out"), "--instance_data_dir",
+                    str(missing), "--instance_prompt", "photo of unqtkn toy", "--notify_url", webhook.url])
+    [(_, body)] = webhook.received
+    assert body["event"] == "failed" and body["cause"] == str(raised.value) and str(missing) in body["cause"]
+    assert body["text"].startswith(f"DreamBooth training of {tmp_path / 'out'} failed: ")
