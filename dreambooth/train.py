@@ -13,6 +13,7 @@ it): 5e-6 AdamW updates vanish when the weights themselves are bf16.
 """
 
 import os
+import signal
 import sys
 import time
 
@@ -147,17 +148,17 @@ def run_trainer(plan, train_ds):
     """TorchTrainer.fit of train_fn over the plan's workers; KeyboardInterrupt when stopped early."""
     import ray.data
     import ray.train
-    from ray.train.torch import TorchTrainer
 
     from dreambooth import failures  # here, not at the top: it imports ray.train (1.2 s)
+    from dreambooth import stopping
 
     run_dir = os.path.join(plan.storage_path, plan.run_name)
     resources = {"CPU": plan.cpus_per_worker}
     if plan.use_gpu:
         resources["GPU"] = plan.gpus_per_worker
-    trainer = TorchTrainer(
+    trainer = stopping.trainer_class()(
         worker.train_fn,
-        train_loop_config={"plan": plan},
+        train_loop_config={"plan": plan, "stop_flag": stopping.make_flag()},
         scaling_config=ray.train.ScalingConfig(num_workers=plan.num_workers, use_gpu=plan.use_gpu,
                                                resources_per_worker=resources),
         run_config=ray.train.RunConfig(
@@ -174,6 +175,7 @@ def run_trainer(plan, train_ds):
         # the split is configured in Train's controller, which does not see our DataContext.)
         dataset_config=ray.train.DataConfig(execution_options=ray.data.ExecutionOptions(preserve_order=True)),
     )
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     try:
         result = trainer.fit()
     except (ray.train.ControllerError, ray.train.WorkerGroupError) as err:
@@ -182,6 +184,9 @@ def run_trainer(plan, train_ds):
     except SystemExit:
         # fit() installs its own Ctrl-C handler: it aborts the run, then exits.
         raise KeyboardInterrupt from None
+    finally:  # (fit's handlers, and ours for a stop at the current step, end with it)
+        signal.signal(signal.SIGINT, handlers[0])
+        signal.signal(signal.SIGTERM, handlers[1])
     if (result.metrics or {}).get("step", 0) < plan.end_step and not os.path.isfile(
             os.path.join(plan.output_dir, utils.OUTPUT_MARKER)):
         raise KeyboardInterrupt  # an aborted run returns a partial result

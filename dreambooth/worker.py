@@ -30,15 +30,16 @@ def train_fn(config):
 
     plan = config["plan"]
     try:
-        train_worker(plan)
+        train_worker(plan, config.get("stop_flag"))
     except Exception as err:
         utils.write_error_log(os.path.join(plan.storage_path, plan.run_name),
                               f"worker {ray.train.get_context().get_world_rank()}", err)
         raise
 
 
-def train_worker(plan):
-    """One worker's whole run: models, checkpoint, the step loop, reports, the saved model."""
+def train_worker(plan, stop_flag=None):
+    """One worker's whole run: models, checkpoint, the step loop, reports, the saved model (not when the
+    driver asked for a stop through stop_flag, a stopping.StopFlag: then the current step's checkpoint)."""
     utils.skip_unused_imports(lora=plan.use_lora, eight_bit=plan.use_8bit_adam or bool(plan.base_precision))
     import ray.train
 
@@ -50,7 +51,10 @@ def train_worker(plan):
     nets, state, step_prompts, sampler = prepare_worker(plan, rank, world, ctx.get_local_world_size())
     # The stream is the same on every run: a resumed worker skips what it had trained on.
     batches = itertools.islice(batches, state.step * plan.gradient_accumulation_steps, None)
-    run_steps(plan, state, step_prompts, batches, rank, world, sampler)
+    from dreambooth import stopping
+
+    if run_steps(plan, state, step_prompts, batches, rank, world, sampler, stopping.StopPoll(stop_flag, world)):
+        return  # stopped at a checkpoint
     if plan.fsdp:  # the whole weights on rank 0, as an unsharded denoiser to save (every rank gathers)
         weights = sharding.gather_weights(nets.denoiser)
         if rank == 0:
@@ -118,10 +122,11 @@ def prepare_worker(plan, rank, world, local_world_size):
     return nets, state, step_prompts, text["sampler"]
 
 
-def run_steps(plan, state, step_prompts, batches, rank, world, sampler=None):
+def run_steps(plan, state, step_prompts, batches, rank, world, sampler=None, stop=None):
     """The step loop to plan.end_step: a step per plan.gradient_accumulation_steps micro-batches,
     a report (metrics, checkpoint) every --logging_steps/--checkpointing_steps, validation samples
-    (sampler's, a validation.Sampler) every --validation_steps."""
+    (sampler's, a validation.Sampler) every --validation_steps. True when it stopped early at a
+    checkpoint of the current step because stop (a stopping.StopPoll) said so."""
     from ray.experimental import tqdm_ray
 
     # here, not at the top: they import ray.train (1.2 s) and torch (2 s a --help or a one-line error never waits for)
@@ -134,7 +139,7 @@ def run_steps(plan, state, step_prompts, batches, rank, world, sampler=None):
     if bar and state.step:
         bar.update(state.step)
     window = ReportWindow(world)
-    first_step = state.step
+    first_step, stop_now = state.step, False
     for micro_batches in steps.accumulate(batches, plan.gradient_accumulation_steps, total - state.step):
         try:
             loss, _, _ = steps.train_step(state, micro_batches, step_prompts, plan.prior_loss_weight,
@@ -148,14 +153,14 @@ def run_steps(plan, state, step_prompts, batches, rank, world, sampler=None):
         window.add(loss, micro_batches)
         if bar:
             bar.update(1)
-        if plan.is_report_step(state.step):
-            metrics = window.metrics(state, plan.steps_per_epoch)
-            if log:
-                log.write(metrics)
-            report(state, metrics, rank, plan)
+        stop_now = stop is not None and state.step < total and stop.requested()
+        if plan.is_report_step(state.step) or stop_now:
+            seconds = report_window(window, log, state, rank, plan, checkpoint_now=stop_now)
+        if stop_now:
             if rank == 0:
-                print(" ".join(f"{name}={v:.4g}" if isinstance(v, float) else f"{name}={v}"
-                               for name, v in metrics.items()), flush=True)
+                print(f"stopped at step {state.step} of {total} ({stop.reason() or 'a signal'}): its checkpoint took "
+                      f"{seconds:.1f} s", flush=True)
+            break
         if plan.is_validation_step(state.step):
             with window.paused(), averaged_weights(state):
                 drawn = validation.run_round(sampler, state.step, rank, world,
@@ -167,8 +172,25 @@ def run_steps(plan, state, step_prompts, batches, rank, world, sampler=None):
         bar.close()
     if log:
         log.close()
+    if stop_now:
+        return True
     if state.step < total:
         raise RuntimeError(f"the data stream ended at step {state.step} of {total}")
+    return False
+
+
+def report_window(window, log, state, rank, plan, checkpoint_now=False):
+    """The window's metrics logged (rank 0: metrics.jsonl, trackers, a printed line) and reported with
+    report(); the seconds the report (with its checkpoint) took."""
+    metrics = window.metrics(state, plan.steps_per_epoch)
+    if log:
+        log.write(metrics)
+    began = time.perf_counter()
+    report(state, metrics, rank, plan, checkpoint_now)
+    if rank == 0:
+        print(" ".join(f"{name}={v:.4g}" if isinstance(v, float) else f"{name}={v}" for name, v in metrics.items()),
+              flush=True)
+    return time.perf_counter() - began
 
 
 class ReportWindow:
@@ -253,12 +275,12 @@ def prefetched(iterable):
     return chained()
 
 
-def report(state, metrics, rank, plan):
-    """ray.train.report from every rank; rank 0 attaches a checkpoint on checkpointing steps,
-    with every rank's RNG streams (gathered from all ranks, a collective)."""
+def report(state, metrics, rank, plan, checkpoint_now=False):
+    """ray.train.report from every rank; rank 0 attaches a checkpoint on checkpointing steps (and with
+    checkpoint_now), with every rank's RNG streams (gathered from all ranks, a collective)."""
     import ray.train
 
-    if not plan.is_checkpoint_step(state.step):
+    if not (checkpoint_now or plan.is_checkpoint_step(state.step)):
         ray.train.report(metrics)
         return
     rng_states = checkpoint.gather_rng_states()

@@ -194,6 +194,46 @@ def test_sdxl_run_whose_worker_is_killed_ends_with_the_uninterrupted_weights(ray
             assert torch.equal(v, b[part][k]), (part, k)
 
 
+def logged_steps(storage):
+    """The steps in the metrics.jsonl of the runs under storage."""
+    steps = []
+    for folder in run_dirs(storage):
+        path = os.path.join(folder, runlog.METRICS_FILE)
+        if os.path.isfile(path):
+            steps += [json.loads(line)["step"] for line in open(path) if line.strip()]
+    return steps
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_the_current_step_and_the_resumed_run_ends_on_the_uninterrupted_weights(
+        ray_session, tiny_model, toy_images, tmp_path):
+    """SIGTERM to the driver (ray job stop, a deleted pod) once its first steps are logged: both workers
+    checkpoint the step they are on, long before the next periodic checkpoint, and the run ends with exit
+    130 and how to continue; resumed from that step, it ends on exactly the uninterrupted run's weights."""
+    options = ["--checkpointing_steps", "1000", "--logging_steps", "1", "--lr", "1e-3", "--seed", "4"]
+    whole = train.main(train_args(tiny_model, toy_images, tmp_path / "whole", 30, *options))
+    storage = tmp_path / "stopped-runs"
+    cut = train_args(tiny_model, toy_images, tmp_path / "cut", 30, *options, "--storage_path", str(storage))
+    proc = start_train(cut)
+    wait_for(lambda: len(logged_steps(storage)) >= 2, 240, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-3000:]
+    [folder] = run_dirs(storage)
+    [step] = checkpoint_steps(folder)
+    assert 2 <= step < 30 and f"stopped at step {step} of 30 (SIGTERM): its checkpoint took " in out + err
+    assert "SIGTERM: every worker checkpoints the step it is on" in err
+    assert "rerun the same command with --resume_from_checkpoint latest to continue" in err
+    assert not os.path.exists(tmp_path / "cut" / "model_index.json")  # no model of a stopped run
+    resumed = train.main(cut + ["--resume_from_checkpoint", "latest"])
+    assert [s for s, _ in logged_losses(resumed)] == list(range(step + 1, 31))  # nothing redone
+    assert logged_losses(resumed) == logged_losses(whole)[step:]
+    a, b = final_weights(tmp_path / "whole"), final_weights(tmp_path / "cut")
+    for part in a:
+        for k, v in a[part].items():
+            assert torch.equal(v, b[part][k]), (part, k)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0, reason="needs unshare (root)")
 def test_a_full_disk_stops_at_once_keeps_the_newest_checkpoint_and_its_resume_finishes(tiny_model, toy_images,
