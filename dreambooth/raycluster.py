@@ -130,10 +130,6 @@ def init_ray():
             # Ray Train routes a worker's print() through its logger and also to the original
             # stream: every line twice on the driver's terminal. Plain print is what we want.
             "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
-            # Ray Train's preemption watcher only logs node drains (a worker lost to one is recovered
-            # from the newest checkpoint either way); it is one more process at every run's start, and
-            # Ray 2.60 prints an error-level line about its restart arguments on every run.
-            "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
             # transformers warns, in every process that imports diffusers, that torchvision is
             # missing for image processors we never use; errors still show.
             "TRANSFORMERS_VERBOSITY": os.environ.get("TRANSFORMERS_VERBOSITY", "error"),

@@ -65,18 +65,23 @@ def install_handlers(flag, abort):
 
 
 class StopPoll:
-    """A worker's view of the StopFlag: requested() is called by every rank at every step and is True on all
-    ranks at the same step once any rank has seen the request (an all-reduce on a gloo group when world > 1)."""
+    """A worker's view of a stop request and of Ray Train's preemption watcher (a node of the run being drained:
+    a spot reclaim notice, `ray drain-node`). check() is called by every rank at every step and says the same on
+    every rank: one all-reduce of two flags on a gloo group when world > 1 (this rank saw the driver's request;
+    rank 0's clock says it is time to ask Ray Train about drained nodes, every DRAIN_CHECK_S)."""
 
-    def __init__(self, flag, world):
-        self.flag, self.pending, self.seen, self.group = flag, None, None, None
+    DRAIN_CHECK_S = 2.0  # (Ray Train's watcher itself polls every 5 s)
+
+    def __init__(self, flag, world, rank):
+        self.flag, self.rank, self.pending, self.seen, self.group = flag, rank, None, None, None
+        self.last_drain_check, self.drain_seen, self.drained = time.monotonic(), False, None
         if world > 1:
             import torch.distributed as dist
 
             self.group = dist.new_group(backend="gloo")  # (every rank creates it, once)
 
     def reason(self):
-        """The request this rank has seen so far, without waiting."""
+        """The driver's request this rank has seen so far, without waiting."""
         import ray
 
         if self.seen is None and self.flag is not None:
@@ -87,13 +92,34 @@ class StopPoll:
                 self.seen, self.pending = ray.get(self.pending), None
         return self.seen
 
-    def requested(self):
-        seen = 1 if self.reason() else 0
+    def check(self):
+        """"stop" (checkpoint this step and end), "drained" (checkpoint this step and go on: the first time a
+        node of the run is being drained) or None."""
+        import ray.train
+
+        flags = [1 if self.reason() else 0,
+                 int(self.rank == 0 and time.monotonic() - self.last_drain_check >= self.DRAIN_CHECK_S)]
         if self.group is not None:
             import torch
             import torch.distributed as dist
 
-            flag = torch.tensor([seen], dtype=torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-            seen = int(flag.item())
-        return bool(seen)
+            agreed = torch.tensor(flags, dtype=torch.int32)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
+            flags = agreed.tolist()
+        if flags[0]:
+            return "stop"
+        if flags[1]:
+            self.last_drain_check = time.monotonic()
+            self.drained = ray.train.get_preemption_info()  # (every rank together: a barrier)
+            if self.drained is not None and not self.drain_seen:
+                self.drain_seen = True
+                return "drained"
+        return None
+
+    def describe_drain(self):
+        """'node 1a2b… (ranks 0, 1) is being drained, deadline in 58 s'."""
+        info = self.drained
+        nodes = ", ".join(f"{node[:8]}… (ranks {', '.join(map(str, ranks))})"
+                          for node, ranks in sorted(info.preempted_node_to_ranks.items()))
+        deadline = f", deadline in {info.deadline_ms / 1000 - time.time():.0f} s" if info.deadline_ms else ""
+        return f"node(s) {nodes} being drained{deadline}"

@@ -53,7 +53,7 @@ def train_worker(plan, stop_flag=None):
     batches = itertools.islice(batches, state.step * plan.gradient_accumulation_steps, None)
     from dreambooth import stopping
 
-    if run_steps(plan, state, step_prompts, batches, rank, world, sampler, stopping.StopPoll(stop_flag, world)):
+    if run_steps(plan, state, step_prompts, batches, rank, world, sampler, stopping.StopPoll(stop_flag, world, rank)):
         return  # stopped at a checkpoint
     if plan.fsdp:  # the whole weights on rank 0, as an unsharded denoiser to save (every rank gathers)
         weights = sharding.gather_weights(nets.denoiser)
@@ -153,13 +153,16 @@ def run_steps(plan, state, step_prompts, batches, rank, world, sampler=None, sto
         window.add(loss, micro_batches)
         if bar:
             bar.update(1)
-        stop_now = stop is not None and state.step < total and stop.requested()
-        if plan.is_report_step(state.step) or stop_now:
-            seconds = report_window(window, log, state, rank, plan, checkpoint_now=stop_now)
+        event = stop.check() if stop is not None and state.step < total else None
+        stop_now = event == "stop"
+        if plan.is_report_step(state.step) or event:
+            seconds = report_window(window, log, state, rank, plan, checkpoint_now=bool(event))
+            if event and rank == 0:
+                print(f"stopped at step {state.step} of {total} ({stop.reason() or 'a signal'}): the checkpoint took "
+                      f"{seconds:.1f} s" if stop_now else
+                      f"{stop.describe_drain()}: step {state.step} checkpointed in {seconds:.1f} s; training goes on "
+                      "(when the node leaves, Ray Train restarts the workers from this step)", flush=True)
         if stop_now:
-            if rank == 0:
-                print(f"stopped at step {state.step} of {total} ({stop.reason() or 'a signal'}): its checkpoint took "
-                      f"{seconds:.1f} s", flush=True)
             break
         if plan.is_validation_step(state.step):
             with window.paused(), averaged_weights(state):

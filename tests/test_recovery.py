@@ -3,6 +3,7 @@ train worker: test_bench runs gpu_check.sh, whose dry run kills one; test_sweep 
 
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -204,16 +205,36 @@ def logged_steps(storage):
     return steps
 
 
+STOP_OPTIONS = ["--checkpointing_steps", "1000", "--logging_steps", "1", "--lr", "1e-3", "--seed", "4",
+                "--keep_checkpoints", "--checkpoints_total_limit", "3"]
+STOP_STEPS = 24
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(ray_session, tiny_model, toy_images, tmp_path_factory):
+    """(output folder, logged losses) of the run the stopped and drained runs must end like (2 workers)."""
+    out = tmp_path_factory.mktemp("uninterrupted") / "whole"
+    result = train.main(train_args(tiny_model, toy_images, out, STOP_STEPS, *STOP_OPTIONS))
+    return out, logged_losses(result)
+
+
+def same_weights(a_folder, b_folder):
+    a, b = final_weights(a_folder), final_weights(b_folder)
+    assert set(a) == {"unet", "text_encoder"}
+    for part in a:
+        for k, v in a[part].items():
+            assert torch.equal(v, b[part][k]), (part, k)
+
+
 @pytest.mark.slow
 def test_sigterm_checkpoints_the_current_step_and_the_resumed_run_ends_on_the_uninterrupted_weights(
-        ray_session, tiny_model, toy_images, tmp_path):
+        uninterrupted, tiny_model, toy_images, tmp_path):
     """SIGTERM to the driver (ray job stop, a deleted pod) once its first steps are logged: both workers
     checkpoint the step they are on, long before the next periodic checkpoint, and the run ends with exit
     130 and how to continue; resumed from that step, it ends on exactly the uninterrupted run's weights."""
-    options = ["--checkpointing_steps", "1000", "--logging_steps", "1", "--lr", "1e-3", "--seed", "4"]
-    whole = train.main(train_args(tiny_model, toy_images, tmp_path / "whole", 30, *options))
+    whole, whole_losses = uninterrupted
     storage = tmp_path / "stopped-runs"
-    cut = train_args(tiny_model, toy_images, tmp_path / "cut", 30, *options, "--storage_path", str(storage))
+    cut = train_args(tiny_model, toy_images, tmp_path / "cut", STOP_STEPS, *STOP_OPTIONS, "--storage_path", str(storage))
     proc = start_train(cut)
     wait_for(lambda: len(logged_steps(storage)) >= 2, 240, proc)
     proc.send_signal(signal.SIGTERM)
@@ -221,17 +242,80 @@ def test_sigterm_checkpoints_the_current_step_and_the_resumed_run_ends_on_the_un
     assert proc.returncode == 130, err[-3000:]
     [folder] = run_dirs(storage)
     [step] = checkpoint_steps(folder)
-    assert 2 <= step < 30 and f"stopped at step {step} of 30 (SIGTERM): its checkpoint took " in out + err
+    assert 2 <= step < STOP_STEPS and f"stopped at step {step} of {STOP_STEPS} (SIGTERM): the checkpoint took " in out + err
     assert "SIGTERM: every worker checkpoints the step it is on" in err
     assert "rerun the same command with --resume_from_checkpoint latest to continue" in err
     assert not os.path.exists(tmp_path / "cut" / "model_index.json")  # no model of a stopped run
     resumed = train.main(cut + ["--resume_from_checkpoint", "latest"])
-    assert [s for s, _ in logged_losses(resumed)] == list(range(step + 1, 31))  # nothing redone
-    assert logged_losses(resumed) == logged_losses(whole)[step:]
-    a, b = final_weights(tmp_path / "whole"), final_weights(tmp_path / "cut")
-    for part in a:
-        for k, v in a[part].items():
-            assert torch.equal(v, b[part][k]), (part, k)
+    assert [s for s, _ in logged_losses(resumed)] == list(range(step + 1, STOP_STEPS + 1))  # nothing redone
+    assert logged_losses(resumed) == whole_losses[step:]
+    same_weights(whole, tmp_path / "cut")
+
+
+@pytest.fixture()
+def drainable_cluster(tmp_path):
+    """A Ray cluster of its own: a head without CPUs and one node with 3 (2 workers and Ray Data), which a test
+    may drain:
+    (address, the node's id)."""
+    import socket
+
+    from dreambooth import raycluster
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    head, address = raycluster.start_ray_head(tmp_path / "head.log", port, extra=["--num-cpus=0", "--num-gpus=0"])
+    ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+    node = subprocess.Popen([ray_cli, "start", "--block", f"--address={address}", "--num-cpus=3", "--num-gpus=0",
+                             f"--temp-dir={head.temp_dir}"], stdout=open(tmp_path / "node.log", "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        find = ("import ray, sys; ray.init(address=sys.argv[1], log_to_driver=False); "
+                "print(*[n['NodeID'] for n in ray.nodes() if n['Alive'] and n['Resources'].get('CPU') == 3])")
+        node_id = ""
+        for _ in range(60):
+            node_id = subprocess.run([sys.executable, "-c", find, address], capture_output=True, text=True,
+                                     env=env()).stdout.strip()
+            if node_id:
+                break
+            time.sleep(1)
+        assert node_id, open(tmp_path / "node.log").read()[-2000:]
+        yield address, node_id
+    finally:
+        os.killpg(node.pid, signal.SIGTERM)
+        node.wait(timeout=60)
+        raycluster.stop_ray_head(head)
+
+
+@pytest.mark.slow
+def test_a_drained_node_gets_a_checkpoint_of_the_current_step_and_the_run_goes_on(
+        uninterrupted, drainable_cluster, tiny_model, toy_images, tmp_path):
+    """`ray drain-node` (what a spot reclaim notice does) on the node of the run's workers: Ray Train's
+    preemption watcher says so, the workers checkpoint the step they are on and train on; the run's losses
+    and weights are the uninterrupted run's."""
+    address, node_id = drainable_cluster
+    whole, whole_losses = uninterrupted
+    storage = tmp_path / "drained-runs"
+    args = train_args(tiny_model, toy_images, tmp_path / "drained", STOP_STEPS, *STOP_OPTIONS, "--storage_path", str(storage))
+    proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO_DIR, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE,
+                            env=dict(env(), RAY_ADDRESS=address, RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S="0.5"))
+    wait_for(lambda: len(logged_steps(storage)) >= 2, 240, proc)
+    drain = subprocess.run([os.path.join(os.path.dirname(sys.executable), "ray"), "drain-node", f"--address={address}",
+                            f"--node-id={node_id}", "--reason=DRAIN_NODE_REASON_PREEMPTION",
+                            "--reason-message=spot reclaim", "--deadline-remaining-seconds=600"],
+                           capture_output=True, text=True, env=env())
+    assert drain.returncode == 0, drain.stderr[-2000:]
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    said = re.search(r"node\(s\) (\w+)… \(ranks 0, 1\) being drained, deadline in \d+ s: step (\d+) checkpointed in "
+                     r"[\d.]+ s; training goes on", out + err)
+    assert said and node_id.startswith(said[1]), (out + err)[-3000:]
+    [folder] = run_dirs(storage)
+    assert int(said[2]) in checkpoint_steps(folder) and int(said[2]) < STOP_STEPS
+    assert whole_losses == [(m["step"], m["loss"]) for m in map(json.loads, open(
+        os.path.join(folder, runlog.METRICS_FILE)))]
+    same_weights(whole, tmp_path / "drained")
 
 
 @pytest.mark.slow
