@@ -26,6 +26,7 @@ from dreambooth import families
 from dreambooth import models
 from dreambooth import outputs
 from dreambooth import run_identity
+from dreambooth import storage
 from dreambooth import sharding
 from dreambooth import utils
 
@@ -194,11 +195,11 @@ def load(state, folder, rank):
 
 
 def is_complete(folder):
-    """True when folder holds every checkpoint file at the size recorded when it was saved."""
+    """True when folder (a folder, or in a bucket) holds every checkpoint file at the size recorded when it
+    was saved."""
     try:
-        with open(os.path.join(folder, STATE_FILE)) as f:
-            sizes = json.load(f)["sizes"]
-        return all(os.path.getsize(os.path.join(folder, name)) == size for name, size in sizes.items())
+        sizes = storage.read_json(storage.join(folder, STATE_FILE))["sizes"]
+        return all(storage.size(storage.join(folder, name)) == size for name, size in sizes.items())
     except (OSError, ValueError, KeyError):
         return False
 
@@ -215,16 +216,14 @@ def remove_incomplete(run_dir):
 
 
 def remove_all(run_dir):
-    """Delete every checkpoint folder of run_dir (its model is saved; the rest of the run folder,
-    metrics and samples, stays): (folders removed, bytes freed)."""
-    import shutil
-
+    """Delete every checkpoint folder of run_dir (a folder, or in a bucket; its model is saved; the rest of
+    the run folder, metrics and samples, stays): (folders removed, bytes freed)."""
     removed, freed = 0, 0
-    for name in os.listdir(run_dir) if os.path.isdir(run_dir) else ():
-        folder = os.path.join(run_dir, name)
-        if name.startswith("checkpoint_") and os.path.isdir(folder):
-            freed += sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(folder) for f in files)
-            shutil.rmtree(folder, ignore_errors=True)
+    for name in storage.listdir(run_dir):
+        folder = storage.join(run_dir, name)
+        if name.startswith("checkpoint_") and storage.isdir(folder):
+            freed += sum(storage.size(storage.join(folder, f)) for f in storage.listdir(folder))
+            storage.remove_tree(folder)
             removed += 1
     return removed, freed
 
@@ -237,15 +236,13 @@ def is_run_of(run, run_prefix):
 
 def complete_checkpoints(storage_path, run_prefix):
     """The complete checkpoint folders of every run named '<run_prefix>-<time>' under storage_path,
-    runs in name order (their names end in their start time)."""
-    if not os.path.isdir(storage_path):
-        return
-    for run in sorted(os.listdir(storage_path)):
-        run_dir = os.path.join(storage_path, run)
-        if not is_run_of(run, run_prefix) or not os.path.isdir(run_dir):
+    runs in name order (their names end in their start time); storage_path may be a bucket's."""
+    for run in storage.listdir(storage_path):
+        if not is_run_of(run, run_prefix):
             continue
-        for name in os.listdir(run_dir):
-            folder = os.path.join(run_dir, name)
+        run_dir = storage.join(storage_path, run)
+        for name in storage.listdir(run_dir):
+            folder = storage.join(run_dir, name)
             if name.startswith("checkpoint_") and is_complete(folder):
                 yield folder
 
@@ -253,7 +250,7 @@ def complete_checkpoints(storage_path, run_prefix):
 def newest_first(storage_path, run_prefix):
     """The complete checkpoint folders of the runs of run_prefix, the newest (last saved) first."""
     return sorted(complete_checkpoints(storage_path, run_prefix),
-                  key=lambda f: os.path.getmtime(os.path.join(f, STATE_FILE)), reverse=True)
+                  key=lambda f: storage.mtime(storage.join(f, STATE_FILE)), reverse=True)
 
 
 def find_latest(storage_path, run_prefix):
@@ -267,13 +264,12 @@ def by_step(storage_path, run_prefix):
 
 
 def saved_step(folder):
-    with open(os.path.join(folder, STATE_FILE)) as f:
-        return json.load(f)["step"]
+    return storage.read_json(storage.join(folder, STATE_FILE))["step"]
 
 
 def saved_identity(folder):
     """The identity of the run that wrote the checkpoint in folder (None: written before runs recorded it)."""
-    return utils.read_json(os.path.join(folder, STATE_FILE)).get("identity")
+    return storage.read_json(storage.join(folder, STATE_FILE)).get("identity")
 
 
 def newest_of_identity(storage_path, run_prefix, identity):

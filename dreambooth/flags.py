@@ -16,6 +16,15 @@ def abs_path(value):
     return os.path.abspath(os.path.expanduser(value))
 
 
+def storage_location(value):
+    """A folder, or an object-storage URI (s3://bucket/prefix, gs://…: storage.py) kept as given."""
+    if value.startswith(("s3://", "gs://")):
+        if not value.split("://", 1)[1].strip("/"):
+            raise argparse.ArgumentTypeError(f"needs a bucket: {value}")
+        return value.rstrip("/")
+    return abs_path(value)
+
+
 def model_path(value):
     """A model folder, or a short or hub name (sd15, CompVis/stable-diffusion-v1-4), as given: parsing
     never fetches; cache_model.resolve_models turns the names into folders after the parse."""
@@ -371,8 +380,9 @@ FLAGS = {
         dict(action=argparse.BooleanOptionalAction, default=None,
              help="Train on GPUs. Default: yes if the Ray cluster has GPUs.")),
     "storage_path": (("--storage_path",),
-        dict(type=abs_path, default=None, metavar="DIR",
-             help="Ray Train storage (checkpoints, run state); shared storage on a cluster. "
+        dict(type=storage_location, default=None, metavar="DIR|URI",
+             help="Ray Train storage (checkpoints, run state): shared storage on a cluster, or a bucket "
+                  "(s3://bucket/prefix; AWS_ENDPOINT_URL for MinIO/R2/Ceph; gs://…). "
                   "Default: ray_results/ beside --output_dir.")),
     # --- logging and checkpoints
     "report_to": (("--report_to",),

@@ -78,7 +78,7 @@ class TrainRecord:
         return cls(plan.model_dir, plan.end_step, plan.instance_prompt, plan.class_prompt, plan.vae_dir,
                    LoraSettings.of(plan), plan.ema_decay if plan.use_ema else None, tuple(plan.held_out),
                    new_model_id(), plan.run_name, plan.identity,
-                   trackers.read_record(os.path.join(plan.storage_path, plan.run_name)) or None)
+                   trackers.read_record(plan.run_dir) or None)
 
     @classmethod
     def from_json(cls, data):

@@ -22,6 +22,7 @@ from dreambooth import objectives
 from dreambooth import outputs
 from dreambooth import resources
 from dreambooth import run_identity
+from dreambooth import storage
 from dreambooth import utils
 
 TRAIN_FLAGS = [
@@ -32,14 +33,14 @@ TRAIN_FLAGS = [
     "train_batch_size", "learning_rate", "scale_lr", "lr_scheduler", "lr_warmup_steps", "lr_num_cycles", "lr_power",
     "offset_noise", "snr_gamma", "base_precision", "weighting_scheme", "logit_mean", "logit_std", "mode_scale",
     "precondition_outputs", "guidance_scale", "caption_dropout_rate", "masked_loss", "use_ema", "ema_decay",
-    "ema_update_after_step", "use_8bit_adam",
-    "adam_beta1", "adam_beta2", "adam_weight_decay", "adam_epsilon", "max_grad_norm", "max_train_steps",
-    "num_train_epochs", "mixed_precision", "seed", "num_workers", "gpus_per_worker", "use_gpu", "storage_path",
-    "logging_steps", "report_to", "tracker_project_name", "notify_url", "validation_prompt", "num_validation_images", "validation_steps",
-    "validation_epochs", "validation_inference_steps", "vae_dir", "checkpointing_steps", "checkpoints_total_limit",
-    "keep_checkpoints", "resume_from_checkpoint", "max_failures", "overwrite", "allow_unsafe_weights",
-    "gradient_accumulation_steps", "gradient_checkpointing", "cache_latents", "precompute_text_embeddings",
-    "channels_last", "fused_adamw", "torch_compile", "fsdp", "allow_tf32", "num_class_images", "set_grads_to_none",
+    "ema_update_after_step", "use_8bit_adam", "adam_beta1", "adam_beta2", "adam_weight_decay", "adam_epsilon",
+    "max_grad_norm", "max_train_steps", "num_train_epochs", "mixed_precision", "seed", "num_workers",
+    "gpus_per_worker", "use_gpu", "storage_path", "logging_steps", "report_to", "tracker_project_name", "notify_url",
+    "validation_prompt", "num_validation_images", "validation_steps", "validation_epochs",
+    "validation_inference_steps", "vae_dir", "checkpointing_steps", "checkpoints_total_limit", "keep_checkpoints",
+    "resume_from_checkpoint", "max_failures", "overwrite", "allow_unsafe_weights", "gradient_accumulation_steps",
+    "gradient_checkpointing", "cache_latents", "precompute_text_embeddings", "channels_last", "fused_adamw",
+    "torch_compile", "fsdp", "allow_tf32", "num_class_images", "set_grads_to_none",
     "enable_xformers_memory_efficient_attention"]
 
 
@@ -147,9 +148,12 @@ class Plan:
     settings_toml: str  # the resolved flags as a --config file that repeats the run
 
     @property
+    def run_dir(self):  # the local folder of the run's own files (storage.run_folder)
+        return storage.run_folder(self.storage_path, self.run_name)
+
+    @property
     def text_encoded_once(self):
-        """The text encoders are frozen and their states computed once, not every step: after that the
-        encoders leave the training device (models.Models.release_text_encoders)."""
+        """Frozen text encoders whose states are computed once: then they leave the device (models.py)."""
         return not self.train_text_encoder and self.precompute_text_embeddings
 
     @property
@@ -268,7 +272,7 @@ def derive(given, parser):
     if args.lora_dropout >= 1:
         raise FlagError(f"argument --lora_dropout: must be < 1, got {args.lora_dropout:g}")
     if args.resume_from_checkpoint not in (None, "latest", "auto"):
-        args.resume_from_checkpoint = flags.abs_path(args.resume_from_checkpoint)
+        args.resume_from_checkpoint = flags.storage_location(args.resume_from_checkpoint)
     if args.output_dir == args.model_dir:
         raise FlagError("--output_dir must differ from --pretrained_model_name_or_path")
     if args.storage_path is None:
@@ -308,6 +312,7 @@ def plan_run(args, cluster_resources, draw_class_images=None, stop_step=None):
         ("--pretrained_model_name_or_path", args.model_dir), ("--instance_data_dir", args.instance_data_dir),
         ("--class_data_dir", args.class_data_dir)])
     outputs.check_output_dir(args.output_dir, args.overwrite)
+    storage.check_reachable(args.storage_path, "--storage_path")  # (a bucket's, before anything is drawn)
     found = inputs.read_inputs(args, family, draw_class_images)
     identity = run_identity.of_run(args, family, found.photos, found.masks, found.held_out, found.captions,
                                    found.class_files, found.resolution, found.buckets)

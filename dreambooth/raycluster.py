@@ -8,6 +8,7 @@ import shutil
 import sys
 import tempfile
 
+from dreambooth import storage
 from dreambooth import utils
 
 
@@ -133,6 +134,8 @@ def init_ray():
             # transformers warns, in every process that imports diffusers, that torchvision is
             # missing for image processors we never use; errors still show.
             "TRANSFORMERS_VERBOSITY": os.environ.get("TRANSFORMERS_VERBOSITY", "error"),
+            # A bucket is reached from every worker as from here (credentials, profile, endpoint).
+            **{name: os.environ[name] for name in storage.AWS_VARIABLES if name in os.environ},
         },
     }
     address = os.environ.get("RAY_ADDRESS", "").strip()

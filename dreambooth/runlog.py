@@ -18,7 +18,7 @@ class RunLog:
         """continues: the run goes on from a checkpoint (its trackers' runs go on too)."""
         from dreambooth import trackers
 
-        self.folder = os.path.join(plan.storage_path, plan.run_name)
+        self.folder = plan.run_dir
         os.makedirs(self.folder, exist_ok=True)
         previous = None
         if continues:  # this run folder's own record (a restarted worker group), else the resumed run's

@@ -171,7 +171,7 @@ def open_trackers(plan, folder, previous_record=None):
     previous_record = previous_record or {}
     opened = {}
     for name in chosen(plan.report_to):
-        extra = {"storage_path": plan.storage_path} if name == "mlflow" else {}
+        extra = {"storage_path": os.path.dirname(folder)} if name == "mlflow" else {}  # (on a disk, beside the run)
         kwargs = dict(project=plan.tracker_project_name, run_name=plan.run_name,
                       settings=settings_of(plan.settings_toml), previous=previous_record.get(name), **extra)
         opened[name] = KINDS[name](folder, **({} if name == "tensorboard" else kwargs))

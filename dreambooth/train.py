@@ -27,6 +27,7 @@ from dreambooth import outputs
 from dreambooth import planning
 from dreambooth import raycluster
 from dreambooth import runlog
+from dreambooth import storage
 from dreambooth import trackers
 from dreambooth import utils
 from dreambooth import worker
@@ -74,7 +75,10 @@ def train_planned(args, stop_step, started):
         print(done, file=sys.stderr)
         return None, None
     print(plan.describe(), file=sys.stderr)
-    config = flags.write_config(os.path.join(plan.storage_path, plan.run_name, outputs.TRAIN_CONFIG), plan.settings_toml)
+    config = flags.write_config(os.path.join(plan.run_dir, outputs.TRAIN_CONFIG), plan.settings_toml)
+    storage.sync_up(plan.storage_path, plan.run_name)
+    if storage.is_remote(plan.storage_path):
+        config = storage.join(plan.storage_path, plan.run_name, outputs.TRAIN_CONFIG) + f" (a copy: {config})"
     print(f"settings: {config} (python train.py --config {config} repeats this run)", file=sys.stderr)
     started(f"DreamBooth run {plan.run_name} started: {plan.end_step} steps on {plan.num_workers} worker(s)"
             f"{', resumed from ' + plan.resume_path if plan.resume_path else ''}; model to {plan.output_dir}",
@@ -89,16 +93,18 @@ def train_planned(args, stop_step, started):
         raise
     metrics = result.metrics or {}  # none when a resumed run had no step left to train
     loss = f"final loss {metrics['loss']:.4f}" if "loss" in metrics else "no step left to train after the checkpoint"
+    run_folder = storage.join(plan.storage_path, plan.run_name)  # (result.path: the same, without a bucket's scheme)
     print(f"trained {plan.end_step} steps; {loss}; model saved to {plan.output_dir}; checkpoints and "
-          f"{runlog.METRICS_FILE} in {result.path}", file=sys.stderr)
+          f"{runlog.METRICS_FILE} in {run_folder}", file=sys.stderr)
     if not plan.keep_checkpoints and plan.end_step == plan.total_steps:  # (not a sweep stage that goes on)
-        removed, freed = checkpoint.remove_all(result.path)
+        removed, freed = checkpoint.remove_all(run_folder)
         if removed:
             print(f"removed the run's {removed} checkpoint(s) ({utils.size_text(freed)}) now that its model is saved "
                   "(--keep_checkpoints keeps them, to continue this run with more steps later)", file=sys.stderr)
-    plot = runlog.plot_metrics(os.path.join(result.path, runlog.METRICS_FILE))
+    plot = runlog.plot_metrics(storage.fetch(run_folder, runlog.METRICS_FILE, plan.run_dir))
     if plot:
-        print(f"loss and learning rate plotted in {plot}", file=sys.stderr)
+        storage.sync_up(plan.storage_path, plan.run_name)
+        print(f"loss and learning rate plotted in {storage.join(run_folder, os.path.basename(plot))}", file=sys.stderr)
     return result, plan
 
 
@@ -152,7 +158,7 @@ def run_trainer(plan, train_ds):
     from dreambooth import failures  # here, not at the top: it imports ray.train (1.2 s)
     from dreambooth import stopping
 
-    run_dir = os.path.join(plan.storage_path, plan.run_name)
+    run_dir = plan.run_dir
     resources = {"CPU": plan.cpus_per_worker}
     if plan.use_gpu:
         resources["GPU"] = plan.gpus_per_worker
@@ -163,7 +169,8 @@ def run_trainer(plan, train_ds):
                                                resources_per_worker=resources),
         run_config=ray.train.RunConfig(
             name=plan.run_name,
-            storage_path=plan.storage_path,
+            # (a bucket: its path and a pyarrow filesystem set up as AWS tools would be)
+            **dict(zip(("storage_path", "storage_filesystem"), storage.ray_storage(plan.storage_path))),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=plan.checkpoints_total_limit),
             failure_config=ray.train.FailureConfig(max_failures=plan.max_failures),
             callbacks=[failures.FailureWatch(run_dir, plan.max_failures)],

@@ -6,7 +6,6 @@ saved model. train.py's driver hands it the Plan.
 import concurrent.futures
 import contextlib
 import itertools
-import os
 import tempfile
 import time
 
@@ -17,6 +16,7 @@ from dreambooth import prompts
 from dreambooth import raycluster
 from dreambooth import runlog
 from dreambooth import sharding
+from dreambooth import storage
 from dreambooth import utils
 from dreambooth import validation
 
@@ -32,8 +32,8 @@ def train_fn(config):
     try:
         train_worker(plan, config.get("stop_flag"))
     except Exception as err:
-        utils.write_error_log(os.path.join(plan.storage_path, plan.run_name),
-                              f"worker {ray.train.get_context().get_world_rank()}", err)
+        utils.write_error_log(plan.run_dir, f"worker {ray.train.get_context().get_world_rank()}", err)
+        storage.sync_up(plan.storage_path, plan.run_name)
         raise
 
 
@@ -114,7 +114,7 @@ def prepare_worker(plan, rank, world, local_world_size):
     elif plan.resume_path:
         with failures.cannot_be_retried(f"loading the checkpoint {plan.resume_path}",
                                         "pass another to --resume_from_checkpoint"):
-            checkpoint.load(state, plan.resume_path, rank)
+            checkpoint.load(state, storage.local_folder(plan.resume_path), rank)  # (from a bucket: downloaded)
     if rank == 0:
         released = " (the frozen text encoders left it once the prompts were encoded)" if plan.text_encoded_once else ""
         print(f"worker devices: {plan.family.denoiser_label} on {denoiser_device}, text encoders and VAE on {aux_device}"
@@ -167,7 +167,8 @@ def run_steps(plan, state, step_prompts, batches, rank, world, sampler=None, sto
         if plan.is_validation_step(state.step):
             with window.paused(), averaged_weights(state):
                 drawn = validation.run_round(sampler, state.step, rank, world,
-                                             os.path.join(plan.storage_path, plan.run_name))
+                                             plan.run_dir)
+            storage.sync_up(plan.storage_path, plan.run_name)  # (every rank drew some)
             if log:
                 log.write_images(state.step, *drawn)
                 print(f"validation images of step {state.step}: {drawn[0]}", flush=True)
@@ -175,6 +176,7 @@ def run_steps(plan, state, step_prompts, batches, rank, world, sampler=None, sto
         bar.close()
     if log:
         log.close()
+        storage.sync_up(plan.storage_path, plan.run_name)
     if stop_now:
         return True
     if state.step < total:
@@ -188,6 +190,7 @@ def report_window(window, log, state, rank, plan, checkpoint_now=False):
     metrics = window.metrics(state, plan.steps_per_epoch)
     if log:
         log.write(metrics)
+        storage.sync_up(plan.storage_path, plan.run_name)
     began = time.perf_counter()
     report(state, metrics, rank, plan, checkpoint_now)
     if rank == 0:
@@ -298,7 +301,7 @@ def report(state, metrics, rank, plan, checkpoint_now=False):
         with failures.stops_when_disk_full(f"the checkpoint of step {state.step}", folder, needed):
             checkpoint.save(state, folder, metrics["epoch"], rng_states, plan.train_text_encoder, plan.identity,
                             gathered)
-        run_dir = os.path.join(plan.storage_path, plan.run_name)
+        run_dir = plan.run_dir  # (a full disk there: in a bucket's run, this node's cache)
         with failures.stops_when_disk_full(f"the checkpoint of step {state.step}", run_dir, needed,
                                            cleanup=lambda: checkpoint.remove_incomplete(run_dir)):
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))

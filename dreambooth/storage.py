@@ -1,0 +1,223 @@
+"""Paths that may be object storage: `s3://bucket/key` (AWS, or MinIO/R2/Ceph through AWS_ENDPOINT_URL) and
+`gs://bucket/key`, through pyarrow's filesystems, configured the way AWS tools are (AWS_ACCESS_KEY_ID /
+AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, AWS_PROFILE, AWS_REGION; AWS_ENDPOINT_URL_S3 or
+AWS_ENDPOINT_URL, which pyarrow does not read itself). Anything else is a local path.
+
+A run's own files (metrics.jsonl, trackers, validation images, errors.log, settings) are written to a
+local folder of the node that writes them (run_folder) and copied to the run's folder in the bucket
+(sync_up); Ray Train writes the checkpoints there itself."""
+
+import os
+import posixpath
+import tempfile
+
+from dreambooth import utils
+
+SCHEMES = ("s3://", "gs://")
+# The AWS settings a Ray worker needs to reach the bucket as the driver does (runtime_env).
+AWS_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_REGION",
+                 "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_CONFIG_FILE",
+                 "AWS_SHARED_CREDENTIALS_FILE", "GOOGLE_APPLICATION_CREDENTIALS")
+
+
+def is_remote(path):
+    return isinstance(path, str) and path.startswith(SCHEMES)
+
+
+def endpoint():
+    """The S3 endpoint AWS tools would use (None: AWS itself)."""
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+
+
+def filesystem(uri):
+    """(pyarrow filesystem, its path 'bucket/key') of a remote URI."""
+    import pyarrow.fs as pafs
+
+    scheme, _, path = uri.partition("://")
+    if scheme == "s3":
+        url = endpoint()
+        options = {}
+        if url:
+            options["endpoint_override"] = url
+            if url.startswith("http://"):
+                options["scheme"] = "http"
+        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        if region:
+            options["region"] = region
+        return pafs.S3FileSystem(**options), path.rstrip("/")
+    return pafs.GcsFileSystem(), path.rstrip("/")
+
+
+def join(base, *parts):
+    return posixpath.join(base, *parts) if is_remote(base) else os.path.join(base, *parts)
+
+
+def ray_storage(storage_path):
+    """(storage_path, storage_filesystem) for Ray Train's RunConfig."""
+    if not is_remote(storage_path):
+        return storage_path, None
+    fs, path = filesystem(storage_path)
+    return path, fs
+
+
+def _info(uri):
+    fs, path = filesystem(uri)
+    return fs, path, fs.get_file_info(path)
+
+
+def exists(path):
+    if not is_remote(path):
+        return os.path.exists(path)
+    import pyarrow.fs as pafs
+
+    return _info(path)[2].type != pafs.FileType.NotFound
+
+
+def isdir(path):
+    if not is_remote(path):
+        return os.path.isdir(path)
+    import pyarrow.fs as pafs
+
+    return _info(path)[2].type == pafs.FileType.Directory
+
+
+def isfile(path):
+    if not is_remote(path):
+        return os.path.isfile(path)
+    import pyarrow.fs as pafs
+
+    return _info(path)[2].type == pafs.FileType.File
+
+
+def listdir(path):
+    """The names in a folder ([] when there is none)."""
+    if not is_remote(path):
+        return sorted(os.listdir(path)) if os.path.isdir(path) else []
+    import pyarrow.fs as pafs
+
+    fs, key = filesystem(path)
+    found = fs.get_file_info(pafs.FileSelector(key, allow_not_found=True))
+    return sorted(posixpath.basename(f.path) for f in found)
+
+
+def size(path):
+    return _info(path)[2].size if is_remote(path) else os.path.getsize(path)
+
+
+def mtime(path):
+    return _info(path)[2].mtime.timestamp() if is_remote(path) else os.path.getmtime(path)
+
+
+def read_bytes(path):
+    if not is_remote(path):
+        with open(path, "rb") as f:
+            return f.read()
+    fs, key = filesystem(path)
+    with fs.open_input_stream(key) as f:
+        return f.read()
+
+
+def read_json(path):
+    import json
+
+    return json.loads(read_bytes(path)) if is_remote(path) else utils.read_json(path)
+
+
+def write_bytes(path, data):
+    fs, key = filesystem(path)
+    with fs.open_output_stream(key) as f:
+        f.write(data)
+
+
+def remove_tree(path):
+    """Delete a folder and everything in it."""
+    if is_remote(path):
+        fs, key = filesystem(path)
+        fs.delete_dir(key)
+    else:
+        import shutil
+
+        shutil.rmtree(path)
+
+
+def download(uri, folder):
+    """Copy the remote folder uri into the local folder (made if missing); returns folder."""
+    import pyarrow.fs as pafs
+
+    fs, key = filesystem(uri)
+    os.makedirs(folder, exist_ok=True)
+    for info in fs.get_file_info(pafs.FileSelector(key, recursive=True)):
+        if info.type == pafs.FileType.File:
+            local = os.path.join(folder, *posixpath.relpath(info.path, key).split("/"))
+            os.makedirs(os.path.dirname(local), exist_ok=True)
+            pafs.copy_files(info.path, local, source_filesystem=fs)
+    return folder
+
+
+def local_folder(path, scratch=None):
+    """path itself when local; a remote folder downloaded into scratch (a new temporary folder by default)."""
+    if not is_remote(path):
+        return path
+    return download(path, scratch or tempfile.mkdtemp(prefix="dreambooth-download-"))
+
+
+def fetch(folder, name, local_dir):
+    """The local path of folder's file name: folder's own on a disk; from a bucket, copied into local_dir
+    first (a missing one: the path, where nothing is)."""
+    if not is_remote(folder):
+        return os.path.join(folder, name)
+    local = os.path.join(local_dir, name)
+    if isfile(join(folder, name)):
+        os.makedirs(local_dir, exist_ok=True)
+        with open(local, "wb") as f:
+            f.write(read_bytes(join(folder, name)))
+    return local
+
+
+def run_folder(storage_path, run_name):
+    """The local folder of a run's own files: the run folder itself on a disk; for a bucket, a folder in this
+    node's cache, copied to the bucket by sync_up."""
+    if not is_remote(storage_path):
+        return os.path.join(storage_path, run_name)
+    scheme, _, path = storage_path.partition("://")
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "dreambooth", "runs", scheme, *path.strip("/").split("/"), run_name)
+
+
+_uploaded = {}  # local file -> (size, mtime) as last copied
+
+
+def sync_up(storage_path, run_name):
+    """Copy the run's local files that changed since the last call to its folder in the bucket (nothing to do
+    on a disk)."""
+    if not is_remote(storage_path):
+        return
+    import pyarrow.fs as pafs
+
+    local = run_folder(storage_path, run_name)
+    fs, key = filesystem(join(storage_path, run_name))
+    for root, _, files in os.walk(local):
+        for name in files:
+            path = os.path.join(root, name)
+            stat = os.stat(path)
+            if _uploaded.get(path) == (stat.st_size, stat.st_mtime):
+                continue
+            target = posixpath.join(key, *os.path.relpath(path, local).split(os.sep))
+            pafs.copy_files(path, target, destination_filesystem=fs)
+            _uploaded[path] = (stat.st_size, stat.st_mtime)
+
+
+def check_reachable(uri, what):
+    """For a bucket's uri: UserError in one line unless a small object can be written to and read back from
+    it, then removed (a folder: nothing to check here)."""
+    if not is_remote(uri):
+        return
+    probe = join(uri, f".dreambooth-probe-{os.getpid()}")
+    try:
+        write_bytes(probe, b"ok")
+        assert read_bytes(probe) == b"ok"
+        fs, key = filesystem(probe)
+        fs.delete_file(key)
+    except Exception as err:  # noqa: BLE001 - any failure is the one line
+        where = f" (AWS_ENDPOINT_URL={endpoint()})" if uri.startswith("s3://") and endpoint() else ""
+        raise utils.UserError(f"{what} {uri} cannot be written from this node{where}: {utils.one_line(err)}") from None

@@ -1,0 +1,105 @@
+"""Runs whose storage is a bucket: a real S3 endpoint on 127.0.0.1 (moto's server), reached the way AWS
+tools reach MinIO or R2 (AWS_ENDPOINT_URL and the AWS_* credentials)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dreambooth import storage
+from dreambooth import train
+from dreambooth import utils
+from dreambooth.utils import REPO_DIR
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    """(environment with the endpoint and credentials, bucket name): a moto S3 server on 127.0.0.1 with an
+    empty bucket "runs"."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = dict(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
+               AWS_ENDPOINT_URL=f"http://{host}:{port}")
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    boto3.client("s3").create_bucket(Bucket="runs")
+    yield env, "runs"
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    server.stop()
+
+
+def test_storage_reads_lists_and_writes_a_bucket_like_a_folder(s3_endpoint, tmp_path):
+    storage.write_bytes("s3://runs/t/a/one.json", b'{"step": 3}')
+    storage.write_bytes("s3://runs/t/a/sub/two.txt", b"x" * 5)
+    assert storage.listdir("s3://runs/t/a") == ["one.json", "sub"] and storage.listdir("s3://runs/t/none") == []
+    assert storage.isdir("s3://runs/t/a/sub") and storage.isfile("s3://runs/t/a/one.json")
+    assert storage.read_json("s3://runs/t/a/one.json") == {"step": 3} and storage.size("s3://runs/t/a/sub/two.txt") == 5
+    local = storage.local_folder("s3://runs/t/a", str(tmp_path / "copy"))
+    assert open(os.path.join(local, "sub", "two.txt")).read() == "xxxxx"
+    storage.remove_tree("s3://runs/t/a")
+    assert not storage.exists("s3://runs/t/a/one.json")
+    storage.check_reachable("s3://runs/t", "--storage_path")
+    with pytest.raises(utils.UserError, match=r"^--storage_path s3://no-such-bucket/x cannot be written from this "
+                                              r"node \(AWS_ENDPOINT_URL=http://127\.0\.0\.1:\d+\): "):
+        storage.check_reachable("s3://no-such-bucket/x", "--storage_path")
+
+
+def final_weights(folder):
+    from safetensors.torch import load_file
+
+    return {part: load_file(os.path.join(folder, part, name)) for part, name in
+            (("unet", "diffusion_pytorch_model.safetensors"), ("text_encoder", "model.safetensors"))}
+
+
+@pytest.mark.slow
+def test_a_run_in_a_bucket_checkpoints_resumes_from_it_and_ends_like_an_uninterrupted_run(
+        ray_session, s3_endpoint, tiny_model, toy_images, tmp_path):
+    """--storage_path s3://…: Ray Train writes the checkpoints to the bucket, the run's own files follow
+    (metrics, settings, validation images, TensorBoard events, the plot); a rerun finds the newest checkpoint
+    there and ends on exactly the weights of a run that was never cut; its checkpoints are removed from
+    the bucket once the model is saved."""
+    env, bucket = s3_endpoint
+
+    def args(out, steps, *extra):
+        return ["--model_dir", tiny_model, "--output_dir", str(out), "--instance_images_dir", toy_images,
+                "--instance_prompt", "photo of unqtkn toy", "--train_batch_size", "1", "--num_workers", "2",
+                "--max_train_steps", str(steps), "--lr", "1e-3", "--seed", "5", "--logging_steps", "1",
+                "--checkpointing_steps", "2", *extra]
+
+    train.main(args(tmp_path / "whole", 4))
+    remote = f"s3://{bucket}/dreambooth"
+    run_env = dict(os.environ, **env, PYTHONUNBUFFERED="1")  # (a new driver: its workers get these too)
+    cut = subprocess.run([sys.executable, "train.py", *args(tmp_path / "cut", 2, "--storage_path", remote,
+                                                            "--keep_checkpoints", "--report_to", "tensorboard",
+                                                            "--validation_prompt", "photo of unqtkn toy",
+                                                            "--num_validation_images", "1",
+                                                            "--validation_inference_steps", "2")],
+                         cwd=REPO_DIR, env=run_env, capture_output=True, text=True, timeout=600)
+    assert cut.returncode == 0, cut.stderr[-3000:]
+    [run] = storage.listdir(remote)
+    files = storage.listdir(storage.join(remote, run))
+    assert {"metrics.jsonl", "train_config.toml", "loss.png", "tensorboard", "validation"} <= set(files), files
+    assert [storage.isdir(storage.join(remote, run, f)) for f in files if f.startswith("checkpoint_2")] == [True]
+    assert storage.listdir(storage.join(remote, run, "validation", "step-2")) == ["photo-of-unqtkn-toy-00000.png"]
+    assert f"checkpoints and metrics.jsonl in {remote}/{run}" in cut.stderr
+    resumed = subprocess.run([sys.executable, "train.py", *args(tmp_path / "cut", 4, "--storage_path", remote,
+                                                                "--resume_from_checkpoint", "latest")],
+                             cwd=REPO_DIR, env=run_env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {remote}/{run}/checkpoint_" in resumed.stderr
+    a, b = final_weights(tmp_path / "whole"), final_weights(tmp_path / "cut")
+    for part in a:
+        for k, v in a[part].items():
+            assert torch.equal(v, b[part][k]), (part, k)
+    runs = storage.listdir(remote)
+    assert len(runs) == 2 and not [f for f in storage.listdir(storage.join(remote, runs[1])) if f.startswith("checkpoint_2")]
