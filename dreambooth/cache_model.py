@@ -27,6 +27,7 @@ from dreambooth import flags
 from dreambooth import models
 from dreambooth import outputs
 from dreambooth import scores
+from dreambooth import storage
 from dreambooth import utils
 
 # What DiffusionPipeline.from_pretrained reads: configs, tokenizer files, safetensors
@@ -107,7 +108,10 @@ def resolve_model_name(value, cache_dir=None):
     """A model folder for --pretrained_model_name_or_path: a folder as given, else a short or hub
     name, found in the suite's model cache (model_cache_dir, what Step 1 fills) or in your own hub
     cache (read, never written: a model you already have is not fetched again), else fetched once
-    into the model cache as Step 1 does (pinned for the known names, safetensors only)."""
+    into the model cache as Step 1 does (pinned for the known names, safetensors only). A bucket's folder
+    (s3://…, gs://…) is copied into this node's cache once (storage.cached)."""
+    if storage.is_remote(value):
+        return storage.cached(value)
     path = os.path.abspath(os.path.expanduser(value))
     if os.path.exists(path) or value.startswith(("/", ".", "~")) or not looks_like_hub_name(value):
         return path

@@ -484,7 +484,7 @@ FLAGS = {
                   "images, as diffusers does: a flagged image would be a black training image), on for a "
                   "model train.py wrote. Flagged images are not saved, and a line says so.")),
     "lora_dir": (("--lora_dir", "--lora_weights_dir"),
-        dict(type=abs_path, default=None, metavar="DIR",
+        dict(type=storage_location, default=None, metavar="DIR",
              help="Folder of LoRA adapters (pytorch_lora_weights.safetensors, as train.py --use_lora writes) "
                   "to apply to --model_dir. Passing that folder as --model_dir does the same, with the base "
                   "model it was trained on.")),
@@ -810,11 +810,11 @@ def write_config(path, text):
     return path
 
 
-def make_parser(description, names, positional=None, refused=(), helps=None, optional=(), config=False):
+def make_parser(description, names, positional=None, refused=(), helps=None, optional=(), config=False, types=None):
     """A parser with the named flags from FLAGS, in the given order; the options in refused
     (keys of REFUSED) stop the parse with their line; helps: {name: help} where a script means
     a shared flag in its own way; optional: required flags that this script can do without;
-    config: also take --config FILE (TOML, keys named as the flags)."""
+    config: also take --config FILE (TOML, keys named as the flags); types: {name: type} likewise."""
     parser = OneLineErrorParser(description=description, formatter_class=HelpFormatter)
     if positional:
         positional(parser)
@@ -826,6 +826,8 @@ def make_parser(description, names, positional=None, refused=(), helps=None, opt
         kwargs.setdefault("dest", name)
         if helps and name in helps:
             kwargs["help"] = helps[name]
+        if types and name in types:
+            kwargs["type"] = types[name]
         if name in optional:
             kwargs.update(required=False, default=None)
         parser.add_argument(*options, **kwargs)

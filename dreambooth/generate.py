@@ -7,21 +7,19 @@ Before training it makes the class (regularisation) images; after, images of you
     python generate.py --model_dir=$TUNED_MODEL_DIR --output_dir=$IMAGES_NEW_DIR \\
         --prompts="photo of unqtkn dog in a bucket" --num_samples_per_prompt=5
 
-After `train.py --use_lora`, $TUNED_MODEL_DIR holds adapters only: pass it as --model_dir
-(the base model is read from its record) or as --lora_dir beside the base --model_dir.
+After `train.py --use_lora`, $TUNED_MODEL_DIR holds adapters only: pass it as --model_dir (the base model is
+read from its record) or as --lora_dir beside the base --model_dir; either may be a bucket's (s3://…).
 
-Image i of a prompt is '<prompt-slug>-<i:05d>.png', drawn from a seed derived from
---seed, the prompt and i: a rerun keeps what exists and makes only what is missing,
-and gives the same pixels an uninterrupted run would. The folder's record
-(dreambooth_images.json) names the model and the settings that drew it: a run with another
-model, prompt, resolution, seed, step count or guidance stops with one line instead of
-mixing its images in (--force replaces them). Several prompts: repeat the value
-(--prompts 'a dog, oil painting' 'a cat') or --prompts_file; commas stay inside a prompt.
-A contact sheet of all the requested images is written to <output_dir>/grid/grid.png.
+Image i of a prompt is '<prompt-slug>-<i:05d>.png', drawn from a seed derived from --seed, the prompt and i:
+a rerun keeps what exists and makes only what is missing, and gives the same pixels an uninterrupted run
+would. The folder's record (dreambooth_images.json) names the model and the settings that drew it: a run with another
+model, prompt, resolution, seed, step count or guidance stops with one line instead of mixing its images in
+(--force replaces them). Several prompts: repeat the value (--prompts 'a dog, oil painting' 'a cat') or
+--prompts_file; commas stay inside a prompt. A contact sheet of them all: <output_dir>/grid/grid.png.
 
-Class images come from the base model without its safety checker (a flagged image
-would be saved black and trained on as a dog); images from a tuned model are checked,
-and a flagged one is not saved: '<name>.png.flagged' marks it as done, and a line says so.
+Class images come from the base model without its safety checker (a flagged image would be saved black and
+trained on as a dog); images from a tuned model are checked, and a flagged one is not saved:
+'<name>.png.flagged' marks it as done, and a line says so.
 """
 
 import dataclasses
@@ -37,6 +35,7 @@ from dreambooth import models
 from dreambooth import outputs
 from dreambooth import prompts
 from dreambooth import raycluster
+from dreambooth import storage
 from dreambooth import utils
 
 FLAGGED_SUFFIX = ".flagged"  # beside the name of an image the safety checker withheld
@@ -111,6 +110,7 @@ def load_pipeline(model_dir, device, allow_unsafe_weights=False, safety_checker=
     from dreambooth import steps  # here, not at the top: it imports torch (2 s a --help or a one-line error never waits for)
 
     dtype = steps.amp_dtype(None, device) or torch.float32
+    storage.ensure_local(model_dir, lora_dir)  # (a bucket's, cached on the driver's node: this node's copy too)
     family = family or families.family_of(model_dir)
     # (a family without a safety checker, SDXL, has none to leave out)
     kwargs = {} if safety_checker or not family.safety_checker else {"safety_checker": None,

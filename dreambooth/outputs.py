@@ -18,11 +18,13 @@ import hashlib
 import os
 import re
 import sys
+import tempfile
 import uuid
 
 from dreambooth import families
 from dreambooth import flags
 from dreambooth import models
+from dreambooth import storage
 from dreambooth import trackers
 from dreambooth import utils
 
@@ -114,16 +116,16 @@ class TrainedOutput:
 
 
 def holds_lora(folder):
-    """True when folder holds LoRA adapters (train.py --use_lora's output) rather than a pipeline."""
-    return os.path.isfile(os.path.join(folder, utils.LORA_WEIGHTS_FILE))
+    """True when folder (or a bucket's) holds LoRA adapters (train.py --use_lora's output) rather than a pipeline."""
+    return storage.isfile(storage.join(folder, utils.LORA_WEIGHTS_FILE))
 
 
 def read_output(folder):
-    """The TrainedOutput of folder, or None when train.py did not write it."""
-    path = os.path.join(folder, utils.OUTPUT_MARKER)
-    if not os.path.isfile(path):
+    """The TrainedOutput of folder (or a bucket's), or None when train.py did not write it."""
+    path = storage.join(folder, utils.OUTPUT_MARKER)
+    if not storage.isfile(path):
         return None
-    return TrainedOutput(folder, TrainRecord.from_json(utils.read_json(path)))
+    return TrainedOutput(folder, TrainRecord.from_json(storage.read_json(path)))
 
 
 def new_model_id():
@@ -156,7 +158,8 @@ class ModelRef:
 
 def resolve_model(model_dir, lora_dir=None, lora_scale=1.0):
     """The ModelRef of --model_dir/--lora_dir. A LoRA output of train.py given as --model_dir
-    stands for its base model with its adapters."""
+    stands for its base model with its adapters. A bucket's adapters are copied here first (storage.cached)."""
+    lora_dir = storage.cached(lora_dir) if storage.is_remote(lora_dir) else lora_dir
     if lora_dir is None and holds_lora(model_dir):
         output = read_output(model_dir)
         if output is None:
@@ -297,10 +300,10 @@ def remove_drawn_images(folder):
 
 
 def check_output_dir(output_dir, overwrite):
-    """Refuse to replace a non-empty folder that is not a previous output of ours."""
-    if not os.path.isdir(output_dir) or not os.listdir(output_dir) or overwrite:
+    """Refuse to replace a non-empty folder (or a bucket's) that is not a previous output of ours."""
+    if overwrite or not storage.listdir(output_dir):
         return
-    if not os.path.isfile(os.path.join(output_dir, utils.OUTPUT_MARKER)):
+    if not storage.isfile(storage.join(output_dir, utils.OUTPUT_MARKER)):
         raise utils.UserError(f"--output_dir {output_dir} is not empty and was not written by train.py; "
                               "pass --overwrite to replace it")
 
@@ -330,7 +333,12 @@ def save_pipeline(nets, plan):
         if plan.settings_toml:
             flags.write_config(os.path.join(tmp, TRAIN_CONFIG), plan.settings_toml)
 
-    utils.atomic_write_dir(plan.output_dir, write)
+    if storage.is_remote(plan.output_dir):  # written here, then copied to the bucket, its record last
+        with tempfile.TemporaryDirectory(prefix="dreambooth-model-") as tmp:
+            write(tmp)
+            storage.replace_folder(tmp, plan.output_dir, last=utils.OUTPUT_MARKER)
+    else:
+        utils.atomic_write_dir(plan.output_dir, write)
 
 
 def expected_bytes(nets, lora):

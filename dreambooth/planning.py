@@ -1,9 +1,8 @@
 """The plan of a training run: every setting of train.py, decided once on the driver.
 
-`parse_args` reads the command line and checks flag combinations; `plan_run` checks the
-inputs against the files and the Ray cluster and returns one frozen `Plan`. The driver
-prints it, builds the data stream from it and hands it to every worker (worker.train_fn);
-nothing is added to it afterwards.
+`parse_args` reads the command line and checks flag combinations; `plan_run` checks the inputs against the
+files and the Ray cluster and returns one frozen `Plan`. The driver prints it, builds the data stream from
+it and hands it to every worker (worker.train_fn); nothing is added to it afterwards.
 """
 
 import argparse
@@ -201,8 +200,9 @@ class Plan:
                 f"{self.storage_path}{resume}")
 
 
-def train_parser(description=None):
-    return flags.make_parser(description, TRAIN_FLAGS, refused=flags.REFUSED, config=True)
+def train_parser(description=None):  # (train.py's --output_dir may be a bucket's)
+    return flags.make_parser(description, TRAIN_FLAGS, refused=flags.REFUSED, config=True,
+                             types={"output_dir": flags.storage_location})
 
 
 class FlagError(ValueError):

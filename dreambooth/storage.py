@@ -7,6 +7,7 @@ A run's own files (metrics.jsonl, trackers, validation images, errors.log, setti
 local folder of the node that writes them (run_folder) and copied to the run's folder in the bucket
 (sync_up); Ray Train writes the checkpoints there itself."""
 
+import contextlib
 import os
 import posixpath
 import tempfile
@@ -221,3 +222,76 @@ def check_reachable(uri, what):
     except Exception as err:  # noqa: BLE001 - any failure is the one line
         where = f" (AWS_ENDPOINT_URL={endpoint()})" if uri.startswith("s3://") and endpoint() else ""
         raise utils.UserError(f"{what} {uri} cannot be written from this node{where}: {utils.one_line(err)}") from None
+
+
+def replace_folder(local, uri, last):
+    """Make the bucket folder uri hold local's files: the file named last (the folder's completeness marker)
+    is removed first and written last, so a half-copied folder is never taken for a whole one; files of the
+    folder's previous content that local lacks are removed."""
+    import pyarrow.fs as pafs
+
+    fs, key = filesystem(uri)
+    marker = posixpath.join(key, last)
+    if fs.get_file_info(marker).type != pafs.FileType.NotFound:
+        fs.delete_file(marker)
+    wanted = {}
+    for root, _, files in os.walk(local):
+        for name in files:
+            path = os.path.join(root, name)
+            wanted[posixpath.join(key, *os.path.relpath(path, local).split(os.sep))] = path
+    for info in fs.get_file_info(pafs.FileSelector(key, recursive=True, allow_not_found=True)):
+        if info.type == pafs.FileType.File and info.path not in wanted:
+            fs.delete_file(info.path)
+    for target, path in sorted(wanted.items(), key=lambda item: item[0] == marker):
+        pafs.copy_files(path, target, destination_filesystem=fs)
+
+
+CACHE_MANIFEST = ".dreambooth-object-cache.json"
+
+
+def cache_root():
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "dreambooth", "objects")
+
+
+def cached(uri):
+    """A local copy of the bucket folder uri (a model, photos) in this node's cache, fetched once: files whose
+    size or time in the bucket changed are fetched again, files gone from it removed."""
+    import json
+
+    import pyarrow.fs as pafs
+
+    scheme, _, path = uri.partition("://")
+    local = os.path.join(cache_root(), scheme, *path.strip("/").split("/"))
+    fs, key = filesystem(uri)
+    listing = {posixpath.relpath(i.path, key): [i.size, i.mtime.timestamp()]
+               for i in fs.get_file_info(pafs.FileSelector(key, recursive=True, allow_not_found=True))
+               if i.type == pafs.FileType.File}
+    if not listing:
+        raise utils.UserError(f"{uri} holds no files (or cannot be listed from this node)")
+    manifest_path = os.path.join(local, CACHE_MANIFEST)
+    held = utils.read_json(manifest_path) if os.path.isfile(manifest_path) else {}
+    if held == listing:
+        return local
+    os.makedirs(local, exist_ok=True)
+    for name in set(held) - set(listing):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(local, *name.split("/")))
+    for name, stat in listing.items():
+        target = os.path.join(local, *name.split("/"))
+        if held.get(name) != stat or not os.path.isfile(target):
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            pafs.copy_files(posixpath.join(key, name), target, source_filesystem=fs)
+    with open(manifest_path, "w") as f:
+        json.dump(listing, f)
+    return local
+
+
+def ensure_local(*paths):
+    """Each path that is the cached copy of a bucket folder brought up to date on this node (Ray workers on
+    another node get the driver's cache path); None and other paths are left as they are."""
+    root = cache_root()
+    for path in paths:
+        if path and path.startswith(root + os.sep):
+            scheme, *parts = os.path.relpath(path, root).split(os.sep)
+            cached(f"{scheme}://{'/'.join(parts)}")

@@ -45,6 +45,7 @@ def train_worker(plan, stop_flag=None):
 
     from dreambooth import failures  # here, not at the top: it imports ray.train (1.2 s)
 
+    storage.ensure_local(plan.model_dir, plan.vae_dir)  # (a bucket's, cached on the driver's node: this node's too)
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     batches = prefetched(ray.train.get_dataset_shard("train").iter_torch_batches(batch_size=plan.train_batch_size))

@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+from dreambooth import outputs
 from dreambooth import storage
 from dreambooth import train
 from dreambooth import utils
@@ -77,14 +78,16 @@ def test_a_run_in_a_bucket_checkpoints_resumes_from_it_and_ends_like_an_uninterr
                 "--checkpointing_steps", "2", *extra]
 
     train.main(args(tmp_path / "whole", 4))
-    remote = f"s3://{bucket}/dreambooth"
+    # The base model in the bucket too: each node caches it once.
+    storage.replace_folder(tiny_model, f"s3://{bucket}/base", last="model_index.json")
+    args_in_bucket = args(f"s3://{bucket}/models/cut", 2, "--keep_checkpoints", "--report_to", "tensorboard",
+                          "--validation_prompt", "photo of unqtkn toy", "--num_validation_images", "1",
+                          "--validation_inference_steps", "2")
+    args_in_bucket[args_in_bucket.index(tiny_model)] = f"s3://{bucket}/base"
+    remote = f"s3://{bucket}/models/ray_results"  # (the default: beside --output_dir)
     run_env = dict(os.environ, **env, PYTHONUNBUFFERED="1")  # (a new driver: its workers get these too)
-    cut = subprocess.run([sys.executable, "train.py", *args(tmp_path / "cut", 2, "--storage_path", remote,
-                                                            "--keep_checkpoints", "--report_to", "tensorboard",
-                                                            "--validation_prompt", "photo of unqtkn toy",
-                                                            "--num_validation_images", "1",
-                                                            "--validation_inference_steps", "2")],
-                         cwd=REPO_DIR, env=run_env, capture_output=True, text=True, timeout=600)
+    cut = subprocess.run([sys.executable, "train.py", *args_in_bucket], cwd=REPO_DIR, env=run_env,
+                         capture_output=True, text=True, timeout=600)
     assert cut.returncode == 0, cut.stderr[-3000:]
     [run] = storage.listdir(remote)
     files = storage.listdir(storage.join(remote, run))
@@ -92,14 +95,25 @@ def test_a_run_in_a_bucket_checkpoints_resumes_from_it_and_ends_like_an_uninterr
     assert [storage.isdir(storage.join(remote, run, f)) for f in files if f.startswith("checkpoint_2")] == [True]
     assert storage.listdir(storage.join(remote, run, "validation", "step-2")) == ["photo-of-unqtkn-toy-00000.png"]
     assert f"checkpoints and metrics.jsonl in {remote}/{run}" in cut.stderr
-    resumed = subprocess.run([sys.executable, "train.py", *args(tmp_path / "cut", 4, "--storage_path", remote,
-                                                                "--resume_from_checkpoint", "latest")],
+    args_in_bucket[args_in_bucket.index("--max_train_steps") + 1] = "4"
+    args_in_bucket.remove("--keep_checkpoints")  # (once its model is saved, the resumed run's are removed)
+    resumed = subprocess.run([sys.executable, "train.py", *args_in_bucket, "--resume_from_checkpoint", "latest"],
                              cwd=REPO_DIR, env=run_env, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming from {remote}/{run}/checkpoint_" in resumed.stderr
-    a, b = final_weights(tmp_path / "whole"), final_weights(tmp_path / "cut")
+    # The model in the bucket, its record last; read back through the cache, it is the uninterrupted run's.
+    model = storage.cached(f"s3://{bucket}/models/cut")
+    assert outputs.read_output(f"s3://{bucket}/models/cut").record.steps == 4
+    a, b = final_weights(tmp_path / "whole"), final_weights(model)
     for part in a:
         for k, v in a[part].items():
             assert torch.equal(v, b[part][k]), (part, k)
     runs = storage.listdir(remote)
     assert len(runs) == 2 and not [f for f in storage.listdir(storage.join(remote, runs[1])) if f.startswith("checkpoint_2")]
+    # generate.py draws with the model in the bucket (cached on this node once).
+    drawn = subprocess.run([sys.executable, "generate.py", "--model_dir", f"s3://{bucket}/models/cut", "--output_dir",
+                            str(tmp_path / "new"), "--prompts", "photo of unqtkn toy, in a bucket",
+                            "--num_samples_per_prompt", "1", "--num_inference_steps", "2"],
+                           cwd=REPO_DIR, env=run_env, capture_output=True, text=True, timeout=600)
+    assert drawn.returncode == 0, drawn.stderr[-3000:]
+    assert os.path.isfile(tmp_path / "new" / "photo-of-unqtkn-toy-in-a-bucket-00000.png")
