@@ -27,6 +27,7 @@ from dreambooth import notify
 from dreambooth import outputs
 from dreambooth import raycluster
 from dreambooth import scores
+from dreambooth import storage
 from dreambooth import trackers
 from dreambooth import utils
 
@@ -304,7 +305,7 @@ def run(entries, subjects, settings, output_dir, report_dirs=None):
                 np.stack([emb[p]["dino"] for p in class_images]),
                 np.stack([emb[p]["dino"] for p in photos])) if class_images else None
             models[label] = ModelScores(overall, per_prompt)
-            write_prompt_grids(folder, label, {p: files[label][p] for p in [*subject_files, subject.class_prompt]})
+            imaging.write_prompt_grids(folder, label, {p: files[label][p] for p in [*subject_files, subject.class_prompt]})
         result = EvalResult(f"{subject.unique_token} {subject.class_name}", len(prompts[subject.name]),
                             settings.num_samples_per_prompt, len(photos), tuple(prompts[subject.name]), models,
                             subject.class_prompt, tuple(subject.held_out_names()))
@@ -332,9 +333,12 @@ def main(argv=None):
                "num_samples_per_prompt": "Images per prompt and model (the paper: 4).",
                "holdout": "The last N photos (in name order) were kept out of training (train.py --holdout N): "
                           "score DINO and CLIP-I against them too, and against the others only.",
-               "output_dir": "Where the images, scores.json, report.md and the grids go."})
+               "output_dir": "Where the images, scores.json, report.md and the grids go."},
+        types={"instance_data_dir": flags.storage_location})
     parser.set_defaults(num_samples_per_prompt=4)
     args = cache_model.resolve_models(parser.parse_args(argv))
+    if storage.is_remote(args.instance_data_dir):  # (the photos of a bucket: this node's copy)
+        args.instance_data_dir = storage.cached(args.instance_data_dir)
     try:
         result = evaluate(args)
     except (Exception, KeyboardInterrupt) as err:
@@ -384,16 +388,3 @@ def check_holdout(model_dir, subject):
         said = f"held out {', '.join(trained_without)}" if trained_without else "trained on every photo"
         raise utils.UserError(f"the model in {model_dir} was {said}; --holdout {subject.holdout} holds out "
                               f"{', '.join(held) or 'none'}: give train.py and evaluate.py the same --holdout")
-
-
-def write_prompt_grids(output_dir, label, files):
-    """grids/<label>/<prompt slug>.png: the images of each prompt in one row."""
-    from PIL import Image
-
-    folder = os.path.join(output_dir, "grids", label)
-    os.makedirs(folder, exist_ok=True)
-    for prompt, paths in files.items():
-        if paths:
-            images = [Image.open(p).convert("RGB") for p in paths]
-            utils.save_image_atomic(imaging.make_grid(images, columns=len(images)),
-                                    os.path.join(folder, utils.slugify(prompt) + ".png"))

@@ -3,8 +3,11 @@ of each row's view, aspect-ratio buckets (--enable_bucket) and SDXL's size/crop 
 the rows of a whole run, every choice drawn from --seed; contact sheets of drawn images."""
 
 import math
+import os
 
 import numpy as np
+
+from dreambooth import utils
 
 
 # ---------------------------------------------------------------- image math
@@ -182,3 +185,16 @@ def make_grid(images, thumb_size=128, columns=None):
         thumb = image.convert("RGB").resize((thumb_size, thumb_size))
         sheet.paste(thumb, ((k % cols) * thumb_size, (k // cols) * thumb_size))
     return sheet
+
+
+def write_prompt_grids(output_dir, label, files):
+    """grids/<label>/<prompt slug>.png: the images of each prompt in one row."""
+    from PIL import Image
+
+    folder = os.path.join(output_dir, "grids", label)
+    os.makedirs(folder, exist_ok=True)
+    for prompt, paths in files.items():
+        if paths:
+            images = [Image.open(p).convert("RGB") for p in paths]
+            utils.save_image_atomic(make_grid(images, columns=len(images)),
+                                    os.path.join(folder, utils.slugify(prompt) + ".png"))

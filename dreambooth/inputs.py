@@ -3,6 +3,7 @@ split, captions, masks, formats converted), the class images (counted, drawn by 
 this size), the aspect-ratio buckets and the rows of an epoch, as one typed record (RunInputs).
 """
 
+import argparse
 import dataclasses
 import os
 import sys
@@ -30,6 +31,19 @@ class RunInputs:
     resolution: int
     buckets: tuple  # (height, width) of each --enable_bucket bucket, or ()
     num_rows: int  # the rows of one epoch of the stream
+
+
+def fetch_from_buckets(args, draw_class_images=None):
+    """args with the photos and class images of a bucket (s3://…) copied into this node's cache (storage.cached:
+    once; the driver reads them and ships them to the workers). Class images are drawn into a folder only."""
+    if draw_class_images is not None and storage.is_remote(args.class_data_dir):
+        raise utils.UserError(f"--class_data_dir {args.class_data_dir}: class images are drawn into a folder, not a "
+                              "bucket; give a folder (or draw them with generate.py and copy them to the bucket)")
+    fetched = {name: storage.cached(getattr(args, name)) for name in ("instance_data_dir", "class_data_dir")
+               if storage.is_remote(getattr(args, name, None))}
+    for name, folder in fetched.items():
+        print(f"--{name} {getattr(args, name)}: read from this node's copy {folder}", file=sys.stderr)
+    return argparse.Namespace(**{**vars(args), **fetched}) if fetched else args
 
 
 def read_inputs(args, family, draw_class_images=None):

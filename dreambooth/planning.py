@@ -200,9 +200,9 @@ class Plan:
                 f"{self.storage_path}{resume}")
 
 
-def train_parser(description=None):  # (train.py's --output_dir may be a bucket's)
-    return flags.make_parser(description, TRAIN_FLAGS, refused=flags.REFUSED, config=True,
-                             types={"output_dir": flags.storage_location})
+def train_parser(description=None):  # (train.py's output, photos and class images may be a bucket's)
+    return flags.make_parser(description, TRAIN_FLAGS, refused=flags.REFUSED, config=True, types=dict.fromkeys(
+        ("output_dir", "instance_data_dir", "class_data_dir"), flags.storage_location))
 
 
 class FlagError(ValueError):
@@ -226,10 +226,9 @@ def parse_given(argv=None, description=None):
 
 
 def derive(given, parser):
-    """A new namespace: given (the flags set by the user, or by the sweep for a trial: parser.given
-    names them, parser.typed those typed rather than read from a config file) and every value worked
-    out from them, in this one order; FlagError for a combination train.py refuses. given itself is
-    left as it is."""
+    """A new namespace: given (the flags set by the user, or by the sweep for a trial: parser.given names them,
+    parser.typed those typed rather than read from a config file) and every value worked out from them, in
+    this one order; FlagError for a combination train.py refuses. given itself is left as it is."""
     args = argparse.Namespace(**vars(given))
     args.prior_prediction = args.prior_preservation == "prior_prediction"
     if args.prior_prediction:
@@ -313,6 +312,7 @@ def plan_run(args, cluster_resources, draw_class_images=None, stop_step=None):
         ("--class_data_dir", args.class_data_dir)])
     outputs.check_output_dir(args.output_dir, args.overwrite)
     storage.check_reachable(args.storage_path, "--storage_path")  # (a bucket's, before anything is drawn)
+    args = inputs.fetch_from_buckets(args, draw_class_images)
     found = inputs.read_inputs(args, family, draw_class_images)
     identity = run_identity.of_run(args, family, found.photos, found.masks, found.held_out, found.captions,
                                    found.class_files, found.resolution, found.buckets)

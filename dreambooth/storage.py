@@ -18,7 +18,8 @@ SCHEMES = ("s3://", "gs://")
 # The AWS settings a Ray worker needs to reach the bucket as the driver does (runtime_env).
 AWS_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_REGION",
                  "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_CONFIG_FILE",
-                 "AWS_SHARED_CREDENTIALS_FILE", "GOOGLE_APPLICATION_CREDENTIALS")
+                 "AWS_SHARED_CREDENTIALS_FILE", "GOOGLE_APPLICATION_CREDENTIALS",
+                 "XDG_CACHE_HOME")  # (and where each node caches a bucket's files, when set)
 
 
 def is_remote(path):
@@ -246,7 +247,7 @@ def replace_folder(local, uri, last):
         pafs.copy_files(path, target, destination_filesystem=fs)
 
 
-CACHE_MANIFEST = ".dreambooth-object-cache.json"
+CACHE_MANIFEST = ".listing.json"  # beside a cached folder (not in it: a folder of photos holds photos only)
 
 
 def cache_root():
@@ -269,7 +270,7 @@ def cached(uri):
                if i.type == pafs.FileType.File}
     if not listing:
         raise utils.UserError(f"{uri} holds no files (or cannot be listed from this node)")
-    manifest_path = os.path.join(local, CACHE_MANIFEST)
+    manifest_path = local + CACHE_MANIFEST
     held = utils.read_json(manifest_path) if os.path.isfile(manifest_path) else {}
     if held == listing:
         return local

@@ -16,9 +16,9 @@ from dreambooth.utils import REPO_DIR
 
 
 @pytest.fixture(scope="module")
-def s3_endpoint():
+def s3_endpoint(tmp_path_factory):
     """(environment with the endpoint and credentials, bucket name): a moto S3 server on 127.0.0.1 with an
-    empty bucket "runs"."""
+    empty bucket "runs"; the nodes' copies of its files in a cache folder of the test's (XDG_CACHE_HOME)."""
     import boto3
     from moto.server import ThreadedMotoServer
 
@@ -26,7 +26,7 @@ def s3_endpoint():
     server.start()
     host, port = server.get_host_and_port()
     env = dict(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
-               AWS_ENDPOINT_URL=f"http://{host}:{port}")
+               AWS_ENDPOINT_URL=f"http://{host}:{port}", XDG_CACHE_HOME=str(tmp_path_factory.mktemp("cache")))
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     boto3.client("s3").create_bucket(Bucket="runs")
@@ -53,6 +53,27 @@ def test_storage_reads_lists_and_writes_a_bucket_like_a_folder(s3_endpoint, tmp_
     with pytest.raises(utils.UserError, match=r"^--storage_path s3://no-such-bucket/x cannot be written from this "
                                               r"node \(AWS_ENDPOINT_URL=http://127\.0\.0\.1:\d+\): "):
         storage.check_reachable("s3://no-such-bucket/x", "--storage_path")
+
+
+def test_photos_of_a_bucket_are_read_from_this_nodes_copy_and_class_images_are_not_drawn_into_one(
+        s3_endpoint, toy_images, capsys):
+    import argparse
+
+    from dreambooth import inputs
+
+    storage.replace_folder(toy_images, "s3://runs/t/photos", last="toy-0.jpg")
+    args = argparse.Namespace(instance_data_dir="s3://runs/t/photos", class_data_dir=None)
+    fetched = inputs.fetch_from_buckets(args)
+    assert sorted(os.listdir(fetched.instance_data_dir)) == sorted(os.listdir(toy_images))
+    assert args.instance_data_dir == "s3://runs/t/photos"  # (the caller's flags stay as given)
+    assert f"--instance_data_dir s3://runs/t/photos: read from this node's copy {fetched.instance_data_dir}" in \
+        capsys.readouterr().err
+    storage.remove_tree("s3://runs/t/photos/")
+    storage.write_bytes("s3://runs/t/photos/toy-0.jpg", open(os.path.join(toy_images, "toy-0.jpg"), "rb").read())
+    assert os.listdir(inputs.fetch_from_buckets(args).instance_data_dir) == ["toy-0.jpg"]  # (brought up to date)
+    with pytest.raises(utils.UserError, match="class images are drawn into a folder, not a bucket"):
+        inputs.fetch_from_buckets(argparse.Namespace(instance_data_dir="/p", class_data_dir="s3://runs/reg"),
+                                  draw_class_images=lambda: None)
 
 
 def final_weights(folder):
@@ -84,6 +105,8 @@ def test_a_run_in_a_bucket_checkpoints_resumes_from_it_and_ends_like_an_uninterr
                           "--validation_prompt", "photo of unqtkn toy", "--num_validation_images", "1",
                           "--validation_inference_steps", "2")
     args_in_bucket[args_in_bucket.index(tiny_model)] = f"s3://{bucket}/base"
+    storage.replace_folder(toy_images, f"s3://{bucket}/photos", last=sorted(os.listdir(toy_images))[-1])
+    args_in_bucket[args_in_bucket.index(toy_images)] = f"s3://{bucket}/photos"  # (and the photos)
     remote = f"s3://{bucket}/models/ray_results"  # (the default: beside --output_dir)
     run_env = dict(os.environ, **env, PYTHONUNBUFFERED="1")  # (a new driver: its workers get these too)
     cut = subprocess.run([sys.executable, "train.py", *args_in_bucket], cwd=REPO_DIR, env=run_env,
