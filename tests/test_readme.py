@@ -49,6 +49,8 @@ NOT_RUN = {
     "ray start --head": "needs other machines; the two_node_cluster tests run the script on a 2-node cluster",
     "python sweep.py": "test_sweep runs sweeps of every kind on the tiny model",
     "-m pytest": "the test command itself",
+    "AWS_ENDPOINT_URL=http://minio": "needs a bucket: test_storage runs the same flags against a real S3 server on "
+                                     "127.0.0.1 (moto's)",
 }
 YOUR_OWN = "INSTANCE_DIR=~/photos/rex CLASS_NAME=dog ./dreambooth_run.sh"
 
