@@ -138,6 +138,8 @@ def init_ray():
             **{name: os.environ[name] for name in storage.AWS_VARIABLES if name in os.environ},
         },
     }
+    if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):  # a Ray Job's driver: the job's runtime env ships the code
+        del runtime_env["working_dir"], runtime_env["excludes"]
     address = os.environ.get("RAY_ADDRESS", "").strip()
     try:
         # "local": a new cluster even when Ray's temp folder names another (a script of the user's

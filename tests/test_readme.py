@@ -49,6 +49,8 @@ NOT_RUN = {
     "ray start --head": "needs other machines; the two_node_cluster tests run the script on a 2-node cluster",
     "python sweep.py": "test_sweep runs sweeps of every kind on the tiny model",
     "-m pytest": "the test command itself",
+    "ray job submit --working-dir": "needs Ray Jobs' server (ray[default]); test_recovery submits, stops and "
+                                    "resubmits train.py as a Ray Job where it is installed",
     "AWS_ENDPOINT_URL=http://minio": "needs a bucket: test_storage runs the same flags against a real S3 server on "
                                      "127.0.0.1 (moto's)",
 }

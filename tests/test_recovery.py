@@ -1,6 +1,7 @@
 """Runs that are cut short: resume and Ctrl-C with every GPU option, interrupted generation. (A SIGKILLed
 train worker: test_bench runs gpu_check.sh, whose dry run kills one; test_sweep kills a LoRA trial's.)"""
 
+import importlib.util
 import json
 import os
 import re
@@ -316,6 +317,99 @@ def test_a_drained_node_gets_a_checkpoint_of_the_current_step_and_the_run_goes_o
     assert whole_losses == [(m["step"], m["loss"]) for m in map(json.loads, open(
         os.path.join(folder, runlog.METRICS_FILE)))]
     same_weights(whole, tmp_path / "drained")
+
+
+@pytest.fixture()
+def jobs_cluster(tmp_path, monkeypatch):
+    """A Ray cluster of its own with Ray Jobs' server (the dashboard, on 127.0.0.1, token authentication):
+    its http:// address for `ray job` and JobSubmissionClient."""
+    import socket
+
+    from dreambooth import raycluster
+
+    ports = []
+    for _ in range(3):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            ports.append(probe.getsockname()[1])
+    with monkeypatch.context() as started:  # (its job server would look for agents in the session's cluster)
+        started.delenv("RAY_ADDRESS", raising=False)
+        head, _ = raycluster.start_ray_head(tmp_path / "head.log", ports[0], extra=[
+            "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={ports[1]}", "--num-cpus=3",
+            "--num-gpus=0", f"--dashboard-agent-listen-port={ports[2]}"])  # (not the session cluster's agent's)
+    try:
+        address = f"http://127.0.0.1:{ports[1]}"
+        deadline = time.time() + 60  # (the job agent starts after the head says it is up)
+        while ray_job(address, "list")[0] != 0 or "No available agent" in ray_job(
+                address, "submit", "--", "true")[1]:
+            assert time.time() < deadline, ray_job(address, "list")[1][-2000:]
+            time.sleep(1)
+        yield address
+    finally:
+        raycluster.stop_ray_head(head)
+
+
+def ray_job(address, *args, timeout=300):
+    """`ray job <args>` as a user types it, the cluster named by RAY_API_SERVER_ADDRESS (RAY_ADDRESS, which would
+    override --address, unset): (exit code, what it printed)."""
+    job_env = {k: v for k, v in env().items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "ray"), "job", *args], capture_output=True,
+                          text=True, env=dict(job_env, RAY_API_SERVER_ADDRESS=address), timeout=timeout)
+    return proc.returncode, re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)  # (without its colours)
+
+
+def job_state(address, job_id):
+    said = ray_job(address, "status", job_id)[1]
+    for words, state in (("' succeeded", "SUCCEEDED"), ("' was stopped", "STOPPED"), ("' failed", "FAILED")):
+        if f"Job '{job_id}{words}" in said:
+            return state
+    return re.search(r"Status for job '[^']+': (\w+)", said)[1]
+
+
+def wait_for_job(address, job_id, timeout):
+    deadline = time.time() + timeout
+    while (state := job_state(address, job_id)) in ("PENDING", "RUNNING") and time.time() < deadline:
+        time.sleep(1)
+    return state
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("aiohttp") is None,
+                    reason="Ray Jobs' server needs ray[default], which requirements-dev.txt leaves out: with it, a "
+                           "cluster this suite starts also serves metrics on 0.0.0.0 (test_security), to be closed first")
+def test_a_ray_job_stopped_checkpoints_its_step_and_its_resubmission_ends_on_the_uninterrupted_weights(
+        uninterrupted, jobs_cluster, tiny_model, toy_images, tmp_path):
+    """train.py as a Ray Job (the working directory shipped by Ray): `ray job stop` (SIGTERM to the driver) makes
+    the workers checkpoint the step they are on within RAY_JOB_STOP_WAIT_TIME_S, the job ends STOPPED, and the
+    same job submitted again with --resume_from_checkpoint latest SUCCEEDS with the uninterrupted run's weights.
+    A job whose training cannot start FAILS with the one-line cause in its logs and `ray job submit`'s exit code."""
+    whole, _ = uninterrupted
+    storage = tmp_path / "job-runs"
+    args = train_args(tiny_model, toy_images, tmp_path / "job", STOP_STEPS, *STOP_OPTIONS, "--storage_path", str(storage))
+    submit = ["submit", "--no-wait", f"--working-dir={REPO_DIR}",
+              '--runtime-env-json={"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "120"}}', "--", sys.executable, "train.py"]
+    code, said = ray_job(jobs_cluster, *submit, *args)
+    assert code == 0, said[-3000:]
+    job = re.search(r"Job '([^']+)' submitted successfully", said)[1]
+    deadline = time.time() + 240
+    while len(logged_steps(storage)) < 2:
+        assert time.time() < deadline and job_state(jobs_cluster, job) in ("PENDING", "RUNNING"), \
+            ray_job(jobs_cluster, "logs", job)[1][-3000:]
+        time.sleep(0.5)
+    code, said = ray_job(jobs_cluster, "stop", job)
+    assert wait_for_job(jobs_cluster, job, 180) == "STOPPED", said
+    logs = ray_job(jobs_cluster, "logs", job)[1]
+    [step] = checkpoint_steps(run_dirs(storage)[0])
+    assert "SIGTERM: every worker checkpoints the step it is on" in logs and f"stopped at step {step} of" in logs, logs[-3000:]
+    code, said = ray_job(jobs_cluster, *submit, *args, "--resume_from_checkpoint", "latest")
+    again = re.search(r"Job '([^']+)' submitted successfully", said)[1]
+    assert wait_for_job(jobs_cluster, again, 300) == "SUCCEEDED", ray_job(jobs_cluster, "logs", again)[1][-3000:]
+    assert f"trained {STOP_STEPS} steps" in ray_job(jobs_cluster, "logs", again)[1]
+    same_weights(whole, tmp_path / "job")
+    # Waiting for it, as `ray job submit` does by default: a failing job's cause in one line, a non-zero exit code.
+    code, said = ray_job(jobs_cluster, "submit", f"--working-dir={REPO_DIR}", "--", sys.executable, "train.py",
+                         *train_args(tiny_model, str(tmp_path / "no-photos"), tmp_path / "none", 2))
+    assert code != 0 and f"error: instance folder not found: {tmp_path / 'no-photos'}" in said, said[-3000:]
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ remote code, no shell) stays so."""
 
 import ast
 import glob
+import http.client
 import os
 import subprocess
 import sys
@@ -23,7 +24,9 @@ LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1", "localhost")
 # it has, and answers UNIMPLEMENTED (not UNAUTHENTICATED) for one it lacks.
 GRPC_METHODS = ("/ray.rpc.NodeInfoGcsService/GetAllNodeInfo", "/ray.rpc.NodeManagerService/GetNodeStats",
                 "/ray.rpc.CoreWorkerService/GetCoreWorkerStats", "/ray.rpc.ObjectManagerService/Pull",
-                "/ray.rpc.RayletDriver/ClusterInfo")
+                "/ray.rpc.RayletDriver/ClusterInfo",
+                # (with ray[default]: each node's dashboard agent, and its event aggregator)
+                "/ray.rpc.ReporterService/GetTraceback", "/ray.rpc.events.EventAggregatorService/AddEvents")
 
 
 def node_address():
@@ -69,8 +72,8 @@ def answer_without_token(address, port):
         if err.code == 401:
             return "refused"
         answers.append(f"HTTP {err.code}")
-    except OSError as err:
-        answers.append(f"HTTP: {err}")
+    except (OSError, http.client.HTTPException) as err:  # (a gRPC-only port answers HTTP/1 with HTTP/2 frames)
+        answers.append(f"HTTP: {type(err).__name__}")
     return "; ".join(answers)
 
 
