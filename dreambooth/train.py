@@ -15,6 +15,7 @@ it): 5e-6 AdamW updates vanish when the weights themselves are bf16.
 import os
 import signal
 import sys
+import threading
 import time
 
 from dreambooth import checkpoint
@@ -182,7 +183,8 @@ def run_trainer(plan, train_ds):
         # the split is configured in Train's controller, which does not see our DataContext.)
         dataset_config=ray.train.DataConfig(execution_options=ray.data.ExecutionOptions(preserve_order=True)),
     )
-    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    main_thread = threading.current_thread() is threading.main_thread()  # (a sweep's trials run in threads)
+    handlers = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) if main_thread else None
     try:
         result = trainer.fit()
     except (ray.train.ControllerError, ray.train.WorkerGroupError) as err:
@@ -192,8 +194,9 @@ def run_trainer(plan, train_ds):
         # fit() installs its own Ctrl-C handler: it aborts the run, then exits.
         raise KeyboardInterrupt from None
     finally:  # (fit's handlers, and ours for a stop at the current step, end with it)
-        signal.signal(signal.SIGINT, handlers[0])
-        signal.signal(signal.SIGTERM, handlers[1])
+        if handlers:
+            signal.signal(signal.SIGINT, handlers[0])
+            signal.signal(signal.SIGTERM, handlers[1])
         ray.kill(trainer.train_loop_config["stop_flag"])  # (a sweep runs many trials in one driver)
     if (result.metrics or {}).get("step", 0) < plan.end_step and not storage.isfile(
             storage.join(plan.output_dir, utils.OUTPUT_MARKER)):
