@@ -182,8 +182,7 @@ def run_folder(storage_path, run_name):
     if not is_remote(storage_path):
         return os.path.join(storage_path, run_name)
     scheme, _, path = storage_path.partition("://")
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "dreambooth", "runs", scheme, *path.strip("/").split("/"), run_name)
+    return os.path.join(cache_home(), "runs", scheme, *path.strip("/").split("/"), run_name)
 
 
 _uploaded = {}  # local file -> (size, mtime) as last copied
@@ -250,9 +249,15 @@ def replace_folder(local, uri, last):
 CACHE_MANIFEST = ".listing.json"  # beside a cached folder (not in it: a folder of photos holds photos only)
 
 
-def cache_root():
+def cache_home():
+    """This node's cache of a bucket's files (XDG_CACHE_HOME, else ~/.cache)."""
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "dreambooth", "objects")
+    return os.path.join(cache, "dreambooth")
+
+
+def cache_root():
+    """Where bucket folders are copied (cached)."""
+    return os.path.join(cache_home(), "objects")
 
 
 def cached(uri):
