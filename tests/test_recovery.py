@@ -70,6 +70,16 @@ def wait_for(predicate, timeout, proc):
     pytest.fail("timed out waiting")
 
 
+def finish(proc, timeout):
+    """(stdout, stderr) of proc once it ends; killed after timeout, the test fails with the end of what it printed."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"still running after {timeout} s:\n{out[-3000:]}\n{err[-3000:]}")
+
+
 def start_train(args):
     return subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO_DIR, env=env(), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -239,7 +249,7 @@ def test_sigterm_checkpoints_the_current_step_and_the_resumed_run_ends_on_the_un
     proc = start_train(cut)
     wait_for(lambda: len(logged_steps(storage)) >= 2, 240, proc)
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=300)
+    out, err = finish(proc, 300)
     assert proc.returncode == 130, err[-3000:]
     [folder] = run_dirs(storage)
     [step] = checkpoint_steps(folder)
@@ -255,9 +265,10 @@ def test_sigterm_checkpoints_the_current_step_and_the_resumed_run_ends_on_the_un
 
 @pytest.fixture()
 def drainable_cluster(tmp_path):
-    """A Ray cluster of its own: a head without CPUs and one node with 3 (2 workers and Ray Data), which a test
-    may drain:
-    (address, the node's id)."""
+    """A Ray cluster of its own: a head with one CPU and one node with 3 (where the 2 workers go), which a test
+    may drain: (address, the node's id). A drained node takes no new tasks, so the Ray Data tasks of the rest
+    of the run need a CPU on another node, as on a real cluster (with the head's CPUs at 0 the run stalls as
+    soon as its data stream needs a new task)."""
     import socket
 
     from dreambooth import raycluster
@@ -265,7 +276,7 @@ def drainable_cluster(tmp_path):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    head, address = raycluster.start_ray_head(tmp_path / "head.log", port, extra=["--num-cpus=0", "--num-gpus=0"])
+    head, address = raycluster.start_ray_head(tmp_path / "head.log", port, extra=["--num-cpus=1", "--num-gpus=0"])
     ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
     node = subprocess.Popen([ray_cli, "start", "--block", f"--address={address}", "--num-cpus=3", "--num-gpus=0",
                              f"--temp-dir={head.temp_dir}"], stdout=open(tmp_path / "node.log", "w"),
@@ -307,7 +318,7 @@ def test_a_drained_node_gets_a_checkpoint_of_the_current_step_and_the_run_goes_o
                             "--reason-message=spot reclaim", "--deadline-remaining-seconds=600"],
                            capture_output=True, text=True, env=env())
     assert drain.returncode == 0, drain.stderr[-2000:]
-    out, err = proc.communicate(timeout=300)
+    out, err = finish(proc, 300)
     assert proc.returncode == 0, err[-3000:]
     said = re.search(r"node\(s\) (\w+)… \(ranks 0, 1\) being drained, deadline in \d+ s: step (\d+) checkpointed in "
                      r"[\d.]+ s; training goes on", out + err)
