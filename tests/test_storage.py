@@ -6,11 +6,9 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from dreambooth import outputs
 from dreambooth import storage
-from dreambooth import train
 from dreambooth import utils
 from dreambooth.utils import REPO_DIR
 
@@ -76,34 +74,23 @@ def test_photos_of_a_bucket_are_read_from_this_nodes_copy_and_class_images_are_n
                                   draw_class_images=lambda: None)
 
 
-def final_weights(folder):
-    from safetensors.torch import load_file
-
-    return {part: load_file(os.path.join(folder, part, name)) for part, name in
-            (("unet", "diffusion_pytorch_model.safetensors"), ("text_encoder", "model.safetensors"))}
-
-
 @pytest.mark.slow
 def test_a_run_in_a_bucket_checkpoints_resumes_from_it_and_ends_like_an_uninterrupted_run(
-        ray_session, s3_endpoint, tiny_model, toy_images, tmp_path):
+        s3_endpoint, uninterrupted, tiny_model, toy_images, tmp_path):
     """--storage_path s3://…: Ray Train writes the checkpoints to the bucket, the run's own files follow
     (metrics, settings, validation images, TensorBoard events, the plot); a rerun finds the newest checkpoint
-    there and ends on exactly the weights of a run that was never cut; its checkpoints are removed from
-    the bucket once the model is saved."""
+    there and ends on exactly the weights of a run that was never cut (test_recovery's, shared); its
+    checkpoints are removed from the bucket once the model is saved."""
+    from test_recovery import STOP_OPTIONS, STOP_STEPS, same_weights, train_args
+
     env, bucket = s3_endpoint
-
-    def args(out, steps, *extra):
-        return ["--model_dir", tiny_model, "--output_dir", str(out), "--instance_images_dir", toy_images,
-                "--instance_prompt", "photo of unqtkn toy", "--train_batch_size", "1", "--num_workers", "2",
-                "--max_train_steps", str(steps), "--lr", "1e-3", "--seed", "5", "--logging_steps", "1",
-                "--checkpointing_steps", "2", *extra]
-
-    train.main(args(tmp_path / "whole", 4))
+    whole, _ = uninterrupted
     # The base model in the bucket too: each node caches it once.
     storage.replace_folder(tiny_model, f"s3://{bucket}/base", last="model_index.json")
-    args_in_bucket = args(f"s3://{bucket}/models/cut", 2, "--keep_checkpoints", "--report_to", "tensorboard",
-                          "--validation_prompt", "photo of unqtkn toy", "--num_validation_images", "1",
-                          "--validation_inference_steps", "2")
+    args_in_bucket = train_args(tiny_model, toy_images, f"s3://{bucket}/models/cut", 2, *STOP_OPTIONS,
+                                "--checkpointing_steps", "2", "--report_to", "tensorboard",
+                                "--validation_prompt", "photo of unqtkn toy", "--num_validation_images", "1",
+                                "--validation_inference_steps", "2")
     args_in_bucket[args_in_bucket.index(tiny_model)] = f"s3://{bucket}/base"
     storage.replace_folder(toy_images, f"s3://{bucket}/photos", last=sorted(os.listdir(toy_images))[-1])
     args_in_bucket[args_in_bucket.index(toy_images)] = f"s3://{bucket}/photos"  # (and the photos)
@@ -118,7 +105,10 @@ def test_a_run_in_a_bucket_checkpoints_resumes_from_it_and_ends_like_an_uninterr
     assert [storage.isdir(storage.join(remote, run, f)) for f in files if f.startswith("checkpoint_2")] == [True]
     assert storage.listdir(storage.join(remote, run, "validation", "step-2")) == ["photo-of-unqtkn-toy-00000.png"]
     assert f"checkpoints and metrics.jsonl in {remote}/{run}" in cut.stderr
-    args_in_bucket[args_in_bucket.index("--max_train_steps") + 1] = "4"
+    args_in_bucket[args_in_bucket.index("--max_train_steps") + 1] = str(STOP_STEPS)
+    every = len(args_in_bucket) - 1 - args_in_bucket[::-1].index("--checkpointing_steps")
+    args_in_bucket[every + 1] = "12"  # (a checkpoint on the way, in the bucket)
+    args_in_bucket += ["--logging_steps", "11"]  # (fewer reports, each copied to the bucket)
     args_in_bucket.remove("--keep_checkpoints")  # (once its model is saved, the resumed run's are removed)
     resumed = subprocess.run([sys.executable, "train.py", *args_in_bucket, "--resume_from_checkpoint", "latest"],
                              cwd=REPO_DIR, env=run_env, capture_output=True, text=True, timeout=600)
@@ -126,11 +116,8 @@ def test_a_run_in_a_bucket_checkpoints_resumes_from_it_and_ends_like_an_uninterr
     assert f"resuming from {remote}/{run}/checkpoint_" in resumed.stderr
     # The model in the bucket, its record last; read back through the cache, it is the uninterrupted run's.
     model = storage.cached(f"s3://{bucket}/models/cut")
-    assert outputs.read_output(f"s3://{bucket}/models/cut").record.steps == 4
-    a, b = final_weights(tmp_path / "whole"), final_weights(model)
-    for part in a:
-        for k, v in a[part].items():
-            assert torch.equal(v, b[part][k]), (part, k)
+    assert outputs.read_output(f"s3://{bucket}/models/cut").record.steps == STOP_STEPS
+    same_weights(whole, model)
     runs = storage.listdir(remote)
     assert len(runs) == 2 and not [f for f in storage.listdir(storage.join(remote, runs[1])) if f.startswith("checkpoint_2")]
     # generate.py draws with the model in the bucket (cached on this node once).
