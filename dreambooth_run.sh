@@ -246,6 +246,9 @@ else
   # A free port, not Ray's 6379: a cluster already running here (another run, a `ray start` of
   # yours) is left alone and never joined
   RAY_HEAD_PORT="$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')"
+  # Ray's metrics servers (with ray[default] installed) answer anyone over HTTP: off here, as
+  # raycluster.CLOSED_METRICS turns them off for the scripts' own clusters (README, "Security")
+  eval "$("$PYTHON" -c 'from dreambooth import raycluster; print(raycluster.closed_metrics_exports())')"
   # (no drain at the end: nothing runs by then, and Ray would wait 30 s for idle workers)
   RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 "$PYTHON" -m ray.scripts.scripts start --head --block \
     --port="$RAY_HEAD_PORT" --disable-usage-stats --include-dashboard=false --temp-dir="$RAY_HEAD_TEMP" \
@@ -261,7 +264,8 @@ else
   RAY_ADDRESS="$(grep -o "ray start --address='[^']*'" "$RAY_HEAD_LOG" | head -n 1 | cut -d"'" -f2)"
   export RAY_ADDRESS
   echo "Ray: started a cluster for this run at $RAY_ADDRESS (stopped at exit; its log: $RAY_HEAD_LOG); $RAY_AUTH"
-  echo "  more machines may join it while it runs: RAY_AUTH_MODE=token ray start --address=$RAY_ADDRESS" \
+  echo "  more machines may join it while it runs: RAY_AUTH_MODE=token" \
+    "RAY_enable_metrics_collection=$RAY_enable_metrics_collection ray start --address=$RAY_ADDRESS" \
     "(with the same token in their ~/.ray/auth_token or RAY_AUTH_TOKEN)"
 fi
 

@@ -99,6 +99,25 @@ def ray_auth_note():
     return "token authentication, token in " + (path if path else "RAY_AUTH_TOKEN")
 
 
+# With ray[default] installed (its prometheus_client), each node's dashboard agent and the head's
+# dashboard and autoscaler monitor serve Prometheus metrics over HTTP on every interface, and no token is
+# asked there: turned off for the clusters we start (a user who sets these variables gets Ray's behaviour).
+# A port of -1: that server fails to start (a line in that process's own log) and the process goes on.
+CLOSED_METRICS = {"RAY_enable_metrics_collection": "0", "AUTOSCALER_METRIC_PORT": "-1",
+                  "DASHBOARD_METRIC_PORT": "-1"}
+
+
+def close_metrics_ports():
+    """Ray's unauthenticated metrics servers off for a cluster this process starts (CLOSED_METRICS)."""
+    for name, value in CLOSED_METRICS.items():
+        os.environ.setdefault(name, value)
+
+
+def closed_metrics_exports():
+    """CLOSED_METRICS as bash export lines that keep a value already set (dreambooth_run.sh's own head)."""
+    return "\n".join(f'export {name}="${{{name}:-{value}}}"' for name, value in CLOSED_METRICS.items())
+
+
 def init_ray():
     """Start a local Ray cluster of this script's own, or join the cluster RAY_ADDRESS names (and
     only then: never the one Ray's temp folder names, which any `ray start` on this node writes),
@@ -141,6 +160,8 @@ def init_ray():
     if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):  # a Ray Job's driver: the job's runtime env ships the code
         del runtime_env["working_dir"], runtime_env["excludes"]
     address = os.environ.get("RAY_ADDRESS", "").strip()
+    if not address:
+        close_metrics_ports()
     try:
         # "local": a new cluster even when Ray's temp folder names another (a script of the user's
         # running beside this one, or a cluster someone else pointed that world-writable file at)
@@ -168,6 +189,7 @@ def start_ray_head(log_path, port=None, extra=()):
     import time
 
     ensure_ray_token()
+    close_metrics_ports()
     # Ray's socket paths must stay short (under 108 characters): a folder of its own under /tmp
     temp_dir = tempfile.mkdtemp(prefix="dreambooth-ray-", dir="/tmp")
     command = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--disable-usage-stats",

@@ -102,7 +102,9 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request, webhook):
 
         with pytest.raises(OSError):  # gone with the script
             socket.create_connection((address[1], int(address[2])), timeout=5).close()
-        assert f"RAY_AUTH_MODE=token ray start --address={address[1]}:{address[2]}" in output  # how to add a node
+        # how to add a node (its metrics server off too)
+        assert f"RAY_AUTH_MODE=token RAY_enable_metrics_collection=0 ray start --address={address[1]}:{address[2]}" \
+            in output
         assert open(os.environ["RAY_AUTH_TOKEN_PATH"]).read() not in output  # the token itself is never shown
     else:
         assert f"Ray: joining the cluster at RAY_ADDRESS={env['RAY_ADDRESS']}; token authentication" in output
