@@ -13,6 +13,7 @@ import sys
 import time
 import tomllib
 
+from dreambooth import storage
 from dreambooth import utils
 
 TRACKERS = ("tensorboard", "wandb", "mlflow")
@@ -182,9 +183,10 @@ def open_trackers(plan, folder, previous_record=None):
 
 
 def read_record(folder):
-    """The trackers.json of a run folder, or {}."""
-    path = os.path.join(folder, RECORD) if folder else None
-    return utils.read_json(path) if path and os.path.isfile(path) else {}
+    """The trackers.json of a run folder, on this node or in a bucket (a run resumed from a checkpoint
+    there goes on in the same tracker runs), or {}."""
+    path = storage.join(folder, RECORD) if folder else None
+    return storage.read_json(path) if path and storage.isfile(path) else {}
 
 
 def log_scores(record, step, scores, label):

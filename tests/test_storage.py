@@ -1,6 +1,7 @@
 """Runs whose storage is a bucket: a real S3 endpoint on 127.0.0.1 (moto's server), reached the way AWS
 tools reach MinIO or R2 (AWS_ENDPOINT_URL and the AWS_* credentials)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -51,6 +52,15 @@ def test_storage_reads_lists_and_writes_a_bucket_like_a_folder(s3_endpoint, tmp_
     with pytest.raises(utils.UserError, match=r"^--storage_path s3://no-such-bucket/x cannot be written from this "
                                               r"node \(AWS_ENDPOINT_URL=http://127\.0\.0\.1:\d+\): "):
         storage.check_reachable("s3://no-such-bucket/x", "--storage_path")
+
+
+def test_a_run_resumed_from_a_bucket_finds_its_tracker_runs_there(s3_endpoint, tmp_path):
+    from dreambooth import trackers
+
+    record = {"mlflow": {"run_id": "abc", "experiment": "dreambooth"}}
+    storage.write_bytes(f"s3://runs/t/run/{trackers.RECORD}", json.dumps(record).encode())
+    assert trackers.read_record("s3://runs/t/run") == record
+    assert trackers.read_record("s3://runs/t/other") == {} and trackers.read_record(str(tmp_path)) == {}
 
 
 def test_photos_of_a_bucket_are_read_from_this_nodes_copy_and_class_images_are_not_drawn_into_one(
