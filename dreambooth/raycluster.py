@@ -45,6 +45,33 @@ def quiet_ray_worker():
     logging.getLogger(context_py).setLevel(logging.WARNING)
 
 
+# Lines of Ray's own that read as errors and are not: Ray Train 2.60 starts its preemption watcher (which
+# we use, stopping.py) with restartable arguments, and its controller logs an ERROR-level note about it
+# in every run.
+HARMLESS_RAY_LINES = ("Actor with class name: 'PreemptionWatcher'",)
+
+
+def hide_harmless_ray_lines():
+    """Keep HARMLESS_RAY_LINES out of the worker output Ray prints on the driver's terminal (they stay in
+    Ray's log files). Through Ray's private log dispatcher: where it is not found, nothing changes."""
+    try:
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+    except ImportError:
+        return
+
+    def filtered(handler):
+        def handle(data):
+            lines = [line for line in data.get("lines", ()) if not any(s in line for s in HARMLESS_RAY_LINES)]
+            if lines:
+                handler({**data, "lines": lines})
+        handle.hides_harmless = True
+        return handle
+
+    with dispatcher._lock:
+        dispatcher.handlers = [(name, filtered(h) if name == "ray_print_logs" and not hasattr(h, "hides_harmless")
+                                else h) for name, h in dispatcher.handlers]
+
+
 def ray_token_path():
     """The file Ray reads its authentication token from (RAY_AUTH_TOKEN_PATH, else Ray's documented
     ~/.ray/auth_token), or None when the token is in RAY_AUTH_TOKEN itself."""
@@ -171,6 +198,7 @@ def init_ray():
         raise utils.UserError(f"could not join the Ray cluster at RAY_ADDRESS={address}: "
                               f"{utils.shorten(utils.one_line(err))} (a cluster with token authentication needs its "
                               f"token: RAY_AUTH_TOKEN, or the file ~/.ray/auth_token copied from its head)") from err
+    hide_harmless_ray_lines()
     where = ray.get_runtime_context().gcs_address
     if address:
         print(f"Ray: joined the cluster at {where} (RAY_ADDRESS); {ray_auth_note()}", file=sys.stderr)

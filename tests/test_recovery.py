@@ -250,6 +250,7 @@ def test_sigterm_checkpoints_the_current_step_and_the_resumed_run_ends_on_the_un
     [step] = checkpoint_steps(folder)
     assert 2 <= step < STOP_STEPS and f"stopped at step {step} of {STOP_STEPS} (SIGTERM): the checkpoint took " in out + err
     assert "SIGTERM: every worker checkpoints the step it is on" in err
+    assert "PreemptionWatcher" not in out + err  # (Ray's harmless ERROR line about it, kept off the terminal)
     assert "rerun the same command with --resume_from_checkpoint latest to continue" in err
     assert not os.path.exists(tmp_path / "cut" / "model_index.json")  # no model of a stopped run
     resumed = train.main(cut + ["--resume_from_checkpoint", "latest"])

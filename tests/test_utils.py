@@ -65,6 +65,24 @@ def test_ray_workers_run_the_setup_hook(ray_session):
     assert ray_session.get(cleaner_log_level.remote()) == logging.ERROR
 
 
+def test_rays_harmless_error_lines_are_kept_off_the_terminal_and_the_rest_printed():
+    from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+    from dreambooth import raycluster
+
+    printed, before = [], list(dispatcher.handlers)  # (this session's own Ray printer among them, maybe)
+    dispatcher.handlers = [("ray_print_logs", printed.append)]  # (where ray.init puts its printer)
+    try:
+        raycluster.hide_harmless_ray_lines()
+        raycluster.hide_harmless_ray_lines()  # (a second ray.init in one process: still one filter)
+        harmless = "[E core_worker.cc:2465] Actor with class name: 'PreemptionWatcher' and ID: 'ee6d' has constructor"
+        dispatcher.emit({"pid": 1, "lines": [harmless, "step=1 loss=0.5"]})
+        dispatcher.emit({"pid": 1, "lines": [harmless]})
+        assert printed == [{"pid": 1, "lines": ["step=1 loss=0.5"]}]
+    finally:
+        dispatcher.handlers = before
+
+
 def test_a_safetensors_file_is_checked_from_its_header_alone(tmp_path):
     import pytest
     import torch
