@@ -145,26 +145,9 @@ def closed_metrics_exports():
     return "\n".join(f'export {name}="${{{name}:-{value}}}"' for name, value in CLOSED_METRICS.items())
 
 
-def init_ray():
-    """Start a local Ray cluster of this script's own, or join the cluster RAY_ADDRESS names (and
-    only then: never the one Ray's temp folder names, which any `ray start` on this node writes),
-    with token authentication (ensure_ray_token); one line says which. The project's modules travel
-    as the runtime environment's working_dir, the same mechanism a multi-node cluster needs; all
-    paths passed to workers are absolute.
-    """
-    import ray
-
-    # Train's controller polls workers every 2 s by default, which adds ~1.5 s to
-    # every ray.train.report; 0.2 s keeps reporting cheap.
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
-    # Our excludes below name Ray's defaults (.git, .venv, ...); without this Ray warns about each.
-    os.environ.setdefault("RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES", "")
-    # Ray Data's INFO lines (each dataset's start, plan and finish) are for debugging Ray Data.
-    os.environ.setdefault("RAY_DATA_LOG_LEVEL", "WARNING")
-    if ray.is_initialized():
-        return ray
-    ensure_ray_token()
-    quiet_ray_logs()
+def job_runtime_env():
+    """The runtime environment of our Ray jobs: the project's code (unless a Ray Job's own runtime env ships
+    it), the quiet-logs hook and the settings every worker needs."""
     runtime_env = {
         "working_dir": utils.REPO_DIR,
         "excludes": [".venv", "venv", ".git", "tests", "images", "benchmarks", "**/__pycache__", "*.png", "*.jpg"],
@@ -186,13 +169,36 @@ def init_ray():
     }
     if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):  # a Ray Job's driver: the job's runtime env ships the code
         del runtime_env["working_dir"], runtime_env["excludes"]
+    return runtime_env
+
+
+def init_ray():
+    """Start a local Ray cluster of this script's own, or join the cluster RAY_ADDRESS names (and
+    only then: never the one Ray's temp folder names, which any `ray start` on this node writes),
+    with token authentication (ensure_ray_token); one line says which. The project's modules travel
+    as the runtime environment's working_dir, the same mechanism a multi-node cluster needs; all
+    paths passed to workers are absolute.
+    """
+    import ray
+
+    # Train's controller polls workers every 2 s by default, which adds ~1.5 s to
+    # every ray.train.report; 0.2 s keeps reporting cheap.
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+    # Our excludes (job_runtime_env) name Ray's defaults (.git, .venv, ...); without this Ray warns about each.
+    os.environ.setdefault("RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES", "")
+    # Ray Data's INFO lines (each dataset's start, plan and finish) are for debugging Ray Data.
+    os.environ.setdefault("RAY_DATA_LOG_LEVEL", "WARNING")
+    if ray.is_initialized():
+        return ray
+    ensure_ray_token()
+    quiet_ray_logs()
     address = os.environ.get("RAY_ADDRESS", "").strip()
     if not address:
         close_metrics_ports()
     try:
         # "local": a new cluster even when Ray's temp folder names another (a script of the user's
         # running beside this one, or a cluster someone else pointed that world-writable file at)
-        ray.init(address=address or "local", runtime_env=runtime_env, log_to_driver=True, configure_logging=False,
+        ray.init(address=address or "local", runtime_env=job_runtime_env(), log_to_driver=True, configure_logging=False,
                  include_dashboard=False)
     except (ConnectionError, ray.exceptions.AuthenticationError) as err:
         raise utils.UserError(f"could not join the Ray cluster at RAY_ADDRESS={address}: "
