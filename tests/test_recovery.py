@@ -198,7 +198,7 @@ def test_sdxl_run_whose_worker_is_killed_ends_with_the_uninterrupted_weights(ray
     victims = worker_pids(since)
     assert victims
     os.kill(victims[0], signal.SIGKILL)
-    out, err = proc.communicate(timeout=300)
+    out, err = finish(proc, 300)
     assert proc.returncode == 0, err[-3000:]
     assert "restarting the workers from the newest checkpoint" in out + err, (out + err)[-3000:]
     assert whole.metrics["step"] == 8

@@ -116,9 +116,8 @@ def test_a_run_in_a_bucket_checkpoints_resumes_from_it_and_ends_like_an_uninterr
     assert storage.listdir(storage.join(remote, run, "validation", "step-2")) == ["photo-of-unqtkn-toy-00000.png"]
     assert f"checkpoints and metrics.jsonl in {remote}/{run}" in cut.stderr
     args_in_bucket[args_in_bucket.index("--max_train_steps") + 1] = str(STOP_STEPS)
-    every = len(args_in_bucket) - 1 - args_in_bucket[::-1].index("--checkpointing_steps")
-    args_in_bucket[every + 1] = "12"  # (a checkpoint on the way, in the bucket)
-    args_in_bucket += ["--logging_steps", "11"]  # (fewer reports, each copied to the bucket)
+    # (the last value of a flag wins: a checkpoint on the way, in the bucket; fewer reports, each copied there)
+    args_in_bucket += ["--checkpointing_steps", "12", "--logging_steps", "11"]
     args_in_bucket.remove("--keep_checkpoints")  # (once its model is saved, the resumed run's are removed)
     resumed = subprocess.run([sys.executable, "train.py", *args_in_bucket, "--resume_from_checkpoint", "latest"],
                              cwd=REPO_DIR, env=run_env, capture_output=True, text=True, timeout=600)
