@@ -103,7 +103,7 @@ fi
 for name in DATA_PREFIX INSTANCE_DIR IMAGES_OWN_DIR IMAGES_REG_DIR TUNED_MODEL_DIR IMAGES_NEW_DIR EVAL_DIR \
             EVAL_PROMPTS LOG_DIR ORIG_MODEL_DIR EVAL_MODELS_CACHE; do
   value="${!name:-}"
-  case "$value" in ""|/*) ;; "~"*) printf -v "$name" '%s' "$HOME${value#\~}" ;; *) printf -v "$name" '%s' "$PWD/$value" ;; esac
+  case "$value" in ""|/*|s3://*|gs://*) ;; "~"*) printf -v "$name" '%s' "$HOME${value#\~}" ;; *) printf -v "$name" '%s' "$PWD/$value" ;; esac
 done
 cd "$(dirname "$0")"
 PYTHON="${PYTHON:-python}"
@@ -138,6 +138,11 @@ else
   EXAMPLE_PHOTOS=images/dog EXAMPLE_CLASS=dog
 fi
 export DATA_PREFIX
+# DATA_PREFIX in a bucket (s3://bucket/prefix: no shared disk needed): the steps read and write it there,
+# through this node's copies of its files (XDG_CACHE_HOME/dreambooth); the log is written here and copied there
+REMOTE=false
+case "$DATA_PREFIX" in s3://*|gs://*) REMOTE=true ;; esac
+is_remote() { case "$1" in s3://*|gs://*) return 0 ;; *) return 1 ;; esac; }
 ORIG_MODEL_NAME="${ORIG_MODEL_NAME:-sd14}"
 ORIG_MODEL_HASH="${ORIG_MODEL_HASH:-}"
 # the one model cache, as the scripts run by hand find it (cache_model.model_cache_dir)
@@ -147,7 +152,11 @@ IMAGES_OWN_DIR="${IMAGES_OWN_DIR:-$DATA_PREFIX/images-own}"
 IMAGES_EXAMPLE_DIR="${IMAGES_EXAMPLE_DIR:-$DATA_PREFIX/images-example}"
 EVAL_MODELS_CACHE="${EVAL_MODELS_CACHE:-$DATA_PREFIX/model-eval}"
 EVAL_PROMPTS="${EVAL_PROMPTS:-}"
-LOG_DIR="${LOG_DIR:-$DATA_PREFIX/logs}"
+if $REMOTE; then
+  LOG_DIR="${LOG_DIR:-$("$PYTHON" -c 'from dreambooth import storage; print(storage.cache_home())')/logs}"
+else
+  LOG_DIR="${LOG_DIR:-$DATA_PREFIX/logs}"
+fi
 UNIQUE_TOKEN="${UNIQUE_TOKEN:-unqtkn}"
 NUM_WORKERS="${NUM_WORKERS:-}"
 GPUS_PER_WORKER="${GPUS_PER_WORKER:-1}"
@@ -234,6 +243,11 @@ stop_ray() {  # at exit, however the script ends: the background fetch too (Step
     wait "$RAY_HEAD_PID" 2>/dev/null || true
   fi
   if [ -n "$RAY_HEAD_TEMP" ]; then rm -rf "$RAY_HEAD_TEMP"; fi
+  if $REMOTE; then  # the log beside the run's outputs in the bucket
+    "$PYTHON" -c 'import os, sys; from dreambooth import storage
+storage.write_bytes(storage.join(sys.argv[2], os.path.basename(sys.argv[1])), open(sys.argv[1], "rb").read())' \
+      "$LOG_FILE" "$DATA_PREFIX/logs" || echo "dreambooth_run.sh: the log stays in $LOG_FILE" >&2
+  fi
 }
 trap stop_ray EXIT
 if [ -n "${RAY_ADDRESS:-}" ]; then
@@ -269,9 +283,17 @@ else
     "(with the same token in their ~/.ray/auth_token or RAY_AUTH_TOKEN)"
 fi
 
-if $example; then  # the example photos, in their own folder
-  mkdir -p "$PHOTOS_DIR"
-  if $tiny; then cp -f "$EXAMPLE_PHOTOS"/*.jpg "$PHOTOS_DIR/"; else "$PYTHON" download_example_dataset.py "$PHOTOS_DIR"; fi
+if $example; then  # the example photos, in their own folder (a bucket's: put there from this node's copy)
+  EXAMPLE_LOCAL="$PHOTOS_DIR"
+  if $REMOTE; then
+    EXAMPLE_LOCAL="$("$PYTHON" -c 'import sys; from dreambooth import storage; print(storage.cache_path(sys.argv[1]))' "$PHOTOS_DIR")"
+  fi
+  mkdir -p "$EXAMPLE_LOCAL"
+  if $tiny; then cp -f "$EXAMPLE_PHOTOS"/*.jpg "$EXAMPLE_LOCAL/"; else "$PYTHON" download_example_dataset.py "$EXAMPLE_LOCAL"; fi
+  if $REMOTE; then
+    "$PYTHON" -c 'import sys; from dreambooth import storage; storage.mirror_up(sys.argv[1], sys.argv[2], None)' \
+      "$EXAMPLE_LOCAL" "$PHOTOS_DIR"
+  fi
 fi
 
 step "0: preflight (photos, CLASS_NAME, GPUs and their memory, disk, shared storage)"
@@ -314,7 +336,7 @@ for entry in "${VARIABLES[@]}"; do
 done
 # (a webhook URL is a secret: not shown)
 echo "  train.py extra flags: $TRAIN_ARGS ${EXTRA_TRAIN_ARGS[*]:-}" | sed -E 's#(--notify_url[= ])[^ ]+#\1(not shown)#g'
-mkdir -p "$ORIG_MODEL_DIR" "$TUNED_MODEL_DIR" "$IMAGES_NEW_DIR"
+for folder in "$ORIG_MODEL_DIR" "$TUNED_MODEL_DIR" "$IMAGES_NEW_DIR"; do is_remote "$folder" || mkdir -p "$folder"; done
 
 step "1: cache the base model ($($tiny && echo "the built-in tiny one" || echo "$ORIG_MODEL_NAME"))"
 if $tiny; then
@@ -345,7 +367,7 @@ if $prior_prediction; then
   CLASS_OPTIONS=(--prior_preservation=prior_prediction)
 else
   step "3: class images of 'photo of a $CLASS_NAME' in $IMAGES_REG_DIR (a rerun only tops up)"
-  mkdir -p "$IMAGES_REG_DIR"
+  is_remote "$IMAGES_REG_DIR" || mkdir -p "$IMAGES_REG_DIR"
   "$PYTHON" generate.py \
     --model_dir="$ORIG_MODEL_PATH" \
     --output_dir="$IMAGES_REG_DIR" \
@@ -401,11 +423,14 @@ outputs() {  # the last lines: every output of this subject, and how to take the
   if ! $skip_eval; then echo "  scores: $EVAL_DIR/report.md"; fi
   echo "  log:    $LOG_FILE"
   # (only for what export.py writes of the family, a full model or LoRA adapters: the hint is a command that works)
-  if "$PYTHON" -c 'import sys; from dreambooth import families, outputs
+  if "$PYTHON" -c 'import sys; from dreambooth import cache_model, families, outputs
 action = "export_lora" if outputs.holds_lora(sys.argv[2]) else "export"
-sys.exit(action not in families.family_of(sys.argv[1]).supports)' "$ORIG_MODEL_PATH" "$TUNED_MODEL_DIR" 2> /dev/null; then
+sys.exit(action not in families.family_of(cache_model.resolve_model_name(sys.argv[1])).supports)' \
+      "$ORIG_MODEL_PATH" "$TUNED_MODEL_DIR" 2> /dev/null; then
+    EXPORT_FILE="$DATA_PREFIX/subjects/$SUBJECT/$SUBJECT.safetensors"
+    if $REMOTE; then EXPORT_FILE="$PWD/$SUBJECT.safetensors"; fi  # (export.py writes a file here)
     echo "  for AUTOMATIC1111/ComfyUI: $PYTHON export.py --model_dir $(printf '%q' "$TUNED_MODEL_DIR")" \
-      "--output_file $(printf '%q' "$DATA_PREFIX/subjects/$SUBJECT/$SUBJECT.safetensors")"
+      "--output_file $(printf '%q' "$EXPORT_FILE")"
   fi
 }
 if $skip_eval; then

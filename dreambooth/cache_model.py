@@ -95,9 +95,9 @@ def model_cache_dir():
     default DATA_PREFIX). On a cluster it lies on DATA_PREFIX's shared storage, so every node finds
     a model where the driver found it."""
     if os.environ.get("ORIG_MODEL_DIR"):
-        return os.path.abspath(os.path.expanduser(os.environ["ORIG_MODEL_DIR"]))
-    prefix = os.environ.get("DATA_PREFIX") or os.path.join(utils.REPO_DIR, "data")
-    return os.path.join(os.path.abspath(os.path.expanduser(prefix)), "model-orig")
+        return flags.storage_location(os.environ["ORIG_MODEL_DIR"])
+    prefix = flags.storage_location(os.environ.get("DATA_PREFIX") or os.path.join(utils.REPO_DIR, "data"))
+    return storage.join(prefix, "model-orig")
 
 
 def looks_like_hub_name(value):
@@ -117,6 +117,8 @@ def resolve_model_name(value, cache_dir=None):
         return path
     name, revision = pinned_revision(value, None)
     cache_dir = cache_dir or model_cache_dir()
+    if storage.is_remote(cache_dir):  # (a bucket's model cache: this node's copy of it)
+        cache_dir = storage.cache_path(cache_dir)
     for folder in dict.fromkeys((cache_dir, hub_cache_dir())):
         found = cached_snapshot(folder, name, revision) or cached_main(folder, name, revision)
         if found:
@@ -360,7 +362,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.arch is not None and args.arch not in families.ARCHS:
         parser.error(f"argument --arch: invalid choice: {args.arch!r} (choose from {', '.join(families.ARCHS)})")
-    args.cache_dir = args.cache_dir or model_cache_dir()
+    args.cache_dir = bucket = args.cache_dir or model_cache_dir()
+    if storage.is_remote(bucket):  # (filled here, then copied there)
+        args.cache_dir = storage.cache_path(bucket)
     args.tiny = args.tiny or args.model_name == "tiny"
     try:
         os.makedirs(args.cache_dir, exist_ok=True)
@@ -379,10 +383,20 @@ def main(argv=None):
     if args.arch and (args.eval_models or not (args.tiny or args.random_model)):
         raise utils.UserError("--arch is the architecture of a model built here (--tiny, --random_model); a "
                               "downloaded model's family is read from its files")
+    path, last = cache_here(args)
+    if storage.is_remote(bucket):
+        uri = storage.join(bucket, *os.path.relpath(path, args.cache_dir).split(os.sep))
+        if storage.mirror_up(path, uri, last):
+            print(f"copied {path} to {uri} (each node caches it from there)", file=sys.stderr)
+        path = uri
+    print(path)
+    return path
+
+
+def cache_here(args):
+    """(the folder cache_model.py fills in args.cache_dir, the file that says it is complete)."""
     if args.eval_models:
-        path = cache_eval_models(args.cache_dir, args)
-        print(path)
-        return path
+        return cache_eval_models(args.cache_dir, args), "clip/config.json" if args.tiny else "eval_models.json"
     if args.tiny or args.random_model:
         path = write_random_model(args.cache_dir, args.random_model or "tiny", args.arch or "sd1")
     else:
@@ -391,5 +405,4 @@ def main(argv=None):
                   "its main branch (pass --revision <commit> to pin it)", file=sys.stderr)
         path = download_model(args.cache_dir, *pinned_revision(args.model_name, args.revision))
     families.check_model_dir(path)
-    print(path)
-    return path
+    return path, "model_index.json"

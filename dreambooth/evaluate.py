@@ -13,6 +13,7 @@ already there are kept: a rerun only scores again. Scores: see scores.py.
 """
 
 import dataclasses
+import io
 import os
 import sys
 import tempfile
@@ -88,11 +89,12 @@ class EvalSettings:
 class EmbeddingActor:
     """Ray Data actor (scores.Embedder on each): DINO and CLIP embeddings of image files, CLIP embeddings of their texts.
 
-    Batch in: {"path": (B,) str, "text": (B,) str}.
+    Batch in: {"path": (B,) str, "text": (B,) str, "data": (B,) bytes (the file's)}.
     Batch out: {"path", "dino": (B, D), "clip": (B, P), "text_clip": (B, P)}.
     """
 
     def __init__(self, dino_dir, clip_dir, num_actors, allow_unsafe_weights):
+        storage.ensure_local(dino_dir, clip_dir)  # (a bucket's, cached on the driver's node: this node's copy too)
         device = utils.torch_device()
         if device.type == "cpu":
             raycluster.share_cpu_threads(num_actors)
@@ -102,8 +104,8 @@ class EmbeddingActor:
         from PIL import Image
 
         images = []
-        for path in batch["path"]:
-            with Image.open(path) as image:  # the subject photos as training read them
+        for data in batch["data"]:  # (the files' bytes, read on the driver: this node may not see its disk)
+            with Image.open(io.BytesIO(data)) as image:  # the subject photos as training read them
                 images.append(imagefiles.upright_rgb(image))
         return {"path": batch["path"], "dino": self.embedder.dino_images(images).numpy(),
                 "clip": self.embedder.clip_images(images).numpy(),
@@ -114,6 +116,7 @@ def embed(rows, eval_models_dir, num_actors, allow_unsafe_weights=False, batch_s
     """{path: {"dino", "clip", "text_clip"} as (D,) arrays} for rows [{"path", "text"}], on an actor pool."""
     ray = raycluster.init_ray()
     dirs = tuple(os.path.join(eval_models_dir, part) for part in scores.EVAL_MODEL_PARTS)
+    rows = [{**row, "data": storage.read_bytes(row["path"])} for row in rows]
     ds = ray.data.from_items(rows).map_batches(
         EmbeddingActor, fn_constructor_args=(*dirs, num_actors, allow_unsafe_weights), batch_size=batch_size,
         compute=ray.data.ActorPoolStrategy(size=num_actors), num_gpus=generate.actor_num_gpus())
@@ -333,14 +336,17 @@ def main(argv=None):
                "num_samples_per_prompt": "Images per prompt and model (the paper: 4).",
                "holdout": "The last N photos (in name order) were kept out of training (train.py --holdout N): "
                           "score DINO and CLIP-I against them too, and against the others only.",
-               "output_dir": "Where the images, scores.json, report.md and the grids go."},
-        types={"instance_data_dir": flags.storage_location})
+               "output_dir": "Where the images, scores.json, report.md and the grids go: a folder, or a bucket's "
+                             "(s3://bucket/prefix, gs://…), filled through this node's copy of it."},
+        types=dict.fromkeys(("instance_data_dir", "output_dir", "eval_models_dir"), flags.storage_location))
     parser.set_defaults(num_samples_per_prompt=4)
     args = cache_model.resolve_models(parser.parse_args(argv))
-    if storage.is_remote(args.instance_data_dir):  # (the photos of a bucket: this node's copy)
-        args.instance_data_dir = storage.cached(args.instance_data_dir)
+    for name in ("instance_data_dir", "eval_models_dir"):  # (a bucket's photos and scoring models: this node's copy)
+        if storage.is_remote(getattr(args, name)):
+            setattr(args, name, storage.cached(getattr(args, name)))
     try:
-        result = evaluate(args)
+        with storage.output_folder(args.output_dir) as folder:  # (a bucket's: filled here, copied there)
+            result = evaluate(args, folder)
     except (Exception, KeyboardInterrupt) as err:
         notify.send(args.notify_url, "failed", f"DreamBooth scores of {args.model_dir} failed: {notify.cause_of(err)}",
                     model_dir=args.model_dir, cause=notify.cause_of(err))
@@ -351,9 +357,10 @@ def main(argv=None):
     return result
 
 
-def evaluate(args):
+def evaluate(args, folder=None):
     """The EvalResult of evaluate.py's parsed flags; the tuned model's scores also go to the W&B/MLflow runs
-    its training was logged to."""
+    its training was logged to. folder: the local folder written for --output_dir (default: itself)."""
+    folder = folder or args.output_dir
     subject = Subject(os.path.basename(args.instance_data_dir), args.instance_data_dir, args.unique_token,
                       args.class_name, args.subject_type, args.eval_prompts, args.holdout)
     check_holdout(args.lora_dir or args.model_dir, subject)
@@ -366,9 +373,9 @@ def evaluate(args):
     with tempfile.TemporaryDirectory() as scratch:  # each photo opened (odd ones converted there, then dropped)
         imagefiles.inspect_images(subject.photos(), 0, scratch)
     result = run(models_to_score(args.model_dir, args.lora_dir, args.base_model_dir), [subject],
-                 EvalSettings.from_args(args), args.output_dir)[subject.name]
+                 EvalSettings.from_args(args), folder)[subject.name]
     print(f"tuned: {summary(result.overall('tuned'))}; report "
-          f"{os.path.join(args.output_dir, 'report.md')}", file=sys.stderr)
+          f"{storage.join(args.output_dir, 'report.md')}", file=sys.stderr)
     output = outputs.read_output(args.lora_dir or args.model_dir)
     if output is not None and output.record.trackers:
         trackers.log_scores(output.record.trackers, output.record.steps or 0, result.overall("tuned"),

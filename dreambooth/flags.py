@@ -119,9 +119,10 @@ FLAGS = {
                   "(CompVis/stable-diffusion-v1-4) or a short name (sd14, sd15, sd21-base, sd21, sdxl), found in the "
                   "hub cache (offline works) or fetched once, pinned, safetensors only.")),
     "cache_dir": (("--model_dir", "--cache_dir"),
-        dict(dest="cache_dir", type=abs_path, default=None, metavar="DIR",
+        dict(dest="cache_dir", type=storage_location, default=None, metavar="DIR|URI",
              help="Hub cache folder to download the model into. Default: the one model cache every script "
-                  "reads, ORIG_MODEL_DIR, else $DATA_PREFIX/model-orig, else data/model-orig here.")),
+                  "reads, ORIG_MODEL_DIR, else $DATA_PREFIX/model-orig, else data/model-orig here. A bucket's "
+                  "folder (s3://bucket/prefix, gs://…): cached on this node, copied there once, its URI printed.")),
     "model_name": (("--model_name",),
         dict(default="sd14", help="The base model: a short name (sd14, sd15, sd21-base, sd21, sdxl; tiny: the built-in "
                                   "tiny random model, as --tiny) or a hub repository.")),
@@ -569,15 +570,17 @@ FLAGS = {
                   "anyway), fp32 keeps the trained weights exactly.")),
     # --- preflight.py (dreambooth_run.sh's Step 0): the script's variables, by name
     "photos_dir": (("--photos_dir",),
-        dict(type=abs_path, required=True, help="The subject's photos (INSTANCE_DIR or the script's own folder).")),
+        dict(type=storage_location, required=True,
+             help="The subject's photos (INSTANCE_DIR or the script's own folder; a folder or a bucket's).")),
     "photos_var": (("--photos_var",),
         dict(default="INSTANCE_DIR", help="The variable that set --photos_dir, as the error lines name it.")),
     "preflight_class_name": (("--class_name",), dict(dest="class_name", default=None, help="CLASS_NAME.")),
     "data_prefix": (("--data_prefix",),
-        dict(type=abs_path, required=True, help="DATA_PREFIX: where everything is written.")),
+        dict(type=storage_location, required=True,
+             help="DATA_PREFIX: where everything is written (a folder, or a bucket's: s3://bucket/prefix).")),
     "model_path": (("--model_path",), dict(default=None, help="The base model's folder, if already cached.")),
     "model_cache": (("--model_cache",),
-        dict(type=abs_path, default=None,
+        dict(type=storage_location, default=None,
              help="ORIG_MODEL_DIR: the model cache Step 1 fills (a model already there is not counted again).")),
     "preflight_num_workers": (("--num_workers",),
         dict(dest="num_workers", default="", help="NUM_WORKERS ('' or 0: one per GPU).")),

@@ -182,11 +182,12 @@ def generate_batch(pipe, prompts, seeds, settings, call_kwargs=None):
 
 
 class ImageGenerator:
-    """Ray Data actor: turns each batch of rows into PNG files, for one model or several.
+    """Ray Data actor: turns each batch of rows into PNG images, for one model or several.
 
     jobs: [DrawJob] (their rows travel as the batches). settings: ImageSettings.
     Batch in: {"job": (B,) index into jobs, "prompt": (B,) str, "seed": (B,) int, "file": (B,) str}.
-    Batch out: {"job", "file", "flagged": (B,) bool (withheld by the safety checker)}.
+    Batch out: {"job", "file", "flagged": (B,) bool (withheld by the safety checker), "png": (B,) bytes
+    (empty where flagged)}.
     The actor holds one pipeline at a time and loads another when the rows' job changes;
     rows arrive grouped by job, so that happens about once per model.
     """
@@ -210,6 +211,7 @@ class ImageGenerator:
             job = self.jobs[index]
             self.pipe = None  # the previous model's memory goes before the next one loads
             try:
+                storage.ensure_local(job.model.model_dir, job.model.lora_dir)  # (a bucket's: this node's copy)
                 family = families.family_of(job.model.model_dir)
                 self.pipe = load_pipeline(job.model.model_dir, self.device, self.settings.allow_unsafe_weights,
                                           job.safety_checker, job.model.lora_dir, job.model.lora_scale, family)
@@ -233,23 +235,22 @@ class ImageGenerator:
         if self.broken:
             raise self.broken
         flagged = np.zeros(len(batch["file"]), dtype=bool)
+        png = np.full(len(batch["file"]), b"", dtype=object)
         for index in dict.fromkeys(batch["job"].tolist()):
             rows = np.flatnonzero(batch["job"] == index)
             images, bad = generate_batch(self.pipeline(index), batch["prompt"][rows], batch["seed"][rows],
                                          self.job_settings, self.call_kwargs)  # (the pipeline first: it sets both)
             for row, image, is_bad in zip(rows, images, bad):
-                path = os.path.join(self.jobs[index].output_dir, str(batch["file"][row]))
-                if is_bad:
-                    open(path + FLAGGED_SUFFIX, "w").close()
-                else:
-                    utils.save_image_atomic(image, path)
                 flagged[row] = is_bad
-        return {"job": batch["job"], "file": batch["file"], "flagged": flagged}
+                if not is_bad:
+                    png[row] = utils.png_bytes(image)
+        return {"job": batch["job"], "file": batch["file"], "flagged": flagged, "png": png}
 
 
 def run_actor_pool(jobs, settings, batch_size, num_actors):
-    """Fan the rows of every DrawJob out to one actor pool; yields (job index, file name, flagged)
-    as images land."""
+    """Fan the rows of every DrawJob out to one actor pool; the images are written into their job's folder
+    here, as they land (the actors may run on other nodes, which do not see this node's disk); yields
+    (job index, file name, flagged) for each."""
     import ray
 
     rows = [{**row, "job": index} for index, job in enumerate(jobs) for row in job.rows]
@@ -261,7 +262,13 @@ def run_actor_pool(jobs, settings, batch_size, num_actors):
         num_gpus=actor_num_gpus(),
     )
     for batch in ds.iter_batches(batch_size=None):
-        yield from zip(batch["job"], batch["file"], batch["flagged"])
+        for index, name, bad, png in zip(batch["job"], batch["file"], batch["flagged"], batch["png"]):
+            path = os.path.join(jobs[index].output_dir, str(name))
+            if bad:
+                open(path + FLAGGED_SUFFIX, "w").close()
+            else:
+                utils.write_bytes_atomic(bytes(png), path)
+            yield index, name, bad
 
 
 def actor_num_gpus():
@@ -342,7 +349,9 @@ def main(argv=None):
          "num_inference_steps", "guidance_scale", "negative_prompt", "seed", "resolution",
          "lora_dir", "lora_scale", "num_actors", "safety_checker", "force", "class_images", "use_ray_data",
          "allow_unsafe_weights"],
-        config=True,
+        config=True, types={"output_dir": flags.storage_location},
+        helps={"output_dir": "Where the images go: a folder, or a bucket's (s3://bucket/prefix, gs://…), filled "
+                             "through this node's copy of it (README, Object storage)."},
     )
     args = cache_model.resolve_models(parser.parse_args(argv))
     prompts = prompts_of(args)
@@ -355,14 +364,16 @@ def main(argv=None):
                             families.family_of(model.model_dir), model.model_dir)  # (a refusal before any folder)
     remedy = "pass --force to delete those images and draw these" + (
         " (dreambooth_run.sh: set IMAGES_REG_DIR to another folder, or delete this one)" if args.class_images else "")
-    job = top_up(args.output_dir, model, prompts, args.num_samples_per_prompt, settings,
-                 use_safety_checker(args.safety_checker, model), on_mismatch="force" if args.force else "error",
-                 remedy=remedy, class_images=args.class_images)
-    flags.write_config(os.path.join(args.output_dir, outputs.IMAGES_CONFIG), flags.config_text(parser, args))
-    make_images_of([job], settings, args.batch_size, args.num_actors)
-    all_files = [os.path.basename(p) for paths in wanted_files(args.output_dir, prompts,
-                                                                args.num_samples_per_prompt).values() for p in paths]
-    grid = write_grid(args.output_dir, all_files)
+    with storage.output_folder(args.output_dir) as folder:  # (a bucket's: filled here, copied there)
+        job = top_up(folder, model, prompts, args.num_samples_per_prompt, settings,
+                     use_safety_checker(args.safety_checker, model), on_mismatch="force" if args.force else "error",
+                     remedy=remedy, label=args.output_dir, class_images=args.class_images)
+        flags.write_config(os.path.join(folder, outputs.IMAGES_CONFIG), flags.config_text(parser, args))
+        make_images_of([job], settings, args.batch_size, args.num_actors)
+        all_files = [os.path.basename(p) for paths in wanted_files(folder, prompts,
+                                                                    args.num_samples_per_prompt).values() for p in paths]
+        write_grid(folder, all_files)
+    grid = storage.join(args.output_dir, GRID_DIR, "grid.png")
     print(f"{len(all_files)} images in {args.output_dir}; contact sheet {grid}", file=sys.stderr)
     return all_files
 

@@ -35,12 +35,11 @@ class RunInputs:
 
 def fetch_from_buckets(args, draw_class_images=None):
     """args with the photos and class images of a bucket (s3://…) copied into this node's cache (storage.cached:
-    once; the driver reads them and ships them to the workers). Class images are drawn into a folder only."""
-    if draw_class_images is not None and storage.is_remote(args.class_data_dir):
-        raise utils.UserError(f"--class_data_dir {args.class_data_dir}: class images are drawn into a folder, not a "
-                              "bucket; give a folder (or draw them with generate.py and copy them to the bucket)")
-    fetched = {name: storage.cached(getattr(args, name)) for name in ("instance_data_dir", "class_data_dir")
-               if storage.is_remote(getattr(args, name, None))}
+    once; the driver reads them and ships them to the workers). With draw_class_images the class folder may
+    be empty yet (they are drawn into this copy, then copied to the bucket)."""
+    fetched = {name: storage.cached(getattr(args, name), allow_empty=name == "class_data_dir" and draw_class_images
+                                    is not None)
+               for name in ("instance_data_dir", "class_data_dir") if storage.is_remote(getattr(args, name, None))}
     for name, folder in fetched.items():
         print(f"--{name} {getattr(args, name)}: read from this node's copy {folder}", file=sys.stderr)
     return argparse.Namespace(**{**vars(args), **fetched}) if fetched else args

@@ -17,6 +17,7 @@ train.py does not know, or a value it refuses, stops the run here instead of at 
 """
 
 import argparse
+import contextlib
 import os
 import shutil
 import sys
@@ -32,6 +33,7 @@ from dreambooth import memory
 from dreambooth import planning
 from dreambooth import raycluster
 from dreambooth import resources
+from dreambooth import storage
 from dreambooth import utils
 
 GB = 1e9
@@ -64,7 +66,12 @@ def check_train_flags(words):
 
 
 def check_photos(folder, variable):
-    """The photos are there and each one opens (a corrupt one is named)."""
+    """The photos are there and each one opens (a corrupt one is named); a bucket's, in this node's copy."""
+    if storage.is_remote(folder):
+        try:
+            folder = storage.cached(folder)
+        except utils.UserError as err:
+            raise utils.UserError(f"{variable}={folder}: {err}; put 4-6 photos of your subject there") from None
     if not os.path.isdir(folder):
         raise utils.UserError(f"{variable}={folder}: no such folder; put 4-6 photos of your subject there")
     try:
@@ -103,12 +110,18 @@ def disk_needed_gb(args, limit=1):
 
 
 def check_disk(args, limit=1):
-    os.makedirs(args.data_prefix, exist_ok=True)
+    """Room under DATA_PREFIX; for a bucket's, in this node's copies of its files (storage.cache_home)."""
+    folder, what = args.data_prefix, f"DATA_PREFIX={args.data_prefix}"
+    if storage.is_remote(folder):
+        folder = storage.cache_home()
+        what = f"this node's copy of DATA_PREFIX's files, {folder},"
+    os.makedirs(folder, exist_ok=True)
     needed, parts = disk_needed_gb(args, limit)
-    free = shutil.disk_usage(args.data_prefix).free / GB
+    free = shutil.disk_usage(folder).free / GB
     if free < needed:
-        raise utils.UserError(f"DATA_PREFIX={args.data_prefix} has {free:.1f} GB free; this run needs about "
-                              f"{needed:.1f} GB ({parts}): set DATA_PREFIX to a larger disk")
+        fix = "set XDG_CACHE_HOME to a larger disk" if storage.is_remote(args.data_prefix) else \
+            "set DATA_PREFIX to a larger disk"
+        raise utils.UserError(f"{what} has {free:.1f} GB free; this run needs about {needed:.1f} GB ({parts}): {fix}")
 
 
 def check_workers(args, cpus, gpus):
@@ -124,7 +137,8 @@ def cached_model(args):
     """The base model's folder when it is here before Step 1 (--model_path, or its pinned revision in
     the model cache: looked up once, then kept in args.model_path), else None."""
     if args.model_path is None and args.model_cache and not args.tiny:
-        args.model_path = cache_model.cached_snapshot(args.model_cache,
+        cache = storage.cache_path(args.model_cache) if storage.is_remote(args.model_cache) else args.model_cache
+        args.model_path = cache_model.cached_snapshot(cache,
                                                       *cache_model.pinned_revision(args.model_name, args.revision))
     folder = args.model_path
     return folder if folder and os.path.isfile(os.path.join(folder, "model_index.json")) else None
@@ -258,38 +272,55 @@ def check_gpus(args, train_flags, gpus):
 
 
 def check_shared(data_prefix, photos_var, photos_dir, num_photos):
-    """On a cluster of several nodes: a Ray task on each node writes a file under data_prefix and
-    counts the photos; the head must see every node's file, and every node the photos. One node:
-    nothing to check."""
+    """On a cluster of several nodes: a Ray task on each node writes a file under data_prefix (an object,
+    in a bucket) and counts the photos; the head must see every node's file, and every node the photos.
+    One node: nothing to check."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     if len(nodes) < 2:
         return
-    probe = os.path.join(data_prefix, f".preflight-{uuid.uuid4().hex[:8]}")
+    remote = storage.is_remote(data_prefix)
+    probe = storage.join(data_prefix, f".preflight-{uuid.uuid4().hex[:8]}")
 
     @ray.remote(num_cpus=0)
     def visit(node_id):
-        os.makedirs(probe, exist_ok=True)
-        with open(os.path.join(probe, node_id), "w") as f:
-            f.write(node_id)
-        return len(os.listdir(photos_dir)) if os.path.isdir(photos_dir) else 0
+        try:
+            if remote:
+                storage.write_bytes(storage.join(probe, node_id), node_id.encode())
+            else:
+                os.makedirs(probe, exist_ok=True)
+                with open(os.path.join(probe, node_id), "w") as f:
+                    f.write(node_id)
+        except Exception as err:  # noqa: BLE001 - said as the one line below
+            return utils.one_line(err), 0
+        found = storage.listdir(photos_dir) if storage.is_remote(photos_dir) or os.path.isdir(photos_dir) else []
+        return None, len(found)
 
     seen = ray.get([visit.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
                     .remote(n["NodeID"]) for n in nodes])
     try:
-        for node, count in zip(nodes, seen):
+        for node, (error, count) in zip(nodes, seen):
             address = f"{node.get('NodeManagerAddress', '?')} (node {node['NodeID'][:8]})"
-            if not os.path.isfile(os.path.join(probe, node["NodeID"])):
+            if remote and (error or not storage.isfile(storage.join(probe, node["NodeID"]))):
+                raise utils.UserError(f"DATA_PREFIX={data_prefix} cannot be written from node {address}: "
+                                      f"{error or 'its object never appeared'} (give every node the bucket's "
+                                      "credentials and endpoint: AWS_* variables, README, Object storage)")
+            if not remote and (error or not os.path.isfile(os.path.join(probe, node["NodeID"]))):
                 raise utils.UserError(
                     f"DATA_PREFIX={data_prefix} is not shared storage: what node {address} writes there "
-                    "never reaches this node; set DATA_PREFIX to a folder every node mounts (NFS, a shared disk)")
+                    "never reaches this node; set DATA_PREFIX to a folder every node mounts (NFS, a shared disk) "
+                    "or a bucket (s3://…)")
             if count < num_photos:
                 raise utils.UserError(f"{photos_var}={photos_dir}: node {address} sees {count} of its files; put the "
-                                      "photos on storage every node mounts (e.g. under DATA_PREFIX)")
+                                      "photos on storage every node reaches (e.g. under DATA_PREFIX)")
     finally:
-        shutil.rmtree(probe, ignore_errors=True)
+        if remote:
+            with contextlib.suppress(Exception):
+                storage.remove_tree(probe)
+        else:
+            shutil.rmtree(probe, ignore_errors=True)
 
 
 def main(argv=None):

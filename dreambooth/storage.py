@@ -225,17 +225,17 @@ def check_reachable(uri, what):
 
 
 def replace_folder(local, uri, last):
-    """Make the bucket folder uri hold local's files: the file named last (the folder's completeness marker)
-    is removed first and written last, so a half-copied folder is never taken for a whole one; files of the
+    """Make the bucket folder uri hold local's files: the file named last (the folder's completeness marker;
+    None: none) is removed first and written last, so a half-copied folder is never taken for a whole one; files of the
     folder's previous content that local lacks are removed."""
     import pyarrow.fs as pafs
 
     fs, key = filesystem(uri)
-    marker = posixpath.join(key, last)
-    if fs.get_file_info(marker).type != pafs.FileType.NotFound:
+    marker = posixpath.join(key, last or "")
+    if last and fs.get_file_info(marker).type != pafs.FileType.NotFound:
         fs.delete_file(marker)
     wanted = {}
-    for root, _, files in os.walk(local):
+    for root, _, files in os.walk(local, followlinks=True):
         for name in files:
             path = os.path.join(root, name)
             wanted[posixpath.join(key, *os.path.relpath(path, local).split(os.sep))] = path
@@ -260,24 +260,43 @@ def cache_root():
     return os.path.join(cache_home(), "objects")
 
 
-def cached(uri):
-    """A local copy of the bucket folder uri (a model, photos) in this node's cache, fetched once: files whose
-    size or time in the bucket changed are fetched again, files gone from it removed."""
-    import json
+def cache_path(uri):
+    """Where this node keeps its copy of the bucket folder uri."""
+    scheme, _, path = uri.partition("://")
+    return os.path.join(cache_root(), scheme, *path.strip("/").split("/"))
 
+
+def _listing(uri):
+    """{name relative to uri: [size, mtime]} of the files under the bucket folder uri."""
     import pyarrow.fs as pafs
 
-    scheme, _, path = uri.partition("://")
-    local = os.path.join(cache_root(), scheme, *path.strip("/").split("/"))
     fs, key = filesystem(uri)
-    listing = {posixpath.relpath(i.path, key): [i.size, i.mtime.timestamp()]
-               for i in fs.get_file_info(pafs.FileSelector(key, recursive=True, allow_not_found=True))
-               if i.type == pafs.FileType.File}
-    if not listing:
+    return {posixpath.relpath(i.path, key): [i.size, i.mtime.timestamp()]
+            for i in fs.get_file_info(pafs.FileSelector(key, recursive=True, allow_not_found=True))
+            if i.type == pafs.FileType.File}
+
+
+def _write_manifest(local, listing):
+    import json
+
+    with open(local + CACHE_MANIFEST, "w") as f:
+        json.dump(listing, f)
+
+
+def cached(uri, allow_empty=False):
+    """A local copy of the bucket folder uri (a model, photos) in this node's cache, fetched once: files whose
+    size or time in the bucket changed are fetched again, files gone from it removed. An empty (or missing)
+    folder is a UserError unless allow_empty."""
+    import pyarrow.fs as pafs
+
+    local = cache_path(uri)
+    fs, key = filesystem(uri)
+    listing = _listing(uri)
+    if not listing and not allow_empty:
         raise utils.UserError(f"{uri} holds no files (or cannot be listed from this node)")
     manifest_path = local + CACHE_MANIFEST
     held = utils.read_json(manifest_path) if os.path.isfile(manifest_path) else {}
-    if held == listing:
+    if held == listing and os.path.isdir(local):
         return local
     os.makedirs(local, exist_ok=True)
     for name in set(held) - set(listing):
@@ -288,9 +307,65 @@ def cached(uri):
         if held.get(name) != stat or not os.path.isfile(target):
             os.makedirs(os.path.dirname(target), exist_ok=True)
             pafs.copy_files(posixpath.join(key, name), target, source_filesystem=fs)
-    with open(manifest_path, "w") as f:
-        json.dump(listing, f)
+    _write_manifest(local, listing)
     return local
+
+
+def _local_files(local):
+    """{name relative to local ('/'-separated): (size, mtime)} of the files under local."""
+    found = {}
+    for root, _, files in os.walk(local, followlinks=True):
+        for name in files:
+            stat = os.stat(os.path.join(root, name))
+            found[posixpath.join(*os.path.relpath(os.path.join(root, name), local).split(os.sep))] = (
+                stat.st_size, stat.st_mtime)
+    return found
+
+
+@contextlib.contextmanager
+def output_folder(path):
+    """The local folder a script fills for the output folder path: path itself on a disk. For a bucket's path,
+    this node's copy of the bucket folder (what is there already: a rerun tops it up), whose changes go back
+    to the bucket when the block ends, however it ends: files written or changed are copied up, files
+    deleted are deleted there."""
+    if not is_remote(path):
+        yield path
+        return
+    local = cached(path, allow_empty=True)
+    before = _local_files(local)
+    try:
+        yield local
+    finally:
+        push(local, path, before)
+
+
+def push(local, uri, before):
+    """Copy to the bucket folder uri what changed in local since before (_local_files), then record the
+    bucket's listing as this node's copy of it."""
+    import pyarrow.fs as pafs
+
+    fs, key = filesystem(uri)
+    now = _local_files(local)
+    for name in set(before) - set(now):
+        with contextlib.suppress(FileNotFoundError):
+            fs.delete_file(posixpath.join(key, name))
+    for name, stat in sorted(now.items()):
+        if before.get(name) != stat and utils.TEMP_MARK not in name:  # (not a file still being written)
+            pafs.copy_files(os.path.join(local, *name.split("/")), posixpath.join(key, name),
+                            destination_filesystem=fs)
+    _write_manifest(local, _listing(uri))
+
+
+def mirror_up(local, uri, last):
+    """The bucket folder uri made to hold the files of local (replace_folder, last written last) unless it holds
+    them already (the same names and sizes: a model is uploaded once); local is then this node's copy of it
+    (local must be cache_path(uri)). Returns whether it copied."""
+    sizes = {name: stat[0] for name, stat in _local_files(local).items()}
+    copy = {name: stat[0] for name, stat in _listing(uri).items()} != sizes
+    if copy:
+        replace_folder(local, uri, last)
+    _write_manifest(local, _listing(uri))
+    return copy
 
 
 def ensure_local(*paths):

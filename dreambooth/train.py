@@ -121,20 +121,22 @@ def top_up_class_images(model_dir, class_dir, class_prompt, count, seed=0, resol
     """diffusers' --num_class_images: draw class images with the base model (generate.py's
     actor pool, seeded by seed) until class_dir holds count, counting class images of the user's
     own already there (diffusers does). Images drawn by another model, prompt or resolution are
-    an error (generate.top_up), never trained on beside these."""
+    an error (generate.top_up), never trained on beside these. A bucket's class_dir is filled through this
+    node's copy of it (storage.output_folder)."""
     families.check_model_dir(model_dir, allow_unsafe_weights)
-    os.makedirs(class_dir, exist_ok=True)
-    drawn = set(outputs.drawn_images(class_dir))
-    own = [n for n in os.listdir(class_dir) if n.lower().endswith(utils.IMAGE_EXTENSIONS) and n not in drawn]
-    settings = generate.ImageSettings(resolution=resolution, seed=seed, allow_unsafe_weights=allow_unsafe_weights)
-    remedy = "delete its images to draw these (generate.py --force does)"
-    if own:
-        print(f"{class_dir}: {len(own)} class images of your own count toward --num_class_images {count}",
-              file=sys.stderr)
-    job = generate.top_up(class_dir, outputs.ModelRef(model_dir), [class_prompt], max(0, count - len(own)), settings,
-                          class_images=True,
-                          safety_checker=False, remedy=remedy, label=f"class images of {class_prompt!r}")
-    generate.make_images_of([job], settings)
+    with storage.output_folder(class_dir) as folder:
+        os.makedirs(folder, exist_ok=True)
+        drawn = set(outputs.drawn_images(folder))
+        own = [n for n in os.listdir(folder) if n.lower().endswith(utils.IMAGE_EXTENSIONS) and n not in drawn]
+        settings = generate.ImageSettings(resolution=resolution, seed=seed, allow_unsafe_weights=allow_unsafe_weights)
+        remedy = "delete its images to draw these (generate.py --force does)"
+        if own:
+            print(f"{class_dir}: {len(own)} class images of your own count toward --num_class_images {count}",
+                  file=sys.stderr)
+        job = generate.top_up(folder, outputs.ModelRef(model_dir), [class_prompt], max(0, count - len(own)), settings,
+                              class_images=True,
+                              safety_checker=False, remedy=remedy, label=f"class images of {class_prompt!r}")
+        generate.make_images_of([job], settings)
 
 
 def train_dataset(plan):

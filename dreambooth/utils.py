@@ -215,8 +215,22 @@ TEMP_MARK = ".tmp-"
 
 def save_image_atomic(image, path):
     """Save a PIL image so that `path` never holds a truncated file."""
+    write_bytes_atomic(png_bytes(image), path)
+
+
+def png_bytes(image):
+    import io
+
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def write_bytes_atomic(data, path):
+    """Write data so that `path` never holds a truncated file."""
     tmp = f"{path}{TEMP_MARK}{os.getpid()}"
-    image.save(tmp, format="PNG")
+    with open(tmp, "wb") as f:
+        f.write(data)
     os.replace(tmp, path)
 
 

@@ -283,3 +283,27 @@ def webhook():
     hook = Webhook()
     yield hook
     hook.close()
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint(tmp_path_factory):
+    """(environment with the endpoint and credentials, bucket name): a moto S3 server on 127.0.0.1 with an
+    empty bucket "runs"; the nodes' copies of its files in a cache folder of the test's (XDG_CACHE_HOME)."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = dict(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
+               AWS_ENDPOINT_URL=f"http://{host}:{port}", XDG_CACHE_HOME=str(tmp_path_factory.mktemp("cache")))
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    boto3.client("s3").create_bucket(Bucket="runs")
+    yield env, "runs"
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    server.stop()

@@ -331,3 +331,45 @@ def test_dreambooth_run_tiny_flux_end_to_end(tmp_path):
     hint = re.search(r"for AUTOMATIC1111/ComfyUI: (.*)", proc.stdout)[1].split()
     subprocess.run([sys.executable, *hint[1:]], cwd=REPO_DIR, env=env, check=True, capture_output=True)
     assert (subject_dir / "example-toy.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_dreambooth_run_tiny_with_data_prefix_in_a_bucket_on_two_nodes_without_a_shared_disk(
+        s3_endpoint, two_node_cluster, tmp_path):
+    """DATA_PREFIX=s3://…: Steps 0-6 read and write the bucket, on a cluster whose second node cannot see the
+    first node's disk (its copies of the bucket's files, XDG_CACHE_HOME, are a folder the first node's
+    processes cannot reach): the preflight checks that every node writes the bucket, the base model and the
+    scoring models go there once, each node caches what it reads, and the images come back from the actors."""
+    from dreambooth import storage
+
+    env, bucket = s3_endpoint
+    address, unshared = two_node_cluster
+    if unshared is None:
+        pytest.skip("needs root and unshare to hide a folder from the second node")
+    prefix = f"s3://{bucket}/data"
+    prompts = tmp_path / "eval-prompts.txt"
+    prompts.write_text("a {subject} on a beach\n")
+    run_env = dict(os.environ, **{**env, "XDG_CACHE_HOME": str(unshared / "cache")}, DATA_PREFIX=prefix, RAY_ADDRESS=address,
+                   NUM_WORKERS="2", NUM_CLASS_IMAGES="2", MAX_TRAIN_STEPS="2", NUM_INFERENCE_STEPS="2",
+                   NUM_NEW_IMAGES="2", EVAL_PROMPTS=str(prompts), PYTHON=sys.executable)
+    proc = subprocess.run(["bash", "dreambooth_run.sh", "--tiny", "--", "--use_lora"], cwd=REPO_DIR, env=run_env,
+                          capture_output=True, text=True, timeout=600)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    assert "(2 node(s)), 2 worker(s)" in output
+    subject = f"{prefix}/subjects/example-toy"
+    assert storage.listdir(f"{prefix}/images-example") == [f"toy-{k}.jpg" for k in range(5)]
+    assert [f for f in storage.listdir(f"{prefix}/images-reg/toy") if f.endswith(".png")] == [
+        f"photo-of-a-toy-{i:05d}.png" for i in range(2)]
+    assert sorted(storage.listdir(f"{subject}/model-tuned")) == sorted([LORA_WEIGHTS_FILE, OUTPUT_MARKER,
+                                                                          "train_config.toml"])
+    assert len([f for f in storage.listdir(f"{subject}/images-new") if f.endswith(".png")]) == 2
+    assert storage.isfile(f"{subject}/images-new/grid/grid.png")
+    scores = storage.read_json(f"{subject}/eval/scores.json")
+    assert set(scores["models"]) == {"tuned", "base"} and storage.isfile(f"{subject}/eval/report.md")
+    [base] = [line.split("base model: ")[1] for line in output.splitlines() if line.startswith("base model: ")]
+    assert base.startswith(f"{prefix}/model-orig/models--") and storage.isfile(f"{base}/model_index.json")
+    assert any(name.startswith("dreambooth_run-") for name in storage.listdir(f"{prefix}/logs"))
+    assert f"  model:  {subject}/model-tuned" in output
+    # the checkpoints went to the bucket too (Ray Train's storage beside the model)
+    assert storage.listdir(f"{subject}/ray_results")

@@ -52,7 +52,7 @@ NOT_RUN = {
     "ray job submit --working-dir": "needs Ray Jobs' server (ray[default]); test_recovery submits, stops and "
                                     "resubmits train.py as a Ray Job where it is installed",
     "AWS_ENDPOINT_URL=http://minio": "needs a bucket: test_storage runs the same flags against a real S3 server on "
-                                     "127.0.0.1 (moto's)",
+                                     "127.0.0.1 (moto's), test_dreambooth_run the script with DATA_PREFIX there",
 }
 YOUR_OWN = "INSTANCE_DIR=~/photos/rex CLASS_NAME=dog ./dreambooth_run.sh"
 

@@ -14,30 +14,6 @@ from dreambooth import utils
 from dreambooth.utils import REPO_DIR
 
 
-@pytest.fixture(scope="module")
-def s3_endpoint(tmp_path_factory):
-    """(environment with the endpoint and credentials, bucket name): a moto S3 server on 127.0.0.1 with an
-    empty bucket "runs"; the nodes' copies of its files in a cache folder of the test's (XDG_CACHE_HOME)."""
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = dict(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
-               AWS_ENDPOINT_URL=f"http://{host}:{port}", XDG_CACHE_HOME=str(tmp_path_factory.mktemp("cache")))
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    boto3.client("s3").create_bucket(Bucket="runs")
-    yield env, "runs"
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    server.stop()
-
-
 def test_storage_reads_lists_and_writes_a_bucket_like_a_folder(s3_endpoint, tmp_path):
     storage.write_bytes("s3://runs/t/a/one.json", b'{"step": 3}')
     storage.write_bytes("s3://runs/t/a/sub/two.txt", b"x" * 5)
@@ -54,6 +30,29 @@ def test_storage_reads_lists_and_writes_a_bucket_like_a_folder(s3_endpoint, tmp_
         storage.check_reachable("s3://no-such-bucket/x", "--storage_path")
 
 
+def test_an_output_folder_in_a_bucket_is_filled_here_and_its_changes_reach_the_bucket_however_the_block_ends(
+        s3_endpoint):
+    storage.write_bytes("s3://runs/t/out/old.png", b"old")
+    storage.write_bytes("s3://runs/t/out/gone.png", b"gone")
+    with storage.output_folder("s3://runs/t/out") as local:  # what is there already, to top up
+        assert sorted(os.listdir(local)) == ["gone.png", "old.png"] and not storage.is_remote(local)
+        os.remove(os.path.join(local, "gone.png"))
+        utils.write_bytes_atomic(b"new", os.path.join(local, "new.png"))
+        os.makedirs(os.path.join(local, "grid"))
+        open(os.path.join(local, "grid", "grid.png"), "wb").write(b"grid")
+        open(os.path.join(local, f"half.png{utils.TEMP_MARK}1"), "wb").write(b"ha")  # (still being written)
+    assert storage.listdir("s3://runs/t/out") == ["grid", "new.png", "old.png"]
+    assert storage.read_bytes("s3://runs/t/out/grid/grid.png") == b"grid"
+    with pytest.raises(KeyboardInterrupt), storage.output_folder("s3://runs/t/out") as local:
+        open(os.path.join(local, "new.png"), "wb").write(b"newer")
+        raise KeyboardInterrupt  # (a stopped run keeps what it wrote)
+    assert storage.read_bytes("s3://runs/t/out/new.png") == b"newer"
+    storage.remove_tree("s3://runs/t/out")
+    with storage.output_folder("s3://runs/t/out") as local:  # (emptied in the bucket: emptied here)
+        assert [name for _, _, names in os.walk(local) for name in names] == [f"half.png{utils.TEMP_MARK}1"]
+    with storage.output_folder("/a/folder") as local:
+        assert local == "/a/folder"
+
 def test_a_run_resumed_from_a_bucket_finds_its_tracker_runs_there(s3_endpoint, tmp_path):
     from dreambooth import trackers
 
@@ -63,7 +62,7 @@ def test_a_run_resumed_from_a_bucket_finds_its_tracker_runs_there(s3_endpoint, t
     assert trackers.read_record("s3://runs/t/other") == {} and trackers.read_record(str(tmp_path)) == {}
 
 
-def test_photos_of_a_bucket_are_read_from_this_nodes_copy_and_class_images_are_not_drawn_into_one(
+def test_photos_of_a_bucket_are_read_from_this_nodes_copy_and_class_images_may_be_drawn_into_one(
         s3_endpoint, toy_images, capsys):
     import argparse
 
@@ -79,9 +78,11 @@ def test_photos_of_a_bucket_are_read_from_this_nodes_copy_and_class_images_are_n
     storage.remove_tree("s3://runs/t/photos/")
     storage.write_bytes("s3://runs/t/photos/toy-0.jpg", open(os.path.join(toy_images, "toy-0.jpg"), "rb").read())
     assert os.listdir(inputs.fetch_from_buckets(args).instance_data_dir) == ["toy-0.jpg"]  # (brought up to date)
-    with pytest.raises(utils.UserError, match="class images are drawn into a folder, not a bucket"):
-        inputs.fetch_from_buckets(argparse.Namespace(instance_data_dir="/p", class_data_dir="s3://runs/reg"),
-                                  draw_class_images=lambda: None)
+    # class images to be drawn: an empty class folder in the bucket is this node's empty copy, to draw into
+    drawing = argparse.Namespace(instance_data_dir="/p", class_data_dir="s3://runs/reg")
+    assert os.listdir(inputs.fetch_from_buckets(drawing, draw_class_images=lambda: None).class_data_dir) == []
+    with pytest.raises(utils.UserError, match="^s3://runs/reg holds no files"):  # (to be read only: said)
+        inputs.fetch_from_buckets(drawing)
 
 
 @pytest.mark.slow
@@ -129,10 +130,12 @@ def test_a_run_in_a_bucket_checkpoints_resumes_from_it_and_ends_like_an_uninterr
     same_weights(whole, model)
     runs = storage.listdir(remote)
     assert len(runs) == 2 and not [f for f in storage.listdir(storage.join(remote, runs[1])) if f.startswith("checkpoint_2")]
-    # generate.py draws with the model in the bucket (cached on this node once).
+    # generate.py draws with the model in the bucket (cached on this node once), into the bucket.
     drawn = subprocess.run([sys.executable, "generate.py", "--model_dir", f"s3://{bucket}/models/cut", "--output_dir",
-                            str(tmp_path / "new"), "--prompts", "photo of unqtkn toy, in a bucket",
+                            f"s3://{bucket}/new", "--prompts", "photo of unqtkn toy, in a bucket",
                             "--num_samples_per_prompt", "1", "--num_inference_steps", "2"],
                            cwd=REPO_DIR, env=run_env, capture_output=True, text=True, timeout=600)
     assert drawn.returncode == 0, drawn.stderr[-3000:]
-    assert os.path.isfile(tmp_path / "new" / "photo-of-unqtkn-toy-in-a-bucket-00000.png")
+    assert storage.listdir(f"s3://{bucket}/new") == sorted(["grid", outputs.IMAGES_CONFIG, outputs.IMAGES_RECORD,
+                                                            "photo-of-unqtkn-toy-in-a-bucket-00000.png"])
+    assert f"1 images in s3://{bucket}/new; contact sheet s3://{bucket}/new/grid/grid.png" in drawn.stderr

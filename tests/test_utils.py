@@ -75,9 +75,11 @@ def test_rays_harmless_error_lines_are_kept_off_the_terminal_and_the_rest_printe
     try:
         raycluster.hide_harmless_ray_lines()
         raycluster.hide_harmless_ray_lines()  # (a second ray.init in one process: still one filter)
-        harmless = "[E core_worker.cc:2465] Actor with class name: 'PreemptionWatcher' and ID: 'ee6d' has constructor"
+        harmless = ("[E core_worker.cc:2465] Actor with class name: 'PreemptionWatcher' and ID: 'ee6d' has constructor "
+                    "arguments in the object store and max_restarts > 0. If the arguments …")
+        data = harmless.replace("PreemptionWatcher", "MapWorker(MapBatches(ImageGenerator))")
         dispatcher.emit({"pid": 1, "lines": [harmless, "step=1 loss=0.5"]})
-        dispatcher.emit({"pid": 1, "lines": [harmless]})
+        dispatcher.emit({"pid": 1, "lines": [harmless, data]})
         assert printed == [{"pid": 1, "lines": ["step=1 loss=0.5"]}]
     finally:
         dispatcher.handlers = before
