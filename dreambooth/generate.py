@@ -287,7 +287,7 @@ def wanted_files(folder, prompts, count):
 
 
 def top_up(folder, model, prompts, count, settings, safety_checker, on_mismatch="error",
-           remedy="pass --force to delete those images and draw these", label=None, class_images=False):
+           remedy="pass --force to delete those images and draw these", label=None, class_images=False, where=None):
     """The DrawJob that fills folder up to count images of each prompt, keeping the images already
     there only when the folder's record says the same model drew them with the same settings.
 
@@ -296,7 +296,9 @@ def top_up(folder, model, prompts, count, settings, safety_checker, on_mismatch=
     naming what differs and remedy (how to discard them); "redraw" and "force" (generate.py
     --force) delete them, say so, and draw them again. class_images: only ImageRecord.CLASS_IMAGE_FIELDS
     must match (others differing: kept, with a line). The record is written before drawing: a run
-    cut short leaves images that its record describes."""
+    cut short leaves images that its record describes. where: the folder as the user named it (a bucket's,
+    filled through this node's copy folder)."""
+    where = where or folder
     os.makedirs(folder, exist_ok=True)
     utils.remove_temp_files(folder)
     settings = settings_for(settings, families.family_of(model.model_dir), model.model_dir)
@@ -307,7 +309,7 @@ def top_up(folder, model, prompts, count, settings, safety_checker, on_mismatch=
     differs = have.differences(wanted) if have else (["record"] if drawn else [])
     if class_images and have and differs and on_mismatch != "force" and not set(differs) & set(
             outputs.ImageRecord.CLASS_IMAGE_FIELDS):
-        print(f"{label or folder}: keeping the {len(drawn)} class images in {folder}, drawn with "
+        print(f"{label or where}: keeping the {len(drawn)} class images in {where}, drawn with "
               f"{have.describe(differs)} (not this run's {wanted.describe(differs)}: the same model, prompt and size, "
               f"which is what training reads)", file=sys.stderr)
         wanted = have  # the record goes on describing the images kept
@@ -317,16 +319,16 @@ def top_up(folder, model, prompts, count, settings, safety_checker, on_mismatch=
                 f"have no record ({outputs.IMAGES_RECORD}) of the model and settings that drew them")
         if on_mismatch == "error":
             asked = f"this run's {wanted.describe(differs)}" if have else f"this run's {wanted.describe()}"
-            raise utils.UserError(f"{folder}: its {len(drawn)} images {what}, not {asked} ({', '.join(differs)} "
+            raise utils.UserError(f"{where}: its {len(drawn)} images {what}, not {asked} ({', '.join(differs)} "
                                   f"differ). Use another folder, or {remedy}")
-        print(f"{label or folder}: the {len(drawn)} images in {folder} {what} ({', '.join(differs)} differ "
+        print(f"{label or where}: the {len(drawn)} images in {where} {what} ({', '.join(differs)} differ "
               f"from this run); {'deleting them (--force)' if on_mismatch == 'force' else 'drawing them again'}",
               file=sys.stderr)
         outputs.remove_drawn_images(folder)
     outputs.write_image_record(folder, wanted)
     rows, names = plan_images(prompts, count, settings.seed, folder)
     if names:
-        print(f"{label or folder}: {len(names) - len(rows)} of {len(names)} images already there; generating "
+        print(f"{label or where}: {len(names) - len(rows)} of {len(names)} images already there; generating "
               f"{len(rows)}", file=sys.stderr)
     return DrawJob(model, folder, safety_checker, tuple(rows))
 
@@ -367,7 +369,7 @@ def main(argv=None):
     with storage.output_folder(args.output_dir) as folder:  # (a bucket's: filled here, copied there)
         job = top_up(folder, model, prompts, args.num_samples_per_prompt, settings,
                      use_safety_checker(args.safety_checker, model), on_mismatch="force" if args.force else "error",
-                     remedy=remedy, label=args.output_dir, class_images=args.class_images)
+                     remedy=remedy, class_images=args.class_images, where=args.output_dir)
         flags.write_config(os.path.join(folder, outputs.IMAGES_CONFIG), flags.config_text(parser, args))
         make_images_of([job], settings, args.batch_size, args.num_actors)
         all_files = [os.path.basename(p) for paths in wanted_files(folder, prompts,

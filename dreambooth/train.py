@@ -78,9 +78,8 @@ def train_planned(args, stop_step, started):
     print(plan.describe(), file=sys.stderr)
     config = flags.write_config(os.path.join(plan.run_dir, outputs.TRAIN_CONFIG), plan.settings_toml)
     storage.sync_up(plan.storage_path, plan.run_name)
-    if storage.is_remote(plan.storage_path):
-        config = storage.join(plan.storage_path, plan.run_name, outputs.TRAIN_CONFIG) + f" (a copy: {config})"
-    print(f"settings: {config} (python train.py --config {config} repeats this run)", file=sys.stderr)
+    shown = storage.join(plan.storage_path, plan.run_name, outputs.TRAIN_CONFIG)  # (a bucket's, or the file itself)
+    print(f"settings: {shown} (python train.py --config {config} repeats this run)", file=sys.stderr)
     started(f"DreamBooth run {plan.run_name} started: {plan.end_step} steps on {plan.num_workers} worker(s)"
             f"{', resumed from ' + plan.resume_path if plan.resume_path else ''}; model to {plan.output_dir}",
             run=plan.run_name, steps=plan.end_step, workers=plan.num_workers, output_dir=plan.output_dir)
@@ -135,7 +134,8 @@ def top_up_class_images(model_dir, class_dir, class_prompt, count, seed=0, resol
                   file=sys.stderr)
         job = generate.top_up(folder, outputs.ModelRef(model_dir), [class_prompt], max(0, count - len(own)), settings,
                               class_images=True,
-                              safety_checker=False, remedy=remedy, label=f"class images of {class_prompt!r}")
+                              safety_checker=False, remedy=remedy, label=f"class images of {class_prompt!r}",
+                              where=class_dir)
         generate.make_images_of([job], settings)
 
 
