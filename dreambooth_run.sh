@@ -427,10 +427,8 @@ outputs() {  # the last lines: every output of this subject, and how to take the
 action = "export_lora" if outputs.holds_lora(sys.argv[2]) else "export"
 sys.exit(action not in families.family_of(cache_model.resolve_model_name(sys.argv[1])).supports)' \
       "$ORIG_MODEL_PATH" "$TUNED_MODEL_DIR" 2> /dev/null; then
-    EXPORT_FILE="$DATA_PREFIX/subjects/$SUBJECT/$SUBJECT.safetensors"
-    if $REMOTE; then EXPORT_FILE="$PWD/$SUBJECT.safetensors"; fi  # (export.py writes a file here)
     echo "  for AUTOMATIC1111/ComfyUI: $PYTHON export.py --model_dir $(printf '%q' "$TUNED_MODEL_DIR")" \
-      "--output_file $(printf '%q' "$EXPORT_FILE")"
+      "--output_file $(printf '%q' "$DATA_PREFIX/subjects/$SUBJECT/$SUBJECT.safetensors")"
   fi
 }
 if $skip_eval; then

@@ -15,12 +15,14 @@ load_lora_weights(file).
 import os
 import re
 import sys
+import tempfile
 
 from dreambooth import cache_model
 from dreambooth import families
 from dreambooth import flags
 from dreambooth import models
 from dreambooth import outputs
+from dreambooth import storage
 from dreambooth import utils
 from dreambooth.family import kohya_text_module
 
@@ -226,11 +228,23 @@ def main(argv=None):
                                                          "allow_unsafe_weights"], helps=HELPS)
     args = cache_model.resolve_models(parser.parse_args(argv))
     utils.check_output_path(args.output_file, "--output_file", [("--model_dir", args.model_dir)], is_file=True)
-    if os.path.exists(args.output_file) and not args.overwrite:
+    if storage.exists(args.output_file) and not args.overwrite:
         raise utils.UserError(f"{args.output_file} exists: pass --overwrite to replace it")
     if not args.output_file.endswith(".safetensors"):
         raise utils.UserError("--output_file must end in .safetensors (the other tools pick files by it)")
-    os.makedirs(os.path.dirname(args.output_file), exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="dreambooth-export-") as scratch:  # (a bucket's file: written here first)
+        local = os.path.join(scratch, os.path.basename(args.output_file)) if storage.is_remote(args.output_file) \
+            else args.output_file
+        export_to(args, local)
+        if local != args.output_file:
+            storage.upload_file(local, args.output_file)
+    print(args.output_file)
+    return args.output_file
+
+
+def export_to(args, path):
+    """Write the single file of args.model_dir to path (a local file), saying what it is and where it goes."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     if outputs.holds_lora(args.model_dir):
         checkpoint = lora_checkpoint(args.model_dir)
         ranks = sorted({int(v.shape[0]) for k, v in checkpoint.items() if k.endswith(".lora_down.weight")})
@@ -246,10 +260,8 @@ def main(argv=None):
         metadata = {"format": "pt"}
         kind, where = "Stable Diffusion checkpoint (original layout)", \
             "A1111: models/Stable-diffusion, ComfyUI: models/checkpoints"
-    write_checkpoint(checkpoint, args.output_file, args.save_precision, metadata)
-    size = os.path.getsize(args.output_file)
+    write_checkpoint(checkpoint, path, args.save_precision, metadata)
+    size = os.path.getsize(path)
     size = f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 2**10:.0f} KiB"
     print(f"{kind}, {len(checkpoint)} tensors, {args.save_precision}, {size} -> {args.output_file} "
           f"({where})", file=sys.stderr)
-    print(args.output_file)
-    return args.output_file

@@ -15,6 +15,7 @@ import shutil
 
 import ray.train
 
+from dreambooth import storage
 from dreambooth import utils
 
 # Ray Train's own console logging (worker-group start, each failure's traceback twice, its retry
@@ -96,21 +97,27 @@ class FailureWatch(ray.train.UserCallback):
     the run (RunStopped, which Ray Train does not retry); anything else is announced in one line
     and left to Ray Train's restarts."""
 
-    def __init__(self, run_dir, max_failures):
+    def __init__(self, run_dir, max_failures, storage_path=None, run_name=None):
         self.run_dir = run_dir
         self.max_failures = max_failures
         self.failures = 0
+        self.storage_path, self.run_name = storage_path, run_name  # (a bucket's: errors.log copied there)
+
+    def log_event(self, text):
+        utils.log_error_event(self.run_dir, text)
+        if self.storage_path:
+            storage.sync_up(self.storage_path, self.run_name)
 
     def after_exception(self, run_context, worker_exceptions):
         rank, err = min(worker_exceptions.items(), key=lambda item: item[0])
         fatal = [(r, e) for r, e in sorted(worker_exceptions.items()) if isinstance(e, utils.UserError)]
         if fatal:
             rank, err = fatal[0]
-            utils.log_error_event(self.run_dir, f"worker {rank}: {err} -- a restart cannot fix this: stopping the run")
+            self.log_event(f"worker {rank}: {err} -- a restart cannot fix this: stopping the run")
             raise RunStopped(f"worker {rank}: {err}")
         self.failures += 1
         cause = utils.one_line(err)
-        utils.log_error_event(self.run_dir, f"worker {rank} failed ({len(worker_exceptions)} of the group): {cause}")
+        self.log_event(f"worker {rank} failed ({len(worker_exceptions)} of the group): {cause}")
         if self.max_failures < 0 or self.failures <= self.max_failures:
             limit = "unlimited" if self.max_failures < 0 else f"{self.failures} of --max_failures {self.max_failures}"
             print(f"worker {rank} failed: {cause[:300]}; restarting the workers from the newest checkpoint "

@@ -561,9 +561,9 @@ FLAGS = {
                   "--gpus_per_worker each); one on a cluster without GPUs.")),
     # --- export
     "output_file": (("--output_file", "--checkpoint_path"),
-        dict(type=abs_path, required=True, metavar="FILE",
+        dict(type=storage_location, required=True, metavar="FILE|URI",
              help="The .safetensors file to write (--checkpoint_path: the name in diffusers' conversion "
-                  "script).")),
+                  "script); a bucket's (s3://bucket/key.safetensors, gs://…) is written here, then copied there.")),
     "save_precision": (("--save_precision",),
         dict(choices=("fp16", "bf16", "fp32"), default="fp16",
              help="Precision of the weights in the file: fp16 halves it (what A1111 and ComfyUI load "

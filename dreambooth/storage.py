@@ -131,6 +131,14 @@ def write_bytes(path, data):
         f.write(data)
 
 
+def upload_file(local, uri):
+    """Copy the local file to the bucket's uri (streamed: a model's file need not fit in memory)."""
+    import pyarrow.fs as pafs
+
+    fs, key = filesystem(uri)
+    pafs.copy_files(local, key, destination_filesystem=fs)
+
+
 def remove_tree(path):
     """Delete a folder and everything in it."""
     if is_remote(path):
@@ -188,9 +196,21 @@ def run_folder(storage_path, run_name):
 _uploaded = {}  # local file -> (size, mtime) as last copied
 
 
+def node_file_name(name):
+    """The name a run's file that every node writes (errors.log) has in a bucket: one per node
+    (errors-<host>.log), so that nodes do not replace each other's."""
+    import socket
+
+    stem, dot, suffix = name.rpartition(".")
+    return f"{stem}-{socket.gethostname()}{dot}{suffix}"
+
+
+PER_NODE_FILES = (utils.ERRORS_LOG,)
+
+
 def sync_up(storage_path, run_name):
     """Copy the run's local files that changed since the last call to its folder in the bucket (nothing to do
-    on a disk)."""
+    on a disk); a file every node writes (PER_NODE_FILES) goes under its node's name (node_file_name)."""
     if not is_remote(storage_path):
         return
     import pyarrow.fs as pafs
@@ -203,8 +223,10 @@ def sync_up(storage_path, run_name):
             stat = os.stat(path)
             if _uploaded.get(path) == (stat.st_size, stat.st_mtime):
                 continue
-            target = posixpath.join(key, *os.path.relpath(path, local).split(os.sep))
-            pafs.copy_files(path, target, destination_filesystem=fs)
+            parts = os.path.relpath(path, local).split(os.sep)
+            if parts[-1] in PER_NODE_FILES:
+                parts[-1] = node_file_name(parts[-1])
+            pafs.copy_files(path, posixpath.join(key, *parts), destination_filesystem=fs)
             _uploaded[path] = (stat.st_size, stat.st_mtime)
 
 
@@ -239,9 +261,15 @@ def replace_folder(local, uri, last):
         for name in files:
             path = os.path.join(root, name)
             wanted[posixpath.join(key, *os.path.relpath(path, local).split(os.sep))] = path
+    folders = {posixpath.dirname(target) for target in wanted}
     for info in fs.get_file_info(pafs.FileSelector(key, recursive=True, allow_not_found=True)):
         if info.type == pafs.FileType.File and info.path not in wanted:
-            fs.delete_file(info.path)
+            with contextlib.suppress(OSError):  # (gone with its folder)
+                fs.delete_file(info.path)
+        elif info.type == pafs.FileType.Directory and not any(
+                f == info.path or f.startswith(info.path + "/") for f in folders):
+            with contextlib.suppress(OSError):
+                fs.delete_dir(info.path)  # (a folder of the previous content: no empty marker left)
     for target, path in sorted(wanted.items(), key=lambda item: item[0] == marker):
         pafs.copy_files(path, target, destination_filesystem=fs)
 

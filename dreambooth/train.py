@@ -176,7 +176,7 @@ def run_trainer(plan, train_ds):
             **dict(zip(("storage_path", "storage_filesystem"), storage.ray_storage(plan.storage_path))),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=plan.checkpoints_total_limit),
             failure_config=ray.train.FailureConfig(max_failures=plan.max_failures),
-            callbacks=[failures.FailureWatch(run_dir, plan.max_failures)],
+            callbacks=[failures.FailureWatch(run_dir, plan.max_failures, plan.storage_path, plan.run_name)],
             logging_config=ray.train.LoggingConfig(log_level=failures.RAY_TRAIN_LOG_LEVEL),
         ),
         datasets={"train": train_ds},

@@ -26,10 +26,15 @@ def data_prefix(tmp_path_factory):
 def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request, webhook):
     """The full run as a one-GPU user runs it (no NUM_WORKERS: one worker here, on the CPU), on a machine
     where Ray's temp folder names a stranger's cluster; then the LoRA run retrains into the same folders,
-    as a user's second run does, on a 2-node cluster with token authentication: 2 workers (DDP of the
-    adapters), more steps than 4 epochs of its data, and Step 6 must score the new model."""
+    as a user's second run does, after DATA_PREFIX was copied to a bucket (DATA_PREFIX=s3://…), on a 2-node
+    cluster with token authentication whose second node cannot see the first node's copies of the bucket's
+    files (XDG_CACHE_HOME): 2 workers (DDP of the adapters), more steps than 4 epochs of its data, and
+    Step 6 must score the new model."""
+    from dreambooth import storage
+
     tmp_path = data_prefix
     subject_dir = tmp_path / "subjects" / "example-toy"  # the example's outputs, in a folder of their own
+    where = str(tmp_path)  # DATA_PREFIX
     prompts = tmp_path / "eval-prompts.txt"  # Step 6 on 2 of its prompts, not 25
     prompts.write_text("a {subject} on a beach\na {subject} in the snow\n")
     env = dict(os.environ, DATA_PREFIX=str(tmp_path), NUM_CLASS_IMAGES="6", NUM_INFERENCE_STEPS="3",
@@ -46,7 +51,11 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request, webhook):
         # 6 rows over 2 workers at batch 2: 2 steps an epoch; the script once capped a run at 4 epochs (8)
         # NUM_CLASS_IMAGES lowered: train.py trains on 4 of the 6 class images the first run drew
         env.update(NUM_WORKERS="2", MAX_TRAIN_STEPS="10", TRAIN_ARGS="--logging_steps 5", NUM_CLASS_IMAGES="4")
-        env["RAY_ADDRESS"] = request.getfixturevalue("two_node_cluster")[0]
+        env["RAY_ADDRESS"], unshared = request.getfixturevalue("two_node_cluster")
+        bucket_env, bucket = request.getfixturevalue("s3_endpoint")
+        where = f"s3://{bucket}/dreambooth"
+        storage.replace_folder(str(tmp_path), where, last=None)  # (the first run's DATA_PREFIX, copied there)
+        env.update(bucket_env, DATA_PREFIX=where, XDG_CACHE_HOME=str((unshared or tmp_path) / "cache"))
     else:
         env.update(MAX_TRAIN_STEPS="99", NOTIFY_URL=webhook.url)  # the step count after -- wins, in the banners too
         env.pop("RAY_ADDRESS")  # no cluster to join: the script starts one for its steps
@@ -89,9 +98,9 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request, webhook):
     assert output.count("this model has random weights") == pools >= 1
     assert "loss and learning rate plotted in" in output
     # the last lines: every output of the subject, each in its folder, and the export command
-    assert f"outputs of subject 'example-toy':\n  model:  {subject_dir / 'model-tuned'}\n  images: " \
-        f"{subject_dir / 'images-new'}" in output
-    assert f"--output_file {subject_dir / 'example-toy.safetensors'}" in output.splitlines()[-1]
+    subject = storage.join(where, "subjects", "example-toy")
+    assert f"outputs of subject 'example-toy':\n  model:  {subject}/model-tuned\n  images: {subject}/images-new" in output
+    assert f"--output_file {subject}/example-toy.safetensors" in output.splitlines()[-1]
     assert "SUBJECT_TYPE         object (from CLASS_NAME=toy" in output
     # One Ray cluster for all the steps: started here and stopped at the end, or the one given joined.
     assert open(os.path.join(stranger, "ray", "ray_current_cluster")).read() == "192.0.2.1:6379"  # untouched
@@ -114,20 +123,19 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request, webhook):
     assert new_sessions == set() and os.listdir(os.path.join(stranger, "ray")) == ["ray_current_cluster"]
     assert set(glob.glob("/tmp/dreambooth-ray-*")) == heads_before
 
-    reg = sorted(os.listdir(tmp_path / "images-reg" / "toy"))  # a folder per class
+    reg = storage.listdir(storage.join(where, "images-reg", "toy"))  # a folder per class
     assert reg == sorted([f"photo-of-a-toy-{i:05d}.png" for i in range(6)] + ["grid", IMAGES_RECORD, IMAGES_CONFIG])
-    new = sorted(f for f in os.listdir(subject_dir / "images-new") if f.endswith(".png"))
-    assert len(new) == 5 and os.path.isfile(subject_dir / "images-new" / "grid" / "grid.png")
+    new = [f for f in storage.listdir(f"{subject}/images-new") if f.endswith(".png")]
+    assert len(new) == 5 and storage.isfile(f"{subject}/images-new/grid/grid.png")
     # the example photos in their own folder: nothing lands where your photos go
-    assert sorted(os.listdir(tmp_path / "images-example")) == [f"toy-{k}.jpg" for k in range(5)]
-    assert not os.path.exists(tmp_path / "images-own")
+    assert storage.listdir(storage.join(where, "images-example")) == [f"toy-{k}.jpg" for k in range(5)]
+    assert not storage.exists(storage.join(where, "images-own"))
 
     evaluation = subject_dir / "eval"
-    scores = json.loads((evaluation / "scores.json").read_text())
+    scores = storage.read_json(f"{subject}/eval/scores.json")
     if mode == "lora":  # adapters only; Step 5 drew with them on the base model; Step 6 scored them
         assert re.search(r"trained 10 steps", output)  # MAX_TRAIN_STEPS, not 4 epochs' worth
-        assert sorted(os.listdir(subject_dir / "model-tuned")) == sorted([LORA_WEIGHTS_FILE, OUTPUT_MARKER,
-                                                                       "train_config.toml"])
+        assert storage.listdir(f"{subject}/model-tuned") == sorted([LORA_WEIGHTS_FILE, OUTPUT_MARKER, "train_config.toml"])
         assert "LoRA adapters (rank 4, alpha 4)" in output and "lr=0.0001 " in output
         assert "training on the first 4 of the 6 class images" in output and " and 4 class images at" in output
         # a retrained model's images are drawn again (Steps 5 and 6), the base model's kept
@@ -140,9 +148,17 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request, webhook):
         assert scores["models"]["tuned"]["overall"] != first["models"]["tuned"]["overall"]
         from safetensors.torch import load_file
 
-        lora = load_file(subject_dir / "model-tuned" / LORA_WEIGHTS_FILE)
+        lora = load_file(os.path.join(storage.cached(f"{subject}/model-tuned"), LORA_WEIGHTS_FILE))
         ups = [v for k, v in lora.items() if ".up." in k or "lora_B" in k]  # zero until trained
         assert {k.split(".")[0] for k in lora} == {"unet", "text_encoder"} and all(v.abs().sum() > 0 for v in ups)
+        # In the bucket: the base model the steps read (held there already: not copied again), the run's
+        # checkpoints (Ray Train's storage, beside the model) and, at the end, the script's log.
+        [base] = [line.split("base model: ")[1] for line in output.splitlines() if line.startswith("base model: ")]
+        assert base.startswith(f"{where}/model-orig/models--") and storage.isfile(f"{base}/model_index.json")
+        assert "each node caches it from there" not in output
+        runs = [r for r in storage.listdir(f"{subject}/ray_results") if r.startswith("model-tuned-")]
+        assert len(runs) == 2  # (the first run's, copied, and this one's)
+        assert os.path.basename(log) in storage.listdir(f"{where}/logs")
         return
     # Step 6 (evaluate.py): the tuned model scored beside the base model it was trained from, over
     # 2 prompts + the class prompt, 1 image each, generated and embedded on actor pools
@@ -331,45 +347,3 @@ def test_dreambooth_run_tiny_flux_end_to_end(tmp_path):
     hint = re.search(r"for AUTOMATIC1111/ComfyUI: (.*)", proc.stdout)[1].split()
     subprocess.run([sys.executable, *hint[1:]], cwd=REPO_DIR, env=env, check=True, capture_output=True)
     assert (subject_dir / "example-toy.safetensors").is_file()
-
-
-@pytest.mark.slow
-def test_dreambooth_run_tiny_with_data_prefix_in_a_bucket_on_two_nodes_without_a_shared_disk(
-        s3_endpoint, two_node_cluster, tmp_path):
-    """DATA_PREFIX=s3://…: Steps 0-6 read and write the bucket, on a cluster whose second node cannot see the
-    first node's disk (its copies of the bucket's files, XDG_CACHE_HOME, are a folder the first node's
-    processes cannot reach): the preflight checks that every node writes the bucket, the base model and the
-    scoring models go there once, each node caches what it reads, and the images come back from the actors."""
-    from dreambooth import storage
-
-    env, bucket = s3_endpoint
-    address, unshared = two_node_cluster
-    if unshared is None:
-        pytest.skip("needs root and unshare to hide a folder from the second node")
-    prefix = f"s3://{bucket}/data"
-    prompts = tmp_path / "eval-prompts.txt"
-    prompts.write_text("a {subject} on a beach\n")
-    run_env = dict(os.environ, **{**env, "XDG_CACHE_HOME": str(unshared / "cache")}, DATA_PREFIX=prefix, RAY_ADDRESS=address,
-                   NUM_WORKERS="2", NUM_CLASS_IMAGES="2", MAX_TRAIN_STEPS="2", NUM_INFERENCE_STEPS="2",
-                   NUM_NEW_IMAGES="2", EVAL_PROMPTS=str(prompts), PYTHON=sys.executable)
-    proc = subprocess.run(["bash", "dreambooth_run.sh", "--tiny", "--", "--use_lora"], cwd=REPO_DIR, env=run_env,
-                          capture_output=True, text=True, timeout=600)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output[-3000:]
-    assert "(2 node(s)), 2 worker(s)" in output
-    subject = f"{prefix}/subjects/example-toy"
-    assert storage.listdir(f"{prefix}/images-example") == [f"toy-{k}.jpg" for k in range(5)]
-    assert [f for f in storage.listdir(f"{prefix}/images-reg/toy") if f.endswith(".png")] == [
-        f"photo-of-a-toy-{i:05d}.png" for i in range(2)]
-    assert sorted(storage.listdir(f"{subject}/model-tuned")) == sorted([LORA_WEIGHTS_FILE, OUTPUT_MARKER,
-                                                                          "train_config.toml"])
-    assert len([f for f in storage.listdir(f"{subject}/images-new") if f.endswith(".png")]) == 2
-    assert storage.isfile(f"{subject}/images-new/grid/grid.png")
-    scores = storage.read_json(f"{subject}/eval/scores.json")
-    assert set(scores["models"]) == {"tuned", "base"} and storage.isfile(f"{subject}/eval/report.md")
-    [base] = [line.split("base model: ")[1] for line in output.splitlines() if line.startswith("base model: ")]
-    assert base.startswith(f"{prefix}/model-orig/models--") and storage.isfile(f"{base}/model_index.json")
-    assert any(name.startswith("dreambooth_run-") for name in storage.listdir(f"{prefix}/logs"))
-    assert f"  model:  {subject}/model-tuned" in output
-    # the checkpoints went to the bucket too (Ray Train's storage beside the model)
-    assert storage.listdir(f"{subject}/ray_results")

@@ -22,12 +22,34 @@ def test_storage_reads_lists_and_writes_a_bucket_like_a_folder(s3_endpoint, tmp_
     assert storage.read_json("s3://runs/t/a/one.json") == {"step": 3} and storage.size("s3://runs/t/a/sub/two.txt") == 5
     local = storage.local_folder("s3://runs/t/a", str(tmp_path / "copy"))
     assert open(os.path.join(local, "sub", "two.txt")).read() == "xxxxx"
+    (tmp_path / "new" / "sub").mkdir(parents=True)
+    (tmp_path / "new" / "sub" / "three.txt").write_text("3")
+    storage.replace_folder(str(tmp_path / "new"), "s3://runs/t/a", last=None)  # (the old content goes, folders too)
+    assert storage.listdir("s3://runs/t/a") == ["sub"] and storage.listdir("s3://runs/t/a/sub") == ["three.txt"]
+    storage.write_bytes("s3://runs/t/a/gone/deep/x.txt", b"x")
+    storage.replace_folder(str(tmp_path / "new"), "s3://runs/t/a", last="sub/three.txt")
+    assert storage.listdir("s3://runs/t/a") == ["sub"]
     storage.remove_tree("s3://runs/t/a")
     assert not storage.exists("s3://runs/t/a/one.json")
     storage.check_reachable("s3://runs/t", "--storage_path")
     with pytest.raises(utils.UserError, match=r"^--storage_path s3://no-such-bucket/x cannot be written from this "
                                               r"node \(AWS_ENDPOINT_URL=http://127\.0\.0\.1:\d+\): "):
         storage.check_reachable("s3://no-such-bucket/x", "--storage_path")
+
+
+def test_a_runs_files_reach_its_bucket_folder_and_each_nodes_errors_log_keeps_a_name_of_its_own(s3_endpoint):
+    import socket
+
+    local = storage.run_folder("s3://runs/t/results", "run-1")
+    os.makedirs(os.path.join(local, "validation"))
+    open(os.path.join(local, "metrics.jsonl"), "w").write('{"step": 1}\n')
+    open(os.path.join(local, "validation", "a.png"), "wb").write(b"png")
+    utils.log_error_event(local, "worker 1 failed")
+    storage.sync_up("s3://runs/t/results", "run-1")
+    errors = f"errors-{socket.gethostname()}.log"  # (another node's errors.log would not replace this one)
+    assert storage.listdir("s3://runs/t/results/run-1") == sorted([errors, "metrics.jsonl", "validation"])
+    assert b"worker 1 failed" in storage.read_bytes(f"s3://runs/t/results/run-1/{errors}")
+    storage.remove_tree("s3://runs/t/results")
 
 
 def test_an_output_folder_in_a_bucket_is_filled_here_and_its_changes_reach_the_bucket_however_the_block_ends(
@@ -128,6 +150,14 @@ def test_a_run_in_a_bucket_checkpoints_resumes_from_it_and_ends_like_an_uninterr
     model = storage.cached(f"s3://{bucket}/models/cut")
     assert outputs.read_output(f"s3://{bucket}/models/cut").record.steps == STOP_STEPS
     same_weights(whole, model)
+    # export.py writes its single file into the bucket too (and does not replace one there unasked).
+    from dreambooth import export
+
+    exported = f"s3://{bucket}/exports/cut.safetensors"
+    assert export.main(["--model_dir", f"s3://{bucket}/models/cut", "--output_file", exported]) == exported
+    assert storage.size(exported) > 2**20
+    with pytest.raises(utils.UserError, match="exists: pass --overwrite"):
+        export.main(["--model_dir", f"s3://{bucket}/models/cut", "--output_file", exported])
     runs = storage.listdir(remote)
     assert len(runs) == 2 and not [f for f in storage.listdir(storage.join(remote, runs[1])) if f.startswith("checkpoint_2")]
     # generate.py draws with the model in the bucket (cached on this node once), into the bucket.
