@@ -15,7 +15,7 @@ import shutil
 
 import ray.train
 
-from dreambooth import storage
+from dreambooth import runfiles
 from dreambooth import utils
 
 # Ray Train's own console logging (worker-group start, each failure's traceback twice, its retry
@@ -106,7 +106,7 @@ class FailureWatch(ray.train.UserCallback):
     def log_event(self, text):
         utils.log_error_event(self.run_dir, text)
         if self.storage_path:
-            storage.sync_up(self.storage_path, self.run_name)
+            runfiles.sync_up(self.storage_path, self.run_name)
 
     def after_exception(self, run_context, worker_exceptions):
         rank, err = min(worker_exceptions.items(), key=lambda item: item[0])

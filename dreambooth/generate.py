@@ -76,21 +76,6 @@ def plan_images(prompts, num_per_prompt, seed, output_dir):
     return rows, all_files
 
 
-def write_grid(output_dir, files):
-    from PIL import Image
-
-    images = []
-    for name in files:
-        if not os.path.exists(os.path.join(output_dir, name)):
-            continue  # withheld by the safety checker
-        with Image.open(os.path.join(output_dir, name)) as image:
-            images.append(image.copy())
-    os.makedirs(os.path.join(output_dir, GRID_DIR), exist_ok=True)
-    path = os.path.join(output_dir, GRID_DIR, "grid.png")
-    utils.save_image_atomic(imaging.make_grid(images), path)
-    return path
-
-
 def use_safety_checker(setting, model):
     """--safety_checker auto|on|off -> bool. auto: on only for a model or adapters train.py wrote."""
     return model.trained if setting == "auto" else setting == "on"
@@ -333,17 +318,6 @@ def top_up(folder, model, prompts, count, settings, safety_checker, on_mismatch=
     return DrawJob(model, folder, safety_checker, tuple(rows))
 
 
-def prompts_of(args):
-    """The prompts of --prompts (each value one prompt, commas and all) and --prompts_file, once each."""
-    given = list(args.prompts or [])
-    if args.prompts_file:
-        given += prompts.read_prompt_file(args.prompts_file)
-    if not given:
-        raise utils.UserError("give the prompts: --prompts 'photo of a dog' (repeat the flag for several) "
-                              "or --prompts_file FILE (one per line)")
-    return list(dict.fromkeys(given))
-
-
 def main(argv=None):
     parser = flags.make_parser(
         __doc__.splitlines()[0],
@@ -356,7 +330,7 @@ def main(argv=None):
                              "through this node's copy of it (README, Object storage)."},
     )
     args = cache_model.resolve_models(parser.parse_args(argv))
-    prompts = prompts_of(args)
+    texts = prompts.prompts_of(args)
     model = outputs.resolve_model(args.model_dir, args.lora_dir, args.lora_scale)
     families.check_model_dir(model.model_dir, args.allow_unsafe_weights)
     utils.check_output_path(args.output_dir, "--output_dir", [("--model_dir", model.model_dir),
@@ -367,14 +341,14 @@ def main(argv=None):
     remedy = "pass --force to delete those images and draw these" + (
         " (dreambooth_run.sh: set IMAGES_REG_DIR to another folder, or delete this one)" if args.class_images else "")
     with storage.output_folder(args.output_dir) as folder:  # (a bucket's: filled here, copied there)
-        job = top_up(folder, model, prompts, args.num_samples_per_prompt, settings,
+        job = top_up(folder, model, texts, args.num_samples_per_prompt, settings,
                      use_safety_checker(args.safety_checker, model), on_mismatch="force" if args.force else "error",
                      remedy=remedy, class_images=args.class_images, where=args.output_dir)
         flags.write_config(os.path.join(folder, outputs.IMAGES_CONFIG), flags.config_text(parser, args))
         make_images_of([job], settings, args.batch_size, args.num_actors)
-        all_files = [os.path.basename(p) for paths in wanted_files(folder, prompts,
-                                                                    args.num_samples_per_prompt).values() for p in paths]
-        write_grid(folder, all_files)
+        wanted = [p for paths in wanted_files(folder, texts, args.num_samples_per_prompt).values() for p in paths]
+        imaging.write_grid(os.path.join(folder, GRID_DIR, "grid.png"), wanted)
+    all_files = [os.path.basename(p) for p in wanted]
     grid = storage.join(args.output_dir, GRID_DIR, "grid.png")
     print(f"{len(all_files)} images in {args.output_dir}; contact sheet {grid}", file=sys.stderr)
     return all_files

@@ -198,3 +198,18 @@ def write_prompt_grids(output_dir, label, files):
             images = [Image.open(p).convert("RGB") for p in paths]
             utils.save_image_atomic(make_grid(images, columns=len(images)),
                                     os.path.join(folder, utils.slugify(prompt) + ".png"))
+
+
+def write_grid(path, files):
+    """A contact sheet of the image files that exist among files (one withheld by the safety checker is
+    not there), saved to path."""
+    from PIL import Image
+
+    images = []
+    for name in files:
+        if os.path.exists(name):
+            with Image.open(name) as image:
+                images.append(image.copy())
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    utils.save_image_atomic(make_grid(images), path)
+    return path

@@ -12,6 +12,7 @@ from dreambooth import imagefiles
 from dreambooth import imaging
 from dreambooth import outputs
 from dreambooth import prompts
+from dreambooth import runfiles
 from dreambooth import storage
 from dreambooth import utils
 
@@ -59,7 +60,7 @@ def read_inputs(args, family, draw_class_images=None):
     instance_prompts = list(dict.fromkeys(captions))
     resolution = args.resolution or family.native_resolution(args.model_dir)
     masks = masks_of(photos, args.masked_loss)
-    convert_dir = storage.run_folder(args.storage_path, "converted-images")  # (a bucket's: this node's cache)
+    convert_dir = runfiles.run_folder(args.storage_path, "converted-images")  # (a bucket's: this node's cache)
     instance_images = imagefiles.inspect_images(photos, resolution, convert_dir)
     if draw_class_images is not None:
         draw_class_images()

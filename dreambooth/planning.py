@@ -21,8 +21,10 @@ from dreambooth import objectives
 from dreambooth import outputs
 from dreambooth import resources
 from dreambooth import run_identity
+from dreambooth import runfiles
 from dreambooth import storage
 from dreambooth import utils
+from dreambooth import vae_cache
 
 TRAIN_FLAGS = [
     "model_dir", "output_dir", "instance_data_dir", "instance_prompt", "caption_extension", "holdout",
@@ -147,8 +149,8 @@ class Plan:
     settings_toml: str  # the resolved flags as a --config file that repeats the run
 
     @property
-    def run_dir(self):  # the local folder of the run's own files (storage.run_folder)
-        return storage.run_folder(self.storage_path, self.run_name)
+    def run_dir(self):  # the local folder of the run's own files (runfiles.run_folder)
+        return runfiles.run_folder(self.storage_path, self.run_name)
 
     @property
     def text_encoded_once(self):
@@ -304,9 +306,7 @@ def plan_run(args, cluster_resources, draw_class_images=None, stop_step=None):
     families.check_model_dir(args.model_dir, args.allow_unsafe_weights)
     family = families.require(args.model_dir, "train")
     objectives.check_flags(args, family)
-    if args.vae_dir:  # (a copy: the caller's flags stay as given)
-        args = argparse.Namespace(**{**vars(args), "vae_dir": cache_model.resolve_vae(args.vae_dir,
-                                                                                     args.allow_unsafe_weights)})
+    args = vae_cache.resolved(args)
     utils.check_output_path(args.output_dir, "--output_dir", [
         ("--pretrained_model_name_or_path", args.model_dir), ("--instance_data_dir", args.instance_data_dir),
         ("--class_data_dir", args.class_data_dir)])

@@ -72,3 +72,14 @@ def read_prompt_file(path):
     if not found:
         raise utils.UserError(f"the prompts file {path} holds no prompts (one per line)")
     return found
+
+
+def prompts_of(args):
+    """The prompts of --prompts (each value one prompt, commas and all) and --prompts_file, once each."""
+    given = list(args.prompts or [])
+    if args.prompts_file:
+        given += read_prompt_file(args.prompts_file)
+    if not given:
+        raise utils.UserError("give the prompts: --prompts 'photo of a dog' (repeat the flag for several) "
+                              "or --prompts_file FILE (one per line)")
+    return list(dict.fromkeys(given))

@@ -28,6 +28,7 @@ from dreambooth import outputs
 from dreambooth import planning
 from dreambooth import raycluster
 from dreambooth import runlog
+from dreambooth import runfiles
 from dreambooth import storage
 from dreambooth import trackers
 from dreambooth import utils
@@ -77,7 +78,7 @@ def train_planned(args, stop_step, started):
         return None, None
     print(plan.describe(), file=sys.stderr)
     config = flags.write_config(os.path.join(plan.run_dir, outputs.TRAIN_CONFIG), plan.settings_toml)
-    storage.sync_up(plan.storage_path, plan.run_name)
+    runfiles.sync_up(plan.storage_path, plan.run_name)
     shown = storage.join(plan.storage_path, plan.run_name, outputs.TRAIN_CONFIG)  # (a bucket's, or the file itself)
     print(f"settings: {shown} (python train.py --config {config} repeats this run)", file=sys.stderr)
     started(f"DreamBooth run {plan.run_name} started: {plan.end_step} steps on {plan.num_workers} worker(s)"
@@ -103,7 +104,7 @@ def train_planned(args, stop_step, started):
                   "(--keep_checkpoints keeps them, to continue this run with more steps later)", file=sys.stderr)
     plot = runlog.plot_metrics(storage.fetch(run_folder, runlog.METRICS_FILE, plan.run_dir))
     if plot:
-        storage.sync_up(plan.storage_path, plan.run_name)
+        runfiles.sync_up(plan.storage_path, plan.run_name)
         print(f"loss and learning rate plotted in {storage.join(run_folder, os.path.basename(plot))}", file=sys.stderr)
     return result, plan
 

@@ -16,6 +16,7 @@ from dreambooth import prompts
 from dreambooth import raycluster
 from dreambooth import runlog
 from dreambooth import sharding
+from dreambooth import runfiles
 from dreambooth import storage
 from dreambooth import utils
 from dreambooth import validation
@@ -33,7 +34,7 @@ def train_fn(config):
         train_worker(plan, config.get("stop_flag"))
     except Exception as err:
         utils.write_error_log(plan.run_dir, f"worker {ray.train.get_context().get_world_rank()}", err)
-        storage.sync_up(plan.storage_path, plan.run_name)
+        runfiles.sync_up(plan.storage_path, plan.run_name)
         raise
 
 
@@ -169,7 +170,7 @@ def run_steps(plan, state, step_prompts, batches, rank, world, sampler=None, sto
             with window.paused(), averaged_weights(state):
                 drawn = validation.run_round(sampler, state.step, rank, world,
                                              plan.run_dir)
-            storage.sync_up(plan.storage_path, plan.run_name)  # (every rank drew some)
+            runfiles.sync_up(plan.storage_path, plan.run_name)  # (every rank drew some)
             if log:
                 log.write_images(state.step, *drawn)
                 print(f"validation images of step {state.step}: {drawn[0]}", flush=True)
@@ -177,7 +178,7 @@ def run_steps(plan, state, step_prompts, batches, rank, world, sampler=None, sto
         bar.close()
     if log:
         log.close()
-        storage.sync_up(plan.storage_path, plan.run_name)
+        runfiles.sync_up(plan.storage_path, plan.run_name)
     if stop_now:
         return True
     if state.step < total:
@@ -191,7 +192,7 @@ def report_window(window, log, state, rank, plan, checkpoint_now=False):
     metrics = window.metrics(state, plan.steps_per_epoch)
     if log:
         log.write(metrics)
-        storage.sync_up(plan.storage_path, plan.run_name)
+        runfiles.sync_up(plan.storage_path, plan.run_name)
     began = time.perf_counter()
     report(state, metrics, rank, plan, checkpoint_now)
     if rank == 0:

@@ -7,6 +7,7 @@ import pytest
 
 from dreambooth import cache_model
 from dreambooth import utils
+from dreambooth import vae_cache
 from dreambooth.utils import REPO_DIR
 
 SD14 = "CompVis/stable-diffusion-v1-4"
@@ -69,11 +70,11 @@ def test_the_sdxl_fp16_fix_vae_resolves_at_its_pinned_commit_only(tiny_sdxl_mode
     name = "madebyollin/sdxl-vae-fp16-fix"
     other = cache_model.hub_snapshot_path(str(tmp_path / "cache"), name, "0" * 40)
     shutil.copytree(os.path.join(tiny_sdxl_model, "vae"), other)  # another commit of it: not taken
-    with pytest.raises(utils.UserError, match=f"{name}@{cache_model.KNOWN_VAES[name]} is not in the cache"):
-        cache_model.resolve_vae(name)
-    pinned = cache_model.hub_snapshot_path(str(tmp_path / "cache"), name, cache_model.KNOWN_VAES[name])
+    with pytest.raises(utils.UserError, match=f"{name}@{vae_cache.KNOWN_VAES[name]} is not in the cache"):
+        vae_cache.resolve_vae(name)
+    pinned = cache_model.hub_snapshot_path(str(tmp_path / "cache"), name, vae_cache.KNOWN_VAES[name])
     shutil.copytree(os.path.join(tiny_sdxl_model, "vae"), pinned)
-    assert cache_model.resolve_vae(name) == pinned
+    assert vae_cache.resolve_vae(name) == pinned
 
 
 def test_missing_offline_model_is_a_clear_error(tmp_path):

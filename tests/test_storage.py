@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from dreambooth import outputs
+from dreambooth import runfiles
 from dreambooth import storage
 from dreambooth import utils
 from dreambooth.utils import REPO_DIR
@@ -40,12 +41,12 @@ def test_storage_reads_lists_and_writes_a_bucket_like_a_folder(s3_endpoint, tmp_
 def test_a_runs_files_reach_its_bucket_folder_and_each_nodes_errors_log_keeps_a_name_of_its_own(s3_endpoint):
     import socket
 
-    local = storage.run_folder("s3://runs/t/results", "run-1")
+    local = runfiles.run_folder("s3://runs/t/results", "run-1")
     os.makedirs(os.path.join(local, "validation"))
     open(os.path.join(local, "metrics.jsonl"), "w").write('{"step": 1}\n')
     open(os.path.join(local, "validation", "a.png"), "wb").write(b"png")
     utils.log_error_event(local, "worker 1 failed")
-    storage.sync_up("s3://runs/t/results", "run-1")
+    runfiles.sync_up("s3://runs/t/results", "run-1")
     errors = f"errors-{socket.gethostname()}.log"  # (another node's errors.log would not replace this one)
     assert storage.listdir("s3://runs/t/results/run-1") == sorted([errors, "metrics.jsonl", "validation"])
     assert b"worker 1 failed" in storage.read_bytes(f"s3://runs/t/results/run-1/{errors}")
