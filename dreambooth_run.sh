@@ -24,7 +24,7 @@ set -euo pipefail
 
 # name|default (as shown)|meaning. The defaults are applied below, in Step 0.
 VARIABLES=(
-  "DATA_PREFIX|./data (--tiny: ./data/tiny)|where everything is written (kept across reboots); shared storage (NFS) on a cluster"
+  "DATA_PREFIX|./data (--tiny: ./data/tiny)|where everything is written (kept across reboots); on a cluster, shared storage (NFS) or a bucket (s3://bucket/prefix: README, Object storage)"
   "INSTANCE_DIR|the example photos|your 4-6 photos of the subject"
   "SUBJECT|the photos folder's name (example-dog with the example)|names this subject's outputs: \$DATA_PREFIX/subjects/<SUBJECT>/"
   "CLASS_NAME|dog (--tiny: toy)|what the subject is: dog, backpack, person (needed with INSTANCE_DIR)"
@@ -53,7 +53,7 @@ VARIABLES=(
   "EVAL_PROMPTS||your own Step 6 prompt file ('{subject}' in each line)"
   "EVAL_MODELS_CACHE|\$DATA_PREFIX/model-eval|DINO and CLIP for Step 6"
   "EVAL_DIR|\$DATA_PREFIX/subjects/<SUBJECT>/eval|Step 6's scores, report and images"
-  "LOG_DIR|\$DATA_PREFIX/logs|one log file per run"
+  "LOG_DIR|\$DATA_PREFIX/logs (a bucket's: ~/.cache/dreambooth/logs, copied there at the end)|one log file per run"
   "NOTIFY_URL||a Slack/Discord/any webhook told when training starts, ends or fails, and Step 6's scores (never logged)"
   "RETRAIN||1: train Step 4 again even when the model of these settings and photos is there"
   "PYTHON|python|the Python that runs the steps"
