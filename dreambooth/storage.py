@@ -320,17 +320,18 @@ def output_folder(path):
 
 
 def push(local, uri, before):
-    """Copy to the bucket folder uri what changed in local since before (_local_files), then record the
-    bucket's listing as this node's copy of it."""
+    """Copy to the bucket folder uri what changed in local since before (_local_files) and what the bucket
+    lacks (files of a copy whose script was killed before it could push them), delete there what was deleted
+    here, then record the bucket's listing as this node's copy of it."""
     import pyarrow.fs as pafs
 
     fs, key = filesystem(uri)
-    now = _local_files(local)
-    for name in set(before) - set(now):
-        with contextlib.suppress(FileNotFoundError):
+    now, held = _local_files(local), _listing(uri)
+    for name in (set(before) - set(now)) & set(held):
+        with contextlib.suppress(OSError):
             fs.delete_file(posixpath.join(key, name))
     for name, stat in sorted(now.items()):
-        if before.get(name) != stat and utils.TEMP_MARK not in name:  # (not a file still being written)
+        if (before.get(name) != stat or name not in held) and utils.TEMP_MARK not in name:  # (not one being written)
             pafs.copy_files(os.path.join(local, *name.split("/")), posixpath.join(key, name),
                             destination_filesystem=fs)
     _write_manifest(local, _listing(uri))

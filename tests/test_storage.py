@@ -70,6 +70,11 @@ def test_an_output_folder_in_a_bucket_is_filled_here_and_its_changes_reach_the_b
         open(os.path.join(local, "new.png"), "wb").write(b"newer")
         raise KeyboardInterrupt  # (a stopped run keeps what it wrote)
     assert storage.read_bytes("s3://runs/t/out/new.png") == b"newer"
+    # a copy whose script was killed (SIGKILL: no push) holds a file the bucket lacks: the next block sends it
+    open(os.path.join(storage.cache_path("s3://runs/t/out"), "killed.png"), "wb").write(b"k")
+    with storage.output_folder("s3://runs/t/out") as local:
+        assert "killed.png" in os.listdir(local)  # (kept here: a top-up counts it)
+    assert storage.read_bytes("s3://runs/t/out/killed.png") == b"k"
     storage.remove_tree("s3://runs/t/out")
     with storage.output_folder("s3://runs/t/out") as local:  # (emptied in the bucket: emptied here)
         assert [name for _, _, names in os.walk(local) for name in names] == [f"half.png{utils.TEMP_MARK}1"]
