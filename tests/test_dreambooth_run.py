@@ -4,6 +4,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -55,7 +56,9 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request, webhook):
         bucket_env, bucket = request.getfixturevalue("s3_endpoint")
         where = f"s3://{bucket}/dreambooth"
         storage.replace_folder(str(tmp_path), where, last=None)  # (the first run's DATA_PREFIX, copied there)
-        env.update(bucket_env, DATA_PREFIX=where, XDG_CACHE_HOME=str((unshared or tmp_path) / "cache"))
+        cache = (unshared or tmp_path) / "cache"  # (removed at the end: the cluster's other tests use unshared)
+        request.addfinalizer(lambda: shutil.rmtree(cache, ignore_errors=True))
+        env.update(bucket_env, DATA_PREFIX=where, XDG_CACHE_HOME=str(cache))
     else:
         env.update(MAX_TRAIN_STEPS="99", NOTIFY_URL=webhook.url)  # the step count after -- wins, in the banners too
         env.pop("RAY_ADDRESS")  # no cluster to join: the script starts one for its steps
