@@ -140,9 +140,9 @@ fi
 export DATA_PREFIX
 # DATA_PREFIX in a bucket (s3://bucket/prefix: no shared disk needed): the steps read and write it there,
 # through this node's copies of its files (XDG_CACHE_HOME/dreambooth); the log is written here and copied there
-REMOTE=false
-case "$DATA_PREFIX" in s3://*|gs://*) REMOTE=true ;; esac
 is_remote() { case "$1" in s3://*|gs://*) return 0 ;; *) return 1 ;; esac; }
+REMOTE=false
+if is_remote "$DATA_PREFIX"; then REMOTE=true; fi
 ORIG_MODEL_NAME="${ORIG_MODEL_NAME:-sd14}"
 ORIG_MODEL_HASH="${ORIG_MODEL_HASH:-}"
 # the one model cache, as the scripts run by hand find it (cache_model.model_cache_dir)
@@ -244,9 +244,8 @@ stop_ray() {  # at exit, however the script ends: the background fetch too (Step
   fi
   if [ -n "$RAY_HEAD_TEMP" ]; then rm -rf "$RAY_HEAD_TEMP"; fi
   if $REMOTE; then  # the log beside the run's outputs in the bucket
-    "$PYTHON" -c 'import os, sys; from dreambooth import storage
-storage.write_bytes(storage.join(sys.argv[2], os.path.basename(sys.argv[1])), open(sys.argv[1], "rb").read())' \
-      "$LOG_FILE" "$DATA_PREFIX/logs" || echo "dreambooth_run.sh: the log stays in $LOG_FILE" >&2
+    "$PYTHON" -c 'import sys; from dreambooth import storage; storage.upload_file(*sys.argv[1:])' \
+      "$LOG_FILE" "$DATA_PREFIX/logs/$(basename "$LOG_FILE")" || echo "dreambooth_run.sh: the log stays in $LOG_FILE" >&2
   fi
 }
 trap stop_ray EXIT

@@ -100,6 +100,25 @@ def model_cache_dir():
     return storage.join(prefix, "model-orig")
 
 
+def cache_on_node(cache_dir):
+    """The local folder a model cache is filled in: itself, or for a bucket's cache (s3://…) this node's copy
+    of it, whose models go to the bucket (to_bucket)."""
+    return storage.cache_path(cache_dir) if storage.is_remote(cache_dir) else cache_dir
+
+
+def to_bucket(path, cache_dir, last="model_index.json"):
+    """For a bucket's model cache cache_dir: the folder path filled in its copy on this node (cache_on_node)
+    copied to the bucket once, so that every node caches it from there; returns its URI (else path itself).
+    A model found elsewhere (your own hub cache) is left where it is."""
+    local = cache_on_node(cache_dir)
+    if local == cache_dir or not path.startswith(local + os.sep):
+        return path
+    uri = storage.join(cache_dir, *os.path.relpath(path, local).split(os.sep))
+    if storage.mirror_up(path, uri, last):
+        print(f"copied {path} to {uri} (each node caches it from there)", file=sys.stderr)
+    return uri
+
+
 def looks_like_hub_name(value):
     return known_model(value) is not None or re.fullmatch(r"[\w.-]+/[\w.-]+", value) is not None
 
@@ -117,15 +136,17 @@ def resolve_model_name(value, cache_dir=None):
         return path
     name, revision = pinned_revision(value, None)
     cache_dir = cache_dir or model_cache_dir()
-    if storage.is_remote(cache_dir):  # (a bucket's model cache: this node's copy of it)
-        cache_dir = storage.cache_path(cache_dir)
-    for folder in dict.fromkeys((cache_dir, hub_cache_dir())):
+    local = cache_on_node(cache_dir)  # (a bucket's model cache: this node's copy, its models copied there)
+    for folder in dict.fromkeys((local, hub_cache_dir())):
         found = cached_snapshot(folder, name, revision) or cached_main(folder, name, revision)
         if found:
+            to_bucket(found, cache_dir)
             return found
     print(f"{value}: not a folder here nor in the model cache {cache_dir}; fetching {name}@{revision} there "
           "(pipeline files, safetensors only; once)", file=sys.stderr)
-    return download_model(cache_dir, name, revision)
+    path = download_model(local, name, revision)
+    to_bucket(path, cache_dir)
+    return path
 
 
 MODEL_FLAGS = ("model_dir", "base_model_dir")  # the flags that take a model folder or name (flags.model_path)
@@ -320,9 +341,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.arch is not None and args.arch not in families.ARCHS:
         parser.error(f"argument --arch: invalid choice: {args.arch!r} (choose from {', '.join(families.ARCHS)})")
-    args.cache_dir = bucket = args.cache_dir or model_cache_dir()
-    if storage.is_remote(bucket):  # (filled here, then copied there)
-        args.cache_dir = storage.cache_path(bucket)
+    bucket = args.cache_dir or model_cache_dir()
+    args.cache_dir = cache_on_node(bucket)  # (a bucket's: filled here, then copied there)
     args.tiny = args.tiny or args.model_name == "tiny"
     try:
         os.makedirs(args.cache_dir, exist_ok=True)
@@ -342,11 +362,7 @@ def main(argv=None):
         raise utils.UserError("--arch is the architecture of a model built here (--tiny, --random_model); a "
                               "downloaded model's family is read from its files")
     path, last = cache_here(args)
-    if storage.is_remote(bucket):
-        uri = storage.join(bucket, *os.path.relpath(path, args.cache_dir).split(os.sep))
-        if storage.mirror_up(path, uri, last):
-            print(f"copied {path} to {uri} (each node caches it from there)", file=sys.stderr)
-        path = uri
+    path = to_bucket(path, bucket, last)
     print(path)
     return path
 

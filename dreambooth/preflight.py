@@ -137,8 +137,7 @@ def cached_model(args):
     """The base model's folder when it is here before Step 1 (--model_path, or its pinned revision in
     the model cache: looked up once, then kept in args.model_path), else None."""
     if args.model_path is None and args.model_cache and not args.tiny:
-        cache = storage.cache_path(args.model_cache) if storage.is_remote(args.model_cache) else args.model_cache
-        args.model_path = cache_model.cached_snapshot(cache,
+        args.model_path = cache_model.cached_snapshot(cache_model.cache_on_node(args.model_cache),
                                                       *cache_model.pinned_revision(args.model_name, args.revision))
     folder = args.model_path
     return folder if folder and os.path.isfile(os.path.join(folder, "model_index.json")) else None

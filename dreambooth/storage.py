@@ -342,10 +342,12 @@ def mirror_up(local, uri, last):
     them already (the same names and sizes: a model is uploaded once); local is then this node's copy of it
     (local must be cache_path(uri)). Returns whether it copied."""
     sizes = {name: stat[0] for name, stat in _local_files(local).items()}
-    copy = {name: stat[0] for name, stat in _listing(uri).items()} != sizes
+    listing = _listing(uri)
+    copy = {name: stat[0] for name, stat in listing.items()} != sizes
     if copy:
         replace_folder(local, uri, last)
-    _write_manifest(local, _listing(uri))
+        listing = _listing(uri)
+    _write_manifest(local, listing)
     return copy
 
 

@@ -34,16 +34,23 @@ def resolve_vae(value, allow_unsafe_weights=False, cache_dir=None):
     if os.path.exists(path) or value.startswith(("/", ".", "~")) or not cache_model.looks_like_hub_name(value):
         return check_vae_dir(path, allow_unsafe_weights)
     cache_dir = cache_dir or cache_model.model_cache_dir()
+    local = cache_model.cache_on_node(cache_dir)  # (a bucket's model cache: this node's copy, the VAE copied there)
     pinned = next((commit for name, commit in KNOWN_VAES.items() if name.lower() == value.lower()), None)
-    for folder in dict.fromkeys((cache_dir, cache_model.hub_cache_dir())):
+    for folder in dict.fromkeys((local, cache_model.hub_cache_dir())):
         snapshots = os.path.join(cache_model.repo_cache_path(folder, value), "snapshots")
         for revision in sorted(os.listdir(snapshots)) if os.path.isdir(snapshots) else ():
             if pinned in (None, revision) and all(os.path.isfile(os.path.join(snapshots, revision, name))
                                                   for name in VAE_FILES):
-                return check_vae_dir(os.path.join(snapshots, revision))
-    return check_vae_dir(utils.hub_download(f"{value}@{pinned or 'main'}", "run once with network access or give "
-                                            "a VAE folder", repo_id=value, revision=pinned, cache_dir=cache_dir,
-                                            allow_patterns=VAE_FILES))
+                return in_bucket(check_vae_dir(os.path.join(snapshots, revision)), cache_dir)
+    return in_bucket(check_vae_dir(utils.hub_download(
+        f"{value}@{pinned or 'main'}", "run once with network access or give a VAE folder", repo_id=value,
+        revision=pinned, cache_dir=local, allow_patterns=VAE_FILES)), cache_dir)
+
+
+def in_bucket(folder, cache_dir):
+    """folder, copied to the bucket first when cache_dir is a bucket's model cache (cache_model.to_bucket)."""
+    cache_model.to_bucket(folder, cache_dir, last=VAE_FILES[1])
+    return folder
 
 
 def resolved(args):

@@ -15,8 +15,8 @@ from dreambooth import outputs
 from dreambooth import prompts
 from dreambooth import raycluster
 from dreambooth import runlog
-from dreambooth import sharding
 from dreambooth import runfiles
+from dreambooth import sharding
 from dreambooth import storage
 from dreambooth import utils
 from dreambooth import validation

@@ -175,3 +175,19 @@ def test_a_run_in_a_bucket_checkpoints_resumes_from_it_and_ends_like_an_uninterr
     assert storage.listdir(f"s3://{bucket}/new") == sorted(["grid", outputs.IMAGES_CONFIG, outputs.IMAGES_RECORD,
                                                             "photo-of-unqtkn-toy-in-a-bucket-00000.png"])
     assert f"1 images in s3://{bucket}/new; contact sheet s3://{bucket}/new/grid/grid.png" in drawn.stderr
+
+
+def test_a_model_found_in_a_buckets_model_cache_on_this_node_is_put_in_the_bucket_for_the_other_nodes(
+        s3_endpoint, monkeypatch):
+    """A short or hub name resolved with ORIG_MODEL_DIR (or DATA_PREFIX) in a bucket: the model is looked up and
+    fetched in this node's copy of that cache, and copied to the bucket, where the workers of every node
+    (storage.ensure_local) find it."""
+    from dreambooth import cache_model
+
+    monkeypatch.setenv("ORIG_MODEL_DIR", "s3://runs/t/models")
+    uri = cache_model.main(["--tiny"])
+    storage.remove_tree("s3://runs/t/models")  # (only this node's copy holds it now)
+    path = cache_model.resolve_model_name(cache_model.TINY_MODEL_NAME)
+    assert path == storage.cache_path(uri) and storage.isfile(f"{uri}/model_index.json")
+    storage.ensure_local(path)  # (what a worker does: its files are in the bucket)
+    storage.remove_tree("s3://runs/t/models")
