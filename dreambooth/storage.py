@@ -1,11 +1,13 @@
 """Paths that may be object storage: `s3://bucket/key` (AWS, or MinIO/R2/Ceph through AWS_ENDPOINT_URL) and
 `gs://bucket/key`, through pyarrow's filesystems, configured the way AWS tools are (AWS_ACCESS_KEY_ID /
 AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, AWS_PROFILE, AWS_REGION; AWS_ENDPOINT_URL_S3 or
-AWS_ENDPOINT_URL, which pyarrow does not read itself). Anything else is a local path.
+AWS_ENDPOINT_URL, which pyarrow does not read itself), and Google's tools for gs:// (their default credentials,
+GOOGLE_APPLICATION_CREDENTIALS; CLOUD_STORAGE_EMULATOR_ENDPOINT for an emulator). Anything else is a local path.
 
 A run's own files go to a bucket through runfiles.py; Ray Train writes the checkpoints there itself."""
 
 import contextlib
+import datetime
 import os
 import posixpath
 import tempfile
@@ -16,7 +18,7 @@ SCHEMES = ("s3://", "gs://")
 # The AWS settings a Ray worker needs to reach the bucket as the driver does (runtime_env).
 AWS_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_REGION",
                  "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_CONFIG_FILE",
-                 "AWS_SHARED_CREDENTIALS_FILE", "GOOGLE_APPLICATION_CREDENTIALS",
+                 "AWS_SHARED_CREDENTIALS_FILE", "GOOGLE_APPLICATION_CREDENTIALS", "CLOUD_STORAGE_EMULATOR_ENDPOINT",
                  "XDG_CACHE_HOME")  # (and where each node caches a bucket's files, when set)
 
 
@@ -45,7 +47,10 @@ def filesystem(uri):
         if region:
             options["region"] = region
         return pafs.S3FileSystem(**options), path.rstrip("/")
-    return pafs.GcsFileSystem(), path.rstrip("/")
+    # (google-cloud-cpp, under pyarrow's GCS, reads CLOUD_STORAGE_EMULATOR_ENDPOINT itself; an emulator takes
+    # no credentials. Retries stop after a minute: an unreachable bucket is an error, not a long wait.)
+    anonymous = bool(os.environ.get("CLOUD_STORAGE_EMULATOR_ENDPOINT"))
+    return pafs.GcsFileSystem(anonymous=anonymous, retry_time_limit=datetime.timedelta(seconds=60)), path.rstrip("/")
 
 
 def join(base, *parts):
@@ -96,6 +101,9 @@ def listdir(path):
     import pyarrow.fs as pafs
 
     fs, key = filesystem(path)
+    if path.startswith("gs://"):  # pyarrow's GCS lists a sub-folder only where an object marks it: list it all
+        found = fs.get_file_info(pafs.FileSelector(key, recursive=True, allow_not_found=True))
+        return sorted({posixpath.relpath(f.path, key).split("/")[0] for f in found})
     found = fs.get_file_info(pafs.FileSelector(key, allow_not_found=True))
     return sorted(posixpath.basename(f.path) for f in found)
 
@@ -124,6 +132,12 @@ def read_json(path):
 
 
 def write_bytes(path, data):
+    """path (a file, or a bucket's object) holding data; a file's folder is made if missing."""
+    if not is_remote(path):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+        return
     fs, key = filesystem(path)
     with fs.open_output_stream(key) as f:
         f.write(data)
@@ -141,7 +155,11 @@ def remove_tree(path):
     """Delete a folder and everything in it."""
     if is_remote(path):
         fs, key = filesystem(path)
-        fs.delete_dir(key)
+        import pyarrow.fs as pafs
+
+        fs.delete_dir_contents(key, missing_dir_ok=True)
+        if fs.get_file_info(key).type != pafs.FileType.NotFound:  # (GCS: a folder without a marker object is gone)
+            fs.delete_dir(key)
     else:
         import shutil
 

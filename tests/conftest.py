@@ -289,9 +289,12 @@ def webhook():
 def s3_endpoint(tmp_path_factory):
     """(environment with the endpoint and credentials, bucket name): a moto S3 server on 127.0.0.1 with an
     empty bucket "runs"; the nodes' copies of its files in a cache folder of the test's (XDG_CACHE_HOME)."""
+    import logging
+
     import boto3
     from moto.server import ThreadedMotoServer
 
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # (not a line per request)
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
@@ -301,6 +304,35 @@ def s3_endpoint(tmp_path_factory):
     os.environ.update(env)
     boto3.client("s3").create_bucket(Bucket="runs")
     yield env, "runs"
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def gcs_endpoint(tmp_path_factory):
+    """(environment with the endpoint, bucket name): a Google Cloud Storage emulator (gcp-storage-emulator) on
+    127.0.0.1 with an empty bucket "runs-gs", reached through CLOUD_STORAGE_EMULATOR_ENDPOINT as Google's own
+    libraries reach one; the nodes' copies of its files in a cache folder of the test's (XDG_CACHE_HOME)."""
+    import logging
+    import socket
+
+    from gcp_storage_emulator.server import create_server
+
+    logging.getLogger("gcp_storage_emulator").setLevel(logging.ERROR)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = create_server("127.0.0.1", port, in_memory=True, default_bucket="runs-gs")
+    server.start()
+    env = dict(CLOUD_STORAGE_EMULATOR_ENDPOINT=f"http://127.0.0.1:{port}",
+               XDG_CACHE_HOME=str(tmp_path_factory.mktemp("gcs-cache")))
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield env, "runs-gs"
     for k, v in saved.items():
         if v is None:
             os.environ.pop(k, None)

@@ -15,27 +15,32 @@ from dreambooth import utils
 from dreambooth.utils import REPO_DIR
 
 
-def test_storage_reads_lists_and_writes_a_bucket_like_a_folder(s3_endpoint, tmp_path):
-    storage.write_bytes("s3://runs/t/a/one.json", b'{"step": 3}')
-    storage.write_bytes("s3://runs/t/a/sub/two.txt", b"x" * 5)
-    assert storage.listdir("s3://runs/t/a") == ["one.json", "sub"] and storage.listdir("s3://runs/t/none") == []
-    assert storage.isdir("s3://runs/t/a/sub") and storage.isfile("s3://runs/t/a/one.json")
-    assert storage.read_json("s3://runs/t/a/one.json") == {"step": 3} and storage.size("s3://runs/t/a/sub/two.txt") == 5
-    local = storage.local_folder("s3://runs/t/a", str(tmp_path / "copy"))
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_storage_reads_lists_and_writes_a_bucket_like_a_folder(scheme, request, tmp_path):
+    """The same calls on S3 (moto's server) and on Google Cloud Storage (its emulator): one code path,
+    pyarrow's filesystem of each."""
+    root = f"{scheme}://{request.getfixturevalue('s3_endpoint' if scheme == 's3' else 'gcs_endpoint')[1]}/t"
+    storage.write_bytes(f"{root}/a/one.json", b'{"step": 3}')
+    storage.write_bytes(f"{root}/a/sub/two.txt", b"x" * 5)
+    assert storage.listdir(f"{root}/a") == ["one.json", "sub"] and storage.listdir(f"{root}/none") == []
+    assert storage.isdir(f"{root}/a/sub") and storage.isfile(f"{root}/a/one.json")
+    assert storage.read_json(f"{root}/a/one.json") == {"step": 3} and storage.size(f"{root}/a/sub/two.txt") == 5
+    local = storage.local_folder(f"{root}/a", str(tmp_path / "copy"))
     assert open(os.path.join(local, "sub", "two.txt")).read() == "xxxxx"
     (tmp_path / "new" / "sub").mkdir(parents=True)
     (tmp_path / "new" / "sub" / "three.txt").write_text("3")
-    storage.replace_folder(str(tmp_path / "new"), "s3://runs/t/a", last=None)  # (the old content goes, folders too)
-    assert storage.listdir("s3://runs/t/a") == ["sub"] and storage.listdir("s3://runs/t/a/sub") == ["three.txt"]
-    storage.write_bytes("s3://runs/t/a/gone/deep/x.txt", b"x")
-    storage.replace_folder(str(tmp_path / "new"), "s3://runs/t/a", last="sub/three.txt")
-    assert storage.listdir("s3://runs/t/a") == ["sub"]
-    storage.remove_tree("s3://runs/t/a")
-    assert not storage.exists("s3://runs/t/a/one.json")
-    storage.check_reachable("s3://runs/t", "--storage_path")
-    with pytest.raises(utils.UserError, match=r"^--storage_path s3://no-such-bucket/x cannot be written from this "
-                                              r"node \(AWS_ENDPOINT_URL=http://127\.0\.0\.1:\d+\): "):
-        storage.check_reachable("s3://no-such-bucket/x", "--storage_path")
+    storage.replace_folder(str(tmp_path / "new"), f"{root}/a", last=None)  # (the old content goes, folders too)
+    assert storage.listdir(f"{root}/a") == ["sub"] and storage.listdir(f"{root}/a/sub") == ["three.txt"]
+    storage.write_bytes(f"{root}/a/gone/deep/x.txt", b"x")
+    storage.replace_folder(str(tmp_path / "new"), f"{root}/a", last="sub/three.txt")
+    assert storage.listdir(f"{root}/a") == ["sub"]
+    storage.remove_tree(f"{root}/a")
+    assert not storage.exists(f"{root}/a/one.json")
+    storage.check_reachable(root, "--storage_path")
+    where = r" \(AWS_ENDPOINT_URL=http://127\.0\.0\.1:\d+\)" if scheme == "s3" else ""
+    with pytest.raises(utils.UserError, match=rf"^--storage_path {scheme}://no-such-bucket/x cannot be written from "
+                                              rf"this node{where}: "):
+        storage.check_reachable(f"{scheme}://no-such-bucket/x", "--storage_path")
 
 
 def test_a_runs_files_reach_its_bucket_folder_and_each_nodes_errors_log_keeps_a_name_of_its_own(s3_endpoint):
@@ -53,33 +58,36 @@ def test_a_runs_files_reach_its_bucket_folder_and_each_nodes_errors_log_keeps_a_
     storage.remove_tree("s3://runs/t/results")
 
 
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
 def test_an_output_folder_in_a_bucket_is_filled_here_and_its_changes_reach_the_bucket_however_the_block_ends(
-        s3_endpoint):
-    storage.write_bytes("s3://runs/t/out/old.png", b"old")
-    storage.write_bytes("s3://runs/t/out/gone.png", b"gone")
-    with storage.output_folder("s3://runs/t/out") as local:  # what is there already, to top up
+        scheme, request):
+    out = f"{scheme}://{request.getfixturevalue('s3_endpoint' if scheme == 's3' else 'gcs_endpoint')[1]}/t/out"
+    storage.write_bytes(f"{out}/old.png", b"old")
+    storage.write_bytes(f"{out}/gone.png", b"gone")
+    with storage.output_folder(out) as local:  # what is there already, to top up
         assert sorted(os.listdir(local)) == ["gone.png", "old.png"] and not storage.is_remote(local)
         os.remove(os.path.join(local, "gone.png"))
         utils.write_bytes_atomic(b"new", os.path.join(local, "new.png"))
         os.makedirs(os.path.join(local, "grid"))
         open(os.path.join(local, "grid", "grid.png"), "wb").write(b"grid")
         open(os.path.join(local, f"half.png{utils.TEMP_MARK}1"), "wb").write(b"ha")  # (still being written)
-    assert storage.listdir("s3://runs/t/out") == ["grid", "new.png", "old.png"]
-    assert storage.read_bytes("s3://runs/t/out/grid/grid.png") == b"grid"
-    with pytest.raises(KeyboardInterrupt), storage.output_folder("s3://runs/t/out") as local:
+    assert storage.listdir(out) == ["grid", "new.png", "old.png"]
+    assert storage.read_bytes(f"{out}/grid/grid.png") == b"grid"
+    with pytest.raises(KeyboardInterrupt), storage.output_folder(out) as local:
         open(os.path.join(local, "new.png"), "wb").write(b"newer")
         raise KeyboardInterrupt  # (a stopped run keeps what it wrote)
-    assert storage.read_bytes("s3://runs/t/out/new.png") == b"newer"
+    assert storage.read_bytes(f"{out}/new.png") == b"newer"
     # a copy whose script was killed (SIGKILL: no push) holds a file the bucket lacks: the next block sends it
-    open(os.path.join(storage.cache_path("s3://runs/t/out"), "killed.png"), "wb").write(b"k")
-    with storage.output_folder("s3://runs/t/out") as local:
+    open(os.path.join(storage.cache_path(out), "killed.png"), "wb").write(b"k")
+    with storage.output_folder(out) as local:
         assert "killed.png" in os.listdir(local)  # (kept here: a top-up counts it)
-    assert storage.read_bytes("s3://runs/t/out/killed.png") == b"k"
-    storage.remove_tree("s3://runs/t/out")
-    with storage.output_folder("s3://runs/t/out") as local:  # (emptied in the bucket: emptied here)
+    assert storage.read_bytes(f"{out}/killed.png") == b"k"
+    storage.remove_tree(out)
+    with storage.output_folder(out) as local:  # (emptied in the bucket: emptied here)
         assert [name for _, _, names in os.walk(local) for name in names] == [f"half.png{utils.TEMP_MARK}1"]
     with storage.output_folder("/a/folder") as local:
         assert local == "/a/folder"
+
 
 def test_a_run_resumed_from_a_bucket_finds_its_tracker_runs_there(s3_endpoint, tmp_path):
     from dreambooth import trackers
