@@ -241,8 +241,9 @@ class Subject:
         return f"a {self.class_name}"
 
     def photos(self):
-        """Every photo of the subject (those held out too)."""
-        return imagefiles.list_images(self.photos_dir, f"photos of {self.name}", also_expected=".txt")
+        """Every photo of the subject (those held out too); a bucket's, in this node's copy of them."""
+        folder = storage.cached(self.photos_dir) if storage.is_remote(self.photos_dir) else self.photos_dir
+        return imagefiles.list_images(folder, f"photos of {self.name}", also_expected=".txt")
 
     def split(self):
         """(photos trained on, photos held out): imagefiles.holdout_split, as train.py --holdout made it."""

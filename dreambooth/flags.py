@@ -554,7 +554,8 @@ FLAGS = {
     "sweep_dir": (("--sweep_dir",),
         dict(type=abs_path, default=None, metavar="DIR",
              help="The sweep's working folder: trials, class images, scores, Tune's state (a rerun resumes "
-                  "it). Default: --output_dir with '-sweep' appended.")),
+                  "it); a folder, or a bucket's (s3://bucket/prefix, gs://…: trials on any node write there). "
+                  "Default: --output_dir with '-sweep' appended.")),
     "max_concurrent_trials": (("--max_concurrent_trials",),
         dict(type=positive_int, default=None,
              help="Trials at once. Default: as many as the cluster's GPUs hold (--num_workers x "
@@ -732,10 +733,15 @@ class OneLineErrorParser(argparse.ArgumentParser):
         import tomllib
 
         try:
-            with open(os.path.expanduser(path), "rb") as f:
-                values = tomllib.load(f)
+            if path.startswith(("s3://", "gs://")):  # (sweep.py's in a bucket)
+                from dreambooth import storage
+
+                values = tomllib.loads(storage.read_bytes(path).decode())
+            else:
+                with open(os.path.expanduser(path), "rb") as f:
+                    values = tomllib.load(f)
         except OSError as err:
-            self.error(f"--config {path}: {err.strerror}")
+            self.error(f"--config {path}: {err.strerror or str(err).splitlines()[0]}")
         except tomllib.TOMLDecodeError as err:
             self.error(f"--config {path}: not valid TOML ({err})")
         given = {t.split("=")[0] for t in args if t.startswith("--")}

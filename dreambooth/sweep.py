@@ -21,10 +21,8 @@ their own newest checkpoint, failed ones start again).
 """
 
 import dataclasses
-import glob
 import math
 import os
-import shutil
 import sys
 
 from dreambooth import cache_model
@@ -37,7 +35,8 @@ from dreambooth import outputs
 from dreambooth import planning
 from dreambooth import raycluster
 from dreambooth import scores
-from dreambooth import sweep_report
+from dreambooth import storage
+from dreambooth import sweep_files
 from dreambooth import sweep_rows
 from dreambooth import sweep_trial
 from dreambooth import train
@@ -63,7 +62,9 @@ def parse_args(argv=None):
         __doc__.splitlines()[0], SWEEP_FLAGS, optional=("instance_data_dir", "class_name"), config=True,
         helps={"output_dir": "Where the best model goes (with --subjects_dir: one sub-folder per subject).",
                "num_class_images": "Class images per class for the prior-preservation loss, drawn once "
-                                   "with the base model and shared by the subjects of that class."})
+                                   "with the base model and shared by the subjects of that class."},
+        types=dict.fromkeys(("output_dir", "sweep_dir", "subjects_dir", "instance_data_dir", "eval_models_dir"),
+                            flags.storage_location))
     parser.set_defaults(num_class_images=100)
     parser.epilog = ("Every other flag is train.py's (see python train.py --help) and goes to every trial, e.g. "
                      "--use_lora, --num_workers, --mixed_precision. The sweep itself sets the learning rate, steps, "
@@ -83,6 +84,8 @@ def parse_args(argv=None):
     train_flags = ["--num_workers", "1", *train_flags]
     train_args = planning.parse_args(trial_base_argv(args, train_flags), "train.py's flags for every trial")
     args.sweep_dir = args.sweep_dir or args.output_dir.rstrip(os.sep) + "-sweep"
+    if storage.is_remote(args.eval_models_dir):  # (this node's copy; a trial's scoring actors fetch theirs)
+        args.eval_models_dir = storage.cached(args.eval_models_dir)
     args.sweep_max_train_steps = sorted(args.sweep_max_train_steps or [400])
     if args.sweep_rank and not train_args.use_lora:
         parser.error("--sweep_rank needs --use_lora")
@@ -106,21 +109,21 @@ def trial_base_argv(args, train_flags):
 def read_subjects(args):
     """{name: evaluate.Subject}: the one of the flags, or one per sub-folder of --subjects_dir."""
     if args.instance_data_dir:
-        name = os.path.basename(args.instance_data_dir.rstrip(os.sep))
+        name = os.path.basename(args.instance_data_dir.rstrip("/"))  # (a bucket's path too)
         return {name: evaluate.Subject(name, args.instance_data_dir, args.unique_token, args.class_name,
                                        args.subject_type, args.eval_prompts)}
-    if not os.path.isdir(args.subjects_dir):
+    if not storage.isdir(args.subjects_dir):
         raise utils.UserError(f"--subjects_dir not found: {args.subjects_dir}")
     subjects = {}
-    for name in sorted(os.listdir(args.subjects_dir)):
-        folder = os.path.join(args.subjects_dir, name)
-        if not os.path.isdir(folder) or name.startswith("."):
+    for name in storage.listdir(args.subjects_dir):  # (a bucket's: its photos are read through this node's copy)
+        folder = storage.join(args.subjects_dir, name)
+        if name.startswith(".") or not storage.isdir(folder):
             continue
-        path = os.path.join(folder, imagefiles.SUBJECT_FILE)
-        if not os.path.isfile(path):
+        path = storage.join(folder, imagefiles.SUBJECT_FILE)
+        if not storage.isfile(path):
             raise utils.UserError(f"{folder} has no {imagefiles.SUBJECT_FILE} (e.g. {{\"class_name\": \"dog\"}})")
         try:
-            info = utils.read_json(path)
+            info = storage.read_json(path)
             subjects[name] = evaluate.Subject(name, folder, info.get("unique_token", args.unique_token),
                                               info["class_name"], info.get("subject_type", args.subject_type),
                                               args.eval_prompts)
@@ -163,16 +166,19 @@ def param_space(args, subjects, train_args):
 
 def check_disk(args, train_args, num_trials, concurrency):
     """The sweep's disk, estimated before any trial: the checkpoints of the trials running at once, and
-    a model per trial and step count; a UserError when --sweep_dir's disk has not that much free."""
+    a model per trial and step count; a UserError when --sweep_dir's disk has not that much free (a
+    bucket's is not checked: its size is the bucket's business)."""
     from dreambooth import failures  # here, not at the top: it imports ray.train (1.2 s)
 
     steps = args.sweep_max_train_steps
     per_checkpoint, per_model = checkpoint.disk_bytes(args.model_dir, train_args.use_lora,
                                                       train_args.train_text_encoder)
     needed = concurrency * (sweep_trial.checkpoints_kept(steps) + 1) * per_checkpoint + num_trials * len(steps) * per_model
-    free = failures.free_bytes(args.sweep_dir)
     what = (f"{num_trials} trial(s) x {len(steps)} step count(s) x a model of {utils.size_text(per_model)}, and "
             f"the checkpoints of {concurrency} trial(s) at once, {utils.size_text(per_checkpoint)} each")
+    if storage.is_remote(args.sweep_dir):
+        return f"about {utils.size_text(needed)} in the bucket ({what})"
+    free = failures.free_bytes(args.sweep_dir)
     if free < needed:
         raise utils.UserError(f"the sweep needs about {utils.size_text(needed)} under --sweep_dir {args.sweep_dir} "
                               f"({what}) but {utils.size_text(free)} is free there: fewer trials or step counts, "
@@ -192,7 +198,7 @@ def prepare_class_images(args, subjects, train_args):
     """{class name: folder}: each class's images, drawn once (train.py's --num_class_images top-up)."""
     dirs = {}
     for class_name in sorted({s.class_name for s in subjects.values()}):
-        dirs[class_name] = os.path.join(args.sweep_dir, "class-images", utils.slugify(class_name))
+        dirs[class_name] = storage.join(args.sweep_dir, "class-images", utils.slugify(class_name))
         train.top_up_class_images(args.model_dir, dirs[class_name], f"photo of a {class_name}", args.num_class_images,
                                   train_args.seed, train_args.resolution, train_args.allow_unsafe_weights)
     return dirs
@@ -205,40 +211,19 @@ def run_tune(job, space, concurrency, num_samples):
     from ray import tune
 
     trainable = tune.with_resources(tune.with_parameters(sweep_trial.trial_fn, job=job), {"CPU": 0, "memory": 1})
-    path = os.path.join(job.sweep_dir, "tune")
-    if tune.Tuner.can_restore(path):
-        print(f"resuming the sweep in {path}: finished trials are kept, the others run", file=sys.stderr)
-        tuner = tune.Tuner.restore(path, trainable, resume_unfinished=True, restart_errored=True)
+    path, storage_path, fs = sweep_files.tune_storage(job.sweep_dir)
+    if tune.Tuner.can_restore(path, storage_filesystem=fs):
+        print(f"resuming the sweep in {storage.join(job.sweep_dir, 'tune')}: finished trials are kept, the others "
+              "run", file=sys.stderr)
+        tuner = tune.Tuner.restore(path, trainable, resume_unfinished=True, restart_errored=True, storage_filesystem=fs)
     else:
         tuner = tune.Tuner(trainable, param_space=space,
                            tune_config=tune.TuneConfig(num_samples=num_samples, max_concurrent_trials=concurrency,
                                                        scheduler=scheduler(job)),
-                           run_config=tune.RunConfig(name="tune", storage_path=job.sweep_dir, verbose=1,
+                           run_config=tune.RunConfig(name="tune", storage_path=storage_path, storage_filesystem=fs,
+                                                     verbose=1,
                                                      failure_config=tune.FailureConfig(max_failures=0)))
     return tuner.fit()
-
-
-def set_aside_another_sweep(sweep_dir, settings_toml):
-    """Tune restores a sweep with the search space it stored: a rerun whose settings (search space, steps,
-    subjects, train.py's flags) differ from the stored sweep's starts afresh instead, saying what changed;
-    the earlier sweep's Tune state is kept beside it (tune-before-<time>). Trials of the same settings
-    still find their own checkpoints (train.py resumes only a run of the same identity)."""
-    import datetime
-    import tomllib
-
-    stored, state = os.path.join(sweep_dir, "sweep_config.toml"), os.path.join(sweep_dir, "tune")
-    if not (os.path.isfile(stored) and os.path.isdir(state)):
-        return
-    with open(stored, "rb") as f:
-        before = tomllib.load(f)
-    now = tomllib.loads(settings_toml)
-    changed = [f"{k} {before.get(k)} -> {now.get(k)}" for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k)]
-    if not changed:
-        return
-    aside = f"{state}-before-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    os.rename(state, aside)
-    print(f"the sweep in {sweep_dir} had other settings ({'; '.join(changed)}): starting it afresh (its Tune state "
-          f"kept in {aside})", file=sys.stderr)
 
 
 def scheduler(job):
@@ -266,25 +251,26 @@ def wants_early_stopping(args, num_trials):
 
 def target_dir(args, name):
     """Where a subject's best model goes: --output_dir, or with --subjects_dir its sub-folder."""
-    return args.output_dir if args.instance_data_dir else os.path.join(args.output_dir, name)
+    return args.output_dir if args.instance_data_dir else storage.join(args.output_dir, name)
 
 
 def score_base(args, subjects, eval_settings):
     """{name: the base model's overall scores on each subject}: all subjects in one evaluation (one
     actor pool for the images, one for the embeddings); a rerun with the same prompts reads them back."""
-    folder = os.path.join(args.sweep_dir, "base")
+    folder = storage.join(args.sweep_dir, "base")
     base, todo = {}, []
     for subject in subjects.values():
-        saved = os.path.join(folder, subject.name, "scores.json")
-        result = evaluate.EvalResult.from_json(utils.read_json(saved)) if os.path.isfile(saved) else None
+        saved = storage.join(folder, subject.name, "scores.json")
+        result = evaluate.EvalResult.from_json(storage.read_json(saved)) if storage.isfile(saved) else None
         if result and result.prompts == tuple(subject.prompts()) and \
                 result.num_samples_per_prompt == eval_settings.num_samples_per_prompt:
             base[subject.name] = result.overall("base")
         else:
             todo.append(subject)
     if todo:
-        results = evaluate.run([("base", outputs.ModelRef(args.model_dir))], todo, eval_settings, folder,
-                               {s.name: os.path.join(folder, s.name) for s in todo})
+        with storage.output_folder(folder) as local:  # (a bucket's: filled here, copied there)
+            results = evaluate.run([("base", outputs.ModelRef(args.model_dir))], todo, eval_settings, local,
+                                   {s.name: os.path.join(local, s.name) for s in todo})
         for name, result in results.items():
             base[name] = result.overall("base")
             print(f"base model on {name}: {evaluate.summary(base[name])}", file=sys.stderr)
@@ -297,8 +283,8 @@ def main(argv=None):
     # --holdout (train.py's flag, for every trial): the same photos kept out of training and scored apart
     subjects = {name: dataclasses.replace(s, holdout=train_args.holdout) for name, s in read_subjects(args).items()}
     check_inputs(args, train_args, subjects)
-    set_aside_another_sweep(args.sweep_dir, args.settings_toml)
-    config = flags.write_config(os.path.join(args.sweep_dir, "sweep_config.toml"), args.settings_toml)
+    sweep_files.set_aside_another_sweep(args.sweep_dir, args.settings_toml)
+    config = sweep_files.write_text(args.sweep_dir, sweep_files.CONFIG_FILE, args.settings_toml)
     print(f"settings: {config} (sweep.py --config {config} repeats this sweep)", file=sys.stderr)
     raycluster.init_ray()
     eval_settings = evaluate.EvalSettings(
@@ -323,7 +309,7 @@ def main(argv=None):
     rows = sweep_rows.collect(run_tune(job, param_space(args, subjects, train_args), concurrency, num_samples),
                               args.sweep_max_train_steps[-1])
     if not job.keep_checkpoints:  # (those of trials stopped early, too)
-        for trial in glob.glob(os.path.join(args.sweep_dir, "trials", "*", "ray_results")):
+        for trial in sweep_files.trial_storage_paths(args.sweep_dir):
             sweep_trial.remove_checkpoints(trial)
     return finish(args, subjects, rows, base)
 
@@ -331,9 +317,10 @@ def main(argv=None):
 def check_inputs(args, train_args, subjects):
     """What would fail in a trial, checked before the first: each subject's photos and prompts, the
     base and scoring models, the output folders."""
-    for subject in subjects.values():  # a missing or corrupt photo or a bad prompt file fails now, not in a trial
-        imagefiles.inspect_images(subject.photos(), 0, os.path.join(args.sweep_dir, "converted-images"))
-        subject.prompts()
+    with sweep_files.scratch(args.sweep_dir, "converted-images") as converted:
+        for subject in subjects.values():  # a missing or corrupt photo or a bad prompt file fails now, not in a trial
+            imagefiles.inspect_images(subject.photos(), 0, converted)
+            subject.prompts()
     families.check_model_dir(args.model_dir, train_args.allow_unsafe_weights)
     families.require(args.model_dir, "train")
     scores.check_eval_models_dir(args.eval_models_dir)
@@ -355,9 +342,8 @@ def finish(args, subjects, rows, base):
     copied_to = {}
     for name, choice in best.items():
         copied_to[name] = target_dir(args, name)
-        utils.atomic_write_dir(copied_to[name],
-                               lambda tmp, source=choice.row.model: shutil.copytree(source, tmp, dirs_exist_ok=True))
-    written = sweep_report.write_all(args.sweep_dir, rows, base, best, args.clip_t_margin)
+        sweep_files.copy_model(choice.row.model, copied_to[name])
+    written = sweep_files.write_reports(args.sweep_dir, rows, base, best, args.clip_t_margin)
     failed = sum(not r.scored for r in rows)
     for name in subjects:
         if name not in best:

@@ -3,14 +3,16 @@ from the sweep's base flags, never a command line), then evaluate.py's scores at
 """
 
 import argparse
+import contextlib
 import dataclasses
 import math
-import os
+import tempfile
 
 from dreambooth import checkpoint
 from dreambooth import evaluate
 from dreambooth import outputs
 from dreambooth import planning
+from dreambooth import storage
 from dreambooth import sweep_rows
 from dreambooth import train
 
@@ -54,31 +56,32 @@ def trial_fn(config, job):
     subject = job.subjects[config["subject"]]
     # Named by its settings, not Tune's trial id (a retried trial gets a new id): a trial run again
     # after a failure or a crash finds its own checkpoints and resumes from them.
-    folder = os.path.join(job.sweep_dir, "trials", trial_label(config))
+    folder = storage.join(job.sweep_dir, "trials", trial_label(config))  # (a bucket's: every node reads it)
     steps = job.steps
     train_args = trial_args(job, config, subject, folder)
 
     def model_at(step):
-        """The trial's model at a step count: train.py's output at the last, else made from its checkpoint."""
+        """The trial's model folder at a step count (a bucket's too): train.py's output at the last, else made
+        from its checkpoint."""
         model = train_args.output_dir
         if step != steps[-1]:
-            model = os.path.join(folder, f"model-step-{step}")
+            model = storage.join(folder, f"model-step-{step}")
             if outputs.read_output(model) is None:
                 found = checkpoint.by_step(train_args.storage_path, "model")
-                fields = {k: getattr(train_args, k) for k in ("model_dir", "use_lora", "lora_rank", "lora_alpha",
-                          "train_text_encoder", "allow_unsafe_weights", "instance_prompt", "class_prompt",
-                          "use_ema", "ema_decay")}
-                checkpoint.save_as_model(found[step], planning.offline_plan(
-                    **fields, output_dir=model, total_steps=step, mixed_precision="no",
-                    held_out=subject.held_out_names()))
-        return outputs.resolve_model(model)
+                with contextlib.ExitStack() as stack:  # (a bucket's checkpoint: read from a copy here)
+                    local = found[step] if not storage.is_remote(found[step]) else storage.download(
+                        found[step], stack.enter_context(tempfile.TemporaryDirectory(prefix="dreambooth-")))
+                    save_step_model(local, train_args, model, step, subject)
+        return model
 
     def score(step_counts):
-        entries = [(f"step-{step}", model_at(step)) for step in step_counts]
-        result = evaluate.run(entries, [subject], job.eval_settings, os.path.join(folder, "eval"))[subject.name]
-        for step, (label, model) in zip(step_counts, entries):
+        folders = [model_at(step) for step in step_counts]  # (what the table names: not this node's copy)
+        entries = [(f"step-{step}", outputs.resolve_model(model)) for step, model in zip(step_counts, folders)]
+        with storage.output_folder(storage.join(folder, "eval")) as local:  # (a bucket's: filled here, copied there)
+            result = evaluate.run(entries, [subject], job.eval_settings, local)[subject.name]
+        for step, (label, _), model in zip(step_counts, entries, folders):
             overall = result.overall(label)
-            ray.tune.report({"step": step, "model": model.lora_dir or model.model_dir, **overall,
+            ray.tune.report({"step": step, "model": model, **overall,
                              "score": sweep_rows.rank_score(overall, *job.rank_against.get(subject.name, (None, 0.0)))})
 
     if not job.early_stopping:
@@ -92,18 +95,26 @@ def trial_fn(config, job):
         remove_checkpoints(train_args.storage_path)
 
 
+def save_step_model(checkpoint_dir, train_args, model, step, subject):
+    """The trial's checkpoint at step (a local folder) written as train.py's output model (a bucket's too)."""
+    fields = {k: getattr(train_args, k) for k in ("model_dir", "use_lora", "lora_rank", "lora_alpha",
+              "train_text_encoder", "allow_unsafe_weights", "instance_prompt", "class_prompt", "use_ema", "ema_decay")}
+    checkpoint.save_as_model(checkpoint_dir, planning.offline_plan(
+        **fields, output_dir=model, total_steps=step, mixed_precision="no", held_out=subject.held_out_names()))
+
+
 def trial_args(job, config, subject, folder):
     """A trial's train.py flags: the sweep's base as given, with the trial's own set on it, then
     everything worked out from them (planning.derive), as a train.py command line of them would be."""
     steps = job.steps
     own = dict(
-        model_dir=job.model_dir, output_dir=os.path.join(folder, "model"), instance_data_dir=subject.photos_dir,
+        model_dir=job.model_dir, output_dir=storage.join(folder, "model"), instance_data_dir=subject.photos_dir,
         instance_prompt=f"photo of {subject.unique_token} {subject.class_name}",
         class_data_dir=job.class_dirs[subject.class_name], class_prompt=f"photo of a {subject.class_name}",
         learning_rate=config["learning_rate"], max_train_steps=steps[-1],
         train_text_encoder=config["train_text_encoder"], checkpointing_steps=math.gcd(*steps),
         checkpoints_total_limit=checkpoints_kept(steps), keep_checkpoints=True,
-        storage_path=os.path.join(folder, "ray_results"), resume_from_checkpoint="latest", overwrite=True,
+        storage_path=storage.join(folder, "ray_results"), resume_from_checkpoint="latest", overwrite=True,
         **({"lora_rank": config["rank"]} if config["use_lora"] else {}))
     parser = planning.train_parser()
     parser.given, parser.typed = set(job.given) | set(own), set(job.typed) | set(own)
@@ -117,5 +128,6 @@ def checkpoints_kept(steps):
 
 
 def remove_checkpoints(storage_path):
-    for run in os.listdir(storage_path) if os.path.isdir(storage_path) else ():
-        checkpoint.remove_all(os.path.join(storage_path, run))
+    """Every checkpoint of a trial's runs removed (storage_path: a folder, or a bucket's)."""
+    for run in storage.listdir(storage_path):
+        checkpoint.remove_all(storage.join(storage_path, run))

@@ -1,4 +1,5 @@
 import csv
+import io
 import os
 import shutil
 import signal
@@ -160,18 +161,19 @@ def two_subjects(tiny_model, toy_images, tmp_path):
     return command, tmp_path / "best-sweep"
 
 
-def run_sweep(command, log_path, kill_after_first_checkpoint=False):
+def run_sweep(command, log_path, kill_after_first_checkpoint=False, env=None):
     """(output, rows of trials.csv) of a sweep.py run that must succeed; optionally SIGKILLs the
-    first trial's train worker once that trial has written a checkpoint."""
+    first trial's train worker once that trial has written a checkpoint. The sweep folder may be a bucket's."""
     import glob
     import time
 
+    from dreambooth import storage
     from test_recovery import worker_pids
 
     sweep_dir = command[command.index("--output_dir") + 1] + "-sweep"
     started = time.time()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(command, cwd=REPO_DIR, stdout=log, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(command, cwd=REPO_DIR, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
         while kill_after_first_checkpoint and proc.poll() is None:
             if glob.glob(os.path.join(sweep_dir, "trials", "*", "ray_results", "*", "checkpoint_*", "train_state.json")):
                 os.kill(worker_pids(started)[0], signal.SIGKILL)
@@ -180,45 +182,72 @@ def run_sweep(command, log_path, kill_after_first_checkpoint=False):
         proc.wait(timeout=900)
     output = open(log_path).read()
     assert proc.returncode == 0, output[-3000:]
-    with open(os.path.join(sweep_dir, "trials.csv")) as f:
-        return output, list(csv.DictReader(f))
+    return output, list(csv.DictReader(io.StringIO(storage.read_bytes(storage.join(sweep_dir, "trials.csv")).decode())))
 
 
 @pytest.mark.slow
-def test_random_lora_sweep_of_two_subjects_scores_each_step_count_and_keeps_each_best(two_subjects, tiny_model,
-                                                                                      tmp_path):
+def test_random_lora_sweep_of_two_subjects_in_a_bucket_on_two_nodes_scores_each_step_count_and_keeps_each_best(
+        two_subjects, tiny_model, tmp_path, request):
     """A 2-trial sweep that is also a many-subjects job, offline on CPU: two subjects of one class
     (one class folder), LoRA, a learning rate drawn log-uniformly for each subject's trial, two step
-    counts scored per trial (the smaller one from an intermediate checkpoint)."""
+    counts scored per trial (the smaller one from an intermediate checkpoint). The subjects, the class
+    images, the sweep folder and the best models are in a bucket (moto's S3 server), on the 2-node
+    cluster whose second node cannot see the first node's copies of the bucket's files: nothing is
+    written on this node's disk but those copies."""
+    from dreambooth import storage
+
     command, sweep_dir = two_subjects
+    address, unshared = request.getfixturevalue("two_node_cluster")
+    bucket_env, bucket = request.getfixturevalue("s3_endpoint")
+    root = f"s3://{bucket}/sweep"
+    storage.replace_folder(str(tmp_path / "s"), f"{root}/s", last=None)
+    storage.replace_folder(str(sweep_dir), f"{root}/best-sweep", last=None)  # (the class images already drawn)
+    shutil.rmtree(sweep_dir)
+    sweep_dir = f"{root}/best-sweep"
+    cache = (unshared or tmp_path) / "cache-sweep"  # (removed at the end: the cluster's other tests use unshared)
+    request.addfinalizer(lambda: shutil.rmtree(cache, ignore_errors=True))
+    env = {**os.environ, **bucket_env, "RAY_ADDRESS": address, "XDG_CACHE_HOME": str(cache)}
     command = [c for c in command if c not in ("--sweep_learning_rate", "1e-3")]
+    command[command.index("--subjects_dir") + 1] = f"{root}/s"
+    command[command.index("--output_dir") + 1] = f"{root}/best"
     output, table = run_sweep(command + ["--sweep_max_train_steps", "2,4", "--search", "random", "--num_trials", "1",
                                          "--sweep_learning_rate", "1e-4,1e-3", "--holdout", "1",
                                          # (trained once each: staged training and ASHA are the next test's)
-                                         "--early_stopping", "off"], tmp_path / "log.txt")
+                                         "--early_stopping", "off"], tmp_path / "log.txt", env=env)
     assert sorted((r["subject"], r["step"], r["status"], r["rank"]) for r in table) == [
         ("blue", "2", "ok", "4"), ("blue", "4", "ok", "4"), ("red", "2", "ok", "4"), ("red", "4", "ok", "4")]
     assert all(1e-4 <= float(r["learning_rate"]) <= 1e-3 for r in table)
-    assert len(os.listdir(sweep_dir / "trials")) == 2
+    assert all(r["model"].startswith(f"{sweep_dir}/trials/") for r in table)
+    assert len(storage.listdir(f"{sweep_dir}/trials")) == 2
     assert output.count("base model on") == 2 and output.count("base: 0 of") == 1  # both subjects in one pass
-    assert os.listdir(sweep_dir / "class-images") == ["toy"]  # one class folder for both subjects
+    assert storage.listdir(f"{sweep_dir}/class-images") == ["toy"]  # one class folder for both subjects
     assert output.count("3 class images of your own count toward --num_class_images 3") == 1
     assert "class images of 'photo of a toy': " not in output  # nothing to draw
     for subject, token in (("red", "unqtkn"), ("blue", "zwx")):
         chosen = [r for r in table if r["subject"] == subject and r["chosen"] == "True"]
         assert len(chosen) == 1
-        best = tmp_path / "best" / subject
-        marker = utils.read_json(best / utils.OUTPUT_MARKER)
+        best = f"{root}/best/{subject}"
+        marker = storage.read_json(f"{best}/{utils.OUTPUT_MARKER}")
         assert marker["steps"] == int(chosen[0]["step"]) and marker["base_model"] == tiny_model
         assert marker["instance_prompt"] == f"photo of {token} toy" and marker["lora"]["rank"] == 4
         # --holdout 1: each subject's last photo kept out of every trial, and scored against apart
         assert marker["held_out"] == [sorted(n for n in os.listdir(tmp_path / "s" / subject) if n.endswith(".jpg"))[-1]]
         assert all(0 < float(r["dino_holdout"]) <= 1 for r in table if r["subject"] == subject)
-        assert os.path.isfile(best / utils.LORA_WEIGHTS_FILE)
-        assert os.path.isfile(sweep_dir / "base" / subject / "report.md")
-    report = (sweep_dir / "report.md").read_text()
+        assert storage.isfile(f"{best}/{utils.LORA_WEIGHTS_FILE}")
+        assert storage.isfile(f"{sweep_dir}/base/{subject}/report.md")
+    report = storage.read_bytes(f"{sweep_dir}/report.md").decode()
     assert "| red | base |" in report and "| blue | chosen |" in report
-    assert (sweep_dir / "sweep.png").is_file()
+    assert storage.isfile(f"{sweep_dir}/sweep.png")
+    # the trials' checkpoints removed (every step count is a model), in the bucket too
+    runs = [f"{sweep_dir}/trials/{t}/ray_results/{r}" for t in storage.listdir(f"{sweep_dir}/trials")
+            for r in storage.listdir(f"{sweep_dir}/trials/{t}/ray_results")]
+    assert len(runs) == 2 and not [n for r in runs for n in storage.listdir(r)
+                                   if n.startswith("checkpoint_") and storage.isdir(f"{r}/{n}")]
+    assert not os.path.exists(tmp_path / "best-sweep") and not os.path.exists(tmp_path / "best")
+    # the settings it printed repeat it from the bucket
+    assert f"sweep.py --config {sweep_dir}/sweep_config.toml repeats this sweep" in output
+    again, _, _ = sweep.parse_args(["--config", f"{sweep_dir}/sweep_config.toml"])
+    assert (again.sweep_dir, again.subjects_dir, again.sweep_learning_rate) == (sweep_dir, f"{root}/s", [1e-4, 1e-3])
 
 
 @pytest.mark.slow
@@ -318,17 +347,25 @@ def test_early_stopping_is_on_for_random_search_and_big_grids_and_stops_within_a
     assert scheduler.on_trial_result(None, trials["a2"], {"step": 2, "score": 0.2}) == TrialScheduler.STOP
 
 
-def test_a_rerun_with_another_search_space_starts_afresh(tmp_path, capsys):
+@pytest.mark.parametrize("where", ["disk", "bucket"])
+def test_a_rerun_with_another_search_space_starts_afresh(where, tmp_path, capsys, request):
     """Tune would restore the stored search space: a rerun with other values sets the old sweep's state
-    aside (saying what changed); the same settings keep it for Tune to restore."""
-    (tmp_path / "tune").mkdir()
-    (tmp_path / "tune" / "state.json").write_text("{}")
-    (tmp_path / "sweep_config.toml").write_text('sweep_learning_rate = [1e-06, 2e-06]\nsearch = "grid"\n')
-    sweep.set_aside_another_sweep(str(tmp_path), 'search = "grid"\nsweep_learning_rate = [1e-06, 2e-06]\n')
-    assert os.listdir(tmp_path / "tune") == ["state.json"] and capsys.readouterr().err == ""
-    sweep.set_aside_another_sweep(str(tmp_path), 'sweep_learning_rate = [5e-06]\nsearch = "grid"\n')
-    assert not (tmp_path / "tune").exists()
-    [aside] = [p for p in os.listdir(tmp_path) if p.startswith("tune-before-")]
-    assert os.listdir(tmp_path / aside) == ["state.json"]
+    aside (saying what changed); the same settings keep it for Tune to restore. In a bucket too (which
+    has no renames: the state is copied aside, then deleted)."""
+    from dreambooth import storage, sweep_files
+
+    folder = str(tmp_path)
+    if where == "bucket":
+        folder = f"s3://{request.getfixturevalue('s3_endpoint')[1]}/rerun"
+    storage.write_bytes(storage.join(folder, "tune", "state.json"), b"{}")
+    storage.write_bytes(storage.join(folder, "sweep_config.toml"),
+                        b'sweep_learning_rate = [1e-06, 2e-06]\nsearch = "grid"\n')
+    sweep_files.set_aside_another_sweep(folder, 'search = "grid"\nsweep_learning_rate = [1e-06, 2e-06]\n')
+    assert storage.listdir(storage.join(folder, "tune")) == ["state.json"] and capsys.readouterr().err == ""
+    sweep_files.set_aside_another_sweep(folder, 'sweep_learning_rate = [5e-06]\nsearch = "grid"\n')
+    assert not storage.exists(storage.join(folder, "tune"))
+    [aside] = [p for p in storage.listdir(folder) if p.startswith("tune-before-")]
+    assert storage.listdir(storage.join(folder, aside)) == ["state.json"]
+    assert storage.read_bytes(storage.join(folder, aside, "state.json")) == b"{}"
     assert "had other settings (sweep_learning_rate [1e-06, 2e-06] -> [5e-06]): starting it afresh" in \
         capsys.readouterr().err
