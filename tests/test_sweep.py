@@ -210,10 +210,10 @@ def test_random_lora_sweep_of_two_subjects_in_a_bucket_on_two_nodes_scores_each_
     command = [c for c in command if c not in ("--sweep_learning_rate", "1e-3")]
     command[command.index("--subjects_dir") + 1] = f"{root}/s"
     command[command.index("--output_dir") + 1] = f"{root}/best"
-    output, table = run_sweep(command + ["--sweep_max_train_steps", "2,4", "--search", "random", "--num_trials", "1",
-                                         "--sweep_learning_rate", "1e-4,1e-3", "--holdout", "1",
-                                         # (trained once each: staged training and ASHA are the next test's)
-                                         "--early_stopping", "off"], tmp_path / "log.txt", env=env)
+    command += ["--sweep_max_train_steps", "2,4", "--search", "random", "--num_trials", "1",
+                "--sweep_learning_rate", "1e-4,1e-3", "--holdout", "1",
+                "--early_stopping", "off"]  # (trained once each: staged training and ASHA are the next test's)
+    output, table = run_sweep(command, tmp_path / "log.txt", env=env)
     assert sorted((r["subject"], r["step"], r["status"], r["rank"]) for r in table) == [
         ("blue", "2", "ok", "4"), ("blue", "4", "ok", "4"), ("red", "2", "ok", "4"), ("red", "4", "ok", "4")]
     assert all(1e-4 <= float(r["learning_rate"]) <= 1e-3 for r in table)
@@ -244,6 +244,10 @@ def test_random_lora_sweep_of_two_subjects_in_a_bucket_on_two_nodes_scores_each_
     assert len(runs) == 2 and not [n for r in runs for n in storage.listdir(r)
                                    if n.startswith("checkpoint_") and storage.isdir(f"{r}/{n}")]
     assert not os.path.exists(tmp_path / "best-sweep") and not os.path.exists(tmp_path / "best")
+    # the same command again: Tune's state restored from the bucket, nothing trained or scored again
+    again_output, again_table = run_sweep(command, tmp_path / "log-2.txt", env=env)
+    assert f"resuming the sweep in {sweep_dir}/tune" in again_output and "base model on" not in again_output
+    assert "plan: " not in again_output and again_table == table
     # the settings it printed repeat it from the bucket
     assert f"sweep.py --config {sweep_dir}/sweep_config.toml repeats this sweep" in output
     again, _, _ = sweep.parse_args(["--config", f"{sweep_dir}/sweep_config.toml"])
