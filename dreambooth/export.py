@@ -7,7 +7,8 @@ A full model (train.py's output, or any diffusers SD 1.x or 2.x folder) becomes 
 original Stable Diffusion layout (model.diffusion_model.*, first_stage_model.*,
 cond_stage_model.transformer.*): put it in A1111's models/Stable-diffusion or ComfyUI's
 models/checkpoints. A LoRA output (train.py --use_lora) becomes a kohya-layout LoRA
-(lora_unet_*, lora_te_*, with each module's alpha): models/Lora in both. diffusers reads them back
+(lora_unet_*, lora_te_*, with each module's alpha; Flux.1's and SD 3.5's in kohya's layouts of their
+original modules): models/Lora in both. diffusers reads them back
 with StableDiffusionPipeline.from_single_file(file, config=<the model folder>) and
 load_lora_weights(file).
 """
@@ -188,7 +189,7 @@ def kohya_lora(state_dict, alphas):
 
 
 def lora_checkpoint(lora_dir):
-    """The kohya-layout tensors of train.py's LoRA output: its base model's family's layout (Flux.1's own), else
+    """The kohya-layout tensors of train.py's LoRA output: its base model's family's layout (Flux.1's, SD 3.5's), else
     the UNet families' (also when the base of UNet adapters is not here). A UserError when a transformer's base is
     not here or its family's LoRA is not exported yet."""
     from safetensors.torch import load_file
@@ -207,7 +208,8 @@ def lora_checkpoint(lora_dir):
 
 SAVE_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 HELPS = {"model_dir": "train.py's output folder: a full model (or any diffusers SD 1.x, 2.x or SDXL folder) becomes an original-"
-                      "layout checkpoint, a --use_lora output a kohya-layout LoRA.",
+                      "layout checkpoint, a --use_lora output a kohya-layout LoRA (SD 1.x/2.x/SDXL; Flux.1's and SD "
+                      "3.5's in their own kohya layouts).",
          "overwrite": "Replace --output_file if it exists."}
 
 

@@ -32,6 +32,50 @@ def kohya_text_module(prefix, module):
     return prefix + (module if module.startswith("text_model.") else "text_model." + module).replace(".", "_")
 
 
+def kohya_lora_tensors(groups, alpha_of, order_of, widths=None):
+    """{kohya key: tensor} of LoRA adapters grouped by the original layer they act on: groups {kohya module:
+    {part: [down, up]}}, part None for a layer of its own, else the part of a layer the original fuses (q, k, v
+    of one qkv layer, ...), in the order order_of(module) gives. A fused layer's adapters are joined
+    block-diagonally: the down weights stacked, each up weight in its rows and its block of columns, a part
+    without adapters as zeros (widths {part: rows}; default: every part as wide as the adapters' up weights),
+    alpha x the number of parts (the scale alpha / rank kept). alpha_of(module): the alpha (None: the rank)."""
+    import torch
+
+    out = {}
+    for name, parts in groups.items():
+        alpha = alpha_of(name)
+        if list(parts) == [None]:
+            down, up = parts[None]
+        else:
+            order = order_of(name)
+            first_down, first_up = next(iter(parts.values()))
+            rank = first_down.shape[0]
+            rows = widths or dict.fromkeys(order, first_up.shape[0])
+            down = torch.cat([parts[p][0] if p in parts else first_down.new_zeros(first_down.shape) for p in order])
+            up = down.new_zeros(sum(rows[p] for p in order), rank * len(order))
+            row = 0
+            for k, p in enumerate(order):
+                if p in parts:
+                    up[row:row + rows[p], k * rank:(k + 1) * rank] = parts[p][1]
+                row += rows[p]
+            alpha = (alpha or rank) * len(order)
+        out[f"{name}.lora_down.weight"], out[f"{name}.lora_up.weight"] = down, up
+        out[f"{name}.alpha"] = torch.tensor(float(alpha or down.shape[0]))
+    return out
+
+
+def group_lora(state_dict, module_of):
+    """{kohya module: {part: [down, up]}} of a LoRA file's tensors (peft's <network>.<module>.lora_A/lora_B.weight
+    names): module_of(network, module) -> (kohya module, part or None)."""
+    groups = {}
+    for key, tensor in state_dict.items():
+        network, rest = key.split(".", 1)
+        module, kind, _ = rest.rsplit(".", 2)  # (<module>.lora_A.weight)
+        name, part = module_of(network, module)
+        groups.setdefault(name, {}).setdefault(part, [None, None])[kind == "lora_B"] = tensor
+    return groups
+
+
 def config_of(model):
     """A network's config under DDP's and torch.compile's wrappers (which have none of their own)."""
     while not hasattr(model, "config"):

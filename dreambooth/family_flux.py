@@ -167,40 +167,18 @@ class Flux(family.Family):
         Where the original fuses layers (q, k and v; a single block's linear1 also holds the MLP's input), the
         adapters are joined block-diagonally: the down weights stacked, each up weight in its rows and its
         columns, a part without adapters as zeros, alpha x the number of parts (the scale alpha / rank kept)."""
-        import torch
-
         config = family.part_config(model_dir, self.denoiser)
         width = config["num_attention_heads"] * config["attention_head_dim"]
-        widths = {"q": width, "k": width, "v": width, "mlp": 4 * width}  # (Flux's MLP ratio is 4)
-        groups = {}  # kohya module -> {part: (down, up)}, in the fused layer's row order
-        for key, tensor in state_dict.items():
-            network, rest = key.split(".", 1)
-            module, kind, _ = rest.rsplit(".", 2)  # (<module>.lora_A.weight)
-            if network == "text_encoder":
-                name, part = family.kohya_text_module("lora_te1_", module), None
-            else:
-                name, part = kohya_module(module)
-            groups.setdefault(name, {}).setdefault(part, [None, None])[kind == "lora_B"] = tensor
-        out = {}
-        for name, parts in groups.items():
-            alpha = alphas.get("text_encoder" if name.startswith("lora_te1_") else self.denoiser)
-            if list(parts) == [None]:
-                down, up = parts[None]
-            else:
-                order = ("q", "k", "v", "mlp") if name.endswith("linear1") else ("q", "k", "v")  # the fused rows
-                first = next(iter(parts.values()))[0]
-                rank = first.shape[0]
-                down = torch.cat([parts[p][0] if p in parts else first.new_zeros(first.shape) for p in order])
-                up = down.new_zeros(sum(widths[p] for p in order), rank * len(order))
-                row = 0
-                for k, p in enumerate(order):
-                    if p in parts:
-                        up[row:row + widths[p], k * rank:(k + 1) * rank] = parts[p][1]
-                    row += widths[p]
-                alpha = (alpha or rank) * len(order)
-            out[f"{name}.lora_down.weight"], out[f"{name}.lora_up.weight"] = down, up
-            out[f"{name}.alpha"] = torch.tensor(float(alpha or down.shape[0]))
-        return out
+
+        def module_of(network, module):
+            return (family.kohya_text_module("lora_te1_", module), None) if network == "text_encoder" else \
+                kohya_module(module)
+
+        return family.kohya_lora_tensors(
+            family.group_lora(state_dict, module_of),
+            lambda name: alphas.get("text_encoder" if name.startswith("lora_te1_") else self.denoiser),
+            lambda name: ("q", "k", "v", "mlp") if name.endswith("linear1") else ("q", "k", "v"),  # the fused rows
+            {"q": width, "k": width, "v": width, "mlp": 4 * width})  # (Flux's MLP ratio is 4)
 
     # --- random models
     def random_text_encoders(self, spec, tokenizer):

@@ -45,6 +45,70 @@ def t5_encoder(arch, tokenizer):
                                    eos_token_id=tokenizer.eos_token_id))
 
 
+# The original (Stability's MMDiT) layout of a block, as diffusers' single-file converter reads it: diffusers'
+# module in transformer_blocks.<i> -> (its module in joint_blocks.<i>, the part of a fused q/k/v layer it is)
+BLOCK = {
+    **{f"attn.to_{p}": ("x_block.attn.qkv", p) for p in "qkv"},
+    **{f"attn.add_{p}_proj": ("context_block.attn.qkv", p) for p in "qkv"},
+    **{f"attn2.to_{p}": ("x_block.attn2.qkv", p) for p in "qkv"},  # (SD 3.5 medium's second attention)
+    "attn.to_out.0": ("x_block.attn.proj", None), "attn.to_add_out": ("context_block.attn.proj", None),
+    "attn2.to_out.0": ("x_block.attn2.proj", None),
+    "attn.norm_q": ("x_block.attn.ln_q", None), "attn.norm_k": ("x_block.attn.ln_k", None),
+    "attn.norm_added_q": ("context_block.attn.ln_q", None), "attn.norm_added_k": ("context_block.attn.ln_k", None),
+    "attn2.norm_q": ("x_block.attn2.ln_q", None), "attn2.norm_k": ("x_block.attn2.ln_k", None),
+    "norm1.linear": ("x_block.adaLN_modulation.1", None),
+    "norm1_context.linear": ("context_block.adaLN_modulation.1", None),
+    "ff.net.0.proj": ("x_block.mlp.fc1", None), "ff.net.2": ("x_block.mlp.fc2", None),
+    "ff_context.net.0.proj": ("context_block.mlp.fc1", None), "ff_context.net.2": ("context_block.mlp.fc2", None)}
+OUTSIDE = {"pos_embed.proj": "x_embedder.proj", "time_text_embed.timestep_embedder.linear_1": "t_embedder.mlp.0",
+           "time_text_embed.timestep_embedder.linear_2": "t_embedder.mlp.2",
+           "time_text_embed.text_embedder.linear_1": "y_embedder.mlp.0",
+           "time_text_embed.text_embedder.linear_2": "y_embedder.mlp.2", "context_embedder": "context_embedder",
+           "proj_out": "final_layer.linear", "norm_out.linear": "final_layer.adaLN_modulation.1"}
+
+
+def original_module(module):
+    """(the original layout's module, the part of a fused q/k/v layer or None) of a transformer module's diffusers
+    name; KeyError for one it has not."""
+    if module.startswith("transformer_blocks."):
+        _, index, inner = module.split(".", 2)
+        original, part = BLOCK[inner]
+        return f"joint_blocks.{index}.{original}", part
+    return OUTSIDE[module], None
+
+
+def swap_halves(tensor):
+    """The two halves of an adaLN output swapped: the original orders (shift, scale), diffusers (scale, shift) in
+    its last block's context norm and its final norm."""
+    import torch
+
+    first, second = tensor.chunk(2, dim=0)
+    return torch.cat([second, first])
+
+
+def original_transformer(state_dict, num_layers):
+    """{original key: tensor} of an SD3Transformer2DModel's state_dict, the layout diffusers' single-file loader
+    and ComfyUI read: q, k and v fused into qkv, the last block's context norm and the final norm swapped."""
+    import torch
+
+    fused, out = {}, {}
+    for key, tensor in state_dict.items():
+        module, kind = key.rsplit(".", 1)
+        if key == "pos_embed.pos_embed":
+            out["pos_embed"] = tensor
+            continue
+        original, part = original_module(module)
+        if module in ("norm_out.linear", f"transformer_blocks.{num_layers - 1}.norm1_context.linear"):
+            tensor = swap_halves(tensor)
+        if part is None:
+            out[f"{original}.{kind}"] = tensor
+        else:
+            fused.setdefault(f"{original}.{kind}", {})[part] = tensor
+    for key, parts in fused.items():
+        out[key] = torch.cat([parts[p] for p in "qkv"])
+    return out
+
+
 class SD3(family.Family):
     name, label = "sd3", "SD 3.5"
     pipeline = "StableDiffusion3Pipeline"
@@ -53,7 +117,7 @@ class SD3(family.Family):
     denoiser_lora_targets = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
                              "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v")
     text_encoders = ("text_encoder", "text_encoder_2", "text_encoder_3")
-    supports = frozenset({"train", "draw"})
+    supports = frozenset({"train", "draw", "export_lora"})  # (not yet: its original single-file layout)
     released_resolutions = (1024,)
     released_params = {"transformer": 8056.63e6, "text_encoder": 123.65e6, "text_encoder_2": 694.66e6,
                        "text_encoder_3": 4762.31e6, "vae": 83.82e6}  # sd35-large's (memory.py)
@@ -134,6 +198,25 @@ class SD3(family.Family):
     def lora_file_layers(self, peft_layers):
         """peft's own names, as diffusers' SD3 DreamBooth LoRA script writes them."""
         return peft_layers
+
+    # --- export (export.py): kohya's SD 3 LoRA layout (sd-scripts'), which ComfyUI loads
+    def kohya_lora(self, state_dict, alphas, model_dir):
+        """{kohya key: tensor} of a LoRA file's tensors (peft names) in the original MMDiT layout:
+        lora_unet_joint_blocks_<i>_x_block_attn_qkv (q, k and v joined: family.kohya_lora_tensors), ..._proj,
+        ..._context_block_..., lora_te1_/lora_te2_<module> for CLIP-L and CLIP-G."""
+        def module_of(network, module):
+            if network != self.denoiser:
+                return family.kohya_text_module({"text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}[network],
+                                                module), None
+            original, part = original_module(module)
+            return "lora_unet_" + original.replace(".", "_"), part
+
+        def alpha_of(name):
+            network = {"lora_te1_": "text_encoder", "lora_te2_": "text_encoder_2"}.get(name[:9], self.denoiser)
+            return alphas.get(network)
+
+        return family.kohya_lora_tensors(family.group_lora(state_dict, module_of), alpha_of,
+                                         lambda name: ("q", "k", "v"))
 
     # --- random models
     def random_text_encoders(self, spec, tokenizer):

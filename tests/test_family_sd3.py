@@ -89,6 +89,54 @@ def test_lora_and_full_outputs_load_in_the_sd3_pipeline(sd3_run, tiny_sd3_model,
 
         assert not torch.allclose(predict(pipe.transformer), predict(base.transformer), atol=1e-4)
         torch.testing.assert_close(predict(pipe.transformer), predict(ours.eval()), rtol=1e-4, atol=1e-4)
+        if use_lora:  # export.py's kohya file, applied as ComfyUI applies one, then read by diffusers' converter
+            comfy = kohya_applied_to_the_original_layout(plan.output_dir, base.transformer, tmp_path)
+            torch.testing.assert_close(predict(comfy), predict(pipe.transformer), rtol=1e-4, atol=1e-4)
+
+
+def kohya_applied_to_the_original_layout(lora_dir, base, tmp_path):
+    """The transformer a loader of original-layout files makes of export.py's kohya LoRA file on base: base's
+    weights in Stability's layout (family_sd3.original_transformer); each lora_unet_<key with _> adapter's update
+    (up @ down x alpha / rank) added to the original weight whose name it spells, as ComfyUI matches them; then
+    diffusers' own single-file converter back to an SD3Transformer2DModel."""
+    from diffusers import SD3Transformer2DModel
+    from diffusers.loaders.single_file_utils import convert_sd3_transformer_checkpoint_to_diffusers
+    from safetensors.torch import load_file
+
+    from dreambooth import export
+
+    lora = load_file(export.main(["--model_dir", lora_dir, "--output_file", str(tmp_path / "sd3-lora.safetensors")]))
+    original = family_sd3.original_transformer(base.state_dict(), base.config.num_layers)
+    by_name = {"lora_unet_" + key.removesuffix(".weight").replace(".", "_"): key for key in original}
+    modules = {key.rsplit(".", 2)[0] for key in lora}
+    assert {"lora_unet_joint_blocks_0_x_block_attn_qkv", "lora_unet_joint_blocks_1_context_block_attn_qkv",
+            "lora_unet_joint_blocks_0_x_block_attn_proj"} <= modules
+    for module in (m for m in modules if m.startswith("lora_unet_")):
+        down, up, alpha = (lora[f"{module}.{part}"] for part in ("lora_down.weight", "lora_up.weight", "alpha"))
+        key = by_name[module]  # (a KeyError: a name no original weight has)
+        original[key] = original[key] + up @ down * (alpha / down.shape[0])
+    comfy = SD3Transformer2DModel.from_config(base.config)
+    comfy.load_state_dict(convert_sd3_transformer_checkpoint_to_diffusers(original))
+    return comfy.eval()
+
+
+def test_the_original_layout_is_what_diffusers_single_file_converter_reads_back():
+    """family_sd3.original_transformer on SD 3.5 medium's kinds of block (a second attention, RMS-normed queries
+    and keys): diffusers' converter turns it back into the same weights, each of them."""
+    from diffusers import SD3Transformer2DModel
+    from diffusers.loaders.single_file_utils import convert_sd3_transformer_checkpoint_to_diffusers
+
+    torch.manual_seed(0)
+    model = SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=16, num_layers=3, attention_head_dim=8,
+                                  num_attention_heads=2, joint_attention_dim=16, caption_projection_dim=16,
+                                  pooled_projection_dim=24, out_channels=16, pos_embed_max_size=8,
+                                  dual_attention_layers=(0, 1), qk_norm="rms_norm")
+    for parameter in model.parameters():  # (not the zeros some are made with: every weight must land in its place)
+        torch.nn.init.normal_(parameter)
+    ours = model.state_dict()
+    back = convert_sd3_transformer_checkpoint_to_diffusers(family_sd3.original_transformer(ours, 3))
+    assert sorted(back) == sorted(ours)
+    assert all(torch.equal(back[key], ours[key]) for key in ours)
 
 
 def test_validation_samples_are_what_generate_draws_from_the_same_weights(tiny_sd3_model, make_plan, tmp_path):
