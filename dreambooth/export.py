@@ -3,10 +3,9 @@
     python export.py --model_dir $TUNED_MODEL_DIR --output_file my-dog.safetensors
     python export.py --model_dir $TUNED_LORA_DIR --output_file my-dog-lora.safetensors
 
-A full model (train.py's output, or any diffusers SD 1.x or 2.x folder) becomes one checkpoint in the
-original Stable Diffusion layout (model.diffusion_model.*, first_stage_model.*,
-cond_stage_model.transformer.*): put it in A1111's models/Stable-diffusion or ComfyUI's
-models/checkpoints. A LoRA output (train.py --use_lora) becomes a kohya-layout LoRA
+A full model (train.py's output, or any diffusers SD 1.x, 2.x, SDXL or SD 3.5 folder) becomes one checkpoint
+in the original layout (model.diffusion_model.*, first_stage_model.*, the text encoders as the family's
+files hold them): put it in A1111's models/Stable-diffusion or ComfyUI's models/checkpoints. A LoRA output (train.py --use_lora) becomes a kohya-layout LoRA
 (lora_unet_*, lora_te_*, with each module's alpha; Flux.1's and SD 3.5's in kohya's layouts of their
 original modules): models/Lora in both. diffusers reads them back
 with StableDiffusionPipeline.from_single_file(file, config=<the model folder>) and
@@ -110,32 +109,46 @@ def rename(state_dict, prefixes, what):
 
 
 def full_checkpoint(model_dir, allow_unsafe_weights=False):
-    """{original key: tensor} of a diffusers SD 1.x, 2.x or SDXL folder, weights as stored (fp32
-    after training): the UNet under model.diffusion_model., the VAE under first_stage_model., the
-    text encoder in its family's layout (family.Family.single_file_text_encoders)."""
-    from diffusers import AutoencoderKL, UNet2DConditionModel
+    """{original key: tensor} of a diffusers folder, weights as stored (fp32 after training): the denoiser under
+    model.diffusion_model. (an SD 1.x/2.x/SDXL UNet renamed here, a transformer in its family's layout:
+    family.Family.single_file_denoiser), the VAE under first_stage_model., the text encoders in their family's
+    layout (family.Family.single_file_text_encoders)."""
+    from diffusers import AutoencoderKL
+    from transformers import CLIPPreTrainedModel
 
     family = families.family_of(model_dir)
-    unet = models.from_pretrained(UNet2DConditionModel, model_dir, allow_unsafe_weights, subfolder="unet")
-    vae = models.from_pretrained(AutoencoderKL, model_dir, allow_unsafe_weights, subfolder="vae")
-    unet_names = unet_prefixes(unet.config)
-    if unet.config.addition_embed_type == "text_time":  # SDXL's pooled text and size/crop embedding
-        unet_names += [("add_embedding.linear_1.", "label_emb.0.0.", {}), ("add_embedding.linear_2.", "label_emb.0.2.", {})]
-    checkpoint = {}
-    for key, tensor in rename(unet.state_dict(), unet_names, "UNet").items():
-        checkpoint["model.diffusion_model." + key] = tensor
+
+    def load(cls, subfolder):
+        return models.from_pretrained(cls, model_dir, allow_unsafe_weights, subfolder=subfolder)
+
+    checkpoint = {"model.diffusion_model." + key: tensor for key, tensor in denoiser_weights(family, load).items()}
+    vae = load(AutoencoderKL, "vae")
     for key, tensor in rename(vae.state_dict(), vae_prefixes(vae.config), "VAE").items():
         checkpoint["first_stage_model." + key] = tensor
 
     def text_weights(model):
+        if not isinstance(model, CLIPPreTrainedModel):  # (T5: as it is)
+            return model.state_dict()
         # transformers >= 5.6 flattened CLIPTextModel; the original layouts keep its text_model level.
         return {key if key.startswith(("text_model.", "text_projection.")) else "text_model." + key: tensor
                 for key, tensor in model.state_dict().items()}
 
-    checkpoint.update(family.single_file_text_encoders([text_weights(model) for model in family.load_text_encoders(
-        model_dir, lambda cls, subfolder: models.from_pretrained(cls, model_dir, allow_unsafe_weights,
-                                                                 subfolder=subfolder))]))
+    checkpoint.update(family.single_file_text_encoders([text_weights(m) for m in family.load_text_encoders(model_dir, load)]))
     return checkpoint
+
+
+def denoiser_weights(family, load):
+    """{original key: tensor} of the family's denoiser: a UNet renamed here (SD 1.x/2.x, SDXL's with its pooled
+    text and size embedding), a transformer by its family."""
+    from diffusers import UNet2DConditionModel
+
+    if family.denoiser != "unet":
+        return family.single_file_denoiser(family.load_denoiser(load))
+    unet = load(UNet2DConditionModel, "unet")
+    unet_names = unet_prefixes(unet.config)
+    if unet.config.addition_embed_type == "text_time":  # SDXL's pooled text and size/crop embedding
+        unet_names += [("add_embedding.linear_1.", "label_emb.0.0.", {}), ("add_embedding.linear_2.", "label_emb.0.2.", {})]
+    return rename(unet.state_dict(), unet_names, "UNet")
 
 
 # ------------------------------------------------------------------ LoRA
@@ -207,7 +220,7 @@ def lora_checkpoint(lora_dir):
 # ------------------------------------------------------------------ command line
 
 SAVE_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
-HELPS = {"model_dir": "train.py's output folder: a full model (or any diffusers SD 1.x, 2.x or SDXL folder) becomes an original-"
+HELPS = {"model_dir": "train.py's output folder: a full model (or any diffusers SD 1.x, 2.x, SDXL or SD 3.5 folder) becomes an original-"
                       "layout checkpoint, a --use_lora output a kohya-layout LoRA (SD 1.x/2.x/SDXL; Flux.1's and SD "
                       "3.5's in their own kohya layouts).",
          "overwrite": "Replace --output_file if it exists."}

@@ -248,6 +248,11 @@ class Family:
         return None
 
     # --- export (export.py's original single-file layout)
+    def single_file_denoiser(self, denoiser):
+        """{original key under model.diffusion_model.: tensor} of a transformer family's denoiser (the UNet
+        families' is export.py's own renaming)."""
+        raise NotImplementedError
+
     def single_file_text_encoders(self, weights):
         """{original key: tensor} of the text encoders, weights: one {text_model.* key: tensor} per encoder."""
         raise NotImplementedError

@@ -117,7 +117,7 @@ class SD3(family.Family):
     denoiser_lora_targets = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
                              "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v")
     text_encoders = ("text_encoder", "text_encoder_2", "text_encoder_3")
-    supports = frozenset({"train", "draw", "export_lora"})  # (not yet: its original single-file layout)
+    supports = frozenset({"train", "draw", "export", "export_lora"})
     released_resolutions = (1024,)
     released_params = {"transformer": 8056.63e6, "text_encoder": 123.65e6, "text_encoder_2": 694.66e6,
                        "text_encoder_3": 4762.31e6, "vae": 83.82e6}  # sd35-large's (memory.py)
@@ -198,6 +198,16 @@ class SD3(family.Family):
     def lora_file_layers(self, peft_layers):
         """peft's own names, as diffusers' SD3 DreamBooth LoRA script writes them."""
         return peft_layers
+
+    # --- export (export.py): Stability's single-file layout (the files with CLIP-L, CLIP-G and T5 in them)
+    def single_file_denoiser(self, denoiser):
+        return original_transformer(denoiser.state_dict(), denoiser.config.num_layers)
+
+    def single_file_text_encoders(self, weights):
+        # (T5's encoder.embed_tokens is its shared embedding, tied; a file holds it under both names, a copy under
+        # the second: diffusers' single-file loader fills each from its own key)
+        return {f"text_encoders.{name}.transformer.{key}": tensor.clone() if key == "encoder.embed_tokens.weight" else tensor
+                for name, encoder in zip(("clip_l", "clip_g", "t5xxl"), weights) for key, tensor in encoder.items()}
 
     # --- export (export.py): kohya's SD 3 LoRA layout (sd-scripts'), which ComfyUI loads
     def kohya_lora(self, state_dict, alphas, model_dir):

@@ -301,7 +301,7 @@ def test_dreambooth_run_tiny_sdxl_lora_end_to_end(tmp_path):
 def test_dreambooth_run_tiny_sd3_end_to_end(tmp_path):
     """`--tiny --arch sd3`: Steps 0-6 with the tiny SD 3.5 model (flow matching, three text encoders):
     class images drawn by its pipeline, the transformer and both CLIP encoders fine-tuned, images of the
-    subject at its 64 px, scored; no export hint (export.py does not write SD 3.5 yet)."""
+    subject at its 64 px, scored; the export hint writes the model in Stability's single-file layout."""
     from PIL import Image
 
     subject_dir = tmp_path / "subjects" / "example-toy"
@@ -321,7 +321,12 @@ def test_dreambooth_run_tiny_sd3_end_to_end(tmp_path):
         assert drawn.size == (64, 64)
     scores = json.loads((subject_dir / "eval" / "scores.json").read_text())
     assert set(scores["models"]) == {"tuned", "base"} and scores["models"]["tuned"]["overall"]["dino"] is not None
-    assert "export.py" not in proc.stdout
+    hint = re.search(r"for AUTOMATIC1111/ComfyUI: (.*)", proc.stdout)[1].split()
+    subprocess.run([sys.executable, *hint[1:]], cwd=REPO_DIR, env=env, check=True, capture_output=True)
+    from safetensors import safe_open
+
+    with safe_open(subject_dir / "example-toy.safetensors", "pt") as f:
+        assert "model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight" in set(f.keys())
 
 
 @pytest.mark.slow

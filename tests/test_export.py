@@ -15,8 +15,8 @@ def tuned_copy(base_model, folder):
     pipe = DiffusionPipeline.from_pretrained(base_model, safety_checker=None)
     torch.manual_seed(0)
     with torch.no_grad():
-        for model in (pipe.unet, pipe.vae, pipe.text_encoder, getattr(pipe, "text_encoder_2", None)):
-            for weight in model.parameters() if model is not None else ():
+        for model in (c for c in pipe.components.values() if isinstance(c, torch.nn.Module)):
+            for weight in model.parameters():
                 weight.add_(torch.randn_like(weight) * 0.01)
     pipe.save_pretrained(folder)
     return folder
@@ -109,6 +109,31 @@ def test_sdxl_model_round_trips_in_the_original_sdxl_layout(tiny_sdxl_model, tmp
         ours, back = weights(tuned, part), weights(loaded, part)
         assert set(back) == set(ours), part
         assert all(torch.equal(back[k], ours[k]) for k in ours), part
+
+
+def test_sd3_model_round_trips_in_stabilitys_single_file_layout(tiny_sd3_model, tmp_path):
+    """SD 3.5: the transformer in the original MMDiT layout (family_sd3.original_transformer), the VAE as SD's,
+    CLIP-L, CLIP-G and T5 under text_encoders.clip_l/clip_g/t5xxl.transformer (the files that hold all three);
+    StableDiffusion3Pipeline.from_single_file gives back the tuned weights (but CLIP-L's projection, which it
+    sets to the identity: SD 3 reads CLIP-L's pooled output unprojected)."""
+    from diffusers import StableDiffusion3Pipeline
+
+    tuned_dir = tuned_copy(tiny_sd3_model, str(tmp_path / "tuned"))
+    path = export.main(["--model_dir", tuned_dir, "--output_file", str(tmp_path / "sd3.safetensors"),
+                        "--save_precision", "fp32"])
+    with safe_open(path, "pt") as f:
+        keys = set(f.keys())
+    assert {"model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight", "model.diffusion_model.pos_embed",
+            "text_encoders.t5xxl.transformer.shared.weight", "first_stage_model.decoder.conv_out.weight",
+            "text_encoders.clip_g.transformer.text_model.embeddings.position_embedding.weight"} <= keys
+    tuned = StableDiffusion3Pipeline.from_pretrained(tuned_dir)
+    loaded = StableDiffusion3Pipeline.from_single_file(path, config=tiny_sd3_model, local_files_only=True)
+    for part in ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
+        ours, back = weights(tuned, part), weights(loaded, part)
+        if part == "text_encoder":
+            del ours["text_projection.weight"], back["text_projection.weight"]
+        assert set(back) == set(ours), part
+        assert [k for k in ours if back[k].is_meta or not torch.equal(back[k], ours[k])] == [], part
 
 
 def test_unet_and_vae_names_are_those_of_the_original_sd_1_checkpoints():
