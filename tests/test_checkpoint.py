@@ -26,6 +26,7 @@ def trained_state(make_plan, step_prompts, channels_last=False, steps_taken=2, *
     return state
 
 
+@pytest.mark.slow  # (trains: over a second)
 def test_channels_last_weights_are_saved(make_plan, step_prompts, tmp_path):
     """The GPU default layout: safetensors refuses non-contiguous tensors unless made contiguous."""
     state = trained_state(make_plan, step_prompts, channels_last=True, steps_taken=1)
@@ -37,6 +38,7 @@ def test_channels_last_weights_are_saved(make_plan, step_prompts, tmp_path):
         assert torch.equal(v, fresh.models.denoiser.state_dict()[k])
 
 
+@pytest.mark.slow  # (trains: over a second)
 def test_round_trip_restores_weights_optimizer_schedule_and_position(make_plan, step_prompts, tmp_path):
     state = trained_state(make_plan, step_prompts)
     checkpoint.save(state, str(tmp_path), 1, [checkpoint.rng_state()], train_text_encoder=True)
@@ -114,6 +116,7 @@ def test_find_latest_picks_the_newest_complete_checkpoint_of_the_run(tmp_path):
     assert checkpoint.resolve_resume("auto", str(tmp_path), "model-tuned", str(output)) is None
 
 
+@pytest.mark.slow  # (trains: over a second)
 def test_lora_checkpoint_holds_only_the_adapters(make_plan, step_prompts, tmp_path):
     def lora_state(steps_taken):
         plan = make_plan(use_lora=True, lora_rank=4, lora_alpha=4.0)
@@ -139,6 +142,7 @@ def test_lora_checkpoint_holds_only_the_adapters(make_plan, step_prompts, tmp_pa
     assert checkpoint.saved_identity(str(tmp_path)) == {"lora_rank": 4}  # what the run recorded
 
 
+@pytest.mark.slow  # (trains: over a second)
 def test_8bit_adam_trains_and_its_quantised_state_round_trips(make_plan, step_prompts, tmp_path):
     """bitsandbytes' AdamW8bit runs on CPU too, so the --use_8bit_adam path is tested here."""
     plan = make_plan(use_8bit_adam=True, train_text_encoder=False, learning_rate=1e-4)
@@ -188,6 +192,7 @@ def test_a_checkpoint_becomes_the_model_the_run_would_have_saved_at_that_step(ma
     assert utils.read_json(str(tmp_path / "step-2" / utils.OUTPUT_MARKER))["steps"] == 2
 
 
+@pytest.mark.slow  # (trains: over a second)
 def test_the_moving_average_round_trips_and_is_the_model_a_checkpoint_becomes(make_plan, step_prompts, tmp_path):
     """--use_ema: the average is in the checkpoint, restored on resume (a checkpoint without one
     starts it from its weights), and it is what a checkpoint turned into a model holds."""

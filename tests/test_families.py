@@ -148,6 +148,7 @@ def test_sdxl_time_ids_are_each_photos_true_size_and_crop():
     assert dataset.latent_view_time_ids((30, 50), (16, 27), 16, 2)[:, 3].tolist() == [5, 6]
 
 
+@pytest.mark.slow  # (trains: over a second)
 def test_the_sdxl_unet_is_conditioned_on_each_rows_size_and_crop(tiny_sdxl_model, make_plan):
     """batch_loss feeds the pooled text embedding and the batch's time ids to the UNet: other time
     ids give another loss for the same noise; a stream without them is the uncropped square."""

@@ -134,6 +134,7 @@ def test_the_base_models_own_prediction_keeps_the_prior(tiny_flux_model, make_pl
     assert float(prior) > 0  # the adapters moved: the tuned prediction leaves the base one
 
 
+@pytest.mark.slow  # (trains: over a second)
 def test_schnell_trains_without_a_guidance_input(flux_run, schnell_model):
     _, state, losses = flux_run(steps_taken=2, model_dir=schnell_model, use_lora=True)
     assert models.unwrap(state.models.denoiser).config.guidance_embeds is False
@@ -142,6 +143,7 @@ def test_schnell_trains_without_a_guidance_input(flux_run, schnell_model):
     assert other == losses  # no guidance input: the value changes nothing
 
 
+@pytest.mark.slow  # (trains: over a second)
 def test_lora_and_full_outputs_load_in_the_flux_pipeline(flux_run, tiny_flux_model, tmp_path):
     from diffusers import FluxPipeline
 
@@ -197,6 +199,7 @@ def test_a_negative_prompt_is_refused_in_one_line():
                                  "/unread").guidance_scale == 7.5
 
 
+@pytest.mark.slow  # (trains: over a second)
 def test_lora_trains_over_an_nf4_base_under_bf16(flux_run, tmp_path):
     """--base_precision nf4 (bitsandbytes on CPU, the GPU's code path) with bf16 autocast and channels-last:
     the frozen transformer's linear layers are packed 4-bit, the fp32 adapters train, the pipeline loads them."""
@@ -259,6 +262,7 @@ def test_lora_on_ray_resumed_ends_on_the_uninterrupted_weights_and_draws(ray_ses
     assert not (tmp_path / "neg").exists()
 
 
+@pytest.mark.slow  # (trains: over a second)
 def test_lora_exports_in_kohyas_flux_layout_that_the_converters_read_back(tiny_flux_model, flux_run, tmp_path):
     """export.py on a Flux LoRA: kohya's original-layout names (double_blocks' fused qkv, single_blocks' linear1
     holding q, k, v and the MLP's input, lora_te1_ for CLIP-L). Read back by diffusers' own kohya -> diffusers
@@ -306,6 +310,7 @@ def test_lora_exports_in_kohyas_flux_layout_that_the_converters_read_back(tiny_f
     assert any(k.startswith("lora_te1_text_model_encoder_layers_0_self_attn_q_proj") for k in names)
 
 
+@pytest.mark.slow  # (trains: over a second)
 def test_fsdp_is_a_full_fine_tune_of_the_denoiser_alone(capsys):
     """--fsdp refuses what it does not shard or was not tested with, in one line naming each; the memory table
     splits the denoiser's weights, gradients and AdamW state over the workers."""

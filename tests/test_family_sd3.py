@@ -66,6 +66,7 @@ def test_a_full_fine_tune_moves_the_transformer_and_clip_and_leaves_t5(sd3_run, 
     assert all(any(p.requires_grad for p in te.parameters()) for te in nets.encoders[:2])
 
 
+@pytest.mark.slow  # (trains: over a second)
 def test_lora_and_full_outputs_load_in_the_sd3_pipeline(sd3_run, tiny_sd3_model, tmp_path):
     from diffusers import StableDiffusion3Pipeline
 
@@ -192,6 +193,7 @@ def test_lora_on_two_workers_resumed_ends_on_the_uninterrupted_weights_and_draws
     assert (drawn / "photo-of-unqtkn-toy-00000.png").is_file()
 
 
+@pytest.mark.slow  # (trains: over a second)
 @pytest.mark.parametrize("precision, mixed, channels_last", [("int8", "no", False), ("nf4", "bf16", True)])
 def test_lora_trains_over_a_quantised_frozen_base(sd3_run, tiny_sd3_model, tmp_path, precision, mixed, channels_last):
     """--base_precision int8|nf4 (bitsandbytes on CPU, the GPU's code path; bf16 autocast and channels-last

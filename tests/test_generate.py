@@ -119,6 +119,7 @@ def test_image_seed_depends_on_seed_prompt_and_index_only():
     assert 0 <= a < 2**31
 
 
+@pytest.mark.slow  # (trains: over a second)
 def test_lora_dir_applies_the_adapters_at_their_scale(lora_output, tiny_model):
     import torch
 

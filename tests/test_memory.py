@@ -44,6 +44,7 @@ def test_the_activation_count_of_sd1_is_the_calibration_and_fused_attention_is_c
     assert activations.MEASURED_SD1 == (memory.ACTIVATION_GIB, memory.CHECKPOINTED_GIB)
 
 
+@pytest.mark.slow  # (trains: over a second)
 def test_the_flow_transformers_need_follows_their_base_precision_resolution_and_text_encoders():
     """Flux.1 dev LoRA: nf4 < int8 < bf16 base; 1024 px needs more activations than 512; T5 (never trained) is
     on the card every step with --train_text_encoder (CLIP-L's adapters), only at the start without; a full

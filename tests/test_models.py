@@ -57,6 +57,7 @@ def test_ddp_skips_the_gradient_copy_and_buffer_broadcast(make_plan, process_gro
     assert models_lib.unwrap(nets.denoiser) is nets.denoiser.module
 
 
+@pytest.mark.slow  # (trains: over a second)
 def test_compiled_unet_unwraps_and_trains(make_plan, step_prompts):
     plan = make_plan(torch_compile="eager", learning_rate=1e-4)  # dynamo capture; aot_eager runs in test_recovery
     nets = models_lib.setup_models(plan, CPU, CPU, distributed=False)
@@ -111,6 +112,7 @@ def test_tiny_safety_checker_flags_nothing_until_its_weights_say_so():
     assert flagged == [True, True]
 
 
+@pytest.mark.slow  # (trains: over a second)
 @pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
 def test_lora_trains_only_fp32_adapters_over_frozen_weights_in_the_autocast_dtype(make_plan, step_prompts, precision,
                                                                                   dtype):

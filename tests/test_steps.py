@@ -88,6 +88,7 @@ def test_lr_schedules_follow_diffusers_over_the_plans_steps(models, make_plan, n
     assert factors == pytest.approx(expected, abs=1e-4)
 
 
+@pytest.mark.slow  # (trains: over a second)
 def test_train_step_learns_a_fixed_batch_and_changes_only_trainable_weights(models, step_prompts, make_plan):
     vae_before = copy.deepcopy(models.vae.state_dict())
     unet_before = copy.deepcopy(models.denoiser.state_dict())
@@ -120,6 +121,7 @@ def test_bf16_autocast_keeps_fp32_master_weights(models, step_prompts, make_plan
     assert all(p.dtype == torch.float32 for p in state.params)
 
 
+@pytest.mark.slow  # (trains: over a second)
 def test_fp16_scales_the_loss_and_a_skipped_step_leaves_weights_and_lr_schedule(models, step_prompts, make_plan):
     state = steps.make_train_state(models, make_plan(mixed_precision="fp16", lr_warmup_steps=10))
     assert state.amp_dtype == torch.float16 and state.scaler.is_enabled()
@@ -207,6 +209,7 @@ def test_ema_with_decay_0_is_the_weights_exactly_and_applied_swaps_back_exactly(
         steps.load_average(copy_.shadow, {"0": average[0]})
 
 
+@pytest.mark.slow  # (trains: over a second)
 def test_a_run_with_ema_decay_0_ends_on_the_weights_of_a_run_without(tiny_model, step_prompts, make_plan):
     """train_step with --use_ema --ema_decay 0: the averaged weights are exactly those of the same
     seeded run without EMA; with a decay, the average lags the weights."""
@@ -235,6 +238,7 @@ def test_a_run_with_ema_decay_0_ends_on_the_weights_of_a_run_without(tiny_model,
         assert all(torch.equal(a, b) for a, b in zip(lora_ema0.params, lora.params))
 
 
+@pytest.mark.slow  # (trains: over a second)
 @pytest.mark.parametrize("use_lora", [False, True])
 def test_prior_prediction_targets_the_base_models_own_prediction(tiny_model, step_prompts, make_plan, use_lora):
     """--prior_preservation prior_prediction: the photos again under the class prompt, towards the base

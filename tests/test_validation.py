@@ -3,6 +3,7 @@
 import os
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
@@ -13,6 +14,7 @@ from dreambooth import validation
 CPU = torch.device("cpu")
 
 
+@pytest.mark.slow  # (trains: over a second)
 def test_a_round_draws_what_generate_draws_and_leaves_training_as_it_was(make_plan, tiny_model, tmp_path):
     plan = make_plan(validation_prompts=("photo of unqtkn toy", "a toy"), num_validation_images=2,
                      validation_inference_steps=3)
@@ -37,6 +39,7 @@ def test_a_round_draws_what_generate_draws_and_leaves_training_as_it_was(make_pl
     assert np.abs(np.asarray(drawn[0], dtype=int) - np.asarray(images["a-toy-00001.png"], dtype=int)).max() <= 1
 
 
+@pytest.mark.slow  # (trains: over a second)
 def test_lora_bf16_weights_sample_under_autocast(make_plan, tmp_path):
     """The GPU configuration (bf16 frozen weights, fp32 adapters, autocast) sampled on CPU."""
     plan = make_plan(use_lora=True, mixed_precision="bf16", validation_prompts=("a toy",), num_validation_images=1,
