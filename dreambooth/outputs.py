@@ -158,7 +158,8 @@ class ModelRef:
 
 def resolve_model(model_dir, lora_dir=None, lora_scale=1.0):
     """The ModelRef of --model_dir/--lora_dir. A LoRA output of train.py given as --model_dir
-    stands for its base model with its adapters. A bucket's adapters are copied here first (storage.cached)."""
+    stands for its base model with its adapters. A bucket's model and adapters are copied here first (storage.cached:
+    the ModelRef names this node's copies, which a Ray actor on another node fetches with storage.ensure_local)."""
     if lora_dir is None and holds_lora(model_dir):
         output = read_output(model_dir)
         if output is None:
@@ -167,6 +168,7 @@ def resolve_model(model_dir, lora_dir=None, lora_scale=1.0):
         model_dir, lora_dir = output.base_model, model_dir
         print(f"LoRA adapters of {lora_dir} on their base model {model_dir}", file=sys.stderr)
     lora_dir = storage.cached(lora_dir) if storage.is_remote(lora_dir) else lora_dir
+    model_dir = storage.cached(model_dir) if storage.is_remote(model_dir) else model_dir  # (a sweep's trial model)
     if lora_dir and not holds_lora(lora_dir):
         raise utils.UserError(f"--lora_dir {lora_dir} has no {utils.LORA_WEIGHTS_FILE}")
     if lora_dir:

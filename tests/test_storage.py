@@ -199,3 +199,16 @@ def test_a_model_found_in_a_buckets_model_cache_on_this_node_is_put_in_the_bucke
     assert path == storage.cache_path(uri) and storage.isfile(f"{uri}/model_index.json")
     storage.ensure_local(path)  # (what a worker does: its files are in the bucket)
     storage.remove_tree("s3://runs/t/models")
+
+
+def test_a_model_in_a_bucket_resolves_to_this_nodes_copy_that_the_scripts_checks_accept(s3_endpoint, tiny_model):
+    """A trained model read from a bucket (a sweep trial's, in its bucket folder): outputs.resolve_model names this
+    node's copy of it, which is a whole model folder (families.check_model_dir, run before Ray by evaluate.py and
+    generate.py), and a Ray actor on another node fetches its own copy of the same path (storage.ensure_local)."""
+    from dreambooth import families
+
+    storage.replace_folder(tiny_model, "s3://runs/t/trial-model", last="model_index.json")
+    ref = outputs.resolve_model("s3://runs/t/trial-model")
+    assert ref.model_dir == storage.cache_path("s3://runs/t/trial-model") and ref.lora_dir is None
+    families.check_model_dir(ref.model_dir)
+    storage.remove_tree("s3://runs/t/trial-model")
