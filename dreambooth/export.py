@@ -5,11 +5,10 @@
 
 A full model (train.py's output, or any diffusers SD 1.x, 2.x, SDXL or SD 3.5 folder) becomes one checkpoint
 in the original layout (model.diffusion_model.*, first_stage_model.*, the text encoders as the family's
-files hold them): put it in A1111's models/Stable-diffusion or ComfyUI's models/checkpoints. A LoRA output (train.py --use_lora) becomes a kohya-layout LoRA
-(lora_unet_*, lora_te_*, with each module's alpha; Flux.1's and SD 3.5's in kohya's layouts of their
-original modules): models/Lora in both. diffusers reads them back
-with StableDiffusionPipeline.from_single_file(file, config=<the model folder>) and
-load_lora_weights(file).
+files hold them): put it in A1111's models/Stable-diffusion or ComfyUI's models/checkpoints. A LoRA output
+(train.py --use_lora) becomes a kohya-layout LoRA (lora_unet_*, lora_te_*, with each module's alpha; Flux.1's
+and SD 3.5's in kohya's layouts of their original modules): models/Lora in both. diffusers reads them back
+with its pipelines' from_single_file(file, config=<the model folder>) and load_lora_weights(file).
 """
 
 import os
