@@ -8,7 +8,8 @@ in the original layout (model.diffusion_model.*, first_stage_model.*, the text e
 files hold them): put it in A1111's models/Stable-diffusion or ComfyUI's models/checkpoints. A LoRA output
 (train.py --use_lora) becomes a kohya-layout LoRA (lora_unet_*, lora_te_*, with each module's alpha; Flux.1's
 and SD 3.5's in kohya's layouts of their original modules): models/Lora in both. diffusers reads them back
-with its pipelines' from_single_file(file, config=<the model folder>) and load_lora_weights(file).
+with its pipelines' from_single_file(file, config=<the model folder>) and load_lora_weights(file) (but SD 3.5's
+LoRA file, which ComfyUI reads: diffusers has no reader of kohya's SD 3 layout).
 """
 
 import os
