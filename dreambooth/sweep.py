@@ -84,8 +84,6 @@ def parse_args(argv=None):
     train_flags = ["--num_workers", "1", *train_flags]
     train_args = planning.parse_args(trial_base_argv(args, train_flags), "train.py's flags for every trial")
     args.sweep_dir = args.sweep_dir or args.output_dir.rstrip(os.sep) + "-sweep"
-    if storage.is_remote(args.eval_models_dir):  # (this node's copy; a trial's scoring actors fetch theirs)
-        args.eval_models_dir = storage.cached(args.eval_models_dir)
     args.sweep_max_train_steps = sorted(args.sweep_max_train_steps or [400])
     if args.sweep_rank and not train_args.use_lora:
         parser.error("--sweep_rank needs --use_lora")
@@ -282,6 +280,9 @@ def main(argv=None):
     early_stopping = wants_early_stopping(args, trials_per_subject(args, train_args))
     # --holdout (train.py's flag, for every trial): the same photos kept out of training and scored apart
     subjects = {name: dataclasses.replace(s, holdout=train_args.holdout) for name, s in read_subjects(args).items()}
+    # A bucket's scoring models: this node's copy (a trial's actors fetch theirs); the config keeps the bucket's path.
+    if storage.is_remote(args.eval_models_dir):
+        args.eval_models_dir = storage.cached(args.eval_models_dir)
     check_inputs(args, train_args, subjects)
     sweep_files.set_aside_another_sweep(args.sweep_dir, args.settings_toml)
     config = sweep_files.write_text(args.sweep_dir, sweep_files.CONFIG_FILE, args.settings_toml)

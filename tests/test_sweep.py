@@ -191,7 +191,7 @@ def test_random_lora_sweep_of_two_subjects_in_a_bucket_on_two_nodes_scores_each_
     """A 2-trial sweep that is also a many-subjects job, offline on CPU: two subjects of one class
     (one class folder), LoRA, a learning rate drawn log-uniformly for each subject's trial, two step
     counts scored per trial (the smaller one from an intermediate checkpoint). The subjects, the class
-    images, the sweep folder and the best models are in a bucket (moto's S3 server), on the 2-node
+    images, the scoring models, the sweep folder and the best models are in a bucket (moto's S3 server), on the 2-node
     cluster whose second node cannot see the first node's copies of the bucket's files: nothing is
     written on this node's disk but those copies."""
     from dreambooth import storage
@@ -210,6 +210,9 @@ def test_random_lora_sweep_of_two_subjects_in_a_bucket_on_two_nodes_scores_each_
     command = [c for c in command if c not in ("--sweep_learning_rate", "1e-3")]
     command[command.index("--subjects_dir") + 1] = f"{root}/s"
     command[command.index("--output_dir") + 1] = f"{root}/best"
+    eval_models = command[command.index("--eval_models_dir") + 1]  # (the scoring models in the bucket too)
+    storage.replace_folder(eval_models, f"{root}/eval-models", last=None)
+    command[command.index("--eval_models_dir") + 1] = f"{root}/eval-models"
     command += ["--sweep_max_train_steps", "2,4", "--search", "random", "--num_trials", "1",
                 "--sweep_learning_rate", "1e-4,1e-3", "--holdout", "1",
                 "--early_stopping", "off"]  # (trained once each: staged training and ASHA are the next test's)
@@ -251,7 +254,8 @@ def test_random_lora_sweep_of_two_subjects_in_a_bucket_on_two_nodes_scores_each_
     # the settings it printed repeat it from the bucket
     assert f"sweep.py --config {sweep_dir}/sweep_config.toml repeats this sweep" in output
     again, _, _ = sweep.parse_args(["--config", f"{sweep_dir}/sweep_config.toml"])
-    assert (again.sweep_dir, again.subjects_dir, again.sweep_learning_rate) == (sweep_dir, f"{root}/s", [1e-4, 1e-3])
+    assert (again.sweep_dir, again.subjects_dir, again.sweep_learning_rate, again.eval_models_dir) == (
+        sweep_dir, f"{root}/s", [1e-4, 1e-3], f"{root}/eval-models")  # (the bucket's paths, not this node's copies)
 
 
 @pytest.mark.slow
