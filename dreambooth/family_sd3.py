@@ -214,16 +214,16 @@ class SD3(family.Family):
         """{kohya key: tensor} of a LoRA file's tensors (peft names) in the original MMDiT layout:
         lora_unet_joint_blocks_<i>_x_block_attn_qkv (q, k and v joined: family.kohya_lora_tensors), ..._proj,
         ..._context_block_..., lora_te1_/lora_te2_<module> for CLIP-L and CLIP-G."""
+        prefixes = {"text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}  # CLIP-L's, CLIP-G's
+
         def module_of(network, module):
             if network != self.denoiser:
-                return family.kohya_text_module({"text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}[network],
-                                                module), None
+                return family.kohya_text_module(prefixes[network], module), None
             original, part = original_module(module)
             return "lora_unet_" + original.replace(".", "_"), part
 
         def alpha_of(name):
-            network = {"lora_te1_": "text_encoder", "lora_te2_": "text_encoder_2"}.get(name[:9], self.denoiser)
-            return alphas.get(network)
+            return alphas.get(next((net for net, prefix in prefixes.items() if name.startswith(prefix)), self.denoiser))
 
         return family.kohya_lora_tensors(family.group_lora(state_dict, module_of), alpha_of,
                                          lambda name: ("q", "k", "v"))

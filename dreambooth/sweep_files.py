@@ -81,11 +81,8 @@ def copy_model(source, target):
     what was there whole: on a disk through a hidden folder renamed at the end, in a bucket with train.py's
     record written last (a half-copied model is never taken for a whole one)."""
     if storage.is_remote(target):
-        with contextlib.ExitStack() as stack:
-            local = source
-            if storage.is_remote(source):
-                local = storage.download(source, stack.enter_context(tempfile.TemporaryDirectory(prefix="dreambooth-")))
-            storage.replace_folder(local, target, last=utils.OUTPUT_MARKER)
+        with tempfile.TemporaryDirectory(prefix="dreambooth-") as scratch:  # (a bucket's source: copied here first)
+            storage.replace_folder(storage.local_folder(source, scratch), target, last=utils.OUTPUT_MARKER)
         return
     if storage.is_remote(source):
         utils.atomic_write_dir(target, lambda tmp: storage.download(source, tmp))

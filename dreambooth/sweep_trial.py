@@ -3,7 +3,6 @@ from the sweep's base flags, never a command line), then evaluate.py's scores at
 """
 
 import argparse
-import contextlib
 import dataclasses
 import math
 import tempfile
@@ -68,10 +67,8 @@ def trial_fn(config, job):
             model = storage.join(folder, f"model-step-{step}")
             if outputs.read_output(model) is None:
                 found = checkpoint.by_step(train_args.storage_path, "model")
-                with contextlib.ExitStack() as stack:  # (a bucket's checkpoint: read from a copy here)
-                    local = found[step] if not storage.is_remote(found[step]) else storage.download(
-                        found[step], stack.enter_context(tempfile.TemporaryDirectory(prefix="dreambooth-")))
-                    save_step_model(local, train_args, model, step, subject)
+                with tempfile.TemporaryDirectory(prefix="dreambooth-") as scratch:  # (a bucket's: read from a copy)
+                    save_step_model(storage.local_folder(found[step], scratch), train_args, model, step, subject)
         return model
 
     def score(step_counts):

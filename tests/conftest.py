@@ -1,5 +1,6 @@
 """Shared fixtures: offline hub, the tiny model built once, one local Ray for the session."""
 
+import contextlib
 import os
 import sys
 
@@ -20,6 +21,30 @@ sys.path.insert(0, REPO_DIR)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (the tests' helper modules)
 
 import pytest  # noqa: E402
+
+
+def free_port():
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def environment(env):
+    """os.environ with env set in the block, as it was after it (a variable it lacked is removed again)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @pytest.fixture(scope="session")
@@ -67,13 +92,9 @@ def shared_ray_cluster(tmp_path_factory):
     """One local Ray cluster for the session, as dreambooth_run.sh keeps one for its steps: every
     script a slow test runs, and this process (ray_session), joins it through RAY_ADDRESS instead
     of starting and stopping its own. A test that needs a cluster of its own sets RAY_ADDRESS."""
-    import socket
-
     from dreambooth import raycluster
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     head, address = raycluster.start_ray_head(tmp_path_factory.mktemp("ray-head") / "ray-head.log", port)
     os.environ["RAY_ADDRESS"] = address
     yield address
@@ -88,16 +109,13 @@ def two_node_cluster(tmp_path_factory):
     namespace of its own where an empty file system is mounted over the folder unshared (as a node
     without the NFS mount sees it); else unshared is None."""
     import shutil
-    import socket
     import subprocess
     import tempfile
     import time
 
     from dreambooth import raycluster
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     folder = tmp_path_factory.mktemp("two-nodes")
     head, address = raycluster.start_ray_head(folder / "head.log", port, extra=["--num-cpus=2", "--num-gpus=0"])
     unshared = folder / "unshared"
@@ -300,15 +318,9 @@ def s3_endpoint(tmp_path_factory):
     host, port = server.get_host_and_port()
     env = dict(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
                AWS_ENDPOINT_URL=f"http://{host}:{port}", XDG_CACHE_HOME=str(tmp_path_factory.mktemp("cache")))
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    boto3.client("s3").create_bucket(Bucket="runs")
-    yield env, "runs"
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with environment(env):
+        boto3.client("s3").create_bucket(Bucket="runs")
+        yield env, "runs"
     server.stop()
 
 
@@ -318,24 +330,15 @@ def gcs_endpoint(tmp_path_factory):
     127.0.0.1 with an empty bucket "runs-gs", reached through CLOUD_STORAGE_EMULATOR_ENDPOINT as Google's own
     libraries reach one; the nodes' copies of its files in a cache folder of the test's (XDG_CACHE_HOME)."""
     import logging
-    import socket
 
     from gcp_storage_emulator.server import create_server
 
     logging.getLogger("gcp_storage_emulator").setLevel(logging.ERROR)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     server = create_server("127.0.0.1", port, in_memory=True, default_bucket="runs-gs")
     server.start()
     env = dict(CLOUD_STORAGE_EMULATOR_ENDPOINT=f"http://127.0.0.1:{port}",
                XDG_CACHE_HOME=str(tmp_path_factory.mktemp("gcs-cache")))
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    yield env, "runs-gs"
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with environment(env):
+        yield env, "runs-gs"
     server.stop()
