@@ -92,6 +92,17 @@ class StopPoll:
                 self.seen, self.pending = ray.get(self.pending), None
         return self.seen
 
+    def await_reason(self):
+        """The driver's request once another rank saw it first (this rank's poll was not answered yet): asked
+        again and waited for, so rank 0 names the signal (up to 10 s; else the reason stays unknown)."""
+        import ray
+
+        try:
+            while self.seen is None and self.flag is not None:  # (a poll sent before the request answers None)
+                self.seen, self.pending = ray.get(self.pending or self.flag.requested.remote(), timeout=10), None
+        except ray.exceptions.RayError:  # (a lost flag actor leaves the reason unknown; the stop goes on)
+            pass
+
     def check(self):
         """"stop" (checkpoint this step and end), "drained" (checkpoint this step and go on: the first time a
         node of the run is being drained) or None."""
@@ -107,6 +118,7 @@ class StopPoll:
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
             flags = agreed.tolist()
         if flags[0]:
+            self.await_reason()
             return "stop"
         if flags[1]:
             self.last_drain_check = time.monotonic()

@@ -233,6 +233,21 @@ def same_weights(a_folder, b_folder):
 
 
 @pytest.mark.slow
+def test_a_rank_whose_poll_was_sent_before_the_request_still_names_the_signal(ray_session):
+    """Rank 0's poll of the stop flag can be answered (None) before the driver's request lands while rank 1 saw
+    it: the all-reduce says stop and rank 0 asks again, so the stop line names SIGTERM, not 'a signal'."""
+    from dreambooth import stopping
+
+    flag = stopping.make_flag()
+    poll = stopping.StopPoll(flag, world=1, rank=0)
+    poll.pending = flag.requested.remote()  # the poll in flight, answered before the request: None
+    ray_session.wait([poll.pending])
+    flag.request.remote("SIGTERM")
+    poll.await_reason()
+    assert poll.reason() == "SIGTERM"
+
+
+@pytest.mark.slow
 def test_sigterm_checkpoints_the_current_step_and_the_resumed_run_ends_on_the_uninterrupted_weights(
         uninterrupted, tiny_model, toy_images, tmp_path):
     """SIGTERM to the driver (ray job stop, a deleted pod) once its first steps are logged: both workers
