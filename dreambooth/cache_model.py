@@ -32,8 +32,9 @@ from dreambooth import utils
 
 # What DiffusionPipeline.from_pretrained reads: configs, tokenizer files, safetensors
 # weights of the full-precision, non-EMA-only variant.
-ALLOW_PATTERNS = ["model_index.json", "*/*.json", "*/*.txt", "*/*.safetensors"]
-IGNORE_PATTERNS = ["*.ckpt", "*.bin", "*.msgpack", "*.onnx", "*.h5", "*.fp16.*", "*non_ema*", "*.ema.*"]
+ALLOW_PATTERNS = ["model_index.json", "*/*.json", "*/*.txt", "*/*.safetensors", "*/spiece.model"]  # (T5's vocabulary)
+IGNORE_PATTERNS = ["*.ckpt", "*.bin", "*.msgpack", "*.onnx", "*.h5", "*.fp16.*", "*non_ema*", "*.ema.*",
+                   "text_encoders/*"]  # (SD 3.5's single-file copies of the text encoders, 15 GB, beside text_encoder*/)
 # The tiny model is stored in the hub cache layout under its own name, so it never
 # shadows a real model and every script finds it exactly as it finds SD 1.4.
 RANDOM_MODEL_OWNER = "dreambooth-ray"  # every random model's hub name starts with it
@@ -51,9 +52,19 @@ class KnownModel:
     revision: str
     resolution: int  # what it was trained at, the default --resolution
     prediction_type: str
-    weights_gb: float  # fp32 safetensors of UNet + text encoder + VAE, what cache_model.py fetches
+    weights_gb: float  # the safetensors of its diffusers folders, what cache_model.py fetches
     family: str  # families.FAMILIES' name: known before the files are here (the preflight's memory check)
     aliases: tuple = ()  # other hub names for the same weights (a repository that moved)
+    gated: bool = False  # the hub serves it only to an account that accepted its license, with a token
+
+    def access_line(self):
+        """What a gated model needs before its first download (one line), or None."""
+        if not self.gated:
+            return None
+        return (f"{self.short_name} ({self.hub_name}) is gated: accept its license at "
+                f"https://huggingface.co/{self.hub_name} with your Hugging Face account, then give this machine a "
+                "token with read access: `hf auth login` (kept in the hub's token file) or HF_TOKEN=<token> (read by "
+                "huggingface_hub; never printed here)")
 
 
 # The models the suite names. stabilityai took its SD 2.1 repositories down in 2025; sd2-community
@@ -71,6 +82,18 @@ KNOWN_MODELS = (
     # and the single-file checkpoints at the repository's root are not fetched)
     KnownModel("sdxl", "stabilityai/stable-diffusion-xl-base-1.0", "462165984030d82259a11f4367a4eed129e94a7b", 1024,
                "epsilon", 14.2, "sdxl"),
+    # The flow-matching transformers, in the bf16/fp16 files their repositories hold: transformer (Flux 23.8 GB,
+    # SD 3.5 large 16.1, medium 4.9), T5-XXL 9.5, CLIP-L 0.25 (+ CLIP-G 1.4 for SD 3.5), VAE 0.2. Their short
+    # names are also their --random_model sizes (family_flux/family_sd3 own_sizes): the preflight counts those.
+    # The revisions could not be checked from here (no hub access); they are the commits people's hub caches show.
+    KnownModel("flux-dev", "black-forest-labs/FLUX.1-dev", "3de623fc3c33e44ffbe2bad470d0f45bccf2eb21", 1024,
+               "flow", 33.8, "flux", gated=True),
+    KnownModel("flux-schnell", "black-forest-labs/FLUX.1-schnell", "741f7c3ce8b383c54771c7003378a50191e9efe9", 1024,
+               "flow", 33.8, "flux"),
+    KnownModel("sd35-medium", "stabilityai/stable-diffusion-3.5-medium", "b940f670f0eda2d07fbb75229e779da1ad11eb80",
+               1024, "flow", 16.3, "sd3", gated=True),
+    KnownModel("sd35-large", "stabilityai/stable-diffusion-3.5-large", "ceddf0a7fdf2064ea28e2213e3b84e4afa170a0f",
+               1024, "flow", 27.5, "sd3", gated=True),
 )
 DEFAULT_MODEL = "sd14"  # Ray's example's model
 
@@ -249,11 +272,32 @@ def cached_snapshot(cache_dir, model_name, revision):
 
 
 def download_model(cache_dir, model_name, revision):
-    """snapshot_download of the pipeline files; a pinned commit already cached needs no hub."""
-    return cached_snapshot(cache_dir, model_name, revision) or utils.hub_download(
+    """snapshot_download of the pipeline files; a pinned commit already cached needs no hub. A gated model
+    without a hub token is refused before the hub is asked (check_access)."""
+    cached = cached_snapshot(cache_dir, model_name, revision)
+    if cached:
+        return cached
+    check_access(model_name)
+    return utils.hub_download(
         f"{model_name}@{revision}", "run once with network access or use --tiny",
         repo_id=model_name, revision=revision, cache_dir=cache_dir,
-        allow_patterns=ALLOW_PATTERNS, ignore_patterns=IGNORE_PATTERNS)
+        allow_patterns=ALLOW_PATTERNS, ignore_patterns=IGNORE_PATTERNS, refused=gated_line(model_name))
+
+
+def gated_line(model_name):
+    """The line for the hub refusing model_name (a gated known model's access_line), or None."""
+    known = known_model(model_name)
+    return known.access_line() if known else None
+
+
+def check_access(model_name):
+    """UserError when model_name is a gated known model and this machine has no hub token (HF_TOKEN or the
+    hub's token file, as huggingface_hub finds it; its value is never read into a message)."""
+    from huggingface_hub import get_token
+
+    line = gated_line(model_name)
+    if line and not get_token():
+        raise utils.UserError(f"no Hugging Face token on this machine: {line}")
 
 
 # ---------------------------------------------------------------- evaluate.py's scoring models

@@ -116,16 +116,19 @@ FLAGS = {
     "model_dir": (("--pretrained_model_name_or_path", "--model_dir"),
         dict(type=model_path, required=True, metavar="DIR|NAME",
              help="The base model: a diffusers folder (the path cache_model.py prints), a hub name "
-                  "(CompVis/stable-diffusion-v1-4) or a short name (sd14, sd15, sd21-base, sd21, sdxl), found in the "
-                  "hub cache (offline works) or fetched once, pinned, safetensors only.")),
+                  "(CompVis/stable-diffusion-v1-4) or a short name (sd14, sd15, sd21-base, sd21, sdxl, flux-dev, "
+                  "flux-schnell, sd35-medium, sd35-large), found in the hub cache (offline works) or fetched once, "
+                  "pinned, safetensors only (flux-dev and sd35-*: gated, a hub token needed; README, 'Models').")),
     "cache_dir": (("--model_dir", "--cache_dir"),
         dict(dest="cache_dir", type=storage_location, default=None, metavar="DIR|URI",
              help="Hub cache folder to download the model into. Default: the one model cache every script "
                   "reads, ORIG_MODEL_DIR, else $DATA_PREFIX/model-orig, else data/model-orig here. A bucket's "
                   "folder (s3://bucket/prefix, gs://…): cached on this node, copied there once, its URI printed.")),
     "model_name": (("--model_name",),
-        dict(default="sd14", help="The base model: a short name (sd14, sd15, sd21-base, sd21, sdxl; tiny: the built-in "
-                                  "tiny random model, as --tiny) or a hub repository.")),
+        dict(default="sd14", help="The base model: a short name (sd14, sd15, sd21-base, sd21, sdxl, flux-dev, "
+                                  "flux-schnell, sd35-medium, sd35-large; tiny: the built-in tiny random model, as "
+                                  "--tiny) or a hub repository. flux-dev and sd35-*: gated, fetched with your hub "
+                                  "token (`hf auth login` or HF_TOKEN; README, 'Models').")),
     "revision": (("--revision",),
         dict(default=None,
              help="Commit of the model repository. Default: the pinned commit of a short-named model "

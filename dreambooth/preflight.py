@@ -144,13 +144,19 @@ def cached_model(args):
 
 
 def model_family(args):
-    """(family name, parameter counts or None) of the base model, before Step 1 fetched it: a cached
-    folder's own, else a known short name's family (the released counts); (None, None) if unknown."""
+    """(family name, parameter counts or None, source) of the base model, before Step 1 fetched it: a cached
+    folder's own counts (source: the folder), else a known name's family with the counts of its own size when
+    the family builds one of that name (sd35-medium; source: that size), else the released counts (None);
+    (None, None, None) if unknown. source: what memory.need counts a flow transformer's activations of."""
     folder = cached_model(args)
     if folder:
-        return families.family_of(folder).name, memory.safetensors_params(folder)
+        return families.family_of(folder).name, memory.safetensors_params(folder), folder
     known = cache_model.known_model(args.model_name)
-    return (known.family, None) if known else (None, None)
+    if known is None:
+        return None, None, None
+    if known.short_name in families.FAMILIES[known.family].own_sizes:
+        return known.family, memory.size_params(known.family, known.short_name), known.short_name
+    return known.family, None, None
 
 
 def memory_setup(train_flags, args, family):
@@ -225,7 +231,7 @@ def check_drivers(reports):
 def check_memory(args, train_flags, cards):
     """The run fits each card's free memory [(what, free GiB)]; else one line with its need and the
     flags that make it fit. Returns the need (memory.Need) or None when the model is not known yet."""
-    family, params = model_family(args)
+    family, params, source = model_family(args)
     if family is None:
         print(f"note: GPU memory not checked: {args.model_name} is not a known model name and not cached yet",
               file=sys.stderr)
@@ -235,7 +241,6 @@ def check_memory(args, train_flags, cards):
               file=sys.stderr)
         return None
     setup = memory_setup(train_flags, args, family)
-    source = cached_model(args)  # (a flow transformer's activations are counted for its own config)
     result = memory.need(family, setup, params, source)
     what, free = min(cards, key=lambda card: card[1])
     if memory.fits(result, free):
@@ -332,6 +337,8 @@ def main(argv=None):
         raise utils.UserError("CLASS_NAME is not set: set it to what your subject is (CLASS_NAME=dog, backpack, "
                               "person); it makes the class prompt 'photo of a <CLASS_NAME>'")
     photos = check_photos(args.photos_dir, args.photos_var)
+    if not args.tiny and cached_model(args) is None:  # (Step 1 will fetch it: a gated one needs a token)
+        cache_model.check_access(args.model_name)
     if args.gpu_memory is not None:  # an assumed card: known before Ray starts
         check_gpus(args, train_flags, 0)
     check_disk(args, train_flags.checkpoints_total_limit)

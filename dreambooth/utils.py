@@ -267,16 +267,23 @@ def skip_unused_imports(lora=False, eight_bit=False):
 
 
 def hub_download(what, offline_hint, **snapshot_args):
-    """huggingface_hub.snapshot_download(**snapshot_args), every failure one UserError line.
+    """huggingface_hub.snapshot_download(**snapshot_args), every failure one UserError line (refused: the line
+    for a gated repository the hub refuses).
 
     An uncached file with the hub out of reach raises LocalEntryNotFoundError on hub 0.x
     and OfflineModeIsEnabled on 1.x with HF_HUB_OFFLINE set; both say what to do instead.
     """
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
 
+    refused = snapshot_args.pop("refused", None)
     try:
         return snapshot_download(**snapshot_args)
+    except GatedRepoError as err:
+        if refused:
+            raise UserError(f"the hub refused {what} ({type(err).__name__}): {refused}") from None
+        raise UserError(f"cannot fetch {what}: the hub refused it ({type(err).__name__}): it is gated; accept its "
+                        "license on its hub page and give this machine a token (`hf auth login` or HF_TOKEN)") from None
     except (LocalEntryNotFoundError, OfflineModeIsEnabled) as err:
         raise UserError(f"{what} is not in the cache {snapshot_args.get('cache_dir') or 'of the hub'} and the hub "
                         f"cannot be reached ({type(err).__name__}); "

@@ -4,8 +4,10 @@ import subprocess
 import sys
 
 import pytest
+from PIL import Image
 
 from dreambooth import cache_model
+from dreambooth import preflight
 from dreambooth import utils
 from dreambooth import vae_cache
 from dreambooth.utils import REPO_DIR
@@ -91,9 +93,65 @@ def test_only_pipeline_files_are_fetched():
 
     assert fetched("unet/diffusion_pytorch_model.safetensors") and fetched("model_index.json")
     assert fetched("tokenizer/vocab.json") and fetched("tokenizer/merges.txt")
+    # the flow transformers' sharded weights and T5's tokenizer, not their single-file copies at the root or
+    # SD 3.5's text_encoders/ (the same encoders again, 15 GB)
+    assert fetched("transformer/diffusion_pytorch_model-00001-of-00003.safetensors")
+    assert fetched("text_encoder_3/model.safetensors.index.json") and fetched("tokenizer_2/spiece.model")
     for name in ("sd-v1-4.ckpt", "sd-v1-4-full-ema.ckpt", "unet/diffusion_pytorch_model.bin",
-                 "unet/diffusion_pytorch_model.fp16.safetensors", "unet/diffusion_flax_model.msgpack"):
+                 "unet/diffusion_pytorch_model.fp16.safetensors", "unet/diffusion_flax_model.msgpack",
+                 "flux1-dev.safetensors", "ae.safetensors", "sd3.5_large.safetensors",
+                 "text_encoders/t5xxl_fp16.safetensors", "text_encoders/clip_g.safetensors"):
         assert not fetched(name), name
+
+
+def test_a_gated_model_without_a_hub_token_is_refused_before_the_hub_is_asked(tiny_flux_model, tmp_path, monkeypatch,
+                                                                             capsys):
+    """flux-dev and the SD 3.5 names are gated: with no token (HF_TOKEN unset, no token file) Step 1 and the
+    preflight say what to do in one line; with one, the token is never part of a line; flux-schnell is open;
+    a gated model already cached at its pin needs no token (offline)."""
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # (no token file there)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    for name in ("flux-dev", "sd35-medium", "sd35-large"):
+        with pytest.raises(utils.UserError, match=r"^no Hugging Face token on this machine: \S+ \(\S+\) is gated: "
+                                                  r"accept its license at https://huggingface.co/.* `hf auth login`"):
+            cache_model.main(["--model_dir", str(tmp_path / "cache"), "--model_name", name])
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    Image.new("RGB", (64, 64), "red").save(photos / "a.jpg")
+    with pytest.raises(utils.UserError, match="FLUX.1-dev.* is gated"):  # (before Ray: none is running here)
+        preflight.main(["--photos_dir", str(photos), "--data_prefix", str(tmp_path), "--class_name", "dog",
+                        "--model_name", "flux-dev"])
+    cache_model.check_access("flux-schnell")  # open: no token needed
+    monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token_123")
+    cache_model.check_access("flux-dev")
+    assert "hf_not_a_real_token_123" not in cache_model.gated_line("black-forest-labs/FLUX.1-dev")
+    monkeypatch.delenv("HF_TOKEN")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    flux = cache_model.known_model("flux-dev")
+    pinned = cache_model.hub_snapshot_path(str(tmp_path / "cache"), flux.hub_name, flux.revision)
+    shutil.copytree(tiny_flux_model, pinned)
+    assert cache_model.main(["--model_dir", str(tmp_path / "cache"), "--model_name", "black-forest-labs/FLUX.1-dev"]) \
+        == pinned
+    assert capsys.readouterr().out.strip().splitlines()[-1] == pinned
+    assert cache_model.resolve_model_name("flux-dev", str(tmp_path / "cache")) == pinned
+
+
+def test_the_readme_and_the_help_name_each_short_name_with_its_pin():
+    """Each known model's row in the README's table (hub name, pinned revision, gated or not), and its short
+    name in --model_name's help and dreambooth_run.sh's ORIG_MODEL_NAME line."""
+    import re
+
+    readme = open(os.path.join(REPO_DIR, "README.md")).read()
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `([\w.-]+)`(?: \(default\))? \|.*$", readme, re.M)}
+    script = open(os.path.join(REPO_DIR, "dreambooth_run.sh")).read()
+    helps = cache_model.flags.FLAGS["model_name"][1]["help"] + cache_model.flags.FLAGS["model_dir"][1]["help"]
+    for model in cache_model.KNOWN_MODELS:
+        row = rows[model.short_name]
+        assert f"| `{model.hub_name}` | `{model.revision}` | {model.resolution} |" in row, row
+        assert row.endswith("| yes |" if model.gated else "| no |"), row
+        assert len(re.findall(rf"[ (]{model.short_name}[,;)]", helps)) == 2 and \
+            re.search(rf" {model.short_name}[,( ]", script.split("ORIG_MODEL_NAME|")[1].split("\n")[0]), model
 
 
 def test_hub_snapshot_path_layout():

@@ -125,6 +125,21 @@ def test_a_run_that_does_not_fit_the_stated_card_names_the_flags_that_make_it_fi
         preflight.check_gpus(*preflight_args("sdxl", gpu_memory=4), 0)
 
 
+def test_the_flow_short_names_are_planned_with_their_own_size_before_they_are_fetched():
+    """sd35-medium, not cached, is counted as SD 3.5 medium (its own size's parameters and activations), not as
+    the family's released large model: its full fine-tune fits a 40 GiB card where large's does not; flux-dev's
+    full fine-tune is refused on an 80 GiB card with the flags that make it fit (LoRA)."""
+    full = ("--gradient_checkpointing", "--use_8bit_adam", "--no-train_text_encoder", "--train_batch_size", "1")
+    preflight.check_gpus(*preflight_args("sd35-medium", *full, gpu_memory=40), 0)
+    with pytest.raises(utils.UserError, match=r"the full fine-tune of SD 3.5 at 1024 px, 1 \+ 1 images a step"):
+        preflight.check_gpus(*preflight_args("sd35-large", *full, gpu_memory=40), 0)
+    medium, large = (preflight.model_family(preflight_args(name, gpu_memory=24)[0]) for name in ("sd35-medium",
+                                                                                                 "sd35-large"))
+    assert medium[2] == "sd35-medium" and medium[1]["transformer"] < large[1]["transformer"] / 3
+    with pytest.raises(utils.UserError, match=r"full fine-tune of Flux.1 at 1024 px.* add --use_lora"):
+        preflight.check_gpus(*preflight_args("flux-dev", gpu_memory=80), 0)
+
+
 def test_a_cached_model_is_measured_by_its_own_weights(tiny_model, capsys):
     """A cached folder's parameter counts come from its safetensors headers (the tiny model fits anywhere);
     a hub name the suite does not know, and not cached, is said to be unchecked."""
