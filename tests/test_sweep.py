@@ -259,6 +259,40 @@ def test_random_lora_sweep_of_two_subjects_in_a_bucket_on_two_nodes_scores_each_
 
 
 @pytest.mark.slow
+def test_a_flux_lora_sweep_scores_each_step_count_and_its_best_adapters_load_in_the_flux_pipeline(
+        tiny_flux_model, toy_images, tmp_path):
+    """The sweep on the tiny Flux.1 dev model (flow matching, packed latents, T5): one subject, one trial scored
+    at steps 1 and 2 (step 1 from its checkpoint), the best LoRA kept with its record, loadable in FluxPipeline
+    where it changes the image."""
+    import torch
+    from diffusers import FluxPipeline
+
+    from dreambooth import cache_model
+
+    eval_models = cache_model.main(["--model_dir", str(tmp_path / "cache"), "--eval_models", "--tiny"])
+    class_dir = tmp_path / "best-sweep" / "class-images" / "toy"  # (drawn already: generate's own tests draw)
+    write_subject(class_dir, [os.path.join(toy_images, n) for n in sorted(os.listdir(toy_images))[:2]], None)
+    (tmp_path / "prompts.txt").write_text("a {subject} on a beach\n")
+    command = [sys.executable, "sweep.py", "--model_dir", tiny_flux_model, "--output_dir", str(tmp_path / "best"),
+               "--instance_data_dir", toy_images, "--class_name", "toy", "--eval_models_dir", eval_models,
+               "--eval_prompts", str(tmp_path / "prompts.txt"), "--eval_images_per_prompt", "2",
+               "--num_inference_steps", "2", "--num_class_images", "2", "--sweep_learning_rate", "1e-3",
+               "--sweep_max_train_steps", "1,2", "--num_workers", "1", "--use_lora"]
+    output, table = run_sweep(command, tmp_path / "log.txt")
+    assert sorted((r["step"], r["status"]) for r in table) == [("1", "ok"), ("2", "ok")], output[-2000:]
+    assert all(0 < float(r["dino"]) <= 1 and 0 < float(r["clip_i"]) <= 1 for r in table)
+    [chosen] = [r for r in table if r["chosen"] == "True"]
+    marker = utils.read_json(str(tmp_path / "best" / utils.OUTPUT_MARKER))
+    assert marker["steps"] == int(chosen["step"]) and marker["base_model"] == tiny_flux_model
+    pipe = FluxPipeline.from_pretrained(tiny_flux_model)
+    draw = dict(prompt="a toy", num_inference_steps=2, height=64, width=64, output_type="np")
+    before = pipe(**draw, generator=torch.Generator().manual_seed(0)).images
+    pipe.load_lora_weights(str(tmp_path / "best"))
+    after = pipe(**draw, generator=torch.Generator().manual_seed(0)).images
+    assert abs(after - before).max() > 1e-4
+
+
+@pytest.mark.slow
 def test_early_stopping_stops_the_trial_that_is_behind_at_the_first_step_count(two_subjects, tmp_path):
     """--early_stopping on, one subject, two learning rates one after the other: each trial trains to
     step 2, is scored, and goes on only if its score is not under the first trial's there (ASHA, halving
