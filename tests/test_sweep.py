@@ -259,21 +259,24 @@ def test_random_lora_sweep_of_two_subjects_in_a_bucket_on_two_nodes_scores_each_
 
 
 @pytest.mark.slow
-def test_a_flux_lora_sweep_scores_each_step_count_and_its_best_adapters_load_in_the_flux_pipeline(
-        tiny_flux_model, toy_images, tmp_path):
-    """The sweep on the tiny Flux.1 dev model (flow matching, packed latents, T5): one subject, one trial scored
-    at steps 1 and 2 (step 1 from its checkpoint), the best LoRA kept with its record, loadable in FluxPipeline
-    where it changes the image."""
+@pytest.mark.parametrize("family", ["flux", "sd3"])
+def test_a_flow_lora_sweep_scores_each_step_count_and_its_best_adapters_load_in_the_familys_pipeline(
+        family, toy_images, tmp_path, request):
+    """The sweep on the tiny Flux.1 dev and SD 3.5 models (flow matching, T5): one subject, one trial scored
+    at steps 1 and 2 (step 1 from its checkpoint), the best LoRA kept with its record, loadable in the family's
+    pipeline (FluxPipeline, StableDiffusion3Pipeline) where it changes the image."""
+    import diffusers
     import torch
-    from diffusers import FluxPipeline
 
     from dreambooth import cache_model
+
+    model = request.getfixturevalue(f"tiny_{family}_model")
 
     eval_models = cache_model.main(["--model_dir", str(tmp_path / "cache"), "--eval_models", "--tiny"])
     class_dir = tmp_path / "best-sweep" / "class-images" / "toy"  # (drawn already: generate's own tests draw)
     write_subject(class_dir, [os.path.join(toy_images, n) for n in sorted(os.listdir(toy_images))[:2]], None)
     (tmp_path / "prompts.txt").write_text("a {subject} on a beach\n")
-    command = [sys.executable, "sweep.py", "--model_dir", tiny_flux_model, "--output_dir", str(tmp_path / "best"),
+    command = [sys.executable, "sweep.py", "--model_dir", model, "--output_dir", str(tmp_path / "best"),
                "--instance_data_dir", toy_images, "--class_name", "toy", "--eval_models_dir", eval_models,
                "--eval_prompts", str(tmp_path / "prompts.txt"), "--eval_images_per_prompt", "2",
                "--num_inference_steps", "2", "--num_class_images", "2", "--sweep_learning_rate", "1e-3",
@@ -283,8 +286,9 @@ def test_a_flux_lora_sweep_scores_each_step_count_and_its_best_adapters_load_in_
     assert all(0 < float(r["dino"]) <= 1 and 0 < float(r["clip_i"]) <= 1 for r in table)
     [chosen] = [r for r in table if r["chosen"] == "True"]
     marker = utils.read_json(str(tmp_path / "best" / utils.OUTPUT_MARKER))
-    assert marker["steps"] == int(chosen["step"]) and marker["base_model"] == tiny_flux_model
-    pipe = FluxPipeline.from_pretrained(tiny_flux_model)
+    assert marker["steps"] == int(chosen["step"]) and marker["base_model"] == model
+    pipe = getattr(diffusers, {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline"}[family]).from_pretrained(
+        model)
     draw = dict(prompt="a toy", num_inference_steps=2, height=64, width=64, output_type="np")
     before = pipe(**draw, generator=torch.Generator().manual_seed(0)).images
     pipe.load_lora_weights(str(tmp_path / "best"))
