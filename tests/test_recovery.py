@@ -280,14 +280,11 @@ def drainable_cluster(tmp_path):
     may drain: (address, the node's id). A drained node takes no new tasks, so the Ray Data tasks of the rest
     of the run need a CPU on another node, as on a real cluster (with the head's CPUs at 0 the run stalls as
     soon as its data stream needs a new task)."""
-    import socket
-
+    from conftest import free_port
     from dreambooth import raycluster
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    head, address = raycluster.start_ray_head(tmp_path / "head.log", port, extra=["--num-cpus=1", "--num-gpus=0"])
+    head, address = raycluster.start_ray_head(tmp_path / "head.log", free_port(),
+                                              extra=["--num-cpus=1", "--num-gpus=0"])
     ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
     node = subprocess.Popen([ray_cli, "start", "--block", f"--address={address}", "--num-cpus=3", "--num-gpus=0",
                              f"--temp-dir={head.temp_dir}"], stdout=open(tmp_path / "node.log", "w"),
@@ -345,15 +342,10 @@ def test_a_drained_node_gets_a_checkpoint_of_the_current_step_and_the_run_goes_o
 def jobs_cluster(tmp_path, monkeypatch):
     """A Ray cluster of its own with Ray Jobs' server (the dashboard, on 127.0.0.1, token authentication):
     its http:// address for `ray job` and JobSubmissionClient."""
-    import socket
-
+    from conftest import free_port
     from dreambooth import raycluster
 
-    ports = []
-    for _ in range(3):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            ports.append(probe.getsockname()[1])
+    ports = [free_port(), free_port(), free_port()]
     with monkeypatch.context() as started:  # (its job server would look for agents in the session's cluster)
         started.delenv("RAY_ADDRESS", raising=False)
         head, _ = raycluster.start_ray_head(tmp_path / "head.log", ports[0], extra=[
