@@ -25,6 +25,7 @@ import tempfile
 import uuid
 
 from dreambooth import cache_model
+from dreambooth import known_models
 from dreambooth import checkpoint
 from dreambooth import families
 from dreambooth import flags
@@ -96,7 +97,7 @@ def disk_needed_gb(args, limit=1):
         download = 0.0
         per_checkpoint, tuned = (size / GB for size in checkpoint.disk_bytes(folder, args.use_lora, True))
     else:
-        known = cache_model.known_model(args.model_name)
+        known = known_models.known_model(args.model_name)
         download = known.weights_gb if known else 5.0
         lora = checkpoint.LORA_BYTES / GB
         per_checkpoint = lora if args.use_lora else 3 * TRAINED_SHARE * download
@@ -151,7 +152,7 @@ def model_family(args):
     folder = cached_model(args)
     if folder:
         return families.family_of(folder).name, memory.safetensors_params(folder), folder
-    known = cache_model.known_model(args.model_name)
+    known = known_models.known_model(args.model_name)
     if known is None:
         return None, None, None
     if known.short_name in families.FAMILIES[known.family].own_sizes:
@@ -161,7 +162,7 @@ def model_family(args):
 
 def memory_setup(train_flags, args, family):
     """memory.Setup of the train.py flags the run gets (the script's own and the user's)."""
-    known, folder = cache_model.known_model(args.model_name), cached_model(args)
+    known, folder = known_models.known_model(args.model_name), cached_model(args)
     resolution = train_flags.resolution or (families.native_resolution(folder) if folder else
                                             known.resolution if known else memory.DEFAULT_RESOLUTION[family])
     return memory.Setup(
@@ -338,7 +339,7 @@ def main(argv=None):
                               "person); it makes the class prompt 'photo of a <CLASS_NAME>'")
     photos = check_photos(args.photos_dir, args.photos_var)
     if not args.tiny and cached_model(args) is None:  # (Step 1 will fetch it: a gated one needs a token)
-        cache_model.check_access(args.model_name)
+        known_models.check_access(args.model_name)
     if args.gpu_memory is not None:  # an assumed card: known before Ray starts
         check_gpus(args, train_flags, 0)
     check_disk(args, train_flags.checkpoints_total_limit)

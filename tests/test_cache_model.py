@@ -7,6 +7,7 @@ import pytest
 from PIL import Image
 
 from dreambooth import cache_model
+from dreambooth import known_models
 from dreambooth import preflight
 from dreambooth import utils
 from dreambooth import vae_cache
@@ -57,7 +58,7 @@ def test_one_model_cache_for_the_script_and_the_scripts_by_hand(tiny_model, tmp_
     step1 = cache_model.hub_snapshot_path(str(tmp_path / "data" / "model-orig"), SD14, SD14_REV)
     shutil.copytree(tiny_model, step1)  # as Step 1 left it
     assert cache_model.resolve_model_name("sd14") == step1
-    sd15 = cache_model.known_model("sd15")
+    sd15 = known_models.known_model("sd15")
     own = cache_model.hub_snapshot_path(str(tmp_path / "own-hub"), sd15.hub_name, sd15.revision)
     shutil.copytree(tiny_model, own)  # fetched earlier by other tools: not fetched again
     assert cache_model.resolve_model_name("sd15") == own
@@ -122,13 +123,13 @@ def test_a_gated_model_without_a_hub_token_is_refused_before_the_hub_is_asked(ti
     with pytest.raises(utils.UserError, match="FLUX.1-dev.* is gated"):  # (before Ray: none is running here)
         preflight.main(["--photos_dir", str(photos), "--data_prefix", str(tmp_path), "--class_name", "dog",
                         "--model_name", "flux-dev"])
-    cache_model.check_access("flux-schnell")  # open: no token needed
+    known_models.check_access("flux-schnell")  # open: no token needed
     monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token_123")
-    cache_model.check_access("flux-dev")
-    assert "hf_not_a_real_token_123" not in cache_model.gated_line("black-forest-labs/FLUX.1-dev")
+    known_models.check_access("flux-dev")
+    assert "hf_not_a_real_token_123" not in known_models.gated_line("black-forest-labs/FLUX.1-dev")
     monkeypatch.delenv("HF_TOKEN")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    flux = cache_model.known_model("flux-dev")
+    flux = known_models.known_model("flux-dev")
     pinned = cache_model.hub_snapshot_path(str(tmp_path / "cache"), flux.hub_name, flux.revision)
     shutil.copytree(tiny_flux_model, pinned)
     assert cache_model.main(["--model_dir", str(tmp_path / "cache"), "--model_name", "black-forest-labs/FLUX.1-dev"]) \
@@ -146,7 +147,7 @@ def test_the_readme_and_the_help_name_each_short_name_with_its_pin():
     rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `([\w.-]+)`(?: \(default\))? \|.*$", readme, re.M)}
     script = open(os.path.join(REPO_DIR, "dreambooth_run.sh")).read()
     helps = cache_model.flags.FLAGS["model_name"][1]["help"] + cache_model.flags.FLAGS["model_dir"][1]["help"]
-    for model in cache_model.KNOWN_MODELS:
+    for model in known_models.KNOWN_MODELS:
         row = rows[model.short_name]
         assert f"| `{model.hub_name}` | `{model.revision}` | {model.resolution} |" in row, row
         assert row.endswith("| yes |" if model.gated else "| no |"), row

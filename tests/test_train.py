@@ -208,9 +208,10 @@ def test_a_hub_name_in_the_hub_cache_trains_offline(ray_session, tiny_model, toy
     import shutil
 
     from dreambooth import cache_model
+    from dreambooth import known_models
 
     cache = tmp_path / "hub"
-    name, revision = "CompVis/stable-diffusion-v1-4", cache_model.known_model("sd14").revision
+    name, revision = "CompVis/stable-diffusion-v1-4", known_models.known_model("sd14").revision
     snapshot = cache_model.hub_snapshot_path(str(cache), name, revision)
     shutil.copytree(tiny_model, snapshot)
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
