@@ -223,7 +223,6 @@ def download_model(cache_dir, model_name, revision):
         allow_patterns=ALLOW_PATTERNS, ignore_patterns=IGNORE_PATTERNS, refused=known_models.gated_line(model_name))
 
 
-
 # ---------------------------------------------------------------- evaluate.py's scoring models
 
 # What transformers' from_pretrained reads for a ViT or a CLIPModel and its processor.

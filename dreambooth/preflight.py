@@ -25,11 +25,11 @@ import tempfile
 import uuid
 
 from dreambooth import cache_model
-from dreambooth import known_models
 from dreambooth import checkpoint
 from dreambooth import families
 from dreambooth import flags
 from dreambooth import imagefiles
+from dreambooth import known_models
 from dreambooth import memory
 from dreambooth import planning
 from dreambooth import raycluster

@@ -266,9 +266,9 @@ def skip_unused_imports(lora=False, eight_bit=False):
 # ---------------------------------------------------------------- hub and models
 
 
-def hub_download(what, offline_hint, **snapshot_args):
+def hub_download(what, offline_hint, refused=None, **snapshot_args):
     """huggingface_hub.snapshot_download(**snapshot_args), every failure one UserError line (refused: the line
-    for a gated repository the hub refuses).
+    for a gated repository the hub refuses, else a general one).
 
     An uncached file with the hub out of reach raises LocalEntryNotFoundError on hub 0.x
     and OfflineModeIsEnabled on 1.x with HF_HUB_OFFLINE set; both say what to do instead.
@@ -276,7 +276,6 @@ def hub_download(what, offline_hint, **snapshot_args):
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
 
-    refused = snapshot_args.pop("refused", None)
     try:
         return snapshot_download(**snapshot_args)
     except GatedRepoError as err:

@@ -138,6 +138,30 @@ def test_a_gated_model_without_a_hub_token_is_refused_before_the_hub_is_asked(ti
     assert cache_model.resolve_model_name("flux-dev", str(tmp_path / "cache")) == pinned
 
 
+def test_the_hubs_refusal_of_a_gated_model_is_one_line_saying_what_to_do(tmp_path, monkeypatch):
+    """A token that the hub refuses (license not accepted on that account): the hub's 403, which cannot be had
+    from here (no hub), is raised by snapshot_download as it would be; the line names the license page."""
+    import httpx
+    import huggingface_hub
+    from huggingface_hub.errors import GatedRepoError
+
+    def refuse(**_):
+        url = "https://huggingface.co/api/models/black-forest-labs/FLUX.1-dev/revision/x"
+        raise GatedRepoError("403 Forbidden: access to model black-forest-labs/FLUX.1-dev is restricted",
+                             response=httpx.Response(403, request=httpx.Request("GET", url)))
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", refuse)
+    monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token_456")
+    with pytest.raises(utils.UserError) as err:
+        cache_model.main(["--model_dir", str(tmp_path), "--model_name", "flux-dev"])
+    line = str(err.value)
+    assert line.startswith("the hub refused black-forest-labs/FLUX.1-dev@3de623fc") and "\n" not in line
+    assert "accept its license at https://huggingface.co/black-forest-labs/FLUX.1-dev" in line
+    assert "hf_not_a_real_token_456" not in line
+    with pytest.raises(utils.UserError, match="the hub refused it .* it is gated; accept its license"):
+        cache_model.main(["--model_dir", str(tmp_path), "--model_name", "someone/gated-model"])
+
+
 def test_the_readme_and_the_help_name_each_short_name_with_its_pin():
     """Each known model's row in the README's table (hub name, pinned revision, gated or not), and its short
     name in --model_name's help and dreambooth_run.sh's ORIG_MODEL_NAME line."""
