@@ -125,6 +125,7 @@ def test_a_run_that_does_not_fit_the_stated_card_names_the_flags_that_make_it_fi
         preflight.check_gpus(*preflight_args("sdxl", gpu_memory=4), 0)
 
 
+@pytest.mark.slow  # (11 s: three full-size transformers' parameters and activations counted on the meta device)
 def test_the_flow_short_names_are_planned_with_their_own_size_before_they_are_fetched():
     """sd35-medium, not cached, is counted as SD 3.5 medium (its own size's parameters and activations), not as
     the family's released large model: its full fine-tune fits a 40 GiB card where large's does not; flux-dev's
