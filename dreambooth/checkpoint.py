@@ -107,19 +107,28 @@ def expected_bytes(params, with_ema):
 LORA_BYTES = 200e6  # a LoRA checkpoint or model (adapters and their optimizer state), rounded up
 
 
+TRAINED_BYTES = 12  # a checkpoint's bytes per trained parameter: its fp32 weight and AdamW's two fp32 moments
+
+
+def trained_params(family, counts, train_text_encoder):
+    """The parameters a full fine-tune of family trains, of counts ({network: parameter count}): the denoiser,
+    and the text encoders the family trains (not T5) when train_text_encoder."""
+    return sum(n for name, n in counts.items()
+               if name == family.denoiser or (train_text_encoder and name in family.trainable_text_encoders))
+
+
 def disk_bytes(model_dir, lora, train_text_encoder):
-    """(a checkpoint's bytes, a saved model's bytes) of a run training model_dir, from its weight
-    files: a checkpoint holds the trained networks' fp32 weights and AdamW's two moments of each, a
-    full model every network; LoRA's are a few MB."""
+    """(a checkpoint's bytes, a saved model's bytes) of a run training model_dir: a checkpoint holds the trained
+    networks' fp32 weights and AdamW's two moments (counted from the weight files' parameters, whatever their
+    dtype: a bf16 Flux file holds half the bytes it trains in), a full model every network's files; LoRA's are a
+    few MB."""
+    from dreambooth import memory
+
     if lora:
         return LORA_BYTES, LORA_BYTES
-    sizes = {}
-    for path in glob.glob(os.path.join(model_dir, "*", "*.safetensors")):
-        part = os.path.basename(os.path.dirname(path))
-        sizes[part] = sizes.get(part, 0) + os.path.getsize(path)
-    denoiser = families.family_of(model_dir).denoiser
-    trained = sum(v for k, v in sizes.items() if k == denoiser or (k.startswith("text_encoder") and train_text_encoder))
-    return 3 * trained, sum(sizes.values())
+    saved = sum(os.path.getsize(path) for path in glob.glob(os.path.join(model_dir, "*", "*.safetensors")))
+    counts = memory.safetensors_params(model_dir)
+    return TRAINED_BYTES * trained_params(families.family_of(model_dir), counts, train_text_encoder), saved
 
 
 def text_encoder_files(family):

@@ -100,7 +100,15 @@ def disk_needed_gb(args, limit=1):
         known = known_models.known_model(args.model_name)
         download = known.weights_gb if known else 5.0
         lora = checkpoint.LORA_BYTES / GB
-        per_checkpoint = lora if args.use_lora else 3 * TRAINED_SHARE * download
+        family, counts, _ = model_family(args)
+        if args.use_lora:
+            per_checkpoint = lora
+        elif known:  # (its parameters: a bf16 download trains in fp32)
+            counts = counts or memory.RELEASED[family]
+            per_checkpoint = checkpoint.TRAINED_BYTES * checkpoint.trained_params(
+                families.FAMILIES[family], counts, True) / GB
+        else:
+            per_checkpoint = 3 * TRAINED_SHARE * download
         tuned = lora if args.use_lora else download
     # Ray writes a checkpoint before it removes the oldest one kept; at the end the model is written
     # beside the checkpoints kept, which are removed after it (unless --keep_checkpoints)

@@ -36,10 +36,16 @@ def test_workers_default_to_one_per_gpu_and_too_many_name_the_variable(capsys):
 
 def test_disk_estimate_is_model_checkpoint_and_output(tiny_model, tmp_path):
     full, parts = preflight.disk_needed_gb(args(model_name="sd15"))
-    # the checkpoint kept (--checkpoints_total_limit 1) and the next one Ray writes before removing it
-    assert full == pytest.approx(4.3 + 2 * 3 * 0.92 * 4.3) and "1 checkpoint(s) kept of 11.9" in parts
+    # the checkpoint kept (--checkpoints_total_limit 1) and the next one Ray writes before removing it: 12 bytes
+    # (fp32 weight, AdamW's two moments) of each trained parameter, UNet 860M + text encoder 123M
+    checkpoint_gb = 12 * (859.5e6 + 123.1e6) / 1e9
+    assert full == pytest.approx(4.3 + 2 * checkpoint_gb, rel=1e-3) and "1 checkpoint(s) kept of 11.8" in parts
     three, _ = preflight.disk_needed_gb(args(model_name="sd15"), limit=3)
-    assert three == pytest.approx(4.3 + 4 * 3 * 0.92 * 4.3)
+    assert three == pytest.approx(4.3 + 4 * checkpoint_gb, rel=1e-3)
+    # Flux.1 dev's files are bf16 and T5 is never trained: its checkpoint is 12 bytes of the transformer and
+    # CLIP-L's parameters (11.9B + 0.12B), not three times the 33.8 GB download
+    flux, parts = preflight.disk_needed_gb(args(model_name="flux-dev"))
+    assert "1 checkpoint(s) kept of 144." in parts and flux == pytest.approx(33.8 + 2 * 12 * 12.02e9 / 1e9, rel=2e-3)
     lora, _ = preflight.disk_needed_gb(args(model_name="sd15", use_lora=True))
     assert lora == pytest.approx(4.3 + 2 * preflight.checkpoint.LORA_BYTES / preflight.GB)
     cached, parts = preflight.disk_needed_gb(args(model_name="sd15", model_path=tiny_model))
