@@ -120,15 +120,18 @@ def trained_params(family, counts, train_text_encoder):
 def disk_bytes(model_dir, lora, train_text_encoder):
     """(a checkpoint's bytes, a saved model's bytes) of a run training model_dir: a checkpoint holds the trained
     networks' fp32 weights and AdamW's two moments (counted from the weight files' parameters, whatever their
-    dtype: a bf16 Flux file holds half the bytes it trains in), a full model every network's files; LoRA's are a
-    few MB."""
+    dtype: a bf16 Flux file holds half the bytes it trains in), a full model the trained networks in fp32 and
+    the others as their files are; LoRA's are a few MB."""
     from dreambooth import memory
 
     if lora:
         return LORA_BYTES, LORA_BYTES
-    saved = sum(os.path.getsize(path) for path in glob.glob(os.path.join(model_dir, "*", "*.safetensors")))
-    counts = memory.safetensors_params(model_dir)
-    return TRAINED_BYTES * trained_params(families.family_of(model_dir), counts, train_text_encoder), saved
+    family, counts = families.family_of(model_dir), memory.safetensors_params(model_dir)
+    trained = {name for name in counts if trained_params(family, {name: 1}, train_text_encoder)}
+    kept = sum(os.path.getsize(path) for path in glob.glob(os.path.join(model_dir, "*", "*.safetensors"))
+               if os.path.basename(os.path.dirname(path)) not in trained)
+    trained_count = sum(counts[name] for name in trained)
+    return TRAINED_BYTES * trained_count, kept + 4 * trained_count
 
 
 def text_encoder_files(family):

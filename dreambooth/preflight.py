@@ -100,22 +100,29 @@ def disk_needed_gb(args, limit=1):
         known = known_models.known_model(args.model_name)
         download = known.weights_gb if known else 5.0
         lora = checkpoint.LORA_BYTES / GB
-        family, counts, _ = model_family(args)
         if args.use_lora:
-            per_checkpoint = lora
-        elif known:  # (its parameters: a bf16 download trains in fp32)
-            counts = counts or memory.RELEASED[family]
-            per_checkpoint = checkpoint.TRAINED_BYTES * checkpoint.trained_params(
-                families.FAMILIES[family], counts, True) / GB
+            per_checkpoint, tuned = lora, lora
+        elif known:
+            per_checkpoint, tuned = known_full_gb(args, known)
         else:
-            per_checkpoint = 3 * TRAINED_SHARE * download
-        tuned = lora if args.use_lora else download
+            per_checkpoint, tuned = 3 * TRAINED_SHARE * download, download
     # Ray writes a checkpoint before it removes the oldest one kept; at the end the model is written
     # beside the checkpoints kept, which are removed after it (unless --keep_checkpoints)
     kept = limit * per_checkpoint + max(per_checkpoint, tuned)
     parts = (f"model {download:.1f} + {limit} checkpoint(s) kept of {per_checkpoint:.1f} + the next one or the "
              f"tuned model {max(per_checkpoint, tuned):.1f} GB")
     return download + kept, parts
+
+
+def known_full_gb(args, known):
+    """(a checkpoint's GB, the tuned model's GB) of a full fine-tune of a known model not fetched yet, from its
+    parameter counts: 12 bytes of each trained parameter in a checkpoint (checkpoint.TRAINED_BYTES); the tuned
+    model is its download, the trained networks in fp32 (twice their bytes where the files are bf16/fp16)."""
+    family, counts, _ = model_family(args)
+    counts = counts or memory.RELEASED[family]
+    trained = checkpoint.trained_params(families.FAMILIES[family], counts, True)
+    half_files = known.weights_gb * GB / sum(counts.values()) < 3  # (bytes per parameter: 4 fp32, 2 bf16)
+    return checkpoint.TRAINED_BYTES * trained / GB, known.weights_gb + (2 * trained / GB if half_files else 0)
 
 
 def check_disk(args, limit=1):

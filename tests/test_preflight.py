@@ -35,6 +35,8 @@ def test_workers_default_to_one_per_gpu_and_too_many_name_the_variable(capsys):
 
 
 def test_disk_estimate_is_model_checkpoint_and_output(tiny_model, tmp_path):
+    from dreambooth import known_models
+
     full, parts = preflight.disk_needed_gb(args(model_name="sd15"))
     # the checkpoint kept (--checkpoints_total_limit 1) and the next one Ray writes before removing it: 12 bytes
     # (fp32 weight, AdamW's two moments) of each trained parameter, UNet 860M + text encoder 123M
@@ -44,15 +46,18 @@ def test_disk_estimate_is_model_checkpoint_and_output(tiny_model, tmp_path):
     assert three == pytest.approx(4.3 + 4 * checkpoint_gb, rel=1e-3)
     # Flux.1 dev's files are bf16 and T5 is never trained: its checkpoint is 12 bytes of the transformer and
     # CLIP-L's parameters (11.9B + 0.12B), not three times the 33.8 GB download
+    # (the tuned model: the download with the transformer and CLIP-L in fp32, 24 GB more)
     flux, parts = preflight.disk_needed_gb(args(model_name="flux-dev"))
     assert "1 checkpoint(s) kept of 144." in parts and flux == pytest.approx(33.8 + 2 * 12 * 12.02e9 / 1e9, rel=2e-3)
+    assert preflight.known_full_gb(args(model_name="flux-dev"), known_models.known_model("flux-dev"))[1] == \
+        pytest.approx(33.8 + 2 * 12.02, rel=2e-3)
+    assert preflight.known_full_gb(args(model_name="sd15"), known_models.known_model("sd15"))[1] == 4.3
     lora, _ = preflight.disk_needed_gb(args(model_name="sd15", use_lora=True))
     assert lora == pytest.approx(4.3 + 2 * preflight.checkpoint.LORA_BYTES / preflight.GB)
     cached, parts = preflight.disk_needed_gb(args(model_name="sd15", model_path=tiny_model))
     assert cached < 0.1 and parts.startswith("model 0.0")  # cached already: nothing to download
     # the script knows only ORIG_MODEL_DIR before Step 1: a pinned model already cached there is found
     from dreambooth import cache_model
-    from dreambooth import known_models
 
     known = known_models.known_model("sd15")
     shutil.copytree(tiny_model, cache_model.hub_snapshot_path(str(tmp_path / "cache"), known.hub_name, known.revision))
