@@ -110,11 +110,11 @@ LORA_BYTES = 200e6  # a LoRA checkpoint or model (adapters and their optimizer s
 TRAINED_BYTES = 12  # a checkpoint's bytes per trained parameter: its fp32 weight and AdamW's two fp32 moments
 
 
-def trained_params(family, counts, train_text_encoder):
-    """The parameters a full fine-tune of family trains, of counts ({network: parameter count}): the denoiser,
-    and the text encoders the family trains (not T5) when train_text_encoder."""
-    return sum(n for name, n in counts.items()
-               if name == family.denoiser or (train_text_encoder and name in family.trainable_text_encoders))
+def trained_networks(family, names, train_text_encoder):
+    """Of names (a model's networks), those a full fine-tune of family trains: the denoiser, and the text encoders
+    the family trains (not T5) when train_text_encoder."""
+    return {name for name in names
+            if name == family.denoiser or (train_text_encoder and name in family.trainable_text_encoders)}
 
 
 def disk_bytes(model_dir, lora, train_text_encoder):
@@ -127,7 +127,7 @@ def disk_bytes(model_dir, lora, train_text_encoder):
     if lora:
         return LORA_BYTES, LORA_BYTES
     family, counts = families.family_of(model_dir), memory.safetensors_params(model_dir)
-    trained = {name for name in counts if trained_params(family, {name: 1}, train_text_encoder)}
+    trained = trained_networks(family, counts, train_text_encoder)
     kept = sum(os.path.getsize(path) for path in glob.glob(os.path.join(model_dir, "*", "*.safetensors"))
                if os.path.basename(os.path.dirname(path)) not in trained)
     trained_count = sum(counts[name] for name in trained)

@@ -120,7 +120,7 @@ def known_full_gb(args, known):
     model is its download, the trained networks in fp32 (twice their bytes where the files are bf16/fp16)."""
     family, counts, _ = model_family(args)
     counts = counts or memory.RELEASED[family]
-    trained = checkpoint.trained_params(families.FAMILIES[family], counts, True)
+    trained = sum(counts[name] for name in checkpoint.trained_networks(families.FAMILIES[family], counts, True))
     half_files = known.weights_gb * GB / sum(counts.values()) < 3  # (bytes per parameter: 4 fp32, 2 bf16)
     return checkpoint.TRAINED_BYTES * trained / GB, known.weights_gb + (2 * trained / GB if half_files else 0)
 
