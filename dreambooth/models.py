@@ -384,5 +384,18 @@ def setup_models(plan, denoiser_device, aux_device, distributed, load_guard=None
             for k, text_encoder in models.trainable():
                 models.encoders[k] = ddp(text_encoder, aux_device)
     if plan.torch_compile:
-        models.denoiser = torch.compile(models.denoiser, backend=plan.torch_compile)
+        models.denoiser = compiled(models.denoiser, plan.torch_compile)
     return models
+
+
+def compiled(module, backend):
+    """torch.compile(module, backend=backend); a backend this torch does not know is a utils.UserError (a
+    restart of the workers would meet it again), naming the ones it knows."""
+    import torch
+    from torch._dynamo.exc import InvalidBackend
+
+    try:
+        return torch.compile(module, backend=backend)
+    except InvalidBackend:
+        known = ", ".join(torch._dynamo.list_backends())
+        raise utils.UserError(f"--torch_compile {backend}: not a backend of this torch ({known})") from None

@@ -22,6 +22,58 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (the tests' he
 
 import pytest  # noqa: E402
 
+# Every process this run starts inherits this value (Ray's daemons and workers, scripts, servers): a process
+# that still has it once the run ends was left behind (leftover_processes).
+_RUN_MARK = os.environ["RAY_AUTH_TOKEN_PATH"]
+
+
+def leftover_processes():
+    """(pid, command line) of the processes started by this test run that are still alive, found by the
+    environment they inherited (_RUN_MARK); this process and its ancestors are not counted."""
+    mine = {os.getpid()}
+    pid = os.getpid()
+    while pid > 1:
+        pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+        mine.add(pid)
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if int(pid) in mine or _RUN_MARK.encode() not in open(f"/proc/{pid}/environ", "rb").read():
+                continue
+            command = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        except OSError:  # (gone meanwhile, or not ours to read)
+            continue
+        if state != "Z":
+            found.append((int(pid), command.strip()[:200]))
+    return found
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session):
+    """After every fixture is torn down: a process this run started and left running fails the run (it
+    would slow, or hang, whatever runs next on the machine), named, then killed."""
+    import signal
+    import time
+
+    deadline = time.time() + 30  # (Ray's daemons take some seconds to go after `ray stop`)
+    while (left := leftover_processes()) and time.time() < deadline:
+        time.sleep(1)
+    if not left:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter:
+        reporter.ensure_newline()
+        reporter.write_line(f"FAILED: {len(left)} process(es) left running by this test run (killed now):", red=True)
+        for pid, command in left:
+            reporter.write_line(f"  {pid} {command}")
+    for pid, _ in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
 
 def free_port():
     """A TCP port on 127.0.0.1 that nothing listens on now."""

@@ -6,6 +6,7 @@ import torch
 
 from dreambooth import models as models_lib
 from dreambooth import steps
+from dreambooth import utils
 
 CPU = torch.device("cpu")
 
@@ -68,6 +69,9 @@ def test_compiled_unet_unwraps_and_trains(make_plan, step_prompts):
     batch = {"instance_pixels": torch.zeros(1, res, res, 3, dtype=torch.uint8)}
     loss = steps.train_step(state, [batch], step_prompts, 1.0, 1.0)[0]
     assert torch.isfinite(loss)
+    # A backend torch does not know: one line naming those it does (a UserError: no restart of the workers)
+    with pytest.raises(utils.UserError, match=r"^--torch_compile nope: not a backend of this torch \(.*inductor"):
+        models_lib.setup_models(make_plan(torch_compile="nope"), CPU, CPU, distributed=False)
 
 
 @pytest.mark.parametrize("size, unet_m, te_m, vae_m", [("sd15", 859.5, 123.1, 83.7)])
