@@ -163,10 +163,10 @@ def test_validation_samples_are_what_generate_draws_from_the_same_weights(tiny_s
 def test_lora_on_two_workers_resumed_ends_on_the_uninterrupted_weights_and_draws(ray_session, tiny_sd3_model,
                                                                                   toy_images, tmp_path, capfd):
     """train.py on Ray with 2 workers: a LoRA run cut at step 2 (as the sweep stops a trial) and resumed
-    ends on exactly the adapters of the uninterrupted 4-step run; generate.py draws with them."""
+    ends on exactly the adapters of the uninterrupted 4-step run. (generate.py drawing with SD 3.5 adapters:
+    test_sweep's SD 3.5 sweep, whose scores draw each trial's adapters on generate's actor pool.)"""
     from safetensors.torch import load_file
 
-    from dreambooth import generate
     from dreambooth import planning
     from dreambooth import train
     from dreambooth import utils
@@ -187,10 +187,6 @@ def test_lora_on_two_workers_resumed_ends_on_the_uninterrupted_weights_and_draws
     b = load_file(str(tmp_path / "cut" / utils.LORA_WEIGHTS_FILE))
     assert a.keys() == b.keys() and any(k.startswith("transformer.") for k in a)
     assert all(torch.equal(a[k], b[k]) for k in a)
-    drawn = tmp_path / "drawn"
-    generate.main(["--model_dir", str(tmp_path / "whole"), "--output_dir", str(drawn), "--prompts",
-                   "photo of unqtkn toy", "--num_samples_per_prompt", "1", "--num_inference_steps", "2"])
-    assert (drawn / "photo-of-unqtkn-toy-00000.png").is_file()
 
 
 @pytest.mark.slow  # (trains: over a second)
