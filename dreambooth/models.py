@@ -389,8 +389,7 @@ def setup_models(plan, denoiser_device, aux_device, distributed, load_guard=None
 
 
 def compiled(module, backend):
-    """torch.compile(module, backend=backend); a backend this torch does not know is a utils.UserError (a
-    restart of the workers would meet it again), naming the ones it knows."""
+    """torch.compile(module, backend=backend); an unknown backend is a UserError (no restart would mend it)."""
     import torch
     from torch._dynamo.exc import InvalidBackend
 

@@ -205,4 +205,6 @@ def log_scores(record, step, scores, label):
             tracker = MLflow(None, None, None, {}, previous=run)
             tracker.scalars(step, values)
         tracker.close()
+        if name == "wandb":  # (no other W&B run in this process: its W&B service process ends now, not at exit)
+            tracker.wandb.teardown()
         print(f"{label}'s scores added to its {name} run {run.get('id') or run.get('run_id')}", file=sys.stderr)
