@@ -315,8 +315,8 @@ def test_a_flow_lora_sweep_scores_each_step_count_and_its_best_adapters_load_in_
     before = pipe(**draw, generator=torch.Generator().manual_seed(0)).images
     pipe.load_lora_weights(str(tmp_path / "best"))
     after = pipe(**draw, generator=torch.Generator().manual_seed(0)).images
-    # (adapters that loaded as zeros would change nothing at all; Flux.1's best is the 1e-5 trial's first step)
-    assert abs(after - before).max() > 1e-6
+    # (Flux.1's best is the 1e-5 trial's first step: a smaller change, yet adapters loaded as zeros change nothing)
+    assert abs(after - before).max() > (1e-6 if early_stopping else 1e-4)
 
 
 @pytest.mark.slow
