@@ -157,6 +157,7 @@ def job_runtime_env():
             "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0"),
             "TOKENIZERS_PARALLELISM": "false",
             "RAY_DATA_LOG_LEVEL": os.environ["RAY_DATA_LOG_LEVEL"],
+            "RAY_USAGE_STATS_ENABLED": os.environ["RAY_USAGE_STATS_ENABLED"],
             # Ray Train routes a worker's print() through its logger and also to the original
             # stream: every line twice on the driver's terminal. Plain print is what we want.
             "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
@@ -188,6 +189,9 @@ def init_ray():
     os.environ.setdefault("RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES", "")
     # Ray Data's INFO lines (each dataset's start, plan and finish) are for debugging Ray Data.
     os.environ.setdefault("RAY_DATA_LOG_LEVEL", "WARNING")
+    # No usage statistics from our jobs (the clusters we start are closed to the network; `ray start` gets
+    # --disable-usage-stats): also spares every cluster Ray Data's usage-collection actor, a process of its own.
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if ray.is_initialized():
         return ray
     ensure_ray_token()

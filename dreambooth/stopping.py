@@ -3,33 +3,44 @@
 checkpoint its current step and end; `--resume_from_checkpoint latest|auto` continues from there. A second
 signal aborts at once, as Ray Train's own Ctrl-C handler does.
 
-The request travels in a Ray actor (StopFlag) that each worker polls without waiting; the workers agree on
-the step to stop at with one all-reduce of a flag per step on a CPU (gloo) group, so no GPU stream waits
-for it."""
+The request travels as a key in the cluster's key-value store (Ray's GCS, which every worker reaches), one key
+per run, read by each worker once a step; the workers agree on the step to stop at with one all-reduce of a flag
+per step on a CPU (gloo) group, so no GPU stream waits for it. (It was an actor: a process of its own, about a
+second of CPU at every run's start.)"""
 
 import signal
 import sys
 import time
+import uuid
 
-
-class StopFlag:
-    """The driver's stop request (a Ray actor with no CPU of its own)."""
-
-    def __init__(self):
-        self.reason = None
-
-    def request(self, reason):
-        self.reason = self.reason or reason
-
-    def requested(self):
-        return self.reason
+NAMESPACE = "dreambooth-stop"
 
 
 def make_flag():
-    """A StopFlag actor on the cluster."""
-    import ray
+    """A new run's stop flag: the name of its key (not set until a stop is asked)."""
+    return f"run-{uuid.uuid4().hex}"
 
-    return ray.remote(num_cpus=0)(StopFlag).remote()
+
+def request(flag, reason):
+    """Ask the run of flag to stop at its current step (reason: the signal's name); the first reason stays."""
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_put(flag, reason, overwrite=False, namespace=NAMESPACE)
+
+
+def requested(flag):
+    """The reason a stop was asked for the run of flag, or None."""
+    from ray.experimental import internal_kv
+
+    value = internal_kv._internal_kv_get(flag, namespace=NAMESPACE)
+    return value.decode() if value else None
+
+
+def forget(flag):
+    """Remove flag's key (the run has ended; a sweep runs many in one driver)."""
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_del(flag, namespace=NAMESPACE)
 
 
 def trainer_class():
@@ -56,7 +67,7 @@ def install_handlers(flag, abort):
             return abort(signal.SIGINT, frame)
         asked.append(time.time())
         name = signal.Signals(signum).name
-        flag.request.remote(name)
+        request(flag, name)
         print(f"{name}: every worker checkpoints the step it is on, then the run stops (again to stop at once, "
               f"losing that step)", file=sys.stderr, flush=True)
 
@@ -73,7 +84,7 @@ class StopPoll:
     DRAIN_CHECK_S = 2.0  # (Ray Train's watcher itself polls every 5 s)
 
     def __init__(self, flag, world, rank):
-        self.flag, self.rank, self.pending, self.seen, self.group = flag, rank, None, None, None
+        self.flag, self.rank, self.seen, self.group = flag, rank, None, None
         self.last_drain_check, self.drain_seen, self.drained = time.monotonic(), False, None
         if world > 1:
             import torch.distributed as dist
@@ -81,27 +92,17 @@ class StopPoll:
             self.group = dist.new_group(backend="gloo")  # (every rank creates it, once)
 
     def reason(self):
-        """The driver's request this rank has seen so far, without waiting."""
-        import ray
-
+        """The driver's request as this rank has seen it (one read of the key until it is set)."""
         if self.seen is None and self.flag is not None:
-            if self.pending is None:
-                self.pending = self.flag.requested.remote()
-            ready, _ = ray.wait([self.pending], timeout=0)
-            if ready:
-                self.seen, self.pending = ray.get(self.pending), None
+            self.seen = requested(self.flag)
         return self.seen
 
     def await_reason(self):
-        """The driver's request once another rank saw it first (this rank's poll was not answered yet): asked
-        again and waited for, so rank 0 names the signal (up to 10 s; else the reason stays unknown)."""
-        import ray
-
-        try:
-            while self.seen is None and self.flag is not None:  # (a poll sent before the request answers None)
-                self.seen, self.pending = ray.get(self.pending or self.flag.requested.remote(), timeout=10), None
-        except ray.exceptions.RayError:  # (a lost flag actor leaves the reason unknown; the stop goes on)
-            pass
+        """The driver's request once another rank saw it first (this rank read the key just before it was set):
+        read again, up to 10 s, so rank 0 names the signal (else the reason stays unknown; the stop goes on)."""
+        deadline = time.monotonic() + 10
+        while self.reason() is None and self.flag is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def check(self):
         """"stop" (checkpoint this step and end), "drained" (checkpoint this step and go on: the first time a

@@ -200,7 +200,7 @@ def run_trainer(plan, train_ds):
         if handlers:
             signal.signal(signal.SIGINT, handlers[0])
             signal.signal(signal.SIGTERM, handlers[1])
-        ray.kill(trainer.train_loop_config["stop_flag"])  # (a sweep runs many trials in one driver)
+        stopping.forget(trainer.train_loop_config["stop_flag"])  # (a sweep runs many trials in one driver)
     if (result.metrics or {}).get("step", 0) < plan.end_step and not storage.isfile(
             storage.join(plan.output_dir, utils.OUTPUT_MARKER)):
         raise KeyboardInterrupt  # an aborted run returns a partial result

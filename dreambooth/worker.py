@@ -40,7 +40,8 @@ def train_fn(config):
 
 def train_worker(plan, stop_flag=None):
     """One worker's whole run: models, checkpoint, the step loop, reports, the saved model (not when the
-    driver asked for a stop through stop_flag, a stopping.StopFlag: then the current step's checkpoint)."""
+    driver asked for a stop through stop_flag, the run's key of stopping.make_flag: then the current step's
+    checkpoint)."""
     utils.skip_unused_imports(lora=plan.use_lora, eight_bit=plan.use_8bit_adam or bool(plan.base_precision))
     import ray.train
 

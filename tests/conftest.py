@@ -140,6 +140,22 @@ def tiny_flux_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_eval_models(tmp_path_factory):
+    """(cache folder, models folder) of the tiny random scoring models (cache_model.py --eval_models --tiny): the
+    cache folder is what dreambooth_run.sh's EVAL_MODELS_CACHE names, the models folder evaluate.py's
+    --eval_models_dir. Read only."""
+    from dreambooth import cache_model
+
+    cache = tmp_path_factory.mktemp("model-eval")
+    return str(cache), cache_model.main(["--model_dir", str(cache), "--eval_models", "--tiny"])
+
+
+def model_cache_of(snapshot):
+    """The hub cache folder (ORIG_MODEL_DIR, --model_dir of cache_model.py) that holds a tiny model's snapshot."""
+    return snapshot.split(os.sep + "models--")[0]
+
+
+@pytest.fixture(scope="session")
 def shared_ray_cluster(tmp_path_factory):
     """One local Ray cluster for the session, as dreambooth_run.sh keeps one for its steps: every
     script a slow test runs, and this process (ray_session), joins it through RAY_ADDRESS instead

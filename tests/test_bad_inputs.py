@@ -211,13 +211,12 @@ def run_script(script, args, no_ray=False):
 
 
 @pytest.mark.slow
-def test_scripts_check_what_they_were_given_before_ray_starts(tiny_model, cut_model, toy_images, tmp_path):
+def test_scripts_check_what_they_were_given_before_ray_starts(tiny_model, cut_model, toy_images, tmp_path,
+                                                            tiny_eval_models):
     """Each case: exit != 0, one line naming the culprit, no traceback, in seconds (before Ray, before
     any image is drawn), and nothing of the user's moved."""
-    from dreambooth import cache_model
-
     eval_models = str(tmp_path / "no-eval-models")
-    real_eval_models = cache_model.main(["--model_dir", str(tmp_path / "cache"), "--eval_models", "--tiny"])
+    real_eval_models = tiny_eval_models[1]
     a_file = tmp_path / "notes.txt"
     a_file.write_text("keep me")
     train = ["--instance_data_dir", toy_images, "--instance_prompt", "photo of unqtkn toy", "--num_workers", "1"]

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from conftest import model_cache_of
 from conftest import ray_sessions
 from dreambooth.outputs import IMAGES_CONFIG, IMAGES_RECORD
 from dreambooth.utils import LORA_WEIGHTS_FILE, OUTPUT_MARKER, REPO_DIR
@@ -198,6 +199,14 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request, webhook):
         assert any(not torch.equal(a[k], b[k]) for k in a), part
 
 
+def shared_models(tmp_path, tiny_model, eval_models):
+    """A family's script run reads the session's built tiny models (its Step 1 finds them in ORIG_MODEL_DIR and
+    EVAL_MODELS_CACHE; the SD 1.x runs above build theirs) and scores one prompt of Step 6 (EVAL_PROMPTS)."""
+    prompts = tmp_path / "eval-prompts.txt"
+    prompts.write_text("a {subject} on a beach\n")
+    return dict(ORIG_MODEL_DIR=model_cache_of(tiny_model), EVAL_MODELS_CACHE=eval_models[0], EVAL_PROMPTS=str(prompts))
+
+
 def run_in_terminal(argv, env, timeout):
     """argv on a pseudo-terminal (its stdin, stdout and stderr), as a person runs it: (return code,
     what the terminal showed, its line ends as \\n)."""
@@ -267,7 +276,7 @@ def test_a_run_that_cannot_work_stops_before_step_1_with_one_line(tmp_path, env,
 
 
 @pytest.mark.slow
-def test_dreambooth_run_tiny_sdxl_lora_end_to_end(tmp_path):
+def test_dreambooth_run_tiny_sdxl_lora_end_to_end(tmp_path, tiny_sdxl_model, tiny_eval_models):
     """`--tiny --arch sdxl --use_lora --prior_prediction`: Steps 0-6 with the tiny SDXL model, its
     resolution (128 px) followed everywhere without a setting, no class images (Step 3 skipped: the
     adapters switched off give the class rows' targets), the adapters drawn by Step 5 and scored by
@@ -275,10 +284,9 @@ def test_dreambooth_run_tiny_sdxl_lora_end_to_end(tmp_path):
     from PIL import Image
 
     subject_dir = tmp_path / "subjects" / "example-toy"
-    prompts = tmp_path / "eval-prompts.txt"
-    prompts.write_text("a {subject} on a beach\n")
     env = dict(os.environ, DATA_PREFIX=str(tmp_path), NUM_CLASS_IMAGES="2", NUM_INFERENCE_STEPS="2",
-               MAX_TRAIN_STEPS="2", NUM_NEW_IMAGES="1", PYTHON=sys.executable, EVAL_PROMPTS=str(prompts),
+               MAX_TRAIN_STEPS="2", NUM_NEW_IMAGES="1", PYTHON=sys.executable,
+               **shared_models(tmp_path, tiny_sdxl_model, tiny_eval_models),
                CLASS_NAME="dog")  # a live class: Step 6 scores it with the live prompt set
     env.pop("NUM_WORKERS", None)
     proc = subprocess.run(["bash", "dreambooth_run.sh", "--tiny", "--arch", "sdxl", "--use_lora", "--prior_prediction"],
@@ -298,7 +306,7 @@ def test_dreambooth_run_tiny_sdxl_lora_end_to_end(tmp_path):
 
 
 @pytest.mark.slow
-def test_dreambooth_run_tiny_sd3_end_to_end(tmp_path):
+def test_dreambooth_run_tiny_sd3_end_to_end(tmp_path, tiny_sd3_model, tiny_eval_models):
     """`--tiny --arch sd3`: Steps 0-6 with the tiny SD 3.5 model (flow matching, three text encoders):
     class images drawn by its pipeline, the transformer and both CLIP encoders fine-tuned, images of the
     subject at its 64 px, scored; the export hint writes the model in Stability's single-file layout."""
@@ -306,7 +314,8 @@ def test_dreambooth_run_tiny_sd3_end_to_end(tmp_path):
 
     subject_dir = tmp_path / "subjects" / "example-toy"
     env = dict(os.environ, DATA_PREFIX=str(tmp_path), NUM_CLASS_IMAGES="2", NUM_INFERENCE_STEPS="2",
-               MAX_TRAIN_STEPS="2", NUM_NEW_IMAGES="1", PYTHON=sys.executable)
+               MAX_TRAIN_STEPS="2", NUM_NEW_IMAGES="1", PYTHON=sys.executable,
+               **shared_models(tmp_path, tiny_sd3_model, tiny_eval_models))
     env.pop("NUM_WORKERS", None)
     proc = subprocess.run(["bash", "dreambooth_run.sh", "--tiny", "--arch", "sd3"], cwd=REPO_DIR, env=env,
                           capture_output=True, text=True, timeout=600)
@@ -330,7 +339,7 @@ def test_dreambooth_run_tiny_sd3_end_to_end(tmp_path):
 
 
 @pytest.mark.slow
-def test_dreambooth_run_tiny_flux_end_to_end(tmp_path):
+def test_dreambooth_run_tiny_flux_end_to_end(tmp_path, tiny_flux_model, tiny_eval_models):
     """`--tiny --arch flux --use_lora`: Steps 0-6 with the tiny Flux.1 dev model (packed latents, CLIP-L + T5,
     the guidance input): class images drawn by FluxPipeline, LoRA adapters on the transformer, images of
     the subject at its 64 px, scored beside the base model; the export hint writes kohya's Flux LoRA."""
@@ -338,7 +347,8 @@ def test_dreambooth_run_tiny_flux_end_to_end(tmp_path):
 
     subject_dir = tmp_path / "subjects" / "example-toy"
     env = dict(os.environ, DATA_PREFIX=str(tmp_path), NUM_CLASS_IMAGES="2", NUM_INFERENCE_STEPS="2",
-               MAX_TRAIN_STEPS="2", NUM_NEW_IMAGES="1", PYTHON=sys.executable)
+               MAX_TRAIN_STEPS="2", NUM_NEW_IMAGES="1", PYTHON=sys.executable,
+               **shared_models(tmp_path, tiny_flux_model, tiny_eval_models))
     env.pop("NUM_WORKERS", None)
     proc = subprocess.run(["bash", "dreambooth_run.sh", "--tiny", "--arch", "flux", "--use_lora"], cwd=REPO_DIR,
                           env=env, capture_output=True, text=True, timeout=600)

@@ -100,10 +100,11 @@ def lora_trained_and_drawn(model, common, tmp_path):
 
 
 @pytest.mark.slow
-def test_sd2_v_trains_resumes_and_draws_at_its_own_resolution(ray_session, tiny_sd2v_model, toy_images, tmp_path):
+def test_sd2_v_trains_and_draws_at_its_own_resolution(ray_session, tiny_sd2v_model, toy_images, tmp_path):
     """generate.py draws its class images at 96 px (the model's size, not SD 1.x's); train.py trains
-    on them (full, then resumed past its end; LoRA); the outputs load as SD 2.x v-prediction pipelines
-    and draw again."""
+    on them (full; LoRA); the outputs load as SD 2.x v-prediction pipelines and draw again. (A run resumed
+    past its end, whose checkpoint holds the same UNet and text encoder as SD 1.x's: test_recovery's
+    test_seeded_run_cut_and_resumed_with_every_gpu_option, SD 1.x and SDXL.)"""
     from diffusers import StableDiffusionPipeline
 
     from dreambooth import train
@@ -111,11 +112,8 @@ def test_sd2_v_trains_resumes_and_draws_at_its_own_resolution(ray_session, tiny_
     class_dir, common = class_images_and_train_args(tiny_sd2v_model, toy_images, tmp_path)
     assert drawn_size(class_dir, "photo-of-a-toy-00000.png") == (96, 96)
     out = tmp_path / "tuned"
-    first = train.main([*common, "--output_dir", str(out), "--max_train_steps", "2", "--keep_checkpoints"])
+    first = train.main([*common, "--output_dir", str(out), "--max_train_steps", "2"])
     assert first.metrics["step"] == 2 and first.metrics["loss"] > 0
-    resumed = train.main([*common, "--output_dir", str(out), "--max_train_steps", "3",
-                          "--resume_from_checkpoint", "latest"])
-    assert resumed.metrics["step"] == 3
     tuned = StableDiffusionPipeline.from_pretrained(str(out), safety_checker=None)
     base = StableDiffusionPipeline.from_pretrained(tiny_sd2v_model, safety_checker=None)
     assert tuned.scheduler.config.prediction_type == "v_prediction"
@@ -183,11 +181,12 @@ def test_the_sdxl_unet_is_conditioned_on_each_rows_size_and_crop(tiny_sdxl_model
 
 
 @pytest.mark.slow
-def test_sdxl_trains_resumes_with_lora_and_exports(ray_session, tiny_sdxl_model, toy_images, tmp_path):
+def test_sdxl_trains_with_lora_and_exports(ray_session, tiny_sdxl_model, toy_images, tmp_path):
     """The SDXL pipeline end to end on Ray: class images, a full fine-tune of the UNet and both text
-    encoders resumed past its end, LoRA on all three exported to kohya's SDXL names, which diffusers loads
+    encoders with validation samples, LoRA on all three exported to kohya's SDXL names, which diffusers loads
     to the same weights as our own file. (generate.py drawing with SDXL adapters, at 128 px: the SDXL
-    script run in test_dreambooth_run.)"""
+    script run in test_dreambooth_run; an SDXL run resumed past its end, both text encoders and the moving
+    average in its checkpoint: test_recovery's test_seeded_run_cut_and_resumed_with_every_gpu_option[sdxl].)"""
     from diffusers import StableDiffusionXLPipeline
     from safetensors import safe_open
 
@@ -205,13 +204,11 @@ def test_sdxl_trains_resumes_with_lora_and_exports(ray_session, tiny_sdxl_model,
     vae.save_pretrained(tmp_path / "own-vae")
     common += ["--pretrained_vae_model_name_or_path", str(tmp_path / "own-vae")]
     out = tmp_path / "tuned"
-    assert train.main([*common, "--output_dir", str(out), "--max_train_steps", "2",
-                       "--keep_checkpoints"]).metrics["step"] == 2
-    resumed = train.main([*common, "--output_dir", str(out), "--max_train_steps", "3", "--resume_from_checkpoint",
-                          "latest", "--validation_prompt", "photo of unqtkn toy", "--num_validation_images", "1",
-                          "--validation_inference_steps", "2"])
-    assert resumed.metrics["step"] == 3
-    assert os.listdir(os.path.join(resumed.path, "validation", "step-3")) == ["photo-of-unqtkn-toy-00000.png"]
+    tuned_run = train.main([*common, "--output_dir", str(out), "--max_train_steps", "3",
+                            "--validation_prompt", "photo of unqtkn toy", "--num_validation_images", "1",
+                            "--validation_inference_steps", "2"])
+    assert tuned_run.metrics["step"] == 3
+    assert os.listdir(os.path.join(tuned_run.path, "validation", "step-3")) == ["photo-of-unqtkn-toy-00000.png"]
     tuned, base = (StableDiffusionXLPipeline.from_pretrained(m) for m in (str(out), tiny_sdxl_model))
     assert all(torch.equal(v, vae.state_dict()[k]) for k, v in tuned.vae.state_dict().items())
     for part in ("unet", "text_encoder", "text_encoder_2"):

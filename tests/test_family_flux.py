@@ -327,15 +327,18 @@ def test_fsdp_is_a_full_fine_tune_of_the_denoiser_alone(capsys):
 
 @pytest.mark.slow
 def test_a_full_fine_tune_sharded_across_two_workers_resumes_to_the_same_weights(ray_session, tiny_flux_model,
-                                                                                 toy_images, tmp_path, capfd):
+                                                                                 toy_images, tmp_path):
     """--fsdp on Ray with 2 workers (gloo on CPU, the code NCCL runs on GPUs): the transformer sharded per block,
-    checkpoints written whole by rank 0 and spread again on resume; a run cut at step 2 and resumed ends on
-    exactly the uninterrupted run's weights; validation samples drawn by both ranks together; the output is a
-    FluxPipeline whose transformer moved and whose text encoders did not."""
+    checkpoints written whole by rank 0 and spread again on resume; the run's checkpoint of step 2 resumed into a
+    new output ends on exactly the uninterrupted run's weights; validation samples drawn by both ranks together;
+    the output is a FluxPipeline whose transformer moved and whose text encoders did not. (A run cut by
+    train.run's stop_step, as the sweep cuts a trial, then resumed: the LoRA tests on Ray, Flux.1's and SD 3.5's.)"""
+    import json
+
     from diffusers import FluxPipeline
     from safetensors.torch import load_file
 
-    from dreambooth import planning
+    from dreambooth import checkpoint
     from dreambooth import train
 
     def argv(name):
@@ -344,15 +347,19 @@ def test_a_full_fine_tune_sharded_across_two_workers_resumes_to_the_same_weights
                 "--max_train_steps", "4", "--checkpointing_steps", "2", "--learning_rate", "1e-3",
                 "--output_dir", str(tmp_path / name), "--storage_path", str(tmp_path / f"runs-{name}"),
                 "--validation_prompt", "a toy", "--num_validation_images", "1", "--validation_inference_steps", "2",
-                "--validation_steps", "4"]
+                "--validation_steps", "4", "--logging_steps", "1",
+                "--keep_checkpoints", "--checkpoints_total_limit", "2"]  # (the checkpoint of step 2 is resumed below)
+
+    def logged(result):
+        return [(row["step"], row["loss"]) for row in map(json.loads, open(os.path.join(result.path, "metrics.jsonl")))]
 
     whole = train.main(argv("whole"))
     assert whole.metrics["step"] == 4
     assert list((tmp_path / "runs-whole").glob("*/validation/step-4/a-toy-00000.png"))
-    train.run(planning.parse_args(argv("cut")), stop_step=2)
-    capfd.readouterr()
-    resumed = train.main([*argv("cut"), "--resume_from_checkpoint", "latest"])
-    assert resumed.metrics["step"] == 4 and "resuming from" in capfd.readouterr().err
+    [step_2] = [str(p.parent) for p in (tmp_path / "runs-whole").glob(f"*/*/{checkpoint.STATE_FILE}")
+                if json.loads(p.read_text())["step"] == 2]
+    resumed = train.main([*argv("cut"), "--resume_from_checkpoint", step_2])
+    assert resumed.metrics["step"] == 4 and logged(resumed) == logged(whole)[2:]  # steps 3 and 4 only, the same losses
     a = load_file(str(tmp_path / "whole" / "transformer" / "diffusion_pytorch_model.safetensors"))
     b = load_file(str(tmp_path / "cut" / "transformer" / "diffusion_pytorch_model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

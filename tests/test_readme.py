@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-
+from conftest import model_cache_of
 from dreambooth.utils import OUTPUT_MARKER, REPO_DIR
 
 README = open(os.path.join(REPO_DIR, "README.md")).read()
@@ -103,10 +103,12 @@ def test_each_step_by_hand_runs_as_written_on_the_tiny_model(tmp_path):
 
 
 @pytest.mark.slow
-def test_your_own_subject_blocks_run_as_written_with_the_tiny_model(tmp_path, toy_images):
+def test_your_own_subject_blocks_run_as_written_with_the_tiny_model(tmp_path, toy_images, tiny_model,
+                                                                    tiny_eval_models):
     """`INSTANCE_DIR=~/photos/rex CLASS_NAME=dog ./dreambooth_run.sh [-- flags]` as typed, in a home
     whose ~/photos/rex holds the photos; the only change: --tiny (no GPU, no download here). Fewer class
-    and evaluation images come from the environment, as a user's own settings would."""
+    and evaluation images come from the environment, as a user's own settings would, and so do the model caches:
+    the session's tiny models (ORIG_MODEL_DIR, EVAL_MODELS_CACHE; Step 1 finds them built)."""
     import shutil
 
     home = tmp_path / "home"
@@ -114,7 +116,8 @@ def test_your_own_subject_blocks_run_as_written_with_the_tiny_model(tmp_path, to
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a {subject} on a beach\n")
     env = dict(os.environ, HOME=str(home), DATA_PREFIX=str(tmp_path / "data"), NUM_CLASS_IMAGES="4",
-               MAX_TRAIN_STEPS="2", NUM_INFERENCE_STEPS="2", EVAL_PROMPTS=str(prompts), PYTHON=sys.executable)
+               MAX_TRAIN_STEPS="2", NUM_INFERENCE_STEPS="2", EVAL_PROMPTS=str(prompts), PYTHON=sys.executable,
+               ORIG_MODEL_DIR=model_cache_of(tiny_model), EVAL_MODELS_CACHE=tiny_eval_models[0])
     blocks = [b for b in BLOCKS if YOUR_OWN in b]
     assert len(blocks) == 2 and "-- --gradient_checkpointing --use_8bit_adam" in blocks[1]
     for block in blocks:

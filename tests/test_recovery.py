@@ -207,17 +207,21 @@ def same_weights(a_folder, b_folder):
 
 @pytest.mark.slow
 def test_a_rank_whose_poll_was_sent_before_the_request_still_names_the_signal(ray_session):
-    """Rank 0's poll of the stop flag can be answered (None) before the driver's request lands while rank 1 saw
-    it: the all-reduce says stop and rank 0 asks again, so the stop line names SIGTERM, not 'a signal'."""
+    """Rank 0 can read the stop flag just before the driver's request lands while rank 1 reads it after: the
+    all-reduce says stop and rank 0 reads again, so the stop line names SIGTERM, not 'a signal'. The flag's key
+    is gone once the run forgets it."""
     from dreambooth import stopping
 
     flag = stopping.make_flag()
     poll = stopping.StopPoll(flag, world=1, rank=0)
-    poll.pending = flag.requested.remote()  # the poll in flight, answered before the request: None
-    ray_session.wait([poll.pending])
-    flag.request.remote("SIGTERM")
+    assert poll.reason() is None  # (this rank's read, before the request)
+    stopping.request(flag, "SIGTERM")
+    stopping.request(flag, "SIGINT")  # (a later signal does not rename the stop)
+    assert stopping.requested(flag) == "SIGTERM" and stopping.requested(stopping.make_flag()) is None
     poll.await_reason()
-    assert poll.reason() == "SIGTERM"
+    assert poll.seen == "SIGTERM"
+    stopping.forget(flag)
+    assert stopping.requested(flag) is None
 
 
 @pytest.mark.slow

@@ -138,11 +138,9 @@ def test_search_space_is_a_grid_of_every_value_or_random_draws_with_a_log_unifor
 
 
 @pytest.fixture()
-def two_subjects(tiny_model, toy_images, tmp_path):
+def two_subjects(tiny_model, tiny_eval_models, toy_images, tmp_path):
     """(sweep.py's command for two subjects of one class, LoRA, the tiny models; the sweep folder)."""
-    from dreambooth import cache_model
-
-    eval_models = cache_model.main(["--model_dir", str(tmp_path / "cache"), "--eval_models", "--tiny"])
+    eval_models = tiny_eval_models[1]
     photos = [os.path.join(toy_images, n) for n in sorted(os.listdir(toy_images))]
     write_subject(tmp_path / "s" / "red", photos[:3], {"class_name": "toy"})
     write_subject(tmp_path / "s" / "blue", photos[3:], {"class_name": "toy", "unique_token": "zwx"})
@@ -261,7 +259,7 @@ def test_random_lora_sweep_of_two_subjects_in_a_bucket_on_two_nodes_scores_each_
 @pytest.mark.slow
 @pytest.mark.parametrize("family, early_stopping", [("flux", True), ("sd3", False)])
 def test_a_flow_lora_sweep_scores_each_step_count_and_its_best_adapters_load_in_the_familys_pipeline(
-        family, early_stopping, toy_images, tmp_path, request):
+        family, early_stopping, tiny_eval_models, toy_images, tmp_path, request):
     """The sweep on the tiny Flux.1 dev and SD 3.5 models (flow matching, T5): one subject, a trial scored at
     steps 1 and 2, the best LoRA kept with its record, loadable in the family's pipeline (FluxPipeline,
     StableDiffusion3Pipeline) where it changes the image.
@@ -273,11 +271,9 @@ def test_a_flow_lora_sweep_scores_each_step_count_and_its_best_adapters_load_in_
     import diffusers
     import torch
 
-    from dreambooth import cache_model
-
     model = request.getfixturevalue(f"tiny_{family}_model")
 
-    eval_models = cache_model.main(["--model_dir", str(tmp_path / "cache"), "--eval_models", "--tiny"])
+    eval_models = tiny_eval_models[1]
     class_dir = tmp_path / "best-sweep" / "class-images" / "toy"  # (drawn already: generate's own tests draw)
     write_subject(class_dir, [os.path.join(toy_images, n) for n in sorted(os.listdir(toy_images))[:2]], None)
     (tmp_path / "prompts.txt").write_text("a {subject} on a beach\n")
