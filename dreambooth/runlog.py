@@ -42,33 +42,71 @@ class RunLog:
             tracker.close()
 
 
+BLUE, ORANGE, INK, GRID = (31, 119, 180), (255, 127, 14), (40, 40, 40), (225, 225, 225)
+
+
 def plot_metrics(metrics_file):
-    """loss.png beside metrics_file: the run's logged loss and learning rate against the
-    step. None when there is nothing to plot."""
+    """loss.png beside metrics_file: the run's logged loss (left axis) and learning rate (right axis, from 0)
+    against the step, 800 x 450 px. None when there is nothing to plot. Drawn with PIL, not matplotlib: importing
+    matplotlib was most of a second at the end of every run."""
     if not os.path.isfile(metrics_file):
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display on a cluster node
-    import matplotlib.pyplot as plt
-
     with open(metrics_file) as f:
         rows = sorted((json.loads(line) for line in f if line.strip()), key=lambda r: r["step"])
     if not rows:
         return None
-    steps = [r["step"] for r in rows]
-    fig, loss_axis = plt.subplots(figsize=(8, 4.5), dpi=100)
-    loss_axis.plot(steps, [r["loss"] for r in rows], color="tab:blue", marker=".", label="loss")
-    loss_axis.set_xlabel("optimizer step")
-    loss_axis.set_ylabel("loss (mean over the logging window)", color="tab:blue")
-    lr_axis = loss_axis.twinx()
-    lr_axis.plot(steps, [r["lr"] for r in rows], color="tab:orange", label="learning rate")
-    lr_axis.set_ylabel("learning rate", color="tab:orange")
-    lr_axis.set_ylim(bottom=0)
-    loss_axis.set_title(os.path.basename(os.path.dirname(metrics_file)))
-    loss_axis.grid(alpha=0.3)
-    fig.tight_layout()
+    from PIL import Image
+    from PIL import ImageDraw
+
+    image = Image.new("RGB", (800, 450), "white")
+    draw = ImageDraw.Draw(image)
+    left, top, right, bottom = 80, 50, 720, 400  # the plot area
+    axes = {"step": ticks([r["step"] for r in rows], from_zero=False),
+            "loss": ticks([r["loss"] for r in rows], from_zero=False),
+            "lr": ticks([r["lr"] for r in rows], from_zero=True)}
+
+    def at(value, key, low, high):
+        marks = axes[key]
+        return low + (value - marks[0]) / ((marks[-1] - marks[0]) or 1) * (high - low)
+
+    for value in axes["step"]:
+        x = at(value, "step", left, right)
+        draw.line([(x, top), (x, bottom)], fill=GRID)
+        draw.text((x, bottom + 8), f"{value:g}", fill=INK, anchor="mt")
+    for value in axes["loss"]:
+        y = at(value, "loss", bottom, top)
+        draw.line([(left, y), (right, y)], fill=GRID)
+        draw.text((left - 8, y), f"{value:.4g}", fill=BLUE, anchor="rm")
+    for value in axes["lr"]:
+        draw.text((right + 8, at(value, "lr", bottom, top)), f"{value:.3g}", fill=ORANGE, anchor="lm")
+    draw.rectangle((left, top, right, bottom), outline=INK)
+    for key, colour in (("lr", ORANGE), ("loss", BLUE)):
+        points = [(at(r["step"], "step", left, right), at(r[key], key, bottom, top)) for r in rows]
+        if len(points) > 1:
+            draw.line(points, fill=colour, width=2)
+        if key == "loss":
+            for x, y in points:
+                draw.ellipse([x - 3, y - 3, x + 3, y + 3], fill=colour)
+    draw.text((400, 16), os.path.basename(os.path.dirname(metrics_file)), fill=INK, anchor="mm")
+    draw.text((left, top - 12), "loss (mean over the logging window)", fill=BLUE, anchor="ls")
+    draw.text((right, top - 12), "learning rate", fill=ORANGE, anchor="rs")
+    draw.text((400, 432), "optimizer step", fill=INK, anchor="mm")
     path = os.path.join(os.path.dirname(metrics_file), "loss.png")
-    fig.savefig(path)
-    plt.close(fig)
+    image.save(path)
     return path
+
+
+def ticks(values, from_zero):
+    """Round axis marks (1, 2, 2.5 or 5 times a power of ten apart) from below the lowest value (0 when
+    from_zero) to above the highest, at least two."""
+    import math
+
+    low, high = (0.0 if from_zero else min(values)), max(values)
+    if high - low <= abs(high) * 1e-9:  # one value: a span around it (or up to it, from zero)
+        spread = abs(high) * 0.1 or 1.0
+        low, high = (0.0, high or 1.0) if from_zero else (low - spread, high + spread)
+    raw = (high - low) / 5
+    power = 10 ** math.floor(math.log10(raw))
+    step = next(m * power for m in (1, 2, 2.5, 5, 10) if m * power >= raw)
+    first, last = math.floor(low / step + 1e-9), math.ceil(high / step - 1e-9)
+    return [round(i * step, 12) for i in range(first, max(last, first + 1) + 1)]
