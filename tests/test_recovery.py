@@ -421,9 +421,12 @@ def test_a_ray_job_stopped_checkpoints_its_step_and_its_resubmission_ends_on_the
 def test_a_full_disk_stops_at_once_keeps_the_newest_checkpoint_and_its_resume_finishes(tiny_model, toy_images,
                                                                                      tmp_path):
     """Checkpoints and the model on small file systems of their own (tmpfs in a mount namespace, with a
-    local Ray of train.py's own inside it, so its workers write there too): the second checkpoint does
-    not fit, then the model does not; each run stops at once in one line, leaves no half checkpoint, and
+    Ray cluster started inside it for the three runs, so its workers write there too): the second checkpoint
+    does not fit, then the model does not; each run stops at once in one line, leaves no half checkpoint, and
     after the room is made the rerun finishes from the newest complete checkpoint (the last: no step left)."""
+    from conftest import free_port
+    from dreambooth import raycluster
+
     storage, out = tmp_path / "storage", tmp_path / "out"
     storage.mkdir(), out.mkdir()
     args = ["--model_dir", tiny_model, "--output_dir", str(out / "model"), "--storage_path", str(storage),
@@ -431,7 +434,15 @@ def test_a_full_disk_stops_at_once_keeps_the_newest_checkpoint_and_its_resume_fi
             "--train_batch_size", "1", "--max_train_steps", "4", "--checkpointing_steps", "2",
             "--checkpoints_total_limit", "1", "--resume_from_checkpoint", "auto", "--seed", "1"]
     train_cmd = " ".join(shlex.quote(a) for a in [sys.executable, "train.py", *args])
+    head_log = tmp_path / "head.log"  # one cluster for the three runs; its temp folder short (socket paths)
+    head = ("RAY_TEMP=$(mktemp -d /tmp/rdXXXXXX)\n"
+            f"{shlex.quote(sys.executable)} -m ray.scripts.scripts start --head --block --disable-usage-stats "
+            f"--include-dashboard=false --port={free_port()} --temp-dir=$RAY_TEMP > {head_log} 2>&1 & HEAD=$!\n"
+            "trap 'kill $HEAD; wait $HEAD; rm -rf $RAY_TEMP' EXIT\n"
+            f"until grep -q 'block forever' {head_log}; do kill -0 $HEAD || exit 98; sleep 0.2; done\n"
+            f"export RAY_ADDRESS=$(grep -o \"ray start --address='[^']*'\" {head_log} | head -n 1 | cut -d\\' -f2)\n")
     script = (f"mount -t tmpfs -o size=18m tmpfs {storage} && mount -t tmpfs -o size=1m tmpfs {out} || exit 99\n"
+              f"{head}"
               f"{train_cmd} 2> {tmp_path}/run1.err; echo rc=$? > {tmp_path}/run1.rc\n"
               f"find {storage} > {tmp_path}/after1.txt\n"
               f"mount -o remount,size=200m {storage}\n"
@@ -440,6 +451,7 @@ def test_a_full_disk_stops_at_once_keeps_the_newest_checkpoint_and_its_resume_fi
               f"{train_cmd} 2> {tmp_path}/run3.err; echo rc=$? > {tmp_path}/run3.rc\n"
               f"find {out} > {tmp_path}/out.txt\n")
     environment = {k: v for k, v in env().items() if k != "RAY_ADDRESS"}  # its own Ray, inside the namespace
+    environment.update(raycluster.CLOSED_METRICS, RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0")  # (as start_ray_head's)
     proc = subprocess.run(["unshare", "-m", "--propagation", "private", "bash", "-c", script], cwd=REPO_DIR,
                           env=environment, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
