@@ -333,10 +333,9 @@ def test_a_full_fine_tune_sharded_across_two_workers_resumes_to_the_same_weights
     new output ends on exactly the uninterrupted run's weights; validation samples drawn by both ranks together;
     the output is a FluxPipeline whose transformer moved and whose text encoders did not. (A run cut by
     train.run's stop_step, as the sweep cuts a trial, then resumed: the LoRA tests on Ray, Flux.1's and SD 3.5's.)"""
-    import json
-
     from diffusers import FluxPipeline
     from safetensors.torch import load_file
+    from test_recovery import logged_losses
 
     from dreambooth import checkpoint
     from dreambooth import train
@@ -350,16 +349,12 @@ def test_a_full_fine_tune_sharded_across_two_workers_resumes_to_the_same_weights
                 "--validation_steps", "4", "--logging_steps", "1",
                 "--keep_checkpoints", "--checkpoints_total_limit", "2"]  # (the checkpoint of step 2 is resumed below)
 
-    def logged(result):
-        return [(row["step"], row["loss"]) for row in map(json.loads, open(os.path.join(result.path, "metrics.jsonl")))]
-
     whole = train.main(argv("whole"))
     assert whole.metrics["step"] == 4
     assert list((tmp_path / "runs-whole").glob("*/validation/step-4/a-toy-00000.png"))
-    [step_2] = [str(p.parent) for p in (tmp_path / "runs-whole").glob(f"*/*/{checkpoint.STATE_FILE}")
-                if json.loads(p.read_text())["step"] == 2]
+    step_2 = checkpoint.by_step(str(tmp_path / "runs-whole"), "whole")[2]
     resumed = train.main([*argv("cut"), "--resume_from_checkpoint", step_2])
-    assert resumed.metrics["step"] == 4 and logged(resumed) == logged(whole)[2:]  # steps 3 and 4 only, the same losses
+    assert resumed.metrics["step"] == 4 and logged_losses(resumed) == logged_losses(whole)[2:]  # steps 3 and 4 only
     a = load_file(str(tmp_path / "whole" / "transformer" / "diffusion_pytorch_model.safetensors"))
     b = load_file(str(tmp_path / "cut" / "transformer" / "diffusion_pytorch_model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

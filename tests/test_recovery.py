@@ -6,7 +6,6 @@ import importlib.util
 import json
 import os
 import re
-import shlex
 import shutil
 import signal
 import subprocess
@@ -416,6 +415,32 @@ def test_a_ray_job_stopped_checkpoints_its_step_and_its_resubmission_ends_on_the
     assert code != 0 and f"error: instance folder not found: {tmp_path / 'no-photos'}" in said, said[-3000:]
 
 
+# Run inside the full-disk test's mount namespace: STORAGE OUT FOLDER TRAIN_COMMAND... Small file systems on
+# STORAGE and OUT, one Ray cluster for three runs of TRAIN_COMMAND (its stderr and exit code in FOLDER/run<n>.err
+# and .rc), STORAGE grown after the first run and OUT after the second; `find` listings of both in FOLDER.
+FULL_DISK_RUNS = """
+import os, subprocess, sys
+from dreambooth import raycluster
+
+storage, out, folder, *train = sys.argv[1:]
+for size, where in (("18m", storage), ("1m", out)):
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", where], check=True)
+head, os.environ["RAY_ADDRESS"] = raycluster.start_ray_head(os.path.join(folder, "head.log"))
+try:
+    for n, listed, grown in ((1, storage, storage), (2, None, out), (3, out, None)):
+        with open(os.path.join(folder, f"run{n}.err"), "w") as err:
+            rc = subprocess.run(train, stderr=err).returncode
+        open(os.path.join(folder, f"run{n}.rc"), "w").write(f"rc={rc}")
+        if listed:
+            with open(os.path.join(folder, "after1.txt" if n == 1 else "out.txt"), "w") as listing:
+                subprocess.run(["find", listed], stdout=listing, check=True)
+        if grown:
+            subprocess.run(["mount", "-o", "remount,size=200m", grown], check=True)
+finally:
+    raycluster.stop_ray_head(head)
+"""
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0, reason="needs unshare (root)")
 def test_a_full_disk_stops_at_once_keeps_the_newest_checkpoint_and_its_resume_finishes(tiny_model, toy_images,
@@ -424,35 +449,15 @@ def test_a_full_disk_stops_at_once_keeps_the_newest_checkpoint_and_its_resume_fi
     Ray cluster started inside it for the three runs, so its workers write there too): the second checkpoint
     does not fit, then the model does not; each run stops at once in one line, leaves no half checkpoint, and
     after the room is made the rerun finishes from the newest complete checkpoint (the last: no step left)."""
-    from conftest import free_port
-    from dreambooth import raycluster
-
     storage, out = tmp_path / "storage", tmp_path / "out"
     storage.mkdir(), out.mkdir()
     args = ["--model_dir", tiny_model, "--output_dir", str(out / "model"), "--storage_path", str(storage),
             "--instance_images_dir", toy_images, "--instance_prompt", "photo of unqtkn toy", "--num_workers", "1",
             "--train_batch_size", "1", "--max_train_steps", "4", "--checkpointing_steps", "2",
             "--checkpoints_total_limit", "1", "--resume_from_checkpoint", "auto", "--seed", "1"]
-    train_cmd = " ".join(shlex.quote(a) for a in [sys.executable, "train.py", *args])
-    head_log = tmp_path / "head.log"  # one cluster for the three runs; its temp folder short (socket paths)
-    head = ("RAY_TEMP=$(mktemp -d /tmp/rdXXXXXX)\n"
-            f"{shlex.quote(sys.executable)} -m ray.scripts.scripts start --head --block --disable-usage-stats "
-            f"--include-dashboard=false --port={free_port()} --temp-dir=$RAY_TEMP > {head_log} 2>&1 & HEAD=$!\n"
-            "trap 'kill $HEAD; wait $HEAD; rm -rf $RAY_TEMP' EXIT\n"
-            f"until grep -q 'block forever' {head_log}; do kill -0 $HEAD || exit 98; sleep 0.2; done\n"
-            f"export RAY_ADDRESS=$(grep -o \"ray start --address='[^']*'\" {head_log} | head -n 1 | cut -d\\' -f2)\n")
-    script = (f"mount -t tmpfs -o size=18m tmpfs {storage} && mount -t tmpfs -o size=1m tmpfs {out} || exit 99\n"
-              f"{head}"
-              f"{train_cmd} 2> {tmp_path}/run1.err; echo rc=$? > {tmp_path}/run1.rc\n"
-              f"find {storage} > {tmp_path}/after1.txt\n"
-              f"mount -o remount,size=200m {storage}\n"
-              f"{train_cmd} 2> {tmp_path}/run2.err; echo rc=$? > {tmp_path}/run2.rc\n"
-              f"mount -o remount,size=200m {out}\n"
-              f"{train_cmd} 2> {tmp_path}/run3.err; echo rc=$? > {tmp_path}/run3.rc\n"
-              f"find {out} > {tmp_path}/out.txt\n")
     environment = {k: v for k, v in env().items() if k != "RAY_ADDRESS"}  # its own Ray, inside the namespace
-    environment.update(raycluster.CLOSED_METRICS, RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0")  # (as start_ray_head's)
-    proc = subprocess.run(["unshare", "-m", "--propagation", "private", "bash", "-c", script], cwd=REPO_DIR,
+    proc = subprocess.run(["unshare", "-m", "--propagation", "private", sys.executable, "-c", FULL_DISK_RUNS,
+                           str(storage), str(out), str(tmp_path), sys.executable, "train.py", *args], cwd=REPO_DIR,
                           env=environment, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
