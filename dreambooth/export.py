@@ -235,6 +235,7 @@ def write_checkpoint(checkpoint, path, save_precision, metadata):
     tensors = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in checkpoint.items()}
     partial = path + ".partial"
     save_file(tensors, partial, metadata=metadata)
+    utils.follow_umask(partial)  # (safetensors writes it for its owner only)
     os.replace(partial, path)
 
 

@@ -150,6 +150,20 @@ def tiny_eval_models(tmp_path_factory):
     return str(cache), cache_model.main(["--model_dir", str(cache), "--eval_models", "--tiny"])
 
 
+def modes_not_as_umask(path):
+    """(path, mode) of path and everything under it whose permission bits are not what open() or mkdir() give
+    under this process's umask (a model or an export others must open)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    paths = [path] + [os.path.join(root, name) for root, dirs, files in os.walk(path) for name in dirs + files]
+    wrong = []
+    for name in map(str, paths):
+        mode = os.stat(name).st_mode & 0o777
+        if mode != (0o777 if os.path.isdir(name) else 0o666) & ~umask:
+            wrong.append((name, oct(mode)))
+    return wrong
+
+
 def model_cache_of(snapshot):
     """The hub cache folder (ORIG_MODEL_DIR, --model_dir of cache_model.py) that holds a tiny model's snapshot."""
     return snapshot.split(os.sep + "models--")[0]

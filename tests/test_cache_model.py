@@ -12,6 +12,7 @@ from dreambooth import preflight
 from dreambooth import utils
 from dreambooth import vae_cache
 from dreambooth.utils import REPO_DIR
+from conftest import modes_not_as_umask
 
 SD14 = "CompVis/stable-diffusion-v1-4"
 SD14_REV = "b95be7d6f134c3a9e62ee616f310733567f069ce"
@@ -28,6 +29,7 @@ def test_tiny_is_written_in_hub_layout_and_loads(tiny_model):
                                                                         "diffusion_pytorch_model.safetensors"}
     pipe = DiffusionPipeline.from_pretrained(tiny_model)
     assert type(pipe).__name__ == "StableDiffusionPipeline"
+    assert modes_not_as_umask(tiny_model) == []  # (safetensors' files and mkdtemp's folder: the owner's only)
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ from safetensors import safe_open
 
 from dreambooth import export
 from dreambooth import utils
+from conftest import modes_not_as_umask
 
 
 def tuned_copy(base_model, folder):
@@ -181,6 +182,8 @@ def test_lora_exports_to_kohya_that_diffusers_loads_with_its_alpha(lora_output, 
         assert {float(f.get_tensor(k)) for k in keys if k.endswith(".alpha")} == {8.0}
         assert f.metadata()["ss_network_dim"] == "4"
     assert all(k.startswith(("lora_unet_", "lora_te_text_model_encoder_layers_")) for k in keys)
+    # readable as the umask says (a ComfyUI running as another user opens them), the adapters' folder too
+    assert modes_not_as_umask(path) == [] and modes_not_as_umask(folder) == []
     assert "lora_unet_mid_block_attentions_0_transformer_blocks_0_attn2_to_out_0.lora_up.weight" in keys
 
     def fused(source):

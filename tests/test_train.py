@@ -11,6 +11,7 @@ from dreambooth import outputs
 from dreambooth import runlog
 from dreambooth import train
 from dreambooth import utils
+from conftest import modes_not_as_umask
 
 
 def events(folder):
@@ -104,6 +105,7 @@ def test_train_two_workers_saves_a_changed_loadable_pipeline(ray_session, tiny_m
     assert os.path.isfile(out / utils.OUTPUT_MARKER)
     assert all(f.endswith((".json", ".safetensors", ".txt", ".toml")) for _, _, fs in os.walk(out) for f in fs)
     assert os.path.isfile(out / outputs.TRAIN_CONFIG)
+    assert modes_not_as_umask(out) == [] and modes_not_as_umask(result.path) == []  # the model, the checkpoints
     # Checkpoints at step 3 and at the end, in the absolute storage path beside the output.
     checkpoints = [d for d in os.listdir(result.path) if d.startswith("checkpoint_") and os.path.isdir(os.path.join(result.path, d))]
     assert len(checkpoints) == 2
