@@ -69,7 +69,7 @@ usage() {
   done
 }
 
-COMMAND_LINE="$0 $*"
+COMMAND_LINE="$0$(printf ' %q' "$@")"
 tiny=false
 arch=
 skip_image_setup=false
@@ -118,7 +118,8 @@ if ! missing="$("$PYTHON" -c 'import importlib.util as u; print(" ".join(m for m
     "or PYTHON=.venv/bin/python)" >&2
   exit 1
 fi
-step() { echo "=== [$(date '+%Y-%m-%d %H:%M:%S')] Step $1"; }
+CURRENT_STEP=
+step() { CURRENT_STEP="${1%%:*}"; echo "=== [$(date '+%Y-%m-%d %H:%M:%S')] Step $1"; }
 
 # Step 0: settings (each variable keeps a value set in the environment)
 if $tiny; then
@@ -223,8 +224,21 @@ LOG_FILE="$LOG_DIR/dreambooth_run-$(date '+%Y%m%d-%H%M%S').log"
 # On a terminal the steps draw progress bars (they see a pipe, so they are told); the log file gets
 # each bar's last state as one plain line (no carriage returns, no terminal escapes)
 if [ -t 1 ]; then export DREAMBOOTH_TERMINAL=1; fi
-exec > >(tee >(sed -u -e 's/\x1b\[[0-9;?]*[A-Za-z]//g' -e 's/.*\r\(.\)/\1/' -e 's/\r$//' >> "$LOG_FILE")) 2>&1
+# (tee and sed ignore Ctrl-C and SIGTERM: they end when the steps' output does, so that a stopped step's
+# last lines, which say where it stopped, still reach the terminal and the log)
+exec > >(trap '' INT TERM; tee >(sed -u -e 's/\x1b\[[0-9;?]*[A-Za-z]//g' -e 's/.*\r\(.\)/\1/' -e 's/\r$//' >> "$LOG_FILE")) 2>&1
 echo "$COMMAND_LINE -- log: $LOG_FILE"
+# Ctrl-C (SIGINT to the whole foreground group: the running step gets it too and stops as it does, train.py
+# with a checkpoint of the step it is on) or SIGTERM: once the step has ended, one line says where the run
+# stopped and how to go on; exit 130 or 143.
+stopped() {
+  trap - INT TERM
+  echo "dreambooth_run.sh: stopped by $1${CURRENT_STEP:+ in Step $CURRENT_STEP}; the finished steps and" \
+    "checkpoints are kept: rerun the same command to continue ($COMMAND_LINE)" >&2
+  exit "$2"
+}
+trap 'stopped SIGINT 130' INT
+trap 'stopped SIGTERM 143' TERM
 
 # One Ray cluster for every step (each script would otherwise start and stop its own, seconds each):
 # the cluster RAY_ADDRESS names is joined and left running; else one starts here and stops when this

@@ -89,8 +89,8 @@ def train_planned(args, stop_step, started):
     except KeyboardInterrupt:
         latest = checkpoint.find_latest(plan.storage_path, os.path.basename(plan.output_dir))
         where = f" (newest checkpoint: {latest})" if latest else " (no checkpoint was written yet)"
-        print(f"stopped; rerun the same command with --resume_from_checkpoint latest to continue{where}",
-              file=sys.stderr)
+        again = "" if args.resume_from_checkpoint in ("latest", "auto") else " with --resume_from_checkpoint latest"
+        print(f"stopped; rerun the same command{again} to continue{where}", file=sys.stderr)
         raise
     metrics = result.metrics or {}  # none when a resumed run had no step left to train
     loss = f"final loss {metrics['loss']:.4f}" if "loss" in metrics else "no step left to train after the checkpoint"

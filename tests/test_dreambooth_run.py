@@ -5,6 +5,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -365,3 +366,39 @@ def test_dreambooth_run_tiny_flux_end_to_end(tmp_path, tiny_flux_model, tiny_eva
     hint = re.search(r"for AUTOMATIC1111/ComfyUI: (.*)", proc.stdout)[1].split()
     subprocess.run([sys.executable, *hint[1:]], cwd=REPO_DIR, env=env, check=True, capture_output=True)
     assert (subject_dir / "example-toy.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_step_4_checkpoints_its_step_and_says_how_the_same_command_continues(tmp_path, tiny_model,
+                                                                                       tiny_eval_models):
+    """Ctrl-C as a terminal sends it, to the whole foreground group (the script, its log's tee, train.py): training
+    checkpoints the step it is on and says so, the script's last line says where it stopped and that the same
+    command continues (it passes --resume_from_checkpoint auto), in the log file too; exit 130. (tee once died
+    with the group: train.py's stop lines were lost and the script exited 1 without a word.)"""
+    env = dict(os.environ, DATA_PREFIX=str(tmp_path), MAX_TRAIN_STEPS="400", PYTHON=sys.executable,
+               **shared_models(tmp_path, tiny_model, tiny_eval_models))
+    env.pop("NUM_WORKERS", None)
+    argv = ["bash", "dreambooth_run.sh", "--tiny", "--prior_prediction", "--skip_eval", "--", "--logging_steps", "1"]
+    proc = subprocess.Popen(argv, cwd=REPO_DIR, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # (its own group, as a terminal's foreground job)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "step=3 " in line:
+            os.killpg(proc.pid, signal.SIGINT)
+            break
+    try:
+        rest, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    output = "".join(lines) + rest
+    assert proc.returncode == 130, output[-3000:]
+    step = int(re.search(r"stopped at step (\d+) of 400 \(SIGINT\)", output)[1])
+    assert 3 <= step < 400 and "stopped; rerun the same command to continue (newest checkpoint: " in output, output[-3000:]
+    command = "dreambooth_run.sh --tiny --prior_prediction --skip_eval -- --logging_steps 1"
+    last = output.strip().splitlines()[-1]
+    assert last == (f"dreambooth_run.sh: stopped by SIGINT in Step 4; the finished steps and checkpoints are kept: "
+                    f"rerun the same command to continue ({command})"), output[-3000:]
+    log = re.search(r"-- log: (\S+)", output)[1]
+    assert last in open(log).read()
