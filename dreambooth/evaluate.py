@@ -323,8 +323,9 @@ def run(entries, subjects, settings, output_dir, report_dirs=None):
 def summary(overall):
     """'DINO 0.512, CLIP-I …': one model's overall scores on one line."""
     names = (*SCORE_NAMES, "pres", *(k for k in HOLDOUT_NAMES if k in overall))
-    return ", ".join(f"{k.upper().replace('_HOLDOUT', ' held out').replace('_', '-')} {_cell(overall[k])}"
-                     for k in names)
+    missing = {"div": "n/a (one image per prompt: diversity needs two)", "pres": "n/a (no image of the class prompt)"}
+    return ", ".join(f"{k.upper().replace('_HOLDOUT', ' held out').replace('_', '-')} "
+                     f"{_cell(overall[k]) or missing.get(k, 'n/a')}" for k in names)
 
 
 def main(argv=None):

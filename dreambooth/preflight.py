@@ -76,7 +76,7 @@ def check_photos(folder, variable):
     if not os.path.isdir(folder):
         raise utils.UserError(f"{variable}={folder}: no such folder; put 4-6 photos of your subject there")
     try:
-        photos = imagefiles.list_images(folder, f"{variable}")
+        photos = imagefiles.list_images(folder, f"{variable}", also_expected=".txt")  # (captions: train.py's)
         with tempfile.TemporaryDirectory() as scratch:
             imagefiles.inspect_images(photos, 0, scratch)
     except utils.UserError as err:

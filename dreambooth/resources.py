@@ -18,9 +18,10 @@ def default_num_workers(gpus, gpus_per_worker):
     return max(1, gpus // gpus_per_worker) if gpus else 1
 
 
-NO_GPU_WARNING = ("warning: the Ray cluster has no GPU, so this fine-tune of Stable Diffusion runs on CPUs: hours "
-                  "per 100 steps. If this machine has one (nvidia-smi lists it), Ray did not see it: `ray stop`, "
-                  "then `ray start --head --num-gpus=N` (or check torch.cuda.is_available() in this Python)")
+NO_GPU_WARNING = ("warning: the Ray cluster has no GPU, so this fine-tune runs on CPUs: hours per 100 steps. "
+                  "If this machine has one (nvidia-smi lists it), Ray did not see it: check torch.cuda.is_available() "
+                  "in this Python; a cluster you started yourself needs `ray start --head --num-gpus=N` (stop only "
+                  "that one: `ray stop` stops every Ray cluster of this machine)")
 
 
 def flag_spelling(name, value):

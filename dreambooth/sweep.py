@@ -354,7 +354,9 @@ def finish(args, subjects, rows, base):
         note = "" if best[name].within_margin else f" (no trial kept CLIP-T within {args.clip_t_margin} of the base)"
         print(f"{name}: best lr {row.learning_rate:.3g}, {row.step} steps, DINO {row.dino:.3f}, "
               f"CLIP-T {row.clip_t:.3f}{note} -> {copied_to[name]}", file=sys.stderr)
-    print(f"{len(rows) - failed} scored, {failed} failed trial(s); {written['table']}, {written['plot']}, "
+    # (a row per trial and step count: a trial scored at 2 step counts is 2 models)
+    print(f"{len(rows) - failed} model(s) scored (a trial's at each step count), {failed} failed trial(s); "
+          f"{written['table']}, {written['plot']}, "
           f"{written['report']}", file=sys.stderr)
     if not best:
         raise utils.UserError("every trial failed: see the table for each error")

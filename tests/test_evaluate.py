@@ -48,7 +48,9 @@ def test_held_out_photos_are_scored_apart_and_must_be_the_ones_training_left_out
     assert s["dino"] == pytest.approx(1.0) and s["dino_holdout"] == pytest.approx(0.0)
     assert s["clip_i_holdout"] == pytest.approx(2 ** -0.5) and "dino_holdout" not in evaluate.score_set(
         emb, {"p": ["gen"]}, ["seen"])
-    assert "DINO held out 0.000, CLIP-I held out 0.707" in evaluate.summary({**s, "pres": None})
+    line = evaluate.summary({**s, "pres": None})
+    assert "DINO held out 0.000, CLIP-I held out 0.707" in line
+    assert "DIV n/a (one image per prompt: diversity needs two)" in line  # (was "DIV ," with no reason)
     result = evaluate.EvalResult("unqtkn dog", 1, 1, 4, ("p",), {"tuned": evaluate.ModelScores({**s, "pres": 0.4}, {})},
                                  held_out=("e.jpg",))
     evaluate.write_report(str(tmp_path / "report.md"), result)

@@ -28,7 +28,9 @@ def test_workers_default_to_one_per_gpu_and_too_many_name_the_variable(capsys):
         preflight.check_workers(args(num_workers=2), cpus=16, gpus=1)
     assert capsys.readouterr().err == ""
     assert preflight.check_workers(args(), cpus=2, gpus=0) == 1
-    assert "no GPU" in capsys.readouterr().err  # SD on CPUs: said before Step 1, not hours into it
+    err = capsys.readouterr().err
+    assert "no GPU" in err and "Stable Diffusion" not in err  # on CPUs: said before Step 1 (any family: no SD name)
+    assert "`ray stop` stops every Ray cluster of this machine" in err  # (not advised as the fix)
     assert preflight.check_workers(args(tiny=True), cpus=2, gpus=0) == 1 and capsys.readouterr().err == ""
     with pytest.raises(utils.UserError, match="NUM_WORKERS=3: .* 2 CPUs"):
         preflight.check_workers(args(num_workers=3, tiny=True), cpus=2, gpus=0)
@@ -65,7 +67,12 @@ def test_disk_estimate_is_model_checkpoint_and_output(tiny_model, tmp_path):
     assert parts.startswith("model 0.0")
 
 
-def test_photos_and_class_name_are_checked_first(tmp_path, toy_images):
+def test_photos_and_class_name_are_checked_first(tmp_path, toy_images, capsys):
+    captioned = shutil.copytree(toy_images, tmp_path / "captioned")
+    (captioned / "toy-0.txt").write_text("photo of unqtkn toy on a table")  # a caption, as the README places it
+    (captioned / "notes.doc").write_text("")
+    assert len(preflight.check_photos(str(captioned), "INSTANCE_DIR")) == 5
+    assert "skipping 1 non-image file(s) in " in capsys.readouterr().err  # notes.doc, not the caption train.py reads
     (tmp_path / "empty").mkdir()
     with pytest.raises(utils.UserError, match=r"INSTANCE_DIR=\S+empty: .*holds no images"):
         preflight.check_photos(str(tmp_path / "empty"), "INSTANCE_DIR")

@@ -302,6 +302,7 @@ def test_a_flow_lora_sweep_scores_each_step_count_and_its_best_adapters_load_in_
         assert "stopped early at step 1" in (tmp_path / "best-sweep" / "trials.md").read_text()
     else:
         assert second == []
+        assert "2 model(s) scored (a trial's at each step count), 0 failed trial(s)" in output  # 1 trial, 2 counts
     [chosen] = [r for r in table if r["chosen"] == "True"]
     marker = utils.read_json(str(tmp_path / "best" / utils.OUTPUT_MARKER))
     assert marker["steps"] == int(chosen["step"]) and marker["base_model"] == model
