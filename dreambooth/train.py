@@ -12,6 +12,7 @@ checkpoint.py. fp32 master weights with autocast (bf16 by default on GPUs that h
 it): 5e-6 AdamW updates vanish when the weights themselves are bf16.
 """
 
+import dataclasses
 import os
 import signal
 import sys
@@ -129,6 +130,11 @@ def top_up_class_images(model_dir, class_dir, class_prompt, count, seed=0, resol
         drawn = set(outputs.drawn_images(folder))
         own = [n for n in os.listdir(folder) if n.lower().endswith(utils.IMAGE_EXTENSIONS) and n not in drawn]
         settings = generate.ImageSettings(resolution=resolution, seed=seed, allow_unsafe_weights=allow_unsafe_weights)
+        have = outputs.read_image_record(folder)
+        if have:  # (drawn by generate.py: Step 3's steps and guidance, which train.py has no flag for, go on)
+            settings = dataclasses.replace(settings, num_inference_steps=have.num_inference_steps,
+                                           guidance_scale=have.guidance_scale, negative_prompt=have.negative_prompt,
+                                           seed=have.seed)
         remedy = "delete its images to draw these (generate.py --force does)"
         if own:
             print(f"{class_dir}: {len(own)} class images of your own count toward --num_class_images {count}",
