@@ -82,10 +82,10 @@ while [ $# -gt 0 ]; do
     --tiny) tiny=true ;;
     --arch) [ $# -ge 2 ] || { echo "dreambooth_run.sh: error: --arch needs a value: sd1, sd2-v, sdxl, sd3 or flux" >&2; exit 2; }
       arch="$2"; shift ;;
-    --skip_image_setup) skip_image_setup=true ;;
-    --use_lora) use_lora=true ;;
-    --prior_prediction) prior_prediction=true ;;
-    --skip_eval) skip_eval=true ;;
+    --skip_image_setup|--skip-image-setup) skip_image_setup=true ;;  # (each flag in either spelling, as the
+    --use_lora|--use-lora) use_lora=true ;;                            # Python scripts take theirs)
+    --prior_prediction|--prior-prediction) prior_prediction=true ;;
+    --skip_eval|--skip-eval) skip_eval=true ;;
     -h|--help) usage; exit 0 ;;
     --) shift; EXTRA_TRAIN_ARGS=("$@"); break ;;
     *) echo "dreambooth_run.sh: error: unknown argument '$1' (see --help; train.py flags go after --)" >&2; exit 2 ;;

@@ -244,6 +244,10 @@ def run_in_terminal(argv, env, timeout):
 def test_unknown_argument_is_refused():
     proc = subprocess.run(["bash", "dreambooth_run.sh", "--tinny"], cwd=REPO_DIR, capture_output=True, text=True)
     assert proc.returncode == 2 and "unknown argument '--tinny'" in proc.stderr
+    # each of its flags in either spelling, as the README says of every flag (parsed, then --help ends it)
+    hyphens = subprocess.run(["bash", "dreambooth_run.sh", "--use-lora", "--skip-eval", "--prior-prediction",
+                              "--skip-image-setup", "--help"], cwd=REPO_DIR, capture_output=True, text=True)
+    assert hyphens.returncode == 0 and "MAX_TRAIN_STEPS" in hyphens.stdout, hyphens.stderr
     if sys.prefix == sys.base_prefix:
         return  # (no virtual environment: no Python at hand without the requirements)
     # a Python without the requirements (the one the venv was made from): one line naming what it lacks
