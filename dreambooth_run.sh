@@ -3,7 +3,7 @@
 #
 #   ./dreambooth_run.sh                       SD 1.4, the example dog photos, one worker per GPU
 #   INSTANCE_DIR=~/rex CLASS_NAME=dog ./dreambooth_run.sh     your own photos
-#   ./dreambooth_run.sh --tiny                built-in tiny model + images/toy, offline on CPU (~3 min)
+#   ./dreambooth_run.sh --tiny                built-in tiny model + images/toy, offline on CPU (~4 min)
 #   ./dreambooth_run.sh --tiny --arch sdxl    the same with a tiny SDXL model (128 px; sd2-v: SD 2.x, 96 px;
 #                                             sd3: SD 3.5, 64 px; flux: Flux.1 dev, 64 px)
 #   ./dreambooth_run.sh --use_lora            LoRA adapters instead of every weight (combines with the above)
@@ -34,7 +34,7 @@ VARIABLES=(
   "ORIG_MODEL_HASH|the name's pinned commit|commit of the base model to cache"
   "ORIG_MODEL_DIR|\$DATA_PREFIX/model-orig|hub cache folder of the base model"
   "TUNED_MODEL_DIR|\$DATA_PREFIX/subjects/<SUBJECT>/model-tuned|the fine-tuned model (Step 4)"
-  "IMAGES_REG_DIR|\$DATA_PREFIX/images-reg/<class>[-<resolution>px]|class images (Step 3); one class, base model and size per folder"
+  "IMAGES_REG_DIR|\$DATA_PREFIX/images-reg/<base model>/<class>[-<resolution>px]|class images (Step 3); one class, base model and size per folder"
   "IMAGES_OWN_DIR|\$DATA_PREFIX/images-own|your photos with --skip_image_setup"
   "IMAGES_EXAMPLE_DIR|\$DATA_PREFIX/images-example|the example photos (never mixed with yours)"
   "IMAGES_NEW_DIR|\$DATA_PREFIX/subjects/<SUBJECT>/images-new|images of the subject from the tuned model (Step 5)"
@@ -208,12 +208,13 @@ if [ -z "${SUBJECT_TYPE:-}" ]; then
 else
   SUBJECT_TYPE_SAID="$SUBJECT_TYPE"
 fi
-# One class folder per class: another CLASS_NAME never finds this one's images (another base model
-# in the same folder stops Step 3 with one line: set IMAGES_REG_DIR)
+# One class folder per base model and class: another CLASS_NAME or ORIG_MODEL_NAME (Flux.1 after SD) never
+# finds this one's images (a folder of IMAGES_REG_DIR's drawn by another model stops Step 3 with one line)
 CLASS_SLUG="$(slug "$CLASS_NAME")"
+if $tiny; then MODEL_SLUG="tiny-${arch:-sd1}"; else MODEL_SLUG="$(slug "$ORIG_MODEL_NAME")"; fi
 REG_DIR_DEFAULT=false
 if [ -z "${IMAGES_REG_DIR:-}" ]; then
-  IMAGES_REG_DIR="$DATA_PREFIX/images-reg/${CLASS_SLUG:-class}" REG_DIR_DEFAULT=true
+  IMAGES_REG_DIR="$DATA_PREFIX/images-reg/$MODEL_SLUG/${CLASS_SLUG:-class}" REG_DIR_DEFAULT=true
 fi
 # train.py decides its own defaults (the learning rate from --use_lora, however --use_lora reached it)
 LEARNING_RATE="${LEARNING_RATE:-}"
@@ -270,6 +271,7 @@ else
   # Its own temp folder (short: Ray's socket paths must fit 108 characters), so that its address is
   # not written where every later `ray.init()` on this node would find and join it.
   RAY_HEAD_TEMP="$(mktemp -d /tmp/dreambooth-ray-XXXXXX)"
+  : > "$RAY_HEAD_LOG"  # (there before the wait below reads it: the background start creates it a moment later)
   # A free port, not Ray's 6379: a cluster already running here (another run, a `ray start` of
   # yours) is left alone and never joined
   RAY_HEAD_PORT="$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')"
@@ -342,6 +344,7 @@ if $REG_DIR_DEFAULT && [ -n "$TRAIN_RESOLUTION" ]; then IMAGES_REG_DIR="$IMAGES_
 for entry in "${VARIABLES[@]}"; do
   name="${entry%%|*}"
   case "$name" in INSTANCE_DIR) value="$PHOTOS_DIR" ;; SUBJECT_TYPE) value="$SUBJECT_TYPE_SAID" ;;
+    ORIG_MODEL_NAME) if $tiny; then value="(--tiny: the built-in tiny ${arch:-sd1} model)"; else value="$ORIG_MODEL_NAME"; fi ;;
     MAX_TRAIN_STEPS) value="$TRAIN_STEPS" ;; LEARNING_RATE) value="${LEARNING_RATE:-train.py default}" ;;
     NOTIFY_URL) value="${NOTIFY_URL:+(set; a webhook URL is not shown)}" ;;
     *) value="${!name:-}" ;; esac
@@ -419,6 +422,9 @@ fi
   --holdout="$HOLDOUT" \
   ${NOTIFY_URL:+--notify_url="$NOTIFY_URL"} \
   "${TRAIN_OPTIONS[@]}" "${TRAIN_ARGS_LIST[@]}" "${EXTRA_TRAIN_ARGS[@]}"
+# the scores of a model this run replaced (another mode or base model for this subject) never stay beside it
+"$PYTHON" -c 'import sys; from dreambooth import evaluate; evaluate.forget_stale_scores(*sys.argv[1:])' \
+  "$EVAL_DIR" "$TUNED_MODEL_DIR"
 
 step "5: $NUM_NEW_IMAGES images of the subject in $IMAGES_NEW_DIR"
 "$PYTHON" generate.py \

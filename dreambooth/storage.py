@@ -166,6 +166,17 @@ def remove_tree(path):
         shutil.rmtree(path)
 
 
+def remove(path):
+    """Delete a file, or a folder and everything in it."""
+    if isdir(path):
+        remove_tree(path)
+    elif is_remote(path):
+        fs, key = filesystem(path)
+        fs.delete_file(key)
+    else:
+        os.remove(path)
+
+
 def download(uri, folder):
     """Copy the remote folder uri into the local folder (made if missing); returns folder."""
     import pyarrow.fs as pafs

@@ -131,7 +131,7 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request, webhook):
     assert new_sessions == set() and os.listdir(os.path.join(stranger, "ray")) == ["ray_current_cluster"]
     assert set(glob.glob("/tmp/dreambooth-ray-*")) == heads_before
 
-    reg = storage.listdir(storage.join(where, "images-reg", "toy"))  # a folder per class
+    reg = storage.listdir(storage.join(where, "images-reg", "tiny-sd1", "toy"))  # a folder per base model and class
     assert reg == sorted([f"photo-of-a-toy-{i:05d}.png" for i in range(6)] + ["grid", IMAGES_RECORD, IMAGES_CONFIG])
     new = [f for f in storage.listdir(f"{subject}/images-new") if f.endswith(".png")]
     assert len(new) == 5 and storage.isfile(f"{subject}/images-new/grid/grid.png")
@@ -146,9 +146,10 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request, webhook):
         assert storage.listdir(f"{subject}/model-tuned") == sorted([LORA_WEIGHTS_FILE, OUTPUT_MARKER, "train_config.toml"])
         assert "LoRA adapters (rank 4, alpha 4)" in output and "lr=0.0001 " in output
         assert "training on the first 4 of the 6 class images" in output and " and 4 class images at" in output
-        # a retrained model's images are drawn again (Steps 5 and 6), the base model's kept
-        assert re.search(r"tuned: the 3 images in \S+ were drawn with model .* \(model differ from this run\); drawing them "
-                         r"again", output)
+        # a retrained model's images are drawn again (Steps 5 and 6), the base model's kept; the full model's
+        # scores and images went with it, right after Step 4 (a stop before Step 6 leaves none beside the LoRA)
+        assert f"removed the scores in {subject}/eval: they were of the model this run replaced" in output
+        assert "tuned: 0 of 3 images already there; generating 3" in output
         assert "base: 3 of 3 images already there; generating 0" in output
         assert "the 5 images in" in output and "deleting them (--force)" in output
         first = json.loads((tmp_path / "scores-of-the-full-run.json").read_text())
@@ -330,7 +331,8 @@ def test_dreambooth_run_tiny_sd3_end_to_end(tmp_path, tiny_sd3_model, tiny_eval_
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "models--dreambooth-ray--tiny-stable-diffusion-3" in re.search(r"base model: (\S+)", proc.stdout)[1]
     assert "training transformer + text encoder" in proc.stdout + proc.stderr
-    assert len([f for f in os.listdir(tmp_path / "images-reg" / "toy") if f.endswith(".png")]) == 2
+    assert len([f for f in os.listdir(tmp_path / "images-reg" / "tiny-sd3" / "toy") if f.endswith(".png")]) == 2
+    assert "ORIG_MODEL_NAME      (--tiny: the built-in tiny sd3 model)" in proc.stdout  # (not sd14's name)
     tuned = json.loads((subject_dir / "model-tuned" / "model_index.json").read_text())
     assert tuned["_class_name"] == "StableDiffusion3Pipeline"
     [image] = [f for f in os.listdir(subject_dir / "images-new") if f.endswith(".png")]
@@ -363,7 +365,7 @@ def test_dreambooth_run_tiny_flux_end_to_end(tmp_path, tiny_flux_model, tiny_eva
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "models--dreambooth-ray--tiny-stable-diffusion-flux" in re.search(r"base model: (\S+)", proc.stdout)[1]
     assert "LoRA adapters (rank 4, alpha 4) on the transformer" in proc.stdout + proc.stderr
-    assert len([f for f in os.listdir(tmp_path / "images-reg" / "toy") if f.endswith(".png")]) == 2
+    assert len([f for f in os.listdir(tmp_path / "images-reg" / "tiny-flux" / "toy") if f.endswith(".png")]) == 2
     assert os.path.isfile(subject_dir / "model-tuned" / LORA_WEIGHTS_FILE)
     [image] = [f for f in os.listdir(subject_dir / "images-new") if f.endswith(".png")]
     with Image.open(subject_dir / "images-new" / image) as drawn:

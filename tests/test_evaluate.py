@@ -84,3 +84,27 @@ def test_report_puts_each_model_beside_the_papers_values(tmp_path):
     assert "| tuned | 0.500 | 0.600 | 0.250 |  | 0.400 |" in report and "| base |" in report
     assert "| paper, SD DreamBooth | 0.668 | 0.803 | 0.305" in report
     assert "| a unqtkn dog | 0.500 | 0.250 | 0.500 | 0.250 |" in report
+
+
+def test_scores_of_a_model_the_run_replaced_are_removed_and_the_current_models_kept(tmp_path, capsys):
+    """Step 4 trained a new model for the subject (LoRA after a full fine-tune): the subject's eval folder, whose
+    images and scores another model drew, goes at once (Step 6 may never run: a stop, --skip_eval); scores of
+    the model there (a full model's, or its adapters' on the base) stay."""
+    model, eval_dir = tmp_path / "model-tuned", tmp_path / "eval"
+    (eval_dir / "images" / "tuned").mkdir(parents=True)
+    (eval_dir / "images" / "base").mkdir()
+    (eval_dir / "images" / "base" / "a.png").write_bytes(b"png")
+    (eval_dir / "grids" / "tuned").mkdir(parents=True)
+    (eval_dir / "report.md").write_text("scores")
+    model.mkdir()
+    for drew in ("trained:aaa", "dreambooth-ray/tiny@1+lora:trained:aaa@1"):  # full model, LoRA on its base
+        utils.write_json(str(eval_dir / "images" / "tuned" / outputs.IMAGES_RECORD), {"model": drew})
+        utils.write_json(str(model / utils.OUTPUT_MARKER), {"model_id": "aaa"})
+        assert not evaluate.forget_stale_scores(str(eval_dir), str(model)) and (eval_dir / "report.md").is_file()
+    utils.write_json(str(model / utils.OUTPUT_MARKER), {"model_id": "bbb"})  # retrained
+    assert evaluate.forget_stale_scores(str(eval_dir), str(model))
+    # the base model's images stay (Step 6 scores them again without drawing them)
+    assert [str(p.relative_to(eval_dir)) for p in sorted(eval_dir.rglob("*"))] == ["images", "images/base",
+                                                                                   "images/base/a.png"]
+    assert f"removed the scores in {eval_dir}: they were of the model this run replaced" in capsys.readouterr().err
+    assert not evaluate.forget_stale_scores(str(eval_dir), str(model))  # nothing of another model: nothing to do
