@@ -684,14 +684,24 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
+        if isinstance(action, argparse.BooleanOptionalAction) and "default" not in text.lower():
+            return f"{text} (default: {'on' if action.default else 'off'})"
         if "default" in text.lower() or action.default in (None, False, argparse.SUPPRESS) or action.nargs == 0:
             return text
         return text + " (default: %(default)s)"
 
 
-CONFIG_HELP = ("TOML file of flag values, keys named as the flags (model_dir = \"...\", max_train_steps = 400, "
-               "validation_prompt = [\"...\"]); the command line wins. Every run writes one beside its outputs "
-               "that repeats it.")
+# --config's example keys, the first three that a script has (a key of another script's is refused)
+CONFIG_EXAMPLES = {"model_dir": 'model_dir = "..."', "max_train_steps": "max_train_steps = 400",
+                   "sweep_learning_rate": "sweep_learning_rate = [1e-6, 5e-6]", "prompts": 'prompts = ["..."]',
+                   "num_samples_per_prompt": "num_samples_per_prompt = 8", "validation_prompt": 'validation_prompt = ["..."]'}
+
+
+def config_help(names):
+    """--config's help, its example keys among names (the script's own flags)."""
+    shown = ", ".join([CONFIG_EXAMPLES[n] for n in CONFIG_EXAMPLES if n in names][:3])
+    return (f"TOML file of flag values, keys named as the flags ({shown}); the command line wins. Every run "
+            f"writes one beside its outputs that repeats it.")
 NOT_WRITTEN = ("config", "help", "resume_from_checkpoint", "notify_url")  # a repeated run starts afresh;
 # a webhook URL is a secret (it is its own key)
 
@@ -831,7 +841,7 @@ def make_parser(description, names, positional=None, refused=(), helps=None, opt
     if positional:
         positional(parser)
     if config:
-        parser.add_argument("--config", metavar="FILE", default=None, help=CONFIG_HELP)
+        parser.add_argument("--config", metavar="FILE", default=None, help=config_help(names))
     for name in names:
         options, kwargs = FLAGS[name]
         kwargs = dict(kwargs)

@@ -333,3 +333,13 @@ def test_prior_prediction_takes_a_class_prompt_and_no_class_images(capsys):
         with pytest.raises(SystemExit):
             parse_train(BASE + extra)
         assert says in capsys.readouterr().err, extra
+
+
+def test_help_shows_a_switchs_default_and_config_examples_the_script_takes():
+    """--train_text_encoder showed no default; generate.py's and sweep.py's --config example named
+    max_train_steps, which they refuse in a config file."""
+    parser = flags.make_parser("x", ["model_dir", "train_text_encoder", "prompts"], config=True)
+    text = " ".join(parser.format_help().split())
+    assert "Fine-tune the text encoder together with the UNet. (default: on)" in text
+    assert 'model_dir = "..."' in text and 'prompts = ["..."]' in text and "max_train_steps" not in text
+    assert "max_train_steps = 400" in " ".join(planning.train_parser("train").format_help().split())
