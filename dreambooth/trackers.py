@@ -125,6 +125,8 @@ class MLflow:
     """An MLflow run in the run's experiment (--tracker_project_name); resumed when the record names one."""
 
     def __init__(self, folder, project, run_name, settings, previous=None, storage_path=None):
+        # (MLflow's usage telemetry off, as Ray's: it also wrote ~/.config/mlflow/telemetry.json)
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
         import mlflow
 
         self.uri = (previous or {}).get("tracking_uri") or mlflow_uri(storage_path)
@@ -142,6 +144,8 @@ class MLflow:
             self.client.update_run(run_id, status="RUNNING")
         self.run_id = run_id
         self.record = {"run_id": run_id, "tracking_uri": self.uri}
+        print(f"MLflow run {run_id} in {self.uri} (to browse it: mlflow ui --backend-store-uri {self.uri})",
+              file=sys.stderr)
 
     def artifacts_location(self):
         """Beside a local SQLite store (mlruns/), else the server's default."""

@@ -74,11 +74,11 @@ def mlflow_run(uri, run_id):
 
 
 @pytest.mark.slow  # (W&B starts its service process)
-def test_wandb_and_mlflow_runs_get_the_settings_metrics_images_and_later_the_scores(tmp_path, monkeypatch):
+def test_wandb_and_mlflow_runs_get_the_settings_metrics_images_and_later_the_scores(tmp_path, monkeypatch, capsys):
     from PIL import Image
 
     monkeypatch.setenv("HOME", str(tmp_path))
-    for name in ("WANDB_API_KEY", "WANDB_MODE", "MLFLOW_TRACKING_URI"):
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "MLFLOW_TRACKING_URI", "XDG_CONFIG_HOME", "MLFLOW_DISABLE_TELEMETRY"):
         monkeypatch.delenv(name, raising=False)
     settings = "model_dir = \"/m\"\nvalidation_prompt = [\"a, b\", \"c\"]\nlearning_rate = 5e-06\n"
     plan = planning.offline_plan(report_to="all", storage_path=str(tmp_path / "results"), run_name="subject-1",
@@ -94,6 +94,9 @@ def test_wandb_and_mlflow_runs_get_the_settings_metrics_images_and_later_the_sco
         tracker.close()
     record = trackers.read_record(folder)
     assert set(record) == {"wandb", "mlflow"}
+    uri = record["mlflow"]["tracking_uri"]  # where the MLflow run is, said (the README once named only mlruns/)
+    assert f"MLflow run {record['mlflow']['run_id']} in {uri} (to browse it: mlflow ui --backend-store-uri {uri})" \
+        in capsys.readouterr().err
     # A resumed run (another run folder, continuing this one's checkpoint) goes on in the same runs.
     resumed = planning.offline_plan(report_to="all", storage_path=plan.storage_path, run_name="subject-2",
                                     settings_toml=settings, resume_path=os.path.join(folder, "checkpoint_000001"))
@@ -124,6 +127,7 @@ def test_wandb_and_mlflow_runs_get_the_settings_metrics_images_and_later_the_sco
     assert run.data.metrics["eval/clip_i"] == 0.75 and run.info.status == "FINISHED"
     assert client.list_artifacts(run.info.run_id, "images")
     assert client.get_experiment(run.info.experiment_id).name == flags.FLAGS["tracker_project_name"][1]["default"]
+    assert not (tmp_path / ".config" / "mlflow").exists()  # no telemetry file in the user's home
 
 
 def test_a_run_that_fails_tells_the_webhook_its_cause(tiny_model, tmp_path, webhook):
