@@ -19,6 +19,7 @@ import tempfile
 
 from dreambooth import cache_model
 from dreambooth import families
+from dreambooth import filemodes
 from dreambooth import flags
 from dreambooth import models
 from dreambooth import outputs
@@ -235,7 +236,7 @@ def write_checkpoint(checkpoint, path, save_precision, metadata):
     tensors = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in checkpoint.items()}
     partial = path + ".partial"
     save_file(tensors, partial, metadata=metadata)
-    utils.follow_umask(partial)  # (safetensors writes it for its owner only)
+    filemodes.follow_umask(partial)  # (safetensors writes it for its owner only)
     os.replace(partial, path)
 
 

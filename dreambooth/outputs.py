@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import os
 import re
+import shutil
 import sys
 import tempfile
 import uuid
@@ -365,3 +366,29 @@ def save_lora(folder, family, denoiser, text_encoders=None):
         folder, weight_name=utils.LORA_WEIGHTS_FILE,
         **{f"{name}_lora_layers": layers(model) for name, model in parts.items()},
         **{f"{name}_lora_adapter_metadata": model.peft_config["default"].to_dict() for name, model in parts.items()})
+
+
+def forget_stale_scores(eval_dir, model_dir):
+    """Remove what eval_dir (a folder or a bucket's) holds of another model than model_dir's, when Step 4
+    replaced the subject's model (another mode, base model or settings, RETRAIN=1): its scores, report, grids
+    and images (the base model's images stay, for Step 6 to score again): scores never stay beside a model they
+    are not of, even when Step 6 does not run. True when removed."""
+    record = storage.join(eval_dir, "images", "tuned", IMAGES_RECORD)
+    marker = storage.join(model_dir, utils.OUTPUT_MARKER)
+    if not (storage.isfile(record) and storage.isfile(marker)):
+        return False
+    model_id = storage.read_json(marker).get("model_id")
+    if model_id and f"trained:{model_id}" in str(storage.read_json(record).get("model")):
+        return False
+    for name in storage.listdir(eval_dir):
+        if name != "images":
+            storage.remove(storage.join(eval_dir, name))
+    images = storage.join(eval_dir, "images")
+    for name in storage.listdir(images) if storage.isdir(images) else []:
+        if name != "base":
+            storage.remove(storage.join(images, name))
+    if storage.is_remote(eval_dir) and os.path.isdir(storage.cache_path(eval_dir)):
+        shutil.rmtree(storage.cache_path(eval_dir))  # (this node's copy of it: fetched again when needed)
+    print(f"removed the scores in {eval_dir}: they were of the model this run replaced (Step 6 scores the new "
+          f"one)", file=sys.stderr)
+    return True

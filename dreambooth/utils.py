@@ -10,6 +10,8 @@ import signal
 import sys
 import tempfile
 
+from dreambooth import filemodes
+
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: the scripts, assets/, data/
 
 IMAGE_SUFFIX = ".png"  # what the suite writes
@@ -187,42 +189,9 @@ def slugify(text, max_len=60):
 # ---------------------------------------------------------------- files
 
 
-def current_umask():
-    """This process's umask, read without changing it (os.umask sets it: a thread writing a file meanwhile
-    would get the wrong mode)."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
-    except (OSError, StopIteration, ValueError):
-        mask = os.umask(0o022)
-        os.umask(mask)
-        return mask
-
-
-def follow_umask(path):
-    """Give path (a file, or a folder and all under it) the mode a plain open() or mkdir() would have under the
-    user's umask: safetensors writes its files, and mkdtemp its folder, readable by their owner only, and a
-    model others open (ComfyUI as another user, a teammate) must be readable as the user's umask says."""
-    umask = current_umask()
-
-    def fix(name, base):
-        os.chmod(name, (base & ~umask) | (os.stat(name).st_mode & 0o111 & ~umask))
-
-    if os.path.isdir(path):
-        fix(path, 0o777)
-        for root, dirs, files in os.walk(path):
-            for name in dirs:
-                fix(os.path.join(root, name), 0o777)
-            for name in files:
-                if not os.path.islink(os.path.join(root, name)):
-                    fix(os.path.join(root, name), 0o666)
-    else:
-        fix(path, 0o666)
-
-
 def atomic_write_dir(final_dir, write_fn):
     """Call write_fn(tmp_dir) then move tmp_dir to final_dir, replacing it whole, its modes as the
-    umask says (follow_umask).
+    umask says (filemodes.follow_umask).
 
     The destination either keeps its previous content or gets the complete new one:
     a crash or a failed write leaves only a hidden temporary folder behind.
@@ -232,7 +201,7 @@ def atomic_write_dir(final_dir, write_fn):
     tmp_dir = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(final_dir) + "-", dir=parent)
     try:
         write_fn(tmp_dir)
-        follow_umask(tmp_dir)
+        filemodes.follow_umask(tmp_dir)
         if os.path.exists(final_dir):
             old = tmp_dir + ".old"
             os.rename(final_dir, old)
