@@ -114,6 +114,11 @@ def run_main(main_fn):
     # Read when transformers is first imported (our scripts import it late): its warnings
     # about backends we do not use (torchvision) are noise on a user's console.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    # bitsandbytes (imported by diffusers' loaders where installed) warns, on a CPU with AVX-512 BF16, that an
+    # optional kernel package for 4-bit CPU matmuls is missing: noise on every export and preflight
+    import logging
+
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     try:
         main_fn()
     except UserError as err:
