@@ -340,7 +340,8 @@ def main(argv=None):
                           "score DINO and CLIP-I against them too, and against the others only.",
                "output_dir": "Where the images, scores.json, report.md and the grids go: a folder, or a bucket's "
                              "(s3://bucket/prefix, gs://…), filled through this node's copy of it."},
-        types=dict.fromkeys(("instance_data_dir", "output_dir", "eval_models_dir"), flags.storage_location))
+        types=dict.fromkeys(("instance_data_dir", "output_dir", "eval_models_dir"), flags.storage_location),
+        without=("--num_class_images",))  # (diffusers' name for class images: sweep.py's meaning, not this)
     parser.set_defaults(num_samples_per_prompt=4)
     args = cache_model.resolve_models(parser.parse_args(argv))
     for name in ("instance_data_dir", "eval_models_dir"):  # (a bucket's photos and scoring models: this node's copy)

@@ -832,11 +832,13 @@ def write_config(path, text):
     return path
 
 
-def make_parser(description, names, positional=None, refused=(), helps=None, optional=(), config=False, types=None):
+def make_parser(description, names, positional=None, refused=(), helps=None, optional=(), config=False, types=None,
+                without=()):
     """A parser with the named flags from FLAGS, in the given order; the options in refused
     (keys of REFUSED) stop the parse with their line; helps: {name: help} where a script means
     a shared flag in its own way; optional: required flags that this script can do without;
-    config: also take --config FILE (TOML, keys named as the flags); types: {name: type} likewise."""
+    config: also take --config FILE (TOML, keys named as the flags); types: {name: type} likewise;
+    without: option spellings this script does not take (an alias that means something else here)."""
     parser = OneLineErrorParser(description=description, formatter_class=HelpFormatter)
     if positional:
         positional(parser)
@@ -844,6 +846,7 @@ def make_parser(description, names, positional=None, refused=(), helps=None, opt
         parser.add_argument("--config", metavar="FILE", default=None, help=config_help(names))
     for name in names:
         options, kwargs = FLAGS[name]
+        options = [o for o in options if o not in without]
         kwargs = dict(kwargs)
         kwargs.setdefault("dest", name)
         if helps and name in helps:

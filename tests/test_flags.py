@@ -343,3 +343,11 @@ def test_help_shows_a_switchs_default_and_config_examples_the_script_takes():
     assert "Fine-tune the text encoder together with the UNet. (default: on)" in text
     assert 'model_dir = "..."' in text and 'prompts = ["..."]' in text and "max_train_steps" not in text
     assert "max_train_steps = 400" in " ".join(planning.train_parser("train").format_help().split())
+
+
+def test_evaluate_does_not_take_num_class_images_which_means_class_images_elsewhere():
+    from dreambooth import evaluate
+
+    with pytest.raises(SystemExit):
+        evaluate.main(["--model_dir", "m", "--instance_data_dir", "p", "--class_name", "dog", "--eval_models_dir", "e",
+                       "--output_dir", "o", "--num_class_images", "3"])
