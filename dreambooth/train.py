@@ -207,10 +207,16 @@ def run_trainer(plan, train_ds):
             signal.signal(signal.SIGINT, handlers[0])
             signal.signal(signal.SIGTERM, handlers[1])
         stopping.forget(trainer.train_loop_config["stop_flag"])  # (a sweep runs many trials in one driver)
-    if (result.metrics or {}).get("step", 0) < plan.end_step and not storage.isfile(
-            storage.join(plan.output_dir, utils.OUTPUT_MARKER)):
+    if (result.metrics or {}).get("step", 0) < plan.end_step and not saved_by(plan):
         raise KeyboardInterrupt  # an aborted run returns a partial result
     return result
+
+
+def saved_by(plan):
+    """Whether output_dir holds the model this run saved (a resumed run with no step left saves it without a
+    step's metrics); the model of an earlier run there, which this one replaces when it ends, does not count."""
+    marker = storage.join(plan.output_dir, utils.OUTPUT_MARKER)
+    return storage.isfile(marker) and storage.read_json(marker).get("run_name") == plan.run_name
 
 
 def failure_cause(err):

@@ -381,11 +381,16 @@ def test_dreambooth_run_tiny_flux_end_to_end(tmp_path, tiny_flux_model, tiny_eva
 
 @pytest.mark.slow
 def test_ctrl_c_in_step_4_checkpoints_its_step_and_says_how_the_same_command_continues(tmp_path, tiny_model,
-                                                                                       tiny_eval_models):
+                                                                                       tiny_eval_models, uninterrupted):
     """Ctrl-C as a terminal sends it, to the whole foreground group (the script, its log's tee, train.py): training
     checkpoints the step it is on and says so, the script's last line says where it stopped and that the same
     command continues (it passes --resume_from_checkpoint auto), in the log file too; exit 130. (tee once died
-    with the group: train.py's stop lines were lost and the script exited 1 without a word.)"""
+    with the group: train.py's stop lines were lost and the script exited 1 without a word.) The subject's folder
+    holds an earlier model (another run's), which the stopped run leaves in place: a stop once counted as the end
+    of the run when the folder held any model ('trained 400 steps; model saved', the stop's checkpoint removed)."""
+    earlier = tmp_path / "subjects" / "example-toy" / "model-tuned"
+    shutil.copytree(uninterrupted[0], earlier)
+    before = (earlier / OUTPUT_MARKER).read_text()
     env = dict(os.environ, DATA_PREFIX=str(tmp_path), MAX_TRAIN_STEPS="400", PYTHON=sys.executable,
                **shared_models(tmp_path, tiny_model, tiny_eval_models))
     env.pop("NUM_WORKERS", None)
@@ -413,3 +418,6 @@ def test_ctrl_c_in_step_4_checkpoints_its_step_and_says_how_the_same_command_con
                     f"rerun the same command to continue ({command})"), output[-3000:]
     log = re.search(r"-- log: (\S+)", output)[1]
     assert last in open(log).read()
+    assert "trained " not in output and (earlier / OUTPUT_MARKER).read_text() == before  # not a finished run
+    [run] = glob.glob(str(tmp_path / "subjects" / "example-toy" / "ray_results" / "model-tuned-*"))
+    assert glob.glob(os.path.join(run, "checkpoint_*", "*")), "the stop's checkpoint is kept"
