@@ -206,6 +206,11 @@ def check_lora_fits(model_dir, lora_dir):
                           f"were trained on as --model_dir")
 
 
+def trained_fingerprint(model_id):
+    """model_fingerprint of a model train.py saved with model_id."""
+    return f"trained:{model_id}"
+
+
 def model_fingerprint(folder):
     """A short string that changes whenever the weights in folder do.
 
@@ -214,7 +219,7 @@ def model_fingerprint(folder):
     last MiB of every weights file: enough to tell two trainings apart, in milliseconds)."""
     output = read_output(folder)
     if output is not None and output.model_id:
-        return f"trained:{output.model_id}"
+        return trained_fingerprint(output.model_id)
     match = _SNAPSHOT.search(os.path.abspath(folder))
     if match and output is None:
         return f"{match['owner']}/{match['name']}@{match['revision']}"
@@ -374,12 +379,11 @@ def forget_stale_scores(eval_dir, model_dir):
     and images (the base model's images stay, for Step 6 to score again): scores never stay beside a model they
     are not of, even when Step 6 does not run. True when removed."""
     record = storage.join(eval_dir, "images", "tuned", IMAGES_RECORD)
-    marker = storage.join(model_dir, utils.OUTPUT_MARKER)
-    if not (storage.isfile(record) and storage.isfile(marker)):
+    output = read_output(model_dir)
+    if output is None or not storage.isfile(record):
         return False
-    model_id = storage.read_json(marker).get("model_id")
-    if model_id and f"trained:{model_id}" in str(storage.read_json(record).get("model")):
-        return False
+    if output.model_id and trained_fingerprint(output.model_id) in str(storage.read_json(record).get("model")):
+        return False  # (a LoRA's images: '<base>+lora:trained:<id>@<scale>')
     for name in storage.listdir(eval_dir):
         if name != "images":
             storage.remove(storage.join(eval_dir, name))

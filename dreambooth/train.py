@@ -215,8 +215,8 @@ def run_trainer(plan, train_ds):
 def saved_by(plan):
     """Whether output_dir holds the model this run saved (a resumed run with no step left saves it without a
     step's metrics); the model of an earlier run there, which this one replaces when it ends, does not count."""
-    marker = storage.join(plan.output_dir, utils.OUTPUT_MARKER)
-    return storage.isfile(marker) and storage.read_json(marker).get("run_name") == plan.run_name
+    output = outputs.read_output(plan.output_dir)
+    return output is not None and output.record.run_name == plan.run_name
 
 
 def failure_cause(err):
