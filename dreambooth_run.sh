@@ -19,12 +19,12 @@
 # from its newest checkpoint. With RAY_ADDRESS set the steps join that cluster and ship this
 # folder's code to its workers; else the script starts a cluster of its own for all its steps and
 # stops it at the end (other machines may join it meanwhile: it prints how). Either way with Ray's
-# token authentication (RAY_AUTH_MODE=disabled turns it off: README, "Security").
+# token authentication (RAY_AUTH_MODE=disabled turns it off: docs/CLUSTER.md, "Security").
 set -euo pipefail
 
 # name|default (as shown)|meaning. The defaults are applied below, in Step 0.
 VARIABLES=(
-  "DATA_PREFIX|./data (--tiny: ./data/tiny)|where everything is written (kept across reboots); on a cluster, shared storage (NFS) or a bucket (s3://bucket/prefix: README, Object storage)"
+  "DATA_PREFIX|./data (--tiny: ./data/tiny)|where everything is written (kept across reboots); on a cluster, shared storage (NFS) or a bucket (s3://bucket/prefix: docs/CLUSTER.md, Object storage)"
   "INSTANCE_DIR|the example photos|your 4-6 photos of the subject"
   "SUBJECT|the photos folder's name (example-dog with the example)|names this subject's outputs: \$DATA_PREFIX/subjects/<SUBJECT>/"
   "CLASS_NAME|dog (--tiny: toy)|what the subject is: dog, backpack, person (needed with INSTANCE_DIR)"
@@ -276,7 +276,7 @@ else
   # yours) is left alone and never joined
   RAY_HEAD_PORT="$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')"
   # Ray's metrics servers (with ray[default] installed) answer anyone over HTTP: off here, as
-  # raycluster.CLOSED_METRICS turns them off for the scripts' own clusters (README, "Security")
+  # raycluster.CLOSED_METRICS turns them off for the scripts' own clusters (docs/CLUSTER.md, "Security")
   eval "$("$PYTHON" -c 'from dreambooth import raycluster; print(raycluster.closed_metrics_exports())')"
   # (no drain at the end: nothing runs by then, and Ray would wait 30 s for idle workers)
   RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 "$PYTHON" -m ray.scripts.scripts start --head --block \

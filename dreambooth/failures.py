@@ -89,7 +89,7 @@ def out_of_memory(err, step, first_step):
         return None
     return utils.UserError(f"out of GPU memory at step {step + 1} ({utils.one_line(err)[:200]}); lower --train_batch_size "
                            f"or --resolution, or add --gradient_checkpointing, --use_8bit_adam, --use_lora or "
-                           f"--gpus_per_worker 2 (README: which card fits which mode)")
+                           f"--gpus_per_worker 2 (docs/MEMORY.md: which card fits which mode)")
 
 
 class FailureWatch(ray.train.UserCallback):

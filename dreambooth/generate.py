@@ -327,7 +327,7 @@ def main(argv=None):
          "allow_unsafe_weights"],
         config=True, types={"output_dir": flags.storage_location},
         helps={"output_dir": "Where the images go: a folder, or a bucket's (s3://bucket/prefix, gs://…), filled "
-                             "through this node's copy of it (README, Object storage)."},
+                             "through this node's copy of it (docs/CLUSTER.md, Object storage)."},
     )
     args = cache_model.resolve_models(parser.parse_args(argv))
     texts = prompts.prompts_of(args)

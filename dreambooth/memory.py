@@ -1,7 +1,7 @@
 """How much GPU memory a training run needs per worker, before it starts: one table for the
-preflight, the README and `python -m dreambooth.memory`.
+preflight, docs/MEMORY.md and `python -m dreambooth.memory`.
 
-    python -m dreambooth.memory   the README's table (markdown)
+    python -m dreambooth.memory   the tables of docs/MEMORY.md (markdown)
 
 The figure is computed, not guessed from a tiny model:
 - **Parameters** of each network: the released models' counts (RELEASED; tests/test_memory.py
@@ -199,7 +199,7 @@ def safetensors_params(model_dir):
     return {k: v for k, v in counts.items() if k in ("unet", "transformer", "vae") or k.startswith("text_encoder")}
 
 
-# ---------------------------------------------------------------- the table (README, --help of preflight)
+# ---------------------------------------------------------------- the table (docs/MEMORY.md, --help of preflight)
 
 TABLE_ROWS = (
     ("full: UNet + text encoder(s) (default)", Setup()),
@@ -215,7 +215,7 @@ TABLE_ROWS = (
 
 
 def table():
-    """The README's memory table of the UNet families: GiB per worker for each mode and family at its
+    """docs/MEMORY.md's memory table of the UNet families: GiB per worker for each mode and family at its
     resolution, two instance + two class images a step (dreambooth_run.sh's batch) unless the row says
     otherwise."""
     names = [name for name in RELEASED if not families.FAMILIES[name].flow_matching]
@@ -261,7 +261,7 @@ def size_params(family, size):
 
 
 def flow_table():
-    """The README's table of the flow-matching transformers: GiB per worker of each row of FLOW_ROWS, and
+    """docs/MEMORY.md's table of the flow-matching transformers: GiB per worker of each row of FLOW_ROWS, and
     whether it fits each card of CARDS_GIB (with RESERVE_GIB kept)."""
     lines = ["| model, px | train.py flags | GiB | " + " | ".join(f"{card} GB" for card in CARDS_GIB) + " |",
              "| --- | --- | ---: |" + " :---: |" * len(CARDS_GIB)]
@@ -273,5 +273,10 @@ def flow_table():
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
+def main():
+    """`python -m dreambooth.memory`: both tables, as docs/MEMORY.md shows them."""
     sys.stdout.write(table() + "\n\n" + flow_table() + "\n")
+
+
+if __name__ == "__main__":
+    main()

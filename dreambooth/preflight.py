@@ -326,7 +326,7 @@ def check_shared(data_prefix, photos_var, photos_dir, num_photos):
             if remote and (error or not storage.isfile(storage.join(probe, node["NodeID"]))):
                 raise utils.UserError(f"DATA_PREFIX={data_prefix} cannot be written from node {address}: "
                                       f"{error or 'its object never appeared'} (give every node the bucket's "
-                                      "credentials and endpoint: AWS_* variables, README, Object storage)")
+                                      "credentials and endpoint: AWS_* variables, docs/CLUSTER.md, Object storage)")
             if not remote and (error or not os.path.isfile(os.path.join(probe, node["NodeID"]))):
                 raise utils.UserError(
                     f"DATA_PREFIX={data_prefix} is not shared storage: what node {address} writes there "

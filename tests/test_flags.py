@@ -220,13 +220,13 @@ def test_the_sdxl_lora_readme_command_parses_and_what_differs_says_what_to_do(ca
 
 
 def test_readme_compatibility_claims_hold():
-    """The README's lists of train_dreambooth.py flags that train.py takes and refuses (defect 7:
-    it once said every train_dreambooth.py command ran unchanged, and two of them were refused)."""
+    """docs/DIFFUSERS.md's lists of train_dreambooth.py flags that train.py takes and refuses (defect 7:
+    the README once said every train_dreambooth.py command ran unchanged, and two of them were refused)."""
     import re
 
-    with open(os.path.join(REPO_DIR, "README.md")) as f:
+    with open(os.path.join(REPO_DIR, "docs", "DIFFUSERS.md")) as f:
         text = f.read()
-    paragraph = text[text.index("### Commands written for diffusers'"):text.index("Every flag also answers")]
+    paragraph = text[text.index("# Commands written for diffusers'"):text.index("Every flag also answers")]
     taken, refused = paragraph.split("tests/test_flags.py runs")[0].split("or refused with one line", 1)
     taken, refused = re.findall(r"`(--[a-z0-9_]+)`", taken), re.findall(r"`(--[a-z0-9_]+)`", refused)
     assert len(taken) >= 15 and all(o in DIFFUSERS_FLAGS and o not in flags.REFUSED for o in taken), taken

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from dreambooth import memory
 from dreambooth import models
@@ -89,11 +90,11 @@ def test_the_computed_need_meets_the_measured_peaks_and_orders_the_modes():
 
 
 @pytest.mark.slow
-def test_the_readme_table_is_the_one_in_code():
-    readme = open(os.path.join(REPO_DIR, "README.md")).read()
+def test_the_readme_table_is_the_one_in_code(capsys):
+    readme = open(os.path.join(REPO_DIR, "docs", "MEMORY.md")).read()  # (the README links it)
     assert memory.table() in readme and memory.flow_table() in readme
-    out = subprocess.run([sys.executable, "-m", "dreambooth.memory"], cwd=REPO_DIR, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == memory.table() + "\n\n" + memory.flow_table()
+    memory.main()  # (what `python -m dreambooth.memory` prints; in this process, the flow table's sizes built once)
+    assert capsys.readouterr().out.strip() == memory.table() + "\n\n" + memory.flow_table()
 
 
 def preflight_args(model, *words, gpu_memory):
@@ -167,7 +168,8 @@ def test_the_preflight_stops_before_ray_when_the_stated_card_is_too_small(toy_im
 @pytest.mark.slow
 def test_gpus_ray_counts_but_torch_cannot_use_stop_the_preflight(tmp_path, toy_images):
     """A node whose Ray counts a GPU that torch cannot open (here: a CPU machine told it has one, as a
-    machine whose driver is older than torch's CUDA build looks): one line before Step 1."""
+    machine whose driver is older than torch's CUDA build looks): one line before Step 1, which names the
+    cause by torch's build: a CUDA build wants a newer driver, a CPU-only build (CI's) the CUDA build."""
     head, address = raycluster.start_ray_head(tmp_path / "head.log", extra=["--num-cpus=2", "--num-gpus=1"])
     try:
         proc = subprocess.run([sys.executable, "preflight.py", "--photos_dir", toy_images, "--class_name", "toy",
@@ -178,5 +180,14 @@ def test_gpus_ray_counts_but_torch_cannot_use_stop_the_preflight(tmp_path, toy_i
         raycluster.stop_ray_head(head)
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 1, proc.stderr[-2000:]
-    assert re.fullmatch(r"error: node \S+: Ray counts 1 GPU\(s\) but torch \S+ sees 0 \(.*\): install an NVIDIA "
-                        r"driver for CUDA [\d.]+ or newer .*", last), last
+    driver = (r"error: node \S+: Ray counts 1 GPU\(s\) but torch \S+ sees 0 \(.*\): install an NVIDIA driver for CUDA "
+              r"[\d.]+ or newer .*")
+    cpu_only = (r"error: node \S+: Ray counts 1 GPU\(s\) but torch \S+ sees 0: it is a CPU-only build; install "
+                r"torch's CUDA build \(https://pytorch.org/get-started/locally/\)")
+    assert re.fullmatch(cpu_only if torch.version.cuda is None else driver, last), last
+    # the other build's line, from the same check on a node's report
+    report = {"node": "10.0.0.2", "gpus": 1, "cards": [], "torch": "2.13.0", "warning": None}
+    for cuda, expected in ((None, cpu_only), ("13.0", driver)):
+        with pytest.raises(utils.UserError) as err:
+            preflight.check_drivers([{**report, "cuda": cuda}])
+        assert re.fullmatch(expected, f"error: {err.value}"), err.value

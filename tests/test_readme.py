@@ -1,5 +1,5 @@
-"""The README's commands run as typed: every shell block parses, every setting it gives the script is
-one the script knows, and the "Each step by hand" block runs end to end on the tiny model."""
+"""The README's commands run as typed (and the docs pages' it links): every shell block parses, every setting it
+gives the script is one the script knows, and the "Each step by hand" block runs end to end on the tiny model."""
 
 import json
 import os
@@ -12,7 +12,10 @@ from conftest import model_cache_of
 from dreambooth.utils import OUTPUT_MARKER, REPO_DIR
 
 README = open(os.path.join(REPO_DIR, "README.md")).read()
-BLOCKS = re.findall(r"```bash\n(.*?)```", README, re.S)
+# The README and the pages of docs/ it links to (the users' pages): their shell blocks are held to the same rules.
+PAGES = ["README.md", *sorted(set(re.findall(r"\]\((docs/\w+\.md)", README)))]
+TEXTS = {page: open(os.path.join(REPO_DIR, page)).read() for page in PAGES}
+BLOCKS = [block for text in TEXTS.values() for block in re.findall(r"```bash\n(.*?)```", text, re.S)]
 
 
 def script_variables():
@@ -32,7 +35,7 @@ def test_every_shell_block_parses_and_sets_only_what_the_script_reads():
                 given = re.findall(r"(?:^|\s)([A-Z_]+)=", line.split("./dreambooth_run.sh")[0])
                 assert set(given) <= known, (line, set(given) - known)
     # no placeholder left to fill in, no variable used before any line sets it
-    assert "<this repository>" not in README
+    assert not [page for page, text in TEXTS.items() if "<this repository>" in text]
 
 
 def by_hand_block():
@@ -47,6 +50,9 @@ NOT_RUN = {
     "ORIG_MODEL_NAME=sdxl": "the SDXL model and its VAE are downloads; test_dreambooth_run runs the SDXL LoRA "
                             "script on the tiny SDXL model",
     "ray start --head": "needs other machines; the two_node_cluster tests run the script on a 2-node cluster",
+    "RAY_ADDRESS=<head>:6379 DATA_PREFIX=": "needs other machines and a bucket; the two_node_cluster tests run the "
+                                           "script on a 2-node cluster, test_dreambooth_run with DATA_PREFIX in a "
+                                           "bucket (a real S3 server on 127.0.0.1)",
     "python sweep.py": "test_sweep runs sweeps of every kind on the tiny model",
     "-m pytest": "the test command itself",
     "ray job submit --working-dir": "needs Ray Jobs' server (ray[default]); test_recovery submits, stops and "
@@ -103,30 +109,66 @@ def test_each_step_by_hand_runs_as_written_on_the_tiny_model(tmp_path):
 
 
 @pytest.mark.slow
-def test_your_own_subject_blocks_run_as_written_with_the_tiny_model(tmp_path, toy_images, tiny_model,
-                                                                    tiny_eval_models):
-    """`INSTANCE_DIR=~/photos/rex CLASS_NAME=dog ./dreambooth_run.sh [-- flags]` as typed, in a home
-    whose ~/photos/rex holds the photos; the only change: --tiny (no GPU, no download here). Fewer class
-    and evaluation images come from the environment, as a user's own settings would, and so do the model caches:
-    the session's tiny models (ORIG_MODEL_DIR, EVAL_MODELS_CACHE; Step 1 finds them built). The second block is
-    the first with train.py flags after `--`: it alone runs, so the first's command line runs too. (A second
-    run after a first in the same DATA_PREFIX: test_dreambooth_run's LoRA run after the full one.)"""
+def test_your_own_subject_block_runs_as_typed_and_ctrl_c_in_step_4_says_how_the_same_command_continues(
+        tmp_path, toy_images, tiny_model, tiny_eval_models, uninterrupted):
+    """`INSTANCE_DIR=~/photos/rex CLASS_NAME=dog ./dreambooth_run.sh -- --gradient_checkpointing --use_8bit_adam` as
+    typed, in a home whose ~/photos/rex holds the photos; the only change: --tiny (no GPU, no download here). Fewer
+    class images, the logging interval (TRAIN_ARGS) and the model caches (the session's tiny models: Step 1 finds
+    them built) come from the environment, as a user's own settings would. The second block is the first with
+    train.py flags after `--`: it alone runs, so the first's command line runs too.
+
+    Then Ctrl-C in Step 4 as a terminal sends it, to the whole foreground group (the script, its log's tee,
+    train.py): training checkpoints the step it is on and says so, the script's last line says where it stopped
+    and that the same command continues (it passes --resume_from_checkpoint auto), in the log file too; exit 130.
+    (tee once died with the group: train.py's stop lines were lost and the script exited 1 without a word.) The
+    subject's folder holds an earlier model (another run's), which the stopped run leaves in place: a stop once
+    counted as the end of the run when the folder held any model ('trained 400 steps; model saved', the stop's
+    checkpoint removed). (The script run to its end: test_dreambooth_run's runs; a second run after a first in
+    the same DATA_PREFIX: its LoRA run after the full one.)"""
+    import glob
     import shutil
+    import signal
 
     home = tmp_path / "home"
     shutil.copytree(toy_images, home / "photos" / "rex")
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a {subject} on a beach\n")
-    env = dict(os.environ, HOME=str(home), DATA_PREFIX=str(tmp_path / "data"), NUM_CLASS_IMAGES="4",
-               MAX_TRAIN_STEPS="2", NUM_INFERENCE_STEPS="2", EVAL_PROMPTS=str(prompts), PYTHON=sys.executable,
+    subject = tmp_path / "data" / "subjects" / "rex"  # named after the photos' folder
+    earlier = subject / "model-tuned"
+    shutil.copytree(uninterrupted[0], earlier)
+    before = (earlier / OUTPUT_MARKER).read_text()
+    env = dict(os.environ, HOME=str(home), DATA_PREFIX=str(tmp_path / "data"), NUM_CLASS_IMAGES="2",
+               MAX_TRAIN_STEPS="400", NUM_INFERENCE_STEPS="2", TRAIN_ARGS="--logging_steps 1", PYTHON=sys.executable,
                ORIG_MODEL_DIR=model_cache_of(tiny_model), EVAL_MODELS_CACHE=tiny_eval_models[0])
+    env.pop("NUM_WORKERS", None)
     blocks = [b for b in BLOCKS if YOUR_OWN in b]
     assert len(blocks) == 2 and blocks[1] == blocks[0].rstrip() + " -- --gradient_checkpointing --use_8bit_adam\n"
-    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", blocks[1].replace("./dreambooth_run.sh",
-                                                                                "./dreambooth_run.sh --tiny")],
-                          cwd=REPO_DIR, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    subject = tmp_path / "data" / "subjects" / "rex"  # named after the photos' folder
-    assert os.path.isfile(subject / "model-tuned" / OUTPUT_MARKER) and os.path.isfile(subject / "eval" / "report.md")
-    record = json.loads((subject / "model-tuned" / OUTPUT_MARKER).read_text())
-    assert record["identity"]["use_8bit_adam"] is True  # the second block's flags reached train.py
+    typed = blocks[1].strip().replace("./dreambooth_run.sh", "./dreambooth_run.sh --tiny")
+    proc = subprocess.Popen(["bash", "-euo", "pipefail", "-c", typed], cwd=REPO_DIR, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # (its own group, as a terminal's foreground job)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "step=3 " in line:
+            os.killpg(proc.pid, signal.SIGINT)
+            break
+    try:
+        rest, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    output = "".join(lines) + rest
+    assert proc.returncode == 130, output[-3000:]
+    assert len([f for f in os.listdir(tmp_path / "data" / "images-reg" / "tiny-sd1" / "dog") if f.endswith(".png")]) == 2
+    step = int(re.search(r"stopped at step (\d+) of 400 \(SIGINT\)", output)[1])
+    assert 3 <= step < 400 and "stopped; rerun the same command to continue (newest checkpoint: " in output, output[-3000:]
+    command = "./dreambooth_run.sh --tiny -- --gradient_checkpointing --use_8bit_adam"  # (as typed)
+    last = output.strip().splitlines()[-1]
+    assert last == (f"dreambooth_run.sh: stopped by SIGINT in Step 4; the finished steps and checkpoints are kept: "
+                    f"rerun the same command to continue ({command})"), output[-3000:]
+    log = re.search(r"-- log: (\S+)", output)[1]
+    assert last in open(log).read()
+    assert "trained " not in output and (earlier / OUTPUT_MARKER).read_text() == before  # not a finished run
+    [run] = glob.glob(str(subject / "ray_results" / "model-tuned-*"))
+    assert glob.glob(os.path.join(run, "checkpoint_*", "*")), "the stop's checkpoint is kept"
+    settings = open(os.path.join(run, "train_config.toml")).read()  # the block's flags reached train.py
+    assert "use_8bit_adam = true" in settings and "gradient_checkpointing = true" in settings
