@@ -185,13 +185,14 @@ def run_sweep(command, log_path, kill_after_first_checkpoint=False, env=None):
 
 @pytest.mark.slow
 def test_random_lora_sweep_of_two_subjects_in_a_bucket_on_two_nodes_scores_each_step_count_and_keeps_each_best(
-        two_subjects, tiny_model, tmp_path, request):
-    """A 2-trial sweep that is also a many-subjects job, offline on CPU: two subjects of one class
-    (one class folder), LoRA, a learning rate drawn log-uniformly for each subject's trial, two step
-    counts scored per trial (the smaller one from an intermediate checkpoint). The subjects, the class
-    images, the scoring models, the sweep folder and the best models are in a bucket (moto's S3 server), on the 2-node
-    cluster whose second node cannot see the first node's copies of the bucket's files: nothing is
-    written on this node's disk but those copies."""
+        two_subjects, tiny_sd3_model, tmp_path, request):
+    """A 2-trial sweep that is also a many-subjects job, offline on CPU, of the tiny SD 3.5 model (flow matching,
+    T5): two subjects of one class (one class folder), LoRA, a learning rate drawn log-uniformly for each
+    subject's trial, two step counts scored per trial (the smaller one from an intermediate checkpoint). The
+    subjects, the class images, the scoring models, the sweep folder and the best models are in a bucket (moto's
+    S3 server), on the 2-node cluster whose second node cannot see the first node's copies of the bucket's files:
+    nothing is written on this node's disk but those copies. Each subject's best adapters load in
+    StableDiffusion3Pipeline, where they change the image."""
     from dreambooth import storage
 
     command, sweep_dir = two_subjects
@@ -206,6 +207,7 @@ def test_random_lora_sweep_of_two_subjects_in_a_bucket_on_two_nodes_scores_each_
     request.addfinalizer(lambda: shutil.rmtree(cache, ignore_errors=True))
     env = {**os.environ, **bucket_env, "RAY_ADDRESS": address, "XDG_CACHE_HOME": str(cache)}
     command = [c for c in command if c not in ("--sweep_learning_rate", "1e-3")]
+    command[command.index("--model_dir") + 1] = tiny_model = tiny_sd3_model
     command[command.index("--subjects_dir") + 1] = f"{root}/s"
     command[command.index("--output_dir") + 1] = f"{root}/best"
     eval_models = command[command.index("--eval_models_dir") + 1]  # (the scoring models in the bucket too)
@@ -221,6 +223,7 @@ def test_random_lora_sweep_of_two_subjects_in_a_bucket_on_two_nodes_scores_each_
     assert all(r["model"].startswith(f"{sweep_dir}/trials/") for r in table)
     assert len(storage.listdir(f"{sweep_dir}/trials")) == 2
     assert output.count("base model on") == 2 and output.count("base: 0 of") == 1  # both subjects in one pass
+    assert "4 model(s) scored (a trial's at each step count), 0 failed trial(s)" in output  # 2 trials, 2 counts
     assert storage.listdir(f"{sweep_dir}/class-images") == ["toy"]  # one class folder for both subjects
     assert output.count("3 class images of your own count toward --num_class_images 3") == 1
     assert "class images of 'photo of a toy': " not in output  # nothing to draw
@@ -239,6 +242,15 @@ def test_random_lora_sweep_of_two_subjects_in_a_bucket_on_two_nodes_scores_each_
     report = storage.read_bytes(f"{sweep_dir}/report.md").decode()
     assert "| red | base |" in report and "| blue | chosen |" in report
     assert storage.isfile(f"{sweep_dir}/sweep.png")
+    import diffusers
+    import torch
+
+    pipe = diffusers.StableDiffusion3Pipeline.from_pretrained(tiny_model)
+    draw = dict(prompt="a toy", num_inference_steps=2, height=64, width=64, output_type="np")
+    before = pipe(**draw, generator=torch.Generator().manual_seed(0)).images
+    pipe.load_lora_weights(storage.cached(f"{root}/best/red"))
+    after = pipe(**draw, generator=torch.Generator().manual_seed(0)).images
+    assert abs(after - before).max() > 1e-4
     # the trials' checkpoints removed (every step count is a model), in the bucket too
     runs = [f"{sweep_dir}/trials/{t}/ray_results/{r}" for t in storage.listdir(f"{sweep_dir}/trials")
             for r in storage.listdir(f"{sweep_dir}/trials/{t}/ray_results")]
@@ -257,22 +269,17 @@ def test_random_lora_sweep_of_two_subjects_in_a_bucket_on_two_nodes_scores_each_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family, early_stopping", [("flux", True), ("sd3", False)])
-def test_a_flow_lora_sweep_scores_each_step_count_and_its_best_adapters_load_in_the_familys_pipeline(
-        family, early_stopping, tiny_eval_models, toy_images, tmp_path, request):
-    """The sweep on the tiny Flux.1 dev and SD 3.5 models (flow matching, T5): one subject, a trial scored at
-    steps 1 and 2, the best LoRA kept with its record, loadable in the family's pipeline (FluxPipeline,
-    StableDiffusion3Pipeline) where it changes the image.
-
-    Flux.1's sweep also has --early_stopping on and two learning rates one after the other: each trial trains
-    to step 1, is scored, and goes on only if its score is not under the first trial's there (ASHA, halving at
-    step 1). The seeded tiny models make the second trial the one behind; the table and the output say where
-    it stopped. (SD 3.5's trial trains once and scores step 1 from its checkpoint.)"""
+def test_a_flux_lora_sweep_stops_the_trial_behind_early_and_its_best_adapters_load_in_fluxpipeline(
+        tiny_flux_model, tiny_eval_models, toy_images, tmp_path):
+    """The sweep on the tiny Flux.1 dev model (flow matching, T5): one subject, two learning rates one after the
+    other with --early_stopping on: each trial trains to step 1, is scored, and goes on to step 2 only if its score
+    is not under the first trial's there (ASHA, halving at step 1). The seeded tiny models make the second trial
+    the one behind; the table and the output say where it stopped. The best LoRA is kept with its record,
+    loadable in FluxPipeline, where it changes the image. (SD 3.5's sweep: the 2-node sweep above.)"""
     import diffusers
     import torch
 
-    model = request.getfixturevalue(f"tiny_{family}_model")
-
+    model = tiny_flux_model
     eval_models = tiny_eval_models[1]
     class_dir = tmp_path / "best-sweep" / "class-images" / "toy"  # (drawn already: generate's own tests draw)
     write_subject(class_dir, [os.path.join(toy_images, n) for n in sorted(os.listdir(toy_images))[:2]], None)
@@ -281,39 +288,30 @@ def test_a_flow_lora_sweep_scores_each_step_count_and_its_best_adapters_load_in_
                "--instance_data_dir", toy_images, "--class_name", "toy", "--eval_models_dir", eval_models,
                "--eval_prompts", str(tmp_path / "prompts.txt"), "--eval_images_per_prompt", "2",
                "--num_inference_steps", "2", "--num_class_images", "2", "--sweep_max_train_steps", "1,2",
-               "--num_workers", "1", "--use_lora"]
-    if early_stopping:
-        command += ["--sweep_learning_rate", "1e-5,1e-3", "--early_stopping", "on", "--max_concurrent_trials", "1"]
-    else:
-        command += ["--sweep_learning_rate", "1e-3"]
+               "--num_workers", "1", "--use_lora", "--sweep_learning_rate", "1e-5,1e-3", "--early_stopping", "on",
+               "--max_concurrent_trials", "1"]
     output, table = run_sweep(command, tmp_path / "log.txt")
     assert all(0 < float(r["dino"]) <= 1 and 0 < float(r["clip_i"]) <= 1 for r in table)
     trials = {}
     for r in table:
         trials.setdefault(r["learning_rate"], []).append((int(r["step"]), float(r["dino"]), r["note"], r["status"]))
-    first, *second = (sorted(rows) for rows in sorted(trials.values(), key=len, reverse=True))
+    first, second = (sorted(rows) for rows in sorted(trials.values(), key=len, reverse=True))
     assert [(s, status) for s, _, _, status in first] == [(1, "ok"), (2, "ok")], output[-2000:]
-    if early_stopping:
-        assert "trials behind at a step count stop there (ASHA)" in output
-        [second] = second
-        assert [s for s, _, _, _ in second] == [1], output[-2000:]
-        assert second[0][2] == "stopped early at step 1 (behind the others there)" and "stopped early at step 1" in output
-        assert second[0][1] <= first[0][1]  # behind at step 1 (the same CLIP-T floor and base: DINO decides)
-        assert "stopped early at step 1" in (tmp_path / "best-sweep" / "trials.md").read_text()
-    else:
-        assert second == []
-        assert "2 model(s) scored (a trial's at each step count), 0 failed trial(s)" in output  # 1 trial, 2 counts
+    assert "trials behind at a step count stop there (ASHA)" in output
+    assert [s for s, _, _, _ in second] == [1], output[-2000:]
+    assert second[0][2] == "stopped early at step 1 (behind the others there)" and "stopped early at step 1" in output
+    assert second[0][1] <= first[0][1]  # behind at step 1 (the same CLIP-T floor and base: DINO decides)
+    assert "stopped early at step 1" in (tmp_path / "best-sweep" / "trials.md").read_text()
     [chosen] = [r for r in table if r["chosen"] == "True"]
     marker = utils.read_json(str(tmp_path / "best" / utils.OUTPUT_MARKER))
     assert marker["steps"] == int(chosen["step"]) and marker["base_model"] == model
-    pipe = getattr(diffusers, {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline"}[family]).from_pretrained(
-        model)
+    pipe = diffusers.FluxPipeline.from_pretrained(model)
     draw = dict(prompt="a toy", num_inference_steps=2, height=64, width=64, output_type="np")
     before = pipe(**draw, generator=torch.Generator().manual_seed(0)).images
     pipe.load_lora_weights(str(tmp_path / "best"))
     after = pipe(**draw, generator=torch.Generator().manual_seed(0)).images
-    # (Flux.1's best is the 1e-5 trial's first step: a smaller change, yet adapters loaded as zeros change nothing)
-    assert abs(after - before).max() > (1e-6 if early_stopping else 1e-4)
+    # (the best is the 1e-5 trial's first step: a smaller change, yet adapters loaded as zeros change nothing)
+    assert abs(after - before).max() > 1e-6
 
 
 @pytest.mark.slow
