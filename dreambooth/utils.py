@@ -64,12 +64,18 @@ def shorten(line, limit=240):
     return line.split(". ")[0][:limit] if len(line) > limit else line
 
 
+_RAISED = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt): ")
+
+
 def one_line(err, limit=240):
-    """'ValueError: cannot load ...' from an exception: its last non-empty line, shortened."""
+    """'ValueError: cannot load ...' from an exception: in a traceback, the last line that names an exception
+    (its message's first line: torch's DDP errors run on over lines of advice); else the message's first line;
+    shortened."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     if not lines:
         return type(err).__name__
-    line = shorten(lines[-1], limit)
+    raised = [line for line in lines if _RAISED.match(line)]
+    line = shorten(raised[-1] if raised else lines[0], limit)
     name = type(err).__name__
     return line if line.startswith(f"{name}: ") else f"{name}: {line}"
 

@@ -26,6 +26,15 @@ def test_a_long_library_message_is_cut_to_its_first_sentence():
                      "instead overwrite randomly initialized weights, please pass " + "y" * 300)
     assert utils.one_line(err) == "ValueError: Cannot load x because a.weight expected shape [64, 64], but got [64, 32]"
     assert utils.one_line(RuntimeError("Traceback:\n  File a\nRuntimeError: boom\n")) == "RuntimeError: boom"
+    # torch's DDP error runs on over lines of advice: its first line says what happened (the last once read
+    # "RuntimeError: In addition, you can set the environment variable TORCH_DISTRIBUTED_DEBUG ...")
+    ddp = ("Expected to have finished reduction in the prior iteration before starting a new one. This error "
+           "indicates that your module has parameters that were not used in producing loss. " + "z" * 200 +
+           "\nParameter indices which did not receive grad for rank 1: 196 197\n In addition, you can set the "
+           "environment variable TORCH_DISTRIBUTED_DEBUG to either INFO or DETAIL")
+    said = "RuntimeError: Expected to have finished reduction in the prior iteration before starting a new one"
+    assert utils.one_line(RuntimeError(ddp)) == said
+    assert utils.one_line(RuntimeError(f"ray::RayTrainWorker.run (pid=7)\n  File x, line 3\nRuntimeError: {ddp}")) == said
 
 
 def test_out_of_memory_at_the_first_step_stops_the_run_later_ones_are_retried():
