@@ -98,7 +98,7 @@ class WandB:
     """A W&B run in the run folder's wandb/; resumed (same id) when the record names one."""
 
     def __init__(self, folder, project, run_name, settings, previous=None):
-        import wandb
+        wandb = import_wandb(folder)
         from wandb.sdk.lib import runid
 
         self.wandb = wandb
@@ -119,6 +119,26 @@ class WandB:
 
     def close(self):
         self.run.finish()
+        # Its service process ends now (with its socket's folder in the system's temp folder), not at an exit
+        # that a train worker, ended by Ray, never reaches; a later W&B run in this process starts another.
+        self.wandb.teardown()
+
+
+def import_wandb(folder):
+    """wandb, first imported with the temp folder at folder/wandb-tmp: the import makes two temp folders (its
+    media's and artifacts') that only a normal exit removes, and a train worker is ended by Ray: they stayed in
+    the system's temp folder after every run."""
+    import tempfile
+
+    if "wandb" not in sys.modules:
+        saved = tempfile.tempdir
+        tempfile.tempdir = os.path.join(folder, "wandb-tmp")
+        os.makedirs(tempfile.tempdir, exist_ok=True)
+        try:
+            importlib.import_module("wandb")
+        finally:
+            tempfile.tempdir = saved
+    return sys.modules["wandb"]
 
 
 class MLflow:
@@ -209,6 +229,4 @@ def log_scores(record, step, scores, label):
             tracker = MLflow(None, None, None, {}, previous=run)
             tracker.scalars(step, values)
         tracker.close()
-        if name == "wandb":  # (no other W&B run in this process: its W&B service process ends now, not at exit)
-            tracker.wandb.teardown()
         print(f"{label}'s scores added to its {name} run {run.get('id') or run.get('run_id')}", file=sys.stderr)

@@ -2,6 +2,9 @@
 local webhook server receives them."""
 
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 from trackerfiles import Webhook, wandb_records
@@ -128,6 +131,25 @@ def test_wandb_and_mlflow_runs_get_the_settings_metrics_images_and_later_the_sco
     assert client.list_artifacts(run.info.run_id, "images")
     assert client.get_experiment(run.info.experiment_id).name == flags.FLAGS["tracker_project_name"][1]["default"]
     assert not (tmp_path / ".config" / "mlflow").exists()  # no telemetry file in the user's home
+
+
+@pytest.mark.slow  # (a process of its own, as a train worker is)
+def test_a_wandb_run_in_a_process_ended_without_exit_handlers_leaves_nothing_in_the_temp_folder(tmp_path):
+    """A train worker is ended by Ray, not by a normal exit: the W&B run it logged (an image too) leaves nothing
+    in the system's temp folder (its media and artifacts folders and its service's socket once stayed there)."""
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    worker = (
+        "import os, sys; from PIL import Image; from dreambooth import trackers\n"
+        "t = trackers.WandB(sys.argv[1], 'p', 'r', {'a': 1})\n"
+        "t.scalars(1, {'train/loss': 1.0}); t.images(1, {'validation/x': Image.new('RGB', (8, 8))}); t.close()\n"
+        "os._exit(0)\n")
+    env = dict(os.environ, TMPDIR=str(temp), WANDB_MODE="offline", PYTHONPATH=utils.REPO_DIR)
+    subprocess.run([sys.executable, "-c", worker, str(tmp_path / "run")], env=env, check=True, timeout=120,
+                   capture_output=True)
+    time.sleep(1)  # (the service process's own exit)
+    assert os.listdir(temp) == []
+    assert wandb_records(str(tmp_path / "run"))["history"][0]["train/loss"] == 1.0
 
 
 def test_a_run_that_fails_tells_the_webhook_its_cause(tiny_model, tmp_path, webhook):
