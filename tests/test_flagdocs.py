@@ -23,3 +23,18 @@ def test_the_page_lists_every_script_and_a_flag_of_each():
         assert words in section, script
     assert "| `--gradient_checkpointing` | off |" in page
     assert "| `--train_text_encoder`, `--no-train_text_encoder` | on |" in page
+
+
+def test_help_groups_the_flags_with_the_common_ones_first():
+    """--help in sections (data, model, training, ..., cluster), never a flat list; a flag in no section would be
+    under 'other', which no script shows."""
+    import re
+
+    help_text = flagdocs.parser_of("train").format_help()
+    sections = re.findall(r"^([a-z][a-zA-Z ()]*):$", help_text, re.M)
+    assert sections == ["options", "data", "model", "training", "reproducibility", "memory and speed",
+                        "adapters (LoRA)", "outputs", "image generation", "cluster (Ray)"]
+    adapters = help_text.split("\nadapters (LoRA):\n")[1].split("\noutputs:\n")[0]
+    assert "--use_lora" in adapters and "--lora_alpha" in adapters and "--learning_rate" not in adapters
+    for module_name in ("train", "generate", "evaluate", "sweep", "export", "cache_model", "preflight"):
+        assert "\nother:\n" not in flagdocs.parser_of(module_name).format_help(), module_name
