@@ -307,7 +307,7 @@ def top_up(folder, model, prompts, count, settings, safety_checker, on_mismatch=
             raise utils.UserError(f"{where}: its {len(drawn)} images {what}, not {asked} ({', '.join(differs)} "
                                   f"differ). Use another folder, or {remedy}")
         print(f"{label or where}: the {len(drawn)} images in {where} {what} ({', '.join(differs)} differ "
-              f"from this run); {'deleting them (--force)' if on_mismatch == 'force' else 'drawing them again'}",
+              "from this run); drawing them again",
               file=sys.stderr)
         outputs.remove_drawn_images(folder)
     outputs.write_image_record(folder, wanted)
