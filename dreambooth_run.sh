@@ -373,7 +373,12 @@ if ! $skip_eval; then
   "$PYTHON" cache_model.py --model_dir="$EVAL_MODELS_CACHE" --eval_models "${EVAL_FLAGS[@]}" \
     > "$EVAL_FETCH_LOG.path" 2> "$EVAL_FETCH_LOG" < /dev/null &
   EVAL_FETCH_PID=$!
-  echo "Step 6's scoring models: fetching in the background (log: $EVAL_FETCH_LOG)"
+  if $tiny; then
+    echo "Step 6's scoring models (tiny DINO and CLIP): built in the background (log: $EVAL_FETCH_LOG)"
+  else  # (in the cache already: nothing is downloaded)
+    echo "Step 6's scoring models (DINO, CLIP): from $EVAL_MODELS_CACHE, fetched there first if missing, in the" \
+      "background (log: $EVAL_FETCH_LOG)"
+  fi
 fi
 
 step "2: photos of the subject: $PHOTOS_DIR"
@@ -460,7 +465,7 @@ step "6: scores of the tuned model beside the base model (DINO, CLIP-I, CLIP-T, 
 if ! wait "$EVAL_FETCH_PID"; then
   EVAL_FETCH_PID=
   tail -n 20 "$EVAL_FETCH_LOG"
-  echo "dreambooth_run.sh: error: fetching Step 6's scoring models failed (log: $EVAL_FETCH_LOG); the tuned" \
+  echo "dreambooth_run.sh: error: getting Step 6's scoring models failed (log: $EVAL_FETCH_LOG); the tuned" \
     "model and its images are in $TUNED_MODEL_DIR and $IMAGES_NEW_DIR" >&2
   exit 1
 fi

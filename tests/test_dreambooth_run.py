@@ -109,6 +109,8 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request, webhook):
     assert f"outputs of subject 'example-toy':\n  model:  {subject}/model-tuned\n  images: {subject}/images-new" in output
     assert f"--output_file {subject}/example-toy.safetensors" in output.splitlines()[-1]
     assert "SUBJECT_TYPE         object (from CLASS_NAME=toy" in output
+    # --tiny builds the scoring models (nothing is fetched), meanwhile
+    assert "Step 6's scoring models (tiny DINO and CLIP): built in the background" in output
     # One Ray cluster for all the steps: started here and stopped at the end, or the one given joined.
     assert open(os.path.join(stranger, "ray", "ray_current_cluster")).read() == "192.0.2.1:6379"  # untouched
     if mode == "full":
