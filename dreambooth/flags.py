@@ -10,6 +10,9 @@ import argparse
 import os
 import sys
 
+from dreambooth.flaggroups import GROUP_OF
+from dreambooth.flaggroups import HELP_GROUPS
+
 
 def abs_path(value):
     """Paths are made absolute on the driver: Ray workers run in another folder."""
@@ -830,43 +833,6 @@ def write_config(path, text):
         f.write(text)
     os.replace(tmp, path)
     return path
-
-
-# --help's sections, the common ones first (issue: a flat list of 60 flags); a flag in none is under "other".
-HELP_GROUPS = {
-    "data": ("instance_data_dir", "instance_prompt", "class_data_dir", "class_prompt", "caption_extension",
-             "with_prior_preservation", "prior_preservation", "prior_loss_weight", "num_class_images", "resolution",
-             "center_crop", "enable_bucket", "min_bucket_reso", "max_bucket_reso", "bucket_reso_steps", "random_flip",
-             "holdout", "masked_loss", "subjects_dir", "unique_token", "class_name", "subject_type", "eval_prompts",
-             "prompts", "prompts_file", "class_images", "num_samples_per_prompt", "photos_dir", "photos_var",
-             "preflight_class_name", "dataset_repo", "dataset_revision"),
-    "model": ("model_dir", "cache_dir", "model_name", "revision", "tiny", "random_model", "arch", "vae_dir",
-              "base_precision", "base_model_dir", "eval_models", "eval_models_dir", "dino_model", "dino_revision",
-              "clip_model", "clip_revision", "hub_cache_dir", "allow_unsafe_weights", "model_path", "model_cache"),
-    "training": ("max_train_steps", "num_train_epochs", "learning_rate", "train_batch_size", "train_text_encoder",
-                 "lr_scheduler", "lr_warmup_steps", "lr_num_cycles", "lr_power", "scale_lr",
-                 "gradient_accumulation_steps", "mixed_precision", "offset_noise", "caption_dropout_rate",
-                 "snr_gamma", "weighting_scheme", "precondition_outputs", "logit_mean", "logit_std", "mode_scale",
-                 "use_ema", "ema_decay", "ema_update_after_step", "adam_beta1", "adam_beta2", "adam_weight_decay",
-                 "adam_epsilon", "max_grad_norm"),
-    "reproducibility": ("seed",),
-    "memory and speed": ("gradient_checkpointing", "use_8bit_adam", "cache_latents", "precompute_text_embeddings",
-                         "torch_compile", "channels_last", "fused_adamw", "fsdp", "allow_tf32", "set_grads_to_none",
-                         "enable_xformers_memory_efficient_attention", "gpu_memory"),
-    "adapters (LoRA)": ("use_lora", "lora_rank", "lora_alpha", "lora_dropout", "lora_dir", "lora_scale"),
-    "outputs": ("output_dir", "output_file", "save_precision", "overwrite", "force", "storage_path",
-                "checkpointing_steps", "checkpoints_total_limit", "keep_checkpoints", "resume_from_checkpoint",
-                "logging_steps", "report_to", "tracker_project_name", "notify_url", "validation_prompt",
-                "num_validation_images", "validation_epochs", "validation_steps", "validation_inference_steps",
-                "data_prefix"),
-    "image generation": ("num_inference_steps", "guidance_scale", "negative_prompt", "batch_size", "safety_checker",
-                         "eval_images_per_prompt"),
-    "sweep": ("sweep_learning_rate", "sweep_max_train_steps", "sweep_rank", "sweep_train_text_encoder", "search",
-              "num_trials", "early_stopping", "clip_t_margin", "sweep_dir"),
-    "cluster (Ray)": ("num_workers", "gpus_per_worker", "use_gpu", "max_failures", "num_actors", "use_ray_data",
-                      "max_concurrent_trials", "preflight_num_workers"),
-}
-GROUP_OF = {name: group for group, names in HELP_GROUPS.items() for name in names}
 
 
 def make_parser(description, names, positional=None, refused=(), helps=None, optional=(), config=False, types=None,
