@@ -73,6 +73,9 @@ def differences(saved, current):
     if saved is None:
         return ["its settings (it was written before runs recorded them)"]
     said = []
+    # (why a length alone does or does not continue a run: no news when something else differs as well)
+    length_only = {k for k in set(saved) | set(current) if saved.get(k) != current.get(k)} <= {
+        "max_train_steps", "num_train_epochs"}
     for key in sorted(set(saved) | set(current), key=lambda k: (k not in FILE_PARTS, k)):
         before, now = saved.get(key), current.get(key)
         if before == now:
@@ -84,7 +87,7 @@ def differences(saved, current):
                 said.append(f"captions {short(sorted(set(before or ())))} -> {short(sorted(set(now or ())))}")
         elif key in ("held_out", "buckets", "family", "resolution"):
             said.append(f"{key.replace('_', '-')} {short(before)} -> {short(now)}")
-        elif key in ("max_train_steps", "num_train_epochs"):  # why this run does not continue that one
+        elif key in ("max_train_steps", "num_train_epochs") and length_only:  # why this run does not continue that one
             if current.get("lr_scheduler") not in LENGTH_FREE_SCHEDULES:
                 why = f"--lr_scheduler {current.get('lr_scheduler')} is planned over the whole run"
             elif isinstance(before, int) and isinstance(now, int) and now > before:

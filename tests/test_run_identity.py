@@ -9,6 +9,7 @@ import pytest
 
 from dreambooth import checkpoint
 from dreambooth import planning
+from dreambooth import run_identity
 from dreambooth import utils
 
 
@@ -134,3 +135,7 @@ def test_more_steps_continue_a_run_only_under_a_constant_learning_rate(tiny_mode
     fewer = planning.parse_args(argv(tiny_model, toy_images, out, "--max_train_steps", "2",
                                      "--resume_from_checkpoint", "auto"))
     assert planning.plan_run(fewer, lambda: (4.0, 0)).resume_path is None  # fewer steps: never a continuation
+    # another learning rate too: nothing is continued, and nothing says it would be
+    said = run_identity.differences({"max_train_steps": 20, "learning_rate": 1e-4, "lr_scheduler": "constant"},
+                                    {"max_train_steps": 80, "learning_rate": 5e-6, "lr_scheduler": "constant"})
+    assert said == ["--learning_rate 0.0001 -> 5e-06", "--max_train_steps 20 -> 80"]
