@@ -394,7 +394,7 @@ def keep_finished(output_dir, identity):
     differs = run_identity.differences(output.record.identity, identity)
     if not differs:
         raise AlreadyTrained(f"{output_dir} holds the finished model of this run (same settings and files): "
-                             f"keeping it (leave out --resume_from_checkpoint auto, or RETRAIN=1 with "
-                             f"dreambooth_run.sh, to train it again)")
+                             f"keeping it (to train it again: RETRAIN=1 with dreambooth_run.sh; train.py without "
+                             f"--resume_from_checkpoint auto)")
     print(f"{output_dir} holds the model of another run ({'; '.join(differs)}): training this one replaces it",
           file=sys.stderr)
