@@ -73,13 +73,12 @@ def differences(saved, current):
     if saved is None:
         return ["its settings (it was written before runs recorded them)"]
     said = []
+    changed = [k for k in sorted(set(saved) | set(current), key=lambda k: (k not in FILE_PARTS, k))
+               if saved.get(k) != current.get(k)]
     # (why a length alone does or does not continue a run: no news when something else differs as well)
-    length_only = {k for k in set(saved) | set(current) if saved.get(k) != current.get(k)} <= {
-        "max_train_steps", "num_train_epochs"}
-    for key in sorted(set(saved) | set(current), key=lambda k: (k not in FILE_PARTS, k)):
+    length_only = set(changed) <= {"max_train_steps", "num_train_epochs"}
+    for key in changed:
         before, now = saved.get(key), current.get(key)
-        if before == now:
-            continue
         if key in FILE_PARTS:
             said.append(FILE_PARTS[key])
         elif key == "captions":  # one per photo: only a change of the prompts themselves is news

@@ -159,6 +159,20 @@ def two_subjects(tiny_model, tiny_eval_models, toy_images, tmp_path):
     return command, tmp_path / "best-sweep"
 
 
+def image_change_of_adapters(pipeline, model, adapters):
+    """The largest pixel change that the LoRA adapters in folder adapters make to a seeded 64 px image of
+    model, drawn by diffusers' pipeline class of that name (FluxPipeline, ...)."""
+    import diffusers
+    import torch
+
+    pipe = getattr(diffusers, pipeline).from_pretrained(model)
+    draw = dict(prompt="a toy", num_inference_steps=2, height=64, width=64, output_type="np")
+    before = pipe(**draw, generator=torch.Generator().manual_seed(0)).images
+    pipe.load_lora_weights(adapters)
+    after = pipe(**draw, generator=torch.Generator().manual_seed(0)).images
+    return abs(after - before).max()
+
+
 def run_sweep(command, log_path, kill_after_first_checkpoint=False, env=None):
     """(output, rows of trials.csv) of a sweep.py run that must succeed; optionally SIGKILLs the
     first trial's train worker once that trial has written a checkpoint. The sweep folder may be a bucket's."""
@@ -242,15 +256,7 @@ def test_random_lora_sweep_of_two_subjects_in_a_bucket_on_two_nodes_scores_each_
     report = storage.read_bytes(f"{sweep_dir}/report.md").decode()
     assert "| red | base |" in report and "| blue | chosen |" in report
     assert storage.isfile(f"{sweep_dir}/sweep.png")
-    import diffusers
-    import torch
-
-    pipe = diffusers.StableDiffusion3Pipeline.from_pretrained(tiny_model)
-    draw = dict(prompt="a toy", num_inference_steps=2, height=64, width=64, output_type="np")
-    before = pipe(**draw, generator=torch.Generator().manual_seed(0)).images
-    pipe.load_lora_weights(storage.cached(f"{root}/best/red"))
-    after = pipe(**draw, generator=torch.Generator().manual_seed(0)).images
-    assert abs(after - before).max() > 1e-4
+    assert image_change_of_adapters("StableDiffusion3Pipeline", tiny_model, storage.cached(f"{root}/best/red")) > 1e-4
     # the trials' checkpoints removed (every step count is a model), in the bucket too
     runs = [f"{sweep_dir}/trials/{t}/ray_results/{r}" for t in storage.listdir(f"{sweep_dir}/trials")
             for r in storage.listdir(f"{sweep_dir}/trials/{t}/ray_results")]
@@ -276,9 +282,6 @@ def test_a_flux_lora_sweep_stops_the_trial_behind_early_and_its_best_adapters_lo
     is not under the first trial's there (ASHA, halving at step 1). The seeded tiny models make the second trial
     the one behind; the table and the output say where it stopped. The best LoRA is kept with its record,
     loadable in FluxPipeline, where it changes the image. (SD 3.5's sweep: the 2-node sweep above.)"""
-    import diffusers
-    import torch
-
     model = tiny_flux_model
     eval_models = tiny_eval_models[1]
     class_dir = tmp_path / "best-sweep" / "class-images" / "toy"  # (drawn already: generate's own tests draw)
@@ -305,13 +308,8 @@ def test_a_flux_lora_sweep_stops_the_trial_behind_early_and_its_best_adapters_lo
     [chosen] = [r for r in table if r["chosen"] == "True"]
     marker = utils.read_json(str(tmp_path / "best" / utils.OUTPUT_MARKER))
     assert marker["steps"] == int(chosen["step"]) and marker["base_model"] == model
-    pipe = diffusers.FluxPipeline.from_pretrained(model)
-    draw = dict(prompt="a toy", num_inference_steps=2, height=64, width=64, output_type="np")
-    before = pipe(**draw, generator=torch.Generator().manual_seed(0)).images
-    pipe.load_lora_weights(str(tmp_path / "best"))
-    after = pipe(**draw, generator=torch.Generator().manual_seed(0)).images
     # (the best is the 1e-5 trial's first step: a smaller change, yet adapters loaded as zeros change nothing)
-    assert abs(after - before).max() > 1e-6
+    assert image_change_of_adapters("FluxPipeline", model, str(tmp_path / "best")) > 1e-6
 
 
 @pytest.mark.slow
