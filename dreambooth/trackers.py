@@ -102,6 +102,7 @@ class WandB:
         from wandb.sdk.lib import runid
 
         self.wandb = wandb
+        self.folder = folder
         mode, why = wandb_mode()
         run_id = (previous or {}).get("id") or runid.generate_id()
         self.run = wandb.init(project=project, name=run_name, id=run_id, resume="allow", dir=folder, mode=mode,
@@ -122,23 +123,54 @@ class WandB:
         # Its service process ends now (with its socket's folder in the system's temp folder), not at an exit
         # that a train worker, ended by Ray, never reaches; a later W&B run in this process starts another.
         self.wandb.teardown()
+        # Its staging folders (see import_wandb) go too: nothing of W&B's own is left in the run folder.
+        for held in wandb_staging():
+            held.cleanup()
+        try:
+            os.rmdir(os.path.join(self.folder, WANDB_STAGING))
+        except OSError:
+            pass
+
+
+WANDB_STAGING = "wandb-tmp"
 
 
 def import_wandb(folder):
-    """wandb, first imported with the temp folder at folder/wandb-tmp: the import makes two temp folders (its
-    media's and artifacts') that only a normal exit removes, and a train worker is ended by Ray: they stayed in
-    the system's temp folder after every run."""
+    """wandb, with its two staging folders (media, artifacts) in folder/wandb-tmp: wandb makes them in the
+    system's temp folder when imported and only a normal exit removes them, and a train worker is ended by Ray
+    (they stayed in /tmp after every run). WandB.close() removes them; a later run in this process gets new
+    ones in its own folder."""
     import tempfile
 
+    staging = os.path.join(folder, WANDB_STAGING)
+    os.makedirs(staging, exist_ok=True)
     if "wandb" not in sys.modules:
         saved = tempfile.tempdir
-        tempfile.tempdir = os.path.join(folder, "wandb-tmp")
-        os.makedirs(tempfile.tempdir, exist_ok=True)
+        tempfile.tempdir = staging
         try:
             importlib.import_module("wandb")
         finally:
             tempfile.tempdir = saved
+    else:
+        for held in wandb_staging():
+            if not os.path.isdir(held.name):  # (removed by the close of this process's last run)
+                held.name = tempfile.mkdtemp(dir=staging)
     return sys.modules["wandb"]
+
+
+def wandb_staging():
+    """wandb's staging folders (tempfile.TemporaryDirectory objects); none that this wandb does not have."""
+    held = []
+    for module, owner, name in (("wandb.sdk.data_types._private", None, "MEDIA_TMP"),
+                                ("wandb.sdk.artifacts.artifact", "Artifact", "_TMP_DIR")):
+        try:
+            found = importlib.import_module(module)
+        except ImportError:
+            continue
+        found = getattr(found, owner, None) if owner else found
+        if hasattr(found, name):
+            held.append(getattr(found, name))
+    return held
 
 
 class MLflow:

@@ -7,6 +7,7 @@ import sys
 import time
 
 import pytest
+from conftest import modes_not_as_umask
 from trackerfiles import Webhook, wandb_records
 
 from dreambooth import flags
@@ -141,15 +142,20 @@ def test_a_wandb_run_in_a_process_ended_without_exit_handlers_leaves_nothing_in_
     temp.mkdir()
     worker = (
         "import os, sys; from PIL import Image; from dreambooth import trackers\n"
-        "t = trackers.WandB(sys.argv[1], 'p', 'r', {'a': 1})\n"
-        "t.scalars(1, {'train/loss': 1.0}); t.images(1, {'validation/x': Image.new('RGB', (8, 8))}); t.close()\n"
+        "for folder in sys.argv[1:]:\n"  # (two runs in one process: the second gets staging folders again)
+        "    t = trackers.WandB(folder, 'p', 'r', {'a': 1})\n"
+        "    t.scalars(1, {'train/loss': 1.0}); t.images(1, {'validation/x': Image.new('RGB', (8, 8))}); t.close()\n"
         "os._exit(0)\n")
     env = dict(os.environ, TMPDIR=str(temp), WANDB_MODE="offline", PYTHONPATH=utils.REPO_DIR)
-    subprocess.run([sys.executable, "-c", worker, str(tmp_path / "run")], env=env, check=True, timeout=120,
+    runs = [tmp_path / "run", tmp_path / "run-2"]
+    subprocess.run([sys.executable, "-c", worker, *map(str, runs)], env=env, check=True, timeout=120,
                    capture_output=True)
     time.sleep(1)  # (the service process's own exit)
     assert os.listdir(temp) == []
-    assert wandb_records(str(tmp_path / "run"))["history"][0]["train/loss"] == 1.0
+    for run in runs:  # nothing of W&B's staging left in the run folders either (folders only its owner opens)
+        assert os.listdir(run) == ["wandb"]
+        assert modes_not_as_umask(str(run)) == []
+        assert wandb_records(str(run))["history"][0]["train/loss"] == 1.0
 
 
 def test_a_run_that_fails_tells_the_webhook_its_cause(tiny_model, tmp_path, webhook):
