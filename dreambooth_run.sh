@@ -268,9 +268,9 @@ if [ -n "${RAY_ADDRESS:-}" ]; then
   echo "Ray: joining the cluster at RAY_ADDRESS=$RAY_ADDRESS; $RAY_AUTH"
 else
   RAY_HEAD_LOG="$LOG_DIR/ray-head-$(date '+%Y%m%d-%H%M%S').log"
-  # Its own temp folder (short: Ray's socket paths must fit 108 characters), so that its address is
-  # not written where every later `ray.init()` on this node would find and join it.
-  RAY_HEAD_TEMP="$(mktemp -d /tmp/dreambooth-ray-XXXXXX)"
+  # Its own temp folder in Ray's (RAY_TMPDIR, else /tmp; short: Ray's socket paths must fit 108 characters),
+  # so that its address is not written where every later `ray.init()` on this node would find and join it.
+  RAY_HEAD_TEMP="$(mktemp -d "${RAY_TMPDIR:-/tmp}/dreambooth-ray-XXXXXX")"
   : > "$RAY_HEAD_LOG"  # (there before the wait below reads it: the background start creates it a moment later)
   # A free port, not Ray's 6379: a cluster already running here (another run, a `ray start` of
   # yours) is left alone and never joined

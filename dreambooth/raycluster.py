@@ -192,6 +192,10 @@ def init_ray():
     # No usage statistics from our jobs (the clusters we start are closed to the network; `ray start` gets
     # --disable-usage-stats): also spares every cluster Ray Data's usage-collection actor, a process of its own.
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Ray colours the "(RayTrainWorker pid=...)" prefix of each worker line it prints here: only for a person
+    # at a terminal, never into a log file or a pipe (and not with NO_COLOR set, the common convention).
+    if os.environ.get("NO_COLOR") or not utils.on_terminal():
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     if ray.is_initialized():
         return ray
     ensure_ray_token()
@@ -228,8 +232,9 @@ def start_ray_head(log_path, port=None, extra=()):
 
     ensure_ray_token()
     close_metrics_ports()
-    # Ray's socket paths must stay short (under 108 characters): a folder of its own under /tmp
-    temp_dir = tempfile.mkdtemp(prefix="dreambooth-ray-", dir="/tmp")
+    # A folder of its own in Ray's temp folder (RAY_TMPDIR, else /tmp; short: Ray's socket paths must fit
+    # 108 characters)
+    temp_dir = tempfile.mkdtemp(prefix="dreambooth-ray-", dir=os.environ.get("RAY_TMPDIR") or "/tmp")
     command = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--disable-usage-stats",
                "--include-dashboard=false", f"--temp-dir={temp_dir}"] + ([f"--port={port}"] if port else []) + list(extra)
     with open(log_path, "w") as log:

@@ -179,6 +179,8 @@ class MLflow:
     def __init__(self, folder, project, run_name, settings, previous=None, storage_path=None):
         # (MLflow's usage telemetry off, as Ray's: it also wrote ~/.config/mlflow/telemetry.json)
         os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+        # (its INFO lines, "Creating initial MLflow database tables...", are about its store, not the run)
+        os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
         import mlflow
 
         self.uri = (previous or {}).get("tracking_uri") or mlflow_uri(storage_path)

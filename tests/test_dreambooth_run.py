@@ -124,13 +124,18 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request, webhook):
         assert f"RAY_AUTH_MODE=token RAY_enable_metrics_collection=0 ray start --address={address[1]}:{address[2]}" \
             in output
         assert open(os.environ["RAY_AUTH_TOKEN_PATH"]).read() not in output  # the token itself is never shown
+        # its temp folder in Ray's (RAY_TMPDIR here; removed at the end, below)
+        head_log = re.search(r"\(stopped at exit; its log: (\S+)\)", output)[1]
+        assert f"saved to: {stranger}/dreambooth-ray-" in open(head_log).read()
+        assert "INFO mlflow" not in output  # (MLflow's notes about its database tables)
     else:
+        assert "\x1b[" not in output and "(RayTrainWorker pid=" in output  # a pipe: Ray's worker lines uncoloured
         assert f"Ray: joining the cluster at RAY_ADDRESS={env['RAY_ADDRESS']}; token authentication" in output
         assert "(2 node(s)), 2 worker(s)" in output
     # no step started a cluster of its own (one would be in Ray's temp folder, RAY_TMPDIR here); the
     # script's own head kept its session in a folder of its own, removed at the end
     assert new_sessions == set() and os.listdir(os.path.join(stranger, "ray")) == ["ray_current_cluster"]
-    assert set(glob.glob("/tmp/dreambooth-ray-*")) == heads_before
+    assert set(glob.glob("/tmp/dreambooth-ray-*")) == heads_before and not glob.glob(f"{stranger}/dreambooth-ray-*")
 
     reg = storage.listdir(storage.join(where, "images-reg", "tiny-sd1", "toy"))  # a folder per base model and class
     assert reg == sorted([f"photo-of-a-toy-{i:05d}.png" for i in range(6)] + ["grid", IMAGES_RECORD, IMAGES_CONFIG])
