@@ -184,6 +184,10 @@ def write_random_model(cache_dir, size="tiny", arch="sd1"):
         return snapshot
     models.check_room_for(size, arch, cache_dir)
     pipeline = models.build_pipeline(size, arch=arch)
+    if not utils.on_terminal():  # (transformers' "Writing model shards" bar: for a person, not a log)
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
     utils.atomic_write_dir(snapshot, lambda tmp: pipeline.save_pretrained(tmp, safe_serialization=True))
     refs = os.path.join(repo_cache_path(cache_dir, name), "refs")
     os.makedirs(refs, exist_ok=True)

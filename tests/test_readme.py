@@ -96,6 +96,7 @@ def test_each_step_by_hand_runs_as_written_on_the_tiny_model(tmp_path):
     proc = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=REPO_DIR, env=env, capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Writing model shards" not in proc.stderr  # (a bar for a terminal: none into a pipe or a log)
     data = tmp_path / "data"
     subject = data / "subjects" / "example-dog"
     assert len([f for f in os.listdir(data / "images-reg" / "dog") if f.endswith(".png")]) == 4
