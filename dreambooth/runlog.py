@@ -14,16 +14,17 @@ class RunLog:
     metrics.jsonl (with the wall-clock time it ended), and the same scalars, the validation
     images and the run's settings in the --report_to trackers (trackers.py)."""
 
-    def __init__(self, plan, continues=False):
-        """continues: the run goes on from a checkpoint (its trackers' runs go on too)."""
+    def __init__(self, plan, start_step=0):
+        """start_step: the step of the checkpoint the run goes on from (its trackers' runs go on too), else 0."""
         from dreambooth import trackers
 
         self.folder = plan.run_dir
         os.makedirs(self.folder, exist_ok=True)
+        resumed = os.path.dirname(plan.resume_path.rstrip("/")) if plan.resume_path and start_step else None
+        keep_rows_until(start_step, os.path.join(self.folder, METRICS_FILE), resumed)
         previous = None
-        if continues:  # this run folder's own record (a restarted worker group), else the resumed run's
-            previous = trackers.read_record(self.folder) or trackers.read_record(
-                os.path.dirname(plan.resume_path) if plan.resume_path else None)
+        if start_step:  # this run folder's own record (a restarted worker group), else the resumed run's
+            previous = trackers.read_record(self.folder) or trackers.read_record(resumed)
         self.trackers = list(trackers.open_trackers(plan, self.folder, previous).values())
 
     def write(self, metrics):
@@ -40,6 +41,28 @@ class RunLog:
     def close(self):
         for tracker in self.trackers:
             tracker.close()
+
+
+def keep_rows_until(step, metrics_file, resumed_folder=None):
+    """A run going on from its checkpoint at step (0: from the start) keeps the metrics rows up to that step,
+    so that its metrics.jsonl and loss.png tell the whole run: in its own folder (a restarted worker group:
+    the rows logged after the checkpoint are logged again), else, in a new one, the resumed run's
+    (resumed_folder, a bucket's too), which it goes on from."""
+    import tempfile
+
+    from dreambooth import storage
+
+    with tempfile.TemporaryDirectory() as fetched:
+        source = metrics_file
+        if not os.path.isfile(source) and resumed_folder:
+            source = storage.fetch(resumed_folder, METRICS_FILE, fetched)
+        if not os.path.isfile(source):
+            return
+        with open(source) as f:
+            rows = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+    with open(metrics_file + ".tmp", "w") as f:
+        f.writelines(rows)
+    os.replace(metrics_file + ".tmp", metrics_file)
 
 
 BLUE, ORANGE, INK, GRID = (31, 119, 180), (255, 127, 14), (40, 40, 40), (225, 225, 225)

@@ -138,7 +138,7 @@ def run_steps(plan, state, step_prompts, batches, rank, world, sampler=None, sto
 
     total = plan.end_step
     bar = tqdm_ray.tqdm(total=total, desc="training") if rank == 0 and plan.progress_bar else None
-    log = runlog.RunLog(plan, continues=state.step > 0) if rank == 0 else None
+    log = runlog.RunLog(plan, start_step=state.step) if rank == 0 else None
     if bar and state.step:
         bar.update(state.step)
     window = ReportWindow(world)

@@ -174,6 +174,10 @@ def test_a_run_in_a_bucket_checkpoints_resumes_from_it_and_ends_like_an_uninterr
         export.main(["--model_dir", f"s3://{bucket}/models/cut", "--output_file", exported])
     runs = storage.listdir(remote)
     assert len(runs) == 2 and not [f for f in storage.listdir(storage.join(remote, runs[1])) if f.startswith("checkpoint_2")]
+    # the resumed run's record (and loss.png) in the bucket starts with the rows of the run it went on from
+    cut_rows, resumed_rows = (storage.read_bytes(storage.join(remote, r, "metrics.jsonl")).decode().splitlines()
+                              for r in runs)
+    assert cut_rows and resumed_rows[:len(cut_rows)] == cut_rows and len(resumed_rows) > len(cut_rows)
     # generate.py draws with the model in the bucket (cached on this node once), into the bucket.
     drawn = subprocess.run([sys.executable, "generate.py", "--model_dir", f"s3://{bucket}/models/cut", "--output_dir",
                             f"s3://{bucket}/new", "--prompts", "photo of unqtkn toy, in a bucket",

@@ -1,6 +1,7 @@
 """--report_to's W&B and MLflow runs read back from their own files, and --notify_url's messages as a
 local webhook server receives them."""
 
+import json
 import os
 import subprocess
 import sys
@@ -107,7 +108,7 @@ def test_wandb_and_mlflow_runs_get_the_settings_metrics_images_and_later_the_sco
     os.makedirs(os.path.join(plan.storage_path, "subject-2"))
     from dreambooth import runlog
 
-    log = runlog.RunLog(resumed, continues=True)
+    log = runlog.RunLog(resumed, start_step=4)
     log.write({"step": 6, "loss": 0.6, "lr": 4e-6, "images_per_s": 3.0})
     log.close()
     again = trackers.read_record(os.path.join(plan.storage_path, "subject-2"))
@@ -132,6 +133,33 @@ def test_wandb_and_mlflow_runs_get_the_settings_metrics_images_and_later_the_sco
     assert client.list_artifacts(run.info.run_id, "images")
     assert client.get_experiment(run.info.experiment_id).name == flags.FLAGS["tracker_project_name"][1]["default"]
     assert not (tmp_path / ".config" / "mlflow").exists()  # no telemetry file in the user's home
+
+
+def test_a_run_going_on_from_a_checkpoint_keeps_the_rows_until_it_and_loss_png_shows_the_whole_run(tmp_path):
+    """Resumed into a new run folder: the stopped run's rows up to the checkpoint come first (loss.png once
+    showed only the resumed half). A restarted worker group in its own folder: the rows its dead group logged
+    after the checkpoint go (they are logged again; the plot zigzagged)."""
+    from dreambooth import runlog
+
+    def rows(folder, steps=None):
+        path = tmp_path / folder / runlog.METRICS_FILE
+        if steps is not None:
+            (tmp_path / folder).mkdir()
+            path.write_text("".join(json.dumps({"step": s, "loss": s / 10, "lr": 1e-5}) + "\n" for s in steps))
+        return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+    rows("stopped", [2, 4, 6])
+    (tmp_path / "resumed").mkdir()
+    runlog.keep_rows_until(4, str(tmp_path / "resumed" / runlog.METRICS_FILE), str(tmp_path / "stopped"))
+    assert rows("resumed") == [2, 4] and rows("stopped") == [2, 4, 6]
+    rows("restarted", [2, 4, 6, 8])
+    runlog.keep_rows_until(4, str(tmp_path / "restarted" / runlog.METRICS_FILE), str(tmp_path / "stopped"))
+    assert rows("restarted") == [2, 4]
+    runlog.keep_rows_until(0, str(tmp_path / "restarted" / runlog.METRICS_FILE))  # restarted from the start
+    assert rows("restarted") == []
+    (tmp_path / "fresh").mkdir()  # nothing to go on from: no file
+    runlog.keep_rows_until(4, str(tmp_path / "fresh" / runlog.METRICS_FILE), str(tmp_path / "none-here"))
+    assert os.listdir(tmp_path / "fresh") == []
 
 
 @pytest.mark.slow  # (a process of its own, as a train worker is)
