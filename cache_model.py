@@ -3,7 +3,8 @@
 The script; its code is dreambooth/cache_model.py. `python cache_model.py --help` lists its flags.
 """
 
-from dreambooth import cache_model, utils
+from dreambooth import cache_model
+from dreambooth import utils
 
 if __name__ == "__main__":
     utils.skip_unused_imports()  # building or fetching a model uses neither

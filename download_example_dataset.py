@@ -3,7 +3,8 @@
 The script; its code is dreambooth/download_example_dataset.py. `python download_example_dataset.py --help` lists its flags.
 """
 
-from dreambooth import download_example_dataset, utils
+from dreambooth import download_example_dataset
+from dreambooth import utils
 
 if __name__ == "__main__":
     utils.run_main(download_example_dataset.main)

@@ -3,7 +3,8 @@
 The script; its code is dreambooth/evaluate.py. `python evaluate.py --help` lists its flags.
 """
 
-from dreambooth import evaluate, utils
+from dreambooth import evaluate
+from dreambooth import utils
 
 if __name__ == "__main__":
     utils.run_main(evaluate.main)

@@ -3,7 +3,8 @@
 The script; its code is dreambooth/export.py. `python export.py --help` lists its flags.
 """
 
-from dreambooth import export, utils
+from dreambooth import export
+from dreambooth import utils
 
 if __name__ == "__main__":
     utils.run_main(export.main)

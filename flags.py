@@ -6,8 +6,8 @@
 
 import textwrap
 
-from dreambooth.flags import *  # noqa: F401,F403
 from dreambooth import flags
+from dreambooth.flags import *  # noqa: F401,F403
 
 
 def main():

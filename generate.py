@@ -3,7 +3,8 @@
 The script; its code is dreambooth/generate.py. `python generate.py --help` lists its flags.
 """
 
-from dreambooth import generate, utils
+from dreambooth import generate
+from dreambooth import utils
 
 if __name__ == "__main__":
     utils.run_main(generate.main)

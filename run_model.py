@@ -7,7 +7,8 @@ unchanged:
         --prompts="photo of unqtkn dog in a bucket" --num_samples_per_prompt=5
 """
 
-from dreambooth import generate, utils
+from dreambooth import generate
+from dreambooth import utils
 
 main = generate.main
 

@@ -3,7 +3,8 @@
 The script; its code is dreambooth/sweep.py. `python sweep.py --help` lists its flags.
 """
 
-from dreambooth import sweep, utils
+from dreambooth import sweep
+from dreambooth import utils
 
 if __name__ == "__main__":
     utils.run_main(sweep.main)

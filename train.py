@@ -3,7 +3,8 @@
 The script; its code is dreambooth/train.py. `python train.py --help` lists its flags.
 """
 
-from dreambooth import train, utils
+from dreambooth import train
+from dreambooth import utils
 from dreambooth.worker import train_fn  # noqa: F401 (each worker's loop, where Ray's example has it)
 
 if __name__ == "__main__":

@@ -109,8 +109,8 @@ def plain_loop(args, device, variant):
     """Steady-state images/s of train.train_step with no Ray: variant in full|frozen|cached|lora
     (lora: rank-4 adapters on UNet and text encoder)."""
 
-    from dreambooth import steps
     from dreambooth import conditioning
+    from dreambooth import steps
 
     train_te = variant in ("full", "lora")
     plan = step_plan(args, train_te, device, precompute_text_embeddings=variant == "cached",
@@ -196,7 +196,6 @@ def ray_train(args, work, variant):
 def generation(args, device, use_ray):
     """Steady images/s of generate.generate_batch at each batch size (first batch excluded)."""
     from dreambooth import generate
-
     from dreambooth import outputs
 
     settings = generate.ImageSettings(num_inference_steps=args.inference_steps)

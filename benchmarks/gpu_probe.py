@@ -92,9 +92,9 @@ def summarize(prof, wall_s, steps, on_gpu):
 def run_arm(arm, args, device):
     import torch
 
+    from dreambooth import conditioning
     from dreambooth import models
     from dreambooth import steps
-    from dreambooth import conditioning
 
     torch.backends.cudnn.benchmark = arm.cudnn_benchmark
     channels_last = device.type == "cuda" if arm.channels_last is None else arm.channels_last

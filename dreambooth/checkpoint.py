@@ -26,8 +26,8 @@ from dreambooth import families
 from dreambooth import models
 from dreambooth import outputs
 from dreambooth import run_identity
-from dreambooth import storage
 from dreambooth import sharding
+from dreambooth import storage
 from dreambooth import utils
 
 STATE_FILE = "train_state.json"
@@ -155,7 +155,9 @@ def load_ema(targets, folder):
     --use_ema)."""
     from safetensors.torch import load_file
 
-    from dreambooth import steps  # here, not at the top: it imports torch (2 s a --help or a one-line error never waits for)
+    from dreambooth import (
+        steps,  # here, not at the top: it imports torch (2 s a --help or a one-line error never waits for)
+    )
 
     path = os.path.join(folder, EMA_FILE)
     if not os.path.isfile(path):
@@ -167,7 +169,6 @@ def load_ema(targets, folder):
 def load(state, folder, rank):
     """Restore what save wrote into state; rank continues its own RNG stream. Returns the epoch."""
     import torch
-
     from safetensors.torch import load_file
 
     extra = torch.load(os.path.join(folder, OPTIMIZER_FILE), map_location="cpu", weights_only=True)
@@ -344,7 +345,9 @@ def save_as_model(checkpoint_dir, plan):
     ended at that step: intermediate checkpoints become models to sample from (sweep.py)."""
     import torch
 
-    from dreambooth import steps  # here, not at the top: it imports torch (2 s a --help or a one-line error never waits for)
+    from dreambooth import (
+        steps,  # here, not at the top: it imports torch (2 s a --help or a one-line error never waits for)
+    )
 
     cpu = torch.device("cpu")
     nets = models.setup_models(dataclasses.replace(plan, fsdp=False), cpu, cpu, distributed=False)  # (whole files)

@@ -105,13 +105,15 @@ class Flux(family.Family):
         return load(FluxTransformer2DModel, self.denoiser)
 
     def load_tokenizers(self, model_dir):
-        from transformers import CLIPTokenizer, T5TokenizerFast
+        from transformers import CLIPTokenizer
+        from transformers import T5TokenizerFast
 
         return [CLIPTokenizer.from_pretrained(model_dir, subfolder="tokenizer"),
                 T5TokenizerFast.from_pretrained(model_dir, subfolder="tokenizer_2", model_max_length=T5_MAX_LENGTH)]
 
     def load_text_encoders(self, model_dir, load):
-        from transformers import CLIPTextModel, T5EncoderModel
+        from transformers import CLIPTextModel
+        from transformers import T5EncoderModel
 
         return [load(CLIPTextModel, "text_encoder"), load(T5EncoderModel, "text_encoder_2")]
 
@@ -204,7 +206,8 @@ class Flux(family.Family):
                 "use_post_quant_conv": False}
 
     def random_pipeline(self, nets, tokenizer, betas, safety_checker):
-        from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+        from diffusers import FlowMatchEulerDiscreteScheduler
+        from diffusers import FluxPipeline
 
         # Flux.1 dev's scheduler: its shift grows with the image's token count
         scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5,

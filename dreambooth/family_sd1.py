@@ -32,7 +32,8 @@ def tiny_safety_checker(projection_dim=32):
     a test lowers them to flag every image.
     """
     from diffusers.pipelines.stable_diffusion.safety_checker import StableDiffusionSafetyChecker
-    from transformers import CLIPConfig, CLIPImageProcessor
+    from transformers import CLIPConfig
+    from transformers import CLIPImageProcessor
 
     config = CLIPConfig(
         text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4),

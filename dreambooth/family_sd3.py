@@ -17,7 +17,11 @@ T5_MAX_LENGTH = 77  # T5's tokens in training (diffusers' SD3 scripts' --max_seq
 def tiny_t5_tokenizer(max_length=T5_MAX_LENGTH):
     """A T5 tokenizer made here (the tokenizers library's Unigram model, as T5's sentencepiece one is):
     every character alone and after a word boundary, a few whole words, T5's <pad>, </s> and <unk>."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import Tokenizer
+    from tokenizers import decoders
+    from tokenizers import models
+    from tokenizers import pre_tokenizers
+    from tokenizers import processors
     from transformers import T5TokenizerFast
 
     pieces = ["<pad>", "</s>", "<unk>", "\u2581"]
@@ -35,7 +39,8 @@ def tiny_t5_tokenizer(max_length=T5_MAX_LENGTH):
 def t5_encoder(arch, tokenizer):
     """A random T5 encoder of arch's t5_* numbers (T5 v1.1's gated-GELU layout), for tokenizer's ids: the tiny one's
     vocabulary unless arch names T5's own (t5_vocab)."""
-    from transformers import T5Config, T5EncoderModel
+    from transformers import T5Config
+    from transformers import T5EncoderModel
 
     width = arch["t5_width"]
     return T5EncoderModel(T5Config(vocab_size=arch.get("t5_vocab", len(tokenizer)), d_model=width,
@@ -148,14 +153,16 @@ class SD3(family.Family):
         return load(SD3Transformer2DModel, self.denoiser)
 
     def load_tokenizers(self, model_dir):
-        from transformers import CLIPTokenizer, T5TokenizerFast
+        from transformers import CLIPTokenizer
+        from transformers import T5TokenizerFast
 
         return [CLIPTokenizer.from_pretrained(model_dir, subfolder="tokenizer"),
                 CLIPTokenizer.from_pretrained(model_dir, subfolder="tokenizer_2"),
                 T5TokenizerFast.from_pretrained(model_dir, subfolder="tokenizer_3", model_max_length=T5_MAX_LENGTH)]
 
     def load_text_encoders(self, model_dir, load):
-        from transformers import CLIPTextModelWithProjection, T5EncoderModel
+        from transformers import CLIPTextModelWithProjection
+        from transformers import T5EncoderModel
 
         return [load(CLIPTextModelWithProjection, "text_encoder"), load(CLIPTextModelWithProjection, "text_encoder_2"),
                 load(T5EncoderModel, "text_encoder_3")]
@@ -264,7 +271,8 @@ class SD3(family.Family):
                 "use_post_quant_conv": False}
 
     def random_pipeline(self, nets, tokenizer, betas, safety_checker):
-        from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+        from diffusers import FlowMatchEulerDiscreteScheduler
+        from diffusers import StableDiffusion3Pipeline
 
         return StableDiffusion3Pipeline(tokenizer=tokenizer, tokenizer_2=tokenizer, tokenizer_3=tiny_t5_tokenizer(),
                                         scheduler=FlowMatchEulerDiscreteScheduler(shift=self.random_arch["shift"]),

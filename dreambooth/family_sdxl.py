@@ -34,7 +34,8 @@ class SDXL(family_sd1.SD1):
         return pipeline == self.pipeline
 
     def load_text_encoders(self, model_dir, load):
-        from transformers import CLIPTextModel, CLIPTextModelWithProjection
+        from transformers import CLIPTextModel
+        from transformers import CLIPTextModelWithProjection
 
         return [load(CLIPTextModel, "text_encoder"), load(CLIPTextModelWithProjection, "text_encoder_2")]
 
@@ -73,7 +74,8 @@ class SDXL(family_sd1.SD1):
         return {"added_cond_kwargs": {"text_embeds": pooled, "time_ids": time_ids}}
 
     def random_text_encoders(self, spec, tokenizer):
-        from transformers import CLIPTextModel, CLIPTextModelWithProjection
+        from transformers import CLIPTextModel
+        from transformers import CLIPTextModelWithProjection
 
         # The second encoder is the wider one, as in SDXL (768 and 1280): the single-file loaders
         # tell the two apart by their width.

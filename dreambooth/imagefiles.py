@@ -11,7 +11,6 @@ import numpy as np
 from dreambooth import outputs
 from dreambooth import utils
 
-
 # EXIF orientation tag -> (number of 90-degree counter-clockwise turns, mirror first)
 _ORIENTATIONS = {1: (0, False), 2: (0, True), 3: (2, False), 4: (2, True),
                  5: (1, True), 6: (3, False), 7: (3, True), 8: (1, False)}

@@ -9,7 +9,6 @@ import numpy as np
 
 from dreambooth import utils
 
-
 # ---------------------------------------------------------------- image math
 
 

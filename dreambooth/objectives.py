@@ -104,7 +104,8 @@ def flow_matching(scheduler, latents, options):
     of the schedule drawn by options.weighting_scheme, noisy = (1 - sigma) x + sigma noise, the target
     noise - x, and the scheme's weights (none for logit_normal, mode and none: their draw is the weighting),
     times sigma^2 with options.precondition_outputs."""
-    from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
+    from diffusers.training_utils import compute_density_for_timestep_sampling
+    from diffusers.training_utils import compute_loss_weighting_for_sd3
 
     noise = training_noise(latents, options.offset_noise)
     u = compute_density_for_timestep_sampling(options.weighting_scheme, latents.shape[0], options.logit_mean,

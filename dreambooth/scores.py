@@ -63,7 +63,10 @@ class Embedder:
 
     def __init__(self, dino_dir, clip_dir, device="cpu", allow_unsafe_weights=False):
         import torch
-        from transformers import AutoImageProcessor, AutoModel, AutoProcessor, CLIPModel
+        from transformers import AutoImageProcessor
+        from transformers import AutoModel
+        from transformers import AutoProcessor
+        from transformers import CLIPModel
 
         self.device = torch.device(device)
         self.dino = models.from_pretrained(AutoModel, dino_dir, allow_unsafe_weights).to(self.device).eval()
@@ -108,8 +111,14 @@ def build_tiny_eval_models(folder, seed=0, image_size=64):
     """Random, tiny DINO-style ViT and CLIP models with their processors, saved (safetensors) under
     folder/dino and folder/clip: the real classes, so every scoring path runs offline."""
     import torch
-    from transformers import (CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizer, ViTConfig,
-                              ViTImageProcessor, ViTModel)
+    from transformers import CLIPConfig
+    from transformers import CLIPImageProcessor
+    from transformers import CLIPModel
+    from transformers import CLIPProcessor
+    from transformers import CLIPTokenizer
+    from transformers import ViTConfig
+    from transformers import ViTImageProcessor
+    from transformers import ViTModel
 
     utils.quiet_hf_logging()
     torch.manual_seed(seed)

@@ -43,7 +43,8 @@ def _options():
 
 def gather(denoiser, optimizer):
     """(the denoiser's whole weights, the optimizer's whole state keyed by parameter name) on rank 0."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     options = _options()
     return (get_model_state_dict(denoiser, options=options),
@@ -60,8 +61,9 @@ def gather_weights(denoiser):
 def restore(denoiser, optimizer, weights, optimizer_state):
     """gather()'s weights and optimizer state (as every rank read them from the checkpoint) back into the
     sharded denoiser and its optimizer, each rank keeping its shard."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                         set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True)
     set_model_state_dict(denoiser, weights, options=options)

@@ -126,7 +126,8 @@ def read_subjects(args):
                                               info["class_name"], info.get("subject_type", args.subject_type),
                                               args.eval_prompts)
         except (ValueError, KeyError, AttributeError) as err:
-            raise utils.UserError(f"{path}: needs a JSON object with \"class_name\" ({type(err).__name__}: {err})")
+            raise utils.UserError(f"{path}: needs a JSON object with \"class_name\" ({type(err).__name__}: {err})") \
+                from None
         if subjects[name].subject_type not in ("object", "live"):
             raise utils.UserError(f"{path}: subject_type must be object or live")
     if not subjects:

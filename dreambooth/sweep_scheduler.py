@@ -6,7 +6,8 @@ scales). SubjectASHA keeps one ASHAScheduler per subject (the trial config's "su
 each trial's events to its subject's. It imports Ray Tune: import it only where a sweep runs.
 """
 
-from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+from ray.tune.schedulers import ASHAScheduler
+from ray.tune.schedulers import FIFOScheduler
 
 
 class SubjectASHA(FIFOScheduler):

@@ -28,8 +28,8 @@ from dreambooth import notify
 from dreambooth import outputs
 from dreambooth import planning
 from dreambooth import raycluster
-from dreambooth import runlog
 from dreambooth import runfiles
+from dreambooth import runlog
 from dreambooth import storage
 from dreambooth import trackers
 from dreambooth import utils

@@ -289,7 +289,10 @@ def hub_download(what, offline_hint, refused=None, **snapshot_args):
     and OfflineModeIsEnabled on 1.x with HF_HUB_OFFLINE set; both say what to do instead.
     """
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
+    from huggingface_hub.errors import GatedRepoError
+    from huggingface_hub.errors import HfHubHTTPError
+    from huggingface_hub.errors import LocalEntryNotFoundError
+    from huggingface_hub.errors import OfflineModeIsEnabled
 
     try:
         return snapshot_download(**snapshot_args)

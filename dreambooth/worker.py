@@ -14,8 +14,8 @@ from dreambooth import models
 from dreambooth import outputs
 from dreambooth import prompts
 from dreambooth import raycluster
-from dreambooth import runlog
 from dreambooth import runfiles
+from dreambooth import runlog
 from dreambooth import sharding
 from dreambooth import storage
 from dreambooth import utils

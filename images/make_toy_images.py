@@ -5,7 +5,8 @@ The pictures are made here (no photos copied from anywhere); rerun to recreate t
 
 import os
 
-from PIL import Image, ImageDraw
+from PIL import Image
+from PIL import ImageDraw
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VIEWS = [  # (background, centre x, centre y, scale)

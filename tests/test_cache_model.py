@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import modes_not_as_umask
 from PIL import Image
 
 from dreambooth import cache_model
@@ -12,7 +13,6 @@ from dreambooth import preflight
 from dreambooth import utils
 from dreambooth import vae_cache
 from dreambooth.utils import REPO_DIR
-from conftest import modes_not_as_umask
 
 SD14 = "CompVis/stable-diffusion-v1-4"
 SD14_REV = "b95be7d6f134c3a9e62ee616f310733567f069ce"

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from dreambooth import checkpoint
-from dreambooth import utils
 from dreambooth import models as models_lib
 from dreambooth import steps
+from dreambooth import utils
 
 CPU = torch.device("cpu")
 

@@ -2,9 +2,9 @@
 
 import numpy as np
 import pytest
+from conftest import red_is_mask_photos
 from PIL import Image
 
-from conftest import red_is_mask_photos
 from dreambooth import dataset
 from dreambooth import imagefiles
 from dreambooth import imaging
@@ -120,7 +120,7 @@ def test_each_view_carries_its_own_crop_and_flip_of_the_mask(tmp_path):
     views = np.stack([dataset.stored_mask_views(masks[p], 16, 2) for p in photos])
     latents = np.stack([np.stack([np.full((8, 2, 2), 0.0), np.full((8, 2, 2), 1.0)]) for _ in photos])
     picked = dataset.pick_latents(batch, latents, None, instance_masks=views)
-    for row, index, lat, mask in zip(range(12), batch["instance"], picked["instance_latents"], picked["instance_mask"]):
+    for index, lat, mask in zip(batch["instance"], picked["instance_latents"], picked["instance_mask"], strict=True):
         np.testing.assert_array_equal(mask, views[index][int(lat[0, 0, 0])])
 
 

@@ -13,8 +13,12 @@ import pytest
 import torch
 from conftest import model_cache_of
 from conftest import ray_sessions
-from dreambooth.outputs import IMAGES_CONFIG, IMAGES_RECORD
-from dreambooth.utils import LORA_WEIGHTS_FILE, OUTPUT_MARKER, REPO_DIR
+
+from dreambooth.outputs import IMAGES_CONFIG
+from dreambooth.outputs import IMAGES_RECORD
+from dreambooth.utils import LORA_WEIGHTS_FILE
+from dreambooth.utils import OUTPUT_MARKER
+from dreambooth.utils import REPO_DIR
 
 
 @pytest.fixture(scope="module")

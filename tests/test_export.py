@@ -2,11 +2,11 @@ import os
 
 import pytest
 import torch
+from conftest import modes_not_as_umask
 from safetensors import safe_open
 
 from dreambooth import export
 from dreambooth import utils
-from conftest import modes_not_as_umask
 
 
 def tuned_copy(base_model, folder):
@@ -140,7 +140,8 @@ def test_sd3_model_round_trips_in_stabilitys_single_file_layout(tiny_sd3_model, 
 def test_unet_and_vae_names_are_those_of_the_original_sd_1_checkpoints():
     """SD 1.x's own block layout (4 levels, 2 layers each, no attention at the UNet's deepest level)
     at a small width: the renamed keys include the well-known names of the v1-5 checkpoint."""
-    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from diffusers import AutoencoderKL
+    from diffusers import UNet2DConditionModel
 
     unet = UNet2DConditionModel(block_out_channels=(32, 32, 64, 64), layers_per_block=2, cross_attention_dim=32,
                                 attention_head_dim=8, norm_num_groups=8,

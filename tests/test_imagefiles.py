@@ -2,9 +2,10 @@
 
 import numpy as np
 import pytest
-from PIL import Image, ImageOps
-
 from conftest import red_is_mask_photos
+from PIL import Image
+from PIL import ImageOps
+
 from dreambooth import imagefiles
 from dreambooth import utils
 

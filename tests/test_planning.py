@@ -13,7 +13,6 @@ from dreambooth import prompts
 from dreambooth import utils
 
 
-
 def test_plan_run_decides_every_setting_once_before_ray(tiny_model, toy_images, tmp_path, capsys):
     asked = []
 

@@ -13,8 +13,8 @@ import sys
 import time
 
 import numpy as np
-import torch
 import pytest
+import torch
 from PIL import Image
 
 from dreambooth import checkpoint
@@ -22,6 +22,7 @@ from dreambooth import generate
 from dreambooth import runlog
 from dreambooth import train
 from dreambooth.utils import REPO_DIR
+
 
 def env():
     """The scripts' environment: this one's at the time (RAY_ADDRESS: the session's cluster), offline."""
@@ -276,6 +277,7 @@ def drainable_cluster(tmp_path):
     of the run need a CPU on another node, as on a real cluster (with the head's CPUs at 0 the run stalls as
     soon as its data stream needs a new task)."""
     from conftest import free_port
+
     from dreambooth import raycluster
 
     head, address = raycluster.start_ray_head(tmp_path / "head.log", free_port(),
@@ -338,6 +340,7 @@ def jobs_cluster(tmp_path, monkeypatch):
     """A Ray cluster of its own with Ray Jobs' server (the dashboard, on 127.0.0.1, token authentication):
     its http:// address for `ray job` and JobSubmissionClient."""
     from conftest import free_port
+
     from dreambooth import raycluster
 
     ports = [free_port(), free_port(), free_port()]

@@ -1,6 +1,7 @@
 import csv
 import io
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -32,7 +33,8 @@ def test_one_subject_or_many_and_flags_the_sweep_sets_are_refused(tiny_model, to
                              "1e-6,1e-5,1e-4"], "is a range: LOW,HIGH")):
         with pytest.raises(SystemExit):
             sweep.parse_args(argv + extra)
-        assert capsys.readouterr().err.count("\n") == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and re.search(message, err), (message, err)
     args, train_flags, train_args = sweep.parse_args(argv + ["--subjects_dir", str(tmp_path), "--use_lora",
                                                              "--sweep_rank", "8,4,8", "--num_workers", "2"])
     assert args.sweep_rank == [8, 4] and train_flags == ["--num_workers", "1", "--use_lora", "--num_workers", "2"]
@@ -179,8 +181,9 @@ def run_sweep(command, log_path, kill_after_first_checkpoint=False, env=None):
     import glob
     import time
 
-    from dreambooth import storage
     from test_recovery import worker_pids
+
+    from dreambooth import storage
 
     sweep_dir = command[command.index("--output_dir") + 1] + "-sweep"
     started = time.time()
@@ -389,7 +392,8 @@ def test_a_rerun_with_another_search_space_starts_afresh(where, tmp_path, capsys
     """Tune would restore the stored search space: a rerun with other values sets the old sweep's state
     aside (saying what changed); the same settings keep it for Tune to restore. In a bucket too (which
     has no renames: the state is copied aside, then deleted)."""
-    from dreambooth import storage, sweep_files
+    from dreambooth import storage
+    from dreambooth import sweep_files
 
     folder = str(tmp_path)
     if where == "bucket":

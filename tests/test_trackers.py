@@ -9,7 +9,8 @@ import time
 
 import pytest
 from conftest import modes_not_as_umask
-from trackerfiles import Webhook, wandb_records
+from trackerfiles import Webhook
+from trackerfiles import wandb_records
 
 from dreambooth import flags
 from dreambooth import notify

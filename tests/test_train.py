@@ -6,12 +6,12 @@ import re
 
 import pytest
 import torch
+from conftest import modes_not_as_umask
 
 from dreambooth import outputs
 from dreambooth import runlog
 from dreambooth import train
 from dreambooth import utils
-from conftest import modes_not_as_umask
 
 
 def events(folder):
@@ -66,13 +66,11 @@ def class_images(ray_session, tiny_model, tmp_path_factory):
 @pytest.mark.slow
 def test_train_two_workers_saves_a_changed_loadable_pipeline(ray_session, tiny_model, toy_images, class_images,
                                                              tmp_path, monkeypatch, capfd, webhook):
+    import shutil
     import sys
 
-    from diffusers import DiffusionPipeline
-
-    import shutil
-
     import numpy as np
+    from diffusers import DiffusionPipeline
     from PIL import Image
 
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a terminal: rank 0 draws the progress bar
@@ -288,7 +286,8 @@ def test_num_class_images_tops_up_the_class_folder_counting_what_is_there(ray_se
 
 
 def test_a_failed_run_names_its_cause_in_one_line():
-    from ray.train import ControllerError, WorkerGroupError
+    from ray.train import ControllerError
+    from ray.train import WorkerGroupError
 
     error = WorkerGroupError("rank 1 failed", {1: RuntimeError("Traceback (most recent call last):\n  File x\n"
                                                              "RuntimeError: CUDA out of memory"),
