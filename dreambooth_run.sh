@@ -3,7 +3,7 @@
 #
 #   ./dreambooth_run.sh                       SD 1.4, the example dog photos, one worker per GPU
 #   INSTANCE_DIR=~/rex CLASS_NAME=dog ./dreambooth_run.sh     your own photos
-#   ./dreambooth_run.sh --tiny                built-in tiny model + images/toy, offline on CPU (~4 min)
+#   ./dreambooth_run.sh --tiny                built-in tiny model + images/toy, offline on CPU (~2 min)
 #   ./dreambooth_run.sh --tiny --arch sdxl    the same with a tiny SDXL model (128 px; sd2-v: SD 2.x, 96 px;
 #                                             sd3: SD 3.5, 64 px; flux: Flux.1 dev, 64 px)
 #   ./dreambooth_run.sh --use_lora            LoRA adapters instead of every weight (combines with the above)
@@ -69,7 +69,17 @@ usage() {
   done
 }
 
-COMMAND_LINE="$0$(printf ' %q' "$@")"
+COMMAND_LINE="$0"
+if [ $# -gt 0 ]; then COMMAND_LINE+="$(printf ' %q' "$@")"; fi
+# The command that continues a stopped run: this one with the settings the environment gave it (inline or
+# exported), which a rerun needs again; not NOTIFY_URL (never shown) nor RETRAIN (a rerun continues).
+RERUN_LINE=
+for entry in "${VARIABLES[@]}"; do
+  name="${entry%%|*}"
+  case "$name" in NOTIFY_URL|RETRAIN) continue ;; esac
+  if [ -n "${!name+x}" ]; then RERUN_LINE+="$name=$(printf '%q' "${!name}") "; fi
+done
+RERUN_LINE+="$COMMAND_LINE"
 tiny=false
 arch=
 skip_image_setup=false
@@ -235,7 +245,7 @@ echo "$COMMAND_LINE -- log: $LOG_FILE"
 stopped() {
   trap - INT TERM
   echo "dreambooth_run.sh: stopped by $1${CURRENT_STEP:+ in Step $CURRENT_STEP}; the finished steps and" \
-    "checkpoints are kept: rerun the same command to continue ($COMMAND_LINE)" >&2
+    "checkpoints are kept: rerun the same command to continue ($RERUN_LINE)" >&2
   exit "$2"
 }
 trap 'stopped SIGINT 130' INT

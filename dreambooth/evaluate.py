@@ -194,8 +194,8 @@ def write_report(path, result):
     held = result.held_out
     kept_out = f" (+ {len(held)} held out of training: {', '.join(held)})" if held else ""
     lines = ["# DreamBooth evaluation", "",
-             f"Subject: `{result.subject}`, {result.num_prompts} prompts x {result.num_samples_per_prompt} "
-             f"images, subject photos: {result.num_photos}{kept_out}. Higher is better except PRES (language "
+             f"Subject: `{result.subject}`, {result.num_prompts} prompt(s) x {result.num_samples_per_prompt} "
+             f"image(s), subject photos: {result.num_photos}{kept_out}. Higher is better except PRES (language "
              "drift).", "",
              "| model | DINO | CLIP-I | CLIP-T | DIV | PRES |" + (" DINO held out | CLIP-I held out |" if held else ""),
              "| --- | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if held else "")]

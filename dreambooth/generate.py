@@ -306,11 +306,10 @@ def top_up(folder, model, prompts, count, settings, safety_checker, on_mismatch=
                 f"have no record ({outputs.IMAGES_RECORD}) of the model and settings that drew them")
         if on_mismatch == "error":
             asked = f"this run's {wanted.describe(differs)}" if have else f"this run's {wanted.describe()}"
-            raise utils.UserError(f"{where}: its {len(drawn)} images {what}, not {asked} ({', '.join(differs)} "
-                                  f"differ). Use another folder, or {remedy}")
-        print(f"{label or where}: the {len(drawn)} images in {where} {what} ({', '.join(differs)} differ "
-              "from this run); drawing them again",
-              file=sys.stderr)
+            raise utils.UserError(f"{where}: its {len(drawn)} images {what}, not {asked} (different: "
+                                  f"{', '.join(differs)}). Use another folder, or {remedy}")
+        print(f"{label or where}: the {len(drawn)} images in {where} {what} (different from this run's: "
+              f"{', '.join(differs)}); drawing them again", file=sys.stderr)
         outputs.remove_drawn_images(folder)
     outputs.write_image_record(folder, wanted)
     rows, names = plan_images(prompts, count, settings.seed, folder)

@@ -76,7 +76,9 @@ class TensorBoard:
     def __init__(self, folder, **_):
         from tensorboardX import SummaryWriter
 
-        self.writer = SummaryWriter(os.path.join(folder, "tensorboard"))
+        events = os.path.join(folder, "tensorboard")
+        self.writer = SummaryWriter(events)
+        print(f"TensorBoard events in {events} (to browse them: tensorboard --logdir {events})", file=sys.stderr)
 
     def scalars(self, step, values):
         for name, value in values.items():

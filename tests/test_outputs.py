@@ -50,7 +50,7 @@ def test_top_up_keeps_images_of_the_same_model_and_settings_only(tiny_model, tmp
                                        (["photo of a dog"], generate.ImageSettings(3, resolution=128, seed=1),
                                         "resolution"),
                                        (["photo of a dog"], generate.ImageSettings(3, seed=2), "seed")):
-        with pytest.raises(utils.UserError, match=f"its 2 images were drawn with .*\\({differs} differ\\).*--force"):
+        with pytest.raises(utils.UserError, match=f"its 2 images were drawn with .*\\(different: {differs}\\).*--force"):
             generate.top_up(folder, model, prompts, 3, settings, False)
     # --force deletes them and draws these; evaluate's "redraw" does it with a line
     job = generate.top_up(folder, model, ["photo of a cat"], 2, SETTINGS, False, on_mismatch="force")
@@ -68,7 +68,7 @@ def test_top_up_keeps_images_of_the_same_model_and_settings_only(tiny_model, tmp
     shutil.copytree(tiny_model, retrained, dirs_exist_ok=True)
     job = generate.top_up(folder, outputs.ModelRef(str(retrained)), ["photo of a cat"], 2, SETTINGS, False,
                           on_mismatch="redraw", label="tuned")
-    assert len(job.rows) == 2 and "(model differ from this run); drawing them again" in capsys.readouterr().err
+    assert len(job.rows) == 2 and "(different from this run's: model); drawing them again" in capsys.readouterr().err
 
 
 def test_images_without_a_record_are_not_mixed_with_new_ones(tiny_model, tmp_path):

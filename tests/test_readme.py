@@ -4,6 +4,7 @@ gives the script is one the script knows, and the "Each step by hand" block runs
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 
@@ -164,10 +165,19 @@ def test_your_own_subject_block_runs_as_typed_and_ctrl_c_in_step_4_says_how_the_
     assert len([f for f in os.listdir(tmp_path / "data" / "images-reg" / "tiny-sd1" / "dog") if f.endswith(".png")]) == 2
     step = int(re.search(r"stopped at step (\d+) of 400 \(SIGINT\)", output)[1])
     assert 3 <= step < 400 and "stopped; rerun the same command to continue (newest checkpoint: " in output, output[-3000:]
-    command = "./dreambooth_run.sh --tiny -- --gradient_checkpointing --use_8bit_adam"  # (as typed)
     last = output.strip().splitlines()[-1]
-    assert last == (f"dreambooth_run.sh: stopped by SIGINT in Step 4; the finished steps and checkpoints are kept: "
-                    f"rerun the same command to continue ({command})"), output[-3000:]
+    said = re.fullmatch(r"dreambooth_run\.sh: stopped by SIGINT in Step 4; the finished steps and checkpoints are "
+                        r"kept: rerun the same command to continue \((.*)\)", last)
+    assert said, output[-3000:]
+    # ... the command as typed, with every setting it had from the environment (inline or exported): pasted, it
+    # continues this subject's run (with the bare command, a rerun would have trained the example subject)
+    words = shlex.split(said[1])
+    at = words.index("./dreambooth_run.sh")
+    assert words[at:] == ["./dreambooth_run.sh", "--tiny", "--", "--gradient_checkpointing", "--use_8bit_adam"]
+    given = dict(word.split("=", 1) for word in words[:at])
+    assert given["INSTANCE_DIR"] == f"{home}/photos/rex" and given["CLASS_NAME"] == "dog"
+    assert {"DATA_PREFIX", "MAX_TRAIN_STEPS", "TRAIN_ARGS", "PYTHON"} <= set(given)
+    assert all(env[name] == value for name, value in given.items() if name not in ("INSTANCE_DIR", "CLASS_NAME"))
     log = re.search(r"-- log: (\S+)", output)[1]
     assert last in open(log).read()
     assert "trained " not in output and (earlier / OUTPUT_MARKER).read_text() == before  # not a finished run

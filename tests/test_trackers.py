@@ -101,8 +101,10 @@ def test_wandb_and_mlflow_runs_get_the_settings_metrics_images_and_later_the_sco
     record = trackers.read_record(folder)
     assert set(record) == {"wandb", "mlflow"}
     uri = record["mlflow"]["tracking_uri"]  # where the MLflow run is, said (the README once named only mlruns/)
-    assert f"MLflow run {record['mlflow']['run_id']} in {uri} (to browse it: mlflow ui --backend-store-uri {uri})" \
-        in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"MLflow run {record['mlflow']['run_id']} in {uri} (to browse it: mlflow ui --backend-store-uri {uri})" in err
+    events = os.path.join(folder, "tensorboard")  # (and where TensorBoard's events are, said too)
+    assert f"TensorBoard events in {events} (to browse them: tensorboard --logdir {events})" in err
     # A resumed run (another run folder, continuing this one's checkpoint) goes on in the same runs.
     resumed = planning.offline_plan(report_to="all", storage_path=plan.storage_path, run_name="subject-2",
                                     settings_toml=settings, resume_path=os.path.join(folder, "checkpoint_000001"))

@@ -281,7 +281,7 @@ def test_num_class_images_tops_up_the_class_folder_counting_what_is_there(ray_se
     train.top_up_class_images(*args)  # already full: nothing is drawn again
     assert {n: os.path.getmtime(folder / n) for n in made} == before and len(os.listdir(folder)) == 4
     # another class into the same folder is an error, not a mix
-    with pytest.raises(utils.UserError, match="prompts differ"):
+    with pytest.raises(utils.UserError, match="different: prompts"):
         train.top_up_class_images(tiny_model, str(folder), "photo of a cat", 3)
 
 
