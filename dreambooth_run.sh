@@ -481,6 +481,8 @@ if ! wait "$EVAL_FETCH_PID"; then
 fi
 EVAL_FETCH_PID=
 EVAL_MODELS_DIR="$(tail -n 1 "$EVAL_FETCH_LOG.path")"
+rm -f "$EVAL_FETCH_LOG.path"  # (and its log, when the fetch had nothing to say: no empty file per run)
+if [ ! -s "$EVAL_FETCH_LOG" ]; then rm -f "$EVAL_FETCH_LOG"; fi
 "$PYTHON" evaluate.py \
   --model_dir="$TUNED_MODEL_DIR" \
   --instance_data_dir="$PHOTOS_DIR" \

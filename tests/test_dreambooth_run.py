@@ -88,6 +88,9 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request, webhook):
     assert f"Step 4: fine-tune on {2 if mode == 'lora' else 1} worker(s), {10 if mode == 'lora' else 4} steps" in output
     log = re.search(r"-- log: (\S+)", output)[1]
     assert open(log).read().startswith("dreambooth_run.sh")
+    if mode == "full":  # the run's log and its cluster's, nothing else (the scoring models' fetch said nothing)
+        assert sorted(re.sub(r"-\d{8}-\d{6}", "", f) for f in os.listdir(os.path.dirname(log))) == [
+            "dreambooth_run.log", "ray-head.log"]
     assert "for AUTOMATIC1111/ComfyUI: " in output and "export.py --model_dir" in output  # SD 1.x exports
     if mode == "full":
         # the terminal saw bars redrawn in place (training's, and the actor pools'); the log file has
