@@ -155,9 +155,7 @@ def load_ema(targets, folder):
     --use_ema)."""
     from safetensors.torch import load_file
 
-    from dreambooth import (
-        steps,  # here, not at the top: it imports torch (2 s a --help or a one-line error never waits for)
-    )
+    from dreambooth import steps  # (here: it imports torch, 2 s --help never waits for)
 
     path = os.path.join(folder, EMA_FILE)
     if not os.path.isfile(path):
@@ -345,9 +343,7 @@ def save_as_model(checkpoint_dir, plan):
     ended at that step: intermediate checkpoints become models to sample from (sweep.py)."""
     import torch
 
-    from dreambooth import (
-        steps,  # here, not at the top: it imports torch (2 s a --help or a one-line error never waits for)
-    )
+    from dreambooth import steps  # (here: it imports torch, 2 s --help never waits for)
 
     cpu = torch.device("cpu")
     nets = models.setup_models(dataclasses.replace(plan, fsdp=False), cpu, cpu, distributed=False)  # (whole files)

@@ -163,9 +163,7 @@ class LatentEncoder:
         """B x (H, W, 3) uint8 covering size -> (B, V, 8, h, w) float32 posterior parameters."""
         import torch
 
-        from dreambooth import (
-            steps,  # here, not at the top: it imports torch (2 s a --help or a one-line error never waits for)
-        )
+        from dreambooth import steps  # (here: it imports torch, 2 s --help never waits for)
 
         crops = np.stack([imaging.crop_square(x, size, True, None) for x in images])
         views = [crops] + ([crops[:, :, ::-1]] if self.random_flip else [])

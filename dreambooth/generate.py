@@ -92,9 +92,7 @@ def load_pipeline(model_dir, device, allow_unsafe_weights=False, safety_checker=
     import diffusers
     import torch
 
-    from dreambooth import (
-        steps,  # here, not at the top: it imports torch (2 s a --help or a one-line error never waits for)
-    )
+    from dreambooth import steps  # (here: it imports torch, 2 s --help never waits for)
 
     dtype = steps.amp_dtype(None, device) or torch.float32
     storage.ensure_local(model_dir, lora_dir)  # (a bucket's, cached on the driver's node: this node's copy too)

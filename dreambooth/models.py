@@ -271,9 +271,7 @@ def freeze_for_lora(models, plan):
     GPUs): that is where LoRA's memory saving comes from."""
     import torch
 
-    from dreambooth import (
-        steps,  # here, not at the top: it imports torch (2 s a --help or a one-line error never waits for)
-    )
+    from dreambooth import steps  # (here: it imports torch, 2 s --help never waits for)
 
     frozen_dtype = steps.amp_dtype(plan.mixed_precision, models.denoiser_device) or torch.float32
     for model in (models.denoiser, *models.text_encoders(), models.vae):
@@ -304,9 +302,7 @@ def load_frozen_denoiser(plan, device):
     --prior_preservation prior_prediction when every weight is trained."""
     import torch
 
-    from dreambooth import (
-        steps,  # here, not at the top: it imports torch (2 s a --help or a one-line error never waits for)
-    )
+    from dreambooth import steps  # (here: it imports torch, 2 s --help never waits for)
 
     dtype = steps.amp_dtype(plan.mixed_precision, device) or torch.float32
     denoiser = plan.family.load_denoiser(

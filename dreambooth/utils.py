@@ -281,6 +281,19 @@ def skip_unused_imports(lora=False, eight_bit=False):
 # ---------------------------------------------------------------- hub and models
 
 
+def hub_reachable():
+    """Whether the hub (HF_ENDPOINT, else huggingface.co) takes a connection within 3 s."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=3).close()
+    except (OSError, ValueError):
+        return False
+    return True
+
+
 def hub_download(what, offline_hint, refused=None, **snapshot_args):
     """huggingface_hub.snapshot_download(**snapshot_args), every failure one UserError line (refused: the line
     for a gated repository the hub refuses, else a general one).
@@ -294,6 +307,9 @@ def hub_download(what, offline_hint, refused=None, **snapshot_args):
     from huggingface_hub.errors import LocalEntryNotFoundError
     from huggingface_hub.errors import OfflineModeIsEnabled
 
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() not in ("1", "true", "yes", "on") and not hub_reachable():
+        # the cache alone, at once: the hub's client would retry five times (about 20 s, a line each) first
+        snapshot_args["local_files_only"] = True
     try:
         return snapshot_download(**snapshot_args)
     except GatedRepoError as err:

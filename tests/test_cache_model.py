@@ -87,6 +87,19 @@ def test_missing_offline_model_is_a_clear_error(tmp_path):
         cache_model.main(["--model_dir", str(tmp_path)])
 
 
+def test_with_the_hub_out_of_reach_a_missing_model_is_a_clear_error_at_once(tmp_path, monkeypatch, capfd):
+    """No HF_HUB_OFFLINE and no network (the hub's address takes no connection): the cache alone is asked, at
+    once, not after the hub client's five retries (about 20 s, a 'Retrying in ...' line each)."""
+    import time
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # (a port nothing listens on)
+    started = time.monotonic()
+    with pytest.raises(utils.UserError, match="not in .* hub cannot be reached"):
+        cache_model.main(["--model_dir", str(tmp_path)])
+    assert time.monotonic() - started < 10 and "Retrying" not in capfd.readouterr().err
+
+
 def test_only_pipeline_files_are_fetched():
     from fnmatch import fnmatch
 
