@@ -264,8 +264,8 @@ def check_memory(args, train_flags, cards):
     mode = "LoRA" if setup.lora else "full fine-tune"
     line = (f"the {mode} of {families.FAMILIES[family].label} at {setup.resolution} px, {setup.batch} + "
             f"{setup.batch if setup.class_images else 0} images a step, needs about {result.total:.1f} GiB of GPU "
-            f"memory per worker (+ {memory.RESERVE_GIB:g} GiB for CUDA; {result.static:.1f} weights and optimizer, "
-            f"{result.activations:.1f} activations) but {what} has {free:.1f} GiB free")
+            f"memory per worker ({result.static:.1f} weights and optimizer, {result.activations:.1f} activations) and "
+            f"{memory.RESERVE_GIB:g} GiB more for CUDA, but {what} has {free:.1f} GiB free")
     fix = memory.fixes(family, setup, free, params, source)
     if fix:
         words, _, fixed = fix
