@@ -19,6 +19,7 @@ import sys
 import tempfile
 
 from dreambooth import cache_model
+from dreambooth import eval_report
 from dreambooth import families
 from dreambooth import flags
 from dreambooth import generate
@@ -33,8 +34,6 @@ from dreambooth import trackers
 from dreambooth import utils
 
 EVAL_PROMPTS_DIR = os.path.join(utils.REPO_DIR, "assets", "eval_prompts")
-SCORE_NAMES = ("dino", "clip_i", "clip_t", "div")
-HOLDOUT_NAMES = ("dino_holdout", "clip_i_holdout")  # --holdout: against the photos kept out of training
 
 
 def prompt_templates(subject_type, path=None):
@@ -152,8 +151,8 @@ def score_set(emb, files, real, held_out=()):
 
 @dataclasses.dataclass(frozen=True)
 class ModelScores:
-    """One model's scores on one subject: overall ({score name: value}, SCORE_NAMES, "pres" and with
-    --holdout HOLDOUT_NAMES) and per prompt ({prompt: {score name: value}})."""
+    """One model's scores on one subject: overall ({score name: value}, scores.SCORE_NAMES, "pres" and with
+    --holdout scores.HOLDOUT_NAMES) and per prompt ({prompt: {score name: value}})."""
 
     overall: dict
     per_prompt: dict
@@ -182,40 +181,6 @@ class EvalResult:
     def from_json(cls, data):
         return cls(**{**data, "prompts": tuple(data["prompts"]), "held_out": tuple(data.get("held_out") or ()),
                       "models": {label: ModelScores(**m) for label, m in data["models"].items()}})
-
-
-def _cell(value):
-    return "" if value is None else f"{value:.3f}"
-
-
-def write_report(path, result):
-    """report.md of an EvalResult: overall scores of each model beside the paper's for SD, then one row per prompt."""
-    labels = list(result.models)
-    held = result.held_out
-    kept_out = f" (+ {len(held)} held out of training: {', '.join(held)})" if held else ""
-    lines = ["# DreamBooth evaluation", "",
-             f"Subject: `{result.subject}`, {result.num_prompts} prompt(s) x {result.num_samples_per_prompt} "
-             f"image(s), subject photos: {result.num_photos}{kept_out}. Higher is better except PRES (language "
-             "drift).", "",
-             "| model | DINO | CLIP-I | CLIP-T | DIV | PRES |" + (" DINO held out | CLIP-I held out |" if held else ""),
-             "| --- | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if held else "")]
-    for label in labels:
-        s = result.overall(label)
-        names = (*SCORE_NAMES, "pres", *(HOLDOUT_NAMES if held else ()))
-        lines.append(f"| {label} | " + " | ".join(_cell(s.get(k)) for k in names) + " |")
-    paper = scores.PAPER_SD
-    lines += [f"| paper, SD DreamBooth | {paper['dino']:.3f} | {paper['clip_i']:.3f} | {paper['clip_t']:.3f} | | |"
-              + (" | |" if held else ""),
-              "", "## Per prompt", "", "| prompt | " + " | ".join(f"{label} DINO | {label} CLIP-T" for label in labels)
-              + " |", "| --- |" + " ---: | ---: |" * len(labels)]
-    for prompt in result.prompts:
-        cells = []
-        for label in labels:
-            s = result.models[label].per_prompt.get(prompt)
-            cells += [_cell(s["dino"]), _cell(s["clip_t"])] if s else ["", ""]
-        lines.append(f"| {prompt} | " + " | ".join(cells) + " |")
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,17 +280,10 @@ def run(entries, subjects, settings, output_dir, report_dirs=None):
                             subject.class_prompt, tuple(subject.held_out_names()))
         os.makedirs(folder, exist_ok=True)
         utils.write_json(os.path.join(folder, "scores.json"), result.to_json())
-        write_report(os.path.join(folder, "report.md"), result)
+        eval_report.write_report(os.path.join(folder, "report.md"), result,
+                     any(cache_model.has_random_weights(model.model_dir) for _, model in entries))
         results[subject.name] = result
     return results
-
-
-def summary(overall):
-    """'DINO 0.512, CLIP-I …': one model's overall scores on one line."""
-    names = (*SCORE_NAMES, "pres", *(k for k in HOLDOUT_NAMES if k in overall))
-    missing = {"div": "n/a (one image per prompt: diversity needs two)", "pres": "n/a (no image of the class prompt)"}
-    return ", ".join(f"{k.upper().replace('_HOLDOUT', ' held out').replace('_', '-')} "
-                     f"{_cell(overall[k]) or missing.get(k, 'n/a')}" for k in names)
 
 
 def main(argv=None):
@@ -355,7 +313,7 @@ def main(argv=None):
                     model_dir=args.model_dir, cause=notify.cause_of(err))
         raise
     tuned = result.overall("tuned")
-    notify.send(args.notify_url, "finished", f"DreamBooth scores of {args.lora_dir or args.model_dir}: {summary(tuned)}",
+    notify.send(args.notify_url, "finished", f"DreamBooth scores of {args.lora_dir or args.model_dir}: {eval_report.summary(tuned)}",
                 model_dir=args.lora_dir or args.model_dir, scores={k: v for k, v in tuned.items() if v is not None})
     return result
 
@@ -377,7 +335,7 @@ def evaluate(args, folder=None):
         imagefiles.inspect_images(subject.photos(), 0, scratch)
     result = run(models_to_score(args.model_dir, args.lora_dir, args.base_model_dir), [subject],
                  EvalSettings.from_args(args), folder)[subject.name]
-    print(f"tuned: {summary(result.overall('tuned'))}; report "
+    print(f"tuned: {eval_report.summary(result.overall('tuned'))}; report "
           f"{storage.join(args.output_dir, 'report.md')}", file=sys.stderr)
     output = outputs.read_output(args.lora_dir or args.model_dir)
     if output is not None and output.record.trackers:

@@ -24,6 +24,8 @@ from dreambooth import utils
 
 # The paper's values for SD 1.x DreamBooth (table 1), printed beside ours in report.md.
 PAPER_SD = {"dino": 0.668, "clip_i": 0.803, "clip_t": 0.305}
+SCORE_NAMES = ("dino", "clip_i", "clip_t", "div")
+HOLDOUT_NAMES = ("dino_holdout", "clip_i_holdout")  # --holdout: against the photos kept out of training
 
 
 def _unit(x):

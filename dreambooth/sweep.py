@@ -27,6 +27,7 @@ import sys
 
 from dreambooth import cache_model
 from dreambooth import checkpoint
+from dreambooth import eval_report
 from dreambooth import evaluate
 from dreambooth import families
 from dreambooth import flags
@@ -272,7 +273,7 @@ def score_base(args, subjects, eval_settings):
                                    {s.name: os.path.join(local, s.name) for s in todo})
         for name, result in results.items():
             base[name] = result.overall("base")
-            print(f"base model on {name}: {evaluate.summary(base[name])}", file=sys.stderr)
+            print(f"base model on {name}: {eval_report.summary(base[name])}", file=sys.stderr)
     return {name: base[name] for name in subjects}
 
 

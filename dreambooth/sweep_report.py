@@ -4,7 +4,6 @@ import csv
 import dataclasses
 import os
 
-from dreambooth import evaluate
 from dreambooth import scores
 
 COLUMNS = ("subject", "learning_rate", "train_text_encoder", "rank", "step", "dino", "clip_i", "clip_t", "div",
@@ -83,7 +82,7 @@ def write_report(folder, base, best, margin):
              "| subject | model | settings | DINO | CLIP-I | CLIP-T | DIV | PRES |",
              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for subject, base_scores in base.items():
-        cells = lambda s: " | ".join(_format(s.get(k)) for k in evaluate.SCORE_NAMES + ("pres",))  # noqa: E731
+        cells = lambda s: " | ".join(_format(s.get(k)) for k in scores.SCORE_NAMES + ("pres",))  # noqa: E731
         lines.append(f"| {subject} | base | | {cells(base_scores)} |")
         choice = best.get(subject)
         if choice is None:

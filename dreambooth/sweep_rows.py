@@ -5,9 +5,9 @@ held-out photos with --holdout, CLIP-T kept within a margin), and each subject's
 
 import dataclasses
 
-from dreambooth import evaluate
+from dreambooth import scores
 
-METRICS = ("dino", "clip_i", "clip_t", "div", "pres", *evaluate.HOLDOUT_NAMES)
+METRICS = ("dino", "clip_i", "clip_t", "div", "pres", *scores.HOLDOUT_NAMES)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -197,6 +197,7 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request, webhook):
     assert scores["models"]["tuned"]["overall"] != scores["models"]["base"]["overall"]
     report = (evaluation / "report.md").read_text()
     assert "| tuned |" in report and "| base |" in report and "| a unqtkn toy in the snow |" in report
+    assert "Random weights (--tiny): every model here draws noise" in report  # (the tiny scores say nothing)
     assert "done: scores of the tuned model beside the base model in" in output
     # NOTIFY_URL heard training start and end, then the scores; the MLflow run of the training has them too.
     assert [body["event"] for _, body in webhook.received] == ["started", "finished", "finished"]

@@ -4,6 +4,7 @@ import os
 
 import pytest
 
+from dreambooth import eval_report
 from dreambooth import evaluate
 from dreambooth import outputs
 from dreambooth import utils
@@ -48,12 +49,12 @@ def test_held_out_photos_are_scored_apart_and_must_be_the_ones_training_left_out
     assert s["dino"] == pytest.approx(1.0) and s["dino_holdout"] == pytest.approx(0.0)
     assert s["clip_i_holdout"] == pytest.approx(2 ** -0.5) and "dino_holdout" not in evaluate.score_set(
         emb, {"p": ["gen"]}, ["seen"])
-    line = evaluate.summary({**s, "pres": None})
+    line = eval_report.summary({**s, "pres": None})
     assert "DINO held out 0.000, CLIP-I held out 0.707" in line
     assert "DIV n/a (one image per prompt: diversity needs two)" in line  # (was "DIV ," with no reason)
     result = evaluate.EvalResult("unqtkn dog", 1, 1, 4, ("p",), {"tuned": evaluate.ModelScores({**s, "pres": 0.4}, {})},
                                  held_out=("e.jpg",))
-    evaluate.write_report(str(tmp_path / "report.md"), result)
+    eval_report.write_report(str(tmp_path / "report.md"), result)
     report = (tmp_path / "report.md").read_text()
     assert "(+ 1 held out of training: e.jpg)" in report and "| tuned | 1.000 | 1.000 | 1.000 |  | 0.400 | 0.000 | 0.707 |" in report
     # The model's record must name the same photos as the split
@@ -79,9 +80,10 @@ def test_report_puts_each_model_beside_the_papers_values(tmp_path):
         "prompts": ["a unqtkn dog"], "models": {label: {"overall": s, "per_prompt": {"a unqtkn dog": s}}
                                                 for label in ("tuned", "base")}})
     assert evaluate.EvalResult.from_json(result.to_json()) == result  # scores.json reads back as it was written
-    evaluate.write_report(str(tmp_path / "report.md"), result)
+    eval_report.write_report(str(tmp_path / "report.md"), result)
     report = (tmp_path / "report.md").read_text()
     assert "| tuned | 0.500 | 0.600 | 0.250 |  | 0.400 |" in report and "| base |" in report
+    assert "Random weights" not in report  # (said only of models with random weights: --tiny, below)
     assert "| paper, SD DreamBooth | 0.668 | 0.803 | 0.305" in report
     assert "| a unqtkn dog | 0.500 | 0.250 | 0.500 | 0.250 |" in report
 
