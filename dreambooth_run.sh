@@ -308,6 +308,9 @@ else
     "(with the same token in their ~/.ray/auth_token or RAY_AUTH_TOKEN)"
 fi
 
+# (each step joins this cluster: the line above says so once, not a "Ray: joined" line per step)
+export DREAMBOOTH_RAY_SAID="$RAY_ADDRESS"
+
 if $example; then  # the example photos, in their own folder (a bucket's: put there from this node's copy)
   EXAMPLE_LOCAL="$PHOTOS_DIR"
   if $REMOTE; then

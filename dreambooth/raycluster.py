@@ -215,7 +215,8 @@ def init_ray():
     hide_harmless_ray_lines()
     where = ray.get_runtime_context().gcs_address
     if address:
-        print(f"Ray: joined the cluster at {where} (RAY_ADDRESS); {ray_auth_note()}", file=sys.stderr)
+        if os.environ.get("DREAMBOOTH_RAY_SAID") != address:  # (dreambooth_run.sh said it once for its steps)
+            print(f"Ray: joined the cluster at {where} (RAY_ADDRESS); {ray_auth_note()}", file=sys.stderr)
     else:
         print(f"Ray: started a local cluster for this script at {where} (set RAY_ADDRESS to use a running one); "
               f"{ray_auth_note()}", file=sys.stderr)
