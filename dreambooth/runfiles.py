@@ -18,6 +18,11 @@ def run_folder(storage_path, run_name):
     return os.path.join(storage.cache_home(), "runs", scheme, *path.strip("/").split("/"), run_name)
 
 
+def run_of_checkpoint(checkpoint_path):
+    """The run folder a checkpoint is in (a bucket's too); None for no checkpoint."""
+    return posixpath.dirname(checkpoint_path.rstrip("/")) if checkpoint_path else None
+
+
 _uploaded = {}  # local file -> (size, mtime) as last copied
 
 

@@ -6,6 +6,8 @@ import json
 import os
 import time
 
+from dreambooth import runfiles
+
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -20,7 +22,7 @@ class RunLog:
 
         self.folder = plan.run_dir
         os.makedirs(self.folder, exist_ok=True)
-        resumed = os.path.dirname(plan.resume_path.rstrip("/")) if plan.resume_path and start_step else None
+        resumed = runfiles.run_of_checkpoint(plan.resume_path) if start_step else None
         keep_rows_until(start_step, os.path.join(self.folder, METRICS_FILE), resumed)
         previous = None
         if start_step:  # this run folder's own record (a restarted worker group), else the resumed run's

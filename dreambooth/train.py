@@ -100,7 +100,7 @@ def train_planned(args, stop_step, started):
           f"{runlog.METRICS_FILE} in {run_folder}", file=sys.stderr)
     if not plan.keep_checkpoints and plan.end_step == plan.total_steps:  # (not a sweep stage that goes on)
         removed, freed = checkpoint.remove_all(run_folder)
-        stopped_run = os.path.dirname(plan.resume_path.rstrip("/")) if plan.resume_path else None
+        stopped_run = runfiles.run_of_checkpoint(plan.resume_path)
         if stopped_run and args.resume_from_checkpoint in ("latest", "auto") and stopped_run != run_folder:
             # (the stopped run this one continued, found under --storage_path: its checkpoints are this run's past)
             more, more_bytes = checkpoint.remove_all(stopped_run)
