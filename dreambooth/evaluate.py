@@ -262,6 +262,7 @@ def run(entries, subjects, settings, output_dir, report_dirs=None):
     emb = embed(rows, settings.eval_models_dir, settings.num_actors, settings.allow_unsafe_weights)
 
     results = {}
+    random_weights = any(cache_model.has_random_weights(model.model_dir) for _, model in entries)
     for subject in subjects:
         photos, folder = real[subject.name], (report_dirs or {}).get(subject.name, output_dir)
         models = {}
@@ -280,8 +281,7 @@ def run(entries, subjects, settings, output_dir, report_dirs=None):
                             subject.class_prompt, tuple(subject.held_out_names()))
         os.makedirs(folder, exist_ok=True)
         utils.write_json(os.path.join(folder, "scores.json"), result.to_json())
-        eval_report.write_report(os.path.join(folder, "report.md"), result,
-                     any(cache_model.has_random_weights(model.model_dir) for _, model in entries))
+        eval_report.write_report(os.path.join(folder, "report.md"), result, random_weights)
         results[subject.name] = result
     return results
 
