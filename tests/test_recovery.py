@@ -309,21 +309,33 @@ def test_a_drained_node_gets_a_checkpoint_of_the_current_step_and_the_run_goes_o
         uninterrupted, drainable_cluster, tiny_model, toy_images, tmp_path):
     """`ray drain-node` (what a spot reclaim notice does) on the node of the run's workers: Ray Train's
     preemption watcher says so, the workers checkpoint the step they are on and train on; the run's losses
-    and weights are the uninterrupted run's."""
+    and weights are the uninterrupted run's. (The workers are paused (SIGSTOP) from the drain until the watcher
+    has said so: else a fast machine ends the 24 steps before the workers ask.)"""
     address, node_id = drainable_cluster
     whole, whole_losses = uninterrupted
     storage = tmp_path / "drained-runs"
     args = train_args(tiny_model, toy_images, tmp_path / "drained", STOP_STEPS, *STOP_OPTIONS, "--storage_path", str(storage))
+    since, err_file = time.time(), tmp_path / "train.err"
     proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO_DIR, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE,
+                            stderr=open(err_file, "w"),
                             env=dict(env(), RAY_ADDRESS=address, RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S="0.5"))
     wait_for(lambda: len(logged_steps(storage)) >= 2, 240, proc)
-    drain = subprocess.run([os.path.join(os.path.dirname(sys.executable), "ray"), "drain-node", f"--address={address}",
-                            f"--node-id={node_id}", "--reason=DRAIN_NODE_REASON_PREEMPTION",
-                            "--reason-message=spot reclaim", "--deadline-remaining-seconds=600"],
-                           capture_output=True, text=True, env=env())
-    assert drain.returncode == 0, drain.stderr[-2000:]
-    out, err = finish(proc, 300)
+    paused = worker_pids(since)
+    assert len(paused) == 2
+    for pid in paused:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        drain = subprocess.run([os.path.join(os.path.dirname(sys.executable), "ray"), "drain-node",
+                                f"--address={address}", f"--node-id={node_id}", "--reason=DRAIN_NODE_REASON_PREEMPTION",
+                                "--reason-message=spot reclaim", "--deadline-remaining-seconds=600"],
+                               capture_output=True, text=True, env=env())
+        assert drain.returncode == 0, drain.stderr[-2000:]
+        wait_for(lambda: "preemption detected" in err_file.read_text(), 120, proc)
+    finally:
+        for pid in paused:
+            os.kill(pid, signal.SIGCONT)
+    out, _ = finish(proc, 300)
+    err = err_file.read_text()
     assert proc.returncode == 0, err[-3000:]
     said = re.search(r"node\(s\) (\w+)… \(ranks 0, 1\) being drained, deadline in \d+ s: step (\d+) checkpointed in "
                      r"[\d.]+ s; training goes on", out + err)
