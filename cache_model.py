@@ -4,8 +4,9 @@ The script; its code is dreambooth/cache_model.py. `python cache_model.py --help
 """
 
 from dreambooth import cache_model
-from dreambooth import utils
+from dreambooth import errors
+from dreambooth import hub
 
 if __name__ == "__main__":
-    utils.skip_unused_imports()  # building or fetching a model uses neither
-    utils.run_main(cache_model.main)
+    hub.skip_unused_imports()  # building or fetching a model uses neither
+    errors.run_main(cache_model.main)

@@ -4,7 +4,7 @@ The script; its code is dreambooth/download_example_dataset.py. `python download
 """
 
 from dreambooth import download_example_dataset
-from dreambooth import utils
+from dreambooth import errors
 
 if __name__ == "__main__":
-    utils.run_main(download_example_dataset.main)
+    errors.run_main(download_example_dataset.main)

@@ -3,8 +3,8 @@
 The script; its code is dreambooth/evaluate.py. `python evaluate.py --help` lists its flags.
 """
 
+from dreambooth import errors
 from dreambooth import evaluate
-from dreambooth import utils
 
 if __name__ == "__main__":
-    utils.run_main(evaluate.main)
+    errors.run_main(evaluate.main)

@@ -3,8 +3,8 @@
 The script; its code is dreambooth/export.py. `python export.py --help` lists its flags.
 """
 
+from dreambooth import errors
 from dreambooth import export
-from dreambooth import utils
 
 if __name__ == "__main__":
-    utils.run_main(export.main)
+    errors.run_main(export.main)

@@ -3,8 +3,8 @@
 The script; its code is dreambooth/generate.py. `python generate.py --help` lists its flags.
 """
 
+from dreambooth import errors
 from dreambooth import generate
-from dreambooth import utils
 
 if __name__ == "__main__":
-    utils.run_main(generate.main)
+    errors.run_main(generate.main)

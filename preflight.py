@@ -3,8 +3,8 @@
 The script; its code is dreambooth/preflight.py. `python preflight.py --help` lists its flags.
 """
 
+from dreambooth import errors
 from dreambooth import preflight
-from dreambooth import utils
 
 if __name__ == "__main__":
-    utils.run_main(preflight.main)
+    errors.run_main(preflight.main)

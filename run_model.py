@@ -7,10 +7,10 @@ unchanged:
         --prompts="photo of unqtkn dog in a bucket" --num_samples_per_prompt=5
 """
 
+from dreambooth import errors
 from dreambooth import generate
-from dreambooth import utils
 
 main = generate.main
 
 if __name__ == "__main__":
-    utils.run_main(main)
+    errors.run_main(main)

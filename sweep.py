@@ -3,8 +3,8 @@
 The script; its code is dreambooth/sweep.py. `python sweep.py --help` lists its flags.
 """
 
+from dreambooth import errors
 from dreambooth import sweep
-from dreambooth import utils
 
 if __name__ == "__main__":
-    utils.run_main(sweep.main)
+    errors.run_main(sweep.main)

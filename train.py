@@ -3,9 +3,9 @@
 The script; its code is dreambooth/train.py. `python train.py --help` lists its flags.
 """
 
+from dreambooth import errors
 from dreambooth import train
-from dreambooth import utils
 from dreambooth.worker import train_fn  # noqa: F401 (each worker's loop, where Ray's example has it)
 
 if __name__ == "__main__":
-    utils.run_main(train.main)
+    errors.run_main(train.main)

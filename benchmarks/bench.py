@@ -25,10 +25,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
+from dreambooth import hub  # noqa: E402
+from dreambooth import machine  # noqa: E402
 from dreambooth import models  # noqa: E402
+from dreambooth import random_models
 from dreambooth import raycluster  # noqa: E402
 from dreambooth import steps  # noqa: E402
-from dreambooth import utils  # noqa: E402
 
 RESOLUTION = {"tiny": 64, "small": 256, "sd15": 512}
 ROWS = []
@@ -69,7 +71,7 @@ def peak_memory_gb(device):
 
 def make_model(size, folder):
     start = time.perf_counter()
-    pipe = models.build_pipeline(size)
+    pipe = random_models.build_pipeline(size)
     pipe.save_pretrained(folder, safe_serialization=True)
     return time.perf_counter() - start
 
@@ -251,11 +253,11 @@ def main(argv=None):
     if args.warmup % args.logging_steps or args.steps % args.logging_steps or not args.warmup:
         parser.error("--warmup and --steps must be positive multiples of --logging_steps")
     args.gen_batches = [int(b) for b in args.gen_batches.split(",")]
-    device = utils.torch_device()
+    device = machine.torch_device()
     args.mixed_precision = steps.mixed_precision_name(steps.amp_dtype(args.mixed_precision, device))  # train.py's rule
     args.inference_steps = args.inference_steps or (50 if device.type == "cuda" else 10)
     variants = [v for v in args.variants.split(",") if v]
-    utils.quiet_hf_logging()
+    hub.quiet_hf_logging()
 
     with tempfile.TemporaryDirectory() as work:
         args.model_dir = os.path.join(work, "model")

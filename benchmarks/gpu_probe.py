@@ -184,12 +184,13 @@ def main(argv=None):
         parser.error(f"unknown arm(s) {', '.join(unknown)}; choose from {', '.join(ARMS)}")
     import torch
 
+    from dreambooth import hub
+    from dreambooth import machine
     from dreambooth import steps
-    from dreambooth import utils
 
-    device = utils.torch_device()
+    device = machine.torch_device()
     args.mixed_precision = steps.mixed_precision_name(steps.amp_dtype(args.mixed_precision, device))
-    utils.quiet_hf_logging()
+    hub.quiet_hf_logging()
     results = []
     with tempfile.TemporaryDirectory() as work:
         args.model_dir = os.path.join(work, "model")

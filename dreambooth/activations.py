@@ -70,19 +70,19 @@ def meta_denoiser(family, source):
     import torch
 
     from dreambooth import family as family_lib  # (here, not at the top: see per_image_gib)
-    from dreambooth import models
-    from dreambooth import utils
+    from dreambooth import hub
+    from dreambooth import random_models
 
-    utils.quiet_hf_logging()  # (diffusers' note on casting a model with fp32 modules to bf16)
+    hub.quiet_hf_logging()  # (diffusers' note on casting a model with fp32 modules to bf16)
     with torch.device("meta"):
         if os.path.isdir(source):
             denoiser = family.denoiser_of_config(source)
             vae = family_lib.part_config(source, "vae")
             channels, scale = vae["latent_channels"], family_lib.vae_scale(source)
         else:
-            denoiser = models.meta_networks(source, family.arch)[family.denoiser]
+            denoiser = random_models.meta_networks(source, family.arch)[family.denoiser]
             channels = family.random_vae_config().get("latent_channels", 4)
-            scale = 2 ** (len(models.size_spec(source, family)["vae_channels"]) - 1)
+            scale = 2 ** (len(random_models.size_spec(source, family)["vae_channels"]) - 1)
     return denoiser.to(torch.bfloat16).train(), channels, scale
 
 

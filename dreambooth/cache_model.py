@@ -21,14 +21,16 @@ import os
 import re
 import sys
 
+from dreambooth import errors
 from dreambooth import families
+from dreambooth import files
 from dreambooth import flags
+from dreambooth import hub
 from dreambooth import known_models
-from dreambooth import models
 from dreambooth import outputs
+from dreambooth import random_models
 from dreambooth import scores
 from dreambooth import storage
-from dreambooth import utils
 
 # What DiffusionPipeline.from_pretrained reads: configs, tokenizer files, safetensors
 # weights of the full-precision, non-EMA-only variant.
@@ -40,7 +42,7 @@ IGNORE_PATTERNS = ["*.ckpt", "*.bin", "*.msgpack", "*.onnx", "*.h5", "*.fp16.*",
 # shadows a real model and every script finds it exactly as it finds SD 1.4.
 RANDOM_MODEL_OWNER = "dreambooth-ray"  # every random model's hub name starts with it
 TINY_MODEL_NAME = f"{RANDOM_MODEL_OWNER}/tiny-stable-diffusion"
-# Bump when models.build_pipeline draws other weights for the same MODEL_SIZES entry.
+# Bump when random_models.build_pipeline draws other weights for the same MODEL_SIZES entry.
 RANDOM_MODEL_VERSION = 3
 
 
@@ -58,7 +60,7 @@ def model_cache_dir():
     a model where the driver found it."""
     if os.environ.get("ORIG_MODEL_DIR"):
         return flags.storage_location(os.environ["ORIG_MODEL_DIR"])
-    prefix = flags.storage_location(os.environ.get("DATA_PREFIX") or os.path.join(utils.REPO_DIR, "data"))
+    prefix = flags.storage_location(os.environ.get("DATA_PREFIX") or os.path.join(files.REPO_DIR, "data"))
     return storage.join(prefix, "model-orig")
 
 
@@ -159,7 +161,7 @@ def random_model_id(size, arch="sd1"):
     family = "" if arch == "sd1" else "-" + arch.replace("sd", "", 1)
     name = (TINY_MODEL_NAME + family if size == "tiny"
             else f"{RANDOM_MODEL_OWNER}/random-stable-diffusion{family}-{size}")
-    build = f"{name} v{RANDOM_MODEL_VERSION} {sorted(models.size_spec(size, families.ARCHS[arch]).items())}"
+    build = f"{name} v{RANDOM_MODEL_VERSION} {sorted(random_models.size_spec(size, families.ARCHS[arch]).items())}"
     if arch != "sd1":
         build += f" {arch} {sorted(families.ARCHS[arch].random_arch.items())}"
     return name, hashlib.sha1(build.encode()).hexdigest()
@@ -174,7 +176,7 @@ def has_random_weights(model_dir):
 
 
 def write_random_model(cache_dir, size="tiny", arch="sd1"):
-    """Build a random model of models.MODEL_SIZES and a family's random_arch and save it in the hub
+    """Build a random model of random_models.MODEL_SIZES and a family's random_arch and save it in the hub
     layout (refs/main + snapshots/<revision>), where every script finds it as it finds SD 1.4."""
     name, revision = random_model_id(size, arch)
     snapshot = hub_snapshot_path(cache_dir, name, revision)
@@ -182,13 +184,13 @@ def write_random_model(cache_dir, size="tiny", arch="sd1"):
     # cached download is (a change to MODEL_SIZES comes with a new revision).
     if os.path.isfile(os.path.join(snapshot, "model_index.json")):
         return snapshot
-    models.check_room_for(size, arch, cache_dir)
-    pipeline = models.build_pipeline(size, arch=arch)
-    if not utils.on_terminal():  # (transformers' "Writing model shards" bar: for a person, not a log)
+    random_models.check_room_for(size, arch, cache_dir)
+    pipeline = random_models.build_pipeline(size, arch=arch)
+    if not errors.on_terminal():  # (transformers' "Writing model shards" bar: for a person, not a log)
         import transformers
 
         transformers.utils.logging.disable_progress_bar()
-    utils.atomic_write_dir(snapshot, lambda tmp: pipeline.save_pretrained(tmp, safe_serialization=True))
+    files.atomic_write_dir(snapshot, lambda tmp: pipeline.save_pretrained(tmp, safe_serialization=True))
     refs = os.path.join(repo_cache_path(cache_dir, name), "refs")
     os.makedirs(refs, exist_ok=True)
     # snapshot_download refuses a ref with a trailing newline.
@@ -209,7 +211,7 @@ def cached_snapshot(cache_dir, model_name, revision):
     path = hub_snapshot_path(cache_dir, model_name, revision)
     try:
         families.check_model_dir(path)
-    except utils.UserError:
+    except errors.UserError:
         return None
     return path
 
@@ -221,7 +223,7 @@ def download_model(cache_dir, model_name, revision):
     if cached:
         return cached
     known_models.check_access(model_name)
-    return utils.hub_download(
+    return hub.hub_download(
         f"{model_name}@{revision}", "run once with network access or use --tiny",
         repo_id=model_name, revision=revision, cache_dir=cache_dir,
         allow_patterns=ALLOW_PATTERNS, ignore_patterns=IGNORE_PATTERNS, refused=known_models.gated_line(model_name))
@@ -240,19 +242,19 @@ def download_eval_model(cache_dir, model_name, revision, allow_unsafe_weights):
     only pickled weights is converted once, and only with allow_unsafe_weights."""
     snapshot = hub_snapshot_path(cache_dir, model_name, revision)
     if not (re.fullmatch(r"[0-9a-f]{40}", revision) and scores.has_weights(snapshot)):
-        snapshot = utils.hub_download(f"{model_name}@{revision}", "run once with network access or use --tiny",
-                                      repo_id=model_name, revision=revision, cache_dir=cache_dir,
-                                      allow_patterns=EVAL_ALLOW_PATTERNS)
+        snapshot = hub.hub_download(f"{model_name}@{revision}", "run once with network access or use --tiny",
+                                    repo_id=model_name, revision=revision, cache_dir=cache_dir,
+                                    allow_patterns=EVAL_ALLOW_PATTERNS)
     if any(n.endswith(".safetensors") for n in os.listdir(snapshot)):
         return snapshot
     if not allow_unsafe_weights:
-        raise utils.UserError(f"{model_name}@{revision} has only pickled weights ({PICKLED_WEIGHTS}), which can "
-                              "run code when loaded; pass --allow_unsafe_weights to fetch them once and convert "
-                              "them to safetensors")
+        raise errors.UserError(f"{model_name}@{revision} has only pickled weights ({PICKLED_WEIGHTS}), which can "
+                               "run code when loaded; pass --allow_unsafe_weights to fetch them once and convert "
+                               "them to safetensors")
     if not os.path.isfile(os.path.join(snapshot, PICKLED_WEIGHTS)):
-        snapshot = utils.hub_download(f"{model_name}@{revision}", "run once with network access",
-                                      repo_id=model_name, revision=revision, cache_dir=cache_dir,
-                                      allow_patterns=EVAL_ALLOW_PATTERNS + [PICKLED_WEIGHTS])
+        snapshot = hub.hub_download(f"{model_name}@{revision}", "run once with network access",
+                                    repo_id=model_name, revision=revision, cache_dir=cache_dir,
+                                    allow_patterns=EVAL_ALLOW_PATTERNS + [PICKLED_WEIGHTS])
     convert_to_safetensors(os.path.join(snapshot, PICKLED_WEIGHTS), os.path.join(snapshot, SAFE_WEIGHTS))
     return snapshot
 
@@ -263,7 +265,7 @@ def convert_to_safetensors(pickled, target):
     from safetensors.torch import save_file
 
     weights = torch.load(pickled, map_location="cpu", weights_only=True)
-    tmp = target + utils.TEMP_MARK
+    tmp = target + files.TEMP_MARK
     save_file({k: v.contiguous().clone() for k, v in weights.items()}, tmp, metadata={"format": "pt"})
     os.replace(tmp, target)
     print(f"converted {pickled} to {target}", file=sys.stderr)
@@ -275,7 +277,7 @@ def cache_eval_models(cache_dir, args):
     if args.tiny:
         folder = os.path.join(cache_dir, "eval-models-tiny")
         if not all(scores.has_weights(os.path.join(folder, part)) for part in ("dino", "clip")):
-            utils.atomic_write_dir(folder, scores.build_tiny_eval_models)
+            files.atomic_write_dir(folder, scores.build_tiny_eval_models)
         return folder
     folder = os.path.join(cache_dir, "eval-models")
     os.makedirs(folder, exist_ok=True)
@@ -284,19 +286,19 @@ def cache_eval_models(cache_dir, args):
                                  ("clip", args.clip_model, args.clip_revision)):
         snapshot = download_eval_model(cache_dir, name, revision, args.allow_unsafe_weights)
         link = os.path.join(folder, part)
-        tmp = link + utils.TEMP_MARK
+        tmp = link + files.TEMP_MARK
         if os.path.lexists(tmp):
             os.remove(tmp)
         os.symlink(os.path.relpath(snapshot, folder), tmp)
         os.replace(tmp, link)
         record[part] = {"model": name, "revision": os.path.basename(snapshot)}
-    utils.write_json(os.path.join(folder, "eval_models.json"), record)
+    files.write_json(os.path.join(folder, "eval_models.json"), record)
     return folder
 
 
 def random_model_help():
-    own = ", ".join(f"{size}: the full {f.label} one" for size, f in models.random_sizes().items() if f)
-    return (f"Write a randomly initialised model of this size instead ({', '.join(models.random_sizes())}; sd15: the "
+    own = ", ".join(f"{size}: the full {f.label} one" for size, f in random_models.random_sizes().items() if f)
+    return (f"Write a randomly initialised model of this size instead ({', '.join(random_models.random_sizes())}; sd15: the "
             f"full SD 1.x architecture, {own}, for GPU checks without a download); --tiny is --random_model tiny.")
 
 
@@ -318,20 +320,20 @@ def main(argv=None):
     try:
         os.makedirs(args.cache_dir, exist_ok=True)
     except OSError as err:
-        raise utils.UserError(f"cannot create the model cache folder {args.cache_dir}: {err.strerror or err}; "
-                              "give a folder this user can write (--model_dir)") from None
-    sizes = models.random_sizes()
+        raise errors.UserError(f"cannot create the model cache folder {args.cache_dir}: {err.strerror or err}; "
+                               "give a folder this user can write (--model_dir)") from None
+    sizes = random_models.random_sizes()
     if args.random_model is not None and args.random_model not in sizes:
         parser.error(f"argument --random_model: invalid choice: {args.random_model!r} (choose from {', '.join(sizes)})")
     owner = sizes.get(args.random_model)
     if owner is not None:  # a size of its own family
         if args.arch not in (None, owner.arch):
-            raise utils.UserError(f"--random_model {args.random_model} is {owner.label}'s architecture, "
-                                  f"not --arch {args.arch}")
+            raise errors.UserError(f"--random_model {args.random_model} is {owner.label}'s architecture, "
+                                   f"not --arch {args.arch}")
         args.arch = owner.arch
     if args.arch and (args.eval_models or not (args.tiny or args.random_model)):
-        raise utils.UserError("--arch is the architecture of a model built here (--tiny, --random_model); a "
-                              "downloaded model's family is read from its files")
+        raise errors.UserError("--arch is the architecture of a model built here (--tiny, --random_model); a "
+                               "downloaded model's family is read from its files")
     path, last = cache_here(args)
     path = to_bucket(path, bucket, last)
     print(path)

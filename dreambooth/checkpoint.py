@@ -22,13 +22,14 @@ import os
 import re
 import sys
 
+from dreambooth import errors
 from dreambooth import families
+from dreambooth import files
 from dreambooth import models
 from dreambooth import outputs
 from dreambooth import run_identity
 from dreambooth import sharding
 from dreambooth import storage
-from dreambooth import utils
 
 STATE_FILE = "train_state.json"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -77,22 +78,22 @@ def save(state, folder, epoch, rng_states, train_text_encoder, identity=None, ga
     from safetensors.torch import save_file
 
     denoiser_file = f"{state.models.family.denoiser}.safetensors"
-    files = [denoiser_file, OPTIMIZER_FILE]
+    names = [denoiser_file, OPTIMIZER_FILE]
     weights, optimizer = gathered or (models.trained_state_dict(state.models.denoiser), state.optimizer.state_dict())
     save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(folder, denoiser_file))
     if train_text_encoder:
         for k, text_encoder in state.models.trainable():
             name = text_encoder_files(state.models.family)[k]
             save_file(models.trained_state_dict(text_encoder), os.path.join(folder, name))
-            files.append(name)
+            names.append(name)
     if state.ema is not None:
         save_file(state.ema.state_dict(), os.path.join(folder, EMA_FILE))
-        files.append(EMA_FILE)
+        names.append(EMA_FILE)
     torch.save({"optimizer": optimizer, "sharded": gathered is not None, "lr_scheduler": state.lr_scheduler.state_dict(),
                 "scaler": state.scaler.state_dict(), "rng": rng_states, "skipped_steps": state.skipped_steps},
                os.path.join(folder, OPTIMIZER_FILE))
-    sizes = {name: os.path.getsize(os.path.join(folder, name)) for name in files}
-    utils.write_json(os.path.join(folder, STATE_FILE),
+    sizes = {name: os.path.getsize(os.path.join(folder, name)) for name in names}
+    files.write_json(os.path.join(folder, STATE_FILE),
                      {"step": state.step, "epoch": epoch, "world_size": len(rng_states), "identity": identity,
                       "sizes": sizes})
 
@@ -325,7 +326,7 @@ def resolve_resume(resume_flag, storage_path, run_prefix, output_dir=None, ident
             print(f"resuming from {path}", file=sys.stderr)
         return path
     if resume_flag and not is_complete(resume_flag):
-        raise utils.UserError(f"{resume_flag} is not a complete checkpoint of train.py")
+        raise errors.UserError(f"{resume_flag} is not a complete checkpoint of train.py")
     if resume_flag and identity is not None:
         saved = saved_identity(resume_flag)
         longer = run_identity.continuation(saved, identity)

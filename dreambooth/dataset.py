@@ -23,8 +23,8 @@ import numpy as np
 
 from dreambooth import imagefiles
 from dreambooth import imaging
+from dreambooth import machine
 from dreambooth import models
-from dreambooth import utils
 
 
 def _resolve(value):
@@ -154,7 +154,7 @@ class LatentEncoder:
     """
 
     def __init__(self, model_dir, random_flip, allow_unsafe_weights, vae_dir=None):
-        self.device = utils.torch_device()
+        self.device = machine.torch_device()
         self.vae = models.load_vae(model_dir, vae_dir, allow_unsafe_weights)
         self.vae.to(self.device).eval().requires_grad_(False)
         self.random_flip = random_flip

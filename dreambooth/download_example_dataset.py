@@ -10,29 +10,31 @@ subject instead, put 4-6 photos of it in a folder and pass that folder to train.
 import os
 import shutil
 
+from dreambooth import errors
+from dreambooth import files
 from dreambooth import flags
-from dreambooth import utils
+from dreambooth import hub
 
 
 def fetch_dataset(repo_id, revision, cache_dir):
     """The dataset's snapshot folder (its image files only)."""
-    patterns = [f"*{ext}" for ext in utils.IMAGE_EXTENSIONS] + [f"*{ext.upper()}" for ext in utils.IMAGE_EXTENSIONS]
-    return utils.hub_download(f"dataset {repo_id}", "run once with network access", repo_id=repo_id,
-                              repo_type="dataset", revision=revision, cache_dir=cache_dir, allow_patterns=patterns)
+    patterns = [f"*{ext}" for ext in files.IMAGE_EXTENSIONS] + [f"*{ext.upper()}" for ext in files.IMAGE_EXTENSIONS]
+    return hub.hub_download(f"dataset {repo_id}", "run once with network access", repo_id=repo_id,
+                            repo_type="dataset", revision=revision, cache_dir=cache_dir, allow_patterns=patterns)
 
 
 def copy_images(snapshot, output_dir):
     """Copy every image of the snapshot (flattened) into output_dir; returns the new paths."""
     os.makedirs(output_dir, exist_ok=True)
     copied = []
-    for root, _, files in os.walk(snapshot):
-        for name in sorted(files):
-            if name.lower().endswith(utils.IMAGE_EXTENSIONS):
+    for root, _, names in os.walk(snapshot):
+        for name in sorted(names):
+            if name.lower().endswith(files.IMAGE_EXTENSIONS):
                 target = os.path.join(output_dir, name)
                 shutil.copyfile(os.path.join(root, name), target)
                 copied.append(target)
     if not copied:
-        raise utils.UserError(f"no images found in {snapshot}")
+        raise errors.UserError(f"no images found in {snapshot}")
     return copied
 
 

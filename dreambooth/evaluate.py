@@ -19,21 +19,23 @@ import sys
 import tempfile
 
 from dreambooth import cache_model
+from dreambooth import errors
 from dreambooth import eval_report
 from dreambooth import families
+from dreambooth import files
 from dreambooth import flags
 from dreambooth import generate
 from dreambooth import imagefiles
 from dreambooth import imaging
+from dreambooth import machine
 from dreambooth import notify
 from dreambooth import outputs
 from dreambooth import raycluster
 from dreambooth import scores
 from dreambooth import storage
 from dreambooth import trackers
-from dreambooth import utils
 
-EVAL_PROMPTS_DIR = os.path.join(utils.REPO_DIR, "assets", "eval_prompts")
+EVAL_PROMPTS_DIR = os.path.join(files.REPO_DIR, "assets", "eval_prompts")
 
 
 def prompt_templates(subject_type, path=None):
@@ -43,11 +45,11 @@ def prompt_templates(subject_type, path=None):
         with open(path) as f:
             lines = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
     except OSError as err:
-        raise utils.UserError(f"--eval_prompts {path}: {err.strerror} (EVAL_PROMPTS with dreambooth_run.sh)") from None
+        raise errors.UserError(f"--eval_prompts {path}: {err.strerror} (EVAL_PROMPTS with dreambooth_run.sh)") from None
     missing = [line for line in lines if "{subject}" not in line]
     if missing or not lines:
-        raise utils.UserError(f"{path}: every prompt needs '{{subject}}' (e.g. 'a {{subject}} on a beach'); "
-                              f"not: {missing[0] if missing else '(no prompts)'}")
+        raise errors.UserError(f"{path}: every prompt needs '{{subject}}' (e.g. 'a {{subject}} on a beach'); "
+                               f"not: {missing[0] if missing else '(no prompts)'}")
     return lines
 
 
@@ -94,7 +96,7 @@ class EmbeddingActor:
 
     def __init__(self, dino_dir, clip_dir, num_actors, allow_unsafe_weights):
         storage.ensure_local(dino_dir, clip_dir)  # (a bucket's, cached on the driver's node: this node's copy too)
-        device = utils.torch_device()
+        device = machine.torch_device()
         if device.type == "cpu":
             raycluster.share_cpu_threads(num_actors)
         self.embedder = scores.Embedder(dino_dir, clip_dir, device, allow_unsafe_weights)
@@ -138,7 +140,7 @@ def score_set(emb, files, real, held_out=()):
 
     every = [p for paths in files.values() for p in paths]
     if not every:
-        raise utils.UserError("no images to score: the safety checker withheld all of them")
+        raise errors.UserError("no images to score: the safety checker withheld all of them")
     groups = [stack(paths, "dino") for paths in files.values() if len(paths) > 1]
     return {"dino": scores.mean_similarity(stack(every, "dino"), stack(real, "dino")),
             "clip_i": scores.mean_similarity(stack(every, "clip"), stack(real, "clip")),
@@ -253,9 +255,9 @@ def run(entries, subjects, settings, output_dir, report_dirs=None):
         jobs.append(job)
     generate.make_images_of(jobs, settings.images(), settings.batch_size, settings.num_actors)
     # {label: {prompt: [paths]}} without the images the safety checker withheld
-    files = {label: {p: [f for f in fs if os.path.exists(f)] for p, fs in by_prompt.items()}
-             for label, by_prompt in wanted.items()}
-    rows = [{"path": f, "text": texts[p]} for by_prompt in files.values() for p, fs in by_prompt.items() for f in fs]
+    images = {label: {p: [f for f in fs if os.path.exists(f)] for p, fs in by_prompt.items()}
+              for label, by_prompt in wanted.items()}
+    rows = [{"path": f, "text": texts[p]} for by_prompt in images.values() for p, fs in by_prompt.items() for f in fs]
     rows += [{"path": path, "text": s.class_prompt} for s in subjects for path in real[s.name] + held[s.name]]
     rows = list({r["path"]: r for r in rows}.values())  # a photo shared by two subjects is embedded once
     print(f"scoring {len(rows)} images on {settings.num_actors} actor(s)", file=sys.stderr)
@@ -267,20 +269,20 @@ def run(entries, subjects, settings, output_dir, report_dirs=None):
         photos, folder = real[subject.name], (report_dirs or {}).get(subject.name, output_dir)
         models = {}
         for label, _ in entries:
-            subject_files = {p: files[label][p] for p in prompts[subject.name]}
+            subject_files = {p: images[label][p] for p in prompts[subject.name]}
             per_prompt = {p: score_set(emb, {p: paths}, photos) for p, paths in subject_files.items() if paths}
             overall = score_set(emb, subject_files, photos, held[subject.name])
-            class_images = files[label][subject.class_prompt]
+            class_images = images[label][subject.class_prompt]
             overall["pres"] = scores.mean_similarity(
                 np.stack([emb[p]["dino"] for p in class_images]),
                 np.stack([emb[p]["dino"] for p in photos])) if class_images else None
             models[label] = ModelScores(overall, per_prompt)
-            imaging.write_prompt_grids(folder, label, {p: files[label][p] for p in [*subject_files, subject.class_prompt]})
+            imaging.write_prompt_grids(folder, label, {p: images[label][p] for p in [*subject_files, subject.class_prompt]})
         result = EvalResult(f"{subject.unique_token} {subject.class_name}", len(prompts[subject.name]),
                             settings.num_samples_per_prompt, len(photos), tuple(prompts[subject.name]), models,
                             subject.class_prompt, tuple(subject.held_out_names()))
         os.makedirs(folder, exist_ok=True)
-        utils.write_json(os.path.join(folder, "scores.json"), result.to_json())
+        files.write_json(os.path.join(folder, "scores.json"), result.to_json())
         eval_report.write_report(os.path.join(folder, "report.md"), result, random_weights)
         results[subject.name] = result
     return results
@@ -328,7 +330,7 @@ def evaluate(args, folder=None):
     # Everything the end of the run needs, checked before its first image: the prompt file, the scoring
     # models, the photos (each one opened), the models and where the results go.
     subject.prompts()
-    utils.check_output_path(args.output_dir, "--output_dir", [("--model_dir", args.model_dir),
+    files.check_output_path(args.output_dir, "--output_dir", [("--model_dir", args.model_dir),
                                                               ("--instance_data_dir", args.instance_data_dir)])
     scores.check_eval_models_dir(args.eval_models_dir)
     with tempfile.TemporaryDirectory() as scratch:  # each photo opened (odd ones converted there, then dropped)
@@ -354,5 +356,5 @@ def check_holdout(model_dir, subject):
     trained_without = list(output.record.held_out)
     if trained_without != held:
         said = f"held out {', '.join(trained_without)}" if trained_without else "trained on every photo"
-        raise utils.UserError(f"the model in {model_dir} was {said}; --holdout {subject.holdout} holds out "
-                              f"{', '.join(held) or 'none'}: give train.py and evaluate.py the same --holdout")
+        raise errors.UserError(f"the model in {model_dir} was {said}; --holdout {subject.holdout} holds out "
+                               f"{', '.join(held) or 'none'}: give train.py and evaluate.py the same --holdout")

@@ -18,13 +18,14 @@ import sys
 import tempfile
 
 from dreambooth import cache_model
+from dreambooth import errors
 from dreambooth import families
 from dreambooth import filemodes
+from dreambooth import files
 from dreambooth import flags
 from dreambooth import models
 from dreambooth import outputs
 from dreambooth import storage
-from dreambooth import utils
 from dreambooth.family import kohya_text_module
 
 # ------------------------------------------------------------------ full model
@@ -96,8 +97,8 @@ def rename(state_dict, prefixes, what):
     for key, tensor in state_dict.items():
         match = next((p for p in prefixes if key.startswith(p[0])), None)
         if match is None:
-            raise utils.UserError(f"export: no original-layout name for the {what} weight {key}: "
-                                  "only SD 1.x, 2.x and SDXL architectures are supported")
+            raise errors.UserError(f"export: no original-layout name for the {what} weight {key}: "
+                                   "only SD 1.x, 2.x and SDXL architectures are supported")
         old, new, inside = match
         rest = "." + key[len(old):]
         for a, b in inside.items():
@@ -166,7 +167,7 @@ def lora_alphas(lora_dir):
 
     from safetensors import safe_open
 
-    with safe_open(os.path.join(lora_dir, utils.LORA_WEIGHTS_FILE), "pt") as f:
+    with safe_open(os.path.join(lora_dir, files.LORA_WEIGHTS_FILE), "pt") as f:
         meta = json.loads((f.metadata() or {}).get("lora_adapter_metadata", "{}"))
     parts = ("unet", "transformer", "text_encoder", "text_encoder_2")
     alphas = {model: meta[f"{model}.lora_alpha"] for model in parts if f"{model}.lora_alpha" in meta}
@@ -190,7 +191,7 @@ def kohya_lora(state_dict, alphas):
     for key, tensor in state_dict.items():
         match = LORA_KEY.match(key)
         if match is None:
-            raise utils.UserError(f"export: {key} is not a LoRA weight of the UNet or text encoder")
+            raise errors.UserError(f"export: {key} is not a LoRA weight of the UNet or text encoder")
         model, module, kind = match.groups()
         name = prefixes[model] + module.replace(".", "_") if model == "unet" else \
             kohya_text_module(prefixes[model], module)
@@ -211,10 +212,10 @@ def lora_checkpoint(lora_dir):
     output = outputs.read_output(lora_dir)
     base = output.base_model if output else ""
     family = families.require(base, "export_lora") if base and os.path.isdir(base) else None
-    state_dict, alphas = load_file(os.path.join(lora_dir, utils.LORA_WEIGHTS_FILE)), lora_alphas(lora_dir)
+    state_dict, alphas = load_file(os.path.join(lora_dir, files.LORA_WEIGHTS_FILE)), lora_alphas(lora_dir)
     if family is None and any(key.startswith("transformer.") for key in state_dict):
-        raise utils.UserError(f"the base model of the LoRA adapters in {lora_dir} ({base or 'not recorded'}) is not "
-                              "here, and a transformer's layout is its family's: cache it (cache_model.py) first")
+        raise errors.UserError(f"the base model of the LoRA adapters in {lora_dir} ({base or 'not recorded'}) is not "
+                               "here, and a transformer's layout is its family's: cache it (cache_model.py) first")
     return (family.kohya_lora(state_dict, alphas, base) if family else None) or kohya_lora(state_dict, alphas)
 
 
@@ -244,11 +245,11 @@ def main(argv=None):
     parser = flags.make_parser(__doc__.splitlines()[0], ["model_dir", "output_file", "save_precision", "overwrite",
                                                          "allow_unsafe_weights"], helps=HELPS)
     args = cache_model.resolve_models(parser.parse_args(argv))
-    utils.check_output_path(args.output_file, "--output_file", [("--model_dir", args.model_dir)], is_file=True)
+    files.check_output_path(args.output_file, "--output_file", [("--model_dir", args.model_dir)], is_file=True)
     if storage.exists(args.output_file) and not args.overwrite:
-        raise utils.UserError(f"{args.output_file} exists: pass --overwrite to replace it")
+        raise errors.UserError(f"{args.output_file} exists: pass --overwrite to replace it")
     if not args.output_file.endswith(".safetensors"):
-        raise utils.UserError("--output_file must end in .safetensors (the other tools pick files by it)")
+        raise errors.UserError("--output_file must end in .safetensors (the other tools pick files by it)")
     with tempfile.TemporaryDirectory(prefix="dreambooth-export-") as scratch:  # (a bucket's file: written here first)
         local = os.path.join(scratch, os.path.basename(args.output_file)) if storage.is_remote(args.output_file) \
             else args.output_file

@@ -4,7 +4,7 @@ A worker that dies (a lost node, a killed process, a flaky collective) is restar
 newest checkpoint, up to --max_failures times: that is what Ray Train's retries are for. An
 error that a restart would meet again (a model whose weights do not fit its config, a checkpoint
 that does not load, a first step that does not fit in memory) is raised in the worker as a
-utils.UserError and stops the run at once. Either way the terminal gets one line per failure;
+errors.UserError and stops the run at once. Either way the terminal gets one line per failure;
 the worker's traceback goes to the run folder's errors.log.
 """
 
@@ -15,8 +15,9 @@ import shutil
 
 import ray.train
 
+from dreambooth import errors
+from dreambooth import files
 from dreambooth import runfiles
-from dreambooth import utils
 
 # Ray Train's own console logging (worker-group start, each failure's traceback twice, its retry
 # decision): what matters reaches the terminal through FailureWatch and train.py instead.
@@ -30,14 +31,14 @@ class RunStopped(Exception):
 @contextlib.contextmanager
 def cannot_be_retried(what, remedy):
     """Errors raised inside come from the files being read (what names them), so a restart meets
-    them again: they become a utils.UserError saying what to do (remedy), which stops the run. An
+    them again: they become a errors.UserError saying what to do (remedy), which stops the run. An
     OSError (a file system that hiccuped) or one of Ray's errors stays as it is and is retried."""
     try:
         yield
-    except (OSError, ray.exceptions.RayError, utils.UserError):
+    except (OSError, ray.exceptions.RayError, errors.UserError):
         raise
     except Exception as err:
-        raise utils.load_failure(what, err, remedy) from err
+        raise errors.load_failure(what, err, remedy) from err
 
 
 def disk_full(err):
@@ -63,7 +64,7 @@ def free_bytes(folder):
 
 @contextlib.contextmanager
 def stops_when_disk_full(what, folder, needed_bytes, cleanup=None):
-    """A full disk inside becomes a utils.UserError (a restart meets the same full disk: it stops the
+    """A full disk inside becomes a errors.UserError (a restart meets the same full disk: it stops the
     run at once) naming the folder, its free space and about what was to be written there; cleanup()
     first removes what the failed write left (the space it holds is the user's)."""
     try:
@@ -73,23 +74,23 @@ def stops_when_disk_full(what, folder, needed_bytes, cleanup=None):
             raise
         if cleanup is not None:
             cleanup()
-        raise utils.UserError(
-            f"no space left on the device of {folder} while writing {what}: {utils.size_text(free_bytes(folder))} "
-            f"free there, about {utils.size_text(needed_bytes)} needed; make room there (or choose another folder) "
+        raise errors.UserError(
+            f"no space left on the device of {folder} while writing {what}: {files.size_text(free_bytes(folder))} "
+            f"free there, about {files.size_text(needed_bytes)} needed; make room there (or choose another folder) "
             f"and rerun with --resume_from_checkpoint auto: the run continues from its newest complete "
             f"checkpoint") from err
 
 
 def out_of_memory(err, step, first_step):
-    """A utils.UserError for a torch.OutOfMemoryError at this attempt's first step (later ones may
+    """A errors.UserError for a torch.OutOfMemoryError at this attempt's first step (later ones may
     be fragmentation, which a restart can cure: those are retried), else None."""
     import torch
 
     if not isinstance(err, torch.OutOfMemoryError) or step != first_step:
         return None
-    return utils.UserError(f"out of GPU memory at step {step + 1} ({utils.one_line(err)[:200]}); lower --train_batch_size "
-                           f"or --resolution, or add --gradient_checkpointing, --use_8bit_adam, --use_lora or "
-                           f"--gpus_per_worker 2 (docs/MEMORY.md: which card fits which mode)")
+    return errors.UserError(f"out of GPU memory at step {step + 1} ({errors.one_line(err)[:200]}); lower --train_batch_size "
+                            f"or --resolution, or add --gradient_checkpointing, --use_8bit_adam, --use_lora or "
+                            f"--gpus_per_worker 2 (docs/MEMORY.md: which card fits which mode)")
 
 
 class FailureWatch(ray.train.UserCallback):
@@ -104,21 +105,21 @@ class FailureWatch(ray.train.UserCallback):
         self.storage_path, self.run_name = storage_path, run_name  # (a bucket's: errors.log copied there)
 
     def log_event(self, text):
-        utils.log_error_event(self.run_dir, text)
+        errors.log_error_event(self.run_dir, text)
         if self.storage_path:
             runfiles.sync_up(self.storage_path, self.run_name)
 
     def after_exception(self, run_context, worker_exceptions):
         rank, err = min(worker_exceptions.items(), key=lambda item: item[0])
-        fatal = [(r, e) for r, e in sorted(worker_exceptions.items()) if isinstance(e, utils.UserError)]
+        fatal = [(r, e) for r, e in sorted(worker_exceptions.items()) if isinstance(e, errors.UserError)]
         if fatal:
             rank, err = fatal[0]
             self.log_event(f"worker {rank}: {err} -- a restart cannot fix this: stopping the run")
             raise RunStopped(f"worker {rank}: {err}")
         self.failures += 1
-        cause = utils.one_line(err)
+        cause = errors.one_line(err)
         self.log_event(f"worker {rank} failed ({len(worker_exceptions)} of the group): {cause}")
         if self.max_failures < 0 or self.failures <= self.max_failures:
             limit = "unlimited" if self.max_failures < 0 else f"{self.failures} of --max_failures {self.max_failures}"
             print(f"worker {rank} failed: {cause[:300]}; restarting the workers from the newest checkpoint "
-                  f"({limit}; details in {os.path.join(self.run_dir, utils.ERRORS_LOG)})", flush=True)
+                  f"({limit}; details in {os.path.join(self.run_dir, errors.ERRORS_LOG)})", flush=True)

@@ -9,12 +9,13 @@ family_sd3.py, family_flux.py). A later family is one more module and one more e
 
 import os
 
+from dreambooth import errors
 from dreambooth import family_flux
 from dreambooth import family_sd1
 from dreambooth import family_sd2
 from dreambooth import family_sd3
 from dreambooth import family_sdxl
-from dreambooth import utils
+from dreambooth import files
 from dreambooth.family import Family  # noqa: F401 (the interface every entry implements, named beside the table)
 from dreambooth.family import part_config
 
@@ -29,14 +30,14 @@ def family_of(model_dir):
     """The Family of a diffusers model folder; a UserError for a pipeline of no family here."""
     index_path = os.path.join(model_dir, "model_index.json")
     try:
-        pipeline = utils.read_json(index_path).get("_class_name")
+        pipeline = files.read_json(index_path).get("_class_name")
     except (ValueError, UnicodeDecodeError):
-        raise utils.UserError(f"{index_path} is not valid JSON (a cut-short copy?): fetch or copy the model again "
-                              "(cache_model.py)") from None
+        raise errors.UserError(f"{index_path} is not valid JSON (a cut-short copy?): fetch or copy the model again "
+                               "(cache_model.py)") from None
     except OSError as err:
-        raise utils.UserError(f"cannot read {index_path}: {err.strerror or err}") from None
+        raise errors.UserError(f"cannot read {index_path}: {err.strerror or err}") from None
     if pipeline is None:
-        raise utils.UserError(f"{index_path} names no pipeline class (_class_name): not a diffusers pipeline folder")
+        raise errors.UserError(f"{index_path} names no pipeline class (_class_name): not a diffusers pipeline folder")
     try:
         text_encoder = part_config(model_dir, "text_encoder")
     except (OSError, ValueError):
@@ -45,7 +46,7 @@ def family_of(model_dir):
         if family.matches(pipeline, text_encoder):
             return family
     supported = ", ".join(f"{f.label} ({f.pipeline})" for f in FAMILIES.values())
-    raise utils.UserError(f"{model_dir} is a {pipeline} model; this suite runs {supported}")
+    raise errors.UserError(f"{model_dir} is a {pipeline} model; this suite runs {supported}")
 
 
 def require(model_dir, action):
@@ -54,8 +55,8 @@ def require(model_dir, action):
     family = family_of(model_dir)
     if action not in family.supports:
         able = ", ".join(f.label for f in FAMILIES.values() if action in f.supports)
-        raise utils.UserError(f"{ACTIONS[action]} an {family.label} model ({model_dir}) is not supported yet: "
-                              f"this version does it for {able}")
+        raise errors.UserError(f"{ACTIONS[action]} an {family.label} model ({model_dir}) is not supported yet: "
+                               f"this version does it for {able}")
     return family
 
 
@@ -63,7 +64,7 @@ def prediction_type(model_dir):
     """What the model's UNet predicts, from its scheduler's config: "epsilon" or "v_prediction"."""
     path = os.path.join(model_dir, "scheduler", "scheduler_config.json")
     try:
-        return utils.read_json(path).get("prediction_type", "epsilon")
+        return files.read_json(path).get("prediction_type", "epsilon")
     except (OSError, ValueError):
         return "epsilon"
 
@@ -87,31 +88,31 @@ def check_model_dir(model_dir, allow_unsafe_weights=False):
     weights can execute code when loaded.
     """
     if not os.path.isdir(model_dir):
-        raise utils.UserError(f"model folder not found: {model_dir}")
+        raise errors.UserError(f"model folder not found: {model_dir}")
     index_path = os.path.join(model_dir, "model_index.json")
     if not os.path.isfile(index_path):
-        raise utils.UserError(f"{model_dir} has no model_index.json: not a diffusers pipeline folder")
+        raise errors.UserError(f"{model_dir} has no model_index.json: not a diffusers pipeline folder")
     family = family_of(model_dir)  # which parts it must have
     networks = family.networks()
     for part in (*family.parts(), "scheduler"):
         if not os.path.isdir(os.path.join(model_dir, part)):
-            raise utils.UserError(f"model folder {model_dir} is missing its '{part}' component")
+            raise errors.UserError(f"model folder {model_dir} is missing its '{part}' component")
     for config in [os.path.join(model_dir, "model_index.json")] + [
             os.path.join(model_dir, part, name) for part in (*networks, "scheduler")
             for name in os.listdir(os.path.join(model_dir, part)) if name.endswith(".json")]:
         try:
-            utils.read_json(config)
+            files.read_json(config)
         except (ValueError, UnicodeDecodeError):
-            raise utils.UserError(f"{config} is not valid JSON (a cut-short copy?): fetch or copy the model again "
-                                  "(cache_model.py)") from None
+            raise errors.UserError(f"{config} is not valid JSON (a cut-short copy?): fetch or copy the model again "
+                                   "(cache_model.py)") from None
     for part in networks:
         names = os.listdir(os.path.join(model_dir, part))
         for name in names:
             if name.endswith(".safetensors"):
-                utils.check_safetensors(os.path.join(model_dir, part, name))
+                files.check_safetensors(os.path.join(model_dir, part, name))
         if not any(n.endswith(".safetensors") for n in names):
             if not any(n.endswith(".bin") for n in names):
-                raise utils.UserError(f"model folder {model_dir} has no weights in '{part}'")
+                raise errors.UserError(f"model folder {model_dir} has no weights in '{part}'")
             if not allow_unsafe_weights:
-                raise utils.UserError(f"'{part}' in {model_dir} has only pickled .bin weights; convert them to "
-                                      "safetensors or pass --allow_unsafe_weights if you trust their source")
+                raise errors.UserError(f"'{part}' in {model_dir} has only pickled .bin weights; convert them to "
+                                       "safetensors or pass --allow_unsafe_weights if you trust their source")

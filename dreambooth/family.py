@@ -12,13 +12,13 @@ family is asked its name and label by a `--help` or a one-line error that never 
 
 import os
 
+from dreambooth import files
 from dreambooth import objectives
-from dreambooth import utils
 
 
 def part_config(model_dir, part):
     """A model part's config.json (unet, vae, ...), read as JSON: importing diffusers costs the driver seconds."""
-    return utils.read_json(os.path.join(model_dir, part, "config.json"))
+    return files.read_json(os.path.join(model_dir, part, "config.json"))
 
 
 def vae_scale(model_dir):
@@ -112,8 +112,8 @@ class Family:
     # --- random models built here (cache_model.py --tiny/--random_model --arch <arch>)
     arch = ""  # the --arch name of its random models
     random_note = ""  # what its random models are, for cache_model.py --help
-    random_arch = {}  # what its random models change around models.MODEL_SIZES (also in their revision)
-    own_sizes = {}  # its full-size random models' shapes ({--random_model name: spec}) beside models.MODEL_SIZES
+    random_arch = {}  # what its random models change around random_models.MODEL_SIZES (also in their revision)
+    own_sizes = {}  # its full-size random models' shapes ({--random_model name: spec}) beside random_models.MODEL_SIZES
 
     def matches(self, pipeline, text_encoder_config):
         """Whether a folder is of this family: model_index.json's pipeline class, and the first text
@@ -201,14 +201,14 @@ class Family:
         """The denoiser's keyword inputs beside the latents, timesteps and states."""
         return {}
 
-    # --- random models (models.build_networks, build_pipeline)
+    # --- random models (random_models.build_networks, build_pipeline)
     def random_text_encoders(self, spec, tokenizer):
         """({subfolder: random text encoder}, the UNet's cross-attention width, the UNet's extra config)
-        for a models.MODEL_SIZES spec."""
+        for a random_models.MODEL_SIZES spec."""
         raise NotImplementedError
 
     def random_denoiser(self, spec, latent_size, text_width, extra):
-        """A random denoiser of a models.MODEL_SIZES spec for latent_size latents, reading text states
+        """A random denoiser of a random_models.MODEL_SIZES spec for latent_size latents, reading text states
         text_width wide, with extra config from random_text_encoders."""
         raise NotImplementedError
 

@@ -7,7 +7,7 @@ from dreambooth import family
 
 def clip_text_encoder(cls, spec, tokenizer, act, **extra):
     """A random CLIP text encoder (cls: transformers' CLIPTextModel or CLIPTextModelWithProjection)
-    of a models.MODEL_SIZES spec's width, for tokenizer's vocabulary."""
+    of a random_models.MODEL_SIZES spec's width, for tokenizer's vocabulary."""
     from transformers import CLIPTextConfig
 
     return cls(CLIPTextConfig(

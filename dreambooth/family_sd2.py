@@ -5,8 +5,8 @@ text encoder in OpenCLIP's names (cond_stage_model.model.*), which SDXL's second
 
 import re
 
+from dreambooth import errors
 from dreambooth import family_sd1
-from dreambooth import utils
 
 # SD 2.x's text encoder in OpenCLIP's names: diffusers name inside a layer -> OpenCLIP name.
 OPEN_CLIP_LAYER = {"layer_norm1": "ln_1", "layer_norm2": "ln_2", "self_attn.out_proj": "attn.out_proj",
@@ -38,14 +38,14 @@ def open_clip_text_encoder(weights, prefix):
         if match is None:
             if key.endswith("position_ids"):
                 continue  # a buffer, not a weight
-            raise utils.UserError(f"export: no OpenCLIP name for the text encoder weight {key}")
+            raise errors.UserError(f"export: no OpenCLIP name for the text encoder weight {key}")
         index, module, kind = match.groups()
         if module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
             qkv.setdefault((index, kind), {})[module[len("self_attn."):-len("_proj")]] = tensor
         elif module in OPEN_CLIP_LAYER:
             out[f"transformer.resblocks.{index}.{OPEN_CLIP_LAYER[module]}.{kind}"] = tensor
         else:
-            raise utils.UserError(f"export: no OpenCLIP name for the text encoder weight {key}")
+            raise errors.UserError(f"export: no OpenCLIP name for the text encoder weight {key}")
     for (index, kind), parts in qkv.items():
         out[f"transformer.resblocks.{index}.attn.in_proj_{kind}"] = torch.cat([parts["q"], parts["k"], parts["v"]])
     return {prefix + key: tensor for key, tensor in out.items()}

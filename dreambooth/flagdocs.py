@@ -11,7 +11,7 @@ import re
 import sys
 
 from dreambooth import flags
-from dreambooth.utils import REPO_DIR
+from dreambooth.files import REPO_DIR
 
 # script: (module whose main(argv) builds its parser, what it is)
 SCRIPTS = {

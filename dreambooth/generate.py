@@ -28,15 +28,18 @@ import os
 import sys
 
 from dreambooth import cache_model
+from dreambooth import errors
 from dreambooth import families
+from dreambooth import files
 from dreambooth import flags
+from dreambooth import hub
 from dreambooth import imaging
+from dreambooth import machine
 from dreambooth import models
 from dreambooth import outputs
 from dreambooth import prompts
 from dreambooth import raycluster
 from dreambooth import storage
-from dreambooth import utils
 
 FLAGGED_SUFFIX = ".flagged"  # beside the name of an image the safety checker withheld
 GRID_DIR = "grid"  # the contact sheet's folder inside --output_dir
@@ -44,7 +47,7 @@ GRID_DIR = "grid"  # the contact sheet's folder inside --output_dir
 
 def image_file_name(prompt, index):
     """Stable file name of the index-th image of a prompt: '<slug>-<index:05d>.png'."""
-    return f"{utils.slugify(prompt)}-{index:05d}{utils.IMAGE_SUFFIX}"
+    return f"{files.slugify(prompt)}-{index:05d}{files.IMAGE_SUFFIX}"
 
 
 def image_seed(base_seed, prompt, index):
@@ -64,9 +67,9 @@ def plan_images(prompts, num_per_prompt, seed, output_dir):
     """
     rows, all_files, slugs = [], [], {}
     for prompt in prompts:
-        slug = utils.slugify(prompt)
+        slug = files.slugify(prompt)
         if slugs.setdefault(slug, prompt) != prompt:
-            raise utils.UserError(f"prompts {slugs[slug]!r} and {prompt!r} would share file names; make them differ")
+            raise errors.UserError(f"prompts {slugs[slug]!r} and {prompt!r} would share file names; make them differ")
         for index in range(num_per_prompt):
             name = image_file_name(prompt, index)
             all_files.append(name)
@@ -104,7 +107,7 @@ def load_pipeline(model_dir, device, allow_unsafe_weights=False, safety_checker=
                                   **kwargs)
     pipe.set_progress_bar_config(disable=True)
     if lora_dir:
-        pipe.load_lora_weights(lora_dir, weight_name=utils.LORA_WEIGHTS_FILE)
+        pipe.load_lora_weights(lora_dir, weight_name=files.LORA_WEIGHTS_FILE)
         pipe.fuse_lora(lora_scale=lora_scale)
         pipe.unload_lora_weights()  # the fused weights stay; the adapter layers go
     return pipe.to(device)
@@ -127,8 +130,8 @@ def settings_for(settings, family, model_dir):
     size where none is given (a pipeline's own default size may not be the model's: FluxPipeline's is fixed);
     a UserError for a negative prompt that its pipeline would ignore (Flux.1 dev is guidance-distilled)."""
     if settings.negative_prompt and not family.negative_prompt:
-        raise utils.UserError(f"{family.label} draws without a negative prompt (its guidance is an input of the "
-                              "model, --guidance_scale): leave out --negative_prompt")
+        raise errors.UserError(f"{family.label} draws without a negative prompt (its guidance is an input of the "
+                               "model, --guidance_scale): leave out --negative_prompt")
     return dataclasses.replace(settings, guidance_scale=family.guidance(settings.guidance_scale),
                                resolution=settings.resolution or family.native_resolution(model_dir))
 
@@ -178,15 +181,15 @@ class ImageGenerator:
     """
 
     def __init__(self, jobs, settings, num_actors):
-        utils.skip_unused_imports(lora=any(job.model.lora_dir for job in jobs))
-        self.device = utils.torch_device()
+        hub.skip_unused_imports(lora=any(job.model.lora_dir for job in jobs))
+        self.device = machine.torch_device()
         if self.device.type == "cpu":
             raycluster.share_cpu_threads(num_actors)
         self.jobs, self.settings = jobs, settings
         self.loaded, self.pipe, self.broken, self.call_kwargs, self.job_settings = None, None, None, {}, settings
         try:
             self.pipeline(0)
-        except utils.UserError as err:
+        except errors.UserError as err:
             # Raised from the first batch instead: an actor that dies in its constructor has Ray print
             # the traceback on the user's terminal, and retry it.
             self.broken = err
@@ -203,11 +206,11 @@ class ImageGenerator:
             except (OSError, MemoryError):
                 raise
             except Exception as err:
-                utils.write_error_log(job.output_dir, "loading the model", err)
+                errors.write_error_log(job.output_dir, "loading the model", err)
                 remedy = ("were the adapters trained on this base model? Else fetch or copy the files again"
                           if job.model.lora_dir else "its files do not fit together: fetch or copy it again")
-                failure = utils.load_failure(f"loading the model {job.model.describe()}", err, remedy)
-                raise utils.UserError(f"{failure} (traceback in {os.path.join(job.output_dir, utils.ERRORS_LOG)})") \
+                failure = errors.load_failure(f"loading the model {job.model.describe()}", err, remedy)
+                raise errors.UserError(f"{failure} (traceback in {os.path.join(job.output_dir, errors.ERRORS_LOG)})") \
                     from err
             self.loaded = index
             self.call_kwargs = family.pipeline_kwargs()
@@ -228,7 +231,7 @@ class ImageGenerator:
             for row, image, is_bad in zip(rows, images, bad):
                 flagged[row] = is_bad
                 if not is_bad:
-                    png[row] = utils.png_bytes(image)
+                    png[row] = files.png_bytes(image)
         return {"job": batch["job"], "file": batch["file"], "flagged": flagged, "png": png}
 
 
@@ -252,7 +255,7 @@ def run_actor_pool(jobs, settings, batch_size, num_actors):
             if bad:
                 open(path + FLAGGED_SUFFIX, "w").close()
             else:
-                utils.write_bytes_atomic(bytes(png), path)
+                files.write_bytes_atomic(bytes(png), path)
             yield index, name, bad
 
 
@@ -285,7 +288,7 @@ def top_up(folder, model, prompts, count, settings, safety_checker, on_mismatch=
     filled through this node's copy folder)."""
     where = where or folder
     os.makedirs(folder, exist_ok=True)
-    utils.remove_temp_files(folder)
+    files.remove_temp_files(folder)
     settings = settings_for(settings, families.family_of(model.model_dir), model.model_dir)
     wanted = outputs.ImageRecord(model.fingerprint(), model.describe(), tuple(prompts), settings.resolution, settings.seed,
                                  settings.num_inference_steps, settings.guidance_scale, settings.negative_prompt)
@@ -304,8 +307,8 @@ def top_up(folder, model, prompts, count, settings, safety_checker, on_mismatch=
                 f"have no record ({outputs.IMAGES_RECORD}) of the model and settings that drew them")
         if on_mismatch == "error":
             asked = f"this run's {wanted.describe(differs)}" if have else f"this run's {wanted.describe()}"
-            raise utils.UserError(f"{where}: its {len(drawn)} images {what}, not {asked} (different: "
-                                  f"{', '.join(differs)}). Use another folder, or {remedy}")
+            raise errors.UserError(f"{where}: its {len(drawn)} images {what}, not {asked} (different: "
+                                   f"{', '.join(differs)}). Use another folder, or {remedy}")
         print(f"{label or where}: the {len(drawn)} images in {where} {what} (different from this run's: "
               f"{', '.join(differs)}); drawing them again", file=sys.stderr)
         outputs.remove_drawn_images(folder)
@@ -332,7 +335,7 @@ def main(argv=None):
     texts = prompts.prompts_of(args)
     model = outputs.resolve_model(args.model_dir, args.lora_dir, args.lora_scale)
     families.check_model_dir(model.model_dir, args.allow_unsafe_weights)
-    utils.check_output_path(args.output_dir, "--output_dir", [("--model_dir", model.model_dir),
+    files.check_output_path(args.output_dir, "--output_dir", [("--model_dir", model.model_dir),
                                                               ("--lora_dir", model.lora_dir)])
     settings = settings_for(ImageSettings(args.num_inference_steps, args.guidance_scale, args.negative_prompt,
                                           args.resolution, args.seed, args.allow_unsafe_weights),

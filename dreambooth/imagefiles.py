@@ -8,8 +8,9 @@ import sys
 
 import numpy as np
 
+from dreambooth import errors
+from dreambooth import files
 from dreambooth import outputs
-from dreambooth import utils
 
 # EXIF orientation tag -> (number of 90-degree counter-clockwise turns, mirror first)
 _ORIENTATIONS = {1: (0, False), 2: (0, True), 3: (2, False), 4: (2, True),
@@ -37,16 +38,16 @@ def list_images(folder, role, also_expected=None):
     except those ending in also_expected (captions beside the images). Masks (MASK_SUFFIX) are
     never images."""
     if not os.path.isdir(folder):
-        raise utils.UserError(f"{role} folder not found: {folder}")
+        raise errors.UserError(f"{role} folder not found: {folder}")
     names = sorted(n for n in os.listdir(folder) if os.path.isfile(os.path.join(folder, n)) and not is_mask(n))
-    images = [n for n in names if n.lower().endswith(utils.IMAGE_EXTENSIONS)]
+    images = [n for n in names if n.lower().endswith(files.IMAGE_EXTENSIONS)]
     skipped = [n for n in names if n not in images and n not in OWN_FILES
                and not (also_expected and n.endswith(also_expected))]
     if skipped:
         print(f"warning: skipping {len(skipped)} non-image file(s) in {folder}: {', '.join(skipped[:10])}",
               file=sys.stderr)
     if not images:
-        raise utils.UserError(f"{role} folder {folder} holds no images ({', '.join(utils.IMAGE_EXTENSIONS)})")
+        raise errors.UserError(f"{role} folder {folder} holds no images ({', '.join(files.IMAGE_EXTENSIONS)})")
     return [os.path.join(folder, n) for n in images]
 
 
@@ -54,7 +55,7 @@ def holdout_split(photos, count):
     """(trained, held out): --holdout keeps the last count photos in name order out of training, for
     evaluate.py to score the model against photos it never saw."""
     if count and count >= len(photos):
-        raise utils.UserError(f"--holdout {count} leaves none of the {len(photos)} photos to train on")
+        raise errors.UserError(f"--holdout {count} leaves none of the {len(photos)} photos to train on")
     return photos[:len(photos) - count], photos[len(photos) - count:]
 
 
@@ -114,13 +115,13 @@ def inspect_images(paths, resolution, convert_dir):
                     continue
                 upright = upright_rgb(image)
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
-            raise utils.UserError(f"cannot read image {path}: {err}") from None
+            raise errors.UserError(f"cannot read image {path}: {err}") from None
         os.makedirs(convert_dir, exist_ok=True)
         # A hash of the full path keeps copies of same-named files from different folders apart.
         digest = hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:16]
-        stem = utils.slugify(os.path.splitext(os.path.basename(path))[0], max_len=80)
-        converted = os.path.join(convert_dir, f"{stem}-{digest}{utils.IMAGE_SUFFIX}")
-        utils.save_image_atomic(upright, converted)
+        stem = files.slugify(os.path.splitext(os.path.basename(path))[0], max_len=80)
+        converted = os.path.join(convert_dir, f"{stem}-{digest}{files.IMAGE_SUFFIX}")
+        files.save_image_atomic(upright, converted)
         readable.append(converted)
     if small:
         print(f"warning: {len(small)} image(s) smaller than {resolution}px are upscaled: {', '.join(small[:10])}",
@@ -170,13 +171,13 @@ def read_mask(source, photo):
             use_alpha = source == photo or (alpha is not None and alpha.getextrema() != (255, 255))
             mask = np.asarray(alpha if use_alpha else image.convert("L"))
     except (OSError, SyntaxError, ValueError) as err:
-        raise utils.UserError(f"cannot read mask {source}: {err}") from None
+        raise errors.UserError(f"cannot read mask {source}: {err}") from None
     upright = upright_size(photo)
     if mask.shape == raw_size and raw_size != upright:
         mask = apply_orientation(mask, orientation)  # drawn on the photo as stored: turned the same way
     if mask.shape != upright:
-        raise utils.UserError(f"mask {source} is {mask.shape[1]}x{mask.shape[0]} px but its photo {photo} is "
-                              f"{upright[1]}x{upright[0]}: draw the mask at the photo's size")
+        raise errors.UserError(f"mask {source} is {mask.shape[1]}x{mask.shape[0]} px but its photo {photo} is "
+                               f"{upright[1]}x{upright[0]}: draw the mask at the photo's size")
     return mask
 
 

@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 
-from dreambooth import utils
+from dreambooth import files
 
 # ---------------------------------------------------------------- image math
 
@@ -186,29 +186,29 @@ def make_grid(images, thumb_size=128, columns=None):
     return sheet
 
 
-def write_prompt_grids(output_dir, label, files):
-    """grids/<label>/<prompt slug>.png: the images of each prompt in one row."""
+def write_prompt_grids(output_dir, label, paths_by_prompt):
+    """grids/<label>/<prompt slug>.png: the images of each prompt in one row (paths_by_prompt: {prompt: [paths]})."""
     from PIL import Image
 
     folder = os.path.join(output_dir, "grids", label)
     os.makedirs(folder, exist_ok=True)
-    for prompt, paths in files.items():
+    for prompt, paths in paths_by_prompt.items():
         if paths:
             images = [Image.open(p).convert("RGB") for p in paths]
-            utils.save_image_atomic(make_grid(images, columns=len(images)),
-                                    os.path.join(folder, utils.slugify(prompt) + ".png"))
+            files.save_image_atomic(make_grid(images, columns=len(images)),
+                                    os.path.join(folder, files.slugify(prompt) + ".png"))
 
 
-def write_grid(path, files):
-    """A contact sheet of the image files that exist among files (one withheld by the safety checker is
+def write_grid(path, image_files):
+    """A contact sheet of the image files that exist among image_files (one withheld by the safety checker is
     not there), saved to path."""
     from PIL import Image
 
     images = []
-    for name in files:
+    for name in image_files:
         if os.path.exists(name):
             with Image.open(name) as image:
                 images.append(image.copy())
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    utils.save_image_atomic(make_grid(images), path)
+    files.save_image_atomic(make_grid(images), path)
     return path

@@ -8,13 +8,13 @@ import dataclasses
 import os
 import sys
 
+from dreambooth import errors
 from dreambooth import imagefiles
 from dreambooth import imaging
 from dreambooth import outputs
 from dreambooth import prompts
 from dreambooth import runfiles
 from dreambooth import storage
-from dreambooth import utils
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,17 +94,17 @@ def bucket_plan(args, family, resolution):
     multiple = family.size_multiple(args.model_dir)
     step = args.bucket_reso_steps or max(multiple, min(64, resolution // 8))
     if step % multiple:
-        raise utils.UserError(f"--bucket_reso_steps {step} must be a multiple of {multiple} for this model "
-                              "(its VAE and UNet halve the image that often)")
+        raise errors.UserError(f"--bucket_reso_steps {step} must be a multiple of {multiple} for this model "
+                               "(its VAE and UNet halve the image that often)")
     low = args.min_bucket_reso or max(step, resolution // 2 // step * step)
     high = args.max_bucket_reso or resolution * 2
     if not low <= resolution <= high:
-        raise utils.UserError(f"--min_bucket_reso {low} and --max_bucket_reso {high} must enclose the "
-                              f"resolution {resolution}")
+        raise errors.UserError(f"--min_bucket_reso {low} and --max_bucket_reso {high} must enclose the "
+                               f"resolution {resolution}")
     buckets = tuple(imaging.bucket_sizes(resolution, low, high, step))
     if len(buckets) == 1:
-        raise utils.UserError(f"--enable_bucket: no bucket but the square fits sides {low}-{high} in steps of "
-                              f"{step} at {resolution} px; widen them")
+        raise errors.UserError(f"--enable_bucket: no bucket but the square fits sides {low}-{high} in steps of "
+                               f"{step} at {resolution} px; widen them")
     return buckets
 
 
@@ -142,7 +142,7 @@ def check_class_images(class_dir, model_dir, class_prompt, resolution):
     if record.resolution != resolution:
         differs.append(f"{record.resolution} px")
     if differs:
-        raise utils.UserError(f"--class_data_dir {class_dir} holds class images drawn with {'; '.join(differs)}, "
-                              f"not with this run's {model_dir}, {class_prompt!r}, {resolution} px: use another "
-                              "--class_data_dir (--num_class_images N draws into it), or redraw this one with "
-                              "generate.py --force")
+        raise errors.UserError(f"--class_data_dir {class_dir} holds class images drawn with {'; '.join(differs)}, "
+                               f"not with this run's {model_dir}, {class_prompt!r}, {resolution} px: use another "
+                               "--class_data_dir (--num_class_images N draws into it), or redraw this one with "
+                               "generate.py --force")

@@ -4,7 +4,7 @@ only with a token (gated)."""
 
 import dataclasses
 
-from dreambooth import utils
+from dreambooth import errors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,4 +82,4 @@ def check_access(model_name):
 
     line = gated_line(model_name)
     if line and not get_token():
-        raise utils.UserError(f"no Hugging Face token on this machine: {line}")
+        raise errors.UserError(f"no Hugging Face token on this machine: {line}")

@@ -36,7 +36,7 @@ import sys
 
 from dreambooth import activations
 from dreambooth import families
-from dreambooth import utils
+from dreambooth import files
 
 GIB = 2 ** 30
 RESERVE_GIB = 1.0
@@ -187,7 +187,7 @@ def safetensors_params(model_dir):
     counts = {}
     for path in glob.glob(os.path.join(model_dir, "*", "*.safetensors")):
         part = os.path.basename(os.path.dirname(path))
-        header = utils.safetensors_header(path)[1]
+        header = files.safetensors_header(path)[1]
         total = 0
         for name, entry in header.items():
             if name != "__metadata__":
@@ -255,9 +255,9 @@ FLOW_ROWS = tuple(
 @functools.lru_cache(maxsize=8)
 def size_params(family, size):
     """{network: parameter count} of one of family's own full sizes, built on the meta device."""
-    from dreambooth import models  # here, not at the top: it imports torch (2 s a --help never waits for)
+    from dreambooth import random_models
 
-    return models.parameter_counts(size, families.FAMILIES[family].arch)
+    return random_models.parameter_counts(size, families.FAMILIES[family].arch)
 
 
 def flow_table():

@@ -7,33 +7,12 @@ setting that a CPU run can turn on too.
 """
 
 import dataclasses
-import os
-import shutil
 
+from dreambooth import errors
 from dreambooth import families
+from dreambooth import hub
 from dreambooth import quantize
 from dreambooth import sharding
-from dreambooth import utils
-
-TINY_TOKENIZER_DIR = os.path.join(utils.REPO_DIR, "assets", "tiny_tokenizer")
-
-# Architectures built from config with random weights: the real classes at several widths (the
-# SD 1.x layout, or another family's with its random_arch). tiny: 64 px, for tests. small: SD's
-# layout at a fifth of its width, 256 px, enough compute that a CPU benchmark sees both overhead and
-# work. sd15: the full SD 1.x shapes, 512 px. A family's own full sizes are its own_sizes (SDXL's: sdxl).
-MODEL_SIZES = {
-    "tiny": dict(unet_channels=(32, 64), unet_layers=1, unet_down=("DownBlock2D", "CrossAttnDownBlock2D"),
-                 vae_channels=(32, 64), vae_layers=1, text_hidden=32, text_layers=2, text_heads=4,
-                 latent_size=32),
-    "small": dict(unet_channels=(64, 128, 256, 256), unet_layers=2,
-                  unet_down=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
-                  vae_channels=(32, 64, 128, 128), vae_layers=2, text_hidden=128, text_layers=4, text_heads=4,
-                  latent_size=32),
-    "sd15": dict(unet_channels=(320, 640, 1280, 1280), unet_layers=2,
-                 unet_down=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
-                 vae_channels=(128, 256, 512, 512), vae_layers=2, text_hidden=768, text_layers=12, text_heads=12,
-                 latent_size=64, vocab_size=49408),
-}
 
 
 def safetensors_only(allow_unsafe_weights):
@@ -43,82 +22,8 @@ def safetensors_only(allow_unsafe_weights):
 
 def from_pretrained(cls, model_dir, allow_unsafe_weights=False, **kwargs):
     """cls.from_pretrained(model_dir) with the suite's weight rule: safetensors only unless allowed."""
-    utils.quiet_hf_logging()
+    hub.quiet_hf_logging()
     return cls.from_pretrained(model_dir, use_safetensors=safetensors_only(allow_unsafe_weights), **kwargs)
-
-
-def size_spec(size, family):
-    """The MODEL_SIZES entry of size, or one of the family's own full sizes (family.own_sizes)."""
-    return MODEL_SIZES[size] if size in MODEL_SIZES else family.own_sizes[size]
-
-
-def random_sizes():
-    """{size: the family that owns it, or None for every family's}: what --random_model takes."""
-    return {**dict.fromkeys(MODEL_SIZES), **{size: f for f in families.FAMILIES.values() for size in f.own_sizes}}
-
-
-def build_pipeline(size="tiny", seed=0, safety_checker=False, arch="sd1"):
-    """A randomly initialised pipeline of one of MODEL_SIZES and a family's architecture (its --arch
-    name: families.ARCHS), the real diffusers/transformers classes."""
-    import torch
-    from transformers import CLIPTokenizer
-
-    torch.manual_seed(seed)
-    tokenizer = CLIPTokenizer.from_pretrained(TINY_TOKENIZER_DIR, model_max_length=77)
-    nets = build_networks(size, arch, tokenizer)
-    betas = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000,
-                 steps_offset=1)
-    return families.ARCHS[arch].random_pipeline(nets, tokenizer, betas, safety_checker)
-
-
-def meta_networks(size, arch):
-    """build_networks of size and arch on the meta device: their shapes without memory or weights."""
-    import torch
-    from transformers import CLIPTokenizer
-
-    tokenizer = CLIPTokenizer.from_pretrained(TINY_TOKENIZER_DIR, model_max_length=77)
-    with torch.device("meta"):
-        return build_networks(size, arch, tokenizer)
-
-
-def parameter_counts(size, arch):
-    """{network: parameter count} of a random model of size and arch (meta_networks)."""
-    return {name: sum(p.numel() for p in net.parameters()) for name, net in meta_networks(size, arch).items()}
-
-
-def check_room_for(size, arch, cache_dir):
-    """UserError, before building it, when a random model's fp32 weights (counted on the meta device) would not
-    fit this machine's available memory or cache_dir's free disk (Flux.1 dev's: 67 GB)."""
-    need = 4 * sum(parameter_counts(size, arch).values())
-    os.makedirs(cache_dir, exist_ok=True)
-    for what, have in (("memory", utils.available_memory()), (f"free disk in {cache_dir}",
-                                                              shutil.disk_usage(cache_dir).free)):
-        if have is not None and need > have:
-            raise utils.UserError(f"--random_model {size} builds {need / 1e9:.0f} GB of fp32 weights and this machine "
-                                  f"has {have / 1e9:.0f} GB of {what}: build it on a larger machine (or --tiny)")
-
-
-def build_networks(size, arch, tokenizer):
-    """{denoiser, "vae", text encoders}: the random networks of build_pipeline, named as the family's
-    subfolders (in torch's current default device: "meta" counts a full-size model's parameters
-    without memory)."""
-    from diffusers import AutoencoderKL
-
-    family = families.ARCHS[arch]
-    spec = size_spec(size, family)
-    latent_size = int(spec["latent_size"] * family.random_arch["resolution_scale"])
-    nets, text_width, denoiser_extra = family.random_text_encoders(spec, tokenizer)
-    denoiser = family.random_denoiser(spec, latent_size, text_width, denoiser_extra)  # (in this order: the seed's draws)
-    num_vae_blocks = len(spec["vae_channels"])
-    vae = AutoencoderKL(
-        block_out_channels=spec["vae_channels"],
-        layers_per_block=spec["vae_layers"],
-        down_block_types=("DownEncoderBlock2D",) * num_vae_blocks,
-        up_block_types=("UpDecoderBlock2D",) * num_vae_blocks,
-        sample_size=latent_size * 2 ** (num_vae_blocks - 1),
-        **{"latent_channels": 4, **family.random_vae_config()},
-    )
-    return {family.denoiser: denoiser, "vae": vae, **nets}
 
 
 # ---------------------------------------------------------------- training set-up
@@ -397,4 +302,4 @@ def compiled(module, backend):
         return torch.compile(module, backend=backend)
     except InvalidBackend:
         known = ", ".join(torch._dynamo.list_backends())
-        raise utils.UserError(f"--torch_compile {backend}: not a backend of this torch ({known})") from None
+        raise errors.UserError(f"--torch_compile {backend}: not a backend of this torch ({known})") from None

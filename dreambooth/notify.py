@@ -8,7 +8,7 @@ import sys
 import urllib.parse
 import urllib.request
 
-from dreambooth import utils
+from dreambooth import errors
 
 TIMEOUT_S = 10
 
@@ -17,7 +17,7 @@ def cause_of(err):
     """A failure's one-line cause for a message: a UserError's own line, else the exception's last line."""
     if isinstance(err, KeyboardInterrupt):
         return "stopped (Ctrl-C or a signal)"
-    return str(err) if isinstance(err, utils.UserError) else utils.one_line(err)
+    return str(err) if isinstance(err, errors.UserError) else errors.one_line(err)
 
 
 def body(url, event, text, fields):

@@ -12,7 +12,7 @@ torch is imported inside the functions: a family names its objective on the driv
 
 import dataclasses
 
-from dreambooth import utils
+from dreambooth import errors
 
 WEIGHTING_SCHEMES = ("logit_normal", "mode", "cosmap", "sigma_sqrt", "none")  # diffusers' reference scripts' names
 
@@ -35,14 +35,14 @@ def check_flags(args, family):
     """UserError for a loss flag of the other objective: --snr_gamma weighs DDPM timesteps,
     --weighting_scheme (and its --logit_*/--mode_scale) draws flow-matching ones."""
     if family.flow_matching and args.snr_gamma:
-        raise utils.UserError(f"--snr_gamma weighs the timesteps of a denoising model; {family.label} is trained by "
-                              "flow matching: use --weighting_scheme (logit_normal, mode, cosmap) instead")
+        raise errors.UserError(f"--snr_gamma weighs the timesteps of a denoising model; {family.label} is trained by "
+                               "flow matching: use --weighting_scheme (logit_normal, mode, cosmap) instead")
     if not family.flow_matching and args.precondition_outputs is not None:
-        raise utils.UserError(f"--precondition_outputs is for flow-matching models (SD 3.5, Flux.1); {family.label} "
-                              "predicts its scheduler's target directly")
+        raise errors.UserError(f"--precondition_outputs is for flow-matching models (SD 3.5, Flux.1); {family.label} "
+                               "predicts its scheduler's target directly")
     if not family.flow_matching and args.weighting_scheme:
-        raise utils.UserError(f"--weighting_scheme is for flow-matching models (SD 3.5, Flux.1); {family.label} is "
-                              "trained to denoise: use --snr_gamma to weigh its timesteps")
+        raise errors.UserError(f"--weighting_scheme is for flow-matching models (SD 3.5, Flux.1); {family.label} is "
+                               "trained to denoise: use --snr_gamma to weigh its timesteps")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,12 +22,13 @@ import sys
 import tempfile
 import uuid
 
+from dreambooth import errors
 from dreambooth import families
+from dreambooth import files
 from dreambooth import flags
 from dreambooth import models
 from dreambooth import storage
 from dreambooth import trackers
-from dreambooth import utils
 
 IMAGES_RECORD = "dreambooth_images.json"  # beside generated images: what drew them
 IMAGES_CONFIG = "generate_config.toml"  # beside them too: generate.py --config FILE repeats the run
@@ -60,7 +61,7 @@ class LoraSettings:
 
 @dataclasses.dataclass(frozen=True)
 class TrainRecord:
-    """What made a model train.py saved: its record (utils.OUTPUT_MARKER, JSON) beside the weights."""
+    """What made a model train.py saved: its record (files.OUTPUT_MARKER, JSON) beside the weights."""
 
     base_model: str  # the model folder it was trained from
     steps: int = None
@@ -118,12 +119,12 @@ class TrainedOutput:
 
 def holds_lora(folder):
     """True when folder (or a bucket's) holds LoRA adapters (train.py --use_lora's output) rather than a pipeline."""
-    return storage.isfile(storage.join(folder, utils.LORA_WEIGHTS_FILE))
+    return storage.isfile(storage.join(folder, files.LORA_WEIGHTS_FILE))
 
 
 def read_output(folder):
     """The TrainedOutput of folder (or a bucket's), or None when train.py did not write it."""
-    path = storage.join(folder, utils.OUTPUT_MARKER)
+    path = storage.join(folder, files.OUTPUT_MARKER)
     if not storage.isfile(path):
         return None
     return TrainedOutput(folder, TrainRecord.from_json(storage.read_json(path)))
@@ -164,14 +165,14 @@ def resolve_model(model_dir, lora_dir=None, lora_scale=1.0):
     if lora_dir is None and holds_lora(model_dir):
         output = read_output(model_dir)
         if output is None:
-            raise utils.UserError(f"{model_dir} holds LoRA adapters: pass the base model as --model_dir and "
-                                  f"this folder as --lora_dir")
+            raise errors.UserError(f"{model_dir} holds LoRA adapters: pass the base model as --model_dir and "
+                                   f"this folder as --lora_dir")
         model_dir, lora_dir = output.base_model, model_dir
         print(f"LoRA adapters of {lora_dir} on their base model {model_dir}", file=sys.stderr)
     lora_dir = storage.cached(lora_dir) if storage.is_remote(lora_dir) else lora_dir
     model_dir = storage.cached(model_dir) if storage.is_remote(model_dir) else model_dir  # (a sweep's trial model)
     if lora_dir and not holds_lora(lora_dir):
-        raise utils.UserError(f"--lora_dir {lora_dir} has no {utils.LORA_WEIGHTS_FILE}")
+        raise errors.UserError(f"--lora_dir {lora_dir} has no {files.LORA_WEIGHTS_FILE}")
     if lora_dir:
         check_lora_fits(model_dir, lora_dir)
     return ModelRef(model_dir, lora_dir, lora_scale)
@@ -182,7 +183,7 @@ def lora_width(lora_dir):
     SDXL), from the file's header alone; None when it holds no cross-attention adapter."""
     from safetensors import safe_open
 
-    with safe_open(os.path.join(lora_dir, utils.LORA_WEIGHTS_FILE), "pt") as weights:
+    with safe_open(os.path.join(lora_dir, files.LORA_WEIGHTS_FILE), "pt") as weights:
         for key in weights.keys():
             if "attn2.to_k" in key and any(down in key for down in ("lora_A", "lora_down", "lora.down")):
                 return weights.get_slice(key).get_shape()[-1]
@@ -201,9 +202,9 @@ def check_lora_fits(model_dir, lora_dir):
     base = output.base_model if output is not None else ""
     made_for = (f"an {families.family_of(base).label} model ({base})" if base and os.path.isdir(base)
                 else f"a model whose text states are {adapters} wide")
-    raise utils.UserError(f"the LoRA adapters in {lora_dir} were trained on {made_for} and {model_dir} is an "
-                          f"{family.label} model ({width} wide): pass the base model they "
-                          f"were trained on as --model_dir")
+    raise errors.UserError(f"the LoRA adapters in {lora_dir} were trained on {made_for} and {model_dir} is an "
+                           f"{family.label} model ({width} wide): pass the base model they "
+                           f"were trained on as --model_dir")
 
 
 def trained_fingerprint(model_id):
@@ -276,7 +277,7 @@ def read_image_record(folder):
     path = os.path.join(folder, IMAGES_RECORD)
     if not os.path.isfile(path):
         return None
-    data = utils.read_json(path)
+    data = files.read_json(path)
     try:
         return ImageRecord(**{**data, "prompts": tuple(data["prompts"])})
     except (TypeError, KeyError):
@@ -284,7 +285,7 @@ def read_image_record(folder):
 
 
 def write_image_record(folder, record):
-    utils.write_json(os.path.join(folder, IMAGES_RECORD), {**dataclasses.asdict(record),
+    files.write_json(os.path.join(folder, IMAGES_RECORD), {**dataclasses.asdict(record),
                                                             "prompts": list(record.prompts)})
 
 
@@ -293,7 +294,7 @@ def drawn_images(folder):
     if not os.path.isdir(folder):
         return []
     return sorted(n for n in os.listdir(folder)
-                  if re.fullmatch(r".+-\d{5}" + re.escape(utils.IMAGE_SUFFIX) + r"(\.flagged)?", n))
+                  if re.fullmatch(r".+-\d{5}" + re.escape(files.IMAGE_SUFFIX) + r"(\.flagged)?", n))
 
 
 def remove_drawn_images(folder):
@@ -311,9 +312,9 @@ def check_output_dir(output_dir, overwrite):
     """Refuse to replace a non-empty folder (or a bucket's) that is not a previous output of ours."""
     if overwrite or not storage.listdir(output_dir):
         return
-    if not storage.isfile(storage.join(output_dir, utils.OUTPUT_MARKER)):
-        raise utils.UserError(f"--output_dir {output_dir} is not empty and was not written by train.py; "
-                              "pass --overwrite to replace it")
+    if not storage.isfile(storage.join(output_dir, files.OUTPUT_MARKER)):
+        raise errors.UserError(f"--output_dir {output_dir} is not empty and was not written by train.py; "
+                               "pass --overwrite to replace it")
 
 
 def save_pipeline(nets, plan):
@@ -337,16 +338,16 @@ def save_pipeline(nets, plan):
             pipe = models.from_pretrained(pipeline, plan.model_dir, plan.allow_unsafe_weights,
                                           **{plan.family.denoiser: denoiser}, **text_encoders, **vae)
             pipe.save_pretrained(tmp, safe_serialization=True)
-        utils.write_json(os.path.join(tmp, utils.OUTPUT_MARKER), record.to_json())
+        files.write_json(os.path.join(tmp, files.OUTPUT_MARKER), record.to_json())
         if plan.settings_toml:
             flags.write_config(os.path.join(tmp, TRAIN_CONFIG), plan.settings_toml)
 
     if storage.is_remote(plan.output_dir):  # written here, then copied to the bucket, its record last
         with tempfile.TemporaryDirectory(prefix="dreambooth-model-") as tmp:
             write(tmp)
-            storage.replace_folder(tmp, plan.output_dir, last=utils.OUTPUT_MARKER)
+            storage.replace_folder(tmp, plan.output_dir, last=files.OUTPUT_MARKER)
     else:
-        utils.atomic_write_dir(plan.output_dir, write)
+        files.atomic_write_dir(plan.output_dir, write)
 
 
 def expected_bytes(nets, lora):
@@ -357,7 +358,7 @@ def expected_bytes(nets, lora):
 
 
 def save_lora(folder, family, denoiser, text_encoders=None):
-    """utils.LORA_WEIGHTS_FILE in folder, written by the family's pipeline's save_lora_weights.
+    """files.LORA_WEIGHTS_FILE in folder, written by the family's pipeline's save_lora_weights.
     text_encoders: {"text_encoder"[, "text_encoder_2"]: model} with adapters, or {}."""
     import diffusers
     from peft.utils import get_peft_model_state_dict
@@ -368,7 +369,7 @@ def save_lora(folder, family, denoiser, text_encoders=None):
     text_encoders = text_encoders or {}
     parts = {family.denoiser: denoiser, **text_encoders}
     getattr(diffusers, family.pipeline).save_lora_weights(
-        folder, weight_name=utils.LORA_WEIGHTS_FILE,
+        folder, weight_name=files.LORA_WEIGHTS_FILE,
         **{f"{name}_lora_layers": layers(model) for name, model in parts.items()},
         **{f"{name}_lora_adapter_metadata": model.peft_config["default"].to_dict() for name, model in parts.items()})
 

@@ -2,8 +2,7 @@
 
 `parse_args` reads the command line and checks flag combinations; `plan_run` checks the inputs against the
 files and the Ray cluster and returns one frozen `Plan`. The driver prints it, builds the data stream from
-it and hands it to every worker (worker.train_fn); nothing is added to it afterwards.
-"""
+it and hands it to every worker (worker.train_fn); nothing is added to it afterwards."""
 
 import argparse
 import dataclasses
@@ -14,7 +13,9 @@ from datetime import datetime
 
 from dreambooth import cache_model
 from dreambooth import checkpoint
+from dreambooth import errors
 from dreambooth import families
+from dreambooth import files
 from dreambooth import flags
 from dreambooth import inputs
 from dreambooth import objectives
@@ -23,7 +24,6 @@ from dreambooth import resources
 from dreambooth import run_identity
 from dreambooth import runfiles
 from dreambooth import storage
-from dreambooth import utils
 from dreambooth import vae_cache
 
 TRAIN_FLAGS = [
@@ -307,7 +307,7 @@ def plan_run(args, cluster_resources, draw_class_images=None, stop_step=None):
     family = families.require(args.model_dir, "train")
     objectives.check_flags(args, family)
     args = vae_cache.resolved(args)
-    utils.check_output_path(args.output_dir, "--output_dir", [
+    files.check_output_path(args.output_dir, "--output_dir", [
         ("--pretrained_model_name_or_path", args.model_dir), ("--instance_data_dir", args.instance_data_dir),
         ("--class_data_dir", args.class_data_dir)])
     outputs.check_output_dir(args.output_dir, args.overwrite)
@@ -350,7 +350,7 @@ def plan_run(args, cluster_resources, draw_class_images=None, stop_step=None):
         "resume_path": resume_path,
         # Redrawn by the driver at every update, a bar fills a log file with copies of itself;
         # there, the line printed every --logging_steps is the progress.
-        "progress_bar": utils.on_terminal(),
+        "progress_bar": errors.on_terminal(),
     })
 
 

@@ -26,6 +26,7 @@ import uuid
 
 from dreambooth import cache_model
 from dreambooth import checkpoint
+from dreambooth import errors
 from dreambooth import families
 from dreambooth import flags
 from dreambooth import imagefiles
@@ -35,7 +36,6 @@ from dreambooth import planning
 from dreambooth import raycluster
 from dreambooth import resources
 from dreambooth import storage
-from dreambooth import utils
 
 GB = 1e9
 TINY_GB = 0.01  # the built-in tiny model, its checkpoint and its output
@@ -71,16 +71,16 @@ def check_photos(folder, variable):
     if storage.is_remote(folder):
         try:
             folder = storage.cached(folder)
-        except utils.UserError as err:
-            raise utils.UserError(f"{variable}={folder}: {err}; put 4-6 photos of your subject there") from None
+        except errors.UserError as err:
+            raise errors.UserError(f"{variable}={folder}: {err}; put 4-6 photos of your subject there") from None
     if not os.path.isdir(folder):
-        raise utils.UserError(f"{variable}={folder}: no such folder; put 4-6 photos of your subject there")
+        raise errors.UserError(f"{variable}={folder}: no such folder; put 4-6 photos of your subject there")
     try:
         photos = imagefiles.list_images(folder, f"{variable}", also_expected=".txt")  # (captions: train.py's)
         with tempfile.TemporaryDirectory() as scratch:
             imagefiles.inspect_images(photos, 0, scratch)
-    except utils.UserError as err:
-        raise utils.UserError(f"{variable}={folder}: {err}") from None
+    except errors.UserError as err:
+        raise errors.UserError(f"{variable}={folder}: {err}") from None
     if len(photos) < 3:
         print(f"warning: {variable}={folder} has {len(photos)} photo(s); DreamBooth wants 4-6 (3 at the least)",
               file=sys.stderr)
@@ -137,7 +137,7 @@ def check_disk(args, limit=1):
     if free < needed:
         fix = "set XDG_CACHE_HOME to a larger disk" if storage.is_remote(args.data_prefix) else \
             "set DATA_PREFIX to a larger disk"
-        raise utils.UserError(f"{what} has {free:.1f} GB free; this run needs about {needed:.1f} GB ({parts}): {fix}")
+        raise errors.UserError(f"{what} has {free:.1f} GB free; this run needs about {needed:.1f} GB ({parts}): {fix}")
 
 
 def check_workers(args, cpus, gpus):
@@ -236,12 +236,12 @@ def check_drivers(reports):
         counted = f"node {report['node']}: Ray counts {report['gpus']} GPU(s) but torch {report['torch']} sees " \
                   f"{len(report['cards'])}"
         if report["cuda"] is None:
-            raise utils.UserError(f"{counted}: it is a CPU-only build; install torch's CUDA build "
-                                  "(https://pytorch.org/get-started/locally/)")
+            raise errors.UserError(f"{counted}: it is a CPU-only build; install torch's CUDA build "
+                                   "(https://pytorch.org/get-started/locally/)")
         cause = report["warning"] or "torch.cuda.is_available() is False"
-        raise utils.UserError(f"{counted} ({cause}): install an NVIDIA driver for CUDA {report['cuda']} or newer "
-                              "(nvidia-smi shows the CUDA version the driver takes), or a torch build for your "
-                              "driver (https://pytorch.org/get-started/locally/)")
+        raise errors.UserError(f"{counted} ({cause}): install an NVIDIA driver for CUDA {report['cuda']} or newer "
+                               "(nvidia-smi shows the CUDA version the driver takes), or a torch build for your "
+                               "driver (https://pytorch.org/get-started/locally/)")
 
 
 def check_memory(args, train_flags, cards):
@@ -272,7 +272,7 @@ def check_memory(args, train_flags, cards):
         line += f": add {' '.join(words)} (about {fixed.total:.1f} GiB; README, Requirements)"
     else:
         line += ": use a larger card, --gpus_per_worker 2, or a lower --resolution (README, Requirements)"
-    raise utils.UserError(line)
+    raise errors.UserError(line)
 
 
 def check_gpus(args, train_flags, gpus):
@@ -314,7 +314,7 @@ def check_shared(data_prefix, photos_var, photos_dir, num_photos):
                 with open(os.path.join(probe, node_id), "w") as f:
                     f.write(node_id)
         except Exception as err:  # noqa: BLE001 - said as the one line below
-            return utils.one_line(err), 0
+            return errors.one_line(err), 0
         found = storage.listdir(photos_dir) if storage.is_remote(photos_dir) or os.path.isdir(photos_dir) else []
         return None, len(found)
 
@@ -324,17 +324,17 @@ def check_shared(data_prefix, photos_var, photos_dir, num_photos):
         for node, (error, count) in zip(nodes, seen):
             address = f"{node.get('NodeManagerAddress', '?')} (node {node['NodeID'][:8]})"
             if remote and (error or not storage.isfile(storage.join(probe, node["NodeID"]))):
-                raise utils.UserError(f"DATA_PREFIX={data_prefix} cannot be written from node {address}: "
-                                      f"{error or 'its object never appeared'} (give every node the bucket's "
-                                      "credentials and endpoint: AWS_* variables, docs/CLUSTER.md, Object storage)")
+                raise errors.UserError(f"DATA_PREFIX={data_prefix} cannot be written from node {address}: "
+                                       f"{error or 'its object never appeared'} (give every node the bucket's "
+                                       "credentials and endpoint: AWS_* variables, docs/CLUSTER.md, Object storage)")
             if not remote and (error or not os.path.isfile(os.path.join(probe, node["NodeID"]))):
-                raise utils.UserError(
+                raise errors.UserError(
                     f"DATA_PREFIX={data_prefix} is not shared storage: what node {address} writes there "
                     "never reaches this node; set DATA_PREFIX to a folder every node mounts (NFS, a shared disk) "
                     "or a bucket (s3://…)")
             if count < num_photos:
-                raise utils.UserError(f"{photos_var}={photos_dir}: node {address} sees {count} of its files; put the "
-                                      "photos on storage every node reaches (e.g. under DATA_PREFIX)")
+                raise errors.UserError(f"{photos_var}={photos_dir}: node {address} sees {count} of its files; put the "
+                                       "photos on storage every node reaches (e.g. under DATA_PREFIX)")
     finally:
         if remote:
             with contextlib.suppress(Exception):
@@ -350,8 +350,8 @@ def main(argv=None):
     train_flags = check_train_flags(argv[cut + 1:])
     args.use_lora = args.use_lora or train_flags.use_lora
     if not (args.class_name or "").strip():
-        raise utils.UserError("CLASS_NAME is not set: set it to what your subject is (CLASS_NAME=dog, backpack, "
-                              "person); it makes the class prompt 'photo of a <CLASS_NAME>'")
+        raise errors.UserError("CLASS_NAME is not set: set it to what your subject is (CLASS_NAME=dog, backpack, "
+                               "person); it makes the class prompt 'photo of a <CLASS_NAME>'")
     photos = check_photos(args.photos_dir, args.photos_var)
     if not args.tiny and cached_model(args) is None:  # (Step 1 will fetch it: a gated one needs a token)
         known_models.check_access(args.model_name)

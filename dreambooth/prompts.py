@@ -5,8 +5,8 @@ import os
 import sys
 
 from dreambooth import dataset
+from dreambooth import errors
 from dreambooth import families
-from dreambooth import utils
 
 
 def lacks_identifier(instance_prompt, class_prompt):
@@ -35,7 +35,7 @@ def read_captions(image_paths, instance_prompt, caption_extension):
         with open(caption, encoding="utf-8") as f:
             text = " ".join(f.read().split())
         if not text:
-            raise utils.UserError(f"caption file {caption} is empty; write the image's prompt in it or delete it")
+            raise errors.UserError(f"caption file {caption} is empty; write the image's prompt in it or delete it")
         prompts.append(text)
     return prompts
 
@@ -68,9 +68,9 @@ def read_prompt_file(path):
         with open(path) as f:
             found = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
     except OSError as err:
-        raise utils.UserError(f"cannot read the prompts file {path}: {err.strerror}") from None
+        raise errors.UserError(f"cannot read the prompts file {path}: {err.strerror}") from None
     if not found:
-        raise utils.UserError(f"the prompts file {path} holds no prompts (one per line)")
+        raise errors.UserError(f"the prompts file {path} holds no prompts (one per line)")
     return found
 
 
@@ -80,6 +80,6 @@ def prompts_of(args):
     if args.prompts_file:
         given += read_prompt_file(args.prompts_file)
     if not given:
-        raise utils.UserError("give the prompts: --prompts 'photo of a dog' (repeat the flag for several) "
-                              "or --prompts_file FILE (one per line)")
+        raise errors.UserError("give the prompts: --prompts 'photo of a dog' (repeat the flag for several) "
+                               "or --prompts_file FILE (one per line)")
     return list(dict.fromkeys(given))

@@ -8,13 +8,14 @@ import shutil
 import sys
 import tempfile
 
+from dreambooth import errors
+from dreambooth import files
 from dreambooth import storage
-from dreambooth import utils
 
 
 def quiet_ray_logs():
     """Ray Data logs an error from user code twice before raising it (an ERROR line per stage):
-    the raised error is what the user gets, as one line (utils.user_error_in) or a traceback."""
+    the raised error is what the user gets, as one line (errors.user_error_in) or a traceback."""
     import logging
 
     for name in ("ray.data.exceptions", "ray.data._internal.execution.streaming_executor_state"):
@@ -45,14 +46,8 @@ def quiet_ray_worker():
     logging.getLogger(context_py).setLevel(logging.WARNING)
 
 
-# Lines of Ray's own that read as errors and are not: Ray logs an ERROR-level note for each restartable
-# actor whose constructor arguments are in the object store (Ray Train 2.60's preemption watcher, which we
-# use, stopping.py, in every run; Ray Data's map workers, on a cluster of several nodes).
-HARMLESS_RAY_LINES = ("has constructor arguments in the object store and max_restarts > 0",)
-
-
 def hide_harmless_ray_lines():
-    """Keep HARMLESS_RAY_LINES out of the worker output Ray prints on the driver's terminal (they stay in
+    """Keep errors.HARMLESS_RAY_LINES out of the worker output Ray prints on the driver's terminal (they stay in
     Ray's log files). Through Ray's private log dispatcher: where it is not found, nothing changes."""
     try:
         from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
@@ -61,7 +56,7 @@ def hide_harmless_ray_lines():
 
     def filtered(handler):
         def handle(data):
-            lines = [line for line in data.get("lines", ()) if not any(s in line for s in HARMLESS_RAY_LINES)]
+            lines = [line for line in data.get("lines", ()) if not any(s in line for s in errors.HARMLESS_RAY_LINES)]
             if lines:
                 handler({**data, "lines": lines})
         handle.hides_harmless = True
@@ -149,7 +144,7 @@ def job_runtime_env():
     """The runtime environment of our Ray jobs: the project's code (unless a Ray Job's own runtime env ships
     it), the quiet-logs hook and the settings every worker needs."""
     runtime_env = {
-        "working_dir": utils.REPO_DIR,
+        "working_dir": files.REPO_DIR,
         "excludes": [".venv", "venv", ".git", "tests", "images", "benchmarks", "**/__pycache__", "*.png", "*.jpg"],
         "worker_process_setup_hook": "dreambooth.raycluster.quiet_ray_worker",
         "env_vars": {
@@ -194,7 +189,7 @@ def init_ray():
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # Ray colours the "(RayTrainWorker pid=...)" prefix of each worker line it prints here: only for a person
     # at a terminal, never into a log file or a pipe (and not with NO_COLOR set, the common convention).
-    if os.environ.get("NO_COLOR") or not utils.on_terminal():
+    if os.environ.get("NO_COLOR") or not errors.on_terminal():
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     if ray.is_initialized():
         return ray
@@ -209,9 +204,9 @@ def init_ray():
         ray.init(address=address or "local", runtime_env=job_runtime_env(), log_to_driver=True, configure_logging=False,
                  include_dashboard=False)
     except (ConnectionError, ray.exceptions.AuthenticationError) as err:
-        raise utils.UserError(f"could not join the Ray cluster at RAY_ADDRESS={address}: "
-                              f"{utils.shorten(utils.one_line(err))} (a cluster with token authentication needs its "
-                              f"token: RAY_AUTH_TOKEN, or the file ~/.ray/auth_token copied from its head)") from err
+        raise errors.UserError(f"could not join the Ray cluster at RAY_ADDRESS={address}: "
+                               f"{errors.shorten(errors.one_line(err))} (a cluster with token authentication needs its "
+                               f"token: RAY_AUTH_TOKEN, or the file ~/.ray/auth_token copied from its head)") from err
     hide_harmless_ray_lines()
     where = ray.get_runtime_context().gcs_address
     if address:

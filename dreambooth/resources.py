@@ -8,7 +8,7 @@ import math
 import sys
 
 from dreambooth import cache_model
-from dreambooth import utils
+from dreambooth import errors
 
 DEFAULT_MAX_TRAIN_STEPS = 800
 
@@ -43,14 +43,14 @@ def worker_resources(args, cpus, gpus, spell=flag_spelling, warn_no_gpu=None):
     if use_gpu and needed > gpus:
         fits = f": set {spell('num_workers', max(1, gpus // args.gpus_per_worker))} (or leave it unset: one " \
                "worker per GPU)" if gpus else ""
-        raise utils.UserError(f"{spell('num_workers', num_workers)} x {spell('gpus_per_worker', args.gpus_per_worker)}"
-                              f" needs {needed} GPUs; the Ray cluster has {gpus}{fits}")
+        raise errors.UserError(f"{spell('num_workers', num_workers)} x {spell('gpus_per_worker', args.gpus_per_worker)}"
+                               f" needs {needed} GPUs; the Ray cluster has {gpus}{fits}")
     if not use_gpu and num_workers > cpus:
-        raise utils.UserError(f"{spell('num_workers', num_workers)}: more than the Ray cluster's {cpus:g} CPUs")
+        raise errors.UserError(f"{spell('num_workers', num_workers)}: more than the Ray cluster's {cpus:g} CPUs")
     spare = cpus - 1
     if spare <= 0:
-        raise utils.UserError(f"the Ray cluster has {cpus:g} CPU(s): training needs one for its workers "
-                              "and one for the data pipeline")
+        raise errors.UserError(f"the Ray cluster has {cpus:g} CPU(s): training needs one for its workers "
+                               "and one for the data pipeline")
     if warn_no_gpu is None:
         warn_no_gpu = not cache_model.has_random_weights(args.model_dir)  # random models are for CPUs
     if not use_gpu and warn_no_gpu:
@@ -67,12 +67,12 @@ def plan_steps(num_rows, args):
     """
     rows_per_worker = num_rows // args.num_workers
     if rows_per_worker == 0:
-        raise utils.UserError(f"{num_rows} training rows cannot feed {args.num_workers} workers; "
-                              "add images or lower --num_workers")
+        raise errors.UserError(f"{num_rows} training rows cannot feed {args.num_workers} workers; "
+                               "add images or lower --num_workers")
     per_epoch = math.ceil(rows_per_worker / args.train_batch_size) // args.gradient_accumulation_steps
     if per_epoch == 0:
-        raise utils.UserError(f"an epoch has fewer batches per worker than --gradient_accumulation_steps "
-                              f"{args.gradient_accumulation_steps}; lower it or --train_batch_size")
+        raise errors.UserError(f"an epoch has fewer batches per worker than --gradient_accumulation_steps "
+                               f"{args.gradient_accumulation_steps}; lower it or --train_batch_size")
     if args.num_train_epochs is None:
         return per_epoch, args.max_train_steps or DEFAULT_MAX_TRAIN_STEPS
     by_epochs = per_epoch * args.num_train_epochs

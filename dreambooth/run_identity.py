@@ -11,8 +11,8 @@ import hashlib
 import json
 import os
 
+from dreambooth import errors
 from dreambooth import outputs
-from dreambooth import utils
 
 # train.py's flags (as parsed) that change the trained weights; the files and the resolved sizes are
 # added by of_run. The learning rate is the flag's (with --scale_lr also a flag), not the product with
@@ -129,4 +129,4 @@ def check_same(what, saved, current, remedy):
     """UserError naming what differs unless the identities are the same."""
     diff = differences(saved, current)
     if diff:
-        raise utils.UserError(f"{what} is of another run: {'; '.join(diff)}; {remedy}")
+        raise errors.UserError(f"{what} is of another run: {'; '.join(diff)}; {remedy}")

@@ -5,8 +5,8 @@ the bucket (sync_up). On a disk they are written in the run folder itself."""
 import os
 import posixpath
 
+from dreambooth import errors
 from dreambooth import storage
-from dreambooth import utils
 
 
 def run_folder(storage_path, run_name):
@@ -35,7 +35,7 @@ def node_file_name(name):
     return f"{stem}-{socket.gethostname()}{dot}{suffix}"
 
 
-PER_NODE_FILES = (utils.ERRORS_LOG,)
+PER_NODE_FILES = (errors.ERRORS_LOG,)
 
 
 def sync_up(storage_path, run_name):

@@ -19,8 +19,11 @@ import re
 
 import numpy as np
 
+from dreambooth import errors
+from dreambooth import files
+from dreambooth import hub
 from dreambooth import models
-from dreambooth import utils
+from dreambooth import random_models
 
 # The paper's values for SD 1.x DreamBooth (table 1), printed beside ours in report.md.
 PAPER_SD = {"dino": 0.668, "clip_i": 0.803, "clip_t": 0.305}
@@ -50,7 +53,7 @@ def diversity(groups):
     units = [_unit(g) for g in groups]
     distances = [1 - float((u[i] * u[j]).sum()) for u in units for i, j in itertools.combinations(range(len(u)), 2)]
     if not distances:
-        raise utils.UserError("DIV needs at least two images of one prompt")
+        raise errors.UserError("DIV needs at least two images of one prompt")
     return sum(distances) / len(distances)
 
 
@@ -122,7 +125,7 @@ def build_tiny_eval_models(folder, seed=0, image_size=64):
     from transformers import ViTImageProcessor
     from transformers import ViTModel
 
-    utils.quiet_hf_logging()
+    hub.quiet_hf_logging()
     torch.manual_seed(seed)
     dino = ViTModel(ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
                               image_size=image_size, patch_size=16), add_pooling_layer=False)
@@ -130,7 +133,7 @@ def build_tiny_eval_models(folder, seed=0, image_size=64):
     dino_dir, clip_dir = os.path.join(folder, "dino"), os.path.join(folder, "clip")
     dino.save_pretrained(dino_dir)
     ViTImageProcessor(size=size).save_pretrained(dino_dir)
-    tokenizer = CLIPTokenizer.from_pretrained(models.TINY_TOKENIZER_DIR, model_max_length=77)
+    tokenizer = CLIPTokenizer.from_pretrained(random_models.TINY_TOKENIZER_DIR, model_max_length=77)
     text = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                 num_attention_heads=4, max_position_embeddings=77, bos_token_id=tokenizer.bos_token_id,
                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
@@ -161,8 +164,8 @@ def check_eval_models_dir(folder):
     for part in EVAL_MODEL_PARTS:
         path = os.path.join(folder, part)
         if not has_weights(path):
-            raise utils.UserError(f"--eval_models_dir {folder} has no {part}/ model (config.json and weights): "
-                                  "pass the folder `cache_model.py --model_dir DIR --eval_models` prints")
+            raise errors.UserError(f"--eval_models_dir {folder} has no {part}/ model (config.json and weights): "
+                                   "pass the folder `cache_model.py --model_dir DIR --eval_models` prints")
         for name in os.listdir(path):
             if name.endswith(".safetensors"):
-                utils.check_safetensors(os.path.join(path, name))
+                files.check_safetensors(os.path.join(path, name))

@@ -12,7 +12,8 @@ import os
 import posixpath
 import tempfile
 
-from dreambooth import utils
+from dreambooth import errors
+from dreambooth import files
 
 SCHEMES = ("s3://", "gs://")
 # The AWS settings a Ray worker needs to reach the bucket as the driver does (runtime_env).
@@ -128,7 +129,7 @@ def read_bytes(path):
 def read_json(path):
     import json
 
-    return json.loads(read_bytes(path)) if is_remote(path) else utils.read_json(path)
+    return json.loads(read_bytes(path)) if is_remote(path) else files.read_json(path)
 
 
 def write_bytes(path, data):
@@ -224,7 +225,7 @@ def check_reachable(uri, what):
         fs.delete_file(key)
     except Exception as err:  # noqa: BLE001 - any failure is the one line
         where = f" (AWS_ENDPOINT_URL={endpoint()})" if uri.startswith("s3://") and endpoint() else ""
-        raise utils.UserError(f"{what} {uri} cannot be written from this node{where}: {utils.one_line(err)}") from None
+        raise errors.UserError(f"{what} {uri} cannot be written from this node{where}: {errors.one_line(err)}") from None
 
 
 def replace_folder(local, uri, last):
@@ -238,8 +239,8 @@ def replace_folder(local, uri, last):
     if last and fs.get_file_info(marker).type != pafs.FileType.NotFound:
         fs.delete_file(marker)
     wanted = {}
-    for root, _, files in os.walk(local, followlinks=True):
-        for name in files:
+    for root, _, names in os.walk(local, followlinks=True):
+        for name in names:
             path = os.path.join(root, name)
             wanted[posixpath.join(key, *os.path.relpath(path, local).split(os.sep))] = path
     folders = {posixpath.dirname(target) for target in wanted}
@@ -302,9 +303,9 @@ def cached(uri, allow_empty=False):
     fs, key = filesystem(uri)
     listing = _listing(uri)
     if not listing and not allow_empty:
-        raise utils.UserError(f"{uri} holds no files (or cannot be listed from this node)")
+        raise errors.UserError(f"{uri} holds no files (or cannot be listed from this node)")
     manifest_path = local + CACHE_MANIFEST
-    held = utils.read_json(manifest_path) if os.path.isfile(manifest_path) else {}
+    held = files.read_json(manifest_path) if os.path.isfile(manifest_path) else {}
     if held == listing and os.path.isdir(local):
         return local
     os.makedirs(local, exist_ok=True)
@@ -323,8 +324,8 @@ def cached(uri, allow_empty=False):
 def _local_files(local):
     """{name relative to local ('/'-separated): (size, mtime)} of the files under local."""
     found = {}
-    for root, _, files in os.walk(local, followlinks=True):
-        for name in files:
+    for root, _, names in os.walk(local, followlinks=True):
+        for name in names:
             stat = os.stat(os.path.join(root, name))
             found[posixpath.join(*os.path.relpath(os.path.join(root, name), local).split(os.sep))] = (
                 stat.st_size, stat.st_mtime)
@@ -360,7 +361,7 @@ def push(local, uri, before):
         with contextlib.suppress(OSError):
             fs.delete_file(posixpath.join(key, name))
     for name, stat in sorted(now.items()):
-        if (before.get(name) != stat or name not in held) and utils.TEMP_MARK not in name:  # (not one being written)
+        if (before.get(name) != stat or name not in held) and files.TEMP_MARK not in name:  # (not one being written)
             pafs.copy_files(os.path.join(local, *name.split("/")), posixpath.join(key, name),
                             destination_filesystem=fs)
     _write_manifest(local, _listing(uri))

@@ -27,9 +27,11 @@ import sys
 
 from dreambooth import cache_model
 from dreambooth import checkpoint
+from dreambooth import errors
 from dreambooth import eval_report
 from dreambooth import evaluate
 from dreambooth import families
+from dreambooth import files
 from dreambooth import flags
 from dreambooth import imagefiles
 from dreambooth import outputs
@@ -41,7 +43,6 @@ from dreambooth import sweep_files
 from dreambooth import sweep_rows
 from dreambooth import sweep_trial
 from dreambooth import train
-from dreambooth import utils
 
 SWEEP_FLAGS = [
     "model_dir", "output_dir", "instance_data_dir", "subjects_dir", "unique_token", "class_name", "subject_type",
@@ -112,7 +113,7 @@ def read_subjects(args):
         return {name: evaluate.Subject(name, args.instance_data_dir, args.unique_token, args.class_name,
                                        args.subject_type, args.eval_prompts)}
     if not storage.isdir(args.subjects_dir):
-        raise utils.UserError(f"--subjects_dir not found: {args.subjects_dir}")
+        raise errors.UserError(f"--subjects_dir not found: {args.subjects_dir}")
     subjects = {}
     for name in storage.listdir(args.subjects_dir):  # (a bucket's: its photos are read through this node's copy)
         folder = storage.join(args.subjects_dir, name)
@@ -120,19 +121,19 @@ def read_subjects(args):
             continue
         path = storage.join(folder, imagefiles.SUBJECT_FILE)
         if not storage.isfile(path):
-            raise utils.UserError(f"{folder} has no {imagefiles.SUBJECT_FILE} (e.g. {{\"class_name\": \"dog\"}})")
+            raise errors.UserError(f"{folder} has no {imagefiles.SUBJECT_FILE} (e.g. {{\"class_name\": \"dog\"}})")
         try:
             info = storage.read_json(path)
             subjects[name] = evaluate.Subject(name, folder, info.get("unique_token", args.unique_token),
                                               info["class_name"], info.get("subject_type", args.subject_type),
                                               args.eval_prompts)
         except (ValueError, KeyError, AttributeError) as err:
-            raise utils.UserError(f"{path}: needs a JSON object with \"class_name\" ({type(err).__name__}: {err})") \
+            raise errors.UserError(f"{path}: needs a JSON object with \"class_name\" ({type(err).__name__}: {err})") \
                 from None
         if subjects[name].subject_type not in ("object", "live"):
-            raise utils.UserError(f"{path}: subject_type must be object or live")
+            raise errors.UserError(f"{path}: subject_type must be object or live")
     if not subjects:
-        raise utils.UserError(f"{args.subjects_dir} has no subject folders")
+        raise errors.UserError(f"{args.subjects_dir} has no subject folders")
     return subjects
 
 
@@ -174,16 +175,16 @@ def check_disk(args, train_args, num_trials, concurrency):
     per_checkpoint, per_model = checkpoint.disk_bytes(args.model_dir, train_args.use_lora,
                                                       train_args.train_text_encoder)
     needed = concurrency * (sweep_trial.checkpoints_kept(steps) + 1) * per_checkpoint + num_trials * len(steps) * per_model
-    what = (f"{num_trials} trial(s) x {len(steps)} step count(s) x a model of {utils.size_text(per_model)}, and "
-            f"the checkpoints of {concurrency} trial(s) at once, {utils.size_text(per_checkpoint)} each")
+    what = (f"{num_trials} trial(s) x {len(steps)} step count(s) x a model of {files.size_text(per_model)}, and "
+            f"the checkpoints of {concurrency} trial(s) at once, {files.size_text(per_checkpoint)} each")
     if storage.is_remote(args.sweep_dir):
-        return f"about {utils.size_text(needed)} in the bucket ({what})"
+        return f"about {files.size_text(needed)} in the bucket ({what})"
     free = failures.free_bytes(args.sweep_dir)
     if free < needed:
-        raise utils.UserError(f"the sweep needs about {utils.size_text(needed)} under --sweep_dir {args.sweep_dir} "
-                              f"({what}) but {utils.size_text(free)} is free there: fewer trials or step counts, "
-                              "--use_lora, or a --sweep_dir on a larger disk")
-    return f"about {utils.size_text(needed)} of disk ({what})"
+        raise errors.UserError(f"the sweep needs about {files.size_text(needed)} under --sweep_dir {args.sweep_dir} "
+                               f"({what}) but {files.size_text(free)} is free there: fewer trials or step counts, "
+                               "--use_lora, or a --sweep_dir on a larger disk")
+    return f"about {files.size_text(needed)} of disk ({what})"
 
 
 def max_concurrent(args, train_args):
@@ -198,7 +199,7 @@ def prepare_class_images(args, subjects, train_args):
     """{class name: folder}: each class's images, drawn once (train.py's --num_class_images top-up)."""
     dirs = {}
     for class_name in sorted({s.class_name for s in subjects.values()}):
-        dirs[class_name] = storage.join(args.sweep_dir, "class-images", utils.slugify(class_name))
+        dirs[class_name] = storage.join(args.sweep_dir, "class-images", files.slugify(class_name))
         train.top_up_class_images(args.model_dir, dirs[class_name], f"photo of a {class_name}", args.num_class_images,
                                   train_args.seed, train_args.resolution, train_args.allow_unsafe_weights)
     return dirs
@@ -242,7 +243,7 @@ def wants_early_stopping(args, num_trials):
     per subject; it needs 2 or more step counts (UserError when asked for with one)."""
     if len(args.sweep_max_train_steps) < 2:
         if args.early_stopping == "on":
-            raise utils.UserError("--early_stopping on needs 2 or more --sweep_max_train_steps (where to stop)")
+            raise errors.UserError("--early_stopping on needs 2 or more --sweep_max_train_steps (where to stop)")
         return False
     if args.early_stopping != "auto":
         return args.early_stopping == "on"
@@ -330,7 +331,7 @@ def check_inputs(args, train_args, subjects):
     inputs = [("--model_dir", args.model_dir), ("--instance_data_dir", args.instance_data_dir),
               ("--subjects_dir", args.subjects_dir)]
     for flag, path in (("--output_dir", args.output_dir), ("--sweep_dir", args.sweep_dir)):
-        utils.check_output_path(path, flag, inputs)
+        files.check_output_path(path, flag, inputs)
     for name in subjects:
         outputs.check_output_dir(target_dir(args, name), train_args.overwrite)
 
@@ -361,5 +362,5 @@ def finish(args, subjects, rows, base):
           f"{written['table']}, {written['plot']}, "
           f"{written['report']}", file=sys.stderr)
     if not best:
-        raise utils.UserError("every trial failed: see the table for each error")
+        raise errors.UserError("every trial failed: see the table for each error")
     return {"rows": rows, "best": best, "base": base, "copied_to": copied_to}

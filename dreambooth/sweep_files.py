@@ -13,9 +13,9 @@ import sys
 import tempfile
 import tomllib
 
+from dreambooth import files
 from dreambooth import storage
 from dreambooth import sweep_report
-from dreambooth import utils
 
 CONFIG_FILE = "sweep_config.toml"
 
@@ -82,12 +82,12 @@ def copy_model(source, target):
     record written last (a half-copied model is never taken for a whole one)."""
     if storage.is_remote(target):
         with tempfile.TemporaryDirectory(prefix="dreambooth-") as scratch:  # (a bucket's source: copied here first)
-            storage.replace_folder(storage.local_folder(source, scratch), target, last=utils.OUTPUT_MARKER)
+            storage.replace_folder(storage.local_folder(source, scratch), target, last=files.OUTPUT_MARKER)
         return
     if storage.is_remote(source):
-        utils.atomic_write_dir(target, lambda tmp: storage.download(source, tmp))
+        files.atomic_write_dir(target, lambda tmp: storage.download(source, tmp))
     else:
-        utils.atomic_write_dir(target, lambda tmp: shutil.copytree(source, tmp, dirs_exist_ok=True))
+        files.atomic_write_dir(target, lambda tmp: shutil.copytree(source, tmp, dirs_exist_ok=True))
 
 
 def write_reports(sweep_dir, rows, base, best, margin):

@@ -13,8 +13,9 @@ import sys
 import time
 import tomllib
 
+from dreambooth import errors
+from dreambooth import files
 from dreambooth import storage
-from dreambooth import utils
 
 TRACKERS = ("tensorboard", "wandb", "mlflow")
 CHOICES = ("none", *TRACKERS, "all")
@@ -37,7 +38,7 @@ def check_installed(report_to):
     for name in chosen(report_to):
         module, package = PACKAGES[name]
         if importlib.util.find_spec(module) is None:
-            raise utils.UserError(f"--report_to {name} needs the {module} package: pip install {package}")
+            raise errors.UserError(f"--report_to {name} needs the {module} package: pip install {package}")
 
 
 def wandb_mode():
@@ -238,7 +239,7 @@ def open_trackers(plan, folder, previous_record=None):
         opened[name] = KINDS[name](folder, **({} if name == "tensorboard" else kwargs))
     record = {name: t.record for name, t in opened.items() if hasattr(t, "record")}
     if record:
-        utils.write_json(os.path.join(folder, RECORD), record)
+        files.write_json(os.path.join(folder, RECORD), record)
     return opened
 
 

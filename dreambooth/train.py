@@ -21,7 +21,9 @@ import time
 
 from dreambooth import checkpoint
 from dreambooth import dataset
+from dreambooth import errors
 from dreambooth import families
+from dreambooth import files
 from dreambooth import flags
 from dreambooth import generate
 from dreambooth import notify
@@ -32,7 +34,6 @@ from dreambooth import runfiles
 from dreambooth import runlog
 from dreambooth import storage
 from dreambooth import trackers
-from dreambooth import utils
 from dreambooth import worker
 
 
@@ -106,7 +107,7 @@ def train_planned(args, stop_step, started):
             more, more_bytes = checkpoint.remove_all(stopped_run)
             removed, freed = removed + more, freed + more_bytes
         if removed:
-            print(f"removed the run's {removed} checkpoint(s) ({utils.size_text(freed)}) now that its model is saved "
+            print(f"removed the run's {removed} checkpoint(s) ({files.size_text(freed)}) now that its model is saved "
                   "(--keep_checkpoints keeps them, to continue this run with more steps later)", file=sys.stderr)
     plot = runlog.plot_metrics(storage.fetch(run_folder, runlog.METRICS_FILE, plan.run_dir))
     if plot:
@@ -133,7 +134,7 @@ def top_up_class_images(model_dir, class_dir, class_prompt, count, seed=0, resol
     with storage.output_folder(class_dir) as folder:
         os.makedirs(folder, exist_ok=True)
         drawn = set(outputs.drawn_images(folder))
-        own = [n for n in os.listdir(folder) if n.lower().endswith(utils.IMAGE_EXTENSIONS) and n not in drawn]
+        own = [n for n in os.listdir(folder) if n.lower().endswith(files.IMAGE_EXTENSIONS) and n not in drawn]
         settings = generate.ImageSettings(resolution=resolution, seed=seed, allow_unsafe_weights=allow_unsafe_weights)
         have = outputs.read_image_record(folder)
         if have:  # (drawn by generate.py: Step 3's steps and guidance, which train.py has no flag for, go on)
@@ -202,8 +203,8 @@ def run_trainer(plan, train_ds):
     try:
         result = trainer.fit()
     except (ray.train.ControllerError, ray.train.WorkerGroupError) as err:
-        raise utils.UserError(f"training failed: {failure_cause(err)} (tracebacks in "
-                              f"{os.path.join(run_dir, utils.ERRORS_LOG)})") from None
+        raise errors.UserError(f"training failed: {failure_cause(err)} (tracebacks in "
+                               f"{os.path.join(run_dir, errors.ERRORS_LOG)})") from None
     except SystemExit:
         # fit() installs its own Ctrl-C handler: it aborts the run, then exits.
         raise KeyboardInterrupt from None

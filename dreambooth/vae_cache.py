@@ -4,7 +4,9 @@ the model cache or the hub cache as the base models are (cache_model.py), else f
 import os
 
 from dreambooth import cache_model
-from dreambooth import utils
+from dreambooth import errors
+from dreambooth import files
+from dreambooth import hub
 
 VAE_FILES = ["config.json", "diffusion_pytorch_model.safetensors"]
 
@@ -12,13 +14,13 @@ VAE_FILES = ["config.json", "diffusion_pytorch_model.safetensors"]
 def check_vae_dir(folder, allow_unsafe_weights=False):
     """A UserError unless folder holds a diffusers VAE (config.json and its weights)."""
     if not os.path.isfile(os.path.join(folder, "config.json")):
-        raise utils.UserError(f"--pretrained_vae_model_name_or_path {folder}: no config.json there (a diffusers "
-                              "AutoencoderKL folder, or a hub repository of one, e.g. madebyollin/sdxl-vae-fp16-fix)")
+        raise errors.UserError(f"--pretrained_vae_model_name_or_path {folder}: no config.json there (a diffusers "
+                               "AutoencoderKL folder, or a hub repository of one, e.g. madebyollin/sdxl-vae-fp16-fix)")
     weights = os.path.join(folder, VAE_FILES[1])
     if os.path.isfile(weights):
-        utils.check_safetensors(weights)
+        files.check_safetensors(weights)
     elif not (allow_unsafe_weights and os.path.isfile(os.path.join(folder, "diffusion_pytorch_model.bin"))):
-        raise utils.UserError(f"--pretrained_vae_model_name_or_path {folder}: no {VAE_FILES[1]} there")
+        raise errors.UserError(f"--pretrained_vae_model_name_or_path {folder}: no {VAE_FILES[1]} there")
     return folder
 
 
@@ -42,7 +44,7 @@ def resolve_vae(value, allow_unsafe_weights=False, cache_dir=None):
             if pinned in (None, revision) and all(os.path.isfile(os.path.join(snapshots, revision, name))
                                                   for name in VAE_FILES):
                 return in_bucket(check_vae_dir(os.path.join(snapshots, revision)), cache_dir)
-    return in_bucket(check_vae_dir(utils.hub_download(
+    return in_bucket(check_vae_dir(hub.hub_download(
         f"{value}@{pinned or 'main'}", "run once with network access or give a VAE folder", repo_id=value,
         revision=pinned, cache_dir=local, allow_patterns=VAE_FILES)), cache_dir)
 

@@ -11,10 +11,10 @@ import os
 
 from dreambooth import checkpoint
 from dreambooth import dataset
+from dreambooth import files
 from dreambooth import generate
 from dreambooth import imaging
 from dreambooth import models
-from dreambooth import utils
 
 FOLDER = "validation"  # in the run's folder under --storage_path
 TIMELINE = "timeline.png"
@@ -38,7 +38,7 @@ class Sampler:
         self.family = plan.family
         self.tokenizers = self.family.load_tokenizers(plan.model_dir)
         # The model's own sampler (PNDM for SD 1.x), as generate.py draws with it.
-        config = utils.read_json(os.path.join(plan.model_dir, "scheduler", "scheduler_config.json"))
+        config = files.read_json(os.path.join(plan.model_dir, "scheduler", "scheduler_config.json"))
         self.scheduler = getattr(diffusers, config["_class_name"]).from_config(config)
         # Frozen text encoders are released from the device once training's states are computed
         # (models.Models.release_text_encoders): the samples' prompts are encoded now, once.
@@ -143,7 +143,7 @@ def run_round(sampler, step, rank, world, run_dir):
     names = [generate.image_file_name(prompt, index) for prompt, index, _ in items]
     images = {names[k]: image for k, image in sorted(drawn, key=lambda pair: pair[0])}
     for name, image in images.items():
-        utils.save_image_atomic(image, os.path.join(folder, name))
+        files.save_image_atomic(image, os.path.join(folder, name))
     return write_timeline(os.path.join(run_dir, FOLDER), names), images
 
 
@@ -162,5 +162,5 @@ def write_timeline(folder, names):
             else:
                 images.append(Image.new("RGB", (8, 8), "white"))
     path = os.path.join(folder, TIMELINE)
-    utils.save_image_atomic(imaging.make_grid(images, thumb_size=128, columns=len(names)), path)
+    files.save_image_atomic(imaging.make_grid(images, thumb_size=128, columns=len(names)), path)
     return path

@@ -10,6 +10,8 @@ import tempfile
 import time
 
 from dreambooth import checkpoint
+from dreambooth import errors
+from dreambooth import hub
 from dreambooth import models
 from dreambooth import outputs
 from dreambooth import prompts
@@ -18,7 +20,6 @@ from dreambooth import runfiles
 from dreambooth import runlog
 from dreambooth import sharding
 from dreambooth import storage
-from dreambooth import utils
 from dreambooth import validation
 
 IMAGE_COLUMNS = ("_pixels", "_latents")  # the batch columns that hold one image per row
@@ -33,7 +34,7 @@ def train_fn(config):
     try:
         train_worker(plan, config.get("stop_flag"))
     except Exception as err:
-        utils.write_error_log(plan.run_dir, f"worker {ray.train.get_context().get_world_rank()}", err)
+        errors.write_error_log(plan.run_dir, f"worker {ray.train.get_context().get_world_rank()}", err)
         runfiles.sync_up(plan.storage_path, plan.run_name)
         raise
 
@@ -42,7 +43,7 @@ def train_worker(plan, stop_flag=None):
     """One worker's whole run: models, checkpoint, the step loop, reports, the saved model (not when the
     driver asked for a stop through stop_flag, the run's key of stopping.make_flag: then the current step's
     checkpoint)."""
-    utils.skip_unused_imports(lora=plan.use_lora, eight_bit=plan.use_8bit_adam or bool(plan.base_precision))
+    hub.skip_unused_imports(lora=plan.use_lora, eight_bit=plan.use_8bit_adam or bool(plan.base_precision))
     import ray.train
 
     from dreambooth import failures  # here, not at the top: it imports ray.train (1.2 s)

@@ -12,12 +12,12 @@ import pytest
 from conftest import ray_sessions
 from PIL import Image
 
+from dreambooth import errors
 from dreambooth import families
 from dreambooth import imagefiles
 from dreambooth import imaging
 from dreambooth import prompts
-from dreambooth import utils
-from dreambooth.utils import REPO_DIR
+from dreambooth.files import REPO_DIR
 
 
 def read_rgb(path):
@@ -84,12 +84,12 @@ def test_exif_rotated_photo_that_needs_conversion_is_stored_upright(tmp_path):
 
 def test_corrupt_and_truncated_images_are_named(tmp_path):
     (tmp_path / "broken.jpg").write_bytes(b"not a jpeg at all")
-    with pytest.raises(utils.UserError, match="broken.jpg"):
+    with pytest.raises(errors.UserError, match="broken.jpg"):
         imagefiles.inspect_images([str(tmp_path / "broken.jpg")], 16, str(tmp_path))
     buffer = io.BytesIO()
     Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(buffer, "JPEG")
     (tmp_path / "cut.jpg").write_bytes(buffer.getvalue()[: len(buffer.getvalue()) // 2])
-    with pytest.raises(utils.UserError, match="cut.jpg"):
+    with pytest.raises(errors.UserError, match="cut.jpg"):
         imagefiles.inspect_images([str(tmp_path / "cut.jpg")], 16, str(tmp_path))
 
 
@@ -156,7 +156,7 @@ def test_pickled_weights_need_an_explicit_opt_in(tiny_model, tmp_path):
     weights = model / "unet" / "diffusion_pytorch_model.safetensors"
     torch.save(load_file(weights), model / "unet" / "diffusion_pytorch_model.bin")
     weights.unlink()
-    with pytest.raises(utils.UserError, match="'unet' .* only pickled .bin weights"):
+    with pytest.raises(errors.UserError, match="'unet' .* only pickled .bin weights"):
         families.check_model_dir(str(model))
     families.check_model_dir(str(model), allow_unsafe_weights=True)
     from dreambooth import models
@@ -191,7 +191,7 @@ def test_a_model_config_cut_short_is_named(tiny_model, tmp_path):
     model = shutil.copytree(tiny_model, tmp_path / "model")
     config = model / "text_encoder" / "config.json"
     config.write_text(config.read_text()[:40])
-    with pytest.raises(utils.UserError, match="text_encoder/config.json is not valid JSON"):
+    with pytest.raises(errors.UserError, match="text_encoder/config.json is not valid JSON"):
         families.check_model_dir(str(model))
 
 
@@ -385,10 +385,10 @@ def test_any_other_error_in_a_ray_task_is_one_line_and_a_log(ray_session):
 
     with pytest.raises(ray_session.exceptions.RayTaskError) as caught:
         ray_session.get(lookup.remote())
-    assert utils.user_error_in(caught.value) is None
-    message = str(utils.ray_failure(caught.value))
+    assert errors.user_error_in(caught.value) is None
+    message = str(errors.ray_failure(caught.value))
     assert message.startswith("a Ray worker failed: KeyError: 'b' (traceback in ")
     log = message.rsplit("traceback in ", 1)[1].rstrip(")")
     assert "in lookup" in open(log).read()
     os.remove(log)
-    assert utils.ray_failure(ValueError("not from Ray")) is None
+    assert errors.ray_failure(ValueError("not from Ray")) is None

@@ -8,11 +8,12 @@ from conftest import modes_not_as_umask
 from PIL import Image
 
 from dreambooth import cache_model
+from dreambooth import errors
+from dreambooth import files
 from dreambooth import known_models
 from dreambooth import preflight
-from dreambooth import utils
 from dreambooth import vae_cache
-from dreambooth.utils import REPO_DIR
+from dreambooth.files import REPO_DIR
 
 SD14 = "CompVis/stable-diffusion-v1-4"
 SD14_REV = "b95be7d6f134c3a9e62ee616f310733567f069ce"
@@ -55,7 +56,7 @@ def test_one_model_cache_for_the_script_and_the_scripts_by_hand(tiny_model, tmp_
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "own-hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert cache_model.model_cache_dir() == str(tmp_path / "data" / "model-orig")
-    with pytest.raises(utils.UserError, match=f"is not in the cache {tmp_path / 'data' / 'model-orig'} and the hub"):
+    with pytest.raises(errors.UserError, match=f"is not in the cache {tmp_path / 'data' / 'model-orig'} and the hub"):
         cache_model.resolve_model_name("sd14")
     step1 = cache_model.hub_snapshot_path(str(tmp_path / "data" / "model-orig"), SD14, SD14_REV)
     shutil.copytree(tiny_model, step1)  # as Step 1 left it
@@ -75,7 +76,7 @@ def test_the_sdxl_fp16_fix_vae_resolves_at_its_pinned_commit_only(tiny_sdxl_mode
     name = "madebyollin/sdxl-vae-fp16-fix"
     other = cache_model.hub_snapshot_path(str(tmp_path / "cache"), name, "0" * 40)
     shutil.copytree(os.path.join(tiny_sdxl_model, "vae"), other)  # another commit of it: not taken
-    with pytest.raises(utils.UserError, match=f"{name}@{vae_cache.KNOWN_VAES[name]} is not in the cache"):
+    with pytest.raises(errors.UserError, match=f"{name}@{vae_cache.KNOWN_VAES[name]} is not in the cache"):
         vae_cache.resolve_vae(name)
     pinned = cache_model.hub_snapshot_path(str(tmp_path / "cache"), name, vae_cache.KNOWN_VAES[name])
     shutil.copytree(os.path.join(tiny_sdxl_model, "vae"), pinned)
@@ -83,7 +84,7 @@ def test_the_sdxl_fp16_fix_vae_resolves_at_its_pinned_commit_only(tiny_sdxl_mode
 
 
 def test_missing_offline_model_is_a_clear_error(tmp_path):
-    with pytest.raises(utils.UserError, match="not in .* hub cannot be reached"):
+    with pytest.raises(errors.UserError, match="not in .* hub cannot be reached"):
         cache_model.main(["--model_dir", str(tmp_path)])
 
 
@@ -95,7 +96,7 @@ def test_with_the_hub_out_of_reach_a_missing_model_is_a_clear_error_at_once(tmp_
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # (a port nothing listens on)
     started = time.monotonic()
-    with pytest.raises(utils.UserError, match="not in .* hub cannot be reached"):
+    with pytest.raises(errors.UserError, match="not in .* hub cannot be reached"):
         cache_model.main(["--model_dir", str(tmp_path)])
     assert time.monotonic() - started < 10 and "Retrying" not in capfd.readouterr().err
 
@@ -129,13 +130,13 @@ def test_a_gated_model_without_a_hub_token_is_refused_before_the_hub_is_asked(ti
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # (no token file there)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     for name in ("flux-dev", "sd35-medium", "sd35-large"):
-        with pytest.raises(utils.UserError, match=r"^no Hugging Face token on this machine: \S+ \(\S+\) is gated: "
+        with pytest.raises(errors.UserError, match=r"^no Hugging Face token on this machine: \S+ \(\S+\) is gated: "
                                                   r"accept its license at https://huggingface.co/.* `hf auth login`"):
             cache_model.main(["--model_dir", str(tmp_path / "cache"), "--model_name", name])
     photos = tmp_path / "photos"
     photos.mkdir()
     Image.new("RGB", (64, 64), "red").save(photos / "a.jpg")
-    with pytest.raises(utils.UserError, match="FLUX.1-dev.* is gated"):  # (before Ray: none is running here)
+    with pytest.raises(errors.UserError, match="FLUX.1-dev.* is gated"):  # (before Ray: none is running here)
         preflight.main(["--photos_dir", str(photos), "--data_prefix", str(tmp_path), "--class_name", "dog",
                         "--model_name", "flux-dev"])
     known_models.check_access("flux-schnell")  # open: no token needed
@@ -167,13 +168,13 @@ def test_the_hubs_refusal_of_a_gated_model_is_one_line_saying_what_to_do(tmp_pat
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", refuse)
     monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token_456")
-    with pytest.raises(utils.UserError) as err:
+    with pytest.raises(errors.UserError) as err:
         cache_model.main(["--model_dir", str(tmp_path), "--model_name", "flux-dev"])
     line = str(err.value)
     assert line.startswith("the hub refused black-forest-labs/FLUX.1-dev@3de623fc") and "\n" not in line
     assert "accept its license at https://huggingface.co/black-forest-labs/FLUX.1-dev" in line
     assert "hf_not_a_real_token_456" not in line
-    with pytest.raises(utils.UserError, match="the hub refused it .* it is gated; accept its license"):
+    with pytest.raises(errors.UserError, match="the hub refused it .* it is gated; accept its license"):
         cache_model.main(["--model_dir", str(tmp_path), "--model_name", "someone/gated-model"])
 
 
@@ -204,9 +205,9 @@ def test_random_models_and_models_tuned_from_them_are_known(tiny_model, tmp_path
     assert not cache_model.has_random_weights(str(tmp_path))
     tuned = tmp_path / "tuned"
     tuned.mkdir()
-    utils.write_json(str(tuned / utils.OUTPUT_MARKER), {"base_model": tiny_model})
+    files.write_json(str(tuned / files.OUTPUT_MARKER), {"base_model": tiny_model})
     assert cache_model.has_random_weights(str(tuned))
-    utils.write_json(str(tuned / utils.OUTPUT_MARKER), {"base_model": "/data/models--CompVis--sd/snapshots/x"})
+    files.write_json(str(tuned / files.OUTPUT_MARKER), {"base_model": "/data/models--CompVis--sd/snapshots/x"})
     assert not cache_model.has_random_weights(str(tuned))
 
 
@@ -226,7 +227,7 @@ def test_the_sd2_v_tiny_model_has_its_own_name_and_arch_only_goes_with_a_built_m
     assert cache_model.random_model_id("tiny", "sd2-v") != cache_model.random_model_id("tiny")
     assert cache_model.has_random_weights(tiny_sd2v_model)
     for args in (["--model_name", "sd21", "--arch", "sd2-v"], ["--eval_models", "--tiny", "--arch", "sd2-v"]):
-        with pytest.raises(utils.UserError, match="--arch is the architecture of a model built here"):
+        with pytest.raises(errors.UserError, match="--arch is the architecture of a model built here"):
             cache_model.main(["--model_dir", str(tmp_path), *args])
 
 
@@ -259,12 +260,12 @@ def test_eval_models_resolve_offline_and_pickled_weights_convert_only_when_allow
     torch.save(original.state_dict(), os.path.join(dino_snapshot, "pytorch_model.bin"))
     argv = ["--model_dir", str(cache), "--eval_models", "--dino_model", "org/dino", "--dino_revision", revision,
             "--clip_model", "org/clip", "--clip_revision", revision]
-    with pytest.raises(utils.UserError, match="org/dino@.* only pickled weights.*--allow_unsafe_weights"):
+    with pytest.raises(errors.UserError, match="org/dino@.* only pickled weights.*--allow_unsafe_weights"):
         cache_model.main(argv)
 
     folder = cache_model.main(argv + ["--allow_unsafe_weights"])
     assert os.path.isfile(os.path.join(folder, "dino", "model.safetensors"))
-    assert utils.read_json(os.path.join(folder, "eval_models.json"))["dino"] == {"model": "org/dino",
+    assert files.read_json(os.path.join(folder, "eval_models.json"))["dino"] == {"model": "org/dino",
                                                                                   "revision": revision}
     converted = AutoModel.from_pretrained(os.path.join(folder, "dino"), use_safetensors=True)
     assert all(torch.equal(a, b) for a, b in zip(converted.state_dict().values(), original.state_dict().values()))
@@ -274,11 +275,11 @@ def test_eval_models_resolve_offline_and_pickled_weights_convert_only_when_allow
 
 def test_a_random_model_larger_than_the_machine_is_refused_before_it_is_built(monkeypatch, tmp_path):
     """Its fp32 weights are counted on the meta device first: Flux.1 dev's 16.8 B parameters are 67 GB."""
-    from dreambooth import models
-    from dreambooth import utils
+    from dreambooth import machine
+    from dreambooth import random_models
 
-    monkeypatch.setattr(utils, "available_memory", lambda: 60e9)
-    with pytest.raises(utils.UserError, match="--random_model flux-dev builds 67 GB of fp32 weights and this "
+    monkeypatch.setattr(machine, "available_memory", lambda: 60e9)
+    with pytest.raises(errors.UserError, match="--random_model flux-dev builds 67 GB of fp32 weights and this "
                                               "machine has 60 GB of memory"):
-        models.check_room_for("flux-dev", "flux", str(tmp_path))
-    models.check_room_for("sd15", "sd1", str(tmp_path))  # 4 GB: built
+        random_models.check_room_for("flux-dev", "flux", str(tmp_path))
+    random_models.check_room_for("sd15", "sd1", str(tmp_path))  # 4 GB: built

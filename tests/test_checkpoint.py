@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from dreambooth import checkpoint
+from dreambooth import files
 from dreambooth import models as models_lib
 from dreambooth import steps
-from dreambooth import utils
 
 CPU = torch.device("cpu")
 
@@ -110,9 +110,9 @@ def test_find_latest_picks_the_newest_complete_checkpoint_of_the_run(tmp_path):
     output = tmp_path / "model-tuned"
     assert checkpoint.resolve_resume("auto", str(tmp_path), "model-tuned", str(output)) == newest
     output.mkdir()
-    utils.write_json(output / utils.OUTPUT_MARKER, {"base_model": "/m", "run_name": "model-tuned-20260101-000001"})
+    files.write_json(output / files.OUTPUT_MARKER, {"base_model": "/m", "run_name": "model-tuned-20260101-000001"})
     assert checkpoint.resolve_resume("auto", str(tmp_path), "model-tuned", str(output)) == newest
-    utils.write_json(output / utils.OUTPUT_MARKER, {"base_model": "/m", "run_name": "model-tuned-20260101-000002"})
+    files.write_json(output / files.OUTPUT_MARKER, {"base_model": "/m", "run_name": "model-tuned-20260101-000002"})
     assert checkpoint.resolve_resume("auto", str(tmp_path), "model-tuned", str(output)) is None
 
 
@@ -175,7 +175,7 @@ def test_a_checkpoint_becomes_the_model_the_run_would_have_saved_at_that_step(ma
     train.py's output (channels-last on, as on a GPU), recording the step."""
     from diffusers import StableDiffusionPipeline
 
-    from dreambooth import utils
+    from dreambooth import files
 
     state = trained_state(make_plan, step_prompts, channels_last=True)
     os.makedirs(tmp_path / "ckpt")
@@ -189,7 +189,7 @@ def test_a_checkpoint_becomes_the_model_the_run_would_have_saved_at_that_step(ma
         trained = models_lib.unwrap(getattr(state.models, name)).state_dict()
         assert all(torch.equal(v, trained[k]) for k, v in getattr(saved, part).state_dict().items()), part
         assert any(not torch.equal(v, trained[k]) for k, v in getattr(base, part).state_dict().items()), part
-    assert utils.read_json(str(tmp_path / "step-2" / utils.OUTPUT_MARKER))["steps"] == 2
+    assert files.read_json(str(tmp_path / "step-2" / files.OUTPUT_MARKER))["steps"] == 2
 
 
 @pytest.mark.slow  # (trains: over a second)
@@ -222,4 +222,4 @@ def test_the_moving_average_round_trips_and_is_the_model_a_checkpoint_becomes(ma
     with state.ema.applied(state.params):
         averaged = models_lib.unwrap(state.models.denoiser).state_dict()
         assert all(torch.equal(v, averaged[k]) for k, v in saved.unet.state_dict().items())
-    assert utils.read_json(str(tmp_path / "model" / utils.OUTPUT_MARKER))["ema_decay"] == 0.5
+    assert files.read_json(str(tmp_path / "model" / files.OUTPUT_MARKER))["ema_decay"] == 0.5

@@ -14,11 +14,11 @@ import torch
 from conftest import model_cache_of
 from conftest import ray_sessions
 
+from dreambooth.files import LORA_WEIGHTS_FILE
+from dreambooth.files import OUTPUT_MARKER
+from dreambooth.files import REPO_DIR
 from dreambooth.outputs import IMAGES_CONFIG
 from dreambooth.outputs import IMAGES_RECORD
-from dreambooth.utils import LORA_WEIGHTS_FILE
-from dreambooth.utils import OUTPUT_MARKER
-from dreambooth.utils import REPO_DIR
 
 
 @pytest.fixture(scope="module")

@@ -4,10 +4,11 @@ import os
 
 import pytest
 
+from dreambooth import errors
 from dreambooth import eval_report
 from dreambooth import evaluate
+from dreambooth import files
 from dreambooth import outputs
-from dreambooth import utils
 
 
 def test_prompt_sets_have_25_prompts_each_with_the_subject():
@@ -20,14 +21,14 @@ def test_prompt_sets_have_25_prompts_each_with_the_subject():
 def test_own_prompt_file_without_the_subject_is_refused(tmp_path):
     path = tmp_path / "prompts.txt"
     path.write_text("# mine\na {subject} on a beach\na dog in the snow\n")
-    with pytest.raises(utils.UserError, match="every prompt needs '{subject}'.*a dog in the snow"):
+    with pytest.raises(errors.UserError, match="every prompt needs '{subject}'.*a dog in the snow"):
         evaluate.prompt_templates("object", str(path))
 
 
 def test_the_base_model_is_the_recorded_one_or_the_one_a_lora_applies_to(tiny_model, lora_output, tmp_path):
     full = tmp_path / "full"
     full.mkdir()
-    utils.write_json(full / utils.OUTPUT_MARKER, {"base_model": tiny_model})
+    files.write_json(full / files.OUTPUT_MARKER, {"base_model": tiny_model})
     ref = outputs.ModelRef
     assert evaluate.models_to_score(str(full), None, None) == [("tuned", ref(str(full))), ("base", ref(tiny_model))]
     lora_dir, _ = lora_output
@@ -66,10 +67,10 @@ def test_held_out_photos_are_scored_apart_and_must_be_the_ones_training_left_out
     assert [os.path.basename(p) for p in subject.split()[1]] == ["e.jpg"]
     model = tmp_path / "model"
     model.mkdir()
-    utils.write_json(str(model / utils.OUTPUT_MARKER), {"held_out": ["e.jpg"]})
+    files.write_json(str(model / files.OUTPUT_MARKER), {"held_out": ["e.jpg"]})
     evaluate.check_holdout(str(model), subject)
-    utils.write_json(str(model / utils.OUTPUT_MARKER), {"held_out": []})
-    with pytest.raises(utils.UserError, match="was trained on every photo; --holdout 1 holds out e.jpg"):
+    files.write_json(str(model / files.OUTPUT_MARKER), {"held_out": []})
+    with pytest.raises(errors.UserError, match="was trained on every photo; --holdout 1 holds out e.jpg"):
         evaluate.check_holdout(str(model), subject)
 
 
@@ -100,10 +101,10 @@ def test_scores_of_a_model_the_run_replaced_are_removed_and_the_current_models_k
     (eval_dir / "report.md").write_text("scores")
     model.mkdir()
     for drew in ("trained:aaa", "dreambooth-ray/tiny@1+lora:trained:aaa@1"):  # full model, LoRA on its base
-        utils.write_json(str(eval_dir / "images" / "tuned" / outputs.IMAGES_RECORD), {"model": drew})
-        utils.write_json(str(model / utils.OUTPUT_MARKER), {"model_id": "aaa"})
+        files.write_json(str(eval_dir / "images" / "tuned" / outputs.IMAGES_RECORD), {"model": drew})
+        files.write_json(str(model / files.OUTPUT_MARKER), {"model_id": "aaa"})
         assert not outputs.forget_stale_scores(str(eval_dir), str(model)) and (eval_dir / "report.md").is_file()
-    utils.write_json(str(model / utils.OUTPUT_MARKER), {"model_id": "bbb"})  # retrained
+    files.write_json(str(model / files.OUTPUT_MARKER), {"model_id": "bbb"})  # retrained
     assert outputs.forget_stale_scores(str(eval_dir), str(model))
     # the base model's images stay (Step 6 scores them again without drawing them)
     assert [str(p.relative_to(eval_dir)) for p in sorted(eval_dir.rglob("*"))] == ["images", "images/base",

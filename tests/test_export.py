@@ -5,8 +5,8 @@ import torch
 from conftest import modes_not_as_umask
 from safetensors import safe_open
 
+from dreambooth import errors
 from dreambooth import export
-from dreambooth import utils
 
 
 def tuned_copy(base_model, folder):
@@ -166,7 +166,7 @@ def test_unet_and_vae_names_are_those_of_the_original_sd_1_checkpoints():
 
 
 def test_a_weight_with_no_original_name_is_an_error():
-    with pytest.raises(utils.UserError, match="no original-layout name for the UNet weight add_embedding"):
+    with pytest.raises(errors.UserError, match="no original-layout name for the UNet weight add_embedding"):
         export.rename({"add_embedding.linear_1.weight": torch.zeros(1)}, export.unet_prefixes(
             {"layers_per_block": 1, "up_block_types": ("UpBlock2D",)}), "UNet")
 
@@ -206,8 +206,8 @@ def test_lora_exports_to_kohya_that_diffusers_loads_with_its_alpha(lora_output, 
 def test_export_refuses_to_overwrite_or_to_write_another_format(tuned_model, tmp_path):
     existing = tmp_path / "model.safetensors"
     existing.write_bytes(b"mine")
-    with pytest.raises(utils.UserError, match="exists: pass --overwrite"):
+    with pytest.raises(errors.UserError, match="exists: pass --overwrite"):
         export.main(["--model_dir", tuned_model, "--output_file", str(existing)])
     assert existing.read_bytes() == b"mine"
-    with pytest.raises(utils.UserError, match="must end in .safetensors"):
+    with pytest.raises(errors.UserError, match="must end in .safetensors"):
         export.main(["--model_dir", tuned_model, "--output_file", str(tmp_path / "model.ckpt")])

@@ -3,16 +3,16 @@
 import pytest
 import torch
 
+from dreambooth import errors
 from dreambooth import failures
 from dreambooth import train
-from dreambooth import utils
 
 
 def test_errors_of_the_files_read_stop_the_run_and_flaky_ones_are_retried():
-    with pytest.raises(utils.UserError, match=r"^loading x: ValueError: shapes differ; fetch it again$"):
+    with pytest.raises(errors.UserError, match=r"^loading x: ValueError: shapes differ; fetch it again$"):
         with failures.cannot_be_retried("loading x", "fetch it again"):
             raise ValueError("shapes differ")
-    with pytest.raises(utils.UserError, match="loading x: OutOfMemoryError: CUDA out of memory; the GPU is too small"):
+    with pytest.raises(errors.UserError, match="loading x: OutOfMemoryError: CUDA out of memory; the GPU is too small"):
         with failures.cannot_be_retried("loading x", "fetch it again"):
             raise torch.OutOfMemoryError("CUDA out of memory")
     for flaky in (OSError("stale file handle"), TimeoutError("slow disk")):
@@ -24,8 +24,8 @@ def test_errors_of_the_files_read_stop_the_run_and_flaky_ones_are_retried():
 def test_a_long_library_message_is_cut_to_its_first_sentence():
     err = ValueError("Cannot load x because a.weight expected shape [64, 64], but got [64, 32]. If you want to "
                      "instead overwrite randomly initialized weights, please pass " + "y" * 300)
-    assert utils.one_line(err) == "ValueError: Cannot load x because a.weight expected shape [64, 64], but got [64, 32]"
-    assert utils.one_line(RuntimeError("Traceback:\n  File a\nRuntimeError: boom\n")) == "RuntimeError: boom"
+    assert errors.one_line(err) == "ValueError: Cannot load x because a.weight expected shape [64, 64], but got [64, 32]"
+    assert errors.one_line(RuntimeError("Traceback:\n  File a\nRuntimeError: boom\n")) == "RuntimeError: boom"
     # torch's DDP error runs on over lines of advice: its first line says what happened (the last once read
     # "RuntimeError: In addition, you can set the environment variable TORCH_DISTRIBUTED_DEBUG ...")
     ddp = ("Expected to have finished reduction in the prior iteration before starting a new one. This error "
@@ -33,14 +33,14 @@ def test_a_long_library_message_is_cut_to_its_first_sentence():
            "\nParameter indices which did not receive grad for rank 1: 196 197\n In addition, you can set the "
            "environment variable TORCH_DISTRIBUTED_DEBUG to either INFO or DETAIL")
     said = "RuntimeError: Expected to have finished reduction in the prior iteration before starting a new one"
-    assert utils.one_line(RuntimeError(ddp)) == said
-    assert utils.one_line(RuntimeError(f"ray::RayTrainWorker.run (pid=7)\n  File x, line 3\nRuntimeError: {ddp}")) == said
+    assert errors.one_line(RuntimeError(ddp)) == said
+    assert errors.one_line(RuntimeError(f"ray::RayTrainWorker.run (pid=7)\n  File x, line 3\nRuntimeError: {ddp}")) == said
 
 
 def test_out_of_memory_at_the_first_step_stops_the_run_later_ones_are_retried():
     oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     fatal = failures.out_of_memory(oom, step=0, first_step=0)
-    assert isinstance(fatal, utils.UserError) and "out of GPU memory at step 1" in str(fatal)
+    assert isinstance(fatal, errors.UserError) and "out of GPU memory at step 1" in str(fatal)
     assert "--gradient_checkpointing" in str(fatal)
     assert failures.out_of_memory(oom, step=40, first_step=30) is None  # after a resume: the 11th step
     assert failures.out_of_memory(oom, step=30, first_step=30) is not None  # a resumed run's first step
@@ -56,8 +56,8 @@ def test_the_watch_stops_on_a_user_error_and_announces_a_dead_worker(tmp_path, c
     watch.after_exception(None, {0: RuntimeError("actor died")})  # the limit is spent: Ray Train raises, we say nothing
     assert capsys.readouterr().out == ""
     with pytest.raises(failures.RunStopped, match="^worker 1: bad weights$"):
-        watch.after_exception(None, {0: RuntimeError("collective aborted"), 1: utils.UserError("bad weights")})
-    log = (tmp_path / "run" / utils.ERRORS_LOG).read_text().splitlines()
+        watch.after_exception(None, {0: RuntimeError("collective aborted"), 1: errors.UserError("bad weights")})
+    log = (tmp_path / "run" / errors.ERRORS_LOG).read_text().splitlines()
     assert len(log) == 3 and "peer reset" in log[0] and "a restart cannot fix this" in log[2]
 
 
@@ -88,7 +88,7 @@ def test_a_full_disk_is_recognised_however_a_library_wraps_it(tmp_path):
     except RuntimeError as wrapped:
         assert failures.disk_full(wrapped)
     removed = []
-    with pytest.raises(utils.UserError, match=rf"no space left on the device of {tmp_path} while writing a file: "
+    with pytest.raises(errors.UserError, match=rf"no space left on the device of {tmp_path} while writing a file: "
                                                rf".* free there, about 12.3 MB needed"):
         with failures.stops_when_disk_full("a file", str(tmp_path), 12_345_678, cleanup=lambda: removed.append(1)):
             raise OSError(errno.ENOSPC, "No space left on device")

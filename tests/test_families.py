@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from dreambooth import conditioning
+from dreambooth import errors
 from dreambooth import families
 from dreambooth import family_sdxl
-from dreambooth import utils
+from dreambooth import files
 
 
 def test_the_family_is_read_from_the_model_folder(tiny_model, tiny_sd2v_model, tiny_sdxl_model, tmp_path,
@@ -29,17 +30,17 @@ def test_the_family_is_read_from_the_model_folder(tiny_model, tiny_sd2v_model, t
         supports = frozenset({"draw"})
 
     monkeypatch.setitem(families.FAMILIES, "sdxl", DrawOnly())
-    with pytest.raises(utils.UserError, match=r"training an SDXL model \(.*\) is not supported yet: this version "
+    with pytest.raises(errors.UserError, match=r"training an SDXL model \(.*\) is not supported yet: this version "
                                               "does it for SD 1.x, SD 2.x"):
         families.require(tiny_sdxl_model, "train")
     # A folder that says SDXL must have SDXL's parts; a pipeline of no family is named.
     xl = shutil.copytree(tiny_model, tmp_path / "xl")
     index = json.loads((xl / "model_index.json").read_text())
     (xl / "model_index.json").write_text(json.dumps({**index, "_class_name": "StableDiffusionXLPipeline"}))
-    with pytest.raises(utils.UserError, match="missing its 'text_encoder_2' component"):
+    with pytest.raises(errors.UserError, match="missing its 'text_encoder_2' component"):
         families.check_model_dir(str(xl))
     (xl / "model_index.json").write_text(json.dumps({**index, "_class_name": "FluxKontextPipeline"}))
-    with pytest.raises(utils.UserError, match="is a FluxKontextPipeline model; this suite runs SD 1.x"):
+    with pytest.raises(errors.UserError, match="is a FluxKontextPipeline model; this suite runs SD 1.x"):
         families.check_model_dir(str(xl))
 
 
@@ -122,7 +123,7 @@ def test_sd2_v_trains_and_draws_at_its_own_resolution(ray_session, tiny_sd2v_mod
 
     lora, size = lora_trained_and_drawn(tiny_sd2v_model, common, tmp_path)
     assert size == (96, 96)
-    assert os.path.isfile(lora / utils.LORA_WEIGHTS_FILE)
+    assert os.path.isfile(lora / files.LORA_WEIGHTS_FILE)
 
 
 def test_sdxl_time_ids_are_each_photos_true_size_and_crop():

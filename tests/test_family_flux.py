@@ -190,10 +190,10 @@ def test_validation_samples_are_what_generate_draws_from_the_same_weights(tiny_f
 
 
 def test_a_negative_prompt_is_refused_in_one_line():
+    from dreambooth import errors
     from dreambooth import generate
-    from dreambooth import utils
 
-    with pytest.raises(utils.UserError, match="Flux.1 draws without a negative prompt"):
+    with pytest.raises(errors.UserError, match="Flux.1 draws without a negative prompt"):
         generate.settings_for(generate.ImageSettings(negative_prompt="blurry"), family_flux.FAMILY, "/unread")
     assert generate.settings_for(generate.ImageSettings(resolution=64), families.FAMILIES["sd1"],
                                  "/unread").guidance_scale == 7.5
@@ -226,10 +226,11 @@ def test_lora_on_ray_resumed_ends_on_the_uninterrupted_weights_and_draws(ray_ses
     generate.py drawing with the adapters: test_dreambooth_run's Flux run; evaluate.py: test_sweep's Flux sweep.)"""
     from safetensors.torch import load_file
 
+    from dreambooth import errors
+    from dreambooth import files
     from dreambooth import generate
     from dreambooth import planning
     from dreambooth import train
-    from dreambooth import utils
 
     def argv(name):
         return ["--model_dir", tiny_flux_model, "--instance_images_dir", toy_images, "--instance_prompt",
@@ -246,11 +247,11 @@ def test_lora_on_ray_resumed_ends_on_the_uninterrupted_weights_and_draws(ray_ses
     capfd.readouterr()
     resumed = train.main([*argv("cut"), "--resume_from_checkpoint", "latest"])
     assert resumed.metrics["step"] == 4 and "resuming from" in capfd.readouterr().err  # steps 3 and 4 only
-    a = load_file(str(tmp_path / "whole" / utils.LORA_WEIGHTS_FILE))
-    b = load_file(str(tmp_path / "cut" / utils.LORA_WEIGHTS_FILE))
+    a = load_file(str(tmp_path / "whole" / files.LORA_WEIGHTS_FILE))
+    b = load_file(str(tmp_path / "cut" / files.LORA_WEIGHTS_FILE))
     assert a.keys() == b.keys() and any(k.startswith("transformer.") for k in a)
     assert all(torch.equal(a[k], b[k]) for k in a)  # (the validation samples drawn on the way changed nothing)
-    with pytest.raises(utils.UserError, match="Flux.1 draws without a negative prompt"):
+    with pytest.raises(errors.UserError, match="Flux.1 draws without a negative prompt"):
         generate.main(["--model_dir", str(tmp_path / "whole"), "--output_dir", str(tmp_path / "neg"), "--prompts",
                        "a toy", "--negative_prompt", "blurry"])
     assert not (tmp_path / "neg").exists()

@@ -167,9 +167,9 @@ def test_lora_on_two_workers_resumed_ends_on_the_uninterrupted_weights_and_draws
     test_sweep's SD 3.5 sweep, whose scores draw each trial's adapters on generate's actor pool.)"""
     from safetensors.torch import load_file
 
+    from dreambooth import files
     from dreambooth import planning
     from dreambooth import train
-    from dreambooth import utils
 
     def argv(name):
         return ["--model_dir", tiny_sd3_model, "--instance_images_dir", toy_images, "--instance_prompt",
@@ -183,8 +183,8 @@ def test_lora_on_two_workers_resumed_ends_on_the_uninterrupted_weights_and_draws
     capfd.readouterr()
     resumed = train.main([*argv("cut"), "--resume_from_checkpoint", "latest"])
     assert resumed.metrics["step"] == 4 and "resuming from" in capfd.readouterr().err  # steps 3 and 4 only
-    a = load_file(str(tmp_path / "whole" / utils.LORA_WEIGHTS_FILE))
-    b = load_file(str(tmp_path / "cut" / utils.LORA_WEIGHTS_FILE))
+    a = load_file(str(tmp_path / "whole" / files.LORA_WEIGHTS_FILE))
+    b = load_file(str(tmp_path / "cut" / files.LORA_WEIGHTS_FILE))
     assert a.keys() == b.keys() and any(k.startswith("transformer.") for k in a)
     assert all(torch.equal(a[k], b[k]) for k in a)
 

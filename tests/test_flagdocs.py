@@ -4,7 +4,7 @@ and help as `--help` gives them."""
 import os
 
 from dreambooth import flagdocs
-from dreambooth.utils import REPO_DIR
+from dreambooth.files import REPO_DIR
 
 
 def test_the_flags_page_is_the_one_the_parsers_make():

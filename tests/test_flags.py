@@ -6,7 +6,7 @@ import pytest
 
 from dreambooth import flags
 from dreambooth import planning
-from dreambooth.utils import REPO_DIR
+from dreambooth.files import REPO_DIR
 
 BASE = ["--model_dir", "/m", "--output_dir", "/o", "--instance_images_dir", "/i", "--instance_prompt", "p"]
 

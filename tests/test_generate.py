@@ -4,9 +4,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from dreambooth import errors
+from dreambooth import files
 from dreambooth import generate
 from dreambooth import outputs
-from dreambooth import utils
 
 
 def pixels(path):
@@ -20,7 +21,7 @@ def test_plan_images_tops_up_and_refuses_colliding_prompts(tmp_path):
     assert files == ["a-dog-00000.png", "a-dog-00001.png", "a-cat-00000.png", "a-cat-00001.png"]
     assert [r["file"] for r in rows] == ["a-dog-00000.png", "a-cat-00000.png", "a-cat-00001.png"]
     assert rows[0]["seed"] == generate.image_seed(0, "a dog", 0)
-    with pytest.raises(utils.UserError, match="share file names"):
+    with pytest.raises(errors.UserError, match="share file names"):
         generate.plan_images(["a dog", "A dog!"], 1, 0, str(tmp_path))
 
 
@@ -56,16 +57,16 @@ def checked_model(tmp_path_factory):
     """A tiny model with a safety checker that flags every image, as a base model and as a tuned one."""
     import torch
 
-    from dreambooth import models
+    from dreambooth import random_models
 
-    pipe = models.build_pipeline("tiny", safety_checker=True)
+    pipe = random_models.build_pipeline("tiny", safety_checker=True)
     with torch.no_grad():
         pipe.safety_checker.concept_embeds_weights.fill_(-1.0)
     base = tmp_path_factory.mktemp("checked-base")
     pipe.save_pretrained(base, safe_serialization=True)
     tuned = tmp_path_factory.mktemp("checked-tuned")
     pipe.save_pretrained(tuned, safe_serialization=True)
-    utils.write_json(os.path.join(tuned, utils.OUTPUT_MARKER), {"base_model": str(base)})
+    files.write_json(os.path.join(tuned, files.OUTPUT_MARKER), {"base_model": str(base)})
     return str(base), str(tuned)
 
 
@@ -97,7 +98,7 @@ def test_run_model_is_generate_under_the_air_example_name():
     import sys
 
     def options(script):
-        out = subprocess.run([sys.executable, script, "--help"], cwd=utils.REPO_DIR,
+        out = subprocess.run([sys.executable, script, "--help"], cwd=files.REPO_DIR,
                              capture_output=True, text=True, check=True).stdout
         return sorted(w for w in out.split() if w.startswith("--"))
 
@@ -126,7 +127,7 @@ def test_lora_dir_applies_the_adapters_at_their_scale(lora_output, tiny_model):
     folder, _ = lora_output
     assert outputs.resolve_model(folder, None) == outputs.ModelRef(tiny_model, folder)  # a LoRA output as --model_dir
     assert outputs.resolve_model(tiny_model, folder) == outputs.ModelRef(tiny_model, folder)
-    with pytest.raises(utils.UserError, match="has no pytorch_lora_weights.safetensors"):
+    with pytest.raises(errors.UserError, match="has no pytorch_lora_weights.safetensors"):
         outputs.resolve_model(tiny_model, tiny_model)
     assert generate.use_safety_checker("auto", outputs.ModelRef(tiny_model, folder))
     assert not generate.use_safety_checker("auto", outputs.ModelRef(tiny_model))
@@ -187,9 +188,9 @@ def test_class_images_are_kept_when_only_what_training_does_not_read_differs(tin
     err = capsys.readouterr().err
     assert "keeping the 2 class images" in err and "3 steps" in err and "50 steps" in err
     assert len(job.rows) == 1 and len(outputs.drawn_images(folder)) == 2  # only the missing one is drawn
-    with pytest.raises(utils.UserError, match="images were drawn with"):  # not class images: refused as before
+    with pytest.raises(errors.UserError, match="images were drawn with"):  # not class images: refused as before
         generate.top_up(folder, model, ["photo of a dog"], 3, again, False)
-    with pytest.raises(utils.UserError, match="32 px.*IMAGES_REG_DIR"):
+    with pytest.raises(errors.UserError, match="32 px.*IMAGES_REG_DIR"):
         generate.top_up(folder, model, ["photo of a dog"], 3, generate.ImageSettings(resolution=32), False,
                         remedy="set IMAGES_REG_DIR to another folder", class_images=True)
     assert len(outputs.drawn_images(folder)) == 2  # nothing deleted

@@ -25,19 +25,19 @@ def lint_imports(folder):
 def test_the_import_contracts_hold_with_no_circle_and_an_upward_import_breaks_them(tmp_path):
     kept = lint_imports(REPO)
     assert kept.returncode == 0 and "2 kept, 0 broken" in kept.stdout, kept.stdout[-3000:]
-    # A copy of the package where utils (the bottom layer) imports train (a command), and a family imports steps.
+    # A copy of the package where errors (a bottom layer) imports train (a command), and a family imports steps.
     shutil.copytree(os.path.join(REPO, "dreambooth"), tmp_path / "dreambooth",
                     ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(os.path.join(REPO, "pyproject.toml"), tmp_path)
-    with open(tmp_path / "dreambooth" / "utils.py", "a") as f:
+    with open(tmp_path / "dreambooth" / "errors.py", "a") as f:
         f.write("\n\ndef planted():\n    from dreambooth import train  # noqa: F401\n")
     with open(tmp_path / "dreambooth" / "family_sd1.py", "a") as f:
         f.write("\n\ndef planted():\n    from dreambooth import steps  # noqa: F401\n")
     broken = lint_imports(str(tmp_path))
     assert broken.returncode != 0 and "0 kept, 2 broken" in broken.stdout, broken.stdout[-3000:]
-    assert "dreambooth.utils -> dreambooth.train" in broken.stdout
+    assert "dreambooth.errors -> dreambooth.train" in broken.stdout
     assert "dreambooth.family_sd1 -> dreambooth.steps" in broken.stdout
-    assert import_circles(REPO) == [] and ("dreambooth.utils", "dreambooth.train") in import_circles(str(tmp_path))
+    assert import_circles(REPO) == [] and ("dreambooth.errors", "dreambooth.train") in import_circles(str(tmp_path))
 
 
 CIRCLES = """

@@ -6,8 +6,8 @@ from conftest import red_is_mask_photos
 from PIL import Image
 from PIL import ImageOps
 
+from dreambooth import errors
 from dreambooth import imagefiles
-from dreambooth import utils
 
 
 def asymmetric_image(height=6, width=9):
@@ -41,9 +41,9 @@ def test_list_images_skips_non_images_and_refuses_empty(tmp_path, capsys):
     err = capsys.readouterr().err
     assert ".DS_Store" in err and "notes.txt" not in err  # captions beside the images are expected
     empty = tmp_path / "sub"
-    with pytest.raises(utils.UserError, match="holds no images"):
+    with pytest.raises(errors.UserError, match="holds no images"):
         imagefiles.list_images(str(empty), "class")
-    with pytest.raises(utils.UserError, match="not found"):
+    with pytest.raises(errors.UserError, match="not found"):
         imagefiles.list_images(str(tmp_path / "missing"), "instance")
 
 
@@ -69,5 +69,5 @@ def test_masks_come_from_a_file_beside_the_photo_or_its_transparency_and_are_nev
     upright = imagefiles.read_mask(str(tmp_path / f"s{imagefiles.MASK_SUFFIX}"), str(tmp_path / "s.jpg"))
     np.testing.assert_array_equal(upright, imagefiles.apply_orientation(mask, 6))
     Image.fromarray(np.zeros((7, 7), np.uint8)).save(tmp_path / f"s{imagefiles.MASK_SUFFIX}")
-    with pytest.raises(utils.UserError, match="is 7x7 px but its photo .* is 10x20: draw the mask"):
+    with pytest.raises(errors.UserError, match="is 7x7 px but its photo .* is 10x20: draw the mask"):
         imagefiles.find_masks([str(tmp_path / "s.jpg")])

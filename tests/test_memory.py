@@ -9,18 +9,18 @@ import sys
 import pytest
 import torch
 
+from dreambooth import errors
 from dreambooth import memory
-from dreambooth import models
 from dreambooth import preflight
+from dreambooth import random_models
 from dreambooth import raycluster
-from dreambooth import utils
-from dreambooth.utils import REPO_DIR
+from dreambooth.files import REPO_DIR
 
 
 @pytest.mark.parametrize("size, arch, family", [("sd15", "sd1", "sd1"), ("sdxl", "sdxl", "sdxl"),
                                                 ("flux-dev", "flux", "flux"), ("sd35-large", "sd3", "sd3")])
 def test_released_parameter_counts_are_the_architectures_built_on_the_meta_device(size, arch, family):
-    counts = models.parameter_counts(size, arch)
+    counts = random_models.parameter_counts(size, arch)
     assert counts.keys() == memory.RELEASED[family].keys()
     for name, count in counts.items():
         assert memory.RELEASED[family][name] == pytest.approx(count, rel=1e-4), name
@@ -35,7 +35,7 @@ def test_the_activation_count_of_sd1_is_the_calibration_and_fused_attention_is_c
 
     counts = []
     for checkpointed in (False, True):
-        unet = models.meta_networks("sd15", "sd1")["unet"].to(torch.bfloat16).train()
+        unet = random_models.meta_networks("sd15", "sd1")["unet"].to(torch.bfloat16).train()
         if checkpointed:
             unet.enable_gradient_checkpointing()
         meta = dict(device="meta", dtype=torch.bfloat16)
@@ -104,7 +104,7 @@ def preflight_args(model, *words, gpu_memory):
 
 def test_a_run_that_does_not_fit_the_stated_card_names_the_flags_that_make_it_fit():
     """The figures of the table against a stated card size (GPU_MEMORY): no GPU needed to plan for one."""
-    with pytest.raises(utils.UserError) as err:
+    with pytest.raises(errors.UserError) as err:
         preflight.check_gpus(*preflight_args("sd15", gpu_memory=16), 0)
     line = str(err.value)
     assert "full fine-tune of SD 1.x at 512 px, 2 + 2 images a step, needs about 18.6 GiB" in line
@@ -113,7 +113,7 @@ def test_a_run_that_does_not_fit_the_stated_card_names_the_flags_that_make_it_fi
     preflight.check_gpus(*preflight_args("sd15", "--gradient_checkpointing", "--use_8bit_adam", gpu_memory=16), 0)
     preflight.check_gpus(*preflight_args("sd15", gpu_memory=24), 0)  # the default run on a 24 GB card
     # SDXL LoRA at 1024 px, one + one image: a 24 GB card wants gradient checkpointing
-    with pytest.raises(utils.UserError, match=r"the LoRA of SDXL at 1024 px, 1 \+ 1 images.* add "
+    with pytest.raises(errors.UserError, match=r"the LoRA of SDXL at 1024 px, 1 \+ 1 images.* add "
                                               r"--gradient_checkpointing \(about"):
         preflight.check_gpus(*preflight_args("sdxl", "--use_lora", "--train_batch_size", "1", gpu_memory=24), 0)
     # a lower resolution is the last thing tried (it changes the result most)
@@ -122,7 +122,7 @@ def test_a_run_that_does_not_fit_the_stated_card_names_the_flags_that_make_it_fi
     assert memory.fits(fixed, 10) and not memory.fits(memory.need("sdxl", memory.Setup(
         lora=True, gradient_checkpointing=True, batch=1, resolution=1024)), 10)
     # nothing fits: said so, with what is left to try
-    with pytest.raises(utils.UserError, match=r"use a larger card, --gpus_per_worker 2, or a lower --resolution"):
+    with pytest.raises(errors.UserError, match=r"use a larger card, --gpus_per_worker 2, or a lower --resolution"):
         preflight.check_gpus(*preflight_args("sdxl", gpu_memory=4), 0)
 
 
@@ -133,12 +133,12 @@ def test_the_flow_short_names_are_planned_with_their_own_size_before_they_are_fe
     full fine-tune is refused on an 80 GiB card with the flags that make it fit (LoRA)."""
     full = ("--gradient_checkpointing", "--use_8bit_adam", "--no-train_text_encoder", "--train_batch_size", "1")
     preflight.check_gpus(*preflight_args("sd35-medium", *full, gpu_memory=40), 0)
-    with pytest.raises(utils.UserError, match=r"the full fine-tune of SD 3.5 at 1024 px, 1 \+ 1 images a step"):
+    with pytest.raises(errors.UserError, match=r"the full fine-tune of SD 3.5 at 1024 px, 1 \+ 1 images a step"):
         preflight.check_gpus(*preflight_args("sd35-large", *full, gpu_memory=40), 0)
     medium, large = (preflight.model_family(preflight_args(name, gpu_memory=24)[0]) for name in ("sd35-medium",
                                                                                                  "sd35-large"))
     assert medium[2] == "sd35-medium" and medium[1]["transformer"] < large[1]["transformer"] / 3
-    with pytest.raises(utils.UserError, match=r"full fine-tune of Flux.1 at 1024 px.* add --use_lora"):
+    with pytest.raises(errors.UserError, match=r"full fine-tune of Flux.1 at 1024 px.* add --use_lora"):
         preflight.check_gpus(*preflight_args("flux-dev", gpu_memory=80), 0)
 
 
@@ -188,6 +188,6 @@ def test_gpus_ray_counts_but_torch_cannot_use_stop_the_preflight(tmp_path, toy_i
     # the other build's line, from the same check on a node's report
     report = {"node": "10.0.0.2", "gpus": 1, "cards": [], "torch": "2.13.0", "warning": None}
     for cuda, expected in ((None, cpu_only), ("13.0", driver)):
-        with pytest.raises(utils.UserError) as err:
+        with pytest.raises(errors.UserError) as err:
             preflight.check_drivers([{**report, "cuda": cuda}])
         assert re.fullmatch(expected, f"error: {err.value}"), err.value

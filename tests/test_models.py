@@ -4,9 +4,10 @@
 import pytest
 import torch
 
+from dreambooth import errors
 from dreambooth import models as models_lib
+from dreambooth import random_models
 from dreambooth import steps
-from dreambooth import utils
 
 CPU = torch.device("cpu")
 
@@ -70,14 +71,14 @@ def test_compiled_unet_unwraps_and_trains(make_plan, step_prompts):
     loss = steps.train_step(state, [batch], step_prompts, 1.0, 1.0)[0]
     assert torch.isfinite(loss)
     # A backend torch does not know: one line naming those it does (a UserError: no restart of the workers)
-    with pytest.raises(utils.UserError, match=r"^--torch_compile nope: not a backend of this torch \(.*inductor"):
+    with pytest.raises(errors.UserError, match=r"^--torch_compile nope: not a backend of this torch \(.*inductor"):
         models_lib.setup_models(make_plan(torch_compile="nope"), CPU, CPU, distributed=False)
 
 
 @pytest.mark.parametrize("size, unet_m, te_m, vae_m", [("sd15", 859.5, 123.1, 83.7)])
 def test_sd15_architecture_has_sd_1x_parameter_counts(size, unet_m, te_m, vae_m):
     with torch.device("meta"):
-        pipe = models_lib.build_pipeline(size)
+        pipe = random_models.build_pipeline(size)
 
     def millions(m):
         return round(sum(p.numel() for p in m.parameters()) / 1e6, 1)
@@ -91,9 +92,9 @@ def test_the_random_sdxl_has_sdxl_base_parameter_counts_and_conditioning():
     cross-attention width and pooled + size/crop embedding input; counted on the meta device."""
     from transformers import CLIPTokenizer
 
-    tokenizer = CLIPTokenizer.from_pretrained(models_lib.TINY_TOKENIZER_DIR, model_max_length=77)
+    tokenizer = CLIPTokenizer.from_pretrained(random_models.TINY_TOKENIZER_DIR, model_max_length=77)
     with torch.device("meta"):
-        nets = models_lib.build_networks("sdxl", "sdxl", tokenizer)
+        nets = random_models.build_networks("sdxl", "sdxl", tokenizer)
     counts = {name: sum(p.numel() for p in net.parameters()) for name, net in nets.items()}
     assert counts == {"unet": 2_567_463_684, "text_encoder": 123_060_480, "text_encoder_2": 694_659_840,
                       "vae": 83_653_863}
@@ -105,7 +106,7 @@ def test_the_random_sdxl_has_sdxl_base_parameter_counts_and_conditioning():
 def test_tiny_safety_checker_flags_nothing_until_its_weights_say_so():
     import numpy as np
 
-    pipe = models_lib.build_pipeline("tiny", safety_checker=True)
+    pipe = random_models.build_pipeline("tiny", safety_checker=True)
     images = np.random.default_rng(0).random((2, 64, 64, 3)).astype(np.float32)
     inputs = pipe.feature_extractor([x for x in (images * 255).astype(np.uint8)], return_tensors="pt")
     _, flagged = pipe.safety_checker(inputs.pixel_values, images.copy())

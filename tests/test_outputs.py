@@ -6,9 +6,10 @@ import shutil
 
 import pytest
 
+from dreambooth import errors
+from dreambooth import files
 from dreambooth import generate
 from dreambooth import outputs
-from dreambooth import utils
 
 SETTINGS = generate.ImageSettings(num_inference_steps=3, seed=1)
 
@@ -16,9 +17,9 @@ SETTINGS = generate.ImageSettings(num_inference_steps=3, seed=1)
 def test_a_retrained_output_has_a_new_fingerprint_and_a_copied_base_the_same(tiny_model, tmp_path):
     tuned = tmp_path / "tuned"
     tuned.mkdir()
-    utils.write_json(tuned / utils.OUTPUT_MARKER, {"base_model": tiny_model, "model_id": outputs.new_model_id()})
+    files.write_json(tuned / files.OUTPUT_MARKER, {"base_model": tiny_model, "model_id": outputs.new_model_id()})
     first = outputs.model_fingerprint(str(tuned))
-    utils.write_json(tuned / utils.OUTPUT_MARKER, {"base_model": tiny_model, "model_id": outputs.new_model_id()})
+    files.write_json(tuned / files.OUTPUT_MARKER, {"base_model": tiny_model, "model_id": outputs.new_model_id()})
     assert first.startswith("trained:") and outputs.model_fingerprint(str(tuned)) != first
     # a hub snapshot is named by its commit, wherever its cache folder is
     assert outputs.model_fingerprint(tiny_model).startswith("dreambooth-ray/tiny-stable-diffusion@")
@@ -50,7 +51,7 @@ def test_top_up_keeps_images_of_the_same_model_and_settings_only(tiny_model, tmp
                                        (["photo of a dog"], generate.ImageSettings(3, resolution=128, seed=1),
                                         "resolution"),
                                        (["photo of a dog"], generate.ImageSettings(3, seed=2), "seed")):
-        with pytest.raises(utils.UserError, match=f"its 2 images were drawn with .*\\(different: {differs}\\).*--force"):
+        with pytest.raises(errors.UserError, match=f"its 2 images were drawn with .*\\(different: {differs}\\).*--force"):
             generate.top_up(folder, model, prompts, 3, settings, False)
     # --force deletes them and draws these; evaluate's "redraw" does it with a line
     job = generate.top_up(folder, model, ["photo of a cat"], 2, SETTINGS, False, on_mismatch="force")
@@ -64,7 +65,7 @@ def test_top_up_keeps_images_of_the_same_model_and_settings_only(tiny_model, tmp
     capsys.readouterr()
     retrained = tmp_path / "tuned"
     retrained.mkdir()
-    utils.write_json(retrained / utils.OUTPUT_MARKER, {"base_model": tiny_model, "model_id": "x"})
+    files.write_json(retrained / files.OUTPUT_MARKER, {"base_model": tiny_model, "model_id": "x"})
     shutil.copytree(tiny_model, retrained, dirs_exist_ok=True)
     job = generate.top_up(folder, outputs.ModelRef(str(retrained)), ["photo of a cat"], 2, SETTINGS, False,
                           on_mismatch="redraw", label="tuned")
@@ -76,7 +77,7 @@ def test_images_without_a_record_are_not_mixed_with_new_ones(tiny_model, tmp_pat
     folder.mkdir()
     (folder / generate.image_file_name("photo of a dog", 0)).write_bytes(b"")
     (folder / "mine.jpg").write_bytes(b"")  # not ours: left alone
-    with pytest.raises(utils.UserError, match="have no record"):
+    with pytest.raises(errors.UserError, match="have no record"):
         generate.top_up(str(folder), outputs.ModelRef(tiny_model), ["photo of a dog"], 1, SETTINGS, False)
     generate.top_up(str(folder), outputs.ModelRef(tiny_model), ["photo of a dog"], 1, SETTINGS, False, "force")
     assert sorted(os.listdir(folder)) == sorted(["mine.jpg", outputs.IMAGES_RECORD])
@@ -84,7 +85,7 @@ def test_images_without_a_record_are_not_mixed_with_new_ones(tiny_model, tmp_pat
 
 def test_output_dir_that_is_not_ours_is_refused(tmp_path):
     (tmp_path / "thesis.tex").write_text("precious")
-    with pytest.raises(utils.UserError, match="--overwrite"):
+    with pytest.raises(errors.UserError, match="--overwrite"):
         outputs.check_output_dir(str(tmp_path), overwrite=False)
     outputs.check_output_dir(str(tmp_path), overwrite=True)
 

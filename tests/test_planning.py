@@ -7,10 +7,11 @@ import re
 import pytest
 from PIL import Image
 
+from dreambooth import errors
+from dreambooth import files
 from dreambooth import outputs
 from dreambooth import planning
 from dreambooth import prompts
-from dreambooth import utils
 
 
 def test_plan_run_decides_every_setting_once_before_ray(tiny_model, toy_images, tmp_path, capsys):
@@ -46,7 +47,7 @@ def test_plan_run_refuses_bad_files_before_starting_ray(tiny_model, tmp_path):
 
     args = planning.parse_args(["--model_dir", tiny_model, "--output_dir", str(tmp_path / "out"),
                             "--instance_data_dir", str(tmp_path / "missing"), "--instance_prompt", "p"])
-    with pytest.raises(utils.UserError, match="instance folder not found"):
+    with pytest.raises(errors.UserError, match="instance folder not found"):
         planning.plan_run(args, cluster)
 
 
@@ -109,7 +110,7 @@ def test_captions_beside_instance_images_replace_the_instance_prompt(tiny_model,
     err = capsys.readouterr().err
     assert "1 prompt(s)/caption(s) has no word that --class_prompt lacks (e.g. 'a photo of a toy')" in err
     (own / "toy-0.txt").write_text("  \n")
-    with pytest.raises(utils.UserError, match="toy-0.txt is empty"):
+    with pytest.raises(errors.UserError, match="toy-0.txt is empty"):
         planning.plan_run(planning.parse_args(argv), lambda: (2.0, 0))
 
 
@@ -130,7 +131,7 @@ def test_lora_defaults_learning_rate_and_alpha_and_a_resume_must_match_its_kind(
     done = tmp_path / "ray_results" / "out-20260101-000000" / "checkpoint_0"  # a full fine-tuning checkpoint
     done.mkdir(parents=True)
     (done / "unet.safetensors").write_bytes(b"w")
-    utils.write_json(str(done / "train_state.json"), {"step": 2, "identity": full_identity,
+    files.write_json(str(done / "train_state.json"), {"step": 2, "identity": full_identity,
                                                       "sizes": {"unet.safetensors": 1}})
     args = planning.parse_args(run_argv + ["--use_lora", "--resume_from_checkpoint", "latest"])
     capsys.readouterr()
@@ -138,7 +139,7 @@ def test_lora_defaults_learning_rate_and_alpha_and_a_resume_must_match_its_kind(
     assert re.search(r"not resuming \S+checkpoint_0: it is of another run \(.*--learning_rate 5e-06 -> 0.0001; "
                      r".*--use_lora False -> True", capsys.readouterr().err)
     args = planning.parse_args(run_argv + ["--use_lora", "--resume_from_checkpoint", str(done)])
-    with pytest.raises(utils.UserError, match=r"checkpoint \S+ is of another run: .*--use_lora False -> True"):
+    with pytest.raises(errors.UserError, match=r"checkpoint \S+ is of another run: .*--use_lora False -> True"):
         planning.plan_run(args, lambda: (4.0, 0))
     args = planning.parse_args(run_argv + ["--resume_from_checkpoint", "latest"])
     assert planning.plan_run(args, lambda: (4.0, 0)).resume_path == str(done)  # the same run resumes
@@ -173,7 +174,7 @@ def test_an_sdxl_plan_takes_both_tokenizers_its_own_vae_and_validation_epochs(ti
     assert run.steps_per_epoch == 5 and run.validation_steps == 10
     assert [run.is_validation_step(s) for s in (5, 10, 12)] == [False, True, True]
     assert len(prompts.run_prompt_ids(run)["instance"][0]) == 2  # each prompt's ids for both tokenizers
-    with pytest.raises(utils.UserError, match="no config.json there"):
+    with pytest.raises(errors.UserError, match="no config.json there"):
         planning.plan_run(planning.parse_args(argv + ["--pretrained_vae_model_name_or_path", toy_images]),
                           lambda: (2.0, 0))
 
@@ -185,7 +186,7 @@ def test_holdout_keeps_the_last_photos_out_of_training(tiny_model, toy_images, t
     assert [os.path.basename(p) for p in run.instance_images] == ["toy-0.jpg", "toy-1.jpg", "toy-2.jpg"]
     assert [os.path.basename(p) for p in run.held_out] == ["toy-3.jpg", "toy-4.jpg"]
     assert "--holdout 2: training without toy-3.jpg, toy-4.jpg (evaluate.py --holdout 2" in capsys.readouterr().err
-    with pytest.raises(utils.UserError, match="--holdout 5 leaves none of the 5 photos to train on"):
+    with pytest.raises(errors.UserError, match="--holdout 5 leaves none of the 5 photos to train on"):
         planning.plan_run(planning.parse_args(argv + ["--holdout", "5"]), lambda: (2.0, 0))
 
 
@@ -200,7 +201,7 @@ def test_buckets_are_planned_from_the_resolution_and_the_models_size_step(tiny_m
     for extra, says in ((["--bucket_reso_steps", "6"], "must be a multiple of 4 for this model"),
                         (["--min_bucket_reso", "80"], "must enclose the resolution 64"),
                         (["--min_bucket_reso", "64", "--max_bucket_reso", "64"], "no bucket but the square")):
-        with pytest.raises(utils.UserError, match=says):
+        with pytest.raises(errors.UserError, match=says):
             planning.plan_run(planning.parse_args(argv + ["--enable_bucket", *extra]), lambda: (2.0, 0))
 
 

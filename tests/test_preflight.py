@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
+from dreambooth import errors
 from dreambooth import preflight
-from dreambooth import utils
-from dreambooth.utils import REPO_DIR
+from dreambooth.files import REPO_DIR
 
 
 def args(**given):
@@ -23,7 +23,7 @@ def test_workers_default_to_one_per_gpu_and_too_many_name_the_variable(capsys):
     assert preflight.check_workers(args(), cpus=16, gpus=1) == 1
     assert preflight.check_workers(args(), cpus=16, gpus=8) == 8
     assert preflight.check_workers(args(gpus_per_worker=2), cpus=16, gpus=8) == 4
-    with pytest.raises(utils.UserError, match=r"NUM_WORKERS=2 x GPUS_PER_WORKER=1 needs 2 GPUs; the Ray cluster "
+    with pytest.raises(errors.UserError, match=r"NUM_WORKERS=2 x GPUS_PER_WORKER=1 needs 2 GPUs; the Ray cluster "
                                               r"has 1: set NUM_WORKERS=1"):
         preflight.check_workers(args(num_workers=2), cpus=16, gpus=1)
     assert capsys.readouterr().err == ""
@@ -32,7 +32,7 @@ def test_workers_default_to_one_per_gpu_and_too_many_name_the_variable(capsys):
     assert "no GPU" in err and "Stable Diffusion" not in err  # on CPUs: said before Step 1 (any family: no SD name)
     assert "`ray stop` stops every Ray cluster of this machine" in err  # (not advised as the fix)
     assert preflight.check_workers(args(tiny=True), cpus=2, gpus=0) == 1 and capsys.readouterr().err == ""
-    with pytest.raises(utils.UserError, match="NUM_WORKERS=3: .* 2 CPUs"):
+    with pytest.raises(errors.UserError, match="NUM_WORKERS=3: .* 2 CPUs"):
         preflight.check_workers(args(num_workers=3, tiny=True), cpus=2, gpus=0)
 
 
@@ -74,13 +74,13 @@ def test_photos_and_class_name_are_checked_first(tmp_path, toy_images, capsys):
     assert len(preflight.check_photos(str(captioned), "INSTANCE_DIR")) == 5
     assert "skipping 1 non-image file(s) in " in capsys.readouterr().err  # notes.doc, not the caption train.py reads
     (tmp_path / "empty").mkdir()
-    with pytest.raises(utils.UserError, match=r"INSTANCE_DIR=\S+empty: .*holds no images"):
+    with pytest.raises(errors.UserError, match=r"INSTANCE_DIR=\S+empty: .*holds no images"):
         preflight.check_photos(str(tmp_path / "empty"), "INSTANCE_DIR")
     broken = shutil.copytree(toy_images, tmp_path / "photos")
     (broken / "IMG_1.jpg").write_bytes(b"\xff\xd8\xff not a photo")
-    with pytest.raises(utils.UserError, match="IMG_1.jpg"):
+    with pytest.raises(errors.UserError, match="IMG_1.jpg"):
         preflight.check_photos(str(broken), "INSTANCE_DIR")
-    with pytest.raises(utils.UserError, match="CLASS_NAME is not set"):
+    with pytest.raises(errors.UserError, match="CLASS_NAME is not set"):
         preflight.main(["--photos_dir", toy_images, "--data_prefix", str(tmp_path), "--class_name", " "])
 
 

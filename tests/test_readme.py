@@ -11,8 +11,8 @@ import sys
 import pytest
 from conftest import model_cache_of
 
-from dreambooth.utils import OUTPUT_MARKER
-from dreambooth.utils import REPO_DIR
+from dreambooth.files import OUTPUT_MARKER
+from dreambooth.files import REPO_DIR
 
 README = open(os.path.join(REPO_DIR, "README.md")).read()
 # The README and the pages of docs/ it links to (the users' pages): their shell blocks are held to the same rules.

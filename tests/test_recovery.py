@@ -21,7 +21,7 @@ from dreambooth import checkpoint
 from dreambooth import generate
 from dreambooth import runlog
 from dreambooth import train
-from dreambooth.utils import REPO_DIR
+from dreambooth.files import REPO_DIR
 
 
 def env():

@@ -2,8 +2,8 @@
 
 import pytest
 
+from dreambooth import errors
 from dreambooth import resources
-from dreambooth import utils
 
 
 def test_worker_resources_leave_a_cpu_for_ray_data_and_refuse_impossible():
@@ -59,7 +59,7 @@ def test_plan_steps_never_exceeds_max_steps_or_starves_a_worker():
     assert resources.plan_steps(5, Args) == (1, 4)
     Args.max_train_steps = 3
     assert resources.plan_steps(200, Args) == (50, 3)
-    with pytest.raises(utils.UserError, match="cannot feed"):
+    with pytest.raises(errors.UserError, match="cannot feed"):
         resources.plan_steps(1, Args)
 
 
@@ -70,7 +70,7 @@ def test_plan_steps_with_gradient_accumulation():
 
     assert resources.plan_steps(200, Args) == (33, 132)
     Args.gradient_accumulation_steps = 4
-    with pytest.raises(utils.UserError, match="gradient_accumulation_steps"):
+    with pytest.raises(errors.UserError, match="gradient_accumulation_steps"):
         resources.plan_steps(6, Args)
 
 

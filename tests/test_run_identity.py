@@ -8,9 +8,10 @@ import shutil
 import pytest
 
 from dreambooth import checkpoint
+from dreambooth import errors
+from dreambooth import files
 from dreambooth import planning
 from dreambooth import run_identity
-from dreambooth import utils
 
 
 def argv(model, photos, out, *extra):
@@ -26,7 +27,7 @@ def fake_checkpoint(storage, run, identity_of, step=2):
     folder = storage / run / "checkpoint_0"
     folder.mkdir(parents=True)
     (folder / "unet.safetensors").write_bytes(b"w")
-    utils.write_json(str(folder / checkpoint.STATE_FILE), {"step": step, "identity": identity_of,
+    files.write_json(str(folder / checkpoint.STATE_FILE), {"step": step, "identity": identity_of,
                                                            "sizes": {"unet.safetensors": 1}})
     return str(folder)
 
@@ -91,7 +92,7 @@ def test_a_rerun_with_other_photos_never_resumes_the_stopped_run(tiny_model, toy
     # an explicit checkpoint of another run is refused, naming what differs
     refused = planning.parse_args(argv(tiny_model, toy_images, out, "--resume_from_checkpoint",
                                        str(storage / "model-tuned-20260102-000000" / "checkpoint_0")))
-    with pytest.raises(utils.UserError, match=r"is of another run: the photos \(their content\)"):
+    with pytest.raises(errors.UserError, match=r"is of another run: the photos \(their content\)"):
         planning.plan_run(refused, lambda: (4.0, 0))
 
 
@@ -99,7 +100,7 @@ def test_a_finished_model_of_the_same_run_is_kept_and_another_replaced(tiny_mode
     out = tmp_path / "model-tuned"
     same = identity(tiny_model, toy_images, out)
     out.mkdir()
-    utils.write_json(str(out / utils.OUTPUT_MARKER), {"base_model": tiny_model, "identity": same})
+    files.write_json(str(out / files.OUTPUT_MARKER), {"base_model": tiny_model, "identity": same})
     auto = planning.parse_args(argv(tiny_model, toy_images, out, "--resume_from_checkpoint", "auto"))
     with pytest.raises(planning.AlreadyTrained, match="holds the finished model of this run"):
         planning.plan_run(auto, lambda: (4.0, 0))

@@ -5,8 +5,9 @@ import pytest
 import torch
 from PIL import Image
 
+from dreambooth import errors
+from dreambooth import files
 from dreambooth import scores
-from dreambooth import utils
 
 
 def cluster(center, n, spread, seed):
@@ -48,7 +49,7 @@ def test_diversity_is_zero_for_copies_and_counts_pairs_within_prompts_only():
     # One prompt with two orthogonal images (distance 1), one with two copies (0): pairs 1 and 0.
     assert scores.diversity([e, e[:1].repeat(2, 1)]) == pytest.approx(0.5)
     assert scores.diversity([e[:1], e]) == pytest.approx(1.0)  # a single image adds no pair
-    with pytest.raises(utils.UserError, match="at least two images"):
+    with pytest.raises(errors.UserError, match="at least two images"):
         scores.diversity([e[:1]])
 
 
@@ -68,7 +69,7 @@ def embedder(tmp_path_factory):
 
 
 def test_tiny_models_embed_images_and_prompts_and_identical_images_score_one(embedder):
-    photos = [Image.open(p).convert("RGB") for p in sorted(glob.glob(os.path.join(utils.REPO_DIR, "images/toy/*.jpg")))]
+    photos = [Image.open(p).convert("RGB") for p in sorted(glob.glob(os.path.join(files.REPO_DIR, "images/toy/*.jpg")))]
     dino, clip = embedder.dino_images(photos), embedder.clip_images(photos)
     assert dino.shape == (5, 32) and clip.shape == (5, 16)
     copies = [photos[0].copy() for _ in range(3)]

@@ -15,9 +15,9 @@ import urllib.request
 
 import pytest
 
+from dreambooth import errors
 from dreambooth import raycluster
-from dreambooth import utils
-from dreambooth.utils import REPO_DIR
+from dreambooth.files import REPO_DIR
 
 LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1", "localhost")
 # One real method of each kind of Ray gRPC server: a server checks the token before it runs a method
@@ -195,7 +195,7 @@ def test_the_traceback_file_is_new_and_private(tmp_path, monkeypatch):
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for name in (f"dreambooth-error-{stamp}-{os.getpid()}.log", f"dreambooth-error-{stamp}-.log"):
         os.symlink(victim, tmp_path / name)
-    err = utils.ray_failure(ray.exceptions.RayTaskError("f", "Traceback...\nValueError: boom", ValueError("boom")))
+    err = errors.ray_failure(ray.exceptions.RayTaskError("f", "Traceback...\nValueError: boom", ValueError("boom")))
     log = err.args[0].split("(traceback in ")[1].rstrip(")")
     assert os.path.dirname(log) == str(tmp_path) and not os.path.islink(log)
     assert os.stat(log).st_mode & 0o777 == 0o600 and victim.read_text() == "keep"

@@ -8,11 +8,12 @@ import sys
 
 import pytest
 
+from dreambooth import errors
+from dreambooth import files
 from dreambooth import outputs
 from dreambooth import runfiles
 from dreambooth import storage
-from dreambooth import utils
-from dreambooth.utils import REPO_DIR
+from dreambooth.files import REPO_DIR
 
 
 @pytest.mark.parametrize("scheme", ["s3", "gs"])
@@ -38,7 +39,7 @@ def test_storage_reads_lists_and_writes_a_bucket_like_a_folder(scheme, request, 
     assert not storage.exists(f"{root}/a/one.json")
     storage.check_reachable(root, "--storage_path")
     where = r" \(AWS_ENDPOINT_URL=http://127\.0\.0\.1:\d+\)" if scheme == "s3" else ""
-    with pytest.raises(utils.UserError, match=rf"^--storage_path {scheme}://no-such-bucket/x cannot be written from "
+    with pytest.raises(errors.UserError, match=rf"^--storage_path {scheme}://no-such-bucket/x cannot be written from "
                                               rf"this node{where}: "):
         storage.check_reachable(f"{scheme}://no-such-bucket/x", "--storage_path")
 
@@ -50,11 +51,11 @@ def test_a_runs_files_reach_its_bucket_folder_and_each_nodes_errors_log_keeps_a_
     os.makedirs(os.path.join(local, "validation"))
     open(os.path.join(local, "metrics.jsonl"), "w").write('{"step": 1}\n')
     open(os.path.join(local, "validation", "a.png"), "wb").write(b"png")
-    utils.log_error_event(local, "worker 1 failed")
+    errors.log_error_event(local, "worker 1 failed")
     runfiles.sync_up("s3://runs/t/results", "run-1")
-    errors = f"errors-{socket.gethostname()}.log"  # (another node's errors.log would not replace this one)
-    assert storage.listdir("s3://runs/t/results/run-1") == sorted([errors, "metrics.jsonl", "validation"])
-    assert b"worker 1 failed" in storage.read_bytes(f"s3://runs/t/results/run-1/{errors}")
+    errors_log = f"errors-{socket.gethostname()}.log"  # (another node's errors.log would not replace this one)
+    assert storage.listdir("s3://runs/t/results/run-1") == sorted([errors_log, "metrics.jsonl", "validation"])
+    assert b"worker 1 failed" in storage.read_bytes(f"s3://runs/t/results/run-1/{errors_log}")
     storage.remove_tree("s3://runs/t/results")
 
 
@@ -67,10 +68,10 @@ def test_an_output_folder_in_a_bucket_is_filled_here_and_its_changes_reach_the_b
     with storage.output_folder(out) as local:  # what is there already, to top up
         assert sorted(os.listdir(local)) == ["gone.png", "old.png"] and not storage.is_remote(local)
         os.remove(os.path.join(local, "gone.png"))
-        utils.write_bytes_atomic(b"new", os.path.join(local, "new.png"))
+        files.write_bytes_atomic(b"new", os.path.join(local, "new.png"))
         os.makedirs(os.path.join(local, "grid"))
         open(os.path.join(local, "grid", "grid.png"), "wb").write(b"grid")
-        open(os.path.join(local, f"half.png{utils.TEMP_MARK}1"), "wb").write(b"ha")  # (still being written)
+        open(os.path.join(local, f"half.png{files.TEMP_MARK}1"), "wb").write(b"ha")  # (still being written)
     assert storage.listdir(out) == ["grid", "new.png", "old.png"]
     assert storage.read_bytes(f"{out}/grid/grid.png") == b"grid"
     with pytest.raises(KeyboardInterrupt), storage.output_folder(out) as local:
@@ -84,7 +85,7 @@ def test_an_output_folder_in_a_bucket_is_filled_here_and_its_changes_reach_the_b
     assert storage.read_bytes(f"{out}/killed.png") == b"k"
     storage.remove_tree(out)
     with storage.output_folder(out) as local:  # (emptied in the bucket: emptied here)
-        assert [name for _, _, names in os.walk(local) for name in names] == [f"half.png{utils.TEMP_MARK}1"]
+        assert [name for _, _, names in os.walk(local) for name in names] == [f"half.png{files.TEMP_MARK}1"]
     with storage.output_folder("/a/folder") as local:
         assert local == "/a/folder"
 
@@ -117,7 +118,7 @@ def test_photos_of_a_bucket_are_read_from_this_nodes_copy_and_class_images_may_b
     # class images to be drawn: an empty class folder in the bucket is this node's empty copy, to draw into
     drawing = argparse.Namespace(instance_data_dir="/p", class_data_dir="s3://runs/reg")
     assert os.listdir(inputs.fetch_from_buckets(drawing, draw_class_images=lambda: None).class_data_dir) == []
-    with pytest.raises(utils.UserError, match="^s3://runs/reg holds no files"):  # (to be read only: said)
+    with pytest.raises(errors.UserError, match="^s3://runs/reg holds no files"):  # (to be read only: said)
         inputs.fetch_from_buckets(drawing)
 
 
@@ -173,7 +174,7 @@ def test_a_run_in_a_bucket_checkpoints_resumes_from_it_and_ends_like_an_uninterr
     exported = f"s3://{bucket}/exports/cut.safetensors"
     assert export.main(["--model_dir", f"s3://{bucket}/models/cut", "--output_file", exported]) == exported
     assert storage.size(exported) > 2**20
-    with pytest.raises(utils.UserError, match="exists: pass --overwrite"):
+    with pytest.raises(errors.UserError, match="exists: pass --overwrite"):
         export.main(["--model_dir", f"s3://{bucket}/models/cut", "--output_file", exported])
     runs = storage.listdir(remote)
     assert len(runs) == 2 and not [f for f in storage.listdir(storage.join(remote, runs[1])) if f.startswith("checkpoint_2")]

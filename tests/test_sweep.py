@@ -9,12 +9,13 @@ import sys
 
 import pytest
 
+from dreambooth import errors
+from dreambooth import files
 from dreambooth import imagefiles
 from dreambooth import sweep
 from dreambooth import sweep_rows
 from dreambooth import sweep_trial
-from dreambooth import utils
-from dreambooth.utils import REPO_DIR
+from dreambooth.files import REPO_DIR
 
 
 def base_argv(model, tmp_path):
@@ -47,7 +48,7 @@ def write_subject(folder, images, info):
     for image in images:
         shutil.copy(image, folder)
     if info is not None:
-        utils.write_json(os.path.join(folder, imagefiles.SUBJECT_FILE), info)
+        files.write_json(os.path.join(folder, imagefiles.SUBJECT_FILE), info)
 
 
 def test_subjects_come_from_their_folders_with_the_flags_as_defaults(tiny_model, toy_images, tmp_path):
@@ -63,10 +64,10 @@ def test_subjects_come_from_their_folders_with_the_flags_as_defaults(tiny_model,
     assert len(subjects["mug"].photos()) == 3 and "a zwx cup made of glass" in subjects["mug"].prompts()
 
     write_subject(tmp_path / "s" / "cat", photos[:1], None)
-    with pytest.raises(utils.UserError, match="cat has no subject.json"):
+    with pytest.raises(errors.UserError, match="cat has no subject.json"):
         sweep.read_subjects(args)
-    utils.write_json(tmp_path / "s" / "cat" / imagefiles.SUBJECT_FILE, {"unique_token": "x"})
-    with pytest.raises(utils.UserError, match="cat/subject.json: needs a JSON object with \"class_name\""):
+    files.write_json(tmp_path / "s" / "cat" / imagefiles.SUBJECT_FILE, {"unique_token": "x"})
+    with pytest.raises(errors.UserError, match="cat/subject.json: needs a JSON object with \"class_name\""):
         sweep.read_subjects(args)
 
 
@@ -82,10 +83,10 @@ def test_the_sweep_estimates_its_disk_and_refuses_what_does_not_fit(tiny_model, 
                if n.endswith(".safetensors"))
     assert per_checkpoint > 3 * unet and per_model > unet  # fp32 weights and AdamW's two moments; every network
     said = sweep.check_disk(args, train_args, num_trials=4, concurrency=1)
-    assert said == (f"about {utils.size_text(1 * 3 * per_checkpoint + 4 * 2 * per_model)} of disk (4 trial(s) x 2 "
-                    f"step count(s) x a model of {utils.size_text(per_model)}, and the checkpoints of 1 trial(s) at "
-                    f"once, {utils.size_text(per_checkpoint)} each)")
-    with pytest.raises(utils.UserError, match=r"the sweep needs about .* under --sweep_dir .* is free there: fewer "
+    assert said == (f"about {files.size_text(1 * 3 * per_checkpoint + 4 * 2 * per_model)} of disk (4 trial(s) x 2 "
+                    f"step count(s) x a model of {files.size_text(per_model)}, and the checkpoints of 1 trial(s) at "
+                    f"once, {files.size_text(per_checkpoint)} each)")
+    with pytest.raises(errors.UserError, match=r"the sweep needs about .* under --sweep_dir .* is free there: fewer "
                                               r"trials or step counts, --use_lora, or a --sweep_dir on a larger disk"):
         sweep.check_disk(args, train_args, num_trials=10 ** 7, concurrency=1)
 
@@ -248,13 +249,13 @@ def test_random_lora_sweep_of_two_subjects_in_a_bucket_on_two_nodes_scores_each_
         chosen = [r for r in table if r["subject"] == subject and r["chosen"] == "True"]
         assert len(chosen) == 1
         best = f"{root}/best/{subject}"
-        marker = storage.read_json(f"{best}/{utils.OUTPUT_MARKER}")
+        marker = storage.read_json(f"{best}/{files.OUTPUT_MARKER}")
         assert marker["steps"] == int(chosen[0]["step"]) and marker["base_model"] == tiny_model
         assert marker["instance_prompt"] == f"photo of {token} toy" and marker["lora"]["rank"] == 4
         # --holdout 1: each subject's last photo kept out of every trial, and scored against apart
         assert marker["held_out"] == [sorted(n for n in os.listdir(tmp_path / "s" / subject) if n.endswith(".jpg"))[-1]]
         assert all(0 < float(r["dino_holdout"]) <= 1 for r in table if r["subject"] == subject)
-        assert storage.isfile(f"{best}/{utils.LORA_WEIGHTS_FILE}")
+        assert storage.isfile(f"{best}/{files.LORA_WEIGHTS_FILE}")
         assert storage.isfile(f"{sweep_dir}/base/{subject}/report.md")
     report = storage.read_bytes(f"{sweep_dir}/report.md").decode()
     assert "| red | base |" in report and "| blue | chosen |" in report
@@ -309,7 +310,7 @@ def test_a_flux_lora_sweep_stops_the_trial_behind_early_and_its_best_adapters_lo
     assert second[0][1] <= first[0][1]  # behind at step 1 (the same CLIP-T floor and base: DINO decides)
     assert "stopped early at step 1" in (tmp_path / "best-sweep" / "trials.md").read_text()
     [chosen] = [r for r in table if r["chosen"] == "True"]
-    marker = utils.read_json(str(tmp_path / "best" / utils.OUTPUT_MARKER))
+    marker = files.read_json(str(tmp_path / "best" / files.OUTPUT_MARKER))
     assert marker["steps"] == int(chosen["step"]) and marker["base_model"] == model
     # (the best is the 1e-5 trial's first step: a smaller change, yet adapters loaded as zeros change nothing)
     assert image_change_of_adapters("FluxPipeline", model, str(tmp_path / "best")) > 1e-6
@@ -369,7 +370,7 @@ def test_early_stopping_is_on_for_random_search_and_big_grids_and_stops_within_a
     assert not sweep.wants_early_stopping(args(), 4) and sweep.wants_early_stopping(args(), 5)
     assert sweep.wants_early_stopping(args(search="random"), 2) and sweep.wants_early_stopping(args(early_stopping="on"), 2)
     assert not sweep.wants_early_stopping(args(search="random", sweep_max_train_steps=[4]), 8)
-    with pytest.raises(utils.UserError, match="needs 2 or more --sweep_max_train_steps"):
+    with pytest.raises(errors.UserError, match="needs 2 or more --sweep_max_train_steps"):
         sweep.wants_early_stopping(args(early_stopping="on", sweep_max_train_steps=[4]), 8)
     # The score: DINO gain over the base (held-out DINO when there is one), less 1 below the CLIP-T floor
     assert sweep_rows.rank_score({"dino": 0.7, "clip_t": 0.3}, 0.28, 0.5) == pytest.approx(0.2)

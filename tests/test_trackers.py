@@ -12,11 +12,12 @@ from conftest import modes_not_as_umask
 from trackerfiles import Webhook
 from trackerfiles import wandb_records
 
+from dreambooth import errors
+from dreambooth import files
 from dreambooth import flags
 from dreambooth import notify
 from dreambooth import planning
 from dreambooth import trackers
-from dreambooth import utils
 
 
 def test_notify_posts_json_that_slack_and_discord_read_and_never_says_the_url(webhook, capsys):
@@ -52,7 +53,7 @@ def test_notify_url_is_http_and_never_written_to_the_runs_settings():
 
 def test_a_missing_tracker_package_is_one_line_with_the_pip_command(monkeypatch):
     monkeypatch.setitem(trackers.PACKAGES, "wandb", ("wandb_not_installed_here", "wandb"))
-    with pytest.raises(utils.UserError, match=r"^--report_to wandb needs the wandb_not_installed_here package: "
+    with pytest.raises(errors.UserError, match=r"^--report_to wandb needs the wandb_not_installed_here package: "
                                               r"pip install wandb$"):
         trackers.check_installed("all")
     trackers.check_installed("mlflow")  # (installed here: requirements-dev.txt)
@@ -177,7 +178,7 @@ def test_a_wandb_run_in_a_process_ended_without_exit_handlers_leaves_nothing_in_
         "    t = trackers.WandB(folder, 'p', 'r', {'a': 1})\n"
         "    t.scalars(1, {'train/loss': 1.0}); t.images(1, {'validation/x': Image.new('RGB', (8, 8))}); t.close()\n"
         "os._exit(0)\n")
-    env = dict(os.environ, TMPDIR=str(temp), WANDB_MODE="offline", PYTHONPATH=utils.REPO_DIR)
+    env = dict(os.environ, TMPDIR=str(temp), WANDB_MODE="offline", PYTHONPATH=files.REPO_DIR)
     runs = [tmp_path / "run", tmp_path / "run-2"]
     subprocess.run([sys.executable, "-c", worker, *map(str, runs)], env=env, check=True, timeout=120,
                    capture_output=True)
@@ -193,7 +194,7 @@ def test_a_run_that_fails_tells_the_webhook_its_cause(tiny_model, tmp_path, webh
     from dreambooth import train
 
     missing = tmp_path / "no-photos-here"
-    with pytest.raises(utils.UserError) as raised:
+    with pytest.raises(errors.UserError) as raised:
         train.main(["--model_dir", tiny_model, "--output_dir", str(tmp_path / "out"), "--instance_data_dir",
                     str(missing), "--instance_prompt", "photo of unqtkn toy", "--notify_url", webhook.url])
     [(_, body)] = webhook.received

@@ -8,10 +8,11 @@ import pytest
 import torch
 from conftest import modes_not_as_umask
 
+from dreambooth import errors
+from dreambooth import files
 from dreambooth import outputs
 from dreambooth import runlog
 from dreambooth import train
-from dreambooth import utils
 
 
 def events(folder):
@@ -100,7 +101,7 @@ def test_train_two_workers_saves_a_changed_loadable_pipeline(ray_session, tiny_m
     assert weights_differ(tuned.unet, base.unet)
     assert weights_differ(tuned.text_encoder, base.text_encoder)
     assert not weights_differ(tuned.vae, base.vae)
-    assert os.path.isfile(out / utils.OUTPUT_MARKER)
+    assert os.path.isfile(out / files.OUTPUT_MARKER)
     assert all(f.endswith((".json", ".safetensors", ".txt", ".toml")) for _, _, fs in os.walk(out) for f in fs)
     assert os.path.isfile(out / outputs.TRAIN_CONFIG)
     assert modes_not_as_umask(out) == [] and modes_not_as_umask(result.path) == []  # the model, the checkpoints
@@ -248,7 +249,7 @@ def test_lora_output_is_what_diffusers_load_lora_weights_reads(lora_output, tiny
     from diffusers import StableDiffusionPipeline
 
     folder, nets = lora_output
-    assert sorted(os.listdir(folder)) == sorted([utils.LORA_WEIGHTS_FILE, utils.OUTPUT_MARKER])
+    assert sorted(os.listdir(folder)) == sorted([files.LORA_WEIGHTS_FILE, files.OUTPUT_MARKER])
     loaded = StableDiffusionPipeline.from_pretrained(tiny_model, safety_checker=None)
     loaded.load_lora_weights(folder)
     base = StableDiffusionPipeline.from_pretrained(tiny_model, safety_checker=None)
@@ -262,7 +263,7 @@ def test_lora_output_is_what_diffusers_load_lora_weights_reads(lora_output, tiny
     ours = predict(nets.denoiser.eval(), nets.text_encoder.eval())
     assert torch.allclose(predict(loaded.unet, loaded.text_encoder), ours, atol=1e-5)
     assert not torch.allclose(predict(base.unet, base.text_encoder), ours, atol=1e-3)
-    assert json.load(open(os.path.join(folder, utils.OUTPUT_MARKER)))["lora"] == {"rank": 4, "lora_alpha": 8.0}
+    assert json.load(open(os.path.join(folder, files.OUTPUT_MARKER)))["lora"] == {"rank": 4, "lora_alpha": 8.0}
 
 
 @pytest.mark.slow
@@ -281,7 +282,7 @@ def test_num_class_images_tops_up_the_class_folder_counting_what_is_there(ray_se
     train.top_up_class_images(*args)  # already full: nothing is drawn again
     assert {n: os.path.getmtime(folder / n) for n in made} == before and len(os.listdir(folder)) == 4
     # another class into the same folder is an error, not a mix
-    with pytest.raises(utils.UserError, match="different: prompts"):
+    with pytest.raises(errors.UserError, match="different: prompts"):
         train.top_up_class_images(tiny_model, str(folder), "photo of a cat", 3)
 
 

@@ -1,0 +1,153 @@
+"""Files every script writes and reads: the output names, atomic writes (a reader never sees half a
+file), JSON, the safetensors checks, and where an output may go."""
+
+import json
+import os
+import re
+import shutil
+import tempfile
+
+from dreambooth import errors
+from dreambooth import filemodes
+
+REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: the scripts, assets/, data/
+
+
+IMAGE_SUFFIX = ".png"  # what the suite writes
+
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")  # what it reads
+
+
+# Written into every model directory train.py produces, so a rerun can tell
+# its own previous output from a folder the user cares about.
+OUTPUT_MARKER = "dreambooth_training.json"
+
+
+LORA_WEIGHTS_FILE = "pytorch_lora_weights.safetensors"  # train.py --use_lora's output, diffusers' name
+
+
+def size_text(num_bytes):
+    """12345678 -> '12.3 MB' (decimal units, as df -H and disk makers count)."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(num_bytes) < 1000 or unit == "TB":
+            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.3g} {unit}"
+        num_bytes /= 1000
+
+
+def slugify(text, max_len=60):
+    """'Photo of a dog!' -> 'photo-of-a-dog' (file-system safe, stable)."""
+    slug = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+    return slug[:max_len].rstrip("-") or "prompt"
+
+
+def atomic_write_dir(final_dir, write_fn):
+    """Call write_fn(tmp_dir) then move tmp_dir to final_dir, replacing it whole, its modes as the
+    umask says (filemodes.follow_umask).
+
+    The destination either keeps its previous content or gets the complete new one:
+    a crash or a failed write leaves only a hidden temporary folder behind.
+    """
+    parent = os.path.dirname(os.path.abspath(final_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp_dir = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(final_dir) + "-", dir=parent)
+    try:
+        write_fn(tmp_dir)
+        filemodes.follow_umask(tmp_dir)
+        if os.path.exists(final_dir):
+            old = tmp_dir + ".old"
+            os.rename(final_dir, old)
+            os.rename(tmp_dir, final_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp_dir, final_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+
+
+TEMP_MARK = ".tmp-"
+
+
+def save_image_atomic(image, path):
+    """Save a PIL image so that `path` never holds a truncated file."""
+    write_bytes_atomic(png_bytes(image), path)
+
+
+def png_bytes(image):
+    import io
+
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def write_bytes_atomic(data, path):
+    """Write data so that `path` never holds a truncated file."""
+    tmp = f"{path}{TEMP_MARK}{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def remove_temp_files(folder):
+    """Delete what save_image_atomic left behind when its process was killed mid-write."""
+    for name in os.listdir(folder):
+        if TEMP_MARK in name:
+            os.remove(os.path.join(folder, name))
+
+
+def write_json(path, data):
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+
+
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def safetensors_header(path):
+    """(header length, header) of a safetensors file: {tensor name: {"dtype", "shape", "data_offsets"},
+    "__metadata__": ...}, read without its weights. struct.error or ValueError when it does not parse."""
+    import struct
+
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        if 8 + length > os.path.getsize(path):
+            raise ValueError(f"{path}: a header longer than the file")
+        return length, json.loads(f.read(length))
+
+
+def check_safetensors(path):
+    """errors.UserError naming path unless it is a whole safetensors file: its header parses and the file is
+    as long as the header says (an interrupted download or copy is cut short). Reads the header only."""
+    import struct
+
+    size = os.path.getsize(path)
+    what = f"{path} is not a whole safetensors file"
+    try:
+        length, header = safetensors_header(path)
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (struct.error, ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError):
+        raise errors.UserError(f"{what} (its header does not parse): fetch or copy the model again "
+                        "(cache_model.py)") from None
+    if size != 8 + length + end:
+        raise errors.UserError(f"{what}: {size} bytes where its header says {8 + length + end} (an interrupted download "
+                        "or copy?): fetch or copy the model again (cache_model.py)")
+
+
+def check_output_path(path, flag, inputs=(), is_file=False):
+    """errors.UserError unless path can take a script's output: a folder output that is an existing file (or a
+    file output that is a folder) is refused, and so is an output inside one of inputs [(flag, folder)]
+    (the photos, the base model): writing there would mix the result into what the run reads."""
+    if is_file and os.path.isdir(path):
+        raise errors.UserError(f"{flag} {path} is a folder; name the file to write")
+    if not is_file and os.path.exists(path) and not os.path.isdir(path):
+        raise errors.UserError(f"{flag} {path} is a file, not a folder; pick a folder for the output")
+    for input_flag, folder in inputs:
+        if not folder:
+            continue
+        folder = os.path.abspath(folder)
+        if os.path.abspath(path) == folder or os.path.abspath(path).startswith(folder.rstrip(os.sep) + os.sep):
+            raise errors.UserError(f"{flag} {path} is inside {input_flag} {folder}; write the output somewhere else")
