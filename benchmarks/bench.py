@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from dreambooth import hub  # noqa: E402
+from dreambooth import imaging
 from dreambooth import machine  # noqa: E402
 from dreambooth import models  # noqa: E402
 from dreambooth import random_models
@@ -95,7 +96,6 @@ def synthetic_batch(nets, args, cached):
     delivers them, or their cached VAE posteriors."""
     import torch
 
-    from dreambooth import steps
 
     res = RESOLUTION[args.model]
     pixels = {k: torch.randint(0, 256, (args.batch_size, res, res, 3), dtype=torch.uint8)
@@ -103,7 +103,7 @@ def synthetic_batch(nets, args, cached):
     if not cached:
         return {f"{k}_pixels": v for k, v in pixels.items()}
     with torch.no_grad():
-        return {f"{k}_latents": nets.vae.encode(steps.to_model_input(v.to(nets.aux_device))).latent_dist.parameters.cpu()
+        return {f"{k}_latents": nets.vae.encode(imaging.to_model_input(v.to(nets.aux_device))).latent_dist.parameters.cpu()
                 for k, v in pixels.items()}
 
 
@@ -254,7 +254,7 @@ def main(argv=None):
         parser.error("--warmup and --steps must be positive multiples of --logging_steps")
     args.gen_batches = [int(b) for b in args.gen_batches.split(",")]
     device = machine.torch_device()
-    args.mixed_precision = steps.mixed_precision_name(steps.amp_dtype(args.mixed_precision, device))  # train.py's rule
+    args.mixed_precision = steps.mixed_precision_name(machine.amp_dtype(args.mixed_precision, device))  # train.py's rule
     args.inference_steps = args.inference_steps or (50 if device.type == "cuda" else 10)
     variants = [v for v in args.variants.split(",") if v]
     hub.quiet_hf_logging()

@@ -189,7 +189,7 @@ def main(argv=None):
     from dreambooth import steps
 
     device = machine.torch_device()
-    args.mixed_precision = steps.mixed_precision_name(steps.amp_dtype(args.mixed_precision, device))
+    args.mixed_precision = steps.mixed_precision_name(machine.amp_dtype(args.mixed_precision, device))
     hub.quiet_hf_logging()
     results = []
     with tempfile.TemporaryDirectory() as work:

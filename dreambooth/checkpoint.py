@@ -123,11 +123,10 @@ def disk_bytes(model_dir, lora, train_text_encoder):
     networks' fp32 weights and AdamW's two moments (counted from the weight files' parameters, whatever their
     dtype: a bf16 Flux file holds half the bytes it trains in), a full model the trained networks in fp32 and
     the others as their files are; LoRA's are a few MB."""
-    from dreambooth import memory
 
     if lora:
         return LORA_BYTES, LORA_BYTES
-    family, counts = families.family_of(model_dir), memory.safetensors_params(model_dir)
+    family, counts = families.family_of(model_dir), files.safetensors_params(model_dir)
     trained = trained_networks(family, counts, train_text_encoder)
     kept = sum(os.path.getsize(path) for path in glob.glob(os.path.join(model_dir, "*", "*.safetensors"))
                if os.path.basename(os.path.dirname(path)) not in trained)

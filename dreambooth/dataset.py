@@ -163,14 +163,13 @@ class LatentEncoder:
         """B x (H, W, 3) uint8 covering size -> (B, V, 8, h, w) float32 posterior parameters."""
         import torch
 
-        from dreambooth import steps  # (here: it imports torch, 2 s --help never waits for)
 
         crops = np.stack([imaging.crop_square(x, size, True, None) for x in images])
         views = [crops] + ([crops[:, :, ::-1]] if self.random_flip else [])
         out = []
         with torch.no_grad():
             for pixels in views:
-                x = steps.to_model_input(torch.from_numpy(np.ascontiguousarray(pixels)).to(self.device))
+                x = imaging.to_model_input(torch.from_numpy(np.ascontiguousarray(pixels)).to(self.device))
                 out.append(self.vae.encode(x).latent_dist.parameters.float().cpu().numpy())
         return np.stack(out, axis=1)
 
@@ -359,20 +358,3 @@ def build_train_dataset(instance_paths, class_paths, resolution, center_crop, ra
         "buckets": buckets})
 
 
-def tokenize_prompt(tokenizer, prompt):
-    """Prompt -> (L,) int64 token ids, padded to the tokenizer's model_max_length."""
-    ids = tokenizer(prompt, padding="max_length", truncation=True,
-                    max_length=tokenizer.model_max_length, return_tensors="np").input_ids
-    return ids[0].astype(np.int64)
-
-
-def tokenize_all(tokenizers, prompt):
-    """Prompt -> (L,) ids with one tokenizer, (E, L) with E: each tokenizer's ids, the shorter ones
-    padded on with their own pad token to the longest (Flux.1: CLIP's 77 beside T5's 512; the family's
-    encode_text reads each encoder's own length)."""
-    ids = [tokenize_prompt(tokenizer, prompt) for tokenizer in tokenizers]
-    if len(ids) == 1:
-        return ids[0]
-    length = max(len(row) for row in ids)
-    return np.stack([np.pad(row, (0, length - len(row)), constant_values=tokenizer.pad_token_id)
-                     for row, tokenizer in zip(ids, tokenizers)])

@@ -1,6 +1,7 @@
 """Files every script writes and reads: the output names, atomic writes (a reader never sees half a
 file), JSON, the safetensors checks, and where an output may go."""
 
+import glob
 import json
 import os
 import re
@@ -151,3 +152,20 @@ def check_output_path(path, flag, inputs=(), is_file=False):
         folder = os.path.abspath(folder)
         if os.path.abspath(path) == folder or os.path.abspath(path).startswith(folder.rstrip(os.sep) + os.sep):
             raise errors.UserError(f"{flag} {path} is inside {input_flag} {folder}; write the output somewhere else")
+
+
+def safetensors_params(model_dir):
+    """{network: parameter count} of a cached model, from its safetensors headers (no weights read)."""
+    counts = {}
+    for path in glob.glob(os.path.join(model_dir, "*", "*.safetensors")):
+        part = os.path.basename(os.path.dirname(path))
+        header = safetensors_header(path)[1]
+        total = 0
+        for name, entry in header.items():
+            if name != "__metadata__":
+                count = 1
+                for size in entry["shape"]:
+                    count *= size
+                total += count
+        counts[part] = counts.get(part, 0) + total
+    return {k: v for k, v in counts.items() if k in ("unet", "transformer", "vae") or k.startswith("text_encoder")}

@@ -95,9 +95,8 @@ def load_pipeline(model_dir, device, allow_unsafe_weights=False, safety_checker=
     import diffusers
     import torch
 
-    from dreambooth import steps  # (here: it imports torch, 2 s --help never waits for)
 
-    dtype = steps.amp_dtype(None, device) or torch.float32
+    dtype = machine.amp_dtype(None, device) or torch.float32
     storage.ensure_local(model_dir, lora_dir)  # (a bucket's, cached on the driver's node: this node's copy too)
     family = family or families.family_of(model_dir)
     # (a family without a safety checker, SDXL, has none to leave out)

@@ -212,3 +212,12 @@ def write_grid(path, image_files):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     files.save_image_atomic(make_grid(images), path)
     return path
+
+
+def to_model_input(pixels):
+    """(B, H, W, 3) uint8 in [0, 255] -> (B, 3, H, W) float32 in [-1, 1], on pixels' device.
+
+    Pixels travel as uint8 (a quarter of float32's bytes) and are scaled on the device;
+    the permuted tensor is channels-last in memory, the layout NHWC convolutions want.
+    """
+    return pixels.permute(0, 3, 1, 2).float() / 127.5 - 1.0

@@ -30,13 +30,10 @@ The figure is computed, not guessed from a tiny model:
 
 import dataclasses
 import functools
-import glob
-import os
 import sys
 
 from dreambooth import activations
 from dreambooth import families
-from dreambooth import files
 
 GIB = 2 ** 30
 RESERVE_GIB = 1.0
@@ -180,23 +177,6 @@ def fixes(family, setup, free_gib, params=None, source=None):
 
 def fits(result, free_gib):
     return max(result.total, result.second_card) + RESERVE_GIB <= free_gib
-
-
-def safetensors_params(model_dir):
-    """{network: parameter count} of a cached model, from its safetensors headers (no weights read)."""
-    counts = {}
-    for path in glob.glob(os.path.join(model_dir, "*", "*.safetensors")):
-        part = os.path.basename(os.path.dirname(path))
-        header = files.safetensors_header(path)[1]
-        total = 0
-        for name, entry in header.items():
-            if name != "__metadata__":
-                count = 1
-                for size in entry["shape"]:
-                    count *= size
-                total += count
-        counts[part] = counts.get(part, 0) + total
-    return {k: v for k, v in counts.items() if k in ("unet", "transformer", "vae") or k.startswith("text_encoder")}
 
 
 # ---------------------------------------------------------------- the table (docs/MEMORY.md, --help of preflight)

@@ -11,6 +11,7 @@ import dataclasses
 from dreambooth import errors
 from dreambooth import families
 from dreambooth import hub
+from dreambooth import machine
 from dreambooth import quantize
 from dreambooth import sharding
 
@@ -176,9 +177,9 @@ def freeze_for_lora(models, plan):
     GPUs): that is where LoRA's memory saving comes from."""
     import torch
 
-    from dreambooth import steps  # (here: it imports torch, 2 s --help never waits for)
+    from dreambooth import machine
 
-    frozen_dtype = steps.amp_dtype(plan.mixed_precision, models.denoiser_device) or torch.float32
+    frozen_dtype = machine.amp_dtype(plan.mixed_precision, models.denoiser_device) or torch.float32
     for model in (models.denoiser, *models.text_encoders(), models.vae):
         model.requires_grad_(False).to(dtype=frozen_dtype)
 
@@ -207,9 +208,8 @@ def load_frozen_denoiser(plan, device):
     --prior_preservation prior_prediction when every weight is trained."""
     import torch
 
-    from dreambooth import steps  # (here: it imports torch, 2 s --help never waits for)
 
-    dtype = steps.amp_dtype(plan.mixed_precision, device) or torch.float32
+    dtype = machine.amp_dtype(plan.mixed_precision, device) or torch.float32
     denoiser = plan.family.load_denoiser(
         lambda cls, subfolder: from_pretrained(cls, plan.model_dir, plan.allow_unsafe_weights, subfolder=subfolder))
     return denoiser.requires_grad_(False).eval().to(dtype=dtype)  # (Models.place_denoiser moves it)

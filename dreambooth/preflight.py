@@ -28,6 +28,7 @@ from dreambooth import cache_model
 from dreambooth import checkpoint
 from dreambooth import errors
 from dreambooth import families
+from dreambooth import files
 from dreambooth import flags
 from dreambooth import imagefiles
 from dreambooth import known_models
@@ -166,7 +167,7 @@ def model_family(args):
     (None, None, None) if unknown. source: what memory.need counts a flow transformer's activations of."""
     folder = cached_model(args)
     if folder:
-        return families.family_of(folder).name, memory.safetensors_params(folder), folder
+        return families.family_of(folder).name, files.safetensors_params(folder), folder
     known = known_models.known_model(args.model_name)
     if known is None:
         return None, None, None

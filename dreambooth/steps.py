@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from dreambooth import conditioning
+from dreambooth import imaging
+from dreambooth import machine
 from dreambooth import objectives
 
 
@@ -139,15 +141,6 @@ def latent_masks(masks, size, device):
     return F.interpolate(weights, size=tuple(size), mode="area")
 
 
-def to_model_input(pixels):
-    """(B, H, W, 3) uint8 in [0, 255] -> (B, 3, H, W) float32 in [-1, 1], on pixels' device.
-
-    Pixels travel as uint8 (a quarter of float32's bytes) and are scaled on the device;
-    the permuted tensor is channels-last in memory, the layout NHWC convolutions want.
-    """
-    return pixels.permute(0, 3, 1, 2).float() / 127.5 - 1.0
-
-
 def scaled(vae, latents):
     """The VAE's latents as the denoiser takes them: shifted (SD 3.5, Flux.1) and scaled by its config."""
     shift = getattr(vae.config, "shift_factor", None)
@@ -175,7 +168,7 @@ def batch_latents(models, batch):
     parts = [batch[f"instance_{kind}"]] + ([batch[f"class_{kind}"]] if f"class_{kind}" in batch else [])
     if kind == "pixels":
         pixels = torch.cat([p.to(models.aux_device, non_blocking=True) for p in parts])
-        return encode_latents(models.vae, to_model_input(pixels)).to(models.denoiser_device)
+        return encode_latents(models.vae, imaging.to_model_input(pixels)).to(models.denoiser_device)
     stacked = torch.cat([p.to(models.denoiser_device, non_blocking=True) for p in parts]).float()
     return scaled(models.vae, DiagonalGaussianDistribution(stacked).sample())
 
@@ -295,19 +288,6 @@ def mixed_precision_name(dtype):
     return {None: "no", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
 
 
-def amp_dtype(mixed_precision, device):
-    """Autocast dtype of a --mixed_precision value on device (None: full fp32).
-
-    The default picks bf16 where the GPU computes it natively (Ampere and later), fp16
-    with loss scaling on older GPUs, and fp32 on CPU.
-    """
-    if mixed_precision is None:
-        if device.type != "cuda":
-            return None
-        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
-    return {"no": None, "fp16": torch.float16, "bf16": torch.bfloat16}[mixed_precision]
-
-
 def loss_options(plan):
     """The objectives.LossOptions of a plan.Plan."""
     return objectives.LossOptions(plan.offset_noise, plan.snr_gamma,
@@ -327,7 +307,7 @@ def make_train_state(models, plan):
     """
     from diffusers.optimization import get_scheduler
 
-    dtype = amp_dtype(plan.mixed_precision, models.denoiser_device)
+    dtype = machine.amp_dtype(plan.mixed_precision, models.denoiser_device)
     if plan.fsdp and dtype == torch.float16:  # (the default on GPUs without bf16; loss scaling of shards untested)
         raise ValueError("--fsdp trains in bf16 or fp32 and this GPU has no bf16: pass --mixed_precision no")
     params = trained_parameters(models, plan.train_text_encoder)

@@ -10,11 +10,11 @@ with validation trains exactly as one without.
 import os
 
 from dreambooth import checkpoint
-from dreambooth import dataset
 from dreambooth import files
 from dreambooth import generate
 from dreambooth import imaging
 from dreambooth import models
+from dreambooth import prompts
 
 FOLDER = "validation"  # in the run's folder under --storage_path
 TIMELINE = "timeline.png"
@@ -50,14 +50,14 @@ class Sampler:
                                                  enabled=amp_dtype is not None):
                 self.encoded = {prompt: self.encode([prompt]) for prompt in ("", *plan.validation_prompts)}
 
-    def encode(self, prompts):
-        """(states, pooled or None) of the prompts, on the UNet's device (the family's encode_text)."""
+    def encode(self, texts):
+        """(states, pooled or None) of the prompts texts, on the UNet's device (the family's encode_text)."""
         import torch
 
-        if len(prompts) == 1 and prompts[0] in self.encoded:
-            return self.encoded[prompts[0]]
+        if len(texts) == 1 and texts[0] in self.encoded:
+            return self.encoded[texts[0]]
 
-        ids = torch.stack([torch.from_numpy(dataset.tokenize_all(self.tokenizers, p)) for p in prompts])
+        ids = torch.stack([torch.from_numpy(prompts.tokenize_all(self.tokenizers, p)) for p in texts])
         states, pooled = self.family.encode_text([models.unwrap(te) for te in self.nets.text_encoders()],
                                            ids.to(self.nets.aux_device))
         return states.to(self.nets.denoiser_device), pooled.to(self.nets.denoiser_device) if pooled is not None else None

@@ -79,6 +79,7 @@ def prepare_worker(plan, rank, world, local_world_size):
     # here, not at the top: they import ray.train (1.2 s) and torch (2 s a --help or a one-line error never waits for)
     from dreambooth import conditioning
     from dreambooth import failures
+    from dreambooth import machine
     from dreambooth import steps
 
     denoiser_device, aux_device = worker_devices(plan.gpus_per_worker, local_world_size)
@@ -99,7 +100,7 @@ def prepare_worker(plan, rank, world, local_world_size):
         if plan.prior_prediction:
             text["prompts"] = conditioning.with_base_class(text["prompts"], plan.family, text_encoders, ids,
                                                            aux_device)
-        amp = steps.amp_dtype(plan.mixed_precision, denoiser_device)
+        amp = machine.amp_dtype(plan.mixed_precision, denoiser_device)
         text["sampler"] = validation.Sampler(nets, plan, amp) if plan.validation_prompts else None
         if plan.text_encoded_once:
             nets.release_text_encoders()

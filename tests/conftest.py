@@ -318,10 +318,10 @@ def step_prompts(tiny_model):
     from transformers import CLIPTokenizer
 
     from dreambooth import conditioning
-    from dreambooth import dataset
+    from dreambooth import prompts
 
     tokenizer = CLIPTokenizer.from_pretrained(tiny_model, subfolder="tokenizer")
-    ids = {k: torch.from_numpy(dataset.tokenize_prompt(tokenizer, p)).unsqueeze(0)
+    ids = {k: torch.from_numpy(prompts.tokenize_prompt(tokenizer, p)).unsqueeze(0)
            for k, p in (("instance", "photo of unqtkn toy"), ("class", "photo of a toy"))}
     return conditioning.StepPrompts(ids["instance"], ids["class"])
 

@@ -8,6 +8,7 @@ from PIL import Image
 from dreambooth import dataset
 from dreambooth import imagefiles
 from dreambooth import imaging
+from dreambooth import prompts
 
 
 def asymmetric_image(height=6, width=9):
@@ -38,7 +39,7 @@ def test_tokenize_prompt_pads_to_model_max_length(tiny_model):
     from transformers import CLIPTokenizer
 
     tokenizer = CLIPTokenizer.from_pretrained(tiny_model, subfolder="tokenizer")
-    ids = dataset.tokenize_prompt(tokenizer, "photo of unqtkn dog")
+    ids = prompts.tokenize_prompt(tokenizer, "photo of unqtkn dog")
     assert ids.shape == (tokenizer.model_max_length,) and ids.dtype == np.int64
     assert ids[0] == tokenizer.bos_token_id and ids[5] == tokenizer.eos_token_id
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dreambooth import errors
+from dreambooth import files
 from dreambooth import memory
 from dreambooth import preflight
 from dreambooth import random_models
@@ -145,7 +146,7 @@ def test_the_flow_short_names_are_planned_with_their_own_size_before_they_are_fe
 def test_a_cached_model_is_measured_by_its_own_weights(tiny_model, capsys):
     """A cached folder's parameter counts come from its safetensors headers (the tiny model fits anywhere);
     a hub name the suite does not know, and not cached, is said to be unchecked."""
-    counts = memory.safetensors_params(tiny_model)
+    counts = files.safetensors_params(tiny_model)
     assert set(counts) == {"unet", "vae", "text_encoder"} and 0 < counts["unet"] < 10e6
     args, words = preflight_args("sd15", gpu_memory=2)
     args.model_path = tiny_model

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from dreambooth import conditioning
+from dreambooth import imaging
+from dreambooth import machine
 from dreambooth import models as models_lib
 from dreambooth import steps
 
@@ -42,7 +44,7 @@ def test_dreambooth_loss_weights_the_prior_half():
 
 def test_to_model_input_scales_uint8_to_minus_one_one_channels_first_and_channels_last():
     pixels = torch.tensor([[[[0, 255, 127]]]], dtype=torch.uint8).expand(2, 4, 5, 3).contiguous()
-    out = steps.to_model_input(pixels)
+    out = imaging.to_model_input(pixels)
     assert out.shape == (2, 3, 4, 5) and out.dtype == torch.float32
     assert out[0, 0].eq(-1).all() and out[0, 1].eq(1).all() and abs(out[0, 2, 0, 0] + 1 / 255) < 1e-6
     assert out.is_contiguous(memory_format=torch.channels_last)
@@ -139,14 +141,14 @@ def test_fp16_scales_the_loss_and_a_skipped_step_leaves_weights_and_lr_schedule(
 
 
 def test_default_precision_is_fp32_on_cpu():
-    assert steps.amp_dtype(None, CPU) is None
-    assert steps.amp_dtype("bf16", CPU) == torch.bfloat16 and steps.amp_dtype("no", CPU) is None
+    assert machine.amp_dtype(None, CPU) is None
+    assert machine.amp_dtype("bf16", CPU) == torch.bfloat16 and machine.amp_dtype("no", CPU) is None
 
 
 def test_cached_posteriors_draw_the_same_latents_as_encoding(models):
     batch = batch_for(models)
     with torch.no_grad():
-        cached = {f"{k}_latents": models.vae.encode(steps.to_model_input(batch[f"{k}_pixels"])).latent_dist.parameters
+        cached = {f"{k}_latents": models.vae.encode(imaging.to_model_input(batch[f"{k}_pixels"])).latent_dist.parameters
                   for k in ("instance", "class")}
     torch.manual_seed(1)
     from_pixels = steps.batch_latents(models, batch)
