@@ -65,8 +65,8 @@ fail() { echo "gpu_check: FAILED: $*" >&2; exit 1; }
 
 # Newest complete checkpoint's step of the run writing to $WORK/tuned (0 if none).
 checkpoint_step() {
-  "$PY" -c "import sys; from dreambooth import checkpoint; p = checkpoint.find_latest(sys.argv[1], 'tuned'); \
-print(checkpoint.saved_step(p) if p else 0)" "$WORK/ray_results"
+  "$PY" -c "import sys; from dreambooth import checkpoints; p = checkpoints.find_latest(sys.argv[1], 'tuned'); \
+print(checkpoints.saved_step(p) if p else 0)" "$WORK/ray_results"
 }
 
 wait_for_checkpoint() {  # STEP PID: until a checkpoint of at least STEP exists, while PID lives

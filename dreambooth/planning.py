@@ -12,7 +12,7 @@ import sys
 from datetime import datetime
 
 from dreambooth import cache_model
-from dreambooth import checkpoint
+from dreambooth import checkpoints
 from dreambooth import errors
 from dreambooth import families
 from dreambooth import files
@@ -318,8 +318,8 @@ def plan_run(args, cluster_resources, draw_class_images=None, stop_step=None):
                                    found.class_files, found.resolution, found.buckets)
     if args.resume_from_checkpoint == "auto":
         keep_finished(args.output_dir, identity)
-    resume_path = checkpoint.resolve_resume(args.resume_from_checkpoint, args.storage_path,
-                                            os.path.basename(args.output_dir), args.output_dir, identity)
+    resume_path = checkpoints.resolve_resume(args.resume_from_checkpoint, args.storage_path,
+                                             os.path.basename(args.output_dir), args.output_dir, identity)
     use_gpu, num_workers, cpus_per_worker = resources.worker_resources(args, *cluster_resources())
     args = argparse.Namespace(**{**vars(args), "num_workers": num_workers})  # (the LR scaling counts them)
     steps_per_epoch, total_steps = resources.plan_steps(found.num_rows, args)

@@ -25,7 +25,7 @@ import tempfile
 import uuid
 
 from dreambooth import cache_model
-from dreambooth import checkpoint
+from dreambooth import disk
 from dreambooth import errors
 from dreambooth import families
 from dreambooth import files
@@ -96,11 +96,11 @@ def disk_needed_gb(args, limit=1):
     folder = cached_model(args)
     if folder:  # its own weight files tell (the text encoder counted as trained: the larger case)
         download = 0.0
-        per_checkpoint, tuned = (size / GB for size in checkpoint.disk_bytes(folder, args.use_lora, True))
+        per_checkpoint, tuned = (size / GB for size in disk.disk_bytes(folder, args.use_lora, True))
     else:
         known = known_models.known_model(args.model_name)
         download = known.weights_gb if known else 5.0
-        lora = checkpoint.LORA_BYTES / GB
+        lora = disk.LORA_BYTES / GB
         if args.use_lora:
             per_checkpoint, tuned = lora, lora
         elif known:
@@ -117,13 +117,13 @@ def disk_needed_gb(args, limit=1):
 
 def known_full_gb(args, known):
     """(a checkpoint's GB, the tuned model's GB) of a full fine-tune of a known model not fetched yet, from its
-    parameter counts: 12 bytes of each trained parameter in a checkpoint (checkpoint.TRAINED_BYTES); the tuned
+    parameter counts: 12 bytes of each trained parameter in a checkpoint (disk.TRAINED_BYTES); the tuned
     model is its download, the trained networks in fp32 (twice their bytes where the files are bf16/fp16)."""
     family, counts, _ = model_family(args)
     counts = counts or memory.RELEASED[family]
-    trained = sum(counts[name] for name in checkpoint.trained_networks(families.FAMILIES[family], counts, True))
+    trained = sum(counts[name] for name in disk.trained_networks(families.FAMILIES[family], counts, True))
     half_files = known.weights_gb * GB / sum(counts.values()) < 3  # (bytes per parameter: 4 fp32, 2 bf16)
-    return checkpoint.TRAINED_BYTES * trained / GB, known.weights_gb + (2 * trained / GB if half_files else 0)
+    return disk.TRAINED_BYTES * trained / GB, known.weights_gb + (2 * trained / GB if half_files else 0)
 
 
 def check_disk(args, limit=1):

@@ -26,7 +26,7 @@ import os
 import sys
 
 from dreambooth import cache_model
-from dreambooth import checkpoint
+from dreambooth import disk
 from dreambooth import errors
 from dreambooth import eval_report
 from dreambooth import evaluate
@@ -172,8 +172,8 @@ def check_disk(args, train_args, num_trials, concurrency):
     from dreambooth import failures  # here, not at the top: it imports ray.train (1.2 s)
 
     steps = args.sweep_max_train_steps
-    per_checkpoint, per_model = checkpoint.disk_bytes(args.model_dir, train_args.use_lora,
-                                                      train_args.train_text_encoder)
+    per_checkpoint, per_model = disk.disk_bytes(args.model_dir, train_args.use_lora,
+                                                train_args.train_text_encoder)
     needed = concurrency * (sweep_trial.checkpoints_kept(steps) + 1) * per_checkpoint + num_trials * len(steps) * per_model
     what = (f"{num_trials} trial(s) x {len(steps)} step count(s) x a model of {files.size_text(per_model)}, and "
             f"the checkpoints of {concurrency} trial(s) at once, {files.size_text(per_checkpoint)} each")

@@ -8,6 +8,7 @@ import math
 import tempfile
 
 from dreambooth import checkpoint
+from dreambooth import checkpoints
 from dreambooth import evaluate
 from dreambooth import outputs
 from dreambooth import planning
@@ -66,7 +67,7 @@ def trial_fn(config, job):
         if step != steps[-1]:
             model = storage.join(folder, f"model-step-{step}")
             if outputs.read_output(model) is None:
-                found = checkpoint.by_step(train_args.storage_path, "model")
+                found = checkpoints.by_step(train_args.storage_path, "model")
                 with tempfile.TemporaryDirectory(prefix="dreambooth-") as scratch:  # (a bucket's: read from a copy)
                     save_step_model(storage.local_folder(found[step], scratch), train_args, model, step, subject)
         return model
@@ -127,4 +128,4 @@ def checkpoints_kept(steps):
 def remove_checkpoints(storage_path):
     """Every checkpoint of a trial's runs removed (storage_path: a folder, or a bucket's)."""
     for run in storage.listdir(storage_path):
-        checkpoint.remove_all(storage.join(storage_path, run))
+        checkpoints.remove_all(storage.join(storage_path, run))

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-from dreambooth import checkpoint
+from dreambooth import checkpoints
 from dreambooth import dataset
 from dreambooth import errors
 from dreambooth import families
@@ -89,7 +89,7 @@ def train_planned(args, stop_step, started):
     try:
         result = run_trainer(plan, train_dataset(plan))
     except KeyboardInterrupt:
-        latest = checkpoint.find_latest(plan.storage_path, os.path.basename(plan.output_dir))
+        latest = checkpoints.find_latest(plan.storage_path, os.path.basename(plan.output_dir))
         where = f" (newest checkpoint: {latest})" if latest else " (no checkpoint was written yet)"
         again = "" if args.resume_from_checkpoint in ("latest", "auto") else " with --resume_from_checkpoint latest"
         print(f"stopped; rerun the same command{again} to continue{where}", file=sys.stderr)
@@ -100,11 +100,11 @@ def train_planned(args, stop_step, started):
     print(f"trained {plan.end_step} steps; {loss}; model saved to {plan.output_dir}; checkpoints and "
           f"{runlog.METRICS_FILE} in {run_folder}", file=sys.stderr)
     if not plan.keep_checkpoints and plan.end_step == plan.total_steps:  # (not a sweep stage that goes on)
-        removed, freed = checkpoint.remove_all(run_folder)
+        removed, freed = checkpoints.remove_all(run_folder)
         stopped_run = runfiles.run_of_checkpoint(plan.resume_path)
         if stopped_run and args.resume_from_checkpoint in ("latest", "auto") and stopped_run != run_folder:
             # (the stopped run this one continued, found under --storage_path: its checkpoints are this run's past)
-            more, more_bytes = checkpoint.remove_all(stopped_run)
+            more, more_bytes = checkpoints.remove_all(stopped_run)
             removed, freed = removed + more, freed + more_bytes
         if removed:
             print(f"removed the run's {removed} checkpoint(s) ({files.size_text(freed)}) now that its model is saved "

@@ -10,6 +10,8 @@ import tempfile
 import time
 
 from dreambooth import checkpoint
+from dreambooth import checkpoints
+from dreambooth import disk
 from dreambooth import errors
 from dreambooth import hub
 from dreambooth import models
@@ -301,12 +303,12 @@ def report(state, metrics, rank, plan, checkpoint_now=False):
         return
     from dreambooth import failures  # here, not at the top: it imports ray.train (1.2 s)
 
-    needed = checkpoint.expected_bytes(state.params, state.ema is not None)
+    needed = disk.expected_bytes(state.params, state.ema is not None)
     with tempfile.TemporaryDirectory() as folder:
         with failures.stops_when_disk_full(f"the checkpoint of step {state.step}", folder, needed):
             checkpoint.save(state, folder, metrics["epoch"], rng_states, plan.train_text_encoder, plan.identity,
                             gathered)
         run_dir = plan.run_dir  # (a full disk there: in a bucket's run, this node's cache)
         with failures.stops_when_disk_full(f"the checkpoint of step {state.step}", run_dir, needed,
-                                           cleanup=lambda: checkpoint.remove_incomplete(run_dir)):
+                                           cleanup=lambda: checkpoints.remove_incomplete(run_dir)):
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))

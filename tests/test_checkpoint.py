@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dreambooth import checkpoint
+from dreambooth import checkpoints
 from dreambooth import files
 from dreambooth import models as models_lib
 from dreambooth import steps
@@ -31,7 +32,7 @@ def test_channels_last_weights_are_saved(make_plan, step_prompts, tmp_path):
     """The GPU default layout: safetensors refuses non-contiguous tensors unless made contiguous."""
     state = trained_state(make_plan, step_prompts, channels_last=True, steps_taken=1)
     checkpoint.save(state, str(tmp_path), 0, [checkpoint.rng_state()], train_text_encoder=True)
-    assert checkpoint.is_complete(str(tmp_path))
+    assert checkpoints.is_complete(str(tmp_path))
     fresh = trained_state(make_plan, step_prompts, channels_last=True, steps_taken=0)
     checkpoint.load(fresh, str(tmp_path), rank=0)
     for k, v in models_lib.unwrap(state.models.denoiser).state_dict().items():
@@ -45,7 +46,7 @@ def test_round_trip_restores_weights_optimizer_schedule_and_position(make_plan, 
     rng_after_save = torch.rand(3)
     fresh = trained_state(make_plan, step_prompts, steps_taken=0)
     assert checkpoint.load(fresh, str(tmp_path), rank=0) == 1
-    assert fresh.step == 2 and checkpoint.saved_step(str(tmp_path)) == 2
+    assert fresh.step == 2 and checkpoints.saved_step(str(tmp_path)) == 2
     assert fresh.lr_scheduler.last_epoch == state.lr_scheduler.last_epoch
     for name in ("denoiser", "text_encoder"):
         for k, v in getattr(state.models, name).state_dict().items():
@@ -78,11 +79,11 @@ def test_each_rank_continues_its_own_rng_stream(make_plan, step_prompts, tmp_pat
 def test_frozen_text_encoder_is_not_written_and_the_manifest_checks_sizes(make_plan, step_prompts, tmp_path):
     state = trained_state(make_plan, step_prompts, steps_taken=1)
     checkpoint.save(state, str(tmp_path), 0, [checkpoint.rng_state()], train_text_encoder=False)
-    assert sorted(os.listdir(tmp_path)) == [checkpoint.OPTIMIZER_FILE, checkpoint.STATE_FILE, "unet.safetensors"]
-    assert checkpoint.is_complete(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == [checkpoint.OPTIMIZER_FILE, checkpoints.STATE_FILE, "unet.safetensors"]
+    assert checkpoints.is_complete(str(tmp_path))
     with open(tmp_path / "unet.safetensors", "ab") as f:
         f.write(b"x")  # a copy that differs from what was saved
-    assert not checkpoint.is_complete(str(tmp_path))
+    assert not checkpoints.is_complete(str(tmp_path))
 
 
 def test_find_latest_picks_the_newest_complete_checkpoint_of_the_run(tmp_path):
@@ -91,8 +92,8 @@ def test_find_latest_picks_the_newest_complete_checkpoint_of_the_run(tmp_path):
         folder.mkdir(parents=True)
         (folder / "unet.safetensors").write_bytes(b"w" * step)
         sizes = {"unet.safetensors": step if complete else step + 1}
-        (folder / checkpoint.STATE_FILE).write_text(json.dumps({"step": step, "sizes": sizes}))
-        os.utime(folder / checkpoint.STATE_FILE, (step, step))
+        (folder / checkpoints.STATE_FILE).write_text(json.dumps({"step": step, "sizes": sizes}))
+        os.utime(folder / checkpoints.STATE_FILE, (step, step))
         return str(folder)
 
     fake("model-tuned-20260101-000001", "checkpoint_a", 2)
@@ -100,20 +101,20 @@ def test_find_latest_picks_the_newest_complete_checkpoint_of_the_run(tmp_path):
     fake("model-tuned-20260101-000002", "checkpoint_c", 6, complete=False)
     fake("other-1", "checkpoint_d", 8)
     fake("model-tuned-bella-20260101-000000", "checkpoint_e", 9)  # another output's run, named alike
-    assert checkpoint.find_latest(str(tmp_path), "model-tuned") == newest
-    assert checkpoint.resolve_resume("latest", str(tmp_path), "model-tuned") == newest
-    assert checkpoint.find_latest(str(tmp_path), "absent") is None
+    assert checkpoints.find_latest(str(tmp_path), "model-tuned") == newest
+    assert checkpoints.resolve_resume("latest", str(tmp_path), "model-tuned") == newest
+    assert checkpoints.find_latest(str(tmp_path), "absent") is None
     with pytest.raises(Exception, match="not a complete checkpoint"):
-        checkpoint.resolve_resume(str(tmp_path / "model-tuned-20260101-000002" / "checkpoint_c"), str(tmp_path), "model-tuned")
+        checkpoints.resolve_resume(str(tmp_path / "model-tuned-20260101-000002" / "checkpoint_c"), str(tmp_path), "model-tuned")
     # auto (dreambooth_run.sh's): the newest run crashed before it saved a model: resume it; once the
     # output's record names that run, it finished: a rerun starts afresh
     output = tmp_path / "model-tuned"
-    assert checkpoint.resolve_resume("auto", str(tmp_path), "model-tuned", str(output)) == newest
+    assert checkpoints.resolve_resume("auto", str(tmp_path), "model-tuned", str(output)) == newest
     output.mkdir()
     files.write_json(output / files.OUTPUT_MARKER, {"base_model": "/m", "run_name": "model-tuned-20260101-000001"})
-    assert checkpoint.resolve_resume("auto", str(tmp_path), "model-tuned", str(output)) == newest
+    assert checkpoints.resolve_resume("auto", str(tmp_path), "model-tuned", str(output)) == newest
     files.write_json(output / files.OUTPUT_MARKER, {"base_model": "/m", "run_name": "model-tuned-20260101-000002"})
-    assert checkpoint.resolve_resume("auto", str(tmp_path), "model-tuned", str(output)) is None
+    assert checkpoints.resolve_resume("auto", str(tmp_path), "model-tuned", str(output)) is None
 
 
 @pytest.mark.slow  # (trains: over a second)
@@ -139,7 +140,7 @@ def test_lora_checkpoint_holds_only_the_adapters(make_plan, step_prompts, tmp_pa
     for name in ("denoiser", "text_encoder"):
         for k, v in getattr(state.models, name).state_dict().items():
             assert torch.equal(v, getattr(fresh.models, name).state_dict()[k]), (name, k)
-    assert checkpoint.saved_identity(str(tmp_path)) == {"lora_rank": 4}  # what the run recorded
+    assert checkpoints.saved_identity(str(tmp_path)) == {"lora_rank": 4}  # what the run recorded
 
 
 @pytest.mark.slow  # (trains: over a second)
@@ -204,7 +205,7 @@ def test_the_moving_average_round_trips_and_is_the_model_a_checkpoint_becomes(ma
     assert any(not torch.equal(s, p) for s, p in zip(state.ema.shadow, state.params))
     os.makedirs(tmp_path / "ema"), os.makedirs(tmp_path / "plain")
     checkpoint.save(state, str(tmp_path / "ema"), 0, [checkpoint.rng_state()], train_text_encoder=True)
-    assert checkpoint.is_complete(str(tmp_path / "ema"))
+    assert checkpoints.is_complete(str(tmp_path / "ema"))
     fresh = trained_state(make_plan, step_prompts, steps_taken=0, **settings)
     checkpoint.load(fresh, str(tmp_path / "ema"), rank=0)
     assert all(torch.equal(a, b) for a, b in zip(fresh.ema.shadow, state.ema.shadow))

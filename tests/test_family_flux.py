@@ -338,7 +338,7 @@ def test_a_full_fine_tune_sharded_across_two_workers_resumes_to_the_same_weights
     from safetensors.torch import load_file
     from test_recovery import logged_losses
 
-    from dreambooth import checkpoint
+    from dreambooth import checkpoints
     from dreambooth import train
 
     def argv(name):
@@ -353,7 +353,7 @@ def test_a_full_fine_tune_sharded_across_two_workers_resumes_to_the_same_weights
     whole = train.main(argv("whole"))
     assert whole.metrics["step"] == 4
     assert list((tmp_path / "runs-whole").glob("*/validation/step-4/a-toy-00000.png"))
-    step_2 = checkpoint.by_step(str(tmp_path / "runs-whole"), "whole")[2]
+    step_2 = checkpoints.by_step(str(tmp_path / "runs-whole"), "whole")[2]
     resumed = train.main([*argv("cut"), "--resume_from_checkpoint", step_2])
     assert resumed.metrics["step"] == 4 and logged_losses(resumed) == logged_losses(whole)  # (1-2: the rows of the run it goes on from)
     a = load_file(str(tmp_path / "whole" / "transformer" / "diffusion_pytorch_model.safetensors"))

@@ -55,7 +55,7 @@ def test_disk_estimate_is_model_checkpoint_and_output(tiny_model, tmp_path):
         pytest.approx(33.8 + 2 * 12.02, rel=2e-3)
     assert preflight.known_full_gb(args(model_name="sd15"), known_models.known_model("sd15"))[1] == 4.3
     lora, _ = preflight.disk_needed_gb(args(model_name="sd15", use_lora=True))
-    assert lora == pytest.approx(4.3 + 2 * preflight.checkpoint.LORA_BYTES / preflight.GB)
+    assert lora == pytest.approx(4.3 + 2 * preflight.disk.LORA_BYTES / preflight.GB)
     cached, parts = preflight.disk_needed_gb(args(model_name="sd15", model_path=tiny_model))
     assert cached < 0.1 and parts.startswith("model 0.0")  # cached already: nothing to download
     # the script knows only ORIG_MODEL_DIR before Step 1: a pinned model already cached there is found

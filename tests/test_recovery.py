@@ -17,7 +17,7 @@ import pytest
 import torch
 from PIL import Image
 
-from dreambooth import checkpoint
+from dreambooth import checkpoints
 from dreambooth import generate
 from dreambooth import runlog
 from dreambooth import train
@@ -32,7 +32,7 @@ def env():
 def checkpoint_steps(run_dir):
     steps = []
     for name in sorted(os.listdir(run_dir)):
-        state = os.path.join(run_dir, name, checkpoint.STATE_FILE)
+        state = os.path.join(run_dir, name, checkpoints.STATE_FILE)
         if os.path.isfile(state):
             steps.append(json.load(open(state))["step"])
     return sorted(steps)
@@ -491,7 +491,7 @@ def test_a_full_disk_stops_at_once_keeps_the_newest_checkpoint_and_its_resume_fi
     assert f"no space left on the device of {storage}" in last and "checkpoint of step 4" in last
     assert "MB free there, about" in last and "restarting" not in err  # no restart: it would meet the same disk
     left = [line for line in open(tmp_path / "after1.txt").read().split() if "/checkpoint_" in line
-            and line.endswith(checkpoint.STATE_FILE)]
+            and line.endswith(checkpoints.STATE_FILE)]
     assert len(left) == 1  # step 2's, whole; the half-written step 4 was removed
     folders = {os.path.dirname(p) for p in open(tmp_path / "after1.txt").read().split()
                if os.path.basename(os.path.dirname(p)).startswith("checkpoint_")}

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from dreambooth import checkpoint
+from dreambooth import checkpoints
 from dreambooth import errors
 from dreambooth import files
 from dreambooth import planning
@@ -27,8 +27,8 @@ def fake_checkpoint(storage, run, identity_of, step=2):
     folder = storage / run / "checkpoint_0"
     folder.mkdir(parents=True)
     (folder / "unet.safetensors").write_bytes(b"w")
-    files.write_json(str(folder / checkpoint.STATE_FILE), {"step": step, "identity": identity_of,
-                                                           "sizes": {"unet.safetensors": 1}})
+    files.write_json(str(folder / checkpoints.STATE_FILE), {"step": step, "identity": identity_of,
+                                                            "sizes": {"unet.safetensors": 1}})
     return str(folder)
 
 
@@ -84,7 +84,7 @@ def test_a_rerun_with_other_photos_never_resumes_the_stopped_run(tiny_model, toy
     assert re.search(r"not resuming \S+: it is of another run \(the photos \(their content\); captions .*; "
                      r"--instance_prompt photo of unqtkn toy -> photo of unqtkn dog\)", err)
     fake_checkpoint(storage, "model-tuned-20260102-000000", plan.identity)  # the second run, stopped too
-    os.utime(os.path.join(stopped, checkpoint.STATE_FILE))  # ... and the first one's now the newest
+    os.utime(os.path.join(stopped, checkpoints.STATE_FILE))  # ... and the first one's now the newest
     again = planning.parse_args(argv(tiny_model, photos, out, "--instance_prompt", "photo of unqtkn dog",
                                      "--resume_from_checkpoint", "auto"))
     assert planning.plan_run(again, lambda: (4.0, 0)).resume_path == str(

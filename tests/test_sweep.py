@@ -74,11 +74,11 @@ def test_subjects_come_from_their_folders_with_the_flags_as_defaults(tiny_model,
 def test_the_sweep_estimates_its_disk_and_refuses_what_does_not_fit(tiny_model, toy_images, tmp_path):
     """Before any trial: the checkpoints of the trials at once (every step count's kept until scored, and
     the next one written) and a model per trial and step count, from the model's own weight files."""
-    from dreambooth import checkpoint
+    from dreambooth import disk
 
     args, _, train_args = sweep.parse_args(base_argv(tiny_model, tmp_path) + [
         "--instance_data_dir", toy_images, "--class_name", "toy", "--sweep_max_train_steps", "2,4"])
-    per_checkpoint, per_model = checkpoint.disk_bytes(tiny_model, False, True)
+    per_checkpoint, per_model = disk.disk_bytes(tiny_model, False, True)
     unet = sum(os.path.getsize(os.path.join(tiny_model, "unet", n)) for n in os.listdir(os.path.join(tiny_model, "unet"))
                if n.endswith(".safetensors"))
     assert per_checkpoint > 3 * unet and per_model > unet  # fp32 weights and AdamW's two moments; every network
