@@ -156,7 +156,7 @@ REMOTE=false
 if is_remote "$DATA_PREFIX"; then REMOTE=true; fi
 ORIG_MODEL_NAME="${ORIG_MODEL_NAME:-sd14}"
 ORIG_MODEL_HASH="${ORIG_MODEL_HASH:-}"
-# the one model cache, as the scripts run by hand find it (cache_model.model_cache_dir)
+# the one model cache, as the scripts run by hand find it (modelcache.model_cache_dir)
 ORIG_MODEL_DIR="${ORIG_MODEL_DIR:-$DATA_PREFIX/model-orig}"
 export ORIG_MODEL_DIR
 IMAGES_OWN_DIR="${IMAGES_OWN_DIR:-$DATA_PREFIX/images-own}"
@@ -327,10 +327,10 @@ fi
 step "0: preflight (photos, CLASS_NAME, GPUs and their memory, disk, shared storage)"
 # Step 6's prompt file, read now: a typo found after the training would cost the run its scores
 if [ -n "$EVAL_PROMPTS" ] && ! $skip_eval; then
-  "$PYTHON" -c 'import sys; from dreambooth import evaluate, utils
+  "$PYTHON" -c 'import sys; from dreambooth import errors, scoring
 try:
-    evaluate.prompt_templates("object", sys.argv[1])
-except utils.UserError as err:
+    scoring.prompt_templates("object", sys.argv[1])
+except errors.UserError as err:
     sys.exit(f"dreambooth_run.sh: error: {err}")' "$EVAL_PROMPTS"
 fi
 PREFLIGHT=(--photos_dir="$PHOTOS_DIR" --photos_var="$PHOTOS_VAR" --class_name="$CLASS_NAME"
@@ -460,9 +460,9 @@ outputs() {  # the last lines: every output of this subject, and how to take the
   if ! $skip_eval; then echo "  scores: $EVAL_DIR/report.md"; fi
   echo "  log:    $LOG_FILE"
   # (only for what export.py writes of the family, a full model or LoRA adapters: the hint is a command that works)
-  if "$PYTHON" -c 'import sys; from dreambooth import cache_model, families, outputs
+  if "$PYTHON" -c 'import sys; from dreambooth import families, modelcache, outputs
 action = "export_lora" if outputs.holds_lora(sys.argv[2]) else "export"
-sys.exit(action not in families.family_of(cache_model.resolve_model_name(sys.argv[1])).supports)' \
+sys.exit(action not in families.family_of(modelcache.resolve_model_name(sys.argv[1])).supports)' \
       "$ORIG_MODEL_PATH" "$TUNED_MODEL_DIR" 2> /dev/null; then
     echo "  for AUTOMATIC1111/ComfyUI: $PYTHON export.py --model_dir $(printf '%q' "$TUNED_MODEL_DIR")" \
       "--output_file $(printf '%q' "$DATA_PREFIX/subjects/$SUBJECT/$SUBJECT.safetensors")"

@@ -6,7 +6,7 @@
 Rows: steady-state training images/s (start-up excluded) of `train.train_step` in a plain
 PyTorch loop and inside Ray Train (1 worker, `train.main`), with VAE + live text encoder vs
 cached latents + precomputed prompt embeddings; start-up costs; generation images/s at several
-batch sizes (`generate.generate_batch`, on the Ray Data actor pool unless --no_ray); peak
+batch sizes (`drawing.generate_batch`, on the Ray Data actor pool unless --no_ray); peak
 memory (process RSS high-water mark from each variant's set-up on CPU, torch.cuda.max_memory_allocated on GPU). Prints a Markdown table.
 
 Each variant runs plain, then in Ray, then plain again; the overhead is taken against the mean
@@ -196,17 +196,17 @@ def ray_train(args, work, variant):
 
 
 def generation(args, device, use_ray):
-    """Steady images/s of generate.generate_batch at each batch size (first batch excluded)."""
-    from dreambooth import generate
+    """Steady images/s of drawing.generate_batch at each batch size (first batch excluded)."""
+    from dreambooth import drawing
     from dreambooth import outputs
 
-    settings = generate.ImageSettings(num_inference_steps=args.inference_steps)
+    settings = drawing.ImageSettings(num_inference_steps=args.inference_steps)
     results = {}
     if use_ray:
         raycluster.init_ray()
     else:
         t0 = time.perf_counter()
-        pipe = generate.load_pipeline(args.model_dir, device)
+        pipe = drawing.load_pipeline(args.model_dir, device)
         row("generation: pipeline load", time.perf_counter() - t0, "s")
     for batch in args.gen_batches:
         prompts, seeds = ["photo of a toy"] * batch, list(range(batch))
@@ -214,16 +214,16 @@ def generation(args, device, use_ray):
             with tempfile.TemporaryDirectory() as out:
                 rows = [{"prompt": "photo of a toy", "seed": k, "file": f"{k}.png"} for k in range(3 * batch)]
                 stamps = [time.perf_counter()
-                          for _ in generate.run_actor_pool(
-                              [generate.DrawJob(outputs.ModelRef(args.model_dir), out, False, tuple(rows))],
+                          for _ in drawing.run_actor_pool(
+                              [drawing.DrawJob(outputs.ModelRef(args.model_dir), out, False, tuple(rows))],
                               settings, batch, 1)]
             results[batch] = (len(stamps) - batch) / (stamps[-1] - stamps[batch - 1])
         else:
-            generate.generate_batch(pipe, prompts, seeds, settings)
+            drawing.generate_batch(pipe, prompts, seeds, settings)
             sync(device)
             t0 = time.perf_counter()
             for _ in range(2):
-                generate.generate_batch(pipe, prompts, seeds, settings)
+                drawing.generate_batch(pipe, prompts, seeds, settings)
             sync(device)
             results[batch] = 2 * batch / (time.perf_counter() - t0)
     return results

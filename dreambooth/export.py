@@ -17,12 +17,12 @@ import re
 import sys
 import tempfile
 
-from dreambooth import cache_model
 from dreambooth import errors
 from dreambooth import families
 from dreambooth import filemodes
 from dreambooth import files
 from dreambooth import flags
+from dreambooth import modelcache
 from dreambooth import models
 from dreambooth import outputs
 from dreambooth import storage
@@ -244,7 +244,7 @@ def write_checkpoint(checkpoint, path, save_precision, metadata):
 def main(argv=None):
     parser = flags.make_parser(__doc__.splitlines()[0], ["model_dir", "output_file", "save_precision", "overwrite",
                                                          "allow_unsafe_weights"], helps=HELPS)
-    args = cache_model.resolve_models(parser.parse_args(argv))
+    args = modelcache.resolve_models(parser.parse_args(argv))
     files.check_output_path(args.output_file, "--output_file", [("--model_dir", args.model_dir)], is_file=True)
     if storage.exists(args.output_file) and not args.overwrite:
         raise errors.UserError(f"{args.output_file} exists: pass --overwrite to replace it")

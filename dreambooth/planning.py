@@ -11,13 +11,13 @@ import os
 import sys
 from datetime import datetime
 
-from dreambooth import cache_model
 from dreambooth import checkpoints
 from dreambooth import errors
 from dreambooth import families
 from dreambooth import files
 from dreambooth import flags
 from dreambooth import inputs
+from dreambooth import modelcache
 from dreambooth import objectives
 from dreambooth import outputs
 from dreambooth import resources
@@ -224,7 +224,7 @@ def parse_given(argv=None, description=None):
     """(parser, the flags as given): model names made folders, nothing worked out yet; parser.given
     names the flags the user set."""
     parser = train_parser(description)
-    return parser, cache_model.resolve_models(parser.parse_args(argv))
+    return parser, modelcache.resolve_models(parser.parse_args(argv))
 
 
 def derive(given, parser):

@@ -24,7 +24,6 @@ import sys
 import tempfile
 import uuid
 
-from dreambooth import cache_model
 from dreambooth import disk
 from dreambooth import errors
 from dreambooth import families
@@ -33,6 +32,7 @@ from dreambooth import flags
 from dreambooth import imagefiles
 from dreambooth import known_models
 from dreambooth import memory
+from dreambooth import modelcache
 from dreambooth import planning
 from dreambooth import raycluster
 from dreambooth import resources
@@ -154,8 +154,8 @@ def cached_model(args):
     """The base model's folder when it is here before Step 1 (--model_path, or its pinned revision in
     the model cache: looked up once, then kept in args.model_path), else None."""
     if args.model_path is None and args.model_cache and not args.tiny:
-        args.model_path = cache_model.cached_snapshot(cache_model.cache_on_node(args.model_cache),
-                                                      *cache_model.pinned_revision(args.model_name, args.revision))
+        args.model_path = modelcache.cached_snapshot(modelcache.cache_on_node(args.model_cache),
+                                                     *modelcache.pinned_revision(args.model_name, args.revision))
     folder = args.model_path
     return folder if folder and os.path.isfile(os.path.join(folder, "model_index.json")) else None
 

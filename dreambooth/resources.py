@@ -7,8 +7,8 @@ the rows of an epoch split over them into optimizer steps.
 import math
 import sys
 
-from dreambooth import cache_model
 from dreambooth import errors
+from dreambooth import modelcache
 
 DEFAULT_MAX_TRAIN_STEPS = 800
 
@@ -52,7 +52,7 @@ def worker_resources(args, cpus, gpus, spell=flag_spelling, warn_no_gpu=None):
         raise errors.UserError(f"the Ray cluster has {cpus:g} CPU(s): training needs one for its workers "
                                "and one for the data pipeline")
     if warn_no_gpu is None:
-        warn_no_gpu = not cache_model.has_random_weights(args.model_dir)  # random models are for CPUs
+        warn_no_gpu = not modelcache.has_random_weights(args.model_dir)  # random models are for CPUs
     if not use_gpu and warn_no_gpu:
         print(NO_GPU_WARNING, file=sys.stderr)
     return use_gpu, num_workers, min(1.0, spare / num_workers)

@@ -25,24 +25,24 @@ import math
 import os
 import sys
 
-from dreambooth import cache_model
 from dreambooth import disk
+from dreambooth import driver
 from dreambooth import errors
 from dreambooth import eval_report
-from dreambooth import evaluate
 from dreambooth import families
 from dreambooth import files
 from dreambooth import flags
 from dreambooth import imagefiles
+from dreambooth import modelcache
 from dreambooth import outputs
 from dreambooth import planning
 from dreambooth import raycluster
 from dreambooth import scores
+from dreambooth import scoring
 from dreambooth import storage
 from dreambooth import sweep_files
 from dreambooth import sweep_rows
 from dreambooth import sweep_trial
-from dreambooth import train
 
 SWEEP_FLAGS = [
     "model_dir", "output_dir", "instance_data_dir", "subjects_dir", "unique_token", "class_name", "subject_type",
@@ -74,7 +74,7 @@ def parse_args(argv=None):
                      "('photo of <token> <class>', 'photo of a <class>') and class images.")
     parser.config_fallback = planning.train_parser()  # a config file may hold train.py's flags too
     args, train_flags = parser.parse_known_args(argv)
-    cache_model.resolve_models(args)
+    modelcache.resolve_models(args)
     if (args.subjects_dir is None) == (args.instance_data_dir is None):
         parser.error("give --instance_data_dir (one subject) or --subjects_dir (many)")
     if args.instance_data_dir and not args.class_name:
@@ -107,11 +107,11 @@ def trial_base_argv(args, train_flags):
 
 
 def read_subjects(args):
-    """{name: evaluate.Subject}: the one of the flags, or one per sub-folder of --subjects_dir."""
+    """{name: scoring.Subject}: the one of the flags, or one per sub-folder of --subjects_dir."""
     if args.instance_data_dir:
         name = os.path.basename(args.instance_data_dir.rstrip("/"))  # (a bucket's path too)
-        return {name: evaluate.Subject(name, args.instance_data_dir, args.unique_token, args.class_name,
-                                       args.subject_type, args.eval_prompts)}
+        return {name: scoring.Subject(name, args.instance_data_dir, args.unique_token, args.class_name,
+                                      args.subject_type, args.eval_prompts)}
     if not storage.isdir(args.subjects_dir):
         raise errors.UserError(f"--subjects_dir not found: {args.subjects_dir}")
     subjects = {}
@@ -124,9 +124,9 @@ def read_subjects(args):
             raise errors.UserError(f"{folder} has no {imagefiles.SUBJECT_FILE} (e.g. {{\"class_name\": \"dog\"}})")
         try:
             info = storage.read_json(path)
-            subjects[name] = evaluate.Subject(name, folder, info.get("unique_token", args.unique_token),
-                                              info["class_name"], info.get("subject_type", args.subject_type),
-                                              args.eval_prompts)
+            subjects[name] = scoring.Subject(name, folder, info.get("unique_token", args.unique_token),
+                                             info["class_name"], info.get("subject_type", args.subject_type),
+                                             args.eval_prompts)
         except (ValueError, KeyError, AttributeError) as err:
             raise errors.UserError(f"{path}: needs a JSON object with \"class_name\" ({type(err).__name__}: {err})") \
                 from None
@@ -200,8 +200,8 @@ def prepare_class_images(args, subjects, train_args):
     dirs = {}
     for class_name in sorted({s.class_name for s in subjects.values()}):
         dirs[class_name] = storage.join(args.sweep_dir, "class-images", files.slugify(class_name))
-        train.top_up_class_images(args.model_dir, dirs[class_name], f"photo of a {class_name}", args.num_class_images,
-                                  train_args.seed, train_args.resolution, train_args.allow_unsafe_weights)
+        driver.top_up_class_images(args.model_dir, dirs[class_name], f"photo of a {class_name}", args.num_class_images,
+                                   train_args.seed, train_args.resolution, train_args.allow_unsafe_weights)
     return dirs
 
 
@@ -262,7 +262,7 @@ def score_base(args, subjects, eval_settings):
     base, todo = {}, []
     for subject in subjects.values():
         saved = storage.join(folder, subject.name, "scores.json")
-        result = evaluate.EvalResult.from_json(storage.read_json(saved)) if storage.isfile(saved) else None
+        result = scoring.EvalResult.from_json(storage.read_json(saved)) if storage.isfile(saved) else None
         if result and result.prompts == tuple(subject.prompts()) and \
                 result.num_samples_per_prompt == eval_settings.num_samples_per_prompt:
             base[subject.name] = result.overall("base")
@@ -270,8 +270,8 @@ def score_base(args, subjects, eval_settings):
             todo.append(subject)
     if todo:
         with storage.output_folder(folder) as local:  # (a bucket's: filled here, copied there)
-            results = evaluate.run([("base", outputs.ModelRef(args.model_dir))], todo, eval_settings, local,
-                                   {s.name: os.path.join(local, s.name) for s in todo})
+            results = scoring.run([("base", outputs.ModelRef(args.model_dir))], todo, eval_settings, local,
+                                  {s.name: os.path.join(local, s.name) for s in todo})
         for name, result in results.items():
             base[name] = result.overall("base")
             print(f"base model on {name}: {eval_report.summary(base[name])}", file=sys.stderr)
@@ -291,7 +291,7 @@ def main(argv=None):
     config = sweep_files.write_text(args.sweep_dir, sweep_files.CONFIG_FILE, args.settings_toml)
     print(f"settings: {config} (sweep.py --config {config} repeats this sweep)", file=sys.stderr)
     raycluster.init_ray()
-    eval_settings = evaluate.EvalSettings(
+    eval_settings = scoring.EvalSettings(
         args.eval_models_dir, args.eval_images_per_prompt, train_args.seed, args.batch_size, args.num_inference_steps,
         args.guidance_scale, train_args.resolution, None, train_args.allow_unsafe_weights)
     class_dirs = prepare_class_images(args, subjects, train_args)

@@ -9,19 +9,19 @@ import tempfile
 
 from dreambooth import checkpoint
 from dreambooth import checkpoints
-from dreambooth import evaluate
+from dreambooth import driver
 from dreambooth import outputs
 from dreambooth import planning
+from dreambooth import scoring
 from dreambooth import storage
 from dreambooth import sweep_rows
-from dreambooth import train
 
 
 @dataclasses.dataclass(frozen=True)
 class SweepJob:
     """What every trial reads (Tune hands it to trial_fn with each trial's config)."""
 
-    subjects: dict  # {name: evaluate.Subject}
+    subjects: dict  # {name: scoring.Subject}
     sweep_dir: str
     steps: tuple  # the step counts scored, ascending; the last is trained to
     class_dirs: dict  # {class name: folder of its class images}
@@ -29,7 +29,7 @@ class SweepJob:
     given: frozenset  # the names of those the user set (a trial adds its own, then derives the rest)
     typed: frozenset  # ... of those typed rather than read from a config file
     model_dir: str
-    eval_settings: object  # evaluate.EvalSettings
+    eval_settings: object  # scoring.EvalSettings
     early_stopping: bool = False  # train and score one step count at a time; ASHA may stop the trial between
     rank_against: dict = dataclasses.field(default_factory=dict)  # {subject: (base CLIP-T - margin, base DINO)}
     keep_checkpoints: bool = False  # train.py's --keep_checkpoints given: the trials' checkpoints stay
@@ -76,18 +76,18 @@ def trial_fn(config, job):
         folders = [model_at(step) for step in step_counts]  # (what the table names: not this node's copy)
         entries = [(f"step-{step}", outputs.resolve_model(model)) for step, model in zip(step_counts, folders)]
         with storage.output_folder(storage.join(folder, "eval")) as local:  # (a bucket's: filled here, copied there)
-            result = evaluate.run(entries, [subject], job.eval_settings, local)[subject.name]
+            result = scoring.run(entries, [subject], job.eval_settings, local)[subject.name]
         for step, (label, _), model in zip(step_counts, entries, folders):
             overall = result.overall(label)
             ray.tune.report({"step": step, "model": model, **overall,
                              "score": sweep_rows.rank_score(overall, *job.rank_against.get(subject.name, (None, 0.0)))})
 
     if not job.early_stopping:
-        train.run(train_args)  # after a restart: resumes from the trial's newest checkpoint
+        driver.run(train_args)  # after a restart: resumes from the trial's newest checkpoint
         score(steps)
     else:
         for step in steps:
-            train.run(train_args, stop_step=step)  # ends at this step count; the next run resumes from it
+            driver.run(train_args, stop_step=step)  # ends at this step count; the next run resumes from it
             score([step])  # ASHA decides here whether the trial goes on
     if not job.keep_checkpoints:  # every step count is a model now: the checkpoints' disk is freed
         remove_checkpoints(train_args.storage_path)

@@ -3,10 +3,10 @@ the model cache or the hub cache as the base models are (cache_model.py), else f
 
 import os
 
-from dreambooth import cache_model
 from dreambooth import errors
 from dreambooth import files
 from dreambooth import hub
+from dreambooth import modelcache
 
 VAE_FILES = ["config.json", "diffusion_pytorch_model.safetensors"]
 
@@ -33,13 +33,13 @@ def resolve_vae(value, allow_unsafe_weights=False, cache_dir=None):
     the model cache or your hub cache (a known VAE at its pinned commit, another at any complete
     snapshot: offline works), else fetched once into the model cache (config and safetensors only)."""
     path = os.path.abspath(os.path.expanduser(value))
-    if os.path.exists(path) or value.startswith(("/", ".", "~")) or not cache_model.looks_like_hub_name(value):
+    if os.path.exists(path) or value.startswith(("/", ".", "~")) or not modelcache.looks_like_hub_name(value):
         return check_vae_dir(path, allow_unsafe_weights)
-    cache_dir = cache_dir or cache_model.model_cache_dir()
-    local = cache_model.cache_on_node(cache_dir)  # (a bucket's model cache: this node's copy, the VAE copied there)
+    cache_dir = cache_dir or modelcache.model_cache_dir()
+    local = modelcache.cache_on_node(cache_dir)  # (a bucket's model cache: this node's copy, the VAE copied there)
     pinned = next((commit for name, commit in KNOWN_VAES.items() if name.lower() == value.lower()), None)
-    for folder in dict.fromkeys((local, cache_model.hub_cache_dir())):
-        snapshots = os.path.join(cache_model.repo_cache_path(folder, value), "snapshots")
+    for folder in dict.fromkeys((local, modelcache.hub_cache_dir())):
+        snapshots = os.path.join(modelcache.repo_cache_path(folder, value), "snapshots")
         for revision in sorted(os.listdir(snapshots)) if os.path.isdir(snapshots) else ():
             if pinned in (None, revision) and all(os.path.isfile(os.path.join(snapshots, revision, name))
                                                   for name in VAE_FILES):
@@ -50,8 +50,8 @@ def resolve_vae(value, allow_unsafe_weights=False, cache_dir=None):
 
 
 def in_bucket(folder, cache_dir):
-    """folder, copied to the bucket first when cache_dir is a bucket's model cache (cache_model.to_bucket)."""
-    cache_model.to_bucket(folder, cache_dir, last=VAE_FILES[1])
+    """folder, copied to the bucket first when cache_dir is a bucket's model cache (modelcache.to_bucket)."""
+    modelcache.to_bucket(folder, cache_dir, last=VAE_FILES[1])
     return folder
 
 

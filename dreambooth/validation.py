@@ -10,8 +10,8 @@ with validation trains exactly as one without.
 import os
 
 from dreambooth import checkpoint
+from dreambooth import drawing
 from dreambooth import files
-from dreambooth import generate
 from dreambooth import imaging
 from dreambooth import models
 from dreambooth import prompts
@@ -22,7 +22,7 @@ TIMELINE = "timeline.png"
 
 def images_of(plan):
     """[(prompt, image index, seed)] of one validation round, in column order."""
-    return [(prompt, i, generate.image_seed(plan.seed, prompt, i))
+    return [(prompt, i, drawing.image_seed(plan.seed, prompt, i))
             for prompt in plan.validation_prompts for i in range(plan.num_validation_images)]
 
 
@@ -140,7 +140,7 @@ def run_round(sampler, step, rank, world, run_dir):
         return None
     folder = os.path.join(run_dir, FOLDER, f"step-{step}")
     os.makedirs(folder, exist_ok=True)
-    names = [generate.image_file_name(prompt, index) for prompt, index, _ in items]
+    names = [drawing.image_file_name(prompt, index) for prompt, index, _ in items]
     images = {names[k]: image for k, image in sorted(drawn, key=lambda pair: pair[0])}
     for name, image in images.items():
         files.save_image_atomic(image, os.path.join(folder, name))

@@ -11,6 +11,7 @@ from dreambooth import cache_model
 from dreambooth import errors
 from dreambooth import files
 from dreambooth import known_models
+from dreambooth import modelcache
 from dreambooth import preflight
 from dreambooth import vae_cache
 from dreambooth.files import REPO_DIR
@@ -22,7 +23,7 @@ SD14_REV = "b95be7d6f134c3a9e62ee616f310733567f069ce"
 def test_tiny_is_written_in_hub_layout_and_loads(tiny_model):
     from diffusers import DiffusionPipeline
 
-    name, revision = cache_model.random_model_id("tiny")
+    name, revision = modelcache.random_model_id("tiny")
     assert tiny_model.endswith(os.path.join("models--" + name.replace("/", "--"), "snapshots", revision))
     refs = os.path.join(tiny_model, "..", "..", "refs", "main")
     assert open(refs).read() == revision  # no trailing newline
@@ -37,7 +38,7 @@ def test_tiny_is_written_in_hub_layout_and_loads(tiny_model):
 def test_pinned_model_resolves_offline_from_an_existing_cache(tiny_model, tmp_path):
     """The default SD 1.4 revision, found in a hub-layout cache with the hub unreachable."""
     cache = tmp_path / "model-orig"
-    snapshot = cache_model.hub_snapshot_path(str(cache), SD14, SD14_REV)
+    snapshot = modelcache.hub_snapshot_path(str(cache), SD14, SD14_REV)
     shutil.copytree(tiny_model, snapshot)
     os.makedirs(cache / "models--CompVis--stable-diffusion-v1-4" / "refs")
     (cache / "models--CompVis--stable-diffusion-v1-4" / "refs" / "main").write_text(SD14_REV)
@@ -55,18 +56,18 @@ def test_one_model_cache_for_the_script_and_the_scripts_by_hand(tiny_model, tmp_
     monkeypatch.delenv("ORIG_MODEL_DIR", raising=False)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "own-hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert cache_model.model_cache_dir() == str(tmp_path / "data" / "model-orig")
+    assert modelcache.model_cache_dir() == str(tmp_path / "data" / "model-orig")
     with pytest.raises(errors.UserError, match=f"is not in the cache {tmp_path / 'data' / 'model-orig'} and the hub"):
-        cache_model.resolve_model_name("sd14")
-    step1 = cache_model.hub_snapshot_path(str(tmp_path / "data" / "model-orig"), SD14, SD14_REV)
+        modelcache.resolve_model_name("sd14")
+    step1 = modelcache.hub_snapshot_path(str(tmp_path / "data" / "model-orig"), SD14, SD14_REV)
     shutil.copytree(tiny_model, step1)  # as Step 1 left it
-    assert cache_model.resolve_model_name("sd14") == step1
+    assert modelcache.resolve_model_name("sd14") == step1
     sd15 = known_models.known_model("sd15")
-    own = cache_model.hub_snapshot_path(str(tmp_path / "own-hub"), sd15.hub_name, sd15.revision)
+    own = modelcache.hub_snapshot_path(str(tmp_path / "own-hub"), sd15.hub_name, sd15.revision)
     shutil.copytree(tiny_model, own)  # fetched earlier by other tools: not fetched again
-    assert cache_model.resolve_model_name("sd15") == own
+    assert modelcache.resolve_model_name("sd15") == own
     monkeypatch.setenv("ORIG_MODEL_DIR", str(tmp_path / "elsewhere"))
-    assert cache_model.model_cache_dir() == str(tmp_path / "elsewhere")
+    assert modelcache.model_cache_dir() == str(tmp_path / "elsewhere")
 
 
 def test_the_sdxl_fp16_fix_vae_resolves_at_its_pinned_commit_only(tiny_sdxl_model, tmp_path, monkeypatch):
@@ -74,11 +75,11 @@ def test_the_sdxl_fp16_fix_vae_resolves_at_its_pinned_commit_only(tiny_sdxl_mode
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "own-hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     name = "madebyollin/sdxl-vae-fp16-fix"
-    other = cache_model.hub_snapshot_path(str(tmp_path / "cache"), name, "0" * 40)
+    other = modelcache.hub_snapshot_path(str(tmp_path / "cache"), name, "0" * 40)
     shutil.copytree(os.path.join(tiny_sdxl_model, "vae"), other)  # another commit of it: not taken
     with pytest.raises(errors.UserError, match=f"{name}@{vae_cache.KNOWN_VAES[name]} is not in the cache"):
         vae_cache.resolve_vae(name)
-    pinned = cache_model.hub_snapshot_path(str(tmp_path / "cache"), name, vae_cache.KNOWN_VAES[name])
+    pinned = modelcache.hub_snapshot_path(str(tmp_path / "cache"), name, vae_cache.KNOWN_VAES[name])
     shutil.copytree(os.path.join(tiny_sdxl_model, "vae"), pinned)
     assert vae_cache.resolve_vae(name) == pinned
 
@@ -105,8 +106,8 @@ def test_only_pipeline_files_are_fetched():
     from fnmatch import fnmatch
 
     def fetched(name):
-        return (any(fnmatch(name, p) for p in cache_model.ALLOW_PATTERNS)
-                and not any(fnmatch(name, p) for p in cache_model.IGNORE_PATTERNS))
+        return (any(fnmatch(name, p) for p in modelcache.ALLOW_PATTERNS)
+                and not any(fnmatch(name, p) for p in modelcache.IGNORE_PATTERNS))
 
     assert fetched("unet/diffusion_pytorch_model.safetensors") and fetched("model_index.json")
     assert fetched("tokenizer/vocab.json") and fetched("tokenizer/merges.txt")
@@ -146,12 +147,12 @@ def test_a_gated_model_without_a_hub_token_is_refused_before_the_hub_is_asked(ti
     monkeypatch.delenv("HF_TOKEN")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     flux = known_models.known_model("flux-dev")
-    pinned = cache_model.hub_snapshot_path(str(tmp_path / "cache"), flux.hub_name, flux.revision)
+    pinned = modelcache.hub_snapshot_path(str(tmp_path / "cache"), flux.hub_name, flux.revision)
     shutil.copytree(tiny_model, pinned)  # (any pipeline folder: the lookup is what is tested)
     assert cache_model.main(["--model_dir", str(tmp_path / "cache"), "--model_name", "black-forest-labs/FLUX.1-dev"]) \
         == pinned
     assert capsys.readouterr().out.strip().splitlines()[-1] == pinned
-    assert cache_model.resolve_model_name("flux-dev", str(tmp_path / "cache")) == pinned
+    assert modelcache.resolve_model_name("flux-dev", str(tmp_path / "cache")) == pinned
 
 
 def test_the_hubs_refusal_of_a_gated_model_is_one_line_saying_what_to_do(tmp_path, monkeypatch):
@@ -196,19 +197,19 @@ def test_the_readme_and_the_help_name_each_short_name_with_its_pin():
 
 
 def test_hub_snapshot_path_layout():
-    path = cache_model.hub_snapshot_path("/c", "CompVis/stable-diffusion-v1-4", "abc")
+    path = modelcache.hub_snapshot_path("/c", "CompVis/stable-diffusion-v1-4", "abc")
     assert path == "/c/models--CompVis--stable-diffusion-v1-4/snapshots/abc"
 
 
 def test_random_models_and_models_tuned_from_them_are_known(tiny_model, tmp_path):
-    assert cache_model.has_random_weights(tiny_model)
-    assert not cache_model.has_random_weights(str(tmp_path))
+    assert modelcache.has_random_weights(tiny_model)
+    assert not modelcache.has_random_weights(str(tmp_path))
     tuned = tmp_path / "tuned"
     tuned.mkdir()
     files.write_json(str(tuned / files.OUTPUT_MARKER), {"base_model": tiny_model})
-    assert cache_model.has_random_weights(str(tuned))
+    assert modelcache.has_random_weights(str(tuned))
     files.write_json(str(tuned / files.OUTPUT_MARKER), {"base_model": "/data/models--CompVis--sd/snapshots/x"})
-    assert not cache_model.has_random_weights(str(tuned))
+    assert not modelcache.has_random_weights(str(tuned))
 
 
 def test_a_built_random_model_is_reused_and_another_size_gets_its_own_revision(tiny_model):
@@ -218,14 +219,14 @@ def test_a_built_random_model_is_reused_and_another_size_gets_its_own_revision(t
     before = os.stat(weights).st_mtime_ns
     assert cache_model.main(["--model_dir", cache_dir, "--tiny"]) == tiny_model
     assert os.stat(weights).st_mtime_ns == before
-    assert len({cache_model.random_model_id(size)[1] for size in ("tiny", "small", "sd15")}) == 3
+    assert len({modelcache.random_model_id(size)[1] for size in ("tiny", "small", "sd15")}) == 3
 
 
 def test_the_sd2_v_tiny_model_has_its_own_name_and_arch_only_goes_with_a_built_model(tiny_model, tiny_sd2v_model,
                                                                                     tmp_path):
     assert "models--dreambooth-ray--tiny-stable-diffusion-2-v" in tiny_sd2v_model
-    assert cache_model.random_model_id("tiny", "sd2-v") != cache_model.random_model_id("tiny")
-    assert cache_model.has_random_weights(tiny_sd2v_model)
+    assert modelcache.random_model_id("tiny", "sd2-v") != modelcache.random_model_id("tiny")
+    assert modelcache.has_random_weights(tiny_sd2v_model)
     for args in (["--model_name", "sd21", "--arch", "sd2-v"], ["--eval_models", "--tiny", "--arch", "sd2-v"]):
         with pytest.raises(errors.UserError, match="--arch is the architecture of a model built here"):
             cache_model.main(["--model_dir", str(tmp_path), *args])
@@ -253,8 +254,8 @@ def test_eval_models_resolve_offline_and_pickled_weights_convert_only_when_allow
     built = scores.build_tiny_eval_models(str(tmp_path / "built"))
     cache, revision = tmp_path / "cache", "0123456789abcdef0123456789abcdef01234567"
     for name, source in (("org/dino", built[0]), ("org/clip", built[1])):
-        shutil.copytree(source, cache_model.hub_snapshot_path(str(cache), name, revision))
-    dino_snapshot = cache_model.hub_snapshot_path(str(cache), "org/dino", revision)
+        shutil.copytree(source, modelcache.hub_snapshot_path(str(cache), name, revision))
+    dino_snapshot = modelcache.hub_snapshot_path(str(cache), "org/dino", revision)
     original = AutoModel.from_pretrained(built[0])
     os.remove(os.path.join(dino_snapshot, "model.safetensors"))  # as old repos hold it: pickled only
     torch.save(original.state_dict(), os.path.join(dino_snapshot, "pytorch_model.bin"))

@@ -9,11 +9,12 @@ from dreambooth import eval_report
 from dreambooth import evaluate
 from dreambooth import files
 from dreambooth import outputs
+from dreambooth import scoring
 
 
 def test_prompt_sets_have_25_prompts_each_with_the_subject():
     for subject_type in ("object", "live"):
-        templates = evaluate.prompt_templates(subject_type)
+        templates = scoring.prompt_templates(subject_type)
         assert len(templates) == len(set(templates)) == 25
         assert all(t.count("{subject}") == 1 for t in templates)
 
@@ -22,7 +23,7 @@ def test_own_prompt_file_without_the_subject_is_refused(tmp_path):
     path = tmp_path / "prompts.txt"
     path.write_text("# mine\na {subject} on a beach\na dog in the snow\n")
     with pytest.raises(errors.UserError, match="every prompt needs '{subject}'.*a dog in the snow"):
-        evaluate.prompt_templates("object", str(path))
+        scoring.prompt_templates("object", str(path))
 
 
 def test_the_base_model_is_the_recorded_one_or_the_one_a_lora_applies_to(tiny_model, lora_output, tmp_path):
@@ -30,11 +31,11 @@ def test_the_base_model_is_the_recorded_one_or_the_one_a_lora_applies_to(tiny_mo
     full.mkdir()
     files.write_json(full / files.OUTPUT_MARKER, {"base_model": tiny_model})
     ref = outputs.ModelRef
-    assert evaluate.models_to_score(str(full), None, None) == [("tuned", ref(str(full))), ("base", ref(tiny_model))]
+    assert scoring.models_to_score(str(full), None, None) == [("tuned", ref(str(full))), ("base", ref(tiny_model))]
     lora_dir, _ = lora_output
-    assert evaluate.models_to_score(lora_dir, None, None) == [("tuned", ref(tiny_model, lora_dir)),
+    assert scoring.models_to_score(lora_dir, None, None) == [("tuned", ref(tiny_model, lora_dir)),
                                                                 ("base", ref(tiny_model))]
-    assert evaluate.models_to_score(tiny_model, None, str(full))[1] == ("base", ref(str(full)))
+    assert scoring.models_to_score(tiny_model, None, str(full))[1] == ("base", ref(str(full)))
 
 
 def test_held_out_photos_are_scored_apart_and_must_be_the_ones_training_left_out(tmp_path):
@@ -46,15 +47,15 @@ def test_held_out_photos_are_scored_apart_and_must_be_the_ones_training_left_out
 
     emb = {"gen": {"dino": unit(1, 0), "clip": unit(1, 0), "text_clip": unit(1, 0)},
            "seen": {"dino": unit(1, 0), "clip": unit(1, 0)}, "unseen": {"dino": unit(0, 1), "clip": unit(1, 1)}}
-    s = evaluate.score_set(emb, {"p": ["gen"]}, ["seen"], ["unseen"])
+    s = scoring.score_set(emb, {"p": ["gen"]}, ["seen"], ["unseen"])
     assert s["dino"] == pytest.approx(1.0) and s["dino_holdout"] == pytest.approx(0.0)
-    assert s["clip_i_holdout"] == pytest.approx(2 ** -0.5) and "dino_holdout" not in evaluate.score_set(
+    assert s["clip_i_holdout"] == pytest.approx(2 ** -0.5) and "dino_holdout" not in scoring.score_set(
         emb, {"p": ["gen"]}, ["seen"])
     line = eval_report.summary({**s, "pres": None})
     assert "DINO held out 0.000, CLIP-I held out 0.707" in line
     assert "DIV n/a (one image per prompt: diversity needs two)" in line  # (was "DIV ," with no reason)
-    result = evaluate.EvalResult("unqtkn dog", 1, 1, 4, ("p",), {"tuned": evaluate.ModelScores({**s, "pres": 0.4}, {})},
-                                 held_out=("e.jpg",))
+    result = scoring.EvalResult("unqtkn dog", 1, 1, 4, ("p",), {"tuned": scoring.ModelScores({**s, "pres": 0.4}, {})},
+                                held_out=("e.jpg",))
     eval_report.write_report(str(tmp_path / "report.md"), result)
     report = (tmp_path / "report.md").read_text()
     assert "(+ 1 held out of training: e.jpg)" in report and "| tuned | 1.000 | 1.000 | 1.000 |  | 0.400 | 0.000 | 0.707 |" in report
@@ -63,7 +64,7 @@ def test_held_out_photos_are_scored_apart_and_must_be_the_ones_training_left_out
     photos.mkdir()
     for name in "abcde":
         (photos / f"{name}.jpg").write_bytes(b"")
-    subject = evaluate.Subject("photos", str(photos), "unqtkn", "dog", holdout=1)
+    subject = scoring.Subject("photos", str(photos), "unqtkn", "dog", holdout=1)
     assert [os.path.basename(p) for p in subject.split()[1]] == ["e.jpg"]
     model = tmp_path / "model"
     model.mkdir()
@@ -76,11 +77,11 @@ def test_held_out_photos_are_scored_apart_and_must_be_the_ones_training_left_out
 
 def test_report_puts_each_model_beside_the_papers_values(tmp_path):
     s = {"dino": 0.5, "clip_i": 0.6, "clip_t": 0.25, "div": None, "pres": 0.4}
-    result = evaluate.EvalResult.from_json({
+    result = scoring.EvalResult.from_json({
         "subject": "unqtkn dog", "num_prompts": 1, "num_samples_per_prompt": 1, "num_photos": 5,
         "prompts": ["a unqtkn dog"], "models": {label: {"overall": s, "per_prompt": {"a unqtkn dog": s}}
                                                 for label in ("tuned", "base")}})
-    assert evaluate.EvalResult.from_json(result.to_json()) == result  # scores.json reads back as it was written
+    assert scoring.EvalResult.from_json(result.to_json()) == result  # scores.json reads back as it was written
     eval_report.write_report(str(tmp_path / "report.md"), result)
     report = (tmp_path / "report.md").read_text()
     assert "| tuned | 0.500 | 0.600 | 0.250 |  | 0.400 |" in report and "| base |" in report

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from dreambooth import driver
 from dreambooth import errors
 from dreambooth import failures
-from dreambooth import train
 
 
 def test_errors_of_the_files_read_stop_the_run_and_flaky_ones_are_retried():
@@ -64,7 +64,7 @@ def test_the_watch_stops_on_a_user_error_and_announces_a_dead_worker(tmp_path, c
 def test_a_stopped_run_is_reported_by_its_cause():
     from ray.train import ControllerError
 
-    assert train.failure_cause(ControllerError(failures.RunStopped("worker 1: bad weights"))) == "worker 1: bad weights"
+    assert driver.failure_cause(ControllerError(failures.RunStopped("worker 1: bad weights"))) == "worker 1: bad weights"
 
 
 def test_a_full_disk_is_recognised_however_a_library_wraps_it(tmp_path):

@@ -172,31 +172,31 @@ def test_lora_and_full_outputs_load_in_the_flux_pipeline(flux_run, tiny_flux_mod
 def test_validation_samples_are_what_generate_draws_from_the_same_weights(tiny_flux_model, make_plan, tmp_path):
     import numpy as np
 
-    from dreambooth import generate
+    from dreambooth import drawing
 
     plan = make_plan(model_dir=tiny_flux_model, resolution=64, validation_prompts=("a toy",), num_validation_images=1,
                      validation_inference_steps=3)
     nets = models.setup_models(plan, CPU, CPU, distributed=False)
     _, images = validation.run_round(validation.Sampler(nets, plan, amp_dtype=None), 1, 0, 1, str(tmp_path))
-    pipe = generate.load_pipeline(tiny_flux_model, CPU)
-    settings = generate.settings_for(generate.ImageSettings(num_inference_steps=3), plan.family,
-                                     plan.model_dir)
+    pipe = drawing.load_pipeline(tiny_flux_model, CPU)
+    settings = drawing.settings_for(drawing.ImageSettings(num_inference_steps=3), plan.family,
+                                    plan.model_dir)
     assert settings.guidance_scale == 3.5
-    drawn, flagged = generate.generate_batch(pipe, ["a toy"], [generate.image_seed(plan.seed, "a toy", 0)],
-                                             settings, plan.family.pipeline_kwargs())
+    drawn, flagged = drawing.generate_batch(pipe, ["a toy"], [drawing.image_seed(plan.seed, "a toy", 0)],
+                                            settings, plan.family.pipeline_kwargs())
     assert flagged == [False] and drawn[0].size == (64, 64)
     difference = np.abs(np.asarray(drawn[0], dtype=int) - np.asarray(images["a-toy-00000.png"], dtype=int))
     assert difference.max() <= 1
 
 
 def test_a_negative_prompt_is_refused_in_one_line():
+    from dreambooth import drawing
     from dreambooth import errors
-    from dreambooth import generate
 
     with pytest.raises(errors.UserError, match="Flux.1 draws without a negative prompt"):
-        generate.settings_for(generate.ImageSettings(negative_prompt="blurry"), family_flux.FAMILY, "/unread")
-    assert generate.settings_for(generate.ImageSettings(resolution=64), families.FAMILIES["sd1"],
-                                 "/unread").guidance_scale == 7.5
+        drawing.settings_for(drawing.ImageSettings(negative_prompt="blurry"), family_flux.FAMILY, "/unread")
+    assert drawing.settings_for(drawing.ImageSettings(resolution=64), families.FAMILIES["sd1"],
+                                "/unread").guidance_scale == 7.5
 
 
 @pytest.mark.slow  # (trains: over a second)
@@ -226,6 +226,7 @@ def test_lora_on_ray_resumed_ends_on_the_uninterrupted_weights_and_draws(ray_ses
     generate.py drawing with the adapters: test_dreambooth_run's Flux run; evaluate.py: test_sweep's Flux sweep.)"""
     from safetensors.torch import load_file
 
+    from dreambooth import driver
     from dreambooth import errors
     from dreambooth import files
     from dreambooth import generate
@@ -240,8 +241,8 @@ def test_lora_on_ray_resumed_ends_on_the_uninterrupted_weights_and_draws(ray_ses
 
     whole = train.main(argv("whole"))
     assert whole.metrics["step"] == 4
-    train.run(planning.parse_args([*argv("cut"), "--validation_prompt", "a toy", "--num_validation_images", "1",
-                                   "--validation_inference_steps", "2", "--validation_steps", "1"]), stop_step=2)
+    driver.run(planning.parse_args([*argv("cut"), "--validation_prompt", "a toy", "--num_validation_images", "1",
+                                    "--validation_inference_steps", "2", "--validation_steps", "1"]), stop_step=2)
     timelines = list((tmp_path / "runs-cut").glob(f"*/{validation.FOLDER}/{validation.TIMELINE}"))
     assert len(timelines) == 1 and len(list(timelines[0].parent.glob("step-*/a-toy-00000.png"))) == 2
     capfd.readouterr()
@@ -333,7 +334,7 @@ def test_a_full_fine_tune_sharded_across_two_workers_resumes_to_the_same_weights
     checkpoints written whole by rank 0 and spread again on resume; the run's checkpoint of step 2 resumed into a
     new output ends on exactly the uninterrupted run's weights; validation samples drawn by both ranks together;
     the output is a FluxPipeline whose transformer moved and whose text encoders did not. (A run cut by
-    train.run's stop_step, as the sweep cuts a trial, then resumed: the LoRA tests on Ray, Flux.1's and SD 3.5's.)"""
+    driver.run's stop_step, as the sweep cuts a trial, then resumed: the LoRA tests on Ray, Flux.1's and SD 3.5's.)"""
     from diffusers import FluxPipeline
     from safetensors.torch import load_file
     from test_recovery import logged_losses

@@ -143,16 +143,16 @@ def test_the_original_layout_is_what_diffusers_single_file_converter_reads_back(
 def test_validation_samples_are_what_generate_draws_from_the_same_weights(tiny_sd3_model, make_plan, tmp_path):
     import numpy as np
 
-    from dreambooth import generate
+    from dreambooth import drawing
 
     plan = make_plan(model_dir=tiny_sd3_model, resolution=64, validation_prompts=("a toy",), num_validation_images=1,
                      validation_inference_steps=3)
     nets = models.setup_models(plan, CPU, CPU, distributed=False)
     _, images = validation.run_round(validation.Sampler(nets, plan, amp_dtype=None), 1, 0, 1, str(tmp_path))
-    pipe = generate.load_pipeline(tiny_sd3_model, CPU)
-    drawn, flagged = generate.generate_batch(pipe, ["a toy"], [generate.image_seed(plan.seed, "a toy", 0)],
-                                             generate.settings_for(generate.ImageSettings(num_inference_steps=3),
-                                                                   plan.family, plan.model_dir),
+    pipe = drawing.load_pipeline(tiny_sd3_model, CPU)
+    drawn, flagged = drawing.generate_batch(pipe, ["a toy"], [drawing.image_seed(plan.seed, "a toy", 0)],
+                                            drawing.settings_for(drawing.ImageSettings(num_inference_steps=3),
+                                                                  plan.family, plan.model_dir),
                                              plan.family.pipeline_kwargs())
     assert flagged == [False] and drawn[0].size == (64, 64)
     difference = np.abs(np.asarray(drawn[0], dtype=int) - np.asarray(images["a-toy-00000.png"], dtype=int))
@@ -167,6 +167,7 @@ def test_lora_on_two_workers_resumed_ends_on_the_uninterrupted_weights_and_draws
     test_sweep's SD 3.5 sweep, whose scores draw each trial's adapters on generate's actor pool.)"""
     from safetensors.torch import load_file
 
+    from dreambooth import driver
     from dreambooth import files
     from dreambooth import planning
     from dreambooth import train
@@ -179,7 +180,7 @@ def test_lora_on_two_workers_resumed_ends_on_the_uninterrupted_weights_and_draws
 
     whole = train.main(argv("whole"))
     assert whole.metrics["step"] == 4
-    train.run(planning.parse_args(argv("cut")), stop_step=2)
+    driver.run(planning.parse_args(argv("cut")), stop_step=2)
     capfd.readouterr()
     resumed = train.main([*argv("cut"), "--resume_from_checkpoint", "latest"])
     assert resumed.metrics["step"] == 4 and "resuming from" in capfd.readouterr().err  # steps 3 and 4 only

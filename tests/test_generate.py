@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from dreambooth import drawing
 from dreambooth import errors
 from dreambooth import files
 from dreambooth import generate
@@ -16,13 +17,13 @@ def pixels(path):
 
 
 def test_plan_images_tops_up_and_refuses_colliding_prompts(tmp_path):
-    (tmp_path / generate.image_file_name("a dog", 1)).write_bytes(b"x")
-    rows, files = generate.plan_images(["a dog", "a cat"], 2, 0, str(tmp_path))
+    (tmp_path / drawing.image_file_name("a dog", 1)).write_bytes(b"x")
+    rows, files = drawing.plan_images(["a dog", "a cat"], 2, 0, str(tmp_path))
     assert files == ["a-dog-00000.png", "a-dog-00001.png", "a-cat-00000.png", "a-cat-00001.png"]
     assert [r["file"] for r in rows] == ["a-dog-00000.png", "a-cat-00000.png", "a-cat-00001.png"]
-    assert rows[0]["seed"] == generate.image_seed(0, "a dog", 0)
+    assert rows[0]["seed"] == drawing.image_seed(0, "a dog", 0)
     with pytest.raises(errors.UserError, match="share file names"):
-        generate.plan_images(["a dog", "A dog!"], 1, 0, str(tmp_path))
+        drawing.plan_images(["a dog", "A dog!"], 1, 0, str(tmp_path))
 
 
 @pytest.mark.slow
@@ -32,8 +33,8 @@ def test_generate_on_actor_pool_is_deterministic_and_tops_up(ray_session, tiny_m
     files = generate.main(common + ["--prompts", "photo of a dog", "photo of a cat", "--num_samples_per_prompt", "3",
                                     "--batch_size", "2", "--use_ray_data"])
     assert len(files) == 6
-    assert sorted(os.listdir(out)) == sorted(files + [generate.GRID_DIR, outputs.IMAGES_RECORD, outputs.IMAGES_CONFIG])
-    assert os.path.isfile(out / generate.GRID_DIR / "grid.png")
+    assert sorted(os.listdir(out)) == sorted(files + [drawing.GRID_DIR, outputs.IMAGES_RECORD, outputs.IMAGES_CONFIG])
+    assert os.path.isfile(out / drawing.GRID_DIR / "grid.png")
     first = {f: pixels(out / f) for f in files}
     assert first[files[0]].shape == (64, 64, 3)
     assert not np.array_equal(first[files[0]], first[files[1]])  # each image its own seed
@@ -76,15 +77,15 @@ def test_class_images_skip_the_safety_checker_and_flagged_subject_images_are_not
     base, tuned = checked_model
     common = ["--prompts", "photo of a dog", "--num_samples_per_prompt", "2", "--num_inference_steps", "2"]
     generate.main(["--model_dir", base, "--output_dir", str(tmp_path / "reg")] + common)
-    for name in (generate.image_file_name("photo of a dog", i) for i in range(2)):
+    for name in (drawing.image_file_name("photo of a dog", i) for i in range(2)):
         assert pixels(tmp_path / "reg" / name).max() > 0  # not the checker's black frame
 
     new = tmp_path / "new"
     generate.main(["--model_dir", tuned, "--output_dir", str(new)] + common)
     err = capsys.readouterr().err
     assert "2 image(s) flagged by the safety checker were not saved" in err
-    assert sorted(os.listdir(new)) == sorted([generate.image_file_name("photo of a dog", i) + generate.FLAGGED_SUFFIX
-                                              for i in range(2)] + [generate.GRID_DIR, outputs.IMAGES_RECORD,
+    assert sorted(os.listdir(new)) == sorted([drawing.image_file_name("photo of a dog", i) + drawing.FLAGGED_SUFFIX
+                                              for i in range(2)] + [drawing.GRID_DIR, outputs.IMAGES_RECORD,
                                                                     outputs.IMAGES_CONFIG])
     generate.main(["--model_dir", tuned, "--output_dir", str(new)] + common)  # done: nothing made again
     assert "generating 0" in capsys.readouterr().err
@@ -106,16 +107,16 @@ def test_run_model_is_generate_under_the_air_example_name():
 
 
 def test_image_file_name_sorts_by_index():
-    names = [generate.image_file_name("photo of a dog", i) for i in (0, 2, 10)]
+    names = [drawing.image_file_name("photo of a dog", i) for i in (0, 2, 10)]
     assert names == sorted(names)
     assert names[0] == "photo-of-a-dog-00000.png"
 
 
 def test_image_seed_depends_on_seed_prompt_and_index_only():
-    a = generate.image_seed(0, "photo of a dog", 3)
-    assert a == generate.image_seed(0, "photo of a dog", 3)
-    others = {generate.image_seed(1, "photo of a dog", 3), generate.image_seed(0, "photo of a cat", 3),
-              generate.image_seed(0, "photo of a dog", 4)}
+    a = drawing.image_seed(0, "photo of a dog", 3)
+    assert a == drawing.image_seed(0, "photo of a dog", 3)
+    others = {drawing.image_seed(1, "photo of a dog", 3), drawing.image_seed(0, "photo of a cat", 3),
+              drawing.image_seed(0, "photo of a dog", 4)}
     assert a not in others
     assert 0 <= a < 2**31
 
@@ -129,13 +130,13 @@ def test_lora_dir_applies_the_adapters_at_their_scale(lora_output, tiny_model):
     assert outputs.resolve_model(tiny_model, folder) == outputs.ModelRef(tiny_model, folder)
     with pytest.raises(errors.UserError, match="has no pytorch_lora_weights.safetensors"):
         outputs.resolve_model(tiny_model, tiny_model)
-    assert generate.use_safety_checker("auto", outputs.ModelRef(tiny_model, folder))
-    assert not generate.use_safety_checker("auto", outputs.ModelRef(tiny_model))
+    assert drawing.use_safety_checker("auto", outputs.ModelRef(tiny_model, folder))
+    assert not drawing.use_safety_checker("auto", outputs.ModelRef(tiny_model))
 
     def images(**lora):
-        pipe = generate.load_pipeline(tiny_model, torch.device("cpu"), **lora)
-        out, _ = generate.generate_batch(pipe, ["photo of unqtkn toy"], [3],
-                                         generate.ImageSettings(num_inference_steps=2))
+        pipe = drawing.load_pipeline(tiny_model, torch.device("cpu"), **lora)
+        out, _ = drawing.generate_batch(pipe, ["photo of unqtkn toy"], [3],
+                                        drawing.ImageSettings(num_inference_steps=2))
         return np.asarray(out[0], dtype=int)
 
     base = images()
@@ -151,24 +152,24 @@ def test_one_pool_draws_several_models_each_with_its_weights_adapters_and_checke
     import torch
 
     lora_dir, _ = lora_output
-    settings = generate.ImageSettings(num_inference_steps=2, seed=5)
+    settings = drawing.ImageSettings(num_inference_steps=2, seed=5)
     prompts = ["photo of a dog", "photo of a cat"]
     models = {"base": (outputs.ModelRef(tiny_model), False), "lora": (outputs.ModelRef(tiny_model, lora_dir), False),
               "checked": (outputs.ModelRef(checked_model[1]), True)}
-    jobs = [generate.top_up(str(tmp_path / name), model, prompts, 2 if name != "checked" else 1, settings, checker)
+    jobs = [drawing.top_up(str(tmp_path / name), model, prompts, 2 if name != "checked" else 1, settings, checker)
             for name, (model, checker) in models.items()]
-    generate.make_images_of(jobs, settings, batch_size=3, num_actors=1)  # batches 2 and 3 mix models
+    drawing.make_images_of(jobs, settings, batch_size=3, num_actors=1)  # batches 2 and 3 mix models
 
     for name in ("base", "lora"):
-        pipe = generate.load_pipeline(tiny_model, torch.device("cpu"), lora_dir=models[name][0].lora_dir)
+        pipe = drawing.load_pipeline(tiny_model, torch.device("cpu"), lora_dir=models[name][0].lora_dir)
         for row in jobs[0].rows:
-            alone, _ = generate.generate_batch(pipe, [row["prompt"]], [row["seed"]], settings)
+            alone, _ = drawing.generate_batch(pipe, [row["prompt"]], [row["seed"]], settings)
             np.testing.assert_allclose(pixels(tmp_path / name / row["file"]).astype(int),
                                        np.asarray(alone[0], dtype=int), atol=1)
-    dog = generate.image_file_name("photo of a dog", 0)
+    dog = drawing.image_file_name("photo of a dog", 0)
     assert np.abs(pixels(tmp_path / "lora" / dog).astype(int) - pixels(tmp_path / "base" / dog).astype(int)).max() > 10
     assert sorted(os.listdir(tmp_path / "checked")) == sorted(
-        [generate.image_file_name(p, 0) + generate.FLAGGED_SUFFIX for p in prompts] + [outputs.IMAGES_RECORD])
+        [drawing.image_file_name(p, 0) + drawing.FLAGGED_SUFFIX for p in prompts] + [outputs.IMAGES_RECORD])
     err = capsys.readouterr().err
     assert "generating for 3 models on 1 actor(s)" in err
     assert "2 image(s) flagged by the safety checker were not saved" in err and str(tmp_path / "checked") in err
@@ -179,18 +180,18 @@ def test_class_images_are_kept_when_only_what_training_does_not_read_differs(tin
     seed are kept with a line; another size, prompt or model is still refused, naming IMAGES_REG_DIR."""
     folder = str(tmp_path / "class")
     model = outputs.ModelRef(tiny_model)
-    drawn = generate.ImageSettings(num_inference_steps=3, seed=1)
-    generate.top_up(folder, model, ["photo of a dog"], 2, drawn, False)
+    drawn = drawing.ImageSettings(num_inference_steps=3, seed=1)
+    drawing.top_up(folder, model, ["photo of a dog"], 2, drawn, False)
     for name in ("photo-of-a-dog-00000.png", "photo-of-a-dog-00001.png"):
         Image.new("RGB", (64, 64)).save(os.path.join(folder, name))
-    again = generate.ImageSettings(num_inference_steps=50, seed=0, guidance_scale=5.0)
-    job = generate.top_up(folder, model, ["photo of a dog"], 3, again, False, class_images=True)
+    again = drawing.ImageSettings(num_inference_steps=50, seed=0, guidance_scale=5.0)
+    job = drawing.top_up(folder, model, ["photo of a dog"], 3, again, False, class_images=True)
     err = capsys.readouterr().err
     assert "keeping the 2 class images" in err and "3 steps" in err and "50 steps" in err
     assert len(job.rows) == 1 and len(outputs.drawn_images(folder)) == 2  # only the missing one is drawn
     with pytest.raises(errors.UserError, match="images were drawn with"):  # not class images: refused as before
-        generate.top_up(folder, model, ["photo of a dog"], 3, again, False)
+        drawing.top_up(folder, model, ["photo of a dog"], 3, again, False)
     with pytest.raises(errors.UserError, match="32 px.*IMAGES_REG_DIR"):
-        generate.top_up(folder, model, ["photo of a dog"], 3, generate.ImageSettings(resolution=32), False,
-                        remedy="set IMAGES_REG_DIR to another folder", class_images=True)
+        drawing.top_up(folder, model, ["photo of a dog"], 3, drawing.ImageSettings(resolution=32), False,
+                       remedy="set IMAGES_REG_DIR to another folder", class_images=True)
     assert len(outputs.drawn_images(folder)) == 2  # nothing deleted

@@ -4,17 +4,17 @@ import shutil
 
 import pytest
 
+from dreambooth import drawing
 from dreambooth import errors
-from dreambooth import generate
 from dreambooth import inputs
 from dreambooth import outputs
 
-SETTINGS = generate.ImageSettings(num_inference_steps=3, seed=1)
+SETTINGS = drawing.ImageSettings(num_inference_steps=3, seed=1)
 
 
 def test_class_images_of_another_model_prompt_or_size_are_refused_for_training(tiny_model, tmp_path):
     folder = str(tmp_path / "class")
-    generate.top_up(folder, outputs.ModelRef(tiny_model), ["photo of a dog"], 1, SETTINGS, False)
+    drawing.top_up(folder, outputs.ModelRef(tiny_model), ["photo of a dog"], 1, SETTINGS, False)
     inputs.check_class_images(folder, tiny_model, "photo of a dog", 64)  # the same: fine
     with pytest.raises(errors.UserError, match="drawn with prompt 'photo of a dog'.*not with this run's"):
         inputs.check_class_images(folder, tiny_model, "photo of a cat", 64)

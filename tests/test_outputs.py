@@ -1,4 +1,4 @@
-"""outputs.py: what made a model or an image folder, and generate.top_up's use of it (no Ray: top_up
+"""outputs.py: what made a model or an image folder, and drawing.top_up's use of it (no Ray: top_up
 only plans; drawing is generate's pool)."""
 
 import os
@@ -6,12 +6,12 @@ import shutil
 
 import pytest
 
+from dreambooth import drawing
 from dreambooth import errors
 from dreambooth import files
-from dreambooth import generate
 from dreambooth import outputs
 
-SETTINGS = generate.ImageSettings(num_inference_steps=3, seed=1)
+SETTINGS = drawing.ImageSettings(num_inference_steps=3, seed=1)
 
 
 def test_a_retrained_output_has_a_new_fingerprint_and_a_copied_base_the_same(tiny_model, tmp_path):
@@ -38,48 +38,48 @@ def test_a_retrained_output_has_a_new_fingerprint_and_a_copied_base_the_same(tin
 def test_top_up_keeps_images_of_the_same_model_and_settings_only(tiny_model, tmp_path, capsys):
     folder = str(tmp_path / "class")
     model = outputs.ModelRef(tiny_model)
-    job = generate.top_up(folder, model, ["photo of a dog"], 3, SETTINGS, False)
-    assert [r["file"] for r in job.rows] == [generate.image_file_name("photo of a dog", i) for i in range(3)]
+    job = drawing.top_up(folder, model, ["photo of a dog"], 3, SETTINGS, False)
+    assert [r["file"] for r in job.rows] == [drawing.image_file_name("photo of a dog", i) for i in range(3)]
     record = outputs.read_image_record(folder)
     assert record.model == model.fingerprint() and record.resolution == 64 and record.prompts == ("photo of a dog",)
     for row in job.rows[:2]:  # two drawn, then the run was cut short
         open(os.path.join(folder, row["file"]), "wb").close()
-    assert len(generate.top_up(folder, model, ["photo of a dog"], 3, SETTINGS, False).rows) == 1
+    assert len(drawing.top_up(folder, model, ["photo of a dog"], 3, SETTINGS, False).rows) == 1
 
     # another class prompt, resolution or seed into the same folder: an error naming what differs
     for prompts, settings, differs in ((["photo of a cat"], SETTINGS, "prompts"),
-                                       (["photo of a dog"], generate.ImageSettings(3, resolution=128, seed=1),
+                                       (["photo of a dog"], drawing.ImageSettings(3, resolution=128, seed=1),
                                         "resolution"),
-                                       (["photo of a dog"], generate.ImageSettings(3, seed=2), "seed")):
+                                       (["photo of a dog"], drawing.ImageSettings(3, seed=2), "seed")):
         with pytest.raises(errors.UserError, match=f"its 2 images were drawn with .*\\(different: {differs}\\).*--force"):
-            generate.top_up(folder, model, prompts, 3, settings, False)
+            drawing.top_up(folder, model, prompts, 3, settings, False)
     # --force deletes them and draws these; evaluate's "redraw" does it with a line
-    job = generate.top_up(folder, model, ["photo of a cat"], 2, SETTINGS, False, on_mismatch="force")
+    job = drawing.top_up(folder, model, ["photo of a cat"], 2, SETTINGS, False, on_mismatch="force")
     assert len(job.rows) == 2 and outputs.drawn_images(folder) == []
     open(os.path.join(folder, job.rows[1]["file"]), "wb").close()  # the same model and settings: kept
-    assert len(generate.top_up(folder, model, ["photo of a cat"], 2, SETTINGS, False, on_mismatch="force").rows) == 1
+    assert len(drawing.top_up(folder, model, ["photo of a cat"], 2, SETTINGS, False, on_mismatch="force").rows) == 1
     os.remove(os.path.join(folder, job.rows[1]["file"]))
     open(os.path.join(folder, job.rows[0]["file"]), "wb").close()
     other = outputs.ModelRef(tiny_model, lora_dir=None, lora_scale=0.5)  # same weights, same fingerprint
-    assert len(generate.top_up(folder, other, ["photo of a cat"], 2, SETTINGS, False).rows) == 1
+    assert len(drawing.top_up(folder, other, ["photo of a cat"], 2, SETTINGS, False).rows) == 1
     capsys.readouterr()
     retrained = tmp_path / "tuned"
     retrained.mkdir()
     files.write_json(retrained / files.OUTPUT_MARKER, {"base_model": tiny_model, "model_id": "x"})
     shutil.copytree(tiny_model, retrained, dirs_exist_ok=True)
-    job = generate.top_up(folder, outputs.ModelRef(str(retrained)), ["photo of a cat"], 2, SETTINGS, False,
-                          on_mismatch="redraw", label="tuned")
+    job = drawing.top_up(folder, outputs.ModelRef(str(retrained)), ["photo of a cat"], 2, SETTINGS, False,
+                         on_mismatch="redraw", label="tuned")
     assert len(job.rows) == 2 and "(different from this run's: model); drawing them again" in capsys.readouterr().err
 
 
 def test_images_without_a_record_are_not_mixed_with_new_ones(tiny_model, tmp_path):
     folder = tmp_path / "old"
     folder.mkdir()
-    (folder / generate.image_file_name("photo of a dog", 0)).write_bytes(b"")
+    (folder / drawing.image_file_name("photo of a dog", 0)).write_bytes(b"")
     (folder / "mine.jpg").write_bytes(b"")  # not ours: left alone
     with pytest.raises(errors.UserError, match="have no record"):
-        generate.top_up(str(folder), outputs.ModelRef(tiny_model), ["photo of a dog"], 1, SETTINGS, False)
-    generate.top_up(str(folder), outputs.ModelRef(tiny_model), ["photo of a dog"], 1, SETTINGS, False, "force")
+        drawing.top_up(str(folder), outputs.ModelRef(tiny_model), ["photo of a dog"], 1, SETTINGS, False)
+    drawing.top_up(str(folder), outputs.ModelRef(tiny_model), ["photo of a dog"], 1, SETTINGS, False, "force")
     assert sorted(os.listdir(folder)) == sorted(["mine.jpg", outputs.IMAGES_RECORD])
 
 

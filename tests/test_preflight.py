@@ -59,10 +59,10 @@ def test_disk_estimate_is_model_checkpoint_and_output(tiny_model, tmp_path):
     cached, parts = preflight.disk_needed_gb(args(model_name="sd15", model_path=tiny_model))
     assert cached < 0.1 and parts.startswith("model 0.0")  # cached already: nothing to download
     # the script knows only ORIG_MODEL_DIR before Step 1: a pinned model already cached there is found
-    from dreambooth import cache_model
+    from dreambooth import modelcache
 
     known = known_models.known_model("sd15")
-    shutil.copytree(tiny_model, cache_model.hub_snapshot_path(str(tmp_path / "cache"), known.hub_name, known.revision))
+    shutil.copytree(tiny_model, modelcache.hub_snapshot_path(str(tmp_path / "cache"), known.hub_name, known.revision))
     _, parts = preflight.disk_needed_gb(args(model_name="sd15", model_cache=str(tmp_path / "cache")))
     assert parts.startswith("model 0.0")
 

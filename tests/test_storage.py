@@ -199,11 +199,12 @@ def test_a_model_found_in_a_buckets_model_cache_on_this_node_is_put_in_the_bucke
     fetched in this node's copy of that cache, and copied to the bucket, where the workers of every node
     (storage.ensure_local) find it."""
     from dreambooth import cache_model
+    from dreambooth import modelcache
 
     monkeypatch.setenv("ORIG_MODEL_DIR", "s3://runs/t/models")
     uri = cache_model.main(["--tiny"])
     storage.remove_tree("s3://runs/t/models")  # (only this node's copy holds it now)
-    path = cache_model.resolve_model_name(cache_model.TINY_MODEL_NAME)
+    path = modelcache.resolve_model_name(modelcache.TINY_MODEL_NAME)
     assert path == storage.cache_path(uri) and storage.isfile(f"{uri}/model_index.json")
     storage.ensure_local(path)  # (what a worker does: its files are in the bucket)
     storage.remove_tree("s3://runs/t/models")

@@ -96,8 +96,8 @@ def test_a_trial_is_the_base_flags_with_its_own_set_and_the_rest_worked_out_agai
     (LoRA's alpha from the trial's rank, not the base's); the base is never changed."""
     import argparse
 
-    from dreambooth import evaluate
     from dreambooth import planning
+    from dreambooth import scoring
 
     args, train_flags, _ = sweep.parse_args(base_argv(tiny_model, tmp_path) + [
         "--instance_data_dir", toy_images, "--class_name", "toy", "--use_lora", "--sweep_rank", "4,16",
@@ -106,7 +106,7 @@ def test_a_trial_is_the_base_flags_with_its_own_set_and_the_rest_worked_out_agai
     before = argparse.Namespace(**vars(given))
     job = sweep_trial.SweepJob({}, str(tmp_path / "sweep"), (2, 6), {"toy": "/classes"}, given, frozenset(parser.given),
                          frozenset(parser.typed), tiny_model, None)
-    subject = evaluate.Subject("rex", toy_images, "sks", "toy", "object")
+    subject = scoring.Subject("rex", toy_images, "sks", "toy", "object")
     config = {"subject": "rex", "learning_rate": 3e-4, "rank": 16, "use_lora": True, "train_text_encoder": False}
     trial = sweep_trial.trial_args(job, config, subject, str(tmp_path / "trial"))
     assert (trial.lora_rank, trial.lora_alpha, trial.learning_rate, trial.train_text_encoder) == (16, 16.0, 3e-4, False)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import modes_not_as_umask
 
+from dreambooth import driver
 from dreambooth import errors
 from dreambooth import files
 from dreambooth import outputs
@@ -208,12 +209,12 @@ def test_a_hub_name_in_the_hub_cache_trains_offline(ray_session, tiny_model, toy
     """diffusers' command lines name the model on the hub: found in the local hub cache, no download."""
     import shutil
 
-    from dreambooth import cache_model
     from dreambooth import known_models
+    from dreambooth import modelcache
 
     cache = tmp_path / "hub"
     name, revision = "CompVis/stable-diffusion-v1-4", known_models.known_model("sd14").revision
-    snapshot = cache_model.hub_snapshot_path(str(cache), name, revision)
+    snapshot = modelcache.hub_snapshot_path(str(cache), name, revision)
     shutil.copytree(tiny_model, snapshot)
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     out = tmp_path / "model-tuned"
@@ -225,7 +226,7 @@ def test_a_hub_name_in_the_hub_cache_trains_offline(ray_session, tiny_model, toy
     assert outputs.read_output(str(out)).base_model == snapshot
     assert sorted(os.listdir(os.path.join(result.path, "validation", "step-2"))) == [
         "photo-of-unqtkn-toy-oil-painting-00000.png"]  # one prompt, commas and all
-    assert cache_model.resolve_model_name("sd14") == snapshot
+    assert modelcache.resolve_model_name("sd14") == snapshot
 
 def test_plot_metrics_draws_loss_and_lr_against_step(tmp_path):
     import numpy as np
@@ -275,15 +276,15 @@ def test_num_class_images_tops_up_the_class_folder_counting_what_is_there(ray_se
     folder.mkdir()
     Image.new("RGB", (64, 64), "gray").save(folder / "my-own-class-photo.png")
     args = (tiny_model, str(folder), "photo of a toy", 3)
-    train.top_up_class_images(*args)
+    driver.top_up_class_images(*args)
     made = ["photo-of-a-toy-00000.png", "photo-of-a-toy-00001.png"]
     assert sorted(os.listdir(folder)) == sorted(["my-own-class-photo.png", outputs.IMAGES_RECORD] + made)
     before = {n: os.path.getmtime(folder / n) for n in made}
-    train.top_up_class_images(*args)  # already full: nothing is drawn again
+    driver.top_up_class_images(*args)  # already full: nothing is drawn again
     assert {n: os.path.getmtime(folder / n) for n in made} == before and len(os.listdir(folder)) == 4
     # another class into the same folder is an error, not a mix
     with pytest.raises(errors.UserError, match="different: prompts"):
-        train.top_up_class_images(tiny_model, str(folder), "photo of a cat", 3)
+        driver.top_up_class_images(tiny_model, str(folder), "photo of a cat", 3)
 
 
 def test_a_failed_run_names_its_cause_in_one_line():
@@ -293,5 +294,5 @@ def test_a_failed_run_names_its_cause_in_one_line():
     error = WorkerGroupError("rank 1 failed", {1: RuntimeError("Traceback (most recent call last):\n  File x\n"
                                                              "RuntimeError: CUDA out of memory"),
                                                0: ValueError("a bad pixel")})
-    assert train.failure_cause(error) == "worker 0: a bad pixel"
-    assert train.failure_cause(ControllerError(OSError("disk full"))).endswith("disk full")
+    assert driver.failure_cause(error) == "worker 0: a bad pixel"
+    assert driver.failure_cause(ControllerError(OSError("disk full"))).endswith("disk full")

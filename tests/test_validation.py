@@ -7,7 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
-from dreambooth import generate
+from dreambooth import drawing
 from dreambooth import models as models_lib
 from dreambooth import validation
 
@@ -33,9 +33,9 @@ def test_a_round_draws_what_generate_draws_and_leaves_training_as_it_was(make_pl
     with Image.open(timeline) as sheet:
         assert timeline == str(tmp_path / "validation" / validation.TIMELINE) and sheet.size == (4 * 128, 2 * 128)
     # Image 1 of "a toy" is the one generate.py draws from the same weights, seed and steps.
-    pipe = generate.load_pipeline(tiny_model, CPU)
-    drawn, _ = generate.generate_batch(pipe, ["a toy"], [generate.image_seed(plan.seed, "a toy", 1)],
-                                       generate.ImageSettings(num_inference_steps=3))
+    pipe = drawing.load_pipeline(tiny_model, CPU)
+    drawn, _ = drawing.generate_batch(pipe, ["a toy"], [drawing.image_seed(plan.seed, "a toy", 1)],
+                                      drawing.ImageSettings(num_inference_steps=3))
     assert np.abs(np.asarray(drawn[0], dtype=int) - np.asarray(images["a-toy-00001.png"], dtype=int)).max() <= 1
 
 
