@@ -24,7 +24,6 @@ from dreambooth import imagefiles
 from dreambooth import modelcache
 from dreambooth import notify
 from dreambooth import outputs
-from dreambooth import scores
 from dreambooth import scoring
 from dreambooth import storage
 from dreambooth import trackers
@@ -74,7 +73,7 @@ def evaluate(args, folder=None):
     subject.prompts()
     files.check_output_path(args.output_dir, "--output_dir", [("--model_dir", args.model_dir),
                                                               ("--instance_data_dir", args.instance_data_dir)])
-    scores.check_eval_models_dir(args.eval_models_dir)
+    modelcache.check_eval_models_dir(args.eval_models_dir)
     with tempfile.TemporaryDirectory() as scratch:  # each photo opened (odd ones converted there, then dropped)
         imagefiles.inspect_images(subject.photos(), 0, scratch)
     result = scoring.run(scoring.models_to_score(args.model_dir, args.lora_dir, args.base_model_dir), [subject],

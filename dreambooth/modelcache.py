@@ -16,7 +16,6 @@ from dreambooth import hub
 from dreambooth import known_models
 from dreambooth import outputs
 from dreambooth import random_models
-from dreambooth import scores
 from dreambooth import storage
 
 # What DiffusionPipeline.from_pretrained reads: configs, tokenizer files, safetensors
@@ -227,7 +226,6 @@ def download_model(cache_dir, model_name, revision):
 EVAL_ALLOW_PATTERNS = ["*.json", "*.txt", "*.safetensors"]
 
 
-PICKLED_WEIGHTS = scores.PICKLED_WEIGHTS
 
 
 SAFE_WEIGHTS = "model.safetensors"
@@ -237,7 +235,7 @@ def download_eval_model(cache_dir, model_name, revision, allow_unsafe_weights):
     """Snapshot folder of a transformers model, with safetensors weights. A repository that has
     only pickled weights is converted once, and only with allow_unsafe_weights."""
     snapshot = hub_snapshot_path(cache_dir, model_name, revision)
-    if not (re.fullmatch(r"[0-9a-f]{40}", revision) and scores.has_weights(snapshot)):
+    if not (re.fullmatch(r"[0-9a-f]{40}", revision) and has_weights(snapshot)):
         snapshot = hub.hub_download(f"{model_name}@{revision}", "run once with network access or use --tiny",
                                     repo_id=model_name, revision=revision, cache_dir=cache_dir,
                                     allow_patterns=EVAL_ALLOW_PATTERNS)
@@ -272,8 +270,8 @@ def cache_eval_models(cache_dir, args):
     naming each model and the commit it came from. The downloaded ones link into the hub cache."""
     if args.tiny:
         folder = os.path.join(cache_dir, "eval-models-tiny")
-        if not all(scores.has_weights(os.path.join(folder, part)) for part in ("dino", "clip")):
-            files.atomic_write_dir(folder, scores.build_tiny_eval_models)
+        if not all(has_weights(os.path.join(folder, part)) for part in ("dino", "clip")):
+            files.atomic_write_dir(folder, random_models.build_tiny_eval_models)
         return folder
     folder = os.path.join(cache_dir, "eval-models")
     os.makedirs(folder, exist_ok=True)
@@ -290,3 +288,29 @@ def cache_eval_models(cache_dir, args):
         record[part] = {"model": name, "revision": os.path.basename(snapshot)}
     files.write_json(os.path.join(folder, "eval_models.json"), record)
     return folder
+
+
+EVAL_MODEL_PARTS = ("dino", "clip")  # the folders of --eval_models_dir
+
+
+PICKLED_WEIGHTS = "pytorch_model.bin"
+
+
+def has_weights(folder):
+    """folder holds a transformers model: its config and its weights (safetensors, or pickled)."""
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    return os.path.isfile(os.path.join(folder, "config.json")) and any(
+        n.endswith(".safetensors") or n == PICKLED_WEIGHTS for n in names)
+
+
+def check_eval_models_dir(folder):
+    """UserError, before any image is drawn, unless folder holds dino/ and clip/ with a config and
+    whole weights (what cache_model.py --eval_models prints)."""
+    for part in EVAL_MODEL_PARTS:
+        path = os.path.join(folder, part)
+        if not has_weights(path):
+            raise errors.UserError(f"--eval_models_dir {folder} has no {part}/ model (config.json and weights): "
+                                   "pass the folder `cache_model.py --model_dir DIR --eval_models` prints")
+        for name in os.listdir(path):
+            if name.endswith(".safetensors"):
+                files.check_safetensors(os.path.join(path, name))

@@ -27,8 +27,8 @@ from dreambooth import families
 from dreambooth import files
 from dreambooth import flags
 from dreambooth import models
+from dreambooth import runfiles
 from dreambooth import storage
-from dreambooth import trackers
 
 IMAGES_RECORD = "dreambooth_images.json"  # beside generated images: what drew them
 IMAGES_CONFIG = "generate_config.toml"  # beside them too: generate.py --config FILE repeats the run
@@ -74,7 +74,7 @@ class TrainRecord:
     model_id: str = None  # made when it was saved (new_model_id); None in records older than the id
     run_name: str = None
     identity: dict = None  # run_identity.of_run: what decided its weights
-    trackers: dict = None  # the W&B/MLflow runs it was logged to (trackers.RECORD), for evaluate.py's scores
+    trackers: dict = None  # the W&B/MLflow runs it was logged to (runfiles.RECORD), for evaluate.py's scores
 
     @classmethod
     def of_plan(cls, plan):
@@ -82,7 +82,7 @@ class TrainRecord:
         return cls(plan.model_dir, plan.end_step, plan.instance_prompt, plan.class_prompt, plan.vae_dir,
                    LoraSettings.of(plan), plan.ema_decay if plan.use_ema else None, tuple(plan.held_out),
                    new_model_id(), plan.run_name, plan.identity,
-                   trackers.read_record(plan.run_dir) or None)
+                   runfiles.read_record(plan.run_dir) or None)
 
     @classmethod
     def from_json(cls, data):

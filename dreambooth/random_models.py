@@ -8,6 +8,7 @@ import shutil
 from dreambooth import errors
 from dreambooth import families
 from dreambooth import files
+from dreambooth import hub
 from dreambooth import machine
 
 TINY_TOKENIZER_DIR = os.path.join(files.REPO_DIR, "assets", "tiny_tokenizer")
@@ -104,3 +105,36 @@ def build_networks(size, arch, tokenizer):
         **{"latent_channels": 4, **family.random_vae_config()},
     )
     return {family.denoiser: denoiser, "vae": vae, **nets}
+
+
+def build_tiny_eval_models(folder, seed=0, image_size=64):
+    """Random, tiny DINO-style ViT and CLIP models with their processors, saved (safetensors) under
+    folder/dino and folder/clip: the real classes, so every scoring path runs offline."""
+    import torch
+    from transformers import CLIPConfig
+    from transformers import CLIPImageProcessor
+    from transformers import CLIPModel
+    from transformers import CLIPProcessor
+    from transformers import CLIPTokenizer
+    from transformers import ViTConfig
+    from transformers import ViTImageProcessor
+    from transformers import ViTModel
+
+    hub.quiet_hf_logging()
+    torch.manual_seed(seed)
+    dino = ViTModel(ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                              image_size=image_size, patch_size=16), add_pooling_layer=False)
+    size = {"height": image_size, "width": image_size}
+    dino_dir, clip_dir = os.path.join(folder, "dino"), os.path.join(folder, "clip")
+    dino.save_pretrained(dino_dir)
+    ViTImageProcessor(size=size).save_pretrained(dino_dir)
+    tokenizer = CLIPTokenizer.from_pretrained(TINY_TOKENIZER_DIR, model_max_length=77)
+    text = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, max_position_embeddings=77, bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  image_size=image_size, patch_size=16)
+    CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)).save_pretrained(clip_dir)
+    processor = CLIPImageProcessor(size={"shortest_edge": image_size}, crop_size=size)
+    CLIPProcessor(image_processor=processor, tokenizer=tokenizer).save_pretrained(clip_dir)
+    return dino_dir, clip_dir

@@ -58,3 +58,13 @@ def sync_up(storage_path, run_name):
                 parts[-1] = node_file_name(parts[-1])
             pafs.copy_files(path, posixpath.join(key, *parts), destination_filesystem=fs)
             _uploaded[path] = (stat.st_size, stat.st_mtime)
+
+
+RECORD = "trackers.json"  # in the run folder
+
+
+def read_record(folder):
+    """The trackers.json of a run folder, on this node or in a bucket (a run resumed from a checkpoint
+    there goes on in the same tracker runs), or {}."""
+    path = storage.join(folder, RECORD) if folder else None
+    return storage.read_json(path) if path and storage.isfile(path) else {}

@@ -26,7 +26,7 @@ class RunLog:
         keep_rows_until(start_step, os.path.join(self.folder, METRICS_FILE), resumed)
         previous = None
         if start_step:  # this run folder's own record (a restarted worker group), else the resumed run's
-            previous = trackers.read_record(self.folder) or trackers.read_record(resumed)
+            previous = runfiles.read_record(self.folder) or runfiles.read_record(resumed)
         self.trackers = list(trackers.open_trackers(plan, self.folder, previous).values())
 
     def write(self, metrics):

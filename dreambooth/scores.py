@@ -14,16 +14,12 @@ imports torch: 1.6 s of every run); the Embedder turns PIL images and prompts in
 """
 
 import itertools
-import os
 import re
 
 import numpy as np
 
 from dreambooth import errors
-from dreambooth import files
-from dreambooth import hub
 from dreambooth import models
-from dreambooth import random_models
 
 # The paper's values for SD 1.x DreamBooth (table 1), printed beside ours in report.md.
 PAPER_SD = {"dino": 0.668, "clip_i": 0.803, "clip_t": 0.305}
@@ -112,60 +108,4 @@ def _features(output):
 
 # ---------------------------------------------------------------- tiny random models (tests, --tiny)
 
-def build_tiny_eval_models(folder, seed=0, image_size=64):
-    """Random, tiny DINO-style ViT and CLIP models with their processors, saved (safetensors) under
-    folder/dino and folder/clip: the real classes, so every scoring path runs offline."""
-    import torch
-    from transformers import CLIPConfig
-    from transformers import CLIPImageProcessor
-    from transformers import CLIPModel
-    from transformers import CLIPProcessor
-    from transformers import CLIPTokenizer
-    from transformers import ViTConfig
-    from transformers import ViTImageProcessor
-    from transformers import ViTModel
 
-    hub.quiet_hf_logging()
-    torch.manual_seed(seed)
-    dino = ViTModel(ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-                              image_size=image_size, patch_size=16), add_pooling_layer=False)
-    size = {"height": image_size, "width": image_size}
-    dino_dir, clip_dir = os.path.join(folder, "dino"), os.path.join(folder, "clip")
-    dino.save_pretrained(dino_dir)
-    ViTImageProcessor(size=size).save_pretrained(dino_dir)
-    tokenizer = CLIPTokenizer.from_pretrained(random_models.TINY_TOKENIZER_DIR, model_max_length=77)
-    text = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                num_attention_heads=4, max_position_embeddings=77, bos_token_id=tokenizer.bos_token_id,
-                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  image_size=image_size, patch_size=16)
-    CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)).save_pretrained(clip_dir)
-    processor = CLIPImageProcessor(size={"shortest_edge": image_size}, crop_size=size)
-    CLIPProcessor(image_processor=processor, tokenizer=tokenizer).save_pretrained(clip_dir)
-    return dino_dir, clip_dir
-
-
-EVAL_MODEL_PARTS = ("dino", "clip")  # the folders of --eval_models_dir
-
-
-PICKLED_WEIGHTS = "pytorch_model.bin"
-
-
-def has_weights(folder):
-    """folder holds a transformers model: its config and its weights (safetensors, or pickled)."""
-    names = os.listdir(folder) if os.path.isdir(folder) else []
-    return os.path.isfile(os.path.join(folder, "config.json")) and any(
-        n.endswith(".safetensors") or n == PICKLED_WEIGHTS for n in names)
-
-
-def check_eval_models_dir(folder):
-    """UserError, before any image is drawn, unless folder holds dino/ and clip/ with a config and
-    whole weights (what cache_model.py --eval_models prints)."""
-    for part in EVAL_MODEL_PARTS:
-        path = os.path.join(folder, part)
-        if not has_weights(path):
-            raise errors.UserError(f"--eval_models_dir {folder} has no {part}/ model (config.json and weights): "
-                                   "pass the folder `cache_model.py --model_dir DIR --eval_models` prints")
-        for name in os.listdir(path):
-            if name.endswith(".safetensors"):
-                files.check_safetensors(os.path.join(path, name))

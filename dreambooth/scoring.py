@@ -103,7 +103,7 @@ class EmbeddingActor:
 def embed(rows, eval_models_dir, num_actors, allow_unsafe_weights=False, batch_size=16):
     """{path: {"dino", "clip", "text_clip"} as (D,) arrays} for rows [{"path", "text"}], on an actor pool."""
     ray = raycluster.init_ray()
-    dirs = tuple(os.path.join(eval_models_dir, part) for part in scores.EVAL_MODEL_PARTS)
+    dirs = tuple(os.path.join(eval_models_dir, part) for part in modelcache.EVAL_MODEL_PARTS)
     rows = [{**row, "data": storage.read_bytes(row["path"])} for row in rows]
     ds = ray.data.from_items(rows).map_batches(
         EmbeddingActor, fn_constructor_args=(*dirs, num_actors, allow_unsafe_weights), batch_size=batch_size,

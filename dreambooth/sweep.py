@@ -37,7 +37,6 @@ from dreambooth import modelcache
 from dreambooth import outputs
 from dreambooth import planning
 from dreambooth import raycluster
-from dreambooth import scores
 from dreambooth import scoring
 from dreambooth import storage
 from dreambooth import sweep_files
@@ -327,7 +326,7 @@ def check_inputs(args, train_args, subjects):
             subject.prompts()
     families.check_model_dir(args.model_dir, train_args.allow_unsafe_weights)
     families.require(args.model_dir, "train")
-    scores.check_eval_models_dir(args.eval_models_dir)
+    modelcache.check_eval_models_dir(args.eval_models_dir)
     inputs = [("--model_dir", args.model_dir), ("--instance_data_dir", args.instance_data_dir),
               ("--subjects_dir", args.subjects_dir)]
     for flag, path in (("--output_dir", args.output_dir), ("--sweep_dir", args.sweep_dir)):

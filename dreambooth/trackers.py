@@ -15,11 +15,10 @@ import tomllib
 
 from dreambooth import errors
 from dreambooth import files
-from dreambooth import storage
+from dreambooth import runfiles
 
 TRACKERS = ("tensorboard", "wandb", "mlflow")
 CHOICES = ("none", *TRACKERS, "all")
-RECORD = "trackers.json"  # in the run folder
 # {tracker: (the module it needs, what to install)}
 PACKAGES = {"tensorboard": ("tensorboardX", "tensorboardX"), "wandb": ("wandb", "wandb"),
             "mlflow": ("mlflow", "mlflow-skinny sqlalchemy alembic")}
@@ -239,15 +238,8 @@ def open_trackers(plan, folder, previous_record=None):
         opened[name] = KINDS[name](folder, **({} if name == "tensorboard" else kwargs))
     record = {name: t.record for name, t in opened.items() if hasattr(t, "record")}
     if record:
-        files.write_json(os.path.join(folder, RECORD), record)
+        files.write_json(os.path.join(folder, runfiles.RECORD), record)
     return opened
-
-
-def read_record(folder):
-    """The trackers.json of a run folder, on this node or in a bucket (a run resumed from a checkpoint
-    there goes on in the same tracker runs), or {}."""
-    path = storage.join(folder, RECORD) if folder else None
-    return storage.read_json(path) if path and storage.isfile(path) else {}
 
 
 def log_scores(record, step, scores, label):

@@ -249,9 +249,9 @@ def test_eval_models_resolve_offline_and_pickled_weights_convert_only_when_allow
     import torch
     from transformers import AutoModel
 
-    from dreambooth import scores
+    from dreambooth import random_models
 
-    built = scores.build_tiny_eval_models(str(tmp_path / "built"))
+    built = random_models.build_tiny_eval_models(str(tmp_path / "built"))
     cache, revision = tmp_path / "cache", "0123456789abcdef0123456789abcdef01234567"
     for name, source in (("org/dino", built[0]), ("org/clip", built[1])):
         shutil.copytree(source, modelcache.hub_snapshot_path(str(cache), name, revision))

@@ -7,6 +7,7 @@ from PIL import Image
 
 from dreambooth import errors
 from dreambooth import files
+from dreambooth import random_models
 from dreambooth import scores
 
 
@@ -64,7 +65,7 @@ def test_the_unique_token_is_removed_for_clip_t(prompt, expected):
 
 @pytest.fixture(scope="module")
 def embedder(tmp_path_factory):
-    dino_dir, clip_dir = scores.build_tiny_eval_models(str(tmp_path_factory.mktemp("eval-models")))
+    dino_dir, clip_dir = random_models.build_tiny_eval_models(str(tmp_path_factory.mktemp("eval-models")))
     return scores.Embedder(dino_dir, clip_dir)
 
 

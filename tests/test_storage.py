@@ -91,12 +91,11 @@ def test_an_output_folder_in_a_bucket_is_filled_here_and_its_changes_reach_the_b
 
 
 def test_a_run_resumed_from_a_bucket_finds_its_tracker_runs_there(s3_endpoint, tmp_path):
-    from dreambooth import trackers
 
     record = {"mlflow": {"run_id": "abc", "experiment": "dreambooth"}}
-    storage.write_bytes(f"s3://runs/t/run/{trackers.RECORD}", json.dumps(record).encode())
-    assert trackers.read_record("s3://runs/t/run") == record
-    assert trackers.read_record("s3://runs/t/other") == {} and trackers.read_record(str(tmp_path)) == {}
+    storage.write_bytes(f"s3://runs/t/run/{runfiles.RECORD}", json.dumps(record).encode())
+    assert runfiles.read_record("s3://runs/t/run") == record
+    assert runfiles.read_record("s3://runs/t/other") == {} and runfiles.read_record(str(tmp_path)) == {}
 
 
 def test_photos_of_a_bucket_are_read_from_this_nodes_copy_and_class_images_may_be_drawn_into_one(

@@ -17,6 +17,7 @@ from dreambooth import files
 from dreambooth import flags
 from dreambooth import notify
 from dreambooth import planning
+from dreambooth import runfiles
 from dreambooth import trackers
 
 
@@ -99,7 +100,7 @@ def test_wandb_and_mlflow_runs_get_the_settings_metrics_images_and_later_the_sco
     for tracker in opened.values():
         tracker.images(4, {"validation/dog-0": Image.new("RGB", (8, 8), "red")})
         tracker.close()
-    record = trackers.read_record(folder)
+    record = runfiles.read_record(folder)
     assert set(record) == {"wandb", "mlflow"}
     uri = record["mlflow"]["tracking_uri"]  # where the MLflow run is, said (the README once named only mlruns/)
     err = capsys.readouterr().err
@@ -115,7 +116,7 @@ def test_wandb_and_mlflow_runs_get_the_settings_metrics_images_and_later_the_sco
     log = runlog.RunLog(resumed, start_step=4)
     log.write({"step": 6, "loss": 0.6, "lr": 4e-6, "images_per_s": 3.0})
     log.close()
-    again = trackers.read_record(os.path.join(plan.storage_path, "subject-2"))
+    again = runfiles.read_record(os.path.join(plan.storage_path, "subject-2"))
     assert (again["wandb"]["id"], again["mlflow"]) == (record["wandb"]["id"], record["mlflow"])
     trackers.log_scores(record, 6, {"dino": 0.5, "clip_i": 0.75, "div": None}, "the tuned model")
 
