@@ -259,7 +259,7 @@ RAY_HEAD_PID= RAY_HEAD_TEMP=
 # Ray's token authentication for the head started here and every step (raycluster.ensure_ray_token: the
 # token of RAY_AUTH_TOKEN or its file is reused, else one is made that only you can read)
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
-RAY_AUTH="$("$PYTHON" -c 'from dreambooth import raycluster; raycluster.ensure_ray_token(); print(raycluster.ray_auth_note())')"
+RAY_AUTH="$("$PYTHON" -c 'from dreambooth.cluster import raycluster; raycluster.ensure_ray_token(); print(raycluster.ray_auth_note())')"
 EVAL_FETCH_PID=
 stop_ray() {  # at exit, however the script ends: the background fetch too (Step 1)
   if [ -n "$EVAL_FETCH_PID" ]; then kill -TERM "$EVAL_FETCH_PID" 2>/dev/null || true; fi
@@ -287,7 +287,7 @@ else
   RAY_HEAD_PORT="$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')"
   # Ray's metrics servers (with ray[default] installed) answer anyone over HTTP: off here, as
   # raycluster.CLOSED_METRICS turns them off for the scripts' own clusters (docs/CLUSTER.md, "Security")
-  eval "$("$PYTHON" -c 'from dreambooth import raycluster; print(raycluster.closed_metrics_exports())')"
+  eval "$("$PYTHON" -c 'from dreambooth.cluster import raycluster; print(raycluster.closed_metrics_exports())')"
   # (no drain at the end: nothing runs by then, and Ray would wait 30 s for idle workers)
   RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 "$PYTHON" -m ray.scripts.scripts start --head --block \
     --port="$RAY_HEAD_PORT" --disable-usage-stats --include-dashboard=false --temp-dir="$RAY_HEAD_TEMP" \
@@ -327,7 +327,7 @@ fi
 step "0: preflight (photos, CLASS_NAME, GPUs and their memory, disk, shared storage)"
 # Step 6's prompt file, read now: a typo found after the training would cost the run its scores
 if [ -n "$EVAL_PROMPTS" ] && ! $skip_eval; then
-  "$PYTHON" -c 'import sys; from dreambooth import errors, scoring
+  "$PYTHON" -c 'import sys; from dreambooth import errors; from dreambooth.evaluation import scoring
 try:
     scoring.prompt_templates("object", sys.argv[1])
 except errors.UserError as err:
@@ -441,7 +441,7 @@ fi
   ${NOTIFY_URL:+--notify_url="$NOTIFY_URL"} \
   "${TRAIN_OPTIONS[@]}" "${TRAIN_ARGS_LIST[@]}" "${EXTRA_TRAIN_ARGS[@]}"
 # the scores of a model this run replaced (another mode or base model for this subject) never stay beside it
-"$PYTHON" -c 'import sys; from dreambooth import outputs; outputs.forget_stale_scores(*sys.argv[1:])' \
+"$PYTHON" -c 'import sys; from dreambooth.models import outputs; outputs.forget_stale_scores(*sys.argv[1:])' \
   "$EVAL_DIR" "$TUNED_MODEL_DIR"
 
 step "5: $NUM_NEW_IMAGES images of the subject in $IMAGES_NEW_DIR"
@@ -460,7 +460,7 @@ outputs() {  # the last lines: every output of this subject, and how to take the
   if ! $skip_eval; then echo "  scores: $EVAL_DIR/report.md"; fi
   echo "  log:    $LOG_FILE"
   # (only for what export.py writes of the family, a full model or LoRA adapters: the hint is a command that works)
-  if "$PYTHON" -c 'import sys; from dreambooth import families, modelcache, outputs
+  if "$PYTHON" -c 'import sys; from dreambooth import families; from dreambooth.models import modelcache; from dreambooth.models import outputs
 action = "export_lora" if outputs.holds_lora(sys.argv[2]) else "export"
 sys.exit(action not in families.family_of(modelcache.resolve_model_name(sys.argv[1])).supports)' \
       "$ORIG_MODEL_PATH" "$TUNED_MODEL_DIR" 2> /dev/null; then

@@ -1,13 +1,13 @@
 """Every command-line flag of the suite, defined once: the table, its types, the help formatter and
---config files are dreambooth/flags.py; this module hands them on under the name Ray's example uses.
+--config files are dreambooth/config/flags.py; this module hands them on under the name Ray's example uses.
 
     python flags.py    lists every flag with its help; each script's --help shows its own
 """
 
 import textwrap
 
-from dreambooth import flags
-from dreambooth.flags import *  # noqa: F401,F403
+from dreambooth.config import flags
+from dreambooth.config.flags import *  # noqa: F401,F403
 
 
 def main():

@@ -8,7 +8,7 @@ unchanged:
 """
 
 from dreambooth import errors
-from dreambooth import generate
+from dreambooth.commands import generate
 
 main = generate.main
 

@@ -26,12 +26,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from dreambooth import hub  # noqa: E402
-from dreambooth import imaging
 from dreambooth import machine  # noqa: E402
-from dreambooth import models  # noqa: E402
-from dreambooth import random_models
-from dreambooth import raycluster  # noqa: E402
-from dreambooth import steps  # noqa: E402
+from dreambooth.cluster import raycluster  # noqa: E402
+from dreambooth.generation import imaging
+from dreambooth.models import networks  # noqa: E402
+from dreambooth.models import random_models
+from dreambooth.training import steps  # noqa: E402
 
 RESOLUTION = {"tiny": 64, "small": 256, "sd15": 512}
 ROWS = []
@@ -79,7 +79,7 @@ def make_model(size, folder):
 
 def step_plan(args, train_text_encoder, device, precompute_text_embeddings, use_lora=False):
     """train.py's settings for the plain loop: its own flag defaults, with this run's choices."""
-    from dreambooth import planning
+    from dreambooth.planning import planning
 
     return planning.offline_plan(
         model_dir=args.model_dir, use_lora=use_lora, learning_rate=1e-4 if use_lora else 5e-6, mixed_precision=args.mixed_precision, train_text_encoder=train_text_encoder,
@@ -111,15 +111,15 @@ def plain_loop(args, device, variant):
     """Steady-state images/s of train.train_step with no Ray: variant in full|frozen|cached|lora
     (lora: rank-4 adapters on UNet and text encoder)."""
 
-    from dreambooth import conditioning
-    from dreambooth import steps
+    from dreambooth.training import conditioning
+    from dreambooth.training import steps
 
     train_te = variant in ("full", "lora")
     plan = step_plan(args, train_te, device, precompute_text_embeddings=variant == "cached",
                      use_lora=variant == "lora")
     reset_peak_memory(device)
     t0 = time.perf_counter()
-    nets = models.setup_models(plan, device, device, distributed=False)
+    nets = networks.setup_models(plan, device, device, distributed=False)
     load_s = time.perf_counter() - t0
     state = steps.make_train_state(nets, plan)
     prompts = conditioning.step_prompts(plan.family, nets.text_encoders(), plan, PROMPT_IDS, device)
@@ -169,8 +169,8 @@ def ray_train(args, work, variant):
     """
     import json
 
-    from dreambooth import runlog
-    from dreambooth import train
+    from dreambooth.commands import train
+    from dreambooth.training import runlog
 
     flags = ["--model_dir", args.model_dir, "--output_dir", os.path.join(work, f"tuned-{variant}"),
              "--instance_images_dir", os.path.join(work, "instance"), "--instance_prompt", "photo of unqtkn toy",
@@ -197,8 +197,8 @@ def ray_train(args, work, variant):
 
 def generation(args, device, use_ray):
     """Steady images/s of drawing.generate_batch at each batch size (first batch excluded)."""
-    from dreambooth import drawing
-    from dreambooth import outputs
+    from dreambooth.generation import drawing
+    from dreambooth.models import outputs
 
     settings = drawing.ImageSettings(num_inference_steps=args.inference_steps)
     results = {}
@@ -270,8 +270,8 @@ def main(argv=None):
             res = RESOLUTION[args.model]
             write_images(os.path.join(work, "instance"), 4, res, 0)
             write_images(os.path.join(work, "class"), 40, res, 1)
-            from dreambooth import dataset
-            from dreambooth import imagefiles
+            from dreambooth.generation import imagefiles
+            from dreambooth.training import dataset
 
             t0 = time.perf_counter()
             paths = imagefiles.list_images(os.path.join(work, "class"), "class")

@@ -65,7 +65,7 @@ fail() { echo "gpu_check: FAILED: $*" >&2; exit 1; }
 
 # Newest complete checkpoint's step of the run writing to $WORK/tuned (0 if none).
 checkpoint_step() {
-  "$PY" -c "import sys; from dreambooth import checkpoints; p = checkpoints.find_latest(sys.argv[1], 'tuned'); \
+  "$PY" -c "import sys; from dreambooth.planning import checkpoints; p = checkpoints.find_latest(sys.argv[1], 'tuned'); \
 print(checkpoints.saved_step(p) if p else 0)" "$WORK/ray_results"
 }
 

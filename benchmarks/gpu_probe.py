@@ -92,9 +92,9 @@ def summarize(prof, wall_s, steps, on_gpu):
 def run_arm(arm, args, device):
     import torch
 
-    from dreambooth import conditioning
-    from dreambooth import models
-    from dreambooth import steps
+    from dreambooth.models import networks
+    from dreambooth.training import conditioning
+    from dreambooth.training import steps
 
     torch.backends.cudnn.benchmark = arm.cudnn_benchmark
     channels_last = device.type == "cuda" if arm.channels_last is None else arm.channels_last
@@ -104,7 +104,7 @@ def run_arm(arm, args, device):
                         precompute_text_embeddings=arm.cached),
         channels_last=channels_last, resolution=bench.RESOLUTION[args.model])
     bench.reset_peak_memory(device)
-    nets = models.setup_models(plan, device, device, distributed=False)
+    nets = networks.setup_models(plan, device, device, distributed=False)
     state = steps.make_train_state(nets, plan)
     prompts = conditioning.step_prompts(plan.family, nets.text_encoders(), plan, bench.PROMPT_IDS, device)
     batch = bench.synthetic_batch(nets, args, cached=arm.cached)
@@ -186,7 +186,7 @@ def main(argv=None):
 
     from dreambooth import hub
     from dreambooth import machine
-    from dreambooth import steps
+    from dreambooth.training import steps
 
     device = machine.torch_device()
     args.mixed_precision = steps.mixed_precision_name(machine.amp_dtype(args.mixed_precision, device))

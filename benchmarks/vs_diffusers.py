@@ -45,7 +45,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from dreambooth import raycluster  # noqa: E402
+from dreambooth.cluster import raycluster  # noqa: E402
 
 FIRST_TIMED_STEP = 10
 PROMPT, CLASS_PROMPT = "photo of unqtkn toy", "photo of a toy"

@@ -102,7 +102,7 @@ def environment(env):
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """Snapshot folder of the tiny SD model, written by cache_model.py --tiny."""
-    from dreambooth import cache_model
+    from dreambooth.commands import cache_model
 
     return cache_model.main(["--model_dir", str(tmp_path_factory.mktemp("model-orig")), "--tiny"])
 
@@ -110,7 +110,7 @@ def tiny_model(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_sd2v_model(tmp_path_factory):
     """Snapshot folder of the tiny SD 2.x v-prediction model (cache_model.py --tiny --arch sd2-v)."""
-    from dreambooth import cache_model
+    from dreambooth.commands import cache_model
 
     return cache_model.main(["--model_dir", str(tmp_path_factory.mktemp("model-sd2v")), "--tiny", "--arch", "sd2-v"])
 
@@ -118,7 +118,7 @@ def tiny_sd2v_model(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_sdxl_model(tmp_path_factory):
     """Snapshot folder of the tiny SDXL model (cache_model.py --tiny --arch sdxl)."""
-    from dreambooth import cache_model
+    from dreambooth.commands import cache_model
 
     return cache_model.main(["--model_dir", str(tmp_path_factory.mktemp("model-sdxl")), "--tiny", "--arch", "sdxl"])
 
@@ -126,7 +126,7 @@ def tiny_sdxl_model(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_sd3_model(tmp_path_factory):
     """Snapshot folder of the tiny SD 3.5 model (cache_model.py --tiny --arch sd3)."""
-    from dreambooth import cache_model
+    from dreambooth.commands import cache_model
 
     return cache_model.main(["--model_dir", str(tmp_path_factory.mktemp("model-sd3")), "--tiny", "--arch", "sd3"])
 
@@ -134,7 +134,7 @@ def tiny_sd3_model(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_flux_model(tmp_path_factory):
     """Snapshot folder of the tiny Flux.1 dev model (cache_model.py --tiny --arch flux)."""
-    from dreambooth import cache_model
+    from dreambooth.commands import cache_model
 
     return cache_model.main(["--model_dir", str(tmp_path_factory.mktemp("model-flux")), "--tiny", "--arch", "flux"])
 
@@ -144,7 +144,7 @@ def tiny_eval_models(tmp_path_factory):
     """(cache folder, models folder) of the tiny random scoring models (cache_model.py --eval_models --tiny): the
     cache folder is what dreambooth_run.sh's EVAL_MODELS_CACHE names, the models folder evaluate.py's
     --eval_models_dir. Read only."""
-    from dreambooth import cache_model
+    from dreambooth.commands import cache_model
 
     cache = tmp_path_factory.mktemp("model-eval")
     return str(cache), cache_model.main(["--model_dir", str(cache), "--eval_models", "--tiny"])
@@ -174,7 +174,7 @@ def shared_ray_cluster(tmp_path_factory):
     """One local Ray cluster for the session, as dreambooth_run.sh keeps one for its steps: every
     script a slow test runs, and this process (ray_session), joins it through RAY_ADDRESS instead
     of starting and stopping its own. A test that needs a cluster of its own sets RAY_ADDRESS."""
-    from dreambooth import raycluster
+    from dreambooth.cluster import raycluster
 
     port = free_port()
     head, address = raycluster.start_ray_head(tmp_path_factory.mktemp("ray-head") / "ray-head.log", port)
@@ -195,7 +195,7 @@ def two_node_cluster(tmp_path_factory):
     import tempfile
     import time
 
-    from dreambooth import raycluster
+    from dreambooth.cluster import raycluster
 
     port = free_port()
     folder = tmp_path_factory.mktemp("two-nodes")
@@ -242,7 +242,7 @@ def _slow_tests_share_one_cluster(request):
 @pytest.fixture(scope="session")
 def ray_session(shared_ray_cluster):
     """This process joined to the session's Ray cluster (workers get the code via runtime_env)."""
-    from dreambooth import raycluster
+    from dreambooth.cluster import raycluster
 
     ray = raycluster.init_ray()
     yield ray
@@ -258,7 +258,7 @@ def uninterrupted(ray_session, tiny_model, toy_images, tmp_path_factory):
     from test_recovery import logged_losses
     from test_recovery import train_args
 
-    from dreambooth import train
+    from dreambooth.commands import train
 
     out = tmp_path_factory.mktemp("uninterrupted") / "whole"
     result = train.main(train_args(tiny_model, toy_images, out, STOP_STEPS, *STOP_OPTIONS))
@@ -274,7 +274,7 @@ def toy_images():
 def make_plan(tiny_model):
     """make_plan(**fields): a planning.Plan of the tiny model on CPU without files or Ray, with a
     learning rate that visibly moves its weights in a step or two."""
-    from dreambooth import planning
+    from dreambooth.planning import planning
 
     def make(**fields):
         base = dict(model_dir=tiny_model, learning_rate=1e-3, adam_weight_decay=0.0, mixed_precision="no")
@@ -289,17 +289,17 @@ def train_tiny(make_plan):
     steps of a tiny model without Ray on one fixed batch (a photo and a class image), as a worker takes them."""
     import torch
 
-    from dreambooth import conditioning
-    from dreambooth import models
-    from dreambooth import prompts
-    from dreambooth import steps
+    from dreambooth.generation import prompts
+    from dreambooth.models import networks
+    from dreambooth.training import conditioning
+    from dreambooth.training import steps
 
     cpu = torch.device("cpu")
 
     def run(model_dir, steps_taken=3, **fields):
         plan = make_plan(model_dir=model_dir, resolution=64, **fields)
         torch.manual_seed(0)
-        nets = models.setup_models(plan, cpu, cpu, distributed=False)
+        nets = networks.setup_models(plan, cpu, cpu, distributed=False)
         ids = prompts.prompt_ids(model_dir, ["photo of unqtkn toy"], "photo of a toy", plan.family)
         step_prompts = conditioning.step_prompts(plan.family, nets.text_encoders(), plan, ids, cpu)
         state = steps.make_train_state(nets, plan)
@@ -317,8 +317,8 @@ def step_prompts(tiny_model):
     import torch
     from transformers import CLIPTokenizer
 
-    from dreambooth import conditioning
-    from dreambooth import prompts
+    from dreambooth.generation import prompts
+    from dreambooth.training import conditioning
 
     tokenizer = CLIPTokenizer.from_pretrained(tiny_model, subfolder="tokenizer")
     ids = {k: torch.from_numpy(prompts.tokenize_prompt(tokenizer, p)).unsqueeze(0)
@@ -336,15 +336,15 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture()
 def lora_output(make_plan, tmp_path):
-    """(folder, models.Models): LoRA adapters (rank 4, alpha 8, UNet and text encoder) with
+    """(folder, networks.Models): LoRA adapters (rank 4, alpha 8, UNet and text encoder) with
     random non-zero weights, written by outputs.save_pipeline as a --use_lora run writes them."""
     import torch
 
-    from dreambooth import models
-    from dreambooth import outputs
+    from dreambooth.models import networks
+    from dreambooth.models import outputs
 
     plan = make_plan(use_lora=True, lora_rank=4, lora_alpha=8.0, output_dir=str(tmp_path / "lora-out"))
-    nets = models.setup_models(plan, torch.device("cpu"), torch.device("cpu"), distributed=False)
+    nets = networks.setup_models(plan, torch.device("cpu"), torch.device("cpu"), distributed=False)
     torch.manual_seed(0)
     with torch.no_grad():
         for model in (nets.denoiser, nets.text_encoder):
@@ -361,7 +361,7 @@ def red_is_mask_photos(folder, count=3):
     import numpy as np
     from PIL import Image
 
-    from dreambooth import imagefiles
+    from dreambooth.generation import imagefiles
 
     folder.mkdir(exist_ok=True)
     rng = np.random.default_rng(0)

@@ -14,10 +14,10 @@ from PIL import Image
 
 from dreambooth import errors
 from dreambooth import families
-from dreambooth import imagefiles
-from dreambooth import imaging
-from dreambooth import prompts
 from dreambooth.files import REPO_DIR
+from dreambooth.generation import imagefiles
+from dreambooth.generation import imaging
+from dreambooth.generation import prompts
 
 
 def read_rgb(path):
@@ -159,12 +159,12 @@ def test_pickled_weights_need_an_explicit_opt_in(tiny_model, tmp_path):
     with pytest.raises(errors.UserError, match="'unet' .* only pickled .bin weights"):
         families.check_model_dir(str(model))
     families.check_model_dir(str(model), allow_unsafe_weights=True)
-    from dreambooth import models
+    from dreambooth.models import networks
 
-    nets = models.load_models(str(model), torch.device("cpu"), torch.device("cpu"), True, allow_unsafe_weights=True)
+    nets = networks.load_models(str(model), torch.device("cpu"), torch.device("cpu"), True, allow_unsafe_weights=True)
     assert nets.denoiser.config.sample_size == 32
     with pytest.raises(OSError, match="safetensors"):  # (diffusers refuses the pickled weights it was not allowed)
-        models.load_models(str(model), torch.device("cpu"), torch.device("cpu"), True)
+        networks.load_models(str(model), torch.device("cpu"), torch.device("cpu"), True)
 
 
 def test_instance_prompt_without_identifier_is_detected():
@@ -261,13 +261,13 @@ def sdxl_adapters(tiny_sdxl_model, tmp_path_factory):
     """LoRA adapters of the tiny SDXL model, written as train.py --use_lora writes them (untrained)."""
     import torch
 
-    from dreambooth import models
-    from dreambooth import outputs
-    from dreambooth import planning
+    from dreambooth.models import networks
+    from dreambooth.models import outputs
+    from dreambooth.planning import planning
 
     plan = planning.offline_plan(model_dir=tiny_sdxl_model, use_lora=True, lora_rank=4, lora_alpha=4.0,
                                  mixed_precision="no", output_dir=str(tmp_path_factory.mktemp("sdxl-lora") / "out"))
-    outputs.save_pipeline(models.setup_models(plan, torch.device("cpu"), torch.device("cpu"), distributed=False), plan)
+    outputs.save_pipeline(networks.setup_models(plan, torch.device("cpu"), torch.device("cpu"), distributed=False), plan)
     return plan.output_dir
 
 

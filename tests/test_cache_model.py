@@ -7,14 +7,14 @@ import pytest
 from conftest import modes_not_as_umask
 from PIL import Image
 
-from dreambooth import cache_model
 from dreambooth import errors
 from dreambooth import files
-from dreambooth import known_models
-from dreambooth import modelcache
-from dreambooth import preflight
-from dreambooth import vae_cache
+from dreambooth.commands import cache_model
+from dreambooth.commands import preflight
 from dreambooth.files import REPO_DIR
+from dreambooth.models import known_models
+from dreambooth.models import modelcache
+from dreambooth.planning import vae_cache
 
 SD14 = "CompVis/stable-diffusion-v1-4"
 SD14_REV = "b95be7d6f134c3a9e62ee616f310733567f069ce"
@@ -233,7 +233,7 @@ def test_the_sd2_v_tiny_model_has_its_own_name_and_arch_only_goes_with_a_built_m
 
 
 def test_tiny_eval_models_are_built_once_and_load_as_evaluate_reads_them(tmp_path):
-    from dreambooth import scores
+    from dreambooth.evaluation import scores
 
     folder = cache_model.main(["--model_dir", str(tmp_path), "--eval_models", "--tiny"])
     weights = os.path.join(folder, "dino", "model.safetensors")
@@ -249,7 +249,7 @@ def test_eval_models_resolve_offline_and_pickled_weights_convert_only_when_allow
     import torch
     from transformers import AutoModel
 
-    from dreambooth import random_models
+    from dreambooth.models import random_models
 
     built = random_models.build_tiny_eval_models(str(tmp_path / "built"))
     cache, revision = tmp_path / "cache", "0123456789abcdef0123456789abcdef01234567"
@@ -277,7 +277,7 @@ def test_eval_models_resolve_offline_and_pickled_weights_convert_only_when_allow
 def test_a_random_model_larger_than_the_machine_is_refused_before_it_is_built(monkeypatch, tmp_path):
     """Its fp32 weights are counted on the meta device first: Flux.1 dev's 16.8 B parameters are 67 GB."""
     from dreambooth import machine
-    from dreambooth import random_models
+    from dreambooth.models import random_models
 
     monkeypatch.setattr(machine, "available_memory", lambda: 60e9)
     with pytest.raises(errors.UserError, match="--random_model flux-dev builds 67 GB of fp32 weights and this "

@@ -6,18 +6,18 @@ import os
 import pytest
 import torch
 
-from dreambooth import checkpoint
-from dreambooth import checkpoints
 from dreambooth import files
-from dreambooth import models as models_lib
-from dreambooth import steps
+from dreambooth.models import networks
+from dreambooth.planning import checkpoints
+from dreambooth.training import checkpoint
+from dreambooth.training import steps
 
 CPU = torch.device("cpu")
 
 
 def trained_state(make_plan, step_prompts, channels_last=False, steps_taken=2, **settings):
     plan = make_plan(channels_last=channels_last, **settings)
-    nets = models_lib.setup_models(plan, CPU, CPU, distributed=False)
+    nets = networks.setup_models(plan, CPU, CPU, distributed=False)
     state = steps.make_train_state(nets, plan)
     batch = {"instance_pixels": torch.randint(0, 256, (1, 64, 64, 3), dtype=torch.uint8),
              "class_pixels": torch.randint(0, 256, (1, 64, 64, 3), dtype=torch.uint8)}
@@ -35,7 +35,7 @@ def test_channels_last_weights_are_saved(make_plan, step_prompts, tmp_path):
     assert checkpoints.is_complete(str(tmp_path))
     fresh = trained_state(make_plan, step_prompts, channels_last=True, steps_taken=0)
     checkpoint.load(fresh, str(tmp_path), rank=0)
-    for k, v in models_lib.unwrap(state.models.denoiser).state_dict().items():
+    for k, v in networks.unwrap(state.models.denoiser).state_dict().items():
         assert torch.equal(v, fresh.models.denoiser.state_dict()[k])
 
 
@@ -121,7 +121,7 @@ def test_find_latest_picks_the_newest_complete_checkpoint_of_the_run(tmp_path):
 def test_lora_checkpoint_holds_only_the_adapters(make_plan, step_prompts, tmp_path):
     def lora_state(steps_taken):
         plan = make_plan(use_lora=True, lora_rank=4, lora_alpha=4.0)
-        nets = models_lib.setup_models(plan, CPU, CPU, distributed=False)
+        nets = networks.setup_models(plan, CPU, CPU, distributed=False)
         state = steps.make_train_state(nets, plan)
         batch = {"instance_pixels": torch.randint(0, 256, (1, 64, 64, 3), dtype=torch.uint8)}
         for _ in range(steps_taken):
@@ -151,7 +151,7 @@ def test_8bit_adam_trains_and_its_quantised_state_round_trips(make_plan, step_pr
 
     def state_after(steps_taken):
         torch.manual_seed(0)
-        state = steps.make_train_state(models_lib.setup_models(plan, CPU, CPU, distributed=False), plan)
+        state = steps.make_train_state(networks.setup_models(plan, CPU, CPU, distributed=False), plan)
         for _ in range(steps_taken):
             steps.train_step(state, [batch], step_prompts, 1.0, 1.0)
         return state
@@ -187,7 +187,7 @@ def test_a_checkpoint_becomes_the_model_the_run_would_have_saved_at_that_step(ma
     saved = StableDiffusionPipeline.from_pretrained(str(tmp_path / "step-2"), safety_checker=None)
     base = StableDiffusionPipeline.from_pretrained(tiny_model, safety_checker=None)
     for part, name in (("unet", "denoiser"), ("text_encoder", "text_encoder")):
-        trained = models_lib.unwrap(getattr(state.models, name)).state_dict()
+        trained = networks.unwrap(getattr(state.models, name)).state_dict()
         assert all(torch.equal(v, trained[k]) for k, v in getattr(saved, part).state_dict().items()), part
         assert any(not torch.equal(v, trained[k]) for k, v in getattr(base, part).state_dict().items()), part
     assert files.read_json(str(tmp_path / "step-2" / files.OUTPUT_MARKER))["steps"] == 2
@@ -221,6 +221,6 @@ def test_the_moving_average_round_trips_and_is_the_model_a_checkpoint_becomes(ma
     checkpoint.save_as_model(str(tmp_path / "ema"), plan)
     saved = StableDiffusionPipeline.from_pretrained(str(tmp_path / "model"), safety_checker=None)
     with state.ema.applied(state.params):
-        averaged = models_lib.unwrap(state.models.denoiser).state_dict()
+        averaged = networks.unwrap(state.models.denoiser).state_dict()
         assert all(torch.equal(v, averaged[k]) for k, v in saved.unet.state_dict().items())
     assert files.read_json(str(tmp_path / "model" / files.OUTPUT_MARKER))["ema_decay"] == 0.5

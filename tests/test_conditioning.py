@@ -5,15 +5,15 @@ import dataclasses
 import pytest
 import torch
 
-from dreambooth import conditioning
-from dreambooth import models as models_lib
+from dreambooth.models import networks
+from dreambooth.training import conditioning
 
 CPU = torch.device("cpu")
 
 
 @pytest.fixture()
 def models(tiny_model):
-    return models_lib.load_models(tiny_model, CPU, CPU, train_text_encoder=True)
+    return networks.load_models(tiny_model, CPU, CPU, train_text_encoder=True)
 
 
 def test_each_prompt_goes_through_the_text_encoder_once(models, step_prompts):

@@ -5,10 +5,10 @@ import pytest
 from conftest import red_is_mask_photos
 from PIL import Image
 
-from dreambooth import dataset
-from dreambooth import imagefiles
-from dreambooth import imaging
-from dreambooth import prompts
+from dreambooth.generation import imagefiles
+from dreambooth.generation import imaging
+from dreambooth.generation import prompts
+from dreambooth.training import dataset
 
 
 def asymmetric_image(height=6, width=9):

@@ -2,7 +2,7 @@ import os
 
 from PIL import Image
 
-from dreambooth import download_example_dataset
+from dreambooth.commands import download_example_dataset
 
 
 def test_dataset_is_copied_from_an_offline_hub_cache(tmp_path):

@@ -17,8 +17,8 @@ from conftest import ray_sessions
 from dreambooth.files import LORA_WEIGHTS_FILE
 from dreambooth.files import OUTPUT_MARKER
 from dreambooth.files import REPO_DIR
-from dreambooth.outputs import IMAGES_CONFIG
-from dreambooth.outputs import IMAGES_RECORD
+from dreambooth.models.outputs import IMAGES_CONFIG
+from dreambooth.models.outputs import IMAGES_RECORD
 
 
 @pytest.fixture(scope="module")
@@ -333,7 +333,7 @@ def test_dreambooth_run_tiny_sdxl_lora_end_to_end(tmp_path, tiny_sdxl_model, tin
     from diffusers import StableDiffusionXLPipeline
     from safetensors import safe_open
 
-    from dreambooth import export
+    from dreambooth.commands import export
 
     lora = subject_dir / "model-tuned"
     kohya = export.main(["--model_dir", str(lora), "--output_file", str(tmp_path / "lora.safetensors"),

@@ -5,11 +5,11 @@ import os
 import pytest
 
 from dreambooth import errors
-from dreambooth import eval_report
-from dreambooth import evaluate
 from dreambooth import files
-from dreambooth import outputs
-from dreambooth import scoring
+from dreambooth.commands import evaluate
+from dreambooth.evaluation import eval_report
+from dreambooth.evaluation import scoring
+from dreambooth.models import outputs
 
 
 def test_prompt_sets_have_25_prompts_each_with_the_subject():

@@ -6,7 +6,7 @@ from conftest import modes_not_as_umask
 from safetensors import safe_open
 
 from dreambooth import errors
-from dreambooth import export
+from dreambooth.commands import export
 
 
 def tuned_copy(base_model, folder):

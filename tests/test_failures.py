@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from dreambooth import driver
 from dreambooth import errors
-from dreambooth import failures
+from dreambooth.training import driver
+from dreambooth.training import failures
 
 
 def test_errors_of_the_files_read_stop_the_run_and_flaky_ones_are_retried():

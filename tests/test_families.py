@@ -8,11 +8,11 @@ import shutil
 import pytest
 import torch
 
-from dreambooth import conditioning
 from dreambooth import errors
 from dreambooth import families
-from dreambooth import family_sdxl
 from dreambooth import files
+from dreambooth.families import family_sdxl
+from dreambooth.training import conditioning
 
 
 def test_the_family_is_read_from_the_model_folder(tiny_model, tiny_sd2v_model, tiny_sdxl_model, tmp_path,
@@ -48,7 +48,7 @@ def test_the_sd2_v_model_trains_towards_v(tiny_sd2v_model):
     """Its training scheduler predicts v: the target of a step is the velocity, not the noise."""
     from diffusers import DDPMScheduler
 
-    from dreambooth import objectives
+    from dreambooth.families import objectives
 
     scheduler = DDPMScheduler.from_pretrained(tiny_sd2v_model, subfolder="scheduler")
     latents, noise = torch.randn(2, 4, 8, 8), torch.randn(2, 4, 8, 8)
@@ -68,7 +68,7 @@ def drawn_size(folder, name):
 
 def class_images_and_train_args(model, toy_images, tmp_path):
     """Two class images drawn by generate.py with model, and the train.py flags the family tests share."""
-    from dreambooth import generate
+    from dreambooth.commands import generate
 
     class_dir = tmp_path / "class"
     generate.main(["--model_dir", model, "--output_dir", str(class_dir), "--prompts", "photo of a toy",
@@ -81,7 +81,7 @@ def class_images_and_train_args(model, toy_images, tmp_path):
 
 def lora_trained(common, tmp_path):
     """The adapters' folder of a --use_lora run of 2 steps."""
-    from dreambooth import train
+    from dreambooth.commands import train
 
     lora = tmp_path / "lora"
     train.main([*common, "--output_dir", str(lora), "--max_train_steps", "2", "--use_lora"])
@@ -91,7 +91,7 @@ def lora_trained(common, tmp_path):
 def lora_trained_and_drawn(model, common, tmp_path):
     """lora_trained, then one image drawn by generate.py with its adapters on model: (the adapters' folder, the
     image's size)."""
-    from dreambooth import generate
+    from dreambooth.commands import generate
 
     lora = lora_trained(common, tmp_path)
     drawn = tmp_path / "drawn"
@@ -108,7 +108,7 @@ def test_sd2_v_trains_and_draws_at_its_own_resolution(ray_session, tiny_sd2v_mod
     test_seeded_run_cut_and_resumed_with_every_gpu_option, SD 1.x and SDXL.)"""
     from diffusers import StableDiffusionPipeline
 
-    from dreambooth import train
+    from dreambooth.commands import train
 
     class_dir, common = class_images_and_train_args(tiny_sd2v_model, toy_images, tmp_path)
     assert drawn_size(class_dir, "photo-of-a-toy-00000.png") == (96, 96)
@@ -132,7 +132,7 @@ def test_sdxl_time_ids_are_each_photos_true_size_and_crop():
     size; the view's pixels are exactly that crop (mirrored when flipped)."""
     import numpy as np
 
-    from dreambooth import dataset
+    from dreambooth.training import dataset
 
     stored = np.random.default_rng(0).integers(0, 255, (16, 24, 3), dtype=np.uint8)
     batch = {"instance": np.zeros(8, dtype=np.int64), "seed": np.arange(8)}
@@ -158,13 +158,13 @@ def test_sdxl_time_ids_are_each_photos_true_size_and_crop():
 def test_the_sdxl_unet_is_conditioned_on_each_rows_size_and_crop(tiny_sdxl_model, make_plan):
     """batch_loss feeds the pooled text embedding and the batch's time ids to the UNet: other time
     ids give another loss for the same noise; a stream without them is the uncropped square."""
-    from dreambooth import models
-    from dreambooth import prompts as prompts_lib
-    from dreambooth import steps
+    from dreambooth.generation import prompts as prompts_lib
+    from dreambooth.models import networks
+    from dreambooth.training import steps
 
     plan = make_plan(model_dir=tiny_sdxl_model, resolution=128)
     ids = prompts_lib.prompt_ids(tiny_sdxl_model, ["photo of unqtkn toy"], "photo of a toy")
-    nets = models.setup_models(plan, torch.device("cpu"), torch.device("cpu"), distributed=False)
+    nets = networks.setup_models(plan, torch.device("cpu"), torch.device("cpu"), distributed=False)
     prompts = conditioning.step_prompts(plan.family, nets.text_encoders(), plan, ids, torch.device("cpu"))
     assert prompts.instance.shape == (1, 2, 77)  # both tokenizers' ids
     pixels = torch.randint(0, 255, (1, 128, 128, 3), dtype=torch.uint8)
@@ -190,7 +190,7 @@ def test_sdxl_trains_the_unet_and_both_text_encoders_with_a_vae_of_its_own(ray_s
     test_recovery's test_seeded_run_cut_and_resumed_with_every_gpu_option[sdxl].)"""
     from diffusers import StableDiffusionXLPipeline
 
-    from dreambooth import train
+    from dreambooth.commands import train
 
     _, common = class_images_and_train_args(tiny_sdxl_model, toy_images, tmp_path)
     # A VAE of its own (as SDXL's fp16-fix one is): trained with, and kept in the saved model.
@@ -220,13 +220,13 @@ def test_sdxl_prior_prediction_gives_the_base_model_the_pooled_class_prompt_and_
     """--prior_preservation prior_prediction on SDXL: the class rows (the photos again) carry the
     photos' size/crop ids and the class prompt's pooled embedding to the base UNet as well, so an
     untrained model's prior loss is 0 (to rounding) and a changed one's is not."""
-    from dreambooth import models
-    from dreambooth import prompts as prompts_lib
-    from dreambooth import steps
+    from dreambooth.generation import prompts as prompts_lib
+    from dreambooth.models import networks
+    from dreambooth.training import steps
 
     plan = make_plan(model_dir=tiny_sdxl_model, resolution=128, prior_prediction=True)
     ids = prompts_lib.prompt_ids(tiny_sdxl_model, ["photo of unqtkn toy"], "photo of a toy")
-    nets = models.setup_models(plan, torch.device("cpu"), torch.device("cpu"), distributed=False)
+    nets = networks.setup_models(plan, torch.device("cpu"), torch.device("cpu"), distributed=False)
     prompts = conditioning.with_base_class(
         conditioning.step_prompts(plan.family, nets.text_encoders(), plan, ids, torch.device("cpu")), plan.family,
         nets.text_encoders(), ids, torch.device("cpu"))
@@ -250,7 +250,7 @@ def test_sdxl_prior_prediction_gives_the_base_model_the_pooled_class_prompt_and_
 NEW_FAMILY = '''
 """A family of this test only: SD 1.x conditioned on its text encoder's penultimate layer."""
 
-from dreambooth import family_sd1
+from dreambooth.families import family_sd1
 
 
 class Penultimate(family_sd1.SD1):
@@ -272,11 +272,11 @@ def test_a_new_family_is_one_module_and_one_entry_in_the_table(tiny_model, make_
     entered in the table is found from its folder, carried in the plan, and what it changes (here the
     text conditioning) reaches the training step and the validation samples, with no other file
     touched."""
-    from dreambooth import export
-    from dreambooth import models
-    from dreambooth import prompts as prompts_lib
-    from dreambooth import steps
-    from dreambooth import validation
+    from dreambooth.commands import export
+    from dreambooth.generation import prompts as prompts_lib
+    from dreambooth.models import networks
+    from dreambooth.training import steps
+    from dreambooth.training import validation
 
     (tmp_path / "family_penultimate.py").write_text(NEW_FAMILY)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -291,7 +291,7 @@ def test_a_new_family_is_one_module_and_one_entry_in_the_table(tiny_model, make_
 
     def first_loss(model_dir):
         plan = make_plan(model_dir=model_dir, num_validation_images=1, validation_prompts=("a toy",))
-        nets = models.setup_models(plan, torch.device("cpu"), torch.device("cpu"), distributed=False)
+        nets = networks.setup_models(plan, torch.device("cpu"), torch.device("cpu"), distributed=False)
         ids = prompts_lib.prompt_ids(model_dir, ["photo of unqtkn toy"], "photo of a toy", plan.family)
         prompts = conditioning.step_prompts(plan.family, nets.text_encoders(), plan, ids, torch.device("cpu"))
         state = steps.make_train_state(nets, plan)

@@ -10,14 +10,14 @@ import types
 import pytest
 import torch
 
-from dreambooth import conditioning
 from dreambooth import families
-from dreambooth import family_flux
-from dreambooth import models
-from dreambooth import outputs
-from dreambooth import prompts
-from dreambooth import steps
-from dreambooth import validation
+from dreambooth.families import family_flux
+from dreambooth.generation import prompts
+from dreambooth.models import networks
+from dreambooth.models import outputs
+from dreambooth.training import conditioning
+from dreambooth.training import steps
+from dreambooth.training import validation
 
 CPU = torch.device("cpu")
 
@@ -79,14 +79,14 @@ def test_a_full_fine_tune_moves_the_transformer_and_clip_and_leaves_t5(flux_run,
 def test_the_guidance_value_is_an_input_of_dev_in_training(flux_run, tiny_flux_model):
     """--guidance_scale reaches the transformer's guidance embedding: the same seeded step at another value
     gives another loss (and it is in the run's identity, which decides resuming)."""
-    from dreambooth import run_identity
+    from dreambooth.planning import run_identity
 
     _, _, at_default = flux_run(steps_taken=1)
     _, _, at_one = flux_run(steps_taken=1, guidance_scale=1.0)
     assert at_default[0] != at_one[0]
     _, _, again = flux_run(steps_taken=1, guidance_scale=family_flux.FAMILY.guidance_scale)
     assert again == at_default  # None is the family's 3.5
-    from dreambooth import planning
+    from dreambooth.planning import planning
 
     def identity(*extra):
         args = planning.parse_args(["--model_dir", tiny_flux_model, "--output_dir", "/o", "--instance_data_dir", "/i",
@@ -121,7 +121,7 @@ def test_the_base_models_own_prediction_keeps_the_prior(tiny_flux_model, make_pl
     plan = make_plan(model_dir=tiny_flux_model, resolution=64, use_lora=True, prior_prediction=True,
                      class_prompt="photo of a toy")
     torch.manual_seed(0)
-    nets = models.setup_models(plan, CPU, CPU, distributed=False)
+    nets = networks.setup_models(plan, CPU, CPU, distributed=False)
     ids = prompts.prompt_ids(tiny_flux_model, ["photo of unqtkn toy"], "photo of a toy", plan.family)
     encoders = nets.text_encoders()
     step_prompts = conditioning.with_base_class(conditioning.step_prompts(plan.family, encoders, plan, ids, CPU),
@@ -137,7 +137,7 @@ def test_the_base_models_own_prediction_keeps_the_prior(tiny_flux_model, make_pl
 @pytest.mark.slow  # (trains: over a second)
 def test_schnell_trains_without_a_guidance_input(flux_run, schnell_model):
     _, state, losses = flux_run(steps_taken=2, model_dir=schnell_model, use_lora=True)
-    assert models.unwrap(state.models.denoiser).config.guidance_embeds is False
+    assert networks.unwrap(state.models.denoiser).config.guidance_embeds is False
     assert all(torch.isfinite(torch.tensor(losses)))
     _, _, other = flux_run(steps_taken=2, model_dir=schnell_model, use_lora=True, guidance_scale=1.0)
     assert other == losses  # no guidance input: the value changes nothing
@@ -151,7 +151,7 @@ def test_lora_and_full_outputs_load_in_the_flux_pipeline(flux_run, tiny_flux_mod
     for use_lora in (True, False):
         plan, state, _ = flux_run(steps_taken=2, use_lora=use_lora, output_dir=str(tmp_path / f"out-{use_lora}"))
         outputs.save_pipeline(state.models, plan)
-        ours = models.unwrap(state.models.denoiser)
+        ours = networks.unwrap(state.models.denoiser)
         if use_lora:
             pipe = FluxPipeline.from_pretrained(tiny_flux_model)
             pipe.load_lora_weights(plan.output_dir)
@@ -172,11 +172,11 @@ def test_lora_and_full_outputs_load_in_the_flux_pipeline(flux_run, tiny_flux_mod
 def test_validation_samples_are_what_generate_draws_from_the_same_weights(tiny_flux_model, make_plan, tmp_path):
     import numpy as np
 
-    from dreambooth import drawing
+    from dreambooth.generation import drawing
 
     plan = make_plan(model_dir=tiny_flux_model, resolution=64, validation_prompts=("a toy",), num_validation_images=1,
                      validation_inference_steps=3)
-    nets = models.setup_models(plan, CPU, CPU, distributed=False)
+    nets = networks.setup_models(plan, CPU, CPU, distributed=False)
     _, images = validation.run_round(validation.Sampler(nets, plan, amp_dtype=None), 1, 0, 1, str(tmp_path))
     pipe = drawing.load_pipeline(tiny_flux_model, CPU)
     settings = drawing.settings_for(drawing.ImageSettings(num_inference_steps=3), plan.family,
@@ -190,8 +190,8 @@ def test_validation_samples_are_what_generate_draws_from_the_same_weights(tiny_f
 
 
 def test_a_negative_prompt_is_refused_in_one_line():
-    from dreambooth import drawing
     from dreambooth import errors
+    from dreambooth.generation import drawing
 
     with pytest.raises(errors.UserError, match="Flux.1 draws without a negative prompt"):
         drawing.settings_for(drawing.ImageSettings(negative_prompt="blurry"), family_flux.FAMILY, "/unread")
@@ -208,7 +208,7 @@ def test_lora_trains_over_an_nf4_base_under_bf16(flux_run, tmp_path):
 
     plan, state, losses = flux_run(steps_taken=2, use_lora=True, base_precision="nf4", mixed_precision="bf16",
                                    channels_last=True, output_dir=str(tmp_path / "out"))
-    denoiser = models.unwrap(state.models.denoiser)
+    denoiser = networks.unwrap(state.models.denoiser)
     assert isinstance(denoiser.transformer_blocks[0].attn.to_q.base_layer, bnb.nn.Linear4bit)
     assert isinstance(denoiser.single_transformer_blocks[0].proj_out, bnb.nn.Linear4bit)  # frozen, not adapted
     assert all(torch.isfinite(torch.tensor(losses)))
@@ -226,12 +226,12 @@ def test_lora_on_ray_resumed_ends_on_the_uninterrupted_weights_and_draws(ray_ses
     generate.py drawing with the adapters: test_dreambooth_run's Flux run; evaluate.py: test_sweep's Flux sweep.)"""
     from safetensors.torch import load_file
 
-    from dreambooth import driver
     from dreambooth import errors
     from dreambooth import files
-    from dreambooth import generate
-    from dreambooth import planning
-    from dreambooth import train
+    from dreambooth.commands import generate
+    from dreambooth.commands import train
+    from dreambooth.planning import planning
+    from dreambooth.training import driver
 
     def argv(name):
         return ["--model_dir", tiny_flux_model, "--instance_images_dir", toy_images, "--instance_prompt",
@@ -267,7 +267,7 @@ def test_lora_exports_in_kohyas_flux_layout_that_the_converters_read_back(tiny_f
     from diffusers.loaders.lora_conversion_utils import _convert_kohya_flux_lora_to_diffusers
     from safetensors.torch import load_file
 
-    from dreambooth import export
+    from dreambooth.commands import export
 
     width, rank, alpha = 3072, 2, 4.0
     generator = torch.Generator().manual_seed(0)
@@ -310,8 +310,8 @@ def test_lora_exports_in_kohyas_flux_layout_that_the_converters_read_back(tiny_f
 def test_fsdp_is_a_full_fine_tune_of_the_denoiser_alone(capsys):
     """--fsdp refuses what it does not shard or was not tested with, in one line naming each; the memory table
     splits the denoiser's weights, gradients and AdamW state over the workers."""
-    from dreambooth import memory
-    from dreambooth import planning
+    from dreambooth.planning import memory
+    from dreambooth.planning import planning
 
     base = ["--model_dir", "/m", "--output_dir", "/o", "--instance_data_dir", "/i", "--instance_prompt", "p", "--fsdp"]
     with pytest.raises(SystemExit):
@@ -339,8 +339,8 @@ def test_a_full_fine_tune_sharded_across_two_workers_resumes_to_the_same_weights
     from safetensors.torch import load_file
     from test_recovery import logged_losses
 
-    from dreambooth import checkpoints
-    from dreambooth import train
+    from dreambooth.commands import train
+    from dreambooth.planning import checkpoints
 
     def argv(name):
         return ["--model_dir", tiny_flux_model, "--instance_images_dir", toy_images, "--instance_prompt",

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from dreambooth import families
-from dreambooth import family_sd3
-from dreambooth import models
-from dreambooth import outputs
-from dreambooth import prompts
-from dreambooth import validation
+from dreambooth.families import family_sd3
+from dreambooth.generation import prompts
+from dreambooth.models import networks
+from dreambooth.models import outputs
+from dreambooth.training import validation
 
 CPU = torch.device("cpu")
 
@@ -74,7 +74,7 @@ def test_lora_and_full_outputs_load_in_the_sd3_pipeline(sd3_run, tiny_sd3_model,
     for use_lora in (True, False):
         plan, state, _ = sd3_run(steps_taken=2, use_lora=use_lora, output_dir=str(tmp_path / f"out-{use_lora}"))
         outputs.save_pipeline(state.models, plan)
-        ours = models.unwrap(state.models.denoiser)
+        ours = networks.unwrap(state.models.denoiser)
         if use_lora:
             pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3_model)
             pipe.load_lora_weights(plan.output_dir)
@@ -104,7 +104,7 @@ def kohya_applied_to_the_original_layout(lora_dir, base, tmp_path):
     from diffusers.loaders.single_file_utils import convert_sd3_transformer_checkpoint_to_diffusers
     from safetensors.torch import load_file
 
-    from dreambooth import export
+    from dreambooth.commands import export
 
     lora = load_file(export.main(["--model_dir", lora_dir, "--output_file", str(tmp_path / "sd3-lora.safetensors")]))
     original = family_sd3.original_transformer(base.state_dict(), base.config.num_layers)
@@ -143,11 +143,11 @@ def test_the_original_layout_is_what_diffusers_single_file_converter_reads_back(
 def test_validation_samples_are_what_generate_draws_from_the_same_weights(tiny_sd3_model, make_plan, tmp_path):
     import numpy as np
 
-    from dreambooth import drawing
+    from dreambooth.generation import drawing
 
     plan = make_plan(model_dir=tiny_sd3_model, resolution=64, validation_prompts=("a toy",), num_validation_images=1,
                      validation_inference_steps=3)
-    nets = models.setup_models(plan, CPU, CPU, distributed=False)
+    nets = networks.setup_models(plan, CPU, CPU, distributed=False)
     _, images = validation.run_round(validation.Sampler(nets, plan, amp_dtype=None), 1, 0, 1, str(tmp_path))
     pipe = drawing.load_pipeline(tiny_sd3_model, CPU)
     drawn, flagged = drawing.generate_batch(pipe, ["a toy"], [drawing.image_seed(plan.seed, "a toy", 0)],
@@ -167,10 +167,10 @@ def test_lora_on_two_workers_resumed_ends_on_the_uninterrupted_weights_and_draws
     test_sweep's SD 3.5 sweep, whose scores draw each trial's adapters on generate's actor pool.)"""
     from safetensors.torch import load_file
 
-    from dreambooth import driver
     from dreambooth import files
-    from dreambooth import planning
-    from dreambooth import train
+    from dreambooth.commands import train
+    from dreambooth.planning import planning
+    from dreambooth.training import driver
 
     def argv(name):
         return ["--model_dir", tiny_sd3_model, "--instance_images_dir", toy_images, "--instance_prompt",
@@ -201,7 +201,7 @@ def test_lora_trains_over_a_quantised_frozen_base(sd3_run, tiny_sd3_model, tmp_p
 
     plan, state, losses = sd3_run(steps_taken=3, use_lora=True, base_precision=precision, mixed_precision=mixed,
                                   channels_last=channels_last, output_dir=str(tmp_path / "out"))
-    denoiser = models.unwrap(state.models.denoiser)
+    denoiser = networks.unwrap(state.models.denoiser)
     layer = denoiser.transformer_blocks[0].attn.to_q
     assert isinstance(layer.base_layer, bnb.nn.Linear8bitLt if precision == "int8" else bnb.nn.Linear4bit)
     assert layer.base_layer.weight.dtype == (torch.int8 if precision == "int8" else torch.uint8)
@@ -220,7 +220,7 @@ def test_lora_trains_over_a_quantised_frozen_base(sd3_run, tiny_sd3_model, tmp_p
 
 
 def test_base_precision_needs_lora(capsys):
-    from dreambooth import planning
+    from dreambooth.planning import planning
 
     with pytest.raises(SystemExit):
         planning.parse_args(["--model_dir", "/m", "--output_dir", "/o", "--instance_data_dir", "/i",

@@ -3,7 +3,7 @@ and help as `--help` gives them."""
 
 import os
 
-from dreambooth import flagdocs
+from dreambooth.commands import flagdocs
 from dreambooth.files import REPO_DIR
 
 

@@ -4,9 +4,9 @@ import sys
 
 import pytest
 
-from dreambooth import flags
-from dreambooth import planning
+from dreambooth.config import flags
 from dreambooth.files import REPO_DIR
+from dreambooth.planning import planning
 
 BASE = ["--model_dir", "/m", "--output_dir", "/o", "--instance_images_dir", "/i", "--instance_prompt", "p"]
 
@@ -234,7 +234,7 @@ def test_readme_compatibility_claims_hold():
 
 
 def test_a_prompt_with_commas_is_one_prompt_wherever_it_is_given(tmp_path):
-    from dreambooth import prompts
+    from dreambooth.generation import prompts
 
     painted = "photo of unqtkn dog, oil painting, detailed"
     args = parse_train(BASE + ["--validation_prompt", painted, "--validation_prompt", "a dog, asleep"])
@@ -346,7 +346,7 @@ def test_help_shows_a_switchs_default_and_config_examples_the_script_takes():
 
 
 def test_evaluate_does_not_take_num_class_images_which_means_class_images_elsewhere():
-    from dreambooth import evaluate
+    from dreambooth.commands import evaluate
 
     with pytest.raises(SystemExit):
         evaluate.main(["--model_dir", "m", "--instance_data_dir", "p", "--class_name", "dog", "--eval_models_dir", "e",

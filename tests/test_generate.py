@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dreambooth import drawing
 from dreambooth import errors
 from dreambooth import files
-from dreambooth import generate
-from dreambooth import outputs
+from dreambooth.commands import generate
+from dreambooth.generation import drawing
+from dreambooth.models import outputs
 
 
 def pixels(path):
@@ -58,7 +58,7 @@ def checked_model(tmp_path_factory):
     """A tiny model with a safety checker that flags every image, as a base model and as a tuned one."""
     import torch
 
-    from dreambooth import random_models
+    from dreambooth.models import random_models
 
     pipe = random_models.build_pipeline("tiny", safety_checker=True)
     with torch.no_grad():

@@ -7,7 +7,7 @@ from PIL import Image
 from PIL import ImageOps
 
 from dreambooth import errors
-from dreambooth import imagefiles
+from dreambooth.generation import imagefiles
 
 
 def asymmetric_image(height=6, width=9):

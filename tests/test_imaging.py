@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dreambooth import imaging
+from dreambooth.generation import imaging
 
 
 def asymmetric_image(height=6, width=9):

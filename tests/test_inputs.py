@@ -4,10 +4,10 @@ import shutil
 
 import pytest
 
-from dreambooth import drawing
 from dreambooth import errors
-from dreambooth import inputs
-from dreambooth import outputs
+from dreambooth.generation import drawing
+from dreambooth.models import outputs
+from dreambooth.planning import inputs
 
 SETTINGS = drawing.ImageSettings(num_inference_steps=3, seed=1)
 

@@ -11,11 +11,11 @@ import torch
 
 from dreambooth import errors
 from dreambooth import files
-from dreambooth import memory
-from dreambooth import preflight
-from dreambooth import random_models
-from dreambooth import raycluster
+from dreambooth.cluster import raycluster
+from dreambooth.commands import preflight
 from dreambooth.files import REPO_DIR
+from dreambooth.models import random_models
+from dreambooth.planning import memory
 
 
 @pytest.mark.parametrize("size, arch, family", [("sd15", "sd1", "sd1"), ("sdxl", "sdxl", "sdxl"),
@@ -32,7 +32,7 @@ def test_the_activation_count_of_sd1_is_the_calibration_and_fused_attention_is_c
     figure its GPU measurement calibrates; counted with the eager attention matrix instead it would be more."""
     import torch
 
-    from dreambooth import activations
+    from dreambooth.planning import activations
 
     counts = []
     for checkpointed in (False, True):
@@ -94,7 +94,7 @@ def test_the_computed_need_meets_the_measured_peaks_and_orders_the_modes():
 def test_the_readme_table_is_the_one_in_code(capsys):
     readme = open(os.path.join(REPO_DIR, "docs", "MEMORY.md")).read()  # (the README links it)
     assert memory.table() in readme and memory.flow_table() in readme
-    memory.main()  # (what `python -m dreambooth.memory` prints; in this process, the flow table's sizes built once)
+    memory.main()  # (what `python -m dreambooth.planning.memory` prints; in this process, the flow table's sizes built once)
     assert capsys.readouterr().out.strip() == memory.table() + "\n\n" + memory.flow_table()
 
 

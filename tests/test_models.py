@@ -5,24 +5,24 @@ import pytest
 import torch
 
 from dreambooth import errors
-from dreambooth import models as models_lib
-from dreambooth import random_models
-from dreambooth import steps
+from dreambooth.models import networks
+from dreambooth.models import random_models
+from dreambooth.training import steps
 
 CPU = torch.device("cpu")
 
 
 def test_trained_networks_are_in_train_mode_and_the_vae_is_frozen(tiny_model):
-    nets = models_lib.load_models(tiny_model, CPU, CPU, train_text_encoder=True)
+    nets = networks.load_models(tiny_model, CPU, CPU, train_text_encoder=True)
     assert nets.denoiser.training and nets.text_encoder.training
     assert not nets.vae.training and not any(p.requires_grad for p in nets.vae.parameters())
-    frozen = models_lib.load_models(tiny_model, CPU, CPU, train_text_encoder=False)
+    frozen = networks.load_models(tiny_model, CPU, CPU, train_text_encoder=False)
     assert not frozen.text_encoder.training and not any(p.requires_grad for p in frozen.text_encoder.parameters())
 
 
 def test_gradient_checkpointing_recomputes_text_encoder_activations(make_plan, step_prompts):
     """transformers checkpoints only in train mode: each layer must run again in backward."""
-    nets = models_lib.setup_models(make_plan(gradient_checkpointing=True), CPU, CPU, distributed=False)
+    nets = networks.setup_models(make_plan(gradient_checkpointing=True), CPU, CPU, distributed=False)
     calls = []
     inner = nets.text_encoder.get_submodule("encoder.layers.0.self_attn")  # early in the checkpointed forward
     inner.register_forward_hook(lambda *a: calls.append(1))
@@ -36,7 +36,7 @@ def test_gradient_checkpointing_recomputes_text_encoder_activations(make_plan, s
 
 
 def test_channels_last_applies_to_unet_and_vae(make_plan):
-    nets = models_lib.setup_models(make_plan(channels_last=True), CPU, CPU, distributed=False)
+    nets = networks.setup_models(make_plan(channels_last=True), CPU, CPU, distributed=False)
     conv = nets.denoiser.conv_in.weight
     assert conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous()
     assert nets.vae.encoder.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
@@ -52,19 +52,19 @@ def process_group(tmp_path):
 
 
 def test_ddp_skips_the_gradient_copy_and_buffer_broadcast(make_plan, process_group):
-    nets = models_lib.setup_models(make_plan(), CPU, CPU, distributed=True)
+    nets = networks.setup_models(make_plan(), CPU, CPU, distributed=True)
     assert [type(m).__name__ for m in nets.ddp_wrapped()] == ["DistributedDataParallel"] * 2
     assert nets.denoiser.gradient_as_bucket_view
     assert not getattr(nets.denoiser, "forward_sync_buffers", getattr(nets.denoiser, "broadcast_buffers", True))
-    assert models_lib.unwrap(nets.denoiser) is nets.denoiser.module
+    assert networks.unwrap(nets.denoiser) is nets.denoiser.module
 
 
 @pytest.mark.slow  # (trains: over a second)
 def test_compiled_unet_unwraps_and_trains(make_plan, step_prompts):
     plan = make_plan(torch_compile="eager", learning_rate=1e-4)  # dynamo capture; aot_eager runs in test_recovery
-    nets = models_lib.setup_models(plan, CPU, CPU, distributed=False)
+    nets = networks.setup_models(plan, CPU, CPU, distributed=False)
     assert type(nets.denoiser).__name__ == "OptimizedModule"
-    assert type(models_lib.unwrap(nets.denoiser)).__name__ == "UNet2DConditionModel"
+    assert type(networks.unwrap(nets.denoiser)).__name__ == "UNet2DConditionModel"
     state = steps.make_train_state(nets, plan)
     res = 64
     batch = {"instance_pixels": torch.zeros(1, res, res, 3, dtype=torch.uint8)}
@@ -72,7 +72,7 @@ def test_compiled_unet_unwraps_and_trains(make_plan, step_prompts):
     assert torch.isfinite(loss)
     # A backend torch does not know: one line naming those it does (a UserError: no restart of the workers)
     with pytest.raises(errors.UserError, match=r"^--torch_compile nope: not a backend of this torch \(.*inductor"):
-        models_lib.setup_models(make_plan(torch_compile="nope"), CPU, CPU, distributed=False)
+        networks.setup_models(make_plan(torch_compile="nope"), CPU, CPU, distributed=False)
 
 
 @pytest.mark.parametrize("size, unet_m, te_m, vae_m", [("sd15", 859.5, 123.1, 83.7)])
@@ -124,7 +124,7 @@ def test_lora_trains_only_fp32_adapters_over_frozen_weights_in_the_autocast_dtyp
     """bf16/fp16 on CPU take the branch a GPU run takes: frozen weights in the autocast dtype,
     fp32 adapters (fp16: with the GradScaler)."""
     plan = make_plan(use_lora=True, lora_rank=4, lora_alpha=8.0, mixed_precision=precision)
-    nets = models_lib.setup_models(plan, CPU, CPU, distributed=False)
+    nets = networks.setup_models(plan, CPU, CPU, distributed=False)
     state = steps.make_train_state(nets, plan)
     named = {f"{part}.{k}": v for part in ("denoiser", "text_encoder") for k, v in
              getattr(nets, part).named_parameters()}
@@ -145,11 +145,11 @@ def test_lora_trains_only_fp32_adapters_over_frozen_weights_in_the_autocast_dtyp
 
 
 def test_lora_rank_and_alpha_shape_the_adapters(make_plan):
-    nets = models_lib.setup_models(make_plan(use_lora=True, lora_rank=2, lora_alpha=6.0, train_text_encoder=False),
-                                   CPU, CPU, distributed=False)
+    nets = networks.setup_models(make_plan(use_lora=True, lora_rank=2, lora_alpha=6.0, train_text_encoder=False),
+                                 CPU, CPU, distributed=False)
     to_q = nets.denoiser.get_submodule("down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q")
     assert to_q.lora_A["default"].weight.shape[0] == 2 and to_q.scaling["default"] == 3.0
-    assert not models_lib.has_lora(nets.text_encoder)
+    assert not networks.has_lora(nets.text_encoder)
     assert not any(p.requires_grad for p in nets.text_encoder.parameters())
 
 
@@ -169,6 +169,6 @@ def test_lora_frozen_weights_reach_their_device_already_in_the_autocast_dtype(ma
 
     monkeypatch.setattr(torch.nn.Module, "to", watched)
     plan = make_plan(use_lora=True, mixed_precision="bf16")
-    nets = models_lib.setup_models(plan, meta, meta, distributed=False)
+    nets = networks.setup_models(plan, meta, meta, distributed=False)
     assert moved and all(dtypes == {torch.bfloat16} for dtypes in moved)
     assert all(p.is_meta for p in nets.denoiser.parameters())

@@ -5,15 +5,15 @@ import math
 import pytest
 import torch
 
-from dreambooth import models as models_lib
-from dreambooth import objectives
+from dreambooth.families import objectives
+from dreambooth.models import networks
 
 CPU = torch.device("cpu")
 
 
 @pytest.fixture()
 def models(tiny_model):
-    return models_lib.load_models(tiny_model, CPU, CPU, train_text_encoder=True)
+    return networks.load_models(tiny_model, CPU, CPU, train_text_encoder=True)
 
 
 def test_diffusion_target_follows_prediction_type(models):
@@ -87,7 +87,7 @@ def test_flow_matching_noises_on_the_straight_path_towards_the_velocity(scheme):
 def test_preconditioned_outputs_measure_the_error_of_the_implied_clean_latents(scheme):
     """--precondition_outputs 1 (diffusers' SD 3 scripts): the loss is that of noisy - sigma x prediction against
     the latents, which is sigma^2 x the velocity error per row (with the scheme's own weights on top)."""
-    from dreambooth import steps
+    from dreambooth.training import steps
 
     scheduler = flow_scheduler()
     latents, pred = torch.randn(8, 4, 8, 8), torch.randn(8, 4, 8, 8)
@@ -123,7 +123,7 @@ def test_each_objective_takes_its_own_loss_flags(tiny_model, tiny_sd3_model, mak
 
     from dreambooth import errors
     from dreambooth import families
-    from dreambooth import steps
+    from dreambooth.training import steps
 
     sd1, sd3 = families.family_of(tiny_model), families.family_of(tiny_sd3_model)
     objectives.check_flags(SimpleNamespace(snr_gamma=5.0, weighting_scheme=None, precondition_outputs=None), sd1)

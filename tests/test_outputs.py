@@ -6,10 +6,10 @@ import shutil
 
 import pytest
 
-from dreambooth import drawing
 from dreambooth import errors
 from dreambooth import files
-from dreambooth import outputs
+from dreambooth.generation import drawing
+from dreambooth.models import outputs
 
 SETTINGS = drawing.ImageSettings(num_inference_steps=3, seed=1)
 

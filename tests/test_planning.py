@@ -9,9 +9,9 @@ from PIL import Image
 
 from dreambooth import errors
 from dreambooth import files
-from dreambooth import outputs
-from dreambooth import planning
-from dreambooth import prompts
+from dreambooth.generation import prompts
+from dreambooth.models import outputs
+from dreambooth.planning import planning
 
 
 def test_plan_run_decides_every_setting_once_before_ray(tiny_model, toy_images, tmp_path, capsys):

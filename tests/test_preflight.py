@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from dreambooth import errors
-from dreambooth import preflight
+from dreambooth.commands import preflight
 from dreambooth.files import REPO_DIR
 
 
@@ -37,7 +37,7 @@ def test_workers_default_to_one_per_gpu_and_too_many_name_the_variable(capsys):
 
 
 def test_disk_estimate_is_model_checkpoint_and_output(tiny_model, tmp_path):
-    from dreambooth import known_models
+    from dreambooth.models import known_models
 
     full, parts = preflight.disk_needed_gb(args(model_name="sd15"))
     # the checkpoint kept (--checkpoints_total_limit 1) and the next one Ray writes before removing it: 12 bytes
@@ -59,7 +59,7 @@ def test_disk_estimate_is_model_checkpoint_and_output(tiny_model, tmp_path):
     cached, parts = preflight.disk_needed_gb(args(model_name="sd15", model_path=tiny_model))
     assert cached < 0.1 and parts.startswith("model 0.0")  # cached already: nothing to download
     # the script knows only ORIG_MODEL_DIR before Step 1: a pinned model already cached there is found
-    from dreambooth import modelcache
+    from dreambooth.models import modelcache
 
     known = known_models.known_model("sd15")
     shutil.copytree(tiny_model, modelcache.hub_snapshot_path(str(tmp_path / "cache"), known.hub_name, known.revision))

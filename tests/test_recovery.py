@@ -17,11 +17,11 @@ import pytest
 import torch
 from PIL import Image
 
-from dreambooth import checkpoints
-from dreambooth import generate
-from dreambooth import runlog
-from dreambooth import train
+from dreambooth.commands import generate
+from dreambooth.commands import train
 from dreambooth.files import REPO_DIR
+from dreambooth.planning import checkpoints
+from dreambooth.training import runlog
 
 
 def env():
@@ -210,7 +210,7 @@ def test_a_rank_whose_poll_was_sent_before_the_request_still_names_the_signal(ra
     """Rank 0 can read the stop flag just before the driver's request lands while rank 1 reads it after: the
     all-reduce says stop and rank 0 reads again, so the stop line names SIGTERM, not 'a signal'. The flag's key
     is gone once the run forgets it."""
-    from dreambooth import stopping
+    from dreambooth.training import stopping
 
     flag = stopping.make_flag()
     poll = stopping.StopPoll(flag, world=1, rank=0)
@@ -278,7 +278,7 @@ def drainable_cluster(tmp_path):
     soon as its data stream needs a new task)."""
     from conftest import free_port
 
-    from dreambooth import raycluster
+    from dreambooth.cluster import raycluster
 
     head, address = raycluster.start_ray_head(tmp_path / "head.log", free_port(),
                                               extra=["--num-cpus=1", "--num-gpus=0"])
@@ -353,7 +353,7 @@ def jobs_cluster(tmp_path, monkeypatch):
     its http:// address for `ray job` and JobSubmissionClient."""
     from conftest import free_port
 
-    from dreambooth import raycluster
+    from dreambooth.cluster import raycluster
 
     ports = [free_port(), free_port(), free_port()]
     with monkeypatch.context() as started:  # (its job server would look for agents in the session's cluster)
@@ -441,7 +441,7 @@ def test_a_ray_job_stopped_checkpoints_its_step_and_its_resubmission_ends_on_the
 # and .rc), STORAGE grown after the first run and OUT after the second; `find` listings of both in FOLDER.
 FULL_DISK_RUNS = """
 import os, subprocess, sys
-from dreambooth import raycluster
+from dreambooth.cluster import raycluster
 
 storage, out, folder, *train = sys.argv[1:]
 for size, where in (("18m", storage), ("1m", out)):

@@ -3,7 +3,7 @@
 import pytest
 
 from dreambooth import errors
-from dreambooth import resources
+from dreambooth.planning import resources
 
 
 def test_worker_resources_leave_a_cpu_for_ray_data_and_refuse_impossible():

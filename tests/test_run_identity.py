@@ -7,11 +7,11 @@ import shutil
 
 import pytest
 
-from dreambooth import checkpoints
 from dreambooth import errors
 from dreambooth import files
-from dreambooth import planning
-from dreambooth import run_identity
+from dreambooth.planning import checkpoints
+from dreambooth.planning import planning
+from dreambooth.planning import run_identity
 
 
 def argv(model, photos, out, *extra):
@@ -58,7 +58,7 @@ def test_what_decides_the_weights_is_in_the_identity_and_what_does_not_is_not(ti
         (identity(tiny_model, toy_images, out, "--use_ema"), "--use_ema False -> True"),
         (identity(tiny_model, toy_images, out, "--mixed_precision", "bf16"), "--mixed_precision"),
     ]
-    from dreambooth import run_identity
+    from dreambooth.planning import run_identity
 
     for other, said in cases:
         differs = run_identity.differences(base, other)

@@ -7,8 +7,8 @@ from PIL import Image
 
 from dreambooth import errors
 from dreambooth import files
-from dreambooth import random_models
-from dreambooth import scores
+from dreambooth.evaluation import scores
+from dreambooth.models import random_models
 
 
 def cluster(center, n, spread, seed):

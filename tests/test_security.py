@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 
 from dreambooth import errors
-from dreambooth import raycluster
+from dreambooth.cluster import raycluster
 from dreambooth.files import REPO_DIR
 
 LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1", "localhost")
@@ -101,7 +101,7 @@ def test_a_scripts_own_cluster_opens_no_port_without_the_token(tmp_path):
     """A script run with no RAY_ADDRESS starts a cluster of its own (raycluster.init_ray): tried as an
     attacker on the network would, no port of it lets a caller without the token in."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    code = ("import sys; from dreambooth import raycluster; ray = raycluster.init_ray(); "
+    code = ("import sys; from dreambooth.cluster import raycluster; ray = raycluster.init_ray(); "
             "ray.get([ray.remote(lambda: 1).remote() for _ in range(2)]); print('READY', flush=True); sys.stdin.read()")
     script = subprocess.Popen([sys.executable, "-c", code], cwd=REPO_DIR, env=env, stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -5,18 +5,18 @@ import copy
 import pytest
 import torch
 
-from dreambooth import conditioning
-from dreambooth import imaging
 from dreambooth import machine
-from dreambooth import models as models_lib
-from dreambooth import steps
+from dreambooth.generation import imaging
+from dreambooth.models import networks
+from dreambooth.training import conditioning
+from dreambooth.training import steps
 
 CPU = torch.device("cpu")
 
 
 @pytest.fixture()
 def models(tiny_model):
-    return models_lib.load_models(tiny_model, CPU, CPU, train_text_encoder=True)
+    return networks.load_models(tiny_model, CPU, CPU, train_text_encoder=True)
 
 
 def batch_for(models, size=2, with_class=True, seed=0):
@@ -108,7 +108,7 @@ def test_train_step_learns_a_fixed_batch_and_changes_only_trainable_weights(mode
 
 
 def test_frozen_text_encoder_stays_put(tiny_model, step_prompts, make_plan):
-    models = models_lib.load_models(tiny_model, CPU, CPU, train_text_encoder=False)
+    models = networks.load_models(tiny_model, CPU, CPU, train_text_encoder=False)
     before = copy.deepcopy(models.text_encoder.state_dict())
     state = steps.make_train_state(models, make_plan(train_text_encoder=False))
     step(state, [batch_for(models, with_class=False)], step_prompts)
@@ -219,7 +219,7 @@ def test_a_run_with_ema_decay_0_ends_on_the_weights_of_a_run_without(tiny_model,
     for name, plan in {"plain": make_plan(), "ema0": make_plan(use_ema=True, ema_decay=0.0),
                        "ema": make_plan(use_ema=True, ema_decay=0.9), "lora": make_plan(use_lora=True),
                        "lora_ema0": make_plan(use_lora=True, use_ema=True, ema_decay=0.0)}.items():
-        nets = models_lib.setup_models(plan, CPU, CPU, distributed=False)
+        nets = networks.setup_models(plan, CPU, CPU, distributed=False)
         state = steps.make_train_state(nets, plan)
         torch.manual_seed(3)
         for k in range(3):
@@ -249,7 +249,7 @@ def test_prior_prediction_targets_the_base_models_own_prediction(tiny_model, ste
     after training it is not, and the target is still exactly what a freshly loaded base UNet predicts
     (full: the frozen copy; LoRA: the adapters switched off)."""
     plan = make_plan(prior_prediction=True, use_lora=use_lora)
-    nets = models_lib.setup_models(plan, CPU, CPU, distributed=False)
+    nets = networks.setup_models(plan, CPU, CPU, distributed=False)
     assert (nets.frozen_denoiser is None) == use_lora
     state = steps.make_train_state(nets, plan)
     prompts = conditioning.with_base_class(step_prompts, nets.family, nets.text_encoders(),

@@ -10,10 +10,10 @@ import pytest
 
 from dreambooth import errors
 from dreambooth import files
-from dreambooth import outputs
-from dreambooth import runfiles
 from dreambooth import storage
 from dreambooth.files import REPO_DIR
+from dreambooth.models import outputs
+from dreambooth.storage import runfiles
 
 
 @pytest.mark.parametrize("scheme", ["s3", "gs"])
@@ -102,7 +102,7 @@ def test_photos_of_a_bucket_are_read_from_this_nodes_copy_and_class_images_may_b
         s3_endpoint, toy_images, capsys):
     import argparse
 
-    from dreambooth import inputs
+    from dreambooth.planning import inputs
 
     storage.replace_folder(toy_images, "s3://runs/t/photos", last="toy-0.jpg")
     args = argparse.Namespace(instance_data_dir="s3://runs/t/photos", class_data_dir=None)
@@ -168,7 +168,7 @@ def test_a_run_in_a_bucket_checkpoints_resumes_from_it_and_ends_like_an_uninterr
     assert outputs.read_output(f"s3://{bucket}/models/cut").record.steps == STOP_STEPS
     same_weights(whole, model)
     # export.py writes its single file into the bucket too (and does not replace one there unasked).
-    from dreambooth import export
+    from dreambooth.commands import export
 
     exported = f"s3://{bucket}/exports/cut.safetensors"
     assert export.main(["--model_dir", f"s3://{bucket}/models/cut", "--output_file", exported]) == exported
@@ -197,8 +197,8 @@ def test_a_model_found_in_a_buckets_model_cache_on_this_node_is_put_in_the_bucke
     """A short or hub name resolved with ORIG_MODEL_DIR (or DATA_PREFIX) in a bucket: the model is looked up and
     fetched in this node's copy of that cache, and copied to the bucket, where the workers of every node
     (storage.ensure_local) find it."""
-    from dreambooth import cache_model
-    from dreambooth import modelcache
+    from dreambooth.commands import cache_model
+    from dreambooth.models import modelcache
 
     monkeypatch.setenv("ORIG_MODEL_DIR", "s3://runs/t/models")
     uri = cache_model.main(["--tiny"])

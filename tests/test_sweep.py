@@ -11,11 +11,11 @@ import pytest
 
 from dreambooth import errors
 from dreambooth import files
-from dreambooth import imagefiles
-from dreambooth import sweep
-from dreambooth import sweep_rows
-from dreambooth import sweep_trial
+from dreambooth.commands import sweep
 from dreambooth.files import REPO_DIR
+from dreambooth.generation import imagefiles
+from dreambooth.sweep import sweep_rows
+from dreambooth.sweep import sweep_trial
 
 
 def base_argv(model, tmp_path):
@@ -74,7 +74,7 @@ def test_subjects_come_from_their_folders_with_the_flags_as_defaults(tiny_model,
 def test_the_sweep_estimates_its_disk_and_refuses_what_does_not_fit(tiny_model, toy_images, tmp_path):
     """Before any trial: the checkpoints of the trials at once (every step count's kept until scored, and
     the next one written) and a model per trial and step count, from the model's own weight files."""
-    from dreambooth import disk
+    from dreambooth.planning import disk
 
     args, _, train_args = sweep.parse_args(base_argv(tiny_model, tmp_path) + [
         "--instance_data_dir", toy_images, "--class_name", "toy", "--sweep_max_train_steps", "2,4"])
@@ -96,8 +96,8 @@ def test_a_trial_is_the_base_flags_with_its_own_set_and_the_rest_worked_out_agai
     (LoRA's alpha from the trial's rank, not the base's); the base is never changed."""
     import argparse
 
-    from dreambooth import planning
-    from dreambooth import scoring
+    from dreambooth.evaluation import scoring
+    from dreambooth.planning import planning
 
     args, train_flags, _ = sweep.parse_args(base_argv(tiny_model, tmp_path) + [
         "--instance_data_dir", toy_images, "--class_name", "toy", "--use_lora", "--sweep_rank", "4,16",
@@ -362,7 +362,7 @@ def test_early_stopping_is_on_for_random_search_and_big_grids_and_stops_within_a
 
     from ray.tune.schedulers import TrialScheduler
 
-    from dreambooth import sweep_scheduler
+    from dreambooth.sweep import sweep_scheduler
 
     def args(**kw):
         return SimpleNamespace(**{"early_stopping": "auto", "search": "grid", "sweep_max_train_steps": [2, 4], **kw})
@@ -394,7 +394,7 @@ def test_a_rerun_with_another_search_space_starts_afresh(where, tmp_path, capsys
     aside (saying what changed); the same settings keep it for Tune to restore. In a bucket too (which
     has no renames: the state is copied aside, then deleted)."""
     from dreambooth import storage
-    from dreambooth import sweep_files
+    from dreambooth.sweep import sweep_files
 
     folder = str(tmp_path)
     if where == "bucket":

@@ -5,8 +5,8 @@ import dataclasses
 
 from test_sweep_rows import row
 
-from dreambooth import sweep_report
-from dreambooth import sweep_rows
+from dreambooth.sweep import sweep_report
+from dreambooth.sweep import sweep_rows
 
 
 def test_table_plot_and_report_mark_the_chosen_trials_and_list_failed_ones(tmp_path):

@@ -2,7 +2,7 @@
 
 import dataclasses
 
-from dreambooth import sweep_rows
+from dreambooth.sweep import sweep_rows
 
 
 def row(subject, dino, clip_t, status="ok", model=None):

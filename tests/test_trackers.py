@@ -14,11 +14,11 @@ from trackerfiles import wandb_records
 
 from dreambooth import errors
 from dreambooth import files
-from dreambooth import flags
-from dreambooth import notify
-from dreambooth import planning
-from dreambooth import runfiles
-from dreambooth import trackers
+from dreambooth.config import flags
+from dreambooth.planning import planning
+from dreambooth.storage import notify
+from dreambooth.storage import runfiles
+from dreambooth.training import trackers
 
 
 def test_notify_posts_json_that_slack_and_discord_read_and_never_says_the_url(webhook, capsys):
@@ -111,7 +111,7 @@ def test_wandb_and_mlflow_runs_get_the_settings_metrics_images_and_later_the_sco
     resumed = planning.offline_plan(report_to="all", storage_path=plan.storage_path, run_name="subject-2",
                                     settings_toml=settings, resume_path=os.path.join(folder, "checkpoint_000001"))
     os.makedirs(os.path.join(plan.storage_path, "subject-2"))
-    from dreambooth import runlog
+    from dreambooth.training import runlog
 
     log = runlog.RunLog(resumed, start_step=4)
     log.write({"step": 6, "loss": 0.6, "lr": 4e-6, "images_per_s": 3.0})
@@ -144,7 +144,7 @@ def test_a_run_going_on_from_a_checkpoint_keeps_the_rows_until_it_and_loss_png_s
     """Resumed into a new run folder: the stopped run's rows up to the checkpoint come first (loss.png once
     showed only the resumed half). A restarted worker group in its own folder: the rows its dead group logged
     after the checkpoint go (they are logged again; the plot zigzagged)."""
-    from dreambooth import runlog
+    from dreambooth.training import runlog
 
     def rows(folder, steps=None):
         path = tmp_path / folder / runlog.METRICS_FILE
@@ -174,7 +174,7 @@ def test_a_wandb_run_in_a_process_ended_without_exit_handlers_leaves_nothing_in_
     temp = tmp_path / "temp"
     temp.mkdir()
     worker = (
-        "import os, sys; from PIL import Image; from dreambooth import trackers\n"
+        "import os, sys; from PIL import Image; from dreambooth.training import trackers\n"
         "for folder in sys.argv[1:]:\n"  # (two runs in one process: the second gets staging folders again)
         "    t = trackers.WandB(folder, 'p', 'r', {'a': 1})\n"
         "    t.scalars(1, {'train/loss': 1.0}); t.images(1, {'validation/x': Image.new('RGB', (8, 8))}); t.close()\n"
@@ -192,7 +192,7 @@ def test_a_wandb_run_in_a_process_ended_without_exit_handlers_leaves_nothing_in_
 
 
 def test_a_run_that_fails_tells_the_webhook_its_cause(tiny_model, tmp_path, webhook):
-    from dreambooth import train
+    from dreambooth.commands import train
 
     missing = tmp_path / "no-photos-here"
     with pytest.raises(errors.UserError) as raised:

@@ -8,12 +8,12 @@ import pytest
 import torch
 from conftest import modes_not_as_umask
 
-from dreambooth import driver
 from dreambooth import errors
 from dreambooth import files
-from dreambooth import outputs
-from dreambooth import runlog
-from dreambooth import train
+from dreambooth.commands import train
+from dreambooth.models import outputs
+from dreambooth.training import driver
+from dreambooth.training import runlog
 
 
 def events(folder):
@@ -57,7 +57,7 @@ def weights_differ(a, b):
 
 @pytest.fixture(scope="module")
 def class_images(ray_session, tiny_model, tmp_path_factory):
-    from dreambooth import generate
+    from dreambooth.commands import generate
 
     out = tmp_path_factory.mktemp("images-reg")
     generate.main(["--model_dir", tiny_model, "--output_dir", str(out), "--prompts", "photo of a toy",
@@ -209,8 +209,8 @@ def test_a_hub_name_in_the_hub_cache_trains_offline(ray_session, tiny_model, toy
     """diffusers' command lines name the model on the hub: found in the local hub cache, no download."""
     import shutil
 
-    from dreambooth import known_models
-    from dreambooth import modelcache
+    from dreambooth.models import known_models
+    from dreambooth.models import modelcache
 
     cache = tmp_path / "hub"
     name, revision = "CompVis/stable-diffusion-v1-4", known_models.known_model("sd14").revision

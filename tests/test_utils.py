@@ -69,7 +69,7 @@ def test_ray_workers_run_the_setup_hook(ray_session):
 def test_rays_harmless_error_lines_are_kept_off_the_terminal_and_the_rest_printed():
     from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
 
-    from dreambooth import raycluster
+    from dreambooth.cluster import raycluster
 
     printed, before = [], list(dispatcher.handlers)  # (this session's own Ray printer among them, maybe)
     dispatcher.handlers = [("ray_print_logs", printed.append)]  # (where ray.init puts its printer)

@@ -7,9 +7,9 @@ import pytest
 import torch
 from PIL import Image
 
-from dreambooth import drawing
-from dreambooth import models as models_lib
-from dreambooth import validation
+from dreambooth.generation import drawing
+from dreambooth.models import networks
+from dreambooth.training import validation
 
 CPU = torch.device("cpu")
 
@@ -18,7 +18,7 @@ CPU = torch.device("cpu")
 def test_a_round_draws_what_generate_draws_and_leaves_training_as_it_was(make_plan, tiny_model, tmp_path):
     plan = make_plan(validation_prompts=("photo of unqtkn toy", "a toy"), num_validation_images=2,
                      validation_inference_steps=3)
-    nets = models_lib.setup_models(plan, CPU, CPU, distributed=False)
+    nets = networks.setup_models(plan, CPU, CPU, distributed=False)
     sampler = validation.Sampler(nets, plan, amp_dtype=None)
     torch.manual_seed(11)
     rng = torch.get_rng_state()
@@ -44,7 +44,7 @@ def test_lora_bf16_weights_sample_under_autocast(make_plan, tmp_path):
     """The GPU configuration (bf16 frozen weights, fp32 adapters, autocast) sampled on CPU."""
     plan = make_plan(use_lora=True, mixed_precision="bf16", validation_prompts=("a toy",), num_validation_images=1,
                      validation_inference_steps=2)
-    nets = models_lib.setup_models(plan, CPU, CPU, distributed=False)
+    nets = networks.setup_models(plan, CPU, CPU, distributed=False)
     _, images = validation.run_round(validation.Sampler(nets, plan, torch.bfloat16), 1, 0, 1, str(tmp_path))
     pixels = np.asarray(images["a-toy-00000.png"])
     assert pixels.shape == (64, 64, 3) and pixels.std() > 0
@@ -54,14 +54,14 @@ def test_frozen_text_encoders_leave_the_device_and_samples_and_steps_go_on(make_
     """With frozen encoders (--no-train_text_encoder, states computed once) the worker releases them after the
     samples' prompts are encoded: moved here to the meta device, where any read of them would fail, the
     samples are the same images and a training step still runs."""
-    from dreambooth import conditioning
-    from dreambooth import prompts
-    from dreambooth import steps
+    from dreambooth.generation import prompts
+    from dreambooth.training import conditioning
+    from dreambooth.training import steps
 
     plan = make_plan(train_text_encoder=False, validation_prompts=("a toy",), num_validation_images=1,
                      validation_inference_steps=2)
     assert plan.text_encoded_once
-    nets = models_lib.setup_models(plan, CPU, CPU, distributed=False)
+    nets = networks.setup_models(plan, CPU, CPU, distributed=False)
     ids = prompts.prompt_ids(plan.model_dir, ["photo of unqtkn toy"], "photo of a toy", plan.family)
     encoded = conditioning.step_prompts(plan.family, nets.text_encoders(), plan, ids, CPU)
     sampler = validation.Sampler(nets, plan, amp_dtype=None)

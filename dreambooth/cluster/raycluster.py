@@ -1,0 +1,273 @@
+"""Ray for the suite's scripts: start a local cluster or join the one RAY_ADDRESS names (and only
+that one), always with Ray's token authentication; the head a script or the test suite starts; the
+cluster's resources; quiet logs in the driver and in every worker."""
+
+import os
+import re
+import shutil
+import sys
+import tempfile
+
+from dreambooth import errors
+from dreambooth import files
+from dreambooth import storage
+
+
+def quiet_ray_logs():
+    """Ray Data logs an error from user code twice before raising it (an ERROR line per stage):
+    the raised error is what the user gets, as one line (errors.user_error_in) or a traceback."""
+    import logging
+
+    for name in ("ray.data.exceptions", "ray.data._internal.execution.streaming_executor_state"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    # ... and warns that the progress bars we turned off (ours are tqdm's) are off.
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
+
+
+def quiet_ray_worker():
+    """Every Ray worker process of our jobs runs this first (runtime_env worker_process_setup_hook).
+
+    Without ray[default] there is no state API, and Ray Train's placement-group cleaner
+    warns that it cannot query it every second of a run; the warning is harmless.
+    """
+    import logging
+
+    import ray
+
+    quiet_ray_logs()
+    # Ray's state API (Ray Train's placement-group cleaner polls it) looks for "the" local
+    # cluster when it has no address, and fails with a traceback when this machine runs two
+    # (a user's two scripts at once, the test suite's own beside a script's).
+    os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
+    logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").setLevel(logging.ERROR)
+    # Ray Train's worker context logs every report at INFO through a logger named by its file's
+    # path (so its own log-level setting misses it): one line per report and rank, all noise.
+    context_py = os.path.join(os.path.dirname(ray.__file__), "train", "v2", "_internal", "execution", "context.py")
+    logging.getLogger(context_py).setLevel(logging.WARNING)
+
+
+def hide_harmless_ray_lines():
+    """Keep errors.HARMLESS_RAY_LINES out of the worker output Ray prints on the driver's terminal (they stay in
+    Ray's log files). Through Ray's private log dispatcher: where it is not found, nothing changes."""
+    try:
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+    except ImportError:
+        return
+
+    def filtered(handler):
+        def handle(data):
+            lines = [line for line in data.get("lines", ()) if not any(s in line for s in errors.HARMLESS_RAY_LINES)]
+            if lines:
+                handler({**data, "lines": lines})
+        handle.hides_harmless = True
+        return handle
+
+    with dispatcher._lock:
+        dispatcher.handlers = [(name, filtered(h) if name == "ray_print_logs" and not hasattr(h, "hides_harmless")
+                                else h) for name, h in dispatcher.handlers]
+
+
+def ray_token_path():
+    """The file Ray reads its authentication token from (RAY_AUTH_TOKEN_PATH, else Ray's documented
+    ~/.ray/auth_token), or None when the token is in RAY_AUTH_TOKEN itself."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return None
+    return os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.join(os.path.expanduser("~"), ".ray", "auth_token")
+
+
+def ensure_ray_token():
+    """Turn on Ray's token authentication for this process and the ones it starts, unless the user
+    turned it off (RAY_AUTH_MODE=disabled), and make sure a token exists: the one already in
+    RAY_AUTH_TOKEN or its file (reused, as `ray get-auth-token --generate` does), else a new random
+    one in a file only its owner can read (Ray writes its own readable by every local user).
+
+    Why a token even on one machine: Ray 2.60 cannot be bound to loopback (it replaces 127.0.0.1
+    with the node's address and its servers listen on every interface, measured), so the token is
+    what keeps another host, or another user of this one, from running code as you.
+    Returns the token file, or None (token in RAY_AUTH_TOKEN, or authentication off)."""
+    import secrets
+
+    if "RAY_AUTH_MODE" not in os.environ:
+        os.environ["RAY_AUTH_MODE"] = "token"
+        if "ray" in sys.modules:  # Ray read its settings when imported: have it read the mode again (as its
+            from ray._raylet import Config  # own ray.init does when it turns token mode on by default)
+
+            Config.initialize("")
+    if os.environ["RAY_AUTH_MODE"].lower() != "token":
+        return None
+    path = ray_token_path()
+    if path is None:
+        return None
+    if os.path.isfile(path):
+        if os.stat(path).st_mode & 0o077:  # a token other local users can read protects nothing from them
+            os.chmod(path, 0o600)
+        return path
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    try:  # O_EXCL: never through a link planted at that name, never over a token another process just made
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return path
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))  # 256 bits, the form of Ray's own
+    return path
+
+
+def ray_auth_note():
+    """How this process authenticates to Ray, in a few words for the line that names the cluster."""
+    if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+        return ("token authentication OFF (RAY_AUTH_MODE=" + os.environ.get("RAY_AUTH_MODE", "") +
+                "): anyone who can reach this machine's Ray ports can run code as you")
+    path = ray_token_path()
+    return "token authentication, token in " + (path if path else "RAY_AUTH_TOKEN")
+
+
+# With ray[default] installed (its prometheus_client), each node's dashboard agent and the head's
+# dashboard and autoscaler monitor serve Prometheus metrics over HTTP on every interface, and no token is
+# asked there: turned off for the clusters we start (a user who sets these variables gets Ray's behaviour).
+# A port of -1: that server fails to start (a line in that process's own log) and the process goes on.
+CLOSED_METRICS = {"RAY_enable_metrics_collection": "0", "AUTOSCALER_METRIC_PORT": "-1",
+                  "DASHBOARD_METRIC_PORT": "-1"}
+
+
+def close_metrics_ports():
+    """Ray's unauthenticated metrics servers off for a cluster this process starts (CLOSED_METRICS)."""
+    for name, value in CLOSED_METRICS.items():
+        os.environ.setdefault(name, value)
+
+
+def closed_metrics_exports():
+    """CLOSED_METRICS as bash export lines that keep a value already set (dreambooth_run.sh's own head)."""
+    return "\n".join(f'export {name}="${{{name}:-{value}}}"' for name, value in CLOSED_METRICS.items())
+
+
+def job_runtime_env():
+    """The runtime environment of our Ray jobs: the project's code (unless a Ray Job's own runtime env ships
+    it), the quiet-logs hook and the settings every worker needs."""
+    runtime_env = {
+        "working_dir": files.REPO_DIR,
+        "excludes": [".venv", "venv", ".git", "tests", "images", "benchmarks", "**/__pycache__", "*.png", "*.jpg"],
+        "worker_process_setup_hook": "dreambooth.cluster.raycluster.quiet_ray_worker",
+        "env_vars": {
+            "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"],
+            "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0"),
+            "TOKENIZERS_PARALLELISM": "false",
+            "RAY_DATA_LOG_LEVEL": os.environ["RAY_DATA_LOG_LEVEL"],
+            "RAY_USAGE_STATS_ENABLED": os.environ["RAY_USAGE_STATS_ENABLED"],
+            # Ray Train routes a worker's print() through its logger and also to the original
+            # stream: every line twice on the driver's terminal. Plain print is what we want.
+            "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+            # transformers warns, in every process that imports diffusers, that torchvision is
+            # missing for image processors we never use; errors still show.
+            "TRANSFORMERS_VERBOSITY": os.environ.get("TRANSFORMERS_VERBOSITY", "error"),
+            # A bucket is reached from every worker as from here (credentials, profile, endpoint).
+            **{name: os.environ[name] for name in storage.AWS_VARIABLES if name in os.environ},
+        },
+    }
+    if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):  # a Ray Job's driver: the job's runtime env ships the code
+        del runtime_env["working_dir"], runtime_env["excludes"]
+    return runtime_env
+
+
+def init_ray():
+    """Start a local Ray cluster of this script's own, or join the cluster RAY_ADDRESS names (and
+    only then: never the one Ray's temp folder names, which any `ray start` on this node writes),
+    with token authentication (ensure_ray_token); one line says which. The project's modules travel
+    as the runtime environment's working_dir, the same mechanism a multi-node cluster needs; all
+    paths passed to workers are absolute.
+    """
+    import ray
+
+    # Train's controller polls workers every 2 s by default, which adds ~1.5 s to
+    # every ray.train.report; 0.2 s keeps reporting cheap.
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+    # Our excludes (job_runtime_env) name Ray's defaults (.git, .venv, ...); without this Ray warns about each.
+    os.environ.setdefault("RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES", "")
+    # Ray Data's INFO lines (each dataset's start, plan and finish) are for debugging Ray Data.
+    os.environ.setdefault("RAY_DATA_LOG_LEVEL", "WARNING")
+    # No usage statistics from our jobs (the clusters we start are closed to the network; `ray start` gets
+    # --disable-usage-stats): also spares every cluster Ray Data's usage-collection actor, a process of its own.
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Ray colours the "(RayTrainWorker pid=...)" prefix of each worker line it prints here: only for a person
+    # at a terminal, never into a log file or a pipe (and not with NO_COLOR set, the common convention).
+    if os.environ.get("NO_COLOR") or not errors.on_terminal():
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+    if ray.is_initialized():
+        return ray
+    ensure_ray_token()
+    quiet_ray_logs()
+    address = os.environ.get("RAY_ADDRESS", "").strip()
+    if not address:
+        close_metrics_ports()
+    try:
+        # "local": a new cluster even when Ray's temp folder names another (a script of the user's
+        # running beside this one, or a cluster someone else pointed that world-writable file at)
+        ray.init(address=address or "local", runtime_env=job_runtime_env(), log_to_driver=True, configure_logging=False,
+                 include_dashboard=False)
+    except (ConnectionError, ray.exceptions.AuthenticationError) as err:
+        raise errors.UserError(f"could not join the Ray cluster at RAY_ADDRESS={address}: "
+                               f"{errors.shorten(errors.one_line(err))} (a cluster with token authentication needs its "
+                               f"token: RAY_AUTH_TOKEN, or the file ~/.ray/auth_token copied from its head)") from err
+    hide_harmless_ray_lines()
+    where = ray.get_runtime_context().gcs_address
+    if address:
+        if os.environ.get("DREAMBOOTH_RAY_SAID") != address:  # (dreambooth_run.sh said it once for its steps)
+            print(f"Ray: joined the cluster at {where} (RAY_ADDRESS); {ray_auth_note()}", file=sys.stderr)
+    else:
+        print(f"Ray: started a local cluster for this script at {where} (set RAY_ADDRESS to use a running one); "
+              f"{ray_auth_note()}", file=sys.stderr)
+    return ray
+
+
+def start_ray_head(log_path, port=None, extra=()):
+    """A local Ray cluster as dreambooth_run.sh starts one (`ray start --head --block` in the
+    background, token authentication, its temp folder a private one so that its address is not
+    published as this node's default, no 30 s drain when stopped), for the test suite and the
+    benchmarks: (process, address for RAY_ADDRESS) once it is up; stop it with stop_ray_head."""
+    import subprocess
+    import time
+
+    ensure_ray_token()
+    close_metrics_ports()
+    # A folder of its own in Ray's temp folder (RAY_TMPDIR, else /tmp; short: Ray's socket paths must fit
+    # 108 characters)
+    temp_dir = tempfile.mkdtemp(prefix="dreambooth-ray-", dir=os.environ.get("RAY_TMPDIR") or "/tmp")
+    command = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--disable-usage-stats",
+               "--include-dashboard=false", f"--temp-dir={temp_dir}"] + ([f"--port={port}"] if port else []) + list(extra)
+    with open(log_path, "w") as log:
+        head = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0"))
+    head.temp_dir = temp_dir
+    deadline = time.time() + 120
+    while "block forever" not in (text := open(log_path).read()):
+        if head.poll() is not None or time.time() > deadline:
+            head.kill()
+            shutil.rmtree(temp_dir, ignore_errors=True)
+            raise RuntimeError(f"ray start failed ({log_path}): {text[-2000:]}")
+        time.sleep(0.2)
+    return head, re.search(r"ray start --address='([^']+)'", text)[1]
+
+
+def stop_ray_head(head):
+    """Stop a start_ray_head cluster and remove its temp folder."""
+    head.terminate()
+    head.wait(timeout=60)
+    shutil.rmtree(head.temp_dir, ignore_errors=True)
+
+
+def share_cpu_threads(processes_per_node):
+    """Give this process its share of the node's cores for torch's CPU kernels.
+
+    Ray sets OMP_NUM_THREADS to a task's CPU reservation (a fraction becomes 1 thread);
+    CPU workers and actors on one node share its cores instead.
+    """
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes_per_node))
+
+
+def cluster_resources():
+    """(CPUs, GPUs) of the Ray cluster this process is connected to."""
+    import ray
+
+    resources = ray.cluster_resources()
+    return float(resources.get("CPU", 0)), int(resources.get("GPU", 0))

@@ -1,0 +1,1 @@
+"""Every flag, defined once, and the sections of --help."""

@@ -1,0 +1,49 @@
+"""Step 6's report: report.md of an evaluate.EvalResult (overall scores of each model beside the paper's for
+SD, then one row per prompt), and a model's overall scores on one line."""
+
+from dreambooth.evaluation import scores
+
+RANDOM_NOTE = "Random weights (--tiny): every model here draws noise; the scores show the pipeline runs, not likeness."
+
+
+def cell(value):
+    return "" if value is None else f"{value:.3f}"
+
+
+def write_report(path, result, random_weights=False):
+    """report.md of an EvalResult: overall scores of each model beside the paper's for SD, then one row per prompt."""
+    labels = list(result.models)
+    held = result.held_out
+    kept_out = f" (+ {len(held)} held out of training: {', '.join(held)})" if held else ""
+    lines = ["# DreamBooth evaluation", "",
+             f"Subject: `{result.subject}`, {result.num_prompts} prompt(s) x {result.num_samples_per_prompt} "
+             f"image(s), subject photos: {result.num_photos}{kept_out}. Higher is better except PRES (language "
+             "drift).", "",
+             *([RANDOM_NOTE, ""] if random_weights else []),
+             "| model | DINO | CLIP-I | CLIP-T | DIV | PRES |" + (" DINO held out | CLIP-I held out |" if held else ""),
+             "| --- | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if held else "")]
+    for label in labels:
+        s = result.overall(label)
+        names = (*scores.SCORE_NAMES, "pres", *(scores.HOLDOUT_NAMES if held else ()))
+        lines.append(f"| {label} | " + " | ".join(cell(s.get(k)) for k in names) + " |")
+    paper = scores.PAPER_SD
+    lines += [f"| paper, SD DreamBooth | {paper['dino']:.3f} | {paper['clip_i']:.3f} | {paper['clip_t']:.3f} | | |"
+              + (" | |" if held else ""),
+              "", "## Per prompt", "", "| prompt | " + " | ".join(f"{label} DINO | {label} CLIP-T" for label in labels)
+              + " |", "| --- |" + " ---: | ---: |" * len(labels)]
+    for prompt in result.prompts:
+        cells = []
+        for label in labels:
+            s = result.models[label].per_prompt.get(prompt)
+            cells += [cell(s["dino"]), cell(s["clip_t"])] if s else ["", ""]
+        lines.append(f"| {prompt} | " + " | ".join(cells) + " |")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def summary(overall):
+    """'DINO 0.512, CLIP-I …': one model's overall scores on one line."""
+    names = (*scores.SCORE_NAMES, "pres", *(k for k in scores.HOLDOUT_NAMES if k in overall))
+    missing = {"div": "n/a (one image per prompt: diversity needs two)", "pres": "n/a (no image of the class prompt)"}
+    return ", ".join(f"{k.upper().replace('_HOLDOUT', ' held out').replace('_', '-')} "
+                     f"{cell(overall[k]) or missing.get(k, 'n/a')}" for k in names)

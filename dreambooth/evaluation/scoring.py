@@ -1,0 +1,275 @@
+"""The DreamBooth paper's scores of one or more models against one or more subjects: images of each
+model drawn on one actor pool (drawing.py), embedded by DINO and CLIP on another, then DINO, CLIP-I,
+CLIP-T, DIV and PRES per prompt and overall, each subject's scores.json and report.md. evaluate.py and
+the sweep's trials call run()."""
+
+import dataclasses
+import io
+import os
+import sys
+
+from dreambooth import errors
+from dreambooth import families
+from dreambooth import files
+from dreambooth import machine
+from dreambooth import storage
+from dreambooth.cluster import raycluster
+from dreambooth.evaluation import eval_report
+from dreambooth.evaluation import scores
+from dreambooth.generation import drawing
+from dreambooth.generation import imagefiles
+from dreambooth.generation import imaging
+from dreambooth.models import modelcache
+from dreambooth.models import outputs
+
+EVAL_PROMPTS_DIR = os.path.join(files.REPO_DIR, "assets", "eval_prompts")
+
+
+def prompt_templates(subject_type, path=None):
+    """The prompt set: lines of a file with '{subject}' for "<token> <class>" ('#' lines are comments)."""
+    path = path or os.path.join(EVAL_PROMPTS_DIR, f"{subject_type}.txt")
+    try:
+        with open(path) as f:
+            lines = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+    except OSError as err:
+        raise errors.UserError(f"--eval_prompts {path}: {err.strerror} (EVAL_PROMPTS with dreambooth_run.sh)") from None
+    missing = [line for line in lines if "{subject}" not in line]
+    if missing or not lines:
+        raise errors.UserError(f"{path}: every prompt needs '{{subject}}' (e.g. 'a {{subject}} on a beach'); "
+                               f"not: {missing[0] if missing else '(no prompts)'}")
+    return lines
+
+
+def models_to_score(model_dir, lora_dir, base_dir):
+    """[(label, outputs.ModelRef)]: the tuned model and, where known, its base model."""
+    tuned = outputs.resolve_model(model_dir, lora_dir)
+    if base_dir is None:
+        output = outputs.read_output(model_dir)
+        base_dir = tuned.model_dir if tuned.lora_dir else (output.base_model if output else None)
+    return [("tuned", tuned)] + ([("base", outputs.ModelRef(base_dir))] if base_dir else [])
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+    """How images are drawn and scored: the flags of main() that run() reads."""
+
+    eval_models_dir: str
+    num_samples_per_prompt: int = 4
+    seed: int = 0
+    batch_size: int = 4
+    num_inference_steps: int = 50
+    guidance_scale: float | None = None  # None: the model family's
+    resolution: int | None = None
+    num_actors: int | None = None
+    allow_unsafe_weights: bool = False
+
+    @classmethod
+    def from_args(cls, args, **overrides):
+        return cls(**{**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)},
+                      **overrides})
+
+    def images(self):
+        """The drawing.ImageSettings of these images (no negative prompt: the paper's protocol)."""
+        return drawing.ImageSettings(self.num_inference_steps, self.guidance_scale, None, self.resolution,
+                                      self.seed, self.allow_unsafe_weights)
+
+
+class EmbeddingActor:
+    """Ray Data actor (scores.Embedder on each): DINO and CLIP embeddings of image files, CLIP embeddings of their texts.
+
+    Batch in: {"path": (B,) str, "text": (B,) str, "data": (B,) bytes (the file's)}.
+    Batch out: {"path", "dino": (B, D), "clip": (B, P), "text_clip": (B, P)}.
+    """
+
+    def __init__(self, dino_dir, clip_dir, num_actors, allow_unsafe_weights):
+        storage.ensure_local(dino_dir, clip_dir)  # (a bucket's, cached on the driver's node: this node's copy too)
+        device = machine.torch_device()
+        if device.type == "cpu":
+            raycluster.share_cpu_threads(num_actors)
+        self.embedder = scores.Embedder(dino_dir, clip_dir, device, allow_unsafe_weights)
+
+    def __call__(self, batch):
+        from PIL import Image
+
+        images = []
+        for data in batch["data"]:  # (the files' bytes, read on the driver: this node may not see its disk)
+            with Image.open(io.BytesIO(data)) as image:  # the subject photos as training read them
+                images.append(imagefiles.upright_rgb(image))
+        return {"path": batch["path"], "dino": self.embedder.dino_images(images).numpy(),
+                "clip": self.embedder.clip_images(images).numpy(),
+                "text_clip": self.embedder.clip_texts([str(t) for t in batch["text"]]).numpy()}
+
+
+def embed(rows, eval_models_dir, num_actors, allow_unsafe_weights=False, batch_size=16):
+    """{path: {"dino", "clip", "text_clip"} as (D,) arrays} for rows [{"path", "text"}], on an actor pool."""
+    ray = raycluster.init_ray()
+    dirs = tuple(os.path.join(eval_models_dir, part) for part in modelcache.EVAL_MODEL_PARTS)
+    rows = [{**row, "data": storage.read_bytes(row["path"])} for row in rows]
+    ds = ray.data.from_items(rows).map_batches(
+        EmbeddingActor, fn_constructor_args=(*dirs, num_actors, allow_unsafe_weights), batch_size=batch_size,
+        compute=ray.data.ActorPoolStrategy(size=num_actors), num_gpus=drawing.actor_num_gpus())
+    out = {}
+    for batch in ds.iter_batches(batch_size=None):
+        for i, path in enumerate(batch["path"]):
+            out[str(path)] = {k: batch[k][i] for k in ("dino", "clip", "text_clip")}
+    return out
+
+
+def score_set(emb, files, real, held_out=()):
+    """DINO, CLIP-I, CLIP-T, DIV of one model's images. files: {prompt: [paths]} (images the safety
+    checker withheld are absent); real: the subject photos' paths (those trained on). Each image's
+    CLIP-T text is the one its row carried (its prompt without the token). DIV is None with one image
+    per prompt. With held_out photos (--holdout), also DINO and CLIP-I against them."""
+    import numpy as np
+
+    def stack(paths, key):
+        return np.stack([emb[p][key] for p in paths])
+
+    every = [p for paths in files.values() for p in paths]
+    if not every:
+        raise errors.UserError("no images to score: the safety checker withheld all of them")
+    groups = [stack(paths, "dino") for paths in files.values() if len(paths) > 1]
+    return {"dino": scores.mean_similarity(stack(every, "dino"), stack(real, "dino")),
+            "clip_i": scores.mean_similarity(stack(every, "clip"), stack(real, "clip")),
+            "clip_t": scores.paired_similarity(stack(every, "clip"), stack(every, "text_clip")),
+            "div": scores.diversity(groups) if groups else None,
+            **({"dino_holdout": scores.mean_similarity(stack(every, "dino"), stack(held_out, "dino")),
+                "clip_i_holdout": scores.mean_similarity(stack(every, "clip"), stack(held_out, "clip"))}
+               if held_out else {})}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelScores:
+    """One model's scores on one subject: overall ({score name: value}, scores.SCORE_NAMES, "pres" and with
+    --holdout scores.HOLDOUT_NAMES) and per prompt ({prompt: {score name: value}})."""
+
+    overall: dict
+    per_prompt: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalResult:
+    """The scores of every model on one subject, as scores.json holds them."""
+
+    subject: str  # "<token> <class>"
+    num_prompts: int
+    num_samples_per_prompt: int
+    num_photos: int  # the photos scored against (without the held-out ones)
+    prompts: tuple
+    models: dict  # {label: ModelScores}
+    class_prompt: str = None
+    held_out: tuple = ()  # the names of the photos kept out of training (--holdout)
+
+    def overall(self, label):
+        return self.models[label].overall
+
+    def to_json(self):
+        return {**dataclasses.asdict(self), "prompts": list(self.prompts), "held_out": list(self.held_out)}
+
+    @classmethod
+    def from_json(cls, data):
+        return cls(**{**data, "prompts": tuple(data["prompts"]), "held_out": tuple(data.get("held_out") or ()),
+                      "models": {label: ModelScores(**m) for label, m in data["models"].items()}})
+
+
+@dataclasses.dataclass(frozen=True)
+class Subject:
+    """What a model is scored against: the subject's photos, its token and class, a prompt set."""
+
+    name: str
+    photos_dir: str
+    unique_token: str
+    class_name: str
+    subject_type: str = "object"
+    eval_prompts: str | None = None  # a file of one's own; default: the subject type's set
+    holdout: int = 0  # --holdout: the last photos in name order were kept out of training
+
+    def prompts(self):
+        """{prompt: the text CLIP-T compares with (the prompt without the token)}."""
+        subject = f"{self.unique_token} {self.class_name}"
+        return {t.format(subject=subject): scores.without_token(t.format(subject=subject), self.unique_token)
+                for t in prompt_templates(self.subject_type, self.eval_prompts)}
+
+    @property
+    def class_prompt(self):
+        return f"a {self.class_name}"
+
+    def photos(self):
+        """Every photo of the subject (those held out too); a bucket's, in this node's copy of them."""
+        folder = storage.cached(self.photos_dir) if storage.is_remote(self.photos_dir) else self.photos_dir
+        return imagefiles.list_images(folder, f"photos of {self.name}", also_expected=".txt")
+
+    def split(self):
+        """(photos trained on, photos held out): imagefiles.holdout_split, as train.py --holdout made it."""
+        return imagefiles.holdout_split(self.photos(), self.holdout)
+
+    def held_out_names(self):
+        """The held-out photos' file names, as train.py records them."""
+        return imagefiles.held_out_names(self.photos(), self.holdout)
+
+
+def image_job(label, model, prompt_list, folder, settings):
+    """What one model (outputs.ModelRef) still has to draw: settings.num_samples_per_prompt images of
+    each prompt in folder, keeping those that this model drew with these settings (the folder's
+    record); images of another model (a retrained one) are drawn again. Returns the DrawJob and
+    {prompt: [paths]} of every image wanted."""
+    job = drawing.top_up(folder, model, prompt_list, settings.num_samples_per_prompt, settings.images(),
+                          drawing.use_safety_checker("auto", model), on_mismatch="redraw", label=label)
+    return job, drawing.wanted_files(folder, prompt_list, settings.num_samples_per_prompt)
+
+
+def run(entries, subjects, settings, output_dir, report_dirs=None):
+    """Generate, embed and score the models of entries [(label, outputs.ModelRef)] against
+    each of subjects, with one actor pool for the images of every model and subject and one for all
+    embeddings. Images go to output_dir/images/<label> (subjects with the same prompts share them);
+    each subject's scores.json, report.md and grids to report_dirs[name] (default output_dir).
+    Returns {subject name: EvalResult}."""
+    import numpy as np
+
+    for _, model in entries:  # before Ray starts
+        families.check_model_dir(model.model_dir, settings.allow_unsafe_weights)
+    raycluster.init_ray()
+    prompts = {s.name: s.prompts() for s in subjects}
+    texts = {p: t for s in subjects for p, t in prompts[s.name].items()}
+    texts.update({s.class_prompt: s.class_prompt for s in subjects})
+    real, held = {}, {}
+    for s in subjects:
+        real[s.name], held[s.name] = s.split()
+    settings = dataclasses.replace(settings, num_actors=settings.num_actors or drawing.default_num_actors())
+    jobs, wanted = [], {}
+    for label, model in entries:
+        job, wanted[label] = image_job(label, model, list(texts), os.path.join(output_dir, "images", label), settings)
+        jobs.append(job)
+    drawing.make_images_of(jobs, settings.images(), settings.batch_size, settings.num_actors)
+    # {label: {prompt: [paths]}} without the images the safety checker withheld
+    images = {label: {p: [f for f in fs if os.path.exists(f)] for p, fs in by_prompt.items()}
+              for label, by_prompt in wanted.items()}
+    rows = [{"path": f, "text": texts[p]} for by_prompt in images.values() for p, fs in by_prompt.items() for f in fs]
+    rows += [{"path": path, "text": s.class_prompt} for s in subjects for path in real[s.name] + held[s.name]]
+    rows = list({r["path"]: r for r in rows}.values())  # a photo shared by two subjects is embedded once
+    print(f"scoring {len(rows)} images on {settings.num_actors} actor(s)", file=sys.stderr)
+    emb = embed(rows, settings.eval_models_dir, settings.num_actors, settings.allow_unsafe_weights)
+
+    results = {}
+    random_weights = any(modelcache.has_random_weights(model.model_dir) for _, model in entries)
+    for subject in subjects:
+        photos, folder = real[subject.name], (report_dirs or {}).get(subject.name, output_dir)
+        models = {}
+        for label, _ in entries:
+            subject_files = {p: images[label][p] for p in prompts[subject.name]}
+            per_prompt = {p: score_set(emb, {p: paths}, photos) for p, paths in subject_files.items() if paths}
+            overall = score_set(emb, subject_files, photos, held[subject.name])
+            class_images = images[label][subject.class_prompt]
+            overall["pres"] = scores.mean_similarity(
+                np.stack([emb[p]["dino"] for p in class_images]),
+                np.stack([emb[p]["dino"] for p in photos])) if class_images else None
+            models[label] = ModelScores(overall, per_prompt)
+            imaging.write_prompt_grids(folder, label, {p: images[label][p] for p in [*subject_files, subject.class_prompt]})
+        result = EvalResult(f"{subject.unique_token} {subject.class_name}", len(prompts[subject.name]),
+                            settings.num_samples_per_prompt, len(photos), tuple(prompts[subject.name]), models,
+                            subject.class_prompt, tuple(subject.held_out_names()))
+        os.makedirs(folder, exist_ok=True)
+        files.write_json(os.path.join(folder, "scores.json"), result.to_json())
+        eval_report.write_report(os.path.join(folder, "report.md"), result, random_weights)
+        results[subject.name] = result
+    return results

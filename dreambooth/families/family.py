@@ -1,0 +1,267 @@
+"""What a model family provides: the one interface the suite asks whatever differs between families.
+
+A family is one module (family_sd1.py, family_sd2.py, family_sdxl.py, family_sd3.py, family_flux.py) with one
+subclass of Family and its instance; families.py holds the table of them and finds a folder's family. Everything else
+asks the family object the Plan carries (plan.family, models.family), never `if family == ...`.
+What a model decides for itself (its prediction type, its native resolution) is read from its own
+configs, not asked here.
+
+Heavy imports (torch, transformers, diffusers) happen inside the methods that need them: the
+family is asked its name and label by a `--help` or a one-line error that never waits for them.
+"""
+
+import os
+
+from dreambooth import files
+from dreambooth.families import objectives
+
+
+def part_config(model_dir, part):
+    """A model part's config.json (unet, vae, ...), read as JSON: importing diffusers costs the driver seconds."""
+    return files.read_json(os.path.join(model_dir, part, "config.json"))
+
+
+def vae_scale(model_dir):
+    """How many pixels a latent pixel of the model's VAE covers, per side."""
+    return 2 ** (len(part_config(model_dir, "vae")["block_out_channels"]) - 1)
+
+
+def kohya_text_module(prefix, module):
+    """kohya's name of a text encoder's LoRA module (peft's name, with or without text_model.): prefix
+    (lora_te_, lora_te1_, ...) and text_model_<module path with underscores>."""
+    return prefix + (module if module.startswith("text_model.") else "text_model." + module).replace(".", "_")
+
+
+def kohya_lora_tensors(groups, alpha_of, order_of, widths=None):
+    """{kohya key: tensor} of LoRA adapters grouped by the original layer they act on: groups {kohya module:
+    {part: [down, up]}}, part None for a layer of its own, else the part of a layer the original fuses (q, k, v
+    of one qkv layer, ...), in the order order_of(module) gives. A fused layer's adapters are joined
+    block-diagonally: the down weights stacked, each up weight in its rows and its block of columns, a part
+    without adapters as zeros (widths {part: rows}; default: every part as wide as the adapters' up weights),
+    alpha x the number of parts (the scale alpha / rank kept). alpha_of(module): the alpha (None: the rank)."""
+    import torch
+
+    out = {}
+    for name, parts in groups.items():
+        alpha = alpha_of(name)
+        if list(parts) == [None]:
+            down, up = parts[None]
+        else:
+            order = order_of(name)
+            first_down, first_up = next(iter(parts.values()))
+            rank = first_down.shape[0]
+            rows = widths or dict.fromkeys(order, first_up.shape[0])
+            down = torch.cat([parts[p][0] if p in parts else first_down.new_zeros(first_down.shape) for p in order])
+            up = down.new_zeros(sum(rows[p] for p in order), rank * len(order))
+            row = 0
+            for k, p in enumerate(order):
+                if p in parts:
+                    up[row:row + rows[p], k * rank:(k + 1) * rank] = parts[p][1]
+                row += rows[p]
+            alpha = (alpha or rank) * len(order)
+        out[f"{name}.lora_down.weight"], out[f"{name}.lora_up.weight"] = down, up
+        out[f"{name}.alpha"] = torch.tensor(float(alpha or down.shape[0]))
+    return out
+
+
+def group_lora(state_dict, module_of):
+    """{kohya module: {part: [down, up]}} of a LoRA file's tensors (peft's <network>.<module>.lora_A/lora_B.weight
+    names): module_of(network, module) -> (kohya module, part or None)."""
+    groups = {}
+    for key, tensor in state_dict.items():
+        network, rest = key.split(".", 1)
+        module, kind, _ = rest.rsplit(".", 2)  # (<module>.lora_A.weight)
+        name, part = module_of(network, module)
+        groups.setdefault(name, {}).setdefault(part, [None, None])[kind == "lora_B"] = tensor
+    return groups
+
+
+def config_of(model):
+    """A network's config under DDP's and torch.compile's wrappers (which have none of their own)."""
+    while not hasattr(model, "config"):
+        model = getattr(model, "_orig_mod", None) or model.module
+    return model.config
+
+
+class Family:
+    """The base every family subclasses: what it must say (the attributes) and do (the methods that
+    raise NotImplementedError); the others have the plain default."""
+
+    # --- identity
+    name = ""  # the table's key and the record's: "sd1", "sd2", "sdxl", "sd3"
+    label = ""  # as the README and error lines say it: "SD 1.x"
+    pipeline = ""  # the diffusers pipeline class, as model_index.json names it
+    denoiser = "unet"  # the denoiser's subfolder, and its name in the pipeline and in diffusers' LoRA files
+    denoiser_label = "UNet"  # as the plan's line says it
+    denoiser_lora_targets = ("to_k", "to_q", "to_v", "to_out.0")  # its layers LoRA adapts (diffusers' choice)
+    text_encoders = ("text_encoder",)  # subfolders, in the order their states are concatenated
+    trainable_text_encoders = ("text_encoder", "text_encoder_2")  # those --train_text_encoder trains, if it has them
+    safety_checker = False  # its pipeline has one (and generate.py's --safety_checker applies)
+    negative_prompt = True  # its pipeline draws away from a negative prompt (generate.py's --negative_prompt)
+    guidance_scale = 7.5  # --guidance_scale's default: classifier-free guidance (Flux.1 dev: its guidance input)
+    guided_training = False  # --guidance_scale is an input of the denoiser in training too (Flux.1 dev)
+    zero_negative_prompt = False  # the empty negative prompt drawn as zeros (SDXL's force_zeros_for_empty_prompt)
+    time_ids = False  # the denoiser also takes each image's size and crop (SDXL's "text_time"): the stream carries them
+    supports = frozenset({"draw", "train", "export", "export_lora"})  # generate/evaluate, train, export (a full
+    # model as one original-layout file; its LoRA in kohya's layout)
+    released_resolutions = (512,)  # of the released models, for the README (a model's config decides)
+    released_params = {}  # parameter counts of the released networks ({subfolder: count}), for memory.py
+    released_size = None  # flow-matching families: the own size (own_sizes) of the released model memory.py counts
+    text_tokens = 77  # the text states' length in training (activations.py)
+
+    # --- random models built here (cache_model.py --tiny/--random_model --arch <arch>)
+    arch = ""  # the --arch name of its random models
+    random_note = ""  # what its random models are, for cache_model.py --help
+    random_arch = {}  # what its random models change around random_models.MODEL_SIZES (also in their revision)
+    own_sizes = {}  # its full-size random models' shapes ({--random_model name: spec}) beside random_models.MODEL_SIZES
+
+    def matches(self, pipeline, text_encoder_config):
+        """Whether a folder is of this family: model_index.json's pipeline class, and the first text
+        encoder's config (a dict, {} when unreadable)."""
+        return pipeline == self.pipeline
+
+    def tokenizers(self):
+        """The tokenizer subfolders, one per text encoder, in the same order."""
+        return tuple(name.replace("text_encoder", "tokenizer") for name in self.text_encoders)
+
+    def parts(self):
+        """The model folder's subfolders its pipeline loads (besides the scheduler)."""
+        return (self.denoiser, "vae", *self.text_encoders, *self.tokenizers())
+
+    def networks(self):
+        """The subfolders that hold weights."""
+        return (self.denoiser, "vae", *self.text_encoders)
+
+    # --- the model folder's own numbers
+    def native_resolution(self, model_dir):
+        """The pixel size the model was trained at: the denoiser's sample size x the VAE's downscaling."""
+        return part_config(model_dir, self.denoiser)["sample_size"] * vae_scale(model_dir)
+
+    def size_multiple(self, model_dir):
+        """The step every trained height and width must be a multiple of."""
+        raise NotImplementedError
+
+    # --- the networks (models.py)
+    def load_denoiser(self, load):
+        """The denoiser; load(cls, subfolder) is models.from_pretrained with the run's weight rule."""
+        from diffusers import UNet2DConditionModel
+
+        return load(UNet2DConditionModel, self.denoiser)
+
+    # --- the text side (prompts.py, models.py, steps.py, validation.py)
+    def denoiser_of_config(self, model_dir):
+        """The denoiser of model_dir's config, its weights not read: built in torch's default device (under
+        torch.device("meta"): the shapes alone)."""
+        return self.load_denoiser(lambda cls, subfolder: cls.from_config(cls.load_config(os.path.join(model_dir,
+                                                                                                      subfolder))))
+
+    def load_tokenizers(self, model_dir):
+        from transformers import CLIPTokenizer
+
+        return [CLIPTokenizer.from_pretrained(model_dir, subfolder=folder) for folder in self.tokenizers()]
+
+    def load_text_encoders(self, model_dir, load):
+        """The text encoders in order; load(cls, subfolder) is models.from_pretrained with the run's
+        weight rule."""
+        raise NotImplementedError
+
+    def encode_text(self, text_encoders, ids):
+        """(states (N, L, D), pooled (N, P) or None) of token ids: (N, L) with one tokenizer, (N, E, L)
+        with E (prompts.prompt_ids' shapes)."""
+        raise NotImplementedError
+
+    def freeze_unread_layers(self, text_encoders):
+        """Freeze what never reaches the loss (DDP would wait for its gradients); nothing by default."""
+
+    # --- the objective and the denoiser (steps.batch_loss)
+    flow_matching = False  # trained by objectives.flow_matching (--weighting_scheme applies), else denoising (--snr_gamma)
+    default_weighting_scheme = "none"
+    precondition_outputs = False  # flow matching: the error measured on the implied clean latents (weights sigma^2)
+
+    def load_scheduler(self, model_dir):
+        """The scheduler training draws its noise from (the model's own schedule)."""
+        from diffusers import DDPMScheduler
+
+        return DDPMScheduler.from_pretrained(model_dir, subfolder="scheduler")
+
+    def draw(self, scheduler, latents, options):
+        """The objectives.Draw of a batch's latents: DDPM denoising by default."""
+        return objectives.denoising(scheduler, latents, options)
+
+    def denoise(self, model, noisy, timesteps, states, pooled, time_ids, guidance=None):
+        """The denoiser's prediction for noisy latents under text states (and the pooled text and size
+        numbers where the family has them; the guidance value where guided_training)."""
+        return model(noisy, timesteps, states, **self.unet_inputs(pooled, time_ids)).sample
+
+    def size_conditioning(self, batch, num_rows, resolution, device, dtype):
+        """(B, 6) size and crop numbers of the batch's rows for a family whose denoiser takes them, else None."""
+        return None
+
+    def unet_inputs(self, pooled, time_ids):
+        """The denoiser's keyword inputs beside the latents, timesteps and states."""
+        return {}
+
+    # --- random models (random_models.build_networks, build_pipeline)
+    def random_text_encoders(self, spec, tokenizer):
+        """({subfolder: random text encoder}, the UNet's cross-attention width, the UNet's extra config)
+        for a random_models.MODEL_SIZES spec."""
+        raise NotImplementedError
+
+    def random_denoiser(self, spec, latent_size, text_width, extra):
+        """A random denoiser of a random_models.MODEL_SIZES spec for latent_size latents, reading text states
+        text_width wide, with extra config from random_text_encoders."""
+        raise NotImplementedError
+
+    def random_vae_config(self):
+        """What its random VAE changes in AutoencoderKL's config."""
+        return {}
+
+    def random_pipeline(self, nets, tokenizer, betas, safety_checker):
+        """The family's pipeline of random networks, with its released models' scheduler."""
+        raise NotImplementedError
+
+    # --- drawing (generate.py, validation.py)
+    def pipeline_kwargs(self):
+        """What its pipeline is called with beside the prompt and the settings, to draw as it trains."""
+        return {}
+
+    def unpack_latents(self, pipe, latents, height, width):
+        """(B, C, h, w) latents of what pipe returns with output_type="latent" (Flux.1 packs them)."""
+        return latents
+
+    def guidance(self, value):
+        """The guidance a run draws (and, guided_training, trains) at: value (--guidance_scale) or the family's."""
+        return self.guidance_scale if value is None else value
+
+    # --- outputs
+    def lora_file_layers(self, peft_layers):
+        """A network's LoRA layers as the family's pipeline expects them in its LoRA file (save_lora_weights):
+        diffusers' older names (lora.down/lora.up) for the UNet families, as their reference scripts write."""
+        from diffusers.utils import convert_state_dict_to_diffusers
+
+        return convert_state_dict_to_diffusers(peft_layers)
+
+    # --- export (export.py)
+    def kohya_lora(self, state_dict, alphas, model_dir):
+        """{kohya key: tensor} of a LoRA file's tensors, when the family has a layout of its own (Flux.1);
+        None: export.py's UNet layout (lora_unet_<module>, lora_te_/lora_te1_/lora_te2_)."""
+        return None
+
+    # --- export (export.py's original single-file layout)
+    def single_file_denoiser(self, denoiser):
+        """{original key under model.diffusion_model.: tensor} of a transformer family's denoiser (the UNet
+        families' is export.py's own renaming)."""
+        raise NotImplementedError
+
+    def single_file_text_encoders(self, weights):
+        """{original key: tensor} of the text encoders, weights: one {text_model.* key: tensor} per encoder."""
+        raise NotImplementedError
+
+    def __repr__(self):
+        return f"<family {self.name}>"
+
+    def __eq__(self, other):  # a Plan pickled to a worker carries a copy
+        return isinstance(other, Family) and other.name == self.name
+
+    def __hash__(self):
+        return hash(self.name)

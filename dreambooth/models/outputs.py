@@ -1,0 +1,399 @@
+"""What a folder the suite wrote holds, and what made it.
+
+One reader for train.py's outputs (a full pipeline, or LoRA adapters on a base model) and one
+fingerprint per model, so that anything reused later (class images, evaluation images) is reused
+only when it was drawn by the same model with the same settings:
+
+    ref = outputs.resolve_model(model_dir, lora_dir)   # a LoRA output stands for base + adapters
+    ref.fingerprint()                                  # 'trained:<id>', 'org/name@<commit>', 'files:<hash>'
+    outputs.read_output(folder)                        # TrainedOutput or None
+
+train.py's outputs are written here too (`save_pipeline`, `save_lora`; a checkpoint as a model: `checkpoint.save_as_model`).
+Generated image folders carry an `ImageRecord` (dreambooth_images.json) naming the model and the
+settings that drew them; generate.top_up decides from it whether a folder's images can be kept.
+"""
+
+import dataclasses
+import hashlib
+import os
+import re
+import shutil
+import sys
+import tempfile
+import uuid
+
+from dreambooth import errors
+from dreambooth import families
+from dreambooth import files
+from dreambooth import storage
+from dreambooth.config import flags
+from dreambooth.models import networks
+from dreambooth.storage import runfiles
+
+IMAGES_RECORD = "dreambooth_images.json"  # beside generated images: what drew them
+IMAGES_CONFIG = "generate_config.toml"  # beside them too: generate.py --config FILE repeats the run
+TRAIN_CONFIG = "train_config.toml"  # in a run folder and its model: train.py --config FILE repeats the run
+_SNAPSHOT = re.compile(r"models--(?P<owner>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<revision>[0-9a-f]{40})/?$")
+_SAMPLE_BYTES = 1 << 20  # read from each end of a weights file for a folder's content fingerprint
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSettings:
+    """The shape of a run's LoRA adapters (train.py --use_lora, --rank, --lora_alpha), as a model record
+    holds it under "lora" ({"rank", "lora_alpha"}); a full fine-tune has none."""
+
+    rank: int
+    alpha: float
+
+    @classmethod
+    def of(cls, args):
+        """Those of parsed flags or a Plan, or None without --use_lora."""
+        return cls(args.lora_rank, args.lora_alpha) if args.use_lora else None
+
+    @classmethod
+    def from_record(cls, record):
+        lora = record.get("lora")
+        return cls(lora["rank"], lora["lora_alpha"]) if lora else None
+
+    def to_record(self):
+        return {"rank": self.rank, "lora_alpha": self.alpha}
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainRecord:
+    """What made a model train.py saved: its record (files.OUTPUT_MARKER, JSON) beside the weights."""
+
+    base_model: str  # the model folder it was trained from
+    steps: int = None
+    instance_prompt: str = None
+    class_prompt: str = None
+    vae: str = None  # --pretrained_vae_model_name_or_path's folder, when one was trained with
+    lora: LoraSettings = None  # a LoRA output's adapters; None for a full model
+    ema_decay: float = None  # --use_ema: the weights are the moving average
+    held_out: tuple = ()  # the photos --holdout kept out of its training
+    model_id: str = None  # made when it was saved (new_model_id); None in records older than the id
+    run_name: str = None
+    identity: dict = None  # run_identity.of_run: what decided its weights
+    trackers: dict = None  # the W&B/MLflow runs it was logged to (runfiles.RECORD), for evaluate.py's scores
+
+    @classmethod
+    def of_plan(cls, plan):
+        """The record of a model saved now at the plan's end step, with a new model id."""
+        return cls(plan.model_dir, plan.end_step, plan.instance_prompt, plan.class_prompt, plan.vae_dir,
+                   LoraSettings.of(plan), plan.ema_decay if plan.use_ema else None, tuple(plan.held_out),
+                   new_model_id(), plan.run_name, plan.identity,
+                   runfiles.read_record(plan.run_dir) or None)
+
+    @classmethod
+    def from_json(cls, data):
+        fields = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in fields}
+        return cls(**{**values, "base_model": data.get("base_model", ""), "lora": LoraSettings.from_record(data),
+                      "held_out": tuple(data.get("held_out") or ())})
+
+    def to_json(self):
+        return {**dataclasses.asdict(self), "lora": self.lora.to_record() if self.lora else None,
+                "held_out": list(self.held_out)}
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainedOutput:
+    """train.py's output folder and its TrainRecord."""
+
+    folder: str
+    record: TrainRecord
+
+    @property
+    def base_model(self):
+        return self.record.base_model
+
+    @property
+    def model_id(self):
+        return self.record.model_id
+
+    @property
+    def lora(self):
+        """Its LoraSettings, or None for a full model."""
+        return self.record.lora
+
+
+def holds_lora(folder):
+    """True when folder (or a bucket's) holds LoRA adapters (train.py --use_lora's output) rather than a pipeline."""
+    return storage.isfile(storage.join(folder, files.LORA_WEIGHTS_FILE))
+
+
+def read_output(folder):
+    """The TrainedOutput of folder (or a bucket's), or None when train.py did not write it."""
+    path = storage.join(folder, files.OUTPUT_MARKER)
+    if not storage.isfile(path):
+        return None
+    return TrainedOutput(folder, TrainRecord.from_json(storage.read_json(path)))
+
+
+def new_model_id():
+    """The id a saved model carries in its record: a retrained model never shares it."""
+    return uuid.uuid4().hex
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelRef:
+    """What draws images: a pipeline folder, and LoRA adapters fused onto it at lora_scale."""
+
+    model_dir: str
+    lora_dir: str | None = None
+    lora_scale: float = 1.0
+
+    @property
+    def trained(self):
+        """True when train.py made the weights (the model, or the adapters on it)."""
+        return read_output(self.lora_dir or self.model_dir) is not None
+
+    def fingerprint(self):
+        base = model_fingerprint(self.model_dir)
+        if not self.lora_dir:
+            return base
+        return f"{base}+lora:{model_fingerprint(self.lora_dir)}@{self.lora_scale:g}"
+
+    def describe(self):
+        return f"{self.model_dir} + LoRA {self.lora_dir}" if self.lora_dir else self.model_dir
+
+
+def resolve_model(model_dir, lora_dir=None, lora_scale=1.0):
+    """The ModelRef of --model_dir/--lora_dir. A LoRA output of train.py given as --model_dir
+    stands for its base model with its adapters. A bucket's model and adapters are copied here first (storage.cached:
+    the ModelRef names this node's copies, which a Ray actor on another node fetches with storage.ensure_local)."""
+    if lora_dir is None and holds_lora(model_dir):
+        output = read_output(model_dir)
+        if output is None:
+            raise errors.UserError(f"{model_dir} holds LoRA adapters: pass the base model as --model_dir and "
+                                   f"this folder as --lora_dir")
+        model_dir, lora_dir = output.base_model, model_dir
+        print(f"LoRA adapters of {lora_dir} on their base model {model_dir}", file=sys.stderr)
+    lora_dir = storage.cached(lora_dir) if storage.is_remote(lora_dir) else lora_dir
+    model_dir = storage.cached(model_dir) if storage.is_remote(model_dir) else model_dir  # (a sweep's trial model)
+    if lora_dir and not holds_lora(lora_dir):
+        raise errors.UserError(f"--lora_dir {lora_dir} has no {files.LORA_WEIGHTS_FILE}")
+    if lora_dir:
+        check_lora_fits(model_dir, lora_dir)
+    return ModelRef(model_dir, lora_dir, lora_scale)
+
+
+def lora_width(lora_dir):
+    """The width of the text states the adapters' cross-attention reads (768 SD 1.x, 1024 SD 2.x, 2048
+    SDXL), from the file's header alone; None when it holds no cross-attention adapter."""
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(lora_dir, files.LORA_WEIGHTS_FILE), "pt") as weights:
+        for key in weights.keys():
+            if "attn2.to_k" in key and any(down in key for down in ("lora_A", "lora_down", "lora.down")):
+                return weights.get_slice(key).get_shape()[-1]
+    return None
+
+
+def check_lora_fits(model_dir, lora_dir):
+    """UserError, before any actor loads them, when the adapters of lora_dir were trained on a model of
+    another shape than model_dir (SDXL adapters on an SD 1.x model): one line naming both families."""
+    family = families.family_of(model_dir)
+    width = families.part_config(model_dir, family.denoiser).get("cross_attention_dim")
+    adapters = lora_width(lora_dir)
+    if adapters is None or not isinstance(width, int) or adapters == width:
+        return
+    output = read_output(lora_dir)
+    base = output.base_model if output is not None else ""
+    made_for = (f"an {families.family_of(base).label} model ({base})" if base and os.path.isdir(base)
+                else f"a model whose text states are {adapters} wide")
+    raise errors.UserError(f"the LoRA adapters in {lora_dir} were trained on {made_for} and {model_dir} is an "
+                           f"{family.label} model ({width} wide): pass the base model they "
+                           f"were trained on as --model_dir")
+
+
+def trained_fingerprint(model_id):
+    """model_fingerprint of a model train.py saved with model_id."""
+    return f"trained:{model_id}"
+
+
+def model_fingerprint(folder):
+    """A short string that changes whenever the weights in folder do.
+
+    train.py's outputs carry an id made when they were saved; a hub snapshot is named by its
+    commit; any other folder is fingerprinted from its files (names, sizes, and the first and
+    last MiB of every weights file: enough to tell two trainings apart, in milliseconds)."""
+    output = read_output(folder)
+    if output is not None and output.model_id:
+        return trained_fingerprint(output.model_id)
+    match = _SNAPSHOT.search(os.path.abspath(folder))
+    if match and output is None:
+        return f"{match['owner']}/{match['name']}@{match['revision']}"
+    digest = hashlib.sha256()
+    for root, dirs, names in sorted(os.walk(folder)):
+        dirs.sort()
+        for name in sorted(names):
+            path = os.path.join(root, name)
+            size = os.path.getsize(path)
+            digest.update(f"{os.path.relpath(path, folder)}:{size}\n".encode())
+            if name.endswith((".safetensors", ".bin", ".json")):
+                with open(path, "rb") as f:
+                    digest.update(f.read(_SAMPLE_BYTES))
+                    if size > 2 * _SAMPLE_BYTES:
+                        f.seek(-_SAMPLE_BYTES, os.SEEK_END)
+                        digest.update(f.read())
+    return f"files:{digest.hexdigest()[:16]}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageRecord:
+    """What drew the images of a folder: the model, the prompts and every setting that changes pixels."""
+
+    model: str  # ModelRef.fingerprint()
+    model_dir: str  # for messages only: the same weights may sit in another folder
+    prompts: tuple
+    resolution: int
+    seed: int
+    num_inference_steps: int
+    guidance_scale: float
+    negative_prompt: str | None
+
+    # What class images are for training (what they show, at which size): a folder of them is kept
+    # when only the other settings differ (steps, guidance, seed, negative prompt).
+    CLASS_IMAGE_FIELDS = ("model", "prompts", "resolution")
+
+    def differences(self, other):
+        """Names of the settings in which other differs ('model', 'prompts', ...)."""
+        return [f.name for f in dataclasses.fields(self)
+                if f.name != "model_dir" and getattr(self, f.name) != getattr(other, f.name)]
+
+    def describe(self, fields=None):
+        """The settings (or only the named fields) in words."""
+        prompts = "; ".join(repr(p) for p in self.prompts[:3]) + (" ..." if len(self.prompts) > 3 else "")
+        words = {"model": f"model {self.model_dir} ({self.model})", "prompts": f"prompts {prompts}",
+                 "resolution": f"{self.resolution} px", "seed": f"seed {self.seed}",
+                 "num_inference_steps": f"{self.num_inference_steps} steps",
+                 "guidance_scale": f"guidance {self.guidance_scale:g}",
+                 "negative_prompt": f"negative prompt {self.negative_prompt!r}"}
+        return ", ".join(text for name, text in words.items() if fields is None or name in fields)
+
+
+def read_image_record(folder):
+    path = os.path.join(folder, IMAGES_RECORD)
+    if not os.path.isfile(path):
+        return None
+    data = files.read_json(path)
+    try:
+        return ImageRecord(**{**data, "prompts": tuple(data["prompts"])})
+    except (TypeError, KeyError):
+        return ImageRecord("unreadable record", path, (), 0, 0, 0, 0.0, None)
+
+
+def write_image_record(folder, record):
+    files.write_json(os.path.join(folder, IMAGES_RECORD), {**dataclasses.asdict(record),
+                                                            "prompts": list(record.prompts)})
+
+
+def drawn_images(folder):
+    """The files generate.py's naming wrote in folder: images and the safety checker's markers."""
+    if not os.path.isdir(folder):
+        return []
+    return sorted(n for n in os.listdir(folder)
+                  if re.fullmatch(r".+-\d{5}" + re.escape(files.IMAGE_SUFFIX) + r"(\.flagged)?", n))
+
+
+def remove_drawn_images(folder):
+    """Delete the images (and their record) generate.py drew into folder; other files stay."""
+    for name in drawn_images(folder) + [IMAGES_RECORD]:
+        path = os.path.join(folder, name)
+        if os.path.exists(path):
+            os.remove(path)
+
+
+# ---------------------------------------------------------------- writing train.py's outputs
+
+
+def check_output_dir(output_dir, overwrite):
+    """Refuse to replace a non-empty folder (or a bucket's) that is not a previous output of ours."""
+    if overwrite or not storage.listdir(output_dir):
+        return
+    if not storage.isfile(storage.join(output_dir, files.OUTPUT_MARKER)):
+        raise errors.UserError(f"--output_dir {output_dir} is not empty and was not written by train.py; "
+                               "pass --overwrite to replace it")
+
+
+def save_pipeline(nets, plan):
+    """Write the result to output_dir, whole or not at all: the fine-tuned pipeline, or with
+    LoRA the adapters as pytorch_lora_weights.safetensors (diffusers' LoRA format, with their
+    rank and alpha) for StableDiffusionPipeline.load_lora_weights on the base model."""
+    import diffusers
+
+    denoiser = networks.unwrap(nets.denoiser)
+    text_encoders = {name: networks.unwrap(model) for name, model in zip(plan.family.text_encoders, nets.text_encoders())}
+    record = TrainRecord.of_plan(plan)
+
+    def write(tmp):
+        if plan.use_lora:
+            trained = {name: text_encoders[name] for name in plan.family.trainable_text_encoders if name in text_encoders}
+            save_lora(tmp, plan.family, denoiser, trained if plan.train_text_encoder else {})
+        else:
+            pipeline = getattr(diffusers, plan.family.pipeline)
+            # a VAE trained with (--pretrained_vae_model_name_or_path) stays with the model
+            vae = {"vae": nets.vae} if plan.vae_dir else {}
+            pipe = networks.from_pretrained(pipeline, plan.model_dir, plan.allow_unsafe_weights,
+                                            **{plan.family.denoiser: denoiser}, **text_encoders, **vae)
+            pipe.save_pretrained(tmp, safe_serialization=True)
+        files.write_json(os.path.join(tmp, files.OUTPUT_MARKER), record.to_json())
+        if plan.settings_toml:
+            flags.write_config(os.path.join(tmp, TRAIN_CONFIG), plan.settings_toml)
+
+    if storage.is_remote(plan.output_dir):  # written here, then copied to the bucket, its record last
+        with tempfile.TemporaryDirectory(prefix="dreambooth-model-") as tmp:
+            write(tmp)
+            storage.replace_folder(tmp, plan.output_dir, last=files.OUTPUT_MARKER)
+    else:
+        files.atomic_write_dir(plan.output_dir, write)
+
+
+def expected_bytes(nets, lora):
+    """About the size of save_pipeline's output: the adapters (LoRA), else every network's weights."""
+    modules = [nets.denoiser, *nets.text_encoders()] + ([] if lora or nets.vae is None else [nets.vae])
+    return sum(p.numel() * p.element_size() for m in modules for p in networks.unwrap(m).parameters()
+               if not lora or p.requires_grad)
+
+
+def save_lora(folder, family, denoiser, text_encoders=None):
+    """files.LORA_WEIGHTS_FILE in folder, written by the family's pipeline's save_lora_weights.
+    text_encoders: {"text_encoder"[, "text_encoder_2"]: model} with adapters, or {}."""
+    import diffusers
+    from peft.utils import get_peft_model_state_dict
+
+    def layers(model):
+        return family.lora_file_layers(get_peft_model_state_dict(model, save_embedding_layers=False))
+
+    text_encoders = text_encoders or {}
+    parts = {family.denoiser: denoiser, **text_encoders}
+    getattr(diffusers, family.pipeline).save_lora_weights(
+        folder, weight_name=files.LORA_WEIGHTS_FILE,
+        **{f"{name}_lora_layers": layers(model) for name, model in parts.items()},
+        **{f"{name}_lora_adapter_metadata": model.peft_config["default"].to_dict() for name, model in parts.items()})
+
+
+def forget_stale_scores(eval_dir, model_dir):
+    """Remove what eval_dir (a folder or a bucket's) holds of another model than model_dir's, when Step 4
+    replaced the subject's model (another mode, base model or settings, RETRAIN=1): its scores, report, grids
+    and images (the base model's images stay, for Step 6 to score again): scores never stay beside a model they
+    are not of, even when Step 6 does not run. True when removed."""
+    record = storage.join(eval_dir, "images", "tuned", IMAGES_RECORD)
+    output = read_output(model_dir)
+    if output is None or not storage.isfile(record):
+        return False
+    if output.model_id and trained_fingerprint(output.model_id) in str(storage.read_json(record).get("model")):
+        return False  # (a LoRA's images: '<base>+lora:trained:<id>@<scale>')
+    for name in storage.listdir(eval_dir):
+        if name != "images":
+            storage.remove(storage.join(eval_dir, name))
+    images = storage.join(eval_dir, "images")
+    for name in storage.listdir(images) if storage.isdir(images) else []:
+        if name != "base":
+            storage.remove(storage.join(images, name))
+    if storage.is_remote(eval_dir) and os.path.isdir(storage.cache_path(eval_dir)):
+        shutil.rmtree(storage.cache_path(eval_dir))  # (this node's copy of it: fetched again when needed)
+    print(f"removed the scores in {eval_dir}: they were of the model this run replaced (Step 6 scores the new "
+          f"one)", file=sys.stderr)
+    return True

@@ -1,0 +1,400 @@
+"""The plan of a training run: every setting of train.py, decided once on the driver.
+
+`parse_args` reads the command line and checks flag combinations; `plan_run` checks the inputs against the
+files and the Ray cluster and returns one frozen `Plan`. The driver prints it, builds the data stream from
+it and hands it to every worker (worker.train_fn); nothing is added to it afterwards."""
+
+import argparse
+import dataclasses
+import importlib.util
+import os
+import sys
+from datetime import datetime
+
+from dreambooth import errors
+from dreambooth import families
+from dreambooth import files
+from dreambooth import storage
+from dreambooth.config import flags
+from dreambooth.families import objectives
+from dreambooth.models import modelcache
+from dreambooth.models import outputs
+from dreambooth.planning import checkpoints
+from dreambooth.planning import inputs
+from dreambooth.planning import resources
+from dreambooth.planning import run_identity
+from dreambooth.planning import vae_cache
+from dreambooth.storage import runfiles
+
+TRAIN_FLAGS = [
+    "model_dir", "output_dir", "instance_data_dir", "instance_prompt", "caption_extension", "holdout",
+    "class_data_dir", "class_prompt", "with_prior_preservation", "prior_preservation", "prior_loss_weight",
+    "resolution", "center_crop", "random_flip", "enable_bucket", "min_bucket_reso", "max_bucket_reso",
+    "bucket_reso_steps", "train_text_encoder", "use_lora", "lora_rank", "lora_alpha", "lora_dropout",
+    "train_batch_size", "learning_rate", "scale_lr", "lr_scheduler", "lr_warmup_steps", "lr_num_cycles", "lr_power",
+    "offset_noise", "snr_gamma", "base_precision", "weighting_scheme", "logit_mean", "logit_std", "mode_scale",
+    "precondition_outputs", "guidance_scale", "caption_dropout_rate", "masked_loss", "use_ema", "ema_decay",
+    "ema_update_after_step", "use_8bit_adam", "adam_beta1", "adam_beta2", "adam_weight_decay", "adam_epsilon",
+    "max_grad_norm", "max_train_steps", "num_train_epochs", "mixed_precision", "seed", "num_workers",
+    "gpus_per_worker", "use_gpu", "storage_path", "logging_steps", "report_to", "tracker_project_name", "notify_url",
+    "validation_prompt", "num_validation_images", "validation_steps", "validation_epochs",
+    "validation_inference_steps", "vae_dir", "checkpointing_steps", "checkpoints_total_limit", "keep_checkpoints",
+    "resume_from_checkpoint", "max_failures", "overwrite", "allow_unsafe_weights", "gradient_accumulation_steps",
+    "gradient_checkpointing", "cache_latents", "precompute_text_embeddings", "channels_last", "fused_adamw",
+    "torch_compile", "fsdp", "allow_tf32", "num_class_images", "set_grads_to_none",
+    "enable_xformers_memory_efficient_attention"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A training run, decided. Fields named as train.py's flags hold their values;
+    the others are what the driver worked out from the files and the cluster."""
+
+    # what is trained, from what
+    model_dir: str
+    vae_dir: str | None  # --pretrained_vae_model_name_or_path, resolved: a VAE in place of the model's
+    output_dir: str
+    allow_unsafe_weights: bool
+    instance_prompt: str
+    class_prompt: str | None
+    instance_prompts: tuple  # the distinct prompts of the instance images (captions or instance_prompt)
+    image_prompt: tuple  # per instance image: its prompt's index in instance_prompts
+    with_prior_preservation: bool  # class images (--class_data_dir)
+    prior_prediction: bool  # --prior_preservation prior_prediction: the base model's prediction, no class images
+    family: families.Family  # the base model's, read once from its folder (families.require)
+    prior_loss_weight: float
+    train_text_encoder: bool
+    use_lora: bool  # LoRA adapters (lora_rank, lora_alpha, lora_dropout) instead of every weight
+    lora_rank: int
+    lora_alpha: float  # already defaulted to the rank
+    lora_dropout: float
+    # data
+    instance_images: tuple  # absolute paths (converted to PNG where the format needed it)
+    held_out: tuple  # --holdout: the names of the photos kept out of training, recorded with the output
+    masked_loss: bool
+    instance_masks: tuple  # --masked_loss: per instance image, (mask source, original photo) or None (find_masks)
+    class_images: tuple
+    resolution: int
+    center_crop: bool
+    random_flip: bool
+    enable_bucket: bool
+    buckets: tuple  # --enable_bucket: every bucket's (height, width); () without
+    cache_latents: bool
+    precompute_text_embeddings: bool
+    train_batch_size: int
+    gradient_accumulation_steps: int
+    # optimiser and loss
+    learning_rate: float  # already multiplied out with --scale_lr
+    lr_scheduler: str
+    lr_warmup_steps: int
+    lr_num_cycles: int
+    lr_power: float
+    offset_noise: float
+    snr_gamma: float | None
+    base_precision: str | None  # --use_lora: "int8"/"nf4" frozen denoiser (quantize.py); None: the autocast dtype
+    weighting_scheme: str | None  # flow matching: the family's default when None
+    logit_mean: float
+    logit_std: float
+    mode_scale: float
+    precondition_outputs: int | None  # flow matching: the family's default when None
+    guidance_scale: float | None  # the samples' guidance (Flux.1 dev: its training input too); None: the family's
+    caption_dropout_rate: float  # share of instance rows trained on the empty prompt (its ids: the last "instance" row)
+    use_ema: bool  # an exponential moving average of the trained weights is what validation and the output get
+    ema_decay: float
+    ema_update_after_step: int
+    adam_beta1: float
+    adam_beta2: float
+    adam_weight_decay: float
+    adam_epsilon: float
+    max_grad_norm: float
+    fused_adamw: bool
+    use_8bit_adam: bool
+    allow_tf32: bool
+    mixed_precision: str | None  # None: bf16/fp16 on GPUs that have it, fp32 on CPU
+    # memory and speed
+    fsdp: bool  # the denoiser sharded across the workers (sharding.shard) instead of DDP's copies
+    gradient_checkpointing: bool
+    channels_last: bool
+    torch_compile: str | None
+    # steps
+    seed: int
+    steps_per_epoch: int
+    total_steps: int
+    stop_step: int | None  # sweep.py's early stopping: end this run at that step, the schedule still over total_steps
+    stream_epochs: int  # epochs of rows in the training stream
+    # Ray
+    num_workers: int
+    gpus_per_worker: int
+    use_gpu: bool
+    cpus_per_worker: float
+    storage_path: str
+    run_name: str
+    max_failures: int
+    # logging and checkpoints
+    logging_steps: int
+    report_to: str  # "none" | "tensorboard" | "wandb" | "mlflow" | "all" (trackers.py)
+    tracker_project_name: str
+    notify_url: str  # (never written: a secret)
+    progress_bar: bool  # rank 0 draws a bar: only when the driver's stderr is a terminal
+    checkpointing_steps: int
+    checkpoints_total_limit: int | None
+    keep_checkpoints: bool  # False: the run's checkpoints are removed once its model is saved
+    resume_path: str | None
+    identity: dict | None  # run_identity.of_run: what decides the weights, recorded with checkpoints and the model
+    # validation samples (none without prompts)
+    validation_prompts: tuple
+    num_validation_images: int
+    validation_steps: int  # already defaulted to checkpointing_steps
+    validation_inference_steps: int
+    settings_toml: str  # the resolved flags as a --config file that repeats the run
+
+    @property
+    def run_dir(self):  # the local folder of the run's own files (runfiles.run_folder)
+        return runfiles.run_folder(self.storage_path, self.run_name)
+
+    @property
+    def text_encoded_once(self):
+        """Frozen text encoders whose states are computed once: then they leave the device (models.py)."""
+        return not self.train_text_encoder and self.precompute_text_embeddings
+
+    @property
+    def end_step(self):
+        """The step this run ends at: total_steps, or stop_step (a later run resumes to total_steps)."""
+        return self.stop_step or self.total_steps
+
+    def is_checkpoint_step(self, step):
+        """Checkpoints every checkpointing_steps and at the last step."""
+        return step % self.checkpointing_steps == 0 or step == self.end_step
+
+    def is_validation_step(self, step):
+        """Every rank samples its share on the same steps: every validation_steps and at the end."""
+        return bool(self.validation_prompts) and (step % self.validation_steps == 0 or step == self.end_step)
+
+    def is_report_step(self, step):
+        """Every rank reports on the same steps: Ray Train requires matching report calls."""
+        return step % self.logging_steps == 0 or self.is_checkpoint_step(step)
+
+    def describe(self):
+        """The plan in three lines, printed once at the start of a run."""
+        trained = self.family.denoiser_label + (" + text encoder" if self.train_text_encoder else "")
+        if self.use_lora:
+            trained = f"LoRA adapters (rank {self.lora_rank}, alpha {self.lora_alpha:g}) on the {trained}"
+        prior = f" + {self.train_batch_size} class" if self.with_prior_preservation else ""
+        if self.prior_prediction:
+            prior = f" + the same {self.train_batch_size} under the class prompt, towards the base model's prediction"
+        device = f"{self.gpus_per_worker} GPU" if self.use_gpu else f"{self.cpus_per_worker:g} CPU"
+        resume = f"; resuming from {self.resume_path}" if self.resume_path else ""
+        if self.validation_prompts:
+            resume += (f"; {len(self.validation_prompts)} validation prompt(s) x {self.num_validation_images} "
+                       f"every {self.validation_steps} steps")
+        if self.fsdp:
+            trained += f", sharded across the {self.num_workers} worker(s) (FSDP)"
+        if self.use_ema:
+            trained += f", averaged (EMA, decay up to {self.ema_decay:g}: samples and the output hold the average)"
+        captions = f" ({len(self.instance_prompts)} prompts from captions)" if len(self.instance_prompts) > 1 else ""
+        return (f"plan: {self.total_steps} steps ({self.steps_per_epoch} per epoch) training {trained} on "
+                f"{len(self.instance_images)} instance{captions} and {len(self.class_images)} class images at "
+                f"{self.resolution} px{' (aspect-ratio buckets)' if self.enable_bucket else ''}\n"
+                f"      {self.num_workers} worker(s) x ({device}), batch {self.train_batch_size} instance{prior} "
+                f"x {self.gradient_accumulation_steps} accumulated, lr {self.learning_rate:g} "
+                f"({self.lr_scheduler}), seed {self.seed}\n"
+                f"      run {self.run_name}: checkpoints every {self.checkpointing_steps} steps in "
+                f"{self.storage_path}{resume}")
+
+
+def train_parser(description=None):  # (train.py's output, photos and class images may be a bucket's)
+    return flags.make_parser(description, TRAIN_FLAGS, refused=flags.REFUSED, config=True, types=dict.fromkeys(
+        ("output_dir", "instance_data_dir", "class_data_dir"), flags.storage_location))
+
+
+class FlagError(ValueError):
+    """A combination of train.py's flags that it refuses (parse_args says it as argparse's line)."""
+
+
+def parse_args(argv=None, description=None):
+    """train.py's command line, with its flag combinations checked before anything starts."""
+    parser, given = parse_given(argv, description)
+    try:
+        return derive(given, parser)
+    except FlagError as err:
+        parser.error(str(err))
+
+
+def parse_given(argv=None, description=None):
+    """(parser, the flags as given): model names made folders, nothing worked out yet; parser.given
+    names the flags the user set."""
+    parser = train_parser(description)
+    return parser, modelcache.resolve_models(parser.parse_args(argv))
+
+
+def derive(given, parser):
+    """A new namespace: given (the flags set by the user, or by the sweep for a trial: parser.given names them,
+    parser.typed those typed rather than read from a config file) and every value worked out from them, in
+    this one order; FlagError for a combination train.py refuses. given itself is left as it is."""
+    args = argparse.Namespace(**vars(given))
+    args.prior_prediction = args.prior_preservation == "prior_prediction"
+    if args.prior_prediction:
+        if args.class_data_dir or args.num_class_images or args.with_prior_preservation:
+            raise FlagError("--prior_preservation prior_prediction trains without class images: leave out "
+                         "--class_data_dir, --num_class_images and --with_prior_preservation")
+        if not args.class_prompt:
+            raise FlagError("--prior_preservation prior_prediction needs --class_prompt (e.g. 'photo of a dog')")
+    elif args.class_data_dir:
+        args.with_prior_preservation = True
+    if args.with_prior_preservation:
+        if not args.class_data_dir:
+            raise FlagError("--with_prior_preservation needs --class_data_dir")
+        if not args.class_prompt:
+            raise FlagError("--class_data_dir/--with_prior_preservation needs --class_prompt")
+    elif args.num_class_images:
+        raise FlagError("--num_class_images needs --class_data_dir and --class_prompt")
+    elif args.class_prompt and not args.prior_prediction:
+        print("warning: --class_prompt is ignored without --class_data_dir", file=sys.stderr)
+    args.validation_prompts = tuple(dict.fromkeys(args.validation_prompt or ()))
+    if not args.use_lora and parser.typed & {"lora_rank", "lora_alpha", "lora_dropout"}:
+        raise FlagError("--rank/--lora_alpha/--lora_dropout shape LoRA adapters: add --use_lora (diffusers' "
+                     "train_dreambooth_lora*.py scripts always train LoRA; without it every weight is trained)")
+    if args.base_precision and not args.use_lora:
+        raise FlagError(f"--base_precision {args.base_precision} quantises the frozen model under LoRA's adapters: "
+                        "add --use_lora (a full fine-tune trains every weight in fp32)")
+    check_fsdp(args)
+    if not args.use_ema and parser.typed & {"ema_decay", "ema_update_after_step"}:
+        raise FlagError("--ema_decay/--ema_update_after_step shape the moving average of the weights: add --use_ema")
+    if args.validation_epochs and args.validation_steps:
+        raise FlagError("give --validation_steps or --validation_epochs, not both")
+    if args.validation_steps is None and not args.validation_epochs:
+        args.validation_steps = args.checkpointing_steps
+    if args.learning_rate is None:
+        args.learning_rate = 1e-4 if args.use_lora else 5e-6
+    if args.lora_alpha is None:
+        args.lora_alpha = float(args.lora_rank)
+    if args.use_8bit_adam and importlib.util.find_spec("bitsandbytes") is None:
+        raise FlagError("--use_8bit_adam needs bitsandbytes, which is not installed here: pip install bitsandbytes")
+    if args.lora_dropout >= 1:
+        raise FlagError(f"argument --lora_dropout: must be < 1, got {args.lora_dropout:g}")
+    if args.resume_from_checkpoint not in (None, "latest", "auto"):
+        args.resume_from_checkpoint = flags.storage_location(args.resume_from_checkpoint)
+    if args.output_dir == args.model_dir:
+        raise FlagError("--output_dir must differ from --pretrained_model_name_or_path")
+    if args.storage_path is None:
+        args.storage_path = os.path.join(os.path.dirname(args.output_dir), "ray_results")
+    args.settings_toml = flags.config_text(parser, args)
+    return args
+
+
+def check_fsdp(args):
+    """FlagError for what --fsdp does not shard or was not tested with, each named."""
+    if not args.fsdp:
+        return
+    clash = [flag for flag, on in (("--use_lora", args.use_lora), ("--train_text_encoder", args.train_text_encoder),
+                                   ("--use_ema", args.use_ema), ("--torch_compile", args.torch_compile),
+                                   ("--use_8bit_adam", args.use_8bit_adam),
+                                   ("--mixed_precision fp16", args.mixed_precision == "fp16")) if on]
+    if clash:
+        raise FlagError(f"--fsdp shards a full fine-tune of the denoiser alone, in bf16 or fp32: leave out "
+                        f"{', '.join(clash)}" + (" (add --no-train_text_encoder)" if args.train_text_encoder else ""))
+
+
+def plan_run(args, cluster_resources, draw_class_images=None, stop_step=None):
+    """The Plan of a run of derived flags args (left as they are), or UserError naming the first problem.
+
+    cluster_resources() -> (CPUs, GPUs) of the Ray cluster; it is called after the checks
+    that need only the files, so that a typo or a bad photo costs no Ray start. draw_class_images():
+    tops up the class folder (--num_class_images, on Ray), after the photos are checked. stop_step:
+    end this run there, the schedule still planned over the whole run (sweep.py's early stopping).
+    """
+    families.check_model_dir(args.model_dir, args.allow_unsafe_weights)
+    family = families.require(args.model_dir, "train")
+    objectives.check_flags(args, family)
+    args = vae_cache.resolved(args)
+    files.check_output_path(args.output_dir, "--output_dir", [
+        ("--pretrained_model_name_or_path", args.model_dir), ("--instance_data_dir", args.instance_data_dir),
+        ("--class_data_dir", args.class_data_dir)])
+    outputs.check_output_dir(args.output_dir, args.overwrite)
+    storage.check_reachable(args.storage_path, "--storage_path")  # (a bucket's, before anything is drawn)
+    args = inputs.fetch_from_buckets(args, draw_class_images)
+    found = inputs.read_inputs(args, family, draw_class_images)
+    identity = run_identity.of_run(args, family, found.photos, found.masks, found.held_out, found.captions,
+                                   found.class_files, found.resolution, found.buckets)
+    if args.resume_from_checkpoint == "auto":
+        keep_finished(args.output_dir, identity)
+    resume_path = checkpoints.resolve_resume(args.resume_from_checkpoint, args.storage_path,
+                                             os.path.basename(args.output_dir), args.output_dir, identity)
+    use_gpu, num_workers, cpus_per_worker = resources.worker_resources(args, *cluster_resources())
+    args = argparse.Namespace(**{**vars(args), "num_workers": num_workers})  # (the LR scaling counts them)
+    steps_per_epoch, total_steps = resources.plan_steps(found.num_rows, args)
+    from_flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(Plan) if hasattr(args, f.name)}
+    return Plan(**{
+        **from_flags,
+        "family": family,
+        "instance_prompts": found.instance_prompts,
+        "image_prompt": tuple(found.instance_prompts.index(c) for c in found.captions),
+        "learning_rate": scaled_learning_rate(args),
+        "instance_images": found.instance_images,
+        "instance_masks": found.masks,
+        "held_out": found.held_out,
+        "class_images": found.class_images,
+        "resolution": found.resolution,
+        "buckets": found.buckets,
+        "channels_last": use_gpu if args.channels_last is None else args.channels_last,
+        "steps_per_epoch": steps_per_epoch,
+        "total_steps": total_steps,
+        "stop_step": min(stop_step or total_steps, total_steps),
+        "validation_steps": (args.validation_epochs * steps_per_epoch if args.validation_epochs
+                             else args.validation_steps),
+        "stream_epochs": resources.stream_epochs(found.num_rows, total_steps, args),
+        "use_gpu": use_gpu,
+        "cpus_per_worker": cpus_per_worker,
+        "run_name": f"{os.path.basename(args.output_dir)}-{datetime.now().strftime('%Y%m%d-%H%M%S')}",
+        "identity": identity,
+        "resume_path": resume_path,
+        # Redrawn by the driver at every update, a bar fills a log file with copies of itself;
+        # there, the line printed every --logging_steps is the progress.
+        "progress_bar": errors.on_terminal(),
+    })
+
+
+def offline_plan(**fields):
+    """A Plan from train.py's flag defaults without files or Ray, for the benchmark and the
+    unit tests: fields override any setting; the decided ones default to a 1-worker CPU run."""
+    args = parse_args(["--model_dir", "/unused", "--output_dir", "/unused-out",
+                       "--instance_data_dir", "/unused", "--instance_prompt", "unused"])
+    from_flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(Plan) if hasattr(args, f.name)}
+    decided = dict(instance_prompts=(args.instance_prompt,), image_prompt=(),
+                   instance_images=(), instance_masks=(), held_out=(), class_images=(), resolution=64, buckets=(),
+                   channels_last=False,
+                   steps_per_epoch=1, total_steps=resources.DEFAULT_MAX_TRAIN_STEPS, stop_step=None, stream_epochs=1, use_gpu=False,
+                   cpus_per_worker=1.0, num_workers=1, run_name="offline", resume_path=None, progress_bar=False,
+                   settings_toml="", identity=None)
+    if "family" not in fields:  # the model's own when it is there, else SD 1.x's
+        model_dir = fields.get("model_dir", args.model_dir)
+        has_model = os.path.isfile(os.path.join(model_dir, "model_index.json"))
+        fields = dict(fields, family=families.family_of(model_dir) if has_model else families.FAMILIES["sd1"])
+    return Plan(**{**from_flags, **decided, **fields})
+
+
+def scaled_learning_rate(args):
+    """--learning_rate, or with --scale_lr, times the instance images of one optimizer step
+    over all workers (diffusers' rule: the rate was tuned for one image a step)."""
+    if not args.scale_lr:
+        return args.learning_rate
+    return args.learning_rate * args.train_batch_size * args.gradient_accumulation_steps * args.num_workers
+
+
+class AlreadyTrained(Exception):
+    """--resume_from_checkpoint auto found the run finished: output_dir holds its model (the message says so)."""
+
+
+def keep_finished(output_dir, identity):
+    """AlreadyTrained when output_dir holds the model of a finished run of this identity (nothing is
+    redone); a model of another run is replaced, with a line naming what differs."""
+    output = outputs.read_output(output_dir)
+    if output is None:
+        return
+    differs = run_identity.differences(output.record.identity, identity)
+    if not differs:
+        raise AlreadyTrained(f"{output_dir} holds the finished model of this run (same settings and files): "
+                             f"keeping it (to train it again: RETRAIN=1 with dreambooth_run.sh; train.py without "
+                             f"--resume_from_checkpoint auto)")
+    print(f"{output_dir} holds the model of another run ({'; '.join(differs)}): training this one replaces it",
+          file=sys.stderr)

@@ -1,0 +1,93 @@
+"""The Ray Train workers of a run: how many (one per GPU unless --num_workers says), and the CPUs
+and GPUs each reserves, checked against the cluster's, with one CPU always left to Ray Data (with
+every CPU held by train workers the streaming dataset never starts and fit() waits forever); how
+the rows of an epoch split over them into optimizer steps.
+"""
+
+import math
+import sys
+
+from dreambooth import errors
+from dreambooth.models import modelcache
+
+DEFAULT_MAX_TRAIN_STEPS = 800
+
+def default_num_workers(gpus, gpus_per_worker):
+    """Workers when --num_workers is not given: one per GPU of the cluster (per two with
+    --gpus_per_worker 2), or one without GPUs."""
+    return max(1, gpus // gpus_per_worker) if gpus else 1
+
+
+NO_GPU_WARNING = ("warning: the Ray cluster has no GPU, so this fine-tune runs on CPUs: hours per 100 steps. "
+                  "If this machine has one (nvidia-smi lists it), Ray did not see it: check torch.cuda.is_available() "
+                  "in this Python; a cluster you started yourself needs `ray start --head --num-gpus=N` (stop only "
+                  "that one: `ray stop` stops every Ray cluster of this machine)")
+
+
+def flag_spelling(name, value):
+    """How train.py's messages name a setting: '--num_workers 2'."""
+    return f"--{name} {value}"
+
+
+def worker_resources(args, cpus, gpus, spell=flag_spelling, warn_no_gpu=None):
+    """(use_gpu, num_workers, CPUs per worker), or UserError if the cluster cannot hold the workers.
+
+    At least one CPU stays free for Ray Data: with every CPU held by train workers the
+    streaming dataset never starts and fit() waits forever. spell(name, value) names a setting
+    in the messages (dreambooth_run.sh's preflight names its variables); warn_no_gpu: print
+    NO_GPU_WARNING on a cluster without GPUs (default: unless the model has random weights).
+    """
+    use_gpu = gpus > 0 if args.use_gpu is None else args.use_gpu
+    num_workers = args.num_workers or default_num_workers(gpus if use_gpu else 0, args.gpus_per_worker)
+    needed = num_workers * args.gpus_per_worker
+    if use_gpu and needed > gpus:
+        fits = f": set {spell('num_workers', max(1, gpus // args.gpus_per_worker))} (or leave it unset: one " \
+               "worker per GPU)" if gpus else ""
+        raise errors.UserError(f"{spell('num_workers', num_workers)} x {spell('gpus_per_worker', args.gpus_per_worker)}"
+                               f" needs {needed} GPUs; the Ray cluster has {gpus}{fits}")
+    if not use_gpu and num_workers > cpus:
+        raise errors.UserError(f"{spell('num_workers', num_workers)}: more than the Ray cluster's {cpus:g} CPUs")
+    spare = cpus - 1
+    if spare <= 0:
+        raise errors.UserError(f"the Ray cluster has {cpus:g} CPU(s): training needs one for its workers "
+                               "and one for the data pipeline")
+    if warn_no_gpu is None:
+        warn_no_gpu = not modelcache.has_random_weights(args.model_dir)  # random models are for CPUs
+    if not use_gpu and warn_no_gpu:
+        print(NO_GPU_WARNING, file=sys.stderr)
+    return use_gpu, num_workers, min(1.0, spare / num_workers)
+
+
+def plan_steps(num_rows, args):
+    """(steps_per_epoch, total_steps): rows split evenly over workers, into batches, into
+    optimizer steps of gradient_accumulation_steps batches.
+
+    An explicit --max_train_steps wins (diffusers' rule: the epochs follow from the steps), and a
+    line says so when --num_train_epochs was given too; --num_train_epochs alone sets the steps.
+    """
+    rows_per_worker = num_rows // args.num_workers
+    if rows_per_worker == 0:
+        raise errors.UserError(f"{num_rows} training rows cannot feed {args.num_workers} workers; "
+                               "add images or lower --num_workers")
+    per_epoch = math.ceil(rows_per_worker / args.train_batch_size) // args.gradient_accumulation_steps
+    if per_epoch == 0:
+        raise errors.UserError(f"an epoch has fewer batches per worker than --gradient_accumulation_steps "
+                               f"{args.gradient_accumulation_steps}; lower it or --train_batch_size")
+    if args.num_train_epochs is None:
+        return per_epoch, args.max_train_steps or DEFAULT_MAX_TRAIN_STEPS
+    by_epochs = per_epoch * args.num_train_epochs
+    if args.max_train_steps is None:
+        return per_epoch, by_epochs
+    if by_epochs != args.max_train_steps:
+        print(f"note: --max_train_steps {args.max_train_steps} wins over --num_train_epochs {args.num_train_epochs} "
+              f"({by_epochs} steps): {math.ceil(args.max_train_steps / per_epoch)} epoch(s) of {per_epoch} steps",
+              file=sys.stderr)
+    return per_epoch, args.max_train_steps
+
+
+def stream_epochs(num_rows, total_steps, args):
+    """Epochs of rows the training stream must hold for every worker to take total_steps
+    (two spare: the split rebalances the stream's last blocks between workers)."""
+    rows_per_worker = num_rows // args.num_workers
+    rows_needed = total_steps * args.train_batch_size * args.gradient_accumulation_steps
+    return math.ceil(rows_needed / rows_per_worker) + 2

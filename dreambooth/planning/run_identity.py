@@ -1,0 +1,132 @@
+"""A training run's identity: everything that decides its weights, recorded in every checkpoint and
+in the saved model's record. A checkpoint is resumed, and a finished model kept, only when its
+identity is this run's; otherwise one line names what differs.
+
+What is left out changes how a run goes, not the weights it ends with: workers and GPUs, logging,
+validation samples, checkpoint interval and storage, memory and speed options (gradient
+checkpointing, channels-last, compile, TF32, fused AdamW).
+"""
+
+import hashlib
+import json
+import os
+
+from dreambooth import errors
+from dreambooth.models import outputs
+
+# train.py's flags (as parsed) that change the trained weights; the files and the resolved sizes are
+# added by of_run. The learning rate is the flag's (with --scale_lr also a flag), not the product with
+# the worker count: workers are not part of a run's identity.
+WEIGHT_FLAGS = (
+    "instance_prompt", "class_prompt", "with_prior_preservation", "prior_preservation", "prior_loss_weight",
+    "train_text_encoder", "use_lora", "lora_rank", "lora_alpha", "lora_dropout", "center_crop", "random_flip",
+    "enable_bucket", "train_batch_size", "gradient_accumulation_steps", "learning_rate", "scale_lr",
+    "lr_scheduler", "lr_warmup_steps", "lr_num_cycles", "lr_power", "offset_noise", "snr_gamma",
+    "caption_dropout_rate", "masked_loss", "use_ema", "ema_decay", "ema_update_after_step", "use_8bit_adam",
+    "adam_beta1", "adam_beta2", "adam_weight_decay", "adam_epsilon", "max_grad_norm", "mixed_precision", "seed",
+    "max_train_steps", "num_train_epochs", "cache_latents",
+)
+# ... of a flow-matching family
+FLOW_FLAGS = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "precondition_outputs")
+# The parts of an identity that are files, as the line that names a difference says them.
+FILE_PARTS = {"base_model": "the base model", "vae": "the VAE", "photos": "the photos (their content)",
+              "class_images": "the class images (their content)"}
+
+
+def files_digest(paths):
+    """A digest of the files' names and bytes, in the order given (None for no files)."""
+    if not paths:
+        return None
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(os.path.basename(path).encode() + b"\0")
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()[:20]
+
+
+def of_run(args, family, photos, masks, held_out, captions, class_images, resolution, buckets):
+    """The identity of a run of parsed flags args, as JSON-able values: photos are the photos trained on
+    (paths as given), masks their mask sources (inputs.masks_of), captions each photo's prompt."""
+    mask_files = sorted({source[0] for source in masks if source and os.path.isfile(str(source[0]))})
+    identity = {
+        "base_model": outputs.model_fingerprint(args.model_dir),
+        "vae": outputs.model_fingerprint(args.vae_dir) if args.vae_dir else None,
+        "family": family.name,
+        "photos": files_digest(list(photos) + mask_files),
+        "held_out": list(held_out),
+        "captions": list(captions),
+        "class_images": files_digest(list(class_images)),
+        "resolution": resolution,
+        "buckets": [list(b) for b in buckets],
+        **{name: getattr(args, name) for name in WEIGHT_FLAGS + (FLOW_FLAGS if family.flow_matching else ())},
+        **({"base_precision": args.base_precision} if args.base_precision else {}),
+        **({"guidance_scale": family.guidance(args.guidance_scale)} if family.guided_training else {}),
+    }
+    return json.loads(json.dumps(identity))  # tuples as lists: as it reads back from a file
+
+
+def differences(saved, current):
+    """What differs between two identities, each as a few words ('--learning_rate 5e-06 -> 1e-05',
+    'the photos (their content)'); [] when they are the same."""
+    if saved is None:
+        return ["its settings (it was written before runs recorded them)"]
+    said = []
+    changed = [k for k in sorted(set(saved) | set(current), key=lambda k: (k not in FILE_PARTS, k))
+               if saved.get(k) != current.get(k)]
+    # (why a length alone does or does not continue a run: no news when something else differs as well)
+    length_only = set(changed) <= {"max_train_steps", "num_train_epochs"}
+    for key in changed:
+        before, now = saved.get(key), current.get(key)
+        if key in FILE_PARTS:
+            said.append(FILE_PARTS[key])
+        elif key == "captions":  # one per photo: only a change of the prompts themselves is news
+            if set(before or ()) != set(now or ()):
+                said.append(f"captions {short(sorted(set(before or ())))} -> {short(sorted(set(now or ())))}")
+        elif key in ("held_out", "buckets", "family", "resolution"):
+            said.append(f"{key.replace('_', '-')} {short(before)} -> {short(now)}")
+        elif key in ("max_train_steps", "num_train_epochs") and length_only:  # why this run does not continue that one
+            if current.get("lr_scheduler") not in LENGTH_FREE_SCHEDULES:
+                why = f"--lr_scheduler {current.get('lr_scheduler')} is planned over the whole run"
+            elif isinstance(before, int) and isinstance(now, int) and now > before:
+                why = "a longer run: continued from that run's newest checkpoint"
+            else:
+                why = "a run is continued only to more steps"
+            said.append(f"--{key} {short(before)} -> {short(now)} ({why})")
+        else:
+            said.append(f"--{key} {short(before)} -> {short(now)}")
+    return said
+
+
+# Schedules whose learning rate at a step does not depend on the run's length: a run stopped or ended at
+# N steps, continued to more, trains exactly as the longer run would have (the data stream is drawn
+# the same way whatever its length).
+LENGTH_FREE_SCHEDULES = ("constant", "constant_with_warmup")
+
+
+def continuation(saved, current):
+    """A line when a checkpoint of saved may be continued by a run of current that differs only by a
+    higher --max_train_steps under a schedule that does not depend on the length; else None."""
+    if saved is None or current is None:
+        return None
+    others = {k for k in set(saved) | set(current) if saved.get(k) != current.get(k)}
+    if others != {"max_train_steps"} or current.get("lr_scheduler") not in LENGTH_FREE_SCHEDULES:
+        return None
+    before, now = saved.get("max_train_steps"), current.get("max_train_steps")
+    if before is None or now is None or now <= before:
+        return None
+    return (f"--max_train_steps {before} -> {now}: continuing that run (--lr_scheduler {current['lr_scheduler']} "
+            f"does not depend on the run's length: the result is the {now}-step run's)")
+
+
+def short(value, limit=60):
+    text = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def check_same(what, saved, current, remedy):
+    """UserError naming what differs unless the identities are the same."""
+    diff = differences(saved, current)
+    if diff:
+        raise errors.UserError(f"{what} is of another run: {'; '.join(diff)}; {remedy}")

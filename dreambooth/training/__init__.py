@@ -1,0 +1,1 @@
+"""A training run: the driver (plan to saved model), the Ray Train worker and its step math, checkpoints' contents, the data stream, validation samples, stop requests, failures, the run's log and trackers."""

@@ -1,0 +1,229 @@
+"""The driver of a training run: class images topped up, the plan made (planning.py) and printed, the
+Ray Data stream built, worker.train_fn run on a Ray Train TorchTrainer (restarts from the newest checkpoint,
+a stop request checkpointing the step each worker is on), then the model saved and the run's records
+written. train.py and the sweep's trials call run()."""
+
+import dataclasses
+import os
+import signal
+import sys
+import threading
+import time
+
+from dreambooth import errors
+from dreambooth import families
+from dreambooth import files
+from dreambooth import storage
+from dreambooth.cluster import raycluster
+from dreambooth.config import flags
+from dreambooth.generation import drawing
+from dreambooth.models import outputs
+from dreambooth.planning import checkpoints
+from dreambooth.planning import planning
+from dreambooth.storage import notify
+from dreambooth.storage import runfiles
+from dreambooth.training import dataset
+from dreambooth.training import runlog
+from dreambooth.training import trackers
+from dreambooth.training import worker
+
+
+def run(args, stop_step=None):
+    """A training run of parsed flags (plan.parse_args): class images topped up, the plan made and
+    printed, train_fn on a TorchTrainer; --notify_url told when it starts, finishes or fails. sweep.py's
+    trials call it directly."""
+    trackers.check_installed(args.report_to)
+    began = time.time()
+    try:
+        result, plan = train_planned(args, stop_step, lambda text, **fields: notify.send(
+            args.notify_url, "started", text, **fields))
+    except (Exception, KeyboardInterrupt) as err:
+        cause = notify.cause_of(err)
+        notify.send(args.notify_url, "failed", f"DreamBooth training of {args.output_dir} failed: {cause}",
+                    output_dir=args.output_dir, cause=cause)
+        raise
+    if plan is not None:
+        loss = (result.metrics or {}).get("loss")
+        notify.send(args.notify_url, "finished",
+                    f"DreamBooth run {plan.run_name} finished: {plan.end_step} steps in {time.time() - began:.0f} s"
+                    + (f", final loss {loss:.4f}" if loss is not None else "") + f"; model in {plan.output_dir}",
+                    run=plan.run_name, steps=plan.end_step, loss=loss, output_dir=plan.output_dir,
+                    seconds=round(time.time() - began, 1))
+    return result
+
+
+def train_planned(args, stop_step, started):
+    """(result, plan) of run's training, (None, None) when the model is already trained; started(text,
+    **fields) is called once the run is planned."""
+    def draw():
+        top_up_class_images(args.model_dir, args.class_data_dir, args.class_prompt, args.num_class_images,
+                            args.seed, args.resolution, args.allow_unsafe_weights)
+
+    try:
+        plan = planning.plan_run(args, cluster_resources=start_ray,
+                                 draw_class_images=draw if args.num_class_images else None, stop_step=stop_step)
+    except planning.AlreadyTrained as done:
+        print(done, file=sys.stderr)
+        return None, None
+    print(plan.describe(), file=sys.stderr)
+    config = flags.write_config(os.path.join(plan.run_dir, outputs.TRAIN_CONFIG), plan.settings_toml)
+    runfiles.sync_up(plan.storage_path, plan.run_name)
+    shown = storage.join(plan.storage_path, plan.run_name, outputs.TRAIN_CONFIG)  # (a bucket's, or the file itself)
+    print(f"settings: {shown} (python train.py --config {config} repeats this run)", file=sys.stderr)
+    started(f"DreamBooth run {plan.run_name} started: {plan.end_step} steps on {plan.num_workers} worker(s)"
+            f"{', resumed from ' + plan.resume_path if plan.resume_path else ''}; model to {plan.output_dir}",
+            run=plan.run_name, steps=plan.end_step, workers=plan.num_workers, output_dir=plan.output_dir)
+    try:
+        result = run_trainer(plan, train_dataset(plan))
+    except KeyboardInterrupt:
+        latest = checkpoints.find_latest(plan.storage_path, os.path.basename(plan.output_dir))
+        where = f" (newest checkpoint: {latest})" if latest else " (no checkpoint was written yet)"
+        again = "" if args.resume_from_checkpoint in ("latest", "auto") else " with --resume_from_checkpoint latest"
+        print(f"stopped; rerun the same command{again} to continue{where}", file=sys.stderr)
+        raise
+    metrics = result.metrics or {}  # none when a resumed run had no step left to train
+    loss = f"final loss {metrics['loss']:.4f}" if "loss" in metrics else "no step left to train after the checkpoint"
+    run_folder = storage.join(plan.storage_path, plan.run_name)  # (result.path: the same, without a bucket's scheme)
+    print(f"trained {plan.end_step} steps; {loss}; model saved to {plan.output_dir}; checkpoints and "
+          f"{runlog.METRICS_FILE} in {run_folder}", file=sys.stderr)
+    if not plan.keep_checkpoints and plan.end_step == plan.total_steps:  # (not a sweep stage that goes on)
+        removed, freed = checkpoints.remove_all(run_folder)
+        stopped_run = runfiles.run_of_checkpoint(plan.resume_path)
+        if stopped_run and args.resume_from_checkpoint in ("latest", "auto") and stopped_run != run_folder:
+            # (the stopped run this one continued, found under --storage_path: its checkpoints are this run's past)
+            more, more_bytes = checkpoints.remove_all(stopped_run)
+            removed, freed = removed + more, freed + more_bytes
+        if removed:
+            print(f"removed the run's {removed} checkpoint(s) ({files.size_text(freed)}) now that its model is saved "
+                  "(--keep_checkpoints keeps them, to continue this run with more steps later)", file=sys.stderr)
+    plot = runlog.plot_metrics(storage.fetch(run_folder, runlog.METRICS_FILE, plan.run_dir))
+    if plot:
+        runfiles.sync_up(plan.storage_path, plan.run_name)
+        print(f"loss and learning rate plotted in {storage.join(run_folder, os.path.basename(plot))}", file=sys.stderr)
+    return result, plan
+
+
+def start_ray():
+    """(CPUs, GPUs) of the Ray cluster, started or joined here."""
+    ray = raycluster.init_ray()
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    return raycluster.cluster_resources()
+
+
+def top_up_class_images(model_dir, class_dir, class_prompt, count, seed=0, resolution=None,
+                        allow_unsafe_weights=False):
+    """diffusers' --num_class_images: draw class images with the base model (generate.py's
+    actor pool, seeded by seed) until class_dir holds count, counting class images of the user's
+    own already there (diffusers does). Images drawn by another model, prompt or resolution are
+    an error (drawing.top_up), never trained on beside these. A bucket's class_dir is filled through this
+    node's copy of it (storage.output_folder)."""
+    families.check_model_dir(model_dir, allow_unsafe_weights)
+    with storage.output_folder(class_dir) as folder:
+        os.makedirs(folder, exist_ok=True)
+        drawn = set(outputs.drawn_images(folder))
+        own = [n for n in os.listdir(folder) if n.lower().endswith(files.IMAGE_EXTENSIONS) and n not in drawn]
+        settings = drawing.ImageSettings(resolution=resolution, seed=seed, allow_unsafe_weights=allow_unsafe_weights)
+        have = outputs.read_image_record(folder)
+        if have:  # (drawn by generate.py: Step 3's steps and guidance, which train.py has no flag for, go on)
+            settings = dataclasses.replace(settings, num_inference_steps=have.num_inference_steps,
+                                           guidance_scale=have.guidance_scale, negative_prompt=have.negative_prompt,
+                                           seed=have.seed)
+        remedy = "delete its images to draw these (generate.py --force does)"
+        if own:
+            print(f"{class_dir}: {len(own)} class images of your own count toward --num_class_images {count}",
+                  file=sys.stderr)
+        job = drawing.top_up(folder, outputs.ModelRef(model_dir), [class_prompt], max(0, count - len(own)), settings,
+                              class_images=True,
+                              safety_checker=False, remedy=remedy, label=f"class images of {class_prompt!r}",
+                              where=class_dir)
+        drawing.make_images_of([job], settings)
+
+
+def train_dataset(plan):
+    """The run's whole training stream (dataset.py), every worker's rows for every step."""
+    latent_cache = None
+    if plan.cache_latents:
+        latent_cache = dataset.LatentCache(plan.model_dir, raycluster.cluster_resources()[1],
+                                           plan.allow_unsafe_weights, plan.vae_dir)
+    return dataset.build_train_dataset(
+        list(plan.instance_images), list(plan.class_images) or None, plan.resolution, plan.center_crop,
+        plan.random_flip, latent_cache, num_epochs=plan.stream_epochs, seed=plan.seed,
+        batch_size=plan.train_batch_size, with_time_ids=plan.family.time_ids,
+        mask_sources=list(plan.instance_masks) if plan.masked_loss else None,
+        buckets=list(plan.buckets) if plan.enable_bucket else None)
+
+
+def run_trainer(plan, train_ds):
+    """TorchTrainer.fit of train_fn over the plan's workers; KeyboardInterrupt when stopped early."""
+    import ray.data
+    import ray.train
+
+    from dreambooth.training import failures  # here, not at the top: it imports ray.train (1.2 s)
+    from dreambooth.training import stopping
+
+    run_dir = plan.run_dir
+    resources = {"CPU": plan.cpus_per_worker}
+    if plan.use_gpu:
+        resources["GPU"] = plan.gpus_per_worker
+    trainer = stopping.trainer_class()(
+        worker.train_fn,
+        train_loop_config={"plan": plan, "stop_flag": stopping.make_flag()},
+        scaling_config=ray.train.ScalingConfig(num_workers=plan.num_workers, use_gpu=plan.use_gpu,
+                                               resources_per_worker=resources),
+        run_config=ray.train.RunConfig(
+            name=plan.run_name,
+            # (a bucket: its path and a pyarrow filesystem set up as AWS tools would be)
+            **dict(zip(("storage_path", "storage_filesystem"), storage.ray_storage(plan.storage_path))),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=plan.checkpoints_total_limit),
+            failure_config=ray.train.FailureConfig(max_failures=plan.max_failures),
+            callbacks=[failures.FailureWatch(run_dir, plan.max_failures, plan.storage_path, plan.run_name)],
+            logging_config=ray.train.LoggingConfig(log_level=failures.RAY_TRAIN_LOG_LEVEL),
+        ),
+        datasets={"train": train_ds},
+        # Ordered execution makes the streaming split deterministic: each worker gets the same
+        # rows on every run of the same command, which resuming mid-run relies on. (Set here:
+        # the split is configured in Train's controller, which does not see our DataContext.)
+        dataset_config=ray.train.DataConfig(execution_options=ray.data.ExecutionOptions(preserve_order=True)),
+    )
+    main_thread = threading.current_thread() is threading.main_thread()  # (a sweep's trials run in threads)
+    handlers = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) if main_thread else None
+    try:
+        result = trainer.fit()
+    except (ray.train.ControllerError, ray.train.WorkerGroupError) as err:
+        raise errors.UserError(f"training failed: {failure_cause(err)} (tracebacks in "
+                               f"{os.path.join(run_dir, errors.ERRORS_LOG)})") from None
+    except SystemExit:
+        # fit() installs its own Ctrl-C handler: it aborts the run, then exits.
+        raise KeyboardInterrupt from None
+    finally:  # (fit's handlers, and ours for a stop at the current step, end with it)
+        if handlers:
+            signal.signal(signal.SIGINT, handlers[0])
+            signal.signal(signal.SIGTERM, handlers[1])
+        stopping.forget(trainer.train_loop_config["stop_flag"])  # (a sweep runs many trials in one driver)
+    if (result.metrics or {}).get("step", 0) < plan.end_step and not saved_by(plan):
+        raise KeyboardInterrupt  # an aborted run returns a partial result
+    return result
+
+
+def saved_by(plan):
+    """Whether output_dir holds the model this run saved (a resumed run with no step left saves it without a
+    step's metrics); the model of an earlier run there, which this one replaces when it ends, does not count."""
+    output = outputs.read_output(plan.output_dir)
+    return output is not None and output.record.run_name == plan.run_name
+
+
+def failure_cause(err):
+    """The cause of a failed fit() in one line: the first failed worker's rank and the last line of
+    its error (the exception itself, not Ray's "Training failed due to worker errors")."""
+    from dreambooth.training import failures  # here, not at the top: it imports ray.train (1.2 s)
+
+    stopped = getattr(err, "controller_failure", None)
+    if isinstance(stopped, failures.RunStopped):
+        return str(stopped)
+    worker_failures = getattr(err, "worker_failures", None) or {}
+    if worker_failures:
+        rank, failure = min(worker_failures.items(), key=lambda item: item[0])
+        lines = [line.strip() for line in str(failure).splitlines() if line.strip()]
+        return f"worker {rank}: {lines[-1] if lines else type(failure).__name__}"
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[-1] if lines else type(err).__name__

@@ -1,0 +1,137 @@
+"""The record of a training run in its folder under --storage_path: metrics.jsonl (rank 0,
+a line per logging window), the --report_to trackers' runs (trackers.py), and loss.png
+drawn from metrics.jsonl at the end."""
+
+import json
+import os
+import time
+
+from dreambooth.storage import runfiles
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class RunLog:
+    """Rank 0's record of a run in its folder: one JSON line per logging window in
+    metrics.jsonl (with the wall-clock time it ended), and the same scalars, the validation
+    images and the run's settings in the --report_to trackers (trackers.py)."""
+
+    def __init__(self, plan, start_step=0):
+        """start_step: the step of the checkpoint the run goes on from (its trackers' runs go on too), else 0."""
+        from dreambooth.training import trackers
+
+        self.folder = plan.run_dir
+        os.makedirs(self.folder, exist_ok=True)
+        resumed = runfiles.run_of_checkpoint(plan.resume_path) if start_step else None
+        keep_rows_until(start_step, os.path.join(self.folder, METRICS_FILE), resumed)
+        previous = None
+        if start_step:  # this run folder's own record (a restarted worker group), else the resumed run's
+            previous = runfiles.read_record(self.folder) or runfiles.read_record(resumed)
+        self.trackers = list(trackers.open_trackers(plan, self.folder, previous).values())
+
+    def write(self, metrics):
+        with open(os.path.join(self.folder, METRICS_FILE), "a") as f:
+            f.write(json.dumps({**metrics, "time": time.time()}) + "\n")
+        for tracker in self.trackers:
+            tracker.scalars(metrics["step"], {f"train/{name}": metrics[name] for name in ("loss", "lr", "images_per_s")})
+
+    def write_images(self, step, timeline, images):
+        """A validation round's images (name -> PIL image)."""
+        for tracker in self.trackers:
+            tracker.images(step, {f"validation/{name}": image for name, image in images.items()})
+
+    def close(self):
+        for tracker in self.trackers:
+            tracker.close()
+
+
+def keep_rows_until(step, metrics_file, resumed_folder=None):
+    """A run going on from its checkpoint at step (0: from the start) keeps the metrics rows up to that step,
+    so that its metrics.jsonl and loss.png tell the whole run: in its own folder (a restarted worker group:
+    the rows logged after the checkpoint are logged again), else, in a new one, the resumed run's
+    (resumed_folder, a bucket's too), which it goes on from."""
+    import tempfile
+
+    from dreambooth import storage
+
+    with tempfile.TemporaryDirectory() as fetched:
+        source = metrics_file
+        if not os.path.isfile(source) and resumed_folder:
+            source = storage.fetch(resumed_folder, METRICS_FILE, fetched)
+        if not os.path.isfile(source):
+            return
+        with open(source) as f:
+            rows = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+    with open(metrics_file + ".tmp", "w") as f:
+        f.writelines(rows)
+    os.replace(metrics_file + ".tmp", metrics_file)
+
+
+BLUE, ORANGE, INK, GRID = (31, 119, 180), (255, 127, 14), (40, 40, 40), (225, 225, 225)
+
+
+def plot_metrics(metrics_file):
+    """loss.png beside metrics_file: the run's logged loss (left axis) and learning rate (right axis, from 0)
+    against the step, 800 x 450 px. None when there is nothing to plot. Drawn with PIL, not matplotlib: importing
+    matplotlib was most of a second at the end of every run."""
+    if not os.path.isfile(metrics_file):
+        return None
+    with open(metrics_file) as f:
+        rows = sorted((json.loads(line) for line in f if line.strip()), key=lambda r: r["step"])
+    if not rows:
+        return None
+    from PIL import Image
+    from PIL import ImageDraw
+
+    image = Image.new("RGB", (800, 450), "white")
+    draw = ImageDraw.Draw(image)
+    left, top, right, bottom = 80, 50, 720, 400  # the plot area
+    axes = {"step": ticks([r["step"] for r in rows], from_zero=False),
+            "loss": ticks([r["loss"] for r in rows], from_zero=False),
+            "lr": ticks([r["lr"] for r in rows], from_zero=True)}
+
+    def at(value, key, low, high):
+        marks = axes[key]
+        return low + (value - marks[0]) / ((marks[-1] - marks[0]) or 1) * (high - low)
+
+    for value in axes["step"]:
+        x = at(value, "step", left, right)
+        draw.line([(x, top), (x, bottom)], fill=GRID)
+        draw.text((x, bottom + 8), f"{value:g}", fill=INK, anchor="mt")
+    for value in axes["loss"]:
+        y = at(value, "loss", bottom, top)
+        draw.line([(left, y), (right, y)], fill=GRID)
+        draw.text((left - 8, y), f"{value:.4g}", fill=BLUE, anchor="rm")
+    for value in axes["lr"]:
+        draw.text((right + 8, at(value, "lr", bottom, top)), f"{value:.3g}", fill=ORANGE, anchor="lm")
+    draw.rectangle((left, top, right, bottom), outline=INK)
+    for key, colour in (("lr", ORANGE), ("loss", BLUE)):
+        points = [(at(r["step"], "step", left, right), at(r[key], key, bottom, top)) for r in rows]
+        if len(points) > 1:
+            draw.line(points, fill=colour, width=2)
+        if key == "loss":
+            for x, y in points:
+                draw.ellipse([x - 3, y - 3, x + 3, y + 3], fill=colour)
+    draw.text((400, 16), os.path.basename(os.path.dirname(metrics_file)), fill=INK, anchor="mm")
+    draw.text((left, top - 12), "loss (mean over the logging window)", fill=BLUE, anchor="ls")
+    draw.text((right, top - 12), "learning rate", fill=ORANGE, anchor="rs")
+    draw.text((400, 432), "optimizer step", fill=INK, anchor="mm")
+    path = os.path.join(os.path.dirname(metrics_file), "loss.png")
+    image.save(path)
+    return path
+
+
+def ticks(values, from_zero):
+    """Round axis marks (1, 2, 2.5 or 5 times a power of ten apart) from below the lowest value (0 when
+    from_zero) to above the highest, at least two."""
+    import math
+
+    low, high = (0.0 if from_zero else min(values)), max(values)
+    if high - low <= abs(high) * 1e-9:  # one value: a span around it (or up to it, from zero)
+        spread = abs(high) * 0.1 or 1.0
+        low, high = (0.0, high or 1.0) if from_zero else (low - spread, high + spread)
+    raw = (high - low) / 5
+    power = 10 ** math.floor(math.log10(raw))
+    step = next(m * power for m in (1, 2, 2.5, 5, 10) if m * power >= raw)
+    first, last = math.floor(low / step + 1e-9), math.ceil(high / step - 1e-9)
+    return [round(i * step, 12) for i in range(first, max(last, first + 1) + 1)]

@@ -1,0 +1,166 @@
+"""Validation samples during training: images from the current weights at fixed seeds.
+
+Every validation step each rank draws its share of the images (image k on rank
+k % world size), rank 0 gathers them into `<run folder>/validation/step-<N>/` and
+rewrites one timeline sheet (a row per validation step, a column per prompt and seed).
+Sampling leaves the training RNG streams and train/eval modes as it found them, so a run
+with validation trains exactly as one without.
+"""
+
+import os
+
+from dreambooth import files
+from dreambooth.generation import drawing
+from dreambooth.generation import imaging
+from dreambooth.generation import prompts
+from dreambooth.models import networks
+from dreambooth.training import checkpoint
+
+FOLDER = "validation"  # in the run's folder under --storage_path
+TIMELINE = "timeline.png"
+
+
+def images_of(plan):
+    """[(prompt, image index, seed)] of one validation round, in column order."""
+    return [(prompt, i, drawing.image_seed(plan.seed, prompt, i))
+            for prompt in plan.validation_prompts for i in range(plan.num_validation_images)]
+
+
+class Sampler:
+    """Draws validation images with a worker's training networks (networks.Models), the model
+    folder's own tokenizers and scheduler, and the run's autocast dtype. The text encoders
+    run on their device and the VAE on its own: the two-device split samples as it trains."""
+
+    def __init__(self, nets, plan, amp_dtype):
+        import diffusers
+
+        self.nets, self.plan, self.amp_dtype = nets, plan, amp_dtype
+        self.family = plan.family
+        self.tokenizers = self.family.load_tokenizers(plan.model_dir)
+        # The model's own sampler (PNDM for SD 1.x), as generate.py draws with it.
+        config = files.read_json(os.path.join(plan.model_dir, "scheduler", "scheduler_config.json"))
+        self.scheduler = getattr(diffusers, config["_class_name"]).from_config(config)
+        # Frozen text encoders are released from the device once training's states are computed
+        # (networks.Models.release_text_encoders): the samples' prompts are encoded now, once.
+        self.encoded = {}
+        if plan.text_encoded_once:
+            import torch
+
+            with torch.no_grad(), torch.autocast(nets.denoiser_device.type, dtype=amp_dtype,
+                                                 enabled=amp_dtype is not None):
+                self.encoded = {prompt: self.encode([prompt]) for prompt in ("", *plan.validation_prompts)}
+
+    def encode(self, texts):
+        """(states, pooled or None) of the prompts texts, on the UNet's device (the family's encode_text)."""
+        import torch
+
+        if len(texts) == 1 and texts[0] in self.encoded:
+            return self.encoded[texts[0]]
+
+        ids = torch.stack([torch.from_numpy(prompts.tokenize_all(self.tokenizers, p)) for p in texts])
+        states, pooled = self.family.encode_text([networks.unwrap(te) for te in self.nets.text_encoders()],
+                                           ids.to(self.nets.aux_device))
+        return states.to(self.nets.denoiser_device), pooled.to(self.nets.denoiser_device) if pooled is not None else None
+
+    def pipeline(self):
+        import diffusers
+
+        nets = self.nets
+        parts = {"vae": nets.vae, self.family.denoiser: networks.unwrap(nets.denoiser), "scheduler": self.scheduler}
+        for encoder_name, tokenizer_name, text_encoder, tokenizer in zip(
+                self.family.text_encoders, self.family.tokenizers(), nets.text_encoders(), self.tokenizers):
+            # (released encoders stay out: a pipeline given prompt states never calls them)
+            parts[encoder_name] = None if nets.text_encoders_released else networks.unwrap(text_encoder)
+            parts[tokenizer_name] = tokenizer
+        if self.family.safety_checker:
+            parts.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+        pipe = getattr(diffusers, self.family.pipeline)(**parts)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def __call__(self, items):
+        """PIL images of [(prompt, index, seed)], one by one (memory stays at one image's)."""
+        import torch
+
+        nets = self.nets
+        vae = nets.vae
+        pipe = self.pipeline()
+        images = []
+        with torch.no_grad(), torch.autocast(nets.denoiser_device.type, dtype=self.amp_dtype,
+                                             enabled=self.amp_dtype is not None):
+            negative, negative_pooled = self.encode([""])
+            for prompt, _, seed in items:
+                states, pooled = self.encode([prompt])
+                text = dict(prompt_embeds=states, negative_prompt_embeds=negative)
+                if self.family.zero_negative_prompt:
+                    # SDXL's empty negative prompt is zeros (its force_zeros_for_empty_prompt), as generate.py draws
+                    text.update(negative_prompt_embeds=torch.zeros_like(states), pooled_prompt_embeds=pooled,
+                                negative_pooled_prompt_embeds=torch.zeros_like(pooled))
+                elif pooled is not None:
+                    text.update(pooled_prompt_embeds=pooled, negative_pooled_prompt_embeds=negative_pooled)
+                # generate.py's guidance (the family's by default), whatever the pipeline's own
+                latents = pipe(**text, **self.family.pipeline_kwargs(),
+                               guidance_scale=self.family.guidance(self.plan.guidance_scale),
+                               height=self.plan.resolution, width=self.plan.resolution,
+                               num_inference_steps=self.plan.validation_inference_steps,
+                               generator=torch.Generator("cpu").manual_seed(seed), output_type="latent").images
+                latents = self.family.unpack_latents(pipe, latents, self.plan.resolution, self.plan.resolution)
+                latents = latents.to(nets.aux_device, vae.dtype) / vae.config.scaling_factor
+                latents = latents + (getattr(vae.config, "shift_factor", None) or 0.0)
+                decoded = vae.decode(latents).sample
+                images += pipe.image_processor.postprocess(decoded.float(), output_type="pil")
+        return images
+
+
+def run_round(sampler, step, rank, world, run_dir):
+    """One validation round at step, called by every rank. Returns (timeline path, {file
+    name: image}) on rank 0, None elsewhere. Training's RNG streams and modes are restored."""
+    import torch.distributed as dist
+
+    items = images_of(sampler.plan)
+    # A sharded denoiser (--fsdp) runs only when every rank runs it: then each draws every image, rank 0 keeps them
+    sharded = sampler.plan.fsdp
+    mine = list(range(len(items))) if sharded else list(range(rank, len(items), world))
+    nets = [sampler.nets.denoiser, *sampler.nets.text_encoders()]
+    modes = [net.training for net in nets]
+    rng = checkpoint.rng_state()
+    for net in nets:
+        net.eval()  # no dropout in the samples
+    try:
+        drawn = list(zip(mine, sampler([items[k] for k in mine])))
+    finally:
+        for net, mode in zip(nets, modes):
+            net.train(mode)
+        checkpoint.set_rng_state(rng)
+    if world > 1 and not sharded:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, drawn)
+        drawn = [pair for part in gathered for pair in part]
+    if rank != 0:
+        return None
+    folder = os.path.join(run_dir, FOLDER, f"step-{step}")
+    os.makedirs(folder, exist_ok=True)
+    names = [drawing.image_file_name(prompt, index) for prompt, index, _ in items]
+    images = {names[k]: image for k, image in sorted(drawn, key=lambda pair: pair[0])}
+    for name, image in images.items():
+        files.save_image_atomic(image, os.path.join(folder, name))
+    return write_timeline(os.path.join(run_dir, FOLDER), names), images
+
+
+def write_timeline(folder, names):
+    """timeline.png in folder: a row per step-<N> folder (in step order), a column per name."""
+    from PIL import Image
+
+    steps = sorted((int(d.split("-", 1)[1]) for d in os.listdir(folder) if d.startswith("step-")))
+    images = []
+    for step in steps:
+        for name in names:
+            path = os.path.join(folder, f"step-{step}", name)
+            if os.path.isfile(path):
+                with Image.open(path) as image:
+                    images.append(image.copy())
+            else:
+                images.append(Image.new("RGB", (8, 8), "white"))
+    path = os.path.join(folder, TIMELINE)
+    files.save_image_atomic(imaging.make_grid(images, thumb_size=128, columns=len(names)), path)
+    return path

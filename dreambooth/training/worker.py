@@ -1,0 +1,315 @@
+"""What each Ray Train worker runs (train_fn): the networks on its devices, the checkpoint it
+continues, the step loop with its reports, checkpoints and validation samples, and (rank 0) the
+saved model. train.py's driver hands it the Plan.
+"""
+
+import concurrent.futures
+import contextlib
+import itertools
+import tempfile
+import time
+
+from dreambooth import errors
+from dreambooth import hub
+from dreambooth import storage
+from dreambooth.cluster import raycluster
+from dreambooth.generation import prompts
+from dreambooth.models import networks
+from dreambooth.models import outputs
+from dreambooth.models import sharding
+from dreambooth.planning import checkpoints
+from dreambooth.planning import disk
+from dreambooth.storage import runfiles
+from dreambooth.training import checkpoint
+from dreambooth.training import runlog
+from dreambooth.training import validation
+
+IMAGE_COLUMNS = ("_pixels", "_latents")  # the batch columns that hold one image per row
+
+
+def train_fn(config):
+    """Per-worker entry point. Reads only config["plan"] (a planning.Plan); data comes from the "train"
+    dataset shard. A failure's traceback goes to the run folder's errors.log (failures.py)."""
+    import ray.train
+
+    plan = config["plan"]
+    try:
+        train_worker(plan, config.get("stop_flag"))
+    except Exception as err:
+        errors.write_error_log(plan.run_dir, f"worker {ray.train.get_context().get_world_rank()}", err)
+        runfiles.sync_up(plan.storage_path, plan.run_name)
+        raise
+
+
+def train_worker(plan, stop_flag=None):
+    """One worker's whole run: models, checkpoint, the step loop, reports, the saved model (not when the
+    driver asked for a stop through stop_flag, the run's key of stopping.make_flag: then the current step's
+    checkpoint)."""
+    hub.skip_unused_imports(lora=plan.use_lora, eight_bit=plan.use_8bit_adam or bool(plan.base_precision))
+    import ray.train
+
+    from dreambooth.training import failures  # here, not at the top: it imports ray.train (1.2 s)
+
+    storage.ensure_local(plan.model_dir, plan.vae_dir)  # (a bucket's, cached on the driver's node: this node's too)
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    batches = prefetched(ray.train.get_dataset_shard("train").iter_torch_batches(batch_size=plan.train_batch_size))
+    nets, state, step_prompts, sampler = prepare_worker(plan, rank, world, ctx.get_local_world_size())
+    # The stream is the same on every run: a resumed worker skips what it had trained on.
+    batches = itertools.islice(batches, state.step * plan.gradient_accumulation_steps, None)
+    from dreambooth.training import stopping
+
+    if run_steps(plan, state, step_prompts, batches, rank, world, sampler, stopping.StopPoll(stop_flag, world, rank)):
+        return  # stopped at a checkpoint
+    if plan.fsdp:  # the whole weights on rank 0, as an unsharded denoiser to save (every rank gathers)
+        weights = sharding.gather_weights(nets.denoiser)
+        if rank == 0:
+            nets.denoiser = sharding.plain(plan.family, plan.model_dir, weights)
+    if rank == 0:
+        with averaged_weights(state), failures.stops_when_disk_full("the trained model", plan.output_dir,
+                                                                     outputs.expected_bytes(nets, plan.use_lora)):
+            outputs.save_pipeline(nets, plan)
+
+
+def prepare_worker(plan, rank, world, local_world_size):
+    """(networks.Models, steps.TrainState, conditioning.StepPrompts, validation.Sampler or None) of this worker:
+    the networks on its devices, the optimizer, the prompts, the validation sampler, and the state of the
+    checkpoint it continues, if any."""
+    import ray.train
+    import torch
+
+    from dreambooth import machine
+
+    # here, not at the top: they import ray.train (1.2 s) and torch (2 s a --help or a one-line error never waits for)
+    from dreambooth.training import conditioning
+    from dreambooth.training import failures
+    from dreambooth.training import steps
+
+    denoiser_device, aux_device = worker_devices(plan.gpus_per_worker, local_world_size)
+    if plan.allow_tf32:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    torch.manual_seed(plan.seed + rank)  # every rank its own noise stream (CPU and GPUs)
+    model_error = "its files do not fit together: fetch or copy it again (cache_model.py)"
+    with failures.cannot_be_retried(f"loading the tokenizers of {plan.model_dir}", model_error):
+        ids = prompts.run_prompt_ids(plan)
+    text = {}
+
+    def encode(nets):
+        """The prompts' states, from the text encoders as loaded, before the denoiser arrives (and before any
+        checkpoint's weights: the class prompt as the base model reads it), and the sampler, which encodes its
+        own prompts now when the encoders are frozen: then they leave the device."""
+        text_encoders = [networks.unwrap(te) for te in nets.text_encoders()]
+        text["prompts"] = conditioning.step_prompts(plan.family, text_encoders, plan, ids, aux_device)
+        if plan.prior_prediction:
+            text["prompts"] = conditioning.with_base_class(text["prompts"], plan.family, text_encoders, ids,
+                                                           aux_device)
+        amp = machine.amp_dtype(plan.mixed_precision, denoiser_device)
+        text["sampler"] = validation.Sampler(nets, plan, amp) if plan.validation_prompts else None
+        if plan.text_encoded_once:
+            nets.release_text_encoders()
+
+    nets = networks.setup_models(plan, denoiser_device, aux_device, distributed=world > 1,
+                                 load_guard=failures.cannot_be_retried(f"loading the model {plan.model_dir}", model_error),
+                                 before_denoiser=encode)
+    state = steps.make_train_state(nets, plan)
+    step_prompts = text["prompts"]
+    # Ray's own checkpoint (a restarted worker group) wins over the one the run started from.
+    restored = ray.train.get_checkpoint()
+    if restored is not None:
+        with restored.as_directory() as folder, failures.cannot_be_retried(
+                "loading the run's newest checkpoint", "rerun with --resume_from_checkpoint and an earlier one"):
+            checkpoint.load(state, folder, rank)
+    elif plan.resume_path:
+        with failures.cannot_be_retried(f"loading the checkpoint {plan.resume_path}",
+                                        "pass another to --resume_from_checkpoint"):
+            checkpoint.load(state, storage.local_folder(plan.resume_path), rank)  # (from a bucket: downloaded)
+    if rank == 0:
+        released = " (the frozen text encoders left it once the prompts were encoded)" if plan.text_encoded_once else ""
+        print(f"worker devices: {plan.family.denoiser_label} on {denoiser_device}, text encoders and VAE on {aux_device}"
+              f"{released}; autocast {state.amp_dtype or 'off (fp32)'}", flush=True)
+    return nets, state, step_prompts, text["sampler"]
+
+
+def run_steps(plan, state, step_prompts, batches, rank, world, sampler=None, stop=None):
+    """The step loop to plan.end_step: a step per plan.gradient_accumulation_steps micro-batches,
+    a report (metrics, checkpoint) every --logging_steps/--checkpointing_steps, validation samples
+    (sampler's, a validation.Sampler) every --validation_steps. True when it stopped early at a
+    checkpoint of the current step because stop (a stopping.StopPoll) said so."""
+    from ray.experimental import tqdm_ray
+
+    # here, not at the top: they import ray.train (1.2 s) and torch (2 s a --help or a one-line error never waits for)
+    from dreambooth.training import failures
+    from dreambooth.training import steps
+
+    total = plan.end_step
+    bar = tqdm_ray.tqdm(total=total, desc="training") if rank == 0 and plan.progress_bar else None
+    log = runlog.RunLog(plan, start_step=state.step) if rank == 0 else None
+    if bar and state.step:
+        bar.update(state.step)
+    window = ReportWindow(world)
+    first_step, stop_now = state.step, False
+    for micro_batches in steps.accumulate(batches, plan.gradient_accumulation_steps, total - state.step):
+        try:
+            loss, _, _ = steps.train_step(state, micro_batches, step_prompts, plan.prior_loss_weight,
+                                          plan.max_grad_norm)
+        except Exception as err:
+            fatal = failures.out_of_memory(err, state.step, first_step)
+            if fatal:
+                raise fatal from err
+            raise
+        state.step += 1
+        window.add(loss, micro_batches)
+        if bar:
+            bar.update(1)
+        event = stop.check() if stop is not None and state.step < total else None
+        stop_now = event == "stop"
+        if plan.is_report_step(state.step) or event:
+            seconds = report_window(window, log, state, rank, plan, checkpoint_now=bool(event))
+            if event and rank == 0:
+                print(f"stopped at step {state.step} of {total} ({stop.reason() or 'a signal'}): the checkpoint took "
+                      f"{seconds:.1f} s" if stop_now else
+                      f"{stop.describe_drain()}: step {state.step} checkpointed in {seconds:.1f} s; training goes on "
+                      "(when the node leaves, Ray Train restarts the workers from this step)", flush=True)
+        if stop_now:
+            break
+        if plan.is_validation_step(state.step):
+            with window.paused(), averaged_weights(state):
+                drawn = validation.run_round(sampler, state.step, rank, world,
+                                             plan.run_dir)
+            runfiles.sync_up(plan.storage_path, plan.run_name)  # (every rank drew some)
+            if log:
+                log.write_images(state.step, *drawn)
+                print(f"validation images of step {state.step}: {drawn[0]}", flush=True)
+    if bar:
+        bar.close()
+    if log:
+        log.close()
+        runfiles.sync_up(plan.storage_path, plan.run_name)
+    if stop_now:
+        return True
+    if state.step < total:
+        raise RuntimeError(f"the data stream ended at step {state.step} of {total}")
+    return False
+
+
+def report_window(window, log, state, rank, plan, checkpoint_now=False):
+    """The window's metrics logged (rank 0: metrics.jsonl, trackers, a printed line) and reported with
+    report(); the seconds the report (with its checkpoint) took."""
+    metrics = window.metrics(state, plan.steps_per_epoch)
+    if log:
+        log.write(metrics)
+        runfiles.sync_up(plan.storage_path, plan.run_name)
+    began = time.perf_counter()
+    report(state, metrics, rank, plan, checkpoint_now)
+    if rank == 0:
+        print(" ".join(f"{name}={v:.4g}" if isinstance(v, float) else f"{name}={v}" for name, v in metrics.items()),
+              flush=True)
+    return time.perf_counter() - began
+
+
+class ReportWindow:
+    """The steps since the last report: their losses (kept on the device until the report, the
+    window's one sync point), the images they trained on, and the training time (sampling paused)."""
+
+    def __init__(self, world):
+        self.world = world
+        self.reset()
+
+    def reset(self):
+        self.losses, self.images, self.start = [], 0, time.perf_counter()
+
+    def add(self, loss, micro_batches):
+        self.losses.append(loss)
+        self.images += sum(v.shape[0] for b in micro_batches for k, v in b.items() if k.endswith(IMAGE_COLUMNS))
+
+    @contextlib.contextmanager
+    def paused(self):
+        """A block whose time does not count as training time (validation samples)."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.start += time.perf_counter() - began
+
+    def metrics(self, state, steps_per_epoch):
+        """The report's metrics of the window, which starts again."""
+        import torch
+
+        elapsed = time.perf_counter() - self.start
+        metrics = {"step": state.step, "epoch": (state.step - 1) // steps_per_epoch,
+                   "loss": torch.stack(self.losses).mean().item(),
+                   "lr": state.lr_scheduler.get_last_lr()[0],
+                   "images_per_s": self.images * self.world / max(elapsed, 1e-9)}
+        if state.skipped_steps:
+            metrics["skipped_steps"] = state.skipped_steps
+        self.reset()
+        return metrics
+
+
+def averaged_weights(state):
+    """With --use_ema, the moving average in the trained weights for the duration (validation samples,
+    the saved model); else nothing changes."""
+    return state.ema.applied(state.params) if state.ema is not None else contextlib.nullcontext()
+
+
+def worker_devices(gpus_per_worker, local_world_size):
+    """(denoiser device, text-encoder + VAE device) of this worker.
+
+    With --gpus_per_worker 2 the text encoder and VAE go to the worker's second GPU, so
+    the denoiser's fp32 weights, gradients and AdamW state have the first to themselves. On
+    CPU both are the CPU, and the same code path runs.
+    """
+    import ray.train.torch
+    import torch
+
+    devices = ray.train.torch.get_devices()
+    if devices[0].type == "cuda":
+        torch.cuda.set_device(devices[0])
+        return devices[0], devices[min(gpus_per_worker, len(devices)) - 1]
+    raycluster.share_cpu_threads(local_world_size)
+    cpu = torch.device("cpu")
+    return cpu, cpu
+
+
+def prefetched(iterable):
+    """An iterator over iterable whose first item is fetched in a thread from now on: the
+    data stream starts (Ray Data's split coordinator, the first blocks) while the models
+    load, instead of after."""
+    items = iter(iterable)
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    first = pool.submit(next, items, None)
+    pool.shutdown(wait=False)
+
+    def chained():
+        item = first.result()
+        if item is not None:
+            yield item
+            yield from items
+
+    return chained()
+
+
+def report(state, metrics, rank, plan, checkpoint_now=False):
+    """ray.train.report from every rank; rank 0 attaches a checkpoint on checkpointing steps (and with
+    checkpoint_now), with every rank's RNG streams (gathered from all ranks, a collective)."""
+    import ray.train
+
+    if not (checkpoint_now or plan.is_checkpoint_step(state.step)):
+        ray.train.report(metrics)
+        return
+    rng_states = checkpoint.gather_rng_states()
+    gathered = sharding.gather(state.models.denoiser, state.optimizer) if plan.fsdp else None  # (all ranks)
+    if rank != 0:
+        ray.train.report(metrics)
+        return
+    from dreambooth.training import failures  # here, not at the top: it imports ray.train (1.2 s)
+
+    needed = disk.expected_bytes(state.params, state.ema is not None)
+    with tempfile.TemporaryDirectory() as folder:
+        with failures.stops_when_disk_full(f"the checkpoint of step {state.step}", folder, needed):
+            checkpoint.save(state, folder, metrics["epoch"], rng_states, plan.train_text_encoder, plan.identity,
+                            gathered)
+        run_dir = plan.run_dir  # (a full disk there: in a bucket's run, this node's cache)
+        with failures.stops_when_disk_full(f"the checkpoint of step {state.step}", run_dir, needed,
+                                           cleanup=lambda: checkpoints.remove_incomplete(run_dir)):
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
