@@ -11,7 +11,13 @@ import tempfile
 from dreambooth import errors
 from dreambooth import filemodes
 
-REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: the scripts, assets/, data/
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))  # the package, with its assets/ (prompts, tiny tokenizer)
+ASSETS_DIR = os.path.join(PACKAGE_DIR, "assets")
+# The repository around the package: its scripts and data/ (a checkout). Where the package is installed
+# (pip install .) instead, there is none: the data default is data/ in the current folder, and Ray ships the
+# package alone to the workers.
+REPO_DIR = os.path.dirname(PACKAGE_DIR)
+IN_CHECKOUT = os.path.isfile(os.path.join(REPO_DIR, "dreambooth_run.sh"))
 
 
 IMAGE_SUFFIX = ".png"  # what the suite writes

@@ -141,11 +141,14 @@ def closed_metrics_exports():
 
 
 def job_runtime_env():
-    """The runtime environment of our Ray jobs: the project's code (unless a Ray Job's own runtime env ships
-    it), the quiet-logs hook and the settings every worker needs."""
+    """The runtime environment of our Ray jobs: the project's code (the checkout as the working folder, or an
+    installed package alone; none when a Ray Job's own runtime env ships it), the quiet-logs hook and the
+    settings every worker needs."""
+    code = ({"working_dir": files.REPO_DIR, "excludes": [".venv", "venv", ".git", "tests", "images", "benchmarks",
+                                                         "**/__pycache__", "*.png", "*.jpg"]}
+            if files.IN_CHECKOUT else {"py_modules": [files.PACKAGE_DIR], "excludes": ["**/__pycache__"]})
     runtime_env = {
-        "working_dir": files.REPO_DIR,
-        "excludes": [".venv", "venv", ".git", "tests", "images", "benchmarks", "**/__pycache__", "*.png", "*.jpg"],
+        **code,
         "worker_process_setup_hook": "dreambooth.cluster.raycluster.quiet_ray_worker",
         "env_vars": {
             "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"],
@@ -164,7 +167,8 @@ def job_runtime_env():
         },
     }
     if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):  # a Ray Job's driver: the job's runtime env ships the code
-        del runtime_env["working_dir"], runtime_env["excludes"]
+        for key in code:
+            del runtime_env[key]
     return runtime_env
 
 

@@ -22,7 +22,7 @@ from dreambooth.generation import imaging
 from dreambooth.models import modelcache
 from dreambooth.models import outputs
 
-EVAL_PROMPTS_DIR = os.path.join(files.REPO_DIR, "assets", "eval_prompts")
+EVAL_PROMPTS_DIR = os.path.join(files.ASSETS_DIR, "eval_prompts")
 
 
 def prompt_templates(subject_type, path=None):

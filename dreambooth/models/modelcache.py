@@ -48,12 +48,13 @@ def hub_cache_dir():
 
 def model_cache_dir():
     """The suite's one model cache, for dreambooth_run.sh and the scripts run by hand alike:
-    ORIG_MODEL_DIR, else $DATA_PREFIX/model-orig, else data/model-orig in this folder (the script's
-    default DATA_PREFIX). On a cluster it lies on DATA_PREFIX's shared storage, so every node finds
+    ORIG_MODEL_DIR, else $DATA_PREFIX/model-orig, else data/model-orig in the repository (the script's
+    default DATA_PREFIX; an installed package's: in the current folder). On a cluster it lies on DATA_PREFIX's shared storage, so every node finds
     a model where the driver found it."""
     if os.environ.get("ORIG_MODEL_DIR"):
         return flags.storage_location(os.environ["ORIG_MODEL_DIR"])
-    prefix = flags.storage_location(os.environ.get("DATA_PREFIX") or os.path.join(files.REPO_DIR, "data"))
+    default = os.path.join(files.REPO_DIR if files.IN_CHECKOUT else os.getcwd(), "data")
+    prefix = flags.storage_location(os.environ.get("DATA_PREFIX") or default)
     return storage.join(prefix, "model-orig")
 
 

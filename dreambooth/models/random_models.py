@@ -11,7 +11,7 @@ from dreambooth import files
 from dreambooth import hub
 from dreambooth import machine
 
-TINY_TOKENIZER_DIR = os.path.join(files.REPO_DIR, "assets", "tiny_tokenizer")
+TINY_TOKENIZER_DIR = os.path.join(files.ASSETS_DIR, "tiny_tokenizer")
 
 
 # Architectures built from config with random weights: the real classes at several widths (the

@@ -11,6 +11,7 @@ import os
 import shutil
 import sys
 import tempfile
+
 import tomllib
 
 from dreambooth import files

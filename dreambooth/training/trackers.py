@@ -11,6 +11,7 @@ import os
 import socket
 import sys
 import time
+
 import tomllib
 
 from dreambooth import errors
