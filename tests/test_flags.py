@@ -243,7 +243,7 @@ def test_a_prompt_with_commas_is_one_prompt_wherever_it_is_given(tmp_path):
     listed = tmp_path / "prompts.txt"
     listed.write_text("# mine\na cat, in the snow\n\n" + painted + "\n")
     args = parser.parse_args(["--prompts", painted, "a dog", "--prompts", "a fox, red", "--prompts_file", str(listed)])
-    assert prompts.prompts_of(args) == [painted, "a dog", "a fox, red", "a cat, in the snow"]
+    assert prompts.prompts_of(args.prompts, args.prompts_file) == [painted, "a dog", "a fox, red", "a cat, in the snow"]
 
 
 @pytest.mark.parametrize("script", ["train.py", "generate.py", "evaluate.py", "sweep.py", "export.py",

@@ -119,21 +119,20 @@ def test_logit_normal_draws_the_middle_of_the_schedule_and_the_seed_decides():
 
 
 def test_each_objective_takes_its_own_loss_flags(tiny_model, tiny_sd3_model, make_plan):
-    from types import SimpleNamespace
 
     from dreambooth import errors
     from dreambooth import families
     from dreambooth.training import steps
 
     sd1, sd3 = families.family_of(tiny_model), families.family_of(tiny_sd3_model)
-    objectives.check_flags(SimpleNamespace(snr_gamma=5.0, weighting_scheme=None, precondition_outputs=None), sd1)
-    objectives.check_flags(SimpleNamespace(snr_gamma=None, weighting_scheme="cosmap", precondition_outputs=1), sd3)
+    objectives.check_flags(sd1, snr_gamma=5.0, precondition_outputs=None, weighting_scheme=None)
+    objectives.check_flags(sd3, snr_gamma=None, precondition_outputs=1, weighting_scheme="cosmap")
     with pytest.raises(errors.UserError, match="--snr_gamma weighs the timesteps of a denoising model; SD 3.5"):
-        objectives.check_flags(SimpleNamespace(snr_gamma=5.0, weighting_scheme=None, precondition_outputs=None), sd3)
+        objectives.check_flags(sd3, snr_gamma=5.0, precondition_outputs=None, weighting_scheme=None)
     with pytest.raises(errors.UserError, match="--weighting_scheme is for flow-matching models"):
-        objectives.check_flags(SimpleNamespace(snr_gamma=None, weighting_scheme="mode", precondition_outputs=None), sd1)
+        objectives.check_flags(sd1, snr_gamma=None, precondition_outputs=None, weighting_scheme="mode")
     with pytest.raises(errors.UserError, match="--precondition_outputs is for flow-matching models"):
-        objectives.check_flags(SimpleNamespace(snr_gamma=None, weighting_scheme=None, precondition_outputs=0), sd1)
+        objectives.check_flags(sd1, snr_gamma=None, precondition_outputs=0, weighting_scheme=None)
     # no --precondition_outputs: the family's (diffusers' SD 3 scripts: 1)
     assert steps.loss_options(make_plan(model_dir=tiny_sd3_model)).precondition_outputs is True
     assert steps.loss_options(make_plan(model_dir=tiny_sd3_model, precondition_outputs=0)).precondition_outputs is False

@@ -74,7 +74,9 @@ def main(argv=None):
 def cache_here(args):
     """(the folder cache_model.py fills in args.cache_dir, the file that says it is complete)."""
     if args.eval_models:
-        return modelcache.cache_eval_models(args.cache_dir, args), "clip/config.json" if args.tiny else "eval_models.json"
+        folder = modelcache.cache_eval_models(args.cache_dir, args.tiny, (args.dino_model, args.dino_revision),
+                                              (args.clip_model, args.clip_revision), args.allow_unsafe_weights)
+        return folder, "clip/config.json" if args.tiny else "eval_models.json"
     if args.tiny or args.random_model:
         path = modelcache.write_random_model(args.cache_dir, args.random_model or "tiny", args.arch or "sd1")
     else:

@@ -25,6 +25,7 @@ from dreambooth.evaluation import scoring
 from dreambooth.generation import imagefiles
 from dreambooth.models import modelcache
 from dreambooth.models import outputs
+from dreambooth.planning import model_flags
 from dreambooth.storage import notify
 from dreambooth.training import trackers
 
@@ -44,7 +45,7 @@ def main(argv=None):
         types=dict.fromkeys(("instance_data_dir", "output_dir", "eval_models_dir"), flags.storage_location),
         without=("--num_class_images",))  # (diffusers' name for class images: sweep.py's meaning, not this)
     parser.set_defaults(num_samples_per_prompt=4)
-    args = modelcache.resolve_models(parser.parse_args(argv))
+    args = model_flags.resolve_models(parser.parse_args(argv))
     for name in ("instance_data_dir", "eval_models_dir"):  # (a bucket's photos and scoring models: this node's copy)
         if storage.is_remote(getattr(args, name)):
             setattr(args, name, storage.cached(getattr(args, name)))

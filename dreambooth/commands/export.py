@@ -24,9 +24,9 @@ from dreambooth import files
 from dreambooth import storage
 from dreambooth.config import flags
 from dreambooth.families.family import kohya_text_module
-from dreambooth.models import modelcache
 from dreambooth.models import networks
 from dreambooth.models import outputs
+from dreambooth.planning import model_flags
 
 # ------------------------------------------------------------------ full model
 
@@ -244,7 +244,7 @@ def write_checkpoint(checkpoint, path, save_precision, metadata):
 def main(argv=None):
     parser = flags.make_parser(__doc__.splitlines()[0], ["model_dir", "output_file", "save_precision", "overwrite",
                                                          "allow_unsafe_weights"], helps=HELPS)
-    args = modelcache.resolve_models(parser.parse_args(argv))
+    args = model_flags.resolve_models(parser.parse_args(argv))
     files.check_output_path(args.output_file, "--output_file", [("--model_dir", args.model_dir)], is_file=True)
     if storage.exists(args.output_file) and not args.overwrite:
         raise errors.UserError(f"{args.output_file} exists: pass --overwrite to replace it")

@@ -32,8 +32,8 @@ from dreambooth.config import flags
 from dreambooth.generation import drawing
 from dreambooth.generation import imaging
 from dreambooth.generation import prompts
-from dreambooth.models import modelcache
 from dreambooth.models import outputs
+from dreambooth.planning import model_flags
 
 
 def main(argv=None):
@@ -47,8 +47,8 @@ def main(argv=None):
         helps={"output_dir": "Where the images go: a folder, or a bucket's (s3://bucket/prefix, gs://…), filled "
                              "through this node's copy of it (docs/CLUSTER.md, Object storage)."},
     )
-    args = modelcache.resolve_models(parser.parse_args(argv))
-    texts = prompts.prompts_of(args)
+    args = model_flags.resolve_models(parser.parse_args(argv))
+    texts = prompts.prompts_of(args.prompts, args.prompts_file)
     model = outputs.resolve_model(args.model_dir, args.lora_dir, args.lora_scale)
     families.check_model_dir(model.model_dir, args.allow_unsafe_weights)
     files.check_output_path(args.output_dir, "--output_dir", [("--model_dir", model.model_dir),

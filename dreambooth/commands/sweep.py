@@ -37,6 +37,7 @@ from dreambooth.generation import imagefiles
 from dreambooth.models import modelcache
 from dreambooth.models import outputs
 from dreambooth.planning import disk
+from dreambooth.planning import model_flags
 from dreambooth.planning import planning
 from dreambooth.sweep import sweep_files
 from dreambooth.sweep import sweep_rows
@@ -73,7 +74,7 @@ def parse_args(argv=None):
                      "('photo of <token> <class>', 'photo of a <class>') and class images.")
     parser.config_fallback = planning.train_parser()  # a config file may hold train.py's flags too
     args, train_flags = parser.parse_known_args(argv)
-    modelcache.resolve_models(args)
+    model_flags.resolve_models(args)
     if (args.subjects_dir is None) == (args.instance_data_dir is None):
         parser.error("give --instance_data_dir (one subject) or --subjects_dir (many)")
     if args.instance_data_dir and not args.class_name:

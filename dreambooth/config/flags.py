@@ -30,7 +30,7 @@ def storage_location(value):
 
 def model_path(value):
     """A model folder, or a short or hub name (sd15, CompVis/stable-diffusion-v1-4), as given: parsing
-    never fetches; cache_model.resolve_models turns the names into folders after the parse."""
+    never fetches; planning.model_flags.resolve_models turns the names into folders after the parse."""
     return value
 
 

@@ -31,16 +31,16 @@ class LossOptions:
     guidance_scale: float = None  # --guidance_scale resolved: the denoiser's guidance input (family.guided_training)
 
 
-def check_flags(args, family):
+def check_flags(family, snr_gamma, precondition_outputs, weighting_scheme):
     """UserError for a loss flag of the other objective: --snr_gamma weighs DDPM timesteps,
     --weighting_scheme (and its --logit_*/--mode_scale) draws flow-matching ones."""
-    if family.flow_matching and args.snr_gamma:
+    if family.flow_matching and snr_gamma:
         raise errors.UserError(f"--snr_gamma weighs the timesteps of a denoising model; {family.label} is trained by "
                                "flow matching: use --weighting_scheme (logit_normal, mode, cosmap) instead")
-    if not family.flow_matching and args.precondition_outputs is not None:
+    if not family.flow_matching and precondition_outputs is not None:
         raise errors.UserError(f"--precondition_outputs is for flow-matching models (SD 3.5, Flux.1); {family.label} "
                                "predicts its scheduler's target directly")
-    if not family.flow_matching and args.weighting_scheme:
+    if not family.flow_matching and weighting_scheme:
         raise errors.UserError(f"--weighting_scheme is for flow-matching models (SD 3.5, Flux.1); {family.label} is "
                                "trained to denoise: use --snr_gamma to weigh its timesteps")
 

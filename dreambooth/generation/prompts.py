@@ -75,11 +75,11 @@ def read_prompt_file(path):
     return found
 
 
-def prompts_of(args):
+def prompts_of(prompts, prompts_file):
     """The prompts of --prompts (each value one prompt, commas and all) and --prompts_file, once each."""
-    given = list(args.prompts or [])
-    if args.prompts_file:
-        given += read_prompt_file(args.prompts_file)
+    given = list(prompts or [])
+    if prompts_file:
+        given += read_prompt_file(prompts_file)
     if not given:
         raise errors.UserError("give the prompts: --prompts 'photo of a dog' (repeat the flag for several) "
                                "or --prompts_file FILE (one per line)")

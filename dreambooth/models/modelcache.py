@@ -1,7 +1,7 @@
 """The one model cache: where base models and the scoring models live (HF_HOME's hub cache, or a
 bucket's copy on this node), a hub name or short name resolved to its pinned snapshot there, a download
 into it, random models written into it under their own hub names. Every script resolves its model
-flags here (resolve_models); cache_model.py fills the cache."""
+names here (resolve_model_name); cache_model.py fills the cache."""
 
 import hashlib
 import os
@@ -105,19 +105,6 @@ def resolve_model_name(value, cache_dir=None):
     path = download_model(local, name, revision)
     to_bucket(path, cache_dir)
     return path
-
-
-MODEL_FLAGS = ("model_dir", "base_model_dir")  # the flags that take a model folder or name (flags.model_path)
-
-
-def resolve_models(args):
-    """args with each model flag's short or hub name made the model's folder (resolve_model_name: found
-    in the caches, else fetched once), after the parse and before anything reads them."""
-    for name in MODEL_FLAGS:
-        value = getattr(args, name, None)
-        if value:
-            setattr(args, name, resolve_model_name(value))
-    return args
 
 
 def cached_main(cache_dir, model_name, revision):
@@ -266,10 +253,11 @@ def convert_to_safetensors(pickled, target):
     print(f"converted {pickled} to {target}", file=sys.stderr)
 
 
-def cache_eval_models(cache_dir, args):
-    """cache_dir/eval-models(-tiny): dino/ and clip/ as evaluate.py reads them, and eval_models.json
-    naming each model and the commit it came from. The downloaded ones link into the hub cache."""
-    if args.tiny:
+def cache_eval_models(cache_dir, tiny, dino, clip, allow_unsafe_weights=False):
+    """cache_dir/eval-models(-tiny): dino/ and clip/ as evaluate.py reads them (dino, clip: (hub name, revision);
+    tiny: random tiny ones instead), and eval_models.json naming each model and the commit it came from. The
+    downloaded ones link into the hub cache."""
+    if tiny:
         folder = os.path.join(cache_dir, "eval-models-tiny")
         if not all(has_weights(os.path.join(folder, part)) for part in ("dino", "clip")):
             files.atomic_write_dir(folder, random_models.build_tiny_eval_models)
@@ -277,9 +265,8 @@ def cache_eval_models(cache_dir, args):
     folder = os.path.join(cache_dir, "eval-models")
     os.makedirs(folder, exist_ok=True)
     record = {}
-    for part, name, revision in (("dino", args.dino_model, args.dino_revision),
-                                 ("clip", args.clip_model, args.clip_revision)):
-        snapshot = download_eval_model(cache_dir, name, revision, args.allow_unsafe_weights)
+    for part, (name, revision) in (("dino", dino), ("clip", clip)):
+        snapshot = download_eval_model(cache_dir, name, revision, allow_unsafe_weights)
         link = os.path.join(folder, part)
         tmp = link + files.TEMP_MARK
         if os.path.lexists(tmp):

@@ -46,9 +46,9 @@ class LoraSettings:
     alpha: float
 
     @classmethod
-    def of(cls, args):
-        """Those of parsed flags or a Plan, or None without --use_lora."""
-        return cls(args.lora_rank, args.lora_alpha) if args.use_lora else None
+    def of(cls, use_lora, rank, alpha):
+        """Those of --use_lora, --rank and --lora_alpha, or None without --use_lora."""
+        return cls(rank, alpha) if use_lora else None
 
     @classmethod
     def from_record(cls, record):
@@ -80,7 +80,7 @@ class TrainRecord:
     def of_plan(cls, plan):
         """The record of a model saved now at the plan's end step, with a new model id."""
         return cls(plan.model_dir, plan.end_step, plan.instance_prompt, plan.class_prompt, plan.vae_dir,
-                   LoraSettings.of(plan), plan.ema_decay if plan.use_ema else None, tuple(plan.held_out),
+                   LoraSettings.of(plan.use_lora, plan.lora_rank, plan.lora_alpha), plan.ema_decay if plan.use_ema else None, tuple(plan.held_out),
                    new_model_id(), plan.run_name, plan.identity,
                    runfiles.read_record(plan.run_dir) or None)
 

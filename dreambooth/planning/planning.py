@@ -17,10 +17,10 @@ from dreambooth import files
 from dreambooth import storage
 from dreambooth.config import flags
 from dreambooth.families import objectives
-from dreambooth.models import modelcache
 from dreambooth.models import outputs
 from dreambooth.planning import checkpoints
 from dreambooth.planning import inputs
+from dreambooth.planning import model_flags
 from dreambooth.planning import resources
 from dreambooth.planning import run_identity
 from dreambooth.planning import vae_cache
@@ -224,7 +224,7 @@ def parse_given(argv=None, description=None):
     """(parser, the flags as given): model names made folders, nothing worked out yet; parser.given
     names the flags the user set."""
     parser = train_parser(description)
-    return parser, modelcache.resolve_models(parser.parse_args(argv))
+    return parser, model_flags.resolve_models(parser.parse_args(argv))
 
 
 def derive(given, parser):
@@ -305,7 +305,7 @@ def plan_run(args, cluster_resources, draw_class_images=None, stop_step=None):
     """
     families.check_model_dir(args.model_dir, args.allow_unsafe_weights)
     family = families.require(args.model_dir, "train")
-    objectives.check_flags(args, family)
+    objectives.check_flags(family, args.snr_gamma, args.precondition_outputs, args.weighting_scheme)
     args = vae_cache.resolved(args)
     files.check_output_path(args.output_dir, "--output_dir", [
         ("--pretrained_model_name_or_path", args.model_dir), ("--instance_data_dir", args.instance_data_dir),
