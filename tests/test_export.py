@@ -6,7 +6,9 @@ from conftest import modes_not_as_umask
 from safetensors import safe_open
 
 from dreambooth import errors
+from dreambooth import families
 from dreambooth.commands import export
+from dreambooth.families import layouts
 
 
 def tuned_copy(base_model, folder):
@@ -149,8 +151,8 @@ def test_unet_and_vae_names_are_those_of_the_original_sd_1_checkpoints():
                                 up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3)
     vae = AutoencoderKL(block_out_channels=(8, 16, 32, 32), layers_per_block=2, norm_num_groups=8,
                         down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4)
-    unet_keys = export.rename(unet.state_dict(), export.unet_prefixes(unet.config), "UNet")
-    vae_keys = export.rename(vae.state_dict(), export.vae_prefixes(vae.config), "VAE")
+    unet_keys = families.FAMILIES["sd1"].single_file_denoiser(unet)
+    vae_keys = families.FAMILIES["sd1"].single_file_vae(vae)
     assert len(unet_keys) == len(unet.state_dict()) and len(vae_keys) == len(vae.state_dict())
     for key in ("time_embed.2.weight", "input_blocks.1.1.transformer_blocks.0.attn1.to_q.weight",
                 "input_blocks.3.0.op.weight", "input_blocks.7.0.skip_connection.weight", "input_blocks.11.0.emb_layers.1.weight",
@@ -167,7 +169,7 @@ def test_unet_and_vae_names_are_those_of_the_original_sd_1_checkpoints():
 
 def test_a_weight_with_no_original_name_is_an_error():
     with pytest.raises(errors.UserError, match="no original-layout name for the UNet weight add_embedding"):
-        export.rename({"add_embedding.linear_1.weight": torch.zeros(1)}, export.unet_prefixes(
+        layouts.rename({"add_embedding.linear_1.weight": torch.zeros(1)}, layouts.unet_prefixes(
             {"layers_per_block": 1, "up_block_types": ("UpBlock2D",)}), "UNet")
 
 

@@ -13,6 +13,7 @@ family is asked its name and label by a `--help` or a one-line error that never 
 import os
 
 from dreambooth import files
+from dreambooth.families import layouts
 from dreambooth.families import objectives
 
 
@@ -24,12 +25,6 @@ def part_config(model_dir, part):
 def vae_scale(model_dir):
     """How many pixels a latent pixel of the model's VAE covers, per side."""
     return 2 ** (len(part_config(model_dir, "vae")["block_out_channels"]) - 1)
-
-
-def kohya_text_module(prefix, module):
-    """kohya's name of a text encoder's LoRA module (peft's name, with or without text_model.): prefix
-    (lora_te_, lora_te1_, ...) and text_model_<module path with underscores>."""
-    return prefix + (module if module.startswith("text_model.") else "text_model." + module).replace(".", "_")
 
 
 def kohya_lora_tensors(groups, alpha_of, order_of, widths=None):
@@ -241,17 +236,20 @@ class Family:
 
         return convert_state_dict_to_diffusers(peft_layers)
 
-    # --- export (export.py)
+    # --- export (export.py): a LoRA in kohya's layout, a full model as one original-layout file
     def kohya_lora(self, state_dict, alphas, model_dir):
-        """{kohya key: tensor} of a LoRA file's tensors, when the family has a layout of its own (Flux.1);
-        None: export.py's UNet layout (lora_unet_<module>, lora_te_/lora_te1_/lora_te2_)."""
-        return None
-
-    # --- export (export.py's original single-file layout)
-    def single_file_denoiser(self, denoiser):
-        """{original key under model.diffusion_model.: tensor} of a transformer family's denoiser (the UNet
-        families' is export.py's own renaming)."""
+        """{kohya key: tensor} of a LoRA file's tensors (alphas {network: alpha}) in the family's kohya layout
+        (the UNet families': layouts.unet_kohya_lora; a transformer's: its own)."""
         raise NotImplementedError
+
+    def single_file_denoiser(self, denoiser):
+        """{original key under model.diffusion_model.: tensor} of the family's denoiser (the UNet families':
+        layouts.unet_prefixes; a transformer's: its own)."""
+        raise NotImplementedError
+
+    def single_file_vae(self, vae):
+        """{original key under first_stage_model.: tensor} of the VAE (every family's AutoencoderKL: one layout)."""
+        return layouts.rename(vae.state_dict(), layouts.vae_prefixes(vae.config), "VAE")
 
     def single_file_text_encoders(self, weights):
         """{original key: tensor} of the text encoders, weights: one {text_model.* key: tensor} per encoder."""

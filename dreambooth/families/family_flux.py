@@ -9,6 +9,7 @@ sigmas; 1024 px; no safety checker and no negative prompt.
 from dreambooth.families import family
 from dreambooth.families import family_sd1
 from dreambooth.families import family_sd3
+from dreambooth.families import layouts
 from dreambooth.families import objectives
 
 T5_MAX_LENGTH = 512  # T5's tokens, in training and drawing (diffusers' Flux scripts' --max_sequence_length default)
@@ -173,7 +174,7 @@ class Flux(family.Family):
         width = config["num_attention_heads"] * config["attention_head_dim"]
 
         def module_of(network, module):
-            return (family.kohya_text_module("lora_te1_", module), None) if network == "text_encoder" else \
+            return (layouts.kohya_text_module("lora_te1_", module), None) if network == "text_encoder" else \
                 kohya_module(module)
 
         return family.kohya_lora_tensors(

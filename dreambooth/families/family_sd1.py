@@ -3,6 +3,7 @@ condition the UNet; PNDM at 512 px; a safety checker; the original single file's
 cond_stage_model.transformer.* in transformers' names. SD 2.x and SDXL build on it."""
 
 from dreambooth.families import family
+from dreambooth.families import layouts
 
 
 def clip_text_encoder(cls, spec, tokenizer, act, **extra):
@@ -110,8 +111,19 @@ class SD1(family.Family):
         return StableDiffusionPipeline(tokenizer=tokenizer, scheduler=self.scheduler(betas), safety_checker=checker,
                                        feature_extractor=processor, requires_safety_checker=safety_checker, **nets)
 
+    # --- export: the UNet families' layouts (layouts.py), the text encoders' prefixes their own
+    kohya_text_prefixes = {"text_encoder": "lora_te_"}  # kohya's names of its text encoders' LoRA modules
+    unet_extra_prefixes = ()  # (diffusers prefix, original prefix, renames inside) beyond SD 1.x's UNet
+
+    def single_file_denoiser(self, unet):
+        prefixes = layouts.unet_prefixes(unet.config) + list(self.unet_extra_prefixes)
+        return layouts.rename(unet.state_dict(), prefixes, "UNet")
+
     def single_file_text_encoders(self, weights):
         return {"cond_stage_model.transformer." + k: t for k, t in weights[0].items()}
+
+    def kohya_lora(self, state_dict, alphas, model_dir):
+        return layouts.unet_kohya_lora(state_dict, alphas, self.kohya_text_prefixes)
 
 
 FAMILY = SD1()

@@ -9,6 +9,7 @@ import string
 
 from dreambooth.families import family
 from dreambooth.families import family_sd1
+from dreambooth.families import layouts
 from dreambooth.families import objectives
 
 T5_MAX_LENGTH = 77  # T5's tokens in training (diffusers' SD3 scripts' --max_sequence_length default)
@@ -225,7 +226,7 @@ class SD3(family.Family):
 
         def module_of(network, module):
             if network != self.denoiser:
-                return family.kohya_text_module(prefixes[network], module), None
+                return layouts.kohya_text_module(prefixes[network], module), None
             original, part = original_module(module)
             return "lora_unet_" + original.replace(".", "_"), part
 

@@ -111,6 +111,10 @@ class SDXL(family_sd1.SD1):
         return StableDiffusionXLPipeline(tokenizer=tokenizer, tokenizer_2=tokenizer, scheduler=self.scheduler(betas),
                                          **nets)
 
+    kohya_text_prefixes = {"text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}
+    # its pooled text and size/crop embedding
+    unet_extra_prefixes = (("add_embedding.linear_1.", "label_emb.0.0.", {}), ("add_embedding.linear_2.", "label_emb.0.2.", {}))
+
     def single_file_text_encoders(self, weights):
         return {**{"conditioner.embedders.0.transformer." + k: t for k, t in weights[0].items()},
                 **family_sd2.open_clip_text_encoder(weights[1], "conditioner.embedders.1.model.")}

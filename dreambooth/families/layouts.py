@@ -1,0 +1,120 @@
+"""The original single-file layouts the other tools read (A1111, ComfyUI, kohya's sd-scripts), shared by the
+families: the key maps of a UNet (SD 1.x, 2.x, SDXL) and of the VAE every family has, and kohya's names of a UNet
+family's LoRA. Each family's own layout (a transformer's) is in its module; export.py asks the family."""
+
+import re
+
+from dreambooth import errors
+
+# Inside a UNet resnet, a VAE resnet and the VAE's attention: diffusers name -> original name.
+UNET_RESNET = {"norm1": "in_layers.0", "conv1": "in_layers.2", "norm2": "out_layers.0", "conv2": "out_layers.3",
+               "time_emb_proj": "emb_layers.1", "conv_shortcut": "skip_connection"}
+VAE_RESNET = {"conv_shortcut": "nin_shortcut"}
+VAE_ATTENTION = {"group_norm": "norm", "to_q": "q", "to_k": "k", "to_v": "v", "to_out.0": "proj_out"}
+# The original VAE attention projects with 1x1 convolutions where diffusers uses linear layers.
+VAE_CONV_1X1 = ("q", "k", "v", "proj_out")
+
+
+def unet_prefixes(config):
+    """[(diffusers prefix, original prefix, renames inside)] of an SD 1.x UNet of this config.
+
+    The original numbers its blocks in one sequence per side: input_blocks 0 is conv_in, then each
+    level's layers_per_block (resnet, attention) pairs and its downsampler; output_blocks hold each
+    level's layers_per_block + 1 pairs, the upsampler after the last pair's attention (if any).
+    """
+    per_level = config["layers_per_block"] + 1
+    prefixes = [("time_embedding.linear_1.", "time_embed.0.", {}), ("time_embedding.linear_2.", "time_embed.2.", {}),
+                ("conv_in.", "input_blocks.0.0.", {}), ("conv_norm_out.", "out.0.", {}), ("conv_out.", "out.2.", {}),
+                ("mid_block.resnets.0.", "middle_block.0.", UNET_RESNET),
+                ("mid_block.attentions.0.", "middle_block.1.", {}),
+                ("mid_block.resnets.1.", "middle_block.2.", UNET_RESNET)]
+    for level, up_type in enumerate(config["up_block_types"]):
+        for j in range(per_level - 1):
+            block = 1 + level * per_level + j
+            prefixes += [(f"down_blocks.{level}.resnets.{j}.", f"input_blocks.{block}.0.", UNET_RESNET),
+                         (f"down_blocks.{level}.attentions.{j}.", f"input_blocks.{block}.1.", {})]
+        downsampler = f"input_blocks.{(level + 1) * per_level}.0.op."
+        prefixes.append((f"down_blocks.{level}.downsamplers.0.conv.", downsampler, {}))
+        for j in range(per_level):
+            block = level * per_level + j
+            prefixes += [(f"up_blocks.{level}.resnets.{j}.", f"output_blocks.{block}.0.", UNET_RESNET),
+                         (f"up_blocks.{level}.attentions.{j}.", f"output_blocks.{block}.1.", {})]
+        upsampler = f"output_blocks.{level * per_level + per_level - 1}.{2 if 'CrossAttn' in up_type else 1}.conv."
+        prefixes.append((f"up_blocks.{level}.upsamplers.0.conv.", upsampler, {}))
+    return prefixes
+
+
+def vae_prefixes(config):
+    """[(diffusers prefix, original prefix, renames inside)] of an SD 1.x VAE (AutoencoderKL).
+    The original counts the decoder's levels from the bottom: diffusers' up_blocks 0 is its up.<last>."""
+    levels = len(config["down_block_types"])
+    prefixes = [(name, name, {}) for name in ("encoder.conv_in.", "encoder.conv_out.", "decoder.conv_in.",
+                                              "decoder.conv_out.", "quant_conv.", "post_quant_conv.")]
+    for part in ("encoder", "decoder"):
+        prefixes += [(f"{part}.conv_norm_out.", f"{part}.norm_out.", {}),
+                     (f"{part}.mid_block.resnets.0.", f"{part}.mid.block_1.", VAE_RESNET),
+                     (f"{part}.mid_block.resnets.1.", f"{part}.mid.block_2.", VAE_RESNET),
+                     (f"{part}.mid_block.attentions.0.", f"{part}.mid.attn_1.", VAE_ATTENTION)]
+    for level in range(levels):
+        up = levels - 1 - level
+        prefixes += [(f"encoder.down_blocks.{level}.resnets.", f"encoder.down.{level}.block.", VAE_RESNET),
+                     (f"encoder.down_blocks.{level}.downsamplers.0.", f"encoder.down.{level}.downsample.", {}),
+                     (f"decoder.up_blocks.{level}.resnets.", f"decoder.up.{up}.block.", VAE_RESNET),
+                     (f"decoder.up_blocks.{level}.upsamplers.0.", f"decoder.up.{up}.upsample.", {})]
+    return prefixes
+
+
+def rename(state_dict, prefixes, what):
+    """{original key: tensor}: each key's longest matching diffusers prefix replaced, then the
+    renames inside it applied to whole name segments. A key no prefix covers is an error: a
+    weight left behind would load as random in the other tools."""
+    prefixes = sorted(prefixes, key=lambda p: -len(p[0]))
+    out = {}
+    for key, tensor in state_dict.items():
+        match = next((p for p in prefixes if key.startswith(p[0])), None)
+        if match is None:
+            raise errors.UserError(f"export: no original-layout name for the {what} weight {key}: "
+                                   "only SD 1.x, 2.x and SDXL architectures are supported")
+        old, new, inside = match
+        rest = "." + key[len(old):]
+        for a, b in inside.items():
+            rest = rest.replace(f".{a}.", f".{b}.")
+        if inside is VAE_ATTENTION and rest.endswith(".weight") and rest[1:-len(".weight")] in VAE_CONV_1X1 \
+                and tensor.ndim == 2:
+            tensor = tensor[:, :, None, None]
+        out[new + rest[1:]] = tensor
+    return out
+
+
+# Keys of pytorch_lora_weights.safetensors as diffusers writes them (older and PEFT spellings).
+LORA_KEY = re.compile(r"^(unet|text_encoder|text_encoder_2)\.(.+)\.(lora\.down|lora\.up|lora_linear_layer\.down|"
+                      r"lora_linear_layer\.up|lora_A|lora_B)\.weight$")
+
+
+def kohya_text_module(prefix, module):
+    """kohya's name of a text encoder's LoRA module (peft's name, with or without text_model.): prefix
+    (lora_te_, lora_te1_, ...) and text_model_<module path with underscores>."""
+    return prefix + (module if module.startswith("text_model.") else "text_model." + module).replace(".", "_")
+
+
+def unet_kohya_lora(state_dict, alphas, text_prefixes):
+    """{kohya key: tensor} of the UNet families' LoRA: lora_unet_<module>.lora_down/lora_up.weight and .alpha, text
+    encoder modules as <prefix>text_model_<module> (text_prefixes {network: prefix}: SD 1.x's lora_te_, which A1111
+    and ComfyUI map, SDXL's lora_te1_ and lora_te2_)."""
+    import torch
+
+    prefixes = {"unet": "lora_unet_", **text_prefixes}
+    out = {}
+    for key, tensor in state_dict.items():
+        match = LORA_KEY.match(key)
+        if match is None or match.group(1) not in prefixes:
+            raise errors.UserError(f"export: {key} is not a LoRA weight of the UNet or text encoder")
+        model, module, kind = match.groups()
+        name = prefixes[model] + module.replace(".", "_") if model == "unet" else \
+            kohya_text_module(prefixes[model], module)
+        direction = "down" if kind.endswith(("down", "lora_A")) else "up"
+        out[f"{name}.lora_{direction}.weight"] = tensor
+        if direction == "down":
+            # kohya scales each module by alpha / rank; without an alpha every loader assumes alpha = rank.
+            out[f"{name}.alpha"] = torch.tensor(float(alphas.get(model, tensor.shape[0])))
+    return out
