@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 
+from dreambooth import families
 from dreambooth.config.flaggroups import GROUP_OF
 from dreambooth.config.flaggroups import HELP_GROUPS
 
@@ -114,23 +115,25 @@ def one_prompt(value):
 # folder for cache_model.py (name cache_dir) and the model folder elsewhere (model_dir);
 # --revision is the model's commit for cache_model.py (revision) and the dataset's for
 # download_example_dataset.py (dataset_revision), whose --cache_dir is hub_cache_dir.
+# The short names of the base models, as the families list them (Family.known_models), and the gated ones.
+SHORT_NAMES = ", ".join(model.short_name for model in families.KNOWN_MODELS)
+GATED = ", ".join(model.short_name for model in families.KNOWN_MODELS if model.gated)
 FLAGS = {
     # --- models and folders
     "model_dir": (("--pretrained_model_name_or_path", "--model_dir"),
         dict(type=model_path, required=True, metavar="DIR|NAME",
              help="The base model: a diffusers folder (the path cache_model.py prints), a hub name "
-                  "(CompVis/stable-diffusion-v1-4) or a short name (sd14, sd15, sd21-base, sd21, sdxl, flux-dev, "
-                  "flux-schnell, sd35-medium, sd35-large), found in the hub cache (offline works) or fetched once, "
-                  "pinned, safetensors only (flux-dev and sd35-*: gated, a hub token needed; README, 'Models').")),
+                  f"(CompVis/stable-diffusion-v1-4) or a short name ({SHORT_NAMES}), found in the hub cache (offline "
+                  f"works) or fetched once, pinned, safetensors only ({GATED}: gated, a hub token needed; README, "
+                  "'Models').")),
     "cache_dir": (("--model_dir", "--cache_dir"),
         dict(dest="cache_dir", type=storage_location, default=None, metavar="DIR|URI",
              help="Hub cache folder to download the model into. Default: the one model cache every script "
                   "reads, ORIG_MODEL_DIR, else $DATA_PREFIX/model-orig, else data/model-orig here. A bucket's "
                   "folder (s3://bucket/prefix, gs://…): cached on this node, copied there once, its URI printed.")),
     "model_name": (("--model_name",),
-        dict(default="sd14", help="The base model: a short name (sd14, sd15, sd21-base, sd21, sdxl, flux-dev, "
-                                  "flux-schnell, sd35-medium, sd35-large; tiny: the built-in tiny random model, as "
-                                  "--tiny) or a hub repository. flux-dev and sd35-*: gated, fetched with your hub "
+        dict(default="sd14", help=f"The base model: a short name ({SHORT_NAMES}; tiny: the built-in tiny random "
+                                  f"model, as --tiny) or a hub repository. {GATED}: gated, fetched with your hub "
                                   "token (`hf auth login` or HF_TOKEN; README, 'Models').")),
     "revision": (("--revision",),
         dict(default=None,

@@ -7,6 +7,7 @@ provides is family.Family; each is one module (family_sd1.py, family_sd2.py, fam
 family_sd3.py, family_flux.py). A later family is one more module and one more entry here.
 """
 
+import dataclasses
 import os
 
 from dreambooth import errors
@@ -22,6 +23,9 @@ from dreambooth.families.family import part_config
 FAMILIES = {f.name: f for f in (family_sd1.FAMILY, family_sd2.FAMILY, family_sdxl.FAMILY, family_sd3.FAMILY,
                                       family_flux.FAMILY)}
 ARCHS = {f.arch: f for f in FAMILIES.values()}  # the --arch names of the random models built here
+# The base models known by short name: each family's own list (not one it inherits), in the table's order
+KNOWN_MODELS = tuple(dataclasses.replace(model, family=name) for name, f in FAMILIES.items()
+                     for model in vars(type(f)).get("known_models", ()))
 ACTIONS = {"draw": "drawing images with", "train": "training", "export": "exporting",
            "export_lora": "exporting LoRA adapters of"}
 

@@ -103,6 +103,9 @@ class Family:
     released_params = {}  # parameter counts of the released networks ({subfolder: count}), for memory.py
     released_size = None  # flow-matching families: the own size (own_sizes) of the released model memory.py counts
     text_tokens = 77  # the text states' length in training (activations.py)
+    known_models = ()  # its base models known by short name (known.KnownModel), pinned: families.KNOWN_MODELS
+    # docs/MEMORY.md's flow table (memory.py): (model, its own full size, LoRA resolutions, --fsdp worker counts)
+    memory_rows = ()
 
     # --- random models built here (cache_model.py --tiny/--random_model --arch <arch>)
     arch = ""  # the --arch name of its random models

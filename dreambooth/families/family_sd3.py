@@ -9,6 +9,7 @@ import string
 
 from dreambooth.families import family
 from dreambooth.families import family_sd1
+from dreambooth.families import known
 from dreambooth.families import layouts
 from dreambooth.families import objectives
 
@@ -278,6 +279,15 @@ class SD3(family.Family):
         return StableDiffusion3Pipeline(tokenizer=tokenizer, tokenizer_2=tokenizer, tokenizer_3=tiny_t5_tokenizer(),
                                         scheduler=FlowMatchEulerDiscreteScheduler(shift=self.random_arch["shift"]),
                                         **nets)
+
+    # The base models of this family the suite knows by short name (families.KNOWN_MODELS)
+    memory_rows = (("SD 3.5 large", "sd35-large", (1024,), (4,)), ("SD 3.5 medium", "sd35-medium", (1024,), ()))
+    known_models = (
+        known.KnownModel("sd35-medium", "stabilityai/stable-diffusion-3.5-medium", "b940f670f0eda2d07fbb75229e779da1ad11eb80",
+                         1024, "flow", 16.3, gated=True),
+        known.KnownModel("sd35-large", "stabilityai/stable-diffusion-3.5-large", "ceddf0a7fdf2064ea28e2213e3b84e4afa170a0f",
+                         1024, "flow", 27.5, gated=True),
+    )
 
 
 FAMILY = SD3()

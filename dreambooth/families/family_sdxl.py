@@ -6,6 +6,7 @@ encoders under conditioner.embedders.0 (transformers' names) and .1 (OpenCLIP's)
 
 from dreambooth.families import family_sd1
 from dreambooth.families import family_sd2
+from dreambooth.families import known
 
 
 class SDXL(family_sd1.SD1):
@@ -118,6 +119,14 @@ class SDXL(family_sd1.SD1):
     def single_file_text_encoders(self, weights):
         return {**{"conditioner.embedders.0.transformer." + k: t for k, t in weights[0].items()},
                 **family_sd2.open_clip_text_encoder(weights[1], "conditioner.embedders.1.model.")}
+
+    # The base models of this family the suite knows by short name (families.KNOWN_MODELS)
+    known_models = (
+        # UNet 10.3 GB, text encoders 0.5 + 2.8 GB, vae/ and vae_1_0/ 0.3 GB each (fp32; the fp16 variants
+        # and the single-file checkpoints at the repository's root are not fetched)
+        known.KnownModel("sdxl", "stabilityai/stable-diffusion-xl-base-1.0", "462165984030d82259a11f4367a4eed129e94a7b", 1024,
+                         "epsilon", 14.2),
+    )
 
 
 FAMILY = SDXL()

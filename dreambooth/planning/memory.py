@@ -219,17 +219,15 @@ def table():
 # over a bf16, int8 or nf4 base; and the full fine-tunes that fit one card at best.
 _LORA = Setup(lora=True, gradient_checkpointing=True, batch=1, train_text_encoder=False)
 _FULL = Setup(gradient_checkpointing=True, use_8bit_adam=True, batch=1, train_text_encoder=False)
+# The models are those each family names (Family.memory_rows).
+_MODELS = [(model, name, size, sizes, shards) for name, f in families.FAMILIES.items()
+           for model, size, sizes, shards in f.memory_rows]
 FLOW_ROWS = tuple(
     [(model, family, size, px, dataclasses.replace(_LORA, base_precision=base))
-     for model, family, size, sizes in (("Flux.1 dev", "flux", "flux-dev", (512, 1024)),
-                                        ("SD 3.5 large", "sd3", "sd35-large", (1024,)),
-                                        ("SD 3.5 medium", "sd3", "sd35-medium", (1024,)))
-     for px in sizes for base in (None, "int8", "nf4")]
-    + [(model, family, size, 1024, _FULL) for model, family, size in (
-        ("SD 3.5 medium", "sd3", "sd35-medium"), ("SD 3.5 large", "sd3", "sd35-large"), ("Flux.1 dev", "flux", "flux-dev"))]
-    + [(model, family, size, 1024, dataclasses.replace(_FULL, shards=shards, use_8bit_adam=False)) for model, family, size, shards in (
-        ("SD 3.5 large", "sd3", "sd35-large", 4), ("Flux.1 dev", "flux", "flux-dev", 4),
-        ("Flux.1 dev", "flux", "flux-dev", 8))])
+     for model, family, size, sizes, _ in _MODELS for px in sizes for base in (None, "int8", "nf4")]
+    + [(model, family, size, 1024, _FULL) for model, family, size, _, _ in _MODELS]
+    + [(model, family, size, 1024, dataclasses.replace(_FULL, shards=count, use_8bit_adam=False))
+       for model, family, size, _, shards in _MODELS for count in shards])
 
 
 @functools.lru_cache(maxsize=8)
