@@ -78,7 +78,7 @@ def cache_here(args):
                                               (args.clip_model, args.clip_revision), args.allow_unsafe_weights)
         return folder, "clip/config.json" if args.tiny else "eval_models.json"
     if args.tiny or args.random_model:
-        path = modelcache.write_random_model(args.cache_dir, args.random_model or "tiny", args.arch or "sd1")
+        path = modelcache.write_random_model(args.cache_dir, args.random_model or "tiny", args.arch)
     else:
         if known_models.known_model(args.model_name) is None and args.revision is None:
             names = ", ".join(m.short_name for m in known_models.KNOWN_MODELS)

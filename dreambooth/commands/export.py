@@ -89,8 +89,10 @@ def lora_checkpoint(lora_dir):
     if family is None and any(key.startswith("transformer.") for key in state_dict):
         raise errors.UserError(f"the base model of the LoRA adapters in {lora_dir} ({base or 'not recorded'}) is not "
                                "here, and a transformer's layout is its family's: cache it (cache_model.py) first")
-    if family is None:  # UNet adapters whose base is not here: SDXL's layout if they adapt two text encoders
-        family = families.FAMILIES["sdxl" if any(k.startswith("text_encoder_2.") for k in state_dict) else "sd1"]
+    if family is None:  # UNet adapters whose base is not here: the first UNet family that names their text encoders
+        adapted = {key.split(".")[0] for key in state_dict} - {"unet"}
+        family = next(f for f in families.FAMILIES.values()
+                      if f.denoiser == "unet" and adapted <= set(f.kohya_text_prefixes))
     return family.kohya_lora(state_dict, alphas, base)
 
 

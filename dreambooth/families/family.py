@@ -104,6 +104,9 @@ class Family:
     released_size = None  # flow-matching families: the own size (own_sizes) of the released model memory.py counts
     text_tokens = 77  # the text states' length in training (activations.py)
     known_models = ()  # its base models known by short name (known.KnownModel), pinned: families.KNOWN_MODELS
+    kohya_text_prefixes = {}  # the UNet families': kohya's prefix of each text encoder's LoRA modules
+    measured_memory = ()  # (memory.Setup fields that differ, GiB per worker) measured on a GPU: docs/MEMORY.md
+    known_vaes = {}  # the VAEs of its own people train it with, pinned: {hub name: commit} (vae_cache.py)
     # docs/MEMORY.md's flow table (memory.py): (model, its own full size, LoRA resolutions, --fsdp worker counts)
     memory_rows = ()
 

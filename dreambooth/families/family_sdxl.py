@@ -112,6 +112,7 @@ class SDXL(family_sd1.SD1):
         return StableDiffusionXLPipeline(tokenizer=tokenizer, tokenizer_2=tokenizer, scheduler=self.scheduler(betas),
                                          **nets)
 
+    known_vaes = {"madebyollin/sdxl-vae-fp16-fix": "207b116dae70ace3637169f1ddd2434b91b3a8cd"}  # fp16 without NaNs
     kohya_text_prefixes = {"text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}
     # its pooled text and size/crop embedding
     unet_extra_prefixes = (("add_embedding.linear_1.", "label_emb.0.0.", {}), ("add_embedding.linear_2.", "label_emb.0.2.", {}))

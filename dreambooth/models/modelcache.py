@@ -135,15 +135,16 @@ def hub_snapshot_path(cache_dir, model_name, revision):
     return os.path.join(repo_cache_path(cache_dir, model_name), "snapshots", revision)
 
 
-def random_model_id(size, arch="sd1"):
+def random_model_id(size, arch=None):
     """(hub name, revision) of a built random model: the tiny SD 1.x one keeps its historical name,
     another architecture's name says it (tiny-stable-diffusion-2-v); the revision names the
     architecture and the build, so a changed model never reuses an old folder."""
-    family = "" if arch == "sd1" else "-" + arch.replace("sd", "", 1)
+    arch = arch or families.DEFAULT.arch
+    family = "" if arch == families.DEFAULT.arch else "-" + arch.replace("sd", "", 1)
     name = (TINY_MODEL_NAME + family if size == "tiny"
             else f"{RANDOM_MODEL_OWNER}/random-stable-diffusion{family}-{size}")
     build = f"{name} v{RANDOM_MODEL_VERSION} {sorted(random_models.size_spec(size, families.ARCHS[arch]).items())}"
-    if arch != "sd1":
+    if arch != families.DEFAULT.arch:
         build += f" {arch} {sorted(families.ARCHS[arch].random_arch.items())}"
     return name, hashlib.sha1(build.encode()).hexdigest()
 
@@ -156,9 +157,10 @@ def has_random_weights(model_dir):
     return f"models--{RANDOM_MODEL_OWNER}--" in os.path.abspath(model_dir)
 
 
-def write_random_model(cache_dir, size="tiny", arch="sd1"):
+def write_random_model(cache_dir, size="tiny", arch=None):
     """Build a random model of random_models.MODEL_SIZES and a family's random_arch and save it in the hub
     layout (refs/main + snapshots/<revision>), where every script finds it as it finds SD 1.4."""
+    arch = arch or families.DEFAULT.arch
     name, revision = random_model_id(size, arch)
     snapshot = hub_snapshot_path(cache_dir, name, revision)
     # Built from a fixed seed and renamed into place whole: one already there is this model, as a

@@ -43,12 +43,13 @@ def random_sizes():
     return {**dict.fromkeys(MODEL_SIZES), **{size: f for f in families.FAMILIES.values() for size in f.own_sizes}}
 
 
-def build_pipeline(size="tiny", seed=0, safety_checker=False, arch="sd1"):
+def build_pipeline(size="tiny", seed=0, safety_checker=False, arch=None):
     """A randomly initialised pipeline of one of MODEL_SIZES and a family's architecture (its --arch
     name: families.ARCHS), the real diffusers/transformers classes."""
     import torch
     from transformers import CLIPTokenizer
 
+    arch = arch or families.DEFAULT.arch
     torch.manual_seed(seed)
     tokenizer = CLIPTokenizer.from_pretrained(TINY_TOKENIZER_DIR, model_max_length=77)
     nets = build_networks(size, arch, tokenizer)

@@ -369,7 +369,7 @@ def offline_plan(**fields):
     if "family" not in fields:  # the model's own when it is there, else SD 1.x's
         model_dir = fields.get("model_dir", args.model_dir)
         has_model = os.path.isfile(os.path.join(model_dir, "model_index.json"))
-        fields = dict(fields, family=families.family_of(model_dir) if has_model else families.FAMILIES["sd1"])
+        fields = dict(fields, family=families.family_of(model_dir) if has_model else families.DEFAULT)
     return Plan(**{**from_flags, **decided, **fields})
 
 

@@ -1,9 +1,10 @@
-"""A VAE of its own for SDXL (--pretrained_vae_model_name_or_path, e.g. madebyollin/sdxl-vae-fp16-fix): found in
+"""A VAE of its own (--pretrained_vae_model_name_or_path, e.g. SDXL's madebyollin/sdxl-vae-fp16-fix): found in
 the model cache or the hub cache as the base models are (cache_model.py), else fetched once."""
 
 import os
 
 from dreambooth import errors
+from dreambooth import families
 from dreambooth import files
 from dreambooth import hub
 from dreambooth.models import modelcache
@@ -24,8 +25,8 @@ def check_vae_dir(folder, allow_unsafe_weights=False):
     return folder
 
 
-# The VAEs people train SDXL with, pinned as the base models are: {hub name: commit}
-KNOWN_VAES = {"madebyollin/sdxl-vae-fp16-fix": "207b116dae70ace3637169f1ddd2434b91b3a8cd"}
+# The VAEs people train with, pinned as the base models are, as their families list them: {hub name: commit}
+KNOWN_VAES = {name: commit for f in families.FAMILIES.values() for name, commit in f.known_vaes.items()}
 
 
 def resolve_vae(value, allow_unsafe_weights=False, cache_dir=None):
