@@ -365,7 +365,7 @@ for entry in "${VARIABLES[@]}"; do
 done
 # (a webhook URL is a secret: not shown)
 echo "  train.py extra flags: $TRAIN_ARGS ${EXTRA_TRAIN_ARGS[*]:-}" | sed -E 's#(--notify_url[= ])[^ ]+#\1(not shown)#g'
-for folder in "$ORIG_MODEL_DIR" "$TUNED_MODEL_DIR" "$IMAGES_NEW_DIR"; do is_remote "$folder" || mkdir -p "$folder"; done
+is_remote "$ORIG_MODEL_DIR" || mkdir -p "$ORIG_MODEL_DIR"  # (the subject's folders come with its first output)
 
 step "1: cache the base model ($($tiny && echo "the built-in tiny one" || echo "$ORIG_MODEL_NAME"))"
 if $tiny; then
