@@ -1,4 +1,4 @@
-"""Model families (families.py): read from the model's files, and SD 2.x v-prediction end to end
+"""Model families (families/): read from the model's files, and SD 2.x v-prediction end to end
 on the tiny SD 2.x model: train (full and LoRA), resume, generate at its own resolution."""
 
 import json

@@ -147,7 +147,7 @@ def test_lora_dir_applies_the_adapters_at_their_scale(lora_output, tiny_model):
 @pytest.mark.slow
 def test_one_pool_draws_several_models_each_with_its_weights_adapters_and_checker(
         ray_session, tiny_model, lora_output, checked_model, tmp_path, capsys):
-    """evaluate.run and the sweep draw every model's images on one pool: batches that mix models
+    """scoring.run (evaluate.py) and the sweep draw every model's images on one pool: batches that mix models
     must give each row its own model's image, as that model alone would draw it."""
     import torch
 

@@ -1,4 +1,4 @@
-"""models.py: the random SD factory and the training set-up, each option on CPU."""
+"""models/networks.py and random_models.py: the training set-up and the random SD factory, each option on CPU."""
 
 
 import pytest

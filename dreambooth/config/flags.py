@@ -21,7 +21,7 @@ def abs_path(value):
 
 
 def storage_location(value):
-    """A folder, or an object-storage URI (s3://bucket/prefix, gs://…: storage.py) kept as given."""
+    """A folder, or an object-storage URI (s3://bucket/prefix, gs://…: storage/) kept as given."""
     if value.startswith(("s3://", "gs://")):
         if not value.split("://", 1)[1].strip("/"):
             raise argparse.ArgumentTypeError(f"needs a bucket: {value}")

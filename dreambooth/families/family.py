@@ -1,7 +1,7 @@
 """What a model family provides: the one interface the suite asks whatever differs between families.
 
 A family is one module (family_sd1.py, family_sd2.py, family_sdxl.py, family_sd3.py, family_flux.py) with one
-subclass of Family and its instance; families.py holds the table of them and finds a folder's family. Everything else
+subclass of Family and its instance; families/__init__.py holds the table of them and finds a folder's family. Everything else
 asks the family object the Plan carries (plan.family, models.family), never `if family == ...`.
 What a model decides for itself (its prediction type, its native resolution) is read from its own
 configs, not asked here.
@@ -142,14 +142,14 @@ class Family:
         """The step every trained height and width must be a multiple of."""
         raise NotImplementedError
 
-    # --- the networks (models.py)
+    # --- the networks (models/networks.py)
     def load_denoiser(self, load):
         """The denoiser; load(cls, subfolder) is models.from_pretrained with the run's weight rule."""
         from diffusers import UNet2DConditionModel
 
         return load(UNet2DConditionModel, self.denoiser)
 
-    # --- the text side (prompts.py, models.py, steps.py, validation.py)
+    # --- the text side (prompts.py, networks.py, steps.py, validation.py)
     def denoiser_of_config(self, model_dir):
         """The denoiser of model_dir's config, its weights not read: built in torch's default device (under
         torch.device("meta"): the shapes alone)."""

@@ -10,7 +10,7 @@ only when it was drawn by the same model with the same settings:
 
 train.py's outputs are written here too (`save_pipeline`, `save_lora`; a checkpoint as a model: `checkpoint.save_as_model`).
 Generated image folders carry an `ImageRecord` (dreambooth_images.json) naming the model and the
-settings that drew them; generate.top_up decides from it whether a folder's images can be kept.
+settings that drew them; drawing.top_up decides from it whether a folder's images can be kept.
 """
 
 import dataclasses

@@ -154,7 +154,7 @@ class Plan:
 
     @property
     def text_encoded_once(self):
-        """Frozen text encoders whose states are computed once: then they leave the device (models.py)."""
+        """Frozen text encoders whose states are computed once: then they leave the device (models/networks.py)."""
         return not self.train_text_encoder and self.precompute_text_embeddings
 
     @property
