@@ -98,3 +98,15 @@ def test_the_train_record_round_trips_and_reads_older_records(make_plan):
     assert outputs.TrainRecord.of_plan(make_plan()).model_id != record.model_id  # every save its own id
     old = outputs.TrainRecord.from_json({"base_model": "/m", "steps": 10, "retired_key": 1})
     assert (old.base_model, old.steps, old.lora, old.model_id, old.held_out) == ("/m", 10, None, None, ())
+
+
+def test_a_folders_model_is_named_by_its_hub_name_and_short_commit_else_by_its_folder(tiny_model, tmp_path):
+    """The line that refuses to mix images names a hub snapshot as name@commit (its hub-cache path is long and
+    says no more; a Step 3 refusal was 719 characters), any other folder by its path and fingerprint."""
+    hub = outputs.model_fingerprint(tiny_model)
+    name, commit = hub.split("@")
+    record = outputs.ImageRecord(hub, tiny_model, ("p",), 64, 0, 3, 7.5, None)
+    assert record.describe(["model"]) == f"model {name}@{commit[:12]}"
+    copy = str(shutil.copytree(tiny_model, tmp_path / "mine"))
+    local = outputs.ImageRecord(outputs.model_fingerprint(copy), copy, ("p",), 64, 0, 3, 7.5, None)
+    assert local.describe(["model"]) == f"model {copy} ({local.model})" and local.model.startswith("files:")

@@ -262,10 +262,17 @@ class ImageRecord:
         return [f.name for f in dataclasses.fields(self)
                 if f.name != "model_dir" and getattr(self, f.name) != getattr(other, f.name)]
 
+    def model_words(self):
+        """A hub snapshot by its name and short commit (its folder is a long hub-cache path that says no more),
+        any other model by its folder and fingerprint."""
+        if re.fullmatch(r"[\w.-]+/[\w.-]+@[0-9a-f]{40}", self.model):
+            return self.model[:-28]
+        return f"{self.model_dir} ({self.model})"
+
     def describe(self, fields=None):
         """The settings (or only the named fields) in words."""
         prompts = "; ".join(repr(p) for p in self.prompts[:3]) + (" ..." if len(self.prompts) > 3 else "")
-        words = {"model": f"model {self.model_dir} ({self.model})", "prompts": f"prompts {prompts}",
+        words = {"model": f"model {self.model_words()}", "prompts": f"prompts {prompts}",
                  "resolution": f"{self.resolution} px", "seed": f"seed {self.seed}",
                  "num_inference_steps": f"{self.num_inference_steps} steps",
                  "guidance_scale": f"guidance {self.guidance_scale:g}",
