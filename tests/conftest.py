@@ -272,7 +272,7 @@ def toy_images():
 
 @pytest.fixture()
 def make_plan(tiny_model):
-    """make_plan(**fields): a planning.Plan of the tiny model on CPU without files or Ray, with a
+    """make_plan(**fields): a plan.Plan of the tiny model on CPU without files or Ray, with a
     learning rate that visibly moves its weights in a step or two."""
     from dreambooth.planning import planning
 

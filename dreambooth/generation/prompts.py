@@ -56,7 +56,7 @@ def prompt_ids(model_dir, instance_prompts, class_prompt, family=None):
 
 
 def run_prompt_ids(plan):
-    """prompt_ids of a planning.Plan's prompts, tokenised on the workers (the driver does not import
+    """prompt_ids of a plan.Plan's prompts, tokenised on the workers (the driver does not import
     transformers for it, a second of every run's start): "instance" for each of its instance_prompts,
     then the empty prompt with --caption_dropout_rate; "class" with prior preservation."""
     return prompt_ids(plan.model_dir, list(plan.instance_prompts) + ([""] if plan.caption_dropout_rate else []),

@@ -1,7 +1,7 @@
 """The plan of a training run: every setting of train.py, decided once on the driver.
 
 `parse_args` reads the command line and checks flag combinations; `plan_run` checks the inputs against the
-files and the Ray cluster and returns one frozen `Plan`. The driver prints it, builds the data stream from
+files and the Ray cluster and returns one frozen `Plan` (plan.py). The driver prints it, builds the data stream from
 it and hands it to every worker (worker.train_fn); nothing is added to it afterwards."""
 
 import argparse
@@ -21,10 +21,10 @@ from dreambooth.models import outputs
 from dreambooth.planning import checkpoints
 from dreambooth.planning import inputs
 from dreambooth.planning import model_flags
+from dreambooth.planning import plan
 from dreambooth.planning import resources
 from dreambooth.planning import run_identity
 from dreambooth.planning import vae_cache
-from dreambooth.storage import runfiles
 
 TRAIN_FLAGS = [
     "model_dir", "output_dir", "instance_data_dir", "instance_prompt", "caption_extension", "holdout",
@@ -43,163 +43,6 @@ TRAIN_FLAGS = [
     "gradient_checkpointing", "cache_latents", "precompute_text_embeddings", "channels_last", "fused_adamw",
     "torch_compile", "fsdp", "allow_tf32", "num_class_images", "set_grads_to_none",
     "enable_xformers_memory_efficient_attention"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """A training run, decided. Fields named as train.py's flags hold their values;
-    the others are what the driver worked out from the files and the cluster."""
-
-    # what is trained, from what
-    model_dir: str
-    vae_dir: str | None  # --pretrained_vae_model_name_or_path, resolved: a VAE in place of the model's
-    output_dir: str
-    allow_unsafe_weights: bool
-    instance_prompt: str
-    class_prompt: str | None
-    instance_prompts: tuple  # the distinct prompts of the instance images (captions or instance_prompt)
-    image_prompt: tuple  # per instance image: its prompt's index in instance_prompts
-    with_prior_preservation: bool  # class images (--class_data_dir)
-    prior_prediction: bool  # --prior_preservation prior_prediction: the base model's prediction, no class images
-    family: families.Family  # the base model's, read once from its folder (families.require)
-    prior_loss_weight: float
-    train_text_encoder: bool
-    use_lora: bool  # LoRA adapters (lora_rank, lora_alpha, lora_dropout) instead of every weight
-    lora_rank: int
-    lora_alpha: float  # already defaulted to the rank
-    lora_dropout: float
-    # data
-    instance_images: tuple  # absolute paths (converted to PNG where the format needed it)
-    held_out: tuple  # --holdout: the names of the photos kept out of training, recorded with the output
-    masked_loss: bool
-    instance_masks: tuple  # --masked_loss: per instance image, (mask source, original photo) or None (find_masks)
-    class_images: tuple
-    resolution: int
-    center_crop: bool
-    random_flip: bool
-    enable_bucket: bool
-    buckets: tuple  # --enable_bucket: every bucket's (height, width); () without
-    cache_latents: bool
-    precompute_text_embeddings: bool
-    train_batch_size: int
-    gradient_accumulation_steps: int
-    # optimiser and loss
-    learning_rate: float  # already multiplied out with --scale_lr
-    lr_scheduler: str
-    lr_warmup_steps: int
-    lr_num_cycles: int
-    lr_power: float
-    offset_noise: float
-    snr_gamma: float | None
-    base_precision: str | None  # --use_lora: "int8"/"nf4" frozen denoiser (quantize.py); None: the autocast dtype
-    weighting_scheme: str | None  # flow matching: the family's default when None
-    logit_mean: float
-    logit_std: float
-    mode_scale: float
-    precondition_outputs: int | None  # flow matching: the family's default when None
-    guidance_scale: float | None  # the samples' guidance (Flux.1 dev: its training input too); None: the family's
-    caption_dropout_rate: float  # share of instance rows trained on the empty prompt (its ids: the last "instance" row)
-    use_ema: bool  # an exponential moving average of the trained weights is what validation and the output get
-    ema_decay: float
-    ema_update_after_step: int
-    adam_beta1: float
-    adam_beta2: float
-    adam_weight_decay: float
-    adam_epsilon: float
-    max_grad_norm: float
-    fused_adamw: bool
-    use_8bit_adam: bool
-    allow_tf32: bool
-    mixed_precision: str | None  # None: bf16/fp16 on GPUs that have it, fp32 on CPU
-    # memory and speed
-    fsdp: bool  # the denoiser sharded across the workers (sharding.shard) instead of DDP's copies
-    gradient_checkpointing: bool
-    channels_last: bool
-    torch_compile: str | None
-    # steps
-    seed: int
-    steps_per_epoch: int
-    total_steps: int
-    stop_step: int | None  # sweep.py's early stopping: end this run at that step, the schedule still over total_steps
-    stream_epochs: int  # epochs of rows in the training stream
-    # Ray
-    num_workers: int
-    gpus_per_worker: int
-    use_gpu: bool
-    cpus_per_worker: float
-    storage_path: str
-    run_name: str
-    max_failures: int
-    # logging and checkpoints
-    logging_steps: int
-    report_to: str  # "none" | "tensorboard" | "wandb" | "mlflow" | "all" (trackers.py)
-    tracker_project_name: str
-    notify_url: str  # (never written: a secret)
-    progress_bar: bool  # rank 0 draws a bar: only when the driver's stderr is a terminal
-    checkpointing_steps: int
-    checkpoints_total_limit: int | None
-    keep_checkpoints: bool  # False: the run's checkpoints are removed once its model is saved
-    resume_path: str | None
-    identity: dict | None  # run_identity.of_run: what decides the weights, recorded with checkpoints and the model
-    # validation samples (none without prompts)
-    validation_prompts: tuple
-    num_validation_images: int
-    validation_steps: int  # already defaulted to checkpointing_steps
-    validation_inference_steps: int
-    settings_toml: str  # the resolved flags as a --config file that repeats the run
-
-    @property
-    def run_dir(self):  # the local folder of the run's own files (runfiles.run_folder)
-        return runfiles.run_folder(self.storage_path, self.run_name)
-
-    @property
-    def text_encoded_once(self):
-        """Frozen text encoders whose states are computed once: then they leave the device (models/networks.py)."""
-        return not self.train_text_encoder and self.precompute_text_embeddings
-
-    @property
-    def end_step(self):
-        """The step this run ends at: total_steps, or stop_step (a later run resumes to total_steps)."""
-        return self.stop_step or self.total_steps
-
-    def is_checkpoint_step(self, step):
-        """Checkpoints every checkpointing_steps and at the last step."""
-        return step % self.checkpointing_steps == 0 or step == self.end_step
-
-    def is_validation_step(self, step):
-        """Every rank samples its share on the same steps: every validation_steps and at the end."""
-        return bool(self.validation_prompts) and (step % self.validation_steps == 0 or step == self.end_step)
-
-    def is_report_step(self, step):
-        """Every rank reports on the same steps: Ray Train requires matching report calls."""
-        return step % self.logging_steps == 0 or self.is_checkpoint_step(step)
-
-    def describe(self):
-        """The plan in three lines, printed once at the start of a run."""
-        trained = self.family.denoiser_label + (" + text encoder" if self.train_text_encoder else "")
-        if self.use_lora:
-            trained = f"LoRA adapters (rank {self.lora_rank}, alpha {self.lora_alpha:g}) on the {trained}"
-        prior = f" + {self.train_batch_size} class" if self.with_prior_preservation else ""
-        if self.prior_prediction:
-            prior = f" + the same {self.train_batch_size} under the class prompt, towards the base model's prediction"
-        device = f"{self.gpus_per_worker} GPU" if self.use_gpu else f"{self.cpus_per_worker:g} CPU"
-        resume = f"; resuming from {self.resume_path}" if self.resume_path else ""
-        if self.validation_prompts:
-            resume += (f"; {len(self.validation_prompts)} validation prompt(s) x {self.num_validation_images} "
-                       f"every {self.validation_steps} steps")
-        if self.fsdp:
-            trained += f", sharded across the {self.num_workers} worker(s) (FSDP)"
-        if self.use_ema:
-            trained += f", averaged (EMA, decay up to {self.ema_decay:g}: samples and the output hold the average)"
-        captions = f" ({len(self.instance_prompts)} prompts from captions)" if len(self.instance_prompts) > 1 else ""
-        return (f"plan: {self.total_steps} steps ({self.steps_per_epoch} per epoch) training {trained} on "
-                f"{len(self.instance_images)} instance{captions} and {len(self.class_images)} class images at "
-                f"{self.resolution} px{' (aspect-ratio buckets)' if self.enable_bucket else ''}\n"
-                f"      {self.num_workers} worker(s) x ({device}), batch {self.train_batch_size} instance{prior} "
-                f"x {self.gradient_accumulation_steps} accumulated, lr {self.learning_rate:g} "
-                f"({self.lr_scheduler}), seed {self.seed}\n"
-                f"      run {self.run_name}: checkpoints every {self.checkpointing_steps} steps in "
-                f"{self.storage_path}{resume}")
 
 
 def train_parser(description=None):  # (train.py's output, photos and class images may be a bucket's)
@@ -296,7 +139,7 @@ def check_fsdp(args):
 
 
 def plan_run(args, cluster_resources, draw_class_images=None, stop_step=None):
-    """The Plan of a run of derived flags args (left as they are), or UserError naming the first problem.
+    """The plan.Plan of a run of derived flags args (left as they are), or UserError naming the first problem.
 
     cluster_resources() -> (CPUs, GPUs) of the Ray cluster; it is called after the checks
     that need only the files, so that a typo or a bad photo costs no Ray start. draw_class_images():
@@ -323,8 +166,8 @@ def plan_run(args, cluster_resources, draw_class_images=None, stop_step=None):
     use_gpu, num_workers, cpus_per_worker = resources.worker_resources(args, *cluster_resources())
     args = argparse.Namespace(**{**vars(args), "num_workers": num_workers})  # (the LR scaling counts them)
     steps_per_epoch, total_steps = resources.plan_steps(found.num_rows, args)
-    from_flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(Plan) if hasattr(args, f.name)}
-    return Plan(**{
+    from_flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(plan.Plan) if hasattr(args, f.name)}
+    return plan.Plan(**{
         **from_flags,
         "family": family,
         "instance_prompts": found.instance_prompts,
@@ -355,11 +198,11 @@ def plan_run(args, cluster_resources, draw_class_images=None, stop_step=None):
 
 
 def offline_plan(**fields):
-    """A Plan from train.py's flag defaults without files or Ray, for the benchmark and the
+    """A plan.Plan from train.py's flag defaults without files or Ray, for the benchmark and the
     unit tests: fields override any setting; the decided ones default to a 1-worker CPU run."""
     args = parse_args(["--model_dir", "/unused", "--output_dir", "/unused-out",
                        "--instance_data_dir", "/unused", "--instance_prompt", "unused"])
-    from_flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(Plan) if hasattr(args, f.name)}
+    from_flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(plan.Plan) if hasattr(args, f.name)}
     decided = dict(instance_prompts=(args.instance_prompt,), image_prompt=(),
                    instance_images=(), instance_masks=(), held_out=(), class_images=(), resolution=64, buckets=(),
                    channels_last=False,
@@ -370,7 +213,7 @@ def offline_plan(**fields):
         model_dir = fields.get("model_dir", args.model_dir)
         has_model = os.path.isfile(os.path.join(model_dir, "model_index.json"))
         fields = dict(fields, family=families.family_of(model_dir) if has_model else families.DEFAULT)
-    return Plan(**{**from_flags, **decided, **fields})
+    return plan.Plan(**{**from_flags, **decided, **fields})
 
 
 def scaled_learning_rate(args):

@@ -28,7 +28,7 @@ IMAGE_COLUMNS = ("_pixels", "_latents")  # the batch columns that hold one image
 
 
 def train_fn(config):
-    """Per-worker entry point. Reads only config["plan"] (a planning.Plan); data comes from the "train"
+    """Per-worker entry point. Reads only config["plan"] (a plan.Plan); data comes from the "train"
     dataset shard. A failure's traceback goes to the run folder's errors.log (failures.py)."""
     import ray.train
 
