@@ -441,7 +441,7 @@ fi
   ${NOTIFY_URL:+--notify_url="$NOTIFY_URL"} \
   "${TRAIN_OPTIONS[@]}" "${TRAIN_ARGS_LIST[@]}" "${EXTRA_TRAIN_ARGS[@]}"
 # the scores of a model this run replaced (another mode or base model for this subject) never stay beside it
-"$PYTHON" -c 'import sys; from dreambooth.models import outputs; outputs.forget_stale_scores(*sys.argv[1:])' \
+"$PYTHON" -c 'import sys; from dreambooth.evaluation import eval_report; eval_report.forget_stale_scores(*sys.argv[1:])' \
   "$EVAL_DIR" "$TUNED_MODEL_DIR"
 
 step "5: $NUM_NEW_IMAGES images of the subject in $IMAGES_NEW_DIR"

@@ -17,8 +17,8 @@ from conftest import ray_sessions
 from dreambooth.files import LORA_WEIGHTS_FILE
 from dreambooth.files import OUTPUT_MARKER
 from dreambooth.files import REPO_DIR
-from dreambooth.models.outputs import IMAGES_CONFIG
-from dreambooth.models.outputs import IMAGES_RECORD
+from dreambooth.generation.image_records import IMAGES_CONFIG
+from dreambooth.generation.image_records import IMAGES_RECORD
 
 
 @pytest.fixture(scope="module")

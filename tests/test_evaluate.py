@@ -9,6 +9,7 @@ from dreambooth import files
 from dreambooth.commands import evaluate
 from dreambooth.evaluation import eval_report
 from dreambooth.evaluation import scoring
+from dreambooth.generation import image_records
 from dreambooth.models import outputs
 
 
@@ -102,13 +103,13 @@ def test_scores_of_a_model_the_run_replaced_are_removed_and_the_current_models_k
     (eval_dir / "report.md").write_text("scores")
     model.mkdir()
     for drew in ("trained:aaa", "dreambooth-ray/tiny@1+lora:trained:aaa@1"):  # full model, LoRA on its base
-        files.write_json(str(eval_dir / "images" / "tuned" / outputs.IMAGES_RECORD), {"model": drew})
+        files.write_json(str(eval_dir / "images" / "tuned" / image_records.IMAGES_RECORD), {"model": drew})
         files.write_json(str(model / files.OUTPUT_MARKER), {"model_id": "aaa"})
-        assert not outputs.forget_stale_scores(str(eval_dir), str(model)) and (eval_dir / "report.md").is_file()
+        assert not eval_report.forget_stale_scores(str(eval_dir), str(model)) and (eval_dir / "report.md").is_file()
     files.write_json(str(model / files.OUTPUT_MARKER), {"model_id": "bbb"})  # retrained
-    assert outputs.forget_stale_scores(str(eval_dir), str(model))
+    assert eval_report.forget_stale_scores(str(eval_dir), str(model))
     # the base model's images stay (Step 6 scores them again without drawing them)
     assert [str(p.relative_to(eval_dir)) for p in sorted(eval_dir.rglob("*"))] == ["images", "images/base",
                                                                                    "images/base/a.png"]
     assert f"removed the scores in {eval_dir}: they were of the model this run replaced" in capsys.readouterr().err
-    assert not outputs.forget_stale_scores(str(eval_dir), str(model))  # nothing of another model: nothing to do
+    assert not eval_report.forget_stale_scores(str(eval_dir), str(model))  # nothing of another model: nothing to do

@@ -91,12 +91,12 @@ def test_the_guidance_value_is_an_input_of_dev_in_training(flux_run, tiny_flux_m
     def identity(*extra):
         args = planning.parse_args(["--model_dir", tiny_flux_model, "--output_dir", "/o", "--instance_data_dir", "/i",
                                     "--instance_prompt", "p", *extra])
-        return run_identity.of_run(args, family_flux.FAMILY, [], [], [], [], [], 64, ())
+        return run_identity.of_run(vars(args), family_flux.FAMILY, [], [], [], [], [], 64, ())
 
     assert identity()["guidance_scale"] == 3.5 and identity() == identity("--guidance_scale", "3.5")
     assert run_identity.differences(identity(), identity("--guidance_scale", "1")) == ["--guidance_scale 3.5 -> 1.0"]
-    assert "guidance_scale" not in run_identity.of_run(planning.parse_args([
-        "--model_dir", tiny_flux_model, "--output_dir", "/o", "--instance_data_dir", "/i", "--instance_prompt", "p"]),
+    assert "guidance_scale" not in run_identity.of_run(vars(planning.parse_args([
+        "--model_dir", tiny_flux_model, "--output_dir", "/o", "--instance_data_dir", "/i", "--instance_prompt", "p"])),
         families.FAMILIES["sd3"], [], [], [], [], [], 64, ())  # drawing only, for the other families
 
 

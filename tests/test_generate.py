@@ -8,6 +8,7 @@ from dreambooth import errors
 from dreambooth import files
 from dreambooth.commands import generate
 from dreambooth.generation import drawing
+from dreambooth.generation import image_records
 from dreambooth.models import outputs
 
 
@@ -33,7 +34,7 @@ def test_generate_on_actor_pool_is_deterministic_and_tops_up(ray_session, tiny_m
     files = generate.main(common + ["--prompts", "photo of a dog", "photo of a cat", "--num_samples_per_prompt", "3",
                                     "--batch_size", "2", "--use_ray_data"])
     assert len(files) == 6
-    assert sorted(os.listdir(out)) == sorted(files + [drawing.GRID_DIR, outputs.IMAGES_RECORD, outputs.IMAGES_CONFIG])
+    assert sorted(os.listdir(out)) == sorted(files + [drawing.GRID_DIR, image_records.IMAGES_RECORD, image_records.IMAGES_CONFIG])
     assert os.path.isfile(out / drawing.GRID_DIR / "grid.png")
     first = {f: pixels(out / f) for f in files}
     assert first[files[0]].shape == (64, 64, 3)
@@ -85,8 +86,8 @@ def test_class_images_skip_the_safety_checker_and_flagged_subject_images_are_not
     err = capsys.readouterr().err
     assert "2 image(s) flagged by the safety checker were not saved" in err
     assert sorted(os.listdir(new)) == sorted([drawing.image_file_name("photo of a dog", i) + drawing.FLAGGED_SUFFIX
-                                              for i in range(2)] + [drawing.GRID_DIR, outputs.IMAGES_RECORD,
-                                                                    outputs.IMAGES_CONFIG])
+                                              for i in range(2)] + [drawing.GRID_DIR, image_records.IMAGES_RECORD,
+                                                                    image_records.IMAGES_CONFIG])
     generate.main(["--model_dir", tuned, "--output_dir", str(new)] + common)  # done: nothing made again
     assert "generating 0" in capsys.readouterr().err
     generate.main(["--model_dir", tuned, "--output_dir", str(tmp_path / "kept"), "--safety_checker", "off"] + common)
@@ -169,7 +170,7 @@ def test_one_pool_draws_several_models_each_with_its_weights_adapters_and_checke
     dog = drawing.image_file_name("photo of a dog", 0)
     assert np.abs(pixels(tmp_path / "lora" / dog).astype(int) - pixels(tmp_path / "base" / dog).astype(int)).max() > 10
     assert sorted(os.listdir(tmp_path / "checked")) == sorted(
-        [drawing.image_file_name(p, 0) + drawing.FLAGGED_SUFFIX for p in prompts] + [outputs.IMAGES_RECORD])
+        [drawing.image_file_name(p, 0) + drawing.FLAGGED_SUFFIX for p in prompts] + [image_records.IMAGES_RECORD])
     err = capsys.readouterr().err
     assert "generating for 3 models on 1 actor(s)" in err
     assert "2 image(s) flagged by the safety checker were not saved" in err and str(tmp_path / "checked") in err
@@ -188,10 +189,10 @@ def test_class_images_are_kept_when_only_what_training_does_not_read_differs(tin
     job = drawing.top_up(folder, model, ["photo of a dog"], 3, again, False, class_images=True)
     err = capsys.readouterr().err
     assert "keeping the 2 class images" in err and "3 steps" in err and "50 steps" in err
-    assert len(job.rows) == 1 and len(outputs.drawn_images(folder)) == 2  # only the missing one is drawn
+    assert len(job.rows) == 1 and len(image_records.drawn_images(folder)) == 2  # only the missing one is drawn
     with pytest.raises(errors.UserError, match="images were drawn with"):  # not class images: refused as before
         drawing.top_up(folder, model, ["photo of a dog"], 3, again, False)
     with pytest.raises(errors.UserError, match="32 px.*IMAGES_REG_DIR"):
         drawing.top_up(folder, model, ["photo of a dog"], 3, drawing.ImageSettings(resolution=32), False,
                        remedy="set IMAGES_REG_DIR to another folder", class_images=True)
-    assert len(outputs.drawn_images(folder)) == 2  # nothing deleted
+    assert len(image_records.drawn_images(folder)) == 2  # nothing deleted

@@ -9,6 +9,7 @@ import pytest
 from dreambooth import errors
 from dreambooth import files
 from dreambooth.generation import drawing
+from dreambooth.generation import image_records
 from dreambooth.models import outputs
 
 SETTINGS = drawing.ImageSettings(num_inference_steps=3, seed=1)
@@ -40,7 +41,7 @@ def test_top_up_keeps_images_of_the_same_model_and_settings_only(tiny_model, tmp
     model = outputs.ModelRef(tiny_model)
     job = drawing.top_up(folder, model, ["photo of a dog"], 3, SETTINGS, False)
     assert [r["file"] for r in job.rows] == [drawing.image_file_name("photo of a dog", i) for i in range(3)]
-    record = outputs.read_image_record(folder)
+    record = image_records.read_image_record(folder)
     assert record.model == model.fingerprint() and record.resolution == 64 and record.prompts == ("photo of a dog",)
     for row in job.rows[:2]:  # two drawn, then the run was cut short
         open(os.path.join(folder, row["file"]), "wb").close()
@@ -55,7 +56,7 @@ def test_top_up_keeps_images_of_the_same_model_and_settings_only(tiny_model, tmp
             drawing.top_up(folder, model, prompts, 3, settings, False)
     # --force deletes them and draws these; evaluate's "redraw" does it with a line
     job = drawing.top_up(folder, model, ["photo of a cat"], 2, SETTINGS, False, on_mismatch="force")
-    assert len(job.rows) == 2 and outputs.drawn_images(folder) == []
+    assert len(job.rows) == 2 and image_records.drawn_images(folder) == []
     open(os.path.join(folder, job.rows[1]["file"]), "wb").close()  # the same model and settings: kept
     assert len(drawing.top_up(folder, model, ["photo of a cat"], 2, SETTINGS, False, on_mismatch="force").rows) == 1
     os.remove(os.path.join(folder, job.rows[1]["file"]))
@@ -80,7 +81,7 @@ def test_images_without_a_record_are_not_mixed_with_new_ones(tiny_model, tmp_pat
     with pytest.raises(errors.UserError, match="have no record"):
         drawing.top_up(str(folder), outputs.ModelRef(tiny_model), ["photo of a dog"], 1, SETTINGS, False)
     drawing.top_up(str(folder), outputs.ModelRef(tiny_model), ["photo of a dog"], 1, SETTINGS, False, "force")
-    assert sorted(os.listdir(folder)) == sorted(["mine.jpg", outputs.IMAGES_RECORD])
+    assert sorted(os.listdir(folder)) == sorted(["mine.jpg", image_records.IMAGES_RECORD])
 
 
 def test_output_dir_that_is_not_ours_is_refused(tmp_path):
@@ -105,8 +106,8 @@ def test_a_folders_model_is_named_by_its_hub_name_and_short_commit_else_by_its_f
     says no more; a Step 3 refusal was 719 characters), any other folder by its path and fingerprint."""
     hub = outputs.model_fingerprint(tiny_model)
     name, commit = hub.split("@")
-    record = outputs.ImageRecord(hub, tiny_model, ("p",), 64, 0, 3, 7.5, None)
+    record = image_records.ImageRecord(hub, tiny_model, ("p",), 64, 0, 3, 7.5, None)
     assert record.describe(["model"]) == f"model {name}@{commit[:12]}"
     copy = str(shutil.copytree(tiny_model, tmp_path / "mine"))
-    local = outputs.ImageRecord(outputs.model_fingerprint(copy), copy, ("p",), 64, 0, 3, 7.5, None)
+    local = image_records.ImageRecord(outputs.model_fingerprint(copy), copy, ("p",), 64, 0, 3, 7.5, None)
     assert local.describe(["model"]) == f"model {copy} ({local.model})" and local.model.startswith("files:")

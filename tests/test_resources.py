@@ -1,5 +1,7 @@
 """resources.py: the workers of a run and what each reserves, against the cluster's CPUs and GPUs."""
 
+import dataclasses
+
 import pytest
 
 from dreambooth import errors
@@ -7,99 +9,88 @@ from dreambooth.planning import resources
 
 
 def test_worker_resources_leave_a_cpu_for_ray_data_and_refuse_impossible():
-    class Args:
-        use_gpu = None
-        num_workers = 2
-        gpus_per_worker = 1
-        model_dir = "/models--dreambooth-ray--tiny-stable-diffusion/snapshots/x"  # random weights: no GPU warning
+    # a model with random weights: no warning without a GPU
+    flags = resources.WorkerFlags(num_workers=2, gpus_per_worker=1,
+                                  model_dir="/models--dreambooth-ray--tiny-stable-diffusion/snapshots/x")
 
-    assert resources.worker_resources(Args, cpus=2, gpus=0) == (False, 2, 0.5)
-    assert resources.worker_resources(Args, cpus=16, gpus=2) == (True, 2, 1.0)
+    assert resources.worker_resources(flags, cpus=2, gpus=0) == (False, 2, 0.5)
+    assert resources.worker_resources(flags, cpus=16, gpus=2) == (True, 2, 1.0)
     with pytest.raises(Exception, match="needs 2 GPUs"):
-        resources.worker_resources(Args, cpus=16, gpus=1)
-    Args.gpus_per_worker = 2
+        resources.worker_resources(flags, cpus=16, gpus=1)
+    flags = dataclasses.replace(flags, gpus_per_worker=2)
     with pytest.raises(Exception, match="--gpus_per_worker 2 needs 4 GPUs; the Ray cluster has 2"):
-        resources.worker_resources(Args, cpus=16, gpus=2)
-    Args.num_workers = 1
-    assert resources.worker_resources(Args, cpus=16, gpus=2) == (True, 1, 1.0)
-    Args.gpus_per_worker, Args.num_workers = 1, 2
+        resources.worker_resources(flags, cpus=16, gpus=2)
+    flags = dataclasses.replace(flags, num_workers=1)
+    assert resources.worker_resources(flags, cpus=16, gpus=2) == (True, 1, 1.0)
+    flags = dataclasses.replace(flags, gpus_per_worker=1, num_workers=2)
     with pytest.raises(Exception, match="needs 2 GPUs"):
-        Args.use_gpu = True
-        resources.worker_resources(Args, cpus=16, gpus=0)
-    Args.use_gpu, Args.num_workers = None, 1
+        flags = dataclasses.replace(flags, use_gpu=True)
+        resources.worker_resources(flags, cpus=16, gpus=0)
+    flags = dataclasses.replace(flags, use_gpu=None, num_workers=1)
     with pytest.raises(Exception, match="one for the data pipeline"):
-        resources.worker_resources(Args, cpus=1, gpus=0)
-    Args.num_workers = 3
+        resources.worker_resources(flags, cpus=1, gpus=0)
+    flags = dataclasses.replace(flags, num_workers=3)
     with pytest.raises(Exception, match="more than the Ray cluster's 2 CPUs"):
-        resources.worker_resources(Args, cpus=2, gpus=0)
+        resources.worker_resources(flags, cpus=2, gpus=0)
 
 
 def test_without_num_workers_a_run_takes_every_gpu_or_one_cpu_worker(capsys):
-    class Args:
-        use_gpu = None
-        num_workers = None
-        gpus_per_worker = 1
-        model_dir = "/data/models--CompVis--stable-diffusion-v1-4/snapshots/b95be7d6"  # a real model
+    flags = resources.WorkerFlags(num_workers=None, gpus_per_worker=1,
+                                  model_dir="/data/models--CompVis--stable-diffusion-v1-4/snapshots/b95be7d6")  # a real one
 
-    assert resources.worker_resources(Args, cpus=16, gpus=1) == (True, 1, 1.0)  # one GPU: no NUM_WORKERS needed
-    assert resources.worker_resources(Args, cpus=16, gpus=8) == (True, 8, 1.0)
-    Args.gpus_per_worker = 2
-    assert resources.worker_resources(Args, cpus=16, gpus=5) == (True, 2, 1.0)
+    assert resources.worker_resources(flags, cpus=16, gpus=1) == (True, 1, 1.0)  # one GPU: no NUM_WORKERS needed
+    assert resources.worker_resources(flags, cpus=16, gpus=8) == (True, 8, 1.0)
+    flags = dataclasses.replace(flags, gpus_per_worker=2)
+    assert resources.worker_resources(flags, cpus=16, gpus=5) == (True, 2, 1.0)
     assert capsys.readouterr().err == ""
-    assert resources.worker_resources(Args, cpus=4, gpus=0) == (False, 1, 1.0)
+    assert resources.worker_resources(flags, cpus=4, gpus=0) == (False, 1, 1.0)
     assert "the Ray cluster has no GPU" in capsys.readouterr().err  # a real model on CPUs: said before it starts
 
 
 def test_plan_steps_never_exceeds_max_steps_or_starves_a_worker():
-    class Args:  # steps from the epochs (no --max_train_steps), then an explicit step count
-        num_workers, train_batch_size, max_train_steps, num_train_epochs = 2, 2, None, 4
-        gradient_accumulation_steps = 1
+    # steps from the epochs (no --max_train_steps), then an explicit step count
+    flags = resources.StepFlags(num_workers=2, train_batch_size=2, gradient_accumulation_steps=1, num_train_epochs=4)
 
-    assert resources.plan_steps(200, Args) == (50, 200)
-    assert resources.plan_steps(5, Args) == (1, 4)
-    Args.max_train_steps = 3
-    assert resources.plan_steps(200, Args) == (50, 3)
+    assert resources.plan_steps(200, flags) == (50, 200)
+    assert resources.plan_steps(5, flags) == (1, 4)
+    flags = dataclasses.replace(flags, max_train_steps=3)
+    assert resources.plan_steps(200, flags) == (50, 3)
     with pytest.raises(errors.UserError, match="cannot feed"):
-        resources.plan_steps(1, Args)
+        resources.plan_steps(1, flags)
 
 
 def test_plan_steps_with_gradient_accumulation():
-    class Args:
-        num_workers, train_batch_size, max_train_steps, num_train_epochs = 2, 1, None, 4
-        gradient_accumulation_steps = 3
+    flags = resources.StepFlags(num_workers=2, train_batch_size=1, gradient_accumulation_steps=3, num_train_epochs=4)
 
-    assert resources.plan_steps(200, Args) == (33, 132)
-    Args.gradient_accumulation_steps = 4
+    assert resources.plan_steps(200, flags) == (33, 132)
+    flags = dataclasses.replace(flags, gradient_accumulation_steps=4)
     with pytest.raises(errors.UserError, match="gradient_accumulation_steps"):
-        resources.plan_steps(6, Args)
+        resources.plan_steps(6, flags)
 
 
 def test_explicit_max_train_steps_wins_and_epochs_count_only_without_it(capsys):
-    class Args:
-        num_workers, train_batch_size, gradient_accumulation_steps = 2, 1, 1
-        max_train_steps, num_train_epochs = 60, None
+    flags = resources.StepFlags(num_workers=2, train_batch_size=1, gradient_accumulation_steps=1, max_train_steps=60)
 
     # 5 instance + 8 class images: 8 rows, 4 steps an epoch per worker.
-    assert resources.plan_steps(8, Args) == (4, 60)
+    assert resources.plan_steps(8, flags) == (4, 60)
     assert "stopping" not in capsys.readouterr().err
-    Args.max_train_steps = None
-    assert resources.plan_steps(8, Args) == (4, resources.DEFAULT_MAX_TRAIN_STEPS)
-    Args.num_train_epochs = 3
-    assert resources.plan_steps(8, Args) == (4, 12)
+    flags = dataclasses.replace(flags, max_train_steps=None)
+    assert resources.plan_steps(8, flags) == (4, resources.DEFAULT_MAX_TRAIN_STEPS)
+    flags = dataclasses.replace(flags, num_train_epochs=3)
+    assert resources.plan_steps(8, flags) == (4, 12)
     assert "wins" not in capsys.readouterr().err
-    Args.max_train_steps = 60  # both: the steps win, as in diffusers, and a line says so
-    assert resources.plan_steps(8, Args) == (4, 60)
+    flags = dataclasses.replace(flags, max_train_steps=60)  # both: the steps win, as in diffusers, and a line says so
+    assert resources.plan_steps(8, flags) == (4, 60)
     assert "--max_train_steps 60 wins over --num_train_epochs 3 (12 steps): 15 epoch(s) of 4 steps" in \
         capsys.readouterr().err
     # The seeds' command: --num_epochs=4 --max_train_steps=200, 200 class images, 2 workers, batch 2.
-    Args.train_batch_size, Args.num_train_epochs, Args.max_train_steps = 2, 4, 200
-    assert resources.plan_steps(200, Args) == (50, 200)
+    flags = dataclasses.replace(flags, train_batch_size=2, num_train_epochs=4, max_train_steps=200)
+    assert resources.plan_steps(200, flags) == (50, 200)
 
 
 def test_the_stream_holds_enough_rows_for_every_step():
-    class Args:
-        num_workers, train_batch_size, gradient_accumulation_steps = 2, 2, 3
+    flags = resources.StepFlags(num_workers=2, train_batch_size=2, gradient_accumulation_steps=3)
 
-    epochs = resources.stream_epochs(13, 40, Args)
+    epochs = resources.stream_epochs(13, 40, flags)
     rows_per_worker = epochs * 13 // 2
     assert rows_per_worker >= 40 * 2 * 3

@@ -12,6 +12,7 @@ from dreambooth import errors
 from dreambooth import files
 from dreambooth import storage
 from dreambooth.files import REPO_DIR
+from dreambooth.generation import image_records
 from dreambooth.models import outputs
 from dreambooth.storage import runfiles
 
@@ -107,16 +108,17 @@ def test_photos_of_a_bucket_are_read_from_this_nodes_copy_and_class_images_may_b
     storage.replace_folder(toy_images, "s3://runs/t/photos", last="toy-0.jpg")
     args = argparse.Namespace(instance_data_dir="s3://runs/t/photos", class_data_dir=None)
     fetched = inputs.fetch_from_buckets(args)
-    assert sorted(os.listdir(fetched.instance_data_dir)) == sorted(os.listdir(toy_images))
+    assert list(fetched) == ["instance_data_dir"]  # (no class folder: nothing to fetch)
+    assert sorted(os.listdir(fetched["instance_data_dir"])) == sorted(os.listdir(toy_images))
     assert args.instance_data_dir == "s3://runs/t/photos"  # (the caller's flags stay as given)
-    assert f"--instance_data_dir s3://runs/t/photos: read from this node's copy {fetched.instance_data_dir}" in \
+    assert f"--instance_data_dir s3://runs/t/photos: read from this node's copy {fetched['instance_data_dir']}" in \
         capsys.readouterr().err
     storage.remove_tree("s3://runs/t/photos/")
     storage.write_bytes("s3://runs/t/photos/toy-0.jpg", open(os.path.join(toy_images, "toy-0.jpg"), "rb").read())
-    assert os.listdir(inputs.fetch_from_buckets(args).instance_data_dir) == ["toy-0.jpg"]  # (brought up to date)
+    assert os.listdir(inputs.fetch_from_buckets(args)["instance_data_dir"]) == ["toy-0.jpg"]  # (brought up to date)
     # class images to be drawn: an empty class folder in the bucket is this node's empty copy, to draw into
     drawing = argparse.Namespace(instance_data_dir="/p", class_data_dir="s3://runs/reg")
-    assert os.listdir(inputs.fetch_from_buckets(drawing, draw_class_images=lambda: None).class_data_dir) == []
+    assert os.listdir(inputs.fetch_from_buckets(drawing, draw_class_images=lambda: None)["class_data_dir"]) == []
     with pytest.raises(errors.UserError, match="^s3://runs/reg holds no files"):  # (to be read only: said)
         inputs.fetch_from_buckets(drawing)
 
@@ -187,7 +189,7 @@ def test_a_run_in_a_bucket_checkpoints_resumes_from_it_and_ends_like_an_uninterr
                             "--num_samples_per_prompt", "1", "--num_inference_steps", "2"],
                            cwd=REPO_DIR, env=run_env, capture_output=True, text=True, timeout=600)
     assert drawn.returncode == 0, drawn.stderr[-3000:]
-    assert storage.listdir(f"s3://{bucket}/new") == sorted(["grid", outputs.IMAGES_CONFIG, outputs.IMAGES_RECORD,
+    assert storage.listdir(f"s3://{bucket}/new") == sorted(["grid", image_records.IMAGES_CONFIG, image_records.IMAGES_RECORD,
                                                             "photo-of-unqtkn-toy-in-a-bucket-00000.png"])
     assert f"1 images in s3://{bucket}/new; contact sheet s3://{bucket}/new/grid/grid.png" in drawn.stderr
 

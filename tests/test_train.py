@@ -11,6 +11,7 @@ from conftest import modes_not_as_umask
 from dreambooth import errors
 from dreambooth import files
 from dreambooth.commands import train
+from dreambooth.generation import image_records
 from dreambooth.models import outputs
 from dreambooth.training import driver
 from dreambooth.training import runlog
@@ -278,7 +279,7 @@ def test_num_class_images_tops_up_the_class_folder_counting_what_is_there(ray_se
     args = (tiny_model, str(folder), "photo of a toy", 3)
     driver.top_up_class_images(*args)
     made = ["photo-of-a-toy-00000.png", "photo-of-a-toy-00001.png"]
-    assert sorted(os.listdir(folder)) == sorted(["my-own-class-photo.png", outputs.IMAGES_RECORD] + made)
+    assert sorted(os.listdir(folder)) == sorted(["my-own-class-photo.png", image_records.IMAGES_RECORD] + made)
     before = {n: os.path.getmtime(folder / n) for n in made}
     driver.top_up_class_images(*args)  # already full: nothing is drawn again
     assert {n: os.path.getmtime(folder / n) for n in made} == before and len(os.listdir(folder)) == 4

@@ -30,6 +30,7 @@ from dreambooth import files
 from dreambooth import storage
 from dreambooth.config import flags
 from dreambooth.generation import drawing
+from dreambooth.generation import image_records
 from dreambooth.generation import imaging
 from dreambooth.generation import prompts
 from dreambooth.models import outputs
@@ -62,7 +63,7 @@ def main(argv=None):
         job = drawing.top_up(folder, model, texts, args.num_samples_per_prompt, settings,
                              drawing.use_safety_checker(args.safety_checker, model), on_mismatch="force" if args.force else "error",
                              remedy=remedy, class_images=args.class_images, where=args.output_dir)
-        flags.write_config(os.path.join(folder, outputs.IMAGES_CONFIG), flags.config_text(parser, args))
+        flags.write_config(os.path.join(folder, image_records.IMAGES_CONFIG), flags.config_text(parser, args))
         drawing.make_images_of([job], settings, args.batch_size, args.num_actors)
         wanted = [p for paths in drawing.wanted_files(folder, texts, args.num_samples_per_prompt).values() for p in paths]
         imaging.write_grid(os.path.join(folder, drawing.GRID_DIR, "grid.png"), wanted)

@@ -16,7 +16,6 @@ train.py's --max_train_steps and --resolution when given there (`MAX_TRAIN_STEPS
 train.py does not know, or a value it refuses, stops the run here instead of at Step 4.
 """
 
-import argparse
 import contextlib
 import os
 import shutil
@@ -144,8 +143,7 @@ def check_disk(args, limit=1):
 def check_workers(args, cpus, gpus):
     """The resolved worker count (train.py's rule, resources.worker_resources), or one line naming
     NUM_WORKERS / GPUS_PER_WORKER."""
-    settings = argparse.Namespace(use_gpu=None, num_workers=args.num_workers or None,
-                                  gpus_per_worker=args.gpus_per_worker)
+    settings = resources.WorkerFlags(args.num_workers or None, args.gpus_per_worker)
     return resources.worker_resources(settings, cpus, gpus, spell=lambda name, value: f"{name.upper()}={value}",
                                      warn_no_gpu=not args.tiny)[1]
 

@@ -1,7 +1,14 @@
 """Step 6's report: report.md of an evaluate.EvalResult (overall scores of each model beside the paper's for
 SD, then one row per prompt), and a model's overall scores on one line."""
 
+import os
+import shutil
+import sys
+
+from dreambooth import storage
 from dreambooth.evaluation import scores
+from dreambooth.generation import image_records
+from dreambooth.models import outputs
 
 RANDOM_NOTE = "Random weights (--tiny): every model here draws noise; the scores show the pipeline runs, not likeness."
 
@@ -47,3 +54,28 @@ def summary(overall):
     missing = {"div": "n/a (one image per prompt: diversity needs two)", "pres": "n/a (no image of the class prompt)"}
     return ", ".join(f"{k.upper().replace('_HOLDOUT', ' held out').replace('_', '-')} "
                      f"{cell(overall[k]) or missing.get(k, 'n/a')}" for k in names)
+
+
+def forget_stale_scores(eval_dir, model_dir):
+    """Remove what eval_dir (a folder or a bucket's) holds of another model than model_dir's, when Step 4
+    replaced the subject's model (another mode, base model or settings, RETRAIN=1): its scores, report, grids
+    and images (the base model's images stay, for Step 6 to score again): scores never stay beside a model they
+    are not of, even when Step 6 does not run. True when removed."""
+    record = storage.join(eval_dir, "images", "tuned", image_records.IMAGES_RECORD)
+    output = outputs.read_output(model_dir)
+    if output is None or not storage.isfile(record):
+        return False
+    if output.model_id and outputs.trained_fingerprint(output.model_id) in str(storage.read_json(record).get("model")):
+        return False  # (a LoRA's images: '<base>+lora:trained:<id>@<scale>')
+    for name in storage.listdir(eval_dir):
+        if name != "images":
+            storage.remove(storage.join(eval_dir, name))
+    images = storage.join(eval_dir, "images")
+    for name in storage.listdir(images) if storage.isdir(images) else []:
+        if name != "base":
+            storage.remove(storage.join(images, name))
+    if storage.is_remote(eval_dir) and os.path.isdir(storage.cache_path(eval_dir)):
+        shutil.rmtree(storage.cache_path(eval_dir))  # (this node's copy of it: fetched again when needed)
+    print(f"removed the scores in {eval_dir}: they were of the model this run replaced (Step 6 scores the new "
+          f"one)", file=sys.stderr)
+    return True

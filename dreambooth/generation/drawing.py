@@ -19,6 +19,7 @@ from dreambooth import hub
 from dreambooth import machine
 from dreambooth import storage
 from dreambooth.cluster import raycluster
+from dreambooth.generation import image_records
 from dreambooth.models import modelcache
 from dreambooth.models import networks
 from dreambooth.models import outputs
@@ -273,13 +274,13 @@ def top_up(folder, model, prompts, count, settings, safety_checker, on_mismatch=
     os.makedirs(folder, exist_ok=True)
     files.remove_temp_files(folder)
     settings = settings_for(settings, families.family_of(model.model_dir), model.model_dir)
-    wanted = outputs.ImageRecord(model.fingerprint(), model.describe(), tuple(prompts), settings.resolution, settings.seed,
+    wanted = image_records.ImageRecord(model.fingerprint(), model.describe(), tuple(prompts), settings.resolution, settings.seed,
                                  settings.num_inference_steps, settings.guidance_scale, settings.negative_prompt)
-    have = outputs.read_image_record(folder)
-    drawn = outputs.drawn_images(folder)
+    have = image_records.read_image_record(folder)
+    drawn = image_records.drawn_images(folder)
     differs = have.differences(wanted) if have else (["record"] if drawn else [])
     if class_images and have and differs and on_mismatch != "force" and not set(differs) & set(
-            outputs.ImageRecord.CLASS_IMAGE_FIELDS):
+            image_records.ImageRecord.CLASS_IMAGE_FIELDS):
         print(f"{label or where}: keeping the {len(drawn)} class images in {where}, drawn with "
               f"{have.describe(differs)} (not this run's {wanted.describe(differs)}: the same model, prompt and size, "
               f"which is what training reads)", file=sys.stderr)
@@ -287,15 +288,15 @@ def top_up(folder, model, prompts, count, settings, safety_checker, on_mismatch=
         differs = []
     if differs:
         what = (f"were drawn with {have.describe(differs)}" if have else
-                f"have no record ({outputs.IMAGES_RECORD}) of the model and settings that drew them")
+                f"have no record ({image_records.IMAGES_RECORD}) of the model and settings that drew them")
         if on_mismatch == "error":
             asked = f"this run's {wanted.describe(differs)}" if have else f"this run's {wanted.describe()}"
             raise errors.UserError(f"{where}: its {len(drawn)} images {what}, not {asked} (different: "
                                    f"{', '.join(differs)}). Use another folder, or {remedy}")
         print(f"{label or where}: the {len(drawn)} images in {where} {what} (different from this run's: "
               f"{', '.join(differs)}); drawing them again", file=sys.stderr)
-        outputs.remove_drawn_images(folder)
-    outputs.write_image_record(folder, wanted)
+        image_records.remove_drawn_images(folder)
+    image_records.write_image_record(folder, wanted)
     rows, names = plan_images(prompts, count, settings.seed, folder)
     if names:
         print(f"{label or where}: {len(names) - len(rows)} of {len(names)} images already there; generating "

@@ -10,7 +10,7 @@ import numpy as np
 
 from dreambooth import errors
 from dreambooth import files
-from dreambooth.models import outputs
+from dreambooth.generation import image_records
 
 # EXIF orientation tag -> (number of 90-degree counter-clockwise turns, mirror first)
 _ORIENTATIONS = {1: (0, False), 2: (0, True), 3: (2, False), 4: (2, True),
@@ -23,7 +23,7 @@ _ORIENTATIONS = {1: (0, False), 2: (0, True), 3: (2, False), 4: (2, True),
 SUBJECT_FILE = "subject.json"  # sweep.py --subjects_dir: a subject's class and token, beside its photos
 # Files the suite writes beside images (not images, not worth a warning): the record of what drew
 # generated images, generate.py's settings, sweep.py's subject file.
-OWN_FILES = (SUBJECT_FILE, outputs.IMAGES_RECORD, outputs.IMAGES_CONFIG)
+OWN_FILES = (SUBJECT_FILE, image_records.IMAGES_RECORD, image_records.IMAGES_CONFIG)
 
 
 MASK_SUFFIX = ".mask.png"  # --masked_loss: "photo.mask.png" beside "photo.jpg" weights its loss

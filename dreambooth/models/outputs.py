@@ -9,7 +9,7 @@ only when it was drawn by the same model with the same settings:
     outputs.read_output(folder)                        # TrainedOutput or None
 
 train.py's outputs are written here too (`save_pipeline`, `save_lora`; a checkpoint as a model: `checkpoint.save_as_model`).
-Generated image folders carry an `ImageRecord` (dreambooth_images.json) naming the model and the
+Generated image folders carry a record (generation/image_records.py) naming the model fingerprinted here and the
 settings that drew them; drawing.top_up decides from it whether a folder's images can be kept.
 """
 
@@ -17,7 +17,6 @@ import dataclasses
 import hashlib
 import os
 import re
-import shutil
 import sys
 import tempfile
 import uuid
@@ -30,8 +29,6 @@ from dreambooth.config import flags
 from dreambooth.models import networks
 from dreambooth.storage import runfiles
 
-IMAGES_RECORD = "dreambooth_images.json"  # beside generated images: what drew them
-IMAGES_CONFIG = "generate_config.toml"  # beside them too: generate.py --config FILE repeats the run
 TRAIN_CONFIG = "train_config.toml"  # in a run folder and its model: train.py --config FILE repeats the run
 _SNAPSHOT = re.compile(r"models--(?P<owner>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<revision>[0-9a-f]{40})/?$")
 _SAMPLE_BYTES = 1 << 20  # read from each end of a weights file for a folder's content fingerprint
@@ -240,78 +237,6 @@ def model_fingerprint(folder):
     return f"files:{digest.hexdigest()[:16]}"
 
 
-@dataclasses.dataclass(frozen=True)
-class ImageRecord:
-    """What drew the images of a folder: the model, the prompts and every setting that changes pixels."""
-
-    model: str  # ModelRef.fingerprint()
-    model_dir: str  # for messages only: the same weights may sit in another folder
-    prompts: tuple
-    resolution: int
-    seed: int
-    num_inference_steps: int
-    guidance_scale: float
-    negative_prompt: str | None
-
-    # What class images are for training (what they show, at which size): a folder of them is kept
-    # when only the other settings differ (steps, guidance, seed, negative prompt).
-    CLASS_IMAGE_FIELDS = ("model", "prompts", "resolution")
-
-    def differences(self, other):
-        """Names of the settings in which other differs ('model', 'prompts', ...)."""
-        return [f.name for f in dataclasses.fields(self)
-                if f.name != "model_dir" and getattr(self, f.name) != getattr(other, f.name)]
-
-    def model_words(self):
-        """A hub snapshot by its name and short commit (its folder is a long hub-cache path that says no more),
-        any other model by its folder and fingerprint."""
-        if re.fullmatch(r"[\w.-]+/[\w.-]+@[0-9a-f]{40}", self.model):
-            return self.model[:-28]
-        return f"{self.model_dir} ({self.model})"
-
-    def describe(self, fields=None):
-        """The settings (or only the named fields) in words."""
-        prompts = "; ".join(repr(p) for p in self.prompts[:3]) + (" ..." if len(self.prompts) > 3 else "")
-        words = {"model": f"model {self.model_words()}", "prompts": f"prompts {prompts}",
-                 "resolution": f"{self.resolution} px", "seed": f"seed {self.seed}",
-                 "num_inference_steps": f"{self.num_inference_steps} steps",
-                 "guidance_scale": f"guidance {self.guidance_scale:g}",
-                 "negative_prompt": f"negative prompt {self.negative_prompt!r}"}
-        return ", ".join(text for name, text in words.items() if fields is None or name in fields)
-
-
-def read_image_record(folder):
-    path = os.path.join(folder, IMAGES_RECORD)
-    if not os.path.isfile(path):
-        return None
-    data = files.read_json(path)
-    try:
-        return ImageRecord(**{**data, "prompts": tuple(data["prompts"])})
-    except (TypeError, KeyError):
-        return ImageRecord("unreadable record", path, (), 0, 0, 0, 0.0, None)
-
-
-def write_image_record(folder, record):
-    files.write_json(os.path.join(folder, IMAGES_RECORD), {**dataclasses.asdict(record),
-                                                            "prompts": list(record.prompts)})
-
-
-def drawn_images(folder):
-    """The files generate.py's naming wrote in folder: images and the safety checker's markers."""
-    if not os.path.isdir(folder):
-        return []
-    return sorted(n for n in os.listdir(folder)
-                  if re.fullmatch(r".+-\d{5}" + re.escape(files.IMAGE_SUFFIX) + r"(\.flagged)?", n))
-
-
-def remove_drawn_images(folder):
-    """Delete the images (and their record) generate.py drew into folder; other files stay."""
-    for name in drawn_images(folder) + [IMAGES_RECORD]:
-        path = os.path.join(folder, name)
-        if os.path.exists(path):
-            os.remove(path)
-
-
 # ---------------------------------------------------------------- writing train.py's outputs
 
 
@@ -381,26 +306,3 @@ def save_lora(folder, family, denoiser, text_encoders=None):
         **{f"{name}_lora_adapter_metadata": model.peft_config["default"].to_dict() for name, model in parts.items()})
 
 
-def forget_stale_scores(eval_dir, model_dir):
-    """Remove what eval_dir (a folder or a bucket's) holds of another model than model_dir's, when Step 4
-    replaced the subject's model (another mode, base model or settings, RETRAIN=1): its scores, report, grids
-    and images (the base model's images stay, for Step 6 to score again): scores never stay beside a model they
-    are not of, even when Step 6 does not run. True when removed."""
-    record = storage.join(eval_dir, "images", "tuned", IMAGES_RECORD)
-    output = read_output(model_dir)
-    if output is None or not storage.isfile(record):
-        return False
-    if output.model_id and trained_fingerprint(output.model_id) in str(storage.read_json(record).get("model")):
-        return False  # (a LoRA's images: '<base>+lora:trained:<id>@<scale>')
-    for name in storage.listdir(eval_dir):
-        if name != "images":
-            storage.remove(storage.join(eval_dir, name))
-    images = storage.join(eval_dir, "images")
-    for name in storage.listdir(images) if storage.isdir(images) else []:
-        if name != "base":
-            storage.remove(storage.join(images, name))
-    if storage.is_remote(eval_dir) and os.path.isdir(storage.cache_path(eval_dir)):
-        shutil.rmtree(storage.cache_path(eval_dir))  # (this node's copy of it: fetched again when needed)
-    print(f"removed the scores in {eval_dir}: they were of the model this run replaced (Step 6 scores the new "
-          f"one)", file=sys.stderr)
-    return True

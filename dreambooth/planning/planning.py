@@ -138,6 +138,30 @@ def check_fsdp(args):
                         f"{', '.join(clash)}" + (" (add --no-train_text_encoder)" if args.train_text_encoder else ""))
 
 
+def flags_of(record, args):
+    """The record (a dataclass of flag names: inputs.InputFlags, resources.StepFlags, ...) of parsed flags: what
+    planning hands the modules below it, which never read the command line themselves."""
+    return record(**{field.name: getattr(args, field.name) for field in dataclasses.fields(record)})
+
+
+def checked_files(args, draw_class_images):
+    """(the model's family, args with the VAE and a bucket's photos and class images as this node's folders: a copy,
+    the caller's flags stay as given): the model, the output and the storage checked first."""
+    families.check_model_dir(args.model_dir, args.allow_unsafe_weights)
+    family = families.require(args.model_dir, "train")
+    objectives.check_flags(family, args.snr_gamma, args.precondition_outputs, args.weighting_scheme)
+    if args.vae_dir:
+        args = argparse.Namespace(**{**vars(args), "vae_dir": vae_cache.resolve_vae(args.vae_dir,
+                                                                                   args.allow_unsafe_weights)})
+    files.check_output_path(args.output_dir, "--output_dir", [
+        ("--pretrained_model_name_or_path", args.model_dir), ("--instance_data_dir", args.instance_data_dir),
+        ("--class_data_dir", args.class_data_dir)])
+    outputs.check_output_dir(args.output_dir, args.overwrite)
+    storage.check_reachable(args.storage_path, "--storage_path")  # (a bucket's, before anything is drawn)
+    fetched = inputs.fetch_from_buckets(flags_of(inputs.InputFlags, args), draw_class_images)
+    return family, argparse.Namespace(**{**vars(args), **fetched}) if fetched else args
+
+
 def plan_run(args, cluster_resources, draw_class_images=None, stop_step=None):
     """The plan.Plan of a run of derived flags args (left as they are), or UserError naming the first problem.
 
@@ -146,26 +170,20 @@ def plan_run(args, cluster_resources, draw_class_images=None, stop_step=None):
     tops up the class folder (--num_class_images, on Ray), after the photos are checked. stop_step:
     end this run there, the schedule still planned over the whole run (sweep.py's early stopping).
     """
-    families.check_model_dir(args.model_dir, args.allow_unsafe_weights)
-    family = families.require(args.model_dir, "train")
-    objectives.check_flags(family, args.snr_gamma, args.precondition_outputs, args.weighting_scheme)
-    args = vae_cache.resolved(args)
-    files.check_output_path(args.output_dir, "--output_dir", [
-        ("--pretrained_model_name_or_path", args.model_dir), ("--instance_data_dir", args.instance_data_dir),
-        ("--class_data_dir", args.class_data_dir)])
-    outputs.check_output_dir(args.output_dir, args.overwrite)
-    storage.check_reachable(args.storage_path, "--storage_path")  # (a bucket's, before anything is drawn)
-    args = inputs.fetch_from_buckets(args, draw_class_images)
-    found = inputs.read_inputs(args, family, draw_class_images)
-    identity = run_identity.of_run(args, family, found.photos, found.masks, found.held_out, found.captions,
-                                   found.class_files, found.resolution, found.buckets)
+    family, args = checked_files(args, draw_class_images)
+    found = inputs.read_inputs(flags_of(inputs.InputFlags, args), family, draw_class_images)
+    identity = run_identity.of_run({name: getattr(args, name) for name in run_identity.FLAGS}, family, found.photos,
+                                   found.masks, found.held_out, found.captions, found.class_files, found.resolution,
+                                   found.buckets)
     if args.resume_from_checkpoint == "auto":
         keep_finished(args.output_dir, identity)
     resume_path = checkpoints.resolve_resume(args.resume_from_checkpoint, args.storage_path,
                                              os.path.basename(args.output_dir), args.output_dir, identity)
-    use_gpu, num_workers, cpus_per_worker = resources.worker_resources(args, *cluster_resources())
+    use_gpu, num_workers, cpus_per_worker = resources.worker_resources(flags_of(resources.WorkerFlags, args),
+                                                                       *cluster_resources())
     args = argparse.Namespace(**{**vars(args), "num_workers": num_workers})  # (the LR scaling counts them)
-    steps_per_epoch, total_steps = resources.plan_steps(found.num_rows, args)
+    step_flags = flags_of(resources.StepFlags, args)
+    steps_per_epoch, total_steps = resources.plan_steps(found.num_rows, step_flags)
     from_flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(plan.Plan) if hasattr(args, f.name)}
     return plan.Plan(**{
         **from_flags,
@@ -185,7 +203,7 @@ def plan_run(args, cluster_resources, draw_class_images=None, stop_step=None):
         "stop_step": min(stop_step or total_steps, total_steps),
         "validation_steps": (args.validation_epochs * steps_per_epoch if args.validation_epochs
                              else args.validation_steps),
-        "stream_epochs": resources.stream_epochs(found.num_rows, total_steps, args),
+        "stream_epochs": resources.stream_epochs(found.num_rows, total_steps, step_flags),
         "use_gpu": use_gpu,
         "cpus_per_worker": cpus_per_worker,
         "run_name": f"{os.path.basename(args.output_dir)}-{datetime.now().strftime('%Y%m%d-%H%M%S')}",

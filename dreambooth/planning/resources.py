@@ -4,6 +4,7 @@ every CPU held by train workers the streaming dataset never starts and fit() wai
 the rows of an epoch split over them into optimizer steps.
 """
 
+import dataclasses
 import math
 import sys
 
@@ -11,6 +12,27 @@ from dreambooth import errors
 from dreambooth.models import modelcache
 
 DEFAULT_MAX_TRAIN_STEPS = 800
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerFlags:
+    """The flags that decide the workers (train.py's; the preflight's NUM_WORKERS and GPUS_PER_WORKER)."""
+
+    num_workers: int | None
+    gpus_per_worker: int
+    use_gpu: bool | None = None
+    model_dir: str | None = None  # (a model with random weights is for CPUs: no warning without a GPU)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFlags:
+    """The flags that decide a run's steps."""
+
+    num_workers: int
+    train_batch_size: int
+    gradient_accumulation_steps: int
+    max_train_steps: int | None = None
+    num_train_epochs: int | None = None
 
 def default_num_workers(gpus, gpus_per_worker):
     """Workers when --num_workers is not given: one per GPU of the cluster (per two with
@@ -29,21 +51,21 @@ def flag_spelling(name, value):
     return f"--{name} {value}"
 
 
-def worker_resources(args, cpus, gpus, spell=flag_spelling, warn_no_gpu=None):
-    """(use_gpu, num_workers, CPUs per worker), or UserError if the cluster cannot hold the workers.
+def worker_resources(flags, cpus, gpus, spell=flag_spelling, warn_no_gpu=None):
+    """(use_gpu, num_workers, CPUs per worker) of WorkerFlags, or UserError if the cluster cannot hold the workers.
 
     At least one CPU stays free for Ray Data: with every CPU held by train workers the
     streaming dataset never starts and fit() waits forever. spell(name, value) names a setting
     in the messages (dreambooth_run.sh's preflight names its variables); warn_no_gpu: print
     NO_GPU_WARNING on a cluster without GPUs (default: unless the model has random weights).
     """
-    use_gpu = gpus > 0 if args.use_gpu is None else args.use_gpu
-    num_workers = args.num_workers or default_num_workers(gpus if use_gpu else 0, args.gpus_per_worker)
-    needed = num_workers * args.gpus_per_worker
+    use_gpu = gpus > 0 if flags.use_gpu is None else flags.use_gpu
+    num_workers = flags.num_workers or default_num_workers(gpus if use_gpu else 0, flags.gpus_per_worker)
+    needed = num_workers * flags.gpus_per_worker
     if use_gpu and needed > gpus:
-        fits = f": set {spell('num_workers', max(1, gpus // args.gpus_per_worker))} (or leave it unset: one " \
+        fits = f": set {spell('num_workers', max(1, gpus // flags.gpus_per_worker))} (or leave it unset: one " \
                "worker per GPU)" if gpus else ""
-        raise errors.UserError(f"{spell('num_workers', num_workers)} x {spell('gpus_per_worker', args.gpus_per_worker)}"
+        raise errors.UserError(f"{spell('num_workers', num_workers)} x {spell('gpus_per_worker', flags.gpus_per_worker)}"
                                f" needs {needed} GPUs; the Ray cluster has {gpus}{fits}")
     if not use_gpu and num_workers > cpus:
         raise errors.UserError(f"{spell('num_workers', num_workers)}: more than the Ray cluster's {cpus:g} CPUs")
@@ -52,42 +74,42 @@ def worker_resources(args, cpus, gpus, spell=flag_spelling, warn_no_gpu=None):
         raise errors.UserError(f"the Ray cluster has {cpus:g} CPU(s): training needs one for its workers "
                                "and one for the data pipeline")
     if warn_no_gpu is None:
-        warn_no_gpu = not modelcache.has_random_weights(args.model_dir)  # random models are for CPUs
+        warn_no_gpu = not modelcache.has_random_weights(flags.model_dir)  # random models are for CPUs
     if not use_gpu and warn_no_gpu:
         print(NO_GPU_WARNING, file=sys.stderr)
     return use_gpu, num_workers, min(1.0, spare / num_workers)
 
 
-def plan_steps(num_rows, args):
-    """(steps_per_epoch, total_steps): rows split evenly over workers, into batches, into
+def plan_steps(num_rows, flags):
+    """(steps_per_epoch, total_steps) of StepFlags: rows split evenly over workers, into batches, into
     optimizer steps of gradient_accumulation_steps batches.
 
     An explicit --max_train_steps wins (diffusers' rule: the epochs follow from the steps), and a
     line says so when --num_train_epochs was given too; --num_train_epochs alone sets the steps.
     """
-    rows_per_worker = num_rows // args.num_workers
+    rows_per_worker = num_rows // flags.num_workers
     if rows_per_worker == 0:
-        raise errors.UserError(f"{num_rows} training rows cannot feed {args.num_workers} workers; "
+        raise errors.UserError(f"{num_rows} training rows cannot feed {flags.num_workers} workers; "
                                "add images or lower --num_workers")
-    per_epoch = math.ceil(rows_per_worker / args.train_batch_size) // args.gradient_accumulation_steps
+    per_epoch = math.ceil(rows_per_worker / flags.train_batch_size) // flags.gradient_accumulation_steps
     if per_epoch == 0:
         raise errors.UserError(f"an epoch has fewer batches per worker than --gradient_accumulation_steps "
-                               f"{args.gradient_accumulation_steps}; lower it or --train_batch_size")
-    if args.num_train_epochs is None:
-        return per_epoch, args.max_train_steps or DEFAULT_MAX_TRAIN_STEPS
-    by_epochs = per_epoch * args.num_train_epochs
-    if args.max_train_steps is None:
+                               f"{flags.gradient_accumulation_steps}; lower it or --train_batch_size")
+    if flags.num_train_epochs is None:
+        return per_epoch, flags.max_train_steps or DEFAULT_MAX_TRAIN_STEPS
+    by_epochs = per_epoch * flags.num_train_epochs
+    if flags.max_train_steps is None:
         return per_epoch, by_epochs
-    if by_epochs != args.max_train_steps:
-        print(f"note: --max_train_steps {args.max_train_steps} wins over --num_train_epochs {args.num_train_epochs} "
-              f"({by_epochs} steps): {math.ceil(args.max_train_steps / per_epoch)} epoch(s) of {per_epoch} steps",
+    if by_epochs != flags.max_train_steps:
+        print(f"note: --max_train_steps {flags.max_train_steps} wins over --num_train_epochs {flags.num_train_epochs} "
+              f"({by_epochs} steps): {math.ceil(flags.max_train_steps / per_epoch)} epoch(s) of {per_epoch} steps",
               file=sys.stderr)
-    return per_epoch, args.max_train_steps
+    return per_epoch, flags.max_train_steps
 
 
-def stream_epochs(num_rows, total_steps, args):
+def stream_epochs(num_rows, total_steps, flags):
     """Epochs of rows the training stream must hold for every worker to take total_steps
     (two spare: the split rebalances the stream's last blocks between workers)."""
-    rows_per_worker = num_rows // args.num_workers
-    rows_needed = total_steps * args.train_batch_size * args.gradient_accumulation_steps
+    rows_per_worker = num_rows // flags.num_workers
+    rows_needed = total_steps * flags.train_batch_size * flags.gradient_accumulation_steps
     return math.ceil(rows_needed / rows_per_worker) + 2

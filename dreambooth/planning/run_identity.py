@@ -28,6 +28,8 @@ WEIGHT_FLAGS = (
 )
 # ... of a flow-matching family
 FLOW_FLAGS = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "precondition_outputs")
+# Every flag of_run reads: planning hands their values over ({name: value})
+FLAGS = WEIGHT_FLAGS + FLOW_FLAGS + ("model_dir", "vae_dir", "base_precision", "guidance_scale")
 # The parts of an identity that are files, as the line that names a difference says them.
 FILE_PARTS = {"base_model": "the base model", "vae": "the VAE", "photos": "the photos (their content)",
               "class_images": "the class images (their content)"}
@@ -46,13 +48,13 @@ def files_digest(paths):
     return digest.hexdigest()[:20]
 
 
-def of_run(args, family, photos, masks, held_out, captions, class_images, resolution, buckets):
-    """The identity of a run of parsed flags args, as JSON-able values: photos are the photos trained on
+def of_run(flags, family, photos, masks, held_out, captions, class_images, resolution, buckets):
+    """The identity of a run of flags ({name: value} of FLAGS), as JSON-able values: photos are the photos trained on
     (paths as given), masks their mask sources (inputs.masks_of), captions each photo's prompt."""
     mask_files = sorted({source[0] for source in masks if source and os.path.isfile(str(source[0]))})
     identity = {
-        "base_model": outputs.model_fingerprint(args.model_dir),
-        "vae": outputs.model_fingerprint(args.vae_dir) if args.vae_dir else None,
+        "base_model": outputs.model_fingerprint(flags["model_dir"]),
+        "vae": outputs.model_fingerprint(flags["vae_dir"]) if flags["vae_dir"] else None,
         "family": family.name,
         "photos": files_digest(list(photos) + mask_files),
         "held_out": list(held_out),
@@ -60,9 +62,9 @@ def of_run(args, family, photos, masks, held_out, captions, class_images, resolu
         "class_images": files_digest(list(class_images)),
         "resolution": resolution,
         "buckets": [list(b) for b in buckets],
-        **{name: getattr(args, name) for name in WEIGHT_FLAGS + (FLOW_FLAGS if family.flow_matching else ())},
-        **({"base_precision": args.base_precision} if args.base_precision else {}),
-        **({"guidance_scale": family.guidance(args.guidance_scale)} if family.guided_training else {}),
+        **{name: flags[name] for name in WEIGHT_FLAGS + (FLOW_FLAGS if family.flow_matching else ())},
+        **({"base_precision": flags["base_precision"]} if flags["base_precision"] else {}),
+        **({"guidance_scale": family.guidance(flags["guidance_scale"])} if family.guided_training else {}),
     }
     return json.loads(json.dumps(identity))  # tuples as lists: as it reads back from a file
 

@@ -54,13 +54,3 @@ def in_bucket(folder, cache_dir):
     """folder, copied to the bucket first when cache_dir is a bucket's model cache (modelcache.to_bucket)."""
     modelcache.to_bucket(folder, cache_dir, last=VAE_FILES[1])
     return folder
-
-
-def resolved(args):
-    """args with --pretrained_vae_model_name_or_path made a folder (resolve_vae), as a copy: the caller's
-    flags stay as given."""
-    if not args.vae_dir:
-        return args
-    import argparse
-
-    return argparse.Namespace(**{**vars(args), "vae_dir": resolve_vae(args.vae_dir, args.allow_unsafe_weights)})

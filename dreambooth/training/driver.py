@@ -17,6 +17,7 @@ from dreambooth import storage
 from dreambooth.cluster import raycluster
 from dreambooth.config import flags
 from dreambooth.generation import drawing
+from dreambooth.generation import image_records
 from dreambooth.models import outputs
 from dreambooth.planning import checkpoints
 from dreambooth.planning import planning
@@ -120,10 +121,10 @@ def top_up_class_images(model_dir, class_dir, class_prompt, count, seed=0, resol
     families.check_model_dir(model_dir, allow_unsafe_weights)
     with storage.output_folder(class_dir) as folder:
         os.makedirs(folder, exist_ok=True)
-        drawn = set(outputs.drawn_images(folder))
+        drawn = set(image_records.drawn_images(folder))
         own = [n for n in os.listdir(folder) if n.lower().endswith(files.IMAGE_EXTENSIONS) and n not in drawn]
         settings = drawing.ImageSettings(resolution=resolution, seed=seed, allow_unsafe_weights=allow_unsafe_weights)
-        have = outputs.read_image_record(folder)
+        have = image_records.read_image_record(folder)
         if have:  # (drawn by generate.py: Step 3's steps and guidance, which train.py has no flag for, go on)
             settings = dataclasses.replace(settings, num_inference_steps=have.num_inference_steps,
                                            guidance_scale=have.guidance_scale, negative_prompt=have.negative_prompt,

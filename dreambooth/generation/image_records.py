@@ -1,0 +1,86 @@
+"""The record beside a folder of generated images (dreambooth_images.json): the model (its fingerprint, outputs.py)
+and the settings that drew them, which decides whether a later run may keep them (drawing.top_up), and the images
+of generate.py's naming in a folder."""
+
+import dataclasses
+import os
+import re
+
+from dreambooth import files
+
+IMAGES_RECORD = "dreambooth_images.json"  # beside generated images: what drew them
+
+
+IMAGES_CONFIG = "generate_config.toml"  # beside them too: generate.py --config FILE repeats the run
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageRecord:
+    """What drew the images of a folder: the model, the prompts and every setting that changes pixels."""
+
+    model: str  # ModelRef.fingerprint()
+    model_dir: str  # for messages only: the same weights may sit in another folder
+    prompts: tuple
+    resolution: int
+    seed: int
+    num_inference_steps: int
+    guidance_scale: float
+    negative_prompt: str | None
+
+    # What class images are for training (what they show, at which size): a folder of them is kept
+    # when only the other settings differ (steps, guidance, seed, negative prompt).
+    CLASS_IMAGE_FIELDS = ("model", "prompts", "resolution")
+
+    def differences(self, other):
+        """Names of the settings in which other differs ('model', 'prompts', ...)."""
+        return [f.name for f in dataclasses.fields(self)
+                if f.name != "model_dir" and getattr(self, f.name) != getattr(other, f.name)]
+
+    def model_words(self):
+        """A hub snapshot by its name and short commit (its folder is a long hub-cache path that says no more),
+        any other model by its folder and fingerprint."""
+        if re.fullmatch(r"[\w.-]+/[\w.-]+@[0-9a-f]{40}", self.model):
+            return self.model[:-28]
+        return f"{self.model_dir} ({self.model})"
+
+    def describe(self, fields=None):
+        """The settings (or only the named fields) in words."""
+        prompts = "; ".join(repr(p) for p in self.prompts[:3]) + (" ..." if len(self.prompts) > 3 else "")
+        words = {"model": f"model {self.model_words()}", "prompts": f"prompts {prompts}",
+                 "resolution": f"{self.resolution} px", "seed": f"seed {self.seed}",
+                 "num_inference_steps": f"{self.num_inference_steps} steps",
+                 "guidance_scale": f"guidance {self.guidance_scale:g}",
+                 "negative_prompt": f"negative prompt {self.negative_prompt!r}"}
+        return ", ".join(text for name, text in words.items() if fields is None or name in fields)
+
+
+def read_image_record(folder):
+    path = os.path.join(folder, IMAGES_RECORD)
+    if not os.path.isfile(path):
+        return None
+    data = files.read_json(path)
+    try:
+        return ImageRecord(**{**data, "prompts": tuple(data["prompts"])})
+    except (TypeError, KeyError):
+        return ImageRecord("unreadable record", path, (), 0, 0, 0, 0.0, None)
+
+
+def write_image_record(folder, record):
+    files.write_json(os.path.join(folder, IMAGES_RECORD), {**dataclasses.asdict(record),
+                                                            "prompts": list(record.prompts)})
+
+
+def drawn_images(folder):
+    """The files generate.py's naming wrote in folder: images and the safety checker's markers."""
+    if not os.path.isdir(folder):
+        return []
+    return sorted(n for n in os.listdir(folder)
+                  if re.fullmatch(r".+-\d{5}" + re.escape(files.IMAGE_SUFFIX) + r"(\.flagged)?", n))
+
+
+def remove_drawn_images(folder):
+    """Delete the images (and their record) generate.py drew into folder; other files stay."""
+    for name in drawn_images(folder) + [IMAGES_RECORD]:
+        path = os.path.join(folder, name)
+        if os.path.exists(path):
+            os.remove(path)
