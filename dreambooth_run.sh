@@ -122,10 +122,12 @@ if ! command -v "$PYTHON" > /dev/null; then
   echo "dreambooth_run.sh: error: no '$PYTHON' to run the steps with: set PYTHON=/path/to/python" >&2
   exit 1
 fi
+# (by its full path: the commands printed for later, export's, run in any shell)
+PYTHON="$(command -v "$PYTHON")"
 if ! missing="$("$PYTHON" -c 'import importlib.util as u; print(" ".join(m for m in ("ray", "torch", "diffusers", "transformers", "PIL") if u.find_spec(m) is None))')" || [ -n "$missing" ]; then
   echo "dreambooth_run.sh: error: $(command -v "$PYTHON") lacks ${missing:-the packages of requirements.txt}:" \
-    "run with the Python you installed requirements.txt in (PATH=\"\$PWD/.venv/bin:\$PATH\" ./dreambooth_run.sh," \
-    "or PYTHON=.venv/bin/python)" >&2
+    "run with the Python you installed requirements.txt in (. .venv/bin/activate first, or" \
+    "PYTHON=.venv/bin/python ./dreambooth_run.sh)" >&2
   exit 1
 fi
 CURRENT_STEP=
@@ -261,8 +263,13 @@ RAY_HEAD_PID= RAY_HEAD_TEMP=
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
 RAY_AUTH="$("$PYTHON" -c 'from dreambooth.cluster import raycluster; raycluster.ensure_ray_token(); print(raycluster.ray_auth_note())')"
 EVAL_FETCH_PID=
-stop_ray() {  # at exit, however the script ends: the background fetch too (Step 1)
-  if [ -n "$EVAL_FETCH_PID" ]; then kill -TERM "$EVAL_FETCH_PID" 2>/dev/null || true; fi
+stop_ray() {  # at exit, however the script ends: the background fetch too (Step 1), and its files when it said nothing
+  if [ -n "$EVAL_FETCH_PID" ]; then
+    kill -TERM "$EVAL_FETCH_PID" 2>/dev/null || true
+    wait "$EVAL_FETCH_PID" 2>/dev/null || true
+    rm -f "$EVAL_FETCH_LOG.path"
+    if [ ! -s "$EVAL_FETCH_LOG" ]; then rm -f "$EVAL_FETCH_LOG"; fi
+  fi
   if [ -n "$RAY_HEAD_PID" ]; then
     kill -TERM "$RAY_HEAD_PID" 2>/dev/null || true
     wait "$RAY_HEAD_PID" 2>/dev/null || true
@@ -387,10 +394,10 @@ if ! $skip_eval; then
     > "$EVAL_FETCH_LOG.path" 2> "$EVAL_FETCH_LOG" < /dev/null &
   EVAL_FETCH_PID=$!
   if $tiny; then
-    echo "Step 6's scoring models (tiny DINO and CLIP): built in the background (log: $EVAL_FETCH_LOG)"
+    echo "Step 6's scoring models (tiny DINO and CLIP): built in the background (a failure names its log)"
   else  # (in the cache already: nothing is downloaded)
     echo "Step 6's scoring models (DINO, CLIP): from $EVAL_MODELS_CACHE, fetched there first if missing, in the" \
-      "background (log: $EVAL_FETCH_LOG)"
+      "background (a failure names its log)"
   fi
 fi
 
@@ -477,6 +484,7 @@ fi
 step "6: scores of the tuned model beside the base model (DINO, CLIP-I, CLIP-T, DIV, PRES)"
 if ! wait "$EVAL_FETCH_PID"; then
   EVAL_FETCH_PID=
+  rm -f "$EVAL_FETCH_LOG.path"
   tail -n 20 "$EVAL_FETCH_LOG"
   echo "dreambooth_run.sh: error: getting Step 6's scoring models failed (log: $EVAL_FETCH_LOG); the tuned" \
     "model and its images are in $TUNED_MODEL_DIR and $IMAGES_NEW_DIR" >&2

@@ -164,6 +164,10 @@ def run_main(main_fn):
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)
+    except ModuleNotFoundError as err:  # (the packages are imported where used: a wrong Python fails here)
+        print(f"error: {sys.executable} has no {err.name} (requirements.txt): run with the Python they are installed "
+              f"in (. .venv/bin/activate first, or .venv/bin/python {os.path.basename(sys.argv[0])})", file=sys.stderr)
+        sys.exit(1)
     except Exception as err:
         cause = user_error_in(err)  # raised in a Ray worker or actor, which logged its traceback
         if cause is None:

@@ -84,6 +84,17 @@ def test_the_sdxl_fp16_fix_vae_resolves_at_its_pinned_commit_only(tiny_sdxl_mode
     assert vae_cache.resolve_vae(name) == pinned
 
 
+def test_a_model_name_given_as_the_cache_folder_is_refused_in_one_line(tmp_path, monkeypatch):
+    """cache_model.py's --model_dir is the cache (Ray's example's name), every other script's the model: a short or
+    hub name there is a mix-up, not a folder to create."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("sd14", "tiny", "CompVis/stable-diffusion-v1-4"):
+        with pytest.raises(errors.UserError, match=rf"^--model_dir {name}: cache_model.py's --model_dir is the folder "
+                                                   rf"it caches models in .*; the model is --model_name {name}$"):
+            cache_model.main(["--model_dir", name, "--tiny"])
+    assert os.listdir(tmp_path) == []
+
+
 def test_missing_offline_model_is_a_clear_error(tmp_path):
     with pytest.raises(errors.UserError, match="not in .* hub cannot be reached"):
         cache_model.main(["--model_dir", str(tmp_path)])

@@ -86,7 +86,7 @@ def test_frozen_text_encoder_is_not_written_and_the_manifest_checks_sizes(make_p
     assert not checkpoints.is_complete(str(tmp_path))
 
 
-def test_find_latest_picks_the_newest_complete_checkpoint_of_the_run(tmp_path):
+def test_find_latest_picks_the_newest_complete_checkpoint_of_the_run(tmp_path, capsys):
     def fake(run, name, step, complete=True):
         folder = tmp_path / run / name
         folder.mkdir(parents=True)
@@ -103,6 +103,7 @@ def test_find_latest_picks_the_newest_complete_checkpoint_of_the_run(tmp_path):
     fake("model-tuned-bella-20260101-000000", "checkpoint_e", 9)  # another output's run, named alike
     assert checkpoints.find_latest(str(tmp_path), "model-tuned") == newest
     assert checkpoints.resolve_resume("latest", str(tmp_path), "model-tuned") == newest
+    assert capsys.readouterr().err == f"resuming from {newest} (step 4)\n"  # (which step: the line says it)
     assert checkpoints.find_latest(str(tmp_path), "absent") is None
     with pytest.raises(Exception, match="not a complete checkpoint"):
         checkpoints.resolve_resume(str(tmp_path / "model-tuned-20260101-000002" / "checkpoint_c"), str(tmp_path), "model-tuned")

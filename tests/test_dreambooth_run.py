@@ -166,7 +166,7 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request, webhook):
         assert "tuned: 0 of 3 images already there; generating 3" in output
         assert "base: 3 of 3 images already there; generating 0" in output
         # (not "deleting them (--force)": the script passes --force, the user did not)
-        assert "the 5 images in" in output and "different from this run's: " in output
+        assert "the 5 images in" in output and "(trained:" in output and ", not this run's model " in output
         first = json.loads((tmp_path / "scores-of-the-full-run.json").read_text())
         assert scores["models"]["base"] == first["models"]["base"]
         assert scores["models"]["tuned"]["overall"] != first["models"]["tuned"]["overall"]

@@ -70,7 +70,7 @@ def test_top_up_keeps_images_of_the_same_model_and_settings_only(tiny_model, tmp
     shutil.copytree(tiny_model, retrained, dirs_exist_ok=True)
     job = drawing.top_up(folder, outputs.ModelRef(str(retrained)), ["photo of a cat"], 2, SETTINGS, False,
                          on_mismatch="redraw", label="tuned")
-    assert len(job.rows) == 2 and "(different from this run's: model); drawing them again" in capsys.readouterr().err
+    assert len(job.rows) == 2 and "(different: model); drawing them again" in capsys.readouterr().err
 
 
 def test_images_without_a_record_are_not_mixed_with_new_ones(tiny_model, tmp_path):

@@ -147,6 +147,8 @@ def test_a_script_exits_at_once_after_flushing_and_waits_for_its_writing_threads
             os.write(2, b"[E core_worker.cc:2465] Actor x has constructor arguments in the object store and "
                         b"max_restarts > 0. If the arguments ...\\n")
             os.write(2, b"a native line\\n")
+            if sys.argv[1] == "missing":  # a package of requirements.txt this Python lacks, imported where used
+                import not_a_package_of_ours  # noqa: F401
             if sys.argv[1] == "thread":
                 def write():
                     time.sleep(0.3)
@@ -164,3 +166,9 @@ def test_a_script_exits_at_once_after_flushing_and_waits_for_its_writing_threads
         assert done.stdout == "printed without a newline flush at exit\n"
         assert sorted(done.stderr.splitlines()) == ["a native line", "logged"], done.stderr
     assert marker.read_text() == "written"
+    missing = subprocess.run([sys.executable, str(script), "missing", str(marker)], capture_output=True, text=True,
+                             stdin=subprocess.DEVNULL, env=buffered)
+    said = [line for line in missing.stderr.splitlines() if line != "logged" and "native line" not in line]
+    assert missing.returncode == 1 and said == [
+        f"error: {sys.executable} has no not_a_package_of_ours (requirements.txt): run with the Python they are "
+        "installed in (. .venv/bin/activate first, or .venv/bin/python script.py)"], missing.stderr

@@ -45,6 +45,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.arch is not None and args.arch not in families.ARCHS:
         parser.error(f"argument --arch: invalid choice: {args.arch!r} (choose from {', '.join(families.ARCHS)})")
+    given = os.path.relpath(args.cache_dir) if args.cache_dir and args.cache_dir.startswith("/") else args.cache_dir
+    if given and not os.path.exists(given) and (given == "tiny" or known_models.known_model(given)):  # (a known name)
+        raise errors.UserError(f"--model_dir {given}: cache_model.py's --model_dir is the folder it caches models in "
+                               f"(the name Ray's example gives it); the model is --model_name {given}")
     bucket = args.cache_dir or modelcache.model_cache_dir()
     args.cache_dir = modelcache.cache_on_node(bucket)  # (a bucket's: filled here, then copied there)
     args.tiny = args.tiny or args.model_name == "tiny"

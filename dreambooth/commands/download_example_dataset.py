@@ -19,8 +19,10 @@ from dreambooth.config import flags
 def fetch_dataset(repo_id, revision, cache_dir):
     """The dataset's snapshot folder (its image files only)."""
     patterns = [f"*{ext}" for ext in files.IMAGE_EXTENSIONS] + [f"*{ext.upper()}" for ext in files.IMAGE_EXTENSIONS]
-    return hub.hub_download(f"dataset {repo_id}", "run once with network access", repo_id=repo_id,
-                            repo_type="dataset", revision=revision, cache_dir=cache_dir, allow_patterns=patterns)
+    offline = ("run once with network access, or use photos of your own (dreambooth_run.sh: INSTANCE_DIR=their "
+               "folder; --tiny: images/toy)")
+    return hub.hub_download(f"dataset {repo_id}", offline, repo_id=repo_id, repo_type="dataset", revision=revision,
+                            cache_dir=cache_dir, allow_patterns=patterns)
 
 
 def copy_images(snapshot, output_dir):

@@ -274,8 +274,9 @@ def top_up(folder, model, prompts, count, settings, safety_checker, on_mismatch=
     os.makedirs(folder, exist_ok=True)
     files.remove_temp_files(folder)
     settings = settings_for(settings, families.family_of(model.model_dir), model.model_dir)
-    wanted = image_records.ImageRecord(model.fingerprint(), model.describe(), tuple(prompts), settings.resolution, settings.seed,
-                                 settings.num_inference_steps, settings.guidance_scale, settings.negative_prompt)
+    wanted = image_records.ImageRecord(model.fingerprint(), model.describe(), tuple(prompts), settings.resolution,
+                                       settings.seed, settings.num_inference_steps, settings.guidance_scale,
+                                       settings.negative_prompt)
     have = image_records.read_image_record(folder)
     drawn = image_records.drawn_images(folder)
     differs = have.differences(wanted) if have else (["record"] if drawn else [])
@@ -293,8 +294,9 @@ def top_up(folder, model, prompts, count, settings, safety_checker, on_mismatch=
             asked = f"this run's {wanted.describe(differs)}" if have else f"this run's {wanted.describe()}"
             raise errors.UserError(f"{where}: its {len(drawn)} images {what}, not {asked} (different: "
                                    f"{', '.join(differs)}). Use another folder, or {remedy}")
-        print(f"{label or where}: the {len(drawn)} images in {where} {what} (different from this run's: "
-              f"{', '.join(differs)}); drawing them again", file=sys.stderr)
+        now = f", not this run's {wanted.describe(differs)}" if have else ""
+        print(f"{label or where}: the {len(drawn)} images in {where} {what}{now} (different: {', '.join(differs)}); "
+              f"drawing them again", file=sys.stderr)
         image_records.remove_drawn_images(folder)
     image_records.write_image_record(folder, wanted)
     rows, names = plan_images(prompts, count, settings.seed, folder)

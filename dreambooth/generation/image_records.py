@@ -41,6 +41,8 @@ class ImageRecord:
         any other model by its folder and fingerprint."""
         if re.fullmatch(r"[\w.-]+/[\w.-]+@[0-9a-f]{40}", self.model):
             return self.model[:-28]
+        if self.model.startswith("trained:"):  # (a model train.py saved: its run's id, short)
+            return f"{self.model_dir} ({self.model[:16]})"
         return f"{self.model_dir} ({self.model})"
 
     def describe(self, fields=None):

@@ -131,7 +131,7 @@ def resolve_resume(resume_flag, storage_path, run_prefix, output_dir=None, ident
             print(f"no checkpoint of this run ('{run_prefix}', these settings and files) in {storage_path}: "
                   f"starting fresh", file=sys.stderr)
         else:
-            print(f"resuming from {path}", file=sys.stderr)
+            print(f"resuming from {path} (step {saved_step(path)})", file=sys.stderr)
         return path
     if resume_flag and not is_complete(resume_flag):
         raise errors.UserError(f"{resume_flag} is not a complete checkpoint of train.py")
