@@ -51,8 +51,8 @@ def test_the_watch_stops_on_a_user_error_and_announces_a_dead_worker(tmp_path, c
     watch = failures.FailureWatch(str(tmp_path / "run"), max_failures=1)
     watch.after_exception(None, {1: RuntimeError("actor died"), 0: ConnectionError("peer reset")})
     out = capsys.readouterr().out
-    assert out.startswith("worker 0 failed: ConnectionError: peer reset; restarting the workers from the newest "
-                          "checkpoint (1 of --max_failures 1;")
+    assert out.startswith("worker 0 failed: ConnectionError: peer reset; restarting the workers from step 0 (no "
+                          "checkpoint was written yet) (1 of --max_failures 1;")
     watch.after_exception(None, {0: RuntimeError("actor died")})  # the limit is spent: Ray Train raises, we say nothing
     assert capsys.readouterr().out == ""
     with pytest.raises(failures.RunStopped, match="^worker 1: bad weights$"):
@@ -96,3 +96,25 @@ def test_a_full_disk_is_recognised_however_a_library_wraps_it(tmp_path):
     with pytest.raises(ValueError):  # anything else passes through untouched
         with failures.stops_when_disk_full("a file", str(tmp_path), 1):
             raise ValueError("other")
+
+
+def test_the_restart_line_names_where_the_workers_begin_again(tmp_path):
+    """The newest checkpoint of the run once it has one (complete: every file at its recorded size), else the one the
+    run resumed from, else step 0."""
+    import json
+
+    from dreambooth.planning import checkpoints
+
+    run = tmp_path / "runs" / "model-20261127-000000"
+    run.mkdir(parents=True)
+    fresh = failures.FailureWatch(str(run), 3, str(tmp_path / "runs"), run.name)
+    resumed = failures.FailureWatch(str(run), 3, str(tmp_path / "runs"), run.name, resumed=True)
+    assert fresh.restart_point() == "step 0 (no checkpoint was written yet)"
+    assert resumed.restart_point() == "the checkpoint this run resumed from"
+    checkpoint = run / "checkpoint_2026-11-27_00-00-01"
+    checkpoint.mkdir()
+    (checkpoint / "unet.safetensors").write_bytes(b"w" * 4)
+    (checkpoint / checkpoints.STATE_FILE).write_text(json.dumps({"step": 5, "sizes": {"unet.safetensors": 5}}))
+    assert fresh.restart_point() == "step 0 (no checkpoint was written yet)"  # (incomplete: not resumed from)
+    (checkpoint / checkpoints.STATE_FILE).write_text(json.dumps({"step": 5, "sizes": {"unet.safetensors": 4}}))
+    assert fresh.restart_point() == resumed.restart_point() == "the newest checkpoint"

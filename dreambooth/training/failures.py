@@ -17,6 +17,8 @@ import ray.train
 
 from dreambooth import errors
 from dreambooth import files
+from dreambooth import storage
+from dreambooth.planning import checkpoints
 from dreambooth.storage import runfiles
 
 # Ray Train's own console logging (worker-group start, each failure's traceback twice, its retry
@@ -98,8 +100,8 @@ class FailureWatch(ray.train.UserCallback):
     the run (RunStopped, which Ray Train does not retry); anything else is announced in one line
     and left to Ray Train's restarts."""
 
-    def __init__(self, run_dir, max_failures, storage_path=None, run_name=None):
-        self.run_dir = run_dir
+    def __init__(self, run_dir, max_failures, storage_path=None, run_name=None, resumed=False):
+        self.run_dir, self.resumed = run_dir, resumed
         self.max_failures = max_failures
         self.failures = 0
         self.storage_path, self.run_name = storage_path, run_name  # (a bucket's: errors.log copied there)
@@ -108,6 +110,17 @@ class FailureWatch(ray.train.UserCallback):
         errors.log_error_event(self.run_dir, text)
         if self.storage_path:
             runfiles.sync_up(self.storage_path, self.run_name)
+
+    def restart_point(self):
+        """Where the restarted workers begin: this run's newest checkpoint, else the one it resumed from, else step 0."""
+        run = storage.join(self.storage_path, self.run_name) if self.storage_path else self.run_dir
+        try:
+            saved = [storage.join(run, name) for name in storage.listdir(run) if name.startswith("checkpoint_")]
+        except OSError:
+            saved = []
+        if any(checkpoints.is_complete(folder) for folder in saved):
+            return "the newest checkpoint"
+        return "the checkpoint this run resumed from" if self.resumed else "step 0 (no checkpoint was written yet)"
 
     def after_exception(self, run_context, worker_exceptions):
         rank, err = min(worker_exceptions.items(), key=lambda item: item[0])
@@ -121,5 +134,5 @@ class FailureWatch(ray.train.UserCallback):
         self.log_event(f"worker {rank} failed ({len(worker_exceptions)} of the group): {cause}")
         if self.max_failures < 0 or self.failures <= self.max_failures:
             limit = "unlimited" if self.max_failures < 0 else f"{self.failures} of --max_failures {self.max_failures}"
-            print(f"worker {rank} failed: {cause[:300]}; restarting the workers from the newest checkpoint "
+            print(f"worker {rank} failed: {cause[:300]}; restarting the workers from {self.restart_point()} "
                   f"({limit}; details in {os.path.join(self.run_dir, errors.ERRORS_LOG)})", flush=True)
