@@ -120,7 +120,7 @@ SHORT_NAMES = ", ".join(model.short_name for model in families.KNOWN_MODELS)
 GATED = ", ".join(model.short_name for model in families.KNOWN_MODELS if model.gated)
 FLAGS = {
     # --- models and folders
-    "model_dir": (("--pretrained_model_name_or_path", "--model_dir"),
+    "model_dir": (("--model_dir", "--pretrained_model_name_or_path"),
         dict(type=model_path, required=True, metavar="DIR|NAME",
              help="The base model: a diffusers folder (the path cache_model.py prints), a hub name "
                   f"(CompVis/stable-diffusion-v1-4) or a short name ({SHORT_NAMES}), found in the hub cache (offline "
@@ -172,10 +172,10 @@ FLAGS = {
              help="Hub cache folder (default: the Hugging Face cache).")),
     "output_dir": (("--output_dir",),
         dict(type=abs_path, required=True, metavar="DIR", help="Where results are written.")),
-    "instance_data_dir": (("--instance_data_dir", "--instance_images_dir"),
+    "instance_data_dir": (("--instance_images_dir", "--instance_data_dir"),
         dict(type=abs_path, required=True, metavar="DIR",
              help="Folder with the 4-6 photos of your subject.")),
-    "class_data_dir": (("--class_data_dir", "--class_images_dir"),
+    "class_data_dir": (("--class_images_dir", "--class_data_dir"),
         dict(type=abs_path, default=None, metavar="DIR",
              help="Folder of class (regularisation) images from generate.py; "
                   "giving it turns on prior preservation.")),
@@ -241,7 +241,7 @@ FLAGS = {
     "train_batch_size": (("--train_batch_size",),
         dict(type=positive_int, default=1,
              help="Instance images per worker per step (as many class images are added).")),
-    "learning_rate": (("--learning_rate", "--lr"),
+    "learning_rate": (("--lr", "--learning_rate"),
         dict(type=positive_float, default=None,
              help="AdamW learning rate. Default: 5e-6, or 1e-4 with --use_lora.")),
     "lr_warmup_steps": (("--lr_warmup_steps",),
