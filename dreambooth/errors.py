@@ -165,6 +165,8 @@ def run_main(main_fn):
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)
     except ModuleNotFoundError as err:  # (the packages are imported where used: a wrong Python fails here)
+        if not err.name or err.name.split(".")[0] == "dreambooth":
+            raise  # (ours: a bug, with its traceback)
         print(f"error: {sys.executable} has no {err.name} (requirements.txt): run with the Python they are installed "
               f"in (. .venv/bin/activate first, or .venv/bin/python {os.path.basename(sys.argv[0])})", file=sys.stderr)
         sys.exit(1)
