@@ -41,9 +41,9 @@ class ImageRecord:
         any other model by its folder and fingerprint."""
         if re.fullmatch(r"[\w.-]+/[\w.-]+@[0-9a-f]{40}", self.model):
             return self.model[:-28]
-        if self.model.startswith("trained:"):  # (a model train.py saved: its run's id, short)
-            return f"{self.model_dir} ({self.model[:16]})"
-        return f"{self.model_dir} ({self.model})"
+        # (a model train.py saved: its run's id; adapters on a hub model: its commit; each shortened)
+        short = re.sub(r"(trained:[0-9a-f]{8})[0-9a-f]+", r"\1", re.sub(r"(@[0-9a-f]{12})[0-9a-f]{28}", r"\1", self.model))
+        return f"{self.model_dir} ({short})"
 
     def describe(self, fields=None):
         """The settings (or only the named fields) in words."""
