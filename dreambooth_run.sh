@@ -263,12 +263,15 @@ RAY_HEAD_PID= RAY_HEAD_TEMP=
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
 RAY_AUTH="$("$PYTHON" -c 'from dreambooth.cluster import raycluster; raycluster.ensure_ray_token(); print(raycluster.ray_auth_note())')"
 EVAL_FETCH_PID=
+drop_fetch_files() {  # the background fetch's path file, and its log when the fetch had nothing to say
+  rm -f "$EVAL_FETCH_LOG.path"
+  if [ ! -s "$EVAL_FETCH_LOG" ]; then rm -f "$EVAL_FETCH_LOG"; fi
+}
 stop_ray() {  # at exit, however the script ends: the background fetch too (Step 1), and its files when it said nothing
   if [ -n "$EVAL_FETCH_PID" ]; then
     kill -TERM "$EVAL_FETCH_PID" 2>/dev/null || true
     wait "$EVAL_FETCH_PID" 2>/dev/null || true
-    rm -f "$EVAL_FETCH_LOG.path"
-    if [ ! -s "$EVAL_FETCH_LOG" ]; then rm -f "$EVAL_FETCH_LOG"; fi
+    drop_fetch_files
   fi
   if [ -n "$RAY_HEAD_PID" ]; then
     kill -TERM "$RAY_HEAD_PID" 2>/dev/null || true
@@ -492,8 +495,7 @@ if ! wait "$EVAL_FETCH_PID"; then
 fi
 EVAL_FETCH_PID=
 EVAL_MODELS_DIR="$(tail -n 1 "$EVAL_FETCH_LOG.path")"
-rm -f "$EVAL_FETCH_LOG.path"  # (and its log, when the fetch had nothing to say: no empty file per run)
-if [ ! -s "$EVAL_FETCH_LOG" ]; then rm -f "$EVAL_FETCH_LOG"; fi
+drop_fetch_files  # (no empty file per run)
 "$PYTHON" evaluate.py \
   --model_dir="$TUNED_MODEL_DIR" \
   --instance_data_dir="$PHOTOS_DIR" \

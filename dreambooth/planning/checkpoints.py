@@ -60,11 +60,15 @@ def complete_checkpoints(storage_path, run_prefix):
     for run in storage.listdir(storage_path):
         if not is_run_of(run, run_prefix):
             continue
-        run_dir = storage.join(storage_path, run)
-        for name in storage.listdir(run_dir):
-            folder = storage.join(run_dir, name)
-            if name.startswith("checkpoint_") and is_complete(folder):
-                yield folder
+        yield from run_checkpoints(storage.join(storage_path, run))
+
+
+def run_checkpoints(run_dir):
+    """The complete checkpoint folders of one run's folder (a folder, or in a bucket), in name order."""
+    for name in storage.listdir(run_dir):
+        folder = storage.join(run_dir, name)
+        if name.startswith("checkpoint_") and is_complete(folder):
+            yield folder
 
 
 def newest_first(storage_path, run_prefix):

@@ -115,11 +115,10 @@ class FailureWatch(ray.train.UserCallback):
         """Where the restarted workers begin: this run's newest checkpoint, else the one it resumed from, else step 0."""
         run = storage.join(self.storage_path, self.run_name) if self.storage_path else self.run_dir
         try:
-            saved = [storage.join(run, name) for name in storage.listdir(run) if name.startswith("checkpoint_")]
+            if next(checkpoints.run_checkpoints(run), None):
+                return "the newest checkpoint"
         except OSError:
-            saved = []
-        if any(checkpoints.is_complete(folder) for folder in saved):
-            return "the newest checkpoint"
+            pass  # (a bucket out of reach: said as if none)
         return "the checkpoint this run resumed from" if self.resumed else "step 0 (no checkpoint was written yet)"
 
     def after_exception(self, run_context, worker_exceptions):
