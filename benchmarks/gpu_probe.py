@@ -15,7 +15,9 @@ fraction is low, the step is bound by the host (launches, casts, small kernels),
 Arms (--arms, comma-separated): base (batch 2+2, VAE each step, text encoder trained,
 channels-last on a GPU, autocast in the device's mixed precision), batch4, batch8, no_channels_last,
 channels_last, cudnn_benchmark, cached (latents and prompt embeddings computed once, frozen text
-encoder).
+encoder), vae_bf16 (the frozen VAE's weights in the autocast dtype), compiled (torch.compile of the
+denoiser, inductor; its compile time is in the warm-up, not the timing). An arm that fails prints its
+error in its row and the others still run; each row is printed as its arm ends.
 """
 
 import argparse
@@ -40,6 +42,8 @@ ARMS = {
     "channels_last": {"channels_last": True},
     "cudnn_benchmark": {"cudnn_benchmark": True},
     "cached": {"cached": True},
+    "vae_bf16": {"vae_bf16": True},
+    "compiled": {"torch_compile": "inductor"},
 }
 KINDS = (  # device-time kinds, by kernel (or, on a CPU, aten op) name; the first match wins
     ("attention", ("flash", "fmha", "attention", "sdpa", "softmax")),
@@ -59,6 +63,8 @@ class Arm:
     channels_last: bool | None = None  # None: train.py's rule (on for CUDA)
     cudnn_benchmark: bool = False
     cached: bool = False
+    vae_bf16: bool = False
+    torch_compile: str | None = None  # --torch_compile, when given, is every arm's backend
 
 
 def kind_of(name):
@@ -74,8 +80,10 @@ def summarize(prof, wall_s, steps, on_gpu):
     events = prof.events()
     if on_gpu:
         kernels = [e for e in events if getattr(e, "device_type", None) is not None and e.device_type.name == "CUDA"]
-        times = [(e.name, e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total)
-                 for e in kernels]
+        times = [(e.name, e.device_time_total) for e in kernels]
+        if not kernels:  # a torch that lists kernels only under their CPU ops: each op's own device time
+            kernels = [e for e in events if getattr(e, "self_device_time_total", 0) > 0]
+            times = [(e.name, e.self_device_time_total) for e in kernels]
         launches = sum(1 for e in events if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
     else:  # aten ops stand for kernels, each with its own (self) time, so nothing counts twice
         kernels = [e for e in events if e.name.startswith("aten::")]
@@ -92,6 +100,7 @@ def summarize(prof, wall_s, steps, on_gpu):
 def run_arm(arm, args, device):
     import torch
 
+    from dreambooth import machine
     from dreambooth.models import networks
     from dreambooth.training import conditioning
     from dreambooth.training import steps
@@ -102,9 +111,12 @@ def run_arm(arm, args, device):
     plan = dataclasses.replace(
         bench.step_plan(args, train_text_encoder=not arm.cached, device=device,
                         precompute_text_embeddings=arm.cached),
-        channels_last=channels_last, resolution=bench.RESOLUTION[args.model])
+        channels_last=channels_last, resolution=bench.RESOLUTION[args.model],
+        torch_compile=args.torch_compile or arm.torch_compile)
     bench.reset_peak_memory(device)
     nets = networks.setup_models(plan, device, device, distributed=False)
+    if arm.vae_bf16 and plan.mixed_precision != "no":
+        nets.vae.to(dtype=machine.amp_dtype(plan.mixed_precision, device))
     state = steps.make_train_state(nets, plan)
     prompts = conditioning.step_prompts(plan.family, nets.text_encoders(), plan, bench.PROMPT_IDS, device)
     batch = bench.synthetic_batch(nets, args, cached=arm.cached)
@@ -142,7 +154,7 @@ def run_arm(arm, args, device):
     busy, kernels, launches, kinds = summarize(prof, profiled_wall, args.profile_steps, device.type == "cuda")
     result = {"images_per_s": 2 * arm.batch_size * args.steps / seconds, "ms_per_step": 1000 * seconds / args.steps,
               "peak_gb": bench.peak_memory_gb(device), "busy": busy, "kernels": kernels, "launches": launches,
-              "kinds": kinds, "channels_last": channels_last, "amp": plan.mixed_precision}
+              "kinds": kinds, "channels_last": channels_last, "amp": plan.mixed_precision, "error": None}
     return result
 
 
@@ -155,16 +167,22 @@ def free_memory(device):
         torch.cuda.empty_cache()
 
 
+HEADER = ["| arm | batch | images/s | ms/step | peak GiB | GPU busy | kernels/step | launches/step | device time by kind |",
+          "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+
+
+def row(arm, r):
+    if r["error"]:
+        return f"| {arm.name} | {arm.batch_size}+{arm.batch_size} | failed: {r['error']} | | | | | | |"
+    busy = f"{100 * r['busy']:.0f} %" if r["busy"] is not None else "n/a (CPU)"
+    kinds = ", ".join(f"{k} {100 * v:.0f} %" for k, v in r["kinds"].items() if v >= 0.01)
+    return (f"| {arm.name} | {arm.batch_size}+{arm.batch_size} | {r['images_per_s']:.3g} | "
+            f"{r['ms_per_step']:.4g} | {r['peak_gb']:.3g} | {busy} | {r['kernels']:.0f} | "
+            f"{r['launches']:.0f} | {kinds} |")
+
+
 def table(results):
-    lines = ["| arm | batch | images/s | ms/step | peak GiB | GPU busy | kernels/step | launches/step | device time by kind |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
-    for arm, r in results:
-        busy = f"{100 * r['busy']:.0f} %" if r["busy"] is not None else "n/a (CPU)"
-        kinds = ", ".join(f"{k} {100 * v:.0f} %" for k, v in r["kinds"].items() if v >= 0.01)
-        lines.append(f"| {arm.name} | {arm.batch_size}+{arm.batch_size} | {r['images_per_s']:.3g} | "
-                     f"{r['ms_per_step']:.4g} | {r['peak_gb']:.3g} | {busy} | {r['kernels']:.0f} | "
-                     f"{r['launches']:.0f} | {kinds} |")
-    return "\n".join(lines)
+    return "\n".join(HEADER + [row(arm, r) for arm, r in results])
 
 
 def main(argv=None):
@@ -178,6 +196,8 @@ def main(argv=None):
                         help="default: train.py's (bf16 on GPUs that have it)")
     parser.add_argument("--gradient_checkpointing", action="store_true")
     parser.add_argument("--torch_compile", nargs="?", const="inductor", default=None, metavar="BACKEND")
+    parser.add_argument("--keep_going", action="store_true",
+                        help="an arm that fails prints its error as its row and the next arm runs")
     args = parser.parse_args(argv)
     unknown = [a for a in args.arms.split(",") if a not in ARMS]
     if unknown:
@@ -195,11 +215,18 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as work:
         args.model_dir = os.path.join(work, "model")
         bench.make_model(args.model, args.model_dir)
+        print("\n".join(HEADER), flush=True)
         for name in args.arms.split(","):
             arm = Arm(name, **ARMS[name])
-            results.append((arm, run_arm(arm, args, device)))
+            try:
+                result = run_arm(arm, args, device)
+            except Exception as e:  # one arm's failure (out of memory, a compile error) is its row
+                if not args.keep_going:
+                    raise
+                result = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+            results.append((arm, result))
             free_memory(device)
-            print(f"gpu_probe: {name} done", file=sys.stderr, flush=True)
+            print(row(arm, result), flush=True)
     where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     text = (f"model={args.model} resolution={bench.RESOLUTION[args.model]} device={where} "
             f"mixed_precision={args.mixed_precision} gradient_checkpointing={args.gradient_checkpointing} "

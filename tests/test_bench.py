@@ -71,6 +71,13 @@ def test_gpu_probe_dry_run_profiles_every_arm_on_cpu():
         assert abs(sum(r["kinds"].values()) - 1) < 1e-6 and r["kinds"]["conv/GEMM"] > 0, name
     assert not results["base"]["channels_last"] and results["channels_last"]["channels_last"]  # train.py's CPU rule
     assert results["cached"]["kernels"] < results["base"]["kernels"]  # no VAE encoder, no text-encoder backward
+    # the GPU's levers in bf16 (compiled: dynamo capture; the GPU run takes inductor); a failing arm is its row
+    results = dict((arm.name, r) for arm, r in gpu_probe.main(
+        ["--model", "tiny", "--steps", "1", "--warmup", "1", "--profile_steps", "1", "--mixed_precision", "bf16",
+         "--torch_compile", "eager", "--keep_going", "--arms", "vae_bf16,compiled"]))
+    assert [r["error"] for r in results.values()] == [None, None] and all(r["amp"] == "bf16" for r in results.values())
+    failed = gpu_probe.row(gpu_probe.Arm("base"), {"error": "OutOfMemoryError: CUDA out of memory"})
+    assert "failed: OutOfMemoryError" in failed
     assert gpu_probe.kind_of("sm90_xmma_gemm_bf16") == "conv/GEMM" and gpu_probe.kind_of("flash_fwd_kernel") == \
         "attention" and gpu_probe.kind_of("multi_tensor_apply_kernel") == "optimizer"
 
