@@ -10,8 +10,8 @@
 # On a GPU machine that has torch and transformers but no network: bring the wheels of what it lacks
 # (Ray and diffusers at requirements.txt's versions, with their own requirements), made on a machine
 # with the same Python that reaches PyPI:
-#   pip download -d wheels "ray[data,train]==2.60.0" diffusers==0.42.1 --python-version 3.12 --only-binary=:all:
-#   pip install --no-index --find-links wheels "ray[data,train]" diffusers && bash benchmarks/gpu_check.sh  # there
+#   pip download -d wheels "ray[data,train]==2.60.0" diffusers==0.42.1 tomli-w==1.2.0 --python-version 3.12 --only-binary=:all:
+#   pip install --no-index --find-links wheels "ray[data,train]" diffusers tomli-w && bash benchmarks/gpu_check.sh  # there
 #
 # Steps: 1 build the random model (cache_model.py) -> 2 subject photos -> 3 eight class images on the
 # Ray Data actor pool (generate.py) -> 4 train 30 steps (60 on tiny), checkpoint every 10 (UNet + text encoder,
