@@ -140,6 +140,14 @@ def tiny_flux_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen_model(tmp_path_factory):
+    """Snapshot folder of the tiny Qwen-Image model (cache_model.py --tiny --arch qwen)."""
+    from dreambooth.commands import cache_model
+
+    return cache_model.main(["--model_dir", str(tmp_path_factory.mktemp("model-qwen")), "--tiny", "--arch", "qwen"])
+
+
+@pytest.fixture(scope="session")
 def tiny_eval_models(tmp_path_factory):
     """(cache folder, models folder) of the tiny random scoring models (cache_model.py --eval_models --tiny): the
     cache folder is what dreambooth_run.sh's EVAL_MODELS_CACHE names, the models folder evaluate.py's
@@ -317,11 +325,11 @@ def step_prompts(tiny_model):
     import torch
     from transformers import CLIPTokenizer
 
-    from dreambooth.generation import prompts
+    from dreambooth.families import family as family_lib
     from dreambooth.training import conditioning
 
     tokenizer = CLIPTokenizer.from_pretrained(tiny_model, subfolder="tokenizer")
-    ids = {k: torch.from_numpy(prompts.tokenize_prompt(tokenizer, p)).unsqueeze(0)
+    ids = {k: torch.from_numpy(family_lib.tokenize_prompt(tokenizer, p)).unsqueeze(0)
            for k, p in (("instance", "photo of unqtkn toy"), ("class", "photo of a toy"))}
     return conditioning.StepPrompts(ids["instance"], ids["class"])
 

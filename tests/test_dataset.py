@@ -5,9 +5,9 @@ import pytest
 from conftest import red_is_mask_photos
 from PIL import Image
 
+from dreambooth.families import family as family_lib
 from dreambooth.generation import imagefiles
 from dreambooth.generation import imaging
-from dreambooth.generation import prompts
 from dreambooth.training import dataset
 
 
@@ -39,7 +39,7 @@ def test_tokenize_prompt_pads_to_model_max_length(tiny_model):
     from transformers import CLIPTokenizer
 
     tokenizer = CLIPTokenizer.from_pretrained(tiny_model, subfolder="tokenizer")
-    ids = prompts.tokenize_prompt(tokenizer, "photo of unqtkn dog")
+    ids = family_lib.tokenize_prompt(tokenizer, "photo of unqtkn dog")
     assert ids.shape == (tokenizer.model_max_length,) and ids.dtype == np.int64
     assert ids[0] == tokenizer.bos_token_id and ids[5] == tokenizer.eos_token_id
 

@@ -54,10 +54,10 @@ def test_encode_latents_uses_the_vae_scaling_factor(models):
     vae = models.vae
     pixels = torch.rand(1, 3, 64, 64) * 2 - 1
     torch.manual_seed(0)
-    a = steps.encode_latents(vae, pixels)
+    a = steps.encode_latents(models.family, vae, pixels)
     vae.register_to_config(scaling_factor=2 * vae.config.scaling_factor)
     torch.manual_seed(0)
-    b = steps.encode_latents(vae, pixels)
+    b = steps.encode_latents(models.family, vae, pixels)
     assert a.shape == (1, 4, 32, 32)
     torch.testing.assert_close(b, 2 * a)
 

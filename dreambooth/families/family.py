@@ -12,6 +12,8 @@ family is asked its name and label by a `--help` or a one-line error that never 
 
 import os
 
+import numpy as np
+
 from dreambooth import files
 from dreambooth.families import layouts
 from dreambooth.families import objectives
@@ -71,6 +73,25 @@ def group_lora(state_dict, module_of):
     return groups
 
 
+def tokenize_prompt(tokenizer, prompt):
+    """Prompt -> (L,) int64 token ids, padded to the tokenizer's model_max_length."""
+    ids = tokenizer(prompt, padding="max_length", truncation=True,
+                    max_length=tokenizer.model_max_length, return_tensors="np").input_ids
+    return ids[0].astype(np.int64)
+
+
+def tokenize_all(tokenizers, prompt):
+    """Prompt -> (L,) ids with one tokenizer, (E, L) with E: each tokenizer's ids, the shorter ones
+    padded on with their own pad token to the longest (Flux.1: CLIP's 77 beside T5's 512; the family's
+    encode_text reads each encoder's own length)."""
+    ids = [tokenize_prompt(tokenizer, prompt) for tokenizer in tokenizers]
+    if len(ids) == 1:
+        return ids[0]
+    length = max(len(row) for row in ids)
+    return np.stack([np.pad(row, (0, length - len(row)), constant_values=tokenizer.pad_token_id)
+                     for row, tokenizer in zip(ids, tokenizers)])
+
+
 def config_of(model):
     """A network's config under DDP's and torch.compile's wrappers (which have none of their own)."""
     while not hasattr(model, "config"):
@@ -94,6 +115,8 @@ class Family:
     safety_checker = False  # its pipeline has one (and generate.py's --safety_checker applies)
     negative_prompt = True  # its pipeline draws away from a negative prompt (generate.py's --negative_prompt)
     guidance_scale = 7.5  # --guidance_scale's default: classifier-free guidance (Flux.1 dev: its guidance input)
+    guidance_argument = "guidance_scale"  # the pipeline's name for it (Qwen-Image's: true_cfg_scale)
+    default_negative_prompt = None  # drawn against when none is given (Qwen-Image guides only against one)
     guided_training = False  # --guidance_scale is an input of the denoiser in training too (Flux.1 dev)
     zero_negative_prompt = False  # the empty negative prompt drawn as zeros (SDXL's force_zeros_for_empty_prompt)
     time_ids = False  # the denoiser also takes each image's size and crop (SDXL's "text_time"): the stream carries them
@@ -142,6 +165,34 @@ class Family:
         """The step every trained height and width must be a multiple of."""
         raise NotImplementedError
 
+    # --- the VAE (networks.load_vae, steps.py, the latent cache, validation)
+    def vae_class(self):
+        """The VAE's class (diffusers' AutoencoderKL: every family but Qwen-Image)."""
+        from diffusers import AutoencoderKL
+
+        return AutoencoderKL
+
+    def vae_downscale(self, vae_config):
+        """How many pixels a latent pixel covers, per side, of a VAE config (a dict or the VAE's own)."""
+        return 2 ** (len(vae_config["block_out_channels"]) - 1)
+
+    def latent_channels(self, vae_config):
+        return vae_config["latent_channels"]
+
+    def latent_posterior(self, vae, pixels):
+        """The VAE's DiagonalGaussianDistribution of (B, 3, H, W) pixels in [-1, 1]: (B, C, h, w) latents."""
+        return vae.encode(pixels.to(vae.dtype)).latent_dist
+
+    def scale_latents(self, vae, latents):
+        """The VAE's latents as the denoiser takes them: shifted (SD 3.5, Flux.1) and scaled by its config."""
+        shift = getattr(vae.config, "shift_factor", None)
+        return (latents - shift if shift else latents) * vae.config.scaling_factor
+
+    def decode_latents(self, vae, latents):
+        """(B, 3, H, W) pixels of latents as the denoiser makes them (scale_latents undone)."""
+        latents = latents.to(vae.dtype) / vae.config.scaling_factor + (getattr(vae.config, "shift_factor", None) or 0.0)
+        return vae.decode(latents).sample
+
     # --- the networks (models/networks.py)
     def load_denoiser(self, load):
         """The denoiser; load(cls, subfolder) is models.from_pretrained with the run's weight rule."""
@@ -161,6 +212,10 @@ class Family:
 
         return [CLIPTokenizer.from_pretrained(model_dir, subfolder=folder) for folder in self.tokenizers()]
 
+    def token_ids(self, tokenizers, prompt):
+        """A prompt's token ids as encode_text reads them: (L,) with one tokenizer, (E, L) with E (tokenize_all)."""
+        return tokenize_all(tokenizers, prompt)
+
     def load_text_encoders(self, model_dir, load):
         """The text encoders in order; load(cls, subfolder) is models.from_pretrained with the run's
         weight rule."""
@@ -170,6 +225,24 @@ class Family:
         """(states (N, L, D), pooled (N, P) or None) of token ids: (N, L) with one tokenizer, (N, E, L)
         with E (prompts.prompt_ids' shapes)."""
         raise NotImplementedError
+
+    def pad_text(self, states, side, length):
+        """states (N, L, D) and encode_text's second value padded to length L' >= L tokens: the families whose
+        states are always max-length never pad (Qwen-Image's, trimmed to their longest prompt, do)."""
+        return states, side
+
+    def pipeline_text(self, states, side, negative, negative_side):
+        """The pipeline's keyword inputs for prompt states (encode_text's pair) and a negative prompt's."""
+        text = dict(prompt_embeds=states, negative_prompt_embeds=negative)
+        if self.zero_negative_prompt:
+            # SDXL's empty negative prompt is zeros (its force_zeros_for_empty_prompt), as generate.py draws
+            import torch
+
+            text.update(negative_prompt_embeds=torch.zeros_like(states), pooled_prompt_embeds=side,
+                        negative_pooled_prompt_embeds=torch.zeros_like(side))
+        elif side is not None:
+            text.update(pooled_prompt_embeds=side, negative_pooled_prompt_embeds=negative_side)
+        return text
 
     def freeze_unread_layers(self, text_encoders):
         """Freeze what never reaches the loss (DDP would wait for its gradients); nothing by default."""
@@ -216,6 +289,18 @@ class Family:
     def random_vae_config(self):
         """What its random VAE changes in AutoencoderKL's config."""
         return {}
+
+    def random_vae(self, spec, latent_size):
+        """A random VAE of a random_models.MODEL_SIZES spec whose latents are latent_size wide (AutoencoderKL,
+        random_vae_config's changes)."""
+        from diffusers import AutoencoderKL
+
+        blocks = len(spec["vae_channels"])
+        return AutoencoderKL(block_out_channels=spec["vae_channels"], layers_per_block=spec["vae_layers"],
+                             down_block_types=("DownEncoderBlock2D",) * blocks,
+                             up_block_types=("UpDecoderBlock2D",) * blocks,
+                             sample_size=latent_size * 2 ** (blocks - 1),
+                             **{"latent_channels": 4, **self.random_vae_config()})
 
     def random_pipeline(self, nets, tokenizer, betas, safety_checker):
         """The family's pipeline of random networks, with its released models' scheduler."""

@@ -117,6 +117,7 @@ def settings_for(settings, family, model_dir):
         raise errors.UserError(f"{family.label} draws without a negative prompt (its guidance is an input of the "
                                "model, --guidance_scale): leave out --negative_prompt")
     return dataclasses.replace(settings, guidance_scale=family.guidance(settings.guidance_scale),
+                               negative_prompt=settings.negative_prompt or family.default_negative_prompt,
                                resolution=settings.resolution or family.native_resolution(model_dir))
 
 
@@ -130,15 +131,16 @@ class DrawJob:
     rows: tuple = ()
 
 
-def generate_batch(pipe, prompts, seeds, settings, call_kwargs=None):
+def generate_batch(pipe, prompts, seeds, settings, call_kwargs=None, guidance_argument="guidance_scale"):
     """Run the pipeline once for a batch (settings: settings_for's; a guidance of None: the pipeline's default;
-    call_kwargs: family.pipeline_kwargs, as it trains). One CPU generator per image: the noise of an image
+    call_kwargs: family.pipeline_kwargs, as it trains; guidance_argument: the family's name for the guidance
+    value). One CPU generator per image: the noise of an image
     depends on its seed alone, not on the batch it lands in or the device."""
     import torch
 
     generators = [torch.Generator("cpu").manual_seed(int(s)) for s in seeds]
     negative = settings.negative_prompt
-    guidance = {} if settings.guidance_scale is None else {"guidance_scale": settings.guidance_scale}
+    guidance = {} if settings.guidance_scale is None else {guidance_argument: settings.guidance_scale}
     out = pipe(
         prompt=list(prompts),
         negative_prompt=[negative] * len(prompts) if negative else None,
@@ -197,7 +199,7 @@ class ImageGenerator:
                 raise errors.UserError(f"{failure} (traceback in {os.path.join(job.output_dir, errors.ERRORS_LOG)})") \
                     from err
             self.loaded = index
-            self.call_kwargs = family.pipeline_kwargs()
+            self.call_kwargs = dict(call_kwargs=family.pipeline_kwargs(), guidance_argument=family.guidance_argument)
             self.job_settings = settings_for(self.settings, family, job.model.model_dir)
         return self.pipe
 
@@ -211,7 +213,7 @@ class ImageGenerator:
         for index in dict.fromkeys(batch["job"].tolist()):
             rows = np.flatnonzero(batch["job"] == index)
             images, bad = generate_batch(self.pipeline(index), batch["prompt"][rows], batch["seed"][rows],
-                                         self.job_settings, self.call_kwargs)  # (the pipeline first: it sets both)
+                                         self.job_settings, **self.call_kwargs)  # (the pipeline first: it sets both)
             for row, image, is_bad in zip(rows, images, bad):
                 flagged[row] = is_bad
                 if not is_bad:

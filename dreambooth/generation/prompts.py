@@ -4,8 +4,6 @@ names the subject with a word the class prompt lacks, and their CLIP token ids."
 import os
 import sys
 
-import numpy as np
-
 from dreambooth import errors
 from dreambooth import families
 
@@ -43,11 +41,12 @@ def read_captions(image_paths, instance_prompt, caption_extension):
 
 def prompt_ids(model_dir, instance_prompts, class_prompt, family=None):
     """Token ids of the prompts: per prompt (L,) ids, or with E text encoders (SDXL, SD 3.5, Flux.1) (E, L),
-    each tokenizer's (tokenize_all); {"instance": [ids per prompt], "class": ids (with a class_prompt)}."""
-    tokenizers = (family or families.family_of(model_dir)).load_tokenizers(model_dir)
+    each tokenizer's (family.token_ids); {"instance": [ids per prompt], "class": ids (with a class_prompt)}."""
+    family = family or families.family_of(model_dir)
+    tokenizers = family.load_tokenizers(model_dir)
 
     def tokenize(prompt):
-        return tokenize_all(tokenizers, prompt).tolist()
+        return family.token_ids(tokenizers, prompt).tolist()
 
     ids = {"instance": [tokenize(p) for p in instance_prompts]}
     if class_prompt:
@@ -84,22 +83,3 @@ def prompts_of(prompts, prompts_file):
         raise errors.UserError("give the prompts: --prompts 'photo of a dog' (repeat the flag for several) "
                                "or --prompts_file FILE (one per line)")
     return list(dict.fromkeys(given))
-
-
-def tokenize_prompt(tokenizer, prompt):
-    """Prompt -> (L,) int64 token ids, padded to the tokenizer's model_max_length."""
-    ids = tokenizer(prompt, padding="max_length", truncation=True,
-                    max_length=tokenizer.model_max_length, return_tensors="np").input_ids
-    return ids[0].astype(np.int64)
-
-
-def tokenize_all(tokenizers, prompt):
-    """Prompt -> (L,) ids with one tokenizer, (E, L) with E: each tokenizer's ids, the shorter ones
-    padded on with their own pad token to the longest (Flux.1: CLIP's 77 beside T5's 512; the family's
-    encode_text reads each encoder's own length)."""
-    ids = [tokenize_prompt(tokenizer, prompt) for tokenizer in tokenizers]
-    if len(ids) == 1:
-        return ids[0]
-    length = max(len(row) for row in ids)
-    return np.stack([np.pad(row, (0, length - len(row)), constant_values=tokenizer.pad_token_id)
-                     for row, tokenizer in zip(ids, tokenizers)])

@@ -123,7 +123,7 @@ def load_models(model_dir, denoiser_device, aux_device, train_text_encoder, allo
 
     denoiser = family.load_denoiser(load)
     encoders = family.load_text_encoders(model_dir, load)
-    vae = load_vae(model_dir, vae_dir, allow_unsafe_weights)
+    vae = load_vae(model_dir, vae_dir, allow_unsafe_weights, family)
     scheduler = family.load_scheduler(model_dir)
     denoiser.train()
     vae.requires_grad_(False).eval()
@@ -133,13 +133,13 @@ def load_models(model_dir, denoiser_device, aux_device, train_text_encoder, allo
     return Models(denoiser, vae, scheduler, denoiser_device, aux_device, family, encoders)
 
 
-def load_vae(model_dir, vae_dir=None, allow_unsafe_weights=False):
-    """The model's VAE, or the one in vae_dir (--pretrained_vae_model_name_or_path) in its place."""
-    from diffusers import AutoencoderKL
-
+def load_vae(model_dir, vae_dir=None, allow_unsafe_weights=False, family=None):
+    """The model's VAE (its family's class), or the one in vae_dir (--pretrained_vae_model_name_or_path) in its
+    place."""
+    cls = (family or families.family_of(model_dir)).vae_class()
     if vae_dir:
-        return from_pretrained(AutoencoderKL, vae_dir, allow_unsafe_weights)
-    return from_pretrained(AutoencoderKL, model_dir, allow_unsafe_weights, subfolder="vae")
+        return from_pretrained(cls, vae_dir, allow_unsafe_weights)
+    return from_pretrained(cls, model_dir, allow_unsafe_weights, subfolder="vae")
 
 
 def ddp(model, device):

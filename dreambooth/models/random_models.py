@@ -89,23 +89,12 @@ def build_networks(size, arch, tokenizer):
     """{denoiser, "vae", text encoders}: the random networks of build_pipeline, named as the family's
     subfolders (in torch's current default device: "meta" counts a full-size model's parameters
     without memory)."""
-    from diffusers import AutoencoderKL
-
     family = families.ARCHS[arch]
     spec = size_spec(size, family)
     latent_size = int(spec["latent_size"] * family.random_arch["resolution_scale"])
     nets, text_width, denoiser_extra = family.random_text_encoders(spec, tokenizer)
     denoiser = family.random_denoiser(spec, latent_size, text_width, denoiser_extra)  # (in this order: the seed's draws)
-    num_vae_blocks = len(spec["vae_channels"])
-    vae = AutoencoderKL(
-        block_out_channels=spec["vae_channels"],
-        layers_per_block=spec["vae_layers"],
-        down_block_types=("DownEncoderBlock2D",) * num_vae_blocks,
-        up_block_types=("UpDecoderBlock2D",) * num_vae_blocks,
-        sample_size=latent_size * 2 ** (num_vae_blocks - 1),
-        **{"latent_channels": 4, **family.random_vae_config()},
-    )
-    return {family.denoiser: denoiser, "vae": vae, **nets}
+    return {family.denoiser: denoiser, "vae": family.random_vae(spec, latent_size), **nets}
 
 
 def build_tiny_eval_models(folder, seed=0, image_size=64):

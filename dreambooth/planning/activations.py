@@ -78,12 +78,10 @@ def meta_denoiser(family, source):
         if os.path.isdir(source):
             denoiser = family.denoiser_of_config(source)
             vae = family_lib.part_config(source, "vae")
-            channels, scale = vae["latent_channels"], family_lib.vae_scale(source)
         else:
-            denoiser = random_models.meta_networks(source, family.arch)[family.denoiser]
-            channels = family.random_vae_config().get("latent_channels", 4)
-            scale = 2 ** (len(random_models.size_spec(source, family)["vae_channels"]) - 1)
-    return denoiser.to(torch.bfloat16).train(), channels, scale
+            nets = random_models.meta_networks(source, family.arch)
+            denoiser, vae = nets[family.denoiser], nets["vae"].config
+    return denoiser.to(torch.bfloat16).train(), family.latent_channels(vae), family.vae_downscale(vae)
 
 
 @functools.lru_cache(maxsize=64)

@@ -76,6 +76,9 @@ def batch_states(models, prompts, instance_prompt, num_class):
         instance, cls = states[:len(instance)], states[len(instance):]
         pooled, pooled_cls = ((pooled_all[:len(prompts.instance)], pooled_all[len(prompts.instance):])
                               if pooled_all is not None else (None, None))
+    length = max(instance.shape[1], cls.shape[1])  # (prompt states trimmed to their longest: Qwen-Image's)
+    instance, pooled = models.family.pad_text(instance, pooled, length)
+    cls, pooled_cls = models.family.pad_text(cls, pooled_cls, length)
     index = instance_prompt.to(instance.device)
     states = torch.cat([instance[index], cls.expand(num_class, -1, -1)])
     if pooled is None:

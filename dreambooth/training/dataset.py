@@ -21,6 +21,7 @@ import dataclasses
 
 import numpy as np
 
+from dreambooth import families
 from dreambooth import machine
 from dreambooth.generation import imagefiles
 from dreambooth.generation import imaging
@@ -155,7 +156,8 @@ class LatentEncoder:
 
     def __init__(self, model_dir, random_flip, allow_unsafe_weights, vae_dir=None):
         self.device = machine.torch_device()
-        self.vae = networks.load_vae(model_dir, vae_dir, allow_unsafe_weights)
+        self.family = families.family_of(model_dir)
+        self.vae = networks.load_vae(model_dir, vae_dir, allow_unsafe_weights, self.family)
         self.vae.to(self.device).eval().requires_grad_(False)
         self.random_flip = random_flip
 
@@ -170,7 +172,7 @@ class LatentEncoder:
         with torch.no_grad():
             for pixels in views:
                 x = imaging.to_model_input(torch.from_numpy(np.ascontiguousarray(pixels)).to(self.device))
-                out.append(self.vae.encode(x).latent_dist.parameters.float().cpu().numpy())
+                out.append(self.family.latent_posterior(self.vae, x).parameters.float().cpu().numpy())
         return np.stack(out, axis=1)
 
     def __call__(self, batch):

@@ -141,17 +141,11 @@ def latent_masks(masks, size, device):
     return F.interpolate(weights, size=tuple(size), mode="area")
 
 
-def scaled(vae, latents):
-    """The VAE's latents as the denoiser takes them: shifted (SD 3.5, Flux.1) and scaled by its config."""
-    shift = getattr(vae.config, "shift_factor", None)
-    return (latents - shift if shift else latents) * vae.config.scaling_factor
-
-
-def encode_latents(vae, pixels):
+def encode_latents(family, vae, pixels):
     """(B, 3, H, W) in [-1, 1] -> (B, C, H/f, W/f) scaled latents, f from the VAE config."""
     with torch.no_grad():
-        latents = vae.encode(pixels.to(vae.dtype)).latent_dist.sample()
-    return scaled(vae, latents)
+        latents = family.latent_posterior(vae, pixels).sample()
+    return family.scale_latents(vae, latents)
 
 
 def batch_latents(models, batch):
@@ -168,9 +162,9 @@ def batch_latents(models, batch):
     parts = [batch[f"instance_{kind}"]] + ([batch[f"class_{kind}"]] if f"class_{kind}" in batch else [])
     if kind == "pixels":
         pixels = torch.cat([p.to(models.aux_device, non_blocking=True) for p in parts])
-        return encode_latents(models.vae, imaging.to_model_input(pixels)).to(models.denoiser_device)
+        return encode_latents(models.family, models.vae, imaging.to_model_input(pixels)).to(models.denoiser_device)
     stacked = torch.cat([p.to(models.denoiser_device, non_blocking=True) for p in parts]).float()
-    return scaled(models.vae, DiagonalGaussianDistribution(stacked).sample())
+    return models.family.scale_latents(models.vae, DiagonalGaussianDistribution(stacked).sample())
 
 
 def batch_loss(models, batch, prompts, prior_loss_weight, loss_options=objectives.LossOptions()):
@@ -198,7 +192,7 @@ def batch_loss(models, batch, prompts, prior_loss_weight, loss_options=objective
     hidden = hidden.to(models.denoiser_device)
     # The family's extra inputs (SDXL: the pooled text and each image's size and crop); the predicted
     # prior's class rows are the instance photos again, with their sizes.
-    resolution = latents.shape[-1] * 2 ** (len(models.vae.config.block_out_channels) - 1)
+    resolution = latents.shape[-1] * models.family.vae_downscale(models.vae.config)
     sized = {**batch, "class_time_ids": batch["instance_time_ids"]} \
         if predicted_prior and "instance_time_ids" in batch else batch
     time_ids = models.family.size_conditioning(sized, latents.shape[0], resolution, models.denoiser_device, hidden.dtype)

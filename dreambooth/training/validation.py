@@ -12,7 +12,6 @@ import os
 from dreambooth import files
 from dreambooth.generation import drawing
 from dreambooth.generation import imaging
-from dreambooth.generation import prompts
 from dreambooth.models import networks
 from dreambooth.training import checkpoint
 
@@ -57,7 +56,7 @@ class Sampler:
         if len(texts) == 1 and texts[0] in self.encoded:
             return self.encoded[texts[0]]
 
-        ids = torch.stack([torch.from_numpy(prompts.tokenize_all(self.tokenizers, p)) for p in texts])
+        ids = torch.stack([torch.from_numpy(self.family.token_ids(self.tokenizers, p)) for p in texts])
         states, pooled = self.family.encode_text([networks.unwrap(te) for te in self.nets.text_encoders()],
                                            ids.to(self.nets.aux_device))
         return states.to(self.nets.denoiser_device), pooled.to(self.nets.denoiser_device) if pooled is not None else None
@@ -91,23 +90,15 @@ class Sampler:
             negative, negative_pooled = self.encode([""])
             for prompt, _, seed in items:
                 states, pooled = self.encode([prompt])
-                text = dict(prompt_embeds=states, negative_prompt_embeds=negative)
-                if self.family.zero_negative_prompt:
-                    # SDXL's empty negative prompt is zeros (its force_zeros_for_empty_prompt), as generate.py draws
-                    text.update(negative_prompt_embeds=torch.zeros_like(states), pooled_prompt_embeds=pooled,
-                                negative_pooled_prompt_embeds=torch.zeros_like(pooled))
-                elif pooled is not None:
-                    text.update(pooled_prompt_embeds=pooled, negative_pooled_prompt_embeds=negative_pooled)
+                text = self.family.pipeline_text(states, pooled, negative, negative_pooled)
                 # generate.py's guidance (the family's by default), whatever the pipeline's own
                 latents = pipe(**text, **self.family.pipeline_kwargs(),
-                               guidance_scale=self.family.guidance(self.plan.guidance_scale),
+                               **{self.family.guidance_argument: self.family.guidance(self.plan.guidance_scale)},
                                height=self.plan.resolution, width=self.plan.resolution,
                                num_inference_steps=self.plan.validation_inference_steps,
                                generator=torch.Generator("cpu").manual_seed(seed), output_type="latent").images
                 latents = self.family.unpack_latents(pipe, latents, self.plan.resolution, self.plan.resolution)
-                latents = latents.to(nets.aux_device, vae.dtype) / vae.config.scaling_factor
-                latents = latents + (getattr(vae.config, "shift_factor", None) or 0.0)
-                decoded = vae.decode(latents).sample
+                decoded = self.family.decode_latents(vae, latents.to(nets.aux_device))
                 images += pipe.image_processor.postprocess(decoded.float(), output_type="pil")
         return images
 

@@ -1,0 +1,239 @@
+"""Qwen-Image: a flow-matching MMDiT (QwenImageTransformer2DModel: 60 dual-stream blocks) over 16-channel
+latents of its own VAE (AutoencoderKLQwenImage, a causal video VAE drawn one frame at a time, normalised by
+per-channel means and deviations), packed 2x2 into tokens, conditioned on the last hidden states of
+Qwen2.5-VL-7B read through a chat template whose first 34 tokens are dropped, with their attention mask (the
+prompt states are as long as the longest prompt, not padded to a fixed length). Classifier-free guidance is
+the pipeline's true_cfg_scale against a negative prompt. The text encoder is never trained: its states are
+computed once and it leaves the device, as Flux.1's T5 does. Trained as diffusers'
+train_dreambooth_lora_qwen_image.py trains it (objectives.flow_matching on the scheduler's unshifted sigmas).
+"""
+
+from dreambooth.families import family
+from dreambooth.families import family_flux
+from dreambooth.families import objectives
+
+# QwenImagePipeline's prompt template and the count of its tokens the pipeline drops (prompt_template_encode,
+# prompt_template_encode_start_idx), and its longest prompt (tokenizer_max_length): tests/test_family_qwen.py
+# checks them against a pipeline's own
+TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
+            "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
+            "<|im_start|>assistant\n")
+DROP = 34
+MAX_TOKENS = 1024
+DEFAULT_SAMPLE_SIZE = 128  # QwenImagePipeline's latent size when none is given (1024 px with its VAE)
+
+
+def tiny_tokenizer():
+    """A Qwen2 tokenizer made here: byte-level BPE with every byte a token and no merges, Qwen's <|endoftext|>
+    (its padding) and the chat template's <|im_start|> and <|im_end|>."""
+    from tokenizers import Tokenizer
+    from tokenizers import decoders
+    from tokenizers import models
+    from tokenizers import pre_tokenizers
+    from transformers import Qwen2TokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    bpe = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    bpe.decoder = decoders.ByteLevel()
+    tokenizer = Qwen2TokenizerFast(tokenizer_object=bpe, bos_token=None, eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", unk_token=None)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    return tokenizer
+
+
+class QwenImage(family.Family):
+    name, label = "qwen", "Qwen-Image"
+    pipeline = "QwenImagePipeline"
+    denoiser, denoiser_label = "transformer", "transformer"
+    # diffusers' Qwen-Image DreamBooth LoRA script's default layers: the image stream's attention
+    denoiser_lora_targets = ("to_k", "to_q", "to_v", "to_out.0")
+    text_encoders = ("text_encoder",)  # Qwen2.5-VL-7B (its last hidden states)
+    trainable_text_encoders = ()  # frozen, as in diffusers' script
+    supports = frozenset({"train", "draw"})  # (not yet: its LoRA in kohya's layout, a single-file model)
+    guidance_scale = 4.0  # QwenImagePipeline's true_cfg_scale default
+    guidance_argument = "true_cfg_scale"
+    default_negative_prompt = " "  # the pipeline guides only against a negative prompt (its model card's: " ")
+    released_resolutions = (1328,)
+    arch = "qwen"
+    random_note = "Qwen-Image's layout: a dual-stream transformer, a Qwen2.5-VL text encoder, flow matching, " \
+                  "16-channel latents of its video VAE packed 2x2"
+    # tiny: 64 px (16 x 16 latents of a 4x VAE), one block of 2 heads of 16, a 2-layer Qwen2.5-VL 32 wide
+    random_arch = dict(resolution_scale=0.5, layers=1, head_dim=16, heads=2, rope=(4, 6, 6), text_kv_heads=2,
+                       vae_base=16, vae_mult=(1, 2, 2), vae_time_down=(False, False), vision_width=32)
+    text_tokens = 128  # the text states' length in training for activations.py: a prompt's, not padded to 1024
+
+    def native_resolution(self, model_dir):
+        """The pipeline's default size (128 latent pixels x the VAE's downscaling: 1024 px), or the sample size
+        a random model built here records in its transformer's config."""
+        config = family.part_config(model_dir, self.denoiser)
+        return config.get("sample_size", DEFAULT_SAMPLE_SIZE) * self.vae_downscale(family.part_config(model_dir, "vae"))
+
+    def size_multiple(self, model_dir):
+        """The VAE's downscaling times the 2x2 packing."""
+        return self.vae_downscale(family.part_config(model_dir, "vae")) * 2
+
+    # --- the VAE: one frame of a video VAE, normalised per channel
+    def vae_class(self):
+        from diffusers import AutoencoderKLQwenImage
+
+        return AutoencoderKLQwenImage
+
+    def vae_downscale(self, vae_config):
+        return 2 ** len(vae_config["temperal_downsample"])
+
+    def latent_channels(self, vae_config):
+        return vae_config["z_dim"]
+
+    def latent_posterior(self, vae, pixels):
+        """The posterior of (B, 3, H, W) pixels as one frame, its frame axis dropped: (B, 16, h, w) latents."""
+        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+        parameters = vae.encode(pixels.to(vae.dtype).unsqueeze(2)).latent_dist.parameters
+        return DiagonalGaussianDistribution(parameters.squeeze(2))
+
+    def scale_latents(self, vae, latents):
+        mean, std = self._latent_stats(vae, latents)
+        return (latents - mean) / std
+
+    def decode_latents(self, vae, latents):
+        mean, std = self._latent_stats(vae, latents)
+        return vae.decode((latents * std + mean).to(vae.dtype).unsqueeze(2)).sample[:, :, 0]
+
+    @staticmethod
+    def _latent_stats(vae, latents):
+        import torch
+
+        shape = (1, vae.config.z_dim, 1, 1)
+        return (torch.tensor(vae.config.latents_mean, device=latents.device, dtype=latents.dtype).view(shape),
+                torch.tensor(vae.config.latents_std, device=latents.device, dtype=latents.dtype).view(shape))
+
+    # --- the networks
+    def load_denoiser(self, load):
+        from diffusers import QwenImageTransformer2DModel
+
+        return load(QwenImageTransformer2DModel, self.denoiser)
+
+    def load_tokenizers(self, model_dir):
+        from transformers import Qwen2TokenizerFast
+
+        return [Qwen2TokenizerFast.from_pretrained(model_dir, subfolder="tokenizer")]
+
+    def load_text_encoders(self, model_dir, load):
+        from transformers import Qwen2_5_VLForConditionalGeneration
+
+        return [load(Qwen2_5_VLForConditionalGeneration, "text_encoder")]
+
+    def token_ids(self, tokenizers, prompt):
+        """(2, DROP + MAX_TOKENS): the templated prompt's ids and attention mask, as QwenImagePipeline tokenizes
+        it (padded to the longest a prompt may be, so that every prompt's ids stack)."""
+        import numpy as np
+
+        tokens = tokenizers[0](TEMPLATE.format(prompt), max_length=MAX_TOKENS + DROP, padding="max_length",
+                               truncation=True, return_tensors="np")
+        return np.stack([tokens.input_ids[0], tokens.attention_mask[0]]).astype(np.int64)
+
+    def encode_text(self, text_encoders, ids):
+        """As QwenImagePipeline.encode_prompt does: the last hidden states of the prompt's own tokens after the
+        template's first DROP, zero-padded to the longest of these prompts, and their mask (N, L) in the place
+        of a pooled embedding. ids: (N, 2, DROP + MAX_TOKENS) of token_ids."""
+        import torch
+
+        input_ids, mask = ids[:, 0], ids[:, 1]
+        states = text_encoders[0](input_ids=input_ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
+        lengths = mask.sum(dim=1) - DROP
+        length = int(lengths.max())
+        keep = torch.arange(length, device=ids.device) < lengths[:, None]
+        # (right-padded: each prompt's tokens are its first ones)
+        return states[:, DROP:DROP + length] * keep[..., None].to(states.dtype), keep.long()
+
+    def pad_text(self, states, side, length):
+        import torch.nn.functional as F
+
+        more = length - states.shape[1]
+        if more <= 0:
+            return states, side
+        return F.pad(states, (0, 0, 0, more)), F.pad(side, (0, more))
+
+    def pipeline_text(self, states, side, negative, negative_side):
+        return dict(prompt_embeds=states, prompt_embeds_mask=side, negative_prompt_embeds=negative,
+                    negative_prompt_embeds_mask=negative_side)
+
+    # --- the objective and the denoiser
+    flow_matching = True
+    default_weighting_scheme = "none"  # diffusers' Qwen-Image DreamBooth script's default: uniform
+
+    def load_scheduler(self, model_dir):
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        return FlowMatchEulerDiscreteScheduler.from_pretrained(model_dir, subfolder="scheduler")
+
+    def draw(self, scheduler, latents, options):
+        return objectives.flow_matching(scheduler, latents, options)
+
+    def denoise(self, model, noisy, timesteps, states, pooled, time_ids, guidance=None):
+        """The velocity (B, C, h, w) of noisy latents: packed 2x2 into tokens, the timestep as a fraction of the
+        schedule, the prompt states with their mask (pooled: encode_text's mask)."""
+        h, w = noisy.shape[-2:]
+        out = model(hidden_states=family_flux.pack(noisy), encoder_hidden_states=states,
+                    encoder_hidden_states_mask=pooled, timestep=timesteps / 1000,
+                    img_shapes=[(1, h // 2, w // 2)] * noisy.shape[0], return_dict=False)[0]
+        return family_flux.unpack(out, h, w)
+
+    def unpack_latents(self, pipe, latents, height, width):
+        """The pipeline's latent output is packed tokens: back to (B, C, h, w) (its own unpacking adds a frame)."""
+        return pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)[:, :, 0]
+
+    def lora_file_layers(self, peft_layers):
+        """peft's own names, as diffusers' Qwen-Image DreamBooth LoRA script writes them."""
+        return peft_layers
+
+    # --- random models
+    def random_text_encoders(self, spec, tokenizer):
+        from transformers import Qwen2_5_VLConfig
+        from transformers import Qwen2_5_VLForConditionalGeneration
+
+        arch = {**self.random_arch, **spec}
+        qwen_tokenizer = tiny_tokenizer()
+        width, heads = arch["text_hidden"], arch["text_heads"]
+        half = width // heads // 2  # the multimodal rotary sections (time, height, width) of a head's half
+        text = dict(vocab_size=len(qwen_tokenizer), hidden_size=width, intermediate_size=2 * width,
+                    num_hidden_layers=arch["text_layers"], num_attention_heads=heads,
+                    num_key_value_heads=arch["text_kv_heads"], max_position_embeddings=2 * (MAX_TOKENS + DROP),
+                    rope_scaling={"type": "mrope", "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]},
+                    bos_token_id=None, eos_token_id=qwen_tokenizer.eos_token_id,
+                    pad_token_id=qwen_tokenizer.pad_token_id)
+        vision = dict(depth=1, hidden_size=arch["vision_width"], intermediate_size=2 * arch["vision_width"],
+                      num_heads=2, out_hidden_size=width, fullatt_block_indexes=[0])
+        encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision))
+        return {"text_encoder": encoder}, width, {}
+
+    def random_denoiser(self, spec, latent_size, text_width, extra):
+        from diffusers import QwenImageTransformer2DModel
+
+        arch = {**self.random_arch, **spec}
+        model = QwenImageTransformer2DModel(patch_size=2, in_channels=4 * 16, out_channels=16, num_layers=arch["layers"],
+                                            attention_head_dim=arch["head_dim"], num_attention_heads=arch["heads"],
+                                            joint_attention_dim=text_width, axes_dims_rope=arch["rope"])
+        model.register_to_config(sample_size=latent_size)  # (its native size: native_resolution)
+        return model
+
+    def random_vae(self, spec, latent_size):
+        from diffusers import AutoencoderKLQwenImage
+
+        arch = {**self.random_arch, **spec}
+        return AutoencoderKLQwenImage(base_dim=arch["vae_base"], z_dim=16, dim_mult=list(arch["vae_mult"]),
+                                      num_res_blocks=1, temperal_downsample=list(arch["vae_time_down"]))
+
+    def random_pipeline(self, nets, tokenizer, betas, safety_checker):
+        from diffusers import FlowMatchEulerDiscreteScheduler
+        from diffusers import QwenImagePipeline
+
+        # Qwen-Image's scheduler: an exponential shift that grows with the image's token count
+        scheduler = FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=True, base_shift=0.5,
+                                                    max_shift=0.9, base_image_seq_len=256, max_image_seq_len=8192,
+                                                    shift_terminal=0.02, time_shift_type="exponential")
+        return QwenImagePipeline(tokenizer=tiny_tokenizer(), scheduler=scheduler, **nets)
+
+
+FAMILY = QwenImage()
