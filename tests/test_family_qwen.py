@@ -60,3 +60,122 @@ def test_the_latents_are_the_pipelines_and_decode_back(tiny_qwen_model, pipe):
         decoded = family.decode_latents(vae, family.scale_latents(vae, posterior.mean))
         torch.testing.assert_close(decoded, vae.decode(raw).sample[:, :, 0])
     assert posterior.mean.shape == (1, 16, 16, 16) and decoded.shape == (1, 3, 64, 64)
+
+
+def reference_loss(models, pixels, instance_prompt, class_prompt, pipe, prior_loss_weight):
+    """The loss of diffusers' train_dreambooth_lora_qwen_image.py on a batch of instance and class pixels, written
+    from its steps: the VAE's sample of a one-frame video normalised per channel, noise, a uniform timestep index
+    into the scheduler's schedule, the straight path, the transformer on 2x2-packed latents with the prompts' states
+    and masks (each padded to the longer), the velocity target, the instance and prior means."""
+    from diffusers import QwenImagePipeline
+    from diffusers.training_utils import compute_density_for_timestep_sampling
+
+    vae, scheduler = models.vae, models.scheduler
+    latents = vae.encode(pixels.unsqueeze(2)).latent_dist.sample()
+    mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1)
+    std_inverse = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1)
+    latents = (latents - mean) * std_inverse
+    noise = torch.randn_like(latents)
+    rows, _, _, h, w = latents.shape
+    u = compute_density_for_timestep_sampling("none", rows, 0.0, 1.0, 1.29)
+    timesteps = scheduler.timesteps[(u * scheduler.config.num_train_timesteps).long()]
+    sigmas = torch.stack([scheduler.sigmas[(scheduler.timesteps == t).nonzero().item()] for t in timesteps])
+    sigmas = sigmas.view(-1, 1, 1, 1, 1)
+    noisy = (1.0 - sigmas) * latents + sigmas * noise
+    with torch.no_grad():
+        (inst, inst_mask), (cls, cls_mask) = (pipe.encode_prompt([p]) for p in (instance_prompt, class_prompt))
+    inst_mask, cls_mask = (torch.ones(x.shape[:2], dtype=torch.long) if m is None else m
+                           for x, m in ((inst, inst_mask), (cls, cls_mask)))  # (None: all of it, the pipeline's way)
+    length = max(inst.shape[1], cls.shape[1])
+    states = torch.cat([torch.nn.functional.pad(x, (0, 0, 0, length - x.shape[1])) for x in (inst, cls)])
+    masks = torch.cat([torch.nn.functional.pad(m, (0, length - m.shape[1])) for m in (inst_mask, cls_mask)])
+    packed = QwenImagePipeline._pack_latents(noisy.permute(0, 2, 1, 3, 4), rows, latents.shape[1], h, w)
+    pred = models.denoiser(hidden_states=packed, encoder_hidden_states=states, encoder_hidden_states_mask=masks,
+                           timestep=timesteps / 1000, img_shapes=[(1, h // 2, w // 2)] * rows, return_dict=False)[0]
+    scale = 2 ** len(vae.temperal_downsample)
+    pred = QwenImagePipeline._unpack_latents(pred, h * scale, w * scale, scale)
+    target = noise - latents
+    (pred, pred_prior), (target, target_prior) = pred.chunk(2), target.chunk(2)
+    loss = ((pred.float() - target.float()) ** 2).reshape(1, -1).mean(1).mean()
+    prior = ((pred_prior.float() - target_prior.float()) ** 2).reshape(1, -1).mean(1).mean()
+    return loss + prior_loss_weight * prior
+
+
+def test_the_training_loss_is_diffusers_scripts_on_the_same_draws(tiny_qwen_model, make_plan, pipe):
+    from dreambooth.generation import imaging
+    from dreambooth.models import networks
+    from dreambooth.training import conditioning
+    from dreambooth.training import steps
+
+    plan = make_plan(model_dir=tiny_qwen_model, resolution=64)
+    models = networks.setup_models(plan, CPU, CPU, distributed=False)
+    texts = ("photo of unqtkn toy, on a beach", "photo of a toy")
+    ids = prompts.prompt_ids(tiny_qwen_model, [texts[0]], texts[1], plan.family)
+    step_prompts = conditioning.step_prompts(plan.family, models.text_encoders(), plan, ids, CPU)
+    pixels = torch.randint(0, 255, (2, 64, 64, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    batch = {"instance_pixels": pixels[:1], "class_pixels": pixels[1:]}
+    with torch.no_grad():
+        torch.manual_seed(7)
+        ours, _, _ = steps.batch_loss(models, batch, step_prompts, 0.5, steps.loss_options(plan))
+        torch.manual_seed(7)
+        expected = reference_loss(models, imaging.to_model_input(pixels), *texts, pipe, 0.5)
+    torch.testing.assert_close(ours, expected)
+
+
+@pytest.mark.slow  # (trains: over a second)
+def test_lora_and_full_outputs_load_in_the_qwen_image_pipeline(tiny_qwen_model, train_tiny, tmp_path):
+    from diffusers import QwenImagePipeline
+
+    from dreambooth.models import networks
+    from dreambooth.models import outputs
+
+    base = QwenImagePipeline.from_pretrained(tiny_qwen_model)
+    for use_lora in (True, False):
+        plan, state, losses = train_tiny(tiny_qwen_model, 2, use_lora=use_lora, output_dir=str(tmp_path / f"{use_lora}"))
+        assert not plan.train_text_encoder and all(torch.isfinite(torch.tensor(losses)))  # (its encoder is frozen)
+        outputs.save_pipeline(state.models, plan)
+        ours = networks.unwrap(state.models.denoiser)
+        if use_lora:
+            pipe = QwenImagePipeline.from_pretrained(tiny_qwen_model)
+            pipe.load_lora_weights(plan.output_dir)
+        else:
+            pipe = QwenImagePipeline.from_pretrained(plan.output_dir)
+        x = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(2))
+        states, mask = torch.randn(1, 5, 32), torch.tensor([[1, 1, 1, 1, 0]])  # the tiny text encoder's width
+        t = torch.tensor([500.0])
+
+        def predict(model):
+            with torch.no_grad():
+                return plan.family.denoise(model, x, t, states, mask, None)
+
+        assert not torch.allclose(predict(pipe.transformer), predict(base.transformer), atol=1e-4)
+        torch.testing.assert_close(predict(pipe.transformer), predict(ours.eval()), rtol=1e-4, atol=1e-4)
+
+
+def test_validation_samples_are_what_generate_draws_from_the_same_weights(tiny_qwen_model, make_plan, tmp_path):
+    """Drawn against the family's negative prompt (" ") with true_cfg_scale, the pipeline's way, by both."""
+    import numpy as np
+
+    from dreambooth.generation import drawing
+    from dreambooth.models import networks
+    from dreambooth.training import validation
+
+    plan = make_plan(model_dir=tiny_qwen_model, resolution=64, validation_prompts=("a toy, on a beach",),
+                     num_validation_images=1, validation_inference_steps=3)
+    nets = networks.setup_models(plan, CPU, CPU, distributed=False)
+    _, images = validation.run_round(validation.Sampler(nets, plan, amp_dtype=None), 1, 0, 1, str(tmp_path))
+    pipe = drawing.load_pipeline(tiny_qwen_model, CPU)
+    settings = drawing.settings_for(drawing.ImageSettings(num_inference_steps=3), plan.family, plan.model_dir)
+    assert (settings.guidance_scale, settings.negative_prompt, settings.resolution) == (4.0, " ", 64)
+    seed = drawing.image_seed(plan.seed, "a toy, on a beach", 0)
+    drawn, flagged = drawing.generate_batch(pipe, ["a toy, on a beach"], [seed], settings, plan.family.pipeline_kwargs(),
+                                            plan.family.guidance_argument)
+    assert flagged == [False] and drawn[0].size == (64, 64)
+    difference = np.abs(np.asarray(drawn[0], dtype=int) - np.asarray(images["a-toy-on-a-beach-00000.png"], dtype=int))
+    assert difference.max() <= 1
+    # the guidance reaches the pipeline by its name (true_cfg_scale): 1.0 draws without guidance, unlike 4.0
+    guided, unguided = (drawing.generate_batch(pipe, ["a toy, on a beach"], [seed], drawing.dataclasses.replace(
+        settings, guidance_scale=value), {"output_type": "np"}, plan.family.guidance_argument)[0][0]
+        for value in (4.0, 1.0))
+    assert np.abs(guided - unguided).max() > 1e-5
+    assert validation.Sampler(nets, plan, amp_dtype=None).negative == settings.negative_prompt == " "

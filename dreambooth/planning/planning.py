@@ -188,6 +188,8 @@ def plan_run(args, cluster_resources, draw_class_images=None, stop_step=None):
     return plan.Plan(**{
         **from_flags,
         "family": family,
+        # (a family whose text encoders are all frozen, Qwen-Image's, trains none of them whatever the flag says)
+        "train_text_encoder": args.train_text_encoder and bool(family.trainable_text_encoders),
         "instance_prompts": found.instance_prompts,
         "image_prompt": tuple(found.instance_prompts.index(c) for c in found.captions),
         "learning_rate": scaled_learning_rate(args),
@@ -231,6 +233,8 @@ def offline_plan(**fields):
         model_dir = fields.get("model_dir", args.model_dir)
         has_model = os.path.isfile(os.path.join(model_dir, "model_index.json"))
         fields = dict(fields, family=families.family_of(model_dir) if has_model else families.DEFAULT)
+    if not fields["family"].trainable_text_encoders:
+        fields = {"train_text_encoder": False, **fields}
     return plan.Plan(**{**from_flags, **decided, **fields})
 
 

@@ -35,6 +35,7 @@ class Sampler:
 
         self.nets, self.plan, self.amp_dtype = nets, plan, amp_dtype
         self.family = plan.family
+        self.negative = self.family.default_negative_prompt or ""  # (generate.py's without --negative_prompt)
         self.tokenizers = self.family.load_tokenizers(plan.model_dir)
         # The model's own sampler (PNDM for SD 1.x), as generate.py draws with it.
         config = files.read_json(os.path.join(plan.model_dir, "scheduler", "scheduler_config.json"))
@@ -47,7 +48,7 @@ class Sampler:
 
             with torch.no_grad(), torch.autocast(nets.denoiser_device.type, dtype=amp_dtype,
                                                  enabled=amp_dtype is not None):
-                self.encoded = {prompt: self.encode([prompt]) for prompt in ("", *plan.validation_prompts)}
+                self.encoded = {prompt: self.encode([prompt]) for prompt in (self.negative, *plan.validation_prompts)}
 
     def encode(self, texts):
         """(states, pooled or None) of the prompts texts, on the UNet's device (the family's encode_text)."""
@@ -87,7 +88,7 @@ class Sampler:
         images = []
         with torch.no_grad(), torch.autocast(nets.denoiser_device.type, dtype=self.amp_dtype,
                                              enabled=self.amp_dtype is not None):
-            negative, negative_pooled = self.encode([""])
+            negative, negative_pooled = self.encode([self.negative])
             for prompt, _, seed in items:
                 states, pooled = self.encode([prompt])
                 text = self.family.pipeline_text(states, pooled, negative, negative_pooled)
