@@ -231,6 +231,13 @@ class Family:
         states are always max-length never pad (Qwen-Image's, trimmed to their longest prompt, do)."""
         return states, side
 
+    def meta_side_input(self, denoiser_config, tensor_options):
+        """encode_text's second value for one prompt, empty (tensor_options: torch.empty's device and dtype), to count
+        a flow-matching denoiser's activations (planning/activations.py): a pooled embedding."""
+        import torch
+
+        return torch.empty(1, denoiser_config.pooled_projection_dim, **tensor_options)
+
     def pipeline_text(self, states, side, negative, negative_side):
         """The pipeline's keyword inputs for prompt states (encode_text's pair) and a negative prompt's."""
         text = dict(prompt_embeds=states, negative_prompt_embeds=negative)

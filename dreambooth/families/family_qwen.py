@@ -62,6 +62,18 @@ class QwenImage(family.Family):
     random_arch = dict(resolution_scale=0.5, layers=1, head_dim=16, heads=2, rope=(4, 6, 6), text_kv_heads=2,
                        vae_base=16, vae_mult=(1, 2, 2), vae_time_down=(False, False), vision_width=32)
     text_tokens = 128  # the text states' length in training for activations.py: a prompt's, not padded to 1024
+    # Qwen-Image's shapes (--random_model qwen-image), 1024 px: 60 blocks of 24 heads of 128 reading Qwen2.5-VL-7B
+    # (28 layers 3584 wide, its 32-block vision tower too: the pipeline loads the whole model), the video VAE
+    own_sizes = {"qwen-image": dict(layers=60, head_dim=128, heads=24, rope=(16, 56, 56), text_hidden=3584,
+                                    text_layers=28, text_heads=28, text_kv_heads=4, text_ff=18944, text_vocab=152064,
+                                    mrope=[16, 24, 24], vision_width=1280, vision_depth=32, vision_heads=16,
+                                    vision_ff=3420, vision_full=(7, 15, 23, 31), vae_base=96, vae_mult=(1, 2, 4, 4),
+                                    vae_layers=2, vae_time_down=(False, True, True), latent_size=256)}
+    # Qwen-Image's 20 B transformer, Qwen2.5-VL-7B (8.3 B with its vision tower) and the 127 M video VAE, counted
+    # on the meta device (tests/test_memory.py)
+    released_params = {"transformer": 20430.40e6, "text_encoder": 8292.17e6, "vae": 126.89e6}
+    released_size = "qwen-image"
+    memory_rows = (("Qwen-Image", "qwen-image", (512, 1024), (4, 8)),)
 
     def native_resolution(self, model_dir):
         """The pipeline's default size (128 latent pixels x the VAE's downscaling: 1024 px), or the sample size
@@ -155,6 +167,9 @@ class QwenImage(family.Family):
             return states, side
         return F.pad(states, (0, 0, 0, more)), F.pad(side, (0, more))
 
+    def meta_side_input(self, denoiser_config, tensor_options):
+        return None  # (no mask: every text token is read)
+
     def pipeline_text(self, states, side, negative, negative_side):
         return dict(prompt_embeds=states, prompt_embeds_mask=side, negative_prompt_embeds=negative,
                     negative_prompt_embeds_mask=negative_side)
@@ -197,14 +212,18 @@ class QwenImage(family.Family):
         qwen_tokenizer = tiny_tokenizer()
         width, heads = arch["text_hidden"], arch["text_heads"]
         half = width // heads // 2  # the multimodal rotary sections (time, height, width) of a head's half
-        text = dict(vocab_size=len(qwen_tokenizer), hidden_size=width, intermediate_size=2 * width,
-                    num_hidden_layers=arch["text_layers"], num_attention_heads=heads,
-                    num_key_value_heads=arch["text_kv_heads"], max_position_embeddings=2 * (MAX_TOKENS + DROP),
-                    rope_scaling={"type": "mrope", "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]},
+        sections = arch.get("mrope", [half - 2 * (half // 3), half // 3, half // 3])
+        text = dict(vocab_size=arch.get("text_vocab", len(qwen_tokenizer)), hidden_size=width,
+                    intermediate_size=arch.get("text_ff", 2 * width), num_hidden_layers=arch["text_layers"],
+                    num_attention_heads=heads, num_key_value_heads=arch["text_kv_heads"],
+                    max_position_embeddings=2 * (MAX_TOKENS + DROP),
+                    rope_scaling={"type": "mrope", "mrope_section": sections},
                     bos_token_id=None, eos_token_id=qwen_tokenizer.eos_token_id,
                     pad_token_id=qwen_tokenizer.pad_token_id)
-        vision = dict(depth=1, hidden_size=arch["vision_width"], intermediate_size=2 * arch["vision_width"],
-                      num_heads=2, out_hidden_size=width, fullatt_block_indexes=[0])
+        vision_width = arch["vision_width"]
+        vision = dict(depth=arch.get("vision_depth", 1), hidden_size=vision_width,
+                      intermediate_size=arch.get("vision_ff", 2 * vision_width), num_heads=arch.get("vision_heads", 2),
+                      out_hidden_size=width, fullatt_block_indexes=list(arch.get("vision_full", (0,))))
         encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision))
         return {"text_encoder": encoder}, width, {}
 
@@ -215,7 +234,8 @@ class QwenImage(family.Family):
         model = QwenImageTransformer2DModel(patch_size=2, in_channels=4 * 16, out_channels=16, num_layers=arch["layers"],
                                             attention_head_dim=arch["head_dim"], num_attention_heads=arch["heads"],
                                             joint_attention_dim=text_width, axes_dims_rope=arch["rope"])
-        model.register_to_config(sample_size=latent_size)  # (its native size: native_resolution)
+        if latent_size != DEFAULT_SAMPLE_SIZE:
+            model.register_to_config(sample_size=latent_size)  # (its native size: native_resolution)
         return model
 
     def random_vae(self, spec, latent_size):
@@ -223,7 +243,8 @@ class QwenImage(family.Family):
 
         arch = {**self.random_arch, **spec}
         return AutoencoderKLQwenImage(base_dim=arch["vae_base"], z_dim=16, dim_mult=list(arch["vae_mult"]),
-                                      num_res_blocks=1, temperal_downsample=list(arch["vae_time_down"]))
+                                      num_res_blocks=arch.get("vae_layers", 1),
+                                      temperal_downsample=list(arch["vae_time_down"]))
 
     def random_pipeline(self, nets, tokenizer, betas, safety_checker):
         from diffusers import FlowMatchEulerDiscreteScheduler

@@ -102,7 +102,7 @@ def per_image_gib(family_name, source, resolution, checkpointed):
     meta = dict(device="meta", dtype=torch.bfloat16)
     latents = torch.empty(1, channels, resolution // scale, resolution // scale, **meta)
     states = torch.empty(1, family.text_tokens, config.joint_attention_dim, **meta)
-    pooled = torch.empty(1, config.pooled_projection_dim, **meta)
+    pooled = family.meta_side_input(config, meta)
     timesteps = torch.ones(1, device="meta")
     counted = saved_gib(denoiser, lambda: family.denoise(denoiser, latents, timesteps, states, pooled, None,
                                                           family.guidance_scale))
