@@ -129,9 +129,9 @@ def test_each_objective_takes_its_own_loss_flags(tiny_model, tiny_sd3_model, mak
     objectives.check_flags(sd3, snr_gamma=None, precondition_outputs=1, weighting_scheme="cosmap")
     with pytest.raises(errors.UserError, match="--snr_gamma weighs the timesteps of a denoising model; SD 3.5"):
         objectives.check_flags(sd3, snr_gamma=5.0, precondition_outputs=None, weighting_scheme=None)
-    with pytest.raises(errors.UserError, match="--weighting_scheme is for flow-matching models"):
+    with pytest.raises(errors.UserError, match="--weighting_scheme is for the flow-matching models"):
         objectives.check_flags(sd1, snr_gamma=None, precondition_outputs=None, weighting_scheme="mode")
-    with pytest.raises(errors.UserError, match="--precondition_outputs is for flow-matching models"):
+    with pytest.raises(errors.UserError, match="--precondition_outputs is for the flow-matching models"):
         objectives.check_flags(sd1, snr_gamma=None, precondition_outputs=0, weighting_scheme=None)
     # no --precondition_outputs: the family's (diffusers' SD 3 scripts: 1)
     assert steps.loss_options(make_plan(model_dir=tiny_sd3_model)).precondition_outputs is True

@@ -14,6 +14,11 @@ from dreambooth import families
 from dreambooth.config.flaggroups import GROUP_OF
 from dreambooth.config.flaggroups import HELP_GROUPS
 
+_FLOW = [f for f in families.FAMILIES.values() if f.flow_matching]
+FLOW_LABELS = ", ".join(f.label for f in _FLOW)
+FLOW_DEFAULTS = "; ".join(f"{f.label}: {f.default_weighting_scheme}" for f in _FLOW)
+FLOW_PRECONDITION = "; ".join(f"{f.label}: {int(f.precondition_outputs)}" for f in _FLOW)
+
 
 def abs_path(value):
     """Paths are made absolute on the driver: Ray workers run in another folder."""
@@ -302,14 +307,14 @@ FLAGS = {
                   "adapters, for a card too small for it in bf16. Default: the autocast dtype (bf16 on GPUs).")),
     "weighting_scheme": (("--weighting_scheme",),
         dict(choices=["logit_normal", "mode", "cosmap", "sigma_sqrt", "none"], default=None,
-             help="Flow-matching families (SD 3.5, Flux.1): how training draws the noise level (logit_normal, "
-                  "mode, none: uniform) or weighs the loss (cosmap, sigma_sqrt), as diffusers' SD 3 and Flux scripts. "
-                  "Default: the family's (SD 3.5: logit_normal; Flux.1: none).")),
+             help=f"Flow-matching families ({FLOW_LABELS}): how training draws the noise level (logit_normal, "
+                  "mode, none: uniform) or weighs the loss (cosmap, sigma_sqrt), as diffusers' scripts for them. "
+                  f"Default: the family's ({FLOW_DEFAULTS}).")),
     "precondition_outputs": (("--precondition_outputs",),
         dict(type=int, choices=[0, 1], default=None,
              help="Flow-matching families: 1 measures the error on the clean latents the prediction implies "
                   "(noisy - sigma x prediction), as diffusers' SD 3 scripts do by default: each row's velocity "
-                  "error weighs sigma^2; 0 the velocity itself. Default: the family's (SD 3.5: 1; Flux.1: 0).")),
+                  f"error weighs sigma^2; 0 the velocity itself. Default: the family's ({FLOW_PRECONDITION}).")),
     "logit_mean": (("--logit_mean",),
         dict(type=float, default=0.0, help="--weighting_scheme logit_normal: the mean of the logit.")),
     "logit_std": (("--logit_std",),

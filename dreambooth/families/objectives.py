@@ -38,10 +38,10 @@ def check_flags(family, snr_gamma, precondition_outputs, weighting_scheme):
         raise errors.UserError(f"--snr_gamma weighs the timesteps of a denoising model; {family.label} is trained by "
                                "flow matching: use --weighting_scheme (logit_normal, mode, cosmap) instead")
     if not family.flow_matching and precondition_outputs is not None:
-        raise errors.UserError(f"--precondition_outputs is for flow-matching models (SD 3.5, Flux.1); {family.label} "
+        raise errors.UserError(f"--precondition_outputs is for the flow-matching models (SD 3.5, Flux.1 and later); {family.label} "
                                "predicts its scheduler's target directly")
     if not family.flow_matching and weighting_scheme:
-        raise errors.UserError(f"--weighting_scheme is for flow-matching models (SD 3.5, Flux.1); {family.label} is "
+        raise errors.UserError(f"--weighting_scheme is for the flow-matching models (SD 3.5, Flux.1 and later); {family.label} is "
                                "trained to denoise: use --snr_gamma to weigh its timesteps")
 
 
