@@ -179,3 +179,38 @@ def test_validation_samples_are_what_generate_draws_from_the_same_weights(tiny_q
         for value in (4.0, 1.0))
     assert np.abs(guided - unguided).max() > 1e-5
     assert validation.Sampler(nets, plan, amp_dtype=None).negative == settings.negative_prompt == " "
+
+
+@pytest.mark.slow  # (trains: over a second)
+def test_lora_exports_in_kohyas_layout_that_the_pipeline_loads_to_the_same_transformer(tiny_qwen_model, train_tiny,
+                                                                                        tmp_path):
+    """export.py on a Qwen-Image LoRA: lora_unet_transformer_blocks_<i>_attn_to_q ... with lora_down/lora_up and
+    alpha, which QwenImagePipeline.load_lora_weights reads (through diffusers' converter of such files) into
+    the same transformer as the run's own LoRA file."""
+    from diffusers import QwenImagePipeline
+    from safetensors.torch import load_file
+
+    from dreambooth.commands import export
+    from dreambooth.models import outputs
+
+    plan, state, _ = train_tiny(tiny_qwen_model, 2, use_lora=True, lora_alpha=8, output_dir=str(tmp_path / "tuned"))
+    outputs.save_pipeline(state.models, plan)
+    written = export.main(["--model_dir", plan.output_dir, "--output_file", str(tmp_path / "qwen-lora.safetensors")])
+    names = load_file(written)
+    assert {"lora_unet_transformer_blocks_0_attn_to_q.lora_down.weight",
+            "lora_unet_transformer_blocks_0_attn_to_out_0.lora_up.weight",
+            "lora_unet_transformer_blocks_0_attn_to_k.alpha"} <= set(names)
+    assert float(names["lora_unet_transformer_blocks_0_attn_to_k.alpha"]) == 8
+    pipes = []
+    for source in (plan.output_dir, written):
+        pipe = QwenImagePipeline.from_pretrained(tiny_qwen_model)
+        pipe.load_lora_weights(source)
+        pipes.append(pipe)
+    x = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(2))
+    states, mask, t = torch.randn(1, 5, 32), torch.tensor([[1, 1, 1, 1, 0]]), torch.tensor([300.0])
+    with torch.no_grad():
+        ours, kohya = (plan.family.denoise(p.transformer, x, t, states, mask, None) for p in pipes)
+        base = plan.family.denoise(QwenImagePipeline.from_pretrained(tiny_qwen_model).transformer, x, t, states, mask,
+                                   None)
+    assert not torch.allclose(ours, base, atol=1e-5)
+    torch.testing.assert_close(kohya, ours, rtol=1e-4, atol=1e-5)

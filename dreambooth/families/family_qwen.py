@@ -50,7 +50,7 @@ class QwenImage(family.Family):
     denoiser_lora_targets = ("to_k", "to_q", "to_v", "to_out.0")
     text_encoders = ("text_encoder",)  # Qwen2.5-VL-7B (its last hidden states)
     trainable_text_encoders = ()  # frozen, as in diffusers' script
-    supports = frozenset({"train", "draw"})  # (not yet: its LoRA in kohya's layout, a single-file model)
+    supports = frozenset({"train", "draw", "export_lora"})  # (not yet: a full model as one file)
     guidance_scale = 4.0  # QwenImagePipeline's true_cfg_scale default
     guidance_argument = "true_cfg_scale"
     default_negative_prompt = " "  # the pipeline guides only against a negative prompt (its model card's: " ")
@@ -202,6 +202,17 @@ class QwenImage(family.Family):
     def lora_file_layers(self, peft_layers):
         """peft's own names, as diffusers' Qwen-Image DreamBooth LoRA script writes them."""
         return peft_layers
+
+    # --- export (export.py): kohya's layout of a Qwen-Image LoRA (musubi-tuner's, which ComfyUI and diffusers load)
+    def kohya_lora(self, state_dict, alphas, model_dir):
+        """{kohya key: tensor} of a LoRA file's tensors (peft names, lora_A/lora_B): lora_unet_ and the transformer
+        module's name with its dots as underscores (Qwen-Image's original layout is diffusers' own: no layer is
+        fused), lora_down/lora_up and the alpha."""
+        def module_of(network, module):
+            return "lora_unet_" + module.replace(".", "_"), None
+
+        return family.kohya_lora_tensors(family.group_lora(state_dict, module_of),
+                                         lambda name: alphas.get(self.denoiser), lambda name: (None,))
 
     # --- random models
     def random_text_encoders(self, spec, tokenizer):
