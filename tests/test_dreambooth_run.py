@@ -393,23 +393,26 @@ def test_dreambooth_run_tiny_sd3_end_to_end(tmp_path, tiny_sd3_model, tiny_eval_
 
 
 @pytest.mark.slow
-def test_dreambooth_run_tiny_flux_end_to_end(tmp_path, tiny_flux_model, tiny_eval_models):
-    """`--tiny --arch flux --use_lora`: Steps 0-6 with the tiny Flux.1 dev model (packed latents, CLIP-L + T5,
-    the guidance input): class images drawn by FluxPipeline, LoRA adapters on the transformer, images of
-    the subject at its 64 px, scored beside the base model; the export hint writes kohya's Flux LoRA."""
+@pytest.mark.parametrize("arch", ["flux", "qwen"])
+def test_dreambooth_run_tiny_flow_transformer_end_to_end(tmp_path, arch, request, tiny_eval_models):
+    """`--tiny --arch flux|qwen --use_lora`: Steps 0-6 with the tiny Flux.1 dev model (packed latents, CLIP-L + T5,
+    the guidance input) and the tiny Qwen-Image model (its video VAE, Qwen2.5-VL's masked states, true CFG
+    against its negative prompt): class images drawn by the family's pipeline, LoRA adapters on the transformer,
+    images of the subject at its 64 px, scored beside the base model; the export hint writes kohya's LoRA."""
     from PIL import Image
 
+    model = request.getfixturevalue({"flux": "tiny_flux_model", "qwen": "tiny_qwen_model"}[arch])
     subject_dir = tmp_path / "subjects" / "example-toy"
     env = dict(os.environ, DATA_PREFIX=str(tmp_path), NUM_CLASS_IMAGES="2", NUM_INFERENCE_STEPS="2",
                MAX_TRAIN_STEPS="2", NUM_NEW_IMAGES="1", PYTHON=sys.executable,
-               **shared_models(tmp_path, tiny_flux_model, tiny_eval_models))
+               **shared_models(tmp_path, model, tiny_eval_models))
     env.pop("NUM_WORKERS", None)
-    proc = subprocess.run(["bash", "dreambooth_run.sh", "--tiny", "--arch", "flux", "--use_lora"], cwd=REPO_DIR,
+    proc = subprocess.run(["bash", "dreambooth_run.sh", "--tiny", "--arch", arch, "--use_lora"], cwd=REPO_DIR,
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:]
-    assert "models--dreambooth-ray--tiny-stable-diffusion-flux" in re.search(r"base model: (\S+)", proc.stdout)[1]
+    assert f"models--dreambooth-ray--tiny-stable-diffusion-{arch}" in re.search(r"base model: (\S+)", proc.stdout)[1]
     assert "LoRA adapters (rank 4, alpha 4) on the transformer" in proc.stdout + proc.stderr
-    assert len([f for f in os.listdir(tmp_path / "images-reg" / "tiny-flux" / "toy") if f.endswith(".png")]) == 2
+    assert len([f for f in os.listdir(tmp_path / "images-reg" / f"tiny-{arch}" / "toy") if f.endswith(".png")]) == 2
     assert os.path.isfile(subject_dir / "model-tuned" / LORA_WEIGHTS_FILE)
     [image] = [f for f in os.listdir(subject_dir / "images-new") if f.endswith(".png")]
     with Image.open(subject_dir / "images-new" / image) as drawn:
