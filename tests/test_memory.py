@@ -142,6 +142,11 @@ def test_the_flow_short_names_are_planned_with_their_own_size_before_they_are_fe
     assert medium[2] == "sd35-medium" and medium[1]["transformer"] < large[1]["transformer"] / 3
     with pytest.raises(errors.UserError, match=r"full fine-tune of Flux.1 at 1024 px.* add --use_lora"):
         preflight.check_gpus(*preflight_args("flux-dev", gpu_memory=80), 0)
+    # qwen-image: counted as its own size (20 B), LoRA over an nf4 base fits a 24 GiB card, over bf16 it does not
+    lora = ("--use_lora", "--gradient_checkpointing", "--train_batch_size", "1")
+    preflight.check_gpus(*preflight_args("qwen-image", *lora, "--base_precision", "nf4", gpu_memory=24), 0)
+    with pytest.raises(errors.UserError, match=r"Qwen-Image at 1024 px"):
+        preflight.check_gpus(*preflight_args("qwen-image", *lora, gpu_memory=24), 0)
 
 
 def test_a_cached_model_is_measured_by_its_own_weights(tiny_model, capsys):

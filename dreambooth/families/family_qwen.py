@@ -10,6 +10,7 @@ train_dreambooth_lora_qwen_image.py trains it (objectives.flow_matching on the s
 
 from dreambooth.families import family
 from dreambooth.families import family_flux
+from dreambooth.families import known
 from dreambooth.families import objectives
 
 # QwenImagePipeline's prompt template and the count of its tokens the pipeline drops (prompt_template_encode,
@@ -54,7 +55,7 @@ class QwenImage(family.Family):
     guidance_scale = 4.0  # QwenImagePipeline's true_cfg_scale default
     guidance_argument = "true_cfg_scale"
     default_negative_prompt = " "  # the pipeline guides only against a negative prompt (its model card's: " ")
-    released_resolutions = (1328,)
+    released_resolutions = (1024,)  # (the pipeline's default; its model card also draws 1328 px squares)
     arch = "qwen"
     random_note = "Qwen-Image's layout: a dual-stream transformer, a Qwen2.5-VL text encoder, flow matching, " \
                   "16-channel latents of its video VAE packed 2x2"
@@ -74,6 +75,11 @@ class QwenImage(family.Family):
     released_params = {"transformer": 20430.40e6, "text_encoder": 8292.17e6, "vae": 126.89e6}
     released_size = "qwen-image"
     memory_rows = (("Qwen-Image", "qwen-image", (512, 1024), (4, 8)),)
+    # Its base model by short name (families.KNOWN_MODELS), also a --random_model size (own_sizes): 57.7 GB of bf16
+    # safetensors (transformer 40.9, Qwen2.5-VL 16.6, VAE 0.25). Not gated (Apache 2.0). The revision could not be
+    # checked from here (no hub access): it is the commit people's hub caches show.
+    known_models = (known.KnownModel("qwen-image", "Qwen/Qwen-Image", "75e0b4be04f60ec59a75f475837eced720f823b6", 1024,
+                                     "flow", 57.7),)
 
     def native_resolution(self, model_dir):
         """The pipeline's default size (128 latent pixels x the VAE's downscaling: 1024 px), or the sample size
