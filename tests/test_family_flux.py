@@ -315,10 +315,12 @@ def test_fsdp_is_a_full_fine_tune_of_the_denoiser_alone(capsys):
 
     base = ["--model_dir", "/m", "--output_dir", "/o", "--instance_data_dir", "/i", "--instance_prompt", "p", "--fsdp"]
     with pytest.raises(SystemExit):
-        planning.parse_args(base + ["--use_lora", "--use_ema"])
+        planning.parse_args(base + ["--use_lora", "--use_ema", "--train_text_encoder"])
     assert ("--fsdp shards a full fine-tune of the denoiser alone, in bf16 or fp32: leave out --use_lora, "
-            "--train_text_encoder, --use_ema (add --no-train_text_encoder)") in capsys.readouterr().err
-    assert planning.parse_args(base + ["--no-train_text_encoder"]).fsdp
+            "--train_text_encoder, --use_ema") in capsys.readouterr().err
+    for extra in ([], ["--no-train_text_encoder"]):  # (the text encoders, trained by default, are frozen under it)
+        args = planning.parse_args(base + extra)
+        assert args.fsdp and not args.train_text_encoder
     with pytest.raises(ValueError, match="--fsdp trains in bf16 or fp32 and this GPU has no bf16"):
         steps.make_train_state(types.SimpleNamespace(denoiser_device=CPU),
                                dataclasses.replace(planning.offline_plan(), fsdp=True, mixed_precision="fp16"))

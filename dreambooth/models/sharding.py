@@ -20,11 +20,16 @@ def is_sharded(model):
 def shard(model):
     """model sharded in place: each element of its top-level ModuleLists (the transformer's blocks, a UNet's
     down/up blocks) its own unit, then the rest as one; weights stay fp32 (autocast computes in bf16)."""
+    import warnings
+
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    # Qwen-Image's transformer returns a view: FSDP warns at every step that an in-place op on it would skip its
+    # hook. The training step changes no denoiser output in place (steps.batch_loss, the families' denoise).
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")
     # one mesh of every worker, on the device type the model is on: the same call on CPUs (gloo) and GPUs
     mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
     for child in model.children():

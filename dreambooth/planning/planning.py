@@ -100,7 +100,7 @@ def derive(given, parser):
     if args.base_precision and not args.use_lora:
         raise FlagError(f"--base_precision {args.base_precision} quantises the frozen model under LoRA's adapters: "
                         "add --use_lora (a full fine-tune trains every weight in fp32)")
-    check_fsdp(args)
+    check_fsdp(args, parser.given)
     if not args.use_ema and parser.typed & {"ema_decay", "ema_update_after_step"}:
         raise FlagError("--ema_decay/--ema_update_after_step shape the moving average of the weights: add --use_ema")
     if args.validation_epochs and args.validation_steps:
@@ -125,17 +125,20 @@ def derive(given, parser):
     return args
 
 
-def check_fsdp(args):
-    """FlagError for what --fsdp does not shard or was not tested with, each named."""
+def check_fsdp(args, given):
+    """FlagError for what --fsdp does not shard or was not tested with, each named; the text encoders, trained by
+    default, are frozen under it unless --train_text_encoder is in given (the flags the user set)."""
     if not args.fsdp:
         return
+    if "train_text_encoder" not in given:
+        args.train_text_encoder = False
     clash = [flag for flag, on in (("--use_lora", args.use_lora), ("--train_text_encoder", args.train_text_encoder),
                                    ("--use_ema", args.use_ema), ("--torch_compile", args.torch_compile),
                                    ("--use_8bit_adam", args.use_8bit_adam),
                                    ("--mixed_precision fp16", args.mixed_precision == "fp16")) if on]
     if clash:
         raise FlagError(f"--fsdp shards a full fine-tune of the denoiser alone, in bf16 or fp32: leave out "
-                        f"{', '.join(clash)}" + (" (add --no-train_text_encoder)" if args.train_text_encoder else ""))
+                        f"{', '.join(clash)}")
 
 
 def flags_of(record, args):
