@@ -122,7 +122,6 @@ def test_the_training_loss_is_diffusers_scripts_on_the_same_draws(tiny_qwen_mode
     torch.testing.assert_close(ours, expected)
 
 
-@pytest.mark.slow  # (trains: over a second)
 def test_lora_and_full_outputs_load_in_the_qwen_image_pipeline(tiny_qwen_model, train_tiny, tmp_path):
     from diffusers import QwenImagePipeline
 
@@ -181,7 +180,6 @@ def test_validation_samples_are_what_generate_draws_from_the_same_weights(tiny_q
     assert validation.Sampler(nets, plan, amp_dtype=None).negative == settings.negative_prompt == " "
 
 
-@pytest.mark.slow  # (trains: over a second)
 def test_lora_exports_in_kohyas_layout_that_the_pipeline_loads_to_the_same_transformer(tiny_qwen_model, train_tiny,
                                                                                         tmp_path):
     """export.py on a Qwen-Image LoRA: lora_unet_transformer_blocks_<i>_attn_to_q ... with lora_down/lora_up and
@@ -201,6 +199,13 @@ def test_lora_exports_in_kohyas_layout_that_the_pipeline_loads_to_the_same_trans
             "lora_unet_transformer_blocks_0_attn_to_out_0.lora_up.weight",
             "lora_unet_transformer_blocks_0_attn_to_k.alpha"} <= set(names)
     assert float(names["lora_unet_transformer_blocks_0_attn_to_k.alpha"]) == 8
+    # ComfyUI's rule (comfy/lora.py, model_lora_keys_unet): lora_unet_<key, "_" for "."> names the weight
+    # diffusion_model.<key>.weight of its model, and its Qwen-Image model (comfy/ldm/qwen_image/model.py) has the
+    # transformer's diffusers names (transformer_blocks.<i>.attn.to_q, ...): every exported module is one of those
+    base = QwenImagePipeline.from_pretrained(tiny_qwen_model)
+    comfy = {"lora_unet_" + k.removesuffix(".weight").replace(".", "_") for k in base.transformer.state_dict()
+             if k.endswith(".weight")}
+    assert {k.split(".")[0] for k in names} <= comfy and len({k.split(".")[0] for k in names}) == 4
     pipes = []
     for source in (plan.output_dir, written):
         pipe = QwenImagePipeline.from_pretrained(tiny_qwen_model)
@@ -210,7 +215,26 @@ def test_lora_exports_in_kohyas_layout_that_the_pipeline_loads_to_the_same_trans
     states, mask, t = torch.randn(1, 5, 32), torch.tensor([[1, 1, 1, 1, 0]]), torch.tensor([300.0])
     with torch.no_grad():
         ours, kohya = (plan.family.denoise(p.transformer, x, t, states, mask, None) for p in pipes)
-        base = plan.family.denoise(QwenImagePipeline.from_pretrained(tiny_qwen_model).transformer, x, t, states, mask,
-                                   None)
-    assert not torch.allclose(ours, base, atol=1e-5)
+        before = plan.family.denoise(base.transformer, x, t, states, mask, None)
+    assert not torch.allclose(ours, before, atol=1e-5)
     torch.testing.assert_close(kohya, ours, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("precision, layer", [("nf4", "Linear4bit"), ("int8", "Linear8bitLt")])
+def test_lora_trains_over_a_quantised_base_under_bf16(tiny_qwen_model, train_tiny, tmp_path, precision, layer):
+    """--base_precision (bitsandbytes on CPU, the GPU's code path) with bf16 autocast: the frozen transformer's
+    linear layers quantised, the fp32 adapters train, QwenImagePipeline loads them."""
+    import bitsandbytes as bnb
+    from diffusers import QwenImagePipeline
+
+    from dreambooth.models import networks
+    from dreambooth.models import outputs
+
+    plan, state, losses = train_tiny(tiny_qwen_model, 2, use_lora=True, base_precision=precision,
+                                     mixed_precision="bf16", output_dir=str(tmp_path / "out"))
+    denoiser = networks.unwrap(state.models.denoiser)
+    assert isinstance(denoiser.transformer_blocks[0].attn.to_q.base_layer, getattr(bnb.nn, layer))
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert any(p.abs().sum() > 0 for n, p in denoiser.named_parameters() if "lora_B" in n)
+    outputs.save_pipeline(state.models, plan)
+    QwenImagePipeline.from_pretrained(plan.model_dir).load_lora_weights(plan.output_dir)
