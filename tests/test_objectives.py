@@ -139,3 +139,29 @@ def test_each_objective_takes_its_own_loss_flags(tiny_model, tiny_sd3_model, mak
     # no --weighting_scheme: the family's default (diffusers' SD 3 scripts: logit_normal)
     assert steps.loss_options(make_plan(model_dir=tiny_sd3_model)).weighting_scheme == "logit_normal"
     assert steps.loss_options(make_plan(model_dir=tiny_sd3_model, weighting_scheme="cosmap")).weighting_scheme == "cosmap"
+    with pytest.raises(errors.UserError, match="--flow_shift shifts a flow-matching model's noise levels; SD 1.x"):
+        objectives.check_flags(sd1, snr_gamma=None, precondition_outputs=None, weighting_scheme=None, flow_shift=3.0)
+    assert steps.loss_options(make_plan(model_dir=tiny_sd3_model, flow_shift=2.5)).flow_shift == 2.5
+
+
+def test_flow_shift_shifts_the_unshifted_schedule_as_the_scheduler_does():
+    """--flow_shift S on the same draws: S = 3 is SD 3.5's scheduler (its shift of 3) exactly; on a scheduler
+    that shifts only when it draws (Flux.1's, Qwen-Image's dynamic shifting), S = 1 is its own sigmas and S = 3
+    moves every sigma up, to S x sigma / (1 + (S - 1) x sigma)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    latents = torch.randn(256, 4, 2, 2)
+
+    def draw(scheduler, shift):
+        torch.manual_seed(0)
+        return objectives.flow_matching(scheduler, latents, objectives.LossOptions(flow_shift=shift))
+
+    for a, b in ((draw(flow_scheduler(3.0), None), draw(flow_scheduler(3.0), 3.0)),
+                 (draw(FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True), None),
+                  draw(FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True), 1.0))):
+        torch.testing.assert_close(b.timesteps.float(), a.timesteps.float())
+        torch.testing.assert_close(b.noisy, a.noisy)
+    plain, shifted = draw(flow_scheduler(1.0), None), draw(flow_scheduler(1.0), 3.0)
+    sigma = plain.timesteps / 1000
+    torch.testing.assert_close(shifted.timesteps / 1000, 3 * sigma / (1 + 2 * sigma))
+    assert (shifted.timesteps >= plain.timesteps).all() and (shifted.timesteps > plain.timesteps + 1).any()

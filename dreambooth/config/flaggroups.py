@@ -14,7 +14,7 @@ HELP_GROUPS = {
     "training": ("max_train_steps", "num_train_epochs", "learning_rate", "train_batch_size", "train_text_encoder",
                  "lr_scheduler", "lr_warmup_steps", "lr_num_cycles", "lr_power", "scale_lr",
                  "gradient_accumulation_steps", "mixed_precision", "offset_noise", "caption_dropout_rate",
-                 "snr_gamma", "weighting_scheme", "precondition_outputs", "logit_mean", "logit_std", "mode_scale",
+                 "snr_gamma", "weighting_scheme", "flow_shift", "precondition_outputs", "logit_mean", "logit_std", "mode_scale",
                  "use_ema", "ema_decay", "ema_update_after_step", "adam_beta1", "adam_beta2", "adam_weight_decay",
                  "adam_epsilon", "max_grad_norm"),
     "reproducibility": ("seed",),

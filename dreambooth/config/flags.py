@@ -310,6 +310,13 @@ FLAGS = {
              help=f"Flow-matching families ({FLOW_LABELS}): how training draws the noise level (logit_normal, "
                   "mode, none: uniform) or weighs the loss (cosmap, sigma_sqrt), as diffusers' scripts for them. "
                   f"Default: the family's ({FLOW_DEFAULTS}).")),
+    "flow_shift": (("--flow_shift",),
+        dict(type=positive_float, default=None, metavar="SHIFT",
+             help="Flow-matching families: move the noise levels training draws towards the noisy end, "
+                  "sigma -> SHIFT x sigma / (1 + (SHIFT - 1) x sigma) of the unshifted schedule (kohya's and "
+                  "musubi-tuner's --discrete_flow_shift, SimpleTuner's --flow_schedule_shift; 3 is common for "
+                  "Qwen-Image). Default: the model's scheduler, as diffusers' scripts train (SD 3.5: its shift of 3; "
+                  "Flux.1 and Qwen-Image: no shift in training, theirs is resolution-dependent at drawing).")),
     "precondition_outputs": (("--precondition_outputs",),
         dict(type=int, choices=[0, 1], default=None,
              help="Flow-matching families: 1 measures the error on the clean latents the prediction implies "

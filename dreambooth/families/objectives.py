@@ -29,9 +29,10 @@ class LossOptions:
     mode_scale: float = 1.29  # --mode_scale
     precondition_outputs: bool = False  # --precondition_outputs resolved (flow matching): rows weigh sigma^2
     guidance_scale: float = None  # --guidance_scale resolved: the denoiser's guidance input (family.guided_training)
+    flow_shift: float = None  # --flow_shift (flow matching): the drawn sigmas' shift; None: the scheduler's own
 
 
-def check_flags(family, snr_gamma, precondition_outputs, weighting_scheme):
+def check_flags(family, snr_gamma, precondition_outputs, weighting_scheme, flow_shift=None):
     """UserError for a loss flag of the other objective: --snr_gamma weighs DDPM timesteps,
     --weighting_scheme (and its --logit_*/--mode_scale) draws flow-matching ones."""
     if family.flow_matching and snr_gamma:
@@ -40,6 +41,9 @@ def check_flags(family, snr_gamma, precondition_outputs, weighting_scheme):
     if not family.flow_matching and precondition_outputs is not None:
         raise errors.UserError(f"--precondition_outputs is for the flow-matching models (SD 3.5, Flux.1 and later); {family.label} "
                                "predicts its scheduler's target directly")
+    if not family.flow_matching and flow_shift is not None:
+        raise errors.UserError(f"--flow_shift shifts a flow-matching model's noise levels; {family.label} is trained "
+                               "to denoise: leave it out")
     if not family.flow_matching and weighting_scheme:
         raise errors.UserError(f"--weighting_scheme is for the flow-matching models (SD 3.5, Flux.1 and later); {family.label} is "
                                "trained to denoise: use --snr_gamma to weigh its timesteps")
@@ -112,8 +116,13 @@ def flow_matching(scheduler, latents, options):
                                               options.logit_std, options.mode_scale)
     schedule = scheduler.config.num_train_timesteps
     index = (u * schedule).long().clamp(max=schedule - 1)
-    sigmas = scheduler.sigmas[index].to(latents.device, latents.dtype)
-    timesteps = scheduler.timesteps[index].to(latents.device)
+    if options.flow_shift is None:
+        sigmas = scheduler.sigmas[index].to(latents.device, latents.dtype)
+        timesteps = scheduler.timesteps[index].to(latents.device)
+    else:  # the same point of the unshifted schedule (1 ... 1/N), shifted as the scheduler shifts: timestep = N sigma
+        plain = (schedule - index).float() / schedule
+        shifted = options.flow_shift * plain / (1 + (options.flow_shift - 1) * plain)
+        sigmas, timesteps = shifted.to(latents.device, latents.dtype), (shifted * schedule).to(latents.device)
     expanded = sigmas.view(-1, *[1] * (latents.dim() - 1))
     weights = compute_loss_weighting_for_sd3(options.weighting_scheme, sigmas).float() \
         if options.weighting_scheme in ("cosmap", "sigma_sqrt") else None

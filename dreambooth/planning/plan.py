@@ -55,6 +55,7 @@ class Plan:
     snr_gamma: float | None
     base_precision: str | None  # --use_lora: "int8"/"nf4" frozen denoiser (quantize.py); None: the autocast dtype
     weighting_scheme: str | None  # flow matching: the family's default when None
+    flow_shift: float | None  # flow matching: the training sigmas' shift (None: the scheduler's own)
     logit_mean: float
     logit_std: float
     mode_scale: float

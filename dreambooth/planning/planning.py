@@ -32,7 +32,7 @@ TRAIN_FLAGS = [
     "resolution", "center_crop", "random_flip", "enable_bucket", "min_bucket_reso", "max_bucket_reso",
     "bucket_reso_steps", "train_text_encoder", "use_lora", "lora_rank", "lora_alpha", "lora_dropout",
     "train_batch_size", "learning_rate", "scale_lr", "lr_scheduler", "lr_warmup_steps", "lr_num_cycles", "lr_power",
-    "offset_noise", "snr_gamma", "base_precision", "weighting_scheme", "logit_mean", "logit_std", "mode_scale",
+    "offset_noise", "snr_gamma", "base_precision", "weighting_scheme", "flow_shift", "logit_mean", "logit_std", "mode_scale",
     "precondition_outputs", "guidance_scale", "caption_dropout_rate", "masked_loss", "use_ema", "ema_decay",
     "ema_update_after_step", "use_8bit_adam", "adam_beta1", "adam_beta2", "adam_weight_decay", "adam_epsilon",
     "max_grad_norm", "max_train_steps", "num_train_epochs", "mixed_precision", "seed", "num_workers",
@@ -152,7 +152,7 @@ def checked_files(args, draw_class_images):
     the caller's flags stay as given): the model, the output and the storage checked first."""
     families.check_model_dir(args.model_dir, args.allow_unsafe_weights)
     family = families.require(args.model_dir, "train")
-    objectives.check_flags(family, args.snr_gamma, args.precondition_outputs, args.weighting_scheme)
+    objectives.check_flags(family, args.snr_gamma, args.precondition_outputs, args.weighting_scheme, args.flow_shift)
     if args.vae_dir:
         args = argparse.Namespace(**{**vars(args), "vae_dir": vae_cache.resolve_vae(args.vae_dir,
                                                                                    args.allow_unsafe_weights)})

@@ -27,7 +27,7 @@ WEIGHT_FLAGS = (
     "max_train_steps", "num_train_epochs", "cache_latents",
 )
 # ... of a flow-matching family
-FLOW_FLAGS = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "precondition_outputs")
+FLOW_FLAGS = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "precondition_outputs", "flow_shift")
 # Every flag of_run reads: planning hands their values over ({name: value})
 FLAGS = WEIGHT_FLAGS + FLOW_FLAGS + ("model_dir", "vae_dir", "base_precision", "guidance_scale")
 # The parts of an identity that are files, as the line that names a difference says them.

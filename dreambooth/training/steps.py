@@ -289,7 +289,7 @@ def loss_options(plan):
                                   plan.logit_std, plan.mode_scale,
                                   plan.family.precondition_outputs if plan.precondition_outputs is None
                                   else bool(plan.precondition_outputs),
-                                  plan.family.guidance(plan.guidance_scale))
+                                  plan.family.guidance(plan.guidance_scale), plan.flow_shift)
 
 
 def make_train_state(models, plan):
