@@ -1,8 +1,8 @@
 """What a model family provides: the one interface the suite asks whatever differs between families.
 
-A family is one module (family_sd1.py, family_sd2.py, family_sdxl.py, family_sd3.py, family_flux.py) with one
-subclass of Family and its instance; families/__init__.py holds the table of them and finds a folder's family. Everything else
-asks the family object the Plan carries (plan.family, models.family), never `if family == ...`.
+A family is one module (family_sd1.py, family_sd2.py, family_sdxl.py, family_sd3.py, family_flux.py,
+family_qwen.py) with one subclass of Family and its instance; families/__init__.py holds the table of them and
+finds a folder's family. Everything else asks the family object the Plan carries (plan.family, models.family), never `if family == ...`.
 What a model decides for itself (its prediction type, its native resolution) is read from its own
 configs, not asked here.
 
