@@ -238,3 +238,16 @@ def test_lora_trains_over_a_quantised_base_under_bf16(tiny_qwen_model, train_tin
     assert any(p.abs().sum() > 0 for n, p in denoiser.named_parameters() if "lora_B" in n)
     outputs.save_pipeline(state.models, plan)
     QwenImagePipeline.from_pretrained(plan.model_dir).load_lora_weights(plan.output_dir)
+
+
+def test_a_vae_of_another_kind_is_refused_before_anything_runs(tiny_qwen_model, tiny_model, tmp_path):
+    """--pretrained_vae_model_name_or_path with SD's AutoencoderKL for Qwen-Image: one line naming both kinds (it
+    used to fail in the worker, blaming the base model's files)."""
+    from dreambooth import errors
+    from dreambooth.planning import planning
+
+    args = planning.parse_args(["--model_dir", tiny_qwen_model, "--instance_data_dir", str(tmp_path), "--instance_prompt",
+                                "photo of unqtkn toy", "--output_dir", str(tmp_path / "out"),
+                                "--pretrained_vae_model_name_or_path", f"{tiny_model}/vae"])
+    with pytest.raises(errors.UserError, match=r"is an AutoencoderKL; Qwen-Image's VAE is an AutoencoderKLQwenImage"):
+        planning.checked_files(args, None)

@@ -100,8 +100,9 @@ def lora_checkpoint(lora_dir):
 
 SAVE_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 HELPS = {"model_dir": "train.py's output folder: a full model (or any diffusers SD 1.x, 2.x, SDXL or SD 3.5 folder) becomes an original-"
-                      "layout checkpoint, a --use_lora output a kohya-layout LoRA (SD 1.x/2.x/SDXL; Flux.1's and SD "
-                      "3.5's in their own kohya layouts).",
+                      "layout checkpoint, a --use_lora output a kohya-layout LoRA (SD 1.x/2.x/SDXL; Flux.1's, SD "
+                      "3.5's and Qwen-Image's in their own kohya layouts, which ComfyUI reads; AUTOMATIC1111 loads "
+                      "the SD families').",
          "overwrite": "Replace --output_file if it exists."}
 
 

@@ -492,9 +492,10 @@ FLAGS = {
         dict(type=positive_int, default=50, help="Denoising steps per image.")),
     "guidance_scale": (("--guidance_scale",),
         dict(type=non_negative_float, default=None,
-             help="Guidance scale: classifier-free guidance (SD 1.x/2.x/XL, SD 3.5: default 7.5); Flux.1 dev's "
-                  "guidance input (default 3.5), in training too (train.py, as diffusers' Flux script), where for "
-                  "the other families it sets only the validation samples'. Default: the model family's.")),
+             help="Guidance scale: classifier-free guidance (SD 1.x/2.x/XL, SD 3.5: default 7.5; Qwen-Image: its "
+                  "true_cfg_scale, default 4.0, against the negative prompt ' ' unless --negative_prompt is given); "
+                  "Flux.1 dev's guidance input (default 3.5), in training too (train.py, as diffusers' Flux script), "
+                  "where for the other families it sets only the validation samples'. Default: the model family's.")),
     "negative_prompt": (("--negative_prompt",), dict(default=None, help="What to steer away from.")),
     "num_actors": (("--num_actors",),
         dict(type=positive_int, default=None,

@@ -156,6 +156,11 @@ def checked_files(args, draw_class_images):
     if args.vae_dir:
         args = argparse.Namespace(**{**vars(args), "vae_dir": vae_cache.resolve_vae(args.vae_dir,
                                                                                    args.allow_unsafe_weights)})
+        vae_class = files.read_json(os.path.join(args.vae_dir, "config.json")).get("_class_name")
+        if vae_class != family.vae_class().__name__:
+            raise errors.UserError(f"--pretrained_vae_model_name_or_path {args.vae_dir} is an {vae_class}; "
+                                   f"{family.label}'s VAE is an {family.vae_class().__name__}: leave the flag out "
+                                   "(the model's own VAE) or give one made for this model")
     files.check_output_path(args.output_dir, "--output_dir", [
         ("--pretrained_model_name_or_path", args.model_dir), ("--instance_data_dir", args.instance_data_dir),
         ("--class_data_dir", args.class_data_dir)])
@@ -174,6 +179,10 @@ def plan_run(args, cluster_resources, draw_class_images=None, stop_step=None):
     end this run there, the schedule still planned over the whole run (sweep.py's early stopping).
     """
     family, args = checked_files(args, draw_class_images)
+    # (a family whose text encoders are all frozen, Qwen-Image's, trains none of them whatever the flag says: the
+    # flag changes neither the plan nor the run's identity)
+    args = argparse.Namespace(**{**vars(args), "train_text_encoder": args.train_text_encoder
+                                 and bool(family.trainable_text_encoders)})
     found = inputs.read_inputs(flags_of(inputs.InputFlags, args), family, draw_class_images)
     identity = run_identity.of_run({name: getattr(args, name) for name in run_identity.FLAGS}, family, found.photos,
                                    found.masks, found.held_out, found.captions, found.class_files, found.resolution,
@@ -191,8 +200,6 @@ def plan_run(args, cluster_resources, draw_class_images=None, stop_step=None):
     return plan.Plan(**{
         **from_flags,
         "family": family,
-        # (a family whose text encoders are all frozen, Qwen-Image's, trains none of them whatever the flag says)
-        "train_text_encoder": args.train_text_encoder and bool(family.trainable_text_encoders),
         "instance_prompts": found.instance_prompts,
         "image_prompt": tuple(found.instance_prompts.index(c) for c in found.captions),
         "learning_rate": scaled_learning_rate(args),
