@@ -118,6 +118,31 @@ def test_find_latest_picks_the_newest_complete_checkpoint_of_the_run(tmp_path, c
     assert checkpoints.resolve_resume("auto", str(tmp_path), "model-tuned", str(output)) is None
 
 
+def test_the_earlier_attempts_of_a_run_are_the_runs_whose_checkpoints_carry_its_identity(tmp_path):
+    """A run stopped twice and resumed each time: when it ends, every earlier attempt's run folder (all of its
+    checkpoints written with the run's identity) is its past, whose checkpoints the driver removes; a run of other
+    settings, or of another output, is not (a walk found the first attempt's checkpoint left behind)."""
+    def fake(run, name, identity):
+        folder = tmp_path / run / name
+        folder.mkdir(parents=True)
+        (folder / "unet.safetensors").write_bytes(b"w")
+        (folder / checkpoints.STATE_FILE).write_text(json.dumps({"step": 1, "sizes": {"unet.safetensors": 1},
+                                                                 "identity": identity}))
+
+    ours, theirs = {"learning_rate": 1e-6}, {"learning_rate": 2e-6}
+    fake("model-tuned-20260101-000001", "checkpoint_a", ours)  # the first attempt, stopped
+    fake("model-tuned-20260101-000002", "checkpoint_b", ours)  # the second, resumed from it and stopped again
+    fake("model-tuned-20260101-000003", "checkpoint_c", theirs)  # another run's (other settings)
+    fake("model-tuned-bella-20260101-000000", "checkpoint_d", ours)  # another output's
+    runs = checkpoints.runs_of_identity(str(tmp_path), "model-tuned", ours)
+    assert sorted(os.path.basename(r) for r in runs) == ["model-tuned-20260101-000001", "model-tuned-20260101-000002"]
+    assert checkpoints.runs_of_identity(str(tmp_path), "model-tuned", None) == []
+    for run in runs:
+        assert checkpoints.remove_all(run)[0] == 1
+    left = sorted(os.path.basename(f) for f in checkpoints.complete_checkpoints(str(tmp_path), "model-tuned"))
+    assert left == ["checkpoint_c"] and (tmp_path / "model-tuned-bella-20260101-000000" / "checkpoint_d").is_dir()
+
+
 @pytest.mark.slow  # (trains: over a second)
 def test_lora_checkpoint_holds_only_the_adapters(make_plan, step_prompts, tmp_path):
     def lora_state(steps_taken):

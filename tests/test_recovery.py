@@ -86,6 +86,16 @@ def start_train(args):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
+def registered_steps(run_dir):
+    """The steps of the checkpoints Ray Train's controller has registered for a run (its checkpoint manager's
+    snapshot): a restart resumes from the newest of these, not from a folder still being written."""
+    try:
+        with open(os.path.join(run_dir, "checkpoint_manager_snapshot.json")) as f:
+            return [r["metrics"].get("step") for r in json.load(f).get("checkpoint_results", [])]
+    except (OSError, ValueError):  # (not written yet, or being written)
+        return []
+
+
 def run_dirs(storage):
     return [os.path.join(storage, d) for d in os.listdir(storage)] if os.path.isdir(storage) else []
 
@@ -239,7 +249,8 @@ def test_a_killed_worker_is_restarted_then_sigterm_checkpoints_the_current_step_
     cut = train_args(tiny_model, toy_images, tmp_path / "cut", STOP_STEPS, *STOP_OPTIONS, "--storage_path", str(storage))
     since = time.time()
     proc = start_train([*cut, "--checkpointing_steps", "3", "--max_failures", "2"])
-    wait_for(lambda: 3 in [s for d in run_dirs(storage) for s in checkpoint_steps(d)], 240, proc)
+    # (killed once the controller has registered it: a checkpoint folder appears before its files are all copied)
+    wait_for(lambda: 3 in [s for d in run_dirs(storage) for s in registered_steps(d)], 240, proc)
     victims = worker_pids(since)
     assert victims
     os.kill(victims[0], signal.SIGKILL)

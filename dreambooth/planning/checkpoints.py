@@ -3,6 +3,7 @@ saved), the newest of a run and of its identity, the checkpoint --resume_from_ch
 removing them. In a folder or a bucket; what a checkpoint holds is training's (checkpoint.py)."""
 
 import os
+import posixpath
 import re
 import sys
 
@@ -69,6 +70,16 @@ def run_checkpoints(run_dir):
         folder = storage.join(run_dir, name)
         if name.startswith("checkpoint_") and is_complete(folder):
             yield folder
+
+
+def runs_of_identity(storage_path, run_prefix, identity):
+    """The run folders of run_prefix whose every complete checkpoint was written by a run of identity: the earlier
+    attempts of one run stopped and resumed, perhaps more than once (none for an identity of None)."""
+    same = {}
+    for folder in complete_checkpoints(storage_path, run_prefix):
+        run = posixpath.dirname(folder.rstrip("/"))
+        same[run] = same.get(run, True) and identity is not None and saved_identity(folder) == identity
+    return [run for run, all_same in same.items() if all_same]
 
 
 def newest_first(storage_path, run_prefix):

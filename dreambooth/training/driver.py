@@ -89,11 +89,15 @@ def train_planned(args, stop_step, started):
           f"{runlog.METRICS_FILE} in {run_folder}", file=sys.stderr)
     if not plan.keep_checkpoints and plan.end_step == plan.total_steps:  # (not a sweep stage that goes on)
         removed, freed = checkpoints.remove_all(run_folder)
-        stopped_run = runfiles.run_of_checkpoint(plan.resume_path)
-        if stopped_run and args.resume_from_checkpoint in ("latest", "auto") and stopped_run != run_folder:
-            # (the stopped run this one continued, found under --storage_path: its checkpoints are this run's past)
-            more, more_bytes = checkpoints.remove_all(stopped_run)
-            removed, freed = removed + more, freed + more_bytes
+        if args.resume_from_checkpoint in ("latest", "auto"):
+            # The stopped run this one continued, found under --storage_path, and the earlier attempts of this same
+            # run (stopped more than once: their checkpoints carry its identity) are this run's past.
+            past = set(checkpoints.runs_of_identity(plan.storage_path, os.path.basename(plan.output_dir),
+                                                    plan.identity))
+            past |= {runfiles.run_of_checkpoint(plan.resume_path)} - {None}
+            for run in sorted(past - {run_folder}):
+                more, more_bytes = checkpoints.remove_all(run)
+                removed, freed = removed + more, freed + more_bytes
         if removed:
             print(f"removed the run's {removed} checkpoint(s) ({files.size_text(freed)}) now that its model is saved "
                   "(--keep_checkpoints keeps them, to continue this run with more steps later)", file=sys.stderr)
