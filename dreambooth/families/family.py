@@ -24,11 +24,6 @@ def part_config(model_dir, part):
     return files.read_json(os.path.join(model_dir, part, "config.json"))
 
 
-def vae_scale(model_dir):
-    """How many pixels a latent pixel of the model's VAE covers, per side."""
-    return 2 ** (len(part_config(model_dir, "vae")["block_out_channels"]) - 1)
-
-
 def kohya_lora_tensors(groups, alpha_of, order_of, widths=None):
     """{kohya key: tensor} of LoRA adapters grouped by the original layer they act on: groups {kohya module:
     {part: [down, up]}}, part None for a layer of its own, else the part of a layer the original fuses (q, k, v
@@ -159,7 +154,7 @@ class Family:
     # --- the model folder's own numbers
     def native_resolution(self, model_dir):
         """The pixel size the model was trained at: the denoiser's sample size x the VAE's downscaling."""
-        return part_config(model_dir, self.denoiser)["sample_size"] * vae_scale(model_dir)
+        return part_config(model_dir, self.denoiser)["sample_size"] * self.vae_scale(model_dir)
 
     def size_multiple(self, model_dir):
         """The step every trained height and width must be a multiple of."""
@@ -175,6 +170,10 @@ class Family:
     def vae_downscale(self, vae_config):
         """How many pixels a latent pixel covers, per side, of a VAE config (a dict or the VAE's own)."""
         return 2 ** (len(vae_config["block_out_channels"]) - 1)
+
+    def vae_scale(self, model_dir):
+        """How many pixels a latent pixel of the model's VAE covers, per side (vae_downscale of its config)."""
+        return self.vae_downscale(part_config(model_dir, "vae"))
 
     def latent_channels(self, vae_config):
         return vae_config["latent_channels"]
@@ -215,6 +214,11 @@ class Family:
     def token_ids(self, tokenizers, prompt):
         """A prompt's token ids as encode_text reads them: (L,) with one tokenizer, (E, L) with E (tokenize_all)."""
         return tokenize_all(tokenizers, prompt)
+
+    def trains_text_encoder(self, flag):
+        """Whether --train_text_encoder (flag) trains any of its text encoders: never for a family whose encoders
+        are all frozen (Qwen-Image's), whatever the flag says."""
+        return bool(flag and self.trainable_text_encoders)
 
     def load_text_encoders(self, model_dir, load):
         """The text encoders in order; load(cls, subfolder) is models.from_pretrained with the run's

@@ -98,7 +98,7 @@ class Flux(family.Family):
 
     def size_multiple(self, model_dir):
         """The VAE's downscaling times the 2x2 packing."""
-        return family.vae_scale(model_dir) * 2
+        return self.vae_scale(model_dir) * 2
 
     # --- the networks
     def load_denoiser(self, load):

@@ -85,11 +85,11 @@ class QwenImage(family.Family):
         """The pipeline's default size (128 latent pixels x the VAE's downscaling: 1024 px), or the sample size
         a random model built here records in its transformer's config."""
         config = family.part_config(model_dir, self.denoiser)
-        return config.get("sample_size", DEFAULT_SAMPLE_SIZE) * self.vae_downscale(family.part_config(model_dir, "vae"))
+        return config.get("sample_size", DEFAULT_SAMPLE_SIZE) * self.vae_scale(model_dir)
 
     def size_multiple(self, model_dir):
         """The VAE's downscaling times the 2x2 packing."""
-        return self.vae_downscale(family.part_config(model_dir, "vae")) * 2
+        return self.vae_scale(model_dir) * 2
 
     # --- the VAE: one frame of a video VAE, normalised per channel
     def vae_class(self):

@@ -63,7 +63,7 @@ class SD1(family.Family):
 
     def size_multiple(self, model_dir):
         """The VAE's downscaling times the UNet's (each down block but the last halves the latents)."""
-        return family.vae_scale(model_dir) * 2 ** (len(family.part_config(model_dir, "unet")["down_block_types"]) - 1)
+        return self.vae_scale(model_dir) * 2 ** (len(family.part_config(model_dir, "unet")["down_block_types"]) - 1)
 
     def load_text_encoders(self, model_dir, load):
         from transformers import CLIPTextModel

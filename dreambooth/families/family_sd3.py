@@ -146,7 +146,7 @@ class SD3(family.Family):
 
     def size_multiple(self, model_dir):
         """The VAE's downscaling times the transformer's patch size."""
-        return family.vae_scale(model_dir) * family.part_config(model_dir, self.denoiser)["patch_size"]
+        return self.vae_scale(model_dir) * family.part_config(model_dir, self.denoiser)["patch_size"]
 
     # --- the networks
     def load_denoiser(self, load):

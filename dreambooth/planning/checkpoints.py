@@ -3,7 +3,6 @@ saved), the newest of a run and of its identity, the checkpoint --resume_from_ch
 removing them. In a folder or a bucket; what a checkpoint holds is training's (checkpoint.py)."""
 
 import os
-import posixpath
 import re
 import sys
 
@@ -11,6 +10,7 @@ from dreambooth import errors
 from dreambooth import storage
 from dreambooth.models import outputs
 from dreambooth.planning import run_identity
+from dreambooth.storage import runfiles
 
 STATE_FILE = "train_state.json"
 
@@ -77,7 +77,7 @@ def runs_of_identity(storage_path, run_prefix, identity):
     attempts of one run stopped and resumed, perhaps more than once (none for an identity of None)."""
     same = {}
     for folder in complete_checkpoints(storage_path, run_prefix):
-        run = posixpath.dirname(folder.rstrip("/"))
+        run = runfiles.run_of_checkpoint(folder)
         same[run] = same.get(run, True) and identity is not None and saved_identity(folder) == identity
     return [run for run, all_same in same.items() if all_same]
 

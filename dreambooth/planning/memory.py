@@ -114,7 +114,7 @@ def need(family, setup, params=None, source=None):
     trained_bytes = 4 + 4 + (2 if setup.use_8bit_adam else 8) + (4 if setup.use_ema else 0)
     encoders = {name: n for name, n in params.items() if name.startswith("text_encoder")}
     # (a family without trainable text encoders, Qwen-Image, trains none and releases its frozen one either way)
-    setup = dataclasses.replace(setup, train_text_encoder=setup.train_text_encoder and bool(spec.trainable_text_encoders))
+    setup = dataclasses.replace(setup, train_text_encoder=spec.trains_text_encoder(setup.train_text_encoder))
     trained = sum(n for name, n in encoders.items() if name in spec.trainable_text_encoders) \
         if setup.train_text_encoder else 0
     frozen = sum(encoders.values()) - trained

@@ -181,8 +181,7 @@ def plan_run(args, cluster_resources, draw_class_images=None, stop_step=None):
     family, args = checked_files(args, draw_class_images)
     # (a family whose text encoders are all frozen, Qwen-Image's, trains none of them whatever the flag says: the
     # flag changes neither the plan nor the run's identity)
-    args = argparse.Namespace(**{**vars(args), "train_text_encoder": args.train_text_encoder
-                                 and bool(family.trainable_text_encoders)})
+    args = argparse.Namespace(**{**vars(args), "train_text_encoder": family.trains_text_encoder(args.train_text_encoder)})
     found = inputs.read_inputs(flags_of(inputs.InputFlags, args), family, draw_class_images)
     identity = run_identity.of_run({name: getattr(args, name) for name in run_identity.FLAGS}, family, found.photos,
                                    found.masks, found.held_out, found.captions, found.class_files, found.resolution,
@@ -243,8 +242,7 @@ def offline_plan(**fields):
         model_dir = fields.get("model_dir", args.model_dir)
         has_model = os.path.isfile(os.path.join(model_dir, "model_index.json"))
         fields = dict(fields, family=families.family_of(model_dir) if has_model else families.DEFAULT)
-    if not fields["family"].trainable_text_encoders:
-        fields = {"train_text_encoder": False, **fields}
+    fields = {"train_text_encoder": fields["family"].trains_text_encoder(from_flags["train_text_encoder"]), **fields}
     return plan.Plan(**{**from_flags, **decided, **fields})
 
 
