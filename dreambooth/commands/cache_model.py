@@ -34,7 +34,7 @@ def random_model_help():
 
 
 ARCH_HELP = ("The architecture of --tiny / --random_model, one per model family: "
-             + ", ".join(f"{f.arch} ({f.label}, {f.random_note})" for f in families.ARCHS.values())
+             + ", ".join(f"{f.random.arch} ({f.label}, {f.random.note})" for f in families.ARCHS.values())
              + ". Its hub name says it: dreambooth-ray/tiny-stable-diffusion-2-v, -xl.")
 
 
@@ -62,10 +62,10 @@ def main(argv=None):
         parser.error(f"argument --random_model: invalid choice: {args.random_model!r} (choose from {', '.join(sizes)})")
     owner = sizes.get(args.random_model)
     if owner is not None:  # a size of its own family
-        if args.arch not in (None, owner.arch):
+        if args.arch not in (None, owner.random.arch):
             raise errors.UserError(f"--random_model {args.random_model} is {owner.label}'s architecture, "
                                    f"not --arch {args.arch}")
-        args.arch = owner.arch
+        args.arch = owner.random.arch
     if args.arch and (args.eval_models or not (args.tiny or args.random_model)):
         raise errors.UserError("--arch is the architecture of a model built here (--tiny, --random_model); a "
                                "downloaded model's family is read from its files")

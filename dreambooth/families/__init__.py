@@ -23,7 +23,7 @@ from dreambooth.families.family import part_config
 
 FAMILIES = {f.name: f for f in (family_sd1.FAMILY, family_sd2.FAMILY, family_sdxl.FAMILY, family_sd3.FAMILY,
                                       family_flux.FAMILY, family_qwen.FAMILY)}
-ARCHS = {f.arch: f for f in FAMILIES.values()}  # the --arch names of the random models built here
+ARCHS = {f.random.arch: f for f in FAMILIES.values()}  # the --arch names of the random models built here
 DEFAULT = family_sd1.FAMILY  # the default model's (sd14) and --tiny's without --arch
 # The base models known by short name: each family's own list (not one it inherits), in the table's order
 KNOWN_MODELS = tuple(dataclasses.replace(model, family=name) for name, f in FAMILIES.items()

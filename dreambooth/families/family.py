@@ -119,7 +119,7 @@ class Family:
     # model as one original-layout file; its LoRA in kohya's layout)
     released_resolutions = (512,)  # of the released models, for the README (a model's config decides)
     released_params = {}  # parameter counts of the released networks ({subfolder: count}), for memory.py
-    released_size = None  # flow-matching families: the own size (own_sizes) of the released model memory.py counts
+    released_size = None  # flow-matching families: the own size (random.own_sizes) of the released model memory.py counts
     text_tokens = 77  # the text states' length in training (activations.py)
     known_models = ()  # its base models known by short name (known.KnownModel), pinned: families.KNOWN_MODELS
     kohya_text_prefixes = {}  # the UNet families': kohya's prefix of each text encoder's LoRA modules
@@ -128,11 +128,8 @@ class Family:
     # docs/MEMORY.md's flow table (memory.py): (model, its own full size, LoRA resolutions, --fsdp worker counts)
     memory_rows = ()
 
-    # --- random models built here (cache_model.py --tiny/--random_model --arch <arch>)
-    arch = ""  # the --arch name of its random models
-    random_note = ""  # what its random models are, for cache_model.py --help
-    random_arch = {}  # what its random models change around random_models.MODEL_SIZES (also in their revision)
-    own_sizes = {}  # its full-size random models' shapes ({--random_model name: spec}) beside random_models.MODEL_SIZES
+    # its models with random weights (cache_model.py --tiny/--random_model --arch): builders.RandomModels
+    random = None
 
     def matches(self, pipeline, text_encoder_config):
         """Whether a folder is of this family: model_index.json's pipeline class, and the first text
@@ -285,37 +282,6 @@ class Family:
     def unet_inputs(self, pooled, time_ids):
         """The denoiser's keyword inputs beside the latents, timesteps and states."""
         return {}
-
-    # --- random models (random_models.build_networks, build_pipeline)
-    def random_text_encoders(self, spec, tokenizer):
-        """({subfolder: random text encoder}, the UNet's cross-attention width, the UNet's extra config)
-        for a random_models.MODEL_SIZES spec."""
-        raise NotImplementedError
-
-    def random_denoiser(self, spec, latent_size, text_width, extra):
-        """A random denoiser of a random_models.MODEL_SIZES spec for latent_size latents, reading text states
-        text_width wide, with extra config from random_text_encoders."""
-        raise NotImplementedError
-
-    def random_vae_config(self):
-        """What its random VAE changes in AutoencoderKL's config."""
-        return {}
-
-    def random_vae(self, spec, latent_size):
-        """A random VAE of a random_models.MODEL_SIZES spec whose latents are latent_size wide (AutoencoderKL,
-        random_vae_config's changes)."""
-        from diffusers import AutoencoderKL
-
-        blocks = len(spec["vae_channels"])
-        return AutoencoderKL(block_out_channels=spec["vae_channels"], layers_per_block=spec["vae_layers"],
-                             down_block_types=("DownEncoderBlock2D",) * blocks,
-                             up_block_types=("UpDecoderBlock2D",) * blocks,
-                             sample_size=latent_size * 2 ** (blocks - 1),
-                             **{"latent_channels": 4, **self.random_vae_config()})
-
-    def random_pipeline(self, nets, tokenizer, betas, safety_checker):
-        """The family's pipeline of random networks, with its released models' scheduler."""
-        raise NotImplementedError
 
     # --- drawing (generate.py, validation.py)
     def pipeline_kwargs(self):

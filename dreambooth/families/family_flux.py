@@ -6,6 +6,7 @@ input. Trained on the straight path towards the velocity (objectives.flow_matchi
 sigmas; 1024 px; no safety checker and no negative prompt.
 """
 
+from dreambooth.families import builders
 from dreambooth.families import family
 from dreambooth.families import family_sd1
 from dreambooth.families import family_sd3
@@ -61,6 +62,52 @@ def kohya_module(module):
     raise KeyError(f"no original Flux layer for {module}")
 
 
+class FluxModels(builders.RandomModels):
+    arch = "flux"
+    note = "Flux.1 dev's layout: a double/single-stream transformer, CLIP-L and T5, flow matching, " \
+                  "16-channel latents packed 2x2, a guidance input"
+    changes = dict(resolution_scale=1, layers=1, single_layers=1, head_dim=16, heads=2, rope=(4, 4, 8),
+                       t5_width=32, t5_layers=2, t5_heads=4, vae_scaling_factor=0.3611, vae_shift_factor=0.1159)
+    # Flux.1 dev's shapes (--random_model flux-dev), 1024 px: 19 double- and 38 single-stream blocks of 24 heads
+    # of 128, CLIP ViT-L, T5 v1.1 XXL's encoder; its VAE is SD's at 16 channels
+    own_sizes = {"flux-dev": dict(layers=19, single_layers=38, head_dim=128, heads=24, rope=(16, 56, 56),
+                                  t5_width=4096, t5_layers=24, t5_heads=64, t5_kv=64, t5_ff=10240, t5_vocab=32128,
+                                  text_hidden=768, text_layers=12, text_heads=12, vocab_size=49408,
+                                  vae_channels=(128, 256, 512, 512), vae_layers=2, latent_size=128)}
+
+    def text_encoders(self, spec, tokenizer):
+        from transformers import CLIPTextModel
+
+        arch = {**self.changes, **spec}
+        clip = family_sd1.clip_text_encoder(CLIPTextModel, spec, tokenizer, "quick_gelu")
+        t5 = family_sd3.t5_encoder(arch, family_sd3.tiny_t5_tokenizer(T5_MAX_LENGTH))
+        return {"text_encoder": clip, "text_encoder_2": t5}, arch["t5_width"], {"pooled_projection_dim": spec["text_hidden"]}
+
+    def denoiser(self, spec, latent_size, text_width, extra):
+        from diffusers import FluxTransformer2DModel
+
+        arch = {**self.changes, **spec}
+        return FluxTransformer2DModel(patch_size=1, in_channels=4 * 16, num_layers=arch["layers"],
+                                      num_single_layers=arch["single_layers"], attention_head_dim=arch["head_dim"],
+                                      num_attention_heads=arch["heads"], joint_attention_dim=text_width,
+                                      guidance_embeds=True, axes_dims_rope=arch["rope"], **extra)
+
+    def vae_config(self):
+        return {"latent_channels": 16, "scaling_factor": self.changes["vae_scaling_factor"],
+                "shift_factor": self.changes["vae_shift_factor"], "use_quant_conv": False,
+                "use_post_quant_conv": False}
+
+    def pipeline(self, nets, tokenizer, betas, safety_checker):
+        from diffusers import FlowMatchEulerDiscreteScheduler
+        from diffusers import FluxPipeline
+
+        # Flux.1 dev's scheduler: its shift grows with the image's token count
+        scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
+                                                    max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
+        return FluxPipeline(tokenizer=tokenizer, tokenizer_2=family_sd3.tiny_t5_tokenizer(T5_MAX_LENGTH),
+                            scheduler=scheduler, **nets)
+
+
 class Flux(family.Family):
     name, label = "flux", "Flux.1"
     pipeline = "FluxPipeline"
@@ -79,17 +126,7 @@ class Flux(family.Family):
     # flux-dev's, for memory.py (tests/test_memory.py counts them on the meta device)
     released_params = {"transformer": 11901.41e6, "text_encoder": 123.06e6, "text_encoder_2": 4762.31e6, "vae": 83.82e6}
     released_size = "flux-dev"  # the own size whose activations memory.py counts for a released model
-    arch = "flux"
-    random_note = "Flux.1 dev's layout: a double/single-stream transformer, CLIP-L and T5, flow matching, " \
-                  "16-channel latents packed 2x2, a guidance input"
-    random_arch = dict(resolution_scale=1, layers=1, single_layers=1, head_dim=16, heads=2, rope=(4, 4, 8),
-                       t5_width=32, t5_layers=2, t5_heads=4, vae_scaling_factor=0.3611, vae_shift_factor=0.1159)
-    # Flux.1 dev's shapes (--random_model flux-dev), 1024 px: 19 double- and 38 single-stream blocks of 24 heads
-    # of 128, CLIP ViT-L, T5 v1.1 XXL's encoder; its VAE is SD's at 16 channels
-    own_sizes = {"flux-dev": dict(layers=19, single_layers=38, head_dim=128, heads=24, rope=(16, 56, 56),
-                                  t5_width=4096, t5_layers=24, t5_heads=64, t5_kv=64, t5_ff=10240, t5_vocab=32128,
-                                  text_hidden=768, text_layers=12, text_heads=12, vocab_size=49408,
-                                  vae_channels=(128, 256, 512, 512), vae_layers=2, latent_size=128)}
+    random = FluxModels()
     text_tokens = T5_MAX_LENGTH  # the text states' length in training (activations.py)
 
     def native_resolution(self, model_dir):
@@ -183,39 +220,6 @@ class Flux(family.Family):
             lambda name: alphas.get("text_encoder" if name.startswith("lora_te1_") else self.denoiser),
             lambda name: ("q", "k", "v", "mlp") if name.endswith("linear1") else ("q", "k", "v"),  # the fused rows
             {"q": width, "k": width, "v": width, "mlp": 4 * width})  # (Flux's MLP ratio is 4)
-
-    # --- random models
-    def random_text_encoders(self, spec, tokenizer):
-        from transformers import CLIPTextModel
-
-        arch = {**self.random_arch, **spec}
-        clip = family_sd1.clip_text_encoder(CLIPTextModel, spec, tokenizer, "quick_gelu")
-        t5 = family_sd3.t5_encoder(arch, family_sd3.tiny_t5_tokenizer(T5_MAX_LENGTH))
-        return {"text_encoder": clip, "text_encoder_2": t5}, arch["t5_width"], {"pooled_projection_dim": spec["text_hidden"]}
-
-    def random_denoiser(self, spec, latent_size, text_width, extra):
-        from diffusers import FluxTransformer2DModel
-
-        arch = {**self.random_arch, **spec}
-        return FluxTransformer2DModel(patch_size=1, in_channels=4 * 16, num_layers=arch["layers"],
-                                      num_single_layers=arch["single_layers"], attention_head_dim=arch["head_dim"],
-                                      num_attention_heads=arch["heads"], joint_attention_dim=text_width,
-                                      guidance_embeds=True, axes_dims_rope=arch["rope"], **extra)
-
-    def random_vae_config(self):
-        return {"latent_channels": 16, "scaling_factor": self.random_arch["vae_scaling_factor"],
-                "shift_factor": self.random_arch["vae_shift_factor"], "use_quant_conv": False,
-                "use_post_quant_conv": False}
-
-    def random_pipeline(self, nets, tokenizer, betas, safety_checker):
-        from diffusers import FlowMatchEulerDiscreteScheduler
-        from diffusers import FluxPipeline
-
-        # Flux.1 dev's scheduler: its shift grows with the image's token count
-        scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
-                                                    max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
-        return FluxPipeline(tokenizer=tokenizer, tokenizer_2=family_sd3.tiny_t5_tokenizer(T5_MAX_LENGTH),
-                            scheduler=scheduler, **nets)
 
     # The base models of this family the suite knows by short name (families.KNOWN_MODELS)
     memory_rows = (("Flux.1 dev", "flux-dev", (512, 1024), (4, 8)),)

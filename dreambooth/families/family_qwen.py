@@ -8,6 +8,7 @@ computed once and it leaves the device, as Flux.1's T5 does. Trained as diffuser
 train_dreambooth_lora_qwen_image.py trains it (objectives.flow_matching on the scheduler's unshifted sigmas).
 """
 
+from dreambooth.families import builders
 from dreambooth.families import family
 from dreambooth.families import family_flux
 from dreambooth.families import known
@@ -43,6 +44,74 @@ def tiny_tokenizer():
     return tokenizer
 
 
+class QwenImageModels(builders.RandomModels):
+    arch = "qwen"
+    note = "Qwen-Image's layout: a dual-stream transformer, a Qwen2.5-VL text encoder, flow matching, " \
+                  "16-channel latents of its video VAE packed 2x2"
+    # tiny: 64 px (16 x 16 latents of a 4x VAE), one block of 2 heads of 16, a 2-layer Qwen2.5-VL 32 wide
+    changes = dict(resolution_scale=0.5, layers=1, head_dim=16, heads=2, rope=(4, 6, 6), text_kv_heads=2,
+                       vae_base=16, vae_mult=(1, 2, 2), vae_time_down=(False, False), vision_width=32)
+    # Qwen-Image's shapes (--random_model qwen-image), 1024 px: 60 blocks of 24 heads of 128 reading Qwen2.5-VL-7B
+    # (28 layers 3584 wide, its 32-block vision tower too: the pipeline loads the whole model), the video VAE
+    own_sizes = {"qwen-image": dict(layers=60, head_dim=128, heads=24, rope=(16, 56, 56), text_hidden=3584,
+                                    text_layers=28, text_heads=28, text_kv_heads=4, text_ff=18944, text_vocab=152064,
+                                    mrope=[16, 24, 24], vision_width=1280, vision_depth=32, vision_heads=16,
+                                    vision_ff=3420, vision_full=(7, 15, 23, 31), vae_base=96, vae_mult=(1, 2, 4, 4),
+                                    vae_layers=2, vae_time_down=(False, True, True), latent_size=256)}
+
+    def text_encoders(self, spec, tokenizer):
+        from transformers import Qwen2_5_VLConfig
+        from transformers import Qwen2_5_VLForConditionalGeneration
+
+        arch = {**self.changes, **spec}
+        qwen_tokenizer = tiny_tokenizer()
+        width, heads = arch["text_hidden"], arch["text_heads"]
+        half = width // heads // 2  # the multimodal rotary sections (time, height, width) of a head's half
+        sections = arch.get("mrope", [half - 2 * (half // 3), half // 3, half // 3])
+        text = dict(vocab_size=arch.get("text_vocab", len(qwen_tokenizer)), hidden_size=width,
+                    intermediate_size=arch.get("text_ff", 2 * width), num_hidden_layers=arch["text_layers"],
+                    num_attention_heads=heads, num_key_value_heads=arch["text_kv_heads"],
+                    max_position_embeddings=2 * (MAX_TOKENS + DROP),
+                    rope_scaling={"type": "mrope", "mrope_section": sections},
+                    bos_token_id=None, eos_token_id=qwen_tokenizer.eos_token_id,
+                    pad_token_id=qwen_tokenizer.pad_token_id)
+        vision_width = arch["vision_width"]
+        vision = dict(depth=arch.get("vision_depth", 1), hidden_size=vision_width,
+                      intermediate_size=arch.get("vision_ff", 2 * vision_width), num_heads=arch.get("vision_heads", 2),
+                      out_hidden_size=width, fullatt_block_indexes=list(arch.get("vision_full", (0,))))
+        encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision))
+        return {"text_encoder": encoder}, width, {}
+
+    def denoiser(self, spec, latent_size, text_width, extra):
+        from diffusers import QwenImageTransformer2DModel
+
+        arch = {**self.changes, **spec}
+        model = QwenImageTransformer2DModel(patch_size=2, in_channels=4 * 16, out_channels=16, num_layers=arch["layers"],
+                                            attention_head_dim=arch["head_dim"], num_attention_heads=arch["heads"],
+                                            joint_attention_dim=text_width, axes_dims_rope=arch["rope"])
+        if latent_size != DEFAULT_SAMPLE_SIZE:
+            model.register_to_config(sample_size=latent_size)  # (its native size: native_resolution)
+        return model
+
+    def vae(self, spec, latent_size):
+        from diffusers import AutoencoderKLQwenImage
+
+        arch = {**self.changes, **spec}
+        return AutoencoderKLQwenImage(base_dim=arch["vae_base"], z_dim=16, dim_mult=list(arch["vae_mult"]),
+                                      num_res_blocks=arch.get("vae_layers", 1),
+                                      temperal_downsample=list(arch["vae_time_down"]))
+
+    def pipeline(self, nets, tokenizer, betas, safety_checker):
+        from diffusers import FlowMatchEulerDiscreteScheduler
+        from diffusers import QwenImagePipeline
+
+        # Qwen-Image's scheduler: an exponential shift that grows with the image's token count
+        scheduler = FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=True, base_shift=0.5,
+                                                    max_shift=0.9, base_image_seq_len=256, max_image_seq_len=8192,
+                                                    shift_terminal=0.02, time_shift_type="exponential")
+        return QwenImagePipeline(tokenizer=tiny_tokenizer(), scheduler=scheduler, **nets)
+
+
 class QwenImage(family.Family):
     name, label = "qwen", "Qwen-Image"
     pipeline = "QwenImagePipeline"
@@ -56,20 +125,8 @@ class QwenImage(family.Family):
     guidance_argument = "true_cfg_scale"
     default_negative_prompt = " "  # the pipeline guides only against a negative prompt (its model card's: " ")
     released_resolutions = (1024,)  # (the pipeline's default; its model card also draws 1328 px squares)
-    arch = "qwen"
-    random_note = "Qwen-Image's layout: a dual-stream transformer, a Qwen2.5-VL text encoder, flow matching, " \
-                  "16-channel latents of its video VAE packed 2x2"
-    # tiny: 64 px (16 x 16 latents of a 4x VAE), one block of 2 heads of 16, a 2-layer Qwen2.5-VL 32 wide
-    random_arch = dict(resolution_scale=0.5, layers=1, head_dim=16, heads=2, rope=(4, 6, 6), text_kv_heads=2,
-                       vae_base=16, vae_mult=(1, 2, 2), vae_time_down=(False, False), vision_width=32)
+    random = QwenImageModels()
     text_tokens = 128  # the text states' length in training for activations.py: a prompt's, not padded to 1024
-    # Qwen-Image's shapes (--random_model qwen-image), 1024 px: 60 blocks of 24 heads of 128 reading Qwen2.5-VL-7B
-    # (28 layers 3584 wide, its 32-block vision tower too: the pipeline loads the whole model), the video VAE
-    own_sizes = {"qwen-image": dict(layers=60, head_dim=128, heads=24, rope=(16, 56, 56), text_hidden=3584,
-                                    text_layers=28, text_heads=28, text_kv_heads=4, text_ff=18944, text_vocab=152064,
-                                    mrope=[16, 24, 24], vision_width=1280, vision_depth=32, vision_heads=16,
-                                    vision_ff=3420, vision_full=(7, 15, 23, 31), vae_base=96, vae_mult=(1, 2, 4, 4),
-                                    vae_layers=2, vae_time_down=(False, True, True), latent_size=256)}
     # Qwen-Image's 20 B transformer, Qwen2.5-VL-7B (8.3 B with its vision tower) and the 127 M video VAE, counted
     # on the meta device (tests/test_memory.py)
     released_params = {"transformer": 20430.40e6, "text_encoder": 8292.17e6, "vae": 126.89e6}
@@ -220,58 +277,6 @@ class QwenImage(family.Family):
         return family.kohya_lora_tensors(family.group_lora(state_dict, module_of),
                                          lambda name: alphas.get(self.denoiser), lambda name: (None,))
 
-    # --- random models
-    def random_text_encoders(self, spec, tokenizer):
-        from transformers import Qwen2_5_VLConfig
-        from transformers import Qwen2_5_VLForConditionalGeneration
-
-        arch = {**self.random_arch, **spec}
-        qwen_tokenizer = tiny_tokenizer()
-        width, heads = arch["text_hidden"], arch["text_heads"]
-        half = width // heads // 2  # the multimodal rotary sections (time, height, width) of a head's half
-        sections = arch.get("mrope", [half - 2 * (half // 3), half // 3, half // 3])
-        text = dict(vocab_size=arch.get("text_vocab", len(qwen_tokenizer)), hidden_size=width,
-                    intermediate_size=arch.get("text_ff", 2 * width), num_hidden_layers=arch["text_layers"],
-                    num_attention_heads=heads, num_key_value_heads=arch["text_kv_heads"],
-                    max_position_embeddings=2 * (MAX_TOKENS + DROP),
-                    rope_scaling={"type": "mrope", "mrope_section": sections},
-                    bos_token_id=None, eos_token_id=qwen_tokenizer.eos_token_id,
-                    pad_token_id=qwen_tokenizer.pad_token_id)
-        vision_width = arch["vision_width"]
-        vision = dict(depth=arch.get("vision_depth", 1), hidden_size=vision_width,
-                      intermediate_size=arch.get("vision_ff", 2 * vision_width), num_heads=arch.get("vision_heads", 2),
-                      out_hidden_size=width, fullatt_block_indexes=list(arch.get("vision_full", (0,))))
-        encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision))
-        return {"text_encoder": encoder}, width, {}
-
-    def random_denoiser(self, spec, latent_size, text_width, extra):
-        from diffusers import QwenImageTransformer2DModel
-
-        arch = {**self.random_arch, **spec}
-        model = QwenImageTransformer2DModel(patch_size=2, in_channels=4 * 16, out_channels=16, num_layers=arch["layers"],
-                                            attention_head_dim=arch["head_dim"], num_attention_heads=arch["heads"],
-                                            joint_attention_dim=text_width, axes_dims_rope=arch["rope"])
-        if latent_size != DEFAULT_SAMPLE_SIZE:
-            model.register_to_config(sample_size=latent_size)  # (its native size: native_resolution)
-        return model
-
-    def random_vae(self, spec, latent_size):
-        from diffusers import AutoencoderKLQwenImage
-
-        arch = {**self.random_arch, **spec}
-        return AutoencoderKLQwenImage(base_dim=arch["vae_base"], z_dim=16, dim_mult=list(arch["vae_mult"]),
-                                      num_res_blocks=arch.get("vae_layers", 1),
-                                      temperal_downsample=list(arch["vae_time_down"]))
-
-    def random_pipeline(self, nets, tokenizer, betas, safety_checker):
-        from diffusers import FlowMatchEulerDiscreteScheduler
-        from diffusers import QwenImagePipeline
-
-        # Qwen-Image's scheduler: an exponential shift that grows with the image's token count
-        scheduler = FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=True, base_shift=0.5,
-                                                    max_shift=0.9, base_image_seq_len=256, max_image_seq_len=8192,
-                                                    shift_terminal=0.02, time_shift_type="exponential")
-        return QwenImagePipeline(tokenizer=tiny_tokenizer(), scheduler=scheduler, **nets)
 
 
 FAMILY = QwenImage()

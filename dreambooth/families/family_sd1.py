@@ -2,6 +2,7 @@
 condition the UNet; PNDM at 512 px; a safety checker; the original single file's text encoder under
 cond_stage_model.transformer.* in transformers' names. SD 2.x and SDXL build on it."""
 
+from dreambooth.families import builders
 from dreambooth.families import family
 from dreambooth.families import known
 from dreambooth.families import layouts
@@ -47,15 +48,58 @@ def tiny_safety_checker(projection_dim=32):
     return checker, processor
 
 
+class SD1Models(builders.RandomModels):
+    arch = "sd1"
+    note = "SD 1.4/1.5's layout"  # cache_model.py --help
+    changes = dict(text_act="quick_gelu", linear_projection=False, prediction_type="epsilon", resolution_scale=1)
+
+    def text_encoders(self, spec, tokenizer):
+        from transformers import CLIPTextModel
+
+        encoder = clip_text_encoder(CLIPTextModel, spec, tokenizer, self.changes["text_act"])
+        return {"text_encoder": encoder}, spec["text_hidden"], {}
+
+    def unet_heads(self, channels):
+        """The UNet's attention_head_dim for its block widths: SD 1.x has 8 heads at every level."""
+        return 8
+
+    def denoiser(self, spec, latent_size, text_width, extra):
+        from diffusers import UNet2DConditionModel
+
+        down = spec["unet_down"]
+        return UNet2DConditionModel(
+            sample_size=latent_size,
+            block_out_channels=spec["unet_channels"],
+            layers_per_block=spec["unet_layers"],
+            down_block_types=down,
+            up_block_types=tuple(reversed([name.replace("Down", "Up") for name in down])),
+            cross_attention_dim=text_width,
+            attention_head_dim=self.unet_heads(spec["unet_channels"]),
+            use_linear_projection=self.changes["linear_projection"],
+            **extra,
+        )
+
+    def scheduler(self, betas):
+        """The scheduler of SD 1.4's scheduler/scheduler_config.json."""
+        from diffusers import PNDMScheduler
+
+        return PNDMScheduler(skip_prk_steps=True, set_alpha_to_one=False, **betas)
+
+    def pipeline(self, nets, tokenizer, betas, safety_checker):
+        from diffusers import StableDiffusionPipeline
+
+        checker, processor = tiny_safety_checker() if safety_checker else (None, None)
+        return StableDiffusionPipeline(tokenizer=tokenizer, scheduler=self.scheduler(betas), safety_checker=checker,
+                                       feature_extractor=processor, requires_safety_checker=safety_checker, **nets)
+
+
 class SD1(family.Family):
     name, label = "sd1", "SD 1.x"
     pipeline = "StableDiffusionPipeline"
     safety_checker = True
     released_resolutions = (512,)
     released_params = {"unet": 859.52e6, "text_encoder": 123.06e6, "vae": 83.65e6}
-    arch = "sd1"
-    random_note = "SD 1.4/1.5's layout"  # cache_model.py --help
-    random_arch = dict(text_act="quick_gelu", linear_projection=False, prediction_type="epsilon", resolution_scale=1)
+    random = SD1Models()
 
     def matches(self, pipeline, text_encoder_config):
         # OpenAI's CLIP uses quick_gelu, OpenCLIP's (SD 2.x) gelu; unreadable: the model check says why
@@ -72,45 +116,6 @@ class SD1(family.Family):
 
     def encode_text(self, text_encoders, ids):
         return text_encoders[0](ids)[0], None
-
-    def random_text_encoders(self, spec, tokenizer):
-        from transformers import CLIPTextModel
-
-        encoder = clip_text_encoder(CLIPTextModel, spec, tokenizer, self.random_arch["text_act"])
-        return {"text_encoder": encoder}, spec["text_hidden"], {}
-
-    def unet_heads(self, channels):
-        """The UNet's attention_head_dim for its block widths: SD 1.x has 8 heads at every level."""
-        return 8
-
-    def random_denoiser(self, spec, latent_size, text_width, extra):
-        from diffusers import UNet2DConditionModel
-
-        down = spec["unet_down"]
-        return UNet2DConditionModel(
-            sample_size=latent_size,
-            block_out_channels=spec["unet_channels"],
-            layers_per_block=spec["unet_layers"],
-            down_block_types=down,
-            up_block_types=tuple(reversed([name.replace("Down", "Up") for name in down])),
-            cross_attention_dim=text_width,
-            attention_head_dim=self.unet_heads(spec["unet_channels"]),
-            use_linear_projection=self.random_arch["linear_projection"],
-            **extra,
-        )
-
-    def scheduler(self, betas):
-        """The scheduler of SD 1.4's scheduler/scheduler_config.json."""
-        from diffusers import PNDMScheduler
-
-        return PNDMScheduler(skip_prk_steps=True, set_alpha_to_one=False, **betas)
-
-    def random_pipeline(self, nets, tokenizer, betas, safety_checker):
-        from diffusers import StableDiffusionPipeline
-
-        checker, processor = tiny_safety_checker() if safety_checker else (None, None)
-        return StableDiffusionPipeline(tokenizer=tokenizer, scheduler=self.scheduler(betas), safety_checker=checker,
-                                       feature_extractor=processor, requires_safety_checker=safety_checker, **nets)
 
     # --- export: the UNet families' layouts (layouts.py), the text encoders' prefixes their own
     kohya_text_prefixes = {"text_encoder": "lora_te_"}  # kohya's names of its text encoders' LoRA modules

@@ -52,16 +52,10 @@ def open_clip_text_encoder(weights, prefix):
     return {prefix + key: tensor for key, tensor in out.items()}
 
 
-class SD2(family_sd1.SD1):
-    name, label = "sd2", "SD 2.x"
-    released_resolutions = (512, 768)
-    released_params = {"unet": 865.91e6, "text_encoder": 340.39e6, "vae": 83.65e6}
+class SD2Models(family_sd1.SD1Models):
     arch = "sd2-v"
-    random_note = "SD 2.1's: OpenCLIP text encoder, v-prediction, 1.5x the resolution"  # cache_model.py --help
-    random_arch = dict(text_act="gelu", linear_projection=True, prediction_type="v_prediction", resolution_scale=1.5)
-
-    def matches(self, pipeline, text_encoder_config):
-        return pipeline == self.pipeline and text_encoder_config.get("hidden_act") == "gelu"
+    note = "SD 2.1's: OpenCLIP text encoder, v-prediction, 1.5x the resolution"  # cache_model.py --help
+    changes = dict(text_act="gelu", linear_projection=True, prediction_type="v_prediction", resolution_scale=1.5)
 
     def unet_heads(self, channels):
         return tuple(max(2, c // 64) for c in channels)  # heads of 64 channels: more at each wider level
@@ -70,8 +64,18 @@ class SD2(family_sd1.SD1):
         """SD 2.1's: DDIM, v-prediction."""
         from diffusers import DDIMScheduler
 
-        return DDIMScheduler(clip_sample=False, set_alpha_to_one=False,
-                             prediction_type=self.random_arch["prediction_type"], **betas)
+        return DDIMScheduler(clip_sample=False, set_alpha_to_one=False, prediction_type=self.changes["prediction_type"],
+                             **betas)
+
+
+class SD2(family_sd1.SD1):
+    name, label = "sd2", "SD 2.x"
+    released_resolutions = (512, 768)
+    released_params = {"unet": 865.91e6, "text_encoder": 340.39e6, "vae": 83.65e6}
+    random = SD2Models()
+
+    def matches(self, pipeline, text_encoder_config):
+        return pipeline == self.pipeline and text_encoder_config.get("hidden_act") == "gelu"
 
     def single_file_text_encoders(self, weights):
         return open_clip_text_encoder(weights[0], "cond_stage_model.model.")

@@ -7,6 +7,7 @@ on the scheduler's shifted sigmas; 1024 px; no safety checker.
 
 import string
 
+from dreambooth.families import builders
 from dreambooth.families import family
 from dreambooth.families import family_sd1
 from dreambooth.families import known
@@ -116,6 +117,64 @@ def original_transformer(state_dict, num_layers):
     return out
 
 
+class SD3Models(builders.RandomModels):
+    arch = "sd3"
+    note = "SD 3.5's layout: an MMDiT transformer, CLIP-L, CLIP-G and T5, flow matching, 16-channel latents"
+    changes = dict(resolution_scale=1, layers=2, head_dim=8, heads=4, t5_width=32, t5_layers=2, t5_heads=4,
+                       vae_scaling_factor=1.5305, vae_shift_factor=0.0609, shift=3.0)
+    # SD 3.5's shapes (--random_model sd35-medium|sd35-large), 1024 px: MMDiT blocks of heads of 64 with RMS-normed
+    # queries and keys (medium: 24 blocks of 24 heads, its first 13 with a second attention; large: 38 of 38),
+    # CLIP ViT-L, OpenCLIP bigG, T5 v1.1 XXL's encoder; SD 3's 16-channel VAE
+    _clips = dict(text_hidden=768, text_layers=12, text_heads=12, text2_hidden=1280, text2_layers=32, text2_heads=20,
+                  vocab_size=49408, t5_width=4096, t5_layers=24, t5_heads=64, t5_kv=64, t5_ff=10240, t5_vocab=32128,
+                  vae_channels=(128, 256, 512, 512), vae_layers=2, latent_size=128, head_dim=64, qk_norm="rms_norm")
+    own_sizes = {"sd35-medium": dict(_clips, layers=24, heads=24, pos_embed_max_size=384,
+                                     dual_attention_layers=tuple(range(13))),
+                 "sd35-large": dict(_clips, layers=38, heads=38, pos_embed_max_size=192)}
+
+    def text_encoders(self, spec, tokenizer):
+        from transformers import CLIPTextModelWithProjection
+
+        arch = {**self.changes, **spec}
+        # CLIP-G is the wider one (1280 wide, 32 layers of 20 heads in the released models)
+        wide = dict(spec, text_hidden=spec.get("text2_hidden", 2 * spec["text_hidden"]),
+                    text_layers=spec.get("text2_layers", spec["text_layers"]),
+                    text_heads=spec.get("text2_heads", spec["text_heads"]))
+        clip_l = family_sd1.clip_text_encoder(CLIPTextModelWithProjection, spec, tokenizer, "quick_gelu",
+                                              projection_dim=spec["text_hidden"])
+        clip_g = family_sd1.clip_text_encoder(CLIPTextModelWithProjection, wide, tokenizer, "gelu",
+                                              projection_dim=wide["text_hidden"])
+        t5 = t5_encoder(arch, tiny_t5_tokenizer())
+        pooled_width = spec["text_hidden"] + wide["text_hidden"]
+        return ({"text_encoder": clip_l, "text_encoder_2": clip_g, "text_encoder_3": t5}, arch["t5_width"],
+                {"pooled_projection_dim": pooled_width})
+
+    def denoiser(self, spec, latent_size, text_width, extra):
+        from diffusers import SD3Transformer2DModel
+
+        arch = {**self.changes, **spec}
+        released = {k: arch[k] for k in ("qk_norm", "dual_attention_layers") if k in arch}  # (3.5's own)
+        return SD3Transformer2DModel(sample_size=latent_size, patch_size=2, in_channels=16, out_channels=16,
+                                     num_layers=arch["layers"], attention_head_dim=arch["head_dim"],
+                                     num_attention_heads=arch["heads"], joint_attention_dim=text_width,
+                                     caption_projection_dim=arch["head_dim"] * arch["heads"],
+                                     pos_embed_max_size=arch.get("pos_embed_max_size", latent_size), **released,
+                                     **extra)
+
+    def vae_config(self):
+        return {"latent_channels": 16, "scaling_factor": self.changes["vae_scaling_factor"],
+                "shift_factor": self.changes["vae_shift_factor"], "use_quant_conv": False,
+                "use_post_quant_conv": False}
+
+    def pipeline(self, nets, tokenizer, betas, safety_checker):
+        from diffusers import FlowMatchEulerDiscreteScheduler
+        from diffusers import StableDiffusion3Pipeline
+
+        return StableDiffusion3Pipeline(tokenizer=tokenizer, tokenizer_2=tokenizer, tokenizer_3=tiny_t5_tokenizer(),
+                                        scheduler=FlowMatchEulerDiscreteScheduler(shift=self.changes["shift"]),
+                                        **nets)
+
+
 class SD3(family.Family):
     name, label = "sd3", "SD 3.5"
     pipeline = "StableDiffusion3Pipeline"
@@ -129,19 +188,7 @@ class SD3(family.Family):
     released_params = {"transformer": 8056.63e6, "text_encoder": 123.65e6, "text_encoder_2": 694.66e6,
                        "text_encoder_3": 4762.31e6, "vae": 83.82e6}  # sd35-large's (memory.py)
     released_size = "sd35-large"  # the own size whose activations memory.py counts for a released model
-    arch = "sd3"
-    random_note = "SD 3.5's layout: an MMDiT transformer, CLIP-L, CLIP-G and T5, flow matching, 16-channel latents"
-    random_arch = dict(resolution_scale=1, layers=2, head_dim=8, heads=4, t5_width=32, t5_layers=2, t5_heads=4,
-                       vae_scaling_factor=1.5305, vae_shift_factor=0.0609, shift=3.0)
-    # SD 3.5's shapes (--random_model sd35-medium|sd35-large), 1024 px: MMDiT blocks of heads of 64 with RMS-normed
-    # queries and keys (medium: 24 blocks of 24 heads, its first 13 with a second attention; large: 38 of 38),
-    # CLIP ViT-L, OpenCLIP bigG, T5 v1.1 XXL's encoder; SD 3's 16-channel VAE
-    _clips = dict(text_hidden=768, text_layers=12, text_heads=12, text2_hidden=1280, text2_layers=32, text2_heads=20,
-                  vocab_size=49408, t5_width=4096, t5_layers=24, t5_heads=64, t5_kv=64, t5_ff=10240, t5_vocab=32128,
-                  vae_channels=(128, 256, 512, 512), vae_layers=2, latent_size=128, head_dim=64, qk_norm="rms_norm")
-    own_sizes = {"sd35-medium": dict(_clips, layers=24, heads=24, pos_embed_max_size=384,
-                                     dual_attention_layers=tuple(range(13))),
-                 "sd35-large": dict(_clips, layers=38, heads=38, pos_embed_max_size=192)}
+    random = SD3Models()
     text_tokens = 2 * T5_MAX_LENGTH  # CLIP's 77 states, then T5's (activations.py)
 
     def size_multiple(self, model_dir):
@@ -236,49 +283,6 @@ class SD3(family.Family):
 
         return family.kohya_lora_tensors(family.group_lora(state_dict, module_of), alpha_of,
                                          lambda name: ("q", "k", "v"))
-
-    # --- random models
-    def random_text_encoders(self, spec, tokenizer):
-        from transformers import CLIPTextModelWithProjection
-
-        arch = {**self.random_arch, **spec}
-        # CLIP-G is the wider one (1280 wide, 32 layers of 20 heads in the released models)
-        wide = dict(spec, text_hidden=spec.get("text2_hidden", 2 * spec["text_hidden"]),
-                    text_layers=spec.get("text2_layers", spec["text_layers"]),
-                    text_heads=spec.get("text2_heads", spec["text_heads"]))
-        clip_l = family_sd1.clip_text_encoder(CLIPTextModelWithProjection, spec, tokenizer, "quick_gelu",
-                                              projection_dim=spec["text_hidden"])
-        clip_g = family_sd1.clip_text_encoder(CLIPTextModelWithProjection, wide, tokenizer, "gelu",
-                                              projection_dim=wide["text_hidden"])
-        t5 = t5_encoder(arch, tiny_t5_tokenizer())
-        pooled_width = spec["text_hidden"] + wide["text_hidden"]
-        return ({"text_encoder": clip_l, "text_encoder_2": clip_g, "text_encoder_3": t5}, arch["t5_width"],
-                {"pooled_projection_dim": pooled_width})
-
-    def random_denoiser(self, spec, latent_size, text_width, extra):
-        from diffusers import SD3Transformer2DModel
-
-        arch = {**self.random_arch, **spec}
-        released = {k: arch[k] for k in ("qk_norm", "dual_attention_layers") if k in arch}  # (3.5's own)
-        return SD3Transformer2DModel(sample_size=latent_size, patch_size=2, in_channels=16, out_channels=16,
-                                     num_layers=arch["layers"], attention_head_dim=arch["head_dim"],
-                                     num_attention_heads=arch["heads"], joint_attention_dim=text_width,
-                                     caption_projection_dim=arch["head_dim"] * arch["heads"],
-                                     pos_embed_max_size=arch.get("pos_embed_max_size", latent_size), **released,
-                                     **extra)
-
-    def random_vae_config(self):
-        return {"latent_channels": 16, "scaling_factor": self.random_arch["vae_scaling_factor"],
-                "shift_factor": self.random_arch["vae_shift_factor"], "use_quant_conv": False,
-                "use_post_quant_conv": False}
-
-    def random_pipeline(self, nets, tokenizer, betas, safety_checker):
-        from diffusers import FlowMatchEulerDiscreteScheduler
-        from diffusers import StableDiffusion3Pipeline
-
-        return StableDiffusion3Pipeline(tokenizer=tokenizer, tokenizer_2=tokenizer, tokenizer_3=tiny_t5_tokenizer(),
-                                        scheduler=FlowMatchEulerDiscreteScheduler(shift=self.random_arch["shift"]),
-                                        **nets)
 
     # The base models of this family the suite knows by short name (families.KNOWN_MODELS)
     memory_rows = (("SD 3.5 large", "sd35-large", (1024,), (4,)), ("SD 3.5 medium", "sd35-medium", (1024,), ()))

@@ -9,6 +9,59 @@ from dreambooth.families import family_sd2
 from dreambooth.families import known
 
 
+class SDXLModels(family_sd1.SD1Models):
+    arch = "sdxl"
+    note = "SDXL base's: two text encoders, size and crop conditioning, 2x the resolution"  # cache_model.py --help
+    changes = dict(text_act="quick_gelu", text2_act="gelu", linear_projection=True, prediction_type="epsilon",
+                   resolution_scale=2, time_embed_dim=8, vae_scaling_factor=0.13025)
+
+    # SDXL base 1.0's shapes (--random_model sdxl), 1024 px: three levels, 1, 2 and 10 transformer layers in
+    # them, CLIP ViT-L and OpenCLIP bigG text encoders
+    own_sizes = {"sdxl": dict(unet_channels=(320, 640, 1280), unet_layers=2,
+                              unet_down=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+                              transformer_layers=(1, 2, 10), vae_channels=(128, 256, 512, 512), vae_layers=2,
+                              text_hidden=768, text_layers=12, text_heads=12, text2_hidden=1280, text2_layers=32,
+                              text2_heads=20, time_embed_dim=256, latent_size=64, vocab_size=49408)}
+
+    def text_encoders(self, spec, tokenizer):
+        from transformers import CLIPTextModel
+        from transformers import CLIPTextModelWithProjection
+
+        # The second encoder is the wider one, as in SDXL (768 and 1280): the single-file loaders
+        # tell the two apart by their width.
+        wide = dict(spec, text_hidden=spec.get("text2_hidden", 2 * spec["text_hidden"]),
+                    text_layers=spec.get("text2_layers", spec["text_layers"]),
+                    text_heads=spec.get("text2_heads", spec["text_heads"]))
+        arch = self.changes
+        encoders = {"text_encoder": family_sd1.clip_text_encoder(CLIPTextModel, spec, tokenizer, arch["text_act"]),
+                    "text_encoder_2": family_sd1.clip_text_encoder(CLIPTextModelWithProjection, wide, tokenizer,
+                                                                   arch["text2_act"],
+                                                                   projection_dim=wide["text_hidden"])}
+        # The pooled text embedding and six size/crop numbers, each in a time_embed_dim sinusoid.
+        time_dim = spec.get("time_embed_dim", arch["time_embed_dim"])
+        unet_extra = dict(addition_embed_type="text_time", addition_time_embed_dim=time_dim,
+                          projection_class_embeddings_input_dim=wide["text_hidden"] + 6 * time_dim,
+                          transformer_layers_per_block=spec.get("transformer_layers", 1))
+        return encoders, spec["text_hidden"] + wide["text_hidden"], unet_extra
+
+    unet_heads = family_sd2.SD2Models.unet_heads
+
+    def vae_config(self):
+        return {"scaling_factor": self.changes["vae_scaling_factor"], "force_upcast": True}
+
+    def scheduler(self, betas):
+        """SDXL base 1.0's."""
+        from diffusers import EulerDiscreteScheduler
+
+        return EulerDiscreteScheduler(timestep_spacing="leading", **betas)
+
+    def pipeline(self, nets, tokenizer, betas, safety_checker):
+        from diffusers import StableDiffusionXLPipeline
+
+        return StableDiffusionXLPipeline(tokenizer=tokenizer, tokenizer_2=tokenizer, scheduler=self.scheduler(betas),
+                                         **nets)
+
+
 class SDXL(family_sd1.SD1):
     name, label = "sdxl", "SDXL"
     pipeline = "StableDiffusionXLPipeline"
@@ -18,18 +71,7 @@ class SDXL(family_sd1.SD1):
     time_ids = True
     released_resolutions = (1024,)
     released_params = {"unet": 2567.46e6, "text_encoder": 123.06e6, "text_encoder_2": 694.66e6, "vae": 83.65e6}
-    arch = "sdxl"
-    random_note = "SDXL base's: two text encoders, size and crop conditioning, 2x the resolution"  # cache_model.py --help
-    random_arch = dict(text_act="quick_gelu", text2_act="gelu", linear_projection=True, prediction_type="epsilon",
-                       resolution_scale=2, time_embed_dim=8, vae_scaling_factor=0.13025)
-
-    # SDXL base 1.0's shapes (--random_model sdxl), 1024 px: three levels, 1, 2 and 10 transformer layers in
-    # them, CLIP ViT-L and OpenCLIP bigG text encoders
-    own_sizes = {"sdxl": dict(unet_channels=(320, 640, 1280), unet_layers=2,
-                              unet_down=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-                              transformer_layers=(1, 2, 10), vae_channels=(128, 256, 512, 512), vae_layers=2,
-                              text_hidden=768, text_layers=12, text_heads=12, text2_hidden=1280, text2_layers=32,
-                              text2_heads=20, time_embed_dim=256, latent_size=64, vocab_size=49408)}
+    random = SDXLModels()
 
     def matches(self, pipeline, text_encoder_config):
         return pipeline == self.pipeline
@@ -73,44 +115,6 @@ class SDXL(family_sd1.SD1):
 
     def unet_inputs(self, pooled, time_ids):
         return {"added_cond_kwargs": {"text_embeds": pooled, "time_ids": time_ids}}
-
-    def random_text_encoders(self, spec, tokenizer):
-        from transformers import CLIPTextModel
-        from transformers import CLIPTextModelWithProjection
-
-        # The second encoder is the wider one, as in SDXL (768 and 1280): the single-file loaders
-        # tell the two apart by their width.
-        wide = dict(spec, text_hidden=spec.get("text2_hidden", 2 * spec["text_hidden"]),
-                    text_layers=spec.get("text2_layers", spec["text_layers"]),
-                    text_heads=spec.get("text2_heads", spec["text_heads"]))
-        arch = self.random_arch
-        encoders = {"text_encoder": family_sd1.clip_text_encoder(CLIPTextModel, spec, tokenizer, arch["text_act"]),
-                    "text_encoder_2": family_sd1.clip_text_encoder(CLIPTextModelWithProjection, wide, tokenizer,
-                                                                   arch["text2_act"],
-                                                                   projection_dim=wide["text_hidden"])}
-        # The pooled text embedding and six size/crop numbers, each in a time_embed_dim sinusoid.
-        time_dim = spec.get("time_embed_dim", arch["time_embed_dim"])
-        unet_extra = dict(addition_embed_type="text_time", addition_time_embed_dim=time_dim,
-                          projection_class_embeddings_input_dim=wide["text_hidden"] + 6 * time_dim,
-                          transformer_layers_per_block=spec.get("transformer_layers", 1))
-        return encoders, spec["text_hidden"] + wide["text_hidden"], unet_extra
-
-    unet_heads = family_sd2.SD2.unet_heads
-
-    def random_vae_config(self):
-        return {"scaling_factor": self.random_arch["vae_scaling_factor"], "force_upcast": True}
-
-    def scheduler(self, betas):
-        """SDXL base 1.0's."""
-        from diffusers import EulerDiscreteScheduler
-
-        return EulerDiscreteScheduler(timestep_spacing="leading", **betas)
-
-    def random_pipeline(self, nets, tokenizer, betas, safety_checker):
-        from diffusers import StableDiffusionXLPipeline
-
-        return StableDiffusionXLPipeline(tokenizer=tokenizer, tokenizer_2=tokenizer, scheduler=self.scheduler(betas),
-                                         **nets)
 
     known_vaes = {"madebyollin/sdxl-vae-fp16-fix": "207b116dae70ace3637169f1ddd2434b91b3a8cd"}  # fp16 without NaNs
     kohya_text_prefixes = {"text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}

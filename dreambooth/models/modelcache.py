@@ -139,13 +139,13 @@ def random_model_id(size, arch=None):
     """(hub name, revision) of a built random model: the tiny SD 1.x one keeps its historical name,
     another architecture's name says it (tiny-stable-diffusion-2-v); the revision names the
     architecture and the build, so a changed model never reuses an old folder."""
-    arch = arch or families.DEFAULT.arch
-    family = "" if arch == families.DEFAULT.arch else "-" + arch.replace("sd", "", 1)
+    arch = arch or families.DEFAULT.random.arch
+    family = "" if arch == families.DEFAULT.random.arch else "-" + arch.replace("sd", "", 1)
     name = (TINY_MODEL_NAME + family if size == "tiny"
             else f"{RANDOM_MODEL_OWNER}/random-stable-diffusion{family}-{size}")
     build = f"{name} v{RANDOM_MODEL_VERSION} {sorted(random_models.size_spec(size, families.ARCHS[arch]).items())}"
-    if arch != families.DEFAULT.arch:
-        build += f" {arch} {sorted(families.ARCHS[arch].random_arch.items())}"
+    if arch != families.DEFAULT.random.arch:
+        build += f" {arch} {sorted(families.ARCHS[arch].random.changes.items())}"
     return name, hashlib.sha1(build.encode()).hexdigest()
 
 
@@ -158,9 +158,9 @@ def has_random_weights(model_dir):
 
 
 def write_random_model(cache_dir, size="tiny", arch=None):
-    """Build a random model of random_models.MODEL_SIZES and a family's random_arch and save it in the hub
+    """Build a random model of random_models.MODEL_SIZES and a family's random.changes and save it in the hub
     layout (refs/main + snapshots/<revision>), where every script finds it as it finds SD 1.4."""
-    arch = arch or families.DEFAULT.arch
+    arch = arch or families.DEFAULT.random.arch
     name, revision = random_model_id(size, arch)
     snapshot = hub_snapshot_path(cache_dir, name, revision)
     # Built from a fixed seed and renamed into place whole: one already there is this model, as a

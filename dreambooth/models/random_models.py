@@ -15,9 +15,9 @@ TINY_TOKENIZER_DIR = os.path.join(files.ASSETS_DIR, "tiny_tokenizer")
 
 
 # Architectures built from config with random weights: the real classes at several widths (the
-# SD 1.x layout, or another family's with its random_arch). tiny: 64 px, for tests. small: SD's
+# SD 1.x layout, or another family's with its random.changes). tiny: 64 px, for tests. small: SD's
 # layout at a fifth of its width, 256 px, enough compute that a CPU benchmark sees both overhead and
-# work. sd15: the full SD 1.x shapes, 512 px. A family's own full sizes are its own_sizes (SDXL's: sdxl).
+# work. sd15: the full SD 1.x shapes, 512 px. A family's own full sizes are its random.own_sizes (SDXL's: sdxl).
 MODEL_SIZES = {
     "tiny": dict(unet_channels=(32, 64), unet_layers=1, unet_down=("DownBlock2D", "CrossAttnDownBlock2D"),
                  vae_channels=(32, 64), vae_layers=1, text_hidden=32, text_layers=2, text_heads=4,
@@ -34,13 +34,13 @@ MODEL_SIZES = {
 
 
 def size_spec(size, family):
-    """The MODEL_SIZES entry of size, or one of the family's own full sizes (family.own_sizes)."""
-    return MODEL_SIZES[size] if size in MODEL_SIZES else family.own_sizes[size]
+    """The MODEL_SIZES entry of size, or one of the family's own full sizes (family.random.own_sizes)."""
+    return MODEL_SIZES[size] if size in MODEL_SIZES else family.random.own_sizes[size]
 
 
 def random_sizes():
     """{size: the family that owns it, or None for every family's}: what --random_model takes."""
-    return {**dict.fromkeys(MODEL_SIZES), **{size: f for f in families.FAMILIES.values() for size in f.own_sizes}}
+    return {**dict.fromkeys(MODEL_SIZES), **{size: f for f in families.FAMILIES.values() for size in f.random.own_sizes}}
 
 
 def build_pipeline(size="tiny", seed=0, safety_checker=False, arch=None):
@@ -49,13 +49,13 @@ def build_pipeline(size="tiny", seed=0, safety_checker=False, arch=None):
     import torch
     from transformers import CLIPTokenizer
 
-    arch = arch or families.DEFAULT.arch
+    arch = arch or families.DEFAULT.random.arch
     torch.manual_seed(seed)
     tokenizer = CLIPTokenizer.from_pretrained(TINY_TOKENIZER_DIR, model_max_length=77)
     nets = build_networks(size, arch, tokenizer)
     betas = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000,
                  steps_offset=1)
-    return families.ARCHS[arch].random_pipeline(nets, tokenizer, betas, safety_checker)
+    return families.ARCHS[arch].random.pipeline(nets, tokenizer, betas, safety_checker)
 
 
 def meta_networks(size, arch):
@@ -91,10 +91,10 @@ def build_networks(size, arch, tokenizer):
     without memory)."""
     family = families.ARCHS[arch]
     spec = size_spec(size, family)
-    latent_size = int(spec["latent_size"] * family.random_arch["resolution_scale"])
-    nets, text_width, denoiser_extra = family.random_text_encoders(spec, tokenizer)
-    denoiser = family.random_denoiser(spec, latent_size, text_width, denoiser_extra)  # (in this order: the seed's draws)
-    return {family.denoiser: denoiser, "vae": family.random_vae(spec, latent_size), **nets}
+    latent_size = int(spec["latent_size"] * family.random.changes["resolution_scale"])
+    nets, text_width, denoiser_extra = family.random.text_encoders(spec, tokenizer)
+    denoiser = family.random.denoiser(spec, latent_size, text_width, denoiser_extra)  # (in this order: the seed's draws)
+    return {family.denoiser: denoiser, "vae": family.random.vae(spec, latent_size), **nets}
 
 
 def build_tiny_eval_models(folder, seed=0, image_size=64):

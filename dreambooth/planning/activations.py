@@ -63,7 +63,7 @@ def saved_gib(module, forward):
 
 def meta_denoiser(family, source):
     """(family's denoiser on the meta device in bf16 and train mode, its latents' channels, the VAE's
-    downscaling) of a model folder's configs, or of one of its own full sizes (family.own_sizes: the released
+    downscaling) of a model folder's configs, or of one of its own full sizes (family.random.own_sizes: the released
     models' shapes)."""
     import os
 
@@ -79,7 +79,7 @@ def meta_denoiser(family, source):
             denoiser = family.denoiser_of_config(source)
             vae = family_lib.part_config(source, "vae")
         else:
-            nets = random_models.meta_networks(source, family.arch)
+            nets = random_models.meta_networks(source, family.random.arch)
             denoiser, vae = nets[family.denoiser], nets["vae"].config
     return denoiser.to(torch.bfloat16).train(), family.latent_channels(vae), family.vae_downscale(vae)
 

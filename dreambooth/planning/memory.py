@@ -239,7 +239,7 @@ def size_params(family, size):
     """{network: parameter count} of one of family's own full sizes, built on the meta device."""
     from dreambooth.models import random_models
 
-    return random_models.parameter_counts(size, families.FAMILIES[family].arch)
+    return random_models.parameter_counts(size, families.FAMILIES[family].random.arch)
 
 
 def flow_table():
