@@ -211,11 +211,8 @@ IMAGES_NEW_DIR="${IMAGES_NEW_DIR:-$DATA_PREFIX/subjects/$SUBJECT/images-new}"
 EVAL_DIR="${EVAL_DIR:-$DATA_PREFIX/subjects/$SUBJECT/eval}"
 # Step 6's prompt set: live for the classes the DreamBooth paper scores as live (pets, people), else object
 if [ -z "${SUBJECT_TYPE:-}" ]; then
-  case "$(slug "$CLASS_NAME")" in
-    dog|dogs|puppy|cat|cats|kitten|person|people|man|woman|boy|girl|child|baby|kid|horse|pony|bird|parrot|rabbit|bunny|hamster|guinea-pig|ferret|fox|teddy-dog|pet)
-      SUBJECT_TYPE=live ;;
-    *) SUBJECT_TYPE=object ;;
-  esac
+  SUBJECT_TYPE="$("$PYTHON" -c 'import sys; from dreambooth.evaluation import scoring
+print(scoring.subject_type_of(sys.argv[1]))' "$CLASS_NAME")"  # (evaluate.py's own default)
   SUBJECT_TYPE_SAID="$SUBJECT_TYPE (from CLASS_NAME=$CLASS_NAME; set SUBJECT_TYPE to change it)"
 else
   SUBJECT_TYPE_SAID="$SUBJECT_TYPE"
@@ -348,6 +345,7 @@ PREFLIGHT=(--photos_dir="$PHOTOS_DIR" --photos_var="$PHOTOS_VAR" --class_name="$
   ${ORIG_MODEL_HASH:+--revision="$ORIG_MODEL_HASH"} --num_workers="$NUM_WORKERS"
   --gpus_per_worker="$GPUS_PER_WORKER")
 $tiny && PREFLIGHT+=(--tiny)
+[ -n "$arch" ] && PREFLIGHT+=(--arch="$arch")
 [ -n "${GPU_MEMORY:-}" ] && PREFLIGHT+=(--gpu_memory="$GPU_MEMORY")
 # the train.py flags that decide its memory: the script's own (as Step 4 passes them), then yours
 SCRIPT_TRAIN_ARGS=(--train_batch_size=2)
@@ -370,11 +368,17 @@ for entry in "${VARIABLES[@]}"; do
     ORIG_MODEL_NAME) if $tiny; then value="(--tiny: the built-in tiny ${arch:-sd1} model)"; else value="$ORIG_MODEL_NAME"; fi ;;
     MAX_TRAIN_STEPS) value="$TRAIN_STEPS" ;; LEARNING_RATE) value="${LEARNING_RATE:-train.py default}" ;;
     NOTIFY_URL) value="${NOTIFY_URL:+(set; a webhook URL is not shown)}" ;;
+    ORIG_MODEL_HASH|GPU_MEMORY) if $tiny; then value="(not used with --tiny)"; else value="${!name:-}"; fi ;;
     *) value="${!name:-}" ;; esac
+  if [ -z "$value" ]; then  # (unset: what that means, as --help says it)
+    IFS='|' read -r _ default _ <<<"$entry"
+    value="(${default:-none})"
+  fi
   printf '  %-20s %s\n' "$name" "$value"
 done
 # (a webhook URL is a secret: not shown)
-echo "  train.py extra flags: $TRAIN_ARGS ${EXTRA_TRAIN_ARGS[*]:-}" | sed -E 's#(--notify_url[= ])[^ ]+#\1(not shown)#g'
+EXTRA_SHOWN="$TRAIN_ARGS${TRAIN_ARGS:+${EXTRA_TRAIN_ARGS[*]:+ }}${EXTRA_TRAIN_ARGS[*]:-}"
+echo "  train.py extra flags: ${EXTRA_SHOWN:-(none)}" | sed -E 's#(--notify_url[= ])[^ ]+#\1(not shown)#g'
 is_remote "$ORIG_MODEL_DIR" || mkdir -p "$ORIG_MODEL_DIR"  # (the subject's folders come with its first output)
 
 step "1: cache the base model ($($tiny && echo "the built-in tiny one" || echo "$ORIG_MODEL_NAME"))"

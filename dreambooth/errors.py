@@ -96,7 +96,20 @@ def write_error_log(folder, who, err):
     log_error_event(folder, f"{who}: {one_line(err)}\n{''.join(traceback.format_exception(err))}")
 
 
+class Stopped(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM, after the script has said where it stopped and how to go on (main adds no line)."""
+
+
+_SIGNAL_SEEN = []  # the signal main's handler turned into a KeyboardInterrupt (SIGTERM); Ctrl-C's is SIGINT
+
+
+def note_stop_signal(signum):
+    """The signal that stops this script, for a handler of its own (training's): main exits 128 + it."""
+    _SIGNAL_SEEN.append(signum)
+
+
 def _raise_keyboard_interrupt(signum, frame):
+    note_stop_signal(signum)
     raise KeyboardInterrupt
 
 
@@ -178,9 +191,11 @@ def run_main(main_fn):
             raise
         print(f"error: {cause}", file=sys.stderr)
         sys.exit(1)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+    except KeyboardInterrupt as err:  # (exit 130 for Ctrl-C, 143 for SIGTERM, as a shell reports them)
+        signum = _SIGNAL_SEEN[-1] if _SIGNAL_SEEN else signal.SIGINT
+        if not isinstance(err, Stopped):
+            print(f"stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        sys.exit(128 + signum)
     finally:
         leave_ray()
     exit_now(0)

@@ -117,6 +117,9 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request, webhook):
     assert f"outputs of subject 'example-toy':\n  model:  {subject}/model-tuned\n  images: {subject}/images-new" in output
     assert f"--output_file {subject}/example-toy.safetensors" in output.splitlines()[-1]
     assert "SUBJECT_TYPE         object (from CLASS_NAME=toy" in output
+    # every setting shown with a value: an unset one says what that means (it was a name and a blank)
+    assert "ORIG_MODEL_HASH      (not used with --tiny)" in output and "  HOLDOUT              0\n" in output
+    assert not re.search(r"^  [A-Z_]+ *$", output, re.M) and "  RETRAIN              (none)\n" in output
     # --tiny builds the scoring models (nothing is fetched), meanwhile
     assert "Step 6's scoring models (tiny DINO and CLIP): built in the background" in output
     # One Ray cluster for all the steps: started here and stopped at the end, or the one given joined.
@@ -284,6 +287,8 @@ def test_unknown_argument_is_refused():
     ({"NUM_WORKERS": "3"}, "NUM_WORKERS=3"),
     ({"INSTANCE_DIR": "{tmp}/photos", "CLASS_NAME": "dog", "NUM_WORKERS": "x"}, "NUM_WORKERS=x"),
     ({"EVAL_PROMPTS": "{tmp}/missing.txt"}, "missing.txt: No such file"),  # Step 6's file, at Step 0
+    # a loss flag of the other objective for --arch's family (at Step 4 before, after the class images)
+    ({"ARGS": "--arch flux", "TRAIN_ARGS": "--snr_gamma 5"}, "--snr_gamma weighs the timesteps"),
 ])
 @pytest.mark.slow
 def test_a_run_that_cannot_work_stops_before_step_1_with_one_line(tmp_path, env, culprit):
@@ -293,8 +298,8 @@ def test_a_run_that_cannot_work_stops_before_step_1_with_one_line(tmp_path, env,
     shutil.copytree(os.path.join(REPO_DIR, "images", "toy"), tmp_path / "photos")
     env = dict(os.environ, DATA_PREFIX=str(tmp_path / "data"), PYTHON=sys.executable,
                **{k: v.format(tmp=tmp_path) for k, v in env.items()})
-    proc = subprocess.run(["bash", "dreambooth_run.sh", "--tiny"], cwd=REPO_DIR, env=env, capture_output=True,
-                          text=True, timeout=120)
+    argv = ["bash", "dreambooth_run.sh", "--tiny", *env.pop("ARGS", "").split()]
+    proc = subprocess.run(argv, cwd=REPO_DIR, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "Step 1" not in proc.stdout
     last = proc.stdout.strip().splitlines()[-1]
     assert culprit in last and "error: " in last and "Traceback" not in proc.stdout

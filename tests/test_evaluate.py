@@ -7,6 +7,7 @@ import pytest
 from dreambooth import errors
 from dreambooth import files
 from dreambooth.commands import evaluate
+from dreambooth.config import flags
 from dreambooth.evaluation import eval_report
 from dreambooth.evaluation import scoring
 from dreambooth.generation import image_records
@@ -18,6 +19,19 @@ def test_prompt_sets_have_25_prompts_each_with_the_subject():
         templates = scoring.prompt_templates(subject_type)
         assert len(templates) == len(set(templates)) == 25
         assert all(t.count("{subject}") == 1 for t in templates)
+
+
+def test_the_prompt_set_defaults_to_the_classs_as_the_script_says():
+    """evaluate.py and sweep.py without --subject_type score a dog with the live set, as dreambooth_run.sh's
+    Step 6 does (they used 'object' for every class: another score than the script's for the same model)."""
+    def subject(class_name, subject_type=None):
+        return scoring.Subject("rex", "/p", "unqtkn", class_name, subject_type)
+
+    assert subject("dog").subject_type == subject("Guinea pig").subject_type == "live"
+    assert subject("backpack").subject_type == subject("dog toy").subject_type == "object"
+    assert subject("dog", "object").subject_type == "object"  # (given: it wins)
+    assert "a unqtkn dog running on a beach" in subject("dog").prompts()  # (the live set's first prompt)
+    assert flags.FLAGS["subject_type"][1]["default"] is None
 
 
 def test_own_prompt_file_without_the_subject_is_refused(tmp_path):

@@ -67,6 +67,27 @@ def test_disk_estimate_is_model_checkpoint_and_output(tiny_model, tmp_path):
     assert parts.startswith("model 0.0")
 
 
+def test_a_flag_of_another_family_and_an_unknown_tiny_arch_stop_before_step_1(tmp_path):
+    """A family is known before Step 1 from --tiny's --arch or a short name: a loss flag of the other objective
+    stops the run at Step 0 (it stopped at Step 4, after the class images), as does an --arch typo (at Step 1)."""
+    def check(words, **given):
+        preflight.check_family_flags(args(model_cache=str(tmp_path), **given), preflight.check_train_flags(words))
+
+    with pytest.raises(errors.UserError, match="--snr_gamma weighs the timesteps of a denoising model; Flux.1"):
+        check(["--snr_gamma", "5"], tiny=True, arch="flux")
+    with pytest.raises(errors.UserError, match="--snr_gamma .* SD 3.5"):
+        check(["--snr_gamma", "5"], model_name="sd35-medium")
+    with pytest.raises(errors.UserError, match="--flow_shift .* SD 1.x"):
+        check(["--flow_shift", "3"], tiny=True)
+    with pytest.raises(errors.UserError, match=r"--arch fluxx: no tiny model of that family; choose from sd1, .*qwen"):
+        check([], tiny=True, arch="fluxx")
+    check(["--snr_gamma", "5"], tiny=True, arch="sdxl")
+    check(["--flow_shift", "3"], model_name="flux-dev")
+    check(["--snr_gamma", "5"], model_name="someone/some-model")  # (its family is read from its files at Step 4)
+    with pytest.raises(errors.UserError, match="--arch fluxx"):  # (main checks them first: before the photos)
+        preflight.main(["--photos_dir", "/p", "--data_prefix", str(tmp_path), "--tiny", "--arch", "fluxx"])
+
+
 def test_photos_and_class_name_are_checked_first(tmp_path, toy_images, capsys):
     captioned = shutil.copytree(toy_images, tmp_path / "captioned")
     (captioned / "toy-0.txt").write_text("photo of unqtkn toy on a table")  # a caption, as the README places it

@@ -29,6 +29,7 @@ from dreambooth import files
 from dreambooth import storage
 from dreambooth.cluster import raycluster
 from dreambooth.config import flags
+from dreambooth.families import objectives
 from dreambooth.generation import imagefiles
 from dreambooth.models import known_models
 from dreambooth.models import modelcache
@@ -46,8 +47,8 @@ def parse_args(argv=None):
     parser = flags.make_parser(
         __doc__.splitlines()[0],
         ["photos_dir", "photos_var", "preflight_class_name", "data_prefix", "model_name", "model_path", "model_cache",
-         "revision", "preflight_num_workers", "gpus_per_worker", "use_lora", "tiny", "gpu_memory"],
-        helps={"model_name": "ORIG_MODEL_NAME.", "revision": "ORIG_MODEL_HASH.", "gpus_per_worker": "GPUS_PER_WORKER.",
+         "revision", "preflight_num_workers", "gpus_per_worker", "use_lora", "tiny", "arch", "gpu_memory"],
+        helps={"arch": "The tiny model's family (dreambooth_run.sh --tiny --arch).", "model_name": "ORIG_MODEL_NAME.", "revision": "ORIG_MODEL_HASH.", "gpus_per_worker": "GPUS_PER_WORKER.",
                "use_lora": "LoRA: small checkpoints and output (also taken from the train.py flags after --).",
                "tiny": "The built-in tiny model (no GPU expected)."})
     args = parser.parse_args(argv)
@@ -64,6 +65,24 @@ def check_train_flags(words):
     parser = flags.make_parser(None, planning.TRAIN_FLAGS, refused=flags.REFUSED, config=True, optional=required)
     parser.prog = "train.py flags (TRAIN_ARGS, or after --)"
     return parser.parse_args(words)
+
+
+def check_family_flags(args, train_flags):
+    """The train.py flags that only some families take, checked when the family is known before Step 1 (--tiny's
+    --arch, a short name, a cached model): a flow-matching flag for an SD 1.x run stops here, not at Step 4."""
+    if args.tiny:
+        family = families.ARCHS.get(args.arch or families.DEFAULT.random.arch)
+        if family is None:
+            raise errors.UserError(f"--arch {args.arch}: no tiny model of that family; choose from "
+                                   f"{', '.join(families.ARCHS)}")
+    elif cached_model(args):
+        family = families.family_of(cached_model(args))
+    elif known_models.known_model(args.model_name):
+        family = families.FAMILIES[known_models.known_model(args.model_name).family]
+    else:  # (a hub name not fetched yet: Step 4 checks the flags on its files)
+        return
+    objectives.check_flags(family, train_flags.snr_gamma, train_flags.precondition_outputs,
+                           train_flags.weighting_scheme, train_flags.flow_shift)
 
 
 def check_photos(folder, variable):
@@ -169,7 +188,7 @@ def model_family(args):
     known = known_models.known_model(args.model_name)
     if known is None:
         return None, None, None
-    if known.short_name in families.FAMILIES[known.family].own_sizes:
+    if known.short_name in families.FAMILIES[known.family].random.own_sizes:
         return known.family, memory.size_params(known.family, known.short_name), known.short_name
     return known.family, None, None
 
@@ -348,6 +367,7 @@ def main(argv=None):
     args = parse_args(argv[:cut])
     train_flags = check_train_flags(argv[cut + 1:])
     args.use_lora = args.use_lora or train_flags.use_lora
+    check_family_flags(args, train_flags)
     if not (args.class_name or "").strip():
         raise errors.UserError("CLASS_NAME is not set: set it to what your subject is (CLASS_NAME=dog, backpack, "
                                "person); it makes the class prompt 'photo of a <CLASS_NAME>'")

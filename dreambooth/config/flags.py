@@ -527,8 +527,9 @@ FLAGS = {
     "class_name": (("--class_name",),
         dict(required=True, help="The subject's class as in the class prompt: dog, backpack, person.")),
     "subject_type": (("--subject_type",),
-        dict(choices=("object", "live"), default="object",
-             help="Prompt set: 25 prompts for objects, or 25 for pets and people (accessories, poses).")),
+        dict(choices=("object", "live"), default=None,
+             help="Prompt set: 25 prompts for objects, or 25 for pets and people (accessories, poses). Default: "
+                  "live for a pet or a person (--class_name dog, cat, person, ...), else object.")),
     "eval_prompts": (("--eval_prompts",),
         dict(type=abs_path, default=None, metavar="FILE",
              help="Your own prompt set: one prompt per line with '{subject}' where '<token> <class>' goes.")),
@@ -541,7 +542,8 @@ FLAGS = {
         dict(type=abs_path, default=None, metavar="DIR",
              help="Many subjects in one job: one sub-folder per subject with its photos and a subject.json "
                   "({\"class_name\": \"dog\", \"unique_token\": \"unqtkn\", \"subject_type\": \"live\"}; "
-                  "token and type default to the flags). Instead of --instance_data_dir and --class_name.")),
+                  "token and type default to the flags; the type, else to the class's). Instead of "
+                  "--instance_data_dir and --class_name.")),
     "sweep_learning_rate": (("--sweep_learning_rate",),
         dict(type=float_list, default=None, metavar="LR,LR,...",
              help="Learning rates to try (grid), or with --search random the range to draw from "

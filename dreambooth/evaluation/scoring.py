@@ -6,6 +6,7 @@ the sweep's trials call run()."""
 import dataclasses
 import io
 import os
+import re
 import sys
 
 from dreambooth import errors
@@ -23,6 +24,17 @@ from dreambooth.models import modelcache
 from dreambooth.models import outputs
 
 EVAL_PROMPTS_DIR = os.path.join(files.ASSETS_DIR, "eval_prompts")
+# The classes scored with the live prompt set (the DreamBooth paper's pets and people), as slugs
+LIVE_CLASSES = frozenset((
+    "dog", "dogs", "puppy", "cat", "cats", "kitten", "person", "people", "man", "woman", "boy", "girl", "child",
+    "baby", "kid", "horse", "pony", "bird", "parrot", "rabbit", "bunny", "hamster", "guinea-pig", "ferret", "fox",
+    "teddy-dog", "pet"))
+
+
+def subject_type_of(class_name):
+    """The prompt set of a class when none is given: 'live' for a pet or a person (LIVE_CLASSES), else 'object'."""
+    slug = re.sub(r"[^a-z0-9]+", "-", class_name.lower()).strip("-")
+    return "live" if slug in LIVE_CLASSES else "object"
 
 
 def prompt_templates(subject_type, path=None):
@@ -180,9 +192,13 @@ class Subject:
     photos_dir: str
     unique_token: str
     class_name: str
-    subject_type: str = "object"
+    subject_type: str | None = None  # object or live; None: the class's (subject_type_of)
     eval_prompts: str | None = None  # a file of one's own; default: the subject type's set
     holdout: int = 0  # --holdout: the last photos in name order were kept out of training
+
+    def __post_init__(self):
+        if self.subject_type is None:
+            object.__setattr__(self, "subject_type", subject_type_of(self.class_name))
 
     def prompts(self):
         """{prompt: the text CLIP-T compares with (the prompt without the token)}."""

@@ -81,7 +81,7 @@ def train_planned(args, stop_step, started):
         where = f" (newest checkpoint: {latest})" if latest else " (no checkpoint was written yet)"
         again = "" if args.resume_from_checkpoint in ("latest", "auto") else " with --resume_from_checkpoint latest"
         print(f"stopped; rerun the same command{again} to continue{where}", file=sys.stderr)
-        raise
+        raise errors.Stopped from None
     metrics = result.metrics or {}  # none when a resumed run had no step left to train
     loss = f"final loss {metrics['loss']:.4f}" if "loss" in metrics else "no step left to train after the checkpoint"
     run_folder = storage.join(plan.storage_path, plan.run_name)  # (result.path: the same, without a bucket's scheme)

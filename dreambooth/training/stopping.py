@@ -13,6 +13,8 @@ import sys
 import time
 import uuid
 
+from dreambooth import errors
+
 NAMESPACE = "dreambooth-stop"
 
 
@@ -66,6 +68,7 @@ def install_handlers(flag, abort):
             print("stopping now, without a checkpoint of the current step", file=sys.stderr, flush=True)
             return abort(signal.SIGINT, frame)
         asked.append(time.time())
+        errors.note_stop_signal(signum)
         name = signal.Signals(signum).name
         request(flag, name)
         print(f"{name}: every worker checkpoints the step it is on, then the run stops (again to stop at once, "
