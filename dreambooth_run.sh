@@ -5,7 +5,8 @@
 #   INSTANCE_DIR=~/rex CLASS_NAME=dog ./dreambooth_run.sh     your own photos
 #   ./dreambooth_run.sh --tiny                built-in tiny model + images/toy, offline on CPU (~2 min)
 #   ./dreambooth_run.sh --tiny --arch sdxl    the same with a tiny SDXL model (128 px; sd2-v: SD 2.x, 96 px;
-#                                             sd3: SD 3.5, 64 px; flux: Flux.1 dev, 64 px; qwen: Qwen-Image, 64 px)
+#                                             sd3: SD 3.5, 64 px; flux: Flux.1 dev, 64 px; qwen: Qwen-Image, 64 px;
+#                                             flux2: FLUX.2 [klein], 64 px)
 #   ./dreambooth_run.sh --use_lora            LoRA adapters instead of every weight (combines with the above)
 #   ./dreambooth_run.sh --prior_prediction    no class images (Step 3 skipped): the base model's own
 #                                             predictions keep the class prior (LoRA or full)
@@ -90,7 +91,7 @@ EXTRA_TRAIN_ARGS=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --tiny) tiny=true ;;
-    --arch) [ $# -ge 2 ] || { echo "dreambooth_run.sh: error: --arch needs a value: sd1, sd2-v, sdxl, sd3, flux or qwen" >&2; exit 2; }
+    --arch) [ $# -ge 2 ] || { echo "dreambooth_run.sh: error: --arch needs a value: sd1, sd2-v, sdxl, sd3, flux, qwen or flux2" >&2; exit 2; }
       arch="$2"; shift ;;
     --skip_image_setup|--skip-image-setup) skip_image_setup=true ;;  # (each flag in either spelling, as the
     --use_lora|--use-lora) use_lora=true ;;                            # Python scripts take theirs)

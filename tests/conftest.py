@@ -148,6 +148,14 @@ def tiny_qwen_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_flux2_model(tmp_path_factory):
+    """Snapshot folder of the tiny FLUX.2 [klein] model (cache_model.py --tiny --arch flux2)."""
+    from dreambooth.commands import cache_model
+
+    return cache_model.main(["--model_dir", str(tmp_path_factory.mktemp("model-flux2")), "--tiny", "--arch", "flux2"])
+
+
+@pytest.fixture(scope="session")
 def tiny_eval_models(tmp_path_factory):
     """(cache folder, models folder) of the tiny random scoring models (cache_model.py --eval_models --tiny): the
     cache folder is what dreambooth_run.sh's EVAL_MODELS_CACHE names, the models folder evaluate.py's

@@ -398,15 +398,17 @@ def test_dreambooth_run_tiny_sd3_end_to_end(tmp_path, tiny_sd3_model, tiny_eval_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["flux", "qwen"])
+@pytest.mark.parametrize("arch", ["flux", "qwen", "flux2"])
 def test_dreambooth_run_tiny_flow_transformer_end_to_end(tmp_path, arch, request, tiny_eval_models):
-    """`--tiny --arch flux|qwen --use_lora`: Steps 0-6 with the tiny Flux.1 dev model (packed latents, CLIP-L + T5,
-    the guidance input) and the tiny Qwen-Image model (its video VAE, Qwen2.5-VL's masked states, true CFG
-    against its negative prompt): class images drawn by the family's pipeline, LoRA adapters on the transformer,
-    images of the subject at its 64 px, scored beside the base model; the export hint writes kohya's LoRA."""
+    """`--tiny --arch flux|qwen|flux2 --use_lora`: Steps 0-6 with the tiny Flux.1 dev model (packed latents, CLIP-L
+    + T5, the guidance input), the tiny Qwen-Image model (its video VAE, Qwen2.5-VL's masked states, true CFG
+    against its negative prompt) and the tiny FLUX.2 [klein] model (its folded, batch-normalised latents, Qwen3's
+    three layers, CFG against the empty prompt): class images drawn by the family's pipeline, LoRA adapters on
+    the transformer, images of the subject at its 64 px, scored beside the base model; the export hint writes
+    kohya's LoRA (FLUX.2 [klein]: no hint, no export layout yet)."""
     from PIL import Image
 
-    model = request.getfixturevalue({"flux": "tiny_flux_model", "qwen": "tiny_qwen_model"}[arch])
+    model = request.getfixturevalue(f"tiny_{arch}_model")
     subject_dir = tmp_path / "subjects" / "example-toy"
     env = dict(os.environ, DATA_PREFIX=str(tmp_path), NUM_CLASS_IMAGES="2", NUM_INFERENCE_STEPS="2",
                MAX_TRAIN_STEPS="2", NUM_NEW_IMAGES="1", PYTHON=sys.executable,
@@ -424,6 +426,9 @@ def test_dreambooth_run_tiny_flow_transformer_end_to_end(tmp_path, arch, request
         assert drawn.size == (64, 64)
     scores = json.loads((subject_dir / "eval" / "scores.json").read_text())
     assert set(scores["models"]) == {"tuned", "base"} and scores["models"]["tuned"]["overall"]["dino"] is not None
-    hint = re.search(r"for AUTOMATIC1111/ComfyUI: (.*)", proc.stdout)[1].split()
-    subprocess.run([sys.executable, *hint[1:]], cwd=REPO_DIR, env=env, check=True, capture_output=True)
+    hint = re.search(r"for AUTOMATIC1111/ComfyUI: (.*)", proc.stdout)
+    if arch == "flux2":
+        assert hint is None  # (a command that works, or none)
+        return
+    subprocess.run([sys.executable, *hint[1].split()[1:]], cwd=REPO_DIR, env=env, check=True, capture_output=True)
     assert (subject_dir / "example-toy.safetensors").is_file()

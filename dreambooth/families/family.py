@@ -104,7 +104,8 @@ class Family:
     pipeline = ""  # the diffusers pipeline class, as model_index.json names it
     denoiser = "unet"  # the denoiser's subfolder, and its name in the pipeline and in diffusers' LoRA files
     denoiser_label = "UNet"  # as the plan's line says it
-    denoiser_lora_targets = ("to_k", "to_q", "to_v", "to_out.0")  # its layers LoRA adapts (diffusers' choice)
+    # its layers LoRA adapts (diffusers' choice): module names' ends, or a regular expression of whole names (a str)
+    denoiser_lora_targets = ("to_k", "to_q", "to_v", "to_out.0")
     text_encoders = ("text_encoder",)  # subfolders, in the order their states are concatenated
     trainable_text_encoders = ("text_encoder", "text_encoder_2")  # those --train_text_encoder trains, if it has them
     safety_checker = False  # its pipeline has one (and generate.py's --safety_checker applies)

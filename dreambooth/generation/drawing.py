@@ -143,7 +143,7 @@ def generate_batch(pipe, prompts, seeds, settings, call_kwargs=None, guidance_ar
     guidance = {} if settings.guidance_scale is None else {guidance_argument: settings.guidance_scale}
     out = pipe(
         prompt=list(prompts),
-        negative_prompt=[negative] * len(prompts) if negative else None,
+        **({"negative_prompt": [negative] * len(prompts)} if negative else {}),  # (FLUX.2 [klein]'s takes none)
         num_inference_steps=settings.num_inference_steps,
         **guidance,
         height=settings.resolution,

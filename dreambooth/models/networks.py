@@ -169,7 +169,8 @@ def lora_config(plan, targets):
     from peft import LoraConfig
 
     return LoraConfig(r=plan.lora_rank, lora_alpha=plan.lora_alpha, lora_dropout=plan.lora_dropout,
-                      init_lora_weights="gaussian", target_modules=list(targets))
+                      init_lora_weights="gaussian",
+                      target_modules=targets if isinstance(targets, str) else list(targets))  # (a str: a regex)
 
 
 def freeze_for_lora(models, plan):

@@ -1,0 +1,206 @@
+"""family_flux2.py: FLUX.2 [klein] on its tiny random model (real classes: Flux2Transformer2DModel, a Qwen3 text
+encoder with a byte-level tokenizer made here, AutoencoderKLFlux2), its conditioning and training step checked
+against Flux2KleinPipeline's and diffusers' train_dreambooth_lora_flux2_klein.py's own math."""
+
+import inspect
+
+import pytest
+import torch
+
+from dreambooth import families
+from dreambooth.families import family_flux2
+from dreambooth.generation import prompts
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_flux2_model):
+    from diffusers import Flux2KleinPipeline
+
+    return Flux2KleinPipeline.from_pretrained(tiny_flux2_model)
+
+
+def test_the_family_is_read_from_its_folder_with_the_pipelines_own_constants(tiny_flux2_model, pipe):
+    assert families.family_of(tiny_flux2_model) is family_flux2.FAMILY
+    families.check_model_dir(tiny_flux2_model)  # transformer, its own VAE, the text encoder and its tokenizer
+    assert families.native_resolution(tiny_flux2_model) == 64  # the tiny VAE's sample size
+    assert families.size_multiple(tiny_flux2_model) == 4  # the VAE's scale x the 2x2 fold (one token a pixel)
+    defaults = inspect.signature(pipe._get_qwen3_prompt_embeds).parameters
+    assert family_flux2.OUT_LAYERS == defaults["hidden_states_layers"].default
+    assert family_flux2.MAX_TOKENS == pipe.tokenizer_max_length == defaults["max_sequence_length"].default
+    assert families.ARCHS["flux2"] is family_flux2.FAMILY
+
+
+def test_our_conditioning_is_the_pipelines(tiny_flux2_model, pipe):
+    """Three hidden layers of every token of the templated prompt, side by side, as
+    Flux2KleinPipeline.encode_prompt makes them for the same prompts; no pooled embedding."""
+    family = family_flux2.FAMILY
+    texts = ["photo of unqtkn toy, on a beach", "photo of a toy"]
+    ids = torch.tensor(prompts.prompt_ids(tiny_flux2_model, texts, None, family)["instance"])
+    assert ids.shape == (2, 2, family_flux2.MAX_TOKENS)
+    with torch.no_grad():
+        expected, _ = pipe.encode_prompt(texts)
+        states, pooled = family.encode_text([pipe.text_encoder], ids)
+    assert pooled is None and states.shape == (2, family_flux2.MAX_TOKENS, 3 * 32)
+    torch.testing.assert_close(states, expected)
+
+
+def test_the_latents_are_the_pipelines_and_decode_back(tiny_flux2_model, pipe):
+    """The VAE's mode folded 2x2 and normalised by its batch-norm statistics, as the script and the pipeline encode;
+    decoded as the pipeline decodes its output."""
+    from diffusers import Flux2KleinPipeline
+
+    family = family_flux2.FAMILY
+    pixels = torch.rand(1, 3, 64, 64) * 2 - 1
+    vae = pipe.vae
+    with torch.no_grad():
+        mode = vae.encode(pixels).latent_dist.mode()
+        torch.manual_seed(0)
+        sample = family.latent_posterior(vae, pixels).sample()
+        torch.testing.assert_close(sample, mode, rtol=0, atol=1e-5)  # (the posterior's floor: within 3e-7 x noise)
+        mean = vae.bn.running_mean.view(1, -1, 1, 1)
+        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
+        scaled = family.scale_latents(vae, mode)
+        torch.testing.assert_close(scaled, (Flux2KleinPipeline._patchify_latents(mode) - mean) / std)
+        torch.testing.assert_close(family.decode_latents(vae, scaled), vae.decode(mode).sample)
+    assert scaled.shape == (1, family.latent_channels(vae.config), 16, 16) == (1, 32, 16, 16)
+    assert 64 // scaled.shape[-1] == family.vae_downscale(vae.config)
+
+
+def reference_loss(models, pixels, instance_prompt, class_prompt, pipe, prior_loss_weight):
+    """The loss of diffusers' train_dreambooth_lora_flux2_klein.py on a batch of instance and class pixels, written
+    from its steps: the VAE's mode folded 2x2 and normalised, noise, a uniform timestep index into the scheduler's
+    schedule, the straight path, the transformer on one token a latent pixel with the ids the pipeline makes, no
+    guidance input, the velocity target, the instance and prior means. (Our step draws the posterior's sample, the
+    mode within 3e-7, before the noise: the reference draws the same numbers first.)"""
+    from diffusers import Flux2KleinPipeline
+    from diffusers.training_utils import compute_density_for_timestep_sampling
+
+    vae, scheduler = models.vae, models.scheduler
+    latents = vae.encode(pixels).latent_dist.mode()
+    torch.randn(latents.shape)  # (see above)
+    latents = Flux2KleinPipeline._patchify_latents(latents)
+    mean = vae.bn.running_mean.view(1, -1, 1, 1)
+    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
+    latents = (latents - mean) / std
+    latent_ids = Flux2KleinPipeline._prepare_latent_ids(latents)
+    noise = torch.randn_like(latents)
+    rows = latents.shape[0]
+    u = compute_density_for_timestep_sampling("none", rows, 0.0, 1.0, 1.29)
+    timesteps = scheduler.timesteps[(u * scheduler.config.num_train_timesteps).long()]
+    sigmas = torch.stack([scheduler.sigmas[(scheduler.timesteps == t).nonzero().item()] for t in timesteps])
+    noisy = (1.0 - sigmas.view(-1, 1, 1, 1)) * latents + sigmas.view(-1, 1, 1, 1) * noise
+    with torch.no_grad():
+        (inst, inst_ids), (cls, cls_ids) = (pipe.encode_prompt([p]) for p in (instance_prompt, class_prompt))
+    packed = Flux2KleinPipeline._pack_latents(noisy)
+    pred = models.denoiser(hidden_states=packed, timestep=timesteps / 1000, guidance=None,
+                           encoder_hidden_states=torch.cat([inst, cls]), txt_ids=torch.cat([inst_ids, cls_ids]),
+                           img_ids=latent_ids, return_dict=False)[0]
+    pred = Flux2KleinPipeline._unpack_latents_with_ids(pred[:, :packed.size(1)], latent_ids)
+    target = noise - latents
+    (pred, pred_prior), (target, target_prior) = pred.chunk(2), target.chunk(2)
+    loss = ((pred.float() - target.float()) ** 2).reshape(1, -1).mean(1).mean()
+    prior = ((pred_prior.float() - target_prior.float()) ** 2).reshape(1, -1).mean(1).mean()
+    return loss + prior_loss_weight * prior
+
+
+def test_the_training_loss_is_diffusers_scripts_on_the_same_draws(tiny_flux2_model, make_plan, pipe):
+    from dreambooth.generation import imaging
+    from dreambooth.models import networks
+    from dreambooth.training import conditioning
+    from dreambooth.training import steps
+
+    plan = make_plan(model_dir=tiny_flux2_model, resolution=64)
+    models = networks.setup_models(plan, CPU, CPU, distributed=False)
+    texts = ("photo of unqtkn toy, on a beach", "photo of a toy")
+    ids = prompts.prompt_ids(tiny_flux2_model, [texts[0]], texts[1], plan.family)
+    step_prompts = conditioning.step_prompts(plan.family, models.text_encoders(), plan, ids, CPU)
+    pixels = torch.randint(0, 255, (2, 64, 64, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    batch = {"instance_pixels": pixels[:1], "class_pixels": pixels[1:]}
+    with torch.no_grad():
+        torch.manual_seed(7)
+        ours, _, _ = steps.batch_loss(models, batch, step_prompts, 0.5, steps.loss_options(plan))
+        torch.manual_seed(7)
+        expected = reference_loss(models, imaging.to_model_input(pixels), *texts, pipe, 0.5)
+    torch.testing.assert_close(ours, expected)
+
+
+def test_lora_adapts_the_scripts_layers_and_both_outputs_load_in_the_pipeline(tiny_flux2_model, train_tiny, tmp_path):
+    """The adapters sit on the layers diffusers' klein script names (its target list, given to peft on the same
+    transformer); the LoRA file and the full model load in Flux2KleinPipeline and predict as the trained
+    transformer does, unlike the base."""
+    from diffusers import Flux2KleinPipeline
+    from diffusers import Flux2Transformer2DModel
+    from peft import LoraConfig
+
+    from dreambooth.models import networks
+    from dreambooth.models import outputs
+
+    base = Flux2KleinPipeline.from_pretrained(tiny_flux2_model)
+    scripts = Flux2Transformer2DModel.from_pretrained(tiny_flux2_model, subfolder="transformer")
+    scripts.add_adapter(LoraConfig(r=4, target_modules=["to_k", "to_q", "to_v", "to_out.0", "to_qkv_mlp_proj",
+                                                        *[f"single_transformer_blocks.{i}.attn.to_out" for i in range(24)]]))
+    for use_lora in (True, False):
+        plan, state, losses = train_tiny(tiny_flux2_model, 2, use_lora=use_lora, output_dir=str(tmp_path / f"{use_lora}"))
+        assert not plan.train_text_encoder and all(torch.isfinite(torch.tensor(losses)))  # (its encoder is frozen)
+        outputs.save_pipeline(state.models, plan)
+        ours = networks.unwrap(state.models.denoiser)
+        if use_lora:
+            adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in ours.named_parameters() if ".lora_A." in n}
+            assert adapted == {n.rsplit(".lora_A", 1)[0] for n, _ in scripts.named_parameters() if ".lora_A." in n}
+            pipe = Flux2KleinPipeline.from_pretrained(tiny_flux2_model)
+            pipe.load_lora_weights(plan.output_dir)
+        else:
+            pipe = Flux2KleinPipeline.from_pretrained(plan.output_dir)
+        x = torch.randn(1, 32, 4, 4, generator=torch.Generator().manual_seed(2))
+        states, t = torch.randn(1, 6, 3 * 32), torch.tensor([500.0])
+
+        def predict(model):
+            with torch.no_grad():
+                return plan.family.denoise(model, x, t, states, None, None)
+
+        assert not torch.allclose(predict(pipe.transformer), predict(base.transformer), atol=1e-4)
+        torch.testing.assert_close(predict(pipe.transformer), predict(ours.eval()), rtol=1e-4, atol=1e-4)
+
+
+def test_validation_samples_are_what_generate_draws_from_the_same_weights(tiny_flux2_model, make_plan, tmp_path):
+    """Drawn with guidance 4.0 against the empty prompt, the pipeline's way, by both."""
+    import numpy as np
+
+    from dreambooth.generation import drawing
+    from dreambooth.models import networks
+    from dreambooth.training import validation
+
+    plan = make_plan(model_dir=tiny_flux2_model, resolution=64, validation_prompts=("a toy, on a beach",),
+                     num_validation_images=1, validation_inference_steps=3)
+    nets = networks.setup_models(plan, CPU, CPU, distributed=False)
+    _, images = validation.run_round(validation.Sampler(nets, plan, amp_dtype=None), 1, 0, 1, str(tmp_path))
+    pipe = drawing.load_pipeline(tiny_flux2_model, CPU)
+    settings = drawing.settings_for(drawing.ImageSettings(num_inference_steps=3), plan.family, plan.model_dir)
+    assert (settings.guidance_scale, settings.resolution) == (4.0, 64)
+    seed = drawing.image_seed(plan.seed, "a toy, on a beach", 0)
+    drawn, flagged = drawing.generate_batch(pipe, ["a toy, on a beach"], [seed], settings, plan.family.pipeline_kwargs(),
+                                            plan.family.guidance_argument)
+    assert flagged == [False] and drawn[0].size == (64, 64)
+    difference = np.abs(np.asarray(drawn[0], dtype=int) - np.asarray(images["a-toy-on-a-beach-00000.png"], dtype=int))
+    assert difference.max() <= 1
+
+
+def test_lora_trains_over_a_quantised_base_under_bf16(tiny_flux2_model, train_tiny, tmp_path):
+    """--base_precision nf4 (bitsandbytes on CPU, the GPU's code path) with bf16 autocast: the frozen transformer's
+    linear layers quantised, the fp32 adapters train, Flux2KleinPipeline loads them."""
+    import bitsandbytes as bnb
+    from diffusers import Flux2KleinPipeline
+
+    from dreambooth.models import networks
+    from dreambooth.models import outputs
+
+    plan, state, losses = train_tiny(tiny_flux2_model, 2, use_lora=True, base_precision="nf4", mixed_precision="bf16",
+                                     output_dir=str(tmp_path / "out"))
+    denoiser = networks.unwrap(state.models.denoiser)
+    assert isinstance(denoiser.transformer_blocks[0].attn.to_q.base_layer, bnb.nn.Linear4bit)
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert any(p.abs().sum() > 0 for n, p in denoiser.named_parameters() if "lora_B" in n)
+    outputs.save_pipeline(state.models, plan)
+    Flux2KleinPipeline.from_pretrained(plan.model_dir).load_lora_weights(plan.output_dir)
