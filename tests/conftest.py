@@ -156,6 +156,14 @@ def tiny_flux2_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_zimage_model(tmp_path_factory):
+    """Snapshot folder of the tiny Z-Image model (cache_model.py --tiny --arch zimage)."""
+    from dreambooth.commands import cache_model
+
+    return cache_model.main(["--model_dir", str(tmp_path_factory.mktemp("model-zimage")), "--tiny", "--arch", "zimage"])
+
+
+@pytest.fixture(scope="session")
 def tiny_eval_models(tmp_path_factory):
     """(cache folder, models folder) of the tiny random scoring models (cache_model.py --eval_models --tiny): the
     cache folder is what dreambooth_run.sh's EVAL_MODELS_CACHE names, the models folder evaluate.py's

@@ -233,6 +233,10 @@ class Family:
         states are always max-length never pad (Qwen-Image's, trimmed to their longest prompt, do)."""
         return states, side
 
+    def text_width(self, denoiser_config):
+        """The width of the text states a flow-matching denoiser of this config reads (planning/activations.py)."""
+        return denoiser_config.joint_attention_dim
+
     def meta_side_input(self, denoiser_config, tensor_options):
         """encode_text's second value for one prompt, empty (tensor_options: torch.empty's device and dtype), to count
         a flow-matching denoiser's activations (planning/activations.py): a pooled embedding."""

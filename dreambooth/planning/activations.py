@@ -101,7 +101,7 @@ def per_image_gib(family_name, source, resolution, checkpointed):
     config = denoiser.config
     meta = dict(device="meta", dtype=torch.bfloat16)
     latents = torch.empty(1, channels, resolution // scale, resolution // scale, **meta)
-    states = torch.empty(1, family.text_tokens, config.joint_attention_dim, **meta)
+    states = torch.empty(1, family.text_tokens, family.text_width(config), **meta)
     pooled = family.meta_side_input(config, meta)
     timesteps = torch.ones(1, device="meta")
     counted = saved_gib(denoiser, lambda: family.denoise(denoiser, latents, timesteps, states, pooled, None,
