@@ -27,7 +27,7 @@ set -euo pipefail
 VARIABLES=(
   "DATA_PREFIX|./data (--tiny: ./data/tiny)|where everything is written (kept across reboots); on a cluster, shared storage (NFS) or a bucket (s3://bucket/prefix: docs/CLUSTER.md, Object storage)"
   "INSTANCE_DIR|the example photos|your 4-6 photos of the subject"
-  "SUBJECT|the photos folder's name (example-dog with the example)|names this subject's outputs: \$DATA_PREFIX/subjects/<SUBJECT>/"
+  "SUBJECT|the photos folder's name (example-dog with the example; --tiny: example-toy)|names this subject's outputs: \$DATA_PREFIX/subjects/<SUBJECT>/"
   "CLASS_NAME|dog (--tiny: toy)|what the subject is: dog, backpack, person (needed with INSTANCE_DIR)"
   "UNIQUE_TOKEN|unqtkn|the rare word that names your subject in prompts"
   "SUBJECT_TYPE|live for a live CLASS_NAME (dog, cat, person...), else object|Step 6's prompt set: object or live"
@@ -131,6 +131,12 @@ if ! missing="$("$PYTHON" -c 'import importlib.util as u; print(" ".join(m for m
     "PYTHON=.venv/bin/python ./dreambooth_run.sh)" >&2
   exit 1
 fi
+if [ -n "$arch" ] && ! "$PYTHON" -c 'import sys; from dreambooth import families
+names = ", ".join(families.ARCHS)
+sys.exit(sys.argv[1] not in families.ARCHS and f"dreambooth_run.sh: error: --arch {sys.argv[1]}: no tiny model of that "
+         f"family; choose from {names}")' "$arch"; then
+  exit 2  # (before Ray starts: at once)
+fi
 CURRENT_STEP=
 step() { CURRENT_STEP="${1%%:*}"; echo "=== [$(date '+%Y-%m-%d %H:%M:%S')] Step $1"; }
 
@@ -229,6 +235,18 @@ fi
 # train.py decides its own defaults (the learning rate from --use_lora, however --use_lora reached it)
 LEARNING_RATE="${LEARNING_RATE:-}"
 RETRAIN="${RETRAIN:-}"
+# A typo in a number stops the run here, in one line, not at the step that reads it (after the download)
+for name in NUM_CLASS_IMAGES MAX_TRAIN_STEPS NUM_INFERENCE_STEPS NUM_NEW_IMAGES NUM_EVAL_IMAGES CHECKPOINTING_STEPS \
+            HOLDOUT GPUS_PER_WORKER; do
+  if ! [[ "${!name}" =~ ^[0-9]+$ ]]; then
+    echo "dreambooth_run.sh: error: $name=${!name}: must be a whole number (see --help)" >&2
+    exit 2
+  fi
+done
+if [ -n "$LEARNING_RATE" ] && ! [[ "$LEARNING_RATE" =~ ^([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$ ]]; then
+  echo "dreambooth_run.sh: error: LEARNING_RATE=$LEARNING_RATE: must be a number, e.g. 5e-6 (see --help)" >&2
+  exit 2
+fi
 
 mkdir -p "$LOG_DIR"
 LOG_FILE="$LOG_DIR/dreambooth_run-$(date '+%Y%m%d-%H%M%S').log"
@@ -344,7 +362,7 @@ fi
 PREFLIGHT=(--photos_dir="$PHOTOS_DIR" --photos_var="$PHOTOS_VAR" --class_name="$CLASS_NAME"
   --data_prefix="$DATA_PREFIX" --model_name="$ORIG_MODEL_NAME" --model_cache="$ORIG_MODEL_DIR"
   ${ORIG_MODEL_HASH:+--revision="$ORIG_MODEL_HASH"} --num_workers="$NUM_WORKERS"
-  --gpus_per_worker="$GPUS_PER_WORKER")
+  --gpus_per_worker="$GPUS_PER_WORKER" --tuned_model_dir="$TUNED_MODEL_DIR")
 $tiny && PREFLIGHT+=(--tiny)
 [ -n "$arch" ] && PREFLIGHT+=(--arch="$arch")
 [ -n "${GPU_MEMORY:-}" ] && PREFLIGHT+=(--gpu_memory="$GPU_MEMORY")

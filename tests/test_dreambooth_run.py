@@ -264,6 +264,11 @@ def run_in_terminal(argv, env, timeout):
 def test_unknown_argument_is_refused():
     proc = subprocess.run(["bash", "dreambooth_run.sh", "--tinny"], cwd=REPO_DIR, capture_output=True, text=True)
     assert proc.returncode == 2 and "unknown argument '--tinny'" in proc.stderr
+    # an --arch typo: at once, before Ray starts (it came after Ray's start, at Step 0; before that, at Step 1)
+    proc = subprocess.run(["bash", "dreambooth_run.sh", "--tiny", "--arch", "Flux"], cwd=REPO_DIR, capture_output=True,
+                          text=True, env=dict(os.environ, PYTHON=sys.executable))
+    assert proc.returncode == 2 and proc.stdout == "" and "Ray" not in proc.stderr
+    assert proc.stderr.startswith("dreambooth_run.sh: error: --arch Flux: no tiny model of that family; choose from sd1")
     # each of its flags in either spelling, as the README says of every flag (parsed, then --help ends it)
     hyphens = subprocess.run(["bash", "dreambooth_run.sh", "--use-lora", "--skip-eval", "--prior-prediction",
                               "--skip-image-setup", "--help"], cwd=REPO_DIR, capture_output=True, text=True)
@@ -289,6 +294,9 @@ def test_unknown_argument_is_refused():
     ({"EVAL_PROMPTS": "{tmp}/missing.txt"}, "missing.txt: No such file"),  # Step 6's file, at Step 0
     # a loss flag of the other objective for --arch's family (at Step 4 before, after the class images)
     ({"ARGS": "--arch flux", "TRAIN_ARGS": "--snr_gamma 5"}, "--snr_gamma weighs the timesteps"),
+    # a typo in a number (it stopped Step 4 or 3, after the download and the class images)
+    ({"MAX_TRAIN_STEPS": "2O"}, "MAX_TRAIN_STEPS=2O: must be a whole number"),
+    ({"LEARNING_RATE": "1e-4x", "NUM_CLASS_IMAGES": "4"}, "LEARNING_RATE=1e-4x: must be a number"),
 ])
 @pytest.mark.slow
 def test_a_run_that_cannot_work_stops_before_step_1_with_one_line(tmp_path, env, culprit):
@@ -301,7 +309,7 @@ def test_a_run_that_cannot_work_stops_before_step_1_with_one_line(tmp_path, env,
     argv = ["bash", "dreambooth_run.sh", "--tiny", *env.pop("ARGS", "").split()]
     proc = subprocess.run(argv, cwd=REPO_DIR, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "Step 1" not in proc.stdout
-    last = proc.stdout.strip().splitlines()[-1]
+    last = (proc.stdout + proc.stderr).strip().splitlines()[-1]  # (a check before the log begins: stderr's)
     assert culprit in last and "error: " in last and "Traceback" not in proc.stdout
 
 

@@ -12,6 +12,7 @@ import torch
 from dreambooth import errors
 from dreambooth import files
 from dreambooth.cluster import raycluster
+from dreambooth.cluster import torch_gpus
 from dreambooth.commands import preflight
 from dreambooth.files import REPO_DIR
 from dreambooth.models import random_models
@@ -197,5 +198,5 @@ def test_gpus_ray_counts_but_torch_cannot_use_stop_the_preflight(tmp_path, toy_i
     report = {"node": "10.0.0.2", "gpus": 1, "cards": [], "torch": "2.13.0", "warning": None}
     for cuda, expected in ((None, cpu_only), ("13.0", driver)):
         with pytest.raises(errors.UserError) as err:
-            preflight.check_drivers([{**report, "cuda": cuda}])
+            torch_gpus.check_drivers([{**report, "cuda": cuda}])
         assert re.fullmatch(expected, f"error: {err.value}"), err.value

@@ -88,6 +88,37 @@ def test_a_flag_of_another_family_and_an_unknown_tiny_arch_stop_before_step_1(tm
         preflight.main(["--photos_dir", "/p", "--data_prefix", str(tmp_path), "--tiny", "--arch", "fluxx"])
 
 
+def test_a_misspelt_short_name_stops_before_step_1_naming_the_nearest(tmp_path, toy_images):
+    """ORIG_MODEL_NAME=sd-14 is no short name and no hub name (owner/name): one line naming sd14 at Step 0 (it was a
+    note, then Step 1 failing to find 'sd-14@main' in the cache)."""
+    given = ["--photos_dir", toy_images, "--class_name", "dog", "--data_prefix", str(tmp_path), "--model_cache",
+             str(tmp_path / "cache")]
+    with pytest.raises(errors.UserError, match=r"ORIG_MODEL_NAME=sd-14 is not a short name .* did you mean sd14"):
+        preflight.main(given + ["--model_name", "sd-14"])
+    with pytest.raises(errors.UserError, match="did you mean qwen-image"):
+        preflight.main(given + ["--model_name", "qwen"])
+
+
+def test_a_subject_model_of_another_family_or_mode_is_said_at_step_0(tmp_path, capsys):
+    """TUNED_MODEL_DIR with the subject's LoRA of SD 1.x: a Flux.1 run, or a full fine-tune, says at Step 0 that Step 4
+    replaces it and how to keep both (it was said only at Step 4, after the download and the class images); the
+    same family and mode say nothing (Step 4 continues or keeps it)."""
+    import json
+
+    from dreambooth import files
+
+    tuned = tmp_path / "subjects" / "rex" / "model-tuned"
+    tuned.mkdir(parents=True)
+    (tuned / files.OUTPUT_MARKER).write_text(json.dumps({"base_model": "/m", "identity": {"family": "sd1",
+                                                                                          "use_lora": True}}))
+    for given, said in (({"arch": "flux", "use_lora": True}, "(sd1 -> flux)"),
+                        ({}, "(LoRA -> full fine-tune)"), ({"use_lora": True}, None)):
+        run = args(tiny=True, tuned_model_dir=str(tuned), **given)
+        preflight.note_replaced_model(run, preflight.planned_family(run))
+        err = capsys.readouterr().err
+        assert (f"holds this subject's LoRA of the sd1 family {said}: Step 4 replaces it" in err) if said else not err
+
+
 def test_photos_and_class_name_are_checked_first(tmp_path, toy_images, capsys):
     captioned = shutil.copytree(toy_images, tmp_path / "captioned")
     (captioned / "toy-0.txt").write_text("photo of unqtkn toy on a table")  # a caption, as the README places it

@@ -84,10 +84,10 @@ def cache_here(args):
     if args.tiny or args.random_model:
         path = modelcache.write_random_model(args.cache_dir, args.random_model or "tiny", args.arch)
     else:
+        known_models.check_name(args.model_name, "--model_name")
         if known_models.known_model(args.model_name) is None and args.revision is None:
-            names = ", ".join(m.short_name for m in known_models.KNOWN_MODELS)
-            print(f"note: {args.model_name} is not one of {names}: caching its main branch (pass --revision <commit> "
-                  "to pin it)", file=sys.stderr)
+            print(f"note: {args.model_name} is not a short name: caching its main branch (--revision <commit> pins "
+                  "it; ORIG_MODEL_HASH with dreambooth_run.sh)", file=sys.stderr)
         path = modelcache.download_model(args.cache_dir, *modelcache.pinned_revision(args.model_name, args.revision))
     families.check_model_dir(path)
     return path, "model_index.json"

@@ -28,11 +28,13 @@ from dreambooth import families
 from dreambooth import files
 from dreambooth import storage
 from dreambooth.cluster import raycluster
+from dreambooth.cluster import torch_gpus
 from dreambooth.config import flags
 from dreambooth.families import objectives
 from dreambooth.generation import imagefiles
 from dreambooth.models import known_models
 from dreambooth.models import modelcache
+from dreambooth.models import outputs
 from dreambooth.planning import disk
 from dreambooth.planning import memory
 from dreambooth.planning import planning
@@ -47,7 +49,8 @@ def parse_args(argv=None):
     parser = flags.make_parser(
         __doc__.splitlines()[0],
         ["photos_dir", "photos_var", "preflight_class_name", "data_prefix", "model_name", "model_path", "model_cache",
-         "revision", "preflight_num_workers", "gpus_per_worker", "use_lora", "tiny", "arch", "gpu_memory"],
+         "revision", "preflight_num_workers", "gpus_per_worker", "use_lora", "tiny", "arch", "gpu_memory",
+         "tuned_model_dir"],
         helps={"arch": "The tiny model's family (dreambooth_run.sh --tiny --arch).", "model_name": "ORIG_MODEL_NAME.", "revision": "ORIG_MODEL_HASH.", "gpus_per_worker": "GPUS_PER_WORKER.",
                "use_lora": "LoRA: small checkpoints and output (also taken from the train.py flags after --).",
                "tiny": "The built-in tiny model (no GPU expected)."})
@@ -70,19 +73,42 @@ def check_train_flags(words):
 def check_family_flags(args, train_flags):
     """The train.py flags that only some families take, checked when the family is known before Step 1 (--tiny's
     --arch, a short name, a cached model): a flow-matching flag for an SD 1.x run stops here, not at Step 4."""
-    if args.tiny:
-        family = families.ARCHS.get(args.arch or families.DEFAULT.random.arch)
-        if family is None:
-            raise errors.UserError(f"--arch {args.arch}: no tiny model of that family; choose from "
-                                   f"{', '.join(families.ARCHS)}")
-    elif cached_model(args):
-        family = families.family_of(cached_model(args))
-    elif known_models.known_model(args.model_name):
-        family = families.FAMILIES[known_models.known_model(args.model_name).family]
-    else:  # (a hub name not fetched yet: Step 4 checks the flags on its files)
-        return
+    family = planned_family(args)
+    if args.tiny and family is None:
+        raise errors.UserError(f"--arch {args.arch}: no tiny model of that family; choose from "
+                               f"{', '.join(families.ARCHS)}")
+    if family is None:  # (a hub name not fetched yet: Step 4 checks the flags on its files)
+        return None
     objectives.check_flags(family, train_flags.snr_gamma, train_flags.precondition_outputs,
                            train_flags.weighting_scheme, train_flags.flow_shift)
+    return family
+
+
+def planned_family(args):
+    """The Family of the run's base model when known before Step 1 (--tiny's --arch, a short name, a cached
+    model), else None."""
+    if args.tiny:
+        return families.ARCHS.get(args.arch or families.DEFAULT.random.arch)
+    if cached_model(args):
+        return families.family_of(cached_model(args))
+    known = known_models.known_model(args.model_name)
+    return families.FAMILIES[known.family] if known else None
+
+
+def note_replaced_model(args, family):
+    """One line at Step 0 when TUNED_MODEL_DIR holds a model of another family or mode: Step 4 will replace it (it
+    was said only there, after Steps 1-3), and SUBJECT keeps both."""
+    output = outputs.read_output(args.tuned_model_dir) if args.tuned_model_dir else None
+    identity = (output.record.identity or {}) if output else {}
+    if not identity:
+        return
+    was = (identity.get("family"), "LoRA" if identity.get("use_lora") else "full fine-tune")
+    now = (family.name if family else was[0], "LoRA" if args.use_lora else "full fine-tune")
+    if was != now:
+        changes = ", ".join(f"{a} -> {b}" for a, b in zip(was, now) if a != b)
+        print(f"note: {args.tuned_model_dir} holds this subject's {was[1]} of the {was[0]} family ({changes}): Step 4 "
+              "replaces it; to keep both, give this run its own SUBJECT (e.g. SUBJECT=<name>-" + now[0] + ")",
+              file=sys.stderr)
 
 
 def check_photos(folder, variable):
@@ -210,58 +236,6 @@ def memory_setup(train_flags, args, family):
         shards=max(1, args.num_workers or train_flags.num_workers or 1) if train_flags.fsdp else 1)
 
 
-def probe_gpus():
-    """What torch sees on each node that Ray counts GPUs on: [{"node", "gpus" (Ray's count), "torch",
-    "cuda", "warning", "cards": [(name, free GiB, total GiB)]}]. A node whose GPUs are all taken (a run
-    in progress) is left out after 60 s."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    def look():
-        import warnings
-
-        import torch
-
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            available = torch.cuda.is_available()
-        cards = []
-        for index in range(torch.cuda.device_count() if available else 0):
-            free, total = torch.cuda.mem_get_info(index)
-            cards.append((torch.cuda.get_device_name(index), free / memory.GIB, total / memory.GIB))
-        return {"torch": torch.__version__, "cuda": torch.version.cuda, "cards": cards,
-                "warning": " ".join(str(w.message).split(".")[0] for w in caught if "CUDA" in str(w.message))}
-
-    nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("GPU")]
-    pending = {ray.remote(look).options(
-        num_gpus=n["Resources"]["GPU"], num_cpus=0,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(): n for n in nodes}
-    ready, late = ray.wait(list(pending), num_returns=len(pending), timeout=60)
-    for ref in late:
-        ray.cancel(ref, force=True)
-        print(f"note: the GPUs of node {pending[ref]['NodeManagerAddress']} are busy; their memory is not "
-              "checked", file=sys.stderr)
-    return [dict(ray.get(ref), node=pending[ref]["NodeManagerAddress"], gpus=int(pending[ref]["Resources"]["GPU"]))
-            for ref in ready]
-
-
-def check_drivers(reports):
-    """Every GPU Ray counts is one torch can use: else one line (an NVIDIA driver older than torch's
-    CUDA build leaves torch no GPU, and every step would quietly run on the CPU)."""
-    for report in reports:
-        if len(report["cards"]) >= report["gpus"]:
-            continue
-        counted = f"node {report['node']}: Ray counts {report['gpus']} GPU(s) but torch {report['torch']} sees " \
-                  f"{len(report['cards'])}"
-        if report["cuda"] is None:
-            raise errors.UserError(f"{counted}: it is a CPU-only build; install torch's CUDA build "
-                                   "(https://pytorch.org/get-started/locally/)")
-        cause = report["warning"] or "torch.cuda.is_available() is False"
-        raise errors.UserError(f"{counted} ({cause}): install an NVIDIA driver for CUDA {report['cuda']} or newer "
-                               "(nvidia-smi shows the CUDA version the driver takes), or a torch build for your "
-                               "driver (https://pytorch.org/get-started/locally/)")
-
-
 def check_memory(args, train_flags, cards):
     """The run fits each card's free memory [(what, free GiB)]; else one line with its need and the
     flags that make it fit. Returns the need (memory.Need) or None when the model is not known yet."""
@@ -302,8 +276,8 @@ def check_gpus(args, train_flags, gpus):
         return
     if not gpus:
         return
-    reports = probe_gpus()
-    check_drivers(reports)
+    reports = torch_gpus.probe()
+    torch_gpus.check_drivers(reports)
     cards = [(f"{name} on {r['node']}", free) for r in reports for name, free, _ in r["cards"]]
     if cards:
         check_memory(args, train_flags, cards)
@@ -367,12 +341,14 @@ def main(argv=None):
     args = parse_args(argv[:cut])
     train_flags = check_train_flags(argv[cut + 1:])
     args.use_lora = args.use_lora or train_flags.use_lora
-    check_family_flags(args, train_flags)
+    family = check_family_flags(args, train_flags)
     if not (args.class_name or "").strip():
         raise errors.UserError("CLASS_NAME is not set: set it to what your subject is (CLASS_NAME=dog, backpack, "
                                "person); it makes the class prompt 'photo of a <CLASS_NAME>'")
     photos = check_photos(args.photos_dir, args.photos_var)
+    note_replaced_model(args, family)
     if not args.tiny and cached_model(args) is None:  # (Step 1 will fetch it: a gated one needs a token)
+        known_models.check_name(args.model_name)
         known_models.check_access(args.model_name)
     if args.gpu_memory is not None:  # an assumed card: known before Ray starts
         check_gpus(args, train_flags, 0)

@@ -1,6 +1,9 @@
 """The base models the suite knows by short name (sd14 ... sd35-large), as the families list them
 (families/known.py): found by any of their names, and what a gated one needs before its download."""
 
+import difflib
+import os
+
 from dreambooth import errors
 from dreambooth import families
 
@@ -29,3 +32,16 @@ def check_access(model_name):
     line = gated_line(model_name)
     if line and not get_token():
         raise errors.UserError(f"no Hugging Face token on this machine: {line}")
+
+
+def check_name(model_name, variable="ORIG_MODEL_NAME"):
+    """UserError for a model name that is neither a short name, a hub name (owner/name) nor a folder here: a typo
+    of a short name (sd-14) said before anything is fetched, with the nearest short names."""
+    if known_model(model_name) or "/" in model_name or os.path.isdir(model_name) or model_name == "tiny":
+        return
+    names = [m.short_name for m in KNOWN_MODELS]
+    close = list(dict.fromkeys([n for n in names if n.startswith(model_name.lower())]
+                               + difflib.get_close_matches(model_name.lower(), names, n=2, cutoff=0.6)))[:2]
+    hint = f"did you mean {' or '.join(close)}? " if close else ""
+    raise errors.UserError(f"{variable}={model_name} is not a short name ({', '.join(names)}) nor a hub name "
+                           f"(owner/name): {hint}(README, 'Models')")

@@ -88,24 +88,42 @@ def train_planned(args, stop_step, started):
     print(f"trained {plan.end_step} steps; {loss}; model saved to {plan.output_dir}; checkpoints and "
           f"{runlog.METRICS_FILE} in {run_folder}", file=sys.stderr)
     if not plan.keep_checkpoints and plan.end_step == plan.total_steps:  # (not a sweep stage that goes on)
-        removed, freed = checkpoints.remove_all(run_folder)
-        if args.resume_from_checkpoint in ("latest", "auto"):
-            # The stopped run this one continued, found under --storage_path, and the earlier attempts of this same
-            # run (stopped more than once: their checkpoints carry its identity) are this run's past.
-            past = set(checkpoints.runs_of_identity(plan.storage_path, os.path.basename(plan.output_dir),
-                                                    plan.identity))
-            past |= {runfiles.run_of_checkpoint(plan.resume_path)} - {None}
-            for run in sorted(past - {run_folder}):
-                more, more_bytes = checkpoints.remove_all(run)
-                removed, freed = removed + more, freed + more_bytes
-        if removed:
-            print(f"removed the run's {removed} checkpoint(s) ({files.size_text(freed)}) now that its model is saved "
-                  "(--keep_checkpoints keeps them, to continue this run with more steps later)", file=sys.stderr)
+        remove_checkpoints(plan, args.resume_from_checkpoint, run_folder)
     plot = runlog.plot_metrics(storage.fetch(run_folder, runlog.METRICS_FILE, plan.run_dir))
     if plot:
         runfiles.sync_up(plan.storage_path, plan.run_name)
         print(f"loss and learning rate plotted in {storage.join(run_folder, os.path.basename(plot))}", file=sys.stderr)
     return result, plan
+
+
+def remove_checkpoints(plan, resume, run_folder):
+    """Once the model is saved: the run's checkpoints, those of its past (the stopped run it continued, found under
+    --storage_path, and the earlier attempts of the same run, whose checkpoints carry its identity), and, with
+    --resume_from_checkpoint auto (the script's: one model a subject), those of stopped runs of other settings into
+    the same output (never resumed now: their model would replace this one), each group said in one line."""
+    removed, freed = checkpoints.remove_all(run_folder)
+    prefix = os.path.basename(plan.output_dir)
+    past = set()
+    if resume in ("latest", "auto"):
+        past = set(checkpoints.runs_of_identity(plan.storage_path, prefix, plan.identity))
+        past |= {runfiles.run_of_checkpoint(plan.resume_path)} - {None}
+        for run in sorted(past - {run_folder}):
+            more, more_bytes = checkpoints.remove_all(run)
+            removed, freed = removed + more, freed + more_bytes
+    if removed:
+        print(f"removed the run's {removed} checkpoint(s) ({files.size_text(freed)}) now that its model is saved "
+              "(--keep_checkpoints keeps them, to continue this run with more steps later)", file=sys.stderr)
+    # (only under the output's own --storage_path: a shared one may hold another output of the same name's runs)
+    if resume != "auto" or plan.storage_path != os.path.join(os.path.dirname(plan.output_dir), "ray_results"):
+        return
+    others = {runfiles.run_of_checkpoint(f) for f in checkpoints.complete_checkpoints(plan.storage_path, prefix)}
+    removed, freed = 0, 0
+    for run in sorted(others - past - {run_folder, None}):
+        more, more_bytes = checkpoints.remove_all(run)
+        removed, freed = removed + more, freed + more_bytes
+    if removed:
+        print(f"removed {removed} checkpoint(s) ({files.size_text(freed)}) of stopped runs of other settings into "
+              f"{plan.output_dir}: its model is now this run's", file=sys.stderr)
 
 
 def start_ray():
