@@ -107,60 +107,54 @@ def tiny_model(tmp_path_factory):
     return cache_model.main(["--model_dir", str(tmp_path_factory.mktemp("model-orig")), "--tiny"])
 
 
+def tiny_of(tmp_path_factory, folder, arch):
+    """Snapshot folder of the tiny model of a family's --arch, written by cache_model.py --tiny --arch in a folder of
+    the session's own."""
+    from dreambooth.commands import cache_model
+
+    return cache_model.main(["--model_dir", str(tmp_path_factory.mktemp(folder)), "--tiny", "--arch", arch])
+
+
 @pytest.fixture(scope="session")
 def tiny_sd2v_model(tmp_path_factory):
     """Snapshot folder of the tiny SD 2.x v-prediction model (cache_model.py --tiny --arch sd2-v)."""
-    from dreambooth.commands import cache_model
-
-    return cache_model.main(["--model_dir", str(tmp_path_factory.mktemp("model-sd2v")), "--tiny", "--arch", "sd2-v"])
+    return tiny_of(tmp_path_factory, "model-sd2v", "sd2-v")
 
 
 @pytest.fixture(scope="session")
 def tiny_sdxl_model(tmp_path_factory):
     """Snapshot folder of the tiny SDXL model (cache_model.py --tiny --arch sdxl)."""
-    from dreambooth.commands import cache_model
-
-    return cache_model.main(["--model_dir", str(tmp_path_factory.mktemp("model-sdxl")), "--tiny", "--arch", "sdxl"])
+    return tiny_of(tmp_path_factory, "model-sdxl", "sdxl")
 
 
 @pytest.fixture(scope="session")
 def tiny_sd3_model(tmp_path_factory):
     """Snapshot folder of the tiny SD 3.5 model (cache_model.py --tiny --arch sd3)."""
-    from dreambooth.commands import cache_model
-
-    return cache_model.main(["--model_dir", str(tmp_path_factory.mktemp("model-sd3")), "--tiny", "--arch", "sd3"])
+    return tiny_of(tmp_path_factory, "model-sd3", "sd3")
 
 
 @pytest.fixture(scope="session")
 def tiny_flux_model(tmp_path_factory):
     """Snapshot folder of the tiny Flux.1 dev model (cache_model.py --tiny --arch flux)."""
-    from dreambooth.commands import cache_model
-
-    return cache_model.main(["--model_dir", str(tmp_path_factory.mktemp("model-flux")), "--tiny", "--arch", "flux"])
+    return tiny_of(tmp_path_factory, "model-flux", "flux")
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen_model(tmp_path_factory):
     """Snapshot folder of the tiny Qwen-Image model (cache_model.py --tiny --arch qwen)."""
-    from dreambooth.commands import cache_model
-
-    return cache_model.main(["--model_dir", str(tmp_path_factory.mktemp("model-qwen")), "--tiny", "--arch", "qwen"])
+    return tiny_of(tmp_path_factory, "model-qwen", "qwen")
 
 
 @pytest.fixture(scope="session")
 def tiny_flux2_model(tmp_path_factory):
     """Snapshot folder of the tiny FLUX.2 [klein] model (cache_model.py --tiny --arch flux2)."""
-    from dreambooth.commands import cache_model
-
-    return cache_model.main(["--model_dir", str(tmp_path_factory.mktemp("model-flux2")), "--tiny", "--arch", "flux2"])
+    return tiny_of(tmp_path_factory, "model-flux2", "flux2")
 
 
 @pytest.fixture(scope="session")
 def tiny_zimage_model(tmp_path_factory):
     """Snapshot folder of the tiny Z-Image model (cache_model.py --tiny --arch zimage)."""
-    from dreambooth.commands import cache_model
-
-    return cache_model.main(["--model_dir", str(tmp_path_factory.mktemp("model-zimage")), "--tiny", "--arch", "zimage"])
+    return tiny_of(tmp_path_factory, "model-zimage", "zimage")
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ against Flux2KleinPipeline's and diffusers' train_dreambooth_lora_flux2_klein.py
 
 import inspect
 
+import familysteps
 import pytest
 import torch
 
@@ -98,32 +99,11 @@ def reference_loss(models, pixels, instance_prompt, class_prompt, pipe, prior_lo
                            encoder_hidden_states=torch.cat([inst, cls]), txt_ids=torch.cat([inst_ids, cls_ids]),
                            img_ids=latent_ids, return_dict=False)[0]
     pred = Flux2KleinPipeline._unpack_latents_with_ids(pred[:, :packed.size(1)], latent_ids)
-    target = noise - latents
-    (pred, pred_prior), (target, target_prior) = pred.chunk(2), target.chunk(2)
-    loss = ((pred.float() - target.float()) ** 2).reshape(1, -1).mean(1).mean()
-    prior = ((pred_prior.float() - target_prior.float()) ** 2).reshape(1, -1).mean(1).mean()
-    return loss + prior_loss_weight * prior
+    return familysteps.reference_mse(pred, noise - latents, prior_loss_weight)
 
 
 def test_the_training_loss_is_diffusers_scripts_on_the_same_draws(tiny_flux2_model, make_plan, pipe):
-    from dreambooth.generation import imaging
-    from dreambooth.models import networks
-    from dreambooth.training import conditioning
-    from dreambooth.training import steps
-
-    plan = make_plan(model_dir=tiny_flux2_model, resolution=64)
-    models = networks.setup_models(plan, CPU, CPU, distributed=False)
-    texts = ("photo of unqtkn toy, on a beach", "photo of a toy")
-    ids = prompts.prompt_ids(tiny_flux2_model, [texts[0]], texts[1], plan.family)
-    step_prompts = conditioning.step_prompts(plan.family, models.text_encoders(), plan, ids, CPU)
-    pixels = torch.randint(0, 255, (2, 64, 64, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
-    batch = {"instance_pixels": pixels[:1], "class_pixels": pixels[1:]}
-    with torch.no_grad():
-        torch.manual_seed(7)
-        ours, _, _ = steps.batch_loss(models, batch, step_prompts, 0.5, steps.loss_options(plan))
-        torch.manual_seed(7)
-        expected = reference_loss(models, imaging.to_model_input(pixels), *texts, pipe, 0.5)
-    torch.testing.assert_close(ours, expected)
+    torch.testing.assert_close(*familysteps.losses(tiny_flux2_model, make_plan, reference_loss, pipe))
 
 
 def test_lora_adapts_the_scripts_layers_and_both_outputs_load_in_the_pipeline(tiny_flux2_model, train_tiny, tmp_path):
@@ -134,34 +114,14 @@ def test_lora_adapts_the_scripts_layers_and_both_outputs_load_in_the_pipeline(ti
     from diffusers import Flux2Transformer2DModel
     from peft import LoraConfig
 
-    from dreambooth.models import networks
-    from dreambooth.models import outputs
 
-    base = Flux2KleinPipeline.from_pretrained(tiny_flux2_model)
     scripts = Flux2Transformer2DModel.from_pretrained(tiny_flux2_model, subfolder="transformer")
     scripts.add_adapter(LoraConfig(r=4, target_modules=["to_k", "to_q", "to_v", "to_out.0", "to_qkv_mlp_proj",
                                                         *[f"single_transformer_blocks.{i}.attn.to_out" for i in range(24)]]))
-    for use_lora in (True, False):
-        plan, state, losses = train_tiny(tiny_flux2_model, 2, use_lora=use_lora, output_dir=str(tmp_path / f"{use_lora}"))
-        assert not plan.train_text_encoder and all(torch.isfinite(torch.tensor(losses)))  # (its encoder is frozen)
-        outputs.save_pipeline(state.models, plan)
-        ours = networks.unwrap(state.models.denoiser)
-        if use_lora:
-            adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in ours.named_parameters() if ".lora_A." in n}
-            assert adapted == {n.rsplit(".lora_A", 1)[0] for n, _ in scripts.named_parameters() if ".lora_A." in n}
-            pipe = Flux2KleinPipeline.from_pretrained(tiny_flux2_model)
-            pipe.load_lora_weights(plan.output_dir)
-        else:
-            pipe = Flux2KleinPipeline.from_pretrained(plan.output_dir)
-        x = torch.randn(1, 32, 4, 4, generator=torch.Generator().manual_seed(2))
-        states, t = torch.randn(1, 6, 3 * 32), torch.tensor([500.0])
-
-        def predict(model):
-            with torch.no_grad():
-                return plan.family.denoise(model, x, t, states, None, None)
-
-        assert not torch.allclose(predict(pipe.transformer), predict(base.transformer), atol=1e-4)
-        torch.testing.assert_close(predict(pipe.transformer), predict(ours.eval()), rtol=1e-4, atol=1e-4)
+    ours = familysteps.outputs_load_in_the_pipeline(Flux2KleinPipeline, tiny_flux2_model, train_tiny, tmp_path, (
+        torch.randn(1, 32, 4, 4, generator=torch.Generator().manual_seed(2)), torch.randn(1, 6, 3 * 32), None))
+    adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in ours.named_parameters() if ".lora_A." in n}
+    assert adapted == {n.rsplit(".lora_A", 1)[0] for n, _ in scripts.named_parameters() if ".lora_A." in n}
 
 
 def test_validation_samples_are_what_generate_draws_from_the_same_weights(tiny_flux2_model, make_plan, tmp_path):

@@ -2,6 +2,7 @@
 text encoder with a byte-level tokenizer made here, AutoencoderKLQwenImage), its conditioning and training step
 checked against QwenImagePipeline's and diffusers' Qwen-Image DreamBooth script's own math."""
 
+import familysteps
 import pytest
 import torch
 
@@ -94,61 +95,19 @@ def reference_loss(models, pixels, instance_prompt, class_prompt, pipe, prior_lo
                            timestep=timesteps / 1000, img_shapes=[(1, h // 2, w // 2)] * rows, return_dict=False)[0]
     scale = 2 ** len(vae.temperal_downsample)
     pred = QwenImagePipeline._unpack_latents(pred, h * scale, w * scale, scale)
-    target = noise - latents
-    (pred, pred_prior), (target, target_prior) = pred.chunk(2), target.chunk(2)
-    loss = ((pred.float() - target.float()) ** 2).reshape(1, -1).mean(1).mean()
-    prior = ((pred_prior.float() - target_prior.float()) ** 2).reshape(1, -1).mean(1).mean()
-    return loss + prior_loss_weight * prior
+    return familysteps.reference_mse(pred, noise - latents, prior_loss_weight)
 
 
 def test_the_training_loss_is_diffusers_scripts_on_the_same_draws(tiny_qwen_model, make_plan, pipe):
-    from dreambooth.generation import imaging
-    from dreambooth.models import networks
-    from dreambooth.training import conditioning
-    from dreambooth.training import steps
-
-    plan = make_plan(model_dir=tiny_qwen_model, resolution=64)
-    models = networks.setup_models(plan, CPU, CPU, distributed=False)
-    texts = ("photo of unqtkn toy, on a beach", "photo of a toy")
-    ids = prompts.prompt_ids(tiny_qwen_model, [texts[0]], texts[1], plan.family)
-    step_prompts = conditioning.step_prompts(plan.family, models.text_encoders(), plan, ids, CPU)
-    pixels = torch.randint(0, 255, (2, 64, 64, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
-    batch = {"instance_pixels": pixels[:1], "class_pixels": pixels[1:]}
-    with torch.no_grad():
-        torch.manual_seed(7)
-        ours, _, _ = steps.batch_loss(models, batch, step_prompts, 0.5, steps.loss_options(plan))
-        torch.manual_seed(7)
-        expected = reference_loss(models, imaging.to_model_input(pixels), *texts, pipe, 0.5)
-    torch.testing.assert_close(ours, expected)
+    torch.testing.assert_close(*familysteps.losses(tiny_qwen_model, make_plan, reference_loss, pipe))
 
 
 def test_lora_and_full_outputs_load_in_the_qwen_image_pipeline(tiny_qwen_model, train_tiny, tmp_path):
     from diffusers import QwenImagePipeline
 
-    from dreambooth.models import networks
-    from dreambooth.models import outputs
-
-    base = QwenImagePipeline.from_pretrained(tiny_qwen_model)
-    for use_lora in (True, False):
-        plan, state, losses = train_tiny(tiny_qwen_model, 2, use_lora=use_lora, output_dir=str(tmp_path / f"{use_lora}"))
-        assert not plan.train_text_encoder and all(torch.isfinite(torch.tensor(losses)))  # (its encoder is frozen)
-        outputs.save_pipeline(state.models, plan)
-        ours = networks.unwrap(state.models.denoiser)
-        if use_lora:
-            pipe = QwenImagePipeline.from_pretrained(tiny_qwen_model)
-            pipe.load_lora_weights(plan.output_dir)
-        else:
-            pipe = QwenImagePipeline.from_pretrained(plan.output_dir)
-        x = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(2))
-        states, mask = torch.randn(1, 5, 32), torch.tensor([[1, 1, 1, 1, 0]])  # the tiny text encoder's width
-        t = torch.tensor([500.0])
-
-        def predict(model):
-            with torch.no_grad():
-                return plan.family.denoise(model, x, t, states, mask, None)
-
-        assert not torch.allclose(predict(pipe.transformer), predict(base.transformer), atol=1e-4)
-        torch.testing.assert_close(predict(pipe.transformer), predict(ours.eval()), rtol=1e-4, atol=1e-4)
+    mask = torch.tensor([[1, 1, 1, 1, 0]])  # (the tiny text encoder's width: 32)
+    familysteps.outputs_load_in_the_pipeline(QwenImagePipeline, tiny_qwen_model, train_tiny, tmp_path, (
+        torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(2)), torch.randn(1, 5, 32), mask))
 
 
 def test_validation_samples_are_what_generate_draws_from_the_same_weights(tiny_qwen_model, make_plan, tmp_path):

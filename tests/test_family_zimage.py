@@ -2,6 +2,7 @@
 with a byte-level tokenizer made here, Flux.1's AutoencoderKL), its conditioning and training step checked against
 ZImagePipeline's and diffusers' train_dreambooth_lora_z_image.py's own math."""
 
+import familysteps
 import pytest
 import torch
 
@@ -62,32 +63,11 @@ def reference_loss(models, pixels, instance_prompt, class_prompt, pipe, prior_lo
         states = [pipe.encode_prompt(p, do_classifier_free_guidance=False)[0][0] for p in (instance_prompt, class_prompt)]
     out = models.denoiser(list(noisy.unsqueeze(2).unbind(dim=0)), (1000 - timesteps) / 1000, states, return_dict=False)[0]
     pred = -torch.stack(out, dim=0).squeeze(2)
-    target = noise - latents
-    (pred, pred_prior), (target, target_prior) = pred.chunk(2), target.chunk(2)
-    loss = ((pred.float() - target.float()) ** 2).reshape(1, -1).mean(1).mean()
-    prior = ((pred_prior.float() - target_prior.float()) ** 2).reshape(1, -1).mean(1).mean()
-    return loss + prior_loss_weight * prior
+    return familysteps.reference_mse(pred, noise - latents, prior_loss_weight)
 
 
 def test_the_training_loss_is_diffusers_scripts_on_the_same_draws(tiny_zimage_model, make_plan, pipe):
-    from dreambooth.generation import imaging
-    from dreambooth.models import networks
-    from dreambooth.training import conditioning
-    from dreambooth.training import steps
-
-    plan = make_plan(model_dir=tiny_zimage_model, resolution=64)
-    models = networks.setup_models(plan, CPU, CPU, distributed=False)
-    texts = ("photo of unqtkn toy, on a beach", "photo of a toy")
-    ids = prompts.prompt_ids(tiny_zimage_model, [texts[0]], texts[1], plan.family)
-    step_prompts = conditioning.step_prompts(plan.family, models.text_encoders(), plan, ids, CPU)
-    pixels = torch.randint(0, 255, (2, 64, 64, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
-    batch = {"instance_pixels": pixels[:1], "class_pixels": pixels[1:]}
-    with torch.no_grad():
-        torch.manual_seed(7)
-        ours, _, _ = steps.batch_loss(models, batch, step_prompts, 0.5, steps.loss_options(plan))
-        torch.manual_seed(7)
-        expected = reference_loss(models, imaging.to_model_input(pixels), *texts, pipe, 0.5)
-    torch.testing.assert_close(ours, expected)
+    torch.testing.assert_close(*familysteps.losses(tiny_zimage_model, make_plan, reference_loss, pipe))
 
 
 @pytest.mark.slow  # (trains: over a second)
@@ -101,29 +81,11 @@ def test_lora_and_full_outputs_load_in_the_pipeline_and_validation_is_what_gener
 
     from dreambooth.generation import drawing
     from dreambooth.models import networks
-    from dreambooth.models import outputs
     from dreambooth.training import validation
 
-    base = ZImagePipeline.from_pretrained(tiny_zimage_model)
-    for use_lora in (True, False):
-        plan, state, losses = train_tiny(tiny_zimage_model, 2, use_lora=use_lora, output_dir=str(tmp_path / f"{use_lora}"))
-        assert not plan.train_text_encoder and all(torch.isfinite(torch.tensor(losses)))  # (its encoder is frozen)
-        outputs.save_pipeline(state.models, plan)
-        ours = networks.unwrap(state.models.denoiser)
-        if use_lora:
-            pipe = ZImagePipeline.from_pretrained(tiny_zimage_model)
-            pipe.load_lora_weights(plan.output_dir)
-        else:
-            pipe = ZImagePipeline.from_pretrained(plan.output_dir)
-        x = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(2))
-        states, mask, t = torch.randn(1, 5, 32), torch.tensor([[1, 1, 1, 1, 0]]), torch.tensor([500.0])
-
-        def predict(model):
-            with torch.no_grad():
-                return plan.family.denoise(model, x, t, states, mask, None)
-
-        assert not torch.allclose(predict(pipe.transformer), predict(base.transformer), atol=1e-4)
-        torch.testing.assert_close(predict(pipe.transformer), predict(ours.eval()), rtol=1e-4, atol=1e-4)
+    familysteps.outputs_load_in_the_pipeline(ZImagePipeline, tiny_zimage_model, train_tiny, tmp_path, (
+        torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(2)), torch.randn(1, 5, 32),
+        torch.tensor([[1, 1, 1, 1, 0]])))
     plan = make_plan(model_dir=tiny_zimage_model, resolution=64, validation_prompts=("a toy, on a beach",),
                      num_validation_images=1, validation_inference_steps=3)
     nets = networks.setup_models(plan, CPU, CPU, distributed=False)

@@ -1,0 +1,70 @@
+"""What the flow families' tests share: one seeded training step of ours beside a reference loss written from a
+diffusers DreamBooth script's own steps, on the same batch, prompts and draws."""
+
+import torch
+
+CPU = torch.device("cpu")
+TEXTS = ("photo of unqtkn toy, on a beach", "photo of a toy")
+
+
+def reference_mse(pred, target, prior_loss_weight):
+    """The scripts' loss with prior preservation and no weighting: the instance half's mean squared error, plus
+    prior_loss_weight x the class half's."""
+    (pred, pred_prior), (target, target_prior) = pred.chunk(2), target.chunk(2)
+    loss = ((pred.float() - target.float()) ** 2).reshape(1, -1).mean(1).mean()
+    prior = ((pred_prior.float() - target_prior.float()) ** 2).reshape(1, -1).mean(1).mean()
+    return loss + prior_loss_weight * prior
+
+
+def losses(model_dir, make_plan, reference, pipe, prior_loss_weight=0.5):
+    """(our batch loss, reference(models, pixels in [-1, 1], instance prompt, class prompt, pipe, prior_loss_weight))
+    of one photo and one class image at 64 px, each from torch's seed 7."""
+    from dreambooth.generation import imaging
+    from dreambooth.generation import prompts
+    from dreambooth.models import networks
+    from dreambooth.training import conditioning
+    from dreambooth.training import steps
+
+    plan = make_plan(model_dir=model_dir, resolution=64)
+    models = networks.setup_models(plan, CPU, CPU, distributed=False)
+    ids = prompts.prompt_ids(model_dir, [TEXTS[0]], TEXTS[1], plan.family)
+    step_prompts = conditioning.step_prompts(plan.family, models.text_encoders(), plan, ids, CPU)
+    pixels = torch.randint(0, 255, (2, 64, 64, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    batch = {"instance_pixels": pixels[:1], "class_pixels": pixels[1:]}
+    with torch.no_grad():
+        torch.manual_seed(7)
+        ours, _, _ = steps.batch_loss(models, batch, step_prompts, prior_loss_weight, steps.loss_options(plan))
+        torch.manual_seed(7)
+        expected = reference(models, imaging.to_model_input(pixels), *TEXTS, pipe, prior_loss_weight)
+    return ours, expected
+
+
+def outputs_load_in_the_pipeline(pipeline_class, model_dir, train_tiny, folder, inputs):
+    """Trains the tiny model 2 steps as LoRA and as a full fine-tune, saves each as train.py does, loads it in the
+    family's pipeline (load_lora_weights; from_pretrained): its transformer predicts as the trained one does, unlike
+    the base's. inputs: (latents, states, encode_text's second value) for family.denoise. Returns the LoRA
+    transformer trained (for the layers it adapts)."""
+    from dreambooth.models import networks
+    from dreambooth.models import outputs
+
+    base = pipeline_class.from_pretrained(model_dir)
+    x, states, side = inputs
+    trained = {}
+    for use_lora in (True, False):
+        plan, state, losses = train_tiny(model_dir, 2, use_lora=use_lora, output_dir=str(folder / f"{use_lora}"))
+        assert not plan.train_text_encoder and all(torch.isfinite(torch.tensor(losses)))  # (its encoder is frozen)
+        outputs.save_pipeline(state.models, plan)
+        trained[use_lora] = ours = networks.unwrap(state.models.denoiser)
+        if use_lora:
+            pipe = pipeline_class.from_pretrained(model_dir)
+            pipe.load_lora_weights(plan.output_dir)
+        else:
+            pipe = pipeline_class.from_pretrained(plan.output_dir)
+
+        def predict(model):
+            with torch.no_grad():
+                return plan.family.denoise(model, x, torch.tensor([500.0]), states, side, None)
+
+        assert not torch.allclose(predict(pipe.transformer), predict(base.transformer), atol=1e-4)
+        torch.testing.assert_close(predict(pipe.transformer), predict(ours.eval()), rtol=1e-4, atol=1e-4)
+    return trained[True]
