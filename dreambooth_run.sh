@@ -6,7 +6,8 @@
 #   ./dreambooth_run.sh --tiny                built-in tiny model + images/toy, offline on CPU (~2 min)
 #   ./dreambooth_run.sh --tiny --arch sdxl    the same with a tiny SDXL model (128 px; sd2-v: SD 2.x, 96 px;
 #                                             sd3: SD 3.5, 64 px; flux: Flux.1 dev, 64 px; qwen: Qwen-Image, 64 px;
-#                                             flux2: FLUX.2 [klein], 64 px; zimage: Z-Image, 64 px)
+#                                             flux2: FLUX.2 [klein], 64 px; zimage: Z-Image, 64 px;
+#                                             chroma: Chroma, 64 px)
 #   ./dreambooth_run.sh --use_lora            LoRA adapters instead of every weight (combines with the above)
 #   ./dreambooth_run.sh --prior_prediction    no class images (Step 3 skipped): the base model's own
 #                                             predictions keep the class prior (LoRA or full)
@@ -91,7 +92,7 @@ EXTRA_TRAIN_ARGS=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --tiny) tiny=true ;;
-    --arch) [ $# -ge 2 ] || { echo "dreambooth_run.sh: error: --arch needs a value: sd1, sd2-v, sdxl, sd3, flux, qwen, flux2 or zimage" >&2; exit 2; }
+    --arch) [ $# -ge 2 ] || { echo "dreambooth_run.sh: error: --arch needs a value: sd1, sd2-v, sdxl, sd3, flux, qwen, flux2, zimage or chroma" >&2; exit 2; }
       arch="$2"; shift ;;
     --skip_image_setup|--skip-image-setup) skip_image_setup=true ;;  # (each flag in either spelling, as the
     --use_lora|--use-lora) use_lora=true ;;                            # Python scripts take theirs)

@@ -65,9 +65,14 @@ def hub_download(what, offline_hint, refused=None, **snapshot_args):
 
 
 def quiet_hf_logging():
-    """Silence per-component loading bars and the missing-accelerate notice in workers."""
+    """Silence per-component loading bars and the missing-accelerate notice in workers, and diffusers' own
+    deprecation note about its own Chroma transformer's FluxPosEmbed (once a process builds one)."""
+    import warnings
+
     import diffusers
     import transformers
+
+    warnings.filterwarnings("ignore", message="`FluxPosEmbed` is deprecated", category=FutureWarning)
 
     diffusers.utils.logging.set_verbosity_error()
     diffusers.utils.logging.disable_progress_bar()

@@ -158,6 +158,12 @@ def tiny_zimage_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_chroma_model(tmp_path_factory):
+    """Snapshot folder of the tiny Chroma model (cache_model.py --tiny --arch chroma)."""
+    return tiny_of(tmp_path_factory, "model-chroma", "chroma")
+
+
+@pytest.fixture(scope="session")
 def tiny_eval_models(tmp_path_factory):
     """(cache folder, models folder) of the tiny random scoring models (cache_model.py --eval_models --tiny): the
     cache folder is what dreambooth_run.sh's EVAL_MODELS_CACHE names, the models folder evaluate.py's

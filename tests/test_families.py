@@ -336,9 +336,9 @@ def test_a_new_familys_short_name_and_memory_column_come_with_its_module_and_tab
     (tmp_path / "dreambooth" / "families" / "family_penultimate.py").write_text(module)
     table = tmp_path / "dreambooth" / "families" / "__init__.py"
     text = table.read_text()
-    entry = "family_zimage.FAMILY)}"
+    entry = "family_chroma.FAMILY)}"
     assert entry in text
-    table.write_text(text.replace(entry, "family_zimage.FAMILY, family_penultimate.FAMILY)}").replace(
+    table.write_text(text.replace(entry, "family_chroma.FAMILY, family_penultimate.FAMILY)}").replace(
         "from dreambooth.families import family_flux\n",
         "from dreambooth.families import family_flux\nfrom dreambooth.families import family_penultimate\n"))
     probe = ("from dreambooth.commands import cache_model; from dreambooth.models import known_models; "

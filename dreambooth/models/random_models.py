@@ -89,6 +89,7 @@ def build_networks(size, arch, tokenizer):
     """{denoiser, "vae", text encoders}: the random networks of build_pipeline, named as the family's
     subfolders (in torch's current default device: "meta" counts a full-size model's parameters
     without memory)."""
+    hub.quiet_hf_logging()
     family = families.ARCHS[arch]
     spec = size_spec(size, family)
     latent_size = int(spec["latent_size"] * family.random.changes["resolution_scale"])
