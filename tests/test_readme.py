@@ -165,6 +165,7 @@ def test_your_own_subject_block_runs_as_typed_and_ctrl_c_in_step_4_says_how_the_
     assert len([f for f in os.listdir(tmp_path / "data" / "images-reg" / "tiny-sd1" / "dog") if f.endswith(".png")]) == 2
     step = int(re.search(r"stopped at step (\d+) of 400 \(SIGINT\)", output)[1])
     assert 3 <= step < 400 and "stopped; rerun the same command to continue (newest checkpoint: " in output, output[-3000:]
+    assert f", step {step})\n" in output  # (the checkpoint's step beside its folder, named by its time)
     # train.py's line, then the script's, nothing between (a bare "interrupted" came after train.py's)
     assert re.search(r"stopped; rerun the same command.*\)\ndreambooth_run\.sh: stopped by SIGINT", output), output[-3000:]
     last = output.strip().splitlines()[-1]
