@@ -266,14 +266,17 @@ class Family:
     precondition_outputs = False  # flow matching: the error measured on the implied clean latents (weights sigma^2)
 
     def load_scheduler(self, model_dir):
-        """The scheduler training draws its noise from (the model's own schedule)."""
+        """The scheduler training draws its noise from (the model's own schedule): DDPM's, or the flow-matching
+        families' FlowMatchEulerDiscreteScheduler."""
         from diffusers import DDPMScheduler
+        from diffusers import FlowMatchEulerDiscreteScheduler
 
-        return DDPMScheduler.from_pretrained(model_dir, subfolder="scheduler")
+        cls = FlowMatchEulerDiscreteScheduler if self.flow_matching else DDPMScheduler
+        return cls.from_pretrained(model_dir, subfolder="scheduler")
 
     def draw(self, scheduler, latents, options):
-        """The objectives.Draw of a batch's latents: DDPM denoising by default."""
-        return objectives.denoising(scheduler, latents, options)
+        """The objectives.Draw of a batch's latents: flow matching's, or DDPM denoising."""
+        return (objectives.flow_matching if self.flow_matching else objectives.denoising)(scheduler, latents, options)
 
     def denoise(self, model, noisy, timesteps, states, pooled, time_ids, guidance=None):
         """The denoiser's prediction for noisy latents under text states (and the pooled text and size

@@ -12,7 +12,6 @@ from dreambooth.families import builders
 from dreambooth.families import family
 from dreambooth.families import family_flux
 from dreambooth.families import family_sd3
-from dreambooth.families import objectives
 
 T5_MAX_LENGTH = 512  # ChromaPipeline's max_sequence_length default
 
@@ -123,14 +122,6 @@ class Chroma(family.Family):
     # --- the objective and the denoiser
     flow_matching = True
     default_weighting_scheme = "none"  # (Flux.1's script's default: uniform)
-
-    def load_scheduler(self, model_dir):
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        return FlowMatchEulerDiscreteScheduler.from_pretrained(model_dir, subfolder="scheduler")
-
-    def draw(self, scheduler, latents, options):
-        return objectives.flow_matching(scheduler, latents, options)
 
     def denoise(self, model, noisy, timesteps, states, pooled, time_ids, guidance=None):
         """The velocity (B, C, h, w) of noisy latents: packed into tokens with their ids as Flux.1's, the text mask

@@ -12,7 +12,6 @@ from dreambooth.families import family_sd1
 from dreambooth.families import family_sd3
 from dreambooth.families import known
 from dreambooth.families import layouts
-from dreambooth.families import objectives
 
 T5_MAX_LENGTH = 512  # T5's tokens, in training and drawing (diffusers' Flux scripts' --max_sequence_length default)
 
@@ -167,14 +166,6 @@ class Flux(family.Family):
     # --- the objective and the denoiser
     flow_matching = True
     default_weighting_scheme = "none"  # diffusers' Flux DreamBooth scripts' default: uniform
-
-    def load_scheduler(self, model_dir):
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        return FlowMatchEulerDiscreteScheduler.from_pretrained(model_dir, subfolder="scheduler")
-
-    def draw(self, scheduler, latents, options):
-        return objectives.flow_matching(scheduler, latents, options)
 
     def denoise(self, model, noisy, timesteps, states, pooled, time_ids, guidance=None):
         """The velocity (B, C, h, w) of noisy latents: packed into tokens with their ids, the timestep as a

@@ -12,7 +12,6 @@ clean latents; objectives.flow_matching on the scheduler's sigmas; uniform times
 from dreambooth.families import builders
 from dreambooth.families import family
 from dreambooth.families import family_qwen
-from dreambooth.families import objectives
 
 MAX_TOKENS = 512  # Flux2KleinPipeline's max_sequence_length default, and diffusers' klein script's
 OUT_LAYERS = (9, 18, 27)  # the text encoder's hidden states the pipeline stacks (its text_encoder_out_layers)
@@ -223,14 +222,6 @@ class Flux2Klein(family.Family):
     # --- the objective and the denoiser
     flow_matching = True
     default_weighting_scheme = "none"  # diffusers' klein DreamBooth script's default: uniform
-
-    def load_scheduler(self, model_dir):
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        return FlowMatchEulerDiscreteScheduler.from_pretrained(model_dir, subfolder="scheduler")
-
-    def draw(self, scheduler, latents, options):
-        return objectives.flow_matching(scheduler, latents, options)
 
     def denoise(self, model, noisy, timesteps, states, pooled, time_ids, guidance=None):
         """The velocity (B, C, h, w) of noisy latents: a token a latent pixel with its (0, row, column, 0) ids, the

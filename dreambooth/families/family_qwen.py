@@ -12,7 +12,6 @@ from dreambooth.families import builders
 from dreambooth.families import family
 from dreambooth.families import family_flux
 from dreambooth.families import known
-from dreambooth.families import objectives
 
 # QwenImagePipeline's prompt template and the count of its tokens the pipeline drops (prompt_template_encode,
 # prompt_template_encode_start_idx), and its longest prompt (tokenizer_max_length): tests/test_family_qwen.py
@@ -240,14 +239,6 @@ class QwenImage(family.Family):
     # --- the objective and the denoiser
     flow_matching = True
     default_weighting_scheme = "none"  # diffusers' Qwen-Image DreamBooth script's default: uniform
-
-    def load_scheduler(self, model_dir):
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        return FlowMatchEulerDiscreteScheduler.from_pretrained(model_dir, subfolder="scheduler")
-
-    def draw(self, scheduler, latents, options):
-        return objectives.flow_matching(scheduler, latents, options)
 
     def denoise(self, model, noisy, timesteps, states, pooled, time_ids, guidance=None):
         """The velocity (B, C, h, w) of noisy latents: packed 2x2 into tokens, the timestep as a fraction of the

@@ -12,7 +12,6 @@ from dreambooth.families import family
 from dreambooth.families import family_sd1
 from dreambooth.families import known
 from dreambooth.families import layouts
-from dreambooth.families import objectives
 
 T5_MAX_LENGTH = 77  # T5's tokens in training (diffusers' SD3 scripts' --max_sequence_length default)
 
@@ -235,14 +234,6 @@ class SD3(family.Family):
     flow_matching = True
     default_weighting_scheme = "logit_normal"  # diffusers' SD 3 DreamBooth scripts' default
     precondition_outputs = True  # ... and theirs: --precondition_outputs 1
-
-    def load_scheduler(self, model_dir):
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        return FlowMatchEulerDiscreteScheduler.from_pretrained(model_dir, subfolder="scheduler")
-
-    def draw(self, scheduler, latents, options):
-        return objectives.flow_matching(scheduler, latents, options)
 
     def denoise(self, model, noisy, timesteps, states, pooled, time_ids, guidance=None):
         return model(hidden_states=noisy, timestep=timesteps, encoder_hidden_states=states,

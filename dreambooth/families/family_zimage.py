@@ -12,7 +12,6 @@ from dreambooth.families import builders
 from dreambooth.families import family
 from dreambooth.families import family_flux2
 from dreambooth.families import family_qwen
-from dreambooth.families import objectives
 
 MAX_TOKENS = 512  # ZImagePipeline's max_sequence_length default, and diffusers' Z-Image script's
 
@@ -165,14 +164,6 @@ class ZImage(family.Family):
     # --- the objective and the denoiser
     flow_matching = True
     default_weighting_scheme = "none"  # diffusers' Z-Image DreamBooth script's default: uniform
-
-    def load_scheduler(self, model_dir):
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        return FlowMatchEulerDiscreteScheduler.from_pretrained(model_dir, subfolder="scheduler")
-
-    def draw(self, scheduler, latents, options):
-        return objectives.flow_matching(scheduler, latents, options)
 
     def denoise(self, model, noisy, timesteps, states, pooled, time_ids, guidance=None):
         """The velocity (B, C, h, w) of noisy latents: each image a list item of one frame, the prompts a list of
