@@ -492,7 +492,11 @@ outputs() {  # the last lines: every output of this subject, and how to take the
   echo "  model:  $TUNED_MODEL_DIR"
   echo "  images: $IMAGES_NEW_DIR (contact sheet: $IMAGES_NEW_DIR/grid/grid.png)"
   if ! $skip_eval; then echo "  scores: $EVAL_DIR/report.md"; fi
-  echo "  log:    $LOG_FILE"
+  if $REMOTE; then  # (copied beside the outputs when the script ends)
+    echo "  log:    $DATA_PREFIX/logs/$(basename "$LOG_FILE") (this node's copy: $LOG_FILE)"
+  else
+    echo "  log:    $LOG_FILE"
+  fi
   # (only for what export.py writes of the family, a full model or LoRA adapters: the hint is a command that works)
   if "$PYTHON" -c 'import sys; from dreambooth import families; from dreambooth.models import modelcache; from dreambooth.models import outputs
 action = "export_lora" if outputs.holds_lora(sys.argv[2]) else "export"

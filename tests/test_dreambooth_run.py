@@ -186,6 +186,9 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request, webhook):
         runs = [r for r in storage.listdir(f"{subject}/ray_results") if r.startswith("model-tuned-")]
         assert len(runs) == 2  # (the first run's, copied, and this one's)
         assert os.path.basename(log) in storage.listdir(f"{where}/logs")
+        # what the outputs name is the bucket's: the log's copy there, the settings file a rerun reads from there
+        assert f"  log:    {where}/logs/{os.path.basename(log)} (this node's copy: {log})" in output
+        assert re.search(rf"settings: ({re.escape(where)}/\S+) \(python train.py --config \1 repeats this run\)", output)
         return
     # Step 6 (evaluate.py): the tuned model scored beside the base model it was trained from, over
     # 2 prompts + the class prompt, 1 image each, generated and embedded on actor pools

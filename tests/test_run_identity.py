@@ -140,3 +140,7 @@ def test_more_steps_continue_a_run_only_under_a_constant_learning_rate(tiny_mode
     said = run_identity.differences({"max_train_steps": 20, "learning_rate": 1e-4, "lr_scheduler": "constant"},
                                     {"max_train_steps": 80, "learning_rate": 5e-6, "lr_scheduler": "constant"})
     assert said == ["--learning_rate 0.0001 -> 5e-06", "--max_train_steps 20 -> 80"]
+    # another family: its own settings (Flux.1's guidance, the flow shift) are the family's change, not news
+    said = run_identity.differences({"family": "sd1", "learning_rate": 1e-4, "snr_gamma": None},
+                                    {"family": "flux", "learning_rate": 1e-4, "guidance_scale": 3.5, "flow_shift": 3.0})
+    assert said == ["family sd1 -> flux"], said

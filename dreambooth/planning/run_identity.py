@@ -81,6 +81,8 @@ def differences(saved, current):
     length_only = set(changed) <= {"max_train_steps", "num_train_epochs"}
     for key in changed:
         before, now = saved.get(key), current.get(key)
+        if "family" in changed and (key not in saved or key not in current):
+            continue  # a setting only one of the families has (Flux.1's guidance): the family's change says it
         if key in FILE_PARTS:
             said.append(FILE_PARTS[key])
         elif key == "captions":  # one per photo: only a change of the prompts themselves is news

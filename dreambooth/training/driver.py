@@ -67,10 +67,10 @@ def train_planned(args, stop_step, started):
         print(done, file=sys.stderr)
         return None, None
     print(plan.describe(), file=sys.stderr)
-    config = flags.write_config(os.path.join(plan.run_dir, outputs.TRAIN_CONFIG), plan.settings_toml)
+    flags.write_config(os.path.join(plan.run_dir, outputs.TRAIN_CONFIG), plan.settings_toml)
     runfiles.sync_up(plan.storage_path, plan.run_name)
     shown = storage.join(plan.storage_path, plan.run_name, outputs.TRAIN_CONFIG)  # (a bucket's, or the file itself)
-    print(f"settings: {shown} (python train.py --config {config} repeats this run)", file=sys.stderr)
+    print(f"settings: {shown} (python train.py --config {shown} repeats this run)", file=sys.stderr)
     started(f"DreamBooth run {plan.run_name} started: {plan.end_step} steps on {plan.num_workers} worker(s)"
             f"{', resumed from ' + plan.resume_path if plan.resume_path else ''}; model to {plan.output_dir}",
             run=plan.run_name, steps=plan.end_step, workers=plan.num_workers, output_dir=plan.output_dir)
