@@ -162,15 +162,15 @@ def test_validation_samples_are_what_generate_draws_from_the_same_weights(tiny_s
 @pytest.mark.slow
 def test_lora_on_two_workers_resumed_ends_on_the_uninterrupted_weights_and_draws(ray_session, tiny_sd3_model,
                                                                                   toy_images, tmp_path, capfd):
-    """train.py on Ray with 2 workers: a LoRA run cut at step 2 (as the sweep stops a trial) and resumed
-    ends on exactly the adapters of the uninterrupted 4-step run. (generate.py drawing with SD 3.5 adapters:
-    test_sweep's SD 3.5 sweep, whose scores draw each trial's adapters on generate's actor pool.)"""
+    """train.py on Ray with 2 workers: the uninterrupted 4-step LoRA run's checkpoint of step 2, resumed into a new
+    output, ends on exactly that run's adapters. (A run cut by driver.run's stop_step, as the sweep stops a trial,
+    then resumed: Flux.1's LoRA test on Ray; generate.py drawing with SD 3.5 adapters: test_sweep's SD 3.5 sweep,
+    whose scores draw each trial's adapters on generate's actor pool.)"""
     from safetensors.torch import load_file
 
     from dreambooth import files
     from dreambooth.commands import train
-    from dreambooth.planning import planning
-    from dreambooth.training import driver
+    from dreambooth.planning import checkpoints
 
     def argv(name):
         return ["--model_dir", tiny_sd3_model, "--instance_images_dir", toy_images, "--instance_prompt",
@@ -178,11 +178,11 @@ def test_lora_on_two_workers_resumed_ends_on_the_uninterrupted_weights_and_draws
                 "--checkpointing_steps", "2", "--output_dir", str(tmp_path / name),
                 "--storage_path", str(tmp_path / f"runs-{name}")]
 
-    whole = train.main(argv("whole"))
+    whole = train.main([*argv("whole"), "--keep_checkpoints", "--checkpoints_total_limit", "2"])
     assert whole.metrics["step"] == 4
-    driver.run(planning.parse_args(argv("cut")), stop_step=2)
+    step_2 = checkpoints.by_step(str(tmp_path / "runs-whole"), "whole")[2]
     capfd.readouterr()
-    resumed = train.main([*argv("cut"), "--resume_from_checkpoint", "latest"])
+    resumed = train.main([*argv("cut"), "--resume_from_checkpoint", step_2])
     assert resumed.metrics["step"] == 4 and "resuming from" in capfd.readouterr().err  # steps 3 and 4 only
     a = load_file(str(tmp_path / "whole" / files.LORA_WEIGHTS_FILE))
     b = load_file(str(tmp_path / "cut" / files.LORA_WEIGHTS_FILE))

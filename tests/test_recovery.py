@@ -157,7 +157,8 @@ def test_seeded_run_cut_and_resumed_with_every_gpu_option_ends_with_the_uninterr
     The same seed gives the same losses (validation sampling in between changes nothing);
     '--resume_from_checkpoint latest' starts fresh when there is nothing to resume, then goes on
     from step 2 with the step count and the LR warm-up where they were; the resumed run ends with
-    exactly the weights of the uninterrupted one."""
+    exactly the weights of the uninterrupted one. SD 1.x: a 2-step run continued to 4; SDXL: the uninterrupted
+    run's own checkpoint of step 2 resumed into a new output (a run fewer for its two workers)."""
     tiny_model = request.getfixturevalue("tiny_sdxl_model" if family == "sdxl" else "tiny_model")
     options = ["--num_workers", workers, "--channels_last", "--fused_adamw", "--mixed_precision", "fp16",
                "--torch_compile", compiler,
@@ -167,6 +168,20 @@ def test_seeded_run_cut_and_resumed_with_every_gpu_option_ends_with_the_uninterr
                "--prior_preservation", "prior_prediction", "--class_prompt", "photo of a toy"]
     sampling = ["--validation_prompt", "photo of unqtkn toy", "--validation_steps", "1", "--num_validation_images",
                 "2", "--validation_inference_steps", "2"]
+    if family == "sdxl":  # DDP: the uninterrupted run's own checkpoint of step 2 resumed (a run fewer)
+        resume_the_uninterrupted_runs_checkpoint(tiny_model, toy_images, tmp_path, options, sampling, capsys)
+    else:
+        stop_then_continue_to_more_steps(tiny_model, toy_images, tmp_path, options, sampling, capsys)
+    a, b = final_weights(tmp_path / "whole"), final_weights(tmp_path / "cut")
+    base = final_weights(tiny_model)
+    for part in a:
+        assert any(not torch.equal(v, base[part][k]) for k, v in a[part].items())  # it trained
+        for k, v in a[part].items():
+            assert torch.equal(v, b[part][k]), (part, k)
+
+
+def stop_then_continue_to_more_steps(tiny_model, toy_images, tmp_path, options, sampling, capsys):
+    """The uninterrupted 4-step run; a 2-step run drawing validation samples; the same run continued to 4."""
     whole = train.main(train_args(tiny_model, toy_images, tmp_path / "whole", 4, *options))
     # its model saved, the run's checkpoints are removed (the default): the disk they held is free again
     assert checkpoint_steps(whole.path) == [] and "removed the run's 1 checkpoint(s) (" in capsys.readouterr().err
@@ -184,12 +199,28 @@ def test_seeded_run_cut_and_resumed_with_every_gpu_option_ends_with_the_uninterr
     assert cut.metrics["lr"] == pytest.approx(1e-3 * 2 / 4)
     assert resumed.metrics["lr"] == pytest.approx(1e-3)
     assert checkpoint_steps(resumed.path) == [4]  # only steps 3 and 4 ran in the resumed run
-    a, b = final_weights(tmp_path / "whole"), final_weights(tmp_path / "cut")
-    base = final_weights(tiny_model)
-    for part in a:
-        assert any(not torch.equal(v, base[part][k]) for k, v in a[part].items())  # it trained
-        for k, v in a[part].items():
-            assert torch.equal(v, b[part][k]), (part, k)
+
+
+def resume_the_uninterrupted_runs_checkpoint(tiny_model, toy_images, tmp_path, options, sampling, capsys):
+    """The uninterrupted 4-step run, drawing validation samples at each step and keeping its checkpoint of step 2;
+    that checkpoint resumed into a new output, without samples, to step 4: the same losses and weights."""
+    kept = ["--keep_checkpoints", "--checkpoints_total_limit", "2"]
+    whole = train.main(train_args(tiny_model, toy_images, tmp_path / "whole", 4, *options, *sampling, *kept,
+                                  "--resume_from_checkpoint", "latest"))
+    assert "starting fresh" in capsys.readouterr().err  # no checkpoint yet
+    assert sorted(os.listdir(os.path.join(whole.path, "validation"))) == [
+        "step-1", "step-2", "step-3", "step-4", "timeline.png"]
+    step_2 = checkpoints.by_step(os.path.dirname(whole.path), "whole")[2]
+    resumed = train.main(train_args(tiny_model, toy_images, tmp_path / "cut", 4, *options,
+                                    "--resume_from_checkpoint", step_2))
+    err = capsys.readouterr().err
+    assert "resuming from" in err and "removed the run's 1 checkpoint(s) (" in err  # (steps 3-4: its own one)
+    assert resumed.metrics["step"] == whole.metrics["step"] == 4
+    assert logged_losses(resumed) == logged_losses(whole)  # (steps 1-2 carried from the checkpoint's record)
+    with open(os.path.join(whole.path, runlog.METRICS_FILE)) as f:  # 4 steps of warm-up in all
+        assert [m["lr"] for m in map(json.loads, f)][1] == pytest.approx(1e-3 * 2 / 4)
+    assert resumed.metrics["lr"] == pytest.approx(1e-3)
+    assert checkpoint_steps(resumed.path) == []  # (its model saved: its checkpoint removed)
 
 
 def logged_steps(storage):
