@@ -208,9 +208,16 @@ def test_lora_checkpoint_holds_only_the_adapters(make_plan, step_prompts, tmp_pa
 
 
 @pytest.mark.slow  # (trains: over a second)
-def test_8bit_adam_trains_and_its_quantised_state_round_trips(make_plan, step_prompts, tmp_path):
-    """bitsandbytes' AdamW8bit runs on CPU too, so the --use_8bit_adam path is tested here."""
-    plan = make_plan(use_8bit_adam=True, train_text_encoder=False, learning_rate=1e-4)
+@pytest.mark.parametrize("optimizer", ["adamw8bit", "prodigy", "adamw_schedulefree"])
+def test_each_optimizer_trains_and_resumes_from_its_checkpoint_to_the_uninterrupted_weights(
+        optimizer, make_plan, step_prompts, tmp_path):
+    """--optimizer adamw8bit (bitsandbytes' AdamW8bit runs on CPU too), prodigy and adamw_schedulefree: two steps,
+    a checkpoint, and one more step from it gives exactly the weights of the run that went on without one (the
+    optimizer's state, Prodigy's step-size estimate, schedule-free's averaging point, all saved and restored)."""
+    # (Prodigy without the bias correction and warm-up safeguard of diffusers' defaults: its estimate moves at once)
+    prodigy = dict(prodigy_use_bias_correction=False, prodigy_safeguard_warmup=False) if optimizer == "prodigy" else {}
+    plan = make_plan(optimizer=optimizer, use_8bit_adam=optimizer == "adamw8bit", train_text_encoder=False,
+                     learning_rate=1.0 if optimizer == "prodigy" else 1e-4, lr_scheduler="constant", **prodigy)
     batch = {"instance_pixels": torch.randint(0, 256, (1, 64, 64, 3), dtype=torch.uint8)}
 
     def state_after(steps_taken):
@@ -221,9 +228,13 @@ def test_8bit_adam_trains_and_its_quantised_state_round_trips(make_plan, step_pr
         return state
 
     state = state_after(2)
-    assert type(state.optimizer).__name__ == "AdamW8bit"
-    big = max(state.params, key=lambda p: p.numel())  # bitsandbytes quantises tensors of 4096+ values
-    assert state.optimizer.state[big]["state1"].dtype == torch.uint8
+    assert type(state.optimizer).__name__ == {"adamw8bit": "AdamW8bit", "prodigy": "Prodigy",
+                                              "adamw_schedulefree": "AdamWScheduleFree"}[optimizer]
+    if optimizer == "adamw8bit":
+        big = max(state.params, key=lambda p: p.numel())  # bitsandbytes quantises tensors of 4096+ values
+        assert state.optimizer.state[big]["state1"].dtype == torch.uint8
+    base = state_after(0)
+    assert any(not torch.equal(a, b) for a, b in zip(state.params, base.params))  # it trained
     checkpoint.save(state, str(tmp_path), 0, [checkpoint.rng_state()], train_text_encoder=False)
     fresh = state_after(0)
     checkpoint.load(fresh, str(tmp_path), rank=0)
@@ -232,6 +243,36 @@ def test_8bit_adam_trains_and_its_quantised_state_round_trips(make_plan, step_pr
         steps.train_step(resumed, [batch], step_prompts, 1.0, 1.0)
     for k, v in state.models.denoiser.state_dict().items():
         assert torch.equal(v, fresh.models.denoiser.state_dict()[k]), k
+    if optimizer == "prodigy":  # it estimated a step size of its own (from d0 = 1e-6), the same after the resume
+        assert state.optimizer.param_groups[0]["d"] == fresh.optimizer.param_groups[0]["d"] > 1e-6
+
+
+@pytest.mark.slow  # (trains: over a second)
+def test_schedule_free_samples_and_saves_its_average_and_trains_on_unchanged(make_plan, step_prompts, tiny_model,
+                                                                            tmp_path):
+    """--optimizer adamw_schedulefree keeps a training point apart from the average it converges: validation
+    samples and the saved model get the average (worker.averaged_weights, as the worker saves it; a checkpoint
+    turned into a model too), and the training weights come back bit for bit after it."""
+    from diffusers import StableDiffusionPipeline
+
+    from dreambooth.training import worker
+
+    state = trained_state(make_plan, step_prompts, optimizer="adamw_schedulefree", lr_scheduler="constant",
+                          learning_rate=1e-3)
+    training = [p.detach().clone() for p in state.params]
+    with worker.averaged_weights(state):
+        averaged = [p.detach().clone() for p in state.params]
+        unet = {k: v.clone() for k, v in networks.unwrap(state.models.denoiser).state_dict().items()}
+    assert any(not torch.equal(a, t) for a, t in zip(averaged, training))  # the average is not the training point
+    assert all(torch.equal(p, t) for p, t in zip(state.params, training))  # (exactly the training weights again)
+    assert all(g["train_mode"] for g in state.optimizer.param_groups)
+    os.makedirs(tmp_path / "ckpt")
+    checkpoint.save(state, str(tmp_path / "ckpt"), 0, [checkpoint.rng_state()], train_text_encoder=True)
+    plan = make_plan(output_dir=str(tmp_path / "step-2"), total_steps=2, optimizer="adamw_schedulefree",
+                     lr_scheduler="constant")
+    checkpoint.save_as_model(str(tmp_path / "ckpt"), plan)
+    saved = StableDiffusionPipeline.from_pretrained(str(tmp_path / "step-2"), safety_checker=None)
+    assert all(torch.allclose(v, unet[k], atol=1e-7) for k, v in saved.unet.state_dict().items())
 
 
 def test_a_checkpoint_becomes_the_model_the_run_would_have_saved_at_that_step(make_plan, step_prompts, tiny_model,

@@ -180,7 +180,12 @@ def test_every_diffusers_flag_is_taken_or_refused_with_what_to_do_instead(capsys
     assert len(DIFFUSERS_FLOW_FLAGS) == 78 and all(f in options for f in DIFFUSERS_FLOW_FLAGS)
     every = DIFFUSERS_FLAGS + DIFFUSERS_SDXL_FLAGS + DIFFUSERS_FLOW_FLAGS
     refused = [f for f in dict.fromkeys(every) if f in flags.REFUSED]
-    assert set(flags.REFUSED) <= set(every) and len(refused) == 17 + 17 + 5
+    assert set(flags.REFUSED) <= set(every) and len(refused) == 17 + 12 + 5
+    # diffusers' Prodigy command lines (its flags take True/False after =)
+    args = parse_train(BASE + ["--optimizer=prodigy", "--prodigy_beta3=0.99", "--prodigy_decouple=True",
+                               "--prodigy_use_bias_correction=False", "--prodigy_safeguard_warmup"])
+    assert (args.optimizer, args.learning_rate, args.prodigy_beta3) == ("prodigy", 1.0, 0.99)
+    assert (args.prodigy_decouple, args.prodigy_use_bias_correction, args.prodigy_safeguard_warmup) == (True, False, True)
     for flag in refused:
         with pytest.raises(SystemExit):
             parse_train(BASE + [flag, "x"])
@@ -206,8 +211,9 @@ def test_the_sdxl_lora_readme_command_parses_and_what_differs_says_what_to_do(ca
     assert args.validation_steps is None  # decided from the epoch's steps when the run is planned
     assert "{none,tensorboard,wandb,mlflow,all}" in planning.train_parser().format_help()
     assert parse_train(argv + ["--report_to=wandb"]).report_to == "wandb"  # (as diffusers' command has it)
+    assert parse_train(argv + ["--optimizer=prodigy"]).learning_rate == 1e-4  # (the command's own, not Prodigy's 1.0)
     for extra, says in ((["--push_to_hub"], "upload the result yourself"),
-                        (["--optimizer=prodigy"], "the optimizer is AdamW"),
+                        (["--optimizer=adam"], "invalid choice: 'adam'"),
                         (["--validation_steps=5"], "not both")):
         with pytest.raises(SystemExit):
             parse_train(argv + extra)

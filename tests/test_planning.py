@@ -156,7 +156,35 @@ def test_8bit_adam_without_bitsandbytes_is_a_one_line_error(monkeypatch, capsys)
         planning.parse_args(["--model_dir", "/m", "--output_dir", "/o", "--instance_data_dir", "/i",
                          "--instance_prompt", "p", "--use_8bit_adam"])
     err = capsys.readouterr().err
-    assert "--use_8bit_adam needs bitsandbytes" in err and err.count("\n") == 1
+    assert "--optimizer adamw8bit needs bitsandbytes, which is not installed here: pip install bitsandbytes" in err
+    assert err.count("\n") == 1
+
+
+def test_each_optimizer_gets_its_defaults_and_its_flags_only_with_it(capsys):
+    """Prodigy's learning rate defaults to 1.0 (a multiplier of the step size it finds); schedule-free AdamW has no
+    schedule (it warms up over --lr_warmup_steps itself); --use_8bit_adam is --optimizer adamw8bit; diffusers'
+    spellings (AdamW, prodigy) are accepted; what does not fit is one line."""
+    base = ["--model_dir", "/m", "--output_dir", "/o", "--instance_data_dir", "/i", "--instance_prompt", "p"]
+    prodigy = planning.parse_args(base + ["--optimizer", "prodigy", "--prodigy_beta3", "0.9"])
+    assert prodigy.learning_rate == 1.0 and not prodigy.fused_adamw and prodigy.prodigy_beta3 == 0.9
+    assert planning.parse_args(base + ["--optimizer", "prodigy", "--lr", "0.5"]).learning_rate == 0.5
+    free = planning.parse_args(base + ["--optimizer", "adamw_schedulefree", "--lr_warmup_steps", "10"])
+    assert free.lr_scheduler == "constant" and free.learning_rate == 5e-6 and free.lr_warmup_steps == 10
+    assert planning.parse_args(base + ["--optimizer", "AdamW"]).optimizer == "adamw"
+    assert "(Prodigy, which scales it by the step size it finds, constant_with_warmup)" in planning.offline_plan(
+        optimizer="prodigy", learning_rate=1.0).describe()  # (the plan line names it)
+    eight = planning.parse_args(base + ["--use_8bit_adam"])
+    assert eight.optimizer == "adamw8bit" and planning.parse_args(base + ["--optimizer", "adamw8bit"]).use_8bit_adam
+    for flags, said in [(["--prodigy_beta3", "0.9"], "--prodigy_beta3 shape Prodigy: add --optimizer prodigy"),
+                        (["--optimizer", "adamw_schedulefree", "--lr_scheduler", "cosine"],
+                         "leave out --lr_scheduler cosine"),
+                        (["--use_8bit_adam", "--optimizer", "prodigy"], "--use_8bit_adam is --optimizer adamw8bit"),
+                        (["--optimizer", "prodigy", "--fused_adamw"], "--fused_adamw is torch's AdamW kernel"),
+                        (["--fsdp", "--optimizer", "prodigy"], "leave out --optimizer prodigy")]:
+        with pytest.raises(SystemExit):
+            planning.parse_args(base + flags)
+        err = capsys.readouterr().err
+        assert said in err and err.count("\n") == 1, (flags, err)
 
 
 def test_an_sdxl_plan_takes_both_tokenizers_its_own_vae_and_validation_epochs(tiny_sdxl_model, toy_images,

@@ -227,7 +227,7 @@ def memory_setup(train_flags, args, family):
     return memory.Setup(
         lora=train_flags.use_lora or args.use_lora, rank=train_flags.lora_rank,
         train_text_encoder=train_flags.train_text_encoder, gradient_checkpointing=train_flags.gradient_checkpointing,
-        use_8bit_adam=train_flags.use_8bit_adam, use_ema=train_flags.use_ema, batch=train_flags.train_batch_size,
+        use_8bit_adam=train_flags.use_8bit_adam, optimizer=train_flags.optimizer, use_ema=train_flags.use_ema, batch=train_flags.train_batch_size,
         prior_prediction=train_flags.prior_preservation == "prior_prediction",
         class_images=train_flags.prior_preservation != "prior_prediction", resolution=resolution,
         half=train_flags.mixed_precision != "no", gpus_per_worker=args.gpus_per_worker,

@@ -123,6 +123,9 @@ def one_prompt(value):
 # The short names of the base models, as the families list them (Family.known_models), and the gated ones.
 SHORT_NAMES = ", ".join(model.short_name for model in families.KNOWN_MODELS)
 GATED = ", ".join(model.short_name for model in families.KNOWN_MODELS if model.gated)
+# train.py's --optimizer choices: torch's AdamW, bitsandbytes' 8-bit AdamW, prodigyopt's Prodigy, schedulefree's AdamW
+OPTIMIZERS = ("adamw", "adamw8bit", "prodigy", "adamw_schedulefree")
+
 FLAGS = {
     # --- models and folders
     "model_dir": (("--model_dir", "--pretrained_model_name_or_path"),
@@ -248,7 +251,7 @@ FLAGS = {
              help="Instance images per worker per step (as many class images are added).")),
     "learning_rate": (("--lr", "--learning_rate"),
         dict(type=positive_float, default=None,
-             help="AdamW learning rate. Default: 5e-6, or 1e-4 with --use_lora.")),
+             help="The learning rate. Default: 5e-6, or 1e-4 with --use_lora; 1.0 with --optimizer prodigy.")),
     "lr_warmup_steps": (("--lr_warmup_steps",),
         dict(type=non_negative_int, default=0, help="Optimizer steps of linear warm-up at the start of the schedule.")),
     "lr_scheduler": (("--lr_scheduler",),
@@ -340,9 +343,28 @@ FLAGS = {
         dict(type=positive_int, default=None,
              help="As diffusers: before training, generate class images with the base model until "
                   "--class_data_dir holds this many (generate.py's pool, seeded by --seed).")),
+    "optimizer": (("--optimizer",),
+        dict(type=str.lower, choices=OPTIMIZERS, default="adamw",
+             help="adamw (torch's); adamw8bit (bitsandbytes', state in a quarter of the memory: --use_8bit_adam); "
+                  "prodigy (prodigyopt's: it finds its own step size, learning rate 1.0 by default); "
+                  "adamw_schedulefree (schedulefree's: no schedule, it warms up over --lr_warmup_steps itself and "
+                  "validation samples and the saved model get its averaged weights). Either spelling of diffusers' "
+                  "names (AdamW, prodigy).")),
     "use_8bit_adam": (("--use_8bit_adam",),
-        dict(action="store_true",
-             help="bitsandbytes' 8-bit AdamW: optimizer state in a quarter of the memory (replaces --fused_adamw).")),
+        dict(action="store_true", help="The same as --optimizer adamw8bit (replaces --fused_adamw).")),
+    "prodigy_beta3": (("--prodigy_beta3",),
+        dict(type=positive_float, default=None,
+             help="Prodigy's beta3, the average of its step-size estimate. Default: the square root of --adam_beta2 "
+                  "(Prodigy's own).")),
+    "prodigy_decouple": (("--prodigy_decouple",),
+        dict(type=_switch, nargs="?", const=True, default=True, metavar="on|off",
+             help="Prodigy's weight decay decoupled from the gradient, as AdamW's (diffusers' default); off as diffusers writes it too: =False.")),
+    "prodigy_use_bias_correction": (("--prodigy_use_bias_correction",),
+        dict(type=_switch, nargs="?", const=True, default=True, metavar="on|off",
+             help="Prodigy's Adam bias correction (diffusers' default); off as diffusers writes it too: =False.")),
+    "prodigy_safeguard_warmup": (("--prodigy_safeguard_warmup",),
+        dict(type=_switch, nargs="?", const=True, default=True, metavar="on|off",
+             help="Prodigy's step size kept from growing during the learning-rate warm-up (diffusers' default); off as diffusers writes it too: =False.")),
     "adam_beta1": (("--adam_beta1",), dict(type=float, default=0.9, help="AdamW beta1.")),
     "adam_beta2": (("--adam_beta2",), dict(type=float, default=0.999, help="AdamW beta2.")),
     "adam_weight_decay": (("--adam_weight_decay",),
@@ -377,7 +399,7 @@ FLAGS = {
                   "fully_shard per block) instead of a copy on each: a full fine-tune of a model no single card "
                   "holds (Flux.1's 12 B transformer, SD 3.5 large), over --num_workers GPUs. The denoiser only "
                   "(--no-train_text_encoder), without --use_lora (adapters fit one card: DDP is faster), "
-                  "--use_ema, --use_8bit_adam, --torch_compile or fp16.")),
+                  "--use_ema, an --optimizer other than adamw, --torch_compile or fp16.")),
     "channels_last": (("--channels_last",),
         dict(action=argparse.BooleanOptionalAction, default=None,
              help="UNet and VAE in channels-last memory layout (NHWC convolutions). Default: on with GPUs.")),
@@ -647,7 +669,6 @@ REFUSED = {
 _ONE_LR = "one learning rate and weight decay for every trained weight (--learning_rate, --adam_weight_decay)"
 _FOLDER = ("photos come from a folder (--instance_data_dir), captions from .txt files beside them "
            "(--caption_extension)")
-_ADAMW = "the optimizer is AdamW (or --use_8bit_adam); Prodigy is not offered"
 REFUSED_SDXL = {
     "--adam_weight_decay_text_encoder": _ONE_LR, "--text_encoder_lr": _ONE_LR,
     "--cache_dir": "models are fetched into the hub cache by cache_model.py (HF_HUB_CACHE sets where)",
@@ -656,8 +677,6 @@ REFUSED_SDXL = {
     "--do_edm_style_training": "EDM-style training (Playground v2.5) is not offered; SD 1.x, 2.x and SDXL train "
                                "with their schedulers' own objective",
     "--image_interpolation_mode": "photos are resized with bicubic interpolation",
-    "--optimizer": _ADAMW, "--prodigy_beta3": _ADAMW, "--prodigy_decouple": _ADAMW,
-    "--prodigy_safeguard_warmup": _ADAMW, "--prodigy_use_bias_correction": _ADAMW,
     "--output_kohya_format": "export.py writes the kohya-format file after training: python export.py "
                              "--model_dir OUTPUT_DIR --output_file my-lora.safetensors",
     "--repeats": "--num_train_epochs or --max_train_steps set how often each photo is seen",

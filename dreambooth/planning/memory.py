@@ -50,6 +50,12 @@ RELEASED = {name: family.released_params for name, family in families.FAMILIES.i
 DEFAULT_RESOLUTION = {name: max(families.FAMILIES[name].released_resolutions) for name in RELEASED}
 
 
+# Optimizer state per trained parameter, bytes: AdamW's two fp32 moments, bitsandbytes' 8-bit ones (1 byte each
+# and a scale per block), Prodigy's moments, its s and its copy of the starting weights, schedule-free AdamW's z
+# and second moment
+OPTIMIZER_BYTES = {"adamw": 8, "adamw8bit": 2, "prodigy": 16, "adamw_schedulefree": 8}
+
+
 @dataclasses.dataclass(frozen=True)
 class Setup:
     """What decides a worker's memory: train.py's flags that matter, and the images in a step."""
@@ -59,6 +65,7 @@ class Setup:
     train_text_encoder: bool = True
     gradient_checkpointing: bool = False
     use_8bit_adam: bool = False
+    optimizer: str = "adamw"  # --optimizer (adamw8bit: use_8bit_adam)
     use_ema: bool = False
     batch: int = 2  # instance images per worker and step (--train_batch_size)
     class_images: bool = True  # as many class images in the step (prior preservation with class images)
@@ -73,6 +80,7 @@ class Setup:
         """The train.py flags of this setup, as a user types them."""
         words = ["--use_lora"] * self.lora
         words += ["--gradient_checkpointing"] * self.gradient_checkpointing + ["--use_8bit_adam"] * self.use_8bit_adam
+        words += ["--optimizer", self.optimizer] * (self.optimizer not in ("adamw", "adamw8bit"))
         if not self.train_text_encoder:
             words.append("--no-train_text_encoder")
         if self.base_precision:
@@ -111,7 +119,8 @@ def need(family, setup, params=None, source=None):
     params = params or RELEASED[family]
     denoiser = params[spec.denoiser]
     frozen_bytes = 2 if setup.half else 4
-    trained_bytes = 4 + 4 + (2 if setup.use_8bit_adam else 8) + (4 if setup.use_ema else 0)
+    optimizer = "adamw8bit" if setup.use_8bit_adam else setup.optimizer
+    trained_bytes = 4 + 4 + OPTIMIZER_BYTES[optimizer] + (4 if setup.use_ema else 0)
     encoders = {name: n for name, n in params.items() if name.startswith("text_encoder")}
     # (a family without trainable text encoders, Qwen-Image, trains none and releases its frozen one either way)
     setup = dataclasses.replace(setup, train_text_encoder=spec.trains_text_encoder(setup.train_text_encoder))

@@ -6,6 +6,10 @@ import dataclasses
 from dreambooth import families
 from dreambooth.storage import runfiles
 
+# How the plan line names an optimizer other than torch's AdamW, before the schedule
+OPTIMIZER_WORDS = {"adamw8bit": "8-bit AdamW, ", "prodigy": "Prodigy, which scales it by the step size it finds, ",
+                   "adamw_schedulefree": "schedule-free AdamW, which warms up itself, "}
+
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
@@ -71,7 +75,12 @@ class Plan:
     adam_epsilon: float
     max_grad_norm: float
     fused_adamw: bool
-    use_8bit_adam: bool
+    optimizer: str  # flags.OPTIMIZERS: "adamw", "adamw8bit", "prodigy", "adamw_schedulefree"
+    use_8bit_adam: bool  # (optimizer == "adamw8bit")
+    prodigy_beta3: float | None
+    prodigy_decouple: bool
+    prodigy_use_bias_correction: bool
+    prodigy_safeguard_warmup: bool
     allow_tf32: bool
     mixed_precision: str | None  # None: bf16/fp16 on GPUs that have it, fp32 on CPU
     # memory and speed
@@ -160,6 +169,6 @@ class Plan:
                 f"{self.resolution} px{' (aspect-ratio buckets)' if self.enable_bucket else ''}\n"
                 f"      {self.num_workers} worker(s) x ({device}), batch {self.train_batch_size} instance{prior} "
                 f"x {self.gradient_accumulation_steps} accumulated, lr {self.learning_rate:g} "
-                f"({self.lr_scheduler}), seed {self.seed}\n"
+                f"({OPTIMIZER_WORDS.get(self.optimizer, '') + self.lr_scheduler}), seed {self.seed}\n"
                 f"      run {self.run_name}: checkpoints every {self.checkpointing_steps} steps in "
                 f"{self.storage_path}{resume}")

@@ -34,7 +34,8 @@ TRAIN_FLAGS = [
     "train_batch_size", "learning_rate", "scale_lr", "lr_scheduler", "lr_warmup_steps", "lr_num_cycles", "lr_power",
     "offset_noise", "snr_gamma", "base_precision", "weighting_scheme", "flow_shift", "logit_mean", "logit_std", "mode_scale",
     "precondition_outputs", "guidance_scale", "caption_dropout_rate", "masked_loss", "use_ema", "ema_decay",
-    "ema_update_after_step", "use_8bit_adam", "adam_beta1", "adam_beta2", "adam_weight_decay", "adam_epsilon",
+    "ema_update_after_step", "optimizer", "use_8bit_adam", "prodigy_beta3", "prodigy_decouple",
+    "prodigy_use_bias_correction", "prodigy_safeguard_warmup", "adam_beta1", "adam_beta2", "adam_weight_decay", "adam_epsilon",
     "max_grad_norm", "max_train_steps", "num_train_epochs", "mixed_precision", "seed", "num_workers",
     "gpus_per_worker", "use_gpu", "storage_path", "logging_steps", "report_to", "tracker_project_name", "notify_url",
     "validation_prompt", "num_validation_images", "validation_steps", "validation_epochs",
@@ -100,6 +101,7 @@ def derive(given, parser):
     if args.base_precision and not args.use_lora:
         raise FlagError(f"--base_precision {args.base_precision} quantises the frozen model under LoRA's adapters: "
                         "add --use_lora (a full fine-tune trains every weight in fp32)")
+    derive_optimizer(args, parser)
     check_fsdp(args, parser.given)
     if not args.use_ema and parser.typed & {"ema_decay", "ema_update_after_step"}:
         raise FlagError("--ema_decay/--ema_update_after_step shape the moving average of the weights: add --use_ema")
@@ -107,12 +109,10 @@ def derive(given, parser):
         raise FlagError("give --validation_steps or --validation_epochs, not both")
     if args.validation_steps is None and not args.validation_epochs:
         args.validation_steps = args.checkpointing_steps
-    if args.learning_rate is None:
-        args.learning_rate = 1e-4 if args.use_lora else 5e-6
+    if args.learning_rate is None:  # (Prodigy's is a multiplier of the step size it finds: 1.0)
+        args.learning_rate = 1.0 if args.optimizer == "prodigy" else 1e-4 if args.use_lora else 5e-6
     if args.lora_alpha is None:
         args.lora_alpha = float(args.lora_rank)
-    if args.use_8bit_adam and importlib.util.find_spec("bitsandbytes") is None:
-        raise FlagError("--use_8bit_adam needs bitsandbytes, which is not installed here: pip install bitsandbytes")
     if args.lora_dropout >= 1:
         raise FlagError(f"argument --lora_dropout: must be < 1, got {args.lora_dropout:g}")
     if args.resume_from_checkpoint not in (None, "latest", "auto"):
@@ -125,6 +125,38 @@ def derive(given, parser):
     return args
 
 
+# The package each optimizer of --optimizer comes from (torch's own AdamW needs none)
+OPTIMIZER_PACKAGES = {"adamw8bit": "bitsandbytes", "prodigy": "prodigyopt", "adamw_schedulefree": "schedulefree"}
+
+
+def derive_optimizer(args, parser):
+    """--optimizer with --use_8bit_adam as its adamw8bit (args.use_8bit_adam then says which it is), its package
+    there, its own flags only with it; schedule-free AdamW without a schedule (it warms up itself)."""
+    if args.use_8bit_adam:
+        if "optimizer" in parser.given and args.optimizer != "adamw8bit":
+            raise FlagError(f"--use_8bit_adam is --optimizer adamw8bit: give one of them, not --optimizer "
+                            f"{args.optimizer} too")
+        args.optimizer = "adamw8bit"
+    args.use_8bit_adam = args.optimizer == "adamw8bit"
+    package = OPTIMIZER_PACKAGES.get(args.optimizer)
+    if package and importlib.util.find_spec(package) is None:
+        raise FlagError(f"--optimizer {args.optimizer} needs {package}, which is not installed here: "
+                        f"pip install {package}")
+    prodigy = {"prodigy_beta3", "prodigy_decouple", "prodigy_use_bias_correction", "prodigy_safeguard_warmup"}
+    if args.optimizer != "prodigy" and parser.typed & prodigy:
+        raise FlagError(f"{', '.join('--' + f for f in sorted(parser.typed & prodigy))} shape Prodigy: "
+                        "add --optimizer prodigy")
+    if args.optimizer in ("prodigy", "adamw_schedulefree"):
+        if args.fused_adamw and "fused_adamw" in parser.typed:
+            raise FlagError(f"--fused_adamw is torch's AdamW kernel: --optimizer {args.optimizer} has none")
+        args.fused_adamw = False
+    if args.optimizer == "adamw_schedulefree":
+        if "lr_scheduler" in parser.given and args.lr_scheduler != "constant":
+            raise FlagError(f"--optimizer adamw_schedulefree replaces the schedule (it warms up over "
+                            f"--lr_warmup_steps itself): leave out --lr_scheduler {args.lr_scheduler}")
+        args.lr_scheduler = "constant"
+
+
 def check_fsdp(args, given):
     """FlagError for what --fsdp does not shard or was not tested with, each named; the text encoders, trained by
     default, are frozen under it unless --train_text_encoder is in given (the flags the user set)."""
@@ -134,7 +166,7 @@ def check_fsdp(args, given):
         args.train_text_encoder = False
     clash = [flag for flag, on in (("--use_lora", args.use_lora), ("--train_text_encoder", args.train_text_encoder),
                                    ("--use_ema", args.use_ema), ("--torch_compile", args.torch_compile),
-                                   ("--use_8bit_adam", args.use_8bit_adam),
+                                   (f"--optimizer {args.optimizer}", args.optimizer != "adamw"),
                                    ("--mixed_precision fp16", args.mixed_precision == "fp16")) if on]
     if clash:
         raise FlagError(f"--fsdp shards a full fine-tune of the denoiser alone, in bf16 or fp32: leave out "

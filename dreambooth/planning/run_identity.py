@@ -29,7 +29,13 @@ WEIGHT_FLAGS = (
 # ... of a flow-matching family
 FLOW_FLAGS = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "precondition_outputs", "flow_shift")
 # Every flag of_run reads: planning hands their values over ({name: value})
-FLAGS = WEIGHT_FLAGS + FLOW_FLAGS + ("model_dir", "vae_dir", "base_precision", "guidance_scale")
+# ... of an optimizer other than AdamW (an identity without them: AdamW's, as before they were offered)
+OPTIMIZER_FLAGS = {"prodigy": ("optimizer", "prodigy_beta3", "prodigy_decouple", "prodigy_use_bias_correction",
+                               "prodigy_safeguard_warmup"),
+                   "adamw_schedulefree": ("optimizer",)}
+FLAGS = WEIGHT_FLAGS + FLOW_FLAGS + ("model_dir", "vae_dir", "base_precision", "guidance_scale", "optimizer",
+                                     "prodigy_beta3", "prodigy_decouple", "prodigy_use_bias_correction",
+                                     "prodigy_safeguard_warmup")
 # The parts of an identity that are files, as the line that names a difference says them.
 FILE_PARTS = {"base_model": "the base model", "vae": "the VAE", "photos": "the photos (their content)",
               "class_images": "the class images (their content)"}
@@ -64,6 +70,7 @@ def of_run(flags, family, photos, masks, held_out, captions, class_images, resol
         "buckets": [list(b) for b in buckets],
         **{name: flags[name] for name in WEIGHT_FLAGS + (FLOW_FLAGS if family.flow_matching else ())},
         **({"base_precision": flags["base_precision"]} if flags["base_precision"] else {}),
+        **{name: flags[name] for name in OPTIMIZER_FLAGS.get(flags["optimizer"], ())},
         **({"guidance_scale": family.guidance(flags["guidance_scale"])} if family.guided_training else {}),
     }
     return json.loads(json.dumps(identity))  # tuples as lists: as it reads back from a file

@@ -173,6 +173,12 @@ def save_as_model(checkpoint_dir, plan):
     cpu = torch.device("cpu")
     nets = networks.setup_models(dataclasses.replace(plan, fsdp=False), cpu, cpu, distributed=False)  # (whole files)
     load_weights(nets, checkpoint_dir)
+    trained = steps.trained_parameters(nets, plan.train_text_encoder)
+    if plan.optimizer == "adamw_schedulefree":  # its model is the average it keeps beside the training weights
+        optimizer = steps.make_optimizer(trained, plan)
+        optimizer.load_state_dict(torch.load(os.path.join(checkpoint_dir, OPTIMIZER_FILE), map_location="cpu",
+                                             weights_only=True)["optimizer"])
+        optimizer.eval()
     if plan.use_ema:  # the model of a run with --use_ema is its moving average, at any step
-        load_ema(steps.trained_parameters(nets, plan.train_text_encoder), checkpoint_dir)
+        load_ema(trained, checkpoint_dir)
     outputs.save_pipeline(nets, plan)

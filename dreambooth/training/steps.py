@@ -292,6 +292,57 @@ def loss_options(plan):
                                   plan.family.guidance(plan.guidance_scale), plan.flow_shift)
 
 
+def make_optimizer(params, plan):
+    """plan.optimizer over params with the plan's settings: torch's AdamW (fused or not), bitsandbytes' 8-bit
+    AdamW, prodigyopt's Prodigy or schedulefree's AdamW (in its train mode, warming up over lr_warmup_steps)."""
+    settings = dict(lr=plan.learning_rate, betas=(plan.adam_beta1, plan.adam_beta2),
+                    weight_decay=plan.adam_weight_decay, eps=plan.adam_epsilon)
+    name = "adamw8bit" if plan.use_8bit_adam else plan.optimizer
+    if name == "adamw8bit":
+        import bitsandbytes
+
+        return bitsandbytes.optim.AdamW8bit(params, **settings)
+    if name == "prodigy":
+        from prodigyopt import Prodigy
+
+        return Prodigy(params, beta3=plan.prodigy_beta3, decouple=plan.prodigy_decouple,
+                       use_bias_correction=plan.prodigy_use_bias_correction,
+                       safeguard_warmup=plan.prodigy_safeguard_warmup, **settings)
+    if name == "adamw_schedulefree":
+        import schedulefree
+
+        optimizer = schedulefree.AdamWScheduleFree(params, warmup_steps=plan.lr_warmup_steps, **settings)
+        optimizer.train()
+        return optimizer
+    return torch.optim.AdamW(params, fused=plan.fused_adamw, **settings)
+
+
+def schedule_free(optimizer):
+    """Whether optimizer keeps a training point apart from the weights it averages (schedule-free AdamW's modes)."""
+    return callable(getattr(optimizer, "eval", None)) and all("train_mode" in g for g in optimizer.param_groups)
+
+
+@contextlib.contextmanager
+def evaluation_weights(optimizer):
+    """For the duration, a schedule-free optimizer's averaged weights in its parameters (what validation samples
+    and the saved model get); after it, the training weights again bit for bit (kept on the CPU meanwhile), so a
+    sample drawn changes nothing of the training. Any other optimizer's parameters stay as they are."""
+    if not schedule_free(optimizer):
+        yield
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    kept = [p.detach().to("cpu", copy=True) for p in params]
+    optimizer.eval()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, training in zip(params, kept):
+                p.copy_(training)
+        for group in optimizer.param_groups:
+            group["train_mode"] = True
+
+
 def make_train_state(models, plan):
     """Optimizer, LR schedule and grad scaler over the trainable parameters of models,
     as a plan.Plan sets them (learning_rate, adam_*, lr_scheduler and its options over
@@ -305,14 +356,7 @@ def make_train_state(models, plan):
     if plan.fsdp and dtype == torch.float16:  # (the default on GPUs without bf16; loss scaling of shards untested)
         raise ValueError("--fsdp trains in bf16 or fp32 and this GPU has no bf16: pass --mixed_precision no")
     params = trained_parameters(models, plan.train_text_encoder)
-    settings = dict(lr=plan.learning_rate, betas=(plan.adam_beta1, plan.adam_beta2),
-                    weight_decay=plan.adam_weight_decay, eps=plan.adam_epsilon)
-    if plan.use_8bit_adam:
-        import bitsandbytes
-
-        optimizer = bitsandbytes.optim.AdamW8bit(params, **settings)
-    else:
-        optimizer = torch.optim.AdamW(params, fused=plan.fused_adamw, **settings)
+    optimizer = make_optimizer(params, plan)
     lr_scheduler = get_scheduler(plan.lr_scheduler, optimizer, num_warmup_steps=plan.lr_warmup_steps,
                                  num_training_steps=plan.total_steps, num_cycles=plan.lr_num_cycles,
                                  power=plan.lr_power)

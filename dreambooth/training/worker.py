@@ -246,10 +246,15 @@ class ReportWindow:
         return metrics
 
 
+@contextlib.contextmanager
 def averaged_weights(state):
-    """With --use_ema, the moving average in the trained weights for the duration (validation samples,
-    the saved model); else nothing changes."""
-    return state.ema.applied(state.params) if state.ema is not None else contextlib.nullcontext()
+    """For the duration (validation samples, the saved model): with --use_ema the moving average in the trained
+    weights, with --optimizer adamw_schedulefree its averaged weights; else nothing changes."""
+    from dreambooth.training import steps  # (here: it imports torch, 2 s --help never waits for)
+
+    with steps.evaluation_weights(state.optimizer), (
+            state.ema.applied(state.params) if state.ema is not None else contextlib.nullcontext()):
+        yield
 
 
 def worker_devices(gpus_per_worker, local_world_size):
