@@ -208,16 +208,19 @@ def test_lora_checkpoint_holds_only_the_adapters(make_plan, step_prompts, tmp_pa
 
 
 @pytest.mark.slow  # (trains: over a second)
-@pytest.mark.parametrize("optimizer", ["adamw8bit", "prodigy", "adamw_schedulefree"])
-def test_each_optimizer_trains_and_resumes_from_its_checkpoint_to_the_uninterrupted_weights(
-        optimizer, make_plan, step_prompts, tmp_path):
-    """--optimizer adamw8bit (bitsandbytes' AdamW8bit runs on CPU too), prodigy and adamw_schedulefree: two steps,
-    a checkpoint, and one more step from it gives exactly the weights of the run that went on without one (the
-    optimizer's state, Prodigy's step-size estimate, schedule-free's averaging point, all saved and restored)."""
+@pytest.mark.parametrize("optimizer, adapter", [("adamw8bit", None), ("prodigy", None), ("adamw_schedulefree", None),
+                                               ("adamw", "dora")])
+def test_each_optimizer_and_adapter_trains_and_resumes_from_its_checkpoint_to_the_uninterrupted_weights(
+        optimizer, adapter, make_plan, step_prompts, tmp_path):
+    """--optimizer adamw8bit (bitsandbytes' AdamW8bit runs on CPU too), prodigy and adamw_schedulefree, and
+    --adapter dora: two steps, a checkpoint, and one more step from it gives exactly the weights of the run that
+    went on without one (the optimizer's state, Prodigy's step-size estimate, schedule-free's averaging point,
+    DoRA's magnitudes, all saved and restored)."""
     # (Prodigy without the bias correction and warm-up safeguard of diffusers' defaults: its estimate moves at once)
     prodigy = dict(prodigy_use_bias_correction=False, prodigy_safeguard_warmup=False) if optimizer == "prodigy" else {}
     plan = make_plan(optimizer=optimizer, use_8bit_adam=optimizer == "adamw8bit", train_text_encoder=False,
-                     learning_rate=1.0 if optimizer == "prodigy" else 1e-4, lr_scheduler="constant", **prodigy)
+                     learning_rate=1.0 if optimizer == "prodigy" else 1e-4, lr_scheduler="constant",
+                     use_lora=adapter is not None, adapter=adapter, **prodigy)
     batch = {"instance_pixels": torch.randint(0, 256, (1, 64, 64, 3), dtype=torch.uint8)}
 
     def state_after(steps_taken):
@@ -228,8 +231,11 @@ def test_each_optimizer_trains_and_resumes_from_its_checkpoint_to_the_uninterrup
         return state
 
     state = state_after(2)
-    assert type(state.optimizer).__name__ == {"adamw8bit": "AdamW8bit", "prodigy": "Prodigy",
+    assert type(state.optimizer).__name__ == {"adamw": "AdamW", "adamw8bit": "AdamW8bit", "prodigy": "Prodigy",
                                               "adamw_schedulefree": "AdamWScheduleFree"}[optimizer]
+    if adapter == "dora":  # each adapted weight's magnitude is trained beside its LoRA pair
+        trained = [n for n, p in state.models.denoiser.named_parameters() if p.requires_grad]
+        assert any("lora_magnitude_vector" in n for n in trained) and all("lora_" in n for n in trained)
     if optimizer == "adamw8bit":
         big = max(state.params, key=lambda p: p.numel())  # bitsandbytes quantises tensors of 4096+ values
         assert state.optimizer.state[big]["state1"].dtype == torch.uint8

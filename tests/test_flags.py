@@ -180,7 +180,8 @@ def test_every_diffusers_flag_is_taken_or_refused_with_what_to_do_instead(capsys
     assert len(DIFFUSERS_FLOW_FLAGS) == 78 and all(f in options for f in DIFFUSERS_FLOW_FLAGS)
     every = DIFFUSERS_FLAGS + DIFFUSERS_SDXL_FLAGS + DIFFUSERS_FLOW_FLAGS
     refused = [f for f in dict.fromkeys(every) if f in flags.REFUSED]
-    assert set(flags.REFUSED) <= set(every) and len(refused) == 17 + 12 + 5
+    assert set(flags.REFUSED) <= set(every) and len(refused) == 17 + 11 + 5
+    assert parse_train(BASE + ["--use_dora"]).adapter == "dora"  # (diffusers' SDXL LoRA script's flag)
     # diffusers' Prodigy command lines (its flags take True/False after =)
     args = parse_train(BASE + ["--optimizer=prodigy", "--prodigy_beta3=0.99", "--prodigy_decouple=True",
                                "--prodigy_use_bias_correction=False", "--prodigy_safeguard_warmup"])

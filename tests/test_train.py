@@ -268,6 +268,46 @@ def test_lora_output_is_what_diffusers_load_lora_weights_reads(lora_output, tiny
     assert json.load(open(os.path.join(folder, files.OUTPUT_MARKER)))["lora"] == {"rank": 4, "lora_alpha": 8.0}
 
 
+def test_dora_output_is_what_diffusers_load_lora_weights_reads_and_export_says_it_has_no_layout(make_plan, tiny_model,
+                                                                                                tmp_path):
+    """--adapter dora (diffusers' --use_dora): peft's DoRA adapters, magnitudes and all, in the file diffusers'
+    load_lora_weights reads back to the same predictions, changed from the base model's; the record says DoRA;
+    export.py says in one line that it writes no kohya layout of them yet."""
+    from diffusers import StableDiffusionPipeline
+
+    from dreambooth import errors
+    from dreambooth.commands import export
+    from dreambooth.models import networks
+    from dreambooth.models import outputs
+
+    plan = make_plan(use_lora=True, adapter="dora", lora_rank=4, lora_alpha=8.0, output_dir=str(tmp_path / "dora"))
+    nets = networks.setup_models(plan, torch.device("cpu"), torch.device("cpu"), distributed=False)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for model in (nets.denoiser, nets.text_encoder):
+            for name, weight in model.named_parameters():
+                if ".lora_B." in name or "lora_magnitude_vector" in name:
+                    weight.mul_(1.5) if "magnitude" in name else weight.normal_(0, 0.2)
+    outputs.save_pipeline(nets, plan)
+    loaded = StableDiffusionPipeline.from_pretrained(tiny_model, safety_checker=None)
+    loaded.load_lora_weights(plan.output_dir)
+    base = StableDiffusionPipeline.from_pretrained(tiny_model, safety_checker=None)
+    torch.manual_seed(1)
+    ids, latents, t = torch.randint(0, 100, (1, 77)), torch.randn(1, 4, 32, 32), torch.tensor([500])
+
+    def predict(unet, text_encoder):
+        with torch.no_grad():
+            return unet(latents, t, text_encoder(ids)[0]).sample
+
+    ours = predict(nets.denoiser.eval(), nets.text_encoder.eval())
+    assert torch.allclose(predict(loaded.unet, loaded.text_encoder), ours, atol=1e-5)
+    assert not torch.allclose(predict(base.unet, base.text_encoder), ours, atol=1e-3)
+    assert json.load(open(os.path.join(plan.output_dir, files.OUTPUT_MARKER)))["lora"] == {
+        "rank": 4, "lora_alpha": 8.0, "dora": True}
+    with pytest.raises(errors.UserError, match="holds DoRA adapters"):
+        export.main(["--model_dir", plan.output_dir, "--output_file", str(tmp_path / "dora.safetensors")])
+
+
 @pytest.mark.slow
 def test_num_class_images_tops_up_the_class_folder_counting_what_is_there(ray_session, tiny_model, toy_images,
                                                                           tmp_path):

@@ -86,6 +86,9 @@ def lora_checkpoint(lora_dir):
     base = output.base_model if output else ""
     family = families.require(base, "export_lora") if base and os.path.isdir(base) else None
     state_dict, alphas = load_file(os.path.join(lora_dir, files.LORA_WEIGHTS_FILE)), lora_alphas(lora_dir)
+    if any("lora_magnitude_vector" in key for key in state_dict):
+        raise errors.UserError(f"{lora_dir} holds DoRA adapters (--adapter dora): their kohya layout is not written "
+                               "yet; diffusers' load_lora_weights reads the folder's own file")
     if family is None and any(key.startswith("transformer.") for key in state_dict):
         raise errors.UserError(f"the base model of the LoRA adapters in {lora_dir} ({base or 'not recorded'}) is not "
                                "here, and a transformer's layout is its family's: cache it (cache_model.py) first")

@@ -22,7 +22,7 @@ HELP_GROUPS = {
     "memory and speed": ("gradient_checkpointing", "use_8bit_adam", "cache_latents", "precompute_text_embeddings",
                          "torch_compile", "channels_last", "fused_adamw", "fsdp", "allow_tf32", "set_grads_to_none",
                          "enable_xformers_memory_efficient_attention", "gpu_memory"),
-    "adapters (LoRA)": ("use_lora", "lora_rank", "lora_alpha", "lora_dropout", "lora_dir", "lora_scale"),
+    "adapters (LoRA)": ("use_lora", "adapter", "use_dora", "lora_rank", "lora_alpha", "lora_dropout", "lora_dir", "lora_scale"),
     "outputs": ("output_dir", "output_file", "save_precision", "overwrite", "force", "storage_path",
                 "checkpointing_steps", "checkpoints_total_limit", "keep_checkpoints", "resume_from_checkpoint",
                 "logging_steps", "report_to", "tracker_project_name", "notify_url", "validation_prompt",

@@ -239,6 +239,13 @@ FLAGS = {
              help="Train LoRA adapters (peft) on the UNet's attention projections, and on the text encoder's "
                   "with --train_text_encoder, instead of every weight: output_dir then holds only "
                   "pytorch_lora_weights.safetensors, for the base model's load_lora_weights.")),
+    "adapter": (("--adapter",),
+        dict(type=str.lower, choices=["lora", "dora"], default=None,
+             help="The adapters to train (implies --use_lora): lora (the default of --use_lora) or dora (peft's DoRA: "
+                  "each adapted weight's magnitude trained apart from its direction; diffusers' --use_dora) on the "
+                  "denoiser, the text encoders' adapters LoRA (diffusers' load_lora_weights drops their magnitudes).")),
+    "use_dora": (("--use_dora",),
+        dict(action="store_true", help="The same as --adapter dora (diffusers' SDXL LoRA script's flag).")),
     "lora_rank": (("--rank", "--lora_rank"),
         dict(type=positive_int, default=4, help="LoRA rank (width of the adapters).")),
     "lora_alpha": (("--lora_alpha",),
@@ -680,7 +687,6 @@ REFUSED_SDXL = {
     "--output_kohya_format": "export.py writes the kohya-format file after training: python export.py "
                              "--model_dir OUTPUT_DIR --output_file my-lora.safetensors",
     "--repeats": "--num_train_epochs or --max_train_steps set how often each photo is seen",
-    "--use_dora": "DoRA is not offered; --use_lora trains LoRA adapters",
 }
 REFUSED.update(REFUSED_SDXL)
 # ... and diffusers' train_dreambooth_lora_sd3.py / _flux.py these:

@@ -165,11 +165,11 @@ def ddp(model, device):
 TEXT_ENCODER_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
 
 
-def lora_config(plan, targets):
+def lora_config(plan, targets, dora=False):
     from peft import LoraConfig
 
     return LoraConfig(r=plan.lora_rank, lora_alpha=plan.lora_alpha, lora_dropout=plan.lora_dropout,
-                      init_lora_weights="gaussian",
+                      init_lora_weights="gaussian", use_dora=dora,
                       target_modules=targets if isinstance(targets, str) else list(targets))  # (a str: a regex)
 
 
@@ -195,7 +195,9 @@ def add_lora(models, plan):
     if plan.base_precision:
         models.denoiser = quantize.quantized(models.denoiser, plan.base_precision, models.denoiser.dtype,
                                              models.denoiser_device)
-    models.denoiser.add_adapter(lora_config(plan, models.family.denoiser_lora_targets))
+    # (--adapter dora: DoRA on the denoiser; the text encoders' adapters stay LoRA, the kind diffusers'
+    # load_lora_weights reads back for them: it drops a text encoder's DoRA magnitudes)
+    models.denoiser.add_adapter(lora_config(plan, models.family.denoiser_lora_targets, dora=plan.adapter == "dora"))
     trained = [models.denoiser]
     if plan.train_text_encoder:
         for text_encoder in models.trained_text_encoders():

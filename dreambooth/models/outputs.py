@@ -36,24 +36,25 @@ _SAMPLE_BYTES = 1 << 20  # read from each end of a weights file for a folder's c
 
 @dataclasses.dataclass(frozen=True)
 class LoraSettings:
-    """The shape of a run's LoRA adapters (train.py --use_lora, --rank, --lora_alpha), as a model record
-    holds it under "lora" ({"rank", "lora_alpha"}); a full fine-tune has none."""
+    """The shape of a run's LoRA adapters (train.py --use_lora, --rank, --lora_alpha, --adapter dora), as a model
+    record holds it under "lora" ({"rank", "lora_alpha"}, and "dora": true for DoRA's); a full fine-tune has none."""
 
     rank: int
     alpha: float
+    dora: bool = False
 
     @classmethod
-    def of(cls, use_lora, rank, alpha):
-        """Those of --use_lora, --rank and --lora_alpha, or None without --use_lora."""
-        return cls(rank, alpha) if use_lora else None
+    def of(cls, use_lora, rank, alpha, dora=False):
+        """Those of --use_lora, --rank, --lora_alpha and --adapter dora, or None without --use_lora."""
+        return cls(rank, alpha, dora) if use_lora else None
 
     @classmethod
     def from_record(cls, record):
         lora = record.get("lora")
-        return cls(lora["rank"], lora["lora_alpha"]) if lora else None
+        return cls(lora["rank"], lora["lora_alpha"], lora.get("dora", False)) if lora else None
 
     def to_record(self):
-        return {"rank": self.rank, "lora_alpha": self.alpha}
+        return {"rank": self.rank, "lora_alpha": self.alpha, **({"dora": True} if self.dora else {})}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +78,8 @@ class TrainRecord:
     def of_plan(cls, plan):
         """The record of a model saved now at the plan's end step, with a new model id."""
         return cls(plan.model_dir, plan.end_step, plan.instance_prompt, plan.class_prompt, plan.vae_dir,
-                   LoraSettings.of(plan.use_lora, plan.lora_rank, plan.lora_alpha), plan.ema_decay if plan.use_ema else None, tuple(plan.held_out),
+                   LoraSettings.of(plan.use_lora, plan.lora_rank, plan.lora_alpha, plan.adapter == "dora"),
+                   plan.ema_decay if plan.use_ema else None, tuple(plan.held_out),
                    new_model_id(), plan.run_name, plan.identity,
                    runfiles.read_record(plan.run_dir) or None)
 

@@ -31,6 +31,7 @@ class Plan:
     prior_loss_weight: float
     train_text_encoder: bool
     use_lora: bool  # LoRA adapters (lora_rank, lora_alpha, lora_dropout) instead of every weight
+    adapter: str | None  # with use_lora: "lora" or "dora" (peft's DoRA)
     lora_rank: int
     lora_alpha: float  # already defaulted to the rank
     lora_dropout: float
@@ -150,7 +151,7 @@ class Plan:
         """The plan in three lines, printed once at the start of a run."""
         trained = self.family.denoiser_label + (" + text encoder" if self.train_text_encoder else "")
         if self.use_lora:
-            trained = f"LoRA adapters (rank {self.lora_rank}, alpha {self.lora_alpha:g}) on the {trained}"
+            trained = f"{'DoRA' if self.adapter == 'dora' else 'LoRA'} adapters (rank {self.lora_rank}, alpha {self.lora_alpha:g}) on the {trained}"
         prior = f" + {self.train_batch_size} class" if self.with_prior_preservation else ""
         if self.prior_prediction:
             prior = f" + the same {self.train_batch_size} under the class prompt, towards the base model's prediction"

@@ -30,7 +30,7 @@ TRAIN_FLAGS = [
     "model_dir", "output_dir", "instance_data_dir", "instance_prompt", "caption_extension", "holdout",
     "class_data_dir", "class_prompt", "with_prior_preservation", "prior_preservation", "prior_loss_weight",
     "resolution", "center_crop", "random_flip", "enable_bucket", "min_bucket_reso", "max_bucket_reso",
-    "bucket_reso_steps", "train_text_encoder", "use_lora", "lora_rank", "lora_alpha", "lora_dropout",
+    "bucket_reso_steps", "train_text_encoder", "use_lora", "adapter", "use_dora", "lora_rank", "lora_alpha", "lora_dropout",
     "train_batch_size", "learning_rate", "scale_lr", "lr_scheduler", "lr_warmup_steps", "lr_num_cycles", "lr_power",
     "offset_noise", "snr_gamma", "base_precision", "weighting_scheme", "flow_shift", "logit_mean", "logit_std", "mode_scale",
     "precondition_outputs", "guidance_scale", "caption_dropout_rate", "masked_loss", "use_ema", "ema_decay",
@@ -95,6 +95,12 @@ def derive(given, parser):
     elif args.class_prompt and not args.prior_prediction:
         print("warning: --class_prompt is ignored without --class_data_dir", file=sys.stderr)
     args.validation_prompts = tuple(dict.fromkeys(args.validation_prompt or ()))
+    if args.use_dora:
+        if args.adapter not in (None, "dora"):
+            raise FlagError(f"--use_dora is --adapter dora: give one of them, not --adapter {args.adapter} too")
+        args.adapter = "dora"
+    args.use_lora = args.use_lora or args.adapter is not None
+    args.adapter = (args.adapter or "lora") if args.use_lora else None
     if not args.use_lora and parser.typed & {"lora_rank", "lora_alpha", "lora_dropout"}:
         raise FlagError("--rank/--lora_alpha/--lora_dropout shape LoRA adapters: add --use_lora (diffusers' "
                      "train_dreambooth_lora*.py scripts always train LoRA; without it every weight is trained)")

@@ -33,7 +33,7 @@ FLOW_FLAGS = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "prec
 OPTIMIZER_FLAGS = {"prodigy": ("optimizer", "prodigy_beta3", "prodigy_decouple", "prodigy_use_bias_correction",
                                "prodigy_safeguard_warmup"),
                    "adamw_schedulefree": ("optimizer",)}
-FLAGS = WEIGHT_FLAGS + FLOW_FLAGS + ("model_dir", "vae_dir", "base_precision", "guidance_scale", "optimizer",
+FLAGS = WEIGHT_FLAGS + FLOW_FLAGS + ("model_dir", "vae_dir", "base_precision", "guidance_scale", "adapter", "optimizer",
                                      "prodigy_beta3", "prodigy_decouple", "prodigy_use_bias_correction",
                                      "prodigy_safeguard_warmup")
 # The parts of an identity that are files, as the line that names a difference says them.
@@ -71,6 +71,7 @@ def of_run(flags, family, photos, masks, held_out, captions, class_images, resol
         **{name: flags[name] for name in WEIGHT_FLAGS + (FLOW_FLAGS if family.flow_matching else ())},
         **({"base_precision": flags["base_precision"]} if flags["base_precision"] else {}),
         **{name: flags[name] for name in OPTIMIZER_FLAGS.get(flags["optimizer"], ())},
+        **({"adapter": flags["adapter"]} if flags["adapter"] not in (None, "lora") else {}),
         **({"guidance_scale": family.guidance(flags["guidance_scale"])} if family.guided_training else {}),
     }
     return json.loads(json.dumps(identity))  # tuples as lists: as it reads back from a file
