@@ -209,7 +209,7 @@ def test_lora_checkpoint_holds_only_the_adapters(make_plan, step_prompts, tmp_pa
 
 @pytest.mark.slow  # (trains: over a second)
 @pytest.mark.parametrize("optimizer, adapter", [("adamw8bit", None), ("prodigy", None), ("adamw_schedulefree", None),
-                                               ("adamw", "dora")])
+                                               ("adamw", "dora"), ("adamw", "loha"), ("adamw", "lokr")])
 def test_each_optimizer_and_adapter_trains_and_resumes_from_its_checkpoint_to_the_uninterrupted_weights(
         optimizer, adapter, make_plan, step_prompts, tmp_path):
     """--optimizer adamw8bit (bitsandbytes' AdamW8bit runs on CPU too), prodigy and adamw_schedulefree, and
@@ -233,9 +233,10 @@ def test_each_optimizer_and_adapter_trains_and_resumes_from_its_checkpoint_to_th
     state = state_after(2)
     assert type(state.optimizer).__name__ == {"adamw": "AdamW", "adamw8bit": "AdamW8bit", "prodigy": "Prodigy",
                                               "adamw_schedulefree": "AdamWScheduleFree"}[optimizer]
-    if adapter == "dora":  # each adapted weight's magnitude is trained beside its LoRA pair
-        trained = [n for n, p in state.models.denoiser.named_parameters() if p.requires_grad]
-        assert any("lora_magnitude_vector" in n for n in trained) and all("lora_" in n for n in trained)
+    trained = [n for n, p in state.models.denoiser.named_parameters() if p.requires_grad]
+    if adapter:  # DoRA: each adapted weight's magnitude trained beside its LoRA pair; LoHa's and LoKr's own factors
+        assert all(f"{ {'dora': 'lora', 'loha': 'hada', 'lokr': 'lokr'}[adapter]}_" in n for n in trained), trained[:3]
+        assert adapter != "dora" or any("lora_magnitude_vector" in n for n in trained)
     if optimizer == "adamw8bit":
         big = max(state.params, key=lambda p: p.numel())  # bitsandbytes quantises tensors of 4096+ values
         assert state.optimizer.state[big]["state1"].dtype == torch.uint8

@@ -242,3 +242,20 @@ def test_a_run_keeps_one_checkpoint_by_default_and_removes_it_once_its_model_is_
     assert (default.checkpoints_total_limit, default.keep_checkpoints) == (1, False)
     kept = planning.parse_args(argv + ["--checkpoints_total_limit", "3", "--keep_checkpoints"])
     assert (kept.checkpoints_total_limit, kept.keep_checkpoints) == (3, True)
+
+
+def test_an_adapter_implies_lora_and_its_combinations_are_checked(capsys):
+    """--adapter dora|loha|lokr trains adapters (--use_lora implied, LoRA's learning rate); --use_dora is --adapter
+    dora; LoHa and LoKr have no quantised base layers in peft: one line each."""
+    base = ["--model_dir", "/m", "--output_dir", "/o", "--instance_data_dir", "/i", "--instance_prompt", "p"]
+    for adapter in ("dora", "loha", "lokr"):
+        args = planning.parse_args(base + ["--adapter", adapter])
+        assert args.use_lora and args.adapter == adapter and args.learning_rate == 1e-4
+    assert planning.parse_args(base + ["--use_lora"]).adapter == "lora" and planning.parse_args(base).adapter is None
+    assert "training LoHa adapters (rank 4" in planning.offline_plan(use_lora=True, adapter="loha").describe()
+    for flags, said in [(["--use_dora", "--adapter", "loha"], "--use_dora is --adapter dora"),
+                        (["--adapter", "lokr", "--base_precision", "int8"], "--adapter lokr has no quantised layers")]:
+        with pytest.raises(SystemExit):
+            planning.parse_args(base + flags)
+        err = capsys.readouterr().err
+        assert said in err and err.count("\n") == 1, (flags, err)

@@ -268,29 +268,38 @@ def test_lora_output_is_what_diffusers_load_lora_weights_reads(lora_output, tiny
     assert json.load(open(os.path.join(folder, files.OUTPUT_MARKER)))["lora"] == {"rank": 4, "lora_alpha": 8.0}
 
 
-def test_dora_output_is_what_diffusers_load_lora_weights_reads_and_export_says_it_has_no_layout(make_plan, tiny_model,
-                                                                                                tmp_path):
-    """--adapter dora (diffusers' --use_dora): peft's DoRA adapters, magnitudes and all, in the file diffusers'
-    load_lora_weights reads back to the same predictions, changed from the base model's; the record says DoRA;
-    export.py says in one line that it writes no kohya layout of them yet."""
+@pytest.mark.parametrize("adapter", ["dora", "loha", "lokr"])
+def test_dora_loha_and_lokr_outputs_load_back_to_the_same_predictions_and_export_says_it_has_no_layout(
+        adapter, make_plan, tiny_model, tmp_path):
+    """--adapter dora (diffusers' --use_dora): the file diffusers' load_lora_weights reads back, magnitudes and all;
+    --adapter loha|lokr: the file generate.py's pipeline loading fuses through peft (drawing.load_pipeline). Each
+    gives our predictions, changed from the base model's; the record names the adapter; export.py says in one
+    line that it writes no kohya/LyCORIS layout of them yet."""
     from diffusers import StableDiffusionPipeline
 
     from dreambooth import errors
     from dreambooth.commands import export
+    from dreambooth.generation import drawing
     from dreambooth.models import networks
     from dreambooth.models import outputs
 
-    plan = make_plan(use_lora=True, adapter="dora", lora_rank=4, lora_alpha=8.0, output_dir=str(tmp_path / "dora"))
+    plan = make_plan(use_lora=True, adapter=adapter, lora_rank=4, lora_alpha=8.0, output_dir=str(tmp_path / adapter))
     nets = networks.setup_models(plan, torch.device("cpu"), torch.device("cpu"), distributed=False)
     torch.manual_seed(0)
     with torch.no_grad():
         for model in (nets.denoiser, nets.text_encoder):
             for name, weight in model.named_parameters():
-                if ".lora_B." in name or "lora_magnitude_vector" in name:
-                    weight.mul_(1.5) if "magnitude" in name else weight.normal_(0, 0.2)
+                if "magnitude" in name:
+                    weight.mul_(1.5)
+                elif ".lora_B." in name or ".hada_" in name or ".lokr_" in name:
+                    weight.normal_(0, 0.2)
     outputs.save_pipeline(nets, plan)
-    loaded = StableDiffusionPipeline.from_pretrained(tiny_model, safety_checker=None)
-    loaded.load_lora_weights(plan.output_dir)
+    if adapter == "dora":
+        loaded = StableDiffusionPipeline.from_pretrained(tiny_model, safety_checker=None)
+        loaded.load_lora_weights(plan.output_dir)
+    else:
+        loaded = drawing.load_pipeline(tiny_model, torch.device("cpu"), lora_dir=plan.output_dir)
+        assert not any("hada_" in n or "lokr_" in n for n, _ in loaded.unet.named_parameters())  # (fused)
     base = StableDiffusionPipeline.from_pretrained(tiny_model, safety_checker=None)
     torch.manual_seed(1)
     ids, latents, t = torch.randint(0, 100, (1, 77)), torch.randn(1, 4, 32, 32), torch.tensor([500])
@@ -303,9 +312,9 @@ def test_dora_output_is_what_diffusers_load_lora_weights_reads_and_export_says_i
     assert torch.allclose(predict(loaded.unet, loaded.text_encoder), ours, atol=1e-5)
     assert not torch.allclose(predict(base.unet, base.text_encoder), ours, atol=1e-3)
     assert json.load(open(os.path.join(plan.output_dir, files.OUTPUT_MARKER)))["lora"] == {
-        "rank": 4, "lora_alpha": 8.0, "dora": True}
-    with pytest.raises(errors.UserError, match="holds DoRA adapters"):
-        export.main(["--model_dir", plan.output_dir, "--output_file", str(tmp_path / "dora.safetensors")])
+        "rank": 4, "lora_alpha": 8.0, "adapter": adapter}
+    with pytest.raises(errors.UserError, match="holds DoRA adapters" if adapter == "dora" else "holds LoHa/LoKr"):
+        export.main(["--model_dir", plan.output_dir, "--output_file", str(tmp_path / "out.safetensors")])
 
 
 @pytest.mark.slow

@@ -89,6 +89,9 @@ def lora_checkpoint(lora_dir):
     if any("lora_magnitude_vector" in key for key in state_dict):
         raise errors.UserError(f"{lora_dir} holds DoRA adapters (--adapter dora): their kohya layout is not written "
                                "yet; diffusers' load_lora_weights reads the folder's own file")
+    if any(".hada_" in key or ".lokr_" in key for key in state_dict):
+        raise errors.UserError(f"{lora_dir} holds LoHa/LoKr adapters (--adapter loha|lokr): their LyCORIS layout is "
+                               "not written yet; generate.py and peft read the folder's own file")
     if family is None and any(key.startswith("transformer.") for key in state_dict):
         raise errors.UserError(f"the base model of the LoRA adapters in {lora_dir} ({base or 'not recorded'}) is not "
                                "here, and a transformer's layout is its family's: cache it (cache_model.py) first")

@@ -125,6 +125,8 @@ SHORT_NAMES = ", ".join(model.short_name for model in families.KNOWN_MODELS)
 GATED = ", ".join(model.short_name for model in families.KNOWN_MODELS if model.gated)
 # train.py's --optimizer choices: torch's AdamW, bitsandbytes' 8-bit AdamW, prodigyopt's Prodigy, schedulefree's AdamW
 OPTIMIZERS = ("adamw", "adamw8bit", "prodigy", "adamw_schedulefree")
+# train.py's --adapter choices: peft's LoRA, DoRA, LoHa and LoKr
+ADAPTERS = ("lora", "dora", "loha", "lokr")
 
 FLAGS = {
     # --- models and folders
@@ -240,10 +242,12 @@ FLAGS = {
                   "with --train_text_encoder, instead of every weight: output_dir then holds only "
                   "pytorch_lora_weights.safetensors, for the base model's load_lora_weights.")),
     "adapter": (("--adapter",),
-        dict(type=str.lower, choices=["lora", "dora"], default=None,
-             help="The adapters to train (implies --use_lora): lora (the default of --use_lora) or dora (peft's DoRA: "
-                  "each adapted weight's magnitude trained apart from its direction; diffusers' --use_dora) on the "
-                  "denoiser, the text encoders' adapters LoRA (diffusers' load_lora_weights drops their magnitudes).")),
+        dict(type=str.lower, choices=ADAPTERS, default=None,
+             help="The adapters to train (implies --use_lora), all through peft, with --rank and --lora_alpha: lora "
+                  "(the default of --use_lora); dora (DoRA: each adapted weight's magnitude trained apart from its "
+                  "direction; diffusers' --use_dora) on the denoiser, the text encoders' adapters LoRA (diffusers' "
+                  "load_lora_weights drops their magnitudes); loha and lokr (LyCORIS' Hadamard and Kronecker "
+                  "products), which generate.py, evaluate.py and sweep.py load through peft.")),
     "use_dora": (("--use_dora",),
         dict(action="store_true", help="The same as --adapter dora (diffusers' SDXL LoRA script's flag).")),
     "lora_rank": (("--rank", "--lora_rank"),

@@ -20,6 +20,7 @@ from dreambooth import machine
 from dreambooth import storage
 from dreambooth.cluster import raycluster
 from dreambooth.generation import image_records
+from dreambooth.models import adapters
 from dreambooth.models import modelcache
 from dreambooth.models import networks
 from dreambooth.models import outputs
@@ -90,7 +91,9 @@ def load_pipeline(model_dir, device, allow_unsafe_weights=False, safety_checker=
     pipe = networks.from_pretrained(getattr(diffusers, family.pipeline), model_dir, allow_unsafe_weights, dtype=dtype,
                                     **kwargs)
     pipe.set_progress_bar_config(disable=True)
-    if lora_dir:
+    if lora_dir and adapters.is_lycoris(lora_dir):  # (LoHa, LoKr: through peft)
+        adapters.fuse_into(pipe, lora_dir, lora_scale)
+    elif lora_dir:
         pipe.load_lora_weights(lora_dir, weight_name=files.LORA_WEIGHTS_FILE)
         pipe.fuse_lora(lora_scale=lora_scale)
         pipe.unload_lora_weights()  # the fused weights stay; the adapter layers go

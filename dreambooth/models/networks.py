@@ -166,11 +166,16 @@ TEXT_ENCODER_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
 
 
 def lora_config(plan, targets, dora=False):
-    from peft import LoraConfig
+    """peft's config of the run's adapters (plan.adapter: LoRA, DoRA with dora, LoHa or LoKr) on targets."""
+    import peft
 
-    return LoraConfig(r=plan.lora_rank, lora_alpha=plan.lora_alpha, lora_dropout=plan.lora_dropout,
-                      init_lora_weights="gaussian", use_dora=dora,
-                      target_modules=targets if isinstance(targets, str) else list(targets))  # (a str: a regex)
+    targets = targets if isinstance(targets, str) else list(targets)  # (a str: a regex)
+    if plan.adapter in ("loha", "lokr"):  # (zero at the start, as LoRA's: the base model's output)
+        config = peft.LoHaConfig if plan.adapter == "loha" else peft.LoKrConfig
+        return config(r=plan.lora_rank, alpha=plan.lora_alpha, module_dropout=plan.lora_dropout, init_weights=True,
+                      target_modules=targets)
+    return peft.LoraConfig(r=plan.lora_rank, lora_alpha=plan.lora_alpha, lora_dropout=plan.lora_dropout,
+                           init_lora_weights="gaussian", use_dora=dora, target_modules=targets)
 
 
 def freeze_for_lora(models, plan):

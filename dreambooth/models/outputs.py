@@ -36,25 +36,25 @@ _SAMPLE_BYTES = 1 << 20  # read from each end of a weights file for a folder's c
 
 @dataclasses.dataclass(frozen=True)
 class LoraSettings:
-    """The shape of a run's LoRA adapters (train.py --use_lora, --rank, --lora_alpha, --adapter dora), as a model
-    record holds it under "lora" ({"rank", "lora_alpha"}, and "dora": true for DoRA's); a full fine-tune has none."""
+    """The shape of a run's adapters (train.py --use_lora, --rank, --lora_alpha, --adapter), as a model record holds
+    it under "lora" ({"rank", "lora_alpha"}, and "adapter" when not LoRA's); a full fine-tune has none."""
 
     rank: int
     alpha: float
-    dora: bool = False
+    adapter: str = "lora"  # "lora", "dora", "loha" or "lokr"
 
     @classmethod
-    def of(cls, use_lora, rank, alpha, dora=False):
-        """Those of --use_lora, --rank, --lora_alpha and --adapter dora, or None without --use_lora."""
-        return cls(rank, alpha, dora) if use_lora else None
+    def of(cls, use_lora, rank, alpha, adapter=None):
+        """Those of --use_lora, --rank, --lora_alpha and --adapter, or None without --use_lora."""
+        return cls(rank, alpha, adapter or "lora") if use_lora else None
 
     @classmethod
     def from_record(cls, record):
         lora = record.get("lora")
-        return cls(lora["rank"], lora["lora_alpha"], lora.get("dora", False)) if lora else None
+        return cls(lora["rank"], lora["lora_alpha"], lora.get("adapter", "lora")) if lora else None
 
     def to_record(self):
-        return {"rank": self.rank, "lora_alpha": self.alpha, **({"dora": True} if self.dora else {})}
+        return {"rank": self.rank, "lora_alpha": self.alpha, **({"adapter": self.adapter} if self.adapter != "lora" else {})}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +78,7 @@ class TrainRecord:
     def of_plan(cls, plan):
         """The record of a model saved now at the plan's end step, with a new model id."""
         return cls(plan.model_dir, plan.end_step, plan.instance_prompt, plan.class_prompt, plan.vae_dir,
-                   LoraSettings.of(plan.use_lora, plan.lora_rank, plan.lora_alpha, plan.adapter == "dora"),
+                   LoraSettings.of(plan.use_lora, plan.lora_rank, plan.lora_alpha, plan.adapter),
                    plan.ema_decay if plan.use_ema else None, tuple(plan.held_out),
                    new_model_id(), plan.run_name, plan.identity,
                    runfiles.read_record(plan.run_dir) or None)
@@ -298,7 +298,10 @@ def save_lora(folder, family, denoiser, text_encoders=None):
     from peft.utils import get_peft_model_state_dict
 
     def layers(model):
-        return family.lora_file_layers(get_peft_model_state_dict(model, save_embedding_layers=False))
+        peft_layers = get_peft_model_state_dict(model, save_embedding_layers=False)
+        # (LoHa's and LoKr's in peft's own names: diffusers' names are LoRA's)
+        return peft_layers if model.peft_config["default"].peft_type in ("LOHA", "LOKR") else \
+            family.lora_file_layers(peft_layers)
 
     text_encoders = text_encoders or {}
     parts = {family.denoiser: denoiser, **text_encoders}

@@ -6,6 +6,8 @@ import dataclasses
 from dreambooth import families
 from dreambooth.storage import runfiles
 
+# How the plan line names the adapters of --adapter
+ADAPTER_NAMES = {"lora": "LoRA", "dora": "DoRA", "loha": "LoHa", "lokr": "LoKr"}
 # How the plan line names an optimizer other than torch's AdamW, before the schedule
 OPTIMIZER_WORDS = {"adamw8bit": "8-bit AdamW, ", "prodigy": "Prodigy, which scales it by the step size it finds, ",
                    "adamw_schedulefree": "schedule-free AdamW, which warms up itself, "}
@@ -151,7 +153,7 @@ class Plan:
         """The plan in three lines, printed once at the start of a run."""
         trained = self.family.denoiser_label + (" + text encoder" if self.train_text_encoder else "")
         if self.use_lora:
-            trained = f"{'DoRA' if self.adapter == 'dora' else 'LoRA'} adapters (rank {self.lora_rank}, alpha {self.lora_alpha:g}) on the {trained}"
+            trained = f"{ADAPTER_NAMES.get(self.adapter, 'LoRA')} adapters (rank {self.lora_rank}, alpha {self.lora_alpha:g}) on the {trained}"
         prior = f" + {self.train_batch_size} class" if self.with_prior_preservation else ""
         if self.prior_prediction:
             prior = f" + the same {self.train_batch_size} under the class prompt, towards the base model's prediction"

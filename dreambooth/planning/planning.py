@@ -95,15 +95,13 @@ def derive(given, parser):
     elif args.class_prompt and not args.prior_prediction:
         print("warning: --class_prompt is ignored without --class_data_dir", file=sys.stderr)
     args.validation_prompts = tuple(dict.fromkeys(args.validation_prompt or ()))
-    if args.use_dora:
-        if args.adapter not in (None, "dora"):
-            raise FlagError(f"--use_dora is --adapter dora: give one of them, not --adapter {args.adapter} too")
-        args.adapter = "dora"
-    args.use_lora = args.use_lora or args.adapter is not None
-    args.adapter = (args.adapter or "lora") if args.use_lora else None
+    derive_adapter(args)
     if not args.use_lora and parser.typed & {"lora_rank", "lora_alpha", "lora_dropout"}:
         raise FlagError("--rank/--lora_alpha/--lora_dropout shape LoRA adapters: add --use_lora (diffusers' "
                      "train_dreambooth_lora*.py scripts always train LoRA; without it every weight is trained)")
+    if args.base_precision and args.adapter in ("loha", "lokr"):
+        raise FlagError(f"--base_precision {args.base_precision} quantises the frozen model under LoRA or DoRA "
+                        f"adapters; peft's --adapter {args.adapter} has no quantised layers: leave one out")
     if args.base_precision and not args.use_lora:
         raise FlagError(f"--base_precision {args.base_precision} quantises the frozen model under LoRA's adapters: "
                         "add --use_lora (a full fine-tune trains every weight in fp32)")
@@ -129,6 +127,17 @@ def derive(given, parser):
         args.storage_path = os.path.join(os.path.dirname(args.output_dir), "ray_results")
     args.settings_toml = flags.config_text(parser, args)
     return args
+
+
+def derive_adapter(args):
+    """--adapter (with --use_dora as its dora) implies --use_lora; args.adapter is "lora" for --use_lora alone and None
+    without adapters."""
+    if args.use_dora:
+        if args.adapter not in (None, "dora"):
+            raise FlagError(f"--use_dora is --adapter dora: give one of them, not --adapter {args.adapter} too")
+        args.adapter = "dora"
+    args.use_lora = args.use_lora or args.adapter is not None
+    args.adapter = (args.adapter or "lora") if args.use_lora else None
 
 
 # The package each optimizer of --optimizer comes from (torch's own AdamW needs none)

@@ -1,0 +1,56 @@
+"""LyCORIS' adapters as peft trains them (train.py --adapter loha|lokr): read back from train.py's adapter file and
+fused into a pipeline's networks for drawing. diffusers' load_lora_weights reads LoRA's (and DoRA's) names only;
+these are in peft's own names, with each network's peft config in the file's metadata, as diffusers writes it.
+"""
+
+import json
+import os
+
+from dreambooth import files
+
+LYCORIS = ("LOHA", "LOKR")  # peft's types of the adapters this module loads
+
+
+def file_settings(lora_dir):
+    """{network: its peft config as a dict} from the metadata of lora_dir's adapter file ({} when it has none)."""
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(lora_dir, files.LORA_WEIGHTS_FILE), "pt") as f:
+        flat = json.loads((f.metadata() or {}).get("lora_adapter_metadata", "{}"))
+    settings = {}
+    for key, value in flat.items():
+        network, _, name = key.partition(".")
+        settings.setdefault(network, {})[name] = value
+    return settings
+
+
+def is_lycoris(lora_dir):
+    """Whether lora_dir's adapter file holds LoHa or LoKr adapters (peft's names), not LoRA's."""
+    return any(config.get("peft_type") in LYCORIS for config in file_settings(lora_dir).values())
+
+
+def fuse_into(pipe, lora_dir, scale=1.0):
+    """The LoHa/LoKr adapters of lora_dir merged into the weights of pipe's networks at scale, their layers then
+    taken out again: the pipeline draws at the base model's speed, as a fused LoRA does."""
+    import peft
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from safetensors.torch import load_file
+
+    weights = load_file(os.path.join(lora_dir, files.LORA_WEIGHTS_FILE))
+    for network, config in file_settings(lora_dir).items():
+        own = {key[len(network) + 1:]: value for key, value in weights.items() if key.startswith(network + ".")}
+        model = getattr(pipe, network)
+        peft.inject_adapter_in_model(peft.get_peft_config(config), model)
+        model.to(next(iter(model.parameters())).device)
+        result = peft.set_peft_model_state_dict(model, own)
+        missing = [key for key in result.missing_keys if any(part in key for part in ("hada_", "lokr_"))]
+        if result.unexpected_keys or missing:
+            raise ValueError(f"{lora_dir}: the {network}'s adapters do not fit it (unexpected: "
+                             f"{result.unexpected_keys[:3]}, missing: {missing[:3]})")
+        for name, layer in list(model.named_modules()):
+            if isinstance(layer, BaseTunerLayer):
+                layer.scale_layer(scale)
+                layer.merge()
+                parent, _, child = name.rpartition(".")
+                setattr(model.get_submodule(parent) if parent else model, child, layer.get_base_layer())
+        del model.peft_config
