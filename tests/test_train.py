@@ -269,12 +269,13 @@ def test_lora_output_is_what_diffusers_load_lora_weights_reads(lora_output, tiny
 
 
 @pytest.mark.parametrize("adapter", ["dora", "loha", "lokr"])
-def test_dora_loha_and_lokr_outputs_load_back_to_the_same_predictions_and_export_says_it_has_no_layout(
-        adapter, make_plan, tiny_model, tmp_path):
+def test_dora_loha_and_lokr_outputs_load_back_to_the_same_predictions_and_export_as_lycoris_reads_them(
+        adapter, make_plan, tiny_model, tmp_path, monkeypatch):
     """--adapter dora (diffusers' --use_dora): the file diffusers' load_lora_weights reads back, magnitudes and all;
     --adapter loha|lokr: the file generate.py's pipeline loading fuses through peft (drawing.load_pipeline). Each
-    gives our predictions, changed from the base model's; the record names the adapter; export.py says in one
-    line that it writes no kohya/LyCORIS layout of them yet."""
+    gives our predictions, changed from the base model's; the record names the adapter. export.py writes LoHa and
+    LoKr in LyCORIS' layout, which LyCORIS' own loader merges to the same weights, and says in one line that it
+    writes no kohya layout of DoRA yet."""
     from diffusers import StableDiffusionPipeline
 
     from dreambooth import errors
@@ -283,7 +284,10 @@ def test_dora_loha_and_lokr_outputs_load_back_to_the_same_predictions_and_export
     from dreambooth.models import networks
     from dreambooth.models import outputs
 
-    plan = make_plan(use_lora=True, adapter=adapter, lora_rank=4, lora_alpha=8.0, output_dir=str(tmp_path / adapter))
+    # (LoHa at alpha = rank: LyCORIS' own loader, the check below, scales LoHa by (alpha / rank) squared, ComfyUI and
+    # kohya's by alpha / rank, as peft: they agree at 1)
+    alpha = 4.0 if adapter == "loha" else 8.0
+    plan = make_plan(use_lora=True, adapter=adapter, lora_rank=4, lora_alpha=alpha, output_dir=str(tmp_path / adapter))
     nets = networks.setup_models(plan, torch.device("cpu"), torch.device("cpu"), distributed=False)
     torch.manual_seed(0)
     with torch.no_grad():
@@ -312,9 +316,35 @@ def test_dora_loha_and_lokr_outputs_load_back_to_the_same_predictions_and_export
     assert torch.allclose(predict(loaded.unet, loaded.text_encoder), ours, atol=1e-5)
     assert not torch.allclose(predict(base.unet, base.text_encoder), ours, atol=1e-3)
     assert json.load(open(os.path.join(plan.output_dir, files.OUTPUT_MARKER)))["lora"] == {
-        "rank": 4, "lora_alpha": 8.0, "adapter": adapter}
-    with pytest.raises(errors.UserError, match="holds DoRA adapters" if adapter == "dora" else "holds LoHa/LoKr"):
-        export.main(["--model_dir", plan.output_dir, "--output_file", str(tmp_path / "out.safetensors")])
+        "rank": 4, "lora_alpha": alpha, "adapter": adapter}
+    exported = str(tmp_path / "out.safetensors")
+    if adapter == "dora":
+        with pytest.raises(errors.UserError, match="holds DoRA adapters"):
+            export.main(["--model_dir", plan.output_dir, "--output_file", exported])
+        return
+    # LoHa, LoKr: LyCORIS' layout in kohya's names, read by LyCORIS' own loader (lycoris-lora, as sd-scripts loads
+    # it) into the base model's UNet: merged, the weights generate.py fused through peft. (The text encoder's modules
+    # in kohya's names of CLIP's, text_model_encoder_..., as the LoRA export's, which ComfyUI maps; this loader looks
+    # for transformers 5's names, without text_model.)
+    from lycoris import kohya
+    from safetensors.torch import load_file
+
+    for default in ("UNET_TARGET_REPLACE_MODULE", "UNET_TARGET_REPLACE_NAME", "TEXT_ENCODER_TARGET_REPLACE_MODULE",
+                    "TEXT_ENCODER_TARGET_REPLACE_NAME"):  # (its network of the file's modules alone, none of its own)
+        monkeypatch.setattr(kohya.LycorisNetworkKohya, default, [])
+
+    export.main(["--model_dir", plan.output_dir, "--output_file", exported, "--save_precision", "fp32"])
+    tensors = load_file(exported)
+    suffixes = {key.split(".", 1)[1] for key in tensors}
+    assert {key.split(".")[0][:len("lora_unet")] for key in tensors} == {"lora_unet", "lora_te_t"}
+    assert suffixes <= {"alpha", "hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "lokr_w1", "lokr_w2",
+                        "lokr_w2_a", "lokr_w2_b"} and "alpha" in suffixes
+    network, _ = kohya.create_network_from_weights(1.0, exported, None, base.text_encoder, base.unet, weights_sd=tensors)
+    assert len(network.unet_loras) == sum(key.endswith(".alpha") and key.startswith("lora_unet") for key in tensors)
+    network.merge_to(base.text_encoder, base.unet, tensors, torch.float32, "cpu")
+    theirs = base.unet.state_dict()
+    assert all(torch.allclose(theirs[k], v, atol=1e-6) for k, v in loaded.unet.state_dict().items())
+    assert any(key.startswith("lora_te_text_model_encoder_layers_0_self_attn_k_proj.") for key in tensors)
 
 
 @pytest.mark.slow

@@ -9,9 +9,12 @@ files hold them): put it in A1111's models/Stable-diffusion or ComfyUI's models/
 (train.py --use_lora) becomes a kohya-layout LoRA (lora_unet_*, lora_te_*, with each module's alpha; Flux.1's
 and SD 3.5's in kohya's layouts of their original modules): models/Lora in both. diffusers reads them back
 with its pipelines' from_single_file(file, config=<the model folder>) and load_lora_weights(file) (but SD 3.5's
-LoRA file, which ComfyUI reads: diffusers has no reader of kohya's SD 3 layout).
+LoRA file, which ComfyUI reads: diffusers has no reader of kohya's SD 3 layout). LoHa and LoKr outputs
+(train.py --adapter loha|lokr) of SD 1.x, 2.x and SDXL become LyCORIS-layout files in kohya's module names
+(hada_w1_a ..., lokr_w1 ...), which ComfyUI and A1111 read.
 """
 
+import json
 import os
 import sys
 import tempfile
@@ -22,6 +25,8 @@ from dreambooth import filemodes
 from dreambooth import files
 from dreambooth import storage
 from dreambooth.config import flags
+from dreambooth.families import layouts
+from dreambooth.models import adapters
 from dreambooth.models import networks
 from dreambooth.models import outputs
 from dreambooth.planning import model_flags
@@ -89,17 +94,32 @@ def lora_checkpoint(lora_dir):
     if any("lora_magnitude_vector" in key for key in state_dict):
         raise errors.UserError(f"{lora_dir} holds DoRA adapters (--adapter dora): their kohya layout is not written "
                                "yet; diffusers' load_lora_weights reads the folder's own file")
-    if any(".hada_" in key or ".lokr_" in key for key in state_dict):
-        raise errors.UserError(f"{lora_dir} holds LoHa/LoKr adapters (--adapter loha|lokr): their LyCORIS layout is "
-                               "not written yet; generate.py and peft read the folder's own file")
     if family is None and any(key.startswith("transformer.") for key in state_dict):
         raise errors.UserError(f"the base model of the LoRA adapters in {lora_dir} ({base or 'not recorded'}) is not "
                                "here, and a transformer's layout is its family's: cache it (cache_model.py) first")
+    if any(".hada_" in key or ".lokr_" in key for key in state_dict):  # LoHa, LoKr: LyCORIS' layout
+        return lycoris_checkpoint(lora_dir, state_dict, alphas, family)
     if family is None:  # UNet adapters whose base is not here: the first UNet family that names their text encoders
         adapted = {key.split(".")[0] for key in state_dict} - {"unet"}
         family = next(f for f in families.FAMILIES.values()
                       if f.denoiser == "unet" and adapted <= set(f.kohya_text_prefixes))
     return family.kohya_lora(state_dict, alphas, base)
+
+
+def lycoris_checkpoint(lora_dir, state_dict, alphas, family):
+    """The LyCORIS-layout tensors of train.py's LoHa/LoKr output (--adapter loha|lokr), in kohya's module names: the
+    UNet families' (SD 1.x, 2.x, SDXL); a UserError for a transformer's (not written yet)."""
+    settings = adapters.file_settings(lora_dir)
+    if family is None:  # (its base not here: the UNet family whose text encoders the file adapts)
+        adapted = {key.split(".")[0] for key in state_dict} - {"unet"}
+        family = next(f for f in families.FAMILIES.values()
+                      if f.denoiser == "unet" and adapted <= set(f.kohya_text_prefixes))
+    if family.denoiser != "unet":
+        raise errors.UserError(f"{lora_dir} holds LoHa/LoKr adapters of {family.label}: their LyCORIS layout is "
+                               "written for SD 1.x, 2.x and SDXL only yet; generate.py and peft read the folder's own file")
+    alphas = {**{network: config["alpha"] for network, config in settings.items() if "alpha" in config}, **alphas}
+    ranks = {network: config.get("r", 4) for network, config in settings.items()}
+    return layouts.unet_lycoris(state_dict, alphas, family.kohya_text_prefixes, ranks)
 
 
 # ------------------------------------------------------------------ command line
@@ -108,7 +128,7 @@ SAVE_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 HELPS = {"model_dir": "train.py's output folder: a full model (or any diffusers SD 1.x, 2.x, SDXL or SD 3.5 folder) becomes an original-"
                       "layout checkpoint, a --use_lora output a kohya-layout LoRA (SD 1.x/2.x/SDXL; Flux.1's, SD "
                       "3.5's and Qwen-Image's in their own kohya layouts, which ComfyUI reads; AUTOMATIC1111 loads "
-                      "the SD families').",
+                      "the SD families'); an --adapter loha|lokr output a LyCORIS-layout file (SD 1.x/2.x/SDXL).",
          "overwrite": "Replace --output_file if it exists."}
 
 
@@ -149,12 +169,22 @@ def export_to(args, path):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     if outputs.holds_lora(args.model_dir):
         checkpoint = lora_checkpoint(args.model_dir)
-        ranks = sorted({int(v.shape[0]) for k, v in checkpoint.items() if k.endswith(".lora_down.weight")})
         alphas = sorted({float(v) for k, v in checkpoint.items() if k.endswith(".alpha")})
-        # kohya's own metadata names, which A1111 shows in its LoRA info.
-        metadata = {"ss_network_module": "networks.lora", "ss_network_dim": str(ranks[0]),
-                    "ss_network_alpha": str(alphas[0])}
-        kind, where = "LoRA (kohya layout)", "A1111 / ComfyUI: models/Lora"
+        algo = next(({".hada_": "loha", ".lokr_": "lokr"}[part] for k in checkpoint for part in (".hada_", ".lokr_")
+                     if part in k), None)
+        # kohya's own metadata names, which A1111 shows in its LoRA info (LyCORIS' for LoHa and LoKr).
+        if algo:
+            output = outputs.read_output(args.model_dir)
+            metadata = {"ss_network_module": "lycoris.kohya", "ss_network_args": json.dumps({"algo": algo}),
+                        "ss_network_dim": str(output.lora.rank if output and output.lora else ""),
+                        "ss_network_alpha": str(alphas[0])}
+            kind = f"{'LoHa' if algo == 'loha' else 'LoKr'} (LyCORIS layout, kohya's names)"
+        else:
+            ranks = sorted({int(v.shape[0]) for k, v in checkpoint.items() if k.endswith(".lora_down.weight")})
+            metadata = {"ss_network_module": "networks.lora", "ss_network_dim": str(ranks[0]),
+                        "ss_network_alpha": str(alphas[0])}
+            kind = "LoRA (kohya layout)"
+        where = "A1111 / ComfyUI: models/Lora"
     else:
         families.check_model_dir(args.model_dir, args.allow_unsafe_weights)
         families.require(args.model_dir, "export")

@@ -247,7 +247,8 @@ FLAGS = {
                   "(the default of --use_lora); dora (DoRA: each adapted weight's magnitude trained apart from its "
                   "direction; diffusers' --use_dora) on the denoiser, the text encoders' adapters LoRA (diffusers' "
                   "load_lora_weights drops their magnitudes); loha and lokr (LyCORIS' Hadamard and Kronecker "
-                  "products), which generate.py, evaluate.py and sweep.py load through peft.")),
+                  "products), which generate.py, evaluate.py and sweep.py load through peft and export.py writes in "
+                  "LyCORIS' layout (SD 1.x, 2.x, SDXL).")),
     "use_dora": (("--use_dora",),
         dict(action="store_true", help="The same as --adapter dora (diffusers' SDXL LoRA script's flag).")),
     "lora_rank": (("--rank", "--lora_rank"),

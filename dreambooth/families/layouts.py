@@ -118,3 +118,35 @@ def unet_kohya_lora(state_dict, alphas, text_prefixes):
             # kohya scales each module by alpha / rank; without an alpha every loader assumes alpha = rank.
             out[f"{name}.alpha"] = torch.tensor(float(alphas.get(model, tensor.shape[0])))
     return out
+
+
+# Keys of train.py's LoHa/LoKr file (peft's names: --adapter loha|lokr) and LyCORIS' names for the same factors
+LYCORIS_KEY = re.compile(r"^(unet|text_encoder|text_encoder_2)\.(.+)\.(hada_w[12]_[ab]|hada_t[12]|lokr_w[12](?:_[ab])?|"
+                         r"lokr_t2)$")
+
+
+def unet_lycoris(state_dict, alphas, text_prefixes, ranks):
+    """{LyCORIS key: tensor} of the UNet families' LoHa/LoKr adapters, in kohya's module names (as unet_kohya_lora) with
+    LyCORIS' factor names, which are peft's (hada_w1_a ..., lokr_w1, lokr_w2_a ...), and each module's alpha. ranks
+    {network: r}. peft scales LoKr by alpha / r always, LyCORIS' loaders not where neither factor is split in two
+    (lokr_w1 and lokr_w2 whole): there the scale goes into lokr_w2."""
+    import torch
+
+    prefixes = {"unet": "lora_unet_", **text_prefixes}
+    modules = {}
+    for key, tensor in state_dict.items():
+        match = LYCORIS_KEY.match(key)
+        if match is None or match.group(1) not in prefixes:
+            raise errors.UserError(f"export: {key} is not a LoHa or LoKr weight of the UNet or text encoder")
+        model, module, factor = match.groups()
+        name = prefixes[model] + module.replace(".", "_") if model == "unet" else \
+            kohya_text_module(prefixes[model], module)
+        modules.setdefault((model, name), {})[factor] = tensor
+    out = {}
+    for (model, name), factors in modules.items():
+        alpha = float(alphas.get(model, ranks[model]))
+        if "lokr_w2" in factors and "lokr_w1" in factors:  # (neither split: LyCORIS applies no alpha / r)
+            factors = {**factors, "lokr_w2": factors["lokr_w2"] * (alpha / ranks[model])}
+        out.update({f"{name}.{factor}": tensor.contiguous() for factor, tensor in factors.items()})
+        out[f"{name}.alpha"] = torch.tensor(alpha)
+    return out
