@@ -497,11 +497,9 @@ outputs() {  # the last lines: every output of this subject, and how to take the
   else
     echo "  log:    $LOG_FILE"
   fi
-  # (only for what export.py writes of the family, a full model or LoRA adapters: the hint is a command that works)
-  if "$PYTHON" -c 'import sys; from dreambooth import families; from dreambooth.models import modelcache; from dreambooth.models import outputs
-action = "export_lora" if outputs.holds_lora(sys.argv[2]) else "export"
-sys.exit(action not in families.family_of(modelcache.resolve_model_name(sys.argv[1])).supports)' \
-      "$ORIG_MODEL_PATH" "$TUNED_MODEL_DIR" 2> /dev/null; then
+  # (only for what export.py writes of the family and the adapters: the hint is a command that works)
+  if "$PYTHON" -c 'import sys; from dreambooth.commands import export
+sys.exit(not export.writes_file_of(sys.argv[2], sys.argv[1]))' "$ORIG_MODEL_PATH" "$TUNED_MODEL_DIR" 2> /dev/null; then
     echo "  for AUTOMATIC1111/ComfyUI: $PYTHON export.py --model_dir $(printf '%q' "$TUNED_MODEL_DIR")" \
       "--output_file $(printf '%q' "$DATA_PREFIX/subjects/$SUBJECT/$SUBJECT.safetensors")"
   fi

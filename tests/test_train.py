@@ -318,6 +318,7 @@ def test_dora_loha_and_lokr_outputs_load_back_to_the_same_predictions_and_export
     assert json.load(open(os.path.join(plan.output_dir, files.OUTPUT_MARKER)))["lora"] == {
         "rank": 4, "lora_alpha": alpha, "adapter": adapter}
     exported = str(tmp_path / "out.safetensors")
+    assert export.writes_file_of(plan.output_dir, tiny_model) == (adapter != "dora")  # (dreambooth_run.sh's hint)
     if adapter == "dora":
         with pytest.raises(errors.UserError, match="holds DoRA adapters"):
             export.main(["--model_dir", plan.output_dir, "--output_file", exported])

@@ -27,6 +27,7 @@ from dreambooth import storage
 from dreambooth.config import flags
 from dreambooth.families import layouts
 from dreambooth.models import adapters
+from dreambooth.models import modelcache
 from dreambooth.models import networks
 from dreambooth.models import outputs
 from dreambooth.planning import model_flags
@@ -104,6 +105,19 @@ def lora_checkpoint(lora_dir):
         family = next(f for f in families.FAMILIES.values()
                       if f.denoiser == "unet" and adapted <= set(f.kohya_text_prefixes))
     return family.kohya_lora(state_dict, alphas, base)
+
+
+def writes_file_of(model_dir, base):
+    """Whether export.py writes a file of train.py's output model_dir, whose base model is base: a full model or
+    LoRA adapters of a family it exports, LoHa/LoKr adapters of the UNet families; DoRA's not yet."""
+    family = families.family_of(modelcache.resolve_model_name(base))
+    if not outputs.holds_lora(model_dir):
+        return "export" in family.supports
+    output = outputs.read_output(model_dir)
+    adapter = output.lora.adapter if output and output.lora else "lora"
+    if adapter == "dora":
+        return False
+    return "export_lora" in family.supports and (adapter == "lora" or family.denoiser == "unet")
 
 
 def lycoris_checkpoint(lora_dir, state_dict, alphas, family):
