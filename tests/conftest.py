@@ -362,21 +362,30 @@ def pytest_collection_modifyitems(items):
 def lora_output(make_plan, tmp_path):
     """(folder, networks.Models): LoRA adapters (rank 4, alpha 8, UNet and text encoder) with
     random non-zero weights, written by outputs.save_pipeline as a --use_lora run writes them."""
+    plan = make_plan(use_lora=True, lora_rank=4, lora_alpha=8.0, output_dir=str(tmp_path / "lora-out"))
+    return plan.output_dir, adapters_saved(plan)
+
+
+def adapters_saved(plan):
+    """networks.Models of plan's adapters (--use_lora, --adapter) on the UNet and text encoder, made non-zero (the
+    factors that start at zero drawn at random, DoRA's magnitudes scaled), written by outputs.save_pipeline as a run
+    writes them."""
     import torch
 
     from dreambooth.models import networks
     from dreambooth.models import outputs
 
-    plan = make_plan(use_lora=True, lora_rank=4, lora_alpha=8.0, output_dir=str(tmp_path / "lora-out"))
     nets = networks.setup_models(plan, torch.device("cpu"), torch.device("cpu"), distributed=False)
     torch.manual_seed(0)
     with torch.no_grad():
         for model in (nets.denoiser, nets.text_encoder):
             for name, weight in model.named_parameters():
-                if ".lora_B." in name:
+                if "magnitude" in name:
+                    weight.mul_(1.5)
+                elif ".lora_B." in name or ".hada_" in name or ".lokr_" in name:
                     weight.normal_(0, 0.2)
     outputs.save_pipeline(nets, plan)
-    return plan.output_dir, nets
+    return nets
 
 
 def red_is_mask_photos(folder, count=3):

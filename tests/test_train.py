@@ -6,6 +6,7 @@ import re
 
 import pytest
 import torch
+from conftest import adapters_saved
 from conftest import modes_not_as_umask
 
 from dreambooth import errors
@@ -254,7 +255,12 @@ def test_lora_output_is_what_diffusers_load_lora_weights_reads(lora_output, tiny
     assert sorted(os.listdir(folder)) == sorted([files.LORA_WEIGHTS_FILE, files.OUTPUT_MARKER])
     loaded = StableDiffusionPipeline.from_pretrained(tiny_model, safety_checker=None)
     loaded.load_lora_weights(folder)
-    base = StableDiffusionPipeline.from_pretrained(tiny_model, safety_checker=None)
+    predicts_as(nets, loaded, StableDiffusionPipeline.from_pretrained(tiny_model, safety_checker=None))
+    assert json.load(open(os.path.join(folder, files.OUTPUT_MARKER)))["lora"] == {"rank": 4, "lora_alpha": 8.0}
+
+
+def predicts_as(nets, loaded, base):
+    """Our networks' UNet prediction (random prompt ids, latents and step) is loaded's, and not base's."""
     torch.manual_seed(1)
     ids, latents, t = torch.randint(0, 100, (1, 77)), torch.randn(1, 4, 32, 32), torch.tensor([500])
 
@@ -265,7 +271,6 @@ def test_lora_output_is_what_diffusers_load_lora_weights_reads(lora_output, tiny
     ours = predict(nets.denoiser.eval(), nets.text_encoder.eval())
     assert torch.allclose(predict(loaded.unet, loaded.text_encoder), ours, atol=1e-5)
     assert not torch.allclose(predict(base.unet, base.text_encoder), ours, atol=1e-3)
-    assert json.load(open(os.path.join(folder, files.OUTPUT_MARKER)))["lora"] == {"rank": 4, "lora_alpha": 8.0}
 
 
 @pytest.mark.parametrize("adapter", ["dora", "loha", "lokr"])
@@ -281,23 +286,12 @@ def test_dora_loha_and_lokr_outputs_load_back_to_the_same_predictions_and_export
     from dreambooth import errors
     from dreambooth.commands import export
     from dreambooth.generation import drawing
-    from dreambooth.models import networks
-    from dreambooth.models import outputs
 
     # (LoHa at alpha = rank: LyCORIS' own loader, the check below, scales LoHa by (alpha / rank) squared, ComfyUI and
     # kohya's by alpha / rank, as peft: they agree at 1)
     alpha = 4.0 if adapter == "loha" else 8.0
     plan = make_plan(use_lora=True, adapter=adapter, lora_rank=4, lora_alpha=alpha, output_dir=str(tmp_path / adapter))
-    nets = networks.setup_models(plan, torch.device("cpu"), torch.device("cpu"), distributed=False)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for model in (nets.denoiser, nets.text_encoder):
-            for name, weight in model.named_parameters():
-                if "magnitude" in name:
-                    weight.mul_(1.5)
-                elif ".lora_B." in name or ".hada_" in name or ".lokr_" in name:
-                    weight.normal_(0, 0.2)
-    outputs.save_pipeline(nets, plan)
+    nets = adapters_saved(plan)
     if adapter == "dora":
         loaded = StableDiffusionPipeline.from_pretrained(tiny_model, safety_checker=None)
         loaded.load_lora_weights(plan.output_dir)
@@ -305,16 +299,7 @@ def test_dora_loha_and_lokr_outputs_load_back_to_the_same_predictions_and_export
         loaded = drawing.load_pipeline(tiny_model, torch.device("cpu"), lora_dir=plan.output_dir)
         assert not any("hada_" in n or "lokr_" in n for n, _ in loaded.unet.named_parameters())  # (fused)
     base = StableDiffusionPipeline.from_pretrained(tiny_model, safety_checker=None)
-    torch.manual_seed(1)
-    ids, latents, t = torch.randint(0, 100, (1, 77)), torch.randn(1, 4, 32, 32), torch.tensor([500])
-
-    def predict(unet, text_encoder):
-        with torch.no_grad():
-            return unet(latents, t, text_encoder(ids)[0]).sample
-
-    ours = predict(nets.denoiser.eval(), nets.text_encoder.eval())
-    assert torch.allclose(predict(loaded.unet, loaded.text_encoder), ours, atol=1e-5)
-    assert not torch.allclose(predict(base.unet, base.text_encoder), ours, atol=1e-3)
+    predicts_as(nets, loaded, base)
     assert json.load(open(os.path.join(plan.output_dir, files.OUTPUT_MARKER)))["lora"] == {
         "rank": 4, "lora_alpha": alpha, "adapter": adapter}
     exported = str(tmp_path / "out.safetensors")
