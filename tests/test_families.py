@@ -101,20 +101,22 @@ def lora_trained_and_drawn(model, common, tmp_path):
 
 
 @pytest.mark.slow
-def test_sd2_v_trains_and_draws_at_its_own_resolution(ray_session, tiny_sd2v_model, toy_images, tmp_path):
+def test_sd2_v_trains_and_draws_at_its_own_resolution(ray_session, tiny_sd2v_model, toy_images, tmp_path, train_tiny):
     """generate.py draws its class images at 96 px (the model's size, not SD 1.x's); train.py trains
-    on them (full; LoRA); the outputs load as SD 2.x v-prediction pipelines and draw again. (A run resumed
-    past its end, whose checkpoint holds the same UNet and text encoder as SD 1.x's: test_recovery's
+    a LoRA on them on Ray, whose adapters draw again at 96 px; a full fine-tune's steps (as a worker takes them,
+    without Ray: every full run on Ray is SD 1.x's code too) save a pipeline that loads as SD 2.x v-prediction. (A
+    run resumed past its end, whose checkpoint holds the same UNet and text encoder as SD 1.x's: test_recovery's
     test_seeded_run_cut_and_resumed_with_every_gpu_option, SD 1.x and SDXL.)"""
     from diffusers import StableDiffusionPipeline
 
-    from dreambooth.commands import train
+    from dreambooth.models import outputs
 
     class_dir, common = class_images_and_train_args(tiny_sd2v_model, toy_images, tmp_path)
     assert drawn_size(class_dir, "photo-of-a-toy-00000.png") == (96, 96)
     out = tmp_path / "tuned"
-    first = train.main([*common, "--output_dir", str(out), "--max_train_steps", "2"])
-    assert first.metrics["step"] == 2 and first.metrics["loss"] > 0
+    plan, state, losses = train_tiny(tiny_sd2v_model, steps_taken=2, output_dir=str(out), learning_rate=1e-3)
+    assert len(losses) == 2 and all(loss > 0 for loss in losses)
+    outputs.save_pipeline(state.models, plan)
     tuned = StableDiffusionPipeline.from_pretrained(str(out), safety_checker=None)
     base = StableDiffusionPipeline.from_pretrained(tiny_sd2v_model, safety_checker=None)
     assert tuned.scheduler.config.prediction_type == "v_prediction"
