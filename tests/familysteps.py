@@ -68,3 +68,32 @@ def outputs_load_in_the_pipeline(pipeline_class, model_dir, train_tiny, folder, 
         assert not torch.allclose(predict(pipe.transformer), predict(base.transformer), atol=1e-4)
         torch.testing.assert_close(predict(pipe.transformer), predict(ours.eval()), rtol=1e-4, atol=1e-4)
     return trained[True]
+
+
+def validation_draws_what_generate_draws(model_dir, make_plan, folder, prompt="a toy, on a beach",
+                                         name="a-toy-on-a-beach-00000.png"):
+    """A validation round of the tiny model (3 steps, 64 px) beside generate.py's drawing of the same prompt and
+    seed with the same weights: the same image (the round's file name), to within 1 of 255, nothing flagged.
+    Returns what drew them (plan, sampler, pipe, settings, seed) for a test's own checks of its family's guidance."""
+    import types
+
+    import numpy as np
+
+    from dreambooth.generation import drawing
+    from dreambooth.models import networks
+    from dreambooth.training import validation
+
+    plan = make_plan(model_dir=model_dir, resolution=64, validation_prompts=(prompt,), num_validation_images=1,
+                     validation_inference_steps=3)
+    nets = networks.setup_models(plan, CPU, CPU, distributed=False)
+    sampler = validation.Sampler(nets, plan, amp_dtype=None)
+    _, images = validation.run_round(sampler, 1, 0, 1, str(folder))
+    pipe = drawing.load_pipeline(model_dir, CPU)
+    settings = drawing.settings_for(drawing.ImageSettings(num_inference_steps=3), plan.family, plan.model_dir)
+    seed = drawing.image_seed(plan.seed, prompt, 0)
+    drawn, flagged = drawing.generate_batch(pipe, [prompt], [seed], settings, plan.family.pipeline_kwargs(),
+                                            plan.family.guidance_argument)
+    assert flagged == [False] and drawn[0].size == (64, 64)
+    sample = images[name]
+    assert np.abs(np.asarray(drawn[0], dtype=int) - np.asarray(sample, dtype=int)).max() <= 1
+    return types.SimpleNamespace(plan=plan, sampler=sampler, pipe=pipe, settings=settings, seed=seed)

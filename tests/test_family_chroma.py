@@ -80,15 +80,11 @@ def test_outputs_load_in_the_pipeline_validation_is_generates_and_the_lora_expor
     validation samples equal generate.py's images of the same weights (guidance 5.0 against the empty negative
     prompt); the LoRA exported in kohya's names, each ComfyUI's for a Chroma key (lora_unet_ + the original key,
     Flux.1's layout, its dots as underscores), every adapted layer's and no other."""
-    import numpy as np
     from diffusers import ChromaPipeline
     from safetensors import safe_open
     from safetensors.torch import load_file
 
     from dreambooth.commands import export
-    from dreambooth.generation import drawing
-    from dreambooth.models import networks
-    from dreambooth.training import validation
 
     mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
     familysteps.outputs_load_in_the_pipeline(ChromaPipeline, tiny_chroma_model, train_tiny, tmp_path, (
@@ -109,14 +105,5 @@ def test_outputs_load_in_the_pipeline_validation_is_generates_and_the_lora_expor
     trained = ours["transformer.transformer_blocks.0.attn.to_out.0.lora_B.weight"] @ \
         ours["transformer.transformer_blocks.0.attn.to_out.0.lora_A.weight"]
     torch.testing.assert_close(up @ down * alpha / rank, trained * alpha / rank)
-    plan = make_plan(model_dir=tiny_chroma_model, resolution=64, validation_prompts=("a toy, on a beach",),
-                     num_validation_images=1, validation_inference_steps=3)
-    nets = networks.setup_models(plan, CPU, CPU, distributed=False)
-    _, images = validation.run_round(validation.Sampler(nets, plan, amp_dtype=None), 1, 0, 1, str(tmp_path))
-    settings = drawing.settings_for(drawing.ImageSettings(num_inference_steps=3), plan.family, plan.model_dir)
+    settings = familysteps.validation_draws_what_generate_draws(tiny_chroma_model, make_plan, tmp_path).settings
     assert (settings.guidance_scale, settings.resolution) == (5.0, 64)
-    seed = drawing.image_seed(plan.seed, "a toy, on a beach", 0)
-    drawn, _ = drawing.generate_batch(drawing.load_pipeline(tiny_chroma_model, CPU), ["a toy, on a beach"], [seed],
-                                      settings, plan.family.pipeline_kwargs(), plan.family.guidance_argument)
-    difference = np.abs(np.asarray(drawn[0], dtype=int) - np.asarray(images["a-toy-on-a-beach-00000.png"], dtype=int))
-    assert drawn[0].size == (64, 64) and difference.max() <= 1

@@ -7,6 +7,7 @@ import os
 import shutil
 import types
 
+import familysteps
 import pytest
 import torch
 
@@ -170,23 +171,9 @@ def test_lora_and_full_outputs_load_in_the_flux_pipeline(flux_run, tiny_flux_mod
 
 
 def test_validation_samples_are_what_generate_draws_from_the_same_weights(tiny_flux_model, make_plan, tmp_path):
-    import numpy as np
-
-    from dreambooth.generation import drawing
-
-    plan = make_plan(model_dir=tiny_flux_model, resolution=64, validation_prompts=("a toy",), num_validation_images=1,
-                     validation_inference_steps=3)
-    nets = networks.setup_models(plan, CPU, CPU, distributed=False)
-    _, images = validation.run_round(validation.Sampler(nets, plan, amp_dtype=None), 1, 0, 1, str(tmp_path))
-    pipe = drawing.load_pipeline(tiny_flux_model, CPU)
-    settings = drawing.settings_for(drawing.ImageSettings(num_inference_steps=3), plan.family,
-                                    plan.model_dir)
+    settings = familysteps.validation_draws_what_generate_draws(tiny_flux_model, make_plan, tmp_path, "a toy",
+                                                                "a-toy-00000.png").settings
     assert settings.guidance_scale == 3.5
-    drawn, flagged = drawing.generate_batch(pipe, ["a toy"], [drawing.image_seed(plan.seed, "a toy", 0)],
-                                            settings, plan.family.pipeline_kwargs())
-    assert flagged == [False] and drawn[0].size == (64, 64)
-    difference = np.abs(np.asarray(drawn[0], dtype=int) - np.asarray(images["a-toy-00000.png"], dtype=int))
-    assert difference.max() <= 1
 
 
 def test_a_negative_prompt_is_refused_in_one_line():

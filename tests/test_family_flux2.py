@@ -126,25 +126,8 @@ def test_lora_adapts_the_scripts_layers_and_both_outputs_load_in_the_pipeline(ti
 
 def test_validation_samples_are_what_generate_draws_from_the_same_weights(tiny_flux2_model, make_plan, tmp_path):
     """Drawn with guidance 4.0 against the empty prompt, the pipeline's way, by both."""
-    import numpy as np
-
-    from dreambooth.generation import drawing
-    from dreambooth.models import networks
-    from dreambooth.training import validation
-
-    plan = make_plan(model_dir=tiny_flux2_model, resolution=64, validation_prompts=("a toy, on a beach",),
-                     num_validation_images=1, validation_inference_steps=3)
-    nets = networks.setup_models(plan, CPU, CPU, distributed=False)
-    _, images = validation.run_round(validation.Sampler(nets, plan, amp_dtype=None), 1, 0, 1, str(tmp_path))
-    pipe = drawing.load_pipeline(tiny_flux2_model, CPU)
-    settings = drawing.settings_for(drawing.ImageSettings(num_inference_steps=3), plan.family, plan.model_dir)
+    settings = familysteps.validation_draws_what_generate_draws(tiny_flux2_model, make_plan, tmp_path).settings
     assert (settings.guidance_scale, settings.resolution) == (4.0, 64)
-    seed = drawing.image_seed(plan.seed, "a toy, on a beach", 0)
-    drawn, flagged = drawing.generate_batch(pipe, ["a toy, on a beach"], [seed], settings, plan.family.pipeline_kwargs(),
-                                            plan.family.guidance_argument)
-    assert flagged == [False] and drawn[0].size == (64, 64)
-    difference = np.abs(np.asarray(drawn[0], dtype=int) - np.asarray(images["a-toy-on-a-beach-00000.png"], dtype=int))
-    assert difference.max() <= 1
 
 
 def test_lora_trains_over_a_quantised_base_under_bf16(tiny_flux2_model, train_tiny, tmp_path):

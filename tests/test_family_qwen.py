@@ -115,28 +115,16 @@ def test_validation_samples_are_what_generate_draws_from_the_same_weights(tiny_q
     import numpy as np
 
     from dreambooth.generation import drawing
-    from dreambooth.models import networks
-    from dreambooth.training import validation
 
-    plan = make_plan(model_dir=tiny_qwen_model, resolution=64, validation_prompts=("a toy, on a beach",),
-                     num_validation_images=1, validation_inference_steps=3)
-    nets = networks.setup_models(plan, CPU, CPU, distributed=False)
-    _, images = validation.run_round(validation.Sampler(nets, plan, amp_dtype=None), 1, 0, 1, str(tmp_path))
-    pipe = drawing.load_pipeline(tiny_qwen_model, CPU)
-    settings = drawing.settings_for(drawing.ImageSettings(num_inference_steps=3), plan.family, plan.model_dir)
+    drew = familysteps.validation_draws_what_generate_draws(tiny_qwen_model, make_plan, tmp_path)
+    settings = drew.settings
     assert (settings.guidance_scale, settings.negative_prompt, settings.resolution) == (4.0, " ", 64)
-    seed = drawing.image_seed(plan.seed, "a toy, on a beach", 0)
-    drawn, flagged = drawing.generate_batch(pipe, ["a toy, on a beach"], [seed], settings, plan.family.pipeline_kwargs(),
-                                            plan.family.guidance_argument)
-    assert flagged == [False] and drawn[0].size == (64, 64)
-    difference = np.abs(np.asarray(drawn[0], dtype=int) - np.asarray(images["a-toy-on-a-beach-00000.png"], dtype=int))
-    assert difference.max() <= 1
     # the guidance reaches the pipeline by its name (true_cfg_scale): 1.0 draws without guidance, unlike 4.0
-    guided, unguided = (drawing.generate_batch(pipe, ["a toy, on a beach"], [seed], drawing.dataclasses.replace(
-        settings, guidance_scale=value), {"output_type": "np"}, plan.family.guidance_argument)[0][0]
-        for value in (4.0, 1.0))
+    guided, unguided = (drawing.generate_batch(
+        drew.pipe, ["a toy, on a beach"], [drew.seed], drawing.dataclasses.replace(settings, guidance_scale=value),
+        {"output_type": "np"}, drew.plan.family.guidance_argument)[0][0] for value in (4.0, 1.0))
     assert np.abs(guided - unguided).max() > 1e-5
-    assert validation.Sampler(nets, plan, amp_dtype=None).negative == settings.negative_prompt == " "
+    assert drew.sampler.negative == settings.negative_prompt == " "
 
 
 def test_lora_exports_in_kohyas_layout_that_the_pipeline_loads_to_the_same_transformer(tiny_qwen_model, train_tiny,

@@ -4,6 +4,7 @@ T5 with a tokenizer made here), trained by flow matching, without Ray."""
 import dataclasses
 import functools
 
+import familysteps
 import pytest
 import torch
 
@@ -141,22 +142,7 @@ def test_the_original_layout_is_what_diffusers_single_file_converter_reads_back(
 
 
 def test_validation_samples_are_what_generate_draws_from_the_same_weights(tiny_sd3_model, make_plan, tmp_path):
-    import numpy as np
-
-    from dreambooth.generation import drawing
-
-    plan = make_plan(model_dir=tiny_sd3_model, resolution=64, validation_prompts=("a toy",), num_validation_images=1,
-                     validation_inference_steps=3)
-    nets = networks.setup_models(plan, CPU, CPU, distributed=False)
-    _, images = validation.run_round(validation.Sampler(nets, plan, amp_dtype=None), 1, 0, 1, str(tmp_path))
-    pipe = drawing.load_pipeline(tiny_sd3_model, CPU)
-    drawn, flagged = drawing.generate_batch(pipe, ["a toy"], [drawing.image_seed(plan.seed, "a toy", 0)],
-                                            drawing.settings_for(drawing.ImageSettings(num_inference_steps=3),
-                                                                  plan.family, plan.model_dir),
-                                             plan.family.pipeline_kwargs())
-    assert flagged == [False] and drawn[0].size == (64, 64)
-    difference = np.abs(np.asarray(drawn[0], dtype=int) - np.asarray(images["a-toy-00000.png"], dtype=int))
-    assert difference.max() <= 1
+    familysteps.validation_draws_what_generate_draws(tiny_sd3_model, make_plan, tmp_path, "a toy", "a-toy-00000.png")
 
 
 @pytest.mark.slow

@@ -76,24 +76,10 @@ def test_lora_and_full_outputs_load_in_the_pipeline_and_validation_is_what_gener
     """The LoRA file and the full model load in ZImagePipeline and predict as the trained transformer does, unlike
     the base; validation samples equal generate.py's images of the same weights (guidance 5.0, the empty negative
     prompt)."""
-    import numpy as np
     from diffusers import ZImagePipeline
-
-    from dreambooth.generation import drawing
-    from dreambooth.models import networks
-    from dreambooth.training import validation
 
     familysteps.outputs_load_in_the_pipeline(ZImagePipeline, tiny_zimage_model, train_tiny, tmp_path, (
         torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(2)), torch.randn(1, 5, 32),
         torch.tensor([[1, 1, 1, 1, 0]])))
-    plan = make_plan(model_dir=tiny_zimage_model, resolution=64, validation_prompts=("a toy, on a beach",),
-                     num_validation_images=1, validation_inference_steps=3)
-    nets = networks.setup_models(plan, CPU, CPU, distributed=False)
-    _, images = validation.run_round(validation.Sampler(nets, plan, amp_dtype=None), 1, 0, 1, str(tmp_path))
-    settings = drawing.settings_for(drawing.ImageSettings(num_inference_steps=3), plan.family, plan.model_dir)
+    settings = familysteps.validation_draws_what_generate_draws(tiny_zimage_model, make_plan, tmp_path).settings
     assert (settings.guidance_scale, settings.resolution) == (5.0, 64)
-    seed = drawing.image_seed(plan.seed, "a toy, on a beach", 0)
-    drawn, _ = drawing.generate_batch(drawing.load_pipeline(tiny_zimage_model, CPU), ["a toy, on a beach"], [seed],
-                                      settings, plan.family.pipeline_kwargs(), plan.family.guidance_argument)
-    difference = np.abs(np.asarray(drawn[0], dtype=int) - np.asarray(images["a-toy-on-a-beach-00000.png"], dtype=int))
-    assert drawn[0].size == (64, 64) and difference.max() <= 1
