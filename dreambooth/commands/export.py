@@ -84,56 +84,62 @@ def lora_alphas(lora_dir):
 
 def lora_checkpoint(lora_dir):
     """The kohya-layout tensors of train.py's LoRA output: its base model's family's layout (Flux.1's, SD 3.5's), else
-    the UNet families' (also when the base of UNet adapters is not here). A UserError when a transformer's base is
-    not here or its family's LoRA is not exported yet."""
+    the UNet families' (also when the base of UNet adapters is not here); LoHa's and LoKr's in LyCORIS' layout. A
+    UserError when a transformer's base is not here or its family's adapters of that kind are not exported yet."""
     from safetensors.torch import load_file
 
     output = outputs.read_output(lora_dir)
     base = output.base_model if output else ""
     family = families.require(base, "export_lora") if base and os.path.isdir(base) else None
     state_dict, alphas = load_file(os.path.join(lora_dir, files.LORA_WEIGHTS_FILE)), lora_alphas(lora_dir)
-    if any("lora_magnitude_vector" in key for key in state_dict):
-        raise errors.UserError(f"{lora_dir} holds DoRA adapters (--adapter dora): their kohya layout is not written "
-                               "yet; diffusers' load_lora_weights reads the folder's own file")
+    kind = adapter_kind(state_dict)
+    if kind == "dora":
+        raise errors.UserError(f"{lora_dir} {not_written(kind, family)}")
     if family is None and any(key.startswith("transformer.") for key in state_dict):
         raise errors.UserError(f"the base model of the LoRA adapters in {lora_dir} ({base or 'not recorded'}) is not "
                                "here, and a transformer's layout is its family's: cache it (cache_model.py) first")
-    if any(".hada_" in key or ".lokr_" in key for key in state_dict):  # LoHa, LoKr: LyCORIS' layout
-        return lycoris_checkpoint(lora_dir, state_dict, alphas, family)
     if family is None:  # UNet adapters whose base is not here: the first UNet family that names their text encoders
         adapted = {key.split(".")[0] for key in state_dict} - {"unet"}
         family = next(f for f in families.FAMILIES.values()
                       if f.denoiser == "unet" and adapted <= set(f.kohya_text_prefixes))
+    if not_written(kind, family):
+        raise errors.UserError(f"{lora_dir} {not_written(kind, family)}")
+    if kind == "lycoris":  # LoHa, LoKr: LyCORIS' layout, each network's rank and alpha from its peft config
+        settings = adapters.file_settings(lora_dir).items()
+        return layouts.unet_lycoris(state_dict, {network: config["alpha"] for network, config in settings},
+                                    family.kohya_text_prefixes, {network: config["r"] for network, config in settings})
     return family.kohya_lora(state_dict, alphas, base)
 
 
+def adapter_kind(keys):
+    """'dora', 'lycoris' (LoHa or LoKr) or 'lora': the adapters of train.py's adapter file, by its tensors' names."""
+    keys = list(keys)
+    if any("lora_magnitude_vector" in key for key in keys):
+        return "dora"
+    return "lycoris" if any(".hada_" in key or ".lokr_" in key for key in keys) else "lora"
+
+
+def not_written(kind, family):
+    """Why export.py writes no file of adapters of kind (adapter_kind's) for family, or None when it writes one."""
+    if kind == "dora":
+        return ("holds DoRA adapters (--adapter dora): their kohya layout is not written yet; diffusers' "
+                "load_lora_weights reads the folder's own file")
+    if kind == "lycoris" and family.denoiser != "unet":
+        return (f"holds LoHa/LoKr adapters of {family.label}: their LyCORIS layout is written for SD 1.x, 2.x and SDXL "
+                "only yet; generate.py and peft read the folder's own file")
+    return None
+
+
 def writes_file_of(model_dir, base):
-    """Whether export.py writes a file of train.py's output model_dir, whose base model is base: a full model or
-    LoRA adapters of a family it exports, LoHa/LoKr adapters of the UNet families; DoRA's not yet."""
+    """Whether export.py writes a file of train.py's output model_dir (its record says which adapters), whose base
+    model is base: a full model or adapters of a family it exports, as not_written rules."""
     family = families.family_of(modelcache.resolve_model_name(base))
     if not outputs.holds_lora(model_dir):
         return "export" in family.supports
     output = outputs.read_output(model_dir)
     adapter = output.lora.adapter if output and output.lora else "lora"
-    if adapter == "dora":
-        return False
-    return "export_lora" in family.supports and (adapter == "lora" or family.denoiser == "unet")
-
-
-def lycoris_checkpoint(lora_dir, state_dict, alphas, family):
-    """The LyCORIS-layout tensors of train.py's LoHa/LoKr output (--adapter loha|lokr), in kohya's module names: the
-    UNet families' (SD 1.x, 2.x, SDXL); a UserError for a transformer's (not written yet)."""
-    settings = adapters.file_settings(lora_dir)
-    if family is None:  # (its base not here: the UNet family whose text encoders the file adapts)
-        adapted = {key.split(".")[0] for key in state_dict} - {"unet"}
-        family = next(f for f in families.FAMILIES.values()
-                      if f.denoiser == "unet" and adapted <= set(f.kohya_text_prefixes))
-    if family.denoiser != "unet":
-        raise errors.UserError(f"{lora_dir} holds LoHa/LoKr adapters of {family.label}: their LyCORIS layout is "
-                               "written for SD 1.x, 2.x and SDXL only yet; generate.py and peft read the folder's own file")
-    alphas = {**{network: config["alpha"] for network, config in settings.items() if "alpha" in config}, **alphas}
-    ranks = {network: config.get("r", 4) for network, config in settings.items()}
-    return layouts.unet_lycoris(state_dict, alphas, family.kohya_text_prefixes, ranks)
+    kind = {"loha": "lycoris", "lokr": "lycoris"}.get(adapter, adapter)
+    return "export_lora" in family.supports and not_written(kind, family) is None
 
 
 # ------------------------------------------------------------------ command line

@@ -33,9 +33,8 @@ FLOW_FLAGS = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "prec
 OPTIMIZER_FLAGS = {"prodigy": ("optimizer", "prodigy_beta3", "prodigy_decouple", "prodigy_use_bias_correction",
                                "prodigy_safeguard_warmup"),
                    "adamw_schedulefree": ("optimizer",)}
-FLAGS = WEIGHT_FLAGS + FLOW_FLAGS + ("model_dir", "vae_dir", "base_precision", "guidance_scale", "adapter", "optimizer",
-                                     "prodigy_beta3", "prodigy_decouple", "prodigy_use_bias_correction",
-                                     "prodigy_safeguard_warmup")
+FLAGS = WEIGHT_FLAGS + FLOW_FLAGS + ("model_dir", "vae_dir", "base_precision", "guidance_scale", "adapter") + \
+    tuple(dict.fromkeys(name for names in OPTIMIZER_FLAGS.values() for name in names))
 # The parts of an identity that are files, as the line that names a difference says them.
 FILE_PARTS = {"base_model": "the base model", "vae": "the VAE", "photos": "the photos (their content)",
               "class_images": "the class images (their content)"}
