@@ -32,7 +32,7 @@ VARIABLES=(
   "CLASS_NAME|dog (--tiny: toy)|what the subject is: dog, backpack, person (needed with INSTANCE_DIR)"
   "UNIQUE_TOKEN|unqtkn|the rare word that names your subject in prompts"
   "SUBJECT_TYPE|live for a live CLASS_NAME (dog, cat, person...), else object|Step 6's prompt set: object or live"
-  "ORIG_MODEL_NAME|sd14|base model: sd14, sd15, sd21-base, sd21, sdxl, flux-dev, flux-schnell, sd35-medium, sd35-large, qwen-image (flux-dev, sd35-*: gated, a hub token needed), or a hub name (its family is read from its files)"
+  "ORIG_MODEL_NAME|sd14|base model: sd14, sd15, sd21-base, sd21, sdxl, flux-dev, flux-schnell, sd35-medium, sd35-large, qwen-image, flux2-klein-4b, flux2-klein-9b, z-image, chroma (flux-dev, sd35-*, flux2-klein-9b: gated, a hub token needed), or a hub name (its family is read from its files)"
   "ORIG_MODEL_HASH|the name's pinned commit|commit of the base model to cache"
   "ORIG_MODEL_DIR|\$DATA_PREFIX/model-orig|hub cache folder of the base model"
   "TUNED_MODEL_DIR|\$DATA_PREFIX/subjects/<SUBJECT>/model-tuned|the fine-tuned model (Step 4)"

@@ -54,6 +54,9 @@ def test_disk_estimate_is_model_checkpoint_and_output(tiny_model, tmp_path):
     assert preflight.known_full_gb(args(model_name="flux-dev"), known_models.known_model("flux-dev"))[1] == \
         pytest.approx(33.8 + 2 * 12.02, rel=2e-3)
     assert preflight.known_full_gb(args(model_name="sd15"), known_models.known_model("sd15"))[1] == 4.3
+    # a 2026 family's short name is counted at its own size (Chroma1-HD: its 8.90B transformer trained, T5 frozen)
+    assert preflight.known_full_gb(args(model_name="chroma"), known_models.known_model("chroma")) == \
+        pytest.approx((12 * 8.90, 27.5 + 2 * 8.90), rel=2e-3)
     lora, _ = preflight.disk_needed_gb(args(model_name="sd15", use_lora=True))
     assert lora == pytest.approx(4.3 + 2 * preflight.disk.LORA_BYTES / preflight.GB)
     cached, parts = preflight.disk_needed_gb(args(model_name="sd15", model_path=tiny_model))

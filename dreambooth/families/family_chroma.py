@@ -12,6 +12,7 @@ from dreambooth.families import builders
 from dreambooth.families import family
 from dreambooth.families import family_flux
 from dreambooth.families import family_sd3
+from dreambooth.families import known
 
 T5_MAX_LENGTH = 512  # ChromaPipeline's max_sequence_length default
 
@@ -71,6 +72,11 @@ class Chroma(family.Family):
     released_size = "chroma"
     memory_rows = (("Chroma", "chroma", (512, 1024), (4, 8)),)
     random = ChromaModels()
+    # Its base model by short name (families.KNOWN_MODELS), also a --random_model size (own_sizes): Chroma1-HD,
+    # 27.5 GB of bf16 safetensors (transformer 17.8, T5-XXL 9.5, VAE 0.2). Apache 2.0, not gated. The revision could not
+    # be checked from here (no hub access): it is the commit people's hub caches show.
+    known_models = (known.KnownModel("chroma", "lodestones/Chroma1-HD", "0e0c60ece1e82b17cb7f77342d765ba5024c40c0", 1024,
+                                     "flow", 27.5),)
     text_tokens = T5_MAX_LENGTH  # the text states' length in training (activations.py)
 
     native_resolution = family_flux.Flux.native_resolution

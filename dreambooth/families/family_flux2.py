@@ -12,6 +12,7 @@ clean latents; objectives.flow_matching on the scheduler's sigmas; uniform times
 from dreambooth.families import builders
 from dreambooth.families import family
 from dreambooth.families import family_qwen
+from dreambooth.families import known
 
 MAX_TOKENS = 512  # Flux2KleinPipeline's max_sequence_length default, and diffusers' klein script's
 OUT_LAYERS = (9, 18, 27)  # the text encoder's hidden states the pipeline stacks (its text_encoder_out_layers)
@@ -128,6 +129,18 @@ class Flux2Klein(family.Family):
     memory_rows = (("FLUX.2 [klein] 4B", "flux2-klein-4b", (512, 1024), (4,)),
                    ("FLUX.2 [klein] 9B", "flux2-klein-9b", (512, 1024), (4, 8)))
     random = Flux2Models()
+    # Its base models by short name (families.KNOWN_MODELS), also --random_model sizes (own_sizes): the undistilled
+    # [klein] base models, the ones diffusers' klein script and the trainers fine-tune (the step-distilled FLUX.2-klein-4B
+    # and -9B are for drawing), in bf16 safetensors: 4B 16.0 GB (transformer 7.8, Qwen3-4B 8.0, VAE 0.2), 9B 34.7 GB
+    # (transformer 18.2, Qwen3-8B 16.4). The 4B is Apache 2.0; the 9B is under the FLUX non-commercial license, served
+    # to accounts that accepted it. The revisions could not be checked from here (no hub access): they are the
+    # commits people's hub caches show (models--black-forest-labs--FLUX.2-klein-base-*/snapshots/<commit>).
+    known_models = (
+        known.KnownModel("flux2-klein-4b", "black-forest-labs/FLUX.2-klein-base-4B",
+                         "a3b4f4849157f664bdbc776fd7453c2783562f4d", 1024, "flow", 16.0),
+        known.KnownModel("flux2-klein-9b", "black-forest-labs/FLUX.2-klein-base-9B",
+                         "17c3b160520b7dd44665dbf0b9ed9dd30c15cd06", 1024, "flow", 34.7, gated=True),
+    )
     text_tokens = MAX_TOKENS  # the text states' length in training (activations.py)
 
     def native_resolution(self, model_dir):

@@ -12,6 +12,7 @@ from dreambooth.families import builders
 from dreambooth.families import family
 from dreambooth.families import family_flux2
 from dreambooth.families import family_qwen
+from dreambooth.families import known
 
 MAX_TOKENS = 512  # ZImagePipeline's max_sequence_length default, and diffusers' Z-Image script's
 
@@ -92,6 +93,12 @@ class ZImage(family.Family):
     released_size = "z-image"
     memory_rows = (("Z-Image", "z-image", (512, 1024), (4,)),)
     random = ZImageModels()
+    # Its base model by short name (families.KNOWN_MODELS), also a --random_model size (own_sizes): Z-Image, the
+    # undistilled model diffusers' Z-Image script fine-tunes (Z-Image-Turbo is its step-distilled sibling), 20.5 GB of
+    # bf16 safetensors (transformer 12.3, Qwen3-4B 8.0, VAE 0.2). Apache 2.0, not gated. The revision could not be
+    # checked from here (no hub access): it is the commit people's hub caches show.
+    known_models = (known.KnownModel("z-image", "Tongyi-MAI/Z-Image", "04cc4abb7c5069926f75c9bfde9ef43d49423021", 1024,
+                                     "flow", 20.5),)
     text_tokens = 128  # the text states' length in training for activations.py: a prompt's own tokens
 
     def native_resolution(self, model_dir):
