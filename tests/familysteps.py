@@ -39,35 +39,57 @@ def losses(model_dir, make_plan, reference, pipe, prior_loss_weight=0.5):
     return ours, expected
 
 
+ADAPTERS = ("lora", "dora", "loha", "lokr", None)  # train.py's --adapter values, then a full fine-tune (None)
+
+
+def output_loaded(pipeline_class, model_dir, output_dir, adapter):
+    """The family's pipeline with a run's output, as a user loads it: LoRA and DoRA through load_lora_weights, LoHa
+    and LoKr fused through peft by generate.py's loading (drawing.load_pipeline), a full model by from_pretrained."""
+    from dreambooth.generation import drawing
+
+    if adapter in ("lora", "dora"):
+        pipe = pipeline_class.from_pretrained(model_dir)
+        pipe.load_lora_weights(output_dir)
+    elif adapter:
+        pipe = drawing.load_pipeline(model_dir, CPU, lora_dir=output_dir)
+        assert isinstance(pipe, pipeline_class)
+    else:
+        pipe = pipeline_class.from_pretrained(output_dir)
+    return pipe
+
+
+def adapter_fields(adapter):
+    """train.py's settings of an output of ADAPTERS, 2 steps of which change its predictions visibly."""
+    # (LoHa's and LoKr's change is a product of factors, one of them starting at zero: a larger step shows it)
+    return dict(use_lora=adapter is not None, adapter=adapter, learning_rate=1e-2 if adapter in ("loha", "lokr") else 1e-3)
+
+
 def outputs_load_in_the_pipeline(pipeline_class, model_dir, train_tiny, folder, inputs):
-    """Trains the tiny model 2 steps as LoRA and as a full fine-tune, saves each as train.py does, loads it in the
-    family's pipeline (load_lora_weights; from_pretrained): its transformer predicts as the trained one does, unlike
-    the base's. inputs: (latents, states, encode_text's second value) for family.denoise. Returns the LoRA
-    transformer trained (for the layers it adapts)."""
+    """Trains the tiny model 2 steps as LoRA, as each other adapter (--adapter dora|loha|lokr) and as a full
+    fine-tune, saves each as train.py does, loads it in the family's pipeline (LoRA, DoRA: load_lora_weights; LoHa,
+    LoKr: fused through peft by generate.py's loading, drawing.load_pipeline; full: from_pretrained): its transformer
+    predicts as the trained one does, unlike the base's. inputs: (latents, states, encode_text's second value) for
+    family.denoise. Returns the LoRA transformer trained (for the layers it adapts)."""
     from dreambooth.models import networks
     from dreambooth.models import outputs
 
     base = pipeline_class.from_pretrained(model_dir)
     x, states, side = inputs
     trained = {}
-    for use_lora in (True, False):
-        plan, state, losses = train_tiny(model_dir, 2, use_lora=use_lora, output_dir=str(folder / f"{use_lora}"))
+    for adapter in ADAPTERS:
+        plan, state, losses = train_tiny(model_dir, 2, output_dir=str(folder / f"{adapter}"), **adapter_fields(adapter))
         assert not plan.train_text_encoder and all(torch.isfinite(torch.tensor(losses)))  # (its encoder is frozen)
         outputs.save_pipeline(state.models, plan)
-        trained[use_lora] = ours = networks.unwrap(state.models.denoiser)
-        if use_lora:
-            pipe = pipeline_class.from_pretrained(model_dir)
-            pipe.load_lora_weights(plan.output_dir)
-        else:
-            pipe = pipeline_class.from_pretrained(plan.output_dir)
+        trained[adapter] = ours = networks.unwrap(state.models.denoiser)
+        pipe = output_loaded(pipeline_class, model_dir, plan.output_dir, adapter)
 
         def predict(model):
             with torch.no_grad():
                 return plan.family.denoise(model, x, torch.tensor([500.0]), states, side, None)
 
         assert not torch.allclose(predict(pipe.transformer), predict(base.transformer), atol=1e-4)
-        torch.testing.assert_close(predict(pipe.transformer), predict(ours.eval()), rtol=1e-4, atol=1e-4)
-    return trained[True]
+        torch.testing.assert_close(predict(pipe.transformer), predict(ours.eval()), rtol=1e-4, atol=1e-4, msg=adapter)
+    return trained["lora"]
 
 
 def validation_draws_what_generate_draws(model_dir, make_plan, folder, prompt="a toy, on a beach",

@@ -217,6 +217,41 @@ def test_sdxl_trains_the_unet_and_both_text_encoders_with_a_vae_of_its_own(ray_s
         assert any(not torch.equal(v, getattr(base, part).state_dict()[k]) for k, v in changed.items()), part
 
 
+@pytest.mark.slow  # (trains: over a second)
+def test_sdxl_dora_loha_and_lokr_outputs_load_in_its_pipeline_and_predict_as_trained(tiny_sdxl_model, train_tiny,
+                                                                                    tmp_path):
+    """--adapter dora|loha|lokr on SDXL (UNet and both text encoders; DoRA on the UNet alone): the file its pipeline
+    loads (load_lora_weights; LoHa and LoKr fused through peft by generate.py's loading) predicts as the trained UNet
+    does, unlike the base. (Its LoRA: the SDXL script run in test_dreambooth_run.)"""
+    import familysteps
+    from diffusers import StableDiffusionXLPipeline
+
+    from dreambooth.models import networks
+    from dreambooth.models import outputs
+
+    base = StableDiffusionXLPipeline.from_pretrained(tiny_sdxl_model)
+    config = base.unet.config
+    generator = torch.Generator().manual_seed(2)
+    x, states = torch.randn(1, 4, 8, 8, generator=generator), torch.randn(1, 8, config.cross_attention_dim, generator=generator)
+    pooled = torch.randn(1, config.projection_class_embeddings_input_dim - 6 * config.addition_time_embed_dim,
+                         generator=generator)
+    time_ids = torch.tensor([[64.0, 64.0, 0.0, 0.0, 64.0, 64.0]])
+    for adapter in ("dora", "loha", "lokr"):
+        plan, state, _ = train_tiny(tiny_sdxl_model, 2, output_dir=str(tmp_path / adapter),
+                                    **familysteps.adapter_fields(adapter))
+        assert plan.train_text_encoder
+        outputs.save_pipeline(state.models, plan)
+        pipe = familysteps.output_loaded(StableDiffusionXLPipeline, tiny_sdxl_model, plan.output_dir, adapter)
+
+        def predict(unet):
+            with torch.no_grad():
+                return plan.family.denoise(unet, x, torch.tensor([500]), states, pooled, time_ids)
+
+        assert not torch.allclose(predict(pipe.unet), predict(base.unet), atol=1e-4), adapter
+        ours = networks.unwrap(state.models.denoiser).eval()
+        torch.testing.assert_close(predict(pipe.unet), predict(ours), rtol=1e-4, atol=1e-4, msg=adapter)
+
+
 def test_sdxl_prior_prediction_gives_the_base_model_the_pooled_class_prompt_and_each_rows_time_ids(
         tiny_sdxl_model, make_plan):
     """--prior_preservation prior_prediction on SDXL: the class rows (the photos again) carry the

@@ -89,7 +89,7 @@ def test_outputs_load_in_the_pipeline_validation_is_generates_and_the_lora_expor
     mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
     familysteps.outputs_load_in_the_pipeline(ChromaPipeline, tiny_chroma_model, train_tiny, tmp_path, (
         torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(2)), torch.randn(1, 5, 32), mask))
-    lora = tmp_path / "True"
+    lora = tmp_path / "lora"
     kohya = export.main(["--model_dir", str(lora), "--output_file", str(tmp_path / "kohya.safetensors"),
                          "--save_precision", "fp32"])
     ours = load_file(lora / "pytorch_lora_weights.safetensors")

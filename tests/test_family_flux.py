@@ -149,15 +149,12 @@ def test_lora_and_full_outputs_load_in_the_flux_pipeline(flux_run, tiny_flux_mod
     from diffusers import FluxPipeline
 
     base = FluxPipeline.from_pretrained(tiny_flux_model)
-    for use_lora in (True, False):
-        plan, state, _ = flux_run(steps_taken=2, use_lora=use_lora, output_dir=str(tmp_path / f"out-{use_lora}"))
+    for adapter in familysteps.ADAPTERS:  # (LoRA, DoRA, LoHa, LoKr, full)
+        plan, state, _ = flux_run(steps_taken=2, output_dir=str(tmp_path / f"out-{adapter}"),
+                                  **familysteps.adapter_fields(adapter))
         outputs.save_pipeline(state.models, plan)
         ours = networks.unwrap(state.models.denoiser)
-        if use_lora:
-            pipe = FluxPipeline.from_pretrained(tiny_flux_model)
-            pipe.load_lora_weights(plan.output_dir)
-        else:
-            pipe = FluxPipeline.from_pretrained(plan.output_dir)
+        pipe = familysteps.output_loaded(FluxPipeline, tiny_flux_model, plan.output_dir, adapter)
         x = torch.randn(1, 16, 32, 32, generator=torch.Generator().manual_seed(2))
         states, pooled = torch.randn(1, 512, 32), torch.randn(1, 32)  # T5's width; CLIP-L's pooled
         t = torch.tensor([500.0])
@@ -166,8 +163,8 @@ def test_lora_and_full_outputs_load_in_the_flux_pipeline(flux_run, tiny_flux_mod
             with torch.no_grad():
                 return plan.family.denoise(model, x, t, states, pooled, None, 3.5)
 
-        assert not torch.allclose(predict(pipe.transformer), predict(base.transformer), atol=1e-4)
-        torch.testing.assert_close(predict(pipe.transformer), predict(ours.eval()), rtol=1e-4, atol=1e-4)
+        assert not torch.allclose(predict(pipe.transformer), predict(base.transformer), atol=1e-4), adapter
+        torch.testing.assert_close(predict(pipe.transformer), predict(ours.eval()), rtol=1e-4, atol=1e-4, msg=adapter)
 
 
 def test_validation_samples_are_what_generate_draws_from_the_same_weights(tiny_flux_model, make_plan, tmp_path):

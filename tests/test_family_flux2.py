@@ -106,6 +106,7 @@ def test_the_training_loss_is_diffusers_scripts_on_the_same_draws(tiny_flux2_mod
     torch.testing.assert_close(*familysteps.losses(tiny_flux2_model, make_plan, reference_loss, pipe))
 
 
+@pytest.mark.slow  # (trains: over a second)
 def test_lora_adapts_the_scripts_layers_and_both_outputs_load_in_the_pipeline(tiny_flux2_model, train_tiny, tmp_path):
     """The adapters sit on the layers diffusers' klein script names (its target list, given to peft on the same
     transformer); the LoRA file and the full model load in Flux2KleinPipeline and predict as the trained

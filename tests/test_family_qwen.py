@@ -102,6 +102,7 @@ def test_the_training_loss_is_diffusers_scripts_on_the_same_draws(tiny_qwen_mode
     torch.testing.assert_close(*familysteps.losses(tiny_qwen_model, make_plan, reference_loss, pipe))
 
 
+@pytest.mark.slow  # (trains: over a second)
 def test_lora_and_full_outputs_load_in_the_qwen_image_pipeline(tiny_qwen_model, train_tiny, tmp_path):
     from diffusers import QwenImagePipeline
 

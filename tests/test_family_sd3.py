@@ -72,15 +72,12 @@ def test_lora_and_full_outputs_load_in_the_sd3_pipeline(sd3_run, tiny_sd3_model,
     from diffusers import StableDiffusion3Pipeline
 
     base = StableDiffusion3Pipeline.from_pretrained(tiny_sd3_model)
-    for use_lora in (True, False):
-        plan, state, _ = sd3_run(steps_taken=2, use_lora=use_lora, output_dir=str(tmp_path / f"out-{use_lora}"))
+    for adapter in familysteps.ADAPTERS:  # (LoRA, DoRA, LoHa, LoKr, full)
+        plan, state, _ = sd3_run(steps_taken=2, output_dir=str(tmp_path / f"out-{adapter}"),
+                                 **familysteps.adapter_fields(adapter))
         outputs.save_pipeline(state.models, plan)
         ours = networks.unwrap(state.models.denoiser)
-        if use_lora:
-            pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3_model)
-            pipe.load_lora_weights(plan.output_dir)
-        else:
-            pipe = StableDiffusion3Pipeline.from_pretrained(plan.output_dir)
+        pipe = familysteps.output_loaded(StableDiffusion3Pipeline, tiny_sd3_model, plan.output_dir, adapter)
         x = torch.randn(1, 16, 32, 32, generator=torch.Generator().manual_seed(2))
         states, pooled = torch.randn(1, 154, 32), torch.randn(1, 96)  # T5's width; CLIP-L's + CLIP-G's pooled
         t = torch.tensor([500.0])
@@ -89,9 +86,9 @@ def test_lora_and_full_outputs_load_in_the_sd3_pipeline(sd3_run, tiny_sd3_model,
             with torch.no_grad():
                 return model(hidden_states=x, timestep=t, encoder_hidden_states=states, pooled_projections=pooled).sample
 
-        assert not torch.allclose(predict(pipe.transformer), predict(base.transformer), atol=1e-4)
-        torch.testing.assert_close(predict(pipe.transformer), predict(ours.eval()), rtol=1e-4, atol=1e-4)
-        if use_lora:  # export.py's kohya file, applied as ComfyUI applies one, then read by diffusers' converter
+        assert not torch.allclose(predict(pipe.transformer), predict(base.transformer), atol=1e-4), adapter
+        torch.testing.assert_close(predict(pipe.transformer), predict(ours.eval()), rtol=1e-4, atol=1e-4, msg=adapter)
+        if adapter == "lora":  # export.py's kohya file, applied as ComfyUI applies one, then read by diffusers' converter
             comfy = kohya_applied_to_the_original_layout(plan.output_dir, base.transformer, tmp_path)
             torch.testing.assert_close(predict(comfy), predict(pipe.transformer), rtol=1e-4, atol=1e-4)
 
