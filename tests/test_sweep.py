@@ -28,6 +28,7 @@ def test_one_subject_or_many_and_flags_the_sweep_sets_are_refused(tiny_model, to
                            (["--instance_data_dir", toy_images], "needs --class_name"),
                            (["--subjects_dir", str(tmp_path), "--instance_data_dir", toy_images], "give --instance"),
                            (["--subjects_dir", str(tmp_path), "--lr=1e-4"], "--lr=1e-4 is set by the sweep"),
+                           (["--subjects_dir", str(tmp_path), "--score_steps", "2"], "--score_steps is set by the sweep"),
                            (["--subjects_dir", str(tmp_path), "--sweep_rank", "4,8"], "--sweep_rank needs --use_lora"),
                            (["--subjects_dir", str(tmp_path), "--num_workrs", "2"], "unrecognized.*--num_workrs"),
                            (["--subjects_dir", str(tmp_path), "--search", "random", "--sweep_learning_rate",

@@ -115,6 +115,7 @@ def test_wandb_and_mlflow_runs_get_the_settings_metrics_images_and_later_the_sco
 
     log = runlog.RunLog(resumed, start_step=4)
     log.write({"step": 6, "loss": 0.6, "lr": 4e-6, "images_per_s": 3.0})
+    log.write_scores(4, {"dino": 0.25, "clip_i": 0.5, "clip_t": 0.125})  # (--score_steps: step 4's, arriving later)
     log.close()
     again = runfiles.read_record(os.path.join(plan.storage_path, "subject-2"))
     assert (again["wandb"]["id"], again["mlflow"]) == (record["wandb"]["id"], record["mlflow"])
@@ -126,7 +127,9 @@ def test_wandb_and_mlflow_runs_get_the_settings_metrics_images_and_later_the_sco
     losses = [(h["_step"], h["train/loss"]) for h in seen["history"] if "train/loss" in h]
     assert losses == [(2, pytest.approx(0.2)), (4, pytest.approx(0.4))]
     assert any(h.get("validation/dog-0/_type") == "image-file" and h["_step"] == 4 for h in seen["history"])
-    assert wandb_records(os.path.join(plan.storage_path, "subject-2"))["history"][0]["train/loss"] == 0.6
+    later = wandb_records(os.path.join(plan.storage_path, "subject-2"))["history"]
+    assert later[0]["train/loss"] == 0.6
+    assert [(h["scores/step"], h["scores/dino"]) for h in later if "scores/dino" in h] == [(4, 0.25)]
     assert seen["summary"]["eval/dino"] == 0.5 and "eval/div" not in seen["summary"]
 
     client, run = mlflow_run(trackers.mlflow_uri(plan.storage_path), record["mlflow"]["run_id"])
@@ -134,6 +137,7 @@ def test_wandb_and_mlflow_runs_get_the_settings_metrics_images_and_later_the_sco
     assert run.info.run_name == "subject-1" and run.data.params["validation_prompt"] == "a, b, c"
     assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "train/loss")] == [
         (2, pytest.approx(0.2)), (4, pytest.approx(0.4)), (6, pytest.approx(0.6))]
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "scores/dino")] == [(4, 0.25)]
     assert run.data.metrics["eval/clip_i"] == 0.75 and run.info.status == "FINISHED"
     assert client.list_artifacts(run.info.run_id, "images")
     assert client.get_experiment(run.info.experiment_id).name == flags.FLAGS["tracker_project_name"][1]["default"]

@@ -27,6 +27,7 @@ HELP_GROUPS = {
                 "checkpointing_steps", "checkpoints_total_limit", "keep_checkpoints", "resume_from_checkpoint",
                 "logging_steps", "report_to", "tracker_project_name", "notify_url", "validation_prompt",
                 "num_validation_images", "validation_epochs", "validation_steps", "validation_inference_steps",
+                "score_steps",
                 "data_prefix", "tuned_model_dir"),
     "image generation": ("num_inference_steps", "guidance_scale", "negative_prompt", "batch_size", "safety_checker",
                          "eval_images_per_prompt"),

@@ -474,7 +474,16 @@ FLAGS = {
         dict(type=positive_int, default=None, help="Sample every N steps (and at the end). Default: "
                                                    "--checkpointing_steps.")),
     "validation_inference_steps": (("--validation_inference_steps",),
-        dict(type=positive_int, default=25, help="Denoising steps per validation image.")),
+        dict(type=positive_int, default=25, help="Denoising steps per validation image (and per image "
+                                                 "--score_steps scores).")),
+    "score_steps": (("--score_steps",),
+        dict(type=positive_int, default=None, metavar="N",
+             help="Score the model every N steps (and at the end) as evaluate.py does: DINO, CLIP-I and CLIP-T of "
+                  "its images of the evaluation prompts against your photos, from that step's checkpoint, while "
+                  "the training goes on (Ray Train's validation, a task of its own). Each step's scores go to "
+                  "metrics.jsonl, the trackers and a line of the output; its images and report to "
+                  "scores/step-N/ in the run folder. Needs --eval_models_dir (cache_model.py --eval_models) and "
+                  "--class_name.")),
     "logging_steps": (("--logging_steps",),
         dict(type=positive_int, default=10, help="Report loss, lr and images/s every N steps.")),
     "checkpointing_steps": (("--checkpointing_steps",),

@@ -121,6 +121,15 @@ class Plan:
     num_validation_images: int
     validation_steps: int  # already defaulted to checkpointing_steps
     validation_inference_steps: int
+    # scores while training (--score_steps; None: none): the checkpoints of those steps scored as evaluate.py does
+    score_steps: int | None
+    instance_data_dir: str  # the photos' folder, as given (the subject's photos the scores compare with)
+    eval_models_dir: str | None
+    class_name: str | None
+    unique_token: str
+    subject_type: str | None
+    eval_prompts: str | None
+    eval_images_per_prompt: int
     settings_toml: str  # the resolved flags as a --config file that repeats the run
 
     @property
@@ -138,8 +147,12 @@ class Plan:
         return self.stop_step or self.total_steps
 
     def is_checkpoint_step(self, step):
-        """Checkpoints every checkpointing_steps and at the last step."""
-        return step % self.checkpointing_steps == 0 or step == self.end_step
+        """Checkpoints every checkpointing_steps, on the steps scored and at the last step."""
+        return step % self.checkpointing_steps == 0 or step == self.end_step or self.is_score_step(step)
+
+    def is_score_step(self, step):
+        """The checkpoints scored while training: every score_steps and at the last step (none without)."""
+        return bool(self.score_steps) and (step % self.score_steps == 0 or step == self.end_step)
 
     def is_validation_step(self, step):
         """Every rank samples its share on the same steps: every validation_steps and at the end."""
@@ -162,6 +175,8 @@ class Plan:
         if self.validation_prompts:
             resume += (f"; {len(self.validation_prompts)} validation prompt(s) x {self.num_validation_images} "
                        f"every {self.validation_steps} steps")
+        if self.score_steps:
+            resume += f"; scored every {self.score_steps} steps (DINO, CLIP-I, CLIP-T) while it trains"
         if self.fsdp:
             trained += f", sharded across the {self.num_workers} worker(s) (FSDP)"
         if self.use_ema:

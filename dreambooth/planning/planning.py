@@ -39,7 +39,8 @@ TRAIN_FLAGS = [
     "max_grad_norm", "max_train_steps", "num_train_epochs", "mixed_precision", "seed", "num_workers",
     "gpus_per_worker", "use_gpu", "storage_path", "logging_steps", "report_to", "tracker_project_name", "notify_url",
     "validation_prompt", "num_validation_images", "validation_steps", "validation_epochs",
-    "validation_inference_steps", "vae_dir", "checkpointing_steps", "checkpoints_total_limit", "keep_checkpoints",
+    "validation_inference_steps", "score_steps", "eval_models_dir", "class_name", "unique_token", "subject_type",
+    "eval_prompts", "eval_images_per_prompt", "vae_dir", "checkpointing_steps", "checkpoints_total_limit", "keep_checkpoints",
     "resume_from_checkpoint", "max_failures", "overwrite", "allow_unsafe_weights", "gradient_accumulation_steps",
     "gradient_checkpointing", "cache_latents", "precompute_text_embeddings", "channels_last", "fused_adamw",
     "torch_compile", "fsdp", "allow_tf32", "num_class_images", "set_grads_to_none",
@@ -48,7 +49,8 @@ TRAIN_FLAGS = [
 
 def train_parser(description=None):  # (train.py's output, photos and class images may be a bucket's)
     return flags.make_parser(description, TRAIN_FLAGS, refused=flags.REFUSED, config=True, types=dict.fromkeys(
-        ("output_dir", "instance_data_dir", "class_data_dir"), flags.storage_location))
+        ("output_dir", "instance_data_dir", "class_data_dir", "eval_models_dir"), flags.storage_location),
+                             optional=("eval_models_dir", "class_name"))
 
 
 class FlagError(ValueError):
@@ -113,6 +115,7 @@ def derive(given, parser):
         raise FlagError("give --validation_steps or --validation_epochs, not both")
     if args.validation_steps is None and not args.validation_epochs:
         args.validation_steps = args.checkpointing_steps
+    check_scoring(args, parser.typed)
     if args.learning_rate is None:  # (Prodigy's is a multiplier of the step size it finds: 1.0)
         args.learning_rate = 1.0 if args.optimizer == "prodigy" else 1e-4 if args.use_lora else 5e-6
     if args.lora_alpha is None:
@@ -271,6 +274,27 @@ def plan_run(args, cluster_resources, draw_class_images=None, stop_step=None):
         # there, the line printed every --logging_steps is the progress.
         "progress_bar": errors.on_terminal(),
     })
+
+
+SCORING_FLAGS = ("eval_models_dir", "class_name", "unique_token", "subject_type", "eval_prompts", "eval_images_per_prompt")
+
+
+def check_scoring(args, typed):
+    """--score_steps needs the scoring models and the subject's class, and the instance prompt must name the
+    subject as the evaluation prompts will ('<token> <class>'); the scoring flags without it score nothing."""
+    if not args.score_steps:
+        if typed & set(SCORING_FLAGS):
+            raise FlagError(f"--{' --'.join(sorted(typed & set(SCORING_FLAGS)))}: these say how checkpoints are scored "
+                            "while training: add --score_steps N")
+        return
+    missing = [f"--{name}" for name in ("eval_models_dir", "class_name") if not getattr(args, name)]
+    if missing:
+        raise FlagError(f"--score_steps scores each checkpoint against your photos with the scoring models: add "
+                        f"{' and '.join(missing)} (cache_model.py --eval_models fetches the models)")
+    subject = f"{args.unique_token} {args.class_name}"
+    if subject not in args.instance_prompt:
+        raise FlagError(f"--score_steps: the instance prompt {args.instance_prompt!r} does not name the subject as "
+                        f"the evaluation prompts will, {subject!r}: give --unique_token and --class_name as in it")
 
 
 def offline_plan(**fields):

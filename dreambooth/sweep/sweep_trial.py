@@ -95,10 +95,7 @@ def trial_fn(config, job):
 
 def save_step_model(checkpoint_dir, train_args, model, step, subject):
     """The trial's checkpoint at step (a local folder) written as train.py's output model (a bucket's too)."""
-    fields = {k: getattr(train_args, k) for k in ("model_dir", "use_lora", "lora_rank", "lora_alpha",
-              "train_text_encoder", "allow_unsafe_weights", "instance_prompt", "class_prompt", "use_ema", "ema_decay", "optimizer", "adapter")}
-    checkpoint.save_as_model(checkpoint_dir, planning.offline_plan(
-        **fields, output_dir=model, total_steps=step, mixed_precision="no", held_out=subject.held_out_names()))
+    checkpoint.save_as_model(checkpoint_dir, checkpoint.step_model_plan(train_args, model, step, subject.held_out_names()))
 
 
 def trial_args(job, config, subject, folder):

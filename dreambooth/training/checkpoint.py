@@ -25,6 +25,7 @@ from dreambooth.models import networks
 from dreambooth.models import outputs
 from dreambooth.models import sharding
 from dreambooth.planning import checkpoints
+from dreambooth.planning import planning
 
 OPTIMIZER_FILE = "optimizer.pt"
 EMA_FILE = "ema.safetensors"
@@ -161,6 +162,18 @@ def load(state, folder, rank):
 
 
 # ---------------------------------------------------------------- finding checkpoints
+
+
+# The settings of a run (a Plan, or train.py's flags) that shape the model a checkpoint of it becomes
+MODEL_FIELDS = ("model_dir", "vae_dir", "use_lora", "lora_rank", "lora_alpha", "train_text_encoder",
+                "allow_unsafe_weights", "instance_prompt", "class_prompt", "use_ema", "ema_decay", "optimizer", "adapter")
+
+
+def step_model_plan(run, output_dir, step, held_out):
+    """The plan save_as_model writes a checkpoint of run's step with (run: its Plan or train.py's flags): its model
+    in output_dir, recorded as trained for step steps, on the CPU in fp32."""
+    return planning.offline_plan(**{name: getattr(run, name) for name in MODEL_FIELDS}, output_dir=output_dir,
+                                 total_steps=step, mixed_precision="no", held_out=tuple(held_out))
 
 
 def save_as_model(checkpoint_dir, plan):

@@ -23,6 +23,7 @@ from dreambooth.planning import checkpoints
 from dreambooth.planning import planning
 from dreambooth.storage import notify
 from dreambooth.storage import runfiles
+from dreambooth.training import checkpoint_scores
 from dreambooth.training import dataset
 from dreambooth.training import runlog
 from dreambooth.training import trackers
@@ -88,6 +89,10 @@ def train_planned(args, stop_step, started):
     run_folder = storage.join(plan.storage_path, plan.run_name)  # (result.path: the same, without a bucket's scheme)
     print(f"trained {plan.end_step} steps; {loss}; model saved to {plan.output_dir}; checkpoints and "
           f"{runlog.METRICS_FILE} in {run_folder}", file=sys.stderr)
+    if plan.score_steps:  # (every scoring task has ended: Ray Train waits for them before fit returns)
+        for line in checkpoint_scores.finish(plan):
+            print(line, file=sys.stderr)
+        runfiles.sync_up(plan.storage_path, plan.run_name)
     if not plan.keep_checkpoints and plan.end_step == plan.total_steps:  # (not a sweep stage that goes on)
         remove_checkpoints(plan, args.resume_from_checkpoint, run_folder)
     plot = runlog.plot_metrics(storage.fetch(run_folder, runlog.METRICS_FILE, plan.run_dir))
@@ -209,6 +214,7 @@ def run_trainer(plan, train_ds):
         # rows on every run of the same command, which resuming mid-run relies on. (Set here:
         # the split is configured in Train's controller, which does not see our DataContext.)
         dataset_config=ray.train.DataConfig(execution_options=ray.data.ExecutionOptions(preserve_order=True)),
+        validation_config=checkpoint_scores.validation_config(plan) if plan.score_steps else None,
     )
     main_thread = threading.current_thread() is threading.main_thread()  # (a sweep's trials run in threads)
     handlers = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) if main_thread else None

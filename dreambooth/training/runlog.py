@@ -35,6 +35,15 @@ class RunLog:
         for tracker in self.trackers:
             tracker.scalars(metrics["step"], {f"train/{name}": metrics[name] for name in ("loss", "lr", "images_per_s")})
 
+    def write_scores(self, step, scores):
+        """A scored step's scores (checkpoint_scores; None: its scoring failed): a metrics.jsonl row of their own and
+        the trackers' scores/ scalars at that step."""
+        if scores is None:
+            return
+        append_scores(os.path.join(self.folder, METRICS_FILE), step, scores)
+        for tracker in self.trackers:
+            tracker.scalars(step, {f"scores/{name}": value for name, value in scores.items()})
+
     def write_images(self, step, timeline, images):
         """A validation round's images (name -> PIL image)."""
         for tracker in self.trackers:
@@ -43,6 +52,20 @@ class RunLog:
     def close(self):
         for tracker in self.trackers:
             tracker.close()
+
+
+def append_scores(metrics_file, step, scores):
+    """A scored step's row of metrics.jsonl: its step, scores and the time they were logged."""
+    with open(metrics_file, "a") as f:
+        f.write(json.dumps({"step": step, **scores, "time": time.time()}) + "\n")
+
+
+def scored_steps(metrics_file):
+    """The steps metrics_file has scores of (--score_steps' rows)."""
+    if not os.path.isfile(metrics_file):
+        return set()
+    with open(metrics_file) as f:
+        return {row["step"] for row in map(json.loads, filter(str.strip, f)) if "loss" not in row}
 
 
 def keep_rows_until(step, metrics_file, resumed_folder=None):
@@ -77,7 +100,8 @@ def plot_metrics(metrics_file):
     if not os.path.isfile(metrics_file):
         return None
     with open(metrics_file) as f:
-        rows = sorted((json.loads(line) for line in f if line.strip()), key=lambda r: r["step"])
+        rows = [json.loads(line) for line in f if line.strip()]
+    rows = sorted((r for r in rows if "loss" in r), key=lambda r: r["step"])  # (not --score_steps' rows)
     if not rows:
         return None
     from PIL import Image

@@ -97,6 +97,9 @@ class TensorBoard:
         self.writer.close()
 
 
+SCORE_STEP = "scores/step"  # W&B's x axis of the scores/ charts: the step scored
+
+
 class WandB:
     """A W&B run in the run folder's wandb/; resumed (same id) when the record names one."""
 
@@ -111,12 +114,19 @@ class WandB:
         self.run = wandb.init(project=project, name=run_name, id=run_id, resume="allow", dir=folder, mode=mode,
                               config=settings, settings=wandb.Settings(silent=True, console="off"))
         self.record = {"id": run_id, "project": project, "dir": folder}
+        # A step's scores (--score_steps) arrive steps later, and W&B drops a value logged at a step before its
+        # last: they are plotted against a step of their own instead.
+        self.run.define_metric(SCORE_STEP)
+        self.run.define_metric("scores/*", step_metric=SCORE_STEP)
         if mode == "offline":
             print(f"W&B run {run_id} offline ({why}): wandb sync {self.run.dir.rsplit(os.sep, 1)[0]} "
                   "uploads it", flush=True)
 
     def scalars(self, step, values):
-        self.run.log(values, step=step)
+        if all(name.startswith("scores/") for name in values):  # (at the step W&B is at: SCORE_STEP says whose)
+            self.run.log({**values, SCORE_STEP: step})
+        else:
+            self.run.log(values, step=step)
 
     def images(self, step, images):
         self.run.log({name: self.wandb.Image(image) for name, image in images.items()}, step=step)

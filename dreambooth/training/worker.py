@@ -21,6 +21,7 @@ from dreambooth.planning import checkpoints
 from dreambooth.planning import disk
 from dreambooth.storage import runfiles
 from dreambooth.training import checkpoint
+from dreambooth.training import checkpoint_scores
 from dreambooth.training import runlog
 from dreambooth.training import validation
 
@@ -147,6 +148,7 @@ def run_steps(plan, state, step_prompts, batches, rank, world, sampler=None, sto
     if bar and state.step:
         bar.update(state.step)
     window = ReportWindow(world)
+    watch = checkpoint_scores.ScoreWatch() if log and plan.score_steps else None
     first_step, stop_now = state.step, False
     for micro_batches in steps.accumulate(batches, plan.gradient_accumulation_steps, total - state.step):
         try:
@@ -165,6 +167,8 @@ def run_steps(plan, state, step_prompts, batches, rank, world, sampler=None, sto
         stop_now = event == "stop"
         if plan.is_report_step(state.step) or event:
             seconds = report_window(window, log, state, rank, plan, checkpoint_now=bool(event))
+            if watch:
+                log_new_scores(watch, log)
             if event and rank == 0:
                 print(f"stopped at step {state.step} of {total} ({stop.reason() or 'a signal'}): the checkpoint took "
                       f"{seconds:.1f} s" if stop_now else
@@ -173,13 +177,7 @@ def run_steps(plan, state, step_prompts, batches, rank, world, sampler=None, sto
         if stop_now:
             break
         if plan.is_validation_step(state.step):
-            with window.paused(), averaged_weights(state):
-                drawn = validation.run_round(sampler, state.step, rank, world,
-                                             plan.run_dir)
-            runfiles.sync_up(plan.storage_path, plan.run_name)  # (every rank drew some)
-            if log:
-                log.write_images(state.step, *drawn)
-                print(f"validation images of step {state.step}: {drawn[0]}", flush=True)
+            sample(plan, state, sampler, rank, world, window, log)
     if bar:
         bar.close()
     if log:
@@ -190,6 +188,24 @@ def run_steps(plan, state, step_prompts, batches, rank, world, sampler=None, sto
     if state.step < total:
         raise RuntimeError(f"the data stream ended at step {state.step} of {total}")
     return False
+
+
+def sample(plan, state, sampler, rank, world, window, log):
+    """A validation round of every rank (sampler's, with the averaged weights where there are), its time not counted
+    as training time; rank 0 logs its images."""
+    with window.paused(), averaged_weights(state):
+        drawn = validation.run_round(sampler, state.step, rank, world, plan.run_dir)
+    runfiles.sync_up(plan.storage_path, plan.run_name)  # (every rank drew some)
+    if log:
+        log.write_images(state.step, *drawn)
+        print(f"validation images of step {state.step}: {drawn[0]}", flush=True)
+
+
+def log_new_scores(watch, log):
+    """The scores Ray Train's validation has finished since the last call (never waited for): logged and said."""
+    for step, scores in watch.new_rows():
+        log.write_scores(step, scores)
+        print(checkpoint_scores.describe(step, scores, during_run=True), flush=True)
 
 
 def report_window(window, log, state, rank, plan, checkpoint_now=False):
@@ -317,4 +333,5 @@ def report(state, metrics, rank, plan, checkpoint_now=False):
         run_dir = plan.run_dir  # (a full disk there: in a bucket's run, this node's cache)
         with failures.stops_when_disk_full(f"the checkpoint of step {state.step}", run_dir, needed,
                                            cleanup=lambda: checkpoints.remove_incomplete(run_dir)):
-            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder),
+                             validation=plan.is_score_step(state.step))  # (--score_steps: scored while it trains)

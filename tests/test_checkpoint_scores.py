@@ -1,0 +1,113 @@
+"""Scores while training (train.py --score_steps): the flags' rules, and a tiny run whose checkpoints Ray Train's
+validation scores as evaluate.py does while the steps go on. Ray Train's validation API is alpha (Ray 2.60): these
+tests pin what checkpoint_scores relies on (ValidationConfig's task per reported checkpoint, its metrics merged into
+the checkpoint's, get_all_reported_checkpoints' statuses, fit waiting for the tasks before it returns)."""
+
+import json
+import os
+
+import pytest
+
+from dreambooth.planning import planning
+
+BASE = ["--model_dir", "/m", "--output_dir", "/o", "--instance_images_dir", "/p", "--instance_prompt", "photo of unqtkn toy"]
+
+
+def refusal(argv, capsys):
+    with pytest.raises(SystemExit):
+        planning.parse_args(BASE + argv)
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_scoring_needs_its_models_and_class_and_a_prompt_that_names_the_subject(capsys):
+    assert "add --eval_models_dir and --class_name" in refusal(["--score_steps", "2"], capsys)
+    assert "add --class_name" in refusal(["--score_steps", "12", "--eval_models_dir", "/e"], capsys)
+    # the evaluation prompts say '<token> <class>': the instance prompt must say the same, or the scores are of
+    # another subject than the one trained
+    line = refusal(["--score_steps", "12", "--eval_models_dir", "/e", "--class_name", "dog"], capsys)
+    assert "'photo of unqtkn toy' does not name the subject as the evaluation prompts will, 'unqtkn dog'" in line
+    assert "add --score_steps N" in refusal(["--eval_models_dir", "/e"], capsys)  # (a scoring flag alone: refused)
+    args = planning.parse_args(BASE + ["--score_steps", "3", "--eval_models_dir", "/e", "--class_name", "toy"])
+    assert (args.score_steps, args.eval_models_dir, args.unique_token, args.eval_images_per_prompt) == (3, "/e",
+                                                                                                       "unqtkn", 4)
+
+
+def test_scored_steps_are_checkpointed_and_the_last_is_scored():
+    plan = planning.offline_plan(score_steps=3, checkpointing_steps=4, total_steps=7, class_name="toy")
+    assert [s for s in range(1, 8) if plan.is_score_step(s)] == [3, 6, 7]
+    assert [s for s in range(1, 8) if plan.is_checkpoint_step(s)] == [3, 4, 6, 7]
+    assert "scored every 3 steps (DINO, CLIP-I, CLIP-T) while it trains" in plan.describe()
+    assert not any(planning.offline_plan().is_score_step(s) for s in range(1, 8))
+
+
+@pytest.mark.slow
+def test_a_run_scores_its_checkpoints_while_it_trains_as_evaluate_scores_them(ray_session, tiny_model, toy_images,
+                                                                              tiny_eval_models, tmp_path, capsys):
+    """--score_steps 12 of 24 steps: steps 12 and 24 scored from their checkpoints by Ray Train's validation tasks,
+    each step's scores those evaluate.py gives that step's model (its images and scores.json in the run folder's
+    scores/step-N). The training did not wait: the steps after 12 were logged while step 12 was scored, and rank 0
+    logged its scores (metrics.jsonl, a line) as they came, mid-run; step 24's, which came after the last step, the
+    driver added at the end."""
+    from dreambooth.commands import evaluate
+    from dreambooth.commands import train
+    from dreambooth.training import checkpoint_scores
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a {subject} on a beach\n")
+    out = tmp_path / "out"
+    result = train.main(["--model_dir", tiny_model, "--instance_images_dir", toy_images, "--instance_prompt",
+                         "photo of unqtkn toy", "--output_dir", str(out), "--storage_path", str(tmp_path / "runs"),
+                         "--num_workers", "1", "--use_lora", "--max_train_steps", "24", "--logging_steps", "1",
+                         # (steps of seconds, at 128 px and 5 batches each: a score arrives mid-run)
+                         "--resolution", "128", "--gradient_accumulation_steps", "5",
+                         "--score_steps", "12", "--eval_models_dir", tiny_eval_models[1], "--class_name", "toy",
+                         "--eval_prompts", str(prompts), "--eval_images_per_prompt", "1",
+                         "--validation_inference_steps", "2"])
+    captured = capsys.readouterr()
+    run_dir = result.path
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    scored = {row["step"]: row for row in rows if "dino" in row}
+    assert sorted(scored) == [12, 24], rows
+    assert all(0 < scored[s][k] <= 1 for s in scored for k in ("dino", "clip_i")), scored
+    said = {step: checkpoint_scores.describe(step, {k: scored[step][k] for k in checkpoint_scores.SCORE_KEYS})
+            for step in scored}
+    loss_logged = {row["step"]: row["time"] for row in rows if "loss" in row}
+    # the steps went on while step 12 was scored, and its scores were logged by rank 0 before the last step
+    assert loss_logged[13] < os.path.getmtime(os.path.join(run_dir, "scores", "step-12", "scores.json"))
+    assert scored[12]["time"] < loss_logged[24] and said[12] in captured.out
+    assert said[24] in captured.err and "scored steps: 12, 24" in captured.err  # (the driver's, at the end)
+    assert not os.path.exists(os.path.join(run_dir, "scores", "step-12", "model"))  # (the scored model is not kept)
+    # the last step's scores are evaluate.py's of the saved model (the same images: the same seed and settings)
+    evaluate.main(["--model_dir", str(out), "--instance_images_dir", toy_images, "--class_name", "toy",
+                   "--eval_prompts", str(prompts), "--eval_models_dir", tiny_eval_models[1], "--output_dir",
+                   str(tmp_path / "eval"), "--num_samples_per_prompt", "1", "--num_inference_steps", "2",
+                   "--resolution", "128"])
+    theirs = json.load(open(tmp_path / "eval" / "scores.json"))["models"]
+    tuned = next(m for label, m in theirs.items() if label != "base")["overall"]
+    assert {k: round(tuned[k], 4) for k in checkpoint_scores.SCORE_KEYS} == \
+        {k: round(scored[24][k], 4) for k in checkpoint_scores.SCORE_KEYS}
+
+
+def test_the_end_of_a_run_adds_the_scores_that_came_late_and_says_a_failed_step(tmp_path):
+    """checkpoint_scores.finish, once the scoring tasks are over: a step scored after rank 0's last report (its
+    scores.json there, no row yet) gets its metrics.jsonl row and line; a scored step without scores (its task
+    failed or timed out) is said in one line; the steps before a resumed checkpoint are not this run's."""
+    from dreambooth import files
+    from dreambooth.evaluation import scoring
+    from dreambooth.training import checkpoint_scores
+
+    plan = planning.offline_plan(score_steps=2, total_steps=6, storage_path=str(tmp_path), run_name="run",
+                                 class_name="toy")
+    values = {"dino": 0.5, "clip_i": 0.75, "clip_t": 0.25}
+    for step in (2, 4):  # 2: logged by rank 0 during the run; 4: came after its last report; 6: failed
+        result = scoring.EvalResult("unqtkn toy", 1, 1, 5, ("a unqtkn toy",),
+                                    {f"step-{step}": scoring.ModelScores(values, {})})
+        os.makedirs(tmp_path / "run" / "scores" / f"step-{step}")
+        files.write_json(str(tmp_path / "run" / "scores" / f"step-{step}" / "scores.json"), result.to_json())
+    (tmp_path / "run" / "metrics.jsonl").write_text(json.dumps({"step": 2, **values, "time": 1.0}) + "\n")
+    lines = checkpoint_scores.finish(plan)
+    assert lines == ["scores of step 4: DINO 0.500, CLIP-I 0.750, CLIP-T 0.250",
+                     "scores of step 6: its scoring task failed (its error is in Ray's log)",
+                     f"scored steps: 2, 4 (images and report.md of each in {tmp_path / 'run' / 'scores'})"]
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [(r["step"], r["dino"]) for r in rows] == [(2, 0.5), (4, 0.5)]
