@@ -75,7 +75,8 @@ def test_a_run_scores_its_checkpoints_while_it_trains_as_evaluate_scores_them(ra
     # the steps went on while step 12 was scored, and its scores were logged by rank 0 before the last step
     assert loss_logged[13] < os.path.getmtime(os.path.join(run_dir, "scores", "step-12", "scores.json"))
     assert scored[12]["time"] < loss_logged[24] and said[12] in captured.out
-    assert said[24] in captured.err and "scored steps: 12, 24" in captured.err  # (the driver's, at the end)
+    assert said[24] in captured.err and "scored steps: 12, 24, plotted in" in captured.err  # (the driver's, at the end)
+    assert os.path.isfile(os.path.join(run_dir, "scores.png"))
     assert not os.path.exists(os.path.join(run_dir, "scores", "step-12", "model"))  # (the scored model is not kept)
     # the last step's scores are evaluate.py's of the saved model (the same images: the same seed and settings)
     evaluate.main(["--model_dir", str(out), "--instance_images_dir", toy_images, "--class_name", "toy",
@@ -108,6 +109,15 @@ def test_the_end_of_a_run_adds_the_scores_that_came_late_and_says_a_failed_step(
     lines = checkpoint_scores.finish(plan)
     assert lines == ["scores of step 4: DINO 0.500, CLIP-I 0.750, CLIP-T 0.250",
                      "scores of step 6: its scoring task failed (its error is in Ray's log)",
-                     f"scored steps: 2, 4 (images and report.md of each in {tmp_path / 'run' / 'scores'})"]
+                     f"scored steps: 2, 4, plotted in {tmp_path / 'run' / 'scores.png'} (images and report.md of "
+                     f"each in {tmp_path / 'run' / 'scores'})"]
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [(r["step"], r["dino"]) for r in rows] == [(2, 0.5), (4, 0.5)]
+    from PIL import Image
+
+    from dreambooth.training import runlog
+
+    plot = Image.open(tmp_path / "run" / "scores.png").convert("RGB")
+    assert plot.size == (800, 450)
+    colours = {colour for _, colour in plot.getcolors(800 * 450)}
+    assert all(colour in colours for _, _, colour in runlog.SCORE_LINES)  # a line (and its label) of each score

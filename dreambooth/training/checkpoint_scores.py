@@ -129,8 +129,9 @@ def finish(plan):
             runlog.append_scores(metrics_file, step, found[step])
         lines.append(describe(step, found.get(step)))  # (none: its task failed or timed out)
     if found:
-        lines.append(f"scored steps: {', '.join(map(str, sorted(found)))} (images and report.md of each in "
-                     f"{os.path.join(plan.run_dir, SCORES_FOLDER)})")
+        plot = runlog.plot_scores(metrics_file)
+        lines.append(f"scored steps: {', '.join(map(str, sorted(found)))}, plotted in {plot} (images and report.md "
+                     f"of each in {os.path.join(plan.run_dir, SCORES_FOLDER)})")
     else:
         lines.append(f"no step was scored (--score_steps {plan.score_steps}): its errors are in Ray's log")
     return lines

@@ -145,6 +145,54 @@ def plot_metrics(metrics_file):
     return path
 
 
+GREEN = (44, 160, 44)
+SCORE_LINES = (("dino", "DINO", BLUE), ("clip_i", "CLIP-I", GREEN), ("clip_t", "CLIP-T", ORANGE))
+
+
+def plot_scores(metrics_file):
+    """scores.png beside metrics_file: DINO, CLIP-I and CLIP-T of each scored step (--score_steps' rows) against
+    the step, on one axis, 800 x 450 px; None when no step was scored."""
+    if not os.path.isfile(metrics_file):
+        return None
+    with open(metrics_file) as f:
+        rows = sorted((r for r in map(json.loads, filter(str.strip, f)) if "dino" in r), key=lambda r: r["step"])
+    if not rows:
+        return None
+    from PIL import Image
+    from PIL import ImageDraw
+
+    image = Image.new("RGB", (800, 450), "white")
+    draw = ImageDraw.Draw(image)
+    left, top, right, bottom = 80, 50, 720, 400
+    steps = ticks([r["step"] for r in rows], from_zero=False)
+    values = ticks([r[key] for r in rows for key, _, _ in SCORE_LINES], from_zero=False)
+
+    def at(value, marks, low, high):
+        return low + (value - marks[0]) / ((marks[-1] - marks[0]) or 1) * (high - low)
+
+    for value in steps:
+        x = at(value, steps, left, right)
+        draw.line([(x, top), (x, bottom)], fill=GRID)
+        draw.text((x, bottom + 8), f"{value:g}", fill=INK, anchor="mt")
+    for value in values:
+        y = at(value, values, bottom, top)
+        draw.line([(left, y), (right, y)], fill=GRID)
+        draw.text((left - 8, y), f"{value:.3g}", fill=INK, anchor="rm")
+    draw.rectangle((left, top, right, bottom), outline=INK)
+    for index, (key, label, colour) in enumerate(SCORE_LINES):
+        points = [(at(r["step"], steps, left, right), at(r[key], values, bottom, top)) for r in rows]
+        if len(points) > 1:
+            draw.line(points, fill=colour, width=2)
+        for x, y in points:
+            draw.ellipse([x - 3, y - 3, x + 3, y + 3], fill=colour)
+        draw.text((left + 110 * index, top - 12), label, fill=colour, anchor="ls")
+    draw.text((400, 16), os.path.basename(os.path.dirname(metrics_file)), fill=INK, anchor="mm")
+    draw.text((400, 432), "optimizer step (the checkpoint scored)", fill=INK, anchor="mm")
+    path = os.path.join(os.path.dirname(metrics_file), "scores.png")
+    image.save(path)
+    return path
+
+
 def ticks(values, from_zero):
     """Round axis marks (1, 2, 2.5 or 5 times a power of ten apart) from below the lowest value (0 when
     from_zero) to above the highest, at least two."""
