@@ -54,6 +54,7 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request, webhook):
         f.write("192.0.2.1:6379")  # a cluster no step may join (a plain ray.init() would wait on it)
     env["RAY_TMPDIR"] = stranger
     if mode == "lora":
+        assert (tmp_path / "images-reg").is_dir(), "the [lora] arm goes on from the [full] arm's folders: run both"
         # 6 rows over 2 workers at batch 2: 2 steps an epoch; the script once capped a run at 4 epochs (8)
         # NUM_CLASS_IMAGES lowered: train.py trains on 4 of the 6 class images the first run drew
         env.update(NUM_WORKERS="2", MAX_TRAIN_STEPS="10", TRAIN_ARGS="--logging_steps 5", NUM_CLASS_IMAGES="4")
