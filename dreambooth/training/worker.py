@@ -166,9 +166,9 @@ def run_steps(plan, state, step_prompts, batches, rank, world, sampler=None, sto
         event = stop.check() if stop is not None and state.step < total else None
         stop_now = event == "stop"
         if plan.is_report_step(state.step) or event:
-            seconds = report_window(window, log, state, rank, plan, checkpoint_now=bool(event))
-            if watch:
+            if watch:  # (before this report: Ray Train has taken the earlier ones, so asking it waits on none)
                 log_new_scores(watch, log)
+            seconds = report_window(window, log, state, rank, plan, checkpoint_now=bool(event))
             if event and rank == 0:
                 print(f"stopped at step {state.step} of {total} ({stop.reason() or 'a signal'}): the checkpoint took "
                       f"{seconds:.1f} s" if stop_now else
