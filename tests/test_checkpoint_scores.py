@@ -21,10 +21,10 @@ def refusal(argv, capsys):
 
 def test_scoring_needs_its_models_and_class_and_a_prompt_that_names_the_subject(capsys):
     assert "add --eval_models_dir and --class_name" in refusal(["--score_steps", "2"], capsys)
-    assert "add --class_name" in refusal(["--score_steps", "12", "--eval_models_dir", "/e"], capsys)
+    assert "add --class_name" in refusal(["--score_steps", "2", "--eval_models_dir", "/e"], capsys)
     # the evaluation prompts say '<token> <class>': the instance prompt must say the same, or the scores are of
     # another subject than the one trained
-    line = refusal(["--score_steps", "12", "--eval_models_dir", "/e", "--class_name", "dog"], capsys)
+    line = refusal(["--score_steps", "2", "--eval_models_dir", "/e", "--class_name", "dog"], capsys)
     assert "'photo of unqtkn toy' does not name the subject as the evaluation prompts will, 'unqtkn dog'" in line
     assert "add --score_steps N" in refusal(["--eval_models_dir", "/e"], capsys)  # (a scoring flag alone: refused)
     args = planning.parse_args(BASE + ["--score_steps", "3", "--eval_models_dir", "/e", "--class_name", "toy"])
@@ -43,10 +43,11 @@ def test_scored_steps_are_checkpointed_and_the_last_is_scored():
 @pytest.mark.slow
 def test_a_run_scores_its_checkpoints_while_it_trains_as_evaluate_scores_them(ray_session, tiny_model, toy_images,
                                                                               tiny_eval_models, tmp_path, capsys):
-    """--score_steps 12 of 24 steps: steps 12 and 24 scored from their checkpoints by Ray Train's validation tasks,
-    each step's scores those evaluate.py gives that step's model (its images and scores.json in the run folder's
-    scores/step-N). The training did not wait: the steps after 12 were logged while step 12 was scored, and rank 0
-    logged its scores (metrics.jsonl, a line) as they came, mid-run; step 24's, which came after the last step, the
+    """--score_steps 2 of 12 steps: step 2 and the last scored from their checkpoints by Ray Train's validation
+    tasks, each step's scores those evaluate.py gives that step's model (its images and scores.json in the run
+    folder's scores/step-N). The training did not wait: the steps after 2 were logged while step 2 was scored, and
+    rank 0 logged its scores (metrics.jsonl, a line) as they came, mid-run; step 4, due while step 2 was still being
+    scored, was not (one scoring at a time, a line says so); step 12's scores, which came after the last step, the
     driver added at the end."""
     from dreambooth.commands import evaluate
     from dreambooth.commands import train
@@ -57,27 +58,32 @@ def test_a_run_scores_its_checkpoints_while_it_trains_as_evaluate_scores_them(ra
     out = tmp_path / "out"
     result = train.main(["--model_dir", tiny_model, "--instance_images_dir", toy_images, "--instance_prompt",
                          "photo of unqtkn toy", "--output_dir", str(out), "--storage_path", str(tmp_path / "runs"),
-                         "--num_workers", "1", "--use_lora", "--max_train_steps", "24", "--logging_steps", "1",
+                         "--num_workers", "1", "--use_lora", "--max_train_steps", "12", "--logging_steps", "1",
                          # (steps of seconds, at 128 px and 5 batches each: a score arrives mid-run)
                          "--resolution", "128", "--gradient_accumulation_steps", "5",
-                         "--score_steps", "12", "--eval_models_dir", tiny_eval_models[1], "--class_name", "toy",
+                         "--score_steps", "2", "--eval_models_dir", tiny_eval_models[1], "--class_name", "toy",
                          "--eval_prompts", str(prompts), "--eval_images_per_prompt", "1",
                          "--validation_inference_steps", "2"])
     captured = capsys.readouterr()
     run_dir = result.path
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     scored = {row["step"]: row for row in rows if "dino" in row}
-    assert sorted(scored) == [12, 24], rows
+    # (a scoring takes tens of seconds here, a step seconds: the due steps after 4 are scored once step 2's has ended)
+    assert {2, 12} <= set(scored) and 4 not in scored, rows
+    assert "step 4 is not scored: step 2's scoring has not finished" in captured.out
     assert all(0 < scored[s][k] <= 1 for s in scored for k in ("dino", "clip_i")), scored
     said = {step: checkpoint_scores.describe(step, {k: scored[step][k] for k in checkpoint_scores.SCORE_KEYS})
             for step in scored}
     loss_logged = {row["step"]: row["time"] for row in rows if "loss" in row}
-    # the steps went on while step 12 was scored, and its scores were logged by rank 0 before the last step
-    assert loss_logged[13] < os.path.getmtime(os.path.join(run_dir, "scores", "step-12", "scores.json"))
-    assert scored[12]["time"] < loss_logged[24] and said[12] in captured.out
-    assert said[24] in captured.err and "scored steps: 12, 24, plotted in" in captured.err  # (the driver's, at the end)
+    # the steps went on while step 2 was scored, and its scores were logged by rank 0 before the last step
+    assert loss_logged[3] < os.path.getmtime(os.path.join(run_dir, "scores", "step-2", "scores.json"))
+    assert scored[2]["time"] < loss_logged[12] and said[2] in captured.out
+    assert said[12] in captured.err and "scored steps: 2, " in captured.err  # (the driver's, at the end)
     assert os.path.isfile(os.path.join(run_dir, "scores.png"))
-    assert not os.path.exists(os.path.join(run_dir, "scores", "step-12", "model"))  # (the scored model is not kept)
+    assert not os.path.exists(os.path.join(run_dir, "scores", "step-2", "model"))  # (the scored model is not kept)
+    # what scoring said as it went is in the step's log, not among the training's lines
+    assert "scoring 7 images" in open(os.path.join(run_dir, "scores", "step-2", "scoring.log")).read()
+    assert "images already there" not in captured.out + captured.err
     # the last step's scores are evaluate.py's of the saved model (the same images: the same seed and settings)
     evaluate.main(["--model_dir", str(out), "--instance_images_dir", toy_images, "--class_name", "toy",
                    "--eval_prompts", str(prompts), "--eval_models_dir", tiny_eval_models[1], "--output_dir",
@@ -86,13 +92,13 @@ def test_a_run_scores_its_checkpoints_while_it_trains_as_evaluate_scores_them(ra
     theirs = json.load(open(tmp_path / "eval" / "scores.json"))["models"]
     tuned = next(m for label, m in theirs.items() if label != "base")["overall"]
     assert {k: round(tuned[k], 4) for k in checkpoint_scores.SCORE_KEYS} == \
-        {k: round(scored[24][k], 4) for k in checkpoint_scores.SCORE_KEYS}
+        {k: round(scored[12][k], 4) for k in checkpoint_scores.SCORE_KEYS}
 
 
 def test_the_end_of_a_run_adds_the_scores_that_came_late_and_says_a_failed_step(tmp_path):
     """checkpoint_scores.finish, once the scoring tasks are over: a step scored after rank 0's last report (its
-    scores.json there, no row yet) gets its metrics.jsonl row and line; a scored step without scores (its task
-    failed or timed out) is said in one line; the steps before a resumed checkpoint are not this run's."""
+    scores.json there, no row yet) gets its metrics.jsonl row and line; the last step without scores (its task
+    failed or timed out) is said in one line; a run stopped early says nothing of the steps it did not reach."""
     from dreambooth import files
     from dreambooth.evaluation import scoring
     from dreambooth.training import checkpoint_scores
@@ -106,9 +112,12 @@ def test_the_end_of_a_run_adds_the_scores_that_came_late_and_says_a_failed_step(
         os.makedirs(tmp_path / "run" / "scores" / f"step-{step}")
         files.write_json(str(tmp_path / "run" / "scores" / f"step-{step}" / "scores.json"), result.to_json())
     (tmp_path / "run" / "metrics.jsonl").write_text(json.dumps({"step": 2, **values, "time": 1.0}) + "\n")
+    assert checkpoint_scores.finish(plan, last_step=5)[0] == "scores of step 4: DINO 0.500, CLIP-I 0.750, CLIP-T 0.250"
+    (tmp_path / "run" / "metrics.jsonl").write_text(json.dumps({"step": 2, **values, "time": 1.0}) + "\n")
     lines = checkpoint_scores.finish(plan)
     assert lines == ["scores of step 4: DINO 0.500, CLIP-I 0.750, CLIP-T 0.250",
-                     "scores of step 6: its scoring task failed (its error is in Ray's log)",
+                     "scores of step 6: its scoring task failed (its error: the run folder's scores/step-6/scoring.log, "
+                     "and Ray's log)",
                      f"scored steps: 2, 4, plotted in {tmp_path / 'run' / 'scores.png'} (images and report.md of "
                      f"each in {tmp_path / 'run' / 'scores'})"]
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]

@@ -40,6 +40,8 @@ def quiet_ray_worker():
     # (a user's two scripts at once, the test suite's own beside a script's).
     os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
     logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").setLevel(logging.ERROR)
+    # (bitsandbytes' note that an optional CPU kernel package is missing: as on the driver, errors.run_main)
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     # Ray Train's worker context logs every report at INFO through a logger named by its file's
     # path (so its own log-level setting misses it): one line per report and rank, all noise.
     context_py = os.path.join(os.path.dirname(ray.__file__), "train", "v2", "_internal", "execution", "context.py")

@@ -7,7 +7,9 @@ scores go back to Ray Train with the checkpoint, and rank 0 logs them as they ar
 Ray Train's validation API is alpha in Ray 2.60: tests/test_checkpoint_scores.py pins what this module relies on.
 """
 
+import contextlib
 import functools
+import json
 import os
 import shutil
 
@@ -19,6 +21,8 @@ from dreambooth.storage import runfiles
 from dreambooth.training import checkpoint
 
 SCORES_FOLDER = "scores"  # in the run folder: step-N/ of each scored step (images, scores.json, report.md)
+NAMESPACE = "dreambooth-scores"  # of Ray's key-value store: each scored step's scores, until rank 0 has logged them
+SCORING_LOG = "scoring.log"  # in scores/step-N: what the scoring task said
 SCORE_KEYS = ("dino", "clip_i", "clip_t")  # what a scored step reports (the paper's subject and prompt fidelity)
 SUBJECT = "subject"  # the one subject a run is scored against
 # evaluate.py's seed of the images it scores (its --seed default): a step's images are those evaluate.py would draw
@@ -40,6 +44,18 @@ def settings_of(plan):
                                 allow_unsafe_weights=plan.allow_unsafe_weights)
 
 
+def check_inputs(args):
+    """UserError before Ray starts for what a scoring task would fail on only after its step was trained: the scoring
+    models' folder, the evaluation prompts (each with '{subject}'), the photos."""
+    from dreambooth.models import modelcache
+
+    modelcache.check_eval_models_dir(args.eval_models_dir)
+    subject = scoring.Subject(SUBJECT, args.instance_data_dir, args.unique_token, args.class_name, args.subject_type,
+                              args.eval_prompts)
+    subject.prompts()
+    subject.photos()
+
+
 def validation_config(plan):
     """Ray Train's validation of the scored checkpoints: score_checkpoint as a task that reserves no CPU of its own
     (it only waits on the actor pools it starts, which reserve theirs)."""
@@ -57,45 +73,79 @@ def score_checkpoint(checkpoint_ref, plan):
         model = os.path.join(where, "model")
         checkpoint.save_as_model(folder, checkpoint.step_model_plan(plan, model, step, plan.held_out))
     label = f"step-{step}"
-    try:
-        result = scoring.run([(label, outputs.resolve_model(model))], [subject_of(plan)], settings_of(plan), where)
-    finally:
-        shutil.rmtree(model, ignore_errors=True)
+    # (what scoring says as it goes, evaluate.py's lines and bars, in a log of the step's own: the run's output is
+    # the training's, and this step's one line of scores)
+    with open(os.path.join(where, SCORING_LOG), "w") as log, contextlib.redirect_stdout(log), \
+            contextlib.redirect_stderr(log):
+        try:
+            result = scoring.run([(label, outputs.resolve_model(model))], [subject_of(plan)], settings_of(plan), where)
+        finally:
+            shutil.rmtree(model, ignore_errors=True)
     runfiles.sync_up(plan.storage_path, plan.run_name)  # (a bucket's run: its scores there too)
     overall = result[SUBJECT].overall(label)
-    return {key: float(overall[key]) for key in SCORE_KEYS}
+    scores = {key: float(overall[key]) for key in SCORE_KEYS}
+    # (for rank 0, on whichever node: Ray Train's own record of a checkpoint goes with it when the checkpoint
+    # limit removes it, which can be as soon as its scores are in)
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_put(score_key(plan.run_name, step), json.dumps(scores), namespace=NAMESPACE)
+    return scores
+
+
+def forget(run_name):
+    """The run's scores left in Ray's key-value store removed (its scoring tasks have ended)."""
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_del(f"{run_name}/", del_by_prefix=True, namespace=NAMESPACE)
+
+
+def score_key(run_name, step):
+    """The key of a scored step's scores in Ray's key-value store."""
+    return f"{run_name}/step-{step}"
 
 
 class ScoreWatch:
-    """Rank 0's view of the scores Ray Train has received so far: each new one once (new_rows)."""
+    """Rank 0's view of the scoring: the steps it sent (sent), the one Ray Train is still scoring (pending), and
+    each step's scores once (new_rows), from Ray's key-value store, where the scoring task puts them."""
 
-    def __init__(self):
-        self.said = set()  # the steps whose scores (or failure) were logged
+    def __init__(self, run_name):
+        self.run_name = run_name
+        self.sent, self.said = set(), set()  # the steps sent for scoring; those whose scores (or failure) were logged
+        self.pending = None  # a step whose scoring Ray Train had not finished at the last call, if any
 
     def new_rows(self):
         """[(step, {SCORE_KEYS: value}) or (step, None) for a scoring task that failed or timed out], in step order,
-        for the scored checkpoints Ray Train has finished with since the last call."""
+        for the sent steps whose scoring has ended since the last call."""
         import ray.train
+        from ray.experimental import internal_kv
 
-        status = ray.train.ReportedCheckpointStatus
-        done = (status.VALIDATED, status.VALIDATION_FAILED, status.VALIDATION_TIMEOUT)
+        pending = sorted(reported.metrics.get("step") for reported in ray.train.get_all_reported_checkpoints(
+            consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
+            if reported.status is ray.train.ReportedCheckpointStatus.PENDING_VALIDATION)
+        self.pending = pending[0] if pending else None
         rows = []
-        for reported in ray.train.get_all_reported_checkpoints(
-                consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED):
-            step = reported.metrics.get("step")
-            if reported.status not in done or step in self.said:
+        for step in sorted(self.sent - self.said):
+            key = score_key(self.run_name, step)
+            value = internal_kv._internal_kv_get(key, namespace=NAMESPACE)
+            if value is None and step in pending:
                 continue
+            rows.append((step, json.loads(value) if value is not None else None))  # (ended without: it failed)
             self.said.add(step)
-            scores = {key: reported.metrics[key] for key in SCORE_KEYS} if reported.status is status.VALIDATED \
-                else None
-            rows.append((step, scores))
-        return sorted(rows, key=lambda row: row[0])
+            internal_kv._internal_kv_del(key, namespace=NAMESPACE)
+        return rows
+
+
+def skip_line(step, pending):
+    """Why a step due to be scored is not: one scoring at a time (their checkpoints are kept until scored)."""
+    return (f"step {step} is not scored: step {pending}'s scoring has not finished (a scoring takes longer than "
+            "--score_steps steps here; the next due step after it is scored, and the last always)")
 
 
 def describe(step, scores, during_run=False):
     """The output's line of a scored step (during_run: said by rank 0 while the run goes on)."""
     if scores is None:
-        return (f"scores of step {step}: its scoring task failed (its error is in Ray's log)"
+        return (f"scores of step {step}: its scoring task failed (its error: the run folder's "
+                f"{SCORES_FOLDER}/step-{step}/{SCORING_LOG}, and Ray's log)"
                 + ("; the training goes on" if during_run else ""))
     return f"scores of step {step}: " + ", ".join(f"{key.upper().replace('_', '-')} {scores[key]:.3f}"
                                                   for key in SCORE_KEYS)
@@ -113,25 +163,28 @@ def scores_on_disk(run_dir):
     return found
 
 
-def finish(plan):
-    """At the end of a run (its scoring tasks over): the scores rank 0 had not seen yet, which arrived after its
-    last report, added to metrics.jsonl; the lines that say them, then every scored step's, in step order."""
+def finish(plan, last_step=None):
+    """At the end of a run, or when it stopped at last_step (its scoring tasks over): the scores rank 0 had not
+    seen yet, which arrived after its last report, added to metrics.jsonl; the lines that say them (and a step due
+    to be scored without scores), then every scored step's, in step order."""
     from dreambooth.training import runlog
 
     metrics_file = os.path.join(plan.run_dir, runlog.METRICS_FILE)
     logged, found = runlog.scored_steps(metrics_file), scores_on_disk(plan.run_dir)
     first = checkpoints.saved_step(plan.resume_path) + 1 if plan.resume_path else 1
     lines = []
-    for step in range(first, plan.end_step + 1):
-        if not plan.is_score_step(step) or step in logged:
-            continue
-        if step in found:
+    for step in range(first, (last_step or plan.end_step) + 1):
+        if step in found and step not in logged:
             runlog.append_scores(metrics_file, step, found[step])
-        lines.append(describe(step, found.get(step)))  # (none: its task failed or timed out)
-    if found:
+            lines.append(describe(step, found[step]))
+        elif step == plan.end_step and step not in found:
+            lines.append(describe(step, None))  # (the last step is always scored: its task failed or timed out)
+    scored = sorted(runlog.scored_steps(metrics_file))  # (a resumed run's: the earlier run's too)
+    if scored:
         plot = runlog.plot_scores(metrics_file)
-        lines.append(f"scored steps: {', '.join(map(str, sorted(found)))}, plotted in {plot} (images and report.md "
-                     f"of each in {os.path.join(plan.run_dir, SCORES_FOLDER)})")
+        lines.append(f"scored steps: {', '.join(map(str, scored))}, plotted in {plot} (images and report.md of "
+                     f"each in {os.path.join(plan.run_dir, SCORES_FOLDER)})")
     else:
-        lines.append(f"no step was scored (--score_steps {plan.score_steps}): its errors are in Ray's log")
+        lines.append(f"no step was scored (--score_steps {plan.score_steps}): each scored step's "
+                     f"{SCORES_FOLDER}/step-N/{SCORING_LOG} in the run folder says why, and Ray's log")
     return lines

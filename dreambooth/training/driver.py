@@ -35,6 +35,8 @@ def run(args, stop_step=None):
     printed, train_fn on a TorchTrainer; --notify_url told when it starts, finishes or fails. sweep.py's
     trials call it directly."""
     trackers.check_installed(args.report_to)
+    if args.score_steps:
+        checkpoint_scores.check_inputs(args)
     began = time.time()
     try:
         result, plan = train_planned(args, stop_step, lambda text, **fields: notify.send(
@@ -79,6 +81,9 @@ def train_planned(args, stop_step, started):
         result = run_trainer(plan, train_dataset(plan))
     except KeyboardInterrupt:
         latest = checkpoints.find_latest(plan.storage_path, os.path.basename(plan.output_dir))
+        if plan.score_steps and latest:  # (the scores of the steps it reached: kept with the run, which resumes them)
+            for line in checkpoint_scores.finish(plan, last_step=checkpoints.saved_step(latest)):
+                print(line, file=sys.stderr)
         where = f" (newest checkpoint: {latest}, step {checkpoints.saved_step(latest)})" if latest else \
             " (no checkpoint was written yet)"
         again = "" if args.resume_from_checkpoint in ("latest", "auto") else " with --resume_from_checkpoint latest"
@@ -227,6 +232,8 @@ def run_trainer(plan, train_ds):
         # fit() installs its own Ctrl-C handler: it aborts the run, then exits.
         raise KeyboardInterrupt from None
     finally:  # (fit's handlers, and ours for a stop at the current step, end with it)
+        if plan.score_steps:
+            checkpoint_scores.forget(plan.run_name)
         if handlers:
             signal.signal(signal.SIGINT, handlers[0])
             signal.signal(signal.SIGTERM, handlers[1])

@@ -148,7 +148,7 @@ def run_steps(plan, state, step_prompts, batches, rank, world, sampler=None, sto
     if bar and state.step:
         bar.update(state.step)
     window = ReportWindow(world)
-    watch = checkpoint_scores.ScoreWatch() if log and plan.score_steps else None
+    watch = checkpoint_scores.ScoreWatch(plan.run_name) if log and plan.score_steps else None
     first_step, stop_now = state.step, False
     for micro_batches in steps.accumulate(batches, plan.gradient_accumulation_steps, total - state.step):
         try:
@@ -166,9 +166,10 @@ def run_steps(plan, state, step_prompts, batches, rank, world, sampler=None, sto
         event = stop.check() if stop is not None and state.step < total else None
         stop_now = event == "stop"
         if plan.is_report_step(state.step) or event:
+            score = plan.is_score_step(state.step)
             if watch:  # (before this report: Ray Train has taken the earlier ones, so asking it waits on none)
-                log_new_scores(watch, log)
-            seconds = report_window(window, log, state, rank, plan, checkpoint_now=bool(event))
+                score = scores_arrived(watch, log, state.step, score, state.step == total)
+            seconds = report_window(window, log, state, rank, plan, checkpoint_now=bool(event), score=score)
             if event and rank == 0:
                 print(f"stopped at step {state.step} of {total} ({stop.reason() or 'a signal'}): the checkpoint took "
                       f"{seconds:.1f} s" if stop_now else
@@ -201,22 +202,30 @@ def sample(plan, state, sampler, rank, world, window, log):
         print(f"validation images of step {state.step}: {drawn[0]}", flush=True)
 
 
-def log_new_scores(watch, log):
-    """The scores Ray Train's validation has finished since the last call (never waited for): logged and said."""
-    for step, scores in watch.new_rows():
-        log.write_scores(step, scores)
-        print(checkpoint_scores.describe(step, scores, during_run=True), flush=True)
+def scores_arrived(watch, log, step, due, last):
+    """The scores Ray Train's validation has finished since the last call (never waited for): logged and said.
+    Whether step, due to be scored, is: one scoring at a time (each keeps its checkpoint until it ends), the last
+    step's always."""
+    for scored, scores in watch.new_rows():
+        log.write_scores(scored, scores)
+        print(checkpoint_scores.describe(scored, scores, during_run=True), flush=True)
+    if due and watch.pending and not last:
+        print(checkpoint_scores.skip_line(step, watch.pending), flush=True)
+        return False
+    if due:
+        watch.sent.add(step)
+    return due
 
 
-def report_window(window, log, state, rank, plan, checkpoint_now=False):
+def report_window(window, log, state, rank, plan, checkpoint_now=False, score=False):
     """The window's metrics logged (rank 0: metrics.jsonl, trackers, a printed line) and reported with
-    report(); the seconds the report (with its checkpoint) took."""
+    report() (score: rank 0's checkpoint to be scored); the seconds the report (with its checkpoint) took."""
     metrics = window.metrics(state, plan.steps_per_epoch)
     if log:
         log.write(metrics)
         runfiles.sync_up(plan.storage_path, plan.run_name)
     began = time.perf_counter()
-    report(state, metrics, rank, plan, checkpoint_now)
+    report(state, metrics, rank, plan, checkpoint_now, score)
     if rank == 0:
         print(" ".join(f"{name}={v:.4g}" if isinstance(v, float) else f"{name}={v}" for name, v in metrics.items()),
               flush=True)
@@ -310,9 +319,10 @@ def prefetched(iterable):
     return chained()
 
 
-def report(state, metrics, rank, plan, checkpoint_now=False):
+def report(state, metrics, rank, plan, checkpoint_now=False, score=False):
     """ray.train.report from every rank; rank 0 attaches a checkpoint on checkpointing steps (and with
-    checkpoint_now), with every rank's RNG streams (gathered from all ranks, a collective)."""
+    checkpoint_now), with every rank's RNG streams (gathered from all ranks, a collective), for Ray Train's
+    validation to score with score (--score_steps)."""
     import ray.train
 
     if not (checkpoint_now or plan.is_checkpoint_step(state.step)):
@@ -334,4 +344,4 @@ def report(state, metrics, rank, plan, checkpoint_now=False):
         with failures.stops_when_disk_full(f"the checkpoint of step {state.step}", run_dir, needed,
                                            cleanup=lambda: checkpoints.remove_incomplete(run_dir)):
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder),
-                             validation=plan.is_score_step(state.step))  # (--score_steps: scored while it trains)
+                             validation=score)  # (--score_steps: scored while it trains)
