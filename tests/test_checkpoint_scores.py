@@ -21,7 +21,7 @@ def refusal(argv, capsys):
 
 def test_scoring_needs_its_models_and_class_and_a_prompt_that_names_the_subject(capsys):
     assert "add --eval_models_dir and --class_name" in refusal(["--score_steps", "2"], capsys)
-    assert "add --class_name" in refusal(["--score_steps", "2", "--eval_models_dir", "/e"], capsys)
+    assert refusal(["--score_steps", "2", "--eval_models_dir", "/e"], capsys).endswith("add --class_name")
     # the evaluation prompts say '<token> <class>': the instance prompt must say the same, or the scores are of
     # another subject than the one trained
     line = refusal(["--score_steps", "2", "--eval_models_dir", "/e", "--class_name", "dog"], capsys)

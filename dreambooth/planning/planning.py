@@ -289,8 +289,9 @@ def check_scoring(args, typed):
         return
     missing = [f"--{name}" for name in ("eval_models_dir", "class_name") if not getattr(args, name)]
     if missing:
+        fetch = " (cache_model.py --eval_models fetches the models)" if not args.eval_models_dir else ""
         raise FlagError(f"--score_steps scores each checkpoint against your photos with the scoring models: add "
-                        f"{' and '.join(missing)} (cache_model.py --eval_models fetches the models)")
+                        f"{' and '.join(missing)}{fetch}")
     subject = f"{args.unique_token} {args.class_name}"
     if subject not in args.instance_prompt:
         raise FlagError(f"--score_steps: the instance prompt {args.instance_prompt!r} does not name the subject as "
