@@ -311,7 +311,8 @@ else
   : > "$RAY_HEAD_LOG"  # (there before the wait below reads it: the background start creates it a moment later)
   # A free port, not Ray's 6379: a cluster already running here (another run, a `ray start` of
   # yours) is left alone and never joined
-  RAY_HEAD_PORT="$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')"
+  # (never one of the ports a Ray node takes by default whatever --port says: raycluster.free_port)
+  RAY_HEAD_PORT="$("$PYTHON" -c 'from dreambooth.cluster import raycluster; print(raycluster.free_port())')"
   # Ray's metrics servers (with ray[default] installed) answer anyone over HTTP: off here, as
   # raycluster.CLOSED_METRICS turns them off for the scripts' own clusters (docs/CLUSTER.md, "Security")
   eval "$("$PYTHON" -c 'from dreambooth.cluster import raycluster; print(raycluster.closed_metrics_exports())')"

@@ -76,12 +76,10 @@ def pytest_sessionfinish(session):
 
 
 def free_port():
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    import socket
+    """A TCP port that nothing listens on now, never one a Ray node takes by default (raycluster.free_port)."""
+    from dreambooth.cluster import raycluster
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    return raycluster.free_port()
 
 
 @contextlib.contextmanager

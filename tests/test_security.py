@@ -274,3 +274,15 @@ def test_a_script_without_the_clusters_token_is_refused_in_one_line(shared_ray_c
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert last.startswith(f"error: could not join the Ray cluster at RAY_ADDRESS={shared_ray_cluster}: ")
     assert "needs its token: RAY_AUTH_TOKEN, or the file ~/.ray/auth_token" in last
+
+
+def test_a_head_of_ours_never_gets_a_port_a_ray_node_takes_by_default():
+    """The system hands out 52365, the port of every Ray node's dashboard agent, as a free one: a head started on it
+    failed (once, a whole CI run: "... is trying to use a port number 52365 that is used by other components").
+    free_port, which dreambooth_run.sh and the tests' heads take their port from, draws again."""
+    from dreambooth.cluster import raycluster
+
+    handed_out = iter([52365, 6379, 41234])
+    assert raycluster.free_port(lambda: next(handed_out)) == 41234
+    assert raycluster.free_port() not in raycluster.RAY_DEFAULT_PORTS
+    assert "raycluster.free_port()" in open(os.path.join(REPO_DIR, "dreambooth_run.sh")).read()

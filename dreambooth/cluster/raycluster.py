@@ -224,6 +224,27 @@ def init_ray():
     return ray
 
 
+# The ports a Ray node takes by default whatever --port says (its dashboard agent's HTTP server, the dashboard,
+# GCS's default, Ray Client): a head started on one of them fails ("... is trying to use a port number 52365 that
+# is used by other components"), and 52365 is in the system's range of free ports handed out.
+RAY_DEFAULT_PORTS = frozenset({52365, 8265, 6379, 10001})
+
+
+def free_port(pick=None):
+    """A TCP port nothing listens on now, for a head of ours (dreambooth_run.sh's, the tests'), never one of
+    RAY_DEFAULT_PORTS. pick: () -> a free port (default: the system's)."""
+    import socket
+
+    def system_port():
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            return probe.getsockname()[1]
+
+    while (port := (pick or system_port)()) in RAY_DEFAULT_PORTS:
+        pass
+    return port
+
+
 def start_ray_head(log_path, port=None, extra=()):
     """A local Ray cluster as dreambooth_run.sh starts one (`ray start --head --block` in the
     background, token authentication, its temp folder a private one so that its address is not
