@@ -2,7 +2,8 @@
 validation (ray.train.ValidationConfig), which runs score_checkpoint as a task of its own while the workers go on
 training. There the checkpoint becomes a model in the run folder's scores/step-N/ and is scored as evaluate.py scores
 a model (scoring.run: the same drawing, embedding and scores, evaluate.py's seed; the held-out photos apart); its
-scores go back to Ray Train with the checkpoint, and rank 0 logs them as they arrive (ScoreWatch).
+scores go back to Ray Train with the checkpoint and into Ray's key-value store, where rank 0 reads them as they
+arrive (ScoreWatch); the driver adds those that came after the last step (finish).
 
 Ray Train's validation API is alpha in Ray 2.60: tests/test_checkpoint_scores.py pins what this module relies on.
 """
