@@ -30,10 +30,16 @@ SUBJECT = "subject"  # the one subject a run is scored against
 EVAL_SEED = scoring.EvalSettings.seed
 
 
-def subject_of(plan):
-    """The scoring.Subject of a run: its photos (the held-out ones apart), token, class and prompt set."""
-    return scoring.Subject(SUBJECT, plan.instance_data_dir, plan.unique_token, plan.class_name, plan.subject_type,
-                           plan.eval_prompts, holdout=len(plan.held_out))
+def subject_of(run, holdout=0):
+    """The scoring.Subject of a run (its Plan, or train.py's flags): its photos (the last holdout of them held out),
+    token, class and prompt set."""
+    return scoring.Subject(SUBJECT, run.instance_data_dir, run.unique_token, run.class_name, run.subject_type,
+                           run.eval_prompts, holdout=holdout)
+
+
+def score_values(overall):
+    """{SCORE_KEYS: value} of a model's overall scores (scoring.EvalResult.overall)."""
+    return {key: float(overall[key]) for key in SCORE_KEYS}
 
 
 def settings_of(plan):
@@ -51,8 +57,7 @@ def check_inputs(args):
     from dreambooth.models import modelcache
 
     modelcache.check_eval_models_dir(args.eval_models_dir)
-    subject = scoring.Subject(SUBJECT, args.instance_data_dir, args.unique_token, args.class_name, args.subject_type,
-                              args.eval_prompts)
+    subject = subject_of(args)
     subject.prompts()
     subject.photos()
 
@@ -79,12 +84,12 @@ def score_checkpoint(checkpoint_ref, plan):
     with open(os.path.join(where, SCORING_LOG), "w") as log, contextlib.redirect_stdout(log), \
             contextlib.redirect_stderr(log):
         try:
-            result = scoring.run([(label, outputs.resolve_model(model))], [subject_of(plan)], settings_of(plan), where)
+            result = scoring.run([(label, outputs.resolve_model(model))], [subject_of(plan, len(plan.held_out))],
+                                 settings_of(plan), where)
         finally:
             shutil.rmtree(model, ignore_errors=True)
     runfiles.sync_up(plan.storage_path, plan.run_name)  # (a bucket's run: its scores there too)
-    overall = result[SUBJECT].overall(label)
-    scores = {key: float(overall[key]) for key in SCORE_KEYS}
+    scores = score_values(result[SUBJECT].overall(label))
     # (for rank 0, on whichever node: Ray Train's own record of a checkpoint goes with it when the checkpoint
     # limit removes it, which can be as soon as its scores are in)
     from ray.experimental import internal_kv
@@ -159,8 +164,7 @@ def scores_on_disk(run_dir):
     for name in os.listdir(folder) if os.path.isdir(folder) else ():
         path = os.path.join(folder, name, "scores.json")
         if name.startswith("step-") and os.path.isfile(path):
-            overall = scoring.EvalResult.from_json(files.read_json(path)).overall(name)
-            found[int(name[len("step-"):])] = {key: float(overall[key]) for key in SCORE_KEYS}
+            found[int(name[len("step-"):])] = score_values(scoring.EvalResult.from_json(files.read_json(path)).overall(name))
     return found
 
 
@@ -178,9 +182,10 @@ def finish(plan, last_step=None):
         if step in found and step not in logged:
             runlog.append_scores(metrics_file, step, found[step])
             lines.append(describe(step, found[step]))
+            logged.add(step)
         elif step == plan.end_step and step not in found:
             lines.append(describe(step, None))  # (the last step is always scored: its task failed or timed out)
-    scored = sorted(runlog.scored_steps(metrics_file))  # (a resumed run's: the earlier run's too)
+    scored = sorted(logged)  # (a resumed run's: the earlier run's too)
     if scored:
         plot = runlog.plot_scores(metrics_file)
         lines.append(f"scored steps: {', '.join(map(str, scored))}, plotted in {plot} (images and report.md of "

@@ -81,11 +81,11 @@ def train_planned(args, stop_step, started):
         result = run_trainer(plan, train_dataset(plan))
     except KeyboardInterrupt:
         latest = checkpoints.find_latest(plan.storage_path, os.path.basename(plan.output_dir))
+        reached = checkpoints.saved_step(latest) if latest else None
         if plan.score_steps and latest:  # (the scores of the steps it reached: kept with the run, which resumes them)
-            for line in checkpoint_scores.finish(plan, last_step=checkpoints.saved_step(latest)):
+            for line in checkpoint_scores.finish(plan, last_step=reached):
                 print(line, file=sys.stderr)
-        where = f" (newest checkpoint: {latest}, step {checkpoints.saved_step(latest)})" if latest else \
-            " (no checkpoint was written yet)"
+        where = f" (newest checkpoint: {latest}, step {reached})" if latest else " (no checkpoint was written yet)"
         again = "" if args.resume_from_checkpoint in ("latest", "auto") else " with --resume_from_checkpoint latest"
         print(f"stopped; rerun the same command{again} to continue{where}", file=sys.stderr)
         raise errors.Stopped from None

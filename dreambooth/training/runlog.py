@@ -62,10 +62,7 @@ def append_scores(metrics_file, step, scores):
 
 def scored_steps(metrics_file):
     """The steps metrics_file has scores of (--score_steps' rows)."""
-    if not os.path.isfile(metrics_file):
-        return set()
-    with open(metrics_file) as f:
-        return {row["step"] for row in map(json.loads, filter(str.strip, f)) if "loss" not in row}
+    return {row["step"] for row in read_rows(metrics_file, "dino")}
 
 
 def keep_rows_until(step, metrics_file, resumed_folder=None):
@@ -93,56 +90,79 @@ def keep_rows_until(step, metrics_file, resumed_folder=None):
 BLUE, ORANGE, INK, GRID = (31, 119, 180), (255, 127, 14), (40, 40, 40), (225, 225, 225)
 
 
-def plot_metrics(metrics_file):
-    """loss.png beside metrics_file: the run's logged loss (left axis) and learning rate (right axis, from 0)
-    against the step, 800 x 450 px. None when there is nothing to plot. Drawn with PIL, not matplotlib: importing
-    matplotlib was most of a second at the end of every run."""
+def read_rows(metrics_file, key):
+    """metrics_file's rows that hold key ("loss": the logging windows', "dino": the scored steps'), in step order;
+    [] without the file."""
     if not os.path.isfile(metrics_file):
-        return None
+        return []
     with open(metrics_file) as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    rows = sorted((r for r in rows if "loss" in r), key=lambda r: r["step"])  # (not --score_steps' rows)
-    if not rows:
-        return None
+    return sorted((r for r in rows if key in r), key=lambda r: r["step"])
+
+
+AREA = (80, 50, 720, 400)  # left, top, right, bottom of a plot's area in its 800 x 450 px image
+
+
+def scale(value, marks, low, high):
+    """Where value falls between low and high (pixels) on an axis of marks (ticks)."""
+    return low + (value - marks[0]) / ((marks[-1] - marks[0]) or 1) * (high - low)
+
+
+def new_plot(steps, values, value_format, value_colour):
+    """(image, draw) of an 800 x 450 px plot: its step axis and left value axis, with the marks steps and values
+    (ticks), gridded and labelled, and its area framed."""
     from PIL import Image
     from PIL import ImageDraw
 
     image = Image.new("RGB", (800, 450), "white")
     draw = ImageDraw.Draw(image)
-    left, top, right, bottom = 80, 50, 720, 400  # the plot area
+    left, top, right, bottom = AREA
+    for value in steps:
+        x = scale(value, steps, left, right)
+        draw.line([(x, top), (x, bottom)], fill=GRID)
+        draw.text((x, bottom + 8), f"{value:g}", fill=INK, anchor="mt")
+    for value in values:
+        y = scale(value, values, bottom, top)
+        draw.line([(left, y), (right, y)], fill=GRID)
+        draw.text((left - 8, y), f"{value:{value_format}}", fill=value_colour, anchor="rm")
+    draw.rectangle(AREA, outline=INK)
+    return image, draw
+
+
+def save_plot(image, draw, metrics_file, name, step_label):
+    """The plot titled with its run folder's name, its step axis named step_label, saved as name beside
+    metrics_file; its path."""
+    draw.text((400, 16), os.path.basename(os.path.dirname(metrics_file)), fill=INK, anchor="mm")
+    draw.text((400, 432), step_label, fill=INK, anchor="mm")
+    path = os.path.join(os.path.dirname(metrics_file), name)
+    image.save(path)
+    return path
+
+
+def plot_metrics(metrics_file):
+    """loss.png beside metrics_file: the run's logged loss (left axis) and learning rate (right axis, from 0)
+    against the step, 800 x 450 px. None when there is nothing to plot. Drawn with PIL, not matplotlib: importing
+    matplotlib was most of a second at the end of every run."""
+    rows = read_rows(metrics_file, "loss")  # (not --score_steps' rows)
+    if not rows:
+        return None
+    left, top, right, bottom = AREA
     axes = {"step": ticks([r["step"] for r in rows], from_zero=False),
             "loss": ticks([r["loss"] for r in rows], from_zero=False),
             "lr": ticks([r["lr"] for r in rows], from_zero=True)}
-
-    def at(value, key, low, high):
-        marks = axes[key]
-        return low + (value - marks[0]) / ((marks[-1] - marks[0]) or 1) * (high - low)
-
-    for value in axes["step"]:
-        x = at(value, "step", left, right)
-        draw.line([(x, top), (x, bottom)], fill=GRID)
-        draw.text((x, bottom + 8), f"{value:g}", fill=INK, anchor="mt")
-    for value in axes["loss"]:
-        y = at(value, "loss", bottom, top)
-        draw.line([(left, y), (right, y)], fill=GRID)
-        draw.text((left - 8, y), f"{value:.4g}", fill=BLUE, anchor="rm")
+    image, draw = new_plot(axes["step"], axes["loss"], ".4g", BLUE)
     for value in axes["lr"]:
-        draw.text((right + 8, at(value, "lr", bottom, top)), f"{value:.3g}", fill=ORANGE, anchor="lm")
-    draw.rectangle((left, top, right, bottom), outline=INK)
+        draw.text((right + 8, scale(value, axes["lr"], bottom, top)), f"{value:.3g}", fill=ORANGE, anchor="lm")
     for key, colour in (("lr", ORANGE), ("loss", BLUE)):
-        points = [(at(r["step"], "step", left, right), at(r[key], key, bottom, top)) for r in rows]
+        points = [(scale(r["step"], axes["step"], left, right), scale(r[key], axes[key], bottom, top)) for r in rows]
         if len(points) > 1:
             draw.line(points, fill=colour, width=2)
         if key == "loss":
             for x, y in points:
                 draw.ellipse([x - 3, y - 3, x + 3, y + 3], fill=colour)
-    draw.text((400, 16), os.path.basename(os.path.dirname(metrics_file)), fill=INK, anchor="mm")
     draw.text((left, top - 12), "loss (mean over the logging window)", fill=BLUE, anchor="ls")
     draw.text((right, top - 12), "learning rate", fill=ORANGE, anchor="rs")
-    draw.text((400, 432), "optimizer step", fill=INK, anchor="mm")
-    path = os.path.join(os.path.dirname(metrics_file), "loss.png")
-    image.save(path)
-    return path
+    return save_plot(image, draw, metrics_file, "loss.png", "optimizer step")
 
 
 GREEN = (44, 160, 44)
@@ -152,45 +172,21 @@ SCORE_LINES = (("dino", "DINO", BLUE), ("clip_i", "CLIP-I", GREEN), ("clip_t", "
 def plot_scores(metrics_file):
     """scores.png beside metrics_file: DINO, CLIP-I and CLIP-T of each scored step (--score_steps' rows) against
     the step, on one axis, 800 x 450 px; None when no step was scored."""
-    if not os.path.isfile(metrics_file):
-        return None
-    with open(metrics_file) as f:
-        rows = sorted((r for r in map(json.loads, filter(str.strip, f)) if "dino" in r), key=lambda r: r["step"])
+    rows = read_rows(metrics_file, "dino")
     if not rows:
         return None
-    from PIL import Image
-    from PIL import ImageDraw
-
-    image = Image.new("RGB", (800, 450), "white")
-    draw = ImageDraw.Draw(image)
-    left, top, right, bottom = 80, 50, 720, 400
+    left, top, right, bottom = AREA
     steps = ticks([r["step"] for r in rows], from_zero=False)
     values = ticks([r[key] for r in rows for key, _, _ in SCORE_LINES], from_zero=False)
-
-    def at(value, marks, low, high):
-        return low + (value - marks[0]) / ((marks[-1] - marks[0]) or 1) * (high - low)
-
-    for value in steps:
-        x = at(value, steps, left, right)
-        draw.line([(x, top), (x, bottom)], fill=GRID)
-        draw.text((x, bottom + 8), f"{value:g}", fill=INK, anchor="mt")
-    for value in values:
-        y = at(value, values, bottom, top)
-        draw.line([(left, y), (right, y)], fill=GRID)
-        draw.text((left - 8, y), f"{value:.3g}", fill=INK, anchor="rm")
-    draw.rectangle((left, top, right, bottom), outline=INK)
+    image, draw = new_plot(steps, values, ".3g", INK)
     for index, (key, label, colour) in enumerate(SCORE_LINES):
-        points = [(at(r["step"], steps, left, right), at(r[key], values, bottom, top)) for r in rows]
+        points = [(scale(r["step"], steps, left, right), scale(r[key], values, bottom, top)) for r in rows]
         if len(points) > 1:
             draw.line(points, fill=colour, width=2)
         for x, y in points:
             draw.ellipse([x - 3, y - 3, x + 3, y + 3], fill=colour)
         draw.text((left + 110 * index, top - 12), label, fill=colour, anchor="ls")
-    draw.text((400, 16), os.path.basename(os.path.dirname(metrics_file)), fill=INK, anchor="mm")
-    draw.text((400, 432), "optimizer step (the checkpoint scored)", fill=INK, anchor="mm")
-    path = os.path.join(os.path.dirname(metrics_file), "scores.png")
-    image.save(path)
-    return path
+    return save_plot(image, draw, metrics_file, "scores.png", "optimizer step (the checkpoint scored)")
 
 
 def ticks(values, from_zero):
