@@ -16,6 +16,9 @@ __import__("atexit").register(__import__("shutil").rmtree, _TOKEN_DIR, True)
 # W&B never goes online from the suite (workers inherit this), whatever key the machine has.
 os.environ["WANDB_MODE"] = "offline"
 os.environ.pop("MLFLOW_TRACKING_URI", None)
+# Where the suite runs scripts side by side on the 2 cores (test_dreambooth_run's families), torch's OpenMP threads
+# sleep while they wait instead of spinning: spinning threads took the CPU the other run needed.
+os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_DIR)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (the tests' helper modules)

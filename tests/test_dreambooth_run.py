@@ -29,13 +29,13 @@ def data_prefix(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["full", "lora"])
-def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request, webhook):
+def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request, webhook, family_runs):
     """The full run as a one-GPU user runs it (no NUM_WORKERS: one worker here, on the CPU), on a machine
     where Ray's temp folder names a stranger's cluster; then the LoRA run retrains into the same folders,
     as a user's second run does, after DATA_PREFIX was copied to a bucket (DATA_PREFIX=s3://…), on a 2-node
     cluster with token authentication whose second node cannot see the first node's copies of the bucket's
     files (XDG_CACHE_HOME): 2 workers (DDP of the adapters), more steps than 4 epochs of its data, and
-    Step 6 must score the new model."""
+    Step 6 must score the new model. (The families' runs, family_runs, go on beside these two from the start.)"""
     from dreambooth import storage
 
     tmp_path = data_prefix
@@ -227,12 +227,57 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request, webhook):
         assert any(not torch.equal(a[k], b[k]) for k in a), part
 
 
-def shared_models(tmp_path, tiny_model, eval_models):
-    """A family's script run reads the session's built tiny models (its Step 1 finds them in ORIG_MODEL_DIR and
+# The families' script runs: each is Steps 0-6 of one subject on its family's tiny model, as several users' runs
+# share one cluster at once (two at a time: each keeps about one of the machine's 2 cores busy).
+FAMILY_RUNS = {  # name: (the script's arguments, its environment beyond the common one)
+    "sdxl": (["--arch", "sdxl", "--use_lora", "--prior_prediction"],
+             {"CLASS_NAME": "dog"}),  # a live class: Step 6 scores it with the live prompt set
+    "sd3": (["--arch", "sd3"], {}),
+    **{arch: (["--arch", arch, "--use_lora"], {}) for arch in ("flux", "qwen", "flux2")},
+}
+
+
+@pytest.fixture(scope="module")
+def family_runs(request, tmp_path_factory, tiny_eval_models):
+    """{name: future of (its DATA_PREFIX, the finished CompletedProcess)} of FAMILY_RUNS, started together on a
+    cluster of their own whose 4 logical CPUs hold two runs' train workers and data pipelines at once. Each run
+    reads the session's built tiny model (its Step 1 finds it in ORIG_MODEL_DIR, and the scoring models in
     EVAL_MODELS_CACHE; the SD 1.x runs above build theirs) and scores one prompt of Step 6 (EVAL_PROMPTS)."""
-    prompts = tmp_path / "eval-prompts.txt"
-    prompts.write_text("a {subject} on a beach\n")
-    return dict(ORIG_MODEL_DIR=model_cache_of(tiny_model), EVAL_MODELS_CACHE=eval_models[0], EVAL_PROMPTS=str(prompts))
+    from concurrent.futures import ThreadPoolExecutor
+
+    from conftest import free_port
+
+    from dreambooth.cluster import raycluster
+
+    folder = tmp_path_factory.mktemp("family-runs")
+    head, address = raycluster.start_ray_head(folder / "ray-head.log", free_port(), extra=["--num-cpus=4"])
+    pool = ThreadPoolExecutor(max_workers=2)
+
+    def run(name, models):
+        argv, extra = FAMILY_RUNS[name]
+        where = folder / name
+        where.mkdir()
+        prompts = where / "eval-prompts.txt"
+        prompts.write_text("a {subject} on a beach\n")
+        env = dict(os.environ, DATA_PREFIX=str(where), NUM_CLASS_IMAGES="2", NUM_INFERENCE_STEPS="2",
+                   MAX_TRAIN_STEPS="2", NUM_NEW_IMAGES="1", PYTHON=sys.executable, RAY_ADDRESS=address,
+                   ORIG_MODEL_DIR=model_cache_of(models), EVAL_MODELS_CACHE=tiny_eval_models[0],
+                   EVAL_PROMPTS=str(prompts), **extra)
+        env.pop("NUM_WORKERS", None)
+        return where, subprocess.run(["bash", "dreambooth_run.sh", "--tiny", *argv], cwd=REPO_DIR, env=env,
+                                     capture_output=True, text=True, timeout=600)
+
+    runs = {name: pool.submit(run, name, request.getfixturevalue(f"tiny_{name}_model")) for name in FAMILY_RUNS}
+    yield runs
+    pool.shutdown(wait=True, cancel_futures=True)
+    raycluster.stop_ray_head(head)
+
+
+def family_run(family_runs, name):
+    """(DATA_PREFIX, CompletedProcess) of a finished family run, which succeeded."""
+    where, proc = family_runs[name].result()
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    return where, proc
 
 
 def run_in_terminal(argv, env, timeout):
@@ -318,22 +363,15 @@ def test_a_run_that_cannot_work_stops_before_step_1_with_one_line(tmp_path, env,
 
 
 @pytest.mark.slow
-def test_dreambooth_run_tiny_sdxl_lora_end_to_end(tmp_path, tiny_sdxl_model, tiny_eval_models):
+def test_dreambooth_run_tiny_sdxl_lora_end_to_end(family_runs, tiny_sdxl_model):
     """`--tiny --arch sdxl --use_lora --prior_prediction`: Steps 0-6 with the tiny SDXL model, its
     resolution (128 px) followed everywhere without a setting, no class images (Step 3 skipped: the
     adapters switched off give the class rows' targets), the adapters drawn by Step 5 and scored by
     Step 6, then exported to kohya's names."""
     from PIL import Image
 
+    tmp_path, proc = family_run(family_runs, "sdxl")
     subject_dir = tmp_path / "subjects" / "example-toy"
-    env = dict(os.environ, DATA_PREFIX=str(tmp_path), NUM_CLASS_IMAGES="2", NUM_INFERENCE_STEPS="2",
-               MAX_TRAIN_STEPS="2", NUM_NEW_IMAGES="1", PYTHON=sys.executable,
-               **shared_models(tmp_path, tiny_sdxl_model, tiny_eval_models),
-               CLASS_NAME="dog")  # a live class: Step 6 scores it with the live prompt set
-    env.pop("NUM_WORKERS", None)
-    proc = subprocess.run(["bash", "dreambooth_run.sh", "--tiny", "--arch", "sdxl", "--use_lora", "--prior_prediction"],
-                          cwd=REPO_DIR, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:]
     assert "models--dreambooth-ray--tiny-stable-diffusion-xl" in re.search(r"base model: (\S+)", proc.stdout)[1]
     assert "at 128 px" in proc.stdout + proc.stderr  # the plan's resolution, from the model
     assert "Step 3: skipped (--prior_prediction" in proc.stdout and not (tmp_path / "images-reg").exists()
@@ -374,20 +412,14 @@ def test_dreambooth_run_tiny_sdxl_lora_end_to_end(tmp_path, tiny_sdxl_model, tin
 
 
 @pytest.mark.slow
-def test_dreambooth_run_tiny_sd3_end_to_end(tmp_path, tiny_sd3_model, tiny_eval_models):
+def test_dreambooth_run_tiny_sd3_end_to_end(family_runs):
     """`--tiny --arch sd3`: Steps 0-6 with the tiny SD 3.5 model (flow matching, three text encoders):
     class images drawn by its pipeline, the transformer and both CLIP encoders fine-tuned, images of the
     subject at its 64 px, scored; the export hint writes the model in Stability's single-file layout."""
     from PIL import Image
 
+    tmp_path, proc = family_run(family_runs, "sd3")
     subject_dir = tmp_path / "subjects" / "example-toy"
-    env = dict(os.environ, DATA_PREFIX=str(tmp_path), NUM_CLASS_IMAGES="2", NUM_INFERENCE_STEPS="2",
-               MAX_TRAIN_STEPS="2", NUM_NEW_IMAGES="1", PYTHON=sys.executable,
-               **shared_models(tmp_path, tiny_sd3_model, tiny_eval_models))
-    env.pop("NUM_WORKERS", None)
-    proc = subprocess.run(["bash", "dreambooth_run.sh", "--tiny", "--arch", "sd3"], cwd=REPO_DIR, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:]
     assert "models--dreambooth-ray--tiny-stable-diffusion-3" in re.search(r"base model: (\S+)", proc.stdout)[1]
     assert "training transformer + text encoder" in proc.stdout + proc.stderr
     assert len([f for f in os.listdir(tmp_path / "images-reg" / "tiny-sd3" / "toy") if f.endswith(".png")]) == 2
@@ -400,7 +432,7 @@ def test_dreambooth_run_tiny_sd3_end_to_end(tmp_path, tiny_sd3_model, tiny_eval_
     scores = json.loads((subject_dir / "eval" / "scores.json").read_text())
     assert set(scores["models"]) == {"tuned", "base"} and scores["models"]["tuned"]["overall"]["dino"] is not None
     hint = re.search(r"for AUTOMATIC1111/ComfyUI: (.*)", proc.stdout)[1].split()
-    export = subprocess.run([sys.executable, *hint[1:]], cwd=REPO_DIR, env=env, check=True, capture_output=True,
+    export = subprocess.run([sys.executable, *hint[1:]], cwd=REPO_DIR, check=True, capture_output=True,
                             text=True)
     assert "kernels" not in export.stderr  # (bitsandbytes' note on CPUs with AVX-512 BF16: not on the user's console)
     from safetensors import safe_open
@@ -411,7 +443,7 @@ def test_dreambooth_run_tiny_sd3_end_to_end(tmp_path, tiny_sd3_model, tiny_eval_
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["flux", "qwen", "flux2"])
-def test_dreambooth_run_tiny_flow_transformer_end_to_end(tmp_path, arch, request, tiny_eval_models):
+def test_dreambooth_run_tiny_flow_transformer_end_to_end(family_runs, arch):
     """`--tiny --arch flux|qwen|flux2 --use_lora`: Steps 0-6 with the tiny Flux.1 dev model (packed latents, CLIP-L
     + T5, the guidance input), the tiny Qwen-Image model (its video VAE, Qwen2.5-VL's masked states, true CFG
     against its negative prompt) and the tiny FLUX.2 [klein] model (its folded, batch-normalised latents, Qwen3's
@@ -420,15 +452,8 @@ def test_dreambooth_run_tiny_flow_transformer_end_to_end(tmp_path, arch, request
     kohya's LoRA (FLUX.2 [klein]: no hint, no export layout yet)."""
     from PIL import Image
 
-    model = request.getfixturevalue(f"tiny_{arch}_model")
+    tmp_path, proc = family_run(family_runs, arch)
     subject_dir = tmp_path / "subjects" / "example-toy"
-    env = dict(os.environ, DATA_PREFIX=str(tmp_path), NUM_CLASS_IMAGES="2", NUM_INFERENCE_STEPS="2",
-               MAX_TRAIN_STEPS="2", NUM_NEW_IMAGES="1", PYTHON=sys.executable,
-               **shared_models(tmp_path, model, tiny_eval_models))
-    env.pop("NUM_WORKERS", None)
-    proc = subprocess.run(["bash", "dreambooth_run.sh", "--tiny", "--arch", arch, "--use_lora"], cwd=REPO_DIR,
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:]
     assert f"models--dreambooth-ray--tiny-stable-diffusion-{arch}" in re.search(r"base model: (\S+)", proc.stdout)[1]
     assert "LoRA adapters (rank 4, alpha 4) on the transformer" in proc.stdout + proc.stderr
     assert len([f for f in os.listdir(tmp_path / "images-reg" / f"tiny-{arch}" / "toy") if f.endswith(".png")]) == 2
@@ -442,5 +467,5 @@ def test_dreambooth_run_tiny_flow_transformer_end_to_end(tmp_path, arch, request
     if arch == "flux2":
         assert hint is None  # (a command that works, or none)
         return
-    subprocess.run([sys.executable, *hint[1].split()[1:]], cwd=REPO_DIR, env=env, check=True, capture_output=True)
+    subprocess.run([sys.executable, *hint[1].split()[1:]], cwd=REPO_DIR, check=True, capture_output=True)
     assert (subject_dir / "example-toy.safetensors").is_file()
