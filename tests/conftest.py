@@ -209,6 +209,20 @@ def shared_ray_cluster(tmp_path_factory):
     raycluster.stop_ray_head(head)
 
 
+@contextlib.contextmanager
+def cluster_beside(folder):
+    """A local cluster (its address) for script runs that go on beside the tests, as several users' runs share a
+    cluster: 4 logical CPUs, so that two runs' train workers and their data pipelines fit at once (on the shared
+    cluster's 2, a second run's worker would leave the first's streaming dataset no CPU)."""
+    from dreambooth.cluster import raycluster
+
+    head, address = raycluster.start_ray_head(folder / "ray-head.log", free_port(), extra=["--num-cpus=4"])
+    try:
+        yield address
+    finally:
+        raycluster.stop_ray_head(head)
+
+
 @pytest.fixture(scope="session")
 def two_node_cluster(tmp_path_factory):
     """A Ray cluster of two nodes on this machine, as a user's head and worker node, both with token

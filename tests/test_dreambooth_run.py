@@ -245,13 +245,9 @@ def family_runs(request, tmp_path_factory, tiny_eval_models):
     EVAL_MODELS_CACHE; the SD 1.x runs above build theirs) and scores one prompt of Step 6 (EVAL_PROMPTS)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from conftest import free_port
-
-    from dreambooth.cluster import raycluster
+    from conftest import cluster_beside
 
     folder = tmp_path_factory.mktemp("family-runs")
-    head, address = raycluster.start_ray_head(folder / "ray-head.log", free_port(), extra=["--num-cpus=4"])
-    pool = ThreadPoolExecutor(max_workers=2)
 
     def run(name, models):
         argv, extra = FAMILY_RUNS[name]
@@ -267,10 +263,9 @@ def family_runs(request, tmp_path_factory, tiny_eval_models):
         return where, subprocess.run(["bash", "dreambooth_run.sh", "--tiny", *argv], cwd=REPO_DIR, env=env,
                                      capture_output=True, text=True, timeout=600)
 
-    runs = {name: pool.submit(run, name, request.getfixturevalue(f"tiny_{name}_model")) for name in FAMILY_RUNS}
-    yield runs
-    pool.shutdown(wait=True, cancel_futures=True)
-    raycluster.stop_ray_head(head)
+    with cluster_beside(folder) as address, ThreadPoolExecutor(max_workers=2) as pool:
+        yield {name: pool.submit(run, name, request.getfixturevalue(f"tiny_{name}_model")) for name in FAMILY_RUNS}
+        pool.shutdown(cancel_futures=True)  # (a run not started yet, after a failure that ended the session)
 
 
 def family_run(family_runs, name):
