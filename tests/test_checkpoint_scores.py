@@ -3,11 +3,14 @@ validation scores as evaluate.py does while the steps go on. Ray Train's validat
 tests pin what checkpoint_scores relies on (ValidationConfig's task per reported checkpoint, its metrics merged into
 the checkpoint's, get_all_reported_checkpoints' statuses, fit waiting for the tasks before it returns)."""
 
+import glob
 import json
 import os
+import re
 
 import pytest
 
+from dreambooth import files
 from dreambooth.planning import planning
 
 BASE = ["--model_dir", "/m", "--output_dir", "/o", "--instance_images_dir", "/p", "--instance_prompt", "photo of unqtkn toy"]
@@ -27,6 +30,11 @@ def test_scoring_needs_its_models_and_class_and_a_prompt_that_names_the_subject(
     line = refusal(["--score_steps", "2", "--eval_models_dir", "/e", "--class_name", "dog"], capsys)
     assert "'photo of unqtkn toy' does not name the subject as the evaluation prompts will, 'unqtkn dog'" in line
     assert "add --score_steps N" in refusal(["--eval_models_dir", "/e"], capsys)  # (a scoring flag alone: refused)
+    assert refusal(["--keep_best"], capsys).endswith("--keep_best: these say how checkpoints are scored while "
+                                                     "training: add --score_steps N")
+    scored = ["--score_steps", "2", "--eval_models_dir", "/e", "--class_name", "toy", "--keep_best"]
+    assert "--keep_best keeps the best step's model on this node's disk until the run ends: give a local " \
+           "--output_dir (not s3://b/o)" in refusal(scored + ["--output_dir", "s3://b/o"], capsys)
     args = planning.parse_args(BASE + ["--score_steps", "3", "--eval_models_dir", "/e", "--class_name", "toy"])
     assert (args.score_steps, args.eval_models_dir, args.unique_token, args.eval_images_per_prompt) == (3, "/e",
                                                                                                        "unqtkn", 4)
@@ -48,7 +56,9 @@ def test_a_run_scores_its_checkpoints_while_it_trains_as_evaluate_scores_them(ra
     folder's scores/step-N). The training did not wait: the steps after 2 were logged while step 2 was scored, and
     rank 0 logged its scores (metrics.jsonl, a line) as they came, mid-run; step 4, due while step 2 was still being
     scored, was not (one scoring at a time, a line says so); step 12's scores, which came after the last step, the
-    driver added at the end."""
+    driver added at the end. The first scoring scored the base model too (evaluate.py's base scores); with
+    --keep_best the saved model is the best-scored step's by the sweep's rule, as the last lines and its record
+    say, and no other step's model is left."""
     from dreambooth.commands import evaluate
     from dreambooth.commands import train
     from dreambooth.training import checkpoint_scores
@@ -63,7 +73,7 @@ def test_a_run_scores_its_checkpoints_while_it_trains_as_evaluate_scores_them(ra
                          "--resolution", "128", "--gradient_accumulation_steps", "5",
                          "--score_steps", "2", "--eval_models_dir", tiny_eval_models[1], "--class_name", "toy",
                          "--eval_prompts", str(prompts), "--eval_images_per_prompt", "1",
-                         "--validation_inference_steps", "2"])
+                         "--validation_inference_steps", "2", "--keep_best"])
     captured = capsys.readouterr()
     run_dir = result.path
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
@@ -80,11 +90,27 @@ def test_a_run_scores_its_checkpoints_while_it_trains_as_evaluate_scores_them(ra
     assert scored[2]["time"] < loss_logged[12] and said[2] in captured.out
     assert said[12] in captured.err and "scored steps: 2, " in captured.err  # (the driver's, at the end)
     assert os.path.isfile(os.path.join(run_dir, "scores.png"))
-    assert not os.path.exists(os.path.join(run_dir, "scores", "step-2", "model"))  # (the scored model is not kept)
+    # the best step by the sweep's rule: the highest DINO among the steps whose CLIP-T is at most 0.02 (the default
+    # margin) below the base model's, the earliest of equals; its model saved, and no step's model left behind
+    base = json.load(open(os.path.join(run_dir, "scores", "base.json")))
+    kept = [s for s in sorted(scored) if scored[s]["clip_t"] >= base["clip_t"] - 0.02]
+    best = max(kept or sorted(scored), key=lambda s: scored[s]["dino"])
+    assert re.search(rf"best scored step: {best} \(DINO {scored[best]['dino']:.3f}, CLIP-T "
+                     rf"{scored[best]['clip_t']:.3f}; ", captured.err), captured.err[-2000:]
+    assert (f"saved: step {best}'s model, the best scored, in {out} instead of step 12's (--keep_best)" if best != 12
+            else f"saved: the last step's model, the best scored, in {out} (--keep_best)") in captured.err
+    record = json.load(open(out / files.OUTPUT_MARKER))
+    assert record["steps"] == best and record["kept"]["step"] == best and record["kept"]["of_steps"] == 12
+    assert record["kept"]["why"].startswith(f"best scored step: {best} ") and record["kept"]["scores"]["dino"] == \
+        pytest.approx(scored[best]["dino"])
+    assert not glob.glob(os.path.join(run_dir, "scores", "step-*", "model"))
     # what scoring said as it went is in the step's log, not among the training's lines
-    assert "scoring 7 images" in open(os.path.join(run_dir, "scores", "step-2", "scoring.log")).read()
+    # (the first scoring, step 2's, scored the base model too: 2 images each and the 5 photos; step 12's, its own)
+    assert "scoring 9 images" in open(os.path.join(run_dir, "scores", "step-2", "scoring.log")).read()
+    assert "scoring 7 images" in open(os.path.join(run_dir, "scores", "step-12", "scoring.log")).read()
     assert "images already there" not in captured.out + captured.err
-    # the last step's scores are evaluate.py's of the saved model (the same images: the same seed and settings)
+    # the best step's scores are evaluate.py's of the saved model (the same images: the same seed and settings), and
+    # the base model's those evaluate.py gives it
     evaluate.main(["--model_dir", str(out), "--instance_images_dir", toy_images, "--class_name", "toy",
                    "--eval_prompts", str(prompts), "--eval_models_dir", tiny_eval_models[1], "--output_dir",
                    str(tmp_path / "eval"), "--num_samples_per_prompt", "1", "--num_inference_steps", "2",
@@ -92,7 +118,9 @@ def test_a_run_scores_its_checkpoints_while_it_trains_as_evaluate_scores_them(ra
     theirs = json.load(open(tmp_path / "eval" / "scores.json"))["models"]
     tuned = next(m for label, m in theirs.items() if label != "base")["overall"]
     assert {k: round(tuned[k], 4) for k in checkpoint_scores.SCORE_KEYS} == \
-        {k: round(scored[12][k], 4) for k in checkpoint_scores.SCORE_KEYS}
+        {k: round(scored[best][k], 4) for k in checkpoint_scores.SCORE_KEYS}
+    assert {k: round(theirs["base"]["overall"][k], 4) for k in checkpoint_scores.SCORE_KEYS} == \
+        {k: round(base[k], 4) for k in checkpoint_scores.SCORE_KEYS}
 
 
 def test_the_end_of_a_run_adds_the_scores_that_came_late_and_says_a_failed_step(tmp_path):
@@ -130,3 +158,46 @@ def test_the_end_of_a_run_adds_the_scores_that_came_late_and_says_a_failed_step(
     assert plot.size == (800, 450)
     colours = {colour for _, colour in plot.getcolors(800 * 450)}
     assert all(colour in colours for _, _, colour in runlog.SCORE_LINES)  # a line (and its label) of each score
+
+
+def test_keep_best_saves_the_best_step_by_the_sweeps_rule_and_its_record_says_why(tmp_path):
+    """checkpoint_scores.finish of a --keep_best run: the best step is the highest DINO among the steps whose CLIP-T is
+    within --clip_t_margin of the base model's (step 4's higher DINO does not count: its CLIP-T fell below), its kept
+    model replaces the last step's in --output_dir, whose record says which step, its scores and why."""
+    from dreambooth.evaluation import scoring
+    from dreambooth.models import outputs
+    from dreambooth.training import checkpoint_scores
+
+    out = tmp_path / "out"
+    plan = planning.offline_plan(score_steps=2, total_steps=6, storage_path=str(tmp_path), run_name="run",
+                                 class_name="toy", keep_best=True, clip_t_margin=0.02, output_dir=str(out))
+    scores = {2: {"dino": 0.5, "clip_i": 0.7, "clip_t": 0.25}, 4: {"dino": 0.6, "clip_i": 0.8, "clip_t": 0.2},
+              6: {"dino": 0.4, "clip_i": 0.6, "clip_t": 0.3}}
+    for step, values in scores.items():
+        folder = tmp_path / "run" / "scores" / f"step-{step}"
+        (folder / "model").mkdir(parents=True)
+        (folder / "model" / files.LORA_WEIGHTS_FILE).write_text(f"step {step}'s weights")
+        result = scoring.EvalResult("unqtkn toy", 1, 1, 5, ("a unqtkn toy",),
+                                    {f"step-{step}": scoring.ModelScores(values, {})})
+        files.write_json(str(folder / "scores.json"), result.to_json())
+    files.write_json(str(tmp_path / "run" / "scores" / "base.json"), {"dino": 0.1, "clip_i": 0.2, "clip_t": 0.26})
+    out.mkdir()
+    (out / files.LORA_WEIGHTS_FILE).write_text("step 6's weights")
+    (out / "train_config.toml").write_text("max_train_steps = 6\n")
+    files.write_json(str(out / files.OUTPUT_MARKER), outputs.TrainRecord("/base", steps=6, run_name="run").to_json())
+    lines = checkpoint_scores.finish(plan)
+    assert lines[-2:] == [
+        "best scored step: 2 (DINO 0.500, CLIP-T 0.250; the highest DINO among the scored steps whose CLIP-T is at "
+        "most 0.02 below the base model's 0.260)",
+        f"saved: step 2's model, the best scored, in {out} instead of step 6's (--keep_best)"]
+    assert (out / files.LORA_WEIGHTS_FILE).read_text() == "step 2's weights"
+    assert (out / "train_config.toml").read_text() == "max_train_steps = 6\n"
+    record = outputs.read_output(str(out)).record
+    assert record.steps == 2 and record.run_name == "run" and record.kept == {
+        "step": 2, "of_steps": 6, "scores": scores[2], "why": lines[-2]}
+    assert not glob.glob(str(tmp_path / "run" / "scores" / "step-*" / "model"))
+    # no step within the margin: the highest DINO of all, said so
+    files.write_json(str(tmp_path / "run" / "scores" / "base.json"), {"dino": 0.1, "clip_i": 0.2, "clip_t": 0.9})
+    assert checkpoint_scores.best_line(plan, *checkpoint_scores.best_step(str(tmp_path / "run"), 0.02)) == (
+        "best scored step: 4 (DINO 0.600, CLIP-T 0.200; no step kept CLIP-T within 0.02 of the base model's 0.900: "
+        "the highest DINO of all)")

@@ -53,7 +53,7 @@ SWEEP_FLAGS = [
 SET_BY_SWEEP = flags.option_strings(["learning_rate", "max_train_steps", "lora_rank", "train_text_encoder",
                                      "checkpointing_steps", "checkpoints_total_limit", "resume_from_checkpoint",
                                      "storage_path", "instance_prompt", "class_prompt", "class_data_dir",
-                                     "num_class_images", "score_steps"])  # (its trials are scored by the sweep)
+                                     "num_class_images", "score_steps", "keep_best"])  # (its trials are scored by the sweep)
 
 
 

@@ -484,6 +484,11 @@ FLAGS = {
                   "metrics.jsonl, the trackers and a line of the output; its images and report to "
                   "scores/step-N/ in the run folder. Needs --eval_models_dir (cache_model.py --eval_models) and "
                   "--class_name.")),
+    "keep_best": (("--keep_best",),
+        dict(action="store_true",
+             help="Save the model of the best-scored step instead of the last (with --score_steps): the highest DINO "
+                  "among the scored steps whose CLIP-T is at most --clip_t_margin below the base model's, the rule "
+                  "sweep.py picks by. Its record (dreambooth_training.json) says which step and why.")),
     "logging_steps": (("--logging_steps",),
         dict(type=positive_int, default=10, help="Report loss, lr and images/s every N steps.")),
     "checkpointing_steps": (("--checkpointing_steps",),

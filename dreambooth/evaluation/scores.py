@@ -27,6 +27,23 @@ SCORE_NAMES = ("dino", "clip_i", "clip_t", "div")
 HOLDOUT_NAMES = ("dino_holdout", "clip_i_holdout")  # --holdout: against the photos kept out of training
 
 
+def ranking_key(candidates):
+    """Which DINO models are ranked by, of their scores ({metric: value} each): against the held-out photos when every
+    one has it (--holdout), else against all of them."""
+    return "dino_holdout" if all(c.get("dino_holdout") is not None for c in candidates) else "dino"
+
+
+def best_of(candidates, clip_t_floor):
+    """(key, within_margin, ranked_by) of the best of candidates ({key: {metric: value}}), the sweep's rule: the highest
+    DINO (ranking_key) among those whose CLIP-T is at least clip_t_floor (the base model's minus the margin: a model
+    that only repeats its photos scores high DINO, low CLIP-T), else the highest of all (within_margin False); the
+    first in candidates' order of equal ones."""
+    ranked_by = ranking_key(candidates.values())
+    kept = [key for key, c in candidates.items() if c["clip_t"] >= clip_t_floor]
+    best = max(kept or candidates, key=lambda key: candidates[key][ranked_by])
+    return best, bool(kept), ranked_by
+
+
 def _unit(x):
     """x's rows scaled to unit length, in float64."""
     x = np.asarray(x, dtype=np.float64)

@@ -73,6 +73,7 @@ class TrainRecord:
     run_name: str = None
     identity: dict = None  # run_identity.of_run: what decided its weights
     trackers: dict = None  # the W&B/MLflow runs it was logged to (runfiles.RECORD), for evaluate.py's scores
+    kept: dict = None  # --keep_best: the step whose model this is, of how many, its scores and why it was kept
 
     @classmethod
     def of_plan(cls, plan):
@@ -276,12 +277,17 @@ def save_pipeline(nets, plan):
         if plan.settings_toml:
             flags.write_config(os.path.join(tmp, TRAIN_CONFIG), plan.settings_toml)
 
-    if storage.is_remote(plan.output_dir):  # written here, then copied to the bucket, its record last
+    write_output(plan.output_dir, write)
+
+
+def write_output(output_dir, write):
+    """output_dir (or a bucket's) replaced whole by what write(folder) writes in a folder, or left as it was."""
+    if storage.is_remote(output_dir):  # written here, then copied to the bucket, its record last
         with tempfile.TemporaryDirectory(prefix="dreambooth-model-") as tmp:
             write(tmp)
-            storage.replace_folder(tmp, plan.output_dir, last=files.OUTPUT_MARKER)
+            storage.replace_folder(tmp, output_dir, last=files.OUTPUT_MARKER)
     else:
-        files.atomic_write_dir(plan.output_dir, write)
+        files.atomic_write_dir(output_dir, write)
 
 
 def expected_bytes(nets, lora):

@@ -130,6 +130,8 @@ class Plan:
     subject_type: str | None
     eval_prompts: str | None
     eval_images_per_prompt: int
+    keep_best: bool  # the best-scored step's model saved instead of the last
+    clip_t_margin: float  # how far below the base model's CLIP-T a step may score and still be the best
     settings_toml: str  # the resolved flags as a --config file that repeats the run
 
     @property

@@ -39,7 +39,7 @@ TRAIN_FLAGS = [
     "max_grad_norm", "max_train_steps", "num_train_epochs", "mixed_precision", "seed", "num_workers",
     "gpus_per_worker", "use_gpu", "storage_path", "logging_steps", "report_to", "tracker_project_name", "notify_url",
     "validation_prompt", "num_validation_images", "validation_steps", "validation_epochs",
-    "validation_inference_steps", "score_steps", "eval_models_dir", "class_name", "unique_token", "subject_type",
+    "validation_inference_steps", "score_steps", "keep_best", "clip_t_margin", "eval_models_dir", "class_name", "unique_token", "subject_type",
     "eval_prompts", "eval_images_per_prompt", "vae_dir", "checkpointing_steps", "checkpoints_total_limit", "keep_checkpoints",
     "resume_from_checkpoint", "max_failures", "overwrite", "allow_unsafe_weights", "gradient_accumulation_steps",
     "gradient_checkpointing", "cache_latents", "precompute_text_embeddings", "channels_last", "fused_adamw",
@@ -276,7 +276,8 @@ def plan_run(args, cluster_resources, draw_class_images=None, stop_step=None):
     })
 
 
-SCORING_FLAGS = ("eval_models_dir", "class_name", "unique_token", "subject_type", "eval_prompts", "eval_images_per_prompt")
+SCORING_FLAGS = ("eval_models_dir", "class_name", "unique_token", "subject_type", "eval_prompts", "eval_images_per_prompt",
+                 "keep_best", "clip_t_margin")
 
 
 def check_scoring(args, typed):
@@ -292,6 +293,9 @@ def check_scoring(args, typed):
         fetch = " (cache_model.py --eval_models fetches the models)" if not args.eval_models_dir else ""
         raise FlagError(f"--score_steps scores each checkpoint against your photos with the scoring models: add "
                         f"{' and '.join(missing)}{fetch}")
+    if args.keep_best and storage.is_remote(args.output_dir):
+        raise FlagError(f"--keep_best keeps the best step's model on this node's disk until the run ends: give a local "
+                        f"--output_dir (not {args.output_dir})")
     subject = f"{args.unique_token} {args.class_name}"
     if subject not in args.instance_prompt:
         raise FlagError(f"--score_steps: the instance prompt {args.instance_prompt!r} does not name the subject as "

@@ -33,7 +33,10 @@ FLOW_FLAGS = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "prec
 OPTIMIZER_FLAGS = {"prodigy": ("optimizer", "prodigy_beta3", "prodigy_decouple", "prodigy_use_bias_correction",
                                "prodigy_safeguard_warmup"),
                    "adamw_schedulefree": ("optimizer",)}
-FLAGS = WEIGHT_FLAGS + FLOW_FLAGS + ("model_dir", "vae_dir", "base_precision", "guidance_scale", "adapter") + \
+# ... that choose which step's weights the model is (--keep_best: the best-scored step's, by these scores)
+KEEP_BEST_FLAGS = ("score_steps", "clip_t_margin", "eval_prompts", "eval_images_per_prompt", "validation_inference_steps")
+FLAGS = WEIGHT_FLAGS + FLOW_FLAGS + ("model_dir", "vae_dir", "base_precision", "guidance_scale", "adapter", "keep_best") + \
+    KEEP_BEST_FLAGS + \
     tuple(dict.fromkeys(name for names in OPTIMIZER_FLAGS.values() for name in names))
 # The parts of an identity that are files, as the line that names a difference says them.
 FILE_PARTS = {"base_model": "the base model", "vae": "the VAE", "photos": "the photos (their content)",
@@ -72,6 +75,7 @@ def of_run(flags, family, photos, masks, held_out, captions, class_images, resol
         **{name: flags[name] for name in OPTIMIZER_FLAGS.get(flags["optimizer"], ())},
         **({"adapter": flags["adapter"]} if flags["adapter"] not in (None, "lora") else {}),
         **({"guidance_scale": family.guidance(flags["guidance_scale"])} if family.guided_training else {}),
+        **({"keep_best": {name: flags[name] for name in KEEP_BEST_FLAGS}} if flags["keep_best"] else {}),
     }
     return json.loads(json.dumps(identity))  # tuples as lists: as it reads back from a file
 

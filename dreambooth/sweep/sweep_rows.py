@@ -6,6 +6,7 @@ held-out photos with --holdout, CLIP-T kept within a margin), and each subject's
 import dataclasses
 
 from dreambooth.evaluation import scores
+from dreambooth.evaluation.scores import ranking_key
 
 METRICS = ("dino", "clip_i", "clip_t", "div", "pres", *scores.HOLDOUT_NAMES)
 
@@ -74,12 +75,6 @@ def collect(results, last_step=None):
     return rows
 
 
-def ranking_key(rows):
-    """Which DINO a sweep ranks rows of scores ({metric: value}) by: against the held-out photos when
-    every row has it (--holdout), else against all of them."""
-    return "dino_holdout" if all(r.get("dino_holdout") is not None for r in rows) else "dino"
-
-
 def ranking_dino(scores):
     """The DINO one set of scores ({metric: value}) ranks by (ranking_key)."""
     return scores[ranking_key([scores])]
@@ -100,10 +95,8 @@ def choose(rows, base, margin):
     best = {}
     for subject in base:
         scored = [r for r in rows if r.subject == subject and r.scored]
-        if not scored:
-            continue
-        floor = base[subject]["clip_t"] - margin
-        kept = [r for r in scored if r.clip_t >= floor]
-        key = ranking_key([r.scores() for r in scored])
-        best[subject] = Choice(max(kept or scored, key=lambda r: getattr(r, key)), bool(kept), key)
+        if scored:
+            index, within, key = scores.best_of({i: r.scores() for i, r in enumerate(scored)},
+                                                base[subject]["clip_t"] - margin)
+            best[subject] = Choice(scored[index], within, key)
     return best

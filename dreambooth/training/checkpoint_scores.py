@@ -9,12 +9,14 @@ Ray Train's validation API is alpha in Ray 2.60: tests/test_checkpoint_scores.py
 """
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
 import shutil
 
 from dreambooth import files
+from dreambooth.evaluation import scores
 from dreambooth.evaluation import scoring
 from dreambooth.models import outputs
 from dreambooth.planning import checkpoints
@@ -24,6 +26,8 @@ from dreambooth.training import checkpoint
 SCORES_FOLDER = "scores"  # in the run folder: step-N/ of each scored step (images, scores.json, report.md)
 NAMESPACE = "dreambooth-scores"  # of Ray's key-value store: each scored step's scores, until rank 0 has logged them
 SCORING_LOG = "scoring.log"  # in scores/step-N: what the scoring task said
+BASE_SCORES = "base.json"  # in the scores folder: the base model's scores, made by the run's first scoring task
+BASE = "base"  # the base model's label in that first task's scores.json and images
 SCORE_KEYS = ("dino", "clip_i", "clip_t")  # what a scored step reports (the paper's subject and prompt fidelity)
 SUBJECT = "subject"  # the one subject a run is scored against
 # evaluate.py's seed of the images it scores (its --seed default): a step's images are those evaluate.py would draw
@@ -38,8 +42,9 @@ def subject_of(run, holdout=0):
 
 
 def score_values(overall):
-    """{SCORE_KEYS: value} of a model's overall scores (scoring.EvalResult.overall)."""
-    return {key: float(overall[key]) for key in SCORE_KEYS}
+    """{SCORE_KEYS: value} of a model's overall scores (scoring.EvalResult.overall), and its DINO and CLIP-I against the
+    held-out photos with --holdout (the best step is ranked by that DINO, as the sweep ranks)."""
+    return {key: float(overall[key]) for key in SCORE_KEYS + scores.HOLDOUT_NAMES if overall.get(key) is not None}
 
 
 def settings_of(plan):
@@ -78,16 +83,21 @@ def score_checkpoint(checkpoint_ref, plan):
         where = os.path.join(plan.run_dir, SCORES_FOLDER, f"step-{step}")
         model = os.path.join(where, "model")
         checkpoint.save_as_model(folder, checkpoint.step_model_plan(plan, model, step, plan.held_out))
-    label = f"step-{step}"
+    label, base = f"step-{step}", base_scores(plan.run_dir)
+    models = [(label, outputs.resolve_model(model))] + ([] if base else [(BASE, outputs.resolve_model(plan.model_dir))])
     # (what scoring says as it goes, evaluate.py's lines and bars, in a log of the step's own: the run's output is
     # the training's, and this step's one line of scores)
     with open(os.path.join(where, SCORING_LOG), "w") as log, contextlib.redirect_stdout(log), \
             contextlib.redirect_stderr(log):
         try:
-            result = scoring.run([(label, outputs.resolve_model(model))], [subject_of(plan, len(plan.held_out))],
-                                 settings_of(plan), where)
-        finally:
+            result = scoring.run(models, [subject_of(plan, len(plan.held_out))], settings_of(plan), where)
+        except BaseException:
             shutil.rmtree(model, ignore_errors=True)
+            raise
+    if not base:  # (the first scoring: the base model's scores, which the best step's CLIP-T is held to)
+        files.write_bytes_atomic(json.dumps(score_values(result[SUBJECT].overall(BASE))).encode(),
+                                 os.path.join(plan.run_dir, SCORES_FOLDER, BASE_SCORES))
+    keep_models(plan.run_dir, best_step(plan.run_dir, plan.clip_t_margin)[0] if plan.keep_best else None)
     runfiles.sync_up(plan.storage_path, plan.run_name)  # (a bucket's run: its scores there too)
     scores = score_values(result[SUBJECT].overall(label))
     # (for rank 0, on whichever node: Ray Train's own record of a checkpoint goes with it when the checkpoint
@@ -168,10 +178,78 @@ def scores_on_disk(run_dir):
     return found
 
 
+def base_scores(run_dir):
+    """{SCORE_KEYS: value} of the run's base model (its first scoring task's), or None before it has them."""
+    path = os.path.join(run_dir, SCORES_FOLDER, BASE_SCORES)
+    return files.read_json(path) if os.path.isfile(path) else None
+
+
+def best_step(run_dir, margin):
+    """(step, within_margin, ranked_by) of the best-scored step of run_dir by the sweep's rule (scores.best_of: the
+    highest DINO among the steps whose CLIP-T is at most margin below the base model's), the earliest of equals;
+    (None, None, None) before a step and the base model are scored."""
+    found, base = scores_on_disk(run_dir), base_scores(run_dir)
+    if not found or base is None:
+        return None, None, None
+    return scores.best_of(dict(sorted(found.items())), base["clip_t"] - margin)
+
+
+def model_of(run_dir, step):
+    """The folder a scored step's model is kept in while it is the best (--keep_best)."""
+    return os.path.join(run_dir, SCORES_FOLDER, f"step-{step}", "model")
+
+
+def keep_models(run_dir, best):
+    """Every scored step's model removed but step best's (None: all of them)."""
+    folder = os.path.join(run_dir, SCORES_FOLDER)
+    for name in os.listdir(folder) if os.path.isdir(folder) else ():
+        if name.startswith("step-") and name != f"step-{best}":
+            shutil.rmtree(os.path.join(folder, name, "model"), ignore_errors=True)
+
+
+def best_line(plan, step, within, ranked_by):
+    """The output's line of the best-scored step, and the rule that chose it."""
+    found, base = scores_on_disk(plan.run_dir)[step], base_scores(plan.run_dir)
+    dino = "DINO against the held-out photos" if ranked_by == "dino_holdout" else "DINO"
+    rule = (f"the highest {dino} among the scored steps whose CLIP-T is at most {plan.clip_t_margin:g} below the base "
+            f"model's {base['clip_t']:.3f}" if within else
+            f"no step kept CLIP-T within {plan.clip_t_margin:g} of the base model's {base['clip_t']:.3f}: the highest "
+            f"{dino} of all")
+    return f"best scored step: {step} ({dino} {found[ranked_by]:.3f}, CLIP-T {found['clip_t']:.3f}; {rule})"
+
+
+def keep_best(plan, step, why):
+    """--keep_best at the end of the run: plan.output_dir's model (the last step's) replaced by step's, kept in the
+    scores folder; its record says which step, its scores and why. The line that says what was saved."""
+    output = outputs.read_output(plan.output_dir)
+    source = plan.output_dir if step == plan.end_step else model_of(plan.run_dir, step)
+    if not os.path.isdir(source) or output is None:
+        return (f"--keep_best: step {step}'s model is not on this node (its scoring ran on another): the last step's "
+                f"model is saved in {plan.output_dir}")
+    kept = {"step": step, "of_steps": plan.end_step, "scores": scores_on_disk(plan.run_dir)[step], "why": why}
+    record = dataclasses.replace(output.record, steps=step, model_id=outputs.new_model_id(), kept=kept)
+
+    def write(tmp):
+        for name in os.listdir(source):
+            path = os.path.join(source, name)
+            if name != files.OUTPUT_MARKER:
+                (shutil.copytree if os.path.isdir(path) else shutil.copy2)(path, os.path.join(tmp, name))
+        if source != plan.output_dir and os.path.isfile(os.path.join(plan.output_dir, outputs.TRAIN_CONFIG)):
+            shutil.copy2(os.path.join(plan.output_dir, outputs.TRAIN_CONFIG), os.path.join(tmp, outputs.TRAIN_CONFIG))
+        files.write_json(os.path.join(tmp, files.OUTPUT_MARKER), record.to_json())
+
+    outputs.write_output(plan.output_dir, write)
+    keep_models(plan.run_dir, None)
+    if step == plan.end_step:
+        return f"saved: the last step's model, the best scored, in {plan.output_dir} (--keep_best)"
+    return f"saved: step {step}'s model, the best scored, in {plan.output_dir} instead of step {plan.end_step}'s (--keep_best)"
+
+
 def finish(plan, last_step=None):
     """At the end of a run, or when it stopped at last_step (its scoring tasks over): the scores rank 0 had not
     seen yet, which arrived after its last report, added to metrics.jsonl; the lines that say them (and a step due
-    to be scored without scores), then every scored step's, in step order."""
+    to be scored without scores), then every scored step's, in step order; the best-scored step and, at the end,
+    which model was saved (--keep_best: the best step's)."""
     from dreambooth.training import runlog
 
     metrics_file = os.path.join(plan.run_dir, runlog.METRICS_FILE)
@@ -193,4 +271,10 @@ def finish(plan, last_step=None):
     else:
         lines.append(f"no step was scored (--score_steps {plan.score_steps}): each scored step's "
                      f"{SCORES_FOLDER}/step-N/{SCORING_LOG} in the run folder says why, and Ray's log")
+    step, within, ranked_by = best_step(plan.run_dir, plan.clip_t_margin)
+    if step is not None:
+        lines.append(best_line(plan, step, within, ranked_by))
+        if last_step is None:  # (the run's end: a stopped run saved no model)
+            lines.append(keep_best(plan, step, lines[-1]) if plan.keep_best else
+                         f"saved: the last step's model in {plan.output_dir} (--keep_best saves the best step's instead)")
     return lines
