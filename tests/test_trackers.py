@@ -14,7 +14,6 @@ from trackerfiles import wandb_records
 
 from dreambooth import errors
 from dreambooth import files
-from dreambooth.config import flags
 from dreambooth.planning import planning
 from dreambooth.storage import notify
 from dreambooth.storage import runfiles
@@ -140,8 +139,44 @@ def test_wandb_and_mlflow_runs_get_the_settings_metrics_images_and_later_the_sco
     assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "scores/dino")] == [(4, 0.25)]
     assert run.data.metrics["eval/clip_i"] == 0.75 and run.info.status == "FINISHED"
     assert client.list_artifacts(run.info.run_id, "images")
-    assert client.get_experiment(run.info.experiment_id).name == flags.FLAGS["tracker_project_name"][1]["default"]
+    assert client.get_experiment(run.info.experiment_id).name == "dreambooth"  # (no flag, no MLFLOW_EXPERIMENT_NAME)
+    assert seen["project"] == "dreambooth"
     assert not (tmp_path / ".config" / "mlflow").exists()  # no telemetry file in the user's home
+
+
+@pytest.mark.slow  # (W&B starts its service process)
+def test_the_trackers_own_variables_win_over_our_defaults_and_reach_the_workers(tmp_path, monkeypatch):
+    """WANDB_DIR, WANDB_PROJECT and MLFLOW_EXPERIMENT_NAME, as W&B's and MLflow's users set them: the offline W&B run
+    is in WANDB_DIR under WANDB_PROJECT, the MLflow run in MLFLOW_TRACKING_URI's store under MLFLOW_EXPERIMENT_NAME;
+    --tracker_project_name, given, wins over both. Every one of them travels to the workers with the job (a
+    cluster started from another shell does not have the script's environment)."""
+    from dreambooth.cluster import raycluster
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    variables = dict(WANDB_DIR=str(tmp_path / "wandb-here"), WANDB_PROJECT="pets", MLFLOW_EXPERIMENT_NAME="rex",
+                     MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'elsewhere.db'}")
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    for given, wandb_project, experiment in ((None, "pets", "rex"), ("mine", "mine", "mine")):
+        plan = planning.offline_plan(report_to="all", storage_path=str(tmp_path / "results"),
+                                     run_name=f"run-{given}", tracker_project_name=given)
+        folder = os.path.join(plan.storage_path, plan.run_name)
+        os.makedirs(folder)
+        opened = trackers.open_trackers(plan, folder)
+        for tracker in opened.values():
+            tracker.scalars(1, {"train/loss": 0.5})
+            tracker.close()
+        record = runfiles.read_record(folder)  # (and TensorBoard's events in the run folder, as before)
+        assert record["wandb"]["dir"] == variables["WANDB_DIR"] and not os.path.exists(os.path.join(folder, "wandb"))
+        seen = wandb_records(variables["WANDB_DIR"], record["wandb"]["id"])
+        assert seen["project"] == wandb_project and seen["history"][0]["train/loss"] == 0.5
+        client, run = mlflow_run(variables["MLFLOW_TRACKING_URI"], record["mlflow"]["run_id"])
+        assert client.get_experiment(run.info.experiment_id).name == experiment
+    for name, value in (("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2"), ("RAY_DATA_LOG_LEVEL", "WARNING"),
+                        ("RAY_USAGE_STATS_ENABLED", "0")):  # (what init_ray sets before it asks for the job's)
+        monkeypatch.setenv(name, value)
+    env_vars = raycluster.job_runtime_env()["env_vars"]
+    assert all(env_vars[name] == value for name, value in variables.items())
 
 
 def test_a_run_going_on_from_a_checkpoint_keeps_the_rows_until_it_and_loss_png_shows_the_whole_run(tmp_path):

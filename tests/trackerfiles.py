@@ -33,15 +33,15 @@ class Webhook:
         self.server.server_close()
 
 
-def wandb_records(run_dir):
-    """{"history": [{key: value}], "config": {key: value}, "summary": {key: value}} of the offline W&B runs
-    under run_dir/wandb (every offline-run-* folder: a resumed run is one more), read from their .wandb
+def wandb_records(run_dir, run_id="*"):
+    """{"history": [{key: value}], "config": {key: value}, "summary": {key: value}, "ids", "project"} of the offline
+    W&B runs under run_dir/wandb (every offline-run-* folder, or run_id's: a resumed run is one more), read from their .wandb
     files: W&B's log format (a 7-byte header, then LevelDB-log records of 32 KiB blocks, each record a
     Record protobuf)."""
     from wandb.proto import wandb_internal_pb2
 
-    found = {"history": [], "config": {}, "summary": {}, "ids": set()}
-    for path in sorted(glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb"))):
+    found = {"history": [], "config": {}, "summary": {}, "ids": set(), "project": None}
+    for path in sorted(glob.glob(os.path.join(run_dir, "wandb", f"offline-run-*-{run_id}", "run-*.wandb"))):
         with open(path, "rb") as f:
             data = f.read()
         assert data[:4] == b":W&B"
@@ -68,6 +68,7 @@ def wandb_records(run_dir):
                         found[which].update(values)
                 elif which == "run":  # (its config is the run's settings)
                     found["ids"].add(record.run.run_id)
+                    found["project"] = record.run.project
                     found["config"].update({i.key or "/".join(i.nested_key): json.loads(i.value_json)
                                             for i in record.run.config.update})
     return found

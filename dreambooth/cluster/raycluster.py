@@ -142,6 +142,13 @@ def closed_metrics_exports():
     return "\n".join(f'export {name}="${{{name}:-{value}}}"' for name, value in CLOSED_METRICS.items())
 
 
+# The trackers' own settings (W&B's, MLflow's), read where the trackers run, in rank 0's worker: a cluster started
+# elsewhere does not have the shell's environment of the script.
+TRACKER_VARIABLES = ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL", "WANDB_DIR", "WANDB_PROJECT", "WANDB_ENTITY",
+                     "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_TRACKING_USERNAME",
+                     "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
+
+
 def job_runtime_env():
     """The runtime environment of our Ray jobs: the project's code (the checkout as the working folder, or an
     installed package alone; none when a Ray Job's own runtime env ships it), the quiet-logs hook and the
@@ -166,6 +173,7 @@ def job_runtime_env():
             "TRANSFORMERS_VERBOSITY": os.environ.get("TRANSFORMERS_VERBOSITY", "error"),
             # A bucket is reached from every worker as from here (credentials, profile, endpoint).
             **{name: os.environ[name] for name in storage.AWS_VARIABLES if name in os.environ},
+            **{name: os.environ[name] for name in TRACKER_VARIABLES if name in os.environ},
         },
     }
     if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):  # a Ray Job's driver: the job's runtime env ships the code

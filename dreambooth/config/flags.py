@@ -449,7 +449,9 @@ FLAGS = {
                   "default a SQLite store mlflow.db under --storage_path), or all. evaluate.py adds the model's "
                   "scores to the same W&B/MLflow run. metrics.jsonl and loss.png are always written.")),
     "tracker_project_name": (("--tracker_project_name",),
-        dict(default="dreambooth", metavar="NAME", help="The W&B project or MLflow experiment of --report_to.")),
+        dict(default=None, metavar="NAME",
+             help="The W&B project or MLflow experiment of --report_to. Default: WANDB_PROJECT (W&B) or "
+                  "MLFLOW_EXPERIMENT_NAME (MLflow) when set, else dreambooth.")),
     "notify_url": (("--notify_url",),
         dict(type=webhook_url, default=None, metavar="URL",
              help="POST a JSON message to this webhook when the run starts, finishes (with its result) or fails "

@@ -62,6 +62,16 @@ def wandb_mode():
     return "online", "API key found"
 
 
+DEFAULT_PROJECT = "dreambooth"  # the W&B project and MLflow experiment without --tracker_project_name or their variable
+PROJECT_VARIABLES = {"wandb": "WANDB_PROJECT", "mlflow": "MLFLOW_EXPERIMENT_NAME"}
+
+
+def project_of(name, given):
+    """The W&B project or MLflow experiment (name) of a run: --tracker_project_name, else the tracker's own variable,
+    else DEFAULT_PROJECT."""
+    return given or os.environ.get(PROJECT_VARIABLES.get(name, "")) or DEFAULT_PROJECT
+
+
 def mlflow_uri(storage_path):
     """MLFLOW_TRACKING_URI, or a SQLite store shared by the runs under storage_path."""
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.join(storage_path, 'mlflow.db')}"
@@ -101,7 +111,7 @@ SCORE_STEP = "scores/step"  # W&B's x axis of the scores/ charts: the step score
 
 
 class WandB:
-    """A W&B run in the run folder's wandb/; resumed (same id) when the record names one."""
+    """A W&B run in the run folder's wandb/ (WANDB_DIR's when set); resumed (same id) when the record names one."""
 
     def __init__(self, folder, project, run_name, settings, previous=None):
         wandb = import_wandb(folder)
@@ -111,9 +121,11 @@ class WandB:
         self.folder = folder
         mode, why = wandb_mode()
         run_id = (previous or {}).get("id") or runid.generate_id()
-        self.run = wandb.init(project=project, name=run_name, id=run_id, resume="allow", dir=folder, mode=mode,
+        where = os.environ.get("WANDB_DIR") or folder
+        os.makedirs(where, exist_ok=True)
+        self.run = wandb.init(project=project, name=run_name, id=run_id, resume="allow", dir=where, mode=mode,
                               config=settings, settings=wandb.Settings(silent=True, console="off"))
-        self.record = {"id": run_id, "project": project, "dir": folder}
+        self.record = {"id": run_id, "project": project, "dir": where}
         # A step's scores (--score_steps) arrive steps later, and W&B drops a value logged at a step before its
         # last: they are plotted against a step of their own instead.
         self.run.define_metric(SCORE_STEP)
@@ -244,7 +256,7 @@ def open_trackers(plan, folder, previous_record=None):
     opened = {}
     for name in chosen(plan.report_to):
         extra = {"storage_path": os.path.dirname(folder)} if name == "mlflow" else {}  # (on a disk, beside the run)
-        kwargs = dict(project=plan.tracker_project_name, run_name=plan.run_name,
+        kwargs = dict(project=project_of(name, plan.tracker_project_name), run_name=plan.run_name,
                       settings=settings_of(plan.settings_toml), previous=previous_record.get(name), **extra)
         opened[name] = KINDS[name](folder, **({} if name == "tensorboard" else kwargs))
     record = {name: t.record for name, t in opened.items() if hasattr(t, "record")}
