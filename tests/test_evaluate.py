@@ -103,6 +103,10 @@ def test_report_puts_each_model_beside_the_papers_values(tmp_path):
     assert "Random weights" not in report  # (said only of models with random weights: --tiny, below)
     assert "| paper, SD DreamBooth | 0.668 | 0.803 | 0.305" in report
     assert "| a unqtkn dog | 0.500 | 0.250 | 0.500 | 0.250 |" in report
+    # each score said under the table, before the prompts' rows (a scored step's report.md too: the same writer)
+    legend = report.split("| paper, SD DreamBooth |")[1].split("## Per prompt")[0]
+    assert all(f"- {name}: " in legend or f" {name}: " in legend for name in ("DINO", "CLIP-I", "CLIP-T", "DIV", "PRES"))
+    assert 'the README\'s "Reading the scores"' in legend
 
 
 def test_scores_of_a_model_the_run_replaced_are_removed_and_the_current_models_kept(tmp_path, capsys):

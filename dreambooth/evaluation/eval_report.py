@@ -11,6 +11,15 @@ from dreambooth.generation import image_records
 from dreambooth.models import outputs
 
 RANDOM_NOTE = "Random weights (--tiny): every model here draws noise; the scores show the pipeline runs, not likeness."
+# What each score says, under the table (how to read them together: the README's "Reading the scores")
+LEGEND = ("- DINO: your photos against the images drawn (DINO ViT-S/16): is it your subject, not just one of its "
+          "class? CLIP-I: the same with CLIP's image embeddings.",
+          "- CLIP-T: each image against its prompt, the token left out: does the image follow the prompt? A little "
+          "under the base model's is fine; well under it, the model repeats your photos.",
+          "- DIV: how far apart one prompt's images are (near 0: every image the same picture). PRES: images of the "
+          "class prompt ('a dog') against your photos: near the base model's, the class has not drifted to your "
+          "subject.",
+          "- How to read them together: the README's \"Reading the scores\".")
 
 
 def cell(value):
@@ -35,7 +44,7 @@ def write_report(path, result, random_weights=False):
         lines.append(f"| {label} | " + " | ".join(cell(s.get(k)) for k in names) + " |")
     paper = scores.PAPER_SD
     lines += [f"| paper, SD DreamBooth | {paper['dino']:.3f} | {paper['clip_i']:.3f} | {paper['clip_t']:.3f} | | |"
-              + (" | |" if held else ""),
+              + (" | |" if held else ""), "", *LEGEND,
               "", "## Per prompt", "", "| prompt | " + " | ".join(f"{label} DINO | {label} CLIP-T" for label in labels)
               + " |", "| --- |" + " ---: | ---: |" * len(labels)]
     for prompt in result.prompts:
