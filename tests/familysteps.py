@@ -58,6 +58,55 @@ def output_loaded(pipeline_class, model_dir, output_dir, adapter):
     return pipe
 
 
+def comfyui_merged(transformer, tensors):
+    """The transformer's weights ({name: tensor}) with a LyCORIS file's LoHa/LoKr modules (tensors) merged as ComfyUI
+    merges them (comfy/lora.py model_lora_keys_unet; comfy/weight_adapter/loha.py, lokr.py, read on 2026-11-28): a
+    module lycoris_<diffusers' module name, "_" for "."> (the name ComfyUI maps, onto a slice of its fused weight
+    where its model fuses them, as Flux.1's qkv), w1 = hada_w1_a @ hada_w1_b, w2 likewise and their product (LoHa) or
+    kron(lokr_w1 (or lokr_w1_a @ lokr_w1_b), lokr_w2 (or its pair)) (LoKr), at alpha / rank: the rank is hada_w1_b's
+    rows (LoHa), lokr_w2_b's, else lokr_w1_b's (LoKr), and with neither split there is no alpha / rank."""
+    weights = {name: tensor.clone() for name, tensor in transformer.state_dict().items()}
+    named = {"lycoris_" + name.replace(".", "_"): name for name, module in transformer.named_modules()
+             if isinstance(module, torch.nn.Linear)}
+    modules = {key.split(".")[0] for key in tensors}
+    assert modules <= set(named), sorted(modules - set(named))[:3]  # every key a module ComfyUI maps
+    for module in modules:
+        t = {key.split(".", 1)[1]: value.float() for key, value in tensors.items() if key.startswith(module + ".")}
+        weight = weights[named[module] + ".weight"]
+        if "hada_w1_a" in t:
+            diff, rank = (t["hada_w1_a"] @ t["hada_w1_b"]) * (t["hada_w2_a"] @ t["hada_w2_b"]), t["hada_w1_b"].shape[0]
+        else:
+            w1 = t["lokr_w1"] if "lokr_w1" in t else t["lokr_w1_a"] @ t["lokr_w1_b"]
+            w2 = t["lokr_w2"] if "lokr_w2" in t else t["lokr_w2_a"] @ t["lokr_w2_b"]
+            diff = torch.kron(w1, w2)
+            rank = t["lokr_w2_b"].shape[0] if "lokr_w2_b" in t else t["lokr_w1_b"].shape[0] if "lokr_w1_b" in t else None
+        scale = t["alpha"].item() / rank if "alpha" in t and rank else 1.0
+        weight += scale * diff.reshape(weight.shape)
+    return weights
+
+
+def lycoris_export_read_as_comfyui_reads_it(pipe, model_dir, output_dir, folder):
+    """export.py's LyCORIS file of LoHa/LoKr adapters (output_dir) merged into the base model's transformer as ComfyUI
+    merges it (comfyui_merged): every weight the adapters changed is the weight peft fused (pipe's transformer)."""
+    from safetensors.torch import load_file
+
+    from dreambooth.commands import export
+
+    base = pipe.__class__.from_pretrained(model_dir).transformer
+    path = export.main(["--model_dir", output_dir, "--output_file", str(folder / "lycoris.safetensors"),
+                        "--save_precision", "fp32"])
+    merged, fused = comfyui_merged(base, load_file(path)), pipe.transformer.state_dict()
+    changed = [name for name, tensor in base.state_dict().items() if not torch.equal(tensor, fused[name])]
+    assert changed and all(torch.allclose(merged[name], fused[name], atol=1e-6) for name in fused), changed[:3]
+
+
+def lycoris_exported(pipe, model_dir, plan, adapter, folder):
+    """For LoHa and LoKr adapters of a family export.py writes: lycoris_export_read_as_comfyui_reads_it."""
+    if adapter in ("loha", "lokr") and "export_lora" in plan.family.supports:
+        (folder / f"{adapter}-export").mkdir()
+        lycoris_export_read_as_comfyui_reads_it(pipe, model_dir, plan.output_dir, folder / f"{adapter}-export")
+
+
 def adapter_fields(adapter):
     """train.py's settings of an output of ADAPTERS, 2 steps of which change its predictions visibly."""
     # (LoHa's and LoKr's change is a product of factors, one of them starting at zero: a larger step shows it)
@@ -68,7 +117,7 @@ def outputs_load_in_the_pipeline(pipeline_class, model_dir, train_tiny, folder, 
     """Trains the tiny model 2 steps as LoRA, as each other adapter (--adapter dora|loha|lokr) and as a full
     fine-tune, saves each as train.py does, loads it in the family's pipeline (LoRA, DoRA: load_lora_weights; LoHa,
     LoKr: fused through peft by generate.py's loading, drawing.load_pipeline; full: from_pretrained): its transformer
-    predicts as the trained one does, unlike the base's. inputs: (latents, states, encode_text's second value) for
+    predicts as the trained one does, unlike the base's; LoHa's and LoKr's LyCORIS files (lycoris_exported). inputs: (latents, states, encode_text's second value) for
     family.denoise. Returns the LoRA transformer trained (for the layers it adapts)."""
     from dreambooth.models import networks
     from dreambooth.models import outputs
@@ -82,6 +131,7 @@ def outputs_load_in_the_pipeline(pipeline_class, model_dir, train_tiny, folder, 
         outputs.save_pipeline(state.models, plan)
         trained[adapter] = ours = networks.unwrap(state.models.denoiser)
         pipe = output_loaded(pipeline_class, model_dir, plan.output_dir, adapter)
+        lycoris_exported(pipe, model_dir, plan, adapter, folder)
 
         def predict(model):
             with torch.no_grad():

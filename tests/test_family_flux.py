@@ -155,6 +155,7 @@ def test_lora_and_full_outputs_load_in_the_flux_pipeline(flux_run, tiny_flux_mod
         outputs.save_pipeline(state.models, plan)
         ours = networks.unwrap(state.models.denoiser)
         pipe = familysteps.output_loaded(FluxPipeline, tiny_flux_model, plan.output_dir, adapter)
+        familysteps.lycoris_exported(pipe, tiny_flux_model, plan, adapter, tmp_path)
         x = torch.randn(1, 16, 32, 32, generator=torch.Generator().manual_seed(2))
         states, pooled = torch.randn(1, 512, 32), torch.randn(1, 32)  # T5's width; CLIP-L's pooled
         t = torch.tensor([500.0])

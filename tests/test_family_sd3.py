@@ -78,6 +78,7 @@ def test_lora_and_full_outputs_load_in_the_sd3_pipeline(sd3_run, tiny_sd3_model,
         outputs.save_pipeline(state.models, plan)
         ours = networks.unwrap(state.models.denoiser)
         pipe = familysteps.output_loaded(StableDiffusion3Pipeline, tiny_sd3_model, plan.output_dir, adapter)
+        familysteps.lycoris_exported(pipe, tiny_sd3_model, plan, adapter, tmp_path)
         x = torch.randn(1, 16, 32, 32, generator=torch.Generator().manual_seed(2))
         states, pooled = torch.randn(1, 154, 32), torch.randn(1, 96)  # T5's width; CLIP-L's + CLIP-G's pooled
         t = torch.tensor([500.0])

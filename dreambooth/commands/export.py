@@ -84,7 +84,8 @@ def lora_alphas(lora_dir):
 
 def lora_checkpoint(lora_dir):
     """The kohya-layout tensors of train.py's LoRA output: its base model's family's layout (Flux.1's, SD 3.5's), else
-    the UNet families' (also when the base of UNet adapters is not here); LoHa's and LoKr's in LyCORIS' layout. A
+    the UNet families' (also when the base of UNet adapters is not here); LoHa's and LoKr's in LyCORIS' layout (a
+    transformer's modules as ComfyUI names them, lycoris_<module>: layouts.lycoris). A
     UserError when a transformer's base is not here or its family's adapters of that kind are not exported yet."""
     from safetensors.torch import load_file
 
@@ -106,8 +107,8 @@ def lora_checkpoint(lora_dir):
         raise errors.UserError(f"{lora_dir} {not_written(kind, family)}")
     if kind == "lycoris":  # LoHa, LoKr: LyCORIS' layout, each network's rank and alpha from its peft config
         settings = adapters.file_settings(lora_dir).items()
-        return layouts.unet_lycoris(state_dict, {network: config["alpha"] for network, config in settings},
-                                    family.kohya_text_prefixes, {network: config["r"] for network, config in settings})
+        return layouts.lycoris(state_dict, {network: config["alpha"] for network, config in settings},
+                               family.kohya_text_prefixes, {network: config["r"] for network, config in settings})
     return family.kohya_lora(state_dict, alphas, base)
 
 
@@ -124,9 +125,6 @@ def not_written(kind, family):
     if kind == "dora":
         return ("holds DoRA adapters (--adapter dora): their kohya layout is not written yet; diffusers' "
                 "load_lora_weights reads the folder's own file")
-    if kind == "lycoris" and family.denoiser != "unet":
-        return (f"holds LoHa/LoKr adapters of {family.label}: their LyCORIS layout is written for SD 1.x, 2.x and SDXL "
-                "only yet; generate.py and peft read the folder's own file")
     return None
 
 

@@ -121,25 +121,31 @@ def unet_kohya_lora(state_dict, alphas, text_prefixes):
 
 
 # Keys of train.py's LoHa/LoKr file (peft's names: --adapter loha|lokr) and LyCORIS' names for the same factors
-LYCORIS_KEY = re.compile(r"^(unet|text_encoder|text_encoder_2)\.(.+)\.(hada_w[12]_[ab]|hada_t[12]|lokr_w[12](?:_[ab])?|"
-                         r"lokr_t2)$")
+LYCORIS_KEY = re.compile(r"^(unet|transformer|text_encoder|text_encoder_2)\.(.+)\.(hada_w[12]_[ab]|hada_t[12]|"
+                         r"lokr_w[12](?:_[ab])?|lokr_t2)$")
+# The prefix of the denoiser's modules in a LyCORIS file: kohya's for a UNet; for a diffusion transformer, the one
+# ComfyUI (comfy/lora.py, model_lora_keys_unet) and Forge map for SD 3.5, Flux.1, Chroma and Qwen-Image alike,
+# lycoris_<diffusers' module name, "_" for ".">, onto the slice of a fused weight where theirs is fused (Flux.1's qkv)
+LYCORIS_DENOISER_PREFIX = {"unet": "lora_unet_", "transformer": "lycoris_"}
 
 
-def unet_lycoris(state_dict, alphas, text_prefixes, ranks):
-    """{LyCORIS key: tensor} of the UNet families' LoHa/LoKr adapters, in kohya's module names (as unet_kohya_lora) with
+def lycoris(state_dict, alphas, text_prefixes, ranks):
+    """{LyCORIS key: tensor} of LoHa/LoKr adapters: the denoiser's modules named as LYCORIS_DENOISER_PREFIX says (a
+    UNet's in kohya's names, as unet_kohya_lora), the text encoders' as kohya's (text_prefixes {network: prefix}), with
     LyCORIS' factor names, which are peft's (hada_w1_a ..., lokr_w1, lokr_w2_a ...), and each module's alpha. ranks
     {network: r}. peft scales LoKr by alpha / r always, LyCORIS' loaders not where neither factor is split in two
     (lokr_w1 and lokr_w2 whole): there the scale goes into lokr_w2."""
     import torch
 
-    prefixes = {"unet": "lora_unet_", **text_prefixes}
+    prefixes = {**LYCORIS_DENOISER_PREFIX, **text_prefixes}
     modules = {}
     for key, tensor in state_dict.items():
         match = LYCORIS_KEY.match(key)
         if match is None or match.group(1) not in prefixes:
-            raise errors.UserError(f"export: {key} is not a LoHa or LoKr weight of the UNet or text encoder")
+            raise errors.UserError(f"export: {key} is not a LoHa or LoKr weight of the denoiser or of a text encoder "
+                                   "the family's layout names")
         model, module, factor = match.groups()
-        name = prefixes[model] + module.replace(".", "_") if model == "unet" else \
+        name = prefixes[model] + module.replace(".", "_") if model in LYCORIS_DENOISER_PREFIX else \
             kohya_text_module(prefixes[model], module)
         modules.setdefault((model, name), {})[factor] = tensor
     out = {}
