@@ -114,6 +114,34 @@ def read_json(path):
         return json.load(f)
 
 
+def unreadable(path, err):
+    """The one line that says why a file a user gave (path) cannot be read (err: what opening or reading it raised)."""
+    if os.path.islink(path) and not os.path.exists(path):
+        return f"{path} is a link to {os.readlink(path)}, which does not exist"
+    if isinstance(err, IsADirectoryError) or os.path.isdir(path):
+        return f"{path} is a folder, not a file"
+    if isinstance(err, PermissionError):
+        return f"cannot read {path}: permission denied (as user {os.getuid()})"
+    if isinstance(err, FileNotFoundError):
+        return f"{path}: no such file"
+    if isinstance(err, UnicodeDecodeError):
+        kind = "UTF-16 (a Windows editor's 'Unicode')" if err.object[:2] in (b"\xff\xfe", b"\xfe\xff") else \
+            f"byte {err.object[err.start]:#04x} at position {err.start} is not UTF-8"
+        return f"{path} is not UTF-8 text ({kind}): save it as UTF-8"
+    return f"cannot read {path}: {getattr(err, 'strerror', None) or err}"
+
+
+def read_user_text(path, what):
+    """The text of a file a user gave (what: the words that name it, e.g. 'the prompts file'), UTF-8 with or without
+    the byte-order mark a Windows editor writes; a UserError of one line naming the file when it cannot be read as
+    text (a broken link, a folder, no permission, another encoding)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read().decode("utf-8-sig")
+    except (OSError, UnicodeDecodeError) as err:
+        raise errors.UserError(f"{what}: {unreadable(path, err)}") from None
+
+
 def safetensors_header(path):
     """(header length, header) of a safetensors file: {tensor name: {"dtype", "shape", "data_offsets"},
     "__metadata__": ...}, read without its weights. struct.error or ValueError when it does not parse."""

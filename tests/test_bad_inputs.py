@@ -220,6 +220,9 @@ def test_scripts_check_what_they_were_given_before_ray_starts(tiny_model, cut_mo
     a_file = tmp_path / "notes.txt"
     a_file.write_text("keep me")
     train = ["--instance_data_dir", toy_images, "--instance_prompt", "photo of unqtkn toy", "--num_workers", "1"]
+    captioned = tmp_path / "captioned"  # a caption saved by a Windows editor as 'Unicode' (UTF-16)
+    shutil.copytree(toy_images, captioned)
+    (captioned / "toy-0.txt").write_bytes("photo of unqtkn toy on a sofa".encode("utf-16"))
     evaluate = ["--instance_data_dir", toy_images, "--class_name", "toy", "--eval_models_dir", eval_models]
     cases = [
         ("train.py", ["--model_dir", cut_model, "--output_dir", str(tmp_path / "o1"), *train],
@@ -232,6 +235,11 @@ def test_scripts_check_what_they_were_given_before_ray_starts(tiny_model, cut_mo
         ("generate.py", ["--model_dir", tiny_model, "--output_dir", str(a_file), "--prompts", "a toy"],
          "is a file, not a folder"),
         ("generate.py", ["--model_dir", tiny_model, "--output_dir", str(tmp_path / "g2")], "give the prompts"),
+        ("generate.py", ["--model_dir", tiny_model, "--output_dir", str(tmp_path / "g3"), "--prompts_file",
+                         str(tmp_path)], f"the prompts file: {tmp_path} is a folder, not a file"),
+        ("train.py", ["--model_dir", tiny_model, "--output_dir", str(tmp_path / "o2"), *train[2:],
+                      "--instance_data_dir", str(captioned)],
+         f"caption file: {captioned / 'toy-0.txt'} is not UTF-8 text (UTF-16 (a Windows editor's 'Unicode')): save it"),
         ("evaluate.py", ["--model_dir", tiny_model, "--output_dir", str(tmp_path / "e"), *evaluate],
          "--eval_models_dir"),
         ("evaluate.py", ["--model_dir", tiny_model, "--output_dir", str(tmp_path / "e2"), "--class_name", "toy",

@@ -335,7 +335,7 @@ def test_unknown_argument_is_refused():
     ({"INSTANCE_DIR": "{tmp}/photos"}, "CLASS_NAME is not set"),
     ({"NUM_WORKERS": "3"}, "NUM_WORKERS=3"),
     ({"INSTANCE_DIR": "{tmp}/photos", "CLASS_NAME": "dog", "NUM_WORKERS": "x"}, "NUM_WORKERS=x"),
-    ({"EVAL_PROMPTS": "{tmp}/missing.txt"}, "missing.txt: No such file"),  # Step 6's file, at Step 0
+    ({"EVAL_PROMPTS": "{tmp}/missing.txt"}, "missing.txt: no such file"),  # Step 6's file, at Step 0
     # a loss flag of the other objective for --arch's family (at Step 4 before, after the class images)
     ({"ARGS": "--arch flux", "TRAIN_ARGS": "--snr_gamma 5"}, "--snr_gamma weighs the timesteps"),
     # a typo in a number (it stopped Step 4 or 3, after the download and the class images)

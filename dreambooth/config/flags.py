@@ -10,7 +10,9 @@ import argparse
 import os
 import sys
 
+from dreambooth import errors
 from dreambooth import families
+from dreambooth import files
 from dreambooth.config.flaggroups import GROUP_OF
 from dreambooth.config.flaggroups import HELP_GROUPS
 
@@ -821,12 +823,15 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
                 values = tomllib.loads(storage.read_bytes(path).decode())
             else:
-                with open(os.path.expanduser(path), "rb") as f:
-                    values = tomllib.load(f)
+                values = tomllib.loads(files.read_user_text(os.path.expanduser(path), "--config"))
+        except errors.UserError as err:
+            self.error(str(err))
         except OSError as err:
             self.error(f"--config {path}: {err.strerror or str(err).splitlines()[0]}")
         except tomllib.TOMLDecodeError as err:
             self.error(f"--config {path}: not valid TOML ({err})")
+        if not values:
+            self.error(f"--config {path}: holds no settings (an empty file?)")
         given = {t.split("=")[0] for t in args if t.startswith("--")}
         tokens = []
         fallback = getattr(self, "config_fallback", None)  # sweep.py: train.py's flags go to every trial

@@ -40,11 +40,8 @@ def subject_type_of(class_name):
 def prompt_templates(subject_type, path=None):
     """The prompt set: lines of a file with '{subject}' for "<token> <class>" ('#' lines are comments)."""
     path = path or os.path.join(EVAL_PROMPTS_DIR, f"{subject_type}.txt")
-    try:
-        with open(path) as f:
-            lines = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
-    except OSError as err:
-        raise errors.UserError(f"--eval_prompts {path}: {err.strerror} (EVAL_PROMPTS with dreambooth_run.sh)") from None
+    text = files.read_user_text(path, "--eval_prompts (EVAL_PROMPTS with dreambooth_run.sh)")
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
     missing = [line for line in lines if "{subject}" not in line]
     if missing or not lines:
         raise errors.UserError(f"{path}: every prompt needs '{{subject}}' (e.g. 'a {{subject}} on a beach'); "

@@ -6,6 +6,7 @@ import sys
 
 from dreambooth import errors
 from dreambooth import families
+from dreambooth import files
 
 
 def lacks_identifier(instance_prompt, class_prompt):
@@ -28,11 +29,10 @@ def read_captions(image_paths, instance_prompt, caption_extension):
     prompts = []
     for path in image_paths:
         caption = os.path.splitext(path)[0] + caption_extension if caption_extension else ""
-        if not os.path.isfile(caption):
+        if not os.path.lexists(caption):  # (a broken link or a folder of that name is said, not passed over)
             prompts.append(instance_prompt)
             continue
-        with open(caption, encoding="utf-8") as f:
-            text = " ".join(f.read().split())
+        text = " ".join(files.read_user_text(caption, "caption file").split())
         if not text:
             raise errors.UserError(f"caption file {caption} is empty; write the image's prompt in it or delete it")
         prompts.append(text)
@@ -64,11 +64,8 @@ def run_prompt_ids(plan):
 
 def read_prompt_file(path):
     """The prompts of a file, one per line (commas and all); blank lines and '#' lines are skipped."""
-    try:
-        with open(path) as f:
-            found = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
-    except OSError as err:
-        raise errors.UserError(f"cannot read the prompts file {path}: {err.strerror}") from None
+    lines = files.read_user_text(path, "the prompts file").splitlines()
+    found = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
     if not found:
         raise errors.UserError(f"the prompts file {path} holds no prompts (one per line)")
     return found

@@ -1,0 +1,116 @@
+"""Every text file a user hands over (captions, prompt files, the evaluation prompts, --config) read safely: what a
+user's disk really holds (another encoding, an empty file, a folder, a broken link, no permission) is one line
+naming the file, from the function that reads it before Ray starts; nothing is changed on disk. (The read sites:
+CONTRIBUTING.md's list. The scripts say these lines before Ray starts: test_bad_inputs.)"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dreambooth import errors
+from dreambooth.evaluation import scoring
+from dreambooth.generation import prompts
+from dreambooth.planning import planning
+
+
+def read_caption(path):
+    photo = os.path.splitext(path)[0] + ".jpg"
+    return prompts.read_captions([photo], "photo of unqtkn dog", ".txt")[0]
+
+
+def read_prompts(path):
+    return prompts.read_prompt_file(path)[0]
+
+
+def read_eval_prompts(path):
+    return scoring.prompt_templates("object", path)[0]
+
+
+def read_config(path):  # (a bad one: argparse's line on stderr and SystemExit, as for any flag)
+    return planning.parse_args(["--config", path, "--model_dir", "/m", "--output_dir", "/o",
+                                "--instance_data_dir", "/p"]).instance_prompt
+
+
+# site: (how it is read, good content, the words its lines begin with)
+SITES = {
+    "caption": (read_caption, "photo of unqtkn dog on a sofa", "caption file: "),
+    "prompts file": (read_prompts, "photo of unqtkn dog on a sofa", "the prompts file: "),
+    "eval prompts": (read_eval_prompts, "a {subject} on a sofa", "--eval_prompts (EVAL_PROMPTS with dreambooth_run.sh): "),
+    "config": (read_config, 'instance_prompt = "photo of unqtkn dog on a sofa"', "--config: "),
+}
+
+
+def read(site, path, capsys):
+    """What the site reads of path."""
+    return SITES[site][0](str(path))
+
+
+def said(site, path, capsys):
+    """The one line a bad file gets."""
+    how = SITES[site][0]
+    if site == "config":
+        with pytest.raises(SystemExit):
+            how(str(path))
+        return capsys.readouterr().err.strip().splitlines()[-1]
+    with pytest.raises(errors.UserError) as caught:
+        how(str(path))
+    assert "\n" not in str(caught.value)
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("site", SITES)
+def test_a_windows_editors_utf8_with_its_mark_reads_as_the_text(site, tmp_path, capsys):
+    path = tmp_path / "dog.txt"
+    path.write_bytes(SITES[site][1].encode("utf-8-sig"))
+    expected = SITES[site][1].split('"')[1] if site == "config" else SITES[site][1]
+    assert read(site, path, capsys) == expected  # (not '\ufeffphoto of ...': the mark is not the prompt's)
+
+
+@pytest.mark.parametrize("site", SITES)
+@pytest.mark.parametrize("kind, culprit", [
+    ("utf-16", "is not UTF-8 text (UTF-16 (a Windows editor's 'Unicode')): save it as UTF-8"),
+    ("latin-1", "is not UTF-8 text (byte 0xe9 at position "),
+    ("folder", "is a folder, not a file"),
+    ("broken link", "is a link to "),
+])
+def test_a_file_that_is_not_utf8_text_is_one_line_naming_it(site, kind, culprit, tmp_path, capsys):
+    path = tmp_path / "dog.txt"
+    good = SITES[site][1]
+    if kind == "utf-16":
+        path.write_bytes(good.encode("utf-16"))
+    elif kind == "latin-1":
+        path.write_bytes(good.replace("sofa", "canapé").encode("latin-1"))
+    elif kind == "folder":
+        path.mkdir()
+    else:
+        path.symlink_to(tmp_path / "gone.txt")
+    before = sorted(os.listdir(tmp_path))
+    line = said(site, path, capsys)
+    assert line.startswith(SITES[site][2] if site != "config" else "") and str(path) in line and culprit in line, line
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+@pytest.mark.parametrize("site", SITES)
+def test_an_empty_file_is_one_line_naming_it(site, tmp_path, capsys):
+    path = tmp_path / "dog.txt"
+    path.write_bytes(b"")
+    line = said(site, path, capsys)
+    assert str(path) in line and ("empty" in line or "no prompts" in line or "no settings" in line), line
+
+
+@pytest.mark.slow  # (a process of its own, as another user: root reads every file)
+def test_a_file_the_user_cannot_read_is_one_line_naming_it(tmp_path):
+    """A file without read permission, read as a user that is not root (nobody when the tests run as root)."""
+    path = tmp_path / "dog.txt"
+    path.write_text("photo of unqtkn dog\n")
+    os.chmod(path, 0)
+    os.chmod(tmp_path, 0o755)
+    code = ("import sys; from dreambooth import errors; from dreambooth.generation import prompts\n"
+            "try:\n    prompts.read_prompt_file(sys.argv[1])\nexcept errors.UserError as err:\n    print(err)")
+    argv = [sys.executable, "-c", code, str(path)]
+    if os.geteuid() == 0:
+        argv = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", *argv]
+    proc = subprocess.run(argv, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert proc.stdout.strip().startswith(f"the prompts file: cannot read {path}: permission denied"), proc.stderr[-2000:]
