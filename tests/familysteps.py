@@ -80,6 +80,9 @@ def comfyui_merged(transformer, tensors):
             w2 = t["lokr_w2"] if "lokr_w2" in t else t["lokr_w2_a"] @ t["lokr_w2_b"]
             diff = torch.kron(w1, w2)
             rank = t["lokr_w2_b"].shape[0] if "lokr_w2_b" in t else t["lokr_w1_b"].shape[0] if "lokr_w1_b" in t else None
+            # (neither split: ComfyUI's older code applies no alpha, its newer alpha / (w2's rows / w1's): the two
+            # agree where the alpha is that ratio)
+            assert rank or t["alpha"].item() == w2.shape[0] // w1.shape[0], module
         scale = t["alpha"].item() / rank if "alpha" in t and rank else 1.0
         weight += scale * diff.reshape(weight.shape)
     return weights

@@ -195,8 +195,10 @@ def export_to(args, path):
             output = outputs.read_output(args.model_dir)
             metadata = {"ss_network_module": "lycoris.kohya", "ss_network_args": json.dumps({"algo": algo}),
                         "ss_network_dim": str(output.lora.rank if output and output.lora else ""),
-                        "ss_network_alpha": str(alphas[0])}
-            kind = f"{'LoHa' if algo == 'loha' else 'LoKr'} (LyCORIS layout, kohya's names)"
+                        # (the run's: a LoKr module whose factors are whole has no alpha of its own, layouts.lycoris)
+                        "ss_network_alpha": str(float(output.lora.alpha) if output and output.lora else alphas[0])}
+            names = "kohya's names" if any(k.startswith("lora_unet_") for k in checkpoint) else "ComfyUI's names"
+            kind = f"{'LoHa' if algo == 'loha' else 'LoKr'} (LyCORIS layout, {names})"
         else:
             ranks = sorted({int(v.shape[0]) for k, v in checkpoint.items() if k.endswith(".lora_down.weight")})
             metadata = {"ss_network_module": "networks.lora", "ss_network_dim": str(ranks[0]),

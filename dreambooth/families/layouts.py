@@ -134,7 +134,9 @@ def lycoris(state_dict, alphas, text_prefixes, ranks):
     UNet's in kohya's names, as unet_kohya_lora), the text encoders' as kohya's (text_prefixes {network: prefix}), with
     LyCORIS' factor names, which are peft's (hada_w1_a ..., lokr_w1, lokr_w2_a ...), and each module's alpha. ranks
     {network: r}. peft scales LoKr by alpha / r always, LyCORIS' loaders not where neither factor is split in two
-    (lokr_w1 and lokr_w2 whole): there the scale goes into lokr_w2."""
+    (lokr_w1 and lokr_w2 whole): there the scale goes into lokr_w2, and the module's alpha is lokr_w2's rows over
+    lokr_w1's (LyCORIS' loader needs one; ComfyUI's newer LoKr code divides such a module's alpha by that ratio, its
+    older code, LyCORIS' and A1111's apply none: each scales it by 1)."""
     import torch
 
     prefixes = {**LYCORIS_DENOISER_PREFIX, **text_prefixes}
@@ -151,8 +153,9 @@ def lycoris(state_dict, alphas, text_prefixes, ranks):
     out = {}
     for (model, name), factors in modules.items():
         alpha = float(alphas.get(model, ranks[model]))
-        if "lokr_w2" in factors and "lokr_w1" in factors:  # (neither split: LyCORIS applies no alpha / r)
+        if "lokr_w2" in factors and "lokr_w1" in factors:  # (neither split: no alpha / r applied)
             factors = {**factors, "lokr_w2": factors["lokr_w2"] * (alpha / ranks[model])}
+            alpha = float(factors["lokr_w2"].shape[0] // factors["lokr_w1"].shape[0])
         out.update({f"{name}.{factor}": tensor.contiguous() for factor, tensor in factors.items()})
         out[f"{name}.alpha"] = torch.tensor(alpha)
     return out
