@@ -115,10 +115,11 @@ def read_json(path):
 
 
 def unreadable(path, err):
-    """The one line that says why a file a user gave (path) cannot be read (err: what opening or reading it raised)."""
+    """The one line that says why a file a user gave (path) cannot be read (err: what opening or reading it raised, or
+    None where a listing found it is no file)."""
     if os.path.islink(path) and not os.path.exists(path):
         return f"{path} is a link to {os.readlink(path)}, which does not exist"
-    if isinstance(err, IsADirectoryError) or os.path.isdir(path):
+    if isinstance(err, IsADirectoryError) or (err is None and os.path.isdir(path)):
         return f"{path} is a folder, not a file"
     if isinstance(err, PermissionError):
         return f"cannot read {path}: permission denied (as user {os.getuid()})"
@@ -128,6 +129,8 @@ def unreadable(path, err):
         kind = "UTF-16 (a Windows editor's 'Unicode')" if err.object[:2] in (b"\xff\xfe", b"\xfe\xff") else \
             f"byte {err.object[err.start]:#04x} at position {err.start} is not UTF-8"
         return f"{path} is not UTF-8 text ({kind}): save it as UTF-8"
+    if err is None:
+        return f"{path} is not a file"
     return f"cannot read {path}: {getattr(err, 'strerror', None) or err}"
 
 

@@ -1,6 +1,6 @@
-"""Every text file a user hands over (captions, prompt files, the evaluation prompts, --config) read safely: what a
-user's disk really holds (another encoding, an empty file, a folder, a broken link, no permission) is one line
-naming the file, from the function that reads it before Ray starts; nothing is changed on disk. (The read sites:
+"""Every text file a user hands over (captions, prompt files, the evaluation prompts, --config) and every photo read
+safely: what a user's disk really holds (another encoding, an empty file, a folder, a broken link, no permission) is
+one line naming the file, from the function that reads it before Ray starts; nothing is changed on disk. (The read sites:
 CONTRIBUTING.md's list. The scripts say these lines before Ray starts: test_bad_inputs.)"""
 
 import os
@@ -100,17 +100,68 @@ def test_an_empty_file_is_one_line_naming_it(site, tmp_path, capsys):
     assert str(path) in line and ("empty" in line or "no prompts" in line or "no settings" in line), line
 
 
+def photos_read(folder):
+    """The photos of a folder as train.py's check before Ray reads them (inputs.find_inputs: list, then open each)."""
+    from dreambooth.generation import imagefiles
+
+    return imagefiles.inspect_images(imagefiles.list_images(str(folder), "instance", also_expected=".txt"), 64,
+                                     str(folder) + "-converted")
+
+
+@pytest.mark.parametrize("kind, culprit", [
+    ("broken link", "instance folder {folder}: {folder}/dog-2.jpg is a link to "),
+    ("folder", "instance folder {folder}: {folder}/dog-2.jpg is a folder, not a file"),
+    ("empty", "image {folder}/dog-2.jpg is empty (0 bytes)"),
+])
+def test_a_photo_that_is_no_image_file_is_one_line_naming_it(kind, culprit, toy_images, tmp_path):
+    """A photo's name that is a broken link or a folder was passed over without a word (the subject trained on fewer
+    photos than the user gave); an empty file was 'cannot identify image file'."""
+    import shutil
+
+    folder = tmp_path / "photos"
+    shutil.copytree(toy_images, folder)
+    if kind == "broken link":
+        (folder / "dog-2.jpg").symlink_to(tmp_path / "moved-away.jpg")
+    elif kind == "folder":
+        (folder / "dog-2.jpg").mkdir()
+    else:
+        (folder / "dog-2.jpg").write_bytes(b"")
+    with pytest.raises(errors.UserError) as caught:
+        photos_read(folder)
+    assert str(caught.value).startswith(culprit.format(folder=folder)), caught.value
+    assert not os.path.exists(str(folder) + "-converted")
+
+
 @pytest.mark.slow  # (a process of its own, as another user: root reads every file)
-def test_a_file_the_user_cannot_read_is_one_line_naming_it(tmp_path):
-    """A file without read permission, read as a user that is not root (nobody when the tests run as root)."""
-    path = tmp_path / "dog.txt"
-    path.write_text("photo of unqtkn dog\n")
+def test_a_file_the_user_cannot_read_is_one_line_naming_it(toy_images, tmp_path):
+    """A prompts file and a photo without read permission, read as a user that is not root (nobody when the tests run
+    as root)."""
+    import shutil
+    import tempfile
+
+    where = tempfile.mkdtemp(prefix="unreadable-", dir="/tmp")  # (pytest's own temp folder is its user's alone)
+    os.chmod(where, 0o755)
+    path, photos, private = os.path.join(where, "dog.txt"), os.path.join(where, "photos"), os.path.join(where, "mine")
+    with open(path, "w") as f:
+        f.write("photo of unqtkn dog\n")
+    shutil.copytree(toy_images, photos)
+    shutil.copytree(toy_images, private)
     os.chmod(path, 0)
-    os.chmod(tmp_path, 0o755)
-    code = ("import sys; from dreambooth import errors; from dreambooth.generation import prompts\n"
-            "try:\n    prompts.read_prompt_file(sys.argv[1])\nexcept errors.UserError as err:\n    print(err)")
-    argv = [sys.executable, "-c", code, str(path)]
+    os.chmod(os.path.join(photos, "toy-1.jpg"), 0)
+    os.chmod(private, 0o700)  # (a folder of photos nobody else may enter)
+    code = ("import sys; sys.path.insert(0, 'tests'); from dreambooth import errors\n"
+            "from dreambooth.generation import prompts; from test_user_files import photos_read\n"
+            "for read, what in zip((prompts.read_prompt_file, photos_read, photos_read), sys.argv[1:]):\n"
+            "    try:\n        read(what)\n    except errors.UserError as err:\n        print(err)")
+    argv = [sys.executable, "-c", code, path, photos, private]
     if os.geteuid() == 0:
         argv = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", *argv]
-    proc = subprocess.run(argv, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
-    assert proc.stdout.strip().startswith(f"the prompts file: cannot read {path}: permission denied"), proc.stderr[-2000:]
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    finally:
+        shutil.rmtree(where)
+    said = proc.stdout.strip().splitlines()
+    assert len(said) == 3 and said[0].startswith(f"the prompts file: cannot read {path}: permission denied"), \
+        proc.stdout + proc.stderr[-2000:]
+    assert said[1].startswith(f"image: cannot read {photos}/toy-1.jpg: permission denied"), said
+    assert said[2].startswith(f"instance folder: cannot read {private}: permission denied"), said  # (not 'not found')

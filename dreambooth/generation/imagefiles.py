@@ -37,9 +37,20 @@ def list_images(folder, role, also_expected=None):
     """Sorted image files directly inside folder; other files are skipped with a warning,
     except those ending in also_expected (captions beside the images). Masks (MASK_SUFFIX) are
     never images."""
-    if not os.path.isdir(folder):
+    if not os.path.lexists(folder):
         raise errors.UserError(f"{role} folder not found: {folder}")
-    names = sorted(n for n in os.listdir(folder) if os.path.isfile(os.path.join(folder, n)) and not is_mask(n))
+    try:
+        entries = sorted(os.listdir(folder))
+    except NotADirectoryError:
+        raise errors.UserError(f"{role} folder {folder} is a file, not a folder") from None
+    except OSError as err:  # (a folder it may not enter was 'not found')
+        raise errors.UserError(f"{role} folder: {files.unreadable(folder, err)}") from None
+    # (an image's name that is no file, a broken link or a folder, is said: it was passed over without a word)
+    for name in entries:
+        path = os.path.join(folder, name)
+        if name.lower().endswith(files.IMAGE_EXTENSIONS) and not os.path.isfile(path):
+            raise errors.UserError(f"{role} folder {folder}: {files.unreadable(path, None)}")
+    names = [n for n in entries if os.path.isfile(os.path.join(folder, n)) and not is_mask(n)]
     images = [n for n in names if n.lower().endswith(files.IMAGE_EXTENSIONS)]
     skipped = [n for n in names if n not in images and n not in OWN_FILES
                and not (also_expected and n.endswith(also_expected))]
@@ -115,6 +126,10 @@ def inspect_images(paths, resolution, convert_dir):
                     continue
                 upright = upright_rgb(image)
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
+            if isinstance(err, (PermissionError, FileNotFoundError, IsADirectoryError)):
+                raise errors.UserError(f"image: {files.unreadable(path, err)}") from None
+            if os.path.isfile(path) and os.path.getsize(path) == 0:
+                raise errors.UserError(f"image {path} is empty (0 bytes)") from None
             raise errors.UserError(f"cannot read image {path}: {err}") from None
         os.makedirs(convert_dir, exist_ok=True)
         # A hash of the full path keeps copies of same-named files from different folders apart.
