@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from dreambooth import errors
+from dreambooth.planning import planning
 from dreambooth.training import driver
 from dreambooth.training import failures
 
@@ -59,6 +60,30 @@ def test_the_watch_stops_on_a_user_error_and_announces_a_dead_worker(tmp_path, c
         watch.after_exception(None, {0: RuntimeError("collective aborted"), 1: errors.UserError("bad weights")})
     log = (tmp_path / "run" / errors.ERRORS_LOG).read_text().splitlines()
     assert len(log) == 3 and "peer reset" in log[0] and "a restart cannot fix this" in log[2]
+
+
+def test_a_preemption_has_its_own_budget_and_its_own_line(tmp_path, capsys):
+    """A worker lost with its preempted node (Ray's RayActorError.preempted, as Ray Train's health check sees it) is
+    said as a preemption, counted against --max_preemption_failures, not --max_failures; the run's FailureConfig has
+    both budgets."""
+    from ray.exceptions import RayActorError
+
+    watch = failures.FailureWatch(str(tmp_path / "run"), max_failures=1, max_preemption_failures=2)
+    for _ in range(2):
+        watch.after_exception(None, {1: RayActorError(preempted=True), 0: ConnectionError("peer reset")})
+    out = capsys.readouterr().out.splitlines()
+    assert out == [f"a node was preempted (its worker(s) 1 lost): restarting the workers from step 0 (no checkpoint "
+                   f"was written yet) ({n} of --max_preemption_failures 2; preemptions do not count against "
+                   "--max_failures)" for n in (1, 2)]
+    watch.after_exception(None, {0: RuntimeError("actor died")})  # a real failure: its own budget, untouched
+    assert "(1 of --max_failures 1;" in capsys.readouterr().out
+    watch.after_exception(None, {0: RayActorError(preempted=True)})  # the third preemption: spent, nothing said
+    assert capsys.readouterr().out == ""
+    plan = planning.offline_plan(max_failures=3, max_preemption_failures=5)
+    config = driver.failure_config(plan)
+    assert (config.max_failures, config.max_preemption_failures) == (3, 5)
+    assert planning.parse_args(["--model_dir", "/m", "--output_dir", "/o", "--instance_data_dir", "/p",
+                                "--instance_prompt", "a"]).max_preemption_failures == -1  # (every time, as Ray's)
 
 
 def test_a_stopped_run_is_reported_by_its_cause():

@@ -513,6 +513,10 @@ FLAGS = {
     "max_failures": (("--max_failures",),
         dict(type=non_negative_int, default=3,
              help="Restart the worker group up to N times from the last checkpoint when a worker dies.")),
+    "max_preemption_failures": (("--max_preemption_failures",),
+        dict(type=int, default=-1, metavar="N",
+             help="Restart the worker group up to N times when a node is preempted (a spot reclaim, a drain), counted "
+                  "apart from --max_failures, which is kept for real failures; -1 (the default): every time.")),
     "overwrite": (("--overwrite",),
         dict(action="store_true", help="Allow writing into a non-empty folder that is not ours.")),
     "allow_unsafe_weights": (("--allow_unsafe_weights",),

@@ -105,6 +105,7 @@ class Plan:
     storage_path: str
     run_name: str
     max_failures: int
+    max_preemption_failures: int  # restarts after a node's preemption, counted apart (-1: unlimited)
     # logging and checkpoints
     logging_steps: int
     report_to: str  # "none" | "tensorboard" | "wandb" | "mlflow" | "all" (trackers.py)

@@ -41,7 +41,7 @@ TRAIN_FLAGS = [
     "validation_prompt", "num_validation_images", "validation_steps", "validation_epochs",
     "validation_inference_steps", "score_steps", "keep_best", "clip_t_margin", "eval_models_dir", "class_name", "unique_token", "subject_type",
     "eval_prompts", "eval_images_per_prompt", "vae_dir", "checkpointing_steps", "checkpoints_total_limit", "keep_checkpoints",
-    "resume_from_checkpoint", "max_failures", "overwrite", "allow_unsafe_weights", "gradient_accumulation_steps",
+    "resume_from_checkpoint", "max_failures", "max_preemption_failures", "overwrite", "allow_unsafe_weights", "gradient_accumulation_steps",
     "gradient_checkpointing", "cache_latents", "precompute_text_embeddings", "channels_last", "fused_adamw",
     "torch_compile", "fsdp", "allow_tf32", "num_class_images", "set_grads_to_none",
     "enable_xformers_memory_efficient_attention"]

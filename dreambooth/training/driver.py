@@ -209,9 +209,10 @@ def run_trainer(plan, train_ds):
             # (a bucket: its path and a pyarrow filesystem set up as AWS tools would be)
             **dict(zip(("storage_path", "storage_filesystem"), storage.ray_storage(plan.storage_path))),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=plan.checkpoints_total_limit),
-            failure_config=ray.train.FailureConfig(max_failures=plan.max_failures),
+            failure_config=failure_config(plan),
             callbacks=[failures.FailureWatch(run_dir, plan.max_failures, plan.storage_path, plan.run_name,
-                                             resumed=plan.resume_path is not None)],
+                                             resumed=plan.resume_path is not None,
+                                             max_preemption_failures=plan.max_preemption_failures)],
             logging_config=ray.train.LoggingConfig(log_level=failures.RAY_TRAIN_LOG_LEVEL),
         ),
         datasets={"train": train_ds},
@@ -241,6 +242,15 @@ def run_trainer(plan, train_ds):
     if (result.metrics or {}).get("step", 0) < plan.end_step and not saved_by(plan):
         raise KeyboardInterrupt  # an aborted run returns a partial result
     return result
+
+
+def failure_config(plan):
+    """Ray Train's restarts of a run: --max_failures for real failures (a worker's error, a lost node), and
+    --max_preemption_failures, a budget of their own, for preemptions (a spot reclaim: a drained node that left)."""
+    import ray.train
+
+    return ray.train.FailureConfig(max_failures=plan.max_failures,
+                                   max_preemption_failures=plan.max_preemption_failures)
 
 
 def saved_by(plan):

@@ -95,15 +95,23 @@ def out_of_memory(err, step, first_step):
                             f"--gpus_per_worker 2 (docs/MEMORY.md: which card fits which mode)")
 
 
+def preempted(err):
+    """Whether a worker's error is its death in a node's preemption (Ray's RayActorError.preempted, inside the health
+    check's error where that is what saw it), which Ray Train counts against max_preemption_failures."""
+    err = getattr(err, "health_check_failure", err)
+    return bool(getattr(err, "preempted", False))
+
+
 class FailureWatch(ray.train.UserCallback):
     """Runs in Ray Train's controller. After a worker failure: a UserError from any worker stops
     the run (RunStopped, which Ray Train does not retry); anything else is announced in one line
     and left to Ray Train's restarts."""
 
-    def __init__(self, run_dir, max_failures, storage_path=None, run_name=None, resumed=False):
+    def __init__(self, run_dir, max_failures, storage_path=None, run_name=None, resumed=False,
+                 max_preemption_failures=-1):
         self.run_dir, self.resumed = run_dir, resumed
-        self.max_failures = max_failures
-        self.failures = 0
+        self.max_failures, self.max_preemption_failures = max_failures, max_preemption_failures
+        self.failures = self.preemptions = 0
         self.storage_path, self.run_name = storage_path, run_name  # (a bucket's: errors.log copied there)
 
     def log_event(self, text):
@@ -128,6 +136,17 @@ class FailureWatch(ray.train.UserCallback):
             rank, err = fatal[0]
             self.log_event(f"worker {rank}: {err} -- a restart cannot fix this: stopping the run")
             raise RunStopped(f"worker {rank}: {err}")
+        lost = sorted(r for r, e in worker_exceptions.items() if preempted(e))
+        if lost:  # (Ray Train counts it against --max_preemption_failures, whatever else failed with it)
+            self.preemptions += 1
+            self.log_event(f"worker(s) {', '.join(map(str, lost))} lost to a node's preemption")
+            budget = self.max_preemption_failures
+            if budget < 0 or self.preemptions <= budget:
+                limit = "every time" if budget < 0 else f"{self.preemptions} of --max_preemption_failures {budget}"
+                print(f"a node was preempted (its worker(s) {', '.join(map(str, lost))} lost): restarting the workers "
+                      f"from {self.restart_point()} ({limit}; preemptions do not count against --max_failures)",
+                      flush=True)
+            return
         self.failures += 1
         cause = errors.one_line(err)
         self.log_event(f"worker {rank} failed ({len(worker_exceptions)} of the group): {cause}")
