@@ -134,6 +134,25 @@ def unreadable(path, err):
     return f"cannot read {path}: {getattr(err, 'strerror', None) or err}"
 
 
+def stamps(paths):
+    """((path, size, modification time in ns), ...) of files, to tell later whether one changed (changed_since)."""
+    return tuple((path, os.stat(path).st_size, os.stat(path).st_mtime_ns) for path in paths)
+
+
+def changed_since(taken):
+    """A UserError's line naming the first file of stamps taken that changed (or went) since, or None."""
+    for path, size, mtime in taken:
+        try:
+            now = os.stat(path)
+        except OSError as err:
+            return f"{unreadable(path, err)} (it was there when the run began)"
+        if (now.st_size, now.st_mtime_ns) != (size, mtime):
+            return (f"{path} changed while the run read it (written at "
+                    f"{__import__('time').strftime('%H:%M:%S', __import__('time').localtime(now.st_mtime))}): "
+                    "start the run again once it is saved")
+    return None
+
+
 def read_user_text(path, what):
     """The text of a file a user gave (what: the words that name it, e.g. 'the prompts file'), UTF-8 with or without
     the byte-order mark a Windows editor writes; a UserError of one line naming the file when it cannot be read as

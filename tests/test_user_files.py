@@ -165,3 +165,30 @@ def test_a_file_the_user_cannot_read_is_one_line_naming_it(toy_images, tmp_path)
         proc.stdout + proc.stderr[-2000:]
     assert said[1].startswith(f"image: cannot read {photos}/toy-1.jpg: permission denied"), said
     assert said[2].startswith(f"instance folder: cannot read {private}: permission denied"), said  # (not 'not found')
+
+
+def test_a_photo_rewritten_while_the_run_reads_it_is_one_line_naming_it(tiny_model, toy_images, tmp_path):
+    """The stamps taken before the photos are read (size, modification time) tell a photo rewritten since: the driver
+    says so before training on what it read (its content and the run's identity may be of two versions)."""
+    import shutil
+
+    from dreambooth import families
+    from dreambooth import files
+    from dreambooth.planning import inputs
+
+    folder = tmp_path / "photos"
+    shutil.copytree(toy_images, folder)
+    flags = inputs.InputFlags(
+        instance_data_dir=str(folder), class_data_dir=None, instance_prompt="photo of unqtkn toy", class_prompt=None,
+        caption_extension=".txt", holdout=0, with_prior_preservation=False, num_class_images=None,
+        model_dir=tiny_model, storage_path=str(tmp_path / "runs"), resolution=64, masked_loss=False,
+        train_batch_size=1, enable_bucket=False, bucket_reso_steps=None, min_bucket_reso=None, max_bucket_reso=None)
+    found = inputs.read_inputs(flags, families.family_of(tiny_model), None)
+    assert [path for path, _, _ in found.stamps] == sorted(str(p) for p in folder.iterdir())
+    assert files.changed_since(found.stamps) is None
+    (folder / "toy-3.jpg").write_bytes((folder / "toy-3.jpg").read_bytes() + b"\0")  # (saved again, a byte longer)
+    said = files.changed_since(found.stamps)
+    assert said.startswith(f"{folder / 'toy-3.jpg'} changed while the run read it (written at ") and \
+        said.endswith("start the run again once it is saved")
+    (folder / "toy-3.jpg").unlink()
+    assert files.changed_since(found.stamps).endswith("no such file (it was there when the run began)")

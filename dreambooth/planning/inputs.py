@@ -8,6 +8,7 @@ import os
 import sys
 
 from dreambooth import errors
+from dreambooth import files
 from dreambooth import storage
 from dreambooth.generation import image_records
 from dreambooth.generation import imagefiles
@@ -32,6 +33,7 @@ class RunInputs:
     resolution: int
     buckets: tuple  # (height, width) of each --enable_bucket bucket, or ()
     num_rows: int  # the rows of one epoch of the stream
+    stamps: tuple  # files.stamps of the photos and class images taken before they were read: a change after is said
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +79,7 @@ def read_inputs(flags, family, draw_class_images=None):
     photos = imagefiles.list_images(flags.instance_data_dir, "instance", also_expected=flags.caption_extension)
     held_out = imagefiles.held_out_names(photos, flags.holdout)
     photos = imagefiles.holdout_split(photos, flags.holdout)[0]
+    taken = files.stamps(photos)
     if held_out:
         print(f"--holdout {flags.holdout}: training without {', '.join(held_out)} "
               f"(evaluate.py --holdout {flags.holdout} also scores against the held-out photos)", file=sys.stderr)
@@ -96,6 +99,7 @@ def read_inputs(flags, family, draw_class_images=None):
     if class_files:
         check_class_images(flags.class_data_dir, flags.model_dir, flags.class_prompt, resolution)
     prompts.warn_without_identifier(instance_prompts, flags.instance_prompt, flags.class_prompt)
+    taken += files.stamps(class_files)
     class_images = imagefiles.inspect_images(class_files, resolution, convert_dir) if class_files else []
     num_rows = max(len(instance_images), len(class_images))
     buckets = ()
@@ -108,7 +112,8 @@ def read_inputs(flags, family, draw_class_images=None):
             f"{buckets[b][1]}x{buckets[b][0]} ({assigned.count(b)})" for b in used) + " (width x height)",
             file=sys.stderr)
     return RunInputs(tuple(photos), tuple(instance_images), tuple(masks), held_out, tuple(captions),
-                     tuple(instance_prompts), tuple(class_files), tuple(class_images), resolution, buckets, num_rows)
+                     tuple(instance_prompts), tuple(class_files), tuple(class_images), resolution, buckets, num_rows,
+                     taken)
 
 
 def bucket_plan(flags, family, resolution):

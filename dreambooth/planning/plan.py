@@ -106,6 +106,7 @@ class Plan:
     run_name: str
     max_failures: int
     max_preemption_failures: int  # restarts after a node's preemption, counted apart (-1: unlimited)
+    input_stamps: tuple  # files.stamps of the photos and class images before they were read (RunInputs.stamps)
     # logging and checkpoints
     logging_steps: int
     report_to: str  # "none" | "tensorboard" | "wandb" | "mlflow" | "all" (trackers.py)

@@ -254,6 +254,7 @@ def plan_run(args, cluster_resources, draw_class_images=None, stop_step=None):
         "learning_rate": scaled_learning_rate(args),
         "instance_images": found.instance_images,
         "instance_masks": found.masks,
+        "input_stamps": found.stamps,
         "held_out": found.held_out,
         "class_images": found.class_images,
         "resolution": found.resolution,
@@ -313,7 +314,7 @@ def offline_plan(**fields):
                    channels_last=False,
                    steps_per_epoch=1, total_steps=resources.DEFAULT_MAX_TRAIN_STEPS, stop_step=None, stream_epochs=1, use_gpu=False,
                    cpus_per_worker=1.0, num_workers=1, run_name="offline", resume_path=None, progress_bar=False,
-                   settings_toml="", identity=None)
+                   settings_toml="", identity=None, input_stamps=())
     if "family" not in fields:  # the model's own when it is there, else SD 1.x's
         model_dir = fields.get("model_dir", args.model_dir)
         has_model = os.path.isfile(os.path.join(model_dir, "model_index.json"))

@@ -78,7 +78,11 @@ def train_planned(args, stop_step, started):
             f"{', resumed from ' + plan.resume_path if plan.resume_path else ''}; model to {plan.output_dir}",
             run=plan.run_name, steps=plan.end_step, workers=plan.num_workers, output_dir=plan.output_dir)
     try:
-        result = run_trainer(plan, train_dataset(plan))
+        stream = train_dataset(plan)
+        changed = files.changed_since(plan.input_stamps)  # (read, and their digest made, while one was rewritten)
+        if changed:
+            raise errors.UserError(changed)
+        result = run_trainer(plan, stream)
     except KeyboardInterrupt:
         latest = checkpoints.find_latest(plan.storage_path, os.path.basename(plan.output_dir))
         reached = checkpoints.saved_step(latest) if latest else None
