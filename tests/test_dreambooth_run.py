@@ -29,7 +29,7 @@ def data_prefix(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["full", "lora"])
-def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request, webhook, family_runs):
+def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request, webhook):
     """The full run as a one-GPU user runs it (no NUM_WORKERS: one worker here, on the CPU), on a machine
     where Ray's temp folder names a stranger's cluster; then the LoRA run retrains into the same folders,
     as a user's second run does, after DATA_PREFIX was copied to a bucket (DATA_PREFIX=s3://…), on a 2-node
@@ -38,6 +38,8 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request, webhook, fam
     Step 6 must score the new model. (The families' runs, family_runs, go on beside these two from the start.)"""
     from dreambooth import storage
 
+    if selected_family_runs(request):
+        request.getfixturevalue("family_runs")  # (started now, to run beside this one)
     tmp_path = data_prefix
     subject_dir = tmp_path / "subjects" / "example-toy"  # the example's outputs, in a folder of their own
     where = str(tmp_path)  # DATA_PREFIX
@@ -264,8 +266,15 @@ def family_runs(request, tmp_path_factory, tiny_eval_models):
                                      capture_output=True, text=True, timeout=600)
 
     with cluster_beside(folder) as address, ThreadPoolExecutor(max_workers=2) as pool:
-        yield {name: pool.submit(run, name, request.getfixturevalue(f"tiny_{name}_model")) for name in FAMILY_RUNS}
+        yield {name: pool.submit(run, name, request.getfixturevalue(f"tiny_{name}_model"))
+               for name in selected_family_runs(request)}
         pool.shutdown(cancel_futures=True)  # (a run not started yet, after a failure that ended the session)
+
+
+def selected_family_runs(request):
+    """The FAMILY_RUNS whose tests this session runs (a run nobody checks is not started)."""
+    items = [item for item in request.session.items if "family_runs" in item.fixturenames]
+    return [name for name in FAMILY_RUNS if any(f"[{name}]" in item.name or f"_{name}_" in item.name for item in items)]
 
 
 def family_run(family_runs, name):
