@@ -99,13 +99,13 @@ def score_checkpoint(checkpoint_ref, plan):
                                  os.path.join(plan.run_dir, SCORES_FOLDER, BASE_SCORES))
     keep_models(plan.run_dir, best_step(plan.run_dir, plan.clip_t_margin)[0] if plan.keep_best else None)
     runfiles.sync_up(plan.storage_path, plan.run_name)  # (a bucket's run: its scores there too)
-    scores = score_values(result[SUBJECT].overall(label))
+    values = score_values(result[SUBJECT].overall(label))
     # (for rank 0, on whichever node: Ray Train's own record of a checkpoint goes with it when the checkpoint
     # limit removes it, which can be as soon as its scores are in)
     from ray.experimental import internal_kv
 
-    internal_kv._internal_kv_put(score_key(plan.run_name, step), json.dumps(scores), namespace=NAMESPACE)
-    return scores
+    internal_kv._internal_kv_put(score_key(plan.run_name, step), json.dumps(values), namespace=NAMESPACE)
+    return values
 
 
 def forget(run_name):
@@ -157,13 +157,13 @@ def skip_line(step, pending):
             "--score_steps steps here; the next due step after it is scored, and the last always)")
 
 
-def describe(step, scores, during_run=False):
+def describe(step, values, during_run=False):
     """The output's line of a scored step (during_run: said by rank 0 while the run goes on)."""
-    if scores is None:
+    if values is None:
         return (f"scores of step {step}: its scoring task failed (its error: the run folder's "
                 f"{SCORES_FOLDER}/step-{step}/{SCORING_LOG}, and Ray's log)"
                 + ("; the training goes on" if during_run else ""))
-    return f"scores of step {step}: " + ", ".join(f"{key.upper().replace('_', '-')} {scores[key]:.3f}"
+    return f"scores of step {step}: " + ", ".join(f"{key.upper().replace('_', '-')} {values[key]:.3f}"
                                                   for key in SCORE_KEYS)
 
 
