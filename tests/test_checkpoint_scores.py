@@ -201,3 +201,34 @@ def test_keep_best_saves_the_best_step_by_the_sweeps_rule_and_its_record_says_wh
     assert checkpoint_scores.best_line(plan, *checkpoint_scores.best_step(str(tmp_path / "run"), 0.02)) == (
         "best scored step: 4 (DINO 0.600, CLIP-T 0.200; no step kept CLIP-T within 0.02 of the base model's 0.900: "
         "the highest DINO of all)")
+
+
+def test_a_resumed_run_chooses_its_best_step_among_the_steps_scored_before_it_too(tmp_path):
+    """checkpoint_scores.carry_over: the run a resume goes on from scored step 2 (its model kept: the best so far) and
+    step 6, after the checkpoint of step 4 it is resumed from; the resumed run gets step 2's scores and kept model and
+    the base model's scores, not step 6's (it trains step 6 again)."""
+    from dreambooth.evaluation import scoring
+    from dreambooth.planning import checkpoints
+    from dreambooth.training import checkpoint_scores
+
+    earlier = tmp_path / "out-1"
+    for step in (2, 6):
+        folder = earlier / "scores" / f"step-{step}"
+        folder.mkdir(parents=True)
+        result = scoring.EvalResult("unqtkn toy", 1, 1, 5, ("a unqtkn toy",), {
+            f"step-{step}": scoring.ModelScores({"dino": 0.1 * step, "clip_i": 0.5, "clip_t": 0.3}, {})})
+        files.write_json(str(folder / "scores.json"), result.to_json())
+    (earlier / "scores" / "step-2" / "model").mkdir()
+    (earlier / "scores" / "step-2" / "model" / files.LORA_WEIGHTS_FILE).write_text("step 2's weights")
+    files.write_json(str(earlier / "scores" / "base.json"), {"dino": 0.1, "clip_i": 0.2, "clip_t": 0.3})
+    (earlier / "checkpoint_000001").mkdir()
+    files.write_json(str(earlier / "checkpoint_000001" / checkpoints.STATE_FILE), {"step": 4})
+    plan = planning.offline_plan(score_steps=2, total_steps=8, storage_path=str(tmp_path), run_name="out-2",
+                                 class_name="toy", keep_best=True, resume_path=str(earlier / "checkpoint_000001"))
+    (tmp_path / "out-2").mkdir()
+    checkpoint_scores.carry_over(plan)
+    assert set(checkpoint_scores.scores_on_disk(plan.run_dir)) == {2}
+    assert checkpoint_scores.base_scores(plan.run_dir)["clip_t"] == 0.3
+    assert (tmp_path / "out-2" / "scores" / "step-2" / "model" / files.LORA_WEIGHTS_FILE).read_text() == \
+        "step 2's weights" and not (earlier / "scores" / "step-2" / "model").exists()
+    assert checkpoint_scores.best_step(plan.run_dir, 0.02)[0] == 2

@@ -16,6 +16,7 @@ import os
 import shutil
 
 from dreambooth import files
+from dreambooth import storage
 from dreambooth.evaluation import scores
 from dreambooth.evaluation import scoring
 from dreambooth.models import outputs
@@ -243,6 +244,32 @@ def keep_best(plan, step, why):
     if step == plan.end_step:
         return f"saved: the last step's model, the best scored, in {plan.output_dir} (--keep_best)"
     return f"saved: step {step}'s model, the best scored, in {plan.output_dir} instead of step {plan.end_step}'s (--keep_best)"
+
+
+def carry_over(plan):
+    """A resumed run's scored steps so far, from the run folder whose checkpoint it goes on from into its own: each
+    step's scores.json and report.md up to that checkpoint's step, the base model's scores and (--keep_best) the best
+    step's kept model, moved: the best step is chosen among all the steps scored since the first run began. (A
+    bucket's run: not yet, its steps before the resume are not candidates.)"""
+    earlier = runfiles.run_of_checkpoint(plan.resume_path)
+    folder = os.path.join(earlier, SCORES_FOLDER) if earlier and not storage.is_remote(earlier) else None
+    if folder is None or not os.path.isdir(folder) or os.path.abspath(earlier) == os.path.abspath(plan.run_dir):
+        return
+    upto, into = checkpoints.saved_step(plan.resume_path), os.path.join(plan.run_dir, SCORES_FOLDER)
+    os.makedirs(into, exist_ok=True)
+    if os.path.isfile(os.path.join(folder, BASE_SCORES)):
+        shutil.copy2(os.path.join(folder, BASE_SCORES), os.path.join(into, BASE_SCORES))
+    for name in os.listdir(folder):
+        step_dir = os.path.join(folder, name)
+        if not (name.startswith("step-") and int(name[len("step-"):]) <= upto and
+                os.path.isfile(os.path.join(step_dir, "scores.json"))):
+            continue
+        os.makedirs(os.path.join(into, name), exist_ok=True)
+        for kept in ("scores.json", "report.md"):
+            if os.path.isfile(os.path.join(step_dir, kept)):
+                shutil.copy2(os.path.join(step_dir, kept), os.path.join(into, name, kept))
+        if os.path.isdir(os.path.join(step_dir, "model")):
+            shutil.move(os.path.join(step_dir, "model"), os.path.join(into, name, "model"))
 
 
 def finish(plan, last_step=None):

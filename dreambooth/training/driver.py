@@ -77,6 +77,8 @@ def train_planned(args, stop_step, started):
     started(f"DreamBooth run {plan.run_name} started: {plan.end_step} steps on {plan.num_workers} worker(s)"
             f"{', resumed from ' + plan.resume_path if plan.resume_path else ''}; model to {plan.output_dir}",
             run=plan.run_name, steps=plan.end_step, workers=plan.num_workers, output_dir=plan.output_dir)
+    if plan.score_steps and plan.resume_path:
+        checkpoint_scores.carry_over(plan)
     try:
         stream = train_dataset(plan)
         changed = files.changed_since(plan.input_stamps)  # (read, and their digest made, while one was rewritten)
