@@ -27,8 +27,8 @@ from dreambooth.training import checkpoint
 SCORES_FOLDER = "scores"  # in the run folder: step-N/ of each scored step (images, scores.json, report.md)
 NAMESPACE = "dreambooth-scores"  # of Ray's key-value store: each scored step's scores, until rank 0 has logged them
 SCORING_LOG = "scoring.log"  # in scores/step-N: what the scoring task said
-BASE_SCORES = "base.json"  # in the scores folder: the base model's scores, made by the run's first scoring task
-BASE = "base"  # the base model's label in that first task's scores.json and images
+BASE_SCORES = "base.json"  # in the scores folder: the base model's scores (score_base's, as the run starts)
+BASE = "base"  # the base model's label, and its folder in the scores folder (images, scores.json, report.md)
 SCORE_KEYS = ("dino", "clip_i", "clip_t")  # what a scored step reports (the paper's subject and prompt fidelity)
 SUBJECT = "subject"  # the one subject a run is scored against
 # evaluate.py's seed of the images it scores (its --seed default): a step's images are those evaluate.py would draw
@@ -84,21 +84,15 @@ def score_checkpoint(checkpoint_ref, plan):
         where = os.path.join(plan.run_dir, SCORES_FOLDER, f"step-{step}")
         model = os.path.join(where, "model")
         checkpoint.save_as_model(folder, checkpoint.step_model_plan(plan, model, step, plan.held_out))
-    label, base = f"step-{step}", base_scores(plan.run_dir)
-    models = [(label, outputs.resolve_model(model))] + ([] if base else [(BASE, outputs.resolve_model(plan.model_dir))])
-    # (what scoring says as it goes, evaluate.py's lines and bars, in a log of the step's own: the run's output is
-    # the training's, and this step's one line of scores)
-    with open(os.path.join(where, SCORING_LOG), "w") as log, contextlib.redirect_stdout(log), \
-            contextlib.redirect_stderr(log):
-        try:
-            result = scoring.run(models, [subject_of(plan, len(plan.held_out))], settings_of(plan), where)
-        except BaseException:
-            shutil.rmtree(model, ignore_errors=True)
-            raise
-    if not base:  # (the first scoring: the base model's scores, which the best step's CLIP-T is held to)
-        files.write_bytes_atomic(json.dumps(score_values(result[SUBJECT].overall(BASE))).encode(),
-                                 os.path.join(plan.run_dir, SCORES_FOLDER, BASE_SCORES))
-    keep_models(plan.run_dir, best_step(plan.run_dir, plan.clip_t_margin)[0] if plan.keep_best else None)
+    label = f"step-{step}"
+    try:
+        result = scored(plan, label, outputs.resolve_model(model), where)
+    except BaseException:
+        shutil.rmtree(model, ignore_errors=True)
+        raise
+    best = best_step(plan.run_dir, plan.clip_t_margin)[0] if plan.keep_best else None
+    if best is not None or not plan.keep_best:  # (--keep_best before the base model's scores: all kept until then)
+        keep_models(plan.run_dir, best)
     runfiles.sync_up(plan.storage_path, plan.run_name)  # (a bucket's run: its scores there too)
     values = score_values(result[SUBJECT].overall(label))
     # (for rank 0, on whichever node: Ray Train's own record of a checkpoint goes with it when the checkpoint
@@ -107,6 +101,55 @@ def score_checkpoint(checkpoint_ref, plan):
 
     internal_kv._internal_kv_put(score_key(plan.run_name, step), json.dumps(values), namespace=NAMESPACE)
     return values
+
+
+def scored(plan, label, model, where):
+    """scoring.run of one model (a scoring.ModelRef) into where, as evaluate.py scores it; what it says as it goes
+    (evaluate.py's lines and bars) in where's log: the run's output is the training's, and one line of scores."""
+    os.makedirs(where, exist_ok=True)
+    with open(os.path.join(where, SCORING_LOG), "w") as log, contextlib.redirect_stdout(log), \
+            contextlib.redirect_stderr(log):
+        return scoring.run([(label, model)], [subject_of(plan, len(plan.held_out))], settings_of(plan), where)
+
+
+def start_base(plan):
+    """The base model's scoring (score_base) as a task of its own from the run's start, beside the training and the
+    steps' scoring, unless the run has its scores (a resumed run's, carried over): its ObjectRef, or None."""
+    import ray
+
+    if base_scores(plan.run_dir) is not None:
+        return None
+    return ray.remote(num_cpus=0)(score_base).remote(plan)
+
+
+def score_base(plan):
+    """The base model scored as each step is (scores/base/: images, scores.json, report.md; the scores in
+    BASE_SCORES): the best step's CLIP-T is held to its."""
+    where = os.path.join(plan.run_dir, SCORES_FOLDER, BASE)
+    result = scored(plan, BASE, outputs.resolve_model(plan.model_dir), where)
+    files.write_bytes_atomic(json.dumps(score_values(result[SUBJECT].overall(BASE))).encode(),
+                             os.path.join(plan.run_dir, SCORES_FOLDER, BASE_SCORES))
+    runfiles.sync_up(plan.storage_path, plan.run_name)
+
+
+def wait_base(task, stopped=False):
+    """The base model's scoring (start_base's task) ended: None, or the line of one that failed. A stopped run does
+    not wait for it (its resume scores the base model again)."""
+    import ray
+
+    if task is None:
+        return None
+    if stopped and not ray.wait([task], timeout=0)[0]:
+        ray.cancel(task, force=True)
+        return None
+    try:
+        ray.get(task)
+    except Exception as err:  # (whatever the scoring met: said, the run's model and scores stand)
+        from dreambooth import errors
+
+        return (f"the base model's scoring failed ({errors.one_line(err)[:200]}; its log: "
+                f"{os.path.join(SCORES_FOLDER, BASE, SCORING_LOG)} in the run folder): no best step can be named")
+    return None
 
 
 def forget(run_name):
@@ -272,13 +315,14 @@ def carry_over(plan):
             shutil.move(os.path.join(step_dir, "model"), os.path.join(into, name, "model"))
 
 
-def finish(plan, last_step=None):
+def finish(plan, last_step=None, base_task=None):
     """At the end of a run, or when it stopped at last_step (its scoring tasks over): the scores rank 0 had not
     seen yet, which arrived after its last report, added to metrics.jsonl; the lines that say them (and a step due
     to be scored without scores), then every scored step's, in step order; the best-scored step and, at the end,
     which model was saved (--keep_best: the best step's)."""
     from dreambooth.training import runlog
 
+    failed = wait_base(base_task, stopped=last_step is not None)
     metrics_file = os.path.join(plan.run_dir, runlog.METRICS_FILE)
     logged, found = runlog.scored_steps(metrics_file), scores_on_disk(plan.run_dir)
     first = checkpoints.saved_step(plan.resume_path) + 1 if plan.resume_path else 1
@@ -298,7 +342,10 @@ def finish(plan, last_step=None):
     else:
         lines.append(f"no step was scored (--score_steps {plan.score_steps}): each scored step's "
                      f"{SCORES_FOLDER}/step-N/{SCORING_LOG} in the run folder says why, and Ray's log")
+    lines += [failed] if failed else []
     step, within, ranked_by = best_step(plan.run_dir, plan.clip_t_margin)
+    if step is None and last_step is None:  # (no base model's scores: the last step's model stands)
+        keep_models(plan.run_dir, None)
     if step is not None:
         lines.append(best_line(plan, step, within, ranked_by))
         if last_step is None:  # (the run's end: a stopped run saved no model)

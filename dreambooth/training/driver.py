@@ -79,6 +79,7 @@ def train_planned(args, stop_step, started):
             run=plan.run_name, steps=plan.end_step, workers=plan.num_workers, output_dir=plan.output_dir)
     if plan.score_steps and plan.resume_path:
         checkpoint_scores.carry_over(plan)
+    base_task = checkpoint_scores.start_base(plan) if plan.score_steps else None  # (beside the training)
     try:
         stream = train_dataset(plan)
         changed = files.changed_since(plan.input_stamps)  # (read, and their digest made, while one was rewritten)
@@ -89,7 +90,7 @@ def train_planned(args, stop_step, started):
         latest = checkpoints.find_latest(plan.storage_path, os.path.basename(plan.output_dir))
         reached = checkpoints.saved_step(latest) if latest else None
         if plan.score_steps and latest:  # (the scores of the steps it reached: kept with the run, which resumes them)
-            for line in checkpoint_scores.finish(plan, last_step=reached):
+            for line in checkpoint_scores.finish(plan, last_step=reached, base_task=base_task):
                 print(line, file=sys.stderr)
         where = f" (newest checkpoint: {latest}, step {reached})" if latest else " (no checkpoint was written yet)"
         again = "" if args.resume_from_checkpoint in ("latest", "auto") else " with --resume_from_checkpoint latest"
@@ -101,7 +102,7 @@ def train_planned(args, stop_step, started):
     print(f"trained {plan.end_step} steps; {loss}; model saved to {plan.output_dir}; checkpoints and "
           f"{runlog.METRICS_FILE} in {run_folder}", file=sys.stderr)
     if plan.score_steps:  # (every scoring task has ended: Ray Train waits for them before fit returns)
-        for line in checkpoint_scores.finish(plan):
+        for line in checkpoint_scores.finish(plan, base_task=base_task):
             print(line, file=sys.stderr)
         runfiles.sync_up(plan.storage_path, plan.run_name)
     if not plan.keep_checkpoints and plan.end_step == plan.total_steps:  # (not a sweep stage that goes on)
