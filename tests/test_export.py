@@ -213,3 +213,26 @@ def test_export_refuses_to_overwrite_or_to_write_another_format(tuned_model, tmp
     assert existing.read_bytes() == b"mine"
     with pytest.raises(errors.UserError, match="must end in .safetensors"):
         export.main(["--model_dir", tuned_model, "--output_file", str(tmp_path / "model.ckpt")])
+
+
+def test_lycoris_adapters_of_a_transformers_text_encoder_are_refused_in_one_line_and_get_no_hint(tiny_flux_model,
+                                                                                                tmp_path):
+    """A Flux.1 LoKr output whose text encoder was trained too (train.py's default): its LyCORIS file is written for
+    the transformer alone yet, so export.py says so in one line with the way out, and dreambooth_run.sh's hint
+    (writes_file_of) offers no command that would fail (a new user's walk met the first as an unclear line)."""
+    from safetensors.torch import save_file
+
+    from dreambooth import files
+    from dreambooth.models import outputs
+
+    folder = tmp_path / "lokr"
+    folder.mkdir()
+    save_file({"transformer.transformer_blocks.0.attn.to_q.lokr_w1": torch.ones(2, 2),
+               "text_encoder.text_model.encoder.layers.0.self_attn.k_proj.lokr_w1": torch.ones(2, 2)},
+              str(folder / files.LORA_WEIGHTS_FILE))
+    files.write_json(str(folder / files.OUTPUT_MARKER), outputs.TrainRecord(
+        tiny_flux_model, steps=2, lora=outputs.LoraSettings.of(True, 4, 4.0, "lokr")).to_json())
+    with pytest.raises(errors.UserError) as said:
+        export.main(["--model_dir", str(folder), "--output_file", str(tmp_path / "x.safetensors")])
+    assert str(said.value) == f"{folder} {export.TEXT_LYCORIS}" and "--no-train_text_encoder" in str(said.value)
+    assert not export.writes_file_of(str(folder), tiny_flux_model)

@@ -259,3 +259,21 @@ def test_an_adapter_implies_lora_and_its_combinations_are_checked(capsys):
             planning.parse_args(base + flags)
         err = capsys.readouterr().err
         assert said in err and err.count("\n") == 1, (flags, err)
+
+
+def test_a_model_train_py_trains_again_is_said_to_be_replaced(tmp_path, capsys):
+    """train.py without --resume_from_checkpoint auto trains again into a folder holding a model (the same run's or
+    another's): a line says it is replaced when the run ends (a new user's walk saw it retrain without a word)."""
+    from dreambooth import files
+    from dreambooth.models import outputs
+
+    files.write_json(str(tmp_path / files.OUTPUT_MARKER),
+                     outputs.TrainRecord("/base", steps=8, identity={"learning_rate": 5e-6}).to_json())
+    planning.say_replaced(str(tmp_path), {"learning_rate": 5e-6})
+    assert capsys.readouterr().err == (f"{tmp_path} holds the finished model of this run: this run trains again and "
+                                       "replaces it when it ends (--resume_from_checkpoint auto keeps a finished model "
+                                       "of the same run)\n")
+    planning.say_replaced(str(tmp_path), {"learning_rate": 1e-5})
+    assert "holds the model of another run (--learning_rate 5e-06 -> 1e-05)" in capsys.readouterr().err
+    planning.say_replaced(str(tmp_path / "empty"), {})
+    assert capsys.readouterr().err == ""

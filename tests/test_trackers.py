@@ -103,7 +103,8 @@ def test_wandb_and_mlflow_runs_get_the_settings_metrics_images_and_later_the_sco
     assert set(record) == {"wandb", "mlflow"}
     uri = record["mlflow"]["tracking_uri"]  # where the MLflow run is, said (the README once named only mlruns/)
     err = capsys.readouterr().err
-    assert f"MLflow run {record['mlflow']['run_id']} in {uri} (to browse it: mlflow ui --backend-store-uri {uri})" in err
+    assert f"MLflow run {record['mlflow']['run_id']} of experiment 'dreambooth' in {uri} (to browse it: mlflow ui " \
+           f"--backend-store-uri {uri})" in err
     events = os.path.join(folder, "tensorboard")  # (and where TensorBoard's events are, said too)
     assert f"TensorBoard events in {events} (to browse them: tensorboard --logdir {events})" in err
     # A resumed run (another run folder, continuing this one's checkpoint) goes on in the same runs.

@@ -10,8 +10,9 @@ files hold them): put it in A1111's models/Stable-diffusion or ComfyUI's models/
 and SD 3.5's in kohya's layouts of their original modules): models/Lora in both. diffusers reads them back
 with its pipelines' from_single_file(file, config=<the model folder>) and load_lora_weights(file) (but SD 3.5's
 LoRA file, which ComfyUI reads: diffusers has no reader of kohya's SD 3 layout). LoHa and LoKr outputs
-(train.py --adapter loha|lokr) of SD 1.x, 2.x and SDXL become LyCORIS-layout files in kohya's module names
-(hada_w1_a ..., lokr_w1 ...), which ComfyUI and A1111 read.
+(train.py --adapter loha|lokr) become LyCORIS-layout files (hada_w1_a ..., lokr_w1 ...): SD 1.x's, 2.x's and SDXL's in
+kohya's module names, which ComfyUI and A1111 read; SD 3.5's, Flux.1's, Chroma's and Qwen-Image's transformer in the
+names ComfyUI and Forge read (lycoris_<module>).
 """
 
 import json
@@ -105,11 +106,17 @@ def lora_checkpoint(lora_dir):
                       if f.denoiser == "unet" and adapted <= set(f.kohya_text_prefixes))
     if not_written(kind, family):
         raise errors.UserError(f"{lora_dir} {not_written(kind, family)}")
+    if kind == "lycoris" and family.denoiser != "unet" and any(key.startswith("text_encoder") for key in state_dict):
+        raise errors.UserError(f"{lora_dir} {TEXT_LYCORIS}")
     if kind == "lycoris":  # LoHa, LoKr: LyCORIS' layout, each network's rank and alpha from its peft config
         settings = adapters.file_settings(lora_dir).items()
         return layouts.lycoris(state_dict, {network: config["alpha"] for network, config in settings},
                                family.kohya_text_prefixes, {network: config["r"] for network, config in settings})
     return family.kohya_lora(state_dict, alphas, base)
+
+
+TEXT_LYCORIS = ("holds LoHa/LoKr adapters of the text encoder too: their LyCORIS layout is written for the transformer "
+                "alone yet (train with --no-train_text_encoder for a file; generate.py reads the folder's own)")
 
 
 def adapter_kind(keys):
@@ -137,6 +144,10 @@ def writes_file_of(model_dir, base):
     output = outputs.read_output(model_dir)
     adapter = output.lora.adapter if output and output.lora else "lora"
     kind = {"loha": "lycoris", "lokr": "lycoris"}.get(adapter, adapter)
+    if kind == "lycoris" and family.denoiser != "unet" and any(
+            key.startswith("text_encoder") for key in
+            files.safetensors_header(os.path.join(model_dir, files.LORA_WEIGHTS_FILE))[1]):
+        return False  # (TEXT_LYCORIS)
     return "export_lora" in family.supports and not_written(kind, family) is None
 
 
@@ -146,7 +157,8 @@ SAVE_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 HELPS = {"model_dir": "train.py's output folder: a full model (or any diffusers SD 1.x, 2.x, SDXL or SD 3.5 folder) becomes an original-"
                       "layout checkpoint, a --use_lora output a kohya-layout LoRA (SD 1.x/2.x/SDXL; Flux.1's, SD "
                       "3.5's and Qwen-Image's in their own kohya layouts, which ComfyUI reads; AUTOMATIC1111 loads "
-                      "the SD families'); an --adapter loha|lokr output a LyCORIS-layout file (SD 1.x/2.x/SDXL).",
+                      "the SD families'); an --adapter loha|lokr output a LyCORIS-layout file (SD 1.x/2.x/SDXL; SD 3.5's, Flux.1's, "
+                      "Chroma's and Qwen-Image's transformer).",
          "overwrite": "Replace --output_file if it exists."}
 
 

@@ -250,7 +250,7 @@ FLAGS = {
                   "direction; diffusers' --use_dora) on the denoiser, the text encoders' adapters LoRA (diffusers' "
                   "load_lora_weights drops their magnitudes); loha and lokr (LyCORIS' Hadamard and Kronecker "
                   "products), which generate.py, evaluate.py and sweep.py load through peft and export.py writes in "
-                  "LyCORIS' layout (SD 1.x, 2.x, SDXL).")),
+                  "LyCORIS' layout (SD 1.x, 2.x, SDXL; SD 3.5's, Flux.1's, Chroma's and Qwen-Image's transformer).")),
     "use_dora": (("--use_dora",),
         dict(action="store_true", help="The same as --adapter dora (diffusers' SDXL LoRA script's flag).")),
     "lora_rank": (("--rank", "--lora_rank"),

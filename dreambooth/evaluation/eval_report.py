@@ -17,8 +17,8 @@ LEGEND = ("- DINO: your photos against the images drawn (DINO ViT-S/16): is it y
           "- CLIP-T: each image against its prompt, the token left out: does the image follow the prompt? A little "
           "under the base model's is fine; well under it, the model repeats your photos.",
           "- DIV: how far apart one prompt's images are (near 0: every image the same picture). PRES: images of the "
-          "class prompt ('a dog') against your photos: near the base model's, the class has not drifted to your "
-          "subject.",
+          "class prompt alone ('a dog' for a dog) against your photos: near the base model's, the class has not "
+          "drifted to your subject.",
           "- How to read them together: the README's \"Reading the scores\".")
 
 

@@ -238,6 +238,8 @@ def plan_run(args, cluster_resources, draw_class_images=None, stop_step=None):
                                    found.buckets)
     if args.resume_from_checkpoint == "auto":
         keep_finished(args.output_dir, identity)
+    else:
+        say_replaced(args.output_dir, identity)
     resume_path = checkpoints.resolve_resume(args.resume_from_checkpoint, args.storage_path,
                                              os.path.basename(args.output_dir), args.output_dir, identity)
     use_gpu, num_workers, cpus_per_worker = resources.worker_resources(flags_of(resources.WorkerFlags, args),
@@ -333,6 +335,18 @@ def scaled_learning_rate(args):
 
 class AlreadyTrained(Exception):
     """--resume_from_checkpoint auto found the run finished: output_dir holds its model (the message says so)."""
+
+
+def say_replaced(output_dir, identity):
+    """The line that says a model already in output_dir is trained again and replaced at the end of this run (train.py
+    without --resume_from_checkpoint auto: it was replaced without a word)."""
+    output = outputs.read_output(output_dir)
+    if output is None:
+        return
+    differs = run_identity.differences(output.record.identity, identity)
+    what = f"the model of another run ({'; '.join(differs)})" if differs else "the finished model of this run"
+    print(f"{output_dir} holds {what}: this run trains again and replaces it when it ends "
+          f"(--resume_from_checkpoint auto keeps a finished model of the same run)", file=sys.stderr)
 
 
 def keep_finished(output_dir, identity):

@@ -131,7 +131,7 @@ class WandB:
         self.run.define_metric(SCORE_STEP)
         self.run.define_metric("scores/*", step_metric=SCORE_STEP)
         if mode == "offline":
-            print(f"W&B run {run_id} offline ({why}): wandb sync {self.run.dir.rsplit(os.sep, 1)[0]} "
+            print(f"W&B run {run_id} of project {project!r} offline ({why}): wandb sync {self.run.dir.rsplit(os.sep, 1)[0]} "
                   "uploads it", flush=True)
 
     def scalars(self, step, values):
@@ -223,7 +223,8 @@ class MLflow:
             self.client.update_run(run_id, status="RUNNING")
         self.run_id = run_id
         self.record = {"run_id": run_id, "tracking_uri": self.uri}
-        print(f"MLflow run {run_id} in {self.uri} (to browse it: mlflow ui --backend-store-uri {self.uri})",
+        of = f" of experiment {project!r}" if project else ""  # (evaluate.py's scores: the run's own)
+        print(f"MLflow run {run_id}{of} in {self.uri} (to browse it: mlflow ui --backend-store-uri {self.uri})",
               file=sys.stderr)
 
     def artifacts_location(self):
