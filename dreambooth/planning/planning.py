@@ -238,7 +238,7 @@ def plan_run(args, cluster_resources, draw_class_images=None, stop_step=None):
                                    found.buckets)
     if args.resume_from_checkpoint == "auto":
         keep_finished(args.output_dir, identity)
-    else:
+    elif args.resume_from_checkpoint is None:  # (a fresh start: a resumed run goes on, it does not train again)
         say_replaced(args.output_dir, identity)
     resume_path = checkpoints.resolve_resume(args.resume_from_checkpoint, args.storage_path,
                                              os.path.basename(args.output_dir), args.output_dir, identity)
