@@ -104,10 +104,23 @@ def lycoris_export_read_as_comfyui_reads_it(pipe, model_dir, output_dir, folder)
 
 
 def lycoris_exported(pipe, model_dir, plan, adapter, folder):
-    """For LoHa and LoKr adapters of a family export.py writes: lycoris_export_read_as_comfyui_reads_it."""
-    if adapter in ("loha", "lokr") and "export_lora" in plan.family.supports:
-        (folder / f"{adapter}-export").mkdir()
-        lycoris_export_read_as_comfyui_reads_it(pipe, model_dir, plan.output_dir, folder / f"{adapter}-export")
+    """For LoHa and LoKr adapters of a family export.py writes: lycoris_export_read_as_comfyui_reads_it; with adapters
+    on a text encoder too, which it does not write yet, its one line and the way out."""
+    import pytest
+
+    from dreambooth import errors
+    from dreambooth.commands import export
+
+    if adapter not in ("loha", "lokr") or "export_lora" not in plan.family.supports:
+        return
+    (folder / f"{adapter}-export").mkdir()
+    where = folder / f"{adapter}-export"
+    if plan.train_text_encoder:
+        with pytest.raises(errors.UserError, match="--no-train_text_encoder"):
+            export.main(["--model_dir", plan.output_dir, "--output_file", str(where / "x.safetensors")])
+        assert not export.writes_file_of(plan.output_dir, model_dir)
+        return
+    lycoris_export_read_as_comfyui_reads_it(pipe, model_dir, plan.output_dir, where)
 
 
 def adapter_fields(adapter):
