@@ -119,8 +119,33 @@ def lycoris_exported(pipe, model_dir, plan, adapter, folder):
         with pytest.raises(errors.UserError, match="--no-train_text_encoder"):
             export.main(["--model_dir", plan.output_dir, "--output_file", str(where / "x.safetensors")])
         assert not export.writes_file_of(plan.output_dir, model_dir)
-        return
-    lycoris_export_read_as_comfyui_reads_it(pipe, model_dir, plan.output_dir, where)
+        # (its transformer's adapters alone, as a --no-train_text_encoder run's file holds them: exported and merged)
+        pipe, output_dir = transformer_alone(pipe, model_dir, plan.output_dir, adapter, where)
+    else:
+        output_dir = plan.output_dir
+    lycoris_export_read_as_comfyui_reads_it(pipe, model_dir, output_dir, where)
+
+
+def transformer_alone(pipe, model_dir, output_dir, adapter, folder):
+    """(pipe with them, folder) of a copy of an adapter output without its text encoders' adapters (their tensors and
+    their entries in the file's peft settings, lora_adapter_metadata)."""
+    import json
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from dreambooth import files
+
+    alone = folder / "transformer-alone"
+    shutil.copytree(output_dir, alone)
+    path = str(alone / files.LORA_WEIGHTS_FILE)
+    with safe_open(path, "pt") as f:
+        metadata = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys() if not k.startswith("text_encoder")}
+    settings = {k: v for k, v in json.loads(metadata["lora_adapter_metadata"]).items() if not k.startswith("text_encoder")}
+    save_file(tensors, path, metadata={**metadata, "lora_adapter_metadata": json.dumps(settings)})
+    return output_loaded(type(pipe), model_dir, str(alone), adapter), str(alone)
 
 
 def adapter_fields(adapter):
