@@ -104,19 +104,13 @@ def lora_checkpoint(lora_dir):
         adapted = {key.split(".")[0] for key in state_dict} - {"unet"}
         family = next(f for f in families.FAMILIES.values()
                       if f.denoiser == "unet" and adapted <= set(f.kohya_text_prefixes))
-    if not_written(kind, family):
-        raise errors.UserError(f"{lora_dir} {not_written(kind, family)}")
-    if kind == "lycoris" and family.denoiser != "unet" and any(key.startswith("text_encoder") for key in state_dict):
-        raise errors.UserError(f"{lora_dir} {TEXT_LYCORIS}")
+    if not_written(kind, family, state_dict):
+        raise errors.UserError(f"{lora_dir} {not_written(kind, family, state_dict)}")
     if kind == "lycoris":  # LoHa, LoKr: LyCORIS' layout, each network's rank and alpha from its peft config
         settings = adapters.file_settings(lora_dir).items()
         return layouts.lycoris(state_dict, {network: config["alpha"] for network, config in settings},
                                family.kohya_text_prefixes, {network: config["r"] for network, config in settings})
     return family.kohya_lora(state_dict, alphas, base)
-
-
-TEXT_LYCORIS = ("holds LoHa/LoKr adapters of the text encoder too: their LyCORIS layout is written for the transformer "
-                "alone yet (train with --no-train_text_encoder for a file; generate.py reads the folder's own)")
 
 
 def adapter_kind(keys):
@@ -127,11 +121,18 @@ def adapter_kind(keys):
     return "lycoris" if any(".hada_" in key or ".lokr_" in key for key in keys) else "lora"
 
 
-def not_written(kind, family):
-    """Why export.py writes no file of adapters of kind (adapter_kind's) for family, or None when it writes one."""
+TEXT_LYCORIS = ("holds LoHa/LoKr adapters of the text encoder too: their LyCORIS layout is written for the transformer "
+                "alone yet (train with --no-train_text_encoder for a file; generate.py reads the folder's own)")
+
+
+def not_written(kind, family, keys=()):
+    """Why export.py writes no file of adapters of kind (adapter_kind's) for family, whose tensors are named keys, or
+    None when it writes one."""
     if kind == "dora":
         return ("holds DoRA adapters (--adapter dora): their kohya layout is not written yet; diffusers' "
                 "load_lora_weights reads the folder's own file")
+    if kind == "lycoris" and family.denoiser != "unet" and any(key.startswith("text_encoder") for key in keys):
+        return TEXT_LYCORIS
     return None
 
 
@@ -144,11 +145,8 @@ def writes_file_of(model_dir, base):
     output = outputs.read_output(model_dir)
     adapter = output.lora.adapter if output and output.lora else "lora"
     kind = {"loha": "lycoris", "lokr": "lycoris"}.get(adapter, adapter)
-    if kind == "lycoris" and family.denoiser != "unet" and any(
-            key.startswith("text_encoder") for key in
-            files.safetensors_header(os.path.join(model_dir, files.LORA_WEIGHTS_FILE))[1]):
-        return False  # (TEXT_LYCORIS)
-    return "export_lora" in family.supports and not_written(kind, family) is None
+    keys = files.safetensors_header(os.path.join(model_dir, files.LORA_WEIGHTS_FILE))[1] if kind == "lycoris" else ()
+    return "export_lora" in family.supports and not_written(kind, family, keys) is None
 
 
 # ------------------------------------------------------------------ command line
