@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 
 from dreambooth import errors
 from dreambooth import filemodes
@@ -136,7 +137,7 @@ def unreadable(path, err):
 
 def stamps(paths):
     """((path, size, modification time in ns), ...) of files, to tell later whether one changed (changed_since)."""
-    return tuple((path, os.stat(path).st_size, os.stat(path).st_mtime_ns) for path in paths)
+    return tuple((path, found.st_size, found.st_mtime_ns) for path, found in ((p, os.stat(p)) for p in paths))
 
 
 def changed_since(taken):
@@ -148,8 +149,7 @@ def changed_since(taken):
             return f"{unreadable(path, err)} (it was there when the run began)"
         if (now.st_size, now.st_mtime_ns) != (size, mtime):
             return (f"{path} changed while the run read it (written at "
-                    f"{__import__('time').strftime('%H:%M:%S', __import__('time').localtime(now.st_mtime))}): "
-                    "start the run again once it is saved")
+                    f"{time.strftime('%H:%M:%S', time.localtime(now.st_mtime))}): start the run again once it is saved")
     return None
 
 

@@ -45,12 +45,13 @@ def list_images(folder, role, also_expected=None):
         raise errors.UserError(f"{role} folder {folder} is a file, not a folder") from None
     except OSError as err:  # (a folder it may not enter was 'not found')
         raise errors.UserError(f"{role} folder: {files.unreadable(folder, err)}") from None
-    # (an image's name that is no file, a broken link or a folder, is said: it was passed over without a word)
+    names = []
     for name in entries:
         path = os.path.join(folder, name)
-        if name.lower().endswith(files.IMAGE_EXTENSIONS) and not os.path.isfile(path):
+        if os.path.isfile(path):
+            names += [] if is_mask(name) else [name]
+        elif name.lower().endswith(files.IMAGE_EXTENSIONS):  # (a broken link or a folder: it was passed over unsaid)
             raise errors.UserError(f"{role} folder {folder}: {files.unreadable(path, None)}")
-    names = [n for n in entries if os.path.isfile(os.path.join(folder, n)) and not is_mask(n)]
     images = [n for n in names if n.lower().endswith(files.IMAGE_EXTENSIONS)]
     skipped = [n for n in names if n not in images and n not in OWN_FILES
                and not (also_expected and n.endswith(also_expected))]

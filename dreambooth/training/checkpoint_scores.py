@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 
+from dreambooth import errors
 from dreambooth import files
 from dreambooth import storage
 from dreambooth.evaluation import scores
@@ -145,8 +146,6 @@ def wait_base(task, stopped=False):
     try:
         ray.get(task)
     except Exception as err:  # (whatever the scoring met: said, the run's model and scores stand)
-        from dreambooth import errors
-
         return (f"the base model's scoring failed ({errors.one_line(err)[:200]}; its log: "
                 f"{os.path.join(SCORES_FOLDER, BASE, SCORING_LOG)} in the run folder): no best step can be named")
     return None
@@ -302,17 +301,14 @@ def carry_over(plan):
     os.makedirs(into, exist_ok=True)
     if os.path.isfile(os.path.join(folder, BASE_SCORES)):
         shutil.copy2(os.path.join(folder, BASE_SCORES), os.path.join(into, BASE_SCORES))
-    for name in os.listdir(folder):
-        step_dir = os.path.join(folder, name)
-        if not (name.startswith("step-") and int(name[len("step-"):]) <= upto and
-                os.path.isfile(os.path.join(step_dir, "scores.json"))):
-            continue
+    for step in (step for step in scores_on_disk(earlier) if step <= upto):
+        step_dir, name = os.path.join(folder, f"step-{step}"), f"step-{step}"
         os.makedirs(os.path.join(into, name), exist_ok=True)
         for kept in ("scores.json", "report.md"):
             if os.path.isfile(os.path.join(step_dir, kept)):
                 shutil.copy2(os.path.join(step_dir, kept), os.path.join(into, name, kept))
-        if os.path.isdir(os.path.join(step_dir, "model")):
-            shutil.move(os.path.join(step_dir, "model"), os.path.join(into, name, "model"))
+        if os.path.isdir(model_of(earlier, step)):
+            shutil.move(model_of(earlier, step), model_of(plan.run_dir, step))
 
 
 def finish(plan, last_step=None, base_task=None):
