@@ -266,14 +266,23 @@ def test_train_args_reach_train_py_as_typed_never_as_file_names(tmp_path, toy_im
 @pytest.mark.slow
 def test_a_script_without_the_clusters_token_is_refused_in_one_line(shared_ray_cluster, toy_images, tmp_path):
     """Another token than the cluster's (a worker machine whose token file was not copied): one line
-    naming the cluster and where the token goes, no traceback."""
-    proc = subprocess.run([sys.executable, "preflight.py", "--photos_dir", toy_images, "--class_name", "toy",
-                           "--data_prefix", str(tmp_path), "--tiny"], cwd=REPO_DIR, capture_output=True, text=True,
-                          timeout=120, env=dict(os.environ, RAY_ADDRESS=shared_ray_cluster, RAY_AUTH_TOKEN="0" * 64))
-    last = proc.stderr.strip().splitlines()[-1]
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    naming the cluster and where the token goes, no traceback; an address where nothing listens (a mistyped
+    port): one line at once, where ray.init would wait for minutes. (Ray retried the refused token for 20 s.)"""
+    from dreambooth.cluster import raycluster
+
+    def preflight(address, **env):
+        proc = subprocess.run([sys.executable, "preflight.py", "--photos_dir", toy_images, "--class_name", "toy",
+                               "--data_prefix", str(tmp_path), "--tiny"], cwd=REPO_DIR, capture_output=True, text=True,
+                              timeout=60, env=dict(os.environ, RAY_ADDRESS=address, **env))
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        return proc.stderr.strip().splitlines()[-1]
+
+    last = preflight(shared_ray_cluster, RAY_AUTH_TOKEN="0" * 64)
     assert last.startswith(f"error: could not join the Ray cluster at RAY_ADDRESS={shared_ray_cluster}: ")
     assert "needs its token: RAY_AUTH_TOKEN, or the file ~/.ray/auth_token" in last
+    nowhere = f"127.0.0.1:{raycluster.free_port()}"
+    assert preflight(nowhere) == f"error: could not join the Ray cluster at RAY_ADDRESS={nowhere}: nothing answers " \
+                                 "there (Connection refused); is its head running, at that address?"
 
 
 def test_a_head_of_ours_never_gets_a_port_a_ray_node_takes_by_default():

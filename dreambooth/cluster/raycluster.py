@@ -213,6 +213,8 @@ def init_ray():
     if not address:
         close_metrics_ports()
     try:
+        if address:
+            check_cluster(address)
         # "local": a new cluster even when Ray's temp folder names another (a script of the user's
         # running beside this one, or a cluster someone else pointed that world-writable file at)
         ray.init(address=address or "local", runtime_env=job_runtime_env(), log_to_driver=True, configure_logging=False,
@@ -230,6 +232,30 @@ def init_ray():
         print(f"Ray: started a local cluster for this script at {where} (set RAY_ADDRESS to use a running one); "
               f"{ray_auth_note()}", file=sys.stderr)
     return ray
+
+
+def check_cluster(address, timeout=5):
+    """At once, a UserError when nothing answers at a host:port RAY_ADDRESS (ray.init waits minutes there, a warning
+    every 5 s), and Ray's AuthenticationError when its head refuses this machine's token (ray.init retries for 20 s
+    first). Other forms of the address ("auto", ray://...) are left to ray.init."""
+    import socket
+
+    match = re.fullmatch(r"\[?([^\]/]+?)\]?:(\d+)", address)
+    if not match:
+        return
+    try:
+        socket.create_connection((match[1], int(match[2])), timeout=timeout).close()
+    except OSError as err:
+        raise errors.UserError(f"could not join the Ray cluster at RAY_ADDRESS={address}: nothing answers there "
+                               f"({err.strerror or err}); is its head running, at that address?") from None
+    import ray.exceptions
+    from ray._raylet import GcsClient  # (Ray's own client: the token is checked as it connects)
+
+    try:
+        GcsClient(address=address)
+    except ray.exceptions.RpcError as err:  # (something else listens there: no Ray head's GCS answered)
+        raise errors.UserError(f"could not join the Ray cluster at RAY_ADDRESS={address}: no Ray head answers there "
+                               f"({errors.shorten(errors.one_line(err))})") from None
 
 
 # The ports a Ray node takes by default whatever --port says (its dashboard agent's HTTP server, the dashboard,
