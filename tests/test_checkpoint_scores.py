@@ -51,7 +51,8 @@ def test_scored_steps_are_checkpointed_and_the_last_is_scored():
 @pytest.mark.slow
 def test_a_run_scores_its_checkpoints_while_it_trains_as_evaluate_scores_them(ray_session, tiny_model, toy_images,
                                                                               tiny_eval_models, tmp_path, capsys):
-    """--score_steps 2 of 20 steps: step 2 and the last scored from their checkpoints by Ray Train's validation
+    """--score_steps 2 of 20 steps, the checkpoints uploaded in the background (--checkpoint_upload async, to a
+    folder): step 2 and the last scored from their checkpoints by Ray Train's validation
     tasks, each step's scores those evaluate.py gives that step's model (its images and scores.json in the run
     folder's scores/step-N). The training did not wait: the steps after 2 were logged while step 2 was scored, and
     rank 0 logged its scores (metrics.jsonl, a line) as they came, mid-run; step 4, due while step 2 was still being
@@ -74,7 +75,8 @@ def test_a_run_scores_its_checkpoints_while_it_trains_as_evaluate_scores_them(ra
                          "--resolution", "128", "--gradient_accumulation_steps", "5",
                          "--score_steps", "2", "--eval_models_dir", tiny_eval_models[1], "--class_name", "toy",
                          "--eval_prompts", str(prompts), "--eval_images_per_prompt", "1",
-                         "--validation_inference_steps", "2", "--keep_best"])
+                         "--validation_inference_steps", "2", "--keep_best",
+                         "--checkpoint_upload", "async"])  # (each checkpoint committed after its report returns)
     captured = capsys.readouterr()
     run_dir = result.path
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
@@ -86,6 +88,8 @@ def test_a_run_scores_its_checkpoints_while_it_trains_as_evaluate_scores_them(ra
     said = {step: checkpoint_scores.describe(step, {k: scored[step][k] for k in checkpoint_scores.SCORE_KEYS})
             for step in scored}
     loss_logged = {row["step"]: row["time"] for row in rows if "loss" in row}
+    # each checkpoint (every scored step's: 2, 4, ...) said how long the steps stopped for it, in the next window's row
+    assert {row["step"] for row in rows if "checkpoint_s" in row} == set(range(3, 20, 2)), rows
     # the steps went on while step 2 was scored, and its scores were logged by rank 0 before the last step
     assert loss_logged[3] < os.path.getmtime(os.path.join(run_dir, "scores", "step-2", "scores.json"))
     assert scored[2]["time"] < loss_logged[20] and said[2] in captured.out

@@ -157,6 +157,8 @@ def test_a_run_in_a_bucket_checkpoints_resumes_from_it_and_ends_like_an_uninterr
     assert [storage.isdir(storage.join(remote, run, f)) for f in files if f.startswith("checkpoint_2")] == [True]
     assert storage.listdir(storage.join(remote, run, "validation", "step-2")) == ["photo-of-unqtkn-toy-00000.png"]
     assert f"checkpoints and metrics.jsonl in {remote}/{run}" in cut.stderr
+    # (uploaded in Ray Train's thread while the steps go on: --checkpoint_upload auto, to a bucket)
+    assert f"checkpoints every 2 steps in {remote} (uploaded while training goes on)" in cut.stdout + cut.stderr
     args_in_bucket[args_in_bucket.index("--max_train_steps") + 1] = str(STOP_STEPS)
     # (the last value of a flag wins: a checkpoint on the way, in the bucket; fewer reports, each copied there)
     args_in_bucket += ["--checkpointing_steps", "12", "--logging_steps", "11"]

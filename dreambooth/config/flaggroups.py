@@ -24,7 +24,7 @@ HELP_GROUPS = {
                          "enable_xformers_memory_efficient_attention", "gpu_memory"),
     "adapters (LoRA)": ("use_lora", "adapter", "use_dora", "lora_rank", "lora_alpha", "lora_dropout", "lora_dir", "lora_scale"),
     "outputs": ("output_dir", "output_file", "save_precision", "overwrite", "force", "storage_path",
-                "checkpointing_steps", "checkpoints_total_limit", "keep_checkpoints", "resume_from_checkpoint",
+                "checkpointing_steps", "checkpoints_total_limit", "checkpoint_upload", "keep_checkpoints", "resume_from_checkpoint",
                 "logging_steps", "report_to", "tracker_project_name", "notify_url", "validation_prompt",
                 "num_validation_images", "validation_epochs", "validation_steps", "validation_inference_steps",
                 "score_steps", "keep_best", "clip_t_margin",

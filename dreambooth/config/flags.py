@@ -501,6 +501,12 @@ FLAGS = {
         dict(type=positive_int, default=1,
              help="Keep only the newest K checkpoints while the run trains (default 1, all a resume needs; "
                   "a full SD 1.x checkpoint is about 12 GB, a LoRA one a few MB).")),
+    "checkpoint_upload": (("--checkpoint_upload",),
+        dict(choices=("auto", "sync", "async"), default="auto",
+             help="How a checkpoint reaches --storage_path: 'async' uploads it in the background while training goes "
+                  "on (Ray Train's CheckpointUploadMode.ASYNC), 'sync' waits for it; 'auto' (the default): async to a "
+                  "bucket, sync to a folder (where a full disk stops the run at once). A resume only takes a checkpoint "
+                  "whose every file arrived.")),
     "keep_checkpoints": (("--keep_checkpoints",),
         dict(action="store_true",
              help="Keep the run's checkpoints once its model is saved (default: removed then, their disk freed; "

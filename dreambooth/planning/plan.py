@@ -115,6 +115,7 @@ class Plan:
     progress_bar: bool  # rank 0 draws a bar: only when the driver's stderr is a terminal
     checkpointing_steps: int
     checkpoints_total_limit: int | None
+    checkpoint_upload: str  # "auto" | "sync" | "async" (--checkpoint_upload; uploads_in_background)
     keep_checkpoints: bool  # False: the run's checkpoints are removed once its model is saved
     resume_path: str | None
     identity: dict | None  # run_identity.of_run: what decides the weights, recorded with checkpoints and the model
@@ -153,6 +154,13 @@ class Plan:
     def is_checkpoint_step(self, step):
         """Checkpoints every checkpointing_steps, on the steps scored and at the last step."""
         return step % self.checkpointing_steps == 0 or step == self.end_step or self.is_score_step(step)
+
+    def uploads_in_background(self):
+        """Whether checkpoints upload while training goes on (--checkpoint_upload; 'auto': to a bucket)."""
+        from dreambooth import storage
+
+        return self.checkpoint_upload == "async" or (self.checkpoint_upload == "auto" and
+                                                      storage.is_remote(self.storage_path))
 
     def is_score_step(self, step):
         """The checkpoints scored while training: every score_steps and at the last step (none without)."""
@@ -193,4 +201,5 @@ class Plan:
                 f"x {self.gradient_accumulation_steps} accumulated, lr {self.learning_rate:g} "
                 f"({OPTIMIZER_WORDS.get(self.optimizer, '') + self.lr_scheduler}), seed {self.seed}\n"
                 f"      run {self.run_name}: checkpoints every {self.checkpointing_steps} steps in "
-                f"{self.storage_path}{resume}")
+                f"{self.storage_path}{' (uploaded while training goes on)' if self.uploads_in_background() else ''}"
+                f"{resume}")

@@ -178,9 +178,12 @@ class ScoreWatch:
         import ray.train
         from ray.experimental import internal_kv
 
-        pending = sorted(reported.metrics.get("step") for reported in ray.train.get_all_reported_checkpoints(
-            consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
-            if reported.status is ray.train.ReportedCheckpointStatus.PENDING_VALIDATION)
+        committed = ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
+        newest = max((reported.metrics.get("step") for reported in committed), default=0)
+        # (a step after the newest committed one is still uploading, --checkpoint_upload: Ray commits them in order)
+        pending = sorted([reported.metrics.get("step") for reported in committed
+                          if reported.status is ray.train.ReportedCheckpointStatus.PENDING_VALIDATION] +
+                         [step for step in self.sent - self.said if step > newest])
         self.pending = pending[0] if pending else None
         rows = []
         for step in sorted(self.sent - self.said):

@@ -6,6 +6,7 @@ saved model. train.py's driver hands it the Plan.
 import concurrent.futures
 import contextlib
 import itertools
+import shutil
 import tempfile
 import time
 
@@ -226,18 +227,23 @@ def report_window(window, log, state, rank, plan, checkpoint_now=False, score=Fa
         runfiles.sync_up(plan.storage_path, plan.run_name)
     began = time.perf_counter()
     report(state, metrics, rank, plan, checkpoint_now, score)
+    seconds = time.perf_counter() - began
+    if checkpoint_now or plan.is_checkpoint_step(state.step):
+        window.checkpoint_s = seconds  # (said with the next window's metrics)
     if rank == 0:
         print(" ".join(f"{name}={v:.4g}" if isinstance(v, float) else f"{name}={v}" for name, v in metrics.items()),
               flush=True)
-    return time.perf_counter() - began
+    return seconds
 
 
 class ReportWindow:
     """The steps since the last report: their losses (kept on the device until the report, the
-    window's one sync point), the images they trained on, and the training time (sampling paused)."""
+    window's one sync point), the images they trained on, and the training time (sampling paused);
+    checkpoint_s: the seconds the steps stopped for the checkpoint that began it, if one did (its save, and its
+    upload unless --checkpoint_upload sends it in the background)."""
 
     def __init__(self, world):
-        self.world = world
+        self.world, self.checkpoint_s = world, None
         self.reset()
 
     def reset(self):
@@ -267,6 +273,8 @@ class ReportWindow:
                    "images_per_s": self.images * self.world / max(elapsed, 1e-9)}
         if state.skipped_steps:
             metrics["skipped_steps"] = state.skipped_steps
+        if self.checkpoint_s is not None:
+            metrics["checkpoint_s"], self.checkpoint_s = round(self.checkpoint_s, 3), None
         self.reset()
         return metrics
 
@@ -325,18 +333,23 @@ def report(state, metrics, rank, plan, checkpoint_now=False, score=False):
     validation to score with score (--score_steps)."""
     import ray.train
 
+    # In the background (--checkpoint_upload): a checkpoint uploads in Ray Train's thread, and every later report
+    # waits for its turn there too (Ray keeps them in order), so neither stops the steps.
+    mode = {"checkpoint_upload_mode": ray.train.CheckpointUploadMode.ASYNC} if plan.uploads_in_background() else {}
     if not (checkpoint_now or plan.is_checkpoint_step(state.step)):
-        ray.train.report(metrics)
+        ray.train.report(metrics, **mode)
         return
     rng_states = checkpoint.gather_rng_states()
     gathered = sharding.gather(state.models.denoiser, state.optimizer) if plan.fsdp else None  # (all ranks)
     if rank != 0:
-        ray.train.report(metrics)
+        ray.train.report(metrics, **mode)
         return
     from dreambooth.training import failures  # here, not at the top: it imports ray.train (1.2 s)
 
     needed = disk.expected_bytes(state.params, state.ema is not None)
-    with tempfile.TemporaryDirectory() as folder:
+    folder = tempfile.mkdtemp(prefix="dreambooth-checkpoint-")  # (in the background: Ray removes it once uploaded)
+    handed_over = False
+    try:
         with failures.stops_when_disk_full(f"the checkpoint of step {state.step}", folder, needed):
             checkpoint.save(state, folder, metrics["epoch"], rng_states, plan.train_text_encoder, plan.identity,
                             gathered)
@@ -344,4 +357,8 @@ def report(state, metrics, rank, plan, checkpoint_now=False, score=False):
         with failures.stops_when_disk_full(f"the checkpoint of step {state.step}", run_dir, needed,
                                            cleanup=lambda: checkpoints.remove_incomplete(run_dir)):
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder),
-                             validation=score)  # (--score_steps: scored while it trains)
+                             validation=score, **mode)  # (--score_steps: scored while it trains)
+            handed_over = bool(mode)
+    finally:
+        if not handed_over:
+            shutil.rmtree(folder, ignore_errors=True)
