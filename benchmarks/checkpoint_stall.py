@@ -55,6 +55,8 @@ def run(model, bucket, name, mode, args):
     [run_name] = [r for r in storage.listdir(runs) if r.startswith(name + "-")]
     text = storage.read_bytes(storage.join(runs, run_name, "metrics.jsonl")).decode()
     checkpoints = [f for f in storage.listdir(storage.join(runs, run_name)) if f.startswith("checkpoint_")]
+    if len(checkpoints) != 1:  # (--checkpoints_total_limit 1, the default, applies to uploads in the background too)
+        raise SystemExit(f"{name}: {len(checkpoints)} checkpoints kept in the bucket, not 1")
     size = sum(storage.size(storage.join(runs, run_name, checkpoints[0], f))
                for f in storage.listdir(storage.join(runs, run_name, checkpoints[0])))
     return [json.loads(line) for line in text.splitlines()], size

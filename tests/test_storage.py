@@ -60,6 +60,20 @@ def test_a_runs_files_reach_its_bucket_folder_and_each_nodes_errors_log_keeps_a_
     storage.remove_tree("s3://runs/t/results")
 
 
+def test_a_checkpoint_whose_upload_was_cut_is_not_resumed_from(s3_endpoint):
+    """A checkpoint uploading in the background (--checkpoint_upload) when the run died: its record in the bucket and
+    part of its weights. The resume takes the checkpoint before it, whose every file arrived at its recorded size."""
+    from dreambooth.planning import checkpoints
+
+    run = "s3://runs/cut/ray_results/model-20260101-000001"
+    for name, step, weights in (("checkpoint_a", 2, b"w" * 20), ("checkpoint_b", 4, b"w" * 7)):
+        storage.write_bytes(f"{run}/{name}/{checkpoints.STATE_FILE}",
+                            json.dumps({"step": step, "sizes": {"unet.safetensors": 20}}).encode())
+        storage.write_bytes(f"{run}/{name}/unet.safetensors", weights)  # (step 4's: 7 of its 20 bytes arrived)
+    assert checkpoints.find_latest("s3://runs/cut/ray_results", "model") == f"{run}/checkpoint_a"
+    storage.remove_tree("s3://runs/cut")
+
+
 @pytest.mark.parametrize("scheme", ["s3", "gs"])
 def test_an_output_folder_in_a_bucket_is_filled_here_and_its_changes_reach_the_bucket_however_the_block_ends(
         scheme, request):
