@@ -44,6 +44,7 @@ def stall(rows, last):
 def run(model, bucket, name, mode, args):
     """One train.py run into the bucket; its metrics.jsonl rows."""
     from dreambooth import storage
+    from dreambooth.planning import checkpoints
 
     output = f"s3://{bucket}/{name}"
     command = [sys.executable, "train.py", "--model_dir", model, "--output_dir", output, "--instance_data_dir",
@@ -54,11 +55,10 @@ def run(model, bucket, name, mode, args):
     runs = storage.join(f"s3://{bucket}", "ray_results")
     [run_name] = [r for r in storage.listdir(runs) if r.startswith(name + "-")]
     text = storage.read_bytes(storage.join(runs, run_name, "metrics.jsonl")).decode()
-    checkpoints = [f for f in storage.listdir(storage.join(runs, run_name)) if f.startswith("checkpoint_")]
-    if len(checkpoints) != 1:  # (--checkpoints_total_limit 1, the default, applies to uploads in the background too)
-        raise SystemExit(f"{name}: {len(checkpoints)} checkpoints kept in the bucket, not 1")
-    size = sum(storage.size(storage.join(runs, run_name, checkpoints[0], f))
-               for f in storage.listdir(storage.join(runs, run_name, checkpoints[0])))
+    kept = list(checkpoints.run_checkpoints(storage.join(runs, run_name)))
+    if len(kept) != 1:  # (--checkpoints_total_limit 1, the default, applies to uploads in the background too)
+        raise SystemExit(f"{name}: {len(kept)} checkpoints kept in the bucket, not 1")
+    size = sum(storage.size(storage.join(kept[0], f)) for f in storage.listdir(kept[0]))
     return [json.loads(line) for line in text.splitlines()], size
 
 
