@@ -13,6 +13,7 @@ uploads cost the steps besides (on one machine the S3 server's work competes wit
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -66,7 +67,6 @@ def main(argv=None):
     args = parse_args(argv)
     import logging
 
-    import boto3
     from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # (not a line per request)
@@ -74,6 +74,18 @@ def main(argv=None):
     work = args.work_dir or tempfile.mkdtemp(prefix="checkpoint-stall-")
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
+    try:
+        measure(args, work, server)
+    finally:
+        server.stop()
+        if not args.work_dir:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def measure(args, work, server):
+    """The rounds of runs against the started S3 server, their table printed."""
+    import boto3
+
     host, port = server.get_host_and_port()
     os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
                       AWS_ENDPOINT_URL=f"http://{host}:{port}", XDG_CACHE_HOME=os.path.join(work, "cache"))
@@ -91,12 +103,10 @@ def main(argv=None):
             stalls[mode].append((lost, span))
             rows.append(f"| {k + 1} | {mode} | {lost:.3f} | {span:.1f} | {size / 2**20:.1f} |")
             print(rows[-1], flush=True)
-    server.stop()
     means = {mode: [statistics.mean(values) for values in zip(*runs)] for mode, runs in stalls.items()}
     rows.append(f"| **mean** | sync / async | **{means['sync'][0]:.3f} / {means['async'][0]:.3f}** | "
                 f"{means['sync'][1]:.1f} / {means['async'][1]:.1f} | |")
     print("\n".join(rows))
-
 
 if __name__ == "__main__":
     main()

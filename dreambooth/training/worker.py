@@ -225,10 +225,11 @@ def report_window(window, log, state, rank, plan, checkpoint_now=False, score=Fa
     if log:
         log.write(metrics)
         runfiles.sync_up(plan.storage_path, plan.run_name)
+    checkpointing = checkpoint_now or plan.is_checkpoint_step(state.step)
     began = time.perf_counter()
-    report(state, metrics, rank, plan, checkpoint_now, score)
+    report(state, metrics, rank, plan, checkpointing, score)
     seconds = time.perf_counter() - began
-    if checkpoint_now or plan.is_checkpoint_step(state.step):
+    if checkpointing:
         window.checkpoint_s = seconds  # (said with the next window's metrics)
     if rank == 0:
         print(" ".join(f"{name}={v:.4g}" if isinstance(v, float) else f"{name}={v}" for name, v in metrics.items()),
@@ -327,16 +328,16 @@ def prefetched(iterable):
     return chained()
 
 
-def report(state, metrics, rank, plan, checkpoint_now=False, score=False):
-    """ray.train.report from every rank; rank 0 attaches a checkpoint on checkpointing steps (and with
-    checkpoint_now), with every rank's RNG streams (gathered from all ranks, a collective), for Ray Train's
+def report(state, metrics, rank, plan, checkpointing=False, score=False):
+    """ray.train.report from every rank; with checkpointing (a checkpointing step, or a stop's or drain's), rank 0
+    attaches a checkpoint with every rank's RNG streams (gathered from all ranks, a collective), for Ray Train's
     validation to score with score (--score_steps)."""
     import ray.train
 
     # In the background (--checkpoint_upload): a checkpoint uploads in Ray Train's thread, and every later report
     # waits for its turn there too (Ray keeps them in order), so neither stops the steps.
     mode = {"checkpoint_upload_mode": ray.train.CheckpointUploadMode.ASYNC} if plan.uploads_in_background() else {}
-    if not (checkpoint_now or plan.is_checkpoint_step(state.step)):
+    if not checkpointing:
         ray.train.report(metrics, **mode)
         return
     rng_states = checkpoint.gather_rng_states()
