@@ -76,6 +76,15 @@ wait_for_checkpoint() {  # STEP PID: until a checkpoint of at least STEP exists,
   done
 }
 
+# SIGKILL this run's train worker, named by the pid Ray prefixes its lines with in the run's log (LOG): never
+# another run's, on this machine or on the cluster the run joined.
+kill_own_worker() {
+  local pid
+  pid=$(grep -o 'RayTrainWorker pid=[0-9]*' "$1" | tail -n 1 | cut -d= -f2)
+  [ -n "$pid" ] || fail "no Ray Train worker named in $1 to kill"
+  kill -9 "$pid" || fail "could not kill the Ray Train worker $pid named in $1"
+}
+
 # Steps 1-3: the random model, the subject photos, eight class images.
 prepare() {
   rm -rf "$WORK"
@@ -101,7 +110,7 @@ pipeline() {
   "${TRAIN[@]}" > "$WORK/train-1.log" 2>&1 &
   pid=$!
   wait_for_checkpoint 10 "$pid"
-  pkill -9 -f '^ray::RayTrainWorker' || fail "no Ray Train worker process to kill"
+  kill_own_worker "$WORK/train-1.log"
   echo "gpu_check: killed the train worker after checkpoint $(checkpoint_step)" >&2
   wait_for_checkpoint 20 "$pid"
   kill -INT "$pid"

@@ -367,10 +367,56 @@ def step_prompts(tiny_model):
 
 def pytest_collection_modifyitems(items):
     """A test that starts Ray or a subprocess says so with @pytest.mark.slow; one that takes the Ray
-    fixture without it is an error at collection, not a slow unit run."""
+    fixture without it is an error at collection, not a slow unit run. The tests that read a run beside the
+    others (@pytest.mark.beside) go last: their runs went on meanwhile."""
+    import beside
+
     for item in items:
         if "ray_session" in item.fixturenames and item.get_closest_marker("slow") is None:
             raise pytest.UsageError(f"{item.nodeid} uses the Ray cluster: mark it @pytest.mark.slow")
+        if item.get_closest_marker("beside") and "runs_beside" not in item.fixturenames:
+            raise pytest.UsageError(f"{item.nodeid} is marked beside: it reads its run with the runs_beside fixture")
+    items[:] = beside.last(items)
+
+
+_RUNS_BESIDE = []  # the session's beside.Runs, for the summary at the end
+
+
+@pytest.fixture(scope="session", autouse=True)
+def runs_beside(request, tmp_path_factory):
+    """beside.Runs of the selected tests marked @pytest.mark.beside(run=spec): each spec's run started now, one at a
+    time, on a cluster of their own (4 logical CPUs, as cluster_beside) while the session goes on. None if no
+    selected test is marked."""
+    import shutil
+    import tempfile
+
+    import beside
+
+    specs = beside.specs_of(request.session.items)
+    if not specs:
+        yield None
+        return
+    folder = tmp_path_factory.mktemp("beside")
+    ray_tmpdir = tempfile.mkdtemp(prefix="rb", dir="/tmp")  # (short: Ray's socket paths)
+    with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, ray_tmpdir, True)
+        with environment({beside.MARK: "1", "RAY_TMPDIR": ray_tmpdir}):  # (the cluster's processes inherit both)
+            address = stack.enter_context(cluster_beside(folder))
+        runs = beside.Runs(address, ray_tmpdir)
+        stack.callback(runs.close)
+        _RUNS_BESIDE.append(runs)
+        for spec in specs:
+            where = folder / spec.__name__
+            where.mkdir()
+            runs.start(spec, spec(request, where), where)
+        yield runs
+
+
+def pytest_terminal_summary(terminalreporter):
+    for runs in _RUNS_BESIDE:
+        terminalreporter.write_sep("=", "runs beside the tests (their tests, at the end, read them)")
+        for line in runs.summary():
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture()

@@ -2,21 +2,26 @@
 side-by-side table of benchmarks/bench.py that it prints."""
 
 import os
-import subprocess
 import sys
 
+import beside
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(scope="module")
-def gpu_check(tmp_path_factory):
-    work = tmp_path_factory.mktemp("gpu-check")
-    proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--model", "tiny", "--work", str(work)], cwd=REPO,
-                          capture_output=True, text=True, env=dict(os.environ, PYTHON=sys.executable), timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return work, proc.stderr
+def gpu_check_run(request, folder):
+    """benchmarks/gpu_check.sh --model tiny, beside the other tests (tests/beside.py)."""
+    return beside.Job(["bash", "benchmarks/gpu_check.sh", "--model", "tiny", "--work", str(folder / "work")],
+                      env={"PYTHON": sys.executable})
+
+
+@pytest.fixture()
+def gpu_check(runs_beside):
+    """(its work folder, its stderr) of gpu_check_run, which succeeded."""
+    run = runs_beside.result(gpu_check_run)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return run.folder / "work", run.stderr
 
 
 def table_rows(text):
@@ -26,6 +31,7 @@ def table_rows(text):
 
 
 @pytest.mark.slow
+@pytest.mark.beside(run=gpu_check_run)
 def test_gpu_check_dry_run_kills_a_worker_resumes_and_generates(gpu_check):
     work, log = gpu_check
     assert "killed the train worker after checkpoint 10" in log
@@ -45,6 +51,7 @@ def test_gpu_check_dry_run_kills_a_worker_resumes_and_generates(gpu_check):
 
 
 @pytest.mark.slow
+@pytest.mark.beside(run=gpu_check_run)
 def test_bench_prints_plain_ray_and_generation_rows(gpu_check):
     work, _ = gpu_check
     table = {name: float(cells[0]) for name, cells in table_rows((work / "bench.md").read_text()).items()}
@@ -80,23 +87,23 @@ def test_gpu_probe_dry_run_profiles_every_arm_on_cpu():
         "attention" and gpu_probe.kind_of("multi_tensor_apply_kernel") == "optimizer"
 
 
+def vs_diffusers_run(request, folder):
+    """benchmarks/vs_diffusers.py's dry run with the GPU flags on the tiny model, beside the other tests: ours on a
+    cluster it starts once for its runs (--ray_cluster)."""
+    return beside.Job([sys.executable, "benchmarks/vs_diffusers.py", "--dry_run", "--model", "tiny", "--resolution",
+                       "64", "--steps", "20", "--rounds", "1", "--mixed_precision", "bf16", "--train_batch_size", "2",
+                       "--reference_dataloader_workers", "4", "--ray_cluster", "--work_dir", str(folder / "work")],
+                      env={"RAY_ADDRESS": None})
+
+
 @pytest.mark.slow
-def test_vs_diffusers_dry_run_runs_ours_with_the_gpu_settings_on_one_cluster(tmp_path, capsys):
+@pytest.mark.beside(run=vs_diffusers_run)
+def test_vs_diffusers_dry_run_runs_ours_with_the_gpu_settings_on_one_cluster(runs_beside):
     """benchmarks/vs_diffusers.py's GPU flags on the tiny model: ours runs on a cluster started once
     for its runs, and the reference's command line carries the same settings."""
-    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-    import vs_diffusers
-
-    saved = os.environ.pop("RAY_ADDRESS", None)  # its own cluster, as --ray_cluster starts
-    try:
-        vs_diffusers.main(["--dry_run", "--model", "tiny", "--resolution", "64", "--steps", "20", "--rounds", "1",
-                           "--mixed_precision", "bf16", "--train_batch_size", "2", "--reference_dataloader_workers",
-                           "4", "--ray_cluster", "--work_dir", str(tmp_path / "work")])
-    finally:
-        os.environ.pop("RAY_ADDRESS", None)
-        if saved:
-            os.environ["RAY_ADDRESS"] = saved
-    out = capsys.readouterr().out
+    run = runs_beside.result(vs_diffusers_run)
+    assert run.returncode == 0, run.stderr[-4000:]
+    out = run.stdout
     command = out.split("reference command (not run): ")[1].splitlines()[0]
     for flag in ("--mixed_precision bf16", "--train_batch_size 2", "--dataloader_num_workers 4", "--resolution 64",
                  "--with_prior_preservation", "--train_text_encoder"):
@@ -106,5 +113,5 @@ def test_vs_diffusers_dry_run_runs_ours_with_the_gpu_settings_on_one_cluster(tmp
     [row] = [line for line in out.splitlines() if line.startswith("| 1 | ours |")]
     wall, per_step, fixed = (float(cell) for cell in row.strip("|").split("|")[2:5])
     assert per_step > 0 and 0 < fixed < wall
-    log = (tmp_path / "work" / "log-ours-1").read_text()
+    log = (run.folder / "work" / "log-ours-1").read_text()
     assert "autocast torch.bfloat16" in log and "batch 2 instance + 2 class" in log

@@ -8,6 +8,7 @@ import shlex
 import subprocess
 import sys
 
+import beside
 import pytest
 from conftest import model_cache_of
 
@@ -73,14 +74,14 @@ def test_every_block_is_run_or_says_why_not():
         assert run != bool(skipped), block
 
 
-@pytest.mark.slow
-def test_each_step_by_hand_runs_as_written_on_the_tiny_model(tmp_path):
-    """Only what needs a GPU or the network is changed: the tiny model for sd14 (and for the scoring
-    models), the toy photos copied for Step 2's download, fewer images and steps."""
-    prompts = tmp_path / "prompts.txt"
+def by_hand_run(request, folder):
+    """The "Each step by hand" block as written, beside the other tests (tests/beside.py), on the tiny model: only what
+    needs a GPU or the network is changed (the tiny model for sd14 and for the scoring models, the toy photos copied
+    for Step 2's download, fewer images and steps)."""
+    prompts = folder / "prompts.txt"
     prompts.write_text("a {subject} on a beach\n")
     changes = {
-        "DATA_PREFIX=$PWD/data": f"DATA_PREFIX={tmp_path / 'data'}",
+        "DATA_PREFIX=$PWD/data": f"DATA_PREFIX={folder / 'data'}",
         "--model_name=sd14": "--model_name=tiny",
         "python download_example_dataset.py $INSTANCE_DIR": "mkdir -p $INSTANCE_DIR && cp images/toy/*.jpg $INSTANCE_DIR",
         "--num_samples_per_prompt=200": "--num_samples_per_prompt=4",
@@ -93,11 +94,16 @@ def test_each_step_by_hand_runs_as_written_on_the_tiny_model(tmp_path):
     for written, run in changes.items():
         assert block.count(written) == 1, written  # the README still says it: the test runs what it shows
         block = block.replace(written, run)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
-    env.pop("DATA_PREFIX", None)
-    env.pop("ORIG_MODEL_DIR", None)
-    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=REPO_DIR, env=env, capture_output=True,
-                          text=True, timeout=900)
+    env = {"HF_HUB_OFFLINE": "1", "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
+           "DATA_PREFIX": None, "ORIG_MODEL_DIR": None}
+    return beside.Job(["bash", "-euo", "pipefail", "-c", block], env=env)
+
+
+@pytest.mark.slow
+@pytest.mark.beside(run=by_hand_run)
+def test_each_step_by_hand_runs_as_written_on_the_tiny_model(runs_beside):
+    proc = runs_beside.result(by_hand_run)
+    tmp_path = proc.folder
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Writing model shards" not in proc.stderr  # (a bar for a terminal: none into a pipe or a log)
     data = tmp_path / "data"

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 
+import beside
 import pytest
 
 from dreambooth import errors
@@ -185,7 +186,6 @@ def run_sweep(command, log_path, kill_after_first_checkpoint=False, env=None):
 
     from test_recovery import worker_pids
 
-    from dreambooth import storage
 
     sweep_dir = command[command.index("--output_dir") + 1] + "-sweep"
     started = time.time()
@@ -199,7 +199,14 @@ def run_sweep(command, log_path, kill_after_first_checkpoint=False, env=None):
         proc.wait(timeout=900)
     output = open(log_path).read()
     assert proc.returncode == 0, output[-3000:]
-    return output, list(csv.DictReader(io.StringIO(storage.read_bytes(storage.join(sweep_dir, "trials.csv")).decode())))
+    return output, trials_table(sweep_dir)
+
+
+def trials_table(sweep_dir):
+    """The rows of a sweep's trials.csv (a folder's or a bucket's)."""
+    from dreambooth import storage
+
+    return list(csv.DictReader(io.StringIO(storage.read_bytes(storage.join(sweep_dir, "trials.csv")).decode())))
 
 
 @pytest.mark.slow
@@ -279,26 +286,34 @@ def test_random_lora_sweep_of_two_subjects_in_a_bucket_on_two_nodes_scores_each_
         sweep_dir, f"{root}/s", [1e-4, 1e-3], f"{root}/eval-models")  # (the bucket's paths, not this node's copies)
 
 
+def flux_sweep_run(request, folder):
+    """The sweep of test_a_flux_lora_sweep_stops_the_trial_behind_early_..., beside the other tests (tests/beside.py)."""
+    toy_images = request.getfixturevalue("toy_images")
+    class_dir = folder / "best-sweep" / "class-images" / "toy"  # (drawn already: generate's own tests draw)
+    write_subject(class_dir, [os.path.join(toy_images, n) for n in sorted(os.listdir(toy_images))[:2]], None)
+    (folder / "prompts.txt").write_text("a {subject} on a beach\n")
+    return beside.Job([sys.executable, "sweep.py", "--model_dir", request.getfixturevalue("tiny_flux_model"),
+                       "--output_dir", str(folder / "best"), "--instance_data_dir", toy_images, "--class_name", "toy",
+                       "--eval_models_dir", request.getfixturevalue("tiny_eval_models")[1], "--eval_prompts",
+                       str(folder / "prompts.txt"), "--eval_images_per_prompt", "2", "--num_inference_steps", "2",
+                       "--num_class_images", "2", "--sweep_max_train_steps", "1,2", "--num_workers", "1", "--use_lora",
+                       "--sweep_learning_rate", "1e-5,1e-3", "--early_stopping", "on", "--max_concurrent_trials", "1"])
+
+
 @pytest.mark.slow
+@pytest.mark.beside(run=flux_sweep_run)
 def test_a_flux_lora_sweep_stops_the_trial_behind_early_and_its_best_adapters_load_in_fluxpipeline(
-        tiny_flux_model, tiny_eval_models, toy_images, tmp_path):
+        tiny_flux_model, runs_beside):
     """The sweep on the tiny Flux.1 dev model (flow matching, T5): one subject, two learning rates one after the
     other with --early_stopping on: each trial trains to step 1, is scored, and goes on to step 2 only if its score
     is not under the first trial's there (ASHA, halving at step 1). The seeded tiny models make the second trial
     the one behind; the table and the output say where it stopped. The best LoRA is kept with its record,
     loadable in FluxPipeline, where it changes the image. (SD 3.5's sweep: the 2-node sweep above.)"""
     model = tiny_flux_model
-    eval_models = tiny_eval_models[1]
-    class_dir = tmp_path / "best-sweep" / "class-images" / "toy"  # (drawn already: generate's own tests draw)
-    write_subject(class_dir, [os.path.join(toy_images, n) for n in sorted(os.listdir(toy_images))[:2]], None)
-    (tmp_path / "prompts.txt").write_text("a {subject} on a beach\n")
-    command = [sys.executable, "sweep.py", "--model_dir", model, "--output_dir", str(tmp_path / "best"),
-               "--instance_data_dir", toy_images, "--class_name", "toy", "--eval_models_dir", eval_models,
-               "--eval_prompts", str(tmp_path / "prompts.txt"), "--eval_images_per_prompt", "2",
-               "--num_inference_steps", "2", "--num_class_images", "2", "--sweep_max_train_steps", "1,2",
-               "--num_workers", "1", "--use_lora", "--sweep_learning_rate", "1e-5,1e-3", "--early_stopping", "on",
-               "--max_concurrent_trials", "1"]
-    output, table = run_sweep(command, tmp_path / "log.txt")
+    run = runs_beside.result(flux_sweep_run)
+    tmp_path, output = run.folder, run.stdout + run.stderr
+    assert run.returncode == 0, output[-3000:]
+    table = trials_table(str(tmp_path / "best-sweep"))
     assert all(0 < float(r["dino"]) <= 1 and 0 < float(r["clip_i"]) <= 1 for r in table)
     trials = {}
     for r in table:

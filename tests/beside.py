@@ -1,0 +1,92 @@
+"""Script runs that go on beside the other tests, from the start of the session.
+
+The 2 cores are seldom both busy during one test (a script's start-up, a step that uses one core, a wait on a
+process), so a few long script runs that need nothing of the other tests run one at a time in a thread of their
+own, on a Ray cluster of their own, while the rest of the suite runs. A test reads one with
+``@pytest.mark.beside(run=spec)`` and the ``runs_beside`` fixture: ``runs_beside.result(spec)`` waits for the run
+(the session moves such tests to its end, by when it is done) and gives its Finished. spec(request, folder) -> Job
+is a module-level function of the test's module: the command, built from session fixtures
+(request.getfixturevalue), in folder.
+
+Every process of these runs carries MARK in its environment (the cluster's daemons and workers inherit it): a test
+that stops or kills "the train workers started since t" leaves theirs alone (test_recovery.worker_pids). They keep
+their Ray sessions in a temp folder of their own (RAY_TMPDIR), so a test that counts the clusters started on the
+machine meanwhile does not count theirs.
+"""
+
+import dataclasses
+import os
+import pathlib
+import subprocess
+import time
+
+MARK = "DREAMBOOTH_TESTS_BESIDE"  # in the environment of every process of a run beside the tests
+
+
+@dataclasses.dataclass
+class Job:
+    argv: list
+    env: dict = dataclasses.field(default_factory=dict)  # on top of the session's; None removes a variable
+    timeout: float = 900
+
+
+@dataclasses.dataclass
+class Finished:
+    folder: pathlib.Path  # the spec's folder (its outputs)
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float  # its wall time, the other tests going on meanwhile
+
+
+def specs_of(items):
+    """The specs of the marked tests among items, once each, in order."""
+    specs = []
+    for item in items:
+        marker = item.get_closest_marker("beside")
+        if marker and marker.kwargs["run"] not in specs:
+            specs.append(marker.kwargs["run"])
+    return specs
+
+
+def last(items):
+    """items with the marked tests moved to the end (the others keep their order)."""
+    return sorted(items, key=lambda item: item.get_closest_marker("beside") is not None)
+
+
+class Runs:
+    """The runs of a session, one at a time in a thread, on the cluster at address."""
+
+    def __init__(self, address, ray_tmpdir):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.env = {"RAY_ADDRESS": address, "RAY_TMPDIR": ray_tmpdir, MARK: "1"}
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="beside")
+        self.futures = {}
+
+    def start(self, spec, job, folder):
+        self.futures[spec] = self.pool.submit(self._run, job, folder)
+
+    def _run(self, job, folder):
+        env = {**os.environ, **self.env}
+        for name, value in job.env.items():
+            if value is None:
+                env.pop(name, None)
+            else:
+                env[name] = value
+        started = time.time()
+        proc = subprocess.run(job.argv, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env=env,
+                              capture_output=True, text=True, timeout=job.timeout)
+        return Finished(folder, proc.returncode, proc.stdout, proc.stderr, time.time() - started)
+
+    def result(self, spec):
+        """The spec's Finished, once its run has ended (a run that timed out raises here, in the test)."""
+        return self.futures[spec].result()
+
+    def summary(self):
+        """A line per finished run: its wall time."""
+        return [f"{future.result().seconds:6.1f}s beside the tests: {spec.__module__}.{spec.__name__}"
+                for spec, future in self.futures.items() if future.done() and not future.exception()]
+
+    def close(self):
+        self.pool.shutdown(wait=True, cancel_futures=True)
