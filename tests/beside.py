@@ -8,6 +8,10 @@ own, on a Ray cluster of their own, while the rest of the suite runs. A test rea
 is a module-level function of the test's module: the command, built from session fixtures
 (request.getfixturevalue), in folder.
 
+The runs start once the tests marked fills_cores are done (the session runs those first): a test that keeps both
+cores busy itself gains nothing from a run beside it, and one beside it slowed the test twofold and left a second
+node no time to start.
+
 Every process of these runs carries MARK in its environment (the cluster's daemons and workers inherit it): a test
 that stops or kills "the train workers started since t" leaves theirs alone (test_recovery.worker_pids). They keep
 their Ray sessions in a temp folder of their own (RAY_TMPDIR), so a test that counts the clusters started on the
@@ -49,9 +53,12 @@ def specs_of(items):
     return specs
 
 
-def last(items):
-    """items with the marked tests moved to the end (the others keep their order)."""
-    return sorted(items, key=lambda item: item.get_closest_marker("beside") is not None)
+def order(items):
+    """items in the order the session runs them: the tests that keep both cores busy themselves (marked
+    fills_cores: runs side by side, a test long by need) first, before the runs beside start; the tests that read
+    those runs last; the others between, each group in its own order."""
+    return sorted(items, key=lambda item: 0 if item.get_closest_marker("fills_cores") else
+                  2 if item.get_closest_marker("beside") else 1)
 
 
 class Runs:
@@ -62,10 +69,17 @@ class Runs:
 
         self.env = {"RAY_ADDRESS": address, "RAY_TMPDIR": ray_tmpdir, MARK: "1"}
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="beside")
-        self.futures = {}
+        self.waiting, self.futures = [], {}
 
-    def start(self, spec, job, folder):
-        self.futures[spec] = self.pool.submit(self._run, job, folder)
+    def add(self, spec, job, folder):
+        """A run to start with the others (go)."""
+        self.waiting.append((spec, job, folder))
+
+    def go(self):
+        """The runs added so far started, one after another (again: nothing more)."""
+        for spec, job, folder in self.waiting:
+            self.futures[spec] = self.pool.submit(self._run, job, folder)
+        self.waiting = []
 
     def _run(self, job, folder):
         env = {**os.environ, **self.env}
@@ -81,6 +95,7 @@ class Runs:
 
     def result(self, spec):
         """The spec's Finished, once its run has ended (a run that timed out raises here, in the test)."""
+        self.go()
         return self.futures[spec].result()
 
     def summary(self):

@@ -248,18 +248,35 @@ def two_node_cluster(tmp_path_factory):
         command = ["unshare", "-m", "--propagation", "private", "sh", "-c", f"mount -t tmpfs tmpfs {unshared} && {join}"]
     else:
         command, unshared = ["sh", "-c", join], None
-    node = subprocess.Popen(command, stdout=open(folder / "node.log", "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)  # with the session's token (RAY_AUTH_TOKEN_PATH)
-    deadline = time.time() + 90
-    while "block forever" not in open(folder / "node.log").read():
-        assert node.poll() is None and time.time() < deadline, open(folder / "node.log").read()[-2000:]
-        time.sleep(0.5)
+
+    def start_node():
+        """The second node's process, once it has joined; None if it gave up (Ray waits 30 s for its raylet to
+        register: a machine busy with other runs can take longer), or after 90 s."""
+        node = subprocess.Popen(command, stdout=open(folder / "node.log", "a"), stderr=subprocess.STDOUT,
+                                start_new_session=True)  # with the session's token (RAY_AUTH_TOKEN_PATH)
+        deadline = time.time() + 90
+        while "block forever" not in open(folder / "node.log").read():
+            if node.poll() is not None or time.time() > deadline:
+                stop_node(node)
+                return None
+            time.sleep(0.5)
+        return node
+
+    def stop_node(node):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(node.pid, 15)
+        try:
+            node.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(node.pid, 9)
+
+    node = start_node() or start_node()  # (once more)
+    if node is None:
+        raycluster.stop_ray_head(head)
+        shutil.rmtree(temp, ignore_errors=True)
+        pytest.fail("the second node did not start, twice: " + open(folder / "node.log").read()[-2000:])
     yield address, unshared
-    os.killpg(node.pid, 15)
-    try:
-        node.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(node.pid, 9)
+    stop_node(node)
     raycluster.stop_ray_head(head)
     shutil.rmtree(temp, ignore_errors=True)
 
@@ -367,8 +384,9 @@ def step_prompts(tiny_model):
 
 def pytest_collection_modifyitems(items):
     """A test that starts Ray or a subprocess says so with @pytest.mark.slow; one that takes the Ray
-    fixture without it is an error at collection, not a slow unit run. The tests that read a run beside the
-    others (@pytest.mark.beside) go last: their runs went on meanwhile."""
+    fixture without it is an error at collection, not a slow unit run. The tests that keep both cores busy
+    themselves (@pytest.mark.fills_cores) go first; those that read a run beside the others (@pytest.mark.beside)
+    last: their runs went on meanwhile."""
     import beside
 
     for item in items:
@@ -376,7 +394,7 @@ def pytest_collection_modifyitems(items):
             raise pytest.UsageError(f"{item.nodeid} uses the Ray cluster: mark it @pytest.mark.slow")
         if item.get_closest_marker("beside") and "runs_beside" not in item.fixturenames:
             raise pytest.UsageError(f"{item.nodeid} is marked beside: it reads its run with the runs_beside fixture")
-    items[:] = beside.last(items)
+    items[:] = beside.order(items)
 
 
 _RUNS_BESIDE = []  # the session's beside.Runs, for the summary at the end
@@ -384,9 +402,9 @@ _RUNS_BESIDE = []  # the session's beside.Runs, for the summary at the end
 
 @pytest.fixture(scope="session", autouse=True)
 def runs_beside(request, tmp_path_factory):
-    """beside.Runs of the selected tests marked @pytest.mark.beside(run=spec): each spec's run started now, one at a
-    time, on a cluster of their own (4 logical CPUs, as cluster_beside) while the session goes on. None if no
-    selected test is marked."""
+    """beside.Runs of the selected tests marked @pytest.mark.beside(run=spec): each spec's run, one at a time, on a
+    cluster of their own (4 logical CPUs, as cluster_beside) while the session goes on, from the first test not
+    marked fills_cores (_runs_beside_go). None if no selected test is marked."""
     import shutil
     import tempfile
 
@@ -408,8 +426,14 @@ def runs_beside(request, tmp_path_factory):
         for spec in specs:
             where = folder / spec.__name__
             where.mkdir()
-            runs.start(spec, spec(request, where), where)
+            runs.add(spec, spec(request, where), where)
         yield runs
+
+
+@pytest.fixture(autouse=True)
+def _runs_beside_go(request, runs_beside):
+    if runs_beside is not None and not request.node.get_closest_marker("fills_cores"):
+        runs_beside.go()
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -20,6 +20,9 @@ from dreambooth.files import REPO_DIR
 from dreambooth.generation.image_records import IMAGES_CONFIG
 from dreambooth.generation.image_records import IMAGES_RECORD
 
+# Its family runs go two at a time beside its SD 1.x runs: both cores are busy without the runs beside the tests
+pytestmark = pytest.mark.fills_cores
+
 
 @pytest.fixture(scope="module")
 def data_prefix(tmp_path_factory):
