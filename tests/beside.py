@@ -1,4 +1,4 @@
-"""Script runs that go on beside the other tests, from the start of the session.
+"""Script runs that go on beside the other tests, while the session runs.
 
 The 2 cores are seldom both busy during one test (a script's start-up, a step that uses one core, a wait on a
 process), so a few long script runs that need nothing of the other tests run one at a time in a thread of their
@@ -69,7 +69,7 @@ class Runs:
 
         self.env = {"RAY_ADDRESS": address, "RAY_TMPDIR": ray_tmpdir, MARK: "1"}
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="beside")
-        self.waiting, self.futures = [], {}
+        self.waiting, self.futures, self.failed = [], {}, {}  # failed: {spec: what it raised}
 
     def add(self, spec, job, folder):
         """A run to start with the others (go)."""
@@ -95,6 +95,8 @@ class Runs:
 
     def result(self, spec):
         """The spec's Finished, once its run has ended (a run that timed out raises here, in the test)."""
+        if spec in self.failed:
+            raise self.failed[spec]
         self.go()
         return self.futures[spec].result()
 

@@ -80,7 +80,17 @@ def by_hand_run(request, folder):
     for Step 2's download, fewer images and steps)."""
     prompts = folder / "prompts.txt"
     prompts.write_text("a {subject} on a beach\n")
-    changes = {
+    block = by_hand_block()
+    for written, run in by_hand_changes(folder).items():
+        block = block.replace(written, run)
+    env = {"HF_HUB_OFFLINE": "1", "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
+           "DATA_PREFIX": None, "ORIG_MODEL_DIR": None}
+    return beside.Job(["bash", "-euo", "pipefail", "-c", block], env=env)
+
+
+def by_hand_changes(folder):
+    """{as the README writes it: as by_hand_run runs it}."""
+    return {
         "DATA_PREFIX=$PWD/data": f"DATA_PREFIX={folder / 'data'}",
         "--model_name=sd14": "--model_name=tiny",
         "python download_example_dataset.py $INSTANCE_DIR": "mkdir -p $INSTANCE_DIR && cp images/toy/*.jpg $INSTANCE_DIR",
@@ -88,15 +98,8 @@ def by_hand_run(request, folder):
         "--max_train_steps=200": "--max_train_steps=2",
         "--num_samples_per_prompt=5": "--num_samples_per_prompt=1",
         "--eval_models |": "--eval_models --tiny |",
-        "--subject_type=live": f"--subject_type=live --eval_prompts={prompts} --num_samples_per_prompt=1",
+        "--subject_type=live": f"--subject_type=live --eval_prompts={folder / 'prompts.txt'} --num_samples_per_prompt=1",
     }
-    block = by_hand_block()
-    for written, run in changes.items():
-        assert block.count(written) == 1, written  # the README still says it: the test runs what it shows
-        block = block.replace(written, run)
-    env = {"HF_HUB_OFFLINE": "1", "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
-           "DATA_PREFIX": None, "ORIG_MODEL_DIR": None}
-    return beside.Job(["bash", "-euo", "pipefail", "-c", block], env=env)
 
 
 @pytest.mark.slow
@@ -104,6 +107,8 @@ def by_hand_run(request, folder):
 def test_each_step_by_hand_runs_as_written_on_the_tiny_model(runs_beside):
     proc = runs_beside.result(by_hand_run)
     tmp_path = proc.folder
+    for written in by_hand_changes(tmp_path):
+        assert by_hand_block().count(written) == 1, written  # the README still says it: the test ran what it shows
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Writing model shards" not in proc.stderr  # (a bar for a terminal: none into a pipe or a log)
     data = tmp_path / "data"
