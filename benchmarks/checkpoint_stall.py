@@ -108,5 +108,6 @@ def measure(args, work, server):
                 f"{means['sync'][1]:.1f} / {means['async'][1]:.1f} | |")
     print("\n".join(rows))
 
+
 if __name__ == "__main__":
     main()

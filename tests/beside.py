@@ -62,12 +62,13 @@ def order(items):
 
 
 class Runs:
-    """The runs of a session, one at a time in a thread, on the cluster at address."""
+    """The runs of a session, one at a time in a thread, on a cluster of their own: start_cluster() -> (its address,
+    the Ray temp folder of the runs), called when the first run starts (not while the tests before it run)."""
 
-    def __init__(self, address, ray_tmpdir):
+    def __init__(self, start_cluster):
         from concurrent.futures import ThreadPoolExecutor
 
-        self.env = {"RAY_ADDRESS": address, "RAY_TMPDIR": ray_tmpdir, MARK: "1"}
+        self.start_cluster, self.env = start_cluster, None
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="beside")
         self.waiting, self.futures, self.failed = [], {}, {}  # failed: {spec: what it raised}
 
@@ -77,6 +78,9 @@ class Runs:
 
     def go(self):
         """The runs added so far started, one after another (again: nothing more)."""
+        if self.waiting and self.env is None:
+            address, ray_tmpdir = self.start_cluster()
+            self.env = {"RAY_ADDRESS": address, "RAY_TMPDIR": ray_tmpdir, MARK: "1"}
         for spec, job, folder in self.waiting:
             self.futures[spec] = self.pool.submit(self._run, job, folder)
         self.waiting = []

@@ -403,8 +403,8 @@ _RUNS_BESIDE = []  # the session's beside.Runs, for the summary at the end
 @pytest.fixture(scope="session", autouse=True)
 def runs_beside(request, tmp_path_factory):
     """beside.Runs of the selected tests marked @pytest.mark.beside(run=spec): each spec's run, one at a time, on a
-    cluster of their own (4 logical CPUs, as cluster_beside) while the session goes on, from the first test not
-    marked fills_cores (_runs_beside_go). None if no selected test is marked."""
+    cluster of their own (4 logical CPUs, as cluster_beside, started with the first run) while the session goes on,
+    from the first test not marked fills_cores (_runs_beside_go). None if no selected test is marked."""
     import shutil
     import tempfile
 
@@ -416,11 +416,14 @@ def runs_beside(request, tmp_path_factory):
         return
     folder = tmp_path_factory.mktemp("beside")
     ray_tmpdir = tempfile.mkdtemp(prefix="rb", dir="/tmp")  # (short: Ray's socket paths)
-    with contextlib.ExitStack() as stack:
+    with contextlib.ExitStack() as stack, contextlib.ExitStack() as cluster:  # (the runs end before their cluster)
         stack.callback(shutil.rmtree, ray_tmpdir, True)
-        with environment({beside.MARK: "1", "RAY_TMPDIR": ray_tmpdir}):  # (the cluster's processes inherit both)
-            address = stack.enter_context(cluster_beside(folder))
-        runs = beside.Runs(address, ray_tmpdir)
+
+        def start_cluster():
+            with environment({beside.MARK: "1", "RAY_TMPDIR": ray_tmpdir}):  # (the cluster's processes inherit both)
+                return cluster.enter_context(cluster_beside(folder)), ray_tmpdir
+
+        runs = beside.Runs(start_cluster)
         stack.callback(runs.close)
         _RUNS_BESIDE.append(runs)
         for spec in specs:

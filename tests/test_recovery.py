@@ -53,12 +53,13 @@ def worker_pids(since):
     pids = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+            if not open(f"/proc/{pid}/cmdline", "rb").read().startswith(b"ray::RayTrainWorker"):
+                continue
             started = boot + int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[19]) / ticks
             beside = f"\0{MARK}=".encode() in b"\0" + open(f"/proc/{pid}/environ", "rb").read()
         except OSError:
             continue
-        if cmd.startswith(b"ray::RayTrainWorker") and started >= since - 1 and not beside:
+        if started >= since - 1 and not beside:
             pids.append(int(pid))
     return pids
 

@@ -186,7 +186,6 @@ def run_sweep(command, log_path, kill_after_first_checkpoint=False, env=None):
 
     from test_recovery import worker_pids
 
-
     sweep_dir = command[command.index("--output_dir") + 1] + "-sweep"
     started = time.time()
     with open(log_path, "w") as log:
