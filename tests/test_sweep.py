@@ -106,9 +106,11 @@ def test_a_trial_is_the_base_flags_with_its_own_set_and_the_rest_worked_out_agai
         "--sweep_max_train_steps", "2,6"])
     parser, given = planning.parse_given(sweep.trial_base_argv(args, train_flags))
     before = argparse.Namespace(**vars(given))
+    settings = scoring.EvalSettings("/eval-models", num_samples_per_prompt=3, num_inference_steps=7, guidance_scale=5.5)
+    base = {"dino": 0.5, "clip_i": 0.6, "clip_t": 0.3, "pres": 0.1, "div": None}
     job = sweep_trial.SweepJob({}, str(tmp_path / "sweep"), (2, 6), {"toy": "/classes"}, given, frozenset(parser.given),
-                         frozenset(parser.typed), tiny_model, None)
-    subject = scoring.Subject("rex", toy_images, "sks", "toy", "object")
+                               frozenset(parser.typed), tiny_model, settings, base={"rex": base})
+    subject = scoring.Subject("rex", toy_images, "sks", "toy", "object", "/prompts.txt")
     config = {"subject": "rex", "learning_rate": 3e-4, "rank": 16, "use_lora": True, "train_text_encoder": False}
     trial = sweep_trial.trial_args(job, config, subject, str(tmp_path / "trial"))
     assert (trial.lora_rank, trial.lora_alpha, trial.learning_rate, trial.train_text_encoder) == (16, 16.0, 3e-4, False)
@@ -117,6 +119,30 @@ def test_a_trial_is_the_base_flags_with_its_own_set_and_the_rest_worked_out_agai
     assert trial.instance_prompt == "photo of sks toy" and trial.class_data_dir == "/classes"
     assert "lora_rank = 16" in trial.settings_toml and "# lora_alpha = 16.0" in trial.settings_toml
     assert vars(given) == vars(before)
+    # Scored while it trains, at each step count (never skipped), as the sweep scored the base model, whose scores it
+    # is given; each step count but the last keeps its model in the trial's folder
+    assert (trial.score_steps, trial.score_at, trial.step_models, trial.base_scores) == (2, (2, 6), str(tmp_path / "trial"),
+                                                                                       base)
+    assert (trial.eval_models_dir, trial.class_name, trial.unique_token, trial.subject_type, trial.eval_prompts) == (
+        "/eval-models", "toy", "sks", "object", "/prompts.txt")
+    assert (trial.eval_images_per_prompt, trial.validation_inference_steps, trial.guidance_scale) == (3, 7, 5.5)
+    plan = planning.offline_plan(score_steps=2, score_at=trial.score_at)
+    assert [step for step in range(1, 7) if plan.is_score_step(step)] == [2, 6] and "scored at steps 2, 6" in plan.describe()
+
+
+def test_trials_at_once_leave_a_gpu_for_their_scoring(monkeypatch):
+    """A step count is scored while its trial trains on: the sweep runs as many trials at once as the cluster's GPUs
+    hold with one left for the scoring, one on one GPU (its scoring waits for the training's end) and on CPUs."""
+    import argparse
+
+    from dreambooth.cluster import raycluster
+
+    args = argparse.Namespace(max_concurrent_trials=None)
+    for gpus, workers, expected in ((0, 1, 1), (1, 1, 1), (2, 1, 1), (8, 1, 7), (8, 2, 3), (9, 2, 4)):
+        monkeypatch.setattr(raycluster, "cluster_resources", lambda gpus=gpus: (16, gpus))
+        trials = argparse.Namespace(num_workers=workers, gpus_per_worker=1)
+        assert sweep.max_concurrent(args, trials) == expected, (gpus, workers)
+    assert sweep.max_concurrent(argparse.Namespace(max_concurrent_trials=5), trials) == 5  # (given: as given)
 
 
 def test_search_space_is_a_grid_of_every_value_or_random_draws_with_a_log_uniform_learning_rate(
@@ -304,10 +330,11 @@ def flux_sweep_run(request, folder):
 def test_a_flux_lora_sweep_stops_the_trial_behind_early_and_its_best_adapters_load_in_fluxpipeline(
         tiny_flux_model, runs_beside):
     """The sweep on the tiny Flux.1 dev model (flow matching, T5): one subject, two learning rates one after the
-    other with --early_stopping on: each trial trains to step 1, is scored, and goes on to step 2 only if its score
-    is not under the first trial's there (ASHA, halving at step 1). The seeded tiny models make the second trial
-    the one behind; the table and the output say where it stopped. The best LoRA is kept with its record,
-    loadable in FluxPipeline, where it changes the image. (SD 3.5's sweep: the 2-node sweep above.)"""
+    other with --early_stopping on: each trial trains once, scored at steps 1 and 2 while it trains, and Tune hears
+    step 1's scores as they arrive: a trial whose score there is under the first trial's is stopped (ASHA, halving
+    at step 1). The seeded tiny models make the second trial the one behind; the table and the output say where it
+    stopped. The best LoRA is kept with its record, loadable in FluxPipeline, where it changes the image. (SD 3.5's
+    sweep: the 2-node sweep above.)"""
     model = tiny_flux_model
     run = runs_beside.result(flux_sweep_run)
     tmp_path, output = run.folder, run.stdout + run.stderr
@@ -320,6 +347,8 @@ def test_a_flux_lora_sweep_stops_the_trial_behind_early_and_its_best_adapters_lo
     first, second = (sorted(rows) for rows in sorted(trials.values(), key=len, reverse=True))
     assert [(s, status) for s, _, _, status in first] == [(1, "ok"), (2, "ok")], output[-2000:]
     assert "trials behind at a step count stop there (ASHA)" in output
+    # one training run a trial (it was one a step count), each scoring both step counts while it trains
+    assert output.count(") plan: 2 steps") == 2 and output.count("scored at steps 1, 2 (DINO, CLIP-I, CLIP-T)") == 2
     assert [s for s, _, _, _ in second] == [1], output[-2000:]
     assert second[0][2] == "stopped early at step 1 (behind the others there)" and "stopped early at step 1" in output
     assert second[0][1] <= first[0][1]  # behind at step 1 (the same CLIP-T floor and base: DINO decides)

@@ -7,9 +7,11 @@
 
     python sweep.py ... --subjects_dir=$SUBJECTS_DIR    (one sub-folder + subject.json per subject)
 
-Each trial (a Tune trial running a Ray Train run of its own) trains to the largest step count,
-turns its checkpoints at the other step counts into models, and scores each with evaluate.py
-(generation and embedding on Ray Data actor pools). The base model is scored once per subject.
+Each trial (a Tune trial running a Ray Train run of its own) trains once, to the largest step count; the
+checkpoint of each step count becomes a model that is scored as evaluate.py scores it (generation and embedding on
+Ray Data actor pools) while the training goes on (train.py's scores while training), and Tune hears each step
+count's scores as they arrive: with --early_stopping, a trial behind the others at a step count is stopped there
+(ASHA). The base model is scored once per subject.
 The best (step count, trial) of each subject has the highest DINO among those whose CLIP-T is at
 most --clip_t_margin below the base model's (with train.py's --holdout N, the DINO against the N
 photos every trial was trained without); it is copied to --output_dir (with --subjects_dir:
@@ -42,6 +44,7 @@ from dreambooth.planning import planning
 from dreambooth.sweep import sweep_files
 from dreambooth.sweep import sweep_rows
 from dreambooth.sweep import sweep_trial
+from dreambooth.training import checkpoint_scores
 from dreambooth.training import driver
 
 SWEEP_FLAGS = [
@@ -188,11 +191,12 @@ def check_disk(args, train_args, num_trials, concurrency):
 
 
 def max_concurrent(args, train_args):
-    """Trials at once: as many as the cluster's GPUs hold; one on CPUs (each already uses every core)."""
+    """Trials at once: as many as the cluster's GPUs hold with one GPU left for their scoring (a step count is scored
+    while its trial trains on); one on CPUs (each already uses every core)."""
     if args.max_concurrent_trials:
         return args.max_concurrent_trials
     gpus = raycluster.cluster_resources()[1]
-    return max(1, gpus // (train_args.num_workers * train_args.gpus_per_worker)) if gpus else 1
+    return max(1, (gpus - 1) // (train_args.num_workers * train_args.gpus_per_worker)) if gpus else 1
 
 
 def prepare_class_images(args, subjects, train_args):
@@ -291,19 +295,18 @@ def main(argv=None):
     config = sweep_files.write_text(args.sweep_dir, sweep_files.CONFIG_FILE, args.settings_toml)
     print(f"settings: {config} (sweep.py --config {config} repeats this sweep)", file=sys.stderr)
     raycluster.init_ray()
+    # (the trials' checkpoints are scored with evaluate.py's seed, as train.py scores them while training: so is the
+    # base model they are held to)
     eval_settings = scoring.EvalSettings(
-        args.eval_models_dir, args.eval_images_per_prompt, train_args.seed, args.batch_size, args.num_inference_steps,
-        args.guidance_scale, train_args.resolution, None, train_args.allow_unsafe_weights)
+        args.eval_models_dir, args.eval_images_per_prompt, checkpoint_scores.EVAL_SEED, args.batch_size,
+        args.num_inference_steps, args.guidance_scale, train_args.resolution, None, train_args.allow_unsafe_weights)
     class_dirs = prepare_class_images(args, subjects, train_args)
     base = score_base(args, subjects, eval_settings)
-    # A trial draws and embeds its images on the GPUs it trained on (one actor on a CPU cluster).
-    trial_actors = train_args.num_workers * train_args.gpus_per_worker if raycluster.cluster_resources()[1] else 1
     rank_against = {name: (s["clip_t"] - args.clip_t_margin, sweep_rows.ranking_dino(s)) for name, s in base.items()}
     parser, given = planning.parse_given(trial_base_argv(args, train_flags))  # parsed once, for every trial
     job = sweep_trial.SweepJob(subjects, args.sweep_dir, tuple(args.sweep_max_train_steps), class_dirs, given,
-                               frozenset(parser.given), frozenset(parser.typed), args.model_dir,
-                               dataclasses.replace(eval_settings, num_actors=trial_actors), early_stopping,
-                               rank_against, train_args.keep_checkpoints)
+                               frozenset(parser.given), frozenset(parser.typed), args.model_dir, eval_settings,
+                               early_stopping, base, rank_against, train_args.keep_checkpoints)
     concurrency = max_concurrent(args, train_args)
     num_samples = args.num_trials if args.search == "random" else 1
     disk = check_disk(args, train_args, len(subjects) * trials_per_subject(args, train_args), concurrency)

@@ -628,11 +628,11 @@ FLAGS = {
         dict(type=positive_int, default=4, help="Trials per subject with --search random.")),
     "early_stopping": (("--early_stopping",),
         dict(choices=("auto", "on", "off"), default="auto",
-             help="Stop trials that are behind (Ray Tune's ASHA scheduler): each trial trains to one step count "
-                  "at a time and is scored there (DINO, counted only with CLIP-T within --clip_t_margin of the "
-                  "base model's); one in the bottom half of its subject's trials at a step count stops. auto: on for random search and for "
-                  "grids of more than 4 trials; off for small grids (each trial then trains once, to the last "
-                  "step count, and its checkpoints are scored after). Needs 2 or more --sweep_max_train_steps.")),
+             help="Stop trials that are behind (Ray Tune's ASHA scheduler): each step count is scored while its "
+                  "trial trains on (DINO, counted only with CLIP-T within --clip_t_margin of the base model's); a "
+                  "trial in the bottom half of its subject's trials at a step count stops there. auto: on for random "
+                  "search and for grids of more than 4 trials; off for small grids (every trial then trains to the "
+                  "last step count, every step count of each scored). Needs 2 or more --sweep_max_train_steps.")),
     "clip_t_margin": (("--clip_t_margin",),
         dict(type=non_negative_float, default=0.02,
              help="The best trial has the highest DINO among those whose CLIP-T is at most this far below "

@@ -136,6 +136,12 @@ class Plan:
     keep_best: bool  # the best-scored step's model saved instead of the last
     clip_t_margin: float  # how far below the base model's CLIP-T a step may score and still be the best
     settings_toml: str  # the resolved flags as a --config file that repeats the run
+    # a sweep's trial (sweep_trial.py): the steps scored whatever happens (its step counts: never skipped for a scoring
+    # still running), the folder each of them but the last keeps its scored model in (model-step-N), and its subject's
+    # base model's scores, already made by the sweep (the run does not score the base model again)
+    score_at: tuple = ()
+    step_models: str | None = None
+    base_scores: dict | None = None
 
     @property
     def run_dir(self):  # the local folder of the run's own files (runfiles.run_folder)
@@ -163,7 +169,10 @@ class Plan:
                                                       storage.is_remote(self.storage_path))
 
     def is_score_step(self, step):
-        """The checkpoints scored while training: every score_steps and at the last step (none without)."""
+        """The checkpoints scored while training: every score_steps and at the last step, or a sweep's score_at (none
+        without)."""
+        if self.score_at:
+            return step in self.score_at
         return bool(self.score_steps) and (step % self.score_steps == 0 or step == self.end_step)
 
     def is_validation_step(self, step):
@@ -187,7 +196,9 @@ class Plan:
         if self.validation_prompts:
             resume += (f"; {len(self.validation_prompts)} validation prompt(s) x {self.num_validation_images} "
                        f"every {self.validation_steps} steps")
-        if self.score_steps:
+        if self.score_at:
+            resume += f"; scored at steps {', '.join(map(str, self.score_at))} (DINO, CLIP-I, CLIP-T) while it trains"
+        elif self.score_steps:
             resume += f"; scored every {self.score_steps} steps (DINO, CLIP-I, CLIP-T) while it trains"
         if self.fsdp:
             trained += f", sharded across the {self.num_workers} worker(s) (FSDP)"

@@ -1,20 +1,24 @@
-"""One trial of the sweep, in a Tune actor: train.py's run with the trial's settings (a Plan derived
-from the sweep's base flags, never a command line), then evaluate.py's scores at each step count.
+"""One trial of the sweep, in a Tune actor: one train.py run with the trial's settings (a Plan derived from the
+sweep's base flags, never a command line), scored at each step count while it trains (train.py's scores at
+checkpoints: Ray Train's validation, evaluate.py's scores), each step count's scores reported to Tune as they arrive.
 """
 
 import argparse
 import dataclasses
 import math
-import tempfile
+import threading
 
+from dreambooth import errors
 from dreambooth import storage
 from dreambooth.evaluation import scoring
 from dreambooth.models import outputs
 from dreambooth.planning import checkpoints
 from dreambooth.planning import planning
 from dreambooth.sweep import sweep_rows
-from dreambooth.training import checkpoint
+from dreambooth.training import checkpoint_scores
 from dreambooth.training import driver
+
+POLL_SECONDS = 1.0  # how often the trial looks for a step count's scores while it trains
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,8 +33,9 @@ class SweepJob:
     given: frozenset  # the names of those the user set (a trial adds its own, then derives the rest)
     typed: frozenset  # ... of those typed rather than read from a config file
     model_dir: str
-    eval_settings: object  # scoring.EvalSettings
-    early_stopping: bool = False  # train and score one step count at a time; ASHA may stop the trial between
+    eval_settings: object  # scoring.EvalSettings: how the base model was scored, and each step count is
+    early_stopping: bool = False  # ASHA may stop a trial at a step count (the scheduler's: sweep.scheduler)
+    base: dict = dataclasses.field(default_factory=dict)  # {subject: the base model's overall scores}
     rank_against: dict = dataclasses.field(default_factory=dict)  # {subject: (base CLIP-T - margin, base DINO)}
     keep_checkpoints: bool = False  # train.py's --keep_checkpoints given: the trials' checkpoints stay
 
@@ -43,59 +48,79 @@ def trial_label(config):
 
 
 def trial_fn(config, job):
-    """One trial, in a Tune actor: train.py, then evaluate.py; one result reported per step count.
-    job: SweepJob.
-
-    Without early stopping the trial trains once, to the largest step count, and then scores each
-    step count (the smaller ones from their checkpoints). With it, the trial trains to each step
-    count in turn (each run resumes the one before; the LR schedule always spans the largest) and
-    scores it before going on: ASHA can stop the trial at any step count, and the weights at each
-    step count are those of one uninterrupted run either way."""
-    import ray.tune
-
+    """One trial, in a Tune actor: train.py's run to the largest step count, each step count scored while it trains
+    (its checkpoint made a model, model-step-N, and scored by Ray Train's validation); a thread beside the training
+    reports each step count's scores to Tune in order as they arrive, the last once the run has ended.
+    With early stopping, ASHA may stop the trial at a step count: Tune then ends the trial's actor, and the training
+    with it. job: SweepJob."""
     subject = job.subjects[config["subject"]]
     # Named by its settings, not Tune's trial id (a retried trial gets a new id): a trial run again
-    # after a failure or a crash finds its own checkpoints and resumes from them.
+    # after a failure or a crash finds its own checkpoints and scores, and resumes from them.
     folder = storage.join(job.sweep_dir, "trials", trial_label(config))  # (a bucket's: every node reads it)
-    steps = job.steps
     train_args = trial_args(job, config, subject, folder)
-
-    def model_at(step):
-        """The trial's model folder at a step count (a bucket's too): train.py's output at the last, else made
-        from its checkpoint."""
-        model = train_args.output_dir
-        if step != steps[-1]:
-            model = storage.join(folder, f"model-step-{step}")
-            if outputs.read_output(model) is None:
-                found = checkpoints.by_step(train_args.storage_path, "model")
-                with tempfile.TemporaryDirectory(prefix="dreambooth-") as scratch:  # (a bucket's: read from a copy)
-                    save_step_model(storage.local_folder(found[step], scratch), train_args, model, step, subject)
-        return model
-
-    def score(step_counts):
-        folders = [model_at(step) for step in step_counts]  # (what the table names: not this node's copy)
-        entries = [(f"step-{step}", outputs.resolve_model(model)) for step, model in zip(step_counts, folders)]
-        with storage.output_folder(storage.join(folder, "eval")) as local:  # (a bucket's: filled here, copied there)
-            result = scoring.run(entries, [subject], job.eval_settings, local)[subject.name]
-        for step, (label, _), model in zip(step_counts, entries, folders):
-            overall = result.overall(label)
-            ray.tune.report({"step": step, "model": model, **overall,
-                             "score": sweep_rows.rank_score(overall, *job.rank_against.get(subject.name, (None, 0.0)))})
-
-    if not job.early_stopping:
+    scores = TrialScores(job, subject, folder, train_args)
+    watcher = threading.Thread(target=scores.report_while_training, name="trial-scores", daemon=True)
+    watcher.start()
+    try:
         driver.run(train_args)  # after a restart: resumes from the trial's newest checkpoint
-        score(steps)
-    else:
-        for step in steps:
-            driver.run(train_args, stop_step=step)  # ends at this step count; the next run resumes from it
-            score([step])  # ASHA decides here whether the trial goes on
+    finally:
+        scores.trained.set()
+        watcher.join()
+    scores.report_the_rest()
     if not job.keep_checkpoints:  # every step count is a model now: the checkpoints' disk is freed
         remove_checkpoints(train_args.storage_path)
+    # (the run's own output: the last step count's model-step-N holds the same weights, made from its checkpoint)
+    if storage.exists(train_args.output_dir):
+        storage.remove_tree(train_args.output_dir)
 
 
-def save_step_model(checkpoint_dir, train_args, model, step, subject):
-    """The trial's checkpoint at step (a local folder) written as train.py's output model (a bucket's too)."""
-    checkpoint.save_as_model(checkpoint_dir, checkpoint.step_model_plan(train_args, model, step, subject.held_out_names()))
+class TrialScores:
+    """A trial's step counts as Tune hears of them: each one's scores (its run's, or an earlier run's of the same
+    trial: scores/step-N/scores.json under the trial's storage) once its model is there, in step order."""
+
+    def __init__(self, job, subject, folder, train_args):
+        self.job, self.subject, self.folder, self.train_args = job, subject, folder, train_args
+        self.reported = []  # the step counts reported so far
+        self.trained = threading.Event()  # set when the training has ended (or failed)
+
+    def model(self, step):
+        """The trial's model at a step count (a bucket's too), made from its checkpoint by its scoring task."""
+        return checkpoint_scores.kept_model(self.train_args, step)
+
+    def overall(self, step):
+        """The overall scores of the trial's model at step (scoring.EvalResult.overall), or None before they and
+        the model are both there."""
+        runs = self.train_args.storage_path
+        for run in storage.listdir(runs) if storage.isdir(runs) else ():
+            path = storage.join(runs, run, checkpoint_scores.SCORES_FOLDER, f"step-{step}", "scores.json")
+            if storage.isfile(path) and outputs.read_output(self.model(step)) is not None:
+                return scoring.EvalResult.from_json(storage.read_json(path)).overall(f"step-{step}")
+        return None
+
+    def report(self, step, overall):
+        import ray.tune
+
+        self.reported.append(step)
+        ray.tune.report({"step": step, "model": self.model(step), **overall, "score": sweep_rows.rank_score(
+            overall, *self.job.rank_against.get(self.subject.name, (None, 0.0)))})  # (ASHA decides here)
+
+    def report_while_training(self):
+        """Every step count but the last, in order, as its scores arrive, until the training ends."""
+        for step in self.job.steps[:-1]:
+            while (overall := self.overall(step)) is None:
+                if self.trained.wait(POLL_SECONDS):
+                    return
+            self.report(step, overall)
+
+    def report_the_rest(self):
+        """The step counts not reported yet, the last among them; a UserError for one whose scoring failed."""
+        for step in self.job.steps[len(self.reported):]:
+            overall = self.overall(step)
+            if overall is None:
+                raise errors.UserError(f"the scoring of step {step} failed: see scores/step-{step}/"
+                                       f"{checkpoint_scores.SCORING_LOG} in the run folders under "
+                                       f"{self.train_args.storage_path}")
+            self.report(step, overall)
 
 
 def trial_args(job, config, subject, folder):
@@ -110,10 +135,23 @@ def trial_args(job, config, subject, folder):
         train_text_encoder=config["train_text_encoder"], checkpointing_steps=math.gcd(*steps),
         checkpoints_total_limit=checkpoints_kept(steps), keep_checkpoints=True,
         storage_path=storage.join(folder, "ray_results"), resume_from_checkpoint="latest", overwrite=True,
-        **({"lora_rank": config["rank"]} if config["use_lora"] else {}))
+        **scoring_flags(job, subject), **({"lora_rank": config["rank"]} if config["use_lora"] else {}))
     parser = planning.train_parser()
     parser.given, parser.typed = set(job.given) | set(own), set(job.typed) | set(own)
-    return planning.derive(argparse.Namespace(**{**vars(job.train_given), **own}), parser)
+    args = planning.derive(argparse.Namespace(**{**vars(job.train_given), **own}), parser)
+    # (beside the flags: what only a sweep's trial is, plan.Plan's score_at, step_models and base_scores)
+    return argparse.Namespace(**vars(args), score_at=tuple(steps), step_models=folder,
+                              base_scores=job.base.get(subject.name))
+
+
+def scoring_flags(job, subject):
+    """train.py's flags that score a trial's checkpoints as the sweep scored the base model (--score_steps: the step
+    counts' greatest common divisor; plan.Plan's score_at says which steps)."""
+    settings = job.eval_settings
+    return dict(score_steps=math.gcd(*job.steps), eval_models_dir=settings.eval_models_dir,
+                class_name=subject.class_name, unique_token=subject.unique_token, subject_type=subject.subject_type,
+                eval_prompts=subject.eval_prompts, eval_images_per_prompt=settings.num_samples_per_prompt,
+                validation_inference_steps=settings.num_inference_steps, guidance_scale=settings.guidance_scale)
 
 
 def checkpoints_kept(steps):

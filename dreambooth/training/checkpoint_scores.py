@@ -34,6 +34,9 @@ SCORE_KEYS = ("dino", "clip_i", "clip_t")  # what a scored step reports (the pap
 SUBJECT = "subject"  # the one subject a run is scored against
 # evaluate.py's seed of the images it scores (its --seed default): a step's images are those evaluate.py would draw
 EVAL_SEED = scoring.EvalSettings.seed
+# the actors of each pool a scoring task starts (drawing, then embedding): one, beside the training (a GPU's each
+# where the cluster has them), not one per GPU of the cluster as evaluate.py's, which runs alone
+SCORING_ACTORS = 1
 
 
 def subject_of(run, holdout=0):
@@ -55,7 +58,7 @@ def settings_of(plan):
     return scoring.EvalSettings(plan.eval_models_dir, num_samples_per_prompt=plan.eval_images_per_prompt,
                                 seed=EVAL_SEED, num_inference_steps=plan.validation_inference_steps,
                                 guidance_scale=plan.guidance_scale, resolution=plan.resolution,
-                                allow_unsafe_weights=plan.allow_unsafe_weights)
+                                num_actors=SCORING_ACTORS, allow_unsafe_weights=plan.allow_unsafe_weights)
 
 
 def check_inputs(args):
@@ -70,11 +73,21 @@ def check_inputs(args):
 
 
 def validation_config(plan):
-    """Ray Train's validation of the scored checkpoints: score_checkpoint as a task that reserves no CPU of its own
-    (it only waits on the actor pools it starts, which reserve theirs)."""
+    """Ray Train's validation of the scored checkpoints: score_checkpoint as a task on the driver's node that reserves
+    no CPU of its own (it only waits on the actor pools it starts, which reserve theirs)."""
     import ray.train
 
-    return ray.train.ValidationConfig(functools.partial(score_checkpoint, plan=plan), ray_remote_kwargs={"num_cpus": 0})
+    return ray.train.ValidationConfig(functools.partial(score_checkpoint, plan=plan),
+                                      ray_remote_kwargs={"num_cpus": 0, "scheduling_strategy": on_this_node()})
+
+
+def on_this_node():
+    """A task's scheduling on the driver's node, where the run's files are (a bucket's run: this node's copies of
+    its photos, and its own files before they are copied there)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
 
 
 def score_checkpoint(checkpoint_ref, plan):
@@ -83,13 +96,14 @@ def score_checkpoint(checkpoint_ref, plan):
     with checkpoint_ref.as_directory() as folder:
         step = files.read_json(os.path.join(folder, checkpoints.STATE_FILE))["step"]
         where = os.path.join(plan.run_dir, SCORES_FOLDER, f"step-{step}")
-        model = os.path.join(where, "model")
+        model = kept_model(plan, step) or os.path.join(where, "model")
         checkpoint.save_as_model(folder, checkpoint.step_model_plan(plan, model, step, plan.held_out))
     label = f"step-{step}"
     try:
         result = scored(plan, label, outputs.resolve_model(model), where)
     except BaseException:
-        shutil.rmtree(model, ignore_errors=True)
+        if not kept_model(plan, step):
+            shutil.rmtree(model, ignore_errors=True)
         raise
     best = best_step(plan.run_dir, plan.clip_t_margin)[0] if plan.keep_best else None
     if best is not None or not plan.keep_best:  # (--keep_best before the base model's scores: all kept until then)
@@ -102,6 +116,12 @@ def score_checkpoint(checkpoint_ref, plan):
 
     internal_kv._internal_kv_put(score_key(plan.run_name, step), json.dumps(values), namespace=NAMESPACE)
     return values
+
+
+def kept_model(plan, step):
+    """Where a sweep's trial keeps a scored step's model (plan.step_models' model-step-N: a bucket's, or a folder every
+    node reads), or None: the step's model is made in the run folder and removed once scored."""
+    return storage.join(plan.step_models, f"model-step-{step}") if plan.step_models and step in plan.score_at else None
 
 
 def scored(plan, label, model, where):
@@ -118,9 +138,13 @@ def start_base(plan):
     steps' scoring, unless the run has its scores (a resumed run's, carried over): its ObjectRef, or None."""
     import ray
 
+    if plan.base_scores is not None and base_scores(plan.run_dir) is None:  # (a sweep's: scored once per subject)
+        os.makedirs(os.path.join(plan.run_dir, SCORES_FOLDER), exist_ok=True)
+        files.write_bytes_atomic(json.dumps(score_values(plan.base_scores)).encode(),
+                                 os.path.join(plan.run_dir, SCORES_FOLDER, BASE_SCORES))
     if base_scores(plan.run_dir) is not None:
         return None
-    return ray.remote(num_cpus=0)(score_base).remote(plan)
+    return ray.remote(num_cpus=0, scheduling_strategy=on_this_node())(score_base).remote(plan)
 
 
 def score_base(plan):

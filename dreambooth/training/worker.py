@@ -169,7 +169,7 @@ def run_steps(plan, state, step_prompts, batches, rank, world, sampler=None, sto
         if plan.is_report_step(state.step) or event:
             score = plan.is_score_step(state.step)
             if watch:  # (before this report: Ray Train has taken the earlier ones, so asking it waits on none)
-                score = scores_arrived(watch, log, state.step, score, state.step == total)
+                score = scores_arrived(watch, log, state.step, score, state.step == total or state.step in plan.score_at)
             seconds = report_window(window, log, state, rank, plan, checkpoint_now=bool(event), score=score)
             if event and rank == 0:
                 print(f"stopped at step {state.step} of {total} ({stop.reason() or 'a signal'}): the checkpoint took "
@@ -203,14 +203,14 @@ def sample(plan, state, sampler, rank, world, window, log):
         print(f"validation images of step {state.step}: {drawn[0]}", flush=True)
 
 
-def scores_arrived(watch, log, step, due, last):
+def scores_arrived(watch, log, step, due, always):
     """The scores Ray Train's validation has finished since the last call (never waited for): logged and said.
-    Whether step, due to be scored, is: one scoring at a time (each keeps its checkpoint until it ends), the last
-    step's always."""
+    Whether step, due to be scored, is: one scoring at a time (each keeps its checkpoint until it ends), but always
+    (the last step, a sweep's step counts) queued behind the one running."""
     for scored, scores in watch.new_rows():
         log.write_scores(scored, scores)
         print(checkpoint_scores.describe(scored, scores, during_run=True), flush=True)
-    if due and watch.pending and not last:
+    if due and watch.pending and not always:
         print(checkpoint_scores.skip_line(step, watch.pending), flush=True)
         return False
     if due:
