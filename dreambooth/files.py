@@ -135,6 +135,59 @@ def unreadable(path, err):
     return f"cannot read {path}: {getattr(err, 'strerror', None) or err}"
 
 
+# Names of the files a model folder holds (configs, weights, tokenizer files): a folder of such a name is a mistake
+MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".txt", ".model", ".jinja")
+
+
+def file_problem(path):
+    """Why a file cannot be opened, in one line naming it (unreadable's), or None: a broken link (a hub cache whose
+    blob was deleted), a folder of a file's name, no permission."""
+    if (os.path.islink(path) and not os.path.exists(path)) or os.path.isdir(path):
+        return unreadable(path, None)
+    try:
+        with open(path, "rb") as f:
+            f.read(1)
+    except OSError as err:
+        return unreadable(path, err)
+    return None
+
+
+def model_file_problem(path):
+    """Why a file of a model folder cannot be read, in one line naming it, or None: file_problem's, an empty file, a
+    JSON file that is not UTF-8 or not whole, a safetensors file whose header does not parse or that is cut short
+    (check_safetensors)."""
+    problem = file_problem(path)
+    if problem:
+        return problem
+    if os.path.getsize(path) == 0:
+        return f"{path} is empty (0 bytes)"
+    if path.endswith(".json"):
+        try:
+            with open(path, "rb") as f:
+                json.loads(f.read().decode("utf-8"))
+        except UnicodeDecodeError as err:
+            return unreadable(path, err).removesuffix(": save it as UTF-8")
+        except ValueError:
+            return f"{path} is not valid JSON (a cut-short copy?)"
+    if path.endswith(".safetensors"):
+        try:
+            check_safetensors(path)
+        except errors.UserError as err:
+            return str(err).split(": fetch or copy")[0]
+    return None
+
+
+def check_model_files(folder, remedy):
+    """errors.UserError (model_file_problem's line, then remedy) for the first file of folder, or of its sub-folders,
+    that cannot be read; a folder whose name is a file's (MODEL_FILE_SUFFIXES) is one."""
+    for root, names, found in os.walk(folder):
+        names.sort()
+        for name in sorted(found) + [n for n in names if n.endswith(MODEL_FILE_SUFFIXES)]:
+            problem = model_file_problem(os.path.join(root, name))
+            if problem:
+                raise errors.UserError(f"{problem}: {remedy}")
+
+
 def stamps(paths):
     """((path, size, modification time in ns), ...) of files, to tell later whether one changed (changed_since)."""
     return tuple((path, found.st_size, found.st_mtime_ns) for path, found in ((p, os.stat(p)) for p in paths))

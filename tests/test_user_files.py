@@ -133,9 +133,10 @@ def test_a_photo_that_is_no_image_file_is_one_line_naming_it(kind, culprit, toy_
 
 
 @pytest.mark.slow  # (a process of its own, as another user: root reads every file)
-def test_a_file_the_user_cannot_read_is_one_line_naming_it(toy_images, tmp_path):
-    """A prompts file and a photo without read permission, read as a user that is not root (nobody when the tests run
-    as root)."""
+def test_a_file_the_user_cannot_read_is_one_line_naming_it(toy_images, tiny_model, tmp_path):
+    """A prompts file, a photo and a model's config without read permission, read as a user that is not root (nobody
+    when the tests run as root)."""
+    import pwd
     import shutil
     import tempfile
 
@@ -149,11 +150,15 @@ def test_a_file_the_user_cannot_read_is_one_line_naming_it(toy_images, tmp_path)
     os.chmod(path, 0)
     os.chmod(os.path.join(photos, "toy-1.jpg"), 0)
     os.chmod(private, 0o700)  # (a folder of photos nobody else may enter)
-    code = ("import sys; sys.path.insert(0, 'tests'); from dreambooth import errors\n"
+    model = os.path.join(where, "model")
+    shutil.copytree(tiny_model, model)
+    os.chmod(os.path.join(model, "unet", "config.json"), 0)
+    code = ("import sys; sys.path.insert(0, 'tests'); from dreambooth import errors, families\n"
             "from dreambooth.generation import prompts; from test_user_files import photos_read\n"
-            "for read, what in zip((prompts.read_prompt_file, photos_read, photos_read), sys.argv[1:]):\n"
+            "reads = (prompts.read_prompt_file, photos_read, photos_read, families.check_model_dir)\n"
+            "for read, what in zip(reads, sys.argv[1:]):\n"
             "    try:\n        read(what)\n    except errors.UserError as err:\n        print(err)")
-    argv = [sys.executable, "-c", code, path, photos, private]
+    argv = [sys.executable, "-c", code, path, photos, private, model]
     if os.geteuid() == 0:
         argv = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", *argv]
     try:
@@ -161,8 +166,11 @@ def test_a_file_the_user_cannot_read_is_one_line_naming_it(toy_images, tmp_path)
     finally:
         shutil.rmtree(where)
     said = proc.stdout.strip().splitlines()
-    assert len(said) == 3 and said[0].startswith(f"the prompts file: cannot read {path}: permission denied"), \
+    assert len(said) == 4 and said[0].startswith(f"the prompts file: cannot read {path}: permission denied"), \
         proc.stdout + proc.stderr[-2000:]
+    reader = pwd.getpwnam("nobody").pw_uid if os.geteuid() == 0 else os.getuid()
+    assert said[3] == (f"cannot read {model}/unet/config.json: permission denied (as user {reader}): fetch or copy the "
+                       "model again (cache_model.py)"), said
     assert said[1].startswith(f"image: cannot read {photos}/toy-1.jpg: permission denied"), said
     assert said[2].startswith(f"instance folder: cannot read {private}: permission denied"), said  # (not 'not found')
 
@@ -192,3 +200,121 @@ def test_a_photo_rewritten_while_the_run_reads_it_is_one_line_naming_it(tiny_mod
         said.endswith("start the run again once it is saved")
     (folder / "toy-3.jpg").unlink()
     assert files.changed_since(found.stamps).endswith("no such file (it was there when the run began)")
+
+
+def spoil(path, kind):
+    """path (a file) made what a user's disk may hold instead: another encoding, empty, a folder of its name, a link
+    to a file that is gone (a hub cache whose blob was deleted), or cut short."""
+    data = path.read_bytes()
+    path.unlink()
+    if kind == "utf-16":
+        path.write_bytes(data.decode().encode("utf-16"))
+    elif kind == "empty":
+        path.write_bytes(b"")
+    elif kind == "folder":
+        path.mkdir()
+    elif kind == "broken link":
+        path.symlink_to("../../blobs/0123abcd")
+    elif kind == "cut short":
+        path.write_bytes(data[:len(data) // 2])
+
+
+def listing(folder):
+    """Every entry under folder with its kind, size and modification time: what a check must leave as it was."""
+    return sorted((root, name, *(lambda st: (st.st_mode, st.st_size, st.st_mtime_ns))(os.lstat(os.path.join(root, name))))
+                  for root, names, found in os.walk(folder) for name in names + found)
+
+
+@pytest.mark.parametrize("name", ["model_index.json", "transformer/config.json", "scheduler/scheduler_config.json",
+                                  "tokenizer_2/tokenizer_config.json", "transformer/diffusion_pytorch_model.safetensors"])
+def test_a_model_folders_bad_file_is_one_line_naming_it(tiny_flux_model, name, tmp_path):
+    """Every file of a model folder (its index, configs, tokenizer files, weights) is checked before Ray starts, as
+    the scripts check --model_dir (families.check_model_dir): each kind of bad file is one line naming it and what to
+    do, and the folder is left as it was."""
+    import shutil
+
+    from dreambooth import families
+
+    kinds = {"utf-16": "is not UTF-8 text (UTF-16 (a Windows editor's 'Unicode'))", "empty": "is empty (0 bytes)",
+             "folder": "is a folder, not a file", "broken link": "is a link to ../../blobs/0123abcd, which does not exist",
+             "cut short": "is not valid JSON (a cut-short copy?)"}
+    if name.endswith(".safetensors"):
+        kinds.pop("utf-16")
+        kinds["cut short"] = "is not a whole safetensors file: "
+    for kind, culprit in kinds.items():
+        model = tmp_path / kind
+        shutil.copytree(tiny_flux_model, model)
+        spoil(model / name, kind)
+        before = listing(model)
+        with pytest.raises(errors.UserError) as caught:
+            families.check_model_dir(str(model))
+        said = str(caught.value)
+        assert said.startswith(f"{model / name} {culprit}") and said.endswith("fetch or copy the model again "
+                                                                             "(cache_model.py)"), (kind, said)
+        assert "\n" not in said and listing(model) == before
+
+
+def test_a_checkpoint_to_resume_from_that_is_not_whole_is_one_line_naming_the_file(tmp_path):
+    """--resume_from_checkpoint PATH: its state file or one of the files it lists, bad in any of the ways above, is
+    one line naming that file (it said only that the folder is not a complete checkpoint)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from dreambooth.planning import checkpoints
+
+    def checkpoint(where):
+        where.mkdir()
+        save_file({"w": torch.zeros(4)}, str(where / "unet.safetensors"))
+        sizes = {"unet.safetensors": os.path.getsize(where / "unet.safetensors")}
+        (where / checkpoints.STATE_FILE).write_text(json.dumps({"step": 2, "sizes": sizes}))
+        return where
+
+    def said(folder):
+        before = listing(folder) if folder.exists() else None
+        with pytest.raises(errors.UserError) as caught:
+            checkpoints.resolve_resume(str(folder), str(tmp_path), "model")
+        assert "\n" not in str(caught.value) and (listing(folder) if folder.exists() else None) == before
+        return str(caught.value).split(" is not a complete checkpoint of train.py: ")[1]
+
+    assert checkpoints.resolve_resume(str(checkpoint(tmp_path / "whole")), str(tmp_path), "model") == str(
+        tmp_path / "whole")
+    assert said(tmp_path / "absent") == "no such folder"
+    state = checkpoints.STATE_FILE
+    for kind, culprit in (("utf-16", f"{state} is not UTF-8 text (UTF-16"), ("empty", f"{state} is empty (0 bytes)"),
+                          ("folder", f"{state} is a folder, not a file"), ("broken link", f"{state} is a link to "),
+                          ("cut short", f"{state} is not valid JSON (a cut-short copy?)")):
+        folder = checkpoint(tmp_path / f"state-{kind}")
+        spoil(folder / state, kind)
+        assert said(folder).startswith(f"{folder}/{culprit}"), kind
+    size = os.path.getsize(tmp_path / "whole" / "unet.safetensors")
+    for kind, culprit in (("empty", f"unet.safetensors is 0 bytes where the checkpoint recorded {size} (cut short?)"),
+                          ("folder", "unet.safetensors is a folder, not a file"),
+                          ("broken link", "unet.safetensors is a link to ../../blobs/0123abcd, which does not exist"),
+                          ("cut short", f"unet.safetensors is {size // 2} bytes where the checkpoint recorded {size} "
+                                        "(cut short?)")):
+        folder = checkpoint(tmp_path / f"weights-{kind}")
+        spoil(folder / "unet.safetensors", kind)
+        assert said(folder).startswith(f"{folder}/{culprit}"), kind
+    folder = checkpoint(tmp_path / "unlisted")
+    (folder / state).write_text(json.dumps({"step": 2}))
+    assert said(folder) == f"{folder}/{state} lists no files (not a checkpoint of train.py)"
+
+
+def test_a_lora_folders_cut_short_adapters_are_one_line_naming_the_file(tiny_model, tmp_path):
+    """--lora_dir (generate.py, evaluate.py): its files are checked as a model folder's, before an actor loads them."""
+    import torch
+    from safetensors.torch import save_file
+
+    from dreambooth import files
+    from dreambooth.models import outputs
+
+    lora = tmp_path / "lora"
+    lora.mkdir()
+    save_file({"unet.w.lora_A.weight": torch.zeros(4, 8)}, str(lora / files.LORA_WEIGHTS_FILE))
+    spoil(lora / files.LORA_WEIGHTS_FILE, "cut short")
+    with pytest.raises(errors.UserError) as caught:
+        outputs.resolve_model(tiny_model, str(lora))
+    assert str(caught.value).startswith(f"{lora / files.LORA_WEIGHTS_FILE} is not a whole safetensors file") and \
+        str(caught.value).endswith(": train or copy the adapters again")

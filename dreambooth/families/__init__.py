@@ -101,6 +101,11 @@ def check_model_dir(model_dir, allow_unsafe_weights=False):
     if not os.path.isdir(model_dir):
         raise errors.UserError(f"model folder not found: {model_dir}")
     index_path = os.path.join(model_dir, "model_index.json")
+    again = "fetch or copy the model again (cache_model.py)"
+    if os.path.lexists(index_path) or os.path.isdir(index_path):  # (a broken link, a folder, an unreadable file)
+        problem = files.model_file_problem(index_path)
+        if problem:
+            raise errors.UserError(f"{problem}: {again}")
     if not os.path.isfile(index_path):
         raise errors.UserError(f"{model_dir} has no model_index.json: not a diffusers pipeline folder")
     family = family_of(model_dir)  # which parts it must have
@@ -108,19 +113,9 @@ def check_model_dir(model_dir, allow_unsafe_weights=False):
     for part in (*family.parts(), "scheduler"):
         if not os.path.isdir(os.path.join(model_dir, part)):
             raise errors.UserError(f"model folder {model_dir} is missing its '{part}' component")
-    for config in [os.path.join(model_dir, "model_index.json")] + [
-            os.path.join(model_dir, part, name) for part in (*networks, "scheduler")
-            for name in os.listdir(os.path.join(model_dir, part)) if name.endswith(".json")]:
-        try:
-            files.read_json(config)
-        except (ValueError, UnicodeDecodeError):
-            raise errors.UserError(f"{config} is not valid JSON (a cut-short copy?): fetch or copy the model again "
-                                   "(cache_model.py)") from None
+        files.check_model_files(os.path.join(model_dir, part), again)  # (every file: configs, weights, tokenizer)
     for part in networks:
         names = os.listdir(os.path.join(model_dir, part))
-        for name in names:
-            if name.endswith(".safetensors"):
-                files.check_safetensors(os.path.join(model_dir, part, name))
         if not any(n.endswith(".safetensors") for n in names):
             if not any(n.endswith(".bin") for n in names):
                 raise errors.UserError(f"model folder {model_dir} has no weights in '{part}'")

@@ -7,6 +7,7 @@ import re
 import sys
 
 from dreambooth import errors
+from dreambooth import files
 from dreambooth import storage
 from dreambooth.models import outputs
 from dreambooth.planning import run_identity
@@ -23,6 +24,35 @@ def is_complete(folder):
         return all(storage.size(storage.join(folder, name)) == size for name, size in sizes.items())
     except (OSError, ValueError, KeyError):
         return False
+
+
+def incomplete_reason(folder):
+    """Why folder (given as --resume_from_checkpoint) is not a complete checkpoint, in words that name the file (its
+    state file's files.model_file_problem: another encoding, empty, not whole; for every file it lists, a broken link,
+    a folder of its name, no permission, or another size than recorded), or None when it is one. A bucket's is only
+    told complete or not."""
+    if storage.is_remote(folder):
+        return None if is_complete(folder) else "a file missing or cut short"
+    if not os.path.isdir(folder):
+        return files.unreadable(folder, None) if os.path.lexists(folder) else "no such folder"
+    state = os.path.join(folder, STATE_FILE)
+    if not os.path.lexists(state):
+        return f"no {STATE_FILE} in it"
+    problem = files.model_file_problem(state)
+    if problem:
+        return problem
+    saved = files.read_json(state)
+    sizes = saved.get("sizes") if isinstance(saved, dict) else None
+    if not isinstance(sizes, dict):
+        return f"{state} lists no files (not a checkpoint of train.py)"
+    for name, size in sizes.items():
+        path = os.path.join(folder, name)
+        problem = files.file_problem(path) if os.path.lexists(path) else f"{path}: no such file"
+        if problem:
+            return problem
+        if os.path.getsize(path) != size:
+            return f"{path} is {os.path.getsize(path)} bytes where the checkpoint recorded {size} (cut short?)"
+    return None
 
 
 def remove_incomplete(run_dir):
@@ -148,8 +178,9 @@ def resolve_resume(resume_flag, storage_path, run_prefix, output_dir=None, ident
         else:
             print(f"resuming from {path} (step {saved_step(path)})", file=sys.stderr)
         return path
-    if resume_flag and not is_complete(resume_flag):
-        raise errors.UserError(f"{resume_flag} is not a complete checkpoint of train.py")
+    reason = incomplete_reason(resume_flag) if resume_flag else None
+    if reason:
+        raise errors.UserError(f"--resume_from_checkpoint {resume_flag} is not a complete checkpoint of train.py: {reason}")
     if resume_flag and identity is not None:
         saved = saved_identity(resume_flag)
         longer = run_identity.continuation(saved, identity)
