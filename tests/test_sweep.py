@@ -166,6 +166,10 @@ def test_search_space_is_a_grid_of_every_value_or_random_draws_with_a_log_unifor
     assert space["subject"] == tune.grid_search(["rex", "mug"])  # every subject gets its own draws
     assert sweep_trial.trial_label({"subject": "rex", "learning_rate": 1.23456789e-5, "train_text_encoder": True,
                               "use_lora": True, "rank": 8}) == "rex-lr1.23457e-05-te1-rank8"
+    # a row's trial found again by its settings (a failed trial's checkpoints are kept for the rerun)
+    assert sweep_trial.trial_label(sweep_rows.TrialRow("rex", 1.23456789e-5, True, 8).config()) == \
+        "rex-lr1.23457e-05-te1-rank8"
+    assert sweep_trial.trial_label(sweep_rows.TrialRow("rex", 2e-6, False).config()) == "rex-lr2e-06-te0"
 
 
 @pytest.fixture()
@@ -204,9 +208,10 @@ def image_change_of_adapters(pipeline, model, adapters):
     return abs(after - before).max()
 
 
-def run_sweep(command, log_path, kill_after_first_checkpoint=False, env=None):
+def run_sweep(command, log_path, kill_after_first_scores=False, env=None):
     """(output, rows of trials.csv) of a sweep.py run that must succeed; optionally SIGKILLs the
-    first trial's train worker once that trial has written a checkpoint. The sweep folder may be a bucket's."""
+    first trial's train worker once its first step count is scored (while it trains on). The sweep folder may be a
+    bucket's."""
     import glob
     import time
 
@@ -216,8 +221,8 @@ def run_sweep(command, log_path, kill_after_first_checkpoint=False, env=None):
     started = time.time()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(command, cwd=REPO_DIR, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
-        while kill_after_first_checkpoint and proc.poll() is None:
-            if glob.glob(os.path.join(sweep_dir, "trials", "*", "ray_results", "*", "checkpoint_*", "train_state.json")):
+        while kill_after_first_scores and proc.poll() is None:
+            if glob.glob(os.path.join(sweep_dir, "trials", "*", "ray_results", "*", "scores", "step-*", "scores.json")):
                 os.kill(worker_pids(started)[0], signal.SIGKILL)
                 break
             time.sleep(0.1)
@@ -364,17 +369,22 @@ def test_a_flux_lora_sweep_stops_the_trial_behind_early_and_its_best_adapters_lo
 @pytest.mark.long
 def test_a_failed_trial_is_listed_and_the_rerun_resumes_it_from_its_checkpoint(two_subjects, tmp_path):
     """(About 5 minutes: outside the default run; pytest -m long.) The first trial's train worker is
-    killed after its first checkpoint (no restarts): the sweep goes on, lists the trial as failed and
-    keeps the other subject's best. The same command again restores Tune's state: the failed trial
-    resumes from its checkpoint, the finished one is kept as it was."""
+    killed once its first step count is scored, while it trains on (no restarts): the sweep goes on, lists the
+    trial as failed (with the step count it scored) and keeps the other subject's best. The same command again
+    restores Tune's state: the failed trial resumes from its newest checkpoint (its first step count's scores
+    kept), the finished one is kept as it was."""
     command, sweep_dir = two_subjects
-    command += ["--sweep_max_train_steps", "4,12", "--max_failures", "0"]
-    output, table = run_sweep(command, tmp_path / "log-1.txt", kill_after_first_checkpoint=True)
+    command += ["--sweep_max_train_steps", "4,200", "--max_failures", "0"]  # (200: still training when 4 is scored)
+    output, table = run_sweep(command, tmp_path / "log-1.txt", kill_after_first_scores=True)
     failed = [r for r in table if r["status"] != "ok"]
     assert len(failed) == 1 and failed[0]["status"].startswith("failed: ") and "1 failed trial(s)" in output
-    done = next(s for s in ("red", "blue") if s != failed[0]["subject"])
-    assert sorted((r["subject"], r["step"]) for r in table if r["status"] == "ok") == [(done, "12"), (done, "4")]
-    assert os.listdir(tmp_path / "best") == [done]
+    cut = failed[0]["subject"]
+    done = next(s for s in ("red", "blue") if s != cut)
+    assert sorted((r["subject"], r["step"]) for r in table if r["status"] == "ok") == sorted(
+        [(done, "200"), (done, "4"), (cut, "4")])
+    # (the cut trial's scored step count is a candidate too: its subject has a best already)
+    assert sorted(os.listdir(tmp_path / "best")) == ["blue", "red"]
+    assert files.read_json(str(tmp_path / "best" / cut / files.OUTPUT_MARKER))["steps"] == 4
     weights = [os.path.join(root, n) for root, _, names in os.walk(sweep_dir / "trials") for n in names
                if n.endswith(".safetensors") and f"{os.sep}{done}-" in root]
     before = {w: os.stat(w).st_mtime_ns for w in weights}
@@ -382,9 +392,10 @@ def test_a_failed_trial_is_listed_and_the_rerun_resumes_it_from_its_checkpoint(t
     output, table = run_sweep(command, tmp_path / "log-2.txt")
     assert "resuming the sweep" in output and "base model on" not in output  # base scores read back
     assert "resuming from" in output  # the failed trial continues from its checkpoint
+    assert output.count(") plan: ") == 1  # (the finished trial is not trained again)
     assert {w: os.stat(w).st_mtime_ns for w in weights} == before  # the finished trial is kept as it was
     assert sorted((r["subject"], r["step"], r["status"]) for r in table) == [
-        ("blue", "12", "ok"), ("blue", "4", "ok"), ("red", "12", "ok"), ("red", "4", "ok")]
+        ("blue", "200", "ok"), ("blue", "4", "ok"), ("red", "200", "ok"), ("red", "4", "ok")]
     assert sorted(os.listdir(tmp_path / "best")) == ["blue", "red"]
 
 

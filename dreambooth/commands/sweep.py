@@ -18,8 +18,8 @@ photos every trial was trained without); it is copied to --output_dir (with --su
 --output_dir/<subject>). Beside it, in --sweep_dir: trials.md and trials.csv (every trial, failed
 ones with their error), sweep.png (DINO against CLIP-T) and report.md (each subject's best beside
 its base model). Class images are drawn once per class and shared. A failed trial does not end the
-sweep; rerunning the same command after a crash continues it (Tune's restore; trials resume from
-their own newest checkpoint, failed ones start again).
+sweep; rerunning the same command after a crash continues it (Tune's restore; unfinished and failed
+trials resume from their own newest checkpoint before a step count not yet scored).
 """
 
 import dataclasses
@@ -315,9 +315,11 @@ def main(argv=None):
           f"{concurrency} trial(s) at once{stopping}; {disk}; working folder {args.sweep_dir}", file=sys.stderr)
     rows = sweep_rows.collect(run_tune(job, param_space(args, subjects, train_args), concurrency, num_samples),
                               args.sweep_max_train_steps[-1])
-    if not job.keep_checkpoints:  # (those of trials stopped early, too)
+    if not job.keep_checkpoints:  # (those of trials stopped early too; a failed trial's resume the rerun)
+        failed = {sweep_trial.trial_label(row.config()) for row in rows if not row.scored}
         for trial in sweep_files.trial_storage_paths(args.sweep_dir):
-            sweep_trial.remove_checkpoints(trial)
+            if os.path.basename(os.path.dirname(trial.rstrip("/"))) not in failed:
+                sweep_trial.remove_checkpoints(trial)
     return finish(args, subjects, rows, base)
 
 

@@ -35,6 +35,11 @@ class TrialRow:
     def scored(self):
         return self.status == "ok"
 
+    def config(self):
+        """The row's trial settings as Tune's trial config names them (sweep_trial.trial_label's)."""
+        return {"subject": self.subject, "learning_rate": self.learning_rate, "train_text_encoder": self.train_text_encoder,
+                "use_lora": self.rank is not None, "rank": self.rank}
+
     def scores(self):
         """{metric: value} of the row (evaluate.py's overall names)."""
         return {name: getattr(self, name) for name in METRICS}

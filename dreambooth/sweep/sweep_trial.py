@@ -59,6 +59,7 @@ def trial_fn(config, job):
     folder = storage.join(job.sweep_dir, "trials", trial_label(config))  # (a bucket's: every node reads it)
     train_args = trial_args(job, config, subject, folder)
     scores = TrialScores(job, subject, folder, train_args)
+    train_args = resume_point(train_args, scores)
     watcher = threading.Thread(target=scores.report_while_training, name="trial-scores", daemon=True)
     watcher.start()
     try:
@@ -72,6 +73,18 @@ def trial_fn(config, job):
     # (the run's own output: the last step count's model-step-N holds the same weights, made from its checkpoint)
     if storage.exists(train_args.output_dir):
         storage.remove_tree(train_args.output_dir)
+
+
+def resume_point(train_args, scores):
+    """The trial's flags resuming from its newest checkpoint before its first step count without scores (a run cut
+    before a step count's scoring ended goes on from before that step count, which is scored as it trains again), or
+    afresh when it has none; from its newest checkpoint ("latest") once every step count is scored."""
+    unscored = [step for step in scores.job.steps if scores.overall(step) is None]
+    if not unscored:
+        return train_args
+    found = checkpoints.by_step(train_args.storage_path, "model") if storage.isdir(train_args.storage_path) else {}
+    before = [step for step in found if step < unscored[0]]
+    return argparse.Namespace(**{**vars(train_args), "resume_from_checkpoint": found[max(before)] if before else None})
 
 
 class TrialScores:
