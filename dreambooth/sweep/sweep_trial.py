@@ -63,7 +63,7 @@ def trial_fn(config, job):
     watcher = threading.Thread(target=scores.report_while_training, name="trial-scores", daemon=True)
     watcher.start()
     try:
-        driver.run(train_args)  # after a restart: resumes from the trial's newest checkpoint
+        driver.run(train_args)  # (after a restart: from resume_point's checkpoint)
     finally:
         scores.trained.set()
         watcher.join()
