@@ -315,7 +315,7 @@ def main(argv=None):
           f"{concurrency} trial(s) at once{stopping}; {disk}; working folder {args.sweep_dir}", file=sys.stderr)
     rows = sweep_rows.collect(run_tune(job, param_space(args, subjects, train_args), concurrency, num_samples),
                               args.sweep_max_train_steps[-1])
-    if not job.keep_checkpoints:  # (those of trials stopped early too; a failed trial's resume the rerun)
+    if not job.keep_checkpoints:  # (those of trials stopped early too; a failed trial's stay: the rerun resumes them)
         failed = {sweep_trial.trial_label(row.config()) for row in rows if not row.scored}
         for trial in sweep_files.trial_storage_paths(args.sweep_dir):
             if os.path.basename(os.path.dirname(trial.rstrip("/"))) not in failed:

@@ -137,8 +137,8 @@ class Plan:
     clip_t_margin: float  # how far below the base model's CLIP-T a step may score and still be the best
     settings_toml: str  # the resolved flags as a --config file that repeats the run
     # a sweep's trial (sweep_trial.py): the steps scored whatever happens (its step counts: never skipped for a scoring
-    # still running), the folder each of them but the last keeps its scored model in (model-step-N), and its subject's
-    # base model's scores, already made by the sweep (the run does not score the base model again)
+    # still running), the folder each of them keeps its scored model in (model-step-N), and its subject's base
+    # model's scores, already made by the sweep (the run does not score the base model again)
     score_at: tuple = ()
     step_models: str | None = None
     base_scores: dict | None = None
