@@ -313,13 +313,20 @@ def main(argv=None):
     stopping = "; trials behind at a step count stop there (ASHA)" if early_stopping else ""
     print(f"sweep: {len(subjects)} subject(s), steps {args.sweep_max_train_steps}, {args.search} search, "
           f"{concurrency} trial(s) at once{stopping}; {disk}; working folder {args.sweep_dir}", file=sys.stderr)
-    rows = sweep_rows.collect(run_tune(job, param_space(args, subjects, train_args), concurrency, num_samples),
-                              args.sweep_max_train_steps[-1])
-    if not job.keep_checkpoints:  # (those of trials stopped early too; a failed trial's stay: the rerun resumes them)
-        failed = {sweep_trial.trial_label(row.config()) for row in rows if not row.scored}
-        for trial in sweep_files.trial_storage_paths(args.sweep_dir):
-            if os.path.basename(os.path.dirname(trial.rstrip("/"))) not in failed:
-                sweep_trial.remove_checkpoints(trial)
+    results = run_tune(job, param_space(args, subjects, train_args), concurrency, num_samples)
+    expected = len(subjects) * trials_per_subject(args, train_args)
+    unfinished = sweep_files.unfinished_trials(args.sweep_dir, expected)
+    if unfinished:  # (Ctrl-C: Tune stopped the trials and saved its state)
+        print(f"stopped with {unfinished} of {expected} trial(s) unfinished; rerun the same command to continue "
+              f"(the sweep's state: {storage.join(args.sweep_dir, 'tune')})", file=sys.stderr)
+        raise errors.Stopped
+    rows = sweep_rows.collect(results, args.sweep_max_train_steps[-1])
+    failed = {sweep_trial.trial_label(row.config()) for row in rows if not row.scored}
+    for trial in sweep_files.trial_storage_paths(args.sweep_dir):
+        label_dir = os.path.dirname(trial.rstrip("/"))
+        sweep_trial.remove_output(label_dir)  # (a trial stopped early trained on past its step count: not in the table)
+        if not job.keep_checkpoints and os.path.basename(label_dir) not in failed:  # (a failed trial's: its rerun's)
+            sweep_trial.remove_checkpoints(trial)
     return finish(args, subjects, rows, base)
 
 

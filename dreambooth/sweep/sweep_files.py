@@ -39,6 +39,17 @@ def tune_storage(sweep_dir):
     return (storage_path.rstrip("/") + "/tune" if fs else os.path.join(storage_path, "tune")), storage_path, fs
 
 
+def unfinished_trials(sweep_dir, expected):
+    """How many of the sweep's expected trials Tune's saved state has not ended (neither terminated nor errored, or
+    not started): after a Ctrl-C, Tune saves the trials it stopped as pending, to run again on a restore."""
+    from ray.tune import ExperimentAnalysis
+
+    path, _, fs = tune_storage(sweep_dir)
+    trials = ExperimentAnalysis(path, storage_filesystem=fs).trials
+    ended = sum(trial.status in ("TERMINATED", "ERROR") for trial in trials)
+    return expected - ended
+
+
 def set_aside_another_sweep(sweep_dir, settings_toml):
     """Tune restores a sweep with the search space it stored: a rerun whose settings (search space, steps,
     subjects, train.py's flags) differ from the stored sweep's starts afresh instead, saying what changed;

@@ -6,6 +6,8 @@ checkpoints: Ray Train's validation, evaluate.py's scores), each step count's sc
 import argparse
 import dataclasses
 import math
+import os
+import sys
 import threading
 
 from dreambooth import errors
@@ -70,9 +72,15 @@ def trial_fn(config, job):
     scores.report_the_rest()
     if not job.keep_checkpoints:  # every step count is a model now: the checkpoints' disk is freed
         remove_checkpoints(train_args.storage_path)
-    # (the run's own output: the last step count's model-step-N holds the same weights, made from its checkpoint)
-    if storage.exists(train_args.output_dir):
-        storage.remove_tree(train_args.output_dir)
+    remove_output(folder)
+
+
+def remove_output(folder):
+    """The trial's own train.py output removed: each step count's model-step-N holds its weights, the last's too (made
+    from its checkpoint); a trial stopped early may have trained on past its step count."""
+    output = storage.join(folder, "model")
+    if storage.exists(output):
+        storage.remove_tree(output)
 
 
 def resume_point(train_args, scores):
@@ -84,6 +92,11 @@ def resume_point(train_args, scores):
         return train_args
     found = checkpoints.by_step(train_args.storage_path, "model") if storage.isdir(train_args.storage_path) else {}
     before = [step for step in found if step < unscored[0]]
+    if any(step >= unscored[0] for step in found):  # (a run cut before that step count's scores were made)
+        start = f"from its checkpoint of step {max(before)}" if before else "from the start"
+        print(f"trial {os.path.basename(scores.folder)}: step {unscored[0]} was not scored: trained again {start}, "
+              f"scored as it goes", file=sys.stderr)
+    remove_output(scores.folder)  # (a model of the cut run: this one writes it again)
     return argparse.Namespace(**{**vars(train_args), "resume_from_checkpoint": found[max(before)] if before else None})
 
 

@@ -371,7 +371,8 @@ def finish(plan, last_step=None, base_task=None):
         keep_models(plan.run_dir, None)
     if step is not None:
         lines.append(best_line(plan, step, within, ranked_by))
-        if last_step is None:  # (the run's end: a stopped run saved no model)
+        if last_step is None and not plan.step_models:  # (the run's end: a stopped run saved no model; a sweep's
+            # trial keeps every step count's model, and the sweep picks among them)
             lines.append(keep_best(plan, step, lines[-1]) if plan.keep_best else
                          f"saved: the last step's model in {plan.output_dir} (--keep_best saves the best step's instead)")
     return lines
