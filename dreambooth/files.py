@@ -155,7 +155,7 @@ def file_problem(path):
 def model_file_problem(path):
     """Why a file of a model folder cannot be read, in one line naming it, or None: file_problem's, an empty file, a
     JSON file that is not UTF-8 or not whole, a safetensors file whose header does not parse or that is cut short
-    (check_safetensors)."""
+    (safetensors_problem)."""
     problem = file_problem(path)
     if problem:
         return problem
@@ -170,16 +170,14 @@ def model_file_problem(path):
         except ValueError:
             return f"{path} is not valid JSON (a cut-short copy?)"
     if path.endswith(".safetensors"):
-        try:
-            check_safetensors(path)
-        except errors.UserError as err:
-            return str(err).split(": fetch or copy")[0]
+        return safetensors_problem(path)
     return None
 
 
 def check_model_files(folder, remedy):
     """errors.UserError (model_file_problem's line, then remedy) for the first file of folder, or of its sub-folders,
-    that cannot be read; a folder whose name is a file's (MODEL_FILE_SUFFIXES) is one."""
+    that cannot be read; a folder whose name is a file's (MODEL_FILE_SUFFIXES) is one. (A folder that is not there has
+    no file to check: the caller says what is missing.)"""
     for root, names, found in os.walk(folder):
         names.sort()
         for name in sorted(found) + [n for n in names if n.endswith(MODEL_FILE_SUFFIXES)]:
@@ -229,8 +227,8 @@ def safetensors_header(path):
         return length, json.loads(f.read(length))
 
 
-def check_safetensors(path):
-    """errors.UserError naming path unless it is a whole safetensors file: its header parses and the file is
+def safetensors_problem(path):
+    """Why path is not a whole safetensors file, in one line naming it, or None: its header parses and the file is
     as long as the header says (an interrupted download or copy is cut short). Reads the header only."""
     import struct
 
@@ -240,11 +238,17 @@ def check_safetensors(path):
         length, header = safetensors_header(path)
         end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
     except (struct.error, ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError):
-        raise errors.UserError(f"{what} (its header does not parse): fetch or copy the model again "
-                        "(cache_model.py)") from None
+        return f"{what} (its header does not parse)"
     if size != 8 + length + end:
-        raise errors.UserError(f"{what}: {size} bytes where its header says {8 + length + end} (an interrupted download "
-                        "or copy?): fetch or copy the model again (cache_model.py)")
+        return f"{what}: {size} bytes where its header says {8 + length + end} (an interrupted download or copy?)"
+    return None
+
+
+def check_safetensors(path):
+    """errors.UserError naming path unless it is a whole safetensors file (safetensors_problem)."""
+    problem = safetensors_problem(path)
+    if problem:
+        raise errors.UserError(f"{problem}: fetch or copy the model again (cache_model.py)")
 
 
 def check_output_path(path, flag, inputs=(), is_file=False):

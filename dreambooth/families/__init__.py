@@ -102,7 +102,7 @@ def check_model_dir(model_dir, allow_unsafe_weights=False):
         raise errors.UserError(f"model folder not found: {model_dir}")
     index_path = os.path.join(model_dir, "model_index.json")
     again = "fetch or copy the model again (cache_model.py)"
-    if os.path.lexists(index_path) or os.path.isdir(index_path):  # (a broken link, a folder, an unreadable file)
+    if os.path.lexists(index_path):  # (a broken link, a folder, an unreadable file: said as such)
         problem = files.model_file_problem(index_path)
         if problem:
             raise errors.UserError(f"{problem}: {again}")

@@ -298,8 +298,7 @@ def check_eval_models_dir(folder):
     whole weights (what cache_model.py --eval_models prints)."""
     for part in EVAL_MODEL_PARTS:
         path = os.path.join(folder, part)
-        if os.path.isdir(path):  # (a broken link, a folder of a file's name, an empty or cut-short file: said as such)
-            files.check_model_files(path, "fetch them again (cache_model.py --eval_models)")
+        files.check_model_files(path, "fetch them again (cache_model.py --eval_models)")  # (a broken link, ...)
         if not has_weights(path):
             raise errors.UserError(f"--eval_models_dir {folder} has no {part}/ model (config.json and weights): "
                                    "pass the folder `cache_model.py --model_dir DIR --eval_models` prints")

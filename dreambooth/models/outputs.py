@@ -171,7 +171,7 @@ def resolve_model(model_dir, lora_dir=None, lora_scale=1.0):
         print(f"LoRA adapters of {lora_dir} on their base model {model_dir}", file=sys.stderr)
     lora_dir = storage.cached(lora_dir) if storage.is_remote(lora_dir) else lora_dir
     model_dir = storage.cached(model_dir) if storage.is_remote(model_dir) else model_dir  # (a sweep's trial model)
-    if lora_dir and os.path.isdir(lora_dir):  # (a broken link, a folder of a file's name, an empty or cut-short file)
+    if lora_dir:  # (a broken link, a folder of a file's name, an empty or cut-short file: said as such)
         files.check_model_files(lora_dir, "train or copy the adapters again")
     if lora_dir and not holds_lora(lora_dir):
         raise errors.UserError(f"--lora_dir {lora_dir} has no {files.LORA_WEIGHTS_FILE}")

@@ -14,8 +14,7 @@ VAE_FILES = ["config.json", "diffusion_pytorch_model.safetensors"]
 
 def check_vae_dir(folder, allow_unsafe_weights=False):
     """A UserError unless folder holds a diffusers VAE (config.json and its weights)."""
-    if os.path.isdir(folder):  # (a broken link, a folder of a file's name, an empty or cut-short file: said as such)
-        files.check_model_files(folder, "fetch or copy the VAE again")
+    files.check_model_files(folder, "fetch or copy the VAE again")  # (a broken link, an empty file, ...: said as such)
     if not os.path.isfile(os.path.join(folder, "config.json")):
         raise errors.UserError(f"--pretrained_vae_model_name_or_path {folder}: no config.json there (a diffusers "
                                "AutoencoderKL folder, or a hub repository of one, e.g. madebyollin/sdxl-vae-fp16-fix)")
