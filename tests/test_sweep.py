@@ -93,6 +93,37 @@ def test_the_sweep_estimates_its_disk_and_refuses_what_does_not_fit(tiny_model, 
         sweep.check_disk(args, train_args, num_trials=10 ** 7, concurrency=1)
 
 
+@pytest.mark.parametrize("arch", ["sd1", "flux2"])
+def test_a_lora_sweeps_disk_is_counted_from_its_adapters_as_peft_makes_them(arch, request, toy_images, tmp_path):
+    """A LoRA sweep's estimate is its adapters' (at the largest rank swept), not a fixed size: the parameters counted
+    from the weight files' headers are those peft adds to the trained networks (SD 1.x: the UNet's and the text
+    encoder's layers by name; FLUX.2 [klein]: the transformer's by its regular expression)."""
+    from diffusers import DiffusionPipeline
+
+    from dreambooth import families
+    from dreambooth.models import networks
+    from dreambooth.planning import disk
+
+    model = request.getfixturevalue("tiny_model" if arch == "sd1" else f"tiny_{arch}_model")
+    family = families.family_of(model)
+    trained = disk.trained_networks(family, files.safetensors_params(model), True)
+    pipe = DiffusionPipeline.from_pretrained(model)
+    plan = type("Plan", (), dict(lora_rank=8, lora_alpha=8, lora_dropout=0.0, adapter="lora"))
+    added = 0
+    for name in trained:
+        net = getattr(pipe, name)
+        before = sum(p.numel() for p in net.parameters())
+        targets = family.denoiser_lora_targets if name == family.denoiser else networks.TEXT_ENCODER_LORA_TARGETS
+        net.add_adapter(networks.lora_config(plan, targets))
+        added += sum(p.numel() for p in net.parameters()) - before
+    assert added > 0 and disk.adapter_params(model, family, trained, 8) == added
+    argv = base_argv(model, tmp_path) + ["--instance_data_dir", toy_images, "--class_name", "toy", "--use_lora",
+                                         "--sweep_rank", "4,8", "--sweep_max_train_steps", "2,4"]
+    args, _, train_args = sweep.parse_args(argv)
+    said = sweep.check_disk(args, train_args, num_trials=2, concurrency=1)
+    assert f"a model of {files.size_text(4 * added + disk.ADAPTER_FILE_BYTES)}" in said, said
+
+
 def test_a_trial_is_the_base_flags_with_its_own_set_and_the_rest_worked_out_again(tiny_model, toy_images, tmp_path):
     """No argv per trial: the sweep's base as parsed once, the trial's settings set on it, then derived
     (LoRA's alpha from the trial's rank, not the base's); the base is never changed."""

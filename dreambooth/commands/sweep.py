@@ -174,9 +174,9 @@ def check_disk(args, train_args, num_trials, concurrency):
     bucket's is not checked: its size is the bucket's business)."""
     from dreambooth.training import failures  # here, not at the top: it imports ray.train (1.2 s)
 
-    steps = args.sweep_max_train_steps
-    per_checkpoint, per_model = disk.disk_bytes(args.model_dir, train_args.use_lora,
-                                                train_args.train_text_encoder)
+    steps, values = args.sweep_max_train_steps, search_values(args, train_args)
+    per_checkpoint, per_model = disk.disk_bytes(args.model_dir, train_args.use_lora, any(values["train_text_encoder"]),
+                                                rank=max(values["rank"]), adapter=train_args.adapter)
     needed = concurrency * (sweep_trial.checkpoints_kept(steps) + 1) * per_checkpoint + num_trials * len(steps) * per_model
     what = (f"{num_trials} trial(s) x {len(steps)} step count(s) x a model of {files.size_text(per_model)}, and "
             f"the checkpoints of {concurrency} trial(s) at once, {files.size_text(per_checkpoint)} each")
