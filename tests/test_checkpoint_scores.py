@@ -33,8 +33,7 @@ def test_scoring_needs_its_models_and_class_and_a_prompt_that_names_the_subject(
     assert refusal(["--keep_best"], capsys).endswith("--keep_best: these say how checkpoints are scored while "
                                                      "training: add --score_steps N")
     scored = ["--score_steps", "2", "--eval_models_dir", "/e", "--class_name", "toy", "--keep_best"]
-    assert "--keep_best keeps the best step's model on this node's disk until the run ends: give a local " \
-           "--output_dir (not s3://b/o)" in refusal(scored + ["--output_dir", "s3://b/o"], capsys)
+    assert planning.parse_args(BASE + scored + ["--output_dir", "s3://b/o"]).keep_best  # (a bucket's model too)
     args = planning.parse_args(BASE + ["--score_steps", "3", "--eval_models_dir", "/e", "--class_name", "toy"])
     assert (args.score_steps, args.eval_models_dir, args.unique_token, args.eval_images_per_prompt) == (3, "/e",
                                                                                                        "unqtkn", 4)
@@ -166,75 +165,109 @@ def test_the_end_of_a_run_adds_the_scores_that_came_late_and_says_a_failed_step(
     assert all(colour in colours for _, _, colour in runlog.SCORE_LINES)  # a line (and its label) of each score
 
 
-def test_keep_best_saves_the_best_step_by_the_sweeps_rule_and_its_record_says_why(tmp_path):
+def storage_of(where, request, tmp_path):
+    """A run's storage path: tmp_path, or a folder of its own in the test's S3 bucket ("runs", a moto server)."""
+    if where == "disk":
+        return str(tmp_path)
+    request.getfixturevalue("s3_endpoint")
+    return f"s3://runs/{request.node.name.replace('[', '-').rstrip(']')}"
+
+
+def write_step_scores(folder, step, values):
+    from dreambooth.evaluation import scoring
+
+    result = scoring.EvalResult("unqtkn toy", 1, 1, 5, ("a unqtkn toy",), {f"step-{step}": scoring.ModelScores(values, {})})
+    os.makedirs(folder, exist_ok=True)
+    files.write_json(os.path.join(folder, "scores.json"), result.to_json())
+
+
+@pytest.mark.parametrize("where", ["disk", "bucket"])
+def test_keep_best_saves_the_best_step_by_the_sweeps_rule_and_its_record_says_why(where, request, tmp_path):
     """checkpoint_scores.finish of a --keep_best run: the best step is the highest DINO among the steps whose CLIP-T is
     within --clip_t_margin of the base model's (step 4's higher DINO does not count: its CLIP-T fell below), its kept
-    model replaces the last step's in --output_dir, whose record says which step, its scores and why."""
-    from dreambooth.evaluation import scoring
+    model replaces the last step's in --output_dir (on a disk or in a bucket), whose record says which step, its scores
+    and why; when the best is the last step, its weights stay and the record says so."""
+    from dreambooth import storage
     from dreambooth.models import outputs
     from dreambooth.training import checkpoint_scores
 
-    out = tmp_path / "out"
-    plan = planning.offline_plan(score_steps=2, total_steps=6, storage_path=str(tmp_path), run_name="run",
-                                 class_name="toy", keep_best=True, clip_t_margin=0.02, output_dir=str(out))
+    out = storage.join(storage_of(where, request, tmp_path), "out")
+    plan = planning.offline_plan(score_steps=2, total_steps=6, storage_path=storage_of(where, request, tmp_path),
+                                 run_name="run", class_name="toy", keep_best=True, clip_t_margin=0.02, output_dir=out)
     scores = {2: {"dino": 0.5, "clip_i": 0.7, "clip_t": 0.25}, 4: {"dino": 0.6, "clip_i": 0.8, "clip_t": 0.2},
               6: {"dino": 0.4, "clip_i": 0.6, "clip_t": 0.3}}
-    for step, values in scores.items():
-        folder = tmp_path / "run" / "scores" / f"step-{step}"
-        (folder / "model").mkdir(parents=True)
-        (folder / "model" / files.LORA_WEIGHTS_FILE).write_text(f"step {step}'s weights")
-        result = scoring.EvalResult("unqtkn toy", 1, 1, 5, ("a unqtkn toy",),
-                                    {f"step-{step}": scoring.ModelScores(values, {})})
-        files.write_json(str(folder / "scores.json"), result.to_json())
-    files.write_json(str(tmp_path / "run" / "scores" / "base.json"), {"dino": 0.1, "clip_i": 0.2, "clip_t": 0.26})
-    out.mkdir()
-    (out / files.LORA_WEIGHTS_FILE).write_text("step 6's weights")
-    (out / "train_config.toml").write_text("max_train_steps = 6\n")
-    files.write_json(str(out / files.OUTPUT_MARKER), outputs.TrainRecord("/base", steps=6, run_name="run").to_json())
+
+    def prepare():
+        for step, values in scores.items():
+            folder = os.path.join(plan.run_dir, "scores", f"step-{step}")
+            write_step_scores(folder, step, values)
+            storage.write_bytes(os.path.join(folder, "model", files.LORA_WEIGHTS_FILE), f"step {step}'s weights".encode())
+        files.write_json(os.path.join(plan.run_dir, "scores", "base.json"), {"dino": 0.1, "clip_i": 0.2, "clip_t": 0.26})
+        storage.write_bytes(storage.join(out, files.LORA_WEIGHTS_FILE), b"step 6's weights")
+        storage.write_bytes(storage.join(out, "train_config.toml"), b"max_train_steps = 6\n")
+        storage.write_bytes(storage.join(out, files.OUTPUT_MARKER), json.dumps(
+            outputs.TrainRecord("/base", steps=6, run_name="run").to_json()).encode())
+
+    prepare()
     lines = checkpoint_scores.finish(plan)
     assert lines[-2:] == [
         "best scored step: 2 (DINO 0.500, CLIP-T 0.250; the highest DINO among the scored steps whose CLIP-T is at "
         "most 0.02 below the base model's 0.260)",
         f"saved: step 2's model, the best scored, in {out} instead of step 6's (--keep_best)"]
-    assert (out / files.LORA_WEIGHTS_FILE).read_text() == "step 2's weights"
-    assert (out / "train_config.toml").read_text() == "max_train_steps = 6\n"
-    record = outputs.read_output(str(out)).record
+    assert storage.read_bytes(storage.join(out, files.LORA_WEIGHTS_FILE)) == b"step 2's weights"
+    assert storage.read_bytes(storage.join(out, "train_config.toml")) == b"max_train_steps = 6\n"
+    record = outputs.read_output(out).record
     assert record.steps == 2 and record.run_name == "run" and record.kept == {
         "step": 2, "of_steps": 6, "scores": scores[2], "why": lines[-2]}
-    assert not glob.glob(str(tmp_path / "run" / "scores" / "step-*" / "model"))
+    assert not glob.glob(os.path.join(plan.run_dir, "scores", "step-*", "model"))
+    # the best is the last step: its model stays, its record says why
+    scores[6] = {"dino": 0.7, "clip_i": 0.6, "clip_t": 0.3}
+    prepare()
+    lines = checkpoint_scores.finish(plan)
+    assert lines[-1] == f"saved: the last step's model, the best scored, in {out} (--keep_best)"
+    record = outputs.read_output(out).record
+    assert record.steps == 6 and record.kept == {"step": 6, "of_steps": 6, "scores": scores[6], "why": lines[-2]}
+    assert storage.read_bytes(storage.join(out, files.LORA_WEIGHTS_FILE)) == b"step 6's weights"
+    assert not glob.glob(os.path.join(plan.run_dir, "scores", "step-*", "model"))
     # no step within the margin: the highest DINO of all, said so
-    files.write_json(str(tmp_path / "run" / "scores" / "base.json"), {"dino": 0.1, "clip_i": 0.2, "clip_t": 0.9})
-    assert checkpoint_scores.best_line(plan, *checkpoint_scores.best_step(str(tmp_path / "run"), 0.02)) == (
-        "best scored step: 4 (DINO 0.600, CLIP-T 0.200; no step kept CLIP-T within 0.02 of the base model's 0.900: "
+    files.write_json(os.path.join(plan.run_dir, "scores", "base.json"), {"dino": 0.1, "clip_i": 0.2, "clip_t": 0.9})
+    assert checkpoint_scores.best_line(plan, *checkpoint_scores.best_step(plan.run_dir, 0.02)) == (
+        "best scored step: 6 (DINO 0.700, CLIP-T 0.300; no step kept CLIP-T within 0.02 of the base model's 0.900: "
         "the highest DINO of all)")
 
 
-def test_a_resumed_run_chooses_its_best_step_among_the_steps_scored_before_it_too(tmp_path):
-    """checkpoint_scores.carry_over: the run a resume goes on from scored step 2 (its model kept: the best so far) and
-    step 6, after the checkpoint of step 4 it is resumed from; the resumed run gets step 2's scores and kept model and
-    the base model's scores, not step 6's (it trains step 6 again)."""
-    from dreambooth.evaluation import scoring
+@pytest.mark.parametrize("where", ["disk", "bucket"])
+def test_a_resumed_run_chooses_its_best_step_among_the_steps_scored_before_it_too(where, request, tmp_path):
+    """checkpoint_scores.carry_over: the run a resume goes on from (on a disk or in a bucket) scored step 2 (its model
+    kept: the best so far) and step 6, after the checkpoint of step 4 it is resumed from; the resumed run gets step
+    2's scores and kept model (moved from a disk, copied from a bucket) and the base model's scores, not step 6's (it
+    trains step 6 again)."""
+    from dreambooth import storage
     from dreambooth.planning import checkpoints
     from dreambooth.training import checkpoint_scores
 
-    earlier = tmp_path / "out-1"
+    storage_path = storage_of(where, request, tmp_path)
+    earlier = storage.join(storage_path, "out-1")
+    local = tmp_path / "earlier"  # (written here, then moved to the disk's run folder or copied into the bucket)
     for step in (2, 6):
-        folder = earlier / "scores" / f"step-{step}"
-        folder.mkdir(parents=True)
-        result = scoring.EvalResult("unqtkn toy", 1, 1, 5, ("a unqtkn toy",), {
-            f"step-{step}": scoring.ModelScores({"dino": 0.1 * step, "clip_i": 0.5, "clip_t": 0.3}, {})})
-        files.write_json(str(folder / "scores.json"), result.to_json())
-    (earlier / "scores" / "step-2" / "model").mkdir()
-    (earlier / "scores" / "step-2" / "model" / files.LORA_WEIGHTS_FILE).write_text("step 2's weights")
-    files.write_json(str(earlier / "scores" / "base.json"), {"dino": 0.1, "clip_i": 0.2, "clip_t": 0.3})
-    (earlier / "checkpoint_000001").mkdir()
-    files.write_json(str(earlier / "checkpoint_000001" / checkpoints.STATE_FILE), {"step": 4})
-    plan = planning.offline_plan(score_steps=2, total_steps=8, storage_path=str(tmp_path), run_name="out-2",
-                                 class_name="toy", keep_best=True, resume_path=str(earlier / "checkpoint_000001"))
-    (tmp_path / "out-2").mkdir()
+        write_step_scores(str(local / "scores" / f"step-{step}"), step, {"dino": 0.1 * step, "clip_i": 0.5, "clip_t": 0.3})
+    (local / "scores" / "step-2" / "model").mkdir()
+    (local / "scores" / "step-2" / "model" / files.LORA_WEIGHTS_FILE).write_text("step 2's weights")
+    files.write_json(str(local / "scores" / "base.json"), {"dino": 0.1, "clip_i": 0.2, "clip_t": 0.3})
+    (local / "checkpoint_000001").mkdir()
+    files.write_json(str(local / "checkpoint_000001" / checkpoints.STATE_FILE), {"step": 4})
+    if where == "disk":
+        local.rename(earlier)
+    else:
+        storage.replace_folder(str(local), earlier, last=None)
+    plan = planning.offline_plan(score_steps=2, total_steps=8, storage_path=storage_path, run_name="out-2",
+                                 class_name="toy", keep_best=True, resume_path=storage.join(earlier, "checkpoint_000001"))
+    os.makedirs(plan.run_dir, exist_ok=True)
     checkpoint_scores.carry_over(plan)
     assert set(checkpoint_scores.scores_on_disk(plan.run_dir)) == {2}
     assert checkpoint_scores.base_scores(plan.run_dir)["clip_t"] == 0.3
-    assert (tmp_path / "out-2" / "scores" / "step-2" / "model" / files.LORA_WEIGHTS_FILE).read_text() == \
-        "step 2's weights" and not (earlier / "scores" / "step-2" / "model").exists()
+    with open(os.path.join(plan.run_dir, "scores", "step-2", "model", files.LORA_WEIGHTS_FILE)) as f:
+        assert f.read() == "step 2's weights"
+    assert storage.exists(storage.join(earlier, "scores", "step-2", "model")) == (where == "bucket")
     assert checkpoint_scores.best_step(plan.run_dir, 0.02)[0] == 2
+    assert set(checkpoint_scores.scores_on_disk(earlier)) == {2, 6}  # (the earlier run's, read where it is)

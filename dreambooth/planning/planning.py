@@ -297,9 +297,6 @@ def check_scoring(args, typed):
         fetch = " (cache_model.py --eval_models fetches the models)" if not args.eval_models_dir else ""
         raise FlagError(f"--score_steps scores each checkpoint against your photos with the scoring models: add "
                         f"{' and '.join(missing)}{fetch}")
-    if args.keep_best and storage.is_remote(args.output_dir):
-        raise FlagError(f"--keep_best keeps the best step's model on this node's disk until the run ends: give a local "
-                        f"--output_dir (not {args.output_dir})")
     subject = f"{args.unique_token} {args.class_name}"
     if subject not in args.instance_prompt:
         raise FlagError(f"--score_steps: the instance prompt {args.instance_prompt!r} does not name the subject as "

@@ -238,13 +238,14 @@ def describe(step, values, during_run=False):
 
 
 def scores_on_disk(run_dir):
-    """{step: {SCORE_KEYS: value}} of the scored steps whose scores.json is in run_dir's scores folder."""
+    """{step: {SCORE_KEYS: value}} of the scored steps whose scores.json is in run_dir's scores folder (a bucket's
+    too)."""
     found = {}
-    folder = os.path.join(run_dir, SCORES_FOLDER)
-    for name in os.listdir(folder) if os.path.isdir(folder) else ():
-        path = os.path.join(folder, name, "scores.json")
-        if name.startswith("step-") and os.path.isfile(path):
-            found[int(name[len("step-"):])] = score_values(scoring.EvalResult.from_json(files.read_json(path)).overall(name))
+    folder = storage.join(run_dir, SCORES_FOLDER)
+    for name in storage.listdir(folder) if storage.isdir(folder) else ():
+        path = storage.join(folder, name, "scores.json")
+        if name.startswith("step-") and storage.isfile(path):
+            found[int(name[len("step-"):])] = score_values(scoring.EvalResult.from_json(storage.read_json(path)).overall(name))
     return found
 
 
@@ -289,53 +290,69 @@ def best_line(plan, step, within, ranked_by):
 
 
 def keep_best(plan, step, why):
-    """--keep_best at the end of the run: plan.output_dir's model (the last step's) replaced by step's, kept in the
-    scores folder; its record says which step, its scores and why. The line that says what was saved."""
+    """--keep_best at the end of the run: plan.output_dir's model (the last step's; a bucket's too) replaced by step's,
+    kept in the scores folder; its record says which step, its scores and why. The line that says what was saved."""
     output = outputs.read_output(plan.output_dir)
-    source = plan.output_dir if step == plan.end_step else model_of(plan.run_dir, step)
-    if not os.path.isdir(source) or output is None:
+    last = step == plan.end_step
+    source = None if last else model_of(plan.run_dir, step)
+    if output is None or (source is not None and not os.path.isdir(source)):
         return (f"--keep_best: step {step}'s model is not on this node (its scoring ran on another): the last step's "
                 f"model is saved in {plan.output_dir}")
     kept = {"step": step, "of_steps": plan.end_step, "scores": scores_on_disk(plan.run_dir)[step], "why": why}
     record = dataclasses.replace(output.record, steps=step, model_id=outputs.new_model_id(), kept=kept)
+    marker = storage.join(plan.output_dir, files.OUTPUT_MARKER)
+    if last:  # the saved model is the best step's already: its record says so (written whole, as a bucket's object)
+        data = json.dumps(record.to_json(), indent=2, sort_keys=True).encode()
+        storage.write_bytes(marker, data) if storage.is_remote(marker) else files.write_bytes_atomic(data, marker)
+        keep_models(plan.run_dir, None)
+        return f"saved: the last step's model, the best scored, in {plan.output_dir} (--keep_best)"
+    config = storage.join(plan.output_dir, outputs.TRAIN_CONFIG)
+    config = storage.read_bytes(config) if storage.isfile(config) else None
 
     def write(tmp):
         for name in os.listdir(source):
             path = os.path.join(source, name)
             if name != files.OUTPUT_MARKER:
                 (shutil.copytree if os.path.isdir(path) else shutil.copy2)(path, os.path.join(tmp, name))
-        if source != plan.output_dir and os.path.isfile(os.path.join(plan.output_dir, outputs.TRAIN_CONFIG)):
-            shutil.copy2(os.path.join(plan.output_dir, outputs.TRAIN_CONFIG), os.path.join(tmp, outputs.TRAIN_CONFIG))
+        if config is not None:
+            files.write_bytes_atomic(config, os.path.join(tmp, outputs.TRAIN_CONFIG))
         files.write_json(os.path.join(tmp, files.OUTPUT_MARKER), record.to_json())
 
     outputs.write_output(plan.output_dir, write)
     keep_models(plan.run_dir, None)
-    if step == plan.end_step:
-        return f"saved: the last step's model, the best scored, in {plan.output_dir} (--keep_best)"
     return f"saved: step {step}'s model, the best scored, in {plan.output_dir} instead of step {plan.end_step}'s (--keep_best)"
 
 
 def carry_over(plan):
-    """A resumed run's scored steps so far, from the run folder whose checkpoint it goes on from into its own: each
-    step's scores.json and report.md up to that checkpoint's step, the base model's scores and (--keep_best) the best
-    step's kept model, moved: the best step is chosen among all the steps scored since the first run began. (A
-    bucket's run: not yet, its steps before the resume are not candidates.)"""
+    """A resumed run's scored steps so far, from the run folder whose checkpoint it goes on from (a bucket's too) into
+    its own: each step's scores.json and report.md up to that checkpoint's step, the base model's scores and
+    (--keep_best) the best step's kept model (moved on a disk, copied from a bucket): the best step is chosen among
+    all the steps scored since the first run began."""
     earlier = runfiles.run_of_checkpoint(plan.resume_path)
-    folder = os.path.join(earlier, SCORES_FOLDER) if earlier and not storage.is_remote(earlier) else None
-    if folder is None or not os.path.isdir(folder) or os.path.abspath(earlier) == os.path.abspath(plan.run_dir):
+    if earlier is None or (earlier.rstrip("/") == storage.join(plan.storage_path, plan.run_name) if
+                           storage.is_remote(earlier) else os.path.abspath(earlier) == os.path.abspath(plan.run_dir)):
+        return
+    folder = storage.join(earlier, SCORES_FOLDER)
+    if not storage.isdir(folder):
         return
     upto, into = checkpoints.saved_step(plan.resume_path), os.path.join(plan.run_dir, SCORES_FOLDER)
     os.makedirs(into, exist_ok=True)
-    if os.path.isfile(os.path.join(folder, BASE_SCORES)):
-        shutil.copy2(os.path.join(folder, BASE_SCORES), os.path.join(into, BASE_SCORES))
+
+    def copy(source, target):
+        if storage.isfile(source):
+            files.write_bytes_atomic(storage.read_bytes(source), target)
+
+    copy(storage.join(folder, BASE_SCORES), os.path.join(into, BASE_SCORES))
     for step in (step for step in scores_on_disk(earlier) if step <= upto):
-        step_dir, name = os.path.join(folder, f"step-{step}"), f"step-{step}"
+        name = f"step-{step}"
         os.makedirs(os.path.join(into, name), exist_ok=True)
         for kept in ("scores.json", "report.md"):
-            if os.path.isfile(os.path.join(step_dir, kept)):
-                shutil.copy2(os.path.join(step_dir, kept), os.path.join(into, name, kept))
-        if os.path.isdir(model_of(earlier, step)):
-            shutil.move(model_of(earlier, step), model_of(plan.run_dir, step))
+            copy(storage.join(folder, name, kept), os.path.join(into, name, kept))
+        model = storage.join(folder, name, "model")
+        if storage.is_remote(model) and storage.isdir(model):
+            storage.download(model, model_of(plan.run_dir, step))
+        elif os.path.isdir(model):
+            shutil.move(model, model_of(plan.run_dir, step))
 
 
 def finish(plan, last_step=None, base_task=None):
@@ -360,8 +377,10 @@ def finish(plan, last_step=None, base_task=None):
     scored = sorted(logged)  # (a resumed run's: the earlier run's too)
     if scored:
         plot = runlog.plot_scores(metrics_file)
-        lines.append(f"scored steps: {', '.join(map(str, scored))}, plotted in {plot} (images and report.md of "
-                     f"each in {os.path.join(plan.run_dir, SCORES_FOLDER)})")
+        run_folder = storage.join(plan.storage_path, plan.run_name)  # (a bucket's: the driver copies them there)
+        lines.append(f"scored steps: {', '.join(map(str, scored))}, plotted in "
+                     f"{storage.join(run_folder, os.path.basename(plot))} (images and report.md of each in "
+                     f"{storage.join(run_folder, SCORES_FOLDER)})")
     else:
         lines.append(f"no step was scored (--score_steps {plan.score_steps}): each scored step's "
                      f"{SCORES_FOLDER}/step-N/{SCORING_LOG} in the run folder says why, and Ray's log")

@@ -92,6 +92,7 @@ def train_planned(args, stop_step, started):
         if plan.score_steps and latest:  # (the scores of the steps it reached: kept with the run, which resumes them)
             for line in checkpoint_scores.finish(plan, last_step=reached, base_task=base_task):
                 print(line, file=sys.stderr)
+            runfiles.sync_up(plan.storage_path, plan.run_name)
         where = f" (newest checkpoint: {latest}, step {reached})" if latest else \
             " (no checkpoint was written yet: it starts again from step 0)"
         again = "" if args.resume_from_checkpoint in ("latest", "auto") else " with --resume_from_checkpoint latest"
