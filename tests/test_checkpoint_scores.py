@@ -138,6 +138,9 @@ def test_the_end_of_a_run_adds_the_scores_that_came_late_and_says_a_failed_step(
 
     plan = planning.offline_plan(score_steps=2, total_steps=6, storage_path=str(tmp_path), run_name="run",
                                  class_name="toy")
+    # stopped before any step was due: said so, not "each scored step's scoring.log says why" (there is none)
+    assert checkpoint_scores.finish(plan, last_step=1) == [
+        "no step was scored: the run stopped at step 1, before step 2, the first due to be scored (--score_steps 2)"]
     values = {"dino": 0.5, "clip_i": 0.75, "clip_t": 0.25}
     for step in (2, 4):  # 2: logged by rank 0 during the run; 4: came after its last report; 6: failed
         result = scoring.EvalResult("unqtkn toy", 1, 1, 5, ("a unqtkn toy",),

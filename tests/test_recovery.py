@@ -304,6 +304,12 @@ def test_a_killed_worker_is_restarted_then_sigterm_checkpoints_the_current_step_
     assert "SIGTERM: every worker checkpoints the step it is on" in err
     assert "PreemptionWatcher" not in out + err  # (Ray's harmless ERROR line about it, kept off the terminal)
     assert "rerun the same command with --resume_from_checkpoint latest to continue" in err
+    # ... and the command itself: the run's settings file, which names this run's output and storage
+    from dreambooth.planning import planning
+
+    config = re.search(r", that is: python train\.py --config (\S+) --resume_from_checkpoint latest\n", err)[1]
+    again = planning.parse_args(["--config", config, "--resume_from_checkpoint", "latest"])
+    assert (again.output_dir, again.storage_path, again.max_train_steps) == (str(tmp_path / "cut"), str(storage), STOP_STEPS)
     assert "stopped by SIGTERM" not in err  # (one line says where it stopped: no second one after it)
     assert not os.path.exists(tmp_path / "cut" / "model_index.json")  # no model of a stopped run
     assert logged_steps(storage) == list(range(1, step + 1))  # each step once: the dead group's repeats gone

@@ -311,6 +311,9 @@ def top_up(folder, model, prompts, count, settings, safety_checker, on_mismatch=
     return DrawJob(model, folder, safety_checker, tuple(rows))
 
 
+STARTING = "starting the actors, each loads the model"  # the progress bar's note until the first image
+
+
 def make_images_of(jobs, settings, batch_size=4, num_actors=None):
     """Draw the rows of every DrawJob on one actor pool (settings: ImageSettings), with a progress
     bar and one line for the images the safety checker withheld."""
@@ -330,10 +333,14 @@ def make_images_of(jobs, settings, batch_size=4, num_actors=None):
     what = f"generating for {len(jobs)} models" if several else "generating"
     try:
         with tqdm(total=sum(len(job.rows) for job in jobs), desc=f"{what} on {num_actors} actor(s)",
-                  unit="img") as bar:
+                  unit="img", postfix=STARTING) as bar:
             for index, name, bad in run_actor_pool(jobs, settings, batch_size, num_actors):
                 if bad:
                     flagged.append(os.path.join(jobs[index].output_dir, str(name)) if several else str(name))
+                if bar.postfix.startswith(STARTING):  # the first image: the rate and time left count from here
+                    bar.set_postfix_str(f"actors ready in {bar.format_interval(bar.format_dict['elapsed'])}",
+                                        refresh=False)
+                    bar.reset()  # (the first print of a rate is a tenth of a second on: the next batch's images)
                 bar.update(1)
     except KeyboardInterrupt:
         print("stopped; the images written so far are complete: rerun the same command to make "

@@ -381,6 +381,10 @@ def finish(plan, last_step=None, base_task=None):
         lines.append(f"scored steps: {', '.join(map(str, scored))}, plotted in "
                      f"{storage.join(run_folder, os.path.basename(plot))} (images and report.md of each in "
                      f"{storage.join(run_folder, SCORES_FOLDER)})")
+    elif last_step is not None and not any(plan.is_score_step(step) for step in range(first, last_step + 1)):
+        due = next(step for step in range(last_step + 1, plan.end_step + 1) if plan.is_score_step(step))
+        lines.append(f"no step was scored: the run stopped at step {last_step}, before step {due}, the first due to be "
+                     f"scored (--score_steps {plan.score_steps})")
     else:
         lines.append(f"no step was scored (--score_steps {plan.score_steps}): each scored step's "
                      f"{SCORES_FOLDER}/step-N/{SCORING_LOG} in the run folder says why, and Ray's log")

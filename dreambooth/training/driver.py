@@ -96,14 +96,16 @@ def train_planned(args, stop_step, started):
         where = f" (newest checkpoint: {latest}, step {reached})" if latest else \
             " (no checkpoint was written yet: it starts again from step 0)"
         again = "" if args.resume_from_checkpoint in ("latest", "auto") else " with --resume_from_checkpoint latest"
-        print(f"stopped; rerun the same command{again} to continue{where}", file=sys.stderr)
+        command = f", that is: python train.py --config {shown} --resume_from_checkpoint latest" if again else ""
+        print(f"stopped; rerun the same command{again} to continue{where}{command}", file=sys.stderr)
         raise errors.Stopped from None
     metrics = result.metrics or {}  # none when a resumed run had no step left to train
     loss = f"final loss {metrics['loss']:.4f}" if "loss" in metrics else "no step left to train after the checkpoint"
     run_folder = storage.join(plan.storage_path, plan.run_name)  # (result.path: the same, without a bucket's scheme)
-    saved = "the best-scored step's model goes to (below)" if plan.keep_best else "model saved to"
-    print(f"trained {plan.end_step} steps; {loss}; {saved} {plan.output_dir}; checkpoints and "
-          f"{runlog.METRICS_FILE} in {run_folder}", file=sys.stderr)
+    saved = (f"the model goes to {plan.output_dir} (--keep_best: the best-scored step's, named below)" if plan.keep_best
+             else f"model saved to {plan.output_dir}")
+    print(f"trained {plan.end_step} steps; {loss}; {saved}; checkpoints and {runlog.METRICS_FILE} in {run_folder}",
+          file=sys.stderr)
     if plan.score_steps:  # (every scoring task has ended: Ray Train waits for them before fit returns)
         for line in checkpoint_scores.finish(plan, base_task=base_task):
             print(line, file=sys.stderr)
