@@ -232,10 +232,15 @@ def test_keep_best_saves_the_best_step_by_the_sweeps_rule_and_its_record_says_wh
     assert record.steps == 6 and record.kept == {"step": 6, "of_steps": 6, "scores": scores[6], "why": lines[-2]}
     assert storage.read_bytes(storage.join(out, files.LORA_WEIGHTS_FILE)) == b"step 6's weights"
     assert not glob.glob(os.path.join(plan.run_dir, "scores", "step-*", "model"))
+    # a runner-up that reads the same at 3 decimals: both at as many as tell them apart
+    write_step_scores(os.path.join(plan.run_dir, "scores", "step-2"), 2, {"dino": 0.69996, "clip_i": 0.7, "clip_t": 0.25})
+    assert checkpoint_scores.best_line(plan, *checkpoint_scores.best_step(plan.run_dir, 0.02)).startswith(
+        "best scored step: 6 (DINO 0.70000, step 2's 0.69996, CLIP-T 0.300; ")
     # no step within the margin: the highest DINO of all, said so
     files.write_json(os.path.join(plan.run_dir, "scores", "base.json"), {"dino": 0.1, "clip_i": 0.2, "clip_t": 0.9})
     assert checkpoint_scores.best_line(plan, *checkpoint_scores.best_step(plan.run_dir, 0.02)) == (
-        "best scored step: 6 (DINO 0.700, CLIP-T 0.300; no step kept CLIP-T within 0.02 of the base model's 0.900: "
+        "best scored step: 6 (DINO 0.70000, step 2's 0.69996, CLIP-T 0.300; no step kept CLIP-T within 0.02 of the base "
+        "model's 0.900: "
         "the highest DINO of all)")
 
 

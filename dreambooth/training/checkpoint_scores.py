@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import math
 import os
 import shutil
 
@@ -280,13 +281,24 @@ def keep_models(run_dir, best):
 
 def best_line(plan, step, within, ranked_by):
     """The output's line of the best-scored step, and the rule that chose it."""
-    found, base = scores_on_disk(plan.run_dir)[step], base_scores(plan.run_dir)
+    scored, base = scores_on_disk(plan.run_dir), base_scores(plan.run_dir)
+    found = scored[step]
     dino = "DINO against the held-out photos" if ranked_by == "dino_holdout" else "DINO"
     rule = (f"the highest {dino} among the scored steps whose CLIP-T is at most {plan.clip_t_margin:g} below the base "
             f"model's {base['clip_t']:.3f}" if within else
             f"no step kept CLIP-T within {plan.clip_t_margin:g} of the base model's {base['clip_t']:.3f}: the highest "
             f"{dino} of all")
-    return f"best scored step: {step} ({dino} {found[ranked_by]:.3f}, CLIP-T {found['clip_t']:.3f}; {rule})"
+    # a runner-up that reads the same at 3 decimals: shown beside it, at as many as tell them apart
+    floor = base["clip_t"] - plan.clip_t_margin if within else -math.inf
+    rivals = [other for other, values in scored.items() if other != step and values["clip_t"] >= floor]
+    runner = max(rivals, key=lambda other: scored[other][ranked_by], default=None)
+    value = f"{found[ranked_by]:.3f}"
+    if runner is not None and f"{scored[runner][ranked_by]:.3f}" == value:
+        a, b = found[ranked_by], scored[runner][ranked_by]
+        digits = next((d for d in range(4, 9) if f"{a:.{d}f}" != f"{b:.{d}f}"), None)
+        value = (f"{a:.{digits}f}, step {runner}'s {b:.{digits}f}" if digits else
+                 f"{a:.3f}, equal to step {runner}'s: the earlier step kept")
+    return f"best scored step: {step} ({dino} {value}, CLIP-T {found['clip_t']:.3f}; {rule})"
 
 
 def keep_best(plan, step, why):
