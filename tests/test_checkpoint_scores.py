@@ -100,8 +100,10 @@ def test_a_run_scores_its_checkpoints_while_it_trains_as_evaluate_scores_them(ra
     base = json.load(open(os.path.join(run_dir, "scores", "base.json")))
     kept = [s for s in sorted(scored) if scored[s]["clip_t"] >= base["clip_t"] - 0.02]
     best = max(kept or sorted(scored), key=lambda s: scored[s]["dino"])
-    assert re.search(rf"best scored step: {best} \(DINO {scored[best]['dino']:.3f}, CLIP-T "
-                     rf"{scored[best]['clip_t']:.3f}; ", captured.err), captured.err[-2000:]
+    # (its DINO at 3 decimals, or at more beside a runner-up's that reads the same at 3)
+    line = re.search(rf"best scored step: {best} \(DINO (-?[\d.]+)(, step \d+'s -?[\d.]+)?, CLIP-T "
+                     rf"{scored[best]['clip_t']:.3f}; ", captured.err)
+    assert line and float(line[1]) == pytest.approx(scored[best]["dino"], abs=5e-4), captured.err[-2000:]
     assert (f"saved: step {best}'s model, the best scored, in {out} instead of step 20's (--keep_best)" if best != 20
             else f"saved: the last step's model, the best scored, in {out} (--keep_best)") in captured.err
     record = json.load(open(out / files.OUTPUT_MARKER))
@@ -166,6 +168,16 @@ def test_the_end_of_a_run_adds_the_scores_that_came_late_and_says_a_failed_step(
     assert plot.size == (800, 450)
     colours = {colour for _, colour in plot.getcolors(800 * 450)}
     assert all(colour in colours for _, _, colour in runlog.SCORE_LINES)  # a line (and its label) of each score
+    # with the base model's CLIP-T (a --keep_best run's): dashed lines at it and at the margin below, the rule's floor
+    runlog.plot_scores(str(tmp_path / "run" / "metrics.jsonl"), 0.9, 0.1)
+    plot = Image.open(tmp_path / "run" / "scores.png").convert("RGB")
+    marks = runlog.ticks([0.5, 0.75, 0.25, 0.9, 0.8], from_zero=False)
+    left, top, right, bottom = runlog.AREA
+    for level in (0.9, 0.8):
+        y = int(runlog.scale(level, marks, bottom, top))
+        dashed = max(sum(plot.getpixel((x, row)) == runlog.SCORE_LINES[2][2] for x in range(left, right))
+                     for row in (y - 1, y, y + 1))
+        assert 0.4 < dashed / (right - left) < 0.7, level
 
 
 def storage_of(where, request, tmp_path):

@@ -388,7 +388,8 @@ def finish(plan, last_step=None, base_task=None):
             lines.append(describe(step, None))  # (the last step is always scored: its task failed or timed out)
     scored = sorted(logged)  # (a resumed run's: the earlier run's too)
     if scored:
-        plot = runlog.plot_scores(metrics_file)
+        base = base_scores(plan.run_dir)
+        plot = runlog.plot_scores(metrics_file, base and base["clip_t"], plan.clip_t_margin)
         run_folder = storage.join(plan.storage_path, plan.run_name)  # (a bucket's: the driver copies them there)
         lines.append(f"scored steps: {', '.join(map(str, scored))}, plotted in "
                      f"{storage.join(run_folder, os.path.basename(plot))} (images and report.md of each in "

@@ -169,16 +169,24 @@ GREEN = (44, 160, 44)
 SCORE_LINES = (("dino", "DINO", BLUE), ("clip_i", "CLIP-I", GREEN), ("clip_t", "CLIP-T", ORANGE))
 
 
-def plot_scores(metrics_file):
+def plot_scores(metrics_file, base_clip_t=None, margin=None):
     """scores.png beside metrics_file: DINO, CLIP-I and CLIP-T of each scored step (--score_steps' rows) against
-    the step, on one axis, 800 x 450 px; None when no step was scored."""
+    the step, on one axis, 800 x 450 px, and with base_clip_t (the base model's CLIP-T) dashed lines at it and at
+    margin below it, the floor of the best step's rule; None when no step was scored."""
     rows = read_rows(metrics_file, "dino")
     if not rows:
         return None
     left, top, right, bottom = AREA
+    levels = [] if base_clip_t is None else [(base_clip_t, "base CLIP-T")] + (
+        [(base_clip_t - margin, f"base CLIP-T - {margin:g}")] if margin else [])
     steps = ticks([r["step"] for r in rows], from_zero=False)
-    values = ticks([r[key] for r in rows for key, _, _ in SCORE_LINES], from_zero=False)
+    values = ticks([r[key] for r in rows for key, _, _ in SCORE_LINES] + [level for level, _ in levels], from_zero=False)
     image, draw = new_plot(steps, values, ".3g", INK)
+    for level, label in levels:
+        y = scale(level, values, bottom, top)
+        for x in range(left, right, 12):
+            draw.line([(x, y), (min(x + 6, right), y)], fill=SCORE_LINES[2][2], width=1)
+        draw.text((right - 4, y - 3), label, fill=SCORE_LINES[2][2], anchor="rs")
     for index, (key, label, colour) in enumerate(SCORE_LINES):
         points = [(scale(r["step"], steps, left, right), scale(r[key], values, bottom, top)) for r in rows]
         if len(points) > 1:
