@@ -64,9 +64,10 @@ def adapter_params(model_dir, family, trained, rank):
         targets = family.denoiser_lora_targets if name == family.denoiser else networks.TEXT_ENCODER_LORA_TARGETS
         for path in glob.glob(os.path.join(model_dir, name, "*.safetensors")):
             for key, entry in files.safetensors_header(path)[1].items():
-                module, shape = key.removesuffix(".weight"), entry.get("shape", []) if key != "__metadata__" else []
-                if not key.endswith(".weight") or len(shape) < 2:
+                shape = entry["shape"] if key.endswith(".weight") else ()  # (not "__metadata__", nor a bias)
+                if len(shape) < 2:
                     continue
+                module = key.removesuffix(".weight")
                 adapted = (re.fullmatch(targets, module) if isinstance(targets, str) else
                            any(module == t or module.endswith("." + t) for t in targets))
                 if adapted:

@@ -315,7 +315,10 @@ def keep_best(plan, step, why):
     marker = storage.join(plan.output_dir, files.OUTPUT_MARKER)
     if last:  # the saved model is the best step's already: its record says so (written whole, as a bucket's object)
         data = json.dumps(record.to_json(), indent=2, sort_keys=True).encode()
-        storage.write_bytes(marker, data) if storage.is_remote(marker) else files.write_bytes_atomic(data, marker)
+        if storage.is_remote(marker):
+            storage.write_bytes(marker, data)
+        else:
+            files.write_bytes_atomic(data, marker)
         keep_models(plan.run_dir, None)
         return f"saved: the last step's model, the best scored, in {plan.output_dir} (--keep_best)"
     config = storage.join(plan.output_dir, outputs.TRAIN_CONFIG)
