@@ -194,6 +194,11 @@ if [ -n "$TRAIN_ARGS" ]; then
   fi
   mapfile -d '' -t TRAIN_ARGS_LIST < <("$PYTHON" -c 'import shlex, sys; sys.stdout.write("".join(w + "\0" for w in shlex.split(sys.argv[1])))' "$TRAIN_ARGS")
 fi
+# train.py's flags of yours (TRAIN_ARGS, after --) parsed now, before Ray starts: a typo is one line at once
+if [ ${#TRAIN_ARGS_LIST[@]} -gt 0 ] || [ ${#EXTRA_TRAIN_ARGS[@]} -gt 0 ]; then
+  "$PYTHON" -c 'import sys; from dreambooth.commands import preflight; preflight.check_train_flags(sys.argv[1:])' \
+    "${TRAIN_ARGS_LIST[@]}" "${EXTRA_TRAIN_ARGS[@]}" || exit 2
+fi
 HOLDOUT="${HOLDOUT:-0}"
 # The photos: INSTANCE_DIR if set, $IMAGES_OWN_DIR with --skip_image_setup, else the example's own
 # folder (never the one your photos go in: two subjects are never trained as one).

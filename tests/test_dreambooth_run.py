@@ -325,6 +325,13 @@ def test_unknown_argument_is_refused():
                           text=True, env=dict(os.environ, PYTHON=sys.executable))
     assert proc.returncode == 2 and proc.stdout == "" and "Ray" not in proc.stderr
     assert proc.stderr.startswith("dreambooth_run.sh: error: --arch Flux: no tiny model of that family; choose from sd1")
+    # a train.py flag mistyped after -- or in TRAIN_ARGS: at once, before Ray starts (it came after Ray's start)
+    for argv, extra in ((["--", "--keepbest"], {}), ([], {"TRAIN_ARGS": "--use_lora --keepbest"})):
+        proc = subprocess.run(["bash", "dreambooth_run.sh", "--tiny", *argv], cwd=REPO_DIR, capture_output=True,
+                              text=True, env=dict(os.environ, PYTHON=sys.executable, **extra))
+        assert proc.returncode == 2 and proc.stdout == "" and "Ray" not in proc.stderr, proc.stderr
+        assert proc.stderr.strip().splitlines()[-1] == \
+            "train.py flags (TRAIN_ARGS, or after --): error: unrecognized arguments: --keepbest"
     # each of its flags in either spelling, as the README says of every flag (parsed, then --help ends it)
     hyphens = subprocess.run(["bash", "dreambooth_run.sh", "--use-lora", "--skip-eval", "--prior-prediction",
                               "--skip-image-setup", "--help"], cwd=REPO_DIR, capture_output=True, text=True)
