@@ -63,6 +63,7 @@ def test_a_run_scores_its_checkpoints_while_it_trains_as_evaluate_scores_them(ra
     from dreambooth.commands import evaluate
     from dreambooth.commands import train
     from dreambooth.training import checkpoint_scores
+    from dreambooth.training import score_record
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a {subject} on a beach\n")
@@ -85,7 +86,7 @@ def test_a_run_scores_its_checkpoints_while_it_trains_as_evaluate_scores_them(ra
     assert {2, 20} <= set(scored) and 4 not in scored, rows
     assert "step 4 is not scored: step 2's scoring has not finished" in captured.out
     assert all(0 < scored[s][k] <= 1 for s in scored for k in ("dino", "clip_i")), scored
-    said = {step: checkpoint_scores.describe(step, {k: scored[step][k] for k in checkpoint_scores.SCORE_KEYS})
+    said = {step: checkpoint_scores.describe(step, {k: scored[step][k] for k in score_record.SCORE_KEYS})
             for step in scored}
     loss_logged = {row["step"]: row["time"] for row in rows if "loss" in row}
     # each checkpoint (every scored step's: 2, 4, ...) said how long the steps stopped for it, in the next window's row
@@ -124,10 +125,10 @@ def test_a_run_scores_its_checkpoints_while_it_trains_as_evaluate_scores_them(ra
                    "--resolution", "128"])
     theirs = json.load(open(tmp_path / "eval" / "scores.json"))["models"]
     tuned = next(m for label, m in theirs.items() if label != "base")["overall"]
-    assert {k: round(tuned[k], 4) for k in checkpoint_scores.SCORE_KEYS} == \
-        {k: round(scored[best][k], 4) for k in checkpoint_scores.SCORE_KEYS}
-    assert {k: round(theirs["base"]["overall"][k], 4) for k in checkpoint_scores.SCORE_KEYS} == \
-        {k: round(base[k], 4) for k in checkpoint_scores.SCORE_KEYS}
+    assert {k: round(tuned[k], 4) for k in score_record.SCORE_KEYS} == \
+        {k: round(scored[best][k], 4) for k in score_record.SCORE_KEYS}
+    assert {k: round(theirs["base"]["overall"][k], 4) for k in score_record.SCORE_KEYS} == \
+        {k: round(base[k], 4) for k in score_record.SCORE_KEYS}
 
 
 def test_the_end_of_a_run_adds_the_scores_that_came_late_and_says_a_failed_step(tmp_path):
@@ -205,6 +206,7 @@ def test_keep_best_saves_the_best_step_by_the_sweeps_rule_and_its_record_says_wh
     from dreambooth import storage
     from dreambooth.models import outputs
     from dreambooth.training import checkpoint_scores
+    from dreambooth.training import score_record
 
     out = storage.join(storage_of(where, request, tmp_path), "out")
     plan = planning.offline_plan(score_steps=2, total_steps=6, storage_path=storage_of(where, request, tmp_path),
@@ -246,11 +248,11 @@ def test_keep_best_saves_the_best_step_by_the_sweeps_rule_and_its_record_says_wh
     assert not glob.glob(os.path.join(plan.run_dir, "scores", "step-*", "model"))
     # a runner-up that reads the same at 3 decimals: both at as many as tell them apart
     write_step_scores(os.path.join(plan.run_dir, "scores", "step-2"), 2, {"dino": 0.69996, "clip_i": 0.7, "clip_t": 0.25})
-    assert checkpoint_scores.best_line(plan, *checkpoint_scores.best_step(plan.run_dir, 0.02)).startswith(
+    assert score_record.best_line(plan, *score_record.best_step(plan.run_dir, 0.02)).startswith(
         "best scored step: 6 (DINO 0.70000, step 2's 0.69996, CLIP-T 0.300; ")
     # no step within the margin: the highest DINO of all, said so
     files.write_json(os.path.join(plan.run_dir, "scores", "base.json"), {"dino": 0.1, "clip_i": 0.2, "clip_t": 0.9})
-    assert checkpoint_scores.best_line(plan, *checkpoint_scores.best_step(plan.run_dir, 0.02)) == (
+    assert score_record.best_line(plan, *score_record.best_step(plan.run_dir, 0.02)) == (
         "best scored step: 6 (DINO 0.70000, step 2's 0.69996, CLIP-T 0.300; no step kept CLIP-T within 0.02 of the base "
         "model's 0.900: "
         "the highest DINO of all)")
@@ -265,6 +267,7 @@ def test_a_resumed_run_chooses_its_best_step_among_the_steps_scored_before_it_to
     from dreambooth import storage
     from dreambooth.planning import checkpoints
     from dreambooth.training import checkpoint_scores
+    from dreambooth.training import score_record
 
     storage_path = storage_of(where, request, tmp_path)
     earlier = storage.join(storage_path, "out-1")
@@ -284,10 +287,10 @@ def test_a_resumed_run_chooses_its_best_step_among_the_steps_scored_before_it_to
                                  class_name="toy", keep_best=True, resume_path=storage.join(earlier, "checkpoint_000001"))
     os.makedirs(plan.run_dir, exist_ok=True)
     checkpoint_scores.carry_over(plan)
-    assert set(checkpoint_scores.scores_on_disk(plan.run_dir)) == {2}
-    assert checkpoint_scores.base_scores(plan.run_dir)["clip_t"] == 0.3
+    assert set(score_record.scores_on_disk(plan.run_dir)) == {2}
+    assert score_record.base_scores(plan.run_dir)["clip_t"] == 0.3
     with open(os.path.join(plan.run_dir, "scores", "step-2", "model", files.LORA_WEIGHTS_FILE)) as f:
         assert f.read() == "step 2's weights"
     assert storage.exists(storage.join(earlier, "scores", "step-2", "model")) == (where == "bucket")
-    assert checkpoint_scores.best_step(plan.run_dir, 0.02)[0] == 2
-    assert set(checkpoint_scores.scores_on_disk(earlier)) == {2, 6}  # (the earlier run's, read where it is)
+    assert score_record.best_step(plan.run_dir, 0.02)[0] == 2
+    assert set(score_record.scores_on_disk(earlier)) == {2, 6}  # (the earlier run's, read where it is)

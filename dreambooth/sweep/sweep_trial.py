@@ -19,6 +19,7 @@ from dreambooth.planning import planning
 from dreambooth.sweep import sweep_rows
 from dreambooth.training import checkpoint_scores
 from dreambooth.training import driver
+from dreambooth.training import score_record
 
 POLL_SECONDS = 1.0  # how often the trial looks for a step count's scores while it trains
 
@@ -118,7 +119,7 @@ class TrialScores:
         the model are both there."""
         runs = self.train_args.storage_path
         for run in storage.listdir(runs) if storage.isdir(runs) else ():
-            path = storage.join(runs, run, checkpoint_scores.SCORES_FOLDER, f"step-{step}", "scores.json")
+            path = storage.join(runs, run, score_record.SCORES_FOLDER, f"step-{step}", "scores.json")
             if storage.isfile(path) and outputs.read_output(self.model(step)) is not None:
                 return scoring.EvalResult.from_json(storage.read_json(path)).overall(f"step-{step}")
         return None

@@ -12,26 +12,22 @@ import contextlib
 import dataclasses
 import functools
 import json
-import math
 import os
 import shutil
 
 from dreambooth import errors
 from dreambooth import files
 from dreambooth import storage
-from dreambooth.evaluation import scores
 from dreambooth.evaluation import scoring
 from dreambooth.models import outputs
 from dreambooth.planning import checkpoints
 from dreambooth.storage import runfiles
 from dreambooth.training import checkpoint
+from dreambooth.training import score_record
 
-SCORES_FOLDER = "scores"  # in the run folder: step-N/ of each scored step (images, scores.json, report.md)
 NAMESPACE = "dreambooth-scores"  # of Ray's key-value store: each scored step's scores, until rank 0 has logged them
 SCORING_LOG = "scoring.log"  # in scores/step-N: what the scoring task said
-BASE_SCORES = "base.json"  # in the scores folder: the base model's scores (score_base's, as the run starts)
 BASE = "base"  # the base model's label, and its folder in the scores folder (images, scores.json, report.md)
-SCORE_KEYS = ("dino", "clip_i", "clip_t")  # what a scored step reports (the paper's subject and prompt fidelity)
 SUBJECT = "subject"  # the one subject a run is scored against
 # evaluate.py's seed of the images it scores (its --seed default): a step's images are those evaluate.py would draw
 EVAL_SEED = scoring.EvalSettings.seed
@@ -45,12 +41,6 @@ def subject_of(run, holdout=0):
     token, class and prompt set."""
     return scoring.Subject(SUBJECT, run.instance_data_dir, run.unique_token, run.class_name, run.subject_type,
                            run.eval_prompts, holdout=holdout)
-
-
-def score_values(overall):
-    """{SCORE_KEYS: value} of a model's overall scores (scoring.EvalResult.overall), and its DINO and CLIP-I against the
-    held-out photos with --holdout (the best step is ranked by that DINO, as the sweep ranks)."""
-    return {key: float(overall[key]) for key in SCORE_KEYS + scores.HOLDOUT_NAMES if overall.get(key) is not None}
 
 
 def settings_of(plan):
@@ -93,10 +83,11 @@ def on_this_node():
 
 def score_checkpoint(checkpoint_ref, plan):
     """A scored step's checkpoint as a model in scores/step-N/model, scored there; the model goes afterwards (the
-    images, scores.json and report.md stay). Returns its scores ({SCORE_KEYS: value}) for Ray Train's record."""
+    images, scores.json and report.md stay). Returns its scores ({score_record.SCORE_KEYS: value}) for Ray Train's
+    record."""
     with checkpoint_ref.as_directory() as folder:
         step = files.read_json(os.path.join(folder, checkpoints.STATE_FILE))["step"]
-        where = os.path.join(plan.run_dir, SCORES_FOLDER, f"step-{step}")
+        where = os.path.join(plan.run_dir, score_record.SCORES_FOLDER, f"step-{step}")
         model = kept_model(plan, step) or os.path.join(where, "model")
         checkpoint.save_as_model(folder, checkpoint.step_model_plan(plan, model, step, plan.held_out))
     label = f"step-{step}"
@@ -106,11 +97,11 @@ def score_checkpoint(checkpoint_ref, plan):
         if not kept_model(plan, step):
             shutil.rmtree(model, ignore_errors=True)
         raise
-    best = best_step(plan.run_dir, plan.clip_t_margin)[0] if plan.keep_best else None
+    best = score_record.best_step(plan.run_dir, plan.clip_t_margin)[0] if plan.keep_best else None
     if best is not None or not plan.keep_best:  # (--keep_best before the base model's scores: all kept until then)
-        keep_models(plan.run_dir, best)
+        score_record.keep_models(plan.run_dir, best)
     runfiles.sync_up(plan.storage_path, plan.run_name)  # (a bucket's run: its scores there too)
-    values = score_values(result[SUBJECT].overall(label))
+    values = score_record.score_values(result[SUBJECT].overall(label))
     # (for rank 0, on whichever node: Ray Train's own record of a checkpoint goes with it when the checkpoint
     # limit removes it, which can be as soon as its scores are in)
     from ray.experimental import internal_kv
@@ -139,22 +130,23 @@ def start_base(plan):
     steps' scoring, unless the run has its scores (a resumed run's, carried over): its ObjectRef, or None."""
     import ray
 
-    if plan.base_scores is not None and base_scores(plan.run_dir) is None:  # (a sweep's: scored once per subject)
-        os.makedirs(os.path.join(plan.run_dir, SCORES_FOLDER), exist_ok=True)
-        files.write_bytes_atomic(json.dumps(score_values(plan.base_scores)).encode(),
-                                 os.path.join(plan.run_dir, SCORES_FOLDER, BASE_SCORES))
-    if base_scores(plan.run_dir) is not None:
+    # (a sweep's: scored once per subject)
+    if plan.base_scores is not None and score_record.base_scores(plan.run_dir) is None:
+        os.makedirs(os.path.join(plan.run_dir, score_record.SCORES_FOLDER), exist_ok=True)
+        files.write_bytes_atomic(json.dumps(score_record.score_values(plan.base_scores)).encode(),
+                                 os.path.join(plan.run_dir, score_record.SCORES_FOLDER, score_record.BASE_SCORES))
+    if score_record.base_scores(plan.run_dir) is not None:
         return None
     return ray.remote(num_cpus=0, scheduling_strategy=on_this_node())(score_base).remote(plan)
 
 
 def score_base(plan):
     """The base model scored as each step is (scores/base/: images, scores.json, report.md; the scores in
-    BASE_SCORES): the best step's CLIP-T is held to its."""
-    where = os.path.join(plan.run_dir, SCORES_FOLDER, BASE)
+    score_record.BASE_SCORES): the best step's CLIP-T is held to its."""
+    where = os.path.join(plan.run_dir, score_record.SCORES_FOLDER, BASE)
     result = scored(plan, BASE, outputs.resolve_model(plan.model_dir), where)
-    files.write_bytes_atomic(json.dumps(score_values(result[SUBJECT].overall(BASE))).encode(),
-                             os.path.join(plan.run_dir, SCORES_FOLDER, BASE_SCORES))
+    files.write_bytes_atomic(json.dumps(score_record.score_values(result[SUBJECT].overall(BASE))).encode(),
+                             os.path.join(plan.run_dir, score_record.SCORES_FOLDER, score_record.BASE_SCORES))
     runfiles.sync_up(plan.storage_path, plan.run_name)
 
 
@@ -172,7 +164,8 @@ def wait_base(task, stopped=False):
         ray.get(task)
     except Exception as err:  # (whatever the scoring met: said, the run's model and scores stand)
         return (f"the base model's scoring failed ({errors.one_line(err)[:200]}; its log: "
-                f"{os.path.join(SCORES_FOLDER, BASE, SCORING_LOG)} in the run folder): no best step can be named")
+                f"{os.path.join(score_record.SCORES_FOLDER, BASE, SCORING_LOG)} in the run folder): no best step can be "
+                "named")
     return None
 
 
@@ -198,7 +191,8 @@ class ScoreWatch:
         self.pending = None  # a step whose scoring Ray Train had not finished at the last call, if any
 
     def new_rows(self):
-        """[(step, {SCORE_KEYS: value}) or (step, None) for a scoring task that failed or timed out], in step order,
+        """[(step, {score_record.SCORE_KEYS: value}) or (step, None) for a scoring task that failed or timed out], in step
+        order,
         for the sent steps whose scoring has ended since the last call."""
         import ray.train
         from ray.experimental import internal_kv
@@ -232,73 +226,10 @@ def describe(step, values, during_run=False):
     """The output's line of a scored step (during_run: said by rank 0 while the run goes on)."""
     if values is None:
         return (f"scores of step {step}: its scoring task failed (its error: the run folder's "
-                f"{SCORES_FOLDER}/step-{step}/{SCORING_LOG}, and Ray's log)"
+                f"{score_record.SCORES_FOLDER}/step-{step}/{SCORING_LOG}, and Ray's log)"
                 + ("; the training goes on" if during_run else ""))
     return f"scores of step {step}: " + ", ".join(f"{key.upper().replace('_', '-')} {values[key]:.3f}"
-                                                  for key in SCORE_KEYS)
-
-
-def scores_on_disk(run_dir):
-    """{step: {SCORE_KEYS: value}} of the scored steps whose scores.json is in run_dir's scores folder (a bucket's
-    too)."""
-    found = {}
-    folder = storage.join(run_dir, SCORES_FOLDER)
-    for name in storage.listdir(folder) if storage.isdir(folder) else ():
-        path = storage.join(folder, name, "scores.json")
-        if name.startswith("step-") and storage.isfile(path):
-            found[int(name[len("step-"):])] = score_values(scoring.EvalResult.from_json(storage.read_json(path)).overall(name))
-    return found
-
-
-def base_scores(run_dir):
-    """{SCORE_KEYS: value} of the run's base model (its first scoring task's), or None before it has them."""
-    path = os.path.join(run_dir, SCORES_FOLDER, BASE_SCORES)
-    return files.read_json(path) if os.path.isfile(path) else None
-
-
-def best_step(run_dir, margin):
-    """(step, within_margin, ranked_by) of the best-scored step of run_dir by the sweep's rule (scores.best_of: the
-    highest DINO among the steps whose CLIP-T is at most margin below the base model's), the earliest of equals;
-    (None, None, None) before a step and the base model are scored."""
-    found, base = scores_on_disk(run_dir), base_scores(run_dir)
-    if not found or base is None:
-        return None, None, None
-    return scores.best_of(dict(sorted(found.items())), base["clip_t"] - margin)
-
-
-def model_of(run_dir, step):
-    """The folder a scored step's model is kept in while it is the best (--keep_best)."""
-    return os.path.join(run_dir, SCORES_FOLDER, f"step-{step}", "model")
-
-
-def keep_models(run_dir, best):
-    """Every scored step's model removed but step best's (None: all of them)."""
-    folder = os.path.join(run_dir, SCORES_FOLDER)
-    for name in os.listdir(folder) if os.path.isdir(folder) else ():
-        if name.startswith("step-") and name != f"step-{best}":
-            shutil.rmtree(os.path.join(folder, name, "model"), ignore_errors=True)
-
-
-def best_line(plan, step, within, ranked_by):
-    """The output's line of the best-scored step, and the rule that chose it."""
-    scored, base = scores_on_disk(plan.run_dir), base_scores(plan.run_dir)
-    found = scored[step]
-    dino = "DINO against the held-out photos" if ranked_by == "dino_holdout" else "DINO"
-    rule = (f"the highest {dino} among the scored steps whose CLIP-T is at most {plan.clip_t_margin:g} below the base "
-            f"model's {base['clip_t']:.3f}" if within else
-            f"no step kept CLIP-T within {plan.clip_t_margin:g} of the base model's {base['clip_t']:.3f}: the highest "
-            f"{dino} of all")
-    # a runner-up that reads the same at 3 decimals: shown beside it, at as many as tell them apart
-    floor = base["clip_t"] - plan.clip_t_margin if within else -math.inf
-    rivals = [other for other, values in scored.items() if other != step and values["clip_t"] >= floor]
-    runner = max(rivals, key=lambda other: scored[other][ranked_by], default=None)
-    value = f"{found[ranked_by]:.3f}"
-    if runner is not None and f"{scored[runner][ranked_by]:.3f}" == value:
-        a, b = found[ranked_by], scored[runner][ranked_by]
-        digits = next((d for d in range(4, 9) if f"{a:.{d}f}" != f"{b:.{d}f}"), None)
-        value = (f"{a:.{digits}f}, step {runner}'s {b:.{digits}f}" if digits else
-                 f"{a:.3f}, equal to step {runner}'s: the earlier step kept")
-    return f"best scored step: {step} ({dino} {value}, CLIP-T {found['clip_t']:.3f}; {rule})"
+                                                  for key in score_record.SCORE_KEYS)
 
 
 def keep_best(plan, step, why):
@@ -306,11 +237,12 @@ def keep_best(plan, step, why):
     kept in the scores folder; its record says which step, its scores and why. The line that says what was saved."""
     output = outputs.read_output(plan.output_dir)
     last = step == plan.end_step
-    source = None if last else model_of(plan.run_dir, step)
+    source = None if last else score_record.model_of(plan.run_dir, step)
     if output is None or (source is not None and not os.path.isdir(source)):
         return (f"--keep_best: step {step}'s model is not on this node (its scoring ran on another): the last step's "
                 f"model is saved in {plan.output_dir}")
-    kept = {"step": step, "of_steps": plan.end_step, "scores": scores_on_disk(plan.run_dir)[step], "why": why}
+    kept = {"step": step, "of_steps": plan.end_step, "scores": score_record.scores_on_disk(plan.run_dir)[step],
+            "why": why}
     record = dataclasses.replace(output.record, steps=step, model_id=outputs.new_model_id(), kept=kept)
     marker = storage.join(plan.output_dir, files.OUTPUT_MARKER)
     if last:  # the saved model is the best step's already: its record says so (written whole, as a bucket's object)
@@ -319,7 +251,7 @@ def keep_best(plan, step, why):
             storage.write_bytes(marker, data)
         else:
             files.write_bytes_atomic(data, marker)
-        keep_models(plan.run_dir, None)
+        score_record.keep_models(plan.run_dir, None)
         return f"saved: the last step's model, the best scored, in {plan.output_dir} (--keep_best)"
     config = storage.join(plan.output_dir, outputs.TRAIN_CONFIG)
     config = storage.read_bytes(config) if storage.isfile(config) else None
@@ -334,7 +266,7 @@ def keep_best(plan, step, why):
         files.write_json(os.path.join(tmp, files.OUTPUT_MARKER), record.to_json())
 
     outputs.write_output(plan.output_dir, write)
-    keep_models(plan.run_dir, None)
+    score_record.keep_models(plan.run_dir, None)
     return f"saved: step {step}'s model, the best scored, in {plan.output_dir} instead of step {plan.end_step}'s (--keep_best)"
 
 
@@ -347,27 +279,27 @@ def carry_over(plan):
     if earlier is None or (earlier.rstrip("/") == storage.join(plan.storage_path, plan.run_name) if
                            storage.is_remote(earlier) else os.path.abspath(earlier) == os.path.abspath(plan.run_dir)):
         return
-    folder = storage.join(earlier, SCORES_FOLDER)
+    folder = storage.join(earlier, score_record.SCORES_FOLDER)
     if not storage.isdir(folder):
         return
-    upto, into = checkpoints.saved_step(plan.resume_path), os.path.join(plan.run_dir, SCORES_FOLDER)
+    upto, into = checkpoints.saved_step(plan.resume_path), os.path.join(plan.run_dir, score_record.SCORES_FOLDER)
     os.makedirs(into, exist_ok=True)
 
     def copy(source, target):
         if storage.isfile(source):
             files.write_bytes_atomic(storage.read_bytes(source), target)
 
-    copy(storage.join(folder, BASE_SCORES), os.path.join(into, BASE_SCORES))
-    for step in (step for step in scores_on_disk(earlier) if step <= upto):
+    copy(storage.join(folder, score_record.BASE_SCORES), os.path.join(into, score_record.BASE_SCORES))
+    for step in (step for step in score_record.scores_on_disk(earlier) if step <= upto):
         name = f"step-{step}"
         os.makedirs(os.path.join(into, name), exist_ok=True)
         for kept in ("scores.json", "report.md"):
             copy(storage.join(folder, name, kept), os.path.join(into, name, kept))
         model = storage.join(folder, name, "model")
         if storage.is_remote(model) and storage.isdir(model):
-            storage.download(model, model_of(plan.run_dir, step))
+            storage.download(model, score_record.model_of(plan.run_dir, step))
         elif os.path.isdir(model):
-            shutil.move(model, model_of(plan.run_dir, step))
+            shutil.move(model, score_record.model_of(plan.run_dir, step))
 
 
 def finish(plan, last_step=None, base_task=None):
@@ -379,7 +311,7 @@ def finish(plan, last_step=None, base_task=None):
 
     failed = wait_base(base_task, stopped=last_step is not None)
     metrics_file = os.path.join(plan.run_dir, runlog.METRICS_FILE)
-    logged, found = runlog.scored_steps(metrics_file), scores_on_disk(plan.run_dir)
+    logged, found = runlog.scored_steps(metrics_file), score_record.scores_on_disk(plan.run_dir)
     first = checkpoints.saved_step(plan.resume_path) + 1 if plan.resume_path else 1
     lines = []
     for step in range(first, (last_step or plan.end_step) + 1):
@@ -391,25 +323,25 @@ def finish(plan, last_step=None, base_task=None):
             lines.append(describe(step, None))  # (the last step is always scored: its task failed or timed out)
     scored = sorted(logged)  # (a resumed run's: the earlier run's too)
     if scored:
-        base = base_scores(plan.run_dir)
+        base = score_record.base_scores(plan.run_dir)
         plot = runlog.plot_scores(metrics_file, base and base["clip_t"], plan.clip_t_margin)
         run_folder = storage.join(plan.storage_path, plan.run_name)  # (a bucket's: the driver copies them there)
         lines.append(f"scored steps: {', '.join(map(str, scored))}, plotted in "
                      f"{storage.join(run_folder, os.path.basename(plot))} (images and report.md of each in "
-                     f"{storage.join(run_folder, SCORES_FOLDER)})")
+                     f"{storage.join(run_folder, score_record.SCORES_FOLDER)})")
     elif last_step is not None and not any(plan.is_score_step(step) for step in range(first, last_step + 1)):
         due = next(step for step in range(last_step + 1, plan.end_step + 1) if plan.is_score_step(step))
         lines.append(f"no step was scored: the run stopped at step {last_step}, before step {due}, the first due to be "
                      f"scored (--score_steps {plan.score_steps})")
     else:
         lines.append(f"no step was scored (--score_steps {plan.score_steps}): each scored step's "
-                     f"{SCORES_FOLDER}/step-N/{SCORING_LOG} in the run folder says why, and Ray's log")
+                     f"{score_record.SCORES_FOLDER}/step-N/{SCORING_LOG} in the run folder says why, and Ray's log")
     lines += [failed] if failed else []
-    step, within, ranked_by = best_step(plan.run_dir, plan.clip_t_margin)
+    step, within, ranked_by = score_record.best_step(plan.run_dir, plan.clip_t_margin)
     if step is None and last_step is None:  # (no base model's scores: the last step's model stands)
-        keep_models(plan.run_dir, None)
+        score_record.keep_models(plan.run_dir, None)
     if step is not None:
-        lines.append(best_line(plan, step, within, ranked_by))
+        lines.append(score_record.best_line(plan, step, within, ranked_by))
         if last_step is None and not plan.step_models:  # (the run's end: a stopped run saved no model; a sweep's
             # trial keeps every step count's model, and the sweep picks among them)
             lines.append(keep_best(plan, step, lines[-1]) if plan.keep_best else

@@ -57,8 +57,7 @@ def run(args, stop_step=None):
 
 
 def train_planned(args, stop_step, started):
-    """(result, plan) of run's training, (None, None) when the model is already trained; started(text,
-    **fields) is called once the run is planned."""
+    """(result, plan) of run's training, (None, None) when its model is trained; started(text, **fields) once planned."""
     def draw():
         top_up_class_images(args.model_dir, args.class_data_dir, args.class_prompt, args.num_class_images,
                             args.seed, args.resolution, args.allow_unsafe_weights)

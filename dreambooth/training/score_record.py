@@ -1,0 +1,86 @@
+"""The record of a run's scored steps in its run folder (scores/step-N/scores.json, scores/base.json, the kept model
+of the best step so far), and the best step by the sweep's rule: what checkpoint_scores writes while the run trains
+and reads at its end, and what a resumed run takes over."""
+
+import math
+import os
+import shutil
+
+from dreambooth import files
+from dreambooth import storage
+from dreambooth.evaluation import scores
+from dreambooth.evaluation import scoring
+
+SCORES_FOLDER = "scores"  # in the run folder: step-N/ of each scored step (images, scores.json, report.md)
+BASE_SCORES = "base.json"  # in the scores folder: the base model's scores (score_base's, as the run starts)
+SCORE_KEYS = ("dino", "clip_i", "clip_t")  # what a scored step reports (the paper's subject and prompt fidelity)
+
+
+def score_values(overall):
+    """{SCORE_KEYS: value} of a model's overall scores (scoring.EvalResult.overall), and its DINO and CLIP-I against the
+    held-out photos with --holdout (the best step is ranked by that DINO, as the sweep ranks)."""
+    return {key: float(overall[key]) for key in SCORE_KEYS + scores.HOLDOUT_NAMES if overall.get(key) is not None}
+
+
+def scores_on_disk(run_dir):
+    """{step: {SCORE_KEYS: value}} of the scored steps whose scores.json is in run_dir's scores folder (a bucket's
+    too)."""
+    found = {}
+    folder = storage.join(run_dir, SCORES_FOLDER)
+    for name in storage.listdir(folder) if storage.isdir(folder) else ():
+        path = storage.join(folder, name, "scores.json")
+        if name.startswith("step-") and storage.isfile(path):
+            result = scoring.EvalResult.from_json(storage.read_json(path))
+            found[int(name[len("step-"):])] = score_values(result.overall(name))
+    return found
+
+
+def base_scores(run_dir):
+    """{SCORE_KEYS: value} of the run's base model (its first scoring task's), or None before it has them."""
+    path = os.path.join(run_dir, SCORES_FOLDER, BASE_SCORES)
+    return files.read_json(path) if os.path.isfile(path) else None
+
+
+def best_step(run_dir, margin):
+    """(step, within_margin, ranked_by) of the best-scored step of run_dir by the sweep's rule (scores.best_of: the
+    highest DINO among the steps whose CLIP-T is at most margin below the base model's), the earliest of equals;
+    (None, None, None) before a step and the base model are scored."""
+    found, base = scores_on_disk(run_dir), base_scores(run_dir)
+    if not found or base is None:
+        return None, None, None
+    return scores.best_of(dict(sorted(found.items())), base["clip_t"] - margin)
+
+
+def model_of(run_dir, step):
+    """The folder a scored step's model is kept in while it is the best (--keep_best)."""
+    return os.path.join(run_dir, SCORES_FOLDER, f"step-{step}", "model")
+
+
+def keep_models(run_dir, best):
+    """Every scored step's model removed but step best's (None: all of them)."""
+    folder = os.path.join(run_dir, SCORES_FOLDER)
+    for name in os.listdir(folder) if os.path.isdir(folder) else ():
+        if name.startswith("step-") and name != f"step-{best}":
+            shutil.rmtree(os.path.join(folder, name, "model"), ignore_errors=True)
+
+
+def best_line(plan, step, within, ranked_by):
+    """The output's line of the best-scored step, and the rule that chose it."""
+    scored, base = scores_on_disk(plan.run_dir), base_scores(plan.run_dir)
+    found = scored[step]
+    dino = "DINO against the held-out photos" if ranked_by == "dino_holdout" else "DINO"
+    rule = (f"the highest {dino} among the scored steps whose CLIP-T is at most {plan.clip_t_margin:g} below the base "
+            f"model's {base['clip_t']:.3f}" if within else
+            f"no step kept CLIP-T within {plan.clip_t_margin:g} of the base model's {base['clip_t']:.3f}: the highest "
+            f"{dino} of all")
+    # a runner-up that reads the same at 3 decimals: shown beside it, at as many as tell them apart
+    floor = base["clip_t"] - plan.clip_t_margin if within else -math.inf
+    rivals = [other for other, values in scored.items() if other != step and values["clip_t"] >= floor]
+    runner = max(rivals, key=lambda other: scored[other][ranked_by], default=None)
+    value = f"{found[ranked_by]:.3f}"
+    if runner is not None and f"{scored[runner][ranked_by]:.3f}" == value:
+        a, b = found[ranked_by], scored[runner][ranked_by]
+        digits = next((d for d in range(4, 9) if f"{a:.{d}f}" != f"{b:.{d}f}"), None)
+        value = (f"{a:.{digits}f}, step {runner}'s {b:.{digits}f}" if digits else
+                 f"{a:.3f}, equal to step {runner}'s: the earlier step kept")
+    return f"best scored step: {step} ({dino} {value}, CLIP-T {found['clip_t']:.3f}; {rule})"
