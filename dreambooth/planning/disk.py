@@ -34,11 +34,11 @@ def disk_bytes(model_dir, lora, train_text_encoder, rank=None, adapter="lora"):
     dtype: a bf16 Flux file holds half the bytes it trains in), a full model the trained networks in fp32 and
     the others as their files are. LoRA's of a known rank likewise, of its adapters (adapter_params); of an
     unknown one LORA_BYTES."""
+    if lora and rank is None:
+        return LORA_BYTES, LORA_BYTES
     family, counts = families.family_of(model_dir), files.safetensors_params(model_dir)
     trained = trained_networks(family, counts, train_text_encoder)
     if lora:
-        if rank is None:
-            return LORA_BYTES, LORA_BYTES
         # LoHa: two pairs of factors per layer; DoRA: a magnitude per output too; LoKr: fewer than LoRA's
         count = adapter_params(model_dir, family, trained, rank) * (2 if adapter in ("loha", "dora") else 1)
         return TRAINED_BYTES * count + ADAPTER_FILE_BYTES, 4 * count + ADAPTER_FILE_BYTES

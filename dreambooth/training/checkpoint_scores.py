@@ -191,9 +191,8 @@ class ScoreWatch:
         self.pending = None  # a step whose scoring Ray Train had not finished at the last call, if any
 
     def new_rows(self):
-        """[(step, {score_record.SCORE_KEYS: value}) or (step, None) for a scoring task that failed or timed out], in step
-        order,
-        for the sent steps whose scoring has ended since the last call."""
+        """[(step, {score_record.SCORE_KEYS: value}) or (step, None) for a scoring task that failed or timed out], in
+        step order, for the sent steps whose scoring has ended since the last call."""
         import ray.train
         from ray.experimental import internal_kv
 

@@ -2,7 +2,6 @@
 of the best step so far), and the best step by the sweep's rule: what checkpoint_scores writes while the run trains
 and reads at its end, and what a resumed run takes over."""
 
-import math
 import os
 import shutil
 
@@ -73,13 +72,13 @@ def best_line(plan, step, within, ranked_by):
             f"model's {base['clip_t']:.3f}" if within else
             f"no step kept CLIP-T within {plan.clip_t_margin:g} of the base model's {base['clip_t']:.3f}: the highest "
             f"{dino} of all")
-    # a runner-up that reads the same at 3 decimals: shown beside it, at as many as tell them apart
-    floor = base["clip_t"] - plan.clip_t_margin if within else -math.inf
-    rivals = [other for other, values in scored.items() if other != step and values["clip_t"] >= floor]
-    runner = max(rivals, key=lambda other: scored[other][ranked_by], default=None)
+    # a runner-up that reads the same at 3 decimals (the best of the others by the same rule): shown beside it, at as
+    # many as tell them apart
+    others = {other: values for other, values in scored.items() if other != step}
+    runner, runner_within, _ = scores.best_of(others, base["clip_t"] - plan.clip_t_margin) if others else (None,) * 3
     value = f"{found[ranked_by]:.3f}"
-    if runner is not None and f"{scored[runner][ranked_by]:.3f}" == value:
-        a, b = found[ranked_by], scored[runner][ranked_by]
+    if runner is not None and runner_within == within and f"{others[runner][ranked_by]:.3f}" == value:
+        a, b = found[ranked_by], others[runner][ranked_by]
         digits = next((d for d in range(4, 9) if f"{a:.{d}f}" != f"{b:.{d}f}"), None)
         value = (f"{a:.{digits}f}, step {runner}'s {b:.{digits}f}" if digits else
                  f"{a:.3f}, equal to step {runner}'s: the earlier step kept")
