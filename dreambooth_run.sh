@@ -12,7 +12,7 @@
 #   ./dreambooth_run.sh --prior_prediction    no class images (Step 3 skipped): the base model's own
 #                                             predictions keep the class prior (LoRA or full)
 #   ./dreambooth_run.sh --skip_image_setup    train on the photos already in $IMAGES_OWN_DIR
-#   ./dreambooth_run.sh --skip_eval           stop after Step 5 (no scores of the tuned model)
+#   ./dreambooth_run.sh --skip_eval           no scores: Step 4 keeps its last step's model, no Step 6
 #   ./dreambooth_run.sh -- --use_8bit_adam    everything after -- goes to train.py (as does $TRAIN_ARGS)
 #
 # Settings are environment variables; `--help` lists each with its default. A preflight checks the
@@ -47,13 +47,14 @@ VARIABLES=(
   "MAX_TRAIN_STEPS|200 (--tiny: 20)|optimizer steps of Step 4, exactly"
   "LEARNING_RATE|train.py's: 5e-6, 1e-4 with --use_lora|AdamW learning rate (passed only when set)"
   "CHECKPOINTING_STEPS|100|a resumable checkpoint every N steps (the newest is kept until the model is saved)"
+  "SCORE_STEPS|half of MAX_TRAIN_STEPS|Step 4 scores the model every N steps and at its last, as Step 6 scores (beside the training), and keeps the best-scored step's model (train.py --keep_best); 0: no scores while training, the last step's model"
   "TRAIN_ARGS||more train.py flags, e.g. '--gradient_checkpointing --use_8bit_adam'"
   "HOLDOUT|0|photos kept out of training (the last in name order); Step 6 also scores against them"
   "NUM_INFERENCE_STEPS|50 (--tiny: 10)|denoising steps of every generated image"
   "NUM_NEW_IMAGES|5|Step 5's images"
   "NUM_EVAL_IMAGES|4 (--tiny: 1)|Step 6's images per prompt and model"
   "EVAL_PROMPTS||your own Step 6 prompt file ('{subject}' in each line)"
-  "EVAL_MODELS_CACHE|\$DATA_PREFIX/model-eval|DINO and CLIP for Step 6"
+  "EVAL_MODELS_CACHE|\$DATA_PREFIX/model-eval|DINO and CLIP for the scores of Steps 4 and 6"
   "EVAL_DIR|\$DATA_PREFIX/subjects/<SUBJECT>/eval|Step 6's scores, report and images"
   "LOG_DIR|\$DATA_PREFIX/logs (a bucket's: ~/.cache/dreambooth/logs, copied there at the end)|one log file per run"
   "NOTIFY_URL||a Slack/Discord/any webhook told when training starts, ends or fails, and Step 6's scores (never logged)"
@@ -242,8 +243,10 @@ fi
 LEARNING_RATE="${LEARNING_RATE:-}"
 RETRAIN="${RETRAIN:-}"
 # A typo in a number stops the run here, in one line, not at the step that reads it (after the download)
+SCORE_STEPS="${SCORE_STEPS:-}"
 for name in NUM_CLASS_IMAGES MAX_TRAIN_STEPS NUM_INFERENCE_STEPS NUM_NEW_IMAGES NUM_EVAL_IMAGES CHECKPOINTING_STEPS \
-            HOLDOUT GPUS_PER_WORKER; do
+            HOLDOUT GPUS_PER_WORKER SCORE_STEPS; do
+  if [ "$name" = SCORE_STEPS ] && [ -z "$SCORE_STEPS" ]; then continue; fi  # (unset: decided after the preflight)
   if ! [[ "${!name}" =~ ^[0-9]+$ ]]; then
     echo "dreambooth_run.sh: error: $name=${!name}: must be a whole number (see --help)" >&2
     exit 2
@@ -386,6 +389,13 @@ TRAIN_STEPS="$(resolved MAX_TRAIN_STEPS)"; TRAIN_STEPS="${TRAIN_STEPS:-$MAX_TRAI
 TRAIN_RESOLUTION="$(resolved RESOLUTION)"
 # class images are drawn at the training resolution: another resolution, another default folder
 if $REG_DIR_DEFAULT && [ -n "$TRAIN_RESOLUTION" ]; then IMAGES_REG_DIR="$IMAGES_REG_DIR-${TRAIN_RESOLUTION}px"; fi
+# Scores while training, the best step's model kept: at half the steps and at the last unless SCORE_STEPS says
+# otherwise; none with --skip_eval (no scoring models then)
+if $skip_eval; then
+  SCORE_STEPS=0
+elif [ -z "$SCORE_STEPS" ]; then
+  SCORE_STEPS=$(( (TRAIN_STEPS + 1) / 2 ))
+fi
 
 # The resolved settings, once
 for entry in "${VARIABLES[@]}"; do
@@ -418,8 +428,8 @@ fi
 export ORIG_MODEL_PATH
 echo "base model: $ORIG_MODEL_PATH"
 
-# Step 6's scoring models (DINO, CLIP) are fetched meanwhile, in the background: their download
-# (or, with --tiny, their building) overlaps Steps 3-5 instead of adding to Step 6
+# The scoring models (DINO, CLIP) of Step 4's scores and Step 6 are fetched meanwhile, in the background: their
+# download (or, with --tiny, their building) overlaps Steps 1-3
 if ! $skip_eval; then
   if $tiny; then EVAL_FLAGS=(--tiny); else EVAL_FLAGS=(); fi
   EVAL_FETCH_LOG="$LOG_DIR/eval-models-$(date '+%Y%m%d-%H%M%S').log"
@@ -427,12 +437,29 @@ if ! $skip_eval; then
     > "$EVAL_FETCH_LOG.path" 2> "$EVAL_FETCH_LOG" < /dev/null &
   EVAL_FETCH_PID=$!
   if $tiny; then
-    echo "Step 6's scoring models (tiny DINO and CLIP): built in the background (a failure names its log)"
+    echo "the scoring models (tiny DINO and CLIP): built in the background (a failure names its log)"
   else  # (in the cache already: nothing is downloaded)
-    echo "Step 6's scoring models (DINO, CLIP): from $EVAL_MODELS_CACHE, fetched there first if missing, in the" \
+    echo "the scoring models (DINO, CLIP): from $EVAL_MODELS_CACHE, fetched there first if missing, in the" \
       "background (a failure names its log)"
   fi
 fi
+
+# The background fetch's scoring models, once it has ended (EVAL_MODELS_DIR); if it failed, its log's end and one
+# line, $1 saying what stays
+EVAL_MODELS_DIR=
+scoring_models() {
+  if [ -n "$EVAL_MODELS_DIR" ]; then return; fi
+  if ! wait "$EVAL_FETCH_PID"; then
+    EVAL_FETCH_PID=
+    rm -f "$EVAL_FETCH_LOG.path"
+    tail -n 20 "$EVAL_FETCH_LOG"
+    echo "dreambooth_run.sh: error: getting the scoring models (DINO, CLIP) failed (log: $EVAL_FETCH_LOG); $1" >&2
+    exit 1
+  fi
+  EVAL_FETCH_PID=
+  EVAL_MODELS_DIR="$(tail -n 1 "$EVAL_FETCH_LOG.path")"
+  drop_fetch_files  # (no empty file per run)
+}
 
 step "2: photos of the subject: $PHOTOS_DIR"
 
@@ -454,7 +481,18 @@ else
   CLASS_OPTIONS=(--class_images_dir="$IMAGES_REG_DIR" --num_class_images="$NUM_CLASS_IMAGES")
 fi
 
-step "4: fine-tune on $NUM_WORKERS worker(s), $TRAIN_STEPS steps (a rerun continues a stopped run and keeps a finished one)"
+SCORE_OPTIONS=()
+if [ "$SCORE_STEPS" -gt 0 ]; then  # (the scoring models are needed from the run's start: the run checks them first)
+  scoring_models "nothing was trained yet: rerun, or SCORE_STEPS=0 to train without scores"
+  SCORE_OPTIONS=(--score_steps="$SCORE_STEPS" --keep_best --eval_models_dir="$EVAL_MODELS_DIR"
+    --class_name="$CLASS_NAME" --unique_token="$UNIQUE_TOKEN" --subject_type="$SUBJECT_TYPE"
+    ${EVAL_PROMPTS:+--eval_prompts="$EVAL_PROMPTS"} --eval_images_per_prompt="$NUM_EVAL_IMAGES"
+    --validation_inference_steps="$NUM_INFERENCE_STEPS")
+  SCORED=", scored every $SCORE_STEPS steps and at the last, the best step's model kept"
+else
+  SCORED=", the last step's model kept"
+fi
+step "4: fine-tune on $NUM_WORKERS worker(s), $TRAIN_STEPS steps$SCORED (a rerun continues a stopped run and keeps a finished one)"
 # (with --use_lora: LoRA adapters on the UNet and the text encoder, at LoRA's usual learning rate)
 if $use_lora; then
   TRAIN_OPTIONS=(--use_lora)
@@ -479,7 +517,7 @@ fi
   $([ -n "$RETRAIN" ] || echo --resume_from_checkpoint=auto) \
   --holdout="$HOLDOUT" \
   ${NOTIFY_URL:+--notify_url="$NOTIFY_URL"} \
-  "${TRAIN_OPTIONS[@]}" "${TRAIN_ARGS_LIST[@]}" "${EXTRA_TRAIN_ARGS[@]}"
+  "${SCORE_OPTIONS[@]}" "${TRAIN_OPTIONS[@]}" "${TRAIN_ARGS_LIST[@]}" "${EXTRA_TRAIN_ARGS[@]}"
 # the scores of a model this run replaced (another mode or base model for this subject) never stay beside it
 "$PYTHON" -c 'import sys; from dreambooth.evaluation import eval_report; eval_report.forget_stale_scores(*sys.argv[1:])' \
   "$EVAL_DIR" "$TUNED_MODEL_DIR"
@@ -517,17 +555,7 @@ if $skip_eval; then
 fi
 
 step "6: scores of the tuned model beside the base model (DINO, CLIP-I, CLIP-T, DIV, PRES)"
-if ! wait "$EVAL_FETCH_PID"; then
-  EVAL_FETCH_PID=
-  rm -f "$EVAL_FETCH_LOG.path"
-  tail -n 20 "$EVAL_FETCH_LOG"
-  echo "dreambooth_run.sh: error: getting Step 6's scoring models failed (log: $EVAL_FETCH_LOG); the tuned" \
-    "model and its images are in $TUNED_MODEL_DIR and $IMAGES_NEW_DIR" >&2
-  exit 1
-fi
-EVAL_FETCH_PID=
-EVAL_MODELS_DIR="$(tail -n 1 "$EVAL_FETCH_LOG.path")"
-drop_fetch_files  # (no empty file per run)
+scoring_models "the tuned model and its images are in $TUNED_MODEL_DIR and $IMAGES_NEW_DIR"
 "$PYTHON" evaluate.py \
   --model_dir="$TUNED_MODEL_DIR" \
   --instance_data_dir="$PHOTOS_DIR" \

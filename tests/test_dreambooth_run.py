@@ -72,6 +72,7 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request, webhook):
         env.update(bucket_env, DATA_PREFIX=where, XDG_CACHE_HOME=str(cache))
     else:
         env.update(MAX_TRAIN_STEPS="99", NOTIFY_URL=webhook.url)  # the step count after -- wins, in the banners too
+        env["SCORE_STEPS"] = "0"  # no scores while training: the last step's model (the [lora] arm scores them)
         env.pop("RAY_ADDRESS")  # no cluster to join: the script starts one for its steps
         env.pop("RAY_AUTH_MODE", None)  # as in a user's shell: token authentication by default
     # train.py's flags after --: LoRA that way trains at LoRA's learning rate (train.py's default)
@@ -91,7 +92,12 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request, webhook):
     assert re.search(r"NUM_WORKERS +" + ("2" if mode == "lora" else "1") + "\n", output)
     assert (", seed 1\n" in output) == (mode == "full")
     assert re.search(r"MAX_TRAIN_STEPS +" + ("10" if mode == "lora" else "4") + "\n", output)
-    assert f"Step 4: fine-tune on {2 if mode == 'lora' else 1} worker(s), {10 if mode == 'lora' else 4} steps" in output
+    scored = ", scored every 5 steps and at the last, the best step's model kept" if mode == "lora" else \
+        ", the last step's model kept"
+    assert f"Step 4: fine-tune on {2 if mode == 'lora' else 1} worker(s), {10 if mode == 'lora' else 4} steps{scored} " \
+        in output
+    assert re.search(r"SCORE_STEPS +" + ("5" if mode == "lora" else "0") + "\n", output)
+    assert ("best scored step: " in output) == (mode == "lora")
     log = re.search(r"-- log: (\S+)", output)[1]
     assert open(log).read().startswith("dreambooth_run.sh")
     if mode == "full":  # the run's log and its cluster's, nothing else (the scoring models' fetch said nothing)
@@ -127,7 +133,7 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request, webhook):
     assert "ORIG_MODEL_HASH      (not used with --tiny)" in output and "  HOLDOUT              0\n" in output
     assert not re.search(r"^  [A-Z_]+ *$", output, re.M) and "  RETRAIN              (none)\n" in output
     # --tiny builds the scoring models (nothing is fetched), meanwhile
-    assert "Step 6's scoring models (tiny DINO and CLIP): built in the background" in output
+    assert "the scoring models (tiny DINO and CLIP): built in the background" in output
     # One Ray cluster for all the steps: started here and stopped at the end, or the one given joined.
     assert open(os.path.join(stranger, "ray", "ray_current_cluster")).read() == "192.0.2.1:6379"  # untouched
     if mode == "full":
@@ -166,6 +172,12 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request, webhook):
     scores = storage.read_json(f"{subject}/eval/scores.json")
     if mode == "lora":  # adapters only; Step 5 drew with them on the base model; Step 6 scored them
         assert re.search(r"trained 10 steps", output)  # MAX_TRAIN_STEPS, not 4 epochs' worth
+        # Step 4 scored steps 5 and 10 while it trained (by default: half the steps) and kept the best one's adapters,
+        # in the bucket, its record saying which (Step 6 then scored that model)
+        best = int(re.search(r"best scored step: (\d+) \(", output)[1])
+        assert best in (5, 10) and "scores of step 5: DINO " in output and "scores of step 10: DINO " in output
+        record = storage.read_json(f"{subject}/model-tuned/{OUTPUT_MARKER}")
+        assert record["kept"]["step"] == best and record["kept"]["of_steps"] == 10
         assert storage.listdir(f"{subject}/model-tuned") == sorted([LORA_WEIGHTS_FILE, OUTPUT_MARKER, "train_config.toml"])
         assert "LoRA adapters (rank 4, alpha 4)" in output and "lr=0.0001 " in output
         assert "training on the first 4 of the 6 class images" in output and " and 4 class images at" in output
@@ -237,7 +249,7 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request, webhook):
 FAMILY_RUNS = {  # name: (the script's arguments, its environment beyond the common one)
     "sdxl": (["--arch", "sdxl", "--use_lora", "--prior_prediction"],
              {"CLASS_NAME": "dog"}),  # a live class: Step 6 scores it with the live prompt set
-    "sd3": (["--arch", "sd3"], {}),
+    "sd3": (["--arch", "sd3"], {"SCORE_STEPS": ""}),  # (scored while it trains, the script's default)
     **{arch: (["--arch", arch, "--use_lora"], {}) for arch in ("flux", "qwen", "flux2")},
 }
 
@@ -263,7 +275,10 @@ def family_runs(request, tmp_path_factory, tiny_eval_models):
         env = dict(os.environ, DATA_PREFIX=str(where), NUM_CLASS_IMAGES="2", NUM_INFERENCE_STEPS="2",
                    MAX_TRAIN_STEPS="2", NUM_NEW_IMAGES="1", PYTHON=sys.executable, RAY_ADDRESS=address,
                    ORIG_MODEL_DIR=model_cache_of(models), EVAL_MODELS_CACHE=tiny_eval_models[0],
-                   EVAL_PROMPTS=str(prompts), **extra)
+                   EVAL_PROMPTS=str(prompts))
+        # (the sd3 run and the SD 1.x [lora] run score while they train: scoring is the same for every family,
+        # each family's Step 6 scores it)
+        env.update({"SCORE_STEPS": "0", **extra})
         env.pop("NUM_WORKERS", None)
         return where, subprocess.run(["bash", "dreambooth_run.sh", "--tiny", *argv], cwd=REPO_DIR, env=env,
                                      capture_output=True, text=True, timeout=600)
@@ -440,6 +455,9 @@ def test_dreambooth_run_tiny_sd3_end_to_end(family_runs):
     assert "ORIG_MODEL_NAME      (--tiny: the built-in tiny sd3 model)" in proc.stdout  # (not sd14's name)
     tuned = json.loads((subject_dir / "model-tuned" / "model_index.json").read_text())
     assert tuned["_class_name"] == "StableDiffusion3Pipeline"
+    # Step 4 scored steps 1 and 2 of its full fine-tune while it trained and kept the best one's model
+    best = int(re.search(r"best scored step: (\d+) \(", proc.stdout + proc.stderr)[1])
+    assert json.loads((subject_dir / "model-tuned" / OUTPUT_MARKER).read_text())["kept"]["step"] == best in (1, 2)
     [image] = [f for f in os.listdir(subject_dir / "images-new") if f.endswith(".png")]
     with Image.open(subject_dir / "images-new" / image) as drawn:
         assert drawn.size == (64, 64)

@@ -174,6 +174,17 @@ def test_one_pool_draws_several_models_each_with_its_weights_adapters_and_checke
     err = capsys.readouterr().err
     assert "generating for 3 models on 1 actor(s)" in err
     assert "2 image(s) flagged by the safety checker were not saved" in err and str(tmp_path / "checked") in err
+    # a scoring task draws them in its own process (here=True) with the actor's class: the same files, byte for byte
+    here = [drawing.top_up(str(tmp_path / "here" / name), model, prompts, 2 if name != "checked" else 1, settings,
+                           checker) for name, (model, checker) in models.items()]
+    drawing.make_images_of(here, settings, batch_size=3, num_actors=1, here=True)
+    assert "generating for 3 models in this process" in capsys.readouterr().err
+    for name in models:
+        names = sorted(os.listdir(tmp_path / name))
+        assert sorted(os.listdir(tmp_path / "here" / name)) == names
+        for file in names:
+            if file.endswith(".png"):
+                assert (tmp_path / "here" / name / file).read_bytes() == (tmp_path / name / file).read_bytes(), file
 
 
 def test_class_images_are_kept_when_only_what_training_does_not_read_differs(tiny_model, tmp_path, capsys):

@@ -4,6 +4,7 @@ CLIP-T, DIV and PRES per prompt and overall, each subject's scores.json and repo
 the sweep's trials call run()."""
 
 import dataclasses
+import functools
 import io
 import os
 import re
@@ -71,6 +72,9 @@ class EvalSettings:
     resolution: int | None = None
     num_actors: int | None = None
     allow_unsafe_weights: bool = False
+    # drawn and embedded in this process, by the actors' own classes, instead of on actor pools: a scoring task's,
+    # which holds an actor's resources itself (checkpoint_scores)
+    here: bool = False
 
     @classmethod
     def from_args(cls, args, **overrides):
@@ -109,16 +113,32 @@ class EmbeddingActor:
                 "text_clip": self.embedder.clip_texts([str(t) for t in batch["text"]]).numpy()}
 
 
-def embed(rows, eval_models_dir, num_actors, allow_unsafe_weights=False, batch_size=16):
-    """{path: {"dino", "clip", "text_clip"} as (D,) arrays} for rows [{"path", "text"}], on an actor pool."""
+@functools.lru_cache(maxsize=1)
+def embedder_here(dino_dir, clip_dir, allow_unsafe_weights):
+    """An EmbeddingActor of this process's own, kept for its next call (a Ray worker that runs the next scoring task
+    has DINO and CLIP loaded already)."""
+    return EmbeddingActor(dino_dir, clip_dir, 1, allow_unsafe_weights)
+
+
+def embed(rows, eval_models_dir, num_actors, allow_unsafe_weights=False, batch_size=16, here=False):
+    """{path: {"dino", "clip", "text_clip"} as (D,) arrays} for rows [{"path", "text"}], on an actor pool, or in
+    this process (here)."""
+    import numpy as np
+
     ray = raycluster.init_ray()
     dirs = tuple(os.path.join(eval_models_dir, part) for part in modelcache.EVAL_MODEL_PARTS)
     rows = [{**row, "data": storage.read_bytes(row["path"])} for row in rows]
-    ds = ray.data.from_items(rows).map_batches(
-        EmbeddingActor, fn_constructor_args=(*dirs, num_actors, allow_unsafe_weights), batch_size=batch_size,
-        compute=ray.data.ActorPoolStrategy(size=num_actors), num_gpus=drawing.actor_num_gpus())
+    if here:
+        embedder = embedder_here(*dirs, allow_unsafe_weights)
+        batches = (embedder({key: np.array([row[key] for row in rows[start:start + batch_size]], dtype=object)
+                             for key in ("path", "text", "data")}) for start in range(0, len(rows), batch_size))
+    else:
+        batches = ray.data.from_items(rows).map_batches(
+            EmbeddingActor, fn_constructor_args=(*dirs, num_actors, allow_unsafe_weights), batch_size=batch_size,
+            compute=ray.data.ActorPoolStrategy(size=num_actors),
+            num_gpus=drawing.actor_num_gpus()).iter_batches(batch_size=None)
     out = {}
-    for batch in ds.iter_batches(batch_size=None):
+    for batch in batches:
         for i, path in enumerate(batch["path"]):
             out[str(path)] = {k: batch[k][i] for k in ("dino", "clip", "text_clip")}
     return out
@@ -253,15 +273,16 @@ def run(entries, subjects, settings, output_dir, report_dirs=None):
     for label, model in entries:
         job, wanted[label] = image_job(label, model, list(texts), os.path.join(output_dir, "images", label), settings)
         jobs.append(job)
-    drawing.make_images_of(jobs, settings.images(), settings.batch_size, settings.num_actors)
+    drawing.make_images_of(jobs, settings.images(), settings.batch_size, settings.num_actors, here=settings.here)
     # {label: {prompt: [paths]}} without the images the safety checker withheld
     images = {label: {p: [f for f in fs if os.path.exists(f)] for p, fs in by_prompt.items()}
               for label, by_prompt in wanted.items()}
     rows = [{"path": f, "text": texts[p]} for by_prompt in images.values() for p, fs in by_prompt.items() for f in fs]
     rows += [{"path": path, "text": s.class_prompt} for s in subjects for path in real[s.name] + held[s.name]]
     rows = list({r["path"]: r for r in rows}.values())  # a photo shared by two subjects is embedded once
-    print(f"scoring {len(rows)} images on {settings.num_actors} actor(s)", file=sys.stderr)
-    emb = embed(rows, settings.eval_models_dir, settings.num_actors, settings.allow_unsafe_weights)
+    print(f"scoring {len(rows)} images " + ("in this process" if settings.here else f"on {settings.num_actors} actor(s)"),
+          file=sys.stderr)
+    emb = embed(rows, settings.eval_models_dir, settings.num_actors, settings.allow_unsafe_weights, here=settings.here)
 
     results = {}
     random_weights = any(modelcache.has_random_weights(model.model_dir) for _, model in entries)

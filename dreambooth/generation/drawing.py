@@ -169,8 +169,9 @@ class ImageGenerator:
     rows arrive grouped by job, so that happens about once per model.
     """
 
-    def __init__(self, jobs, settings, num_actors):
-        hub.skip_unused_imports(lora=any(job.model.lora_dir for job in jobs))
+    def __init__(self, jobs, settings, num_actors, own_process=True):
+        if own_process:  # (not in a process that may draw with adapters later: draw_here's)
+            hub.skip_unused_imports(lora=any(job.model.lora_dir for job in jobs))
         self.device = machine.torch_device()
         if self.device.type == "cpu":
             raycluster.share_cpu_threads(num_actors)
@@ -248,6 +249,27 @@ def run_actor_pool(jobs, settings, batch_size, num_actors):
             yield index, name, bad
 
 
+def draw_here(jobs, settings, batch_size):
+    """run_actor_pool's images drawn in this process by an ImageGenerator of its own, in the same batches (a scoring
+    task's, which holds the resources an actor would: no process started, none of its imports paid again)."""
+    import numpy as np
+
+    generator = ImageGenerator([dataclasses.replace(job, rows=()) for job in jobs], settings, 1, own_process=False)
+    rows = [{**row, "job": index} for index, job in enumerate(jobs) for row in job.rows]
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start:start + batch_size]
+        batch = {"job": np.array([row["job"] for row in chunk]), "seed": np.array([row["seed"] for row in chunk]),
+                 **{key: np.array([row[key] for row in chunk], dtype=object) for key in ("prompt", "file")}}
+        out = generator(batch)
+        for index, name, bad, png in zip(out["job"], out["file"], out["flagged"], out["png"]):
+            path = os.path.join(jobs[index].output_dir, str(name))
+            if bad:
+                open(path + FLAGGED_SUFFIX, "w").close()
+            else:
+                files.write_bytes_atomic(bytes(png), path)
+            yield index, name, bad
+
+
 def actor_num_gpus():
     """GPUs each actor of a pool reserves: a whole one where the cluster has GPUs."""
     return 1 if raycluster.cluster_resources()[1] else 0
@@ -312,11 +334,12 @@ def top_up(folder, model, prompts, count, settings, safety_checker, on_mismatch=
 
 
 STARTING = "starting the actors, each loads the model"  # the progress bar's note until the first image
+STARTING_HERE = "loading the model"  # (drawn in this process)
 
 
-def make_images_of(jobs, settings, batch_size=4, num_actors=None):
-    """Draw the rows of every DrawJob on one actor pool (settings: ImageSettings), with a progress
-    bar and one line for the images the safety checker withheld."""
+def make_images_of(jobs, settings, batch_size=4, num_actors=None, here=False):
+    """Draw the rows of every DrawJob on one actor pool (settings: ImageSettings), or in this process (here:
+    draw_here), with a progress bar and one line for the images the safety checker withheld."""
     jobs = [job for job in jobs if job.rows]
     if not jobs:
         return
@@ -331,14 +354,18 @@ def make_images_of(jobs, settings, batch_size=4, num_actors=None):
     flagged = []
     several = len(jobs) > 1  # then a withheld image is named with its model's folder
     what = f"generating for {len(jobs)} models" if several else "generating"
+    where = "in this process" if here else f"on {num_actors} actor(s)"
+    images = draw_here(jobs, settings, batch_size) if here else run_actor_pool(jobs, settings, batch_size, num_actors)
     try:
-        with tqdm(total=sum(len(job.rows) for job in jobs), desc=f"{what} on {num_actors} actor(s)",
-                  unit="img", postfix=STARTING) as bar:
-            for index, name, bad in run_actor_pool(jobs, settings, batch_size, num_actors):
+        waiting = STARTING_HERE if here else STARTING
+        with tqdm(total=sum(len(job.rows) for job in jobs), desc=f"{what} {where}", unit="img",
+                  postfix=waiting) as bar:
+            for index, name, bad in images:
                 if bad:
                     flagged.append(os.path.join(jobs[index].output_dir, str(name)) if several else str(name))
-                if bar.postfix.startswith(STARTING):  # the first image: the rate and time left count from here
-                    bar.set_postfix_str(f"actors ready in {bar.format_interval(bar.format_dict['elapsed'])}",
+                if bar.postfix.startswith(waiting):  # the first image: the rate and time left count from here
+                    ready = "model loaded" if here else "actors ready"
+                    bar.set_postfix_str(f"{ready} in {bar.format_interval(bar.format_dict['elapsed'])}",
                                         refresh=False)
                     bar.reset()  # (the first print of a rate is a tenth of a second on: the next batch's images)
                 bar.update(1)

@@ -31,8 +31,9 @@ BASE = "base"  # the base model's label, and its folder in the scores folder (im
 SUBJECT = "subject"  # the one subject a run is scored against
 # evaluate.py's seed of the images it scores (its --seed default): a step's images are those evaluate.py would draw
 EVAL_SEED = scoring.EvalSettings.seed
-# the actors of each pool a scoring task starts (drawing, then embedding): one, beside the training (a GPU's each
-# where the cluster has them), not one per GPU of the cluster as evaluate.py's, which runs alone
+# A scoring task draws and embeds in its own process (scoring.EvalSettings.here: the actor pools' classes, with the
+# resources one of their actors holds), beside the training: no actor process to start and import torch and
+# diffusers in, per scored step; a Ray worker that ran one scoring task runs the next with DINO and CLIP loaded.
 SCORING_ACTORS = 1
 
 
@@ -49,7 +50,15 @@ def settings_of(plan):
     return scoring.EvalSettings(plan.eval_models_dir, num_samples_per_prompt=plan.eval_images_per_prompt,
                                 seed=EVAL_SEED, num_inference_steps=plan.validation_inference_steps,
                                 guidance_scale=plan.guidance_scale, resolution=plan.resolution,
-                                num_actors=SCORING_ACTORS, allow_unsafe_weights=plan.allow_unsafe_weights)
+                                num_actors=SCORING_ACTORS, allow_unsafe_weights=plan.allow_unsafe_weights, here=True)
+
+
+def task_resources():
+    """What a scoring task holds while it draws and embeds: what an actor of evaluate.py's pools holds (a CPU, and a
+    GPU where the cluster has them), on the driver's node (on_this_node)."""
+    from dreambooth.generation import drawing
+
+    return {"num_cpus": 1, "num_gpus": drawing.actor_num_gpus(), "scheduling_strategy": on_this_node()}
 
 
 def check_inputs(args):
@@ -64,12 +73,10 @@ def check_inputs(args):
 
 
 def validation_config(plan):
-    """Ray Train's validation of the scored checkpoints: score_checkpoint as a task on the driver's node that reserves
-    no CPU of its own (it only waits on the actor pools it starts, which reserve theirs)."""
+    """Ray Train's validation of the scored checkpoints: score_checkpoint as a task of task_resources()."""
     import ray.train
 
-    return ray.train.ValidationConfig(functools.partial(score_checkpoint, plan=plan),
-                                      ray_remote_kwargs={"num_cpus": 0, "scheduling_strategy": on_this_node()})
+    return ray.train.ValidationConfig(functools.partial(score_checkpoint, plan=plan), ray_remote_kwargs=task_resources())
 
 
 def on_this_node():
@@ -137,7 +144,7 @@ def start_base(plan):
                                  os.path.join(plan.run_dir, score_record.SCORES_FOLDER, score_record.BASE_SCORES))
     if score_record.base_scores(plan.run_dir) is not None:
         return None
-    return ray.remote(num_cpus=0, scheduling_strategy=on_this_node())(score_base).remote(plan)
+    return ray.remote(**task_resources())(score_base).remote(plan)
 
 
 def score_base(plan):
