@@ -50,7 +50,7 @@ TRAIN_FLAGS = [
 
 def train_parser(description=None):  # (train.py's output, photos and class images may be a bucket's)
     return flags.make_parser(description, TRAIN_FLAGS, refused=flags.REFUSED, config=True, types=dict.fromkeys(
-        ("output_dir", "instance_data_dir", "class_data_dir"), flags.storage_location),
+        ("output_dir", "instance_data_dir", "class_data_dir", "eval_models_dir"), flags.storage_location),
                              optional=("eval_models_dir", "class_name"))
 
 

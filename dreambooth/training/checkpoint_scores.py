@@ -63,9 +63,12 @@ def task_resources():
 
 def check_inputs(args):
     """UserError before Ray starts for what a scoring task would fail on only after its step was trained: the scoring
-    models' folder, the evaluation prompts (each with '{subject}'), the photos."""
+    models' folder (a bucket's: args.eval_models_dir becomes this node's copy), the evaluation prompts (each with
+    '{subject}'), the photos."""
     from dreambooth.models import modelcache
 
+    if storage.is_remote(args.eval_models_dir):  # (a bucket's: this node's copy, where the scoring tasks run)
+        args.eval_models_dir = storage.cached(args.eval_models_dir)
     modelcache.check_eval_models_dir(args.eval_models_dir)
     subject = subject_of(args)
     subject.prompts()
