@@ -8,8 +8,8 @@
     python sweep.py ... --subjects_dir=$SUBJECTS_DIR    (one sub-folder + subject.json per subject)
 
 Each trial (a Tune trial running a Ray Train run of its own) trains once, to the largest step count; the
-checkpoint of each step count becomes a model that is scored as evaluate.py scores it (the generation and embedding
-in a Ray task that holds what one of evaluate.py's actors holds) while the training goes on (train.py's scores while training), and Tune hears each step
+checkpoint of each step count becomes a model that is scored as evaluate.py scores it (generation and embedding on
+Ray Data actor pools; on a one-node cluster in the scoring task itself) while the training goes on (train.py's scores while training), and Tune hears each step
 count's scores as they arrive: with --early_stopping, a trial behind the others at a step count is stopped there
 (ASHA). The base model is scored once per subject.
 The best (step count, trial) of each subject has the highest DINO among those whose CLIP-T is at

@@ -31,9 +31,8 @@ BASE = "base"  # the base model's label, and its folder in the scores folder (im
 SUBJECT = "subject"  # the one subject a run is scored against
 # evaluate.py's seed of the images it scores (its --seed default): a step's images are those evaluate.py would draw
 EVAL_SEED = scoring.EvalSettings.seed
-# A scoring task draws and embeds in its own process (scoring.EvalSettings.here: the actor pools' classes, with the
-# resources one of their actors holds), beside the training: no actor process to start and import torch and
-# diffusers in, per scored step; a Ray worker that ran one scoring task runs the next with DINO and CLIP loaded.
+# the actors of each pool a scoring task starts on a cluster of several nodes (drawing, then embedding): one, beside
+# the training (a GPU's each where the cluster has them), not one per GPU of the cluster as evaluate.py's
 SCORING_ACTORS = 1
 
 
@@ -44,21 +43,36 @@ def subject_of(run, holdout=0):
                            run.eval_prompts, holdout=holdout)
 
 
-def settings_of(plan):
+def settings_of(plan, here):
     """How a scored step's images are drawn: evaluate.py's way at the run's resolution and guidance, with
-    --eval_images_per_prompt images of each prompt and --validation_inference_steps steps."""
+    --eval_images_per_prompt images of each prompt and --validation_inference_steps steps (here: in the task's own
+    process, scores_here)."""
     return scoring.EvalSettings(plan.eval_models_dir, num_samples_per_prompt=plan.eval_images_per_prompt,
                                 seed=EVAL_SEED, num_inference_steps=plan.validation_inference_steps,
                                 guidance_scale=plan.guidance_scale, resolution=plan.resolution,
-                                num_actors=SCORING_ACTORS, allow_unsafe_weights=plan.allow_unsafe_weights, here=True)
+                                num_actors=SCORING_ACTORS, allow_unsafe_weights=plan.allow_unsafe_weights, here=here)
 
 
-def task_resources():
-    """What a scoring task holds while it draws and embeds: what an actor of evaluate.py's pools holds (a CPU, and a
-    GPU where the cluster has them), on the driver's node (on_this_node)."""
+def scores_here():
+    """Whether the scoring tasks draw and embed in their own process (scoring.EvalSettings.here: the classes of the
+    pools' actors), holding what one such actor holds: on a cluster of one node, where the actors would run beside the
+    task anyway, with no actor process to start (and import torch and diffusers in) per scored step, and a Ray worker
+    that scored one step scoring the next with DINO and CLIP loaded. On several nodes the task stays on the driver's
+    node, with the run's files, and its actor pools go wherever the cluster has room (a GPU the training does not
+    hold, on any node)."""
+    import ray
+
+    return sum(1 for node in ray.nodes() if node["Alive"]) == 1
+
+
+def task_resources(here):
+    """What a scoring task holds, on the driver's node (on_this_node): here, what an actor of evaluate.py's pools
+    holds (a CPU, and a GPU where the cluster has them); else nothing (it waits on the actor pools it starts, which
+    hold theirs)."""
     from dreambooth.generation import drawing
 
-    return {"num_cpus": 1, "num_gpus": drawing.actor_num_gpus(), "scheduling_strategy": on_this_node()}
+    held = {"num_cpus": 1, "num_gpus": drawing.actor_num_gpus()} if here else {"num_cpus": 0}
+    return {**held, "scheduling_strategy": on_this_node()}
 
 
 def check_inputs(args):
@@ -79,7 +93,9 @@ def validation_config(plan):
     """Ray Train's validation of the scored checkpoints: score_checkpoint as a task of task_resources()."""
     import ray.train
 
-    return ray.train.ValidationConfig(functools.partial(score_checkpoint, plan=plan), ray_remote_kwargs=task_resources())
+    here = scores_here()
+    return ray.train.ValidationConfig(functools.partial(score_checkpoint, plan=plan, here=here),
+                                      ray_remote_kwargs=task_resources(here))
 
 
 def on_this_node():
@@ -91,7 +107,7 @@ def on_this_node():
     return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
 
 
-def score_checkpoint(checkpoint_ref, plan):
+def score_checkpoint(checkpoint_ref, plan, here=False):
     """A scored step's checkpoint as a model in scores/step-N/model, scored there; the model goes afterwards (the
     images, scores.json and report.md stay). Returns its scores ({score_record.SCORE_KEYS: value}) for Ray Train's
     record."""
@@ -102,7 +118,7 @@ def score_checkpoint(checkpoint_ref, plan):
         checkpoint.save_as_model(folder, checkpoint.step_model_plan(plan, model, step, plan.held_out))
     label = f"step-{step}"
     try:
-        result = scored(plan, label, outputs.resolve_model(model), where)
+        result = scored(plan, label, outputs.resolve_model(model), where, here)
     except BaseException:
         if not kept_model(plan, step):
             shutil.rmtree(model, ignore_errors=True)
@@ -126,13 +142,14 @@ def kept_model(plan, step):
     return storage.join(plan.step_models, f"model-step-{step}") if plan.step_models and step in plan.score_at else None
 
 
-def scored(plan, label, model, where):
+def scored(plan, label, model, where, here):
     """scoring.run of one model (a scoring.ModelRef) into where, as evaluate.py scores it; what it says as it goes
     (evaluate.py's lines and bars) in where's log: the run's output is the training's, and one line of scores."""
     os.makedirs(where, exist_ok=True)
     with open(os.path.join(where, SCORING_LOG), "w") as log, contextlib.redirect_stdout(log), \
             contextlib.redirect_stderr(log):
-        return scoring.run([(label, model)], [subject_of(plan, len(plan.held_out))], settings_of(plan), where)
+        return scoring.run([(label, model)], [subject_of(plan, len(plan.held_out))], settings_of(plan, here),
+                           where)
 
 
 def start_base(plan):
@@ -147,14 +164,15 @@ def start_base(plan):
                                  os.path.join(plan.run_dir, score_record.SCORES_FOLDER, score_record.BASE_SCORES))
     if score_record.base_scores(plan.run_dir) is not None:
         return None
-    return ray.remote(**task_resources())(score_base).remote(plan)
+    here = scores_here()
+    return ray.remote(**task_resources(here))(score_base).remote(plan, here)
 
 
-def score_base(plan):
+def score_base(plan, here=False):
     """The base model scored as each step is (scores/base/: images, scores.json, report.md; the scores in
     score_record.BASE_SCORES): the best step's CLIP-T is held to its."""
     where = os.path.join(plan.run_dir, score_record.SCORES_FOLDER, BASE)
-    result = scored(plan, BASE, outputs.resolve_model(plan.model_dir), where)
+    result = scored(plan, BASE, outputs.resolve_model(plan.model_dir), where, here)
     files.write_bytes_atomic(json.dumps(score_record.score_values(result[SUBJECT].overall(BASE))).encode(),
                              os.path.join(plan.run_dir, score_record.SCORES_FOLDER, score_record.BASE_SCORES))
     runfiles.sync_up(plan.storage_path, plan.run_name)
