@@ -7,6 +7,7 @@ import glob
 import json
 import os
 import re
+import shutil
 
 import pytest
 
@@ -181,6 +182,31 @@ def test_the_end_of_a_run_adds_the_scores_that_came_late_and_says_a_failed_step(
         dashed = max(sum(plot.getpixel((x, row)) == runlog.SCORE_LINES[2][2] for x in range(left, right))
                      for row in (y - 1, y, y + 1))
         assert 0.4 < dashed / (right - left) < 0.7, level
+
+
+def test_the_late_scores_of_a_run_in_a_bucket_join_rank_0s_metrics_written_on_another_node(request):
+    """A bucket's run whose rank 0 trained on another node: its metrics.jsonl (the loss rows, step 2's scores) is in
+    the bucket only; the driver's node has the scoring tasks' scores (steps 2 and 4). finish adds step 4's row to rank
+    0's file, and the driver's sync_up keeps the loss rows (it once wrote a file of the late scores alone over them)."""
+    from dreambooth import storage
+    from dreambooth.storage import runfiles
+    from dreambooth.training import checkpoint_scores
+
+    request.getfixturevalue("s3_endpoint")
+    plan = planning.offline_plan(score_steps=2, total_steps=4, storage_path="s3://runs/late-scores", run_name="run",
+                                 class_name="toy")
+    values = {"dino": 0.5, "clip_i": 0.75, "clip_t": 0.25}
+    rank0 = [{"step": 1, "loss": 0.3, "time": 1.0}, {"step": 2, **values, "time": 2.0}, {"step": 4, "loss": 0.2, "time": 3.0}]
+    storage.write_bytes("s3://runs/late-scores/run/metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rank0).encode())
+    shutil.rmtree(plan.run_dir, ignore_errors=True)
+    for step in (2, 4):
+        write_step_scores(os.path.join(plan.run_dir, "scores", f"step-{step}"), step, values)
+    assert checkpoint_scores.finish(plan)[0] == "scores of step 4: DINO 0.500, CLIP-I 0.750, CLIP-T 0.250"
+    runfiles.sync_up(plan.storage_path, plan.run_name)
+    rows = [json.loads(line) for line in storage.read_bytes("s3://runs/late-scores/run/metrics.jsonl").splitlines()]
+    assert [(r["step"], "loss" in r, "dino" in r) for r in rows] == [(1, True, False), (2, False, True),
+                                                                     (4, True, False), (4, False, True)]
+    shutil.rmtree(plan.run_dir)
 
 
 def storage_of(where, request, tmp_path):

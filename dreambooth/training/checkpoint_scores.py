@@ -337,7 +337,9 @@ def finish(plan, last_step=None, base_task=None):
     from dreambooth.training import runlog
 
     failed = wait_base(base_task, stopped=last_step is not None)
-    metrics_file = os.path.join(plan.run_dir, runlog.METRICS_FILE)
+    # (a bucket's run: rank 0's metrics.jsonl from there, whichever node wrote it, before the late scores join it: this
+    # node's copy, if any, may be another node's older one, and the driver's sync_up puts this one back)
+    metrics_file = storage.fetch(storage.join(plan.storage_path, plan.run_name), runlog.METRICS_FILE, plan.run_dir)
     logged, found = runlog.scored_steps(metrics_file), score_record.scores_on_disk(plan.run_dir)
     first = checkpoints.saved_step(plan.resume_path) + 1 if plan.resume_path else 1
     lines = []
