@@ -335,6 +335,11 @@ def test_random_lora_sweep_of_two_subjects_in_a_bucket_on_two_nodes_scores_each_
             for r in storage.listdir(f"{sweep_dir}/trials/{t}/ray_results")]
     assert len(runs) == 2 and not [n for r in runs for n in storage.listdir(r)
                                    if n.startswith("checkpoint_") and storage.isdir(f"{r}/{n}")]
+    # on 2 nodes each step count was drawn and embedded on actor pools, which go where there is room (its model in the
+    # bucket, which any node reads)
+    for run in runs:
+        log = storage.read_bytes(f"{run}/scores/step-2/scoring.log").decode()
+        assert "generating on 1 actor(s)" in log and re.search(r"scoring \d+ images on 1 actor\(s\)", log), log
     assert not os.path.exists(tmp_path / "best-sweep") and not os.path.exists(tmp_path / "best")
     # the same command again: Tune's state restored from the bucket, nothing trained or scored again
     again_output, again_table = run_sweep(command, tmp_path / "log-2.txt", env=env)

@@ -53,16 +53,29 @@ def settings_of(plan, here):
                                 num_actors=SCORING_ACTORS, allow_unsafe_weights=plan.allow_unsafe_weights, here=here)
 
 
-def scores_here():
+def scores_here(plan):
     """Whether the scoring tasks draw and embed in their own process (scoring.EvalSettings.here: the classes of the
     pools' actors), holding what one such actor holds: on a cluster of one node, where the actors would run beside the
     task anyway, with no actor process to start (and import torch and diffusers in) per scored step, and a Ray worker
-    that scored one step scoring the next with DINO and CLIP loaded. On several nodes the task stays on the driver's
-    node, with the run's files, and its actor pools go wherever the cluster has room (a GPU the training does not
-    hold, on any node)."""
+    that scored one step scoring the next with DINO and CLIP loaded; and for a bucket's run, whose files and step
+    models are on this node's disk only. Else (several nodes, a shared disk or a sweep trial's step models in the
+    bucket) the task stays on the driver's node and its actor pools go wherever the cluster has room. UserError where
+    the task would wait forever: here, on a node without the GPU the cluster's actors would hold."""
     import ray
 
-    return sum(1 for node in ray.nodes() if node["Alive"]) == 1
+    from dreambooth.generation import drawing
+
+    nodes = [node for node in ray.nodes() if node["Alive"]]
+    if len(nodes) == 1:
+        return True
+    if not storage.is_remote(plan.storage_path) or plan.step_models:
+        return False
+    this = ray.get_runtime_context().get_node_id()
+    if drawing.actor_num_gpus() and not next(n for n in nodes if n["NodeID"] == this)["Resources"].get("GPU"):
+        raise errors.UserError("--score_steps with --storage_path in a bucket scores each step on this node, which "
+                               "holds the step's files, and this node has no GPU: run train.py on a node with one, or "
+                               "score the saved model afterwards with evaluate.py (dreambooth_run.sh: SCORE_STEPS=0)")
+    return True
 
 
 def task_resources(here):
@@ -93,7 +106,7 @@ def validation_config(plan):
     """Ray Train's validation of the scored checkpoints: score_checkpoint as a task of task_resources()."""
     import ray.train
 
-    here = scores_here()
+    here = scores_here(plan)
     return ray.train.ValidationConfig(functools.partial(score_checkpoint, plan=plan, here=here),
                                       ray_remote_kwargs=task_resources(here))
 
@@ -164,7 +177,7 @@ def start_base(plan):
                                  os.path.join(plan.run_dir, score_record.SCORES_FOLDER, score_record.BASE_SCORES))
     if score_record.base_scores(plan.run_dir) is not None:
         return None
-    here = scores_here()
+    here = scores_here(plan)
     return ray.remote(**task_resources(here))(score_base).remote(plan, here)
 
 
