@@ -7,11 +7,11 @@
 
     python sweep.py ... --subjects_dir=$SUBJECTS_DIR    (one sub-folder + subject.json per subject)
 
-Each trial (a Tune trial running a Ray Train run of its own) trains once, to the largest step count; the
-checkpoint of each step count becomes a model that is scored as evaluate.py scores it (generation and embedding on
-Ray Data actor pools; on a one-node cluster in the scoring task itself) while the training goes on (train.py's scores while training), and Tune hears each step
-count's scores as they arrive: with --early_stopping, a trial behind the others at a step count is stopped there
-(ASHA). The base model is scored once per subject.
+Each trial (a Tune trial running a Ray Train run of its own) trains once, to the largest step count; the checkpoint
+of each step count becomes a model that is scored as evaluate.py scores it (generation and embedding on Ray Data
+actor pools; on a one-node cluster in the scoring task itself) while the training goes on (train.py's scores while
+training), and Tune hears each step count's scores as they arrive: with --early_stopping, a trial behind the others
+at a step count is stopped there (ASHA). The base model is scored once per subject.
 The best (step count, trial) of each subject has the highest DINO among those whose CLIP-T is at
 most --clip_t_margin below the base model's (with train.py's --holdout N, the DINO against the N
 photos every trial was trained without); it is copied to --output_dir (with --subjects_dir:

@@ -239,7 +239,13 @@ def run_actor_pool(jobs, settings, batch_size, num_actors):
         compute=ray.data.ActorPoolStrategy(size=num_actors),
         num_gpus=actor_num_gpus(),
     )
-    for batch in ds.iter_batches(batch_size=None):
+    yield from written(jobs, ds.iter_batches(batch_size=None))
+
+
+def written(jobs, batches):
+    """Each image of ImageGenerator's batches written into its job's folder (a withheld one marked): yields (job
+    index, file name, flagged) for each."""
+    for batch in batches:
         for index, name, bad, png in zip(batch["job"], batch["file"], batch["flagged"], batch["png"]):
             path = os.path.join(jobs[index].output_dir, str(name))
             if bad:
@@ -256,18 +262,10 @@ def draw_here(jobs, settings, batch_size):
 
     generator = ImageGenerator([dataclasses.replace(job, rows=()) for job in jobs], settings, 1, own_process=False)
     rows = [{**row, "job": index} for index, job in enumerate(jobs) for row in job.rows]
-    for start in range(0, len(rows), batch_size):
-        chunk = rows[start:start + batch_size]
-        batch = {"job": np.array([row["job"] for row in chunk]), "seed": np.array([row["seed"] for row in chunk]),
-                 **{key: np.array([row[key] for row in chunk], dtype=object) for key in ("prompt", "file")}}
-        out = generator(batch)
-        for index, name, bad, png in zip(out["job"], out["file"], out["flagged"], out["png"]):
-            path = os.path.join(jobs[index].output_dir, str(name))
-            if bad:
-                open(path + FLAGGED_SUFFIX, "w").close()
-            else:
-                files.write_bytes_atomic(bytes(png), path)
-            yield index, name, bad
+    chunks = (rows[start:start + batch_size] for start in range(0, len(rows), batch_size))
+    yield from written(jobs, (generator({
+        "job": np.array([row["job"] for row in chunk]), "seed": np.array([row["seed"] for row in chunk]),
+        **{key: np.array([row[key] for row in chunk], dtype=object) for key in ("prompt", "file")}}) for chunk in chunks))
 
 
 def actor_num_gpus():
