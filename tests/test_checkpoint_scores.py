@@ -52,12 +52,12 @@ def test_scored_steps_are_checkpointed_and_the_last_is_scored():
 @pytest.mark.fills_cores  # (its training and a scoring task side by side; a run beside them made it take twice as long)
 def test_a_run_scores_its_checkpoints_while_it_trains_as_evaluate_scores_them(ray_session, tiny_model, toy_images,
                                                                               tiny_eval_models, tmp_path, capsys):
-    """--score_steps 2 of 20 steps, the checkpoints uploaded in the background (--checkpoint_upload async, to a
+    """--score_steps 2 of 12 steps, the checkpoints uploaded in the background (--checkpoint_upload async, to a
     folder): step 2 and the last scored from their checkpoints by Ray Train's validation
     tasks, each step's scores those evaluate.py gives that step's model (its images and scores.json in the run
     folder's scores/step-N). The training did not wait: the steps after 2 were logged while step 2 was scored, and
     rank 0 logged its scores (metrics.jsonl, a line) as they came, mid-run; step 4, due while step 2 was still being
-    scored, was not (one scoring at a time, a line says so); step 20's scores, which came after the last step, the
+    scored, was not (one scoring at a time, a line says so); step 12's scores, which came after the last step, the
     driver added at the end. The base model was scored beside them (evaluate.py's base scores); with
     --keep_best the saved model is the best-scored step's by the sweep's rule, as the last lines and its record
     say, and no other step's model is left."""
@@ -71,7 +71,7 @@ def test_a_run_scores_its_checkpoints_while_it_trains_as_evaluate_scores_them(ra
     out = tmp_path / "out"
     result = train.main(["--model_dir", tiny_model, "--instance_images_dir", toy_images, "--instance_prompt",
                          "photo of unqtkn toy", "--output_dir", str(out), "--storage_path", str(tmp_path / "runs"),
-                         "--num_workers", "1", "--use_lora", "--max_train_steps", "20", "--logging_steps", "1",
+                         "--num_workers", "1", "--use_lora", "--max_train_steps", "12", "--logging_steps", "1",
                          # (steps of seconds, at 128 px and 5 batches each, while the base model is scored beside
                          # them: a score arrives mid-run)
                          "--resolution", "128", "--gradient_accumulation_steps", "5",
@@ -84,18 +84,18 @@ def test_a_run_scores_its_checkpoints_while_it_trains_as_evaluate_scores_them(ra
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     scored = {row["step"]: row for row in rows if "dino" in row}
     # (a scoring takes tens of seconds here, a step seconds: the due steps after 4 are scored once step 2's has ended)
-    assert {2, 20} <= set(scored) and 4 not in scored, rows
+    assert {2, 12} <= set(scored) and 4 not in scored, rows
     assert "step 4 is not scored: step 2's scoring has not finished" in captured.out
     assert all(0 < scored[s][k] <= 1 for s in scored for k in ("dino", "clip_i")), scored
     said = {step: checkpoint_scores.describe(step, {k: scored[step][k] for k in score_record.SCORE_KEYS})
             for step in scored}
     loss_logged = {row["step"]: row["time"] for row in rows if "loss" in row}
     # each checkpoint (every scored step's: 2, 4, ...) said how long the steps stopped for it, in the next window's row
-    assert {row["step"] for row in rows if "checkpoint_s" in row} == set(range(3, 20, 2)), rows
+    assert {row["step"] for row in rows if "checkpoint_s" in row} == set(range(3, 12, 2)), rows
     # the steps went on while step 2 was scored, and its scores were logged by rank 0 before the last step
     assert loss_logged[3] < os.path.getmtime(os.path.join(run_dir, "scores", "step-2", "scores.json"))
-    assert scored[2]["time"] < loss_logged[20] and said[2] in captured.out
-    assert said[20] in captured.err and "scored steps: 2, " in captured.err  # (the driver's, at the end)
+    assert scored[2]["time"] < loss_logged[12] and said[2] in captured.out
+    assert said[12] in captured.err and "scored steps: 2, " in captured.err  # (the driver's, at the end)
     assert os.path.isfile(os.path.join(run_dir, "scores.png"))
     # the best step by the sweep's rule: the highest DINO among the steps whose CLIP-T is at most 0.02 (the default
     # margin) below the base model's, the earliest of equals; its model saved, and no step's model left behind
@@ -106,10 +106,10 @@ def test_a_run_scores_its_checkpoints_while_it_trains_as_evaluate_scores_them(ra
     line = re.search(rf"best scored step: {best} \(DINO (-?[\d.]+)(, step \d+'s -?[\d.]+)?, CLIP-T "
                      rf"{scored[best]['clip_t']:.3f}; ", captured.err)
     assert line and float(line[1]) == pytest.approx(scored[best]["dino"], abs=5e-4), captured.err[-2000:]
-    assert (f"saved: step {best}'s model, the best scored, in {out} instead of step 20's (--keep_best)" if best != 20
+    assert (f"saved: step {best}'s model, the best scored, in {out} instead of step 12's (--keep_best)" if best != 12
             else f"saved: the last step's model, the best scored, in {out} (--keep_best)") in captured.err
     record = json.load(open(out / files.OUTPUT_MARKER))
-    assert record["steps"] == best and record["kept"]["step"] == best and record["kept"]["of_steps"] == 20
+    assert record["steps"] == best and record["kept"]["step"] == best and record["kept"]["of_steps"] == 12
     assert record["kept"]["why"].startswith(f"best scored step: {best} ") and record["kept"]["scores"]["dino"] == \
         pytest.approx(scored[best]["dino"])
     assert not glob.glob(os.path.join(run_dir, "scores", "step-*", "model"))
