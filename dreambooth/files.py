@@ -1,6 +1,7 @@
 """Files every script writes and reads: the output names, atomic writes (a reader never sees half a
 file), JSON, the safetensors checks, and where an output may go."""
 
+import contextlib
 import glob
 import json
 import os
@@ -202,6 +203,29 @@ def changed_since(taken):
             return (f"{path} changed while the run read it (written at "
                     f"{time.strftime('%H:%M:%S', time.localtime(now.st_mtime))}): start the run again once it is saved")
     return None
+
+
+def model_files(folder, suffixes=MODEL_FILE_SUFFIXES):
+    """The files of a model folder (or a checkpoint's) and of its sub-folders that a load reads: those ending in one of
+    suffixes (None: every file), sorted; [] for None or a folder that is not there."""
+    found = []
+    for root, names, files_here in os.walk(folder) if folder else ():
+        names.sort()
+        found += [os.path.join(root, name) for name in sorted(files_here) if suffixes is None or name.endswith(suffixes)]
+    return found
+
+
+@contextlib.contextmanager
+def unchanged_while(*folders, what="loading the model", suffixes=MODEL_FILE_SUFFIXES):
+    """Around the loading of model folders (or of a checkpoint: suffixes None), in the process that reads them: a
+    UserError naming the first of their files that was rewritten or removed while it was read (a copy or a download
+    into the folder going on beside the run), instead of weights of two versions. Stamps of this node's own files,
+    taken here: nodes with copies of their own never compare one another's."""
+    taken = stamps(path for folder in folders for path in model_files(folder, suffixes))
+    yield
+    changed = changed_since(taken)
+    if changed:
+        raise errors.UserError(f"{what}: {changed}")
 
 
 def read_user_text(path, what):

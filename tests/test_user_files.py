@@ -202,6 +202,81 @@ def test_a_photo_rewritten_while_the_run_reads_it_is_one_line_naming_it(tiny_mod
     assert files.changed_since(found.stamps).endswith("no such file (it was there when the run began)")
 
 
+class Rewriter:
+    """A copy or a download going on beside a run: path saved again and again (whole each time: written beside it,
+    then moved over it) until the with block ends."""
+
+    def __init__(self, path):
+        import threading
+
+        self.path, self.stop, self.saves = path, threading.Event(), 0
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self):
+        data = open(self.path, "rb").read()
+        while not self.stop.is_set():
+            with open(f"{self.path}.part", "wb") as f:
+                f.write(data)
+            os.replace(f"{self.path}.part", self.path)
+            self.saves += 1
+            self.stop.wait(0.005)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+
+def test_a_model_or_checkpoint_file_rewritten_while_it_is_loaded_is_one_line_naming_it(tiny_model, make_plan, tmp_path):
+    """files.unchanged_while around a load: a file of the folders rewritten or removed during it is a UserError naming
+    it (its stamps taken as the load begins, in the process that loads); a load that nothing disturbs says nothing.
+    A model folder counts the files a load reads (configs, weights, tokenizer files), a checkpoint every file. Then
+    the real loads: generate.py's and evaluate.py's pipeline (drawing.load_pipeline) while a copy of the model is
+    saved again beside it."""
+    import shutil
+
+    from dreambooth import files
+    from dreambooth.generation import drawing
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    with files.unchanged_while(str(model), None):
+        (model / "notes.md").write_text("not read by a load")  # (not a model file)
+    config = model / "unet" / "config.json"
+    with pytest.raises(errors.UserError) as said, files.unchanged_while(str(model)):
+        config.write_bytes(config.read_bytes() + b" ")
+    assert str(said.value).startswith(f"loading the model: {config} changed while the run read it (written at ")
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / "optimizer.pt").write_bytes(b"state")
+    with pytest.raises(errors.UserError) as said, files.unchanged_while(str(checkpoint), what="loading the checkpoint",
+                                                                        suffixes=None):
+        (checkpoint / "optimizer.pt").unlink()
+    assert str(said.value) == f"loading the checkpoint: {checkpoint}/optimizer.pt: no such file (it was there when " \
+                              "the run began)"
+    import torch
+
+    with Rewriter(str(model / "scheduler" / "scheduler_config.json")) as rewriter, \
+            pytest.raises(errors.UserError, match=r"^loading the model: .*/scheduler/scheduler_config.json changed "
+                                                  r"while the run read it"):
+        drawing.load_pipeline(str(model), torch.device("cpu"))
+    assert rewriter.saves > 1
+    assert drawing.load_pipeline(str(model), torch.device("cpu")) is not None  # (the copy done: it loads)
+    # a train worker's load (the training's networks, under its guard), which stops the run with that line rather than
+    # restart it
+    from dreambooth.models import networks
+    from dreambooth.training import worker
+
+    plan = make_plan(model_dir=str(model))
+    with Rewriter(str(model / "text_encoder" / "config.json")), \
+            pytest.raises(errors.UserError, match=r"^loading the model: .*/text_encoder/config.json changed while"):
+        networks.setup_models(plan, torch.device("cpu"), torch.device("cpu"), distributed=False,
+                              load_guard=worker.model_loading(plan, "fetch it again"))
+
+
 def spoil(path, kind):
     """path (a file) made what a user's disk may hold instead: another encoding, empty, a folder of its name, a link
     to a file that is gone (a hub cache whose blob was deleted), or cut short."""

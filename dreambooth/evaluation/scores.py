@@ -19,6 +19,7 @@ import re
 import numpy as np
 
 from dreambooth import errors
+from dreambooth import files
 from dreambooth.models import networks
 
 # The paper's values for SD 1.x DreamBooth (table 1), printed beside ours in report.md.
@@ -87,10 +88,11 @@ class Embedder:
         from transformers import CLIPModel
 
         self.device = torch.device(device)
-        self.dino = networks.from_pretrained(AutoModel, dino_dir, allow_unsafe_weights).to(self.device).eval()
-        self.dino_processor = AutoImageProcessor.from_pretrained(dino_dir)
-        self.clip = networks.from_pretrained(CLIPModel, clip_dir, allow_unsafe_weights).to(self.device).eval()
-        self.clip_processor = AutoProcessor.from_pretrained(clip_dir)
+        with files.unchanged_while(dino_dir, clip_dir, what="loading the scoring models"):
+            self.dino = networks.from_pretrained(AutoModel, dino_dir, allow_unsafe_weights).to(self.device).eval()
+            self.dino_processor = AutoImageProcessor.from_pretrained(dino_dir)
+            self.clip = networks.from_pretrained(CLIPModel, clip_dir, allow_unsafe_weights).to(self.device).eval()
+            self.clip_processor = AutoProcessor.from_pretrained(clip_dir)
 
     def dino_images(self, images):
         """(N, D) CLS embeddings of PIL images."""

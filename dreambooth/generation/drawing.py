@@ -88,15 +88,16 @@ def load_pipeline(model_dir, device, allow_unsafe_weights=False, safety_checker=
     # (a family without a safety checker, SDXL, has none to leave out)
     kwargs = {} if safety_checker or not family.safety_checker else {"safety_checker": None,
                                                                       "requires_safety_checker": False}
-    pipe = networks.from_pretrained(getattr(diffusers, family.pipeline), model_dir, allow_unsafe_weights, dtype=dtype,
-                                    **kwargs)
-    pipe.set_progress_bar_config(disable=True)
-    if lora_dir and adapters.is_lycoris(lora_dir):  # (LoHa, LoKr: through peft)
-        adapters.fuse_into(pipe, lora_dir, lora_scale)
-    elif lora_dir:
-        pipe.load_lora_weights(lora_dir, weight_name=files.LORA_WEIGHTS_FILE)
-        pipe.fuse_lora(lora_scale=lora_scale)
-        pipe.unload_lora_weights()  # the fused weights stay; the adapter layers go
+    with files.unchanged_while(model_dir, lora_dir):
+        pipe = networks.from_pretrained(getattr(diffusers, family.pipeline), model_dir, allow_unsafe_weights,
+                                        dtype=dtype, **kwargs)
+        pipe.set_progress_bar_config(disable=True)
+        if lora_dir and adapters.is_lycoris(lora_dir):  # (LoHa, LoKr: through peft)
+            adapters.fuse_into(pipe, lora_dir, lora_scale)
+        elif lora_dir:
+            pipe.load_lora_weights(lora_dir, weight_name=files.LORA_WEIGHTS_FILE)
+            pipe.fuse_lora(lora_scale=lora_scale)
+            pipe.unload_lora_weights()  # the fused weights stay; the adapter layers go
     return pipe.to(device)
 
 

@@ -11,6 +11,7 @@ import tempfile
 import time
 
 from dreambooth import errors
+from dreambooth import files
 from dreambooth import hub
 from dreambooth import storage
 from dreambooth.cluster import raycluster
@@ -111,8 +112,7 @@ def prepare_worker(plan, rank, world, local_world_size):
             nets.release_text_encoders()
 
     nets = networks.setup_models(plan, denoiser_device, aux_device, distributed=world > 1,
-                                 load_guard=failures.cannot_be_retried(f"loading the model {plan.model_dir}", model_error),
-                                 before_denoiser=encode)
+                                 load_guard=model_loading(plan, model_error), before_denoiser=encode)
     state = steps.make_train_state(nets, plan)
     step_prompts = text["prompts"]
     # Ray's own checkpoint (a restarted worker group) wins over the one the run started from.
@@ -124,12 +124,25 @@ def prepare_worker(plan, rank, world, local_world_size):
     elif plan.resume_path:
         with failures.cannot_be_retried(f"loading the checkpoint {plan.resume_path}",
                                         "pass another to --resume_from_checkpoint"):
-            checkpoint.load(state, storage.local_folder(plan.resume_path), rank)  # (from a bucket: downloaded)
+            folder = storage.local_folder(plan.resume_path)  # (from a bucket: downloaded)
+            with files.unchanged_while(folder, what="loading the checkpoint", suffixes=None):
+                checkpoint.load(state, folder, rank)
     if rank == 0:
         released = " (the frozen text encoders left it once the prompts were encoded)" if plan.text_encoded_once else ""
         print(f"worker devices: {plan.family.denoiser_label} on {denoiser_device}, text encoders and VAE on {aux_device}"
               f"{released}; autocast {state.amp_dtype or 'off (fp32)'}", flush=True)
     return nets, state, step_prompts, text["sampler"]
+
+
+@contextlib.contextmanager
+def model_loading(plan, remedy):
+    """Around the loading of the run's model: what the files' errors are (a restart meets them again: they stop the
+    run with remedy), and a file of the model (or of its VAE) rewritten while it was read, a line naming it."""
+    from dreambooth.training import failures
+
+    with failures.cannot_be_retried(f"loading the model {plan.model_dir}", remedy), \
+            files.unchanged_while(plan.model_dir, plan.vae_dir):
+        yield
 
 
 def run_steps(plan, state, step_prompts, batches, rank, world, sampler=None, stop=None):
