@@ -144,3 +144,11 @@ def test_more_steps_continue_a_run_only_under_a_constant_learning_rate(tiny_mode
     said = run_identity.differences({"family": "sd1", "learning_rate": 1e-4, "snr_gamma": None},
                                     {"family": "flux", "learning_rate": 1e-4, "guidance_scale": 3.5, "flow_shift": 3.0})
     assert said == ["family sd1 -> flux"], said
+
+
+def test_a_changed_flag_of_a_group_is_named_alone():
+    """--keep_best's scoring settings are one entry of the identity: a change names the flag that changed (dreambooth_run.sh's
+    NUM_EVAL_IMAGES is --eval_images_per_prompt), not the group's dict cut short."""
+    saved = {"keep_best": {"clip_t_margin": 0.02, "eval_images_per_prompt": 1, "score_steps": 10}}
+    current = {"keep_best": {"clip_t_margin": 0.02, "eval_images_per_prompt": 2, "score_steps": 10}}
+    assert run_identity.differences(saved, current) == ["--eval_images_per_prompt 1 -> 2"]

@@ -109,6 +109,9 @@ def differences(saved, current):
             else:
                 why = "a run is continued only to more steps"
             said.append(f"--{key} {short(before)} -> {short(now)} ({why})")
+        elif isinstance(before, dict) and isinstance(now, dict):  # a group of flags (--keep_best's scoring): each one
+            said += [f"--{name} {short(before.get(name))} -> {short(now.get(name))}" for name in sorted(set(before) | set(now))
+                     if before.get(name) != now.get(name)]
         else:
             said.append(f"--{key} {short(before)} -> {short(now)}")
     return said
