@@ -50,10 +50,10 @@ VARIABLES=(
   "SCORE_STEPS|half of MAX_TRAIN_STEPS|Step 4 scores the model every N steps and at its last, as Step 6 scores (beside the training), and keeps the best-scored step's model (train.py --keep_best); 0: no scores while training, the last step's model"
   "TRAIN_ARGS||more train.py flags, e.g. '--gradient_checkpointing --use_8bit_adam'"
   "HOLDOUT|0|photos kept out of training (the last in name order); Step 6 also scores against them"
-  "NUM_INFERENCE_STEPS|50 (--tiny: 10)|denoising steps of every generated image"
+  "NUM_INFERENCE_STEPS|50 (--tiny: 10)|denoising steps of every generated image; Step 4's scores too, so a change trains Step 4 again (unless SCORE_STEPS=0)"
   "NUM_NEW_IMAGES|5|Step 5's images"
-  "NUM_EVAL_IMAGES|4 (--tiny: 1)|Step 6's images per prompt and model"
-  "EVAL_PROMPTS||your own Step 6 prompt file ('{subject}' in each line)"
+  "NUM_EVAL_IMAGES|4 (--tiny: 1)|Step 6's images per prompt and model; Step 4's scores too, so a change trains Step 4 again (unless SCORE_STEPS=0)"
+  "EVAL_PROMPTS||your own prompt file for the scores of Steps 4 and 6 ('{subject}' in each line); a change trains Step 4 again (unless SCORE_STEPS=0)"
   "EVAL_MODELS_CACHE|\$DATA_PREFIX/model-eval|DINO and CLIP for the scores of Steps 4 and 6"
   "EVAL_DIR|\$DATA_PREFIX/subjects/<SUBJECT>/eval|Step 6's scores, report and images"
   "LOG_DIR|\$DATA_PREFIX/logs (a bucket's: ~/.cache/dreambooth/logs, copied there at the end)|one log file per run"
@@ -122,7 +122,8 @@ cd "$(dirname "$0")"
 PYTHON="${PYTHON:-python}"
 # The steps' packages (requirements.txt) in that Python: one line saying so, not each step's traceback
 if ! command -v "$PYTHON" > /dev/null; then
-  echo "dreambooth_run.sh: error: no '$PYTHON' to run the steps with: set PYTHON=/path/to/python" >&2
+  echo "dreambooth_run.sh: error: no '$PYTHON' to run the steps with: . .venv/bin/activate first (the README's" \
+    "install), or set PYTHON=/path/to/python" >&2
   exit 1
 fi
 # (by its full path: the commands printed for later, export's, run in any shell)

@@ -100,6 +100,11 @@ def test_report_puts_each_model_beside_the_papers_values(tmp_path):
     eval_report.write_report(str(tmp_path / "report.md"), result)
     report = (tmp_path / "report.md").read_text()
     assert "| tuned | 0.500 | 0.600 | 0.250 |  | 0.400 |" in report and "| base |" in report
+    assert "DIV is blank: one image per prompt" in report  # (a blank said, under the table)
+    for model in result.models.values():
+        model.overall["div"] = 0.2
+    eval_report.write_report(str(tmp_path / "report.md"), result)
+    assert "DIV is blank" not in (tmp_path / "report.md").read_text()
     assert "Random weights" not in report  # (said only of models with random weights: --tiny, below)
     assert "| paper, SD DreamBooth | 0.668 | 0.803 | 0.305" in report
     assert "| a unqtkn dog | 0.500 | 0.250 | 0.500 | 0.250 |" in report
@@ -131,3 +136,26 @@ def test_scores_of_a_model_the_run_replaced_are_removed_and_the_current_models_k
                                                                                    "images/base/a.png"]
     assert f"removed the scores in {eval_dir}: they were of the model this run replaced" in capsys.readouterr().err
     assert not eval_report.forget_stale_scores(str(eval_dir), str(model))  # nothing of another model: nothing to do
+
+
+def test_a_scoring_stopped_in_the_middle_leaves_no_earlier_report(tiny_model, toy_images, tmp_path, monkeypatch):
+    """Step 6 again after new photos or a retrained model, stopped by Ctrl-C as its Ray starts: the report and
+    scores.json of the run before are gone (a rerun writes them anew), never left to pass for this model's; the
+    images stay, for the rerun to keep."""
+    from dreambooth.cluster import raycluster
+
+    out = tmp_path / "eval"
+    (out / "images" / "base").mkdir(parents=True)
+    (out / "images" / "base" / "a.png").write_bytes(b"png")
+    for name in ("report.md", "scores.json"):
+        (out / name).write_text("the scores of the run before")
+
+    def interrupted():
+        raise KeyboardInterrupt  # (what a terminal's Ctrl-C raises in the script)
+
+    monkeypatch.setattr(raycluster, "init_ray", interrupted)
+    subject = scoring.Subject("toy", toy_images, "unqtkn", "toy")
+    settings = scoring.EvalSettings(eval_models_dir=str(tmp_path / "unused"), num_samples_per_prompt=1)
+    with pytest.raises(KeyboardInterrupt):
+        scoring.run([("base", outputs.ModelRef(tiny_model))], [subject], settings, str(out))
+    assert sorted(p.name for p in out.rglob("*")) == ["a.png", "base", "images"]

@@ -79,8 +79,9 @@ def evaluate(args, folder=None):
         imagefiles.inspect_images(subject.photos(), 0, scratch)
     result = scoring.run(scoring.models_to_score(args.model_dir, args.lora_dir, args.base_model_dir), [subject],
                          scoring.EvalSettings.from_args(args), folder)[subject.name]
-    print(f"tuned: {eval_report.summary(result.overall('tuned'))}; report "
-          f"{storage.join(args.output_dir, 'report.md')}", file=sys.stderr)
+    for label in result.models:  # (the tuned model's line first, the base model's beside it)
+        print(f"{label}: {eval_report.summary(result.overall(label))}", file=sys.stderr)
+    print(f"report: {storage.join(args.output_dir, 'report.md')}", file=sys.stderr)
     output = outputs.read_output(args.lora_dir or args.model_dir)
     if output is not None and output.record.trackers:
         trackers.log_scores(output.record.trackers, output.record.steps or 0, result.overall("tuned"),

@@ -11,6 +11,8 @@ from dreambooth.generation import image_records
 from dreambooth.models import outputs
 
 RANDOM_NOTE = "Random weights (--tiny): every model here draws noise; the scores show the pipeline runs, not likeness."
+DIV_NOTE = ("DIV is blank: one image per prompt (NUM_EVAL_IMAGES=1, evaluate.py --num_samples_per_prompt 1); "
+            "diversity needs two.")
 # What each score says, under the table (how to read them together: the README's "Reading the scores")
 LEGEND = ("- DINO: your photos against the images drawn (DINO ViT-S/16): is it your subject, not just one of its "
           "class? CLIP-I: the same with CLIP's image embeddings.",
@@ -44,7 +46,8 @@ def write_report(path, result, random_weights=False):
         lines.append(f"| {label} | " + " | ".join(cell(s.get(k)) for k in names) + " |")
     paper = scores.PAPER_SD
     lines += [f"| paper, SD DreamBooth | {paper['dino']:.3f} | {paper['clip_i']:.3f} | {paper['clip_t']:.3f} | | |"
-              + (" | |" if held else ""), "", *LEGEND,
+              + (" | |" if held else ""), "",
+              *([DIV_NOTE, ""] if any(result.overall(label).get("div") is None for label in labels) else []), *LEGEND,
               "", "## Per prompt", "", "| prompt | " + " | ".join(f"{label} DINO | {label} CLIP-T" for label in labels)
               + " |", "| --- |" + " ---: | ---: |" * len(labels)]
     for prompt in result.prompts:

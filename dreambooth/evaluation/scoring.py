@@ -3,6 +3,7 @@ model drawn on one actor pool (drawing.py), embedded by DINO and CLIP on another
 CLIP-T, DIV and PRES per prompt and overall, each subject's scores.json and report.md. evaluate.py and
 the sweep's trials call run()."""
 
+import contextlib
 import dataclasses
 import functools
 import io
@@ -261,6 +262,10 @@ def run(entries, subjects, settings, output_dir, report_dirs=None):
 
     for _, model in entries:  # before Ray starts
         families.check_model_dir(model.model_dir, settings.allow_unsafe_weights)
+    for subject in subjects:  # an earlier run's scores go first: a run stopped in the middle leaves none, not stale ones
+        for name in ("scores.json", "report.md"):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join((report_dirs or {}).get(subject.name, output_dir), name))
     raycluster.init_ray()
     prompts = {s.name: s.prompts() for s in subjects}
     texts = {p: t for s in subjects for p, t in prompts[s.name].items()}
