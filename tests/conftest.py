@@ -223,6 +223,47 @@ def cluster_beside(folder):
         raycluster.stop_ray_head(head)
 
 
+def node_command(address, temp, extra):
+    """The shell command of a Ray node that joins the cluster at address (temp: its own temp folder, short)."""
+    import shlex
+
+    ray = os.path.join(os.path.dirname(sys.executable), "ray")
+    return f"exec {ray} start --block --address={address} --temp-dir={temp} " + " ".join(map(shlex.quote, extra))
+
+
+def start_node(command, log):
+    """A node's process (command: a list, as node_command's in sh -c), once it has joined; None if it gave up (Ray
+    waits 30 s for its raylet to register: a machine busy with other runs can take longer), or after 90 s."""
+    import subprocess
+    import time
+
+    def joined():  # (the log is appended to: a node started again says it once more)
+        return open(log).read().count("block forever") if os.path.exists(log) else 0
+
+    before = joined()
+    node = subprocess.Popen(command, stdout=open(log, "a"), stderr=subprocess.STDOUT,
+                            start_new_session=True)  # with the session's token (RAY_AUTH_TOKEN_PATH)
+    deadline = time.time() + 90
+    while joined() == before:
+        if node.poll() is not None or time.time() > deadline:
+            stop_node(node)
+            return None
+        time.sleep(0.5)
+    return node
+
+
+def stop_node(node, sig=15):
+    """Stop a start_node node: SIGTERM (Ray's own stop), or SIGKILL to every process of it (a node lost)."""
+    import subprocess
+
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(node.pid, sig)
+    try:
+        node.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(node.pid, 9)
+
+
 @pytest.fixture(scope="session")
 def two_node_cluster(tmp_path_factory):
     """A Ray cluster of two nodes on this machine, as a user's head and worker node, both with token
@@ -230,9 +271,7 @@ def two_node_cluster(tmp_path_factory):
     namespace of its own where an empty file system is mounted over the folder unshared (as a node
     without the NFS mount sees it); else unshared is None."""
     import shutil
-    import subprocess
     import tempfile
-    import time
 
     from dreambooth.cluster import raycluster
 
@@ -242,35 +281,13 @@ def two_node_cluster(tmp_path_factory):
     unshared = folder / "unshared"
     unshared.mkdir()
     temp = tempfile.mkdtemp(prefix="rn", dir="/tmp")  # the second node's own (short: socket paths)
-    ray = os.path.join(os.path.dirname(sys.executable), "ray")
-    join = f"exec {ray} start --block --address={address} --num-cpus=1 --num-gpus=0 --temp-dir={temp}"
+    join = node_command(address, temp, ["--num-cpus=1", "--num-gpus=0"])
     if shutil.which("unshare") and os.geteuid() == 0:
         command = ["unshare", "-m", "--propagation", "private", "sh", "-c", f"mount -t tmpfs tmpfs {unshared} && {join}"]
     else:
         command, unshared = ["sh", "-c", join], None
 
-    def start_node():
-        """The second node's process, once it has joined; None if it gave up (Ray waits 30 s for its raylet to
-        register: a machine busy with other runs can take longer), or after 90 s."""
-        node = subprocess.Popen(command, stdout=open(folder / "node.log", "a"), stderr=subprocess.STDOUT,
-                                start_new_session=True)  # with the session's token (RAY_AUTH_TOKEN_PATH)
-        deadline = time.time() + 90
-        while "block forever" not in open(folder / "node.log").read():
-            if node.poll() is not None or time.time() > deadline:
-                stop_node(node)
-                return None
-            time.sleep(0.5)
-        return node
-
-    def stop_node(node):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(node.pid, 15)
-        try:
-            node.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(node.pid, 9)
-
-    node = start_node() or start_node()  # (once more)
+    node = start_node(command, folder / "node.log") or start_node(command, folder / "node.log")  # (once more)
     if node is None:
         raycluster.stop_ray_head(head)
         shutil.rmtree(temp, ignore_errors=True)

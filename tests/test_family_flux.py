@@ -303,6 +303,9 @@ def test_fsdp_is_a_full_fine_tune_of_the_denoiser_alone(capsys):
         planning.parse_args(base + ["--use_lora", "--use_ema", "--train_text_encoder"])
     assert ("--fsdp shards a full fine-tune of the denoiser alone, in bf16 or fp32: leave out --use_lora, "
             "--train_text_encoder, --use_ema") in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        planning.parse_args(base + ["--num_workers", "2", "--min_workers", "1"])
+    assert "leave out --min_workers (each shard is sized for --num_workers)" in capsys.readouterr().err
     for extra in ([], ["--no-train_text_encoder"]):  # (the text encoders, trained by default, are frozen under it)
         args = planning.parse_args(base + extra)
         assert args.fsdp and not args.train_text_encoder

@@ -34,6 +34,34 @@ def test_worker_resources_leave_a_cpu_for_ray_data_and_refuse_impossible():
         resources.worker_resources(flags, cpus=2, gpus=0)
 
 
+def test_an_elastic_run_needs_its_least_workers_at_the_start_and_says_it_grows(capsys):
+    flags = resources.WorkerFlags(num_workers=4, gpus_per_worker=1, min_workers=2, model_dir="/tiny")
+    assert resources.worker_resources(flags, cpus=16, gpus=2, warn_no_gpu=False) == (True, 4, 1.0)
+    assert "holds 2 of the 4 workers now: the run starts on those (at least 2) and grows to 4" in capsys.readouterr().err
+    assert resources.worker_resources(flags, cpus=16, gpus=4, warn_no_gpu=False) == (True, 4, 1.0)
+    assert capsys.readouterr().err == ""  # (all there: nothing to say)
+    with pytest.raises(errors.UserError, match="--min_workers 2 x --gpus_per_worker 1 needs 2 GPUs; the Ray cluster has 1$"):
+        resources.worker_resources(flags, cpus=16, gpus=1, warn_no_gpu=False)
+    with pytest.raises(errors.UserError, match="--min_workers 5: more than --num_workers 4"):
+        resources.worker_resources(dataclasses.replace(flags, min_workers=5), cpus=16, gpus=8, warn_no_gpu=False)
+    # on CPUs (the tests' 2-node cluster): the workers share the CPUs; they must hold the least at the start
+    assert resources.worker_resources(dataclasses.replace(flags, num_workers=2, min_workers=1), cpus=2, gpus=0,
+                                      warn_no_gpu=False) == (False, 2, 0.5)
+    with pytest.raises(errors.UserError, match="--min_workers 3: more than the Ray cluster's 2 CPUs"):
+        resources.worker_resources(dataclasses.replace(flags, min_workers=3), cpus=2, gpus=0, warn_no_gpu=False)
+    from dreambooth.planning import planning
+
+    # train.py's flags of an elastic run, each checked with the others before anything starts
+    base = ["--model_dir", "/m", "--output_dir", "/o", "--instance_data_dir", "/i", "--instance_prompt", "p"]
+    for extra, said in ((["--num_workers", "2", "--min_workers", "3"], "--min_workers 3 is more than --num_workers 2"),
+                        (["--elastic_resize_interval", "5"], "--elastic_resize_interval says how often an elastic "
+                                                             "run looks for nodes: add --min_workers")):
+        with pytest.raises(SystemExit):
+            planning.parse_args(base + extra)
+        assert said in capsys.readouterr().err
+    assert planning.parse_args(base + ["--min_workers", "1", "--elastic_resize_interval", "5"]).min_workers == 1
+
+
 def test_without_num_workers_a_run_takes_every_gpu_or_one_cpu_worker(capsys):
     flags = resources.WorkerFlags(num_workers=None, gpus_per_worker=1,
                                   model_dir="/data/models--CompVis--stable-diffusion-v1-4/snapshots/b95be7d6")  # a real one

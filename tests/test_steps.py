@@ -159,9 +159,22 @@ def test_cached_posteriors_draw_the_same_latents_as_encoding(models):
 
 
 def test_gradient_accumulation_takes_one_optimizer_step_per_group(models, step_prompts, make_plan):
-    assert list(steps.accumulate(iter(range(7)), 3, 10)) == [[0, 1, 2], [3, 4, 5]]
-    assert list(steps.accumulate(iter(range(7)), 2, 1)) == [[0, 1]]
-    assert list(steps.accumulate(iter(range(7)), 2, 0)) == []
+    # one worker: groups of per_step batches, at most end - start of them, the batches of earlier steps skipped
+    assert [[b for _, b in g] for g in steps.step_batches("abcdefg", 0, 1, 3, 0, 10)] == [list("abc"), list("def")]
+    assert [[b for _, b in g] for g in steps.step_batches("abcdefg", 0, 1, 2, 1, 2)] == [list("cd")]
+    assert list(steps.step_batches("abcdefg", 0, 1, 2, 0, 0)) == []
+    # any number of workers up to per_step: step s trains blocks [s x per_step, (s + 1) x per_step), every one of them
+    # once, from the worker that the streaming split hands it (its k-th batch is block k x world + rank)
+    for world in (1, 2, 3, 4):
+        for start in (0, 2):
+            taken = {}
+            for rank in range(world):
+                stream = [k * world + rank for k in range(40)]
+                for number, group in enumerate(steps.step_batches(stream, rank, world, 4, start, 5), start):
+                    assert group and all(block == batch for block, batch in group)
+                    taken.setdefault(number, []).extend(block for block, _ in group)
+            assert {s: sorted(b) for s, b in taken.items()} == {s: list(range(4 * s, 4 * s + 4)) for s in range(start, 5)}
+    assert steps.block_seed(4, 7) == steps.block_seed(4, 7) != steps.block_seed(4, 8) != steps.block_seed(5, 8)
     state = steps.make_train_state(models, make_plan())
     before = copy.deepcopy(models.denoiser.state_dict())
     loss, instance, prior = step(state, [batch_for(models, 1), batch_for(models, 1, seed=1)], step_prompts)

@@ -315,6 +315,18 @@ def stop_ray_head(head):
     shutil.rmtree(head.temp_dir, ignore_errors=True)
 
 
+def check_resources_held(amounts, workers):
+    """UserError unless the Ray cluster holds workers x amounts ({resource: per worker}) now."""
+    import ray
+
+    held = ray.cluster_resources()
+    short = [f"{need * workers:g} {name} ({held.get(name, 0):g} in the cluster)" for name, need in amounts.items()
+             if held.get(name, 0) < need * workers]
+    if short:
+        raise errors.UserError(f"--resources_per_worker: {workers} worker(s) need {', '.join(short)}: start the nodes "
+                               "to train on with ray start --resources='{\"NAME\": N}'")
+
+
 def share_cpu_threads(processes_per_node):
     """Give this process its share of the node's cores for torch's CPU kernels.
 

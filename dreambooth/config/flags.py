@@ -15,105 +15,28 @@ from dreambooth import families
 from dreambooth import files
 from dreambooth.config.flaggroups import GROUP_OF
 from dreambooth.config.flaggroups import HELP_GROUPS
+from dreambooth.config.flagtypes import _switch
+from dreambooth.config.flagtypes import abs_path
+from dreambooth.config.flagtypes import bool_list
+from dreambooth.config.flagtypes import ema_decay
+from dreambooth.config.flagtypes import float_list
+from dreambooth.config.flagtypes import fraction
+from dreambooth.config.flagtypes import int_list
+from dreambooth.config.flagtypes import model_path
+from dreambooth.config.flagtypes import non_negative_float
+from dreambooth.config.flagtypes import non_negative_int
+from dreambooth.config.flagtypes import one_prompt
+from dreambooth.config.flagtypes import positive_float
+from dreambooth.config.flagtypes import positive_int
+from dreambooth.config.flagtypes import resolution
+from dreambooth.config.flagtypes import resources_flag
+from dreambooth.config.flagtypes import storage_location
+from dreambooth.config.flagtypes import webhook_url
 
 _FLOW = [f for f in families.FAMILIES.values() if f.flow_matching]
 FLOW_LABELS = ", ".join(f.label for f in _FLOW)
 FLOW_DEFAULTS = "; ".join(f"{f.label}: {f.default_weighting_scheme}" for f in _FLOW)
 FLOW_PRECONDITION = "; ".join(f"{f.label}: {int(f.precondition_outputs)}" for f in _FLOW)
-
-
-def abs_path(value):
-    """Paths are made absolute on the driver: Ray workers run in another folder."""
-    return os.path.abspath(os.path.expanduser(value))
-
-
-def storage_location(value):
-    """A folder, or an object-storage URI (s3://bucket/prefix, gs://…: storage/) kept as given."""
-    if value.startswith(("s3://", "gs://")):
-        if not value.split("://", 1)[1].strip("/"):
-            raise argparse.ArgumentTypeError(f"needs a bucket: {value}")
-        return value.rstrip("/")
-    return abs_path(value)
-
-
-def model_path(value):
-    """A model folder, or a short or hub name (sd15, CompVis/stable-diffusion-v1-4), as given: parsing
-    never fetches; planning.model_flags.resolve_models turns the names into folders after the parse."""
-    return value
-
-
-def _bounded(kind, strict):
-    """An argparse type: kind(value) > 0 when strict, else >= 0 (NaN fails both)."""
-    def parse(value):
-        number = kind(value)
-        if not (number > 0 if strict else number >= 0):
-            wanted = ("a positive integer" if kind is int else "> 0") if strict else ">= 0"
-            raise argparse.ArgumentTypeError(f"must be {wanted}, got {value}")
-        return number
-    parse.__name__ = kind.__name__  # argparse's "invalid int value: 'x'"
-    return parse
-
-
-positive_int, non_negative_int = _bounded(int, strict=True), _bounded(int, strict=False)
-positive_float, non_negative_float = _bounded(float, strict=True), _bounded(float, strict=False)
-
-
-def resolution(value):
-    number = positive_int(value)
-    if number % 8:
-        raise argparse.ArgumentTypeError(f"must be a multiple of 8, got {value}")
-    return number
-
-
-def _list_of(kind, name):
-    def parse(value):
-        items = [kind(v.strip()) for v in value.split(",") if v.strip()]
-        if not items:
-            raise argparse.ArgumentTypeError("needs at least one value")
-        return list(dict.fromkeys(items))
-    parse.__name__ = name
-    return parse
-
-
-def _switch(value):
-    words = {"on": True, "true": True, "yes": True, "1": True, "off": False, "false": False, "no": False, "0": False}
-    if value.lower() not in words:
-        raise argparse.ArgumentTypeError(f"'{value}' is not on or off")
-    return words[value.lower()]
-
-
-float_list = _list_of(positive_float, "comma-separated list of numbers")
-int_list = _list_of(positive_int, "comma-separated list of positive integers")
-bool_list = _list_of(_switch, "comma-separated list of on/off")
-
-
-def fraction(value):
-    number = float(value)
-    if not 0 <= number <= 1:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {value}")
-    return number
-
-
-def ema_decay(value):
-    number = float(value)
-    if not 0 <= number < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 0 and < 1, got {value}")
-    return number
-
-
-def webhook_url(value):
-    """--notify_url's value: an http(s) URL (it is never echoed: a webhook URL is a secret)."""
-    if not value.startswith(("https://", "http://")):
-        raise argparse.ArgumentTypeError("needs an http:// or https:// webhook URL")
-    return value
-
-
-def one_prompt(value):
-    """A prompt as given, commas and all: Stable Diffusion prompts are full of them
-    ("photo of unqtkn dog, oil painting, detailed"). Several prompts: repeat the flag."""
-    if not value.strip():
-        raise argparse.ArgumentTypeError("needs a non-empty prompt")
-    return value.strip()
 
 
 # name -> (option strings, add_argument keyword arguments). The name is the attribute the
@@ -434,6 +357,22 @@ FLAGS = {
         dict(type=positive_int, default=None,
              help="Ray Train workers, one GPU each (two with --gpus_per_worker 2). Default: as many as the Ray "
                   "cluster's GPUs hold; 1 without GPUs.")),
+    "min_workers": (("--min_workers",),
+        dict(type=positive_int, default=None, metavar="N",
+             help="Elastic training: go on with as few as N workers while nodes are gone (a spot node reclaimed), "
+                  "and grow back to --num_workers when they return, instead of waiting for all of them. Each "
+                  "step trains the same rows on any number of workers (--num_workers x "
+                  "--gradient_accumulation_steps batches, the accumulation taking up what fewer workers leave), so "
+                  "the result does not depend on how many it had. Default: --num_workers (no change of size).")),
+    "resources_per_worker": (("--resources_per_worker",),
+        dict(type=resources_flag, default=None, metavar="NAME=N[,NAME=N]",
+             help="Ray resources of your own that each worker reserves beside its CPUs and GPUs (ray start "
+                  "--resources='{\"trainer\": 1}' on the nodes to train on): keeps the workers on those nodes, "
+                  "one per unit.")),
+    "elastic_resize_interval": (("--elastic_resize_interval",),
+        dict(type=float, default=60.0, metavar="SECONDS",
+             help="With --min_workers: how often the run looks for returned nodes to grow onto (a resize restarts "
+                  "the workers from the newest checkpoint).")),
     "use_gpu": (("--use_gpu",),
         dict(action=argparse.BooleanOptionalAction, default=None,
              help="Train on GPUs. Default: yes if the Ray cluster has GPUs.")),

@@ -98,7 +98,10 @@ class Plan:
     stop_step: int | None  # sweep.py's early stopping: end this run at that step, the schedule still over total_steps
     stream_epochs: int  # epochs of rows in the training stream
     # Ray
-    num_workers: int
+    num_workers: int  # the most workers (a step trains num_workers x gradient_accumulation_steps batches on any number)
+    min_workers: int | None  # --min_workers: elastic, from min_workers to num_workers (None: num_workers always)
+    elastic_resize_interval: float
+    resources_per_worker: str | None  # --resources_per_worker: 'NAME=N,...' (flagtypes.resource_amounts)
     gpus_per_worker: int
     use_gpu: bool
     cpus_per_worker: float
@@ -161,6 +164,12 @@ class Plan:
         """Checkpoints every checkpointing_steps, on the steps scored and at the last step."""
         return step % self.checkpointing_steps == 0 or step == self.end_step or self.is_score_step(step)
 
+    def workers_said(self):
+        """'2 worker(s)', or '1 to 2 workers (elastic)' with --min_workers."""
+        if self.min_workers:
+            return f"{self.min_workers} to {self.num_workers} workers (elastic)"
+        return f"{self.num_workers} worker(s)"
+
     def uploads_in_background(self):
         """Whether checkpoints upload while training goes on (--checkpoint_upload; 'auto': to a bucket)."""
         from dreambooth import storage
@@ -208,7 +217,7 @@ class Plan:
         return (f"plan: {self.total_steps} steps ({self.steps_per_epoch} per epoch) training {trained} on "
                 f"{len(self.instance_images)} instance{captions} and {len(self.class_images)} class images at "
                 f"{self.resolution} px{' (aspect-ratio buckets)' if self.enable_bucket else ''}\n"
-                f"      {self.num_workers} worker(s) x ({device}), batch {self.train_batch_size} instance{prior} "
+                f"      {self.workers_said()} x ({device}), batch {self.train_batch_size} instance{prior} "
                 f"x {self.gradient_accumulation_steps} accumulated, lr {self.learning_rate:g} "
                 f"({OPTIMIZER_WORDS.get(self.optimizer, '') + self.lr_scheduler}), seed {self.seed}\n"
                 f"      run {self.run_name}: checkpoints every {self.checkpointing_steps} steps in "

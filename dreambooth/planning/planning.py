@@ -36,7 +36,8 @@ TRAIN_FLAGS = [
     "precondition_outputs", "guidance_scale", "caption_dropout_rate", "masked_loss", "use_ema", "ema_decay",
     "ema_update_after_step", "optimizer", "use_8bit_adam", "prodigy_beta3", "prodigy_decouple",
     "prodigy_use_bias_correction", "prodigy_safeguard_warmup", "adam_beta1", "adam_beta2", "adam_weight_decay", "adam_epsilon",
-    "max_grad_norm", "max_train_steps", "num_train_epochs", "mixed_precision", "seed", "num_workers",
+    "max_grad_norm", "max_train_steps", "num_train_epochs", "mixed_precision", "seed", "num_workers", "min_workers",
+    "elastic_resize_interval", "resources_per_worker",
     "gpus_per_worker", "use_gpu", "storage_path", "logging_steps", "report_to", "tracker_project_name", "notify_url",
     "validation_prompt", "num_validation_images", "validation_steps", "validation_epochs",
     "validation_inference_steps", "score_steps", "keep_best", "clip_t_margin", "eval_models_dir", "class_name", "unique_token", "subject_type",
@@ -110,6 +111,7 @@ def derive(given, parser):
                         "add --use_lora (a full fine-tune trains every weight in fp32)")
     derive_optimizer(args, parser)
     check_fsdp(args, parser.given)
+    check_elastic(args, parser.typed)
     if not args.use_ema and parser.typed & {"ema_decay", "ema_update_after_step"}:
         raise FlagError("--ema_decay/--ema_update_after_step shape the moving average of the weights: add --use_ema")
     if args.validation_epochs and args.validation_steps:
@@ -176,6 +178,14 @@ def derive_optimizer(args, parser):
         args.lr_scheduler = "constant"
 
 
+def check_elastic(args, typed):
+    """FlagError for --min_workers above --num_workers, or --elastic_resize_interval without --min_workers."""
+    if "elastic_resize_interval" in typed and not args.min_workers:
+        raise FlagError("--elastic_resize_interval says how often an elastic run looks for nodes: add --min_workers")
+    if args.min_workers and args.num_workers and args.min_workers > args.num_workers:
+        raise FlagError(f"--min_workers {args.min_workers} is more than --num_workers {args.num_workers}")
+
+
 def check_fsdp(args, given):
     """FlagError for what --fsdp does not shard or was not tested with, each named; the text encoders, trained by
     default, are frozen under it unless --train_text_encoder is in given (the flags the user set)."""
@@ -186,7 +196,8 @@ def check_fsdp(args, given):
     clash = [flag for flag, on in (("--use_lora", args.use_lora), ("--train_text_encoder", args.train_text_encoder),
                                    ("--use_ema", args.use_ema), ("--torch_compile", args.torch_compile),
                                    (f"--optimizer {args.optimizer}", args.optimizer != "adamw"),
-                                   ("--mixed_precision fp16", args.mixed_precision == "fp16")) if on]
+                                   ("--mixed_precision fp16", args.mixed_precision == "fp16"),
+                                   ("--min_workers (each shard is sized for --num_workers)", args.min_workers)) if on]
     if clash:
         raise FlagError(f"--fsdp shards a full fine-tune of the denoiser alone, in bf16 or fp32: leave out "
                         f"{', '.join(clash)}")

@@ -22,6 +22,7 @@ class WorkerFlags:
     gpus_per_worker: int
     use_gpu: bool | None = None
     model_dir: str | None = None  # (a model with random weights is for CPUs: no warning without a GPU)
+    min_workers: int | None = None  # train.py's --min_workers: elastic (the cluster must hold these at the start)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,14 +62,21 @@ def worker_resources(flags, cpus, gpus, spell=flag_spelling, warn_no_gpu=None):
     """
     use_gpu = gpus > 0 if flags.use_gpu is None else flags.use_gpu
     num_workers = flags.num_workers or default_num_workers(gpus if use_gpu else 0, flags.gpus_per_worker)
-    needed = num_workers * flags.gpus_per_worker
+    least, name = (flags.min_workers, "min_workers") if flags.min_workers else (num_workers, "num_workers")
+    if least > num_workers:
+        raise errors.UserError(f"{spell('min_workers', least)}: more than {spell('num_workers', num_workers)}")
+    needed = least * flags.gpus_per_worker
     if use_gpu and needed > gpus:
-        fits = f": set {spell('num_workers', max(1, gpus // flags.gpus_per_worker))} (or leave it unset: one " \
-               "worker per GPU)" if gpus else ""
-        raise errors.UserError(f"{spell('num_workers', num_workers)} x {spell('gpus_per_worker', flags.gpus_per_worker)}"
+        fits = f": set {spell(name, max(1, gpus // flags.gpus_per_worker))} (or leave it unset: one " \
+               "worker per GPU)" if gpus and name == "num_workers" else ""
+        raise errors.UserError(f"{spell(name, least)} x {spell('gpus_per_worker', flags.gpus_per_worker)}"
                                f" needs {needed} GPUs; the Ray cluster has {gpus}{fits}")
-    if not use_gpu and num_workers > cpus:
-        raise errors.UserError(f"{spell('num_workers', num_workers)}: more than the Ray cluster's {cpus:g} CPUs")
+    if not use_gpu and least > cpus:
+        raise errors.UserError(f"{spell(name, least)}: more than the Ray cluster's {cpus:g} CPUs")
+    held = gpus // flags.gpus_per_worker if use_gpu else int(cpus)  # (CPU workers share the CPUs)
+    if flags.min_workers and held < num_workers:
+        print(f"note: the Ray cluster holds {held} of the {num_workers} workers now: the run starts on those (at "
+              f"least {least}) and grows to {num_workers} as nodes join", file=sys.stderr)
     spare = cpus - 1
     if spare <= 0:
         raise errors.UserError(f"the Ray cluster has {cpus:g} CPU(s): training needs one for its workers "

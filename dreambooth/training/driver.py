@@ -16,6 +16,7 @@ from dreambooth import files
 from dreambooth import storage
 from dreambooth.cluster import raycluster
 from dreambooth.config import flags
+from dreambooth.config import flagtypes
 from dreambooth.generation import drawing
 from dreambooth.generation import image_records
 from dreambooth.models import outputs
@@ -56,6 +57,24 @@ def run(args, stop_step=None):
     return result
 
 
+def announce(plan, started):
+    """The run said before it starts (after a check that the cluster holds its --resources_per_worker: else Ray waits
+    for them, silently): its plan, its settings file (written; returned, a bucket's or the file itself), and
+    started(text, **fields)."""
+    if plan.resources_per_worker:
+        raycluster.check_resources_held(flagtypes.resource_amounts(plan.resources_per_worker),
+                                        plan.min_workers or plan.num_workers)
+    print(plan.describe(), file=sys.stderr)
+    flags.write_config(os.path.join(plan.run_dir, outputs.TRAIN_CONFIG), plan.settings_toml)
+    runfiles.sync_up(plan.storage_path, plan.run_name)
+    shown = storage.join(plan.storage_path, plan.run_name, outputs.TRAIN_CONFIG)
+    print(f"settings: {shown} (python train.py --config {shown} repeats this run)", file=sys.stderr)
+    started(f"DreamBooth run {plan.run_name} started: {plan.end_step} steps on {plan.workers_said()}"
+            f"{', resumed from ' + plan.resume_path if plan.resume_path else ''}; model to {plan.output_dir}",
+            run=plan.run_name, steps=plan.end_step, workers=plan.num_workers, output_dir=plan.output_dir)
+    return shown
+
+
 def train_planned(args, stop_step, started):
     """(result, plan) of run's training, (None, None) when its model is trained; started(text, **fields) once planned."""
     def draw():
@@ -68,14 +87,7 @@ def train_planned(args, stop_step, started):
     except planning.AlreadyTrained as done:
         print(done, file=sys.stderr)
         return None, None
-    print(plan.describe(), file=sys.stderr)
-    flags.write_config(os.path.join(plan.run_dir, outputs.TRAIN_CONFIG), plan.settings_toml)
-    runfiles.sync_up(plan.storage_path, plan.run_name)
-    shown = storage.join(plan.storage_path, plan.run_name, outputs.TRAIN_CONFIG)  # (a bucket's, or the file itself)
-    print(f"settings: {shown} (python train.py --config {shown} repeats this run)", file=sys.stderr)
-    started(f"DreamBooth run {plan.run_name} started: {plan.end_step} steps on {plan.num_workers} worker(s)"
-            f"{', resumed from ' + plan.resume_path if plan.resume_path else ''}; model to {plan.output_dir}",
-            run=plan.run_name, steps=plan.end_step, workers=plan.num_workers, output_dir=plan.output_dir)
+    shown = announce(plan, started)
     if plan.score_steps and plan.resume_path:
         checkpoint_scores.carry_over(plan)
     base_task = checkpoint_scores.start_base(plan) if plan.score_steps else None  # (beside the training)
@@ -207,14 +219,17 @@ def run_trainer(plan, train_ds):
     from dreambooth.training import stopping
 
     run_dir = plan.run_dir
-    resources = {"CPU": plan.cpus_per_worker}
+    resources = {"CPU": plan.cpus_per_worker, **(flagtypes.resource_amounts(plan.resources_per_worker)
+                                                  if plan.resources_per_worker else {})}
     if plan.use_gpu:
         resources["GPU"] = plan.gpus_per_worker
     trainer = stopping.trainer_class()(
         worker.train_fn,
         train_loop_config={"plan": plan, "stop_flag": stopping.make_flag()},
-        scaling_config=ray.train.ScalingConfig(num_workers=plan.num_workers, use_gpu=plan.use_gpu,
-                                               resources_per_worker=resources),
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=(plan.min_workers, plan.num_workers) if plan.min_workers else plan.num_workers,
+            use_gpu=plan.use_gpu, resources_per_worker=resources,
+            elastic_resize_monitor_interval_s=plan.elastic_resize_interval),
         run_config=ray.train.RunConfig(
             name=plan.run_name,
             # (a bucket: its path and a pyarrow filesystem set up as AWS tools would be)
@@ -223,7 +238,8 @@ def run_trainer(plan, train_ds):
             failure_config=failure_config(plan),
             callbacks=[failures.FailureWatch(run_dir, plan.max_failures, plan.storage_path, plan.run_name,
                                              resumed=plan.resume_path is not None,
-                                             max_preemption_failures=plan.max_preemption_failures)],
+                                             max_preemption_failures=plan.max_preemption_failures,
+                                             min_workers=plan.min_workers)],
             logging_config=ray.train.LoggingConfig(log_level=failures.RAY_TRAIN_LOG_LEVEL),
         ),
         datasets={"train": train_ds},

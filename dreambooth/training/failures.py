@@ -108,8 +108,8 @@ class FailureWatch(ray.train.UserCallback):
     and left to Ray Train's restarts."""
 
     def __init__(self, run_dir, max_failures, storage_path=None, run_name=None, resumed=False,
-                 max_preemption_failures=-1):
-        self.run_dir, self.resumed = run_dir, resumed
+                 max_preemption_failures=-1, min_workers=None):
+        self.run_dir, self.resumed, self.min_workers = run_dir, resumed, min_workers
         self.max_failures, self.max_preemption_failures = max_failures, max_preemption_failures
         self.failures = self.preemptions = 0
         self.storage_path, self.run_name = storage_path, run_name  # (a bucket's: errors.log copied there)
@@ -120,14 +120,17 @@ class FailureWatch(ray.train.UserCallback):
             runfiles.sync_up(self.storage_path, self.run_name)
 
     def restart_point(self):
-        """Where the restarted workers begin: this run's newest checkpoint, else the one it resumed from, else step 0."""
+        """Where the restarted workers begin: this run's newest checkpoint, else the one it resumed from, else step 0
+        (and, for an elastic run, on how many)."""
         run = storage.join(self.storage_path, self.run_name) if self.storage_path else self.run_dir
+        on = f" on the workers the cluster holds now (at least --min_workers {self.min_workers})" \
+            if self.min_workers else ""
         try:
             if next(checkpoints.run_checkpoints(run), None):
-                return "the newest checkpoint"
+                return "the newest checkpoint" + on
         except OSError:
             pass  # (a bucket out of reach: said as if none)
-        return "the checkpoint this run resumed from" if self.resumed else "step 0 (no checkpoint was written yet)"
+        return ("the checkpoint this run resumed from" if self.resumed else "step 0 (no checkpoint was written yet)") + on
 
     def after_exception(self, run_context, worker_exceptions):
         rank, err = min(worker_exceptions.items(), key=lambda item: item[0])

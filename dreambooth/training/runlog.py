@@ -33,7 +33,8 @@ class RunLog:
         with open(os.path.join(self.folder, METRICS_FILE), "a") as f:
             f.write(json.dumps({**metrics, "time": time.time()}) + "\n")
         for tracker in self.trackers:
-            tracker.scalars(metrics["step"], {f"train/{name}": metrics[name] for name in ("loss", "lr", "images_per_s")})
+            tracker.scalars(metrics["step"], {f"train/{name}": metrics[name] for name in ("loss", "lr", "images_per_s",
+                                                                                         "workers") if name in metrics})
 
     def write_scores(self, step, scores):
         """A scored step's scores (checkpoint_scores; None: its scoring failed): a metrics.jsonl row of their own and

@@ -10,6 +10,7 @@ check, which needs the loss scale.
 import contextlib
 import dataclasses
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -214,9 +215,12 @@ def batch_loss(models, batch, prompts, prior_loss_weight, loss_options=objective
     return dreambooth_loss(pred, target, num_instance, prior_loss_weight, draw.weights, masks)
 
 
-def train_step(state, micro_batches, prompts, prior_loss_weight, max_grad_norm):
+def train_step(state, micro_batches, prompts, prior_loss_weight, max_grad_norm, seeds=None, share=None):
     """One optimizer step over gradient-accumulation micro-batches: autocast forward,
     backward, clip, AdamW, LR schedule. DDP all-reduces only on the last micro-batch.
+    seeds: torch's seed before each micro-batch (block_seed), else its stream goes on. share: the weight of each
+    micro-batch's loss in the step's gradient after DDP averages the workers' (world / per_step of step_batches;
+    default 1 / the micro-batches), so that every block of the step weighs the same.
 
     With fp16 a step whose gradients overflow is skipped by the GradScaler: the weights
     stay, the loss scale halves, and the LR schedule does not advance either.
@@ -226,7 +230,10 @@ def train_step(state, micro_batches, prompts, prior_loss_weight, max_grad_norm):
     models = state.models
     count = len(micro_batches)
     totals = []
+    share = 1 / count if share is None else share
     for k, batch in enumerate(micro_batches):
+        if seeds is not None:
+            torch.manual_seed(seeds[k])
         sync = contextlib.ExitStack()
         if k < count - 1:
             for model in models.ddp_wrapped():
@@ -234,7 +241,7 @@ def train_step(state, micro_batches, prompts, prior_loss_weight, max_grad_norm):
         with sync:
             with torch.autocast(models.denoiser_device.type, dtype=state.amp_dtype, enabled=state.amp_dtype is not None):
                 losses = batch_loss(models, batch, prompts, prior_loss_weight, state.loss)
-            state.scaler.scale(losses[0] / count).backward()
+            state.scaler.scale(losses[0] * share).backward()
         totals.append([t.detach() if t is not None else None for t in losses])
     scaler = state.scaler
     scaler.unscale_(state.optimizer)
@@ -260,19 +267,35 @@ def train_step(state, micro_batches, prompts, prior_loss_weight, max_grad_norm):
     return mean(0), mean(1), mean(2)
 
 
-def accumulate(batches, accum, max_steps):
-    """Group batches into lists of `accum` micro-batches, at most max_steps groups."""
-    group = []
-    if max_steps <= 0:
-        return
-    for batch in batches:
-        group.append(batch)
-        if len(group) == accum:
-            yield group
-            group = []
-            max_steps -= 1
-            if max_steps == 0:
+def step_batches(batches, rank, world, per_step, start, end):
+    """This worker's micro-batches of each optimizer step from step start to end: a list of (block, batch) per step.
+
+    The run's stream is a sequence of blocks of rows (dataset.index_dataset), and the streaming split gives worker
+    rank of world its k-th batch from block k x world + rank. Optimizer step s trains blocks [s x per_step,
+    (s + 1) x per_step): per_step is --gradient_accumulation_steps x the run's number of workers (the most, with a
+    range), fixed for the run. So a step trains the same rows however many workers share it: each takes the
+    step's blocks that reach it, per_step / world of them (one more or one fewer when that is not whole). The
+    batches of the steps before start (a resumed run's) are read and skipped. Stops early when the stream ends."""
+    def before(step):  # this worker's batches of the steps before step
+        return max(0, -(-(step * per_step - rank) // world))
+
+    batches, k = iter(batches), 0
+    for step in range(start, end):
+        group = []
+        while k < before(step + 1):
+            batch = next(batches, None)
+            if batch is None:
                 return
+            if k >= before(step):
+                group.append((k * world + rank, batch))
+            k += 1
+        yield group
+
+
+def block_seed(seed, block):
+    """The seed of torch's stream for one block's micro-batch (its noise, timesteps, dropped captions): the same on
+    any worker, in any run of --seed, so the result does not depend on which worker trained the block."""
+    return int(np.random.SeedSequence([seed, block]).generate_state(1)[0])
 
 
 def mixed_precision_name(dtype):

@@ -5,7 +5,6 @@ saved model. train.py's driver hands it the Plan.
 
 import concurrent.futures
 import contextlib
-import itertools
 import shutil
 import tempfile
 import time
@@ -58,8 +57,6 @@ def train_worker(plan, stop_flag=None):
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     batches = prefetched(ray.train.get_dataset_shard("train").iter_torch_batches(batch_size=plan.train_batch_size))
     nets, state, step_prompts, sampler = prepare_worker(plan, rank, world, ctx.get_local_world_size())
-    # The stream is the same on every run: a resumed worker skips what it had trained on.
-    batches = itertools.islice(batches, state.step * plan.gradient_accumulation_steps, None)
     from dreambooth.training import stopping
 
     if run_steps(plan, state, step_prompts, batches, rank, world, sampler, stopping.StopPoll(stop_flag, world, rank)):
@@ -91,7 +88,7 @@ def prepare_worker(plan, rank, world, local_world_size):
     denoiser_device, aux_device = worker_devices(plan.gpus_per_worker, local_world_size)
     if plan.allow_tf32:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    torch.manual_seed(plan.seed + rank)  # every rank its own noise stream (CPU and GPUs)
+    torch.manual_seed(plan.seed + rank)  # (new weights: DDP gives every rank rank 0's; noise: steps.block_seed)
     model_error = "its files do not fit together: fetch or copy it again (cache_model.py)"
     with failures.cannot_be_retried(f"loading the tokenizers of {plan.model_dir}", model_error):
         ids = prompts.run_prompt_ids(plan)
@@ -145,8 +142,22 @@ def model_loading(plan, remedy):
         yield
 
 
+def step_inputs(plan, batches, rank, world, start):
+    """(micro-batches, their seeds) of this worker for each step from start to plan.end_step. The stream is the same
+    on every run, and a step trains the same blocks of it on any number of workers (steps.step_batches; a resumed
+    worker skips the steps before its checkpoint's), each block with its own noise (steps.block_seed)."""
+    from dreambooth.training import steps
+
+    per_step = plan.num_workers * plan.gradient_accumulation_steps
+    if plan.min_workers and rank == 0:
+        print(f"training on {world} of {plan.num_workers} workers (elastic, at least {plan.min_workers}) from step "
+              f"{start}: each step still trains {per_step} batches", flush=True)
+    for blocks in steps.step_batches(batches, rank, world, per_step, start, plan.end_step):
+        yield [batch for _, batch in blocks], [steps.block_seed(plan.seed, block) for block, _ in blocks]
+
+
 def run_steps(plan, state, step_prompts, batches, rank, world, sampler=None, stop=None):
-    """The step loop to plan.end_step: a step per plan.gradient_accumulation_steps micro-batches,
+    """The step loop to plan.end_step: a step per plan.gradient_accumulation_steps micro-batches (steps.step_batches),
     a report (metrics, checkpoint) every --logging_steps/--checkpointing_steps, validation samples
     (sampler's, a validation.Sampler) every --validation_steps. True when it stopped early at a
     checkpoint of the current step because stop (a stopping.StopPoll) said so."""
@@ -161,13 +172,14 @@ def run_steps(plan, state, step_prompts, batches, rank, world, sampler=None, sto
     log = runlog.RunLog(plan, start_step=state.step) if rank == 0 else None
     if bar and state.step:
         bar.update(state.step)
-    window = ReportWindow(world)
+    window = ReportWindow(world, elastic=bool(plan.min_workers))
     watch = checkpoint_scores.ScoreWatch(plan.run_name) if log and plan.score_steps else None
     first_step, stop_now = state.step, False
-    for micro_batches in steps.accumulate(batches, plan.gradient_accumulation_steps, total - state.step):
+    share = world / (plan.num_workers * plan.gradient_accumulation_steps)  # (of each block in a step's gradient)
+    for micro_batches, seeds in step_inputs(plan, batches, rank, world, state.step):
         try:
-            loss, _, _ = steps.train_step(state, micro_batches, step_prompts, plan.prior_loss_weight,
-                                          plan.max_grad_norm)
+            loss, _, _ = steps.train_step(state, micro_batches, step_prompts, plan.prior_loss_weight, plan.max_grad_norm,
+                                          seeds=seeds, share=share)
         except Exception as err:
             fatal = failures.out_of_memory(err, state.step, first_step)
             if fatal:
@@ -256,8 +268,8 @@ class ReportWindow:
     checkpoint_s: the seconds the steps stopped for the checkpoint that began it, if one did (its save, and its
     upload unless --checkpoint_upload sends it in the background)."""
 
-    def __init__(self, world):
-        self.world, self.checkpoint_s = world, None
+    def __init__(self, world, elastic=False):
+        self.world, self.checkpoint_s, self.elastic = world, None, elastic
         self.reset()
 
     def reset(self):
@@ -285,6 +297,8 @@ class ReportWindow:
                    "loss": torch.stack(self.losses).mean().item(),
                    "lr": state.lr_scheduler.get_last_lr()[0],
                    "images_per_s": self.images * self.world / max(elapsed, 1e-9)}
+        if self.elastic:  # (how many workers trained the window: an elastic run's size as it went)
+            metrics["workers"] = self.world
         if state.skipped_steps:
             metrics["skipped_steps"] = state.skipped_steps
         if self.checkpoint_s is not None:
