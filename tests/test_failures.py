@@ -143,3 +143,6 @@ def test_the_restart_line_names_where_the_workers_begin_again(tmp_path):
     assert fresh.restart_point() == "step 0 (no checkpoint was written yet)"  # (incomplete: not resumed from)
     (checkpoint / checkpoints.STATE_FILE).write_text(json.dumps({"step": 5, "sizes": {"unet.safetensors": 4}}))
     assert fresh.restart_point() == resumed.restart_point() == "the newest checkpoint"
+    elastic = failures.FailureWatch(str(run), 3, str(tmp_path / "runs"), run.name, min_workers=1)
+    assert elastic.restart_point() == ("the newest checkpoint on the workers the cluster holds now (at least "
+                                       "--min_workers 1)")
