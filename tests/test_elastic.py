@@ -40,6 +40,7 @@ def logged_workers(storage):
 
 
 @pytest.mark.slow
+@pytest.mark.fills_cores  # (on a quiet machine: with runs beside it, the node's second start gave up, Ray's 30 s over)
 def test_an_elastic_run_goes_on_without_a_lost_node_grows_back_and_ends_on_the_uninterrupted_weights(
         uninterrupted, tiny_model, toy_images, tmp_path):
     """--num_workers 2 --min_workers 1 on a cluster of two nodes, each with one slot for a worker
@@ -53,7 +54,7 @@ def test_an_elastic_run_goes_on_without_a_lost_node_grows_back_and_ends_on_the_u
                                               extra=["--num-cpus=2", "--num-gpus=0", '--resources={"slot": 1}'])
     temp = tempfile.mkdtemp(prefix="rn", dir="/tmp")  # (the node's own: short, for Ray's socket paths)
     command = ["sh", "-c", node_command(address, temp, ["--num-cpus=1", "--num-gpus=0", '--resources={"slot": 1}'])]
-    node = start_node(command, tmp_path / "node.log")
+    node = start_node(command, tmp_path / "node.log") or start_node(command, tmp_path / "node.log")
     try:
         assert node is not None, open(tmp_path / "node.log").read()[-2000:]
         storage = tmp_path / "runs"
@@ -71,7 +72,7 @@ def test_an_elastic_run_goes_on_without_a_lost_node_grows_back_and_ends_on_the_u
         wait_for(lambda: 2 in [s for d in run_dirs(storage) for s in registered_steps(d)], 300, proc)
         stop_node(node, signal.SIGKILL)
         wait_for(lambda: 1 in [w for _, w in logged_workers(storage)], 300, proc)
-        node = start_node(command, tmp_path / "node.log")
+        node = start_node(command, tmp_path / "node.log") or start_node(command, tmp_path / "node.log")  # (once more)
         assert node is not None, open(tmp_path / "node.log").read()[-2000:]
         out, err = finish(proc, 400)
         assert proc.returncode == 0, err[-4000:]
