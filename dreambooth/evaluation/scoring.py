@@ -252,6 +252,15 @@ def image_job(label, model, prompt_list, folder, settings):
     return job, drawing.wanted_files(folder, prompt_list, settings.num_samples_per_prompt)
 
 
+def remove_reports(folders):
+    """The scores.json and report.md of an earlier run in folders, removed before a run scores again: a run stopped in
+    the middle leaves none, not stale ones."""
+    for folder in folders:
+        for name in ("scores.json", "report.md"):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(folder, name))
+
+
 def run(entries, subjects, settings, output_dir, report_dirs=None):
     """Generate, embed and score the models of entries [(label, outputs.ModelRef)] against
     each of subjects, with one actor pool for the images of every model and subject and one for all
@@ -262,10 +271,8 @@ def run(entries, subjects, settings, output_dir, report_dirs=None):
 
     for _, model in entries:  # before Ray starts
         families.check_model_dir(model.model_dir, settings.allow_unsafe_weights)
-    for subject in subjects:  # an earlier run's scores go first: a run stopped in the middle leaves none, not stale ones
-        for name in ("scores.json", "report.md"):
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join((report_dirs or {}).get(subject.name, output_dir), name))
+    folders = {s.name: (report_dirs or {}).get(s.name, output_dir) for s in subjects}  # (each subject's report's)
+    remove_reports(folders.values())
     raycluster.init_ray()
     prompts = {s.name: s.prompts() for s in subjects}
     texts = {p: t for s in subjects for p, t in prompts[s.name].items()}
@@ -292,7 +299,7 @@ def run(entries, subjects, settings, output_dir, report_dirs=None):
     results = {}
     random_weights = any(modelcache.has_random_weights(model.model_dir) for _, model in entries)
     for subject in subjects:
-        photos, folder = real[subject.name], (report_dirs or {}).get(subject.name, output_dir)
+        photos, folder = real[subject.name], folders[subject.name]
         models = {}
         for label, _ in entries:
             subject_files = {p: images[label][p] for p in prompts[subject.name]}

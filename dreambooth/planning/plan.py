@@ -101,7 +101,7 @@ class Plan:
     num_workers: int  # the most workers (a step trains num_workers x gradient_accumulation_steps batches on any number)
     min_workers: int | None  # --min_workers: elastic, from min_workers to num_workers (None: num_workers always)
     elastic_resize_interval: float
-    resources_per_worker: str | None  # --resources_per_worker: 'NAME=N,...' (flagtypes.resource_amounts)
+    resources_per_worker: str | None  # --resources_per_worker: 'NAME=N,...' (own_resources)
     gpus_per_worker: int
     use_gpu: bool
     cpus_per_worker: float
@@ -163,6 +163,12 @@ class Plan:
     def is_checkpoint_step(self, step):
         """Checkpoints every checkpointing_steps, on the steps scored and at the last step."""
         return step % self.checkpointing_steps == 0 or step == self.end_step or self.is_score_step(step)
+
+    def own_resources(self):
+        """{resource: amount} each worker reserves beside its CPUs and GPUs (--resources_per_worker; {} without)."""
+        from dreambooth.config import flagtypes
+
+        return flagtypes.resource_amounts(self.resources_per_worker) if self.resources_per_worker else {}
 
     def workers_said(self):
         """'2 worker(s)', or '1 to 2 workers (elastic)' with --min_workers."""

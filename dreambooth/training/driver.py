@@ -16,7 +16,6 @@ from dreambooth import files
 from dreambooth import storage
 from dreambooth.cluster import raycluster
 from dreambooth.config import flags
-from dreambooth.config import flagtypes
 from dreambooth.generation import drawing
 from dreambooth.generation import image_records
 from dreambooth.models import outputs
@@ -62,8 +61,7 @@ def announce(plan, started):
     for them, silently): its plan, its settings file (written; returned, a bucket's or the file itself), and
     started(text, **fields)."""
     if plan.resources_per_worker:
-        raycluster.check_resources_held(flagtypes.resource_amounts(plan.resources_per_worker),
-                                        plan.min_workers or plan.num_workers)
+        raycluster.check_resources_held(plan.own_resources(), plan.min_workers or plan.num_workers)
     print(plan.describe(), file=sys.stderr)
     flags.write_config(os.path.join(plan.run_dir, outputs.TRAIN_CONFIG), plan.settings_toml)
     runfiles.sync_up(plan.storage_path, plan.run_name)
@@ -219,8 +217,7 @@ def run_trainer(plan, train_ds):
     from dreambooth.training import stopping
 
     run_dir = plan.run_dir
-    resources = {"CPU": plan.cpus_per_worker, **(flagtypes.resource_amounts(plan.resources_per_worker)
-                                                  if plan.resources_per_worker else {})}
+    resources = {"CPU": plan.cpus_per_worker, **plan.own_resources()}
     if plan.use_gpu:
         resources["GPU"] = plan.gpus_per_worker
     trainer = stopping.trainer_class()(
