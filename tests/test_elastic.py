@@ -63,7 +63,7 @@ def test_an_elastic_run_goes_on_without_a_lost_node_grows_back_and_ends_on_the_u
                           "--resources_per_worker", "slot=1", "--elastic_resize_interval", "2",
                           # (a sample at every step, which changes no weight, keeps the run going while nodes come
                           # and go)
-                          "--validation_prompt", "a toy", "--num_validation_images", "1", "--validation_steps", "1",
+                          "--validation_prompt", "a toy", "--num_validation_images", "3", "--validation_steps", "1",
                           "--validation_inference_steps", "10")
         # (Ray Train's wait for a lost node's resources: 60 s by default, 10 here)
         proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO_DIR, text=True, stdout=subprocess.PIPE,
