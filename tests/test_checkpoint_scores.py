@@ -120,12 +120,18 @@ def test_a_run_scores_its_checkpoints_while_it_trains_as_evaluate_scores_them(ra
         log = open(os.path.join(run_dir, "scores", scored_model, "scoring.log")).read()
         assert "scoring 7 images in this process" in log and "generating in this process" in log, log
     assert "images already there" not in captured.out + captured.err
-    # the best step's scores are evaluate.py's of the saved model (the same images: the same seed and settings), and
-    # the base model's those evaluate.py gives it
+    # the best step's scores are evaluate.py's of the saved model, and the base model's those evaluate.py gives it: it
+    # takes the images their scoring drew (the same model by its id, the same seed and settings; the saved adapters
+    # of the last step are those it scored, byte for byte) instead of drawing them again
     evaluate.main(["--model_dir", str(out), "--instance_images_dir", toy_images, "--class_name", "toy",
                    "--eval_prompts", str(prompts), "--eval_models_dir", tiny_eval_models[1], "--output_dir",
                    str(tmp_path / "eval"), "--num_samples_per_prompt", "1", "--num_inference_steps", "2",
                    "--resolution", "128"])
+    err = capsys.readouterr().err
+    for label, scored_model in (("tuned", f"step-{best}"), ("base", "base")):
+        assert f"{label}: 2 images taken from {run_dir}/scores/{scored_model}/images/{scored_model}, where the same " \
+               f"model drew them with the same settings" in err and f"{label}: 2 of 2 images already there; " \
+               "generating 0" in err, err
     theirs = json.load(open(tmp_path / "eval" / "scores.json"))["models"]
     tuned = next(m for label, m in theirs.items() if label != "base")["overall"]
     assert {k: round(tuned[k], 4) for k in score_record.SCORE_KEYS} == \
@@ -225,6 +231,35 @@ def write_step_scores(folder, step, values):
     files.write_json(os.path.join(folder, "scores.json"), result.to_json())
 
 
+def test_the_saved_model_is_the_scored_one_when_its_files_hold_the_same_tensors(tmp_path):
+    """checkpoint_scores.same_weights, which lets the last step's saved model keep the id of the model its scoring drew
+    with: the same files besides the records, each the same bytes or (safetensors, whose header's order varies with the
+    process that wrote it) the same metadata and tensors."""
+    import torch
+    from safetensors.torch import save_file
+
+    from dreambooth.training import checkpoint_scores
+
+    def model(name, weight, metadata=None, record="{}"):
+        folder = tmp_path / name
+        (folder / "unet").mkdir(parents=True)
+        save_file({"a": torch.ones(2), "b": torch.tensor([1.0, weight])}, folder / "unet" / "w.safetensors",
+                  metadata={"format": "pt", **(metadata or {})})
+        (folder / files.OUTPUT_MARKER).write_text(record)
+        return str(folder)
+
+    scored = model("scored", 2.0)
+    assert checkpoint_scores.same_weights(scored, model("saved", 2.0, record='{"kept": 1}'))
+    assert not checkpoint_scores.same_weights(scored, model("changed", 2.5))
+    assert not checkpoint_scores.same_weights(scored, model("other-metadata", 2.0, {"rank": "4"}))
+    extra = model("extra", 2.0)
+    (tmp_path / "extra" / "notes.txt").write_text("a file the scored model lacks")
+    assert not checkpoint_scores.same_weights(scored, extra)
+    broken = model("broken", 2.0)
+    (tmp_path / "broken" / "unet" / "w.safetensors").write_bytes(b"not a safetensors file")
+    assert not checkpoint_scores.same_weights(scored, broken)
+
+
 @pytest.mark.parametrize("where", ["disk", "bucket"])
 def test_keep_best_saves_the_best_step_by_the_sweeps_rule_and_its_record_says_why(where, request, tmp_path):
     """checkpoint_scores.finish of a --keep_best run: the best step is the highest DINO among the steps whose CLIP-T is
@@ -247,6 +282,8 @@ def test_keep_best_saves_the_best_step_by_the_sweeps_rule_and_its_record_says_wh
             folder = os.path.join(plan.run_dir, "scores", f"step-{step}")
             write_step_scores(folder, step, values)
             storage.write_bytes(os.path.join(folder, "model", files.LORA_WEIGHTS_FILE), f"step {step}'s weights".encode())
+            files.write_json(os.path.join(folder, "model", files.OUTPUT_MARKER),  # (its scoring's model, as saved)
+                             outputs.TrainRecord("/base", steps=step, model_id=f"scored-{step}").to_json())
         files.write_json(os.path.join(plan.run_dir, "scores", "base.json"), {"dino": 0.1, "clip_i": 0.2, "clip_t": 0.26})
         storage.write_bytes(storage.join(out, files.LORA_WEIGHTS_FILE), b"step 6's weights")
         storage.write_bytes(storage.join(out, "train_config.toml"), b"max_train_steps = 6\n")
@@ -262,8 +299,11 @@ def test_keep_best_saves_the_best_step_by_the_sweeps_rule_and_its_record_says_wh
     assert storage.read_bytes(storage.join(out, files.LORA_WEIGHTS_FILE)) == b"step 2's weights"
     assert storage.read_bytes(storage.join(out, "train_config.toml")) == b"max_train_steps = 6\n"
     record = outputs.read_output(out).record
+    scores_dir = storage.join(plan.storage_path, "run", "scores")  # (a bucket's run: there)
     assert record.steps == 2 and record.run_name == "run" and record.kept == {
-        "step": 2, "of_steps": 6, "scores": scores[2], "why": lines[-2]}
+        "step": 2, "of_steps": 6, "scores": scores[2], "why": lines[-2], "scores_dir": scores_dir}
+    # the weights its scoring drew with, under their id: evaluate.py takes the images it drew
+    assert record.model_id == "scored-2"
     assert not glob.glob(os.path.join(plan.run_dir, "scores", "step-*", "model"))
     # the best is the last step: its model stays, its record says why
     scores[6] = {"dino": 0.7, "clip_i": 0.6, "clip_t": 0.3}
@@ -271,9 +311,16 @@ def test_keep_best_saves_the_best_step_by_the_sweeps_rule_and_its_record_says_wh
     lines = checkpoint_scores.finish(plan)
     assert lines[-1] == f"saved: the last step's model, the best scored, in {out} (--keep_best)"
     record = outputs.read_output(out).record
-    assert record.steps == 6 and record.kept == {"step": 6, "of_steps": 6, "scores": scores[6], "why": lines[-2]}
+    assert record.steps == 6 and record.kept == {"step": 6, "of_steps": 6, "scores": scores[6], "why": lines[-2],
+                                                 "scores_dir": scores_dir}
     assert storage.read_bytes(storage.join(out, files.LORA_WEIGHTS_FILE)) == b"step 6's weights"
     assert not glob.glob(os.path.join(plan.run_dir, "scores", "step-*", "model"))
+    # the scored model's id where the saved files are its, byte for byte (compared on a disk only)
+    assert (record.model_id == "scored-6") == (where == "disk")
+    prepare()
+    storage.write_bytes(storage.join(out, files.LORA_WEIGHTS_FILE), b"step 6's weights, saved otherwise")
+    checkpoint_scores.finish(plan)
+    assert outputs.read_output(out).record.model_id not in ("scored-6", None)
     # a runner-up that reads the same at 3 decimals: both at as many as tell them apart
     write_step_scores(os.path.join(plan.run_dir, "scores", "step-2"), 2, {"dino": 0.69996, "clip_i": 0.7, "clip_t": 0.25})
     assert score_record.best_line(plan, *score_record.best_step(plan.run_dir, 0.02)).startswith(

@@ -73,6 +73,33 @@ def test_top_up_keeps_images_of_the_same_model_and_settings_only(tiny_model, tmp
     assert len(job.rows) == 2 and "(different: model); drawing them again" in capsys.readouterr().err
 
 
+def test_top_up_takes_the_images_another_folder_holds_of_the_same_model_and_settings(tiny_model, tmp_path, capsys):
+    """donors (evaluate.py: the images Step 4's scoring drew): the missing images are copied from a folder whose record is
+    this one (a withheld image's marker too), whole; a folder of another seed or model gives none."""
+    model, prompts = outputs.ModelRef(tiny_model), ["photo of a dog", "photo of a cat"]
+    donor, other_seed, folder = (str(tmp_path / name) for name in ("donor", "seed-2", "eval"))
+    for where, settings in ((donor, SETTINGS), (other_seed, drawing.ImageSettings(3, seed=2))):
+        for row in drawing.top_up(where, model, prompts, 2, settings, False).rows:
+            name = row["file"] + (drawing.FLAGGED_SUFFIX if row["file"].startswith("photo-of-a-cat-00001") else "")
+            open(os.path.join(where, name), "wb").write(f"{where} {row['file']}".encode())
+    os.remove(os.path.join(donor, drawing.image_file_name("photo of a cat", 0)))  # (one it lacks: drawn here)
+    capsys.readouterr()
+    job = drawing.top_up(folder, model, prompts, 2, SETTINGS, False, label="base", donors=(other_seed, donor))
+    assert [row["file"] for row in job.rows] == [drawing.image_file_name("photo of a cat", 0)]
+    assert open(os.path.join(folder, "photo-of-a-dog-00001.png"), "rb").read() == f"{donor} photo-of-a-dog-00001.png".encode()
+    assert os.path.exists(os.path.join(folder, "photo-of-a-cat-00001.png" + drawing.FLAGGED_SUFFIX))
+    err = capsys.readouterr().err
+    assert f"base: 3 images taken from {donor}, where the same model drew them with the same settings" in err
+    assert "base: 3 of 4 images already there; generating 1" in err and other_seed not in err
+    # another model's images (the same settings) are not taken
+    retrained = tmp_path / "tuned"
+    shutil.copytree(tiny_model, retrained)
+    files.write_json(retrained / files.OUTPUT_MARKER, {"base_model": tiny_model, "model_id": "x"})
+    job = drawing.top_up(str(tmp_path / "tuned-eval"), outputs.ModelRef(str(retrained)), prompts, 2, SETTINGS, False,
+                         donors=(donor,))
+    assert len(job.rows) == 4 and image_records.drawn_images(str(tmp_path / "tuned-eval")) == []
+
+
 def test_images_without_a_record_are_not_mixed_with_new_ones(tiny_model, tmp_path):
     folder = tmp_path / "old"
     folder.mkdir()

@@ -242,14 +242,26 @@ class Subject:
         return imagefiles.held_out_names(self.photos(), self.holdout)
 
 
-def image_job(label, model, prompt_list, folder, settings):
+def image_job(label, model, prompt_list, folder, settings, donors=()):
     """What one model (outputs.ModelRef) still has to draw: settings.num_samples_per_prompt images of
     each prompt in folder, keeping those that this model drew with these settings (the folder's
-    record); images of another model (a retrained one) are drawn again. Returns the DrawJob and
-    {prompt: [paths]} of every image wanted."""
+    record) and taking those of donors (image folders) that it drew so; images of another model (a retrained one)
+    are drawn again. Returns the DrawJob and {prompt: [paths]} of every image wanted."""
     job = drawing.top_up(folder, model, prompt_list, settings.num_samples_per_prompt, settings.images(),
-                          drawing.use_safety_checker("auto", model), on_mismatch="redraw", label=label)
+                          drawing.use_safety_checker("auto", model), on_mismatch="redraw", label=label, donors=donors)
     return job, drawing.wanted_files(folder, prompt_list, settings.num_samples_per_prompt)
+
+
+def scored_image_folders(model):
+    """The image folders of the scores taken while the model (an outputs.ModelRef) trained: train.py --keep_best
+    records its run's scores folder (outputs.KEPT_SCORES), where each scored step's images and the base model's lie as
+    run() lays them out (<label>/images/<label>). Its best step's and the base model's images are this model's and its
+    base model's, drawn as evaluate.py draws them: image_job takes them instead of drawing them again."""
+    output = outputs.read_output(model.lora_dir or model.model_dir)
+    where = (output.record.kept or {}).get(outputs.KEPT_SCORES) if output else None
+    if not where or not storage.isdir(where):
+        return []
+    return [storage.join(where, label, "images", label) for label in storage.listdir(where)]
 
 
 def remove_reports(folders):
@@ -281,9 +293,11 @@ def run(entries, subjects, settings, output_dir, report_dirs=None):
     for s in subjects:
         real[s.name], held[s.name] = s.split()
     settings = dataclasses.replace(settings, num_actors=settings.num_actors or drawing.default_num_actors())
+    donors = list(dict.fromkeys(folder for _, model in entries for folder in scored_image_folders(model)))
     jobs, wanted = [], {}
     for label, model in entries:
-        job, wanted[label] = image_job(label, model, list(texts), os.path.join(output_dir, "images", label), settings)
+        job, wanted[label] = image_job(label, model, list(texts), os.path.join(output_dir, "images", label), settings,
+                                       donors)
         jobs.append(job)
     drawing.make_images_of(jobs, settings.images(), settings.batch_size, settings.num_actors, here=settings.here)
     # {label: {prompt: [paths]}} without the images the safety checker withheld

@@ -56,15 +56,20 @@ class ImageRecord:
         return ", ".join(text for name, text in words.items() if fields is None or name in fields)
 
 
+    @classmethod
+    def from_json(cls, data, path=""):
+        """The record of data (a record file's JSON); one that matches no other where it is not a record."""
+        try:
+            return cls(**{**data, "prompts": tuple(data["prompts"])})
+        except (TypeError, KeyError):
+            return cls("unreadable record", path, (), 0, 0, 0, 0.0, None)
+
+
 def read_image_record(folder):
     path = os.path.join(folder, IMAGES_RECORD)
     if not os.path.isfile(path):
         return None
-    data = files.read_json(path)
-    try:
-        return ImageRecord(**{**data, "prompts": tuple(data["prompts"])})
-    except (TypeError, KeyError):
-        return ImageRecord("unreadable record", path, (), 0, 0, 0, 0.0, None)
+    return ImageRecord.from_json(files.read_json(path), path)
 
 
 def write_image_record(folder, record):

@@ -57,6 +57,10 @@ class LoraSettings:
         return {"rank": self.rank, "lora_alpha": self.alpha, **({"adapter": self.adapter} if self.adapter != "lora" else {})}
 
 
+# TrainRecord.kept's entry for the run's scores folder (a bucket's too), where evaluate.py finds the images drawn already
+KEPT_SCORES = "scores_dir"
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainRecord:
     """What made a model train.py saved: its record (files.OUTPUT_MARKER, JSON) beside the weights."""
@@ -316,6 +320,13 @@ def save_lora(folder, family, denoiser, text_encoders=None):
     getattr(diffusers, family.pipeline).save_lora_weights(
         folder, weight_name=files.LORA_WEIGHTS_FILE,
         **{f"{name}_lora_layers": layers(model) for name, model in parts.items()},
-        **{f"{name}_lora_adapter_metadata": model.peft_config["default"].to_dict() for name, model in parts.items()})
+        **{f"{name}_lora_adapter_metadata": adapter_metadata(model) for name, model in parts.items()})
+
+
+def adapter_metadata(model):
+    """The adapters' peft config as the file's metadata, its sets (the target modules) sorted: in the order of a set
+    they would change with each process's hash seed, and the same adapters would not be the same file."""
+    return {key: sorted(value) if isinstance(value, (set, frozenset)) else value
+            for key, value in model.peft_config["default"].to_dict().items()}
 
 
