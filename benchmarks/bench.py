@@ -97,7 +97,7 @@ def synthetic_batch(nets, args, cached):
     import torch
 
 
-    res = RESOLUTION[args.model]
+    res = getattr(args, "resolution", None) or RESOLUTION[args.model]
     pixels = {k: torch.randint(0, 256, (args.batch_size, res, res, 3), dtype=torch.uint8)
               for k in ("instance", "class")}
     if not cached:

@@ -111,7 +111,7 @@ def run_arm(arm, args, device):
     plan = dataclasses.replace(
         bench.step_plan(args, train_text_encoder=not arm.cached, device=device,
                         precompute_text_embeddings=arm.cached),
-        channels_last=channels_last, resolution=bench.RESOLUTION[args.model],
+        channels_last=channels_last, resolution=args.resolution,
         torch_compile=args.torch_compile or (args.compiled_backend if arm.compiled else None))
     bench.reset_peak_memory(device)
     nets = networks.setup_models(plan, device, device, distributed=False)
@@ -188,6 +188,9 @@ def table(results):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(bench.RESOLUTION), default="sd15")
+    parser.add_argument("--resolution", type=int, default=None,
+                        help="pixels per side (default: the model's, " +
+                        ", ".join(f"{m} {r}" for m, r in sorted(bench.RESOLUTION.items())) + ")")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of: {', '.join(ARMS)}")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per arm (default 20)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
@@ -200,6 +203,7 @@ def main(argv=None):
     parser.add_argument("--keep_going", action="store_true",
                         help="an arm that fails prints its error as its row and the next arm runs")
     args = parser.parse_args(argv)
+    args.resolution = args.resolution or bench.RESOLUTION[args.model]
     unknown = [a for a in args.arms.split(",") if a not in ARMS]
     if unknown:
         parser.error(f"unknown arm(s) {', '.join(unknown)}; choose from {', '.join(ARMS)}")
@@ -229,7 +233,7 @@ def main(argv=None):
             free_memory(device)
             print(row(arm, result), flush=True)
     where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    text = (f"model={args.model} resolution={bench.RESOLUTION[args.model]} device={where} "
+    text = (f"model={args.model} resolution={args.resolution} device={where} "
             f"mixed_precision={args.mixed_precision} gradient_checkpointing={args.gradient_checkpointing} "
             f"torch_compile={args.torch_compile} torch={torch.__version__} steps={args.steps} "
             f"profile_steps={args.profile_steps}\n\n" + table(results))
