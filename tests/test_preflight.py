@@ -126,8 +126,11 @@ def test_photos_and_class_name_are_checked_first(tmp_path, toy_images, capsys):
     captioned = shutil.copytree(toy_images, tmp_path / "captioned")
     (captioned / "toy-0.txt").write_text("photo of unqtkn toy on a table")  # a caption, as the README places it
     (captioned / "notes.doc").write_text("")
+    (captioned / "notes.txt").write_text("where the photos were taken")  # no notes.jpg: it captions nothing
     assert len(preflight.check_photos(str(captioned), "INSTANCE_DIR")) == 5
-    assert "skipping 1 non-image file(s) in " in capsys.readouterr().err  # notes.doc, not the caption train.py reads
+    err = capsys.readouterr().err
+    assert "skipping 1 non-image file(s) in " in err  # notes.doc, not the caption train.py reads
+    assert f"skipping 1 .txt file(s) in {captioned} with no photo of the same name to caption: notes.txt" in err
     (tmp_path / "empty").mkdir()
     with pytest.raises(errors.UserError, match=r"INSTANCE_DIR=\S+empty: .*holds no images"):
         preflight.check_photos(str(tmp_path / "empty"), "INSTANCE_DIR")

@@ -53,11 +53,17 @@ def list_images(folder, role, also_expected=None):
         elif name.lower().endswith(files.IMAGE_EXTENSIONS):  # (a broken link or a folder: it was passed over unsaid)
             raise errors.UserError(f"{role} folder {folder}: {files.unreadable(path, None)}")
     images = [n for n in names if n.lower().endswith(files.IMAGE_EXTENSIONS)]
-    skipped = [n for n in names if n not in images and n not in OWN_FILES
-               and not (also_expected and n.endswith(also_expected))]
+    stems = {os.path.splitext(n)[0] for n in images}
+    # (a caption is the text beside a photo of its name: one without that photo captions nothing)
+    captions = [n for n in names if also_expected and n.endswith(also_expected) and n not in images]
+    orphans = [n for n in captions if n[:-len(also_expected)] not in stems]
+    skipped = [n for n in names if n not in images and n not in OWN_FILES and n not in captions]
     if skipped:
         print(f"warning: skipping {len(skipped)} non-image file(s) in {folder}: {', '.join(skipped[:10])}",
               file=sys.stderr)
+    if orphans:
+        print(f"warning: skipping {len(orphans)} {also_expected} file(s) in {folder} with no photo of the same name to "
+              f"caption: {', '.join(orphans[:10])}", file=sys.stderr)
     if not images:
         raise errors.UserError(f"{role} folder {folder} holds no images ({', '.join(files.IMAGE_EXTENSIONS)})")
     return [os.path.join(folder, n) for n in images]
