@@ -71,6 +71,14 @@ def test_top_up_keeps_images_of_the_same_model_and_settings_only(tiny_model, tmp
     job = drawing.top_up(folder, outputs.ModelRef(str(retrained)), ["photo of a cat"], 2, SETTINGS, False,
                          on_mismatch="redraw", label="tuned")
     assert len(job.rows) == 2 and "(different: model); drawing them again" in capsys.readouterr().err
+    # retrained in the same folder: the folder named once, the two models by their ids
+    open(os.path.join(folder, job.rows[0]["file"]), "wb").close()
+    files.write_json(retrained / files.OUTPUT_MARKER, {"base_model": tiny_model, "model_id": "b" * 32})
+    drawing.top_up(folder, outputs.ModelRef(str(retrained)), ["photo of a cat"], 2, SETTINGS, False,
+                   on_mismatch="redraw", label="tuned")
+    err = capsys.readouterr().err
+    assert f"were drawn with model {retrained} (trained:x), not this run's model retrained there (trained:bbbbbbbb) " \
+           "(different: model)" in err and err.count(str(retrained)) == 1, err
 
 
 def test_top_up_takes_the_images_another_folder_holds_of_the_same_model_and_settings(tiny_model, tmp_path, capsys):

@@ -319,10 +319,10 @@ def top_up(folder, model, prompts, count, settings, safety_checker, on_mismatch=
         what = (f"were drawn with {have.describe(differs)}" if have else
                 f"have no record ({image_records.IMAGES_RECORD}) of the model and settings that drew them")
         if on_mismatch == "error":
-            asked = f"this run's {wanted.describe(differs)}" if have else f"this run's {wanted.describe()}"
+            asked = f"this run's {wanted.describe(differs, after=have)}" if have else f"this run's {wanted.describe()}"
             raise errors.UserError(f"{where}: its {len(drawn)} images {what}, not {asked} (different: "
                                    f"{', '.join(differs)}). Use another folder, or {remedy}")
-        now = f", not this run's {wanted.describe(differs)}" if have else ""
+        now = f", not this run's {wanted.describe(differs, after=have)}" if have else ""
         print(f"{label or where}: the {len(drawn)} images in {where} {what}{now} (different: {', '.join(differs)}); "
               f"drawing them again", file=sys.stderr)
         image_records.remove_drawn_images(folder)

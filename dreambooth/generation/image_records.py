@@ -36,19 +36,21 @@ class ImageRecord:
         return [f.name for f in dataclasses.fields(self)
                 if f.name != "model_dir" and getattr(self, f.name) != getattr(other, f.name)]
 
-    def model_words(self):
+    def model_words(self, folder_said=False):
         """A hub snapshot by its name and short commit (its folder is a long hub-cache path that says no more),
-        any other model by its folder and fingerprint."""
+        any other model by its folder and fingerprint (folder_said: the folder was named just before, for the
+        model that was there then)."""
         if re.fullmatch(r"[\w.-]+/[\w.-]+@[0-9a-f]{40}", self.model):
             return self.model[:-28]
         # (a model train.py saved: its run's id; adapters on a hub model: its commit; each shortened)
         short = re.sub(r"(trained:[0-9a-f]{8})[0-9a-f]+", r"\1", re.sub(r"(@[0-9a-f]{12})[0-9a-f]{28}", r"\1", self.model))
-        return f"{self.model_dir} ({short})"
+        return f"retrained there ({short})" if folder_said else f"{self.model_dir} ({short})"
 
-    def describe(self, fields=None):
-        """The settings (or only the named fields) in words."""
+    def describe(self, fields=None, after=None):
+        """The settings (or only the named fields) in words; after: the record just described, whose model folder
+        is not named twice."""
         prompts = "; ".join(repr(p) for p in self.prompts[:3]) + (" ..." if len(self.prompts) > 3 else "")
-        words = {"model": f"model {self.model_words()}", "prompts": f"prompts {prompts}",
+        words = {"model": f"model {self.model_words(after is not None and after.model_dir == self.model_dir)}", "prompts": f"prompts {prompts}",
                  "resolution": f"{self.resolution} px", "seed": f"seed {self.seed}",
                  "num_inference_steps": f"{self.num_inference_steps} steps",
                  "guidance_scale": f"guidance {self.guidance_scale:g}",
