@@ -37,9 +37,11 @@ def test_list_images_skips_non_images_and_refuses_empty(tmp_path, capsys):
     assert imagefiles.list_images(str(tmp_path), "instance") == [str(tmp_path / "a.jpg"), str(tmp_path / "b.png")]
     err = capsys.readouterr().err
     assert ".DS_Store" in err and "notes.txt" in err
+    (tmp_path / "a.txt").write_text("a caption")
     imagefiles.list_images(str(tmp_path), "instance", also_expected=".txt")
     err = capsys.readouterr().err
-    assert ".DS_Store" in err and "notes.txt" not in err  # captions beside the images are expected
+    assert ".DS_Store" in err and "a.txt" not in err  # captions beside the images are expected
+    assert "with no photo of the same name to caption: notes.txt" in err  # (a .txt that captions nothing)
     empty = tmp_path / "sub"
     with pytest.raises(errors.UserError, match="holds no images"):
         imagefiles.list_images(str(empty), "class")
