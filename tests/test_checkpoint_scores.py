@@ -232,13 +232,13 @@ def write_step_scores(folder, step, values):
 
 
 def test_the_saved_model_is_the_scored_one_when_its_files_hold_the_same_tensors(tmp_path):
-    """checkpoint_scores.same_weights, which lets the last step's saved model keep the id of the model its scoring drew
+    """score_record.same_weights, which lets the last step's saved model keep the id of the model its scoring drew
     with: the same files besides the records, each the same bytes or (safetensors, whose header's order varies with the
     process that wrote it) the same metadata and tensors."""
     import torch
     from safetensors.torch import save_file
 
-    from dreambooth.training import checkpoint_scores
+    from dreambooth.training import score_record
 
     def model(name, weight, metadata=None, record="{}"):
         folder = tmp_path / name
@@ -249,15 +249,15 @@ def test_the_saved_model_is_the_scored_one_when_its_files_hold_the_same_tensors(
         return str(folder)
 
     scored = model("scored", 2.0)
-    assert checkpoint_scores.same_weights(scored, model("saved", 2.0, record='{"kept": 1}'))
-    assert not checkpoint_scores.same_weights(scored, model("changed", 2.5))
-    assert not checkpoint_scores.same_weights(scored, model("other-metadata", 2.0, {"rank": "4"}))
+    assert score_record.same_weights(scored, model("saved", 2.0, record='{"kept": 1}'))
+    assert not score_record.same_weights(scored, model("changed", 2.5))
+    assert not score_record.same_weights(scored, model("other-metadata", 2.0, {"rank": "4"}))
     extra = model("extra", 2.0)
     (tmp_path / "extra" / "notes.txt").write_text("a file the scored model lacks")
-    assert not checkpoint_scores.same_weights(scored, extra)
+    assert not score_record.same_weights(scored, extra)
     broken = model("broken", 2.0)
     (tmp_path / "broken" / "unet" / "w.safetensors").write_bytes(b"not a safetensors file")
-    assert not checkpoint_scores.same_weights(scored, broken)
+    assert not score_record.same_weights(scored, broken)
 
 
 @pytest.mark.parametrize("where", ["disk", "bucket"])

@@ -297,7 +297,7 @@ def top_up(folder, model, prompts, count, settings, safety_checker, on_mismatch=
     must match (others differing: kept, with a line). The record is written before drawing: a run
     cut short leaves images that its record describes. where: the folder as the user named it (a bucket's,
     filled through this node's copy folder). donors: other folders of images (a bucket's too) whose images are copied
-    in, those missing here, where their record is this one (take_drawn)."""
+    in, those missing here, where their record is this one (image_records.take_drawn)."""
     where = where or folder
     os.makedirs(folder, exist_ok=True)
     files.remove_temp_files(folder)
@@ -327,36 +327,15 @@ def top_up(folder, model, prompts, count, settings, safety_checker, on_mismatch=
               f"drawing them again", file=sys.stderr)
         image_records.remove_drawn_images(folder)
     image_records.write_image_record(folder, wanted)
-    for donor in donors:
-        take_drawn(folder, donor, wanted, prompts, count, settings.seed, label or where)
+    for donor in donors:  # (the images still missing, and the marks of those the safety checker withheld)
+        missing = [name for row in plan_images(prompts, count, settings.seed, folder)[0]
+                   for name in (row["file"], row["file"] + FLAGGED_SUFFIX)]
+        image_records.take_drawn(folder, donor, wanted, missing, label or where)
     rows, names = plan_images(prompts, count, settings.seed, folder)
     if names:
         print(f"{label or where}: {len(names) - len(rows)} of {len(names)} images already there; generating "
               f"{len(rows)}", file=sys.stderr)
     return DrawJob(model, folder, safety_checker, tuple(rows))
-
-
-def take_drawn(folder, donor, wanted, prompts, count, seed, label):
-    """The images folder lacks copied from donor (a bucket's too) when donor's record is wanted: the same model (its
-    fingerprint) drew them with the same prompts and every setting that changes pixels, so they are the images this
-    run would draw (image_seed). Each copy is written whole (a stop leaves no cut file). Says how many it took."""
-    rows = plan_images(prompts, count, seed, folder)[0]
-    record = storage.join(donor, image_records.IMAGES_RECORD)
-    if not rows or not storage.isfile(record):
-        return
-    try:
-        have = image_records.ImageRecord.from_json(storage.read_json(record))
-    except (OSError, ValueError):  # (a record cut short: its images are not taken)
-        return
-    if have.differences(wanted):
-        return
-    there = set(storage.listdir(donor))
-    taken = [name for row in rows for name in (row["file"], row["file"] + FLAGGED_SUFFIX) if name in there]
-    for name in taken:
-        files.write_bytes_atomic(storage.read_bytes(storage.join(donor, name)), os.path.join(folder, name))
-    if taken:
-        print(f"{label}: {len(taken)} images taken from {donor}, where the same model drew them with the same settings",
-              file=sys.stderr)
 
 
 STARTING = "starting the actors, each loads the model"  # the progress bar's note until the first image

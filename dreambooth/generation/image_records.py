@@ -1,12 +1,14 @@
 """The record beside a folder of generated images (dreambooth_images.json): the model (its fingerprint, outputs.py)
-and the settings that drew them, which decides whether a later run may keep them (drawing.top_up), and the images
-of generate.py's naming in a folder."""
+and the settings that drew them, which decides whether a later run may keep them (drawing.top_up) or take another
+folder's (take_drawn), and the images of generate.py's naming in a folder."""
 
 import dataclasses
 import os
 import re
+import sys
 
 from dreambooth import files
+from dreambooth import storage
 
 IMAGES_RECORD = "dreambooth_images.json"  # beside generated images: what drew them
 
@@ -93,3 +95,26 @@ def remove_drawn_images(folder):
         path = os.path.join(folder, name)
         if os.path.exists(path):
             os.remove(path)
+
+
+def take_drawn(folder, donor, wanted, missing, label):
+    """The files of missing (image names) that folder lacks, copied from donor (a bucket's too) when donor's record is
+    wanted: the same model (its fingerprint) drew them with the same prompts and every setting that changes pixels, so
+    they are the images this run would draw. Each copy is written whole (a stop leaves no cut file). Says how many it
+    took."""
+    record = storage.join(donor, IMAGES_RECORD)
+    if not missing or not storage.isfile(record):
+        return
+    try:
+        have = ImageRecord.from_json(storage.read_json(record))
+    except (OSError, ValueError):  # (a record cut short: its images are not taken)
+        return
+    if have.differences(wanted):
+        return
+    there = set(storage.listdir(donor))
+    taken = [name for name in missing if name in there]
+    for name in taken:
+        files.write_bytes_atomic(storage.read_bytes(storage.join(donor, name)), os.path.join(folder, name))
+    if taken:
+        print(f"{label}: {len(taken)} images taken from {donor}, where the same model drew them with the same settings",
+              file=sys.stderr)

@@ -286,7 +286,7 @@ def keep_best(plan, step, why):
     # the scored model's id where the saved weights are its (copied from it; the last step's, where they are the same
     # bytes): evaluate.py then takes the images its scoring drew (scoring.scored_image_folders)
     scored = outputs.read_output(source) if os.path.isdir(source) else None
-    same = scored is not None and (not last or same_weights(source, plan.output_dir))
+    same = scored is not None and (not last or score_record.same_weights(source, plan.output_dir))
     record = dataclasses.replace(output.record, steps=step, model_id=scored.model_id if same else outputs.new_model_id(),
                                  kept=kept)
     marker = storage.join(plan.output_dir, files.OUTPUT_MARKER)
@@ -313,42 +313,6 @@ def keep_best(plan, step, why):
     outputs.write_output(plan.output_dir, write)
     score_record.keep_models(plan.run_dir, None)
     return f"saved: step {step}'s model, the best scored, in {plan.output_dir} instead of step {plan.end_step}'s (--keep_best)"
-
-
-def same_weights(scored, output_dir):
-    """Whether output_dir (a folder on this node) holds the files of the scored step's model folder besides the records
-    of each: byte for byte, or a safetensors file with the same metadata and tensors (the order of its header's
-    metadata varies with the process that wrote it)."""
-    import filecmp
-
-    if storage.is_remote(output_dir):
-        return False
-    records = {files.OUTPUT_MARKER, outputs.TRAIN_CONFIG}
-
-    def listing(folder):
-        return sorted(os.path.relpath(os.path.join(root, name), folder) for root, _, names in os.walk(folder)
-                      for name in names if os.path.relpath(os.path.join(root, name), folder) not in records)
-
-    def same(a, b):
-        return filecmp.cmp(a, b, shallow=False) or (a.endswith(".safetensors") and same_tensors(a, b))
-
-    names = listing(scored)
-    return names == listing(output_dir) and all(same(os.path.join(scored, name), os.path.join(output_dir, name))
-                                                for name in names)
-
-
-def same_tensors(a, b):
-    """Whether safetensors files a and b hold the same metadata and tensors (read one tensor at a time)."""
-    import torch
-    from safetensors import SafetensorError
-    from safetensors import safe_open
-
-    try:
-        with safe_open(a, "pt") as first, safe_open(b, "pt") as second:
-            return first.metadata() == second.metadata() and sorted(first.keys()) == sorted(second.keys()) and all(
-                torch.equal(first.get_tensor(key), second.get_tensor(key)) for key in first.keys())
-    except SafetensorError:  # (not a safetensors file: its bytes differ, so it is not the same)
-        return False
 
 
 def carry_over(plan):

@@ -1,6 +1,6 @@
 """The record of a run's scored steps in its run folder (scores/step-N/scores.json, scores/base.json, the kept model
 of the best step so far), and the best step by the sweep's rule: what checkpoint_scores writes while the run trains
-and reads at its end, and what a resumed run takes over."""
+and reads at its end, and what a resumed run takes over; whether a saved model is the scored one (same_weights)."""
 
 import os
 import shutil
@@ -9,6 +9,7 @@ from dreambooth import files
 from dreambooth import storage
 from dreambooth.evaluation import scores
 from dreambooth.evaluation import scoring
+from dreambooth.models import outputs
 
 SCORES_FOLDER = "scores"  # in the run folder: step-N/ of each scored step (images, scores.json, report.md)
 BASE_SCORES = "base.json"  # in the scores folder: the base model's scores (score_base's, as the run starts)
@@ -83,3 +84,39 @@ def best_line(plan, step, within, ranked_by):
         value = (f"{a:.{digits}f}, step {runner}'s {b:.{digits}f}" if digits else
                  f"{a:.3f}, equal to step {runner}'s: the earlier step kept")
     return f"best scored step: {step} ({dino} {value}, CLIP-T {found['clip_t']:.3f}; {rule})"
+
+
+def same_weights(scored, output_dir):
+    """Whether output_dir (a folder on this node) holds the files of the scored step's model folder besides the records
+    of each: byte for byte, or a safetensors file with the same metadata and tensors (the order of its header's
+    metadata varies with the process that wrote it)."""
+    import filecmp
+
+    if storage.is_remote(output_dir):
+        return False
+    records = {files.OUTPUT_MARKER, outputs.TRAIN_CONFIG}
+
+    def listing(folder):
+        return sorted(os.path.relpath(os.path.join(root, name), folder) for root, _, names in os.walk(folder)
+                      for name in names if os.path.relpath(os.path.join(root, name), folder) not in records)
+
+    def same(a, b):
+        return filecmp.cmp(a, b, shallow=False) or (a.endswith(".safetensors") and same_tensors(a, b))
+
+    names = listing(scored)
+    return names == listing(output_dir) and all(same(os.path.join(scored, name), os.path.join(output_dir, name))
+                                                for name in names)
+
+
+def same_tensors(a, b):
+    """Whether safetensors files a and b hold the same metadata and tensors (read one tensor at a time)."""
+    import torch
+    from safetensors import SafetensorError
+    from safetensors import safe_open
+
+    try:
+        with safe_open(a, "pt") as first, safe_open(b, "pt") as second:
+            return first.metadata() == second.metadata() and sorted(first.keys()) == sorted(second.keys()) and all(
+                torch.equal(first.get_tensor(key), second.get_tensor(key)) for key in first.keys())
+    except SafetensorError:  # (not a safetensors file: its bytes differ, so it is not the same)
+        return False
