@@ -52,13 +52,13 @@ class ImageRecord:
         """The settings (or only the named fields) in words; after: the record just described, whose model folder
         is not named twice."""
         prompts = "; ".join(repr(p) for p in self.prompts[:3]) + (" ..." if len(self.prompts) > 3 else "")
-        words = {"model": f"model {self.model_words(after is not None and after.model_dir == self.model_dir)}", "prompts": f"prompts {prompts}",
+        folder_said = after is not None and after.model_dir == self.model_dir
+        words = {"model": f"model {self.model_words(folder_said)}", "prompts": f"prompts {prompts}",
                  "resolution": f"{self.resolution} px", "seed": f"seed {self.seed}",
                  "num_inference_steps": f"{self.num_inference_steps} steps",
                  "guidance_scale": f"guidance {self.guidance_scale:g}",
                  "negative_prompt": f"negative prompt {self.negative_prompt!r}"}
         return ", ".join(text for name, text in words.items() if fields is None or name in fields)
-
 
     @classmethod
     def from_json(cls, data, path=""):

@@ -283,10 +283,10 @@ def keep_best(plan, step, why):
                 f"model is saved in {plan.output_dir}")
     kept = {"step": step, "of_steps": plan.end_step, "scores": score_record.scores_on_disk(plan.run_dir)[step],
             "why": why, outputs.KEPT_SCORES: storage.join(plan.storage_path, plan.run_name, score_record.SCORES_FOLDER)}
-    # the scored model's id where the saved weights are its (copied from it; the last step's, where they are the same
-    # bytes): evaluate.py then takes the images its scoring drew (scoring.scored_image_folders)
+    # the scored model's id where the saved weights are its (copied from it; the last step's, where its files hold the
+    # same tensors): evaluate.py then takes the images its scoring drew (scoring.scored_image_folders)
     scored = outputs.read_output(source) if os.path.isdir(source) else None
-    same = scored is not None and (not last or score_record.same_weights(source, plan.output_dir))
+    same = bool(scored and scored.model_id) and (not last or score_record.same_weights(source, plan.output_dir))
     record = dataclasses.replace(output.record, steps=step, model_id=scored.model_id if same else outputs.new_model_id(),
                                  kept=kept)
     marker = storage.join(plan.output_dir, files.OUTPUT_MARKER)
