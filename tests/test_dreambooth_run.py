@@ -516,11 +516,6 @@ def test_dreambooth_run_tiny_flow_transformer_end_to_end(family_runs, arch):
         assert drawn.size == (64, 64)
     scores = json.loads((subject_dir / "eval" / "scores.json").read_text())
     assert set(scores["models"]) == {"tuned", "base"} and scores["models"]["tuned"]["overall"]["dino"] is not None
-    # Step 6 drew nothing: the kept step's images and the base model's are those Step 4's scoring drew (the last step's
-    # model too, its files those it scored)
-    for label in ("tuned", "base"):
-        assert f"{label}: 2 images taken from " in proc.stdout and f"{label}: 2 of 2 images already there; generating 0" \
-            in proc.stdout, proc.stdout[-3000:]
     hint = re.search(r"for AUTOMATIC1111/ComfyUI: (.*)", proc.stdout)
     if arch == "flux2":
         assert hint is None  # (a command that works, or none)
