@@ -335,13 +335,12 @@ def test_keep_best_saves_the_best_step_by_the_sweeps_rule_and_its_record_says_wh
 
 @pytest.mark.parametrize("where", ["disk", "bucket"])
 def test_a_resumed_run_chooses_its_best_step_among_the_steps_scored_before_it_too(where, request, tmp_path):
-    """checkpoint_scores.carry_over: the run a resume goes on from (on a disk or in a bucket) scored step 2 (its model
+    """score_record.carry_over: the run a resume goes on from (on a disk or in a bucket) scored step 2 (its model
     kept: the best so far) and step 6, after the checkpoint of step 4 it is resumed from; the resumed run gets step
     2's scores and kept model (moved from a disk, copied from a bucket) and the base model's scores, not step 6's (it
     trains step 6 again)."""
     from dreambooth import storage
     from dreambooth.planning import checkpoints
-    from dreambooth.training import checkpoint_scores
     from dreambooth.training import score_record
 
     storage_path = storage_of(where, request, tmp_path)
@@ -351,6 +350,9 @@ def test_a_resumed_run_chooses_its_best_step_among_the_steps_scored_before_it_to
         write_step_scores(str(local / "scores" / f"step-{step}"), step, {"dino": 0.1 * step, "clip_i": 0.5, "clip_t": 0.3})
     (local / "scores" / "step-2" / "model").mkdir()
     (local / "scores" / "step-2" / "model" / files.LORA_WEIGHTS_FILE).write_text("step 2's weights")
+    for label in ("step-2", "step-6", "base"):  # (the images each scoring drew)
+        (local / "scores" / label / "images" / label).mkdir(parents=True)
+        (local / "scores" / label / "images" / label / "a-toy-00000.png").write_text(f"{label}'s image")
     files.write_json(str(local / "scores" / "base.json"), {"dino": 0.1, "clip_i": 0.2, "clip_t": 0.3})
     (local / "checkpoint_000001").mkdir()
     files.write_json(str(local / "checkpoint_000001" / checkpoints.STATE_FILE), {"step": 4})
@@ -361,7 +363,7 @@ def test_a_resumed_run_chooses_its_best_step_among_the_steps_scored_before_it_to
     plan = planning.offline_plan(score_steps=2, total_steps=8, storage_path=storage_path, run_name="out-2",
                                  class_name="toy", keep_best=True, resume_path=storage.join(earlier, "checkpoint_000001"))
     os.makedirs(plan.run_dir, exist_ok=True)
-    checkpoint_scores.carry_over(plan)
+    score_record.carry_over(plan)
     assert set(score_record.scores_on_disk(plan.run_dir)) == {2}
     assert score_record.base_scores(plan.run_dir)["clip_t"] == 0.3
     with open(os.path.join(plan.run_dir, "scores", "step-2", "model", files.LORA_WEIGHTS_FILE)) as f:
@@ -369,3 +371,8 @@ def test_a_resumed_run_chooses_its_best_step_among_the_steps_scored_before_it_to
     assert storage.exists(storage.join(earlier, "scores", "step-2", "model")) == (where == "bucket")
     assert score_record.best_step(plan.run_dir, 0.02)[0] == 2
     assert set(score_record.scores_on_disk(earlier)) == {2, 6}  # (the earlier run's, read where it is)
+    # the images of step 2's and the base model's scoring, which evaluate.py takes, not step 6's
+    for label in ("step-2", "base"):
+        with open(os.path.join(plan.run_dir, "scores", label, "images", label, "a-toy-00000.png")) as f:
+            assert f.read() == f"{label}'s image"
+    assert not os.path.exists(os.path.join(plan.run_dir, "scores", "step-6"))

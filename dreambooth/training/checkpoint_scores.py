@@ -27,7 +27,6 @@ from dreambooth.training import score_record
 
 NAMESPACE = "dreambooth-scores"  # of Ray's key-value store: each scored step's scores, until rank 0 has logged them
 SCORING_LOG = "scoring.log"  # in scores/step-N: what the scoring task said
-BASE = "base"  # the base model's label, and its folder in the scores folder (images, scores.json, report.md)
 SUBJECT = "subject"  # the one subject a run is scored against
 # evaluate.py's seed of the images it scores (its --seed default): a step's images are those evaluate.py would draw
 EVAL_SEED = scoring.EvalSettings.seed
@@ -184,9 +183,9 @@ def start_base(plan):
 def score_base(plan, here=False):
     """The base model scored as each step is (scores/base/: images, scores.json, report.md; the scores in
     score_record.BASE_SCORES): the best step's CLIP-T is held to its."""
-    where = os.path.join(plan.run_dir, score_record.SCORES_FOLDER, BASE)
-    result = scored(plan, BASE, outputs.resolve_model(plan.model_dir), where, here)
-    files.write_bytes_atomic(json.dumps(score_record.score_values(result[SUBJECT].overall(BASE))).encode(),
+    where = os.path.join(plan.run_dir, score_record.SCORES_FOLDER, score_record.BASE)
+    result = scored(plan, score_record.BASE, outputs.resolve_model(plan.model_dir), where, here)
+    files.write_bytes_atomic(json.dumps(score_record.score_values(result[SUBJECT].overall(score_record.BASE))).encode(),
                              os.path.join(plan.run_dir, score_record.SCORES_FOLDER, score_record.BASE_SCORES))
     runfiles.sync_up(plan.storage_path, plan.run_name)
 
@@ -205,7 +204,7 @@ def wait_base(task, stopped=False):
         ray.get(task)
     except Exception as err:  # (whatever the scoring met: said, the run's model and scores stand)
         return (f"the base model's scoring failed ({errors.one_line(err)[:200]}; its log: "
-                f"{os.path.join(score_record.SCORES_FOLDER, BASE, SCORING_LOG)} in the run folder): no best step can be "
+                f"{os.path.join(score_record.SCORES_FOLDER, score_record.BASE, SCORING_LOG)} in the run folder): no best step can be "
                 "named")
     return None
 
@@ -313,38 +312,6 @@ def keep_best(plan, step, why):
     outputs.write_output(plan.output_dir, write)
     score_record.keep_models(plan.run_dir, None)
     return f"saved: step {step}'s model, the best scored, in {plan.output_dir} instead of step {plan.end_step}'s (--keep_best)"
-
-
-def carry_over(plan):
-    """A resumed run's scored steps so far, from the run folder whose checkpoint it goes on from (a bucket's too) into
-    its own: each step's scores.json and report.md up to that checkpoint's step, the base model's scores and
-    (--keep_best) the best step's kept model (moved on a disk, copied from a bucket): the best step is chosen among
-    all the steps scored since the first run began."""
-    earlier = runfiles.run_of_checkpoint(plan.resume_path)
-    if earlier is None or (earlier.rstrip("/") == storage.join(plan.storage_path, plan.run_name) if
-                           storage.is_remote(earlier) else os.path.abspath(earlier) == os.path.abspath(plan.run_dir)):
-        return
-    folder = storage.join(earlier, score_record.SCORES_FOLDER)
-    if not storage.isdir(folder):
-        return
-    upto, into = checkpoints.saved_step(plan.resume_path), os.path.join(plan.run_dir, score_record.SCORES_FOLDER)
-    os.makedirs(into, exist_ok=True)
-
-    def copy(source, target):
-        if storage.isfile(source):
-            files.write_bytes_atomic(storage.read_bytes(source), target)
-
-    copy(storage.join(folder, score_record.BASE_SCORES), os.path.join(into, score_record.BASE_SCORES))
-    for step in (step for step in score_record.scores_on_disk(earlier) if step <= upto):
-        name = f"step-{step}"
-        os.makedirs(os.path.join(into, name), exist_ok=True)
-        for kept in ("scores.json", "report.md"):
-            copy(storage.join(folder, name, kept), os.path.join(into, name, kept))
-        model = storage.join(folder, name, "model")
-        if storage.is_remote(model) and storage.isdir(model):
-            storage.download(model, score_record.model_of(plan.run_dir, step))
-        elif os.path.isdir(model):
-            shutil.move(model, score_record.model_of(plan.run_dir, step))
 
 
 def finish(plan, last_step=None, base_task=None):

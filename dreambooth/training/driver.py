@@ -26,6 +26,7 @@ from dreambooth.storage import runfiles
 from dreambooth.training import checkpoint_scores
 from dreambooth.training import dataset
 from dreambooth.training import runlog
+from dreambooth.training import score_record
 from dreambooth.training import trackers
 from dreambooth.training import worker
 
@@ -87,7 +88,7 @@ def train_planned(args, stop_step, started):
         return None, None
     shown = announce(plan, started)
     if plan.score_steps and plan.resume_path:
-        checkpoint_scores.carry_over(plan)
+        score_record.carry_over(plan)
     base_task = checkpoint_scores.start_base(plan) if plan.score_steps else None  # (beside the training)
     try:
         stream = train_dataset(plan)

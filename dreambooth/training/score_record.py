@@ -10,8 +10,11 @@ from dreambooth import storage
 from dreambooth.evaluation import scores
 from dreambooth.evaluation import scoring
 from dreambooth.models import outputs
+from dreambooth.planning import checkpoints
+from dreambooth.storage import runfiles
 
 SCORES_FOLDER = "scores"  # in the run folder: step-N/ of each scored step (images, scores.json, report.md)
+BASE = "base"  # the base model's label, and its folder in the scores folder (images, scores.json, report.md)
 BASE_SCORES = "base.json"  # in the scores folder: the base model's scores (score_base's, as the run starts)
 SCORE_KEYS = ("dino", "clip_i", "clip_t")  # what a scored step reports (the paper's subject and prompt fidelity)
 
@@ -120,3 +123,45 @@ def same_tensors(a, b):
                 torch.equal(first.get_tensor(key), second.get_tensor(key)) for key in first.keys())
     except SafetensorError:  # (not a safetensors file: its bytes differ, so it is not the same)
         return False
+
+
+def carry_over(plan):
+    """A resumed run's scored steps so far, from the run folder whose checkpoint it goes on from (a bucket's too) into
+    its own: each step's scores.json and report.md up to that checkpoint's step, the base model's scores and
+    (--keep_best) the best step's kept model (moved on a disk, copied from a bucket): the best step is chosen among
+    all the steps scored since the first run began. Their images and the base model's go with them: evaluate.py takes
+    those of the saved model (scoring.scored_image_folders)."""
+    earlier = runfiles.run_of_checkpoint(plan.resume_path)
+    if earlier is None or (earlier.rstrip("/") == storage.join(plan.storage_path, plan.run_name) if
+                           storage.is_remote(earlier) else os.path.abspath(earlier) == os.path.abspath(plan.run_dir)):
+        return
+    folder = storage.join(earlier, SCORES_FOLDER)
+    if not storage.isdir(folder):
+        return
+    upto, into = checkpoints.saved_step(plan.resume_path), os.path.join(plan.run_dir, SCORES_FOLDER)
+    os.makedirs(into, exist_ok=True)
+
+    def copy(source, target):
+        if storage.isfile(source):
+            files.write_bytes_atomic(storage.read_bytes(source), target)
+
+    def copy_images(name):
+        images = storage.join(folder, name, "images")
+        if storage.is_remote(images) and storage.isdir(images):
+            storage.download(images, os.path.join(into, name, "images"))
+        elif os.path.isdir(images):
+            shutil.copytree(images, os.path.join(into, name, "images"), dirs_exist_ok=True)
+
+    copy(storage.join(folder, BASE_SCORES), os.path.join(into, BASE_SCORES))
+    copy_images(BASE)
+    for step in (step for step in scores_on_disk(earlier) if step <= upto):
+        name = f"step-{step}"
+        os.makedirs(os.path.join(into, name), exist_ok=True)
+        for kept in ("scores.json", "report.md"):
+            copy(storage.join(folder, name, kept), os.path.join(into, name, kept))
+        copy_images(name)
+        model = storage.join(folder, name, "model")
+        if storage.is_remote(model) and storage.isdir(model):
+            storage.download(model, model_of(plan.run_dir, step))
+        elif os.path.isdir(model):
+            shutil.move(model, model_of(plan.run_dir, step))
