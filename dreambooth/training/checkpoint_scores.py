@@ -185,7 +185,8 @@ def score_base(plan, here=False):
     score_record.BASE_SCORES): the best step's CLIP-T is held to its."""
     where = os.path.join(plan.run_dir, score_record.SCORES_FOLDER, score_record.BASE)
     result = scored(plan, score_record.BASE, outputs.resolve_model(plan.model_dir), where, here)
-    files.write_bytes_atomic(json.dumps(score_record.score_values(result[SUBJECT].overall(score_record.BASE))).encode(),
+    values = score_record.score_values(result[SUBJECT].overall(score_record.BASE))
+    files.write_bytes_atomic(json.dumps(values).encode(),
                              os.path.join(plan.run_dir, score_record.SCORES_FOLDER, score_record.BASE_SCORES))
     runfiles.sync_up(plan.storage_path, plan.run_name)
 
@@ -203,9 +204,9 @@ def wait_base(task, stopped=False):
     try:
         ray.get(task)
     except Exception as err:  # (whatever the scoring met: said, the run's model and scores stand)
-        return (f"the base model's scoring failed ({errors.one_line(err)[:200]}; its log: "
-                f"{os.path.join(score_record.SCORES_FOLDER, score_record.BASE, SCORING_LOG)} in the run folder): no best step can be "
-                "named")
+        log = os.path.join(score_record.SCORES_FOLDER, score_record.BASE, SCORING_LOG)
+        return (f"the base model's scoring failed ({errors.one_line(err)[:200]}; its log: {log} in the run folder): no "
+                "best step can be named")
     return None
 
 
