@@ -100,8 +100,8 @@ def same_weights(scored, output_dir):
     records = {files.OUTPUT_MARKER, outputs.TRAIN_CONFIG}
 
     def listing(folder):
-        return sorted(os.path.relpath(os.path.join(root, name), folder) for root, _, names in os.walk(folder)
-                      for name in names if os.path.relpath(os.path.join(root, name), folder) not in records)
+        names = (os.path.relpath(path, folder) for path in files.model_files(folder, suffixes=None))
+        return [name for name in names if name not in records]
 
     def same(a, b):
         return filecmp.cmp(a, b, shallow=False) or (a.endswith(".safetensors") and same_tensors(a, b))
