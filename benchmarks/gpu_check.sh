@@ -69,11 +69,30 @@ checkpoint_step() {
 print(checkpoints.saved_step(p) if p else 0)" "$WORK/ray_results"
 }
 
-wait_for_checkpoint() {  # STEP PID: until a checkpoint of at least STEP exists, while PID lives
-  while [ "$(checkpoint_step)" -lt "$1" ]; do
-    kill -0 "$2" 2>/dev/null || fail "train.py ended before writing checkpoint $1 (see $WORK/train-1.log)"
-    sleep 1
-  done
+# Until a checkpoint of at least STEP exists, while PID lives: one Python process that looks every half second (a
+# process started per look cost half a CPU-second each, a minute of them per run on the tiny model).
+wait_for_checkpoint() {  # STEP PID
+  "$PY" - "$WORK/ray_results" "$1" "$2" <<'EOF' || fail "train.py ended before writing checkpoint $1 (see $WORK/train-1.log)"
+import os, sys, time
+from dreambooth.planning import checkpoints
+folder, step, pid = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+def alive():
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as f:  # (an ended process its shell has not reaped yet: a zombie)
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # (no /proc: os.kill said it lives)
+while True:
+    latest = checkpoints.find_latest(folder, "tuned")
+    if latest and checkpoints.saved_step(latest) >= step:
+        sys.exit(0)
+    if not alive():
+        sys.exit(1)
+    time.sleep(0.5)
+EOF
 }
 
 # SIGKILL this run's train worker, named by the pid Ray prefixes its lines with in the run's log (LOG): never

@@ -18,7 +18,7 @@ cluster also starts the cluster's helper actors, once); a dry run goes without.
     python benchmarks/vs_diffusers.py --reference ... --model sd15 --resolution 512 \
         --mixed_precision bf16 --train_batch_size 2 --reference_dataloader_workers 4 --ray_cluster
     # the CPU dry run the test suite takes (ours only; prints the reference's command line):
-    python benchmarks/vs_diffusers.py --dry_run --model tiny --resolution 64 --steps 20 --rounds 1
+    python benchmarks/vs_diffusers.py --dry_run --model tiny --resolution 32 --steps 20 --rounds 1
 
 The reference needs accelerate and torchvision (not in requirements.txt): --reference_python is
 a Python that has them besides diffusers and transformers. Differences that remain between the
