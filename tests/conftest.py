@@ -23,6 +23,7 @@ REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_DIR)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (the tests' helper modules)
 
+import cpu_share  # noqa: E402
 import pytest  # noqa: E402
 
 # Every process this run starts inherits this value (Ray's daemons and workers, scripts, servers): a process
@@ -459,7 +460,19 @@ def _runs_beside_go(request, runs_beside):
         runs_beside.go()
 
 
+def pytest_runtest_logstart(nodeid, location):
+    cpu_share.start(nodeid)
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    cpu_share.finish(nodeid)
+
+
 def pytest_terminal_summary(terminalreporter):
+    if len(cpu_share.measured) > 1:
+        terminalreporter.write_sep("=", "CPU per test (tests/cpu_share.py)")
+        for line in cpu_share.summary():
+            terminalreporter.write_line(line)
     for runs in _RUNS_BESIDE:
         terminalreporter.write_sep("=", "runs beside the tests (their tests, at the end, read them)")
         for line in runs.summary():
