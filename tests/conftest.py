@@ -19,6 +19,12 @@ os.environ.pop("MLFLOW_TRACKING_URI", None)
 # Where the suite runs scripts side by side on the 2 cores (test_dreambooth_run's families), torch's OpenMP threads
 # sleep while they wait instead of spinning: spinning threads took the CPU the other run needed.
 os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+# Ray's log monitor looks for new log files 10 times a second until it follows 1000, then twice a second; each look
+# lists the whole logs folder, which a cluster that lives the whole run fills with thousands of worker logs (the
+# session's cluster's monitor: 177 CPU-seconds in a run of 2026-11-29; with 2000 logs in the folder, 3.6 CPU-seconds
+# in 30 s at 10 looks a second, 0.5 at one). Twice a second from the start (as late in a run already), for every
+# cluster the suite starts: a fifth of the looks.
+os.environ["RAY_LOG_MONITOR_MANY_FILES_THRESHOLD"] = "0"
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_DIR)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (the tests' helper modules)
