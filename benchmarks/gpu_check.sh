@@ -63,14 +63,9 @@ timed() {
 
 fail() { echo "gpu_check: FAILED: $*" >&2; exit 1; }
 
-# Newest complete checkpoint's step of the run writing to $WORK/tuned (0 if none).
-checkpoint_step() {
-  "$PY" -c "import sys; from dreambooth.planning import checkpoints; p = checkpoints.find_latest(sys.argv[1], 'tuned'); \
-print(checkpoints.saved_step(p) if p else 0)" "$WORK/ray_results"
-}
-
 # Until a checkpoint of at least STEP exists, while PID lives: one Python process that looks every half second (a
-# process started per look cost half a CPU-second each, a minute of them per run on the tiny model).
+# process started per look cost half a CPU-second each, a minute of them per run on the tiny model). Prints the step
+# of the checkpoint it found.
 wait_for_checkpoint() {  # STEP PID
   "$PY" - "$WORK/ray_results" "$1" "$2" <<'EOF' || fail "train.py ended before writing checkpoint $1 (see $WORK/train-1.log)"
 import os, sys, time
@@ -87,7 +82,9 @@ def alive():
         return True  # (no /proc: os.kill said it lives)
 while True:
     latest = checkpoints.find_latest(folder, "tuned")
-    if latest and checkpoints.saved_step(latest) >= step:
+    found = checkpoints.saved_step(latest) if latest else 0
+    if found >= step:
+        print(found)
         sys.exit(0)
     if not alive():
         sys.exit(1)
@@ -128,10 +125,10 @@ pipeline() {
   t0=$(date +%s.%N)
   "${TRAIN[@]}" > "$WORK/train-1.log" 2>&1 &
   pid=$!
-  wait_for_checkpoint 10 "$pid"
+  step=$(wait_for_checkpoint 10 "$pid")  # (a failure inside ends the script: set -e)
   kill_own_worker "$WORK/train-1.log"
-  echo "gpu_check: killed the train worker after checkpoint $(checkpoint_step)" >&2
-  wait_for_checkpoint 20 "$pid"
+  echo "gpu_check: killed the train worker after checkpoint $step" >&2
+  wait_for_checkpoint 20 "$pid" > /dev/null
   kill -INT "$pid"
   rc=0
   wait "$pid" || rc=$?

@@ -6,32 +6,32 @@ the most core-seconds idle (waits: room for a run beside them)."""
 import os
 import time
 
-_started = {}  # nodeid: (wall clock, busy ticks, all ticks) when its setup began
+_started = {}  # nodeid: (wall clock, busy ticks) when its setup began
 measured = {}  # nodeid: (wall seconds, busy CPU-seconds, idle core-seconds)
 
 
-def _ticks():
-    """(busy, all) clock ticks of the machine since boot; None where there is no /proc/stat."""
+def _busy_ticks():
+    """The machine's busy clock ticks since boot; None where there is no /proc/stat."""
     try:
         with open("/proc/stat") as f:
             values = [int(v) for v in f.readline().split()[1:]]
     except OSError:
         return None
-    return sum(values) - values[3] - values[4], sum(values)  # (idle and iowait are not busy)
+    return sum(values) - values[3] - values[4]  # (idle and iowait are not busy)
 
 
 def start(nodeid):
-    ticks = _ticks()
-    if ticks:
-        _started[nodeid] = (time.monotonic(), *ticks)
+    ticks = _busy_ticks()
+    if ticks is not None:
+        _started[nodeid] = (time.monotonic(), ticks)
 
 
 def finish(nodeid):
-    if nodeid not in _started or not (ticks := _ticks()):
+    if nodeid not in _started or (ticks := _busy_ticks()) is None:
         return
-    t0, busy0, all0 = _started.pop(nodeid)
+    t0, busy0 = _started.pop(nodeid)
     wall, hz, cores = time.monotonic() - t0, os.sysconf("SC_CLK_TCK"), os.cpu_count() or 1
-    busy = (ticks[0] - busy0) / hz
+    busy = (ticks - busy0) / hz
     measured[nodeid] = (wall, busy, max(0.0, wall * cores - busy))
 
 
