@@ -305,8 +305,19 @@ def latent_crops(paths, sizes, instance_sizes, resolution, buckets, assigned, vi
     return crops
 
 
+def map_tasks(num_workers):
+    """The stream's task pool: one task at a time per train worker. A task makes one batch's views from the images
+    already decoded (milliseconds a row); left to itself, Ray Data runs a task per free CPU of the cluster at once,
+    each in a process of its own that starts Python and Ray (3 CPU-seconds each on the test machine), for blocks
+    that one process a worker keeps up with."""
+    import ray.data
+
+    return ray.data.TaskPoolStrategy(size=max(1, num_workers))
+
+
 def build_train_dataset(instance_paths, class_paths, resolution, center_crop, random_flip, latent_cache=None,
-                        num_epochs=1, seed=0, batch_size=16, with_time_ids=False, mask_sources=None, buckets=None):
+                        num_epochs=1, seed=0, batch_size=16, with_time_ids=False, mask_sources=None, buckets=None,
+                        num_workers=1):
     """The training Dataset of a whole run: num_epochs epochs of plan_rows, turned into pixels
     (or cached latents) by Ray Data tasks.
 
@@ -319,7 +330,8 @@ def build_train_dataset(instance_paths, class_paths, resolution, center_crop, ra
     mask_sources (--masked_loss): per instance path, its find_masks entry; each instance row then
     carries its view's mask ("instance_mask"). buckets (--enable_bucket): the (height, width) of
     each bucket: each photo goes to the bucket of its aspect ratio (bucket_for), every batch holds
-    one bucket (plan_bucket_rows), class rows are fitted to their batch's bucket.
+    one bucket (plan_bucket_rows), class rows are fitted to their batch's bucket. num_workers: the run's train
+    workers, as many as the stream's tasks run at once (map_tasks).
     """
     import ray
 
@@ -347,14 +359,14 @@ def build_train_dataset(instance_paths, class_paths, resolution, center_crop, ra
         if masks is not None:
             mask_views = ray.put([stored_mask_views(masks[p], size, views) for p, size in zip(instance_paths,
                                                                                               instance_sizes)])
-        return index.map_batches(pick_latents, batch_size=batch_size, fn_kwargs={
+        return index.map_batches(pick_latents, batch_size=batch_size, compute=map_tasks(num_workers), fn_kwargs={
             "instance_latents": ray.put(instances), "class_latents": ray.put(classes) if num_class else None,
             "crops": crops, "instance_masks": mask_views})
     if masks is not None:  # the mask rides as a 4th channel: cropped and flipped with its pixels
         instances = [np.concatenate([image, masks[p][..., None]], axis=-1)
                      for image, p in zip(instances, instance_paths)]
     originals = ray.put({k: [sizes[k, p][0] for p in ps] for k, ps in paths.items()}) if with_time_ids else None
-    return index.map_batches(make_views, batch_size=batch_size, fn_kwargs={
+    return index.map_batches(make_views, batch_size=batch_size, compute=map_tasks(num_workers), fn_kwargs={
         "instance_images": ray.put(instances), "class_images": ray.put(classes) if classes else None,
         "resolution": resolution, "center_crop": center_crop, "random_flip": random_flip, "sizes": originals,
         "buckets": buckets})

@@ -206,7 +206,7 @@ def train_dataset(plan):
         plan.random_flip, latent_cache, num_epochs=plan.stream_epochs, seed=plan.seed,
         batch_size=plan.train_batch_size, with_time_ids=plan.family.time_ids,
         mask_sources=list(plan.instance_masks) if plan.masked_loss else None,
-        buckets=list(plan.buckets) if plan.enable_bucket else None)
+        buckets=list(plan.buckets) if plan.enable_bucket else None, num_workers=plan.num_workers)
 
 
 def run_trainer(plan, train_ds):
