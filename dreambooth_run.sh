@@ -51,7 +51,7 @@ VARIABLES=(
   "TRAIN_ARGS||more train.py flags, e.g. '--gradient_checkpointing --use_8bit_adam'"
   "HOLDOUT|0|photos kept out of training (the last in name order); Step 6 also scores against them"
   "NUM_INFERENCE_STEPS|50 (--tiny: 10)|denoising steps of every generated image; Step 4's scores too, so a change trains Step 4 again (unless SCORE_STEPS=0)"
-  "NUM_NEW_IMAGES|5|Step 5's images"
+  "NUM_NEW_IMAGES|5|Step 5's images (0: Step 5 skipped)"
   "NUM_EVAL_IMAGES|4 (--tiny: 1)|Step 6's images per prompt and model; Step 4's scores too, so a change trains Step 4 again (unless SCORE_STEPS=0)"
   "EVAL_PROMPTS||your own prompt file for the scores of Steps 4 and 6 ('{subject}' in each line); a change trains Step 4 again (unless SCORE_STEPS=0)"
   "EVAL_MODELS_CACHE|\$DATA_PREFIX/model-eval|DINO and CLIP for the scores of Steps 4 and 6"
@@ -523,19 +523,25 @@ fi
 "$PYTHON" -c 'import sys; from dreambooth.evaluation import eval_report; eval_report.forget_stale_scores(*sys.argv[1:])' \
   "$EVAL_DIR" "$TUNED_MODEL_DIR"
 
-step "5: $NUM_NEW_IMAGES images of the subject in $IMAGES_NEW_DIR"
-"$PYTHON" generate.py \
-  "${GENERATE_OPTIONS[@]}" \
-  --output_dir="$IMAGES_NEW_DIR" \
-  --prompts="photo of a $UNIQUE_TOKEN $CLASS_NAME in a bucket" \
-  --num_samples_per_prompt="$NUM_NEW_IMAGES" \
-  --num_inference_steps="$NUM_INFERENCE_STEPS" \
-  --force  # images of an earlier model (a retrained one) are drawn again, never kept beside these
+if [ "$NUM_NEW_IMAGES" = 0 ]; then
+  step "5: skipped (NUM_NEW_IMAGES=0)"
+  "$PYTHON" -c 'import sys; from dreambooth.evaluation import eval_report; eval_report.forget_stale_images(*sys.argv[1:])' \
+    "$IMAGES_NEW_DIR" "$TUNED_MODEL_DIR"
+else
+  step "5: $NUM_NEW_IMAGES images of the subject in $IMAGES_NEW_DIR"
+  "$PYTHON" generate.py \
+    "${GENERATE_OPTIONS[@]}" \
+    --output_dir="$IMAGES_NEW_DIR" \
+    --prompts="photo of a $UNIQUE_TOKEN $CLASS_NAME in a bucket" \
+    --num_samples_per_prompt="$NUM_NEW_IMAGES" \
+    --num_inference_steps="$NUM_INFERENCE_STEPS" \
+    --force  # images of an earlier model (a retrained one) are drawn again, never kept beside these
+fi
 
 outputs() {  # the last lines: every output of this subject, and how to take the model elsewhere
   echo "outputs of subject '$SUBJECT':"
   echo "  model:  $TUNED_MODEL_DIR"
-  echo "  images: $IMAGES_NEW_DIR (contact sheet: $IMAGES_NEW_DIR/grid/grid.png)"
+  if [ "$NUM_NEW_IMAGES" != 0 ]; then echo "  images: $IMAGES_NEW_DIR (contact sheet: $IMAGES_NEW_DIR/grid/grid.png)"; fi
   if ! $skip_eval; then echo "  scores: $EVAL_DIR/report.md"; fi
   if $REMOTE; then  # (copied beside the outputs when the script ends)
     echo "  log:    $DATA_PREFIX/logs/$(basename "$LOG_FILE") (this node's copy: $LOG_FILE)"
@@ -556,7 +562,9 @@ if $skip_eval; then
 fi
 
 step "6: scores of the tuned model beside the base model (DINO, CLIP-I, CLIP-T, DIV, PRES)"
-scoring_models "the tuned model and its images are in $TUNED_MODEL_DIR and $IMAGES_NEW_DIR"
+if [ "$NUM_NEW_IMAGES" = 0 ]; then made="the tuned model is in $TUNED_MODEL_DIR"
+else made="the tuned model and its images are in $TUNED_MODEL_DIR and $IMAGES_NEW_DIR"; fi
+scoring_models "$made"
 "$PYTHON" evaluate.py \
   --model_dir="$TUNED_MODEL_DIR" \
   --instance_data_dir="$PHOTOS_DIR" \

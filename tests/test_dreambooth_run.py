@@ -265,8 +265,12 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request, webhook):
 FAMILY_RUNS = {  # name: (the script's arguments, its environment beyond the common one)
     "sdxl": (["--arch", "sdxl", "--use_lora", "--prior_prediction"],
              {"CLASS_NAME": "dog"}),  # a live class: Step 6 scores it with the live prompt set
-    "sd3": (["--arch", "sd3"], {"SCORE_STEPS": ""}),  # (scored while it trains, the script's default)
-    **{arch: (["--arch", arch, "--use_lora"], {}) for arch in ("flux", "qwen", "flux2")},
+    # (scored while it trains, the script's default); no Step 5 (NUM_NEW_IMAGES=0), the family's images those of Step 6
+    "sd3": (["--arch", "sd3"], {"SCORE_STEPS": "", "NUM_NEW_IMAGES": "0"}),
+    **{arch: (["--arch", arch, "--use_lora"], {"NUM_NEW_IMAGES": "0"}) for arch in ("flux", "qwen", "flux2")},
+    # no class images either (--prior_prediction): Steps 0-2, 4 and 6
+    **{arch: (["--arch", arch, "--use_lora", "--prior_prediction"], {"NUM_NEW_IMAGES": "0"})
+       for arch in ("zimage", "chroma")},
 }
 
 
@@ -316,6 +320,21 @@ def family_run(family_runs, name):
     where, proc = family_runs[name].result()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     return where, proc
+
+
+def assert_step_5_skipped(subject_dir, proc):
+    """A family run's NUM_NEW_IMAGES=0: Step 5 said skipped, drew nothing and named no folder of images; Step 6's images
+    of the tuned model (its adapters on the base, or the full model) are at the family's 64 px."""
+    from PIL import Image
+
+    assert "Step 5: skipped (NUM_NEW_IMAGES=0)" in proc.stdout and not (subject_dir / "images-new").exists()
+    assert "  images: " not in proc.stdout
+    tuned = subject_dir / "eval" / "images" / "tuned"
+    drawn = [f for f in os.listdir(tuned) if f.endswith(".png")]
+    assert len(drawn) == 2  # (one prompt and the class prompt, one image each)
+    for name in drawn:
+        with Image.open(tuned / name) as image:
+            assert image.size == (64, 64)
 
 
 def run_in_terminal(argv, env, timeout):
@@ -459,9 +478,8 @@ def test_dreambooth_run_tiny_sdxl_lora_end_to_end(family_runs, tiny_sdxl_model):
 @pytest.mark.slow
 def test_dreambooth_run_tiny_sd3_end_to_end(family_runs):
     """`--tiny --arch sd3`: Steps 0-6 with the tiny SD 3.5 model (flow matching, three text encoders):
-    class images drawn by its pipeline, the transformer and both CLIP encoders fine-tuned, images of the
-    subject at its 64 px, scored; the export hint writes the model in Stability's single-file layout."""
-    from PIL import Image
+    class images drawn by its pipeline, the transformer and both CLIP encoders fine-tuned, no Step 5 (NUM_NEW_IMAGES=0),
+    Step 6's images at its 64 px, scored; the export hint writes the model in Stability's single-file layout."""
 
     tmp_path, proc = family_run(family_runs, "sd3")
     subject_dir = tmp_path / "subjects" / "example-toy"
@@ -474,9 +492,7 @@ def test_dreambooth_run_tiny_sd3_end_to_end(family_runs):
     # Step 4 scored steps 1 and 2 of its full fine-tune while it trained and kept the best one's model
     best = int(re.search(r"best scored step: (\d+) \(", proc.stdout + proc.stderr)[1])
     assert json.loads((subject_dir / "model-tuned" / OUTPUT_MARKER).read_text())["kept"]["step"] == best in (1, 2)
-    [image] = [f for f in os.listdir(subject_dir / "images-new") if f.endswith(".png")]
-    with Image.open(subject_dir / "images-new" / image) as drawn:
-        assert drawn.size == (64, 64)
+    assert_step_5_skipped(subject_dir, proc)
     scores = json.loads((subject_dir / "eval" / "scores.json").read_text())
     assert set(scores["models"]) == {"tuned", "base"} and scores["models"]["tuned"]["overall"]["dino"] is not None
     # Step 6 drew nothing: the kept step's images and the base model's are those Step 4's scoring drew (the last step's
@@ -501,9 +517,8 @@ def test_dreambooth_run_tiny_flow_transformer_end_to_end(family_runs, arch):
     + T5, the guidance input), the tiny Qwen-Image model (its video VAE, Qwen2.5-VL's masked states, true CFG
     against its negative prompt) and the tiny FLUX.2 [klein] model (its folded, batch-normalised latents, Qwen3's
     three layers, CFG against the empty prompt): class images drawn by the family's pipeline, LoRA adapters on
-    the transformer, images of the subject at its 64 px, scored beside the base model; the export hint writes
-    kohya's LoRA (FLUX.2 [klein]: no hint, no export layout yet)."""
-    from PIL import Image
+    the transformer, no Step 5 (NUM_NEW_IMAGES=0), Step 6's images with them at its 64 px, scored beside the base
+    model; the export hint writes kohya's LoRA (FLUX.2 [klein]: no hint, no export layout yet)."""
 
     tmp_path, proc = family_run(family_runs, arch)
     subject_dir = tmp_path / "subjects" / "example-toy"
@@ -511,13 +526,46 @@ def test_dreambooth_run_tiny_flow_transformer_end_to_end(family_runs, arch):
     assert "LoRA adapters (rank 4, alpha 4) on the transformer" in proc.stdout + proc.stderr
     assert len([f for f in os.listdir(tmp_path / "images-reg" / f"tiny-{arch}" / "toy") if f.endswith(".png")]) == 2
     assert os.path.isfile(subject_dir / "model-tuned" / LORA_WEIGHTS_FILE)
-    [image] = [f for f in os.listdir(subject_dir / "images-new") if f.endswith(".png")]
-    with Image.open(subject_dir / "images-new" / image) as drawn:
-        assert drawn.size == (64, 64)
+    assert_step_5_skipped(subject_dir, proc)
     scores = json.loads((subject_dir / "eval" / "scores.json").read_text())
     assert set(scores["models"]) == {"tuned", "base"} and scores["models"]["tuned"]["overall"]["dino"] is not None
     hint = re.search(r"for AUTOMATIC1111/ComfyUI: (.*)", proc.stdout)
     if arch == "flux2":
+        assert hint is None  # (a command that works, or none)
+        return
+    subprocess.run([sys.executable, *hint[1].split()[1:]], cwd=REPO_DIR, check=True, capture_output=True)
+    assert (subject_dir / "example-toy.safetensors").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch, pipeline", [("zimage", "ZImagePipeline"), ("chroma", "ChromaPipeline")])
+def test_dreambooth_run_tiny_zimage_and_chroma_lora_end_to_end(family_runs, arch, pipeline, request):
+    """`--tiny --arch zimage|chroma --use_lora --prior_prediction` with NUM_NEW_IMAGES=0: Steps 0-2, 4 and 6 with the
+    tiny Z-Image model (its Qwen3 text encoder's second-to-last states) and the tiny Chroma model (Flux.1's transformer
+    without its CLIP, T5's masked states): LoRA adapters on the transformer, which its diffusers pipeline loads
+    (load_lora_weights) and which change its weights; no class images (the base model's own predictions keep the
+    prior); Step 6's images with them at 64 px, scored beside the base model; the export hint writes the LoRA ComfyUI
+    reads (Chroma; Z-Image: no hint, no export layout yet)."""
+    import diffusers
+
+    tmp_path, proc = family_run(family_runs, arch)
+    subject_dir = tmp_path / "subjects" / "example-toy"
+    assert f"models--dreambooth-ray--tiny-stable-diffusion-{arch}" in re.search(r"base model: (\S+)", proc.stdout)[1]
+    assert "Step 3: skipped (--prior_prediction" in proc.stdout and not (tmp_path / "images-reg").exists()
+    assert "LoRA adapters (rank 4, alpha 4) on the transformer" in proc.stdout + proc.stderr
+    assert_step_5_skipped(subject_dir, proc)
+    scores = json.loads((subject_dir / "eval" / "scores.json").read_text())
+    assert set(scores["models"]) == {"tuned", "base"} and scores["models"]["tuned"]["overall"]["dino"] is not None
+    model = request.getfixturevalue(f"tiny_{arch}_model")
+    base = getattr(diffusers, pipeline).from_pretrained(model).transformer.state_dict()
+    pipe = getattr(diffusers, pipeline).from_pretrained(model)
+    pipe.load_lora_weights(str(subject_dir / "model-tuned"))
+    pipe.fuse_lora()
+    pipe.unload_lora_weights()  # (the fused weights stay, under the base model's names)
+    fused = pipe.transformer.state_dict()
+    assert fused.keys() == base.keys() and any(not torch.equal(fused[k], base[k]) for k in base)
+    hint = re.search(r"for AUTOMATIC1111/ComfyUI: (.*)", proc.stdout)
+    if arch == "zimage":
         assert hint is None  # (a command that works, or none)
         return
     subprocess.run([sys.executable, *hint[1].split()[1:]], cwd=REPO_DIR, check=True, capture_output=True)

@@ -136,6 +136,15 @@ def test_scores_of_a_model_the_run_replaced_are_removed_and_the_current_models_k
                                                                                    "images/base/a.png"]
     assert f"removed the scores in {eval_dir}: they were of the model this run replaced" in capsys.readouterr().err
     assert not eval_report.forget_stale_scores(str(eval_dir), str(model))  # nothing of another model: nothing to do
+    # Step 5 skipped (NUM_NEW_IMAGES=0): its folder's images of the model replaced go too, this model's stay
+    new = tmp_path / "images-new"
+    (new / "grid").mkdir(parents=True)
+    (new / "photo-00000.png").write_bytes(b"png")
+    files.write_json(str(new / image_records.IMAGES_RECORD), {"model": "dreambooth-ray/tiny@1+lora:trained:bbb@1"})
+    assert not eval_report.forget_stale_images(str(new), str(model)) and (new / "photo-00000.png").is_file()
+    files.write_json(str(new / image_records.IMAGES_RECORD), {"model": "trained:aaa"})
+    assert eval_report.forget_stale_images(str(new), str(model)) and os.listdir(new) == []
+    assert f"removed the images in {new}: they were of the model this run replaced" in capsys.readouterr().err
 
 
 def test_a_scoring_stopped_in_the_middle_leaves_no_earlier_report(tiny_model, toy_images, tmp_path, monkeypatch):

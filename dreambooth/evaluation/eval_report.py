@@ -68,17 +68,38 @@ def summary(overall):
                      f"{cell(overall[k]) or missing.get(k, 'n/a')}" for k in names)
 
 
+def of_another_model(images_dir, model_dir):
+    """Whether the images in images_dir (a folder or a bucket's) were drawn by another model than model_dir's (train.py's
+    output), by their record; False without a record or an output of train.py."""
+    record = storage.join(images_dir, image_records.IMAGES_RECORD)
+    output = outputs.read_output(model_dir)
+    if output is None or not storage.isfile(record):
+        return False
+    # (a LoRA's images: '<base>+lora:trained:<id>@<scale>')
+    return not (output.model_id and outputs.trained_fingerprint(output.model_id) in
+                str(storage.read_json(record).get("model")))
+
+
+def forget_stale_images(images_dir, model_dir):
+    """Remove what images_dir (Step 5's folder, or a bucket's) holds when another model than model_dir's drew it, for a
+    run that draws none there (NUM_NEW_IMAGES=0): images of a model this run replaced never stay beside it. True when
+    removed."""
+    if not of_another_model(images_dir, model_dir):
+        return False
+    for name in storage.listdir(images_dir):
+        storage.remove(storage.join(images_dir, name))
+    print(f"removed the images in {images_dir}: they were of the model this run replaced (NUM_NEW_IMAGES=0: none "
+          f"drawn of the new one)", file=sys.stderr)
+    return True
+
+
 def forget_stale_scores(eval_dir, model_dir):
     """Remove what eval_dir (a folder or a bucket's) holds of another model than model_dir's, when Step 4
     replaced the subject's model (another mode, base model or settings, RETRAIN=1): its scores, report, grids
     and images (the base model's images stay, for Step 6 to score again): scores never stay beside a model they
     are not of, even when Step 6 does not run. True when removed."""
-    record = storage.join(eval_dir, "images", "tuned", image_records.IMAGES_RECORD)
-    output = outputs.read_output(model_dir)
-    if output is None or not storage.isfile(record):
+    if not of_another_model(storage.join(eval_dir, "images", "tuned"), model_dir):
         return False
-    if output.model_id and outputs.trained_fingerprint(output.model_id) in str(storage.read_json(record).get("model")):
-        return False  # (a LoRA's images: '<base>+lora:trained:<id>@<scale>')
     for name in storage.listdir(eval_dir):
         if name != "images":
             storage.remove(storage.join(eval_dir, name))
