@@ -264,7 +264,7 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request, webhook):
 # share one cluster at once (two at a time: each keeps about one of the machine's 2 cores busy).
 FAMILY_RUNS = {  # name: (the script's arguments, its environment beyond the common one)
     "sdxl": (["--arch", "sdxl", "--use_lora", "--prior_prediction"],
-             {"CLASS_NAME": "dog"}),  # a live class: Step 6 scores it with the live prompt set
+             {"CLASS_NAME": "dog", "NUM_NEW_IMAGES": "0"}),  # a live class: Step 6 scores it with the live prompt set
     # (scored while it trains, the script's default); no Step 5 (NUM_NEW_IMAGES=0), the family's images those of Step 6
     "sd3": (["--arch", "sd3"], {"SCORE_STEPS": "", "NUM_NEW_IMAGES": "0"}),
     **{arch: (["--arch", arch, "--use_lora"], {"NUM_NEW_IMAGES": "0"}) for arch in ("flux", "qwen", "flux2")},
@@ -322,9 +322,9 @@ def family_run(family_runs, name):
     return where, proc
 
 
-def assert_step_5_skipped(subject_dir, proc):
+def assert_step_5_skipped(subject_dir, proc, size=64):
     """A family run's NUM_NEW_IMAGES=0: Step 5 said skipped, drew nothing and named no folder of images; Step 6's images
-    of the tuned model (its adapters on the base, or the full model) are at the family's 64 px."""
+    of the tuned model (its adapters on the base, or the full model) are at the family's size (64 px; SDXL's 128)."""
     from PIL import Image
 
     assert "Step 5: skipped (NUM_NEW_IMAGES=0)" in proc.stdout and not (subject_dir / "images-new").exists()
@@ -334,7 +334,7 @@ def assert_step_5_skipped(subject_dir, proc):
     assert len(drawn) == 2  # (one prompt and the class prompt, one image each)
     for name in drawn:
         with Image.open(tuned / name) as image:
-            assert image.size == (64, 64)
+            assert image.size == (size, size)
 
 
 def run_in_terminal(argv, env, timeout):
@@ -430,10 +430,8 @@ def test_a_run_that_cannot_work_stops_before_step_1_with_one_line(tmp_path, env,
 def test_dreambooth_run_tiny_sdxl_lora_end_to_end(family_runs, tiny_sdxl_model):
     """`--tiny --arch sdxl --use_lora --prior_prediction`: Steps 0-6 with the tiny SDXL model, its
     resolution (128 px) followed everywhere without a setting, no class images (Step 3 skipped: the
-    adapters switched off give the class rows' targets), the adapters drawn by Step 5 and scored by
-    Step 6, then exported to kohya's names."""
-    from PIL import Image
-
+    adapters switched off give the class rows' targets), no Step 5 (NUM_NEW_IMAGES=0), the adapters drawn and
+    scored by Step 6, then exported to kohya's names."""
     tmp_path, proc = family_run(family_runs, "sdxl")
     subject_dir = tmp_path / "subjects" / "example-toy"
     assert "models--dreambooth-ray--tiny-stable-diffusion-xl" in re.search(r"base model: (\S+)", proc.stdout)[1]
@@ -442,9 +440,7 @@ def test_dreambooth_run_tiny_sdxl_lora_end_to_end(family_runs, tiny_sdxl_model):
     assert "towards the base model's prediction" in proc.stdout + proc.stderr
     assert "SUBJECT_TYPE         live (from CLASS_NAME=dog" in proc.stdout
     assert os.path.isfile(subject_dir / "model-tuned" / LORA_WEIGHTS_FILE)
-    [image] = [f for f in os.listdir(subject_dir / "images-new") if f.endswith(".png")]
-    with Image.open(subject_dir / "images-new" / image) as drawn:
-        assert drawn.size == (128, 128)
+    assert_step_5_skipped(subject_dir, proc, size=128)
     scores = json.loads((subject_dir / "eval" / "scores.json").read_text())
     assert set(scores["models"]) == {"tuned", "base"} and (subject_dir / "eval" / "report.md").is_file()
     # The adapters (UNet and both text encoders) in kohya's SDXL names, which diffusers loads to the same weights
