@@ -374,15 +374,23 @@ def test_an_error_no_restart_can_fix_stops_the_run_at_once(mixed_model, toy_imag
 
 
 @pytest.mark.slow
-def test_an_actor_that_cannot_load_its_model_fails_in_one_line(mixed_model, tmp_path):
+def test_an_actor_that_cannot_load_its_model_fails_in_one_line(mixed_model, tiny_eval_models, toy_images, tmp_path):
     """generate.py's actor pool: the actor's error reaches the terminal as one line naming the model;
-    its traceback goes to the output folder's errors.log."""
+    its traceback goes to the output folder's errors.log. evaluate.py on this one-node cluster draws in one task
+    instead (scoring.in_one_task): the same line, from the task."""
     out = tmp_path / "images"
     proc, _ = run_script("generate.py", ["--model_dir", str(mixed_model), "--output_dir", str(out), "--prompts", "a toy",
                                          "--num_samples_per_prompt", "2"])
     assert_one_line_error(proc, f"loading the model {mixed_model}: ValueError: ", f"traceback in {out / 'errors.log'}")
     assert "Traceback (most recent call last)" in (out / "errors.log").read_text()
     assert not [name for name in os.listdir(out) if name.endswith(".png")]
+    evaluation = tmp_path / "eval"
+    proc, _ = run_script("evaluate.py", ["--model_dir", str(mixed_model), "--instance_data_dir", toy_images,
+                                         "--class_name", "toy", "--eval_models_dir", tiny_eval_models[1],
+                                         "--output_dir", str(evaluation), "--num_samples_per_prompt", "1"])
+    log = evaluation / "images" / "tuned" / "errors.log"
+    assert_one_line_error(proc, f"loading the model {mixed_model}: ValueError: ", f"traceback in {log}")
+    assert "generating in one task" in proc.stderr and "Traceback (most recent call last)" in log.read_text()
 
 
 @pytest.mark.slow

@@ -124,6 +124,9 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request, webhook):
     # Step 4 tops up Step 3's class images with Step 3's steps and guidance (train.py has no flag for them): no
     # line about "this run's 50 steps" that nothing asked for
     assert "(not this run's" not in output
+    # Step 6 on one node with one actor ([full]): drawn and embedded in one task; on two nodes, on actor pools ([lora])
+    assert re.search(r"scoring \d+ images " + ("in the same task" if mode == "full" else r"on 1 actor\(s\)"), output)
+    assert ("generating for 2 models in one task" in output) == (mode == "full")
     step6 = len(re.findall(r"(?:tuned|base): \d+ of \d+ images already there; generating [1-9]", output))
     pools = len(re.findall(r"; generating [1-9]", output)) - step6 + (1 if step6 else 0)
     assert output.count("this model has random weights") == pools >= 1

@@ -338,6 +338,15 @@ def share_cpu_threads(processes_per_node):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes_per_node))
 
 
+def on_this_node():
+    """A task's scheduling on the driver's node, where the run's files are (a bucket's run: this node's copies of
+    its photos, and its own files before they are copied there)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+
+
 def cluster_resources():
     """(CPUs, GPUs) of the Ray cluster this process is connected to."""
     import ray

@@ -7,7 +7,8 @@
 Generates --num_samples_per_prompt images for each prompt of a prompt set (25 per subject type,
 assets/eval_prompts/, or --eval_prompts FILE) and of the class prompt, from the tuned model and
 from the base model it was trained on, on the Ray Data actor pool; embeds them and the subject
-photos with DINO and CLIP on an actor pool too; writes scores.json, report.md (a table per prompt
+photos with DINO and CLIP on an actor pool too (with one actor on a cluster of one node, both in one Ray
+task on this node: one process loads the models); writes scores.json, report.md (a table per prompt
 and overall, tuned beside base, and the paper's values for SD) and a grid per prompt. Images
 already there are kept: a rerun only scores again. Scores: see scores.py.
 """

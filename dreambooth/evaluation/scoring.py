@@ -1,7 +1,7 @@
 """The DreamBooth paper's scores of one or more models against one or more subjects: images of each
-model drawn on one actor pool (drawing.py), embedded by DINO and CLIP on another, then DINO, CLIP-I,
-CLIP-T, DIV and PRES per prompt and overall, each subject's scores.json and report.md. evaluate.py and
-the sweep's trials call run()."""
+model drawn on one actor pool (drawing.py), embedded by DINO and CLIP on another (with one actor on a cluster of
+one node: both in one task), then DINO, CLIP-I, CLIP-T, DIV and PRES per prompt and overall, each subject's
+scores.json and report.md. evaluate.py and the sweep's trials call run()."""
 
 import contextlib
 import dataclasses
@@ -273,11 +273,84 @@ def remove_reports(folders):
                 os.remove(os.path.join(folder, name))
 
 
+def drawn_images(wanted):
+    """wanted ({label: {prompt: [paths]}}) without the images the safety checker withheld."""
+    return {label: {p: [f for f in fs if os.path.exists(f)] for p, fs in by_prompt.items()}
+            for label, by_prompt in wanted.items()}
+
+
+def embedding_rows(images, texts, photo_rows):
+    """embed()'s rows: each image of images (drawn_images') with its prompt's text (texts), then photo_rows, each once."""
+    rows = [{"path": f, "text": texts[p]} for by_prompt in images.values() for p, fs in by_prompt.items() for f in fs]
+    return list({r["path"]: r for r in rows + photo_rows}.values())
+
+
+def in_one_task(settings):
+    """Whether run() draws and embeds in one Ray task on this node, holding what one actor of its pools would, with one
+    actor (a CPU, or one GPU) on a cluster of one node: one process, where two pools start one each (5 to 10 s)."""
+    import ray
+
+    return not settings.here and settings.num_actors == 1 and len([n for n in ray.nodes() if n["Alive"]]) == 1
+
+
+def images_and_embeddings(jobs, settings, wanted, texts, photo_rows):
+    """The jobs' images drawn (make_images_of: an actor pool, this process, or with in_one_task a task on this node,
+    where the images go, that draw_and_embed's), then they and photo_rows embedded: (drawn_images(wanted), embed()'s)."""
+    import ray
+
+    task = landing = None
+    if in_one_task(settings):
+        drawn = [job for job in jobs if job.rows]
+        task = ray.remote(draw_and_embed).options(num_cpus=1, num_gpus=drawing.actor_num_gpus(), max_retries=0,
+                                                  scheduling_strategy=raycluster.on_this_node()).remote(
+            drawn, settings, wanted, texts, photo_rows)
+        landing = landed(drawn, task)
+    drawing.make_images_of(jobs, settings.images(), settings.batch_size, settings.num_actors, here=settings.here,
+                           landing=landing)
+    images = drawn_images(wanted)
+    rows = embedding_rows(images, texts, photo_rows)
+    where = "in this process" if settings.here else "in the same task" if task else f"on {settings.num_actors} actor(s)"
+    print(f"scoring {len(rows)} images {where}", file=sys.stderr)
+    return images, ray.get(task) if task else embed(rows, settings.eval_models_dir, settings.num_actors,
+                                                    settings.allow_unsafe_weights, here=settings.here)
+
+
+def landed(jobs, task, every=0.25):
+    """(job index, file name, flagged) of each row's image as it lands in its job's folder, drawn by task
+    (draw_and_embed, on this node); ends when every image is there, or with the task (its error raised here)."""
+    import ray
+
+    pending = {(index, str(row["file"])) for index, job in enumerate(jobs) for row in job.rows}
+    try:
+        while pending:
+            ended = bool(ray.wait([task], timeout=every)[0])
+            for index, name in sorted(pending):
+                path = os.path.join(jobs[index].output_dir, name)
+                if os.path.exists(path) or os.path.exists(path + drawing.FLAGGED_SUFFIX):
+                    pending.discard((index, name))
+                    yield index, name, not os.path.exists(path)
+            if ended:
+                ray.get(task)
+                return
+    except KeyboardInterrupt:
+        ray.cancel(task, force=True)
+        raise
+
+
+def draw_and_embed(jobs, settings, wanted, texts, photo_rows):
+    """In a Ray task (in_one_task): the jobs' images drawn (in their folders, on this node), then they and the photos
+    embedded, both in this process (the pools' actor classes); returns embed()'s."""
+    for _ in drawing.draw_here(jobs, settings.images(), settings.batch_size) if jobs else ():
+        pass
+    rows = embedding_rows(drawn_images(wanted), texts, photo_rows)
+    return embed(rows, settings.eval_models_dir, 1, settings.allow_unsafe_weights, here=True)
+
+
 def run(entries, subjects, settings, output_dir, report_dirs=None):
     """Generate, embed and score the models of entries [(label, outputs.ModelRef)] against
     each of subjects, with one actor pool for the images of every model and subject and one for all
-    embeddings. Images go to output_dir/images/<label> (subjects with the same prompts share them);
-    each subject's scores.json, report.md and grids to report_dirs[name] (default output_dir).
+    embeddings (or one task for both: in_one_task). Images go to output_dir/images/<label> (subjects with the same
+    prompts share them); each subject's scores.json, report.md and grids to report_dirs[name] (default output_dir).
     Returns {subject name: EvalResult}."""
     import numpy as np
 
@@ -299,16 +372,8 @@ def run(entries, subjects, settings, output_dir, report_dirs=None):
         job, wanted[label] = image_job(label, model, list(texts), os.path.join(output_dir, "images", label), settings,
                                        donors)
         jobs.append(job)
-    drawing.make_images_of(jobs, settings.images(), settings.batch_size, settings.num_actors, here=settings.here)
-    # {label: {prompt: [paths]}} without the images the safety checker withheld
-    images = {label: {p: [f for f in fs if os.path.exists(f)] for p, fs in by_prompt.items()}
-              for label, by_prompt in wanted.items()}
-    rows = [{"path": f, "text": texts[p]} for by_prompt in images.values() for p, fs in by_prompt.items() for f in fs]
-    rows += [{"path": path, "text": s.class_prompt} for s in subjects for path in real[s.name] + held[s.name]]
-    rows = list({r["path"]: r for r in rows}.values())  # a photo shared by two subjects is embedded once
-    print(f"scoring {len(rows)} images " + ("in this process" if settings.here else f"on {settings.num_actors} actor(s)"),
-          file=sys.stderr)
-    emb = embed(rows, settings.eval_models_dir, settings.num_actors, settings.allow_unsafe_weights, here=settings.here)
+    photo_rows = [{"path": path, "text": s.class_prompt} for s in subjects for path in real[s.name] + held[s.name]]
+    images, emb = images_and_embeddings(jobs, settings, wanted, texts, photo_rows)
 
     results = {}
     random_weights = any(modelcache.has_random_weights(model.model_dir) for _, model in entries)

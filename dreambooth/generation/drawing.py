@@ -342,9 +342,11 @@ STARTING = "starting the actors, each loads the model"  # the progress bar's not
 STARTING_HERE = "loading the model"  # (drawn in this process)
 
 
-def make_images_of(jobs, settings, batch_size=4, num_actors=None, here=False):
+def make_images_of(jobs, settings, batch_size=4, num_actors=None, here=False, landing=None):
     """Draw the rows of every DrawJob on one actor pool (settings: ImageSettings), or in this process (here:
-    draw_here), with a progress bar and one line for the images the safety checker withheld."""
+    draw_here), with a progress bar and one line for the images the safety checker withheld. landing: (job index,
+    file name, flagged) of each image as a task on this node draws them instead (scoring.landed), jobs without rows
+    left out."""
     jobs = [job for job in jobs if job.rows]
     if not jobs:
         return
@@ -359,17 +361,18 @@ def make_images_of(jobs, settings, batch_size=4, num_actors=None, here=False):
     flagged = []
     several = len(jobs) > 1  # then a withheld image is named with its model's folder
     what = f"generating for {len(jobs)} models" if several else "generating"
-    where = "in this process" if here else f"on {num_actors} actor(s)"
-    images = draw_here(jobs, settings, batch_size) if here else run_actor_pool(jobs, settings, batch_size, num_actors)
+    where = "in this process" if here else "in one task" if landing else f"on {num_actors} actor(s)"
+    images = draw_here(jobs, settings, batch_size) if here else landing or run_actor_pool(jobs, settings, batch_size,
+                                                                                          num_actors)
     try:
-        waiting = STARTING_HERE if here else STARTING
+        waiting = STARTING_HERE if here or landing else STARTING
         with tqdm(total=sum(len(job.rows) for job in jobs), desc=f"{what} {where}", unit="img",
                   postfix=waiting) as bar:
             for index, name, bad in images:
                 if bad:
                     flagged.append(os.path.join(jobs[index].output_dir, str(name)) if several else str(name))
                 if bar.postfix.startswith(waiting):  # the first image: the rate and time left count from here
-                    ready = "model loaded" if here else "actors ready"
+                    ready = "model loaded" if here or landing else "actors ready"
                     bar.set_postfix_str(f"{ready} in {bar.format_interval(bar.format_dict['elapsed'])}",
                                         refresh=False)
                     bar.reset()  # (the first print of a rate is a tenth of a second on: the next batch's images)

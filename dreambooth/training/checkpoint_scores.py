@@ -18,6 +18,7 @@ import shutil
 from dreambooth import errors
 from dreambooth import files
 from dreambooth import storage
+from dreambooth.cluster import raycluster
 from dreambooth.evaluation import scoring
 from dreambooth.models import outputs
 from dreambooth.planning import checkpoints
@@ -78,13 +79,13 @@ def scores_here(plan):
 
 
 def task_resources(here):
-    """What a scoring task holds, on the driver's node (on_this_node): here, what an actor of evaluate.py's pools
-    holds (a CPU, and a GPU where the cluster has them); else nothing (it waits on the actor pools it starts, which
+    """What a scoring task holds, on the driver's node (raycluster.on_this_node): here, what an actor of evaluate.py's
+    pools holds (a CPU, and a GPU where the cluster has them); else nothing (it waits on the actor pools it starts, which
     hold theirs)."""
     from dreambooth.generation import drawing
 
     held = {"num_cpus": 1, "num_gpus": drawing.actor_num_gpus()} if here else {"num_cpus": 0}
-    return {**held, "scheduling_strategy": on_this_node()}
+    return {**held, "scheduling_strategy": raycluster.on_this_node()}
 
 
 def check_inputs(args):
@@ -108,15 +109,6 @@ def validation_config(plan):
     here = scores_here(plan)
     return ray.train.ValidationConfig(functools.partial(score_checkpoint, plan=plan, here=here),
                                       ray_remote_kwargs=task_resources(here))
-
-
-def on_this_node():
-    """A task's scheduling on the driver's node, where the run's files are (a bucket's run: this node's copies of
-    its photos, and its own files before they are copied there)."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
 
 
 def score_checkpoint(checkpoint_ref, plan, here=False):
