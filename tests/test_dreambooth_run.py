@@ -340,6 +340,17 @@ def assert_step_5_skipped(subject_dir, proc, size=64):
             assert image.size == (size, size)
 
 
+def assert_export_hint(proc, subject_dir, exports):
+    """The run's export hint, where export.py writes the family's file (exports), is a command that writes it; else
+    there is none (a command that works, or none)."""
+    hint = re.search(r"for AUTOMATIC1111/ComfyUI: (.*)", proc.stdout)
+    if not exports:
+        assert hint is None
+        return
+    subprocess.run([sys.executable, *hint[1].split()[1:]], cwd=REPO_DIR, check=True, capture_output=True)
+    assert (subject_dir / "example-toy.safetensors").is_file()
+
+
 def run_in_terminal(argv, env, timeout):
     """argv on a pseudo-terminal (its stdin, stdout and stderr), as a person runs it: (return code,
     what the terminal showed, its line ends as \\n)."""
@@ -528,12 +539,7 @@ def test_dreambooth_run_tiny_flow_transformer_end_to_end(family_runs, arch):
     assert_step_5_skipped(subject_dir, proc)
     scores = json.loads((subject_dir / "eval" / "scores.json").read_text())
     assert set(scores["models"]) == {"tuned", "base"} and scores["models"]["tuned"]["overall"]["dino"] is not None
-    hint = re.search(r"for AUTOMATIC1111/ComfyUI: (.*)", proc.stdout)
-    if arch == "flux2":
-        assert hint is None  # (a command that works, or none)
-        return
-    subprocess.run([sys.executable, *hint[1].split()[1:]], cwd=REPO_DIR, check=True, capture_output=True)
-    assert (subject_dir / "example-toy.safetensors").is_file()
+    assert_export_hint(proc, subject_dir, exports=arch != "flux2")
 
 
 @pytest.mark.slow
@@ -563,9 +569,4 @@ def test_dreambooth_run_tiny_zimage_and_chroma_lora_end_to_end(family_runs, arch
     pipe.unload_lora_weights()  # (the fused weights stay, under the base model's names)
     fused = pipe.transformer.state_dict()
     assert fused.keys() == base.keys() and any(not torch.equal(fused[k], base[k]) for k in base)
-    hint = re.search(r"for AUTOMATIC1111/ComfyUI: (.*)", proc.stdout)
-    if arch == "zimage":
-        assert hint is None  # (a command that works, or none)
-        return
-    subprocess.run([sys.executable, *hint[1].split()[1:]], cwd=REPO_DIR, check=True, capture_output=True)
-    assert (subject_dir / "example-toy.safetensors").is_file()
+    assert_export_hint(proc, subject_dir, exports=arch != "zimage")
