@@ -309,7 +309,7 @@ def map_tasks(num_workers):
     """The stream's task pool: one task at a time per train worker. A task makes one batch's views from the images
     already decoded (milliseconds a row); left to itself, Ray Data runs a task per free CPU of the cluster at once,
     each in a process of its own that starts Python and Ray (3 CPU-seconds each on the test machine), for blocks
-    that one process a worker keeps up with."""
+    that one process per worker keeps up with."""
     import ray.data
 
     return ray.data.TaskPoolStrategy(size=max(1, num_workers))
