@@ -562,8 +562,8 @@ def test_dreambooth_run_tiny_zimage_and_chroma_lora_end_to_end(family_runs, arch
     scores = json.loads((subject_dir / "eval" / "scores.json").read_text())
     assert set(scores["models"]) == {"tuned", "base"} and scores["models"]["tuned"]["overall"]["dino"] is not None
     model = request.getfixturevalue(f"tiny_{arch}_model")
-    base = getattr(diffusers, pipeline).from_pretrained(model).transformer.state_dict()
     pipe = getattr(diffusers, pipeline).from_pretrained(model)
+    base = {name: tensor.clone() for name, tensor in pipe.transformer.state_dict().items()}
     pipe.load_lora_weights(str(subject_dir / "model-tuned"))
     pipe.fuse_lora()
     pipe.unload_lora_weights()  # (the fused weights stay, under the base model's names)

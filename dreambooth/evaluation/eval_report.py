@@ -68,6 +68,12 @@ def summary(overall):
                      f"{cell(overall[k]) or missing.get(k, 'n/a')}" for k in names)
 
 
+def drop_node_copy(folder):
+    """A bucket's folder: this node's copy of it removed (fetched again when needed)."""
+    if storage.is_remote(folder) and os.path.isdir(storage.cache_path(folder)):
+        shutil.rmtree(storage.cache_path(folder))
+
+
 def of_another_model(images_dir, model_dir):
     """Whether the images in images_dir (a folder or a bucket's) were drawn by another model than model_dir's (train.py's
     output), by their record; False without a record or an output of train.py."""
@@ -88,6 +94,7 @@ def forget_stale_images(images_dir, model_dir):
         return False
     for name in storage.listdir(images_dir):
         storage.remove(storage.join(images_dir, name))
+    drop_node_copy(images_dir)
     print(f"removed the images in {images_dir}: they were of the model this run replaced (NUM_NEW_IMAGES=0: none "
           f"drawn of the new one)", file=sys.stderr)
     return True
@@ -107,8 +114,7 @@ def forget_stale_scores(eval_dir, model_dir):
     for name in storage.listdir(images) if storage.isdir(images) else []:
         if name != "base":
             storage.remove(storage.join(images, name))
-    if storage.is_remote(eval_dir) and os.path.isdir(storage.cache_path(eval_dir)):
-        shutil.rmtree(storage.cache_path(eval_dir))  # (this node's copy of it: fetched again when needed)
+    drop_node_copy(eval_dir)
     print(f"removed the scores in {eval_dir}: they were of the model this run replaced (Step 6 scores the new "
           f"one)", file=sys.stderr)
     return True
