@@ -161,6 +161,31 @@ def test_a_trial_is_the_base_flags_with_its_own_set_and_the_rest_worked_out_agai
     assert [step for step in range(1, 7) if plan.is_score_step(step)] == [2, 6] and "scored at steps 2, 6" in plan.describe()
 
 
+def test_a_sweep_without_class_images_gives_each_trial_its_class_prompt_and_draws_none(tiny_model, toy_images,
+                                                                                       tmp_path):
+    """--prior_preservation prior_prediction (no class images: the base model's own predictions keep the prior) is
+    a flag for every trial: the sweep accepts it without the --class_prompt it sets itself (it once refused it, then
+    refused the --class_prompt it asked for), draws no class images, and each trial gets 'photo of a <class>' and no
+    class folder."""
+    from dreambooth.evaluation import scoring
+    from dreambooth.planning import planning
+
+    args, train_flags, train_args = sweep.parse_args(base_argv(tiny_model, tmp_path) + [
+        "--instance_data_dir", toy_images, "--class_name", "toy", "--use_lora", "--prior_preservation",
+        "prior_prediction", "--sweep_max_train_steps", "2"])
+    assert train_args.prior_prediction and not train_args.class_data_dir
+    subject = scoring.Subject("rex", toy_images, "sks", "toy", "object", "/prompts.txt")
+    assert sweep.prepare_class_images(args, {"rex": subject}, train_args) == {}  # (nothing drawn: no Ray here)
+    parser, given = planning.parse_given(sweep.trial_base_argv(args, train_flags))
+    settings = scoring.EvalSettings("/eval-models")
+    job = sweep_trial.SweepJob({}, str(tmp_path / "sweep"), (2,), {}, given, frozenset(parser.given),
+                               frozenset(parser.typed), tiny_model, settings, base={})
+    config = {"subject": "rex", "learning_rate": 3e-4, "rank": 4, "use_lora": True, "train_text_encoder": False}
+    trial = sweep_trial.trial_args(job, config, subject, str(tmp_path / "trial"))
+    assert (trial.prior_prediction, trial.class_prompt, trial.class_data_dir) == (True, "photo of a toy", None)
+    assert not trial.with_prior_preservation and 'class_prompt = "photo of a toy"' in trial.settings_toml
+
+
 def test_trials_at_once_leave_a_gpu_for_their_scoring(monkeypatch):
     """A step count is scored while its trial trains on: the sweep runs as many trials at once as the cluster's GPUs
     hold with one left for the scoring, one on one GPU (its scoring waits for the training's end) and on CPUs."""

@@ -104,9 +104,13 @@ def parse_args(argv=None):
 
 
 def trial_base_argv(args, train_flags):
-    """train.py's flags for every trial, with the ones each trial sets for itself held by the sweep's own."""
-    return ["--model_dir", args.model_dir, "--output_dir", args.output_dir, "--instance_data_dir", args.model_dir,
+    """train.py's flags for every trial, with the ones each trial sets for itself held by the sweep's own (the
+    class prompt too where the trials' prior needs one: each trial's own is 'photo of a <class>')."""
+    argv = ["--model_dir", args.model_dir, "--output_dir", args.output_dir, "--instance_data_dir", args.model_dir,
             "--instance_prompt", "x", *train_flags]
+    if planning.train_parser().parse_known_args(argv)[0].prior_preservation == "prior_prediction":
+        argv += ["--class_prompt", "x"]
+    return argv
 
 
 def read_subjects(args):
@@ -200,8 +204,11 @@ def max_concurrent(args, train_args):
 
 
 def prepare_class_images(args, subjects, train_args):
-    """{class name: folder}: each class's images, drawn once (train.py's --num_class_images top-up)."""
+    """{class name: folder}: each class's images, drawn once (train.py's --num_class_images top-up); none with
+    --prior_preservation prior_prediction (the base model's own predictions keep each class's prior)."""
     dirs = {}
+    if train_args.prior_prediction:
+        return dirs
     for class_name in sorted({s.class_name for s in subjects.values()}):
         dirs[class_name] = storage.join(args.sweep_dir, "class-images", files.slugify(class_name))
         driver.top_up_class_images(args.model_dir, dirs[class_name], f"photo of a {class_name}", args.num_class_images,

@@ -31,7 +31,7 @@ class SweepJob:
     subjects: dict  # {name: scoring.Subject}
     sweep_dir: str
     steps: tuple  # the step counts scored, ascending; the last is trained to
-    class_dirs: dict  # {class name: folder of its class images}
+    class_dirs: dict  # {class name: folder of its class images}; none with prior_prediction
     train_given: object  # argparse.Namespace: train.py's flags for every trial as given (planning.parse_given)
     given: frozenset  # the names of those the user set (a trial adds its own, then derives the rest)
     typed: frozenset  # ... of those typed rather than read from a config file
@@ -157,7 +157,7 @@ def trial_args(job, config, subject, folder):
     own = dict(
         model_dir=job.model_dir, output_dir=storage.join(folder, "model"), instance_data_dir=subject.photos_dir,
         instance_prompt=f"photo of {subject.unique_token} {subject.class_name}",
-        class_data_dir=job.class_dirs[subject.class_name], class_prompt=f"photo of a {subject.class_name}",
+        class_data_dir=job.class_dirs.get(subject.class_name), class_prompt=f"photo of a {subject.class_name}",
         learning_rate=config["learning_rate"], max_train_steps=steps[-1],
         train_text_encoder=config["train_text_encoder"], checkpointing_steps=math.gcd(*steps),
         checkpoints_total_limit=checkpoints_kept(steps), keep_checkpoints=True,
