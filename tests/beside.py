@@ -107,7 +107,8 @@ class Runs:
     def summary(self):
         """A line per finished run: its wall time."""
         return [f"{future.result().seconds:6.1f}s beside the tests: {spec.__module__}.{spec.__name__}"
-                for spec, future in self.futures.items() if future.done() and not future.exception()]
+                for spec, future in self.futures.items()
+                if future.done() and not future.cancelled() and not future.exception()]
 
     def close(self):
         self.pool.shutdown(wait=True, cancel_futures=True)

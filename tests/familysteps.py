@@ -42,6 +42,19 @@ def losses(model_dir, make_plan, reference, pipe, prior_loss_weight=0.5):
 ADAPTERS = ("lora", "dora", "loha", "lokr", None)  # train.py's --adapter values, then a full fine-tune (None)
 
 
+def lora_changes_the_transformer(pipeline_class, model_dir, adapters_dir):
+    """Whether the LoRA adapters in adapters_dir, loaded into the family's pipeline by load_lora_weights as a user
+    loads them and fused, change its transformer's weights (names and shapes unchanged)."""
+    pipe = pipeline_class.from_pretrained(model_dir)
+    base = {name: tensor.clone() for name, tensor in pipe.transformer.state_dict().items()}
+    pipe.load_lora_weights(adapters_dir)
+    pipe.fuse_lora()
+    pipe.unload_lora_weights()  # (the fused weights stay, under the base model's names)
+    fused = pipe.transformer.state_dict()
+    assert fused.keys() == base.keys()
+    return any(not torch.equal(fused[k], base[k]) for k in base)
+
+
 def output_loaded(pipeline_class, model_dir, output_dir, adapter):
     """The family's pipeline with a run's output, as a user loads it: LoRA and DoRA through load_lora_weights, LoHa
     and LoKr fused through peft by generate.py's loading (drawing.load_pipeline), a full model by from_pretrained."""

@@ -426,6 +426,65 @@ def test_a_flux_lora_sweep_stops_the_trial_behind_early_and_its_best_adapters_lo
     assert image_change_of_adapters("FluxPipeline", model, str(tmp_path / "best")) > 1e-6
 
 
+def family_sweep(arch, request, folder):
+    """A sweep of two LoRA trials (two learning rates, 2 steps each) on the tiny model of a family, without class
+    images (--prior_preservation prior_prediction, as its script runs train), beside the other tests."""
+    (folder / "prompts.txt").write_text("a {subject} on a beach\n")
+    return beside.Job([sys.executable, "sweep.py", "--model_dir", request.getfixturevalue(f"tiny_{arch}_model"),
+                       "--output_dir", str(folder / "best"), "--instance_data_dir", request.getfixturevalue("toy_images"),
+                       "--class_name", "toy", "--eval_models_dir", request.getfixturevalue("tiny_eval_models")[1],
+                       "--eval_prompts", str(folder / "prompts.txt"), "--eval_images_per_prompt", "2",
+                       "--num_inference_steps", "2", "--sweep_max_train_steps", "2", "--num_workers", "1", "--use_lora",
+                       "--prior_preservation", "prior_prediction", "--sweep_learning_rate", "1e-5,1e-3"])
+
+
+def qwen_sweep_run(request, folder):
+    return family_sweep("qwen", request, folder)
+
+
+def flux2_sweep_run(request, folder):
+    return family_sweep("flux2", request, folder)
+
+
+def zimage_sweep_run(request, folder):
+    return family_sweep("zimage", request, folder)
+
+
+def chroma_sweep_run(request, folder):
+    return family_sweep("chroma", request, folder)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch, pipeline", [
+    pytest.param(arch, pipeline, marks=pytest.mark.beside(run=spec)) for arch, pipeline, spec in (
+        ("qwen", "QwenImagePipeline", qwen_sweep_run), ("flux2", "Flux2KleinPipeline", flux2_sweep_run),
+        ("zimage", "ZImagePipeline", zimage_sweep_run), ("chroma", "ChromaPipeline", chroma_sweep_run))])
+def test_a_sweep_of_two_trials_scores_each_2026_family_and_its_best_adapters_load_in_its_pipeline(
+        arch, pipeline, runs_beside, request):
+    """Qwen-Image, FLUX.2 [klein], Z-Image and Chroma swept as the other families are: two trials (learning rates
+    1e-5 and 1e-3), each trained once and scored while it trains (DINO, CLIP-I, CLIP-T against the base model's), no
+    class images drawn; the best trial's LoRA kept with its record, which the family's diffusers pipeline loads
+    (load_lora_weights) and which changes its transformer."""
+    import diffusers
+    import familysteps
+
+    run = runs_beside.result(globals()[f"{arch}_sweep_run"])
+    folder, output = run.folder, run.stdout + run.stderr
+    assert run.returncode == 0, output[-3000:]
+    table = trials_table(str(folder / "best-sweep"))
+    assert sorted((r["learning_rate"], r["step"], r["status"]) for r in table) == [
+        ("0.001", "2", "ok"), ("1e-05", "2", "ok")], table
+    assert all(0 < float(r["dino"]) <= 1 and 0 < float(r["clip_i"]) <= 1 and -1 <= float(r["clip_t"]) <= 1 for r in table)
+    assert "2 model(s) scored (a trial's at each step count), 0 failed trial(s)" in output
+    assert not (folder / "best-sweep" / "class-images").exists() and output.count("on 5 instance and 0 class images") == 2
+    [chosen] = [r for r in table if r["chosen"] == "True"]
+    model = request.getfixturevalue(f"tiny_{arch}_model")
+    marker = files.read_json(str(folder / "best" / files.OUTPUT_MARKER))
+    assert (marker["steps"], marker["base_model"], marker["class_prompt"]) == (2, model, "photo of a toy")
+    assert chosen["model"].startswith(str(folder / "best-sweep" / "trials" / f"toy-lr{chosen['learning_rate']}-"))
+    assert familysteps.lora_changes_the_transformer(getattr(diffusers, pipeline), model, str(folder / "best"))
+
+
 @pytest.mark.slow
 @pytest.mark.long
 def test_a_failed_trial_is_listed_and_the_rerun_resumes_it_from_its_checkpoint(two_subjects, tmp_path):
