@@ -162,7 +162,7 @@ def test_a_trial_is_the_base_flags_with_its_own_set_and_the_rest_worked_out_agai
 
 
 def test_a_sweep_without_class_images_gives_each_trial_its_class_prompt_and_draws_none(tiny_model, toy_images,
-                                                                                       tmp_path):
+                                                                                       tmp_path, capsys):
     """--prior_preservation prior_prediction (no class images: the base model's own predictions keep the prior) is
     a flag for every trial: the sweep accepts it without the --class_prompt it sets itself (it once refused it, then
     refused the --class_prompt it asked for), draws no class images, and each trial gets 'photo of a <class>' and no
@@ -174,6 +174,12 @@ def test_a_sweep_without_class_images_gives_each_trial_its_class_prompt_and_draw
         "--instance_data_dir", toy_images, "--class_name", "toy", "--use_lora", "--prior_preservation",
         "prior_prediction", "--sweep_max_train_steps", "2"])
     assert train_args.prior_prediction and not train_args.class_data_dir
+    with pytest.raises(SystemExit):  # (class images it would not draw: refused, as train.py refuses them)
+        sweep.parse_args(base_argv(tiny_model, tmp_path) + ["--instance_data_dir", toy_images, "--class_name", "toy",
+                                                            "--prior_preservation", "prior_prediction",
+                                                            "--num_class_images", "50"])
+    assert "--num_class_images: --prior_preservation prior_prediction trains without class images" in \
+        capsys.readouterr().err
     subject = scoring.Subject("rex", toy_images, "sks", "toy", "object", "/prompts.txt")
     assert sweep.prepare_class_images(args, {"rex": subject}, train_args) == {}  # (nothing drawn: no Ray here)
     parser, given = planning.parse_given(sweep.trial_base_argv(args, train_flags))

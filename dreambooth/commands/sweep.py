@@ -90,6 +90,8 @@ def parse_args(argv=None):
     train_args = planning.parse_args(trial_base_argv(args, train_flags), "train.py's flags for every trial")
     args.sweep_dir = args.sweep_dir or args.output_dir.rstrip(os.sep) + "-sweep"
     args.sweep_max_train_steps = sorted(args.sweep_max_train_steps or [400])
+    if train_args.prior_prediction and "num_class_images" in parser.typed:
+        parser.error("--num_class_images: --prior_preservation prior_prediction trains without class images")
     if args.sweep_rank and not train_args.use_lora:
         parser.error("--sweep_rank needs --use_lora")
     if args.search == "random" and args.sweep_learning_rate and len(args.sweep_learning_rate) not in (1, 2):
