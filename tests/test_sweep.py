@@ -461,12 +461,12 @@ def chroma_sweep_run(request, folder):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch, pipeline", [
-    pytest.param(arch, pipeline, marks=pytest.mark.beside(run=spec)) for arch, pipeline, spec in (
+@pytest.mark.parametrize("arch, pipeline, spec", [
+    pytest.param(arch, pipeline, spec, marks=pytest.mark.beside(run=spec), id=arch) for arch, pipeline, spec in (
         ("qwen", "QwenImagePipeline", qwen_sweep_run), ("flux2", "Flux2KleinPipeline", flux2_sweep_run),
         ("zimage", "ZImagePipeline", zimage_sweep_run), ("chroma", "ChromaPipeline", chroma_sweep_run))])
 def test_a_sweep_of_two_trials_scores_each_2026_family_and_its_best_adapters_load_in_its_pipeline(
-        arch, pipeline, runs_beside, request):
+        arch, pipeline, spec, runs_beside, request):
     """Qwen-Image, FLUX.2 [klein], Z-Image and Chroma swept as the other families are: two trials (learning rates
     1e-5 and 1e-3), each trained once and scored while it trains (DINO, CLIP-I, CLIP-T against the base model's), no
     class images drawn; the best trial's LoRA kept with its record, which the family's diffusers pipeline loads
@@ -474,7 +474,7 @@ def test_a_sweep_of_two_trials_scores_each_2026_family_and_its_best_adapters_loa
     import diffusers
     import familysteps
 
-    run = runs_beside.result(globals()[f"{arch}_sweep_run"])
+    run = runs_beside.result(spec)
     folder, output = run.folder, run.stdout + run.stderr
     assert run.returncode == 0, output[-3000:]
     table = trials_table(str(folder / "best-sweep"))
