@@ -160,6 +160,12 @@ def tiny_flux2_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_flux2dev_model(tmp_path_factory):
+    """Snapshot folder of the tiny FLUX.2 [dev] model (cache_model.py --tiny --arch flux2dev)."""
+    return tiny_of(tmp_path_factory, "model-flux2dev", "flux2dev")
+
+
+@pytest.fixture(scope="session")
 def tiny_zimage_model(tmp_path_factory):
     """Snapshot folder of the tiny Z-Image model (cache_model.py --tiny --arch zimage)."""
     return tiny_of(tmp_path_factory, "model-zimage", "zimage")

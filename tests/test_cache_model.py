@@ -135,13 +135,13 @@ def test_only_pipeline_files_are_fetched():
 
 def test_a_gated_model_without_a_hub_token_is_refused_before_the_hub_is_asked(tiny_model, tmp_path, monkeypatch,
                                                                              capsys):
-    """flux-dev, the SD 3.5 names and flux2-klein-9b are gated: with no token (HF_TOKEN unset, no token file) Step 1 and the
+    """flux-dev, the SD 3.5 names, flux2-klein-9b and flux2-dev are gated: with no token (HF_TOKEN unset, no token file) Step 1 and the
     preflight say what to do in one line; with one, the token is never part of a line; flux-schnell is open;
     a gated model already cached at its pin needs no token (offline)."""
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # (no token file there)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    for name in ("flux-dev", "sd35-medium", "sd35-large", "flux2-klein-9b"):
+    for name in ("flux-dev", "sd35-medium", "sd35-large", "flux2-klein-9b", "flux2-dev"):
         with pytest.raises(errors.UserError, match=r"^no Hugging Face token on this machine: \S+ \(\S+\) is gated: "
                                                   r"accept its license at https://huggingface.co/.* `hf auth login`"):
             cache_model.main(["--model_dir", str(tmp_path / "cache"), "--model_name", name])

@@ -22,7 +22,7 @@ from dreambooth.planning import memory
 @pytest.mark.parametrize("size, arch, family", [("sd15", "sd1", "sd1"), ("sdxl", "sdxl", "sdxl"),
                                                 ("flux-dev", "flux", "flux"), ("sd35-large", "sd3", "sd3"),
                                                 ("qwen-image", "qwen", "qwen"), ("flux2-klein-9b", "flux2", "flux2"),
-                                                ("z-image", "zimage", "zimage"), ("chroma", "chroma", "chroma")])
+                                                ("flux2-dev", "flux2dev", "flux2dev"), ("z-image", "zimage", "zimage"), ("chroma", "chroma", "chroma")])
 def test_released_parameter_counts_are_the_architectures_built_on_the_meta_device(size, arch, family):
     counts = random_models.parameter_counts(size, arch)
     assert counts.keys() == memory.RELEASED[family].keys()

@@ -81,6 +81,8 @@ def check_family_flags(args, train_flags):
         return None
     objectives.check_flags(family, train_flags.snr_gamma, train_flags.precondition_outputs,
                            train_flags.weighting_scheme, train_flags.flow_shift)
+    if not args.tiny:
+        family.check_folder(cached_model(args))  # (None: a short name not fetched yet, read as its released folder)
     return family
 
 

@@ -4,7 +4,7 @@ A model's family is found from its folder (model_index.json's pipeline class, an
 StableDiffusionPipeline the text encoder's activation: OpenAI CLIP's quick_gelu in SD 1.x,
 OpenCLIP's gelu in SD 2.x), never from a flag, and carried in the Plan from there. What a family
 provides is family.Family; each is one module (family_sd1.py, family_sd2.py, family_sdxl.py,
-family_sd3.py, family_flux.py, family_qwen.py, family_flux2.py, family_zimage.py,
+family_sd3.py, family_flux.py, family_qwen.py, family_flux2.py, family_flux2_dev.py, family_zimage.py,
 family_chroma.py). A later family is one more module and one more entry here.
 """
 
@@ -16,6 +16,7 @@ from dreambooth import files
 from dreambooth.families import family_chroma
 from dreambooth.families import family_flux
 from dreambooth.families import family_flux2
+from dreambooth.families import family_flux2_dev
 from dreambooth.families import family_qwen
 from dreambooth.families import family_sd1
 from dreambooth.families import family_sd2
@@ -27,7 +28,7 @@ from dreambooth.families.family import part_config
 
 FAMILIES = {f.name: f for f in (family_sd1.FAMILY, family_sd2.FAMILY, family_sdxl.FAMILY, family_sd3.FAMILY,
                                       family_flux.FAMILY, family_qwen.FAMILY, family_flux2.FAMILY,
-                                      family_zimage.FAMILY, family_chroma.FAMILY)}
+                                      family_flux2_dev.FAMILY, family_zimage.FAMILY, family_chroma.FAMILY)}
 ARCHS = {f.random.arch: f for f in FAMILIES.values()}  # the --arch names of the random models built here
 DEFAULT = family_sd1.FAMILY  # the default model's (sd14) and --tiny's without --arch
 # The base models known by short name: each family's own list (not one it inherits), in the table's order
@@ -122,3 +123,4 @@ def check_model_dir(model_dir, allow_unsafe_weights=False):
             if not allow_unsafe_weights:
                 raise errors.UserError(f"'{part}' in {model_dir} has only pickled .bin weights; convert them to "
                                        "safetensors or pass --allow_unsafe_weights if you trust their source")
+    family.check_folder(model_dir)

@@ -137,6 +137,10 @@ class Family:
         encoder's config (a dict, {} when unreadable)."""
         return pipeline == self.pipeline
 
+    def check_folder(self, model_dir):
+        """A UserError, before Ray starts, for what this machine lacks to read the family's model folder (after
+        families.check_model_dir's own checks; None: its released model, not fetched yet); nothing by default."""
+
     def tokenizers(self):
         """The tokenizer subfolders, one per text encoder, in the same order."""
         return tuple(name.replace("text_encoder", "tokenizer") for name in self.text_encoders)

@@ -142,6 +142,7 @@ class Flux2Klein(family.Family):
                          "17c3b160520b7dd44665dbf0b9ed9dd30c15cd06", 1024, "flow", 34.7, gated=True),
     )
     text_tokens = MAX_TOKENS  # the text states' length in training (activations.py)
+    out_layers = OUT_LAYERS  # the text encoder's hidden states read, side by side
 
     def native_resolution(self, model_dir):
         """The pipeline's default size (128 latent pixels x the VAE's downscaling: 1024 px); a random model built
@@ -220,13 +221,13 @@ class Flux2Klein(family.Family):
         return np.stack([tokens.input_ids[0], tokens.attention_mask[0]]).astype(np.int64)
 
     def encode_text(self, text_encoders, ids):
-        """As Flux2KleinPipeline.encode_prompt does: hidden layers OUT_LAYERS side by side, (N, 512, 3D), every
+        """As Flux2KleinPipeline.encode_prompt does: hidden layers out_layers side by side, (N, 512, 3D), every
         token's (the padding's too: the transformer reads them all); no pooled embedding."""
         import torch
 
         out = text_encoders[0](input_ids=ids[:, 0], attention_mask=ids[:, 1], output_hidden_states=True,
                                use_cache=False)
-        states = torch.stack([out.hidden_states[k] for k in OUT_LAYERS], dim=2)  # (N, L, 3, D)
+        states = torch.stack([out.hidden_states[k] for k in self.out_layers], dim=2)  # (N, L, 3, D)
         return states.flatten(2), None
 
     def meta_side_input(self, denoiser_config, tensor_options):
@@ -238,12 +239,18 @@ class Flux2Klein(family.Family):
 
     def denoise(self, model, noisy, timesteps, states, pooled, time_ids, guidance=None):
         """The velocity (B, C, h, w) of noisy latents: a token a latent pixel with its (0, row, column, 0) ids, the
-        text tokens with theirs (0, 0, 0, position), the timestep as a fraction of the schedule."""
+        text tokens with theirs (0, 0, 0, position), the timestep as a fraction of the schedule; the guidance value
+        for a guidance-distilled transformer (FLUX.2 dev's), none for [klein]'s."""
+        import torch
         from diffusers import Flux2KleinPipeline
 
         b, c, h, w = noisy.shape
         tokens = tokens_of(noisy)
-        out = model(hidden_states=tokens, timestep=timesteps / 1000, guidance=None, encoder_hidden_states=states,
+        if family.config_of(model).guidance_embeds:
+            guidance = torch.full((b,), self.guidance(guidance), device=noisy.device)  # (None: the family's)
+        else:
+            guidance = None
+        out = model(hidden_states=tokens, timestep=timesteps / 1000, guidance=guidance, encoder_hidden_states=states,
                     txt_ids=Flux2KleinPipeline._prepare_text_ids(states).to(noisy.device),
                     img_ids=Flux2KleinPipeline._prepare_latent_ids(noisy).to(noisy.device), return_dict=False)[0]
         return out[:, :tokens.shape[1]].permute(0, 2, 1).reshape(b, c, h, w)
@@ -252,7 +259,7 @@ class Flux2Klein(family.Family):
         return dict(prompt_embeds=states, negative_prompt_embeds=negative)
 
     def pipeline_kwargs(self):
-        return {"max_sequence_length": MAX_TOKENS, "text_encoder_out_layers": OUT_LAYERS}
+        return {"max_sequence_length": MAX_TOKENS, "text_encoder_out_layers": self.out_layers}
 
     def unpack_latents(self, pipe, latents, height, width):
         """The pipeline's latent output is the VAE's own (its normalisation and fold undone): as the denoiser makes

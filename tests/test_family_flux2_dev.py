@@ -1,0 +1,173 @@
+"""family_flux2_dev.py: FLUX.2 [dev] on its tiny random model (real classes: Flux2Transformer2DModel with its guidance
+input, Mistral3ForConditionalGeneration with a byte-level tokenizer made here, AutoencoderKLFlux2), its conditioning
+and training step checked against Flux2Pipeline's and diffusers' train_dreambooth_lora_flux2.py's own math."""
+
+import inspect
+import json
+
+import familysteps
+import pytest
+import torch
+from PIL import Image
+
+from dreambooth import errors
+from dreambooth import families
+from dreambooth.commands import preflight
+from dreambooth.families import family_flux2
+from dreambooth.families import family_flux2_dev
+from dreambooth.generation import prompts
+
+pytestmark = pytest.mark.slow  # (the whole suite's: the fast one has [klein]'s, whose code this family shares)
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_flux2dev_model):
+    from diffusers import Flux2Pipeline
+
+    return Flux2Pipeline.from_pretrained(tiny_flux2dev_model)
+
+
+def test_the_family_is_read_from_its_folder_with_the_pipelines_own_constants(tiny_flux2dev_model, pipe):
+    from diffusers.pipelines.flux2 import system_messages
+
+    assert families.family_of(tiny_flux2dev_model) is family_flux2_dev.FAMILY
+    families.check_model_dir(tiny_flux2dev_model)  # transformer, the VAE, Mistral 3 and its tokenizer
+    assert families.native_resolution(tiny_flux2dev_model) == 64 and families.size_multiple(tiny_flux2dev_model) == 4
+    defaults = inspect.signature(pipe._get_mistral_3_small_prompt_embeds).parameters
+    assert family_flux2_dev.OUT_LAYERS == defaults["hidden_states_layers"].default
+    assert family_flux2.MAX_TOKENS == pipe.tokenizer_max_length == defaults["max_sequence_length"].default
+    assert family_flux2_dev.SYSTEM_MESSAGE == system_messages.SYSTEM_MESSAGE == pipe.system_message
+    assert family_flux2_dev.FAMILY.guidance_scale == inspect.signature(pipe.__call__).parameters["guidance_scale"].default
+    assert pipe.transformer.config.guidance_embeds and families.ARCHS["flux2dev"] is family_flux2_dev.FAMILY
+
+
+def test_our_conditioning_is_the_pipelines(tiny_flux2dev_model, pipe):
+    """Layers 10, 20 and 30 of every token of the system message and the prompt through the chat template, side by
+    side, as Flux2Pipeline.encode_prompt makes them (an [IMG] in a prompt taken out as it does); no pooled one."""
+    family = family_flux2_dev.FAMILY
+    texts = ["photo of unqtkn toy, on a beach", "photo of a [IMG]toy"]
+    ids = torch.tensor(prompts.prompt_ids(tiny_flux2dev_model, texts, None, family)["instance"])
+    assert ids.shape == (2, 2, family_flux2.MAX_TOKENS)
+    text = pipe.tokenizer.decode(ids[1, 0][ids[1, 1].bool()])
+    assert family_flux2_dev.SYSTEM_MESSAGE in text and "photo of a toy" in text
+    with torch.no_grad():
+        expected, _ = pipe.encode_prompt(texts)
+        states, pooled = family.encode_text([pipe.text_encoder], ids)
+    assert pooled is None and states.shape == (2, family_flux2.MAX_TOKENS, 3 * 32)
+    torch.testing.assert_close(states, expected)
+
+
+def test_the_released_tokenizer_without_torchvision_is_refused_in_one_line(tiny_flux2dev_model, tmp_path):
+    """The released folder's tokenizer is a PixtralProcessor, which transformers builds only with torchvision (not a
+    requirement of ours, so not on this machine): a machine without it gets the line that says what to install,
+    not a traceback."""
+    import importlib.util
+    import shutil
+
+    assert importlib.util.find_spec("torchvision") is None
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_flux2dev_model, folder)
+    (folder / "tokenizer" / "processor_config.json").write_text(json.dumps(
+        {"processor_class": "PixtralProcessor", "patch_size": 14, "spatial_merge_size": 2}))
+    (folder / "tokenizer" / "preprocessor_config.json").write_text(json.dumps(
+        {"image_processor_type": "PixtralImageProcessor", "processor_class": "PixtralProcessor", "patch_size": 14}))
+    line = r"^FLUX.2 \[dev\]'s tokenizer .* needs torchvision: pip install torchvision==0.28.0"
+    for check in (families.check_model_dir, family_flux2_dev.FAMILY.load_tokenizers):  # (before Ray; a worker's)
+        with pytest.raises(errors.UserError, match=line):
+            check(str(folder))
+    families.check_model_dir(tiny_flux2dev_model)  # (the tiny one's plain tokenizer needs none)
+    # dreambooth_run.sh's Step 0 for the short name, before Step 1 fetches its 112.6 GB
+    (tmp_path / "photos").mkdir()
+    Image.new("RGB", (64, 64), "red").save(tmp_path / "photos" / "a.jpg")
+    with pytest.raises(errors.UserError, match=line):
+        preflight.main(["--photos_dir", str(tmp_path / "photos"), "--data_prefix", str(tmp_path / "data"),
+                        "--class_name", "dog", "--model_name", "flux2-dev"])
+
+
+def reference_loss(models, pixels, instance_prompt, class_prompt, pipe, prior_loss_weight):
+    """The loss of diffusers' train_dreambooth_lora_flux2.py on a batch of instance and class pixels, written from its
+    steps: [klein]'s (family_flux2's test), with the guidance value (the family's default here) as the transformer's
+    input. (Our step draws the posterior's sample, the mode within 3e-7, before the noise: the reference draws the
+    same numbers first.)"""
+    from diffusers import Flux2Pipeline
+    from diffusers.training_utils import compute_density_for_timestep_sampling
+
+    vae, scheduler = models.vae, models.scheduler
+    latents = vae.encode(pixels).latent_dist.mode()
+    torch.randn(latents.shape)  # (see above)
+    latents = Flux2Pipeline._patchify_latents(latents)
+    mean = vae.bn.running_mean.view(1, -1, 1, 1)
+    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
+    latents = (latents - mean) / std
+    latent_ids = Flux2Pipeline._prepare_latent_ids(latents)
+    noise = torch.randn_like(latents)
+    rows = latents.shape[0]
+    u = compute_density_for_timestep_sampling("none", rows, 0.0, 1.0, 1.29)
+    timesteps = scheduler.timesteps[(u * scheduler.config.num_train_timesteps).long()]
+    sigmas = torch.stack([scheduler.sigmas[(scheduler.timesteps == t).nonzero().item()] for t in timesteps])
+    noisy = (1.0 - sigmas.view(-1, 1, 1, 1)) * latents + sigmas.view(-1, 1, 1, 1) * noise
+    with torch.no_grad():
+        (inst, inst_ids), (cls, cls_ids) = (pipe.encode_prompt([p]) for p in (instance_prompt, class_prompt))
+    packed = Flux2Pipeline._pack_latents(noisy)
+    guidance = torch.full([1], family_flux2_dev.FAMILY.guidance_scale).expand(rows)
+    pred = models.denoiser(hidden_states=packed, timestep=timesteps / 1000, guidance=guidance,
+                           encoder_hidden_states=torch.cat([inst, cls]), txt_ids=torch.cat([inst_ids, cls_ids]),
+                           img_ids=latent_ids, return_dict=False)[0]
+    pred = Flux2Pipeline._unpack_latents_with_ids(pred[:, :packed.size(1)], latent_ids)
+    return familysteps.reference_mse(pred, noise - latents, prior_loss_weight)
+
+
+def test_the_training_loss_is_diffusers_scripts_on_the_same_draws_guidance_included(tiny_flux2dev_model, make_plan,
+                                                                                    pipe):
+    ours, expected = familysteps.losses(tiny_flux2dev_model, make_plan, reference_loss, pipe)
+    torch.testing.assert_close(ours, expected)
+    # the guidance value reaches the transformer: another one gives another loss
+    plan = make_plan(model_dir=tiny_flux2dev_model, resolution=64, guidance_scale=1.0)
+    assert plan.family.guidance(plan.guidance_scale) == 1.0
+    other, _ = familysteps.losses(tiny_flux2dev_model, lambda **k: make_plan(guidance_scale=1.0, **k),
+                                  reference_loss, pipe)
+    assert not torch.allclose(other, ours)
+
+
+def test_lora_adapts_the_scripts_layers_and_every_output_loads_in_the_pipeline(tiny_flux2dev_model, train_tiny,
+                                                                               tmp_path):
+    """The adapters sit on the layers diffusers' FLUX.2 script names (its target list, given to peft on the same
+    transformer); each adapter's file and the full model load in Flux2Pipeline and predict as the trained
+    transformer does, unlike the base."""
+    from diffusers import Flux2Pipeline
+    from diffusers import Flux2Transformer2DModel
+    from peft import LoraConfig
+
+    scripts = Flux2Transformer2DModel.from_pretrained(tiny_flux2dev_model, subfolder="transformer")
+    scripts.add_adapter(LoraConfig(r=4, target_modules=["to_k", "to_q", "to_v", "to_out.0", "to_qkv_mlp_proj",
+                                                        *[f"single_transformer_blocks.{i}.attn.to_out" for i in range(48)]]))
+    ours = familysteps.outputs_load_in_the_pipeline(Flux2Pipeline, tiny_flux2dev_model, train_tiny, tmp_path, (
+        torch.randn(1, 32, 4, 4, generator=torch.Generator().manual_seed(2)), torch.randn(1, 6, 3 * 32), None))
+    adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in ours.named_parameters() if ".lora_A." in n}
+    assert adapted == {n.rsplit(".lora_A", 1)[0] for n, _ in scripts.named_parameters() if ".lora_A." in n}
+
+
+def test_validation_samples_are_what_generate_draws_from_the_same_weights(tiny_flux2dev_model, make_plan, tmp_path):
+    """Drawn at the guidance value 4.0, one prompt (no negative one), by both."""
+    settings = familysteps.validation_draws_what_generate_draws(tiny_flux2dev_model, make_plan, tmp_path).settings
+    assert (settings.guidance_scale, settings.resolution) == (4.0, 64)
+
+
+def test_lora_trains_over_a_quantised_base_under_bf16(tiny_flux2dev_model, train_tiny, tmp_path):
+    """--base_precision int8 (bitsandbytes on CPU, the GPU's code path) with bf16 autocast: the frozen transformer's
+    linear layers quantised, its guidance embedder's too, the fp32 adapters train, Flux2Pipeline loads them."""
+    import bitsandbytes as bnb
+    from diffusers import Flux2Pipeline
+
+    from dreambooth.models import networks
+    from dreambooth.models import outputs
+
+    plan, state, losses = train_tiny(tiny_flux2dev_model, 2, use_lora=True, base_precision="int8",
+                                     mixed_precision="bf16", output_dir=str(tmp_path / "out"))
+    denoiser = networks.unwrap(state.models.denoiser)
+    assert isinstance(denoiser.transformer_blocks[0].attn.to_q.base_layer, bnb.nn.Linear8bitLt)
+    assert isinstance(denoiser.time_guidance_embed.guidance_embedder.linear_1, bnb.nn.Linear8bitLt)
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert any(p.abs().sum() > 0 for n, p in denoiser.named_parameters() if "lora_B" in n)
+    outputs.save_pipeline(state.models, plan)
+    Flux2Pipeline.from_pretrained(plan.model_dir).load_lora_weights(plan.output_dir)
