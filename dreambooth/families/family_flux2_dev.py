@@ -13,6 +13,7 @@ a run starts); the tiny model built here saves a plain tokenizer, which AutoProc
 
 from dreambooth import errors
 from dreambooth.families import family_flux2
+from dreambooth.families import family_qwen
 from dreambooth.families import known
 
 OUT_LAYERS = (10, 20, 30)  # Flux2Pipeline's text_encoder_out_layers default, and diffusers' script's
@@ -33,7 +34,7 @@ TORCHVISION_LINE = ("FLUX.2 [dev]'s tokenizer (transformers' PixtralProcessor, a
 def tiny_tokenizer():
     """Qwen-Image's tiny byte-level tokenizer with the template above and Pixtral's image token ([IMG], which
     the pipeline strips from prompts)."""
-    tokenizer = family_flux2.family_qwen.tiny_tokenizer()
+    tokenizer = family_qwen.tiny_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "[IMG]"]})
     tokenizer.chat_template = TINY_CHAT_TEMPLATE
     return tokenizer
@@ -105,7 +106,7 @@ class Flux2DevModels(family_flux2.Flux2Models):
 class Flux2Dev(family_flux2.Flux2Klein):
     name, label = "flux2dev", "FLUX.2 [dev]"
     pipeline = "Flux2Pipeline"
-    # diffusers' FLUX.2 DreamBooth LoRA script's layers: [klein]'s (the same names, up to its 48 single blocks)
+    # (its LoRA layers, denoiser_lora_targets, are [klein]'s: diffusers' FLUX.2 script names the same ones)
     text_encoders = ("text_encoder",)  # Mistral Small 3.1 (three of its hidden layers)
     guidance_scale = 4.0  # Flux2Pipeline's default (see the module's note)
     guided_training = True  # the guidance value is an input of the transformer in training too
