@@ -308,6 +308,8 @@ def test_the_flags_added_since_are_checked_before_ray_starts(tiny_model, sdxl_ad
         ("train.py", [*train, "--use_ema", "--ema_decay", "1.5"], "--ema_decay", "1.5"),
         ("train.py", [*train, "--caption_dropout_rate", "2"], "--caption_dropout_rate"),
         ("train.py", [*train, "--use_lora", "--rank", "0"], "--rank", "got 0"),
+        ("train.py", [*train, "--use_lora", "--text_encoder_precision", "int8"], "--text_encoder_precision int8",
+         "this run trains every one of SD 1.x's: add --no-train_text_encoder"),
         ("train.py", [*train, "--max_train_steps", "-5"], "--max_train_steps", "-5"),
         ("train.py", [*base, "--instance_data_dir", str(masked), "--masked_loss"], "cannot read mask", "toy-0.mask.png"),
         ("train.py", [*train, "--resume_from_checkpoint", str(tmp_path / "not-a-checkpoint")],

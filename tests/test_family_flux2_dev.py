@@ -153,9 +153,11 @@ def test_validation_samples_are_what_generate_draws_from_the_same_weights(tiny_f
     assert (settings.guidance_scale, settings.resolution) == (4.0, 64)
 
 
-def test_lora_trains_over_a_quantised_base_under_bf16(tiny_flux2dev_model, train_tiny, tmp_path):
-    """--base_precision int8 (bitsandbytes on CPU, the GPU's code path) with bf16 autocast: the frozen transformer's
-    linear layers quantised, its guidance embedder's too, the fp32 adapters train, Flux2Pipeline loads them."""
+def test_lora_trains_over_a_quantised_base_and_text_encoder_under_bf16(tiny_flux2dev_model, train_tiny, tmp_path):
+    """--base_precision int8 --text_encoder_precision nf4 (bitsandbytes on CPU, the GPU's code path) with bf16
+    autocast: the frozen transformer's linear layers quantised, its guidance embedder's too, and Mistral 3's (24 B
+    released: 45 GiB in bf16, the part that decides the card); the states near bf16's; the fp32 adapters train,
+    Flux2Pipeline loads them."""
     import bitsandbytes as bnb
     from diffusers import Flux2Pipeline
 
@@ -163,10 +165,23 @@ def test_lora_trains_over_a_quantised_base_under_bf16(tiny_flux2dev_model, train
     from dreambooth.models import outputs
 
     plan, state, losses = train_tiny(tiny_flux2dev_model, 2, use_lora=True, base_precision="int8",
-                                     mixed_precision="bf16", output_dir=str(tmp_path / "out"))
+                                     text_encoder_precision="nf4", mixed_precision="bf16",
+                                     output_dir=str(tmp_path / "out"))
     denoiser = networks.unwrap(state.models.denoiser)
     assert isinstance(denoiser.transformer_blocks[0].attn.to_q.base_layer, bnb.nn.Linear8bitLt)
     assert isinstance(denoiser.time_guidance_embed.guidance_embedder.linear_1, bnb.nn.Linear8bitLt)
+    [mistral] = state.models.text_encoders()
+    layer = mistral.model.language_model.layers[10].self_attn.q_proj
+    assert isinstance(layer, bnb.nn.Linear4bit) and not layer.weight.requires_grad
+    ids = torch.tensor(prompts.prompt_ids(tiny_flux2dev_model, ["photo of unqtkn toy"], None, plan.family)["instance"])
+    from transformers import Mistral3ForConditionalGeneration
+
+    reference = Mistral3ForConditionalGeneration.from_pretrained(tiny_flux2dev_model, subfolder="text_encoder")
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        quantised_states, _ = plan.family.encode_text([mistral], ids)
+        states, _ = plan.family.encode_text([reference.to(torch.bfloat16)], ids)
+    assert not torch.equal(quantised_states, states)
+    assert torch.nn.functional.cosine_similarity(quantised_states.float().flatten(), states.float().flatten(), 0) > 0.9
     assert all(torch.isfinite(torch.tensor(losses)))
     assert any(p.abs().sum() > 0 for n, p in denoiser.named_parameters() if "lora_B" in n)
     outputs.save_pipeline(state.models, plan)

@@ -73,6 +73,26 @@ def test_the_flow_transformers_need_follows_their_base_precision_resolution_and_
     assert words == ["--use_lora", "--base_precision", "int8"] and memory.fits(result, 24)
 
 
+@pytest.mark.slow  # (counts FLUX.2 [dev]'s activations on the meta device: seconds)
+def test_frozen_text_encoders_that_decide_the_card_are_quantised_last():
+    """FLUX.2 [dev]'s LoRA: its 24 B text encoder, alone on the card at the start, decides the figure once the
+    transformer is quantised; --text_encoder_precision brings it to a byte (int8) or about half a byte (nf4) a
+    parameter, and the fixes for a 48 GB card reach it only after the base's own quantisation."""
+    lora = memory.Setup(lora=True, gradient_checkpointing=True, batch=1, train_text_encoder=False, resolution=1024)
+    nf4 = memory.need("flux2dev", memory.dataclasses.replace(lora, base_precision="nf4"))
+    encoders = 24011.36e6 + 84.05e6  # Mistral 3 and the VAE, at the start
+    assert nf4.total == nf4.at_start == pytest.approx(encoders * 2 / memory.GIB)
+    for precision, size in (("int8", 1.0), ("nf4", 0.5 + 4 / 64)):
+        quantised = memory.need("flux2dev", memory.dataclasses.replace(lora, base_precision="nf4",
+                                                                         text_encoder_precision=precision))
+        assert quantised.at_start == pytest.approx((24011.36e6 * size + 84.05e6 * 2) / memory.GIB)
+        assert quantised.static == nf4.static and quantised.total < nf4.total
+    card = 48e9 / memory.GIB  # (a 48 GB card: 44.7 GiB)
+    words, setup, result = memory.fixes("flux2dev", lora, card)
+    assert words == ["--base_precision", "nf4", "--text_encoder_precision", "int8"] and memory.fits(result, card)
+    assert "--text_encoder_precision int8" in " ".join(setup.flags())
+
+
 def test_the_computed_need_meets_the_measured_peaks_and_orders_the_modes():
     for (family, setup), measured in memory.MEASURED.items():
         computed = memory.need(family, setup).total

@@ -254,7 +254,8 @@ def test_an_adapter_implies_lora_and_its_combinations_are_checked(capsys):
     assert planning.parse_args(base + ["--use_lora"]).adapter == "lora" and planning.parse_args(base).adapter is None
     assert "training LoHa adapters (rank 4" in planning.offline_plan(use_lora=True, adapter="loha").describe()
     for flags, said in [(["--use_dora", "--adapter", "loha"], "--use_dora is --adapter dora"),
-                        (["--adapter", "lokr", "--base_precision", "int8"], "--adapter lokr has no quantised layers")]:
+                        (["--adapter", "lokr", "--base_precision", "int8"], "--adapter lokr has no quantised layers"),
+                        (["--text_encoder_precision", "nf4"], "the frozen text encoders of a LoRA run: add --use_lora")]:
         with pytest.raises(SystemExit):
             planning.parse_args(base + flags)
         err = capsys.readouterr().err

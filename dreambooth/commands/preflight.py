@@ -233,7 +233,7 @@ def memory_setup(train_flags, args, family):
         prior_prediction=train_flags.prior_preservation == "prior_prediction",
         class_images=train_flags.prior_preservation != "prior_prediction", resolution=resolution,
         half=train_flags.mixed_precision != "no", gpus_per_worker=args.gpus_per_worker,
-        base_precision=train_flags.base_precision,
+        base_precision=train_flags.base_precision, text_encoder_precision=train_flags.text_encoder_precision,
         # --fsdp: the denoiser split over the workers NUM_WORKERS (or --num_workers) names, else not counted
         shards=max(1, args.num_workers or train_flags.num_workers or 1) if train_flags.fsdp else 1)
 

@@ -9,7 +9,7 @@ HELP_GROUPS = {
              "prompts", "prompts_file", "class_images", "num_samples_per_prompt", "photos_dir", "photos_var",
              "preflight_class_name", "dataset_repo", "dataset_revision"),
     "model": ("model_dir", "cache_dir", "model_name", "revision", "tiny", "random_model", "arch", "vae_dir",
-              "base_precision", "base_model_dir", "eval_models", "eval_models_dir", "dino_model", "dino_revision",
+              "base_precision", "text_encoder_precision", "base_model_dir", "eval_models", "eval_models_dir", "dino_model", "dino_revision",
               "clip_model", "clip_revision", "hub_cache_dir", "allow_unsafe_weights", "model_path", "model_cache"),
     "training": ("max_train_steps", "num_train_epochs", "learning_rate", "train_batch_size", "train_text_encoder",
                  "lr_scheduler", "lr_warmup_steps", "lr_num_cycles", "lr_power", "scale_lr",

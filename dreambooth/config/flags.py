@@ -245,6 +245,13 @@ FLAGS = {
         dict(choices=["int8", "nf4"], default=None,
              help="With --use_lora: keep the frozen denoiser quantised to int8 or nf4 (bitsandbytes) under the fp32 "
                   "adapters, for a card too small for it in bf16. Default: the autocast dtype (bf16 on GPUs).")),
+    "text_encoder_precision": (("--text_encoder_precision",),
+        dict(choices=["int8", "nf4"], default=None,
+             help="With --use_lora: the frozen text encoders (those not trained: T5, Qwen's, Mistral 3, a CLIP "
+                  "without --train_text_encoder) quantised to int8 or nf4 (bitsandbytes) while they compute the "
+                  "prompts' states, for a card too small for them in bf16 (FLUX.2 [dev]'s 24 B Mistral 3: 45 GiB "
+                  "in bf16, 22 in int8, 13 in nf4). The states differ a little from bf16's (nf4 more than int8). "
+                  "Default: the autocast dtype (bf16 on GPUs).")),
     "weighting_scheme": (("--weighting_scheme",),
         dict(choices=["logit_normal", "mode", "cosmap", "sigma_sqrt", "none"], default=None,
              help=f"Flow-matching families ({FLOW_LABELS}): how training draws the noise level (logit_normal, "

@@ -211,6 +211,15 @@ def add_lora(models, plan):
     cast_training_params(trained, dtype=torch.float32)
 
 
+def quantize_frozen_text_encoders(models, plan):
+    """--text_encoder_precision: the text encoders the run does not train, quantised (quantize.py) as they move to
+    aux_device; those it trains keep their weights."""
+    trained = {id(te) for te in models.trained_text_encoders()} if plan.train_text_encoder else set()
+    models.encoders = [te if id(te) in trained else
+                       quantize.quantized(te, plan.text_encoder_precision, te.dtype, models.aux_device)
+                       for te in models.encoders]
+
+
 def load_frozen_denoiser(plan, device):
     """The base model's denoiser, frozen, in the run's autocast dtype (fp32 without one): the target of
     --prior_preservation prior_prediction when every weight is trained."""
@@ -271,6 +280,8 @@ def setup_models(plan, denoiser_device, aux_device, distributed, load_guard=None
             models.frozen_denoiser = load_frozen_denoiser(plan, denoiser_device)
     if plan.use_lora:
         freeze_for_lora(models, plan)  # (in host memory: the frozen weights go to the GPU in their autocast dtype)
+    if plan.text_encoder_precision:
+        quantize_frozen_text_encoders(models, plan)
     models.place_text_side()
     if before_denoiser is not None:
         before_denoiser(models)

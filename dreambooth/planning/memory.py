@@ -24,7 +24,8 @@ The figure is computed, not guessed from a tiny model:
   computed, before the denoiser arrives (models.setup_models' before_denoiser): the start's peak is the text
   side alone. SD 3.5's and Flux.1's T5 is never trained, so with --train_text_encoder it stays.
 - **A quantised frozen base** (--base_precision, LoRA): int8 weights take 1 byte a parameter, nf4 half a
-  byte plus one fp32 scale per 64 (bitsandbytes' blocks).
+  byte plus one fp32 scale per 64 (bitsandbytes' blocks); the frozen text encoders likewise with
+  --text_encoder_precision.
 - **The card** keeps RESERVE_GIB for the CUDA context, cuDNN's workspace and the allocator's cache.
 """
 
@@ -41,7 +42,7 @@ LORA_SHARE = 0.001  # adapter parameters per network parameter at rank 4 (SD 1.x
 ACTIVATION_GIB = 0.95  # per image, SD 1.x's UNet at 512 px, autocast
 CHECKPOINTED_GIB = 0.11  # the same with gradient checkpointing
 REFERENCE_UNET, REFERENCE_PIXELS = 859.52e6, 512 * 512
-BASE_BYTES = {"int8": 1.0, "nf4": 0.5 + 4 / 64}  # --base_precision: bytes per frozen denoiser parameter
+BASE_BYTES = {"int8": 1.0, "nf4": 0.5 + 4 / 64}  # --base_precision, --text_encoder_precision: bytes per parameter
 CARDS_GIB = (16, 24, 48, 80)  # the flow table's cards
 
 # Parameter counts of the released models' networks (diffusers' folders), as each family says them
@@ -74,6 +75,7 @@ class Setup:
     half: bool = True  # bf16/fp16 autocast (on every GPU but with --mixed_precision no)
     gpus_per_worker: int = 1
     base_precision: str = None  # --base_precision int8|nf4 (LoRA): the frozen denoiser's weights
+    text_encoder_precision: str = None  # --text_encoder_precision int8|nf4 (LoRA): the frozen text encoders' weights
     shards: int = 1  # --fsdp over this many workers: the denoiser's weights, gradients and AdamW state split
 
     def flags(self):
@@ -85,6 +87,8 @@ class Setup:
             words.append("--no-train_text_encoder")
         if self.base_precision:
             words += ["--base_precision", self.base_precision]
+        if self.text_encoder_precision:
+            words += ["--text_encoder_precision", self.text_encoder_precision]
         if self.shards > 1:
             words += ["--fsdp", "--num_workers", str(self.shards)]
         return words
@@ -140,7 +144,9 @@ def need(family, setup, params=None, source=None):
     aux += vae
     # frozen encoders: released after the first states, before the denoiser arrives, unless a trained one needs
     # them every step
-    kept, at_start = (frozen * frozen_bytes, 0.0) if setup.train_text_encoder else (0.0, frozen * frozen_bytes + vae)
+    frozen_encoder_bytes = BASE_BYTES.get(setup.text_encoder_precision, frozen_bytes) if setup.lora else frozen_bytes
+    kept, at_start = ((frozen * frozen_encoder_bytes, 0.0) if setup.train_text_encoder
+                      else (0.0, frozen * frozen_encoder_bytes + vae))
     aux += kept
     images = setup.batch * (2 if setup.class_images else 1)
     if spec.flow_matching:
@@ -166,8 +172,9 @@ def fixes(family, setup, free_gib, params=None, source=None):
 
     smaller = max(256, setup.resolution * 3 // 4 // 64 * 64)
     lora = [dict(lora=True), dict(gradient_checkpointing=True)]
-    if families.FAMILIES[family].flow_matching:  # (T5 released, then the base quantised: 10-20 GiB each)
-        lora += [dict(train_text_encoder=False), dict(base_precision="int8"), dict(base_precision="nf4")]
+    if families.FAMILIES[family].flow_matching:  # (T5 released, then the base quantised, then the text encoders)
+        lora += [dict(train_text_encoder=False), dict(base_precision="int8"), dict(base_precision="nf4"),
+                 dict(text_encoder_precision="int8"), dict(text_encoder_precision="nf4")]
     candidates = cumulative([dict(gradient_checkpointing=True), dict(use_8bit_adam=True),
                              dict(train_text_encoder=False)]) + cumulative(lora + [dict(batch=1),
                                                                                    dict(resolution=smaller)])
@@ -229,15 +236,17 @@ def table():
 
 # The flow-matching transformers' rows: (model, family, own size, resolution, setup): LoRA (as people train
 # them) with gradient checkpointing, one photo + one class image a step, T5 released (--no-train_text_encoder),
-# over a bf16, int8 or nf4 base; and the full fine-tunes that fit one card at best.
+# over a bf16, int8 or nf4 base (and nf4 text encoders, where they are the larger part: flow_table); and the full
+# fine-tunes that fit one card at best.
 _LORA = Setup(lora=True, gradient_checkpointing=True, batch=1, train_text_encoder=False)
 _FULL = Setup(gradient_checkpointing=True, use_8bit_adam=True, batch=1, train_text_encoder=False)
 # The models are those each family names (Family.memory_rows).
 _MODELS = [(model, name, size, sizes, shards) for name, f in families.FAMILIES.items()
            for model, size, sizes, shards in f.memory_rows]
 FLOW_ROWS = tuple(
-    [(model, family, size, px, dataclasses.replace(_LORA, base_precision=base))
-     for model, family, size, sizes, _ in _MODELS for px in sizes for base in (None, "int8", "nf4")]
+    [(model, family, size, px, dataclasses.replace(_LORA, base_precision=base, text_encoder_precision=encoders))
+     for model, family, size, sizes, _ in _MODELS for px in sizes
+     for base, encoders in ((None, None), ("int8", None), ("nf4", None), ("nf4", "nf4"))]
     + [(model, family, size, 1024, _FULL) for model, family, size, _, _ in _MODELS]
     + [(model, family, size, 1024, dataclasses.replace(_FULL, shards=count, use_8bit_adam=False))
        for model, family, size, _, shards in _MODELS for count in shards])
@@ -253,11 +262,16 @@ def size_params(family, size):
 
 def flow_table():
     """docs/MEMORY.md's table of the flow-matching transformers: GiB per worker of each row of FLOW_ROWS, and
-    whether it fits each card of CARDS_GIB (with RESERVE_GIB kept)."""
+    whether it fits each card of CARDS_GIB (with RESERVE_GIB kept). A row with quantised text encoders only where
+    they need less than the row before (where the text encoders, not the transformer, decide the figure)."""
     lines = ["| model, px | train.py flags | GiB | " + " | ".join(f"{card} GB" for card in CARDS_GIB) + " |",
              "| --- | --- | ---: |" + " :---: |" * len(CARDS_GIB)]
+    before = None
     for model, family, size, px, setup in FLOW_ROWS:
         result = need(family, dataclasses.replace(setup, resolution=px), size_params(family, size), size)
+        if setup.text_encoder_precision and round(result.total, 1) >= round(before.total, 1):
+            continue
+        before = result
         marks = " | ".join("fits" if fits(result, card * 10 ** 9 / GIB) else "-" for card in CARDS_GIB)
         batch = [f"--train_batch_size {setup.batch}"] if setup.batch != Setup.batch else []
         lines.append(f"| {model}, {px} | `{' '.join(setup.flags() + batch)}` | {result.total:.1f} | {marks} |")

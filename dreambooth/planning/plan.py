@@ -61,6 +61,7 @@ class Plan:
     offset_noise: float
     snr_gamma: float | None
     base_precision: str | None  # --use_lora: "int8"/"nf4" frozen denoiser (quantize.py); None: the autocast dtype
+    text_encoder_precision: str | None  # --use_lora: "int8"/"nf4" frozen text encoders; None: the autocast dtype
     weighting_scheme: str | None  # flow matching: the family's default when None
     flow_shift: float | None  # flow matching: the training sigmas' shift (None: the scheduler's own)
     logit_mean: float

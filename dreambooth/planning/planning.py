@@ -32,7 +32,7 @@ TRAIN_FLAGS = [
     "resolution", "center_crop", "random_flip", "enable_bucket", "min_bucket_reso", "max_bucket_reso",
     "bucket_reso_steps", "train_text_encoder", "use_lora", "adapter", "use_dora", "lora_rank", "lora_alpha", "lora_dropout",
     "train_batch_size", "learning_rate", "scale_lr", "lr_scheduler", "lr_warmup_steps", "lr_num_cycles", "lr_power",
-    "offset_noise", "snr_gamma", "base_precision", "weighting_scheme", "flow_shift", "logit_mean", "logit_std", "mode_scale",
+    "offset_noise", "snr_gamma", "base_precision", "text_encoder_precision", "weighting_scheme", "flow_shift", "logit_mean", "logit_std", "mode_scale",
     "precondition_outputs", "guidance_scale", "caption_dropout_rate", "masked_loss", "use_ema", "ema_decay",
     "ema_update_after_step", "optimizer", "use_8bit_adam", "prodigy_beta3", "prodigy_decouple",
     "prodigy_use_bias_correction", "prodigy_safeguard_warmup", "adam_beta1", "adam_beta2", "adam_weight_decay", "adam_epsilon",
@@ -100,15 +100,7 @@ def derive(given, parser):
         print("warning: --class_prompt is ignored without --class_data_dir", file=sys.stderr)
     args.validation_prompts = tuple(dict.fromkeys(args.validation_prompt or ()))
     derive_adapter(args)
-    if not args.use_lora and parser.typed & {"lora_rank", "lora_alpha", "lora_dropout"}:
-        raise FlagError("--rank/--lora_alpha/--lora_dropout shape LoRA adapters: add --use_lora (diffusers' "
-                     "train_dreambooth_lora*.py scripts always train LoRA; without it every weight is trained)")
-    if args.base_precision and args.adapter in ("loha", "lokr"):
-        raise FlagError(f"--base_precision {args.base_precision} quantises the frozen model under LoRA or DoRA "
-                        f"adapters; peft's --adapter {args.adapter} has no quantised layers: leave one out")
-    if args.base_precision and not args.use_lora:
-        raise FlagError(f"--base_precision {args.base_precision} quantises the frozen model under LoRA's adapters: "
-                        "add --use_lora (a full fine-tune trains every weight in fp32)")
+    check_lora_flags(args, parser.typed)
     derive_optimizer(args, parser)
     check_fsdp(args, parser.given)
     check_elastic(args, parser.typed)
@@ -215,6 +207,10 @@ def checked_files(args, draw_class_images):
     families.check_model_dir(args.model_dir, args.allow_unsafe_weights)
     family = families.require(args.model_dir, "train")
     objectives.check_flags(family, args.snr_gamma, args.precondition_outputs, args.weighting_scheme, args.flow_shift)
+    if args.text_encoder_precision and family.trains_text_encoder(args.train_text_encoder) and \
+            set(family.text_encoders) <= set(family.trainable_text_encoders):
+        raise errors.UserError(f"--text_encoder_precision {args.text_encoder_precision} quantises the frozen text "
+                               f"encoders; this run trains every one of {family.label}'s: add --no-train_text_encoder")
     if args.vae_dir:
         args = argparse.Namespace(**{**vars(args), "vae_dir": vae_cache.resolve_vae(args.vae_dir,
                                                                                    args.allow_unsafe_weights)})
@@ -293,6 +289,23 @@ def plan_run(args, cluster_resources, draw_class_images=None, stop_step=None):
 
 SCORING_FLAGS = ("eval_models_dir", "class_name", "unique_token", "subject_type", "eval_prompts", "eval_images_per_prompt",
                  "keep_best", "clip_t_margin")
+
+
+def check_lora_flags(args, typed):
+    """The flags that shape LoRA's adapters or quantise the frozen model under them need --use_lora (and its
+    quantised base, an adapter peft quantises under)."""
+    if not args.use_lora and typed & {"lora_rank", "lora_alpha", "lora_dropout"}:
+        raise FlagError("--rank/--lora_alpha/--lora_dropout shape LoRA adapters: add --use_lora (diffusers' "
+                        "train_dreambooth_lora*.py scripts always train LoRA; without it every weight is trained)")
+    if args.base_precision and args.adapter in ("loha", "lokr"):
+        raise FlagError(f"--base_precision {args.base_precision} quantises the frozen model under LoRA or DoRA "
+                        f"adapters; peft's --adapter {args.adapter} has no quantised layers: leave one out")
+    if args.base_precision and not args.use_lora:
+        raise FlagError(f"--base_precision {args.base_precision} quantises the frozen model under LoRA's adapters: "
+                        "add --use_lora (a full fine-tune trains every weight in fp32)")
+    if args.text_encoder_precision and not args.use_lora:
+        raise FlagError(f"--text_encoder_precision {args.text_encoder_precision} quantises the frozen text encoders "
+                        "of a LoRA run: add --use_lora (a full fine-tune saves them whole)")
 
 
 def check_scoring(args, typed):

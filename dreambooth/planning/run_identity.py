@@ -35,7 +35,7 @@ OPTIMIZER_FLAGS = {"prodigy": ("optimizer", "prodigy_beta3", "prodigy_decouple",
                    "adamw_schedulefree": ("optimizer",)}
 # ... that choose which step's weights the model is (--keep_best: the best-scored step's, by these scores)
 KEEP_BEST_FLAGS = ("score_steps", "clip_t_margin", "eval_prompts", "eval_images_per_prompt", "validation_inference_steps")
-FLAGS = WEIGHT_FLAGS + FLOW_FLAGS + ("model_dir", "vae_dir", "base_precision", "guidance_scale", "adapter", "keep_best") + \
+FLAGS = WEIGHT_FLAGS + FLOW_FLAGS + ("model_dir", "vae_dir", "base_precision", "text_encoder_precision", "guidance_scale", "adapter", "keep_best") + \
     KEEP_BEST_FLAGS + \
     tuple(dict.fromkeys(name for names in OPTIMIZER_FLAGS.values() for name in names))
 # The parts of an identity that are files, as the line that names a difference says them.
@@ -72,6 +72,7 @@ def of_run(flags, family, photos, masks, held_out, captions, class_images, resol
         "buckets": [list(b) for b in buckets],
         **{name: flags[name] for name in WEIGHT_FLAGS + (FLOW_FLAGS if family.flow_matching else ())},
         **({"base_precision": flags["base_precision"]} if flags["base_precision"] else {}),
+        **({"text_encoder_precision": flags["text_encoder_precision"]} if flags["text_encoder_precision"] else {}),
         **{name: flags[name] for name in OPTIMIZER_FLAGS.get(flags["optimizer"], ())},
         **({"adapter": flags["adapter"]} if flags["adapter"] not in (None, "lora") else {}),
         **({"guidance_scale": family.guidance(flags["guidance_scale"])} if family.guided_training else {}),

@@ -47,7 +47,7 @@ def train_worker(plan, stop_flag=None):
     """One worker's whole run: models, checkpoint, the step loop, reports, the saved model (not when the
     driver asked for a stop through stop_flag, the run's key of stopping.make_flag: then the current step's
     checkpoint)."""
-    hub.skip_unused_imports(lora=plan.use_lora, eight_bit=plan.use_8bit_adam or bool(plan.base_precision))
+    hub.skip_unused_imports(lora=plan.use_lora, eight_bit=plan.use_8bit_adam or bool(plan.base_precision or plan.text_encoder_precision))
     import ray.train
 
     from dreambooth.training import failures  # here, not at the top: it imports ray.train (1.2 s)
