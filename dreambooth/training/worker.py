@@ -126,8 +126,10 @@ def prepare_worker(plan, rank, world, local_world_size):
                 checkpoint.load(state, folder, rank)
     if rank == 0:
         released = " (the frozen text encoders left it once the prompts were encoded)" if plan.text_encoded_once else ""
-        print(f"worker devices: {plan.family.denoiser_label} on {denoiser_device}, text encoders and VAE on {aux_device}"
-              f"{released}; autocast {state.amp_dtype or 'off (fp32)'}", flush=True)
+        base = f" ({plan.base_precision})" if plan.base_precision else ""
+        encoders = f" (the frozen ones {plan.text_encoder_precision})" if plan.text_encoder_precision else ""
+        print(f"worker devices: {plan.family.denoiser_label}{base} on {denoiser_device}, text encoders{encoders} and VAE "
+              f"on {aux_device}{released}; autocast {state.amp_dtype or 'off (fp32)'}", flush=True)
     return nets, state, step_prompts, text["sampler"]
 
 
