@@ -223,3 +223,19 @@ def validation_draws_what_generate_draws(model_dir, make_plan, folder, prompt="a
     sample = images[name]
     assert np.abs(np.asarray(drawn[0], dtype=int) - np.asarray(sample, dtype=int)).max() <= 1
     return types.SimpleNamespace(plan=plan, sampler=sampler, pipe=pipe, settings=settings, seed=seed)
+
+
+def flux2_lora_on_the_scripts_layers(pipeline_class, model_dir, singles, train_tiny, folder):
+    """FLUX.2 ([klein], [dev]): outputs_load_in_the_pipeline, and the LoRA adapters sit on the layers diffusers'
+    script names (its target list, up to its `singles` single blocks, given to peft on the same transformer)."""
+    from diffusers import Flux2Transformer2DModel
+    from peft import LoraConfig
+
+    scripts = Flux2Transformer2DModel.from_pretrained(model_dir, subfolder="transformer")
+    scripts.add_adapter(LoraConfig(r=4, target_modules=["to_k", "to_q", "to_v", "to_out.0", "to_qkv_mlp_proj",
+                                                        *[f"single_transformer_blocks.{i}.attn.to_out"
+                                                          for i in range(singles)]]))
+    ours = outputs_load_in_the_pipeline(pipeline_class, model_dir, train_tiny, folder, (
+        torch.randn(1, 32, 4, 4, generator=torch.Generator().manual_seed(2)), torch.randn(1, 6, 3 * 32), None))
+    adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in ours.named_parameters() if ".lora_A." in n}
+    assert adapted == {n.rsplit(".lora_A", 1)[0] for n, _ in scripts.named_parameters() if ".lora_A." in n}
