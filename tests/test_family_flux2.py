@@ -70,36 +70,11 @@ def test_the_latents_are_the_pipelines_and_decode_back(tiny_flux2_model, pipe):
 
 
 def reference_loss(models, pixels, instance_prompt, class_prompt, pipe, prior_loss_weight):
-    """The loss of diffusers' train_dreambooth_lora_flux2_klein.py on a batch of instance and class pixels, written
-    from its steps: the VAE's mode folded 2x2 and normalised, noise, a uniform timestep index into the scheduler's
-    schedule, the straight path, the transformer on one token a latent pixel with the ids the pipeline makes, no
-    guidance input, the velocity target, the instance and prior means. (Our step draws the posterior's sample, the
-    mode within 3e-7, before the noise: the reference draws the same numbers first.)"""
+    """diffusers' train_dreambooth_lora_flux2_klein.py's loss, no guidance input (familysteps.flux2_reference_loss)."""
     from diffusers import Flux2KleinPipeline
-    from diffusers.training_utils import compute_density_for_timestep_sampling
 
-    vae, scheduler = models.vae, models.scheduler
-    latents = vae.encode(pixels).latent_dist.mode()
-    torch.randn(latents.shape)  # (see above)
-    latents = Flux2KleinPipeline._patchify_latents(latents)
-    mean = vae.bn.running_mean.view(1, -1, 1, 1)
-    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
-    latents = (latents - mean) / std
-    latent_ids = Flux2KleinPipeline._prepare_latent_ids(latents)
-    noise = torch.randn_like(latents)
-    rows = latents.shape[0]
-    u = compute_density_for_timestep_sampling("none", rows, 0.0, 1.0, 1.29)
-    timesteps = scheduler.timesteps[(u * scheduler.config.num_train_timesteps).long()]
-    sigmas = torch.stack([scheduler.sigmas[(scheduler.timesteps == t).nonzero().item()] for t in timesteps])
-    noisy = (1.0 - sigmas.view(-1, 1, 1, 1)) * latents + sigmas.view(-1, 1, 1, 1) * noise
-    with torch.no_grad():
-        (inst, inst_ids), (cls, cls_ids) = (pipe.encode_prompt([p]) for p in (instance_prompt, class_prompt))
-    packed = Flux2KleinPipeline._pack_latents(noisy)
-    pred = models.denoiser(hidden_states=packed, timestep=timesteps / 1000, guidance=None,
-                           encoder_hidden_states=torch.cat([inst, cls]), txt_ids=torch.cat([inst_ids, cls_ids]),
-                           img_ids=latent_ids, return_dict=False)[0]
-    pred = Flux2KleinPipeline._unpack_latents_with_ids(pred[:, :packed.size(1)], latent_ids)
-    return familysteps.reference_mse(pred, noise - latents, prior_loss_weight)
+    return familysteps.flux2_reference_loss(Flux2KleinPipeline, None)(models, pixels, instance_prompt, class_prompt,
+                                                                      pipe, prior_loss_weight)
 
 
 def test_the_training_loss_is_diffusers_scripts_on_the_same_draws(tiny_flux2_model, make_plan, pipe):

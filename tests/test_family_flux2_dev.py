@@ -85,36 +85,12 @@ def test_the_released_tokenizer_without_torchvision_is_refused_in_one_line(tiny_
 
 
 def reference_loss(models, pixels, instance_prompt, class_prompt, pipe, prior_loss_weight):
-    """The loss of diffusers' train_dreambooth_lora_flux2.py on a batch of instance and class pixels, written from its
-    steps: [klein]'s (family_flux2's test), with the guidance value (the family's default here) as the transformer's
-    input. (Our step draws the posterior's sample, the mode within 3e-7, before the noise: the reference draws the
-    same numbers first.)"""
+    """diffusers' train_dreambooth_lora_flux2.py's loss (familysteps.flux2_reference_loss), the guidance value (the
+    family's default here) an input of the transformer."""
     from diffusers import Flux2Pipeline
-    from diffusers.training_utils import compute_density_for_timestep_sampling
 
-    vae, scheduler = models.vae, models.scheduler
-    latents = vae.encode(pixels).latent_dist.mode()
-    torch.randn(latents.shape)  # (see above)
-    latents = Flux2Pipeline._patchify_latents(latents)
-    mean = vae.bn.running_mean.view(1, -1, 1, 1)
-    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
-    latents = (latents - mean) / std
-    latent_ids = Flux2Pipeline._prepare_latent_ids(latents)
-    noise = torch.randn_like(latents)
-    rows = latents.shape[0]
-    u = compute_density_for_timestep_sampling("none", rows, 0.0, 1.0, 1.29)
-    timesteps = scheduler.timesteps[(u * scheduler.config.num_train_timesteps).long()]
-    sigmas = torch.stack([scheduler.sigmas[(scheduler.timesteps == t).nonzero().item()] for t in timesteps])
-    noisy = (1.0 - sigmas.view(-1, 1, 1, 1)) * latents + sigmas.view(-1, 1, 1, 1) * noise
-    with torch.no_grad():
-        (inst, inst_ids), (cls, cls_ids) = (pipe.encode_prompt([p]) for p in (instance_prompt, class_prompt))
-    packed = Flux2Pipeline._pack_latents(noisy)
-    guidance = torch.full([1], family_flux2_dev.FAMILY.guidance_scale).expand(rows)
-    pred = models.denoiser(hidden_states=packed, timestep=timesteps / 1000, guidance=guidance,
-                           encoder_hidden_states=torch.cat([inst, cls]), txt_ids=torch.cat([inst_ids, cls_ids]),
-                           img_ids=latent_ids, return_dict=False)[0]
-    pred = Flux2Pipeline._unpack_latents_with_ids(pred[:, :packed.size(1)], latent_ids)
-    return familysteps.reference_mse(pred, noise - latents, prior_loss_weight)
+    return familysteps.flux2_reference_loss(Flux2Pipeline, family_flux2_dev.FAMILY.guidance_scale)(
+        models, pixels, instance_prompt, class_prompt, pipe, prior_loss_weight)
 
 
 def test_the_training_loss_is_diffusers_scripts_on_the_same_draws_guidance_included(tiny_flux2dev_model, make_plan,

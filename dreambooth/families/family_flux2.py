@@ -50,6 +50,7 @@ class Flux2Models(builders.RandomModels):
     # 8 + 24 blocks of 24 and 32 heads of 128 reading Qwen3-4B's and Qwen3-8B's layers 9, 18, 27 (3 x 2560 and
     # 3 x 4096 wide), the VAE of 32 latent channels
     _vae = dict(vae_channels=(128, 256, 512, 512), vae_layers=2, vae_latents=32, latent_size=128)
+    guidance_embeds = False  # the transformer's guidance input ([dev]'s, guidance-distilled)
     own_sizes = {
         "flux2-klein-4b": dict(_vae, layers=5, single_layers=20, head_dim=128, heads=24, rope=(32, 32, 32, 32),
                                text_hidden=2560, text_depth=36, text_heads=32, text_kv_heads=8, text_head_dim=128,
@@ -80,7 +81,7 @@ class Flux2Models(builders.RandomModels):
         return Flux2Transformer2DModel(patch_size=1, in_channels=4 * arch["vae_latents"], num_layers=arch["layers"],
                                        num_single_layers=arch["single_layers"], attention_head_dim=arch["head_dim"],
                                        num_attention_heads=arch["heads"], joint_attention_dim=text_width,
-                                       axes_dims_rope=arch["rope"], guidance_embeds=False)
+                                       axes_dims_rope=arch["rope"], guidance_embeds=self.guidance_embeds)
 
     def vae(self, spec, latent_size):
         import torch

@@ -53,6 +53,7 @@ class Flux2DevModels(family_flux2.Flux2Models):
            "three layers"
     # tiny: as [klein]'s, with a Mistral 3 of 30 layers 32 wide (layers 10, 20 and 30 read) and a 1-layer vision tower
     changes = dict(family_flux2.Flux2Models.changes, text_depth=30, text_kv_heads=1, vision_width=16)
+    guidance_embeds = True
     # FLUX.2 [dev]'s shapes (--random_model flux2-dev), 1024 px: 8 + 48 blocks of 48 heads of 128 (diffusers'
     # Flux2Transformer2DModel defaults) reading Mistral Small 3.1's layers 10, 20, 30 (3 x 5120 wide: 40 layers,
     # its 24-layer Pixtral vision tower too: the pipeline loads the whole model), the VAE of 32 latent channels
@@ -84,15 +85,6 @@ class Flux2DevModels(family_flux2.Flux2Models):
         config = Mistral3Config(text_config=text, vision_config=vision_config, tie_word_embeddings=False,
                                 image_token_index=mistral_tokenizer.convert_tokens_to_ids("[IMG]"))
         return ({"text_encoder": Mistral3ForConditionalGeneration(config)}, len(OUT_LAYERS) * width, {})
-
-    def denoiser(self, spec, latent_size, text_width, extra):
-        from diffusers import Flux2Transformer2DModel
-
-        arch = {**self.changes, **spec}
-        return Flux2Transformer2DModel(patch_size=1, in_channels=4 * arch["vae_latents"], num_layers=arch["layers"],
-                                       num_single_layers=arch["single_layers"], attention_head_dim=arch["head_dim"],
-                                       num_attention_heads=arch["heads"], joint_attention_dim=text_width,
-                                       axes_dims_rope=arch["rope"], guidance_embeds=True)
 
     def pipeline(self, nets, tokenizer, betas, safety_checker):
         from diffusers import FlowMatchEulerDiscreteScheduler
