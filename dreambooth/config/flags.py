@@ -37,6 +37,8 @@ _FLOW = [f for f in families.FAMILIES.values() if f.flow_matching]
 FLOW_LABELS = ", ".join(f.label for f in _FLOW)
 FLOW_DEFAULTS = "; ".join(f"{f.label}: {f.default_weighting_scheme}" for f in _FLOW)
 FLOW_PRECONDITION = "; ".join(f"{f.label}: {int(f.precondition_outputs)}" for f in _FLOW)
+GUIDANCE_DEFAULTS = "; ".join(f"{f.label}: {f.guidance_scale:g}" for f in families.FAMILIES.values())
+GUIDED = " and ".join(f.label for f in families.FAMILIES.values() if f.guided_training)  # (Flux.1 dev, FLUX.2 [dev])
 
 
 # name -> (option strings, add_argument keyword arguments). The name is the attribute the
@@ -500,10 +502,11 @@ FLAGS = {
         dict(type=positive_int, default=50, help="Denoising steps per image.")),
     "guidance_scale": (("--guidance_scale",),
         dict(type=non_negative_float, default=None,
-             help="Guidance scale: classifier-free guidance (SD 1.x/2.x/XL, SD 3.5: default 7.5; Qwen-Image: its "
-                  "true_cfg_scale, default 4.0, against the negative prompt ' ' unless --negative_prompt is given); "
-                  "Flux.1 dev's guidance input (default 3.5), in training too (train.py, as diffusers' Flux script), "
-                  "where for the other families it sets only the validation samples'. Default: the model family's.")),
+             help=f"Guidance scale: classifier-free guidance (Qwen-Image: its true_cfg_scale, against the negative "
+                  f"prompt ' ' unless --negative_prompt is given); for the guidance-distilled models of {GUIDED} "
+                  "(Flux.1 dev: schnell has none), the transformer's guidance input, in training too (train.py, as diffusers' scripts for them), where "
+                  "for the other families it sets only the validation samples'. Default: the model family's "
+                  f"({GUIDANCE_DEFAULTS}).")),
     "negative_prompt": (("--negative_prompt",), dict(default=None, help="What to steer away from.")),
     "num_actors": (("--num_actors",),
         dict(type=positive_int, default=None,
