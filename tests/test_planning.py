@@ -253,6 +253,9 @@ def test_an_adapter_implies_lora_and_its_combinations_are_checked(capsys):
         assert args.use_lora and args.adapter == adapter and args.learning_rate == 1e-4
     assert planning.parse_args(base + ["--use_lora"]).adapter == "lora" and planning.parse_args(base).adapter is None
     assert "training LoHa adapters (rank 4" in planning.offline_plan(use_lora=True, adapter="loha").describe()
+    quantised = planning.offline_plan(use_lora=True, base_precision="nf4", text_encoder_precision="int8").describe()
+    assert "adapters (rank 4, alpha 4) on the UNet + text encoder (the base nf4, the frozen text encoders int8) on" \
+        in quantised
     for flags, said in [(["--use_dora", "--adapter", "loha"], "--use_dora is --adapter dora"),
                         (["--adapter", "lokr", "--base_precision", "int8"], "--adapter lokr has no quantised layers"),
                         (["--text_encoder_precision", "nf4"], "the frozen text encoders of a LoRA run: add --use_lora")]:

@@ -204,6 +204,9 @@ class Plan:
         trained = self.family.denoiser_label + (" + text encoder" if self.train_text_encoder else "")
         if self.use_lora:
             trained = f"{ADAPTER_NAMES.get(self.adapter, 'LoRA')} adapters (rank {self.lora_rank}, alpha {self.lora_alpha:g}) on the {trained}"
+            quantised = [f"{what} {precision}" for what, precision in (
+                ("the base", self.base_precision), ("the frozen text encoders", self.text_encoder_precision)) if precision]
+            trained += f" ({', '.join(quantised)})" if quantised else ""
         prior = f" + {self.train_batch_size} class" if self.with_prior_preservation else ""
         if self.prior_prediction:
             prior = f" + the same {self.train_batch_size} under the class prompt, towards the base model's prediction"
