@@ -172,15 +172,37 @@ DIFFUSERS_FLOW_FLAGS = """
 """.split()
 
 
+# Every option of diffusers' examples/dreambooth/train_dreambooth_lora_flux2.py and _flux2_klein.py (at 58eb52c; the
+# klein script has --caption_dropout, not --remote_text_encoder).
+DIFFUSERS_FLUX2_FLAGS = """--caption_dropout
+--adam_beta1 --adam_beta2 --adam_epsilon --adam_weight_decay --adam_weight_decay_text_encoder --allow_tf32
+--aspect_ratio_buckets --bnb_quantization_config_path --cache_dir --cache_latents --caption_column --center_crop
+--checkpointing_steps --checkpoints_total_limit --class_data_dir --class_prompt --dataloader_num_workers
+--dataset_config_name --dataset_name --do_fp8_training --enable_npu_flash_attention --final_validation_prompt
+--fsdp_text_encoder --gradient_accumulation_steps --gradient_checkpointing --guidance_scale --hub_model_id
+--hub_token --image_column --instance_data_dir --instance_prompt --learning_rate --local_rank --logging_dir
+--logit_mean --logit_std --lora_alpha --lora_dropout --lora_layers --lr_num_cycles --lr_power --lr_scheduler
+--lr_warmup_steps --max_grad_norm --max_sequence_length --max_train_steps --mixed_precision --mode_scale
+--num_class_images --num_train_epochs --num_validation_images --offload --optimizer --output_dir
+--pretrained_model_name_or_path --prior_generation_precision --prior_loss_weight --prodigy_beta3 --prodigy_decouple
+--prodigy_safeguard_warmup --prodigy_use_bias_correction --push_to_hub --random_flip --rank --remote_text_encoder
+--repeats --report_to --resolution --resume_from_checkpoint --revision --sample_batch_size --scale_lr --seed
+--skip_final_inference --text_encoder_lr --text_encoder_out_layers --train_batch_size --upcast_before_saving
+--use_8bit_adam --use_aspect_ratio_buckets --validation_epochs --validation_prompt --variant --weighting_scheme
+--with_prior_preservation
+""".split()
+
+
 def test_every_diffusers_flag_is_taken_or_refused_with_what_to_do_instead(capsys):
     parser = flags.make_parser("t", planning.TRAIN_FLAGS, refused=flags.REFUSED)
     options = parser._option_string_actions
     assert len(DIFFUSERS_FLAGS) == 61 and all(f in options for f in DIFFUSERS_FLAGS)
     assert len(DIFFUSERS_SDXL_FLAGS) == 72 and all(f in options for f in DIFFUSERS_SDXL_FLAGS)
     assert len(DIFFUSERS_FLOW_FLAGS) == 78 and all(f in options for f in DIFFUSERS_FLOW_FLAGS)
-    every = DIFFUSERS_FLAGS + DIFFUSERS_SDXL_FLAGS + DIFFUSERS_FLOW_FLAGS
+    assert len(DIFFUSERS_FLUX2_FLAGS) == 86 and all(f in options for f in DIFFUSERS_FLUX2_FLAGS)
+    every = DIFFUSERS_FLAGS + DIFFUSERS_SDXL_FLAGS + DIFFUSERS_FLOW_FLAGS + DIFFUSERS_FLUX2_FLAGS
     refused = [f for f in dict.fromkeys(every) if f in flags.REFUSED]
-    assert set(flags.REFUSED) <= set(every) and len(refused) == 17 + 11 + 5
+    assert set(flags.REFUSED) <= set(every) and len(refused) == 17 + 11 + 5 + 10
     assert parse_train(BASE + ["--use_dora"]).adapter == "dora"  # (diffusers' SDXL LoRA script's flag)
     # diffusers' Prodigy command lines (its flags take True/False after =)
     args = parse_train(BASE + ["--optimizer=prodigy", "--prodigy_beta3=0.99", "--prodigy_decouple=True",

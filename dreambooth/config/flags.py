@@ -209,12 +209,13 @@ FLAGS = {
         dict(type=non_negative_float, nargs="?", const=0.1, default=0.0, metavar="SCALE",
              help="Add SCALE x a per-channel constant to the training noise (0.1 without a value, as "
                   "diffusers' flag): the model learns to make darker darks and brighter brights.")),
-    "caption_dropout_rate": (("--caption_dropout_rate",),
+    "caption_dropout_rate": (("--caption_dropout_rate", "--caption_dropout"),
         dict(type=fraction, default=0.0, metavar="RATE",
              help="Train this share of the instance rows on the empty prompt instead of their caption or "
                   "--instance_prompt (drawn from the run's seeded random stream); class rows keep the class "
                   "prompt. The model then also learns the subject without its words, which helps "
-                  "classifier-free guidance with captioned photos. Default: 0 (off).")),
+                  "classifier-free guidance with captioned photos (--caption_dropout: diffusers' FLUX.2 [klein] "
+                  "script's name). Default: 0 (off).")),
     "holdout": (("--holdout",),
         dict(type=non_negative_int, default=0, metavar="N",
              help="Keep the last N photos (in name order) out of training; evaluate.py --holdout N and sweep.py "
@@ -679,6 +680,25 @@ REFUSED.update({
     "--lora_layers": _LAYERS, "--lora_blocks": _LAYERS,
     "--upcast_before_saving": "the adapters train and are saved in fp32",
     "--enable_npu_flash_attention": "Ascend NPUs are not supported; CUDA GPUs use PyTorch's fused attention",
+})
+# ... and diffusers' train_dreambooth_lora_flux2.py / _flux2_klein.py these:
+_BUCKETS = "--enable_bucket sorts the photos into aspect-ratio buckets (--min_bucket_reso, --max_bucket_reso, " \
+           "--bucket_reso_steps)"
+_FROZEN_TEXT = "the frozen text encoders compute the prompts' states once and leave the GPU; " \
+               "--text_encoder_precision int8|nf4 quantises them for a smaller card"
+REFUSED.update({
+    "--aspect_ratio_buckets": _BUCKETS, "--use_aspect_ratio_buckets": _BUCKETS,
+    "--bnb_quantization_config_path": "--base_precision int8|nf4 quantises the frozen transformer with bitsandbytes "
+                                      "(and --text_encoder_precision the frozen text encoders)",
+    "--do_fp8_training": "fp8 training is not offered; --base_precision int8|nf4 quantises the frozen base under "
+                         "the adapters",
+    "--final_validation_prompt": "generate.py draws the trained model (dreambooth_run.sh's Step 5); "
+                                 "--validation_prompt draws samples while training",
+    "--skip_final_inference": "train.py draws nothing after training (generate.py does: Step 5)",
+    "--fsdp_text_encoder": "the text encoders are frozen; --fsdp shards the transformer",
+    "--offload": _FROZEN_TEXT, "--remote_text_encoder": _FROZEN_TEXT,
+    "--text_encoder_out_layers": "each family reads its text encoder's own layers, as its pipeline does (FLUX.2 "
+                                 "[klein]: 9, 18, 27; [dev]: 10, 20, 30), in training and drawing alike",
 })
 
 
