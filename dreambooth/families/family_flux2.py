@@ -99,14 +99,19 @@ class Flux2Models(builders.RandomModels):
                 vae.bn.running_var.uniform_(0.5, 2.0)
         return vae
 
-    def pipeline(self, nets, tokenizer, betas, safety_checker):
+    @staticmethod
+    def scheduler():
+        """The released models' scheduler ([klein]'s base models' and [dev]'s, Flux.1 dev's): the pipeline shifts it
+        by the image's token count."""
         from diffusers import FlowMatchEulerDiscreteScheduler
+
+        return FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                                               base_image_seq_len=256, max_image_seq_len=4096)
+
+    def pipeline(self, nets, tokenizer, betas, safety_checker):
         from diffusers import Flux2KleinPipeline
 
-        # the base models' scheduler (Flux.1 dev's): the pipeline shifts it by the image's token count
-        scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
-                                                    max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
-        return Flux2KleinPipeline(tokenizer=tiny_tokenizer(), scheduler=scheduler, is_distilled=False, **nets)
+        return Flux2KleinPipeline(tokenizer=tiny_tokenizer(), scheduler=self.scheduler(), is_distilled=False, **nets)
 
 
 class Flux2Klein(family.Family):

@@ -87,12 +87,9 @@ class Flux2DevModels(family_flux2.Flux2Models):
         return ({"text_encoder": Mistral3ForConditionalGeneration(config)}, len(OUT_LAYERS) * width, {})
 
     def pipeline(self, nets, tokenizer, betas, safety_checker):
-        from diffusers import FlowMatchEulerDiscreteScheduler
         from diffusers import Flux2Pipeline
 
-        scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
-                                                    max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
-        return Flux2Pipeline(tokenizer=tiny_tokenizer(), scheduler=scheduler, **nets)
+        return Flux2Pipeline(tokenizer=tiny_tokenizer(), scheduler=self.scheduler(), **nets)
 
 
 class Flux2Dev(family_flux2.Flux2Klein):
