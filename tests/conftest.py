@@ -25,6 +25,11 @@ os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 # in 30 s at 10 looks a second, 0.5 at one). Twice a second from the start (as late in a run already), for every
 # cluster the suite starts: a fifth of the looks.
 os.environ["RAY_LOG_MONITOR_MANY_FILES_THRESHOLD"] = "0"
+# The test command installs without compiling (pip --no-compile: a minute less of the install); each module is
+# compiled once, when a process of the run first imports it, and its bytecode kept for the others, this package's
+# included, even where the machine's environment says to write none (PYTHONDONTWRITEBYTECODE).
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_DIR)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (the tests' helper modules)
