@@ -117,6 +117,12 @@ def _raise_keyboard_interrupt(signum, frame):
 # actor whose constructor arguments are in the object store (every Ray Data actor pool, ours among them, and
 # Ray Train 2.60's preemption watcher). Ray's core writes them to file descriptor 2, past Python's sys.stderr.
 HARMLESS_RAY_LINES = ("has constructor arguments in the object store and max_restarts > 0",)
+# Messages of several lines that Ray's own processes print and that say nothing to a user: (what its first line holds,
+# how its last line starts). Ray Data's split coordinator, stopped while Ray Train restarts the workers after one
+# died, can be stopped inside a finaliser: Python then prints "Exception ignored in ..." with the SystemExit's
+# traceback, under the one line that says the worker failed.
+HARMLESS_RAY_BLOCKS = (("Exception ignored in: <function _ClosingIterator.__del__", "SystemExit"),)
+HARMLESS_BLOCK_MOST_LINES = 20  # (a block whose last line does not come ends after so many, its first counted)
 
 # The filter process of filter_native_stderr: only the standard library, Ctrl-C and SIGTERM ignored (it ends
 # when the last writer of its pipe is gone, after the script, so nothing written before a crash is lost).

@@ -69,6 +69,7 @@ def test_ray_workers_run_the_setup_hook(ray_session):
 def test_rays_harmless_error_lines_are_kept_off_the_terminal_and_the_rest_printed():
     from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
 
+    from dreambooth import errors
     from dreambooth.cluster import raycluster
 
     printed, before = [], list(dispatcher.handlers)  # (this session's own Ray printer among them, maybe)
@@ -82,6 +83,22 @@ def test_rays_harmless_error_lines_are_kept_off_the_terminal_and_the_rest_printe
         dispatcher.emit({"pid": 1, "lines": [harmless, "step=1 loss=0.5"]})
         dispatcher.emit({"pid": 1, "lines": [harmless, data]})
         assert printed == [{"pid": 1, "lines": ["step=1 loss=0.5"]}]
+        # a split coordinator stopped inside a finaliser (Ray Train restarting the workers), its message over two
+        # batches, another process's line between them: that line and what follows the message are printed
+        printed.clear()
+        dispatcher.emit({"pid": 7, "lines": [
+            "Exception ignored in: <function _ClosingIterator.__del__ at 0x7efd7c83fc40>", "Traceback (most recent "
+            "call last):", '  File "ray/data/_internal/execution/streaming_executor.py", line 809, in __del__']})
+        dispatcher.emit({"pid": 2, "lines": ["step=2 loss=0.4"]})
+        dispatcher.emit({"pid": 7, "lines": ["    def __del__(self):", "", "SystemExit: 1", "after it"]})
+        dispatcher.emit({"pid": 7, "lines": ["Traceback (most recent call last):", "ValueError: a real one"]})
+        assert printed == [{"pid": 2, "lines": ["step=2 loss=0.4"]}, {"pid": 7, "lines": ["after it"]},
+                           {"pid": 7, "lines": ["Traceback (most recent call last):", "ValueError: a real one"]}]
+        # one whose last line never comes hides at most errors.HARMLESS_BLOCK_MOST_LINES lines
+        printed.clear()
+        dispatcher.emit({"pid": 8, "lines": ["Exception ignored in: <function _ClosingIterator.__del__ at 0x1>",
+                                             *[f"line {k}" for k in range(1, 25)]]})
+        assert printed == [{"pid": 8, "lines": [f"line {k}" for k in range(errors.HARMLESS_BLOCK_MOST_LINES, 25)]}]
     finally:
         dispatcher.handlers = before
 

@@ -48,17 +48,40 @@ def quiet_ray_worker():
     logging.getLogger(context_py).setLevel(logging.WARNING)
 
 
+class HarmlessLines:
+    """Which lines of Ray's processes' output to print: not errors.HARMLESS_RAY_LINES, nor the lines of a
+    process's errors.HARMLESS_RAY_BLOCKS (from the line that starts one to its last, however Ray batches them)."""
+
+    def __init__(self):
+        self.inside = {}  # {pid: (how the block's last line starts, lines it may still have)}
+
+    def keep(self, pid, line):
+        if pid in self.inside:
+            end, left = self.inside.pop(pid)
+            if not line.lstrip().startswith(end) and left > 1:
+                self.inside[pid] = (end, left - 1)
+            return False
+        for start, end in errors.HARMLESS_RAY_BLOCKS:
+            if start in line:
+                self.inside[pid] = (end, errors.HARMLESS_BLOCK_MOST_LINES - 1)
+                return False
+        return not any(s in line for s in errors.HARMLESS_RAY_LINES)
+
+
 def hide_harmless_ray_lines():
-    """Keep errors.HARMLESS_RAY_LINES out of the worker output Ray prints on the driver's terminal (they stay in
-    Ray's log files). Through Ray's private log dispatcher: where it is not found, nothing changes."""
+    """Keep errors.HARMLESS_RAY_LINES and HARMLESS_RAY_BLOCKS out of the worker output Ray prints on the driver's
+    terminal (they stay in Ray's log files). Through Ray's private log dispatcher: where it is not found, nothing
+    changes."""
     try:
         from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
     except ImportError:
         return
 
     def filtered(handler):
+        harmless = HarmlessLines()
+
         def handle(data):
-            lines = [line for line in data.get("lines", ()) if not any(s in line for s in errors.HARMLESS_RAY_LINES)]
+            lines = [line for line in data.get("lines", ()) if harmless.keep(data.get("pid"), line)]
             if lines:
                 handler({**data, "lines": lines})
         handle.hides_harmless = True
