@@ -69,16 +69,12 @@ def test_the_latents_are_the_pipelines_and_decode_back(tiny_flux2_model, pipe):
     assert 64 // scaled.shape[-1] == family.vae_downscale(vae.config)
 
 
-def reference_loss(models, pixels, instance_prompt, class_prompt, pipe, prior_loss_weight):
+def test_the_training_loss_is_diffusers_scripts_on_the_same_draws(tiny_flux2_model, make_plan, pipe):
     """diffusers' train_dreambooth_lora_flux2_klein.py's loss, no guidance input (familysteps.flux2_reference_loss)."""
     from diffusers import Flux2KleinPipeline
 
-    return familysteps.flux2_reference_loss(Flux2KleinPipeline, None)(models, pixels, instance_prompt, class_prompt,
-                                                                      pipe, prior_loss_weight)
-
-
-def test_the_training_loss_is_diffusers_scripts_on_the_same_draws(tiny_flux2_model, make_plan, pipe):
-    torch.testing.assert_close(*familysteps.losses(tiny_flux2_model, make_plan, reference_loss, pipe))
+    reference = familysteps.flux2_reference_loss(Flux2KleinPipeline, None)
+    torch.testing.assert_close(*familysteps.losses(tiny_flux2_model, make_plan, reference, pipe))
 
 
 @pytest.mark.slow  # (trains: over a second)

@@ -84,17 +84,13 @@ def test_the_released_tokenizer_without_torchvision_is_refused_in_one_line(tiny_
                         "--class_name", "dog", "--model_name", "flux2-dev"])
 
 
-def reference_loss(models, pixels, instance_prompt, class_prompt, pipe, prior_loss_weight):
+def test_the_training_loss_is_diffusers_scripts_on_the_same_draws_guidance_included(tiny_flux2dev_model, make_plan,
+                                                                                    pipe):
     """diffusers' train_dreambooth_lora_flux2.py's loss (familysteps.flux2_reference_loss), the guidance value (the
     family's default here) an input of the transformer."""
     from diffusers import Flux2Pipeline
 
-    return familysteps.flux2_reference_loss(Flux2Pipeline, family_flux2_dev.FAMILY.guidance_scale)(
-        models, pixels, instance_prompt, class_prompt, pipe, prior_loss_weight)
-
-
-def test_the_training_loss_is_diffusers_scripts_on_the_same_draws_guidance_included(tiny_flux2dev_model, make_plan,
-                                                                                    pipe):
+    reference_loss = familysteps.flux2_reference_loss(Flux2Pipeline, family_flux2_dev.FAMILY.guidance_scale)
     ours, expected = familysteps.losses(tiny_flux2dev_model, make_plan, reference_loss, pipe)
     torch.testing.assert_close(ours, expected)
     # the guidance value reaches the transformer: another one gives another loss
