@@ -60,7 +60,7 @@ def test_round_trip_restores_weights_optimizer_schedule_and_position(make_plan, 
 def test_the_fp16_loss_scale_round_trips(make_plan, step_prompts, tmp_path):
     """fp16's GradScaler: its scale, lowered by the overflows of the steps before (a resumed run that started again at
     the first scale would skip steps the uninterrupted one took). (The every-GPU-option resume, in fp16 over two
-    workers, never overflows in its 4 steps: it cannot see this.)"""
+    workers, passed with the scale's restore removed: its few steps cannot show this.)"""
     state = trained_state(make_plan, step_prompts, steps_taken=0, mixed_precision="fp16")
     state.scaler.scale(torch.ones(1))  # (the scale is made at its first use)
     state.scaler.update(new_scale=torch.tensor(512.0))  # as after 7 overflows
