@@ -1,10 +1,12 @@
 """Runs whose storage is a bucket: a real S3 endpoint on 127.0.0.1 (moto's server), reached the way AWS
 tools reach MinIO or R2 (AWS_ENDPOINT_URL and the AWS_* credentials)."""
 
+import glob
 import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -27,8 +29,9 @@ def test_storage_reads_lists_and_writes_a_bucket_like_a_folder(scheme, request, 
     assert storage.listdir(f"{root}/a") == ["one.json", "sub"] and storage.listdir(f"{root}/none") == []
     assert storage.isdir(f"{root}/a/sub") and storage.isfile(f"{root}/a/one.json")
     assert storage.read_json(f"{root}/a/one.json") == {"step": 3} and storage.size(f"{root}/a/sub/two.txt") == 5
-    local = storage.local_folder(f"{root}/a", str(tmp_path / "copy"))
-    assert open(os.path.join(local, "sub", "two.txt")).read() == "xxxxx"
+    with storage.local_copy(f"{root}/a") as local:  # (a resumed run's checkpoint in a bucket: this node's copy)
+        assert open(os.path.join(local, "sub", "two.txt")).read() == "xxxxx"
+    assert not os.path.exists(local)  # (gone with the block: a real model's checkpoint is gigabytes)
     (tmp_path / "new" / "sub").mkdir(parents=True)
     (tmp_path / "new" / "sub" / "three.txt").write_text("3")
     storage.replace_folder(str(tmp_path / "new"), f"{root}/a", last=None)  # (the old content goes, folders too)
@@ -177,10 +180,13 @@ def test_a_run_in_a_bucket_checkpoints_resumes_from_it_and_ends_like_an_uninterr
     # (the last value of a flag wins: a checkpoint on the way, in the bucket; fewer reports, each copied there)
     args_in_bucket += ["--checkpointing_steps", "12", "--logging_steps", "11"]
     args_in_bucket.remove("--keep_checkpoints")  # (once its model is saved, the resumed run's are removed)
+    copies = os.path.join(tempfile.gettempdir(), "dreambooth-download-*")  # (the workers' copies of the checkpoint)
+    before = set(glob.glob(copies))
     resumed = subprocess.run([sys.executable, "train.py", *args_in_bucket, "--resume_from_checkpoint", "latest"],
                              cwd=REPO_DIR, env=run_env, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming from {remote}/{run}/checkpoint_" in resumed.stderr
+    assert set(glob.glob(copies)) <= before  # each worker's copy of the bucket's checkpoint removed once loaded
     # The model in the bucket, its record last; read back through the cache, it is the uninterrupted run's.
     model = storage.cached(f"s3://{bucket}/models/cut")
     assert outputs.read_output(f"s3://{bucket}/models/cut").record.steps == STOP_STEPS

@@ -192,11 +192,15 @@ def download(uri, folder):
     return folder
 
 
-def local_folder(path, scratch=None):
-    """path itself when local; a remote folder downloaded into scratch (a new temporary folder by default)."""
+@contextlib.contextmanager
+def local_copy(path):
+    """path itself when local; a remote folder downloaded into a temporary folder, removed when the block ends (a
+    checkpoint of a real model is gigabytes: one left behind on each resume fills a node's /tmp)."""
     if not is_remote(path):
-        return path
-    return download(path, scratch or tempfile.mkdtemp(prefix="dreambooth-download-"))
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="dreambooth-download-") as scratch:
+        yield download(path, scratch)
 
 
 def fetch(folder, name, local_dir):
@@ -389,3 +393,4 @@ def ensure_local(*paths):
         if path and path.startswith(root + os.sep):
             scheme, *parts = os.path.relpath(path, root).split(os.sep)
             cached(f"{scheme}://{'/'.join(parts)}")
+

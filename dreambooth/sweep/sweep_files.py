@@ -93,8 +93,8 @@ def copy_model(source, target):
     what was there whole: on a disk through a hidden folder renamed at the end, in a bucket with train.py's
     record written last (a half-copied model is never taken for a whole one)."""
     if storage.is_remote(target):
-        with tempfile.TemporaryDirectory(prefix="dreambooth-") as scratch:  # (a bucket's source: copied here first)
-            storage.replace_folder(storage.local_folder(source, scratch), target, last=files.OUTPUT_MARKER)
+        with storage.local_copy(source) as folder:  # (a bucket's source: copied here first)
+            storage.replace_folder(folder, target, last=files.OUTPUT_MARKER)
         return
     if storage.is_remote(source):
         files.atomic_write_dir(target, lambda tmp: storage.download(source, tmp))

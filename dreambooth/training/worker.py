@@ -121,8 +121,8 @@ def prepare_worker(plan, rank, world, local_world_size):
     elif plan.resume_path:
         with failures.cannot_be_retried(f"loading the checkpoint {plan.resume_path}",
                                         "pass another to --resume_from_checkpoint"):
-            folder = storage.local_folder(plan.resume_path)  # (from a bucket: downloaded)
-            with files.unchanged_while(folder, what="loading the checkpoint", suffixes=None):
+            with storage.local_copy(plan.resume_path) as folder, \
+                    files.unchanged_while(folder, what="loading the checkpoint", suffixes=None):  # (a bucket's: downloaded)
                 checkpoint.load(state, folder, rank)
     if rank == 0:
         released = " (the frozen text encoders left it once the prompts were encoded)" if plan.text_encoded_once else ""
