@@ -393,4 +393,3 @@ def ensure_local(*paths):
         if path and path.startswith(root + os.sep):
             scheme, *parts = os.path.relpath(path, root).split(os.sep)
             cached(f"{scheme}://{'/'.join(parts)}")
-
