@@ -6,7 +6,7 @@
         --train_batch_size=2 --lr=5e-6 --max_train_steps=200 --num_workers=2
 
 The driver (training/driver.py) checks the inputs, plans the steps (planning/), builds the Ray Data pipeline
-and runs `worker.train_fn` on a TorchTrainer; each worker wires the step math of training/steps.py to Ray
+and runs `worker.train_fn` on Ray Train's workers; each worker wires the step math of training/steps.py to Ray
 Train (training/worker.py). Models and their options are in models/networks.py, the checkpoint's contents in
 training/checkpoint.py. fp32 master weights with autocast (bf16 by default on GPUs that have
 it): 5e-6 AdamW updates vanish when the weights themselves are bf16.

@@ -1,5 +1,5 @@
 """The driver of a training run: class images topped up, the plan made (planning.py) and printed, the
-Ray Data stream built, worker.train_fn run on a Ray Train TorchTrainer (restarts from the newest checkpoint,
+Ray Data stream built, worker.train_fn run by Ray Train over torch.distributed (restarts from the newest checkpoint,
 a stop request checkpointing the step each worker is on), then the model saved and the run's records
 written. train.py and the sweep's trials call run()."""
 
@@ -33,7 +33,7 @@ from dreambooth.training import worker
 
 def run(args, stop_step=None):
     """A training run of parsed flags (plan.parse_args): class images topped up, the plan made and
-    printed, train_fn on a TorchTrainer; --notify_url told when it starts, finishes or fails. sweep.py's
+    printed, train_fn on Ray Train's workers; --notify_url told when it starts, finishes or fails. sweep.py's
     trials call it directly."""
     trackers.check_installed(args.report_to)
     if args.score_steps:
@@ -210,7 +210,7 @@ def train_dataset(plan):
 
 
 def run_trainer(plan, train_ds):
-    """TorchTrainer.fit of train_fn over the plan's workers; KeyboardInterrupt when stopped early."""
+    """Ray Train's fit() of train_fn over the plan's workers; KeyboardInterrupt when stopped early."""
     import ray.data
     import ray.train
 

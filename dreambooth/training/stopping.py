@@ -46,12 +46,18 @@ def forget(flag):
 
 
 def trainer_class():
-    """TorchTrainer whose SIGINT and SIGTERM handlers (installed where Ray Train installs its SIGINT one, while
-    fit() runs on the main thread) first ask the workers to checkpoint and stop; a second signal is Ray Train's
-    abort. train_loop_config["stop_flag"] is the run's StopFlag."""
-    from ray.train.torch import TorchTrainer
+    """Ray Train's data-parallel trainer over torch.distributed (process_group: TorchTrainer's set-up without torch in
+    the driver and the controller) whose SIGINT and SIGTERM handlers (installed where Ray Train installs its SIGINT
+    one, while fit() runs on the main thread) first ask the workers to checkpoint and stop; a second signal is Ray
+    Train's abort. train_loop_config["stop_flag"] is the run's StopFlag."""
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
-    class StoppableTrainer(TorchTrainer):
+    from dreambooth.training import process_group
+
+    class StoppableTrainer(DataParallelTrainer):
+        def __init__(self, train_loop_per_worker, **kwargs):
+            super().__init__(train_loop_per_worker, backend_config=process_group.ProcessGroupConfig(), **kwargs)
+
         def _register_sigint_handler(self, controller):
             super()._register_sigint_handler(controller)
             install_handlers(self.train_loop_config["stop_flag"], signal.getsignal(signal.SIGINT))
