@@ -364,6 +364,7 @@ def test_a_failed_run_names_its_cause_in_one_line():
     assert driver.failure_cause(ControllerError(OSError("disk full"))).endswith("disk full")
 
 
+@pytest.mark.slow  # (a fresh interpreter, 3 s)
 def test_the_trainer_is_built_and_its_process_group_config_read_without_torch():
     """The driver builds the trainer and Ray Train's controller unpickles its backend config (process_group) without
     importing torch (1.6 s of CPU in each, before a run's first step; TorchTrainer's config imports it); the workers
