@@ -26,13 +26,6 @@ def on_worker(name, *args, **kwargs):
     return getattr(config, name)(*args, **kwargs)
 
 
-def set_master(addr, port):
-    """torch.distributed's env:// rendezvous: rank 0's address, in each worker's environment."""
-    import os
-
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
-
-
 class DeviceContext:
     """TorchConfig's context around train_fn (each worker's CUDA device made the current one), entered in the worker."""
 
@@ -85,10 +78,11 @@ class ProcessGroupBackend(Backend):
     def on_start(self, worker_group, backend_config):
         import ray
         from ray.train._internal.utils import get_address_and_port
+        from ray.train._internal.utils import update_env_vars
 
         backend = backend_name(backend_config.backend, worker_group.get_resources_per_worker())
         addr, port = worker_group.execute_single(0, get_address_and_port)
-        worker_group.execute(set_master, addr, port)
+        worker_group.execute(update_env_vars, {"MASTER_ADDR": addr, "MASTER_PORT": port})  # (env:// rendezvous)
         worker_group.execute(on_worker, "_set_torch_distributed_env_vars")  # (RANK, LOCAL_RANK, WORLD_SIZE, ...)
         ray.get([worker_group.execute_single_async(rank, on_worker, "_setup_torch_process_group", backend=backend,
                                                    world_rank=rank, world_size=len(worker_group), init_method="env://",
