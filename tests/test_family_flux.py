@@ -206,17 +206,17 @@ def test_lora_trains_over_an_nf4_base_under_bf16(flux_run, tmp_path):
 @pytest.mark.slow
 def test_lora_on_ray_resumed_ends_on_the_uninterrupted_weights_and_draws(ray_session, tiny_flux_model,
                                                                                  toy_images, tmp_path, capfd):
-    """train.py on Ray: with 2 workers a LoRA run cut at step 2 (as the sweep stops a trial), drawing validation
-    samples on the way, and resumed ends on exactly the adapters of the uninterrupted 4-step run. (1 worker, and
-    generate.py drawing with the adapters: test_dreambooth_run's Flux run; evaluate.py: test_sweep's Flux sweep.)"""
+    """train.py on Ray: with 2 workers the uninterrupted 4-step LoRA run, drawing validation samples at every step,
+    keeps its checkpoint of step 2; that checkpoint resumed into a new output without samples ends on exactly the
+    uninterrupted run's adapters (the samples drawn on the way changed nothing). (1 worker, and generate.py drawing
+    with the adapters: test_dreambooth_run's Flux run; evaluate.py: test_sweep's Flux sweep.)"""
     from safetensors.torch import load_file
 
     from dreambooth import errors
     from dreambooth import files
     from dreambooth.commands import generate
     from dreambooth.commands import train
-    from dreambooth.planning import planning
-    from dreambooth.training import driver
+    from dreambooth.planning import checkpoints
 
     def argv(name):
         return ["--model_dir", tiny_flux_model, "--instance_images_dir", toy_images, "--instance_prompt",
@@ -224,14 +224,15 @@ def test_lora_on_ray_resumed_ends_on_the_uninterrupted_weights_and_draws(ray_ses
                 "--checkpointing_steps", "2", "--output_dir", str(tmp_path / name),
                 "--storage_path", str(tmp_path / f"runs-{name}")]
 
-    whole = train.main(argv("whole"))
+    sampling = ["--validation_prompt", "a toy", "--num_validation_images", "1", "--validation_inference_steps", "2",
+                "--validation_steps", "1"]
+    whole = train.main([*argv("whole"), *sampling, "--keep_checkpoints", "--checkpoints_total_limit", "2"])
     assert whole.metrics["step"] == 4
-    driver.run(planning.parse_args([*argv("cut"), "--validation_prompt", "a toy", "--num_validation_images", "1",
-                                    "--validation_inference_steps", "2", "--validation_steps", "1"]), stop_step=2)
-    timelines = list((tmp_path / "runs-cut").glob(f"*/{validation.FOLDER}/{validation.TIMELINE}"))
-    assert len(timelines) == 1 and len(list(timelines[0].parent.glob("step-*/a-toy-00000.png"))) == 2
+    timelines = list((tmp_path / "runs-whole").glob(f"*/{validation.FOLDER}/{validation.TIMELINE}"))
+    assert len(timelines) == 1 and len(list(timelines[0].parent.glob("step-*/a-toy-00000.png"))) == 4
+    step_2 = checkpoints.by_step(str(tmp_path / "runs-whole"), "whole")[2]
     capfd.readouterr()
-    resumed = train.main([*argv("cut"), "--resume_from_checkpoint", "latest"])
+    resumed = train.main([*argv("cut"), "--resume_from_checkpoint", step_2])
     assert resumed.metrics["step"] == 4 and "resuming from" in capfd.readouterr().err  # steps 3 and 4 only
     a = load_file(str(tmp_path / "whole" / files.LORA_WEIGHTS_FILE))
     b = load_file(str(tmp_path / "cut" / files.LORA_WEIGHTS_FILE))
@@ -323,8 +324,8 @@ def test_a_full_fine_tune_sharded_across_two_workers_resumes_to_the_same_weights
     """--fsdp on Ray with 2 workers (gloo on CPU, the code NCCL runs on GPUs): the transformer sharded per block,
     checkpoints written whole by rank 0 and spread again on resume; the run's checkpoint of step 2 resumed into a
     new output ends on exactly the uninterrupted run's weights; validation samples drawn by both ranks together;
-    the output is a FluxPipeline whose transformer moved and whose text encoders did not. (A run cut by
-    driver.run's stop_step, as the sweep cuts a trial, then resumed: the LoRA tests on Ray, Flux.1's and SD 3.5's.)"""
+    the output is a FluxPipeline whose transformer moved and whose text encoders did not. (The same resume of LoRA
+    adapters: the LoRA tests on Ray, Flux.1's and SD 3.5's.)"""
     from diffusers import FluxPipeline
     from safetensors.torch import load_file
     from test_recovery import logged_losses

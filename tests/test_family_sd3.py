@@ -147,9 +147,9 @@ def test_validation_samples_are_what_generate_draws_from_the_same_weights(tiny_s
 def test_lora_on_two_workers_resumed_ends_on_the_uninterrupted_weights_and_draws(ray_session, tiny_sd3_model,
                                                                                   toy_images, tmp_path, capfd):
     """train.py on Ray with 2 workers: the uninterrupted 4-step LoRA run's checkpoint of step 2, resumed into a new
-    output, ends on exactly that run's adapters. (A run cut by driver.run's stop_step, as the sweep stops a trial,
-    then resumed: Flux.1's LoRA test on Ray; generate.py drawing with SD 3.5 adapters: test_sweep's SD 3.5 sweep,
-    whose scores draw each trial's adapters on generate's actor pool.)"""
+    output, ends on exactly that run's adapters. (With validation samples drawn on the way: Flux.1's LoRA test on
+    Ray; a run stopped by a signal, then resumed: test_recovery; generate.py drawing with SD 3.5 adapters: test_sweep's
+    SD 3.5 sweep, whose scores draw each trial's adapters on generate's actor pool.)"""
     from safetensors.torch import load_file
 
     from dreambooth import files

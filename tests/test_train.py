@@ -57,19 +57,39 @@ def weights_differ(a, b):
     return any(not torch.equal(v, b.state_dict()[k]) for k, v in a.state_dict().items())
 
 
+HUB_NAME = "CompVis/stable-diffusion-v1-4"  # (as diffusers' command lines name the model)
+
+
 @pytest.fixture(scope="module")
-def class_images(ray_session, tiny_model, tmp_path_factory):
+def hub_cache(tiny_model, tmp_path_factory):
+    """(hub cache folder, snapshot): the tiny model as the hub's client caches HUB_NAME at our pinned revision."""
+    import shutil
+
+    from dreambooth.models import known_models
+    from dreambooth.models import modelcache
+
+    cache = tmp_path_factory.mktemp("hub")
+    snapshot = modelcache.hub_snapshot_path(str(cache), HUB_NAME, known_models.known_model("sd14").revision)
+    shutil.copytree(tiny_model, snapshot)
+    return str(cache), snapshot
+
+
+@pytest.fixture(scope="module")
+def class_images(ray_session, hub_cache, tmp_path_factory):
+    """Class images of the hub cache's snapshot (the base model the tests below train)."""
     from dreambooth.commands import generate
 
     out = tmp_path_factory.mktemp("images-reg")
-    generate.main(["--model_dir", tiny_model, "--output_dir", str(out), "--prompts", "photo of a toy",
+    generate.main(["--model_dir", hub_cache[1], "--output_dir", str(out), "--prompts", "photo of a toy",
                    "--num_samples_per_prompt", "6", "--num_inference_steps", "2"])
     return str(out)
 
 
 @pytest.mark.slow
-def test_train_two_workers_saves_a_changed_loadable_pipeline(ray_session, tiny_model, toy_images, class_images,
-                                                             tmp_path, monkeypatch, capfd, webhook):
+def test_train_two_workers_saves_a_changed_loadable_pipeline(ray_session, tiny_model, hub_cache, toy_images,
+                                                             class_images, tmp_path, monkeypatch, capfd, webhook):
+    """Also the model named as diffusers' command lines name it, on the hub: found in the local hub cache, no
+    download; prompts with commas (the validation images' file names)."""
     import shutil
     import sys
 
@@ -77,6 +97,10 @@ def test_train_two_workers_saves_a_changed_loadable_pipeline(ray_session, tiny_m
     from diffusers import DiffusionPipeline
     from PIL import Image
 
+    from dreambooth.models import modelcache
+
+    cache, snapshot = hub_cache
+    monkeypatch.setenv("HF_HUB_CACHE", cache)
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a terminal: rank 0 draws the progress bar
     # --enable_bucket: the square toy photos, a portrait and a landscape one; each batch one bucket
     photos = tmp_path / "photos"
@@ -85,14 +109,15 @@ def test_train_two_workers_saves_a_changed_loadable_pipeline(ray_session, tiny_m
     for name, size in (("tall.png", (120, 48)), ("wide.png", (40, 90))):
         Image.fromarray(rng.integers(0, 255, (*size, 3), dtype=np.uint8)).save(photos / name)
     out = tmp_path / "model-tuned"
-    result = train.main(["--model_dir", tiny_model, "--output_dir", str(out), "--instance_images_dir", str(photos),
-                         "--enable_bucket",
-                         "--instance_prompt", "photo of unqtkn toy", "--class_images_dir", class_images,
+    result = train.main(["--pretrained_model_name_or_path", HUB_NAME, "--output_dir", str(out),
+                         "--instance_data_dir", str(photos), "--enable_bucket",
+                         "--instance_prompt", "photo of unqtkn toy, on a table", "--class_images_dir", class_images,
                          "--class_prompt", "photo of a toy", "--train_batch_size", "2", "--lr", "1e-4",
                          "--num_epochs", "4", "--max_train_steps", "5", "--num_workers", "2",
                          "--logging_steps", "2", "--checkpointing_steps", "3", "--report_to", "all",
                          "--notify_url", webhook.url,
-                         "--checkpoints_total_limit", "2", "--keep_checkpoints", "--validation_prompt", "photo of unqtkn toy", "--num_validation_images", "3",
+                         "--checkpoints_total_limit", "2", "--keep_checkpoints",
+                         "--validation_prompt", "photo of unqtkn toy, oil painting", "--num_validation_images", "3",
                          "--validation_inference_steps", "2"])
     assert result.metrics["step"] == 5 and result.metrics["loss"] > 0
     assert result.metrics["images_per_s"] > 0
@@ -104,7 +129,8 @@ def test_train_two_workers_saves_a_changed_loadable_pipeline(ray_session, tiny_m
     assert weights_differ(tuned.unet, base.unet)
     assert weights_differ(tuned.text_encoder, base.text_encoder)
     assert not weights_differ(tuned.vae, base.vae)
-    assert os.path.isfile(out / files.OUTPUT_MARKER)
+    assert os.path.isfile(out / files.OUTPUT_MARKER) and outputs.read_output(str(out)).base_model == snapshot
+    assert modelcache.resolve_model_name("sd14") == snapshot
     assert all(f.endswith((".json", ".safetensors", ".txt", ".toml")) for _, _, fs in os.walk(out) for f in fs)
     assert os.path.isfile(out / outputs.TRAIN_CONFIG)
     assert modes_not_as_umask(out) == [] and modes_not_as_umask(result.path) == []  # the model, the checkpoints
@@ -126,7 +152,7 @@ def test_train_two_workers_saves_a_changed_loadable_pipeline(ray_session, tiny_m
     assert len(scalars["train/lr"]) == len(scalars["train/images_per_s"]) == 4
     # Validation at the checkpoint steps (3 and the end): 3 images each, drawn by both ranks.
     samples = os.path.join(result.path, "validation")
-    names = [f"photo-of-unqtkn-toy-{i:05d}.png" for i in range(3)]
+    names = [f"photo-of-unqtkn-toy-oil-painting-{i:05d}.png" for i in range(3)]  # one prompt, commas and all
     assert sorted(os.listdir(samples)) == ["step-3", "step-5", "timeline.png"]
     assert all(sorted(os.listdir(os.path.join(samples, s))) == names for s in ("step-3", "step-5"))
     assert images_logged(os.path.join(result.path, "tensorboard")) == {f"validation/{n}": [3, 5] for n in names}
@@ -146,7 +172,7 @@ def test_train_two_workers_saves_a_changed_loadable_pipeline(ray_session, tiny_m
     assert record["mlflow"]["tracking_uri"] == f"sqlite:///{tmp_path}/ray_results/mlflow.db"
     history = client.get_metric_history(record["mlflow"]["run_id"], "train/images_per_s")
     assert [m.step for m in history] == [2, 3, 4, 5] and all(m.value > 0 for m in history)
-    assert client.get_run(record["mlflow"]["run_id"]).data.params["instance_prompt"] == "photo of unqtkn toy"
+    assert client.get_run(record["mlflow"]["run_id"]).data.params["instance_prompt"] == "photo of unqtkn toy, on a table"
     # The webhook heard the start and the end (with the final loss), and no URL reached the run's files.
     assert [body["event"] for _, body in webhook.received] == ["started", "finished"]
     assert webhook.received[1][1]["loss"] == pytest.approx(result.metrics["loss"])
@@ -154,8 +180,8 @@ def test_train_two_workers_saves_a_changed_loadable_pipeline(ray_session, tiny_m
 
 
 @pytest.mark.slow
-def test_cached_latents_frozen_text_encoder_and_loss_options(ray_session, tiny_model, toy_images, class_images,
-                                                             tmp_path, capfd):
+def test_cached_latents_frozen_text_encoder_and_loss_options(ray_session, tiny_model, hub_cache, toy_images,
+                                                             class_images, tmp_path, capfd):
     """Also captions (half of them dropped for the empty prompt, embedded once with the others), a
     photo's mask with the cached latents, the schedule and the loss options: they travel in the Plan
     to the workers."""
@@ -173,7 +199,7 @@ def test_cached_latents_frozen_text_encoder_and_loss_options(ray_session, tiny_m
     mask.paste(255, (0, 0, mask.size[0] // 2, mask.size[1]))
     mask.save(own / "toy-3.mask.png")
     out = tmp_path / "model-cached"
-    result = train.main(["--model_dir", tiny_model, "--output_dir", str(out), "--instance_images_dir", str(own),
+    result = train.main(["--model_dir", hub_cache[1], "--output_dir", str(out), "--instance_images_dir", str(own),
                          "--instance_prompt", "photo of unqtkn toy", "--class_images_dir", class_images,
                          "--class_prompt", "photo of a toy", "--num_workers", "2", "--max_train_steps", "3",
                          "--lr", "1e-4", "--cache_latents", "--random_flip", "--no-train_text_encoder",
@@ -204,47 +230,6 @@ def test_cached_latents_frozen_text_encoder_and_loss_options(ray_session, tiny_m
             return [json.loads(line)["loss"] for line in f]
 
     assert losses(again) == losses(result)
-
-
-@pytest.mark.slow
-def test_a_hub_name_in_the_hub_cache_trains_offline(ray_session, tiny_model, toy_images, tmp_path, monkeypatch):
-    """diffusers' command lines name the model on the hub: found in the local hub cache, no download."""
-    import shutil
-
-    from dreambooth.models import known_models
-    from dreambooth.models import modelcache
-
-    cache = tmp_path / "hub"
-    name, revision = "CompVis/stable-diffusion-v1-4", known_models.known_model("sd14").revision
-    snapshot = modelcache.hub_snapshot_path(str(cache), name, revision)
-    shutil.copytree(tiny_model, snapshot)
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    out = tmp_path / "model-tuned"
-    result = train.main(["--pretrained_model_name_or_path", name, "--output_dir", str(out),
-                         "--instance_data_dir", toy_images, "--instance_prompt", "photo of unqtkn toy, on a table",
-                         "--max_train_steps", "2", "--validation_prompt", "photo of unqtkn toy, oil painting",
-                         "--num_validation_images", "1", "--validation_inference_steps", "2"])
-    assert result.metrics["step"] == 2
-    assert outputs.read_output(str(out)).base_model == snapshot
-    assert sorted(os.listdir(os.path.join(result.path, "validation", "step-2"))) == [
-        "photo-of-unqtkn-toy-oil-painting-00000.png"]  # one prompt, commas and all
-    assert modelcache.resolve_model_name("sd14") == snapshot
-
-def test_plot_metrics_draws_loss_and_lr_against_step(tmp_path):
-    import numpy as np
-    from PIL import Image
-
-    metrics = tmp_path / runlog.METRICS_FILE
-    assert runlog.plot_metrics(str(metrics)) is None
-    metrics.write_text("".join(json.dumps({"step": s, "loss": 1 / s, "lr": 1e-5 * min(1, s / 20)}) + "\n"
-                               for s in (30, 10, 20, 40)))
-    path = runlog.plot_metrics(str(metrics))
-    assert path == str(tmp_path / "loss.png")
-    pixels = np.asarray(Image.open(path).convert("RGB")).astype(int)
-    assert pixels.shape == (450, 800, 3)
-    blue = (pixels[..., 2] > 150) & (pixels[..., 0] < 100)  # the loss curve
-    orange = (pixels[..., 0] > 200) & (pixels[..., 1] > 100) & (pixels[..., 1] < 180) & (pixels[..., 2] < 80)
-    assert blue.sum() > 200 and orange.sum() > 200
 
 
 def test_lora_output_is_what_diffusers_load_lora_weights_reads(lora_output, tiny_model):

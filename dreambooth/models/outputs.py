@@ -82,7 +82,7 @@ class TrainRecord:
     @classmethod
     def of_plan(cls, plan):
         """The record of a model saved now at the plan's end step, with a new model id."""
-        return cls(plan.model_dir, plan.end_step, plan.instance_prompt, plan.class_prompt, plan.vae_dir,
+        return cls(plan.model_dir, plan.total_steps, plan.instance_prompt, plan.class_prompt, plan.vae_dir,
                    LoraSettings.of(plan.use_lora, plan.lora_rank, plan.lora_alpha, plan.adapter),
                    plan.ema_decay if plan.use_ema else None, tuple(plan.held_out),
                    new_model_id(), plan.run_name, plan.identity,

@@ -96,7 +96,6 @@ class Plan:
     seed: int
     steps_per_epoch: int
     total_steps: int
-    stop_step: int | None  # sweep.py's early stopping: end this run at that step, the schedule still over total_steps
     stream_epochs: int  # epochs of rows in the training stream
     # Ray
     num_workers: int  # the most workers (a step trains num_workers x gradient_accumulation_steps batches on any number)
@@ -156,14 +155,9 @@ class Plan:
         """Frozen text encoders whose states are computed once: then they leave the device (models/networks.py)."""
         return not self.train_text_encoder and self.precompute_text_embeddings
 
-    @property
-    def end_step(self):
-        """The step this run ends at: total_steps, or stop_step (a later run resumes to total_steps)."""
-        return self.stop_step or self.total_steps
-
     def is_checkpoint_step(self, step):
         """Checkpoints every checkpointing_steps, on the steps scored and at the last step."""
-        return step % self.checkpointing_steps == 0 or step == self.end_step or self.is_score_step(step)
+        return step % self.checkpointing_steps == 0 or step == self.total_steps or self.is_score_step(step)
 
     def own_resources(self):
         """{resource: amount} each worker reserves beside its CPUs and GPUs (--resources_per_worker; {} without)."""
@@ -189,11 +183,11 @@ class Plan:
         without)."""
         if self.score_at:
             return step in self.score_at
-        return bool(self.score_steps) and (step % self.score_steps == 0 or step == self.end_step)
+        return bool(self.score_steps) and (step % self.score_steps == 0 or step == self.total_steps)
 
     def is_validation_step(self, step):
         """Every rank samples its share on the same steps: every validation_steps and at the end."""
-        return bool(self.validation_prompts) and (step % self.validation_steps == 0 or step == self.end_step)
+        return bool(self.validation_prompts) and (step % self.validation_steps == 0 or step == self.total_steps)
 
     def is_report_step(self, step):
         """Every rank reports on the same steps: Ray Train requires matching report calls."""

@@ -228,13 +228,12 @@ def checked_files(args, draw_class_images):
     return family, argparse.Namespace(**{**vars(args), **fetched}) if fetched else args
 
 
-def plan_run(args, cluster_resources, draw_class_images=None, stop_step=None):
+def plan_run(args, cluster_resources, draw_class_images=None):
     """The plan.Plan of a run of derived flags args (left as they are), or UserError naming the first problem.
 
     cluster_resources() -> (CPUs, GPUs) of the Ray cluster; it is called after the checks
     that need only the files, so that a typo or a bad photo costs no Ray start. draw_class_images():
-    tops up the class folder (--num_class_images, on Ray), after the photos are checked. stop_step:
-    end this run there, the schedule still planned over the whole run (sweep.py's early stopping).
+    tops up the class folder (--num_class_images, on Ray), after the photos are checked.
     """
     family, args = checked_files(args, draw_class_images)
     # (a family whose text encoders are all frozen, Qwen-Image's, trains none of them whatever the flag says: the
@@ -272,7 +271,6 @@ def plan_run(args, cluster_resources, draw_class_images=None, stop_step=None):
         "channels_last": use_gpu if args.channels_last is None else args.channels_last,
         "steps_per_epoch": steps_per_epoch,
         "total_steps": total_steps,
-        "stop_step": min(stop_step or total_steps, total_steps),
         "validation_steps": (args.validation_epochs * steps_per_epoch if args.validation_epochs
                              else args.validation_steps),
         "stream_epochs": resources.stream_epochs(found.num_rows, total_steps, step_flags),
@@ -336,7 +334,7 @@ def offline_plan(**fields):
     decided = dict(instance_prompts=(args.instance_prompt,), image_prompt=(),
                    instance_images=(), instance_masks=(), held_out=(), class_images=(), resolution=64, buckets=(),
                    channels_last=False,
-                   steps_per_epoch=1, total_steps=resources.DEFAULT_MAX_TRAIN_STEPS, stop_step=None, stream_epochs=1, use_gpu=False,
+                   steps_per_epoch=1, total_steps=resources.DEFAULT_MAX_TRAIN_STEPS, stream_epochs=1, use_gpu=False,
                    cpus_per_worker=1.0, num_workers=1, run_name="offline", resume_path=None, progress_bar=False,
                    settings_toml="", identity=None, input_stamps=())
     if "family" not in fields:  # the model's own when it is there, else SD 1.x's

@@ -268,12 +268,12 @@ def keep_best(plan, step, why):
     """--keep_best at the end of the run: plan.output_dir's model (the last step's; a bucket's too) replaced by step's,
     kept in the scores folder; its record says which step, its scores and why. The line that says what was saved."""
     output = outputs.read_output(plan.output_dir)
-    last = step == plan.end_step
+    last = step == plan.total_steps
     source = score_record.model_of(plan.run_dir, step)
     if output is None or (not last and not os.path.isdir(source)):
         return (f"--keep_best: step {step}'s model is not on this node (its scoring ran on another): the last step's "
                 f"model is saved in {plan.output_dir}")
-    kept = {"step": step, "of_steps": plan.end_step, "scores": score_record.scores_on_disk(plan.run_dir)[step],
+    kept = {"step": step, "of_steps": plan.total_steps, "scores": score_record.scores_on_disk(plan.run_dir)[step],
             "why": why, outputs.KEPT_SCORES: storage.join(plan.storage_path, plan.run_name, score_record.SCORES_FOLDER)}
     # the scored model's id where the saved weights are its (copied from it; the last step's, where its files hold the
     # same tensors): evaluate.py then takes the images its scoring drew (scoring.scored_image_folders)
@@ -304,7 +304,7 @@ def keep_best(plan, step, why):
 
     outputs.write_output(plan.output_dir, write)
     score_record.keep_models(plan.run_dir, None)
-    return f"saved: step {step}'s model, the best scored, in {plan.output_dir} instead of step {plan.end_step}'s (--keep_best)"
+    return f"saved: step {step}'s model, the best scored, in {plan.output_dir} instead of step {plan.total_steps}'s (--keep_best)"
 
 
 def finish(plan, last_step=None, base_task=None):
@@ -321,12 +321,12 @@ def finish(plan, last_step=None, base_task=None):
     logged, found = runlog.scored_steps(metrics_file), score_record.scores_on_disk(plan.run_dir)
     first = checkpoints.saved_step(plan.resume_path) + 1 if plan.resume_path else 1
     lines = []
-    for step in range(first, (last_step or plan.end_step) + 1):
+    for step in range(first, (last_step or plan.total_steps) + 1):
         if step in found and step not in logged:
             runlog.append_scores(metrics_file, step, found[step])
             lines.append(describe(step, found[step]))
             logged.add(step)
-        elif step == plan.end_step and step not in found:
+        elif step == plan.total_steps and step not in found:
             lines.append(describe(step, None))  # (the last step is always scored: its task failed or timed out)
     scored = sorted(logged)  # (a resumed run's: the earlier run's too)
     if scored:
@@ -337,7 +337,7 @@ def finish(plan, last_step=None, base_task=None):
                      f"{storage.join(run_folder, os.path.basename(plot))} (images and report.md of each in "
                      f"{storage.join(run_folder, score_record.SCORES_FOLDER)})")
     elif last_step is not None and not any(plan.is_score_step(step) for step in range(first, last_step + 1)):
-        due = next(step for step in range(last_step + 1, plan.end_step + 1) if plan.is_score_step(step))
+        due = next(step for step in range(last_step + 1, plan.total_steps + 1) if plan.is_score_step(step))
         lines.append(f"no step was scored: the run stopped at step {last_step}, before step {due}, the first due to be "
                      f"scored (--score_steps {plan.score_steps})")
     else:

@@ -31,7 +31,7 @@ from dreambooth.training import trackers
 from dreambooth.training import worker
 
 
-def run(args, stop_step=None):
+def run(args):
     """A training run of parsed flags (plan.parse_args): class images topped up, the plan made and
     printed, train_fn on Ray Train's workers; --notify_url told when it starts, finishes or fails. sweep.py's
     trials call it directly."""
@@ -40,7 +40,7 @@ def run(args, stop_step=None):
         checkpoint_scores.check_inputs(args)
     began = time.time()
     try:
-        result, plan = train_planned(args, stop_step, lambda text, **fields: notify.send(
+        result, plan = train_planned(args, lambda text, **fields: notify.send(
             args.notify_url, "started", text, **fields))
     except (Exception, KeyboardInterrupt) as err:
         cause = notify.cause_of(err)
@@ -50,9 +50,9 @@ def run(args, stop_step=None):
     if plan is not None:
         loss = (result.metrics or {}).get("loss")
         notify.send(args.notify_url, "finished",
-                    f"DreamBooth run {plan.run_name} finished: {plan.end_step} steps in {time.time() - began:.0f} s"
+                    f"DreamBooth run {plan.run_name} finished: {plan.total_steps} steps in {time.time() - began:.0f} s"
                     + (f", final loss {loss:.4f}" if loss is not None else "") + f"; model in {plan.output_dir}",
-                    run=plan.run_name, steps=plan.end_step, loss=loss, output_dir=plan.output_dir,
+                    run=plan.run_name, steps=plan.total_steps, loss=loss, output_dir=plan.output_dir,
                     seconds=round(time.time() - began, 1))
     return result
 
@@ -68,13 +68,13 @@ def announce(plan, started):
     runfiles.sync_up(plan.storage_path, plan.run_name)
     shown = storage.join(plan.storage_path, plan.run_name, outputs.TRAIN_CONFIG)
     print(f"settings: {shown} (python train.py --config {shown} repeats this run)", file=sys.stderr)
-    started(f"DreamBooth run {plan.run_name} started: {plan.end_step} steps on {plan.workers_said()}"
+    started(f"DreamBooth run {plan.run_name} started: {plan.total_steps} steps on {plan.workers_said()}"
             f"{', resumed from ' + plan.resume_path if plan.resume_path else ''}; model to {plan.output_dir}",
-            run=plan.run_name, steps=plan.end_step, workers=plan.num_workers, output_dir=plan.output_dir)
+            run=plan.run_name, steps=plan.total_steps, workers=plan.num_workers, output_dir=plan.output_dir)
     return shown
 
 
-def train_planned(args, stop_step, started):
+def train_planned(args, started):
     """(result, plan) of run's training, (None, None) when its model is trained; started(text, **fields) once planned."""
     def draw():
         top_up_class_images(args.model_dir, args.class_data_dir, args.class_prompt, args.num_class_images,
@@ -82,7 +82,7 @@ def train_planned(args, stop_step, started):
 
     try:
         plan = planning.plan_run(args, cluster_resources=start_ray,
-                                 draw_class_images=draw if args.num_class_images else None, stop_step=stop_step)
+                                 draw_class_images=draw if args.num_class_images else None)
     except planning.AlreadyTrained as done:
         print(done, file=sys.stderr)
         return None, None
@@ -114,13 +114,13 @@ def train_planned(args, stop_step, started):
     run_folder = storage.join(plan.storage_path, plan.run_name)  # (result.path: the same, without a bucket's scheme)
     saved = (f"the model goes to {plan.output_dir} (--keep_best: the best-scored step's, named below)" if plan.keep_best
              else f"model saved to {plan.output_dir}")
-    print(f"trained {plan.end_step} steps; {loss}; {saved}; checkpoints and {runlog.METRICS_FILE} in {run_folder}",
+    print(f"trained {plan.total_steps} steps; {loss}; {saved}; checkpoints and {runlog.METRICS_FILE} in {run_folder}",
           file=sys.stderr)
     if plan.score_steps:  # (every scoring task has ended: Ray Train waits for them before fit returns)
         for line in checkpoint_scores.finish(plan, base_task=base_task):
             print(line, file=sys.stderr)
         runfiles.sync_up(plan.storage_path, plan.run_name)
-    if not plan.keep_checkpoints and plan.end_step == plan.total_steps:  # (not a sweep stage that goes on)
+    if not plan.keep_checkpoints:
         remove_checkpoints(plan, args.resume_from_checkpoint, run_folder)
     plot = runlog.plot_metrics(storage.fetch(run_folder, runlog.METRICS_FILE, plan.run_dir))
     if plot:
@@ -264,7 +264,7 @@ def run_trainer(plan, train_ds):
             signal.signal(signal.SIGINT, handlers[0])
             signal.signal(signal.SIGTERM, handlers[1])
         stopping.forget(trainer.train_loop_config["stop_flag"])  # (a sweep runs many trials in one driver)
-    if (result.metrics or {}).get("step", 0) < plan.end_step and not saved_by(plan):
+    if (result.metrics or {}).get("step", 0) < plan.total_steps and not saved_by(plan):
         raise KeyboardInterrupt  # an aborted run returns a partial result
     return result
 

@@ -145,7 +145,7 @@ def model_loading(plan, remedy):
 
 
 def step_inputs(plan, batches, rank, world, start):
-    """(micro-batches, their seeds) of this worker for each step from start to plan.end_step. The stream is the same
+    """(micro-batches, their seeds) of this worker for each step from start to plan.total_steps. The stream is the same
     on every run, and a step trains the same blocks of it on any number of workers (steps.step_batches; a resumed
     worker skips the steps before its checkpoint's), each block with its own noise (steps.block_seed)."""
     from dreambooth.training import steps
@@ -154,12 +154,12 @@ def step_inputs(plan, batches, rank, world, start):
     if plan.min_workers and rank == 0:
         print(f"training on {world} of {plan.num_workers} workers (elastic, at least {plan.min_workers}) from step "
               f"{start}: each step still trains {per_step} batches", flush=True)
-    for blocks in steps.step_batches(batches, rank, world, per_step, start, plan.end_step):
+    for blocks in steps.step_batches(batches, rank, world, per_step, start, plan.total_steps):
         yield [batch for _, batch in blocks], [steps.block_seed(plan.seed, block) for block, _ in blocks]
 
 
 def run_steps(plan, state, step_prompts, batches, rank, world, sampler=None, stop=None):
-    """The step loop to plan.end_step: a step per plan.gradient_accumulation_steps micro-batches (steps.step_batches),
+    """The step loop to plan.total_steps: a step per plan.gradient_accumulation_steps micro-batches (steps.step_batches),
     a report (metrics, checkpoint) every --logging_steps/--checkpointing_steps, validation samples
     (sampler's, a validation.Sampler) every --validation_steps. True when it stopped early at a
     checkpoint of the current step because stop (a stopping.StopPoll) said so."""
@@ -169,7 +169,7 @@ def run_steps(plan, state, step_prompts, batches, rank, world, sampler=None, sto
     from dreambooth.training import failures
     from dreambooth.training import steps
 
-    total = plan.end_step
+    total = plan.total_steps
     bar = tqdm_ray.tqdm(total=total, desc="training") if rank == 0 and plan.progress_bar else None
     log = runlog.RunLog(plan, start_step=state.step) if rank == 0 else None
     if bar and state.step:
