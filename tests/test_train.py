@@ -232,6 +232,23 @@ def test_cached_latents_frozen_text_encoder_and_loss_options(ray_session, tiny_m
     assert losses(again) == losses(result)
 
 
+def test_plot_metrics_draws_loss_and_lr_against_step(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    metrics = tmp_path / runlog.METRICS_FILE
+    assert runlog.plot_metrics(str(metrics)) is None
+    metrics.write_text("".join(json.dumps({"step": s, "loss": 1 / s, "lr": 1e-5 * min(1, s / 20)}) + "\n"
+                               for s in (30, 10, 20, 40)))
+    path = runlog.plot_metrics(str(metrics))
+    assert path == str(tmp_path / "loss.png")
+    pixels = np.asarray(Image.open(path).convert("RGB")).astype(int)
+    assert pixels.shape == (450, 800, 3)
+    blue = (pixels[..., 2] > 150) & (pixels[..., 0] < 100)  # the loss curve
+    orange = (pixels[..., 0] > 200) & (pixels[..., 1] > 100) & (pixels[..., 1] < 180) & (pixels[..., 2] < 80)
+    assert blue.sum() > 200 and orange.sum() > 200
+
+
 def test_lora_output_is_what_diffusers_load_lora_weights_reads(lora_output, tiny_model):
     """rank 4 with alpha 8: the loaded adapters must carry their scale (2), not assume 1."""
     from diffusers import StableDiffusionPipeline
