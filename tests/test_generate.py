@@ -75,12 +75,11 @@ def checked_model(tmp_path_factory):
 @pytest.mark.slow
 def test_class_images_skip_the_safety_checker_and_flagged_subject_images_are_not_saved(
         ray_session, checked_model, tmp_path, capsys):
+    """generate.py on a tuned model whose checker flags every image: none saved, a line says so, a rerun draws none
+    again; with --safety_checker off they are. (The same checker's model as a base model, whose class images are
+    drawn without it: test_one_pool_draws_several_models_each_with_its_weights_adapters_and_checker.)"""
     base, tuned = checked_model
     common = ["--prompts", "photo of a dog", "--num_samples_per_prompt", "2", "--num_inference_steps", "2"]
-    generate.main(["--model_dir", base, "--output_dir", str(tmp_path / "reg")] + common)
-    for name in (drawing.image_file_name("photo of a dog", i) for i in range(2)):
-        assert pixels(tmp_path / "reg" / name).max() > 0  # not the checker's black frame
-
     new = tmp_path / "new"
     generate.main(["--model_dir", tuned, "--output_dir", str(new)] + common)
     err = capsys.readouterr().err
@@ -155,9 +154,12 @@ def test_one_pool_draws_several_models_each_with_its_weights_adapters_and_checke
     lora_dir, _ = lora_output
     settings = drawing.ImageSettings(num_inference_steps=2, seed=5)
     prompts = ["photo of a dog", "photo of a cat"]
+    checked_base = outputs.ModelRef(checked_model[0])  # (class images: a base model's, drawn without its checker)
     models = {"base": (outputs.ModelRef(tiny_model), False), "lora": (outputs.ModelRef(tiny_model, lora_dir), False),
-              "checked": (outputs.ModelRef(checked_model[1]), True)}
-    jobs = [drawing.top_up(str(tmp_path / name), model, prompts, 2 if name != "checked" else 1, settings, checker)
+              "checked": (outputs.ModelRef(checked_model[1]), True),
+              "base-with-checker": (checked_base, drawing.use_safety_checker("auto", checked_base))}
+    count = {"checked": 1, "base-with-checker": 1}  # (images per prompt; 2 for the others)
+    jobs = [drawing.top_up(str(tmp_path / name), model, prompts, count.get(name, 2), settings, checker)
             for name, (model, checker) in models.items()]
     drawing.make_images_of(jobs, settings, batch_size=3, num_actors=1)  # batches 2 and 3 mix models
 
@@ -171,14 +173,16 @@ def test_one_pool_draws_several_models_each_with_its_weights_adapters_and_checke
     assert np.abs(pixels(tmp_path / "lora" / dog).astype(int) - pixels(tmp_path / "base" / dog).astype(int)).max() > 10
     assert sorted(os.listdir(tmp_path / "checked")) == sorted(
         [drawing.image_file_name(p, 0) + drawing.FLAGGED_SUFFIX for p in prompts] + [image_records.IMAGES_RECORD])
+    for prompt in prompts:  # the base model's: saved, not the checker's black frame
+        assert pixels(tmp_path / "base-with-checker" / drawing.image_file_name(prompt, 0)).max() > 0
     err = capsys.readouterr().err
-    assert "generating for 3 models on 1 actor(s)" in err
+    assert "generating for 4 models on 1 actor(s)" in err
     assert "2 image(s) flagged by the safety checker were not saved" in err and str(tmp_path / "checked") in err
     # a scoring task draws them in its own process (here=True) with the actor's class: the same files, byte for byte
-    here = [drawing.top_up(str(tmp_path / "here" / name), model, prompts, 2 if name != "checked" else 1, settings,
-                           checker) for name, (model, checker) in models.items()]
+    here = [drawing.top_up(str(tmp_path / "here" / name), model, prompts, count.get(name, 2), settings, checker)
+            for name, (model, checker) in models.items()]
     drawing.make_images_of(here, settings, batch_size=3, num_actors=1, here=True)
-    assert "generating for 3 models in this process" in capsys.readouterr().err
+    assert "generating for 4 models in this process" in capsys.readouterr().err
     for name in models:
         names = sorted(os.listdir(tmp_path / name))
         assert sorted(os.listdir(tmp_path / "here" / name)) == names
