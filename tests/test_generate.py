@@ -73,12 +73,12 @@ def checked_model(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_class_images_skip_the_safety_checker_and_flagged_subject_images_are_not_saved(
-        ray_session, checked_model, tmp_path, capsys):
+def test_a_tuned_models_flagged_images_are_not_saved_unless_the_checker_is_off(ray_session, checked_model, tmp_path,
+                                                                              capsys):
     """generate.py on a tuned model whose checker flags every image: none saved, a line says so, a rerun draws none
     again; with --safety_checker off they are. (The same checker's model as a base model, whose class images are
     drawn without it: test_one_pool_draws_several_models_each_with_its_weights_adapters_and_checker.)"""
-    base, tuned = checked_model
+    _, tuned = checked_model
     common = ["--prompts", "photo of a dog", "--num_samples_per_prompt", "2", "--num_inference_steps", "2"]
     new = tmp_path / "new"
     generate.main(["--model_dir", tuned, "--output_dir", str(new)] + common)
