@@ -278,6 +278,10 @@ stopped() {
 }
 trap 'stopped SIGINT 130' INT
 trap 'stopped SIGTERM 143' TERM
+# bash runs those traps once the step ends only when the signal found it inside its wait for the step: one that
+# lands a moment before or after stays pending, and set -e ends the script first, on the step's status, without
+# the line (seen once in a hundred runs). The step's own status says it stopped (130, 143): the same line then.
+trap 'case $? in 130) stopped SIGINT 130 ;; 143) stopped SIGTERM 143 ;; esac' ERR
 
 # One Ray cluster for every step (each script would otherwise start and stop its own, seconds each):
 # the cluster RAY_ADDRESS names is joined and left running; else one starts here and stops when this
