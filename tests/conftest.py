@@ -490,6 +490,8 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_sep("=", "CPU per test (tests/cpu_share.py)")
         for line in cpu_share.summary():
             terminalreporter.write_line(line)
+        if os.environ.get("DREAMBOOTH_TESTS_CPU_FILE"):
+            cpu_share.write(os.environ["DREAMBOOTH_TESTS_CPU_FILE"])
     for runs in _RUNS_BESIDE:
         terminalreporter.write_sep("=", "runs beside the tests (their tests, at the end, read them)")
         for line in runs.summary():

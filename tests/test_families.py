@@ -183,38 +183,41 @@ def test_the_sdxl_unet_is_conditioned_on_each_rows_size_and_crop(tiny_sdxl_model
     assert loss(instance_time_ids=cropped, class_time_ids=square) != loss()
 
 
-@pytest.mark.slow
-def test_sdxl_trains_the_unet_and_both_text_encoders_with_a_vae_of_its_own(ray_session, tiny_sdxl_model, toy_images, tmp_path):
-    """The SDXL pipeline end to end on Ray: class images, a full fine-tune of the UNet and both text
-    encoders with validation samples and a VAE of its own. (LoRA on all three, drawn by generate.py at 128 px
-    and exported to kohya's SDXL names: the SDXL script run in test_dreambooth_run; an SDXL run resumed past its
-    end, both text encoders and the moving average in its checkpoint:
-    test_recovery's test_seeded_run_cut_and_resumed_with_every_gpu_option[sdxl].)"""
+@pytest.mark.slow  # (trains: over a second)
+def test_sdxl_trains_the_unet_and_both_text_encoders_with_a_vae_of_its_own(tiny_sdxl_model, train_tiny, tmp_path):
+    """A full SDXL fine-tune's steps (as a worker takes them, without Ray) with a VAE of its own (as SDXL's fp16-fix
+    one is): the UNet and both text encoders trained, the VAE kept as given in the saved model, which loads as
+    StableDiffusionXLPipeline. (On Ray, with validation samples, the same VAE flag and a resume: test_recovery's
+    test_seeded_run_cut_and_resumed_with_every_gpu_option[sdxl]; LoRA on all three, drawn by generate.py at 128 px
+    and exported to kohya's SDXL names: the SDXL script run in test_dreambooth_run.)"""
+    from diffusers import AutoencoderKL
     from diffusers import StableDiffusionXLPipeline
 
-    from dreambooth.commands import train
+    from dreambooth.models import outputs
 
-    _, common = class_images_and_train_args(tiny_sdxl_model, toy_images, tmp_path)
-    # A VAE of its own (as SDXL's fp16-fix one is): trained with, and kept in the saved model.
-    from diffusers import AutoencoderKL
-
-    vae = AutoencoderKL.from_pretrained(tiny_sdxl_model, subfolder="vae")
-    with torch.no_grad():
-        for weight in vae.parameters():
-            weight.add_(0.01)
-    vae.save_pretrained(tmp_path / "own-vae")
-    common += ["--pretrained_vae_model_name_or_path", str(tmp_path / "own-vae")]
+    own_vae = vae_of_its_own(tiny_sdxl_model, tmp_path / "own-vae")
     out = tmp_path / "tuned"
-    tuned_run = train.main([*common, "--output_dir", str(out), "--max_train_steps", "3",
-                            "--validation_prompt", "photo of unqtkn toy", "--num_validation_images", "1",
-                            "--validation_inference_steps", "2"])
-    assert tuned_run.metrics["step"] == 3
-    assert os.listdir(os.path.join(tuned_run.path, "validation", "step-3")) == ["photo-of-unqtkn-toy-00000.png"]
+    plan, state, losses = train_tiny(tiny_sdxl_model, steps_taken=2, output_dir=str(out), vae_dir=str(own_vae))
+    assert len(losses) == 2 and all(loss > 0 for loss in losses)
+    outputs.save_pipeline(state.models, plan)
     tuned, base = (StableDiffusionXLPipeline.from_pretrained(m) for m in (str(out), tiny_sdxl_model))
-    assert all(torch.equal(v, vae.state_dict()[k]) for k, v in tuned.vae.state_dict().items())
+    given = AutoencoderKL.from_pretrained(own_vae).state_dict()
+    assert all(torch.equal(v, given[k]) for k, v in tuned.vae.state_dict().items())
     for part in ("unet", "text_encoder", "text_encoder_2"):
         changed = getattr(tuned, part).state_dict()
         assert any(not torch.equal(v, getattr(base, part).state_dict()[k]) for k, v in changed.items()), part
+
+
+def vae_of_its_own(model_dir, folder):
+    """The model's VAE with every weight moved by 0.01, saved in folder (--pretrained_vae_model_name_or_path)."""
+    from diffusers import AutoencoderKL
+
+    vae = AutoencoderKL.from_pretrained(model_dir, subfolder="vae")
+    with torch.no_grad():
+        for weight in vae.parameters():
+            weight.add_(0.01)
+    vae.save_pretrained(folder)
+    return folder
 
 
 @pytest.mark.slow  # (trains: over a second)

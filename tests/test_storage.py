@@ -186,6 +186,8 @@ def test_a_run_in_a_bucket_checkpoints_resumes_from_it_and_ends_like_an_uninterr
                              cwd=REPO_DIR, env=run_env, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming from {remote}/{run}/checkpoint_" in resumed.stderr
+    # (a finished 2-step run, continued to more steps under a schedule that does not depend on the length)
+    assert f"--max_train_steps 2 -> {STOP_STEPS}: continuing that run" in resumed.stderr
     assert set(glob.glob(copies)) <= before  # each worker's copy of the bucket's checkpoint removed once loaded
     # The model in the bucket, its record last; read back through the cache, it is the uninterrupted run's.
     model = storage.cached(f"s3://{bucket}/models/cut")
