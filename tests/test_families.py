@@ -66,52 +66,41 @@ def drawn_size(folder, name):
         return image.size
 
 
-def class_images_and_train_args(model, toy_images, tmp_path):
-    """Two class images drawn by generate.py with model, and the train.py flags the family tests share."""
+def class_images_drawn(model, tmp_path):
+    """Two class images drawn by generate.py with model (its folder)."""
     from dreambooth.commands import generate
 
     class_dir = tmp_path / "class"
     generate.main(["--model_dir", model, "--output_dir", str(class_dir), "--prompts", "photo of a toy",
                    "--num_samples_per_prompt", "2", "--num_inference_steps", "2"])
-    return class_dir, ["--model_dir", model, "--instance_images_dir", toy_images,
-                       "--instance_prompt", "photo of unqtkn toy", "--class_images_dir", str(class_dir),
-                       "--class_prompt", "photo of a toy", "--num_workers", "1", "--lr", "1e-4",
-                       "--storage_path", str(tmp_path / "runs"), "--checkpointing_steps", "2"]
+    return class_dir
 
 
-def lora_trained(common, tmp_path):
-    """The adapters' folder of a --use_lora run of 2 steps."""
-    from dreambooth.commands import train
+def drawn_here(model, lora_dir, folder):
+    """The size of one image drawn with lora_dir's adapters on model, in this process by generate's own drawing (the
+    actor pool's class: drawing.make_images_of(here=True), which test_generate checks draws the pool's files)."""
+    from dreambooth.generation import drawing
+    from dreambooth.models import outputs
 
-    lora = tmp_path / "lora"
-    train.main([*common, "--output_dir", str(lora), "--max_train_steps", "2", "--use_lora"])
-    return lora
-
-
-def lora_trained_and_drawn(model, common, tmp_path):
-    """lora_trained, then one image drawn by generate.py with its adapters on model: (the adapters' folder, the
-    image's size)."""
-    from dreambooth.commands import generate
-
-    lora = lora_trained(common, tmp_path)
-    drawn = tmp_path / "drawn"
-    generate.main(["--model_dir", model, "--lora_weights_dir", str(lora), "--output_dir", str(drawn),
-                   "--prompts", "photo of unqtkn toy", "--num_samples_per_prompt", "1", "--num_inference_steps", "2"])
-    return lora, drawn_size(drawn, "photo-of-unqtkn-toy-00000.png")
+    settings = drawing.ImageSettings(num_inference_steps=2)
+    job = drawing.top_up(str(folder), outputs.ModelRef(model, str(lora_dir)), ["photo of unqtkn toy"], 1, settings,
+                         False)
+    drawing.make_images_of([job], settings, batch_size=1, num_actors=1, here=True)
+    return drawn_size(folder, "photo-of-unqtkn-toy-00000.png")
 
 
 @pytest.mark.slow
-def test_sd2_v_trains_and_draws_at_its_own_resolution(ray_session, tiny_sd2v_model, toy_images, tmp_path, train_tiny):
-    """generate.py draws its class images at 96 px (the model's size, not SD 1.x's); train.py trains
-    a LoRA on them on Ray, whose adapters draw again at 96 px; a full fine-tune's steps (as a worker takes them,
-    without Ray: every full run on Ray is SD 1.x's code too) save a pipeline that loads as SD 2.x v-prediction. (A
-    run resumed past its end, whose checkpoint holds the same UNet and text encoder as SD 1.x's: test_recovery's
-    test_seeded_run_cut_and_resumed_with_every_gpu_option, SD 1.x and SDXL.)"""
+def test_sd2_v_trains_and_draws_at_its_own_resolution(ray_session, tiny_sd2v_model, tmp_path, train_tiny):
+    """generate.py draws its class images at 96 px (the model's size, not SD 1.x's); a full fine-tune's steps and a
+    LoRA's (as a worker takes them, without Ray: every run on Ray is SD 1.x's code too) save a pipeline that loads as
+    SD 2.x v-prediction, and adapters that draw again at 96 px. (A run resumed past its end, whose checkpoint holds
+    the same UNet and text encoder as SD 1.x's: test_recovery's test_seeded_run_cut_and_resumed_with_every_gpu_option,
+    SD 1.x and SDXL.)"""
     from diffusers import StableDiffusionPipeline
 
     from dreambooth.models import outputs
 
-    class_dir, common = class_images_and_train_args(tiny_sd2v_model, toy_images, tmp_path)
+    class_dir = class_images_drawn(tiny_sd2v_model, tmp_path)
     assert drawn_size(class_dir, "photo-of-a-toy-00000.png") == (96, 96)
     out = tmp_path / "tuned"
     plan, state, losses = train_tiny(tiny_sd2v_model, steps_taken=2, output_dir=str(out), learning_rate=1e-3)
@@ -123,9 +112,11 @@ def test_sd2_v_trains_and_draws_at_its_own_resolution(ray_session, tiny_sd2v_mod
     assert tuned.text_encoder.config.hidden_act == "gelu" and tuned.unet.config.use_linear_projection
     assert any(not torch.equal(v, base.unet.state_dict()[k]) for k, v in tuned.unet.state_dict().items())
 
-    lora, size = lora_trained_and_drawn(tiny_sd2v_model, common, tmp_path)
-    assert size == (96, 96)
+    lora = tmp_path / "lora"
+    plan, state, _ = train_tiny(tiny_sd2v_model, steps_taken=2, output_dir=str(lora), use_lora=True)
+    outputs.save_pipeline(state.models, plan)
     assert os.path.isfile(lora / files.LORA_WEIGHTS_FILE)
+    assert drawn_here(tiny_sd2v_model, lora, tmp_path / "drawn") == (96, 96)
 
 
 def test_sdxl_time_ids_are_each_photos_true_size_and_crop():
