@@ -121,8 +121,8 @@ def test_killed_generation_rerun_gives_exactly_the_uninterrupted_images(ray_sess
     assert 2 <= len(made) < 10
     (cut / (made[0] + ".tmp-99999")).write_bytes(b"half an image")  # as a kill mid-write leaves it
 
-    for folder in (cut, tmp_path / "whole"):  # the rerun and the uninterrupted run, on this session's Ray
-        generate.main(flags(folder))
+    generate.main(flags(cut))  # the rerun, on this session's Ray
+    uninterrupted_images_here(tiny_model, tmp_path / "whole")
     names = sorted(f for f in os.listdir(cut) if f.endswith(".png"))
     assert names == sorted(f for f in os.listdir(tmp_path / "whole") if f.endswith(".png"))
     assert len(names) == 10
@@ -130,6 +130,21 @@ def test_killed_generation_rerun_gives_exactly_the_uninterrupted_images(ray_sess
         a = np.asarray(Image.open(cut / name).convert("RGB"), dtype=int)
         b = np.asarray(Image.open(tmp_path / "whole" / name).convert("RGB"), dtype=int)
         np.testing.assert_allclose(a, b, atol=1)
+
+
+def uninterrupted_images_here(model_dir, folder):
+    """The 10 images of test_killed_generation's flags drawn as generate.main draws them (its settings, top-up and
+    checker), in this process by the pool's own class (drawing.make_images_of(here=True): the pool's files, byte
+    for byte, test_generate): the uninterrupted run, without an actor pool's start."""
+    from dreambooth import families
+    from dreambooth.generation import drawing
+    from dreambooth.models import outputs
+
+    model = outputs.resolve_model(model_dir)
+    settings = drawing.settings_for(drawing.ImageSettings(20, None, None, None, 3, False), families.family_of(model_dir),
+                                    model_dir)
+    job = drawing.top_up(str(folder), model, ["photo of a toy"], 10, settings, drawing.use_safety_checker("auto", model))
+    drawing.make_images_of([job], settings, 1, here=True)
 
 
 def final_weights(folder):
