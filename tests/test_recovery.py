@@ -173,8 +173,9 @@ def test_seeded_run_cut_and_resumed_with_every_gpu_option_ends_with_the_uninterr
     one worker with AOT autograd (the same code of ours; AOT on SDXL's two workers took 38 s more); and the
     moving average of the weights (--use_ema), which the saved model holds, caption dropout, whose
     draws a resumed run continues, and prior preservation by the base model's prediction (a frozen
-    UNet in the autocast precision); SDXL with a VAE of its own, kept in the saved model. (fp16 on a CPU: PyTorch's fp16 convolution backward is 25 to 100x slower
-    than bf16's there: SDXL's tiny step at 128 px 16.7 CPU-s against 0.7, at 64 px 4.9: fp16 in one arm, at 64 px.)
+    UNet in the autocast precision); SDXL with a VAE of its own, kept in the saved model. (fp16 on a CPU:
+    PyTorch's fp16 convolution backward is 25 to 100x slower than bf16's there: SDXL's tiny step at 128 px
+    16.7 CPU-s against 0.7, at 64 px 4.9: fp16 in one arm, at 64 px.)
 
     The same seed gives the same losses (validation sampling in between changes nothing);
     '--resume_from_checkpoint latest' starts fresh when there is nothing to resume, then goes on
