@@ -155,7 +155,7 @@ def test_one_pool_draws_several_models_each_with_its_weights_adapters_and_checke
     checked_base = outputs.ModelRef(checked_model[0])  # (class images: a base model's, drawn without its checker)
     checked_tuned = outputs.ModelRef(checked_model[1])
     models = {"base": (outputs.ModelRef(tiny_model), False), "lora": (outputs.ModelRef(tiny_model, lora_dir), False),
-              "checked": (outputs.ModelRef(checked_model[1]), True),
+              "checked": (checked_tuned, True),
               "base-with-checker": (checked_base, drawing.use_safety_checker("auto", checked_base)),
               "checked-off": (checked_tuned, drawing.use_safety_checker("off", checked_tuned))}
     count = {"checked": 1, "base-with-checker": 1, "checked-off": 1}  # (images per prompt; 2 for the others)
