@@ -11,9 +11,11 @@ from conftest import modes_not_as_umask
 
 from dreambooth import errors
 from dreambooth import files
+from dreambooth.cluster import raycluster
 from dreambooth.commands import train
 from dreambooth.generation import image_records
 from dreambooth.models import outputs
+from dreambooth.planning import planning
 from dreambooth.training import driver
 from dreambooth.training import runlog
 
@@ -199,16 +201,17 @@ def test_cached_latents_frozen_text_encoder_and_loss_options(ray_session, tiny_m
     mask.paste(255, (0, 0, mask.size[0] // 2, mask.size[1]))
     mask.save(own / "toy-3.mask.png")
     out = tmp_path / "model-cached"
-    result = train.main(["--model_dir", hub_cache[1], "--output_dir", str(out), "--instance_images_dir", str(own),
-                         "--instance_prompt", "photo of unqtkn toy", "--class_images_dir", class_images,
-                         "--class_prompt", "photo of a toy", "--num_workers", "2", "--max_train_steps", "3",
-                         "--lr", "1e-4", "--cache_latents", "--random_flip", "--no-train_text_encoder",
-                         "--gradient_accumulation_steps", "2", "--gradient_checkpointing",
-                         "--lr_scheduler", "cosine", "--offset_noise", "--snr_gamma", "5", "--scale_lr",
-                         "--caption_dropout_rate", "0.5", "--masked_loss",
-                         # (the frozen encoders leave the device before the UNet lands: the samples' prompts first)
-                         "--validation_prompt", "a toy", "--num_validation_images", "1",
-                         "--validation_inference_steps", "2", "--validation_steps", "3"])
+    argv = ["--model_dir", hub_cache[1], "--output_dir", str(out), "--instance_images_dir", str(own),
+            "--instance_prompt", "photo of unqtkn toy", "--class_images_dir", class_images,
+            "--class_prompt", "photo of a toy", "--num_workers", "2", "--max_train_steps", "3",
+            "--lr", "1e-4", "--cache_latents", "--random_flip", "--no-train_text_encoder",
+            "--gradient_accumulation_steps", "2", "--gradient_checkpointing",
+            "--lr_scheduler", "cosine", "--offset_noise", "--snr_gamma", "5", "--scale_lr",
+            "--caption_dropout_rate", "0.5", "--masked_loss",
+            # (the frozen encoders leave the device before the UNet lands: the samples' prompts first)
+            "--validation_prompt", "a toy", "--num_validation_images", "1",
+            "--validation_inference_steps", "2", "--validation_steps", "3"]
+    result = train.main(argv)
     assert result.metrics["step"] == 3
     assert os.path.isfile(os.path.join(result.path, "validation", "step-3", "a-toy-00000.png"))
     # Not a terminal (a log file): no progress bar redrawn into it, the step lines are the progress.
@@ -220,16 +223,18 @@ def test_cached_latents_frozen_text_encoder_and_loss_options(ray_session, tiny_m
     assert weights_differ(tuned.unet, base.unet)
     assert not weights_differ(tuned.text_encoder, base.text_encoder)
 
-    # The config the run wrote beside its model repeats it: the same losses, step by step.
+    # The config the run wrote beside its model repeats it: the same flags, worked out the same way, and the same
+    # plan for the workers (the learning rate scaled once, not again; the run's name from its identity), as the
+    # command line gives for a new output folder.
     config = out / outputs.TRAIN_CONFIG
-    again = train.main(["--config", str(config), "--output_dir", str(tmp_path / "model-again")])
-    assert again.metrics["step"] == 3 and open(config).read() != ""
-
-    def losses(result):
-        with open(os.path.join(result.path, runlog.METRICS_FILE)) as f:
-            return [json.loads(line)["loss"] for line in f]
-
-    assert losses(again) == losses(result)
+    again_out = str(tmp_path / "model-again")
+    given = argv[:argv.index("--output_dir") + 1] + [again_out] + argv[argv.index("--output_dir") + 2:]
+    repeated, typed = (planning.parse_args(a) for a in (["--config", str(config), "--output_dir", again_out], given))
+    assert {k: v for k, v in vars(repeated).items() if k != "config"} == {k: v for k, v in vars(typed).items()
+                                                                          if k != "config"}
+    plans = [planning.plan_run(a, cluster_resources=raycluster.cluster_resources) for a in (repeated, typed)]
+    assert plans[0] == plans[1] and plans[0].learning_rate == pytest.approx(1e-4 * 2 * 2)  # (workers x accumulation)
+    assert plans[0].settings_toml == open(config).read().replace(str(out), again_out)
 
 
 def test_plot_metrics_draws_loss_and_lr_against_step(tmp_path):
