@@ -55,11 +55,10 @@ def specs_of(items):
 
 def order(items):
     """items in the order the session runs them: the tests that keep both cores busy themselves (marked
-    fills_cores: runs side by side, a test long by need) first, before the runs beside start; then those that leave a
-    core idle much of their time (marked waits: a second node, a kill or a drain waited for), while the runs beside
-    go on and use it; the tests that read those runs last; the others between, each group in its own order."""
+    fills_cores: runs side by side, a test long by need) first, before the runs beside start; the tests that read
+    those runs last; the others between, each group in its own order."""
     return sorted(items, key=lambda item: 0 if item.get_closest_marker("fills_cores") else
-                  1 if item.get_closest_marker("waits") else 3 if item.get_closest_marker("beside") else 2)
+                  2 if item.get_closest_marker("beside") else 1)
 
 
 class Runs:

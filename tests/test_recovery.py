@@ -522,7 +522,6 @@ finally:
 
 
 @pytest.mark.slow
-@pytest.mark.waits  # (21.4 of 93 core-seconds idle on 2026-12-03: a full disk's stop, then a resume)
 @pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0, reason="needs unshare (root)")
 def test_a_full_disk_stops_at_once_keeps_the_newest_checkpoint_and_its_resume_finishes(tiny_model, toy_images,
                                                                                      tmp_path):

@@ -141,7 +141,6 @@ def test_photos_of_a_bucket_are_read_from_this_nodes_copy_and_class_images_may_b
 
 
 @pytest.mark.slow
-@pytest.mark.waits  # (15.2 of 90 core-seconds idle on 2026-12-03: a bucket's uploads waited for)
 def test_a_run_in_a_bucket_checkpoints_resumes_from_it_and_ends_like_an_uninterrupted_run(
         s3_endpoint, uninterrupted, tiny_model, toy_images, tmp_path):
     """--storage_path s3://…: Ray Train writes the checkpoints to the bucket, the run's own files follow

@@ -302,7 +302,6 @@ def trials_table(sweep_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.waits  # (56.4 of 201 core-seconds idle on 2026-12-03: two nodes' actor pools, a bucket)
 def test_random_lora_sweep_of_two_subjects_in_a_bucket_on_two_nodes_scores_each_step_count_and_keeps_each_best(
         two_subjects, tiny_sd3_model, tmp_path, request):
     """A 2-trial sweep that is also a many-subjects job, offline on CPU, of the tiny SD 3.5 model (flow matching,

@@ -88,7 +88,6 @@ def class_images(ray_session, hub_cache, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.waits  # (9.6 of 54 core-seconds idle on 2026-12-03: two workers' start)
 def test_train_two_workers_saves_a_changed_loadable_pipeline(ray_session, tiny_model, hub_cache, toy_images,
                                                              class_images, tmp_path, monkeypatch, capfd, webhook):
     """Also the model named as diffusers' command lines name it, on the hub: found in the local hub cache, no
@@ -183,7 +182,6 @@ def test_train_two_workers_saves_a_changed_loadable_pipeline(ray_session, tiny_m
 
 
 @pytest.mark.slow
-@pytest.mark.waits  # (15.1 of 88 core-seconds idle on 2026-12-03, with a second run since merged)
 def test_cached_latents_frozen_text_encoder_and_loss_options(ray_session, tiny_model, hub_cache, toy_images,
                                                              class_images, tmp_path, capfd):
     """Also captions (half of them dropped for the empty prompt, embedded once with the others), a
