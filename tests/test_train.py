@@ -228,8 +228,8 @@ def test_cached_latents_frozen_text_encoder_and_loss_options(ray_session, tiny_m
     # command line gives for a new output folder.
     config = out / outputs.TRAIN_CONFIG
     again_out = str(tmp_path / "model-again")
-    given = argv[:argv.index("--output_dir") + 1] + [again_out] + argv[argv.index("--output_dir") + 2:]
-    repeated, typed = (planning.parse_args(a) for a in (["--config", str(config), "--output_dir", again_out], given))
+    repeated, typed = (planning.parse_args(a) for a in (["--config", str(config), "--output_dir", again_out],
+                                                        [*argv, "--output_dir", again_out]))  # (the last one counts)
     assert {k: v for k, v in vars(repeated).items() if k != "config"} == {k: v for k, v in vars(typed).items()
                                                                           if k != "config"}
     plans = [planning.plan_run(a, cluster_resources=raycluster.cluster_resources) for a in (repeated, typed)]
