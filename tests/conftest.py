@@ -19,6 +19,11 @@ os.environ.pop("MLFLOW_TRACKING_URI", None)
 # Where the suite runs scripts side by side on the 2 cores (test_dreambooth_run's families), torch's OpenMP threads
 # sleep while they wait instead of spinning: spinning threads took the CPU the other run needed.
 os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+# One torch thread in every process of the run (this one, the scripts, every Ray worker: job_runtime_env hands it on
+# and share_cpu_threads keeps it): on the tiny models a second thread added a fifth to two fifths of the CPU of the
+# steps and no speed, even alone on the 2 cores (40 steps of a tiny UNet: 3.7-4.5 CPU-seconds at 1 thread, 5.3-5.5
+# at 2, the same wall time).
+os.environ["OMP_NUM_THREADS"] = "1"
 # Ray's log monitor looks for new log files 10 times a second until it follows 1000, then twice a second; each look
 # lists the whole logs folder, which a cluster that lives the whole run fills with thousands of worker logs (the
 # session's cluster's monitor: 177 CPU-seconds in a run of 2026-11-29; with 2000 logs in the folder, 3.6 CPU-seconds

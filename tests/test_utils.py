@@ -66,6 +66,35 @@ def test_ray_workers_run_the_setup_hook(ray_session):
     assert ray_session.get(cleaner_log_level.remote()) == logging.ERROR
 
 
+@pytest.mark.slow
+def test_a_users_omp_num_threads_reaches_every_worker_and_is_kept(ray_session):
+    """OMP_NUM_THREADS where the script runs (the suite's 1) is in the job's environment in every worker, and
+    share_cpu_threads keeps it there; without it, a node's cores are shared among its workers."""
+    import torch
+
+    from dreambooth.cluster import raycluster
+
+    @ray_session.remote(num_cpus=0.5)  # (Ray's own setting: 1 thread)
+    def threads_after_sharing():
+        import torch
+
+        from dreambooth.cluster import raycluster
+
+        raycluster.share_cpu_threads(1)
+        return raycluster.users_env_vars().get("OMP_NUM_THREADS"), torch.get_num_threads()
+
+    assert os.environ["OMP_NUM_THREADS"] == "1" and ray_session.get(threads_after_sharing.remote()) == ("1", 1)
+    before = torch.get_num_threads()
+    try:
+        raycluster.share_cpu_threads(1, env_vars={})
+        assert torch.get_num_threads() == os.cpu_count()
+        torch.set_num_threads(before)
+        raycluster.share_cpu_threads(1, env_vars={"OMP_NUM_THREADS": "1"})
+        assert torch.get_num_threads() == before
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_rays_harmless_error_lines_are_kept_off_the_terminal_and_the_rest_printed():
     from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
 
