@@ -197,8 +197,8 @@ def job_runtime_env():
             # A bucket is reached from every worker as from here (credentials, profile, endpoint).
             **{name: os.environ[name] for name in storage.AWS_VARIABLES if name in os.environ},
             **{name: os.environ[name] for name in TRACKER_VARIABLES if name in os.environ},
-            # torch's CPU threads where the user chose them (share_cpu_threads keeps them). Not a Ray Job's driver's:
-            # Ray set that one (1, its supervisor's); the job's own runtime env carries the user's.
+            # torch's CPU threads where the user chose them (share_cpu_threads keeps them); not a Ray Job's driver's,
+            # which is Ray's own (1, its job supervisor's), not a choice of the user's.
             **({"OMP_NUM_THREADS": os.environ["OMP_NUM_THREADS"]}
                if "OMP_NUM_THREADS" in os.environ and not os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") else {}),
         },
