@@ -10,4 +10,5 @@ import gc as _gc
 # (700, 10, 10) the cycle collector walks all of them about eight times during the imports alone: a second of CPU
 # or more in every process that loads a model (each script, each Ray worker: Ray runs this package's worker hook
 # first). A first generation of 10,000 leaves the imports without a full collection; cycles are still collected.
-_gc.set_threshold(max(_gc.get_threshold()[0], 10_000), *_gc.get_threshold()[1:])
+_first, *_older = _gc.get_threshold()
+_gc.set_threshold(max(_first, 10_000), *_older)

@@ -81,7 +81,7 @@ def test_a_users_omp_num_threads_reaches_every_worker_and_is_kept(ray_session):
         from dreambooth.cluster import raycluster
 
         raycluster.share_cpu_threads(1)
-        return raycluster.users_env_vars().get("OMP_NUM_THREADS"), torch.get_num_threads()
+        return raycluster.job_env_vars().get("OMP_NUM_THREADS"), torch.get_num_threads()
 
     assert os.environ["OMP_NUM_THREADS"] == "1" and ray_session.get(threads_after_sharing.remote()) == ("1", 1)
     before = torch.get_num_threads()

@@ -197,15 +197,15 @@ def job_runtime_env():
             # A bucket is reached from every worker as from here (credentials, profile, endpoint).
             **{name: os.environ[name] for name in storage.AWS_VARIABLES if name in os.environ},
             **{name: os.environ[name] for name in TRACKER_VARIABLES if name in os.environ},
-            # torch's CPU threads where the user chose them (share_cpu_threads keeps them); not a Ray Job's driver's,
-            # which is Ray's own (1, its job supervisor's), not a choice of the user's.
-            **({"OMP_NUM_THREADS": os.environ["OMP_NUM_THREADS"]}
-               if "OMP_NUM_THREADS" in os.environ and not os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") else {}),
+            # torch's CPU threads where the user chose them (share_cpu_threads keeps them)
+            **{name: os.environ[name] for name in ("OMP_NUM_THREADS",) if name in os.environ},
         },
     }
     if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):  # a Ray Job's driver: the job's runtime env ships the code
         for key in code:
             del runtime_env[key]
+        # (and its OMP_NUM_THREADS is Ray's own, 1, its job supervisor's: not a choice of the user's)
+        runtime_env["env_vars"].pop("OMP_NUM_THREADS", None)
     return runtime_env
 
 
@@ -360,16 +360,16 @@ def share_cpu_threads(processes_per_node, env_vars=None):
     Ray sets OMP_NUM_THREADS to a task's CPU reservation (a fraction becomes 1 thread);
     CPU workers and actors on one node share its cores instead, unless the user chose the count:
     OMP_NUM_THREADS where the script ran, which job_runtime_env hands to every worker
-    (env_vars: those of the job, users_env_vars()).
+    (env_vars: those of the job, job_env_vars()).
     """
     import torch
 
-    if "OMP_NUM_THREADS" in (users_env_vars() if env_vars is None else env_vars):
+    if "OMP_NUM_THREADS" in (job_env_vars() if env_vars is None else env_vars):
         return  # (torch read it at its start)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes_per_node))
 
 
-def users_env_vars():
+def job_env_vars():
     """The environment variables our job hands its workers (job_runtime_env's env_vars), read in a Ray worker or
     driver; outside Ray, this process's environment."""
     import ray
