@@ -1,6 +1,7 @@
 """Elastic training (--min_workers): a run that loses a node goes on with the workers left, grows back when the
 node returns, and ends on the weights of the run that never changed size."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -8,6 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 from conftest import free_port
@@ -23,6 +25,7 @@ from test_recovery import registered_steps
 from test_recovery import run_dirs
 from test_recovery import train_args
 from test_recovery import wait_for
+from test_recovery import worker_pids
 
 from dreambooth.cluster import raycluster
 from dreambooth.files import REPO_DIR
@@ -42,14 +45,18 @@ def logged_workers(storage):
 @pytest.mark.slow
 @pytest.mark.fills_cores  # (on a quiet machine: with runs beside it, the node's second start gave up, Ray's 30 s over)
 def test_an_elastic_run_goes_on_without_a_lost_node_grows_back_and_ends_on_the_uninterrupted_weights(
-        uninterrupted, tiny_model, toy_images, tmp_path):
+        uninterrupted, tiny_model, toy_images, tmp_path, monkeypatch):
     """--num_workers 2 --min_workers 1 on a cluster of two nodes, each with one slot for a worker
     (--resources_per_worker slot=1) and the head with a CPU to spare for the data. After step 2's checkpoint the
     second node is SIGKILLed with its worker (a spot node reclaimed): the run goes on with the head's worker alone,
-    which trains both blocks of each step. The node started again, the run grows back to 2 workers. The weights
-    are the uninterrupted 2-worker run's, to float rounding (one worker adds the two blocks' gradients where DDP
-    averages two workers'): each step trained the same rows with the same noise whoever trained it."""
+    which trains both blocks of each step. The node started again (that worker paused meanwhile: the tiny run would
+    end first), the run grows back to 2 workers. The weights are the uninterrupted 2-worker run's, to float rounding
+    (one worker adds the two blocks' gradients where DDP averages two workers'): each step trained the same rows with
+    the same noise whoever trained it."""
     whole, _ = uninterrupted
+    # (the paused worker answers nothing: the Train controller's wait for its process group to shut down, 30 s by
+    # default, 5 here; the cluster's processes have the variable from the head's start)
+    monkeypatch.setenv("TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S", "5")
     head, address = raycluster.start_ray_head(tmp_path / "head.log", free_port(),
                                               extra=["--num-cpus=2", "--num-gpus=0", '--resources={"slot": 1}'])
     temp = tempfile.mkdtemp(prefix="rn", dir="/tmp")  # (the node's own: short, for Ray's socket paths)
@@ -60,20 +67,36 @@ def test_an_elastic_run_goes_on_without_a_lost_node_grows_back_and_ends_on_the_u
         storage = tmp_path / "runs"
         args = train_args(tiny_model, toy_images, tmp_path / "elastic", STOP_STEPS, *STOP_OPTIONS,
                           "--storage_path", str(storage), "--checkpointing_steps", "2", "--min_workers", "1",
-                          "--resources_per_worker", "slot=1", "--elastic_resize_interval", "2",
-                          # (a sample at every step, which changes no weight, keeps the run going while nodes come
-                          # and go)
-                          "--validation_prompt", "a toy", "--num_validation_images", "3", "--validation_steps", "1",
-                          "--validation_inference_steps", "10")
+                          "--resources_per_worker", "slot=1", "--elastic_resize_interval", "2")
         # (Ray Train's wait for a lost node's resources: 60 s by default, 10 here)
         proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO_DIR, text=True, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, env=dict(env(), RAY_ADDRESS=address,
                                                                  RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S="10"))
         wait_for(lambda: 2 in [s for d in run_dirs(storage) for s in registered_steps(d)], 300, proc)
+        lost = time.time()
         stop_node(node, signal.SIGKILL)
         wait_for(lambda: 1 in [w for _, w in logged_workers(storage)], 300, proc)
-        node = start_node(command, tmp_path / "node.log") or start_node(command, tmp_path / "node.log")  # (once more)
-        assert node is not None, open(tmp_path / "node.log").read()[-2000:]
+        # The head's worker alone has trained a step; once a checkpoint of its steps is registered (the group that
+        # grows back resumes from it: the steps after it are trained again, and logged by the new group), it is
+        # paused (SIGSTOP) while the node starts again, so that the run is still there to grow back on it (its
+        # 20-odd steps take seconds, the node's start longer). A pause is what a busy machine does to a process:
+        # Ray Train's health check waits 10 minutes for a poll.
+        first_alone = min(s for s, w in logged_workers(storage) if w == 1)
+        wait_for(lambda: max([s for d in run_dirs(storage) for s in registered_steps(d)] or [0]) >= first_alone, 300,
+                 proc)
+        alone = worker_pids(lost)
+        for pid in alone:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            node = start_node(command, tmp_path / "node.log") or start_node(command, tmp_path / "node.log")  # (again)
+            assert node is not None, open(tmp_path / "node.log").read()[-2000:]
+            # (the controller goes on meanwhile: it sees the node's slot and restarts the group on both nodes from the
+            # newest checkpoint, ending the paused worker; it goes on here at the latest once the new group is up)
+            wait_for(lambda: set(worker_pids(lost)) - set(alone), 120, proc)
+        finally:
+            for pid in alone:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
         out, err = finish(proc, 400)
         assert proc.returncode == 0, err[-4000:]
     finally:
