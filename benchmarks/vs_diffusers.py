@@ -80,8 +80,8 @@ def parse_args(argv=None):
     return args
 
 
-def prepare(work, size, resolution):
-    """The random model, the photos and 5 class images drawn by it; returns the model folder."""
+def prepare(work, size):
+    """The random model and the photos, in work emptied first; returns the model folder."""
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(os.path.join(work, "own"))
     which = ["--tiny"] if size == "tiny" else ["--random_model", size]
@@ -90,6 +90,12 @@ def prepare(work, size, resolution):
     model = out.stdout.strip().splitlines()[-1]
     for photo in glob.glob(os.path.join(ROOT, "images", "toy", "*.jpg")):
         shutil.copy(photo, os.path.join(work, "own"))
+    return model
+
+
+def draw_class_images(work, model, resolution):
+    """5 class images drawn by the model (on the cluster of ours when there is one: RAY_ADDRESS), and a copy of them
+    for the reference."""
     subprocess.run([sys.executable, "generate.py", "--model_dir", model, "--output_dir", os.path.join(work, "class"),
                     "--prompts", CLASS_PROMPT, "--num_samples_per_prompt", "5", "--num_inference_steps", "2",
                     "--resolution", str(resolution)], cwd=ROOT, check=True, capture_output=True)
@@ -99,7 +105,6 @@ def prepare(work, size, resolution):
     os.makedirs(os.path.join(work, "class-ref"))
     for image in glob.glob(os.path.join(work, "class", "*.png")):
         shutil.copy(image, os.path.join(work, "class-ref"))
-    return model
 
 
 def run_ours(model, work, steps, log, args):
@@ -172,7 +177,9 @@ def main(argv=None):
     # PYTHONDONTWRITEBYTECODE set, every process of either tool compiled its imports at every run: 2026-11-30, the
     # reference's fixed cost 15-18 s instead of 8-9, ours 48 s instead of 17)
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
-    model = prepare(args.work_dir, args.model, args.resolution)
+    model = prepare(args.work_dir, args.model)
+    # (the cluster started before the class images are drawn: generate.py joins it rather than starting one more)
+    cluster = start_ray_cluster(args.work_dir) if args.ray_cluster else None
     tools = {
         "reference": lambda log, steps=args.steps: run_reference(model, args.work_dir, steps, log, args),
         "ours": lambda log, steps=args.steps: run_ours(model, args.work_dir, steps, log, args),
@@ -180,8 +187,8 @@ def main(argv=None):
     if args.dry_run:
         del tools["reference"]
         print("reference command (not run): " + " ".join(reference_command(model, args.work_dir, args.steps, args)))
-    cluster = start_ray_cluster(args.work_dir) if args.ray_cluster else None
     try:
+        draw_class_images(args.work_dir, model, args.resolution)
         compare(args, tools)
     finally:
         if cluster:
