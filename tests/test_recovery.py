@@ -106,34 +106,51 @@ def run_dirs(storage):
 
 @pytest.mark.slow
 def test_killed_generation_rerun_gives_exactly_the_uninterrupted_images(ray_session, tiny_model, tmp_path):
+    """generate.py SIGTERMed mid-way (a half-written image left as a kill leaves it), one of its images lost too: the
+    same command again (prompts given as two flags, another batch size, one actor) draws exactly what is missing,
+    pixel for pixel the uninterrupted run's, and leaves the rest untouched; each image its own seed; the folder
+    then holds the images, the grid and the records, no temporary file."""
+    from dreambooth.generation import drawing
+    from dreambooth.generation import image_records
+
+    prompts = ["photo of a dog", "photo of a cat"]
+
     def flags(folder):
-        return ["--model_dir", tiny_model, "--output_dir", str(folder), "--prompts", "photo of a toy",
-                "--num_samples_per_prompt", "10", "--batch_size", "1", "--num_inference_steps", "20", "--seed", "3"]
+        return ["--model_dir", tiny_model, "--output_dir", str(folder), "--num_samples_per_prompt", "5",
+                "--num_inference_steps", "20", "--seed", "3"]
 
     cut = tmp_path / "cut"
-    proc = subprocess.Popen([sys.executable, "generate.py", *flags(cut)], cwd=REPO_DIR, env=env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    wait_for(lambda: os.path.isdir(cut) and len([f for f in os.listdir(cut) if f.endswith(".png")]) >= 2, 180, proc)
+    proc = subprocess.Popen([sys.executable, "generate.py", *flags(cut), "--prompts", *prompts, "--batch_size", "1",
+                             "--use_ray_data"], cwd=REPO_DIR, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    wait_for(lambda: os.path.isdir(cut) and len([f for f in os.listdir(cut) if f.endswith(".png")]) >= 3, 180, proc)
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=60)
     assert proc.returncode != 0
-    made = [f for f in os.listdir(cut) if f.endswith(".png")]
-    assert 2 <= len(made) < 10
+    made = sorted(f for f in os.listdir(cut) if f.endswith(".png"))
+    assert 3 <= len(made) < 10
     (cut / (made[0] + ".tmp-99999")).write_bytes(b"half an image")  # as a kill mid-write leaves it
+    os.remove(cut / made[1])  # (an image lost since)
+    kept_mtime = os.path.getmtime(cut / made[2])
 
-    generate.main(flags(cut))  # the rerun, on this session's Ray
-    uninterrupted_images_here(tiny_model, tmp_path / "whole")
-    names = sorted(f for f in os.listdir(cut) if f.endswith(".png"))
-    assert names == sorted(f for f in os.listdir(tmp_path / "whole") if f.endswith(".png"))
-    assert len(names) == 10
+    files = generate.main([*flags(cut), "--prompts", prompts[0], "--prompts", prompts[1], "--batch_size", "2",
+                           "--num_actors", "1"])  # the rerun, on this session's Ray
+    uninterrupted_images_here(tiny_model, tmp_path / "whole", prompts, 5)
+    names = sorted(f for f in os.listdir(tmp_path / "whole") if f.endswith(".png"))
+    assert files == [drawing.image_file_name(p, i) for p in prompts for i in range(5)]  # (the plan's order)
+    assert sorted(files) == names
+    assert sorted(os.listdir(cut)) == sorted(names + [drawing.GRID_DIR, image_records.IMAGES_RECORD,
+                                                      image_records.IMAGES_CONFIG])  # (no .tmp file left)
+    assert os.path.isfile(cut / drawing.GRID_DIR / "grid.png")
+    assert os.path.getmtime(cut / made[2]) == kept_mtime
+    drawn = {name: np.asarray(Image.open(cut / name).convert("RGB"), dtype=int) for name in names}
     for name in names:
-        a = np.asarray(Image.open(cut / name).convert("RGB"), dtype=int)
         b = np.asarray(Image.open(tmp_path / "whole" / name).convert("RGB"), dtype=int)
-        np.testing.assert_allclose(a, b, atol=1)
+        np.testing.assert_allclose(drawn[name], b, atol=1)
+    assert drawn[names[0]].shape == (64, 64, 3) and not np.array_equal(drawn[names[0]], drawn[names[1]])
 
 
-def uninterrupted_images_here(model_dir, folder):
-    """The 10 images of test_killed_generation's flags drawn as generate.main draws them (its settings, top-up and
+def uninterrupted_images_here(model_dir, folder, prompts, count):
+    """The images of test_killed_generation's flags drawn as generate.main draws them (its settings, top-up and
     checker), in this process by the pool's own class (drawing.make_images_of(here=True): the pool's files, byte
     for byte, test_generate): the uninterrupted run, without an actor pool's start."""
     from dreambooth import families
@@ -143,7 +160,7 @@ def uninterrupted_images_here(model_dir, folder):
     model = outputs.resolve_model(model_dir)
     settings = drawing.settings_for(drawing.ImageSettings(20, None, None, None, 3, False), families.family_of(model_dir),
                                     model_dir)
-    job = drawing.top_up(str(folder), model, ["photo of a toy"], 10, settings, drawing.use_safety_checker("auto", model))
+    job = drawing.top_up(str(folder), model, prompts, count, settings, drawing.use_safety_checker("auto", model))
     drawing.make_images_of([job], settings, 1, here=True)
 
 
