@@ -67,12 +67,18 @@ def drawn_size(folder, name):
 
 
 def class_images_drawn(model, tmp_path):
-    """Two class images drawn by generate.py with model (its folder)."""
-    from dreambooth.commands import generate
+    """Two class images drawn as generate.py draws them with model (its folder) and no size given: its settings
+    (drawing.settings_for: the model's own size), top-up and checker rule, in this process by the pool's own class
+    (drawing.make_images_of(here=True), which test_generate checks draws the pool's files)."""
+    from dreambooth import families
+    from dreambooth.generation import drawing
+    from dreambooth.models import outputs
 
     class_dir = tmp_path / "class"
-    generate.main(["--model_dir", model, "--output_dir", str(class_dir), "--prompts", "photo of a toy",
-                   "--num_samples_per_prompt", "2", "--num_inference_steps", "2"])
+    ref = outputs.resolve_model(model)
+    settings = drawing.settings_for(drawing.ImageSettings(num_inference_steps=2), families.family_of(model), model)
+    job = drawing.top_up(str(class_dir), ref, ["photo of a toy"], 2, settings, drawing.use_safety_checker("auto", ref))
+    drawing.make_images_of([job], settings, batch_size=1, num_actors=1, here=True)
     return class_dir
 
 
@@ -90,8 +96,8 @@ def drawn_here(model, lora_dir, folder):
 
 
 @pytest.mark.slow
-def test_sd2_v_trains_and_draws_at_its_own_resolution(ray_session, tiny_sd2v_model, tmp_path, train_tiny):
-    """generate.py draws its class images at 96 px (the model's size, not SD 1.x's); a full fine-tune's steps and a
+def test_sd2_v_trains_and_draws_at_its_own_resolution(tiny_sd2v_model, tmp_path, train_tiny):
+    """generate.py's drawing makes its class images at 96 px (the model's size, not SD 1.x's); a full fine-tune's steps and a
     LoRA's (as a worker takes them, without Ray: every run on Ray is SD 1.x's code too) save a pipeline that loads as
     SD 2.x v-prediction, and adapters that draw again at 96 px. (A run resumed past its end, whose checkpoint holds
     the same UNet and text encoder as SD 1.x's: test_recovery's test_seeded_run_cut_and_resumed_with_every_gpu_option,
