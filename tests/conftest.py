@@ -217,6 +217,20 @@ def model_cache_of(snapshot):
     return snapshot.split(os.sep + "models--")[0]
 
 
+def draw_here(model_dir, folder, prompts, count, settings):
+    """count images a prompt drawn into folder as generate.main draws them with model_dir and settings (a
+    drawing.ImageSettings: its settings_for, top-up and checker rule), in this process by the actor pool's own class
+    (drawing.make_images_of(here=True): the pool's files, byte for byte, test_generate), without a pool's start."""
+    from dreambooth import families
+    from dreambooth.generation import drawing
+    from dreambooth.models import outputs
+
+    model = outputs.resolve_model(model_dir)
+    settings = drawing.settings_for(settings, families.family_of(model_dir), model_dir)
+    job = drawing.top_up(str(folder), model, prompts, count, settings, drawing.use_safety_checker("auto", model))
+    drawing.make_images_of([job], settings, 1, here=True)
+
+
 @pytest.fixture(scope="session")
 def shared_ray_cluster(tmp_path_factory):
     """One local Ray cluster for the session, as dreambooth_run.sh keeps one for its steps: every

@@ -21,7 +21,7 @@ from test_recovery import STOP_STEPS
 from test_recovery import env
 from test_recovery import final_weights
 from test_recovery import finish
-from test_recovery import registered_steps
+from test_recovery import registered_steps_under
 from test_recovery import run_dirs
 from test_recovery import train_args
 from test_recovery import wait_for
@@ -72,7 +72,7 @@ def test_an_elastic_run_goes_on_without_a_lost_node_grows_back_and_ends_on_the_u
         proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO_DIR, text=True, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, env=dict(env(), RAY_ADDRESS=address,
                                                                  RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S="10"))
-        wait_for(lambda: 2 in [s for d in run_dirs(storage) for s in registered_steps(d)], 300, proc)
+        wait_for(lambda: 2 in registered_steps_under(storage), 300, proc)
         lost = time.time()
         stop_node(node, signal.SIGKILL)
         wait_for(lambda: 1 in [w for _, w in logged_workers(storage)], 300, proc)
@@ -82,8 +82,7 @@ def test_an_elastic_run_goes_on_without_a_lost_node_grows_back_and_ends_on_the_u
         # 20-odd steps take seconds, the node's start longer). A pause is what a busy machine does to a process:
         # Ray Train's health check waits 10 minutes for a poll.
         first_alone = min(s for s, w in logged_workers(storage) if w == 1)
-        wait_for(lambda: max([s for d in run_dirs(storage) for s in registered_steps(d)] or [0]) >= first_alone, 300,
-                 proc)
+        wait_for(lambda: max(registered_steps_under(storage), default=0) >= first_alone, 300, proc)
         alone = worker_pids(lost)
         for pid in alone:
             os.kill(pid, signal.SIGSTOP)

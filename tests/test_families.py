@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 import torch
+from conftest import draw_here
 
 from dreambooth import errors
 from dreambooth import families
@@ -67,18 +68,12 @@ def drawn_size(folder, name):
 
 
 def class_images_drawn(model, tmp_path):
-    """Two class images drawn as generate.py draws them with model (its folder) and no size given: its settings
-    (drawing.settings_for: the model's own size), top-up and checker rule, in this process by the pool's own class
-    (drawing.make_images_of(here=True), which test_generate checks draws the pool's files)."""
-    from dreambooth import families
+    """Two class images drawn as generate.py draws them with model (its folder) and no size given (settings_for: the
+    model's own size), in this process (conftest.draw_here)."""
     from dreambooth.generation import drawing
-    from dreambooth.models import outputs
 
     class_dir = tmp_path / "class"
-    ref = outputs.resolve_model(model)
-    settings = drawing.settings_for(drawing.ImageSettings(num_inference_steps=2), families.family_of(model), model)
-    job = drawing.top_up(str(class_dir), ref, ["photo of a toy"], 2, settings, drawing.use_safety_checker("auto", ref))
-    drawing.make_images_of([job], settings, batch_size=1, num_actors=1, here=True)
+    draw_here(model, class_dir, ["photo of a toy"], 2, drawing.ImageSettings(num_inference_steps=2))
     return class_dir
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from beside import MARK
+from conftest import draw_here
 from PIL import Image
 
 from dreambooth.commands import generate
@@ -104,6 +105,11 @@ def run_dirs(storage):
     return [os.path.join(storage, d) for d in os.listdir(storage)] if os.path.isdir(storage) else []
 
 
+def registered_steps_under(storage):
+    """registered_steps of every run under storage."""
+    return [s for d in run_dirs(storage) for s in registered_steps(d)]
+
+
 @pytest.mark.slow
 def test_killed_generation_rerun_gives_exactly_the_uninterrupted_images(ray_session, tiny_model, tmp_path):
     """generate.py SIGTERMed mid-way (a half-written image left as a kill leaves it), one of its images lost too: the
@@ -134,7 +140,8 @@ def test_killed_generation_rerun_gives_exactly_the_uninterrupted_images(ray_sess
 
     files = generate.main([*flags(cut), "--prompts", prompts[0], "--prompts", prompts[1], "--batch_size", "2",
                            "--num_actors", "1"])  # the rerun, on this session's Ray
-    uninterrupted_images_here(tiny_model, tmp_path / "whole", prompts, 5)
+    # the uninterrupted run: the same flags' images drawn in this process, without a pool's start
+    draw_here(tiny_model, tmp_path / "whole", prompts, 5, drawing.ImageSettings(num_inference_steps=20, seed=3))
     names = sorted(f for f in os.listdir(tmp_path / "whole") if f.endswith(".png"))
     assert files == [drawing.image_file_name(p, i) for p in prompts for i in range(5)]  # (the plan's order)
     assert sorted(files) == names
@@ -147,21 +154,6 @@ def test_killed_generation_rerun_gives_exactly_the_uninterrupted_images(ray_sess
         b = np.asarray(Image.open(tmp_path / "whole" / name).convert("RGB"), dtype=int)
         np.testing.assert_allclose(drawn[name], b, atol=1)
     assert drawn[names[0]].shape == (64, 64, 3) and not np.array_equal(drawn[names[0]], drawn[names[1]])
-
-
-def uninterrupted_images_here(model_dir, folder, prompts, count):
-    """The images of test_killed_generation's flags drawn as generate.main draws them (its settings, top-up and
-    checker), in this process by the pool's own class (drawing.make_images_of(here=True): the pool's files, byte
-    for byte, test_generate): the uninterrupted run, without an actor pool's start."""
-    from dreambooth import families
-    from dreambooth.generation import drawing
-    from dreambooth.models import outputs
-
-    model = outputs.resolve_model(model_dir)
-    settings = drawing.settings_for(drawing.ImageSettings(20, None, None, None, 3, False), families.family_of(model_dir),
-                                    model_dir)
-    job = drawing.top_up(str(folder), model, prompts, count, settings, drawing.use_safety_checker("auto", model))
-    drawing.make_images_of([job], settings, 1, here=True)
 
 
 def final_weights(folder):
@@ -308,7 +300,7 @@ def test_a_killed_worker_is_restarted_then_sigterm_checkpoints_the_current_step_
     since = time.time()
     proc = start_train([*cut, "--checkpointing_steps", "3", "--max_failures", "2"])
     # (killed once the controller has registered it: a checkpoint folder appears before its files are all copied)
-    wait_for(lambda: 3 in [s for d in run_dirs(storage) for s in registered_steps(d)], 240, proc)
+    wait_for(lambda: 3 in registered_steps_under(storage), 240, proc)
     victims = worker_pids(since)
     assert victims
     os.kill(victims[0], signal.SIGKILL)
