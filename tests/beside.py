@@ -8,9 +8,12 @@ own, on a Ray cluster of their own, while the rest of the suite runs. A test rea
 is a module-level function of the test's module: the command, built from session fixtures
 (request.getfixturevalue), in folder.
 
-The runs start once the tests marked fills_cores are done (the session runs those first): a test that keeps both
-cores busy itself gains nothing from a run beside it, and one beside it slowed the test twofold and left a second
-node no time to start.
+The runs start with the session's first test, at the lowest priority (nice 19: their drivers, their cluster's
+daemons and workers), while the tests' processes run at 0 (conftest sets Ray's worker niceness to 0, where Ray's
+own is 15): they take the CPU the tests leave idle (a wait for a node, a process starting on one core) and little
+else, so a test that keeps both cores busy itself is not slowed by them as it was at the same priority (twofold,
+and a second node was left no time to start). Ray's timeouts for a worker's start are raised on their cluster, where
+a worker may wait minutes for a core.
 
 Every process of these runs carries MARK in its environment (the cluster's daemons and workers inherit it): a test
 that stops or kills "the train workers started since t" leaves theirs alone (test_recovery.worker_pids). They keep
@@ -25,13 +28,19 @@ import subprocess
 import time
 
 MARK = "DREAMBOOTH_TESTS_BESIDE"  # in the environment of every process of a run beside the tests
+NICE = 19  # the runs' priority (the tests' processes: 0)
+# The environment of the runs and their cluster (beyond RAY_TMPDIR and RAY_ADDRESS): their mark; Ray's niceness for
+# the cluster's workers; the time a worker may take to start and register (60 s by default) and Ray Train's worker
+# group to start (60 s), which a process at nice 19 can take while the tests keep both cores busy.
+RUNS_ENV = {MARK: "1", "RAY_worker_niceness": str(NICE), "RAY_worker_register_timeout_seconds": "900",
+            "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "900"}
 
 
 @dataclasses.dataclass
 class Job:
     argv: list
     env: dict = dataclasses.field(default_factory=dict)  # on top of the session's; None removes a variable
-    timeout: float = 900
+    timeout: float = 2400  # (at nice 19 a run takes what the tests leave idle: longer than alone)
 
 
 @dataclasses.dataclass
@@ -55,21 +64,28 @@ def specs_of(items):
 
 def order(items):
     """items in the order the session runs them: the tests that keep both cores busy themselves (marked
-    fills_cores: runs side by side, a test long by need) first, before the runs beside start; the tests that read
-    those runs last; the others between, each group in its own order."""
+    fills_cores: runs side by side, a test long by need) first; the tests that read the runs beside last; the
+    others between, each group in its own order."""
     return sorted(items, key=lambda item: 0 if item.get_closest_marker("fills_cores") else
                   2 if item.get_closest_marker("beside") else 1)
 
 
+def lowest_priority():
+    """This thread at nice NICE (Linux's niceness is a thread's): the processes it starts inherit it."""
+    import threading
+
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+
+
 class Runs:
-    """The runs of a session, one at a time in a thread, on a cluster of their own: start_cluster() -> (its address,
-    the Ray temp folder of the runs), called when the first run starts (not while the tests before it run)."""
+    """The runs of a session, one at a time in a thread at nice NICE, on a cluster of their own: start_cluster() ->
+    (its address, the runs' environment), called in that thread before the first run."""
 
     def __init__(self, start_cluster):
         from concurrent.futures import ThreadPoolExecutor
 
-        self.start_cluster, self.env = start_cluster, None
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="beside")
+        self.start_cluster, self.cluster = start_cluster, None  # (a future of start_cluster's)
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="beside", initializer=lowest_priority)
         self.waiting, self.futures, self.failed = [], {}, {}  # failed: {spec: what it raised}
 
     def add(self, spec, job, folder):
@@ -78,15 +94,15 @@ class Runs:
 
     def go(self):
         """The runs added so far started, one after another (again: nothing more)."""
-        if self.waiting and self.env is None:
-            address, ray_tmpdir = self.start_cluster()
-            self.env = {"RAY_ADDRESS": address, "RAY_TMPDIR": ray_tmpdir, MARK: "1"}
+        if self.waiting and self.cluster is None:
+            self.cluster = self.pool.submit(self.start_cluster)
         for spec, job, folder in self.waiting:
             self.futures[spec] = self.pool.submit(self._run, job, folder)
         self.waiting = []
 
     def _run(self, job, folder):
-        env = {**os.environ, **self.env}
+        address, cluster_env = self.cluster.result()
+        env = {**os.environ, **cluster_env, "RAY_ADDRESS": address}
         for name, value in job.env.items():
             if value is None:
                 env.pop(name, None)

@@ -30,6 +30,9 @@ os.environ["OMP_NUM_THREADS"] = "1"
 # in 30 s at 10 looks a second, 0.5 at one). Twice a second from the start (as late in a run already), for every
 # cluster the suite starts: a fifth of the looks.
 os.environ["RAY_LOG_MONITOR_MANY_FILES_THRESHOLD"] = "0"
+# Ray starts its workers at nice 15; the tests' own at 0, so that the runs beside the tests (tests/beside.py, every
+# process of theirs at 19) take only the CPU the tests leave idle.
+os.environ["RAY_worker_niceness"] = "0"
 # The test command installs without compiling (pip --no-compile: a minute less of the install); each module is
 # compiled once, when a process of the run first imports it, and its bytecode kept for the others, this package's
 # included, even where the machine's environment says to write none (PYTHONDONTWRITEBYTECODE).
@@ -247,13 +250,14 @@ def shared_ray_cluster(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def cluster_beside(folder):
+def cluster_beside(folder, env=None):
     """A local cluster (its address) for script runs that go on beside the tests, as several users' runs share a
     cluster: 4 logical CPUs, so that two runs' train workers and their data pipelines fit at once (on the shared
-    cluster's 2, a second run's worker would leave the first's streaming dataset no CPU)."""
+    cluster's 2, a second run's worker would leave the first's streaming dataset no CPU). env: its processes'
+    variables beyond this one's."""
     from dreambooth.cluster import raycluster
 
-    head, address = raycluster.start_ray_head(folder / "ray-head.log", free_port(), extra=["--num-cpus=4"])
+    head, address = raycluster.start_ray_head(folder / "ray-head.log", free_port(), extra=["--num-cpus=4"], env=env)
     try:
         yield address
     finally:
@@ -458,7 +462,7 @@ _RUNS_BESIDE = []  # the session's beside.Runs, for the summary at the end
 def runs_beside(request, tmp_path_factory):
     """beside.Runs of the selected tests marked @pytest.mark.beside(run=spec): each spec's run, one at a time, on a
     cluster of their own (4 logical CPUs, as cluster_beside, started with the first run) while the session goes on,
-    from the first test not marked fills_cores (_runs_beside_go). None if no selected test is marked."""
+    from the session's first test (_runs_beside_go). None if no selected test is marked."""
     import shutil
     import tempfile
 
@@ -473,9 +477,9 @@ def runs_beside(request, tmp_path_factory):
     with contextlib.ExitStack() as stack, contextlib.ExitStack() as cluster:  # (the runs end before their cluster)
         stack.callback(shutil.rmtree, ray_tmpdir, True)
 
-        def start_cluster():
-            with environment({beside.MARK: "1", "RAY_TMPDIR": ray_tmpdir}):  # (the cluster's processes inherit both)
-                return cluster.enter_context(cluster_beside(folder)), ray_tmpdir
+        def start_cluster():  # (in the runs' thread: its processes inherit the thread's priority)
+            env = {**beside.RUNS_ENV, "RAY_TMPDIR": ray_tmpdir}
+            return cluster.enter_context(cluster_beside(folder, env)), env
 
         runs = beside.Runs(start_cluster)
         stack.callback(runs.close)
@@ -492,7 +496,7 @@ def runs_beside(request, tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def _runs_beside_go(request, runs_beside):
-    if runs_beside is not None and not request.node.get_closest_marker("fills_cores"):
+    if runs_beside is not None:
         runs_beside.go()
 
 

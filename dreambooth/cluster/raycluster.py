@@ -306,11 +306,12 @@ def free_port(pick=None):
     return port
 
 
-def start_ray_head(log_path, port=None, extra=()):
+def start_ray_head(log_path, port=None, extra=(), env=None):
     """A local Ray cluster as dreambooth_run.sh starts one (`ray start --head --block` in the
     background, token authentication, its temp folder a private one so that its address is not
     published as this node's default, no 30 s drain when stopped), for the test suite and the
-    benchmarks: (process, address for RAY_ADDRESS) once it is up; stop it with stop_ray_head."""
+    benchmarks: (process, address for RAY_ADDRESS) once it is up; stop it with stop_ray_head.
+    env: variables for the head's processes beyond this one's (RAY_TMPDIR among them: where its folder goes)."""
     import subprocess
     import time
 
@@ -318,12 +319,12 @@ def start_ray_head(log_path, port=None, extra=()):
     close_metrics_ports()
     # A folder of its own in Ray's temp folder (RAY_TMPDIR, else /tmp; short: Ray's socket paths must fit
     # 108 characters)
-    temp_dir = tempfile.mkdtemp(prefix="dreambooth-ray-", dir=os.environ.get("RAY_TMPDIR") or "/tmp")
+    environ = dict(os.environ, **(env or {}), RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0")
+    temp_dir = tempfile.mkdtemp(prefix="dreambooth-ray-", dir=environ.get("RAY_TMPDIR") or "/tmp")
     command = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--disable-usage-stats",
                "--include-dashboard=false", f"--temp-dir={temp_dir}"] + ([f"--port={port}"] if port else []) + list(extra)
     with open(log_path, "w") as log:
-        head = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                env=dict(os.environ, RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0"))
+        head = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environ)
     head.temp_dir = temp_dir
     deadline = time.time() + 120
     while "block forever" not in (text := open(log_path).read()):
