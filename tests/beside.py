@@ -10,10 +10,11 @@ is a module-level function of the test's module: the command, built from session
 
 The runs start with the session's first test, at the lowest priority (nice 19: their drivers, their cluster's
 daemons and workers), while the tests' processes run at 0 (conftest sets Ray's worker niceness to 0, where Ray's
-own is 15): they take the CPU the tests leave idle (a wait for a node, a process starting on one core) and little
-else, so a test that keeps both cores busy itself is not slowed by them as it was at the same priority (twofold,
-and a second node was left no time to start). Ray's timeouts for a worker's start are raised on their cluster, where
-a worker may wait minutes for a core.
+own is 15): they take the CPU the tests leave idle (a wait for a node, a process starting on one core) and some of
+the rest (the tests marked fills_cores took about a fifth longer beside them, measured on 2026-12-04; at the same
+priority, twice as long, and a second node was left no time to start). Niceness counts only within one session's
+processes (the kernel's autogroups): a process a test starts in a session of its own shares the CPU with them as an
+equal. Ray's timeouts for a worker's start are raised on their cluster, where a worker may wait minutes for a core.
 
 Every process of these runs carries MARK in its environment (the cluster's daemons and workers inherit it): a test
 that stops or kills "the train workers started since t" leaves theirs alone (test_recovery.worker_pids). They keep
