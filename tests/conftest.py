@@ -495,7 +495,7 @@ def runs_beside(request, tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def _runs_beside_go(request, runs_beside):
+def _runs_beside_go(runs_beside):
     if runs_beside is not None:
         runs_beside.go()
 

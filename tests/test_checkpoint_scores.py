@@ -49,7 +49,8 @@ def test_scored_steps_are_checkpointed_and_the_last_is_scored():
 
 
 @pytest.mark.slow
-@pytest.mark.fills_cores  # (its training and a scoring task side by side; a run beside them made it take twice as long)
+@pytest.mark.fills_cores  # (its training and a scoring task side by side; a run beside them at their priority made it
+# take twice as long: the runs beside go at nice 19, tests/beside.py)
 def test_a_run_scores_its_checkpoints_while_it_trains_as_evaluate_scores_them(ray_session, tiny_model, toy_images,
                                                                               tiny_eval_models, tmp_path, capsys):
     """--score_steps 2 of 12 steps, the checkpoints uploaded in the background (--checkpoint_upload async, to a

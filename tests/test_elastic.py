@@ -43,7 +43,8 @@ def logged_workers(storage):
 
 
 @pytest.mark.slow
-@pytest.mark.fills_cores  # (on a quiet machine: with runs beside it, the node's second start gave up, Ray's 30 s over)
+@pytest.mark.fills_cores  # (first: with runs beside it at its own priority, the node's second start gave up, Ray's 30 s
+# over; the runs beside go at nice 19 since, tests/beside.py)
 def test_an_elastic_run_goes_on_without_a_lost_node_grows_back_and_ends_on_the_uninterrupted_weights(
         uninterrupted, tiny_model, toy_images, tmp_path, monkeypatch):
     """--num_workers 2 --min_workers 1 on a cluster of two nodes, each with one slot for a worker
