@@ -355,9 +355,10 @@ def make_images_of(jobs, settings, batch_size=4, num_actors=None, here=False, la
     if any(modelcache.has_random_weights(job.model.model_dir) for job in jobs):
         print("note: this model has random weights (cache_model.py --tiny / --random_model): its images are "
               "noise, as expected; the pipeline around them is real", file=sys.stderr)
-    ray = raycluster.init_ray()
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    num_actors = num_actors or default_num_actors()
+    if not (here or landing):  # (the pool's; drawing in this process, or images a task drew, need no Ray)
+        ray = raycluster.init_ray()
+        ray.data.DataContext.get_current().enable_progress_bars = False
+        num_actors = num_actors or default_num_actors()
     flagged = []
     several = len(jobs) > 1  # then a withheld image is named with its model's folder
     what = f"generating for {len(jobs)} models" if several else "generating"

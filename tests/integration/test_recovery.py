@@ -1,0 +1,563 @@
+"""Runs that are cut short: resume and Ctrl-C with every GPU option, a SIGKILLed train worker then SIGTERM,
+a drained node, a full disk, interrupted generation. (test_bench's gpu_check.sh dry run also kills a train
+worker; test_sweep's long test kills a LoRA trial's.)"""
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from support import draw_here
+
+from dreambooth.commands import generate
+from dreambooth.commands import train
+from dreambooth.files import REPO_DIR
+from dreambooth.planning import checkpoints
+from dreambooth.training import runlog
+
+
+def env():
+    """The scripts' environment: this one's at the time (RAY_ADDRESS: the session's cluster), offline."""
+    return dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+
+
+def checkpoint_steps(run_dir):
+    steps = []
+    for name in sorted(os.listdir(run_dir)):
+        state = os.path.join(run_dir, name, checkpoints.STATE_FILE)
+        if os.path.isfile(state):
+            steps.append(json.load(open(state))["step"])
+    return sorted(steps)
+
+
+def train_args(tiny_model, toy_images, out, steps, *extra):
+    return ["--model_dir", tiny_model, "--output_dir", str(out), "--instance_images_dir", toy_images,
+            "--instance_prompt", "photo of unqtkn toy", "--train_batch_size", "1", "--num_workers", "2",
+            "--num_epochs", "100", "--max_train_steps", str(steps), *extra]
+
+
+def worker_pids(since):
+    """PIDs of Ray Train worker processes started after `since` (epoch seconds)."""
+    boot = time.time() - float(open("/proc/uptime").read().split()[0])
+    ticks = os.sysconf("SC_CLK_TCK")
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if not open(f"/proc/{pid}/cmdline", "rb").read().startswith(b"ray::RayTrainWorker"):
+                continue
+            started = boot + int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[19]) / ticks
+        except OSError:
+            continue
+        if started >= since - 1:
+            pids.append(int(pid))
+    return pids
+
+
+def wait_for(predicate, timeout, proc):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.5)
+    proc.kill()
+    pytest.fail("timed out waiting")
+
+
+def finish(proc, timeout):
+    """(stdout, stderr) of proc once it ends; killed after timeout, the test fails with the end of what it printed."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"still running after {timeout} s:\n{out[-3000:]}\n{err[-3000:]}")
+
+
+def start_train(args):
+    return subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO_DIR, env=env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def registered_steps(run_dir):
+    """The steps of the checkpoints Ray Train's controller has registered for a run (its checkpoint manager's
+    snapshot): a restart resumes from the newest of these, not from a folder still being written."""
+    try:
+        with open(os.path.join(run_dir, "checkpoint_manager_snapshot.json")) as f:
+            return [r["metrics"].get("step") for r in json.load(f).get("checkpoint_results", [])]
+    except (OSError, ValueError):  # (not written yet, or being written)
+        return []
+
+
+def run_dirs(storage):
+    return [os.path.join(storage, d) for d in os.listdir(storage)] if os.path.isdir(storage) else []
+
+
+def registered_steps_under(storage):
+    """registered_steps of every run under storage."""
+    return [s for d in run_dirs(storage) for s in registered_steps(d)]
+
+
+def test_killed_generation_rerun_gives_exactly_the_uninterrupted_images(ray_session, tiny_model, tmp_path):
+    """generate.py SIGTERMed mid-way (a half-written image left as a kill leaves it), one of its images lost too: the
+    same command again (prompts given as two flags, another batch size, one actor) draws exactly what is missing,
+    pixel for pixel the uninterrupted run's, and leaves the rest untouched; each image its own seed; the folder
+    then holds the images, the grid and the records, no temporary file."""
+    from dreambooth.generation import drawing
+    from dreambooth.generation import image_records
+
+    prompts = ["photo of a dog", "photo of a cat"]
+
+    def flags(folder):
+        return ["--model_dir", tiny_model, "--output_dir", str(folder), "--num_samples_per_prompt", "5",
+                "--num_inference_steps", "20", "--seed", "3"]
+
+    cut = tmp_path / "cut"
+    proc = subprocess.Popen([sys.executable, "generate.py", *flags(cut), "--prompts", *prompts, "--batch_size", "1",
+                             "--use_ray_data"], cwd=REPO_DIR, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    wait_for(lambda: os.path.isdir(cut) and len([f for f in os.listdir(cut) if f.endswith(".png")]) >= 3, 180, proc)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    made = sorted(f for f in os.listdir(cut) if f.endswith(".png"))
+    assert 3 <= len(made) < 10
+    (cut / (made[0] + ".tmp-99999")).write_bytes(b"half an image")  # as a kill mid-write leaves it
+    os.remove(cut / made[1])  # (an image lost since)
+    kept_mtime = os.path.getmtime(cut / made[2])
+
+    files = generate.main([*flags(cut), "--prompts", prompts[0], "--prompts", prompts[1], "--batch_size", "2",
+                           "--num_actors", "1"])  # the rerun, on this session's Ray
+    # the uninterrupted run: the same flags' images drawn in this process, without a pool's start
+    draw_here(tiny_model, tmp_path / "whole", prompts, 5, drawing.ImageSettings(num_inference_steps=20, seed=3))
+    names = sorted(f for f in os.listdir(tmp_path / "whole") if f.endswith(".png"))
+    assert files == [drawing.image_file_name(p, i) for p in prompts for i in range(5)]  # (the plan's order)
+    assert sorted(files) == names
+    assert sorted(os.listdir(cut)) == sorted(names + [drawing.GRID_DIR, image_records.IMAGES_RECORD,
+                                                      image_records.IMAGES_CONFIG])  # (no .tmp file left)
+    assert os.path.isfile(cut / drawing.GRID_DIR / "grid.png")
+    assert os.path.getmtime(cut / made[2]) == kept_mtime
+    drawn = {name: np.asarray(Image.open(cut / name).convert("RGB"), dtype=int) for name in names}
+    for name in names:
+        b = np.asarray(Image.open(tmp_path / "whole" / name).convert("RGB"), dtype=int)
+        np.testing.assert_allclose(drawn[name], b, atol=1)
+    assert drawn[names[0]].shape == (64, 64, 3) and not np.array_equal(drawn[names[0]], drawn[names[1]])
+
+
+def final_weights(folder):
+    from safetensors.torch import load_file
+
+    parts = (("unet", "diffusion_pytorch_model.safetensors"), ("text_encoder", "model.safetensors"),
+             ("text_encoder_2", "model.safetensors"))  # (SDXL's second encoder)
+    return {part: load_file(os.path.join(folder, part, name)) for part, name in parts
+            if os.path.isfile(os.path.join(folder, part, name))}
+
+
+def logged_losses(result):
+    with open(os.path.join(result.path, runlog.METRICS_FILE)) as f:
+        return [(m["step"], m["loss"]) for m in map(json.loads, f)]
+
+
+@pytest.mark.parametrize("family, workers, compiler, precision", [("sd1", "1", "aot_eager", "bf16"),
+                                                                 ("sdxl", "2", "eager", "fp16")])
+def test_seeded_run_cut_and_resumed_with_every_gpu_option_ends_with_the_uninterrupted_weights(
+        ray_session, family, workers, compiler, precision, request, toy_images, tmp_path, capsys):
+    """channels-last, fused AdamW, mixed precision (SD 1.x: bf16, the default on the GPUs that have it; SDXL: fp16 +
+    GradScaler over DDP, at 64 px; the scale's round trip: test_checkpoint), torch.compile, gradient checkpointing of
+    UNet and text encoder(s), the two-device split, random flips, and for SDXL (both text encoders) DDP
+    over 2 workers, compiled by dynamo (its graphs split at DDP's buckets) without AOT autograd; SD 1.x on
+    one worker with AOT autograd (the same code of ours; AOT on SDXL's two workers took 38 s more); and the
+    moving average of the weights (--use_ema), which the saved model holds, caption dropout, whose
+    draws a resumed run continues, and prior preservation by the base model's prediction (a frozen
+    UNet in the autocast precision); SDXL with a VAE of its own, kept in the saved model. (fp16 on a CPU:
+    PyTorch's fp16 convolution backward is 25 to 100x slower than bf16's there: SDXL's tiny step at 128 px
+    16.7 CPU-s against 0.7, at 64 px 4.9: fp16 in one arm, at 64 px.)
+
+    The same seed gives the same losses (validation sampling in between changes nothing);
+    '--resume_from_checkpoint latest' starts fresh when there is nothing to resume, then goes on
+    from step 2 with the step count and the LR warm-up where they were; the resumed run ends with
+    exactly the weights of the uninterrupted one: the uninterrupted run's own checkpoint of step 2 resumed into a
+    new output (two runs; a finished run continued to more steps: test_storage's bucket run, 2 steps then 24)."""
+    tiny_model = request.getfixturevalue("tiny_sdxl_model" if family == "sdxl" else "tiny_model")
+    options = ["--num_workers", workers, "--channels_last", "--fused_adamw", "--mixed_precision", precision,
+               "--torch_compile", compiler,
+               "--gradient_checkpointing", "--gpus_per_worker", "2", "--random_flip", "--checkpointing_steps", "2",
+               "--logging_steps", "1", "--lr", "1e-3", "--lr_warmup_steps", "4", "--seed", "5",
+               "--use_ema", "--ema_decay", "0.5", "--ema_update_after_step", "1", "--caption_dropout_rate", "0.5",
+               "--prior_preservation", "prior_prediction", "--class_prompt", "photo of a toy"]
+    sampling = ["--validation_prompt", "photo of unqtkn toy", "--validation_steps", "1", "--num_validation_images",
+                "2", "--validation_inference_steps", "2"]
+    if family == "sdxl":  # (its tiny model's default is 128 px) and a VAE of its own, as SDXL's fp16-fix one is
+        from test_families import vae_of_its_own
+
+        own_vae = vae_of_its_own(tiny_model, tmp_path / "own-vae")
+        options += ["--resolution", "64", "--pretrained_vae_model_name_or_path", str(own_vae)]
+    resume_the_uninterrupted_runs_checkpoint(tiny_model, toy_images, tmp_path, options, sampling, capsys)
+    if family == "sdxl":  # kept as given in the saved model (frozen, trained with)
+        from safetensors.torch import load_file
+
+        saved, given = (load_file(os.path.join(folder, "diffusion_pytorch_model.safetensors"))
+                        for folder in (tmp_path / "whole" / "vae", own_vae))
+        assert saved.keys() == given.keys() and all(torch.equal(v, given[k]) for k, v in saved.items())
+    a, b = final_weights(tmp_path / "whole"), final_weights(tmp_path / "cut")
+    base = final_weights(tiny_model)
+    for part in a:
+        assert any(not torch.equal(v, base[part][k]) for k, v in a[part].items())  # it trained
+        for k, v in a[part].items():
+            assert torch.equal(v, b[part][k]), (part, k)
+
+
+def resume_the_uninterrupted_runs_checkpoint(tiny_model, toy_images, tmp_path, options, sampling, capsys):
+    """The uninterrupted 4-step run, drawing validation samples at each step and keeping its checkpoint of step 2;
+    that checkpoint resumed into a new output, without samples, to step 4: the same losses and weights."""
+    kept = ["--keep_checkpoints", "--checkpoints_total_limit", "2"]
+    whole = train.main(train_args(tiny_model, toy_images, tmp_path / "whole", 4, *options, *sampling, *kept,
+                                  "--resume_from_checkpoint", "latest"))
+    assert "starting fresh" in capsys.readouterr().err  # no checkpoint yet
+    assert sorted(os.listdir(os.path.join(whole.path, "validation"))) == [
+        "step-1", "step-2", "step-3", "step-4", "timeline.png"]
+    step_2 = checkpoints.by_step(os.path.dirname(whole.path), "whole")[2]
+    resumed = train.main(train_args(tiny_model, toy_images, tmp_path / "cut", 4, *options,
+                                    "--resume_from_checkpoint", step_2))
+    err = capsys.readouterr().err
+    assert "resuming from" in err and "removed the run's 1 checkpoint(s) (" in err  # (steps 3-4: its own one)
+    assert resumed.metrics["step"] == whole.metrics["step"] == 4
+    assert logged_losses(resumed) == logged_losses(whole)  # (steps 1-2 carried from the checkpoint's record)
+    with open(os.path.join(whole.path, runlog.METRICS_FILE)) as f:  # 4 steps of warm-up in all
+        assert [m["lr"] for m in map(json.loads, f)][1] == pytest.approx(1e-3 * 2 / 4)
+    assert resumed.metrics["lr"] == pytest.approx(1e-3)
+    assert checkpoint_steps(resumed.path) == []  # (its model saved: its checkpoint removed)
+
+
+def logged_steps(storage):
+    """The steps in the metrics.jsonl of the runs under storage."""
+    steps = []
+    for folder in run_dirs(storage):
+        path = os.path.join(folder, runlog.METRICS_FILE)
+        if os.path.isfile(path):
+            steps += [json.loads(line)["step"] for line in open(path) if line.strip()]
+    return steps
+
+
+STOP_OPTIONS = ["--checkpointing_steps", "1000", "--logging_steps", "1", "--lr", "1e-3", "--seed", "4",
+                "--keep_checkpoints", "--checkpoints_total_limit", "3"]
+STOP_STEPS = 24
+
+
+def same_weights(a_folder, b_folder):
+    a, b = final_weights(a_folder), final_weights(b_folder)
+    assert set(a) == {"unet", "text_encoder"}
+    for part in a:
+        for k, v in a[part].items():
+            assert torch.equal(v, b[part][k]), (part, k)
+
+
+def test_a_rank_whose_poll_was_sent_before_the_request_still_names_the_signal(ray_session):
+    """Rank 0 can read the stop flag just before the driver's request lands while rank 1 reads it after: the
+    all-reduce says stop and rank 0 reads again, so the stop line names SIGTERM, not 'a signal'. The flag's key
+    is gone once the run forgets it."""
+    from dreambooth.training import stopping
+
+    flag = stopping.make_flag()
+    poll = stopping.StopPoll(flag, world=1, rank=0)
+    assert poll.reason() is None  # (this rank's read, before the request)
+    stopping.request(flag, "SIGTERM")
+    stopping.request(flag, "SIGINT")  # (a later signal does not rename the stop)
+    assert stopping.requested(flag) == "SIGTERM" and stopping.requested(stopping.make_flag()) is None
+    poll.await_reason()
+    assert poll.seen == "SIGTERM"
+    stopping.forget(flag)
+    assert stopping.requested(flag) is None
+
+
+def test_a_killed_worker_is_restarted_then_sigterm_checkpoints_the_current_step_and_the_resume_ends_on_the_uninterrupted_weights(
+        uninterrupted, tiny_model, toy_images, tmp_path):
+    """One run, cut twice as a cluster cuts it. A train worker SIGKILLed after the checkpoint of step 3: Ray Train
+    restarts the worker group from that checkpoint and training goes on. Then SIGTERM to the driver (ray job stop,
+    a deleted pod) once the restarted workers have logged steps: both workers checkpoint the step they are on,
+    long before the next periodic checkpoint, and the run ends with exit 143 and how to continue; resumed from
+    that step, it ends on exactly the uninterrupted run's weights (so the restart lost and repeated nothing).
+    (The checkpoint a restart reads holds every network a family trains and the moving average: the SDXL resume
+    in test_seeded_run_cut_and_resumed_with_every_gpu_option, through the same loading code.)"""
+    whole, whole_losses = uninterrupted
+    storage = tmp_path / "stopped-runs"
+    cut = train_args(tiny_model, toy_images, tmp_path / "cut", STOP_STEPS, *STOP_OPTIONS, "--storage_path", str(storage))
+    since = time.time()
+    proc = start_train([*cut, "--checkpointing_steps", "3", "--max_failures", "2"])
+    # (killed once the controller has registered it: a checkpoint folder appears before its files are all copied)
+    wait_for(lambda: 3 in registered_steps_under(storage), 240, proc)
+    victims = worker_pids(since)
+    assert victims
+    os.kill(victims[0], signal.SIGKILL)
+    # The old group may have logged steps 4 and 5 before the kill: count only what the restarted group logs, once
+    # the old workers are gone and new ones are up (it resumed from step 3, so it logs step 4 again).
+    wait_for(lambda: (now := worker_pids(since)) and not set(now) & set(victims), 240, proc)
+    logged_at_restart = len(logged_steps(storage))
+    wait_for(lambda: len(logged_steps(storage)) >= logged_at_restart + 2, 240, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = finish(proc, 300)
+    assert proc.returncode == 143, err[-3000:]  # (128 + SIGTERM, as a shell reports it)
+    assert "restarting the workers from the newest checkpoint" in out + err, (out + err)[-3000:]
+    [folder] = run_dirs(storage)
+    step = checkpoint_steps(folder)[-1]
+    assert 3 < step < STOP_STEPS and f"stopped at step {step} of {STOP_STEPS} (SIGTERM): the checkpoint took " in out + err
+    assert "SIGTERM: every worker checkpoints the step it is on" in err
+    assert "PreemptionWatcher" not in out + err  # (Ray's harmless ERROR line about it, kept off the terminal)
+    assert "rerun the same command with --resume_from_checkpoint latest to continue" in err
+    # ... and the command itself: the run's settings file, which names this run's output and storage
+    from dreambooth.planning import planning
+
+    config = re.search(r", that is: python train\.py --config (\S+) --resume_from_checkpoint latest\n", err)[1]
+    again = planning.parse_args(["--config", config, "--resume_from_checkpoint", "latest"])
+    assert (again.output_dir, again.storage_path, again.max_train_steps) == (str(tmp_path / "cut"), str(storage), STOP_STEPS)
+    assert "stopped by SIGTERM" not in err  # (one line says where it stopped: no second one after it)
+    assert not os.path.exists(tmp_path / "cut" / "model_index.json")  # no model of a stopped run
+    assert logged_steps(storage) == list(range(1, step + 1))  # each step once: the dead group's repeats gone
+    # resumed without --keep_checkpoints (which does not change the run): once its model is saved, the stopped
+    # run's checkpoints go too (they once stayed: a full SD 1.x fine-tune's 12 GB each)
+    resumed = train.main([a for a in cut if a != "--keep_checkpoints"] + ["--resume_from_checkpoint", "latest"])
+    # its record: the stopped run's rows until its checkpoint (the restarted group's repeats gone), then its own,
+    # each step once, as the uninterrupted run logged them (loss.png plots the whole run)
+    assert logged_losses(resumed) == whole_losses
+    same_weights(whole, tmp_path / "cut")
+    assert len(run_dirs(storage)) == 2 and [d for d in run_dirs(storage) if checkpoint_steps(d)] == []
+
+
+@pytest.fixture()
+def drainable_cluster(tmp_path):
+    """A Ray cluster of its own: a head with one CPU and one node with 3 (where the 2 workers go), which a test
+    may drain: (address, the node's id). A drained node takes no new tasks, so the Ray Data tasks of the rest
+    of the run need a CPU on another node, as on a real cluster (with the head's CPUs at 0 the run stalls as
+    soon as its data stream needs a new task)."""
+    from support import free_port
+
+    from dreambooth.cluster import raycluster
+
+    head, address = raycluster.start_ray_head(tmp_path / "head.log", free_port(),
+                                              extra=["--num-cpus=1", "--num-gpus=0"])
+    ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+    node = subprocess.Popen([ray_cli, "start", "--block", f"--address={address}", "--num-cpus=3", "--num-gpus=0",
+                             f"--temp-dir={head.temp_dir}"], stdout=open(tmp_path / "node.log", "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        find = ("import ray, sys; ray.init(address=sys.argv[1], log_to_driver=False); "
+                "print(*[n['NodeID'] for n in ray.nodes() if n['Alive'] and n['Resources'].get('CPU') == 3])")
+        node_id = ""
+        for _ in range(60):
+            node_id = subprocess.run([sys.executable, "-c", find, address], capture_output=True, text=True,
+                                     env=env()).stdout.strip()
+            if node_id:
+                break
+            time.sleep(1)
+        assert node_id, open(tmp_path / "node.log").read()[-2000:]
+        yield address, node_id
+    finally:
+        os.killpg(node.pid, signal.SIGTERM)
+        node.wait(timeout=60)
+        raycluster.stop_ray_head(head)
+
+
+def test_a_drained_node_gets_a_checkpoint_of_the_current_step_and_the_run_goes_on(
+        uninterrupted, drainable_cluster, tiny_model, toy_images, tmp_path):
+    """`ray drain-node` (what a spot reclaim notice does) on the node of the run's workers: Ray Train's
+    preemption watcher says so, the workers checkpoint the step they are on and train on; the run's losses
+    and weights are the uninterrupted run's. (The workers are paused (SIGSTOP) from the drain until the watcher
+    has said so: else a fast machine ends the 24 steps before the workers ask.)"""
+    address, node_id = drainable_cluster
+    whole, whole_losses = uninterrupted
+    storage = tmp_path / "drained-runs"
+    args = train_args(tiny_model, toy_images, tmp_path / "drained", STOP_STEPS, *STOP_OPTIONS, "--storage_path", str(storage))
+    since, err_file = time.time(), tmp_path / "train.err"
+    proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO_DIR, text=True, stdout=subprocess.PIPE,
+                            stderr=open(err_file, "w"),
+                            env=dict(env(), RAY_ADDRESS=address, RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S="0.5"))
+    wait_for(lambda: len(logged_steps(storage)) >= 2, 240, proc)
+    paused = worker_pids(since)
+    assert len(paused) == 2
+    for pid in paused:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        drain = subprocess.run([os.path.join(os.path.dirname(sys.executable), "ray"), "drain-node",
+                                f"--address={address}", f"--node-id={node_id}", "--reason=DRAIN_NODE_REASON_PREEMPTION",
+                                "--reason-message=spot reclaim", "--deadline-remaining-seconds=600"],
+                               capture_output=True, text=True, env=env())
+        assert drain.returncode == 0, drain.stderr[-2000:]
+        wait_for(lambda: "preemption detected" in err_file.read_text(), 120, proc)
+    finally:
+        for pid in paused:
+            os.kill(pid, signal.SIGCONT)
+    out, _ = finish(proc, 300)
+    err = err_file.read_text()
+    assert proc.returncode == 0, err[-3000:]
+    said = re.search(r"node\(s\) (\w+)… \(ranks 0, 1\) being drained, deadline in \d+ s: step (\d+) checkpointed in "
+                     r"[\d.]+ s; training goes on", out + err)
+    assert said and node_id.startswith(said[1]), (out + err)[-3000:]
+    [folder] = run_dirs(storage)
+    assert int(said[2]) in checkpoint_steps(folder) and int(said[2]) < STOP_STEPS
+    assert whole_losses == [(m["step"], m["loss"]) for m in map(json.loads, open(
+        os.path.join(folder, runlog.METRICS_FILE)))]
+    same_weights(whole, tmp_path / "drained")
+
+
+@pytest.fixture()
+def jobs_cluster(tmp_path, monkeypatch):
+    """A Ray cluster of its own with Ray Jobs' server (the dashboard, on 127.0.0.1, token authentication):
+    its http:// address for `ray job` and JobSubmissionClient."""
+    from support import free_port
+
+    from dreambooth.cluster import raycluster
+
+    ports = [free_port(), free_port(), free_port()]
+    with monkeypatch.context() as started:  # (its job server would look for agents in the session's cluster)
+        started.delenv("RAY_ADDRESS", raising=False)
+        head, _ = raycluster.start_ray_head(tmp_path / "head.log", ports[0], extra=[
+            "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={ports[1]}", "--num-cpus=3",
+            "--num-gpus=0", f"--dashboard-agent-listen-port={ports[2]}"])  # (not the session cluster's agent's)
+    try:
+        address = f"http://127.0.0.1:{ports[1]}"
+        deadline = time.time() + 60  # (the job agent starts after the head says it is up)
+        while ray_job(address, "list")[0] != 0 or "No available agent" in ray_job(
+                address, "submit", "--", "true")[1]:
+            assert time.time() < deadline, ray_job(address, "list")[1][-2000:]
+            time.sleep(1)
+        yield address
+    finally:
+        raycluster.stop_ray_head(head)
+
+
+def ray_job(address, *args, timeout=300):
+    """`ray job <args>` as a user types it, the cluster named by RAY_API_SERVER_ADDRESS (RAY_ADDRESS, which would
+    override --address, unset): (exit code, what it printed)."""
+    job_env = {k: v for k, v in env().items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "ray"), "job", *args], capture_output=True,
+                          text=True, env=dict(job_env, RAY_API_SERVER_ADDRESS=address), timeout=timeout)
+    return proc.returncode, re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)  # (without its colours)
+
+
+def job_state(address, job_id):
+    said = ray_job(address, "status", job_id)[1]
+    for words, state in (("' succeeded", "SUCCEEDED"), ("' was stopped", "STOPPED"), ("' failed", "FAILED")):
+        if f"Job '{job_id}{words}" in said:
+            return state
+    return re.search(r"Status for job '[^']+': (\w+)", said)[1]
+
+
+def wait_for_job(address, job_id, timeout):
+    deadline = time.time() + timeout
+    while (state := job_state(address, job_id)) in ("PENDING", "RUNNING") and time.time() < deadline:
+        time.sleep(1)
+    return state
+
+
+@pytest.mark.skipif(importlib.util.find_spec("aiohttp") is None,
+                    reason="Ray Jobs' server needs ray[default], which requirements-dev.txt leaves out: with it, a "
+                           "cluster this suite starts also serves metrics on 0.0.0.0 (test_security), to be closed first")
+def test_a_ray_job_stopped_checkpoints_its_step_and_its_resubmission_ends_on_the_uninterrupted_weights(
+        uninterrupted, jobs_cluster, tiny_model, toy_images, tmp_path):
+    """train.py as a Ray Job (the working directory shipped by Ray): `ray job stop` (SIGTERM to the driver) makes
+    the workers checkpoint the step they are on within RAY_JOB_STOP_WAIT_TIME_S, the job ends STOPPED, and the
+    same job submitted again with --resume_from_checkpoint latest SUCCEEDS with the uninterrupted run's weights.
+    A job whose training cannot start FAILS with the one-line cause in its logs and `ray job submit`'s exit code."""
+    whole, _ = uninterrupted
+    storage = tmp_path / "job-runs"
+    args = train_args(tiny_model, toy_images, tmp_path / "job", STOP_STEPS, *STOP_OPTIONS, "--storage_path", str(storage))
+    submit = ["submit", "--no-wait", f"--working-dir={REPO_DIR}",
+              '--runtime-env-json={"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "120"}}', "--", sys.executable, "train.py"]
+    code, said = ray_job(jobs_cluster, *submit, *args)
+    assert code == 0, said[-3000:]
+    job = re.search(r"Job '([^']+)' submitted successfully", said)[1]
+    deadline = time.time() + 240
+    while len(logged_steps(storage)) < 2:
+        assert time.time() < deadline and job_state(jobs_cluster, job) in ("PENDING", "RUNNING"), \
+            ray_job(jobs_cluster, "logs", job)[1][-3000:]
+        time.sleep(0.5)
+    code, said = ray_job(jobs_cluster, "stop", job)
+    assert wait_for_job(jobs_cluster, job, 180) == "STOPPED", said
+    logs = ray_job(jobs_cluster, "logs", job)[1]
+    [step] = checkpoint_steps(run_dirs(storage)[0])
+    assert "SIGTERM: every worker checkpoints the step it is on" in logs and f"stopped at step {step} of" in logs, logs[-3000:]
+    code, said = ray_job(jobs_cluster, *submit, *args, "--resume_from_checkpoint", "latest")
+    again = re.search(r"Job '([^']+)' submitted successfully", said)[1]
+    assert wait_for_job(jobs_cluster, again, 300) == "SUCCEEDED", ray_job(jobs_cluster, "logs", again)[1][-3000:]
+    assert f"trained {STOP_STEPS} steps" in ray_job(jobs_cluster, "logs", again)[1]
+    same_weights(whole, tmp_path / "job")
+    # Waiting for it, as `ray job submit` does by default: a failing job's cause in one line, a non-zero exit code.
+    code, said = ray_job(jobs_cluster, "submit", f"--working-dir={REPO_DIR}", "--", sys.executable, "train.py",
+                         *train_args(tiny_model, str(tmp_path / "no-photos"), tmp_path / "none", 2))
+    assert code != 0 and f"error: instance folder not found: {tmp_path / 'no-photos'}" in said, said[-3000:]
+
+
+# Run inside the full-disk test's mount namespace: STORAGE OUT FOLDER TRAIN_COMMAND... Small file systems on
+# STORAGE and OUT, one Ray cluster for three runs of TRAIN_COMMAND (its stderr and exit code in FOLDER/run<n>.err
+# and .rc), STORAGE grown after the first run and OUT after the second; `find` listings of both in FOLDER.
+FULL_DISK_RUNS = """
+import os, subprocess, sys
+from dreambooth.cluster import raycluster
+
+storage, out, folder, *train = sys.argv[1:]
+for size, where in (("18m", storage), ("1m", out)):
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", where], check=True)
+head, os.environ["RAY_ADDRESS"] = raycluster.start_ray_head(os.path.join(folder, "head.log"))
+try:
+    for n, listed, grown in ((1, storage, storage), (2, None, out), (3, out, None)):
+        with open(os.path.join(folder, f"run{n}.err"), "w") as err:
+            rc = subprocess.run(train, stderr=err).returncode
+        open(os.path.join(folder, f"run{n}.rc"), "w").write(f"rc={rc}")
+        if listed:
+            with open(os.path.join(folder, "after1.txt" if n == 1 else "out.txt"), "w") as listing:
+                subprocess.run(["find", listed], stdout=listing, check=True)
+        if grown:
+            subprocess.run(["mount", "-o", "remount,size=200m", grown], check=True)
+finally:
+    raycluster.stop_ray_head(head)
+"""
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0, reason="needs unshare (root)")
+def test_a_full_disk_stops_at_once_keeps_the_newest_checkpoint_and_its_resume_finishes(tiny_model, toy_images,
+                                                                                     tmp_path):
+    """Checkpoints and the model on small file systems of their own (tmpfs in a mount namespace, with a
+    Ray cluster started inside it for the three runs, so its workers write there too): the second checkpoint
+    does not fit, then the model does not; each run stops at once in one line, leaves no half checkpoint, and
+    after the room is made the rerun finishes from the newest complete checkpoint (the last: no step left)."""
+    storage, out = tmp_path / "storage", tmp_path / "out"
+    storage.mkdir(), out.mkdir()
+    args = ["--model_dir", tiny_model, "--output_dir", str(out / "model"), "--storage_path", str(storage),
+            "--instance_images_dir", toy_images, "--instance_prompt", "photo of unqtkn toy", "--num_workers", "1",
+            "--train_batch_size", "1", "--max_train_steps", "4", "--checkpointing_steps", "2",
+            "--checkpoints_total_limit", "1", "--resume_from_checkpoint", "auto", "--seed", "1"]
+    environment = {k: v for k, v in env().items() if k != "RAY_ADDRESS"}  # its own Ray, inside the namespace
+    proc = subprocess.run(["unshare", "-m", "--propagation", "private", sys.executable, "-c", FULL_DISK_RUNS,
+                           str(storage), str(out), str(tmp_path), sys.executable, "train.py", *args], cwd=REPO_DIR,
+                          env=environment, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+    def result(n):
+        return open(tmp_path / f"run{n}.rc").read().strip(), open(tmp_path / f"run{n}.err").read()
+
+    rc, err = result(1)  # the checkpoint of step 4 did not fit beside step 2's
+    last = err.strip().splitlines()[-1]
+    assert rc == "rc=1" and "Traceback" not in err, err[-3000:]
+    assert f"no space left on the device of {storage}" in last and "checkpoint of step 4" in last
+    assert "MB free there, about" in last and "restarting" not in err  # no restart: it would meet the same disk
+    left = [line for line in open(tmp_path / "after1.txt").read().split() if "/checkpoint_" in line
+            and line.endswith(checkpoints.STATE_FILE)]
+    assert len(left) == 1  # step 2's, whole; the half-written step 4 was removed
+    folders = {os.path.dirname(p) for p in open(tmp_path / "after1.txt").read().split()
+               if os.path.basename(os.path.dirname(p)).startswith("checkpoint_")}
+    assert folders == {os.path.dirname(left[0])}
+    rc, err = result(2)  # resumed at step 2; step 4's checkpoint fits now, the model does not
+    assert rc == "rc=1" and "resuming from" in err and f"no space left on the device of {out / 'model'}" in \
+        err.strip().splitlines()[-1] and "restarting" not in err, err[-3000:]
+    rc, err = result(3)  # resumed at step 4: nothing to train, the model saved
+    assert rc == "rc=0", err[-3000:]
+    assert "trained 4 steps; no step left to train after the checkpoint; model saved to" in err
+    assert str(out / "model" / "unet") in open(tmp_path / "out.txt").read()

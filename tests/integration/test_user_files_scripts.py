@@ -1,0 +1,113 @@
+"""Every text file a user hands over (captions, prompt files, the evaluation prompts, --config) and every photo read
+safely: what a user's disk really holds (another encoding, an empty file, a folder, a broken link, no permission) is
+one line naming the file, from the function that reads it before Ray starts; nothing is changed on disk. (The read sites:
+CONTRIBUTING.md's list. The scripts say these lines before Ray starts: test_bad_inputs.)"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dreambooth import errors
+from dreambooth.evaluation import scoring
+from dreambooth.files import REPO_DIR
+from dreambooth.generation import prompts
+from dreambooth.planning import planning
+
+
+def read_caption(path):
+    photo = os.path.splitext(path)[0] + ".jpg"
+    return prompts.read_captions([photo], "photo of unqtkn dog", ".txt")[0]
+
+
+def read_prompts(path):
+    return prompts.read_prompt_file(path)[0]
+
+
+def read_eval_prompts(path):
+    return scoring.prompt_templates("object", path)[0]
+
+
+def read_config(path):  # (a bad one: argparse's line on stderr and SystemExit, as for any flag)
+    return planning.parse_args(["--config", path, "--model_dir", "/m", "--output_dir", "/o",
+                                "--instance_data_dir", "/p"]).instance_prompt
+
+
+# site: (how it is read, good content, the words its lines begin with)
+SITES = {
+    "caption": (read_caption, "photo of unqtkn dog on a sofa", "caption file: "),
+    "prompts file": (read_prompts, "photo of unqtkn dog on a sofa", "the prompts file: "),
+    "eval prompts": (read_eval_prompts, "a {subject} on a sofa", "--eval_prompts (EVAL_PROMPTS with dreambooth_run.sh): "),
+    "config": (read_config, 'instance_prompt = "photo of unqtkn dog on a sofa"', "--config: "),
+}
+
+
+def read(site, path, capsys):
+    """What the site reads of path."""
+    return SITES[site][0](str(path))
+
+
+def said(site, path, capsys):
+    """The one line a bad file gets."""
+    how = SITES[site][0]
+    if site == "config":
+        with pytest.raises(SystemExit):
+            how(str(path))
+        return capsys.readouterr().err.strip().splitlines()[-1]
+    with pytest.raises(errors.UserError) as caught:
+        how(str(path))
+    assert "\n" not in str(caught.value)
+    return str(caught.value)
+
+
+def photos_read(folder):
+    """The photos of a folder as train.py's check before Ray reads them (inputs.find_inputs: list, then open each)."""
+    from dreambooth.generation import imagefiles
+
+    return imagefiles.inspect_images(imagefiles.list_images(str(folder), "instance", also_expected=".txt"), 64,
+                                     str(folder) + "-converted")
+
+
+def test_a_file_the_user_cannot_read_is_one_line_naming_it(toy_images, tiny_model, tmp_path):
+    """A prompts file, a photo and a model's config without read permission, read as a user that is not root (nobody
+    when the tests run as root)."""
+    import pwd
+    import shutil
+    import tempfile
+
+    where = tempfile.mkdtemp(prefix="unreadable-", dir="/tmp")  # (pytest's own temp folder is its user's alone)
+    os.chmod(where, 0o755)
+    path, photos, private = os.path.join(where, "dog.txt"), os.path.join(where, "photos"), os.path.join(where, "mine")
+    with open(path, "w") as f:
+        f.write("photo of unqtkn dog\n")
+    shutil.copytree(toy_images, photos)
+    shutil.copytree(toy_images, private)
+    os.chmod(path, 0)
+    os.chmod(os.path.join(photos, "toy-1.jpg"), 0)
+    os.chmod(private, 0o700)  # (a folder of photos nobody else may enter)
+    model = os.path.join(where, "model")
+    shutil.copytree(tiny_model, model)
+    os.chmod(os.path.join(model, "unet", "config.json"), 0)
+    code = ("import sys; sys.path.insert(0, 'tests'); from dreambooth import errors, families\n"
+            "from dreambooth.generation import prompts; from test_user_files import photos_read\n"
+            "reads = (prompts.read_prompt_file, photos_read, photos_read, families.check_model_dir)\n"
+            "for read, what in zip(reads, sys.argv[1:]):\n"
+            "    try:\n        read(what)\n    except errors.UserError as err:\n        print(err)")
+    argv = [sys.executable, "-c", code, path, photos, private, model]
+    if os.geteuid() == 0:
+        argv = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", *argv]
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO_DIR)
+    finally:
+        shutil.rmtree(where)
+    said = proc.stdout.strip().splitlines()
+    assert len(said) == 4 and said[0].startswith(f"the prompts file: cannot read {path}: permission denied"), \
+        proc.stdout + proc.stderr[-2000:]
+    reader = pwd.getpwnam("nobody").pw_uid if os.geteuid() == 0 else os.getuid()
+    assert said[3] == (f"cannot read {model}/unet/config.json: permission denied (as user {reader}): fetch or copy the "
+                       "model again (cache_model.py)"), said
+    assert said[1].startswith(f"image: cannot read {photos}/toy-1.jpg: permission denied"), said
+    assert said[2].startswith(f"instance folder: cannot read {private}: permission denied"), said  # (not 'not found')
+
+

@@ -1,0 +1,79 @@
+import os
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from dreambooth import errors
+from dreambooth.generation import drawing
+from dreambooth.generation import image_records
+from dreambooth.models import outputs
+
+
+def test_plan_images_tops_up_and_refuses_colliding_prompts(tmp_path):
+    (tmp_path / drawing.image_file_name("a dog", 1)).write_bytes(b"x")
+    rows, files = drawing.plan_images(["a dog", "a cat"], 2, 0, str(tmp_path))
+    assert files == ["a-dog-00000.png", "a-dog-00001.png", "a-cat-00000.png", "a-cat-00001.png"]
+    assert [r["file"] for r in rows] == ["a-dog-00000.png", "a-cat-00000.png", "a-cat-00001.png"]
+    assert rows[0]["seed"] == drawing.image_seed(0, "a dog", 0)
+    with pytest.raises(errors.UserError, match="share file names"):
+        drawing.plan_images(["a dog", "A dog!"], 1, 0, str(tmp_path))
+
+
+def test_image_file_name_sorts_by_index():
+    names = [drawing.image_file_name("photo of a dog", i) for i in (0, 2, 10)]
+    assert names == sorted(names)
+    assert names[0] == "photo-of-a-dog-00000.png"
+
+
+def test_image_seed_depends_on_seed_prompt_and_index_only():
+    a = drawing.image_seed(0, "photo of a dog", 3)
+    assert a == drawing.image_seed(0, "photo of a dog", 3)
+    others = {drawing.image_seed(1, "photo of a dog", 3), drawing.image_seed(0, "photo of a cat", 3),
+              drawing.image_seed(0, "photo of a dog", 4)}
+    assert a not in others
+    assert 0 <= a < 2**31
+
+
+def test_lora_dir_applies_the_adapters_at_their_scale(lora_output, tiny_model):
+    import torch
+
+    folder, _ = lora_output
+    assert outputs.resolve_model(folder, None) == outputs.ModelRef(tiny_model, folder)  # a LoRA output as --model_dir
+    assert outputs.resolve_model(tiny_model, folder) == outputs.ModelRef(tiny_model, folder)
+    with pytest.raises(errors.UserError, match="has no pytorch_lora_weights.safetensors"):
+        outputs.resolve_model(tiny_model, tiny_model)
+    assert drawing.use_safety_checker("auto", outputs.ModelRef(tiny_model, folder))
+    assert not drawing.use_safety_checker("auto", outputs.ModelRef(tiny_model))
+
+    def images(**lora):
+        pipe = drawing.load_pipeline(tiny_model, torch.device("cpu"), **lora)
+        out, _ = drawing.generate_batch(pipe, ["photo of unqtkn toy"], [3],
+                                        drawing.ImageSettings(num_inference_steps=2))
+        return np.asarray(out[0], dtype=int)
+
+    base = images()
+    assert np.abs(images(lora_dir=folder, lora_scale=0.0) - base).max() <= 1
+    assert np.abs(images(lora_dir=folder) - base).max() > 10
+
+
+def test_class_images_are_kept_when_only_what_training_does_not_read_differs(tiny_model, tmp_path, capsys):
+    """Class images (generate.py --class_images, train.py's top-up) drawn with other steps, guidance or
+    seed are kept with a line; another size, prompt or model is still refused, naming IMAGES_REG_DIR."""
+    folder = str(tmp_path / "class")
+    model = outputs.ModelRef(tiny_model)
+    drawn = drawing.ImageSettings(num_inference_steps=3, seed=1)
+    drawing.top_up(folder, model, ["photo of a dog"], 2, drawn, False)
+    for name in ("photo-of-a-dog-00000.png", "photo-of-a-dog-00001.png"):
+        Image.new("RGB", (64, 64)).save(os.path.join(folder, name))
+    again = drawing.ImageSettings(num_inference_steps=50, seed=0, guidance_scale=5.0)
+    job = drawing.top_up(folder, model, ["photo of a dog"], 3, again, False, class_images=True)
+    err = capsys.readouterr().err
+    assert "keeping the 2 class images" in err and "3 steps" in err and "50 steps" in err
+    assert len(job.rows) == 1 and len(image_records.drawn_images(folder)) == 2  # only the missing one is drawn
+    with pytest.raises(errors.UserError, match="images were drawn with"):  # not class images: refused as before
+        drawing.top_up(folder, model, ["photo of a dog"], 3, again, False)
+    with pytest.raises(errors.UserError, match="32 px.*IMAGES_REG_DIR"):
+        drawing.top_up(folder, model, ["photo of a dog"], 3, drawing.ImageSettings(resolution=32), False,
+                       remedy="set IMAGES_REG_DIR to another folder", class_images=True)
+    assert len(image_records.drawn_images(folder)) == 2  # nothing deleted
