@@ -1,6 +1,6 @@
 """What a two-trial sweep costs: sweep.py's wall time and the machine's CPU-seconds, early stopping on and off.
 
-The sweep of tests/test_sweep.py's Flux.1 test: the tiny Flux.1 dev model (built here, cache_model.py --tiny --arch
+The sweep of tests/integration/test_sweep_ray.py's Flux.1 test: the tiny Flux.1 dev model (built here, cache_model.py --tiny --arch
 flux), the toy photos, two learning rates one trial at a time, LoRA, step counts 1 and 2, one evaluation prompt of two
 images, the class images already there. Each sweep starts its own Ray (a temp folder of its own); the CPU-seconds are
 the whole machine's (/proc/stat), so run it with nothing else on the machine. Run it from two checkouts to compare

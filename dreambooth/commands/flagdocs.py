@@ -105,7 +105,7 @@ def run_sh_section():
 def flags_markdown():
     """The text of docs/FLAGS.md."""
     lines = ["# Every flag", "", f"Generated from the scripts' parsers: `{COMMAND}` writes this page again "
-             "(tests/test_flagdocs.py checks it). Every flag also answers to its hyphenated spelling "
+             "(tests/unit/test_flagdocs.py checks it). Every flag also answers to its hyphenated spelling "
              "(`--num-workers`); `train.py`, `generate.py` and `sweep.py` also read them from a `--config` "
              "TOML file, keys named as the flags.", ""]
     lines += run_sh_section() + [""]

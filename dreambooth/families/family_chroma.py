@@ -67,7 +67,7 @@ class Chroma(family.Family):
     supports = frozenset({"train", "draw", "export_lora"})  # (not yet: a full model as one file)
     guidance_scale = 5.0  # ChromaPipeline's default
     released_resolutions = (1024,)
-    # Chroma1's transformer, T5-XXL and Flux.1's VAE, counted on the meta device (tests/test_memory.py)
+    # Chroma1's transformer, T5-XXL and Flux.1's VAE, counted on the meta device (tests/unit/test_memory.py)
     released_params = {"transformer": 8899.98e6, "text_encoder": 4762.31e6, "vae": 83.82e6}
     released_size = "chroma"
     memory_rows = (("Chroma", "chroma", (512, 1024), (4, 8)),)

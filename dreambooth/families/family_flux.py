@@ -122,7 +122,7 @@ class Flux(family.Family):
     guidance_scale = 3.5  # dev's guidance value (FluxPipeline's and diffusers' Flux script's default)
     guided_training = True  # the guidance value is an input of the transformer in training (dev)
     released_resolutions = (1024,)
-    # flux-dev's, for memory.py (tests/test_memory.py counts them on the meta device)
+    # flux-dev's, for memory.py (tests/unit/test_memory.py counts them on the meta device)
     released_params = {"transformer": 11901.41e6, "text_encoder": 123.06e6, "text_encoder_2": 4762.31e6, "vae": 83.82e6}
     released_size = "flux-dev"  # the own size whose activations memory.py counts for a released model
     random = FluxModels()

@@ -128,7 +128,7 @@ class Flux2Klein(family.Family):
     negative_prompt = False  # the pipeline guides against the empty prompt only
     guidance_scale = 4.0  # Flux2KleinPipeline's default (the base models'; the distilled ones ignore it)
     released_resolutions = (1024,)
-    # FLUX.2 [klein] 9B's transformer, Qwen3-8B and the VAE, counted on the meta device (tests/test_memory.py); the
+    # FLUX.2 [klein] 9B's transformer, Qwen3-8B and the VAE, counted on the meta device (tests/unit/test_memory.py); the
     # 4B's: 3875.54 M, Qwen3-4B 4022.47 M
     released_params = {"transformer": 9078.58e6, "text_encoder": 8190.74e6, "vae": 84.05e6}
     released_size = "flux2-klein-9b"

@@ -101,7 +101,7 @@ class Flux2Dev(family_flux2.Flux2Klein):
     guided_training = True  # the guidance value is an input of the transformer in training too
     out_layers = OUT_LAYERS
     # FLUX.2 [dev]'s transformer, Mistral Small 3.1 (with its vision tower) and the VAE, counted on the meta device
-    # (tests/test_memory.py)
+    # (tests/unit/test_memory.py)
     released_params = {"transformer": 32223.28e6, "text_encoder": 24011.36e6, "vae": 84.05e6}
     released_size = "flux2-dev"
     memory_rows = (("FLUX.2 [dev]", "flux2-dev", (512, 1024), (8,)),)

@@ -14,7 +14,7 @@ from dreambooth.families import family_flux
 from dreambooth.families import known
 
 # QwenImagePipeline's prompt template and the count of its tokens the pipeline drops (prompt_template_encode,
-# prompt_template_encode_start_idx), and its longest prompt (tokenizer_max_length): tests/test_family_qwen.py
+# prompt_template_encode_start_idx), and its longest prompt (tokenizer_max_length): tests/unit/test_family_qwen.py
 # checks them against a pipeline's own
 TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
             "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
@@ -127,7 +127,7 @@ class QwenImage(family.Family):
     random = QwenImageModels()
     text_tokens = 128  # the text states' length in training for activations.py: a prompt's, not padded to 1024
     # Qwen-Image's 20 B transformer, Qwen2.5-VL-7B (8.3 B with its vision tower) and the 127 M video VAE, counted
-    # on the meta device (tests/test_memory.py)
+    # on the meta device (tests/unit/test_memory.py)
     released_params = {"transformer": 20430.40e6, "text_encoder": 8292.17e6, "vae": 126.89e6}
     released_size = "qwen-image"
     memory_rows = (("Qwen-Image", "qwen-image", (512, 1024), (4, 8)),)

@@ -88,7 +88,7 @@ class ZImage(family.Family):
     supports = frozenset({"train", "draw"})  # (not yet: an export layout of its own)
     guidance_scale = 5.0  # ZImagePipeline's default (the base model's)
     released_resolutions = (1024,)
-    # Z-Image's transformer, Qwen3-4B and Flux.1's VAE, counted on the meta device (tests/test_memory.py)
+    # Z-Image's transformer, Qwen3-4B and Flux.1's VAE, counted on the meta device (tests/unit/test_memory.py)
     released_params = {"transformer": 6154.91e6, "text_encoder": 4022.47e6, "vae": 83.82e6}
     released_size = "z-image"
     memory_rows = (("Z-Image", "z-image", (512, 1024), (4,)),)

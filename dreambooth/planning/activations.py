@@ -7,7 +7,7 @@ fused kernels a GPU runs keep it (queries, keys, values, output and the log-sum-
 eager math path would (the full attention matrix): PyTorch's SDPA takes a fused kernel on every GPU the
 suite targets. What is not counted: kernel workspaces, the allocator's fragmentation, the gradients in
 flight. The calibration covers those: SD 1.x's UNet at 512 px counts COUNTED_SD1 GiB per image and
-measured MEASURED_SD1 on an H100 (BENCHMARKS.md, memory.py's figures), so a count is scaled by their ratio,
+measured MEASURED_SD1 on an H100 (benchmarks/bench.py; memory.py's figures), so a count is scaled by their ratio,
 with gradient checkpointing and without. That a transformer's overhead scales like the UNet's is the
 assumption; no transformer was measured on a GPU yet.
 """
@@ -15,7 +15,7 @@ assumption; no transformer was measured on a GPU yet.
 import functools
 
 # SD 1.x's UNet, 512 px, per image: (without, with gradient checkpointing), GiB
-COUNTED_SD1 = (1.0785, 0.1456)  # this module's count (tests/test_activations.py recounts it)
+COUNTED_SD1 = (1.0785, 0.1456)  # this module's count (tests/unit/test_memory.py recounts it)
 MEASURED_SD1 = (0.95, 0.11)  # memory.ACTIVATION_GIB, memory.CHECKPOINTED_GIB: H100 peaks less the static memory
 
 

@@ -4,14 +4,14 @@ preflight, docs/MEMORY.md and `python -m dreambooth.planning.memory`.
     python -m dreambooth.planning.memory   the tables of docs/MEMORY.md (markdown)
 
 The figure is computed, not guessed from a tiny model:
-- **Parameters** of each network: the released models' counts (RELEASED; tests/test_memory.py
+- **Parameters** of each network: the released models' counts (RELEASED; tests/unit/test_memory.py
   checks SD 1.x's and SDXL's against the architectures built on torch's meta device), or a cached
   model's own, read from its safetensors headers.
 - **Bytes per parameter**: a trained one holds its fp32 weight, its fp32 gradient and AdamW's two
   fp32 moments (16 bytes; 10 with 8-bit Adam, whose moments take 1 byte each), plus an fp32 copy
   with --use_ema; a frozen one sits in the autocast dtype (2 bytes; 4 without mixed precision). LoRA
   adapters are about 0.1 % of their network's parameters at rank 4.
-- **Activations**, measured: SD 1.x at 512 px with bf16 autocast on an H100 (BENCHMARKS.md) peaked at
+- **Activations**, measured: SD 1.x at 512 px with bf16 autocast on an H100 (benchmarks/bench.py) peaked at
   18.0 GiB (full fine-tune), 15.2 GiB (with gradient checkpointing) and 16.8 GiB (UNet only, latents
   cached); less the weights and optimizer state that leaves about 0.95 GiB per image in the step
   (instance + class rows) without gradient checkpointing and 0.11 GiB with it. Other families and

@@ -5,7 +5,7 @@ a model (scoring.run: the same drawing, embedding and scores, evaluate.py's seed
 scores go back to Ray Train with the checkpoint and into Ray's key-value store, where rank 0 reads them as they
 arrive (ScoreWatch); the driver adds those that came after the last step (finish).
 
-Ray Train's validation API is alpha in Ray 2.60: tests/test_checkpoint_scores.py pins what this module relies on.
+Ray Train's validation API is alpha in Ray 2.60: tests/unit/test_checkpoint_scores.py pins what this module relies on.
 """
 
 import contextlib

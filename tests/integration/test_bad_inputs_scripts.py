@@ -1,4 +1,6 @@
-"""The bad-input catalogue: every odd photo is converted or named, never a traceback."""
+"""What users get wrong, through the scripts: one line naming the bad input, said before Ray starts where it can
+be, and on Ray (an error no restart can fix, an actor that cannot load its model, any other task error) one line and
+a log. (The checks themselves: tests/unit/test_bad_inputs.py.)"""
 
 import glob
 import os

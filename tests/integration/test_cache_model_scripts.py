@@ -1,3 +1,6 @@
+"""cache_model.py as a process: a pinned model found offline in an existing cache, and a gated model refused before
+the hub is asked."""
+
 import os
 import shutil
 import subprocess

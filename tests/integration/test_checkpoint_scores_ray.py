@@ -1,7 +1,5 @@
-"""Scores while training (train.py --score_steps): the flags' rules, and a tiny run whose checkpoints Ray Train's
-validation scores as evaluate.py does while the steps go on. Ray Train's validation API is alpha (Ray 2.60): these
-tests pin what checkpoint_scores relies on (ValidationConfig's task per reported checkpoint, its metrics merged into
-the checkpoint's, get_all_reported_checkpoints' statuses, fit waiting for the tasks before it returns)."""
+"""Scores while training on Ray (--score_steps): each checkpoint scored by a validation task of its own while the
+workers go on, as evaluate.py scores it. (The scores' bookkeeping: tests/unit/test_checkpoint_scores.py.)"""
 
 import glob
 import json

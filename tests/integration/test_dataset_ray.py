@@ -1,4 +1,4 @@
-"""dataset.py: images to a deterministic training stream: views, latents, the Ray Data graph."""
+"""The training stream on Ray Data: every class image paired, and the latent cache's posteriors of both flip views."""
 
 import numpy as np
 from PIL import Image

@@ -1,5 +1,5 @@
-"""Model families (families/): read from the model's files, and SD 2.x v-prediction end to end
-on the tiny SD 2.x model: train (full and LoRA), resume, generate at its own resolution."""
+"""A new family with a base model of its own, added to a copy of the package: its short name in --help and its column
+in the memory table, read by new processes."""
 
 import os
 import shutil

@@ -1,6 +1,5 @@
-"""family_flux.py: Flux.1 on its tiny random model (real classes: FluxTransformer2DModel with a guidance input,
-CLIP-L, T5 with a tokenizer made here, a 16-channel VAE), trained by flow matching on packed latents, without Ray
-(the Ray runs are at the end, marked slow)."""
+"""Flux.1 on Ray Train: a LoRA run resumed from the uninterrupted run's checkpoint ends on its weights and draws its
+samples; a full fine-tune sharded across two workers (FSDP) resumes to the same weights."""
 
 
 import pytest

@@ -1,5 +1,4 @@
-"""family_sd3.py: SD 3.5 on its tiny random model (real classes: SD3Transformer2DModel, CLIP-L, CLIP-G,
-T5 with a tokenizer made here), trained by flow matching, without Ray."""
+"""SD 3.5 on two Ray Train workers: a LoRA run resumed from the uninterrupted run's checkpoint ends on its adapters."""
 
 
 import torch

@@ -1,3 +1,6 @@
+"""The scripts' command lines as processes: every --help explains itself and states each default once, a missing model
+is one line, not a traceback."""
+
 import os
 import subprocess
 import sys

@@ -1,3 +1,6 @@
+"""generate.py's actor pool: several models on one pool, each with its weights, adapters and safety checker; a tuned
+model's flagged images withheld unless the checker is off; run_model.py is generate.py under Ray's example name."""
+
 import os
 
 import numpy as np

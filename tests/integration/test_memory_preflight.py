@@ -1,5 +1,5 @@
-"""memory.py and the preflight's GPU checks: the need of each mode from parameter counts and the
-measured activations, the flags that make a run fit a card, and torch's view of the GPUs Ray counts."""
+"""The preflight's memory and GPU checks as a process: a card too small for the run, and GPUs Ray counts but torch
+cannot use, stop it before Ray starts."""
 
 import os
 import re

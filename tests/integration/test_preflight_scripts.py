@@ -1,6 +1,6 @@
-"""preflight.py: what dreambooth_run.sh checks before Step 1 (the script's own failures are in
-test_dreambooth_run; here the worker arithmetic, the disk estimate and a real 2-node cluster whose
-second node has its own DATA_PREFIX)."""
+"""preflight.py and dreambooth_run.sh's checks before Step 1, as processes: photos and class name first, a flag of
+another family, a misspelt short name, a data prefix one node does not share, train flags checked and their sizes
+passed on."""
 
 import os
 import shutil

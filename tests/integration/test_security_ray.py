@@ -1,6 +1,6 @@
-"""Closed to the network: every Ray port the suite opens asks for the token, a script joins only the
-cluster it is given, the token made is private; and what was right before (safetensors only, no
-remote code, no shell) stays so."""
+"""Ray closed to the network: every port of the session's head and of a script's own cluster refuses a caller without
+the token; a script joins only the cluster it is given, never the one Ray's temp folder names; train flags reach
+train.py as typed."""
 
 import glob
 import http.client

@@ -1,5 +1,5 @@
-"""Runs whose storage is a bucket: a real S3 endpoint on 127.0.0.1 (moto's server), reached the way AWS
-tools reach MinIO or R2 (AWS_ENDPOINT_URL and the AWS_* credentials)."""
+"""A run whose checkpoints go to a bucket (a local S3 server), stopped and resumed from there, ends like the
+uninterrupted run."""
 
 import glob
 import os

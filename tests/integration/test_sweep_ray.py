@@ -1,3 +1,6 @@
+"""Sweeps on Ray Tune: two subjects in a bucket on two nodes, each step count scored and each subject's best kept; a
+Flux.1 LoRA sweep with early stopping; a failed trial listed and resumed from its checkpoint by the same command."""
+
 import csv
 import io
 import os

@@ -1,5 +1,5 @@
-"""--report_to's W&B and MLflow runs read back from their own files, and --notify_url's messages as a
-local webhook server receives them."""
+"""--report_to's W&B and MLflow runs read back from their own files (their services are processes of their own), and
+--notify_url's messages as a local webhook server receives them."""
 
 import os
 import subprocess

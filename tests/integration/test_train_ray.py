@@ -1,4 +1,5 @@
-"""train.py end to end: Ray Train runs of train_fn on the tiny model (Ray)."""
+"""train.py on Ray Train: two workers save a changed, loadable pipeline; cached latents, a frozen text encoder and the
+loss options; class images topped up; the trainer built without torch in the driver."""
 
 import json
 import os

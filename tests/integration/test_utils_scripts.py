@@ -1,3 +1,6 @@
+"""Every Ray worker of ours runs the setup hook and keeps the user's OMP_NUM_THREADS; a script exits at once after
+flushing, waiting for its writing threads."""
+
 import logging
 import os
 

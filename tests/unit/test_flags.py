@@ -237,7 +237,7 @@ def test_readme_compatibility_claims_hold():
     with open(os.path.join(REPO_DIR, "docs", "DIFFUSERS.md")) as f:
         text = f.read()
     paragraph = text[text.index("# Commands written for diffusers'"):text.index("Every flag also answers")]
-    taken, refused = paragraph.split("tests/test_flags.py runs")[0].split("or refused with one line", 1)
+    taken, refused = paragraph.split("tests/unit/test_flags.py runs")[0].split("or refused with one line", 1)
     taken, refused = re.findall(r"`(--[a-z0-9_]+)`", taken), re.findall(r"`(--[a-z0-9_]+)`", refused)
     assert len(taken) >= 15 and all(o in DIFFUSERS_FLAGS and o not in flags.REFUSED for o in taken), taken
     assert len(refused) >= 5 and all(o in flags.REFUSED for o in refused), refused

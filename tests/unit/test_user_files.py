@@ -1,7 +1,7 @@
 """Every text file a user hands over (captions, prompt files, the evaluation prompts, --config) and every photo read
 safely: what a user's disk really holds (another encoding, an empty file, a folder, a broken link, no permission) is
 one line naming the file, from the function that reads it before Ray starts; nothing is changed on disk. (The read sites:
-CONTRIBUTING.md's list. The scripts say these lines before Ray starts: test_bad_inputs.)"""
+CONTRIBUTING.md's "Files users hand over". The scripts say these lines before Ray starts: test_bad_inputs.)"""
 
 import os
 
