@@ -7,7 +7,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (the tests' he
 
 import counts  # noqa: E402
 import pytest  # noqa: E402
-import support  # noqa: E402,F401 (first: the run's environment, before anything imports the hub or Ray)
+import support  # noqa: E402,F401 (before the package: the run's environment, before anything imports the hub or Ray)
 from support import REPO_DIR  # noqa: E402
 from support import adapters_saved  # noqa: E402
 from support import environment  # noqa: E402
@@ -18,6 +18,8 @@ from support import ray_temp  # noqa: E402
 from support import start_node  # noqa: E402
 from support import stop_node  # noqa: E402
 from support import tiny_of  # noqa: E402
+
+from dreambooth import families  # noqa: E402
 
 
 @pytest.hookimpl(trylast=True)
@@ -55,57 +57,31 @@ def tiny_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tiny_sd2v_model(tmp_path_factory):
-    """Snapshot folder of the tiny SD 2.x v-prediction model (cache_model.py --tiny --arch sd2-v)."""
-    return tiny_of(tmp_path_factory, "model-sd2v", "sd2-v")
+def tiny_model_of(tmp_path_factory, tiny_model):
+    """tiny_model_of(arch) -> the snapshot folder of the tiny model of a family's --arch (cache_model.py --tiny
+    --arch), built once a session, each in a folder of its own (SD 1.x's: tiny_model)."""
+    built = {"sd1": tiny_model}
+
+    def of(arch):
+        if arch not in built:
+            built[arch] = tiny_of(tmp_path_factory, f"model-{arch}", arch)
+        return built[arch]
+
+    return of
 
 
-@pytest.fixture(scope="session")
-def tiny_sdxl_model(tmp_path_factory):
-    """Snapshot folder of the tiny SDXL model (cache_model.py --tiny --arch sdxl)."""
-    return tiny_of(tmp_path_factory, "model-sdxl", "sdxl")
+def _tiny_model_fixture(arch):
+    @pytest.fixture(scope="session")
+    def fixture(tiny_model_of):
+        return tiny_model_of(arch)
+
+    fixture.__doc__ = f"Snapshot folder of the tiny {arch} model (cache_model.py --tiny --arch {arch})."
+    return fixture
 
 
-@pytest.fixture(scope="session")
-def tiny_sd3_model(tmp_path_factory):
-    """Snapshot folder of the tiny SD 3.5 model (cache_model.py --tiny --arch sd3)."""
-    return tiny_of(tmp_path_factory, "model-sd3", "sd3")
-
-
-@pytest.fixture(scope="session")
-def tiny_flux_model(tmp_path_factory):
-    """Snapshot folder of the tiny Flux.1 dev model (cache_model.py --tiny --arch flux)."""
-    return tiny_of(tmp_path_factory, "model-flux", "flux")
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen_model(tmp_path_factory):
-    """Snapshot folder of the tiny Qwen-Image model (cache_model.py --tiny --arch qwen)."""
-    return tiny_of(tmp_path_factory, "model-qwen", "qwen")
-
-
-@pytest.fixture(scope="session")
-def tiny_flux2_model(tmp_path_factory):
-    """Snapshot folder of the tiny FLUX.2 [klein] model (cache_model.py --tiny --arch flux2)."""
-    return tiny_of(tmp_path_factory, "model-flux2", "flux2")
-
-
-@pytest.fixture(scope="session")
-def tiny_flux2dev_model(tmp_path_factory):
-    """Snapshot folder of the tiny FLUX.2 [dev] model (cache_model.py --tiny --arch flux2dev)."""
-    return tiny_of(tmp_path_factory, "model-flux2dev", "flux2dev")
-
-
-@pytest.fixture(scope="session")
-def tiny_zimage_model(tmp_path_factory):
-    """Snapshot folder of the tiny Z-Image model (cache_model.py --tiny --arch zimage)."""
-    return tiny_of(tmp_path_factory, "model-zimage", "zimage")
-
-
-@pytest.fixture(scope="session")
-def tiny_chroma_model(tmp_path_factory):
-    """Snapshot folder of the tiny Chroma model (cache_model.py --tiny --arch chroma)."""
-    return tiny_of(tmp_path_factory, "model-chroma", "chroma")
+# tiny_<arch>_model for every family of the table but SD 1.x's (tiny_model): tiny_sdxl_model, tiny_flux_model, ...
+for _arch in sorted(set(families.ARCHS) - {"sd1"}):
+    globals()[f"tiny_{_arch.replace('-', '')}_model"] = _tiny_model_fixture(_arch)
 
 
 @pytest.fixture(scope="session")

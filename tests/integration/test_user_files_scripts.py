@@ -86,7 +86,7 @@ def test_a_file_the_user_cannot_read_is_one_line_naming_it(toy_images, tiny_mode
     model = os.path.join(where, "model")
     shutil.copytree(tiny_model, model)
     os.chmod(os.path.join(model, "unet", "config.json"), 0)
-    code = ("import sys; sys.path.insert(0, 'tests'); from dreambooth import errors, families\n"
+    code = ("import sys; sys.path.insert(0, 'tests/unit'); from dreambooth import errors, families\n"
             "from dreambooth.generation import prompts; from test_user_files import photos_read\n"
             "reads = (prompts.read_prompt_file, photos_read, photos_read, families.check_model_dir)\n"
             "for read, what in zip(reads, sys.argv[1:]):\n"

@@ -7,6 +7,7 @@ import re
 import pytest
 import torch
 
+from dreambooth import families
 from dreambooth import files
 from dreambooth.models import networks
 from dreambooth.planning import checkpoints
@@ -343,3 +344,48 @@ def test_the_moving_average_round_trips_and_is_the_model_a_checkpoint_becomes(ma
         averaged = networks.unwrap(state.models.denoiser).state_dict()
         assert all(torch.equal(v, averaged[k]) for k, v in saved.unet.state_dict().items())
     assert files.read_json(str(tmp_path / "model" / files.OUTPUT_MARKER))["ema_decay"] == 0.5
+
+
+@pytest.mark.parametrize("arch", sorted(families.ARCHS))
+def test_each_familys_lora_checkpoint_resumes_to_the_uninterrupted_adapters(arch, tiny_model_of, make_plan, tmp_path):
+    """Every family of the table, LoRA on its denoiser (and on the text encoders it trains): two steps, a checkpoint,
+    and one more step from it give exactly the adapters of the run that went on without one; the saved adapters are
+    named after the family's denoiser. (On Ray, with workers stopped, killed or drained and resumed: the
+    integration tier's recovery tests, on SD 1.x, SDXL and Flux.1.)"""
+    from dreambooth.generation import prompts
+    from dreambooth.models import outputs
+    from dreambooth.training import conditioning
+
+    model_dir = tiny_model_of(arch)
+    plan = make_plan(model_dir=model_dir, resolution=64, use_lora=True, output_dir=str(tmp_path / "out"))
+    ids = prompts.prompt_ids(model_dir, ["photo of unqtkn toy"], "photo of a toy", plan.family)
+    pixels = torch.randint(0, 255, (1, 64, 64, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    batch = {"instance_pixels": pixels, "class_pixels": pixels.flip(1)}
+
+    def state_after(steps_taken):
+        torch.manual_seed(0)
+        nets = networks.setup_models(plan, CPU, CPU, distributed=False)
+        step_prompts = conditioning.step_prompts(plan.family, nets.text_encoders(), plan, ids, CPU)
+        state = steps.make_train_state(nets, plan)
+        for _ in range(steps_taken):
+            steps.train_step(state, [batch], step_prompts, 1.0, 1.0)
+        return state, step_prompts
+
+    (state, step_prompts), (fresh, _) = state_after(2), state_after(0)
+    (tmp_path / "ckpt").mkdir()
+    checkpoint.save(state, str(tmp_path / "ckpt"), 0, [checkpoint.rng_state()], plan.train_text_encoder)
+    checkpoint.load(fresh, str(tmp_path / "ckpt"), rank=0)
+    for resumed in (state, fresh):  # one more step each, from the same noise
+        torch.manual_seed(1)
+        steps.train_step(resumed, [batch], step_prompts, 1.0, 1.0)
+    trained = {name: p for name, p in state.models.denoiser.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in name for name in trained), list(trained)[:3]
+    for name, model in (("denoiser", state.models.denoiser), *enumerate(state.models.text_encoders())):
+        other = fresh.models.denoiser if name == "denoiser" else fresh.models.text_encoders()[name]
+        theirs = other.state_dict()
+        assert all(torch.equal(v, theirs[k]) for k, v in model.state_dict().items()), (arch, name)
+    outputs.save_pipeline(state.models, plan)
+    from safetensors.torch import load_file
+
+    saved = load_file(os.path.join(plan.output_dir, files.LORA_WEIGHTS_FILE))
+    assert any(k.startswith(plan.family.denoiser + ".") for k in saved), list(saved)[:3]

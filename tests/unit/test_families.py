@@ -177,8 +177,8 @@ def test_sdxl_trains_the_unet_and_both_text_encoders_with_a_vae_of_its_own(tiny_
     """A full SDXL fine-tune's steps (as a worker takes them, without Ray) with a VAE of its own (as SDXL's fp16-fix
     one is): the UNet and both text encoders trained, the VAE kept as given in the saved model, which loads as
     StableDiffusionXLPipeline. (On Ray, with validation samples, the same VAE flag and a resume: test_recovery's
-    test_seeded_run_cut_and_resumed_with_every_gpu_option[sdxl]; LoRA on all three, drawn by generate.py at 128 px
-    and exported to kohya's SDXL names: the SDXL script run in test_dreambooth_run.)"""
+    test_seeded_run_cut_and_resumed_with_every_gpu_option[sdxl]; LoRA on all three, exported to kohya's SDXL names:
+    test_sdxl_lora_exports_in_kohyas_names_that_diffusers_loads_to_the_same_weights.)"""
     from diffusers import AutoencoderKL
     from diffusers import StableDiffusionXLPipeline
 
@@ -247,7 +247,7 @@ def test_sdxl_lora_exports_in_kohyas_names_that_diffusers_loads_to_the_same_weig
                                                                                    tmp_path):
     """--use_lora on SDXL: adapters on the UNet and both text encoders, written by export.py in kohya's SDXL names
     (lora_unet, lora_te1, lora_te2), which diffusers loads to the same fused weights as our own file, changed from
-    the base's."""
+    the base's; generate's drawing with the adapters draws at the model's own 128 px without a size given."""
     from diffusers import StableDiffusionXLPipeline
     from safetensors import safe_open
 
@@ -256,6 +256,7 @@ def test_sdxl_lora_exports_in_kohyas_names_that_diffusers_loads_to_the_same_weig
 
     plan, state, _ = train_tiny(tiny_sdxl_model, 2, use_lora=True, output_dir=str(tmp_path / "lora"))
     outputs.save_pipeline(state.models, plan)
+    assert drawn_here(tiny_sdxl_model, plan.output_dir, tmp_path / "drawn") == (128, 128)
     kohya = export.main(["--model_dir", plan.output_dir, "--output_file", str(tmp_path / "lora.safetensors"),
                          "--save_precision", "fp32"])
     with safe_open(kohya, "pt") as f:

@@ -171,14 +171,20 @@ def test_validation_samples_are_what_generate_draws_from_the_same_weights(tiny_f
     assert settings.guidance_scale == 3.5
 
 
-def test_a_negative_prompt_is_refused_in_one_line():
+def test_a_negative_prompt_is_refused_in_one_line(tiny_flux_model, tmp_path):
+    """In the drawing's settings, and by generate.py before Ray starts or a folder is made."""
     from dreambooth import errors
+    from dreambooth.commands import generate
     from dreambooth.generation import drawing
 
     with pytest.raises(errors.UserError, match="Flux.1 draws without a negative prompt"):
         drawing.settings_for(drawing.ImageSettings(negative_prompt="blurry"), family_flux.FAMILY, "/unread")
     assert drawing.settings_for(drawing.ImageSettings(resolution=64), families.FAMILIES["sd1"],
                                 "/unread").guidance_scale == 7.5
+    with pytest.raises(errors.UserError, match="Flux.1 draws without a negative prompt"):
+        generate.main(["--model_dir", tiny_flux_model, "--output_dir", str(tmp_path / "neg"), "--prompts", "a toy",
+                       "--negative_prompt", "blurry"])
+    assert not (tmp_path / "neg").exists()
 
 
 def test_lora_trains_over_an_nf4_base_under_bf16(flux_run, tmp_path):
