@@ -247,3 +247,16 @@ def red_is_mask_photos(folder, count=3):
             Image.fromarray(mask).save(folder / f"p{k}{imagefiles.MASK_SUFFIX}")
         photos.append(str(path))
     return photos
+
+
+def vae_of_its_own(model_dir, folder):
+    """The model's VAE with every weight moved by 0.01, saved in folder (--pretrained_vae_model_name_or_path)."""
+    import torch
+    from diffusers import AutoencoderKL
+
+    vae = AutoencoderKL.from_pretrained(model_dir, subfolder="vae")
+    with torch.no_grad():
+        for weight in vae.parameters():
+            weight.add_(0.01)
+    vae.save_pretrained(folder)
+    return folder

@@ -4,21 +4,6 @@ in the memory table, read by new processes."""
 import os
 import shutil
 
-import torch
-
-
-def vae_of_its_own(model_dir, folder):
-    """The model's VAE with every weight moved by 0.01, saved in folder (--pretrained_vae_model_name_or_path)."""
-    from diffusers import AutoencoderKL
-
-    vae = AutoencoderKL.from_pretrained(model_dir, subfolder="vae")
-    with torch.no_grad():
-        for weight in vae.parameters():
-            weight.add_(0.01)
-    vae.save_pretrained(folder)
-    return folder
-
-
 NEW_FAMILY = '''
 """A family of this test only: SD 1.x conditioned on its text encoder's penultimate layer."""
 

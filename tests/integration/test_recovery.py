@@ -196,7 +196,7 @@ def test_seeded_run_cut_and_resumed_with_every_gpu_option_ends_with_the_uninterr
     sampling = ["--validation_prompt", "photo of unqtkn toy", "--validation_steps", "1", "--num_validation_images",
                 "2", "--validation_inference_steps", "2"]
     if family == "sdxl":  # (its tiny model's default is 128 px) and a VAE of its own, as SDXL's fp16-fix one is
-        from test_families import vae_of_its_own
+        from support import vae_of_its_own
 
         own_vae = vae_of_its_own(tiny_model, tmp_path / "own-vae")
         options += ["--resolution", "64", "--pretrained_vae_model_name_or_path", str(own_vae)]

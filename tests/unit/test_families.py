@@ -8,6 +8,7 @@ import shutil
 import pytest
 import torch
 from support import draw_here
+from support import vae_of_its_own
 
 from dreambooth import errors
 from dreambooth import families
@@ -195,18 +196,6 @@ def test_sdxl_trains_the_unet_and_both_text_encoders_with_a_vae_of_its_own(tiny_
     for part in ("unet", "text_encoder", "text_encoder_2"):
         changed = getattr(tuned, part).state_dict()
         assert any(not torch.equal(v, getattr(base, part).state_dict()[k]) for k, v in changed.items()), part
-
-
-def vae_of_its_own(model_dir, folder):
-    """The model's VAE with every weight moved by 0.01, saved in folder (--pretrained_vae_model_name_or_path)."""
-    from diffusers import AutoencoderKL
-
-    vae = AutoencoderKL.from_pretrained(model_dir, subfolder="vae")
-    with torch.no_grad():
-        for weight in vae.parameters():
-            weight.add_(0.01)
-    vae.save_pretrained(folder)
-    return folder
 
 
 def test_sdxl_dora_loha_and_lokr_outputs_load_in_its_pipeline_and_predict_as_trained(tiny_sdxl_model, train_tiny,
