@@ -9,15 +9,19 @@ import counts  # noqa: E402
 import pytest  # noqa: E402
 import support  # noqa: E402,F401 (before the package: the run's environment, before anything imports the hub or Ray)
 from support import REPO_DIR  # noqa: E402
+from support import STOP_OPTIONS  # noqa: E402
+from support import STOP_STEPS  # noqa: E402
 from support import adapters_saved  # noqa: E402
 from support import environment  # noqa: E402
 from support import free_port  # noqa: E402
 from support import leftover_processes  # noqa: E402
+from support import logged_losses  # noqa: E402
 from support import node_command  # noqa: E402
 from support import ray_temp  # noqa: E402
 from support import start_node  # noqa: E402
 from support import stop_node  # noqa: E402
 from support import tiny_of  # noqa: E402
+from support import train_args  # noqa: E402
 
 from dreambooth import families  # noqa: E402
 
@@ -151,6 +155,17 @@ def ray_session(shared_ray_cluster):
     ray = raycluster.init_ray()
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(ray_session, tiny_model, toy_images, tmp_path_factory):
+    """(output folder, logged losses) of the run that stopped, drained and bucket runs must end like:
+    support.STOP_STEPS steps of the toy photos with its STOP_OPTIONS on 2 workers (one run for them all)."""
+    from dreambooth.commands import train
+
+    out = tmp_path_factory.mktemp("uninterrupted") / "whole"
+    result = train.main(train_args(tiny_model, toy_images, out, STOP_STEPS, *STOP_OPTIONS))
+    return out, logged_losses(result)
 
 
 @pytest.fixture(scope="session")

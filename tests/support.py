@@ -260,3 +260,27 @@ def vae_of_its_own(model_dir, folder):
             weight.add_(0.01)
     vae.save_pretrained(folder)
     return folder
+
+
+# The run that stopped, drained, elastic and bucket runs must end like (conftest.uninterrupted): STOP_STEPS steps of
+# the toy photos on 2 workers with STOP_OPTIONS.
+STOP_OPTIONS = ["--checkpointing_steps", "1000", "--logging_steps", "1", "--lr", "1e-3", "--seed", "4",
+                "--keep_checkpoints", "--checkpoints_total_limit", "3"]
+STOP_STEPS = 24
+
+
+def train_args(tiny_model, toy_images, out, steps, *extra):
+    """train.py's arguments for steps steps of the toy photos on 2 workers into out, with extra."""
+    return ["--model_dir", tiny_model, "--output_dir", str(out), "--instance_images_dir", toy_images,
+            "--instance_prompt", "photo of unqtkn toy", "--train_batch_size", "1", "--num_workers", "2",
+            "--num_epochs", "100", "--max_train_steps", str(steps), *extra]
+
+
+def logged_losses(result):
+    """[(step, loss)] of a finished run's metrics.jsonl (result: its Ray Train Result)."""
+    import json
+
+    from dreambooth.training import runlog
+
+    with open(os.path.join(result.path, runlog.METRICS_FILE)) as f:
+        return [(m["step"], m["loss"]) for m in map(json.loads, f)]

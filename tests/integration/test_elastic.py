@@ -10,19 +10,19 @@ import subprocess
 import sys
 import time
 
+from support import STOP_OPTIONS
+from support import STOP_STEPS
 from support import free_port
 from support import node_command
 from support import ray_temp
 from support import start_node
 from support import stop_node
-from test_recovery import STOP_OPTIONS
-from test_recovery import STOP_STEPS
+from support import train_args
 from test_recovery import env
 from test_recovery import final_weights
 from test_recovery import finish
 from test_recovery import registered_steps_under
 from test_recovery import run_dirs
-from test_recovery import train_args
 from test_recovery import wait_for
 from test_recovery import worker_pids
 

@@ -18,7 +18,7 @@ def test_a_full_fine_tune_sharded_across_two_workers_resumes_to_the_same_weights
     did not. (Each family's LoRA checkpoint resumed to the same adapters: tests/unit/test_checkpoint.py.)"""
     from diffusers import FluxPipeline
     from safetensors.torch import load_file
-    from test_recovery import logged_losses
+    from support import logged_losses
 
     from dreambooth.commands import train
     from dreambooth.planning import checkpoints

@@ -16,7 +16,11 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from support import STOP_OPTIONS
+from support import STOP_STEPS
 from support import draw_here
+from support import logged_losses
+from support import train_args
 
 from dreambooth.commands import generate
 from dreambooth.commands import train
@@ -37,12 +41,6 @@ def checkpoint_steps(run_dir):
         if os.path.isfile(state):
             steps.append(json.load(open(state))["step"])
     return sorted(steps)
-
-
-def train_args(tiny_model, toy_images, out, steps, *extra):
-    return ["--model_dir", tiny_model, "--output_dir", str(out), "--instance_images_dir", toy_images,
-            "--instance_prompt", "photo of unqtkn toy", "--train_batch_size", "1", "--num_workers", "2",
-            "--num_epochs", "100", "--max_train_steps", str(steps), *extra]
 
 
 def worker_pids(since):
@@ -161,11 +159,6 @@ def final_weights(folder):
             if os.path.isfile(os.path.join(folder, part, name))}
 
 
-def logged_losses(result):
-    with open(os.path.join(result.path, runlog.METRICS_FILE)) as f:
-        return [(m["step"], m["loss"]) for m in map(json.loads, f)]
-
-
 @pytest.mark.parametrize("family, workers, compiler, precision", [("sd1", "1", "aot_eager", "bf16"),
                                                                  ("sdxl", "2", "eager", "fp16")])
 def test_seeded_run_cut_and_resumed_with_every_gpu_option_ends_with_the_uninterrupted_weights(
@@ -245,11 +238,6 @@ def logged_steps(storage):
         if os.path.isfile(path):
             steps += [json.loads(line)["step"] for line in open(path) if line.strip()]
     return steps
-
-
-STOP_OPTIONS = ["--checkpointing_steps", "1000", "--logging_steps", "1", "--lr", "1e-3", "--seed", "4",
-                "--keep_checkpoints", "--checkpoints_total_limit", "3"]
-STOP_STEPS = 24
 
 
 def same_weights(a_folder, b_folder):

@@ -22,10 +22,10 @@ def test_a_run_in_a_bucket_checkpoints_resumes_from_it_and_ends_like_an_uninterr
     (metrics, settings, validation images, TensorBoard events, the plot); a rerun finds the newest checkpoint
     there and ends on exactly the weights of a run that was never cut (test_recovery's, shared); its
     checkpoints are removed from the bucket once the model is saved."""
-    from test_recovery import STOP_OPTIONS
-    from test_recovery import STOP_STEPS
+    from support import STOP_OPTIONS
+    from support import STOP_STEPS
+    from support import train_args
     from test_recovery import same_weights
-    from test_recovery import train_args
 
     env, bucket = s3_endpoint
     whole, _ = uninterrupted
