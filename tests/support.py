@@ -284,3 +284,36 @@ def logged_losses(result):
 
     with open(os.path.join(result.path, runlog.METRICS_FILE)) as f:
         return [(m["step"], m["loss"]) for m in map(json.loads, f)]
+
+
+# A family of a test's own (tests/unit/test_families.py, tests/integration/test_families_scripts.py): its module.
+NEW_FAMILY = '''
+"""A family of this test only: SD 1.x conditioned on its text encoder's penultimate layer."""
+
+from dreambooth.families import family_sd1
+
+
+class Penultimate(family_sd1.SD1):
+    name, label = "sd1-penultimate", "SD 1.x (penultimate layer)"
+
+    def matches(self, pipeline, text_encoder_config):
+        return pipeline == self.pipeline and text_encoder_config.get("conditioning_layer") == "penultimate"
+
+    def encode_text(self, text_encoders, ids):
+        return text_encoders[0](ids, output_hidden_states=True).hidden_states[-2], None
+
+
+FAMILY = Penultimate()
+'''
+
+
+def write_subject(folder, images, info):
+    """A subject folder of a sweep: copies of images, and info as its subject file (None: none)."""
+    from dreambooth import files
+    from dreambooth.generation import imagefiles
+
+    os.makedirs(folder)
+    for image in images:
+        shutil.copy(image, folder)
+    if info is not None:
+        files.write_json(os.path.join(folder, imagefiles.SUBJECT_FILE), info)

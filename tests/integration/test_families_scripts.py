@@ -4,25 +4,7 @@ in the memory table, read by new processes."""
 import os
 import shutil
 
-NEW_FAMILY = '''
-"""A family of this test only: SD 1.x conditioned on its text encoder's penultimate layer."""
-
-from dreambooth.families import family_sd1
-
-
-class Penultimate(family_sd1.SD1):
-    name, label = "sd1-penultimate", "SD 1.x (penultimate layer)"
-
-    def matches(self, pipeline, text_encoder_config):
-        return pipeline == self.pipeline and text_encoder_config.get("conditioning_layer") == "penultimate"
-
-    def encode_text(self, text_encoders, ids):
-        return text_encoders[0](ids, output_hidden_states=True).hidden_states[-2], None
-
-
-FAMILY = Penultimate()
-'''
-
+from support import NEW_FAMILY
 
 PEN_KNOWN = '''
     known_models = (known.KnownModel("sd1-pen", "someone/sd1-penultimate", "0" * 40, 512, "epsilon", 4.3),)

@@ -12,19 +12,11 @@ import sys
 
 import pytest
 from support import run_script
+from support import write_subject
 
 from dreambooth import files
 from dreambooth.commands import sweep
 from dreambooth.files import REPO_DIR
-from dreambooth.generation import imagefiles
-
-
-def write_subject(folder, images, info):
-    os.makedirs(folder)
-    for image in images:
-        shutil.copy(image, folder)
-    if info is not None:
-        files.write_json(os.path.join(folder, imagefiles.SUBJECT_FILE), info)
 
 
 @pytest.fixture()

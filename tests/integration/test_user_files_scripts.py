@@ -4,66 +4,7 @@ import os
 import subprocess
 import sys
 
-import pytest
-
-from dreambooth import errors
-from dreambooth.evaluation import scoring
 from dreambooth.files import REPO_DIR
-from dreambooth.generation import prompts
-from dreambooth.planning import planning
-
-
-def read_caption(path):
-    photo = os.path.splitext(path)[0] + ".jpg"
-    return prompts.read_captions([photo], "photo of unqtkn dog", ".txt")[0]
-
-
-def read_prompts(path):
-    return prompts.read_prompt_file(path)[0]
-
-
-def read_eval_prompts(path):
-    return scoring.prompt_templates("object", path)[0]
-
-
-def read_config(path):  # (a bad one: argparse's line on stderr and SystemExit, as for any flag)
-    return planning.parse_args(["--config", path, "--model_dir", "/m", "--output_dir", "/o",
-                                "--instance_data_dir", "/p"]).instance_prompt
-
-
-# site: (how it is read, good content, the words its lines begin with)
-SITES = {
-    "caption": (read_caption, "photo of unqtkn dog on a sofa", "caption file: "),
-    "prompts file": (read_prompts, "photo of unqtkn dog on a sofa", "the prompts file: "),
-    "eval prompts": (read_eval_prompts, "a {subject} on a sofa", "--eval_prompts (EVAL_PROMPTS with dreambooth_run.sh): "),
-    "config": (read_config, 'instance_prompt = "photo of unqtkn dog on a sofa"', "--config: "),
-}
-
-
-def read(site, path, capsys):
-    """What the site reads of path."""
-    return SITES[site][0](str(path))
-
-
-def said(site, path, capsys):
-    """The one line a bad file gets."""
-    how = SITES[site][0]
-    if site == "config":
-        with pytest.raises(SystemExit):
-            how(str(path))
-        return capsys.readouterr().err.strip().splitlines()[-1]
-    with pytest.raises(errors.UserError) as caught:
-        how(str(path))
-    assert "\n" not in str(caught.value)
-    return str(caught.value)
-
-
-def photos_read(folder):
-    """The photos of a folder as train.py's check before Ray reads them (inputs.find_inputs: list, then open each)."""
-    from dreambooth.generation import imagefiles
-
-    return imagefiles.inspect_images(imagefiles.list_images(str(folder), "instance", also_expected=".txt"), 64,
-                                     str(folder) + "-converted")
 
 
 def test_a_file_the_user_cannot_read_is_one_line_naming_it(toy_images, tiny_model, tmp_path):

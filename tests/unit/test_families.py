@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 import torch
+from support import NEW_FAMILY
 from support import draw_here
 from support import vae_of_its_own
 
@@ -299,24 +300,6 @@ def test_sdxl_prior_prediction_gives_the_base_model_the_pooled_class_prompt_and_
     assert losses()[2].item() > 1e-6
 
 
-NEW_FAMILY = '''
-"""A family of this test only: SD 1.x conditioned on its text encoder's penultimate layer."""
-
-from dreambooth.families import family_sd1
-
-
-class Penultimate(family_sd1.SD1):
-    name, label = "sd1-penultimate", "SD 1.x (penultimate layer)"
-
-    def matches(self, pipeline, text_encoder_config):
-        return pipeline == self.pipeline and text_encoder_config.get("conditioning_layer") == "penultimate"
-
-    def encode_text(self, text_encoders, ids):
-        return text_encoders[0](ids, output_hidden_states=True).hidden_states[-2], None
-
-
-FAMILY = Penultimate()
-'''
 
 
 def test_a_new_family_is_one_module_and_one_entry_in_the_table(tiny_model, make_plan, tmp_path, monkeypatch):

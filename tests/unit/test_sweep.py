@@ -1,8 +1,8 @@
 import os
 import re
-import shutil
 
 import pytest
+from support import write_subject
 
 from dreambooth import errors
 from dreambooth import files
@@ -38,12 +38,6 @@ def test_one_subject_or_many_and_flags_the_sweep_sets_are_refused(tiny_model, to
     assert args.sweep_max_train_steps == [400]
 
 
-def write_subject(folder, images, info):
-    os.makedirs(folder)
-    for image in images:
-        shutil.copy(image, folder)
-    if info is not None:
-        files.write_json(os.path.join(folder, imagefiles.SUBJECT_FILE), info)
 
 
 def test_subjects_come_from_their_folders_with_the_flags_as_defaults(tiny_model, toy_images, tmp_path):
