@@ -88,6 +88,9 @@ def parse_args(argv=None):
     # One worker per trial unless given: train.py's own default (every GPU) would leave none for the others.
     train_flags = ["--num_workers", "1", *train_flags]
     train_args = planning.parse_args(trial_base_argv(args, train_flags), "train.py's flags for every trial")
+    if train_args.num_workers == 0:
+        parser.error("--num_workers 0 trains in this process: a sweep's trials run side by side on Ray Train's "
+                     "workers; give 1 or more")
     args.sweep_dir = args.sweep_dir or args.output_dir.rstrip(os.sep) + "-sweep"
     args.sweep_max_train_steps = sorted(args.sweep_max_train_steps or [400])
     if train_args.prior_prediction and "num_class_images" in parser.typed:

@@ -364,9 +364,11 @@ FLAGS = {
     "seed": (("--seed",), dict(type=int, default=0, help="Random seed.")),
     # --- Ray
     "num_workers": (("--num_workers",),
-        dict(type=positive_int, default=None,
-             help="Ray Train workers, one GPU each (two with --gpus_per_worker 2). Default: as many as the Ray "
-                  "cluster's GPUs hold; 1 without GPUs.")),
+        dict(type=non_negative_int, default=None,
+             help="Ray Train workers, one GPU each (two with --gpus_per_worker 2). 0: no workers, the training "
+                  "function runs in this process (Ray Train's local mode) as one worker would: a debugger's "
+                  "breakpoints stop in it; no restarts, no --min_workers, --fsdp or --score_steps. Default: as "
+                  "many as the Ray cluster's GPUs hold; 1 without GPUs.")),
     "min_workers": (("--min_workers",),
         dict(type=positive_int, default=None, metavar="N",
              help="Elastic training: go on with as few as N workers while nodes are gone (a spot node reclaimed), "

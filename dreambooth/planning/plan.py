@@ -100,6 +100,7 @@ class Plan:
     # Ray
     num_workers: int  # the most workers (a step trains num_workers x gradient_accumulation_steps batches on any number)
     min_workers: int | None  # --min_workers: elastic, from min_workers to num_workers (None: num_workers always)
+    in_process: bool  # --num_workers 0: train_fn in the driver's process (Ray Train's local mode), as one worker
     elastic_resize_interval: float
     resources_per_worker: str | None  # --resources_per_worker: 'NAME=N,...' (own_resources)
     gpus_per_worker: int
@@ -166,17 +167,20 @@ class Plan:
         return flagtypes.resource_amounts(self.resources_per_worker) if self.resources_per_worker else {}
 
     def workers_said(self):
-        """'2 worker(s)', or '1 to 2 workers (elastic)' with --min_workers."""
+        """'2 worker(s)', '1 to 2 workers (elastic)' with --min_workers, or 'this process' with --num_workers 0."""
+        if self.in_process:
+            return "this process (--num_workers 0: Ray Train's local mode)"
         if self.min_workers:
             return f"{self.min_workers} to {self.num_workers} workers (elastic)"
         return f"{self.num_workers} worker(s)"
 
     def uploads_in_background(self):
-        """Whether checkpoints upload while training goes on (--checkpoint_upload; 'auto': to a bucket)."""
+        """Whether checkpoints upload while training goes on (--checkpoint_upload; 'auto': to a bucket; never in this
+        process, --num_workers 0, whose loop writes them itself)."""
         from dreambooth import storage
 
-        return self.checkpoint_upload == "async" or (self.checkpoint_upload == "auto" and
-                                                      storage.is_remote(self.storage_path))
+        return not self.in_process and (self.checkpoint_upload == "async" or (
+            self.checkpoint_upload == "auto" and storage.is_remote(self.storage_path)))
 
     def is_score_step(self, step):
         """The checkpoints scored while training: every score_steps and at the last step, or a sweep's score_at (none
@@ -205,6 +209,7 @@ class Plan:
         if self.prior_prediction:
             prior = f" + the same {self.train_batch_size} under the class prompt, towards the base model's prediction"
         device = f"{self.gpus_per_worker} GPU" if self.use_gpu else f"{self.cpus_per_worker:g} CPU"
+        workers = f"{self.workers_said()} x ({device})" if not self.in_process else self.workers_said()
         resume = f"; resuming from {self.resume_path}" if self.resume_path else ""
         if self.validation_prompts:
             resume += (f"; {len(self.validation_prompts)} validation prompt(s) x {self.num_validation_images} "
@@ -221,7 +226,7 @@ class Plan:
         return (f"plan: {self.total_steps} steps ({self.steps_per_epoch} per epoch) training {trained} on "
                 f"{len(self.instance_images)} instance{captions} and {len(self.class_images)} class images at "
                 f"{self.resolution} px{' (aspect-ratio buckets)' if self.enable_bucket else ''}\n"
-                f"      {self.workers_said()} x ({device}), batch {self.train_batch_size} instance{prior} "
+                f"      {workers}, batch {self.train_batch_size} instance{prior} "
                 f"x {self.gradient_accumulation_steps} accumulated, lr {self.learning_rate:g} "
                 f"({OPTIMIZER_WORDS.get(self.optimizer, '') + self.lr_scheduler}), seed {self.seed}\n"
                 f"      run {self.run_name}: checkpoints every {self.checkpointing_steps} steps in "

@@ -111,6 +111,7 @@ def derive(given, parser):
     if args.validation_steps is None and not args.validation_epochs:
         args.validation_steps = args.checkpointing_steps
     check_scoring(args, parser.typed)
+    check_in_process(args)
     if args.learning_rate is None:  # (Prodigy's is a multiplier of the step size it finds: 1.0)
         args.learning_rate = 1.0 if args.optimizer == "prodigy" else 1e-4 if args.use_lora else 5e-6
     if args.lora_alpha is None:
@@ -176,6 +177,18 @@ def check_elastic(args, typed):
         raise FlagError("--elastic_resize_interval says how often an elastic run looks for nodes: add --min_workers")
     if args.min_workers and args.num_workers and args.min_workers > args.num_workers:
         raise FlagError(f"--min_workers {args.min_workers} is more than --num_workers {args.num_workers}")
+
+
+def check_in_process(args):
+    """FlagError for what --num_workers 0 (train_fn in this process: Ray Train's local mode) cannot do, each named."""
+    if args.num_workers != 0:
+        return
+    clash = [flag for flag, on in (("--min_workers", args.min_workers), ("--fsdp", args.fsdp),
+                                   ("--score_steps (scored by Ray Train's validation tasks)", args.score_steps),
+                                   ("--checkpoint_upload async", args.checkpoint_upload == "async")) if on]
+    if clash:
+        raise FlagError(f"--num_workers 0 trains in this process, without Ray Train's workers: leave out "
+                        f"{', '.join(clash)}")
 
 
 def check_fsdp(args, given):
@@ -249,6 +262,8 @@ def plan_run(args, cluster_resources, draw_class_images=None):
         say_replaced(args.output_dir, identity)
     resume_path = checkpoints.resolve_resume(args.resume_from_checkpoint, args.storage_path,
                                              os.path.basename(args.output_dir), args.output_dir, identity)
+    in_process = args.num_workers == 0  # (as one worker: the LR scaling and the steps count one)
+    args = argparse.Namespace(**{**vars(args), "num_workers": 1 if in_process else args.num_workers})
     use_gpu, num_workers, cpus_per_worker = resources.worker_resources(flags_of(resources.WorkerFlags, args),
                                                                        *cluster_resources())
     args = argparse.Namespace(**{**vars(args), "num_workers": num_workers})  # (the LR scaling counts them)
@@ -275,6 +290,7 @@ def plan_run(args, cluster_resources, draw_class_images=None):
                              else args.validation_steps),
         "stream_epochs": resources.stream_epochs(found.num_rows, total_steps, step_flags),
         "use_gpu": use_gpu,
+        "in_process": in_process,
         "cpus_per_worker": cpus_per_worker,
         "run_name": f"{os.path.basename(args.output_dir)}-{datetime.now().strftime('%Y%m%d-%H%M%S')}",
         "identity": identity,
@@ -335,7 +351,7 @@ def offline_plan(**fields):
                    instance_images=(), instance_masks=(), held_out=(), class_images=(), resolution=64, buckets=(),
                    channels_last=False,
                    steps_per_epoch=1, total_steps=resources.DEFAULT_MAX_TRAIN_STEPS, stream_epochs=1, use_gpu=False,
-                   cpus_per_worker=1.0, num_workers=1, run_name="offline", resume_path=None, progress_bar=False,
+                   cpus_per_worker=1.0, num_workers=1, in_process=False, run_name="offline", resume_path=None, progress_bar=False,
                    settings_toml="", identity=None, input_stamps=())
     if "family" not in fields:  # the model's own when it is there, else SD 1.x's
         model_dir = fields.get("model_dir", args.model_dir)

@@ -21,6 +21,7 @@ import os
 import sys
 
 from dreambooth import files
+from dreambooth import storage
 from dreambooth.models import networks
 from dreambooth.models import outputs
 from dreambooth.models import sharding
@@ -91,6 +92,26 @@ def save(state, folder, epoch, rng_states, train_text_encoder, identity=None, ga
     files.write_json(os.path.join(folder, checkpoints.STATE_FILE),
                      {"step": state.step, "epoch": epoch, "world_size": len(rng_states), "identity": identity,
                       "sizes": sizes})
+
+
+def keep_in_run(folder, run_folder, limit=None):
+    """A checkpoint folder's files moved into run_folder (a folder, or in a bucket) as Ray Train names its own
+    (checkpoint_<time>), its state file last (complete only once every file is there), then the oldest beyond limit
+    (--checkpoints_total_limit) removed: a run in one process (--num_workers 0, Ray Train's local mode) keeps its
+    checkpoints itself."""
+    import datetime
+    import shutil
+
+    target = storage.join(run_folder, datetime.datetime.now().strftime("checkpoint_%Y-%m-%d_%H-%M-%S.%f"))
+    for name in sorted(os.listdir(folder), key=lambda n: n == checkpoints.STATE_FILE):
+        if storage.is_remote(target):
+            storage.upload_file(os.path.join(folder, name), storage.join(target, name))
+        else:
+            os.makedirs(target, exist_ok=True)
+            shutil.move(os.path.join(folder, name), os.path.join(target, name))  # (renamed where it can be)
+    if limit:
+        for old in sorted(checkpoints.run_checkpoints(run_folder), key=checkpoints.saved_step)[:-limit]:
+            storage.remove_tree(old)
 
 
 def text_encoder_files(family):

@@ -4,6 +4,7 @@ a stop request checkpointing the step each worker is on), then the model saved a
 written. train.py and the sweep's trials call run()."""
 
 import dataclasses
+import gc
 import os
 import signal
 import sys
@@ -95,7 +96,7 @@ def train_planned(args, started):
         changed = files.changed_since(plan.input_stamps)  # (read, and their digest made, while one was rewritten)
         if changed:
             raise errors.UserError(changed)
-        result = run_trainer(plan, stream)
+        result = (run_in_process if plan.in_process else run_trainer)(plan, stream)
     except KeyboardInterrupt:
         latest = checkpoints.find_latest(plan.storage_path, os.path.basename(plan.output_dir))
         reached = checkpoints.saved_step(latest) if latest else None
@@ -266,6 +267,51 @@ def run_trainer(plan, train_ds):
         stopping.forget(trainer.train_loop_config["stop_flag"])  # (a sweep runs many trials in one driver)
     if (result.metrics or {}).get("step", 0) < plan.total_steps and not saved_by(plan):
         raise KeyboardInterrupt  # an aborted run returns a partial result
+    return result
+
+
+def run_in_process(plan, train_ds):
+    """--num_workers 0: Ray Train's fit() in local mode, train_fn in this process as the one worker (no controller, no
+    worker group: the loop writes its checkpoints itself, checkpoint.keep_in_run); the data stream still runs on
+    the cluster, in order as the workers' split is. A stop signal checkpoints the step it is on, as with workers;
+    an error is one line, its traceback in the run's errors.log. KeyboardInterrupt when stopped early."""
+    import ray.data
+    import ray.train
+
+    from dreambooth.training import stopping
+
+    ray.data.DataContext.get_current().execution_options.preserve_order = True
+    flag = stopping.make_flag()
+    trainer = stopping.trainer_class()(
+        worker.train_fn, train_loop_config={"plan": plan, "stop_flag": flag},
+        scaling_config=ray.train.ScalingConfig(num_workers=0), run_config=ray.train.RunConfig(name=plan.run_name),
+        datasets={"train": train_ds})
+    handlers = None
+    if threading.current_thread() is threading.main_thread():
+        handlers = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
+        stopping.install_handlers(flag, signal.default_int_handler)
+    try:
+        result = trainer.fit()
+    except errors.UserError as err:
+        raise errors.UserError(f"training failed: {err} (traceback in "
+                               f"{os.path.join(plan.run_dir, errors.ERRORS_LOG)})") from None
+    except Exception as err:
+        raise errors.UserError(f"training failed: {errors.one_line(err)} (traceback in "
+                               f"{os.path.join(plan.run_dir, errors.ERRORS_LOG)})") from None
+    finally:
+        if handlers:
+            signal.signal(signal.SIGINT, handlers[0])
+            signal.signal(signal.SIGTERM, handlers[1])
+        stopping.forget(flag)
+        # The data stream's iterators, unreachable now, collected while Ray is connected: their threads stop and
+        # their object references are released now (one that a thread of theirs touched after the script left Ray
+        # ended the process with exit 1).
+        gc.collect()
+    if (result.metrics or {}).get("step", 0) < plan.total_steps and not saved_by(plan):
+        raise KeyboardInterrupt  # stopped at a checkpoint of its step
+    folder = storage.join(plan.storage_path, plan.run_name)  # (local mode names none: the run folder, as Ray Train's
+    result.path = folder.partition("://")[2] if storage.is_remote(folder) else folder  # path, a bucket's unprefixed)
+    result.checkpoint = None  # (the one reported was moved into the run folder)
     return result
 
 

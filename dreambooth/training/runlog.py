@@ -2,6 +2,7 @@
 a line per logging window), the --report_to trackers' runs (trackers.py), and loss.png
 drawn from metrics.jsonl at the end."""
 
+import contextlib
 import json
 import os
 import time
@@ -212,3 +213,51 @@ def ticks(values, from_zero):
     step = next(m * power for m in (1, 2, 2.5, 5, 10) if m * power >= raw)
     first, last = math.floor(low / step + 1e-9), math.ceil(high / step - 1e-9)
     return [round(i * step, 12) for i in range(first, max(last, first + 1) + 1)]
+
+
+IMAGE_COLUMNS = ("_pixels", "_latents")  # the batch columns that hold one image per row
+
+
+class ReportWindow:
+    """The steps since the last report: their losses (kept on the device until the report, the
+    window's one sync point), the images they trained on, and the training time (sampling paused);
+    checkpoint_s: the seconds the steps stopped for the checkpoint that began it, if one did (its save, and its
+    upload unless --checkpoint_upload sends it in the background)."""
+
+    def __init__(self, world, elastic=False):
+        self.world, self.checkpoint_s, self.elastic = world, None, elastic
+        self.reset()
+
+    def reset(self):
+        self.losses, self.images, self.start = [], 0, time.perf_counter()
+
+    def add(self, loss, micro_batches):
+        self.losses.append(loss)
+        self.images += sum(v.shape[0] for b in micro_batches for k, v in b.items() if k.endswith(IMAGE_COLUMNS))
+
+    @contextlib.contextmanager
+    def paused(self):
+        """A block whose time does not count as training time (validation samples)."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.start += time.perf_counter() - began
+
+    def metrics(self, state, steps_per_epoch):
+        """The report's metrics of the window, which starts again."""
+        import torch
+
+        elapsed = time.perf_counter() - self.start
+        metrics = {"step": state.step, "epoch": (state.step - 1) // steps_per_epoch,
+                   "loss": torch.stack(self.losses).mean().item(),
+                   "lr": state.lr_scheduler.get_last_lr()[0],
+                   "images_per_s": self.images * self.world / max(elapsed, 1e-9)}
+        if self.elastic:  # (how many workers trained the window: an elastic run's size as it went)
+            metrics["workers"] = self.world
+        if state.skipped_steps:
+            metrics["skipped_steps"] = state.skipped_steps
+        if self.checkpoint_s is not None:
+            metrics["checkpoint_s"], self.checkpoint_s = round(self.checkpoint_s, 3), None
+        self.reset()
+        return metrics

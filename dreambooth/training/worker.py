@@ -26,8 +26,6 @@ from dreambooth.training import checkpoint_scores
 from dreambooth.training import runlog
 from dreambooth.training import validation
 
-IMAGE_COLUMNS = ("_pixels", "_latents")  # the batch columns that hold one image per row
-
 
 def train_fn(config):
     """Per-worker entry point. Reads only config["plan"] (a plan.Plan); data comes from the "train"
@@ -47,7 +45,9 @@ def train_worker(plan, stop_flag=None):
     """One worker's whole run: models, checkpoint, the step loop, reports, the saved model (not when the
     driver asked for a stop through stop_flag, the run's key of stopping.make_flag: then the current step's
     checkpoint)."""
-    hub.skip_unused_imports(lora=plan.use_lora, eight_bit=plan.use_8bit_adam or bool(plan.base_precision or plan.text_encoder_precision))
+    if not plan.in_process:  # (a process of its own: the driver's may import them later)
+        hub.skip_unused_imports(lora=plan.use_lora,
+                                eight_bit=plan.use_8bit_adam or bool(plan.base_precision or plan.text_encoder_precision))
     import ray.train
 
     from dreambooth.training import failures  # here, not at the top: it imports ray.train (1.2 s)
@@ -55,11 +55,16 @@ def train_worker(plan, stop_flag=None):
     storage.ensure_local(plan.model_dir, plan.vae_dir)  # (a bucket's, cached on the driver's node: this node's too)
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    batches = prefetched(ray.train.get_dataset_shard("train").iter_torch_batches(batch_size=plan.train_batch_size))
-    nets, state, step_prompts, sampler = prepare_worker(plan, rank, world, ctx.get_local_world_size())
-    from dreambooth.training import stopping
+    batches = Prefetched(ray.train.get_dataset_shard("train").iter_torch_batches(batch_size=plan.train_batch_size))
+    try:
+        nets, state, step_prompts, sampler = prepare_worker(plan, rank, world, ctx.get_local_world_size())
+        from dreambooth.training import stopping
 
-    if run_steps(plan, state, step_prompts, batches, rank, world, sampler, stopping.StopPoll(stop_flag, world, rank)):
+        stopped = run_steps(plan, state, step_prompts, batches, rank, world, sampler,
+                            stopping.StopPoll(stop_flag, world, rank))
+    finally:  # (the rest of the stream is not read)
+        batches.close()
+    if stopped:
         return  # stopped at a checkpoint
     if plan.fsdp:  # the whole weights on rank 0, as an unsharded denoiser to save (every rank gathers)
         weights = sharding.gather_weights(nets.denoiser)
@@ -85,7 +90,7 @@ def prepare_worker(plan, rank, world, local_world_size):
     from dreambooth.training import failures
     from dreambooth.training import steps
 
-    denoiser_device, aux_device = worker_devices(plan.gpus_per_worker, local_world_size)
+    denoiser_device, aux_device = worker_devices(plan.gpus_per_worker, None if plan.in_process else local_world_size)
     if plan.allow_tf32:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(plan.seed + rank)  # (new weights: DDP gives every rank rank 0's; noise: steps.block_seed)
@@ -174,7 +179,7 @@ def run_steps(plan, state, step_prompts, batches, rank, world, sampler=None, sto
     log = runlog.RunLog(plan, start_step=state.step) if rank == 0 else None
     if bar and state.step:
         bar.update(state.step)
-    window = ReportWindow(world, elastic=bool(plan.min_workers))
+    window = runlog.ReportWindow(world, elastic=bool(plan.min_workers))
     watch = checkpoint_scores.ScoreWatch(plan.run_name) if log and plan.score_steps else None
     first_step, stop_now = state.step, False
     share = world / (plan.num_workers * plan.gradient_accumulation_steps)  # (of each block in a step's gradient)
@@ -264,51 +269,6 @@ def report_window(window, log, state, rank, plan, checkpoint_now=False, score=Fa
     return seconds
 
 
-class ReportWindow:
-    """The steps since the last report: their losses (kept on the device until the report, the
-    window's one sync point), the images they trained on, and the training time (sampling paused);
-    checkpoint_s: the seconds the steps stopped for the checkpoint that began it, if one did (its save, and its
-    upload unless --checkpoint_upload sends it in the background)."""
-
-    def __init__(self, world, elastic=False):
-        self.world, self.checkpoint_s, self.elastic = world, None, elastic
-        self.reset()
-
-    def reset(self):
-        self.losses, self.images, self.start = [], 0, time.perf_counter()
-
-    def add(self, loss, micro_batches):
-        self.losses.append(loss)
-        self.images += sum(v.shape[0] for b in micro_batches for k, v in b.items() if k.endswith(IMAGE_COLUMNS))
-
-    @contextlib.contextmanager
-    def paused(self):
-        """A block whose time does not count as training time (validation samples)."""
-        began = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.start += time.perf_counter() - began
-
-    def metrics(self, state, steps_per_epoch):
-        """The report's metrics of the window, which starts again."""
-        import torch
-
-        elapsed = time.perf_counter() - self.start
-        metrics = {"step": state.step, "epoch": (state.step - 1) // steps_per_epoch,
-                   "loss": torch.stack(self.losses).mean().item(),
-                   "lr": state.lr_scheduler.get_last_lr()[0],
-                   "images_per_s": self.images * self.world / max(elapsed, 1e-9)}
-        if self.elastic:  # (how many workers trained the window: an elastic run's size as it went)
-            metrics["workers"] = self.world
-        if state.skipped_steps:
-            metrics["skipped_steps"] = state.skipped_steps
-        if self.checkpoint_s is not None:
-            metrics["checkpoint_s"], self.checkpoint_s = round(self.checkpoint_s, 3), None
-        self.reset()
-        return metrics
-
-
 @contextlib.contextmanager
 def averaged_weights(state):
     """For the duration (validation samples, the saved model): with --use_ema the moving average in the trained
@@ -334,27 +294,36 @@ def worker_devices(gpus_per_worker, local_world_size):
     if devices[0].type == "cuda":
         torch.cuda.set_device(devices[0])
         return devices[0], devices[min(gpus_per_worker, len(devices)) - 1]
-    raycluster.share_cpu_threads(local_world_size)
+    if local_world_size:  # (None: the driver's own process, whose threads stay as they are)
+        raycluster.share_cpu_threads(local_world_size)
     cpu = torch.device("cpu")
     return cpu, cpu
 
 
-def prefetched(iterable):
-    """An iterator over iterable whose first item is fetched in a thread from now on: the
-    data stream starts (Ray Data's split coordinator, the first blocks) while the models
-    load, instead of after."""
-    items = iter(iterable)
-    pool = concurrent.futures.ThreadPoolExecutor(1)
-    first = pool.submit(next, items, None)
-    pool.shutdown(wait=False)
+class Prefetched:
+    """An iterable over iterable whose first item is fetched in a thread from now on: the data stream starts (Ray Data's
+    split coordinator, the first blocks) while the models load, instead of after. close() ends the stream where the
+    run stops reading it (its last step, a failure): its thread and Ray Data's iterator end then, not with the
+    process (in this process, --num_workers 0, they would outlive the run and its Ray connection)."""
 
-    def chained():
-        item = first.result()
+    def __init__(self, iterable):
+        self.items = iter(iterable)
+        pool = concurrent.futures.ThreadPoolExecutor(1)
+        self.first = pool.submit(next, self.items, None)
+        pool.shutdown(wait=False)
+
+    def __iter__(self):
+        item = self.first.result()
         if item is not None:
             yield item
-            yield from items
+            yield from self.items
 
-    return chained()
+    def close(self):
+        with contextlib.suppress(Exception):  # (the stream's own error, if any, is not this run's cause)
+            self.first.result()
+            close = getattr(self.items, "close", None)
+            if close is not None:
+                close()
 
 
 def report(state, metrics, rank, plan, checkpointing=False, score=False):
@@ -386,6 +355,9 @@ def report(state, metrics, rank, plan, checkpointing=False, score=False):
         run_dir = plan.run_dir  # (a full disk there: in a bucket's run, this node's cache)
         with failures.stops_when_disk_full(f"the checkpoint of step {state.step}", run_dir, needed,
                                            cleanup=lambda: checkpoints.remove_incomplete(run_dir)):
+            if plan.in_process:  # (Ray Train's local mode keeps none: written into the run folder here)
+                checkpoint.keep_in_run(folder, storage.join(plan.storage_path, plan.run_name),
+                                       plan.checkpoints_total_limit)
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder),
                              validation=score, **mode)  # (--score_steps: scored while it trains)
             handed_over = bool(mode)

@@ -131,6 +131,24 @@ def test_find_latest_picks_the_newest_complete_checkpoint_of_the_run(tmp_path, c
     assert checkpoints.resolve_resume("auto", str(tmp_path), "model-tuned", str(output)) is None
 
 
+def test_a_run_in_one_process_keeps_its_checkpoints_in_its_run_folder_up_to_the_limit(tmp_path):
+    """--num_workers 0 (Ray Train's local mode keeps no checkpoint): each saved folder's files go into the run folder
+    as Ray Train names its own, complete once its state file is there, and the oldest beyond
+    --checkpoints_total_limit are removed; find_latest and by_step see them as they see Ray Train's."""
+    run = tmp_path / "runs" / "model-tuned-20260101-000001"
+    for step in (1, 2, 3):
+        saved = tmp_path / f"saved-{step}"
+        saved.mkdir()
+        (saved / "unet.safetensors").write_bytes(b"w" * step)
+        files.write_json(saved / checkpoints.STATE_FILE, {"step": step, "sizes": {"unet.safetensors": step}})
+        checkpoint.keep_in_run(str(saved), str(run), limit=2)
+        assert os.listdir(saved) == []  # (moved, not copied)
+    kept = sorted(os.listdir(run))
+    assert len(kept) == 2 and all(re.fullmatch(r"checkpoint_\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d\.\d{6}", n) for n in kept)
+    assert sorted(checkpoints.by_step(str(tmp_path / "runs"), "model-tuned")) == [2, 3]
+    assert checkpoints.saved_step(checkpoints.find_latest(str(tmp_path / "runs"), "model-tuned")) == 3
+
+
 def test_the_earlier_attempts_of_a_run_are_the_runs_whose_checkpoints_carry_its_identity(tmp_path):
     """A run stopped twice and resumed each time: when it ends, every earlier attempt's run folder (all of its
     checkpoints written with the run's identity) is its past, whose checkpoints the driver removes; a run of other

@@ -44,7 +44,7 @@ def test_relative_paths_become_absolute(tmp_path, monkeypatch):
     (["--resolution", "100"], "multiple of 8"),
     (["--with_prior_preservation"], "needs --class_data_dir"),
     (["--class_images_dir", "/c"], "needs --class_prompt"),
-    (["--num_workers", "0"], "positive integer"),
+    (["--num_workers", "-1"], "must be >= 0"),
     (["--prior_loss_weight", "-0.5"], "must be >= 0"),
 ])
 def test_bad_flags_exit_2_with_one_line(extra, message, capsys):

@@ -281,3 +281,28 @@ def test_a_model_train_py_trains_again_is_said_to_be_replaced(tmp_path, capsys):
     assert "holds the model of another run (--learning_rate 5e-06 -> 1e-05)" in capsys.readouterr().err
     planning.say_replaced(str(tmp_path / "empty"), {})
     assert capsys.readouterr().err == ""
+
+
+def test_num_workers_0_plans_one_worker_in_this_process_and_refuses_what_needs_workers(tiny_model, toy_images,
+                                                                                       tmp_path, capsys):
+    """--num_workers 0 (Ray Train's local mode): the steps, the learning rate's scaling and the data split count one
+    worker; the checkpoints are written by the loop, never in the background; what needs Ray Train's workers (a
+    worker group that shrinks, shards, validation tasks, an upload thread) is refused by name."""
+    argv = ["--model_dir", tiny_model, "--output_dir", str(tmp_path / "out"), "--instance_data_dir", toy_images,
+            "--instance_prompt", "photo of unqtkn toy", "--num_workers", "0", "--scale_lr", "--lr", "1e-4",
+            "--gradient_accumulation_steps", "2"]
+    run = planning.plan_run(planning.parse_args(argv), lambda: (2.0, 0))
+    assert run.in_process and run.num_workers == 1 and run.steps_per_epoch == 2  # 5 rows, batch 1, 2 accumulated
+    assert run.learning_rate == pytest.approx(1e-4 * 2)
+    assert "this process (--num_workers 0: Ray Train's local mode), batch 1" in run.describe()
+    with_workers = planning.plan_run(planning.parse_args(argv + ["--num_workers", "1"]), lambda: (2.0, 0))
+    assert not with_workers.in_process
+    in_a_bucket = {"storage_path": "s3://bucket/runs", "checkpoint_upload": "auto"}
+    assert not dataclasses.replace(run, **in_a_bucket).uploads_in_background()
+    assert dataclasses.replace(with_workers, **in_a_bucket).uploads_in_background()
+    for flags, named in ((["--min_workers", "1"], "--min_workers"), (["--fsdp"], "--fsdp"),
+                         (["--checkpoint_upload", "async"], "--checkpoint_upload async")):
+        with pytest.raises(SystemExit):
+            planning.parse_args(argv + flags)
+        assert f"--num_workers 0 trains in this process, without Ray Train's workers: leave out {named}" in \
+            capsys.readouterr().err
