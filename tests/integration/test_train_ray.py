@@ -183,8 +183,8 @@ def test_train_two_workers_saves_a_changed_loadable_pipeline(ray_session, tiny_m
 def test_cached_latents_frozen_text_encoder_and_loss_options(ray_session, tiny_model, hub_cache, toy_images,
                                                              class_images, tmp_path, capfd):
     """Also captions (half of them dropped for the empty prompt, embedded once with the others), a
-    photo's mask with the cached latents, the schedule and the loss options: they travel in the Plan
-    to the workers."""
+    photo's mask with the cached latents, the schedule and the loss options, in this process: --num_workers 0
+    (Ray Train's local mode, no worker actors; the data stream still on the cluster) trains as one worker would."""
     import shutil
 
     from diffusers import DiffusionPipeline
@@ -201,7 +201,7 @@ def test_cached_latents_frozen_text_encoder_and_loss_options(ray_session, tiny_m
     out = tmp_path / "model-cached"
     argv = ["--model_dir", hub_cache[1], "--output_dir", str(out), "--instance_images_dir", str(own),
             "--instance_prompt", "photo of unqtkn toy", "--class_images_dir", class_images,
-            "--class_prompt", "photo of a toy", "--num_workers", "2", "--max_train_steps", "3",
+            "--class_prompt", "photo of a toy", "--num_workers", "0", "--max_train_steps", "3",
             "--lr", "1e-4", "--cache_latents", "--random_flip", "--no-train_text_encoder",
             "--gradient_accumulation_steps", "2", "--gradient_checkpointing",
             "--lr_scheduler", "cosine", "--offset_noise", "--snr_gamma", "5", "--scale_lr",
@@ -231,7 +231,8 @@ def test_cached_latents_frozen_text_encoder_and_loss_options(ray_session, tiny_m
     assert {k: v for k, v in vars(repeated).items() if k != "config"} == {k: v for k, v in vars(typed).items()
                                                                           if k != "config"}
     plans = [planning.plan_run(a, cluster_resources=raycluster.cluster_resources) for a in (repeated, typed)]
-    assert plans[0] == plans[1] and plans[0].learning_rate == pytest.approx(1e-4 * 2 * 2)  # (workers x accumulation)
+    assert plans[0] == plans[1] and plans[0].learning_rate == pytest.approx(1e-4 * 1 * 2)  # (one worker x accumulation)
+    assert plans[0].in_process and plans[0].num_workers == 1
     assert plans[0].settings_toml == open(config).read().replace(str(out), again_out)
 
 
