@@ -230,7 +230,7 @@ def generation(args, device, use_ray):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--model", choices=sorted(RESOLUTION), default="small")
     parser.add_argument("--steps", type=int, default=20, help="Timed steps per variant.")
     parser.add_argument("--warmup", type=int, default=10, help="Untimed steps first inside Ray Train.")

@@ -24,7 +24,7 @@ sys.path.insert(0, ROOT)
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--model", default="small", help="tiny, or a --random_model size (default small)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--checkpointing_steps", type=int, default=5)

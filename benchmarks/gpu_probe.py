@@ -186,7 +186,7 @@ def table(results):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--model", choices=sorted(bench.RESOLUTION), default="sd15")
     parser.add_argument("--resolution", type=int, default=None,
                         help="pixels per side (default: the model's, " +

@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--repo", default=ROOT, help="the checkout whose sweep.py runs (default: this one)")
     parser.add_argument("--early_stopping", default="on,off", help="the modes to run, in order (default on,off)")
     parser.add_argument("--work_dir", default=None, help="default: a temporary folder, removed at the end")

@@ -53,7 +53,7 @@ REFERENCE_BAR = re.compile(r"Steps:.*?\|\s*(\d+)/(\d+) \[")
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--reference", help="path to diffusers' train_dreambooth.py")
     parser.add_argument("--reference_python", default=sys.executable,
                         help="Python that runs the reference (with accelerate and torchvision)")

@@ -624,6 +624,11 @@ FLAGS = {
     "model_cache": (("--model_cache",),
         dict(type=storage_location, default=None,
              help="ORIG_MODEL_DIR: the model cache Step 1 fills (a model already there is not counted again).")),
+    "preflight_stage": (("--stage",),
+        dict(dest="stage", choices=["all", "files", "cluster"], default="all",
+             help="files: what needs no Ray (the flags, CLASS_NAME, the photos and their captions, the model's name, "
+                  "the disk), before the script starts its cluster; cluster: the rest (GPUs, workers, shared "
+                  "storage), once it runs; all: both.")),
     "preflight_num_workers": (("--num_workers",),
         dict(dest="num_workers", default="", help="NUM_WORKERS ('' or 0: one per GPU).")),
     "gpu_memory": (("--gpu_memory",),
@@ -761,8 +766,13 @@ NOT_WRITTEN = ("config", "help", "resume_from_checkpoint", "notify_url")  # a re
 
 class OneLineErrorParser(argparse.ArgumentParser):
     """argparse prints the whole usage before an error; we print one line. Options may be
-    spelled with hyphens or underscores. With --config FILE, the file's values come first and
-    the command line's after them, so the command line wins."""
+    spelled with hyphens or underscores, and only in full: argparse's prefix matching would take a misspelt
+    --learning_rat for --learning_rate, so a typo is an error that names the closest flag. With --config FILE, the
+    file's values come first and the command line's after them, so the command line wins."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def parse_known_args(self, args=None, namespace=None):
         args = [normalize_option(a) for a in (sys.argv[1:] if args is None else list(args))]
@@ -777,6 +787,8 @@ class OneLineErrorParser(argparse.ArgumentParser):
         return super().parse_known_args(args, namespace)
 
     def error(self, message):
+        if message.startswith("unrecognized arguments: "):
+            message += closest_flags(message.split(": ", 1)[1].split(), self._option_string_actions)
         sys.stderr.write(f"{self.prog}: error: {message}\n")
         sys.exit(2)
 
@@ -821,7 +833,8 @@ class OneLineErrorParser(argparse.ArgumentParser):
             if action is None and fallback is not None:
                 action = fallback._action_for(key)
             if action is None or action.dest in NOT_WRITTEN:
-                self.error(f"--config {path}: unknown key '{key}' (keys are this script's flags, see --help)")
+                self.error(f"--config {path}: unknown key '{key}' (keys are this script's flags, see --help)"
+                           + closest_flags([f"--{key}"], self._option_string_actions, keys=True))
             option = next(o for o in action.option_strings if o.startswith("--"))
             if isinstance(action, (argparse._AppendAction, argparse._ExtendAction)):
                 if given & set(action.option_strings):
@@ -841,6 +854,20 @@ class OneLineErrorParser(argparse.ArgumentParser):
             else:
                 tokens.append(f"{option}={value}")
         return tokens
+
+
+def closest_flags(words, options, keys=False):
+    """'; did you mean --learning_rate?' for the words that are misspelt flags (--learning_rat): the nearest of options
+    (a parser's option strings) to each, said as a --config key where keys; '' when none is near."""
+    import difflib
+
+    names = sorted(o for o in options if o.startswith("--"))
+    near = []
+    for word in words:
+        if word.startswith("--"):
+            match = difflib.get_close_matches(word.split("=")[0], names, n=1, cutoff=0.75)
+            near += [m[2:] if keys else m for m in match if (m[2:] if keys else m) not in near]
+    return f"; did you mean {' or '.join(near)}?" if near else ""
 
 
 def config_values(parser, args):

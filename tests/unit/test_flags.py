@@ -338,3 +338,25 @@ def test_help_shows_a_switchs_default_and_config_examples_the_script_takes():
     assert "max_train_steps = 400" in " ".join(planning.train_parser("train").format_help().split())
 
 
+
+
+def test_a_flag_is_taken_only_by_its_full_name_and_a_misspelt_one_names_the_nearest(tmp_path, capsys):
+    """argparse's prefix matching took --learning_rat for --learning_rate (and --max_train for --max_train_steps): a
+    typo became another setting. Every script's parser takes full names only; the error names the nearest flag, on
+    the command line and as a --config key."""
+    from dreambooth.commands import flagdocs
+
+    for script, (module_name, _) in flagdocs.SCRIPTS.items():
+        assert flagdocs.parser_of(module_name).allow_abbrev is False, script
+    for typo, nearest in ((["--learning_rat", "1e-4"], "--learning_rate"), (["--max_train", "5"], "--max_train_steps")):
+        with pytest.raises(SystemExit):
+            parse_train(BASE + typo)
+        assert capsys.readouterr().err.strip().endswith(
+            f"error: unrecognized arguments: {' '.join(typo)}; did you mean {nearest}?")
+    config = tmp_path / "run.toml"
+    config.write_text("learning_rat = 1e-4\n")
+    with pytest.raises(SystemExit):
+        parse_train(BASE + ["--config", str(config)])
+    assert capsys.readouterr().err.strip().endswith(
+        f"--config {config}: unknown key 'learning_rat' (keys are this script's flags, see --help); "
+        "did you mean learning_rate?")
