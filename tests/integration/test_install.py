@@ -39,3 +39,26 @@ def test_pip_install_gives_commands_that_work_outside_the_checkout(tmp_path):
     imported = subprocess.run([sys.executable, "-c", "import dreambooth; print(dreambooth.__file__)"], cwd=run_dir,
                               env=env, capture_output=True, text=True)
     assert imported.stdout.startswith(site), imported.stdout
+
+
+def test_the_runtime_requirements_resolve_alone_to_what_both_files_installed(tmp_path):
+    """requirements-dev.txt installed after requirements.txt once replaced a runtime package by an older one (its
+    mlflow and botocore take older importlib_metadata and python-dateutil than diffusers and pandas get alone): what
+    pip resolves for requirements.txt alone is, package by package, what this environment (both files, the README's
+    test command) holds."""
+    import importlib.metadata
+    import json
+
+    report = tmp_path / "report.json"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--ignore-installed", "--report",
+                    str(report), "-r", os.path.join(REPO_DIR, "requirements.txt")], check=True, capture_output=True)
+
+    def installed(name):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    resolved = {item["metadata"]["name"]: item["metadata"]["version"] for item in json.loads(report.read_text())["install"]}
+    assert len(resolved) > 20 and "diffusers" in resolved
+    assert {name: (alone, installed(name)) for name, alone in resolved.items() if installed(name) != alone} == {}
