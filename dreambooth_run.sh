@@ -3,7 +3,7 @@
 #
 #   ./dreambooth_run.sh                       SD 1.4, the example dog photos, one worker per GPU
 #   INSTANCE_DIR=~/rex CLASS_NAME=dog ./dreambooth_run.sh     your own photos
-#   ./dreambooth_run.sh --tiny                built-in tiny model + images/toy, offline on CPU (~2 min)
+#   ./dreambooth_run.sh --tiny                built-in tiny model + images/toy, offline on CPU (1 to 5 minutes on 2 cores)
 #   ./dreambooth_run.sh --tiny --arch sdxl    the same with a tiny SDXL model (128 px; sd2-v: SD 2.x, 96 px;
 #                                             sd3: SD 3.5, 64 px; flux: Flux.1 dev, 64 px; qwen: Qwen-Image, 64 px;
 #                                             flux2: FLUX.2 [klein], 64 px; flux2dev: FLUX.2 [dev], 64 px;
@@ -264,8 +264,9 @@ LOG_FILE="$LOG_DIR/dreambooth_run-$(date '+%Y%m%d-%H%M%S').log"
 # each bar's last state as one plain line (no carriage returns, no terminal escapes)
 if [ -t 1 ]; then export DREAMBOOTH_TERMINAL=1; fi
 # (tee and sed ignore Ctrl-C and SIGTERM: they end when the steps' output does, so that a stopped step's
-# last lines, which say where it stopped, still reach the terminal and the log)
-exec > >(trap '' INT TERM; tee >(sed -u -e 's/\x1b\[[0-9;?]*[A-Za-z]//g' -e 's/.*\r\(.\)/\1/' -e 's/\r$//' >> "$LOG_FILE")) 2>&1
+# last lines, which say where it stopped, still reach the terminal and the log; and a broken pipe: piped into a
+# `tee run.log` of the user's, which Ctrl-C ends first, they still reach the log)
+exec > >(trap '' INT TERM PIPE; tee >(sed -u -e 's/\x1b\[[0-9;?]*[A-Za-z]//g' -e 's/.*\r\(.\)/\1/' -e 's/\r$//' >> "$LOG_FILE")) 2>&1
 echo "$COMMAND_LINE -- log: $LOG_FILE"
 # Ctrl-C (SIGINT to the whole foreground group: the running step gets it too and stops as it does, train.py
 # with a checkpoint of the step it is on) or SIGTERM: once the step has ended, one line says where the run
@@ -283,74 +284,6 @@ trap 'stopped SIGTERM 143' TERM
 # the line (seen once in a hundred runs). The step's own status says it stopped (130, 143): the same line then.
 trap 'case $? in 130) stopped SIGINT 130 ;; 143) stopped SIGTERM 143 ;; esac' ERR
 
-# One Ray cluster for every step (each script would otherwise start and stop its own, seconds each):
-# the cluster RAY_ADDRESS names is joined and left running; else one starts here and stops when this
-# script ends, however it ends. Never the cluster Ray's temp folder names (a `ray start` of someone
-# else's): a step joins only the address handed to it.
-RAY_HEAD_PID= RAY_HEAD_TEMP=
-# Ray's token authentication for the head started here and every step (raycluster.ensure_ray_token: the
-# token of RAY_AUTH_TOKEN or its file is reused, else one is made that only you can read)
-export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
-RAY_AUTH="$("$PYTHON" -c 'from dreambooth.cluster import raycluster; raycluster.ensure_ray_token(); print(raycluster.ray_auth_note())')"
-EVAL_FETCH_PID=
-drop_fetch_files() {  # the background fetch's path file, and its log when the fetch had nothing to say
-  rm -f "$EVAL_FETCH_LOG.path"
-  if [ ! -s "$EVAL_FETCH_LOG" ]; then rm -f "$EVAL_FETCH_LOG"; fi
-}
-stop_ray() {  # at exit, however the script ends: the background fetch too (Step 1), and its files when it said nothing
-  if [ -n "$EVAL_FETCH_PID" ]; then
-    kill -TERM "$EVAL_FETCH_PID" 2>/dev/null || true
-    wait "$EVAL_FETCH_PID" 2>/dev/null || true
-    drop_fetch_files
-  fi
-  if [ -n "$RAY_HEAD_PID" ]; then
-    kill -TERM "$RAY_HEAD_PID" 2>/dev/null || true
-    wait "$RAY_HEAD_PID" 2>/dev/null || true
-  fi
-  if [ -n "$RAY_HEAD_TEMP" ]; then rm -rf "$RAY_HEAD_TEMP"; fi
-  if $REMOTE; then  # the log beside the run's outputs in the bucket
-    "$PYTHON" -c 'import sys; from dreambooth import storage; storage.upload_file(*sys.argv[1:])' \
-      "$LOG_FILE" "$DATA_PREFIX/logs/$(basename "$LOG_FILE")" || echo "dreambooth_run.sh: the log stays in $LOG_FILE" >&2
-  fi
-}
-trap stop_ray EXIT
-if [ -n "${RAY_ADDRESS:-}" ]; then
-  echo "Ray: joining the cluster at RAY_ADDRESS=$RAY_ADDRESS; $RAY_AUTH"
-else
-  RAY_HEAD_LOG="$LOG_DIR/ray-head-$(date '+%Y%m%d-%H%M%S').log"
-  # Its own temp folder in Ray's (RAY_TMPDIR, else /tmp; short: Ray's socket paths must fit 108 characters),
-  # so that its address is not written where every later `ray.init()` on this node would find and join it.
-  RAY_HEAD_TEMP="$(mktemp -d "${RAY_TMPDIR:-/tmp}/dreambooth-ray-XXXXXX")"
-  : > "$RAY_HEAD_LOG"  # (there before the wait below reads it: the background start creates it a moment later)
-  # A free port, not Ray's 6379: a cluster already running here (another run, a `ray start` of
-  # yours) is left alone and never joined
-  # (never one of the ports a Ray node takes by default whatever --port says: raycluster.free_port)
-  RAY_HEAD_PORT="$("$PYTHON" -c 'from dreambooth.cluster import raycluster; print(raycluster.free_port())')"
-  # Ray's metrics servers (with ray[default] installed) answer anyone over HTTP: off here, as
-  # raycluster.CLOSED_METRICS turns them off for the scripts' own clusters (docs/CLUSTER.md, "Security")
-  eval "$("$PYTHON" -c 'from dreambooth.cluster import raycluster; print(raycluster.closed_metrics_exports())')"
-  # (no drain at the end: nothing runs by then, and Ray would wait 30 s for idle workers)
-  RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 "$PYTHON" -m ray.scripts.scripts start --head --block \
-    --port="$RAY_HEAD_PORT" --disable-usage-stats --include-dashboard=false --temp-dir="$RAY_HEAD_TEMP" \
-    > "$RAY_HEAD_LOG" 2>&1 &
-  RAY_HEAD_PID=$!
-  while kill -0 "$RAY_HEAD_PID" 2>/dev/null && ! grep -q "block forever" "$RAY_HEAD_LOG"; do sleep 0.2; done
-  if ! kill -0 "$RAY_HEAD_PID" 2>/dev/null; then
-    RAY_HEAD_PID=
-    echo "dreambooth_run.sh: error: Ray did not start ($(grep -m 1 -i "error" "$RAY_HEAD_LOG" || tail -n 1 "$RAY_HEAD_LOG"));" \
-      "its log: $RAY_HEAD_LOG" >&2
-    exit 1
-  fi
-  RAY_ADDRESS="$(grep -o "ray start --address='[^']*'" "$RAY_HEAD_LOG" | head -n 1 | cut -d"'" -f2)"
-  export RAY_ADDRESS
-  echo "Ray: started a cluster for this run at $RAY_ADDRESS (stopped at exit; its log: $RAY_HEAD_LOG); $RAY_AUTH"
-  echo "  more machines may join it while it runs: RAY_AUTH_MODE=token" \
-    "RAY_enable_metrics_collection=$RAY_enable_metrics_collection ray start --address=$RAY_ADDRESS" \
-    "(with the same token in their ~/.ray/auth_token or RAY_AUTH_TOKEN)"
-fi
-
-# (each step joins this cluster: the line above says so once, not a "Ray: joined" line per step)
-export DREAMBOOTH_RAY_SAID="$RAY_ADDRESS"
 
 if $example; then  # the example photos, in their own folder (a bucket's: put there from this node's copy)
   EXAMPLE_LOCAL="$PHOTOS_DIR"
@@ -385,8 +318,87 @@ $tiny && PREFLIGHT+=(--tiny)
 SCRIPT_TRAIN_ARGS=(--train_batch_size=2)
 $use_lora && SCRIPT_TRAIN_ARGS+=(--use_lora)
 $prior_prediction && SCRIPT_TRAIN_ARGS+=(--prior_preservation=prior_prediction)
-PREFLIGHT_OUT="$("$PYTHON" preflight.py "${PREFLIGHT[@]}" -- "${SCRIPT_TRAIN_ARGS[@]}" "${TRAIN_ARGS_LIST[@]}" \
-  "${EXTRA_TRAIN_ARGS[@]}")"
+# what needs no Ray first (a missing photo folder, a caption in another encoding: said before a cluster starts)
+"$PYTHON" preflight.py "${PREFLIGHT[@]}" --stage=files -- "${SCRIPT_TRAIN_ARGS[@]}" "${TRAIN_ARGS_LIST[@]}" \
+  "${EXTRA_TRAIN_ARGS[@]}"
+
+# One Ray cluster for every step (each script would otherwise start and stop its own, seconds each):
+# the cluster RAY_ADDRESS names is joined and left running; else one starts here and stops when this
+# script ends, however it ends. Never the cluster Ray's temp folder names (a `ray start` of someone
+# else's): a step joins only the address handed to it.
+RAY_HEAD_PID= RAY_HEAD_TEMP=
+# Ray's token authentication for the head started here and every step (raycluster.ensure_ray_token: the
+# token of RAY_AUTH_TOKEN or its file is reused, else one is made that only you can read)
+export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
+RAY_AUTH="$("$PYTHON" -c 'from dreambooth.cluster import raycluster; raycluster.ensure_ray_token(); print(raycluster.ray_auth_note())')"
+EVAL_FETCH_PID=
+drop_fetch_files() {  # the background fetch's path file, and its log when the fetch had nothing to say
+  rm -f "$EVAL_FETCH_LOG.path"
+  if [ ! -s "$EVAL_FETCH_LOG" ]; then rm -f "$EVAL_FETCH_LOG"; fi
+}
+stop_ray() {  # at exit, however the script ends: the background fetch too (Step 1), and its files when it said nothing
+  if [ -n "$EVAL_FETCH_PID" ]; then
+    kill -TERM "$EVAL_FETCH_PID" 2>/dev/null || true
+    wait "$EVAL_FETCH_PID" 2>/dev/null || true
+    drop_fetch_files
+  fi
+  if [ -n "$RAY_HEAD_PID" ]; then
+    kill -TERM "$RAY_HEAD_PID" 2>/dev/null || true
+    wait "$RAY_HEAD_PID" 2>/dev/null || true
+  fi
+  if [ -n "$RAY_HEAD_TEMP" ]; then
+    if [ -s "$RAY_HEAD_TEMP/head.log" ]; then
+      { echo "--- the Ray head's own log ($RAY_ADDRESS) ---"; cat "$RAY_HEAD_TEMP/head.log"; } >> "$LOG_FILE"
+    fi
+    rm -rf "$RAY_HEAD_TEMP"
+  fi
+  if $REMOTE; then  # the log beside the run's outputs in the bucket
+    "$PYTHON" -c 'import sys; from dreambooth import storage; storage.upload_file(*sys.argv[1:])' \
+      "$LOG_FILE" "$DATA_PREFIX/logs/$(basename "$LOG_FILE")" || echo "dreambooth_run.sh: the log stays in $LOG_FILE" >&2
+  fi
+}
+trap stop_ray EXIT
+if [ -n "${RAY_ADDRESS:-}" ]; then
+  echo "Ray: joining the cluster at RAY_ADDRESS=$RAY_ADDRESS; $RAY_AUTH"
+else
+  # Its own temp folder in Ray's (RAY_TMPDIR, else /tmp; short: Ray's socket paths must fit 108 characters),
+  # so that its address is not written where every later `ray.init()` on this node would find and join it.
+  RAY_HEAD_TEMP="$(mktemp -d "${RAY_TMPDIR:-/tmp}/dreambooth-ray-XXXXXX")"
+  RAY_HEAD_LOG="$RAY_HEAD_TEMP/head.log"  # (appended to this run's log at exit: one log a run)
+  : > "$RAY_HEAD_LOG"  # (there before the wait below reads it: the background start creates it a moment later)
+  # A free port, not Ray's 6379: a cluster already running here (another run, a `ray start` of
+  # yours) is left alone and never joined
+  # (never one of the ports a Ray node takes by default whatever --port says: raycluster.free_port)
+  RAY_HEAD_PORT="$("$PYTHON" -c 'from dreambooth.cluster import raycluster; print(raycluster.free_port())')"
+  # Ray's metrics servers (with ray[default] installed) answer anyone over HTTP: off here, as
+  # raycluster.CLOSED_METRICS turns them off for the scripts' own clusters (docs/CLUSTER.md, "Security")
+  eval "$("$PYTHON" -c 'from dreambooth.cluster import raycluster; print(raycluster.closed_metrics_exports())')"
+  # (no drain at the end: nothing runs by then, and Ray would wait 30 s for idle workers)
+  RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 "$PYTHON" -m ray.scripts.scripts start --head --block \
+    --port="$RAY_HEAD_PORT" --disable-usage-stats --include-dashboard=false --temp-dir="$RAY_HEAD_TEMP" \
+    > "$RAY_HEAD_LOG" 2>&1 &
+  RAY_HEAD_PID=$!
+  while kill -0 "$RAY_HEAD_PID" 2>/dev/null && ! grep -q "block forever" "$RAY_HEAD_LOG"; do sleep 0.2; done
+  if ! kill -0 "$RAY_HEAD_PID" 2>/dev/null; then
+    RAY_HEAD_PID=
+    echo "dreambooth_run.sh: error: Ray did not start ($(grep -m 1 -i "error" "$RAY_HEAD_LOG" || tail -n 1 "$RAY_HEAD_LOG"));" \
+      "its log is at the end of this run's: $LOG_FILE" >&2
+    exit 1
+  fi
+  RAY_ADDRESS="$(grep -o "ray start --address='[^']*'" "$RAY_HEAD_LOG" | head -n 1 | cut -d"'" -f2)"
+  export RAY_ADDRESS
+  echo "Ray: started a cluster for this run at $RAY_ADDRESS (stopped at exit; its own log goes at the end of this" \
+    "run's); $RAY_AUTH"
+  echo "  more machines may join it while it runs: RAY_AUTH_MODE=token" \
+    "RAY_enable_metrics_collection=$RAY_enable_metrics_collection ray start --address=$RAY_ADDRESS" \
+    "(with the same token in their ~/.ray/auth_token or RAY_AUTH_TOKEN)"
+fi
+
+# (each step joins this cluster: the line above says so once, not a "Ray: joined" line per step)
+export DREAMBOOTH_RAY_SAID="$RAY_ADDRESS"
+
+PREFLIGHT_OUT="$("$PYTHON" preflight.py "${PREFLIGHT[@]}" --stage=cluster -- "${SCRIPT_TRAIN_ARGS[@]}" \
+  "${TRAIN_ARGS_LIST[@]}" "${EXTRA_TRAIN_ARGS[@]}")"
 resolved() { printf '%s\n' "$PREFLIGHT_OUT" | sed -n "s/^$1=//p" | tail -n 1; }
 NUM_WORKERS="$(resolved NUM_WORKERS)"
 # train.py's flags given after -- or in TRAIN_ARGS win over the script's: the steps use their values
@@ -525,7 +537,7 @@ fi
   "${SCORE_OPTIONS[@]}" "${TRAIN_OPTIONS[@]}" "${TRAIN_ARGS_LIST[@]}" "${EXTRA_TRAIN_ARGS[@]}"
 # the scores of a model this run replaced (another mode or base model for this subject) never stay beside it
 "$PYTHON" -c 'import sys; from dreambooth.evaluation import eval_report; eval_report.forget_stale_scores(*sys.argv[1:])' \
-  "$EVAL_DIR" "$TUNED_MODEL_DIR"
+  "$EVAL_DIR" "$TUNED_MODEL_DIR" "$($skip_eval && echo 0 || echo 1)"
 
 if [ "$NUM_NEW_IMAGES" = 0 ]; then
   step "5: skipped (NUM_NEW_IMAGES=0)"
@@ -552,11 +564,16 @@ outputs() {  # the last lines: every output of this subject, and how to take the
   else
     echo "  log:    $LOG_FILE"
   fi
-  # (only for what export.py writes of the family and the adapters: the hint is a command that works)
-  if "$PYTHON" -c 'import sys; from dreambooth.commands import export
-sys.exit(not export.writes_file_of(sys.argv[2], sys.argv[1]))' "$ORIG_MODEL_PATH" "$TUNED_MODEL_DIR" 2> /dev/null; then
+  # (a command only for what export.py writes of the family and the adapters: the hint is a command that works;
+  # else why there is none)
+  local no_file
+  no_file="$("$PYTHON" -c 'import sys; from dreambooth.commands import export
+print(export.why_no_file(sys.argv[2], sys.argv[1]) or "")' "$ORIG_MODEL_PATH" "$TUNED_MODEL_DIR" 2> /dev/null)" || no_file=
+  if [ -z "$no_file" ]; then
     echo "  for AUTOMATIC1111/ComfyUI: $PYTHON export.py --model_dir $(printf '%q' "$TUNED_MODEL_DIR")" \
       "--output_file $(printf '%q' "$DATA_PREFIX/subjects/$SUBJECT/$SUBJECT.safetensors")"
+  else
+    echo "  for AUTOMATIC1111/ComfyUI: no single file: $no_file"
   fi
 }
 if $skip_eval; then

@@ -136,17 +136,26 @@ def not_written(kind, family, keys=()):
     return None
 
 
-def writes_file_of(model_dir, base):
-    """Whether export.py writes a file of train.py's output model_dir (its record says which adapters), whose base
-    model is base: a full model or adapters of a family it exports, as not_written rules."""
+def why_no_file(model_dir, base):
+    """Why export.py writes no file of train.py's output model_dir (its record says which adapters), whose base model
+    is base, in words that finish 'no file: ...'; None when it writes one (a full model or adapters of a family it
+    exports, as not_written rules)."""
     family = families.family_of(modelcache.resolve_model_name(base))
     if not outputs.holds_lora(model_dir):
-        return "export" in family.supports
+        return None if "export" in family.supports else f"export.py writes no {family.label} model yet"
     output = outputs.read_output(model_dir)
     adapter = output.lora.adapter if output and output.lora else "lora"
     kind = {"loha": "lycoris", "lokr": "lycoris"}.get(adapter, adapter)
+    if "export_lora" not in family.supports:
+        return f"export.py writes no {family.label} adapters yet"
     keys = files.safetensors_header(os.path.join(model_dir, files.LORA_WEIGHTS_FILE))[1] if kind == "lycoris" else ()
-    return "export_lora" in family.supports and not_written(kind, family, keys) is None
+    reason = not_written(kind, family, keys)
+    return f"the model {reason}" if reason else None
+
+
+def writes_file_of(model_dir, base):
+    """Whether export.py writes a file of train.py's output model_dir whose base model is base (why_no_file)."""
+    return why_no_file(model_dir, base) is None
 
 
 # ------------------------------------------------------------------ command line

@@ -17,6 +17,7 @@ train.py does not know, or a value it refuses, stops the run here instead of at 
 """
 
 import contextlib
+import io
 import os
 import shutil
 import sys
@@ -32,6 +33,7 @@ from dreambooth.cluster import torch_gpus
 from dreambooth.config import flags
 from dreambooth.families import objectives
 from dreambooth.generation import imagefiles
+from dreambooth.generation import prompts
 from dreambooth.models import known_models
 from dreambooth.models import modelcache
 from dreambooth.models import outputs
@@ -50,7 +52,7 @@ def parse_args(argv=None):
         __doc__.splitlines()[0],
         ["photos_dir", "photos_var", "preflight_class_name", "data_prefix", "model_name", "model_path", "model_cache",
          "revision", "preflight_num_workers", "gpus_per_worker", "use_lora", "tiny", "arch", "gpu_memory",
-         "tuned_model_dir"],
+         "tuned_model_dir", "preflight_stage"],
         helps={"arch": "The tiny model's family (dreambooth_run.sh --tiny --arch).", "model_name": "ORIG_MODEL_NAME.", "revision": "ORIG_MODEL_HASH.", "gpus_per_worker": "GPUS_PER_WORKER.",
                "use_lora": "LoRA: small checkpoints and output (also taken from the train.py flags after --).",
                "tiny": "The built-in tiny model (no GPU expected)."})
@@ -108,13 +110,15 @@ def note_replaced_model(args, family):
     now = (family.name if family else was[0], "LoRA" if args.use_lora else "full fine-tune")
     if was != now:
         changes = ", ".join(f"{a} -> {b}" for a, b in zip(was, now) if a != b)
+        subject = os.path.basename(os.path.dirname(args.tuned_model_dir.rstrip("/")))  # (subjects/<SUBJECT>/model-tuned)
         print(f"note: {args.tuned_model_dir} holds this subject's {was[1]} of the {was[0]} family ({changes}): Step 4 "
-              "replaces it; to keep both, give this run its own SUBJECT (e.g. SUBJECT=<name>-" + now[0] + ")",
+              f"replaces it; to keep both, give this run its own SUBJECT (e.g. SUBJECT={subject}-{now[0]})",
               file=sys.stderr)
 
 
 def check_photos(folder, variable):
-    """The photos are there and each one opens (a corrupt one is named); a bucket's, in this node's copy."""
+    """The photos are there, each one opens and each caption beside one reads (a corrupt one, or a caption in
+    another encoding, is named); a bucket's, in this node's copy."""
     if storage.is_remote(folder):
         try:
             folder = storage.cached(folder)
@@ -126,6 +130,7 @@ def check_photos(folder, variable):
         photos = imagefiles.list_images(folder, f"{variable}", also_expected=".txt")  # (captions: train.py's)
         with tempfile.TemporaryDirectory() as scratch:
             imagefiles.inspect_images(photos, 0, scratch)
+        prompts.read_captions(photos, "", ".txt")  # (a caption another editor saved: named now, not at Step 4)
     except errors.UserError as err:
         raise errors.UserError(f"{variable}={folder}: {err}") from None
     if len(photos) < 3:
@@ -337,13 +342,9 @@ def check_shared(data_prefix, photos_var, photos_dir, num_photos):
             shutil.rmtree(probe, ignore_errors=True)
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
-    cut = argv.index("--") if "--" in argv else len(argv)  # preflight's flags, then train.py's
-    args = parse_args(argv[:cut])
-    train_flags = check_train_flags(argv[cut + 1:])
-    args.use_lora = args.use_lora or train_flags.use_lora
-    family = check_family_flags(args, train_flags)
+def check_files(args, family, train_flags):
+    """What needs no Ray, said before the script starts its cluster: CLASS_NAME, the photos and their captions, the
+    subject's model of another family, the model's name and access, an assumed card, the disk. The photos."""
     if not (args.class_name or "").strip():
         raise errors.UserError("CLASS_NAME is not set: set it to what your subject is (CLASS_NAME=dog, backpack, "
                                "person); it makes the class prompt 'photo of a <CLASS_NAME>'")
@@ -355,6 +356,23 @@ def main(argv=None):
     if args.gpu_memory is not None:  # an assumed card: known before Ray starts
         check_gpus(args, train_flags, 0)
     check_disk(args, train_flags.checkpoints_total_limit)
+    return photos
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cut = argv.index("--") if "--" in argv else len(argv)  # preflight's flags, then train.py's
+    args = parse_args(argv[:cut])
+    train_flags = check_train_flags(argv[cut + 1:])
+    args.use_lora = args.use_lora or train_flags.use_lora
+    family = check_family_flags(args, train_flags)
+    if args.stage == "cluster":  # (the files were checked, and said, before the cluster started)
+        with contextlib.redirect_stderr(io.StringIO()):
+            photos = check_photos(args.photos_dir, args.photos_var)
+    else:
+        photos = check_files(args, family, train_flags)
+        if args.stage == "files":
+            return None
     ray = raycluster.init_ray()
     cpus, gpus = raycluster.cluster_resources()
     workers = check_workers(args, cpus, gpus)

@@ -5,6 +5,7 @@ import os
 import shutil
 import sys
 
+from dreambooth import families
 from dreambooth import storage
 from dreambooth.evaluation import scores
 from dreambooth.generation import image_records
@@ -28,6 +29,13 @@ def cell(value):
     return "" if value is None else f"{value:.3f}"
 
 
+def scored_models(entries):
+    """{label: {"model": what drew its images, "family": its family}} of entries [(label, outputs.ModelRef)], as
+    scores.json and report.md name them."""
+    return {label: {"model": model.describe(), "family": families.family_of(model.model_dir).label}
+            for label, model in entries}
+
+
 def write_report(path, result, random_weights=False):
     """report.md of an EvalResult: overall scores of each model beside the paper's for SD, then one row per prompt."""
     labels = list(result.models)
@@ -38,6 +46,8 @@ def write_report(path, result, random_weights=False):
              f"image(s), subject photos: {result.num_photos}{kept_out}. Higher is better except PRES (language "
              "drift).", "",
              *([RANDOM_NOTE, ""] if random_weights else []),
+             *[f"- {label}: `{m['model']}` ({m['family']})" for label, m in result.scored.items()],
+             *([""] if result.scored else []),
              "| model | DINO | CLIP-I | CLIP-T | DIV | PRES |" + (" DINO held out | CLIP-I held out |" if held else ""),
              "| --- | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if held else "")]
     for label in labels:
@@ -100,11 +110,11 @@ def forget_stale_images(images_dir, model_dir):
     return True
 
 
-def forget_stale_scores(eval_dir, model_dir):
+def forget_stale_scores(eval_dir, model_dir, scored_next="1"):
     """Remove what eval_dir (a folder or a bucket's) holds of another model than model_dir's, when Step 4
     replaced the subject's model (another mode, base model or settings, RETRAIN=1): its scores, report, grids
     and images (the base model's images stay, for Step 6 to score again): scores never stay beside a model they
-    are not of, even when Step 6 does not run. True when removed."""
+    are not of, even when Step 6 does not run (scored_next "0": --skip_eval, the line says so). True when removed."""
     if not of_another_model(storage.join(eval_dir, "images", "tuned"), model_dir):
         return False
     for name in storage.listdir(eval_dir):
@@ -115,6 +125,7 @@ def forget_stale_scores(eval_dir, model_dir):
         if name != "base":
             storage.remove(storage.join(images, name))
     drop_node_copy(eval_dir)
-    print(f"removed the scores in {eval_dir}: they were of the model this run replaced (Step 6 scores the new "
-          f"one)", file=sys.stderr)
+    after = "Step 6 scores the new one" if scored_next != "0" else \
+        "--skip_eval: no Step 6; evaluate.py scores the new one when you want its scores"
+    print(f"removed the scores in {eval_dir}: they were of the model this run replaced ({after})", file=sys.stderr)
     return True

@@ -1,7 +1,6 @@
-"""The DreamBooth paper's scores of one or more models against one or more subjects: images of each
-model drawn on one actor pool (drawing.py), embedded by DINO and CLIP on another (with one actor on a cluster of
-one node: both in one task), then DINO, CLIP-I, CLIP-T, DIV and PRES per prompt and overall, each subject's
-scores.json and report.md. evaluate.py and the sweep's trials call run()."""
+"""The DreamBooth paper's scores of models against subjects: images drawn on one actor pool (drawing.py), embedded
+by DINO and CLIP on another (on a one-node cluster: both in one task), then DINO, CLIP-I, CLIP-T, DIV and PRES per
+prompt and overall, each subject's scores.json and report.md. evaluate.py and the sweep's trials call run()."""
 
 import contextlib
 import dataclasses
@@ -189,6 +188,7 @@ class EvalResult:
     models: dict  # {label: ModelScores}
     class_prompt: str = None
     held_out: tuple = ()  # the names of the photos kept out of training (--holdout)
+    scored: dict = dataclasses.field(default_factory=dict)  # {label: {"model": its folder (+ adapters), "family"}}
 
     def overall(self, label):
         return self.models[label].overall
@@ -392,7 +392,7 @@ def run(entries, subjects, settings, output_dir, report_dirs=None):
             imaging.write_prompt_grids(folder, label, {p: images[label][p] for p in [*subject_files, subject.class_prompt]})
         result = EvalResult(f"{subject.unique_token} {subject.class_name}", len(prompts[subject.name]),
                             settings.num_samples_per_prompt, len(photos), tuple(prompts[subject.name]), models,
-                            subject.class_prompt, tuple(subject.held_out_names()))
+                            subject.class_prompt, tuple(subject.held_out_names()), eval_report.scored_models(entries))
         os.makedirs(folder, exist_ok=True)
         files.write_json(os.path.join(folder, "scores.json"), result.to_json())
         eval_report.write_report(os.path.join(folder, "report.md"), result, random_weights)

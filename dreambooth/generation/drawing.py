@@ -324,7 +324,7 @@ def top_up(folder, model, prompts, count, settings, safety_checker, on_mismatch=
                                    f"{', '.join(differs)}). Use another folder, or {remedy}")
         now = f", not this run's {wanted.describe(differs, after=have)}" if have else ""
         print(f"{label or where}: the {len(drawn)} images in {where} {what}{now} (different: {', '.join(differs)}); "
-              f"drawing them again", file=sys.stderr)
+              f"replacing them", file=sys.stderr)
         image_records.remove_drawn_images(folder)
     image_records.write_image_record(folder, wanted)
     for donor in donors:  # (the images still missing, and the marks of those the safety checker withheld)
@@ -367,16 +367,17 @@ def make_images_of(jobs, settings, batch_size=4, num_actors=None, here=False, la
                                                                                           num_actors)
     try:
         waiting = STARTING_HERE if here or landing else STARTING
+        # (the rate is the images over the whole time: a batch's images land together, so a rate counted from the
+        # first of them, or smoothed over the last few, said hundreds of images a second)
         with tqdm(total=sum(len(job.rows) for job in jobs), desc=f"{what} {where}", unit="img",
-                  postfix=waiting) as bar:
+                  postfix=waiting, smoothing=0) as bar:
             for index, name, bad in images:
                 if bad:
                     flagged.append(os.path.join(jobs[index].output_dir, str(name)) if several else str(name))
-                if bar.postfix.startswith(waiting):  # the first image: the rate and time left count from here
+                if bar.postfix.startswith(waiting):  # the first image
                     ready = "model loaded" if here or landing else "actors ready"
                     bar.set_postfix_str(f"{ready} in {bar.format_interval(bar.format_dict['elapsed'])}",
                                         refresh=False)
-                    bar.reset()  # (the first print of a rate is a tenth of a second on: the next batch's images)
                 bar.update(1)
     except KeyboardInterrupt:
         print("stopped; the images written so far are complete: rerun the same command to make "

@@ -38,6 +38,9 @@ KEEP_BEST_FLAGS = ("score_steps", "clip_t_margin", "eval_prompts", "eval_images_
 FLAGS = WEIGHT_FLAGS + FLOW_FLAGS + ("model_dir", "vae_dir", "base_precision", "text_encoder_precision", "guidance_scale", "adapter", "keep_best") + \
     KEEP_BEST_FLAGS + \
     tuple(dict.fromkeys(name for names in OPTIMIZER_FLAGS.values() for name in names))
+OPTIMIZER_OWN = {name for names in OPTIMIZER_FLAGS.values() for name in names} - {"optimizer"}
+# What a flag recorded only when it is not its default was, where a run's identity lacks it.
+ABSENT_MEANS = {"optimizer": "adamw", "adapter": "lora", "base_precision": "none", "text_encoder_precision": "none"}
 # The parts of an identity that are files, as the line that names a difference says them.
 FILE_PARTS = {"base_model": "the base model", "vae": "the VAE", "photos": "the photos (their content)",
               "class_images": "the class images (their content)"}
@@ -92,10 +95,13 @@ def differences(saved, current):
     # (why a length alone does or does not continue a run: no news when something else differs as well)
     length_only = set(changed) <= {"max_train_steps", "num_train_epochs"}
     for key in changed:
-        before, now = saved.get(key), current.get(key)
-        if "family" in changed and (key not in saved or key not in current):
-            continue  # a setting only one of the families has (Flux.1's guidance): the family's change says it
-        if key in FILE_PARTS:
+        before, now = saved.get(key, ABSENT_MEANS.get(key)), current.get(key, ABSENT_MEANS.get(key))
+        one_sided = (key not in saved or key not in current) and key not in ABSENT_MEANS
+        if one_sided and ("family" in changed or "optimizer" in changed and key in OPTIMIZER_OWN):
+            continue  # a setting only one of the families (Flux.1's guidance) or optimizers has: its change says it
+        if key == "keep_best" and not (isinstance(before, dict) and isinstance(now, dict)):
+            said.append(f"--keep_best {'on' if before else 'off'} -> {'on' if now else 'off'}")
+        elif key in FILE_PARTS:
             said.append(FILE_PARTS[key])
         elif key == "captions":  # one per photo: only a change of the prompts themselves is news
             if set(before or ()) != set(now or ()):

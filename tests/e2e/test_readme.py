@@ -36,6 +36,10 @@ def test_every_shell_block_parses_and_sets_only_what_the_script_reads():
             if "./dreambooth_run.sh" in line:
                 given = re.findall(r"(?:^|\s)([A-Z_]+)=", line.split("./dreambooth_run.sh")[0])
                 assert set(given) <= known, (line, set(given) - known)
+    # how long the tiny run takes, said once: the README says what --help says
+    said = re.search(r"--tiny .*offline on CPU (\([^)]*\))", open(os.path.join(REPO_DIR, "dreambooth_run.sh")).read())[1]
+    assert f"`./dreambooth_run.sh --tiny` runs the same steps on a built-in tiny random model, offline on CPU\n{said}" \
+        in TEXTS["README.md"]
     # no placeholder left to fill in, no variable used before any line sets it
     assert not [page for page, text in TEXTS.items() if "<this repository>" in text]
 
@@ -127,10 +131,13 @@ def test_your_own_subject_block_runs_as_typed_and_ctrl_c_in_step_4_says_how_the_
     them built) come from the environment, as a user's own settings would. The second block is the first with
     train.py flags after `--`: it alone runs, so the first's command line runs too.
 
-    Then Ctrl-C in Step 4 as a terminal sends it, to the whole foreground group (the script, its log's tee,
-    train.py): training checkpoints the step it is on and says so, the script's last line says where it stopped
-    and that the same command continues (it passes --resume_from_checkpoint auto), in the log file too; exit 130.
-    (tee once died with the group: train.py's stop lines were lost and the script exited 1 without a word.) The
+    Typed piped into `| tee`, as users keep a copy, then Ctrl-C in Step 4 as a terminal sends it, to the whole
+    foreground group (the user's tee, the script, its log's tee, train.py): the user's tee ends at once, so what
+    follows reaches the script's own log only; there, training checkpoints the step it is on and says so, the
+    script's last line says where it stopped and that the same command continues (it passes
+    --resume_from_checkpoint auto); the script exits 130. (Its log's tee once died with the group: train.py's stop
+    lines were lost and the script exited 1 without a word; then, of the broken pipe to the user's tee: the log
+    ended at the settings line and the script exited 141.) The
     subject's folder holds an earlier model (another run's), which the stopped run leaves in place: a stop once
     counted as the end of the run when the folder held any model ('trained 400 steps; model saved', the stop's
     checkpoint removed). (The script run to its end: test_dreambooth_run's runs; a second run after a first in
@@ -152,7 +159,9 @@ def test_your_own_subject_block_runs_as_typed_and_ctrl_c_in_step_4_says_how_the_
     blocks = [b for b in BLOCKS if YOUR_OWN in b]
     assert len(blocks) == 2 and blocks[1] == blocks[0].rstrip() + " -- --gradient_checkpointing --use_8bit_adam\n"
     typed = blocks[1].strip().replace("./dreambooth_run.sh", "./dreambooth_run.sh --tiny")
-    proc = subprocess.Popen(["bash", "-euo", "pipefail", "-c", typed], cwd=REPO_DIR, env=env,
+    # (the shell around it goes on after Ctrl-C to write down the script's own exit status)
+    piped = f"trap true INT; {typed} | tee {tmp_path / 'copy.log'}; echo \"${{PIPESTATUS[0]}}\" > {tmp_path / 'rc'}"
+    proc = subprocess.Popen(["bash", "-uc", piped], cwd=REPO_DIR, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # (its own group, as a terminal's foreground job)
     lines = []
@@ -162,12 +171,13 @@ def test_your_own_subject_block_runs_as_typed_and_ctrl_c_in_step_4_says_how_the_
             os.killpg(proc.pid, signal.SIGINT)
             break
     try:
-        rest, _ = proc.communicate(timeout=180)
+        proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    output = "".join(lines) + rest
-    assert proc.returncode == 130, output[-3000:]
+    log = re.search(r"-- log: (\S+)", "".join(lines))[1]
+    output = open(log).read()  # (the terminal's copy ended with the user's tee)
+    assert (tmp_path / "rc").read_text().strip() == "130", output[-3000:]
     assert len([f for f in os.listdir(tmp_path / "data" / "images-reg" / "tiny-sd1" / "dog") if f.endswith(".png")]) == 2
     step = int(re.search(r"stopped at step (\d+) of 400 \(SIGINT\)", output)[1])
     assert 3 <= step < 400 and "stopped; rerun the same command to continue (newest checkpoint: " in output, output[-3000:]
@@ -187,8 +197,6 @@ def test_your_own_subject_block_runs_as_typed_and_ctrl_c_in_step_4_says_how_the_
     assert given["INSTANCE_DIR"] == f"{home}/photos/rex" and given["CLASS_NAME"] == "dog"
     assert {"DATA_PREFIX", "MAX_TRAIN_STEPS", "TRAIN_ARGS", "PYTHON"} <= set(given)
     assert all(env[name] == value for name, value in given.items() if name not in ("INSTANCE_DIR", "CLASS_NAME"))
-    log = re.search(r"-- log: (\S+)", output)[1]
-    assert last in open(log).read()
     assert "trained " not in output and (earlier / OUTPUT_MARKER).read_text() == before  # not a finished run
     [run] = glob.glob(str(subject / "ray_results" / "model-tuned-*"))
     assert glob.glob(os.path.join(run, "checkpoint_*", "*")), "the stop's checkpoint is kept"

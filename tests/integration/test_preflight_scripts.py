@@ -67,6 +67,10 @@ def test_photos_and_class_name_are_checked_first(tmp_path, toy_images, capsys):
     (broken / "IMG_1.jpg").write_bytes(b"\xff\xd8\xff not a photo")
     with pytest.raises(errors.UserError, match="IMG_1.jpg"):
         preflight.check_photos(str(broken), "INSTANCE_DIR")
+    (captioned / "toy-0.txt").write_bytes("photo of unqtkn toy on a sofa".encode("utf-16"))  # Windows' 'Unicode'
+    with pytest.raises(errors.UserError, match=r"INSTANCE_DIR=\S+captioned: caption file: \S+toy-0.txt is not UTF-8 "
+                                               r"text \(UTF-16"):
+        preflight.check_photos(str(captioned), "INSTANCE_DIR")  # (it was named only at Step 4)
     with pytest.raises(errors.UserError, match="CLASS_NAME is not set"):
         preflight.main(["--photos_dir", toy_images, "--data_prefix", str(tmp_path), "--class_name", " "])
 

@@ -53,7 +53,7 @@ def test_the_base_model_is_the_recorded_one_or_the_one_a_lora_applies_to(tiny_mo
     assert scoring.models_to_score(tiny_model, None, str(full))[1] == ("base", ref(str(full)))
 
 
-def test_held_out_photos_are_scored_apart_and_must_be_the_ones_training_left_out(tmp_path):
+def test_held_out_photos_are_scored_apart_and_must_be_the_ones_training_left_out(tmp_path, tiny_model):
     import torch
 
     def unit(*values):
@@ -70,9 +70,14 @@ def test_held_out_photos_are_scored_apart_and_must_be_the_ones_training_left_out
     assert "DINO held out 0.000, CLIP-I held out 0.707" in line
     assert "DIV n/a (one image per prompt: diversity needs two)" in line  # (was "DIV ," with no reason)
     result = scoring.EvalResult("unqtkn dog", 1, 1, 4, ("p",), {"tuned": scoring.ModelScores({**s, "pres": 0.4}, {})},
-                                held_out=("e.jpg",))
+                                held_out=("e.jpg",),
+                                scored=eval_report.scored_models([("tuned", outputs.ModelRef(tiny_model, "/a/lora"))]))
     eval_report.write_report(str(tmp_path / "report.md"), result)
     report = (tmp_path / "report.md").read_text()
+    # which model, of which family, the scores are of: in the report and in scores.json
+    assert f"- tuned: `{tiny_model} + LoRA /a/lora` (SD 1.x)" in report
+    assert scoring.EvalResult.from_json(result.to_json()).scored == {"tuned": {"model": f"{tiny_model} + LoRA /a/lora",
+                                                                               "family": "SD 1.x"}}
     assert "(+ 1 held out of training: e.jpg)" in report and "| tuned | 1.000 | 1.000 | 1.000 |  | 0.400 | 0.000 | 0.707 |" in report
     # The model's record must name the same photos as the split
     photos = tmp_path / "photos"
@@ -130,11 +135,19 @@ def test_scores_of_a_model_the_run_replaced_are_removed_and_the_current_models_k
         files.write_json(str(model / files.OUTPUT_MARKER), {"model_id": "aaa"})
         assert not eval_report.forget_stale_scores(str(eval_dir), str(model)) and (eval_dir / "report.md").is_file()
     files.write_json(str(model / files.OUTPUT_MARKER), {"model_id": "bbb"})  # retrained
+    (eval_dir / "report.md").write_text("scores")
+    assert eval_report.forget_stale_scores(str(eval_dir), str(model), "0")  # (--skip_eval: said so, not Step 6)
+    assert capsys.readouterr().err.endswith("(--skip_eval: no Step 6; evaluate.py scores the new one when you want "
+                                            "its scores)\n")
+    (eval_dir / "images" / "tuned").mkdir()
+    files.write_json(str(eval_dir / "images" / "tuned" / image_records.IMAGES_RECORD), {"model": "trained:aaa"})
+    (eval_dir / "report.md").write_text("scores")
     assert eval_report.forget_stale_scores(str(eval_dir), str(model))
     # the base model's images stay (Step 6 scores them again without drawing them)
     assert [str(p.relative_to(eval_dir)) for p in sorted(eval_dir.rglob("*"))] == ["images", "images/base",
                                                                                    "images/base/a.png"]
-    assert f"removed the scores in {eval_dir}: they were of the model this run replaced" in capsys.readouterr().err
+    assert f"removed the scores in {eval_dir}: they were of the model this run replaced (Step 6 scores the new one)" \
+        in capsys.readouterr().err
     assert not eval_report.forget_stale_scores(str(eval_dir), str(model))  # nothing of another model: nothing to do
     # Step 5 skipped (NUM_NEW_IMAGES=0): its folder's images of the model replaced go too, this model's stay
     new = tmp_path / "images-new"

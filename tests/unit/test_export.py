@@ -236,3 +236,5 @@ def test_lycoris_adapters_of_a_transformers_text_encoder_are_refused_in_one_line
         export.main(["--model_dir", str(folder), "--output_file", str(tmp_path / "x.safetensors")])
     assert str(said.value) == f"{folder} {export.TEXT_LYCORIS}" and "--no-train_text_encoder" in str(said.value)
     assert not export.writes_file_of(str(folder), tiny_flux_model)
+    # (what the script's last lines say instead of a command: the same reason)
+    assert export.why_no_file(str(folder), tiny_flux_model) == f"the model {export.TEXT_LYCORIS}"

@@ -77,3 +77,22 @@ def test_class_images_are_kept_when_only_what_training_does_not_read_differs(tin
         drawing.top_up(folder, model, ["photo of a dog"], 3, drawing.ImageSettings(resolution=32), False,
                        remedy="set IMAGES_REG_DIR to another folder", class_images=True)
     assert len(image_records.drawn_images(folder)) == 2  # nothing deleted
+
+
+def test_the_progress_bar_counts_its_rate_over_the_whole_drawing(tiny_model, tmp_path, capsys):
+    """A batch's images land together: the rate counted from the first of them (or smoothed over the last few)
+    said hundreds of images a second of a model that draws a few. The bar's last rate is the images over its time."""
+    import re
+    import time
+
+    from dreambooth.generation import drawing
+    from dreambooth.models import outputs
+
+    settings = drawing.ImageSettings(num_inference_steps=2)
+    job = drawing.top_up(str(tmp_path), outputs.ModelRef(tiny_model), ["photo of a toy"], 4, settings, False)
+    began = time.perf_counter()
+    drawing.make_images_of([job], settings, batch_size=4, here=True)
+    seconds = time.perf_counter() - began
+    number, unit = re.findall(r"([\d.]+)(img/s|s/img)", capsys.readouterr().err)[-1]
+    rate = float(number) if unit == "img/s" else 1 / float(number)
+    assert 0 < rate <= 1.1 * 4 / seconds, (rate, seconds)

@@ -70,7 +70,7 @@ def test_top_up_keeps_images_of_the_same_model_and_settings_only(tiny_model, tmp
     shutil.copytree(tiny_model, retrained, dirs_exist_ok=True)
     job = drawing.top_up(folder, outputs.ModelRef(str(retrained)), ["photo of a cat"], 2, SETTINGS, False,
                          on_mismatch="redraw", label="tuned")
-    assert len(job.rows) == 2 and "(different: model); drawing them again" in capsys.readouterr().err
+    assert len(job.rows) == 2 and "(different: model); replacing them" in capsys.readouterr().err
     # retrained in the same folder: the folder named once, the two models by their ids
     open(os.path.join(folder, job.rows[0]["file"]), "wb").close()
     files.write_json(retrained / files.OUTPUT_MARKER, {"base_model": tiny_model, "model_id": "b" * 32})

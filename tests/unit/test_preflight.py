@@ -84,5 +84,6 @@ def test_a_subject_model_of_another_family_or_mode_is_said_at_step_0(tmp_path, c
         preflight.note_replaced_model(run, preflight.planned_family(run))
         err = capsys.readouterr().err
         assert (f"holds this subject's LoRA of the sd1 family {said}: Step 4 replaces it" in err) if said else not err
+        assert (f"give this run its own SUBJECT (e.g. SUBJECT=rex-{run.arch or 'sd1'})\n" in err) if said else True
 
 

@@ -152,3 +152,15 @@ def test_a_changed_flag_of_a_group_is_named_alone():
     saved = {"keep_best": {"clip_t_margin": 0.02, "eval_images_per_prompt": 1, "score_steps": 10}}
     current = {"keep_best": {"clip_t_margin": 0.02, "eval_images_per_prompt": 2, "score_steps": 10}}
     assert run_identity.differences(saved, current) == ["--eval_images_per_prompt 1 -> 2"]
+
+
+def test_a_flag_recorded_only_off_its_default_is_named_by_its_value_not_none():
+    """An identity holds --optimizer, --adapter and the quantisation only when they are not the default, --keep_best's
+    scoring only when it is on: a change says the default's name (adamw, lora, off), never None or the group's dict,
+    and not the other optimizer's own flags one by one."""
+    prodigy = {"optimizer": "prodigy", "prodigy_beta3": None, "prodigy_decouple": True, "adapter": "dora",
+               "keep_best": {"clip_t_margin": 0.02, "eval_images_per_prompt": 1, "score_steps": 10}}
+    assert run_identity.differences(prodigy, {}) == ["--adapter dora -> lora", "--keep_best on -> off",
+                                                     "--optimizer prodigy -> adamw"]
+    assert run_identity.differences({}, {"base_precision": "nf4"}) == ["--base_precision none -> nf4"]
+

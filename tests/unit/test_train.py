@@ -89,6 +89,8 @@ def test_dora_loha_and_lokr_outputs_load_back_to_the_same_predictions_and_export
     if adapter == "dora":
         with pytest.raises(errors.UserError, match="holds DoRA adapters"):
             export.main(["--model_dir", plan.output_dir, "--output_file", exported])
+        # (the script's last lines say why there is no command)
+        assert export.why_no_file(plan.output_dir, tiny_model).startswith("the model holds DoRA adapters (--adapter dora)")
         return
     # LoHa, LoKr: LyCORIS' layout in kohya's names, read by LyCORIS' own loader (lycoris-lora, as sd-scripts loads
     # it) into the base model's UNet: merged, the weights generate.py fused through peft. (The text encoder's modules
