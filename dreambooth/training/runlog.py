@@ -184,11 +184,13 @@ def plot_scores(metrics_file, base_clip_t=None, margin=None):
     steps = ticks([r["step"] for r in rows], from_zero=False)
     values = ticks([r[key] for r in rows for key, _, _ in SCORE_LINES] + [level for level, _ in levels], from_zero=False)
     image, draw = new_plot(steps, values, ".3g", INK)
-    for level, label in levels:
+    for index, (level, label) in enumerate(levels):
         y = scale(level, values, bottom, top)
         for x in range(left, right, 12):
             draw.line([(x, y), (min(x + 6, right), y)], fill=SCORE_LINES[2][2], width=1)
-        draw.text((right - 4, y - 3), label, fill=SCORE_LINES[2][2], anchor="rs")
+        # (the base's label above its line, the floor's below its own: two close lines' labels never overlap)
+        draw.text((right - 4, y - 3 if index == 0 else y + 3), label, fill=SCORE_LINES[2][2],
+                  anchor="rs" if index == 0 else "rt")
     for index, (key, label, colour) in enumerate(SCORE_LINES):
         points = [(scale(r["step"], steps, left, right), scale(r[key], values, bottom, top)) for r in rows]
         if len(points) > 1:

@@ -95,6 +95,12 @@ def test_the_end_of_a_run_adds_the_scores_that_came_late_and_says_a_failed_step(
         dashed = max(sum(plot.getpixel((x, row)) == runlog.SCORE_LINES[2][2] for x in range(left, right))
                      for row in (y - 1, y, y + 1))
         assert 0.4 < dashed / (right - left) < 0.7, level
+    # their labels, the base's above its line and the floor's below its own (close lines' labels once overlapped)
+    for level, rows in ((0.9, range(-12, -4)), (0.8, range(5, 13))):
+        y = int(runlog.scale(level, marks, bottom, top))
+        orange = runlog.SCORE_LINES[2][2]  # (the text's pixels are smoothed: near the colour)
+        assert any(sum(abs(a - b) for a, b in zip(plot.getpixel((x, y + d)), orange)) < 120
+                   for x in range(right - 120, right - 4) for d in rows), level
 
 
 def test_the_late_scores_of_a_run_in_a_bucket_join_rank_0s_metrics_written_on_another_node(request):
