@@ -329,9 +329,11 @@ def finish(plan, last_step=None, base_task=None):
         elif step == plan.total_steps and step not in found:
             lines.append(describe(step, None))  # (the last step is always scored: its task failed or timed out)
     scored = sorted(logged)  # (a resumed run's: the earlier run's too)
+    step, within, ranked_by = score_record.best_step(plan.run_dir, plan.clip_t_margin)
     if scored:
         base = score_record.base_scores(plan.run_dir)
-        plot = runlog.plot_scores(metrics_file, base and base["clip_t"], plan.clip_t_margin)
+        best = (step, "kept" if plan.keep_best and last_step is None else "best") if step is not None else None
+        plot = runlog.plot_scores(metrics_file, base and base["clip_t"], plan.clip_t_margin, best)
         run_folder = storage.join(plan.storage_path, plan.run_name)  # (a bucket's: the driver copies them there)
         lines.append(f"scored steps: {', '.join(map(str, scored))}, plotted in "
                      f"{storage.join(run_folder, os.path.basename(plot))} (images and report.md of each in "
@@ -344,7 +346,6 @@ def finish(plan, last_step=None, base_task=None):
         lines.append(f"no step was scored (--score_steps {plan.score_steps}): each scored step's "
                      f"{score_record.SCORES_FOLDER}/step-N/{SCORING_LOG} in the run folder says why, and Ray's log")
     lines += [failed] if failed else []
-    step, within, ranked_by = score_record.best_step(plan.run_dir, plan.clip_t_margin)
     if step is None and last_step is None:  # (no base model's scores: the last step's model stands)
         score_record.keep_models(plan.run_dir, None)
     if step is not None:

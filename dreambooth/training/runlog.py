@@ -168,13 +168,15 @@ def plot_metrics(metrics_file):
 
 
 GREEN = (44, 160, 44)
+PURPLE = (148, 103, 189)  # (the best step's mark: seen on the frame too, where the last step is)
 SCORE_LINES = (("dino", "DINO", BLUE), ("clip_i", "CLIP-I", GREEN), ("clip_t", "CLIP-T", ORANGE))
 
 
-def plot_scores(metrics_file, base_clip_t=None, margin=None):
+def plot_scores(metrics_file, base_clip_t=None, margin=None, best=None):
     """scores.png beside metrics_file: DINO, CLIP-I and CLIP-T of each scored step (--score_steps' rows) against
-    the step, on one axis, 800 x 450 px, and with base_clip_t (the base model's CLIP-T) dashed lines at it and at
-    margin below it, the floor of the best step's rule; None when no step was scored."""
+    the step, on one axis, 800 x 450 px, with base_clip_t (the base model's CLIP-T) dashed lines at it and at
+    margin below it, the floor of the best step's rule, and best ((step, "kept" or "best")) a dashed upright line at
+    the best-scored step; None when no step was scored."""
     rows = read_rows(metrics_file, "dino")
     if not rows:
         return None
@@ -191,6 +193,11 @@ def plot_scores(metrics_file, base_clip_t=None, margin=None):
         # (the base's label above its line, the floor's below its own: two close lines' labels never overlap)
         draw.text((right - 4, y - 3 if index == 0 else y + 3), label, fill=SCORE_LINES[2][2],
                   anchor="rs" if index == 0 else "rt")
+    if best is not None:
+        x = scale(best[0], steps, left, right)
+        for y in range(top, bottom, 12):
+            draw.line([(x, y), (x, min(y + 6, bottom))], fill=PURPLE, width=2)
+        draw.text((min(x + 4, right - 90), top + 4), f"{best[1]}: step {best[0]}", fill=PURPLE, anchor="lt")
     for index, (key, label, colour) in enumerate(SCORE_LINES):
         points = [(scale(r["step"], steps, left, right), scale(r[key], values, bottom, top)) for r in rows]
         if len(points) > 1:

@@ -95,6 +95,13 @@ def test_the_end_of_a_run_adds_the_scores_that_came_late_and_says_a_failed_step(
         dashed = max(sum(plot.getpixel((x, row)) == runlog.SCORE_LINES[2][2] for x in range(left, right))
                      for row in (y - 1, y, y + 1))
         assert 0.4 < dashed / (right - left) < 0.7, level
+    # the best-scored step (the kept one, with --keep_best): a dashed upright line at it (here the last, on the frame)
+    runlog.plot_scores(str(tmp_path / "run" / "metrics.jsonl"), 0.9, 0.1, (4, "kept"))
+    plot = Image.open(tmp_path / "run" / "scores.png").convert("RGB")
+    steps = runlog.ticks([2, 4], from_zero=False)
+    x = int(runlog.scale(4, steps, left, right))
+    upright = max(sum(plot.getpixel((col, y)) == runlog.PURPLE for y in range(top + 20, bottom)) for col in (x - 1, x, x + 1))
+    assert 0.3 < upright / (bottom - top - 20) < 0.7
     # their labels, the base's above its line and the floor's below its own (close lines' labels once overlapped)
     for level, rows in ((0.9, range(-12, -4)), (0.8, range(5, 13))):
         y = int(runlog.scale(level, marks, bottom, top))
