@@ -286,7 +286,7 @@ def run_in_process(plan, train_ds):
         worker.train_fn, train_loop_config={"plan": plan, "stop_flag": flag},
         scaling_config=ray.train.ScalingConfig(num_workers=0), run_config=ray.train.RunConfig(name=plan.run_name),
         datasets={"train": train_ds})
-    handlers = None
+    handlers, threads = None, set(threading.enumerate())
     if threading.current_thread() is threading.main_thread():
         handlers = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
         stopping.install_handlers(flag, signal.default_int_handler)
@@ -303,10 +303,14 @@ def run_in_process(plan, train_ds):
             signal.signal(signal.SIGINT, handlers[0])
             signal.signal(signal.SIGTERM, handlers[1])
         stopping.forget(flag)
-        # The data stream's iterators, unreachable now, collected while Ray is connected: their threads stop and
-        # their object references are released now (one that a thread of theirs touched after the script left Ray
-        # ended the process with exit 1).
+        # The data stream's iterators, unreachable now, collected while Ray is connected, and the threads they
+        # started given a moment to end (one that touched Ray after the script had left it ended the process with
+        # exit 1; Ray Data's block prefetcher waits, idle, until the process ends)
         gc.collect()
+        deadline = time.monotonic() + 5
+        for thread in set(threading.enumerate()) - threads:
+            if thread.name != "Prefetcher":
+                thread.join(max(0.0, deadline - time.monotonic()))
     if (result.metrics or {}).get("step", 0) < plan.total_steps and not saved_by(plan):
         raise KeyboardInterrupt  # stopped at a checkpoint of its step
     folder = storage.join(plan.storage_path, plan.run_name)  # (local mode names none: the run folder, as Ray Train's
