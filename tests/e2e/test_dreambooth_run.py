@@ -356,7 +356,7 @@ def test_unknown_argument_is_refused():
                               text=True, env=dict(os.environ, PYTHON=sys.executable, **extra))
         assert proc.returncode == 2 and proc.stdout == "" and "Ray" not in proc.stderr, proc.stderr
         assert proc.stderr.strip().splitlines()[-1] == \
-            "train.py flags (TRAIN_ARGS, or after --): error: unrecognized arguments: --keepbest"
+            "train.py flags (TRAIN_ARGS, or after --): error: unrecognized arguments: --keepbest; did you mean --keep_best?"
     # each of its flags in either spelling, as the README says of every flag (parsed, then --help ends it)
     hyphens = subprocess.run(["bash", "dreambooth_run.sh", "--use-lora", "--skip-eval", "--prior-prediction",
                               "--skip-image-setup", "--help"], cwd=REPO_DIR, capture_output=True, text=True)
