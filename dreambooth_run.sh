@@ -566,14 +566,16 @@ outputs() {  # the last lines: every output of this subject, and how to take the
   fi
   # (a command only for what export.py writes of the family and the adapters: the hint is a command that works;
   # else why there is none)
+  # (neither when the model could not be read)
   local no_file
-  no_file="$("$PYTHON" -c 'import sys; from dreambooth.commands import export
-print(export.why_no_file(sys.argv[2], sys.argv[1]) or "")' "$ORIG_MODEL_PATH" "$TUNED_MODEL_DIR" 2> /dev/null)" || no_file=
-  if [ -z "$no_file" ]; then
-    echo "  for AUTOMATIC1111/ComfyUI: $PYTHON export.py --model_dir $(printf '%q' "$TUNED_MODEL_DIR")" \
-      "--output_file $(printf '%q' "$DATA_PREFIX/subjects/$SUBJECT/$SUBJECT.safetensors")"
-  else
-    echo "  for AUTOMATIC1111/ComfyUI: no single file: $no_file"
+  if no_file="$("$PYTHON" -c 'import sys; from dreambooth.commands import export
+print(export.why_no_file(sys.argv[2], sys.argv[1]) or "")' "$ORIG_MODEL_PATH" "$TUNED_MODEL_DIR" 2> /dev/null)"; then
+    if [ -z "$no_file" ]; then
+      echo "  for AUTOMATIC1111/ComfyUI: $PYTHON export.py --model_dir $(printf '%q' "$TUNED_MODEL_DIR")" \
+        "--output_file $(printf '%q' "$DATA_PREFIX/subjects/$SUBJECT/$SUBJECT.safetensors")"
+    else
+      echo "  for AUTOMATIC1111/ComfyUI: no single file: $no_file"
+    fi
   fi
 }
 if $skip_eval; then

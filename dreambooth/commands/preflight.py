@@ -116,9 +116,9 @@ def note_replaced_model(args, family):
               file=sys.stderr)
 
 
-def check_photos(folder, variable):
+def check_photos(folder, variable, inspect=True):
     """The photos are there, each one opens and each caption beside one reads (a corrupt one, or a caption in
-    another encoding, is named); a bucket's, in this node's copy."""
+    another encoding, is named; not with inspect False: only listed); a bucket's, in this node's copy."""
     if storage.is_remote(folder):
         try:
             folder = storage.cached(folder)
@@ -128,9 +128,10 @@ def check_photos(folder, variable):
         raise errors.UserError(f"{variable}={folder}: no such folder; put 4-6 photos of your subject there")
     try:
         photos = imagefiles.list_images(folder, f"{variable}", also_expected=".txt")  # (captions: train.py's)
-        with tempfile.TemporaryDirectory() as scratch:
-            imagefiles.inspect_images(photos, 0, scratch)
-        prompts.read_captions(photos, "", ".txt")  # (a caption another editor saved: named now, not at Step 4)
+        if inspect:
+            with tempfile.TemporaryDirectory() as scratch:
+                imagefiles.inspect_images(photos, 0, scratch)
+            prompts.read_captions(photos, "", ".txt")  # (a caption another editor saved: named now, not at Step 4)
     except errors.UserError as err:
         raise errors.UserError(f"{variable}={folder}: {err}") from None
     if len(photos) < 3:
@@ -366,9 +367,9 @@ def main(argv=None):
     train_flags = check_train_flags(argv[cut + 1:])
     args.use_lora = args.use_lora or train_flags.use_lora
     family = check_family_flags(args, train_flags)
-    if args.stage == "cluster":  # (the files were checked, and said, before the cluster started)
+    if args.stage == "cluster":  # (the files were checked, and said, before the cluster started: counted only)
         with contextlib.redirect_stderr(io.StringIO()):
-            photos = check_photos(args.photos_dir, args.photos_var)
+            photos = check_photos(args.photos_dir, args.photos_var, inspect=False)
     else:
         photos = check_files(args, family, train_flags)
         if args.stage == "files":

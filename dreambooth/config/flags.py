@@ -864,9 +864,10 @@ def closest_flags(words, options, keys=False):
     names = sorted(o for o in options if o.startswith("--"))
     near = []
     for word in words:
-        if word.startswith("--"):
-            match = difflib.get_close_matches(word.split("=")[0], names, n=1, cutoff=0.75)
-            near += [m[2:] if keys else m for m in match if (m[2:] if keys else m) not in near]
+        for match in difflib.get_close_matches(word.split("=")[0], names, n=1, cutoff=0.75) if word.startswith("--") \
+                else ():
+            said = match[2:] if keys else match
+            near += [said] if said not in near else []
     return f"; did you mean {' or '.join(near)}?" if near else ""
 
 

@@ -292,11 +292,9 @@ def run_in_process(plan, train_ds):
         stopping.install_handlers(flag, signal.default_int_handler)
     try:
         result = trainer.fit()
-    except errors.UserError as err:
-        raise errors.UserError(f"training failed: {err} (traceback in "
-                               f"{os.path.join(plan.run_dir, errors.ERRORS_LOG)})") from None
-    except Exception as err:
-        raise errors.UserError(f"training failed: {errors.one_line(err)} (traceback in "
+    except Exception as err:  # (a UserError as it says itself, anything else in its one line)
+        cause = err if isinstance(err, errors.UserError) else errors.one_line(err)
+        raise errors.UserError(f"training failed: {cause} (traceback in "
                                f"{os.path.join(plan.run_dir, errors.ERRORS_LOG)})") from None
     finally:
         if handlers:

@@ -321,8 +321,9 @@ class Prefetched:
     def close(self):
         with contextlib.suppress(Exception):  # (the stream's own error, if any, is not this run's cause)
             self.first.result()
-            close = getattr(self.items, "close", None)
-            if close is not None:
+        close = getattr(self.items, "close", None)
+        if close is not None:
+            with contextlib.suppress(Exception):
                 close()
 
 
