@@ -485,7 +485,9 @@ def test_a_ray_job_stopped_checkpoints_its_step_and_its_resubmission_ends_on_the
 
 # Run inside the full-disk test's mount namespace: STORAGE OUT FOLDER TRAIN_COMMAND... Small file systems on
 # STORAGE and OUT, one Ray cluster for three runs of TRAIN_COMMAND (its stderr and exit code in FOLDER/run<n>.err
-# and .rc), STORAGE grown after the first run and OUT after the second; `find` listings of both in FOLDER.
+# and .rc), STORAGE grown after the first run and OUT after the second; `find` listings of both in FOLDER. The first
+# run as given (a Ray Train worker); the reruns with --num_workers 0 (in the script's process, which writes its
+# checkpoints itself: the second resumes the first's, the third its own).
 FULL_DISK_RUNS = """
 import os, subprocess, sys
 from dreambooth.cluster import raycluster
@@ -496,6 +498,8 @@ for size, where in (("18m", storage), ("1m", out)):
 head, os.environ["RAY_ADDRESS"] = raycluster.start_ray_head(os.path.join(folder, "head.log"))
 try:
     for n, listed, grown in ((1, storage, storage), (2, None, out), (3, out, None)):
+        if n == 2:
+            train[train.index("--num_workers") + 1] = "0"
         with open(os.path.join(folder, f"run{n}.err"), "w") as err:
             rc = subprocess.run(train, stderr=err).returncode
         open(os.path.join(folder, f"run{n}.rc"), "w").write(f"rc={rc}")
@@ -515,7 +519,9 @@ def test_a_full_disk_stops_at_once_keeps_the_newest_checkpoint_and_its_resume_fi
     """Checkpoints and the model on small file systems of their own (tmpfs in a mount namespace, with a
     Ray cluster started inside it for the three runs, so its workers write there too): the second checkpoint
     does not fit, then the model does not; each run stops at once in one line, leaves no half checkpoint, and
-    after the room is made the rerun finishes from the newest complete checkpoint (the last: no step left)."""
+    after the room is made the rerun finishes from the newest complete checkpoint (the last: no step left). The
+    first run on a Ray Train worker, which Ray Train does not restart (the disk would be as full); the reruns in
+    the script's own process (--num_workers 0), which resumes a worker's checkpoint and its own alike."""
     storage, out = tmp_path / "storage", tmp_path / "out"
     storage.mkdir(), out.mkdir()
     args = ["--model_dir", tiny_model, "--output_dir", str(out / "model"), "--storage_path", str(storage),
@@ -544,7 +550,8 @@ def test_a_full_disk_stops_at_once_keeps_the_newest_checkpoint_and_its_resume_fi
     assert folders == {os.path.dirname(left[0])}
     rc, err = result(2)  # resumed at step 2; step 4's checkpoint fits now, the model does not
     assert rc == "rc=1" and "resuming from" in err and f"no space left on the device of {out / 'model'}" in \
-        err.strip().splitlines()[-1] and "restarting" not in err, err[-3000:]
+        err.strip().splitlines()[-1] and "Traceback" not in err, err[-3000:]
+    assert "this process (--num_workers 0: Ray Train's local mode)" in err
     rc, err = result(3)  # resumed at step 4: nothing to train, the model saved
     assert rc == "rc=0", err[-3000:]
     assert "trained 4 steps; no step left to train after the checkpoint; model saved to" in err
