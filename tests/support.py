@@ -277,13 +277,15 @@ def train_args(tiny_model, toy_images, out, steps, *extra):
 
 
 def logged_losses(result):
-    """[(step, loss)] of a finished run's metrics.jsonl (result: its Ray Train Result)."""
+    """[(step, loss)] of a finished run's metrics.jsonl (result: its Ray Train Result, or its run folder; a folder's or
+    a bucket's)."""
     import json
 
+    from dreambooth import storage
     from dreambooth.training import runlog
 
-    with open(os.path.join(result.path, runlog.METRICS_FILE)) as f:
-        return [(m["step"], m["loss"]) for m in map(json.loads, f)]
+    rows = storage.read_bytes(storage.join(getattr(result, "path", result), runlog.METRICS_FILE)).decode().splitlines()
+    return [(m["step"], m["loss"]) for m in map(json.loads, rows)]
 
 
 # A family of a test's own (tests/unit/test_families.py, tests/integration/test_families_scripts.py): its module.

@@ -1,6 +1,6 @@
-"""Runs that are cut short: resume and Ctrl-C with every GPU option, a SIGKILLed train worker then SIGTERM,
-a drained node, a full disk, interrupted generation. (test_bench's gpu_check.sh dry run also kills a train
-worker; test_sweep's long test kills a LoRA trial's.)"""
+"""Runs that are cut short: resume with every GPU option, a drained node, a full disk, interrupted generation, a
+Ray Job stopped. (A SIGKILLed train worker then SIGTERM: test_storage_ray, in a bucket; test_bench's gpu_check.sh
+dry run also kills a train worker; test_sweep's long test kills a LoRA trial's.)"""
 
 import importlib.util
 import json
@@ -22,6 +22,7 @@ from support import draw_here
 from support import logged_losses
 from support import train_args
 
+from dreambooth import storage
 from dreambooth.commands import generate
 from dreambooth.commands import train
 from dreambooth.files import REPO_DIR
@@ -35,11 +36,12 @@ def env():
 
 
 def checkpoint_steps(run_dir):
+    """The steps of the whole checkpoints in a run folder (a folder's or a bucket's)."""
     steps = []
-    for name in sorted(os.listdir(run_dir)):
-        state = os.path.join(run_dir, name, checkpoints.STATE_FILE)
-        if os.path.isfile(state):
-            steps.append(json.load(open(state))["step"])
+    for name in storage.listdir(run_dir):
+        state = storage.join(run_dir, name, checkpoints.STATE_FILE)
+        if name.startswith("checkpoint_") and storage.isfile(state):
+            steps.append(storage.read_json(state)["step"])
     return sorted(steps)
 
 
@@ -90,14 +92,15 @@ def registered_steps(run_dir):
     """The steps of the checkpoints Ray Train's controller has registered for a run (its checkpoint manager's
     snapshot): a restart resumes from the newest of these, not from a folder still being written."""
     try:
-        with open(os.path.join(run_dir, "checkpoint_manager_snapshot.json")) as f:
-            return [r["metrics"].get("step") for r in json.load(f).get("checkpoint_results", [])]
+        snapshot = storage.read_json(storage.join(run_dir, "checkpoint_manager_snapshot.json"))
     except (OSError, ValueError):  # (not written yet, or being written)
         return []
+    return [r["metrics"].get("step") for r in snapshot.get("checkpoint_results", [])]
 
 
-def run_dirs(storage):
-    return [os.path.join(storage, d) for d in os.listdir(storage)] if os.path.isdir(storage) else []
+def run_dirs(runs):
+    """The run folders under a storage path (a folder's or a bucket's)."""
+    return [storage.join(str(runs), d) for d in storage.listdir(str(runs))]
 
 
 def registered_steps_under(storage):
@@ -167,7 +170,7 @@ def test_seeded_run_cut_and_resumed_with_every_gpu_option_ends_with_the_uninterr
     (both text encoders) by dynamo alone; DDP's compiled by dynamo: test_train_two_workers), gradient checkpointing of
     UNet and text encoder(s), the two-device split, random flips, in this process (--num_workers 0: Ray Train's
     local mode, its checkpoints written by the loop; a resume on 2 DDP workers to the same weights:
-    test_a_killed_worker_is_restarted…, and sharded: test_family_flux_ray); and the
+    test_storage_ray, and sharded: test_family_flux_ray); and the
     moving average of the weights (--use_ema), which the saved model holds, caption dropout, whose
     draws a resumed run continues, and prior preservation by the base model's prediction (a frozen
     UNet in the autocast precision); SDXL with a VAE of its own, kept in the saved model. (fp16 on a CPU:
@@ -178,7 +181,7 @@ def test_seeded_run_cut_and_resumed_with_every_gpu_option_ends_with_the_uninterr
     '--resume_from_checkpoint latest' starts fresh when there is nothing to resume, then goes on
     from step 2 with the step count and the LR warm-up where they were; the resumed run ends with
     exactly the weights of the uninterrupted one: the uninterrupted run's own checkpoint of step 2 resumed into a
-    new output (two runs; a finished run continued to more steps: test_storage's bucket run, 2 steps then 24)."""
+    new output (two runs). SD 1.x's finished run is then continued to more steps, as the schedule allows."""
     tiny_model = request.getfixturevalue("tiny_sdxl_model" if family == "sdxl" else "tiny_model")
     options = ["--num_workers", "0", "--channels_last", "--fused_adamw", "--mixed_precision", precision,
                "--torch_compile", compiler,
@@ -206,6 +209,11 @@ def test_seeded_run_cut_and_resumed_with_every_gpu_option_ends_with_the_uninterr
         assert any(not torch.equal(v, base[part][k]) for k, v in a[part].items())  # it trained
         for k, v in a[part].items():
             assert torch.equal(v, b[part][k]), (part, k)
+    if family == "sd1":  # a finished run continued to more steps (its schedule does not depend on the length)
+        more = train.main(train_args(tiny_model, toy_images, tmp_path / "whole", 5, *options,
+                                     "--resume_from_checkpoint", "latest"))
+        assert "--max_train_steps 4 -> 5: continuing that run" in capsys.readouterr().err
+        assert more.metrics["step"] == 5 and [s for s, _ in logged_losses(more)] == [1, 2, 3, 4, 5]
 
 
 def resume_the_uninterrupted_runs_checkpoint(tiny_model, toy_images, tmp_path, options, sampling, capsys):
@@ -230,13 +238,13 @@ def resume_the_uninterrupted_runs_checkpoint(tiny_model, toy_images, tmp_path, o
     assert checkpoint_steps(resumed.path) == []  # (its model saved: its checkpoint removed)
 
 
-def logged_steps(storage):
-    """The steps in the metrics.jsonl of the runs under storage."""
+def logged_steps(runs):
+    """The steps in the metrics.jsonl of the runs under a storage path (a folder's or a bucket's)."""
     steps = []
-    for folder in run_dirs(storage):
-        path = os.path.join(folder, runlog.METRICS_FILE)
-        if os.path.isfile(path):
-            steps += [json.loads(line)["step"] for line in open(path) if line.strip()]
+    for folder in run_dirs(runs):
+        path = storage.join(folder, runlog.METRICS_FILE)
+        if storage.isfile(path):
+            steps += [json.loads(line)["step"] for line in storage.read_bytes(path).decode().splitlines() if line.strip()]
     return steps
 
 
@@ -264,59 +272,6 @@ def test_a_rank_whose_poll_was_sent_before_the_request_still_names_the_signal(ra
     assert poll.seen == "SIGTERM"
     stopping.forget(flag)
     assert stopping.requested(flag) is None
-
-
-def test_a_killed_worker_is_restarted_then_sigterm_checkpoints_the_current_step_and_the_resume_ends_on_the_uninterrupted_weights(
-        uninterrupted, tiny_model, toy_images, tmp_path):
-    """One run, cut twice as a cluster cuts it. A train worker SIGKILLed after the checkpoint of step 3: Ray Train
-    restarts the worker group from that checkpoint and training goes on. Then SIGTERM to the driver (ray job stop,
-    a deleted pod) once the restarted workers have logged steps: both workers checkpoint the step they are on,
-    long before the next periodic checkpoint, and the run ends with exit 143 and how to continue; resumed from
-    that step, it ends on exactly the uninterrupted run's weights (so the restart lost and repeated nothing).
-    (The checkpoint a restart reads holds every network a family trains and the moving average: the SDXL resume
-    in test_seeded_run_cut_and_resumed_with_every_gpu_option, through the same loading code.)"""
-    whole, whole_losses = uninterrupted
-    storage = tmp_path / "stopped-runs"
-    cut = train_args(tiny_model, toy_images, tmp_path / "cut", STOP_STEPS, *STOP_OPTIONS, "--storage_path", str(storage))
-    since = time.time()
-    proc = start_train([*cut, "--checkpointing_steps", "3", "--max_failures", "2"])
-    # (killed once the controller has registered it: a checkpoint folder appears before its files are all copied)
-    wait_for(lambda: 3 in registered_steps_under(storage), 240, proc)
-    victims = worker_pids(since)
-    assert victims
-    os.kill(victims[0], signal.SIGKILL)
-    # The old group may have logged steps 4 and 5 before the kill: count only what the restarted group logs, once
-    # the old workers are gone and new ones are up (it resumed from step 3, so it logs step 4 again).
-    wait_for(lambda: (now := worker_pids(since)) and not set(now) & set(victims), 240, proc)
-    logged_at_restart = len(logged_steps(storage))
-    wait_for(lambda: len(logged_steps(storage)) >= logged_at_restart + 2, 240, proc)
-    proc.send_signal(signal.SIGTERM)
-    out, err = finish(proc, 300)
-    assert proc.returncode == 143, err[-3000:]  # (128 + SIGTERM, as a shell reports it)
-    assert "restarting the workers from the newest checkpoint" in out + err, (out + err)[-3000:]
-    [folder] = run_dirs(storage)
-    step = checkpoint_steps(folder)[-1]
-    assert 3 < step < STOP_STEPS and f"stopped at step {step} of {STOP_STEPS} (SIGTERM): the checkpoint took " in out + err
-    assert "SIGTERM: every worker checkpoints the step it is on" in err
-    assert "PreemptionWatcher" not in out + err  # (Ray's harmless ERROR line about it, kept off the terminal)
-    assert "rerun the same command with --resume_from_checkpoint latest to continue" in err
-    # ... and the command itself: the run's settings file, which names this run's output and storage
-    from dreambooth.planning import planning
-
-    config = re.search(r", that is: python train\.py --config (\S+) --resume_from_checkpoint latest\n", err)[1]
-    again = planning.parse_args(["--config", config, "--resume_from_checkpoint", "latest"])
-    assert (again.output_dir, again.storage_path, again.max_train_steps) == (str(tmp_path / "cut"), str(storage), STOP_STEPS)
-    assert "stopped by SIGTERM" not in err  # (one line says where it stopped: no second one after it)
-    assert not os.path.exists(tmp_path / "cut" / "model_index.json")  # no model of a stopped run
-    assert logged_steps(storage) == list(range(1, step + 1))  # each step once: the dead group's repeats gone
-    # resumed without --keep_checkpoints (which does not change the run): once its model is saved, the stopped
-    # run's checkpoints go too (they once stayed: a full SD 1.x fine-tune's 12 GB each)
-    resumed = train.main([a for a in cut if a != "--keep_checkpoints"] + ["--resume_from_checkpoint", "latest"])
-    # its record: the stopped run's rows until its checkpoint (the restarted group's repeats gone), then its own,
-    # each step once, as the uninterrupted run logged them (loss.png plots the whole run)
-    assert logged_losses(resumed) == whole_losses
-    same_weights(whole, tmp_path / "cut")
-    assert len(run_dirs(storage)) == 2 and [d for d in run_dirs(storage) if checkpoint_steps(d)] == []
 
 
 @pytest.fixture()
