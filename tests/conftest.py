@@ -159,7 +159,7 @@ def ray_session(shared_ray_cluster):
 
 @pytest.fixture(scope="session")
 def uninterrupted(ray_session, tiny_model, toy_images, tmp_path_factory):
-    """(output folder, logged losses) of the run that stopped, drained and bucket runs must end like:
+    """(output folder, logged losses) of the run that the stopped (in a bucket) and elastic runs must end like:
     support.STOP_STEPS steps of the toy photos with its STOP_OPTIONS on 2 workers (one run for them all)."""
     from dreambooth.commands import train
 

@@ -262,7 +262,7 @@ def vae_of_its_own(model_dir, folder):
     return folder
 
 
-# The run that stopped, drained, elastic and bucket runs must end like (conftest.uninterrupted): STOP_STEPS steps of
+# The run that the stopped (in a bucket) and elastic runs must end like (conftest.uninterrupted): STOP_STEPS steps of
 # the toy photos on 2 workers with STOP_OPTIONS.
 STOP_OPTIONS = ["--checkpointing_steps", "1000", "--logging_steps", "1", "--lr", "1e-3", "--seed", "4",
                 "--keep_checkpoints", "--checkpoints_total_limit", "3"]

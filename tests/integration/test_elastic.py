@@ -1,9 +1,11 @@
-"""Elastic training (--min_workers): a run that loses a node goes on with the workers left, grows back when the
-node returns, and ends on the weights of the run that never changed size."""
+"""Elastic training (--min_workers) on two nodes: a drain notice checkpoints the step the workers are on, the drained
+node's loss leaves the run going on with the workers left, it grows back when the node returns, and ends on the
+weights of the run that never changed size."""
 
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -31,29 +33,52 @@ from dreambooth.files import REPO_DIR
 from dreambooth.training import runlog
 
 
-def logged_workers(storage):
-    """[(step, workers)] of the run's metrics.jsonl rows (each step once: a restarted group's repeats are dropped)."""
+def logged_rows(storage):
+    """[(step, workers, loss)] of the run's metrics.jsonl rows (each step once: a restarted group's repeats are
+    dropped)."""
     rows = []
     for folder in run_dirs(storage):
         path = os.path.join(folder, runlog.METRICS_FILE)
         if os.path.isfile(path):
-            rows += [(r["step"], r.get("workers")) for r in map(json.loads, open(path)) if "loss" in r]
+            rows += [(r["step"], r.get("workers"), r["loss"]) for r in map(json.loads, open(path)) if "loss" in r]
     return rows
 
 
-def test_an_elastic_run_goes_on_without_a_lost_node_grows_back_and_ends_on_the_uninterrupted_weights(
+def logged_workers(storage):
+    """[(step, workers)] of the run's metrics.jsonl rows."""
+    return [(step, workers) for step, workers, _ in logged_rows(storage)]
+
+
+def node_id_of(address, cpus):
+    """The id of the cluster's live node with cpus CPUs."""
+    find = ("import ray, sys; ray.init(address=sys.argv[1], log_to_driver=False); "
+            f"print(*[n['NodeID'] for n in ray.nodes() if n['Alive'] and n['Resources'].get('CPU') == {cpus}])")
+    return subprocess.run([sys.executable, "-c", find, address], capture_output=True, text=True, env=env(),
+                          check=True).stdout.strip()
+
+
+# What the driver says once the workers have checkpointed the step they are on for a drain notice.
+DRAINED = re.compile(r"node\(s\) (\w+)… \(ranks? [\d, ]+\) being drained, deadline in \d+ s: step (\d+) checkpointed "
+                     r"in [\d.]+ s; training goes on")
+
+
+def test_an_elastic_run_checkpoints_at_a_drain_notice_goes_on_without_the_lost_node_grows_back_and_ends_on_the_uninterrupted_weights(
         uninterrupted, tiny_model, toy_images, tmp_path, monkeypatch):
     """--num_workers 2 --min_workers 1 on a cluster of two nodes, each with one slot for a worker
-    (--resources_per_worker slot=1) and the head with a CPU to spare for the data. After step 2's checkpoint the
-    second node is SIGKILLed with its worker (a spot node reclaimed): the run goes on with the head's worker alone,
-    which trains both blocks of each step. The node started again (that worker paused meanwhile: the tiny run would
-    end first), the run grows back to 2 workers. The weights are the uninterrupted 2-worker run's, to float rounding
-    (one worker adds the two blocks' gradients where DDP averages two workers'): each step trained the same rows with
-    the same noise whoever trained it."""
-    whole, _ = uninterrupted
+    (--resources_per_worker slot=1) and the head with a CPU to spare for the data. After step 2's checkpoint, as a
+    spot node is reclaimed: first `ray drain-node` on the second node (the reclaim notice): Ray Train's preemption
+    watcher says so, the workers checkpoint the step they are on and train on, on the uninterrupted run's losses
+    (the workers are paused (SIGSTOP) from the drain until the watcher has said so: else a fast machine ends the
+    run before the workers ask). Then the node is SIGKILLed with its worker: the run goes on with the head's worker
+    alone, which trains both blocks of each step. The node started again (that worker paused meanwhile: the tiny run
+    would end first), the run grows back to 2 workers. The weights are the uninterrupted 2-worker run's, to float
+    rounding (one worker adds the two blocks' gradients where DDP averages two workers'): each step trained the same
+    rows with the same noise whoever trained it."""
+    whole, whole_losses = uninterrupted
     # (the paused worker answers nothing: the Train controller's wait for its process group to shut down, 30 s by
     # default, 5 here; the cluster's processes have the variable from the head's start)
     monkeypatch.setenv("TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S", "5")
+    monkeypatch.setenv("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "0.5")  # (Ray Train's drain watcher: 5 s by default)
     head, address = raycluster.start_ray_head(tmp_path / "head.log", free_port(),
                                               extra=["--num-cpus=2", "--num-gpus=0", '--resources={"slot": 1}'])
     temp = ray_temp("n")  # (the node's own)
@@ -65,11 +90,32 @@ def test_an_elastic_run_goes_on_without_a_lost_node_grows_back_and_ends_on_the_u
         args = train_args(tiny_model, toy_images, tmp_path / "elastic", STOP_STEPS, *STOP_OPTIONS,
                           "--storage_path", str(storage), "--checkpointing_steps", "2", "--min_workers", "1",
                           "--resources_per_worker", "slot=1", "--elastic_resize_interval", "2")
+        node_id = node_id_of(address, cpus=1)
+        said = tmp_path / "train.out", tmp_path / "train.err"
         # (Ray Train's wait for a lost node's resources: 60 s by default, 10 here)
-        proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO_DIR, text=True, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, env=dict(env(), RAY_ADDRESS=address,
-                                                                 RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S="10"))
+        since = time.time()
+        proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO_DIR, text=True,
+                                stdout=open(said[0], "w"), stderr=open(said[1], "w"),
+                                env=dict(env(), RAY_ADDRESS=address, RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S="10"))
         wait_for(lambda: 2 in registered_steps_under(storage), 300, proc)
+        paused = worker_pids(since)
+        assert len(paused) == 2
+        for pid in paused:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            drain = subprocess.run([os.path.join(os.path.dirname(sys.executable), "ray"), "drain-node",
+                                    f"--address={address}", f"--node-id={node_id}",
+                                    "--reason=DRAIN_NODE_REASON_PREEMPTION", "--reason-message=spot reclaim",
+                                    "--deadline-remaining-seconds=600"], capture_output=True, text=True, env=env())
+            assert drain.returncode == 0, drain.stderr[-2000:]
+            wait_for(lambda: "preemption detected" in said[1].read_text(), 120, proc)
+        finally:
+            for pid in paused:
+                os.kill(pid, signal.SIGCONT)
+        wait_for(lambda: DRAINED.search(said[0].read_text() + said[1].read_text()), 120, proc)
+        drained = DRAINED.search(said[0].read_text() + said[1].read_text())
+        assert node_id.startswith(drained[1]), drained[0]
+        wait_for(lambda: int(drained[2]) in registered_steps_under(storage), 120, proc)
         lost = time.time()
         stop_node(node, signal.SIGKILL)
         wait_for(lambda: 1 in [w for _, w in logged_workers(storage)], 300, proc)
@@ -93,7 +139,8 @@ def test_an_elastic_run_goes_on_without_a_lost_node_grows_back_and_ends_on_the_u
             for pid in alone:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGCONT)
-        out, err = finish(proc, 400)
+        finish(proc, 400)
+        out, err = said[0].read_text(), said[1].read_text()
         assert proc.returncode == 0, err[-4000:]
     finally:
         if node is not None:
@@ -105,6 +152,10 @@ def test_an_elastic_run_goes_on_without_a_lost_node_grows_back_and_ends_on_the_u
     sizes = [w for _, w in rows]
     changes = [w for k, w in enumerate(sizes) if k == 0 or w != sizes[k - 1]]
     assert changes == [2, 1, 2], rows  # on both nodes, on the head alone, on both again
+    # the drain notice's checkpoint changed nothing: the steps of both nodes until the loss, the uninterrupted run's
+    first_alone = min(s for s, w in rows if w == 1)
+    assert int(drained[2]) < first_alone
+    assert [(s, loss) for s, _, loss in logged_rows(storage) if s < first_alone] == whole_losses[:first_alone - 1]
     assert "note: the Ray cluster holds" not in err  # (both nodes there at the start)
     assert "1 to 2 workers (elastic)" in err  # the plan; then each group, and the restart after the lost node
     assert "training on 1 of 2 workers (elastic, at least 1) from step" in out and "training on 2 of 2" in out

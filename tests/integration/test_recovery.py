@@ -1,6 +1,6 @@
-"""Runs that are cut short: resume with every GPU option, a drained node, a full disk, interrupted generation, a
-Ray Job stopped. (A SIGKILLed train worker then SIGTERM: test_storage_ray, in a bucket; test_bench's gpu_check.sh
-dry run also kills a train worker; test_sweep's long test kills a LoRA trial's.)"""
+"""Runs that are cut short: resume with every GPU option, a full disk, interrupted generation, a Ray Job stopped. (A
+SIGKILLed train worker then SIGTERM: test_storage_ray, in a bucket; a drained node: test_elastic; test_bench's
+gpu_check.sh dry run also kills a train worker; test_sweep's long test kills a LoRA trial's.)"""
 
 import importlib.util
 import json
@@ -272,82 +272,6 @@ def test_a_rank_whose_poll_was_sent_before_the_request_still_names_the_signal(ra
     assert poll.seen == "SIGTERM"
     stopping.forget(flag)
     assert stopping.requested(flag) is None
-
-
-@pytest.fixture()
-def drainable_cluster(tmp_path):
-    """A Ray cluster of its own: a head with one CPU and one node with 3 (where the 2 workers go), which a test
-    may drain: (address, the node's id). A drained node takes no new tasks, so the Ray Data tasks of the rest
-    of the run need a CPU on another node, as on a real cluster (with the head's CPUs at 0 the run stalls as
-    soon as its data stream needs a new task)."""
-    from support import free_port
-
-    from dreambooth.cluster import raycluster
-
-    head, address = raycluster.start_ray_head(tmp_path / "head.log", free_port(),
-                                              extra=["--num-cpus=1", "--num-gpus=0"])
-    ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
-    node = subprocess.Popen([ray_cli, "start", "--block", f"--address={address}", "--num-cpus=3", "--num-gpus=0",
-                             f"--temp-dir={head.temp_dir}"], stdout=open(tmp_path / "node.log", "w"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        find = ("import ray, sys; ray.init(address=sys.argv[1], log_to_driver=False); "
-                "print(*[n['NodeID'] for n in ray.nodes() if n['Alive'] and n['Resources'].get('CPU') == 3])")
-        node_id = ""
-        for _ in range(60):
-            node_id = subprocess.run([sys.executable, "-c", find, address], capture_output=True, text=True,
-                                     env=env()).stdout.strip()
-            if node_id:
-                break
-            time.sleep(1)
-        assert node_id, open(tmp_path / "node.log").read()[-2000:]
-        yield address, node_id
-    finally:
-        os.killpg(node.pid, signal.SIGTERM)
-        node.wait(timeout=60)
-        raycluster.stop_ray_head(head)
-
-
-def test_a_drained_node_gets_a_checkpoint_of_the_current_step_and_the_run_goes_on(
-        uninterrupted, drainable_cluster, tiny_model, toy_images, tmp_path):
-    """`ray drain-node` (what a spot reclaim notice does) on the node of the run's workers: Ray Train's
-    preemption watcher says so, the workers checkpoint the step they are on and train on; the run's losses
-    and weights are the uninterrupted run's. (The workers are paused (SIGSTOP) from the drain until the watcher
-    has said so: else a fast machine ends the 24 steps before the workers ask.)"""
-    address, node_id = drainable_cluster
-    whole, whole_losses = uninterrupted
-    storage = tmp_path / "drained-runs"
-    args = train_args(tiny_model, toy_images, tmp_path / "drained", STOP_STEPS, *STOP_OPTIONS, "--storage_path", str(storage))
-    since, err_file = time.time(), tmp_path / "train.err"
-    proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO_DIR, text=True, stdout=subprocess.PIPE,
-                            stderr=open(err_file, "w"),
-                            env=dict(env(), RAY_ADDRESS=address, RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S="0.5"))
-    wait_for(lambda: len(logged_steps(storage)) >= 2, 240, proc)
-    paused = worker_pids(since)
-    assert len(paused) == 2
-    for pid in paused:
-        os.kill(pid, signal.SIGSTOP)
-    try:
-        drain = subprocess.run([os.path.join(os.path.dirname(sys.executable), "ray"), "drain-node",
-                                f"--address={address}", f"--node-id={node_id}", "--reason=DRAIN_NODE_REASON_PREEMPTION",
-                                "--reason-message=spot reclaim", "--deadline-remaining-seconds=600"],
-                               capture_output=True, text=True, env=env())
-        assert drain.returncode == 0, drain.stderr[-2000:]
-        wait_for(lambda: "preemption detected" in err_file.read_text(), 120, proc)
-    finally:
-        for pid in paused:
-            os.kill(pid, signal.SIGCONT)
-    out, _ = finish(proc, 300)
-    err = err_file.read_text()
-    assert proc.returncode == 0, err[-3000:]
-    said = re.search(r"node\(s\) (\w+)… \(ranks 0, 1\) being drained, deadline in \d+ s: step (\d+) checkpointed in "
-                     r"[\d.]+ s; training goes on", out + err)
-    assert said and node_id.startswith(said[1]), (out + err)[-3000:]
-    [folder] = run_dirs(storage)
-    assert int(said[2]) in checkpoint_steps(folder) and int(said[2]) < STOP_STEPS
-    assert whole_losses == [(m["step"], m["loss"]) for m in map(json.loads, open(
-        os.path.join(folder, runlog.METRICS_FILE)))]
-    same_weights(whole, tmp_path / "drained")
 
 
 @pytest.fixture()
