@@ -20,6 +20,7 @@ import json
 import os
 import sys
 
+from dreambooth import filemodes
 from dreambooth import files
 from dreambooth import storage
 from dreambooth.models import networks
@@ -109,6 +110,8 @@ def keep_in_run(folder, run_folder, limit=None):
         else:
             os.makedirs(target, exist_ok=True)
             shutil.move(os.path.join(folder, name), os.path.join(target, name))  # (renamed where it can be)
+    if not storage.is_remote(target):  # (written for their owner only, as Ray Train's copies are not)
+        filemodes.follow_umask(target)
     if limit:
         for old in sorted(checkpoints.run_checkpoints(run_folder), key=checkpoints.saved_step)[:-limit]:
             storage.remove_tree(old)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dreambooth import families
+from dreambooth import filemodes
 from dreambooth import files
 from dreambooth.models import networks
 from dreambooth.planning import checkpoints
@@ -134,12 +135,14 @@ def test_find_latest_picks_the_newest_complete_checkpoint_of_the_run(tmp_path, c
 def test_a_run_in_one_process_keeps_its_checkpoints_in_its_run_folder_up_to_the_limit(tmp_path):
     """--num_workers 0 (Ray Train's local mode keeps no checkpoint): each saved folder's files go into the run folder
     as Ray Train names its own, complete once its state file is there, and the oldest beyond
-    --checkpoints_total_limit are removed; find_latest and by_step see them as they see Ray Train's."""
+    --checkpoints_total_limit are removed; find_latest and by_step see them as they see Ray Train's, their modes the
+    user's umask's (safetensors writes its files for their owner only)."""
     run = tmp_path / "runs" / "model-tuned-20260101-000001"
     for step in (1, 2, 3):
         saved = tmp_path / f"saved-{step}"
         saved.mkdir()
         (saved / "unet.safetensors").write_bytes(b"w" * step)
+        os.chmod(saved / "unet.safetensors", 0o600)
         files.write_json(saved / checkpoints.STATE_FILE, {"step": step, "sizes": {"unet.safetensors": step}})
         checkpoint.keep_in_run(str(saved), str(run), limit=2)
         assert os.listdir(saved) == []  # (moved, not copied)
@@ -147,6 +150,8 @@ def test_a_run_in_one_process_keeps_its_checkpoints_in_its_run_folder_up_to_the_
     assert len(kept) == 2 and all(re.fullmatch(r"checkpoint_\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d\.\d{6}", n) for n in kept)
     assert sorted(checkpoints.by_step(str(tmp_path / "runs"), "model-tuned")) == [2, 3]
     assert checkpoints.saved_step(checkpoints.find_latest(str(tmp_path / "runs"), "model-tuned")) == 3
+    umask = filemodes.current_umask()
+    assert {oct(os.stat(run / k / "unet.safetensors").st_mode & 0o777) for k in kept} == {oct(0o666 & ~umask)}
 
 
 def test_the_earlier_attempts_of_a_run_are_the_runs_whose_checkpoints_carry_its_identity(tmp_path):
