@@ -35,7 +35,8 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request, webhook):
     where Ray's temp folder names a stranger's cluster; then the LoRA run retrains into the same folders,
     as a user's second run does, after DATA_PREFIX was copied to a bucket (DATA_PREFIX=s3://…), on a 2-node
     cluster with token authentication whose second node cannot see the first node's copies of the bucket's
-    files (XDG_CACHE_HOME): 2 workers (DDP of the adapters), more steps than 4 epochs of its data, and
+    files (XDG_CACHE_HOME): 2 workers (DDP of the adapters, compiled by dynamo: its graphs split at DDP's buckets),
+    more steps than 4 epochs of its data, and
     Step 6 must score the new model."""
     from dreambooth import storage
 
@@ -71,7 +72,7 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request, webhook):
         env.pop("RAY_ADDRESS")  # no cluster to join: the script starts one for its steps
         env.pop("RAY_AUTH_MODE", None)  # as in a user's shell: token authentication by default
     # train.py's flags after --: LoRA that way trains at LoRA's learning rate (train.py's default)
-    extra = ["--", "--use_lora"] if mode == "lora" else ["--", "--seed", "1", "--max_train_steps", "4",
+    extra = ["--", "--use_lora", "--torch_compile", "eager"] if mode == "lora" else ["--", "--seed", "1", "--max_train_steps", "4",
                                                          "--report_to", "mlflow"]
     heads = os.path.join(os.environ["RAY_TMPDIR"], "dreambooth-ray-*")  # (the suite's clusters' folders)
     sessions, heads_before = ray_sessions(), set(glob.glob(heads))

@@ -167,7 +167,7 @@ def test_seeded_run_cut_and_resumed_with_every_gpu_option_ends_with_the_uninterr
         ray_session, family, compiler, precision, request, toy_images, tmp_path, capsys):
     """channels-last, fused AdamW, mixed precision (SD 1.x: bf16, the default on the GPUs that have it; SDXL: fp16 +
     GradScaler, at 64 px; the scale's round trip: test_checkpoint), torch.compile (SD 1.x with AOT autograd, SDXL
-    (both text encoders) by dynamo alone; DDP's compiled by dynamo: test_train_two_workers), gradient checkpointing of
+    (both text encoders) by dynamo alone; DDP's compiled by dynamo: test_dreambooth_run's LoRA run), gradient checkpointing of
     UNet and text encoder(s), the two-device split, random flips, in this process (--num_workers 0: Ray Train's
     local mode, its checkpoints written by the loop; a resume on 2 DDP workers to the same weights:
     test_storage_ray, and sharded: test_family_flux_ray); and the

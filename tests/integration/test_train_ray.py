@@ -1,5 +1,6 @@
-"""train.py on Ray Train: two workers save a changed, loadable pipeline; cached latents, a frozen text encoder and the
-loss options; class images topped up; the trainer built without torch in the driver."""
+"""train.py with Ray: a run saves a changed, loadable pipeline with its record, trackers and validation images; cached
+latents, a frozen text encoder and the loss options (both through Ray Train's local mode, the data on the cluster);
+class images topped up on an actor pool; the trainer built without torch in the driver."""
 
 import json
 import os
@@ -87,11 +88,14 @@ def class_images(ray_session, hub_cache, tmp_path_factory):
     return str(out)
 
 
-def test_train_two_workers_saves_a_changed_loadable_pipeline(ray_session, tiny_model, hub_cache, toy_images,
-                                                             class_images, tmp_path, monkeypatch, capfd, webhook):
-    """Also the model named as diffusers' command lines name it, on the hub: found in the local hub cache, no
-    download; prompts with commas (the validation images' file names); DDP's UNet compiled by dynamo (--torch_compile
-    eager: its graphs split at DDP's buckets)."""
+def test_a_run_saves_a_changed_loadable_pipeline_with_its_record_trackers_and_validation(
+        ray_session, tiny_model, hub_cache, toy_images, class_images, tmp_path, monkeypatch, capfd, webhook):
+    """In this process (--num_workers 0: what a worker does with its steps, its files and its trackers is the same on
+    Ray Train's workers; a full fine-tune saved by 2 DDP workers: conftest's uninterrupted run, loaded by the stopped
+    and elastic runs' tests; validation drawn by 2 ranks together: test_family_flux_ray). Also the model named as
+    diffusers' command lines name it, on the hub: found in the local hub cache, no download; prompts with commas (the
+    validation images' file names); the UNet compiled by dynamo (--torch_compile eager; under DDP: test_dreambooth_run's
+    LoRA run)."""
     import shutil
     import sys
 
@@ -115,7 +119,7 @@ def test_train_two_workers_saves_a_changed_loadable_pipeline(ray_session, tiny_m
                          "--instance_data_dir", str(photos), "--enable_bucket",
                          "--instance_prompt", "photo of unqtkn toy, on a table", "--class_images_dir", class_images,
                          "--class_prompt", "photo of a toy", "--train_batch_size", "2", "--lr", "1e-4",
-                         "--num_epochs", "4", "--max_train_steps", "5", "--num_workers", "2",
+                         "--num_epochs", "4", "--max_train_steps", "5", "--num_workers", "0",
                          "--logging_steps", "2", "--checkpointing_steps", "3", "--report_to", "all",
                          "--notify_url", webhook.url,
                          "--checkpoints_total_limit", "2", "--keep_checkpoints",
@@ -152,7 +156,7 @@ def test_train_two_workers_saves_a_changed_loadable_pipeline(ray_session, tiny_m
     assert [step for step, _ in scalars["train/loss"]] == [2, 3, 4, 5]
     assert scalars["train/loss"][-1][1] == pytest.approx(lines[-1]["loss"], rel=1e-6)
     assert len(scalars["train/lr"]) == len(scalars["train/images_per_s"]) == 4
-    # Validation at the checkpoint steps (3 and the end): 3 images each, drawn by both ranks.
+    # Validation at the checkpoint steps (3 and the end): 3 images each.
     samples = os.path.join(result.path, "validation")
     names = [f"photo-of-unqtkn-toy-oil-painting-{i:05d}.png" for i in range(3)]  # one prompt, commas and all
     assert sorted(os.listdir(samples)) == ["step-3", "step-5", "timeline.png"]
