@@ -588,6 +588,7 @@ step "6: scores of the tuned model beside the base model (DINO, CLIP-I, CLIP-T, 
 if [ "$NUM_NEW_IMAGES" = 0 ]; then made="the tuned model is in $TUNED_MODEL_DIR"
 else made="the tuned model and its images are in $TUNED_MODEL_DIR and $IMAGES_NEW_DIR"; fi
 scoring_models "$made"
+# (at the training's resolution, as Step 4 scored its steps: the kept step's images and scores are those Step 4 made)
 "$PYTHON" evaluate.py \
   --model_dir="$TUNED_MODEL_DIR" \
   --instance_data_dir="$PHOTOS_DIR" \
@@ -600,6 +601,7 @@ scoring_models "$made"
   --num_samples_per_prompt="$NUM_EVAL_IMAGES" \
   --holdout="$HOLDOUT" \
   ${NOTIFY_URL:+--notify_url="$NOTIFY_URL"} \
+  ${TRAIN_RESOLUTION:+--resolution="$TRAIN_RESOLUTION"} \
   --num_inference_steps="$NUM_INFERENCE_STEPS"
 
 echo "done: scores of the tuned model beside the base model in $EVAL_DIR/report.md"

@@ -21,6 +21,7 @@ from dreambooth.files import OUTPUT_MARKER
 from dreambooth.files import REPO_DIR
 from dreambooth.generation.image_records import IMAGES_CONFIG
 from dreambooth.generation.image_records import IMAGES_RECORD
+from dreambooth.training import score_record
 
 
 @pytest.fixture(scope="module")
@@ -261,8 +262,12 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request, webhook):
 # proves the script's path for a flow family, with a full fine-tune and no class images (Step 3 skipped), of a live
 # class. (SD 1.x's runs draw class images and train LoRA adapters.)
 FAMILY_RUNS = {  # name: (the script's arguments, its environment beyond the common one)
-    # (scored while it trains)
-    "sd3": (["--arch", "sd3", "--prior_prediction"], {"SCORE_STEPS": "", "NUM_NEW_IMAGES": "0", "CLASS_NAME": "dog"}),
+    # scored every 2 steps of 12 while it trains (steps of 5 batches at 128 px, about a second each: each scoring
+    # outlasts the next due step, not the run), each checkpoint uploaded in the background
+    "sd3": (["--arch", "sd3", "--prior_prediction"], {
+        "SCORE_STEPS": "2", "MAX_TRAIN_STEPS": "12", "NUM_NEW_IMAGES": "0", "CLASS_NAME": "dog",
+        "TRAIN_ARGS": "--resolution 128 --train_batch_size 1 --gradient_accumulation_steps 5 --checkpoint_upload async "
+                      "--logging_steps 1"}),
 }
 _FAMILY_RUNS = {}  # name: (its DATA_PREFIX, its ScriptRun), once per session
 
@@ -393,7 +398,15 @@ def test_dreambooth_run_tiny_sd3_end_to_end(request):
     """`--tiny --arch sd3 --prior_prediction` with CLASS_NAME=dog: Steps 0-2, 4 and 6 with the tiny SD 3.5 model (flow
     matching, three text encoders): no class images (the base model's own predictions keep the prior), a live subject,
     from its class; the transformer and both CLIP encoders fine-tuned, no Step 5 (NUM_NEW_IMAGES=0), Step 6's images
-    at its 64 px, scored; the export hint writes the model in Stability's single-file layout."""
+    at the training's 128 px, scored; the export hint writes the model in Stability's single-file layout.
+
+    Step 4 scores while it trains (SCORE_STEPS=2 of 12): step 2 and the last scored from their checkpoints by Ray
+    Train's validation tasks, each step's scores those evaluate.py (Step 6) gives that step's model. The training
+    did not wait: the steps after 2 were logged while step 2 was scored, and rank 0 logged its scores (metrics.jsonl,
+    a line) as they came, mid-run; step 4, due while step 2 was still being scored, was not (one scoring at a time, a
+    line says so); step 12's scores, which came after the last step, the driver added at the end. The base model was
+    scored beside them; the saved model is the best-scored step's by the sweep's rule (--keep_best), as the lines and
+    its record say, and no other step's model is left. (The scores' bookkeeping: tests/unit/test_checkpoint_scores.py.)"""
 
     tmp_path, proc = family_run(request, "sd3")
     subject_dir = tmp_path / "subjects" / "example-toy"
@@ -405,10 +418,8 @@ def test_dreambooth_run_tiny_sd3_end_to_end(request):
     assert "ORIG_MODEL_NAME      (--tiny: the built-in tiny sd3 model)" in proc.stdout  # (not sd14's name)
     tuned = json.loads((subject_dir / "model-tuned" / "model_index.json").read_text())
     assert tuned["_class_name"] == "StableDiffusion3Pipeline"
-    # Step 4 scored steps 1 and 2 of its full fine-tune while it trained and kept the best one's model
-    best = int(re.search(r"best scored step: (\d+) \(", proc.stdout + proc.stderr)[1])
-    assert json.loads((subject_dir / "model-tuned" / OUTPUT_MARKER).read_text())["kept"]["step"] == best in (1, 2)
-    assert_step_5_skipped(subject_dir, proc)
+    best = assert_scored_while_training(subject_dir, proc.stdout + proc.stderr)
+    assert_step_5_skipped(subject_dir, proc, size=128)
     scores = json.loads((subject_dir / "eval" / "scores.json").read_text())
     assert set(scores["models"]) == {"tuned", "base"} and scores["models"]["tuned"]["overall"]["dino"] is not None
     # Step 6 drew nothing: the kept step's images and the base model's are those Step 4's scoring drew (the last step's
@@ -416,6 +427,14 @@ def test_dreambooth_run_tiny_sd3_end_to_end(request):
     for label in ("tuned", "base"):
         assert f"{label}: 2 images taken from " in proc.stdout and f"{label}: 2 of 2 images already there; generating 0" \
             in proc.stdout, proc.stdout[-3000:]
+    # ... and the scores Step 6 gives them are those Step 4 logged: the kept step's and the base model's
+    [run_dir] = glob.glob(str(subject_dir / "ray_results" / "model-tuned-*"))
+    rows = {row["step"]: row for row in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl"))) if "dino" in row}
+    base = json.load(open(os.path.join(run_dir, "scores", "base.json")))
+    for label, logged in (("tuned", rows[best]), ("base", base)):
+        overall = scores["models"][label]["overall"]
+        assert {k: round(overall[k], 4) for k in score_record.SCORE_KEYS} == \
+            {k: round(logged[k], 4) for k in score_record.SCORE_KEYS}, label
     hint = re.search(r"for AUTOMATIC1111/ComfyUI: (.*)", proc.stdout)[1].split()
     export = subprocess.run([sys.executable, *hint[1:]], cwd=REPO_DIR, check=True, capture_output=True,
                             text=True)
@@ -424,3 +443,50 @@ def test_dreambooth_run_tiny_sd3_end_to_end(request):
 
     with safe_open(subject_dir / "example-toy.safetensors", "pt") as f:
         assert "model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight" in set(f.keys())
+
+
+def assert_scored_while_training(subject_dir, output):
+    """The checks of Step 4's scores while training (SCORE_STEPS=2 of 12, --checkpoint_upload async); the best step."""
+    from dreambooth.training import checkpoint_scores
+
+    [run_dir] = glob.glob(str(subject_dir / "ray_results" / "model-tuned-*"))
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    scored = {row["step"]: row for row in rows if "dino" in row}
+    # (a scoring takes seconds here, a step about one: the due steps after 4 are scored once step 2's has ended)
+    assert {2, 12} <= set(scored) and 4 not in scored, rows
+    assert "step 4 is not scored: step 2's scoring has not finished" in output
+    assert all(-1 <= scored[s][k] <= 1 for s in scored for k in ("dino", "clip_i")), scored
+    said = {step: checkpoint_scores.describe(step, {k: scored[step][k] for k in score_record.SCORE_KEYS})
+            for step in scored}
+    loss_logged = {row["step"]: row["time"] for row in rows if "loss" in row}
+    # each checkpoint (every scored step's: 2, 4, ...) said how long the steps stopped for it, in the next window's row
+    assert {row["step"] for row in rows if "checkpoint_s" in row} == set(range(3, 12, 2)), rows
+    # the steps went on while step 2 was scored, and its scores were logged by rank 0 before the last step
+    assert loss_logged[3] < os.path.getmtime(os.path.join(run_dir, "scores", "step-2", "scores.json"))
+    assert scored[2]["time"] < loss_logged[12] and said[2] in output
+    assert said[12] in output and "scored steps: 2, " in output  # (the driver's, at the end)
+    assert os.path.isfile(os.path.join(run_dir, "scores.png"))
+    # the best step by the sweep's rule: the highest DINO among the steps whose CLIP-T is at most 0.02 (the default
+    # margin) below the base model's, the earliest of equals; its model saved, and no step's model left behind
+    base = json.load(open(os.path.join(run_dir, "scores", "base.json")))
+    kept = [s for s in sorted(scored) if scored[s]["clip_t"] >= base["clip_t"] - 0.02]
+    best = max(kept or sorted(scored), key=lambda s: scored[s]["dino"])
+    # (its DINO at 3 decimals, or at more beside a runner-up's that reads the same at 3)
+    line = re.search(rf"best scored step: {best} \(DINO (-?[\d.]+)(, step \d+'s -?[\d.]+)?, CLIP-T "
+                     rf"{scored[best]['clip_t']:.3f}; ", output)
+    assert line and float(line[1]) == pytest.approx(scored[best]["dino"], abs=5e-4), output[-2000:]
+    out = subject_dir / "model-tuned"
+    assert (f"saved: step {best}'s model, the best scored, in {out} instead of step 12's (--keep_best)" if best != 12
+            else f"saved: the last step's model, the best scored, in {out} (--keep_best)") in output
+    record = json.loads((out / OUTPUT_MARKER).read_text())
+    assert record["steps"] == best and record["kept"]["step"] == best and record["kept"]["of_steps"] == 12
+    assert record["kept"]["why"].startswith(f"best scored step: {best} ") and record["kept"]["scores"]["dino"] == \
+        pytest.approx(scored[best]["dino"])
+    assert not glob.glob(os.path.join(run_dir, "scores", "step-*", "model"))
+    # what scoring said as it went is in the step's log, not among the training's lines (the base model scored as a
+    # step is, by a task of its own from the run's start: 2 images and the 5 photos each; on this one-node cluster,
+    # drawn and embedded in the task's own process, no actor pool started)
+    for scored_model in ("step-2", "base"):
+        log = open(os.path.join(run_dir, "scores", scored_model, "scoring.log")).read()
+        assert "scoring 7 images in this process" in log and "generating in this process" in log, log
+    return best
