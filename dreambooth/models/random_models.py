@@ -2,6 +2,7 @@
 family at several widths (MODEL_SIZES, and a family's own full sizes), for the tests, the benchmarks and
 `cache_model.py --tiny / --random_model`. A run never builds one; it loads what these wrote."""
 
+import functools
 import os
 import shutil
 
@@ -58,8 +59,10 @@ def build_pipeline(size="tiny", seed=0, safety_checker=False, arch=None):
     return families.ARCHS[arch].random.pipeline(nets, tokenizer, betas, safety_checker)
 
 
+@functools.lru_cache(maxsize=16)
 def meta_networks(size, arch):
-    """build_networks of size and arch on the meta device: their shapes without memory or weights."""
+    """build_networks of size and arch on the meta device: their shapes without memory or weights (built once a
+    process: a caller that changes one works on a copy)."""
     import torch
     from transformers import CLIPTokenizer
 

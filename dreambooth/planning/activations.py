@@ -65,6 +65,7 @@ def meta_denoiser(family, source):
     """(family's denoiser on the meta device in bf16 and train mode, its latents' channels, the VAE's
     downscaling) of a model folder's configs, or of one of its own full sizes (family.random.own_sizes: the released
     models' shapes)."""
+    import copy
     import os
 
     import torch
@@ -80,7 +81,7 @@ def meta_denoiser(family, source):
             vae = family_lib.part_config(source, "vae")
         else:
             nets = random_models.meta_networks(source, family.random.arch)
-            denoiser, vae = nets[family.denoiser], nets["vae"].config
+            denoiser, vae = copy.deepcopy(nets[family.denoiser]), nets["vae"].config  # (shared: changed below)
     return denoiser.to(torch.bfloat16).train(), family.latent_channels(vae), family.vae_downscale(vae)
 
 

@@ -380,9 +380,9 @@ def test_each_familys_lora_checkpoint_resumes_to_the_uninterrupted_adapters(arch
     from dreambooth.training import conditioning
 
     model_dir = tiny_model_of(arch)
-    plan = make_plan(model_dir=model_dir, resolution=64, use_lora=True, output_dir=str(tmp_path / "out"))
+    plan = make_plan(model_dir=model_dir, resolution=32, use_lora=True, output_dir=str(tmp_path / "out"))
     ids = prompts.prompt_ids(model_dir, ["photo of unqtkn toy"], "photo of a toy", plan.family)
-    pixels = torch.randint(0, 255, (1, 64, 64, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    pixels = torch.randint(0, 255, (1, 32, 32, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     batch = {"instance_pixels": pixels, "class_pixels": pixels.flip(1)}
 
     def state_after(steps_taken):
