@@ -110,7 +110,7 @@ def keep_in_run(folder, run_folder, limit=None):
         else:
             os.makedirs(target, exist_ok=True)
             shutil.move(os.path.join(folder, name), os.path.join(target, name))  # (renamed where it can be)
-    if not storage.is_remote(target):  # (written for their owner only, as Ray Train's copies are not)
+    if not storage.is_remote(target):  # (safetensors wrote them for their owner only; Ray Train's copies follow the umask)
         filemodes.follow_umask(target)
     if limit:
         for old in sorted(checkpoints.run_checkpoints(run_folder), key=checkpoints.saved_step)[:-limit]:
