@@ -863,11 +863,11 @@ def closest_flags(words, options, keys=False):
 
     names = sorted(o for o in options if o.startswith("--"))
     near = []
-    for word in words:
-        for match in difflib.get_close_matches(word.split("=")[0], names, n=1, cutoff=0.75) if word.startswith("--") \
-                else ():
+    for word in (w for w in words if w.startswith("--")):
+        for match in difflib.get_close_matches(word.split("=")[0], names, n=1, cutoff=0.75):
             said = match[2:] if keys else match
-            near += [said] if said not in near else []
+            if said not in near:
+                near.append(said)
     return f"; did you mean {' or '.join(near)}?" if near else ""
 
 

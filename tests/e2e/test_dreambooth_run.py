@@ -418,7 +418,7 @@ def test_dreambooth_run_tiny_sd3_end_to_end(request):
     assert "ORIG_MODEL_NAME      (--tiny: the built-in tiny sd3 model)" in proc.stdout  # (not sd14's name)
     tuned = json.loads((subject_dir / "model-tuned" / "model_index.json").read_text())
     assert tuned["_class_name"] == "StableDiffusion3Pipeline"
-    best = assert_scored_while_training(subject_dir, proc.stdout + proc.stderr)
+    kept, base = assert_scored_while_training(subject_dir, proc.stdout + proc.stderr)
     assert_step_5_skipped(subject_dir, proc, size=128)
     scores = json.loads((subject_dir / "eval" / "scores.json").read_text())
     assert set(scores["models"]) == {"tuned", "base"} and scores["models"]["tuned"]["overall"]["dino"] is not None
@@ -428,10 +428,7 @@ def test_dreambooth_run_tiny_sd3_end_to_end(request):
         assert f"{label}: 2 images taken from " in proc.stdout and f"{label}: 2 of 2 images already there; generating 0" \
             in proc.stdout, proc.stdout[-3000:]
     # ... and the scores Step 6 gives them are those Step 4 logged: the kept step's and the base model's
-    [run_dir] = glob.glob(str(subject_dir / "ray_results" / "model-tuned-*"))
-    rows = {row["step"]: row for row in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl"))) if "dino" in row}
-    base = json.load(open(os.path.join(run_dir, "scores", "base.json")))
-    for label, logged in (("tuned", rows[best]), ("base", base)):
+    for label, logged in (("tuned", kept), ("base", base)):
         overall = scores["models"][label]["overall"]
         assert {k: round(overall[k], 4) for k in score_record.SCORE_KEYS} == \
             {k: round(logged[k], 4) for k in score_record.SCORE_KEYS}, label
@@ -446,7 +443,8 @@ def test_dreambooth_run_tiny_sd3_end_to_end(request):
 
 
 def assert_scored_while_training(subject_dir, output):
-    """The checks of Step 4's scores while training (SCORE_STEPS=2 of 12, --checkpoint_upload async); the best step."""
+    """The checks of Step 4's scores while training (SCORE_STEPS=2 of 12, --checkpoint_upload async); (the kept step's
+    logged scores, the base model's)."""
     from dreambooth.training import checkpoint_scores
 
     [run_dir] = glob.glob(str(subject_dir / "ray_results" / "model-tuned-*"))
@@ -489,4 +487,4 @@ def assert_scored_while_training(subject_dir, output):
     for scored_model in ("step-2", "base"):
         log = open(os.path.join(run_dir, "scores", scored_model, "scoring.log")).read()
         assert "scoring 7 images in this process" in log and "generating in this process" in log, log
-    return best
+    return scored[best], base

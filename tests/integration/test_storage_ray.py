@@ -38,10 +38,10 @@ def test_a_killed_worker_is_restarted_then_sigterm_checkpoints_the_step_in_a_buc
     checkpoint and training goes on. Then SIGTERM to the driver (ray job stop, a deleted pod) once the restarted
     workers have logged steps: both workers checkpoint the step they are on, long before the next periodic
     checkpoint, and the run ends with exit 143 and how to continue; the run's own files followed its checkpoints to
-    the bucket (metrics, settings, validation images, TensorBoard events; the resumed run's plot of the whole run). Resumed from the bucket's
-    newest checkpoint, it ends on exactly the uninterrupted run's weights (test_recovery's, shared: so the restart
-    lost and repeated nothing), its model in the bucket; the checkpoints are removed from the bucket once the model
-    is saved. (The checkpoint a restart reads holds every network a family trains and the moving average: the SDXL
+    the bucket (metrics, settings, validation images, TensorBoard events; the resumed run's plot of the whole run).
+    Resumed from the bucket's newest checkpoint, it ends on exactly the uninterrupted run's weights (test_recovery's,
+    shared: so the restart lost and repeated nothing), its model in the bucket; the checkpoints are removed from the
+    bucket once the model is saved. (The checkpoint a restart reads holds every network a family trains and the moving average: the SDXL
     resume in test_seeded_run_cut_and_resumed_with_every_gpu_option, through the same loading code.) Then export.py
     and generate.py with the model in the bucket, into the bucket."""
     env, bucket = s3_endpoint
