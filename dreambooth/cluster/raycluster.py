@@ -251,6 +251,12 @@ def init_ray():
                                f"{errors.shorten(errors.one_line(err))} (a cluster with token authentication needs its "
                                f"token: RAY_AUTH_TOKEN, or the file ~/.ray/auth_token copied from its head)") from err
     hide_harmless_ray_lines()
+    # Once this script leaves Ray, a call of Ray's from a thread still running (a data stream that stalled, ended by
+    # --stall_timeout) raises, instead of Ray's automatic ray.init() joining RAY_ADDRESS's cluster, or starting one,
+    # as the script exits
+    from ray._private import auto_init_hook
+
+    auto_init_hook.enable_auto_connect = False
     where = ray.get_runtime_context().gcs_address
     if address:
         if os.environ.get("DREAMBOOTH_RAY_SAID") != address:  # (dreambooth_run.sh said it once for its steps)
@@ -387,6 +393,13 @@ def on_this_node():
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+
+
+def node_cpus():
+    """The CPUs of each live node of the Ray cluster this process is connected to."""
+    import ray
+
+    return [node["Resources"].get("CPU", 0) for node in ray.nodes() if node["Alive"]]
 
 
 def cluster_resources():

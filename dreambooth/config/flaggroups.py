@@ -33,7 +33,7 @@ HELP_GROUPS = {
                          "eval_images_per_prompt"),
     "sweep": ("sweep_learning_rate", "sweep_max_train_steps", "sweep_rank", "sweep_train_text_encoder", "search",
               "num_trials", "early_stopping", "sweep_dir"),
-    "cluster (Ray)": ("num_workers", "min_workers", "elastic_resize_interval", "resources_per_worker", "gpus_per_worker", "use_gpu", "max_failures", "max_preemption_failures", "num_actors", "use_ray_data",
+    "cluster (Ray)": ("num_workers", "min_workers", "elastic_resize_interval", "resources_per_worker", "gpus_per_worker", "use_gpu", "max_failures", "max_preemption_failures", "stall_timeout", "num_actors", "use_ray_data",
                       "max_concurrent_trials", "preflight_num_workers", "preflight_stage"),
 }
 GROUP_OF = {name: group for group, names in HELP_GROUPS.items() for name in names}

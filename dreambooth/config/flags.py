@@ -474,6 +474,12 @@ FLAGS = {
         dict(type=int, default=-1, metavar="N",
              help="Restart the worker group up to N times when a node is preempted (a spot reclaim, a drain), counted "
                   "apart from --max_failures, which is kept for real failures; -1 (the default): every time.")),
+    "stall_timeout": (("--stall_timeout",),
+        dict(type=non_negative_float, default=None, metavar="SECONDS",
+             help="End the run in one line when a worker has waited this long for its next step's data (the cluster "
+                  "has nothing left to run the data stream on: a lost node, every CPU held), naming what Ray reports "
+                  "as pending; its newest checkpoint is kept to continue from. 0: wait forever. Default: 5 times "
+                  "the slowest step so far, at least 10 minutes.")),
     "overwrite": (("--overwrite",),
         dict(action="store_true", help="Allow writing into a non-empty folder that is not ours.")),
     "allow_unsafe_weights": (("--allow_unsafe_weights",),

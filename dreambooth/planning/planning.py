@@ -43,7 +43,7 @@ TRAIN_FLAGS = [
     "validation_inference_steps", "score_steps", "keep_best", "clip_t_margin", "eval_models_dir", "class_name", "unique_token", "subject_type",
     "eval_prompts", "eval_images_per_prompt", "vae_dir", "checkpointing_steps", "checkpoints_total_limit", "checkpoint_upload",
     "keep_checkpoints",
-    "resume_from_checkpoint", "max_failures", "max_preemption_failures", "overwrite", "allow_unsafe_weights", "gradient_accumulation_steps",
+    "resume_from_checkpoint", "max_failures", "max_preemption_failures", "stall_timeout", "overwrite", "allow_unsafe_weights", "gradient_accumulation_steps",
     "gradient_checkpointing", "cache_latents", "precompute_text_embeddings", "channels_last", "fused_adamw",
     "torch_compile", "fsdp", "allow_tf32", "num_class_images", "set_grads_to_none",
     "enable_xformers_memory_efficient_attention"]
@@ -244,7 +244,7 @@ def checked_files(args, draw_class_images):
 def plan_run(args, cluster_resources, draw_class_images=None):
     """The plan.Plan of a run of derived flags args (left as they are), or UserError naming the first problem.
 
-    cluster_resources() -> (CPUs, GPUs) of the Ray cluster; it is called after the checks
+    cluster_resources() -> (CPUs, GPUs[, each node's CPUs]) of the Ray cluster; it is called after the checks
     that need only the files, so that a typo or a bad photo costs no Ray start. draw_class_images():
     tops up the class folder (--num_class_images, on Ray), after the photos are checked.
     """
@@ -264,8 +264,9 @@ def plan_run(args, cluster_resources, draw_class_images=None):
                                              os.path.basename(args.output_dir), args.output_dir, identity)
     in_process = args.num_workers == 0  # (as one worker: the LR scaling and the steps count one)
     args = argparse.Namespace(**{**vars(args), "num_workers": 1 if in_process else args.num_workers})
-    use_gpu, num_workers, cpus_per_worker = resources.worker_resources(flags_of(resources.WorkerFlags, args),
-                                                                       *cluster_resources())
+    cpus, gpus, *nodes = cluster_resources()
+    use_gpu, num_workers, cpus_per_worker = resources.worker_resources(flags_of(resources.WorkerFlags, args), cpus, gpus,
+                                                                       node_cpus=nodes[0] if nodes else ())
     args = argparse.Namespace(**{**vars(args), "num_workers": num_workers})  # (the LR scaling counts them)
     step_flags = flags_of(resources.StepFlags, args)
     steps_per_epoch, total_steps = resources.plan_steps(found.num_rows, step_flags)

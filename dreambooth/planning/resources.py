@@ -52,11 +52,13 @@ def flag_spelling(name, value):
     return f"--{name} {value}"
 
 
-def worker_resources(flags, cpus, gpus, spell=flag_spelling, warn_no_gpu=None):
+def worker_resources(flags, cpus, gpus, spell=flag_spelling, warn_no_gpu=None, node_cpus=()):
     """(use_gpu, num_workers, CPUs per worker) of WorkerFlags, or UserError if the cluster cannot hold the workers.
 
-    At least one CPU stays free for Ray Data: with every CPU held by train workers the
-    streaming dataset never starts and fit() waits forever. spell(name, value) names a setting
+    At least one CPU stays free for Ray Data: with every CPU held by train workers the streaming dataset never starts
+    (or, once a node is lost, stops) and the run waits. node_cpus, the CPUs of each node: the workers together hold
+    at most the smallest node's CPUs less one (of the nodes with two or more), so whichever node Ray packs them on,
+    first or after a lost node, keeps a CPU for the data stream. spell(name, value) names a setting
     in the messages (dreambooth_run.sh's preflight names its variables); warn_no_gpu: print
     NO_GPU_WARNING on a cluster without GPUs (default: unless the model has random weights).
     """
@@ -85,7 +87,9 @@ def worker_resources(flags, cpus, gpus, spell=flag_spelling, warn_no_gpu=None):
         warn_no_gpu = not modelcache.has_random_weights(flags.model_dir)  # random models are for CPUs
     if not use_gpu and warn_no_gpu:
         print(NO_GPU_WARNING, file=sys.stderr)
-    return use_gpu, num_workers, min(1.0, spare / num_workers)
+    share = min(1.0, spare / num_workers)
+    nodes = [count for count in node_cpus if count >= 2]
+    return use_gpu, num_workers, min(share, (min(nodes) - 1) / num_workers) if nodes else share
 
 
 def plan_steps(num_rows, flags):

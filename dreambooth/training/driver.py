@@ -161,10 +161,10 @@ def remove_checkpoints(plan, resume, run_folder):
 
 
 def start_ray():
-    """(CPUs, GPUs) of the Ray cluster, started or joined here."""
+    """(CPUs, GPUs, each node's CPUs) of the Ray cluster, started or joined here."""
     ray = raycluster.init_ray()
     ray.data.DataContext.get_current().enable_progress_bars = False
-    return raycluster.cluster_resources()
+    return (*raycluster.cluster_resources(), raycluster.node_cpus())
 
 
 def top_up_class_images(model_dir, class_dir, class_prompt, count, seed=0, resolution=None,

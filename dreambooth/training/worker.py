@@ -3,8 +3,8 @@ continues, the step loop with its reports, checkpoints and validation samples, a
 saved model. train.py's driver hands it the Plan.
 """
 
-import concurrent.futures
 import contextlib
+import os
 import shutil
 import tempfile
 import time
@@ -24,6 +24,7 @@ from dreambooth.storage import runfiles
 from dreambooth.training import checkpoint
 from dreambooth.training import checkpoint_scores
 from dreambooth.training import runlog
+from dreambooth.training import stall
 from dreambooth.training import validation
 
 
@@ -55,7 +56,8 @@ def train_worker(plan, stop_flag=None):
     storage.ensure_local(plan.model_dir, plan.vae_dir)  # (a bucket's, cached on the driver's node: this node's too)
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    batches = Prefetched(ray.train.get_dataset_shard("train").iter_torch_batches(batch_size=plan.train_batch_size))
+    batches = stall.Prefetched(ray.train.get_dataset_shard("train").iter_torch_batches(batch_size=plan.train_batch_size),
+                               stall.Clock(plan.stall_timeout), lambda: newest_checkpoint(plan))
     try:
         nets, state, step_prompts, sampler = prepare_worker(plan, rank, world, ctx.get_local_world_size())
         from dreambooth.training import stopping
@@ -182,6 +184,9 @@ def run_steps(plan, state, step_prompts, batches, rank, world, sampler=None, sto
     window = runlog.ReportWindow(world, elastic=bool(plan.min_workers))
     watch = checkpoint_scores.ScoreWatch(plan.run_name) if log and plan.score_steps else None
     first_step, stop_now = state.step, False
+    clock = getattr(batches, "clock", None)  # (stall.Prefetched's: no step for too long ends the run in one line)
+    if clock:
+        clock.restart(state.step)
     share = world / (plan.num_workers * plan.gradient_accumulation_steps)  # (of each block in a step's gradient)
     for micro_batches, seeds in step_inputs(plan, batches, rank, world, state.step):
         try:
@@ -212,6 +217,8 @@ def run_steps(plan, state, step_prompts, batches, rank, world, sampler=None, sto
             break
         if plan.is_validation_step(state.step):
             sample(plan, state, sampler, rank, world, window, log)
+        if clock:
+            clock.stepped(state.step)
     if bar:
         bar.close()
     if log:
@@ -222,6 +229,12 @@ def run_steps(plan, state, step_prompts, batches, rank, world, sampler=None, sto
     if state.step < total:
         raise RuntimeError(f"the data stream ended at step {state.step} of {total}")
     return False
+
+
+def newest_checkpoint(plan):
+    """The step of the run's newest checkpoint (this run's, or the one it resumed), or None."""
+    latest = checkpoints.find_latest(plan.storage_path, os.path.basename(plan.output_dir))
+    return checkpoints.saved_step(latest) if latest else None
 
 
 def sample(plan, state, sampler, rank, world, window, log):
@@ -298,33 +311,6 @@ def worker_devices(gpus_per_worker, local_world_size):
         raycluster.share_cpu_threads(local_world_size)
     cpu = torch.device("cpu")
     return cpu, cpu
-
-
-class Prefetched:
-    """An iterable over iterable whose first item is fetched in a thread from now on: the data stream starts (Ray Data's
-    split coordinator, the first blocks) while the models load, instead of after. close() ends the stream where the
-    run stops reading it (its last step, a failure): its thread and Ray Data's iterator end then, not with the
-    process (in this process, --num_workers 0, they would outlive the run and its Ray connection)."""
-
-    def __init__(self, iterable):
-        self.items = iter(iterable)
-        pool = concurrent.futures.ThreadPoolExecutor(1)
-        self.first = pool.submit(next, self.items, None)
-        pool.shutdown(wait=False)
-
-    def __iter__(self):
-        item = self.first.result()
-        if item is not None:
-            yield item
-            yield from self.items
-
-    def close(self):
-        with contextlib.suppress(Exception):  # (the stream's own error, if any, is not this run's cause)
-            self.first.result()
-        close = getattr(self.items, "close", None)
-        if close is not None:
-            with contextlib.suppress(Exception):
-                close()
 
 
 def report(state, metrics, rank, plan, checkpointing=False, score=False):

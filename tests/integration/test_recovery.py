@@ -435,3 +435,43 @@ def test_a_full_disk_stops_at_once_keeps_the_newest_checkpoint_and_its_resume_fi
     assert rc == "rc=0", err[-3000:]
     assert "trained 4 steps; no step left to train after the checkpoint; model saved to" in err
     assert str(out / "model" / "unet") in open(tmp_path / "out.txt").read()
+
+
+# Another job's placement group holding every CPU of the cluster it joins (sys.argv[1]) until its stdin closes.
+HOLD_EVERY_CPU = """
+import sys, ray
+from ray.util.placement_group import placement_group
+ray.init(address=sys.argv[1], log_to_driver=False)
+group = placement_group([{"CPU": n["Resources"]["CPU"]} for n in ray.nodes() if n["Alive"]], strategy="STRICT_SPREAD")
+ray.get(group.ready(), timeout=120)
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_run_whose_data_stream_has_no_cpu_left_on_two_nodes_ends_in_one_line_naming_what_waits(
+        two_node_cluster, tiny_model, toy_images, tmp_path):
+    """A CPU-only cluster of two nodes with no resources of its own, every CPU held (another job's placement group; a
+    lost node, in a run whose workers held the CPUs left, leaves the same): the data stream's tasks never run. The run
+    (the loop in the driver, --num_workers 0) does not wait forever: after --stall_timeout seconds without a batch it
+    ends in one line that names what Ray reports as waiting and the nodes' free CPUs. (The default limit and the
+    checkpoint named to continue from: tests/unit/test_stall.py; each node keeping a CPU for the data stream
+    wherever the workers are packed: tests/unit/test_resources.py.)"""
+    address, _ = two_node_cluster
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_EVERY_CPU, address], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=env())
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        began = time.time()
+        proc = subprocess.run([sys.executable, "train.py", *train_args(tiny_model, toy_images, tmp_path / "out", 4),
+                               "--num_workers", "0", "--stall_timeout", "5"], cwd=REPO_DIR, capture_output=True,
+                              text=True, timeout=300, env=dict(env(), RAY_ADDRESS=address))
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(r"error: training failed: stalled: no data for step 1 in \d+ s \(--stall_timeout 5\); the "
+                        r"cluster cannot run the data stream \(Ray reports waiting: .*\{CPU: 1\}.*; 2 node\(s\), 0 of 3 "
+                        r"CPUs free\): free a CPU or add a node; no checkpoint was written yet \(traceback in .*\)", last), last
+    assert "Traceback" not in proc.stderr and time.time() - began < 120

@@ -34,6 +34,20 @@ def test_worker_resources_leave_a_cpu_for_ray_data_and_refuse_impossible():
         resources.worker_resources(flags, cpus=2, gpus=0)
 
 
+def test_the_workers_fit_on_any_one_node_less_a_cpu_so_a_lost_node_leaves_the_data_stream_one():
+    """Two CPU-only nodes of 2 CPUs: 2 workers of 1 CPU each would fill the head (Ray packs them there), and once the
+    other node, where the data stream's tasks ran, is lost, no CPU is left for them; at half a CPU each, the head
+    keeps one whichever node they land on."""
+    flags = resources.WorkerFlags(num_workers=2, gpus_per_worker=1, min_workers=1, model_dir="/tiny")
+    assert resources.worker_resources(flags, cpus=4, gpus=0, warn_no_gpu=False) == (False, 2, 1.0)  # (nodes unknown)
+    assert resources.worker_resources(flags, cpus=4, gpus=0, warn_no_gpu=False, node_cpus=[2, 2]) == (False, 2, 0.5)
+    # a node of one CPU never keeps one beside a worker: the others decide
+    assert resources.worker_resources(flags, cpus=3, gpus=0, warn_no_gpu=False, node_cpus=[2, 1]) == (False, 2, 0.5)
+    assert resources.worker_resources(flags, cpus=17, gpus=0, warn_no_gpu=False, node_cpus=[16, 1]) == (False, 2, 1.0)
+    # GPU nodes: their workers' CPU shares are far from any node's CPUs
+    assert resources.worker_resources(flags, cpus=64, gpus=4, warn_no_gpu=False, node_cpus=[32, 32]) == (True, 2, 1.0)
+
+
 def test_an_elastic_run_needs_its_least_workers_at_the_start_and_says_it_grows(capsys):
     flags = resources.WorkerFlags(num_workers=4, gpus_per_worker=1, min_workers=2, model_dir="/tiny")
     assert resources.worker_resources(flags, cpus=16, gpus=2, warn_no_gpu=False) == (True, 4, 1.0)
