@@ -261,6 +261,10 @@ def init_ray():
     if address:
         if os.environ.get("DREAMBOOTH_RAY_SAID") != address:  # (dreambooth_run.sh said it once for its steps)
             print(f"Ray: joined the cluster at {where} (RAY_ADDRESS); {ray_auth_note()}", file=sys.stderr)
+            for host, folder, count in shared_temp_folders(ray.nodes()):
+                print(f"note: {count} nodes of this cluster on {host} share one Ray temp folder ({folder}): Ray prints "
+                      "each worker line once per node there; give each node of a machine a folder of its own (ray "
+                      "start --temp-dir=…)", file=sys.stderr)
     else:
         print(f"Ray: started a local cluster for this script at {where} (set RAY_ADDRESS to use a running one); "
               f"{ray_auth_note()}", file=sys.stderr)
@@ -393,6 +397,16 @@ def on_this_node():
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+
+
+def shared_temp_folders(nodes):
+    """[(host, session folder, nodes)] of the live nodes (ray.nodes()) that run on one machine in one Ray temp folder:
+    each node's log monitor tails the same worker logs there, so a driver prints every worker line once per node."""
+    import collections
+
+    places = collections.Counter((node["NodeManagerAddress"], os.path.dirname(os.path.dirname(node["RayletSocketName"])))
+                                 for node in nodes if node["Alive"])
+    return [(host, folder, count) for (host, folder), count in sorted(places.items()) if count > 1]
 
 
 def node_cpus():

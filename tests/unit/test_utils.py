@@ -5,6 +5,7 @@ import pytest
 from dreambooth import errors
 from dreambooth import families
 from dreambooth import files
+from dreambooth.cluster import raycluster
 
 
 def test_slugify_is_file_safe_and_stable():
@@ -124,3 +125,18 @@ def test_an_output_is_never_a_file_or_inside_what_the_run_reads(tmp_path):
         files.check_output_path(str(tmp_path), "--output_file", is_file=True)
 
 
+
+
+def test_nodes_of_one_machine_in_one_temp_folder_are_named_as_printing_each_worker_line_twice():
+    """Two `ray start` on one machine with the same --temp-dir (the default /tmp/ray) share a session folder: each
+    node's log monitor tails the same worker logs, and a driver joined through RAY_ADDRESS printed every line twice."""
+    def node(host, socket, alive=True):
+        return {"NodeManagerAddress": host, "RayletSocketName": socket, "Alive": alive}
+
+    session = "/tmp/ray/session_2026-12-06_14-09-28_081575_26863"
+    nodes = [node("10.0.0.1", f"{session}/sockets/raylet"), node("10.0.0.1", f"{session}/sockets/raylet.1"),
+             node("10.0.0.2", f"{session}/sockets/raylet"),  # (another machine: its own logs)
+             node("10.0.0.1", "/tmp/other/session_x/sockets/raylet"),  # (its own folder)
+             node("10.0.0.1", f"{session}/sockets/raylet.2", alive=False)]
+    assert raycluster.shared_temp_folders(nodes) == [("10.0.0.1", session, 2)]
+    assert raycluster.shared_temp_folders(nodes[2:]) == []
