@@ -254,6 +254,14 @@ def skip_line(step, pending):
             "--score_steps steps here; the next due step after it is scored, and the last always)")
 
 
+def waiting_line(steps, plan):
+    """What rank 0 says when the training has ended with steps still being scored (or queued for it): the run ends
+    after them, and a scoring is slower than the training's steps can make it look."""
+    images = plan.eval_images_per_prompt * (len(subject_of(plan).prompts()) + 1)  # (and the class prompt's, for PRES)
+    return (f"trained to step {plan.total_steps}; the run ends once the scoring of step(s) {', '.join(map(str, steps))} "
+            f"has ended (one at a time, {images} images each: --eval_images_per_prompt, --eval_prompts)")
+
+
 def describe(step, values, during_run=False):
     """The output's line of a scored step (during_run: said by rank 0 while the run goes on)."""
     if values is None:

@@ -224,6 +224,8 @@ def run_steps(plan, state, step_prompts, batches, rank, world, sampler=None, sto
     if log:
         log.close()
         runfiles.sync_up(plan.storage_path, plan.run_name)
+    if watch and not stop_now and watch.sent - watch.said:  # (Ray Train holds the run until they end)
+        print(checkpoint_scores.waiting_line(sorted(watch.sent - watch.said), plan), flush=True)
     if stop_now:
         return True
     if state.step < total:

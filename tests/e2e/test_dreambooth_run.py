@@ -463,6 +463,9 @@ def assert_scored_while_training(subject_dir, output):
     assert loss_logged[3] < os.path.getmtime(os.path.join(run_dir, "scores", "step-2", "scores.json"))
     assert scored[2]["time"] < loss_logged[12] and said[2] in output
     assert said[12] in output and "scored steps: 2, " in output  # (the driver's, at the end)
+    # the training ended with the last step's scoring still to come: rank 0 said the run waits for it
+    assert re.search(r"trained to step 12; the run ends once the scoring of step\(s\) (\d+, )*12 has ended \(one at a "
+                     r"time, \d+ images each", output), output[-3000:]
     assert os.path.isfile(os.path.join(run_dir, "scores.png"))
     # the best step by the sweep's rule: the highest DINO among the steps whose CLIP-T is at most 0.02 (the default
     # margin) below the base model's, the earliest of equals; its model saved, and no step's model left behind
