@@ -315,14 +315,15 @@ def keep_best(plan, step, why):
     return f"saved: step {step}'s model, the best scored, in {plan.output_dir} instead of step {plan.total_steps}'s (--keep_best)"
 
 
-def finish(plan, last_step=None, base_task=None):
+def finish(plan, last_step=None, base_task=None, cut=False):
     """At the end of a run, or when it stopped at last_step (its scoring tasks over): the scores rank 0 had not
     seen yet, which arrived after its last report, added to metrics.jsonl; the lines that say them (and a step due
     to be scored without scores), then every scored step's, in step order; the best-scored step and, at the end,
-    which model was saved (--keep_best: the best step's)."""
+    which model was saved (--keep_best: the best step's, among those scored). cut: a signal ended the scoring after
+    the training (the steps without scores are said so)."""
     from dreambooth.training import runlog
 
-    failed = wait_base(base_task, stopped=last_step is not None)
+    failed = wait_base(base_task, stopped=last_step is not None or cut)
     # (a bucket's run: rank 0's metrics.jsonl from there, whichever node wrote it, before the late scores join it: this
     # node's copy, if any, may be another node's older one, and the driver's sync_up puts this one back)
     metrics_file = storage.fetch(storage.join(plan.storage_path, plan.run_name), runlog.METRICS_FILE, plan.run_dir)
@@ -334,6 +335,9 @@ def finish(plan, last_step=None, base_task=None):
             runlog.append_scores(metrics_file, step, found[step])
             lines.append(describe(step, found[step]))
             logged.add(step)
+        elif cut and step not in found and step not in logged and (step == plan.total_steps or os.path.isdir(
+                os.path.join(plan.run_dir, score_record.SCORES_FOLDER, f"step-{step}"))):  # (the last, or one begun)
+            lines.append(f"step {step} not scored: its scoring was cut short (evaluate.py scores a saved model)")
         elif step == plan.total_steps and step not in found:
             lines.append(describe(step, None))  # (the last step is always scored: its task failed or timed out)
     scored = sorted(logged)  # (a resumed run's: the earlier run's too)
@@ -350,12 +354,16 @@ def finish(plan, last_step=None, base_task=None):
         due = next(step for step in range(last_step + 1, plan.total_steps + 1) if plan.is_score_step(step))
         lines.append(f"no step was scored: the run stopped at step {last_step}, before step {due}, the first due to be "
                      f"scored (--score_steps {plan.score_steps})")
+    elif cut:
+        lines.append("no step was scored: their scoring was cut short")
     else:
         lines.append(f"no step was scored (--score_steps {plan.score_steps}): each scored step's "
                      f"{score_record.SCORES_FOLDER}/step-N/{SCORING_LOG} in the run folder says why, and Ray's log")
     lines += [failed] if failed else []
     if step is None and last_step is None:  # (no base model's scores: the last step's model stands)
         score_record.keep_models(plan.run_dir, None)
+        if plan.keep_best and not plan.step_models:
+            lines.append(f"saved: the last step's model in {plan.output_dir} (--keep_best had no scores to choose by)")
     if step is not None:
         lines.append(score_record.best_line(plan, step, within, ranked_by))
         if last_step is None and not plan.step_models:  # (the run's end: a stopped run saved no model; a sweep's

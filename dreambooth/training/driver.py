@@ -117,8 +117,9 @@ def train_planned(args, started):
              else f"model saved to {plan.output_dir}")
     print(f"trained {plan.total_steps} steps; {loss}; {saved}; checkpoints and {runlog.METRICS_FILE} in {run_folder}",
           file=sys.stderr)
-    if plan.score_steps:  # (every scoring task has ended: Ray Train waits for them before fit returns)
-        for line in checkpoint_scores.finish(plan, base_task=base_task):
+    if plan.score_steps:  # (every scoring task has ended: Ray Train waits for them before fit returns, or a signal
+        # cut them short)
+        for line in checkpoint_scores.finish(plan, base_task=base_task, cut=isinstance(result, ScoringCut)):
             print(line, file=sys.stderr)
         runfiles.sync_up(plan.storage_path, plan.run_name)
     if not plan.keep_checkpoints:
@@ -223,7 +224,7 @@ def run_trainer(plan, train_ds):
     if plan.use_gpu:
         resources["GPU"] = plan.gpus_per_worker
     trainer = stopping.trainer_class()(
-        worker.train_fn,
+        worker.train_fn, trained=lambda: plan.score_steps and saved_by(plan),
         train_loop_config={"plan": plan, "stop_flag": stopping.make_flag()},
         scaling_config=ray.train.ScalingConfig(
             num_workers=(plan.min_workers, plan.num_workers) if plan.min_workers else plan.num_workers,
@@ -257,6 +258,8 @@ def run_trainer(plan, train_ds):
                                f"{os.path.join(run_dir, errors.ERRORS_LOG)})") from None
     except SystemExit:
         # fit() installs its own Ctrl-C handler: it aborts the run, then exits.
+        if plan.score_steps and saved_by(plan):  # (after the training: its scoring cut short, its model saved)
+            return ScoringCut(plan)
         raise KeyboardInterrupt from None
     finally:  # (fit's handlers, and ours for a stop at the current step, end with it)
         if plan.score_steps:
@@ -268,6 +271,17 @@ def run_trainer(plan, train_ds):
     if (result.metrics or {}).get("step", 0) < plan.total_steps and not saved_by(plan):
         raise KeyboardInterrupt  # an aborted run returns a partial result
     return result
+
+
+class ScoringCut:
+    """The result of a run whose model was saved and whose steps' scoring a signal cut short (fit() returned none):
+    its last logged metrics, its run folder."""
+
+    def __init__(self, plan):
+        folder = storage.join(plan.storage_path, plan.run_name)
+        rows = runlog.read_rows(storage.fetch(folder, runlog.METRICS_FILE, plan.run_dir), "loss")
+        self.metrics = rows[-1] if rows else None
+        self.path, self.checkpoint = folder.partition("://")[2] if storage.is_remote(folder) else folder, None
 
 
 def run_in_process(plan, train_ds):

@@ -55,18 +55,20 @@ def trainer_class():
     from dreambooth.training import process_group
 
     class StoppableTrainer(DataParallelTrainer):
-        def __init__(self, train_loop_per_worker, **kwargs):
+        def __init__(self, train_loop_per_worker, trained=None, **kwargs):
             super().__init__(train_loop_per_worker, backend_config=process_group.ProcessGroupConfig(), **kwargs)
+            self.trained = trained
 
         def _register_sigint_handler(self, controller):
             super()._register_sigint_handler(controller)
-            install_handlers(self.train_loop_config["stop_flag"], signal.getsignal(signal.SIGINT))
+            install_handlers(self.train_loop_config["stop_flag"], signal.getsignal(signal.SIGINT), self.trained)
 
     return StoppableTrainer
 
 
-def install_handlers(flag, abort):
-    """SIGINT and SIGTERM: the first asks flag for a stop at the current step, a later one calls abort."""
+def install_handlers(flag, abort, trained=None):
+    """SIGINT and SIGTERM: the first asks flag for a stop at the current step, a later one calls abort. Once trained()
+    (the workers have ended and saved the model; the run waits for its steps' scoring), the first calls abort."""
     asked = []
 
     def handler(signum, frame):
@@ -76,6 +78,10 @@ def install_handlers(flag, abort):
         asked.append(time.time())
         errors.note_stop_signal(signum)
         name = signal.Signals(signum).name
+        if trained is not None and trained():
+            print(f"{name}: the training has ended and its model is saved: its steps' scoring is cut short now (the "
+                  "steps left unscored are named)", file=sys.stderr, flush=True)
+            return abort(signal.SIGINT, frame)
         request(flag, name)
         print(f"{name}: every worker checkpoints the step it is on, then the run stops (again to stop at once, "
               f"losing that step)", file=sys.stderr, flush=True)

@@ -296,3 +296,47 @@ def test_a_resumed_run_chooses_its_best_step_among_the_steps_scored_before_it_to
         with open(os.path.join(plan.run_dir, "scores", label, "images", label, "a-toy-00000.png")) as f:
             assert f.read() == f"{label}'s image"
     assert not os.path.exists(os.path.join(plan.run_dir, "scores", "step-6"))
+
+
+def test_ctrl_c_after_the_training_cuts_its_scoring_short_names_the_unscored_steps_and_keeps_the_best_scored(
+        tmp_path, capsys):
+    """Once the workers have saved the model, the run only waits for its steps' scoring (one at a time, each slower than
+    many steps): the first Ctrl-C ends that wait at once, saying so (not "every worker checkpoints the step it is on":
+    there are none); the end of the run names the steps whose scoring was cut short and chooses among those scored."""
+    import signal
+
+    from dreambooth import files
+    from dreambooth.evaluation import scoring
+    from dreambooth.training import checkpoint_scores
+    from dreambooth.training import stopping
+
+    aborted = []
+    previous = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        stopping.install_handlers("run-x", lambda *args: aborted.append(args[0]), trained=lambda: True)
+        signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
+    finally:
+        signal.signal(signal.SIGINT, previous[0])
+        signal.signal(signal.SIGTERM, previous[1])
+    assert aborted == [signal.SIGINT]
+    assert capsys.readouterr().err == ("SIGINT: the training has ended and its model is saved: its steps' scoring is "
+                                       "cut short now (the steps left unscored are named)\n")
+    plan = planning.offline_plan(score_steps=2, total_steps=8, storage_path=str(tmp_path), run_name="run",
+                                 class_name="toy")
+    values = {"dino": 0.5, "clip_i": 0.75, "clip_t": 0.25}
+    result = scoring.EvalResult("unqtkn toy", 1, 1, 5, ("a unqtkn toy",), {"step-2": scoring.ModelScores(values, {})})
+    os.makedirs(tmp_path / "run" / "scores" / "step-2")
+    files.write_json(str(tmp_path / "run" / "scores" / "step-2" / "scores.json"), result.to_json())
+    (tmp_path / "run" / "metrics.jsonl").write_text(json.dumps({"step": 2, **values, "time": 1.0}) + "\n")
+    os.makedirs(tmp_path / "run" / "scores" / "step-6")  # (begun, cut short; step 4 was skipped during the run)
+    lines = checkpoint_scores.finish(plan, cut=True)
+    assert lines[:2] == ["step 6 not scored: its scoring was cut short (evaluate.py scores a saved model)",
+                         "step 8 not scored: its scoring was cut short (evaluate.py scores a saved model)"]
+    assert lines[2].startswith("scored steps: 2, plotted in ")
+    shutil.rmtree(tmp_path / "run")  # (cut short before any step's scores: the last step's model stands, said so)
+    plan = planning.offline_plan(score_steps=2, total_steps=8, storage_path=str(tmp_path), run_name="run",
+                                 class_name="toy", keep_best=True, output_dir=str(tmp_path / "out"))
+    assert checkpoint_scores.finish(plan, cut=True) == [
+        "step 8 not scored: its scoring was cut short (evaluate.py scores a saved model)",
+        "no step was scored: their scoring was cut short",
+        f"saved: the last step's model in {tmp_path / 'out'} (--keep_best had no scores to choose by)"]
