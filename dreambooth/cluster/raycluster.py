@@ -11,6 +11,7 @@ import tempfile
 from dreambooth import errors
 from dreambooth import files
 from dreambooth import storage
+from dreambooth.cluster import nodes
 
 
 def quiet_ray_logs():
@@ -261,7 +262,7 @@ def init_ray():
     if address:
         if os.environ.get("DREAMBOOTH_RAY_SAID") != address:  # (dreambooth_run.sh said it once for its steps)
             print(f"Ray: joined the cluster at {where} (RAY_ADDRESS); {ray_auth_note()}", file=sys.stderr)
-            for host, folder, count in shared_temp_folders(ray.nodes()):
+            for host, folder, count in nodes.shared_temp_folders(ray.nodes()):
                 print(f"note: {count} nodes of this cluster on {host} share one Ray temp folder ({folder}): Ray prints "
                       "each worker line once per node there; give each node of a machine a folder of its own (ray "
                       "start --temp-dir=…)", file=sys.stderr)
@@ -353,18 +354,6 @@ def stop_ray_head(head):
     shutil.rmtree(head.temp_dir, ignore_errors=True)
 
 
-def check_resources_held(amounts, workers):
-    """UserError unless the Ray cluster holds workers x amounts ({resource: per worker}) now."""
-    import ray
-
-    held = ray.cluster_resources()
-    short = [f"{need * workers:g} {name} ({held.get(name, 0):g} in the cluster)" for name, need in amounts.items()
-             if held.get(name, 0) < need * workers]
-    if short:
-        raise errors.UserError(f"--resources_per_worker: {workers} worker(s) need {', '.join(short)}: start the nodes "
-                               "to train on with ray start --resources='{\"NAME\": N}'")
-
-
 def share_cpu_threads(processes_per_node, env_vars=None):
     """Give this process its share of the node's cores for torch's CPU kernels.
 
@@ -397,23 +386,6 @@ def on_this_node():
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-
-
-def shared_temp_folders(nodes):
-    """[(host, session folder, nodes)] of the live nodes (ray.nodes()) that run on one machine in one Ray temp folder:
-    each node's log monitor tails the same worker logs there, so a driver prints every worker line once per node."""
-    import collections
-
-    places = collections.Counter((node["NodeManagerAddress"], os.path.dirname(os.path.dirname(node["RayletSocketName"])))
-                                 for node in nodes if node["Alive"])
-    return [(host, folder, count) for (host, folder), count in sorted(places.items()) if count > 1]
-
-
-def node_cpus():
-    """The CPUs of each live node of the Ray cluster this process is connected to."""
-    import ray
-
-    return [node["Resources"].get("CPU", 0) for node in ray.nodes() if node["Alive"]]
 
 
 def cluster_resources():

@@ -244,10 +244,9 @@ def checked_files(args, draw_class_images):
 def plan_run(args, cluster_resources, draw_class_images=None):
     """The plan.Plan of a run of derived flags args (left as they are), or UserError naming the first problem.
 
-    cluster_resources() -> (CPUs, GPUs[, each node's CPUs]) of the Ray cluster; it is called after the checks
-    that need only the files, so that a typo or a bad photo costs no Ray start. draw_class_images():
-    tops up the class folder (--num_class_images, on Ray), after the photos are checked.
-    """
+    cluster_resources() -> (CPUs, GPUs[, each node's CPUs]) of the Ray cluster; it is called after the checks that need
+    only the files, so that a typo or a bad photo costs no Ray start. draw_class_images(): tops up the class folder
+    (--num_class_images, on Ray), after the photos are checked."""
     family, args = checked_files(args, draw_class_images)
     # (a family whose text encoders are all frozen, Qwen-Image's, trains none of them whatever the flag says: the
     # flag changes neither the plan nor the run's identity)
@@ -264,9 +263,9 @@ def plan_run(args, cluster_resources, draw_class_images=None):
                                              os.path.basename(args.output_dir), args.output_dir, identity)
     in_process = args.num_workers == 0  # (as one worker: the LR scaling and the steps count one)
     args = argparse.Namespace(**{**vars(args), "num_workers": 1 if in_process else args.num_workers})
-    cpus, gpus, *nodes = cluster_resources()
+    cpus, gpus, nodes, *_ = (*cluster_resources(), ())
     use_gpu, num_workers, cpus_per_worker = resources.worker_resources(flags_of(resources.WorkerFlags, args), cpus, gpus,
-                                                                       node_cpus=nodes[0] if nodes else ())
+                                                                       nodes)
     args = argparse.Namespace(**{**vars(args), "num_workers": num_workers})  # (the LR scaling counts them)
     step_flags = flags_of(resources.StepFlags, args)
     steps_per_epoch, total_steps = resources.plan_steps(found.num_rows, step_flags)

@@ -52,7 +52,7 @@ def flag_spelling(name, value):
     return f"--{name} {value}"
 
 
-def worker_resources(flags, cpus, gpus, spell=flag_spelling, warn_no_gpu=None, node_cpus=()):
+def worker_resources(flags, cpus, gpus, node_cpus=(), spell=flag_spelling, warn_no_gpu=None):
     """(use_gpu, num_workers, CPUs per worker) of WorkerFlags, or UserError if the cluster cannot hold the workers.
 
     At least one CPU stays free for Ray Data: with every CPU held by train workers the streaming dataset never starts

@@ -15,6 +15,7 @@ from dreambooth import errors
 from dreambooth import families
 from dreambooth import files
 from dreambooth import storage
+from dreambooth.cluster import nodes
 from dreambooth.cluster import raycluster
 from dreambooth.config import flags
 from dreambooth.generation import drawing
@@ -63,7 +64,7 @@ def announce(plan, started):
     for them, silently): its plan, its settings file (written; returned, a bucket's or the file itself), and
     started(text, **fields)."""
     if plan.resources_per_worker:
-        raycluster.check_resources_held(plan.own_resources(), plan.min_workers or plan.num_workers)
+        nodes.check_resources_held(plan.own_resources(), plan.min_workers or plan.num_workers)
     print(plan.describe(), file=sys.stderr)
     flags.write_config(os.path.join(plan.run_dir, outputs.TRAIN_CONFIG), plan.settings_toml)
     runfiles.sync_up(plan.storage_path, plan.run_name)
@@ -165,7 +166,7 @@ def start_ray():
     """(CPUs, GPUs, each node's CPUs) of the Ray cluster, started or joined here."""
     ray = raycluster.init_ray()
     ray.data.DataContext.get_current().enable_progress_bars = False
-    return (*raycluster.cluster_resources(), raycluster.node_cpus())
+    return (*raycluster.cluster_resources(), nodes.node_cpus())
 
 
 def top_up_class_images(model_dir, class_dir, class_prompt, count, seed=0, resolution=None,

@@ -184,9 +184,8 @@ def run_steps(plan, state, step_prompts, batches, rank, world, sampler=None, sto
     window = runlog.ReportWindow(world, elastic=bool(plan.min_workers))
     watch = checkpoint_scores.ScoreWatch(plan.run_name) if log and plan.score_steps else None
     first_step, stop_now = state.step, False
-    clock = getattr(batches, "clock", None)  # (stall.Prefetched's: no step for too long ends the run in one line)
-    if clock:
-        clock.restart(state.step)
+    clock = getattr(batches, "clock", None) or stall.Clock(0)  # (stall.Prefetched's: a stall ends the run in one line)
+    clock.restart(state.step)
     share = world / (plan.num_workers * plan.gradient_accumulation_steps)  # (of each block in a step's gradient)
     for micro_batches, seeds in step_inputs(plan, batches, rank, world, state.step):
         try:
@@ -217,20 +216,25 @@ def run_steps(plan, state, step_prompts, batches, rank, world, sampler=None, sto
             break
         if plan.is_validation_step(state.step):
             sample(plan, state, sampler, rank, world, window, log)
-        if clock:
-            clock.stepped(state.step)
-    if bar:
-        bar.close()
-    if log:
-        log.close()
-        runfiles.sync_up(plan.storage_path, plan.run_name)
-    if watch and not stop_now and watch.sent - watch.said:  # (Ray Train holds the run until they end)
-        print(checkpoint_scores.waiting_line(sorted(watch.sent - watch.said), plan), flush=True)
+        clock.stepped(state.step)
+    end_loop(plan, bar, log, watch, stop_now)
     if stop_now:
         return True
     if state.step < total:
         raise RuntimeError(f"the data stream ended at step {state.step} of {total}")
     return False
+
+
+def end_loop(plan, bar, log, watch, stopped):
+    """Rank 0's bar and run log closed; where the training ended with steps still being scored, a line says the run
+    waits for them (Ray Train holds it until they end)."""
+    if bar:
+        bar.close()
+    if log:
+        log.close()
+        runfiles.sync_up(plan.storage_path, plan.run_name)
+    if watch and not stopped and watch.sent - watch.said:
+        print(checkpoint_scores.waiting_line(sorted(watch.sent - watch.said), plan), flush=True)
 
 
 def newest_checkpoint(plan):

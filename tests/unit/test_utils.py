@@ -5,7 +5,7 @@ import pytest
 from dreambooth import errors
 from dreambooth import families
 from dreambooth import files
-from dreambooth.cluster import raycluster
+from dreambooth.cluster import nodes
 
 
 def test_slugify_is_file_safe_and_stable():
@@ -134,9 +134,9 @@ def test_nodes_of_one_machine_in_one_temp_folder_are_named_as_printing_each_work
         return {"NodeManagerAddress": host, "RayletSocketName": socket, "Alive": alive}
 
     session = "/tmp/ray/session_2026-12-06_14-09-28_081575_26863"
-    nodes = [node("10.0.0.1", f"{session}/sockets/raylet"), node("10.0.0.1", f"{session}/sockets/raylet.1"),
-             node("10.0.0.2", f"{session}/sockets/raylet"),  # (another machine: its own logs)
-             node("10.0.0.1", "/tmp/other/session_x/sockets/raylet"),  # (its own folder)
-             node("10.0.0.1", f"{session}/sockets/raylet.2", alive=False)]
-    assert raycluster.shared_temp_folders(nodes) == [("10.0.0.1", session, 2)]
-    assert raycluster.shared_temp_folders(nodes[2:]) == []
+    live = [node("10.0.0.1", f"{session}/sockets/raylet"), node("10.0.0.1", f"{session}/sockets/raylet.1"),
+            node("10.0.0.2", f"{session}/sockets/raylet"),  # (another machine: its own logs)
+            node("10.0.0.1", "/tmp/other/session_x/sockets/raylet"),  # (its own folder)
+            node("10.0.0.1", f"{session}/sockets/raylet.2", alive=False)]
+    assert nodes.shared_temp_folders(live) == [("10.0.0.1", session, 2)]
+    assert nodes.shared_temp_folders(live[2:]) == []
