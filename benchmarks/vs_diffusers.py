@@ -26,9 +26,9 @@ tools are the reference's own: it reads loss.item() every step (a sync), uses fo
 ours is fused on a GPU, and keeps its VAE in the mixed-precision dtype; --reference_dataloader_workers
 gives its data loading worker processes so that is not its handicap.
 
---ray_cluster starts one local Ray cluster before the rounds and every run of ours joins it, as
-dreambooth_run.sh's steps and a cluster's users do; without it each run of ours starts its own
-(the cold case): both fixed costs are worth reporting.
+--ray_cluster starts one local Ray cluster before the rounds (or takes the one RAY_ADDRESS names) and every
+run of ours joins it, as dreambooth_run.sh's steps and a cluster's users do; without it each run of ours starts
+its own (the cold case): both fixed costs are worth reporting.
 """
 
 import argparse
@@ -161,7 +161,10 @@ def run_reference(model, work, steps, log, args):
 
 
 def start_ray_cluster(work):
-    """A local Ray head for the runs of ours (RAY_ADDRESS set for them); returns (process, address)."""
+    """A local Ray head for the runs of ours (RAY_ADDRESS set for them): (process, address); None where RAY_ADDRESS
+    names a running cluster already (they join that one)."""
+    if os.environ.get("RAY_ADDRESS"):
+        return None
     try:
         head, address = raycluster.start_ray_head(os.path.join(work, "ray-head.log"))
     except RuntimeError as err:

@@ -82,15 +82,16 @@ def test_gpu_probe_dry_run_profiles_every_arm_on_cpu():
         "attention" and gpu_probe.kind_of("multi_tensor_apply_kernel") == "optimizer"
 
 
-def test_vs_diffusers_dry_run_runs_ours_with_the_gpu_settings_on_one_cluster(tmp_path):
-    """benchmarks/vs_diffusers.py's GPU flags on the tiny model: ours runs on a cluster started once
-    for its runs (--ray_cluster), and the reference's command line carries the same settings. At 32 px: bf16
-    convolutions are slow on a CPU (a step at 64 px took 2.9 s, at 32 px 0.8 s)."""
+def test_vs_diffusers_dry_run_runs_ours_with_the_gpu_settings_on_one_cluster(tmp_path, shared_ray_cluster):
+    """benchmarks/vs_diffusers.py's GPU flags on the tiny model: ours runs on one running cluster (--ray_cluster: the
+    one RAY_ADDRESS names, the session's, else one it starts), and the reference's command line carries the same
+    settings. At 32 px: bf16 convolutions are slow on a CPU (a step at 64 px took 2.9 s, at 32 px 0.8 s)."""
     run = run_script([sys.executable, "benchmarks/vs_diffusers.py", "--dry_run", "--model", "tiny", "--resolution",
                       "32", "--steps", "20", "--rounds", "1", "--mixed_precision", "bf16", "--train_batch_size", "2",
                       "--reference_dataloader_workers", "4", "--ray_cluster", "--work_dir", str(tmp_path / "work")],
-                     tmp_path, {"RAY_ADDRESS": None})
+                     tmp_path)
     assert run.returncode == 0, run.stderr[-4000:]
+    assert not (tmp_path / "work" / "ray-head.log").exists()  # (RAY_ADDRESS's cluster joined: no head of its own)
     out = run.stdout
     command = out.split("reference command (not run): ")[1].splitlines()[0]
     for flag in ("--mixed_precision bf16", "--train_batch_size 2", "--dataloader_num_workers 4", "--resolution 32",
