@@ -257,9 +257,12 @@ def skip_line(step, pending):
 def waiting_line(steps, plan):
     """What rank 0 says when the training has ended with steps still being scored (or queued for it): the run ends
     after them, and a scoring is slower than the training's steps can make it look."""
-    images = plan.eval_images_per_prompt * (len(subject_of(plan).prompts()) + 1)  # (and the class prompt's, for PRES)
+    each = ""
+    with contextlib.suppress(Exception):  # (a prompt file this node cannot read: the line without the count, never
+        # an error in the worker before it saves the model)
+        each = f", {plan.eval_images_per_prompt * (len(subject_of(plan).prompts()) + 1)} images each"  # (PRES's too)
     return (f"trained to step {plan.total_steps}; the run ends once the scoring of step(s) {', '.join(map(str, steps))} "
-            f"has ended (one at a time, {images} images each: --eval_images_per_prompt, --eval_prompts)")
+            f"has ended (one at a time{each}: --eval_images_per_prompt, --eval_prompts)")
 
 
 def describe(step, values, during_run=False):

@@ -3,6 +3,7 @@ validation scores as evaluate.py does while the steps go on. Ray Train's validat
 tests pin what checkpoint_scores relies on (ValidationConfig's task per reported checkpoint, its metrics merged into
 the checkpoint's, get_all_reported_checkpoints' statuses, fit waiting for the tasks before it returns)."""
 
+import dataclasses
 import glob
 import json
 import os
@@ -323,6 +324,13 @@ def test_ctrl_c_after_the_training_cuts_its_scoring_short_names_the_unscored_ste
                                        "cut short now (the steps left unscored are named)\n")
     plan = planning.offline_plan(score_steps=2, total_steps=8, storage_path=str(tmp_path), run_name="run",
                                  class_name="toy")
+    # (what rank 0 said when the training ended: 4 images of each of the 25 prompts and the class prompt; a prompt
+    # file its node cannot read leaves the count out, never failing the worker before it saves the model)
+    assert checkpoint_scores.waiting_line([2, 8], plan) == (
+        "trained to step 8; the run ends once the scoring of step(s) 2, 8 has ended (one at a time, 104 images each: "
+        "--eval_images_per_prompt, --eval_prompts)")
+    unread = dataclasses.replace(plan, eval_prompts=str(tmp_path / "absent.txt"))
+    assert "(one at a time: --eval_images_per_prompt" in checkpoint_scores.waiting_line([8], unread)
     values = {"dino": 0.5, "clip_i": 0.75, "clip_t": 0.25}
     result = scoring.EvalResult("unqtkn toy", 1, 1, 5, ("a unqtkn toy",), {"step-2": scoring.ModelScores(values, {})})
     os.makedirs(tmp_path / "run" / "scores" / "step-2")
