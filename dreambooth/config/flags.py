@@ -790,11 +790,18 @@ class OneLineErrorParser(argparse.ArgumentParser):
         # the flags the user gave (command line or --config), as config_text tells them from derived ones
         self.given = {self._option_string_actions[t.split("=")[0]].dest for t in args
                       if t.split("=")[0] in self._option_string_actions}
+        self.words = args
         return super().parse_known_args(args, namespace)
 
     def error(self, message):
         if message.startswith("unrecognized arguments: "):
             message += closest_flags(message.split(": ", 1)[1].split(), self._option_string_actions)
+        unknown = [word for word in getattr(self, "words", ()) if word.startswith("--") and
+                   word.split("=")[0] not in self._option_string_actions]
+        if message.startswith("the following arguments are required") and unknown:  # (argparse says this first: a
+            # misspelt required flag, or any typo, would go unnamed)
+            message = (f"unrecognized arguments: {' '.join(unknown)}"
+                       f"{closest_flags(unknown, self._option_string_actions)} (and {message})")
         sys.stderr.write(f"{self.prog}: error: {message}\n")
         sys.exit(2)
 

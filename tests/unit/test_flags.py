@@ -353,6 +353,12 @@ def test_a_flag_is_taken_only_by_its_full_name_and_a_misspelt_one_names_the_near
             parse_train(BASE + typo)
         assert capsys.readouterr().err.strip().endswith(
             f"error: unrecognized arguments: {' '.join(typo)}; did you mean {nearest}?")
+    # a misspelt required flag: argparse names the missing one first, and the typo went unsaid
+    with pytest.raises(SystemExit):
+        parse_train([w.replace("--output_dir", "--ouput_dir") for w in BASE])
+    assert capsys.readouterr().err.strip().endswith(
+        "error: unrecognized arguments: --ouput_dir; did you mean --output_dir? (and the following arguments are "
+        "required: --output_dir)")
     config = tmp_path / "run.toml"
     config.write_text("learning_rat = 1e-4\n")
     with pytest.raises(SystemExit):
