@@ -796,12 +796,13 @@ class OneLineErrorParser(argparse.ArgumentParser):
     def error(self, message):
         if message.startswith("unrecognized arguments: "):
             message += closest_flags(message.split(": ", 1)[1].split(), self._option_string_actions)
-        unknown = [word for word in getattr(self, "words", ()) if word.startswith("--") and
-                   word.split("=")[0] not in self._option_string_actions]
-        if message.startswith("the following arguments are required") and unknown:  # (argparse says this first: a
-            # misspelt required flag, or any typo, would go unnamed)
-            message = (f"unrecognized arguments: {' '.join(unknown)}"
-                       f"{closest_flags(unknown, self._option_string_actions)} (and {message})")
+        elif message.startswith("the following arguments are required"):  # (argparse says this first: a misspelt
+            # required flag, or any typo, would go unnamed)
+            unknown = [word for word in getattr(self, "words", ()) if word.startswith("--") and
+                       word.split("=")[0] not in self._option_string_actions]
+            if unknown:
+                message = (f"unrecognized arguments: {' '.join(unknown)}"
+                           f"{closest_flags(unknown, self._option_string_actions)} (and {message})")
         sys.stderr.write(f"{self.prog}: error: {message}\n")
         sys.exit(2)
 

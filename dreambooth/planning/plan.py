@@ -110,7 +110,7 @@ class Plan:
     run_name: str
     max_failures: int
     max_preemption_failures: int  # restarts after a node's preemption, counted apart (-1: unlimited)
-    stall_timeout: float | None  # a worker's longest wait for its next step's data (None: stall.limit's default)
+    stall_timeout: float | None  # a worker's longest wait for its next step's data (None: stall.Clock's default)
     input_stamps: tuple  # files.stamps of the photos and class images before they were read (RunInputs.stamps)
     # logging and checkpoints
     logging_steps: int

@@ -4,6 +4,7 @@ a stop request checkpointing the step each worker is on), then the model saved a
 written. train.py and the sweep's trials call run()."""
 
 import dataclasses
+import functools
 import gc
 import os
 import signal
@@ -225,7 +226,7 @@ def run_trainer(plan, train_ds):
     if plan.use_gpu:
         resources["GPU"] = plan.gpus_per_worker
     trainer = stopping.trainer_class()(
-        worker.train_fn, trained=lambda: plan.score_steps and saved_by(plan),
+        worker.train_fn, trained=functools.partial(only_scoring_left, plan),
         train_loop_config={"plan": plan, "stop_flag": stopping.make_flag()},
         scaling_config=ray.train.ScalingConfig(
             num_workers=(plan.min_workers, plan.num_workers) if plan.min_workers else plan.num_workers,
@@ -259,7 +260,7 @@ def run_trainer(plan, train_ds):
                                f"{os.path.join(run_dir, errors.ERRORS_LOG)})") from None
     except SystemExit:
         # fit() installs its own Ctrl-C handler: it aborts the run, then exits.
-        if plan.score_steps and saved_by(plan):  # (after the training: its scoring cut short, its model saved)
+        if only_scoring_left(plan):  # (its scoring cut short)
             return ScoringCut(plan)
         raise KeyboardInterrupt from None
     finally:  # (fit's handlers, and ours for a stop at the current step, end with it)
@@ -274,15 +275,25 @@ def run_trainer(plan, train_ds):
     return result
 
 
+def only_scoring_left(plan):
+    """Whether the workers have ended and saved the model, the run waiting only for its steps' scoring."""
+    return bool(plan.score_steps) and saved_by(plan)
+
+
 class ScoringCut:
     """The result of a run whose model was saved and whose steps' scoring a signal cut short (fit() returned none):
     its last logged metrics, its run folder."""
 
     def __init__(self, plan):
-        folder = storage.join(plan.storage_path, plan.run_name)
-        rows = runlog.read_rows(storage.fetch(folder, runlog.METRICS_FILE, plan.run_dir), "loss")
-        self.metrics = rows[-1] if rows else None
-        self.path, self.checkpoint = folder.partition("://")[2] if storage.is_remote(folder) else folder, None
+        rows = runlog.read_rows(storage.fetch(storage.join(plan.storage_path, plan.run_name), runlog.METRICS_FILE,
+                                              plan.run_dir), "loss")
+        self.metrics, self.path, self.checkpoint = rows[-1] if rows else None, result_path(plan), None
+
+
+def result_path(plan):
+    """The run folder as Ray Train's Result names it (a bucket's without its scheme)."""
+    folder = storage.join(plan.storage_path, plan.run_name)
+    return folder.partition("://")[2] if storage.is_remote(folder) else folder
 
 
 def run_in_process(plan, train_ds):
@@ -326,8 +337,7 @@ def run_in_process(plan, train_ds):
                 thread.join(max(0.0, deadline - time.monotonic()))
     if (result.metrics or {}).get("step", 0) < plan.total_steps and not saved_by(plan):
         raise KeyboardInterrupt  # stopped at a checkpoint of its step
-    folder = storage.join(plan.storage_path, plan.run_name)  # (local mode names none: the run folder, as Ray Train's
-    result.path = folder.partition("://")[2] if storage.is_remote(folder) else folder  # path, a bucket's unprefixed)
+    result.path = result_path(plan)  # (local mode names none)
     result.checkpoint = None  # (the one reported was moved into the run folder)
     return result
 

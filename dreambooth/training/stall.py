@@ -10,10 +10,12 @@ the newest checkpoint, which stays.
 
 import contextlib
 import queue
+import sys
 import threading
 import time
 
 from dreambooth import errors
+from dreambooth.cluster import nodes
 
 STALL_FLOOR_S = 600.0  # the default limit's least: a slow checkpoint or validation round is not a stall
 STALL_FACTOR = 5.0  # the default limit: this many times the slowest step seen
@@ -59,15 +61,13 @@ def pending_line():
     with contextlib.suppress(Exception):  # (an older cluster, a GCS that does not answer: the nodes alone)
         from ray.autoscaler.v2.sdk import get_cluster_status
 
-        status = get_cluster_status(ray.get_runtime_context().gcs_address)
-        demands = [(demand.bundles_by_count, getattr(demand, "shape_type", "")) for demand in
-                   status.resource_demands.ray_task_actor_demand + status.resource_demands.placement_group_demand]
+        demands = get_cluster_status(ray.get_runtime_context().gcs_address).resource_demands
         waiting = [f"{bundle.count} request(s) for {{{', '.join(f'{k}: {v:g}' for k, v in sorted(bundle.bundle.items()))}}}"
-                   for bundles, _ in demands for bundle in bundles]
+                   for demand in demands.ray_task_actor_demand + demands.placement_group_demand
+                   for bundle in demand.bundles_by_count]
         parts.append("Ray reports waiting: " + ("; ".join(waiting) if waiting else "nothing"))
-    nodes = [node for node in ray.nodes() if node["Alive"]]
-    free, total = ray.available_resources().get("CPU", 0), sum(node["Resources"].get("CPU", 0) for node in nodes)
-    parts.append(f"{len(nodes)} node(s), {free:g} of {total:g} CPUs free")
+    cpus = nodes.node_cpus()
+    parts.append(f"{len(cpus)} node(s), {ray.available_resources().get('CPU', 0):g} of {sum(cpus):g} CPUs free")
     return "; ".join(parts)
 
 
@@ -140,15 +140,12 @@ class Prefetched:
             yield item
 
     def close(self):
+        if self.outstanding and not self.stalled:
+            with contextlib.suppress(Exception):  # (the stream's own error, if any, is not this run's cause)
+                self.wait()
         if self.stalled:  # (its fetch is not waited for, which would stall the stop too: its stream is shut down)
             self.shut_down_stream()
             return
-        if self.outstanding:
-            with contextlib.suppress(Exception):  # (the stream's own error, if any, is not this run's cause)
-                self.wait()
-            if self.stalled:
-                self.shut_down_stream()
-                return
         self.asked.put(False)
         self.thread.join()
         close = getattr(self.items, "close", None)
@@ -159,8 +156,6 @@ class Prefetched:
     def shut_down_stream(self):
         """A stalled stream's Ray Data executors (threads started since this one was made) shut down, so that none
         goes on touching Ray after the script has left it (in the driver's process, --num_workers 0)."""
-        import sys
-
         module = sys.modules.get("ray.data._internal.execution.streaming_executor")
         for thread in set(threading.enumerate()) - self.threads_before:
             if module is not None and isinstance(thread, module.StreamingExecutor):
