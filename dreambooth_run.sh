@@ -373,10 +373,12 @@ else
   # Ray's metrics servers (with ray[default] installed) answer anyone over HTTP: off here, as
   # raycluster.CLOSED_METRICS turns them off for the scripts' own clusters (docs/CLUSTER.md, "Security")
   eval "$("$PYTHON" -c 'from dreambooth.cluster import raycluster; print(raycluster.closed_metrics_exports())')"
-  # (no drain at the end: nothing runs by then, and Ray would wait 30 s for idle workers)
+  # (no drain at the end: nothing runs by then, and Ray would wait 30 s for idle workers; the options of every head
+  # of ours: raycluster.head_start_options)
+  mapfile -t RAY_HEAD_OPTIONS < <("$PYTHON" -c 'from dreambooth.cluster import raycluster
+print(*raycluster.head_start_options(), sep="\n")')
   RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 "$PYTHON" -m ray.scripts.scripts start --head --block \
-    --port="$RAY_HEAD_PORT" --disable-usage-stats --include-dashboard=false --temp-dir="$RAY_HEAD_TEMP" \
-    > "$RAY_HEAD_LOG" 2>&1 &
+    --port="$RAY_HEAD_PORT" "${RAY_HEAD_OPTIONS[@]}" --temp-dir="$RAY_HEAD_TEMP" > "$RAY_HEAD_LOG" 2>&1 &
   RAY_HEAD_PID=$!
   while kill -0 "$RAY_HEAD_PID" 2>/dev/null && ! grep -q "block forever" "$RAY_HEAD_LOG"; do sleep 0.2; done
   if ! kill -0 "$RAY_HEAD_PID" 2>/dev/null; then

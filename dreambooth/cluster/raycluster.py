@@ -155,6 +155,21 @@ CLOSED_METRICS = {"RAY_enable_metrics_collection": "0", "AUTOSCALER_METRIC_PORT"
                   "DASHBOARD_METRIC_PORT": "-1"}
 
 
+# Ray starts as many idle Python workers as the node has CPUs when a cluster's first driver connects: default
+# workers, which never run a task of ours (our jobs carry a runtime environment: job_runtime_env), so each is a
+# process started for nothing, 96 of them on a 96-CPU node. Off for the clusters we start (Ray's system config,
+# which the nodes that join take from the head).
+SYSTEM_CONFIG = {"prestart_worker_first_driver": False}
+
+
+def head_start_options():
+    """The options of `ray start --head` for a cluster of ours beside its port and temp folder (start_ray_head's and
+    dreambooth_run.sh's): no usage statistics, no dashboard, SYSTEM_CONFIG."""
+    import json
+
+    return ["--disable-usage-stats", "--include-dashboard=false", f"--system-config={json.dumps(SYSTEM_CONFIG)}"]
+
+
 def close_metrics_ports():
     """Ray's unauthenticated metrics servers off for a cluster this process starts (CLOSED_METRICS)."""
     for name, value in CLOSED_METRICS.items():
@@ -246,7 +261,7 @@ def init_ray():
         # "local": a new cluster even when Ray's temp folder names another (a script of the user's
         # running beside this one, or a cluster someone else pointed that world-writable file at)
         ray.init(address=address or "local", runtime_env=job_runtime_env(), log_to_driver=True, configure_logging=False,
-                 include_dashboard=False)
+                 include_dashboard=False, _system_config=None if address else SYSTEM_CONFIG)
     except (ConnectionError, ray.exceptions.AuthenticationError) as err:
         raise errors.UserError(f"could not join the Ray cluster at RAY_ADDRESS={address}: "
                                f"{errors.shorten(errors.one_line(err))} (a cluster with token authentication needs its "
@@ -332,8 +347,8 @@ def start_ray_head(log_path, port=None, extra=(), env=None):
     # 108 characters)
     environ = dict(os.environ, **(env or {}), RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0")
     temp_dir = tempfile.mkdtemp(prefix="dreambooth-ray-", dir=environ.get("RAY_TMPDIR") or "/tmp")
-    command = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--disable-usage-stats",
-               "--include-dashboard=false", f"--temp-dir={temp_dir}"] + ([f"--port={port}"] if port else []) + list(extra)
+    command = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", *head_start_options(),
+               f"--temp-dir={temp_dir}"] + ([f"--port={port}"] if port else []) + list(extra)
     with open(log_path, "w") as log:
         head = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environ)
     head.temp_dir = temp_dir

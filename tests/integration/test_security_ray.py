@@ -96,14 +96,24 @@ def test_a_scripts_own_cluster_opens_no_port_without_the_token(tmp_path):
     """A script run with no RAY_ADDRESS starts a cluster of its own (raycluster.init_ray): tried as an
     attacker on the network would, no port of it lets a caller without the token in."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    code = ("import sys; from dreambooth.cluster import raycluster; ray = raycluster.init_ray(); "
-            "ray.get([ray.remote(lambda: 1).remote() for _ in range(2)]); print('READY', flush=True); sys.stdin.read()")
+    code = ("import os, sys, time; from dreambooth.cluster import raycluster; ray = raycluster.init_ray(); "
+            "pids = ray.get([ray.remote(lambda: (time.sleep(0.5), os.getpid())[1]).remote() for _ in range(2)]); "
+            "print('READY', ray._private.worker._global_node.get_session_dir_path(), "
+            "ray.get_runtime_context().get_job_id(), *pids, flush=True); "
+            "sys.stdin.read()")
     script = subprocess.Popen([sys.executable, "-c", code], cwd=REPO_DIR, env=env, stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        assert script.stdout.readline().strip() == "READY", script.stderr.read()[-2000:]
+        ready, session, job, *pids = script.stdout.readline().split()
+        assert ready == "READY", script.stderr.read()[-2000:]
         ports = assert_closed_without_token([script.pid])
         assert len(ports) >= 4  # GCS, the raylet's two, a worker's
+        # Ray's worker processes were all the job's: none started idle, of no job, for the first driver
+        # (raycluster.SYSTEM_CONFIG; Ray's default starts one per CPU, which never runs a task of a job with a
+        # runtime environment)
+        started = [name.split("-")[2:] for name in os.listdir(os.path.join(session, "logs"))
+                   if name.startswith("worker-") and name.endswith(".out")]
+        assert {j for j, _ in started} == {job} and set(pids) <= {p.split(".")[0] for _, p in started}, (started, job)
     finally:
         script.stdin.close()
         script.wait(timeout=60)
