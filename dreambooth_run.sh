@@ -101,7 +101,13 @@ while [ $# -gt 0 ]; do
     --skip_eval|--skip-eval) skip_eval=true ;;
     -h|--help) usage; exit 0 ;;
     --) shift; EXTRA_TRAIN_ARGS=("$@"); break ;;
-    *) echo "dreambooth_run.sh: error: unknown argument '$1' (see --help; train.py flags go after --)" >&2; exit 2 ;;
+    *) near="$("$(command -v "${PYTHON:-python}" || command -v python3)" -c 'import difflib, sys  # (a misspelt flag: the nearest)
+word = "--" + sys.argv[1].split("=")[0].lstrip("-").replace("-", "_")
+print("".join(difflib.get_close_matches(word, sys.argv[2:], 1, 0.75)))' \
+        "$1" --tiny --arch --skip_image_setup --use_lora --prior_prediction --skip_eval --help 2> /dev/null)" || near=
+      echo "dreambooth_run.sh: error: unknown argument '$1'${near:+; did you mean $near?} (see --help; train.py" \
+        "flags go after --)" >&2
+      exit 2 ;;
   esac
   shift
 done
