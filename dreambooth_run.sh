@@ -273,7 +273,7 @@ if [ -t 1 ]; then export DREAMBOOTH_TERMINAL=1; fi
 # last lines, which say where it stopped, still reach the terminal and the log; and a broken pipe: piped into a
 # `tee run.log` of the user's, which Ctrl-C ends first, they still reach the log)
 exec > >(trap '' INT TERM PIPE; tee >(sed -u -e 's/\x1b\[[0-9;?]*[A-Za-z]//g' -e 's/.*\r\(.\)/\1/' -e 's/\r$//' >> "$LOG_FILE")) 2>&1
-echo "$COMMAND_LINE -- log: $LOG_FILE"
+printf '%s\nlog of this run: %s\n' "$COMMAND_LINE" "$LOG_FILE"
 # Ctrl-C (SIGINT to the whole foreground group: the running step gets it too and stops as it does, train.py
 # with a checkpoint of the step it is on) or SIGTERM: once the step has ended, one line says where the run
 # stopped and how to go on; exit 130 or 143.
@@ -343,6 +343,7 @@ drop_fetch_files() {  # the background fetch's path file, and its log when the f
   if [ ! -s "$EVAL_FETCH_LOG" ]; then rm -f "$EVAL_FETCH_LOG"; fi
 }
 stop_ray() {  # at exit, however the script ends: the background fetch too (Step 1), and its files when it said nothing
+  local status=$?
   if [ -n "$EVAL_FETCH_PID" ]; then
     kill -TERM "$EVAL_FETCH_PID" 2>/dev/null || true
     wait "$EVAL_FETCH_PID" 2>/dev/null || true
@@ -353,7 +354,8 @@ stop_ray() {  # at exit, however the script ends: the background fetch too (Step
     wait "$RAY_HEAD_PID" 2>/dev/null || true
   fi
   if [ -n "$RAY_HEAD_TEMP" ]; then
-    if [ -s "$RAY_HEAD_TEMP/head.log" ]; then
+    # (a run that ended well ends its log with its outputs; one that failed or was stopped, with the head's log)
+    if [ "$status" != 0 ] && [ -s "$RAY_HEAD_TEMP/head.log" ]; then
       { echo "--- the Ray head's own log ($RAY_ADDRESS) ---"; cat "$RAY_HEAD_TEMP/head.log"; } >> "$LOG_FILE"
     fi
     rm -rf "$RAY_HEAD_TEMP"
@@ -370,7 +372,7 @@ else
   # Its own temp folder in Ray's (RAY_TMPDIR, else /tmp; short: Ray's socket paths must fit 108 characters),
   # so that its address is not written where every later `ray.init()` on this node would find and join it.
   RAY_HEAD_TEMP="$(mktemp -d "${RAY_TMPDIR:-/tmp}/dreambooth-ray-XXXXXX")"
-  RAY_HEAD_LOG="$RAY_HEAD_TEMP/head.log"  # (appended to this run's log at exit: one log a run)
+  RAY_HEAD_LOG="$RAY_HEAD_TEMP/head.log"  # (appended to this run's log when it fails or is stopped: one log a run)
   : > "$RAY_HEAD_LOG"  # (there before the wait below reads it: the background start creates it a moment later)
   # A free port, not Ray's 6379: a cluster already running here (another run, a `ray start` of
   # yours) is left alone and never joined
@@ -396,7 +398,7 @@ print(*raycluster.head_start_options(), sep="\n")')
   RAY_ADDRESS="$(grep -o "ray start --address='[^']*'" "$RAY_HEAD_LOG" | head -n 1 | cut -d"'" -f2)"
   export RAY_ADDRESS
   echo "Ray: started a cluster for this run at $RAY_ADDRESS (stopped at exit; its own log goes at the end of this" \
-    "run's); $RAY_AUTH"
+    "run's if the run fails or is stopped); $RAY_AUTH"
   echo "  more machines may join it while it runs: RAY_AUTH_MODE=token" \
     "RAY_enable_metrics_collection=$RAY_enable_metrics_collection ray start --address=$RAY_ADDRESS" \
     "(with the same token in their ~/.ray/auth_token or RAY_AUTH_TOKEN)"

@@ -125,7 +125,11 @@ def forget_stale_scores(eval_dir, model_dir, scored_next="1"):
         if name != "base":
             storage.remove(storage.join(images, name))
     drop_node_copy(eval_dir)
+    scorer = "Step 6" if scored_next != "0" else "evaluate.py"
+    kept = f" (the base model's images there stay: {scorer} draws them again if this run's base model is another)" \
+        if storage.isdir(storage.join(images, "base")) else ""
     after = "Step 6 scores the new one" if scored_next != "0" else \
         "--skip_eval: no Step 6; evaluate.py scores the new one when you want its scores"
-    print(f"removed the scores in {eval_dir}: they were of the model this run replaced ({after})", file=sys.stderr)
+    print(f"removed the scores in {eval_dir} and its images of the model this run replaced{kept}; {after}",
+          file=sys.stderr)
     return True

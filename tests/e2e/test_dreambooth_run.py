@@ -96,7 +96,7 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request, webhook):
         in output
     assert re.search(r"SCORE_STEPS +" + ("5" if mode == "lora" else "0") + "\n", output)
     assert ("best scored step: " in output) == (mode == "lora")
-    log = re.search(r"-- log: (\S+)", output)[1]
+    log = re.search(r"^log of this run: (\S+)", output, re.M)[1]
     assert open(log).read().startswith("dreambooth_run.sh")
     if mode == "full":  # one log a run (its cluster's at its end; the scoring models' fetch said nothing)
         assert [re.sub(r"-\d{8}-\d{6}", "", f) for f in os.listdir(os.path.dirname(log))] == ["dreambooth_run.log"]
@@ -148,8 +148,10 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request, webhook):
             in output
         assert open(os.environ["RAY_AUTH_TOKEN_PATH"]).read() not in output  # the token itself is never shown
         # its temp folder in Ray's (RAY_TMPDIR here; removed at the end, below)
-        assert "(stopped at exit; its own log goes at the end of this run's)" in output
-        assert f"saved to: {stranger}/dreambooth-ray-" in open(log).read().split("--- the Ray head's own log (")[1]
+        assert "(stopped at exit; its own log goes at the end of this run's if the run fails or is stopped)" in output
+        # a run that ended well: its log ends with the outputs (the Ray head's log only after a failure or a stop)
+        assert "--- the Ray head's own log (" not in open(log).read()
+        assert open(log).read().rstrip().splitlines()[-1] == output.rstrip().splitlines()[-1]
         assert "INFO mlflow" not in output  # (MLflow's notes about its database tables)
     else:
         assert "\x1b[" not in output and "(RayTrainWorker pid=" in output  # a pipe: Ray's worker lines uncoloured
@@ -190,7 +192,9 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request, webhook):
         assert "training on the first 4 of the 6 class images" in output and " and 4 class images at" in output
         # a retrained model's images are drawn again (Steps 5 and 6), the base model's kept; the full model's
         # scores and images went with it, right after Step 4 (a stop before Step 6 leaves none beside the LoRA)
-        assert f"removed the scores in {subject}/eval: they were of the model this run replaced" in output
+        assert f"removed the scores in {subject}/eval and its images of the model this run replaced (the base model's " \
+               "images there stay: Step 6 draws them again if this run's base model is another); Step 6 scores the " \
+               "new one" in output
         # Step 6 takes the images Step 4's scoring drew of the kept step's adapters, where it was not the last step (the
         # last step's adapters saved in a bucket are not compared with those it scored: drawn again)
         if best == 5:

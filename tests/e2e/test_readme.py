@@ -175,7 +175,7 @@ def test_your_own_subject_block_runs_as_typed_and_ctrl_c_in_step_4_says_how_the_
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    log = re.search(r"-- log: (\S+)", "".join(lines))[1]
+    log = re.search(r"^log of this run: (\S+)", "".join(lines), re.M)[1]
     output = open(log).read()  # (the terminal's copy ended with the user's tee)
     assert (tmp_path / "rc").read_text().strip() == "130", output[-3000:]
     assert len([f for f in os.listdir(tmp_path / "data" / "images-reg" / "tiny-sd1" / "dog") if f.endswith(".png")]) == 2

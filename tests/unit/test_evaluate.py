@@ -137,8 +137,9 @@ def test_scores_of_a_model_the_run_replaced_are_removed_and_the_current_models_k
     files.write_json(str(model / files.OUTPUT_MARKER), {"model_id": "bbb"})  # retrained
     (eval_dir / "report.md").write_text("scores")
     assert eval_report.forget_stale_scores(str(eval_dir), str(model), "0")  # (--skip_eval: said so, not Step 6)
-    assert capsys.readouterr().err.endswith("(--skip_eval: no Step 6; evaluate.py scores the new one when you want "
-                                            "its scores)\n")
+    assert capsys.readouterr().err.endswith("(the base model's images there stay: evaluate.py draws them again if "
+                                            "this run's base model is another); --skip_eval: no Step 6; evaluate.py "
+                                            "scores the new one when you want its scores\n")
     (eval_dir / "images" / "tuned").mkdir()
     files.write_json(str(eval_dir / "images" / "tuned" / image_records.IMAGES_RECORD), {"model": "trained:aaa"})
     (eval_dir / "report.md").write_text("scores")
@@ -146,7 +147,8 @@ def test_scores_of_a_model_the_run_replaced_are_removed_and_the_current_models_k
     # the base model's images stay (Step 6 scores them again without drawing them)
     assert [str(p.relative_to(eval_dir)) for p in sorted(eval_dir.rglob("*"))] == ["images", "images/base",
                                                                                    "images/base/a.png"]
-    assert f"removed the scores in {eval_dir}: they were of the model this run replaced (Step 6 scores the new one)" \
+    assert f"removed the scores in {eval_dir} and its images of the model this run replaced (the base model's images " \
+           "there stay: Step 6 draws them again if this run's base model is another); Step 6 scores the new one" \
         in capsys.readouterr().err
     assert not eval_report.forget_stale_scores(str(eval_dir), str(model))  # nothing of another model: nothing to do
     # Step 5 skipped (NUM_NEW_IMAGES=0): its folder's images of the model replaced go too, this model's stay
