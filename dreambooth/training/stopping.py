@@ -38,11 +38,27 @@ def requested(flag):
     return value.decode() if value else None
 
 
+def mark_begun(flag):
+    """Say that the workers of flag's run have begun their steps (rank 0, once its model and data are ready): until
+    then a stop has no step to checkpoint, and the driver ends the run at once."""
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_put(f"{flag}:begun", "1", namespace=NAMESPACE)
+
+
+def begun(flag):
+    """Whether the workers of flag's run have begun their steps."""
+    from ray.experimental import internal_kv
+
+    return internal_kv._internal_kv_exists(f"{flag}:begun", namespace=NAMESPACE)
+
+
 def forget(flag):
-    """Remove flag's key (the run has ended; a sweep runs many in one driver)."""
+    """Remove flag's keys (the run has ended; a sweep runs many in one driver)."""
     from ray.experimental import internal_kv
 
     internal_kv._internal_kv_del(flag, namespace=NAMESPACE)
+    internal_kv._internal_kv_del(f"{flag}:begun", namespace=NAMESPACE)
 
 
 def trainer_class():
@@ -67,7 +83,8 @@ def trainer_class():
 
 
 def install_handlers(flag, abort, trained=None):
-    """SIGINT and SIGTERM: the first asks flag for a stop at the current step, a later one calls abort. Once trained()
+    """SIGINT and SIGTERM: the first asks flag for a stop at the current step, a later one calls abort. Before the
+    workers have begun their steps (nothing to checkpoint: they are starting, loading the model) and once trained()
     (the workers have ended and saved the model; the run waits for its steps' scoring), the first calls abort."""
     asked = []
 
@@ -81,6 +98,10 @@ def install_handlers(flag, abort, trained=None):
         if trained is not None and trained():
             print(f"{name}: the training has ended and its model is saved: its steps' scoring is cut short now (the "
                   "steps left unscored are named)", file=sys.stderr, flush=True)
+            return abort(signal.SIGINT, frame)
+        if not begun(flag):
+            print(f"{name}: the workers had not begun training (nothing to checkpoint): the run stops now",
+                  file=sys.stderr, flush=True)
             return abort(signal.SIGINT, frame)
         request(flag, name)
         print(f"{name}: every worker checkpoints the step it is on, then the run stops (again to stop at once, "
@@ -105,6 +126,8 @@ class StopPoll:
             import torch.distributed as dist
 
             self.group = dist.new_group(backend="gloo")  # (every rank creates it, once)
+        if rank == 0 and flag is not None:  # (every rank is here: the models loaded, the steps begin)
+            mark_begun(flag)
 
     def reason(self):
         """The driver's request as this rank has seen it (one read of the key until it is set)."""

@@ -256,14 +256,29 @@ def same_weights(a_folder, b_folder):
             assert torch.equal(v, b[part][k]), (part, k)
 
 
-def test_a_rank_whose_poll_was_sent_before_the_request_still_names_the_signal(ray_session):
+def test_a_rank_whose_poll_was_sent_before_the_request_still_names_the_signal(ray_session, capsys):
     """Rank 0 can read the stop flag just before the driver's request lands while rank 1 reads it after: the
     all-reduce says stop and rank 0 reads again, so the stop line names SIGTERM, not 'a signal'. The flag's key
-    is gone once the run forgets it."""
+    is gone once the run forgets it. Before rank 0's poll exists (the workers starting, loading the model), the
+    driver's first Ctrl-C ends the run at once: no step to checkpoint (it asked the workers, and waited for them to
+    start and train a step: a minute of silence on a busy machine)."""
+    import signal
+
     from dreambooth.training import stopping
 
     flag = stopping.make_flag()
+    aborted, previous = [], (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
+    try:
+        stopping.install_handlers(flag, lambda *args: aborted.append(args[0]))
+        signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
+    finally:
+        signal.signal(signal.SIGINT, previous[0])
+        signal.signal(signal.SIGTERM, previous[1])
+    assert aborted == [signal.SIGINT] and stopping.requested(flag) is None and not stopping.begun(flag)
+    assert capsys.readouterr().err == "SIGINT: the workers had not begun training (nothing to checkpoint): the run " \
+                                      "stops now\n"
     poll = stopping.StopPoll(flag, world=1, rank=0)
+    assert stopping.begun(flag)  # (from here a stop checkpoints the step the workers are on)
     assert poll.reason() is None  # (this rank's read, before the request)
     stopping.request(flag, "SIGTERM")
     stopping.request(flag, "SIGINT")  # (a later signal does not rename the stop)
@@ -271,7 +286,7 @@ def test_a_rank_whose_poll_was_sent_before_the_request_still_names_the_signal(ra
     poll.await_reason()
     assert poll.seen == "SIGTERM"
     stopping.forget(flag)
-    assert stopping.requested(flag) is None
+    assert stopping.requested(flag) is None and not stopping.begun(flag)
 
 
 @pytest.fixture()
