@@ -214,6 +214,22 @@ def score_key(run_name, step):
     return f"{run_name}/step-{step}"
 
 
+def note_waiting(run_name, steps):
+    """Rank 0, its steps trained: the steps sent for scoring whose scores it has not seen, for the driver to name if a
+    signal cuts their scoring short (waiting_on), begun or not."""
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_put(f"{run_name}/waiting", json.dumps(sorted(steps)), namespace=NAMESPACE)
+
+
+def waiting_on(run_name):
+    """The steps note_waiting recorded for run_name ([] if none)."""
+    from ray.experimental import internal_kv
+
+    value = internal_kv._internal_kv_get(f"{run_name}/waiting", namespace=NAMESPACE)
+    return json.loads(value) if value else []
+
+
 class ScoreWatch:
     """Rank 0's view of the scoring: the steps it sent (sent), the one Ray Train is still scoring (pending), and
     each step's scores once (new_rows), from Ray's key-value store, where the scoring task puts them."""
@@ -318,12 +334,13 @@ def keep_best(plan, step, why):
     return f"saved: step {step}'s model, the best scored, in {plan.output_dir} instead of step {plan.total_steps}'s (--keep_best)"
 
 
-def finish(plan, last_step=None, base_task=None, cut=False):
+def finish(plan, last_step=None, base_task=None, cut=None):
     """At the end of a run, or when it stopped at last_step (its scoring tasks over): the scores rank 0 had not
     seen yet, which arrived after its last report, added to metrics.jsonl; the lines that say them (and a step due
     to be scored without scores), then every scored step's, in step order; the best-scored step and, at the end,
-    which model was saved (--keep_best: the best step's, among those scored). cut: a signal ended the scoring after
-    the training (the steps without scores are said so)."""
+    which model was saved (--keep_best: the best step's, among those scored). cut: when a signal ended the scoring
+    after the training, the steps rank 0 was waiting on (waiting_on); each step without scores among them, the last
+    and any whose scoring had begun is said to be cut short."""
     from dreambooth.training import runlog
 
     failed = wait_base(base_task, stopped=last_step is not None or cut)
@@ -338,8 +355,9 @@ def finish(plan, last_step=None, base_task=None, cut=False):
             runlog.append_scores(metrics_file, step, found[step])
             lines.append(describe(step, found[step]))
             logged.add(step)
-        elif cut and step not in found and step not in logged and (step == plan.total_steps or os.path.isdir(
-                os.path.join(plan.run_dir, score_record.SCORES_FOLDER, f"step-{step}"))):  # (the last, or one begun)
+        elif cut is not None and step not in found and step not in logged and (
+                step == plan.total_steps or step in cut or os.path.isdir(
+                os.path.join(plan.run_dir, score_record.SCORES_FOLDER, f"step-{step}"))):  # (the last, sent or begun)
             lines.append(f"step {step} not scored: its scoring was cut short (evaluate.py scores a saved model)")
         elif step == plan.total_steps and step not in found:
             lines.append(describe(step, None))  # (the last step is always scored: its task failed or timed out)
@@ -357,7 +375,7 @@ def finish(plan, last_step=None, base_task=None, cut=False):
         due = next(step for step in range(last_step + 1, plan.total_steps + 1) if plan.is_score_step(step))
         lines.append(f"no step was scored: the run stopped at step {last_step}, before step {due}, the first due to be "
                      f"scored (--score_steps {plan.score_steps})")
-    elif cut:
+    elif cut is not None:
         lines.append("no step was scored: their scoring was cut short")
     else:
         lines.append(f"no step was scored (--score_steps {plan.score_steps}): each scored step's "

@@ -121,7 +121,8 @@ def train_planned(args, started):
           file=sys.stderr)
     if plan.score_steps:  # (every scoring task has ended: Ray Train waits for them before fit returns, or a signal
         # cut them short)
-        for line in checkpoint_scores.finish(plan, base_task=base_task, cut=isinstance(result, ScoringCut)):
+        for line in checkpoint_scores.finish(plan, base_task=base_task,
+                                             cut=result.waiting if isinstance(result, ScoringCut) else None):
             print(line, file=sys.stderr)
         runfiles.sync_up(plan.storage_path, plan.run_name)
     if not plan.keep_checkpoints:
@@ -282,12 +283,13 @@ def only_scoring_left(plan):
 
 class ScoringCut:
     """The result of a run whose model was saved and whose steps' scoring a signal cut short (fit() returned none):
-    its last logged metrics, its run folder."""
+    its last logged metrics, its run folder, the steps rank 0 was waiting on (read before the run's keys go)."""
 
     def __init__(self, plan):
         rows = runlog.read_rows(storage.fetch(storage.join(plan.storage_path, plan.run_name), runlog.METRICS_FILE,
                                               plan.run_dir), "loss")
         self.metrics, self.path, self.checkpoint = rows[-1] if rows else None, result_path(plan), None
+        self.waiting = checkpoint_scores.waiting_on(plan.run_name)
 
 
 def result_path(plan):

@@ -234,6 +234,7 @@ def end_loop(plan, bar, log, watch, stopped):
         log.close()
         runfiles.sync_up(plan.storage_path, plan.run_name)
     if watch and not stopped and watch.sent - watch.said:
+        checkpoint_scores.note_waiting(plan.run_name, watch.sent - watch.said)
         print(checkpoint_scores.waiting_line(sorted(watch.sent - watch.said), plan), flush=True)
 
 

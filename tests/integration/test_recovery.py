@@ -287,6 +287,13 @@ def test_a_rank_whose_poll_was_sent_before_the_request_still_names_the_signal(ra
     assert poll.seen == "SIGTERM"
     stopping.forget(flag)
     assert stopping.requested(flag) is None and not stopping.begun(flag)
+    # (the steps rank 0 waits on for their scores once trained, which a Ctrl-C then names: the run's keys too)
+    from dreambooth.training import checkpoint_scores
+
+    checkpoint_scores.note_waiting(flag, {8, 6})
+    assert checkpoint_scores.waiting_on(flag) == [6, 8]
+    checkpoint_scores.forget(flag)
+    assert checkpoint_scores.waiting_on(flag) == []
 
 
 @pytest.fixture()

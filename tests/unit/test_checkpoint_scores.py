@@ -337,14 +337,20 @@ def test_ctrl_c_after_the_training_cuts_its_scoring_short_names_the_unscored_ste
     files.write_json(str(tmp_path / "run" / "scores" / "step-2" / "scores.json"), result.to_json())
     (tmp_path / "run" / "metrics.jsonl").write_text(json.dumps({"step": 2, **values, "time": 1.0}) + "\n")
     os.makedirs(tmp_path / "run" / "scores" / "step-6")  # (begun, cut short; step 4 was skipped during the run)
-    lines = checkpoint_scores.finish(plan, cut=True)
+    lines = checkpoint_scores.finish(plan, cut=[8])
     assert lines[:2] == ["step 6 not scored: its scoring was cut short (evaluate.py scores a saved model)",
                          "step 8 not scored: its scoring was cut short (evaluate.py scores a saved model)"]
     assert lines[2].startswith("scored steps: 2, plotted in ")
+    # a step rank 0 sent for scoring whose task had not begun (no folder yet): named too, from what rank 0 was waiting on
+    os.rmdir(tmp_path / "run" / "scores" / "step-6")
+    assert checkpoint_scores.finish(plan, cut=[8])[0].startswith("step 8 not scored")
+    lines = checkpoint_scores.finish(plan, cut=[6, 8])
+    assert lines[:2] == ["step 6 not scored: its scoring was cut short (evaluate.py scores a saved model)",
+                         "step 8 not scored: its scoring was cut short (evaluate.py scores a saved model)"]
     shutil.rmtree(tmp_path / "run")  # (cut short before any step's scores: the last step's model stands, said so)
     plan = planning.offline_plan(score_steps=2, total_steps=8, storage_path=str(tmp_path), run_name="run",
                                  class_name="toy", keep_best=True, output_dir=str(tmp_path / "out"))
-    assert checkpoint_scores.finish(plan, cut=True) == [
+    assert checkpoint_scores.finish(plan, cut=[]) == [
         "step 8 not scored: its scoring was cut short (evaluate.py scores a saved model)",
         "no step was scored: their scoring was cut short",
         f"saved: the last step's model in {tmp_path / 'out'} (--keep_best had no scores to choose by)"]
