@@ -354,10 +354,11 @@ stop_ray() {  # at exit, however the script ends: the background fetch too (Step
     wait "$RAY_HEAD_PID" 2>/dev/null || true
   fi
   if [ -n "$RAY_HEAD_TEMP" ]; then
-    # (a run that ended well ends its log with its outputs; one that failed or was stopped, with the head's log)
-    if [ "$status" != 0 ] && [ -s "$RAY_HEAD_TEMP/head.log" ]; then
+    # (a run that ended well, or was stopped, ends its log with its outputs or where it stopped; one that failed,
+    # with the head's log)
+    case "$status" in 0|130|143) ;; *) if [ -s "$RAY_HEAD_TEMP/head.log" ]; then
       { echo "--- the Ray head's own log ($RAY_ADDRESS) ---"; cat "$RAY_HEAD_TEMP/head.log"; } >> "$LOG_FILE"
-    fi
+    fi ;; esac
     rm -rf "$RAY_HEAD_TEMP"
   fi
   if $REMOTE; then  # the log beside the run's outputs in the bucket
@@ -372,7 +373,7 @@ else
   # Its own temp folder in Ray's (RAY_TMPDIR, else /tmp; short: Ray's socket paths must fit 108 characters),
   # so that its address is not written where every later `ray.init()` on this node would find and join it.
   RAY_HEAD_TEMP="$(mktemp -d "${RAY_TMPDIR:-/tmp}/dreambooth-ray-XXXXXX")"
-  RAY_HEAD_LOG="$RAY_HEAD_TEMP/head.log"  # (appended to this run's log when it fails or is stopped: one log a run)
+  RAY_HEAD_LOG="$RAY_HEAD_TEMP/head.log"  # (appended to this run's log when it fails: one log a run)
   : > "$RAY_HEAD_LOG"  # (there before the wait below reads it: the background start creates it a moment later)
   # A free port, not Ray's 6379: a cluster already running here (another run, a `ray start` of
   # yours) is left alone and never joined
@@ -398,7 +399,7 @@ print(*raycluster.head_start_options(), sep="\n")')
   RAY_ADDRESS="$(grep -o "ray start --address='[^']*'" "$RAY_HEAD_LOG" | head -n 1 | cut -d"'" -f2)"
   export RAY_ADDRESS
   echo "Ray: started a cluster for this run at $RAY_ADDRESS (stopped at exit; its own log goes at the end of this" \
-    "run's if the run fails or is stopped); $RAY_AUTH"
+    "run's if the run fails); $RAY_AUTH"
   echo "  more machines may join it while it runs: RAY_AUTH_MODE=token" \
     "RAY_enable_metrics_collection=$RAY_enable_metrics_collection ray start --address=$RAY_ADDRESS" \
     "(with the same token in their ~/.ray/auth_token or RAY_AUTH_TOKEN)"

@@ -111,8 +111,9 @@ def note_replaced_model(args, family):
     if was != now:
         changes = ", ".join(f"{a} -> {b}" for a, b in zip(was, now) if a != b)
         subject = os.path.basename(os.path.dirname(args.tuned_model_dir.rstrip("/")))  # (subjects/<SUBJECT>/model-tuned)
+        suffix = now[0] if now[0] != was[0] else ("lora" if args.use_lora else "full")  # (what tells the two apart)
         print(f"note: {args.tuned_model_dir} holds this subject's {was[1]} of the {was[0]} family ({changes}): Step 4 "
-              f"replaces it; to keep both, give this run its own SUBJECT (e.g. SUBJECT={subject}-{now[0]})",
+              f"replaces it; to keep both, give this run its own SUBJECT (e.g. SUBJECT={subject}-{suffix})",
               file=sys.stderr)
 
 

@@ -216,9 +216,11 @@ class Plan:
             resume += (f"; {len(self.validation_prompts)} validation prompt(s) x {self.num_validation_images} "
                        f"every {self.validation_steps} steps")
         if self.score_at:
-            resume += f"; scored at steps {', '.join(map(str, self.score_at))} (DINO, CLIP-I, CLIP-T) while it trains"
+            resume += f"; scored at steps {', '.join(map(str, self.score_at))} (DINO, CLIP-I, CLIP-T) while it trains, " \
+                "each from a checkpoint of its step"
         elif self.score_steps:
-            resume += f"; scored every {self.score_steps} steps (DINO, CLIP-I, CLIP-T) while it trains"
+            resume += f"; scored every {self.score_steps} steps (DINO, CLIP-I, CLIP-T) while it trains, each from a " \
+                "checkpoint of its step"
         if self.fsdp:
             trained += f", sharded across the {self.num_workers} worker(s) (FSDP)"
         if self.use_ema:

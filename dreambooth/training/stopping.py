@@ -100,7 +100,8 @@ def install_handlers(flag, abort, trained=None):
                   "steps left unscored are named)", file=sys.stderr, flush=True)
             return abort(signal.SIGINT, frame)
         if not begun(flag):
-            print(f"{name}: the workers had not begun training (nothing to checkpoint): the run stops now",
+            print(f"{name}: the workers had not begun training (nothing to checkpoint): the run stops now, once Ray "
+                  "Train has ended them (seconds)",
                   file=sys.stderr, flush=True)
             return abort(signal.SIGINT, frame)
         request(flag, name)

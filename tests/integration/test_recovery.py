@@ -276,7 +276,7 @@ def test_a_rank_whose_poll_was_sent_before_the_request_still_names_the_signal(ra
         signal.signal(signal.SIGTERM, previous[1])
     assert aborted == [signal.SIGINT] and stopping.requested(flag) is None and not stopping.begun(flag)
     assert capsys.readouterr().err == "SIGINT: the workers had not begun training (nothing to checkpoint): the run " \
-                                      "stops now\n"
+                                      "stops now, once Ray Train has ended them (seconds)\n"
     poll = stopping.StopPoll(flag, world=1, rank=0)
     assert stopping.begun(flag)  # (from here a stop checkpoints the step the workers are on)
     assert poll.reason() is None  # (this rank's read, before the request)

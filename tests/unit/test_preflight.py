@@ -78,12 +78,12 @@ def test_a_subject_model_of_another_family_or_mode_is_said_at_step_0(tmp_path, c
     tuned.mkdir(parents=True)
     (tuned / files.OUTPUT_MARKER).write_text(json.dumps({"base_model": "/m", "identity": {"family": "sd1",
                                                                                           "use_lora": True}}))
-    for given, said in (({"arch": "flux", "use_lora": True}, "(sd1 -> flux)"),
-                        ({}, "(LoRA -> full fine-tune)"), ({"use_lora": True}, None)):
+    for given, said, suffix in (({"arch": "flux", "use_lora": True}, "(sd1 -> flux)", "flux"),
+                                ({}, "(LoRA -> full fine-tune)", "full"), ({"use_lora": True}, None, None)):
         run = args(tiny=True, tuned_model_dir=str(tuned), **given)
         preflight.note_replaced_model(run, preflight.planned_family(run))
         err = capsys.readouterr().err
         assert (f"holds this subject's LoRA of the sd1 family {said}: Step 4 replaces it" in err) if said else not err
-        assert (f"give this run its own SUBJECT (e.g. SUBJECT=rex-{run.arch or 'sd1'})\n" in err) if said else True
+        assert (f"give this run its own SUBJECT (e.g. SUBJECT=rex-{suffix})\n" in err) if said else True
 
 
