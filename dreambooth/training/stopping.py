@@ -119,10 +119,12 @@ class StopPoll:
     rank 0's clock says it is time to ask Ray Train about drained nodes, every DRAIN_CHECK_S)."""
 
     DRAIN_CHECK_S = 2.0  # (Ray Train's watcher itself polls every 5 s)
+    READ_EVERY_S = 0.2  # (a stop is seen within this, and a step)
 
     def __init__(self, flag, world, rank):
         self.flag, self.rank, self.seen, self.group = flag, rank, None, None
         self.last_drain_check, self.drain_seen, self.drained = time.monotonic(), False, None
+        self.last_read = -self.READ_EVERY_S
         if world > 1:
             import torch.distributed as dist
 
@@ -131,9 +133,11 @@ class StopPoll:
             mark_begun(flag)
 
     def reason(self):
-        """The driver's request as this rank has seen it (one read of the key until it is set)."""
-        if self.seen is None and self.flag is not None:
-            self.seen = requested(self.flag)
+        """The driver's request as this rank has seen it (the key read at most every READ_EVERY_S until it is set: a
+        read is a call to Ray's GCS, a millisecond, which every step paid)."""
+        now = time.monotonic()
+        if self.seen is None and self.flag is not None and now - self.last_read >= self.READ_EVERY_S:
+            self.seen, self.last_read = requested(self.flag), now
         return self.seen
 
     def await_reason(self):
