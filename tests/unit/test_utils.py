@@ -55,13 +55,13 @@ def test_rays_harmless_error_lines_are_kept_off_the_terminal_and_the_rest_printe
     from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
 
     from dreambooth import errors
-    from dreambooth.cluster import raycluster
+    from dreambooth.cluster import raylogs
 
     printed, before = [], list(dispatcher.handlers)  # (this session's own Ray printer among them, maybe)
     dispatcher.handlers = [("ray_print_logs", printed.append)]  # (where ray.init puts its printer)
     try:
-        raycluster.hide_harmless_ray_lines()
-        raycluster.hide_harmless_ray_lines()  # (a second ray.init in one process: still one filter)
+        raylogs.hide_harmless_ray_lines()
+        raylogs.hide_harmless_ray_lines()  # (a second ray.init in one process: still one filter)
         harmless = ("[E core_worker.cc:2465] Actor with class name: 'PreemptionWatcher' and ID: 'ee6d' has constructor "
                     "arguments in the object store and max_restarts > 0. If the arguments …")
         data = harmless.replace("PreemptionWatcher", "MapWorker(MapBatches(ImageGenerator))")
