@@ -343,7 +343,7 @@ def finish(plan, last_step=None, base_task=None, cut=None):
     and any whose scoring had begun is said to be cut short."""
     from dreambooth.training import runlog
 
-    failed = wait_base(base_task, stopped=last_step is not None or cut)
+    failed = wait_base(base_task, stopped=last_step is not None or cut is not None)
     # (a bucket's run: rank 0's metrics.jsonl from there, whichever node wrote it, before the late scores join it: this
     # node's copy, if any, may be another node's older one, and the driver's sync_up puts this one back)
     metrics_file = storage.fetch(storage.join(plan.storage_path, plan.run_name), runlog.METRICS_FILE, plan.run_dir)
