@@ -356,9 +356,9 @@ stop_ray() {  # at exit, however the script ends: the background fetch too (Step
   if [ -n "$RAY_HEAD_TEMP" ]; then
     # (a run that ended well, or was stopped, ends its log with its outputs or where it stopped; one that failed,
     # with the head's log)
-    case "$status" in 0|130|143) ;; *) if [ -s "$RAY_HEAD_TEMP/head.log" ]; then
+    if [[ ! "$status" =~ ^(0|130|143)$ ]] && [ -s "$RAY_HEAD_TEMP/head.log" ]; then
       { echo "--- the Ray head's own log ($RAY_ADDRESS) ---"; cat "$RAY_HEAD_TEMP/head.log"; } >> "$LOG_FILE"
-    fi ;; esac
+    fi
     rm -rf "$RAY_HEAD_TEMP"
   fi
   if $REMOTE; then  # the log beside the run's outputs in the bucket
@@ -377,15 +377,16 @@ else
   : > "$RAY_HEAD_LOG"  # (there before the wait below reads it: the background start creates it a moment later)
   # A free port, not Ray's 6379: a cluster already running here (another run, a `ray start` of
   # yours) is left alone and never joined
-  # (never one of the ports a Ray node takes by default whatever --port says: raycluster.free_port)
-  RAY_HEAD_PORT="$("$PYTHON" -c 'from dreambooth.cluster import raycluster; print(raycluster.free_port())')"
+  # (never one of the ports a Ray node takes by default whatever --port says: raycluster.free_port).
   # Ray's metrics servers (with ray[default] installed) answer anyone over HTTP: off here, as
-  # raycluster.CLOSED_METRICS turns them off for the scripts' own clusters (docs/CLUSTER.md, "Security")
-  eval "$("$PYTHON" -c 'from dreambooth.cluster import raycluster; print(raycluster.closed_metrics_exports())')"
-  # (no drain at the end: nothing runs by then, and Ray would wait 30 s for idle workers; the options of every head
-  # of ours: raycluster.head_start_options)
-  mapfile -t RAY_HEAD_OPTIONS < <("$PYTHON" -c 'from dreambooth.cluster import raycluster
-print(*raycluster.head_start_options(), sep="\n")')
+  # raycluster.CLOSED_METRICS turns them off for the scripts' own clusters (docs/CLUSTER.md, "Security").
+  # The options of every head of ours: raycluster.head_start_options. (One Python start for the three.)
+  HEAD_SETUP="$("$PYTHON" -c 'import shlex; from dreambooth.cluster import raycluster
+print(f"RAY_HEAD_PORT={raycluster.free_port()}")
+print(raycluster.closed_metrics_exports())
+print("RAY_HEAD_OPTIONS=(" + " ".join(map(shlex.quote, raycluster.head_start_options())) + ")")')"
+  eval "$HEAD_SETUP"
+  # (no drain at the end: nothing runs by then, and Ray would wait 30 s for idle workers)
   RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 "$PYTHON" -m ray.scripts.scripts start --head --block \
     --port="$RAY_HEAD_PORT" "${RAY_HEAD_OPTIONS[@]}" --temp-dir="$RAY_HEAD_TEMP" > "$RAY_HEAD_LOG" 2>&1 &
   RAY_HEAD_PID=$!
