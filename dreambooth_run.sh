@@ -4,10 +4,7 @@
 #   ./dreambooth_run.sh                       SD 1.4, the example dog photos, one worker per GPU
 #   INSTANCE_DIR=~/rex CLASS_NAME=dog ./dreambooth_run.sh     your own photos
 #   ./dreambooth_run.sh --tiny                built-in tiny model + images/toy, offline on CPU (1 to 5 minutes on 2 cores)
-#   ./dreambooth_run.sh --tiny --arch sdxl    the same with a tiny SDXL model (128 px; sd2-v: SD 2.x, 96 px;
-#                                             sd3: SD 3.5, 64 px; flux: Flux.1 dev, 64 px; qwen: Qwen-Image, 64 px;
-#                                             flux2: FLUX.2 [klein], 64 px; flux2dev: FLUX.2 [dev], 64 px;
-#                                             zimage: Z-Image, 64 px; chroma: Chroma, 64 px)
+#   ./dreambooth_run.sh --tiny --arch sdxl    the same with a tiny model of another family (--help lists them)
 #   ./dreambooth_run.sh --use_lora            LoRA adapters instead of every weight (combines with the above)
 #   ./dreambooth_run.sh --prior_prediction    no class images (Step 3 skipped): the base model's own
 #                                             predictions keep the class prior (LoRA or full)
@@ -32,7 +29,7 @@ VARIABLES=(
   "CLASS_NAME|dog (--tiny: toy)|what the subject is: dog, backpack, person (needed with INSTANCE_DIR)"
   "UNIQUE_TOKEN|unqtkn|the rare word that names your subject in prompts"
   "SUBJECT_TYPE|live for a live CLASS_NAME (dog, cat, person...), else object|Step 6's prompt set: object or live"
-  "ORIG_MODEL_NAME|sd14|base model: sd14, sd15, sd21-base, sd21, sdxl, flux-dev, flux-schnell, sd35-medium, sd35-large, qwen-image, flux2-klein-4b, flux2-klein-9b, flux2-dev, z-image, chroma (flux-dev, sd35-*, flux2-klein-9b, flux2-dev: gated, a hub token needed), or a hub name (its family is read from its files)"
+  "ORIG_MODEL_NAME|sd14|base model: a short name (--help lists them, as above) or a hub name (its family is read from its files)"
   "ORIG_MODEL_HASH|the name's pinned commit|commit of the base model to cache"
   "ORIG_MODEL_DIR|\$DATA_PREFIX/model-orig|hub cache folder of the base model"
   "TUNED_MODEL_DIR|\$DATA_PREFIX/subjects/<SUBJECT>/model-tuned|the fine-tuned model (Step 4)"
@@ -65,6 +62,9 @@ VARIABLES=(
 usage() {
   awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0" | sed 's/^# \{0,1\}//'
   echo
+  # The families' own lists (dreambooth/families: each family's folder says its short names and its tiny model)
+  "${PYTHON:-python3}" -c 'from dreambooth import families; print(*families.listing(), sep="\n")' 2> /dev/null || echo "(the families' list: python cache_model.py --help, with the Python of requirements.txt)"
+  echo
   echo "Variables (set them in the environment first):"
   for entry in "${VARIABLES[@]}"; do
     IFS='|' read -r name default meaning <<<"$entry"
@@ -93,7 +93,7 @@ EXTRA_TRAIN_ARGS=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --tiny) tiny=true ;;
-    --arch) [ $# -ge 2 ] || { echo "dreambooth_run.sh: error: --arch needs a value: sd1, sd2-v, sdxl, sd3, flux, qwen, flux2, flux2dev, zimage or chroma" >&2; exit 2; }
+    --arch) [ $# -ge 2 ] || { echo "dreambooth_run.sh: error: --arch needs a value: a family's name (--help lists them)" >&2; exit 2; }
       arch="$2"; shift ;;
     --skip_image_setup|--skip-image-setup) skip_image_setup=true ;;  # (each flag in either spelling, as the
     --use_lora|--use-lora) use_lora=true ;;                            # Python scripts take theirs)

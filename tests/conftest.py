@@ -220,7 +220,7 @@ def step_prompts(tiny_model):
     import torch
     from transformers import CLIPTokenizer
 
-    from dreambooth.families import family as family_lib
+    from dreambooth.families.shared import family as family_lib
     from dreambooth.training import conditioning
 
     tokenizer = CLIPTokenizer.from_pretrained(tiny_model, subfolder="tokenizer")

@@ -288,15 +288,16 @@ def logged_losses(result):
     return [(m["step"], m["loss"]) for m in map(json.loads, rows)]
 
 
-# A family of a test's own (tests/unit/test_families.py, tests/integration/test_families_scripts.py): its module.
+# A family of a test's own (tests/unit/test_families.py): its module. It builds on the UNet families' base as SD 1.x
+# does (a family never imports another).
 NEW_FAMILY = '''
 """A family of this test only: SD 1.x conditioned on its text encoder's penultimate layer."""
 
-from dreambooth.families import family_sd1
+from dreambooth.families.shared import unet
 
 
-class Penultimate(family_sd1.SD1):
-    name, label = "sd1-penultimate", "SD 1.x (penultimate layer)"
+class Penultimate(unet.UNetFamily):
+    name, label = "sd1-penultimate", "SD 1.x (penultimate layer)"  # (a folder's name is set by the table)
 
     def matches(self, pipeline, text_encoder_config):
         return pipeline == self.pipeline and text_encoder_config.get("conditioning_layer") == "penultimate"

@@ -3,16 +3,15 @@
     python export.py --model_dir $TUNED_MODEL_DIR --output_file my-dog.safetensors
     python export.py --model_dir $TUNED_LORA_DIR --output_file my-dog-lora.safetensors
 
-A full model (train.py's output, or any diffusers SD 1.x, 2.x, SDXL or SD 3.5 folder) becomes one checkpoint
-in the original layout (model.diffusion_model.*, first_stage_model.*, the text encoders as the family's
+A full model (train.py's output, or any diffusers folder of a family it exports: --help lists them) becomes one
+checkpoint in the original layout (model.diffusion_model.*, first_stage_model.*, the text encoders as the family's
 files hold them): put it in A1111's models/Stable-diffusion or ComfyUI's models/checkpoints. A LoRA output
-(train.py --use_lora) becomes a kohya-layout LoRA (lora_unet_*, lora_te_*, with each module's alpha; Flux.1's
-and SD 3.5's in kohya's layouts of their original modules): models/Lora in both. diffusers reads them back
+(train.py --use_lora) becomes a kohya-layout LoRA (lora_unet_*, lora_te_*, with each module's alpha; a
+transformer's in kohya's layout of its family's original modules): models/Lora in both. diffusers reads them back
 with its pipelines' from_single_file(file, config=<the model folder>) and load_lora_weights(file) (but SD 3.5's
 LoRA file, which ComfyUI reads: diffusers has no reader of kohya's SD 3 layout). LoHa and LoKr outputs
-(train.py --adapter loha|lokr) become LyCORIS-layout files (hada_w1_a ..., lokr_w1 ...): SD 1.x's, 2.x's and SDXL's in
-kohya's module names, which ComfyUI and A1111 read; SD 3.5's, Flux.1's, Chroma's and Qwen-Image's transformer in the
-names ComfyUI and Forge read (lycoris_<module>).
+(train.py --adapter loha|lokr) become LyCORIS-layout files (hada_w1_a ..., lokr_w1 ...): a UNet's in kohya's module
+names, which ComfyUI and A1111 read; a transformer's in the names ComfyUI and Forge read (lycoris_<module>).
 """
 
 import json
@@ -26,7 +25,7 @@ from dreambooth import filemodes
 from dreambooth import files
 from dreambooth import storage
 from dreambooth.config import flags
-from dreambooth.families import layouts
+from dreambooth.families.shared import layouts
 from dreambooth.models import adapters
 from dreambooth.models import modelcache
 from dreambooth.models import networks
@@ -161,11 +160,13 @@ def writes_file_of(model_dir, base):
 # ------------------------------------------------------------------ command line
 
 SAVE_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
-HELPS = {"model_dir": "train.py's output folder: a full model (or any diffusers SD 1.x, 2.x, SDXL or SD 3.5 folder) becomes an original-"
-                      "layout checkpoint, a --use_lora output a kohya-layout LoRA (SD 1.x/2.x/SDXL; Flux.1's, SD "
-                      "3.5's and Qwen-Image's in their own kohya layouts, which ComfyUI reads; AUTOMATIC1111 loads "
-                      "the SD families'); an --adapter loha|lokr output a LyCORIS-layout file (SD 1.x/2.x/SDXL; SD 3.5's, Flux.1's, "
-                      "Chroma's and Qwen-Image's transformer).",
+# The families export.py writes a file of: a full model in its original layout, adapters in kohya's or LyCORIS'
+EXPORTED_MODELS = ", ".join(f.label for f in families.FAMILIES.values() if "export" in f.supports)
+HELPS = {"model_dir": "train.py's output folder: a full model (or any diffusers folder of its families: "
+                      f"{EXPORTED_MODELS}) becomes an original-layout checkpoint; a --use_lora output a kohya-layout "
+                      "LoRA and an --adapter loha|lokr output a LyCORIS-layout file (of the families "
+                      f"{flags.EXPORTED_ADAPTERS}: a UNet's in kohya's names, which ComfyUI and AUTOMATIC1111 read; a "
+                      "transformer's in its family's original names, which ComfyUI reads).",
          "overwrite": "Replace --output_file if it exists."}
 
 

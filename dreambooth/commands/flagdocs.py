@@ -10,6 +10,7 @@ import os
 import re
 import sys
 
+from dreambooth import families
 from dreambooth.config import flags
 from dreambooth.files import REPO_DIR
 
@@ -94,7 +95,7 @@ def run_sh_section():
     text = open(os.path.join(REPO_DIR, "dreambooth_run.sh")).read()
     header = re.search(r"^#   \./dreambooth_run\.sh.*?(?=^#\n)", text, re.M | re.S)[0]
     lines = ["## dreambooth_run.sh", "", "Steps 0-6 as one script. `./dreambooth_run.sh --help` says the same.", "",
-             "```", *(line[2:] for line in header.splitlines()), "```", "",
+             "```", *(line[2:] for line in header.splitlines()), "", *families.listing(), "```", "",
              "Settings are environment variables:", "", "| variable | default | what |", "| --- | --- | --- |"]
     for name, default, meaning in re.findall(r'^  "([A-Z_]+)\|(.*?)\|(.*)"$', text, re.M):
         lines.append(f"| `{name}` | {_cell(default.replace(chr(92), '')) or 'none'} | "

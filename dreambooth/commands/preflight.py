@@ -31,7 +31,7 @@ from dreambooth import storage
 from dreambooth.cluster import raycluster
 from dreambooth.cluster import torch_gpus
 from dreambooth.config import flags
-from dreambooth.families import objectives
+from dreambooth.families.shared import objectives
 from dreambooth.generation import imagefiles
 from dreambooth.generation import prompts
 from dreambooth.models import known_models

@@ -39,6 +39,8 @@ FLOW_DEFAULTS = "; ".join(f"{f.label}: {f.default_weighting_scheme}" for f in _F
 FLOW_PRECONDITION = "; ".join(f"{f.label}: {int(f.precondition_outputs)}" for f in _FLOW)
 GUIDANCE_DEFAULTS = "; ".join(f"{f.label}: {f.guidance_scale:g}" for f in families.FAMILIES.values())
 GUIDED = " and ".join(f.label for f in families.FAMILIES.values() if f.guided_training)  # (Flux.1 dev, FLUX.2 [dev])
+# The families whose LoRA (and LoHa, LoKr) adapters export.py writes as one file
+EXPORTED_ADAPTERS = ", ".join(f.label for f in families.FAMILIES.values() if "export_lora" in f.supports)
 
 
 # name -> (option strings, add_argument keyword arguments). The name is the attribute the
@@ -175,7 +177,7 @@ FLAGS = {
                   "direction; diffusers' --use_dora) on the denoiser, the text encoders' adapters LoRA (diffusers' "
                   "load_lora_weights drops their magnitudes); loha and lokr (LyCORIS' Hadamard and Kronecker "
                   "products), which generate.py, evaluate.py and sweep.py load through peft and export.py writes in "
-                  "LyCORIS' layout (SD 1.x, 2.x, SDXL; SD 3.5's, Flux.1's, Chroma's and Qwen-Image's transformer).")),
+                  f"LyCORIS' layout ({EXPORTED_ADAPTERS}).")),
     "use_dora": (("--use_dora",),
         dict(action="store_true", help="The same as --adapter dora (diffusers' SDXL LoRA script's flag).")),
     "lora_rank": (("--rank", "--lora_rank"),

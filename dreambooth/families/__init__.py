@@ -1,39 +1,61 @@
-"""The model families in one table, and the model folder's own reads and check.
+"""The model families, each a folder here that registers itself, and the model folder's own reads and check.
+
+A family is a folder (sd1/, sdxl/, flux/, ...) whose __init__.py defines FAMILY, an instance of a subclass of
+shared.family.Family; the table below is every such folder, named by it (a family's name is its folder's, and its
+random models' --arch is the same unless it says another), in the order the families give. shared/ holds the
+interface and what several families share; a new family is one more folder, and every list the suite shows
+(--arch, --help, the memory table, export.py's families) is read from this table.
 
 A model's family is found from its folder (model_index.json's pipeline class, and for the
 StableDiffusionPipeline the text encoder's activation: OpenAI CLIP's quick_gelu in SD 1.x,
-OpenCLIP's gelu in SD 2.x), never from a flag, and carried in the Plan from there. What a family
-provides is family.Family; each is one module (family_sd1.py, family_sd2.py, family_sdxl.py,
-family_sd3.py, family_flux.py, family_qwen.py, family_flux2.py, family_flux2_dev.py, family_zimage.py,
-family_chroma.py). A later family is one more module and one more entry here.
+OpenCLIP's gelu in SD 2.x), never from a flag, and carried in the Plan from there.
 """
 
 import dataclasses
+import importlib
 import os
+import pkgutil
 
 from dreambooth import errors
 from dreambooth import files
-from dreambooth.families import family_chroma
-from dreambooth.families import family_flux
-from dreambooth.families import family_flux2
-from dreambooth.families import family_flux2_dev
-from dreambooth.families import family_qwen
-from dreambooth.families import family_sd1
-from dreambooth.families import family_sd2
-from dreambooth.families import family_sd3
-from dreambooth.families import family_sdxl
-from dreambooth.families import family_zimage
-from dreambooth.families.family import Family  # noqa: F401 (the interface every entry implements, named beside the table)
-from dreambooth.families.family import part_config
+from dreambooth.families.shared.family import Family  # noqa: F401 (the interface every entry implements)
+from dreambooth.families.shared.family import part_config
 
-FAMILIES = {f.name: f for f in (family_sd1.FAMILY, family_sd2.FAMILY, family_sdxl.FAMILY, family_sd3.FAMILY,
-                                      family_flux.FAMILY, family_qwen.FAMILY, family_flux2.FAMILY,
-                                      family_flux2_dev.FAMILY, family_zimage.FAMILY, family_chroma.FAMILY)}
+SHARED = "shared"  # the folder of what several families share: not a family
+
+
+def discover(package_paths=None, package=__name__):
+    """{name: Family} of every family folder in package_paths (this package's folders by default), in the families'
+    order (Family.order, then name)."""
+    found = []
+    for module in pkgutil.iter_modules(package_paths or __path__):
+        if not module.ispkg or module.name == SHARED or module.name.startswith("_"):
+            continue
+        family = importlib.import_module(f"{package}.{module.name}").FAMILY
+        family.name = module.name
+        if family.random is not None and not family.random.arch:
+            family.random.arch = module.name
+        found.append(family)
+    return {f.name: f for f in sorted(found, key=lambda f: (f.order, f.name))}
+
+
+FAMILIES = discover()
 ARCHS = {f.random.arch: f for f in FAMILIES.values()}  # the --arch names of the random models built here
-DEFAULT = family_sd1.FAMILY  # the default model's (sd14) and --tiny's without --arch
+DEFAULT = FAMILIES["sd1"]  # the default model's (sd14) and --tiny's without --arch
 # The base models known by short name: each family's own list (not one it inherits), in the table's order
 KNOWN_MODELS = tuple(dataclasses.replace(model, family=name) for name, f in FAMILIES.items()
                      for model in vars(type(f)).get("known_models", ()))
+
+
+def listing():
+    """The lines of dreambooth_run.sh --help and docs/FLAGS.md about the families: each --arch with its label, then
+    the base models' short names and the gated ones."""
+    return ["Families (--tiny --arch NAME builds a tiny random model of one):",
+            *(f"  {arch:<10} {f.label}" for arch, f in ARCHS.items()),
+            "Base models by short name (ORIG_MODEL_NAME): " + ", ".join(m.short_name for m in KNOWN_MODELS),
+            "  gated (a hub token needed): " + ", ".join(m.short_name for m in KNOWN_MODELS if m.gated)]
+
+
 ACTIONS = {"draw": "drawing images with", "train": "training", "export": "exporting",
            "export_lora": "exporting LoRA adapters of"}
 

@@ -1,5 +1,5 @@
 """The base models the suite knows by short name (sd14 ... sd35-large), as the families list them
-(families/known.py): found by any of their names, and what a gated one needs before its download."""
+(families/shared/known.py): found by any of their names, and what a gated one needs before its download."""
 
 import difflib
 import os

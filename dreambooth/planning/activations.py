@@ -71,7 +71,7 @@ def meta_denoiser(family, source):
     import torch
 
     from dreambooth import hub
-    from dreambooth.families import family as family_lib  # (here, not at the top: see per_image_gib)
+    from dreambooth.families.shared import family as family_lib  # (here, not at the top: see per_image_gib)
     from dreambooth.models import random_models
 
     hub.quiet_hf_logging()  # (diffusers' note on casting a model with fp32 modules to bf16)

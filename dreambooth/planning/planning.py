@@ -16,7 +16,7 @@ from dreambooth import families
 from dreambooth import files
 from dreambooth import storage
 from dreambooth.config import flags
-from dreambooth.families import objectives
+from dreambooth.families.shared import objectives
 from dreambooth.models import outputs
 from dreambooth.planning import checkpoints
 from dreambooth.planning import inputs

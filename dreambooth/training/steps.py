@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from dreambooth import machine
-from dreambooth.families import objectives
+from dreambooth.families.shared import objectives
 from dreambooth.generation import imaging
 from dreambooth.training import conditioning
 

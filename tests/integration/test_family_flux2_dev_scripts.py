@@ -8,7 +8,7 @@ from PIL import Image
 from dreambooth import errors
 from dreambooth import families
 from dreambooth.commands import preflight
-from dreambooth.families import family_flux2_dev
+from dreambooth.families import flux2dev as family_flux2_dev
 
 
 def test_the_released_tokenizer_without_torchvision_is_refused_in_one_line(tiny_flux2dev_model, tmp_path):

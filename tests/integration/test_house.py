@@ -1,6 +1,7 @@
 """The repository's own checks of its code (pyproject.toml): ruff, and the import contracts that keep the
-package's layers (lower modules never import higher ones; family modules know nothing of training), which fail
-on an upward import planted in a copy of the package; and no import circle anywhere in the package."""
+package's layers (lower modules never import higher ones; families know nothing of training and never import one
+another), which fail on an upward import and a family's import of another planted in a copy of the package; and no
+import circle anywhere in the package."""
 
 import os
 import shutil
@@ -26,22 +27,24 @@ def lint_imports(folder):
 
 def test_the_import_contracts_hold_with_no_circle_and_an_upward_import_breaks_them(tmp_path):
     kept = lint_imports(REPO)
-    assert kept.returncode == 0 and "3 kept, 0 broken" in kept.stdout, kept.stdout[-3000:]
+    assert kept.returncode == 0 and "4 kept, 0 broken" in kept.stdout, kept.stdout[-3000:]
     # A copy of the package where errors (a bottom layer) imports train (a command), a family imports steps and
-    # one command imports another.
+    # another family, and one command imports another.
     shutil.copytree(os.path.join(REPO, "dreambooth"), tmp_path / "dreambooth",
                     ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(os.path.join(REPO, "pyproject.toml"), tmp_path)
     with open(tmp_path / "dreambooth" / "errors.py", "a") as f:
         f.write("\n\ndef planted():\n    from dreambooth.commands import train  # noqa: F401\n")
-    with open(tmp_path / "dreambooth" / "families" / "family_sd1.py", "a") as f:
-        f.write("\n\ndef planted():\n    from dreambooth.training import steps  # noqa: F401\n")
+    with open(tmp_path / "dreambooth" / "families" / "sd1" / "__init__.py", "a") as f:
+        f.write("\n\ndef planted():\n    from dreambooth.training import steps  # noqa: F401\n"
+                "    from dreambooth.families import sd2  # noqa: F401\n")
     with open(tmp_path / "dreambooth" / "commands" / "generate.py", "a") as f:
         f.write("\n\ndef planted():\n    from dreambooth.commands import train  # noqa: F401\n")
     broken = lint_imports(str(tmp_path))
-    assert broken.returncode != 0 and "0 kept, 3 broken" in broken.stdout, broken.stdout[-3000:]
+    assert broken.returncode != 0 and "0 kept, 4 broken" in broken.stdout, broken.stdout[-3000:]
     assert "dreambooth.errors -> dreambooth.commands.train" in broken.stdout
-    assert "dreambooth.families.family_sd1 -> dreambooth.training.steps" in broken.stdout
+    assert "dreambooth.families.sd1 -> dreambooth.training.steps" in broken.stdout
+    assert "dreambooth.families.sd1 is not allowed to import dreambooth.families.sd2" in broken.stdout
     assert "dreambooth.commands.generate -> dreambooth.commands.train" in broken.stdout
     assert import_circles(REPO) == [] and ("dreambooth.errors", "dreambooth.commands.train") in import_circles(str(tmp_path))
 

@@ -5,6 +5,7 @@ import pytest
 from support import modes_not_as_umask
 
 from dreambooth import errors
+from dreambooth import families
 from dreambooth import files
 from dreambooth.commands import cache_model
 from dreambooth.files import REPO_DIR
@@ -141,17 +142,19 @@ def test_the_hubs_refusal_of_a_gated_model_is_one_line_saying_what_to_do(tmp_pat
 
 def test_the_readme_and_the_help_name_each_short_name_with_its_pin():
     """Each known model's row in the README's table (hub name, pinned revision, gated or not), and its short
-    name in --model_name's help and dreambooth_run.sh's ORIG_MODEL_NAME line."""
+    name in --model_name's help and in dreambooth_run.sh's --help (the families' listing, which it prints)."""
     import re
 
     readme = open(os.path.join(REPO_DIR, "README.md")).read()
     rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `([\w.-]+)`(?: \(default\))? \|.*$", readme, re.M)}
     script = open(os.path.join(REPO_DIR, "dreambooth_run.sh")).read()
+    assert "print(*families.listing()" in script.split("usage() {")[1].split("\n}")[0]
+    listed = next(line for line in families.listing() if line.startswith("Base models by short name"))
     for model in known_models.KNOWN_MODELS:
         row = rows[model.short_name]
         assert f"| `{model.hub_name}` | `{model.revision}` | {model.resolution} |" in row, row
         assert row.endswith("| yes |" if model.gated else "| no |"), row
-        assert re.search(rf" {model.short_name}[,( ]", script.split("ORIG_MODEL_NAME|")[1].split("\n")[0]), model
+        assert re.search(rf" {model.short_name}(,|$)", listed), model
     # --help lists them as the families do, the gated ones apart.
     flags = cache_model.flags
     for help_text in (flags.FLAGS["model_name"][1]["help"], flags.FLAGS["model_dir"][1]["help"]):

@@ -4,7 +4,7 @@ import numpy as np
 from PIL import Image
 from support import red_is_mask_photos
 
-from dreambooth.families import family as family_lib
+from dreambooth.families.shared import family as family_lib
 from dreambooth.generation import imagefiles
 from dreambooth.generation import imaging
 from dreambooth.training import dataset

@@ -8,7 +8,7 @@ from support import modes_not_as_umask
 from dreambooth import errors
 from dreambooth import families
 from dreambooth.commands import export
-from dreambooth.families import layouts
+from dreambooth.families.shared import layouts
 
 
 def tuned_copy(base_model, folder):

@@ -1,4 +1,4 @@
-"""family_chroma.py: Chroma on its tiny random model (real classes: ChromaTransformer2DModel, T5 with a tokenizer
+"""families/chroma/: Chroma on its tiny random model (real classes: ChromaTransformer2DModel, T5 with a tokenizer
 made here, Flux.1's VAE), its conditioning checked against ChromaPipeline's, its training step against Flux.1's
 script's steps with the pipeline's conditioning (diffusers has no Chroma script), its LoRA in kohya's Flux names
 as ComfyUI reads Chroma's."""
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from dreambooth import families
-from dreambooth.families import family_chroma
-from dreambooth.families import family_flux
+from dreambooth.families import chroma as family_chroma
+from dreambooth.families.shared import fluxblocks
 from dreambooth.generation import prompts
 
 CPU = torch.device("cpu")
@@ -96,7 +96,7 @@ def test_outputs_load_in_the_pipeline_validation_is_generates_and_the_lora_expor
     with safe_open(kohya, "pt") as f:
         theirs = {k: f.get_tensor(k) for k in f.keys()}
     # every key ComfyUI derives for a Chroma LoRA from the model's original (Flux.1-layout) keys, and only those
-    assert {k.split(".")[0] for k in theirs} == {family_flux.kohya_module(m)[0] for m in adapted}
+    assert {k.split(".")[0] for k in theirs} == {fluxblocks.kohya_module(m)[0] for m in adapted}
     assert "lora_unet_double_blocks_0_img_attn_qkv" in {k.split(".")[0] for k in theirs}
     # an unfused layer's update is the trained one (the fused ones: test_family_flux, through diffusers' converter)
     down, up = (theirs[f"lora_unet_double_blocks_0_img_attn_proj.lora_{p}.weight"] for p in ("down", "up"))

@@ -1,4 +1,4 @@
-"""family_flux.py: Flux.1 on its tiny random model (real classes: FluxTransformer2DModel with a guidance input,
+"""families/flux/: Flux.1 on its tiny random model (real classes: FluxTransformer2DModel with a guidance input,
 CLIP-L, T5 with a tokenizer made here, a 16-channel VAE), trained by flow matching on packed latents, without Ray
 (the Ray runs are at the end, marked slow)."""
 
@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from dreambooth import families
-from dreambooth.families import family_flux
+from dreambooth.families import flux as family_flux
+from dreambooth.families.shared import fluxblocks
 from dreambooth.generation import prompts
 from dreambooth.models import networks
 from dreambooth.models import outputs
@@ -33,9 +34,9 @@ def test_packing_is_the_pipelines_and_unpacking_undoes_it():
     from diffusers import FluxPipeline
 
     latents = torch.randn(2, 16, 6, 8)
-    tokens = family_flux.pack(latents)
+    tokens = fluxblocks.pack(latents)
     assert tokens.shape == (2, 12, 64)
-    torch.testing.assert_close(family_flux.unpack(tokens, 6, 8), latents)
+    torch.testing.assert_close(fluxblocks.unpack(tokens, 6, 8), latents)
     torch.testing.assert_close(FluxPipeline._unpack_latents(tokens, 6 * 8, 8 * 8, 8), latents)
 
 

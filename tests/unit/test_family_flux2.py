@@ -1,4 +1,4 @@
-"""family_flux2.py: FLUX.2 [klein] on its tiny random model (real classes: Flux2Transformer2DModel, a Qwen3 text
+"""families/flux2/: FLUX.2 [klein] on its tiny random model (real classes: Flux2Transformer2DModel, a Qwen3 text
 encoder with a byte-level tokenizer made here, AutoencoderKLFlux2), its conditioning and training step checked
 against Flux2KleinPipeline's and diffusers' train_dreambooth_lora_flux2_klein.py's own math."""
 
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from dreambooth import families
-from dreambooth.families import family_flux2
+from dreambooth.families import flux2 as family_flux2
+from dreambooth.families.shared import flux2base
 from dreambooth.generation import prompts
 
 CPU = torch.device("cpu")
@@ -29,7 +30,7 @@ def test_the_family_is_read_from_its_folder_with_the_pipelines_own_constants(tin
     assert families.size_multiple(tiny_flux2_model) == 4  # the VAE's scale x the 2x2 fold (one token a pixel)
     defaults = inspect.signature(pipe._get_qwen3_prompt_embeds).parameters
     assert family_flux2.OUT_LAYERS == defaults["hidden_states_layers"].default
-    assert family_flux2.MAX_TOKENS == pipe.tokenizer_max_length == defaults["max_sequence_length"].default
+    assert flux2base.MAX_TOKENS == pipe.tokenizer_max_length == defaults["max_sequence_length"].default
     assert families.ARCHS["flux2"] is family_flux2.FAMILY
 
 
@@ -39,11 +40,11 @@ def test_our_conditioning_is_the_pipelines(tiny_flux2_model, pipe):
     family = family_flux2.FAMILY
     texts = ["photo of unqtkn toy, on a beach", "photo of a toy"]
     ids = torch.tensor(prompts.prompt_ids(tiny_flux2_model, texts, None, family)["instance"])
-    assert ids.shape == (2, 2, family_flux2.MAX_TOKENS)
+    assert ids.shape == (2, 2, flux2base.MAX_TOKENS)
     with torch.no_grad():
         expected, _ = pipe.encode_prompt(texts)
         states, pooled = family.encode_text([pipe.text_encoder], ids)
-    assert pooled is None and states.shape == (2, family_flux2.MAX_TOKENS, 3 * 32)
+    assert pooled is None and states.shape == (2, flux2base.MAX_TOKENS, 3 * 32)
     torch.testing.assert_close(states, expected)
 
 

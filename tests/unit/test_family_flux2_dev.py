@@ -1,4 +1,4 @@
-"""family_flux2_dev.py: FLUX.2 [dev] on its tiny random model (real classes: Flux2Transformer2DModel with its guidance
+"""families/flux2dev/: FLUX.2 [dev] on its tiny random model (real classes: Flux2Transformer2DModel with its guidance
 input, Mistral3ForConditionalGeneration with a byte-level tokenizer made here, AutoencoderKLFlux2), its conditioning
 and training step checked against Flux2Pipeline's and diffusers' train_dreambooth_lora_flux2.py's own math."""
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from dreambooth import families
-from dreambooth.families import family_flux2
-from dreambooth.families import family_flux2_dev
+from dreambooth.families import flux2dev as family_flux2_dev
+from dreambooth.families.shared import flux2base
 from dreambooth.generation import prompts
 
 
@@ -29,7 +29,7 @@ def test_the_family_is_read_from_its_folder_with_the_pipelines_own_constants(tin
     assert families.native_resolution(tiny_flux2dev_model) == 64 and families.size_multiple(tiny_flux2dev_model) == 4
     defaults = inspect.signature(pipe._get_mistral_3_small_prompt_embeds).parameters
     assert family_flux2_dev.OUT_LAYERS == defaults["hidden_states_layers"].default
-    assert family_flux2.MAX_TOKENS == pipe.tokenizer_max_length == defaults["max_sequence_length"].default
+    assert flux2base.MAX_TOKENS == pipe.tokenizer_max_length == defaults["max_sequence_length"].default
     assert family_flux2_dev.SYSTEM_MESSAGE == system_messages.SYSTEM_MESSAGE == pipe.system_message
     assert family_flux2_dev.FAMILY.guidance_scale == inspect.signature(pipe.__call__).parameters["guidance_scale"].default
     assert pipe.transformer.config.guidance_embeds and families.ARCHS["flux2dev"] is family_flux2_dev.FAMILY
@@ -41,13 +41,13 @@ def test_our_conditioning_is_the_pipelines(tiny_flux2dev_model, pipe):
     family = family_flux2_dev.FAMILY
     texts = ["photo of unqtkn toy, on a beach", "photo of a [IMG]toy"]
     ids = torch.tensor(prompts.prompt_ids(tiny_flux2dev_model, texts, None, family)["instance"])
-    assert ids.shape == (2, 2, family_flux2.MAX_TOKENS)
+    assert ids.shape == (2, 2, flux2base.MAX_TOKENS)
     text = pipe.tokenizer.decode(ids[1, 0][ids[1, 1].bool()])
     assert family_flux2_dev.SYSTEM_MESSAGE in text and "photo of a toy" in text
     with torch.no_grad():
         expected, _ = pipe.encode_prompt(texts)
         states, pooled = family.encode_text([pipe.text_encoder], ids)
-    assert pooled is None and states.shape == (2, family_flux2.MAX_TOKENS, 3 * 32)
+    assert pooled is None and states.shape == (2, flux2base.MAX_TOKENS, 3 * 32)
     torch.testing.assert_close(states, expected)
 
 

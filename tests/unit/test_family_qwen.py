@@ -1,4 +1,4 @@
-"""family_qwen.py: Qwen-Image on its tiny random model (real classes: QwenImageTransformer2DModel, a Qwen2.5-VL
+"""families/qwen/: Qwen-Image on its tiny random model (real classes: QwenImageTransformer2DModel, a Qwen2.5-VL
 text encoder with a byte-level tokenizer made here, AutoencoderKLQwenImage), its conditioning and training step
 checked against QwenImagePipeline's and diffusers' Qwen-Image DreamBooth script's own math."""
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dreambooth import families
-from dreambooth.families import family_qwen
+from dreambooth.families import qwen as family_qwen
 from dreambooth.generation import prompts
 
 CPU = torch.device("cpu")

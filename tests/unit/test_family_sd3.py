@@ -1,4 +1,4 @@
-"""family_sd3.py: SD 3.5 on its tiny random model (real classes: SD3Transformer2DModel, CLIP-L, CLIP-G,
+"""families/sd3/: SD 3.5 on its tiny random model (real classes: SD3Transformer2DModel, CLIP-L, CLIP-G,
 T5 with a tokenizer made here), trained by flow matching, without Ray."""
 
 import dataclasses
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from dreambooth import families
-from dreambooth.families import family_sd3
+from dreambooth.families import sd3 as family_sd3
+from dreambooth.families.shared import builders
 from dreambooth.generation import prompts
 from dreambooth.models import networks
 from dreambooth.models import outputs
@@ -26,7 +27,7 @@ def test_the_family_is_read_from_its_folder_with_its_own_sizes(tiny_sd3_model):
 
 
 def test_the_t5_tokenizer_made_here_spells_any_prompt_and_ends_it():
-    tokenizer = family_sd3.tiny_t5_tokenizer()
+    tokenizer = builders.tiny_t5_tokenizer(family_sd3.T5_MAX_LENGTH)
     ids = tokenizer("photo of unqtkn toy, on a beach!").input_ids
     assert tokenizer.unk_token_id not in ids and ids[-1] == tokenizer.eos_token_id
     assert tokenizer.decode(ids, skip_special_tokens=True) == "photo of unqtkn toy, on a beach!"

@@ -1,4 +1,4 @@
-"""family_zimage.py: Z-Image on its tiny random model (real classes: ZImageTransformer2DModel, a Qwen3 text encoder
+"""families/zimage/: Z-Image on its tiny random model (real classes: ZImageTransformer2DModel, a Qwen3 text encoder
 with a byte-level tokenizer made here, Flux.1's AutoencoderKL), its conditioning and training step checked against
 ZImagePipeline's and diffusers' train_dreambooth_lora_z_image.py's own math."""
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dreambooth import families
-from dreambooth.families import family_zimage
+from dreambooth.families import zimage as family_zimage
 from dreambooth.generation import prompts
 
 CPU = torch.device("cpu")

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from dreambooth.families import objectives
+from dreambooth.families.shared import objectives
 from dreambooth.models import networks
 
 CPU = torch.device("cpu")

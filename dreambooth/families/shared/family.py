@@ -1,8 +1,9 @@
 """What a model family provides: the one interface the suite asks whatever differs between families.
 
-A family is one module (family_sd1.py, family_sd2.py, family_sdxl.py, family_sd3.py, family_flux.py,
-family_qwen.py) with one subclass of Family and its instance; families/__init__.py holds the table of them and
-finds a folder's family. Everything else asks the family object the Plan carries (plan.family, models.family), never `if family == ...`.
+A family is one folder of dreambooth/families (sd1/, sdxl/, flux/, ...) whose __init__.py defines one subclass
+of Family and its instance, FAMILY; families/__init__.py finds the folders and makes the table of them, named by
+their folders, and finds a model folder's family. What several families share is a base or a helper in shared/
+(unet.py, fluxblocks.py, flux2base.py, builders.py, layouts.py); a family never imports another. Everything else asks the family object the Plan carries (plan.family, models.family), never `if family == ...`.
 What a model decides for itself (its prediction type, its native resolution) is read from its own
 configs, not asked here.
 
@@ -15,8 +16,8 @@ import os
 import numpy as np
 
 from dreambooth import files
-from dreambooth.families import layouts
-from dreambooth.families import objectives
+from dreambooth.families.shared import layouts
+from dreambooth.families.shared import objectives
 
 
 def part_config(model_dir, part):
@@ -99,8 +100,9 @@ class Family:
     raise NotImplementedError); the others have the plain default."""
 
     # --- identity
-    name = ""  # the table's key and the record's: "sd1", "sd2", "sdxl", "sd3"
+    name = ""  # the table's key and the record's: its folder's name ("sd1", "sdxl", ...), set by the table
     label = ""  # as the README and error lines say it: "SD 1.x"
+    order = 1000  # its place in the table, the docs' tables and the lists of --help (a later family: after the rest)
     pipeline = ""  # the diffusers pipeline class, as model_index.json names it
     denoiser = "unet"  # the denoiser's subfolder, and its name in the pipeline and in diffusers' LoRA files
     denoiser_label = "UNet"  # as the plan's line says it
@@ -232,10 +234,17 @@ class Family:
         with E (prompts.prompt_ids' shapes)."""
         raise NotImplementedError
 
+    trimmed_text = False  # its text states are as long as the longest prompt's, with their mask (Qwen-Image's)
+
     def pad_text(self, states, side, length):
         """states (N, L, D) and encode_text's second value padded to length L' >= L tokens: the families whose
-        states are always max-length never pad (Qwen-Image's, trimmed to their longest prompt, do)."""
-        return states, side
+        states are always max-length never pad; those of trimmed_text pad both with zeros."""
+        if not self.trimmed_text or length <= states.shape[1]:
+            return states, side
+        import torch.nn.functional as F
+
+        more = length - states.shape[1]
+        return F.pad(states, (0, 0, 0, more)), F.pad(side, (0, more))
 
     def text_width(self, denoiser_config):
         """The width of the text states a flow-matching denoiser of this config reads (planning/activations.py)."""

@@ -1,7 +1,7 @@
 """FLUX.2 [dev]: FLUX.2 [klein]'s transformer at 32 B parameters, over the same VAE, with a guidance input
 (guidance-distilled, as Flux.1 dev: one prompt and the guidance value, no negative prompt), conditioned on three
 hidden layers (10, 20, 30) of Mistral Small 3.1 (Mistral3ForConditionalGeneration, 24 B) read through its chat
-template with the pipeline's system message. Everything else is family_flux2's: the latents, the token layout, the
+template with the pipeline's system message. Everything else is the FLUX.2 base's (flux2base.py): the latents, the token layout, the
 objective. Trained as diffusers' train_dreambooth_lora_flux2.py trains it: the guidance value is an input in
 training too (--guidance_scale; that script's default is 3.5, the pipeline draws at 4.0, and one value serves both
 here: 4.0 unless given).
@@ -12,9 +12,9 @@ a run starts); the tiny model built here saves a plain tokenizer, which AutoProc
 """
 
 from dreambooth import errors
-from dreambooth.families import family_flux2
-from dreambooth.families import family_qwen
-from dreambooth.families import known
+from dreambooth.families.shared import builders
+from dreambooth.families.shared import flux2base
+from dreambooth.families.shared import known
 
 OUT_LAYERS = (10, 20, 30)  # Flux2Pipeline's text_encoder_out_layers default, and diffusers' script's
 # Flux2Pipeline's SYSTEM_MESSAGE (diffusers/pipelines/flux2/system_messages.py), the text every prompt follows
@@ -34,7 +34,7 @@ TORCHVISION_LINE = ("FLUX.2 [dev]'s tokenizer (transformers' PixtralProcessor, a
 def tiny_tokenizer():
     """Qwen-Image's tiny byte-level tokenizer with the template above and Pixtral's image token ([IMG], which
     the pipeline strips from prompts)."""
-    tokenizer = family_qwen.tiny_tokenizer()
+    tokenizer = builders.tiny_byte_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "[IMG]"]})
     tokenizer.chat_template = TINY_CHAT_TEMPLATE
     return tokenizer
@@ -47,17 +47,16 @@ def messages_of(prompt):
             {"role": "user", "content": [{"type": "text", "text": prompt.replace("[IMG]", "")}]}]
 
 
-class Flux2DevModels(family_flux2.Flux2Models):
-    arch = "flux2dev"
+class Flux2DevModels(flux2base.Flux2Models):
     note = "FLUX.2 [dev]'s layout: [klein]'s transformer with a guidance input, a Mistral 3 text encoder read at " \
            "three layers"
     # tiny: as [klein]'s, with a Mistral 3 of 30 layers 32 wide (layers 10, 20 and 30 read) and a 1-layer vision tower
-    changes = dict(family_flux2.Flux2Models.changes, text_depth=30, text_kv_heads=1, vision_width=16)
+    changes = dict(flux2base.TINY, text_depth=30, text_kv_heads=1, vision_width=16)
     guidance_embeds = True
     # FLUX.2 [dev]'s shapes (--random_model flux2-dev), 1024 px: 8 + 48 blocks of 48 heads of 128 (diffusers'
     # Flux2Transformer2DModel defaults) reading Mistral Small 3.1's layers 10, 20, 30 (3 x 5120 wide: 40 layers,
     # its 24-layer Pixtral vision tower too: the pipeline loads the whole model), the VAE of 32 latent channels
-    own_sizes = {"flux2-dev": dict(family_flux2.Flux2Models._vae, layers=8, single_layers=48, head_dim=128, heads=48,
+    own_sizes = {"flux2-dev": dict(flux2base.Flux2Models._vae, layers=8, single_layers=48, head_dim=128, heads=48,
                                    rope=(32, 32, 32, 32), text_hidden=5120, text_depth=40, text_heads=32,
                                    text_kv_heads=8, text_head_dim=128, text_ff=32768, text_vocab=131072,
                                    vision_width=1024, vision_depth=24, vision_heads=16, vision_ff=4096,
@@ -75,7 +74,7 @@ class Flux2DevModels(family_flux2.Flux2Models):
         text = MistralConfig(vocab_size=arch.get("text_vocab", len(mistral_tokenizer)), hidden_size=width,
                              intermediate_size=arch.get("text_ff", 2 * width), num_hidden_layers=arch["text_depth"],
                              num_attention_heads=arch["text_heads"], num_key_value_heads=arch["text_kv_heads"],
-                             head_dim=arch["text_head_dim"], max_position_embeddings=2 * family_flux2.MAX_TOKENS,
+                             head_dim=arch["text_head_dim"], max_position_embeddings=2 * flux2base.MAX_TOKENS,
                              tie_word_embeddings=False, pad_token_id=mistral_tokenizer.pad_token_id)
         heads = arch.get("vision_heads", 1)
         vision_config = PixtralVisionConfig(hidden_size=vision, intermediate_size=arch.get("vision_ff", 2 * vision),
@@ -92,10 +91,11 @@ class Flux2DevModels(family_flux2.Flux2Models):
         return Flux2Pipeline(tokenizer=tiny_tokenizer(), scheduler=self.scheduler(), **nets)
 
 
-class Flux2Dev(family_flux2.Flux2Klein):
-    name, label = "flux2dev", "FLUX.2 [dev]"
+class Flux2Dev(flux2base.Flux2Family):
+    label = "FLUX.2 [dev]"
+    order = 80
     pipeline = "Flux2Pipeline"
-    # (its LoRA layers, denoiser_lora_targets, are [klein]'s: diffusers' FLUX.2 script names the same ones)
+    # (its LoRA layers, denoiser_lora_targets, are the base's: diffusers' FLUX.2 script names [klein]'s ones)
     text_encoders = ("text_encoder",)  # Mistral Small 3.1 (three of its hidden layers)
     guidance_scale = 4.0  # Flux2Pipeline's default (see the module's note)
     guided_training = True  # the guidance value is an input of the transformer in training too
@@ -149,7 +149,7 @@ class Flux2Dev(family_flux2.Flux2Klein):
 
         tokens = tokenizers[0].apply_chat_template([messages_of(prompt)], add_generation_prompt=False, tokenize=True,
                                                    return_dict=True, return_tensors="np", padding="max_length",
-                                                   truncation=True, max_length=family_flux2.MAX_TOKENS)
+                                                   truncation=True, max_length=flux2base.MAX_TOKENS)
         return np.stack([tokens["input_ids"][0], tokens["attention_mask"][0]]).astype(np.int64)
 
     def pipeline_text(self, states, side, negative, negative_side):

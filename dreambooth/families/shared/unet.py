@@ -1,31 +1,11 @@
-"""SD 1.x (1.4, 1.5): one CLIP ViT-L text encoder (OpenAI's, quick_gelu) whose last layer's states
-condition the UNet; PNDM at 512 px; a safety checker; the original single file's text encoder under
-cond_stage_model.transformer.* in transformers' names. SD 2.x and SDXL build on it."""
+"""The UNet families' base (SD 1.x's layout, which SD 2.x and SDXL build on): a UNet2DConditionModel conditioned
+on CLIP text states, the StableDiffusionPipeline with its safety checker, and the original single file's UNet
+layout (layouts.py) with kohya's names for its LoRA. Each UNet family subclasses UNetModels and UNetFamily in its
+own folder and says what it changes."""
 
-from dreambooth.families import builders
-from dreambooth.families import family
-from dreambooth.families import known
-from dreambooth.families import layouts
-
-
-def clip_text_encoder(cls, spec, tokenizer, act, **extra):
-    """A random CLIP text encoder (cls: transformers' CLIPTextModel or CLIPTextModelWithProjection)
-    of a random_models.MODEL_SIZES spec's width, for tokenizer's vocabulary."""
-    from transformers import CLIPTextConfig
-
-    return cls(CLIPTextConfig(
-        vocab_size=spec.get("vocab_size", len(tokenizer)),
-        hidden_size=spec["text_hidden"],
-        intermediate_size=4 * spec["text_hidden"],
-        num_hidden_layers=spec["text_layers"],
-        num_attention_heads=spec["text_heads"],
-        max_position_embeddings=tokenizer.model_max_length,
-        hidden_act=act,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        **extra,
-    ))
+from dreambooth.families.shared import builders
+from dreambooth.families.shared import family
+from dreambooth.families.shared import layouts
 
 
 def tiny_safety_checker(projection_dim=32):
@@ -48,15 +28,18 @@ def tiny_safety_checker(projection_dim=32):
     return checker, processor
 
 
-class SD1Models(builders.RandomModels):
-    arch = "sd1"
-    note = "SD 1.4/1.5's layout"  # cache_model.py --help
-    changes = dict(text_act="quick_gelu", linear_projection=False, prediction_type="epsilon", resolution_scale=1)
+def heads_of_64(channels):
+    """The UNet's attention_head_dim for heads of 64 channels (SD 2.x, SDXL): more heads at each wider level."""
+    return tuple(max(2, c // 64) for c in channels)
+
+
+class UNetModels(builders.RandomModels):
+    """SD 1.x's random models; a UNet family's changes (text_act, linear_projection) say what differs."""
 
     def text_encoders(self, spec, tokenizer):
         from transformers import CLIPTextModel
 
-        encoder = clip_text_encoder(CLIPTextModel, spec, tokenizer, self.changes["text_act"])
+        encoder = builders.clip_text_encoder(CLIPTextModel, spec, tokenizer, self.changes["text_act"])
         return {"text_encoder": encoder}, spec["text_hidden"], {}
 
     def unet_heads(self, channels):
@@ -93,17 +76,11 @@ class SD1Models(builders.RandomModels):
                                        feature_extractor=processor, requires_safety_checker=safety_checker, **nets)
 
 
-class SD1(family.Family):
-    name, label = "sd1", "SD 1.x"
+class UNetFamily(family.Family):
+    """SD 1.x's pipeline, text encoder and single-file layout."""
+
     pipeline = "StableDiffusionPipeline"
     safety_checker = True
-    released_resolutions = (512,)
-    released_params = {"unet": 859.52e6, "text_encoder": 123.06e6, "vae": 83.65e6}
-    random = SD1Models()
-
-    def matches(self, pipeline, text_encoder_config):
-        # OpenAI's CLIP uses quick_gelu, OpenCLIP's (SD 2.x) gelu; unreadable: the model check says why
-        return pipeline == self.pipeline and text_encoder_config.get("hidden_act") != "gelu"
 
     def size_multiple(self, model_dir):
         """The VAE's downscaling times the UNet's (each down block but the last halves the latents)."""
@@ -119,8 +96,6 @@ class SD1(family.Family):
 
     # --- export: the UNet families' layouts (layouts.py), the text encoders' prefixes their own
     kohya_text_prefixes = {"text_encoder": "lora_te_"}  # kohya's names of its text encoders' LoRA modules
-    # GiB per worker measured on a GPU at 512 px, 2 + 2 images a step (memory.Setup's fields that differ)
-    measured_memory = (({}, 18.0), ({"gradient_checkpointing": True}, 15.2))
     unet_extra_prefixes = ()  # (diffusers prefix, original prefix, renames inside) beyond SD 1.x's UNet
 
     def single_file_denoiser(self, unet):
@@ -132,14 +107,3 @@ class SD1(family.Family):
 
     def kohya_lora(self, state_dict, alphas, model_dir):
         return layouts.unet_kohya_lora(state_dict, alphas, self.kohya_text_prefixes)
-
-    # The base models of this family the suite knows by short name (families.KNOWN_MODELS)
-    known_models = (
-        known.KnownModel("sd14", "CompVis/stable-diffusion-v1-4", "b95be7d6f134c3a9e62ee616f310733567f069ce", 512, "epsilon",
-                         4.3),
-        known.KnownModel("sd15", "stable-diffusion-v1-5/stable-diffusion-v1-5", "451f4fe16113bff5a5d2269ed5ad43b0592e9a14",
-                         512, "epsilon", 4.3, aliases=("runwayml/stable-diffusion-v1-5",)),
-    )
-
-
-FAMILY = SD1()

@@ -1,6 +1,7 @@
 """The original single-file layouts the other tools read (A1111, ComfyUI, kohya's sd-scripts), shared by the
-families: the key maps of a UNet (SD 1.x, 2.x, SDXL) and of the VAE every family has, and kohya's names of a UNet
-family's LoRA. Each family's own layout (a transformer's) is in its module; export.py asks the family."""
+families: the key maps of a UNet (SD 1.x, 2.x, SDXL) and of the VAE every family has, kohya's names of a UNet
+family's LoRA, and OpenCLIP's names of a text encoder (SD 2.x's, SDXL's second). Each family's own layout (a
+transformer's) is in its folder; export.py asks the family."""
 
 import re
 
@@ -159,3 +160,46 @@ def lycoris(state_dict, alphas, text_prefixes, ranks):
         out.update({f"{name}.{factor}": tensor.contiguous() for factor, tensor in factors.items()})
         out[f"{name}.alpha"] = torch.tensor(alpha)
     return out
+
+
+# SD 2.x's text encoder in OpenCLIP's names: diffusers name inside a layer -> OpenCLIP name.
+OPEN_CLIP_LAYER = {"layer_norm1": "ln_1", "layer_norm2": "ln_2", "self_attn.out_proj": "attn.out_proj",
+                   "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj"}
+OPEN_CLIP_OUTER = {"text_model.embeddings.token_embedding.weight": "token_embedding.weight",
+                   "text_model.embeddings.position_embedding.weight": "positional_embedding",
+                   "text_model.final_layer_norm.weight": "ln_final.weight",
+                   "text_model.final_layer_norm.bias": "ln_final.bias"}
+
+
+def open_clip_text_encoder(weights, prefix):
+    """{prefix + OpenCLIP key: tensor} of a text encoder ({text_model.* key: tensor}): OpenCLIP's
+    resblocks, each layer's q, k and v projections stacked into in_proj (q first), and a
+    projection (SDXL's second encoder) as OpenCLIP's text_projection matrix, transposed.
+    The released SD 2.x files hold one layer more (OpenCLIP's last, which SD 2.x never uses:
+    it reads the layer before); the other tools load without it, as diffusers drops it."""
+    import torch
+
+    out, qkv = {}, {}
+    layer = re.compile(r"^text_model\.encoder\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+    for key, tensor in weights.items():
+        if key in OPEN_CLIP_OUTER:
+            out[OPEN_CLIP_OUTER[key]] = tensor
+            continue
+        if key == "text_projection.weight":
+            out["text_projection"] = tensor.T.contiguous()
+            continue
+        match = layer.match(key)
+        if match is None:
+            if key.endswith("position_ids"):
+                continue  # a buffer, not a weight
+            raise errors.UserError(f"export: no OpenCLIP name for the text encoder weight {key}")
+        index, module, kind = match.groups()
+        if module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+            qkv.setdefault((index, kind), {})[module[len("self_attn."):-len("_proj")]] = tensor
+        elif module in OPEN_CLIP_LAYER:
+            out[f"transformer.resblocks.{index}.{OPEN_CLIP_LAYER[module]}.{kind}"] = tensor
+        else:
+            raise errors.UserError(f"export: no OpenCLIP name for the text encoder weight {key}")
+    for (index, kind), parts in qkv.items():
+        out[f"transformer.resblocks.{index}.attn.in_proj_{kind}"] = torch.cat([parts["q"], parts["k"], parts["v"]])
+    return {prefix + key: tensor for key, tensor in out.items()}

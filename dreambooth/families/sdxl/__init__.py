@@ -4,13 +4,13 @@ size and crop (six numbers, "text_time") go in as added conditions. 1024 px, Eul
 0.13025 that needs fp32 (force_upcast); no safety checker. The original single file holds the
 encoders under conditioner.embedders.0 (transformers' names) and .1 (OpenCLIP's)."""
 
-from dreambooth.families import family_sd1
-from dreambooth.families import family_sd2
-from dreambooth.families import known
+from dreambooth.families.shared import builders
+from dreambooth.families.shared import known
+from dreambooth.families.shared import layouts
+from dreambooth.families.shared import unet
 
 
-class SDXLModels(family_sd1.SD1Models):
-    arch = "sdxl"
+class SDXLModels(unet.UNetModels):
     note = "SDXL base's: two text encoders, size and crop conditioning, 2x the resolution"  # cache_model.py --help
     changes = dict(text_act="quick_gelu", text2_act="gelu", linear_projection=True, prediction_type="epsilon",
                    resolution_scale=2, time_embed_dim=8, vae_scaling_factor=0.13025)
@@ -33,8 +33,8 @@ class SDXLModels(family_sd1.SD1Models):
                     text_layers=spec.get("text2_layers", spec["text_layers"]),
                     text_heads=spec.get("text2_heads", spec["text_heads"]))
         arch = self.changes
-        encoders = {"text_encoder": family_sd1.clip_text_encoder(CLIPTextModel, spec, tokenizer, arch["text_act"]),
-                    "text_encoder_2": family_sd1.clip_text_encoder(CLIPTextModelWithProjection, wide, tokenizer,
+        encoders = {"text_encoder": builders.clip_text_encoder(CLIPTextModel, spec, tokenizer, arch["text_act"]),
+                    "text_encoder_2": builders.clip_text_encoder(CLIPTextModelWithProjection, wide, tokenizer,
                                                                    arch["text2_act"],
                                                                    projection_dim=wide["text_hidden"])}
         # The pooled text embedding and six size/crop numbers, each in a time_embed_dim sinusoid.
@@ -44,7 +44,8 @@ class SDXLModels(family_sd1.SD1Models):
                           transformer_layers_per_block=spec.get("transformer_layers", 1))
         return encoders, spec["text_hidden"] + wide["text_hidden"], unet_extra
 
-    unet_heads = family_sd2.SD2Models.unet_heads
+    def unet_heads(self, channels):
+        return unet.heads_of_64(channels)
 
     def vae_config(self):
         return {"scaling_factor": self.changes["vae_scaling_factor"], "force_upcast": True}
@@ -62,8 +63,9 @@ class SDXLModels(family_sd1.SD1Models):
                                          **nets)
 
 
-class SDXL(family_sd1.SD1):
-    name, label = "sdxl", "SDXL"
+class SDXL(unet.UNetFamily):
+    label = "SDXL"
+    order = 30
     pipeline = "StableDiffusionXLPipeline"
     text_encoders = ("text_encoder", "text_encoder_2")
     safety_checker = False
@@ -123,7 +125,7 @@ class SDXL(family_sd1.SD1):
 
     def single_file_text_encoders(self, weights):
         return {**{"conditioner.embedders.0.transformer." + k: t for k, t in weights[0].items()},
-                **family_sd2.open_clip_text_encoder(weights[1], "conditioner.embedders.1.model.")}
+                **layouts.open_clip_text_encoder(weights[1], "conditioner.embedders.1.model.")}
 
     # The base models of this family the suite knows by short name (families.KNOWN_MODELS)
     known_models = (

@@ -8,17 +8,14 @@ objectives.flow_matching on the scheduler's sigmas, uniform timesteps), with the
 The original layout is Flux.1's, so its LoRA exports in Flux.1's kohya names, which ComfyUI reads for Chroma.
 """
 
-from dreambooth.families import builders
-from dreambooth.families import family
-from dreambooth.families import family_flux
-from dreambooth.families import family_sd3
-from dreambooth.families import known
+from dreambooth.families.shared import builders
+from dreambooth.families.shared import fluxblocks
+from dreambooth.families.shared import known
 
 T5_MAX_LENGTH = 512  # ChromaPipeline's max_sequence_length default
 
 
-class ChromaModels(builders.RandomModels):
-    arch = "chroma"
+class ChromaModels(fluxblocks.FluxBlocksModels):
     note = "Chroma's layout: Flux.1's double/single-stream transformer with an approximator for its modulation, " \
            "T5 with its mask, flow matching, 16-channel latents packed 2x2"
     changes = dict(resolution_scale=1, layers=1, single_layers=1, head_dim=16, heads=2, rope=(4, 4, 8), t5_width=32,
@@ -33,7 +30,7 @@ class ChromaModels(builders.RandomModels):
 
     def text_encoders(self, spec, tokenizer):
         arch = {**self.changes, **spec}
-        t5 = family_sd3.t5_encoder(arch, family_sd3.tiny_t5_tokenizer(T5_MAX_LENGTH))
+        t5 = builders.t5_encoder(arch, builders.tiny_t5_tokenizer(T5_MAX_LENGTH))
         return {"text_encoder": t5}, arch["t5_width"], {}
 
     def denoiser(self, spec, latent_size, text_width, extra):
@@ -46,22 +43,19 @@ class ChromaModels(builders.RandomModels):
                                         axes_dims_rope=arch["rope"], approximator_hidden_dim=arch["approximator_width"],
                                         approximator_layers=arch["approximator_layers"])
 
-    vae_config = family_flux.FluxModels.vae_config
-
     def pipeline(self, nets, tokenizer, betas, safety_checker):
         from diffusers import ChromaPipeline
         from diffusers import FlowMatchEulerDiscreteScheduler
 
         scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
                                                     max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
-        return ChromaPipeline(tokenizer=family_sd3.tiny_t5_tokenizer(T5_MAX_LENGTH), scheduler=scheduler, **nets)
+        return ChromaPipeline(tokenizer=builders.tiny_t5_tokenizer(T5_MAX_LENGTH), scheduler=scheduler, **nets)
 
 
-class Chroma(family.Family):
-    name, label = "chroma", "Chroma"
+class Chroma(fluxblocks.FluxBlocks):
+    label = "Chroma"
+    order = 100
     pipeline = "ChromaPipeline"
-    denoiser, denoiser_label = "transformer", "transformer"
-    denoiser_lora_targets = family_flux.Flux.denoiser_lora_targets  # (Flux.1's blocks, Flux.1's script's layers)
     text_encoders = ("text_encoder",)  # T5 (its states, with their mask)
     trainable_text_encoders = ()  # T5 stays frozen, as in Flux.1's script
     supports = frozenset({"train", "draw", "export_lora"})  # (not yet: a full model as one file)
@@ -78,9 +72,6 @@ class Chroma(family.Family):
     known_models = (known.KnownModel("chroma", "lodestones/Chroma1-HD", "0e0c60ece1e82b17cb7f77342d765ba5024c40c0", 1024,
                                      "flow", 27.5),)
     text_tokens = T5_MAX_LENGTH  # the text states' length in training (activations.py)
-
-    native_resolution = family_flux.Flux.native_resolution
-    size_multiple = family_flux.Flux.size_multiple
 
     # --- the networks
     def load_denoiser(self, load):
@@ -125,9 +116,8 @@ class Chroma(family.Family):
         return dict(prompt_embeds=states, prompt_attention_mask=side, negative_prompt_embeds=negative,
                     negative_prompt_attention_mask=negative_side)
 
-    # --- the objective and the denoiser
-    flow_matching = True
-    default_weighting_scheme = "none"  # (Flux.1's script's default: uniform)
+    # --- the denoiser (Flux.1's blocks' LoRA layers, Flux.1's script's objective and kohya layout: ComfyUI reads
+    # Chroma's LoRA in Flux.1's names)
 
     def denoise(self, model, noisy, timesteps, states, pooled, time_ids, guidance=None):
         """The velocity (B, C, h, w) of noisy latents: packed into tokens with their ids as Flux.1's, the text mask
@@ -135,22 +125,18 @@ class Chroma(family.Family):
         import torch
 
         h, w = noisy.shape[-2:]
-        tokens = family_flux.pack(noisy)
+        tokens = fluxblocks.pack(noisy)
         mask = None
         if pooled is not None:
             mask = torch.cat([pooled, torch.ones(tokens.shape[:2], device=noisy.device, dtype=torch.bool)], dim=1)
         out = model(hidden_states=tokens, timestep=timesteps / 1000, encoder_hidden_states=states,
                     txt_ids=states.new_zeros(states.shape[1], 3),
-                    img_ids=family_flux.image_ids(h, w, noisy.device, states.dtype), attention_mask=mask,
+                    img_ids=fluxblocks.image_ids(h, w, noisy.device, states.dtype), attention_mask=mask,
                     return_dict=False)[0]
-        return family_flux.unpack(out, h, w)
+        return fluxblocks.unpack(out, h, w)
 
     def pipeline_kwargs(self):
         return {"max_sequence_length": T5_MAX_LENGTH}
-
-    unpack_latents = family_flux.Flux.unpack_latents
-    lora_file_layers = family_flux.Flux.lora_file_layers
-    kohya_lora = family_flux.Flux.kohya_lora  # (Flux.1's layout: ComfyUI reads Chroma's LoRA in its names)
 
 
 FAMILY = Chroma()

@@ -5,51 +5,12 @@ zero-padded to T5's width). Trained on the straight path towards the velocity (o
 on the scheduler's shifted sigmas; 1024 px; no safety checker.
 """
 
-import string
-
-from dreambooth.families import builders
-from dreambooth.families import family
-from dreambooth.families import family_sd1
-from dreambooth.families import known
-from dreambooth.families import layouts
+from dreambooth.families.shared import builders
+from dreambooth.families.shared import family
+from dreambooth.families.shared import known
+from dreambooth.families.shared import layouts
 
 T5_MAX_LENGTH = 77  # T5's tokens in training (diffusers' SD3 scripts' --max_sequence_length default)
-
-
-def tiny_t5_tokenizer(max_length=T5_MAX_LENGTH):
-    """A T5 tokenizer made here (the tokenizers library's Unigram model, as T5's sentencepiece one is):
-    every character alone and after a word boundary, a few whole words, T5's <pad>, </s> and <unk>."""
-    from tokenizers import Tokenizer
-    from tokenizers import decoders
-    from tokenizers import models
-    from tokenizers import pre_tokenizers
-    from tokenizers import processors
-    from transformers import T5TokenizerFast
-
-    pieces = ["<pad>", "</s>", "<unk>", "\u2581"]
-    pieces += ["\u2581" + w for w in ("photo", "of", "a", "the", "dog", "toy", "in")]
-    pieces += [p for c in string.ascii_lowercase + string.digits + string.punctuation for p in (c, "\u2581" + c)]
-    vocab = [(piece, 0.0 if k < 3 else -1.0 - 0.01 * k) for k, piece in enumerate(pieces)]
-    tokenizer = Tokenizer(models.Unigram(vocab, unk_id=2))
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
-    tokenizer.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
-    tokenizer.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
-    return T5TokenizerFast(tokenizer_object=tokenizer, eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
-                           extra_ids=0, model_max_length=max_length)
-
-
-def t5_encoder(arch, tokenizer):
-    """A random T5 encoder of arch's t5_* numbers (T5 v1.1's gated-GELU layout), for tokenizer's ids: the tiny one's
-    vocabulary unless arch names T5's own (t5_vocab)."""
-    from transformers import T5Config
-    from transformers import T5EncoderModel
-
-    width = arch["t5_width"]
-    return T5EncoderModel(T5Config(vocab_size=arch.get("t5_vocab", len(tokenizer)), d_model=width,
-                                   d_kv=arch.get("t5_kv", width // 4), d_ff=arch.get("t5_ff", 2 * width),
-                                   num_layers=arch["t5_layers"], num_heads=arch["t5_heads"],
-                                   feed_forward_proj="gated-gelu", pad_token_id=tokenizer.pad_token_id,
-                                   eos_token_id=tokenizer.eos_token_id))
 
 
 # The original (Stability's MMDiT) layout of a block, as diffusers' single-file converter reads it: diffusers'
@@ -117,7 +78,6 @@ def original_transformer(state_dict, num_layers):
 
 
 class SD3Models(builders.RandomModels):
-    arch = "sd3"
     note = "SD 3.5's layout: an MMDiT transformer, CLIP-L, CLIP-G and T5, flow matching, 16-channel latents"
     changes = dict(resolution_scale=1, layers=2, head_dim=8, heads=4, t5_width=32, t5_layers=2, t5_heads=4,
                        vae_scaling_factor=1.5305, vae_shift_factor=0.0609, shift=3.0)
@@ -139,11 +99,11 @@ class SD3Models(builders.RandomModels):
         wide = dict(spec, text_hidden=spec.get("text2_hidden", 2 * spec["text_hidden"]),
                     text_layers=spec.get("text2_layers", spec["text_layers"]),
                     text_heads=spec.get("text2_heads", spec["text_heads"]))
-        clip_l = family_sd1.clip_text_encoder(CLIPTextModelWithProjection, spec, tokenizer, "quick_gelu",
+        clip_l = builders.clip_text_encoder(CLIPTextModelWithProjection, spec, tokenizer, "quick_gelu",
                                               projection_dim=spec["text_hidden"])
-        clip_g = family_sd1.clip_text_encoder(CLIPTextModelWithProjection, wide, tokenizer, "gelu",
+        clip_g = builders.clip_text_encoder(CLIPTextModelWithProjection, wide, tokenizer, "gelu",
                                               projection_dim=wide["text_hidden"])
-        t5 = t5_encoder(arch, tiny_t5_tokenizer())
+        t5 = builders.t5_encoder(arch, builders.tiny_t5_tokenizer(T5_MAX_LENGTH))
         pooled_width = spec["text_hidden"] + wide["text_hidden"]
         return ({"text_encoder": clip_l, "text_encoder_2": clip_g, "text_encoder_3": t5}, arch["t5_width"],
                 {"pooled_projection_dim": pooled_width})
@@ -169,13 +129,14 @@ class SD3Models(builders.RandomModels):
         from diffusers import FlowMatchEulerDiscreteScheduler
         from diffusers import StableDiffusion3Pipeline
 
-        return StableDiffusion3Pipeline(tokenizer=tokenizer, tokenizer_2=tokenizer, tokenizer_3=tiny_t5_tokenizer(),
+        return StableDiffusion3Pipeline(tokenizer=tokenizer, tokenizer_2=tokenizer, tokenizer_3=builders.tiny_t5_tokenizer(T5_MAX_LENGTH),
                                         scheduler=FlowMatchEulerDiscreteScheduler(shift=self.changes["shift"]),
                                         **nets)
 
 
 class SD3(family.Family):
-    name, label = "sd3", "SD 3.5"
+    label = "SD 3.5"
+    order = 40
     pipeline = "StableDiffusion3Pipeline"
     denoiser, denoiser_label = "transformer", "transformer"
     # diffusers' SD3 DreamBooth LoRA script's layers: the joint attention's projections of both streams

@@ -8,10 +8,10 @@ computed once and it leaves the device, as Flux.1's T5 does. Trained as diffuser
 train_dreambooth_lora_qwen_image.py trains it (objectives.flow_matching on the scheduler's unshifted sigmas).
 """
 
-from dreambooth.families import builders
-from dreambooth.families import family
-from dreambooth.families import family_flux
-from dreambooth.families import known
+from dreambooth.families.shared import builders
+from dreambooth.families.shared import family
+from dreambooth.families.shared import fluxblocks
+from dreambooth.families.shared import known
 
 # QwenImagePipeline's prompt template and the count of its tokens the pipeline drops (prompt_template_encode,
 # prompt_template_encode_start_idx), and its longest prompt (tokenizer_max_length): tests/unit/test_family_qwen.py
@@ -24,27 +24,7 @@ MAX_TOKENS = 1024
 DEFAULT_SAMPLE_SIZE = 128  # QwenImagePipeline's latent size when none is given (1024 px with its VAE)
 
 
-def tiny_tokenizer():
-    """A Qwen2 tokenizer made here: byte-level BPE with every byte a token and no merges, Qwen's <|endoftext|>
-    (its padding) and the chat template's <|im_start|> and <|im_end|>."""
-    from tokenizers import Tokenizer
-    from tokenizers import decoders
-    from tokenizers import models
-    from tokenizers import pre_tokenizers
-    from transformers import Qwen2TokenizerFast
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    bpe = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    bpe.decoder = decoders.ByteLevel()
-    tokenizer = Qwen2TokenizerFast(tokenizer_object=bpe, bos_token=None, eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>", unk_token=None)
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    return tokenizer
-
-
 class QwenImageModels(builders.RandomModels):
-    arch = "qwen"
     note = "Qwen-Image's layout: a dual-stream transformer, a Qwen2.5-VL text encoder, flow matching, " \
                   "16-channel latents of its video VAE packed 2x2"
     # tiny: 64 px (16 x 16 latents of a 4x VAE), one block of 2 heads of 16, a 2-layer Qwen2.5-VL 32 wide
@@ -63,7 +43,7 @@ class QwenImageModels(builders.RandomModels):
         from transformers import Qwen2_5_VLForConditionalGeneration
 
         arch = {**self.changes, **spec}
-        qwen_tokenizer = tiny_tokenizer()
+        qwen_tokenizer = builders.tiny_byte_tokenizer()
         width, heads = arch["text_hidden"], arch["text_heads"]
         half = width // heads // 2  # the multimodal rotary sections (time, height, width) of a head's half
         sections = arch.get("mrope", [half - 2 * (half // 3), half // 3, half // 3])
@@ -108,11 +88,13 @@ class QwenImageModels(builders.RandomModels):
         scheduler = FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=True, base_shift=0.5,
                                                     max_shift=0.9, base_image_seq_len=256, max_image_seq_len=8192,
                                                     shift_terminal=0.02, time_shift_type="exponential")
-        return QwenImagePipeline(tokenizer=tiny_tokenizer(), scheduler=scheduler, **nets)
+        return QwenImagePipeline(tokenizer=builders.tiny_byte_tokenizer(), scheduler=scheduler, **nets)
 
 
 class QwenImage(family.Family):
-    name, label = "qwen", "Qwen-Image"
+    label = "Qwen-Image"
+    order = 60
+    trimmed_text = True  # (its states as long as the longest prompt, with their mask)
     pipeline = "QwenImagePipeline"
     denoiser, denoiser_label = "transformer", "transformer"
     # diffusers' Qwen-Image DreamBooth LoRA script's default layers: the image stream's attention
@@ -221,14 +203,6 @@ class QwenImage(family.Family):
         # (right-padded: each prompt's tokens are its first ones)
         return states[:, DROP:DROP + length] * keep[..., None].to(states.dtype), keep.long()
 
-    def pad_text(self, states, side, length):
-        import torch.nn.functional as F
-
-        more = length - states.shape[1]
-        if more <= 0:
-            return states, side
-        return F.pad(states, (0, 0, 0, more)), F.pad(side, (0, more))
-
     def meta_side_input(self, denoiser_config, tensor_options):
         return None  # (no mask: every text token is read)
 
@@ -244,10 +218,10 @@ class QwenImage(family.Family):
         """The velocity (B, C, h, w) of noisy latents: packed 2x2 into tokens, the timestep as a fraction of the
         schedule, the prompt states with their mask (pooled: encode_text's mask)."""
         h, w = noisy.shape[-2:]
-        out = model(hidden_states=family_flux.pack(noisy), encoder_hidden_states=states,
+        out = model(hidden_states=fluxblocks.pack(noisy), encoder_hidden_states=states,
                     encoder_hidden_states_mask=pooled, timestep=timesteps / 1000,
                     img_shapes=[(1, h // 2, w // 2)] * noisy.shape[0], return_dict=False)[0]
-        return family_flux.unpack(out, h, w)
+        return fluxblocks.unpack(out, h, w)
 
     def unpack_latents(self, pipe, latents, height, width):
         """The pipeline's latent output is packed tokens: back to (B, C, h, w) (its own unpacking adds a frame)."""

@@ -8,11 +8,10 @@ diffusers' train_dreambooth_lora_z_image.py trains it: the VAE's mode as the cle
 on the scheduler's sigmas, uniform timesteps by default.
 """
 
-from dreambooth.families import builders
-from dreambooth.families import family
-from dreambooth.families import family_flux2
-from dreambooth.families import family_qwen
-from dreambooth.families import known
+from dreambooth.families.shared import builders
+from dreambooth.families.shared import family
+from dreambooth.families.shared import flux2base
+from dreambooth.families.shared import known
 
 MAX_TOKENS = 512  # ZImagePipeline's max_sequence_length default, and diffusers' Z-Image script's
 
@@ -23,7 +22,6 @@ def prompt_list(states, mask):
 
 
 class ZImageModels(builders.RandomModels):
-    arch = "zimage"
     note = "Z-Image's layout: a single-stream transformer over 2x2 patches, a Qwen3 text encoder, flow matching, " \
            "Flux.1's 16-channel VAE"
     # tiny: 64 px, 2 layers (and a refiner each for the image and the text) of 2 heads of 16, a 2-layer Qwen3 32 wide
@@ -41,7 +39,7 @@ class ZImageModels(builders.RandomModels):
         from transformers import Qwen3Model
 
         arch = {**self.changes, **spec}
-        qwen_tokenizer = family_flux2.tiny_tokenizer()
+        qwen_tokenizer = builders.tiny_qwen3_tokenizer()
         width = arch["text_hidden"]
         config = Qwen3Config(vocab_size=arch.get("text_vocab", len(qwen_tokenizer)), hidden_size=width,
                              intermediate_size=arch.get("text_ff", 2 * width), num_hidden_layers=arch["text_layers"],
@@ -74,12 +72,14 @@ class ZImageModels(builders.RandomModels):
         from diffusers import FlowMatchEulerDiscreteScheduler
         from diffusers import ZImagePipeline
 
-        return ZImagePipeline(tokenizer=family_flux2.tiny_tokenizer(), scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        return ZImagePipeline(tokenizer=builders.tiny_qwen3_tokenizer(), scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
                               **nets)
 
 
 class ZImage(family.Family):
-    name, label = "zimage", "Z-Image"
+    label = "Z-Image"
+    order = 90
+    trimmed_text = True  # (each prompt's own tokens, zero-padded to the longest, with their mask)
     pipeline = "ZImagePipeline"
     denoiser, denoiser_label = "transformer", "transformer"
     denoiser_lora_targets = ("to_k", "to_q", "to_v", "to_out.0")  # diffusers' Z-Image DreamBooth LoRA script's
@@ -110,8 +110,8 @@ class ZImage(family.Family):
         return self.vae_scale(model_dir) * 2
 
     def latent_posterior(self, vae, pixels):
-        """The posterior whose sample is its mode (what diffusers' script encodes): family_flux2's way."""
-        return family_flux2.FAMILY.latent_posterior(vae, pixels)
+        """The posterior whose sample is its mode (what diffusers' script encodes), as FLUX.2's."""
+        return flux2base.mode_posterior(vae, pixels)
 
     # --- the networks
     def load_denoiser(self, load):
@@ -156,8 +156,6 @@ class ZImage(family.Family):
         length = int(mask.sum(dim=1).max())
         keep = mask[:, :length]  # (right-padded: each prompt's tokens are its first ones)
         return states[:, :length] * keep[..., None].to(states.dtype), keep.long()
-
-    pad_text = family_qwen.QwenImage.pad_text
 
     def text_width(self, denoiser_config):
         return denoiser_config.cap_feat_dim

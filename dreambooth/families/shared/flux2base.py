@@ -1,0 +1,190 @@
+"""The FLUX.2 transformer's base, shared by FLUX.2 [klein] and FLUX.2 [dev]: a flow-matching transformer
+(Flux2Transformer2DModel: double-stream then single-stream blocks with 4-axis position ids) over the latents of its
+own VAE (AutoencoderKLFlux2: 32 channels, each 2x2 patch folded into 128 channels and normalised by the VAE's
+batch-norm statistics), one token a latent pixel, conditioned on hidden layers of a text encoder side by side
+(out_layers). Each FLUX.2 family says its text encoder, tokenizer and released models in its own folder."""
+
+from dreambooth.families.shared import builders
+from dreambooth.families.shared import family
+
+MAX_TOKENS = 512  # Flux2KleinPipeline's max_sequence_length default, and diffusers' klein script's
+
+
+def tokens_of(latents):
+    """(B, C, h, w) latents -> (B, h x w, C) tokens, one a latent pixel (Flux2KleinPipeline._pack_latents)."""
+    b, c, h, w = latents.shape
+    return latents.reshape(b, c, h * w).permute(0, 2, 1)
+
+
+def mode_posterior(vae, pixels):
+    """The posterior of vae's encoding of pixels with its variance at the floor, so that a sample is the mode (what
+    diffusers' FLUX.2 and Z-Image scripts and their pipelines encode): its log-variance halves set to the lowest value
+    diffusers keeps (-30)."""
+    import torch
+    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+    mean = vae.encode(pixels.to(vae.dtype)).latent_dist.mean
+    return DiagonalGaussianDistribution(torch.cat([mean, torch.full_like(mean, -30.0)], dim=1))
+
+
+# What the tiny FLUX.2 models change around random_models.MODEL_SIZES' widths (each family adds its text encoder's)
+TINY = dict(resolution_scale=1, layers=1, single_layers=1, head_dim=16, heads=2, rope=(4, 4, 4, 4), text_kv_heads=2,
+            text_head_dim=16, vae_latents=8)
+
+
+class Flux2Models(builders.RandomModels):
+    """The FLUX.2 transformer and VAE of random weights (the VAE's batch-norm statistics drawn: a fresh one's are 0 and
+    1, and the normalisation would go untested); a FLUX.2 family gives its text encoder and pipeline."""
+
+    # The released models' VAE shape (each FLUX.2 family's own_sizes start from it)
+    _vae = dict(vae_channels=(128, 256, 512, 512), vae_layers=2, vae_latents=32, latent_size=128)
+    guidance_embeds = False  # the transformer's guidance input ([dev]'s, guidance-distilled)
+
+    def denoiser(self, spec, latent_size, text_width, extra):
+        from diffusers import Flux2Transformer2DModel
+
+        arch = {**self.changes, **spec}
+        return Flux2Transformer2DModel(patch_size=1, in_channels=4 * arch["vae_latents"], num_layers=arch["layers"],
+                                       num_single_layers=arch["single_layers"], attention_head_dim=arch["head_dim"],
+                                       num_attention_heads=arch["heads"], joint_attention_dim=text_width,
+                                       axes_dims_rope=arch["rope"], guidance_embeds=self.guidance_embeds)
+
+    def vae(self, spec, latent_size):
+        import torch
+        from diffusers import AutoencoderKLFlux2
+
+        arch = {**self.changes, **spec}
+        blocks = len(arch["vae_channels"])
+        vae = AutoencoderKLFlux2(block_out_channels=arch["vae_channels"], layers_per_block=arch["vae_layers"],
+                                 down_block_types=("DownEncoderBlock2D",) * blocks,
+                                 up_block_types=("UpDecoderBlock2D",) * blocks, latent_channels=arch["vae_latents"],
+                                 sample_size=latent_size * 2 ** (blocks - 1))
+        if vae.bn.running_mean.device.type != "meta":
+            with torch.no_grad():
+                vae.bn.running_mean.normal_(0.0, 0.5)
+                vae.bn.running_var.uniform_(0.5, 2.0)
+        return vae
+
+    @staticmethod
+    def scheduler():
+        """The released models' scheduler ([klein]'s base models' and [dev]'s, Flux.1 dev's): the pipeline shifts it
+        by the image's token count."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        return FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                                               base_image_seq_len=256, max_image_seq_len=4096)
+
+
+class Flux2Family(family.Family):
+    """A FLUX.2 transformer family; its own folder gives the text encoder it reads (out_layers), its tokenizer and
+    token ids, and its released models."""
+
+    denoiser, denoiser_label = "transformer", "transformer"
+    # diffusers' klein DreamBooth LoRA script's layers: the double blocks' attention projections, the single blocks'
+    # fused qkv-and-MLP input and their output (as a regular expression: the double blocks' to_out is a list)
+    denoiser_lora_targets = (r".*\.(to_k|to_q|to_v|to_out\.0|to_qkv_mlp_proj)"
+                             r"|.*single_transformer_blocks\.\d+\.attn\.to_out")
+    trainable_text_encoders = ()  # frozen, as in diffusers' script
+    supports = frozenset({"train", "draw"})  # (not yet: an export layout of its own)
+    negative_prompt = False  # the pipeline guides against the empty prompt only
+    released_resolutions = (1024,)
+    text_tokens = MAX_TOKENS  # the text states' length in training (activations.py)
+
+    def native_resolution(self, model_dir):
+        """The pipeline's default size (128 latent pixels x the VAE's downscaling: 1024 px); a random model built
+        here says its own in its VAE's sample size."""
+        return family.part_config(model_dir, "vae")["sample_size"]
+
+    def size_multiple(self, model_dir):
+        return self.vae_scale(model_dir)
+
+    # --- the VAE: 2x2 patches folded into channels, normalised by its batch-norm statistics
+    def vae_class(self):
+        from diffusers import AutoencoderKLFlux2
+
+        return AutoencoderKLFlux2
+
+    def vae_downscale(self, vae_config):
+        return 2 ** len(vae_config["block_out_channels"])  # (the VAE's, then the 2x2 fold)
+
+    def latent_channels(self, vae_config):
+        return 4 * vae_config["latent_channels"]
+
+    def latent_posterior(self, vae, pixels):
+        return mode_posterior(vae, pixels)
+
+    def scale_latents(self, vae, latents):
+        from diffusers import Flux2KleinPipeline
+
+        mean, std = self._latent_stats(vae, latents)
+        return (Flux2KleinPipeline._patchify_latents(latents) - mean) / std
+
+    def decode_latents(self, vae, latents):
+        from diffusers import Flux2KleinPipeline
+
+        mean, std = self._latent_stats(vae, latents)
+        return vae.decode(Flux2KleinPipeline._unpatchify_latents(latents * std + mean).to(vae.dtype)).sample
+
+    @staticmethod
+    def _latent_stats(vae, latents):
+        import torch
+
+        options = dict(device=latents.device, dtype=latents.dtype)
+        return (vae.bn.running_mean.view(1, -1, 1, 1).to(**options),
+                torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(**options))
+
+    # --- the networks
+    def load_denoiser(self, load):
+        from diffusers import Flux2Transformer2DModel
+
+        return load(Flux2Transformer2DModel, self.denoiser)
+
+    def encode_text(self, text_encoders, ids):
+        """As Flux2KleinPipeline.encode_prompt does: hidden layers out_layers side by side, (N, 512, 3D), every
+        token's (the padding's too: the transformer reads them all); no pooled embedding."""
+        import torch
+
+        out = text_encoders[0](input_ids=ids[:, 0], attention_mask=ids[:, 1], output_hidden_states=True,
+                               use_cache=False)
+        states = torch.stack([out.hidden_states[k] for k in self.out_layers], dim=2)  # (N, L, 3, D)
+        return states.flatten(2), None
+
+    def meta_side_input(self, denoiser_config, tensor_options):
+        return None
+
+    # --- the objective and the denoiser
+    flow_matching = True
+    default_weighting_scheme = "none"  # diffusers' klein DreamBooth script's default: uniform
+
+    def denoise(self, model, noisy, timesteps, states, pooled, time_ids, guidance=None):
+        """The velocity (B, C, h, w) of noisy latents: a token a latent pixel with its (0, row, column, 0) ids, the
+        text tokens with theirs (0, 0, 0, position), the timestep as a fraction of the schedule; the guidance value
+        for a guidance-distilled transformer (FLUX.2 dev's), none for [klein]'s."""
+        import torch
+        from diffusers import Flux2KleinPipeline
+
+        b, c, h, w = noisy.shape
+        tokens = tokens_of(noisy)
+        if family.config_of(model).guidance_embeds:
+            guidance = torch.full((b,), self.guidance(guidance), device=noisy.device)  # (None: the family's)
+        else:
+            guidance = None
+        out = model(hidden_states=tokens, timestep=timesteps / 1000, guidance=guidance, encoder_hidden_states=states,
+                    txt_ids=Flux2KleinPipeline._prepare_text_ids(states).to(noisy.device),
+                    img_ids=Flux2KleinPipeline._prepare_latent_ids(noisy).to(noisy.device), return_dict=False)[0]
+        return out[:, :tokens.shape[1]].permute(0, 2, 1).reshape(b, c, h, w)
+
+    def pipeline_text(self, states, side, negative, negative_side):
+        return dict(prompt_embeds=states, negative_prompt_embeds=negative)
+
+    def pipeline_kwargs(self):
+        return {"max_sequence_length": MAX_TOKENS, "text_encoder_out_layers": self.out_layers}
+
+    def unpack_latents(self, pipe, latents, height, width):
+        """The pipeline's latent output is the VAE's own (its normalisation and fold undone): as the denoiser makes
+        them again."""
+        return self.scale_latents(pipe.vae, latents)
+
+    def lora_file_layers(self, peft_layers):
+        """peft's own names, as diffusers' klein DreamBooth LoRA script writes them."""
+        return peft_layers
