@@ -7,15 +7,6 @@ CPU = torch.device("cpu")
 TEXTS = ("photo of unqtkn toy, on a beach", "photo of a toy")
 
 
-def reference_mse(pred, target, prior_loss_weight):
-    """The scripts' loss with prior preservation and no weighting: the instance half's mean squared error, plus
-    prior_loss_weight x the class half's."""
-    (pred, pred_prior), (target, target_prior) = pred.chunk(2), target.chunk(2)
-    loss = ((pred.float() - target.float()) ** 2).reshape(1, -1).mean(1).mean()
-    prior = ((pred_prior.float() - target_prior.float()) ** 2).reshape(1, -1).mean(1).mean()
-    return loss + prior_loss_weight * prior
-
-
 def losses(model_dir, make_plan, reference, pipe, prior_loss_weight=0.5):
     """(our batch loss, reference(models, pixels in [-1, 1], instance prompt, class prompt, pipe, prior_loss_weight))
     of one photo and one class image at 64 px, each from torch's seed 7."""
@@ -239,41 +230,3 @@ def flux2_lora_on_the_scripts_layers(pipeline_class, model_dir, singles, train_t
         torch.randn(1, 32, 4, 4, generator=torch.Generator().manual_seed(2)), torch.randn(1, 6, 3 * 32), None))
     adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in ours.named_parameters() if ".lora_A." in n}
     assert adapted == {n.rsplit(".lora_A", 1)[0] for n, _ in scripts.named_parameters() if ".lora_A." in n}
-
-
-def flux2_reference_loss(pipeline_class, guidance):
-    """reference(models, pixels, instance prompt, class prompt, pipe, prior_loss_weight) for losses(): the loss of
-    diffusers' FLUX.2 DreamBooth LoRA scripts (train_dreambooth_lora_flux2_klein.py: guidance None;
-    train_dreambooth_lora_flux2.py: its guidance value) on a batch of instance and class pixels, written from their
-    steps: the VAE's mode folded 2x2 and normalised, noise, a uniform timestep index into the scheduler's schedule,
-    the straight path, the transformer on one token a latent pixel with the ids the pipeline makes, the velocity
-    target, the instance and prior means. (Our step draws the posterior's sample, the mode within 3e-7, before the
-    noise: the reference draws the same numbers first.)"""
-    from diffusers.training_utils import compute_density_for_timestep_sampling
-
-    def reference(models, pixels, instance_prompt, class_prompt, pipe, prior_loss_weight):
-        vae, scheduler = models.vae, models.scheduler
-        latents = vae.encode(pixels).latent_dist.mode()
-        torch.randn(latents.shape)  # (see above)
-        latents = pipeline_class._patchify_latents(latents)
-        mean = vae.bn.running_mean.view(1, -1, 1, 1)
-        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
-        latents = (latents - mean) / std
-        latent_ids = pipeline_class._prepare_latent_ids(latents)
-        noise = torch.randn_like(latents)
-        rows = latents.shape[0]
-        u = compute_density_for_timestep_sampling("none", rows, 0.0, 1.0, 1.29)
-        timesteps = scheduler.timesteps[(u * scheduler.config.num_train_timesteps).long()]
-        sigmas = torch.stack([scheduler.sigmas[(scheduler.timesteps == t).nonzero().item()] for t in timesteps])
-        noisy = (1.0 - sigmas.view(-1, 1, 1, 1)) * latents + sigmas.view(-1, 1, 1, 1) * noise
-        with torch.no_grad():
-            (inst, inst_ids), (cls, cls_ids) = (pipe.encode_prompt([p]) for p in (instance_prompt, class_prompt))
-        packed = pipeline_class._pack_latents(noisy)
-        guided = None if guidance is None else torch.full([1], guidance).expand(rows)
-        pred = models.denoiser(hidden_states=packed, timestep=timesteps / 1000, guidance=guided,
-                               encoder_hidden_states=torch.cat([inst, cls]), txt_ids=torch.cat([inst_ids, cls_ids]),
-                               img_ids=latent_ids, return_dict=False)[0]
-        pred = pipeline_class._unpack_latents_with_ids(pred[:, :packed.size(1)], latent_ids)
-        return reference_mse(pred, noise - latents, prior_loss_weight)
-
-    return reference

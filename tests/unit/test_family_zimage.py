@@ -42,34 +42,6 @@ def test_the_family_is_read_from_its_folder_and_its_conditioning_is_the_pipeline
     assert family.pipeline_text(states, mask, states, mask)["prompt_embeds"][1].shape == expected[1].shape
 
 
-def reference_loss(models, pixels, instance_prompt, class_prompt, pipe, prior_loss_weight):
-    """The loss of diffusers' train_dreambooth_lora_z_image.py on a batch of instance and class pixels, written from
-    its steps: the VAE's mode shifted and scaled, noise, a uniform timestep index into the scheduler's schedule, the
-    straight path, the transformer on each image as a one-frame list item with the prompts' own states and the
-    timestep 1 - t, its prediction negated, the velocity target, the instance and prior means. (Our step draws the
-    posterior's sample, the mode within 3e-7, before the noise: the reference draws the same numbers first.)"""
-    from diffusers.training_utils import compute_density_for_timestep_sampling
-
-    vae, scheduler = models.vae, models.scheduler
-    latents = vae.encode(pixels).latent_dist.mode()
-    torch.randn(latents.shape)  # (see above)
-    latents = (latents - vae.config.shift_factor) * vae.config.scaling_factor
-    noise = torch.randn_like(latents)
-    u = compute_density_for_timestep_sampling("none", latents.shape[0], 0.0, 1.0, 1.29)
-    timesteps = scheduler.timesteps[(u * scheduler.config.num_train_timesteps).long()]
-    sigmas = torch.stack([scheduler.sigmas[(scheduler.timesteps == t).nonzero().item()] for t in timesteps])
-    noisy = (1.0 - sigmas.view(-1, 1, 1, 1)) * latents + sigmas.view(-1, 1, 1, 1) * noise
-    with torch.no_grad():
-        states = [pipe.encode_prompt(p, do_classifier_free_guidance=False)[0][0] for p in (instance_prompt, class_prompt)]
-    out = models.denoiser(list(noisy.unsqueeze(2).unbind(dim=0)), (1000 - timesteps) / 1000, states, return_dict=False)[0]
-    pred = -torch.stack(out, dim=0).squeeze(2)
-    return familysteps.reference_mse(pred, noise - latents, prior_loss_weight)
-
-
-def test_the_training_loss_is_diffusers_scripts_on_the_same_draws(tiny_zimage_model, make_plan, pipe):
-    torch.testing.assert_close(*familysteps.losses(tiny_zimage_model, make_plan, reference_loss, pipe))
-
-
 def test_lora_and_full_outputs_load_in_the_pipeline_and_validation_is_what_generate_draws(tiny_zimage_model,
                                                                                         train_tiny, make_plan, tmp_path):
     """The LoRA file and the full model load in ZImagePipeline and predict as the trained transformer does, unlike

@@ -188,3 +188,42 @@ class Flux2Family(family.Family):
     def lora_file_layers(self, peft_layers):
         """peft's own names, as diffusers' klein DreamBooth LoRA script writes them."""
         return peft_layers
+
+
+def script_reference_loss(pipeline_class, guidance):
+    """A FLUX.2 family's contract's reference_loss(models, pixels, instance prompt, class prompt, pipe,
+    prior_loss_weight) (tests/unit/test_family_contract.py; not used by a run): the loss of
+    diffusers' FLUX.2 DreamBooth LoRA scripts (train_dreambooth_lora_flux2_klein.py: guidance None;
+    train_dreambooth_lora_flux2.py: its guidance value) on a batch of instance and class pixels, written from their
+    steps: the VAE's mode folded 2x2 and normalised, noise, a uniform timestep index into the scheduler's schedule,
+    the straight path, the transformer on one token a latent pixel with the ids the pipeline makes, the velocity
+    target, the instance and prior means. (Our step draws the posterior's sample, the mode within 3e-7, before the
+    noise: the reference draws the same numbers first.)"""
+    import torch
+
+    from dreambooth.families.shared import scripts
+
+    def reference(models, pixels, instance_prompt, class_prompt, pipe, prior_loss_weight):
+        vae, scheduler = models.vae, models.scheduler
+        latents = vae.encode(pixels).latent_dist.mode()
+        torch.randn(latents.shape)  # (see above)
+        latents = pipeline_class._patchify_latents(latents)
+        mean = vae.bn.running_mean.view(1, -1, 1, 1)
+        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
+        latents = (latents - mean) / std
+        latent_ids = pipeline_class._prepare_latent_ids(latents)
+        noise = torch.randn_like(latents)
+        rows = latents.shape[0]
+        timesteps, sigmas = scripts.uniform_schedule_draw(scheduler, rows)
+        noisy = (1.0 - sigmas.view(-1, 1, 1, 1)) * latents + sigmas.view(-1, 1, 1, 1) * noise
+        with torch.no_grad():
+            (inst, inst_ids), (cls, cls_ids) = (pipe.encode_prompt([p]) for p in (instance_prompt, class_prompt))
+        packed = pipeline_class._pack_latents(noisy)
+        guided = None if guidance is None else torch.full([1], guidance).expand(rows)
+        pred = models.denoiser(hidden_states=packed, timestep=timesteps / 1000, guidance=guided,
+                               encoder_hidden_states=torch.cat([inst, cls]), txt_ids=torch.cat([inst_ids, cls_ids]),
+                               img_ids=latent_ids, return_dict=False)[0]
+        pred = pipeline_class._unpack_latents_with_ids(pred[:, :packed.size(1)], latent_ids)
+        return scripts.prior_preserving_mse(pred, noise - latents, prior_loss_weight)
+
+    return reference
