@@ -1,12 +1,11 @@
-"""The family contract, run in-process for every family of the table whose folder holds its contract.py (what the
-contract needs that only the family knows: its diffusers DreamBooth script's loss, written from that script's steps):
-its tiny model builds and is read as its family, the training loss is the script's on the same draws, and LoRA
+"""The family contract, run in-process for every family of the table. What it needs that only the family knows is in
+the family's folder, contract.py: its diffusers DreamBooth script's loss, written from that script's steps. Its tiny
+model builds and is read as its family, the training loss is the script's on the same draws, and LoRA
 adapters trained two steps load in the family's diffusers pipeline and change the image it draws. (Every family's
 checkpoint resumed to the uninterrupted adapters: tests/unit/test_checkpoint.py; its released parameter counts
 built on the meta device: tests/unit/test_memory.py; both parametrized over the table too.)"""
 
 import importlib
-import importlib.util
 
 import familysteps
 import numpy as np
@@ -18,17 +17,11 @@ from dreambooth import families
 CPU = torch.device("cpu")
 
 
-def with_contract():
-    """The table's families whose folder holds a contract.py."""
-    return [name for name in families.FAMILIES
-            if importlib.util.find_spec(f"{families.__name__}.{name}.contract") is not None]
-
-
 def contract_of(name):
     return importlib.import_module(f"{families.__name__}.{name}.contract")
 
 
-@pytest.fixture(params=with_contract())
+@pytest.fixture(params=list(families.FAMILIES))
 def family_model(request, tiny_model_of):
     """(family, its tiny model's folder, its diffusers pipeline of that model)."""
     import diffusers

@@ -22,3 +22,32 @@ def prior_preserving_mse(pred, target, prior_loss_weight):
     loss = ((pred.float() - target.float()) ** 2).reshape(1, -1).mean(1).mean()
     prior = ((pred_prior.float() - target_prior.float()) ** 2).reshape(1, -1).mean(1).mean()
     return loss + prior_loss_weight * prior
+
+
+def denoising_script_loss(models, pixels, states, prior_loss_weight, **unet_inputs):
+    """The loss of diffusers' DDPM DreamBooth scripts (train_dreambooth.py, train_dreambooth_lora_sdxl.py) on a batch
+    of instance and class pixels with their text states, written from their steps: the VAE's sample scaled, noise,
+    a uniform integer timestep, the scheduler's noise added, the UNet's prediction (unet_inputs: SDXL's added
+    conditions), the target its prediction type names (the noise, or v), the instance and prior means."""
+    import torch
+
+    vae, scheduler = models.vae, models.scheduler
+    latents = vae.encode(pixels).latent_dist.sample() * vae.config.scaling_factor
+    noise = torch.randn_like(latents)
+    timesteps = torch.randint(0, scheduler.config.num_train_timesteps, (latents.shape[0],))
+    noisy = scheduler.add_noise(latents, noise, timesteps)
+    pred = models.denoiser(noisy, timesteps, states, return_dict=False, **unet_inputs)[0]
+    velocity = scheduler.config.prediction_type == "v_prediction"
+    target = scheduler.get_velocity(latents, noise, timesteps) if velocity else noise
+    return prior_preserving_mse(pred, target, prior_loss_weight)
+
+
+def clip_states(pipe, prompts):
+    """The text states train_dreambooth.py conditions on: the tokenizer's ids padded to its length, the text
+    encoder's last hidden states."""
+    import torch
+
+    ids = pipe.tokenizer(list(prompts), padding="max_length", max_length=pipe.tokenizer.model_max_length,
+                         truncation=True, return_tensors="pt").input_ids
+    with torch.no_grad():
+        return pipe.text_encoder(ids)[0]
