@@ -230,3 +230,143 @@ def flux2_lora_on_the_scripts_layers(pipeline_class, model_dir, singles, train_t
         torch.randn(1, 32, 4, 4, generator=torch.Generator().manual_seed(2)), torch.randn(1, 6, 3 * 32), None))
     adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in ours.named_parameters() if ".lora_A." in n}
     assert adapted == {n.rsplit(".lora_A", 1)[0] for n, _ in scripts.named_parameters() if ".lora_A." in n}
+
+
+# ComfyUI's names for a diffusers transformer's weights, reconstructed from its code (Comfy-Org/ComfyUI: comfy/lora.py
+# at ec93dcac, comfy/utils.py at 09708eae, comfy/weight_adapter/lora.py at 6f98b150): comfy/utils.py
+# flux_to_diffusers (FLUX.2: comfy.model_base.Flux2 is a Flux) and z_image_to_diffusers (Z-Image:
+# comfy.model_base.Lumina2, its NextDiT) map each diffusers weight onto its model's, a q, k or v onto its rows of the
+# fused qkv weight; comfy/lora.py model_lora_keys_unet names each of its model's weights for a LoRA file lora_unet_
+# and the weight's name (without .weight) with its dots as underscores (its first loop, for every model; its Flux and
+# Lumina2 branches add the diffusers names, transformer.<module> and lycoris_<module>, onto the same weights).
+
+def comfyui_flux2_layout(config):
+    """{diffusers weight: (ComfyUI's FLUX.2 weight, first row, rows or None: all)} of the blocks' linear layers of a
+    FLUX.2 transformer of config, as flux_to_diffusers maps them (hidden_size: heads x head width)."""
+    width = config["num_attention_heads"] * config["attention_head_dim"]
+    layout = {}
+    for i in range(config["num_layers"]):
+        ours, theirs = f"transformer_blocks.{i}.", f"double_blocks.{i}."
+        for stream, names in (("img_attn", ("to_q", "to_k", "to_v")), ("txt_attn", ("add_q_proj", "add_k_proj",
+                                                                                   "add_v_proj"))):
+            for k, name in enumerate(names):
+                layout[f"{ours}attn.{name}.weight"] = (f"{theirs}{stream}.qkv.weight", k * width, width)
+        for name, original in (("attn.to_out.0", "img_attn.proj"), ("attn.to_add_out", "txt_attn.proj"),
+                               ("ff.linear_in", "img_mlp.0"), ("ff.linear_out", "img_mlp.2"),
+                               ("ff_context.linear_in", "txt_mlp.0"), ("ff_context.linear_out", "txt_mlp.2")):
+            layout[f"{ours}{name}.weight"] = (f"{theirs}{original}.weight", 0, None)
+    for i in range(config["num_single_layers"]):
+        for name, original in (("attn.to_qkv_mlp_proj", "linear1"), ("attn.to_out", "linear2")):
+            layout[f"single_transformer_blocks.{i}.{name}.weight"] = (f"single_blocks.{i}.{original}.weight", 0, None)
+    return layout
+
+
+def comfyui_zimage_layout(config):
+    """{diffusers weight: (ComfyUI's Z-Image weight, first row, rows or None: all)} of the linear layers of a Z-Image
+    transformer of config, as z_image_to_diffusers maps them (q, k and v each dim rows of attention.qkv)."""
+    dim = config["dim"]
+    layout = {}
+    for blocks, count in (("layers", config["n_layers"]), ("noise_refiner", config["n_refiner_layers"]),
+                          ("context_refiner", config["n_refiner_layers"])):
+        for i in range(count):
+            block = f"{blocks}.{i}."
+            for k, name in enumerate(("to_q", "to_k", "to_v")):
+                layout[f"{block}attention.{name}.weight"] = (f"{block}attention.qkv.weight", k * dim, dim)
+            layout[f"{block}attention.to_out.0.weight"] = (f"{block}attention.out.weight", 0, None)
+            for name in ("feed_forward.w1", "feed_forward.w2", "feed_forward.w3", "adaLN_modulation.0"):
+                layout[f"{block}{name}.weight"] = (f"{block}{name}.weight", 0, None)
+    for name, original in (("all_x_embedder.2-1", "x_embedder"), ("all_final_layer.2-1.linear", "final_layer.linear"),
+                           ("all_final_layer.2-1.adaLN_modulation.1", "final_layer.adaLN_modulation.1"),
+                           ("cap_embedder.1", "cap_embedder.1"), ("t_embedder.mlp.0", "t_embedder.mlp.0"),
+                           ("t_embedder.mlp.2", "t_embedder.mlp.2")):
+        layout[f"{name}.weight"] = (f"{original}.weight", 0, None)
+    return layout
+
+
+def comfyui_lora_keys(layout):
+    """{LoRA module name: ComfyUI's weight} that model_lora_keys_unet makes for its model's weights (layout's)."""
+    return {"lora_unet_" + original[:-len(".weight")].replace(".", "_"): original for original, _, _ in layout.values()}
+
+
+def comfyui_kohya_merged(weights, tensors, layout):
+    """The transformer's weights ({diffusers name: tensor}, those of layout) with a kohya LoRA file's tensors merged as
+    ComfyUI merges them: its model's weights put together from them (layout), each file module the weight
+    comfyui_lora_keys names, which gains alpha / rank x lora_up @ lora_down (comfy/weight_adapter/lora.py
+    LoRAAdapter.calculate_weight: the rank lora_down's rows, no alpha 1.0), read back through layout."""
+    parts = {}
+    for name, (original, row, _) in layout.items():
+        parts.setdefault(original, []).append((row, weights[name]))
+    model = {original: torch.cat([w for _, w in sorted(rows, key=lambda r: r[0])]).clone()
+             for original, rows in parts.items()}
+    keys = comfyui_lora_keys(layout)
+    modules = {key.split(".")[0] for key in tensors}
+    assert modules <= set(keys), sorted(modules - set(keys))[:3]  # every module one ComfyUI maps
+    assert all(key.split(".", 1)[1] in ("lora_up.weight", "lora_down.weight", "alpha") for key in tensors)  # all read
+    for module in modules:
+        up, down = tensors[f"{module}.lora_up.weight"].float(), tensors[f"{module}.lora_down.weight"].float()
+        alpha = tensors[f"{module}.alpha"].item() if f"{module}.alpha" in tensors else None
+        model[keys[module]] += (alpha / down.shape[0] if alpha is not None else 1.0) * (up @ down)
+    return {name: model[original][row:row + rows] if rows else model[original]
+            for name, (original, row, rows) in layout.items()}
+
+
+def trained_weights(denoiser):
+    """{name: tensor} of a peft-adapted transformer's weights with its adapters merged (peft's own merge)."""
+    import copy
+
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    merged = copy.deepcopy(denoiser)
+    for module in merged.modules():
+        if isinstance(module, BaseTunerLayer):
+            module.merge()
+    return {name.replace(".base_layer", ""): tensor for name, tensor in merged.state_dict().items()
+            if "lora_" not in name}
+
+
+def kohya_export_read_as_comfyui_reads_it(pipeline_class, model_dir, train_tiny, folder, layout_of, kohya_module):
+    """A tiny LoRA trained 2 steps and saved as train.py does, exported by export.py: every module of its file one
+    ComfyUI maps onto its model (comfyui_lora_keys of layout_of(the transformer's config), the key kohya_module names
+    for each diffusers layer of it); merged as ComfyUI merges it (comfyui_kohya_merged), the trained transformer's
+    weights, every one the adapters changed; read back by the family's pipeline (diffusers' own kohya reader,
+    load_lora_weights) and fused, the same. Returns the file's tensors."""
+    import os
+
+    from safetensors.torch import load_file
+
+    from dreambooth import files
+    from dreambooth.commands import export
+    from dreambooth.models import networks
+    from dreambooth.models import outputs
+
+    base = pipeline_class.from_pretrained(model_dir)
+    before = {name: tensor.clone() for name, tensor in base.transformer.state_dict().items()}
+    # (ComfyUI's map names a context refiner's adaLN_modulation too, which Z-Image has not: the transformer's weights')
+    layout = {name: place for name, place in layout_of(base.transformer.config).items() if name in before}
+    keys = comfyui_lora_keys(layout)
+    width = {name: rows for name, (_, _, rows) in layout.items()}
+    for name, (original, row, _) in layout.items():  # (each diffusers layer: ComfyUI's name and its rows of it)
+        module, part = kohya_module(name[:-len(".weight")])
+        assert keys[module] == original and (part is None) == (width[name] is None), name
+        assert part is None or row == "qkv".index(part) * width[name], name
+    plan, state, _ = train_tiny(model_dir, 2, use_lora=True, lora_alpha=8.0, output_dir=str(folder / "kohya-lora"))
+    outputs.save_pipeline(state.models, plan)
+    path = export.main(["--model_dir", plan.output_dir, "--output_file", str(folder / "kohya.safetensors"),
+                        "--save_precision", "fp32"])
+    tensors = load_file(path)
+    assert tensors and all(key.startswith("lora_unet_") for key in tensors)
+    adapted = {key[len("transformer."):].rsplit(".lora_", 1)[0] + ".weight"
+               for key in load_file(os.path.join(plan.output_dir, files.LORA_WEIGHTS_FILE))}
+    trained = trained_weights(networks.unwrap(state.models.denoiser))
+    assert trained.keys() == before.keys() and adapted <= set(layout)
+    assert {name for name in before if not torch.equal(before[name], trained[name])} == adapted
+    merged = comfyui_kohya_merged(before, tensors, layout)
+    for name in layout:
+        torch.testing.assert_close(merged[name], trained[name], rtol=0, atol=1e-6, msg=name)
+    base.load_lora_weights(dict(tensors))
+    base.fuse_lora()
+    base.unload_lora_weights()  # (the fused weights stay, under the base model's names)
+    fused = base.transformer.state_dict()
+    for name in layout:
+        torch.testing.assert_close(fused[name], trained[name], rtol=0, atol=1e-6, msg=name)
+    return tensors

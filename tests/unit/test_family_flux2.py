@@ -79,6 +79,30 @@ def test_lora_adapts_the_scripts_layers_and_both_outputs_load_in_the_pipeline(ti
     familysteps.flux2_lora_on_the_scripts_layers(Flux2KleinPipeline, tiny_flux2_model, 24, train_tiny, tmp_path)
 
 
+def test_lora_exports_in_kohyas_flux2_names_that_comfyui_maps_and_merges_to_the_trained_weights(tiny_flux2_model,
+                                                                                                 train_tiny, tmp_path):
+    """export.py on a [klein] LoRA: kohya's names of FLUX.2's original modules (lora_unet_double_blocks_<i>_img_attn_qkv
+    holding q, k and v, ..._img_attn_proj, ..._single_blocks_<i>_linear1, ..._linear2), each one ComfyUI maps onto its
+    FLUX.2 model; merged as ComfyUI merges it, the trained transformer's weights; Flux2KleinPipeline reads it back
+    (diffusers' kohya FLUX.2 reader) to the same (familysteps.kohya_export_read_as_comfyui_reads_it). The lines
+    dreambooth_run.sh ends with offer the export for LoRA, not yet for a full model."""
+    from diffusers import Flux2KleinPipeline
+
+    from dreambooth.commands import export
+
+    tensors = familysteps.kohya_export_read_as_comfyui_reads_it(
+        Flux2KleinPipeline, tiny_flux2_model, train_tiny, tmp_path, familysteps.comfyui_flux2_layout,
+        flux2base.kohya_module)
+    assert {key.split(".")[0] for key in tensors} == {
+        "lora_unet_double_blocks_0_img_attn_qkv", "lora_unet_double_blocks_0_img_attn_proj",
+        "lora_unet_single_blocks_0_linear1", "lora_unet_single_blocks_0_linear2"}
+    rank = tensors["lora_unet_double_blocks_0_img_attn_proj.lora_down.weight"].shape[0]
+    assert tensors["lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight"].shape[0] == 3 * rank
+    assert tensors["lora_unet_double_blocks_0_img_attn_qkv.alpha"].item() == 3 * 8.0  # (the scale alpha / rank kept)
+    assert export.why_no_file(str(tmp_path / "kohya-lora"), tiny_flux2_model) is None
+    assert export.why_no_file(str(tmp_path / "full"), tiny_flux2_model) == "export.py writes no FLUX.2 [klein] model yet"
+
+
 def test_validation_samples_are_what_generate_draws_from_the_same_weights(tiny_flux2_model, make_plan, tmp_path):
     """Drawn with guidance 4.0 against the empty prompt, the pipeline's way, by both."""
     settings = familysteps.validation_draws_what_generate_draws(tiny_flux2_model, make_plan, tmp_path).settings

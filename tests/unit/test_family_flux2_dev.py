@@ -74,6 +74,24 @@ def test_lora_adapts_the_scripts_layers_and_every_output_loads_in_the_pipeline(t
     familysteps.flux2_lora_on_the_scripts_layers(Flux2Pipeline, tiny_flux2dev_model, 48, train_tiny, tmp_path)
 
 
+def test_lora_exports_in_kohyas_flux2_names_that_comfyui_maps_and_merges_to_the_trained_weights(tiny_flux2dev_model,
+                                                                                                 train_tiny, tmp_path):
+    """export.py on a [dev] LoRA: [klein]'s layout (the FLUX.2 base's), each module one ComfyUI maps onto its FLUX.2
+    model; merged as ComfyUI merges it, the trained transformer's weights; Flux2Pipeline reads it back to the same
+    (familysteps.kohya_export_read_as_comfyui_reads_it)."""
+    from diffusers import Flux2Pipeline
+
+    from dreambooth.commands import export
+
+    tensors = familysteps.kohya_export_read_as_comfyui_reads_it(
+        Flux2Pipeline, tiny_flux2dev_model, train_tiny, tmp_path, familysteps.comfyui_flux2_layout,
+        flux2base.kohya_module)
+    modules = {key.split(".")[0] for key in tensors}
+    assert {"lora_unet_double_blocks_0_img_attn_qkv", "lora_unet_single_blocks_0_linear1",
+            "lora_unet_single_blocks_0_linear2"} <= modules
+    assert export.why_no_file(str(tmp_path / "kohya-lora"), tiny_flux2dev_model) is None
+
+
 def test_validation_samples_are_what_generate_draws_from_the_same_weights(tiny_flux2dev_model, make_plan, tmp_path):
     """Drawn at the guidance value 4.0, one prompt (no negative one), by both."""
     settings = familysteps.validation_draws_what_generate_draws(tiny_flux2dev_model, make_plan, tmp_path).settings

@@ -54,3 +54,25 @@ def test_lora_and_full_outputs_load_in_the_pipeline_and_validation_is_what_gener
         torch.tensor([[1, 1, 1, 1, 0]])))
     settings = familysteps.validation_draws_what_generate_draws(tiny_zimage_model, make_plan, tmp_path).settings
     assert (settings.guidance_scale, settings.resolution) == (5.0, 64)
+
+
+def test_lora_exports_in_kohyas_names_of_the_original_layout_that_comfyui_maps_and_merges_to_the_trained_weights(
+        tiny_zimage_model, train_tiny, tmp_path):
+    """export.py on a Z-Image LoRA: kohya's names of its original modules (lora_unet_layers_<i>_attention_qkv holding q,
+    k and v, ..._attention_out; the refiners' likewise), each one ComfyUI maps onto its Z-Image model; merged as
+    ComfyUI merges it, the trained transformer's weights; ZImagePipeline reads it back (diffusers' Z-Image reader of
+    kohya's names) to the same (familysteps.kohya_export_read_as_comfyui_reads_it)."""
+    from diffusers import ZImagePipeline
+
+    from dreambooth.commands import export
+
+    tensors = familysteps.kohya_export_read_as_comfyui_reads_it(
+        ZImagePipeline, tiny_zimage_model, train_tiny, tmp_path, familysteps.comfyui_zimage_layout,
+        family_zimage.kohya_module)
+    assert {key.split(".")[0] for key in tensors} == {
+        f"lora_unet_{blocks}_{i}_attention_{name}" for blocks, count in (("layers", 2), ("noise_refiner", 1),
+                                                                          ("context_refiner", 1))
+        for i in range(count) for name in ("qkv", "out")}
+    assert tensors["lora_unet_layers_0_attention_qkv.alpha"].item() == 3 * 8.0  # (the scale alpha / rank kept)
+    assert export.why_no_file(str(tmp_path / "kohya-lora"), tiny_zimage_model) is None
+    assert export.why_no_file(str(tmp_path / "full"), tiny_zimage_model) == "export.py writes no Z-Image model yet"

@@ -2,10 +2,12 @@
 (Flux2Transformer2DModel: double-stream then single-stream blocks with 4-axis position ids) over the latents of its
 own VAE (AutoencoderKLFlux2: 32 channels, each 2x2 patch folded into 128 channels and normalised by the VAE's
 batch-norm statistics), one token a latent pixel, conditioned on hidden layers of a text encoder side by side
-(out_layers). Each FLUX.2 family says its text encoder, tokenizer and released models in its own folder."""
+(out_layers); its LoRA adapters in kohya's names of its original (BFL) layout. Each FLUX.2 family says its text
+encoder, tokenizer and released models in its own folder."""
 
 from dreambooth.families.shared import builders
 from dreambooth.families.shared import family
+from dreambooth.families.shared import fluxblocks
 
 MAX_TOKENS = 512  # Flux2KleinPipeline's max_sequence_length default, and diffusers' klein script's
 
@@ -30,6 +32,29 @@ def mode_posterior(vae, pixels):
 # What the tiny FLUX.2 models change around random_models.MODEL_SIZES' widths (each family adds its text encoder's)
 TINY = dict(resolution_scale=1, layers=1, single_layers=1, head_dim=16, heads=2, rope=(4, 4, 4, 4), text_kv_heads=2,
             text_head_dim=16, vae_latents=8)
+
+
+# diffusers' module -> (its kohya name in the original layout, the part of a fused layer it is). The double blocks
+# keep Flux.1's names (fluxblocks.DOUBLE: q, k and v in one qkv layer each stream); their MLPs are SwiGLU pairs
+# (img_mlp.0 holding the gate and the input, img_mlp.2); a single block's input (q, k, v and the MLP's) is one layer
+# in diffusers too, linear1, and its output linear2 (BFL's names, which ComfyUI's FLUX.2 model keeps: comfy/utils.py
+# flux_to_diffusers)
+DOUBLE = {**{module: name for module, name in fluxblocks.DOUBLE.items() if module.startswith("attn.")},
+          "ff.linear_in": ("img_mlp_0", None), "ff.linear_out": ("img_mlp_2", None),
+          "ff_context.linear_in": ("txt_mlp_0", None), "ff_context.linear_out": ("txt_mlp_2", None)}
+SINGLE = {"attn.to_qkv_mlp_proj": ("linear1", None), "attn.to_out": ("linear2", None)}
+
+
+def kohya_module(module):
+    """(kohya's module name, the part of its fused layer or None) of a FLUX.2 transformer module's diffusers name:
+    lora_unet_double_blocks_<i>_img_attn_qkv (q, k, v), ..._img_attn_proj, ..._single_blocks_<i>_linear1, ..."""
+    blocks, index, inner = module.split(".", 2)
+    original, table = {"transformer_blocks": ("double_blocks", DOUBLE),
+                       "single_transformer_blocks": ("single_blocks", SINGLE)}.get(blocks, (None, {}))
+    if inner not in table:
+        raise KeyError(f"no original FLUX.2 layer for {module}")
+    name, part = table[inner]
+    return f"lora_unet_{original}_{index}_{name}", part
 
 
 class Flux2Models(builders.RandomModels):
@@ -85,7 +110,7 @@ class Flux2Family(family.Family):
     denoiser_lora_targets = (r".*\.(to_k|to_q|to_v|to_out\.0|to_qkv_mlp_proj)"
                              r"|.*single_transformer_blocks\.\d+\.attn\.to_out")
     trainable_text_encoders = ()  # frozen, as in diffusers' script
-    supports = frozenset({"train", "draw"})  # (not yet: an export layout of its own)
+    supports = frozenset({"train", "draw", "export_lora"})  # (not yet: a full model as one file)
     negative_prompt = False  # the pipeline guides against the empty prompt only
     released_resolutions = (1024,)
     text_tokens = MAX_TOKENS  # the text states' length in training (activations.py)
@@ -188,6 +213,26 @@ class Flux2Family(family.Family):
     def lora_file_layers(self, peft_layers):
         """peft's own names, as diffusers' klein DreamBooth LoRA script writes them."""
         return peft_layers
+
+    # --- export (export.py): kohya's layout of FLUX.2's original modules, which ComfyUI and diffusers load
+    def kohya_lora(self, state_dict, alphas, model_dir):
+        """{kohya key: tensor} of a LoRA file's tensors (peft names, lora_A/lora_B) in the original FLUX.2 layout
+        (kohya_module): lora_unet_ and the original module's name with its dots as underscores, the names ComfyUI
+        maps onto each weight of its FLUX.2 model (comfy/lora.py model_lora_keys_unet). A double block's q, k and v
+        are one qkv layer there: their adapters joined block-diagonally (family.kohya_lora_tensors: the down weights
+        stacked, each up weight in its rows and columns, a part without adapters as zeros, alpha x 3, the scale
+        alpha / rank kept); a single block's input and output are one layer each in diffusers too."""
+        config = family.part_config(model_dir, self.denoiser)
+        width = config["num_attention_heads"] * config["attention_head_dim"]
+
+        def module_of(network, module):
+            if network != self.denoiser:  # (its text encoder is never trained: trainable_text_encoders)
+                raise KeyError(f"no kohya layout for {network} adapters of {self.label}")
+            return kohya_module(module)
+
+        return family.kohya_lora_tensors(family.group_lora(state_dict, module_of),
+                                         lambda name: alphas.get(self.denoiser), lambda name: ("q", "k", "v"),
+                                         dict.fromkeys(("q", "k", "v"), width))
 
 
 def script_reference_loss(pipeline_class, guidance):

@@ -5,7 +5,8 @@ only (a list of prompts of their own lengths). Its transformer takes the timeste
 negated velocity. The base model draws with classifier-free guidance 5.0 against a negative prompt (empty by
 default). The text encoder is never trained: its states are computed once and it leaves the device. Trained as
 diffusers' train_dreambooth_lora_z_image.py trains it: the VAE's mode as the clean latents, objectives.flow_matching
-on the scheduler's sigmas, uniform timesteps by default.
+on the scheduler's sigmas, uniform timesteps by default. Its LoRA exports in kohya's names of its original layout
+(each attention's q, k and v one qkv layer), which ComfyUI and diffusers load.
 """
 
 from dreambooth.families.shared import builders
@@ -19,6 +20,35 @@ MAX_TOKENS = 512  # ZImagePipeline's max_sequence_length default, and diffusers'
 def prompt_list(states, mask):
     """[(L_i, D)]: each prompt's own states (mask (N, L): its tokens), as the pipeline and the transformer take them."""
     return [row[keep.bool()] for row, keep in zip(states, mask)]
+
+
+# A block's modules (diffusers' names) -> (the original layout's, the part of a fused layer it is): each attention's
+# q, k and v are one qkv layer there and its output is "out"; the rest of a block keeps its name. The transformer's
+# other layers by their original names. (ComfyUI's Z-Image model, comfy/ldm/lumina NextDiT, has the original
+# layout: comfy/utils.py z_image_to_diffusers maps diffusers' names onto it.)
+BLOCKS = ("layers", "noise_refiner", "context_refiner")
+BLOCK = {"attention.to_q": ("attention.qkv", "q"), "attention.to_k": ("attention.qkv", "k"),
+         "attention.to_v": ("attention.qkv", "v"), "attention.to_out.0": ("attention.out", None),
+         **{name: (name, None) for name in ("feed_forward.w1", "feed_forward.w2", "feed_forward.w3",
+                                            "adaLN_modulation.0")}}
+OUTSIDE = {"all_x_embedder.2-1": "x_embedder", "all_final_layer.2-1.linear": "final_layer.linear",
+           "all_final_layer.2-1.adaLN_modulation.1": "final_layer.adaLN_modulation.1", "cap_embedder.1": "cap_embedder.1",
+           "t_embedder.mlp.0": "t_embedder.mlp.0", "t_embedder.mlp.2": "t_embedder.mlp.2"}
+
+
+def kohya_module(module):
+    """(kohya's module name, the part of its fused layer or None) of a Z-Image transformer module's diffusers name:
+    lora_unet_ and its original name with the dots as underscores (lora_unet_layers_<i>_attention_qkv: q, k, v)."""
+    blocks, _, rest = module.partition(".")
+    index, _, inner = rest.partition(".")
+    if blocks in BLOCKS and inner in BLOCK:
+        name, part = BLOCK[inner]
+        original = f"{blocks}.{index}.{name}"
+    elif module in OUTSIDE:
+        original, part = OUTSIDE[module], None
+    else:
+        raise KeyError(f"no original Z-Image layer for {module}")
+    return "lora_unet_" + original.replace(".", "_"), part
 
 
 class ZImageModels(builders.RandomModels):
@@ -85,7 +115,7 @@ class ZImage(family.Family):
     denoiser_lora_targets = ("to_k", "to_q", "to_v", "to_out.0")  # diffusers' Z-Image DreamBooth LoRA script's
     text_encoders = ("text_encoder",)  # Qwen3 (its second-to-last hidden states)
     trainable_text_encoders = ()  # frozen, as in diffusers' script
-    supports = frozenset({"train", "draw"})  # (not yet: an export layout of its own)
+    supports = frozenset({"train", "draw", "export_lora"})  # (not yet: a full model as one file)
     guidance_scale = 5.0  # ZImagePipeline's default (the base model's)
     released_resolutions = (1024,)
     # Z-Image's transformer, Qwen3-4B and Flux.1's VAE, counted on the meta device (tests/unit/test_memory.py)
@@ -183,6 +213,26 @@ class ZImage(family.Family):
     def lora_file_layers(self, peft_layers):
         """peft's own names, as diffusers' Z-Image DreamBooth LoRA script writes them."""
         return peft_layers
+
+    # --- export (export.py): kohya's layout of Z-Image's original modules, which ComfyUI and diffusers load
+    def kohya_lora(self, state_dict, alphas, model_dir):
+        """{kohya key: tensor} of a LoRA file's tensors (peft names, lora_A/lora_B) in Z-Image's original layout
+        (kohya_module), the names ComfyUI maps onto each weight of its Z-Image model (comfy/lora.py
+        model_lora_keys_unet). An attention's q, k and v are one qkv layer there (q's rows, then k's and v's): their
+        adapters joined block-diagonally (family.kohya_lora_tensors: the down weights stacked, each up weight in its
+        rows and columns, a part without adapters as zeros, alpha x 3, the scale alpha / rank kept)."""
+        config = family.part_config(model_dir, self.denoiser)
+        head = config["dim"] // config["n_heads"]
+        kv = config.get("n_kv_heads") or config["n_heads"]
+
+        def module_of(network, module):
+            if network != self.denoiser:  # (its text encoder is never trained: trainable_text_encoders)
+                raise KeyError(f"no kohya layout for {network} adapters of {self.label}")
+            return kohya_module(module)
+
+        return family.kohya_lora_tensors(family.group_lora(state_dict, module_of),
+                                         lambda name: alphas.get(self.denoiser), lambda name: ("q", "k", "v"),
+                                         {"q": config["dim"], "k": kv * head, "v": kv * head})
 
 
 FAMILY = ZImage()
