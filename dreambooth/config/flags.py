@@ -37,6 +37,7 @@ _FLOW = [f for f in families.FAMILIES.values() if f.flow_matching]
 FLOW_LABELS = ", ".join(f.label for f in _FLOW)
 FLOW_DEFAULTS = "; ".join(f"{f.label}: {f.default_weighting_scheme}" for f in _FLOW)
 FLOW_PRECONDITION = "; ".join(f"{f.label}: {int(f.precondition_outputs)}" for f in _FLOW)
+FLOW_LOGIT_STD = "; ".join(f"{f.label}: {f.default_logit_std:g}" for f in _FLOW)
 GUIDANCE_DEFAULTS = "; ".join(f"{f.label}: {f.guidance_scale:g}" for f in families.FAMILIES.values())
 GUIDED = " and ".join(f.label for f in families.FAMILIES.values() if f.guided_training)  # (Flux.1 dev, FLUX.2 [dev])
 # The families whose LoRA (and LoHa, LoKr) adapters export.py writes as one file
@@ -277,7 +278,8 @@ FLAGS = {
     "logit_mean": (("--logit_mean",),
         dict(type=float, default=0.0, help="--weighting_scheme logit_normal: the mean of the logit.")),
     "logit_std": (("--logit_std",),
-        dict(type=positive_float, default=1.0, help="--weighting_scheme logit_normal: the spread of the logit.")),
+        dict(type=positive_float, default=None,
+             help=f"--weighting_scheme logit_normal: the spread of the logit. Default: the family's ({FLOW_LOGIT_STD}).")),
     "mode_scale": (("--mode_scale",),
         dict(type=float, default=1.29, help="--weighting_scheme mode: its scale.")),
     "allow_tf32": (("--allow_tf32",),

@@ -65,7 +65,7 @@ class Plan:
     weighting_scheme: str | None  # flow matching: the family's default when None
     flow_shift: float | None  # flow matching: the training sigmas' shift (None: the scheduler's own)
     logit_mean: float
-    logit_std: float
+    logit_std: float | None  # the family's default when None
     mode_scale: float
     precondition_outputs: int | None  # flow matching: the family's default when None
     guidance_scale: float | None  # the samples' guidance (Flux.1 dev: its training input too); None: the family's

@@ -74,6 +74,8 @@ def of_run(flags, family, photos, masks, held_out, captions, class_images, resol
         "resolution": resolution,
         "buckets": [list(b) for b in buckets],
         **{name: flags[name] for name in WEIGHT_FLAGS + (FLOW_FLAGS if family.flow_matching else ())},
+        **({"logit_std": family.default_logit_std if flags["logit_std"] is None else flags["logit_std"]}
+           if family.flow_matching else {}),  # (the family's default, as a run recorded it before it was one)
         **({"base_precision": flags["base_precision"]} if flags["base_precision"] else {}),
         **({"text_encoder_precision": flags["text_encoder_precision"]} if flags["text_encoder_precision"] else {}),
         **{name: flags[name] for name in OPTIMIZER_FLAGS.get(flags["optimizer"], ())},

@@ -309,7 +309,8 @@ def loss_options(plan):
     """The objectives.LossOptions of a plan.Plan."""
     return objectives.LossOptions(plan.offset_noise, plan.snr_gamma,
                                   plan.weighting_scheme or plan.family.default_weighting_scheme, plan.logit_mean,
-                                  plan.logit_std, plan.mode_scale,
+                                  plan.family.default_logit_std if plan.logit_std is None else plan.logit_std,
+                                  plan.mode_scale,
                                   plan.family.precondition_outputs if plan.precondition_outputs is None
                                   else bool(plan.precondition_outputs),
                                   plan.family.guidance(plan.guidance_scale), plan.flow_shift)

@@ -118,6 +118,7 @@ class Family:
     guided_training = False  # --guidance_scale is an input of the denoiser in training too (Flux.1 dev)
     zero_negative_prompt = False  # the empty negative prompt drawn as zeros (SDXL's force_zeros_for_empty_prompt)
     time_ids = False  # the denoiser also takes each image's size and crop (SDXL's "text_time"): the stream carries them
+    validation_samples = True  # train.py's --validation_prompt draws samples of it while it trains
     supports = frozenset({"draw", "train", "export", "export_lora"})  # generate/evaluate, train, export (a full
     # model as one original-layout file; its LoRA in kohya's layout)
     released_resolutions = (512,)  # of the released models, for the README (a model's config decides)
@@ -276,6 +277,7 @@ class Family:
     # --- the objective and the denoiser (steps.batch_loss)
     flow_matching = False  # trained by objectives.flow_matching (--weighting_scheme applies), else denoising (--snr_gamma)
     default_weighting_scheme = "none"
+    default_logit_std = 1.0  # --logit_std's default: its DreamBooth script's (Ideogram 4's: 1.5)
     precondition_outputs = False  # flow matching: the error measured on the implied clean latents (weights sigma^2)
 
     def load_scheduler(self, model_dir):
