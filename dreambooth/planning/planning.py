@@ -42,8 +42,7 @@ TRAIN_FLAGS = [
     "validation_prompt", "num_validation_images", "validation_steps", "validation_epochs",
     "validation_inference_steps", "score_steps", "keep_best", "clip_t_margin", "eval_models_dir", "class_name", "unique_token", "subject_type",
     "eval_prompts", "eval_images_per_prompt", "vae_dir", "checkpointing_steps", "checkpoints_total_limit", "checkpoint_upload",
-    "keep_checkpoints",
-    "resume_from_checkpoint", "max_failures", "max_preemption_failures", "stall_timeout", "overwrite", "allow_unsafe_weights", "gradient_accumulation_steps",
+    "keep_checkpoints", "resume_from_checkpoint", "max_failures", "max_preemption_failures", "stall_timeout", "overwrite", "allow_unsafe_weights", "gradient_accumulation_steps",
     "gradient_checkpointing", "cache_latents", "precompute_text_embeddings", "channels_last", "fused_adamw",
     "torch_compile", "fsdp", "allow_tf32", "num_class_images", "set_grads_to_none",
     "enable_xformers_memory_efficient_attention"]
@@ -220,9 +219,8 @@ def checked_files(args, draw_class_images):
     families.check_model_dir(args.model_dir, args.allow_unsafe_weights)
     family = families.require(args.model_dir, "train")
     objectives.check_flags(family, args.snr_gamma, args.precondition_outputs, args.weighting_scheme, args.flow_shift)
-    if args.validation_prompts and not family.validation_samples:
-        raise errors.UserError(f"--validation_prompt: {family.label}'s samples are not drawn while it trains yet; "
-                               "its scores are (--score_steps), and generate.py draws the saved model")
+    if args.validation_prompts and not family.validation_samples:  # (its scores are: --score_steps)
+        raise errors.UserError(f"--validation_prompt: {family.label}'s samples are not drawn while it trains yet")
     if args.text_encoder_precision and family.trains_text_encoder(args.train_text_encoder) and \
             set(family.text_encoders) <= set(family.trainable_text_encoders):
         raise errors.UserError(f"--text_encoder_precision {args.text_encoder_precision} quantises the frozen text "
@@ -350,11 +348,10 @@ def offline_plan(**fields):
     args = parse_args(["--model_dir", "/unused", "--output_dir", "/unused-out",
                        "--instance_data_dir", "/unused", "--instance_prompt", "unused"])
     from_flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(plan.Plan) if hasattr(args, f.name)}
-    decided = dict(instance_prompts=(args.instance_prompt,), image_prompt=(),
-                   instance_images=(), instance_masks=(), held_out=(), class_images=(), resolution=64, buckets=(),
-                   channels_last=False,
-                   steps_per_epoch=1, total_steps=resources.DEFAULT_MAX_TRAIN_STEPS, stream_epochs=1, use_gpu=False,
-                   cpus_per_worker=1.0, num_workers=1, in_process=False, run_name="offline", resume_path=None, progress_bar=False,
+    decided = dict(instance_prompts=(args.instance_prompt,), image_prompt=(), instance_images=(), instance_masks=(),
+                   held_out=(), class_images=(), resolution=64, buckets=(), channels_last=False, steps_per_epoch=1,
+                   total_steps=resources.DEFAULT_MAX_TRAIN_STEPS, stream_epochs=1, use_gpu=False, cpus_per_worker=1.0,
+                   num_workers=1, in_process=False, run_name="offline", resume_path=None, progress_bar=False,
                    settings_toml="", identity=None, input_stamps=())
     if "family" not in fields:  # the model's own when it is there, else SD 1.x's
         model_dir = fields.get("model_dir", args.model_dir)
