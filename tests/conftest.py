@@ -54,10 +54,8 @@ def pytest_sessionfinish(session):
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
-    """Snapshot folder of the tiny SD model, written by cache_model.py --tiny."""
-    from dreambooth.commands import cache_model
-
-    return cache_model.main(["--model_dir", str(tmp_path_factory.mktemp("model-orig")), "--tiny"])
+    """Snapshot folder of the tiny SD model, written by cache_model.py --tiny (once a session: built_once)."""
+    return support.built_once(tmp_path_factory, "model-orig", ["--tiny"])
 
 
 @pytest.fixture(scope="session")
@@ -92,11 +90,9 @@ for _arch in sorted(set(families.ARCHS) - {"sd1"}):
 def tiny_eval_models(tmp_path_factory):
     """(cache folder, models folder) of the tiny random scoring models (cache_model.py --eval_models --tiny): the
     cache folder is what dreambooth_run.sh's EVAL_MODELS_CACHE names, the models folder evaluate.py's
-    --eval_models_dir. Read only."""
-    from dreambooth.commands import cache_model
-
-    cache = tmp_path_factory.mktemp("model-eval")
-    return str(cache), cache_model.main(["--model_dir", str(cache), "--eval_models", "--tiny"])
+    --eval_models_dir. Read only (once a session: built_once)."""
+    models = support.built_once(tmp_path_factory, "model-eval", ["--eval_models", "--tiny"])
+    return str(support.shared_folder(tmp_path_factory, "model-eval")), models
 
 
 @pytest.fixture(scope="session")

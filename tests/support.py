@@ -114,12 +114,27 @@ def run_script(argv, folder, env=None, timeout=900):
     return ScriptRun(folder, proc.returncode, proc.stdout, proc.stderr)
 
 
-def tiny_of(tmp_path_factory, folder, arch):
-    """Snapshot folder of the tiny model of a family's --arch, written by cache_model.py --tiny --arch in a folder of
-    the session's own."""
+def shared_folder(tmp_path_factory, folder):
+    """A folder the session's pytest-xdist workers share: in their base temp folder's parent (not made here)."""
+    root = tmp_path_factory.getbasetemp()
+    return (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / folder
+
+
+def built_once(tmp_path_factory, folder, argv):
+    """cache_model.py's main(argv + --model_dir FOLDER) in a shared_folder, under a lock: the first worker builds it,
+    the others find it built. Read only."""
+    from filelock import FileLock
+
     from dreambooth.commands import cache_model
 
-    return cache_model.main(["--model_dir", str(tmp_path_factory.mktemp(folder)), "--tiny", "--arch", arch])
+    path = shared_folder(tmp_path_factory, folder)
+    with FileLock(f"{path}.lock"):
+        return cache_model.main(["--model_dir", str(path), *argv])
+
+
+def tiny_of(tmp_path_factory, folder, arch):
+    """Snapshot folder of the tiny model of a family's --arch, written by cache_model.py --tiny --arch once a session."""
+    return built_once(tmp_path_factory, folder, ["--tiny", "--arch", arch])
 
 
 def modes_not_as_umask(path):
