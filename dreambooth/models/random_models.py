@@ -59,16 +59,17 @@ def build_pipeline(size="tiny", seed=0, safety_checker=False, arch=None):
     return families.ARCHS[arch].random.pipeline(nets, tokenizer, betas, safety_checker)
 
 
-@functools.lru_cache(maxsize=16)
-def meta_networks(size, arch):
+@functools.lru_cache(maxsize=32)
+def meta_networks(size, arch, depth=()):
     """build_networks of size and arch on the meta device: their shapes without memory or weights (built once a
-    process: a caller that changes one works on a copy)."""
+    process: a caller that changes one works on a copy). depth: ((spec key, blocks), ...) in place of the size's
+    block counts (activations.py counts a block's activations on shallow copies)."""
     import torch
     from transformers import CLIPTokenizer
 
     tokenizer = CLIPTokenizer.from_pretrained(TINY_TOKENIZER_DIR, model_max_length=77)
     with torch.device("meta"):
-        return build_networks(size, arch, tokenizer)
+        return build_networks(size, arch, tokenizer, dict(depth))
 
 
 def parameter_counts(size, arch):
@@ -88,13 +89,13 @@ def check_room_for(size, arch, cache_dir):
                                    f"has {have / 1e9:.0f} GB of {what}: build it on a larger machine (or --tiny)")
 
 
-def build_networks(size, arch, tokenizer):
+def build_networks(size, arch, tokenizer, changes=None):
     """{denoiser, "vae", text encoders}: the random networks of build_pipeline, named as the family's
     subfolders (in torch's current default device: "meta" counts a full-size model's parameters
-    without memory)."""
+    without memory); changes: what differs from the size's spec."""
     hub.quiet_hf_logging()
     family = families.ARCHS[arch]
-    spec = size_spec(size, family)
+    spec = {**size_spec(size, family), **(changes or {})}
     latent_size = int(spec["latent_size"] * family.random.changes["resolution_scale"])
     nets, text_width, denoiser_extra = family.random.text_encoders(spec, tokenizer)
     denoiser = family.random.denoiser(spec, latent_size, text_width, denoiser_extra)  # (in this order: the seed's draws)

@@ -13,6 +13,7 @@ assumption; no transformer was measured on a GPU yet.
 """
 
 import functools
+import os
 
 # SD 1.x's UNet, 512 px, per image: (without, with gradient checkpointing), GiB
 COUNTED_SD1 = (1.0785, 0.1456)  # this module's count (tests/unit/test_memory.py recounts it)
@@ -61,7 +62,7 @@ def saved_gib(module, forward):
     return sum(saved.values()) / 2 ** 30
 
 
-def meta_denoiser(family, source):
+def meta_denoiser(family, source, depth=()):
     """(family's denoiser on the meta device in bf16 and train mode, its latents' channels, the VAE's
     downscaling) of a model folder's configs, or of one of its own full sizes (family.random.own_sizes: the released
     models' shapes)."""
@@ -80,7 +81,7 @@ def meta_denoiser(family, source):
             denoiser = family.denoiser_of_config(source)
             vae = family_lib.part_config(source, "vae")
         else:
-            nets = random_models.meta_networks(source, family.random.arch)
+            nets = random_models.meta_networks(source, family.random.arch, depth)
             denoiser, vae = copy.deepcopy(nets[family.denoiser]), nets["vae"].config  # (shared: changed below)
     return denoiser.to(torch.bfloat16).train(), family.latent_channels(vae), family.vae_downscale(vae)
 
@@ -91,12 +92,27 @@ def per_image_gib(family_name, source, resolution, checkpointed):
     folder or an own size) at resolution px, with or without gradient checkpointing. For the flow-matching
     families (their text_tokens and joint attention); the UNet families' figures are memory.py's scaling of
     SD 1.x's measurement."""
-    import torch
-
     from dreambooth import families  # here, not at the top: the table imports every family module
+    from dreambooth.models import random_models
 
     family = families.FAMILIES[family_name]
-    denoiser, channels, scale = meta_denoiser(family, source)
+    kinds = () if os.path.isdir(source) else [key for key in family.random.block_counts
+                                              if random_models.size_spec(source, family).get(key, 0) > 2]
+    if not kinds:
+        return counted_gib(family, source, resolution, checkpointed)
+    # An own size whose blocks of one kind each save the same (RandomModels.block_counts): a shallow copy's count (one
+    # block of each kind) plus, per kind, its blocks past the first times what a second one adds
+    spec = random_models.size_spec(source, family)
+    base = counted_gib(family, source, resolution, checkpointed, tuple((key, 1) for key in kinds))
+    return base + sum((spec[key] - 1) * (counted_gib(family, source, resolution, checkpointed, tuple(
+        (other, 2 if other == key else 1) for other in kinds)) - base) for key in kinds)
+
+
+def counted_gib(family, source, resolution, checkpointed, depth=()):
+    """per_image_gib's figure of the denoiser of source (depth: meta_networks')."""
+    import torch
+
+    denoiser, channels, scale = meta_denoiser(family, source, depth)
     if checkpointed:
         denoiser.enable_gradient_checkpointing()
     config = denoiser.config

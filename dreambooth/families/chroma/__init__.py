@@ -16,6 +16,7 @@ T5_MAX_LENGTH = 512  # ChromaPipeline's max_sequence_length default
 
 
 class ChromaModels(fluxblocks.FluxBlocksModels):
+    block_counts = ("layers", "single_layers")  # (activations.py: each block keeps the same)
     note = "Chroma's layout: Flux.1's double/single-stream transformer with an approximator for its modulation, " \
            "T5 with its mask, flow matching, 16-channel latents packed 2x2"
     changes = dict(resolution_scale=1, layers=1, single_layers=1, head_dim=16, heads=2, rope=(4, 4, 8), t5_width=32,

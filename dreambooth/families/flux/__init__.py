@@ -15,6 +15,7 @@ T5_MAX_LENGTH = 512  # T5's tokens, in training and drawing (diffusers' Flux scr
 
 
 class FluxModels(fluxblocks.FluxBlocksModels):
+    block_counts = ("layers", "single_layers")  # (activations.py: each block keeps the same)
     note = "Flux.1 dev's layout: a double/single-stream transformer, CLIP-L and T5, flow matching, " \
                   "16-channel latents packed 2x2, a guidance input"
     changes = dict(resolution_scale=1, layers=1, single_layers=1, head_dim=16, heads=2, rope=(4, 4, 8),

@@ -25,6 +25,7 @@ def tiny_tokenizer():
 
 
 class Ideogram4Models(builders.RandomModels):
+    block_counts = ("layers",)  # (activations.py: each block keeps the same)
     note = "Ideogram 4's layout: a single-stream transformer over packed text and 2x2 image tokens, a Qwen3-VL " \
            "text encoder read at 13 layers, FLUX.2's VAE, flow matching"
     # tiny: 64 px (an 8x VAE of 8-wide blocks: 4 x 4 tokens), one block of 2 heads of 16, a Qwen3-VL of 36 layers 16

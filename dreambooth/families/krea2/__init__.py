@@ -44,6 +44,7 @@ def folded(states, length, layers=None):
 
 
 class Krea2Models(builders.RandomModels):
+    block_counts = ("layers",)  # (activations.py: each block keeps the same)
     note = "Krea 2's layout: a single-stream transformer that fuses twelve layers of a Qwen3-VL text encoder, flow " \
            "matching, 16-channel latents of Qwen-Image's video VAE packed 2x2"
     # tiny: 64 px (16 x 16 latents of a 4x VAE), one block of 2 heads of 16 (one key/value head), one text-fusion block

@@ -25,6 +25,7 @@ DEFAULT_SAMPLE_SIZE = 128  # QwenImagePipeline's latent size when none is given 
 
 
 class QwenImageModels(builders.RandomModels):
+    block_counts = ("layers",)  # (activations.py: each block keeps the same)
     note = "Qwen-Image's layout: a dual-stream transformer, a Qwen2.5-VL text encoder, flow matching, " \
                   "16-channel latents of its video VAE packed 2x2"
     # tiny: 64 px (16 x 16 latents of a 4x VAE), one block of 2 heads of 16, a 2-layer Qwen2.5-VL 32 wide

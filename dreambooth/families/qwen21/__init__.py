@@ -82,6 +82,7 @@ def image_layout(states, rows, h, w):
 
 
 class QwenImage21Models(builders.RandomModels):
+    block_counts = ("layers",)  # (activations.py: each block keeps the same)
     note = "Qwen-Image 2.1's layout: a single-stream block-causal transformer, a Qwen3-VL text encoder, flow " \
            "matching, 64-channel latents of its RGBA VAE (16x)"
     # tiny: 64 px (4 x 4 latents of the 16x VAE, which the pipeline assumes), one block of 2 heads of 16, a 2-layer

@@ -78,6 +78,7 @@ def original_transformer(state_dict, num_layers):
 
 
 class SD3Models(builders.RandomModels):
+    block_counts = ("layers",)  # (activations.py: each block keeps the same)
     note = "SD 3.5's layout: an MMDiT transformer, CLIP-L, CLIP-G and T5, flow matching, 16-channel latents"
     changes = dict(resolution_scale=1, layers=2, head_dim=8, heads=4, t5_width=32, t5_layers=2, t5_heads=4,
                        vae_scaling_factor=1.5305, vae_shift_factor=0.0609, shift=3.0)

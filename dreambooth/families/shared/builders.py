@@ -19,6 +19,9 @@ class RandomModels:
     note = ""  # what they are, for cache_model.py --help
     changes = {}  # what they change around random_models.MODEL_SIZES' widths (also in their revision)
     own_sizes = {}  # its full-size models' shapes ({--random_model name: spec}) beside random_models.MODEL_SIZES
+    # spec keys of block counts whose blocks of one kind each keep the same activations: activations.py counts a
+    # full size on copies of one and two blocks (its memory table in seconds); () where blocks differ by position
+    block_counts = ()
 
     def text_encoders(self, spec, tokenizer):
         """({subfolder: random text encoder}, the denoiser's text width, the denoiser's extra config) for a

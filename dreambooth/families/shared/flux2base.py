@@ -61,6 +61,8 @@ class Flux2Models(builders.RandomModels):
     """The FLUX.2 transformer and VAE of random weights (the VAE's batch-norm statistics drawn: a fresh one's are 0 and
     1, and the normalisation would go untested); a FLUX.2 family gives its text encoder and pipeline."""
 
+    block_counts = ("layers", "single_layers")  # (activations.py: each block keeps the same)
+
     # The released models' VAE shape (each FLUX.2 family's own_sizes start from it)
     _vae = dict(vae_channels=(128, 256, 512, 512), vae_layers=2, vae_latents=32, latent_size=128)
     guidance_embeds = False  # the transformer's guidance input ([dev]'s, guidance-distilled)

@@ -52,6 +52,7 @@ def kohya_module(module):
 
 
 class ZImageModels(builders.RandomModels):
+    block_counts = ("layers",)  # (activations.py: each block keeps the same)
     note = "Z-Image's layout: a single-stream transformer over 2x2 patches, a Qwen3 text encoder, flow matching, " \
            "Flux.1's 16-channel VAE"
     # tiny: 64 px, 2 layers (and a refiner each for the image and the text) of 2 heads of 16, a 2-layer Qwen3 32 wide
