@@ -22,6 +22,7 @@ from dreambooth.families.shared import builders
 from dreambooth.families.shared import family
 from dreambooth.families.shared import fluxblocks
 from dreambooth.families.shared import known
+from dreambooth.families.shared import qwenvae
 
 # Krea2Pipeline's text conditioning: Qwen-Image's system prompt before the prompt, the assistant's turn after the
 # padding, the first DROP tokens (the system prompt's, with the released tokenizer) dropped from the states, SUFFIX_TOKENS
@@ -122,7 +123,7 @@ class Krea2Models(builders.RandomModels):
                              text_encoder_select_layers=SELECT_LAYERS, **nets)
 
 
-class Krea2(family.Family):
+class Krea2(qwenvae.QwenVideoVAE):
     label = "Krea 2"
     order = 110
     pipeline = "Krea2Pipeline"
@@ -174,42 +175,8 @@ class Krea2(family.Family):
         """The VAE's downscaling times the 2x2 packing."""
         return self.vae_scale(model_dir) * 2
 
-    # --- the VAE: one frame of Qwen-Image's video VAE, normalised per channel
-    def vae_class(self):
-        from diffusers import AutoencoderKLQwenImage
+    # (the VAE: Qwen-Image's, one frame, normalised per channel: qwenvae.QwenVideoVAE)
 
-        return AutoencoderKLQwenImage
-
-    def vae_downscale(self, vae_config):
-        return 2 ** len(vae_config["temperal_downsample"])
-
-    def latent_channels(self, vae_config):
-        return vae_config["z_dim"]
-
-    def latent_posterior(self, vae, pixels):
-        """The posterior of (B, 3, H, W) pixels as one frame, its frame axis dropped: (B, 16, h, w) latents (a sample
-        of it is what diffusers' script trains on)."""
-        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
-
-        parameters = vae.encode(pixels.to(vae.dtype).unsqueeze(2)).latent_dist.parameters
-        return DiagonalGaussianDistribution(parameters.squeeze(2))
-
-    def scale_latents(self, vae, latents):
-        mean, std = self._latent_stats(vae, latents)
-        return (latents - mean) / std
-
-    def decode_latents(self, vae, latents):
-        mean, std = self._latent_stats(vae, latents)
-        return vae.decode((latents * std + mean).to(vae.dtype).unsqueeze(2)).sample[:, :, 0]
-
-    @staticmethod
-    def _latent_stats(vae, latents):
-        import torch
-
-        shape = (1, vae.config.z_dim, 1, 1)
-        options = dict(device=latents.device, dtype=latents.dtype)
-        return (torch.tensor(vae.config.latents_mean, **options).view(shape),
-                torch.tensor(vae.config.latents_std, **options).view(shape))
 
     # --- the networks
     def load_denoiser(self, load):

@@ -12,6 +12,7 @@ from dreambooth.families.shared import builders
 from dreambooth.families.shared import family
 from dreambooth.families.shared import fluxblocks
 from dreambooth.families.shared import known
+from dreambooth.families.shared import qwenvae
 
 # QwenImagePipeline's prompt template and the count of its tokens the pipeline drops (prompt_template_encode,
 # prompt_template_encode_start_idx), and its longest prompt (tokenizer_max_length): tests/unit/test_family_qwen.py
@@ -92,7 +93,7 @@ class QwenImageModels(builders.RandomModels):
         return QwenImagePipeline(tokenizer=builders.tiny_byte_tokenizer(), scheduler=scheduler, **nets)
 
 
-class QwenImage(family.Family):
+class QwenImage(qwenvae.QwenVideoVAE):
     label = "Qwen-Image"
     order = 60
     trimmed_text = True  # (its states as long as the longest prompt, with their mask)
@@ -130,40 +131,8 @@ class QwenImage(family.Family):
         """The VAE's downscaling times the 2x2 packing."""
         return self.vae_scale(model_dir) * 2
 
-    # --- the VAE: one frame of a video VAE, normalised per channel
-    def vae_class(self):
-        from diffusers import AutoencoderKLQwenImage
+    # (the VAE: Qwen-Image's, one frame, normalised per channel: qwenvae.QwenVideoVAE)
 
-        return AutoencoderKLQwenImage
-
-    def vae_downscale(self, vae_config):
-        return 2 ** len(vae_config["temperal_downsample"])
-
-    def latent_channels(self, vae_config):
-        return vae_config["z_dim"]
-
-    def latent_posterior(self, vae, pixels):
-        """The posterior of (B, 3, H, W) pixels as one frame, its frame axis dropped: (B, 16, h, w) latents."""
-        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
-
-        parameters = vae.encode(pixels.to(vae.dtype).unsqueeze(2)).latent_dist.parameters
-        return DiagonalGaussianDistribution(parameters.squeeze(2))
-
-    def scale_latents(self, vae, latents):
-        mean, std = self._latent_stats(vae, latents)
-        return (latents - mean) / std
-
-    def decode_latents(self, vae, latents):
-        mean, std = self._latent_stats(vae, latents)
-        return vae.decode((latents * std + mean).to(vae.dtype).unsqueeze(2)).sample[:, :, 0]
-
-    @staticmethod
-    def _latent_stats(vae, latents):
-        import torch
-
-        shape = (1, vae.config.z_dim, 1, 1)
-        return (torch.tensor(vae.config.latents_mean, device=latents.device, dtype=latents.dtype).view(shape),
-                torch.tensor(vae.config.latents_std, device=latents.device, dtype=latents.dtype).view(shape))
 
     # --- the networks
     def load_denoiser(self, load):
