@@ -283,6 +283,31 @@ def comfyui_zimage_layout(config):
     return layout
 
 
+def comfyui_hidream_layout(config):
+    """{diffusers weight: (ComfyUI's HiDream weight, 0, None: all rows)} of the weights a LoRA can adapt in ComfyUI's
+    HiDream model (linear layers, the mixtures' gates) as comfy/ldm/hidream/model.py names them from config (ComfyUI
+    a125cd8): HiDream-I1's original layout (no key converted), each the same name in diffusers' model."""
+    experts, attention = config["num_routed_experts"], ("to_q", "to_k", "to_v", "to_out")
+
+    def swiglu(prefix):  # FeedForwardSwiGLU
+        return [f"{prefix}.{name}" for name in ("w1", "w2", "w3")]
+
+    def block(prefix, dual):  # HiDreamImageBlock's HiDreamImageTransformerBlock (dual), else its single-stream one
+        moe = [*swiglu(f"{prefix}ff_i.shared_experts"), f"{prefix}ff_i.gate",  # MOEFeedForwardSwiGLU
+               *[m for e in range(experts) for m in swiglu(f"{prefix}ff_i.experts.{e}")]]
+        ff_i = moe if experts else swiglu(f"{prefix}ff_i")
+        return [f"{prefix}adaLN_modulation.1", *[f"{prefix}attn1.{name}{stream}" for stream in ("", "_t")[:1 + dual]
+                                                 for name in attention], *ff_i, *(swiglu(f"{prefix}ff_t") if dual else [])]
+
+    modules = ["t_embedder.timestep_embedder.linear_1", "t_embedder.timestep_embedder.linear_2",
+               "p_embedder.pooled_embedder.linear_1", "p_embedder.pooled_embedder.linear_2", "x_embedder.proj",
+               "final_layer.linear", "final_layer.adaLN_modulation.1",
+               *[f"caption_projection.{k}.linear" for k in range(config["num_layers"] + config["num_single_layers"] + 1)],
+               *[m for i in range(config["num_layers"]) for m in block(f"double_stream_blocks.{i}.block.", True)],
+               *[m for i in range(config["num_single_layers"]) for m in block(f"single_stream_blocks.{i}.block.", False)]]
+    return {f"{module}.weight": (f"{module}.weight", 0, None) for module in modules}
+
+
 def comfyui_lora_keys(layout):
     """{LoRA module name: ComfyUI's weight} that model_lora_keys_unet makes for its model's weights (layout's)."""
     return {"lora_unet_" + original[:-len(".weight")].replace(".", "_"): original for original, _, _ in layout.values()}
@@ -324,12 +349,13 @@ def trained_weights(denoiser):
             if "lora_" not in name}
 
 
-def kohya_export_read_as_comfyui_reads_it(pipeline_class, model_dir, train_tiny, folder, layout_of, kohya_module):
+def kohya_export_read_as_comfyui_reads_it(pipeline_class, model_dir, train_tiny, folder, layout_of, kohya_module,
+                                          diffusers_reads_it=True):
     """A tiny LoRA trained 2 steps and saved as train.py does, exported by export.py: every module of its file one
     ComfyUI maps onto its model (comfyui_lora_keys of layout_of(the transformer's config), the key kohya_module names
     for each diffusers layer of it); merged as ComfyUI merges it (comfyui_kohya_merged), the trained transformer's
-    weights, every one the adapters changed; read back by the family's pipeline (diffusers' own kohya reader,
-    load_lora_weights) and fused, the same. Returns the file's tensors."""
+    weights, every one the adapters changed; if diffusers_reads_it (HiDream's pipeline reads no kohya names), read back
+    by the family's pipeline (diffusers' kohya reader, load_lora_weights) and fused, the same. Returns its tensors."""
     import os
 
     from safetensors.torch import load_file
@@ -363,6 +389,8 @@ def kohya_export_read_as_comfyui_reads_it(pipeline_class, model_dir, train_tiny,
     merged = comfyui_kohya_merged(before, tensors, layout)
     for name in layout:
         torch.testing.assert_close(merged[name], trained[name], rtol=0, atol=1e-6, msg=name)
+    if not diffusers_reads_it:
+        return tensors
     base.load_lora_weights(dict(tensors))
     base.fuse_lora()
     base.unload_lora_weights()  # (the fused weights stay, under the base model's names)

@@ -84,9 +84,10 @@ def lora_alphas(lora_dir):
 
 def lora_checkpoint(lora_dir):
     """The kohya-layout tensors of train.py's LoRA output: its base model's family's layout (Flux.1's, SD 3.5's,
-    FLUX.2's, Z-Image's), else the UNet families' (also when the base of UNet adapters is not here); LoHa's and
-    LoKr's in LyCORIS' layout (a transformer's modules as ComfyUI names them, lycoris_<module>: layouts.lycoris). A
-    UserError when a transformer's base is not here or its family's adapters of that kind are not exported yet."""
+    FLUX.2's, Z-Image's, HiDream-I1's), else the UNet families' (also when the base of UNet adapters is not here);
+    LoHa's and LoKr's in LyCORIS' layout (a transformer's modules as ComfyUI names them, lycoris_<module>:
+    layouts.lycoris). A UserError when a transformer's base is not here or its family's adapters of that kind are not
+    exported yet."""
     from safetensors.torch import load_file
 
     output = outputs.read_output(lora_dir)

@@ -17,7 +17,8 @@ and here they are frozen (a full fine-tune trains the rest).
 The released repositories hold no Llama (model_index.json names none for text_encoder_4 and tokenizer_4): the
 model folder this suite reads is the pipeline's folder with meta-llama/Meta-Llama-3.1-8B-Instruct's model in
 text_encoder_4/ (LlamaForCausalLM) and its tokenizer in tokenizer_4/ (PreTrainedTokenizerFast), both named in
-model_index.json (check_folder says so before a run starts).
+model_index.json (check_folder says so before a run starts). Its LoRA exports in kohya's names of its original
+layout (diffusers' own), which ComfyUI loads.
 """
 
 import contextlib
@@ -37,6 +38,13 @@ LLAMA_HELP = ("HiDream-I1's repositories hold no Llama: put meta-llama/Meta-Llam
               "license on the hub) in the model folder, its model in text_encoder_4/ and its tokenizer in tokenizer_4/, "
               'and name them in model_index.json: "text_encoder_4": ["transformers", "LlamaForCausalLM"], '
               '"tokenizer_4": ["transformers", "PreTrainedTokenizerFast"]')
+
+
+def kohya_module(module):
+    """(kohya's module name, None: no fused layer) of a HiDream transformer module's diffusers name: lora_unet_ and
+    the name with its dots as underscores (lora_unet_double_stream_blocks_<i>_block_attn1_to_q). HiDream-I1's
+    original layout, which ComfyUI's HiDream model keeps (comfy/ldm/hidream/model.py), is diffusers' own."""
+    return "lora_unet_" + module.replace(".", "_"), None
 
 
 def split_states(states):
@@ -210,7 +218,7 @@ class HiDream(family.Family):
     denoiser_lora_targets = ("to_k", "to_q", "to_v", "to_out")
     text_encoders = ("text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4")  # CLIP-L, CLIP-G, T5, Llama
     trainable_text_encoders = ()  # all frozen, as in diffusers' script
-    supports = frozenset({"train", "draw"})  # (not yet: an export layout of its own)
+    supports = frozenset({"train", "draw", "export_lora"})  # (not yet: a full model as one file)
     guidance_scale = 5.0  # HiDreamImagePipeline's default (HiDream-I1 Full's)
     released_resolutions = (1024,)
     # HiDream-I1's transformer, CLIP-L, CLIP-G, T5-XXL, Llama 3.1 8B and Flux.1's VAE, counted on the meta device
@@ -344,6 +352,20 @@ class HiDream(family.Family):
     def lora_file_layers(self, peft_layers):
         """peft's own names, as diffusers' HiDream DreamBooth LoRA script writes them."""
         return peft_layers
+
+    # --- export (export.py): kohya's names of HiDream-I1's original modules, which are diffusers' own
+    def kohya_lora(self, state_dict, alphas, model_dir):
+        """{kohya key: tensor} of a LoRA file's tensors (peft names, lora_A/lora_B) in kohya's names of the original
+        modules (kohya_module), the names ComfyUI maps onto each weight of its HiDream model (comfy/lora.py
+        model_lora_keys_unet: lora_unet_ and the weight's name with "_" for "."), with lora_down/lora_up and the
+        alpha (the scale alpha / rank kept). No layer is fused there: each adapter is one module of the file."""
+        def module_of(network, module):
+            if network != self.denoiser:  # (its text encoders are never trained: trainable_text_encoders)
+                raise KeyError(f"no kohya layout for {network} adapters of {self.label}")
+            return kohya_module(module)
+
+        return family.kohya_lora_tensors(family.group_lora(state_dict, module_of),
+                                         lambda name: alphas.get(self.denoiser), lambda name: (None,))
 
 
 FAMILY = HiDream()
