@@ -37,12 +37,9 @@ class KleinModels(flux2base.Flux2Models):
         arch = {**self.changes, **spec}
         qwen_tokenizer = builders.tiny_qwen3_tokenizer()
         width = arch["text_hidden"]
-        config = Qwen3Config(vocab_size=arch.get("text_vocab", len(qwen_tokenizer)), hidden_size=width,
-                             intermediate_size=arch.get("text_ff", 2 * width), num_hidden_layers=arch["text_depth"],
-                             num_attention_heads=arch["text_heads"], num_key_value_heads=arch["text_kv_heads"],
-                             head_dim=arch["text_head_dim"], max_position_embeddings=2 * flux2base.MAX_TOKENS,
+        config = Qwen3Config(**builders.qwen3_text(arch, qwen_tokenizer, arch["text_depth"], 2 * flux2base.MAX_TOKENS),
                              tie_word_embeddings=arch.get("text_tied", True), bos_token_id=None,
-                             eos_token_id=qwen_tokenizer.eos_token_id, pad_token_id=qwen_tokenizer.pad_token_id)
+                             eos_token_id=qwen_tokenizer.eos_token_id)
         return {"text_encoder": Qwen3ForCausalLM(config)}, len(OUT_LAYERS) * width, {}
 
     def pipeline(self, nets, tokenizer, betas, safety_checker):

@@ -24,6 +24,7 @@ from dreambooth import errors
 from dreambooth.families.shared import family
 from dreambooth.families.shared import flux2base
 from dreambooth.families.shared import objectives
+from dreambooth.families.shared import qwentext
 
 from . import models
 from .models import MAX_TOKENS
@@ -66,7 +67,7 @@ def sequence_layout(mask, h, w):
     return position_ids, segment_ids, indicator
 
 
-class Ideogram4(family.Family):
+class Ideogram4(qwentext.IndexedQwenText, flux2base.Flux2VAE):
     label = "Ideogram 4"
     order = 120
     pipeline = "Ideogram4Pipeline"
@@ -122,26 +123,8 @@ class Ideogram4(family.Family):
         one."""
         return family.part_config(model_dir, "vae").get("sample_size", DEFAULT_RESOLUTION)
 
-    def size_multiple(self, model_dir):
-        """A token's pixels: the VAE's downscaling times the 2x2 patch."""
-        return self.vae_scale(model_dir)
-
-    # --- the VAE: FLUX.2's, each 2x2 patch's latents one token's channels (row, column, channel), normalised
-    def vae_class(self):
-        from diffusers import AutoencoderKLFlux2
-
-        return AutoencoderKLFlux2
-
-    def vae_downscale(self, vae_config):
-        return 2 ** len(vae_config["block_out_channels"])  # (the VAE's, then the 2x2 patch)
-
-    def latent_channels(self, vae_config):
-        return PATCH * PATCH * vae_config["latent_channels"]
-
-    def latent_posterior(self, vae, pixels):
-        """The posterior whose sample is its mode (what diffusers' script encodes), as FLUX.2's."""
-        return flux2base.mode_posterior(vae, pixels)
-
+    # --- the VAE: FLUX.2's (flux2base.Flux2VAE: a token's pixels the VAE's downscaling times the 2x2 patch), each
+    # 2x2 patch's latents one token's channels (row, column, channel), normalised
     def scale_latents(self, vae, latents):
         """(B, C, H, W) VAE latents -> (B, 4C, H/2, W/2): each 2x2 patch's numbers in a cell's channels, row of the
         patch, then column, then the VAE's channel (the script's patchify_latents, as a grid), less the VAE's batch
@@ -159,36 +142,13 @@ class Ideogram4(family.Family):
         patched = (latents * std + mean).reshape(b, PATCH, PATCH, c, h, w).permute(0, 3, 4, 1, 5, 2)
         return vae.decode(patched.reshape(b, c, h * PATCH, w * PATCH).to(vae.dtype)).sample
 
-    @staticmethod
-    def _latent_stats(vae, latents):
-        import torch
-
-        options = dict(device=latents.device, dtype=latents.dtype)
-        return (vae.bn.running_mean.view(1, -1, 1, 1).to(**options),
-                torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(**options))
-
     # --- the networks
     def load_denoiser(self, load):
         from diffusers import Ideogram4Transformer2DModel
 
         return load(Ideogram4Transformer2DModel, self.denoiser)
 
-    def load_tokenizers(self, model_dir):
-        from transformers import Qwen2TokenizerFast
-
-        return [Qwen2TokenizerFast.from_pretrained(model_dir, subfolder="tokenizer")]
-
-    def load_text_encoders(self, model_dir, load):
-        """The class model_index.json names (Qwen3VLModel in the released model)."""
-        import os
-
-        import transformers
-
-        from dreambooth import files
-
-        _, name = files.read_json(os.path.join(model_dir, "model_index.json"))["text_encoder"]
-        return [load(getattr(transformers, name), "text_encoder")]
-
+    # (the tokenizer and the text encoder, Qwen3VLModel in the released model: qwentext.IndexedQwenText)
     def token_ids(self, tokenizers, prompt):
         """(2, MAX_TOKENS): the prompt's ids through the tokenizer's chat template (the prompt as the user's one
         text part) and their mask, left-padded with 0 as Ideogram4Pipeline.encode_prompt pads them; a UserError for

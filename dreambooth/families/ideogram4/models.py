@@ -3,6 +3,7 @@ transformers classes at the tiny widths or the released shapes, with the pipelin
 transformer."""
 
 from dreambooth.families.shared import builders
+from dreambooth.families.shared import flux2base
 
 MAX_TOKENS = 2048  # Ideogram4Pipeline's max_sequence_length default, and diffusers' script's: a prompt's most tokens
 PATCH = 2  # the pipeline's patch_size: 2x2 latent pixels a token
@@ -79,21 +80,10 @@ class Ideogram4Models(builders.RandomModels):
                                            llm_features_dim=text_width, mrope_section=tuple(arch["rope"]))
 
     def vae(self, spec, latent_size):
-        """FLUX.2's VAE (its batch-norm statistics drawn, as flux2base's: a fresh one's are 0 and 1)."""
-        import torch
-        from diffusers import AutoencoderKLFlux2
-
+        """FLUX.2's VAE (flux2base.random_vae: its batch-norm statistics drawn), of its own group count."""
         arch = {**self.changes, **spec}
-        blocks = len(arch["vae_widths"])
-        vae = AutoencoderKLFlux2(block_out_channels=arch["vae_widths"], layers_per_block=arch["vae_depth"],
-                                 down_block_types=("DownEncoderBlock2D",) * blocks,
-                                 up_block_types=("UpDecoderBlock2D",) * blocks, latent_channels=arch["vae_latents"],
-                                 norm_num_groups=arch["vae_groups"], sample_size=latent_size * 2 ** (blocks - 1))
-        if vae.bn.running_mean.device.type != "meta":
-            with torch.no_grad():
-                vae.bn.running_mean.normal_(0.0, 0.5)
-                vae.bn.running_var.uniform_(0.5, 2.0)
-        return vae
+        return flux2base.random_vae(arch["vae_widths"], arch["vae_depth"], arch["vae_latents"], latent_size,
+                                    norm_num_groups=arch["vae_groups"])
 
     def pipeline(self, nets, tokenizer, betas, safety_checker):
         """Ideogram4Pipeline with a second transformer of the same shape, random too, as its unconditional one, and

@@ -74,13 +74,9 @@ class Krea2Models(builders.RandomModels):
         arch = {**self.changes, **spec}
         qwen_tokenizer = builders.tiny_byte_tokenizer()
         width = arch["text_hidden"]
-        text = dict(vocab_size=arch.get("text_vocab", len(qwen_tokenizer)), hidden_size=width,
-                    intermediate_size=arch.get("text_ff", 2 * width), num_hidden_layers=arch["text_depth"],
-                    num_attention_heads=arch["text_heads"], num_key_value_heads=arch["text_kv_heads"],
-                    head_dim=arch["text_head_dim"], max_position_embeddings=2 * (MAX_TOKENS + DROP),
+        text = dict(builders.qwen3_text(arch, qwen_tokenizer, arch["text_depth"], 2 * (MAX_TOKENS + DROP)),
                     rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
-                                     "mrope_section": list(arch["mrope"]), "mrope_interleaved": True},
-                    pad_token_id=qwen_tokenizer.pad_token_id)
+                                     "mrope_section": list(arch["mrope"]), "mrope_interleaved": True})
         vision_width = arch["vision_width"]
         vision = dict(depth=arch.get("vision_depth", 1), hidden_size=vision_width,
                       intermediate_size=arch.get("vision_ff", 2 * vision_width), num_heads=arch.get("vision_heads", 2),
@@ -165,18 +161,8 @@ class Krea2(qwenvae.QwenVideoVAE):
                                    f"{index.get('patch_size')}-pixel patches; this suite trains Krea 2's own "
                                    f"({list(SELECT_LAYERS)}, 2x2 patches)")
 
-    def native_resolution(self, model_dir):
-        """The pipeline's default size (128 latent pixels x the VAE's downscaling: 1024 px), or the sample size a
-        random model built here records in its transformer's config."""
-        config = family.part_config(model_dir, self.denoiser)
-        return config.get("sample_size", DEFAULT_SAMPLE_SIZE) * self.vae_scale(model_dir)
-
-    def size_multiple(self, model_dir):
-        """The VAE's downscaling times the 2x2 packing."""
-        return self.vae_scale(model_dir) * 2
-
-    # (the VAE: Qwen-Image's, one frame, normalised per channel: qwenvae.QwenVideoVAE)
-
+    # (its native size and the VAE, Qwen-Image's, one frame normalised per channel: qwenvae.QwenVideoVAE)
+    default_sample_size = DEFAULT_SAMPLE_SIZE
 
     # --- the networks
     def load_denoiser(self, load):

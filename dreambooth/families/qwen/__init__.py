@@ -93,7 +93,7 @@ class QwenImageModels(builders.RandomModels):
         return QwenImagePipeline(tokenizer=builders.tiny_byte_tokenizer(), scheduler=scheduler, **nets)
 
 
-class QwenImage(qwenvae.QwenVideoVAE):
+class QwenImage(qwenvae.MaskedPrompts, qwenvae.QwenVideoVAE):
     label = "Qwen-Image"
     order = 60
     trimmed_text = True  # (its states as long as the longest prompt, with their mask)
@@ -109,6 +109,9 @@ class QwenImage(qwenvae.QwenVideoVAE):
     default_negative_prompt = " "  # the pipeline guides only against a negative prompt (its model card's: " ")
     released_resolutions = (1024,)  # (the pipeline's default; its model card also draws 1328 px squares)
     random = QwenImageModels()
+    # (its native size and the VAE, one frame normalised per channel: qwenvae.QwenVideoVAE; the prompts' mask:
+    # qwenvae.MaskedPrompts)
+    default_sample_size = DEFAULT_SAMPLE_SIZE
     text_tokens = 128  # the text states' length in training for activations.py: a prompt's, not padded to 1024
     # Qwen-Image's 20 B transformer, Qwen2.5-VL-7B (8.3 B with its vision tower) and the 127 M video VAE, counted
     # on the meta device (tests/unit/test_memory.py)
@@ -120,19 +123,6 @@ class QwenImage(qwenvae.QwenVideoVAE):
     # checked from here (no hub access): it is the commit people's hub caches show.
     known_models = (known.KnownModel("qwen-image", "Qwen/Qwen-Image", "75e0b4be04f60ec59a75f475837eced720f823b6", 1024,
                                      "flow", 57.7),)
-
-    def native_resolution(self, model_dir):
-        """The pipeline's default size (128 latent pixels x the VAE's downscaling: 1024 px), or the sample size
-        a random model built here records in its transformer's config."""
-        config = family.part_config(model_dir, self.denoiser)
-        return config.get("sample_size", DEFAULT_SAMPLE_SIZE) * self.vae_scale(model_dir)
-
-    def size_multiple(self, model_dir):
-        """The VAE's downscaling times the 2x2 packing."""
-        return self.vae_scale(model_dir) * 2
-
-    # (the VAE: Qwen-Image's, one frame, normalised per channel: qwenvae.QwenVideoVAE)
-
 
     # --- the networks
     def load_denoiser(self, load):
@@ -172,13 +162,6 @@ class QwenImage(qwenvae.QwenVideoVAE):
         keep = torch.arange(length, device=ids.device) < lengths[:, None]
         # (right-padded: each prompt's tokens are its first ones)
         return states[:, DROP:DROP + length] * keep[..., None].to(states.dtype), keep.long()
-
-    def meta_side_input(self, denoiser_config, tensor_options):
-        return None  # (no mask: every text token is read)
-
-    def pipeline_text(self, states, side, negative, negative_side):
-        return dict(prompt_embeds=states, prompt_embeds_mask=side, negative_prompt_embeds=negative,
-                    negative_prompt_embeds_mask=negative_side)
 
     # --- the objective and the denoiser
     flow_matching = True

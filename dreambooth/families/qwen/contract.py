@@ -12,16 +12,9 @@ def reference_loss(models, pixels, instance_prompt, class_prompt, pipe, prior_lo
     import torch
     from diffusers import QwenImagePipeline
 
-    vae, scheduler = models.vae, models.scheduler
-    latents = vae.encode(pixels.unsqueeze(2)).latent_dist.sample()
-    mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1)
-    std_inverse = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1)
-    latents = (latents - mean) * std_inverse
-    noise = torch.randn_like(latents)
+    vae = models.vae
+    latents, noise, timesteps, noisy = scripts.one_frame_flow_draw(vae, models.scheduler, pixels.unsqueeze(2))
     rows, _, _, h, w = latents.shape
-    timesteps, sigmas = scripts.uniform_schedule_draw(scheduler, rows)
-    sigmas = sigmas.view(-1, 1, 1, 1, 1)
-    noisy = (1.0 - sigmas) * latents + sigmas * noise
     with torch.no_grad():
         (inst, inst_mask), (cls, cls_mask) = (pipe.encode_prompt([p]) for p in (instance_prompt, class_prompt))
     inst_mask, cls_mask = (torch.ones(x.shape[:2], dtype=torch.long) if m is None else m

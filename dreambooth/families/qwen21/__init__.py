@@ -19,8 +19,8 @@ import contextlib
 
 from dreambooth import errors
 from dreambooth.families.shared import builders
-from dreambooth.families.shared import family
 from dreambooth.families.shared import known
+from dreambooth.families.shared import qwenvae
 
 # QwenImage21Pipeline's system message and text-to-image template (sys_prompt, prompt_template_t2i); the count of
 # leading tokens it drops is its processor's tokens of the system message alone (token_ids)
@@ -166,7 +166,7 @@ class QwenImage21Models(builders.RandomModels):
         return QwenImage21Pipeline(scheduler=scheduler, processor=tiny_processor(), **nets)
 
 
-class QwenImage21(family.Family):
+class QwenImage21(qwenvae.MaskedPrompts, qwenvae.QwenVideoVAE):
     label = "Qwen-Image 2.1"
     order = 140
     trimmed_text = True  # (its states as long as the longest prompt, with their mask)
@@ -182,6 +182,9 @@ class QwenImage21(family.Family):
     default_negative_prompt = " "  # (the pipeline's empty prompt) what --guidance_scale above 1 guides against
     released_resolutions = (1024,)  # (the pipeline's output_resolution default; diffusers' script trains at 1024)
     random = QwenImage21Models()
+    # (its native size, a multiple of a slot's 2x2 latents, and the VAE's frame and statistics:
+    # qwenvae.QwenVideoVAE; the prompts' mask: qwenvae.MaskedPrompts)
+    default_sample_size = DEFAULT_SAMPLE_SIZE
     text_tokens = 128  # the text states' length in training for activations.py: a prompt's, not padded
     # Qwen-Image 2.1's 7 B transformer, Qwen3-VL-8B (8.8 B with its vision tower) and its VAE, counted on the meta
     # device (tests/unit/test_memory.py)
@@ -207,55 +210,24 @@ class QwenImage21(family.Family):
     def tokenizers(self):
         return ("processor",)  # (its text side's subfolder: a processor, not a tokenizer)
 
-    def native_resolution(self, model_dir):
-        """The pipeline's default size (64 latent pixels x the VAE's downscaling: 1024 px), or the sample size
-        a random model built here records in its transformer's config."""
-        config = family.part_config(model_dir, self.denoiser)
-        return config.get("sample_size", DEFAULT_SAMPLE_SIZE) * self.vae_scale(model_dir)
-
-    def size_multiple(self, model_dir):
-        """The VAE's downscaling times the 2x2 slots."""
-        return self.vae_scale(model_dir) * SLOT
-
-    # --- the VAE: one RGBA frame of a video VAE, normalised per channel
+    # --- the VAE: one RGBA frame of a video VAE, normalised per channel (the rest: qwenvae.QwenVideoVAE)
     def vae_class(self):
         from diffusers import AutoencoderKLQwenImage21
 
         return AutoencoderKLQwenImage21
 
-    def vae_downscale(self, vae_config):
-        return 2 ** len(vae_config["temperal_downsample"])
-
-    def latent_channels(self, vae_config):
-        return vae_config["z_dim"]
-
     def latent_posterior(self, vae, pixels):
         """The posterior of (B, 3, H, W) pixels as one RGBA frame (an opaque alpha, 1 in [-1, 1], as diffusers'
         script reads an RGB image; a (B, 4, H, W) batch as it is), its frame axis dropped: (B, C, h, w) latents."""
         import torch
-        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
         if pixels.shape[1] == 3:
             pixels = torch.cat([pixels, torch.ones_like(pixels[:, :1])], dim=1)
-        parameters = vae.encode(pixels.to(vae.dtype).unsqueeze(2)).latent_dist.parameters
-        return DiagonalGaussianDistribution(parameters.squeeze(2))
+        return super().latent_posterior(vae, pixels)
 
     def scale_latents(self, vae, latents):
         mean, std = self._latent_stats(vae, latents)
         return (latents - mean) * (1.0 / std)  # (as diffusers' script: times the deviations' inverse)
-
-    def decode_latents(self, vae, latents):
-        """(B, 4, H, W) RGBA pixels, as the pipeline draws them."""
-        mean, std = self._latent_stats(vae, latents)
-        return vae.decode((latents * std + mean).to(vae.dtype).unsqueeze(2)).sample[:, :, 0]
-
-    @staticmethod
-    def _latent_stats(vae, latents):
-        import torch
-
-        shape = (1, vae.config.z_dim, 1, 1)
-        return (torch.tensor(vae.config.latents_mean, device=latents.device, dtype=latents.dtype).view(shape),
-                torch.tensor(vae.config.latents_std, device=latents.device, dtype=latents.dtype).view(shape))
 
     # --- the networks
     def load_denoiser(self, load):
@@ -317,13 +289,6 @@ class QwenImage21(family.Family):
 
     def text_width(self, denoiser_config):
         return denoiser_config.context_in_dim
-
-    def meta_side_input(self, denoiser_config, tensor_options):
-        return None  # (no mask: every text token is read)
-
-    def pipeline_text(self, states, side, negative, negative_side):
-        return dict(prompt_embeds=states, prompt_embeds_mask=side, negative_prompt_embeds=negative,
-                    negative_prompt_embeds_mask=negative_side)
 
     # --- the objective and the denoiser
     flow_matching = True

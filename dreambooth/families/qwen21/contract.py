@@ -14,17 +14,10 @@ def reference_loss(models, pixels, instance_prompt, class_prompt, pipe, prior_lo
     import torch
     from diffusers import QwenImage21Pipeline
 
-    vae, scheduler = models.vae, models.scheduler
+    vae = models.vae
     rgba = torch.cat([pixels, torch.ones_like(pixels[:, :1])], dim=1).unsqueeze(2)
-    latents = vae.encode(rgba).latent_dist.sample()
-    mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1)
-    std_inverse = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1)
-    latents = (latents - mean) * std_inverse
-    noise = torch.randn_like(latents)
+    latents, noise, timesteps, noisy = scripts.one_frame_flow_draw(vae, models.scheduler, rgba)
     rows, channels, _, h, w = latents.shape
-    timesteps, sigmas = scripts.uniform_schedule_draw(scheduler, rows)
-    sigmas = sigmas.view(-1, 1, 1, 1, 1)
-    noisy = (1.0 - sigmas) * latents + sigmas * noise
     with torch.no_grad():
         pairs = [pipe.encode_prompt(prompt=p)[:2] for p in (instance_prompt, class_prompt)]
     length = max(states.shape[1] for states, _ in pairs)

@@ -144,3 +144,14 @@ def tiny_qwen3_tokenizer():
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<think>", "</think>"]})
     tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
     return tokenizer
+
+
+def qwen3_text(arch, tokenizer, layers, positions):
+    """The settings of a random Qwen3 text stack (Qwen3Config's, or a Qwen3-VL config's text_config) of arch's text_*
+    numbers, layers deep, of positions positions, for tokenizer's ids: its MLP twice its width and tokenizer's
+    vocabulary unless arch says text_ff and text_vocab."""
+    width = arch["text_hidden"]
+    return dict(vocab_size=arch.get("text_vocab", len(tokenizer)), hidden_size=width,
+                intermediate_size=arch.get("text_ff", 2 * width), num_hidden_layers=layers,
+                num_attention_heads=arch["text_heads"], num_key_value_heads=arch["text_kv_heads"],
+                head_dim=arch["text_head_dim"], max_position_embeddings=positions, pad_token_id=tokenizer.pad_token_id)

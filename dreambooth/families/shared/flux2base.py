@@ -3,7 +3,8 @@
 own VAE (AutoencoderKLFlux2: 32 channels, each 2x2 patch folded into 128 channels and normalised by the VAE's
 batch-norm statistics), one token a latent pixel, conditioned on hidden layers of a text encoder side by side
 (out_layers); its LoRA adapters in kohya's names of its original (BFL) layout. Each FLUX.2 family says its text
-encoder, tokenizer and released models in its own folder."""
+encoder, tokenizer and released models in its own folder. Ideogram 4 draws over the same VAE (Flux2VAE, random_vae);
+Z-Image encodes as FLUX.2 does (mode_posterior) and exports its denoiser's LoRA as FLUX.2 does (denoiser_kohya_lora)."""
 
 from dreambooth.families.shared import builders
 from dreambooth.families.shared import family
@@ -57,6 +58,25 @@ def kohya_module(module):
     return f"lora_unet_{original}_{index}_{name}", part
 
 
+def random_vae(widths, depth, latents, latent_size, **config):
+    """A FLUX.2 VAE (AutoencoderKLFlux2) of random weights, blocks widths wide and depth deep, of latents channels
+    latent_size wide (config: what else it changes), its batch-norm statistics drawn (a fresh one's are 0 and 1, and
+    the normalisation would go untested)."""
+    import torch
+    from diffusers import AutoencoderKLFlux2
+
+    blocks = len(widths)
+    vae = AutoencoderKLFlux2(block_out_channels=widths, layers_per_block=depth,
+                             down_block_types=("DownEncoderBlock2D",) * blocks,
+                             up_block_types=("UpDecoderBlock2D",) * blocks, latent_channels=latents,
+                             sample_size=latent_size * 2 ** (blocks - 1), **config)
+    if vae.bn.running_mean.device.type != "meta":
+        with torch.no_grad():
+            vae.bn.running_mean.normal_(0.0, 0.5)
+            vae.bn.running_var.uniform_(0.5, 2.0)
+    return vae
+
+
 class Flux2Models(builders.RandomModels):
     """The FLUX.2 transformer and VAE of random weights (the VAE's batch-norm statistics drawn: a fresh one's are 0 and
     1, and the normalisation would go untested); a FLUX.2 family gives its text encoder and pipeline."""
@@ -77,20 +97,8 @@ class Flux2Models(builders.RandomModels):
                                        axes_dims_rope=arch["rope"], guidance_embeds=self.guidance_embeds)
 
     def vae(self, spec, latent_size):
-        import torch
-        from diffusers import AutoencoderKLFlux2
-
         arch = {**self.changes, **spec}
-        blocks = len(arch["vae_channels"])
-        vae = AutoencoderKLFlux2(block_out_channels=arch["vae_channels"], layers_per_block=arch["vae_layers"],
-                                 down_block_types=("DownEncoderBlock2D",) * blocks,
-                                 up_block_types=("UpDecoderBlock2D",) * blocks, latent_channels=arch["vae_latents"],
-                                 sample_size=latent_size * 2 ** (blocks - 1))
-        if vae.bn.running_mean.device.type != "meta":
-            with torch.no_grad():
-                vae.bn.running_mean.normal_(0.0, 0.5)
-                vae.bn.running_var.uniform_(0.5, 2.0)
-        return vae
+        return random_vae(arch["vae_channels"], arch["vae_layers"], arch["vae_latents"], latent_size)
 
     @staticmethod
     def scheduler():
@@ -102,7 +110,40 @@ class Flux2Models(builders.RandomModels):
                                                base_image_seq_len=256, max_image_seq_len=4096)
 
 
-class Flux2Family(family.Family):
+class Flux2VAE(family.Family):
+    """A family over FLUX.2's VAE (AutoencoderKLFlux2): its latents each 2x2 patch folded into one latent pixel's
+    channels, normalised by the VAE's batch-norm statistics, the posterior's sample its mode; a family says the
+    fold's order (scale_latents, decode_latents)."""
+
+    def size_multiple(self, model_dir):
+        """The VAE's downscaling times the 2x2 fold: a latent pixel's pixels."""
+        return self.vae_scale(model_dir)
+
+    def vae_class(self):
+        from diffusers import AutoencoderKLFlux2
+
+        return AutoencoderKLFlux2
+
+    def vae_downscale(self, vae_config):
+        return 2 ** len(vae_config["block_out_channels"])  # (the VAE's, then the 2x2 fold)
+
+    def latent_channels(self, vae_config):
+        return 4 * vae_config["latent_channels"]
+
+    def latent_posterior(self, vae, pixels):
+        """The posterior whose sample is its mode (what diffusers' scripts encode): mode_posterior."""
+        return mode_posterior(vae, pixels)
+
+    @staticmethod
+    def _latent_stats(vae, latents):
+        import torch
+
+        options = dict(device=latents.device, dtype=latents.dtype)
+        return (vae.bn.running_mean.view(1, -1, 1, 1).to(**options),
+                torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(**options))
+
+
+class Flux2Family(Flux2VAE):
     """A FLUX.2 transformer family; its own folder gives the text encoder it reads (out_layers), its tokenizer and
     token ids, and its released models."""
 
@@ -122,24 +163,8 @@ class Flux2Family(family.Family):
         here says its own in its VAE's sample size."""
         return family.part_config(model_dir, "vae")["sample_size"]
 
-    def size_multiple(self, model_dir):
-        return self.vae_scale(model_dir)
-
-    # --- the VAE: 2x2 patches folded into channels, normalised by its batch-norm statistics
-    def vae_class(self):
-        from diffusers import AutoencoderKLFlux2
-
-        return AutoencoderKLFlux2
-
-    def vae_downscale(self, vae_config):
-        return 2 ** len(vae_config["block_out_channels"])  # (the VAE's, then the 2x2 fold)
-
-    def latent_channels(self, vae_config):
-        return 4 * vae_config["latent_channels"]
-
-    def latent_posterior(self, vae, pixels):
-        return mode_posterior(vae, pixels)
-
+    # --- the VAE (Flux2VAE): each 2x2 patch folded as the pipeline's _patchify_latents folds it (channel, row,
+    # column)
     def scale_latents(self, vae, latents):
         from diffusers import Flux2KleinPipeline
 
@@ -151,14 +176,6 @@ class Flux2Family(family.Family):
 
         mean, std = self._latent_stats(vae, latents)
         return vae.decode(Flux2KleinPipeline._unpatchify_latents(latents * std + mean).to(vae.dtype)).sample
-
-    @staticmethod
-    def _latent_stats(vae, latents):
-        import torch
-
-        options = dict(device=latents.device, dtype=latents.dtype)
-        return (vae.bn.running_mean.view(1, -1, 1, 1).to(**options),
-                torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(**options))
 
     # --- the networks
     def load_denoiser(self, load):
@@ -226,15 +243,21 @@ class Flux2Family(family.Family):
         alpha / rank kept); a single block's input and output are one layer each in diffusers too."""
         config = family.part_config(model_dir, self.denoiser)
         width = config["num_attention_heads"] * config["attention_head_dim"]
+        return denoiser_kohya_lora(self, state_dict, alphas, kohya_module, dict.fromkeys(("q", "k", "v"), width))
 
-        def module_of(network, module):
-            if network != self.denoiser:  # (its text encoder is never trained: trainable_text_encoders)
-                raise KeyError(f"no kohya layout for {network} adapters of {self.label}")
-            return kohya_module(module)
 
-        return family.kohya_lora_tensors(family.group_lora(state_dict, module_of),
-                                         lambda name: alphas.get(self.denoiser), lambda name: ("q", "k", "v"),
-                                         dict.fromkeys(("q", "k", "v"), width))
+def denoiser_kohya_lora(fam, state_dict, alphas, kohya_module, widths):
+    """{kohya key: tensor} of a LoRA file's tensors on fam's denoiser alone (its text encoder is never trained:
+    trainable_text_encoders; another network's adapters a KeyError), each module under kohya_module's name and part,
+    an attention's q, k and v one fused layer of widths {part: rows} (family.kohya_lora_tensors), the denoiser's
+    alpha."""
+    def module_of(network, module):
+        if network != fam.denoiser:
+            raise KeyError(f"no kohya layout for {network} adapters of {fam.label}")
+        return kohya_module(module)
+
+    return family.kohya_lora_tensors(family.group_lora(state_dict, module_of), lambda name: alphas.get(fam.denoiser),
+                                     lambda name: ("q", "k", "v"), widths)
 
 
 def script_reference_loss(pipeline_class, guidance):

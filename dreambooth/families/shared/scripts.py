@@ -15,6 +15,22 @@ def uniform_schedule_draw(scheduler, rows):
     return timesteps, sigmas
 
 
+def one_frame_flow_draw(vae, scheduler, frames):
+    """(latents, noise, timesteps, noisy latents) as the Qwen-Image scripts draw them on one-frame videos
+    (B, C, 1, H, W): the VAE's sample normalised per channel by its config's means and deviations (times the
+    deviations' inverse), noise, uniform_schedule_draw's timesteps, the straight path at their sigmas."""
+    import torch
+
+    latents = vae.encode(frames).latent_dist.sample()
+    mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1)
+    std_inverse = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1)
+    latents = (latents - mean) * std_inverse
+    noise = torch.randn_like(latents)
+    timesteps, sigmas = uniform_schedule_draw(scheduler, latents.shape[0])
+    sigmas = sigmas.view(-1, 1, 1, 1, 1)
+    return latents, noise, timesteps, (1.0 - sigmas) * latents + sigmas * noise
+
+
 def prior_preserving_mse(pred, target, prior_loss_weight):
     """The scripts' loss with prior preservation and no weighting: the instance half's mean squared error, plus
     prior_loss_weight x the class half's."""

@@ -13,6 +13,7 @@ from dreambooth.families.shared import builders
 from dreambooth.families.shared import family
 from dreambooth.families.shared import flux2base
 from dreambooth.families.shared import known
+from dreambooth.families.shared import qwentext
 
 MAX_TOKENS = 512  # ZImagePipeline's max_sequence_length default, and diffusers' Z-Image script's
 
@@ -72,11 +73,8 @@ class ZImageModels(builders.RandomModels):
         arch = {**self.changes, **spec}
         qwen_tokenizer = builders.tiny_qwen3_tokenizer()
         width = arch["text_hidden"]
-        config = Qwen3Config(vocab_size=arch.get("text_vocab", len(qwen_tokenizer)), hidden_size=width,
-                             intermediate_size=arch.get("text_ff", 2 * width), num_hidden_layers=arch["text_layers"],
-                             num_attention_heads=arch["text_heads"], num_key_value_heads=arch["text_kv_heads"],
-                             head_dim=arch["text_head_dim"], max_position_embeddings=2 * MAX_TOKENS, bos_token_id=None,
-                             eos_token_id=qwen_tokenizer.eos_token_id, pad_token_id=qwen_tokenizer.pad_token_id)
+        config = Qwen3Config(**builders.qwen3_text(arch, qwen_tokenizer, arch["text_layers"], 2 * MAX_TOKENS),
+                             bos_token_id=None, eos_token_id=qwen_tokenizer.eos_token_id)
         return {"text_encoder": Qwen3Model(config)}, width, {}
 
     def denoiser(self, spec, latent_size, text_width, extra):
@@ -107,7 +105,7 @@ class ZImageModels(builders.RandomModels):
                               **nets)
 
 
-class ZImage(family.Family):
+class ZImage(qwentext.IndexedQwenText):
     label = "Z-Image"
     order = 90
     trimmed_text = True  # (each prompt's own tokens, zero-padded to the longest, with their mask)
@@ -150,22 +148,7 @@ class ZImage(family.Family):
 
         return load(ZImageTransformer2DModel, self.denoiser)
 
-    def load_tokenizers(self, model_dir):
-        from transformers import Qwen2TokenizerFast
-
-        return [Qwen2TokenizerFast.from_pretrained(model_dir, subfolder="tokenizer")]
-
-    def load_text_encoders(self, model_dir, load):
-        """The class model_index.json names (Qwen3Model in the released model)."""
-        import os
-
-        import transformers
-
-        from dreambooth import files
-
-        _, name = files.read_json(os.path.join(model_dir, "model_index.json"))["text_encoder"]
-        return [load(getattr(transformers, name), "text_encoder")]
-
+    # (the tokenizer and the text encoder, Qwen3Model in the released model: qwentext.IndexedQwenText)
     def token_ids(self, tokenizers, prompt):
         """(2, MAX_TOKENS): the prompt's ids through the tokenizer's chat template (thinking on: no empty thought)
         and their attention mask, as ZImagePipeline tokenizes it."""
@@ -225,15 +208,8 @@ class ZImage(family.Family):
         config = family.part_config(model_dir, self.denoiser)
         head = config["dim"] // config["n_heads"]
         kv = config.get("n_kv_heads") or config["n_heads"]
-
-        def module_of(network, module):
-            if network != self.denoiser:  # (its text encoder is never trained: trainable_text_encoders)
-                raise KeyError(f"no kohya layout for {network} adapters of {self.label}")
-            return kohya_module(module)
-
-        return family.kohya_lora_tensors(family.group_lora(state_dict, module_of),
-                                         lambda name: alphas.get(self.denoiser), lambda name: ("q", "k", "v"),
-                                         {"q": config["dim"], "k": kv * head, "v": kv * head})
+        return flux2base.denoiser_kohya_lora(self, state_dict, alphas, kohya_module,
+                                             {"q": config["dim"], "k": kv * head, "v": kv * head})
 
 
 FAMILY = ZImage()
