@@ -69,7 +69,21 @@ def meta_networks(size, arch, depth=()):
 
     tokenizer = CLIPTokenizer.from_pretrained(TINY_TOKENIZER_DIR, model_max_length=77)
     with torch.device("meta"):
-        return build_networks(size, arch, tokenizer, dict(depth))
+        return build_networks(size, arch, tokenizer, dict(depth), meta_text_side(size, arch))
+
+
+@functools.lru_cache(maxsize=16)
+def meta_text_side(size, arch):
+    """The random text encoders of size and arch on the meta device, with the text width and extras the denoiser is
+    built for (its family's RandomModels.text_encoders): built once for a model and its shallow copies (meta_networks'
+    depth changes the denoiser's blocks alone; the copies' text encoders, never read, are the model's own)."""
+    import torch
+    from transformers import CLIPTokenizer
+
+    tokenizer = CLIPTokenizer.from_pretrained(TINY_TOKENIZER_DIR, model_max_length=77)
+    family = families.ARCHS[arch]
+    with torch.device("meta"):
+        return family.random.text_encoders(size_spec(size, family), tokenizer)
 
 
 def parameter_counts(size, arch):
@@ -89,15 +103,16 @@ def check_room_for(size, arch, cache_dir):
                                    f"has {have / 1e9:.0f} GB of {what}: build it on a larger machine (or --tiny)")
 
 
-def build_networks(size, arch, tokenizer, changes=None):
+def build_networks(size, arch, tokenizer, changes=None, text_side=None):
     """{denoiser, "vae", text encoders}: the random networks of build_pipeline, named as the family's
     subfolders (in torch's current default device: "meta" counts a full-size model's parameters
-    without memory); changes: what differs from the size's spec."""
+    without memory); changes: what differs from the size's spec; text_side: the text encoders, text width and
+    extras already built for it (meta_text_side), else built here."""
     hub.quiet_hf_logging()
     family = families.ARCHS[arch]
     spec = {**size_spec(size, family), **(changes or {})}
     latent_size = int(spec["latent_size"] * family.random.changes["resolution_scale"])
-    nets, text_width, denoiser_extra = family.random.text_encoders(spec, tokenizer)
+    nets, text_width, denoiser_extra = text_side or family.random.text_encoders(spec, tokenizer)
     denoiser = family.random.denoiser(spec, latent_size, text_width, denoiser_extra)  # (in this order: the seed's draws)
     return {family.denoiser: denoiser, "vae": family.random.vae(spec, latent_size), **nets}
 
