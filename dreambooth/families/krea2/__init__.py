@@ -101,12 +101,7 @@ class Krea2Models(builders.RandomModels):
         return model
 
     def vae(self, spec, latent_size):
-        from diffusers import AutoencoderKLQwenImage
-
-        arch = {**self.changes, **spec}
-        return AutoencoderKLQwenImage(base_dim=arch["vae_base"], z_dim=16, dim_mult=list(arch["vae_mult"]),
-                                      num_res_blocks=arch.get("vae_layers", 1),
-                                      temperal_downsample=list(arch["vae_time_down"]))
+        return qwenvae.random_vae({**self.changes, **spec})
 
     def pipeline(self, nets, tokenizer, betas, safety_checker):
         from diffusers import FlowMatchEulerDiscreteScheduler

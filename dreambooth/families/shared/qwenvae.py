@@ -6,6 +6,16 @@ mask, as Qwen-Image's pipelines take them."""
 from dreambooth.families.shared import family
 
 
+def random_vae(arch):
+    """Qwen-Image's VAE (AutoencoderKLQwenImage, 16 latent channels) of random weights, of a random model's numbers
+    (vae_base, vae_mult, vae_layers, vae_time_down)."""
+    from diffusers import AutoencoderKLQwenImage
+
+    return AutoencoderKLQwenImage(base_dim=arch["vae_base"], z_dim=16, dim_mult=list(arch["vae_mult"]),
+                                  num_res_blocks=arch.get("vae_layers", 1),
+                                  temperal_downsample=list(arch["vae_time_down"]))
+
+
 class QwenVideoVAE(family.Family):
     """A family over Qwen-Image's VAE: its latents one frame of it, normalised per channel, 2x2 of them one token (or
     one slot) of its transformer."""
