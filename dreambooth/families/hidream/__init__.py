@@ -40,11 +40,10 @@ LLAMA_HELP = ("HiDream-I1's repositories hold no Llama: put meta-llama/Meta-Llam
               '"tokenizer_4": ["transformers", "PreTrainedTokenizerFast"]')
 
 
-def kohya_module(module):
-    """(kohya's module name, None: no fused layer) of a HiDream transformer module's diffusers name: lora_unet_ and
-    the name with its dots as underscores (lora_unet_double_stream_blocks_<i>_block_attn1_to_q). HiDream-I1's
-    original layout, which ComfyUI's HiDream model keeps (comfy/ldm/hidream/model.py), is diffusers' own."""
-    return "lora_unet_" + module.replace(".", "_"), None
+# (kohya's module name, None) of a HiDream transformer module's diffusers name (lora_unet_double_stream_blocks_<i>_
+# block_attn1_to_q): HiDream-I1's original layout, which ComfyUI's HiDream model keeps (comfy/ldm/hidream/model.py), is
+# diffusers' own
+kohya_module = family.unfused_kohya_module
 
 
 def split_states(states):
@@ -359,13 +358,7 @@ class HiDream(family.Family):
         modules (kohya_module), the names ComfyUI maps onto each weight of its HiDream model (comfy/lora.py
         model_lora_keys_unet: lora_unet_ and the weight's name with "_" for "."), with lora_down/lora_up and the
         alpha (the scale alpha / rank kept). No layer is fused there: each adapter is one module of the file."""
-        def module_of(network, module):
-            if network != self.denoiser:  # (its text encoders are never trained: trainable_text_encoders)
-                raise KeyError(f"no kohya layout for {network} adapters of {self.label}")
-            return kohya_module(module)
-
-        return family.kohya_lora_tensors(family.group_lora(state_dict, module_of),
-                                         lambda name: alphas.get(self.denoiser), lambda name: (None,))
+        return family.denoiser_kohya_lora(self, state_dict, alphas, kohya_module)
 
 
 FAMILY = HiDream()

@@ -183,12 +183,8 @@ class QwenImage(qwenvae.MaskedPrompts, qwenvae.QwenVideoVAE):
     def kohya_lora(self, state_dict, alphas, model_dir):
         """{kohya key: tensor} of a LoRA file's tensors (peft names, lora_A/lora_B): lora_unet_ and the transformer
         module's name with its dots as underscores (Qwen-Image's original layout is diffusers' own: no layer is
-        fused), lora_down/lora_up and the alpha."""
-        def module_of(network, module):
-            return "lora_unet_" + module.replace(".", "_"), None
-
-        return family.kohya_lora_tensors(family.group_lora(state_dict, module_of),
-                                         lambda name: alphas.get(self.denoiser), lambda name: (None,))
+        fused), lora_down/lora_up and the alpha (its text encoder is frozen: denoiser adapters alone)."""
+        return family.denoiser_kohya_lora(self, state_dict, alphas)
 
 
 

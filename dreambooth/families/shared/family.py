@@ -57,6 +57,26 @@ def kohya_lora_tensors(groups, alpha_of, order_of, widths=None):
     return out
 
 
+def unfused_kohya_module(module):
+    """(kohya's module name, None: a layer of its own) of a transformer whose original layout is diffusers' own:
+    lora_unet_ and the module's name with its dots as underscores."""
+    return "lora_unet_" + module.replace(".", "_"), None
+
+
+def denoiser_kohya_lora(fam, state_dict, alphas, kohya_module=unfused_kohya_module, widths=None):
+    """{kohya key: tensor} of a LoRA file's tensors on fam's denoiser alone (its text encoders are never trained:
+    trainable_text_encoders; another network's adapters a KeyError), each module under kohya_module's (name, part):
+    part None a layer of its own, else q, k or v of one fused attention layer of widths {part: rows}
+    (kohya_lora_tensors), with the denoiser's alpha."""
+    def module_of(network, module):
+        if network != fam.denoiser:
+            raise KeyError(f"no kohya layout for {network} adapters of {fam.label}")
+        return kohya_module(module)
+
+    return kohya_lora_tensors(group_lora(state_dict, module_of), lambda name: alphas.get(fam.denoiser),
+                              lambda name: ("q", "k", "v"), widths)
+
+
 def group_lora(state_dict, module_of):
     """{kohya module: {part: [down, up]}} of a LoRA file's tensors (peft's <network>.<module>.lora_A/lora_B.weight
     names): module_of(network, module) -> (kohya module, part or None)."""

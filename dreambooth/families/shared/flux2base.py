@@ -4,7 +4,7 @@ own VAE (AutoencoderKLFlux2: 32 channels, each 2x2 patch folded into 128 channel
 batch-norm statistics), one token a latent pixel, conditioned on hidden layers of a text encoder side by side
 (out_layers); its LoRA adapters in kohya's names of its original (BFL) layout. Each FLUX.2 family says its text
 encoder, tokenizer and released models in its own folder. Ideogram 4 draws over the same VAE (Flux2VAE, random_vae);
-Z-Image encodes as FLUX.2 does (mode_posterior) and exports its denoiser's LoRA as FLUX.2 does (denoiser_kohya_lora)."""
+Z-Image encodes as FLUX.2 does (mode_posterior) and exports its denoiser's LoRA as FLUX.2 does (q, k and v fused: family.denoiser_kohya_lora)."""
 
 from dreambooth.families.shared import builders
 from dreambooth.families.shared import family
@@ -243,21 +243,8 @@ class Flux2Family(Flux2VAE):
         alpha / rank kept); a single block's input and output are one layer each in diffusers too."""
         config = family.part_config(model_dir, self.denoiser)
         width = config["num_attention_heads"] * config["attention_head_dim"]
-        return denoiser_kohya_lora(self, state_dict, alphas, kohya_module, dict.fromkeys(("q", "k", "v"), width))
+        return family.denoiser_kohya_lora(self, state_dict, alphas, kohya_module, dict.fromkeys(("q", "k", "v"), width))
 
-
-def denoiser_kohya_lora(fam, state_dict, alphas, kohya_module, widths):
-    """{kohya key: tensor} of a LoRA file's tensors on fam's denoiser alone (its text encoder is never trained:
-    trainable_text_encoders; another network's adapters a KeyError), each module under kohya_module's name and part,
-    an attention's q, k and v one fused layer of widths {part: rows} (family.kohya_lora_tensors), the denoiser's
-    alpha."""
-    def module_of(network, module):
-        if network != fam.denoiser:
-            raise KeyError(f"no kohya layout for {network} adapters of {fam.label}")
-        return kohya_module(module)
-
-    return family.kohya_lora_tensors(family.group_lora(state_dict, module_of), lambda name: alphas.get(fam.denoiser),
-                                     lambda name: ("q", "k", "v"), widths)
 
 
 def script_reference_loss(pipeline_class, guidance):

@@ -208,8 +208,8 @@ class ZImage(qwentext.IndexedQwenText):
         config = family.part_config(model_dir, self.denoiser)
         head = config["dim"] // config["n_heads"]
         kv = config.get("n_kv_heads") or config["n_heads"]
-        return flux2base.denoiser_kohya_lora(self, state_dict, alphas, kohya_module,
-                                             {"q": config["dim"], "k": kv * head, "v": kv * head})
+        return family.denoiser_kohya_lora(self, state_dict, alphas, kohya_module,
+                                          {"q": config["dim"], "k": kv * head, "v": kv * head})
 
 
 FAMILY = ZImage()
