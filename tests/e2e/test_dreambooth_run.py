@@ -408,10 +408,10 @@ def test_dreambooth_run_tiny_sd3_end_to_end(request):
     Step 4 scores while it trains (SCORE_STEPS=2 of 12): step 2 and the last scored from their checkpoints by Ray
     Train's validation tasks, each step's scores those evaluate.py (Step 6) gives that step's model. The training
     did not wait: the steps after 2 were logged while step 2 was scored, and rank 0 logged its scores (metrics.jsonl,
-    a line) as they came, mid-run; step 4, due while step 2 was still being scored, was not (one scoring at a time, a
-    line says so); step 12's scores, which came after the last step, the driver added at the end. The base model was
-    scored beside them; the saved model is the best-scored step's by the sweep's rule (--keep_best), as the lines and
-    its record say, and no other step's model is left. (The scores' bookkeeping: tests/unit/test_checkpoint_scores.py.)"""
+    a line) as they came, mid-run; a due step that came while another was still being scored was not (one scoring at
+    a time, a line says so); step 12's scores, which came after the last step, the driver added at the end. The base
+    model was scored beside them; the saved model is the best-scored step's by the sweep's rule (--keep_best), as the
+    lines and its record say, and no other step's model is left. (The scores' bookkeeping: tests/unit/test_checkpoint_scores.py.)"""
 
     tmp_path, proc = family_run(request, "sd3")
     subject_dir = tmp_path / "subjects" / "example-toy"
@@ -455,9 +455,13 @@ def assert_scored_while_training(subject_dir, output):
     [run_dir] = glob.glob(str(subject_dir / "ray_results" / "model-tuned-*"))
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     scored = {row["step"]: row for row in rows if "dino" in row}
-    # (a scoring takes seconds here, a step about one: the due steps after 4 are scored once step 2's has ended)
-    assert {2, 12} <= set(scored) and 4 not in scored, rows
-    assert "step 4 is not scored: step 2's scoring has not finished" in output
+    # one scoring at a time: step 2 and the last are always scored; each due step between them either is, or a line
+    # says which scoring was still going (which ones depends on the machine's speed: a scoring takes seconds here, a
+    # step about one; the bookkeeping itself is tests/unit/test_checkpoint_scores.py's)
+    assert {2, 12} <= set(scored) <= {2, 4, 6, 8, 10, 12}, rows
+    for step in sorted({4, 6, 8, 10} - set(scored)):
+        passed_over = re.search(rf"step {step} is not scored: step (\d+)'s scoring has not finished", output)
+        assert passed_over and int(passed_over[1]) in scored and int(passed_over[1]) < step, (step, output[-3000:])
     assert all(-1 <= scored[s][k] <= 1 for s in scored for k in ("dino", "clip_i")), scored
     said = {step: checkpoint_scores.describe(step, {k: scored[step][k] for k in score_record.SCORE_KEYS})
             for step in scored}

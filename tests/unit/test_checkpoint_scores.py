@@ -354,3 +354,41 @@ def test_ctrl_c_after_the_training_cuts_its_scoring_short_names_the_unscored_ste
         "step 8 not scored: its scoring was cut short (evaluate.py scores a saved model)",
         "no step was scored: their scoring was cut short",
         f"saved: the last step's model in {tmp_path / 'out'} (--keep_best had no scores to choose by)"]
+
+
+def test_one_scoring_at_a_time_a_due_step_passed_over_is_said_and_the_last_is_queued(capsys):
+    """Rank 0's choice at each due step (worker.scores_arrived): while a step is still being scored, the next due step
+    is passed over with a line naming the one still going, but an always-scored step (the last) is queued behind it;
+    scores that arrived are logged and said first. (Which steps a real run passes over depends on the machine's speed:
+    the end-to-end run accepts either.)"""
+    from dreambooth.training import checkpoint_scores, worker
+
+    class Arrivals(checkpoint_scores.ScoreWatch):  # (Ray's part, what new_rows reads from its store, given here)
+        def __init__(self):
+            super().__init__("run")
+            self.arrived = []
+
+        def new_rows(self):
+            rows, self.arrived = self.arrived, []
+            return rows
+
+    class Log:
+        def __init__(self):
+            self.rows = []
+
+        def write_scores(self, step, scores):
+            self.rows.append((step, scores))
+
+    watch, log = Arrivals(), Log()
+    assert worker.scores_arrived(watch, log, 2, due=True, always=False) and watch.sent == {2}
+    watch.pending = 2
+    assert not worker.scores_arrived(watch, log, 3, due=False, always=False)  # (not due: nothing said)
+    assert not worker.scores_arrived(watch, log, 4, due=True, always=False) and watch.sent == {2}
+    said = capsys.readouterr().out.splitlines()
+    assert said == [checkpoint_scores.skip_line(4, 2)] and said[0].startswith(
+        "step 4 is not scored: step 2's scoring has not finished")
+    scores = dict.fromkeys(("dino", "clip_i", "clip_t"), 0.5)
+    watch.arrived = [(2, scores)]
+    assert worker.scores_arrived(watch, log, 6, due=True, always=True) and watch.sent == {2, 6}  # (queued)
+    assert log.rows == [(2, scores)]
+    assert capsys.readouterr().out.splitlines() == [checkpoint_scores.describe(2, scores, during_run=True)]
