@@ -4,7 +4,7 @@ root: dreambooth-train is train.py, dreambooth-generate generate.py, and so on (
 import importlib
 
 COMMANDS = ("train", "generate", "evaluate", "sweep", "export", "cache_model", "preflight",
-            "download_example_dataset")
+            "download_example_dataset", "serve")
 
 
 def _run(command):
@@ -43,3 +43,7 @@ def preflight():
 
 def download_example_dataset():
     _run("download_example_dataset")
+
+
+def serve():
+    _run("serve")

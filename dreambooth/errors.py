@@ -116,7 +116,9 @@ def _raise_keyboard_interrupt(signum, frame):
 # Lines of Ray's own that read as errors and are not: Ray's core logs an ERROR-level note for each restartable
 # actor whose constructor arguments are in the object store (every Ray Data actor pool, ours among them, and
 # Ray Train 2.60's preemption watcher). Ray's core writes them to file descriptor 2, past Python's sys.stderr.
-HARMLESS_RAY_LINES = ("has constructor arguments in the object store and max_restarts > 0",)
+HARMLESS_RAY_LINES = ("has constructor arguments in the object store and max_restarts > 0",
+                      # (Ray Serve's controller, stopped by serve.shutdown as it asked: said as a failed task)
+                      "Task ServeController.graceful_shutdown failed",)
 # Messages of several lines that Ray's own processes print and that say nothing to a user: (what its first line holds,
 # how its last line starts). Ray Data's split coordinator, stopped while Ray Train restarts the workers after one
 # died, can be stopped inside a finaliser: Python then prints "Exception ignored in ..." with the SystemExit's

@@ -77,6 +77,8 @@ class Counter:
     def script(self, argv):
         """Count argv if it runs a script of the repository."""
         words = [str(w) for w in argv] if isinstance(argv, (list, tuple)) else str(argv).split()
+        # (a shell's command line, `bash -c "<block>"`: the words of the block too)
+        words += [part for word in words if " " in word for part in word.split()]
         for word in words:
             if word.startswith("-"):  # (an option's value may name anything)
                 continue

@@ -218,17 +218,17 @@ def ray_sessions():
     return set(_COUNTER.sessions)
 
 
-def adapters_saved(plan):
+def adapters_saved(plan, seed=0):
     """networks.Models of plan's adapters (--use_lora, --adapter) on the UNet and text encoder, made non-zero (the
-    factors that start at zero drawn at random, DoRA's magnitudes scaled), written by outputs.save_pipeline as a run
-    writes them."""
+    factors that start at zero drawn at random from seed, DoRA's magnitudes scaled), written by outputs.save_pipeline
+    as a run writes them."""
     import torch
 
     from dreambooth.models import networks
     from dreambooth.models import outputs
 
     nets = networks.setup_models(plan, torch.device("cpu"), torch.device("cpu"), distributed=False)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     with torch.no_grad():
         for model in (nets.denoiser, nets.text_encoder):
             for name, weight in model.named_parameters():
@@ -335,3 +335,14 @@ def write_subject(folder, images, info):
         shutil.copy(image, folder)
     if info is not None:
         files.write_json(os.path.join(folder, imagefiles.SUBJECT_FILE), info)
+
+
+def saved_subject(make_plan, root, name, adapter="lora", seed=0, **fields):
+    """A subject's folder under root as dreambooth_run.sh leaves it: adapters_saved's (seed) in <name>/model-tuned, as
+    a --use_lora run (--adapter) saves them; its catalog.Subject."""
+    from dreambooth.serving import catalog
+
+    plan = make_plan(use_lora=True, lora_rank=4, lora_alpha=8.0, adapter=adapter,
+                     output_dir=str(root / name / catalog.MODEL_FOLDER), **fields)
+    adapters_saved(plan, seed=seed)
+    return catalog.find(str(root), name)

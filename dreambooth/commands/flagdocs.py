@@ -23,6 +23,7 @@ SCRIPTS = {
     "export.py": ("export", "One .safetensors file for AUTOMATIC1111, ComfyUI and kohya"),
     "cache_model.py": ("cache_model", "Step 1: the base model (and the scoring models) in the model cache"),
     "preflight.py": ("preflight", "Step 0 of dreambooth_run.sh (the script passes its settings as these flags)"),
+    "serve.py": ("serve", "Every trained subject over HTTP from one pool of Ray Serve replicas"),
 }
 COMMAND = "python -m dreambooth.commands.flagdocs > docs/FLAGS.md"
 

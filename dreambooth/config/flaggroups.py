@@ -33,6 +33,8 @@ HELP_GROUPS = {
                          "eval_images_per_prompt"),
     "sweep": ("sweep_learning_rate", "sweep_max_train_steps", "sweep_rank", "sweep_train_text_encoder", "search",
               "num_trials", "early_stopping", "sweep_dir"),
+    "serving": ("serve_data_prefix", "host", "port", "api_key", "adapters_per_replica", "min_replicas", "max_replicas",
+                "gpus_per_replica", "max_images_per_request", "max_batch_size", "rescan_interval"),
     "cluster (Ray)": ("num_workers", "min_workers", "elastic_resize_interval", "resources_per_worker", "gpus_per_worker", "use_gpu", "max_failures", "max_preemption_failures", "stall_timeout", "num_actors", "use_ray_data",
                       "max_concurrent_trials", "preflight_num_workers", "preflight_stage"),
 }

@@ -617,6 +617,42 @@ FLAGS = {
         dict(choices=("fp16", "bf16", "fp32"), default="fp16",
              help="Precision of the weights in the file: fp16 halves it (what A1111 and ComfyUI load "
                   "anyway), fp32 keeps the trained weights exactly.")),
+    # --- serve.py
+    "serve_data_prefix": (("--data_prefix",),
+        dict(dest="data_prefix", type=storage_location, default=None,
+             help="Where dreambooth_run.sh wrote its subjects (DATA_PREFIX: a folder, or a bucket's); their models "
+                  "in <data_prefix>/subjects/<SUBJECT>/model-tuned are served. Default: $DATA_PREFIX.")),
+    "host": (("--host",),
+        dict(default="127.0.0.1",
+             help="Where the HTTP server listens. Default 127.0.0.1: this machine only. 0.0.0.0: every "
+                  "interface (a line says who can reach it; add --api_key).")),
+    "port": (("--port",), dict(type=positive_int, default=8000, help="The HTTP port.")),
+    "api_key": (("--api_key",),
+        dict(default=None,
+             help="A key every request must carry ('Authorization: Bearer <key>'; GET /healthz excepted). Default: "
+                  "$DREAMBOOTH_API_KEY (better than the flag: a command line is visible to every local user).")),
+    "adapters_per_replica": (("--adapters_per_replica",),
+        dict(type=positive_int, default=4,
+             help="Subjects' adapters a replica holds at once (Ray Serve's multiplexing; the least recently used "
+                  "one goes). Each is a few MB; the base model is loaded once per replica.")),
+    "min_replicas": (("--min_replicas",),
+        dict(type=positive_int, default=1, help="Replicas of each base model kept when idle.")),
+    "max_replicas": (("--max_replicas",),
+        dict(type=positive_int, default=1,
+             help="Replicas each base model may scale up to as its queue grows (Ray Serve's autoscaling).")),
+    "gpus_per_replica": (("--gpus_per_replica",),
+        dict(type=non_negative_float, default=None,
+             help="GPUs each replica reserves. Default: 1 where the cluster has GPUs, else 0 (CPU).")),
+    "max_images_per_request": (("--max_images_per_request",),
+        dict(type=positive_int, default=4, help="The most images one request may ask for (n); more: 400.")),
+    "max_batch_size": (("--max_batch_size",),
+        dict(type=positive_int, default=4,
+             help="Requests a replica draws together (Ray Serve's batching; those of one subject and settings in "
+                  "one call of the pipeline).")),
+    "rescan_interval": (("--rescan_interval",),
+        dict(type=positive_float, default=5.0,
+             help="Seconds between looks for subjects on a base model not served yet (a new subject on a served "
+                  "base is served at once).")),
     # --- preflight.py (dreambooth_run.sh's Step 0): the script's variables, by name
     "photos_dir": (("--photos_dir",),
         dict(type=storage_location, required=True,

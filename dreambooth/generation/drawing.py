@@ -135,11 +135,11 @@ class DrawJob:
     rows: tuple = ()
 
 
-def generate_batch(pipe, prompts, seeds, settings, call_kwargs=None, guidance_argument="guidance_scale"):
+def generate_batch(pipe, prompts, seeds, settings, call_kwargs=None, guidance_argument="guidance_scale", size=None):
     """Run the pipeline once for a batch (settings: settings_for's; a guidance of None: the pipeline's default;
     call_kwargs: family.pipeline_kwargs, as it trains; guidance_argument: the family's name for the guidance
-    value). One CPU generator per image: the noise of an image
-    depends on its seed alone, not on the batch it lands in or the device."""
+    value; size: (width, height), else settings' square resolution). One CPU generator per image: the noise of an
+    image depends on its seed alone, not on the batch it lands in or the device."""
     import torch
 
     generators = [torch.Generator("cpu").manual_seed(int(s)) for s in seeds]
@@ -150,8 +150,8 @@ def generate_batch(pipe, prompts, seeds, settings, call_kwargs=None, guidance_ar
         **({"negative_prompt": [negative] * len(prompts)} if negative else {}),  # (FLUX.2 [klein]'s takes none)
         num_inference_steps=settings.num_inference_steps,
         **guidance,
-        height=settings.resolution,
-        width=settings.resolution,
+        width=size[0] if size else settings.resolution,
+        height=size[1] if size else settings.resolution,
         generator=generators,
         **(call_kwargs or {}),
     )

@@ -29,9 +29,10 @@ def is_lycoris(lora_dir):
     return any(config.get("peft_type") in LYCORIS for config in file_settings(lora_dir).values())
 
 
-def fuse_into(pipe, lora_dir, scale=1.0):
+def fuse_into(pipe, lora_dir, scale=1.0, before_merge=None):
     """The LoHa/LoKr adapters of lora_dir merged into the weights of pipe's networks at scale, their layers then
-    taken out again: the pipeline draws at the base model's speed, as a fused LoRA does."""
+    taken out again: the pipeline draws at the base model's speed, as a fused LoRA does. before_merge: called with
+    each adapter layer before its weights change (serve.py keeps the base's weights to put back)."""
     import peft
     from peft.tuners.tuners_utils import BaseTunerLayer
     from safetensors.torch import load_file
@@ -49,6 +50,8 @@ def fuse_into(pipe, lora_dir, scale=1.0):
                              f"{result.unexpected_keys[:3]}, missing: {missing[:3]})")
         for name, layer in list(model.named_modules()):
             if isinstance(layer, BaseTunerLayer):
+                if before_merge:
+                    before_merge(layer)
                 layer.scale_layer(scale)
                 layer.merge()
                 parent, _, child = name.rpartition(".")

@@ -8,17 +8,15 @@ import shlex
 import subprocess
 import sys
 
+from readme import BLOCKS
+from readme import TEXTS
+from readme import by_hand_block
+from readme import by_hand_changes
+from readme import serve_blocks
 from support import model_cache_of
-from support import run_script
 
 from dreambooth.files import OUTPUT_MARKER
 from dreambooth.files import REPO_DIR
-
-README = open(os.path.join(REPO_DIR, "README.md")).read()
-# The README and the pages of docs/ it links to (the users' pages): their shell blocks are held to the same rules.
-PAGES = ["README.md", *sorted(set(re.findall(r"\]\((docs/\w+\.md)", README)))]
-TEXTS = {page: open(os.path.join(REPO_DIR, page)).read() for page in PAGES}
-BLOCKS = [block for text in TEXTS.values() for block in re.findall(r"```bash\n(.*?)```", text, re.S)]
 
 
 def script_variables():
@@ -44,10 +42,6 @@ def test_every_shell_block_parses_and_sets_only_what_the_script_reads():
     assert not [page for page, text in TEXTS.items() if "<this repository>" in text]
 
 
-def by_hand_block():
-    return next(b for b in BLOCKS if "# Step 1: cache the pinned model" in b)
-
-
 # The blocks no test here runs, each with the reason; every other block is run below. A new block
 # must be run or listed.
 NOT_RUN = {
@@ -61,8 +55,8 @@ NOT_RUN = {
                                            "bucket (a real S3 server on 127.0.0.1)",
     "python sweep.py": "test_sweep runs sweeps of every kind on the tiny model",
     "-m pytest": "the test command itself",
-    "ray job submit --working-dir": "needs Ray Jobs' server (ray[default]); test_recovery submits, stops and "
-                                    "resubmits train.py as a Ray Job where it is installed",
+    "ray job submit --working-dir": "needs other machines and a bucket; test_recovery submits, stops and resubmits "
+                                    "train.py as a Ray Job on a cluster of its own with Ray Jobs' server",
     "AWS_ENDPOINT_URL=http://minio": "needs a bucket: test_storage runs the same flags against a real S3 server on "
                                      "127.0.0.1 (moto's), test_dreambooth_run the script with DATA_PREFIX there",
 }
@@ -71,41 +65,13 @@ YOUR_OWN = "INSTANCE_DIR=~/photos/rex CLASS_NAME=dog ./dreambooth_run.sh"
 
 def test_every_block_is_run_or_says_why_not():
     for block in BLOCKS:
-        run = block == by_hand_block() or YOUR_OWN in block
+        run = block == by_hand_block() or YOUR_OWN in block or block in serve_blocks()  # (test_serve's)
         skipped = [marker for marker in NOT_RUN if marker in block]
         assert run != bool(skipped), block
 
 
-def by_hand_run(folder):
-    """The "Each step by hand" block as written, on the tiny model: only what needs a GPU or the network is changed
-    (the tiny model for sd14 and for the scoring models, the toy photos copied for Step 2's download, fewer images
-    and steps)."""
-    prompts = folder / "prompts.txt"
-    prompts.write_text("a {subject} on a beach\n")
-    block = by_hand_block()
-    for written, run in by_hand_changes(folder).items():
-        block = block.replace(written, run)
-    env = {"HF_HUB_OFFLINE": "1", "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
-           "DATA_PREFIX": None, "ORIG_MODEL_DIR": None}
-    return run_script(["bash", "-euo", "pipefail", "-c", block], folder, env)
-
-
-def by_hand_changes(folder):
-    """{as the README writes it: as by_hand_run runs it}."""
-    return {
-        "DATA_PREFIX=$PWD/data": f"DATA_PREFIX={folder / 'data'}",
-        "--model_name=sd14": "--model_name=tiny",
-        "python download_example_dataset.py $INSTANCE_DIR": "mkdir -p $INSTANCE_DIR && cp images/toy/*.jpg $INSTANCE_DIR",
-        "--num_samples_per_prompt=200": "--num_samples_per_prompt=4",
-        "--max_train_steps=200": "--max_train_steps=2",
-        "--num_samples_per_prompt=5": "--num_samples_per_prompt=1",
-        "--eval_models |": "--eval_models --tiny |",
-        "--subject_type=live": f"--subject_type=live --eval_prompts={folder / 'prompts.txt'} --num_samples_per_prompt=1",
-    }
-
-
-def test_each_step_by_hand_runs_as_written_on_the_tiny_model(tmp_path):
-    proc = by_hand_run(tmp_path)
+def test_each_step_by_hand_runs_as_written_on_the_tiny_model(by_hand):
+    proc = by_hand
     tmp_path = proc.folder
     for written in by_hand_changes(tmp_path):
         assert by_hand_block().count(written) == 1, written  # the README still says it: the test ran what it shows

@@ -2,7 +2,6 @@
 SIGKILLed train worker then SIGTERM: test_storage_ray, in a bucket; a drained node: test_elastic; test_bench's
 gpu_check.sh dry run also kills a train worker; test_sweep's long test kills a LoRA trial's.)"""
 
-import importlib.util
 import json
 import os
 import re
@@ -17,7 +16,6 @@ import pytest
 import torch
 from PIL import Image
 from support import STOP_OPTIONS
-from support import STOP_STEPS
 from support import draw_here
 from support import logged_losses
 from support import train_args
@@ -346,18 +344,20 @@ def wait_for_job(address, job_id, timeout):
     return state
 
 
-@pytest.mark.skipif(importlib.util.find_spec("aiohttp") is None,
-                    reason="Ray Jobs' server needs ray[default], which requirements-dev.txt leaves out: with it, a "
-                           "cluster this suite starts also serves metrics on 0.0.0.0 (test_security), to be closed first")
 def test_a_ray_job_stopped_checkpoints_its_step_and_its_resubmission_ends_on_the_uninterrupted_weights(
-        uninterrupted, jobs_cluster, tiny_model, toy_images, tmp_path):
-    """train.py as a Ray Job (the working directory shipped by Ray): `ray job stop` (SIGTERM to the driver) makes
-    the workers checkpoint the step they are on within RAY_JOB_STOP_WAIT_TIME_S, the job ends STOPPED, and the
-    same job submitted again with --resume_from_checkpoint latest SUCCEEDS with the uninterrupted run's weights.
-    A job whose training cannot start FAILS with the one-line cause in its logs and `ray job submit`'s exit code."""
-    whole, _ = uninterrupted
+        ray_session, jobs_cluster, tiny_model, toy_images, tmp_path):
+    """train.py as a Ray Job (the working directory shipped by Ray, Ray Jobs' server from ray[serve]'s packages):
+    `ray job stop` (SIGTERM to the driver) makes the run checkpoint the step it is on within RAY_JOB_STOP_WAIT_TIME_S,
+    the job ends STOPPED, and the same job submitted again with --resume_from_checkpoint latest SUCCEEDS with the
+    uninterrupted run's weights. The job trains in its driver (--num_workers 0, Ray Train's local mode): what is
+    Ray Jobs' here is the job's life, not the workers (a signal reaches every worker of a run: test_storage_ray). A
+    job whose training cannot start FAILS with the one-line cause in its logs and `ray job submit`'s exit code."""
+    in_driver, steps = [*STOP_OPTIONS, "--num_workers", "0"], 80  # (steps enough that the stop comes mid-run)
+    whole = tmp_path / "whole"  # (the uninterrupted run, here in this process)
+    train.main(train_args(tiny_model, toy_images, whole, steps, *in_driver, "--storage_path",
+                          str(tmp_path / "whole-runs")))
     storage = tmp_path / "job-runs"
-    args = train_args(tiny_model, toy_images, tmp_path / "job", STOP_STEPS, *STOP_OPTIONS, "--storage_path", str(storage))
+    args = train_args(tiny_model, toy_images, tmp_path / "job", steps, *in_driver, "--storage_path", str(storage))
     submit = ["submit", "--no-wait", f"--working-dir={REPO_DIR}",
               '--runtime-env-json={"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "120"}}', "--", sys.executable, "train.py"]
     code, said = ray_job(jobs_cluster, *submit, *args)
@@ -373,10 +373,11 @@ def test_a_ray_job_stopped_checkpoints_its_step_and_its_resubmission_ends_on_the
     logs = ray_job(jobs_cluster, "logs", job)[1]
     [step] = checkpoint_steps(run_dirs(storage)[0])
     assert "SIGTERM: every worker checkpoints the step it is on" in logs and f"stopped at step {step} of" in logs, logs[-3000:]
+    assert "this process (--num_workers 0: Ray Train's local mode)" in logs
     code, said = ray_job(jobs_cluster, *submit, *args, "--resume_from_checkpoint", "latest")
     again = re.search(r"Job '([^']+)' submitted successfully", said)[1]
     assert wait_for_job(jobs_cluster, again, 300) == "SUCCEEDED", ray_job(jobs_cluster, "logs", again)[1][-3000:]
-    assert f"trained {STOP_STEPS} steps" in ray_job(jobs_cluster, "logs", again)[1]
+    assert f"trained {steps} steps" in ray_job(jobs_cluster, "logs", again)[1]
     same_weights(whole, tmp_path / "job")
     # Waiting for it, as `ray job submit` does by default: a failing job's cause in one line, a non-zero exit code.
     code, said = ray_job(jobs_cluster, "submit", f"--working-dir={REPO_DIR}", "--", sys.executable, "train.py",

@@ -361,7 +361,8 @@ def test_one_scoring_at_a_time_a_due_step_passed_over_is_said_and_the_last_is_qu
     is passed over with a line naming the one still going, but an always-scored step (the last) is queued behind it;
     scores that arrived are logged and said first. (Which steps a real run passes over depends on the machine's speed:
     the end-to-end run accepts either.)"""
-    from dreambooth.training import checkpoint_scores, worker
+    from dreambooth.training import checkpoint_scores
+    from dreambooth.training import worker
 
     class Arrivals(checkpoint_scores.ScoreWatch):  # (Ray's part, what new_rows reads from its store, given here)
         def __init__(self):

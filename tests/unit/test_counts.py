@@ -40,9 +40,10 @@ def test_only_the_repositorys_scripts_count_as_script_runs(tmp_path):
     counter = counts.Counter([], str(tmp_path))
     for argv in (["python", "train.py", "--x"], ["bash", str(tmp_path / "train.py")], ["dreambooth-train"],
                  ["python", "-m", "dreambooth.commands.train"], ["ray", "start", "--temp-dir=/t/dreambooth-ray-1"],
-                 ["git", "rev-parse"], ["python", "other.py"]):
+                 ["git", "rev-parse"], ["python", "other.py"], ["bash", "-c", "cd x && python train.py --x=1"],
+                 ["bash", "-c", "curl -s localhost:8000"]):
         counter.script(argv)
-    assert len(counter.scripts) == 4
+    assert len(counter.scripts) == 5  # (a shell's block that runs a script counts once)
 
 
 def test_a_count_over_its_budget_is_named_and_an_unknown_budget_refused(tmp_path):

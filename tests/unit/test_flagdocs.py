@@ -36,5 +36,5 @@ def test_help_groups_the_flags_with_the_common_ones_first():
                         "adapters (LoRA)", "outputs", "image generation", "cluster (Ray)"]
     adapters = help_text.split("\nadapters (LoRA):\n")[1].split("\noutputs:\n")[0]
     assert "--use_lora" in adapters and "--lora_alpha" in adapters and "--learning_rate" not in adapters
-    for module_name in ("train", "generate", "evaluate", "sweep", "export", "cache_model", "preflight"):
+    for module_name in ("train", "generate", "evaluate", "sweep", "export", "cache_model", "preflight", "serve"):
         assert "\nother:\n" not in flagdocs.parser_of(module_name).format_help(), module_name

@@ -1,0 +1,180 @@
+"""Serve every trained subject over HTTP from one pool of replicas (Ray Serve).
+
+Each base model is loaded once per replica; each subject's adapters (LoRA, DoRA, LoHa, LoKr) are attached to it
+as requests for that subject arrive, up to --adapters_per_replica a replica, and requests are routed to a replica
+that already holds their subject. A full fine-tune is a model of its own. A subject that finishes training while
+this runs is served at once; one retrained is served with its new model as soon as it is saved.
+
+    python serve.py --data_prefix "$DATA_PREFIX"
+    curl -s localhost:8000/v1/subjects
+    curl -s localhost:8000/v1/images -H 'Accept: image/png' -o dog.png \\
+        -d '{"subject": "example-dog", "prompt": "a photo of unqtkn dog, on the beach", "seed": 1}'
+
+POST /v1/images takes {subject, prompt, seed, steps, guidance_scale, width, height, n}: image i of a request is
+generate.py's image i of that prompt with --seed seed (the prompt names the subject's token, as in generate.py);
+the answer is JSON with base64 PNGs, or the PNG itself with 'Accept: image/png' (n = 1). GET /healthz answers a
+load balancer. The server listens on 127.0.0.1 unless --host says otherwise; --api_key (or DREAMBOOTH_API_KEY)
+makes every request carry 'Authorization: Bearer <key>'. It joins only the Ray cluster RAY_ADDRESS names.
+Ctrl-C stops it.
+"""
+
+import hashlib
+import ipaddress
+import os
+import socket
+import sys
+import time
+
+from dreambooth import errors
+from dreambooth import storage
+from dreambooth.config import flags
+from dreambooth.serving import catalog
+
+SUBJECTS = "subjects"  # under DATA_PREFIX, as dreambooth_run.sh writes them
+FLAG_NAMES = ["serve_data_prefix", "host", "port", "api_key", "adapters_per_replica", "min_replicas", "max_replicas",
+              "gpus_per_replica", "max_images_per_request", "max_batch_size", "rescan_interval", "safety_checker"]
+
+
+def main(argv=None):
+    parser = flags.make_parser(__doc__.splitlines()[0], FLAG_NAMES, helps={
+        "safety_checker": "Run the model's safety checker (if it has one) on every image; a flagged image is withheld "
+                          "(auto and on: on, as generate.py does for a trained model)."})
+    args = parser.parse_args(argv)
+    args.data_prefix = args.data_prefix or (flags.storage_location(os.environ["DATA_PREFIX"])
+                                            if os.environ.get("DATA_PREFIX") else None)
+    args.api_key = args.api_key or os.environ.get("DREAMBOOTH_API_KEY") or None
+    if not args.data_prefix:
+        parser.error("--data_prefix is required (or set DATA_PREFIX): where dreambooth_run.sh wrote the subjects")
+    if args.max_replicas < args.min_replicas:
+        parser.error(f"--max_replicas {args.max_replicas} is below --min_replicas {args.min_replicas}")
+    root = storage.join(args.data_prefix, SUBJECTS)
+    from dreambooth.cluster import raycluster
+
+    raycluster.init_ray()
+    from ray import serve
+
+    from dreambooth.serving import app
+
+    start_serve(args.host, args.port)
+
+    settings = app.ServeSettings(
+        root, args.adapters_per_replica, args.min_replicas, args.max_replicas,
+        args.gpus_per_replica if args.gpus_per_replica is not None else (1 if raycluster.cluster_resources()[1] else 0),
+        args.max_images_per_request, args.max_batch_size, safety_checker=args.safety_checker != "off",
+        api_key_sha256=hashlib.sha256(args.api_key.encode()).hexdigest() if args.api_key else None)
+    serve.run(app.Ingress.bind(settings), name=app.INGRESS_APP, route_prefix="/", logging_config=app.QUIET)
+    bases = Bases(settings)
+    bases.update(catalog.scan(root))
+    print(reach_line(args.host, args.port, bool(args.api_key)), file=sys.stderr, flush=True)
+    print(f"serving the subjects in {root} (new ones as they are saved); Ctrl-C stops", file=sys.stderr, flush=True)
+    try:
+        while True:
+            time.sleep(args.rescan_interval)
+            bases.update(catalog.scan(root))
+    finally:
+        if os.environ.get("RAY_ADDRESS", "").strip():  # (a cluster of this script's own goes with it)
+            bases.close()
+
+
+class Bases:
+    """The base models' Serve applications serve.py has deployed ({base_key: base model}), kept to what the subjects
+    need; one that failed to start is tried again only when its subjects change."""
+
+    def __init__(self, settings):
+        self.settings, self.deployed, self.failed = settings, {}, {}
+
+    def update(self, subjects):
+        from ray import serve
+
+        from dreambooth.serving import app
+
+        wanted = {}
+        for subject in subjects.values():
+            wanted.setdefault(subject.base_key, (subject.base_model, []))[1].append(subject)
+        for key, (base, served) in wanted.items():
+            names = ", ".join(subject.name for subject in served)
+            ids = tuple(sorted(subject.routing_id for subject in served))
+            if key in self.deployed or self.failed.get(key) == ids:
+                continue
+            if not storage.is_remote(base) and not storage.isdir(base):
+                print(f"not served: {names} (its base model {base} is not on this node)", file=sys.stderr, flush=True)
+                self.failed[key] = ids
+                continue
+            print(f"loading {base} for {names}", file=sys.stderr, flush=True)
+            began = time.perf_counter()
+            try:
+                serve.run(app.painter_app(self.settings, base), name=key, route_prefix=None, logging_config=app.QUIET)
+            except Exception as err:  # (its replicas failed to start: the others keep being served)
+                print(f"not served: {names} (their base model {base} did not load: "
+                      f"{errors.shorten(errors.one_line(err))})", file=sys.stderr, flush=True)
+                self.failed[key] = ids
+                serve.delete(key, _blocking=False)
+                continue
+            self.deployed[key] = base
+            print(f"ready in {time.perf_counter() - began:.1f} s: {names}", file=sys.stderr, flush=True)
+        for key in [key for key in self.deployed if key not in wanted]:  # (a full model saved anew, a subject gone)
+            serve.delete(key, _blocking=False)
+            del self.deployed[key]
+
+    def close(self):
+        """Our applications taken down, and Serve itself where no other application is left (on a cluster of the
+        user's, Serve goes on serving others')."""
+        from ray import serve
+
+        from dreambooth.serving import app
+
+        try:
+            for key in [*self.deployed, *self.failed, app.INGRESS_APP]:
+                serve.delete(key)
+            if not serve.status().applications:
+                serve.shutdown()
+        except Exception as err:  # (Ray gone already: Ctrl-C reached its processes too)
+            print(f"note: Ray Serve was not stopped cleanly ({errors.shorten(errors.one_line(err))})", file=sys.stderr)
+
+
+def start_serve(host, port):
+    """Ray Serve started on the cluster, its HTTP server on the head node at host:port; where it runs already (another
+    serve.py's, or the user's), a UserError unless it listens there."""
+    import logging
+
+    from ray import serve
+    from ray.serve.context import _get_global_client
+
+    from dreambooth.serving.app import QUIET
+
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # (this process's own INFO lines of Serve)
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    running = client.http_config if client is not None else None
+    if running is not None:
+        if (running.host, running.port) != (host, port):
+            raise errors.UserError(f"Ray Serve already runs on this cluster, listening on {running.host}:{running.port}"
+                                   f"; it cannot move to {host}:{port}: pass --host {running.host} --port "
+                                   f"{running.port}, or stop it first (serve shutdown)")
+        return
+    check_port(host, port)
+    serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port}, logging_config=QUIET)
+
+
+def check_port(host, port):
+    """A UserError now when host:port cannot be listened on (taken, or not an address of this machine)."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+    except OSError as err:
+        raise errors.UserError(f"cannot listen on {host}:{port} ({err.strerror or err}): pick another --port, or "
+                               "stop what uses it") from None
+
+
+def reach_line(host, port, keyed):
+    """One line saying where the API is and who can reach it."""
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    shown = f"[{host}]" if ":" in host else host
+    if loopback:
+        return f"API at http://{shown}:{port}/v1/images: this machine only (--host 0.0.0.0 opens it to the network)"
+    return (f"API at http://{shown}:{port}/v1/images: anyone who can reach this machine on port {port} can draw with "
+            "these subjects" + (", with the API key" if keyed else "; no key is asked (--api_key or DREAMBOOTH_API_KEY)"))

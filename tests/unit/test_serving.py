@@ -1,0 +1,145 @@
+"""serve.py's parts that need no Ray, in this process: the catalog of subjects read from their records, a request's
+checks, and a replica's shared base drawing several subjects' adapters in turn (each image generate.py's). The
+Ray Serve application itself: tests/integration/test_serve.py."""
+
+import json
+import os
+import shutil
+
+import pytest
+from support import saved_subject
+
+from dreambooth import files
+from dreambooth.serving import catalog
+from dreambooth.serving import requests
+from dreambooth.serving.requests import RequestError
+
+
+@pytest.fixture()
+def subjects(make_plan, tmp_path):
+    root = tmp_path / "subjects"
+    return root, {name: saved_subject(make_plan, root, name, adapter, seed) for name, adapter, seed in
+                  (("rex", "lora", 1), ("toy", "lora", 2), ("mug", "loha", 3))}
+
+
+def test_the_catalog_lists_each_subject_by_its_record_and_a_retrained_one_by_its_new_id(subjects, make_plan,
+                                                                                          tiny_model):
+    root, made = subjects
+    (root / "notes").mkdir()  # (a folder without a model: not a subject)
+    (root / "half" / catalog.MODEL_FOLDER).mkdir(parents=True)
+    (root / "half" / catalog.MODEL_FOLDER / files.OUTPUT_MARKER).write_text('{"base_mo')  # (being written)
+    found = catalog.scan(str(root))
+    assert sorted(found) == ["mug", "rex", "toy"]
+    rex = found["rex"].describe()
+    assert (rex["base_model"], rex["mode"], rex["adapter"], found["mug"].adapter) == (tiny_model, "adapter", "lora",
+                                                                                       "loha")
+    assert rex["trained"].endswith("+00:00") and rex["scores"] is None
+    # the two LoRAs and the LoHa share the base's deployment; each is routed by its name and its model's id
+    assert len({s.base_key for s in found.values()}) == 1
+    assert catalog.split_routing_id(found["rex"].routing_id) == ("rex", found["rex"].model_id)
+    assert catalog.find(str(root), "../subjects/rex") is None and catalog.find(str(root), "nobody") is None
+    # retrained: a new record, a new id (the time of its files is not what tells)
+    again = saved_subject(make_plan, root, "rex", seed=4)
+    assert again.model_id != made["rex"].model_id and again.routing_id != made["rex"].routing_id
+    # scores: evaluate.py's report counts only where its images were drawn by this model
+    evaluated = root / "rex" / "eval"
+    (evaluated / "images" / "tuned").mkdir(parents=True)
+    (evaluated / "scores.json").write_text(json.dumps({"models": {"tuned": {"overall": {
+        "dino": 0.5, "clip_i": 0.6, "clip_t": 0.3}}}}))
+    (evaluated / "images" / "tuned" / "dreambooth_images.json").write_text(json.dumps({
+        "model": f"base+lora:trained:{made['rex'].model_id}@1"}))
+    assert catalog.find(str(root), "rex").scores is None  # (the model before)
+    (evaluated / "images" / "tuned" / "dreambooth_images.json").write_text(json.dumps({
+        "model": f"base+lora:trained:{again.model_id}@1"}))
+    assert catalog.find(str(root), "rex").scores == {"dino": 0.5, "clip_i": 0.6, "clip_t": 0.3}
+
+
+def test_a_request_is_read_with_generate_pys_defaults_and_refused_in_one_line():
+    request = requests.parse_image_request(b'{"subject": "rex", "prompt": "a photo of unqtkn dog, on a beach"}', 4)
+    assert (request.prompt, request.seed, request.steps, request.n, request.width) == (
+        "a photo of unqtkn dog, on a beach", 0, 50, 1, None)
+    assert requests.parse_image_request(b'{"subject": "rex", "prompt": "p"}', 4, "image/png").response_format == "png"
+
+    def refused(body, max_images=4):
+        with pytest.raises(RequestError) as caught:
+            requests.parse_image_request(json.dumps(body).encode() if not isinstance(body, bytes) else body, max_images)
+        assert caught.value.status == 400 and "\n" not in caught.value.message
+        return caught.value.message
+
+    assert refused(b"{not json").startswith("the body is not JSON")
+    assert refused({"prompt": "p"}) == "'subject' is required: a non-empty string"
+    assert refused({"subject": "rex", "prompt": "p", "n": 9}) == ("n=9: from 1 to 4 images a request (serve.py "
+                                                                  "--max_images_per_request)")
+    assert refused({"subject": "rex", "prompt": "p", "steps": "ten"}) == "'steps' must be an integer, not \"ten\""
+    assert refused({"subject": "rex", "prompt": "p", "colour": 1}).startswith("unknown field(s) colour;")
+    assert refused({"subject": "rex", "prompt": "p", "n": 2, "response_format": "png"}).startswith("one image/png")
+    with pytest.raises(RequestError, match=r"width=100: this model draws sides that are multiples of 8 from 64 to 512"):
+        requests.check_size(100, 256, 8, 256)
+
+
+def test_one_base_draws_each_subject_as_generate_py_does_switching_without_loading_again(subjects, tmp_path,
+                                                                                         tiny_model):
+    """Two LoRAs and a LoHa on one base, drawn in turn (rex, toy, mug, rex again, in one batch with toy): each image
+    is the one generate.py's pipeline (its adapters fused into a freshly loaded base) draws from the same seed, to the
+    bit, and the base's weights are its own again between subjects."""
+    import torch
+
+    from dreambooth.generation import drawing
+    from dreambooth.serving import painter
+
+    root, made = subjects
+    cpu = torch.device("cpu")
+    base = painter.SharedBase(tiny_model, cpu)
+    pristine = {name: value.clone() for name, value in base.pipe.unet.state_dict().items()}
+    held = {name: base.attach(made[name], str(tmp_path / "held" / name)) for name in made}
+
+    def ask(name, **fields):
+        return held[name], requests.ImageRequest(name, "a photo of unqtkn toy, on a beach", steps=2, n=2, **fields)
+
+    first = base.draw([ask("rex")])[0]
+    drawn = {name: base.draw([ask(name)])[0] for name in ("toy", "mug")}
+    again = base.draw([ask("rex", seed=0), ask("toy")])  # (two subjects in one batch: one pipeline call each)
+    assert again[0] == first and again[1] == drawn["toy"]
+    assert not base.draw([ask("rex", seed=7)])[0] == first  # (another seed, other images)
+    # a request the pipeline refuses fails alone, in one line; the batch's others are drawn
+    refused, drawn_too = base.draw([ask("rex", width=100), ask("toy")])
+    assert isinstance(refused, RequestError) and refused.status == 400 and drawn_too == drawn["toy"]
+    assert "divisible by 8" in refused.message and "\n" not in refused.message
+    with pytest.raises(RequestError, match="multiples of 8 from 64 to 128"):
+        base.check(ask("rex", width=100)[1])
+    base.restore()
+    assert all(torch.equal(value, pristine[name]) for name, value in base.pipe.unet.state_dict().items())
+    for name, (pngs, flagged) in {"rex": first, **drawn}.items():
+        pipe = drawing.load_pipeline(tiny_model, cpu, safety_checker=True, lora_dir=made[name].folder)
+        settings = drawing.settings_for(drawing.ImageSettings(2), base.family, tiny_model)
+        seeds = [drawing.image_seed(0, "a photo of unqtkn toy, on a beach", i) for i in range(2)]
+        images, bad = drawing.generate_batch(pipe, ["a photo of unqtkn toy, on a beach"] * 2, seeds, settings)
+        assert flagged == bad and pngs == [files.png_bytes(image) for image in images], name
+    assert len({pngs[0] for pngs, _ in (first, *drawn.values())}) == 3  # (each subject's own images)
+    # attaching copies the files: a retraining that writes the subject again never changes what a replica holds
+    assert os.path.isfile(os.path.join(held["rex"].folder, files.LORA_WEIGHTS_FILE))
+
+
+def test_an_adapter_cut_short_is_refused_naming_its_file_and_a_long_prompt_with_the_models_limit(subjects, tmp_path, tiny_model):
+    import torch
+
+    from dreambooth.serving import painter
+
+    root, made = subjects
+    base = painter.SharedBase(tiny_model, torch.device("cpu"))
+    weights = os.path.join(made["toy"].folder, files.LORA_WEIGHTS_FILE)
+    with open(weights, "r+b") as f:
+        f.truncate(os.path.getsize(weights) // 2)
+    with pytest.raises(RequestError) as caught:
+        base.attach(made["toy"], str(tmp_path / "toy"))
+    assert caught.value.status == 422 and weights in caught.value.message, caught.value.message
+    assert not os.path.exists(tmp_path / "toy")
+    # a full model is a base of its own: another base's deployment never draws it
+    full = catalog.Subject("solo", str(tmp_path / "solo"), str(tmp_path / "solo"), "id", None)
+    with pytest.raises(RequestError) as caught:
+        base.attach(full, str(tmp_path / "solo-held"))
+    assert caught.value.status == 409
+    shutil.rmtree(tmp_path / "subjects" / "toy")
+    assert catalog.find(str(tmp_path / "subjects"), "toy") is None
+    with pytest.raises(RequestError, match="the prompt is 8.* tokens; this model reads at most 77"):
+        requests.check_prompt_tokens(base.pipe, "dog " * 80)
