@@ -2,11 +2,12 @@
 did with them.
 
     python serve.py --data_prefix "$DATA_PREFIX" &
-    python benchmarks/serve_load.py --url http://127.0.0.1:8000 --requests 200 --clients 8
+    python benchmarks/serve_load.py --url http://127.0.0.1:8000 --requests 200 --clients 8 --switch_rounds 20
 
 Prints requests/s, p50 and p95 latency, and per replica the adapter loads and evictions while it ran, and the
 share of requests that reached a replica already holding their subject. Subjects: --subjects, else every one GET
-/v1/subjects lists; each request's prompt names the subject's folder name, its seed is the request's number. --api_key (or DREAMBOOTH_API_KEY) when the server asks for one.
+/v1/subjects lists; each request's prompt names the subject's folder name, its seed is the request's number. --switch_rounds N: also the cost of an adapter switch, against drawing with the subject's
+adapters already fused (a merged model). --api_key (or DREAMBOOTH_API_KEY) when the server asks for one.
 """
 
 import argparse
@@ -84,6 +85,27 @@ def summary(results, seconds):
     return figures, per_replica
 
 
+def switch_overhead(url, subjects, rounds, key=None, steps=20, prompt="a photo of {subject}, on a beach"):
+    """The seconds a replica takes to draw one request (its own count, the HTTP path left out) when every request is
+    for the same subject (its adapters stay fused: drawing as with a merged model), and when two subjects alternate
+    (each request first puts the base's weights back and fuses the other's): {"same": s, "alternating": s}, one
+    client, after a request of each to load them."""
+    first, second = subjects[0], subjects[1]
+
+    def seconds(order):
+        took = []
+        for number, subject in enumerate(order):
+            status, answer = call(url, "/v1/images", {"subject": subject, "prompt": prompt.format(subject=subject),
+                                                      "seed": number, "steps": steps}, key)
+            if status != 200:
+                sys.exit(f"{subject}: {status} {answer}")
+            took.append(answer["seconds"])
+        return statistics.median(took)
+
+    seconds([first, second])  # (both loaded: no load is timed)
+    return {"same": seconds([first] * rounds), "alternating": seconds([first, second] * (rounds // 2))}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", default="http://127.0.0.1:8000")
@@ -92,6 +114,9 @@ def main(argv=None):
     parser.add_argument("--subjects", nargs="*", default=None, help="S: the subjects (default: all it serves).")
     parser.add_argument("--steps", type=int, default=20, help="Denoising steps of each image.")
     parser.add_argument("--api_key", default=os.environ.get("DREAMBOOTH_API_KEY"))
+    parser.add_argument("--switch_rounds", type=int, default=0,
+                        help="Also time an adapter switch: this many requests for one subject, then as many alternating "
+                             "between two (one client; a replica holding both).")
     args = parser.parse_args(argv)
     subjects = args.subjects
     if not subjects:
@@ -110,6 +135,12 @@ def main(argv=None):
     for name, row in sorted(replicas.items()):
         print(f"replica {name}: {row['requests']} requests, {row['subjects']} subjects, {row['loads']} adapter "
               f"loads, {row['evictions']} evictions")
+    if args.switch_rounds and len(subjects) >= 2:
+        switch = switch_overhead(args.url, subjects, args.switch_rounds, args.api_key, args.steps)
+        print(f"drawing one request: {switch['same']:.3f} s with its subject's adapters fused already (as a merged "
+              f"model), {switch['alternating']:.3f} s when each request switches subject: "
+              f"{switch['alternating'] - switch['same']:+.3f} s a switch (medians of {args.switch_rounds})")
+        figures["switch"] = switch
     return figures, replicas
 
 

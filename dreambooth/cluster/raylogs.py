@@ -84,3 +84,12 @@ def hide_harmless_ray_lines():
     with dispatcher._lock:
         dispatcher.handlers = [(name, filtered(h) if name == "ray_print_logs" and not hasattr(h, "hides_harmless")
                                 else h) for name, h in dispatcher.handlers]
+    # (the errors Ray's processes publish, "(raylet) ..." lines, come through print_to_stdstream instead)
+    from ray._private import worker as ray_worker
+
+    printer = getattr(ray_worker, "print_to_stdstream", None)
+    if printer is not None and not hasattr(printer, "hides_harmless"):
+        def print_kept(data, ignore_prefix):
+            filtered(lambda kept: printer(kept, ignore_prefix))(data)
+        print_kept.hides_harmless = True
+        ray_worker.print_to_stdstream = print_kept

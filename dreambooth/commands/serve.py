@@ -97,24 +97,31 @@ class Bases:
             if key in self.deployed or self.failed.get(key) == ids:
                 continue
             if not storage.is_remote(base) and not storage.isdir(base):
-                print(f"not served: {names} (its base model {base} is not on this node)", file=sys.stderr, flush=True)
-                self.failed[key] = ids
+                self.fail(key, ids, names, f"its base model {base} is not on this node")
                 continue
             print(f"loading {base} for {names}", file=sys.stderr, flush=True)
             began = time.perf_counter()
             try:
                 serve.run(app.painter_app(self.settings, base), name=key, route_prefix=None, logging_config=app.QUIET)
             except Exception as err:  # (its replicas failed to start: the others keep being served)
-                print(f"not served: {names} (their base model {base} did not load: "
-                      f"{errors.shorten(errors.one_line(err))})", file=sys.stderr, flush=True)
-                self.failed[key] = ids
+                self.fail(key, ids, names, f"its base model {base} did not load: {errors.shorten(errors.one_line(err))}")
                 serve.delete(key, _blocking=False)
                 continue
             self.deployed[key] = base
+            self.failed.pop(key, None)
+            app.mark_not_served(key, None)
             print(f"ready in {time.perf_counter() - began:.1f} s: {names}", file=sys.stderr, flush=True)
         for key in [key for key in self.deployed if key not in wanted]:  # (a full model saved anew, a subject gone)
             serve.delete(key, _blocking=False)
             del self.deployed[key]
+
+    def fail(self, key, ids, names, why):
+        """A base model's application that could not be deployed: said here, and to its subjects' requests."""
+        from dreambooth.serving import app
+
+        print(f"not served: {names} ({why})", file=sys.stderr, flush=True)
+        self.failed[key] = ids
+        app.mark_not_served(key, why)
 
     def close(self):
         """Our applications taken down, and Serve itself where no other application is left (on a cluster of the
@@ -124,7 +131,9 @@ class Bases:
         from dreambooth.serving import app
 
         try:
-            for key in [*self.deployed, *self.failed, app.INGRESS_APP]:
+            for key in self.failed:
+                app.mark_not_served(key, None)
+            for key in [*self.deployed, app.INGRESS_APP]:
                 serve.delete(key)
             if not serve.status().applications:
                 serve.shutdown()

@@ -114,9 +114,10 @@ class Painter:
                 raise answer
         except RequestError as err:
             return None, None, {"error": (err.status, err.message, err.retry_after)}
-        return (*answer, {"replica": self.replica, "adapter_loaded": self.loads.get(routing_id, 0) > before,
-                          "seconds": round(time.perf_counter() - began, 3), "replica_loads": sum(self.loads.values()),
-                          "replica_evictions": len(self.evicted)})
+        pngs, flagged, together = answer
+        return pngs, flagged, {"replica": self.replica, "adapter_loaded": self.loads.get(routing_id, 0) > before,
+                               "drawn_together": together, "seconds": round(time.perf_counter() - began, 3),
+                               "replica_loads": sum(self.loads.values()), "replica_evictions": len(self.evicted)}
 
     async def draw_batch(self, items):
         """[(Adapter, ImageRequest)] drawn in one go (Serve's batch): one batch at a time on the base, whose weights
@@ -134,7 +135,19 @@ class Ingress:
     request to its base's application with the subject's routing id."""
 
     def __init__(self, settings):
-        self.settings = settings
+        self.settings, self.handles = settings, {}
+
+    def handle(self, name, key):
+        """The handle of the base model's application key (kept once found); RequestError 503 while serve.py has not
+        deployed it yet, or with the reason it could not."""
+        if key not in self.handles:
+            try:
+                self.handles[key] = serve.get_app_handle(key)
+            except Exception:
+                why = not_served(key)
+                raise RequestError(503, f"{name}: " + (f"not served ({why})" if why else "its base model is being "
+                                                       "loaded; ask again in a few seconds"), retry_after=5) from None
+        return self.handles[key]
 
     async def __call__(self, request):
         from starlette.responses import JSONResponse
@@ -190,11 +203,7 @@ class Ingress:
             subject = await asyncio.to_thread(catalog.find, self.settings.subjects_dir, asked.subject)
             if subject is None:
                 raise RequestError(404, f"no subject {asked.subject!r}: GET /v1/subjects lists them")
-            try:
-                handle = serve.get_app_handle(subject.base_key)
-            except Exception:  # (its base model's application is not deployed yet: serve.py deploys it)
-                raise RequestError(503, f"{asked.subject}: its base model is being loaded; ask again in a few "
-                                        "seconds", retry_after=5) from None
+            handle = self.handle(asked.subject, subject.base_key)
             try:
                 response = handle.options(multiplexed_model_id=subject.routing_id).draw.remote(asked)
                 pngs, flagged, served = await asyncio.wait_for(response, self.settings.request_timeout_s)
@@ -210,6 +219,7 @@ class Ingress:
                     if cause.status == 409 and attempt + 1 < tries:
                         continue
                     raise cause from None
+                self.handles.pop(subject.base_key, None)  # (found again: its application may be gone)
                 raise RequestError(503, f"{asked.subject}: the replica drawing it stopped "
                                         f"({errors.shorten(errors.one_line(cause))}); ask again",
                                    retry_after=5) from None
@@ -223,3 +233,25 @@ def cause_of(err):
         seen.add(id(err))
         err = err.cause
     return err
+
+
+NOT_SERVED = "dreambooth-serve"  # Ray's key-value store's namespace of the base models serve.py could not deploy
+
+
+def mark_not_served(key, why):
+    """Say (why: one line) or unsay (None) that the base model's application key could not be deployed: the ingress
+    answers its subjects with that line."""
+    from ray.experimental import internal_kv
+
+    if why:
+        internal_kv._internal_kv_put(key, why.encode(), namespace=NOT_SERVED)
+    else:
+        internal_kv._internal_kv_del(key, namespace=NOT_SERVED)
+
+
+def not_served(key):
+    """The line mark_not_served left for key, or None."""
+    from ray.experimental import internal_kv
+
+    value = internal_kv._internal_kv_get(key, namespace=NOT_SERVED)
+    return value.decode() if value else None

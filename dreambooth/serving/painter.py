@@ -75,11 +75,17 @@ class SharedBase:
             raise RequestError(409, f"{subject.name} was saved again while it was loaded; ask again")
         try:
             files.check_model_files(into, "train or copy the adapters again")
-            outputs.check_lora_fits(self.model_dir, into)
+            theirs = outputs.lora_width(into)
         except errors.UserError as err:
             shutil.rmtree(into, ignore_errors=True)
             raise RequestError(422, f"{subject.name}: {weights} cannot be served: "
                                     f"{str(err).replace(into, os.path.dirname(weights))}") from None
+        ours = families.part_config(self.model_dir, self.family.denoiser).get("cross_attention_dim")
+        if theirs is not None and isinstance(ours, int) and theirs != ours:
+            shutil.rmtree(into, ignore_errors=True)
+            raise RequestError(422, f"{subject.name}: {weights} holds adapters of a model whose text states are {theirs} "
+                                    f"wide, not its base model's ({self.family.label}, {ours} wide: {self.model_dir}): "
+                                    "train or copy the adapters again")
         return Adapter(subject.routing_id, into, subject.adapter)
 
     def use(self, adapter):
@@ -155,8 +161,9 @@ class SharedBase:
         return drawing.settings_for(asked, self.family, self.model_dir)
 
     def draw(self, items):
-        """[(Adapter, requests.ImageRequest)] drawn: [(png bytes, ...), (flagged, ...)] for each, in order, or the
-        RequestError of a subject whose adapters do not fit (the others drawn). Requests for the same subject with the
+        """[(Adapter, requests.ImageRequest)] drawn: [((png bytes, ...), (flagged, ...), images drawn in that call of
+        the pipeline)] for each, in order, or the RequestError of a subject whose adapters do not fit (the others
+        drawn). Requests for the same subject with the
         same settings are drawn in one call of the pipeline."""
         groups = {}
         for index, (adapter, request) in enumerate(items):
@@ -194,5 +201,5 @@ class SharedBase:
             for index in indices:
                 mine = [i for i, owner in enumerate(owners) if owner == index]
                 answers[index] = ([b"" if flagged[i] else files.png_bytes(images[i]) for i in mine],
-                                  [bool(flagged[i]) for i in mine])
+                                  [bool(flagged[i]) for i in mine], len(prompts))
         return answers

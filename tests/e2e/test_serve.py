@@ -23,6 +23,7 @@ from readme import serve_blocks
 from support import saved_subject
 
 from dreambooth.files import LORA_WEIGHTS_FILE
+from dreambooth.files import OUTPUT_MARKER
 from dreambooth.files import REPO_DIR
 
 PROMPT = "photo of a unqtkn {subject}, on a beach"  # (a comma, kept inside the prompt)
@@ -108,6 +109,10 @@ def draw(url, subject, seed=0, key=None, **fields):
 
 
 def test_the_readme_serves_every_subject_as_generate_py_draws_it_and_new_ones_at_once(by_hand, make_plan, capsys):
+    """The README's blocks as typed: example-dog (a full fine-tune, a base of its own) drawn as generate.py draws it;
+    30 requests from 3 clients over rex, toy (LoRAs) and mug (LoHa) on one base, each generate.py's image of its seed
+    and each adapter loaded once; a subject's requests drawn together; the benchmark's figures; bad requests refused
+    in one line while the others are answered; subjects saved and retrained while it runs served at once; Ctrl-C."""
     from dreambooth.cluster import raycluster
 
     folder = by_hand.folder
@@ -153,11 +158,18 @@ def test_the_readme_serves_every_subject_as_generate_py_draws_it_and_new_ones_at
         figures, replicas = LOAD.summary(results, 1.0)
         assert figures["hit_share"] == 0.9 and [row["loads"] for row in replicas.values()] == [3]
         assert len({r[4]["data"][0]["b64_json"] for r in results}) == 30  # (every subject and seed its own image)
+        # requests for one subject that arrive together are drawn in one call of the pipeline (Serve's batching; the
+        # first may go alone, those behind it wait for it together)
+        together = LOAD.run_load(url, ["toy"], 4, 4, steps=2, prompt=PROMPT)
+        assert [r[2] for r in together] == [200] * 4 and max(r[4]["drawn_together"] for r in together) >= 2
         # the benchmark measures the running server and prints its figures
-        LOAD.main(["--url", url, "--requests", "6", "--clients", "2", "--steps", "2", "--subjects", "rex", "toy"])
+        LOAD.main(["--url", url, "--requests", "6", "--clients", "2", "--steps", "2", "--subjects", "rex", "toy",
+                   "--switch_rounds", "2"])
         printed = capsys.readouterr().out
         assert "6 of 6 requests answered" in printed and re.search(r"requests/s [\d.]+  p50 [\d.]+ s  p95", printed)
         assert re.search(r"replica \S+: 6 requests, 2 subjects, 0 adapter loads, 0 evictions", printed), printed
+        assert re.search(r"drawing one request: [\d.]+ s with its subject's adapters fused already .* s a switch",
+                         printed), printed
 
         # bad requests: one line and a status each, and the others go on being answered
         assert draw(url, "nobody")[0] == 404
@@ -182,9 +194,20 @@ def test_the_readme_serves_every_subject_as_generate_py_draws_it_and_new_ones_at
         status, answer = draw(url, "rex", seed=3)
         assert status == 200 and answer["model_id"] == again.model_id != made["rex"].model_id
         assert same_image(answer["png"], expected(base, PROMPT.format(subject="rex"), [3], again.folder)[3])
+        # a subject whose base model is not on this node: said by serve.py, and to its requests, never "loading"
+        lost = saved_subject(make_plan, root, "lost", seed=9)
+        record = json.loads(open(os.path.join(lost.folder, OUTPUT_MARKER)).read())
+        with open(os.path.join(lost.folder, OUTPUT_MARKER), "w") as f:
+            json.dump({**record, "base_model": str(folder / "gone")}, f)
+        deadline = time.time() + 60
+        while "not served: lost" not in log.read_text():
+            assert time.time() < deadline, log.read_text()[-2000:]
+            time.sleep(0.5)
+        status, answer = draw(url, "lost")
+        assert status == 503 and answer["error"] == f"lost: not served (its base model {folder / 'gone'} is not on " \
+            "this node)", answer
     finally:
         ctrl_c(proc, log)
-
 
 
 def replica_pids(app_name="Painter"):

@@ -19,7 +19,7 @@ from dreambooth.serving.requests import RequestError
 def subjects(make_plan, tmp_path):
     root = tmp_path / "subjects"
     return root, {name: saved_subject(make_plan, root, name, adapter, seed) for name, adapter, seed in
-                  (("rex", "lora", 1), ("toy", "lora", 2), ("mug", "loha", 3))}
+                  (("rex", "lora", 1), ("toy", "lora", 2), ("mug", "loha", 3), ("cup", "dora", 4), ("hat", "lokr", 5))}
 
 
 def test_the_catalog_lists_each_subject_by_its_record_and_a_retrained_one_by_its_new_id(subjects, make_plan,
@@ -29,12 +29,12 @@ def test_the_catalog_lists_each_subject_by_its_record_and_a_retrained_one_by_its
     (root / "half" / catalog.MODEL_FOLDER).mkdir(parents=True)
     (root / "half" / catalog.MODEL_FOLDER / files.OUTPUT_MARKER).write_text('{"base_mo')  # (being written)
     found = catalog.scan(str(root))
-    assert sorted(found) == ["mug", "rex", "toy"]
+    assert sorted(found) == ["cup", "hat", "mug", "rex", "toy"]
     rex = found["rex"].describe()
     assert (rex["base_model"], rex["mode"], rex["adapter"], found["mug"].adapter) == (tiny_model, "adapter", "lora",
                                                                                        "loha")
     assert rex["trained"].endswith("+00:00") and rex["scores"] is None
-    # the two LoRAs and the LoHa share the base's deployment; each is routed by its name and its model's id
+    # the LoRAs, DoRA, LoHa and LoKr share the base's deployment; each is routed by its name and its model's id
     assert len({s.base_key for s in found.values()}) == 1
     assert catalog.split_routing_id(found["rex"].routing_id) == ("rex", found["rex"].model_id)
     assert catalog.find(str(root), "../subjects/rex") is None and catalog.find(str(root), "nobody") is None
@@ -79,9 +79,9 @@ def test_a_request_is_read_with_generate_pys_defaults_and_refused_in_one_line():
 
 def test_one_base_draws_each_subject_as_generate_py_does_switching_without_loading_again(subjects, tmp_path,
                                                                                          tiny_model):
-    """Two LoRAs and a LoHa on one base, drawn in turn (rex, toy, mug, rex again, in one batch with toy): each image
-    is the one generate.py's pipeline (its adapters fused into a freshly loaded base) draws from the same seed, to the
-    bit, and the base's weights are its own again between subjects."""
+    """Two LoRAs, a DoRA, a LoHa and a LoKr on one base, drawn in turn (rex, toy, cup, mug, hat, rex again in one
+    batch with toy): each image is the one generate.py's pipeline (its adapters fused into a freshly loaded base) draws
+    from the same seed, to the bit, and the base's weights are its own again between subjects."""
     import torch
 
     from dreambooth.generation import drawing
@@ -94,10 +94,11 @@ def test_one_base_draws_each_subject_as_generate_py_does_switching_without_loadi
     held = {name: base.attach(made[name], str(tmp_path / "held" / name)) for name in made}
 
     def ask(name, **fields):
-        return held[name], requests.ImageRequest(name, "a photo of unqtkn toy, on a beach", steps=2, n=2, **fields)
+        return held[name], requests.ImageRequest(name, "a photo of unqtkn toy, on a beach", **{"steps": 2, "n": 2,
+                                                                                                **fields})
 
     first = base.draw([ask("rex")])[0]
-    drawn = {name: base.draw([ask(name)])[0] for name in ("toy", "mug")}
+    drawn = {name: base.draw([ask(name)])[0] for name in ("toy", "cup", "mug", "hat")}
     again = base.draw([ask("rex", seed=0), ask("toy")])  # (two subjects in one batch: one pipeline call each)
     assert again[0] == first and again[1] == drawn["toy"]
     assert not base.draw([ask("rex", seed=7)])[0] == first  # (another seed, other images)
@@ -109,24 +110,36 @@ def test_one_base_draws_each_subject_as_generate_py_does_switching_without_loadi
         base.check(ask("rex", width=100)[1])
     base.restore()
     assert all(torch.equal(value, pristine[name]) for name, value in base.pipe.unet.state_dict().items())
-    for name, (pngs, flagged) in {"rex": first, **drawn}.items():
+    assert first[2] == 2 and again[0][2] == 2  # (the images of each call of the pipeline: a subject's requests)
+    both = base.draw([ask("rex"), ask("rex", seed=0, n=1), ask("toy")])  # (two of rex: one call of 3 images)
+    assert [answer[2] for answer in both] == [3, 3, 2] and [len(answer[0]) for answer in both] == [2, 1, 2]
+    for name, (pngs, flagged, _) in {"rex": first, **drawn}.items():
         pipe = drawing.load_pipeline(tiny_model, cpu, safety_checker=True, lora_dir=made[name].folder)
         settings = drawing.settings_for(drawing.ImageSettings(2), base.family, tiny_model)
         seeds = [drawing.image_seed(0, "a photo of unqtkn toy, on a beach", i) for i in range(2)]
         images, bad = drawing.generate_batch(pipe, ["a photo of unqtkn toy, on a beach"] * 2, seeds, settings)
         assert flagged == bad and pngs == [files.png_bytes(image) for image in images], name
-    assert len({pngs[0] for pngs, _ in (first, *drawn.values())}) == 3  # (each subject's own images)
+    assert len({pngs[0] for pngs, *_ in (first, *drawn.values())}) == 5  # (each subject's own images)
     # attaching copies the files: a retraining that writes the subject again never changes what a replica holds
     assert os.path.isfile(os.path.join(held["rex"].folder, files.LORA_WEIGHTS_FILE))
 
 
-def test_an_adapter_cut_short_is_refused_naming_its_file_and_a_long_prompt_with_the_models_limit(subjects, tmp_path, tiny_model):
+def test_an_adapter_cut_short_or_of_another_family_is_refused_naming_its_file_and_a_long_prompt_with_the_limit(
+        subjects, tmp_path, tiny_model, tiny_sdxl_model, make_plan):
     import torch
 
     from dreambooth.serving import painter
 
     root, made = subjects
     base = painter.SharedBase(tiny_model, torch.device("cpu"))
+    # SDXL's adapters copied over an SD 1.x subject's (its record still names the SD 1.x base)
+    other = saved_subject(make_plan, tmp_path / "other", "big", model_dir=tiny_sdxl_model)
+    shutil.copy(os.path.join(other.folder, files.LORA_WEIGHTS_FILE), os.path.join(made["rex"].folder,
+                                                                                   files.LORA_WEIGHTS_FILE))
+    with pytest.raises(RequestError) as caught:
+        base.attach(made["rex"], str(tmp_path / "rex"))
+    assert caught.value.status == 422 and "holds adapters of a model whose text states are" in caught.value.message
+    assert os.path.join(made["rex"].folder, files.LORA_WEIGHTS_FILE) in caught.value.message, caught.value.message
     weights = os.path.join(made["toy"].folder, files.LORA_WEIGHTS_FILE)
     with open(weights, "r+b") as f:
         f.truncate(os.path.getsize(weights) // 2)

@@ -52,12 +52,15 @@ def test_check_model_dir_names_missing_component(tiny_model, tmp_path):
 
 
 def test_rays_harmless_error_lines_are_kept_off_the_terminal_and_the_rest_printed():
+    from ray._private import worker as ray_worker
     from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
 
     from dreambooth import errors
     from dreambooth.cluster import raylogs
 
     printed, before = [], list(dispatcher.handlers)  # (this session's own Ray printer among them, maybe)
+    printer = ray_worker.print_to_stdstream
+    ray_worker.print_to_stdstream = lambda data, ignore_prefix: printed.append(data)  # (Ray's own, as it is called)
     dispatcher.handlers = [("ray_print_logs", printed.append)]  # (where ray.init puts its printer)
     try:
         raylogs.hide_harmless_ray_lines()
@@ -84,8 +87,15 @@ def test_rays_harmless_error_lines_are_kept_off_the_terminal_and_the_rest_printe
         dispatcher.emit({"pid": 8, "lines": ["Exception ignored in: <function _ClosingIterator.__del__ at 0x1>",
                                              *[f"line {k}" for k in range(1, 25)]]})
         assert printed == [{"pid": 8, "lines": [f"line {k}" for k in range(errors.HARMLESS_BLOCK_MOST_LINES, 25)]}]
+        # the errors Ray's processes publish ("(raylet) ..."), printed by another path, are kept to the same rule
+        printed.clear()
+        stopped = "Task ServeController.graceful_shutdown failed. There are infinite retries remaining, so the task …"
+        ray_worker.print_to_stdstream({"pid": "raylet", "lines": [stopped], "is_err": False}, ignore_prefix=False)
+        ray_worker.print_to_stdstream({"pid": "raylet", "lines": ["a worker died"], "is_err": False}, False)
+        assert printed == [{"pid": "raylet", "lines": ["a worker died"], "is_err": False}]
     finally:
         dispatcher.handlers = before
+        ray_worker.print_to_stdstream = printer
 
 
 def test_a_safetensors_file_is_checked_from_its_header_alone(tmp_path):
