@@ -1,5 +1,4 @@
-"""Load on a running serve.py: R requests from C concurrent clients, spread over S subjects, and what the replicas
-did with them.
+"""Load on a running serve.py (R requests from C clients over S subjects) and what its replicas did with it.
 
     python serve.py --data_prefix "$DATA_PREFIX" &
     python benchmarks/serve_load.py --url http://127.0.0.1:8000 --requests 200 --clients 8 --switch_rounds 20
@@ -32,6 +31,8 @@ def call(url, path, body=None, key=None, timeout=600):
             status, data, kind = answer.status, answer.read(), answer.headers.get("content-type", "")
     except urllib.error.HTTPError as err:
         status, data, kind = err.code, err.read(), err.headers.get("content-type", "")
+    except (urllib.error.URLError, ConnectionError) as err:  # (no server there)
+        sys.exit(f"error: nothing answers at {url} ({getattr(err, 'reason', err)}): is serve.py running, on that port?")
     return status, json.loads(data) if "json" in kind else data
 
 
@@ -89,8 +90,10 @@ def switch_overhead(url, subjects, rounds, key=None, steps=20, prompt="a photo o
     """The seconds a replica takes to draw one request (its own count, the HTTP path left out) when every request is
     for the same subject (its adapters stay fused: drawing as with a merged model), and when two subjects alternate
     (each request first puts the base's weights back and fuses the other's): {"same": s, "alternating": s}, one
-    client, after a request of each to load them."""
+    client, after a request of each to load them; None where the two were drawn on different replicas (other base
+    models, or several replicas): no switch to time."""
     first, second = subjects[0], subjects[1]
+    replicas = set()
 
     def seconds(order):
         took = []
@@ -98,22 +101,25 @@ def switch_overhead(url, subjects, rounds, key=None, steps=20, prompt="a photo o
             status, answer = call(url, "/v1/images", {"subject": subject, "prompt": prompt.format(subject=subject),
                                                       "seed": number, "steps": steps}, key)
             if status != 200:
-                sys.exit(f"{subject}: {status} {answer}")
+                sys.exit(f"error: {subject}: {status} {answer.get('error') if isinstance(answer, dict) else answer}")
             took.append(answer["seconds"])
+            replicas.add(answer["replica"])
         return statistics.median(took)
 
     seconds([first, second])  # (both loaded: no load is timed)
-    return {"same": seconds([first] * rounds), "alternating": seconds([first, second] * (rounds // 2))}
+    timed = {"same": seconds([first] * rounds), "alternating": seconds([first, second] * max(1, rounds // 2))}
+    return timed if len(replicas) == 1 else None  # (drawn on two replicas: no switch happened)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--url", default="http://127.0.0.1:8000")
-    parser.add_argument("--requests", type=int, default=100, help="R: requests in all.")
-    parser.add_argument("--clients", type=int, default=4, help="C: clients sending at once.")
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="The server (default: %(default)s).")
+    parser.add_argument("--requests", type=int, default=100, help="R: requests in all (default: %(default)s).")
+    parser.add_argument("--clients", type=int, default=4, help="C: clients sending at once (default: %(default)s).")
     parser.add_argument("--subjects", nargs="*", default=None, help="S: the subjects (default: all it serves).")
-    parser.add_argument("--steps", type=int, default=20, help="Denoising steps of each image.")
-    parser.add_argument("--api_key", default=os.environ.get("DREAMBOOTH_API_KEY"))
+    parser.add_argument("--steps", type=int, default=20, help="Denoising steps of each image (default: %(default)s).")
+    parser.add_argument("--api_key", default=os.environ.get("DREAMBOOTH_API_KEY"),
+                        help="The server's key, where it asks for one (default: $DREAMBOOTH_API_KEY).")
     parser.add_argument("--switch_rounds", type=int, default=0,
                         help="Also time an adapter switch: this many requests for one subject, then as many alternating "
                              "between two (one client; a replica holding both).")
@@ -127,8 +133,13 @@ def main(argv=None):
     began = time.perf_counter()
     results = run_load(args.url, subjects, args.requests, args.clients, args.api_key, args.steps)
     figures, replicas = summary(results, time.perf_counter() - began)
+    clients = min(args.clients, args.requests)
     print(f"{figures['answered']} of {figures['requests']} requests answered ({figures['statuses']}) from "
-          f"{args.clients} clients over {len(subjects)} subjects, {args.steps} steps an image")
+          f"{clients} clients over {len(subjects)} subjects, {args.steps} steps an image")
+    refused = [(subject, answer) for subject, _, status, _, answer in results if status != 200]
+    if refused:
+        subject, answer = refused[0]
+        print(f"first refusal: {subject}: {answer.get('error') if isinstance(answer, dict) else answer}")
     if figures["answered"]:
         print(f"requests/s {figures['requests_per_s']:.2f}  p50 {figures['p50_s']:.3f} s  p95 {figures['p95_s']:.3f} s"
               f"  reached a replica already holding their subject: {figures['hit_share']:.0%}")
@@ -137,10 +148,16 @@ def main(argv=None):
               f"loads, {row['evictions']} evictions")
     if args.switch_rounds and len(subjects) >= 2:
         switch = switch_overhead(args.url, subjects, args.switch_rounds, args.api_key, args.steps)
-        print(f"drawing one request: {switch['same']:.3f} s with its subject's adapters fused already (as a merged "
-              f"model), {switch['alternating']:.3f} s when each request switches subject: "
-              f"{switch['alternating'] - switch['same']:+.3f} s a switch (medians of {args.switch_rounds})")
+        if switch is None:
+            print(f"switch not timed: {subjects[0]} and {subjects[1]} were drawn on different replicas (other base "
+                  "models, or several replicas): name two adapters of one base with --subjects, one replica")
+        else:
+            print(f"drawing one request: {switch['same']:.3f} s with its subject's adapters fused already (as a merged "
+                  f"model), {switch['alternating']:.3f} s when each request switches subject: "
+                  f"{switch['alternating'] - switch['same']:+.3f} s a switch (medians of {args.switch_rounds})")
         figures["switch"] = switch
+    if not figures["answered"]:
+        sys.exit(1)
     return figures, replicas
 
 

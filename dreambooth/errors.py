@@ -113,6 +113,12 @@ def _raise_keyboard_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+def stop_on_sigterm():
+    """SIGTERM stops this script as Ctrl-C does (run_main's rule), again: ray.init puts Ray's own handler in its place,
+    which prints a stack and kills the process."""
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+
+
 # Lines of Ray's own that read as errors and are not: Ray's core logs an ERROR-level note for each restartable
 # actor whose constructor arguments are in the object store (every Ray Data actor pool, ours among them, and
 # Ray Train 2.60's preemption watcher). Ray's core writes them to file descriptor 2, past Python's sys.stderr.

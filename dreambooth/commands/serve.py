@@ -47,30 +47,42 @@ def main(argv=None):
         parser.error("--data_prefix is required (or set DATA_PREFIX): where dreambooth_run.sh wrote the subjects")
     if args.max_replicas < args.min_replicas:
         parser.error(f"--max_replicas {args.max_replicas} is below --min_replicas {args.min_replicas}")
+    if args.port > 65535:
+        parser.error(f"--port {args.port}: a TCP port is at most 65535")
     root = storage.join(args.data_prefix, SUBJECTS)
+    if not storage.isdir(root):
+        raise errors.UserError(f"{root} does not exist: --data_prefix (or DATA_PREFIX) is where dreambooth_run.sh "
+                               f"wrote the subjects, each in {root}/<SUBJECT>/model-tuned")
     from dreambooth.cluster import raycluster
 
     raycluster.init_ray()
+    errors.stop_on_sigterm()  # (ray.init put Ray's own handler in its place)
     from ray import serve
 
     from dreambooth.serving import app
 
     start_serve(args.host, args.port)
 
+    gpus = raycluster.cluster_resources()[1]
+    if args.gpus_per_replica and args.gpus_per_replica > gpus:
+        raise errors.UserError(f"--gpus_per_replica {args.gpus_per_replica:g}: the Ray cluster has " + (
+            f"{gpus} GPU(s): ask for at most {gpus}" if gpus else "no GPU (leave it out to draw on CPUs)"))
     settings = app.ServeSettings(
         root, args.adapters_per_replica, args.min_replicas, args.max_replicas,
-        args.gpus_per_replica if args.gpus_per_replica is not None else (1 if raycluster.cluster_resources()[1] else 0),
+        args.gpus_per_replica if args.gpus_per_replica is not None else (1 if gpus else 0),
         args.max_images_per_request, args.max_batch_size, safety_checker=args.safety_checker != "off",
         api_key_sha256=hashlib.sha256(args.api_key.encode()).hexdigest() if args.api_key else None)
     serve.run(app.Ingress.bind(settings), name=app.INGRESS_APP, route_prefix="/", logging_config=app.QUIET)
     bases = Bases(settings)
-    bases.update(catalog.scan(root))
+    bases.update(catalog.scan(root, details=False))
     print(reach_line(args.host, args.port, bool(args.api_key)), file=sys.stderr, flush=True)
-    print(f"serving the subjects in {root} (new ones as they are saved); Ctrl-C stops", file=sys.stderr, flush=True)
+    found = len(catalog.subject_names(root))
+    print(f"serving the {found} subject(s) in {root} (new ones as they are saved); Ctrl-C stops" if found else
+          f"serving the subjects in {root} as they are saved (none yet); Ctrl-C stops", file=sys.stderr, flush=True)
     try:
         while True:
             time.sleep(args.rescan_interval)
-            bases.update(catalog.scan(root))
+            bases.update(catalog.scan(root, details=False))
     finally:
         if os.environ.get("RAY_ADDRESS", "").strip():  # (a cluster of this script's own goes with it)
             bases.close()
@@ -81,9 +93,10 @@ class Bases:
     need; one that failed to start is tried again only when its subjects change."""
 
     def __init__(self, settings):
-        self.settings, self.deployed, self.failed = settings, {}, {}
+        self.settings, self.deployed, self.failed, self.said = settings, {}, {}, {}
 
     def update(self, subjects):
+        import ray
         from ray import serve
 
         from dreambooth.serving import app
@@ -99,6 +112,10 @@ class Bases:
             if not storage.is_remote(base) and not storage.isdir(base):
                 self.fail(key, ids, names, f"its base model {base} is not on this node")
                 continue
+            short = self.short_of(base, ray.available_resources())
+            if short:  # (tried again at the next look: a replica of another base may have gone, a node come)
+                self.fail(key, None, names, short)
+                continue
             print(f"loading {base} for {names}", file=sys.stderr, flush=True)
             began = time.perf_counter()
             try:
@@ -109,6 +126,7 @@ class Bases:
                 continue
             self.deployed[key] = base
             self.failed.pop(key, None)
+            self.said.pop(key, None)
             app.mark_not_served(key, None)
             print(f"ready in {time.perf_counter() - began:.1f} s: {names}", file=sys.stderr, flush=True)
         for key in [key for key in self.deployed if key not in wanted]:  # (a full model saved anew, a subject gone)
@@ -116,12 +134,26 @@ class Bases:
             del self.deployed[key]
 
     def fail(self, key, ids, names, why):
-        """A base model's application that could not be deployed: said here, and to its subjects' requests."""
+        """A base model's application that could not be deployed: said here (once), and to its subjects' requests.
+        ids: its subjects' routing ids (tried again when they change), None: tried again at every look."""
         from dreambooth.serving import app
 
-        print(f"not served: {names} ({why})", file=sys.stderr, flush=True)
-        self.failed[key] = ids
+        if self.said.get(key) != why:
+            print(f"not served: {names} ({why})", file=sys.stderr, flush=True)
+            self.said[key] = why
+        if ids is not None:
+            self.failed[key] = ids
         app.mark_not_served(key, why)
+
+    def short_of(self, base, free):
+        """Why the cluster cannot place --min_replicas replicas of base with free ({resource: amount} it has free now),
+        or None: never a deployment that waits for room without a word."""
+        gpus, count = self.settings.gpus_per_replica, self.settings.min_replicas
+        kind, need = ("GPU", gpus * count) if gpus else ("CPU", count)
+        if free.get(kind, 0) + 1e-9 >= need:
+            return None
+        return (f"{count} replica(s) of {base} need {need:g} {kind}(s) and the cluster has {free.get(kind, 0):g} free: "
+                "fewer base models at once, or more nodes")
 
     def close(self):
         """Our applications taken down, and Serve itself where no other application is left (on a cluster of the
@@ -131,7 +163,7 @@ class Bases:
         from dreambooth.serving import app
 
         try:
-            for key in self.failed:
+            for key in self.said:
                 app.mark_not_served(key, None)
             for key in [*self.deployed, app.INGRESS_APP]:
                 serve.delete(key)
@@ -182,8 +214,22 @@ def reach_line(host, port, keyed):
         loopback = ipaddress.ip_address(host).is_loopback
     except ValueError:
         loopback = host == "localhost"
+    if host in ("0.0.0.0", "::"):  # (every interface: shown by the address others reach this machine at)
+        host = this_machine()
     shown = f"[{host}]" if ":" in host else host
+    key = " Every request must carry the API key (Authorization: Bearer)." if keyed else ""
     if loopback:
-        return f"API at http://{shown}:{port}/v1/images: this machine only (--host 0.0.0.0 opens it to the network)"
+        return (f"API at http://{shown}:{port}/v1/images: this machine only (--host 0.0.0.0 opens it to the "
+                f"network).{key}")
     return (f"API at http://{shown}:{port}/v1/images: anyone who can reach this machine on port {port} can draw with "
-            "these subjects" + (", with the API key" if keyed else "; no key is asked (--api_key or DREAMBOOTH_API_KEY)"))
+            "these subjects" + (f".{key}" if keyed else "; no key is asked (--api_key or DREAMBOOTH_API_KEY)."))
+
+
+def this_machine():
+    """The address other hosts reach this machine at (Ray's own choice of it)."""
+    try:
+        import ray._private.services
+
+        return ray._private.services.get_node_ip_address()
+    except Exception:  # (no route out: the name of the machine)
+        return socket.gethostname()

@@ -25,6 +25,7 @@ from dreambooth.serving import requests
 from dreambooth.serving.requests import RequestError
 
 INGRESS_APP = "dreambooth"
+ROUTES = {"/v1/images": "POST", "/v1/subjects": "GET, HEAD", "/healthz": "GET, HEAD"}  # path: its methods
 QUIET = {"log_level": "WARNING", "enable_access_log": False}  # Serve's logging: no line per request, no INFO
 
 
@@ -88,7 +89,7 @@ class Painter:
     async def load_adapter(self, routing_id):
         """The subject routing_id names, attached to the base (a private copy of its adapters): a painter.Adapter."""
         name, model_id = catalog.split_routing_id(routing_id)
-        subject = await asyncio.to_thread(catalog.find, self.settings.subjects_dir, name)
+        subject = await asyncio.to_thread(catalog.find, self.settings.subjects_dir, name, False)
         if subject is None:
             raise RequestError(404, f"no subject {name!r} in {self.settings.subjects_dir}")
         if subject.model_id != model_id:
@@ -156,8 +157,12 @@ class Ingress:
         try:
             return await self.answer(request)
         except RequestError as err:
-            headers = {"Retry-After": str(err.retry_after)} if err.retry_after else None
-            return JSONResponse({"error": err.message}, status_code=err.status, headers=headers)
+            headers = {"Retry-After": str(err.retry_after)} if err.retry_after else {}
+            if err.status == 401:
+                headers["WWW-Authenticate"] = "Bearer"
+            if err.status == 405:
+                headers["Allow"] = ROUTES[request.url.path.rstrip("/")]
+            return JSONResponse({"error": err.message}, status_code=err.status, headers=headers or None)
         except Exception as err:  # (one line for the caller; the traceback in the replica's log)
             return Response(json.dumps({"error": f"internal error: {errors.shorten(errors.one_line(err))}"}),
                             status_code=500, media_type="application/json")
@@ -167,13 +172,15 @@ class Ingress:
         from starlette.responses import Response
 
         path, method = request.url.path.rstrip("/") or "/", request.method
+        if path in ROUTES and method not in ROUTES[path].split(", "):
+            raise RequestError(405, f"{method} {path}: use {ROUTES[path]}")
         if path == "/healthz":
             return Response("ok\n", media_type="text/plain")
         self.check_key(request.headers.get("authorization", ""))
-        if path == "/v1/subjects" and method == "GET":
+        if path == "/v1/subjects":
             found = await asyncio.to_thread(catalog.scan, self.settings.subjects_dir)
             return JSONResponse({"subjects": [subject.describe() for subject in found.values()]})
-        if path == "/v1/images" and method == "POST":
+        if path == "/v1/images":
             asked = requests.parse_image_request(await request.body(), self.settings.max_images_per_request,
                                                  request.headers.get("accept", ""))
             pngs, flagged, served = await self.draw(asked)
@@ -183,8 +190,6 @@ class Ingress:
                 return Response(pngs[0], media_type="image/png",
                                 headers={f"x-{key.replace('_', '-')}": str(value) for key, value in served.items()})
             return JSONResponse(requests.images_json(asked.subject, pngs, flagged, served))
-        if path in ("/v1/subjects", "/v1/images"):
-            raise RequestError(405, f"{method} {path}: use {'GET' if path == '/v1/subjects' else 'POST'}")
         raise RequestError(404, f"no such path {path}: POST /v1/images, GET /v1/subjects, GET /healthz")
 
     def check_key(self, header):
@@ -200,7 +205,7 @@ class Ingress:
         """The request drawn by its subject's base application: (pngs, flagged, served); the subject looked up again
         when it was saved anew meanwhile."""
         for attempt in range(tries):
-            subject = await asyncio.to_thread(catalog.find, self.settings.subjects_dir, asked.subject)
+            subject = await asyncio.to_thread(catalog.find, self.settings.subjects_dir, asked.subject, False)
             if subject is None:
                 raise RequestError(404, f"no subject {asked.subject!r}: GET /v1/subjects lists them")
             handle = self.handle(asked.subject, subject.base_key)

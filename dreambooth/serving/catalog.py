@@ -65,9 +65,9 @@ def subject_names(root):
                   if storage.isfile(storage.join(root, name, MODEL_FOLDER, files.OUTPUT_MARKER)))
 
 
-def find(root, name):
+def find(root, name, details=True):
     """The Subject of root/name as its record says now, or None where there is none (no such folder, no model saved,
-    a name that is not one folder's)."""
+    a name that is not one folder's). details: also when it was trained and its scores (what routing needs not)."""
     if not name or name in (".", "..") or "/" in name or "\\" in name:
         return None
     folder = storage.join(root, name, MODEL_FOLDER)
@@ -79,12 +79,13 @@ def find(root, name):
         return None
     lora = output.lora
     return Subject(name, folder, output.base_model if lora else folder, output.model_id,
-                   lora.adapter if lora else None, trained_at(folder), scores_of(root, name, output))
+                   lora.adapter if lora else None, *((trained_at(folder), scores_of(root, name, output)) if details
+                                                     else ()))
 
 
-def scan(root):
-    """{name: Subject} of every subject under root."""
-    found = {name: find(root, name) for name in subject_names(root)}
+def scan(root, details=True):
+    """{name: Subject} of every subject under root (details: find's)."""
+    found = {name: find(root, name, details) for name in subject_names(root)}
     return {name: subject for name, subject in found.items() if subject is not None}
 
 

@@ -7,6 +7,11 @@ import json
 
 MAX_PROMPT_CHARS = 2000  # a prompt longer than this is refused before its tokens are counted
 MAX_STEPS = 500
+MAX_GUIDANCE = 100.0
+
+
+def _no_constant(name):
+    raise ValueError(f"{name} is not a number JSON has")
 
 
 class RequestError(Exception):
@@ -47,7 +52,7 @@ def parse_image_request(body, max_images, accept=""):
     """The ImageRequest of a JSON body (bytes), or RequestError(400) naming the first thing wrong. accept: the
     request's Accept header ("image/png" asks for the image itself)."""
     try:
-        data = json.loads(body or b"{}")
+        data = json.loads(body or b"{}", parse_constant=_no_constant)
     except (ValueError, UnicodeDecodeError) as err:
         raise RequestError(400, f"the body is not JSON: {err}") from None
     if not isinstance(data, dict):
@@ -74,8 +79,8 @@ def parse_image_request(body, max_images, accept=""):
         raise RequestError(400, f"steps={request.steps}: from 1 to {MAX_STEPS}")
     if not 0 <= request.seed < 2 ** 63:
         raise RequestError(400, f"seed={request.seed}: from 0 to 2**63 - 1")
-    if request.guidance_scale is not None and request.guidance_scale < 0:
-        raise RequestError(400, f"guidance_scale={request.guidance_scale}: at least 0")
+    if request.guidance_scale is not None and not 0 <= request.guidance_scale <= MAX_GUIDANCE:
+        raise RequestError(400, f"guidance_scale={request.guidance_scale}: from 0 to {MAX_GUIDANCE:g}")
     if request.response_format not in ("b64_json", "png"):
         raise RequestError(400, f"response_format {request.response_format!r}: 'b64_json' or 'png'")
     if request.response_format == "png" and request.n != 1:

@@ -55,7 +55,7 @@ def start_server(folder, port, key=None):
         proc = subprocess.Popen(["bash", "-c", typed], cwd=REPO_DIR, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     deadline = time.time() + 300
-    while "serving the subjects in" not in log.read_text():
+    while "; Ctrl-C stops" not in log.read_text():
         assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
         time.sleep(0.5)
     return proc, log
@@ -123,7 +123,9 @@ def test_the_readme_serves_every_subject_as_generate_py_draws_it_and_new_ones_at
     url = f"http://127.0.0.1:{port}"
     proc, log = start_server(folder, port)
     try:
-        assert f"API at http://127.0.0.1:{port}/v1/images: this machine only" in log.read_text()
+        said = log.read_text()
+        assert f"API at http://127.0.0.1:{port}/v1/images: this machine only" in said and "API key" not in said
+        assert f"serving the 4 subject(s) in {root} (new ones as they are saved)" in said
         import socket
 
         import ray._private.services
@@ -235,6 +237,8 @@ def test_a_key_is_asked_for_and_a_killed_replica_is_answered_with_503_and_restar
     url = f"http://127.0.0.1:{port}"
     proc, log = start_server(folder, port, key=key)
     try:
+        assert "this machine only (--host 0.0.0.0 opens it to the network). Every request must carry the API key" in \
+            log.read_text()
         assert LOAD.call(url, "/healthz")[0] == 200
         status, answer = LOAD.call(url, "/v1/subjects")
         assert status == 401 and answer["error"].startswith("this server asks for its API key")

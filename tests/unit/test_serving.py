@@ -1,6 +1,6 @@
 """serve.py's parts that need no Ray, in this process: the catalog of subjects read from their records, a request's
 checks, and a replica's shared base drawing several subjects' adapters in turn (each image generate.py's). The
-Ray Serve application itself: tests/integration/test_serve.py."""
+Ray Serve application itself: tests/e2e/test_serve.py."""
 
 import json
 import os
@@ -14,12 +14,29 @@ from dreambooth.serving import catalog
 from dreambooth.serving import requests
 from dreambooth.serving.requests import RequestError
 
+SUBJECTS = (("rex", "lora", 1), ("toy", "lora", 2), ("mug", "loha", 3), ("cup", "dora", 4), ("hat", "lokr", 5))
+
+
+@pytest.fixture(scope="module")
+def saved_once(tmp_path_factory, tiny_model):
+    """A subjects folder of the tiny model's adapters of each kind, saved once for the module (each test copies it)."""
+    from dreambooth.planning import planning
+
+    def make_plan(**fields):
+        return planning.offline_plan(**{"model_dir": tiny_model, "mixed_precision": "no", **fields})
+
+    root = tmp_path_factory.mktemp("saved") / "subjects"
+    for name, adapter, seed in SUBJECTS:
+        saved_subject(make_plan, root, name, adapter, seed)
+    return root
+
 
 @pytest.fixture()
-def subjects(make_plan, tmp_path):
+def subjects(saved_once, tmp_path):
+    """(a subjects folder of this test's own, {name: catalog.Subject}): two LoRAs, a LoHa, a DoRA and a LoKr."""
     root = tmp_path / "subjects"
-    return root, {name: saved_subject(make_plan, root, name, adapter, seed) for name, adapter, seed in
-                  (("rex", "lora", 1), ("toy", "lora", 2), ("mug", "loha", 3), ("cup", "dora", 4), ("hat", "lokr", 5))}
+    shutil.copytree(saved_once, root)
+    return root, {name: catalog.find(str(root), name) for name, _, _ in SUBJECTS}
 
 
 def test_the_catalog_lists_each_subject_by_its_record_and_a_retrained_one_by_its_new_id(subjects, make_plan,
@@ -73,6 +90,10 @@ def test_a_request_is_read_with_generate_pys_defaults_and_refused_in_one_line():
     assert refused({"subject": "rex", "prompt": "p", "steps": "ten"}) == "'steps' must be an integer, not \"ten\""
     assert refused({"subject": "rex", "prompt": "p", "colour": 1}).startswith("unknown field(s) colour;")
     assert refused({"subject": "rex", "prompt": "p", "n": 2, "response_format": "png"}).startswith("one image/png")
+    # a guidance that would draw black or noise: refused, JSON's NaN and Infinity too
+    assert refused({"subject": "rex", "prompt": "p", "guidance_scale": 1e30}) == "guidance_scale=1e+30: from 0 to 100"
+    assert "NaN is not a number JSON has" in refused(b'{"subject": "rex", "prompt": "p", "guidance_scale": NaN}')
+    assert refused(b'{"subject": "rex", "prompt": "p", "guidance_scale": 1e400}') == "guidance_scale=inf: from 0 to 100"
     with pytest.raises(RequestError, match=r"width=100: this model draws sides that are multiples of 8 from 64 to 512"):
         requests.check_size(100, 256, 8, 256)
 
@@ -156,3 +177,29 @@ def test_an_adapter_cut_short_or_of_another_family_is_refused_naming_its_file_an
     assert catalog.find(str(tmp_path / "subjects"), "toy") is None
     with pytest.raises(RequestError, match="the prompt is 8.* tokens; this model reads at most 77"):
         requests.check_prompt_tokens(base.pipe, "dog " * 80)
+
+
+def test_each_base_models_deployment_takes_its_replicas_gpus_and_sizes_from_the_flags():
+    from dreambooth.serving import app
+
+    settings = app.ServeSettings("/s", adapters_per_replica=5, min_replicas=2, max_replicas=6, gpus_per_replica=1,
+                                 max_batch_size=3)
+    deployment = app.painter_deployment(settings)
+    autoscaling = deployment._deployment_config.autoscaling_config
+    assert (autoscaling.min_replicas, autoscaling.max_replicas, autoscaling.initial_replicas) == (2, 6, 2)
+    assert deployment.ray_actor_options["num_gpus"] == 1 and deployment.ray_actor_options["num_cpus"] == 0
+    on_cpu = app.painter_deployment(app.ServeSettings("/s"))
+    assert on_cpu.ray_actor_options == {"num_gpus": 0, "num_cpus": 1}  # (a CPU replica holds a CPU)
+    assert on_cpu._deployment_config.autoscaling_config.max_replicas == 1
+
+
+def test_a_base_model_the_cluster_has_no_room_for_is_said_not_left_waiting():
+    from dreambooth.commands import serve
+    from dreambooth.serving import app
+
+    on_cpu = serve.Bases(app.ServeSettings("/s", min_replicas=2))
+    assert on_cpu.short_of("/m", {"CPU": 2.0}) is None
+    assert on_cpu.short_of("/m", {"CPU": 1.0, "GPU": 4.0}) == (
+        "2 replica(s) of /m need 2 CPU(s) and the cluster has 1 free: fewer base models at once, or more nodes")
+    on_gpu = serve.Bases(app.ServeSettings("/s", gpus_per_replica=0.5))
+    assert on_gpu.short_of("/m", {"CPU": 0.0, "GPU": 0.5}) is None and "need 0.5 GPU(s)" in on_gpu.short_of("/m", {})
