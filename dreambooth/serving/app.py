@@ -8,6 +8,7 @@ by Serve's model multiplexing (a request carries its subject's routing id) and d
 """
 
 import asyncio
+import contextvars
 import dataclasses
 import hashlib
 import hmac
@@ -26,6 +27,7 @@ from dreambooth.serving.requests import RequestError
 
 INGRESS_APP = "dreambooth"
 ROUTES = {"/v1/images": "POST", "/v1/subjects": "GET, HEAD", "/healthz": "GET, HEAD"}  # path: its methods
+ASKING = contextvars.ContextVar("asking", default=None)  # the request a replica is answering (in its own task)
 QUIET = {"log_level": "WARNING", "enable_access_log": False}  # Serve's logging: no line per request, no INFO
 
 
@@ -97,6 +99,7 @@ class Painter:
         into = os.path.join(self.held, f"{name}-{model_id}-{time.monotonic_ns()}")
         adapter = await asyncio.to_thread(self.base.attach, subject, into)
         adapter.evicted = self.evicted  # (Serve calls its __del__ as it evicts it)
+        adapter.loaded_for = ASKING.get()  # (the request that waited for this load; others found it held)
         self.loads[routing_id] = self.loads.get(routing_id, 0) + 1
         return adapter
 
@@ -104,8 +107,8 @@ class Painter:
         """A request (requests.ImageRequest) of the subject Serve routed here: (pngs, flagged, served), or (None, None,
         {"error": (status, line, retry after)}) for one refused (returned, not raised: a refusal is an answer, not a
         failure of the replica for Serve to log)."""
-        routing_id = serve.get_multiplexed_model_id()
-        before = self.loads.get(routing_id, 0)
+        routing_id, asking = serve.get_multiplexed_model_id(), object()
+        ASKING.set(asking)
         began = time.perf_counter()
         try:
             adapter = await self.load_adapter(routing_id)
@@ -116,7 +119,7 @@ class Painter:
         except RequestError as err:
             return None, None, {"error": (err.status, err.message, err.retry_after)}
         pngs, flagged, together = answer
-        return pngs, flagged, {"replica": self.replica, "adapter_loaded": self.loads.get(routing_id, 0) > before,
+        return pngs, flagged, {"replica": self.replica, "adapter_loaded": adapter.loaded_for is asking,
                                "drawn_together": together, "seconds": round(time.perf_counter() - began, 3),
                                "replica_loads": sum(self.loads.values()), "replica_evictions": len(self.evicted)}
 

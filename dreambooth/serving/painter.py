@@ -31,6 +31,7 @@ class Adapter:
     folder: str | None
     kind: str  # "lora", "dora", "loha", "lokr" or "full"
     evicted: list | None = None  # where its routing id goes once it is evicted (Ray Serve calls __del__ then)
+    loaded_for: object = None  # the request whose wait loaded it (serve.py's count of loads)
 
     def __post_init__(self):
         if self.folder:
