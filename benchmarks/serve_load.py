@@ -5,8 +5,9 @@
 
 Prints requests/s, p50 and p95 latency, and per replica the adapter loads and evictions while it ran, and the
 share of requests that reached a replica already holding their subject. Subjects: --subjects, else every one GET
-/v1/subjects lists; each request's prompt names the subject's folder name, its seed is the request's number. --switch_rounds N: also the cost of an adapter switch, against drawing with the subject's
-adapters already fused (a merged model). --api_key (or DREAMBOOTH_API_KEY) when the server asks for one.
+/v1/subjects lists; each request's prompt names the subject's folder name, its seed is the request's number.
+--switch_rounds N: also the cost of an adapter switch, against drawing with the subject's adapters already fused (a
+merged model). --api_key (or DREAMBOOTH_API_KEY) when the server asks for one.
 """
 
 import argparse
@@ -121,8 +122,8 @@ def main(argv=None):
     parser.add_argument("--api_key", default=os.environ.get("DREAMBOOTH_API_KEY"),
                         help="The server's key, where it asks for one (default: $DREAMBOOTH_API_KEY).")
     parser.add_argument("--switch_rounds", type=int, default=0,
-                        help="Also time an adapter switch: this many requests for one subject, then as many alternating "
-                             "between two (one client; a replica holding both).")
+                        help="Also time an adapter switch: this many requests for one subject, then as many "
+                             "alternating between two (one client; a replica holding both).")
     args = parser.parse_args(argv)
     subjects = args.subjects
     if not subjects:

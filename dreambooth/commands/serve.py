@@ -121,7 +121,8 @@ class Bases:
             try:
                 serve.run(app.painter_app(self.settings, base), name=key, route_prefix=None, logging_config=app.QUIET)
             except Exception as err:  # (its replicas failed to start: the others keep being served)
-                self.fail(key, ids, names, f"its base model {base} did not load: {errors.shorten(errors.one_line(err))}")
+                self.fail(key, ids, names,
+                          f"its base model {base} did not load: {errors.shorten(errors.one_line(err))}")
                 serve.delete(key, _blocking=False)
                 continue
             self.deployed[key] = base

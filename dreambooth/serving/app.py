@@ -209,6 +209,9 @@ class Ingress:
         when it was saved anew meanwhile."""
         for attempt in range(tries):
             subject = await asyncio.to_thread(catalog.find, self.settings.subjects_dir, asked.subject, False)
+            if subject is None:  # (or its folder being replaced by a new save, missing for an instant)
+                await asyncio.sleep(0.2)
+                subject = await asyncio.to_thread(catalog.find, self.settings.subjects_dir, asked.subject, False)
             if subject is None:
                 raise RequestError(404, f"no subject {asked.subject!r}: GET /v1/subjects lists them")
             handle = self.handle(asked.subject, subject.base_key)

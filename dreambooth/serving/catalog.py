@@ -121,6 +121,12 @@ def private_copy(subject, into):
     copy holds. The replica draws from its own copy, which a retraining that writes the subject's folder again never
     changes under it."""
     os.makedirs(into, exist_ok=True)
-    for name in (files.LORA_WEIGHTS_FILE, files.OUTPUT_MARKER):
-        files.write_bytes_atomic(storage.read_bytes(storage.join(subject.folder, name)), os.path.join(into, name))
-    return outputs.read_output(into).record
+    record = storage.join(subject.folder, files.OUTPUT_MARKER)
+    before = storage.read_bytes(record)
+    weights = storage.read_bytes(storage.join(subject.folder, files.LORA_WEIGHTS_FILE))
+    after = storage.read_bytes(record)
+    files.write_bytes_atomic(weights, os.path.join(into, files.LORA_WEIGHTS_FILE))
+    files.write_bytes_atomic(after, os.path.join(into, files.OUTPUT_MARKER))
+    copied = outputs.read_output(into).record
+    # (saved again while it was read: the weights may be the other model's; the caller asks again)
+    return copied if before == after else dataclasses.replace(copied, model_id=None)

@@ -9,6 +9,7 @@ import math
 import os
 import shutil
 import sys
+import time
 import traceback
 import weakref
 
@@ -65,12 +66,16 @@ class SharedBase:
                 raise RequestError(409, f"{subject.name}: its model is not this deployment's; ask again")
             return Adapter(subject.routing_id, None, "full")
         weights = os.path.join(subject.folder, files.LORA_WEIGHTS_FILE)
-        try:
-            record = catalog.private_copy(subject, into)
-        except (OSError, ValueError, KeyError) as err:
-            shutil.rmtree(into, ignore_errors=True)
-            raise RequestError(422, f"{subject.name}: its adapters cannot be read ({weights}: "
-                                    f"{errors.shorten(errors.one_line(err))})") from None
+        for attempt in range(2):  # (a folder being replaced by a new save is missing for an instant)
+            try:
+                record = catalog.private_copy(subject, into)
+                break
+            except (OSError, ValueError, KeyError) as err:
+                shutil.rmtree(into, ignore_errors=True)
+                if attempt:
+                    raise RequestError(422, f"{subject.name}: its adapters cannot be read ({weights}: "
+                                            f"{errors.shorten(errors.one_line(err))})") from None
+                time.sleep(0.2)
         if record.model_id != subject.model_id:  # (retrained between the lookup and the copy)
             shutil.rmtree(into, ignore_errors=True)
             raise RequestError(409, f"{subject.name} was saved again while it was loaded; ask again")
@@ -84,9 +89,9 @@ class SharedBase:
         ours = families.part_config(self.model_dir, self.family.denoiser).get("cross_attention_dim")
         if theirs is not None and isinstance(ours, int) and theirs != ours:
             shutil.rmtree(into, ignore_errors=True)
-            raise RequestError(422, f"{subject.name}: {weights} holds adapters of a model whose text states are {theirs} "
-                                    f"wide, not its base model's ({self.family.label}, {ours} wide: {self.model_dir}): "
-                                    "train or copy the adapters again")
+            raise RequestError(422, f"{subject.name}: {weights} holds adapters of a model whose text states are "
+                                    f"{theirs} wide, not its base model's ({self.family.label}, {ours} wide: "
+                                    f"{self.model_dir}): train or copy the adapters again")
         return Adapter(subject.routing_id, into, subject.adapter)
 
     def use(self, adapter):
@@ -158,7 +163,8 @@ class SharedBase:
     def settings(self, request):
         """The drawing.ImageSettings of a request, with the model's defaults as generate.py takes them."""
         size = request.width or self.native
-        asked = drawing.ImageSettings(request.steps, request.guidance_scale, request.negative_prompt, size, request.seed)
+        asked = drawing.ImageSettings(request.steps, request.guidance_scale, request.negative_prompt, size,
+                                      request.seed)
         return drawing.settings_for(asked, self.family, self.model_dir)
 
     def draw(self, items):

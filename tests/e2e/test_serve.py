@@ -176,7 +176,8 @@ def test_the_readme_serves_every_subject_as_generate_py_draws_it_and_new_ones_at
         # bad requests: one line and a status each, and the others go on being answered
         assert draw(url, "nobody")[0] == 404
         status, answer = draw(url, "rex", n=9)
-        assert status == 400 and answer["error"] == "n=9: from 1 to 4 images a request (serve.py --max_images_per_request)"
+        assert status == 400 and answer["error"] == ("n=9: from 1 to 4 images a request (serve.py "
+                                                     "--max_images_per_request)")
         status, answer = draw(url, "rex", width=100)
         assert status == 400 and "multiples of 8" in answer["error"]
         cut = saved_subject(make_plan, root, "cut", seed=6)
