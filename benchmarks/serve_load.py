@@ -129,18 +129,19 @@ def main(argv=None):
     if not subjects:
         status, listed = call(args.url, "/v1/subjects", key=args.api_key)
         if status != 200:
-            sys.exit(f"GET /v1/subjects: {status} {listed}")
+            sys.exit(f"error: GET /v1/subjects: {status} {listed.get('error') if isinstance(listed, dict) else listed}"
+                     + (" (--api_key, or DREAMBOOTH_API_KEY)" if status == 401 else ""))
         subjects = [row["subject"] for row in listed["subjects"]]
     began = time.perf_counter()
     results = run_load(args.url, subjects, args.requests, args.clients, args.api_key, args.steps)
     figures, replicas = summary(results, time.perf_counter() - began)
     clients = min(args.clients, args.requests)
     print(f"{figures['answered']} of {figures['requests']} requests answered ({figures['statuses']}) from "
-          f"{clients} clients over {len(subjects)} subjects, {args.steps} steps an image")
+          f"{clients} client(s) over {len(subjects)} subject(s), {args.steps} steps an image")
     refused = [(subject, answer) for subject, _, status, _, answer in results if status != 200]
     if refused:
         subject, answer = refused[0]
-        print(f"first refusal: {subject}: {answer.get('error') if isinstance(answer, dict) else answer}")
+        print(f"first refusal ({subject}): {answer.get('error') if isinstance(answer, dict) else answer}")
     if figures["answered"]:
         print(f"requests/s {figures['requests_per_s']:.2f}  p50 {figures['p50_s']:.3f} s  p95 {figures['p95_s']:.3f} s"
               f"  reached a replica already holding their subject: {figures['hit_share']:.0%}")

@@ -119,8 +119,9 @@ class Painter:
         except RequestError as err:
             return None, None, {"error": (err.status, err.message, err.retry_after)}
         pngs, flagged, together = answer
-        return pngs, flagged, {"replica": self.replica, "adapter_loaded": adapter.loaded_for is asking,
-                               "drawn_together": together, "seconds": round(time.perf_counter() - began, 3),
+        loaded = adapter.folder is not None and adapter.loaded_for is asking  # (a full model has no adapters)
+        return pngs, flagged, {"replica": self.replica, "adapter_loaded": loaded, "drawn_together": together,
+                               "seconds": round(time.perf_counter() - began, 3),
                                "replica_loads": sum(self.loads.values()), "replica_evictions": len(self.evicted)}
 
     async def draw_batch(self, items):
@@ -191,7 +192,8 @@ class Ingress:
                 if flagged[0]:
                     raise RequestError(422, "the image was flagged by the model's safety checker and is withheld")
                 return Response(pngs[0], media_type="image/png",
-                                headers={f"x-{key.replace('_', '-')}": str(value) for key, value in served.items()})
+                                headers={f"x-{key.replace('_', '-')}": value if isinstance(value, str) else
+                                         json.dumps(value) for key, value in served.items()})
             return JSONResponse(requests.images_json(asked.subject, pngs, flagged, served))
         raise RequestError(404, f"no such path {path}: POST /v1/images, GET /v1/subjects, GET /healthz")
 

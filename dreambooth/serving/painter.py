@@ -84,8 +84,7 @@ class SharedBase:
             theirs = outputs.lora_width(into)
         except errors.UserError as err:
             shutil.rmtree(into, ignore_errors=True)
-            raise RequestError(422, f"{subject.name}: {weights} cannot be served: "
-                                    f"{str(err).replace(into, os.path.dirname(weights))}") from None
+            raise RequestError(422, f"{subject.name}: {str(err).replace(into, os.path.dirname(weights))}") from None
         ours = families.part_config(self.model_dir, self.family.denoiser).get("cross_attention_dim")
         if theirs is not None and isinstance(ours, int) and theirs != ours:
             shutil.rmtree(into, ignore_errors=True)
