@@ -61,25 +61,25 @@ def main(argv=None):
 
     from dreambooth.serving import app
 
-    start_serve(args.host, args.port)
-
     gpus = raycluster.cluster_resources()[1]
     if args.gpus_per_replica and args.gpus_per_replica > gpus:
         raise errors.UserError(f"--gpus_per_replica {args.gpus_per_replica:g}: the Ray cluster has " + (
             f"{gpus} GPU(s): ask for at most {gpus}" if gpus else "no GPU (leave it out to draw on CPUs)"))
+    start_serve(args.host, args.port)
     settings = app.ServeSettings(
         root, args.adapters_per_replica, args.min_replicas, args.max_replicas,
         args.gpus_per_replica if args.gpus_per_replica is not None else (1 if gpus else 0),
         args.max_images_per_request, args.max_batch_size, safety_checker=args.safety_checker != "off",
         api_key_sha256=hashlib.sha256(args.api_key.encode()).hexdigest() if args.api_key else None)
-    serve.run(app.Ingress.bind(settings), name=app.INGRESS_APP, route_prefix="/", logging_config=app.QUIET)
     bases = Bases(settings)
-    bases.update(catalog.scan(root, details=False))
-    print(reach_line(args.host, args.port, bool(args.api_key)), file=sys.stderr, flush=True)
-    found = len(catalog.subject_names(root))
-    print(f"serving the {found} subject(s) in {root} (new ones as they are saved); Ctrl-C stops" if found else
-          f"serving the subjects in {root} as they are saved (none yet); Ctrl-C stops", file=sys.stderr, flush=True)
-    try:
+    try:  # (from here on, a stop takes down what this run deployed on a cluster of the user's)
+        serve.run(app.Ingress.bind(settings), name=app.INGRESS_APP, route_prefix="/", logging_config=app.QUIET)
+        bases.update(catalog.scan(root, details=False))
+        print(reach_line(args.host, args.port, bool(args.api_key)), file=sys.stderr, flush=True)
+        found = len(catalog.subject_names(root))
+        print(f"serving the {found} subject(s) in {root} (new ones as they are saved); Ctrl-C stops" if found else
+              f"serving the subjects in {root} as they are saved (none yet); Ctrl-C stops", file=sys.stderr,
+              flush=True)
         while True:
             time.sleep(args.rescan_interval)
             bases.update(catalog.scan(root, details=False))
@@ -93,7 +93,7 @@ class Bases:
     need; one that failed to start is tried again only when its subjects change."""
 
     def __init__(self, settings):
-        self.settings, self.deployed, self.failed, self.said = settings, {}, {}, {}
+        self.settings, self.deployed, self.failed, self.said, self.deploying = settings, {}, {}, {}, None
 
     def update(self, subjects):
         import ray
@@ -118,14 +118,16 @@ class Bases:
                 continue
             print(f"loading {base} for {names}", file=sys.stderr, flush=True)
             began = time.perf_counter()
+            self.deploying = key  # (taken down by close too, if a stop comes while it loads)
             try:
                 serve.run(app.painter_app(self.settings, base), name=key, route_prefix=None, logging_config=app.QUIET)
             except Exception as err:  # (its replicas failed to start: the others keep being served)
                 self.fail(key, ids, names,
                           f"its base model {base} did not load: {errors.shorten(errors.one_line(err))}")
                 serve.delete(key, _blocking=False)
+                self.deploying = None
                 continue
-            self.deployed[key] = base
+            self.deployed[key], self.deploying = base, None
             self.failed.pop(key, None)
             self.said.pop(key, None)
             app.mark_not_served(key, None)
@@ -166,7 +168,7 @@ class Bases:
         try:
             for key in self.said:
                 app.mark_not_served(key, None)
-            for key in [*self.deployed, app.INGRESS_APP]:
+            for key in dict.fromkeys([*self.deployed, *([self.deploying] if self.deploying else []), app.INGRESS_APP]):
                 serve.delete(key)
             if not serve.status().applications:
                 serve.shutdown()
