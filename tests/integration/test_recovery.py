@@ -2,6 +2,7 @@
 SIGKILLed train worker then SIGTERM: test_storage_ray, in a bucket; a drained node: test_elastic; test_bench's
 gpu_check.sh dry run also kills a train worker; test_sweep's long test kills a LoRA trial's.)"""
 
+import contextlib
 import json
 import os
 import re
@@ -237,12 +238,16 @@ def resume_the_uninterrupted_runs_checkpoint(tiny_model, toy_images, tmp_path, o
 
 
 def logged_steps(runs):
-    """The steps in the metrics.jsonl of the runs under a storage path (a folder's or a bucket's)."""
+    """The steps in the metrics.jsonl of the runs under a storage path (a folder's or a bucket's), as far as they can be
+    read now: a test polls them while rank 0 writes them, and a copy being uploaded to a bucket can be read half new
+    (its lines that do not parse are not counted yet)."""
     steps = []
     for folder in run_dirs(runs):
         path = storage.join(folder, runlog.METRICS_FILE)
         if storage.isfile(path):
-            steps += [json.loads(line)["step"] for line in storage.read_bytes(path).decode().splitlines() if line.strip()]
+            for line in storage.read_bytes(path).decode(errors="replace").splitlines():
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    steps.append(json.loads(line)["step"])
     return steps
 
 
