@@ -92,12 +92,8 @@ def load_pipeline(model_dir, device, allow_unsafe_weights=False, safety_checker=
         pipe = networks.from_pretrained(getattr(diffusers, family.pipeline), model_dir, allow_unsafe_weights,
                                         dtype=dtype, **kwargs)
         pipe.set_progress_bar_config(disable=True)
-        if lora_dir and adapters.is_lycoris(lora_dir):  # (LoHa, LoKr: through peft)
-            adapters.fuse_into(pipe, lora_dir, lora_scale)
-        elif lora_dir:
-            pipe.load_lora_weights(lora_dir, weight_name=files.LORA_WEIGHTS_FILE)
-            pipe.fuse_lora(lora_scale=lora_scale)
-            pipe.unload_lora_weights()  # the fused weights stay; the adapter layers go
+        if lora_dir:
+            adapters.fuse(pipe, lora_dir, lora_scale)
     return pipe.to(device)
 
 

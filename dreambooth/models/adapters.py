@@ -1,6 +1,7 @@
-"""LyCORIS' adapters as peft trains them (train.py --adapter loha|lokr): read back from train.py's adapter file and
-fused into a pipeline's networks for drawing. diffusers' load_lora_weights reads LoRA's (and DoRA's) names only;
-these are in peft's own names, with each network's peft config in the file's metadata, as diffusers writes it.
+"""train.py's adapters fused into a pipeline's networks for drawing (generate.py, serve.py): LoRA's and DoRA's
+through diffusers' load_lora_weights; LyCORIS' (train.py --adapter loha|lokr) through peft, as diffusers reads LoRA's
+names only: theirs are in peft's own names, with each network's peft config in the file's metadata, as diffusers
+writes it.
 """
 
 import json
@@ -29,7 +30,28 @@ def is_lycoris(lora_dir):
     return any(config.get("peft_type") in LYCORIS for config in file_settings(lora_dir).values())
 
 
-def fuse_into(pipe, lora_dir, scale=1.0, before_merge=None):
+def fuse(pipe, lora_dir, scale=1.0, before_merge=None):
+    """The adapters of lora_dir (any kind train.py writes) merged into the weights of pipe's networks at scale, their
+    layers then taken out: the pipeline draws at the base model's speed. before_merge: called with each adapter layer
+    (peft's) before its base layer's weights change (serve.py keeps the base's weights to put back)."""
+    if is_lycoris(lora_dir):
+        fuse_lycoris(pipe, lora_dir, scale, before_merge)
+        return
+    pipe.load_lora_weights(lora_dir, weight_name=files.LORA_WEIGHTS_FILE)
+    if before_merge:
+        import torch
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        for network in pipe.components.values():
+            if isinstance(network, torch.nn.Module):
+                for layer in network.modules():
+                    if isinstance(layer, BaseTunerLayer):
+                        before_merge(layer)
+    pipe.fuse_lora(lora_scale=scale)
+    pipe.unload_lora_weights()  # the fused weights stay; the adapter layers go
+
+
+def fuse_lycoris(pipe, lora_dir, scale=1.0, before_merge=None):
     """The LoHa/LoKr adapters of lora_dir merged into the weights of pipe's networks at scale, their layers then
     taken out again: the pipeline draws at the base model's speed, as a fused LoRA does. before_merge: called with
     each adapter layer before its weights change (serve.py keeps the base's weights to put back)."""

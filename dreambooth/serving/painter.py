@@ -101,33 +101,13 @@ class SharedBase:
         self.restore()
         if adapter.folder:
             try:
-                self.fuse(adapter.folder)
+                adapters.fuse(self.pipe, adapter.folder, 1.0, before_merge=self.keep)
             except Exception as err:
                 self.restore()
                 name = catalog.split_routing_id(adapter.routing_id)[0]
                 raise RequestError(422, f"{name}: its adapters do not fit the base model {self.model_dir} "
                                         f"({errors.shorten(errors.one_line(err))})") from None
         self.fused = adapter.routing_id
-
-    def fuse(self, folder):
-        """folder's adapters fused as drawing.load_pipeline fuses them (each layer's base weights kept first)."""
-        if adapters.is_lycoris(folder):
-            adapters.fuse_into(self.pipe, folder, 1.0, before_merge=self.keep)
-            return
-        self.pipe.load_lora_weights(folder, weight_name=files.LORA_WEIGHTS_FILE)
-        from peft.tuners.tuners_utils import BaseTunerLayer
-
-        for network in self.networks():
-            for layer in network.modules():
-                if isinstance(layer, BaseTunerLayer):
-                    self.keep(layer)
-        self.pipe.fuse_lora(lora_scale=1.0)
-        self.pipe.unload_lora_weights()
-
-    def networks(self):
-        import torch
-
-        return [part for part in self.pipe.components.values() if isinstance(part, torch.nn.Module)]
 
     def keep(self, layer):
         """An adapter layer about to be merged: its base layer's weights kept (once), and marked as changed."""
@@ -154,16 +134,19 @@ class SharedBase:
         """RequestError 400 for a request this model cannot draw (its size, its prompt's length)."""
         from dreambooth.serving import requests
 
-        requests.check_size(request.width or self.native, request.height or self.native, self.multiple, self.native)
+        requests.check_size(*self.size(request), self.multiple, self.native)
         requests.check_prompt_tokens(self.pipe, request.prompt)
         if request.negative_prompt and not self.family.negative_prompt:
             raise RequestError(400, f"{self.family.label} draws without a negative prompt: leave out negative_prompt")
 
+    def size(self, request):
+        """(width, height) of a request's images: the model's native size where it gives none."""
+        return request.width or self.native, request.height or self.native
+
     def settings(self, request):
         """The drawing.ImageSettings of a request, with the model's defaults as generate.py takes them."""
-        size = request.width or self.native
-        asked = drawing.ImageSettings(request.steps, request.guidance_scale, request.negative_prompt, size,
-                                      request.seed)
+        asked = drawing.ImageSettings(request.steps, request.guidance_scale, request.negative_prompt,
+                                      self.size(request)[0], request.seed)
         return drawing.settings_for(asked, self.family, self.model_dir)
 
     def draw(self, items):
@@ -191,8 +174,7 @@ class SharedBase:
                 prompts += [request.prompt] * request.n
                 seeds += [drawing.image_seed(request.seed, request.prompt, i) for i in range(request.n)]
                 owners += [index] * request.n
-            settings = self.settings(first)
-            size = (first.width or self.native, first.height or self.native)
+            settings, size = self.settings(first), self.size(first)
             try:
                 images, flagged = drawing.generate_batch(self.pipe, prompts, seeds, settings,
                                                          self.family.pipeline_kwargs(), self.family.guidance_argument,
