@@ -84,10 +84,10 @@ def lora_alphas(lora_dir):
 
 def lora_checkpoint(lora_dir):
     """The kohya-layout tensors of train.py's LoRA output: its base model's family's layout (Flux.1's, SD 3.5's,
-    FLUX.2's, Z-Image's, HiDream-I1's), else the UNet families' (also when the base of UNet adapters is not here);
-    LoHa's and LoKr's in LyCORIS' layout (a transformer's modules as ComfyUI names them, lycoris_<module>:
-    layouts.lycoris). A UserError when a transformer's base is not here or its family's adapters of that kind are not
-    exported yet."""
+    FLUX.2's, Z-Image's, HiDream-I1's, Krea 2's, Qwen-Image 2.1's, Ideogram 4's), else the UNet families' (also when
+    the base of UNet adapters is not here); LoHa's and LoKr's in LyCORIS' layout (a transformer's modules as ComfyUI
+    names them, lycoris_<module>: layouts.lycoris; not of a family without lycoris_export). A UserError when a
+    transformer's base is not here or its family's adapters of that kind are not exported yet."""
     from safetensors.torch import load_file
 
     output = outputs.read_output(lora_dir)
@@ -131,6 +131,9 @@ def not_written(kind, family, keys=()):
     if kind == "dora":
         return ("holds DoRA adapters (--adapter dora): their kohya layout is not written yet; diffusers' "
                 "load_lora_weights reads the folder's own file")
+    if kind == "lycoris" and not family.lycoris_export:
+        return (f"holds LoHa/LoKr adapters: their LyCORIS layout is not written for {family.label} (ComfyUI maps none "
+                "onto its model); generate.py reads the folder's own")
     if kind == "lycoris" and family.denoiser != "unet" and any(key.startswith("text_encoder") for key in keys):
         return TEXT_LYCORIS
     return None
@@ -167,7 +170,8 @@ HELPS = {"model_dir": "train.py's output folder: a full model (or any diffusers 
                       f"{EXPORTED_MODELS}) becomes an original-layout checkpoint; a --use_lora output a kohya-layout "
                       "LoRA and an --adapter loha|lokr output a LyCORIS-layout file (of the families "
                       f"{flags.EXPORTED_ADAPTERS}: a UNet's in kohya's names, which ComfyUI and AUTOMATIC1111 read; a "
-                      "transformer's in its family's original names, which ComfyUI reads).",
+                      "transformer's in its family's original names, which ComfyUI reads"
+                      + (f"; no LyCORIS file of {flags.NO_LYCORIS} yet" if flags.NO_LYCORIS else "") + ").",
          "overwrite": "Replace --output_file if it exists."}
 
 

@@ -40,8 +40,13 @@ FLOW_PRECONDITION = "; ".join(f"{f.label}: {int(f.precondition_outputs)}" for f 
 FLOW_LOGIT_STD = "; ".join(f"{f.label}: {f.default_logit_std:g}" for f in _FLOW)
 GUIDANCE_DEFAULTS = "; ".join(f"{f.label}: {f.guidance_scale:g}" for f in families.FAMILIES.values())
 GUIDED = " and ".join(f.label for f in families.FAMILIES.values() if f.guided_training)  # (Flux.1 dev, FLUX.2 [dev])
-# The families whose LoRA (and LoHa, LoKr) adapters export.py writes as one file
+# The families whose LoRA adapters export.py writes as one file, and those of them whose LoHa and LoKr adapters it
+# writes too (in LyCORIS' layout) or not
 EXPORTED_ADAPTERS = ", ".join(f.label for f in families.FAMILIES.values() if "export_lora" in f.supports)
+EXPORTED_LYCORIS = ", ".join(f.label for f in families.FAMILIES.values()
+                             if "export_lora" in f.supports and f.lycoris_export)
+NO_LYCORIS = ", ".join(f.label for f in families.FAMILIES.values()
+                       if "export_lora" in f.supports and not f.lycoris_export)
 
 
 # name -> (option strings, add_argument keyword arguments). The name is the attribute the
@@ -178,7 +183,7 @@ FLAGS = {
                   "direction; diffusers' --use_dora) on the denoiser, the text encoders' adapters LoRA (diffusers' "
                   "load_lora_weights drops their magnitudes); loha and lokr (LyCORIS' Hadamard and Kronecker "
                   "products), which generate.py, evaluate.py and sweep.py load through peft and export.py writes in "
-                  f"LyCORIS' layout ({EXPORTED_ADAPTERS}).")),
+                  f"LyCORIS' layout ({EXPORTED_LYCORIS}).")),
     "use_dora": (("--use_dora",),
         dict(action="store_true", help="The same as --adapter dora (diffusers' SDXL LoRA script's flag).")),
     "lora_rank": (("--rank", "--lora_rank"),

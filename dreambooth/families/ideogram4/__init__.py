@@ -14,8 +14,10 @@ the straight path; the target latents - noise; LoRA on the attention projections
 encoder is never trained: its states are computed once and it leaves the device. Each prompt's tokens come last in a
 left-padded text block (the pipeline's and the script's layout); the block here is as long as the longest prompt
 rather than 2048 tokens: the padding is a segment of its own that no text or image token attends to, so the image
-tokens' outputs are the same. Not yet: validation samples while training (--validation_prompt: validation.py builds
-the pipeline without its unconditional transformer, and the pipeline takes no prompt states), an export layout.
+tokens' outputs are the same. Its LoRA exports in kohya's names of its original modules, which ComfyUI's Ideogram 4
+model keeps (each attention's q, k and v one qkv layer). Not yet: validation samples while training
+(--validation_prompt: validation.py builds the pipeline without its unconditional transformer, and the pipeline takes
+no prompt states), a LoHa/LoKr file (ComfyUI maps no LyCORIS names of Ideogram 4), a full model as one file.
 """
 
 import contextlib
@@ -33,6 +35,33 @@ from .models import PATCH
 TOKEN_PIXELS = 16  # the pixels a token covers, per side: the 8x VAE's latent pixel x the 2x2 patch
 LOGIT_STD = 1.5  # diffusers' script's --logit_std default (the pipeline's schedule's std)
 DEFAULT_RESOLUTION = 1024  # diffusers' README trains at 1024 px (the pipeline draws at 2048 by default)
+
+# A block's modules (diffusers' names) -> (the original layout's, the part of a fused layer it is): each attention's
+# q, k and v are one qkv layer there (q's rows, then k's and v's) and its output is "o"; the rest of a block, and the
+# transformer's other layers, keep their names. (ComfyUI's Ideogram 4 model, comfy/ldm/ideogram4/model.py, has the
+# original layout.)
+BLOCK = {"attention.to_q": ("attention.qkv", "q"), "attention.to_k": ("attention.qkv", "k"),
+         "attention.to_v": ("attention.qkv", "v"), "attention.to_out.0": ("attention.o", None),
+         **{name: (name, None) for name in ("feed_forward.w1", "feed_forward.w2", "feed_forward.w3",
+                                            "adaln_modulation")}}
+OUTSIDE = ("input_proj", "llm_cond_proj", "t_embedding.mlp_in", "t_embedding.mlp_out", "adaln_proj",
+           "final_layer.linear", "final_layer.adaln_modulation")
+
+
+def kohya_module(module):
+    """(kohya's module name, the part of its fused layer or None) of an Ideogram 4 transformer module's diffusers name:
+    lora_unet_ and its original name with the dots as underscores (lora_unet_layers_<i>_attention_qkv: q, k, v)."""
+    blocks, _, rest = module.partition(".")
+    index, _, inner = rest.partition(".")
+    if blocks == "layers" and index.isdigit() and inner in BLOCK:
+        name, part = BLOCK[inner]
+        original = f"layers.{index}.{name}"
+    elif module in OUTSIDE:
+        original, part = module, None
+    else:
+        raise KeyError(f"no original Ideogram 4 layer for {module}")
+    return "lora_unet_" + original.replace(".", "_"), part
+
 
 def tokens_of(grid):
     """(B, C, h, w) -> (B, h x w, C): a token a grid cell, row by row (the pipeline's order)."""
@@ -76,7 +105,8 @@ class Ideogram4(qwentext.IndexedQwenText, flux2base.Flux2VAE):
     denoiser_lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "w1", "w2", "w3")
     text_encoders = ("text_encoder",)  # Qwen3-VL-8B (13 of its hidden layers)
     trainable_text_encoders = ()  # frozen, as in diffusers' script
-    supports = frozenset({"train", "draw"})  # (not yet: an export layout of its own)
+    supports = frozenset({"train", "draw", "export_lora"})  # (not yet: a full model as one file)
+    lycoris_export = False  # (ComfyUI maps no LyCORIS names onto its Ideogram 4 model, whose q, k and v are one layer)
     negative_prompt = False  # its guidance is the unconditional transformer's, which reads no text
     guidance_scale = 7.0  # the pipeline's guidance for all but its last 3 steps (its default schedule: 3.0 there)
     released_resolutions = (1024, 2048)  # (trained at 1024 in diffusers' README; the pipeline draws 2048 by default)
@@ -265,6 +295,18 @@ class Ideogram4(qwentext.IndexedQwenText, flux2base.Flux2VAE):
     def lora_file_layers(self, peft_layers):
         """peft's own names, as diffusers' Ideogram 4 DreamBooth LoRA script writes them."""
         return peft_layers
+
+    # --- export (export.py): kohya's layout of Ideogram 4's original modules, which ComfyUI loads
+    def kohya_lora(self, state_dict, alphas, model_dir):
+        """{kohya key: tensor} of a LoRA file's tensors (peft names, lora_A/lora_B) in Ideogram 4's original layout
+        (kohya_module), the names ComfyUI maps onto each weight of its Ideogram 4 model (comfy/lora.py
+        model_lora_keys_unet: lora_unet_ and the weight's name with "_" for "."). An attention's q, k and v are one
+        qkv layer there (each as wide as the transformer): their adapters joined block-diagonally
+        (family.kohya_lora_tensors: the down weights stacked, each up weight in its rows and columns, a part without
+        adapters as zeros, alpha x 3, the scale alpha / rank kept)."""
+        config = family.part_config(model_dir, self.denoiser)
+        width = config["num_attention_heads"] * config["attention_head_dim"]
+        return family.denoiser_kohya_lora(self, state_dict, alphas, kohya_module, dict.fromkeys(("q", "k", "v"), width))
 
 
 @contextlib.contextmanager

@@ -7,7 +7,8 @@ cond + g x (cond - uncond). The text encoder is never trained: its states are co
 Trained as diffusers' train_dreambooth_lora_krea2.py trains it (on Krea 2 Raw, the undistilled base): a sample of the
 VAE's posterior, objectives.flow_matching on the scheduler's unshifted sigmas, uniform timesteps by default, LoRA on
 the script's layer set (attention, MLPs, the image, text and time embeddings, the text fusion's projector, the final
-layer).
+layer). Its LoRA exports in kohya's names of its original (Krea's) modules, which ComfyUI's Krea 2 model keeps (no
+layer fused there).
 
 The prompt states travel as (N, L x 12, D): each token's twelve layers one after another, so that they are 3-D as
 every other family's; denoise and pipeline_text fold them back to the (N, L, 12, D) the transformer and the pipeline
@@ -36,6 +37,31 @@ SUFFIX_TOKENS = 5
 MAX_TOKENS = 512  # Krea2Pipeline's max_sequence_length default, and diffusers' Krea 2 script's
 SELECT_LAYERS = (2, 5, 8, 11, 14, 17, 20, 23, 26, 29, 32, 35)
 DEFAULT_SAMPLE_SIZE = 128  # Krea2Pipeline's default size (1024 px) in latent pixels of its 8x VAE
+
+
+# diffusers' module -> its original (Krea's) name, which ComfyUI's Krea 2 model keeps (comfy/ldm/krea2/model.py
+# SingleStreamDiT; comfy/utils.py krea2_to_diffusers maps diffusers' names onto it): a block's (and a text-fusion
+# block's) attention and SwiGLU MLP, and the transformer's other layers. No layer is fused there.
+BLOCK = {"attn.to_q": "attn.wq", "attn.to_k": "attn.wk", "attn.to_v": "attn.wv", "attn.to_out.0": "attn.wo",
+         "attn.to_gate": "attn.gate", "ff.gate": "mlp.gate", "ff.up": "mlp.up", "ff.down": "mlp.down"}
+BLOCKS = {"transformer_blocks": "blocks", "text_fusion.layerwise_blocks": "txtfusion.layerwise_blocks",
+          "text_fusion.refiner_blocks": "txtfusion.refiner_blocks"}
+OUTSIDE = {"img_in": "first", "time_embed.linear_1": "tmlp.0", "time_embed.linear_2": "tmlp.2",
+           "time_mod_proj": "tproj.1", "txt_in.linear_1": "txtmlp.1", "txt_in.linear_2": "txtmlp.3",
+           "text_fusion.projector": "txtfusion.projector", "final_layer.linear": "last.linear"}
+
+
+def kohya_module(module):
+    """(kohya's module name, None: a layer of its own) of a Krea 2 transformer module's diffusers name: lora_unet_ and
+    its original name with the dots as underscores (lora_unet_blocks_<i>_attn_wq, lora_unet_txtfusion_refiner_blocks_
+    <i>_mlp_up, lora_unet_first, ...)."""
+    for blocks, theirs in BLOCKS.items():
+        index, _, inner = module[len(blocks) + 1:].partition(".")
+        if module.startswith(blocks + ".") and index.isdigit() and inner in BLOCK:
+            return "lora_unet_" + f"{theirs}.{index}.{BLOCK[inner]}".replace(".", "_"), None
+    if module not in OUTSIDE:
+        raise KeyError(f"no original Krea 2 layer for {module}")
+    return "lora_unet_" + OUTSIDE[module].replace(".", "_"), None
 
 
 def folded(states, length, layers=None):
@@ -127,7 +153,7 @@ class Krea2(qwenvae.QwenVideoVAE):
                              "time_embed.linear_1", "time_embed.linear_2", "time_mod_proj")
     text_encoders = ("text_encoder",)  # Qwen3-VL-4B (twelve of its hidden layers)
     trainable_text_encoders = ()  # frozen, as in diffusers' script
-    supports = frozenset({"train", "draw"})  # (not yet: an export layout of its own)
+    supports = frozenset({"train", "draw", "export_lora"})  # (not yet: a full model as one file)
     guidance_scale = 4.5  # Krea2Pipeline's default (cond + 4.5 x (cond - uncond))
     released_resolutions = (1024,)
     text_tokens = MAX_TOKENS * len(SELECT_LAYERS)  # the states' length in training (activations.py): 512 x 12 layers
@@ -240,6 +266,14 @@ class Krea2(qwenvae.QwenVideoVAE):
     def lora_file_layers(self, peft_layers):
         """peft's own names, as diffusers' Krea 2 DreamBooth LoRA script writes them."""
         return peft_layers
+
+    # --- export (export.py): kohya's names of Krea 2's original modules, which ComfyUI's Krea 2 model keeps
+    def kohya_lora(self, state_dict, alphas, model_dir):
+        """{kohya key: tensor} of a LoRA file's tensors (peft names, lora_A/lora_B) in kohya's names of the original
+        modules (kohya_module), the names ComfyUI maps onto each weight of its Krea 2 model (comfy/lora.py
+        model_lora_keys_unet: lora_unet_ and the weight's name with "_" for "."), with lora_down/lora_up and the
+        alpha (the scale alpha / rank kept). No layer is fused there: each adapter is one module of the file."""
+        return family.denoiser_kohya_lora(self, state_dict, alphas, kohya_module)
 
 
 FAMILY = Krea2()

@@ -7,7 +7,8 @@ are one sequence, causal over the text and bidirectional within the image, each 
 one slot after the text. The pipeline draws without guidance by default (true_cfg_scale 1.0). The text encoder is
 never trained: its states are computed once and it leaves the device. Trained as diffusers'
 train_dreambooth_lora_qwenimage21.py trains it: the VAE's sample of the RGBA image (an opaque alpha added to our RGB
-photos), objectives.flow_matching on the scheduler's unshifted sigmas, uniform timesteps by default.
+photos), objectives.flow_matching on the scheduler's unshifted sigmas, uniform timesteps by default. Its LoRA exports in
+kohya's names of diffusers' modules, which ComfyUI's Qwen-Image 2.1 model keeps for every layer the family adapts.
 
 Its text side is a Qwen3VLProcessor (what the pipeline and diffusers' script load), which transformers builds only
 with torchvision installed: the released model needs it (said in one line before a run starts). The tiny model built
@@ -19,6 +20,7 @@ import contextlib
 
 from dreambooth import errors
 from dreambooth.families.shared import builders
+from dreambooth.families.shared import family
 from dreambooth.families.shared import known
 from dreambooth.families.shared import qwenvae
 
@@ -42,6 +44,21 @@ TINY_CHAT_TEMPLATE = (
     "{{ message['content'] }}{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}"
     "{{ part['text'] }}{% else %}<|vision_start|><|image_pad|><|vision_end|>{% endif %}{% endfor %}{% endif %}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+# ComfyUI's Qwen-Image 2.1 model (comfy/ldm/qwen_image21/model.py) keeps diffusers' module names but for each block's
+# SwiGLU input, which it fuses into one layer (img_mlp.gate_up: gate_layer's rows, then proj's); the family adapts
+# none of those (denoiser_lora_targets: the blocks' attention)
+FUSED = ("img_mlp.gate_layer", "img_mlp.proj")
+
+
+def kohya_module(module):
+    """(kohya's module name, None: a layer of its own) of a Qwen-Image 2.1 transformer module's diffusers name:
+    lora_unet_ and the name with its dots as underscores (lora_unet_transformer_blocks_<i>_attn_to_q, ...), the name
+    ComfyUI maps onto its model's weight; a KeyError for a half of a block's fused SwiGLU input (FUSED)."""
+    if module.endswith(FUSED):
+        raise KeyError(f"no kohya layout for {module}: ComfyUI's Qwen-Image 2.1 fuses it into img_mlp.gate_up")
+    return family.unfused_kohya_module(module)
 
 
 def tiny_processor():
@@ -176,7 +193,7 @@ class QwenImage21(qwenvae.MaskedPrompts, qwenvae.QwenVideoVAE):
     denoiser_lora_targets = ("to_k", "to_q", "to_v", "to_out.0")
     text_encoders = ("text_encoder",)  # Qwen3-VL-8B (its last hidden states, before the final norm)
     trainable_text_encoders = ()  # frozen, as in diffusers' script
-    supports = frozenset({"train", "draw"})  # (not yet: an export layout of its own)
+    supports = frozenset({"train", "draw", "export_lora"})  # (not yet: a full model as one file)
     guidance_scale = 1.0  # QwenImage21Pipeline's true_cfg_scale default: drawn without guidance, as its docs do
     guidance_argument = "true_cfg_scale"
     default_negative_prompt = " "  # (the pipeline's empty prompt) what --guidance_scale above 1 guides against
@@ -314,6 +331,14 @@ class QwenImage21(qwenvae.MaskedPrompts, qwenvae.QwenVideoVAE):
     def lora_file_layers(self, peft_layers):
         """peft's own names, as diffusers' Qwen-Image 2.1 DreamBooth LoRA script writes them."""
         return peft_layers
+
+    # --- export (export.py): kohya's names of diffusers' modules, which ComfyUI's Qwen-Image 2.1 model keeps
+    def kohya_lora(self, state_dict, alphas, model_dir):
+        """{kohya key: tensor} of a LoRA file's tensors (peft names, lora_A/lora_B) in kohya's names (kohya_module),
+        the names ComfyUI maps onto each weight of its Qwen-Image 2.1 model (comfy/lora.py model_lora_keys_unet:
+        lora_unet_ and the weight's name with "_" for "."), with lora_down/lora_up and the alpha (the scale alpha /
+        rank kept). The blocks' attention, which the family adapts, is fused nowhere there."""
+        return family.denoiser_kohya_lora(self, state_dict, alphas, kohya_module)
 
 
 @contextlib.contextmanager

@@ -141,6 +141,7 @@ class Family:
     validation_samples = True  # train.py's --validation_prompt draws samples of it while it trains
     supports = frozenset({"draw", "train", "export", "export_lora"})  # generate/evaluate, train, export (a full
     # model as one original-layout file; its LoRA in kohya's layout)
+    lycoris_export = True  # with export_lora: export.py writes LoHa/LoKr adapters in LyCORIS' names (layouts.lycoris)
     released_resolutions = (512,)  # of the released models, for the README (a model's config decides)
     released_params = {}  # parameter counts of the released networks ({subfolder: count}), for memory.py
     released_size = None  # flow-matching families: the own size (random.own_sizes) of the released model memory.py counts
