@@ -316,9 +316,8 @@ def jobs_cluster(tmp_path, monkeypatch):
     try:
         address = f"http://127.0.0.1:{ports[1]}"
         deadline = time.time() + 60  # (the job agent starts after the head says it is up)
-        while ray_job(address, "list")[0] != 0 or "No available agent" in ray_job(
-                address, "submit", "--", "true")[1]:
-            assert time.time() < deadline, ray_job(address, "list")[1][-2000:]
+        while why := job_agent_up(address):
+            assert time.time() < deadline, why[-2000:]
             time.sleep(1)
         yield address
     finally:
@@ -334,12 +333,29 @@ def ray_job(address, *args, timeout=300):
     return proc.returncode, re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)  # (without its colours)
 
 
+def job_client(address):
+    """Ray's JobSubmissionClient of the cluster at address (what `ray job` itself calls), for the test's own polling:
+    a `ray job` process for each poll would be a Python start each time."""
+    from unittest import mock
+
+    from ray.job_submission import JobSubmissionClient
+
+    with mock.patch.dict(os.environ, {"RAY_API_SERVER_ADDRESS": address}):  # (else RAY_ADDRESS's cluster is asked)
+        return JobSubmissionClient(address)
+
+
+def job_agent_up(address):
+    """None once the cluster's Ray Jobs server takes a job (its agent starts after the head: a job of `true`
+    submitted), else why not."""
+    try:
+        job_client(address).submit_job(entrypoint="true")
+        return None
+    except Exception as err:  # (connection refused, "No available agent" until the agent is up)
+        return f"{type(err).__name__}: {err}"
+
+
 def job_state(address, job_id):
-    said = ray_job(address, "status", job_id)[1]
-    for words, state in (("' succeeded", "SUCCEEDED"), ("' was stopped", "STOPPED"), ("' failed", "FAILED")):
-        if f"Job '{job_id}{words}" in said:
-            return state
-    return re.search(r"Status for job '[^']+': (\w+)", said)[1]
+    return str(job_client(address).get_job_status(job_id).value)
 
 
 def wait_for_job(address, job_id, timeout):
