@@ -35,7 +35,9 @@ FLAG_NAMES = ["serve_data_prefix", "host", "port", "api_key", "adapters_per_repl
               "gpus_per_replica", "max_images_per_request", "max_batch_size", "rescan_interval", "safety_checker"]
 
 
-def main(argv=None):
+def parse_args(argv=None):
+    """serve.py's flags, with DATA_PREFIX and DREAMBOOTH_API_KEY where the flags leave them out; the parser's error
+    (exit 2) for flags that cannot work together."""
     parser = flags.make_parser(__doc__.splitlines()[0], FLAG_NAMES, helps={
         "safety_checker": "Run the model's safety checker (if it has one) on every image; a flagged image is withheld "
                           "(auto and on: on, as generate.py does for a trained model)."})
@@ -49,6 +51,11 @@ def main(argv=None):
         parser.error(f"--max_replicas {args.max_replicas} is below --min_replicas {args.min_replicas}")
     if args.port > 65535:
         parser.error(f"--port {args.port}: a TCP port is at most 65535")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     root = storage.join(args.data_prefix, SUBJECTS)
     if not storage.isdir(root):
         raise errors.UserError(f"{root} does not exist: --data_prefix (or DATA_PREFIX) is where dreambooth_run.sh "
@@ -70,7 +77,7 @@ def main(argv=None):
         root, args.adapters_per_replica, args.min_replicas, args.max_replicas,
         args.gpus_per_replica if args.gpus_per_replica is not None else (1 if gpus else 0),
         args.max_images_per_request, args.max_batch_size, safety_checker=args.safety_checker != "off",
-        api_key_sha256=hashlib.sha256(args.api_key.encode()).hexdigest() if args.api_key else None)
+        api_key_sha256=key_hash(args.api_key))
     bases = Bases(settings)
     try:  # (from here on, a stop takes down what this run deployed on a cluster of the user's)
         serve.run(app.Ingress.bind(settings), name=app.INGRESS_APP, route_prefix="/", logging_config=app.QUIET)
@@ -209,6 +216,11 @@ def check_port(host, port):
     except OSError as err:
         raise errors.UserError(f"cannot listen on {host}:{port} ({err.strerror or err}): pick another --port, or "
                                "stop what uses it") from None
+
+
+def key_hash(api_key):
+    """What the ingress keeps of the API key (None: no key asked): its SHA-256, never the key itself."""
+    return hashlib.sha256(api_key.encode()).hexdigest() if api_key else None
 
 
 def reach_line(host, port, keyed):

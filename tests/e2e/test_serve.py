@@ -1,9 +1,9 @@
 """serve.py as the README's "Serve your subjects" blocks start and ask it, on the subjects "Each step by hand" left
 (example-dog, a full fine-tune of the tiny model) and three more on one base beside it (two LoRAs, one LoHa): every
 request answered with generate.py's image, each adapter loaded once, bad requests refused with their status while
-the others go on, subjects saved while it runs served at once, a key asked for, a killed replica answered with 503
-and restarted, Ctrl-C. It joins the session's cluster, as the script's steps do (serve.py's own local cluster is the
-code path of every other script's)."""
+the others go on, subjects saved while it runs served at once, a killed replica answered with 503 and restarted,
+Ctrl-C (the API key is the ingress's own code: tests/unit/test_serving.py). It joins the session's cluster, as the
+script's steps do (serve.py's own local cluster is the code path of every other script's)."""
 
 import base64
 import importlib.util
@@ -41,16 +41,14 @@ def serve_load():
 LOAD = serve_load()
 
 
-def start_server(folder, port, key=None):
+def start_server(folder, port):
     """The README's serve.py block as typed, on a free port and looking for new subjects every second, in a process
     group of its own as a terminal's job: (process, its output's file) once it says it serves."""
     typed = serve_blocks()[0].strip().replace(SERVE_START, f"{SERVE_START} --port={port} --rescan_interval=1")
     env = dict(os.environ, DATA_PREFIX=str(folder / "data"),
                PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
-    env.pop("DREAMBOOTH_API_KEY", None)
-    if key:
-        env["DREAMBOOTH_API_KEY"] = key
-    log = folder / f"serve-{port}-{bool(key)}.log"
+    env.pop("DREAMBOOTH_API_KEY", None)  # (no key asked)
+    log = folder / f"serve-{port}.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(["bash", "-c", typed], cwd=REPO_DIR, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -100,19 +98,35 @@ def same_image(png, want):
     return got.shape == want.shape and np.abs(got - want).max() <= 1 and (got == want).mean() > 0.99
 
 
-def draw(url, subject, seed=0, key=None, **fields):
+def draw(url, subject, seed=0, **fields):
     status, answer = LOAD.call(url, "/v1/images", {"subject": subject, "prompt": PROMPT.format(subject=subject),
-                                                   "seed": seed, "steps": 2, **fields}, key)
+                                                   "seed": seed, "steps": 2, **fields})
     if status == 200 and isinstance(answer, dict):
         answer["png"] = base64.b64decode(answer["data"][0]["b64_json"])
     return status, answer
+
+
+def replica_pids(app_name="Painter"):
+    """The processes of serve.py's replicas of a deployment (Ray names them ServeReplica:<app>:<deployment>)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        if "ServeReplica:" in command and f":{app_name}" in command:
+            found.append(int(pid))
+    return found
 
 
 def test_the_readme_serves_every_subject_as_generate_py_draws_it_and_new_ones_at_once(by_hand, make_plan, capsys):
     """The README's blocks as typed: example-dog (a full fine-tune, a base of its own) drawn as generate.py draws it;
     30 requests from 3 clients over rex, toy (LoRAs) and mug (LoHa) on one base, each generate.py's image of its seed
     and each adapter loaded once; a subject's requests drawn together; the benchmark's figures; bad requests refused
-    in one line while the others are answered; subjects saved and retrained while it runs served at once; Ctrl-C."""
+    in one line while the others are answered; subjects saved and retrained while it runs served at once; a killed
+    replica answered with 503 and restarted; Ctrl-C. (The API key: tests/unit/test_serving.py, in the ingress's own
+    code.)"""
     from dreambooth.cluster import raycluster
 
     folder = by_hand.folder
@@ -209,49 +223,13 @@ def test_the_readme_serves_every_subject_as_generate_py_draws_it_and_new_ones_at
         status, answer = draw(url, "lost")
         assert status == 503 and answer["error"] == f"lost: not served (its base model {folder / 'gone'} is not on " \
             "this node)", answer
-    finally:
-        ctrl_c(proc, log)
 
-
-def replica_pids(app_name="Painter"):
-    """The processes of serve.py's replicas of a deployment (Ray names them ServeReplica:<app>:<deployment>)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                command = f.read().decode(errors="replace")
-        except OSError:
-            continue
-        if "ServeReplica:" in command and f":{app_name}" in command:
-            found.append(int(pid))
-    return found
-
-
-def test_a_key_is_asked_for_and_a_killed_replica_is_answered_with_503_and_restarted(by_hand):
-    """The server started again, with DREAMBOOTH_API_KEY: every request but GET /healthz carries the key. A replica
-    killed while it draws: the request in flight gets 503 at once (never a hang), Ray Serve starts the replica again
-    and the next requests are answered."""
-    from dreambooth.cluster import raycluster
-
-    folder = by_hand.folder
-    port, key = raycluster.free_port(), "k3y-of-this-test"
-    url = f"http://127.0.0.1:{port}"
-    proc, log = start_server(folder, port, key=key)
-    try:
-        assert "this machine only (--host 0.0.0.0 opens it to the network). Every request must carry the API key" in \
-            log.read_text()
-        assert LOAD.call(url, "/healthz")[0] == 200
-        status, answer = LOAD.call(url, "/v1/subjects")
-        assert status == 401 and answer["error"].startswith("this server asks for its API key")
-        assert LOAD.call(url, "/v1/subjects", key="wrong")[0] == 401
-        assert draw(url, "example-dog")[0] == 401
-        assert LOAD.call(url, "/v1/subjects", key=key)[0] == 200
-        status, answer = draw(url, "example-dog", key=key)
-        assert status == 200 and answer["adapter_loaded"] is False  # (a full fine-tune: no adapters to load)
+        # every replica killed while one draws: the request in flight gets 503 at once (never a hang), Ray Serve
+        # starts the replicas again and the next requests are answered
         before = replica_pids()
         assert before, "no replica process found"
         answers = []
-        slow = threading.Thread(target=lambda: answers.append(draw(url, "example-dog", key=key, steps=500)))
+        slow = threading.Thread(target=lambda: answers.append(draw(url, "example-dog", steps=500)))
         slow.start()
         time.sleep(2)  # (500 steps take longer than this here: it is being drawn)
         for pid in before:
@@ -260,7 +238,7 @@ def test_a_key_is_asked_for_and_a_killed_replica_is_answered_with_503_and_restar
         assert not slow.is_alive() and answers[0][0] == 503, answers
         assert "the replica drawing it stopped" in answers[0][1]["error"]
         deadline = time.time() + 120
-        while (status := draw(url, "example-dog", key=key)[0]) != 200 and time.time() < deadline:
+        while (status := draw(url, "example-dog")[0]) != 200 and time.time() < deadline:
             assert status == 503
             time.sleep(1)
         assert status == 200 and set(replica_pids()).isdisjoint(before)

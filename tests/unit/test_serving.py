@@ -203,3 +203,50 @@ def test_a_base_model_the_cluster_has_no_room_for_is_said_not_left_waiting():
         "2 replica(s) of /m need 2 CPU(s) and the cluster has 1 free: fewer base models at once, or more nodes")
     on_gpu = serve.Bases(app.ServeSettings("/s", gpus_per_replica=0.5))
     assert on_gpu.short_of("/m", {"CPU": 0.0, "GPU": 0.5}) is None and "need 0.5 GPU(s)" in on_gpu.short_of("/m", {})
+
+
+def ask_ingress(ingress, path, key=None, method="GET"):
+    """ingress's answer (a starlette Response) to an HTTP request of path, with the key as a bearer token if given."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    headers = [(b"authorization", f"Bearer {key}".encode())] if key else []
+    scope = {"type": "http", "method": method, "path": path, "headers": headers, "query_string": b"",
+             "root_path": "", "scheme": "http", "server": ("127.0.0.1", 8000)}
+
+    async def receive():
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    return asyncio.run(ingress(Request(scope, receive)))
+
+
+def test_with_dreambooth_api_key_every_request_but_healthz_carries_it(subjects, monkeypatch):
+    """serve.py with DREAMBOOTH_API_KEY: the ingress keeps the key's hash only and asks every request for it but GET
+    /healthz (a load balancer's); no key set, none is asked. The ingress's own code, in this process (Serve's
+    routing to it: tests/e2e/test_serve.py)."""
+    from dreambooth.commands import serve
+    from dreambooth.serving import app
+
+    root, _ = subjects
+    monkeypatch.setenv("DREAMBOOTH_API_KEY", "k3y-of-this-test")
+    args = serve.parse_args(["--data_prefix", str(root.parent)])
+    settings = app.ServeSettings(str(root), api_key_sha256=serve.key_hash(args.api_key))
+    assert args.api_key == "k3y-of-this-test" and "k3y-of-this-test" not in repr(settings)
+    ingress = app.Ingress.func_or_class(settings)
+    assert ask_ingress(ingress, "/healthz").status_code == 200
+    for key, path, method in ((None, "/v1/subjects", "GET"), ("wrong", "/v1/subjects", "GET"),
+                              (None, "/v1/images", "POST")):
+        refused = ask_ingress(ingress, path, key, method)
+        assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer", (key, path)
+        assert json.loads(refused.body)["error"] == "this server asks for its API key: 'Authorization: Bearer <key>'"
+    listed = ask_ingress(ingress, "/v1/subjects", "k3y-of-this-test")
+    assert listed.status_code == 200 and {row["subject"] for row in json.loads(listed.body)["subjects"]} == {
+        name for name, _, _ in SUBJECTS}
+    assert serve.reach_line("127.0.0.1", 8000, True) == (
+        "API at http://127.0.0.1:8000/v1/images: this machine only (--host 0.0.0.0 opens it to the network). Every "
+        "request must carry the API key (Authorization: Bearer).")
+    monkeypatch.delenv("DREAMBOOTH_API_KEY")
+    open_ingress = app.Ingress.func_or_class(app.ServeSettings(str(root), api_key_sha256=serve.key_hash(
+        serve.parse_args(["--data_prefix", str(root.parent)]).api_key)))
+    assert ask_ingress(open_ingress, "/v1/subjects").status_code == 200
