@@ -1,5 +1,7 @@
-"""Sweeps on Ray Tune: two subjects in a bucket on two nodes, each step count scored and each subject's best kept; a
-Flux.1 LoRA sweep with early stopping; a failed trial listed and resumed from its checkpoint by the same command."""
+"""Sweeps on Ray Tune, one test a path: two subjects in a bucket on two nodes, each step count scored and each
+subject's best kept; early stopping (ASHA stopping the trial behind); a failed trial listed and resumed from its
+checkpoint by the same command. None depends on the family it runs (SD 3.5's, Flux.1's tiny models: flow matching and
+T5 both); each family's LoRA loading in its pipeline is tests/unit/test_family_contract.py's."""
 
 import csv
 import io
