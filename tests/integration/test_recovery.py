@@ -169,7 +169,7 @@ def test_seeded_run_cut_and_resumed_with_every_gpu_option_ends_with_the_uninterr
     (both text encoders) by dynamo alone; DDP's compiled by dynamo: test_dreambooth_run's LoRA run), gradient checkpointing of
     UNet and text encoder(s), the two-device split, random flips, in this process (--num_workers 0: Ray Train's
     local mode, its checkpoints written by the loop; a resume on 2 DDP workers to the same weights:
-    test_storage_ray, and sharded: test_family_flux_ray); and the
+    test_storage_ray, and sharded: test_fsdp_ray); and the
     moving average of the weights (--use_ema), which the saved model holds, caption dropout, whose
     draws a resumed run continues, and prior preservation by the base model's prediction (a frozen
     UNet in the autocast precision); SDXL with a VAE of its own, kept in the saved model. (fp16 on a CPU:

@@ -92,7 +92,7 @@ def test_a_run_saves_a_changed_loadable_pipeline_with_its_record_trackers_and_va
         ray_session, tiny_model, hub_cache, toy_images, class_images, tmp_path, monkeypatch, capfd, webhook):
     """In this process (--num_workers 0: what a worker does with its steps, its files and its trackers is the same on
     Ray Train's workers; a full fine-tune saved by 2 DDP workers: conftest's uninterrupted run, loaded by the stopped
-    and elastic runs' tests; validation drawn by 2 ranks together: test_family_flux_ray). Also the model named as
+    and elastic runs' tests; validation drawn by 2 ranks together: test_fsdp_ray). Also the model named as
     diffusers' command lines name it, on the hub: found in the local hub cache, no download; prompts with commas (the
     validation images' file names); the UNet compiled by dynamo (--torch_compile eager; under DDP: test_dreambooth_run's
     LoRA run)."""

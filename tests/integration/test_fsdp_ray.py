@@ -1,5 +1,6 @@
-"""Flux.1 on Ray Train: a full fine-tune sharded across two workers (FSDP) draws its validation samples at every step
-and resumes to the same weights."""
+"""A full fine-tune sharded across two workers (--fsdp) on Ray Train draws its validation samples at every step and
+resumes to the same weights: the sharded path, proven once, on Flux.1's tiny model (a transformer sharded per block;
+what differs per family is tests/unit/test_family_contract.py's)."""
 
 
 import torch
