@@ -165,9 +165,23 @@ class Bases:
         return (f"{count} replica(s) of {base} need {need:g} {kind}(s) and the cluster has {free.get(kind, 0):g} free: "
                 "fewer base models at once, or more nodes")
 
-    def close(self):
+    def close(self, wait_s=60):
         """Our applications taken down, and Serve itself where no other application is left (on a cluster of the
-        user's, Serve goes on serving others')."""
+        user's, Serve goes on serving others'). A stop never waits on Serve for more than wait_s: what is left is
+        said in one line, and Serve goes on taking it down."""
+        import threading
+
+        said = []
+        closing = threading.Thread(target=self.take_down, args=(said,), name="serve-close", daemon=True)
+        closing.start()
+        closing.join(wait_s)
+        if closing.is_alive():
+            said.append(f"note: Ray Serve had not taken down this run's applications after {wait_s} s; it goes on "
+                        "doing so (`serve status` shows them)")
+        for line in said:
+            print(line, file=sys.stderr, flush=True)
+
+    def take_down(self, said):
         from ray import serve
 
         from dreambooth.serving import app
@@ -180,7 +194,7 @@ class Bases:
             if not serve.status().applications:
                 serve.shutdown()
         except Exception as err:  # (Ray gone already: Ctrl-C reached its processes too)
-            print(f"note: Ray Serve was not stopped cleanly ({errors.shorten(errors.one_line(err))})", file=sys.stderr)
+            said.append(f"note: Ray Serve was not stopped cleanly ({errors.shorten(errors.one_line(err))})")
 
 
 def start_serve(host, port):

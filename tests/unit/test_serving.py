@@ -250,3 +250,23 @@ def test_with_dreambooth_api_key_every_request_but_healthz_carries_it(subjects, 
     open_ingress = app.Ingress.func_or_class(app.ServeSettings(str(root), api_key_sha256=serve.key_hash(
         serve.parse_args(["--data_prefix", str(root.parent)]).api_key)))
     assert ask_ingress(open_ingress, "/v1/subjects").status_code == 200
+
+
+def test_a_stop_never_waits_on_serve_for_longer_than_its_bound(monkeypatch, capsys):
+    """Ctrl-C under serve.py: the applications are taken down in a thread the stop waits for at most wait_s; what is
+    left is said in one line (Serve goes on taking it down)."""
+    import threading
+
+    from dreambooth.commands import serve
+    from dreambooth.serving import app
+
+    hung = threading.Event()
+    monkeypatch.setattr(serve.Bases, "take_down", lambda self, said: hung.wait(5))
+    bases = serve.Bases(app.ServeSettings("/s"))
+    bases.close(wait_s=0.2)
+    assert capsys.readouterr().err == ("note: Ray Serve had not taken down this run's applications after 0.2 s; it "
+                                       "goes on doing so (`serve status` shows them)\n")
+    hung.set()
+    monkeypatch.setattr(serve.Bases, "take_down", lambda self, said: said.append("note: Ray Serve was not stopped"))
+    bases.close(wait_s=5)
+    assert capsys.readouterr().err == "note: Ray Serve was not stopped\n"
