@@ -177,7 +177,7 @@ class Bases:
         closing.join(wait_s)
         if closing.is_alive():
             said.append(f"note: Ray Serve had not taken down this run's applications after {wait_s} s; it goes on "
-                        "doing so (`serve status` shows them)")
+                        "doing so on the cluster")
         for line in said:
             print(line, file=sys.stderr, flush=True)
 

@@ -265,7 +265,7 @@ def test_a_stop_never_waits_on_serve_for_longer_than_its_bound(monkeypatch, caps
     bases = serve.Bases(app.ServeSettings("/s"))
     bases.close(wait_s=0.2)
     assert capsys.readouterr().err == ("note: Ray Serve had not taken down this run's applications after 0.2 s; it "
-                                       "goes on doing so (`serve status` shows them)\n")
+                                       "goes on doing so on the cluster\n")
     hung.set()
     monkeypatch.setattr(serve.Bases, "take_down", lambda self, said: said.append("note: Ray Serve was not stopped"))
     bases.close(wait_s=5)
