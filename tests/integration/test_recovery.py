@@ -3,6 +3,7 @@ SIGKILLed train worker then SIGTERM: test_storage_ray, in a bucket; a drained no
 gpu_check.sh dry run also kills a train worker; test_sweep's long test kills a LoRA trial's.)"""
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -333,9 +334,11 @@ def ray_job(address, *args, timeout=300):
     return proc.returncode, re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)  # (without its colours)
 
 
+@functools.lru_cache
 def job_client(address):
     """Ray's JobSubmissionClient of the cluster at address (what `ray job` itself calls), for the test's own polling:
-    a `ray job` process for each poll would be a Python start each time."""
+    a `ray job` process for each poll would be a Python start each time. Made once an address (one that fails, while
+    the server is not up yet, is not kept)."""
     from unittest import mock
 
     from ray.job_submission import JobSubmissionClient
