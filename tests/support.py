@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import os
 import shutil
+import signal
 import sys
 import tempfile
 
@@ -67,6 +68,15 @@ def leftover_processes():
         if state != "Z":
             found.append((int(pid), command.strip()[:200]))
     return found
+
+
+def foreground_job():
+    """preexec_fn of a process a test stops with Ctrl-C: started as a terminal's shell starts a foreground job, in a
+    process group of its own, SIGINT and SIGQUIT at their defaults whatever this test run inherited (one started in
+    the background by a shell without job control ignores both, and so would every process it starts)."""
+    os.setsid()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
 
 
 def free_port():

@@ -13,6 +13,7 @@ from readme import TEXTS
 from readme import by_hand_block
 from readme import by_hand_changes
 from readme import serve_blocks
+from support import foreground_job
 from support import model_cache_of
 
 from dreambooth.files import OUTPUT_MARKER
@@ -129,7 +130,7 @@ def test_your_own_subject_block_runs_as_typed_and_ctrl_c_in_step_4_says_how_the_
     piped = f"trap true INT; {typed} | tee {tmp_path / 'copy.log'}; echo \"${{PIPESTATUS[0]}}\" > {tmp_path / 'rc'}"
     proc = subprocess.Popen(["bash", "-uc", piped], cwd=REPO_DIR, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # (its own group, as a terminal's foreground job)
+                            preexec_fn=foreground_job)
     lines = []
     for line in proc.stdout:
         lines.append(line)

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from readme import SERVE_START
 from readme import serve_blocks
+from support import foreground_job
 from support import saved_subject
 
 from dreambooth.files import LORA_WEIGHTS_FILE
@@ -51,12 +52,24 @@ def start_server(folder, port):
     log = folder / f"serve-{port}.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(["bash", "-c", typed], cwd=REPO_DIR, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                preexec_fn=foreground_job)
     deadline = time.time() + 300
     while "; Ctrl-C stops" not in log.read_text():
         assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
         time.sleep(0.5)
     return proc, log
+
+
+def stacks(group):
+    """Where each process of the group is: its signal masks (SigIgn bit 2: SIGINT ignored, as a process started in
+    the background by a shell without job control has it) and py-spy's dump of its Python threads."""
+    spy = os.path.join(os.path.dirname(sys.executable), "py-spy")  # (Ray's dashboard requirements bring it)
+    found = []
+    for pid in subprocess.run(["pgrep", "-g", str(group)], capture_output=True, text=True).stdout.split():
+        found += [line for line in open(f"/proc/{pid}/status").read().splitlines() if line.startswith(("Name", "Sig"))]
+        if os.path.exists(spy):
+            found.append(subprocess.run([spy, "dump", "--pid", pid], capture_output=True, text=True, timeout=60).stdout)
+    return "\n".join(found)
 
 
 def ctrl_c(proc, log):
@@ -66,7 +79,8 @@ def ctrl_c(proc, log):
         try:
             proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
-            raise AssertionError("serve.py still runs 120 s after Ctrl-C:\n" + log.read_text()[-3000:]) from None
+            raise AssertionError("serve.py still runs 120 s after Ctrl-C:\n" + log.read_text()[-3000:]
+                                 + "\nwhere its threads are:\n" + stacks(proc.pid)) from None
         assert proc.returncode == 130, log.read_text()[-3000:]
     finally:
         if proc.poll() is None:
