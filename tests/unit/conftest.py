@@ -6,6 +6,13 @@ from counts import current
 from support import ray_sessions
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _fonts_listed():
+    """matplotlib lists the machine's fonts (fc-list, a process) the first time it is imported for this user, then
+    reads its cache: done here, before any test, so that a new machine's first plot is not taken for a test's process."""
+    import matplotlib.font_manager  # noqa: F401
+
+
 @pytest.fixture(autouse=True)
 def _no_process_and_no_ray():
     counter = current()
