@@ -246,10 +246,7 @@ def run_trainer(plan, train_ds):
             logging_config=ray.train.LoggingConfig(log_level=failures.RAY_TRAIN_LOG_LEVEL),
         ),
         datasets={"train": train_ds},
-        # Ordered execution makes the streaming split deterministic: each worker gets the same
-        # rows on every run of the same command, which resuming mid-run relies on. (Set here:
-        # the split is configured in Train's controller, which does not see our DataContext.)
-        dataset_config=ray.train.DataConfig(execution_options=ray.data.ExecutionOptions(preserve_order=True)),
+        dataset_config=data_config(plan),
         validation_config=checkpoint_scores.validation_config(plan) if plan.score_steps else None,
     )
     main_thread = threading.current_thread() is threading.main_thread()  # (a sweep's trials run in threads)
@@ -342,6 +339,20 @@ def run_in_process(plan, train_ds):
     result.path = result_path(plan)  # (local mode names none)
     result.checkpoint = None  # (the one reported was moved into the run folder)
     return result
+
+
+def data_config(plan):
+    """How the stream reaches the workers. Ordered execution makes it deterministic: each worker gets the same rows on
+    every run of the same command, which resuming mid-run relies on (set here: Train's controller configures the
+    stream, and does not see our DataContext). Split across the workers (a coordinator actor hands out each block)
+    only where there are several: one worker, never resized, reads the whole stream itself, the same rows in the
+    same order, without the coordinator's process and its calls at every step."""
+    import ray.data
+    import ray.train
+
+    split = "all" if plan.min_workers or plan.num_workers > 1 else []
+    return ray.train.DataConfig(datasets_to_split=split,
+                                execution_options=ray.data.ExecutionOptions(preserve_order=True))
 
 
 def failure_config(plan):
