@@ -177,6 +177,9 @@ def init_ray():
     address = os.environ.get("RAY_ADDRESS", "").strip()
     if not address:
         close_metrics_ports()
+        # A cluster of this script's own is this machine alone and ends with the script: none of its nodes is ever
+        # drained or preempted, so Ray Train's preemption watcher (an actor process a run) would watch nothing.
+        os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     try:
         if address:
             check_cluster(address)

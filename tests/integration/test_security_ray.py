@@ -99,13 +99,15 @@ def test_a_scripts_own_cluster_opens_no_port_without_the_token(tmp_path):
     code = ("import os, sys, time; from dreambooth.cluster import raycluster; ray = raycluster.init_ray(); "
             "pids = ray.get([ray.remote(lambda: (time.sleep(0.5), os.getpid())[1]).remote() for _ in range(2)]); "
             "print('READY', ray._private.worker._global_node.get_session_dir_path(), "
-            "ray.get_runtime_context().get_job_id(), *pids, flush=True); "
+            "ray.get_runtime_context().get_job_id(), os.environ['RAY_TRAIN_ENABLE_PREEMPTION_WATCHER'], *pids, "
+            "flush=True); "
             "sys.stdin.read()")
     script = subprocess.Popen([sys.executable, "-c", code], cwd=REPO_DIR, env=env, stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        ready, session, job, *pids = script.stdout.readline().split()
+        ready, session, job, watcher, *pids = script.stdout.readline().split()
         assert ready == "READY", script.stderr.read()[-2000:]
+        assert watcher == "0"  # (one node, gone with the script: Ray Train's preemption watcher left out of its runs)
         ports = assert_closed_without_token([script.pid])
         assert len(ports) >= 4  # GCS, the raylet's two, a worker's
         # Ray's worker processes were all the job's: none started idle, of no job, for the first driver
