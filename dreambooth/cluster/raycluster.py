@@ -147,15 +147,9 @@ def job_runtime_env():
     return runtime_env
 
 
-def init_ray():
-    """Start a local Ray cluster of this script's own, or join the cluster RAY_ADDRESS names (and
-    only then: never the one Ray's temp folder names, which any `ray start` on this node writes),
-    with token authentication (ensure_ray_token); one line says which. The project's modules travel
-    as the runtime environment's working_dir, the same mechanism a multi-node cluster needs; all
-    paths passed to workers are absolute.
-    """
-    import ray
-
+def ray_settings():
+    """Ray's settings for our scripts, in this process's environment (the user's own win), before Ray starts or is
+    joined."""
     # Train's controller polls workers every 2 s by default, which adds ~1.5 s to
     # every ray.train.report; 0.2 s keeps reporting cheap.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
@@ -170,6 +164,18 @@ def init_ray():
     # at a terminal, never into a log file or a pipe (and not with NO_COLOR set, the common convention).
     if os.environ.get("NO_COLOR") or not errors.on_terminal():
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+
+
+def init_ray():
+    """Start a local Ray cluster of this script's own, or join the cluster RAY_ADDRESS names (and
+    only then: never the one Ray's temp folder names, which any `ray start` on this node writes),
+    with token authentication (ensure_ray_token); one line says which. The project's modules travel
+    as the runtime environment's working_dir, the same mechanism a multi-node cluster needs; all
+    paths passed to workers are absolute.
+    """
+    import ray
+
+    ray_settings()
     if ray.is_initialized():
         return ray
     ensure_ray_token()

@@ -9,7 +9,8 @@ from support import ray_sessions
 @pytest.fixture(scope="session", autouse=True)
 def _fonts_listed():
     """matplotlib lists the machine's fonts (fc-list, a process) the first time it is imported for this user, then
-    reads its cache: done here, before any test, so that a new machine's first plot is not taken for a test's process."""
+    reads its cache: done here, before any test, so that a new machine's first plot is not taken for a test's
+    process."""
     import matplotlib.font_manager  # noqa: F401
 
 
