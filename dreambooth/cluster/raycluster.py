@@ -125,6 +125,7 @@ def job_runtime_env():
             "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0"),
             "TOKENIZERS_PARALLELISM": "false",
             "RAY_DATA_LOG_LEVEL": os.environ["RAY_DATA_LOG_LEVEL"],
+            "RAY_DATA_AUTOSCALING_REQUEST_EXPIRE_TIME_S": os.environ["RAY_DATA_AUTOSCALING_REQUEST_EXPIRE_TIME_S"],
             "RAY_USAGE_STATS_ENABLED": os.environ["RAY_USAGE_STATS_ENABLED"],
             # Ray Train routes a worker's print() through its logger and also to the original
             # stream: every line twice on the driver's terminal. Plain print is what we want.
@@ -160,6 +161,11 @@ def ray_settings():
     # No usage statistics from our jobs (the clusters we start are closed to the network; `ray start` gets
     # --disable-usage-stats): also spares every cluster Ray Data's usage-collection actor, a process of its own.
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Ray Data's streams share the cluster through a coordinator that keeps a stream's request for 180 s: a stream
+    # that died with its train worker kept its CPUs that long, and the restarted worker's stream, left none, spun and
+    # trickled its batches (that run, and the next ones on the cluster, slowed down). A live stream renews its
+    # request every 10 s (RAY_DATA_MIN_GAP_BETWEEN_AUTOSCALING_REQUESTS): 30 s frees a dead one's soon after.
+    os.environ.setdefault("RAY_DATA_AUTOSCALING_REQUEST_EXPIRE_TIME_S", "30")
     # Ray colours the "(RayTrainWorker pid=...)" prefix of each worker line it prints here: only for a person
     # at a terminal, never into a log file or a pipe (and not with NO_COLOR set, the common convention).
     if os.environ.get("NO_COLOR") or not errors.on_terminal():
