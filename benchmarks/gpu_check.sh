@@ -63,14 +63,22 @@ timed() {
 
 fail() { echo "gpu_check: FAILED: $*" >&2; exit 1; }
 
-# Until a checkpoint of at least STEP exists, while PID lives: one Python process that looks every half second (a
-# process started per look cost half a CPU-second each, a minute of them per run on the tiny model). Prints the step
-# of the checkpoint it found.
+# Until Ray Train has registered a checkpoint of at least STEP (a restart resumes from it), while PID lives: one
+# Python process that looks every half second (a process started per look cost half a CPU-second each, a minute of
+# them per run on the tiny model). Prints the step of the checkpoint it found.
 wait_for_checkpoint() {  # STEP PID
   "$PY" - "$WORK/ray_results" "$1" "$2" <<'EOF' || fail "train.py ended before writing checkpoint $1 (see $WORK/train-1.log)"
-import os, sys, time
-from dreambooth.planning import checkpoints
+import glob, json, os, sys, time
 folder, step, pid = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+def registered():  # (the newest checkpoint Ray Train's controller registered: what a restart resumes from)
+    steps = [0]
+    for snapshot in glob.glob(os.path.join(folder, "tuned-*", "checkpoint_manager_snapshot.json")):
+        try:
+            with open(snapshot) as f:
+                steps += [r["metrics"].get("step", 0) for r in json.load(f).get("checkpoint_results", [])]
+        except (OSError, ValueError):  # (being written)
+            pass
+    return max(steps)
 def alive():
     try:
         os.kill(pid, 0)
@@ -81,8 +89,7 @@ def alive():
     except OSError:
         return True  # (no /proc: os.kill said it lives)
 while True:
-    latest = checkpoints.find_latest(folder, "tuned")
-    found = checkpoints.saved_step(latest) if latest else 0
+    found = registered()
     if found >= step:
         print(found)
         sys.exit(0)

@@ -17,8 +17,6 @@ import ray.train
 
 from dreambooth import errors
 from dreambooth import files
-from dreambooth import storage
-from dreambooth.planning import checkpoints
 from dreambooth.storage import runfiles
 
 # Ray Train's own console logging (worker-group start, each failure's traceback twice, its retry
@@ -112,6 +110,7 @@ class FailureWatch(ray.train.UserCallback):
         self.run_dir, self.resumed, self.min_workers = run_dir, resumed, min_workers
         self.max_failures, self.max_preemption_failures = max_failures, max_preemption_failures
         self.failures = self.preemptions = 0
+        self.registered = False  # (a checkpoint of this run that Ray Train registered: what a restart resumes from)
         self.storage_path, self.run_name = storage_path, run_name  # (a bucket's: errors.log copied there)
 
     def log_event(self, text):
@@ -119,18 +118,20 @@ class FailureWatch(ray.train.UserCallback):
         if self.storage_path:
             runfiles.sync_up(self.storage_path, self.run_name)
 
+    def after_report(self, run_context, metrics, checkpoint):
+        if checkpoint is not None:
+            self.registered = True
+
     def restart_point(self):
-        """Where the restarted workers begin: this run's newest checkpoint, else the one it resumed from, else step 0
-        (and, for an elastic run, on how many)."""
-        run = storage.join(self.storage_path, self.run_name) if self.storage_path else self.run_dir
+        """Where the restarted workers begin: the newest checkpoint Ray Train registered in this run (a checkpoint
+        folder written but not yet reported is not one), else the one the run resumed from, else step 0 (and, for an
+        elastic run, on how many)."""
         on = f" on the workers the cluster holds now (at least --min_workers {self.min_workers})" \
             if self.min_workers else ""
-        try:
-            if next(checkpoints.run_checkpoints(run), None):
-                return "the newest checkpoint" + on
-        except OSError:
-            pass  # (a bucket out of reach: said as if none)
-        return ("the checkpoint this run resumed from" if self.resumed else "step 0 (no checkpoint was written yet)") + on
+        if self.registered:
+            return "the newest checkpoint" + on
+        begin = "the checkpoint this run resumed from" if self.resumed else "step 0 (no checkpoint registered yet)"
+        return begin + on
 
     def after_exception(self, run_context, worker_exceptions):
         rank, err = min(worker_exceptions.items(), key=lambda item: item[0])

@@ -53,7 +53,7 @@ def test_the_watch_stops_on_a_user_error_and_announces_a_dead_worker(tmp_path, c
     watch.after_exception(None, {1: RuntimeError("actor died"), 0: ConnectionError("peer reset")})
     out = capsys.readouterr().out
     assert out.startswith("worker 0 failed: ConnectionError: peer reset; restarting the workers from step 0 (no "
-                          "checkpoint was written yet) (1 of --max_failures 1;")
+                          "checkpoint registered yet) (1 of --max_failures 1;")
     watch.after_exception(None, {0: RuntimeError("actor died")})  # the limit is spent: Ray Train raises, we say nothing
     assert capsys.readouterr().out == ""
     with pytest.raises(failures.RunStopped, match="^worker 1: bad weights$"):
@@ -73,7 +73,7 @@ def test_a_preemption_has_its_own_budget_and_its_own_line(tmp_path, capsys):
         watch.after_exception(None, {1: RayActorError(preempted=True), 0: ConnectionError("peer reset")})
     out = capsys.readouterr().out.splitlines()
     assert out == [f"a node was preempted (its worker(s) 1 lost): restarting the workers from step 0 (no checkpoint "
-                   f"was written yet) ({n} of --max_preemption_failures 2; preemptions do not count against "
+                   f"registered yet) ({n} of --max_preemption_failures 2; preemptions do not count against "
                    "--max_failures)" for n in (1, 2)]
     watch.after_exception(None, {0: RuntimeError("actor died")})  # a real failure: its own budget, untouched
     assert "(1 of --max_failures 1;" in capsys.readouterr().out
@@ -124,8 +124,9 @@ def test_a_full_disk_is_recognised_however_a_library_wraps_it(tmp_path):
 
 
 def test_the_restart_line_names_where_the_workers_begin_again(tmp_path):
-    """The newest checkpoint of the run once it has one (complete: every file at its recorded size), else the one the
-    run resumed from, else step 0."""
+    """The newest checkpoint once Ray Train has registered one of the run (its report processed: what the restarted
+    workers get), not a checkpoint folder written but not yet reported; else the one the run resumed from, else
+    step 0."""
     import json
 
     from dreambooth.planning import checkpoints
@@ -134,15 +135,18 @@ def test_the_restart_line_names_where_the_workers_begin_again(tmp_path):
     run.mkdir(parents=True)
     fresh = failures.FailureWatch(str(run), 3, str(tmp_path / "runs"), run.name)
     resumed = failures.FailureWatch(str(run), 3, str(tmp_path / "runs"), run.name, resumed=True)
-    assert fresh.restart_point() == "step 0 (no checkpoint was written yet)"
-    assert resumed.restart_point() == "the checkpoint this run resumed from"
-    checkpoint = run / "checkpoint_2026-11-27_00-00-01"
+    elastic = failures.FailureWatch(str(run), 3, str(tmp_path / "runs"), run.name, min_workers=1)
+    checkpoint = run / "checkpoint_2026-11-27_00-00-01"  # (whole, by a worker that died before reporting it)
     checkpoint.mkdir()
     (checkpoint / "unet.safetensors").write_bytes(b"w" * 4)
-    (checkpoint / checkpoints.STATE_FILE).write_text(json.dumps({"step": 5, "sizes": {"unet.safetensors": 5}}))
-    assert fresh.restart_point() == "step 0 (no checkpoint was written yet)"  # (incomplete: not resumed from)
     (checkpoint / checkpoints.STATE_FILE).write_text(json.dumps({"step": 5, "sizes": {"unet.safetensors": 4}}))
+    assert fresh.restart_point() == "step 0 (no checkpoint registered yet)"
+    assert resumed.restart_point() == "the checkpoint this run resumed from"
+    for watch in (fresh, resumed, elastic):
+        watch.after_report(None, [{"step": 5}], None)  # (a report without a checkpoint)
+    assert fresh.restart_point() == "step 0 (no checkpoint registered yet)"
+    for watch in (fresh, resumed, elastic):
+        watch.after_report(None, [{"step": 10}], object())
     assert fresh.restart_point() == resumed.restart_point() == "the newest checkpoint"
-    elastic = failures.FailureWatch(str(run), 3, str(tmp_path / "runs"), run.name, min_workers=1)
     assert elastic.restart_point() == ("the newest checkpoint on the workers the cluster holds now (at least "
                                        "--min_workers 1)")
