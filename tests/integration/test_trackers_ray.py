@@ -151,7 +151,8 @@ def test_the_trackers_own_variables_win_over_our_defaults_and_reach_the_workers(
         client, run = mlflow_run(variables["MLFLOW_TRACKING_URI"], record["mlflow"]["run_id"])
         assert client.get_experiment(run.info.experiment_id).name == experiment
     for name, value in (("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2"), ("RAY_DATA_LOG_LEVEL", "WARNING"),
-                        ("RAY_USAGE_STATS_ENABLED", "0"), ("RAY_DATA_AUTOSCALING_REQUEST_EXPIRE_TIME_S", "30")):  # (what init_ray sets before it asks for the job's)
+                        ("RAY_USAGE_STATS_ENABLED", "0"),
+                        ("RAY_DATA_AUTOSCALING_REQUEST_EXPIRE_TIME_S", "30")):  # (init_ray sets them before the job's)
         monkeypatch.setenv(name, value)
     env_vars = raycluster.job_runtime_env()["env_vars"]
     assert all(env_vars[name] == value for name, value in variables.items())
