@@ -68,17 +68,13 @@ fail() { echo "gpu_check: FAILED: $*" >&2; exit 1; }
 # them per run on the tiny model). Prints the step of the checkpoint it found.
 wait_for_checkpoint() {  # STEP PID
   "$PY" - "$WORK/ray_results" "$1" "$2" <<'EOF' || fail "train.py ended before writing checkpoint $1 (see $WORK/train-1.log)"
-import glob, json, os, sys, time
+import os, sys, time
+from dreambooth.planning import checkpoints
 folder, step, pid = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 def registered():  # (the newest checkpoint Ray Train's controller registered: what a restart resumes from)
-    steps = [0]
-    for snapshot in glob.glob(os.path.join(folder, "tuned-*", "checkpoint_manager_snapshot.json")):
-        try:
-            with open(snapshot) as f:
-                steps += [r["metrics"].get("step", 0) for r in json.load(f).get("checkpoint_results", [])]
-        except (OSError, ValueError):  # (being written)
-            pass
-    return max(steps)
+    runs = [os.path.join(folder, run) for run in (os.listdir(folder) if os.path.isdir(folder) else [])
+            if checkpoints.is_run_of(run, "tuned")]
+    return max([0, *(s or 0 for run in runs for s in checkpoints.registered_steps(run))])
 def alive():
     try:
         os.kill(pid, 0)

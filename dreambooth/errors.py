@@ -242,8 +242,10 @@ def leave_ray():
     second Ray gives it before killing it."""
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
+        from ray._private import ray_constants
+
         node = ray._private.worker._global_node  # (None on a cluster this script joined: no process of its own)
-        for info in node.all_processes.get("monitor", []) if node is not None else []:
+        for info in node.all_processes.get(ray_constants.PROCESS_TYPE_MONITOR, []) if node is not None else []:
             info.process.kill()
             info.process.wait()
         ray.shutdown()

@@ -102,6 +102,17 @@ def run_checkpoints(run_dir):
             yield folder
 
 
+def registered_steps(run_dir):
+    """The steps of the checkpoints Ray Train's controller has registered for a run (its checkpoint manager's
+    snapshot; a folder's or a bucket's): a restart resumes from the newest of these, not from a folder still being
+    written."""
+    try:
+        snapshot = storage.read_json(storage.join(run_dir, "checkpoint_manager_snapshot.json"))
+    except (OSError, ValueError):  # (not written yet, or being written)
+        return []
+    return [r["metrics"].get("step") for r in snapshot.get("checkpoint_results", [])]
+
+
 def runs_of_identity(storage_path, run_prefix, identity):
     """The run folders of run_prefix whose every complete checkpoint was written by a run of identity: the earlier
     attempts of one run stopped and resumed, perhaps more than once (none for an identity of None)."""

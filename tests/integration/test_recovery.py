@@ -88,24 +88,14 @@ def start_train(args):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
-def registered_steps(run_dir):
-    """The steps of the checkpoints Ray Train's controller has registered for a run (its checkpoint manager's
-    snapshot): a restart resumes from the newest of these, not from a folder still being written."""
-    try:
-        snapshot = storage.read_json(storage.join(run_dir, "checkpoint_manager_snapshot.json"))
-    except (OSError, ValueError):  # (not written yet, or being written)
-        return []
-    return [r["metrics"].get("step") for r in snapshot.get("checkpoint_results", [])]
-
-
 def run_dirs(runs):
     """The run folders under a storage path (a folder's or a bucket's)."""
     return [storage.join(str(runs), d) for d in storage.listdir(str(runs))]
 
 
 def registered_steps_under(storage):
-    """registered_steps of every run under storage."""
-    return [s for d in run_dirs(storage) for s in registered_steps(d)]
+    """checkpoints.registered_steps of every run under storage."""
+    return [s for d in run_dirs(storage) for s in checkpoints.registered_steps(d)]
 
 
 def test_killed_generation_rerun_gives_exactly_the_uninterrupted_images(ray_session, tiny_model, tmp_path):

@@ -128,12 +128,10 @@ def test_a_failed_run_names_its_cause_in_one_line():
     assert driver.failure_cause(ControllerError(OSError("disk full"))).endswith("disk full")
 
 
-
-
 def test_one_worker_never_resized_reads_the_whole_stream_without_a_splits_coordinator(make_plan):
     """Ray Data's split hands each block out through a coordinator actor: only runs of several workers (or an elastic
     one, which may grow) need it. Every stream stays in order (a resume relies on the same rows at the same step)."""
-    configs = {fields: driver.data_config(make_plan(**dict(fields)))
-               for fields in ((("num_workers", 1),), (("num_workers", 2),), (("num_workers", 2), ("min_workers", 1)))}
-    assert [config._datasets_to_split for config in configs.values()] == [[], "all", "all"]
-    assert all(config._resolve_execution_options("train").preserve_order for config in configs.values())
+    configs = [driver.data_config(make_plan(**fields))
+               for fields in (dict(num_workers=1), dict(num_workers=2), dict(num_workers=2, min_workers=1))]
+    assert [config._datasets_to_split for config in configs] == [[], "all", "all"]
+    assert all(config._resolve_execution_options("train").preserve_order for config in configs)
