@@ -99,6 +99,15 @@ class Counter:
                 "ray_data_pools": len(self.pools), "ray_tune_trials": actors.count("ImplicitFunc"),
                 "ray_worker_processes": len(self.workers), "script_runs": len(self.scripts)}
 
+    def by_actor(self):
+        """{what a worker process became: how many}: an actor's class ("MapWorker" for every Ray Data pool's), or
+        "(a task worker)" for one that ran tasks only or nothing."""
+        table = {}
+        for _, actor, _ in self.workers.values():
+            kind = "(a task worker)" if actor is None else actor.split("(", 1)[0]
+            table[kind] = table.get(kind, 0) + 1
+        return table
+
     def by_test(self):
         """{test: {kind: count}} of the Train runs, worker processes and scripts each test started."""
         table = {}
@@ -187,6 +196,10 @@ def pytest_terminal_summary(terminalreporter, config):
         over = cap is not None and counts[kind] > cap
         line = f"{counts[kind]:6d}  {label}" + (f" (budget {cap})" if cap is not None else "")
         terminalreporter.write_line(line + ("  OVER BUDGET" if over else ""), red=over)
+    kinds = sorted(_counter.by_actor().items(), key=lambda item: (-item[1], item[0]))
+    if kinds:
+        terminalreporter.write_line("the worker processes, by what each became: " +
+                                    ", ".join(f"{kind} {n}" for kind, n in kinds))
     table = _counter.by_test()
     costly = sorted(table.items(), key=lambda item: (-item[1]["ray_train_runs"], -item[1]["ray_worker_processes"]))
     if costly:

@@ -29,6 +29,8 @@ def test_a_session_folder_is_a_cluster_and_its_workers_logs_say_what_ran(tmp_pat
     counter.scan()
     assert counter.counts() == {"ray_clusters": 2, "ray_train_runs": 2, "ray_data_pools": 1, "ray_tune_trials": 1,
                                 "ray_worker_processes": 7, "script_runs": 0}
+    assert counter.by_actor() == {"TrainController": 2, "RayTrainWorker": 1, "MapWorker": 2, "ImplicitFunc": 1,
+                                  "(a task worker)": 1}
     with open(other / "logs" / "worker-g-01000000-1.out", "a") as log:  # (an idle worker that became an actor later)
         log.write(":actor_name:TrainController\n")
     counter.scan()
