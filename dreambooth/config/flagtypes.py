@@ -3,15 +3,24 @@
 import argparse
 import os
 
+EMPTY = "is empty (a shell variable never set, or set by $(…) from a command that failed?)"
+
+
+def _not_empty(value):
+    """value, unless it is empty: an empty path would mean the current folder, and its error would name that."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError(EMPTY)
+    return value
+
 
 def abs_path(value):
     """Paths are made absolute on the driver: Ray workers run in another folder."""
-    return os.path.abspath(os.path.expanduser(value))
+    return os.path.abspath(os.path.expanduser(_not_empty(value)))
 
 
 def storage_location(value):
     """A folder, or an object-storage URI (s3://bucket/prefix, gs://…: storage/) kept as given."""
-    if value.startswith(("s3://", "gs://")):
+    if _not_empty(value).startswith(("s3://", "gs://")):
         if not value.split("://", 1)[1].strip("/"):
             raise argparse.ArgumentTypeError(f"needs a bucket: {value}")
         return value.rstrip("/")
@@ -21,7 +30,7 @@ def storage_location(value):
 def model_path(value):
     """A model folder, or a short or hub name (sd15, CompVis/stable-diffusion-v1-4), as given: parsing
     never fetches; planning.model_flags.resolve_models turns the names into folders after the parse."""
-    return value
+    return _not_empty(value)
 
 
 def _bounded(kind, strict):

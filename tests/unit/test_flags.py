@@ -46,6 +46,10 @@ def test_relative_paths_become_absolute(tmp_path, monkeypatch):
     (["--class_images_dir", "/c"], "needs --class_prompt"),
     (["--num_workers", "-1"], "must be >= 0"),
     (["--prior_loss_weight", "-0.5"], "must be >= 0"),
+    # an empty path (MODEL=$(cache_model.py … | tail -n 1) after a failed fetch): it was the current folder, or ""
+    (["--model_dir="], "argument --model_dir/--pretrained_model_name_or_path: is empty (a shell variable never set"),
+    (["--output_dir", ""], "argument --output_dir: is empty"),
+    (["--storage_path", " "], "argument --storage_path: is empty"),
 ])
 def test_bad_flags_exit_2_with_one_line(extra, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
