@@ -328,10 +328,25 @@ def top_up(folder, model, prompts, count, settings, safety_checker, on_mismatch=
                    for name in (row["file"], row["file"] + FLAGGED_SUFFIX)]
         image_records.take_drawn(folder, donor, wanted, missing, label or where)
     rows, names = plan_images(prompts, count, settings.seed, folder)
+    if not class_images:  # (class images beyond the count stay: training reads the first --num_class_images)
+        remove_beyond(folder, names, count, label or where, where)
     if names:
         print(f"{label or where}: {len(names) - len(rows)} of {len(names)} images already there; generating "
               f"{len(rows)}", file=sys.stderr)
     return DrawJob(model, folder, safety_checker, tuple(rows))
+
+
+def remove_beyond(folder, names, count, label, where):
+    """Delete the images in folder (and the safety checker's marks) of the same model, prompts and settings that an
+    earlier run asking for more than count per prompt drew, saying so: the folder then holds what this run names."""
+    asked = set(names) | {name + FLAGGED_SUFFIX for name in names}
+    beyond = [name for name in image_records.drawn_images(folder) if name not in asked]
+    for name in beyond:
+        os.remove(os.path.join(folder, name))
+    if beyond:
+        print(f"{label}: removed {len(beyond)} image(s) in {where} beyond the {count} per prompt asked now (drawn by "
+              "an earlier run of this model and settings; asking for more draws the same ones again)",
+              file=sys.stderr)
 
 
 STARTING = "starting the actors, each loads the model"  # the progress bar's note until the first image

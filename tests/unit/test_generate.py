@@ -79,6 +79,29 @@ def test_class_images_are_kept_when_only_what_training_does_not_read_differs(tin
     assert len(image_records.drawn_images(folder)) == 2  # nothing deleted
 
 
+def test_images_beyond_a_smaller_count_are_removed_with_a_line_but_class_images_stay(tiny_model, tmp_path, capsys):
+    """A rerun asking for fewer images of the same model and settings (NUM_NEW_IMAGES 5 -> 3) leaves the folder
+    holding what it names (it once kept the two beyond, while saying "3 images in" the folder); a class-image
+    folder keeps them (training reads the first --num_class_images)."""
+    model, settings = outputs.ModelRef(tiny_model), drawing.ImageSettings(num_inference_steps=2)
+    for folder, class_images in ((tmp_path / "new", False), (tmp_path / "class", True)):
+        drawing.top_up(str(folder), model, ["a toy, on a beach"], 5, settings, False, class_images=class_images)
+        for k in range(5):
+            Image.new("RGB", (8, 8)).save(folder / drawing.image_file_name("a toy, on a beach", k))
+        os.rename(folder / drawing.image_file_name("a toy, on a beach", 4),
+                  folder / (drawing.image_file_name("a toy, on a beach", 4) + drawing.FLAGGED_SUFFIX))
+        capsys.readouterr()
+        job = drawing.top_up(str(folder), model, ["a toy, on a beach"], 3, settings, False, class_images=class_images)
+        err = capsys.readouterr().err
+        assert job.rows == () and "3 of 3 images already there; generating 0" in err
+        left = image_records.drawn_images(str(folder))
+        if class_images:
+            assert len(left) == 5 and "removed" not in err
+        else:
+            assert left == [drawing.image_file_name("a toy, on a beach", k) for k in range(3)]
+            assert f"removed 2 image(s) in {folder} beyond the 3 per prompt asked now" in err
+
+
 def test_the_progress_bar_counts_its_rate_over_the_whole_drawing(tiny_model, tmp_path, capsys):
     """A batch's images land together: the rate counted from the first of them (or smoothed over the last few)
     said hundreds of images a second of a model that draws a few. The bar's last rate is the images over its time."""
