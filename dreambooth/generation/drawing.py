@@ -328,7 +328,7 @@ def top_up(folder, model, prompts, count, settings, safety_checker, on_mismatch=
                    for name in (row["file"], row["file"] + FLAGGED_SUFFIX)]
         image_records.take_drawn(folder, donor, wanted, missing, label or where)
     rows, names = plan_images(prompts, count, settings.seed, folder)
-    if not class_images:  # (class images beyond the count stay: training reads the first --num_class_images)
+    if names and not class_images:  # (class images beyond the count stay: training reads the first --num_class_images)
         remove_beyond(folder, names, count, label or where, where)
     if names:
         print(f"{label or where}: {len(names) - len(rows)} of {len(names)} images already there; generating "
