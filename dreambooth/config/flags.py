@@ -841,6 +841,7 @@ class OneLineErrorParser(argparse.ArgumentParser):
     def error(self, message):
         if message.startswith("unrecognized arguments: "):
             message += closest_flags(message.split(": ", 1)[1].split(), self._option_string_actions)
+            message += self._equals_hint()
         elif message.startswith("the following arguments are required"):  # (argparse says this first: a misspelt
             # required flag, or any typo, would go unnamed)
             unknown = [word for word in getattr(self, "words", ()) if word.startswith("--") and
@@ -850,6 +851,17 @@ class OneLineErrorParser(argparse.ArgumentParser):
                            f"{closest_flags(unknown, self._option_string_actions)} (and {message})")
         sys.stderr.write(f"{self.prog}: error: {message}\n")
         sys.exit(2)
+
+    def _equals_hint(self):
+        """' (--prompts=… takes one value: …)' when a word left over follows a flag of several values given as
+        --flag=value (argparse then takes no more values for it), else ''."""
+        words = getattr(self, "words", [])
+        for before, word in zip(words, words[1:]):
+            flag = before.split("=", 1)[0]
+            action = self._option_string_actions.get(flag)
+            if "=" in before and action is not None and action.nargs in ("+", "*") and not word.startswith("-"):
+                return f" ({flag}=… takes the one value after '='; for several: {flag} \"…\" \"…\")"
+        return ""
 
     def _action_for(self, key):
         for action in self._actions:

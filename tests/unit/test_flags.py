@@ -247,7 +247,7 @@ def test_readme_compatibility_claims_hold():
     assert len(refused) >= 5 and all(o in flags.REFUSED for o in refused), refused
 
 
-def test_a_prompt_with_commas_is_one_prompt_wherever_it_is_given(tmp_path):
+def test_a_prompt_with_commas_is_one_prompt_wherever_it_is_given(tmp_path, capsys):
     from dreambooth.generation import prompts
 
     painted = "photo of unqtkn dog, oil painting, detailed"
@@ -258,6 +258,11 @@ def test_a_prompt_with_commas_is_one_prompt_wherever_it_is_given(tmp_path):
     listed.write_text("# mine\na cat, in the snow\n\n" + painted + "\n")
     args = parser.parse_args(["--prompts", painted, "a dog", "--prompts", "a fox, red", "--prompts_file", str(listed)])
     assert prompts.prompts_of(args.prompts, args.prompts_file) == [painted, "a dog", "a fox, red", "a cat, in the snow"]
+    # --prompts="…" "…": the '=' form takes one value; the word after it is named with the way to give several
+    with pytest.raises(SystemExit):
+        parser.parse_args([f"--prompts={painted}", "a cat, oil painting"])
+    assert capsys.readouterr().err.endswith("error: unrecognized arguments: a cat, oil painting (--prompts=… takes the "
+                                            "one value after '='; for several: --prompts \"…\" \"…\")\n")
 
 
 def test_a_written_config_repeats_the_run_and_the_command_line_wins(tmp_path):
