@@ -52,6 +52,10 @@ def main(argv=None):
     texts = prompts.prompts_of(args.prompts, args.prompts_file)
     model = outputs.resolve_model(args.model_dir, args.lora_dir, args.lora_scale)
     families.check_model_dir(model.model_dir, args.allow_unsafe_weights)
+    tuned = outputs.read_output(model.lora_dir or model.model_dir)
+    if tuned and (warning := prompts.without_the_subject(texts, tuned.record.instance_prompt,
+                                                          tuned.record.class_prompt)):
+        print(warning, file=sys.stderr)
     files.check_output_path(args.output_dir, "--output_dir", [("--model_dir", model.model_dir),
                                                               ("--lora_dir", model.lora_dir)])
     settings = drawing.settings_for(drawing.ImageSettings(args.num_inference_steps, args.guidance_scale, args.negative_prompt,

@@ -23,6 +23,19 @@ def warn_without_identifier(instance_prompts, instance_prompt, class_prompt):
               f"(e.g. {generic[0]!r}): the subject has no unique identifier", file=sys.stderr)
 
 
+def without_the_subject(texts, instance_prompt, class_prompt):
+    """The warning line when none of texts (prompts to draw a tuned model with) holds a word of the subject's
+    identifier, the words instance_prompt adds to class_prompt ('unqtkn' of 'photo of unqtkn dog'); None when one
+    does, or when the identifier is unknown (no class prompt, or none added)."""
+    if not instance_prompt or not class_prompt or lacks_identifier(instance_prompt, class_prompt):
+        return None
+    words = set(instance_prompt.lower().split()) - set(class_prompt.lower().split())
+    if any(words & set(text.lower().replace(",", " ").split()) for text in texts):
+        return None
+    return (f"warning: no prompt names the subject: the model was trained on {instance_prompt!r}, whose "
+            f"{'/'.join(sorted(words))} the prompts lack (e.g. {texts[0]!r}): they draw the class, not your subject")
+
+
 def read_captions(image_paths, instance_prompt, caption_extension):
     """Each instance image's prompt: the text of the file beside it with the same stem and
     caption_extension (whitespace folded), or instance_prompt where there is none."""

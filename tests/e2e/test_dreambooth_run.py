@@ -113,6 +113,7 @@ def test_dreambooth_run_tiny_end_to_end(data_prefix, mode, request, webhook):
     # Progress and results, not library noise; one note per actor pool that drew images that they
     # are noise (Step 6 draws the tuned and the base model's images on one pool).
     assert "requires torchvision" not in output
+    assert "no prompt names the subject" not in output  # (Step 5's prompts name unqtkn, which the model learnt)
     assert "Ray: joined the cluster" not in output  # (the script says once which cluster its steps join)
     # Step 4 tops up Step 3's class images with Step 3's steps and guidance (train.py has no flag for them): no
     # line about "this run's 50 steps" that nothing asked for

@@ -122,6 +122,20 @@ def test_instance_prompt_without_identifier_is_detected():
     assert not prompts.lacks_identifier("photo of a dog", None)
 
 
+def test_prompts_that_lack_the_tuned_models_identifier_are_warned_about():
+    """generate.py on a tuned model: a prompt of a tutorial's ('sks') draws the class, not the subject."""
+    trained = ("photo of unqtkn toy", "photo of a toy")
+    warning = prompts.without_the_subject(["photo of sks dog, on a beach", "a toy"], *trained)
+    assert warning == ("warning: no prompt names the subject: the model was trained on 'photo of unqtkn toy', whose "
+                       "unqtkn the prompts lack (e.g. 'photo of sks dog, on a beach'): they draw the class, not your "
+                       "subject")
+    for named in (["a unqtkn toy, on a beach"], ["a toy", "UNQTKN,in the snow"]):
+        assert prompts.without_the_subject(named, *trained) is None, named
+    # no identifier known: no class prompt, or an instance prompt that adds nothing to it
+    assert prompts.without_the_subject(["a dog"], "photo of unqtkn toy", None) is None
+    assert prompts.without_the_subject(["a dog"], "photo of a toy", "photo of a toy") is None
+
+
 def test_a_model_config_cut_short_is_named(tiny_model, tmp_path):
 
     model = shutil.copytree(tiny_model, tmp_path / "model")
