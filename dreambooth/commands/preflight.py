@@ -127,6 +127,9 @@ def check_photos(folder, variable, inspect=True):
             raise errors.UserError(f"{variable}={folder}: {err}; put 4-6 photos of your subject there") from None
     if not os.path.isdir(folder):
         raise errors.UserError(f"{variable}={folder}: no such folder; put 4-6 photos of your subject there")
+    if not any(name.lower().endswith(files.IMAGE_EXTENSIONS) for name in os.listdir(folder)):
+        raise errors.UserError(f"{variable}={folder}: holds no images ({', '.join(files.IMAGE_EXTENSIONS)}); put 4-6 "
+                               "photos of your subject there")
     try:
         photos = imagefiles.list_images(folder, f"{variable}", also_expected=".txt")  # (captions: train.py's)
         if inspect:
