@@ -99,7 +99,7 @@ def test_images_beyond_a_smaller_count_are_removed_with_a_line_but_class_images_
             assert len(left) == 5 and "removed" not in err
         else:
             assert left == [drawing.image_file_name("a toy, on a beach", k) for k in range(3)]
-            assert f"removed 2 image(s) in {folder} beyond the 3 per prompt asked now" in err
+            assert f"{folder}: removed 2 image(s) beyond the 3 per prompt asked now (drawn by an earlier run" in err
 
 
 def test_the_progress_bar_counts_its_rate_over_the_whole_drawing(tiny_model, tmp_path, capsys):
