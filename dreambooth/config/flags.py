@@ -853,8 +853,8 @@ class OneLineErrorParser(argparse.ArgumentParser):
         sys.exit(2)
 
     def _equals_hint(self):
-        """' (--prompts=… takes one value: …)' when a word left over follows a flag of several values given as
-        --flag=value (argparse then takes no more values for it), else ''."""
+        """' (--prompts=… takes the one value after '='; …)' when a word left over follows a flag of several values
+        given as --flag=value (argparse then takes no more values for it), else ''."""
         words = getattr(self, "words", [])
         for before, word in zip(words, words[1:]):
             flag = before.split("=", 1)[0]

@@ -29,8 +29,11 @@ def without_the_subject(texts, instance_prompt, class_prompt):
     does, or when the identifier is unknown (no class prompt, or none added)."""
     if not instance_prompt or not class_prompt or lacks_identifier(instance_prompt, class_prompt):
         return None
-    words = set(instance_prompt.lower().split()) - set(class_prompt.lower().split())
-    if any(words & set(text.lower().replace(",", " ").split()) for text in texts):
+    def words_of(text):
+        return set(text.lower().replace(",", " ").split())
+
+    words = words_of(instance_prompt) - words_of(class_prompt)
+    if not words or any(words & words_of(text) for text in texts):
         return None
     return (f"warning: no prompt names the subject: the model was trained on {instance_prompt!r}, whose "
             f"{'/'.join(sorted(words))} the prompts lack (e.g. {texts[0]!r}): they draw the class, not your subject")

@@ -131,6 +131,7 @@ def test_prompts_that_lack_the_tuned_models_identifier_are_warned_about():
                        "subject")
     for named in (["a unqtkn toy, on a beach"], ["a toy", "UNQTKN,in the snow"]):
         assert prompts.without_the_subject(named, *trained) is None, named
+    assert prompts.without_the_subject(["a unqtkn toy"], "photo of unqtkn, toy", "photo of a toy") is None
     # no identifier known: no class prompt, or an instance prompt that adds nothing to it
     assert prompts.without_the_subject(["a dog"], "photo of unqtkn toy", None) is None
     assert prompts.without_the_subject(["a dog"], "photo of a toy", "photo of a toy") is None
