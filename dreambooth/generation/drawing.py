@@ -344,9 +344,9 @@ def remove_beyond(folder, names, count, label, where):
     for name in beyond:
         os.remove(os.path.join(folder, name))
     if beyond:
-        print(f"{label}: removed {len(beyond)} image(s){'' if label == where else f' in {where}'} beyond the {count} per "
-              "prompt asked now (drawn by an earlier run of this model and settings; asking for more draws the same "
-              "ones again)", file=sys.stderr)
+        inside = "" if label == where else f" in {where}"
+        print(f"{label}: removed {len(beyond)} image(s){inside} beyond the {count} per prompt asked now (drawn by an "
+              "earlier run of this model and settings; asking for more draws the same ones again)", file=sys.stderr)
 
 
 STARTING = "starting the actors, each loads the model"  # the progress bar's note until the first image

@@ -62,8 +62,8 @@ def test_photos_and_class_name_are_checked_first(tmp_path, toy_images, capsys):
     assert f"skipping 1 .txt file(s) in {captioned} with no photo of the same name to caption: notes.txt" in err
     (tmp_path / "empty").mkdir()
     # (said once: the variable, its folder and what to put there; it once named the folder twice)
-    with pytest.raises(errors.UserError, match=r"^INSTANCE_DIR=\S+empty: holds no images \(\.png, .*\); put 4-6 photos of "
-                                               r"your subject there$"):
+    with pytest.raises(errors.UserError, match=r"^INSTANCE_DIR=\S+empty: holds no images \(\.png, .*\); put 4-6 "
+                                               r"photos of your subject there$"):
         preflight.check_photos(str(tmp_path / "empty"), "INSTANCE_DIR")
     broken = shutil.copytree(toy_images, tmp_path / "photos")
     (broken / "IMG_1.jpg").write_bytes(b"\xff\xd8\xff not a photo")
