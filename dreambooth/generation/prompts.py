@@ -27,8 +27,9 @@ def without_the_subject(texts, instance_prompt, class_prompt):
     """The warning line when none of texts (prompts to draw a tuned model with) holds a word of the subject's
     identifier, the words instance_prompt adds to class_prompt ('unqtkn' of 'photo of unqtkn dog'); None when one
     does, or when the identifier is unknown (no class prompt, or none added)."""
-    if not instance_prompt or not class_prompt or lacks_identifier(instance_prompt, class_prompt):
+    if not instance_prompt or not class_prompt:
         return None
+
     def words_of(text):
         return set(text.lower().replace(",", " ").split())
 
