@@ -190,7 +190,8 @@ def outputs_load_in_the_pipeline(pipeline_class, model_dir, train_tiny, folder, 
 def validation_draws_what_generate_draws(model_dir, make_plan, folder, prompt="a toy, on a beach",
                                          name="a-toy-on-a-beach-00000.png"):
     """A validation round of the tiny model (3 steps, 64 px) beside generate.py's drawing of the same prompt and
-    seed with the same weights: the same image (the round's file name), to within 1 of 255, nothing flagged.
+    seed with the same weights: the same image (the round's file name), to within 1 of 255, nothing flagged. Frozen
+    text encoders are released, as the worker releases them, to the meta device (where a read of them fails).
     Returns what drew them (plan, sampler, pipe, settings, seed) for a test's own checks of its family's guidance."""
     import types
 
@@ -204,6 +205,8 @@ def validation_draws_what_generate_draws(model_dir, make_plan, folder, prompt="a
                      validation_inference_steps=3)
     nets = networks.setup_models(plan, CPU, CPU, distributed=False)
     sampler = validation.Sampler(nets, plan, amp_dtype=None)
+    if plan.text_encoded_once:
+        nets.release_text_encoders("meta")
     _, images = validation.run_round(sampler, 1, 0, 1, str(folder))
     pipe = drawing.load_pipeline(model_dir, CPU)
     settings = drawing.settings_for(drawing.ImageSettings(num_inference_steps=3), plan.family, plan.model_dir)

@@ -245,7 +245,8 @@ def memory_setup(train_flags, args, family):
         half=train_flags.mixed_precision != "no", gpus_per_worker=args.gpus_per_worker,
         base_precision=train_flags.base_precision, text_encoder_precision=train_flags.text_encoder_precision,
         # --fsdp: the denoiser split over the workers NUM_WORKERS (or --num_workers) names, else not counted
-        shards=max(1, args.num_workers or train_flags.num_workers or 1) if train_flags.fsdp else 1)
+        shards=max(1, args.num_workers or train_flags.num_workers or 1) if train_flags.fsdp else 1,
+        validation=bool(train_flags.validation_prompt))
 
 
 def check_memory(args, train_flags, cards):
@@ -266,9 +267,11 @@ def check_memory(args, train_flags, cards):
     if memory.fits(result, free):
         return result
     mode = "LoRA" if setup.lora else "full fine-tune"
+    drawn = families.FAMILIES[family].validation_networks if setup.validation else ()  # (--validation_prompt's own)
+    drawn_too = "".join(f", its validation samples' {name.replace('_', ' ')} too" for name in drawn)
     line = (f"the {mode} of {families.FAMILIES[family].label} at {setup.resolution} px, {setup.batch} + "
-            f"{setup.batch if setup.class_images else 0} images a step, needs about {result.total:.1f} GiB of GPU "
-            f"memory per worker ({result.static:.1f} weights and optimizer, {result.activations:.1f} activations) and "
+            f"{setup.batch if setup.class_images else 0} images a step{drawn_too}, needs about {result.total:.1f} GiB "
+            f"of GPU memory per worker ({result.static:.1f} weights and optimizer, {result.activations:.1f} activations) and "
             f"{memory.RESERVE_GIB:g} GiB more for CUDA, but {what} has {free:.1f} GiB free")
     fix = memory.fixes(family, setup, free, params, source)
     if fix:

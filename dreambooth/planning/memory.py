@@ -26,6 +26,8 @@ The figure is computed, not guessed from a tiny model:
 - **A quantised frozen base** (--base_precision, LoRA): int8 weights take 1 byte a parameter, nf4 half a
   byte plus one fp32 scale per 64 (bitsandbytes' blocks); the frozen text encoders likewise with
   --text_encoder_precision.
+- **Validation samples** (--validation_prompt) draw with the trained networks, except where a family's pipeline
+  draws with one more (Ideogram 4's unconditional transformer): that one is counted, frozen, beside the denoiser.
 - **The card** keeps RESERVE_GIB for the CUDA context, cuDNN's workspace and the allocator's cache.
 """
 
@@ -77,6 +79,7 @@ class Setup:
     base_precision: str = None  # --base_precision int8|nf4 (LoRA): the frozen denoiser's weights
     text_encoder_precision: str = None  # --text_encoder_precision int8|nf4 (LoRA): the frozen text encoders' weights
     shards: int = 1  # --fsdp over this many workers: the denoiser's weights, gradients and AdamW state split
+    validation: bool = False  # --validation_prompt: the networks only drawing reads too (family.drawing_params)
 
     def flags(self):
         """The train.py flags of this setup, as a user types them."""
@@ -140,6 +143,8 @@ def need(family, setup, params=None, source=None):
         aux = trained * trained_bytes
         if setup.prior_prediction:
             denoiser_side += denoiser * frozen_bytes  # the frozen base denoiser
+    if setup.validation:  # (frozen beside the denoiser, in the base's precision: validation.Sampler)
+        denoiser_side += spec.drawing_params(params) * BASE_BYTES.get(setup.base_precision, frozen_bytes)
     vae = params.get("vae", 0) * frozen_bytes
     aux += vae
     # frozen encoders: released after the first states, before the denoiser arrives, unless a trained one needs

@@ -219,8 +219,6 @@ def checked_files(args, draw_class_images):
     families.check_model_dir(args.model_dir, args.allow_unsafe_weights)
     family = families.require(args.model_dir, "train")
     objectives.check_flags(family, args.snr_gamma, args.precondition_outputs, args.weighting_scheme, args.flow_shift)
-    if args.validation_prompts and not family.validation_samples:  # (its scores are: --score_steps)
-        raise errors.UserError(f"--validation_prompt: {family.label}'s samples are not drawn while it trains yet")
     if args.text_encoder_precision and family.trains_text_encoder(args.train_text_encoder) and \
             set(family.text_encoders) <= set(family.trainable_text_encoders):
         raise errors.UserError(f"--text_encoder_precision {args.text_encoder_precision} quantises the frozen text "

@@ -13,6 +13,7 @@ from dreambooth import files
 from dreambooth.generation import drawing
 from dreambooth.generation import imaging
 from dreambooth.models import networks
+from dreambooth.models import quantize
 from dreambooth.training import checkpoint
 
 FOLDER = "validation"  # in the run's folder under --storage_path
@@ -42,6 +43,7 @@ class Sampler:
         self.scheduler = getattr(diffusers, config["_class_name"]).from_config(config)
         # Frozen text encoders are released from the device once training's states are computed
         # (networks.Models.release_text_encoders): the samples' prompts are encoded now, once.
+        self.drawing_networks = None  # (the family's networks only drawing reads: loaded at the first round)
         self.encoded = {}
         if plan.text_encoded_once:
             import torch
@@ -63,8 +65,6 @@ class Sampler:
         return states.to(self.nets.denoiser_device), pooled.to(self.nets.denoiser_device) if pooled is not None else None
 
     def pipeline(self):
-        import diffusers
-
         nets = self.nets
         parts = {"vae": nets.vae, self.family.denoiser: networks.unwrap(nets.denoiser), "scheduler": self.scheduler}
         for encoder_name, tokenizer_name, text_encoder, tokenizer in zip(
@@ -74,9 +74,24 @@ class Sampler:
             parts[tokenizer_name] = tokenizer
         if self.family.safety_checker:
             parts.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
-        pipe = getattr(diffusers, self.family.pipeline)(**parts)
+        if self.drawing_networks is None:
+            self.drawing_networks = {name: self.load_drawing_network(name) for name in self.family.validation_networks}
+        pipe = self.family.validation_pipeline({**parts, **self.drawing_networks})
         pipe.set_progress_bar_config(disable=True)
         return pipe
+
+    def load_drawing_network(self, name):
+        """A network only drawing reads (family.validation_networks), frozen, on the denoiser's device in the run's
+        autocast dtype (fp32 without one), quantised as the base is with --base_precision: kept for later rounds."""
+        import torch
+
+        plan, device = self.plan, self.nets.denoiser_device
+        net = self.family.load_drawing_network(lambda cls, subfolder: networks.from_pretrained(
+            cls, plan.model_dir, plan.allow_unsafe_weights, subfolder=subfolder), name)
+        net = net.requires_grad_(False).eval().to(dtype=self.amp_dtype or torch.float32)
+        if plan.base_precision:
+            return quantize.quantized(net, plan.base_precision, net.dtype, device)
+        return net.to(device)
 
     def __call__(self, items):
         """PIL images of [(prompt, index, seed)], one by one (memory stays at one image's)."""

@@ -104,3 +104,42 @@ def test_loha_and_lokr_are_refused_in_one_line_as_comfyui_maps_no_lycoris_names_
         export.main(["--model_dir", plan.output_dir, "--output_file", str(tmp_path / "lokr.safetensors")])
     assert not (tmp_path / "lokr.safetensors").exists()
     assert export.why_no_file(plan.output_dir, tiny_ideogram4_model).startswith("the model holds LoHa/LoKr adapters")
+
+
+def test_validation_samples_are_what_generate_draws_with_its_unconditional_transformer(tiny_ideogram4_model,
+                                                                                       make_plan, tmp_path):
+    """Drawn at the guidance 7.0 by both, the validation round from the prompt's states computed before the text
+    encoder left (familysteps.validation_draws_what_generate_draws) and with the pipeline's unconditional transformer,
+    loaded once, frozen: the random tiny one differs from the trained one, so the same image proves it was read."""
+    drew = familysteps.validation_draws_what_generate_draws(tiny_ideogram4_model, make_plan, tmp_path)
+    assert drew.settings.guidance_scale == 7.0
+    [unconditional] = drew.sampler.drawing_networks.values()
+    assert not any(p.requires_grad for p in unconditional.parameters())
+    torch.testing.assert_close(unconditional.state_dict(), drew.pipe.unconditional_transformer.state_dict())
+    assert not torch.equal(unconditional.input_proj.weight, drew.pipe.transformer.input_proj.weight)
+
+
+def test_lora_samples_over_an_nf4_base_under_bf16_quantise_the_unconditional_transformer_too(tiny_ideogram4_model,
+                                                                                             make_plan, tmp_path):
+    """--base_precision nf4 under bf16 autocast (bitsandbytes on CPU, the GPU's code path): the unconditional
+    transformer's linear layers are nf4 as the trained one's base, and a second round reuses it."""
+    import bitsandbytes as bnb
+    import numpy as np
+
+    from dreambooth.models import networks
+    from dreambooth.training import validation
+
+    plan = make_plan(model_dir=tiny_ideogram4_model, resolution=64, use_lora=True, base_precision="nf4",
+                     mixed_precision="bf16", validation_prompts=("a unqtkn toy",), num_validation_images=1,
+                     validation_inference_steps=2)
+    nets = networks.setup_models(plan, torch.device("cpu"), torch.device("cpu"), distributed=False)
+    sampler = validation.Sampler(nets, plan, torch.bfloat16)
+    nets.release_text_encoders("meta")
+    _, first = validation.run_round(sampler, 1, 0, 1, str(tmp_path))
+    [unconditional] = sampler.drawing_networks.values()
+    assert isinstance(unconditional.layers[0].attention.to_q, bnb.nn.Linear4bit)
+    _, second = validation.run_round(sampler, 2, 0, 1, str(tmp_path))
+    assert sampler.drawing_networks["unconditional_transformer"] is unconditional
+    pixels = np.asarray(first["a-unqtkn-toy-00000.png"])
+    assert pixels.shape == (64, 64, 3) and pixels.std() > 0
+    assert np.array_equal(pixels, np.asarray(second["a-unqtkn-toy-00000.png"]))  # (the same weights: the same image)

@@ -183,3 +183,22 @@ def test_a_cached_model_is_measured_by_its_own_weights(tiny_model, capsys):
     assert "GPU memory not checked: someone/their-model is not a known model name" in capsys.readouterr().err
 
 
+
+
+def test_validation_samples_count_the_networks_only_drawing_reads(tiny_ideogram4_model):
+    """Ideogram 4's --validation_prompt loads its unconditional transformer (the conditional one's 9.3 B) beside the
+    trained one, in the base's precision, and the line of a run that does not fit says so; SD 1.x's samples draw with
+    the trained networks alone."""
+    lora = memory.Setup(lora=True, gradient_checkpointing=True, batch=1, train_text_encoder=False, resolution=1024)
+    for base, per_param in ((None, 2), ("nf4", memory.BASE_BYTES["nf4"])):
+        setup = memory.dataclasses.replace(lora, base_precision=base)
+        alone, sampled = (memory.need("ideogram4", memory.dataclasses.replace(setup, validation=v)) for v in (0, 1))
+        assert sampled.static - alone.static == pytest.approx(9279.29e6 * per_param / memory.GIB)
+        assert sampled.activations == alone.activations
+    assert memory.need("sd1", memory.Setup(validation=True)) == memory.need("sd1", memory.Setup())
+    args, words = preflight_args("sd15", "--validation_prompt", "a toy", gpu_memory=0.5)
+    assert preflight.memory_setup(words, args, "sd1").validation
+    args.model_path = tiny_ideogram4_model
+    with pytest.raises(errors.UserError, match=r"Ideogram 4 at 64 px, 2 \+ 2 images a step, its validation samples' "
+                                               r"unconditional transformer too, needs about"):
+        preflight.check_gpus(args, words, 0)

@@ -15,9 +15,10 @@ encoder is never trained: its states are computed once and it leaves the device.
 left-padded text block (the pipeline's and the script's layout); the block here is as long as the longest prompt
 rather than 2048 tokens: the padding is a segment of its own that no text or image token attends to, so the image
 tokens' outputs are the same. Its LoRA exports in kohya's names of its original modules, which ComfyUI's Ideogram 4
-model keeps (each attention's q, k and v one qkv layer). Not yet: validation samples while training
-(--validation_prompt: validation.py builds the pipeline without its unconditional transformer, and the pipeline takes
-no prompt states), a LoHa/LoKr file (ComfyUI maps no LyCORIS names of Ideogram 4), a full model as one file.
+model keeps (each attention's q, k and v one qkv layer). Its validation samples (--validation_prompt) load the
+unconditional transformer beside the trained one, frozen, in the base's precision (memory.py counts it), and draw
+from the prompts' states computed once (sequence.py). Not yet: a LoHa/LoKr file (ComfyUI maps no LyCORIS names of
+Ideogram 4), a full model as one file.
 """
 
 import contextlib
@@ -29,6 +30,7 @@ from dreambooth.families.shared import objectives
 from dreambooth.families.shared import qwentext
 
 from . import models
+from . import sequence
 from .models import MAX_TOKENS
 from .models import PATCH
 
@@ -73,29 +75,6 @@ def grid_of(tokens, h, w):
     return tokens.transpose(1, 2).reshape(tokens.shape[0], tokens.shape[2], h, w)
 
 
-def sequence_layout(mask, h, w):
-    """(position_ids (B, L + h x w, 3), segment_ids, indicator) of the packed sequences of text blocks whose tokens
-    mask (B, L) marks (left-padded: each prompt's tokens last) and an h x w image: what Ideogram4Pipeline._prepare_ids
-    makes of the prompts' lengths. A text token's positions are its index in its prompt on all three axes, an image
-    token's (0, row, column) past IMAGE_POSITION_OFFSET; text and image share segment 1, the padding is segment
-    SEQUENCE_PADDING_INDICATOR with zero positions and no role."""
-    import torch
-    from diffusers.models.transformers import transformer_ideogram4 as t4
-
-    b, device = mask.shape[0], mask.device
-    text = mask.long()
-    position = (text.cumsum(1) - 1).clamp(min=0) * text
-    rows = torch.arange(h, device=device).repeat_interleave(w)
-    columns = torch.arange(w, device=device).repeat(h)
-    image = torch.stack([torch.zeros_like(rows), rows, columns], dim=1) + t4.IMAGE_POSITION_OFFSET
-    position_ids = torch.cat([position[..., None].expand(-1, -1, 3), image.expand(b, -1, -1)], dim=1)
-    segment_ids = torch.cat([torch.where(text.bool(), 1, t4.SEQUENCE_PADDING_INDICATOR),
-                             torch.ones(b, h * w, dtype=torch.long, device=device)], dim=1)
-    indicator = torch.cat([text * t4.LLM_TOKEN_INDICATOR,
-                           torch.full((b, h * w), t4.OUTPUT_IMAGE_INDICATOR, dtype=torch.long, device=device)], dim=1)
-    return position_ids, segment_ids, indicator
-
-
 class Ideogram4(qwentext.IndexedQwenText, flux2base.Flux2VAE):
     label = "Ideogram 4"
     order = 120
@@ -126,7 +105,8 @@ class Ideogram4(qwentext.IndexedQwenText, flux2base.Flux2VAE):
 
     # --- the model folder
     def parts(self):
-        """Its pipeline's folders: the unconditional transformer too (drawing loads it; training never does)."""
+        """Its pipeline's folders: the unconditional transformer too (drawing loads it; training only for its
+        validation samples)."""
         return (self.denoiser, "unconditional_transformer", "vae", *self.text_encoders, *self.tokenizers())
 
     def networks(self):
@@ -232,7 +212,7 @@ class Ideogram4(qwentext.IndexedQwenText, flux2base.Flux2VAE):
     flow_matching = True
     default_weighting_scheme = "logit_normal"  # diffusers' Ideogram 4 DreamBooth script's default
     default_logit_std = LOGIT_STD
-    validation_samples = False  # (see the module's note: refused in one line before a run)
+    validation_networks = ("unconditional_transformer",)  # (its guidance: validation samples load it too)
 
     def draw(self, scheduler, latents, options):
         """The Draw of diffusers' Ideogram 4 script on (B, C, h, w) latents (a token a cell): per image a sigma of
@@ -266,14 +246,14 @@ class Ideogram4(qwentext.IndexedQwenText, flux2base.Flux2VAE):
     def denoise(self, model, noisy, timesteps, states, pooled, time_ids, guidance=None):
         """The prediction (B, C, h, w) for noisy latents (a token a cell) at the transformer's times timesteps (1 -
         sigma): each image's sequence is its text block (zeros in the latent channels) then its tokens, the text
-        states zero over the image, with the layout of sequence_layout (pooled: encode_text's mask; None: every text
+        states zero over the image, with the layout of sequence.layout (pooled: encode_text's mask; None: every text
         token read); the image tokens' outputs."""
         import torch
 
         b, c, h, w = noisy.shape
         length = states.shape[1]
         mask = pooled if pooled is not None else torch.ones(b, length, dtype=torch.long, device=noisy.device)
-        position_ids, segment_ids, indicator = sequence_layout(mask.to(noisy.device), h, w)
+        position_ids, segment_ids, indicator = sequence.layout(mask.to(noisy.device), h, w)
         tokens = tokens_of(noisy)
         hidden = torch.cat([tokens.new_zeros(b, length, c), tokens], dim=1)
         text = torch.cat([states, states.new_zeros(b, h * w, states.shape[2])], dim=1)
@@ -282,7 +262,23 @@ class Ideogram4(qwentext.IndexedQwenText, flux2base.Flux2VAE):
                         position_ids=position_ids, segment_ids=segment_ids, indicator=indicator, return_dict=False)[0]
         return grid_of(out[:, length:], h, w)
 
-    # --- drawing (generate.py)
+    def load_drawing_network(self, load, name):
+        from diffusers import Ideogram4Transformer2DModel
+
+        return load(Ideogram4Transformer2DModel, name)
+
+    def drawing_params(self, params):
+        return params[self.denoiser]  # (the unconditional transformer: the conditional one's architecture)
+
+    # --- drawing (generate.py, validation samples)
+    def validation_pipeline(self, parts):
+        return sequence.states_pipeline(parts)
+
+    def pipeline_text(self, states, side, negative, negative_side):
+        """The prompt's states and their mask (sequence.states_pipeline's inputs); the unconditional transformer
+        reads no negative prompt."""
+        return {"prompt_states": states, "prompt_mask": side}
+
     def pipeline_kwargs(self):
         """A constant guidance (generate.py's --guidance_scale): the pipeline takes it only without its default
         per-step schedule."""

@@ -138,7 +138,8 @@ class Family:
     guided_training = False  # --guidance_scale is an input of the denoiser in training too (Flux.1 dev)
     zero_negative_prompt = False  # the empty negative prompt drawn as zeros (SDXL's force_zeros_for_empty_prompt)
     time_ids = False  # the denoiser also takes each image's size and crop (SDXL's "text_time"): the stream carries them
-    validation_samples = True  # train.py's --validation_prompt draws samples of it while it trains
+    validation_networks = ()  # the folder's networks only drawing reads (Ideogram 4's unconditional transformer):
+    # validation samples load them once, frozen, beside the denoiser (load_drawing_network; memory.py: drawing_params)
     supports = frozenset({"draw", "train", "export", "export_lora"})  # generate/evaluate, train, export (a full
     # model as one original-layout file; its LoRA in kohya's layout)
     lycoris_export = True  # with export_lora: export.py writes LoHa/LoKr adapters in LyCORIS' names (layouts.lycoris)
@@ -328,6 +329,21 @@ class Family:
         return {}
 
     # --- drawing (generate.py, validation.py)
+    def load_drawing_network(self, load, name):
+        """One of validation_networks, read with load(cls, subfolder) (networks.load_models' loader)."""
+        raise NotImplementedError
+
+    def drawing_params(self, params):
+        """The parameters of validation_networks in a model whose networks have params ({subfolder: count})."""
+        return 0
+
+    def validation_pipeline(self, parts):
+        """The pipeline validation samples draw with, of parts (its components; the text encoders None once
+        released: it draws from pipeline_text's prompt states)."""
+        import diffusers
+
+        return getattr(diffusers, self.pipeline)(**parts)
+
     def pipeline_kwargs(self):
         """What its pipeline is called with beside the prompt and the settings, to draw as it trains."""
         return {}
