@@ -5,7 +5,9 @@
 
 A full model (train.py's output, or any diffusers folder of a family it exports: --help lists them) becomes one
 checkpoint in the original layout (model.diffusion_model.*, first_stage_model.*, the text encoders as the family's
-files hold them): put it in A1111's models/Stable-diffusion or ComfyUI's models/checkpoints. A LoRA output
+files hold them): put it in A1111's models/Stable-diffusion or ComfyUI's models/checkpoints; a flow model's
+transformer alone, in its original layout, as its own release ships it (ComfyUI's models/diffusion_models, its VAE
+and text encoders the base model's). A LoRA output
 (train.py --use_lora) becomes a kohya-layout LoRA (lora_unet_*, lora_te_*, with each module's alpha; a
 transformer's in kohya's layout of its family's original modules): models/Lora in both. diffusers reads them back
 with its pipelines' from_single_file(file, config=<the model folder>) and load_lora_weights(file) (but SD 3.5's
@@ -46,6 +48,8 @@ def full_checkpoint(model_dir, allow_unsafe_weights=False):
     def load(cls, subfolder):
         return networks.from_pretrained(cls, model_dir, allow_unsafe_weights, subfolder=subfolder)
 
+    if family.denoiser_file:  # (a flow model's file: its transformer alone, as its own release)
+        return family.single_file_denoiser(family.load_denoiser(load))
     checkpoint = {"model.diffusion_model." + key: tensor
                   for key, tensor in family.single_file_denoiser(family.load_denoiser(load)).items()}
     for key, tensor in family.single_file_vae(load(AutoencoderKL, "vae")).items():
@@ -235,8 +239,12 @@ def export_to(args, path):
         families.require(args.model_dir, "export")
         checkpoint = full_checkpoint(args.model_dir, args.allow_unsafe_weights)
         metadata = {"format": "pt"}
+        family = families.family_of(args.model_dir)
         kind, where = "Stable Diffusion checkpoint (original layout)", \
             "A1111: models/Stable-diffusion, ComfyUI: models/checkpoints"
+        if family.denoiser_file:
+            kind = f"{family.label} {family.denoiser_label} (its original layout, alone)"
+            where = "ComfyUI: models/diffusion_models, beside the base model's VAE and text encoders"
     write_checkpoint(checkpoint, path, args.save_precision, metadata)
     size = os.path.getsize(path)
     size = f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 2**10:.0f} KiB"

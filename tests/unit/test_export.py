@@ -139,6 +139,30 @@ def test_sd3_model_round_trips_in_stabilitys_single_file_layout(tiny_sd3_model, 
         assert [k for k in ours if back[k].is_meta or not torch.equal(back[k], ours[k])] == [], part
 
 
+@pytest.mark.parametrize("arch", [name for name, f in families.FAMILIES.items() if f.denoiser_file])
+def test_a_flow_models_transformer_exports_alone_in_its_original_layout_and_diffusers_reads_it_back(arch, tiny_model_of,
+                                                                                                   tmp_path, capsys):
+    """export.py on a full model of each family whose file is its transformer alone (denoiser_file), as the model's
+    own release and ComfyUI's files are: diffusers' converter of that transformer from the original layout (which
+    its single-file loader skips for a file already in diffusers' names) and the loader itself give back every
+    weight, and the line says where the file goes."""
+    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
+    from safetensors.torch import load_file
+
+    model_dir = tiny_model_of(arch)
+    family = families.FAMILIES[arch]
+    path = export.main(["--model_dir", model_dir, "--output_file", str(tmp_path / f"{arch}.safetensors"),
+                        "--save_precision", "fp32"])
+    assert "(its original layout, alone)" in capsys.readouterr().err
+    transformer = family.load_denoiser(lambda cls, subfolder: cls.from_pretrained(model_dir, subfolder=subfolder))
+    convert = SINGLE_FILE_LOADABLE_CLASSES[type(transformer).__name__]["checkpoint_mapping_fn"]
+    back = type(transformer).from_single_file(path, config=model_dir, subfolder="transformer", local_files_only=True)
+    ours = transformer.state_dict()
+    for theirs in (convert(load_file(path), config=transformer.config), back.state_dict()):
+        assert set(theirs) == set(ours)
+        assert [k for k in ours if theirs[k].is_meta or not torch.equal(theirs[k], ours[k])] == []
+
+
 def test_unet_and_vae_names_are_those_of_the_original_sd_1_checkpoints():
     """SD 1.x's own block layout (4 levels, 2 layers each, no attention at the UNet's deepest level)
     at a small width: the renamed keys include the well-known names of the v1-5 checkpoint."""

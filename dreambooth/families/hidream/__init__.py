@@ -217,7 +217,8 @@ class HiDream(family.Family):
     denoiser_lora_targets = ("to_k", "to_q", "to_v", "to_out")
     text_encoders = ("text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4")  # CLIP-L, CLIP-G, T5, Llama
     trainable_text_encoders = ()  # all frozen, as in diffusers' script
-    supports = frozenset({"train", "draw", "export_lora"})  # (not yet: a full model as one file)
+    supports = frozenset({"train", "draw", "export", "export_lora"})
+    denoiser_file = True  # (its transformer alone, as HiDream-ai's and ComfyUI's files hold it)
     guidance_scale = 5.0  # HiDreamImagePipeline's default (HiDream-I1 Full's)
     released_resolutions = (1024,)
     # HiDream-I1's transformer, CLIP-L, CLIP-G, T5-XXL, Llama 3.1 8B and Flux.1's VAE, counted on the meta device
@@ -359,6 +360,11 @@ class HiDream(family.Family):
         model_lora_keys_unet: lora_unet_ and the weight's name with "_" for "."), with lora_down/lora_up and the
         alpha (the scale alpha / rank kept). No layer is fused there: each adapter is one module of the file."""
         return family.denoiser_kohya_lora(self, state_dict, alphas, kohya_module)
+
+    def single_file_denoiser(self, denoiser):
+        """The transformer's own names: HiDream-I1's original layout is diffusers' (diffusers' single-file reader
+        keeps every name)."""
+        return dict(denoiser.state_dict())
 
 
 FAMILY = HiDream()

@@ -23,6 +23,7 @@ from dreambooth.families.shared import builders
 from dreambooth.families.shared import family
 from dreambooth.families.shared import fluxblocks
 from dreambooth.families.shared import known
+from dreambooth.families.shared import layouts
 from dreambooth.families.shared import qwenvae
 
 # Krea2Pipeline's text conditioning: Qwen-Image's system prompt before the prompt, the assistant's turn after the
@@ -49,6 +50,29 @@ BLOCKS = {"transformer_blocks": "blocks", "text_fusion.layerwise_blocks": "txtfu
 OUTSIDE = {"img_in": "first", "time_embed.linear_1": "tmlp.0", "time_embed.linear_2": "tmlp.2",
            "time_mod_proj": "tproj.1", "txt_in.linear_1": "txtmlp.1", "txt_in.linear_2": "txtmlp.3",
            "text_fusion.projector": "txtfusion.projector", "final_layer.linear": "last.linear"}
+
+
+# The rest of a full transformer's weights by their original names (Krea's, diffusers' single-file reader maps them
+# back): the norms' scales, each block's modulation (one flat vector there) and the final layer's
+BLOCK_PARAMS = {"norm1.weight": "prenorm.scale", "norm2.weight": "postnorm.scale",
+                "attn.norm_q.weight": "attn.qknorm.qnorm.scale", "attn.norm_k.weight": "attn.qknorm.knorm.scale",
+                "scale_shift_table": "mod.lin"}
+OUTSIDE_PARAMS = {"txt_in.norm.weight": "txtmlp.0.scale", "final_layer.norm.weight": "last.norm.scale",
+                  "final_layer.scale_shift_table": "last.modulation.lin"}
+
+
+def original_name(key):
+    """(the original name of a Krea 2 transformer weight or None, None: no layer is fused there)."""
+    if key in OUTSIDE_PARAMS:
+        return OUTSIDE_PARAMS[key], None
+    for blocks, theirs in BLOCKS.items():
+        index, _, inner = key[len(blocks) + 1:].partition(".")
+        if key.startswith(blocks + ".") and index.isdigit():
+            module, _, param = inner.rpartition(".")
+            name = BLOCK_PARAMS.get(inner) or (f"{BLOCK[module]}.{param}" if module in BLOCK else None)
+            return (f"{theirs}.{index}.{name}" if name else None), None
+    module, _, param = key.rpartition(".")
+    return (f"{OUTSIDE[module]}.{param}" if module in OUTSIDE else None), None
 
 
 def kohya_module(module):
@@ -153,7 +177,8 @@ class Krea2(qwenvae.QwenVideoVAE):
                              "time_embed.linear_1", "time_embed.linear_2", "time_mod_proj")
     text_encoders = ("text_encoder",)  # Qwen3-VL-4B (twelve of its hidden layers)
     trainable_text_encoders = ()  # frozen, as in diffusers' script
-    supports = frozenset({"train", "draw", "export_lora"})  # (not yet: a full model as one file)
+    supports = frozenset({"train", "draw", "export", "export_lora"})
+    denoiser_file = True  # (its transformer alone, in Krea's layout: ComfyUI's Krea 2 files)
     guidance_scale = 4.5  # Krea2Pipeline's default (cond + 4.5 x (cond - uncond))
     released_resolutions = (1024,)
     text_tokens = MAX_TOKENS * len(SELECT_LAYERS)  # the states' length in training (activations.py): 512 x 12 layers
@@ -274,6 +299,12 @@ class Krea2(qwenvae.QwenVideoVAE):
         model_lora_keys_unet: lora_unet_ and the weight's name with "_" for "."), with lora_down/lora_up and the
         alpha (the scale alpha / rank kept). No layer is fused there: each adapter is one module of the file."""
         return family.denoiser_kohya_lora(self, state_dict, alphas, kohya_module)
+
+    def single_file_denoiser(self, denoiser):
+        """The transformer in Krea's layout (original_name), each block's six modulation vectors one flat one."""
+        weights = layouts.joined_layout(denoiser.state_dict(), original_name, self.label)
+        return {key: tensor.flatten() if key.startswith("blocks.") and key.endswith(".mod.lin") else tensor
+                for key, tensor in weights.items()}
 
 
 FAMILY = Krea2()

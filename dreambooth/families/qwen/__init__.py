@@ -98,7 +98,8 @@ class QwenImage(qwenvae.MaskedPrompts, qwenvae.QwenVideoVAE):
     denoiser_lora_targets = ("to_k", "to_q", "to_v", "to_out.0")
     text_encoders = ("text_encoder",)  # Qwen2.5-VL-7B (its last hidden states)
     trainable_text_encoders = ()  # frozen, as in diffusers' script
-    supports = frozenset({"train", "draw", "export_lora"})  # (not yet: a full model as one file)
+    supports = frozenset({"train", "draw", "export", "export_lora"})
+    denoiser_file = True  # (its transformer alone: ComfyUI's Qwen-Image files)
     guidance_scale = 4.0  # QwenImagePipeline's true_cfg_scale default
     guidance_argument = "true_cfg_scale"
     default_negative_prompt = " "  # the pipeline guides only against a negative prompt (its model card's: " ")
@@ -185,6 +186,11 @@ class QwenImage(qwenvae.MaskedPrompts, qwenvae.QwenVideoVAE):
         module's name with its dots as underscores (Qwen-Image's original layout is diffusers' own: no layer is
         fused), lora_down/lora_up and the alpha (its text encoder is frozen: denoiser adapters alone)."""
         return family.denoiser_kohya_lora(self, state_dict, alphas)
+
+    def single_file_denoiser(self, denoiser):
+        """The transformer's own names: Qwen-Image's original layout is diffusers' (diffusers' single-file reader
+        keeps every name)."""
+        return dict(denoiser.state_dict())
 
 
 

@@ -22,6 +22,7 @@ from dreambooth import errors
 from dreambooth.families.shared import builders
 from dreambooth.families.shared import family
 from dreambooth.families.shared import known
+from dreambooth.families.shared import layouts
 from dreambooth.families.shared import qwenvae
 
 # QwenImage21Pipeline's system message and text-to-image template (sys_prompt, prompt_template_t2i); the count of
@@ -59,6 +60,13 @@ def kohya_module(module):
     if module.endswith(FUSED):
         raise KeyError(f"no kohya layout for {module}: ComfyUI's Qwen-Image 2.1 fuses it into img_mlp.gate_up")
     return family.unfused_kohya_module(module)
+
+
+def original_name(key):
+    """(ComfyUI's name of a Qwen-Image 2.1 transformer weight, its place in the fused img_mlp.gate_up or None)."""
+    module, _, param = key.rpartition(".")
+    part = next((i for i, name in enumerate(FUSED) if module.endswith(name)), None)
+    return (key if part is None else f"{module[:-len(FUSED[part])]}img_mlp.gate_up.{param}"), part
 
 
 def tiny_processor():
@@ -193,7 +201,8 @@ class QwenImage21(qwenvae.MaskedPrompts, qwenvae.QwenVideoVAE):
     denoiser_lora_targets = ("to_k", "to_q", "to_v", "to_out.0")
     text_encoders = ("text_encoder",)  # Qwen3-VL-8B (its last hidden states, before the final norm)
     trainable_text_encoders = ()  # frozen, as in diffusers' script
-    supports = frozenset({"train", "draw", "export_lora"})  # (not yet: a full model as one file)
+    supports = frozenset({"train", "draw", "export", "export_lora"})
+    denoiser_file = True  # (its transformer alone, as ComfyUI's Qwen-Image 2.1 files hold it)
     guidance_scale = 1.0  # QwenImage21Pipeline's true_cfg_scale default: drawn without guidance, as its docs do
     guidance_argument = "true_cfg_scale"
     default_negative_prompt = " "  # (the pipeline's empty prompt) what --guidance_scale above 1 guides against
@@ -339,6 +348,10 @@ class QwenImage21(qwenvae.MaskedPrompts, qwenvae.QwenVideoVAE):
         lora_unet_ and the weight's name with "_" for "."), with lora_down/lora_up and the alpha (the scale alpha /
         rank kept). The blocks' attention, which the family adapts, is fused nowhere there."""
         return family.denoiser_kohya_lora(self, state_dict, alphas, kohya_module)
+
+    def single_file_denoiser(self, denoiser):
+        """The transformer in ComfyUI's layout (original_name): diffusers' names, each block's SwiGLU input fused."""
+        return layouts.joined_layout(denoiser.state_dict(), original_name, self.label)
 
 
 @contextlib.contextmanager

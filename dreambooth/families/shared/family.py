@@ -142,6 +142,8 @@ class Family:
     # validation samples load them once, frozen, beside the denoiser (load_drawing_network; memory.py: drawing_params)
     supports = frozenset({"draw", "train", "export", "export_lora"})  # generate/evaluate, train, export (a full
     # model as one original-layout file; its LoRA in kohya's layout)
+    denoiser_file = False  # export's full model: the denoiser alone in its original layout, as a flow model's own
+    # release is (ComfyUI's models/diffusion_models, beside the base model's VAE and text encoders), not a checkpoint
     lycoris_export = True  # with export_lora: export.py writes LoHa/LoKr adapters in LyCORIS' names (layouts.lycoris)
     released_resolutions = (512,)  # of the released models, for the README (a model's config decides)
     released_params = {}  # parameter counts of the released networks ({subfolder: count}), for memory.py
@@ -371,8 +373,8 @@ class Family:
         raise NotImplementedError
 
     def single_file_denoiser(self, denoiser):
-        """{original key under model.diffusion_model.: tensor} of the family's denoiser (the UNet families':
-        layouts.unet_prefixes; a transformer's: its own)."""
+        """{original key: tensor} of the family's denoiser (under model.diffusion_model. in a checkpoint; alone in
+        a denoiser_file), the UNet families': layouts.unet_prefixes; a transformer's: its own."""
         raise NotImplementedError
 
     def single_file_vae(self, vae):

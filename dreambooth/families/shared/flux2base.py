@@ -9,6 +9,7 @@ Z-Image encodes as FLUX.2 does (mode_posterior) and exports its denoiser's LoRA 
 from dreambooth.families.shared import builders
 from dreambooth.families.shared import family
 from dreambooth.families.shared import fluxblocks
+from dreambooth.families.shared import layouts
 
 MAX_TOKENS = 512  # Flux2KleinPipeline's max_sequence_length default, and diffusers' klein script's
 
@@ -56,6 +57,45 @@ def kohya_module(module):
         raise KeyError(f"no original FLUX.2 layer for {module}")
     name, part = table[inner]
     return f"lora_unet_{original}_{index}_{name}", part
+
+
+# A full FLUX.2 transformer's weights by BFL's names (diffusers' single-file reader maps them back): a double block's
+# layers (q, k and v one qkv each stream) and q and k norms (a scale there), a single block's, the layers outside
+DOUBLE_NAMES = {"attn.to_q": ("img_attn.qkv", 0), "attn.to_k": ("img_attn.qkv", 1), "attn.to_v": ("img_attn.qkv", 2),
+                "attn.add_q_proj": ("txt_attn.qkv", 0), "attn.add_k_proj": ("txt_attn.qkv", 1),
+                "attn.add_v_proj": ("txt_attn.qkv", 2), "attn.to_out.0": ("img_attn.proj", None),
+                "attn.to_add_out": ("txt_attn.proj", None), "ff.linear_in": ("img_mlp.0", None),
+                "ff.linear_out": ("img_mlp.2", None), "ff_context.linear_in": ("txt_mlp.0", None),
+                "ff_context.linear_out": ("txt_mlp.2", None), "attn.norm_q": ("img_attn.norm.query_norm", None),
+                "attn.norm_k": ("img_attn.norm.key_norm", None), "attn.norm_added_q": ("txt_attn.norm.query_norm", None),
+                "attn.norm_added_k": ("txt_attn.norm.key_norm", None)}
+SINGLE_NAMES = {"attn.to_qkv_mlp_proj": ("linear1", None), "attn.to_out": ("linear2", None),
+                "attn.norm_q": ("norm.query_norm", None), "attn.norm_k": ("norm.key_norm", None)}
+BLOCK_NAMES = {"transformer_blocks": ("double_blocks", DOUBLE_NAMES), "single_transformer_blocks": ("single_blocks",
+                                                                                                 SINGLE_NAMES)}
+OUTSIDE_NAMES = {"x_embedder": "img_in", "context_embedder": "txt_in",
+                 "time_guidance_embed.timestep_embedder.linear_1": "time_in.in_layer",
+                 "time_guidance_embed.timestep_embedder.linear_2": "time_in.out_layer",
+                 "time_guidance_embed.guidance_embedder.linear_1": "guidance_in.in_layer",
+                 "time_guidance_embed.guidance_embedder.linear_2": "guidance_in.out_layer",
+                 "double_stream_modulation_img.linear": "double_stream_modulation_img.lin",
+                 "double_stream_modulation_txt.linear": "double_stream_modulation_txt.lin",
+                 "single_stream_modulation.linear": "single_stream_modulation.lin", "proj_out": "final_layer.linear",
+                 "norm_out.linear": "final_layer.adaLN_modulation.1"}
+
+
+def original_name(key):
+    """(BFL's name of a FLUX.2 transformer weight or None, its place in a fused qkv or None)."""
+    module, _, param = key.rpartition(".")
+    blocks, _, rest = module.partition(".")
+    index, _, inner = rest.partition(".")
+    if blocks in BLOCK_NAMES and index.isdigit():
+        theirs, table = BLOCK_NAMES[blocks]
+        if inner not in table:
+            return None, None
+        name, part = table[inner]
+        return f"{theirs}.{index}.{name}.{'scale' if inner.startswith('attn.norm_') else param}", part
+    return (f"{OUTSIDE_NAMES[module]}.{param}" if module in OUTSIDE_NAMES else None), None
 
 
 def random_vae(widths, depth, latents, latent_size, **config):
@@ -153,7 +193,8 @@ class Flux2Family(Flux2VAE):
     denoiser_lora_targets = (r".*\.(to_k|to_q|to_v|to_out\.0|to_qkv_mlp_proj)"
                              r"|.*single_transformer_blocks\.\d+\.attn\.to_out")
     trainable_text_encoders = ()  # frozen, as in diffusers' script
-    supports = frozenset({"train", "draw", "export_lora"})  # (not yet: a full model as one file)
+    supports = frozenset({"train", "draw", "export", "export_lora"})
+    denoiser_file = True  # (its transformer alone, in BFL's layout: ComfyUI's FLUX.2 files)
     negative_prompt = False  # the pipeline guides against the empty prompt only
     released_resolutions = (1024,)
     text_tokens = MAX_TOKENS  # the text states' length in training (activations.py)
@@ -244,6 +285,16 @@ class Flux2Family(Flux2VAE):
         config = family.part_config(model_dir, self.denoiser)
         width = config["num_attention_heads"] * config["attention_head_dim"]
         return family.denoiser_kohya_lora(self, state_dict, alphas, kohya_module, dict.fromkeys(("q", "k", "v"), width))
+
+    def single_file_denoiser(self, denoiser):
+        """The transformer in BFL's layout (original_name), the final layer's modulation as (shift, scale) there
+        (diffusers' is (scale, shift))."""
+        import torch
+
+        weights = layouts.joined_layout(denoiser.state_dict(), original_name, self.label)
+        scale, shift = weights["final_layer.adaLN_modulation.1.weight"].chunk(2)
+        weights["final_layer.adaLN_modulation.1.weight"] = torch.cat([shift, scale])
+        return weights
 
 
 

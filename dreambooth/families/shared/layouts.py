@@ -203,3 +203,30 @@ def open_clip_text_encoder(weights, prefix):
     for (index, kind), parts in qkv.items():
         out[f"transformer.resblocks.{index}.attn.in_proj_{kind}"] = torch.cat([parts["q"], parts["k"], parts["v"]])
     return {prefix + key: tensor for key, tensor in out.items()}
+
+
+def joined_layout(state_dict, name, what):
+    """{original key: tensor} of a transformer's diffusers state_dict: name(key) -> (original key, part), part None for
+    a tensor of its own, else its place among the tensors that are one tensor there, joined along the first axis (an
+    attention's q, k and v: one qkv). A key named None is an error, as in rename."""
+    import torch
+
+    out, parts = {}, {}
+    for key, tensor in state_dict.items():
+        original, part = name(key)
+        if original is None:
+            raise errors.UserError(f"export: no original-layout name for the {what} weight {key}")
+        if part is None:
+            out[original] = tensor
+        else:
+            parts.setdefault(original, {})[part] = tensor
+    for original, pieces in parts.items():
+        out[original] = torch.cat([pieces[i] for i in range(len(pieces))])
+    return out
+
+
+def replaced(key, pairs):
+    """key with each (old, new) of pairs replaced in turn."""
+    for old, new in pairs:
+        key = key.replace(old, new)
+    return key

@@ -13,6 +13,7 @@ from dreambooth.families.shared import builders
 from dreambooth.families.shared import family
 from dreambooth.families.shared import flux2base
 from dreambooth.families.shared import known
+from dreambooth.families.shared import layouts
 from dreambooth.families.shared import qwentext
 
 MAX_TOKENS = 512  # ZImagePipeline's max_sequence_length default, and diffusers' Z-Image script's
@@ -35,6 +36,22 @@ BLOCK = {"attention.to_q": ("attention.qkv", "q"), "attention.to_k": ("attention
 OUTSIDE = {"all_x_embedder.2-1": "x_embedder", "all_final_layer.2-1.linear": "final_layer.linear",
            "all_final_layer.2-1.adaLN_modulation.1": "final_layer.adaLN_modulation.1", "cap_embedder.1": "cap_embedder.1",
            "t_embedder.mlp.0": "t_embedder.mlp.0", "t_embedder.mlp.2": "t_embedder.mlp.2"}
+
+
+# The rest of a full transformer's names in the original layout (ComfyUI's and Tongyi-MAI's files; diffusers'
+# single-file reader maps them back): the one patch size's embedder and final layer, a block's q and k norms
+ORIGINAL_NAMES = (("all_x_embedder.2-1.", "x_embedder."), ("all_final_layer.2-1.", "final_layer."),
+                  (".attention.to_out.0.", ".attention.out."), (".attention.norm_q.", ".attention.q_norm."),
+                  (".attention.norm_k.", ".attention.k_norm."))
+QKV = (".attention.to_q.", ".attention.to_k.", ".attention.to_v.")
+
+
+def original_name(key):
+    """(the original layout's name, its place in the fused qkv or None) of a Z-Image transformer weight."""
+    part = next((i for i, fragment in enumerate(QKV) if fragment in key), None)
+    if part is not None:
+        return key.replace(QKV[part], ".attention.qkv."), part
+    return layouts.replaced(key, ORIGINAL_NAMES), None
 
 
 def kohya_module(module):
@@ -114,7 +131,8 @@ class ZImage(qwentext.IndexedQwenText):
     denoiser_lora_targets = ("to_k", "to_q", "to_v", "to_out.0")  # diffusers' Z-Image DreamBooth LoRA script's
     text_encoders = ("text_encoder",)  # Qwen3 (its second-to-last hidden states)
     trainable_text_encoders = ()  # frozen, as in diffusers' script
-    supports = frozenset({"train", "draw", "export_lora"})  # (not yet: a full model as one file)
+    supports = frozenset({"train", "draw", "export", "export_lora"})
+    denoiser_file = True  # (its transformer alone, in the original layout: ComfyUI's Z-Image files)
     guidance_scale = 5.0  # ZImagePipeline's default (the base model's)
     released_resolutions = (1024,)
     # Z-Image's transformer, Qwen3-4B and Flux.1's VAE, counted on the meta device (tests/unit/test_memory.py)
@@ -210,6 +228,10 @@ class ZImage(qwentext.IndexedQwenText):
         kv = config.get("n_kv_heads") or config["n_heads"]
         return family.denoiser_kohya_lora(self, state_dict, alphas, kohya_module,
                                           {"q": config["dim"], "k": kv * head, "v": kv * head})
+
+    def single_file_denoiser(self, denoiser):
+        """The transformer in its original layout (original_name): q, k and v one qkv tensor."""
+        return layouts.joined_layout(denoiser.state_dict(), original_name, self.label)
 
 
 FAMILY = ZImage()
