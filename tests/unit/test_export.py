@@ -8,6 +8,7 @@ from support import modes_not_as_umask
 from dreambooth import errors
 from dreambooth import families
 from dreambooth.commands import export
+from dreambooth.families.shared import fluxblocks
 from dreambooth.families.shared import layouts
 
 
@@ -139,7 +140,12 @@ def test_sd3_model_round_trips_in_stabilitys_single_file_layout(tiny_sd3_model, 
         assert [k for k in ours if back[k].is_meta or not torch.equal(back[k], ours[k])] == [], part
 
 
-@pytest.mark.parametrize("arch", [name for name, f in families.FAMILIES.items() if f.denoiser_file])
+# Flux.1's and Chroma's single-file converters in diffusers assume the released width (3072: 24 heads of 128)
+BFL_WIDTH = [name for name, f in families.FAMILIES.items() if isinstance(f, fluxblocks.FluxBlocks)]
+
+
+@pytest.mark.parametrize("arch", [name for name, f in families.FAMILIES.items()
+                                  if f.denoiser_file and name not in BFL_WIDTH])
 def test_a_flow_models_transformer_exports_alone_in_its_original_layout_and_diffusers_reads_it_back(arch, tiny_model_of,
                                                                                                    tmp_path, capsys):
     """export.py on a full model of each family whose file is its transformer alone (denoiser_file), as the model's
@@ -161,6 +167,35 @@ def test_a_flow_models_transformer_exports_alone_in_its_original_layout_and_diff
     for theirs in (convert(load_file(path), config=transformer.config), back.state_dict()):
         assert set(theirs) == set(ours)
         assert [k for k in ours if theirs[k].is_meta or not torch.equal(theirs[k], ours[k])] == []
+
+
+@pytest.mark.parametrize("arch", BFL_WIDTH)
+def test_flux_and_chroma_export_their_transformer_in_bfls_layout_which_diffusers_converts_back(arch, tiny_model_of,
+                                                                                              tmp_path, capsys):
+    """Flux.1's and Chroma's transformer at the released width with one block of each kind (diffusers' converters
+    assume that width), random bf16 weights: their export in BFL's layout (q, k and v joined; a single block's input
+    with the MLP's; the final modulation as shift, scale; Chroma's approximator by its own names) converted back by
+    diffusers is every weight. export.py writes the tiny model's file with the same names."""
+    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
+
+    family = families.FAMILIES[arch]
+    tiny = family.load_denoiser(lambda cls, subfolder: cls.from_pretrained(tiny_model_of(arch), subfolder=subfolder))
+    with torch.device("meta"):
+        wide = type(tiny).from_config({**tiny.config, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 128,
+                                       "num_attention_heads": 24, "axes_dims_rope": (16, 56, 56)})
+    wide = wide.to_empty(device="cpu").to(torch.bfloat16)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for weight in wide.parameters():
+            weight.normal_(generator=generator)
+    convert = SINGLE_FILE_LOADABLE_CLASSES[type(wide).__name__]["checkpoint_mapping_fn"]
+    ours, theirs = wide.state_dict(), convert(family.single_file_denoiser(wide))
+    assert set(theirs) == set(ours)
+    assert [k for k in ours if not torch.equal(theirs[k], ours[k])] == []
+    path = export.main(["--model_dir", tiny_model_of(arch), "--output_file", str(tmp_path / "t.safetensors")])
+    with safe_open(path, "pt") as f:
+        assert set(f.keys()) == set(family.single_file_denoiser(tiny)) and "img_in.weight" in f.keys()
+    assert "(its original layout, alone)" in capsys.readouterr().err
 
 
 def test_unet_and_vae_names_are_those_of_the_original_sd_1_checkpoints():

@@ -5,12 +5,14 @@ the first masked out in the transformer too; no guidance input, no CLIP. The pip
 classifier-free guidance 5.0 against a negative prompt (empty by default). diffusers has no Chroma DreamBooth
 script: it is trained as diffusers' Flux script trains Flux.1 (a sample of the VAE's posterior,
 objectives.flow_matching on the scheduler's sigmas, uniform timesteps), with the pipeline's own conditioning.
-The original layout is Flux.1's, so its LoRA exports in Flux.1's kohya names, which ComfyUI reads for Chroma.
+The original layout is Flux.1's, so its LoRA exports in Flux.1's kohya names, which ComfyUI reads for Chroma, and a
+full model as its transformer in BFL's names, with the approximator's (distilled_guidance_layer) own.
 """
 
 from dreambooth.families.shared import builders
 from dreambooth.families.shared import fluxblocks
 from dreambooth.families.shared import known
+from dreambooth.families.shared import layouts
 
 T5_MAX_LENGTH = 512  # ChromaPipeline's max_sequence_length default
 
@@ -59,7 +61,7 @@ class Chroma(fluxblocks.FluxBlocks):
     pipeline = "ChromaPipeline"
     text_encoders = ("text_encoder",)  # T5 (its states, with their mask)
     trainable_text_encoders = ()  # T5 stays frozen, as in Flux.1's script
-    supports = frozenset({"train", "draw", "export_lora"})  # (not yet: a full model as one file)
+    supports = frozenset({"train", "draw", "export", "export_lora"})
     guidance_scale = 5.0  # ChromaPipeline's default
     released_resolutions = (1024,)
     # Chroma1's transformer, T5-XXL and Flux.1's VAE, counted on the meta device (tests/unit/test_memory.py)
@@ -138,6 +140,14 @@ class Chroma(fluxblocks.FluxBlocks):
 
     def pipeline_kwargs(self):
         return {"max_sequence_length": T5_MAX_LENGTH}
+
+    # --- export (export.py): BFL's names (fluxblocks.bfl_name) and the approximator's own
+    def original_name(self, key):
+        """The approximator's layers and norms (a scale there) by its original names, the rest by Flux.1's."""
+        if key.startswith("distilled_guidance_layer."):
+            name = layouts.replaced(key, ((".linear_1.", ".in_layer."), (".linear_2.", ".out_layer.")))
+            return (name.removesuffix(".weight") + ".scale" if ".norms." in name else name), None
+        return fluxblocks.bfl_name(key)
 
 
 FAMILY = Chroma()

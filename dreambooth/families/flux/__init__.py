@@ -61,7 +61,7 @@ class Flux(fluxblocks.FluxBlocks):
     pipeline = "FluxPipeline"
     text_encoders = ("text_encoder", "text_encoder_2")  # CLIP-L (pooled), T5 (states)
     trainable_text_encoders = ("text_encoder",)  # CLIP-L, as diffusers' Flux script: T5 stays frozen
-    supports = frozenset({"train", "draw", "export_lora"})  # (not yet: its original single-file layout)
+    supports = frozenset({"train", "draw", "export", "export_lora"})
     negative_prompt = False  # dev is guidance-distilled: one prompt, the guidance value instead
     guidance_scale = 3.5  # dev's guidance value (FluxPipeline's and diffusers' Flux script's default)
     guided_training = True  # the guidance value is an input of the transformer in training (dev)

@@ -86,16 +86,7 @@ OUTSIDE_NAMES = {"x_embedder": "img_in", "context_embedder": "txt_in",
 
 def original_name(key):
     """(BFL's name of a FLUX.2 transformer weight or None, its place in a fused qkv or None)."""
-    module, _, param = key.rpartition(".")
-    blocks, _, rest = module.partition(".")
-    index, _, inner = rest.partition(".")
-    if blocks in BLOCK_NAMES and index.isdigit():
-        theirs, table = BLOCK_NAMES[blocks]
-        if inner not in table:
-            return None, None
-        name, part = table[inner]
-        return f"{theirs}.{index}.{name}.{'scale' if inner.startswith('attn.norm_') else param}", part
-    return (f"{OUTSIDE_NAMES[module]}.{param}" if module in OUTSIDE_NAMES else None), None
+    return layouts.block_name(key, BLOCK_NAMES, OUTSIDE_NAMES)
 
 
 def random_vae(widths, depth, latents, latent_size, **config):
@@ -289,12 +280,8 @@ class Flux2Family(Flux2VAE):
     def single_file_denoiser(self, denoiser):
         """The transformer in BFL's layout (original_name), the final layer's modulation as (shift, scale) there
         (diffusers' is (scale, shift))."""
-        import torch
-
         weights = layouts.joined_layout(denoiser.state_dict(), original_name, self.label)
-        scale, shift = weights["final_layer.adaLN_modulation.1.weight"].chunk(2)
-        weights["final_layer.adaLN_modulation.1.weight"] = torch.cat([shift, scale])
-        return weights
+        return layouts.swap_halves(weights, "final_layer.adaLN_modulation.1.weight")
 
 
 

@@ -230,3 +230,30 @@ def replaced(key, pairs):
     for old, new in pairs:
         key = key.replace(old, new)
     return key
+
+
+def block_name(key, blocks, outside):
+    """(the original name of a transformer weight or None, its place in a fused tensor or None), for a transformer
+    whose blocks ({diffusers' blocks: (the original's, {module inside: (original module, part)})}) and other modules
+    (outside: {module: original module}) are renamed; a weight of an original module named *_norm is its scale."""
+    module, _, param = key.rpartition(".")
+    group, _, rest = module.partition(".")
+    index, _, inner = rest.partition(".")
+    if group in blocks and index.isdigit():
+        theirs, table = blocks[group]
+        if inner not in table:
+            return None, None
+        name, part = table[inner]
+        return f"{theirs}.{index}.{name}.{'scale' if name.endswith('_norm') else param}", part
+    return (f"{outside[module]}.{param}" if module in outside else None), None
+
+
+def swap_halves(weights, key):
+    """weights with key's two halves (first axis) swapped where it is: an AdaLN modulation of (scale, shift) in
+    diffusers and (shift, scale) in the original layouts."""
+    import torch
+
+    if key in weights:
+        first, second = weights[key].chunk(2)
+        weights[key] = torch.cat([second, first])
+    return weights
