@@ -67,11 +67,12 @@ class Sampler:
     def pipeline(self):
         nets = self.nets
         parts = {"vae": nets.vae, self.family.denoiser: networks.unwrap(nets.denoiser), "scheduler": self.scheduler}
-        for encoder_name, tokenizer_name, text_encoder, tokenizer in zip(
-                self.family.text_encoders, self.family.tokenizers(), nets.text_encoders(), self.tokenizers):
-            # (released encoders stay out: a pipeline given prompt states never calls them)
-            parts[encoder_name] = None if nets.text_encoders_released else networks.unwrap(text_encoder)
-            parts[tokenizer_name] = tokenizer
+        for encoder_name, tokenizer_name, tokenizer in zip(self.family.text_encoders, self.family.tokenizers(),
+                                                           self.tokenizers):
+            # The text encoders stay out: the pipeline is given prompt states (encode) and never calls them, and it
+            # draws on the device of its first module by name that is on a GPU: with --gpus_per_worker 2, a text
+            # encoder on the second card would put the latents there, away from the denoiser.
+            parts[encoder_name], parts[tokenizer_name] = None, tokenizer
         if self.family.safety_checker:
             parts.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
         if self.drawing_networks is None:

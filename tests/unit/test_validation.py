@@ -24,6 +24,10 @@ def test_a_round_draws_what_generate_draws_and_leaves_training_as_it_was(make_pl
         timeline, images = validation.run_round(sampler, step, rank=0, world=1, run_dir=str(tmp_path))
     assert torch.equal(torch.get_rng_state(), rng)  # the training noise stream is untouched
     assert nets.denoiser.training and nets.text_encoder.training
+    # (its pipeline holds no text encoder: diffusers draws on its first module by name that is on a GPU, which would
+    # be a trained text encoder on a worker's second card; the denoiser's device it is)
+    pipe = sampler.pipeline()
+    assert all(pipe.components[name] is None for name in plan.family.text_encoders) and pipe.device == CPU
     names = ["photo-of-unqtkn-toy-00000.png", "photo-of-unqtkn-toy-00001.png", "a-toy-00000.png", "a-toy-00001.png"]
     assert list(images) == names
     for step in (5, 10):
