@@ -60,33 +60,23 @@ def kohya_module(module):
 
 
 # A full FLUX.2 transformer's weights by BFL's names (diffusers' single-file reader maps them back): a double block's
-# layers (q, k and v one qkv each stream) and q and k norms (a scale there), a single block's, the layers outside
-DOUBLE_NAMES = {"attn.to_q": ("img_attn.qkv", 0), "attn.to_k": ("img_attn.qkv", 1), "attn.to_v": ("img_attn.qkv", 2),
-                "attn.add_q_proj": ("txt_attn.qkv", 0), "attn.add_k_proj": ("txt_attn.qkv", 1),
-                "attn.add_v_proj": ("txt_attn.qkv", 2), "attn.to_out.0": ("img_attn.proj", None),
-                "attn.to_add_out": ("txt_attn.proj", None), "ff.linear_in": ("img_mlp.0", None),
-                "ff.linear_out": ("img_mlp.2", None), "ff_context.linear_in": ("txt_mlp.0", None),
-                "ff_context.linear_out": ("txt_mlp.2", None), "attn.norm_q": ("img_attn.norm.query_norm", None),
-                "attn.norm_k": ("img_attn.norm.key_norm", None), "attn.norm_added_q": ("txt_attn.norm.query_norm", None),
-                "attn.norm_added_k": ("txt_attn.norm.key_norm", None)}
-SINGLE_NAMES = {"attn.to_qkv_mlp_proj": ("linear1", None), "attn.to_out": ("linear2", None),
-                "attn.norm_q": ("norm.query_norm", None), "attn.norm_k": ("norm.key_norm", None)}
-BLOCK_NAMES = {"transformer_blocks": ("double_blocks", DOUBLE_NAMES), "single_transformer_blocks": ("single_blocks",
-                                                                                                 SINGLE_NAMES)}
-OUTSIDE_NAMES = {"x_embedder": "img_in", "context_embedder": "txt_in",
-                 "time_guidance_embed.timestep_embedder.linear_1": "time_in.in_layer",
-                 "time_guidance_embed.timestep_embedder.linear_2": "time_in.out_layer",
-                 "time_guidance_embed.guidance_embedder.linear_1": "guidance_in.in_layer",
-                 "time_guidance_embed.guidance_embedder.linear_2": "guidance_in.out_layer",
-                 "double_stream_modulation_img.linear": "double_stream_modulation_img.lin",
-                 "double_stream_modulation_txt.linear": "double_stream_modulation_txt.lin",
-                 "single_stream_modulation.linear": "single_stream_modulation.lin", "proj_out": "final_layer.linear",
-                 "norm_out.linear": "final_layer.adaLN_modulation.1"}
+# attention as Flux.1's and its SwiGLU MLPs, a single block's layers and norms, the layers outside the blocks
+DOUBLE_NAMES = {**fluxblocks.ATTENTION_NAMES, "ff.linear_in": ("img_mlp.0", None), "ff.linear_out": ("img_mlp.2", None),
+                "ff_context.linear_in": ("txt_mlp.0", None), "ff_context.linear_out": ("txt_mlp.2", None)}
+SINGLE_NAMES = {**fluxblocks.SINGLE_NORM_NAMES, "attn.to_qkv_mlp_proj": ("linear1", None),
+                "attn.to_out": ("linear2", None)}
+OUTSIDE_NAMES = {**fluxblocks.EDGE_NAMES, **{f"time_guidance_embed.{embedder}.linear_{i}": f"{theirs}.{layer}"
+                                             for embedder, theirs in (("timestep_embedder", "time_in"),
+                                                                      ("guidance_embedder", "guidance_in"))
+                                             for i, layer in ((1, "in_layer"), (2, "out_layer"))},
+                 **{f"{name}.linear": f"{name}.lin" for name in ("double_stream_modulation_img",
+                                                                 "double_stream_modulation_txt",
+                                                                 "single_stream_modulation")}}
 
 
 def original_name(key):
     """(BFL's name of a FLUX.2 transformer weight or None, its place in a fused qkv or None)."""
-    return layouts.block_name(key, BLOCK_NAMES, OUTSIDE_NAMES)
+    return layouts.block_name(key, fluxblocks.block_names(DOUBLE_NAMES, SINGLE_NAMES), OUTSIDE_NAMES)
 
 
 def random_vae(widths, depth, latents, latent_size, **config):

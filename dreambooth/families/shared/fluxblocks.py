@@ -58,33 +58,37 @@ def kohya_module(module):
 # A full transformer's weights by BFL's names (Flux.1's release; Chroma's keeps them; diffusers' single-file readers
 # map them back): a double block's modulations, layers (q, k and v one qkv each stream) and q and k norms (a scale
 # there); a single block's (its input linear1: q, k, v and the MLP's), the layers outside the blocks
-DOUBLE_NAMES = {"norm1.linear": ("img_mod.lin", None), "norm1_context.linear": ("txt_mod.lin", None),
-                "attn.to_q": ("img_attn.qkv", 0), "attn.to_k": ("img_attn.qkv", 1), "attn.to_v": ("img_attn.qkv", 2),
-                "attn.add_q_proj": ("txt_attn.qkv", 0), "attn.add_k_proj": ("txt_attn.qkv", 1),
-                "attn.add_v_proj": ("txt_attn.qkv", 2), "attn.to_out.0": ("img_attn.proj", None),
-                "attn.to_add_out": ("txt_attn.proj", None), "ff.net.0.proj": ("img_mlp.0", None),
-                "ff.net.2": ("img_mlp.2", None), "ff_context.net.0.proj": ("txt_mlp.0", None),
-                "ff_context.net.2": ("txt_mlp.2", None), "attn.norm_q": ("img_attn.norm.query_norm", None),
-                "attn.norm_k": ("img_attn.norm.key_norm", None), "attn.norm_added_q": ("txt_attn.norm.query_norm", None),
-                "attn.norm_added_k": ("txt_attn.norm.key_norm", None)}
-SINGLE_NAMES = {"attn.to_q": ("linear1", 0), "attn.to_k": ("linear1", 1), "attn.to_v": ("linear1", 2),
-                "proj_mlp": ("linear1", 3), "proj_out": ("linear2", None), "norm.linear": ("modulation.lin", None),
-                "attn.norm_q": ("norm.query_norm", None), "attn.norm_k": ("norm.key_norm", None)}
-BLOCK_NAMES = {"transformer_blocks": ("double_blocks", DOUBLE_NAMES), "single_transformer_blocks": ("single_blocks",
-                                                                                                 SINGLE_NAMES)}
-OUTSIDE_NAMES = {"x_embedder": "img_in", "context_embedder": "txt_in",
-                 "time_text_embed.timestep_embedder.linear_1": "time_in.in_layer",
-                 "time_text_embed.timestep_embedder.linear_2": "time_in.out_layer",
-                 "time_text_embed.text_embedder.linear_1": "vector_in.in_layer",
-                 "time_text_embed.text_embedder.linear_2": "vector_in.out_layer",
-                 "time_text_embed.guidance_embedder.linear_1": "guidance_in.in_layer",
-                 "time_text_embed.guidance_embedder.linear_2": "guidance_in.out_layer",
-                 "proj_out": "final_layer.linear", "norm_out.linear": "final_layer.adaLN_modulation.1"}
+ATTENTION_NAMES = {"attn.to_q": ("img_attn.qkv", 0), "attn.to_k": ("img_attn.qkv", 1),
+                   "attn.to_v": ("img_attn.qkv", 2), "attn.add_q_proj": ("txt_attn.qkv", 0),
+                   "attn.add_k_proj": ("txt_attn.qkv", 1), "attn.add_v_proj": ("txt_attn.qkv", 2),
+                   "attn.to_out.0": ("img_attn.proj", None), "attn.to_add_out": ("txt_attn.proj", None),
+                   "attn.norm_q": ("img_attn.norm.query_norm", None), "attn.norm_k": ("img_attn.norm.key_norm", None),
+                   "attn.norm_added_q": ("txt_attn.norm.query_norm", None),
+                   "attn.norm_added_k": ("txt_attn.norm.key_norm", None)}  # (FLUX.2's double blocks' too)
+DOUBLE_NAMES = {**ATTENTION_NAMES, "norm1.linear": ("img_mod.lin", None), "norm1_context.linear": ("txt_mod.lin", None),
+                "ff.net.0.proj": ("img_mlp.0", None), "ff.net.2": ("img_mlp.2", None),
+                "ff_context.net.0.proj": ("txt_mlp.0", None), "ff_context.net.2": ("txt_mlp.2", None)}
+SINGLE_NORM_NAMES = {"attn.norm_q": ("norm.query_norm", None), "attn.norm_k": ("norm.key_norm", None)}
+SINGLE_NAMES = {**SINGLE_NORM_NAMES, "attn.to_q": ("linear1", 0), "attn.to_k": ("linear1", 1),
+                "attn.to_v": ("linear1", 2), "proj_mlp": ("linear1", 3), "proj_out": ("linear2", None),
+                "norm.linear": ("modulation.lin", None)}
+EDGE_NAMES = {"x_embedder": "img_in", "context_embedder": "txt_in", "proj_out": "final_layer.linear",
+              "norm_out.linear": "final_layer.adaLN_modulation.1"}  # (FLUX.2's too)
+OUTSIDE_NAMES = {**EDGE_NAMES, **{f"time_text_embed.{embedder}.linear_{i}": f"{theirs}.{layer}"
+                                  for embedder, theirs in (("timestep_embedder", "time_in"),
+                                                           ("text_embedder", "vector_in"),
+                                                           ("guidance_embedder", "guidance_in"))
+                                  for i, layer in ((1, "in_layer"), (2, "out_layer"))}}
+
+
+def block_names(double, single):
+    """layouts.block_name's blocks of a transformer whose double and single blocks are named so."""
+    return {"transformer_blocks": ("double_blocks", double), "single_transformer_blocks": ("single_blocks", single)}
 
 
 def bfl_name(key):
     """(BFL's name of a Flux.1 transformer weight or None, its place in a fused layer or None)."""
-    return layouts.block_name(key, BLOCK_NAMES, OUTSIDE_NAMES)
+    return layouts.block_name(key, block_names(DOUBLE_NAMES, SINGLE_NAMES), OUTSIDE_NAMES)
 
 
 def original_transformer(denoiser, name, label):
