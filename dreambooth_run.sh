@@ -547,9 +547,12 @@ fi
   --holdout="$HOLDOUT" \
   ${NOTIFY_URL:+--notify_url="$NOTIFY_URL"} \
   "${SCORE_OPTIONS[@]}" "${TRAIN_OPTIONS[@]}" "${TRAIN_ARGS_LIST[@]}" "${EXTRA_TRAIN_ARGS[@]}"
-# the scores of a model this run replaced (another mode or base model for this subject) never stay beside it
-"$PYTHON" -c 'import sys; from dreambooth.evaluation import eval_report; eval_report.forget_stale_scores(*sys.argv[1:])' \
-  "$EVAL_DIR" "$TUNED_MODEL_DIR" "$($skip_eval && echo 0 || echo 1)"
+# the scores and the export of a model this run replaced (another mode or base model for this subject) never stay
+# beside it
+EXPORT_FILE="$DATA_PREFIX/subjects/$SUBJECT/$SUBJECT.safetensors"
+"$PYTHON" -c 'import sys; from dreambooth.evaluation import eval_report; from dreambooth.commands import export
+eval_report.forget_stale_scores(*sys.argv[1:4]); export.forget_stale_file(sys.argv[4], sys.argv[2])' \
+  "$EVAL_DIR" "$TUNED_MODEL_DIR" "$($skip_eval && echo 0 || echo 1)" "$EXPORT_FILE"
 
 if [ "$NUM_NEW_IMAGES" = 0 ]; then
   step "5: skipped (NUM_NEW_IMAGES=0)"
@@ -583,8 +586,14 @@ outputs() {  # the last lines: every output of this subject, and how to take the
   if no_file="$("$PYTHON" -c 'import sys; from dreambooth.commands import export
 print(export.why_no_file(sys.argv[2], sys.argv[1]) or "")' "$ORIG_MODEL_PATH" "$TUNED_MODEL_DIR" 2> /dev/null)"; then
     if [ -z "$no_file" ]; then
-      echo "  for AUTOMATIC1111/ComfyUI: $PYTHON export.py --model_dir $(printf '%q' "$TUNED_MODEL_DIR")" \
-        "--output_file $(printf '%q' "$DATA_PREFIX/subjects/$SUBJECT/$SUBJECT.safetensors")"
+      local command
+      command="$PYTHON export.py --model_dir $(printf '%q' "$TUNED_MODEL_DIR")"
+      command+=" --output_file $(printf '%q' "$EXPORT_FILE")"
+      if [ -f "$EXPORT_FILE" ]; then  # (of this model: one of the model this run replaced is gone)
+        echo "  for AUTOMATIC1111/ComfyUI: $EXPORT_FILE (exported; to write it again: $command --overwrite)"
+      else
+        echo "  for AUTOMATIC1111/ComfyUI: $command"
+      fi
     else
       echo "  for AUTOMATIC1111/ComfyUI: no single file: $no_file"
     fi

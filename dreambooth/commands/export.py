@@ -18,6 +18,7 @@ names, which ComfyUI and A1111 read; a transformer's in the names ComfyUI and Fo
 
 import json
 import os
+import struct
 import sys
 import tempfile
 
@@ -160,6 +161,27 @@ def why_no_file(model_dir, base):
     return f"the model {reason}" if reason else None
 
 
+MODEL_ID = "dreambooth_model_id"  # the file's metadata: the train.py output it was exported from (its model id)
+
+
+def forget_stale_file(path, model_dir):
+    """Remove path, a file export.py wrote of another train.py output than model_dir (the model a run replaced, by
+    the id in its metadata), saying so: an export never stays beside a model it is not of. A file without that
+    id, and a bucket's, are left. True when removed."""
+    output = outputs.read_output(model_dir)
+    if storage.is_remote(path) or not os.path.isfile(path) or output is None or not output.model_id:
+        return False
+    try:
+        made_from = (files.safetensors_header(path)[1].get("__metadata__") or {}).get(MODEL_ID)
+    except (OSError, ValueError, struct.error):
+        return False
+    if made_from is None or made_from == output.model_id:
+        return False
+    os.remove(path)
+    print(f"removed {path}: the export of the model this run replaced", file=sys.stderr)
+    return True
+
+
 def writes_file_of(model_dir, base):
     """Whether export.py writes a file of train.py's output model_dir whose base model is base (why_no_file)."""
     return why_no_file(model_dir, base) is None
@@ -245,6 +267,9 @@ def export_to(args, path):
         if family.denoiser_file:
             kind = f"{family.label} {family.denoiser_label} (its original layout, alone)"
             where = "ComfyUI: models/diffusion_models, beside the base model's VAE and text encoders"
+    output = outputs.read_output(args.model_dir)
+    if output is not None and output.model_id:
+        metadata[MODEL_ID] = output.model_id  # (forget_stale_file: a later model of the subject replaces it)
     write_checkpoint(checkpoint, path, args.save_precision, metadata)
     size = os.path.getsize(path)
     size = f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 2**10:.0f} KiB"

@@ -10,6 +10,7 @@ from dreambooth import families
 from dreambooth.commands import export
 from dreambooth.families.shared import fluxblocks
 from dreambooth.families.shared import layouts
+from dreambooth.models import outputs
 
 
 def tuned_copy(base_model, folder):
@@ -297,3 +298,23 @@ def test_lycoris_adapters_of_a_transformers_text_encoder_are_refused_in_one_line
     assert not export.writes_file_of(str(folder), tiny_flux_model)
     # (what the script's last lines say instead of a command: the same reason)
     assert export.why_no_file(str(folder), tiny_flux_model) == f"the model {export.TEXT_LYCORIS}"
+
+
+def test_an_export_of_a_model_that_a_later_run_replaced_is_removed_and_this_models_is_kept(lora_output, tmp_path,
+                                                                                        capsys):
+    """The file names the train.py output it was written from (its model id, in the metadata); dreambooth_run.sh's
+    check after Step 4 (forget_stale_file) removes a file of another model of the subject, with a line, and keeps
+    this model's and a file that names none (written elsewhere)."""
+    from safetensors.torch import save_file
+
+    folder, _ = lora_output
+    path = export.main(["--model_dir", folder, "--output_file", str(tmp_path / "rex.safetensors")])
+    with safe_open(path, "pt") as f:
+        assert f.metadata()[export.MODEL_ID] == outputs.read_output(folder).model_id
+    assert not export.forget_stale_file(path, folder) and os.path.isfile(path)
+    capsys.readouterr()
+    save_file({"x": torch.zeros(1)}, path, metadata={export.MODEL_ID: "an-earlier-model"})
+    assert export.forget_stale_file(path, folder) and not os.path.exists(path)
+    assert capsys.readouterr().err == f"removed {path}: the export of the model this run replaced\n"
+    save_file({"x": torch.zeros(1)}, path)
+    assert not export.forget_stale_file(path, folder) and os.path.isfile(path)
