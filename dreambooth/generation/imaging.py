@@ -186,6 +186,22 @@ def make_grid(images, thumb_size=128, columns=None):
     return sheet
 
 
+LABEL_WIDTH = 64  # px of the strip left of a sheet's rows that names each
+
+
+def labelled_rows(sheet, labels, row_height):
+    """sheet with a white strip on its left naming each of its rows (labels, top to bottom, row_height px each)."""
+    from PIL import Image
+    from PIL import ImageDraw
+
+    out = Image.new("RGB", (sheet.width + LABEL_WIDTH, sheet.height), "white")
+    out.paste(sheet, (LABEL_WIDTH, 0))
+    draw = ImageDraw.Draw(out)
+    for row, label in enumerate(labels):
+        draw.text((4, row * row_height + row_height // 2 - 5), label, fill="black")
+    return out
+
+
 def write_prompt_grids(output_dir, label, paths_by_prompt):
     """grids/<label>/<prompt slug>.png: the images of each prompt in one row (paths_by_prompt: {prompt: [paths]})."""
     from PIL import Image

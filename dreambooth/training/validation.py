@@ -156,7 +156,8 @@ def run_round(sampler, step, rank, world, run_dir):
 
 
 def write_timeline(folder, names):
-    """timeline.png in folder: a row per step-<N> folder (in step order), a column per name."""
+    """timeline.png in folder: a row per step-<N> folder (in step order, each named on its left), a column per
+    name."""
     from PIL import Image
 
     steps = sorted((int(d.split("-", 1)[1]) for d in os.listdir(folder) if d.startswith("step-")))
@@ -170,5 +171,6 @@ def write_timeline(folder, names):
             else:
                 images.append(Image.new("RGB", (8, 8), "white"))
     path = os.path.join(folder, TIMELINE)
-    files.save_image_atomic(imaging.make_grid(images, thumb_size=128, columns=len(names)), path)
+    sheet = imaging.make_grid(images, thumb_size=128, columns=len(names))
+    files.save_image_atomic(imaging.labelled_rows(sheet, [f"step {step}" for step in steps], 128), path)
     return path

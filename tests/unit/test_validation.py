@@ -7,6 +7,7 @@ import torch
 from PIL import Image
 
 from dreambooth.generation import drawing
+from dreambooth.generation import imaging
 from dreambooth.models import networks
 from dreambooth.training import validation
 
@@ -33,7 +34,12 @@ def test_a_round_draws_what_generate_draws_and_leaves_training_as_it_was(make_pl
     for step in (5, 10):
         assert sorted(os.listdir(tmp_path / "validation" / f"step-{step}")) == sorted(names)
     with Image.open(timeline) as sheet:
-        assert timeline == str(tmp_path / "validation" / validation.TIMELINE) and sheet.size == (4 * 128, 2 * 128)
+        assert timeline == str(tmp_path / "validation" / validation.TIMELINE)
+        assert sheet.size == (imaging.LABEL_WIDTH + 4 * 128, 2 * 128)
+        # each row named on its left ("step 5", "step 10"): dark text on the white strip, the two names unlike
+        strips = [np.asarray(sheet.convert("L").crop((0, row * 128, imaging.LABEL_WIDTH, (row + 1) * 128)))
+                  for row in (0, 1)]
+        assert all((strip < 128).any() for strip in strips) and not np.array_equal(*strips)
     # Image 1 of "a toy" is the one generate.py draws from the same weights, seed and steps.
     pipe = drawing.load_pipeline(tiny_model, CPU)
     drawn, _ = drawing.generate_batch(pipe, ["a toy"], [drawing.image_seed(plan.seed, "a toy", 1)],
