@@ -1,4 +1,4 @@
-"""Export a tuned model as one .safetensors file for AUTOMATIC1111, ComfyUI and other SD tools.
+"""Export a tuned model as one .safetensors file for ComfyUI, AUTOMATIC1111 and kohya's tools.
 
     python export.py --model_dir $TUNED_MODEL_DIR --output_file my-dog.safetensors
     python export.py --model_dir $TUNED_LORA_DIR --output_file my-dog-lora.safetensors
@@ -192,12 +192,14 @@ def writes_file_of(model_dir, base):
 SAVE_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 # The families export.py writes a file of: a full model in its original layout, adapters in kohya's or LyCORIS'
 EXPORTED_MODELS = ", ".join(f.label for f in families.FAMILIES.values() if "export" in f.supports)
-HELPS = {"model_dir": "train.py's output folder: a full model (or any diffusers folder of its families: "
-                      f"{EXPORTED_MODELS}) becomes an original-layout checkpoint; a --use_lora output a kohya-layout "
-                      "LoRA and an --adapter loha|lokr output a LyCORIS-layout file (of the families "
-                      f"{flags.EXPORTED_ADAPTERS}: a UNet's in kohya's names, which ComfyUI and AUTOMATIC1111 read; a "
-                      "transformer's in its family's original names, which ComfyUI reads"
-                      + (f"; no LyCORIS file of {flags.NO_LYCORIS} yet" if flags.NO_LYCORIS else "") + ").",
+HELPS = {"model_dir": "train.py's output folder (or a diffusers folder of one of the families below). A full model "
+                      "becomes one file in its original layout: a checkpoint of a UNet family or SD 3.5 (A1111's "
+                      "models/Stable-diffusion, ComfyUI's models/checkpoints), the transformer alone of the other "
+                      f"flow models (ComfyUI's models/diffusion_models); full models of {EXPORTED_MODELS}. A "
+                      "--use_lora output becomes a LoRA in kohya's layout, an --adapter loha|lokr output a LyCORIS "
+                      "file: a UNet's in kohya's names, which ComfyUI and AUTOMATIC1111 read, a transformer's in its "
+                      f"family's original names, which ComfyUI reads; adapters of {flags.EXPORTED_ADAPTERS}"
+                      + (f" (no LyCORIS file of {flags.NO_LYCORIS} yet)" if flags.NO_LYCORIS else "") + ".",
          "overwrite": "Replace --output_file if it exists."}
 
 
