@@ -238,6 +238,7 @@ def main(argv=None):
 def export_to(args, path):
     """Write the single file of args.model_dir to path (a local file), saying what it is and where it goes."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    output = outputs.read_output(args.model_dir)  # (train.py's record; None for any other diffusers folder)
     if outputs.holds_lora(args.model_dir):
         checkpoint = lora_checkpoint(args.model_dir)
         alphas = sorted({float(v) for k, v in checkpoint.items() if k.endswith(".alpha")})
@@ -245,7 +246,6 @@ def export_to(args, path):
                      if part in k), None)
         # kohya's own metadata names, which A1111 shows in its LoRA info (LyCORIS' for LoHa and LoKr).
         if algo:
-            output = outputs.read_output(args.model_dir)
             metadata = {"ss_network_module": "lycoris.kohya", "ss_network_args": json.dumps({"algo": algo}),
                         "ss_network_dim": str(output.lora.rank if output and output.lora else ""),
                         # (the run's: a LoKr module whose factors are whole has no alpha of its own, layouts.lycoris)
@@ -257,7 +257,8 @@ def export_to(args, path):
             metadata = {"ss_network_module": "networks.lora", "ss_network_dim": str(ranks[0]),
                         "ss_network_alpha": str(alphas[0])}
             kind = "LoRA (kohya layout)"
-        where = "A1111 / ComfyUI: models/Lora"
+        flow = output and os.path.isdir(output.base_model) and families.family_of(output.base_model).flow_matching
+        where = "ComfyUI: models/Lora" if flow else "A1111 / ComfyUI: models/Lora"  # (A1111 reads no flow model's)
     else:
         families.check_model_dir(args.model_dir, args.allow_unsafe_weights)
         families.require(args.model_dir, "export")
@@ -269,7 +270,6 @@ def export_to(args, path):
         if family.denoiser_file:
             kind = f"{family.label} {family.denoiser_label} (its original layout, alone)"
             where = "ComfyUI: models/diffusion_models, beside the base model's VAE and text encoders"
-    output = outputs.read_output(args.model_dir)
     if output is not None and output.model_id:
         metadata[MODEL_ID] = output.model_id  # (forget_stale_file: a later model of the subject replaces it)
     write_checkpoint(checkpoint, path, args.save_precision, metadata)
