@@ -271,8 +271,8 @@ def check_memory(args, train_flags, cards):
     drawn_too = "".join(f", its validation samples' {name.replace('_', ' ')} too" for name in drawn)
     line = (f"the {mode} of {families.FAMILIES[family].label} at {setup.resolution} px, {setup.batch} + "
             f"{setup.batch if setup.class_images else 0} images a step{drawn_too}, needs about {result.total:.1f} GiB "
-            f"of GPU memory per worker ({result.static:.1f} weights and optimizer, {result.activations:.1f} activations) and "
-            f"{memory.RESERVE_GIB:g} GiB more for CUDA, but {what} has {free:.1f} GiB free")
+            f"of GPU memory per worker ({result.static:.1f} weights and optimizer, {result.activations:.1f} "
+            f"activations) and {memory.RESERVE_GIB:g} GiB more for CUDA, but {what} has {free:.1f} GiB free")
     fix = memory.fixes(family, setup, free, params, source)
     if fix:
         words, _, fixed = fix

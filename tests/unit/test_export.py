@@ -182,8 +182,9 @@ def test_flux_and_chroma_export_their_transformer_in_bfls_layout_which_diffusers
     family = families.FAMILIES[arch]
     tiny = family.load_denoiser(lambda cls, subfolder: cls.from_pretrained(tiny_model_of(arch), subfolder=subfolder))
     with torch.device("meta"):
-        wide = type(tiny).from_config({**tiny.config, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 128,
-                                       "num_attention_heads": 24, "axes_dims_rope": (16, 56, 56)})
+        wide = type(tiny).from_config({**tiny.config, "num_layers": 1, "num_single_layers": 1,
+                                       "attention_head_dim": 128, "num_attention_heads": 24,
+                                       "axes_dims_rope": (16, 56, 56)})
     wide = wide.to_empty(device="cpu").to(torch.bfloat16)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():

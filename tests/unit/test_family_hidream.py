@@ -47,7 +47,7 @@ def test_lora_exports_in_kohyas_names_that_comfyui_maps_and_merges_to_the_traine
     assert tensors[f"{module}.lora_up.weight"].shape[1] == rank and rank != 8
     assert tensors[f"{module}.alpha"].item() == 8.0 and tensors[f"{module}.alpha"].dtype == torch.float32  # alpha kept
     assert export.why_no_file(str(tmp_path / "kohya-lora"), tiny_hidream_model) is None
-    assert export.why_no_file(str(tmp_path / "full"), tiny_hidream_model) is None  # (a full model: its transformer alone)
+    assert export.why_no_file(str(tmp_path / "full"), tiny_hidream_model) is None  # (a full model: its transformer)
 
 
 @pytest.mark.parametrize("adapter", ["loha", "lokr"])

@@ -86,7 +86,7 @@ def test_lora_exports_in_kohyas_names_that_comfyui_maps_and_merges_to_the_traine
         f"lora_unet_transformer_blocks_0_attn_{name}" for name in ("to_q", "to_k", "to_v", "to_out_0")}
     assert tensors["lora_unet_transformer_blocks_0_attn_to_q.alpha"].item() == 8.0  # (the scale alpha / rank kept)
     assert export.why_no_file(str(tmp_path / "kohya-lora"), tiny_qwen21_model) is None
-    assert export.why_no_file(str(tmp_path / "full"), tiny_qwen21_model) is None  # (a full model: its transformer alone)
+    assert export.why_no_file(str(tmp_path / "full"), tiny_qwen21_model) is None  # (a full model: its transformer)
 
 
 @pytest.mark.parametrize("adapter", ["loha", "lokr"])

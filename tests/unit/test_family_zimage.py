@@ -75,4 +75,4 @@ def test_lora_exports_in_kohyas_names_of_the_original_layout_that_comfyui_maps_a
         for i in range(count) for name in ("qkv", "out")}
     assert tensors["lora_unet_layers_0_attention_qkv.alpha"].item() == 3 * 8.0  # (the scale alpha / rank kept)
     assert export.why_no_file(str(tmp_path / "kohya-lora"), tiny_zimage_model) is None
-    assert export.why_no_file(str(tmp_path / "full"), tiny_zimage_model) is None  # (a full model: its transformer alone)
+    assert export.why_no_file(str(tmp_path / "full"), tiny_zimage_model) is None  # (a full model: its transformer)
