@@ -36,29 +36,6 @@ TINY = dict(resolution_scale=1, layers=1, single_layers=1, head_dim=16, heads=2,
             text_head_dim=16, vae_latents=8)
 
 
-# diffusers' module -> (its kohya name in the original layout, the part of a fused layer it is). The double blocks
-# keep Flux.1's names (fluxblocks.DOUBLE: q, k and v in one qkv layer each stream); their MLPs are SwiGLU pairs
-# (img_mlp.0 holding the gate and the input, img_mlp.2); a single block's input (q, k, v and the MLP's) is one layer
-# in diffusers too, linear1, and its output linear2 (BFL's names, which ComfyUI's FLUX.2 model keeps: comfy/utils.py
-# flux_to_diffusers)
-DOUBLE = {**{module: name for module, name in fluxblocks.DOUBLE.items() if module.startswith("attn.")},
-          "ff.linear_in": ("img_mlp_0", None), "ff.linear_out": ("img_mlp_2", None),
-          "ff_context.linear_in": ("txt_mlp_0", None), "ff_context.linear_out": ("txt_mlp_2", None)}
-SINGLE = {"attn.to_qkv_mlp_proj": ("linear1", None), "attn.to_out": ("linear2", None)}
-
-
-def kohya_module(module):
-    """(kohya's module name, the part of its fused layer or None) of a FLUX.2 transformer module's diffusers name:
-    lora_unet_double_blocks_<i>_img_attn_qkv (q, k, v), ..._img_attn_proj, ..._single_blocks_<i>_linear1, ..."""
-    blocks, index, inner = module.split(".", 2)
-    original, table = {"transformer_blocks": ("double_blocks", DOUBLE),
-                       "single_transformer_blocks": ("single_blocks", SINGLE)}.get(blocks, (None, {}))
-    if inner not in table:
-        raise KeyError(f"no original FLUX.2 layer for {module}")
-    name, part = table[inner]
-    return f"lora_unet_{original}_{index}_{name}", part
-
-
 # A full FLUX.2 transformer's weights by BFL's names (diffusers' single-file reader maps them back): a double block's
 # attention as Flux.1's and its SwiGLU MLPs, a single block's layers and norms, the layers outside the blocks
 DOUBLE_NAMES = {**fluxblocks.ATTENTION_NAMES, "ff.linear_in": ("img_mlp.0", None), "ff.linear_out": ("img_mlp.2", None),
@@ -72,6 +49,14 @@ OUTSIDE_NAMES = {**fluxblocks.EDGE_NAMES, **{f"time_guidance_embed.{embedder}.li
                  **{f"{name}.linear": f"{name}.lin" for name in ("double_stream_modulation_img",
                                                                  "double_stream_modulation_txt",
                                                                  "single_stream_modulation")}}
+
+
+def kohya_module(module):
+    """(kohya's module name, the part of its fused layer or None) of a FLUX.2 transformer module's diffusers name: its
+    BFL name (lora_unet_double_blocks_<i>_img_attn_qkv: q, k, v; ..._img_attn_proj, ..._single_blocks_<i>_linear1, a
+    layer of its own in diffusers too), which ComfyUI's FLUX.2 model keeps (comfy/utils.py flux_to_diffusers)."""
+    return layouts.kohya_block_module(module, fluxblocks.block_names(DOUBLE_NAMES, SINGLE_NAMES), ("q", "k", "v"),
+                                      "FLUX.2")
 
 
 def original_name(key):

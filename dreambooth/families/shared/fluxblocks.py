@@ -29,32 +29,6 @@ def image_ids(h, w, device, dtype):
     return FluxPipeline._prepare_latent_image_ids(1, h // 2, w // 2, device, dtype)
 
 
-# diffusers' module -> (the original layout's module, the part of a fused layer it is), for kohya's names
-DOUBLE = {"attn.to_q": ("img_attn_qkv", "q"), "attn.to_k": ("img_attn_qkv", "k"), "attn.to_v": ("img_attn_qkv", "v"),
-          "attn.to_out.0": ("img_attn_proj", None), "attn.add_q_proj": ("txt_attn_qkv", "q"),
-          "attn.add_k_proj": ("txt_attn_qkv", "k"), "attn.add_v_proj": ("txt_attn_qkv", "v"),
-          "attn.to_add_out": ("txt_attn_proj", None), "ff.net.0.proj": ("img_mlp_0", None),
-          "ff.net.2": ("img_mlp_2", None), "ff_context.net.0.proj": ("txt_mlp_0", None),
-          "ff_context.net.2": ("txt_mlp_2", None)}
-
-
-SINGLE = {"attn.to_q": ("linear1", "q"), "attn.to_k": ("linear1", "k"), "attn.to_v": ("linear1", "v"),
-          "proj_mlp": ("linear1", "mlp"), "proj_out": ("linear2", None)}
-
-
-def kohya_module(module):
-    """(kohya's module name, the part of its fused layer or None) of a transformer module's diffusers name."""
-    blocks, index, inner = module.split(".", 2)
-    if blocks == "transformer_blocks":
-        original, part = DOUBLE[inner]
-        return f"lora_unet_double_blocks_{index}_{original}", part
-    if blocks == "single_transformer_blocks":
-        original, part = SINGLE[inner]
-        return f"lora_unet_single_blocks_{index}_{original}", part
-    raise KeyError(f"no original Flux layer for {module}")
-
-
-
 # A full transformer's weights by BFL's names (Flux.1's release; Chroma's keeps them; diffusers' single-file readers
 # map them back): a double block's modulations, layers (q, k and v one qkv each stream) and q and k norms (a scale
 # there); a single block's (its input linear1: q, k, v and the MLP's), the layers outside the blocks
@@ -84,6 +58,12 @@ OUTSIDE_NAMES = {**EDGE_NAMES, **{f"time_text_embed.{embedder}.linear_{i}": f"{t
 def block_names(double, single):
     """layouts.block_name's blocks of a transformer whose double and single blocks are named so."""
     return {"transformer_blocks": ("double_blocks", double), "single_transformer_blocks": ("single_blocks", single)}
+
+
+def kohya_module(module):
+    """(kohya's module name, the part of its fused layer or None) of a transformer module's diffusers name: its BFL
+    name (lora_unet_double_blocks_<i>_img_attn_qkv: q, k, v; ..._single_blocks_<i>_linear1: q, k, v, mlp)."""
+    return layouts.kohya_block_module(module, block_names(DOUBLE_NAMES, SINGLE_NAMES), ("q", "k", "v", "mlp"), "Flux")
 
 
 def bfl_name(key):

@@ -248,6 +248,16 @@ def block_name(key, blocks, outside):
     return (f"{outside[module]}.{param}" if module in outside else None), None
 
 
+def kohya_block_module(module, blocks, parts, what):
+    """(kohya's name, its part of a fused layer named by parts, or None) of a module of a transformer's blocks
+    (diffusers' name), from their original names (block_name's blocks): lora_unet_ and the original module's name
+    with "_" for "."; a KeyError for a module outside the blocks' tables."""
+    name, part = block_name(module + ".weight", blocks, {})
+    if name is None:
+        raise KeyError(f"no original {what} layer for {module}")
+    return "lora_unet_" + name.rpartition(".")[0].replace(".", "_"), None if part is None else parts[part]
+
+
 def swap_halves(weights, key):
     """weights with key's two halves (first axis) swapped where it is: an AdaLN modulation of (scale, shift) in
     diffusers and (shift, scale) in the original layouts."""
