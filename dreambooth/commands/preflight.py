@@ -127,7 +127,7 @@ def check_photos(folder, variable, inspect=True):
             raise errors.UserError(f"{variable}={folder}: {err}; put 4-6 photos of your subject there") from None
     if not os.path.isdir(folder):
         raise errors.UserError(f"{variable}={folder}: no such folder; put 4-6 photos of your subject there")
-    if not any(name.lower().endswith(files.IMAGE_EXTENSIONS) for name in os.listdir(folder)):
+    if not any(imagefiles.is_image(name) for name in os.listdir(folder)):  # (said once, naming the folder once)
         raise errors.UserError(f"{variable}={folder}: holds no images ({', '.join(files.IMAGE_EXTENSIONS)}); put 4-6 "
                                "photos of your subject there")
     try:

@@ -33,6 +33,11 @@ def is_mask(name):
     return name.lower().endswith(MASK_SUFFIX)
 
 
+def is_image(name):
+    """Whether a file name is a photo's (an image extension, not a mask)."""
+    return name.lower().endswith(files.IMAGE_EXTENSIONS) and not is_mask(name)
+
+
 def list_images(folder, role, also_expected=None):
     """Sorted image files directly inside folder; other files are skipped with a warning,
     except those ending in also_expected (captions beside the images). Masks (MASK_SUFFIX) are
@@ -52,7 +57,7 @@ def list_images(folder, role, also_expected=None):
             names += [] if is_mask(name) else [name]
         elif name.lower().endswith(files.IMAGE_EXTENSIONS):  # (a broken link or a folder: it was passed over unsaid)
             raise errors.UserError(f"{role} folder {folder}: {files.unreadable(path, None)}")
-    images = [n for n in names if n.lower().endswith(files.IMAGE_EXTENSIONS)]
+    images = [n for n in names if is_image(n)]
     stems = {os.path.splitext(n)[0] for n in images}
     # (a caption is the text beside a photo of its name: one without that photo captions nothing)
     captions = [n for n in names if also_expected and n.endswith(also_expected) and n not in images]

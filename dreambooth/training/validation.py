@@ -20,6 +20,11 @@ FOLDER = "validation"  # in the run's folder under --storage_path
 TIMELINE = "timeline.png"
 
 
+def step_folder(run_dir, step):
+    """The folder of a round's images: <run folder>/validation/step-<N>."""
+    return os.path.join(run_dir, FOLDER, f"step-{step}")
+
+
 def images_of(plan):
     """[(prompt, image index, seed)] of one validation round, in column order."""
     return [(prompt, i, drawing.image_seed(plan.seed, prompt, i))
@@ -146,7 +151,7 @@ def run_round(sampler, step, rank, world, run_dir):
         drawn = [pair for part in gathered for pair in part]
     if rank != 0:
         return None
-    folder = os.path.join(run_dir, FOLDER, f"step-{step}")
+    folder = step_folder(run_dir, step)
     os.makedirs(folder, exist_ok=True)
     names = [drawing.image_file_name(prompt, index) for prompt, index, _ in items]
     images = {names[k]: image for k, image in sorted(drawn, key=lambda pair: pair[0])}

@@ -252,8 +252,8 @@ def sample(plan, state, sampler, rank, world, window, log):
     runfiles.sync_up(plan.storage_path, plan.run_name)  # (every rank drew some)
     if log:
         log.write_images(state.step, *drawn)
-        folder = os.path.join(os.path.dirname(drawn[0]), f"step-{state.step}")
-        print(f"validation images of step {state.step}: {folder} (all steps: {drawn[0]})", flush=True)
+        print(f"validation images of step {state.step}: {validation.step_folder(plan.run_dir, state.step)} (all "
+              f"steps: {drawn[0]})", flush=True)
 
 
 def scores_arrived(watch, log, step, due, always):
