@@ -77,15 +77,12 @@ def original_name(key):
 
 def kohya_module(module):
     """(kohya's module name, None: a layer of its own) of a Krea 2 transformer module's diffusers name: lora_unet_ and
-    its original name with the dots as underscores (lora_unet_blocks_<i>_attn_wq, lora_unet_txtfusion_refiner_blocks_
-    <i>_mlp_up, lora_unet_first, ...)."""
-    for blocks, theirs in BLOCKS.items():
-        index, _, inner = module[len(blocks) + 1:].partition(".")
-        if module.startswith(blocks + ".") and index.isdigit() and inner in BLOCK:
-            return "lora_unet_" + f"{theirs}.{index}.{BLOCK[inner]}".replace(".", "_"), None
-    if module not in OUTSIDE:
+    its original name (original_name) with the dots as underscores (lora_unet_blocks_<i>_attn_wq,
+    lora_unet_txtfusion_refiner_blocks_<i>_mlp_up, lora_unet_first, ...)."""
+    name, _ = original_name(module + ".weight")
+    if name is None:
         raise KeyError(f"no original Krea 2 layer for {module}")
-    return "lora_unet_" + OUTSIDE[module].replace(".", "_"), None
+    return "lora_unet_" + name.rpartition(".")[0].replace(".", "_"), None
 
 
 def folded(states, length, layers=None):
